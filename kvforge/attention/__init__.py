@@ -1,0 +1,1 @@
+"""Attention backends: the step metadata contract and the implementations."""

@@ -1,0 +1,61 @@
+"""The per-step contract between the model runner and every attention backend.
+
+One engine step runs a flat batch of ``num_tokens`` new tokens that belong to
+``num_seqs`` sequences (prefill chunks and decode tokens mixed). Sequence ``i``
+owns the query tokens ``query_start_loc[i]:query_start_loc[i+1]``; after this
+step its context holds ``seq_lens[i]`` tokens, so its new tokens sit at
+positions ``seq_lens[i] - query_len_i ... seq_lens[i] - 1``. A query token at
+position ``p`` attends causally to positions ``max(0, p - window + 1) .. p``
+(``window`` = None means unbounded).
+
+KV cache layout of one full/sliding attention layer (a view into the pool):
+
+    kv_cache: Tensor[num_blocks, 2, num_kv_heads, block_size, head_dim]
+              index 0 of dim 1 is K, 1 is V; dtype = storage dtype
+              (model dtype, torch.float8_e4m3fn or torch.float8_e5m2)
+
+Token ``p`` of sequence ``i`` lives in block ``block_tables[i, p // block_size]``
+at offset ``p % block_size``. Its *slot* is ``block * block_size + offset``;
+``slot_mapping[t]`` is the slot that new token ``t`` writes to, or -1 to skip
+(padding). Block ids are int32; byte offsets must be computed in int64.
+
+FP8: stored value = saturate(x / scale) cast to the fp8 format, where scale is
+``k_scale[h]`` / ``v_scale[h]`` (float32, shape [num_kv_heads]; per-tensor
+scales are the same value repeated). Dequantized value = stored * scale.
+Backends fold ``k_scale`` into the softmax scale and ``v_scale`` into the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything a backend needs about one step's batch (see module docstring).
+
+    Invariants: ``query_start_loc`` is int32 [num_seqs + 1], starts at 0 and is
+    non-decreasing; ``seq_lens`` is int32 [num_seqs] with
+    ``seq_lens[i] >= query_len_i``; ``block_tables`` is int32
+    [num_seqs, max_blocks_per_seq] (unused entries are arbitrary);
+    ``slot_mapping`` is int64 [num_tokens]. ``max_query_len`` and
+    ``max_seq_len`` are host ints so kernels can size grids without a sync.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
