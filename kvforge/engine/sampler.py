@@ -1,0 +1,164 @@
+"""Token sampling from a batch of logits.
+
+Per row, in this order (vLLM v1's order):
+
+1. logprobs (when asked) = ``log_softmax`` of the RAW logits (before
+   temperature or filters); top-N of them plus the sampled token.
+2. temperature == 0: greedy, ``argmax`` of the raw logits.
+3. otherwise: logits / temperature, then min-p (drop tokens whose probability
+   is below ``min_p * max_prob``), top-k (keep the k largest), top-p (keep the
+   smallest set of largest tokens whose probability sums to >= top_p; the top
+   token is always kept), then sample from the renormalized distribution.
+
+Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d.
+picks token ``i`` with probability ``p_i``. A row with a seed draws its ``q``
+from its own ``torch.Generator``, and every other computation is row-wise, so
+the same seed gives the same tokens whatever else is in the batch. Rows
+without a seed share one draw from the default generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids``: int64 [N] on the logits' device.
+
+    ``logprobs``: per row, None when the row did not ask for logprobs, else a
+    dict token_id -> logprob holding the top-N tokens plus the sampled one.
+    ``sampled_logprobs``: float32 [N] logprob of each sampled token under the raw
+    distribution (None when no row asked for logprobs).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: list[dict[int, float] | None]
+    sampled_logprobs: torch.Tensor | None = None
+
+    def tolist(self) -> list[tuple[int, dict[int, float] | None]]:
+        """[(token_id, logprobs)] per row, the shape ``Scheduler.update`` takes."""
+        return list(zip(self.token_ids.tolist(), self.logprobs))
+
+
+class Sampler:
+    """Stateless; call it with logits and the rows' SamplingParams (and generators)."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> SamplerOutput:
+        return self.sample(logits, params, generators)
+
+    def sample_sequences(self, logits: torch.Tensor, seqs) -> SamplerOutput:
+        """Convenience: take params and generators from ``Sequence`` objects."""
+        return self.sample(logits, [s.params for s in seqs], [s.generator_for(logits.device) for s in seqs])
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
+        n, vocab = logits.shape
+        if len(params) != n:
+            raise ValueError(f"{len(params)} SamplingParams for {n} rows of logits")
+        if generators is None:
+            generators = [None] * n
+        logits = logits.float()
+        device = logits.device
+
+        greedy_mask = [p.temperature == 0 for p in params]
+        token_ids = torch.empty(n, dtype=torch.long, device=device)
+        if any(greedy_mask):
+            token_ids.copy_(logits.argmax(dim=-1))
+        random_rows = [i for i, g in enumerate(greedy_mask) if not g]
+        if random_rows:
+            idx = torch.tensor(random_rows, dtype=torch.long, device=device)
+            sub_params = [params[i] for i in random_rows]
+            sub_gens = [generators[i] for i in random_rows]
+            token_ids[idx] = self._sample_random(logits[idx], sub_params, sub_gens)
+
+        want = [p.logprobs for p in params]
+        if all(w is None for w in want):
+            return SamplerOutput(token_ids=token_ids, logprobs=[None] * n)
+        raw_lp = torch.log_softmax(logits, dim=-1)
+        sampled_lp = raw_lp.gather(1, token_ids[:, None]).squeeze(1)
+        k = max(w or 0 for w in want)
+        k = min(k, vocab)
+        top_lp, top_ids = raw_lp.topk(k, dim=-1) if k > 0 else (None, None)
+        top_lp_l = top_lp.tolist() if k > 0 else None
+        top_ids_l = top_ids.tolist() if k > 0 else None
+        tok_l = token_ids.tolist()
+        samp_l = sampled_lp.tolist()
+        out: list[dict[int, float] | None] = []
+        for i, w in enumerate(want):
+            if w is None:
+                out.append(None)
+                continue
+            d: dict[int, float] = {}
+            if w > 0:
+                for t, lp in zip(top_ids_l[i][:w], top_lp_l[i][:w]):
+                    d[int(t)] = float(lp)
+            d[tok_l[i]] = float(samp_l[i])
+            out.append(d)
+        return SamplerOutput(token_ids=token_ids, logprobs=out, sampled_logprobs=sampled_lp)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, params: list[SamplingParams], generators) -> torch.Tensor:
+        m, vocab = logits.shape
+        device = logits.device
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        logits = logits / temp[:, None]
+
+        min_ps = [p.min_p for p in params]
+        if any(mp > 0 for mp in min_ps):
+            probs = torch.softmax(logits, dim=-1)
+            thresh = torch.tensor(min_ps, dtype=torch.float32, device=device)[:, None] * probs.amax(
+                dim=-1, keepdim=True
+            )
+            logits = logits.masked_fill(probs < thresh, float("-inf"))
+
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_ps = [p.top_p for p in params]
+        if any(k < vocab for k in top_ks) or any(tp < 1.0 for tp in top_ps):
+            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=device)[None, :]
+            k_t = torch.tensor(top_ks, dtype=torch.long, device=device)[:, None]
+            drop = ranks >= k_t
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            if any(tp < 1.0 for tp in top_ps):
+                sorted_probs = torch.softmax(sorted_logits, dim=-1)
+                before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
+                p_t = torch.tensor(
+                    [tp if tp < 1.0 else 2.0 for tp in top_ps], dtype=torch.float32, device=device
+                )
+                p_t = p_t[:, None]  # 2.0: disabled (cumsum rounding must not drop tail tokens)
+                drop = drop | (before >= p_t)
+                drop[:, 0] = False  # the top token always survives
+            logits = torch.full_like(logits, float("-inf")).scatter(
+                1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf"))
+            )
+
+        probs = torch.softmax(logits, dim=-1)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == m:
+            q.exponential_()
+        else:
+            if unseeded:
+                idx = torch.tensor(unseeded, dtype=torch.long, device=device)
+                q[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+            for i, g in enumerate(generators):
+                if g is not None:
+                    q[i].exponential_(generator=g)
+        q.clamp_(min=1e-20)
+        return (probs / q).argmax(dim=-1)

@@ -1,0 +1,335 @@
+"""Continuous-batching scheduler (vLLM-v1 style: one token budget, no prefill/decode phases).
+
+Each ``schedule()`` builds one step:
+
+1. RUNNING sequences, oldest arrival first, each get the tokens they still
+   need (1 for a decoding sequence, the next chunk for one mid-prefill),
+   within the token budget. When the block manager cannot make room, the
+   most recently arrived running sequence not yet scheduled this step is
+   preempted by recompute (its blocks freed, ``num_computed_tokens = 0``,
+   put back at the FRONT of the waiting queue; its prompt for recompute is
+   prompt + outputs so far, and nothing it generated is lost). If that
+   sequence is the one being scheduled, the running pass stops.
+2. If nothing was preempted, WAITING sequences (FIFO) are admitted while the
+   budget, ``max_num_seqs`` and free blocks allow. Their prefix-cache hit is
+   skipped, and with chunked prefill a prompt longer than the remaining budget
+   is split over steps.
+
+A token is sampled for a sequence only in the step whose tokens reach the end
+of everything it knows (``ScheduledSequence.do_sample``). ``update()`` then
+advances ``num_computed_tokens``, registers full blocks in the prefix cache,
+appends sampled tokens, detokenizes, checks stop conditions and frees
+finished sequences.
+
+Requests that can never fit are rejected in ``add()`` with
+``InvalidRequestError``: prompts with ``len(prompt) + 1 > max_model_len`` and
+requests whose longest possible sequence needs more KV blocks than exist.
+Nothing is ever truncated silently.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.detokenizer import IncrementalDetokenizer
+from kvforge.engine.sequence import Sequence, SequenceStatus
+from kvforge.errors import ConfigError, InvalidRequestError
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step.
+
+    The step computes KV for tokens ``start_pos .. start_pos + num_new_tokens - 1``
+    of ``seq.all_token_ids`` (``start_pos`` = ``num_computed_tokens`` before
+    the step). ``do_sample``: this step reaches the end of the sequence's known
+    tokens (its prefill, or recompute, completes; always true for decode), so
+    the logits of its last new token are sampled.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start_pos: int
+    do_sample: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids_slice(self.start_pos, self.start_pos + self.num_new_tokens)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the context after this step (``seq_lens`` in AttentionMetadata)."""
+        return self.start_pos + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step. ``scheduled`` is in the order the model runner should batch them.
+
+    ``blocks_to_copy``: (src, dst) copy-on-write block copies to apply before
+    running the step. ``preempted``: sequences preempted while building it.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def sampled_sequences(self) -> list[Sequence]:
+        return [s.seq for s in self.scheduled if s.do_sample]
+
+
+class Scheduler:
+    """See the module docstring.
+
+    ``eos_token_ids``: ids that end a request unless ``ignore_eos``.
+    ``tokenizer``: enables incremental detokenization and stop strings
+    (requests with ``stop`` strings are rejected without one).
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        eos_token_ids=(),
+        tokenizer=None,
+    ):
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) < max_model_len ({max_model_len}) "
+                "without chunked prefill: long prompts could never be scheduled; raise "
+                "--max-num-batched-tokens or enable chunked prefill"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ---- queries -----------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- requests ----------------------------------------------------------
+    def max_blocks_needed(self, seq: Sequence) -> int:
+        """KV blocks the sequence holds at its longest (its last token is never computed)."""
+        total = self.max_model_len
+        if seq.params.max_tokens is not None:
+            total = min(total, seq.num_prompt_tokens + seq.params.max_tokens)
+        return self.block_manager.blocks_needed(total - 1)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request, or raise InvalidRequestError if it can never be served."""
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use", field="request_id")
+        n = seq.num_prompt_tokens
+        if n == 0:
+            raise InvalidRequestError("prompt is empty: at least one token is needed", field="prompt")
+        if n + 1 > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt is too long: {n} tokens + 1 generated token exceeds max_model_len={self.max_model_len}; "
+                f"shorten the prompt to at most {self.max_model_len - 1} tokens",
+                field="prompt",
+            )
+        need = self.max_blocks_needed(seq)
+        if need > self.block_manager.num_blocks:
+            bs = self.block_manager.block_size
+            prompt_blocks = self.block_manager.blocks_needed(n)
+            fld = "prompt" if prompt_blocks > self.block_manager.num_blocks else "max_tokens"
+            raise InvalidRequestError(
+                f"request needs up to {need} KV-cache blocks ({n} prompt tokens, max_tokens="
+                f"{seq.params.max_tokens}, max_model_len={self.max_model_len}, block size {bs}) but the "
+                f"cache has only {self.block_manager.num_blocks} blocks "
+                f"({self.block_manager.num_blocks * bs} tokens); lower {fld}",
+                field=fld,
+            )
+        if seq.params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this engine has none", field="stop")
+        if self.tokenizer is not None and seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+            )
+        if seq.block_table:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} already holds KV blocks", field="request_id"
+            )
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.append(seq)
+        self.requests[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Stop a request and free its blocks; returns it (None if unknown or already finished)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    # ---- scheduling ----------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.arrival)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    i += 1
+                    continue
+                n = budget
+            self_preempted = False
+            while not bm.append_slots(seq, n):
+                victim = self.running.pop()  # newest arrival; index >= i, so not yet scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    self_preempted = True
+                    break
+            if self_preempted:
+                break
+            start = seq.num_computed_tokens
+            out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens))
+            budget -= n
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                cached = bm.lookup_prefix(seq)
+                num_cached = len(cached) * bm.block_size
+                n = seq.num_tokens - num_cached
+                if n > budget:
+                    if not self.enable_chunked_prefill:
+                        break
+                    n = budget
+                if not bm.allocate(seq, n, cached):
+                    break
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = num_cached
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSequence(seq, n, num_cached, num_cached + n == seq.num_tokens))
+                budget -= n
+
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.blocks_to_copy = bm.take_copies()
+        return out
+
+    # ---- results -------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: dict) -> list[Sequence]:
+        """Apply a finished step. ``sampled[request_id] = (token_id, logprobs | None)``
+        (or just a token id) for every scheduled sequence with ``do_sample``.
+
+        Returns the sequences that finished in this step (their blocks are freed).
+        Sequences aborted after ``schedule()`` are skipped.
+        """
+        bm = self.block_manager
+        finished: list[Sequence] = []
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.is_finished or seq.status != SequenceStatus.RUNNING:
+                continue
+            if seq.num_computed_tokens != s.start_pos:
+                raise RuntimeError(
+                    f"update: {seq.request_id} has {seq.num_computed_tokens} computed tokens, "
+                    f"the step started at {s.start_pos} (update applied twice?)"
+                )
+            seq.num_computed_tokens += s.num_new_tokens
+            bm.cache_full_blocks(seq)
+            if not s.do_sample:
+                continue
+            try:
+                entry = sampled[seq.request_id]
+            except KeyError:
+                raise KeyError(
+                    f"update: no sampled token for {seq.request_id!r}, which was due one"
+                ) from None
+            if isinstance(entry, tuple):
+                token, lps = entry
+            else:
+                token, lps = entry, None
+            token = int(token)
+            seq.append_token(token, lps)
+            if seq.detokenizer is not None:
+                seq.detokenizer.add_tokens([token])
+            status, reason = self._stop_reason(seq, token)
+            if status is not None:
+                seq.finish(status, reason)
+                bm.free(seq)
+                self.requests.pop(seq.request_id, None)
+                finished.append(seq)
+        if finished:
+            done = {id(s) for s in finished}
+            self.running = [s for s in self.running if id(s) not in done]
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int):
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+        if token in p.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if seq.detokenizer is not None and seq.detokenizer.stopped_on is not None:
+            return SequenceStatus.FINISHED_STOPPED, seq.detokenizer.stopped_on
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None

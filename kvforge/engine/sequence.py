@@ -1,0 +1,214 @@
+"""Sequence: the engine's per-request state (tokens, cache blocks, status, text).
+
+A ``Sequence`` is owned by the scheduler from ``add`` until it finishes. Its
+token ids only ever grow (``prompt_token_ids`` + ``output_token_ids``), which
+is what lets the block manager keep the chained block hashes of its full blocks
+(``block_hashes``) incrementally and lets preemption-by-recompute re-use them.
+
+``num_computed_tokens`` counts the leading tokens of ``all_token_ids`` whose KV
+is in the cache. The newest sampled token is never computed when it is
+appended; it is fed to the model on the next step. So a decoding sequence has
+``num_tokens - num_computed_tokens == 1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from kvforge.engine.outputs import CompletionOutput, RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    """One request being generated (n=1, so request == sequence).
+
+    Attributes the scheduler and block manager maintain:
+
+    - ``status``: WAITING -> RUNNING -> FINISHED_* (RUNNING -> WAITING on
+      preemption).
+    - ``num_computed_tokens``: tokens whose KV is in the cache.
+    - ``block_table``: cache block ids, block ``i`` holds tokens
+      ``i*block_size .. (i+1)*block_size-1``.
+    - ``block_hashes``: chained hashes of the full blocks of ``all_token_ids``
+      computed so far (a cache of the block manager; valid forever because
+      tokens are never rewritten).
+    - ``num_registered_blocks``: leading blocks of ``block_table`` already
+      registered in (or taken from) the prefix cache.
+    - ``num_cached_prompt_tokens``: prefix-cache hit, in tokens, at the first
+      admission.
+    - ``arrival``: a process-wide increasing counter; preemption picks the
+      running sequence with the largest one.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        prompt: str | None = None,
+        arrival: int | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params if params is not None else SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.arrival = next(_arrival_counter) if arrival is None else arrival
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if self.params.logprobs is not None else None
+        self.cumulative_logprob: float = 0.0
+        # Incremental detokenizer (set by the scheduler when it has a tokenizer).
+        self.detokenizer = None
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ---- tokens -------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list when possible."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(int(token_id))
+        if self.logprobs is not None:
+            self.logprobs.append(dict(logprobs) if logprobs is not None else {})
+        if logprobs is not None and int(token_id) in logprobs:
+            self.cumulative_logprob += float(logprobs[int(token_id)])
+
+    # ---- status -------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def finish(self, status: SequenceStatus, stop_reason: str | int | None = None) -> None:
+        assert status.is_finished
+        self.status = status
+        self.finish_reason = status.finish_reason
+        self.stop_reason = stop_reason
+
+    # ---- sampling -----------------------------------------------------------
+    def generator_for(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The per-request generator on ``device`` (None when no seed is set).
+
+        Created on first use per device and seeded with ``params.seed``; the
+        same generator object is returned on later calls so its state advances
+        one draw per sampled token, independent of batch composition.
+        """
+        if self.params.seed is None:
+            return None
+        dev = torch.device(device)
+        key = str(dev)
+        g = self._generators.get(key)
+        if g is None:
+            g = torch.Generator(device=dev)
+            g.manual_seed(self.params.seed)
+            self._generators[key] = g
+        return g
+
+    # ---- text / outputs -----------------------------------------------------
+    @property
+    def output_text(self) -> str:
+        if self.detokenizer is None:
+            return ""
+        return self.detokenizer.output_text(finished=self.is_finished)
+
+    def fork(self, request_id: str) -> Sequence:
+        """A copy with the same tokens and progress but no blocks.
+
+        Call ``BlockManager.fork(parent, child)`` afterwards to share blocks.
+        """
+        child = Sequence(request_id, self.prompt_token_ids, self.params, prompt=self.prompt)
+        child.output_token_ids = list(self.output_token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_registered_blocks = self.num_registered_blocks
+        child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
+        child.logprobs = [dict(d) for d in self.logprobs] if self.logprobs is not None else None
+        child.cumulative_logprob = self.cumulative_logprob
+        return child
+
+    def to_request_output(self) -> RequestOutput:
+        comp = CompletionOutput(
+            index=0,
+            text=self.output_text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=[dict(d) for d in self.logprobs] if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[comp],
+            finished=self.is_finished,
+            num_cached_tokens=self.num_cached_prompt_tokens,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
