@@ -1,0 +1,450 @@
+"""Triton paged attention over the kvforge KV cache (bf16/fp16/fp32 or fp8).
+
+Layout, step metadata and fp8 conventions: :mod:`kvforge.attention.metadata`.
+
+One kernel serves decode, prefill and mixed batches. A program owns one KV
+head and a *query tile*: ``BLOCK_Q`` consecutive query tokens of one sequence
+times the ``G = Hq // Hkv`` query heads that share the KV head, packed into
+``BLOCK_M = BLOCK_Q * G_PAD`` rows (row = token * G_PAD + head-in-group). So
+every K/V tile is read once for all query heads of its KV head, and the
+QK^T / PV products are real ``tl.dot`` s with M >= 16. The program walks the
+causal context ``[lo, hi)`` of its tile ``TILE_N`` tokens at a time; a tile
+spans ``TILE_N / block_size`` pages whose ids are gathered from the block
+table, so enough bytes are in flight per iteration.
+
+* fp8 K/V are upcast to the query dtype in registers; ``k_scale`` is folded
+  into the softmax scale (``exp2`` domain) and ``v_scale`` multiplies the
+  accumulator once at the end.
+* Decode-like batches (every sequence's query fits in one tile, e.g. pure
+  decode) use split-K: ``num_splits`` programs per (sequence, KV head) each
+  cover a slice of the context and write (acc, max, sum) partials that a second
+  kernel merges. Long single-sequence decode then fills the GPU.
+* Prefill / mixed batches map program ids to (sequence, query tile) with a
+  binary search over ``query_start_loc`` (no host sync): sequence ``i`` owns
+  tiles ``qsl[i] // BLOCK_Q + i ...``.
+
+All row/slot/byte offsets are int64; block ids are the contract's int32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata
+
+try:  # Triton is optional (the CPU engine does not need it).
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+# --------------------------------------------------------------------------
+# What these kernels accept (plain data for the planner's backend declaration)
+# --------------------------------------------------------------------------
+
+#: Head sizes (K and V head dim must be equal). Non powers of two are padded to
+#: the next power of two inside the kernel (masked), so they cost the padded
+#: size in registers/compute but not in memory traffic.
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
+#: Block (page) size must be a multiple of this (any multiple works).
+BLOCK_SIZE_MULTIPLE: int = 16
+#: KV storage dtypes. fp32 caches work but are not tuned (dot in IEEE fp32).
+SUPPORTED_KV_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")
+#: Query dtypes: the model dtype (bf16/fp16/fp32); fp8 queries are NOT accepted
+#: (the kernel dequantizes K/V and folds k_scale into the softmax scale).
+SUPPORTED_QUERY_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+ACCEPTS_QUANTIZED_QUERY: bool = False
+#: GQA: any Hq divisible by Hkv; Hq // Hkv up to this value is supported.
+MAX_GQA_RATIO: int = 128
+#: Block ids come from the int32 block table; every product with a stride is
+#: done in int64. The largest block id is therefore 2**31 - 1 and the largest
+#: slot ``block * B + offset`` is ``2**31 * B - 1``; at the smallest block size
+#: (16) that is 2**35 - 1 = 34,359,738,367 slots. Positions inside a sequence
+#: are int32 (max context 2**31 - 1 tokens).
+MAX_ADDRESSABLE_BLOCK: int = 2**31 - 1
+MAX_ADDRESSABLE_SLOT: int = 2**31 * BLOCK_SIZE_MULTIPLE - 1
+MAX_CONTEXT_LEN: int = 2**31 - 1
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LOG2E = 1.4426950408889634
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _paged_attn_kernel(
+        q_ptr,
+        kv_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        qk_scale_log2,  # softmax_scale * log2(e)
+        num_seqs,
+        window,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_cb,
+        stride_ckv,
+        stride_ch,
+        stride_cs,
+        stride_bt,
+        NUM_Q_HEADS: tl.constexpr,
+        G: tl.constexpr,
+        G_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        IS_FP8: tl.constexpr,
+        ONE_TILE_PER_SEQ: tl.constexpr,
+        USE_SPLIT: tl.constexpr,
+        USE_WINDOW: tl.constexpr,
+        IEEE_DOT: tl.constexpr,
+    ):
+        pid_q = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+
+        if ONE_TILE_PER_SEQ:
+            seq = pid_q
+            qblk = 0
+        else:
+            # Largest seq with qsl[seq] // BLOCK_Q + seq <= pid_q (strictly increasing in seq).
+            left = 0
+            right = num_seqs
+            while left < right:
+                mid = (left + right) // 2
+                v_mid = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+                if v_mid <= pid_q:
+                    left = mid + 1
+                else:
+                    right = mid
+            seq = left - 1
+            qblk = pid_q - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + seq)
+        ctx0 = seq_len - q_len  # position of the sequence's first new token
+        tok0 = qblk * BLOCK_Q
+        if tok0 >= q_len:
+            return
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = tok0 + rows // G_PAD
+        g = rows % G_PAD
+        row_ok = (tok < q_len) & (g < G)
+        q_pos = ctx0 + tok
+        qh = kvh * G + g
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_D
+        tok64 = (q_start + tok).to(tl.int64)
+        qh64 = qh.to(tl.int64)
+
+        q = tl.load(
+            q_ptr + tok64[:, None] * stride_qt + qh64[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+
+        qk_scale = qk_scale_log2
+        if IS_FP8:
+            qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
+
+        # Context range of this query tile: [lo, hi).
+        last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
+        hi = ctx0 + last_tok + 1
+        lo = 0
+        if USE_WINDOW:
+            lo = tl.maximum(ctx0 + tok0 - window + 1, 0)
+            lo = (lo // BLOCK_SIZE) * BLOCK_SIZE
+        if USE_SPLIT:
+            span = hi - lo
+            chunk = tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N
+            lo = lo + split * chunk
+            hi = tl.minimum(lo + chunk, hi)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+
+        kv_base = kv_ptr + kvh.to(tl.int64) * stride_ch
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        n_off = tl.arange(0, TILE_N)
+        for start in range(lo, hi, TILE_N):
+            pos = start + n_off
+            p_ok = pos < hi
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+            row_off = blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+            kv_off = row_off[:, None] + d[None, :]
+            if HEAD_D == D_PAD:
+                kv_mask = p_ok[:, None]
+            else:
+                kv_mask = p_ok[:, None] & d_ok[None, :]
+            k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
+            k = k.to(q.dtype)
+            if IEEE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * qk_scale
+            causal = (pos[None, :] <= q_pos[:, None]) & p_ok[None, :]
+            if USE_WINDOW:
+                causal = causal & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(causal, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = v.to(q.dtype)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+            m_i = m_new
+
+        if IS_FP8:
+            acc = acc * tl.load(v_scale_ptr + kvh)
+
+        if USE_SPLIT:
+            # partials: acc [T, Hq, S, D_PAD] fp32, ml [T, Hq, S, 2] fp32
+            pidx = (tok64 * NUM_Q_HEADS + qh64) * num_splits + split
+            tl.store(
+                part_acc_ptr + pidx[:, None] * D_PAD + d[None, :],
+                acc,
+                mask=row_ok[:, None],
+            )
+            tl.store(part_ml_ptr + pidx * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=row_ok)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(
+                out_ptr + tok64[:, None] * stride_ot + qh64[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_acc_ptr,
+        part_ml_ptr,
+        out_ptr,
+        qsl_ptr,
+        num_seqs,
+        num_splits,
+        stride_ot,
+        stride_oh,
+        NUM_Q_HEADS: tl.constexpr,
+        HEAD_D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        S_PAD: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if t >= tl.load(qsl_ptr + num_seqs):
+            return  # padding token that belongs to no sequence
+        s = tl.arange(0, S_PAD)
+        s_ok = s < num_splits
+        d = tl.arange(0, D_PAD)
+        base = (t.to(tl.int64) * NUM_Q_HEADS + h) * num_splits
+        m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(s_ok, tl.exp2(m - m_max), 0.0)
+        acc = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        tl.store(
+            out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_D,
+        )
+
+
+def _choose_config(
+    is_decode_like: bool, g_pad: int, d_pad: int, is_fp8: bool, block_size: int, max_query_len: int
+) -> dict:
+    """Tile sizes and launch parameters (tuned on H200, see docs/KERNELS.md)."""
+    if is_decode_like:
+        block_q = max(1, 16 // g_pad)
+        block_q = max(block_q, triton.next_power_of_2(max_query_len))
+        block_m = block_q * g_pad
+        tile_n = 128 if d_pad <= 128 else 64
+        num_warps = 4
+        num_stages = 3
+    else:
+        block_m = 128 if d_pad <= 128 else 64
+        block_m = max(block_m, g_pad)
+        block_q = block_m // g_pad
+        tile_n = 64 if d_pad <= 128 else 32
+        num_warps = 8 if d_pad >= 128 else 4
+        num_stages = 2
+    tile_n = max(tile_n, 16)
+    return dict(block_q=block_q, block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    softmax_scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    _config: dict | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ``q`` ([T, Hq, D]) over ``kv_cache``.
+
+    See the module docstring. ``num_splits`` forces the split-K factor of the
+    decode path (``None``: heuristic from batch size, context and SM count;
+    CUDA-graph callers may want to pin it). Output dtype = ``q.dtype``.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("paged_attention needs triton")
+    T, hq, d = q.shape
+    nb, two, hkv, bs, c_d = kv_cache.shape
+    if two != 2 or c_d != d:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match q {tuple(q.shape)}")
+    if bs != meta.block_size or bs % BLOCK_SIZE_MULTIPLE:
+        raise ValueError(
+            f"block size {bs} (meta {meta.block_size}) must be a multiple of {BLOCK_SIZE_MULTIPLE}"
+        )
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} not divisible by Hkv={hkv}")
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("q and kv_cache need a contiguous head_dim axis")
+    if out is None:
+        out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(2) != 1:
+        raise ValueError("out must have q's shape and a contiguous last axis")
+    num_seqs = meta.num_seqs
+    if T == 0 or num_seqs == 0:
+        return out
+    is_fp8 = kv_cache.dtype in _FP8
+    if is_fp8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("fp8 kv cache needs k_scale and v_scale")
+        k_scale = k_scale.to(torch.float32).reshape(-1).expand(hkv).contiguous()
+        v_scale = v_scale.to(torch.float32).reshape(-1).expand(hkv).contiguous()
+    else:
+        k_scale = v_scale = meta.seq_lens  # unused placeholders
+
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    d_pad = max(16, triton.next_power_of_2(d))
+    decode_like = meta.max_query_len * g_pad <= 16 or meta.max_query_len == 1
+    cfg = _choose_config(decode_like, g_pad, d_pad, is_fp8, bs, meta.max_query_len)
+    if _config:
+        cfg.update(_config)
+    block_q, block_m, tile_n = cfg["block_q"], cfg["block_m"], cfg["tile_n"]
+    one_tile = meta.max_query_len <= block_q
+
+    window = int(sliding_window) if sliding_window else 0
+    use_window = window > 0 and window < meta.max_seq_len
+
+    splits = 1
+    if one_tile:
+        if num_splits is not None:
+            splits = max(1, int(num_splits))
+        else:
+            progs = num_seqs * hkv
+            target = 2 * _num_sms(q.device)
+            ctx = min(meta.max_seq_len, window) if use_window else meta.max_seq_len
+            max_by_len = max(1, ctx // 1024)
+            splits = max(1, min(math.ceil(target / progs), max_by_len, 64))
+    use_split = splits > 1
+
+    if use_split:
+        part_acc = torch.empty((T, hq, splits, d_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((T, hq, splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out
+
+    grid0 = num_seqs if one_tile else T // block_q + num_seqs
+    grid = (grid0, hkv, splits)
+    _paged_attn_kernel[grid](
+        q,
+        kv_cache,
+        out,
+        part_acc,
+        part_ml,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        k_scale,
+        v_scale,
+        float(softmax_scale) * _LOG2E,
+        num_seqs,
+        window,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        meta.block_tables.stride(0),
+        NUM_Q_HEADS=hq,
+        G=g,
+        G_PAD=g_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_D=d,
+        D_PAD=d_pad,
+        BLOCK_SIZE=bs,
+        TILE_N=tile_n,
+        IS_FP8=is_fp8,
+        ONE_TILE_PER_SEQ=one_tile,
+        USE_SPLIT=use_split,
+        USE_WINDOW=use_window,
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if use_split:
+        _merge_splits_kernel[(T, hq)](
+            part_acc,
+            part_ml,
+            out,
+            meta.query_start_loc,
+            num_seqs,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=hq,
+            HEAD_D=d,
+            D_PAD=d_pad,
+            S_PAD=max(2, triton.next_power_of_2(splits)),
+            num_warps=4,
+        )
+    return out
