@@ -1,0 +1,361 @@
+"""The OpenAI-compatible HTTP app (aiohttp).
+
+``create_app(engine, ...)`` returns an ``aiohttp.web.Application`` serving
+``/v1/completions``, ``/v1/chat/completions`` (both streaming), ``/v1/models``,
+``/health`` and ``/metrics``. ``serve(app, ...)`` runs it until SIGTERM/SIGINT
+and drains; ``ServerThread`` runs it on a background thread (tests, notebooks).
+
+Run it with an ``AppRunner(app, handler_cancellation=True)`` (as ``serve`` and
+``ServerThread`` do) so that a client that disconnects while its request waits
+cancels the handler and aborts the request; a disconnect during streaming is
+caught on the next write either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+
+from aiohttp import web
+
+from kvforge.errors import InvalidRequestError
+from kvforge.server import protocol
+from kvforge.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+    ServerShuttingDownError,
+)
+from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger("kvforge.server")
+
+ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
+CONFIG = web.AppKey("config", dict)
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.type, self.code, self.param, self.headers = status, type_, code, param, headers or {}
+
+
+def _json_error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                headers=None) -> web.Response:
+    return web.json_response(protocol.error_body(message, type_, param, code), status=status, headers=headers)
+
+
+def create_app(
+    engine,
+    *,
+    api_key: str | None = None,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    served_model_name: str | None = None,
+    shutdown_grace_s: float = 30.0,
+) -> web.Application:
+    """Build the app around a synchronous engine (docs/ENGINE_API.md)."""
+    metrics = ServerMetrics()
+    aengine = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
+    model_name = served_model_name or engine.model_name
+    config = {
+        "api_key": api_key,
+        "max_request_bytes": max_request_bytes,
+        "model_name": model_name,
+        "shutdown_grace_s": shutdown_grace_s,
+    }
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        path = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        try:
+            if api_key is not None and request.path.startswith("/v1"):
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    metrics.on_reject("unauthorized")
+                    raise _HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                     "invalid_request_error", "invalid_api_key")
+            response = await handler(request)
+        except InvalidRequestError as e:
+            metrics.on_reject("invalid")
+            msg = str(e)
+            response = _json_error(400, msg, param=e.field)
+        except _HTTPError as e:
+            response = _json_error(e.status, str(e), e.type, e.param, e.code, e.headers)
+        except QueueFullError as e:
+            metrics.on_reject("queue_full")
+            response = _json_error(503, str(e), "server_overloaded", code="queue_full",
+                                   headers={"Retry-After": str(e.retry_after)})
+        except ServerShuttingDownError as e:
+            metrics.on_reject("shutting_down")
+            response = _json_error(503, str(e), "server_overloaded", code="shutting_down",
+                                   headers={"Retry-After": "5"})
+        except EngineDeadError as e:
+            response = _json_error(500, str(e), "server_error", code="engine_dead")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            response = _json_error(e.status, e.reason or "error", "invalid_request_error",
+                                   code="not_found" if e.status == 404 else None)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            logger.exception("unhandled error on %s", request.path)
+            response = _json_error(500, f"internal server error: {type(e).__name__}: {e}", "server_error")
+        metrics.on_http(path, response.status)
+        return response
+
+    app = web.Application(middlewares=[middleware], client_max_size=max_request_bytes)
+    app[ASYNC_ENGINE] = aengine
+    app[CONFIG] = config
+
+    async def read_json(request: web.Request):
+        if request.content_length is not None and request.content_length > max_request_bytes:
+            metrics.on_reject("too_large")
+            raise _HTTPError(413, f"request body is {request.content_length} bytes; the limit "
+                             f"(--max-request-bytes) is {max_request_bytes}", "invalid_request_error",
+                             "request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            metrics.on_reject("too_large")
+            raise _HTTPError(413, f"request body exceeds the limit (--max-request-bytes) of "
+                             f"{max_request_bytes} bytes", "invalid_request_error", "request_too_large") from e
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise InvalidRequestError(f"malformed JSON body: {e}", field="body") from e
+
+    async def health(request):
+        if aengine.healthy and aengine.accepting:
+            return web.json_response({"status": "ok"})
+        state = "shutting_down" if not aengine.accepting else "engine_dead"
+        return web.json_response({"status": state}, status=503)
+
+    async def metrics_endpoint(request):
+        stats = await aengine.stats()
+        text = metrics.render(stats, in_flight=aengine.num_in_flight, model_name=model_name)
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def models(request):
+        return web.json_response({
+            "object": "list",
+            "data": [{
+                "id": model_name,
+                "object": "model",
+                "created": int(aengine.started),
+                "owned_by": "kvforge",
+                "max_model_len": engine.max_model_len,
+            }],
+        })
+
+    async def completions(request):
+        req = protocol.parse_completion(await read_json(request), model_name)
+        stream = await aengine.add_request(req.prompt, req.params, max_tokens_explicit=req.max_tokens_explicit)
+        try:
+            if req.stream:
+                return await _stream(request, req, stream, engine.tokenizer, model_name)
+            return await _collect(req, stream, engine.tokenizer, model_name)
+        finally:
+            stream.close()
+
+    async def chat(request):
+        req = protocol.parse_chat(await read_json(request), model_name)
+        stream = await aengine.add_request(None, req.params, messages=req.messages,
+                                           max_tokens_explicit=req.max_tokens_explicit,
+                                           max_tokens_field=req.max_tokens_field)
+        try:
+            if req.stream:
+                return await _stream(request, req, stream, engine.tokenizer, model_name)
+            return await _collect(req, stream, engine.tokenizer, model_name)
+        finally:
+            stream.close()
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat)
+
+    async def on_startup(app):
+        await aengine.start()
+
+    async def on_shutdown(app):
+        # Sites are stopped (no new connections) before this runs; drain the engine.
+        await aengine.shutdown(shutdown_grace_s)
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    return app
+
+
+# -- response builders ------------------------------------------------------------------
+
+
+def _logprobs_obj(req, tokenizer, comp, start: int, end: int):
+    if req.logprobs is None or not comp.logprobs:
+        return None
+    ids, lps = comp.token_ids[start:end], comp.logprobs[start:end]
+    if req.kind == "chat":
+        return protocol.chat_logprobs(tokenizer, ids, lps, req.logprobs)
+    return protocol.completion_logprobs(tokenizer, ids, lps, req.logprobs)
+
+
+async def _collect(req, stream: RequestStream, tokenizer, model_name: str) -> web.Response:
+    final = None
+    async for out in stream:
+        final = out
+    comp = final.outputs[0]
+    choice = {"index": 0, "logprobs": _logprobs_obj(req, tokenizer, comp, 0, len(comp.token_ids)),
+              "finish_reason": comp.finish_reason}
+    if req.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": comp.text}
+        prefix, obj = "chatcmpl", "chat.completion"
+    else:
+        choice["text"] = comp.text
+        choice["stop_reason"] = comp.stop_reason
+        prefix, obj = "cmpl", "text_completion"
+    return web.json_response({
+        "id": protocol.random_id(prefix),
+        "object": obj,
+        "created": protocol.now(),
+        "model": model_name,
+        "choices": [choice],
+        "usage": protocol.usage(len(final.prompt_token_ids), len(comp.token_ids)),
+    })
+
+
+async def _stream(request: web.Request, req, stream: RequestStream, tokenizer, model_name: str):
+    chat = req.kind == "chat"
+    rid = protocol.random_id("chatcmpl" if chat else "cmpl")
+    created = protocol.now()
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+
+    def chunk(choices: list, usage=None) -> bytes:
+        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+        if req.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    sent_text, sent_tokens = "", 0
+    prompt_tokens = stream.prompt_tokens
+    try:
+        if chat:
+            await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]))
+        async for out in stream:
+            comp = out.outputs[0]
+            prompt_tokens = len(out.prompt_token_ids)
+            delta = comp.text[len(sent_text):]
+            n = len(comp.token_ids)
+            if not delta and not out.finished:
+                continue  # e.g. a token that is only part of a character, or a held-back stop string
+            lp = _logprobs_obj(req, tokenizer, comp, sent_tokens, n)
+            finish = comp.finish_reason if out.finished else None
+            if chat:
+                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                          "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+                if out.finished:
+                    choice["stop_reason"] = comp.stop_reason
+            await resp.write(chunk([choice]))
+            sent_text = comp.text
+            sent_tokens = n
+        if req.include_usage:
+            await resp.write(chunk([], protocol.usage(prompt_tokens, sent_tokens)))
+    except (ServerShuttingDownError, EngineDeadError) as e:
+        err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
+        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+# -- running it ---------------------------------------------------------------------------
+
+
+async def start_site(app: web.Application, host: str, port: int, shutdown_timeout: float = 10.0):
+    """Set up a runner (with handler cancellation on disconnect) and bind; returns (runner, port)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound
+
+
+def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000) -> int:
+    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests and return 0."""
+
+    async def main() -> int:
+        runner, bound = await start_site(app, host, port)
+        logger.info("kvforge server listening on http://%s:%d", host, bound)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform
+                pass
+        await stop.wait()
+        aengine = app[ASYNC_ENGINE]
+        logger.info("shutting down: no new requests; draining %d in flight", aengine.num_in_flight)
+        t0 = time.monotonic()
+        await runner.cleanup()  # stops the listener, runs on_shutdown (drain), closes connections
+        logger.info("shutdown complete in %.1fs", time.monotonic() - t0)
+        return 0
+
+    return asyncio.run(main())
+
+
+class ServerThread:
+    """Run an app on a background event loop thread: ``with ServerThread(app) as srv: srv.url``."""
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0):
+        self.app, self.host, self.port = app, host, port
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvforge-server", daemon=True)
+        self._runner = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        return self.app[ASYNC_ENGINE]
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        fut = asyncio.run_coroutine_threadsafe(start_site(self.app, self.host, self.port), self.loop)
+        self._runner, self.port = fut.result(timeout=60)
+        return self
+
+    def stop(self, timeout: float = 60) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=timeout)
+            self._runner = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

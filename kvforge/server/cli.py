@@ -1,0 +1,104 @@
+"""``kvforge serve``: build the engine from CLI flags and serve it over HTTP.
+
+Wiring (kvforge/cli.py)::
+
+    from kvforge.server.cli import add_serve_args, serve_main
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(p)
+    p.set_defaults(func=serve_main)      # serve_main(namespace) -> exit code
+
+``serve_main`` also accepts an argv list (``serve_main(["--port", "8001"])``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvforge.errors import KVForgeError
+
+logger = logging.getLogger("kvforge.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from kvforge.config import EngineArgs
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="model path / name (same as --model; default: the embedded SmolLM2)")
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: no auth)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name reported at /v1/models and required in requests (default: the engine's)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests allowed to wait for the engine before new ones get 503 (default 1024)")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; larger gets 413 (default 1 MiB)")
+    g.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _validate(ns) -> None:
+    from kvforge.errors import ConfigError
+
+    if not 0 <= ns.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {ns.port}")
+    if ns.max_queued_requests < 1:
+        raise ConfigError(f"--max-queued-requests must be >= 1, got {ns.max_queued_requests}")
+    if ns.max_request_bytes < 1024:
+        raise ConfigError(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
+    if ns.shutdown_grace < 0:
+        raise ConfigError(f"--shutdown-grace must be >= 0, got {ns.shutdown_grace}")
+
+
+def serve_main(args) -> int:
+    """Entry point for ``kvforge serve``. Returns the process exit code."""
+    if args is None or isinstance(args, (list, tuple)):
+        parser = add_serve_args(argparse.ArgumentParser(prog="kvforge serve"))
+        args = parser.parse_args(list(args) if args is not None else None)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from kvforge.config import EngineArgs
+        from kvforge.engine.llm_engine import LLMEngine
+
+        _validate(args)
+        if getattr(args, "model_tag", None):
+            if getattr(args, "model", None) not in (None, args.model_tag):
+                raise KVForgeError(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
+            args.model = args.model_tag
+        engine_args = EngineArgs.from_cli_args(args)
+        # from_engine_args resolves the KV plan first: a PlanError/ConfigError stops us before weights load.
+        engine = LLMEngine.from_engine_args(engine_args)
+    except KVForgeError as e:
+        print(f"kvforge serve: error: {e}", file=sys.stderr)
+        return 2
+    logger.info("KV cache plan:\n%s", engine.plan.summary())
+
+    from kvforge.server.app import create_app, serve
+
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        served_model_name=args.served_model_name,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("listening on %s without --api-key: anyone who can reach this port can use it", args.host)
+    try:
+        return serve(app, args.host, args.port)
+    except OSError as e:
+        print(f"kvforge serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

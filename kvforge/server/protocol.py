@@ -1,0 +1,339 @@
+"""OpenAI request parsing and response shapes for the HTTP server.
+
+Every parse error is an ``InvalidRequestError`` whose ``field`` names the
+request field at fault; ``error_body`` renders it as OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.errors import InvalidRequestError
+
+MAX_STOP_SEQUENCES = 16
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# -- typed field access ---------------------------------------------------------
+
+_MISSING = object()
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _bad(name: str, why: str):
+    raise InvalidRequestError(f"'{name}': {why}", field=name)
+
+
+def get_number(body: dict, name: str, default, *, allow_null: bool = True):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or (value is None and allow_null):
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _bad(name, f"expected a number, got {_type_name(value)}")
+    if not math.isfinite(value):
+        _bad(name, "expected a finite number")
+    return float(value)
+
+
+def get_int(body: dict, name: str, default):
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        _bad(name, f"expected an integer, got {_type_name(value)}")
+    return value
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if not isinstance(value, bool):
+        _bad(name, f"expected a boolean, got {_type_name(value)}")
+    return value
+
+
+def get_int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        _bad(name, "expected an array of integers")
+    return value
+
+
+def get_stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        _bad("stop", "expected a string or an array of strings")
+    if len(value) > MAX_STOP_SEQUENCES:
+        _bad("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+    if any(not s for s in value):
+        _bad("stop", "stop sequences must be non-empty")
+    return value
+
+
+# -- requests -------------------------------------------------------------------
+
+
+@dataclass
+class ParsedRequest:
+    """What the handlers need from a validated completion or chat request."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt: str | list[int] | None  # completion prompt (text or token ids)
+    messages: list[dict] | None  # chat messages
+    params: SamplingParams
+    max_tokens_explicit: bool  # False: the server fills in the remaining context
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # completions: top-N; chat: top_logprobs when logprobs=true
+    chat_logprobs: bool
+    max_tokens_field: str = "max_tokens"
+
+
+def _common(body: dict, served_model: str) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", field=None)
+    model = body.get("model", served_model)
+    if model is None:
+        model = served_model
+    if not isinstance(model, str):
+        _bad("model", f"expected a string, got {_type_name(model)}")
+    if model != served_model:
+        raise InvalidRequestError(
+            f"'model': the model {model!r} does not exist; this server serves {served_model!r}", field="model"
+        )
+    n = get_int(body, "n", 1)
+    if n != 1:
+        _bad("n", f"only n=1 is supported, got {n}")
+    best_of = get_int(body, "best_of", None)
+    if best_of not in (None, 1):
+        _bad("best_of", "only best_of=1 is supported")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if get_number(body, penalty, 0.0) != 0.0:
+            _bad(penalty, "is not supported (only 0)")
+    stream = get_bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            _bad("stream_options", f"expected an object, got {_type_name(stream_options)}")
+        if not stream:
+            _bad("stream_options", "is only allowed when 'stream' is true")
+        include_usage = get_bool(stream_options, "include_usage", False)
+    return {
+        "model": model,
+        "stream": stream,
+        "include_usage": include_usage,
+        "temperature": get_number(body, "temperature", 1.0),
+        "top_p": get_number(body, "top_p", 1.0),
+        "top_k": get_int(body, "top_k", -1),
+        "min_p": get_number(body, "min_p", 0.0),
+        "seed": get_int(body, "seed", None),
+        "stop": get_stop(body),
+        "stop_token_ids": get_int_list(body, "stop_token_ids"),
+        "ignore_eos": get_bool(body, "ignore_eos", False),
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+    }
+
+
+def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if max_tokens is not None and max_tokens < 1:
+        # SamplingParams would say the same, but name the OpenAI field the client sent.
+        _bad("max_tokens", f"must be an integer >= 1, got {max_tokens}")
+    return SamplingParams(
+        n=1,
+        temperature=common["temperature"],
+        top_p=common["top_p"],
+        top_k=common["top_k"],
+        min_p=common["min_p"],
+        seed=common["seed"],
+        max_tokens=max_tokens,
+        stop=tuple(common["stop"]),
+        stop_token_ids=tuple(common["stop_token_ids"]),
+        ignore_eos=common["ignore_eos"],
+        logprobs=logprobs,
+        skip_special_tokens=common["skip_special_tokens"],
+    )
+
+
+def parse_completion(body: Any, served_model: str) -> ParsedRequest:
+    common = _common(body, served_model)
+    if "prompt" not in body or body["prompt"] is None:
+        _bad("prompt", "is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            _bad("prompt", "must not be empty")
+    elif isinstance(prompt, list):
+        if not prompt:
+            _bad("prompt", "must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            _bad("prompt", "expected a string or an array of token ids (batched prompts are not supported)")
+        if any(t < 0 for t in prompt):
+            _bad("prompt", "token ids must be non-negative")
+    else:
+        _bad("prompt", f"expected a string or an array of token ids, got {_type_name(prompt)}")
+    if get_bool(body, "echo", False):
+        _bad("echo", "is not supported")
+    if body.get("suffix"):
+        _bad("suffix", "is not supported")
+    max_tokens = get_int(body, "max_tokens", 16)
+    logprobs = get_int(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        _bad("logprobs", f"must be an integer in [0, 20], got {logprobs}")
+    params = _params(common, max_tokens, logprobs)
+    return ParsedRequest(
+        "completion", common["model"], prompt, None, params, "max_tokens" in body and body["max_tokens"] is not None,
+        common["stream"], common["include_usage"], logprobs, False,
+    )
+
+
+def _message_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text is supported
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                _bad(f"messages[{index}].content", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    _bad(f"messages[{index}].content", f"expected a string, got {_type_name(content)}")
+    return ""
+
+
+def parse_chat(body: Any, served_model: str) -> ParsedRequest:
+    common = _common(body, served_model)
+    messages = body.get("messages")
+    if messages is None:
+        _bad("messages", "is required")
+    if not isinstance(messages, list) or not messages:
+        _bad("messages", "expected a non-empty array of messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            _bad(f"messages[{i}]", f"expected an object, got {_type_name(m)}")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            _bad(f"messages[{i}].role", f"unknown role {role!r}")
+        clean.append({"role": "system" if role == "developer" else role,
+                      "content": _message_text(m.get("content"), i)})
+    max_tokens = get_int(body, "max_completion_tokens", None)
+    field_name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None)
+        field_name = "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        _bad(field_name, f"must be an integer >= 1, got {max_tokens}")
+    want_logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None)
+    if top is not None:
+        if not want_logprobs:
+            _bad("top_logprobs", "requires 'logprobs' to be true")
+        if not 0 <= top <= 20:
+            _bad("top_logprobs", f"must be an integer in [0, 20], got {top}")
+    logprobs = (top or 0) if want_logprobs else None
+    params = _params(common, max_tokens, logprobs)
+    return ParsedRequest(
+        "chat", common["model"], None, clean, params, max_tokens is not None,
+        common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
+    )
+
+
+# -- responses --------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int,
+                        text_offset_start: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset_start
+    for tid, d in zip(token_ids, lps):
+        piece = tokenizer.decode([tid])
+        tokens.append(piece)
+        token_logprobs.append(_finite(d.get(tid)))
+        ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+        top_logprobs.append({tokenizer.decode([t]): _finite(v) for t, v in ranked} if top else None)
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int) -> dict:
+    content = []
+    for tid, d in zip(token_ids, lps):
+        piece = tokenizer.decode([tid])
+        ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+        content.append({
+            "token": piece,
+            "logprob": _finite(d.get(tid)),
+            "bytes": list(piece.encode("utf8")),
+            "top_logprobs": [
+                {"token": (p := tokenizer.decode([t])), "logprob": _finite(v), "bytes": list(p.encode("utf8"))}
+                for t, v in ranked
+            ],
+        })
+    return {"content": content, "refusal": None}
+
+
+def _finite(v):
+    if v is None:
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else -9999.0

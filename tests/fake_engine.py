@@ -1,0 +1,217 @@
+"""A tiny deterministic stand-in for ``LLMEngine`` (docs/ENGINE_API.md).
+
+It lets the server and load-generator tests run without torch or weights:
+
+* the tokenizer is character level (token id = code point, EOS = 0);
+* the "model" picks the next token from a hash of the whole sequence so far
+  (greedy is a pure function of the prompt, independent of batching); sampling
+  with temperature > 0 uses a per-request RNG seeded by ``seed``;
+* a block counter (``block_size`` tokens a block) allocates blocks on admission
+  and as sequences grow and frees them on finish or abort, so leaks are
+  observable through ``stats()["kv_blocks_used"]``;
+* at most ``max_num_seqs`` requests run at once; the rest wait (FIFO).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvforge.engine.outputs import CompletionOutput, RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.errors import InvalidRequestError
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyz     ."
+
+
+class FakeTokenizer:
+    eos_token_id = 0
+    eos_token_ids = (0,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in token_ids if not (skip_special_tokens and t == 0))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False):
+        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<|assistant|>"
+        return self.encode(text) if tokenize else text
+
+
+class FakePlan:
+    def summary(self) -> str:
+        return "fake plan: block_size=4, kv_cache_dtype=auto, blocks=4096"
+
+
+@dataclass
+class _Req:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    rng: random.Random
+    out_ids: list[int] = field(default_factory=list)
+    blocks: int = 0
+    first_step: bool = True
+
+
+class FakeEngine:
+    """Implements the synchronous engine contract with trivial compute."""
+
+    model_name = "fake-model"
+
+    def __init__(
+        self,
+        max_model_len: int = 512,
+        block_size: int = 4,
+        num_blocks: int = 4096,
+        max_num_seqs: int = 16,
+        step_delay: float = 0.0,
+    ):
+        self.tokenizer = FakeTokenizer()
+        self.plan = FakePlan()
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_num_seqs = max_num_seqs
+        self.step_delay = step_delay
+        self._waiting: list[_Req] = []
+        self._running: list[_Req] = []
+        self._blocks_used = 0
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._queries = 0
+        # The contract says the engine is not thread-safe; catch misuse loudly.
+        self._busy = threading.Lock()
+
+    # -- contract -------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+        with self._guard():
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt must not be empty", field="prompt")
+            if len(ids) >= self.max_model_len:
+                raise InvalidRequestError(
+                    f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}", field="prompt"
+                )
+            if any(r.request_id == request_id for r in self._waiting + self._running):
+                raise InvalidRequestError(f"duplicate request id {request_id}", field="request_id")
+            seed = params.seed if params.seed is not None else random.randrange(1 << 30)
+            self._waiting.append(
+                _Req(request_id, prompt if isinstance(prompt, str) else None, ids, params, random.Random(seed))
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        with self._guard():
+            for queue in (self._waiting, self._running):
+                for r in list(queue):
+                    if r.request_id == request_id:
+                        queue.remove(r)
+                        self._free(r)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "kv_blocks_used": self._blocks_used,
+            "kv_blocks_total": self.num_blocks,
+            "prefix_cache_queries": self._queries,
+            "prefix_cache_hits": 0,
+            "num_preemptions": 0,
+            "prompt_tokens_total": self._prompt_tokens,
+            "generation_tokens_total": self._gen_tokens,
+        }
+
+    def step(self) -> list[RequestOutput]:
+        with self._guard():
+            if self.step_delay:
+                time.sleep(self.step_delay)
+            while self._waiting and len(self._running) < self.max_num_seqs:
+                r = self._waiting.pop(0)
+                self._running.append(r)
+                self._prompt_tokens += len(r.prompt_ids)
+                self._queries += len(r.prompt_ids)
+            outputs = []
+            for r in list(self._running):
+                tok = self._next_token(r)
+                r.out_ids.append(tok)
+                self._gen_tokens += 1
+                self._grow(r)
+                finish, stop_reason = self._finish_reason(r, tok)
+                text = self.tokenizer.decode(r.out_ids, r.params.skip_special_tokens)
+                if finish == "stop" and isinstance(stop_reason, str):
+                    text = text[: text.find(stop_reason)]
+                lps = None
+                if r.params.logprobs is not None:
+                    lps = [{t: -1.0 - 0.1 * i for i, t in enumerate([tok] + self._alts(tok, r.params.logprobs))}]
+                    lps = [dict(list(lps[0].items())[: max(1, r.params.logprobs + 1)])]
+                comp = CompletionOutput(0, text, list(r.out_ids), finish, stop_reason, lps)
+                outputs.append(RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), [comp], finish is not None))
+                if finish is not None:
+                    self._running.remove(r)
+                    self._free(r)
+            return outputs
+
+    # -- internals --------------------------------------------------------------
+
+    def _guard(self):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("FakeEngine called from two threads at once")
+        lock = self._busy
+
+        class _Release:
+            def __enter__(self):
+                return None
+
+            def __exit__(self, *exc):
+                lock.release()
+                return False
+
+        return _Release()
+
+    @staticmethod
+    def _alts(tok: int, n: int) -> list[int]:
+        return [ord(c) for c in _ALPHABET if ord(c) != tok][:n]
+
+    def _next_token(self, r: _Req) -> int:
+        if r.params.is_greedy:
+            h = hashlib.blake2b(bytes(str(r.prompt_ids + r.out_ids), "utf8"), digest_size=4).digest()
+            return ord(_ALPHABET[int.from_bytes(h, "little") % len(_ALPHABET)])
+        return ord(r.rng.choice(_ALPHABET))
+
+    def _finish_reason(self, r: _Req, tok: int):
+        p = r.params
+        if tok in p.stop_token_ids:
+            return "stop", tok
+        if p.stop:
+            text = self.tokenizer.decode(r.out_ids)
+            for s in p.stop:
+                if s in text:
+                    return "stop", s
+        if p.max_tokens is not None and len(r.out_ids) >= p.max_tokens:
+            return "length", None
+        if len(r.prompt_ids) + len(r.out_ids) >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _grow(self, r: _Req) -> None:
+        need = -(-(len(r.prompt_ids) + len(r.out_ids)) // self.block_size)
+        self._blocks_used += need - r.blocks
+        r.blocks = need
+
+    def _free(self, r: _Req) -> None:
+        self._blocks_used -= r.blocks
+        r.blocks = 0
