@@ -74,6 +74,7 @@ MAX_CONTEXT_LEN: int = 2**31 - 1
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOG2E = 1.4426950408889634
 _NUM_SMS: dict[int, int] = {}
+_LAST_LAUNCH: dict = {}  # diagnostics: the last compiled attention kernel (n_regs, n_spills)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -390,7 +391,7 @@ def paged_attention(
 
     grid0 = num_seqs if one_tile else T // block_q + num_seqs
     grid = (grid0, hkv, splits)
-    _paged_attn_kernel[grid](
+    _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
         q,
         kv_cache,
         out,
