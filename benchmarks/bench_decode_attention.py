@@ -132,7 +132,9 @@ def main():
             kk = _pa._LAST_LAUNCH.get("attn")
             if kk is not None:
                 res["fp8_kernel"] = dict(
-                    regs=kk.n_regs, spills=kk.n_spills, smem=getattr(kk.metadata, "shared", None)
+                    regs=getattr(kk, "n_regs", None),
+                    spills=getattr(kk, "n_spills", None),
+                    smem=getattr(getattr(kk, "metadata", None), "shared", None),
                 )
             res["fp8_vs_bf16_rel"] = ((out_f8.float() - out_bf.float()).norm() / out_bf.float().norm()).item()
             res["nan"] = bool(torch.isnan(out_bf).any() or torch.isnan(out_f8).any())
