@@ -1,1 +1,1 @@
-"""kvforge.plan"""
+"""kvforge.planner: the KV-cache resolver (no torch)."""

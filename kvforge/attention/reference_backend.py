@@ -1,0 +1,21 @@
+"""Declaration of the PyTorch reference backend (implementation: reference.py).
+
+It runs every layer kind on any device torch supports, at any block size, in
+every KV dtype, and always takes a model-dtype query (the fp8 dequant scale is
+folded into the softmax scale). Offsets are computed by torch in int64.
+"""
+
+from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSizes, IndexLimit, QuantizedQuery
+
+REFERENCE = BackendDeclaration(
+    name="torch_reference",
+    priority=0,
+    layer_kinds=frozenset({"full", "sliding", "mla", "state"}),
+    platforms=frozenset({"cpu", "cuda"}),
+    kv_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
+    head_sizes=None,
+    block_sizes=BlockSizes.any(),
+    quantized_query=QuantizedQuery.never(),
+    index_limit=IndexLimit("row_byte_offset", INT64_MAX, "torch indexing (int64)"),
+    implementation="kvforge.attention.reference",
+)

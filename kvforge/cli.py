@@ -1,0 +1,78 @@
+"""The ``kvforge`` command: plan | generate | serve | bench | eval.
+
+User errors (KVForgeError) print one clear message and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvforge.errors import KVForgeError
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvforge.planner.api import plan as make_plan
+
+    result = make_plan(
+        args.model, tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        num_speculative_tokens=args.num_speculative_tokens, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
+        dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
+        calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
+    )
+    if args.json:
+        print(result.to_json())
+    else:
+        from kvforge.planner.render import render_plan
+
+        render_plan(result)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvforge.cli_args import add_plan_args
+
+    parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="resolve and print the KV-cache plan (no weights are read)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF model dir / config.json / .gguf file / preset name (default: embedded SmolLM2)")
+    add_plan_args(p)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="platform to plan for")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_plan)
+
+    _add_engine_commands(sub)
+    return parser
+
+
+def _add_engine_commands(sub) -> None:
+    """generate / serve / bench / eval live in their own modules (imported lazily)."""
+    try:
+        from kvforge import cli_engine
+    except ImportError:  # engine commands not available in this build
+        return
+    cli_engine.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except KVForgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

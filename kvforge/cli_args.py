@@ -1,0 +1,69 @@
+"""Argument parsing helpers shared by the CLI subcommands (vLLM flag names)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'85899345920', '80GiB', '80e9', '1.5GB' -> bytes (positive integer)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (examples: 8589934592, 8GiB, 80GB)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a byte size must be >= 1")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
+    return value
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """The flags that decide the KV-cache plan (shared by plan/generate/serve)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (model dtype), bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2")
+    p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default: negotiated)")
+    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per rank (e.g. 8GiB)")
+    p.add_argument("--gpu-memory", type=parse_bytes, default=None,
+                   help="device memory per rank for planning without a device (e.g. 141GB)")
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--kv-scale-scheme", choices=["per_tensor", "per_head"], default="per_tensor")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="calibrate fp8 KV scales on the first batch instead of the default 1.0")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")

@@ -1,0 +1,60 @@
+"""KV-cache storage dtype names and sizes, without importing torch.
+
+Canonical names: ``bfloat16``, ``float16``, ``float32``, ``fp8_e4m3``,
+``fp8_e5m2``. ``auto`` means "the model dtype" and is resolved by the planner.
+Aliases follow vLLM's ``--kv-cache-dtype`` habits (``fp8`` is e4m3).
+"""
+
+from __future__ import annotations
+
+from kvforge.errors import ConfigError
+
+BYTES_PER_ELEMENT: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+QUANTIZED = frozenset({"fp8_e4m3", "fp8_e5m2"})
+MODEL_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+
+_ALIASES = {
+    "auto": "auto",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+}
+
+
+def canonical_kv_dtype(name: str) -> str:
+    """Map a user-facing KV dtype name to its canonical name (or ``auto``)."""
+    key = str(name).strip().lower()
+    if key not in _ALIASES:
+        raise ConfigError(
+            f"unknown KV cache dtype {name!r}; use one of: auto, bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2"
+        )
+    return _ALIASES[key]
+
+
+def canonical_model_dtype(name: str) -> str:
+    """Map a model dtype name (config ``torch_dtype`` or ``--dtype``) to a canonical name."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    canon = _ALIASES.get(key)
+    if canon not in MODEL_DTYPES:
+        raise ConfigError(f"unknown model dtype {name!r}; use one of: bfloat16, float16, float32")
+    return canon
+
+
+def is_quantized(kv_dtype: str) -> bool:
+    return kv_dtype in QUANTIZED

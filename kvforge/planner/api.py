@@ -1,0 +1,26 @@
+"""``kvforge.plan(...)``: the planner as one call (model name/path -> KVPlan)."""
+
+from __future__ import annotations
+
+from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.kv_plan import KVPlan
+from kvforge.planner.resolver import resolve
+from kvforge.spec.load import load_model_spec
+
+
+def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+         block_size: int | None = None, max_model_len: int | None = None, num_speculative_tokens: int = 0,
+         kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+         device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
+         calculate_kv_scales: bool = False, max_num_seqs: int = 256, backends=None) -> KVPlan:
+    """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights."""
+    from kvforge.kv_dtypes import canonical_model_dtype
+
+    spec = load_model_spec(model)
+    cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
+                        num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
+                        gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
+                        kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
+                        max_num_seqs=max_num_seqs)
+    model_dtype = canonical_model_dtype(dtype) if dtype and dtype != "auto" else None
+    return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype)

@@ -1,0 +1,67 @@
+"""KV-cache groups: which layers share a block table and a page layout.
+
+Attention layers with the same page layout (kind, window, bytes per token)
+form a *type*. All types share one block pool, so pages must have one size:
+each type is cut into groups of ``group_size`` layers, and a group with fewer
+layers leaves ``padding_layers`` page slots unused. The group size is chosen
+between the smallest and largest type to waste the fewest page slots (ties:
+fewer groups). Types with smaller pages use proportionally larger blocks so
+every page has the same byte size; a non-integral ratio is padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerType:
+    kind: str
+    layers: tuple[int, ...]
+    token_bytes: int
+    padded_page_bytes_at_base: int  # backend page padding applied at the base block size
+    kv_dtype: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class Grouping:
+    group_size: int
+    groups: tuple[tuple[LayerType, tuple[int, ...], int], ...]  # (type, layers, padding_layers)
+    padding_layers: int
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.groups) * self.group_size
+
+    @property
+    def waste_pct(self) -> float:
+        return 100.0 * self.padding_layers / self.num_slots if self.num_slots else 0.0
+
+
+def choose_grouping(types: list[LayerType]) -> Grouping:
+    """Split each type into groups of one common size, wasting the fewest slots."""
+    if not types:
+        return Grouping(0, (), 0)
+    counts = [len(t.layers) for t in types]
+    if len(types) == 1:
+        candidates = [counts[0]]
+    else:
+        candidates = list(range(min(counts), max(counts) + 1))
+    best = None
+    for size in candidates:
+        padding = sum(-(-n // size) * size - n for n in counts)
+        num_groups = sum(-(-n // size) for n in counts)
+        key = (padding, num_groups)
+        if best is None or key < best[0]:
+            best = (key, size)
+    size = best[1]
+    groups = []
+    total_padding = 0
+    for t in types:
+        for start in range(0, len(t.layers), size):
+            chunk = t.layers[start:start + size]
+            pad = size - len(chunk)
+            total_padding += pad
+            groups.append((t, chunk, pad))
+    return Grouping(size, tuple(groups), total_padding)

@@ -1,0 +1,79 @@
+"""The planner's inputs: cache and parallel settings (validated, frozen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.errors import ConfigError
+from kvforge.kv_dtypes import canonical_kv_dtype
+
+PLATFORMS = ("cpu", "cuda")
+SCALE_SCHEMES = ("per_tensor", "per_head")
+
+
+def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        else:
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV-cache settings as the user gave them (``None`` = let the planner decide).
+
+    Memory: ``kv_cache_memory`` (bytes for the KV cache on one rank) wins;
+    otherwise ``gpu_memory`` x ``gpu_memory_utilization`` minus the weights on
+    one rank. With neither, the plan has no capacity figures.
+    """
+
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    max_model_len: int | None = None
+    num_speculative_tokens: int = 0
+    kv_cache_memory: int | None = None
+    gpu_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_scale_scheme: str = "per_tensor"
+    calculate_kv_scales: bool = False
+    max_num_seqs: int = 256
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
+        if self.block_size is not None:
+            object.__setattr__(self, "block_size", _positive_int("--block-size", self.block_size))
+        if self.max_model_len is not None:
+            object.__setattr__(self, "max_model_len", _positive_int("--max-model-len", self.max_model_len))
+        object.__setattr__(self, "num_speculative_tokens",
+                           _positive_int("--num-speculative-tokens", self.num_speculative_tokens, allow_zero=True))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", _positive_int("--kv-cache-memory", self.kv_cache_memory))
+        if self.gpu_memory is not None:
+            object.__setattr__(self, "gpu_memory", _positive_int("--gpu-memory", self.gpu_memory))
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util!r}")
+        if self.kv_scale_scheme not in SCALE_SCHEMES:
+            raise ConfigError(f"--kv-scale-scheme must be one of {', '.join(SCALE_SCHEMES)}, got {self.kv_scale_scheme!r}")
+        object.__setattr__(self, "max_num_seqs", _positive_int("--max-num-seqs", self.max_num_seqs))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensor_parallel_size",
+                           _positive_int("--tensor-parallel-size", self.tensor_parallel_size))
+
+
+def check_platform(platform: str) -> str:
+    if platform not in PLATFORMS:
+        raise ConfigError(f"--device must be one of {', '.join(PLATFORMS)}, got {platform!r}")
+    return platform

@@ -1,0 +1,156 @@
+"""KVPlan: the resolver's output. Printable, JSON-serializable, torch-free.
+
+All byte figures are per rank. ``to_dict`` gives a stable JSON shape (field
+order fixed by the dataclasses); ``summary`` a few lines for logs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer on one rank. ``bytes_per_token`` is 0 for state layers."""
+
+    index: int
+    kind: str
+    backend: str
+    kv_dtype: str
+    query_dtype: str
+    query_dtype_reason: str
+    heads_per_rank: int
+    kv_heads_per_rank: int
+    head_size: int | None
+    bytes_per_token: int
+    scale_scheme: str | None
+    sliding_window: int | None = None
+    state_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Layers sharing one page layout and one block table.
+
+    ``padding_layers``: page slots of this group that no layer uses (hybrid
+    models split each layer type into groups of the same size).
+    """
+
+    kind: str
+    layers: tuple[int, ...]
+    block_size: int
+    page_bytes: int
+    page_bytes_unpadded: int
+    padding_layers: int
+    kv_dtype: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class IndexCheck:
+    backend: str
+    layers: tuple[int, ...]
+    quantity: str
+    row_bytes: int
+    max_slots: int
+    planned_slots: int | None
+    ok: bool
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How many tokens fit. Null figures when no memory was given."""
+
+    kv_cache_dtype: str
+    bytes_per_token: int
+    kv_cache_memory: int | None
+    num_blocks: int | None
+    capacity_tokens: int | None
+    max_concurrency: float | None
+    state_slots: int | None
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    model: str
+    architecture: str
+    platform: str
+    model_dtype: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    block_size: int
+    block_size_reason: str
+    max_model_len: int
+    num_speculative_tokens: int
+    bytes_per_token: int
+    state_bytes_per_sequence: int
+    layers: tuple[LayerPlan, ...]
+    groups: tuple[GroupPlan, ...]
+    group_size: int
+    padding_layers: int
+    worst_case_waste_pct: float
+    capacity: Capacity
+    baseline: Capacity | None
+    weights_bytes_per_rank: int
+    num_parameters: int
+    index_checks: tuple[IndexCheck, ...]
+    warnings: tuple[str, ...]
+    scale_source: str | None
+
+    @property
+    def num_blocks(self) -> int | None:
+        return self.capacity.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        return self.capacity.capacity_tokens
+
+    @property
+    def max_concurrency(self) -> float | None:
+        return self.capacity.max_concurrency
+
+    def backends(self) -> list[str]:
+        return sorted({layer.backend for layer in self.layers})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        cap = d.pop("capacity")
+        d["num_blocks"] = cap["num_blocks"]
+        d["capacity_tokens"] = cap["capacity_tokens"]
+        d["max_concurrency"] = cap["max_concurrency"]
+        d["state_slots"] = cap["state_slots"]
+        d["kv_cache_memory"] = cap["kv_cache_memory"]
+        if self.baseline is not None and self.capacity.capacity_tokens and self.baseline.capacity_tokens:
+            d["capacity_gain_vs_baseline"] = round(self.capacity.capacity_tokens / self.baseline.capacity_tokens, 4)
+        else:
+            d["capacity_gain_vs_baseline"] = None
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        kinds: dict[str, int] = {}
+        for layer in self.layers:
+            kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
+        qd = sorted({(layer.query_dtype) for layer in self.layers if layer.kind != "state"})
+        lines = [
+            f"KV plan for {self.model} ({self.architecture}) on {self.platform}, TP={self.tensor_parallel_size}",
+            f"  layers: {', '.join(f'{n} {k}' for k, n in kinds.items())}; backends: {', '.join(self.backends())}",
+            f"  KV dtype {self.kv_cache_dtype} (scales: {self.scale_source or 'n/a'}), query dtype {', '.join(qd)}, "
+            f"block size {self.block_size} ({self.block_size_reason})",
+            f"  {self.bytes_per_token} bytes/token/rank, {self.state_bytes_per_sequence} state bytes/sequence, "
+            f"max model len {self.max_model_len}",
+        ]
+        cap = self.capacity
+        if cap.num_blocks is not None:
+            line = (f"  {cap.num_blocks} blocks = {cap.capacity_tokens} tokens, "
+                    f"max concurrency {cap.max_concurrency:.2f} at {self.max_model_len} tokens")
+            if self.baseline is not None and self.baseline.capacity_tokens:
+                gain = cap.capacity_tokens / self.baseline.capacity_tokens
+                line += f" ({gain:.2f}x the {self.baseline.kv_cache_dtype} KV capacity of {self.baseline.capacity_tokens})"
+            lines.append(line)
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)

@@ -1,0 +1,17 @@
+"""The built-in backend declarations, in one explicit list.
+
+No global mutable registry: the resolver takes the list it should consider,
+and tests pass their own (built-ins plus test backends) to exercise negotiation.
+"""
+
+from __future__ import annotations
+
+from kvforge.planner.declaration import BackendDeclaration
+
+
+def builtin_backends() -> tuple[BackendDeclaration, ...]:
+    from kvforge.attention.reference_backend import REFERENCE
+    from kvforge.attention.ring_backend import RING
+    from kvforge.attention.triton_backend import TRITON_PAGED
+
+    return (TRITON_PAGED, REFERENCE, RING)

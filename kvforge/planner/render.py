@@ -1,0 +1,82 @@
+"""Render a KVPlan as a rich table for humans (JSON lives on KVPlan.to_json)."""
+
+from __future__ import annotations
+
+from kvforge.planner.kv_plan import KVPlan
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _layer_rows(plan: KVPlan):
+    """Collapse consecutive identical layers into one row (index ranges)."""
+    rows = []
+    for layer in plan.layers:
+        key = (layer.kind, layer.backend, layer.kv_dtype, layer.query_dtype, layer.heads_per_rank,
+               layer.kv_heads_per_rank, layer.bytes_per_token, layer.state_bytes, layer.query_dtype_reason)
+        if rows and rows[-1][0] == key and rows[-1][2] == layer.index - 1:
+            rows[-1][2] = layer.index
+        else:
+            rows.append([key, layer.index, layer.index])
+    return rows
+
+
+def render_plan(plan: KVPlan, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    cap = plan.capacity
+    head = Table(title=f"KV plan: {plan.model} ({plan.architecture})", show_header=False, box=None)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("platform / TP", f"{plan.platform} / {plan.tensor_parallel_size}")
+    head.add_row("model dtype / KV dtype", f"{plan.model_dtype} / {plan.kv_cache_dtype}"
+                 + (f" (scales: {plan.scale_source})" if plan.scale_source else ""))
+    head.add_row("block size", f"{plan.block_size}: {plan.block_size_reason}")
+    head.add_row("max model len", str(plan.max_model_len))
+    head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
+    head.add_row("state bytes per sequence", f"{plan.state_bytes_per_sequence:,}")
+    head.add_row("weights per rank", f"{_gib(plan.weights_bytes_per_rank)} ({plan.num_parameters:,} parameters)")
+    if cap.num_blocks is not None:
+        head.add_row("KV memory per rank", _gib(cap.kv_cache_memory))
+        head.add_row("blocks / tokens", f"{cap.num_blocks:,} / {cap.capacity_tokens:,}")
+        head.add_row("max concurrency", f"{cap.max_concurrency:.2f} x {plan.max_model_len} tokens")
+        if plan.baseline is not None and plan.baseline.capacity_tokens:
+            gain = cap.capacity_tokens / plan.baseline.capacity_tokens
+            head.add_row(f"vs {plan.baseline.kv_cache_dtype} KV", f"{plan.baseline.capacity_tokens:,} tokens, "
+                         f"concurrency {plan.baseline.max_concurrency:.2f}: gain {gain:.2f}x")
+    else:
+        head.add_row("capacity", "no memory given (--kv-cache-memory or --gpu-memory)")
+    console.print(head)
+
+    layers = Table(title="layers (per rank)")
+    for col in ("layers", "kind", "backend", "KV", "query", "heads", "KV heads", "bytes/token", "why query"):
+        layers.add_column(col)
+    reasons: list[str] = []
+    for key, lo, hi in _layer_rows(plan):
+        kind, backend, kv, q, h, kvh, bpt, state, reason = key
+        if reason not in reasons:
+            reasons.append(reason)
+        layers.add_row(f"{lo}" if lo == hi else f"{lo}-{hi}", kind, backend, kv, q, str(h), str(kvh),
+                       f"{bpt:,}" if kind != "state" else f"state {state:,} B/seq", f"[{reasons.index(reason) + 1}]")
+    console.print(layers)
+    for i, reason in enumerate(reasons, 1):
+        console.print(f"  [{i}] {reason}")
+
+    groups = Table(title=f"KV cache groups (group size {plan.group_size}, padding layers {plan.padding_layers}, "
+                   f"worst-case waste {plan.worst_case_waste_pct:.1f}%)")
+    for col in ("kind", "layers", "block", "page bytes", "unpadded", "padding layers", "backend"):
+        groups.add_column(col)
+    for g in plan.groups:
+        idx = list(g.layers)
+        text = ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]}..{idx[-1]} ({len(idx)})"
+        groups.add_row(g.kind, text, str(g.block_size), f"{g.page_bytes:,}", f"{g.page_bytes_unpadded:,}",
+                       str(g.padding_layers), g.backend)
+    console.print(groups)
+    for check in plan.index_checks:
+        console.print(f"index check {check.backend}: {check.planned_slots:,} slots of {check.row_bytes} B "
+                      f"<= {check.max_slots:,} addressable: {'ok' if check.ok else 'OVERFLOW'}")
+    for w in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")

@@ -1,0 +1,435 @@
+"""The resolver: every KV-cache decision, made once, before any weight is read.
+
+``resolve(spec, cache, parallel, platform, backends)`` applies DESIGN.md's
+rules in order: heads per rank, a backend per layer, the query dtype per layer,
+the block size, groups and page sizes, capacity, index widths. It raises
+PlanError (naming the constraint, the numbers and the fix) when no plan works.
+It imports nothing heavy: a 100-layer plan takes a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from kvforge.errors import PlanError
+from kvforge.kv_dtypes import BYTES_PER_ELEMENT, is_quantized
+from kvforge.planner.declaration import BackendDeclaration, BlockSizes, LayerContext
+from kvforge.planner.groups import LayerType, choose_grouping
+from kvforge.planner.inputs import CacheConfig, ParallelConfig, check_platform
+from kvforge.planner.kv_plan import Capacity, GroupPlan, IndexCheck, KVPlan, LayerPlan
+from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
+from kvforge.spec.model_spec import ModelSpec
+
+logger = logging.getLogger("kvforge.plan")
+
+DEFAULT_BLOCK_SIZE = 16
+GROWING_KINDS = ("full", "mla")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    spec: object
+    kind: str
+    heads_per_rank: int
+    kv_heads_per_rank: int
+    head_size: int | None
+    kv_dtype: str
+    token_bytes: int
+    state_bytes: int
+    backend: BackendDeclaration
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _heads_per_rank(layer, tp: int) -> tuple[int, int]:
+    """Rule 1: query heads split; KV heads split, or replicated when fewer than ranks."""
+    if isinstance(layer, StateLayerSpec):
+        return 0, 0
+    heads = layer.num_heads
+    if heads % tp:
+        raise PlanError(
+            f"--tensor-parallel-size {tp} does not divide num_attention_heads {heads} (layer {layer.index}); "
+            f"use a TP size that divides {heads}: {_divisors(heads)}"
+        )
+    if isinstance(layer, MLALayerSpec):
+        return heads // tp, 1  # the latent is replicated on every rank
+    kv = layer.num_kv_heads
+    if kv % tp == 0:
+        return heads // tp, kv // tp
+    if tp % kv == 0:
+        return heads // tp, 1
+    raise PlanError(
+        f"--tensor-parallel-size {tp} and num_key_value_heads {kv} (layer {layer.index}) do not divide each other: "
+        f"KV heads can be split ({kv} % TP == 0) or replicated (TP % {kv} == 0); use TP in: {_divisors(kv)} "
+        f"or a multiple of {kv} that divides {heads}"
+    )
+
+
+def _layer_geometry(layer, kv_heads_rank: int, kv_dtype: str, tp: int) -> tuple[int | None, int, int]:
+    """(head size seen by the backend, bytes per token on one rank, state bytes per sequence)."""
+    elem = BYTES_PER_ELEMENT[kv_dtype]
+    if isinstance(layer, AttentionLayerSpec):
+        return layer.head_dim_k, kv_heads_rank * (layer.head_dim_k + layer.head_dim_v) * elem, 0
+    if isinstance(layer, MLALayerSpec):
+        return layer.kv_lora_rank + layer.qk_rope_head_dim, (layer.kv_lora_rank + layer.qk_rope_head_dim) * elem, 0
+    split = layer.tp_divisible_elements // tp
+    rest = layer.state_elements - layer.tp_divisible_elements
+    return None, 0, (split + rest) * BYTES_PER_ELEMENT[layer.state_dtype]
+
+
+def _pick_backend(kind: str, platform: str, kv_dtype: str, head_size: int | None,
+                  backends: tuple[BackendDeclaration, ...], what: str) -> BackendDeclaration:
+    """Rule 2: the highest-priority backend whose declaration accepts the layer."""
+    rejections = []
+    for decl in sorted(backends, key=lambda d: -d.priority):
+        why = decl.rejection(kind=kind, platform=platform, kv_dtype=kv_dtype, head_size=head_size)
+        if why is None:
+            return decl
+        rejections.append(f"  - {decl.name}: {why}")
+    listing = "\n".join(rejections) or "  (no backends registered)"
+    raise PlanError(f"no attention backend accepts {what} (kind {kind}, KV dtype {kv_dtype}, head size "
+                    f"{head_size}, platform {platform}):\n{listing}\nfix: choose another --kv-cache-dtype or --device")
+
+
+def _query_dtype(layer: _Layer, model_dtype: str) -> tuple[str, str]:
+    """Rule 3: quantized query only when the KV is quantized and the backend declares it."""
+    if layer.kind == "state":
+        return model_dtype, "state layer: no KV cache, no attention query"
+    if not is_quantized(layer.kv_dtype):
+        return model_dtype, f"KV cache is {layer.kv_dtype} (not quantized): query uses the model dtype {model_dtype}"
+    rule = layer.backend.quantized_query
+    if rule.accepts(layer.kv_dtype, layer.heads_per_rank):
+        return layer.kv_dtype, (
+            f"{layer.backend.name} declares a {layer.kv_dtype} query with {layer.kv_dtype} KV from "
+            f"{rule.min_heads_per_rank} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
+        )
+    if layer.kv_dtype not in rule.kv_dtypes:
+        why = f"{layer.backend.name} does not declare a quantized query for {layer.kv_dtype} KV"
+    else:
+        why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only from {rule.min_heads_per_rank} heads "
+               f"per rank; this layer has {layer.heads_per_rank}")
+    return model_dtype, f"{why}: query stays {model_dtype}, KV dequant scale folded into the softmax scale"
+
+
+def _violations(block_size: int, constraints) -> list[tuple[BackendDeclaration, LayerContext, BlockSizes]]:
+    return [(d, c, r) for d, c, r in constraints if not r.accepts(block_size)]
+
+
+def _candidates(constraints) -> list[int]:
+    sizes = {DEFAULT_BLOCK_SIZE * k for k in range(1, 257)}
+    for _, _, rule in constraints:
+        if rule.sizes:
+            sizes.update(rule.sizes)
+    return sorted(s for s in sizes if s >= DEFAULT_BLOCK_SIZE)
+
+
+def _smallest_working(constraints) -> int | None:
+    for b in _candidates(constraints):
+        if not _violations(b, constraints):
+            return b
+    return None
+
+
+def _violation_text(block_size: int, decl: BackendDeclaration, ctx: LayerContext, rule: BlockSizes) -> str:
+    if ctx.kind == "ring":
+        page = ctx.page_bytes(block_size)
+        needed = ctx.ring_rows * ctx.ring_row_bytes
+        return (f"{decl.name}: the ring of layer {ctx.layer_index} needs {ctx.ring_rows} rows x "
+                f"{ctx.ring_row_bytes} bytes = {needed} bytes, but one page at block size {block_size} holds "
+                f"{page} bytes ({block_size} tokens x {ctx.kv_heads_per_rank} KV head(s) x "
+                f"{ctx.token_bytes // max(ctx.kv_heads_per_rank, 1)} bytes) = {page // ctx.ring_row_bytes} rows "
+                f"(page padding is not room for the ring)")
+    return f"{decl.name} (layer {ctx.layer_index}, {ctx.kind}) needs block size {rule.describe()}"
+
+
+def _collapse(block_size: int, violations) -> list[str]:
+    """One line per distinct violation; identical ones on several layers are merged."""
+    merged: dict[str, list[int]] = {}
+    for decl, ctx, rule in violations:
+        text = _violation_text(block_size, decl, ctx, rule).replace(f"layer {ctx.layer_index}", "layer {L}")
+        merged.setdefault(text, []).append(ctx.layer_index)
+    return [t.replace("layer {L}", f"layer{'s' if len(ix) > 1 else ''} {_ranges(ix)}") for t, ix in merged.items()]
+
+
+def _negotiate_block_size(user_block: int | None, constraints) -> tuple[int, str]:
+    """Rule 4: validate a user block size, or keep 16, or take the smallest size all accept."""
+    if user_block is not None:
+        bad = _violations(user_block, constraints)
+        if bad:
+            fix = _smallest_working(constraints)
+            details = "\n".join(f"  - {t}" for t in _collapse(user_block, bad))
+            more = ""
+            fix_text = (f"use --block-size {fix} (the smallest size that works) or omit --block-size"
+                        if fix else "no block size satisfies every backend; change --kv-cache-dtype or TP")
+            raise PlanError(f"--block-size {user_block} cannot work:\n{details}{more}\nfix: {fix_text}")
+        return user_block, f"set by --block-size {user_block}"
+    bad16 = _violations(DEFAULT_BLOCK_SIZE, constraints)
+    if not bad16:
+        return DEFAULT_BLOCK_SIZE, f"default {DEFAULT_BLOCK_SIZE}: every backend accepts it"
+    chosen = _smallest_working(constraints)
+    if chosen is None:
+        details = "\n".join(f"  - {t}" for t in _collapse(DEFAULT_BLOCK_SIZE, bad16))
+        raise PlanError(f"no block size satisfies every backend:\n{details}\nfix: change --kv-cache-dtype or TP")
+    forcing = sorted({d.name for d, _, _ in bad16})
+    message = f"Setting kv cache block size to {chosen} for {'/'.join(forcing)} backend(s)."
+    logger.info(message)
+    reasons = "; ".join(_collapse(DEFAULT_BLOCK_SIZE, bad16))
+    return chosen, f"{message} At 16: {reasons}"
+
+
+def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_rows: int):
+    types: dict[tuple, list[_Layer]] = {}
+    for layer in layers:
+        if layer.kind == "state":
+            continue
+        window = getattr(layer.spec, "sliding_window", None)
+        key = (layer.kind, window, layer.token_bytes, layer.kv_dtype, layer.backend.name)
+        types.setdefault(key, []).append(layer)
+    layer_types = [
+        LayerType(kind=k[0], layers=tuple(x.spec.index for x in v), token_bytes=k[2],
+                  padded_page_bytes_at_base=v[0].backend.padded_page_bytes(block_size * k[2]),
+                  kv_dtype=k[3], backend=k[4])
+        for k, v in types.items()
+    ]
+    grouping = choose_grouping(layer_types)
+    page = max((t.padded_page_bytes_at_base for t in layer_types), default=0)
+    groups: list[GroupPlan] = []
+    for t, chunk, pad in grouping.groups:
+        unpadded = block_size * t.token_bytes
+        group_block = block_size
+        if t.padded_page_bytes_at_base < page:
+            factor = max(1, page // unpadded)
+            group_block = block_size * factor
+            unpadded = group_block * t.token_bytes
+        groups.append(GroupPlan(t.kind, chunk, group_block, page, unpadded, pad, t.kv_dtype, t.backend))
+    state_layers = [x for x in layers if x.kind == "state"]
+    if state_layers:
+        per = max(x.state_bytes for x in state_layers)
+        groups.append(GroupPlan("state", tuple(x.spec.index for x in state_layers), 1, per, per, 0,
+                                state_layers[0].kv_dtype, state_layers[0].backend.name))
+    by_index = {x.spec.index: x for x in layers}
+    for ring in spec.rings:
+        owner = by_index[ring.layer_index]
+        unpadded = block_size * owner.token_bytes
+        groups.append(GroupPlan("ring", (ring.layer_index,), block_size, owner.backend.padded_page_bytes(unpadded),
+                                unpadded, 0, owner.kv_dtype, "csa_ring"))
+    return tuple(groups), grouping
+
+
+def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
+              state_bytes: int, max_model_len: int, memory: int | None) -> Capacity:
+    """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
+
+    A block id covers one page in each of ``group_size`` page slots; a sequence
+    of L tokens takes ceil(L / block) block ids in every growing (full / MLA)
+    group, plus its constant state (state layers, sliding windows, rings).
+    """
+    if memory is None:
+        return Capacity(kv_dtype, bytes_per_token, None, None, None, None, None)
+    growing = [g for g in groups if g.kind in GROWING_KINDS]
+    paged = [g for g in groups if g.kind in GROWING_KINDS or g.kind == "sliding"]
+    block_id_bytes = group_size * (paged[0].page_bytes if paged else 0)
+    per_seq = sum(math.ceil(max_model_len / g.block_size) for g in growing) * block_id_bytes + state_bytes
+    if per_seq == 0:
+        return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None)
+    concurrency = memory / per_seq
+    if concurrency < 1:
+        raise PlanError(
+            f"the KV cache memory ({memory} bytes per rank) holds less than one sequence of --max-model-len "
+            f"{max_model_len} ({per_seq} bytes each); fix: lower --max-model-len to at most "
+            f"{int(max_model_len * concurrency)} or give more memory (--kv-cache-memory / --gpu-memory-utilization)"
+        )
+    slots = int(concurrency) if state_bytes else None
+    pool = memory - (slots or 0) * state_bytes
+    num_blocks = pool // block_id_bytes if block_id_bytes else 0
+    if growing:
+        tokens = (num_blocks // len(growing)) * growing[0].block_size
+    else:
+        tokens = (slots or 0) * max_model_len
+    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots)
+
+
+def _scale_source(spec: ModelSpec, cache: CacheConfig, quantized: bool) -> tuple[str | None, list[str]]:
+    if not quantized:
+        return None, []
+    if cache.calculate_kv_scales:
+        return "calibrate", []
+    qcfg = spec.hf_config.get("quantization_config") or {}
+    if isinstance(qcfg, dict) and qcfg.get("kv_cache_scheme"):
+        return "checkpoint", []
+    return "default", [
+        f"no KV-cache scales in the checkpoint: using the default scale 1.0 for K and V ({cache.kv_cache_dtype} "
+        f"saturates beyond its max); pass --calculate-kv-scales to calibrate on the first batch"
+    ]
+
+
+def _memory(spec: ModelSpec, cache: CacheConfig, weights: int) -> int | None:
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    if cache.gpu_memory is None:
+        return None
+    usable = int(cache.gpu_memory * cache.gpu_memory_utilization)
+    if weights >= usable:
+        raise PlanError(
+            f"weights need {weights / 2**30:.2f} GiB per rank but --gpu-memory {cache.gpu_memory / 2**30:.2f} GiB x "
+            f"--gpu-memory-utilization {cache.gpu_memory_utilization} = {usable / 2**30:.2f} GiB; fix: raise "
+            f"--tensor-parallel-size or --gpu-memory-utilization, or use a smaller model"
+        )
+    return usable - weights
+
+
+def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: ParallelConfig | None = None,
+            platform: str = "cpu", backends: tuple[BackendDeclaration, ...] | None = None,
+            model_dtype: str | None = None, _baseline: bool = True) -> KVPlan:
+    """Decide every KV-cache question for ``spec``; raise PlanError if no plan works."""
+    cache = cache or CacheConfig()
+    parallel = parallel or ParallelConfig()
+    platform = check_platform(platform)
+    if backends is None:
+        from kvforge.planner.registry import builtin_backends
+
+        backends = builtin_backends()
+    backends = tuple(backends)
+    tp = parallel.tensor_parallel_size
+    model_dtype = model_dtype or spec.model_dtype
+    kv_dtype = model_dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
+    warnings: list[str] = []
+
+    max_len = cache.max_model_len or spec.max_position_embeddings or 4096
+    if spec.max_position_embeddings and max_len > spec.max_position_embeddings:
+        raise PlanError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
+                        f"{spec.max_position_embeddings}; fix: use --max-model-len <= {spec.max_position_embeddings}")
+
+    layers: list[_Layer] = []
+    for ls in spec.layers:
+        heads_rank, kv_rank = _heads_per_rank(ls, tp)
+        layer_kv = ls.state_dtype if isinstance(ls, StateLayerSpec) else kv_dtype
+        head_size, token_bytes, state_bytes = _layer_geometry(ls, kv_rank, layer_kv, tp)
+        decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}")
+        layers.append(_Layer(ls, ls.kind, heads_rank, kv_rank, head_size, layer_kv, token_bytes, state_bytes, decl))
+    for ls in spec.layers:
+        if isinstance(ls, AttentionLayerSpec) and ls.num_kv_heads < tp:
+            warnings.append(f"num_key_value_heads {ls.num_kv_heads} < tensor-parallel-size {tp}: each rank holds "
+                            f"1 replicated KV head ({tp // ls.num_kv_heads} copies of each)")
+            break
+
+    # Rule 4 constraints: one per (backend, layer), plus each ring's backend.
+    constraints = []
+    contexts: dict[int, LayerContext] = {}
+    for layer in layers:
+        if layer.kind == "state":
+            continue
+        ctx = LayerContext(layer.spec.index, layer.kind, layer.head_size or 0, layer.heads_per_rank,
+                           layer.kv_heads_per_rank, layer.token_bytes)
+        contexts[layer.spec.index] = ctx
+        constraints.append((layer.backend, ctx, layer.backend.block_sizes_for(ctx)))
+    ring_rows = 0
+    for ring in spec.rings:
+        owner = contexts[ring.layer_index]
+        ring_rows = ring.rows(cache.num_speculative_tokens)
+        ring_ctx = LayerContext(ring.layer_index, "ring", owner.head_size, owner.heads_per_rank,
+                                owner.kv_heads_per_rank, owner.token_bytes, ring_rows, ring.row_bytes)
+        decl = _pick_backend("ring", platform, kv_dtype, None, backends, f"the ring of layer {ring.layer_index}")
+        constraints.append((decl, ring_ctx, decl.block_sizes_for(ring_ctx)))
+    block_size, block_reason = _negotiate_block_size(cache.block_size, constraints)
+
+    layer_plans = []
+    quantized = is_quantized(kv_dtype)
+    scheme = cache.kv_scale_scheme if quantized else None
+    for layer in layers:
+        qd, why = _query_dtype(layer, model_dtype)
+        layer_scheme = scheme
+        if layer.kind == "mla" and scheme == "per_head":
+            layer_scheme = "per_tensor"
+        if layer.kind == "state":
+            layer_scheme = None
+        layer_plans.append(LayerPlan(
+            index=layer.spec.index, kind=layer.kind, backend=layer.backend.name, kv_dtype=layer.kv_dtype,
+            query_dtype=qd, query_dtype_reason=why, heads_per_rank=layer.heads_per_rank,
+            kv_heads_per_rank=layer.kv_heads_per_rank, head_size=layer.head_size,
+            bytes_per_token=layer.token_bytes if layer.kind in GROWING_KINDS else 0, scale_scheme=layer_scheme,
+            sliding_window=getattr(layer.spec, "sliding_window", None), state_bytes=layer.state_bytes,
+        ))
+    if quantized and scheme == "per_head" and any(x.kind == "mla" for x in layers):
+        warnings.append("MLA latent caches have no KV heads: per-head scales fall back to per-tensor for MLA layers")
+
+    groups, grouping = _build_groups(layers, block_size, spec, ring_rows)
+    bytes_per_token = sum(x.token_bytes for x in layers if x.kind in GROWING_KINDS)
+    state_per_seq = sum(x.state_bytes for x in layers if x.kind == "state")
+    state_per_seq += sum(min(x.spec.sliding_window, max_len) * x.token_bytes for x in layers if x.kind == "sliding")
+    state_per_seq += sum(g.page_bytes for g in groups if g.kind == "ring")
+    if grouping.padding_layers:
+        warnings.append(f"{grouping.padding_layers} padding layer slot(s) in groups of {grouping.group_size}: "
+                        f"worst-case waste {grouping.waste_pct:.1f}% of KV memory")
+
+    weights = math.ceil(spec.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
+    memory = _memory(spec, cache, weights)
+    capacity = _capacity(kv_dtype, groups, grouping.group_size, bytes_per_token, state_per_seq, max_len, memory)
+
+    baseline = None
+    if _baseline and kv_dtype != model_dtype:
+        try:
+            base_plan = resolve(spec, CacheConfig(**{**cache.__dict__, "kv_cache_dtype": model_dtype}), parallel,
+                                platform, backends, model_dtype, _baseline=False)
+            baseline = base_plan.capacity
+        except PlanError as exc:
+            warnings.append(f"no {model_dtype} baseline plan: {str(exc).splitlines()[0]}")
+
+    index_checks = _index_checks(layers, block_size, capacity, max_len)
+    for check in index_checks:
+        if not check.ok:
+            planned = check.planned_slots
+            limit_bytes = check.max_slots * check.row_bytes
+            decl = next(x.backend for x in layers if x.backend.name == check.backend)
+            raise PlanError(
+                f"index overflow: {check.backend} computes {check.quantity} with {decl.index_limit.description} "
+                f"(max {decl.index_limit.max_value}); with {check.row_bytes}-byte rows it can address "
+                f"{check.max_slots} slots (= {decl.index_limit.max_value + 1} / {check.row_bytes}) but the plan has "
+                f"{planned} slots ({planned // block_size} blocks x {block_size}) in layers "
+                f"{_ranges(check.layers)}; fix: lower the KV memory so at most {check.max_slots} slots "
+                f"(~{limit_bytes} bytes per layer) are allocated, or use a backend with 64-bit offsets"
+            )
+
+    scale_source, scale_warnings = _scale_source(spec, cache, quantized)
+    warnings.extend(scale_warnings)
+    return KVPlan(
+        model=spec.name, architecture=spec.architecture, platform=platform, model_dtype=model_dtype,
+        kv_cache_dtype=kv_dtype, tensor_parallel_size=tp, block_size=block_size, block_size_reason=block_reason,
+        max_model_len=max_len, num_speculative_tokens=cache.num_speculative_tokens,
+        bytes_per_token=bytes_per_token, state_bytes_per_sequence=state_per_seq, layers=tuple(layer_plans),
+        groups=groups, group_size=grouping.group_size, padding_layers=grouping.padding_layers,
+        worst_case_waste_pct=round(grouping.waste_pct, 2), capacity=capacity, baseline=baseline,
+        weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
+        warnings=tuple(warnings), scale_source=scale_source,
+    )
+
+
+def _ranges(indices) -> str:
+    indices = sorted(indices)
+    if len(indices) > 4:
+        return f"{indices[0]}..{indices[-1]} ({len(indices)} layers)"
+    return ", ".join(map(str, indices))
+
+
+def _index_checks(layers: list[_Layer], block_size: int, capacity: Capacity, max_len: int) -> list[IndexCheck]:
+    """Rule 7: the largest slot each backend will address vs what it can address."""
+    planned = capacity.num_blocks * block_size if capacity.num_blocks is not None else None
+    if planned is None:
+        planned = math.ceil(max_len / block_size) * block_size  # at least one full-length sequence
+    by_key: dict[tuple[str, int], list[int]] = {}
+    decls = {}
+    for layer in layers:
+        if layer.kind == "state" or layer.token_bytes == 0:
+            continue
+        by_key.setdefault((layer.backend.name, layer.token_bytes), []).append(layer.spec.index)
+        decls[layer.backend.name] = layer.backend
+    checks = []
+    for (name, row_bytes), idx in by_key.items():
+        limit = decls[name].index_limit
+        max_slots = limit.max_slots(row_bytes)
+        checks.append(IndexCheck(name, tuple(idx), limit.quantity, row_bytes, max_slots, planned, planned <= max_slots))
+    return checks

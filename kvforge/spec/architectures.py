@@ -1,0 +1,295 @@
+"""Hugging Face config dict -> ModelSpec, one builder per architecture.
+
+Field names are those of transformers' config classes. Each builder validates
+what the planner relies on and raises ConfigError naming the field otherwise.
+Parameter counts include every weight (all experts of MoE layers) so the plan
+can say whether weights fit; norms and biases are counted where the
+architecture has them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvforge.errors import ConfigError
+from kvforge.kv_dtypes import canonical_model_dtype
+from kvforge.spec.layers import AttentionLayerSpec, LayerSpec, MLALayerSpec, RingSpec, StateLayerSpec
+from kvforge.spec.model_spec import ModelSpec
+
+
+def _get(cfg: dict, key: str, *, default=None, required: bool = True, kind=int, minimum: int | None = 1):
+    """Read one positive integer (or other typed) field with a clear error."""
+    value = cfg.get(key, default)
+    if value is None:
+        if required:
+            raise ConfigError(f"config.json is missing required field {key!r} for {cfg.get('architectures')}")
+        return None
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise ConfigError(f"config field {key!r} must be an integer, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"config field {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _model_dtype(cfg: dict) -> str:
+    raw = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    try:
+        return canonical_model_dtype(raw)
+    except ConfigError:
+        return "bfloat16"
+
+
+def _head_dim(cfg: dict) -> int:
+    if cfg.get("head_dim") is not None:
+        return _get(cfg, "head_dim")
+    hidden = _get(cfg, "hidden_size")
+    heads = _get(cfg, "num_attention_heads")
+    if hidden % heads:
+        raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; set head_dim")
+    return hidden // heads
+
+
+def _check_gqa(heads: int, kv_heads: int) -> None:
+    if heads % kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+
+
+def _embedding_params(cfg: dict) -> int:
+    vocab, hidden = _get(cfg, "vocab_size"), _get(cfg, "hidden_size")
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    return vocab * hidden * (1 if tied else 2) + hidden  # + final norm
+
+
+def _attention_params(hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool, qk_norm: bool) -> int:
+    q = hidden * heads * head_dim
+    kv = 2 * hidden * kv_heads * head_dim
+    o = heads * head_dim * hidden
+    extra = (heads + 2 * kv_heads) * head_dim if bias else 0
+    norms = 2 * head_dim if qk_norm else 0
+    return q + kv + o + extra + norms
+
+
+def _layer_types(cfg: dict, n: int, default: Callable[[int], str]) -> list[str]:
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n:
+            raise ConfigError(f"config field 'layer_types' must list {n} entries, got {types!r}")
+        return list(types)
+    return [default(i) for i in range(n)]
+
+
+def _dense_llama(cfg: dict, arch: str, *, bias: bool = False, qk_norm: bool = False) -> tuple[list[LayerSpec], int]:
+    n = _get(cfg, "num_hidden_layers")
+    heads = _get(cfg, "num_attention_heads")
+    kv_heads = _get(cfg, "num_key_value_heads", default=heads)
+    _check_gqa(heads, kv_heads)
+    head_dim = _head_dim(cfg)
+    hidden = _get(cfg, "hidden_size")
+    inter = _get(cfg, "intermediate_size")
+    window = cfg.get("sliding_window")
+    use_window = window is not None and (arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False))
+    if use_window:
+        window = _get(cfg, "sliding_window")
+    layers: list[LayerSpec] = [
+        AttentionLayerSpec(
+            index=i,
+            kind="sliding" if use_window else "full",
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim_k=head_dim,
+            head_dim_v=head_dim,
+            sliding_window=window if use_window else None,
+        )
+        for i in range(n)
+    ]
+    per_layer = _attention_params(hidden, heads, kv_heads, head_dim, bias, qk_norm) + 3 * hidden * inter + 2 * hidden
+    return layers, _embedding_params(cfg) + n * per_layer
+
+
+def _llama(cfg: dict, arch: str):
+    return _dense_llama(cfg, arch, bias=bool(cfg.get("attention_bias", False)))
+
+
+def _qwen2(cfg: dict, arch: str):
+    return _dense_llama(cfg, arch, bias=True)
+
+
+def _qwen3(cfg: dict, arch: str):
+    return _dense_llama(cfg, arch, qk_norm=True)
+
+
+def _gemma3(cfg: dict, arch: str):
+    n = _get(cfg, "num_hidden_layers")
+    heads = _get(cfg, "num_attention_heads")
+    kv_heads = _get(cfg, "num_key_value_heads", default=heads)
+    _check_gqa(heads, kv_heads)
+    head_dim = _get(cfg, "head_dim", default=256)
+    window = _get(cfg, "sliding_window", default=4096)
+    pattern = _get(cfg, "sliding_window_pattern", default=6)
+    types = _layer_types(cfg, n, lambda i: "full_attention" if (i + 1) % pattern == 0 else "sliding_attention")
+    layers = [
+        AttentionLayerSpec(i, "sliding" if t == "sliding_attention" else "full", heads, kv_heads, head_dim, head_dim,
+                           window if t == "sliding_attention" else None)
+        for i, t in enumerate(types)
+    ]
+    hidden, inter = _get(cfg, "hidden_size"), _get(cfg, "intermediate_size")
+    per_layer = _attention_params(hidden, heads, kv_heads, head_dim, False, True) + 3 * hidden * inter + 4 * hidden
+    cfg_tied = dict(cfg, tie_word_embeddings=cfg.get("tie_word_embeddings", True))
+    return layers, _embedding_params(cfg_tied) + n * per_layer
+
+
+def _gpt_oss(cfg: dict, arch: str):
+    n = _get(cfg, "num_hidden_layers")
+    heads = _get(cfg, "num_attention_heads")
+    kv_heads = _get(cfg, "num_key_value_heads")
+    _check_gqa(heads, kv_heads)
+    head_dim = _get(cfg, "head_dim", default=64)
+    window = _get(cfg, "sliding_window", default=128)
+    types = _layer_types(cfg, n, lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
+    layers = [
+        AttentionLayerSpec(i, "sliding" if t == "sliding_attention" else "full", heads, kv_heads, head_dim, head_dim,
+                           window if t == "sliding_attention" else None)
+        for i, t in enumerate(types)
+    ]
+    hidden, inter = _get(cfg, "hidden_size"), _get(cfg, "intermediate_size")
+    experts = _get(cfg, "num_local_experts", default=32)
+    expert = 3 * hidden * inter + 2 * inter + hidden  # gate_up (fused) + down, with biases
+    per_layer = (_attention_params(hidden, heads, kv_heads, head_dim, True, False) + heads  # sinks
+                 + experts * expert + hidden * experts + experts + 2 * hidden)
+    return layers, _embedding_params(cfg) + n * per_layer
+
+
+def _deepseek(cfg: dict, arch: str):
+    n = _get(cfg, "num_hidden_layers")
+    heads = _get(cfg, "num_attention_heads")
+    hidden = _get(cfg, "hidden_size")
+    kv_lora = _get(cfg, "kv_lora_rank")
+    rope = _get(cfg, "qk_rope_head_dim")
+    nope = _get(cfg, "qk_nope_head_dim")
+    v_dim = _get(cfg, "v_head_dim")
+    q_lora = _get(cfg, "q_lora_rank", required=False)
+    layers = [MLALayerSpec(i, heads, kv_lora, rope, nope, v_dim) for i in range(n)]
+    qk = nope + rope
+    if q_lora:
+        q_params = hidden * q_lora + q_lora + q_lora * heads * qk
+    else:
+        q_params = hidden * heads * qk
+    attn = (q_params + hidden * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim)
+            + heads * v_dim * hidden)
+    inter = _get(cfg, "intermediate_size")
+    moe_inter = _get(cfg, "moe_intermediate_size", required=False) or inter
+    routed = _get(cfg, "n_routed_experts", required=False, minimum=0) or 0
+    shared = _get(cfg, "n_shared_experts", required=False, minimum=0) or 0
+    first_dense = _get(cfg, "first_k_dense_replace", default=0, minimum=0)
+    freq = _get(cfg, "moe_layer_freq", default=1)
+    total = _embedding_params(cfg)
+    for i in range(n):
+        is_moe = routed > 0 and i >= first_dense and i % freq == 0
+        if is_moe:
+            mlp = (routed + shared) * 3 * hidden * moe_inter + hidden * routed
+        else:
+            mlp = 3 * hidden * inter
+        total += attn + mlp + 2 * hidden
+    return layers, total
+
+
+def _qwen3_next(cfg: dict, arch: str):
+    n = _get(cfg, "num_hidden_layers")
+    heads = _get(cfg, "num_attention_heads")
+    kv_heads = _get(cfg, "num_key_value_heads")
+    _check_gqa(heads, kv_heads)
+    head_dim = _get(cfg, "head_dim", default=256)
+    interval = _get(cfg, "full_attention_interval", default=4)
+    types = _layer_types(cfg, n, lambda i: "full_attention" if (i + 1) % interval == 0 else "linear_attention")
+    v_heads = _get(cfg, "linear_num_value_heads")
+    k_heads = _get(cfg, "linear_num_key_heads")
+    k_dim = _get(cfg, "linear_key_head_dim")
+    v_dim = _get(cfg, "linear_value_head_dim")
+    conv = _get(cfg, "linear_conv_kernel_dim", default=4)
+    key_total, value_total = k_heads * k_dim, v_heads * v_dim
+    # Gated DeltaNet state per sequence: the recurrent state (v_heads x k_dim x v_dim)
+    # plus the causal-conv history ((conv - 1) x (2 * key_total + value_total)).
+    state = v_heads * k_dim * v_dim + (conv - 1) * (2 * key_total + value_total)
+    dtype = _model_dtype(cfg)
+    layers: list[LayerSpec] = []
+    for i, t in enumerate(types):
+        if t == "linear_attention":
+            layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype))
+        else:
+            layers.append(AttentionLayerSpec(i, "full", heads, kv_heads, head_dim, head_dim))
+    hidden = _get(cfg, "hidden_size")
+    moe_inter = _get(cfg, "moe_intermediate_size", required=False) or _get(cfg, "intermediate_size")
+    experts = _get(cfg, "num_experts", default=0, minimum=0)
+    shared_inter = _get(cfg, "shared_expert_intermediate_size", default=0, minimum=0)
+    mlp = experts * 3 * hidden * moe_inter + 3 * hidden * shared_inter + hidden * experts
+    full_attn = _attention_params(hidden, heads, kv_heads, head_dim, False, True) + hidden * heads * head_dim
+    lin_attn = hidden * (2 * key_total + 2 * value_total + 2 * v_heads) + value_total * hidden + conv * (
+        2 * key_total + value_total)
+    total = _embedding_params(cfg)
+    for layer in layers:
+        total += (lin_attn if layer.kind == "state" else full_attn) + mlp + 2 * hidden
+    return layers, total
+
+
+def _csa_ring(cfg: dict, arch: str):
+    layers, params = _dense_llama(cfg, arch)
+    rows = _get(cfg, "ring_rows", default=7)
+    row_bytes = _get(cfg, "ring_row_bytes", default=1024)
+    hidden = _get(cfg, "hidden_size")
+    rings = tuple(RingSpec(layer.index, rows, row_bytes) for layer in layers)
+    # Each layer owns a projection hidden -> ring_row_bytes (one ring row per token).
+    return (layers, rings), params + len(layers) * hidden * row_bytes
+
+
+_BUILDERS: dict[str, Callable] = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _llama,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "Gemma3ForCausalLM": _gemma3,
+    "GptOssForCausalLM": _gpt_oss,
+    "DeepseekV2ForCausalLM": _deepseek,
+    "DeepseekV3ForCausalLM": _deepseek,
+    "Qwen3NextForCausalLM": _qwen3_next,
+    "CsaRingTestForCausalLM": _csa_ring,
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def spec_from_hf_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
+    """Build a ModelSpec from a transformers-style config dict."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: config must be a JSON object, got {type(cfg).__name__}")
+    archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not archs:
+        raise ConfigError(
+            f"{source}: config has no 'architectures' list; set it to one of: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    arch = archs[0]
+    builder = _BUILDERS.get(arch)
+    if builder is None:
+        raise ConfigError(
+            f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    built, params = builder(cfg, arch)
+    layers, rings = built if isinstance(built, tuple) else (built, ())
+    return ModelSpec(
+        architecture=arch,
+        name=name,
+        layers=tuple(layers),
+        rings=tuple(rings),
+        model_dtype=_model_dtype(cfg),
+        hidden_size=_get(cfg, "hidden_size"),
+        vocab_size=_get(cfg, "vocab_size"),
+        num_parameters=int(params),
+        max_position_embeddings=_get(cfg, "max_position_embeddings", required=False),
+        source=source,
+        hf_config=dict(cfg),
+    )

@@ -1,0 +1,63 @@
+"""Resolve a MODEL argument (path, GGUF file, preset name or None) to a ModelSpec.
+
+Only configuration is read here: config.json, or the metadata of a GGUF file.
+No weight tensor is ever opened, so every plan error surfaces before loading.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvforge.errors import ConfigError
+from kvforge.spec.architectures import spec_from_hf_config
+from kvforge.spec.embedded import EMBEDDED_NAME, embedded_model_path
+from kvforge.spec.model_spec import ModelSpec
+from kvforge.spec.presets import PRESETS
+
+
+def _read_config_json(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+
+
+def load_hf_config(model: str | None) -> tuple[dict, str, str]:
+    """Return (hf_config, display name, source description) for MODEL."""
+    if model is None:
+        path = embedded_model_path()
+        from kvforge.weights.gguf_config import read_gguf_config
+
+        return read_gguf_config(path), EMBEDDED_NAME, f"embedded GGUF {path.name}"
+    path = Path(model)
+    if path.is_dir():
+        cfg_path = path / "config.json"
+        if cfg_path.is_file():
+            return _read_config_json(cfg_path), path.name, str(cfg_path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+        else:
+            raise ConfigError(f"{path} holds no config.json (and not exactly one .gguf file); pass a model directory")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            from kvforge.weights.gguf_config import read_gguf_config
+
+            return read_gguf_config(path), path.stem, str(path)
+        return _read_config_json(path), path.parent.name or path.stem, str(path)
+    key = model.strip().lower()
+    if key in PRESETS:
+        return dict(PRESETS[key]), key, f"preset {key}"
+    raise ConfigError(
+        f"model {model!r} is neither a path that exists nor a preset; presets: {', '.join(sorted(PRESETS))}"
+    )
+
+
+def load_model_spec(model: str | None) -> ModelSpec:
+    cfg, name, source = load_hf_config(model)
+    return spec_from_hf_config(cfg, name=name, source=source)
