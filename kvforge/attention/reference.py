@@ -1,0 +1,308 @@
+"""Reference paged attention in plain PyTorch (any device; CI and GPU oracle).
+
+Implements exactly the contract of :mod:`kvforge.attention.metadata`:
+
+* :func:`write_kv_cache` stores one step's new K/V into the paged cache at
+  ``slot_mapping`` (``-1`` = skip), quantizing with saturation for fp8 caches.
+* :func:`paged_attention` reads K/V straight from the block tables and computes
+  causal (optionally sliding-window) GQA attention for every new query token.
+
+Numerics: everything is computed in float32 whatever the storage dtype; the
+result has ``q.dtype`` (or ``out.dtype`` when ``out`` is given). For fp8
+caches ``k_scale`` is folded into the softmax scale and ``v_scale`` is applied
+to the output, so the raw fp8 values are only widened to float32, never
+materialised scaled. Scales are ignored for model-dtype (bf16/fp16/fp32)
+caches, which store unscaled values.
+
+Shapes: ``q [num_tokens, Hq, D]``, ``k``/``v [num_tokens, Hkv, D]``,
+``kv_cache [num_blocks, 2, Hkv, block_size, D]``; query head ``h`` uses KV
+head ``h // (Hq // Hkv)``. Tokens past ``query_start_loc[-1]`` (padding) get a
+zero output row, so ``out`` is always fully written.
+
+Speed: sequences with short queries (decode, speculative verification; query
+length <= :data:`BATCHED_QUERY_LEN`) run as one batched computation over all of
+them, with their blocks gathered and padded to the longest context and masked.
+Longer queries (prefill chunks) run per sequence, in query-row chunks sized so
+the score matrix stays under :data:`SCORE_BUDGET_ELEMS` elements, and only the
+key range that the chunk can see (causal / sliding window) is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.attention.fp8 import as_head_scales, fp8_max, is_fp8
+from kvforge.attention.metadata import AttentionMetadata
+
+__all__ = ["BATCHED_QUERY_LEN", "SCORE_BUDGET_ELEMS", "paged_attention", "write_kv_cache"]
+
+BATCHED_QUERY_LEN = 8
+"""Sequences with at most this many new tokens are batched together."""
+
+SCORE_BUDGET_ELEMS = 1 << 24
+"""Upper bound on float32 elements of one score matrix (64 MiB)."""
+
+
+def _check_cache(kv_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, 2, num_kv_heads, block_size, head_dim], got {tuple(kv_cache.shape)}"
+        )
+    num_blocks, _, hkv, block_size, head_dim = kv_cache.shape
+    return num_blocks, hkv, block_size, head_dim
+
+
+def _storage_view(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (indexing/index_put support for fp8 varies by device and version)."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
+def _to_storage(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, Hkv, D] -> storage dtype; fp8: saturate(x / scale[h]), NaN -> 0 (see kvforge.attention.fp8)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = fp8_max(dtype)
+    y = x.to(torch.float32) / scale.view(1, -1, 1)
+    y = torch.nan_to_num(y, nan=0.0, posinf=fmax, neginf=-fmax).clamp_(-fmax, fmax)
+    return y.to(dtype)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> None:
+    """Write new K/V rows into the paged cache, in place.
+
+    ``k``, ``v``: ``[num_tokens, Hkv, D]`` (any float dtype). ``slot_mapping``:
+    int64 ``[n]`` with ``n <= num_tokens``; token ``t < n`` goes to block
+    ``slot // block_size``, offset ``slot % block_size``; ``-1`` skips the
+    token (the cache is untouched for it); tokens ``>= n`` are ignored.
+    fp8 caches store ``saturate(x / scale[h])`` (NaN -> 0, never NaN/inf);
+    other caches store ``x`` cast to the cache dtype and ignore the scales.
+    Scales: per-tensor or ``[Hkv]`` float32 (None = 1.0). Duplicate slots in
+    one call are a caller error (which write wins is unspecified).
+    """
+    num_blocks, hkv, block_size, head_dim = _check_cache(kv_cache)
+    n = int(slot_mapping.shape[0])
+    if k.shape[0] < n or v.shape[0] < n:
+        raise ValueError(f"slot_mapping has {n} entries but k/v have {k.shape[0]}/{v.shape[0]} tokens")
+    if tuple(k.shape[1:]) != (hkv, head_dim) or tuple(v.shape[1:]) != (hkv, head_dim):
+        raise ValueError(f"k/v must be [num_tokens, {hkv}, {head_dim}], got {tuple(k.shape)}/{tuple(v.shape)}")
+    if n == 0:
+        return
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64)
+    valid = slots >= 0
+    idx = torch.nonzero(valid, as_tuple=True)[0]
+    if idx.numel() == 0:
+        return
+    slots = slots[idx]
+    if int(slots.max()) >= num_blocks * block_size:
+        raise IndexError(f"slot {int(slots.max())} out of range for {num_blocks} blocks of {block_size}")
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    dtype = kv_cache.dtype
+    ks = as_head_scales(k_scale, hkv, kv_cache.device)
+    vs = as_head_scales(v_scale, hkv, kv_cache.device)
+    kq = _storage_view(_to_storage(k[:n].to(kv_cache.device)[idx], ks, dtype))
+    vq = _storage_view(_to_storage(v[:n].to(kv_cache.device)[idx], vs, dtype))
+    cache = _storage_view(kv_cache)
+    # Advanced indices on dims 0 and 3, separated by slices: the indexed view is [n, Hkv, D].
+    cache[blocks, 0, :, offsets] = kq
+    cache[blocks, 1, :, offsets] = vq
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``[..., nb]`` -> raw K, V as float32 ``[..., Hkv, nb * block_size - start, D]``."""
+    g = _storage_view(kv_cache)[blocks]  # [..., nb, 2, Hkv, bs, D]
+    if is_fp8(kv_cache.dtype):
+        g = g.view(kv_cache.dtype)
+    lead = blocks.dim() - 1
+    nb = blocks.shape[-1]
+    _, _, hkv, bs, d = kv_cache.shape
+    # [..., nb, Hkv, bs, D] -> [..., Hkv, nb, bs, D] -> [..., Hkv, nb*bs, D]
+    k = g.select(lead + 1, 0).movedim(lead, lead + 1).reshape(*blocks.shape[:-1], hkv, nb * bs, d)
+    v = g.select(lead + 1, 1).movedim(lead, lead + 1).reshape(*blocks.shape[:-1], hkv, nb * bs, d)
+    return k[..., start:, :].to(torch.float32), v[..., start:, :].to(torch.float32)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    qk_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Masked softmax attention in float32.
+
+    ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled),
+    ``allowed [B, Lq, Lk]`` bool (every query row must allow >= 1 key),
+    ``qk_scale``/``v_scale [Hkv]``. Returns ``[B, Hkv, G, Lq, D]``.
+    Masked keys never contribute, even if the cache holds NaN/inf there.
+    """
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k)
+    scores = scores * qk_scale.view(1, -1, 1, 1, 1)
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    # Zero V where no query may look, so 0 * NaN from stale/poisoned slots cannot leak in.
+    key_used = allowed.any(dim=1)  # [B, Lk]
+    v = v.masked_fill(~key_used[:, None, :, None], 0.0)
+    o = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
+    return o * v_scale.view(1, -1, 1, 1, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+    softmax_scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of one step's new tokens over the cache.
+
+    ``q``: ``[num_tokens, Hq, D]`` with ``Hq`` a multiple of the cache's
+    ``Hkv``. The cache must already hold this step's K/V (call
+    :func:`write_kv_cache` first). Query token ``j`` of sequence ``i`` sits at
+    position ``p = seq_lens[i] - query_len_i + j`` and attends to keys at
+    positions ``max(0, p - sliding_window + 1) .. p`` (all of ``0 .. p`` when
+    ``sliding_window`` is None; otherwise it must be >= 1). Block-table entries
+    beyond a sequence's ``ceil(seq_lens[i] / block_size)`` blocks are never
+    read. Scores are ``q . k_raw * (softmax_scale * k_scale[h])``; the output
+    is ``softmax . v_raw * v_scale[h]`` (fp8 caches; scales ignored otherwise).
+    Computed in float32; returns ``out`` (filled in place, any float dtype) or
+    a new ``[num_tokens, Hq, D]`` tensor of ``q.dtype``. Rows of tokens past
+    ``query_start_loc[-1]`` are zero.
+    """
+    num_blocks, hkv, block_size, head_dim = _check_cache(kv_cache)
+    if block_size != meta.block_size:
+        raise ValueError(f"cache block size {block_size} != metadata block size {meta.block_size}")
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % hkv != 0:
+        raise ValueError(f"q must be [num_tokens, k*{hkv}, {head_dim}], got {tuple(q.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    num_tokens, hq, _ = q.shape
+    group = hq // hkv
+    device = kv_cache.device
+    if out is None:
+        out = torch.empty(num_tokens, hq, head_dim, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (num_tokens, hq, head_dim):
+        raise ValueError(f"out must be {(num_tokens, hq, head_dim)}, got {tuple(out.shape)}")
+
+    if is_fp8(kv_cache.dtype):
+        ks = as_head_scales(k_scale, hkv, device)
+        vs = as_head_scales(v_scale, hkv, device)
+    else:
+        ks = torch.ones(hkv, dtype=torch.float32, device=device)
+        vs = ks
+    qk_scale = ks * float(softmax_scale)
+
+    qsl = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    num_seqs = len(seq_lens)
+    total = qsl[-1] if num_seqs else 0
+    if total > num_tokens:
+        raise ValueError(f"query_start_loc[-1] = {total} > num_tokens = {num_tokens}")
+    if total < num_tokens:
+        out[total:].zero_()
+    qlens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
+    for i in range(num_seqs):
+        if qlens[i] < 0 or seq_lens[i] < qlens[i]:
+            raise ValueError(f"sequence {i}: query_len {qlens[i]} invalid for seq_len {seq_lens[i]}")
+    qf = q.to(device=device, dtype=torch.float32)
+    block_tables = meta.block_tables.to(device=device, dtype=torch.int64)
+
+    short = [i for i in range(num_seqs) if 0 < qlens[i] <= BATCHED_QUERY_LEN]
+    if short:
+        _batched(qf, kv_cache, block_tables, short, qsl, qlens, seq_lens, qk_scale, vs, group,
+                 sliding_window, out)
+    for i in range(num_seqs):
+        if qlens[i] > BATCHED_QUERY_LEN:
+            _one_sequence(qf, kv_cache, block_tables[i], qsl[i], qlens[i], seq_lens[i], qk_scale, vs,
+                          group, sliding_window, out)
+    return out
+
+
+def _window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``qpos [..., Lq, 1]``, ``kpos [..., 1, Lk]`` -> allowed ``[..., Lq, Lk]``."""
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    return allowed
+
+
+def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, vs, group, window, out):
+    """All short-query sequences at once, padded to the longest query and context."""
+    device = kv_cache.device
+    bs = kv_cache.shape[3]
+    hkv, d = kv_cache.shape[2], kv_cache.shape[4]
+    b = len(seqs)
+    max_q = max(qlens[i] for i in seqs)
+    max_len = max(seq_lens[i] for i in seqs)
+    # Earliest key any of these queries may see (sliding window lets us skip whole blocks).
+    first_key = 0
+    if window is not None:
+        first_key = max(0, min(seq_lens[i] - qlens[i] for i in seqs) - window + 1)
+    first_block = first_key // bs
+    nb = (max_len + bs - 1) // bs - first_block
+
+    sel = torch.tensor(seqs, dtype=torch.int64, device=device)
+    lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int64, device=device)
+    ql = torch.tensor([qlens[i] for i in seqs], dtype=torch.int64, device=device)
+    starts = torch.tensor([qsl[i] for i in seqs], dtype=torch.int64, device=device)
+
+    # Blocks: entries past a sequence's last block are arbitrary -> replace with block 0 (masked).
+    bidx = torch.arange(first_block, first_block + nb, device=device)
+    blocks = block_tables[sel][:, first_block:first_block + nb]
+    used = bidx[None, :] < ((lens + bs - 1) // bs)[:, None]
+    blocks = torch.where(used, blocks, torch.zeros_like(blocks))
+    k, v = _gather_kv(kv_cache, blocks)  # [B, Hkv, nb*bs, D]
+
+    # Queries padded to max_q; padded rows reuse the last real row (never fully masked) and are dropped.
+    j = torch.arange(max_q, device=device)
+    jj = torch.minimum(j[None, :], ql[:, None] - 1)  # [B, max_q]
+    tok = starts[:, None] + jj
+    qpos = lens[:, None] - ql[:, None] + jj  # [B, max_q]
+    qb = qf[tok]  # [B, max_q, Hq, D]
+    qb = qb.view(b, max_q, hkv, group, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, max_q, D]
+
+    kpos = first_block * bs + torch.arange(nb * bs, device=device)
+    allowed = _window_mask(qpos[:, :, None], kpos[None, None, :], window)
+    allowed &= kpos[None, None, :] < lens[:, None, None]
+    o = _attend(qb, k, v, allowed, qk_scale, vs)  # [B, Hkv, G, max_q, D]
+    o = o.permute(0, 3, 1, 2, 4).reshape(b, max_q, hkv * group, d)
+    real = j[None, :] < ql[:, None]
+    out[tok[real].to(out.device)] = o[real].to(device=out.device, dtype=out.dtype)
+
+
+def _one_sequence(qf, kv_cache, table, start, qlen, seq_len, qk_scale, vs, group, window, out):
+    """One long-query sequence, in query-row chunks bounded by SCORE_BUDGET_ELEMS."""
+    device = kv_cache.device
+    bs = kv_cache.shape[3]
+    hkv, d = kv_cache.shape[2], kv_cache.shape[4]
+    hq = hkv * group
+    span = seq_len if window is None else min(seq_len, window + qlen)
+    rows = max(1, SCORE_BUDGET_ELEMS // max(1, hq * span))
+    for r0 in range(0, qlen, rows):
+        r1 = min(qlen, r0 + rows)
+        p0 = seq_len - qlen + r0  # position of first query row in this chunk
+        p1 = seq_len - qlen + r1  # one past the last
+        k_lo = 0 if window is None else max(0, p0 - window + 1)
+        b0, b1 = k_lo // bs, (p1 + bs - 1) // bs
+        k, v = _gather_kv(kv_cache, table[b0:b1][None])  # [1, Hkv, (b1-b0)*bs, D]
+        kpos = b0 * bs + torch.arange((b1 - b0) * bs, device=device)
+        qpos = torch.arange(p0, p1, device=device)
+        allowed = _window_mask(qpos[:, None], kpos[None, :], window)[None]  # [1, n, Lk]
+        n = r1 - r0
+        qc = qf[start + r0:start + r1].view(n, hkv, group, d).permute(1, 2, 0, 3)[None]
+        o = _attend(qc, k, v, allowed, qk_scale, vs)  # [1, Hkv, G, n, D]
+        o = o[0].permute(2, 0, 1, 3).reshape(n, hq, d)
+        out[start + r0:start + r1] = o.to(device=out.device, dtype=out.dtype)
