@@ -1,0 +1,64 @@
+"""Groups for hybrid sliding/full models and index-width checks."""
+
+import pytest
+
+from kvforge.attention.reference_backend import REFERENCE
+from kvforge.errors import PlanError
+from kvforge.planner.declaration import INT32_MAX, BackendDeclaration, IndexLimit
+from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.resolver import resolve
+from kvforge.spec.architectures import spec_from_hf_config
+from kvforge.spec.presets import PRESETS
+
+
+def spec(name):
+    return spec_from_hf_config(PRESETS[name], name=name, source="test")
+
+
+def test_alternating_sliding_full_two_groups_no_padding():
+    p = resolve(spec("gpt-oss-20b"), CacheConfig(kv_cache_dtype="fp8"))
+    kinds = sorted(g.kind for g in p.groups)
+    assert kinds == ["full", "sliding"]
+    assert p.group_size == 12 and p.padding_layers == 0 and p.worst_case_waste_pct == 0
+    full = next(g for g in p.groups if g.kind == "full")
+    assert full.layers == tuple(range(1, 24, 2))
+    # full layers grow with context: 12 x 8 KV heads x 128 x 1 byte
+    assert p.bytes_per_token == 12 * 8 * 128
+    # sliding layers cost their whole window per sequence: 12 x 128 tokens x 1024 bytes
+    assert p.state_bytes_per_sequence == 12 * 128 * 8 * 128
+
+
+def test_five_to_one_pattern_reports_padding_and_waste():
+    # gemma-3-1b: 26 layers, every 6th global -> 4 full, 22 sliding.
+    p = resolve(spec("gemma-3-1b"), CacheConfig())
+    full = [g for g in p.groups if g.kind == "full"]
+    sliding = [g for g in p.groups if g.kind == "sliding"]
+    assert [g.layers for g in full] == [(5, 11, 17, 23)]
+    # group size 4: 22 sliding layers -> 6 groups of 4 (24 slots), 2 padding layers
+    assert p.group_size == 4 and len(sliding) == 6
+    assert p.padding_layers == 2 and sum(g.padding_layers for g in sliding) == 2
+    assert p.worst_case_waste_pct == pytest.approx(100 * 2 / 28, abs=0.01)
+    assert any("worst-case waste 7.1%" in w for w in p.warnings)
+
+
+def test_int32_row_offset_limit_fails_with_numbers():
+    mla32 = BackendDeclaration(
+        name="mla_int32", priority=5, layer_kinds=frozenset({"mla"}), platforms=frozenset({"cpu"}),
+        kv_dtypes=REFERENCE.kv_dtypes, head_sizes=None, block_sizes=REFERENCE.block_sizes,
+        quantized_query=REFERENCE.quantized_query,
+        index_limit=IndexLimit("row_byte_offset", INT32_MAX, "int32 row-base arithmetic"),
+    )
+    max_slots = INT32_MAX // 576 + 1
+    assert max_slots == 3728271 and abs(max_slots - 2**31 / 576) < 1  # ~3.73M
+    # fp8 MLA row = 576 bytes; 61 layers x 576 bytes per token; 300 GB holds ~8.5M tokens
+    s = spec("deepseek-v3")
+    with pytest.raises(PlanError) as exc:
+        resolve(s, CacheConfig(kv_cache_dtype="fp8", kv_cache_memory=300 * 10**9, max_model_len=163840),
+                ParallelConfig(8), backends=(mla32, REFERENCE))
+    msg = str(exc.value)
+    assert "576-byte rows" in msg and "3728271 slots" in msg and "mla_int32" in msg
+    # 100 GB -> 100e9 / (61 x 576 x 16) blocks x 16 < 3.73M slots: fine
+    ok = resolve(s, CacheConfig(kv_cache_dtype="fp8", kv_cache_memory=100 * 10**9, max_model_len=163840),
+                 ParallelConfig(8), backends=(mla32, REFERENCE))
+    check = ok.index_checks[0]
+    assert check.ok and check.row_bytes == 576 and check.planned_slots == ok.num_blocks * 16 < max_slots

@@ -1,0 +1,58 @@
+"""Query dtype per layer is decided at planning time (DESIGN.md failure 2)."""
+
+import pytest
+
+from kvforge.attention.reference_backend import REFERENCE
+from kvforge.planner.declaration import BackendDeclaration, QuantizedQuery
+from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.resolver import resolve
+from kvforge.spec.architectures import spec_from_hf_config
+from kvforge.spec.presets import PRESETS
+
+MLA_FP8Q = BackendDeclaration(
+    name="test_mla_fp8q", priority=5, layer_kinds=frozenset({"mla"}), platforms=frozenset({"cpu"}),
+    kv_dtypes=frozenset({"bfloat16", "fp8_e4m3"}), head_sizes=frozenset({576}),
+    block_sizes=REFERENCE.block_sizes, quantized_query=QuantizedQuery(frozenset({"fp8_e4m3"}), 16),
+    index_limit=REFERENCE.index_limit,
+)
+
+
+def mla_plan(preset, kv, tp=8):
+    spec = spec_from_hf_config(PRESETS[preset], name=preset, source="test")
+    return resolve(spec, CacheConfig(kv_cache_dtype=kv), ParallelConfig(tp), backends=(MLA_FP8Q, REFERENCE))
+
+
+def test_128_heads_tp8_gets_fp8_query():
+    p = mla_plan("deepseek-v3", "fp8")
+    assert {layer.query_dtype for layer in p.layers} == {"fp8_e4m3"}
+    assert all(layer.heads_per_rank == 16 and layer.backend == "test_mla_fp8q" for layer in p.layers)
+    assert "16 heads per rank" in p.layers[0].query_dtype_reason
+
+
+def test_64_heads_tp8_keeps_bf16_query_with_reason():
+    p = mla_plan("kimi-k2", "fp8")
+    assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
+    reason = p.layers[0].query_dtype_reason
+    assert "only from 16 heads per rank" in reason and "this layer has 8" in reason
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_bf16_kv_gives_model_dtype_query(preset):
+    p = mla_plan(preset, "bf16")
+    assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
+    assert "not quantized" in p.layers[0].query_dtype_reason
+
+
+def test_backend_without_declaration_never_gets_fp8_query():
+    spec = spec_from_hf_config(PRESETS["deepseek-v3"], name="v3", source="test")
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(8), backends=(REFERENCE,))
+    assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
+    assert "does not declare a quantized query" in p.layers[0].query_dtype_reason
+
+
+def test_declaration_requires_explicit_quantized_query():
+    # No defaults for capabilities: omitting quantized_query is a TypeError, not silent inheritance.
+    with pytest.raises(TypeError):
+        BackendDeclaration(name="x", priority=0, layer_kinds=frozenset({"mla"}), platforms=frozenset({"cpu"}),
+                           kv_dtypes=frozenset({"fp8_e4m3"}), head_sizes=None, block_sizes=REFERENCE.block_sizes,
+                           index_limit=REFERENCE.index_limit)
