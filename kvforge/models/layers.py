@@ -1,0 +1,205 @@
+"""Building blocks shared by the decoder models: RMSNorm, rotary embedding, gated MLP.
+
+Everything here is device-agnostic PyTorch and works on a flat batch of tokens
+(``[T, ...]``), which is what the model runner feeds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.errors import ConfigError
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 and cast back (as HF Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(in_dtype)
+
+
+# ---------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+def rope_parameters(config: dict) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling or None)`` from an HF config (transformers 4.x or 5.x style).
+
+    transformers 5 writes ``rope_parameters = {"rope_type", "rope_theta", ...}``;
+    older configs and most hub checkpoints use ``rope_theta`` + ``rope_scaling``.
+    """
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    theta = config.get("rope_theta")
+    if isinstance(params, dict) and params:
+        if "rope_theta" in params:
+            theta = params["rope_theta"]
+        if scaling is None and params.get("rope_type", params.get("type", "default")) != "default":
+            scaling = params
+    if theta is None:
+        theta = 10000.0
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def compute_inv_freq(rotary_dim: int, theta: float, scaling: dict | None, device=None) -> torch.Tensor:
+    """float32 inverse frequencies ``[rotary_dim // 2]`` with the configured scaling applied."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo = float(scaling.get("low_freq_factor", 1.0))
+        hi = float(scaling.get("high_freq_factor", 4.0))
+        orig = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        lo_wavelen, hi_wavelen = orig / lo, orig / hi
+        # Long wavelengths (low frequencies) are slowed down by `factor`; short ones kept; the band
+        # between is interpolated linearly in orig/wavelen.
+        scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
+        t = (orig / wavelen - lo) / (hi - lo)
+        blended = (1 - t) * scaled / factor + t * scaled
+        mid = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
+        return torch.where(mid, blended, scaled)
+    if kind == "freq_factors":
+        # llama.cpp's representation of llama3 scaling: one divisor per frequency.
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device=device)
+        if factors.numel() != inv_freq.numel():
+            raise ConfigError(
+                f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()} (rotary_dim / 2)"
+            )
+        return inv_freq / factors
+    raise ConfigError(f"rope scaling type {kind!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    if scaling is None:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope scaling type {kind!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    required = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}
+    for key in required.get(kind, ()):
+        if key not in scaling:
+            raise ConfigError(f"rope scaling {kind!r} needs {key!r}; got {sorted(scaling)}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style (rotate-half) RoPE, the HF Llama convention, on ``[T, H, D]`` tensors.
+
+    cos/sin are computed on the fly from ``positions`` (a ``[T]`` tensor), in float32,
+    then cast to the activation dtype; there is no length limit and no cache to size.
+    Only the first ``rotary_dim`` features of each head rotate.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, scaling: dict | None):
+        super().__init__()
+        check_rope_scaling(scaling)
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ConfigError(f"rotary dim {rotary_dim} must be even and <= head_dim {head_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("inv_freq", torch.empty(rotary_dim // 2, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)compute ``inv_freq`` in place (needed after ``Module.to_empty``)."""
+        if self.inv_freq.device.type == "meta":
+            return
+        with torch.no_grad():
+            self.inv_freq.copy_(compute_inv_freq(self.rotary_dim, self.theta, self.scaling, device="cpu"))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return x * cos + rotate_half(x) * sin
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+
+# ---------------------------------------------------------------------------
+# MLP
+# ---------------------------------------------------------------------------
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up fused in one ``gate_up_proj``.
+
+    ``gate_up_proj.weight`` rows ``[:intermediate]`` are HF ``gate_proj``, the rest ``up_proj``.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False, dtype=None, device=None
+    ):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str):
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ConfigError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}") from None
+
+
+def cfg_get(config: dict, key: str, default: Any = None) -> Any:
+    """``config[key]`` treating an explicit None as missing."""
+    v = config.get(key)
+    return default if v is None else v

@@ -1,0 +1,59 @@
+"""Architecture name -> model class, and ``build_model``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.errors import ConfigError
+from kvforge.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+# config.json files without "architectures" still carry model_type.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_architecture(hf_config: dict) -> str:
+    """The architecture name this config asks for; ConfigError listing the supported ones if unknown."""
+    archs = hf_config.get("architectures") or []
+    if not archs and hf_config.get("model_type") in _MODEL_TYPES:
+        archs = [_MODEL_TYPES[hf_config["model_type"]]]
+    for a in archs:
+        if a in _MODELS:
+            return a
+    asked = archs or [hf_config.get("model_type")]
+    raise ConfigError(
+        f"model architecture {', '.join(map(str, asked))} is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
+
+
+def get_model_class(hf_config: dict) -> type[nn.Module]:
+    return _MODELS[resolve_architecture(hf_config)]
+
+
+def build_model(hf_config: dict, dtype: torch.dtype, device) -> nn.Module:
+    """Instantiate the model with uninitialised parameters of ``dtype`` on ``device``.
+
+    No random init is run (that is slow for big models); call
+    ``kvforge.weights.load_weights`` next, which fills every parameter.
+    """
+    arch = resolve_architecture(hf_config)
+    config = dict(hf_config)
+    config["architectures"] = [arch]
+    with torch.device("meta"):
+        model = _MODELS[arch](config, dtype=dtype)
+    model = model.to_empty(device=torch.device(device))
+    model.reset_buffers()
+    return model.eval()

@@ -1,0 +1,32 @@
+"""Seeded random weights of the right shapes (for benchmarks and tests without a checkpoint).
+
+Linear and embedding weights ~ normal(0, 0.02), norm weights 1, biases 0. The
+numbers are generated on the parameter's own device (fast for big models) and
+are deterministic for a given seed, device and model structure.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 2)
+        is_norm = p.dim() == 1 and ("norm" in name or "layernorm" in name)
+        if is_norm:
+            p.fill_(1.0)
+        elif leaf[-1] == "bias":
+            p.zero_()
+        else:
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device)
+                g.manual_seed(int(seed))
+            if p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+                p.normal_(0.0, std, generator=g)
+            else:  # e.g. fp8 storage: draw in float32 and cast
+                p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=g))

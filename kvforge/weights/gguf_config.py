@@ -1,0 +1,315 @@
+"""Read a GGUF file's header cheaply and turn its metadata into an HF-style config.
+
+The planner calls :func:`read_gguf_config` before any tensor is read, so this
+module imports only the standard library, numpy and (lazily) ``gguf`` for its
+constants; never torch. ``gguf.GGUFReader`` parses every array element into
+Python objects (seconds for a 49k-token vocabulary); :class:`GGUFHeader` walks
+the header with ``struct`` instead, skipping arrays it was not asked for, and
+records where each tensor's bytes live so the loader can memory-map them.
+
+Only little-endian GGUF v2/v3 files are supported (every file llama.cpp has
+written since 2023).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import ConfigError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types.
+_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = (
+    range(13)
+)
+_SCALAR_FMT = {
+    _UINT8: "<B",
+    _INT8: "<b",
+    _UINT16: "<H",
+    _INT16: "<h",
+    _UINT32: "<I",
+    _INT32: "<i",
+    _FLOAT32: "<f",
+    _BOOL: "<?",
+    _UINT64: "<Q",
+    _INT64: "<q",
+    _FLOAT64: "<d",
+}
+_SCALAR_NP = {
+    _UINT8: "<u1",
+    _INT8: "<i1",
+    _UINT16: "<u2",
+    _INT16: "<i2",
+    _UINT32: "<u4",
+    _INT32: "<i4",
+    _FLOAT32: "<f4",
+    _BOOL: "?",
+    _UINT64: "<u8",
+    _INT64: "<i8",
+    _FLOAT64: "<f8",
+}
+
+# Arrays longer than this are left unread (recorded as ``SkippedArray``) unless
+# their key is requested explicitly.
+_SMALL_ARRAY = 4096
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """An array value that was not materialised (only its length is known)."""
+
+    length: int
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first (ne[0], ne[1], ...)
+    ggml_type: int
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """Row-major shape, i.e. ``shape`` reversed (HF ``[out_features, in_features]``)."""
+        return tuple(reversed(self.shape))
+
+
+class GGUFHeader:
+    """Metadata and tensor directory of a GGUF file, without reading tensor data."""
+
+    def __init__(self, path: str, read_arrays: tuple[str, ...] = ()):
+        self.path = str(path)
+        self._want = set(read_arrays)
+        with open(self.path, "rb") as f:
+            try:
+                self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError as e:  # empty file
+                raise ConfigError(f"{self.path} is not a GGUF file (empty)") from e
+        try:
+            self._parse()
+        finally:
+            self._buf.close()
+            self._buf = None
+
+    # -- low level -----------------------------------------------------------
+    def _read(self, fmt: str):
+        (v,) = struct.unpack_from(fmt, self._buf, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return v
+
+    def _read_str(self) -> str:
+        n = self._read("<Q")
+        s = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return s.decode("utf-8", errors="replace")
+
+    def _skip_str(self) -> None:
+        n = self._read("<Q")
+        self._pos += n
+
+    def _read_value(self, vtype: int, key: str) -> Any:
+        if vtype in _SCALAR_FMT:
+            return self._read(_SCALAR_FMT[vtype])
+        if vtype == _STRING:
+            return self._read_str()
+        if vtype == _ARRAY:
+            etype = self._read("<I")
+            n = self._read("<Q")
+            materialise = n <= _SMALL_ARRAY or key in self._want
+            if etype in _SCALAR_NP:
+                dt = np.dtype(_SCALAR_NP[etype])
+                nbytes = dt.itemsize * n
+                if materialise:
+                    arr = np.frombuffer(self._buf, dtype=dt, count=n, offset=self._pos).copy()
+                    self._pos += nbytes
+                    return arr.tolist()
+                self._pos += nbytes
+                return SkippedArray(n)
+            if etype == _STRING:
+                if materialise:
+                    return [self._read_str() for _ in range(n)]
+                for _ in range(n):
+                    self._skip_str()
+                return SkippedArray(n)
+            # Arrays of arrays: rare; read them recursively.
+            return [self._read_value(etype, key) for _ in range(n)]
+        raise ConfigError(f"{self.path}: unknown GGUF metadata value type {vtype} for key {key!r}")
+
+    def _parse(self) -> None:
+        self._pos = 0
+        if self._buf[:4] != GGUF_MAGIC:
+            raise ConfigError(f"{self.path} is not a GGUF file (bad magic {bytes(self._buf[:4])!r})")
+        self._pos = 4
+        self.version = self._read("<I")
+        if self.version not in (2, 3):
+            raise ConfigError(
+                f"{self.path}: GGUF version {self.version} is not supported (need v2 or v3, little-endian)"
+            )
+        n_tensors = self._read("<Q")
+        n_kv = self._read("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._read_str()
+            vtype = self._read("<I")
+            self.metadata[key] = self._read_value(vtype, key)
+
+        from gguf.constants import GGML_QUANT_SIZES  # constants only; no torch
+
+        raw = []
+        for _ in range(n_tensors):
+            name = self._read_str()
+            ndim = self._read("<I")
+            shape = tuple(self._read("<Q") for _ in range(ndim))
+            ggml_type = self._read("<I")
+            offset = self._read("<Q")
+            raw.append((name, shape, ggml_type, offset))
+        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = (self._pos + align - 1) // align * align
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, shape, ggml_type, offset in raw:
+            n_elems = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if ggml_type not in GGML_QUANT_SIZES:
+                raise ConfigError(f"{self.path}: tensor {name} has unknown ggml type {ggml_type}")
+            block, type_size = GGML_QUANT_SIZES[ggml_type]
+            self.tensors[name] = GGUFTensorInfo(
+                name, shape, ggml_type, data_start + offset, n_elems // block * type_size
+            )
+
+    # -- convenience ---------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def arch_key(self, suffix: str, default: Any = None) -> Any:
+        return self.metadata.get(f"{self.architecture}.{suffix}", default)
+
+
+# GGUF general.architecture -> HF architecture name.
+_GGUF_ARCH_TO_HF = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_HF_MODEL_TYPE = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+# general.file_type (llama_ftype) -> the dtype weights were stored in; quantised files say
+# nothing about the original dtype, so they get bfloat16 (no fp16 overflow risk).
+_FILE_TYPE_DTYPE = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def _first(value: Any) -> Any:
+    """Per-layer metadata may be an array; the config wants one value."""
+    if isinstance(value, list):
+        if not value:
+            return None
+        if len(set(value)) > 1:
+            raise ConfigError(f"per-layer values differ ({sorted(set(value))}); not supported for this model kind")
+        return value[0]
+    return value
+
+
+def read_gguf_config(path: str) -> dict:
+    """HF-style config dict from a GGUF file's metadata alone (no tensor data, no torch).
+
+    Keys: architectures, model_type, hidden_size, num_hidden_layers,
+    num_attention_heads, num_key_value_heads, head_dim, intermediate_size,
+    vocab_size, rms_norm_eps, rope_theta, max_position_embeddings,
+    tie_word_embeddings, rope_scaling (only when the file has one), torch_dtype,
+    plus attention_bias (qkv biases present), bos/eos token ids and
+    sliding_window when known.
+    """
+    h = GGUFHeader(path)
+    arch = h.architecture
+    if arch not in _GGUF_ARCH_TO_HF:
+        raise ConfigError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCH_TO_HF)}"
+        )
+    hf_arch = _GGUF_ARCH_TO_HF[arch]
+    # llama.cpp writes Mistral checkpoints as arch "llama"; both map to one implementation here.
+
+    def need(suffix: str) -> Any:
+        v = h.arch_key(suffix)
+        if v is None:
+            raise ConfigError(f"{path}: GGUF metadata lacks {arch}.{suffix}")
+        return _first(v)
+
+    hidden = int(need("embedding_length"))
+    n_layers = int(need("block_count"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = _first(h.arch_key("attention.head_count_kv"))
+    n_kv = n_heads if n_kv is None else int(n_kv)
+    head_dim = h.arch_key("attention.key_length")
+    head_dim = int(head_dim) if head_dim is not None else hidden // n_heads
+
+    vocab = h.arch_key("vocab_size")
+    if vocab is None:
+        toks = h.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(toks, SkippedArray):
+            vocab = toks.length
+        elif isinstance(toks, list):
+            vocab = len(toks)
+        elif "token_embd.weight" in h.tensors:
+            vocab = h.tensors["token_embd.weight"].shape[1]
+        else:
+            raise ConfigError(f"{path}: cannot tell the vocabulary size")
+    vocab = int(vocab)
+
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": _HF_MODEL_TYPE[hf_arch],
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "intermediate_size": int(need("feed_forward_length")),
+        "vocab_size": vocab,
+        "rms_norm_eps": float(h.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(h.arch_key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(h.arch_key("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+        "torch_dtype": _FILE_TYPE_DTYPE.get(h.metadata.get("general.file_type"), "bfloat16"),
+        "attention_bias": "blk.0.attn_q.bias" in h.tensors,
+        "hidden_act": "silu",
+    }
+    rope_dim = h.arch_key("rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
+
+    scaling_type = h.arch_key("rope.scaling.type")
+    if scaling_type in ("linear", "yarn", "dynamic"):
+        scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(h.arch_key("rope.scaling.factor", 1.0))}
+        orig = h.arch_key("rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        cfg["rope_scaling"] = scaling
+    elif "rope_freqs.weight" in h.tensors:
+        # llama3-style scaling: llama.cpp stores per-frequency divisors instead of the parameters.
+        t = h.tensors["rope_freqs.weight"]
+        if t.ggml_type != 0:  # F32
+            raise ConfigError(f"{path}: rope_freqs.weight has ggml type {t.ggml_type}, expected F32")
+        n = int(np.prod(t.shape))
+        factors = np.fromfile(path, dtype="<f4", count=n, offset=t.offset)
+        cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
+
+    window = h.arch_key("attention.sliding_window")
+    if window is not None:
+        cfg["sliding_window"] = int(_first(window))
+    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+        if key in h.metadata:
+            cfg[hf_key] = int(h.metadata[key])
+    return cfg
