@@ -57,6 +57,7 @@ class _Req:
     params: SamplingParams
     rng: random.Random
     out_ids: list[int] = field(default_factory=list)
+    lps: list[dict] = field(default_factory=list)
     blocks: int = 0
     first_step: bool = True
 
@@ -156,8 +157,9 @@ class FakeEngine:
                     text = text[: text.find(stop_reason)]
                 lps = None
                 if r.params.logprobs is not None:
-                    lps = [{t: -1.0 - 0.1 * i for i, t in enumerate([tok] + self._alts(tok, r.params.logprobs))}]
-                    lps = [dict(list(lps[0].items())[: max(1, r.params.logprobs + 1)])]
+                    ranked = [tok] + self._alts(tok, r.params.logprobs)
+                    r.lps.append({t: -1.0 - 0.1 * i for i, t in enumerate(ranked[: r.params.logprobs + 1])})
+                    lps = list(r.lps)
                 comp = CompletionOutput(0, text, list(r.out_ids), finish, stop_reason, lps)
                 outputs.append(RequestOutput(r.request_id, r.prompt, list(r.prompt_ids), [comp], finish is not None))
                 if finish is not None:
@@ -215,3 +217,38 @@ class FakeEngine:
     def _free(self, r: _Req) -> None:
         self._blocks_used -= r.blocks
         r.blocks = 0
+
+
+# -- engine selection for the server / bench tests ------------------------------------
+
+
+def real_engine_available() -> bool:
+    """True when the real engine imports (and KVFORGE_TEST_FAKE_ENGINE is not set)."""
+    import os
+
+    if os.environ.get("KVFORGE_TEST_FAKE_ENGINE"):
+        return False
+    try:
+        from kvforge import config  # noqa: F401
+        from kvforge.engine import llm_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_test_engine(max_model_len: int = 512, max_num_seqs: int = 32):
+    """(engine, kind): the real engine on the embedded SmolLM2 (CPU) when it imports, else FakeEngine."""
+    if not real_engine_available():
+        return FakeEngine(max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_delay=0.002), "fake"
+    import argparse
+
+    from kvforge import config
+    from kvforge.engine import llm_engine
+
+    EngineArgs, LLMEngine = config.EngineArgs, llm_engine.LLMEngine
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)])
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+    return engine, "real"

@@ -1,0 +1,506 @@
+"""The OpenAI-compatible server, end to end over real HTTP.
+
+The module server wraps the real engine (embedded SmolLM2 on CPU) when
+``kvforge.engine.llm_engine`` imports, else ``tests/fake_engine.FakeEngine``;
+set KVFORGE_TEST_FAKE_ENGINE=1 to force the fake. Tests of pure server
+mechanics (queue bound, SIGTERM drain) always use the fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine, make_test_engine  # noqa: E402
+
+from kvforge.server.app import ServerThread, create_app  # noqa: E402
+from kvforge.server.metrics import metric_sum, parse_prometheus  # noqa: E402
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_MODEL_LEN = 512
+MAX_REQUEST_BYTES = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine, kind = make_test_engine(max_model_len=MAX_MODEL_LEN, max_num_seqs=32)
+    app = create_app(engine, api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES, max_queued_requests=512)
+    srv = ServerThread(app).start()
+    srv.kind = kind
+    srv.engine = engine
+    print(f"\n[test_server] engine: {kind} ({engine.model_name})")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def http(method: str, url: str, body=None, headers=None, timeout=60):
+    """(status, headers, parsed JSON or text) with urllib, no exceptions for HTTP errors."""
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, rh, raw = r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        status, rh, raw = e.code, dict(e.headers), e.read()
+    try:
+        return status, rh, json.loads(raw)
+    except ValueError:
+        return status, rh, raw.decode(errors="replace")
+
+
+def metrics(server) -> dict[str, float]:
+    status, _, text = http("GET", server.url + "/metrics")
+    assert status == 200
+    return parse_prometheus(text)
+
+
+def model_name(server) -> str:
+    return server.engine.model_name
+
+
+def prompt_len(server, text: str) -> int:
+    return len(server.engine.tokenizer.encode(text))
+
+
+# -- (1) the official openai client ------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name(server)]
+    status, _, body = http("GET", server.url + "/health")
+    assert status == 200 and body["status"] == "ok"
+
+
+def test_completion_with_openai_client(server, client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=model_name(server), prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == model_name(server) and r.id
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text
+    assert r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens == prompt_len(server, prompt)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    # The same prompt as token ids gives the same greedy text.
+    ids = server.engine.tokenizer.encode(prompt)
+    r2 = client.completions.create(model=model_name(server), prompt=ids, max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert r2.choices[0].text == r.choices[0].text
+    assert r2.usage.prompt_tokens == len(ids)
+
+
+def test_chat_with_openai_client(server, client):
+    messages = [{"role": "user", "content": "Say hello."}]
+    r = client.chat.completions.create(model=model_name(server), messages=messages, max_tokens=5, temperature=0)
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and isinstance(msg.content, str)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 5
+    rendered = server.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = len(rendered) if isinstance(rendered, list) else prompt_len(server, rendered)
+    assert r.usage.prompt_tokens == expected
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # max_completion_tokens is honoured too
+    r = client.chat.completions.create(model=model_name(server), messages=messages, max_completion_tokens=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+def test_streaming_matches_non_streaming(server, client):
+    kw = dict(model=model_name(server), max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(prompt="Once upon a time", **kw)
+    chunks = list(client.completions.create(prompt="Once upon a time", stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    messages = [{"role": "user", "content": "Count to three."}]
+    full = client.chat.completions.create(messages=messages, **kw)
+    chunks = list(client.chat.completions.create(messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    # without include_usage there is no usage chunk
+    chunks = list(client.completions.create(prompt="Once upon a time", stream=True, **kw))
+    assert all(c.usage is None and c.choices for c in chunks)
+
+
+def test_logprobs_and_stop(server, client):
+    r = client.completions.create(model=model_name(server), prompt="One, two, three,", max_tokens=4,
+                                  temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and len(lp.top_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    r = client.chat.completions.create(model=model_name(server), messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) <= 2 for c in content)
+    # A stop string cuts the text and reports finish_reason "stop".
+    base = client.completions.create(model=model_name(server), prompt="The cat", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base.strip()[:2] if base.strip() else None
+    if stop:
+        r = client.completions.create(model=model_name(server), prompt="The cat", max_tokens=8, temperature=0,
+                                      stop=[stop], extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "stop"
+        assert stop not in r.choices[0].text
+        assert base.startswith(r.choices[0].text)
+
+
+def test_seeded_sampling_is_reproducible(server, client):
+    kw = dict(model=model_name(server), prompt="Write a word:", max_tokens=6, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+# -- (2) concurrency: 200 requests at 32, each equal to its solo greedy output -----------------------
+
+
+def test_concurrent_requests_match_solo(server):
+    base = server.url + "/v1/completions"
+    n_prompts, n_requests, concurrency, max_tokens = 25, 200, 32, 8
+    prompts = [f"Request {i}: the {w} of the story is" for i, w in
+               enumerate(["start", "end", "middle", "hero", "moral"] * 5)][:n_prompts]
+
+    def body(p):
+        return {"model": model_name(server), "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
+
+    # Served alone, one at a time.
+    solo = {}
+    for p in prompts:
+        status, _, r = http("POST", base, body(p), AUTH)
+        assert status == 200, r
+        solo[p] = r["choices"][0]["text"]
+
+    async def run():
+        sem = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession() as session:
+            async def one(i):
+                p = prompts[i % n_prompts]
+                async with sem, session.post(base, json=body(p), headers=AUTH) as resp:
+                    return p, resp.status, await resp.json()
+            return await asyncio.gather(*(one(i) for i in range(n_requests)))
+
+    t0 = time.perf_counter()
+    results = asyncio.run(run())
+    elapsed = time.perf_counter() - t0
+    print(f"\n[test_server] {n_requests} requests at concurrency {concurrency}: {elapsed:.1f}s ({server.kind})")
+    assert all(status == 200 for _, status, _ in results), [r for _, s, r in results if s != 200][:3]
+    mismatches = [(p, r["choices"][0]["text"], solo[p]) for p, _, r in results if r["choices"][0]["text"] != solo[p]]
+    assert not mismatches, mismatches[:3]
+    assert all(r["usage"]["completion_tokens"] == max_tokens for _, _, r in results)
+
+
+# -- (3) bad input: 400 naming the field, server keeps serving; auth 401; limits --------------------
+
+
+def _too_long_prompt(server) -> str:
+    return "hello " * (MAX_MODEL_LEN + 10)
+
+
+BAD_COMPLETIONS = [
+    ("malformed_json", b'{"prompt": "hi", ', "body"),
+    ("not_an_object", b'["prompt"]', None),
+    ("temperature_type", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("max_tokens_type", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    ("max_tokens_zero", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("unknown_model", {"prompt": "hi", "model": "gpt-17"}, "model"),
+    ("top_p_range", {"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ("negative_temperature", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("top_k_range", {"prompt": "hi", "top_k": -5}, "top_k"),
+    ("min_p_range", {"prompt": "hi", "min_p": 2}, "min_p"),
+    ("n_two", {"prompt": "hi", "n": 2}, "n"),
+    ("logprobs_range", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("stop_type", {"prompt": "hi", "stop": [1, 2]}, "stop"),
+    ("stop_token_ids_type", {"prompt": "hi", "stop_token_ids": ["a"]}, "stop_token_ids"),
+    ("seed_type", {"prompt": "hi", "seed": "x"}, "seed"),
+    ("ignore_eos_type", {"prompt": "hi", "ignore_eos": "yes"}, "ignore_eos"),
+    ("stream_type", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("missing_prompt", {"max_tokens": 3}, "prompt"),
+    ("prompt_type", {"prompt": 42}, "prompt"),
+    ("empty_prompt", {"prompt": ""}, "prompt"),
+    ("prompt_too_long", "TOO_LONG", "prompt"),
+    ("max_tokens_over_context", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("name,body,field", BAD_COMPLETIONS, ids=[b[0] for b in BAD_COMPLETIONS])
+def test_bad_completion_requests(server, name, body, field):
+    if body == "TOO_LONG":
+        body = {"prompt": _too_long_prompt(server)}
+    if isinstance(body, dict):
+        body = {"model": model_name(server), **body}
+    status, _, r = http("POST", server.url + "/v1/completions", body, AUTH)
+    assert status == 400, r
+    err = r["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == field
+    assert err["message"]
+    if field:
+        assert field in err["message"]
+    status, _, h = http("GET", server.url + "/health")
+    assert status == 200 and h["status"] == "ok"
+
+
+BAD_CHAT = [
+    ("missing_messages", {}, "messages"),
+    ("messages_type", {"messages": "hi"}, "messages"),
+    ("bad_role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("content_type", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("max_completion_tokens_zero", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("top_logprobs_without_logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs"),
+    ("prompt_too_long", "TOO_LONG", "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,field", BAD_CHAT, ids=[b[0] for b in BAD_CHAT])
+def test_bad_chat_requests(server, name, body, field):
+    if body == "TOO_LONG":
+        body = {"messages": [{"role": "user", "content": _too_long_prompt(server)}]}
+    body = {"model": model_name(server), **body}
+    status, _, r = http("POST", server.url + "/v1/chat/completions", body, AUTH)
+    assert status == 400, r
+    assert r["error"]["param"] == field and field in r["error"]["message"]
+
+
+def test_bad_input_with_openai_client_keeps_serving(server, client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=model_name(server), prompt="hi", temperature=-3)
+    assert "temperature" in str(exc.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="no-such-model", prompt="hi")
+    r = client.completions.create(model=model_name(server), prompt="hi", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_api_key(server):
+    url = server.url + "/v1/completions"
+    body = {"model": model_name(server), "prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, _, r = http("POST", url, body, headers)
+        assert status == 401, r
+        assert r["error"]["code"] == "invalid_api_key" and r["error"]["type"] == "invalid_request_error"
+    status, _, _ = http("GET", server.url + "/v1/models")
+    assert status == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    # health and metrics stay open (load balancers, Prometheus)
+    assert http("GET", server.url + "/health")[0] == 200
+    assert http("GET", server.url + "/metrics")[0] == 200
+
+
+def test_request_body_limit(server):
+    body = {"model": model_name(server), "prompt": "x" * (MAX_REQUEST_BYTES + 10)}
+    status, _, r = http("POST", server.url + "/v1/completions", body, AUTH)
+    assert status == 413 and r["error"]["code"] == "request_too_large"
+    assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_unknown_route_is_json_404(server):
+    status, _, r = http("GET", server.url + "/v1/nothing-here", headers=AUTH)
+    assert status == 404 and "error" in r
+
+
+# -- (4) clients that disconnect mid-stream free their KV blocks ------------------------------------
+
+
+def test_disconnects_free_kv_blocks(server):
+    url = server.url + "/v1/completions"
+    before = metrics(server)
+    n_stream, n_plain = 20, 4
+
+    async def stream_then_leave(session, i):
+        body = {"model": model_name(server), "prompt": f"Tell me a long story number {i}.", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        resp = await session.post(url, json=body, headers=AUTH)
+        assert resp.status == 200
+        got = 0
+        async for line in resp.content:
+            if line.startswith(b"data:"):
+                got += 1
+                if got >= 2:
+                    break
+        resp.close()  # drop the connection mid-stream
+        return got
+
+    async def wait_then_leave(session, i):
+        body = {"model": model_name(server), "prompt": f"Another story {i}.", "max_tokens": 400,
+                "temperature": 0, "ignore_eos": True}
+        with pytest.raises(asyncio.TimeoutError):
+            async with session.post(url, json=body, headers=AUTH,
+                                    timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
+                await resp.read()
+
+    async def run():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as session:
+            got = await asyncio.gather(*(stream_then_leave(session, i) for i in range(n_stream)),
+                                       *(wait_then_leave(session, i) for i in range(n_plain)))
+            return got[:n_stream]
+
+    got = asyncio.run(run())
+    assert all(g >= 2 for g in got)
+    deadline = time.time() + 30
+    while True:
+        m = metrics(server)
+        used = metric_sum(m, "kvforge_kv_blocks_used")
+        running = metric_sum(m, "kvforge_num_requests_running") + metric_sum(m, "kvforge_num_requests_waiting")
+        in_flight = metric_sum(m, "kvforge_server_requests_in_flight")
+        if used == 0 and running == 0 and in_flight == 0:
+            break
+        assert time.time() < deadline, f"still in use: blocks={used} running+waiting={running} in_flight={in_flight}"
+        time.sleep(0.1)
+    key = f'kvforge_request_success_total{{model_name="{model_name(server)}",finished_reason="abort"}}'
+    aborted = m[key] - before[key]
+    assert aborted == n_stream + n_plain
+    assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_metrics_exposition(server, client):
+    client.completions.create(model=model_name(server), prompt="metrics", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    status, headers, text = http("GET", server.url + "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    m = parse_prometheus(text)
+    for name in ("kvforge_num_requests_running", "kvforge_num_requests_waiting", "kvforge_kv_blocks_used",
+                 "kvforge_kv_blocks_total", "kvforge_prefix_cache_hit_rate", "kvforge_num_preemptions_total",
+                 "kvforge_prompt_tokens_total", "kvforge_generation_tokens_total",
+                 "kvforge_time_to_first_token_seconds_count", "kvforge_inter_token_latency_seconds_count"):
+        assert any(k.split("{")[0] == name for k in m), name
+    assert metric_sum(m, "kvforge_kv_blocks_total") > 0
+    assert metric_sum(m, "kvforge_time_to_first_token_seconds_count") >= 1
+    assert m['kvforge_time_to_first_token_seconds_bucket{le="+Inf"}'] == m[
+        "kvforge_time_to_first_token_seconds_count"]
+    for line in text.splitlines():  # every sample line is "name{labels} value"
+        if line and not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+# -- server mechanics on the fake engine: queue bound, SIGTERM -------------------------------------
+
+
+def test_queue_bound_returns_503_with_retry_after():
+    engine = FakeEngine(max_num_seqs=1, step_delay=0.02)
+    with ServerThread(create_app(engine, max_queued_requests=2)) as srv:
+        url = srv.url + "/v1/completions"
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                async def one(i):
+                    body = {"prompt": f"p{i}", "max_tokens": 20, "ignore_eos": True}
+                    async with session.post(url, json=body) as resp:
+                        return resp.status, resp.headers.get("Retry-After"), await resp.json()
+                return await asyncio.gather(*(one(i) for i in range(12)))
+
+        results = asyncio.run(run())
+        statuses = [s for s, _, _ in results]
+        assert 200 in statuses and 503 in statuses, statuses
+        for status, retry, body in results:
+            if status == 503:
+                assert retry is not None and int(retry) >= 1
+                assert body["error"]["code"] == "queue_full"
+        # once drained, it serves again
+        status, _, r = http("POST", url, {"prompt": "again", "max_tokens": 2})
+        assert status == 200, r
+        assert engine.stats()["kv_blocks_used"] == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVE_FAKE = """
+import sys, logging
+sys.path.insert(0, {tests!r})
+from fake_engine import FakeEngine
+from kvforge.server.app import create_app, serve
+logging.basicConfig(level=logging.INFO)
+sys.exit(serve(create_app(FakeEngine(step_delay=0.02), shutdown_grace_s=30), "127.0.0.1", {port}))
+"""
+
+
+def test_sigterm_drains_in_flight_and_exits_zero():
+    port = _free_port()
+    code = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if http("GET", base + "/health", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
+            time.sleep(0.1)
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": "drain me", "max_tokens": 40, "ignore_eos": True, "stream": True}
+                async with session.post(base + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    lines = []
+                    async for line in resp.content:
+                        if line.startswith(b"data:"):
+                            lines.append(line)
+                            if len(lines) == 2:
+                                proc.send_signal(signal.SIGTERM)
+                    return lines
+
+        lines = asyncio.run(run())
+        assert lines[-1].strip() == b"data: [DONE]"
+        texts = [json.loads(x[5:])["choices"][0] for x in lines[:-1]]
+        assert texts[-1]["finish_reason"] == "length"  # the in-flight request finished
+        assert len(texts) == 40
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(OSError):  # no longer accepting
+            http("GET", base + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
