@@ -1,0 +1,150 @@
+"""The load generator (kvforge bench serve) against a live server.
+
+The live server wraps the real engine (embedded SmolLM2, CPU) when it imports,
+else the fake engine (KVFORGE_TEST_FAKE_ENGINE=1 forces the fake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine, make_test_engine  # noqa: E402
+
+from kvforge.bench import serve_bench as sb  # noqa: E402
+from kvforge.server.app import ServerThread, create_app  # noqa: E402
+from kvforge.server.metrics import metric_sum, parse_prometheus  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine, kind = make_test_engine(max_model_len=512, max_num_seqs=16)
+    srv = ServerThread(create_app(engine)).start()
+    srv.kind, srv.engine = kind, engine
+    print(f"\n[test_serve_bench] engine: {kind}")
+    yield srv
+    srv.stop()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics") as r:
+        return parse_prometheus(r.read().decode())
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def test_percentile():
+    assert sb.percentile([], 50) is None
+    assert sb.percentile([5.0], 99) == 5.0
+    xs = list(range(1, 101))
+    assert sb.percentile(xs, 50) == pytest.approx(50.5)
+    assert sb.percentile(xs, 0) == 1 and sb.percentile(xs, 100) == 100
+    assert sb.percentile(xs, 99) == pytest.approx(99.01)
+
+
+def test_prompts_are_unique_and_seeded():
+    a = sb.PromptFactory(64, seed=7)
+    b = sb.PromptFactory(64, seed=7)
+    pa = [a.make("r0") for _ in range(50)]
+    assert pa == [b.make("r0") for _ in range(50)]
+    assert len(set(pa)) == 50
+    # each prompt starts with its own id, so no two share even a first block
+    assert len({p.split("]")[0] for p in pa}) == 50
+
+
+def test_calibration_fits_isl():
+    f = sb.PromptFactory(100, seed=0)
+    # a tokenizer that costs 10 tokens of prefix plus 2 tokens per word
+    samples = [(w, 10 + 2 * w) for w in (f.words, f.words // 2)]
+    f.calibrate(samples)
+    assert f.words == 45
+
+
+def _rep(i, duration):
+    d = {"mean": 1.0, "p50": 1.0, "p90": 2.0, "p99": 3.0, "n": 1}
+    return {"repetition": i, "duration_s": duration, "request_throughput": 1 / duration,
+            "output_throughput_tok_s": 100 / duration, "total_throughput_tok_s": 200 / duration,
+            "ttft_ms": d, "tpot_ms": d, "itl_ms": d}
+
+
+def test_cold_first_repetition_is_flagged():
+    s = sb.summarize_repetitions([_rep(0, 4.0), _rep(1, 2.0), _rep(2, 2.2), _rep(3, 1.9)])
+    assert s["cold_start"]["first_repetition_is_outlier"] is True
+    assert s["duration_s"] == {"median": 2.1, "min": 1.9, "max": 4.0}
+    s = sb.summarize_repetitions([_rep(0, 2.1), _rep(1, 2.0), _rep(2, 2.2)])
+    assert s["cold_start"]["first_repetition_is_outlier"] is False
+    assert s["output_throughput_tok_s"]["min"] == pytest.approx(100 / 2.2)
+
+
+# -- against a live server ------------------------------------------------------------------------
+
+
+def test_bench_counts_agree_with_server_metrics(server, tmp_path):
+    before = _metrics(server.url)
+    out, plot = tmp_path / "results.json", tmp_path / "results.png"
+    rc = sb.bench_serve_main([
+        "--base-url", server.url, "--isl", "48", "--osl", "8", "--concurrency", "4", "--num-requests", "8",
+        "--repetitions", "2", "--warmup", "1", "--out", str(out), "--plot", str(plot),
+    ])
+    assert rc == 0
+    after = _metrics(server.url)
+    report = json.loads(out.read_text())
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    reps = report["repetitions"]
+    assert len(reps) == 2 and all(r["requests_succeeded"] == 8 and r["requests_failed"] == 0 for r in reps)
+    assert all(r["output_tokens"] == 8 * 8 for r in reps)  # ignore_eos: exactly OSL each
+    for r in reps:
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert r[key]["p50"] is not None and r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
+        assert r["output_throughput_tok_s"] > 0 and r["total_throughput_tok_s"] > r["output_throughput_tok_s"]
+    # prompts land near ISL after warm-up calibration
+    assert 48 * 0.7 <= reps[0]["mean_prompt_tokens"] <= 48 * 1.3, reps[0]["mean_prompt_tokens"]
+    assert set(report["summary"]["ttft_ms_p50"]) == {"median", "min", "max"}
+
+    totals = report["totals"]
+    assert totals["requests_sent"] == totals["requests_succeeded"] == 4 + 16
+    name = server.engine.model_name
+
+    def delta(metric):
+        return metric_sum(after, metric) - metric_sum(before, metric)
+
+    ok_key = 'kvforge_request_success_total{model_name="%s",finished_reason="length"}'
+    assert after[ok_key % name] - before.get(ok_key % name, 0) == totals["requests_succeeded"]
+    assert delta("kvforge_request_success_total") == totals["requests_succeeded"]
+    assert delta("kvforge_request_prompt_tokens_total") == totals["prompt_tokens"]
+    assert delta("kvforge_request_generation_tokens_total") == totals["output_tokens"]
+    # the engine's own counter agrees on generated tokens
+    assert delta("kvforge_generation_tokens_total") == totals["output_tokens"]
+    assert delta("kvforge_time_to_first_token_seconds_count") == totals["requests_succeeded"]
+    # unique prompts: the prefix cache could not serve the id-prefixed prompts' first blocks
+    assert report["server_metrics_delta"]["kvforge_request_generation_tokens_total"] == totals["output_tokens"]
+
+
+def test_bench_counts_failures():
+    engine = FakeEngine(step_delay=0.001)
+    with ServerThread(create_app(engine, api_key="secret")) as srv:
+        report = asyncio.run(sb.run_benchmark(srv.url, isl=16, osl=4, concurrency=2, num_requests=4,
+                                              repetitions=1, warmup=0, model="fake-model", log=lambda *_: None))
+        rep = report["repetitions"][0]
+        assert rep["requests_failed"] == 4 and rep["requests_succeeded"] == 0
+        assert "401" in rep["errors"][0]
+        report = asyncio.run(sb.run_benchmark(srv.url + "/v1", isl=16, osl=4, concurrency=2, num_requests=4,
+                                              repetitions=1, warmup=0, api_key="secret",
+                                              log=lambda *_: None))
+        assert report["repetitions"][0]["requests_succeeded"] == 4
+
+
+def test_word_list_is_deterministic():
+    rng = random.Random(3)
+    p = sb.build_prompt("x", 10, rng)
+    assert p.startswith("[x] ") and len(p.split()) == 11
