@@ -249,6 +249,7 @@ def make_test_engine(max_model_len: int = 512, max_num_seqs: int = 32):
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)])
+    ns = parser.parse_args(["--device", "cpu", "--max-model-len", str(max_model_len), "--max-num-seqs",
+                            str(max_num_seqs), "--no-progress"])
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
     return engine, "real"

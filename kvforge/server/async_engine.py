@@ -230,9 +230,8 @@ class AsyncEngine:
             except Exception as e:  # a template that rejects the conversation
                 raise InvalidRequestError(f"'messages': cannot apply the chat template: {e}", field="messages") from e
         if isinstance(prompt, str):
-            n = len(tok.encode(prompt))
-        else:
-            n = len(prompt)
+            prompt = tok.encode(prompt)  # tokenize once; the engine gets the ids
+        n = len(prompt)
         if n >= max_len:
             raise InvalidRequestError(
                 f"'{prompt_field}': the prompt has {n} tokens, but this model's maximum context length "

@@ -24,23 +24,18 @@ logger = logging.getLogger("kvforge.server")
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from kvforge.config import EngineArgs
 
-    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="model path / name (same as --model; default: the embedded SmolLM2)")
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser)  # positional MODEL, engine flags, --served-model-name, --seed
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: no auth)")
-    g.add_argument("--served-model-name", default=None,
-                   help="model name reported at /v1/models and required in requests (default: the engine's)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests allowed to wait for the engine before new ones get 503 (default 1024)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger gets 413 (default 1 MiB)")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -62,17 +57,13 @@ def serve_main(args) -> int:
     if args is None or isinstance(args, (list, tuple)):
         parser = add_serve_args(argparse.ArgumentParser(prog="kvforge serve"))
         args = parser.parse_args(list(args) if args is not None else None)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not logging.getLogger().handlers:  # standalone use; `kvforge serve` configures logging itself
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from kvforge.config import EngineArgs
         from kvforge.engine.llm_engine import LLMEngine
 
         _validate(args)
-        if getattr(args, "model_tag", None):
-            if getattr(args, "model", None) not in (None, args.model_tag):
-                raise KVForgeError(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
-            args.model = args.model_tag
         engine_args = EngineArgs.from_cli_args(args)
         # from_engine_args resolves the KV plan first: a PlanError/ConfigError stops us before weights load.
         engine = LLMEngine.from_engine_args(engine_args)
@@ -80,6 +71,7 @@ def serve_main(args) -> int:
         print(f"kvforge serve: error: {e}", file=sys.stderr)
         return 2
     logger.info("KV cache plan:\n%s", engine.plan.summary())
+    logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
 
     from kvforge.server.app import create_app, serve
 
@@ -88,7 +80,6 @@ def serve_main(args) -> int:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
-        served_model_name=args.served_model_name,
         shutdown_grace_s=args.shutdown_grace,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
