@@ -32,7 +32,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``command == "plan"`` the engine subcommands (and
+    their heavy imports) are skipped so planning stays fast and torch-free."""
     from kvforge.cli_args import add_plan_args
 
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0])
@@ -47,21 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 
-    _add_engine_commands(sub)
+    if command != "plan":
+        _add_engine_commands(sub)
     return parser
 
 
 def _add_engine_commands(sub) -> None:
     """generate / serve / bench / eval live in their own modules (imported lazily)."""
-    try:
-        from kvforge import cli_engine
-    except ImportError:  # engine commands not available in this build
-        return
+    from kvforge import cli_engine
+
     cli_engine.register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)

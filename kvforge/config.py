@@ -1,0 +1,90 @@
+"""EngineArgs: every engine option in one frozen dataclass, with vLLM's flag names.
+
+``EngineArgs.add_cli_args(parser)`` adds the flags; ``from_cli_args(ns)``
+builds the dataclass. Validation of anything the planner decides happens in
+the planner (before weights load); the rest is validated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from kvforge.cli_args import add_plan_args, positive_int
+from kvforge.errors import ConfigError
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: CPU has no "free device memory" to size from
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine options. ``model=None`` means the embedded SmolLM2-135M-Instruct GGUF.
+
+    ``device``: "auto" (cuda when available, else cpu), "cpu" or "cuda".
+    ``dtype``: "auto" = float32 on CPU (fast and exact there), the config's
+    dtype (bf16 usually) on CUDA. ``kv_cache_memory``: KV bytes per rank; on
+    CPU it defaults to 1 GiB, on CUDA to free memory x utilization - weights.
+    ``kv_scale_multiplier`` multiplies every fp8 KV scale: a diagnostic for
+    showing that a wrong scale is detected (eval kld), not a tuning knob.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    kv_cache_dtype: str = "auto"
+    block_size: int | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    gpu_memory: int | None = None
+    kv_cache_memory: int | None = None
+    num_speculative_tokens: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
+    kv_scale_scheme: str = "per_tensor"
+    calculate_kv_scales: bool = False
+    kv_scale_multiplier: float = 1.0
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.kv_scale_multiplier > 0:
+            raise ConfigError(f"--kv-scale-multiplier must be > 0, got {self.kv_scale_multiplier}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
+        if model_positional:
+            parser.add_argument("model", nargs="?", default=None,
+                                help="HF dir / .gguf / preset (dummy weights) (default: embedded SmolLM2)")
+        add_plan_args(parser)
+        parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        parser.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], default="auto")
+        parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
+        parser.add_argument("--served-model-name", default=None)
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+        parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+        parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        parser.add_argument("--skip-tokenizer-init", action="store_true")
+        parser.add_argument("--kv-scale-multiplier", type=float, default=1.0,
+                            help="diagnostic: multiply every fp8 KV scale (e.g. 100 to show a broken scale)")
+        parser.add_argument("--no-progress", dest="progress", action="store_false")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})

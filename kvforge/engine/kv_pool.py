@@ -1,0 +1,80 @@
+"""The KV pool: one allocation per rank, exactly the bytes the plan states.
+
+Layout: ``group_size`` page slots x ``num_blocks`` pages of ``page_bytes``;
+layer ``j`` of the attention group owns page slot ``j`` and sees it as
+``[num_blocks, 2, kv_heads, block_size, head_size]`` in its storage dtype
+(the layout in kvforge.attention.metadata). Every byte offset is int64
+(torch indexing); block ids are int32 in the block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.errors import ConfigError
+from kvforge.planner.kv_plan import KVPlan
+
+TORCH_KV_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+class KVPool:
+    """Owns the KV buffer and the per-layer views and fp8 scales.
+
+    Invariants: ``buffer.numel() == num_blocks * group_size * page_bytes``
+    (the plan's figure); each view's bytes equal ``num_blocks * page_bytes``;
+    ``k_scales[l]`` / ``v_scales[l]`` are float32 [kv_heads_per_rank].
+    """
+
+    def __init__(self, plan: KVPlan, device: torch.device):
+        groups = [g for g in plan.groups if g.kind in ("full", "sliding")]
+        other = [g for g in plan.groups if g.kind not in ("full", "sliding")]
+        if len(groups) != 1 or other:
+            kinds = ", ".join(sorted({g.kind for g in plan.groups}))
+            raise ConfigError(
+                f"the engine runs models with one attention KV group; {plan.architecture} has groups of kind(s) "
+                f"{kinds} ({len(plan.groups)} groups). `kvforge plan` supports it; serving it is not built yet"
+            )
+        if plan.num_blocks is None:
+            raise ConfigError("the plan has no capacity (no KV memory was given)")
+        group = groups[0]
+        self.plan = plan
+        self.group = group
+        self.num_blocks = plan.num_blocks
+        self.block_size = plan.block_size
+        self.page_bytes = group.page_bytes
+        if group.page_bytes != group.page_bytes_unpadded:
+            raise ConfigError("padded pages are not supported by the engine's pool yet")
+        self.buffer = torch.empty(self.num_blocks * plan.group_size * self.page_bytes, dtype=torch.uint8,
+                                  device=device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.k_scales: list[torch.Tensor] = []
+        self.v_scales: list[torch.Tensor] = []
+        per_layer = self.num_blocks * self.page_bytes
+        for slot, layer_index in enumerate(group.layers):
+            layer = plan.layers[layer_index]
+            dtype = TORCH_KV_DTYPES[layer.kv_dtype]
+            head = layer.head_size
+            raw = self.buffer[slot * per_layer:(slot + 1) * per_layer]
+            view = raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, head)
+            self.kv_caches.append(view)
+            self.k_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
+            self.v_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.buffer.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.buffer.device)
+        for cache in self.kv_caches:
+            cache[dst] = cache[src]

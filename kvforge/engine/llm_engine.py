@@ -1,0 +1,249 @@
+"""LLMEngine: plan -> (only then) weights -> KV pool -> schedule/run/sample loop.
+
+Order of startup is the point of kvforge: the model spec is read from config
+metadata, the KV plan is resolved and checked, and only when it is valid are
+the tokenizer and weights opened. Every KV decision the engine uses comes from
+``self.plan``; the pool allocates exactly the plan's bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from kvforge.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.kv_pool import KVPool
+from kvforge.engine.model_runner import ModelRunner
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampler import Sampler
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.sequence import Sequence
+from kvforge.errors import ConfigError, InvalidRequestError
+from kvforge.kv_dtypes import canonical_model_dtype
+from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.resolver import resolve
+from kvforge.spec.embedded import embedded_model_path
+from kvforge.spec.load import load_model_spec
+from kvforge.spec.presets import PRESETS
+
+logger = logging.getLogger("kvforge.engine")
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
+    return torch.device(requested)
+
+
+class LLMEngine:
+    """The synchronous engine (see docs/ENGINE_API.md for the contract)."""
+
+    def __init__(self, args: EngineArgs):
+        t0 = time.perf_counter()
+        self.args = args
+        self.device = _pick_device(args.device)
+        platform = self.device.type
+        if args.tensor_parallel_size != 1:
+            raise ConfigError("--tensor-parallel-size > 1 is not available in the engine yet; "
+                              "`kvforge plan` shows per-rank figures for any TP")
+
+        # 1. Spec and plan: config metadata only; no weight file is opened here.
+        self.spec = load_model_spec(args.model)
+        model_dtype = self._model_dtype(args, platform)
+        cache = CacheConfig(
+            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+            num_speculative_tokens=args.num_speculative_tokens,
+            kv_cache_memory=args.kv_cache_memory or (DEFAULT_CPU_KV_CACHE_MEMORY if platform == "cpu" else None),
+            gpu_memory=args.gpu_memory or (torch.cuda.mem_get_info(self.device)[1] if platform == "cuda" else None),
+            gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
+            calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
+        )
+        self.plan = resolve(self.spec, cache, ParallelConfig(args.tensor_parallel_size), platform,
+                            model_dtype=model_dtype)
+        from kvforge.models.registry import resolve_architecture
+
+        resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
+        self.model_path, self.load_format = self._weights_location(args)
+        logger.info("%s", self.plan.summary())
+
+        # 2. Tokenizer, model, weights (only now).
+        self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
+        from kvforge.models.registry import build_model
+        from kvforge.weights import load_weights
+
+        torch.manual_seed(args.seed)
+        self.model = build_model(self.spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
+        load_weights(self.model, self.model_path, self.load_format, seed=args.seed, progress=args.progress)
+
+        # 3. KV pool exactly as planned, block manager, scheduler, runner.
+        self.pool = KVPool(self.plan, self.device)
+        self.block_manager = BlockManager(self.plan.num_blocks, self.plan.block_size, args.enable_prefix_caching)
+        self.max_model_len = self.plan.max_model_len
+        batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
+        eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
+        eos |= set(self._config_eos())
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, batched, self.max_model_len,
+                                   args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer)
+        self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
+                                  calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier)
+        self.sampler = Sampler()
+        self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+        self.prefill_tokens_computed = 0
+        self.startup_seconds = time.perf_counter() - t0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    # ---- startup helpers ------------------------------------------------------
+    def _model_dtype(self, args: EngineArgs, platform: str) -> str:
+        """--dtype, else float32 on CPU (fast and exact there), else the config's dtype."""
+        if args.dtype != "auto":
+            return canonical_model_dtype(args.dtype)
+        return "float32" if platform == "cpu" else self.spec.model_dtype
+
+    def _weights_location(self, args: EngineArgs) -> tuple[str | None, str]:
+        if args.model is None:
+            return str(embedded_model_path()), "gguf" if args.load_format == "auto" else args.load_format
+        path = Path(args.model)
+        if not path.exists():
+            if args.model.lower() in PRESETS:
+                if args.load_format not in ("auto", "dummy"):
+                    raise ConfigError(f"preset {args.model!r} has no weights on disk; use --load-format dummy")
+                return None, "dummy"
+            raise ConfigError(f"model path {args.model} does not exist")
+        return str(path), args.load_format
+
+    def _load_tokenizer(self, args: EngineArgs):
+        from kvforge.tokenizer import load_tokenizer
+
+        source = args.tokenizer or self.model_path
+        return load_tokenizer(source) if source else None
+
+    def _config_eos(self) -> list[int]:
+        eos = self.spec.hf_config.get("eos_token_id")
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    # ---- requests -------------------------------------------------------------
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", field="prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init or no tokenizer "
+                                          "files): send prompt_token_ids", field="prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            if not ids:
+                raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
+            vocab = self.spec.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {t!r}",
+                                              field="prompt")
+            return None, ids
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                  field="prompt")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "
+                f"generated token must fit); shorten the prompt or raise --max-model-len", field="prompt")
+        seq = Sequence(request_id, ids, params, prompt=text)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        self.pool.copy_blocks(out.blocks_to_copy)
+        chunks, rows, sampled_seqs, offset = [], [], [], 0
+        for s in out.scheduled:
+            chunks.append((s.token_ids, s.start_pos, s.seq.block_table))
+            offset += s.num_new_tokens
+            if s.do_sample:
+                rows.append(offset - 1)
+                sampled_seqs.append(s.seq)
+            if s.start_pos < s.seq.num_prompt_tokens:
+                self.prefill_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.start_pos)
+        logits = self.runner.run(chunks, rows)
+        sampled = {}
+        if sampled_seqs:
+            result = self.sampler.sample_sequences(logits, sampled_seqs)
+            for seq, entry in zip(sampled_seqs, result.tolist()):
+                sampled[seq.request_id] = entry
+        for s in out.scheduled:
+            if s.start_pos == 0 and s.seq.num_output_tokens == 0:
+                self.prompt_tokens_total += s.seq.num_prompt_tokens
+        self.scheduler.update(out, sampled)
+        self.generation_tokens_total += len(sampled)
+        self.num_steps += 1
+        return [seq.to_request_output() for seq in sampled_seqs]
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "num_steps": self.num_steps,
+        }
+
+    # ---- scoring (eval) -------------------------------------------------------
+    def compute_prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced float32 logits [T, vocab] through the paged KV cache
+        (so a quantized cache affects them), chunked like a prefill."""
+        _, ids = self._tokenize(list(token_ids))
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(f"{len(ids)} tokens exceed max-model-len {self.max_model_len}", field="prompt")
+        seq = Sequence(f"__score_{id(ids)}", ids, SamplingParams(max_tokens=1))
+        if not self.block_manager.allocate(seq, len(ids), cached_blocks=[]):
+            raise InvalidRequestError("not enough free KV blocks to score this text now", field="prompt")
+        try:
+            chunk = self.scheduler.max_num_batched_tokens
+            parts = []
+            for start in range(0, len(ids), chunk):
+                piece = ids[start:start + chunk]
+                parts.append(self.runner.run([(piece, start, seq.block_table)], None))
+            return torch.cat(parts)
+        finally:
+            self.block_manager.free(seq)
