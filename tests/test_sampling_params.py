@@ -1,0 +1,64 @@
+"""SamplingParams validation: every invalid value raises InvalidRequestError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.errors import InvalidRequestError, KVForgeError
+
+INVALID = [
+    ("n", 2),
+    ("n", 0),
+    ("temperature", -0.1),
+    ("temperature", "hot"),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", -1),
+    ("top_k", -2),
+    ("top_k", 2.5),
+    ("top_k", True),
+    ("min_p", -0.01),
+    ("min_p", 1.01),
+    ("seed", 1.5),
+    ("seed", True),
+    ("seed", "42"),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("max_tokens", 3.0),
+    ("max_tokens", False),
+    ("logprobs", -1),
+    ("logprobs", 21),
+    ("logprobs", 2.0),
+    ("logprobs", True),
+    ("stop", [""]),
+    ("stop", ["ok", 3]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]),
+]
+
+
+@pytest.mark.parametrize("field,value", INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_value_names_field(field, value):
+    with pytest.raises(InvalidRequestError) as ei:
+        SamplingParams(**{field: value})
+    assert ei.value.field == field
+    assert field in str(ei.value)
+    assert isinstance(ei.value, KVForgeError)
+
+
+def test_defaults_and_valid_edges():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (1, 1.0, 1.0, -1, 0.0, 16)
+    assert not p.is_greedy
+    assert SamplingParams(temperature=0).is_greedy
+    SamplingParams(top_p=1.0, top_k=0, min_p=1.0, max_tokens=None, logprobs=0, seed=0)
+    SamplingParams(logprobs=20, top_k=1, seed=-3)
+
+
+def test_stop_normalized_to_tuples():
+    p = SamplingParams(stop="###", stop_token_ids=[1, 2])
+    assert p.stop == ("###",) and p.stop_token_ids == (1, 2)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()
+    hash(SamplingParams(stop=["x"]))  # frozen and hashable
