@@ -244,14 +244,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv[b][p % B] = toks[p]
         compute(self.bm, seq, n)
 
-    @rule(data=st.data(), length=st.integers(1, 12))
-    def new_sequence(self, data, length):
-        tokens = data.draw(st.lists(st.integers(0, self.vocab - 1), min_size=length, max_size=length))
-        seq = make_seq(self._name(), tokens)
+    def _pick(self, i):
+        return self.seqs[sorted(self.seqs)[i % len(self.seqs)]]
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=12), r=st.integers(0, 1 << 16))
+    def new_sequence(self, tokens, r):
+        seq = make_seq(self._name(), [t % self.vocab for t in tokens])
         cached = self.bm.lookup_prefix(seq)
         remaining = seq.num_tokens - len(cached) * self.bm.block_size
         assert remaining >= 1
-        chunk = data.draw(st.integers(1, remaining))
+        chunk = 1 + r % remaining
         can = self.bm.can_allocate(seq, chunk, cached)
         before = (self.bm.num_free_blocks, self.bm.prefix_cache_queries)
         ok = self.bm.allocate(seq, chunk, cached)
@@ -264,13 +266,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._write(seq, chunk)
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def step(self, data):
+    @rule(i=st.integers(0, 63), tok=st.integers(0, 2), r=st.integers(0, 1 << 16))
+    def step(self, i, tok, r):
         """Compute the next chunk of known tokens, or sample a token and decode it."""
-        seq = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        seq = self._pick(i)
         if seq.num_computed_tokens == seq.num_tokens:
-            seq.output_token_ids.append(data.draw(st.integers(0, self.vocab - 1)))
-        n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens))
+            seq.output_token_ids.append(tok % self.vocab)
+        n = 1 + r % (seq.num_tokens - seq.num_computed_tokens)
         table = list(seq.block_table)
         free_before = self.bm.num_free_blocks
         if self.bm.append_slots(seq, n):
@@ -279,25 +281,25 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert seq.block_table == table and self.bm.num_free_blocks == free_before
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+    @rule(i=st.integers(0, 63))
+    def fork(self, i):
+        parent = self._pick(i)
         child = parent.fork(self._name())
         self.bm.fork(parent, child)
         self.seqs[child.request_id] = child
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def free(self, data):
-        seq = self.seqs.pop(data.draw(st.sampled_from(sorted(self.seqs))))
+    @rule(i=st.integers(0, 63))
+    def free(self, i):
+        seq = self.seqs.pop(self._pick(i).request_id)
         self.bm.free(seq)
         assert seq.block_table == []
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def preempt_and_readmit(self, data):
+    @rule(i=st.integers(0, 63))
+    def preempt_and_readmit(self, i):
         """Free a sequence and allocate it again from scratch (prefix reuse of its own blocks)."""
-        seq = self.seqs.pop(data.draw(st.sampled_from(sorted(self.seqs))))
+        seq = self.seqs.pop(self._pick(i).request_id)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         cached = self.bm.lookup_prefix(seq)
