@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.detokenizer import IncrementalDetokenizer, detokenize_incrementally
@@ -400,3 +402,58 @@ def test_stop_strings_without_tokenizer_rejected():
     with pytest.raises(InvalidRequestError) as ei:
         sched.add(Sequence("s", [1, 2], SamplingParams(stop=["x"])))
     assert ei.value.field == "stop"
+
+
+# ---- randomized end-to-end -----------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(6, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(4, 24),
+    max_num_seqs=st.integers(1, 6),
+    prefix=st.booleans(),
+    chunked=st.booleans(),
+    reqs=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 20), st.integers(1, 8), st.integers(0, 3)),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_random_workloads_finish_with_exact_outputs(
+    num_blocks, block_size, budget, max_num_seqs, prefix, chunked, reqs
+):
+    max_model_len = 24
+    if not chunked:
+        budget = max(budget, max_model_len)
+    bm = BlockManager(num_blocks, block_size, prefix)
+    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, enable_chunked_prefill=chunked)
+    runner = FakeRunner(bm)
+    expected = {}
+    pending = []
+    for k, (family, plen, max_tokens, arrive_step) in enumerate(reqs):
+        prompt = prompt_of(family, plen)  # same family -> shared prefixes
+        seq = Sequence(f"r{k}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        pending.append((arrive_step, seq))
+        total = min(max_model_len, plen + max_tokens)
+        expected[seq.request_id] = expected_output(prompt, total - plen)
+    done = {}
+    step = 0
+    while pending or sched.has_unfinished_requests():
+        for item in [p for p in pending if p[0] <= step]:
+            pending.remove(item)
+            try:
+                sched.add(item[1])
+            except InvalidRequestError:
+                assert sched.max_blocks_needed(item[1]) > num_blocks
+                expected.pop(item[1].request_id)
+        out = sched.schedule()
+        assert out.num_batched_tokens <= budget
+        for seq in sched.update(out, runner.execute(out)):
+            done[seq.request_id] = seq
+        bm.check_invariants(sched.running)
+        step += 1
+        assert step < 2000, "no progress"
+    assert {r: s.output_token_ids for r, s in done.items()} == expected
+    assert bm.num_used_blocks == 0
