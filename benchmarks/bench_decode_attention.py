@@ -89,13 +89,80 @@ SWEEP_CONFIGS = [
 ]
 
 
+VARIANTS = {
+    "pipe_t128w4s3": dict(tile_n=128, num_warps=4, num_stages=3),
+    "bf16dot_t128w4s3": dict(tile_n=128, num_warps=4, num_stages=3, fp8_dot="q"),
+    "pref_t64w4": dict(tile_n=64, num_warps=4, num_stages=1, prefetch=True),
+    "pref_t64w8": dict(tile_n=64, num_warps=8, num_stages=1, prefetch=True),
+    "pref_t128w8": dict(tile_n=128, num_warps=8, num_stages=1, prefetch=True),
+    "pref_asm_t64w4": dict(tile_n=64, num_warps=4, num_stages=1, prefetch=True, cvt_mode=2),
+    "pipe_asm_t64w4s2": dict(tile_n=64, num_warps=4, num_stages=2, cvt_mode=2),
+    "pipe_t64w4s2": dict(tile_n=64, num_warps=4, num_stages=2),
+}
+
+
+def run_variants(out_dir):
+    """Kernel-variant shoot-out on the fp8 decode path (see docs/KERNELS.md)."""
+    scale = 1.0 / math.sqrt(D)
+    res = []
+    for batch, ctx in ((64, 8192), (256, 8192), (8, 8192), (1, 32768)):
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+        cache_bf, meta = make_paged(batch, ctx, torch.bfloat16)
+        ks = torch.ones(HKV, device="cuda")
+        for kvname, kvdt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+            cache = cache_bf.to(kvdt)
+            ref = paged_attention(q, cache, meta, ks, ks, scale, _config=dict(fp8_dot="q")).float()
+            for name, cfg in VARIANTS.items():
+                if kvname == "e5m2" and name not in ("pipe_t128w4s3", "pref_t64w4", "pref_t128w8"):
+                    continue
+                for sp in [None, 4, 16] if batch <= 8 else [None]:
+                    try:
+                        o = paged_attention(q, cache, meta, ks, ks, scale, num_splits=sp, _config=cfg).float()
+                        err = ((o - ref).norm() / ref.norm()).item()
+                        t = bench(
+                            functools.partial(
+                                paged_attention, q, cache, meta, ks, ks, scale, num_splits=sp, _config=cfg
+                            ),
+                            rep=50,
+                        )
+                    except Exception as e:
+                        print("variant fail", name, type(e).__name__, str(e)[:200])
+                        continue
+                    nbytes = bytes_moved(batch, ctx, 1)
+                    r = dict(
+                        batch=batch,
+                        ctx=ctx,
+                        kv=kvname,
+                        variant=name,
+                        splits=sp,
+                        us=t[0],
+                        err=err,
+                        TBps=nbytes / (t[0] * 1e-6) / 1e12,
+                    )
+                    res.append(r)
+                    print(
+                        f"{batch:4d} {ctx:6d} {kvname} {name:18s} sp={str(sp):4s} {t[0]:8.1f} us "
+                        f"{r['TBps']:.2f} TB/s err {err:.1e}",
+                        flush=True,
+                    )
+            del cache
+        del cache_bf
+        torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "variants.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="only batch 1/64 x ctx 8k")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile/warps/stages/splits on key shapes")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="only the fp8 kernel-variant shoot-out")
     args = ap.parse_args()
+    if args.variants:
+        run_variants(args.out)
+        return
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     copy_bw, copy_us = copy_bandwidth()

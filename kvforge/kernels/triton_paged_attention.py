@@ -87,6 +87,63 @@ def _num_sms(device: torch.device) -> int:
 if HAS_TRITON:
 
     @triton.jit
+    def _load_kv_tile(
+        kv_base,
+        bt_row,
+        start,
+        hi,
+        n_off,
+        d,
+        d_ok,
+        stride_cb,
+        stride_ckv,
+        stride_cs,
+        BLOCK_SIZE,
+        HEAD_D,
+        D_PAD,
+    ):
+        """Raw (storage dtype) K and V of tokens start..start+TILE_N-1 (masked at hi)."""
+        pos = start + n_off
+        p_ok = pos < hi
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+        row_off = blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        kv_off = row_off[:, None] + d[None, :]
+        if HEAD_D == D_PAD:
+            kv_mask = p_ok[:, None]
+        else:
+            kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _fp8_to_f16(x, IS_E5M2: tl.constexpr):
+        """fp8 -> fp16 with the hardware pair conversion, as an opaque op (keeps the
+        conversion in registers before the dot-operand shuffle, see docs/KERNELS.md)."""
+        xb = x.to(tl.uint8, bitcast=True)
+        if IS_E5M2:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+                "=r,=r,r",
+                [xb],
+                dtype=tl.float16,
+                is_pure=True,
+                pack=4,
+            )
+        else:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r",
+                [xb],
+                dtype=tl.float16,
+                is_pure=True,
+                pack=4,
+            )
+        return y
+
+    @triton.jit
     def _paged_attn_kernel(
         q_ptr,
         kv_ptr,
@@ -125,6 +182,10 @@ if HAS_TRITON:
         USE_SPLIT: tl.constexpr,
         USE_WINDOW: tl.constexpr,
         IEEE_DOT: tl.constexpr,
+        F16_DOT: tl.constexpr,
+        CVT_MODE: tl.constexpr,
+        PREFETCH: tl.constexpr,
+        IS_E5M2: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -172,6 +233,10 @@ if HAS_TRITON:
             other=0.0,
         )
 
+        if F16_DOT:
+            # fp8 -> fp16 is one hardware cvt per 2 values and exact; fp8 -> bf16 needs
+            # more. So fp8 caches compute the dots in fp16 (|q| < 65504 assumed).
+            q = q.to(tl.float16)
         qk_scale = qk_scale_log2
         if IS_FP8:
             qk_scale = qk_scale * tl.load(k_scale_ptr + kvh)
@@ -196,23 +261,70 @@ if HAS_TRITON:
         kv_base = kv_ptr + kvh.to(tl.int64) * stride_ch
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         n_off = tl.arange(0, TILE_N)
+        if PREFETCH:
+            k_nx, v_nx = _load_kv_tile(
+                kv_base,
+                bt_row,
+                lo,
+                hi,
+                n_off,
+                d,
+                d_ok,
+                stride_cb,
+                stride_ckv,
+                stride_cs,
+                BLOCK_SIZE,
+                HEAD_D,
+                D_PAD,
+            )
         for start in range(lo, hi, TILE_N):
             pos = start + n_off
             p_ok = pos < hi
-            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
-            row_off = blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
-            kv_off = row_off[:, None] + d[None, :]
-            if HEAD_D == D_PAD:
-                kv_mask = p_ok[:, None]
+            if PREFETCH:
+                k = k_nx
+                v = v_nx
+                k_nx, v_nx = _load_kv_tile(
+                    kv_base,
+                    bt_row,
+                    start + TILE_N,
+                    hi,
+                    n_off,
+                    d,
+                    d_ok,
+                    stride_cb,
+                    stride_ckv,
+                    stride_cs,
+                    BLOCK_SIZE,
+                    HEAD_D,
+                    D_PAD,
+                )
             else:
-                kv_mask = p_ok[:, None] & d_ok[None, :]
-            k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
-            k = k.to(q.dtype)
+                k, v = _load_kv_tile(
+                    kv_base,
+                    bt_row,
+                    start,
+                    hi,
+                    n_off,
+                    d,
+                    d_ok,
+                    stride_cb,
+                    stride_ckv,
+                    stride_cs,
+                    BLOCK_SIZE,
+                    HEAD_D,
+                    D_PAD,
+                )
+            if CVT_MODE == 2:
+                k = _fp8_to_f16(k, IS_E5M2)
+                v = _fp8_to_f16(v, IS_E5M2)
+            if CVT_MODE == 1:
+                kt = tl.trans(k).to(q.dtype)
+            else:
+                kt = tl.trans(k.to(q.dtype))
             if IEEE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                s = tl.dot(q, kt, input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(q, kt)
             s = s * qk_scale
             causal = (pos[None, :] <= q_pos[:, None]) & p_ok[None, :]
             if USE_WINDOW:
@@ -389,6 +501,7 @@ def paged_attention(
     else:
         part_acc = part_ml = out
 
+    f16_dot = is_fp8 and q.dtype != torch.float32 and cfg.get("fp8_dot", "f16") == "f16"
     grid0 = num_seqs if one_tile else T // block_q + num_seqs
     grid = (grid0, hkv, splits)
     _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
@@ -429,6 +542,10 @@ def paged_attention(
         USE_SPLIT=use_split,
         USE_WINDOW=use_window,
         IEEE_DOT=q.dtype == torch.float32,
+        F16_DOT=f16_dot,
+        CVT_MODE=cfg.get("cvt_mode", 0) if f16_dot else 0,
+        PREFETCH=bool(cfg.get("prefetch", False)),
+        IS_E5M2=kv_cache.dtype == torch.float8_e5m2,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
