@@ -115,20 +115,49 @@ def write_kv_cache(
     cache[blocks, 1, :, offsets] = vq
 
 
-def _gather_kv(
-    kv_cache: torch.Tensor, blocks: torch.Tensor, start: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks ``[..., nb]`` -> raw K, V as float32 ``[..., Hkv, nb * block_size - start, D]``."""
-    g = _storage_view(kv_cache)[blocks]  # [..., nb, 2, Hkv, bs, D]
-    if is_fp8(kv_cache.dtype):
-        g = g.view(kv_cache.dtype)
-    lead = blocks.dim() - 1
-    nb = blocks.shape[-1]
+def _widen_bits(raw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    """Gathered storage -> a tensor that widens exactly to float32, and a power-of-two factor.
+
+    CPU casts from fp8 are slow (scalar path), so fp8 goes through fp16 bit
+    patterns (exact, NaN included): an e5m2 byte is the high byte of the fp16
+    with the same value; an e4m3fn byte ``s eeee mmm`` placed as fp16
+    ``s 0eeee mmm0000000`` is its value times 2^-8 (normal and subnormal
+    alike), so the returned factor is 256 (the caller folds it into the scales).
+    """
+    if not is_fp8(dtype):
+        return raw, 1.0
+    if dtype == torch.float8_e5m2:
+        bits = raw.view(torch.uint8).to(torch.int16)
+        bits.bitwise_left_shift_(8)
+        return bits.view(torch.float16), 1.0
+    u = raw.view(torch.uint8)
+    bits = u.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..7 all equal the sign
+    bits.bitwise_left_shift_(7)
+    bits.bitwise_and_(-0x4001)  # clear bit 14 (a copy of the sign); keep sign in bit 15
+    mag = u & 0x7F
+    if mag.numel() and int(mag.max()) == 0x7F:  # e4m3fn NaN (exponent and mantissa all ones) present: rare, slow path
+        bits.masked_fill_(mag == 0x7F, 0x7E00)
+    return bits.view(torch.float16), 256.0
+
+
+def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Blocks ``[B, nb]`` -> raw K, V float32 ``[B, Hkv, nb * block_size, D]`` and their factor.
+
+    The dequantized value of a raw element is ``raw * factor * scale[h]``.
+    """
+    bsz, nb = blocks.shape
     _, _, hkv, bs, d = kv_cache.shape
-    # [..., nb, Hkv, bs, D] -> [..., Hkv, nb, bs, D] -> [..., Hkv, nb*bs, D]
-    k = g.select(lead + 1, 0).movedim(lead, lead + 1).reshape(*blocks.shape[:-1], hkv, nb * bs, d)
-    v = g.select(lead + 1, 1).movedim(lead, lead + 1).reshape(*blocks.shape[:-1], hkv, nb * bs, d)
-    return k[..., start:, :].to(torch.float32), v[..., start:, :].to(torch.float32)
+    flat = blocks.reshape(-1)
+    store = _storage_view(kv_cache)
+    res = []
+    factor = 1.0
+    for which in (0, 1):
+        g = store[:, which].index_select(0, flat)  # [B*nb, Hkv, bs, D], contiguous
+        g, factor = _widen_bits(g, kv_cache.dtype)
+        x = torch.empty(bsz, hkv, nb, bs, d, dtype=torch.float32, device=kv_cache.device)
+        x.copy_(g.view(bsz, nb, hkv, bs, d).permute(0, 2, 1, 3, 4))  # widen + reorder in one pass
+        res.append(x.view(bsz, hkv, nb * bs, d))
+    return res[0], res[1], factor
 
 
 def _attend(
@@ -141,18 +170,19 @@ def _attend(
 ) -> torch.Tensor:
     """Masked softmax attention in float32.
 
-    ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled),
-    ``allowed [B, Lq, Lk]`` bool (every query row must allow >= 1 key),
+    ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled, float32),
+    ``allowed [B, Lq, Lk]`` bool (``v`` is overwritten) (every query row must allow >= 1 key),
     ``qk_scale``/``v_scale [Hkv]``. Returns ``[B, Hkv, G, Lq, D]``.
     Masked keys never contribute, even if the cache holds NaN/inf there.
     """
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k)
-    scores = scores * qk_scale.view(1, -1, 1, 1, 1)
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    scores *= qk_scale.view(1, -1, 1, 1, 1)
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
     p = torch.softmax(scores, dim=-1)
-    # Zero V where no query may look, so 0 * NaN from stale/poisoned slots cannot leak in.
+    # Zero V rows that no query may see (bitwise, so stale NaN/inf there cannot leak in as 0 * NaN).
     key_used = allowed.any(dim=1)  # [B, Lk]
-    v = v.masked_fill(~key_used[:, None, :, None], 0.0)
+    keep = torch.where(key_used, -1, 0).to(torch.int32)[:, None, :, None]
+    v.view(torch.int32).bitwise_and_(keep)  # in place: v is our own gathered copy
     o = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
     return o * v_scale.view(1, -1, 1, 1, 1)
 
@@ -264,7 +294,7 @@ def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, v
     blocks = block_tables[sel][:, first_block:first_block + nb]
     used = bidx[None, :] < ((lens + bs - 1) // bs)[:, None]
     blocks = torch.where(used, blocks, torch.zeros_like(blocks))
-    k, v = _gather_kv(kv_cache, blocks)  # [B, Hkv, nb*bs, D]
+    k, v, factor = _gather_kv(kv_cache, blocks)  # [B, Hkv, nb*bs, D]
 
     # Queries padded to max_q; padded rows reuse the last real row (never fully masked) and are dropped.
     j = torch.arange(max_q, device=device)
@@ -277,7 +307,7 @@ def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, v
     kpos = first_block * bs + torch.arange(nb * bs, device=device)
     allowed = _window_mask(qpos[:, :, None], kpos[None, None, :], window)
     allowed &= kpos[None, None, :] < lens[:, None, None]
-    o = _attend(qb, k, v, allowed, qk_scale, vs)  # [B, Hkv, G, max_q, D]
+    o = _attend(qb, k, v, allowed, qk_scale * factor, vs * factor)  # [B, Hkv, G, max_q, D]
     o = o.permute(0, 3, 1, 2, 4).reshape(b, max_q, hkv * group, d)
     real = j[None, :] < ql[:, None]
     out[tok[real].to(out.device)] = o[real].to(device=out.device, dtype=out.dtype)
@@ -297,12 +327,12 @@ def _one_sequence(qf, kv_cache, table, start, qlen, seq_len, qk_scale, vs, group
         p1 = seq_len - qlen + r1  # one past the last
         k_lo = 0 if window is None else max(0, p0 - window + 1)
         b0, b1 = k_lo // bs, (p1 + bs - 1) // bs
-        k, v = _gather_kv(kv_cache, table[b0:b1][None])  # [1, Hkv, (b1-b0)*bs, D]
+        k, v, factor = _gather_kv(kv_cache, table[b0:b1][None])  # [1, Hkv, (b1-b0)*bs, D]
         kpos = b0 * bs + torch.arange((b1 - b0) * bs, device=device)
         qpos = torch.arange(p0, p1, device=device)
         allowed = _window_mask(qpos[:, None], kpos[None, :], window)[None]  # [1, n, Lk]
         n = r1 - r0
         qc = qf[start + r0:start + r1].view(n, hkv, group, d).permute(1, 2, 0, 3)[None]
-        o = _attend(qc, k, v, allowed, qk_scale, vs)  # [1, Hkv, G, n, D]
+        o = _attend(qc, k, v, allowed, qk_scale * factor, vs * factor)  # [1, Hkv, G, n, D]
         o = o[0].permute(2, 0, 1, 3).reshape(n, hq, d)
         out[start + r0:start + r1] = o.to(device=out.device, dtype=out.dtype)
