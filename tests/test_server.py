@@ -25,7 +25,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import FakeEngine, make_test_engine  # noqa: E402
+from fake_engine import FakeEngine, make_test_engine, real_engine_available  # noqa: E402
 
 from kvforge.server.app import ServerThread, create_app  # noqa: E402
 from kvforge.server.metrics import metric_sum, parse_prometheus  # noqa: E402
@@ -196,9 +196,11 @@ def test_seeded_sampling_is_reproducible(server, client):
 
 def test_concurrent_requests_match_solo(server):
     base = server.url + "/v1/completions"
-    n_prompts, n_requests, concurrency, max_tokens = 25, 200, 32, 8
+    # 8 distinct prompts x 25 copies: the solo baseline stays cheap on CPU, and the copies also exercise
+    # prefix-cache sharing under batching.
+    n_prompts, n_requests, concurrency, max_tokens = 8, 200, 32, 8
     prompts = [f"Request {i}: the {w} of the story is" for i, w in
-               enumerate(["start", "end", "middle", "hero", "moral"] * 5)][:n_prompts]
+               enumerate(["start", "end", "middle", "hero", "moral", "place", "time", "villain"])]
 
     def body(p):
         return {"model": model_name(server), "prompt": p, "max_tokens": max_tokens, "temperature": 0,
@@ -500,6 +502,62 @@ def test_sigterm_drains_in_flight_and_exits_zero():
         assert proc.wait(timeout=30) == 0
         with pytest.raises(OSError):  # no longer accepting
             http("GET", base + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -- the `kvforge serve` entry point (real engine only) ---------------------------------------------
+
+needs_real_engine = pytest.mark.skipif(not real_engine_available(), reason="real engine not importable")
+
+
+@needs_real_engine
+def test_serve_main_plan_error_stops_before_weights(monkeypatch, capsys):
+    import kvforge.weights
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded despite a plan error")
+
+    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
+    rc = serve_main(["--device", "cpu", "--max-model-len", "100000000", "--port", str(_free_port())])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "max-model-len" in err and "Traceback" not in err
+
+
+@needs_real_engine
+def test_serve_main_real_engine_sigterm():
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    cmd = [sys.executable, "-m", "kvforge.server.cli", "--device", "cpu", "--max-model-len", "256",
+           "--no-progress", "--port", str(port), "--api-key", "k"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if http("GET", base + "/health", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        stream = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=12,
+                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = []
+        for chunk in stream:
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                proc.send_signal(signal.SIGTERM)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read().decode()
+        assert "KV cache plan" in log and "shutdown complete" in log
     finally:
         if proc.poll() is None:
             proc.kill()
