@@ -152,6 +152,57 @@ def run_variants(out_dir):
         json.dump(res, f, indent=1)
 
 
+def run_prefill(rows_out):
+    """One prefill shape for reference: 1 x 8192 new tokens, causal, vs SDPA (flash)."""
+    T = 8192
+    scale = 1.0 / math.sqrt(D)
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cache_bf, meta = make_paged(1, T, torch.bfloat16)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
+        seq_lens=meta.seq_lens,
+        block_tables=meta.block_tables,
+        slot_mapping=torch.zeros(T, dtype=torch.int64, device="cuda"),
+        max_query_len=T,
+        max_seq_len=T,
+        block_size=BS,
+    )
+    ks = torch.ones(HKV, device="cuda")
+    flops = 2 * 2 * HQ * D * T * T / 2
+    r = {"prefill_T": T}
+    for name, cache in (("bf16", cache_bf), ("fp8", cache_bf.to(torch.float8_e4m3fn))):
+        paged_attention(q, cache, meta, ks, ks, scale)
+        t = bench(functools.partial(paged_attention, q, cache, meta, ks, ks, scale))
+        r[name] = t
+        r[name + "_TFLOPs"] = flops / (t[0] * 1e-6) / 1e12
+    qs = q.transpose(0, 1).unsqueeze(0)
+    k = torch.randn(1, HKV, T, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    t = bench(functools.partial(sdpa, qs, k, v, is_causal=True, enable_gqa=True))
+    r["sdpa"] = t
+    r["sdpa_TFLOPs"] = flops / (t[0] * 1e-6) / 1e12
+    rows_out.append(r)
+    print(
+        f"prefill 1x{T} causal: bf16 {r['bf16'][0]:.0f} us ({r['bf16_TFLOPs']:.0f} TFLOP/s), fp8"
+        f" {r['fp8'][0]:.0f} us ({r['fp8_TFLOPs']:.0f}), sdpa {t[0]:.0f} us ({r['sdpa_TFLOPs']:.0f})",
+        flush=True,
+    )
+
+
+def profile_one():
+    """For ncu: 64 x 8192 fp8 e4m3 and bf16 decode, three calls each."""
+    scale = 1.0 / math.sqrt(D)
+    q = torch.randn(64, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cache_bf, meta = make_paged(64, 8192, torch.bfloat16)
+    ks = torch.ones(HKV, device="cuda")
+    cache_f8 = cache_bf.to(torch.float8_e4m3fn)
+    for cache in (cache_f8, cache_bf):
+        for _ in range(3):
+            paged_attention(q, cache, meta, ks, ks, scale)
+    torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -159,9 +210,14 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also sweep tile/warps/stages/splits on key shapes")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--variants", action="store_true", help="only the fp8 kernel-variant shoot-out")
+    ap.add_argument("--profile-one", action="store_true", help="only run 64x8192 decode (for ncu)")
+    ap.add_argument("--prefill", action="store_true", help="also time one 8k causal prefill")
     args = ap.parse_args()
     if args.variants:
         run_variants(args.out)
+        return
+    if args.profile_one:
+        profile_one()
         return
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
@@ -261,8 +317,11 @@ def main():
             rows.append(res)
             print(json.dumps(res), flush=True)
 
+    prefill_rows = []
+    if args.prefill:
+        run_prefill(prefill_rows)
     with open(os.path.join(args.out, "bench_decode_attention.json"), "w") as f:
-        json.dump(dict(info=info, rows=rows, sweep=sweep_rows), f, indent=1)
+        json.dump(dict(info=info, rows=rows, sweep=sweep_rows, prefill=prefill_rows), f, indent=1)
 
     print()
     print(

@@ -488,10 +488,12 @@ def paged_attention(
         if num_splits is not None:
             splits = max(1, int(num_splits))
         else:
+            # Enough CTAs to fill the GPU ~4 times over, but no split shorter
+            # than 256 tokens (2 tiles) and at most 64 splits (merge tile size).
             progs = num_seqs * hkv
-            target = 2 * _num_sms(q.device)
+            target = 4 * _num_sms(q.device)
             ctx = min(meta.max_seq_len, window) if use_window else meta.max_seq_len
-            max_by_len = max(1, ctx // 1024)
+            max_by_len = max(1, ctx // 256)
             splits = max(1, min(math.ceil(target / progs), max_by_len, 64))
     use_split = splits > 1
 
