@@ -36,6 +36,22 @@ FP8S = [E4M3, E5M2]
 FACTS = {E4M3: (3, 448.0, 2.0**-6, 2.0**-9), E5M2: (2, 57344.0, 2.0**-14, 2.0**-16)}
 
 
+def _close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> None:
+    """|actual - expected| <= atol + rtol * |expected| elementwise, in float64, NaN never close.
+
+    (torch.testing.assert_close costs seconds of lazy imports on first use.)
+    """
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = actual.double(), expected.double()
+    err = (a - e).abs()
+    ok = err <= atol + rtol * e.abs()
+    if not bool(ok.all()):
+        bad = int((~ok).sum())
+        worst = torch.nan_to_num(err, nan=float("inf")).max().item()
+        raise AssertionError(f"{bad}/{ok.numel()} elements differ; max abs error {worst:.3g} "
+                             f"(atol {atol}, rtol {rtol})")
+
+
 def _table(dtype: torch.dtype) -> torch.Tensor:
     """Every finite value of the format, float64, sorted and unique."""
     vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float64)
@@ -151,7 +167,7 @@ def test_round_trip_error_bounds(dtype, scale):
     assert fp8_format(dtype).abs_error_bound == abs_bound
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     x=st.floats(min_value=-1e6, max_value=1e6, allow_nan=False, width=32),
     scale=st.floats(min_value=2.0**-10, max_value=2.0**10, width=32),
@@ -179,7 +195,7 @@ def test_per_head_scales_match_scalar(dtype):
     d = dequantize(q, s, torch.bfloat16)
     assert d.dtype is torch.bfloat16
     for h in range(3):
-        torch.testing.assert_close(d[:, h], (q[:, h].float() * s[h]).bfloat16(), rtol=0, atol=0)
+        _close(d[:, h], (q[:, h].float() * s[h]).bfloat16(), atol=0, rtol=0)
     # head_axis selects where the per-head scale applies ([Hkv, T, D] layout)
     qt = quantize(x.transpose(0, 1), s, dtype, head_axis=0)
     assert torch.equal(qt.view(torch.uint8), q.transpose(0, 1).view(torch.uint8))
@@ -213,7 +229,7 @@ def test_compute_scales(dtype):
     q = quantize(finite, ph, dtype).float()
     assert q.abs().amax(dim=(0, 2)).tolist() == [fmax] * 3
     deq = dequantize(quantize(finite, ph, dtype), ph)
-    torch.testing.assert_close(deq.abs().amax(dim=(0, 2)), finite.abs().amax(dim=(0, 2)), rtol=1e-6, atol=0)
+    _close(deq.abs().amax(dim=(0, 2)), finite.abs().amax(dim=(0, 2)), rtol=1e-6, atol=0)
     # all-zero heads fall back to the documented default
     z = torch.zeros(4, 2, 8)
     z[:, 1] = 1.0
