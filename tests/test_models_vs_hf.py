@@ -188,6 +188,8 @@ def test_dummy_weights_deterministic_and_scaled():
 
 
 def test_rope_scaling_unsupported_type_is_config_error():
-    config = dict(BASE, architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    config = dict(
+        BASE, architectures=["LlamaForCausalLM"], rope_scaling={"rope_type": "longrope", "factor": 2.0}
+    )
     with pytest.raises(ConfigError, match="longrope"):
         build_model(config, torch.float32, "cpu")

@@ -103,7 +103,9 @@ def greedy_generate(
             ends.append(len(ids) - 1)
         attn.set_batch(active, [len(feed[i]) for i in active])
         hidden = model(
-            torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(pos, dtype=torch.long, device=device), attn
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(pos, dtype=torch.long, device=device),
+            attn,
         )
         next_ids = model.compute_logits(hidden[ends]).argmax(dim=-1).tolist()
         still = []

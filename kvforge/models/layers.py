@@ -100,7 +100,9 @@ def check_rope_scaling(scaling: dict | None) -> None:
         return
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"rope scaling type {kind!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+        raise ConfigError(
+            f"rope scaling type {kind!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
+        )
     required = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}
     for key in required.get(kind, ()):
         if key not in scaling:
@@ -170,11 +172,19 @@ class GatedMLP(nn.Module):
     """
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, act: str = "silu", bias: bool = False, dtype=None, device=None
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str = "silu",
+        bias: bool = False,
+        dtype=None,
+        device=None,
     ):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj = nn.Linear(
+            hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device
+        )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
         self.act = get_activation(act)
 
@@ -196,7 +206,9 @@ def get_activation(name: str):
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ConfigError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}") from None
+        raise ConfigError(
+            f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
+        ) from None
 
 
 def cfg_get(config: dict, key: str, default: Any = None) -> Any:

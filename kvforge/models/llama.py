@@ -151,7 +151,9 @@ class LlamaForCausalLM(nn.Module):
         self.softmax_scale = a.softmax_scale
         self.tie_word_embeddings = a.tie_word_embeddings
         self.model = LlamaModel(a, dtype=dtype)
-        self.lm_head = None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = (
+            None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
+        )
 
     # -- runner interface ----------------------------------------------------
     def sliding_window(self, layer_idx: int) -> int | None:
@@ -208,7 +210,11 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unknown: list[str] = []
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
+            if (
+                "rotary_emb.inv_freq" in name
+                or "rotary_emb.cos_cached" in name
+                or "rotary_emb.sin_cached" in name
+            ):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway

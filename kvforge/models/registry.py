@@ -16,8 +16,12 @@ _MODELS: dict[str, type[nn.Module]] = {
 }
 
 # config.json files without "architectures" still carry model_type.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 def supported_architectures() -> list[str]:

@@ -28,7 +28,9 @@ def find_gguf_file(model_path: str | Path) -> Path:
         if len(files) == 1:
             return files[0]
         if len(files) > 1:
-            raise ConfigError(f"{p} holds several GGUF files ({', '.join(f.name for f in files)}); pass one file")
+            raise ConfigError(
+                f"{p} holds several GGUF files ({', '.join(f.name for f in files)}); pass one file"
+            )
     raise ConfigError(f"no GGUF file at {p}")
 
 
@@ -47,7 +49,9 @@ def detect_load_format(model_path: str | Path) -> str:
             return "safetensors"
         if any(p.glob("*.gguf")):
             return "gguf"
-        raise ConfigError(f"{p} has neither *.safetensors nor *.gguf weights (pickle .bin files are never loaded)")
+        raise ConfigError(
+            f"{p} has neither *.safetensors nor *.gguf weights (pickle .bin files are never loaded)"
+        )
     raise ConfigError(f"model path {p} does not exist")
 
 
@@ -66,7 +70,9 @@ def load_config(model_path: str | Path) -> dict:
     return read_gguf_config(str(gguf_path))
 
 
-def load_weights(model, model_path, load_format: str = "auto", seed: int = 0, progress: bool | None = None) -> None:
+def load_weights(
+    model, model_path, load_format: str = "auto", seed: int = 0, progress: bool | None = None
+) -> None:
     """Fill every parameter of ``model`` (built by ``kvforge.models.registry.build_model``).
 
     Raises ConfigError for an unknown format, an unusable path, tensors the model
@@ -93,4 +99,6 @@ def load_weights(model, model_path, load_format: str = "auto", seed: int = 0, pr
     missing = sorted(set(model.hf_param_names()) - set(loaded))
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ConfigError(f"checkpoint at {model_path} lacks {len(missing)} tensor(s) the model needs: {shown}")
+        raise ConfigError(
+            f"checkpoint at {model_path} lacks {len(missing)} tensor(s) the model needs: {shown}"
+        )

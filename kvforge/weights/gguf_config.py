@@ -26,9 +26,21 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # GGUF metadata value types.
-_UINT8, _INT8, _UINT16, _INT16, _UINT32, _INT32, _FLOAT32, _BOOL, _STRING, _ARRAY, _UINT64, _INT64, _FLOAT64 = (
-    range(13)
-)
+(
+    _UINT8,
+    _INT8,
+    _UINT16,
+    _INT16,
+    _UINT32,
+    _INT32,
+    _FLOAT32,
+    _BOOL,
+    _STRING,
+    _ARRAY,
+    _UINT64,
+    _INT64,
+    _FLOAT64,
+) = range(13)
 _SCALAR_FMT = {
     _UINT8: "<B",
     _INT8: "<b",
@@ -217,7 +229,9 @@ def _first(value: Any) -> Any:
         if not value:
             return None
         if len(set(value)) > 1:
-            raise ConfigError(f"per-layer values differ ({sorted(set(value))}); not supported for this model kind")
+            raise ConfigError(
+                f"per-layer values differ ({sorted(set(value))}); not supported for this model kind"
+            )
         return value[0]
     return value
 
@@ -292,7 +306,10 @@ def read_gguf_config(path: str) -> dict:
 
     scaling_type = h.arch_key("rope.scaling.type")
     if scaling_type in ("linear", "yarn", "dynamic"):
-        scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(h.arch_key("rope.scaling.factor", 1.0))}
+        scaling: dict[str, Any] = {
+            "rope_type": scaling_type,
+            "factor": float(h.arch_key("rope.scaling.factor", 1.0)),
+        }
         orig = h.arch_key("rope.scaling.original_context_length")
         if orig is not None:
             scaling["original_max_position_embeddings"] = int(orig)
@@ -309,7 +326,10 @@ def read_gguf_config(path: str) -> dict:
     window = h.arch_key("attention.sliding_window")
     if window is not None:
         cfg["sliding_window"] = int(_first(window))
-    for key, hf_key in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
+    for key, hf_key in (
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ):
         if key in h.metadata:
             cfg[hf_key] = int(h.metadata[key])
     return cfg
