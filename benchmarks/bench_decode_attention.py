@@ -41,7 +41,19 @@ from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
+USE_GRAPH = False
+
+
 def bench(fn, rep=100):
+    if USE_GRAPH:
+        # capture one call in a CUDA graph (as the engine's decode does) so the
+        # host launch cost of the Python wrapper is not part of the GPU time
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
     med, lo, hi = do_bench(fn, warmup=25, rep=rep, quantiles=[0.5, 0.0, 1.0])
     return med * 1e3, lo * 1e3, hi * 1e3  # microseconds
 
@@ -212,7 +224,10 @@ def main():
     ap.add_argument("--variants", action="store_true", help="only the fp8 kernel-variant shoot-out")
     ap.add_argument("--profile-one", action="store_true", help="only run 64x8192 decode (for ncu)")
     ap.add_argument("--prefill", action="store_true", help="also time one 8k causal prefill")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host launch cost)")
     args = ap.parse_args()
+    global USE_GRAPH
+    USE_GRAPH = args.graph
     if args.variants:
         run_variants(args.out)
         return
@@ -221,7 +236,9 @@ def main():
         return
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
+    use_graph, USE_GRAPH = USE_GRAPH, False
     copy_bw, copy_us = copy_bandwidth()
+    USE_GRAPH = use_graph
     info = dict(
         device=dev,
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -230,6 +247,7 @@ def main():
         python=platform.python_version(),
         copy_bw_TBps=copy_bw / 1e12,
         cmd=" ".join(sys.argv),
+        graph=args.graph,
     )
     print(f"# {dev} torch {torch.__version__} triton {triton.__version__}")
     print(f"# copy bandwidth (read+write) {copy_bw / 1e12:.3f} TB/s ({copy_us:.0f} us for 2x4 GiB)")
