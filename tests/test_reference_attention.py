@@ -226,8 +226,9 @@ def test_sliding_window(window, cache_dtype):
 
 
 def test_sliding_window_decode_only_skips_blocks():
-    # every query far past the window: only the last blocks may be gathered
-    seqs = [(200, 1), (150, 1), (301, 1)]
+    # every query far past the window: leading blocks are skipped. The earliest visible key
+    # (34 - 20 + 1 = 15) is the last slot of block 0, so an off-by-one in the skip is caught.
+    seqs = [(200, 1), (34, 1), (301, 1), (60, 3), (34, 10)]  # (34, 10): the same for the prefill path
     case, sm = _build(seqs, window=20, seed=7, block_size=16)
     _check(case, sm, window=20)
 
