@@ -135,7 +135,8 @@ def _widen_bits(raw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, fl
     bits.bitwise_left_shift_(7)
     bits.bitwise_and_(-0x4001)  # clear bit 14 (a copy of the sign); keep sign in bit 15
     mag = u & 0x7F
-    if mag.numel() and int(mag.max()) == 0x7F:  # e4m3fn NaN (exponent and mantissa all ones) present: rare, slow path
+    # e4m3fn NaN (exponent and mantissa all ones; never written by write_kv_cache): rare slow path
+    if mag.numel() and int(mag.max()) == 0x7F:
         bits.masked_fill_(mag == 0x7F, 0x7E00)
     return bits.view(torch.float16), 256.0
 
@@ -170,9 +171,9 @@ def _attend(
 ) -> torch.Tensor:
     """Masked softmax attention in float32.
 
-    ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled, float32),
-    ``allowed [B, Lq, Lk]`` bool (``v`` is overwritten) (every query row must allow >= 1 key),
-    ``qk_scale``/``v_scale [Hkv]``. Returns ``[B, Hkv, G, Lq, D]``.
+    ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled, float32; ``v``
+    is modified in place), ``allowed [B, Lq, Lk]`` bool (every query row must allow at
+    least one key), ``qk_scale``/``v_scale [Hkv]``. Returns ``[B, Hkv, G, Lq, D]``.
     Masked keys never contribute, even if the cache holds NaN/inf there.
     """
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k)
