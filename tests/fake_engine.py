@@ -66,6 +66,7 @@ class FakeEngine:
     """Implements the synchronous engine contract with trivial compute."""
 
     model_name = "fake-model"
+    vocab_size = 0x10000
 
     def __init__(
         self,
@@ -101,6 +102,8 @@ class FakeEngine:
                 ids = list(prompt)
             if not ids:
                 raise InvalidRequestError("prompt must not be empty", field="prompt")
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", field="prompt")
             if len(ids) >= self.max_model_len:
                 raise InvalidRequestError(
                     f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}", field="prompt"

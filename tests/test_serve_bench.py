@@ -92,7 +92,7 @@ def test_bench_counts_agree_with_server_metrics(server, tmp_path):
     before = _metrics(server.url)
     out, plot = tmp_path / "results.json", tmp_path / "results.png"
     rc = sb.bench_serve_main([
-        "--base-url", server.url, "--isl", "48", "--osl", "8", "--concurrency", "4", "--num-requests", "8",
+        "--base-url", server.url, "--isl", "40", "--osl", "6", "--concurrency", "3", "--num-requests", "6",
         "--repetitions", "2", "--warmup", "1", "--out", str(out), "--plot", str(plot),
     ])
     assert rc == 0
@@ -101,18 +101,18 @@ def test_bench_counts_agree_with_server_metrics(server, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     reps = report["repetitions"]
-    assert len(reps) == 2 and all(r["requests_succeeded"] == 8 and r["requests_failed"] == 0 for r in reps)
-    assert all(r["output_tokens"] == 8 * 8 for r in reps)  # ignore_eos: exactly OSL each
+    assert len(reps) == 2 and all(r["requests_succeeded"] == 6 and r["requests_failed"] == 0 for r in reps)
+    assert all(r["output_tokens"] == 6 * 6 for r in reps)  # ignore_eos: exactly OSL each
     for r in reps:
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert r[key]["p50"] is not None and r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"]
         assert r["output_throughput_tok_s"] > 0 and r["total_throughput_tok_s"] > r["output_throughput_tok_s"]
     # prompts land near ISL after warm-up calibration
-    assert 48 * 0.7 <= reps[0]["mean_prompt_tokens"] <= 48 * 1.3, reps[0]["mean_prompt_tokens"]
+    assert 40 * 0.7 <= reps[0]["mean_prompt_tokens"] <= 40 * 1.3, reps[0]["mean_prompt_tokens"]
     assert set(report["summary"]["ttft_ms_p50"]) == {"median", "min", "max"}
 
     totals = report["totals"]
-    assert totals["requests_sent"] == totals["requests_succeeded"] == 4 + 16
+    assert totals["requests_sent"] == totals["requests_succeeded"] == 3 + 12
     name = server.engine.model_name
 
     def delta(metric):
