@@ -337,8 +337,39 @@ def _real_server_available() -> str | None:
 
 @needs_data
 @pytest.mark.slow
-def test_real_server_limit_3(tmp_path):
+def test_real_server_limit_3(tmp_path, capsys):
+    """The embedded SmolLM2 behind the real kvforge server (CPU), 3 questions.
+
+    Kept short for CPU (2 shots, 48 new tokens): this checks the plumbing and
+    the per-question records, not the model's accuracy.
+    """
     why = _real_server_available()
     if why:
         pytest.skip(why)
-    pytest.skip("real-server wiring pending")
+    from kvforge.config import EngineArgs
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.server.app import ServerThread, create_app
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(device="cpu", max_model_len=1024, kv_cache_memory=64 << 20, progress=False)
+    )
+    out = tmp_path / "real.jsonl"
+    with ServerThread(create_app(engine)) as srv:
+        args = _parse(["--base-url", srv.url, "--limit", "3", "--num-fewshot", "2", "--max-tokens", "48",
+                       "--concurrency", "3", "--output", str(out), "--json", "--no-progress"])
+        rc = gsm8k_main(args)
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["n"] == 3 and summary["errors"] == 0
+    assert summary["model"] == engine.model_name
+    assert 0.0 <= summary["strict_match"] <= 1.0 and 0.0 <= summary["flexible_extract"] <= 1.0
+    assert summary["completion_tokens"] > 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    test_docs = gsm8k.load_split(DATA_DIR, "test", 3)
+    assert [r["question"] for r in rows] == [d["question"] for d in test_docs]
+    for r in rows:
+        assert r["completion"].strip(), r  # the model said something
+        assert "Question:" not in r["completion"]
+        assert r["finish_reason"] in ("stop", "length")
+        assert r["strict_correct"] == (r["strict_pred"] == r["target"])
+        assert r["flexible_correct"] == (r["flexible_pred"] == r["target"])

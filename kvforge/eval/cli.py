@@ -143,8 +143,15 @@ def add_kld_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-scale-multiplier", type=float, default=None,
                         help="multiply the KV scales by this (a deliberately wrong scale, for testing that "
                              "the metric catches it); needs EngineArgs support")
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="calibrate the fp8 KV scales on the first batch (quantized engines only)")
     parser.add_argument("--max-tokens", type=int, default=kld.DEFAULT_MAX_TOKENS,
                         help="scored tokens per context size (default %(default)s)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device")
+    parser.add_argument("--dtype", default="auto",
+                        help="model dtype of every engine (default auto: float32 on CPU, the config's on CUDA)")
+    parser.add_argument("--kv-cache-memory", type=int, default=kld.DEFAULT_KV_CACHE_MEMORY, metavar="BYTES",
+                        help="KV bytes for EACH engine (they coexist on one device; default %(default)s)")
     parser.add_argument("--engine-arg", action="append", type=_kv_pair, default=[], metavar="KEY=VALUE",
                         help="extra EngineArgs field for every engine (e.g. --engine-arg device=cpu)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -168,6 +175,8 @@ def kld_configs(args: argparse.Namespace) -> list:
                 ov.append(("kv_scale_scheme", sch))
             if args.kv_scale_multiplier is not None:
                 ov.append(("kv_scale_multiplier", args.kv_scale_multiplier))
+            if getattr(args, "calculate_kv_scales", False):
+                ov.append(("calculate_kv_scales", True))
             configs.append(QuantConfig(d, tuple(ov)))
     return configs
 
@@ -186,7 +195,13 @@ def kld_main(args: argparse.Namespace) -> int:
             ctxs=tuple(args.ctx),
             configs=configs,
             max_tokens=args.max_tokens,
-            common_overrides=dict(args.engine_arg),
+            common_overrides={
+                "device": args.device,
+                "dtype": args.dtype,
+                "kv_cache_memory": args.kv_cache_memory,
+                "progress": not args.no_progress,
+                **dict(args.engine_arg),
+            },
             progress=not args.no_progress,
         )
     except (FileNotFoundError, ValueError) as e:

@@ -32,6 +32,11 @@ import numpy as np
 
 DEFAULT_CTX = (512,)
 DEFAULT_MAX_TOKENS = 20_000
+# KV bytes per engine. The baseline and every quantized engine live on one
+# device at once, so none may size its cache from "free memory" (on CUDA the
+# first would take it all). 512 MiB holds a 2048-token window of a 7B-class
+# model in bf16; raise it with --kv-cache-memory for bigger models.
+DEFAULT_KV_CACHE_MEMORY = 512 << 20
 # Rows of [rows, vocab] float64 processed at once (bounds temporary memory).
 _ROW_CHUNK = 256
 
@@ -296,9 +301,14 @@ def run_kld(
     if not text_path.is_file():
         raise FileNotFoundError(f"text file {text_path} not found (pass --text FILE)")
     text = text_path.read_text(encoding="utf-8", errors="replace")
+    fields = engine_arg_fields()
     common = dict(common_overrides or {})
-    if "max_model_len" in engine_arg_fields() and "max_model_len" not in common:
+    if "max_model_len" in fields and "max_model_len" not in common:
         common["max_model_len"] = max(ctxs)
+    if "kv_cache_memory" in fields and common.get("kv_cache_memory") is None:
+        common["kv_cache_memory"] = DEFAULT_KV_CACHE_MEMORY
+    if "progress" in fields and "progress" not in common:
+        common["progress"] = progress
 
     t0 = time.perf_counter()
     base = make_engine(model, "auto", common)
