@@ -50,8 +50,11 @@ class KVPool:
         self.page_bytes = group.page_bytes
         if group.page_bytes != group.page_bytes_unpadded:
             raise ConfigError("padded pages are not supported by the engine's pool yet")
-        self.buffer = torch.empty(self.num_blocks * plan.group_size * self.page_bytes, dtype=torch.uint8,
-                                  device=device)
+        nbytes = self.num_blocks * plan.group_size * self.page_bytes
+        # CUDA: zero-filled (one memset), so a read of a never-written page (CUDA-graph padding rows read
+        # block 0) sees finite numbers; CPU keeps torch.empty (pages are written before they are read).
+        alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
+        self.buffer = alloc(nbytes, dtype=torch.uint8, device=device)
         self.kv_caches: list[torch.Tensor] = []
         self.k_scales: list[torch.Tensor] = []
         self.v_scales: list[torch.Tensor] = []
@@ -74,7 +77,9 @@ class KVPool:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self.buffer.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.buffer.device)
+        idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous()
+        if self.buffer.device.type == "cuda":
+            idx = idx.pin_memory().to(self.buffer.device, non_blocking=True)  # no host sync
+        src, dst = idx[0], idx[1]
         for cache in self.kv_caches:
             cache[dst] = cache[src]

@@ -94,7 +94,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, batched, self.max_model_len,
                                    args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer)
         self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
-                                  calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier)
+                                  calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
+                                  enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
         self.sampler = Sampler()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.prompt_tokens_total = 0
@@ -188,7 +189,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        self.pool.copy_blocks(out.blocks_to_copy)
+        if out.blocks_to_copy:
+            self.pool.copy_blocks(out.blocks_to_copy)
+            self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         for s in out.scheduled:
             chunks.append((s.token_ids, s.start_pos, s.seq.block_table))
@@ -226,6 +229,8 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "num_steps": self.num_steps,
+            "graph_steps": self.runner.num_graph_steps,
+            "eager_steps": self.runner.num_eager_steps,
         }
 
     # ---- scoring (eval) -------------------------------------------------------

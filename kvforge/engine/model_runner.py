@@ -4,12 +4,24 @@ The attention callable handed to the model writes each layer's new K/V into
 its paged cache (quantizing when the plan says fp8) and runs the layer's
 planned backend over the block tables. Nothing here decides a KV question:
 backends, dtypes, block size and scales all come from the plan.
+
+Input preparation never waits for the device: every step tensor (token ids,
+positions, slots, query_start_loc, seq_lens, block tables, the rows whose
+logits are wanted) is built on the host with numpy, placed in pinned memory
+and copied with ``non_blocking=True`` (two copies per step: one int64 and one
+int32 buffer). On CPU the host tensors are used directly. The only host sync
+of a step is the engine reading the sampled tokens.
+
+Decode-only steps (every sequence brings one token) on CUDA replay a captured
+CUDA graph when one is available (kvforge/engine/cuda_graphs.py); prefill and
+mixed steps, and everything with ``enforce_eager``, run eagerly.
 """
 
 from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import torch
 
 from kvforge.attention.fp8 import compute_scales, is_fp8
@@ -19,19 +31,81 @@ from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
 
 
+class _TableCache:
+    """Host (numpy int32) copies of block tables, so a decode step does not
+    convert every sequence's whole Python list again.
+
+    Keyed by the identity of the ``block_table`` list, which the entry keeps
+    alive (so the id cannot be reused). Block tables only grow by ``extend``
+    between copy-on-write events; a new list object means a new table. The
+    engine calls :meth:`clear` whenever a step copies blocks (copy-on-write
+    rewrites an entry in place), and the last cached entry is re-checked.
+    """
+
+    def __init__(self):
+        self._entries: dict[int, tuple[list, np.ndarray, int]] = {}
+        self._used: dict[int, tuple[list, np.ndarray, int]] = {}
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, table: list[int]) -> np.ndarray:
+        key = id(table)
+        n = len(table)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is table and entry[2] <= n and (
+                entry[2] == 0 or int(entry[1][entry[2] - 1]) == table[entry[2] - 1]):
+            arr, have = entry[1], entry[2]
+            if have < n:
+                if arr.shape[0] < n:
+                    grown = np.empty(max(n, 2 * arr.shape[0]), dtype=np.int32)
+                    grown[:have] = arr[:have]
+                    arr = grown
+                arr[have:n] = table[have:n]
+        else:
+            arr = np.empty(max(n, 8), dtype=np.int32)
+            arr[:n] = table
+        self._used[key] = (table, arr, n)
+        return arr[:n]
+
+    def end_step(self) -> None:
+        """Keep only the tables used by this step (finished sequences drop out)."""
+        self._entries, self._used = self._used, {}
+
+
+class HostStep:
+    """One step's inputs as host numpy arrays (filled by :meth:`ModelRunner.build_host`)."""
+
+    __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len")
+
+    def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len):
+        self.ids, self.pos, self.slots = ids, pos, slots
+        self.qsl, self.seq_lens, self.tables, self.rows = qsl, seq_lens, tables, rows
+        self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
 class ModelRunner:
     """Runs ``model`` over the KV pool. ``calibrate``: set fp8 scales from the
     first batch's K/V (amax / format max), else keep the default 1.0; every
-    scale is multiplied by ``scale_multiplier`` (a diagnostic, default 1)."""
+    scale is multiplied by ``scale_multiplier`` (a diagnostic, default 1).
+    ``enforce_eager``: never use CUDA graphs (CPU never does). ``graph_sizes``:
+    decode batch sizes to capture (default ``cuda_graphs.default_capture_sizes``:
+    powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself)."""
 
     def __init__(self, model, pool: KVPool, plan: KVPlan, device: torch.device, *, calibrate: bool = False,
-                 scale_multiplier: float = 1.0):
+                 scale_multiplier: float = 1.0, enforce_eager: bool = True, max_num_seqs: int = 256,
+                 graph_sizes: list[int] | None = None):
         self.model = model
         self.pool = pool
         self.plan = plan
         self.device = device
         self.block_size = plan.block_size
         impls = {d.name: d.implementation for d in builtin_backends()}
+        self.backend_names = [layer.backend for layer in plan.layers]
         self.impls = [importlib.import_module(impls[layer.backend]) for layer in plan.layers]
         self.windows = [model.sliding_window(i) for i in range(len(plan.layers))]
         self.softmax_scale = model.softmax_scale
@@ -42,39 +116,96 @@ class ModelRunner:
             for s in pool.k_scales + pool.v_scales:
                 s.mul_(scale_multiplier)
         self._meta: AttentionMetadata | None = None
+        self._num_splits: int | None = None  # pinned split-K factor (CUDA-graph decode)
+        self._tables = _TableCache()
+        self._pin = device.type == "cuda"
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        self.graphs = None
+        if device.type == "cuda" and not enforce_eager:
+            from kvforge.engine.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
+
+            why = graphs_unsupported_reason(self)
+            if why is None:
+                self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
+            else:
+                import logging
+
+                logging.getLogger("kvforge.engine").warning("CUDA graphs off: %s", why)
 
     # ---- inputs ---------------------------------------------------------------
-    def prepare(self, chunks: list[tuple[list[int], int, list[int]]]):
+    def invalidate_block_tables(self) -> None:
+        """Call when block tables were changed in place (copy-on-write)."""
+        self._tables.clear()
+
+    def build_host(self, chunks: list[tuple[list[int], int, list[int]]],
+                   logits_rows: list[int] | None = None) -> HostStep:
         """chunks: per sequence (new token ids, start position, block table).
 
-        Returns (input_ids, positions, metadata). Positions of sequence i's new
-        tokens are start .. start + n - 1; its context after the step is start + n.
+        Positions of sequence i's new tokens are start .. start + n - 1; its
+        context after the step is start + n. Unused block-table entries are 0.
         """
         bs = self.block_size
-        ids, pos, slots, qsl, seq_lens = [], [], [], [0], []
-        max_blocks = max(len(c[2]) for c in chunks)
-        tables = torch.zeros((len(chunks), max(max_blocks, 1)), dtype=torch.int32)
-        for i, (tokens, start, table) in enumerate(chunks):
-            n = len(tokens)
-            ids.extend(tokens)
-            p = list(range(start, start + n))
-            pos.extend(p)
-            slots.extend(table[q // bs] * bs + q % bs for q in p)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        dev = self.device
+        n_seqs = len(chunks)
+        lens = [len(c[0]) for c in chunks]
+        n_tok = sum(lens)
+        ids = np.empty(n_tok, dtype=np.int64)
+        pos = np.empty(n_tok, dtype=np.int64)
+        slots = np.empty(n_tok, dtype=np.int64)
+        qsl = np.zeros(n_seqs + 1, dtype=np.int32)
+        seq_lens = np.empty(n_seqs, dtype=np.int32)
+        arrays = [self._tables.get(c[2]) for c in chunks]
+        cols = max(1, max((a.shape[0] for a in arrays), default=1))
+        tables = np.zeros((n_seqs, cols), dtype=np.int32)
+        t = 0
+        max_q = 0
+        for i, ((tokens, start, table), n, arr) in enumerate(zip(chunks, lens, arrays)):
+            if n == 1:
+                ids[t] = tokens[0]
+                pos[t] = start
+                slots[t] = table[start // bs] * bs + start % bs
+            else:
+                ids[t:t + n] = tokens
+                p = np.arange(start, start + n, dtype=np.int64)
+                pos[t:t + n] = p
+                slots[t:t + n] = arr[p // bs].astype(np.int64) * bs + p % bs
+            t += n
+            qsl[i + 1] = t
+            seq_lens[i] = start + n
+            tables[i, :arr.shape[0]] = arr
+            max_q = max(max_q, n)
+        self._tables.end_step()
+        rows = None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
+        return HostStep(ids, pos, slots, qsl, seq_lens, tables, rows, max_q,
+                        int(seq_lens.max()) if n_seqs else 0)
+
+    def _to_device(self, host: HostStep):
+        """Two host->device copies (pinned, non_blocking) and views of them."""
+        n_tok, n_seqs = host.ids.shape[0], host.num_seqs
+        n_rows = 0 if host.rows is None else host.rows.shape[0]
+        i64 = np.concatenate([host.ids, host.pos, host.slots] + ([host.rows] if n_rows else []))
+        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
+        a64, a32 = torch.from_numpy(i64), torch.from_numpy(i32)
+        if self.device.type != "cpu":
+            if self._pin:
+                a64, a32 = a64.pin_memory(), a32.pin_memory()
+            a64 = a64.to(self.device, non_blocking=True)
+            a32 = a32.to(self.device, non_blocking=True)
+        ids, pos, slots = a64[:n_tok], a64[n_tok:2 * n_tok], a64[2 * n_tok:3 * n_tok]
+        rows = a64[3 * n_tok:] if n_rows else None
+        qsl = a32[:n_seqs + 1]
+        seq_lens = a32[n_seqs + 1:2 * n_seqs + 1]
+        tables = a32[2 * n_seqs + 1:].view(n_seqs, host.tables.shape[1])
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(len(c[0]) for c in chunks),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
+            query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
+            max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
         )
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta)
+        return ids, pos, meta, rows
+
+    def prepare(self, chunks: list[tuple[list[int], int, list[int]]]):
+        """(input_ids, positions, metadata) on the runner's device for ``chunks``."""
+        ids, pos, meta, _ = self._to_device(self.build_host(chunks))
+        return ids, pos, meta
 
     # ---- attention ------------------------------------------------------------
     def _attn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -83,6 +214,9 @@ class ModelRunner:
         if self.needs_calibration:
             self._calibrate(layer, k, v)
         impl.write_kv_cache(k, v, cache, meta.slot_mapping, pool.k_scales[layer], pool.v_scales[layer])
+        if self._num_splits is not None:
+            return impl.paged_attention(q, cache, meta, pool.k_scales[layer], pool.v_scales[layer],
+                                        self.softmax_scale, self.windows[layer], num_splits=self._num_splits)
         return impl.paged_attention(q, cache, meta, pool.k_scales[layer], pool.v_scales[layer],
                                     self.softmax_scale, self.windows[layer])
 
@@ -96,17 +230,36 @@ class ModelRunner:
         if layer == len(self.pool.kv_caches) - 1:
             self.needs_calibration = False
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                num_splits: int | None = None) -> torch.Tensor:
+        """The model over one step's tensors; returns hidden states [T, hidden]."""
+        self._meta, self._num_splits = meta, num_splits
+        try:
+            return self.model(input_ids, positions, self._attn)
+        finally:
+            self._meta, self._num_splits = None, None
+
     # ---- forward --------------------------------------------------------------
     @torch.inference_mode()
     def run(self, chunks, logits_rows: list[int] | None) -> torch.Tensor:
         """Run one step; return float32 logits for ``logits_rows`` (flat token
         indices), or for every token when ``logits_rows`` is None."""
-        input_ids, positions, self._meta = self.prepare(chunks)
-        try:
-            hidden = self.model(input_ids, positions, self._attn)
-        finally:
-            meta, self._meta = self._meta, None
-        del meta
-        if logits_rows is not None:
-            hidden = hidden[torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)]
+        host = self.build_host(chunks, logits_rows)
+        if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
+            host.rows = None  # every row, in order: no gather
+            logits_rows = None
+        graphs = self.graphs
+        if graphs is not None and host.max_query_len == 1 and graphs.can_run(host.num_seqs) \
+                and not self.needs_calibration:
+            hidden = graphs.run(host)
+            self.num_graph_steps += 1
+            if logits_rows is not None:
+                rows = torch.from_numpy(host.rows).pin_memory().to(self.device, non_blocking=True)
+                hidden = hidden[rows]
+            return self.model.compute_logits(hidden)
+        input_ids, positions, meta, rows = self._to_device(host)
+        hidden = self.forward(input_ids, positions, meta)
+        self.num_eager_steps += 1
+        if rows is not None:
+            hidden = hidden[rows]
         return self.model.compute_logits(hidden)
