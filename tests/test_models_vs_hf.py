@@ -58,6 +58,16 @@ CASES = {
     "qwen3-qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
 }
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny ops: OpenMP barriers on a busy 2-core box cost more than they save."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 PROMPT_LENS = (12, 7)
 DECODE_STEPS = 5
 MEASURED: dict[str, float] = {}

@@ -142,16 +142,21 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq.copy_(compute_inv_freq(self.rotary_dim, self.theta, self.scaling, device="cpu"))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, rotary_dim]`` cos and sin for ``positions`` (computed once per step, shared by layers)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return self.apply(self.cos_sin(positions, q.dtype), q, k)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:

@@ -25,6 +25,7 @@ from kvforge.errors import ConfigError
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get, rope_parameters
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+RopeCache = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, rotary_dim]
 
 # Per-architecture structural differences.
 _VARIANTS = {
@@ -101,9 +102,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.rope_theta, a.rope_scaling)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+    def forward(
+        self, rope: RopeCache, x: torch.Tensor, attn: AttnFn, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -111,7 +113,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = rotary.apply(rope, q, k)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -124,8 +126,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, bias=a.mlp_bias, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+    def forward(
+        self, rope: RopeCache, x: torch.Tensor, attn: AttnFn, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), attn, rotary)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -135,6 +139,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList([LlamaDecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        # One rotary for all layers: cos/sin are computed once per step.
+        self.rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.rope_theta, a.rope_scaling)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -161,8 +167,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary
+        rope = rotary.cos_sin(positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(positions, h, attn)
+            h = layer(rope, h, attn, rotary)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
