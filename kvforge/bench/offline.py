@@ -1,8 +1,25 @@
 """``kvforge bench offline``: offline throughput with the engine in-process.
 
 Requests have input and output lengths drawn uniformly from the given ranges
-(seeded), random token ids, ignore_eos, greedy. Reports requests/s, output and
-total tokens/s, and the engine's own counters; ``--out`` writes JSON.
+(seeded; the same lengths in every repetition, fresh random token ids each
+time so the prefix cache cannot help), ignore_eos, greedy. Reports requests/s,
+output and total tokens/s (each repetition and the median), the engine's own
+counters, and on CUDA a memory roofline:
+
+* decode floor: for every decode step of this exact workload (all requests
+  admitted together, request ``r`` decoding for ``out_r`` steps), the bytes the
+  step must read, ``weights read (all parameters but the input embedding) +
+  KV of every context token of the running requests``, divided by the
+  device-to-device copy bandwidth measured in the same run (bytes read and
+  written per second, as in docs/KERNELS.md);
+* prefill floor: ``2 x parameters x prompt tokens`` FLOPs at the measured
+  bf16 GEMM rate.
+
+``--profile-decode`` then fills the engine with ``min(num_prompts,
+max_num_seqs)`` requests of the mean input length, and times and profiles
+steady decode steps (CUDA-graph and eager): kernel time by category (GEMM,
+attention, KV write, sampling, other), host overhead = wall - GPU busy time,
+and the torch.profiler table. ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -10,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import statistics
 import time
 
 
@@ -20,38 +39,232 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--repetitions", type=int, default=1, help="timed runs (median reported)")
+    p.add_argument("--profile-decode", action="store_true", help="CUDA: time and profile steady decode steps")
     p.add_argument("--out", default=None, help="write the JSON result here")
 
 
+# ---- measurements on the device -------------------------------------------------------------------------------
+def _copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate, bytes read + written per second (median of 10)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def _gemm_rate(device) -> float:
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    for _ in range(3):
+        a @ b
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record()
+    e.synchronize()
+    return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
+
+
+def _weights_read_bytes(model) -> int:
+    """Bytes of every parameter a decode step reads (the input embedding is gathered, not read)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if getattr(model, "lm_head", None) is None:  # tied: the LM head reads the embedding
+        return total
+    return total - emb.numel() * emb.element_size()
+
+
+def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, copy_bw: float, params: int,
+              gemm_rate: float) -> dict:
+    steps = max(out_lens)
+    decode_s = 0.0
+    active = list(zip(out_lens, in_lens))
+    for s in range(1, steps):  # output token 1 comes from the prefill; decode step s makes token s + 1
+        ctx = sum(i + s for o, i in active if o > s)
+        decode_s += (weights_read + ctx * kv_bytes_per_token) / copy_bw
+    prefill_s = 2 * params * sum(in_lens) / gemm_rate
+    n_out, n_in = sum(out_lens), sum(in_lens)
+    total = decode_s + prefill_s
+    return {
+        "decode_floor_s": decode_s, "prefill_floor_s": prefill_s, "floor_s": total,
+        "output_tokens_per_s_at_floor": n_out / total, "total_tokens_per_s_at_floor": (n_in + n_out) / total,
+        "decode_only_output_tokens_per_s_at_floor": n_out / decode_s,
+    }
+
+
+_CATEGORIES = [
+    ("attention", re.compile(r"_paged_attn_kernel|_merge_splits")),
+    ("kv_write", re.compile(r"_write_kv")),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce", re.I)),
+    ("sampling", re.compile(r"argmax", re.I)),
+]
+
+
+def _profile_steps(engine, n_steps: int, label: str) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n_steps
+    cats = {k: 0.0 for k, _ in _CATEGORIES}
+    cats["other"] = 0.0
+    for evt in prof.key_averages():
+        dev_t = getattr(evt, "self_device_time_total", None)
+        if dev_t is None:
+            dev_t = getattr(evt, "self_cuda_time_total", 0.0)
+        if not dev_t or str(getattr(evt, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        for name, rx in _CATEGORIES:
+            if rx.search(evt.key):
+                cats[name] += dev_t
+                break
+        else:
+            cats["other"] += dev_t
+    per_step_ms = {k: v / 1e3 / n_steps for k, v in cats.items()}
+    gpu = sum(per_step_ms.values())
+    try:
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18)
+    except Exception:  # noqa: BLE001 - older/newer column names
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=18)
+    print(f"\n== decode step profile ({label}, {n_steps} steps) ==\n{table}")
+    return {"mode": label, "wall_ms_per_step": wall * 1e3, "gpu_kernel_ms_per_step": gpu,
+            "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms}
+
+
+def _profile_decode(llm, in_len: int, weights_read: int, copy_bw: float) -> dict:
+    """Steady decode at min(num_prompts, max_num_seqs) running requests of ``in_len`` tokens."""
+    from kvforge.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    batch = engine.args.max_num_seqs
+    rng = random.Random(1234)
+    vocab = engine.spec.vocab_size
+    ids = [f"prof-{i}" for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for rid in ids:
+        engine.add_request(rid, [rng.randrange(10, vocab - 10) for _ in range(in_len)], params)
+    while True:  # until a step is pure decode of the whole batch
+        outs = engine.step()
+        if len(outs) == batch and all(len(o.outputs[0].token_ids) > 1 for o in outs):
+            break
+    for _ in range(3):
+        engine.step()
+    t0 = time.perf_counter()
+    timed = 20
+    for _ in range(timed):
+        engine.step()
+    wall_graph = (time.perf_counter() - t0) / timed
+    ctx = in_len + 25
+    kv_step = batch * ctx * engine.plan.bytes_per_token
+    floor_ms = (weights_read + kv_step) / copy_bw * 1e3 if copy_bw else None
+    result = {"batch": batch, "context_tokens": ctx, "step_floor_ms": floor_ms,
+              "wall_ms_per_step_graph_timed": wall_graph * 1e3, "profiles": []}
+    result["profiles"].append(_profile_steps(engine, 5, "cudagraph" if engine.runner.graphs else "eager"))
+    if engine.runner.graphs is not None:
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        try:
+            engine.step()
+            result["profiles"].append(_profile_steps(engine, 5, "eager"))
+        finally:
+            engine.runner.graphs = graphs
+    for rid in ids:
+        engine.abort_request(rid)
+    return result
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
 def offline_main(args: argparse.Namespace) -> int:
+    import torch
+
     from kvforge.config import EngineArgs
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.llm import LLM
 
+    t_start = time.perf_counter()
     llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
+    startup = time.perf_counter() - t_start
+    engine = llm.engine
     print(llm.plan.summary())
     rng = random.Random(args.seed)
-    vocab = llm.engine.spec.vocab_size
-    prompts, params = [], []
-    for _ in range(args.num_prompts):
-        n_in = rng.randint(*args.input_len)
-        n_out = rng.randint(*args.output_len)
-        prompts.append({"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(n_in)]})
-        params.append(SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True))
-    # warm-up (compiles kernels, captures graphs) on a couple of short requests
-    llm.generate([{"prompt_token_ids": [11] * 16}] * 2, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    n_in = sum(len(p["prompt_token_ids"]) for p in prompts)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    vocab = engine.spec.vocab_size
+    in_lens = [rng.randint(*args.input_len) for _ in range(args.num_prompts)]
+    out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    # Warm-up: compiles the prefill, mixed and decode kernel variants (graphs were captured at startup).
+    warm = [{"prompt_token_ids": [11 + i] * n} for i, n in enumerate((16, 300, 700))]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    runs = []
+    for rep in range(max(1, args.repetitions)):
+        prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(n)]} for n in in_lens]
+        before = engine.stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        after = engine.stats()
+        n_in = sum(in_lens)
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs.append({"seconds": dt, "output_tokens": n_out, "input_tokens": n_in,
+                     "requests_per_s": args.num_prompts / dt, "output_tokens_per_s": n_out / dt,
+                     "total_tokens_per_s": (n_in + n_out) / dt,
+                     "steps": after["num_steps"] - before["num_steps"],
+                     "graph_steps": after["graph_steps"] - before["graph_steps"],
+                     "num_preemptions": after["num_preemptions"] - before["num_preemptions"]})
+        print(f"run {rep}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
+              f"{runs[-1]['steps']} steps ({runs[-1]['graph_steps']} graph)", flush=True)
+    med = {k: statistics.median(r[k] for r in runs)
+           for k in ("seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
     result = {
-        "model": llm.engine.model_name, "kv_cache_dtype": llm.plan.kv_cache_dtype, "block_size": llm.plan.block_size,
-        "num_prompts": args.num_prompts, "input_tokens": n_in, "output_tokens": n_out, "seconds": dt,
-        "requests_per_s": args.num_prompts / dt, "output_tokens_per_s": n_out / dt,
-        "total_tokens_per_s": (n_in + n_out) / dt, "capacity_tokens": llm.plan.capacity_tokens,
-        "engine_stats": llm.engine.stats(), "device": str(llm.engine.device),
+        "model": engine.model_name, "kv_cache_dtype": llm.plan.kv_cache_dtype, "model_dtype": llm.plan.model_dtype,
+        "block_size": llm.plan.block_size, "max_model_len": llm.plan.max_model_len,
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "median": med, "runs": runs,
+        "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": engine.stats(), "device": str(engine.device),
+        "startup_seconds": startup, "enforce_eager": engine.args.enforce_eager,
+        "versions": {"torch": torch.__version__},
     }
+    # Back-compat top-level keys (first consumers read these).
+    result.update({"seconds": med["seconds"], "requests_per_s": med["requests_per_s"],
+                   "output_tokens_per_s": med["output_tokens_per_s"], "total_tokens_per_s": med["total_tokens_per_s"]})
+    if engine.device.type == "cuda":
+        import triton
+
+        graphs = engine.runner.graphs
+        result["versions"]["triton"] = triton.__version__
+        result["gpu"] = torch.cuda.get_device_name(engine.device)
+        result["graph_capture_seconds"] = graphs.capture_seconds if graphs else None
+        result["graph_sizes"] = graphs.sizes if graphs else None
+        copy_bw = _copy_bandwidth(engine.device)
+        gemm = _gemm_rate(engine.device)
+        weights_read = _weights_read_bytes(engine.model)
+        roof = _roofline(in_lens, out_lens, weights_read, llm.plan.bytes_per_token, copy_bw,
+                         llm.plan.num_parameters, gemm)
+        result.update({"copy_bandwidth_Bps": copy_bw, "gemm_bf16_flops": gemm, "weights_read_bytes": weights_read,
+                       "kv_bytes_per_token": llm.plan.bytes_per_token, "roofline": roof,
+                       "fraction_of_floor": roof["floor_s"] / med["seconds"]})
+    if args.profile_decode:
+        result["decode_profile"] = _profile_decode(llm, round(sum(in_lens) / len(in_lens)),
+                                                   _weights_read_bytes(engine.model),
+                                                   result.get("copy_bandwidth_Bps"))
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:
