@@ -139,10 +139,10 @@ def add_kld_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="quantized KV dtype(s) to compare with 'auto' (repeat or comma-separate; default fp8)")
     parser.add_argument("--kv-scale-scheme", default=None,
                         help="KV scale scheme(s), comma-separated (e.g. per_tensor,per_head): one run per "
-                             "dtype x scheme; needs EngineArgs support")
+                             "dtype x scheme")
     parser.add_argument("--kv-scale-multiplier", type=float, default=None,
                         help="multiply the KV scales by this (a deliberately wrong scale, for testing that "
-                             "the metric catches it); needs EngineArgs support")
+                             "the metric catches it)")
     parser.add_argument("--calculate-kv-scales", action="store_true",
                         help="calibrate the fp8 KV scales on the first batch (quantized engines only)")
     parser.add_argument("--max-tokens", type=int, default=kld.DEFAULT_MAX_TOKENS,

@@ -64,7 +64,8 @@ def token_stats(base_logits, quant_logits, targets) -> dict[str, np.ndarray]:
 
     b = torch.as_tensor(base_logits)
     q = torch.as_tensor(quant_logits)
-    t = torch.as_tensor(targets, dtype=torch.long).reshape(-1)
+    t = torch.as_tensor(targets, dtype=torch.long).reshape(-1).to(b.device)
+    q = q.to(b.device)
     if b.dim() != 2 or b.shape != q.shape:
         raise ValueError(f"logits must both be [N, vocab]; got {tuple(b.shape)} and {tuple(q.shape)}")
     if t.shape[0] != b.shape[0]:
@@ -421,15 +422,16 @@ def format_run(run: KldRun) -> str:
 
 
 def format_table(report: KldReport) -> str:
+    w = max([len("kv cache")] + [len(r.config.label) for r in report.runs])
     head = (
-        f"{'ctx':>5} {'kv cache':<28} {'tokens':>7} {'mean KLD':>10} {'p99 KLD':>10} {'max KLD':>9} "
+        f"{'ctx':>5} {'kv cache':<{w}} {'tokens':>7} {'mean KLD':>10} {'p99 KLD':>10} {'max KLD':>9} "
         f"{'top-1 %':>8} {'PPL base':>9} {'PPL quant':>9} {'ΔPPL %':>8}"
     )
     rows = [head, "-" * len(head)]
     for r in report.runs:
         s = r.stats
         rows.append(
-            f"{r.ctx:>5} {r.config.label:<28} {s['tokens_scored']:>7} {s['mean_kld']:>10.6f} "
+            f"{r.ctx:>5} {r.config.label:<{w}} {s['tokens_scored']:>7} {s['mean_kld']:>10.6f} "
             f"{s['p99_kld']:>10.6f} {s['max_kld']:>9.4f} {100 * s['top1_agreement']:>8.3f} "
             f"{s['ppl_base']:>9.4f} {s['ppl_quant']:>9.4f} {100 * s['ppl_rel_change']:>+8.3f}"
         )
