@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvforge.attention.mla_reference_backend import MLA_REFERENCE
 from kvforge.attention.reference_backend import REFERENCE
 from kvforge.planner.declaration import BackendDeclaration, QuantizedQuery
 from kvforge.planner.inputs import CacheConfig, ParallelConfig
@@ -19,7 +20,7 @@ MLA_FP8Q = BackendDeclaration(
 
 def mla_plan(preset, kv, tp=8):
     spec = spec_from_hf_config(PRESETS[preset], name=preset, source="test")
-    return resolve(spec, CacheConfig(kv_cache_dtype=kv), ParallelConfig(tp), backends=(MLA_FP8Q, REFERENCE))
+    return resolve(spec, CacheConfig(kv_cache_dtype=kv), ParallelConfig(tp), backends=(MLA_FP8Q, MLA_REFERENCE, REFERENCE))
 
 
 def test_128_heads_tp8_gets_fp8_query():
@@ -45,8 +46,9 @@ def test_bf16_kv_gives_model_dtype_query(preset):
 
 def test_backend_without_declaration_never_gets_fp8_query():
     spec = spec_from_hf_config(PRESETS["deepseek-v3"], name="v3", source="test")
-    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(8), backends=(REFERENCE,))
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(8), backends=(MLA_REFERENCE,))
     assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
+    assert p.layers[0].backend == "torch_mla_reference"
     assert "does not declare a quantized query" in p.layers[0].query_dtype_reason
 
 

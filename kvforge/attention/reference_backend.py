@@ -1,6 +1,7 @@
 """Declaration of the PyTorch reference backend (implementation: reference.py).
 
-It runs every layer kind on any device torch supports, at any block size, in
+It runs full, sliding and state layers (MLA layers go to
+mla_reference_backend.py) on any device torch supports, at any block size, in
 every KV dtype, and always takes a model-dtype query (the fp8 dequant scale is
 folded into the softmax scale). Offsets are computed by torch in int64.
 """
@@ -10,7 +11,7 @@ from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSize
 REFERENCE = BackendDeclaration(
     name="torch_reference",
     priority=0,
-    layer_kinds=frozenset({"full", "sliding", "mla", "state"}),
+    layer_kinds=frozenset({"full", "sliding", "state"}),
     platforms=frozenset({"cpu", "cuda"}),
     kv_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
     head_sizes=None,

@@ -3,7 +3,10 @@
 Layout: ``group_size`` page slots x ``num_blocks`` pages of ``page_bytes``;
 layer ``j`` of the attention group owns page slot ``j`` and sees it as
 ``[num_blocks, 2, kv_heads, block_size, head_size]`` in its storage dtype
-(the layout in kvforge.attention.metadata). Every byte offset is int64
+(the layout in kvforge.attention.metadata); an MLA layer (a plan whose one
+group is of kind "mla") sees ``[num_blocks, block_size, kv_lora_rank +
+qk_rope_head_dim]`` (the layout in kvforge.attention.mla_reference) with one
+per-tensor scale (``k_scales[l]`` of shape [1]). Every byte offset is int64
 (torch indexing); block ids are int32 in the block tables.
 """
 
@@ -32,8 +35,8 @@ class KVPool:
     """
 
     def __init__(self, plan: KVPlan, device: torch.device):
-        groups = [g for g in plan.groups if g.kind in ("full", "sliding")]
-        other = [g for g in plan.groups if g.kind not in ("full", "sliding")]
+        groups = [g for g in plan.groups if g.kind in ("full", "sliding", "mla")]
+        other = [g for g in plan.groups if g.kind not in ("full", "sliding", "mla")]
         if len(groups) != 1 or other:
             kinds = ", ".join(sorted({g.kind for g in plan.groups}))
             raise ConfigError(
@@ -64,7 +67,10 @@ class KVPool:
             dtype = TORCH_KV_DTYPES[layer.kv_dtype]
             head = layer.head_size
             raw = self.buffer[slot * per_layer:(slot + 1) * per_layer]
-            view = raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, head)
+            if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
+                view = raw.view(dtype).view(self.num_blocks, self.block_size, head)
+            else:
+                view = raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, head)
             self.kv_caches.append(view)
             self.k_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
             self.v_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))

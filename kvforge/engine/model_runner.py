@@ -116,6 +116,8 @@ class ModelRunner:
             for s in pool.k_scales + pool.v_scales:
                 s.mul_(scale_multiplier)
         self._meta: AttentionMetadata | None = None
+        # Models with MLA layers get an object: attn(layer, q, k, v) as usual, plus attn.mla(...).
+        self._attn_api = _MLAAttn(self) if any(x.kind == "mla" for x in plan.layers) else self._attn
         self._num_splits: int | None = None  # pinned split-K factor (CUDA-graph decode)
         self._tables = _TableCache()
         self._pin = device.type == "cuda"
@@ -220,6 +222,17 @@ class ModelRunner:
         return impl.paged_attention(q, cache, meta, pool.k_scales[layer], pool.v_scales[layer],
                                     self.softmax_scale, self.windows[layer])
 
+    def _mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+             k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """One MLA layer: store [latent | k_rope] rows, attend (see kvforge/attention/mla_reference.py)."""
+        pool, impl, meta = self.pool, self.impls[layer], self._meta
+        cache = pool.kv_caches[layer]
+        if self.needs_calibration:
+            rows = torch.cat([latent, k_rope.to(latent.dtype)], dim=-1)
+            self._calibrate(layer, rows, rows)
+        impl.write_mla_cache(latent, k_rope, cache, meta.slot_mapping, pool.k_scales[layer])
+        return impl.mla_attention(q_nope, q_rope, cache, meta, pool.k_scales[layer], self.softmax_scale, w_uk, w_uv)
+
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         dtype = self.pool.kv_caches[layer].dtype
         ks = compute_scales(k, scheme=self.scale_scheme, dtype=dtype)
@@ -235,7 +248,7 @@ class ModelRunner:
         """The model over one step's tensors; returns hidden states [T, hidden]."""
         self._meta, self._num_splits = meta, num_splits
         try:
-            return self.model(input_ids, positions, self._attn)
+            return self.model(input_ids, positions, self._attn_api)
         finally:
             self._meta, self._num_splits = None, None
 
@@ -263,3 +276,25 @@ class ModelRunner:
         if rows is not None:
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)
+
+
+class _MLAAttn:
+    """The attention callable handed to models with MLA layers.
+
+    ``attn(layer, q, k, v)`` is the usual paged attention; ``attn.mla(layer,
+    q_nope [T, H, Dn], q_rope [T, H, P], latent [T, R], k_rope [T, P],
+    w_uk [H, Dn, R], w_uv [H, V, R]) -> [T, H, V]`` writes the layer's latent
+    cache rows and runs its planned MLA backend (``k_rope``/``q_rope`` after
+    rope; ``w_uk``/``w_uv`` are ``kv_b_proj.weight.view(H, Dn + V, R)`` split).
+    """
+
+    __slots__ = ("runner",)
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.runner._attn(layer, q, k, v)
+
+    def mla(self, layer: int, q_nope, q_rope, latent, k_rope, w_uk, w_uv) -> torch.Tensor:
+        return self.runner._mla(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)

@@ -10,8 +10,9 @@ from kvforge.planner.declaration import BackendDeclaration
 
 
 def builtin_backends() -> tuple[BackendDeclaration, ...]:
+    from kvforge.attention.mla_reference_backend import MLA_REFERENCE
     from kvforge.attention.reference_backend import REFERENCE
     from kvforge.attention.ring_backend import RING
     from kvforge.attention.triton_backend import TRITON_PAGED
 
-    return (TRITON_PAGED, REFERENCE, RING)
+    return (TRITON_PAGED, MLA_REFERENCE, REFERENCE, RING)
