@@ -1,0 +1,100 @@
+"""`kvforge plan` end to end: JSON keys, bad input -> one clear message and exit 2, torch-free."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvforge.cli import main
+
+REQUIRED_KEYS = {
+    "block_size", "block_size_reason", "kv_cache_dtype", "tensor_parallel_size", "bytes_per_token",
+    "state_bytes_per_sequence", "layers", "groups", "num_blocks", "capacity_tokens", "max_concurrency",
+    "weights_bytes_per_rank", "warnings", "baseline",
+}
+LAYER_KEYS = {"index", "kind", "backend", "kv_dtype", "query_dtype", "query_dtype_reason", "heads_per_rank",
+              "kv_heads_per_rank", "bytes_per_token"}
+GROUP_KEYS = {"kind", "layers", "block_size", "page_bytes", "page_bytes_unpadded", "padding_layers"}
+
+
+def run(capsys, *argv):
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_has_every_documented_key(capsys):
+    code, out, _ = run(capsys, "csa-ring-test", "-tp", "8", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "8GiB",
+                       "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert REQUIRED_KEYS <= d.keys()
+    assert LAYER_KEYS <= d["layers"][0].keys() and GROUP_KEYS <= d["groups"][0].keys()
+    assert d["block_size"] == 32 and d["tensor_parallel_size"] == 8
+    assert d["baseline"]["kv_cache_dtype"] == "bfloat16" and d["baseline"]["capacity_tokens"] > 0
+    assert d["num_blocks"] * 32 == d["capacity_tokens"]
+
+
+def test_no_memory_gives_null_capacity(capsys):
+    code, out, _ = run(capsys, "llama-3.1-8b", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["num_blocks"] is None and d["capacity_tokens"] is None and d["max_concurrency"] is None
+
+
+def test_embedded_model_plan(capsys):
+    code, out, _ = run(capsys, "--json")
+    d = json.loads(out)
+    assert code == 0 and d["model"] == "SmolLM2-135M-Instruct" and len(d["layers"]) == 30
+    assert d["layers"][0]["kv_heads_per_rank"] == 3
+
+
+def test_table_output(capsys):
+    code, out, _ = run(capsys, "gemma-3-1b", "--kv-cache-dtype", "fp8", "--gpu-memory", "80GB")
+    assert code == 0 and "KV plan" in out and "padding layers 2" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["llama-3.1-8b", "--kv-cache-dtype", "fp9"], "unknown KV cache dtype 'fp9'"),
+    (["llama-3.1-8b", "-tp", "3"], "does not divide num_attention_heads 32"),
+    (["no-such-model"], "neither a path that exists nor a preset"),
+    (["csa-ring-test", "-tp", "8", "--kv-cache-dtype", "fp8", "--block-size", "16"], "6144 bytes"),
+    (["llama-3.1-70b", "--gpu-memory", "80GB"], "weights need"),
+    (["llama-3.1-8b", "--max-model-len", "1000000"], "max_position_embeddings"),
+])
+def test_bad_input_exits_2_with_message(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag,value", [("--block-size", "-16"), ("--block-size", "1.5"), ("--tensor-parallel-size", "0"),
+                                        ("--kv-cache-memory", "lots"), ("--gpu-memory-utilization", "1.5")])
+def test_bad_numbers_rejected_by_argparse(capsys, flag, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "llama-3.1-8b", flag, value])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_missing_and_malformed_config(tmp_path, capsys):
+    code, _, err = run(capsys, str(tmp_path))
+    assert code == 2 and "no config.json" in err
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = run(capsys, str(tmp_path))
+    assert code == 2 and "not valid JSON" in err
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"]}))
+    code, _, err = run(capsys, str(tmp_path))
+    assert code == 2 and "unsupported architecture 'FooForCausalLM'" in err and "LlamaForCausalLM" in err
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}))
+    code, _, err = run(capsys, str(tmp_path))
+    assert code == 2 and "missing required field" in err
+
+
+def test_planner_imports_no_torch():
+    code = ("import sys, kvforge; p = kvforge.plan('deepseek-v3', kv_cache_dtype='fp8', tensor_parallel_size=8); "
+            "from kvforge.cli import main; main(['plan', 'qwen3-next-80b-a3b', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
