@@ -1,0 +1,484 @@
+"""DeepSeek-V2 / DeepSeek-V3: multi-head latent attention (MLA) and DeepSeekMoE, device-agnostic.
+
+Attention (every layer is MLA): the query comes from ``q_proj`` or, with
+``q_lora_rank``, from ``q_b_proj(q_a_layernorm(q_a_proj(x)))`` and splits per
+head into ``q_nope [Dn]`` and ``q_rope [P]``; ``kv_a_proj_with_mqa(x)`` gives
+the latent (``kv_lora_rank`` R, normalised by ``kv_a_layernorm``) and one
+shared rope key ``k_rope [P]``. Rope touches only the ``P`` rope features.
+The model hands ``(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)`` to
+``attn.mla`` (the runner's MLA callable, see kvforge/engine/model_runner.py),
+where ``w_uk [H, Dn, R]`` / ``w_uv [H, V, R]`` are the key and value halves of
+``kv_b_proj.weight``; the backend caches ``[latent | k_rope]`` per token and
+returns ``[T, H, V]``, which goes through ``o_proj``.
+
+Rope: DeepSeek pairs rotary features interleaved ``(x0, x1), (x2, x3), ...``
+(V2 always; V3 when ``rope_interleave`` is true, the default); otherwise the
+rotate-half pairing. Rotated vectors are written de-interleaved (first all
+pair-first components, then all pair-second ones) for q and k alike, so dot
+products equal transformers'. YaRN (``rope_scaling.type == "yarn"``) changes
+the frequencies, multiplies cos/sin by the attention factor
+(``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` or
+``attention_factor``) and the softmax scale by ``mscale(factor, mscale_all_dim)^2``.
+
+MoE (layer ``i`` with ``n_routed_experts``, ``i >= first_k_dense_replace`` and
+``i % moe_layer_freq == 0``; other layers use a dense MLP of
+``intermediate_size``): shared experts (one gated MLP of
+``n_shared_experts * moe_intermediate_size``) plus ``num_experts_per_tok``
+routed experts chosen by the float32 router ``mlp.gate.weight``:
+
+* V2: softmax scores; ``topk_method`` "greedy" or "group_limited_greedy"
+  (keep the ``topk_group`` groups of ``n_group`` with the highest max score);
+  weights are the top-k scores normalised when ``norm_topk_prob`` (and top-k
+  > 1), else multiplied by ``routed_scaling_factor`` (the original DeepSeek-V2
+  code; transformers ignores ``norm_topk_prob``, which V2 configs set false).
+* V3: sigmoid scores; choice by ``scores + e_score_correction_bias`` within the
+  ``topk_group`` groups with the highest sum of their top-2 biased scores;
+  weights are the unbiased scores, normalised when ``norm_topk_prob``, times
+  ``routed_scaling_factor``.
+
+Weights use transformers' names; routed experts come per expert
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``, the hub layout) or fused
+(``mlp.experts.gate_up_proj`` [E, 2I, hidden], ``mlp.experts.down_proj``
+[E, hidden, I]). Multi-token-prediction layers (index >= num_hidden_layers)
+are skipped. FP8 block-quantized checkpoints (``weight_scale_inv``) are not
+supported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.errors import ConfigError
+from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation, rope_parameters
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+class DeepseekArgs:
+    """The numbers the model needs, validated, from an HF config dict."""
+
+    def __init__(self, config: dict):
+        archs = config.get("architectures") or []
+        self.arch = archs[0] if archs else "DeepseekV3ForCausalLM"
+        if self.arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+            raise ConfigError(f"the DeepSeek implementation cannot run {self.arch!r}")
+        self.v3 = self.arch == "DeepseekV3ForCausalLM"
+        try:
+            self.hidden_size = int(config["hidden_size"])
+            self.num_layers = int(config["num_hidden_layers"])
+            self.num_heads = int(config["num_attention_heads"])
+            self.intermediate_size = int(config["intermediate_size"])
+            self.vocab_size = int(config["vocab_size"])
+            self.kv_lora_rank = int(config["kv_lora_rank"])
+            self.qk_rope_head_dim = int(config["qk_rope_head_dim"])
+            self.qk_nope_head_dim = int(config["qk_nope_head_dim"])
+            self.v_head_dim = int(config["v_head_dim"])
+        except KeyError as e:
+            raise ConfigError(f"model config lacks required key {e.args[0]!r}") from None
+        q_lora = config.get("q_lora_rank")
+        self.q_lora_rank = int(q_lora) if q_lora else None
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.rms_norm_eps = float(cfg_get(config, "rms_norm_eps", 1e-6))
+        self.hidden_act = cfg_get(config, "hidden_act", "silu")
+        self.attention_bias = bool(cfg_get(config, "attention_bias", False))
+        self.tie_word_embeddings = bool(cfg_get(config, "tie_word_embeddings", False))
+        self.rope_interleave = bool(cfg_get(config, "rope_interleave", True)) if self.v3 else True
+        # MoE
+        self.n_routed_experts = int(cfg_get(config, "n_routed_experts", 0))
+        self.n_shared_experts = int(cfg_get(config, "n_shared_experts", 0))
+        self.moe_intermediate_size = int(cfg_get(config, "moe_intermediate_size", self.intermediate_size))
+        self.top_k = int(cfg_get(config, "num_experts_per_tok", 1))
+        self.first_k_dense_replace = int(cfg_get(config, "first_k_dense_replace", 0))
+        self.moe_layer_freq = int(cfg_get(config, "moe_layer_freq", 1))
+        self.routed_scaling_factor = float(cfg_get(config, "routed_scaling_factor", 1.0))
+        self.norm_topk_prob = bool(cfg_get(config, "norm_topk_prob", self.v3))
+        self.n_group = int(cfg_get(config, "n_group", 1))
+        self.topk_group = int(cfg_get(config, "topk_group", self.n_group))
+        default_method = "noaux_tc" if self.v3 else "greedy"
+        self.topk_method = cfg_get(config, "topk_method", default_method)
+        if self.v3:
+            if cfg_get(config, "scoring_func", "sigmoid") != "sigmoid":
+                raise ConfigError("DeepseekV3 supports scoring_func 'sigmoid' only")
+        else:
+            if self.topk_method not in ("greedy", "group_limited_greedy"):
+                raise ConfigError(f"DeepseekV2 topk_method {self.topk_method!r} is not supported "
+                                  f"(supported: greedy, group_limited_greedy)")
+            if cfg_get(config, "scoring_func", "softmax") != "softmax":
+                raise ConfigError("DeepseekV2 supports scoring_func 'softmax' only")
+        uses_groups = self.v3 or self.topk_method == "group_limited_greedy"
+        if self.n_routed_experts and uses_groups and self.n_routed_experts % self.n_group:
+            raise ConfigError(f"n_routed_experts {self.n_routed_experts} must be a multiple of n_group {self.n_group}")
+        # Rope and softmax scale
+        self.rope_theta, self.rope_scaling = rope_parameters(config)
+        self.max_position_embeddings = int(cfg_get(config, "max_position_embeddings", 4096))
+        scale = self.qk_head_dim ** -0.5
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind != "yarn":
+                raise ConfigError(f"DeepSeek rope scaling {kind!r} is not supported (supported: yarn)")
+            mscale_all_dim = self.rope_scaling.get("mscale_all_dim") or 0
+            if mscale_all_dim:
+                m = _yarn_mscale(self._yarn_factor(), float(mscale_all_dim))
+                scale = scale * m * m
+        self.softmax_scale = scale
+
+    def _yarn_factor(self) -> float:
+        s = self.rope_scaling
+        if s.get("factor") is not None:
+            return float(s["factor"])
+        return self.max_position_embeddings / float(s["original_max_position_embeddings"])
+
+    def is_moe(self, layer: int) -> bool:
+        return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
+
+
+class DeepseekRotary(nn.Module):
+    """Rope on the ``P`` rope features (default or YaRN frequencies), see the module docstring."""
+
+    def __init__(self, a: DeepseekArgs):
+        super().__init__()
+        self.dim = a.qk_rope_head_dim
+        if self.dim % 2:
+            raise ConfigError(f"qk_rope_head_dim {self.dim} must be even")
+        self.args = a
+        self.interleave = a.rope_interleave
+        self.attention_factor = 1.0
+        self.register_buffer("inv_freq", torch.empty(self.dim // 2, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def _compute(self) -> tuple[torch.Tensor, float]:
+        a, dim, base = self.args, self.dim, self.args.rope_theta
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        extrapolated = 1.0 / pos_freqs
+        s = a.rope_scaling
+        if s is None:
+            return extrapolated, 1.0
+        factor = a._yarn_factor()
+        orig = float(s["original_max_position_embeddings"])
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        att = s.get("attention_factor")
+        if att is None:
+            if mscale and mscale_all:
+                att = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+            else:
+                att = _yarn_mscale(factor)
+        beta_fast = float(s.get("beta_fast") or 32)
+        beta_slow = float(s.get("beta_slow") or 1)
+
+        def dim_for(rotations: float) -> float:  # rotary feature index that turns `rotations` times over orig
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_for(beta_fast), dim_for(beta_slow)
+        if s.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: keep the original (extrapolated) frequency; 0: interpolate by `factor`
+        inv_freq = extrapolated / factor * (1 - keep) + extrapolated * keep
+        return inv_freq, float(att)
+
+    def reset_parameters(self) -> None:
+        if self.inv_freq.device.type == "meta":
+            return
+        inv_freq, self.attention_factor = self._compute()
+        with torch.no_grad():
+            self.inv_freq.copy_(inv_freq)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, P / 2]`` cos and sin (times the YaRN attention factor)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        f = self.attention_factor
+        return (freqs.cos() * f)[:, None, :].to(dtype), (freqs.sin() * f)[:, None, :].to(dtype)
+
+    def rotate(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, P]`` -> rotated, de-interleaved ``[T, H, P]``."""
+        cos, sin = rope
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, a: DeepseekArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.a = a
+        h, qk = a.num_heads, a.qk_head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = nn.Linear(a.hidden_size, h * qk, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, h * qk, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
+                                            bias=a.attention_bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = nn.Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(h * a.v_head_dim, a.hidden_size, bias=a.attention_bias, dtype=dtype)
+
+    def forward(self, rope, x: torch.Tensor, attn, rotary: DeepseekRotary) -> torch.Tensor:
+        a, t = self.a, x.shape[0]
+        h, dn, p, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
+        if a.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([r, p], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        q_rope = rotary.rotate(rope, q_rope)
+        k_rope = rotary.rotate(rope, k_rope[:, None, :])[:, 0]
+        w = self.kv_b_proj.weight.view(h, dn + a.v_head_dim, r)
+        out = attn.mla(self.layer_idx, q_nope, q_rope, latent, k_rope, w[:, :dn], w[:, dn:])
+        return self.o_proj(out.reshape(t, h * a.v_head_dim))
+
+
+class Gate(nn.Module):
+    """The float32 router (HF ``mlp.gate``): returns (weights [T, k], expert ids [T, k])."""
+
+    def __init__(self, a: DeepseekArgs):
+        super().__init__()
+        self.a = a
+        e = a.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, a.hidden_size, dtype=torch.float32))
+        if a.v3:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32))
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """[T, n_group] -> bool [T, E]: experts in the ``topk_group`` best groups."""
+        a = self.a
+        keep = group_scores.topk(a.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return mask.repeat_interleave(a.n_routed_experts // a.n_group, dim=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.a
+        logits = F.linear(x.float(), self.weight.float())
+        t, e = logits.shape
+        if a.v3:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+            per_group = choice.view(t, a.n_group, e // a.n_group)
+            mask = self._group_mask(per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1))
+            ids = choice.masked_fill(~mask, float("-inf")).topk(a.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            if a.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            return weights * a.routed_scaling_factor, ids
+        scores = logits.softmax(dim=-1)
+        if a.topk_method == "group_limited_greedy":
+            mask = self._group_mask(scores.view(t, a.n_group, e // a.n_group).amax(dim=-1))
+            scores = scores.masked_fill(~mask, 0.0)
+        weights, ids = scores.topk(a.top_k, dim=-1)
+        if a.top_k > 1 and a.norm_topk_prob:
+            return weights / (weights.sum(-1, keepdim=True) + 1e-20), ids
+        return weights * a.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked weights) plus shared experts."""
+
+    def __init__(self, a: DeepseekArgs, dtype=None):
+        super().__init__()
+        e, i = a.n_routed_experts, a.moe_intermediate_size
+        self.inter = i
+        self.gate = Gate(a)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, a.hidden_size, dtype=dtype))
+        self.experts_down = nn.Parameter(torch.empty(e, a.hidden_size, i, dtype=dtype))
+        self.act = get_activation(a.hidden_act)
+        self.shared_experts = (GatedMLP(a.hidden_size, i * a.n_shared_experts, a.hidden_act, dtype=dtype)
+                               if a.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts_down.shape[0]).tolist()
+        tokens = order // ids.shape[1]
+        w = weights.reshape(-1)[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = tokens[start:start + n]
+            gate, up = F.linear(x[tok], self.experts_gate_up[expert]).split(self.inter, dim=-1)
+            y = F.linear(self.act(gate) * up, self.experts_down[expert])
+            out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))  # float32 weights, as HF
+            start += n
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, a: DeepseekArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLAAttention(a, layer_idx, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        if a.is_moe(layer_idx):
+            self.mlp = MoE(a, dtype=dtype)
+        else:
+            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype)
+
+    def forward(self, rope, x: torch.Tensor, attn, rotary: DeepseekRotary) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), attn, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, a: DeepseekArgs, dtype=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([DeepseekDecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.rotary = DeepseekRotary(a)
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """DeepSeek-V2 / V3 (see module docstring); the runner's ``attn`` must provide ``attn.mla``."""
+
+    def __init__(self, config: dict, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = dict(config)
+        self.args = a = DeepseekArgs(config)
+        self.arch = a.arch
+        self.num_layers = a.num_layers
+        self.hidden_size, self.vocab_size = a.hidden_size, a.vocab_size
+        self.softmax_scale = a.softmax_scale
+        self.tie_word_embeddings = a.tie_word_embeddings
+        self.model = DeepseekModel(a, dtype=dtype)
+        self.lm_head = (None if a.tie_word_embeddings
+                        else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype))
+
+    # -- runner interface ----------------------------------------------------
+    def sliding_window(self, layer_idx: int) -> int | None:
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary
+        rope = rotary.cos_sin(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(rope, h, attn, rotary)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    # -- weights ---------------------------------------------------------------
+    def _renames(self) -> dict[str, str]:
+        """HF name fragment -> ours (fused gate/up of dense and shared MLPs, router bias)."""
+        return {"mlp.gate_proj": "mlp.gate_up_proj", "mlp.up_proj": "mlp.gate_up_proj",
+                "shared_experts.gate_proj": "shared_experts.gate_up_proj",
+                "shared_experts.up_proj": "shared_experts.gate_up_proj"}
+
+    def hf_param_names(self) -> list[str]:
+        out = []
+        for name, p in self.named_parameters():
+            if name.endswith(".experts_gate_up"):
+                base = name[: -len(".experts_gate_up")]
+                for e in range(p.shape[0]):
+                    out += [f"{base}.experts.{e}.gate_proj.weight", f"{base}.experts.{e}.up_proj.weight"]
+            elif name.endswith(".experts_down"):
+                base = name[: -len(".experts_down")]
+                out += [f"{base}.experts.{e}.down_proj.weight" for e in range(p.shape[0])]
+            elif ".gate_up_proj." in name:
+                out += [name.replace(".gate_up_proj.", ".gate_proj."), name.replace(".gate_up_proj.", ".up_proj.")]
+            else:
+                out.append(name)
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our parameters; returns the HF names written."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+
+        def put(dst: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ConfigError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                                  f"{tuple(dst.shape)}")
+            dst.copy_(tensor)
+
+        for name, tensor in weights:
+            layer = _LAYER.match(name)
+            if layer and int(layer.group(1)) >= self.num_layers:
+                continue  # multi-token-prediction layers
+            if "rotary_emb." in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            m = _EXPERT.match(name)
+            if m:
+                base, e, which = m.group(1), int(m.group(2)), m.group(3)
+                if f"{base}.experts_down" not in params:
+                    unknown.append(name)
+                    continue
+                if which == "down_proj":
+                    put(params[f"{base}.experts_down"][e], name, tensor)
+                else:
+                    full = params[f"{base}.experts_gate_up"][e]
+                    inter = full.shape[0] // 2
+                    put(full.narrow(0, 0 if which == "gate_proj" else inter, inter), name, tensor)
+                loaded.add(name)
+                continue
+            m = _FUSED.match(name)
+            if m:
+                base, which = m.group(1), m.group(2)
+                target = f"{base}.experts_gate_up" if which == "gate_up_proj" else f"{base}.experts_down"
+                if target not in params:
+                    unknown.append(name)
+                    continue
+                put(params[target], name, tensor)
+                n = params[target].shape[0]
+                if which == "gate_up_proj":
+                    loaded.update(f"{base}.experts.{e}.{w}.weight" for e in range(n) for w in ("gate_proj", "up_proj"))
+                else:
+                    loaded.update(f"{base}.experts.{e}.down_proj.weight" for e in range(n))
+                continue
+            target, rows = name, None
+            for hf, ours in self._renames().items():
+                if f".{hf}." in name:
+                    target = name.replace(f".{hf}.", f".{ours}.")
+                    param = params.get(target)
+                    if param is not None:
+                        half = param.shape[0] // 2
+                        rows = (0 if hf.endswith("gate_proj") else half, half)
+                    break
+            param = params.get(target)
+            if param is None:
+                unknown.append(name)
+                continue
+            put(param if rows is None else param.narrow(0, rows[0], rows[1]), name, tensor)
+            loaded.add(name)
+        if unknown:
+            shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+            raise ConfigError(f"{len(unknown)} checkpoint tensor(s) have no place in {self.arch}: {shown}")
+        return loaded
+
+    def reset_buffers(self) -> None:
+        self.model.rotary.reset_parameters()
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass
