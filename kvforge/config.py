@@ -26,6 +26,9 @@ class EngineArgs:
     CPU it defaults to 1 GiB, on CUDA to free memory x utilization - weights.
     ``kv_scale_multiplier`` multiplies every fp8 KV scale: a diagnostic for
     showing that a wrong scale is detected (eval kld), not a tuning knob.
+    ``distributed_timeout_s``: with ``tensor_parallel_size`` > 1, the longest
+    any collective (and worker startup) may wait before the engine fails with
+    a clear error instead of hanging.
     """
 
     model: str | None = None
@@ -53,6 +56,7 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     kv_scale_multiplier: float = 1.0
     progress: bool = True
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):

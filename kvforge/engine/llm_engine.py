@@ -52,9 +52,6 @@ class LLMEngine:
         self.args = args
         self.device = _pick_device(args.device)
         platform = self.device.type
-        if args.tensor_parallel_size != 1:
-            raise ConfigError("--tensor-parallel-size > 1 is not available in the engine yet; "
-                              "`kvforge plan` shows per-rank figures for any TP")
 
         # 1. Spec and plan: config metadata only; no weight file is opened here.
         self.spec = load_model_spec(args.model)
@@ -80,12 +77,23 @@ class LLMEngine:
         from kvforge.models.registry import build_model
         from kvforge.weights import load_weights
 
-        torch.manual_seed(args.seed)
-        self.model = build_model(self.spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
-        load_weights(self.model, self.model_path, self.load_format, seed=args.seed, progress=args.progress)
+        self.tp = None
+        if args.tensor_parallel_size > 1:
+            # One process per rank (kvforge/distributed): every rank builds its model slice, loads its
+            # shards and allocates its KV pool from this plan; rank 0 checks their KV bytes against it.
+            from kvforge.distributed.launcher import TPLauncher
 
-        # 3. KV pool exactly as planned, block manager, scheduler, runner.
-        self.pool = KVPool(self.plan, self.device)
+            self.tp = TPLauncher(args, self.plan, self.spec.hf_config, model_dtype, self.device,
+                                 self.model_path, self.load_format)
+            self.model, self.pool, self.device = self.tp.model, self.tp.pool, self.tp.device
+        else:
+            torch.manual_seed(args.seed)
+            self.model = build_model(self.spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
+            load_weights(self.model, self.model_path, self.load_format, seed=args.seed, progress=args.progress)
+
+            # 3. KV pool exactly as planned.
+            self.pool = KVPool(self.plan, self.device)
+        # Block manager, scheduler, runner.
         self.block_manager = BlockManager(self.plan.num_blocks, self.plan.block_size, args.enable_prefix_caching)
         self.max_model_len = self.plan.max_model_len
         batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
@@ -93,9 +101,12 @@ class LLMEngine:
         eos |= set(self._config_eos())
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, batched, self.max_model_len,
                                    args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer)
-        self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
-                                  calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
-                                  enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
+        if self.tp is not None:
+            self.runner = self.tp.runner  # broadcasts each step to the other ranks
+        else:
+            self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
+                                      calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
+                                      enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
         self.sampler = Sampler()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.prompt_tokens_total = 0
@@ -107,6 +118,11 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker processes (if any) and leave the process group; idempotent."""
+        if getattr(self, "tp", None) is not None:
+            self.tp.shutdown()
 
     # ---- startup helpers ------------------------------------------------------
     def _model_dtype(self, args: EngineArgs, platform: str) -> str:
@@ -190,8 +206,11 @@ class LLMEngine:
         if out.is_empty:
             return []
         if out.blocks_to_copy:
-            self.pool.copy_blocks(out.blocks_to_copy)
-            self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
+            if self.tp is not None:
+                self.runner.copy_blocks(out.blocks_to_copy)  # here now, on the other ranks before the step
+            else:
+                self.pool.copy_blocks(out.blocks_to_copy)
+                self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         for s in out.scheduled:
             chunks.append((s.token_ids, s.start_pos, s.seq.block_table))

@@ -2,7 +2,8 @@
 
 Linear and embedding weights ~ normal(0, 0.02), norm weights 1, biases 0. The
 numbers are generated on the parameter's own device (fast for big models) and
-are deterministic for a given seed, device and model structure.
+are deterministic for a given seed, device and model structure; a
+tensor-parallel rank gets its part of the same full tensors as TP=1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     gens: dict[torch.device, torch.Generator] = {}
+    shard = getattr(model, "shard_parameter", None)  # tensor-parallel models (kvforge/distributed/tp_llama.py)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 2)
         is_norm = p.dim() == 1 and ("norm" in name or "layernorm" in name)
@@ -26,7 +28,12 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             if g is None:
                 g = gens[p.device] = torch.Generator(device=p.device)
                 g.manual_seed(int(seed))
-            if p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            drawable = p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+            if shard is not None:  # tensor-parallel rank: draw the TP=1 tensor, keep this rank's part
+                full = torch.empty(model.full_parameter_shape(name), device=p.device,
+                                   dtype=p.dtype if drawable else torch.float32)
+                p.copy_(shard(name, full.normal_(0.0, std, generator=g)))
+            elif drawable:
                 p.normal_(0.0, std, generator=g)
             else:  # e.g. fp8 storage: draw in float32 and cast
                 p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=g))

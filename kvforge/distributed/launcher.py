@@ -1,0 +1,254 @@
+"""Rank 0's side of tensor parallelism: start the workers, check them, watch them.
+
+Startup: a TCPStore on 127.0.0.1 (free port), one ``python -m
+kvforge.distributed.worker`` process per rank 1..N-1 (environment inherited,
+``NCCL_NVLS_ENABLE=0``), the startup context pickled over the worker's stdin,
+then the process group. Every rank builds its model slice, loads its shards
+and allocates its KV pool from the same KVPlan; the workers report their pool
+bytes and KV heads, and rank 0 asserts them against the plan.
+
+After startup each worker's stdin is its wake-up line: one byte per step
+(``s``), ``q`` to quit; end-of-file (rank 0 gone) also ends it. The step data
+itself goes over torch.distributed.
+
+Failure handling: a watchdog thread polls the worker processes; a step checks
+them before waking them, so a dead worker is reported at the next step. A
+worker that dies during a step breaks the gloo collective at once; a worker
+that hangs is caught by the collective timeout (``distributed_timeout_s``).
+Either way the engine raises :class:`DistributedError` naming the rank, its
+pid and how it ended, and refuses further steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from kvforge.distributed.group import DistributedError, destroy_group, init_group
+
+logger = logging.getLogger("kvforge.distributed")
+READY_KEY = "kvforge_ready_{}"
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def expected_pool_bytes(plan) -> int:
+    group = next(g for g in plan.groups if g.kind in ("full", "sliding"))
+    return plan.num_blocks * plan.group_size * group.page_bytes
+
+
+def rank_report(rank: int, model, pool) -> dict:
+    return {"rank": rank, "pid": os.getpid(), "nbytes": pool.nbytes,
+            "kv_heads": [int(c.shape[2]) for c in pool.kv_caches],
+            "heads": int(model.args.num_heads), "model_kv_heads": int(model.args.num_kv_heads),
+            "kv_start": int(model.kv_start)}
+
+
+def setup_rank(ctx: dict, group):
+    """Model slice, weights, KV pool and runner of this rank (same code on every rank)."""
+    from kvforge.distributed.runner import TPModelRunner
+    from kvforge.distributed.tp_llama import build_tp_model
+    from kvforge.engine.kv_pool import KVPool
+    from kvforge.engine.llm_engine import TORCH_DTYPES
+    from kvforge.weights import load_weights
+
+    args, plan = ctx["args"], ctx["plan"]
+    torch.manual_seed(args.seed)
+    model = build_tp_model(ctx["hf_config"], TORCH_DTYPES[ctx["model_dtype"]], group.device, group, plan)
+    load_weights(model, ctx["model_path"], ctx["load_format"], seed=args.seed,
+                 progress=args.progress and group.rank == 0)
+    pool = KVPool(plan, group.device)
+    runner = TPModelRunner(model, pool, plan, group.device, group, calibrate=args.calculate_kv_scales,
+                           scale_multiplier=args.kv_scale_multiplier)
+    return model, pool, runner
+
+
+class TPLauncher:
+    """Owns the worker processes and the process group of one TP engine (on rank 0)."""
+
+    def __init__(self, args, plan, hf_config: dict, model_dtype: str, device: torch.device,
+                 model_path: str | None, load_format: str):
+        tp = args.tensor_parallel_size
+        self.world_size = tp
+        self.timeout_s = float(args.distributed_timeout_s)
+        self.procs: list[subprocess.Popen] = []
+        self.broken: str | None = None
+        self.closed = False
+        self._stop = threading.Event()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            if torch.cuda.device_count() < tp:
+                from kvforge.errors import ConfigError
+
+                raise ConfigError(f"--tensor-parallel-size {tp} needs {tp} GPUs; torch sees "
+                                  f"{torch.cuda.device_count()}")
+            device = torch.device("cuda", 0)
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        self.device = device
+        ctx = dict(args=args, plan=plan, hf_config=hf_config, model_dtype=model_dtype, model_path=model_path,
+                   load_format=load_format, backend=backend, world_size=tp, timeout_s=self.timeout_s,
+                   num_threads=torch.get_num_threads())
+        import datetime
+
+        self.store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                   wait_for_workers=False)
+        ctx["port"] = self.store.port
+        blob = pickle.dumps(ctx)
+        weakref.finalize(self, _kill_all, self.procs)  # also runs at interpreter exit
+        try:
+            for rank in range(1, tp):
+                env = dict(os.environ, NCCL_NVLS_ENABLE="0", KVFORGE_TP_RANK=str(rank))
+                proc = subprocess.Popen([sys.executable, "-m", "kvforge.distributed.worker"],
+                                        stdin=subprocess.PIPE, env=env)
+                self.procs.append(proc)
+                proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
+                proc.stdin.flush()
+            self._wait_ready()
+            self.group = init_group(0, tp, self.store, backend, device, self.timeout_s)
+            self._watchdog = threading.Thread(target=self._watch, name="kvforge-tp-watchdog", daemon=True)
+            self._watchdog.start()
+            try:
+                self.model, self.pool, self.runner = setup_rank(ctx, self.group)
+                mine = rank_report(0, self.model, self.pool)
+            except Exception as e:
+                mine = {"rank": 0, "error": f"{type(e).__name__}: {e}"}
+                self.group.gather_objects(mine)
+                raise
+            reports = self.group.gather_objects(mine)
+            self.reports = sorted(reports, key=lambda r: r["rank"])
+            self._check_reports(plan)
+            self.runner.control = self
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- startup ----------------------------------------------------------------
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        waiting = set(range(1, self.world_size))
+        while waiting:
+            for rank in sorted(waiting):
+                proc = self.procs[rank - 1]
+                if proc.poll() is not None:
+                    raise DistributedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
+                                           f"{describe_exit(proc.returncode)} during startup (see its stderr above)")
+                if self.store.check([READY_KEY.format(rank)]):
+                    waiting.discard(rank)
+            if waiting and time.monotonic() > deadline:
+                raise DistributedError(f"tensor-parallel worker rank(s) {sorted(waiting)} did not start within "
+                                       f"{self.timeout_s:g} s")
+            time.sleep(0.02)
+
+    def _check_reports(self, plan) -> None:
+        errors = [f"rank {r['rank']}: {r['error']}" for r in self.reports if r.get("error")]
+        if errors:
+            raise DistributedError("tensor-parallel startup failed on " + "; ".join(errors))
+        want_bytes = expected_pool_bytes(plan)
+        want_heads = [plan.layers[i].kv_heads_per_rank for g in plan.groups if g.kind in ("full", "sliding")
+                      for i in g.layers]
+        for r in self.reports:
+            if r["nbytes"] != want_bytes or r["kv_heads"] != want_heads:
+                raise DistributedError(
+                    f"rank {r['rank']} allocated {r['nbytes']} KV bytes with KV heads per layer {r['kv_heads']}; "
+                    f"the plan states {want_bytes} bytes (num_blocks {plan.num_blocks} x group size "
+                    f"{plan.group_size} x page bytes) and KV heads {want_heads}")
+        logger.info("tensor parallel: %d ranks, each %d KV bytes, KV heads per rank %d (first heads %s)",
+                    self.world_size, want_bytes, want_heads[0], [r["kv_start"] for r in self.reports])
+
+    # ---- steps --------------------------------------------------------------------
+    def _dead(self) -> list[tuple[int, subprocess.Popen]]:
+        return [(i + 1, p) for i, p in enumerate(self.procs) if p.poll() is not None]
+
+    def _dead_message(self, dead) -> str:
+        return "; ".join(f"tensor-parallel worker rank {rank} (pid {p.pid}) {describe_exit(p.returncode)}"
+                         for rank, p in dead) + "; the engine cannot continue (restart it)"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            dead = self._dead()
+            if dead and not self.closed and self.broken is None:
+                self.broken = self._dead_message(dead)
+                logger.error("%s", self.broken)
+                return
+
+    def before_step(self) -> None:
+        """Raise if any rank is gone; else wake every worker for one step."""
+        if self.closed:
+            raise DistributedError("this tensor-parallel engine was shut down")
+        dead = self._dead()
+        if dead:
+            self.broken = self._dead_message(dead)
+        if self.broken:
+            raise DistributedError(self.broken)
+        try:
+            for p in self.procs:
+                p.stdin.write(b"s")
+                p.stdin.flush()
+        except OSError as e:
+            raise self.failure(e) from e
+
+    def failure(self, exc: BaseException) -> DistributedError:
+        """A clear error for a failed step (and mark the engine unusable)."""
+        if isinstance(exc, DistributedError):
+            self.broken = self.broken or str(exc)
+            return exc
+        deadline = time.monotonic() + 3.0  # a killed peer breaks the socket slightly before its exit status
+        while not self._dead() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dead = self._dead()
+        if dead:
+            self.broken = self._dead_message(dead)
+        else:
+            self.broken = (f"a tensor-parallel collective failed or timed out (timeout {self.timeout_s:g} s) while "
+                           f"every worker process is alive (a rank hung?): {type(exc).__name__}: {exc}; "
+                           f"the engine cannot continue (restart it)")
+        logger.error("%s", self.broken)
+        return DistributedError(self.broken)
+
+    # ---- shutdown -------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then by SIGKILL) and leave the process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        for p in self.procs:
+            try:
+                p.stdin.write(b"q")
+                p.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        destroy_group()
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,91 @@
+"""The model runner of a tensor-parallel rank.
+
+Rank 0 schedules; for every step it wakes the workers, broadcasts the step's
+host inputs (token ids, positions, slot mapping, rows whose logits are wanted,
+pending copy-on-write block pairs as int64; query_start_loc, seq_lens and block
+tables as int32) over the gloo group, and then every rank runs the same model
+step on its own heads. Logits come back on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvforge.distributed.group import TPGroup
+from kvforge.engine.model_runner import HostStep, ModelRunner
+
+_HEADER = 7  # n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies
+
+
+def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]]):
+    """Rank 0 sends ``(host, copies)``; the other ranks receive and return them."""
+    if group.rank == 0:
+        n_rows = -1 if host.rows is None else host.rows.shape[0]
+        header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[1], n_rows, host.max_query_len,
+                           host.max_seq_len, len(copies)], dtype=np.int64)
+        i64 = np.concatenate([host.ids, host.pos, host.slots] + ([host.rows] if n_rows > 0 else [])
+                             + [np.asarray(copies, dtype=np.int64).reshape(-1)])
+        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
+        group.broadcast_host(header, np.int64, _HEADER)
+        group.broadcast_host(i64, np.int64, i64.shape[0])
+        group.broadcast_host(i32, np.int32, i32.shape[0])
+        return host, copies
+    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies = group.broadcast_host(None, np.int64, _HEADER).tolist()
+    i64 = group.broadcast_host(None, np.int64, 3 * n_tok + max(n_rows, 0) + 2 * n_copies)
+    i32 = group.broadcast_host(None, np.int32, 2 * n_seqs + 1 + n_seqs * cols)
+    end = 3 * n_tok + max(n_rows, 0)
+    rows = i64[3 * n_tok:end] if n_rows >= 0 else None
+    copies = [tuple(p) for p in i64[end:].reshape(-1, 2).tolist()]
+    host = HostStep(i64[:n_tok], i64[n_tok:2 * n_tok], i64[2 * n_tok:3 * n_tok], i32[:n_seqs + 1],
+                    i32[n_seqs + 1:2 * n_seqs + 1], i32[2 * n_seqs + 1:].reshape(n_seqs, cols), rows, max_q, max_seq)
+    return host, copies
+
+
+class TPModelRunner(ModelRunner):
+    """ModelRunner for one TP rank (always eager). On rank 0 ``control`` wakes
+    the workers before a step and turns a failed collective into a clear error."""
+
+    def __init__(self, model, pool, plan, device, group: TPGroup, *, calibrate: bool = False,
+                 scale_multiplier: float = 1.0, control=None):
+        super().__init__(model, pool, plan, device, calibrate=calibrate, scale_multiplier=scale_multiplier,
+                         enforce_eager=True)
+        self.group = group
+        self.control = control
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ---- rank 0 ---------------------------------------------------------------
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write here now and on the other ranks before the next step."""
+        self.pool.copy_blocks(pairs)
+        self._pending_copies.extend((int(a), int(b)) for a, b in pairs)
+        self.invalidate_block_tables()
+
+    @torch.inference_mode()
+    def run(self, chunks, logits_rows: list[int] | None) -> torch.Tensor:
+        host = self.build_host(chunks, logits_rows)
+        if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
+            host.rows = None
+        copies, self._pending_copies = self._pending_copies, []
+        self.control.before_step()
+        try:
+            broadcast_step(self.group, host, copies)
+            return self.execute(host)
+        except Exception as e:
+            raise self.control.failure(e) from e
+
+    # ---- every rank -----------------------------------------------------------
+    def execute(self, host: HostStep) -> torch.Tensor | None:
+        """One step on this rank; float32 logits on rank 0, None elsewhere."""
+        input_ids, positions, meta, rows = self._to_device(host)
+        hidden = self.forward(input_ids, positions, meta)
+        self.num_eager_steps += 1
+        if rows is not None:
+            hidden = hidden[rows]
+        return self.model.compute_logits(hidden)
+
+    def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super()._calibrate(layer, k, v)
+        if self.scale_scheme == "per_tensor":  # one scale per layer over all ranks' heads, as at TP=1
+            self.group.all_reduce_max_(self.pool.k_scales[layer])
+            self.group.all_reduce_max_(self.pool.v_scales[layer])

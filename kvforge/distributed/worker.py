@@ -1,0 +1,66 @@
+"""A tensor-parallel worker process (ranks 1..N-1): ``python -m kvforge.distributed.worker``.
+
+Reads the startup context from stdin (8-byte length + pickle, written by
+rank 0's launcher), joins the process group, builds its model slice and KV
+pool, reports them to rank 0, then runs one step per ``s`` byte on stdin until
+``q`` or end-of-file. Any failure ends the process with a non-zero code (rank 0
+turns that into a clear error).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import struct
+import sys
+
+
+def main() -> int:
+    rank = int(os.environ["KVFORGE_TP_RANK"])
+    stdin = sys.stdin.buffer
+    (n,) = struct.unpack("<Q", stdin.read(8))
+    ctx = pickle.loads(stdin.read(n))
+
+    import torch
+    import torch.distributed as dist
+
+    from kvforge.distributed.group import destroy_group, init_group
+    from kvforge.distributed.launcher import READY_KEY, rank_report, setup_rank
+    from kvforge.distributed.runner import broadcast_step
+
+    torch.set_num_threads(ctx["num_threads"])
+    timeout = ctx["timeout_s"]
+    store = dist.TCPStore("127.0.0.1", ctx["port"], ctx["world_size"], False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    store.set(READY_KEY.format(rank), "1")
+    device = torch.device("cuda", rank) if ctx["backend"] == "nccl" else torch.device("cpu")
+    group = init_group(rank, ctx["world_size"], store, ctx["backend"], device, timeout)
+    try:
+        model, pool, runner = setup_rank(ctx, group)
+        report = rank_report(rank, model, pool)
+    except Exception as e:
+        report = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
+    group.gather_objects(report)
+    if report.get("error"):
+        destroy_group()
+        return 1
+    try:
+        with torch.inference_mode():
+            while True:
+                cmd = stdin.read(1)
+                if cmd != b"s":  # b"q" or end-of-file (rank 0 is gone)
+                    break
+                host, copies = broadcast_step(group, None, [])
+                if copies:
+                    pool.copy_blocks(copies)
+                runner.execute(host)
+    except Exception as e:
+        print(f"kvforge tensor-parallel worker rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    destroy_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
