@@ -65,6 +65,8 @@ class EngineArgs:
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.distributed_timeout_s > 0:
+            raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not self.kv_scale_multiplier > 0:
             raise ConfigError(f"--kv-scale-multiplier must be > 0, got {self.kv_scale_multiplier}")
 

@@ -52,11 +52,6 @@ class TPGroup:
             dist.broadcast(t, 0, group=self.cpu_group)
         return t.numpy()
 
-    def gather_objects(self, obj) -> list | None:
-        out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.cpu_group)
-        return out
-
 
 def init_group(rank: int, world_size: int, store, backend: str, device: torch.device,
                timeout_s: float) -> TPGroup:

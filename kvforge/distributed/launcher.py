@@ -39,6 +39,7 @@ from kvforge.distributed.group import DistributedError, destroy_group, init_grou
 
 logger = logging.getLogger("kvforge.distributed")
 READY_KEY = "kvforge_ready_{}"
+REPORT_KEY = "kvforge_report_{}"
 
 
 def describe_exit(code: int | None) -> str:
@@ -123,19 +124,15 @@ class TPLauncher:
                 self.procs.append(proc)
                 proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
                 proc.stdin.flush()
-            self._wait_ready()
+            self._wait_for(READY_KEY, "start")
             self.group = init_group(0, tp, self.store, backend, device, self.timeout_s)
             self._watchdog = threading.Thread(target=self._watch, name="kvforge-tp-watchdog", daemon=True)
             self._watchdog.start()
-            try:
-                self.model, self.pool, self.runner = setup_rank(ctx, self.group)
-                mine = rank_report(0, self.model, self.pool)
-            except Exception as e:
-                mine = {"rank": 0, "error": f"{type(e).__name__}: {e}"}
-                self.group.gather_objects(mine)
-                raise
-            reports = self.group.gather_objects(mine)
-            self.reports = sorted(reports, key=lambda r: r["rank"])
+            self.model, self.pool, self.runner = setup_rank(ctx, self.group)
+            # Startup reports go through the store (startup deadline), not a collective (step timeout).
+            self._wait_for(REPORT_KEY, "load its weights and allocate its KV pool")
+            self.reports = [rank_report(0, self.model, self.pool)] + [
+                pickle.loads(self.store.get(REPORT_KEY.format(r))) for r in range(1, tp)]
             self._check_reports(plan)
             self.runner.control = self
         except BaseException:
@@ -143,20 +140,22 @@ class TPLauncher:
             raise
 
     # ---- startup ----------------------------------------------------------------
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait_for(self, key: str, what: str) -> None:
+        """Wait until every worker has set ``key`` in the store, failing fast if one exits."""
+        startup_s = max(self.timeout_s, 300.0)  # importing torch / reading weights is slow on a busy host
+        deadline = time.monotonic() + startup_s
         waiting = set(range(1, self.world_size))
         while waiting:
             for rank in sorted(waiting):
                 proc = self.procs[rank - 1]
-                if proc.poll() is not None:
+                if self.store.check([key.format(rank)]):
+                    waiting.discard(rank)
+                elif proc.poll() is not None:
                     raise DistributedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) "
                                            f"{describe_exit(proc.returncode)} during startup (see its stderr above)")
-                if self.store.check([READY_KEY.format(rank)]):
-                    waiting.discard(rank)
             if waiting and time.monotonic() > deadline:
-                raise DistributedError(f"tensor-parallel worker rank(s) {sorted(waiting)} did not start within "
-                                       f"{self.timeout_s:g} s")
+                raise DistributedError(f"tensor-parallel worker rank(s) {sorted(waiting)} did not {what} within "
+                                       f"{startup_s:g} s")
             time.sleep(0.02)
 
     def _check_reports(self, plan) -> None:
@@ -212,7 +211,7 @@ class TPLauncher:
         if isinstance(exc, DistributedError):
             self.broken = self.broken or str(exc)
             return exc
-        deadline = time.monotonic() + 3.0  # a killed peer breaks the socket slightly before its exit status
+        deadline = time.monotonic() + 1.0  # a killed peer breaks the socket slightly before its exit status
         while not self._dead() and time.monotonic() < deadline:
             time.sleep(0.05)
         dead = self._dead()
@@ -233,6 +232,8 @@ class TPLauncher:
         self.closed = True
         self._stop.set()
         for p in self.procs:
+            if self.broken is not None:
+                p.kill()  # the group is unusable: do not wait for a worker that may be hung
             try:
                 p.stdin.write(b"q")
                 p.stdin.close()

@@ -26,7 +26,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from kvforge.distributed.group import destroy_group, init_group
-    from kvforge.distributed.launcher import READY_KEY, rank_report, setup_rank
+    from kvforge.distributed.launcher import READY_KEY, REPORT_KEY, rank_report, setup_rank
     from kvforge.distributed.runner import broadcast_step
 
     torch.set_num_threads(ctx["num_threads"])
@@ -41,7 +41,7 @@ def main() -> int:
         report = rank_report(rank, model, pool)
     except Exception as e:
         report = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
-    group.gather_objects(report)
+    store.set(REPORT_KEY.format(rank), pickle.dumps(report))
     if report.get("error"):
         destroy_group()
         return 1
@@ -63,4 +63,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown (seconds with torch loaded); rank 0 waits for this exit
