@@ -155,7 +155,7 @@ def test_greedy_matches_transformers_generate(tmp_path):
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ConfigError, match="supported: LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(ConfigError, match="supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, LlamaForCausalLM, MistralForCausalLM"):
         build_model({"architectures": ["GPT2LMHeadModel"]}, torch.float32, "cpu")
 
 
