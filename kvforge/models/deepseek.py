@@ -57,6 +57,9 @@ from torch import nn
 from kvforge.errors import ConfigError
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation, rope_parameters
 
+LORA_NORM_EPS = 1e-6
+"""eps of q_a_layernorm / kv_a_layernorm: fixed (not rms_norm_eps) in DeepSeek's and transformers' code."""
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -221,11 +224,11 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(a.hidden_size, h * qk, bias=False, dtype=dtype)
         else:
             self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias, dtype=dtype)
-            self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.rms_norm_eps, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, LORA_NORM_EPS, dtype=dtype)
             self.q_b_proj = nn.Linear(a.q_lora_rank, h * qk, bias=False, dtype=dtype)
         self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
                                             bias=a.attention_bias, dtype=dtype)
-        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LORA_NORM_EPS, dtype=dtype)
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), bias=False, dtype=dtype)
         self.o_proj = nn.Linear(h * a.v_head_dim, a.hidden_size, bias=a.attention_bias, dtype=dtype)
 
