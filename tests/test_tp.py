@@ -128,21 +128,54 @@ def test_tp2_matches_tp1(tmp_path, engines, case):
     assert plan2.bytes_per_token == (per_token_1 // 2 if kv % 2 == 0 else per_token_1)
 
 
-def test_tp2_dummy_weights_equal_tp1(tmp_path, engines):
-    cfg = _save(tmp_path, "llama_split")
-    tp1 = engines(tmp_path, load_format="dummy", seed=3)
-    tp2 = engines(tmp_path, load_format="dummy", seed=3, tensor_parallel_size=2)
+def _write_gguf(path, cfg, model):
+    """F32 GGUF the way llama.cpp writes a llama model (Q/K rows permuted)."""
+    gguf = pytest.importorskip("gguf")
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    w.add_vocab_size(cfg.vocab_size)
+    for name, p in model.state_dict().items():
+        arr = p.numpy().astype("float32")
+        if name in top:
+            w.add_tensor(top[name], arr)
+            continue
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        mod, kind = rest.rsplit(".", 1)
+        if mod in ("self_attn.q_proj", "self_attn.k_proj"):
+            n = heads if mod == "self_attn.q_proj" else kv
+            arr = arr.reshape(n, 2, arr.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(arr.shape).copy()
+        w.add_tensor(f"blk.{layer}.{names[mod]}.{kind}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tp2_gguf_matches_tp1_then_killed_worker_gives_clear_error(tmp_path, engines):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**BASE, num_key_value_heads=2, vocab_size=256, rope_theta=10000.0)
+    _write_gguf(tmp_path / "m.gguf", cfg, transformers.LlamaForCausalLM(cfg).float().eval())
+    tp1 = engines(tmp_path / "m.gguf")
+    tp2 = engines(tmp_path / "m.gguf", tensor_parallel_size=2)
     prompt = _prompts(cfg.vocab_size)[3]
     a = tp1.engine.compute_prompt_logits(prompt)
     b = tp2.engine.compute_prompt_logits(prompt)
     assert _close(a, b), (a - b).abs().max().item()
 
-
-def test_killed_worker_gives_clear_error(tmp_path, engines):
-    _save(tmp_path, "llama_split")
-    tp2 = engines(tmp_path, tensor_parallel_size=2)
-    prompt = list(range(10))
-    tp2.engine.compute_prompt_logits(prompt)
     pid = tp2.engine.tp.reports[1]["pid"]
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -153,15 +186,22 @@ def test_killed_worker_gives_clear_error(tmp_path, engines):
     assert time.monotonic() - t0 < 15
 
 
-def test_hung_worker_times_out(tmp_path, engines):
-    _save(tmp_path, "llama_split")
-    tp2 = engines(tmp_path, tensor_parallel_size=2, distributed_timeout_s=4)
+def test_tp2_dummy_weights_match_tp1_then_hung_worker_times_out(tmp_path, engines):
+    # Dummy weights: each rank draws the TP=1 tensors and keeps its part, so TP=1 and TP=2 agree.
+    cfg = _save(tmp_path, "llama_replicated_bias")
+    tp1 = engines(tmp_path, load_format="dummy", seed=3)
+    tp2 = engines(tmp_path, load_format="dummy", seed=3, tensor_parallel_size=2, distributed_timeout_s=4)
+    prompt = _prompts(cfg.vocab_size)[3]
+    a = tp1.engine.compute_prompt_logits(prompt)
+    b = tp2.engine.compute_prompt_logits(prompt)
+    assert _close(a, b), (a - b).abs().max().item()
+
     pid = tp2.engine.tp.reports[1]["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    os.kill(pid, signal.SIGSTOP)  # alive but unresponsive: only the collective timeout can catch it
     try:
         t0 = time.monotonic()
         with pytest.raises(DistributedError, match="timed out"):
-            tp2.engine.compute_prompt_logits(list(range(10)))
+            tp2.engine.compute_prompt_logits(prompt)
         assert time.monotonic() - t0 < 20
     finally:
         os.kill(pid, signal.SIGKILL)
