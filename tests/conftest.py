@@ -5,8 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread: CI has 2 cores, and with 2 threads small CPU ops slow
+# down by up to 10x whenever anything else runs (measured on the dev machine).
+torch.set_num_threads(1)
 
 _ENGINES: dict = {}
 
