@@ -205,3 +205,11 @@ def test_tp2_dummy_weights_match_tp1_then_hung_worker_times_out(tmp_path, engine
         assert time.monotonic() - t0 < 20
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_tp_rejects_other_architectures_before_starting_workers():
+    from kvforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Llama family"):
+        LLM("deepseek-v2-lite", load_format="dummy", tensor_parallel_size=2, kv_cache_memory=1 << 26,
+            max_model_len=256, device="cpu", skip_tokenizer_init=True, progress=False)

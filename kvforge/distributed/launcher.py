@@ -89,6 +89,9 @@ class TPLauncher:
 
     def __init__(self, args, plan, hf_config: dict, model_dtype: str, device: torch.device,
                  model_path: str | None, load_format: str):
+        from kvforge.distributed.tp_llama import check_tp_architecture
+
+        check_tp_architecture(hf_config)  # before any process starts
         tp = args.tensor_parallel_size
         self.world_size = tp
         self.timeout_s = float(args.distributed_timeout_s)

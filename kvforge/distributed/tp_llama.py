@@ -154,14 +154,20 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         return super().load_weights((name, self.shard_hf(name, t)) for name, t in weights)
 
 
-def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan) -> TPLlamaForCausalLM:
-    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights)."""
+def check_tp_architecture(hf_config: dict) -> str:
+    """The architecture name, or ConfigError when it has no tensor-parallel implementation."""
     from kvforge.models.registry import resolve_architecture
 
     arch = resolve_architecture(hf_config)
     if arch not in LLAMA_FAMILY:
         raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}); "
-                          f"{arch} is plan-only at TP > 1")
+                          f"{arch} runs at TP 1 only (`kvforge plan` shows its per-rank figures for any TP)")
+    return arch
+
+
+def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan) -> TPLlamaForCausalLM:
+    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights)."""
+    arch = check_tp_architecture(hf_config)
     heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers}
     if len(heads) != 1:
         raise ConfigError(f"the plan gives layers different heads per rank {sorted(heads)}; not supported at TP > 1")
