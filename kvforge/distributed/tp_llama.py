@@ -85,6 +85,8 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
     # -- logits -----------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 [T, vocab] on rank 0, None on the other ranks (every rank must call it)."""
+        if hidden.shape[0] == 0:  # no rows wanted this step (every rank knows): no collective
+            return hidden.new_zeros((0, self.vocab_size), dtype=torch.float32) if self.group.rank == 0 else None
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return gather_vocab_logits(F.linear(hidden, w).float(), self.vocab_size, self.group)
 
