@@ -95,6 +95,7 @@ def _prompts(vocab):
 def test_tp2_matches_tp1(tmp_path, engines, case):
     cfg = _save(tmp_path, case)
     tp1 = engines(tmp_path)
+    assert tp1.engine.tp is None and not torch.distributed.is_initialized()  # TP=1: no workers, no process group
     tp2 = engines(tmp_path, tensor_parallel_size=2)
     prompts = _prompts(cfg.vocab_size)
 
