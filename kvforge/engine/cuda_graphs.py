@@ -80,6 +80,8 @@ def graphs_unsupported_reason(runner) -> str | None:
     other = sorted(set(runner.backend_names) - GRAPH_BACKENDS)
     if other:
         return f"layers planned on backend(s) {', '.join(other)} (graphs need {', '.join(sorted(GRAPH_BACKENDS))})"
+    if runner.pool.ring_pages:
+        return "per-request rings (CsaRingTest) are written eagerly"
     return None
 
 

@@ -8,6 +8,11 @@ group is of kind "mla") sees ``[num_blocks, block_size, kv_lora_rank +
 qk_rope_head_dim]`` (the layout in kvforge.attention.mla_reference) with one
 per-tensor scale (``k_scales[l]`` of shape [1]). Every byte offset is int64
 (torch indexing); block ids are int32 in the block tables.
+
+Rings (CsaRingTest): after the attention pages come ``state_slots`` x
+``num_rings`` pages of the ring group's page size; ``ring_pages[j]`` is the
+uint8 ``[state_slots, page_bytes]`` view of the ring owned by layer
+``ring_layers[j]``. A request holds one state slot while it runs.
 """
 
 from __future__ import annotations
@@ -29,14 +34,16 @@ TORCH_KV_DTYPES = {
 class KVPool:
     """Owns the KV buffer and the per-layer views and fp8 scales.
 
-    Invariants: ``buffer.numel() == num_blocks * group_size * page_bytes``
-    (the plan's figure); each view's bytes equal ``num_blocks * page_bytes``;
+    Invariants: ``buffer.numel() == num_blocks * group_size * page_bytes +
+    state_slots * state_bytes_per_sequence`` (the plan's figures; the second
+    term only for rings); each view's bytes equal ``num_blocks * page_bytes``;
     ``k_scales[l]`` / ``v_scales[l]`` are float32 [kv_heads_per_rank].
     """
 
     def __init__(self, plan: KVPlan, device: torch.device):
         groups = [g for g in plan.groups if g.kind in ("full", "sliding", "mla")]
-        other = [g for g in plan.groups if g.kind not in ("full", "sliding", "mla")]
+        rings = [g for g in plan.groups if g.kind == "ring"]
+        other = [g for g in plan.groups if g.kind not in ("full", "sliding", "mla", "ring")]
         if len(groups) != 1 or other:
             kinds = ", ".join(sorted({g.kind for g in plan.groups}))
             raise ConfigError(
@@ -53,7 +60,12 @@ class KVPool:
         self.page_bytes = group.page_bytes
         if group.page_bytes != group.page_bytes_unpadded:
             raise ConfigError("padded pages are not supported by the engine's pool yet")
-        nbytes = self.num_blocks * plan.group_size * self.page_bytes
+        attention_bytes = self.num_blocks * plan.group_size * self.page_bytes
+        self.state_slots = (plan.capacity.state_slots or 0) if rings else 0
+        ring_bytes = self.state_slots * sum(g.page_bytes for g in rings)
+        if rings and ring_bytes != self.state_slots * plan.state_bytes_per_sequence:
+            raise ConfigError("ring pages do not add up to the plan's state bytes per sequence")
+        nbytes = attention_bytes + ring_bytes
         # CUDA: zero-filled (one memset), so a read of a never-written page (CUDA-graph padding rows read
         # block 0) sees finite numbers; CPU keeps torch.empty (pages are written before they are read).
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
@@ -74,6 +86,14 @@ class KVPool:
             self.kv_caches.append(view)
             self.k_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
             self.v_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
+        self.ring_layers = [g.layers[0] for g in rings]
+        self.ring_pages: list[torch.Tensor] = []
+        offset = attention_bytes
+        for g in rings:
+            size = self.state_slots * g.page_bytes
+            self.ring_pages.append(self.buffer[offset:offset + size].view(self.state_slots, g.page_bytes))
+            offset += size
+        self.ring_page_bytes_unpadded = rings[0].page_bytes_unpadded if rings else 0
 
     @property
     def nbytes(self) -> int:

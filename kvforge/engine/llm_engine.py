@@ -99,14 +99,27 @@ class LLMEngine:
         batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         eos |= set(self._config_eos())
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, batched, self.max_model_len,
+        max_num_seqs = args.max_num_seqs
+        self.state_slots = None
+        ring_rows = ring_row_bytes = 0
+        if self.spec.rings:
+            if self.tp is not None:
+                raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet")
+            from kvforge.engine.state_slots import StateSlots
+
+            self.state_slots = StateSlots(self.pool.state_slots)
+            max_num_seqs = min(max_num_seqs, self.pool.state_slots)  # every running request holds a slot
+            ring_rows = self.spec.rings[0].rows(self.plan.num_speculative_tokens)
+            ring_row_bytes = self.spec.rings[0].row_bytes
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, batched, self.max_model_len,
                                    args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer)
         if self.tp is not None:
             self.runner = self.tp.runner  # broadcasts each step to the other ranks
         else:
             self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
                                       calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
-                                      enforce_eager=args.enforce_eager, max_num_seqs=args.max_num_seqs)
+                                      enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
+                                      ring_rows=ring_rows, ring_row_bytes=ring_row_bytes)
         self.sampler = Sampler()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.prompt_tokens_total = 0
@@ -196,6 +209,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        if self.state_slots is not None:
+            self.state_slots.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -220,6 +235,10 @@ class LLMEngine:
                 sampled_seqs.append(s.seq)
             if s.start_pos < s.seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.start_pos)
+        if self.state_slots is not None:
+            for seq in out.preempted:
+                self.state_slots.release(seq.request_id)
+            self.runner.step_ring_slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
         logits = self.runner.run(chunks, rows)
         sampled = {}
         if sampled_seqs:
@@ -229,7 +248,10 @@ class LLMEngine:
         for s in out.scheduled:
             if s.start_pos == 0 and s.seq.num_output_tokens == 0:
                 self.prompt_tokens_total += s.seq.num_prompt_tokens
-        self.scheduler.update(out, sampled)
+        finished = self.scheduler.update(out, sampled)
+        if self.state_slots is not None:
+            for seq in finished:
+                self.state_slots.release(seq.request_id)
         self.generation_tokens_total += len(sampled)
         self.num_steps += 1
         return [seq.to_request_output() for seq in sampled_seqs]

@@ -27,6 +27,7 @@ import torch
 from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.engine.kv_pool import KVPool
+from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
 
@@ -98,7 +99,7 @@ class ModelRunner:
 
     def __init__(self, model, pool: KVPool, plan: KVPlan, device: torch.device, *, calibrate: bool = False,
                  scale_multiplier: float = 1.0, enforce_eager: bool = True, max_num_seqs: int = 256,
-                 graph_sizes: list[int] | None = None):
+                 graph_sizes: list[int] | None = None, ring_rows: int = 0, ring_row_bytes: int = 0):
         self.model = model
         self.pool = pool
         self.plan = plan
@@ -118,6 +119,16 @@ class ModelRunner:
         self._meta: AttentionMetadata | None = None
         # Models with MLA layers get an object: attn(layer, q, k, v) as usual, plus attn.mla(...).
         self._attn_api = _MLAAttn(self) if any(x.kind == "mla" for x in plan.layers) else self._attn
+        # Rings (CsaRingTest): R rows of ring_row_bytes in one page per request and layer.
+        self.ring_rows, self.ring_row_bytes = ring_rows, ring_row_bytes
+        self.ring_of_layer = {layer: j for j, layer in enumerate(pool.ring_layers)}
+        self.step_ring_slots: list[int] | None = None  # per chunk of the next run(); set by the engine
+        self._ring_targets = None
+        if pool.ring_pages:
+            if ring_rows * ring_row_bytes > pool.ring_page_bytes_unpadded:
+                raise ConfigError(f"ring of {ring_rows} x {ring_row_bytes} bytes does not fit its "
+                                  f"{pool.ring_page_bytes_unpadded}-byte page (the plan should have refused)")
+            self._attn_api = _RingAttn(self)
         self._num_splits: int | None = None  # pinned split-K factor (CUDA-graph decode)
         self._tables = _TableCache()
         self._pin = device.type == "cuda"
@@ -233,6 +244,36 @@ class ModelRunner:
         impl.write_mla_cache(latent, k_rope, cache, meta.slot_mapping, pool.k_scales[layer])
         return impl.mla_attention(q_nope, q_rope, cache, meta, pool.k_scales[layer], self.softmax_scale, w_uk, w_uv)
 
+    def _ring_write(self, layer: int, rows: torch.Tensor) -> None:
+        """Store each kept token's row at (its request's slot, position mod R) of the layer's ring page."""
+        targets = self._ring_targets
+        if targets is None:
+            return
+        tokens, slots, ring_rows = targets
+        page = self.pool.ring_pages[self.ring_of_layer[layer]]
+        rings = page[:, : self.ring_rows * self.ring_row_bytes].view(page.shape[0], self.ring_rows,
+                                                                    self.ring_row_bytes)
+        data = rows[tokens].contiguous().view(torch.uint8).view(tokens.shape[0], self.ring_row_bytes)
+        rings[slots, ring_rows] = data
+
+    def _ring_step_targets(self, host: HostStep):
+        """(token indices, slots, rows) to write this step: only each chunk's last R tokens, so no two
+        writes of one step hit the same row (indexed stores with duplicates have no defined order)."""
+        slots_per_chunk = self.step_ring_slots
+        if not self.pool.ring_pages or slots_per_chunk is None:
+            return None
+        toks, slots, rows = [], [], []
+        R = self.ring_rows
+        for i, slot in enumerate(slots_per_chunk):
+            lo, hi = int(host.qsl[i]), int(host.qsl[i + 1])
+            for t in range(max(lo, hi - R), hi):
+                toks.append(t)
+                slots.append(slot)
+                rows.append(int(host.pos[t]) % R)
+        dev = self.device
+        return (torch.tensor(toks, dtype=torch.long, device=dev), torch.tensor(slots, dtype=torch.long, device=dev),
+                torch.tensor(rows, dtype=torch.long, device=dev))
+
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         dtype = self.pool.kv_caches[layer].dtype
         ks = compute_scales(k, scheme=self.scale_scheme, dtype=dtype)
@@ -271,7 +312,11 @@ class ModelRunner:
                 hidden = hidden[rows]
             return self.model.compute_logits(hidden)
         input_ids, positions, meta, rows = self._to_device(host)
-        hidden = self.forward(input_ids, positions, meta)
+        self._ring_targets = self._ring_step_targets(host)
+        try:
+            hidden = self.forward(input_ids, positions, meta)
+        finally:
+            self._ring_targets, self.step_ring_slots = None, None
         self.num_eager_steps += 1
         if rows is not None:
             hidden = hidden[rows]
@@ -298,3 +343,19 @@ class _MLAAttn:
 
     def mla(self, layer: int, q_nope, q_rope, latent, k_rope, w_uk, w_uv) -> torch.Tensor:
         return self.runner._mla(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)
+
+
+class _RingAttn:
+    """The attention callable for ring models: ``attn(layer, q, k, v)`` as usual,
+    plus ``attn.ring(layer, rows [T, ring_row_bytes / elem])`` (see kvforge/models/csa_ring.py)."""
+
+    __slots__ = ("runner",)
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.runner._attn(layer, q, k, v)
+
+    def ring(self, layer: int, rows: torch.Tensor) -> None:
+        self.runner._ring_write(layer, rows)

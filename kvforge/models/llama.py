@@ -34,6 +34,7 @@ _VARIANTS = {
     "MistralForCausalLM": dict(qkv_bias=False, o_bias_follows=True, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, o_bias_follows=False, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=None, o_bias_follows=True, qk_norm=True),
+    "CsaRingTestForCausalLM": dict(qkv_bias=False, o_bias_follows=True, qk_norm=False),  # Llama + rings
 }
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvforge.errors import ConfigError
+from kvforge.models.csa_ring import CsaRingTestForCausalLM
 from kvforge.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from kvforge.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -16,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "CsaRingTestForCausalLM": CsaRingTestForCausalLM,
 }
 
 # config.json files without "architectures" still carry model_type.
