@@ -55,7 +55,9 @@ def _repo_root() -> Path:
 
 def default_data_dir() -> Path:
     """``../shared/data/gsm8k`` next to the repository checkout."""
-    return (_repo_root() / ".." / "shared" / "data" / "gsm8k").resolve()
+    from kvforge.data_paths import shared_data_dir
+
+    return shared_data_dir() / "gsm8k"
 
 
 # ---------------------------------------------------------------------------

@@ -43,7 +43,9 @@ _ROW_CHUNK = 256
 
 def default_text_path() -> Path:
     """``../shared/data/text/tinyshakespeare.txt`` next to the repository checkout."""
-    return (Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "text" / "tinyshakespeare.txt").resolve()
+    from kvforge.data_paths import shared_data_dir
+
+    return shared_data_dir() / "text" / "tinyshakespeare.txt"
 
 
 # ---------------------------------------------------------------------------
