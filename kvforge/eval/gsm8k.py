@@ -49,10 +49,6 @@ FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 _IGNORE_RES = (re.compile(","), re.compile(r"\$"), re.compile(r"(?s).*#### "), re.compile(r"\.$"))
 
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
 def default_data_dir() -> Path:
     """``../shared/data/gsm8k`` next to the repository checkout."""
     from kvforge.data_paths import shared_data_dir
