@@ -1,0 +1,169 @@
+"""Host time of one engine decode step, on CPU, with the model stubbed out.
+
+Builds a real ``LLMEngine.step`` loop (real Scheduler, BlockManager, Sampler,
+``ModelRunner.build_host`` / ``_to_device`` and detokenizer) but replaces the
+model forward with a fixed random logits tensor ``[num_seqs, vocab]``. With
+256 running sequences of ~600 tokens of context this is the Python work a
+GPU decode step of Llama-3.1-8B at batch 256 does on the host (see
+docs/GPU_ENGINE.md, "Where the time goes").
+
+    .venv/bin/python benchmarks/bench_host_step.py [--seqs 256] [--context 600] [--steps 50]
+
+Prints median / min / max ms per step: "step" (the whole ``step()``),
+"host" (step minus that step's sampler call) and per phase ("outputs" is the
+rest: building RequestOutputs and the engine's own loop). ``--vocab`` defaults to 32768 so the CPU
+argmax over the logits (GPU work in the real engine) does not dominate; the
+"sample" phase is reported separately and "host" excludes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.engine.model_runner import ModelRunner, _TableCache
+from kvforge.engine.sampler import Sampler
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.sequence import Sequence
+
+
+class StubRunner:
+    """ModelRunner's host side (build_host + _to_device on CPU); the model returns fixed logits."""
+
+    def __init__(self, block_size: int, vocab: int, max_seqs: int, seed: int):
+        self._r = ModelRunner.__new__(ModelRunner)
+        self._r.block_size = block_size
+        self._r._tables = _TableCache()
+        self._r.device = torch.device("cpu")
+        self._r._pin = False
+        self.num_graph_steps = self.num_eager_steps = 0
+        g = torch.Generator().manual_seed(seed)
+        self.logits = torch.randn(max_seqs, vocab, generator=g)
+        self.step_ring_slots = None
+        self.times: dict[str, list[float]] | None = None
+
+    def invalidate_block_tables(self) -> None:
+        self._r.invalidate_block_tables()
+
+    def run(self, chunks, logits_rows):
+        t0 = time.perf_counter()
+        host = self._r.build_host(chunks, logits_rows)
+        if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
+            host.rows = None
+        self._r._to_device(host)
+        if self.times is not None:
+            self.times["build_host"].append(time.perf_counter() - t0)
+        n = host.ids.shape[0] if logits_rows is None else len(logits_rows)
+        return self.logits[:n]
+
+
+def make_engine(args) -> LLMEngine:
+    eng = LLMEngine.__new__(LLMEngine)
+    eng.tp = None
+    eng.state_slots = None
+    eng.pool = None
+    bs = args.block_size
+    blocks_per_seq = -(-(args.context + args.steps * 2 + 64) // bs)
+    eng.block_manager = BlockManager(args.seqs * blocks_per_seq + 16, bs, enable_prefix_caching=True)
+    eng.max_model_len = args.context + 4 * args.steps + 1024
+    tok = None
+    if not args.no_tokenizer:
+        from kvforge.spec.embedded import embedded_model_path
+        from kvforge.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(str(embedded_model_path()))
+    eng.tokenizer = tok
+    eng.scheduler = Scheduler(eng.block_manager, args.seqs, 8192, eng.max_model_len, True,
+                              eos_token_ids=(), tokenizer=tok)
+    eng.runner = StubRunner(bs, args.vocab, args.seqs, args.seed)
+    eng.sampler = Sampler()
+    eng.prompt_tokens_total = eng.generation_tokens_total = eng.num_steps = eng.prefill_tokens_computed = 0
+    rng = np.random.default_rng(args.seed)
+    vocab_for_prompt = min(args.vocab, 32000)
+    for i in range(args.seqs):
+        n = int(args.context + rng.integers(-16, 17))
+        ids = rng.integers(100, vocab_for_prompt, size=n).tolist()
+        eng.scheduler.add(Sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=10_000,
+                                                                ignore_eos=True)))
+    return eng
+
+
+def run_phases(eng: LLMEngine, steps: int) -> dict[str, list[float]]:
+    """Time the phases of ``LLMEngine.step`` by wrapping its collaborators."""
+    times: dict[str, list[float]] = {k: [] for k in ("step", "host", "schedule", "build_host", "sample", "update",
+                                                     "outputs")}
+    sched, sampler, runner = eng.scheduler, eng.sampler, eng.runner
+    orig = (sched.schedule, sched.update, sampler.sample_sequences)
+
+    def timed(name, fn):
+        def w(*a, **k):
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            times[name].append(time.perf_counter() - t0)
+            return r
+        return w
+
+    sched.schedule = timed("schedule", orig[0])
+    sched.update = timed("update", orig[1])
+    sampler.sample_sequences = timed("sample", orig[2])
+    runner.times = times
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            eng.step()
+            total = time.perf_counter() - t0
+            times["step"].append(total)
+            times["host"].append(total - times["sample"][-1])
+            known = sum(times[k][-1] for k in ("schedule", "build_host", "sample", "update"))
+            times["outputs"].append(total - known)  # outputs + the engine's own loop
+    finally:
+        del sched.schedule, sched.update, sampler.sample_sequences
+        runner.times = None
+    return times
+
+
+def fmt(xs: list[float]) -> str:
+    ms = [x * 1e3 for x in xs]
+    return f"median {statistics.median(ms):7.3f} ms  [min {min(ms):7.3f}, max {max(ms):7.3f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-tokenizer", action="store_true", help="no detokenizer (token ids only)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the stubbed sampler must not compete with the host thread
+
+    eng = make_engine(args)
+    t0 = time.perf_counter()
+    while eng.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
+        eng.step()  # prefill (chunked by the 8192-token budget)
+    prefill_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        eng.step()
+    assert eng.scheduler.num_running == args.seqs, eng.scheduler.num_running
+
+    assert len(eng.step()) == args.seqs
+    phases = run_phases(eng, args.steps)
+
+    print(f"{args.seqs} seqs, context ~{args.context}, block size {args.block_size}, vocab {args.vocab}, "
+          f"tokenizer {'off' if args.no_tokenizer else 'on'}, {args.steps} steps (prefill {prefill_s:.1f} s)")
+    for k, v in phases.items():
+        print(f"{'  ' if k not in ('step', 'host') else ''}{k:<18} {fmt(v)}")
+
+
+if __name__ == "__main__":
+    main()
