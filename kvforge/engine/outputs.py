@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -34,3 +35,101 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+
+
+class _SnapshotCompletionOutput(CompletionOutput):
+    """A ``CompletionOutput`` the engine builds every step without copying token lists.
+
+    ``token_ids`` and ``logprobs`` are the first ``n`` entries of the sequence's
+    own lists, copied when first read (then kept, so reads and writes behave as
+    on the plain dataclass). The engine only ever appends to those lists and
+    never rewrites an entry, so a later copy holds exactly what a copy made at
+    the step would have held. Compares equal to, and prints like, the plain
+    ``CompletionOutput`` with the same fields. Built with :meth:`snapshot`; the
+    inherited dataclass ``__init__`` (e.g. from ``dataclasses.replace``) works as usual.
+    """
+
+    @classmethod
+    def snapshot(cls, index, text, tokens_src, n, finish_reason, stop_reason, logprobs_src, cumulative_logprob):
+        self = cls.__new__(cls)
+        d = self.__dict__
+        d["index"], d["text"], d["finish_reason"], d["stop_reason"] = index, text, finish_reason, stop_reason
+        d["cumulative_logprob"] = cumulative_logprob
+        d["_src"] = (tokens_src, logprobs_src, n)
+        return self
+
+    @property
+    def token_ids(self) -> list[int]:
+        d = self.__dict__
+        if "_token_ids" not in d:
+            tokens, _, n = d["_src"]
+            d["_token_ids"] = tokens[:n]
+        return d["_token_ids"]
+
+    @token_ids.setter
+    def token_ids(self, value) -> None:
+        self.__dict__["_token_ids"] = value
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        d = self.__dict__
+        if "_logprobs" not in d:
+            _, lps, n = d["_src"]
+            d["_logprobs"] = None if lps is None else [dict(x) for x in lps[:n]]
+        return d["_logprobs"]
+
+    @logprobs.setter
+    def logprobs(self, value) -> None:
+        self.__dict__["_logprobs"] = value
+
+    def __eq__(self, other):
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return _fields(self, CompletionOutput) == _fields(other, CompletionOutput)
+
+    def __repr__(self) -> str:
+        return _repr(self, CompletionOutput)
+
+
+class _SnapshotRequestOutput(RequestOutput):
+    """A ``RequestOutput`` whose ``prompt_token_ids`` are copied from the
+    sequence's (never modified) prompt list when first read; see
+    ``_SnapshotCompletionOutput``. Built with :meth:`snapshot`; the inherited
+    dataclass ``__init__`` (e.g. from ``dataclasses.replace``) works as usual."""
+
+    @classmethod
+    def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens):
+        self = cls.__new__(cls)
+        d = self.__dict__
+        d["request_id"], d["prompt"], d["outputs"] = request_id, prompt, outputs
+        d["finished"], d["num_cached_tokens"] = finished, num_cached_tokens
+        d["_prompt_src"] = prompt_src
+        return self
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        d = self.__dict__
+        if "_prompt_token_ids" not in d:
+            d["_prompt_token_ids"] = list(d["_prompt_src"])
+        return d["_prompt_token_ids"]
+
+    @prompt_token_ids.setter
+    def prompt_token_ids(self, value) -> None:
+        self.__dict__["_prompt_token_ids"] = value
+
+    def __eq__(self, other):
+        if not isinstance(other, RequestOutput):
+            return NotImplemented
+        return _fields(self, RequestOutput) == _fields(other, RequestOutput)
+
+    def __repr__(self) -> str:
+        return _repr(self, RequestOutput)
+
+
+def _fields(obj, cls) -> tuple:
+    return tuple(getattr(obj, f.name) for f in dataclasses.fields(cls))
+
+
+def _repr(obj, cls) -> str:
+    inner = ", ".join(f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(cls) if f.repr)
+    return f"{cls.__qualname__}({inner})"

@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from kvforge.engine.outputs import CompletionOutput, RequestOutput
+from kvforge.engine.outputs import RequestOutput, _SnapshotCompletionOutput, _SnapshotRequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -33,13 +33,16 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # Identity tests: Enum.__hash__ is Python code, so a set lookup costs more (hot path).
+        return self is _STOPPED or self is _LENGTH or self is _ABORTED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASON.get(self)
 
 
+_STOPPED, _LENGTH = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+_ABORTED = SequenceStatus.FINISHED_ABORTED
 _FINISHED = {SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED}
 _FINISH_REASON = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -138,7 +141,8 @@ class Sequence:
     # ---- status -------------------------------------------------------------
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        st = self.status
+        return st is _STOPPED or st is _LENGTH or st is _ABORTED
 
     def finish(self, status: SequenceStatus, stop_reason: str | int | None = None) -> None:
         assert status.is_finished
@@ -189,23 +193,24 @@ class Sequence:
         return child
 
     def to_request_output(self) -> RequestOutput:
-        comp = CompletionOutput(
-            index=0,
-            text=self.output_text,
-            token_ids=list(self.output_token_ids),
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            logprobs=[dict(d) for d in self.logprobs] if self.logprobs is not None else None,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        """The request's state now. Token lists are not copied here: the
+        output copies the first ``num_output_tokens`` entries (and the prompt)
+        when they are first read, which gives the same lists because the
+        sequence only ever appends (see ``_SnapshotCompletionOutput``)."""
+        finished = self.is_finished
+        lps = self.logprobs
+        comp = _SnapshotCompletionOutput.snapshot(
+            0,
+            self.detokenizer.output_text(finished=finished) if self.detokenizer is not None else "",
+            self.output_token_ids,
+            len(self.output_token_ids),
+            self.finish_reason,
+            self.stop_reason,
+            lps,
+            self.cumulative_logprob if lps is not None else None,
         )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
-            outputs=[comp],
-            finished=self.is_finished,
-            num_cached_tokens=self.num_cached_prompt_tokens,
-        )
+        return _SnapshotRequestOutput.snapshot(self.request_id, self.prompt, self.prompt_token_ids, [comp], finished,
+                                               self.num_cached_prompt_tokens)
 
     def __repr__(self) -> str:
         return (
