@@ -230,20 +230,23 @@ class BlockManager:
         written. Returns False (changing nothing) when blocks are short, or
         raises ``NoFreeBlocksError`` when ``strict``.
         """
-        if not self.can_append_slots(seq, num_new_tokens):
+        # Same test as can_append_slots, computing the shared blocks once (hot path: every step, every sequence).
+        shared = self._shared_blocks_to_write(seq, num_new_tokens)
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if max(0, need) + len(shared) > len(self._free) + len(self._cached_free):
             if strict:
                 raise NoFreeBlocksError(
                     f"append_slots: {seq.request_id} needs more blocks than the {self.num_free_blocks} free"
                 )
             return False
-        for i in self._shared_blocks_to_write(seq, num_new_tokens):
+        for i in shared:
             old = seq.block_table[i]
             new = self._take_free()
             self._ref_count[old] -= 1  # stays >= 1: it was shared
             seq.block_table[i] = new
             self._pending_copies.append((old, new))
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        seq.block_table.extend(self._take_free() for _ in range(max(0, need)))
+        if need > 0:  # copy-on-write above kept the table's length
+            seq.block_table.extend(self._take_free() for _ in range(need))
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
