@@ -20,6 +20,7 @@ mixed steps, and everything with ``enforce_eager``, run eagerly.
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import numpy as np
 import torch
@@ -160,33 +161,30 @@ class ModelRunner:
         """
         bs = self.block_size
         n_seqs = len(chunks)
-        lens = [len(c[0]) for c in chunks]
-        n_tok = sum(lens)
-        ids = np.empty(n_tok, dtype=np.int64)
-        pos = np.empty(n_tok, dtype=np.int64)
-        slots = np.empty(n_tok, dtype=np.int64)
-        qsl = np.zeros(n_seqs + 1, dtype=np.int32)
-        seq_lens = np.empty(n_seqs, dtype=np.int32)
+        # Vectorized over sequences (per-sequence numpy scalar writes cost ~1 ms at 256 sequences).
+        lens = np.fromiter((len(c[0]) for c in chunks), dtype=np.int64, count=n_seqs)
+        starts = np.fromiter((c[1] for c in chunks), dtype=np.int64, count=n_seqs)
         arrays = [self._tables.get(c[2]) for c in chunks]
-        cols = max(1, max((a.shape[0] for a in arrays), default=1))
+        widths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=n_seqs)
+        cols = max(1, int(widths.max()) if n_seqs else 1)
         tables = np.zeros((n_seqs, cols), dtype=np.int32)
-        t = 0
-        max_q = 0
-        for i, ((tokens, start, table), n, arr) in enumerate(zip(chunks, lens, arrays)):
-            if n == 1:
-                ids[t] = tokens[0]
-                pos[t] = start
-                slots[t] = table[start // bs] * bs + start % bs
-            else:
-                ids[t:t + n] = tokens
-                p = np.arange(start, start + n, dtype=np.int64)
-                pos[t:t + n] = p
-                slots[t:t + n] = arr[p // bs].astype(np.int64) * bs + p % bs
-            t += n
-            qsl[i + 1] = t
-            seq_lens[i] = start + n
-            tables[i, :arr.shape[0]] = arr
-            max_q = max(max_q, n)
+        if n_seqs:
+            # Row-major boolean assignment: row i gets its table in its first widths[i] columns.
+            tables[np.arange(cols) < widths[:, None]] = np.concatenate(arrays)
+        n_tok = int(lens.sum())
+        qsl = np.zeros(n_seqs + 1, dtype=np.int32)
+        np.cumsum(lens, out=qsl[1:])
+        seq_lens = (starts + lens).astype(np.int32)
+        max_q = int(lens.max()) if n_seqs else 0
+        if max_q == 1 and n_tok == n_seqs:  # decode: one token per sequence
+            ids = np.fromiter((c[0][0] for c in chunks), dtype=np.int64, count=n_seqs)
+            pos = starts
+            seq_idx = np.arange(n_seqs)
+        else:
+            ids = np.fromiter(itertools.chain.from_iterable(c[0] for c in chunks), dtype=np.int64, count=n_tok)
+            seq_idx = np.repeat(np.arange(n_seqs), lens)
+            pos = starts[seq_idx] + (np.arange(n_tok, dtype=np.int64) - qsl[:-1][seq_idx])
+        slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
         self._tables.end_step()
         rows = None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
         return HostStep(ids, pos, slots, qsl, seq_lens, tables, rows, max_q,
