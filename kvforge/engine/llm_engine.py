@@ -69,6 +69,9 @@ class LLMEngine:
         from kvforge.models.registry import resolve_architecture
 
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
+        if self.spec.rings and args.tensor_parallel_size > 1:
+            raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet; "
+                              "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
         self.model_path, self.load_format = self._weights_location(args)
         logger.info("%s", self.plan.summary())
 
@@ -103,8 +106,6 @@ class LLMEngine:
         self.state_slots = None
         ring_rows = ring_row_bytes = 0
         if self.spec.rings:
-            if self.tp is not None:
-                raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet")
             from kvforge.engine.state_slots import StateSlots
 
             self.state_slots = StateSlots(self.pool.state_slots)
