@@ -208,9 +208,12 @@ def test_tp2_dummy_weights_match_tp1_then_hung_worker_times_out(tmp_path, engine
         os.kill(pid, signal.SIGKILL)
 
 
-def test_tp_rejects_other_architectures_before_starting_workers():
+def test_tp_architecture_check():
+    # DeepSeek MLA runs at TP > 1 (tests/test_tp_deepseek.py); other architectures are refused before any
+    # worker starts.
+    from kvforge.distributed.tp_llama import check_tp_architecture
     from kvforge.errors import ConfigError
 
+    assert check_tp_architecture({"architectures": ["DeepseekV3ForCausalLM"]}) == "DeepseekV3ForCausalLM"
     with pytest.raises(ConfigError, match="Llama family"):
-        LLM("deepseek-v2-lite", load_format="dummy", tensor_parallel_size=2, kv_cache_memory=1 << 26,
-            max_model_len=256, device="cpu", skip_tokenizer_init=True, progress=False)
+        check_tp_architecture({"architectures": ["CsaRingTestForCausalLM"]})

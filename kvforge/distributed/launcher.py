@@ -54,14 +54,15 @@ def describe_exit(code: int | None) -> str:
 
 
 def expected_pool_bytes(plan) -> int:
-    group = next(g for g in plan.groups if g.kind in ("full", "sliding"))
+    group = next(g for g in plan.groups if g.kind in ("full", "sliding", "mla"))
     return plan.num_blocks * plan.group_size * group.page_bytes
 
 
 def rank_report(rank: int, model, pool) -> dict:
     return {"rank": rank, "pid": os.getpid(), "nbytes": pool.nbytes,
-            "kv_heads": [int(c.shape[2]) for c in pool.kv_caches],
-            "heads": int(model.args.num_heads), "model_kv_heads": int(model.args.num_kv_heads),
+            # an MLA cache [blocks, block_size, latent + rope] is one replicated "KV head"
+            "kv_heads": [int(c.shape[2]) if c.dim() == 5 else 1 for c in pool.kv_caches],
+            "heads": int(model.args.num_heads), "model_kv_heads": int(getattr(model.args, "num_kv_heads", 1)),
             "kv_start": int(model.kv_start)}
 
 
@@ -166,8 +167,8 @@ class TPLauncher:
         if errors:
             raise DistributedError("tensor-parallel startup failed on " + "; ".join(errors))
         want_bytes = expected_pool_bytes(plan)
-        want_heads = [plan.layers[i].kv_heads_per_rank for g in plan.groups if g.kind in ("full", "sliding")
-                      for i in g.layers]
+        want_heads = [plan.layers[i].kv_heads_per_rank for g in plan.groups
+                      if g.kind in ("full", "sliding", "mla") for i in g.layers]
         for r in self.reports:
             if r["nbytes"] != want_bytes or r["kv_heads"] != want_heads:
                 raise DistributedError(

@@ -158,16 +158,18 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
 
 def check_tp_architecture(hf_config: dict) -> str:
     """The architecture name, or ConfigError when it has no tensor-parallel implementation."""
+    from kvforge.distributed.tp_deepseek import DEEPSEEK_FAMILY
     from kvforge.models.registry import resolve_architecture
 
     arch = resolve_architecture(hf_config)
-    if arch not in LLAMA_FAMILY:
-        raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}); "
+    if arch not in LLAMA_FAMILY + DEEPSEEK_FAMILY:
+        raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}) and "
+                          f"DeepSeek-V2/V3; "
                           f"{arch} runs at TP 1 only (`kvforge plan` shows its per-rank figures for any TP)")
     return arch
 
 
-def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan) -> TPLlamaForCausalLM:
+def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan):
     """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights)."""
     arch = check_tp_architecture(hf_config)
     heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers}
@@ -176,6 +178,10 @@ def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, gr
     (hpr, kvpr), = heads
     config = dict(hf_config)
     config["architectures"] = [arch]
+    from kvforge.distributed.tp_deepseek import DEEPSEEK_FAMILY, build_tp_deepseek
+
+    if arch in DEEPSEEK_FAMILY:
+        return build_tp_deepseek(config, dtype, device, group, hpr, kvpr)
     with torch.device("meta"):
         model = TPLlamaForCausalLM(config, dtype, group, hpr, kvpr)
     model = model.to_empty(device=torch.device(device))
