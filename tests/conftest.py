@@ -27,3 +27,21 @@ def smol_llm():
         return _ENGINES[key]
 
     return make
+
+
+@pytest.fixture
+def engines(request):
+    """Factory ``engines(path, **kw)`` -> kvforge.LLM with the test module's ``ENGINE`` defaults;
+    every engine is shut down afterwards (tensor-parallel workers included)."""
+    from kvforge import LLM
+
+    made = []
+
+    def make(path, **kw):
+        llm = LLM(str(path), **{**request.module.ENGINE, **kw})
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.engine.shutdown()

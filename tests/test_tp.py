@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvforge import LLM, SamplingParams  # noqa: E402
+from kvforge import SamplingParams  # noqa: E402
 from kvforge.distributed.group import DistributedError  # noqa: E402
 from kvforge.distributed.launcher import expected_pool_bytes  # noqa: E402
 
@@ -41,28 +41,6 @@ CASES = {
 ENGINE = dict(dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
               kv_cache_memory=1 << 21, progress=False, device="cpu", max_num_batched_tokens=32)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
-def engines():
-    made = []
-
-    def make(path, **kw):
-        llm = LLM(str(path), **{**ENGINE, **kw})
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.engine.shutdown()
 
 
 def _save(tmp_path, case):
