@@ -240,13 +240,17 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   scale: float | torch.Tensor | None, softmax_scale: float, w_uk: torch.Tensor,
-                  w_uv: torch.Tensor) -> torch.Tensor:
+                  w_uv: torch.Tensor, *, query_dtype: str | None = None, num_splits: int | None = None) -> torch.Tensor:
     """One MLA layer's attention for a step: ``[T, H, V]`` in ``q_nope.dtype``.
 
     Decode-only steps (every sequence brings one token) take the absorbed
     latent-space path (:func:`mla_decode`); steps with a prefill chunk expand
     the latents (:func:`mla_prefill`). The cache must already hold the step's rows.
+    ``query_dtype`` must be None (this backend declares no quantized query);
+    ``num_splits`` is accepted for interface parity and ignored.
     """
+    if query_dtype is not None:
+        raise ValueError(f"torch_mla_reference keeps the model-dtype query; a {query_dtype} query is not declared")
     if meta.max_query_len <= 1:
         q_latent = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(q_nope.dtype)
         o_latent = mla_decode(q_latent, q_rope, cache, meta, scale, softmax_scale)

@@ -54,7 +54,7 @@ from kvforge.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("kvforge.engine")
 
-GRAPH_BACKENDS = frozenset({"triton_paged"})
+GRAPH_BACKENDS = frozenset({"triton_paged", "triton_mla"})
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
 
 import numpy as np
 import torch
@@ -29,8 +30,30 @@ from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.engine.kv_pool import KVPool
 from kvforge.errors import ConfigError
+from kvforge.kv_dtypes import is_quantized
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
+
+# "1": on CPU, decode steps take the CUDA-graph path's static padded inputs (run eagerly); a test hook that
+# tensor-parallel workers inherit through the environment.
+STATIC_DECODE_ENV = "KVFORGE_CPU_STATIC_DECODE"
+
+
+def model_graph_blocker(model) -> str | None:
+    """Why ``model``'s forward cannot be captured in a CUDA graph, or None. A model (or module) states it
+    with a ``cuda_graphs_unsupported`` reason; DeepSeek's MoE reads per-expert token counts on the host
+    (``bincount().tolist()``), which capture forbids, unless its class sets ``cuda_graph_safe = True``."""
+    reason = getattr(model, "cuda_graphs_unsupported", None)
+    if reason:
+        return reason
+    try:
+        from kvforge.models.deepseek import MoE
+    except ImportError:
+        return None
+    for m in model.modules():
+        if isinstance(m, MoE) and not getattr(m, "cuda_graph_safe", False):
+            return f"{type(m).__name__} routing syncs with the host (per-expert token counts)"
+    return None
 
 
 class _TableCache:
@@ -109,6 +132,8 @@ class ModelRunner:
         impls = {d.name: d.implementation for d in builtin_backends()}
         self.backend_names = [layer.backend for layer in plan.layers]
         self.impls = [importlib.import_module(impls[layer.backend]) for layer in plan.layers]
+        # The plan's query dtype per layer: None = model dtype, else the quantized query it declared (MLA).
+        self.query_dtypes = [layer.query_dtype if is_quantized(layer.query_dtype) else None for layer in plan.layers]
         self.windows = [model.sliding_window(i) for i in range(len(plan.layers))]
         self.softmax_scale = model.softmax_scale
         self.scale_scheme = plan.layers[0].scale_scheme or "per_tensor"
@@ -136,16 +161,26 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.graphs = None
+        self.graphs_off_reason: str | None = "enforce_eager" if enforce_eager else None
         if device.type == "cuda" and not enforce_eager:
             from kvforge.engine.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
 
-            why = graphs_unsupported_reason(self)
+            why = model_graph_blocker(model) or graphs_unsupported_reason(self)
             if why is None:
                 self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
             else:
                 import logging
 
+                self.graphs_off_reason = why
                 logging.getLogger("kvforge.engine").warning("CUDA graphs off: %s", why)
+        elif (device.type == "cpu" and not enforce_eager and not pool.ring_pages
+              and os.environ.get(STATIC_DECODE_ENV) == "1"):
+            # Test hook: the graph path's static, padded decode inputs, run eagerly (no capture on CPU).
+            from kvforge.engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes, capture=False)
+        elif device.type != "cuda":
+            self.graphs_off_reason = "not a CUDA device"
 
     # ---- inputs ---------------------------------------------------------------
     def invalidate_block_tables(self) -> None:
@@ -240,7 +275,8 @@ class ModelRunner:
             rows = torch.cat([latent, k_rope.to(latent.dtype)], dim=-1)
             self._calibrate(layer, rows, rows)
         impl.write_mla_cache(latent, k_rope, cache, meta.slot_mapping, pool.k_scales[layer])
-        return impl.mla_attention(q_nope, q_rope, cache, meta, pool.k_scales[layer], self.softmax_scale, w_uk, w_uv)
+        return impl.mla_attention(q_nope, q_rope, cache, meta, pool.k_scales[layer], self.softmax_scale, w_uk, w_uv,
+                                  query_dtype=self.query_dtypes[layer], num_splits=self._num_splits)
 
     def _ring_write(self, layer: int, rows: torch.Tensor) -> None:
         """Store each kept token's row at (its request's slot, position mod R) of the layer's ring page."""
@@ -291,7 +327,21 @@ class ModelRunner:
         finally:
             self._meta, self._num_splits = None, None
 
+    def counters(self) -> dict:
+        """Step counters and the graph set-up of this runner (rank 0 at TP=1)."""
+        g = self.graphs
+        return {"rank": 0, "num_graph_steps": self.num_graph_steps, "num_eager_steps": self.num_eager_steps,
+                "graph_sizes": g.sizes if g is not None else None,
+                "graph_capture_seconds": g.capture_seconds if g is not None else None,
+                "graphs_off_reason": self.graphs_off_reason}
+
     # ---- forward --------------------------------------------------------------
+    def wants_graph(self, host: HostStep) -> bool:
+        """Whether ``host`` replays a captured decode graph (else the step runs eagerly)."""
+        graphs = self.graphs
+        return (graphs is not None and host.max_query_len == 1 and graphs.can_run(host.num_seqs)
+                and not self.needs_calibration)
+
     @torch.inference_mode()
     def run(self, chunks, logits_rows: list[int] | None) -> torch.Tensor:
         """Run one step; return float32 logits for ``logits_rows`` (flat token
@@ -299,15 +349,19 @@ class ModelRunner:
         host = self.build_host(chunks, logits_rows)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None  # every row, in order: no gather
-            logits_rows = None
-        graphs = self.graphs
-        if graphs is not None and host.max_query_len == 1 and graphs.can_run(host.num_seqs) \
-                and not self.needs_calibration:
-            hidden = graphs.run(host)
+        return self.execute(host, self.wants_graph(host))
+
+    def execute(self, host: HostStep, use_graph: bool) -> torch.Tensor | None:
+        """One step from host arrays: graph replay (``use_graph``) or eager; the model's logits
+        (float32; None on tensor-parallel ranks other than 0)."""
+        if use_graph:
+            hidden = self.graphs.run(host)
             self.num_graph_steps += 1
-            if logits_rows is not None:
-                rows = torch.from_numpy(host.rows).pin_memory().to(self.device, non_blocking=True)
-                hidden = hidden[rows]
+            if host.rows is not None:
+                rows = torch.from_numpy(host.rows)
+                if self._pin:
+                    rows = rows.pin_memory()
+                hidden = hidden[rows.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden)
         input_ids, positions, meta, rows = self._to_device(host)
         self._ring_targets = self._ring_step_targets(host)

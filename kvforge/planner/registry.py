@@ -14,5 +14,6 @@ def builtin_backends() -> tuple[BackendDeclaration, ...]:
     from kvforge.attention.reference_backend import REFERENCE
     from kvforge.attention.ring_backend import RING
     from kvforge.attention.triton_backend import TRITON_PAGED
+    from kvforge.attention.triton_mla_backend import TRITON_MLA
 
-    return (TRITON_PAGED, MLA_REFERENCE, REFERENCE, RING)
+    return (TRITON_PAGED, TRITON_MLA, MLA_REFERENCE, REFERENCE, RING)

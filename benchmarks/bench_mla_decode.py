@@ -1,0 +1,179 @@
+"""MLA decode benchmark: kvforge's Triton MLA decode, three regimes, against the copy bandwidth.
+
+Rerun on any CUDA GPU:
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_mla_decode.py [--out DIR] [--quick] [--sweep]
+
+Shapes: DeepSeek latent rows (kv_lora_rank 512 + rope 64 = 576 per token),
+block size 64, one new token per sequence; heads per rank 8, 16, 128;
+context 4k, 16k, 64k; batch 1, 8, 32, 128 (shapes whose cache would exceed
+40 GB are skipped). Regimes: bf16 cache + bf16 query ("bf16"), fp8 e4m3
+cache + bf16 query ("fp8", regime a), fp8 e4m3 cache + fp8 query ("fp8q",
+regime b). Each call is captured in a CUDA graph and timed by
+triton.testing.do_bench (L2 cleared before every call); median, min, max.
+
+Bytes counted: every context row (576 x element size), the query
+(H x 576 x 2), the block table and the output (H x 512 x 2). Achieved
+bandwidth = bytes / median time; "%cp" = that over the device-to-device copy
+bandwidth (read + written bytes) measured in the same run. Also reported:
+TFLOP/s of the two products (H x ctx x (576 + 512) x 2 per sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from triton.testing import do_bench  # noqa: E402
+
+from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
+from kvforge.kernels.triton_mla_decode import mla_decode  # noqa: E402
+
+R, P, BS = 512, 64, 64
+SOFTMAX_SCALE = 1.0 / math.sqrt(192)
+
+
+def bench(fn, rep=60):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    med, lo, hi = do_bench(g.replay, warmup=10, rep=rep, quantiles=[0.5, 0.0, 1.0])
+    return med * 1e3, lo * 1e3, hi * 1e3
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    y = torch.empty_like(x)
+    med, _, _ = bench(functools.partial(y.copy_, x), rep=200)
+    del x, y
+    return 2 * nbytes / (med * 1e-6)
+
+
+def make_case(batch, ctx, heads, cache_dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nb_seq = -(-ctx // BS)
+    nblk = batch * nb_seq
+    cache = torch.empty((nblk, BS, R + P), dtype=cache_dtype, device="cuda")
+    chunk = max(1, (1 << 28) // (BS * (R + P)))
+    for s in range(0, nblk, chunk):
+        e = min(nblk, s + chunk)
+        cache[s:e] = (torch.randn((e - s, BS, R + P), device="cuda", generator=g)).to(cache_dtype)
+    bt = torch.randperm(nblk, device="cuda", generator=g).to(torch.int32).view(batch, nb_seq)
+    meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+                             torch.full((batch,), ctx, dtype=torch.int32, device="cuda"), bt,
+                             torch.full((batch,), -1, dtype=torch.int64, device="cuda"), 1, ctx, BS)
+    ql = torch.randn((batch, heads, R), device="cuda", generator=g).to(torch.bfloat16)
+    qr = torch.randn((batch, heads, P), device="cuda", generator=g).to(torch.bfloat16)
+    return cache, meta, ql, qr
+
+
+def bytes_read(batch, ctx, heads, elem):
+    rows = batch * ctx * (R + P) * elem
+    table = batch * (-(-ctx // BS)) * 4
+    q = batch * heads * (R + P) * 2
+    out = batch * heads * R * 2
+    return rows + table + q + out
+
+
+REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
+           "fp8q": (torch.float8_e4m3fn, "fp8_e4m3")}
+
+
+def run_shape(batch, ctx, heads, copy_bw, config=None):
+    row = dict(batch=batch, ctx=ctx, heads=heads)
+    scale = torch.tensor([1.0], device="cuda")
+    for name, (cdt, qd) in REGIMES.items():
+        cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
+        call = functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE, query_dtype=qd,
+                                 _config=config)
+        med, lo, hi = bench(call)
+        nbytes = bytes_read(batch, ctx, heads, cache.element_size())
+        flops = 2 * batch * heads * ctx * (R + P + R)
+        row[name] = dict(us=med, min=lo, max=hi, tbps=nbytes / (med * 1e-6) / 1e12,
+                         pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12)
+        del cache, call
+    row["fp8_vs_bf16"] = row["bf16"]["us"] / row["fp8"]["us"]
+    row["fp8q_vs_fp8"] = row["fp8"]["us"] / row["fp8q"]["us"]
+    return row
+
+
+def sweep(copy_bw):
+    """Tile configs at a few shapes (to tune choose_config)."""
+    out = []
+    shapes = [(32, 16384, 16), (8, 16384, 128)]
+    configs = []
+    for bh in (16, 32, 64):
+        for tn in (32, 64):
+            for nw in (4, 8):
+                for ns in (1, 2):
+                    configs.append(dict(block_h=bh, tile_n=tn, num_warps=nw, num_stages=ns))
+    for batch, ctx, heads in shapes:
+        for cfg in configs:
+            if cfg["block_h"] > max(16, heads):
+                continue
+            for name, (cdt, qd) in REGIMES.items():
+                try:
+                    case = make_case(batch, ctx, heads, cdt)
+                    med, _, _ = bench(functools.partial(mla_decode, *case, torch.ones(1, device="cuda"),
+                                                        SOFTMAX_SCALE, query_dtype=qd, _config=cfg), rep=20)
+                    del case
+                except Exception as e:  # out of resources etc.
+                    med = float("nan")
+                    print("  config failed", cfg, name, type(e).__name__, str(e)[:80])
+                out.append(dict(batch=batch, ctx=ctx, heads=heads, regime=name, **cfg, us=med))
+        for name in REGIMES:
+            best = min((r for r in out if (r["batch"], r["ctx"], r["heads"], r["regime"]) == (batch, ctx, heads, name)
+                        and r["us"] == r["us"]), key=lambda r: r["us"], default=None)
+            print(f"best {batch}x{ctx} H{heads} {name}: {best}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
+    result = dict(date=datetime.datetime.now(datetime.UTC).isoformat(), gpu=torch.cuda.get_device_name(),
+                  torch=torch.__version__, host=platform.node(), copy_tbps=copy_bw / 1e12, rows=[])
+    if args.sweep:
+        result["sweep"] = sweep(copy_bw)
+    heads_list = (16, 128) if args.quick else (8, 16, 128)
+    ctxs = (4096, 65536) if args.quick else (4096, 16384, 65536)
+    batches = (1, 32) if args.quick else (1, 8, 32, 128)
+    print(f"{'H':>4} {'batch':>5} {'ctx':>6} | {'bf16 us':>9} {'%cp':>4} | {'fp8 us':>9} {'%cp':>4} | "
+          f"{'fp8q us':>9} {'%cp':>4} {'TF/s':>5} | fp8/bf16 fp8q/fp8")
+    for heads in heads_list:
+        for batch in batches:
+            for ctx in ctxs:
+                if batch * ctx * (R + P) * 2 > 40e9:
+                    continue
+                row = run_shape(batch, ctx, heads, copy_bw)
+                result["rows"].append(row)
+                b, f, q = row["bf16"], row["fp8"], row["fp8q"]
+                print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "
+                      f"{f['pct_copy']:>4.0f} | {q['us']:>9.1f} {q['pct_copy']:>4.0f} {q['tflops']:>5.0f} | "
+                      f"{row['fp8_vs_bf16']:>8.2f} {row['fp8q_vs_fp8']:>8.2f}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mla_decode.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Declaration of the Triton MLA backend (CUDA; implementation: triton_mla.py).
+
+MLA layers only, latent rows ``[kv_lora_rank + qk_rope_head_dim]`` per token,
+every KV dtype, any block size (the decode kernel gathers rows per token
+through the block table), int64 offsets. The quantized-query regime (fp8 query,
+fp8 x fp8 dot for ``Q C^T``) is declared only for e4m3 caches and only from the
+head count per rank where it was measured both correct and faster than the
+model-dtype query (docs/BENCHMARKS.md, MLA section; ``benchmarks/bench_mla_decode.py``).
+"""
+
+from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSizes, IndexLimit, QuantizedQuery
+
+TRITON_MLA = BackendDeclaration(
+    name="triton_mla",
+    priority=10,
+    layer_kinds=frozenset({"mla"}),
+    platforms=frozenset({"cuda"}),
+    kv_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
+    head_sizes=None,
+    block_sizes=BlockSizes.any(),
+    quantized_query=QuantizedQuery.never(),
+    index_limit=IndexLimit("row_byte_offset", INT64_MAX, "int64 offsets in the kernels"),
+    implementation="kvforge.attention.triton_mla",
+)

@@ -1,0 +1,305 @@
+"""Triton MLA decode: absorbed multi-head latent attention over the paged latent cache.
+
+Cache layout and math: :mod:`kvforge.attention.mla_reference` (rows
+``[latent c (R) | k_rope (P)]``, one per token, shared by every head). Decode
+steps only (one query token per sequence): for head ``h`` of token ``t``
+
+    s(t, h, n) = softmax_scale * (q_latent[t,h] . c_n + q_rope[t,h] . kr_n)
+    o_latent[t, h] = sum_n softmax(s)[n] * c_n          ([T, H, R], q dtype)
+
+A program owns one sequence, ``BLOCK_H`` of its heads and (split-K) one slice
+of its context; it walks the slice ``TILE_N`` tokens at a time, loading each
+latent tile once for all its heads and using it twice: as K (``Q C^T``) and
+as V (``P C``). Partials of split programs are merged by the paged-attention
+merge kernel (same partial layout).
+
+Two query regimes, chosen by the plan (``query_dtype``):
+
+* **model dtype** (``query_dtype=None``): the query stays bf16/fp16/fp32; an
+  fp8 tile is upcast in registers (to fp16, exact, with a 16-bit query:
+  |q| < 65504 assumed) and the per-tensor scale is folded into the softmax
+  scale and applied once to the output. Any head count, any KV dtype.
+* **fp8 query** (``query_dtype="fp8_e4m3"``, e4m3 caches only): each (token,
+  head) query row ``[q_latent | q_rope]`` is quantized in registers with its
+  own scale ``amax / 448``, ``Q C^T`` is an fp8 x fp8 tensor-core dot, and the
+  row scale joins the softmax scale. ``P C`` stays a 16-bit dot. Only where
+  the backend declaration allows it (see kvforge/attention/triton_mla_backend.py).
+
+Any block size (rows are gathered per token through the block table); any
+``R``/``P`` (padded to powers of two in registers, masked in memory). All
+offsets are int64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata
+
+try:  # Triton is optional (the CPU engine does not need it).
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+if HAS_TRITON:
+    from kvforge.kernels.triton_paged_attention import _merge_splits_kernel
+
+#: Query dtypes the kernel implements besides the model dtype.
+QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
+#: KV dtypes an fp8 query can be paired with (the fp8 dot needs e4m3 x e4m3).
+QUANTIZED_QUERY_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
+MAX_SPLITS = 32
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LOG2E = 1.4426950408889634
+_NUM_SMS: dict[int, int] = {}  # per-device SM count, cached (queried once per device)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mla_decode_kernel(
+        ql_ptr,
+        qr_ptr,
+        cache_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        scale_ptr,
+        sm_scale_log2,  # softmax_scale * log2(e)
+        num_splits,
+        stride_qlt,
+        stride_qlh,
+        stride_qrt,
+        stride_qrh,
+        stride_ot,
+        stride_oh,
+        stride_cb,
+        stride_cs,
+        stride_bt,
+        NUM_HEADS: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        R: tl.constexpr,
+        R_PAD: tl.constexpr,
+        P: tl.constexpr,
+        P_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE_N: tl.constexpr,
+        IS_FP8: tl.constexpr,
+        FP8_QUERY: tl.constexpr,
+        F16_DOT: tl.constexpr,
+        IEEE_DOT: tl.constexpr,
+        USE_SPLIT: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        hb = tl.program_id(1)
+        split = tl.program_id(2)
+        q_start = tl.load(qsl_ptr + seq)
+        if tl.load(qsl_ptr + seq + 1) - q_start <= 0:
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < NUM_HEADS
+        r = tl.arange(0, R_PAD)
+        p = tl.arange(0, P_PAD)
+        t64 = q_start.to(tl.int64)
+        h64 = heads.to(tl.int64)
+        ql = tl.load(ql_ptr + t64 * stride_qlt + h64[:, None] * stride_qlh + r[None, :],
+                     mask=h_ok[:, None] & (r[None, :] < R), other=0.0)
+        qr = tl.load(qr_ptr + t64 * stride_qrt + h64[:, None] * stride_qrh + p[None, :],
+                     mask=h_ok[:, None] & (p[None, :] < P), other=0.0)
+
+        kv_scale = 1.0
+        if IS_FP8:
+            kv_scale = tl.load(scale_ptr)
+        if FP8_QUERY:
+            qlf = ql.to(tl.float32)
+            qrf = qr.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(qlf), 1), tl.max(tl.abs(qrf), 1))
+            q_scale = tl.maximum(amax / 448.0, 1e-30)
+            ql = (qlf / q_scale[:, None]).to(tl.float8e4nv)
+            qr = (qrf / q_scale[:, None]).to(tl.float8e4nv)
+            row_scale = q_scale * (sm_scale_log2 * kv_scale)
+        else:
+            if F16_DOT:
+                ql = ql.to(tl.float16)
+                qr = qr.to(tl.float16)
+            row_scale = tl.zeros([BLOCK_H], dtype=tl.float32) + sm_scale_log2 * kv_scale
+
+        lo = 0
+        hi = seq_len
+        if USE_SPLIT:
+            chunk = tl.cdiv(tl.cdiv(hi, num_splits), TILE_N) * TILE_N
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, hi)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        n_off = tl.arange(0, TILE_N)
+        for start in range(lo, hi, TILE_N):
+            pos = start + n_off
+            p_ok = pos < hi
+            blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
+            row = blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+            c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=p_ok[:, None] & (r[None, :] < R), other=0.0)
+            kr = tl.load(cache_ptr + row[:, None] + R + p[None, :], mask=p_ok[:, None] & (p[None, :] < P),
+                         other=0.0)
+            if FP8_QUERY:
+                s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
+                cv = c.to(tl.float16)
+            else:
+                cv = c.to(ql.dtype)
+                if IEEE_DOT:
+                    s = tl.dot(ql, tl.trans(cv), input_precision="ieee")
+                    s += tl.dot(qr, tl.trans(kr.to(qr.dtype)), input_precision="ieee")
+                else:
+                    s = tl.dot(ql, tl.trans(cv)) + tl.dot(qr, tl.trans(kr.to(qr.dtype)))
+            s = s * row_scale[:, None]
+            s = tl.where(p_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            pr = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            if IEEE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(cv.dtype), cv, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(cv.dtype), cv)
+            m_i = m_new
+
+        if IS_FP8:
+            acc = acc * kv_scale
+        if USE_SPLIT:
+            pidx = (t64 * NUM_HEADS + h64) * num_splits + split  # same layout as the paged merge kernel
+            tl.store(part_acc_ptr + pidx[:, None] * R_PAD + r[None, :], acc, mask=h_ok[:, None])
+            tl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
+            tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
+        else:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + t64 * stride_ot + h64[:, None] * stride_oh + r[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (r[None, :] < R))
+
+
+def choose_config(num_heads: int, is_fp8: bool, fp8_query: bool, r_pad: int) -> dict:
+    """Tile sizes and launch parameters (swept on H200 by benchmarks/bench_mla_decode.py)."""
+    block_h = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
+    tile_n = 64 if (is_fp8 and r_pad <= 512) else 32
+    num_warps = 4 if block_h <= 16 else 8
+    return dict(block_h=block_h, tile_n=tile_n, num_warps=num_warps, num_stages=2)
+
+
+def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-K factor: about 2 programs per SM, no split under 256 tokens, at most MAX_SPLITS."""
+    progs = max(1, num_seqs * head_blocks)
+    return max(1, min(math.ceil(2 * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
+
+
+def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: torch.Tensor | None, softmax_scale: float, *, query_dtype: str | None = None,
+               num_splits: int | None = None, out: torch.Tensor | None = None,
+               _config: dict | None = None) -> torch.Tensor:
+    """Latent-space decode attention (see the module docstring): ``o_latent [T, H, R]`` in q's dtype.
+
+    ``q_latent [T, H, R]``, ``q_rope [T, H, P]`` (last axes contiguous); one
+    query token per sequence (``meta.max_query_len <= 1``); tokens past
+    ``query_start_loc[-1]`` are left untouched. ``scale``: the cache's float32
+    per-tensor scale (fp8 caches). ``query_dtype``: None (model dtype) or
+    "fp8_e4m3" (e4m3 caches only). ``num_splits`` pins split-K (CUDA graphs).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("the Triton MLA decode needs triton")
+    if cache.dim() != 3:
+        raise ValueError(f"MLA cache must be [num_blocks, block_size, R + P], got {tuple(cache.shape)}")
+    t, h, r = q_latent.shape
+    _, bs, width = cache.shape
+    p = q_rope.shape[-1]
+    if r + p != width or tuple(q_rope.shape[:2]) != (t, h):
+        raise ValueError(f"q_latent {tuple(q_latent.shape)} / q_rope {tuple(q_rope.shape)} do not match rows of "
+                         f"{width}")
+    if bs != meta.block_size:
+        raise ValueError(f"cache block size {bs} != metadata block size {meta.block_size}")
+    if meta.max_query_len > 1:
+        raise ValueError(f"the Triton MLA decode takes one query token per sequence, got max_query_len "
+                         f"{meta.max_query_len} (prefill goes through the expanded path)")
+    if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or cache.stride(2) != 1:
+        raise ValueError("q_latent, q_rope and the cache need a contiguous last axis")
+    is_fp8 = cache.dtype in _FP8
+    fp8_query = query_dtype is not None
+    if fp8_query:
+        if query_dtype not in QUANTIZED_QUERY_DTYPES:
+            raise ValueError(f"query dtype {query_dtype!r} not implemented (choose from "
+                             f"{', '.join(QUANTIZED_QUERY_DTYPES)} or the model dtype)")
+        if cache.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"an fp8 query needs an fp8_e4m3 cache (got {cache.dtype}); the plan must keep "
+                             "the model-dtype query for this KV dtype")
+        if q_latent.dtype == torch.float32:
+            raise ValueError("an fp8 query is for 16-bit models; float32 models keep the float32 query")
+    if out is None:
+        out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
+    elif tuple(out.shape) != (t, h, r) or out.stride(-1) != 1:
+        raise ValueError("out must be [T, H, R] with a contiguous last axis")
+    num_seqs = meta.num_seqs
+    if t == 0 or num_seqs == 0:
+        return out
+    if is_fp8:
+        if scale is None:
+            raise ValueError("an fp8 MLA cache needs its per-tensor scale")
+        scale = scale.to(torch.float32).reshape(-1)[:1]
+    else:
+        scale = meta.seq_lens  # unused placeholder
+
+    r_pad = max(16, triton.next_power_of_2(r))
+    p_pad = max(16, triton.next_power_of_2(p))
+    cfg = choose_config(h, is_fp8, fp8_query, r_pad)
+    if _config:
+        cfg.update(_config)
+    block_h = cfg["block_h"]
+    head_blocks = -(-h // block_h)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, head_blocks, meta.max_seq_len, _num_sms(q_latent.device))
+    splits = max(1, min(int(num_splits), MAX_SPLITS))
+    use_split = splits > 1
+    if use_split:
+        part_acc = torch.empty((t, h, splits, r_pad), dtype=torch.float32, device=q_latent.device)
+        part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
+    else:
+        part_acc = part_ml = out
+    f16_dot = is_fp8 and not fp8_query and q_latent.dtype != torch.float32
+    _mla_decode_kernel[(num_seqs, head_blocks, splits)](
+        q_latent, q_rope, cache, out, part_acc, part_ml,
+        meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+        float(softmax_scale) * _LOG2E, splits,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
+        TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
+        IEEE_DOT=q_latent.dtype == torch.float32, USE_SPLIT=use_split,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if use_split:
+        _merge_splits_kernel[(t, h)](
+            part_acc, part_ml, out, meta.query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=h, HEAD_D=r, D_PAD=r_pad, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        )
+    return out
