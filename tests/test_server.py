@@ -567,3 +567,64 @@ def test_serve_main_real_engine_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@needs_real_engine
+def test_serve_tensor_parallel_2_cpu(tmp_path):
+    """`kvforge serve --tensor-parallel-size 2` (gloo on CPU, tiny dummy Llama without a tokenizer): token-id
+    prompts get 200s, /metrics works, SIGTERM stops the server and its worker process."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kvforge.server.cli", str(tmp_path), "--device", "cpu", "--load-format", "dummy",
+           "--tensor-parallel-size", "2", "--skip-tokenizer-init", "--max-model-len", "128", "--no-progress",
+           "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    workers: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if http("GET", base + "/health", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
+            time.sleep(0.2)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        workers = [int(x) for x in children.read_text().split()] if children.exists() else []
+        name = http("GET", base + "/v1/models")[2]["data"][0]["id"]
+        for i in range(3):
+            status, _, r = http("POST", base + "/v1/completions", {"model": name, "prompt": [5 + i, 17, 42, 9],
+                                                                  "max_tokens": 6, "temperature": 0,
+                                                                  "ignore_eos": True})
+            assert status == 200, r
+            assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+        status, _, r = http("POST", base + "/v1/completions", {"model": name, "prompt": "text needs a tokenizer"})
+        assert status == 400, r
+        m = parse_prometheus(http("GET", base + "/metrics")[2])
+        assert metric_sum(m, "kvforge_generation_tokens_total") == 18
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        log = proc.stdout.read().decode()
+        assert "tensor parallel: 2 ranks" in log and "shutdown complete" in log
+        for pid in workers:  # the worker went away with the server
+            for _ in range(50):
+                if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"worker {pid} still running")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -195,3 +195,29 @@ def test_tp_architecture_check():
     assert check_tp_architecture({"architectures": ["DeepseekV3ForCausalLM"]}) == "DeepseekV3ForCausalLM"
     with pytest.raises(ConfigError, match="Llama family"):
         check_tp_architecture({"architectures": ["CsaRingTestForCausalLM"]})
+
+
+def test_tp2_static_decode_path_follows_rank0(tmp_path, engines, monkeypatch):
+    """The CUDA-graph decode path at TP=2, exercised on CPU: with KVFORGE_CPU_STATIC_DECODE=1 every rank
+    runs decode steps through DecodeGraphs' static, padded inputs (no capture on CPU). Rank 0 decides graph
+    or eager per step and the workers follow (their counters match rank 0's); tokens equal TP=1 eager."""
+    from kvforge.engine.model_runner import STATIC_DECODE_ENV
+
+    cfg = _save(tmp_path, "llama_split")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)[1:]]  # 3 sequences: padded to 4
+    want = [o.outputs[0].token_ids for o in engines(tmp_path).generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setenv(STATIC_DECODE_ENV, "1")  # inherited by the worker process
+    tp2 = engines(tmp_path, tensor_parallel_size=2)
+    assert [r["graph_sizes"] for r in tp2.engine.tp.reports] == [tp2.engine.runner.graphs.sizes] * 2
+    got = [o.outputs[0].token_ids for o in tp2.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == want
+    c0, c1 = tp2.engine.rank_counters()
+    assert c0["num_graph_steps"] >= 5 and c0["num_eager_steps"] >= 1
+    assert (c1["rank"], c1["num_graph_steps"], c1["num_eager_steps"]) == (1, c0["num_graph_steps"],
+                                                                          c0["num_eager_steps"])
+    # Rank 0 turns graphs off (as `kvforge bench offline --profile-decode` does): the worker follows.
+    tp2.engine.runner.graphs = None
+    assert [o.outputs[0].token_ids for o in tp2.generate(prompts, GREEDY, use_tqdm=False)] == want
+    d0, d1 = tp2.engine.rank_counters()
+    assert d0["num_graph_steps"] == d1["num_graph_steps"] == c0["num_graph_steps"]
+    assert d1["num_eager_steps"] == d0["num_eager_steps"] > c0["num_eager_steps"]

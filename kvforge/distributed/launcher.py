@@ -8,8 +8,9 @@ and allocates its KV pool from the same KVPlan; the workers report their pool
 bytes and KV heads, and rank 0 asserts them against the plan.
 
 After startup each worker's stdin is its wake-up line: one byte per step
-(``s``), ``q`` to quit; end-of-file (rank 0 gone) also ends it. The step data
-itself goes over torch.distributed.
+(``s``), ``c`` to publish its step counters in the store (graph / eager steps),
+``q`` to quit; end-of-file (rank 0 gone) also ends it. The step data itself
+goes over torch.distributed.
 
 Failure handling: a watchdog thread polls the worker processes; a step checks
 them before waking them, so a dead worker is reported at the next step. A
@@ -40,6 +41,7 @@ from kvforge.distributed.group import DistributedError, destroy_group, init_grou
 logger = logging.getLogger("kvforge.distributed")
 READY_KEY = "kvforge_ready_{}"
 REPORT_KEY = "kvforge_report_{}"
+COUNTERS_KEY = "kvforge_counters_{}_{}"  # rank, request number
 
 
 def describe_exit(code: int | None) -> str:
@@ -58,12 +60,17 @@ def expected_pool_bytes(plan) -> int:
     return plan.num_blocks * plan.group_size * group.page_bytes
 
 
-def rank_report(rank: int, model, pool) -> dict:
-    return {"rank": rank, "pid": os.getpid(), "nbytes": pool.nbytes,
-            # an MLA cache [blocks, block_size, latent + rope] is one replicated "KV head"
-            "kv_heads": [int(c.shape[2]) if c.dim() == 5 else 1 for c in pool.kv_caches],
-            "heads": int(model.args.num_heads), "model_kv_heads": int(getattr(model.args, "num_kv_heads", 1)),
-            "kv_start": int(model.kv_start)}
+def rank_report(rank: int, model, pool, runner=None) -> dict:
+    report = {"rank": rank, "pid": os.getpid(), "nbytes": pool.nbytes,
+              # an MLA cache [blocks, block_size, latent + rope] is one replicated "KV head"
+              "kv_heads": [int(c.shape[2]) if c.dim() == 5 else 1 for c in pool.kv_caches],
+              "heads": int(model.args.num_heads), "model_kv_heads": int(getattr(model.args, "num_kv_heads", 1)),
+              "kv_start": int(model.kv_start)}
+    if runner is not None:
+        c = runner.counters()
+        report.update(graph_sizes=c["graph_sizes"], graph_capture_seconds=c["graph_capture_seconds"],
+                      graphs_off_reason=c["graphs_off_reason"])
+    return report
 
 
 def setup_rank(ctx: dict, group):
@@ -81,7 +88,8 @@ def setup_rank(ctx: dict, group):
                  progress=args.progress and group.rank == 0)
     pool = KVPool(plan, group.device)
     runner = TPModelRunner(model, pool, plan, group.device, group, calibrate=args.calculate_kv_scales,
-                           scale_multiplier=args.kv_scale_multiplier)
+                           scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
+                           max_num_seqs=args.max_num_seqs)
     return model, pool, runner
 
 
@@ -99,6 +107,7 @@ class TPLauncher:
         self.procs: list[subprocess.Popen] = []
         self.broken: str | None = None
         self.closed = False
+        self._counter_requests = 0
         self._stop = threading.Event()
         backend = "nccl" if device.type == "cuda" else "gloo"
         if backend == "nccl":
@@ -135,7 +144,7 @@ class TPLauncher:
             self.model, self.pool, self.runner = setup_rank(ctx, self.group)
             # Startup reports go through the store (startup deadline), not a collective (step timeout).
             self._wait_for(REPORT_KEY, "load its weights and allocate its KV pool")
-            self.reports = [rank_report(0, self.model, self.pool)] + [
+            self.reports = [rank_report(0, self.model, self.pool, self.runner)] + [
                 pickle.loads(self.store.get(REPORT_KEY.format(r))) for r in range(1, tp)]
             self._check_reports(plan)
             self.runner.control = self
@@ -175,8 +184,39 @@ class TPLauncher:
                     f"rank {r['rank']} allocated {r['nbytes']} KV bytes with KV heads per layer {r['kv_heads']}; "
                     f"the plan states {want_bytes} bytes (num_blocks {plan.num_blocks} x group size "
                     f"{plan.group_size} x page bytes) and KV heads {want_heads}")
-        logger.info("tensor parallel: %d ranks, each %d KV bytes, KV heads per rank %d (first heads %s)",
-                    self.world_size, want_bytes, want_heads[0], [r["kv_start"] for r in self.reports])
+        sizes = [r.get("graph_sizes") for r in self.reports]
+        if any(s != sizes[0] for s in sizes):
+            raise DistributedError(f"ranks captured different CUDA-graph batch sizes {sizes} (every rank must "
+                                   f"replay the same graphs); use --enforce-eager")
+        logger.info("tensor parallel: %d ranks, each %d KV bytes, KV heads per rank %d (first heads %s), "
+                    "decode CUDA graphs %s", self.world_size, want_bytes, want_heads[0],
+                    [r["kv_start"] for r in self.reports],
+                    f"for batch sizes {sizes[0]}" if sizes[0] else f"off ({self.reports[0].get('graphs_off_reason')})")
+
+    # ---- counters -----------------------------------------------------------------
+    def rank_counters(self, timeout_s: float = 30.0) -> list[dict]:
+        """Every rank's step counters (``num_graph_steps``, ``num_eager_steps``, graph sizes), rank 0 first.
+        Call between steps, from the thread that runs them."""
+        if self.closed or self.broken:
+            raise DistributedError(self.broken or "this tensor-parallel engine was shut down")
+        self._counter_requests += 1
+        n = self._counter_requests
+        try:
+            for p in self.procs:
+                p.stdin.write(b"c")
+                p.stdin.flush()
+        except OSError as e:
+            raise self.failure(e) from e
+        deadline = time.monotonic() + timeout_s
+        out = [self.runner.counters()]
+        for rank in range(1, self.world_size):
+            key = COUNTERS_KEY.format(rank, n)
+            while not self.store.check([key]):
+                if self.procs[rank - 1].poll() is not None or time.monotonic() > deadline:
+                    raise DistributedError(f"tensor-parallel worker rank {rank} did not report its counters")
+                time.sleep(0.01)
+            out.append(pickle.loads(self.store.get(key)))
+        return out
 
     # ---- steps --------------------------------------------------------------------
     def _dead(self) -> list[tuple[int, subprocess.Popen]]:

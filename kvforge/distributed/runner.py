@@ -5,6 +5,16 @@ host inputs (token ids, positions, slot mapping, rows whose logits are wanted,
 pending copy-on-write block pairs as int64; query_start_loc, seq_lens and block
 tables as int32) over the gloo group, and then every rank runs the same model
 step on its own heads. Logits come back on rank 0 only.
+
+CUDA graphs (NCCL only): every rank captures the same decode batch sizes at
+startup (the NCCL communicator is warmed up by an all-reduce first, so capture
+records the all-reduces of o_proj / down_proj / the embedding inside the
+graphs). Rank 0 alone decides, per step, graph replay or eager and sends the
+decision in the step header, so the ranks never disagree (a replay on one rank
+and an eager step on another would pair different all-reduces). The gloo
+broadcast of the step inputs always happens before the replay, outside any
+graph; the LM head and the logits gather run eagerly after it. CPU (gloo)
+steps are eager.
 """
 
 from __future__ import annotations
@@ -15,23 +25,25 @@ import torch
 from kvforge.distributed.group import TPGroup
 from kvforge.engine.model_runner import HostStep, ModelRunner
 
-_HEADER = 7  # n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies
+# n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1)
+_HEADER = 8
 
 
-def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]]):
-    """Rank 0 sends ``(host, copies)``; the other ranks receive and return them."""
+def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False):
+    """Rank 0 sends ``(host, copies, use_graph)``; the other ranks receive and return them."""
     if group.rank == 0:
         n_rows = -1 if host.rows is None else host.rows.shape[0]
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[1], n_rows, host.max_query_len,
-                           host.max_seq_len, len(copies)], dtype=np.int64)
+                           host.max_seq_len, len(copies), int(use_graph)], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)])
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
         group.broadcast_host(header, np.int64, _HEADER)
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
-        return host, copies
-    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies = group.broadcast_host(None, np.int64, _HEADER).tolist()
+        return host, copies, use_graph
+    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph = group.broadcast_host(
+        None, np.int64, _HEADER).tolist()
     i64 = group.broadcast_host(None, np.int64, 3 * n_tok + max(n_rows, 0) + 2 * n_copies)
     i32 = group.broadcast_host(None, np.int32, 2 * n_seqs + 1 + n_seqs * cols)
     end = 3 * n_tok + max(n_rows, 0)
@@ -39,17 +51,25 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
     copies = [tuple(p) for p in i64[end:].reshape(-1, 2).tolist()]
     host = HostStep(i64[:n_tok], i64[n_tok:2 * n_tok], i64[2 * n_tok:3 * n_tok], i32[:n_seqs + 1],
                     i32[n_seqs + 1:2 * n_seqs + 1], i32[2 * n_seqs + 1:].reshape(n_seqs, cols), rows, max_q, max_seq)
-    return host, copies
+    return host, copies, bool(graph)
 
 
 class TPModelRunner(ModelRunner):
-    """ModelRunner for one TP rank (always eager). On rank 0 ``control`` wakes
-    the workers before a step and turns a failed collective into a clear error."""
+    """ModelRunner for one TP rank. On rank 0 ``control`` wakes the workers
+    before a step and turns a failed collective into a clear error. Decode
+    CUDA graphs as at TP=1 (``enforce_eager`` turns them off), captured on
+    every rank with the same sizes; rank 0 picks graph or eager per step."""
 
     def __init__(self, model, pool, plan, device, group: TPGroup, *, calibrate: bool = False,
-                 scale_multiplier: float = 1.0, control=None):
+                 scale_multiplier: float = 1.0, control=None, enforce_eager: bool = True, max_num_seqs: int = 256,
+                 graph_sizes: list[int] | None = None):
+        if device.type == "cuda" and not enforce_eager:
+            # Bring the NCCL communicator up with a real collective before any capture: the first
+            # collective creates it, which must not happen inside a graph.
+            group.all_reduce_(torch.zeros(1, device=device))
+            torch.cuda.synchronize(device)
         super().__init__(model, pool, plan, device, calibrate=calibrate, scale_multiplier=scale_multiplier,
-                         enforce_eager=True)
+                         enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, graph_sizes=graph_sizes)
         self.group = group
         self.control = control
         self._pending_copies: list[tuple[int, int]] = []
@@ -67,22 +87,24 @@ class TPModelRunner(ModelRunner):
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None
         copies, self._pending_copies = self._pending_copies, []
+        use_graph = self.wants_graph(host)
         self.control.before_step()
         try:
-            broadcast_step(self.group, host, copies)
-            return self.execute(host)
+            broadcast_step(self.group, host, copies, use_graph)
+            return self.execute(host, use_graph)
         except Exception as e:
             raise self.control.failure(e) from e
 
     # ---- every rank -----------------------------------------------------------
-    def execute(self, host: HostStep) -> torch.Tensor | None:
-        """One step on this rank; float32 logits on rank 0, None elsewhere."""
-        input_ids, positions, meta, rows = self._to_device(host)
-        hidden = self.forward(input_ids, positions, meta)
-        self.num_eager_steps += 1
-        if rows is not None:
-            hidden = hidden[rows]
-        return self.model.compute_logits(hidden)
+    def execute(self, host: HostStep, use_graph: bool) -> torch.Tensor | None:
+        """One step on this rank (graph replay when rank 0 says so); float32 logits on rank 0, None elsewhere."""
+        if use_graph and (self.graphs is None or not self.graphs.can_run(host.num_seqs)):
+            raise RuntimeError(f"rank 0 asked for a CUDA-graph step of {host.num_seqs} sequences that rank "
+                               f"{self.group.rank} did not capture")
+        return super().execute(host, use_graph)
+
+    def counters(self) -> dict:
+        return {**super().counters(), "rank": self.group.rank}
 
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super()._calibrate(layer, k, v)

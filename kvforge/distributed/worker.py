@@ -2,8 +2,10 @@
 
 Reads the startup context from stdin (8-byte length + pickle, written by
 rank 0's launcher), joins the process group, builds its model slice and KV
-pool, reports them to rank 0, then runs one step per ``s`` byte on stdin until
-``q`` or end-of-file. Any failure ends the process with a non-zero code (rank 0
+pool, reports them to rank 0, then runs one step per ``s`` byte on stdin
+(publishes its step counters for ``c``) until ``q`` or end-of-file. SIGINT is
+ignored (a Ctrl-C reaches the whole process group; rank 0 decides when the
+workers stop). Any failure ends the process with a non-zero code (rank 0
 turns that into a clear error).
 """
 
@@ -12,12 +14,14 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import struct
 import sys
 
 
 def main() -> int:
     rank = int(os.environ["KVFORGE_TP_RANK"])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     (n,) = struct.unpack("<Q", stdin.read(8))
     ctx = pickle.loads(stdin.read(n))
@@ -26,7 +30,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from kvforge.distributed.group import destroy_group, init_group
-    from kvforge.distributed.launcher import READY_KEY, REPORT_KEY, rank_report, setup_rank
+    from kvforge.distributed.launcher import COUNTERS_KEY, READY_KEY, REPORT_KEY, rank_report, setup_rank
     from kvforge.distributed.runner import broadcast_step
 
     torch.set_num_threads(ctx["num_threads"])
@@ -38,23 +42,28 @@ def main() -> int:
     group = init_group(rank, ctx["world_size"], store, ctx["backend"], device, timeout)
     try:
         model, pool, runner = setup_rank(ctx, group)
-        report = rank_report(rank, model, pool)
+        report = rank_report(rank, model, pool, runner)
     except Exception as e:
         report = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
     store.set(REPORT_KEY.format(rank), pickle.dumps(report))
     if report.get("error"):
         destroy_group()
         return 1
+    requests = 0
     try:
         with torch.inference_mode():
             while True:
                 cmd = stdin.read(1)
+                if cmd == b"c":
+                    requests += 1
+                    store.set(COUNTERS_KEY.format(rank, requests), pickle.dumps(runner.counters()))
+                    continue
                 if cmd != b"s":  # b"q" or end-of-file (rank 0 is gone)
                     break
-                host, copies = broadcast_step(group, None, [])
+                host, copies, use_graph = broadcast_step(group, None, [])
                 if copies:
                     pool.copy_blocks(copies)
-                runner.execute(host)
+                runner.execute(host, use_graph)
     except Exception as e:
         print(f"kvforge tensor-parallel worker rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

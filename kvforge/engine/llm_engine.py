@@ -275,6 +275,13 @@ class LLMEngine:
             "eager_steps": self.runner.num_eager_steps,
         }
 
+    def rank_counters(self) -> list[dict]:
+        """Per-rank step counters (``num_graph_steps``, ``num_eager_steps``, ``graph_sizes``,
+        ``graphs_off_reason``), rank 0 first; one entry at TP=1. Call between steps."""
+        if self.tp is not None:
+            return self.tp.rank_counters()
+        return [self.runner.counters()]
+
     # ---- scoring (eval) -------------------------------------------------------
     def compute_prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced float32 logits [T, vocab] through the paged KV cache

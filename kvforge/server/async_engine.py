@@ -223,6 +223,10 @@ class AsyncEngine:
         tok = self.engine.tokenizer
         max_len = self.engine.max_model_len
         prompt_field = "prompt"
+        if tok is None and (messages is not None or isinstance(prompt, str)):
+            raise InvalidRequestError("this server has no tokenizer (--skip-tokenizer-init or no tokenizer files): "
+                                      "send 'prompt' as an array of token ids", field="messages" if messages
+                                      is not None else "prompt")
         if messages is not None:
             prompt_field = "messages"
             try:

@@ -89,6 +89,8 @@ def serve_main(args) -> int:
     except OSError as e:
         print(f"kvforge serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
+    finally:
+        engine.shutdown()  # tensor-parallel workers stop with the server
 
 
 if __name__ == "__main__":
