@@ -108,6 +108,8 @@ def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, cop
 
 
 _CATEGORIES = [
+    ("allreduce", re.compile(r"AllReduce", re.I)),  # NCCL all-reduce kernels (tensor parallelism)
+    ("nccl_other", re.compile(r"nccl", re.I)),      # other NCCL kernels (e.g. the logits gather)
     ("attention", re.compile(r"_paged_attn_kernel|_merge_splits")),
     ("kv_write", re.compile(r"_write_kv")),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce", re.I)),
@@ -192,12 +194,54 @@ def _profile_decode(llm, in_len: int, weights_read: int, copy_bw: float) -> dict
     return result
 
 
+# ---- the workload ---------------------------------------------------------------------------------------------
+def make_workload(num_prompts: int, input_len, output_len, rng: random.Random):
+    """Seeded input and output lengths (uniform in the inclusive ranges) and one SamplingParams per request."""
+    from kvforge.engine.sampling_params import SamplingParams
+
+    in_lens = [rng.randint(*input_len) for _ in range(num_prompts)]
+    out_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    return in_lens, out_lens, params
+
+
+def warm_up(llm, lengths=(16, 300, 700)) -> None:
+    """Compiles the prefill, mixed and decode kernel variants (graphs were captured at startup)."""
+    from kvforge.engine.sampling_params import SamplingParams
+
+    n_max = llm.engine.max_model_len - 9
+    warm = [{"prompt_token_ids": [11 + i] * min(n, n_max)} for i, n in enumerate(lengths)]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+
+def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> dict:
+    """One generate() over fresh random prompts of ``in_lens`` tokens; throughput and step counters."""
+    engine = llm.engine
+    vocab = engine.spec.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(n)]} for n in in_lens]
+    before = engine.stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    after = engine.stats()
+    n_in = sum(in_lens)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    run = {"seconds": dt, "output_tokens": n_out, "input_tokens": n_in,
+           "requests_per_s": len(in_lens) / dt, "output_tokens_per_s": n_out / dt,
+           "total_tokens_per_s": (n_in + n_out) / dt,
+           "steps": after["num_steps"] - before["num_steps"],
+           "graph_steps": after["graph_steps"] - before["graph_steps"],
+           "num_preemptions": after["num_preemptions"] - before["num_preemptions"]}
+    print(f"{label}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
+          f"{run['steps']} steps ({run['graph_steps']} graph)", flush=True)
+    return run
+
+
 # ---- main -----------------------------------------------------------------------------------------------------
 def offline_main(args: argparse.Namespace) -> int:
     import torch
 
     from kvforge.config import EngineArgs
-    from kvforge.engine.sampling_params import SamplingParams
     from kvforge.llm import LLM
 
     t_start = time.perf_counter()
@@ -206,31 +250,9 @@ def offline_main(args: argparse.Namespace) -> int:
     engine = llm.engine
     print(llm.plan.summary())
     rng = random.Random(args.seed)
-    vocab = engine.spec.vocab_size
-    in_lens = [rng.randint(*args.input_len) for _ in range(args.num_prompts)]
-    out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    # Warm-up: compiles the prefill, mixed and decode kernel variants (graphs were captured at startup).
-    warm = [{"prompt_token_ids": [11 + i] * n} for i, n in enumerate((16, 300, 700))]
-    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    runs = []
-    for rep in range(max(1, args.repetitions)):
-        prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(n)]} for n in in_lens]
-        before = engine.stats()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        after = engine.stats()
-        n_in = sum(in_lens)
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        runs.append({"seconds": dt, "output_tokens": n_out, "input_tokens": n_in,
-                     "requests_per_s": args.num_prompts / dt, "output_tokens_per_s": n_out / dt,
-                     "total_tokens_per_s": (n_in + n_out) / dt,
-                     "steps": after["num_steps"] - before["num_steps"],
-                     "graph_steps": after["graph_steps"] - before["graph_steps"],
-                     "num_preemptions": after["num_preemptions"] - before["num_preemptions"]})
-        print(f"run {rep}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
-              f"{runs[-1]['steps']} steps ({runs[-1]['graph_steps']} graph)", flush=True)
+    in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng)
+    warm_up(llm)
+    runs = [timed_run(llm, in_lens, params, rng, f"run {rep}") for rep in range(max(1, args.repetitions))]
     med = {k: statistics.median(r[k] for r in runs)
            for k in ("seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
     result = {
