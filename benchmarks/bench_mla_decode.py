@@ -43,20 +43,24 @@ R, P, BS = 512, 64, 64
 SOFTMAX_SCALE = 1.0 / math.sqrt(192)
 
 
-def bench(fn, rep=60):
+def bench(fn, rep=60, graph=True):
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    med, lo, hi = do_bench(g.replay, warmup=10, rep=rep, quantiles=[0.5, 0.0, 1.0])
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    med, lo, hi = do_bench(fn, warmup=10, rep=rep, quantiles=[0.5, 0.0, 1.0])
     return med * 1e3, lo * 1e3, hi * 1e3
 
 
 def copy_bandwidth(nbytes=4 << 30):
+    """Device-to-device copy (read + write bytes) with a copy kernel; not graph-captured (a captured memcpy
+    node may run on a copy engine, which is slower)."""
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     y = torch.empty_like(x)
-    med, _, _ = bench(functools.partial(y.copy_, x), rep=200)
+    med, _, _ = bench(functools.partial(y.copy_, x), rep=200, graph=False)
     del x, y
     return 2 * nbytes / (med * 1e-6)
 
@@ -91,10 +95,11 @@ REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
            "fp8q": (torch.float8_e4m3fn, "fp8_e4m3")}
 
 
-def run_shape(batch, ctx, heads, copy_bw, config=None):
+def run_shape(batch, ctx, heads, copy_bw, picks=None):
     row = dict(batch=batch, ctx=ctx, heads=heads)
     scale = torch.tensor([1.0], device="cuda")
     for name, (cdt, qd) in REGIMES.items():
+        config = (picks or {}).get((heads_class(heads), name))
         cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
         call = functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE, query_dtype=qd,
                                  _config=config)
@@ -102,42 +107,51 @@ def run_shape(batch, ctx, heads, copy_bw, config=None):
         nbytes = bytes_read(batch, ctx, heads, cache.element_size())
         flops = 2 * batch * heads * ctx * (R + P + R)
         row[name] = dict(us=med, min=lo, max=hi, tbps=nbytes / (med * 1e-6) / 1e12,
-                         pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12)
+                         pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12,
+                         config=config)
         del cache, call
     row["fp8_vs_bf16"] = row["bf16"]["us"] / row["fp8"]["us"]
     row["fp8q_vs_fp8"] = row["fp8"]["us"] / row["fp8q"]["us"]
     return row
 
 
-def sweep(copy_bw):
-    """Tile configs at a few shapes (to tune choose_config)."""
-    out = []
-    shapes = [(32, 16384, 16), (8, 16384, 128)]
-    configs = []
-    for bh in (16, 32, 64):
-        for tn in (32, 64):
-            for nw in (4, 8):
-                for ns in (1, 2):
-                    configs.append(dict(block_h=bh, tile_n=tn, num_warps=nw, num_stages=ns))
-    for batch, ctx, heads in shapes:
-        for cfg in configs:
-            if cfg["block_h"] > max(16, heads):
-                continue
-            for name, (cdt, qd) in REGIMES.items():
+def heads_class(heads):
+    return "h16" if heads <= 16 else "h128"
+
+
+def sweep_configs(cls, regime):
+    for tn in (32, 64):
+        for ns in (2, 3):
+            for pps in (2, 4) if cls == "h16" else (2,):
+                for nw in (8,):
+                    for bh in ((16,) if cls == "h16" else (32, 64)):
+                        for cvt in ((False, True) if regime == "fp8" else (False,)):
+                            yield dict(block_h=bh, tile_n=tn, num_warps=nw, num_stages=ns, programs_per_sm=pps,
+                                       cvt_asm=cvt)
+
+
+def sweep():
+    """Tile configs at one shape per head class; returns the rows and the fastest config per (class, regime)."""
+    out, picks = [], {}
+    shapes = {"h16": (32, 65536, 16), "h128": (8, 16384, 128)}
+    for cls, (batch, ctx, heads) in shapes.items():
+        for name, (cdt, qd) in REGIMES.items():
+            cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
+            for cfg in sweep_configs(cls, name):
                 try:
-                    case = make_case(batch, ctx, heads, cdt)
-                    med, _, _ = bench(functools.partial(mla_decode, *case, torch.ones(1, device="cuda"),
+                    med, _, _ = bench(functools.partial(mla_decode, ql, qr, cache, meta, torch.ones(1, device="cuda"),
                                                         SOFTMAX_SCALE, query_dtype=qd, _config=cfg), rep=20)
-                    del case
                 except Exception as e:  # out of resources etc.
                     med = float("nan")
                     print("  config failed", cfg, name, type(e).__name__, str(e)[:80])
                 out.append(dict(batch=batch, ctx=ctx, heads=heads, regime=name, **cfg, us=med))
-        for name in REGIMES:
-            best = min((r for r in out if (r["batch"], r["ctx"], r["heads"], r["regime"]) == (batch, ctx, heads, name)
-                        and r["us"] == r["us"]), key=lambda r: r["us"], default=None)
-            print(f"best {batch}x{ctx} H{heads} {name}: {best}")
-    return out
+            del cache
+            ok = [r for r in out if (r["heads"], r["regime"]) == (heads, name) and r["us"] == r["us"]]
+            best = min(ok, key=lambda r: r["us"])
+            picks[(cls, name)] = {k: best[k] for k in ("block_h", "tile_n", "num_warps", "num_stages",
+                                                      "programs_per_sm", "cvt_asm")}
+            print(f"best {batch}x{ctx} H{heads} {name}: {best['us']:.1f} us with {picks[(cls, name)]}", flush=True)
+    return out, picks
 
 
 def main():
@@ -151,8 +165,10 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     result = dict(date=datetime.datetime.now(datetime.UTC).isoformat(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, host=platform.node(), copy_tbps=copy_bw / 1e12, rows=[])
+    picks = None
     if args.sweep:
-        result["sweep"] = sweep(copy_bw)
+        result["sweep"], picks = sweep()
+        result["picks"] = {f"{k[0]}/{k[1]}": v for k, v in picks.items()}
     heads_list = (16, 128) if args.quick else (8, 16, 128)
     ctxs = (4096, 65536) if args.quick else (4096, 16384, 65536)
     batches = (1, 32) if args.quick else (1, 8, 32, 128)
@@ -163,7 +179,7 @@ def main():
             for ctx in ctxs:
                 if batch * ctx * (R + P) * 2 > 40e9:
                     continue
-                row = run_shape(batch, ctx, heads, copy_bw)
+                row = run_shape(batch, ctx, heads, copy_bw, picks)
                 result["rows"].append(row)
                 b, f, q = row["bf16"], row["fp8"], row["fp8q"]
                 print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "

@@ -130,7 +130,8 @@ def _dequant_factor(cache: torch.Tensor, scale, factor: float) -> torch.Tensor:
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float | torch.Tensor | None, softmax_scale: float) -> torch.Tensor:
+               scale: float | torch.Tensor | None, softmax_scale: float, *, query_dtype: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention in latent space (the absorbed form), for any query lengths.
 
     ``q_latent [T, H, R]`` (= ``w_uk^T q_nope`` per head), ``q_rope [T, H, P]``,
@@ -140,8 +141,14 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     ``(q_latent . c_raw + q_rope . kr_raw) * softmax_scale * scale``; the output
     ``o_latent = softmax . c_raw * scale`` is ``[T, H, R]`` in ``q_latent.dtype``
     (rows of padding tokens past ``query_start_loc[-1]`` are zero). All
-    sequences run as one padded batch.
+    sequences run as one padded batch. ``query_dtype`` must be None (no
+    quantized query is declared); ``out`` (optional) receives the result.
     """
+    if query_dtype is not None:
+        raise ValueError(f"torch_mla_reference keeps the model-dtype query; a {query_dtype} query is not declared")
+    if out is not None:
+        out.copy_(mla_decode(q_latent, q_rope, cache, meta, scale, softmax_scale))
+        return out
     num_blocks, bs, width = _check_cache(cache)
     if bs != meta.block_size:
         raise ValueError(f"cache block size {bs} != metadata block size {meta.block_size}")

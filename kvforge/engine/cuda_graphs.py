@@ -82,6 +82,9 @@ def graphs_unsupported_reason(runner) -> str | None:
         return f"layers planned on backend(s) {', '.join(other)} (graphs need {', '.join(sorted(GRAPH_BACKENDS))})"
     if runner.pool.ring_pages:
         return "per-request rings (CsaRingTest) are written eagerly"
+    model_reason = getattr(runner.model, "cuda_graph_unsupported_reason", None)
+    if model_reason:
+        return f"the model is not capturable: {model_reason}"
     return None
 
 

@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 if HAS_TRITON:
-    from kvforge.kernels.triton_paged_attention import _merge_splits_kernel
+    from kvforge.kernels.triton_paged_attention import _fp8_to_f16, _merge_splits_kernel
 
 #: Query dtypes the kernel implements besides the model dtype.
 QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
@@ -108,6 +108,8 @@ if HAS_TRITON:
         F16_DOT: tl.constexpr,
         IEEE_DOT: tl.constexpr,
         USE_SPLIT: tl.constexpr,
+        CVT_ASM: tl.constexpr,
+        IS_E5M2: tl.constexpr,
     ):
         seq = tl.program_id(0)
         hb = tl.program_id(1)
@@ -169,7 +171,11 @@ if HAS_TRITON:
                 s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
                 cv = c.to(tl.float16)
             else:
-                cv = c.to(ql.dtype)
+                if CVT_ASM:  # fp8 -> fp16 once, in registers, before either dot (see _fp8_to_f16)
+                    cv = _fp8_to_f16(c, IS_E5M2)
+                    kr = _fp8_to_f16(kr, IS_E5M2)
+                else:
+                    cv = c.to(ql.dtype)
                 if IEEE_DOT:
                     s = tl.dot(ql, tl.trans(cv), input_precision="ieee")
                     s += tl.dot(qr, tl.trans(kr.to(qr.dtype)), input_precision="ieee")
@@ -204,15 +210,14 @@ if HAS_TRITON:
 def choose_config(num_heads: int, is_fp8: bool, fp8_query: bool, r_pad: int) -> dict:
     """Tile sizes and launch parameters (swept on H200 by benchmarks/bench_mla_decode.py)."""
     block_h = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
-    tile_n = 64 if (is_fp8 and r_pad <= 512) else 32
-    num_warps = 4 if block_h <= 16 else 8
-    return dict(block_h=block_h, tile_n=tile_n, num_warps=num_warps, num_stages=2)
+    return dict(block_h=block_h, tile_n=64, num_warps=8, num_stages=2, cvt_asm=False, programs_per_sm=2)
 
 
-def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int) -> int:
-    """Split-K factor: about 2 programs per SM, no split under 256 tokens, at most MAX_SPLITS."""
+def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: int = 2) -> int:
+    """Split-K factor: about ``programs_per_sm`` programs per SM, no split under 256 tokens, at most MAX_SPLITS."""
     progs = max(1, num_seqs * head_blocks)
-    return max(1, min(math.ceil(2 * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
+    return max(1, min(math.ceil(programs_per_sm * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -277,7 +282,8 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     block_h = cfg["block_h"]
     head_blocks = -(-h // block_h)
     if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, head_blocks, meta.max_seq_len, _num_sms(q_latent.device))
+        num_splits = decode_num_splits(num_seqs, head_blocks, meta.max_seq_len, _num_sms(q_latent.device),
+                                       cfg["programs_per_sm"])
     splits = max(1, min(int(num_splits), MAX_SPLITS))
     use_split = splits > 1
     if use_split:
@@ -295,6 +301,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
         TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
         IEEE_DOT=q_latent.dtype == torch.float32, USE_SPLIT=use_split,
+        CVT_ASM=bool(cfg["cvt_asm"]) and f16_dot, IS_E5M2=cache.dtype == torch.float8_e5m2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if use_split:

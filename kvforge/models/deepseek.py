@@ -377,6 +377,14 @@ class DeepseekV2ForCausalLM(nn.Module):
     def sliding_window(self, layer_idx: int) -> int | None:
         return None
 
+    @property
+    def cuda_graph_unsupported_reason(self) -> str | None:
+        """Why decode steps cannot be captured (None: they can). The MoE loop reads per-expert token
+        counts on the host (``bincount(...).tolist()``), which a CUDA graph capture forbids."""
+        if any(self.args.is_moe(i) for i in range(self.num_layers)):
+            return "MoE layers loop over experts with host-side token counts"
+        return None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary
