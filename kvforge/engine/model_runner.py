@@ -39,23 +39,6 @@ from kvforge.planner.registry import builtin_backends
 STATIC_DECODE_ENV = "KVFORGE_CPU_STATIC_DECODE"
 
 
-def model_graph_blocker(model) -> str | None:
-    """Why ``model``'s forward cannot be captured in a CUDA graph, or None. A model (or module) states it
-    with a ``cuda_graphs_unsupported`` reason; DeepSeek's MoE reads per-expert token counts on the host
-    (``bincount().tolist()``), which capture forbids, unless its class sets ``cuda_graph_safe = True``."""
-    reason = getattr(model, "cuda_graphs_unsupported", None)
-    if reason:
-        return reason
-    try:
-        from kvforge.models.deepseek import MoE
-    except ImportError:
-        return None
-    for m in model.modules():
-        if isinstance(m, MoE) and not getattr(m, "cuda_graph_safe", False):
-            return f"{type(m).__name__} routing syncs with the host (per-expert token counts)"
-    return None
-
-
 class _TableCache:
     """Host (numpy int32) copies of block tables, so a decode step does not
     convert every sequence's whole Python list again.
@@ -165,7 +148,7 @@ class ModelRunner:
         if device.type == "cuda" and not enforce_eager:
             from kvforge.engine.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
 
-            why = model_graph_blocker(model) or graphs_unsupported_reason(self)
+            why = graphs_unsupported_reason(self)
             if why is None:
                 self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
             else:

@@ -207,10 +207,17 @@ if HAS_TRITON:
                      o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (r[None, :] < R))
 
 
-def choose_config(num_heads: int, is_fp8: bool, fp8_query: bool, r_pad: int) -> dict:
-    """Tile sizes and launch parameters (swept on H200 by benchmarks/bench_mla_decode.py)."""
+def choose_config(num_heads: int, elem_bytes: int, row_pad: int) -> dict:
+    """Tile sizes and launch parameters, from the H200 sweep of benchmarks/bench_mla_decode.py (docs/MLA.md):
+    64-token tiles, 8 warps, 2 stages; 16 heads per program up to 16 heads, 64 above; ~4 programs per SM for
+    small head counts. Tiles shrink so that 2 stages of cache rows fit in 160 KB of shared memory
+    (float32 caches: 32 tokens)."""
     block_h = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
-    return dict(block_h=block_h, tile_n=64, num_warps=8, num_stages=2, cvt_asm=False, programs_per_sm=2)
+    tile_n = 64
+    while tile_n > 16 and 2 * tile_n * row_pad * elem_bytes > 160 * 1024:
+        tile_n //= 2
+    return dict(block_h=block_h, tile_n=tile_n, num_warps=8, num_stages=2, cvt_asm=False,
+                programs_per_sm=4 if num_heads <= 16 else 2)
 
 
 def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int,
@@ -276,7 +283,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
 
     r_pad = max(16, triton.next_power_of_2(r))
     p_pad = max(16, triton.next_power_of_2(p))
-    cfg = choose_config(h, is_fp8, fp8_query, r_pad)
+    cfg = choose_config(h, cache.element_size(), r_pad + p_pad)
     if _config:
         cfg.update(_config)
     block_h = cfg["block_h"]
