@@ -159,6 +159,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--heads", default=None, help="comma-separated heads per rank (default 8,16,128)")
+    ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32,128)")
+    ap.add_argument("--ctxs", default=None, help="comma-separated contexts (default 4096,16384,65536)")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
@@ -169,9 +172,12 @@ def main():
     if args.sweep:
         result["sweep"], picks = sweep()
         result["picks"] = {f"{k[0]}/{k[1]}": v for k, v in picks.items()}
-    heads_list = (16, 128) if args.quick else (8, 16, 128)
-    ctxs = (4096, 65536) if args.quick else (4096, 16384, 65536)
-    batches = (1, 32) if args.quick else (1, 8, 32, 128)
+    def ints(text, default):
+        return tuple(int(x) for x in text.split(",")) if text else default
+
+    heads_list = ints(args.heads, (16, 128) if args.quick else (8, 16, 128))
+    ctxs = ints(args.ctxs, (4096, 65536) if args.quick else (4096, 16384, 65536))
+    batches = ints(args.batches, (1, 32) if args.quick else (1, 8, 32, 128))
     print(f"{'H':>4} {'batch':>5} {'ctx':>6} | {'bf16 us':>9} {'%cp':>4} | {'fp8 us':>9} {'%cp':>4} | "
           f"{'fp8q us':>9} {'%cp':>4} {'TF/s':>5} | fp8/bf16 fp8q/fp8")
     for heads in heads_list:

@@ -58,3 +58,23 @@ def test_declaration_requires_explicit_quantized_query():
         BackendDeclaration(name="x", priority=0, layer_kinds=frozenset({"mla"}), platforms=frozenset({"cpu"}),
                            kv_dtypes=frozenset({"fp8_e4m3"}), head_sizes=None, block_sizes=REFERENCE.block_sizes,
                            index_limit=REFERENCE.index_limit)
+
+
+# ---- the real CUDA MLA backend (triton_mla): fp8 query from 64 heads per rank (measured, see its declaration) ----
+@pytest.mark.parametrize("preset,tp,heads,query", [
+    ("deepseek-v3", 8, 16, "bfloat16"),   # 128 heads at TP8
+    ("kimi-k2", 8, 8, "bfloat16"),        # 64 heads at TP8
+    ("deepseek-v3", 2, 64, "fp8_e4m3"),   # 128 heads at TP2
+    ("kimi-k2", 1, 64, "fp8_e4m3"),
+])
+def test_triton_mla_query_dtype_on_cuda(preset, tp, heads, query):
+    spec = spec_from_hf_config(PRESETS[preset], name=preset, source="test")
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(tp), platform="cuda")
+    assert {layer.backend for layer in p.layers} == {"triton_mla"}
+    assert {layer.heads_per_rank for layer in p.layers} == {heads}
+    assert {layer.query_dtype for layer in p.layers} == {query}
+    reason = p.layers[0].query_dtype_reason
+    if query == "bfloat16":
+        assert f"only from 64 heads per rank; this layer has {heads}" in reason
+    else:
+        assert "triton_mla declares a fp8_e4m3 query" in reason and f"this layer has {heads}" in reason
