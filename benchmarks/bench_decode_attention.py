@@ -103,61 +103,59 @@ SWEEP_CONFIGS = [
 
 VARIANTS = {
     "pipe_t128w4s3": dict(tile_n=128, num_warps=4, num_stages=3),
-    "bf16dot_t128w4s3": dict(tile_n=128, num_warps=4, num_stages=3, fp8_dot="q"),
-    "pref_t64w4": dict(tile_n=64, num_warps=4, num_stages=1, prefetch=True),
-    "pref_t64w8": dict(tile_n=64, num_warps=8, num_stages=1, prefetch=True),
-    "pref_t128w8": dict(tile_n=128, num_warps=8, num_stages=1, prefetch=True),
-    "pref_asm_t64w4": dict(tile_n=64, num_warps=4, num_stages=1, prefetch=True, cvt_mode=2),
-    "pipe_asm_t64w4s2": dict(tile_n=64, num_warps=4, num_stages=2, cvt_mode=2),
     "pipe_t64w4s2": dict(tile_n=64, num_warps=4, num_stages=2),
+    # V pages stored dim-major ([D, block] per KV head): V arrives K-major for the P.V dot
+    "vt_t128w4s3": dict(tile_n=128, num_warps=4, num_stages=3, v_dim_major=True),
+    "vt_t128w4s2": dict(tile_n=128, num_warps=4, num_stages=2, v_dim_major=True),
+    "vt_t64w4s3": dict(tile_n=64, num_warps=4, num_stages=3, v_dim_major=True),
+    "vt_t128w8s3": dict(tile_n=128, num_warps=8, num_stages=3, v_dim_major=True),
+    "vt_t256w8s2": dict(tile_n=256, num_warps=8, num_stages=2, v_dim_major=True),
+    "vt_asm_t128w4s3": dict(tile_n=128, num_warps=4, num_stages=3, v_dim_major=True, cvt_mode=2),
 }
 
 
+def dim_major_v(cache):
+    """A copy of ``cache`` whose V pages are stored [D, block] (tokens contiguous) per KV head."""
+    out = cache.clone()
+    nb, _, hkv, bs, d = cache.shape
+    out[:, 1] = cache[:, 1].transpose(-1, -2).contiguous().view(nb, hkv, bs, d)
+    return out
+
+
 def run_variants(out_dir):
-    """Kernel-variant shoot-out on the fp8 decode path (see docs/KERNELS.md)."""
+    """Kernel-variant shoot-out on the fp8 decode path (docs/KERNELS.md item 5), bf16 as the yardstick."""
+    from kvforge.kernels import triton_paged_attention as _pa
+
     scale = 1.0 / math.sqrt(D)
     res = []
-    for batch, ctx in ((64, 8192), (256, 8192), (8, 8192), (1, 32768)):
+    for batch, ctx in ((64, 8192), (256, 8192), (8, 8192), (64, 32768), (1, 32768)):
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
         cache_bf, meta = make_paged(batch, ctx, torch.bfloat16)
         ks = torch.ones(HKV, device="cuda")
+        t_bf = bench(functools.partial(paged_attention, q, cache_bf, meta, ks, ks, scale), rep=50)[0]
         for kvname, kvdt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
             cache = cache_bf.to(kvdt)
+            cache_vt = dim_major_v(cache)
             ref = paged_attention(q, cache, meta, ks, ks, scale, _config=dict(fp8_dot="q")).float()
             for name, cfg in VARIANTS.items():
-                if kvname == "e5m2" and name not in ("pipe_t128w4s3", "pref_t64w4", "pref_t128w8"):
+                if kvname == "e5m2" and name not in ("pipe_t128w4s3", "vt_t128w4s3"):
                     continue
-                for sp in [None, 4, 16] if batch <= 8 else [None]:
-                    try:
-                        o = paged_attention(q, cache, meta, ks, ks, scale, num_splits=sp, _config=cfg).float()
-                        err = ((o - ref).norm() / ref.norm()).item()
-                        t = bench(
-                            functools.partial(
-                                paged_attention, q, cache, meta, ks, ks, scale, num_splits=sp, _config=cfg
-                            ),
-                            rep=50,
-                        )
-                    except Exception as e:
-                        print("variant fail", name, type(e).__name__, str(e)[:200])
-                        continue
-                    nbytes = bytes_moved(batch, ctx, 1)
-                    r = dict(
-                        batch=batch,
-                        ctx=ctx,
-                        kv=kvname,
-                        variant=name,
-                        splits=sp,
-                        us=t[0],
-                        err=err,
-                        TBps=nbytes / (t[0] * 1e-6) / 1e12,
-                    )
-                    res.append(r)
-                    print(
-                        f"{batch:4d} {ctx:6d} {kvname} {name:18s} sp={str(sp):4s} {t[0]:8.1f} us "
-                        f"{r['TBps']:.2f} TB/s err {err:.1e}",
-                        flush=True,
-                    )
-            del cache
+                c = cache_vt if cfg.get("v_dim_major") else cache
+                try:
+                    o = paged_attention(q, c, meta, ks, ks, scale, _config=cfg).float()
+                    regs = getattr(_pa._LAST_LAUNCH.get("attn"), "n_regs", None)
+                    err = ((o - ref).norm() / ref.norm()).item()
+                    t = bench(functools.partial(paged_attention, q, c, meta, ks, ks, scale, _config=cfg), rep=50)
+                except Exception as e:
+                    print("variant fail", name, type(e).__name__, str(e)[:200])
+                    continue
+                nbytes = bytes_moved(batch, ctx, 1)
+                r = dict(batch=batch, ctx=ctx, kv=kvname, variant=name, us=t[0], min=t[1], max=t[2], err=err,
+                         TBps=nbytes / (t[0] * 1e-6) / 1e12, bf16_us=t_bf, speedup_vs_bf16=t_bf / t[0], regs=regs)
+                res.append(r)
+                print(f"{batch:4d} {ctx:6d} {kvname} {name:18s} {t[0]:8.1f} us {r['TBps']:.2f} TB/s "
+                      f"x{t_bf / t[0]:.2f} vs bf16 ({t_bf:.1f}) regs {regs} err {err:.1e}", flush=True)
+            del cache, cache_vt
         del cache_bf
         torch.cuda.empty_cache()
     with open(os.path.join(out_dir, "variants.json"), "w") as f:

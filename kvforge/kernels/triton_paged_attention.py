@@ -101,8 +101,13 @@ if HAS_TRITON:
         BLOCK_SIZE,
         HEAD_D,
         D_PAD,
+        V_DIM_MAJOR: tl.constexpr = False,
     ):
-        """Raw (storage dtype) K and V of tokens start..start+TILE_N-1 (masked at hi)."""
+        """Raw (storage dtype) K and V of tokens start..start+TILE_N-1 (masked at hi).
+
+        ``V_DIM_MAJOR`` (benchmark experiment only, never planned: docs/KERNELS.md
+        item 5, 2x slower): V pages stored ``[head_dim, block_size]``, loaded as
+        ``[D, TILE_N]`` and transposed in registers."""
         pos = start + n_off
         p_ok = pos < hi
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
@@ -113,7 +118,15 @@ if HAS_TRITON:
         else:
             kv_mask = p_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
+        if V_DIM_MAJOR:
+            vt_off = (blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64))[None, :] + (d * BLOCK_SIZE)[:, None]
+            if HEAD_D == D_PAD:
+                vt_mask = p_ok[None, :]
+            else:
+                vt_mask = p_ok[None, :] & d_ok[:, None]
+            v = tl.trans(tl.load(kv_base + stride_ckv + vt_off, mask=vt_mask, other=0.0))
+        else:
+            v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
         return k, v
 
     @triton.jit
@@ -186,6 +199,7 @@ if HAS_TRITON:
         CVT_MODE: tl.constexpr,
         PREFETCH: tl.constexpr,
         IS_E5M2: tl.constexpr,
+        V_DIM_MAJOR: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -276,6 +290,7 @@ if HAS_TRITON:
                 BLOCK_SIZE,
                 HEAD_D,
                 D_PAD,
+                V_DIM_MAJOR,
             )
         for start in range(lo, hi, TILE_N):
             pos = start + n_off
@@ -297,6 +312,7 @@ if HAS_TRITON:
                     BLOCK_SIZE,
                     HEAD_D,
                     D_PAD,
+                    V_DIM_MAJOR,
                 )
             else:
                 k, v = _load_kv_tile(
@@ -313,6 +329,7 @@ if HAS_TRITON:
                     BLOCK_SIZE,
                     HEAD_D,
                     D_PAD,
+                    V_DIM_MAJOR,
                 )
             if CVT_MODE == 2:
                 k = _fp8_to_f16(k, IS_E5M2)
@@ -548,6 +565,7 @@ def paged_attention(
         CVT_MODE=cfg.get("cvt_mode", 0) if f16_dot else 0,
         PREFETCH=bool(cfg.get("prefetch", False)),
         IS_E5M2=kv_cache.dtype == torch.float8_e5m2,
+        V_DIM_MAJOR=bool(cfg.get("v_dim_major", False)),  # benchmark experiment only
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
