@@ -54,26 +54,9 @@ class TPMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # replicated router: global expert ids
-        n_local = self.experts_down.shape[0]
         local = ids - self.expert_start
-        mine = (local >= 0) & (local < n_local)
-        out = torch.zeros_like(x)
-        tok_all, slot_all = mine.nonzero(as_tuple=True)
-        if tok_all.numel():
-            e = local[tok_all, slot_all]
-            w_all = weights[tok_all, slot_all]
-            order = torch.argsort(e, stable=True)
-            counts = torch.bincount(e, minlength=n_local).tolist()
-            tokens, w = tok_all[order], w_all[order]
-            start = 0
-            for expert, n in enumerate(counts):
-                if n == 0:
-                    continue
-                tok = tokens[start:start + n]
-                gate, up = F.linear(x[tok], self.experts_gate_up[expert]).split(self.inter, dim=-1)
-                y = F.linear(self.act(gate) * up, self.experts_down[expert])
-                out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))
-                start += n
+        mine = (local >= 0) & (local < self.experts_down.shape[0])
+        out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine)
         if self.shared_experts is not None:  # down_proj is a plain Linear: partial sum reduced below
             out = out + self.shared_experts(x)
         return self.group.all_reduce_(out)

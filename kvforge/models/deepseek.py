@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ConfigError
+from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation, rope_parameters
 
 LORA_NORM_EPS = 1e-6
@@ -307,12 +308,38 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        out = self.routed(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots this module holds.
+
+        ``ids`` [T, k] index this module's experts; ``valid`` (bool [T, k], None = all) marks the slots
+        whose expert is here (tensor parallelism splits experts by index). On CUDA, where
+        ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host sync, so the
+        step can be a CUDA graph); otherwise a loop over the experts that have tokens.
+        """
+        if x.is_cuda and grouped_mm_problem(x.device, x.dtype) is None:
+            return self._routed_grouped(x, weights, ids, valid)
+        return self._routed_loop(x, weights, ids, valid)
+
+    def _routed_loop(self, x, weights, ids, valid=None) -> torch.Tensor:
+        """Tokens sorted by expert; one pair of GEMMs per expert with tokens (counts read on the host)."""
         out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts_down.shape[0]).tolist()
-        tokens = order // ids.shape[1]
-        w = weights.reshape(-1)[order]
+        if valid is None:
+            tok_all = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])
+            e, w_all = ids.reshape(-1), weights.reshape(-1)
+        else:
+            tok_all, slot_all = valid.nonzero(as_tuple=True)
+            e, w_all = ids[tok_all, slot_all], weights[tok_all, slot_all]
+        if e.numel() == 0:
+            return out
+        order = torch.argsort(e, stable=True)
+        counts = torch.bincount(e, minlength=self.experts_down.shape[0]).tolist()
+        tokens, w = tok_all[order], w_all[order]
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
@@ -322,9 +349,29 @@ class MoE(nn.Module):
             y = F.linear(self.act(gate) * up, self.experts_down[expert])
             out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))  # float32 weights, as HF
             start += n
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
+
+    def _routed_grouped(self, x, weights, ids, valid=None) -> torch.Tensor:
+        """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted
+        last and zeroed; expert row ranges from a device-side count (no host sync)."""
+        t, k = ids.shape
+        n = self.experts_down.shape[0]
+        flat = ids.reshape(-1)
+        if valid is not None:
+            flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts[:n], 0).to(torch.int32)
+        tok = order // k
+        gate, up = torch._grouped_mm(x[tok], self.experts_gate_up.transpose(-2, -1), offs=offs).split(
+            self.inter, dim=-1)
+        y = torch._grouped_mm(self.act(gate) * up, self.experts_down.transpose(-2, -1), offs=offs)
+        w = weights.reshape(-1)[order]
+        if valid is not None:  # rows past offs[-1] are not computed: zero them and their weights
+            held = flat[order] < n
+            w = torch.where(held, w, torch.zeros_like(w))
+            y = torch.where(held[:, None], y, torch.zeros_like(y))
+        return torch.zeros_like(x).index_add_(0, tok, (y * w[:, None]).to(x.dtype))
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -379,10 +426,18 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     @property
     def cuda_graph_unsupported_reason(self) -> str | None:
-        """Why decode steps cannot be captured (None: they can). The MoE loop reads per-expert token
-        counts on the host (``bincount(...).tolist()``), which a CUDA graph capture forbids."""
-        if any(self.args.is_moe(i) for i in range(self.num_layers)):
+        """Why decode steps cannot be captured (None: they can). MoE layers are capturable on CUDA where
+        ``torch._grouped_mm`` works for the weights' dtype (probed once, kvforge/models/grouped_mm.py);
+        otherwise they loop over experts with per-expert counts read on the host, which capture forbids."""
+        moe = [m for m in self.modules() if isinstance(m, MoE)]
+        if not moe:
+            return None
+        w = moe[0].experts_down
+        if w.device.type != "cuda":
             return "MoE layers loop over experts with host-side token counts"
+        problem = grouped_mm_problem(w.device, w.dtype)
+        if problem:
+            return f"MoE layers loop over experts with host-side token counts ({problem})"
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:

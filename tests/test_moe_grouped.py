@@ -1,0 +1,73 @@
+"""The capture-safe MoE path (one torch._grouped_mm per projection, device-side expert offsets) equals
+the per-expert loop (host-side counts), with and without a tensor-parallel expert mask.
+
+On CUDA the engine takes the grouped path wherever ``torch._grouped_mm`` passes its probe for the
+weights' dtype (kvforge/models/grouped_mm.py), which is what lets MoE models run decode as CUDA
+graphs; on CPU the engine keeps the loop. Here both paths run on CPU on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.models.deepseek import DeepseekArgs, MoE
+from kvforge.models.grouped_mm import grouped_mm_problem
+
+pytestmark = pytest.mark.skipif(grouped_mm_problem("cpu", torch.float32) is not None,
+                                reason="this torch build has no working torch._grouped_mm on CPU")
+
+CFG = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=64,
+           num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, moe_intermediate_size=32,
+           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1,
+           kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=64,
+           max_position_embeddings=64, rms_norm_eps=1e-5, n_group=4, topk_group=2, norm_topk_prob=True,
+           routed_scaling_factor=2.5, q_lora_rank=None)
+
+
+def _moe(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    moe = MoE(DeepseekArgs(CFG), dtype=dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.2).to(p.dtype))
+    return moe
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_grouped_equals_loop_fp32(tokens):
+    moe = _moe()
+    x = torch.randn(tokens, 64)
+    w, ids = moe.gate(x)
+    loop, grouped = moe._routed_loop(x, w, ids), moe._routed_grouped(x, w, ids)
+    assert loop.abs().max() > 0
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_equals_loop_bf16():
+    moe = _moe(torch.bfloat16)
+    x = torch.randn(29, 64).to(torch.bfloat16)
+    w, ids = moe.gate(x)
+    loop, grouped = moe._routed_loop(x, w, ids).float(), moe._routed_grouped(x, w, ids).float()
+    assert (grouped - loop).abs().max() <= 2 ** -7 * loop.abs().max()
+
+
+def test_grouped_equals_loop_with_expert_mask():
+    """Tensor parallelism: a rank holds experts [start, start + n) and computes only those slots."""
+    moe = _moe()
+    x = torch.randn(23, 64)
+    w, ids = moe.gate(x)
+    valid = torch.rand(ids.shape) < 0.5
+    local = torch.where(valid, ids, torch.zeros_like(ids))
+    loop, grouped = moe._routed_loop(x, w, local, valid), moe._routed_grouped(x, w, local, valid)
+    torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+    none = torch.zeros_like(valid)
+    assert moe._routed_grouped(x, w, local, none).abs().max() == 0 == moe._routed_loop(x, w, local, none).abs().max()
+
+
+def test_cpu_engine_keeps_the_loop(monkeypatch):
+    moe = _moe()
+    called = []
+    monkeypatch.setattr(MoE, "_routed_grouped", lambda *a, **k: called.append(1))
+    moe(torch.randn(4, 64))
+    assert not called
