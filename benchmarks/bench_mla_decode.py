@@ -179,7 +179,7 @@ def main():
     ctxs = ints(args.ctxs, (4096, 65536) if args.quick else (4096, 16384, 65536))
     batches = ints(args.batches, (1, 32) if args.quick else (1, 8, 32, 128))
     print(f"{'H':>4} {'batch':>5} {'ctx':>6} | {'bf16 us':>9} {'%cp':>4} | {'fp8 us':>9} {'%cp':>4} | "
-          f"{'fp8q us':>9} {'%cp':>4} {'TF/s':>5} | fp8/bf16 fp8q/fp8")
+          f"{'fp8q us':>9} {'%cp':>4} {'fp8q TF/s':>9} | bf16/fp8 fp8/fp8q")
     for heads in heads_list:
         for batch in batches:
             for ctx in ctxs:
@@ -189,7 +189,7 @@ def main():
                 result["rows"].append(row)
                 b, f, q = row["bf16"], row["fp8"], row["fp8q"]
                 print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "
-                      f"{f['pct_copy']:>4.0f} | {q['us']:>9.1f} {q['pct_copy']:>4.0f} {q['tflops']:>5.0f} | "
+                      f"{f['pct_copy']:>4.0f} | {q['us']:>9.1f} {q['pct_copy']:>4.0f} {q['tflops']:>9.0f} | "
                       f"{row['fp8_vs_bf16']:>8.2f} {row['fp8q_vs_fp8']:>8.2f}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -78,3 +78,11 @@ def test_triton_mla_query_dtype_on_cuda(preset, tp, heads, query):
         assert f"only from 64 heads per rank; this layer has {heads}" in reason
     else:
         assert "triton_mla declares a fp8_e4m3 query" in reason and f"this layer has {heads}" in reason
+
+
+def test_float32_model_keeps_its_query_even_where_fp8_is_declared():
+    spec = spec_from_hf_config(PRESETS["kimi-k2"], name="kimi-k2", source="test")
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(1), platform="cuda", model_dtype="float32")
+    assert {layer.query_dtype for layer in p.layers} == {"float32"}
+    assert "quantizes the query only for bfloat16, float16 models; this model is float32" in \
+        p.layers[0].query_dtype_reason

@@ -597,6 +597,7 @@ def test_serve_tensor_parallel_2_cpu(tmp_path):
             time.sleep(0.2)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
         workers = [int(x) for x in children.read_text().split()] if children.exists() else []
+        assert len(workers) == 1, f"expected one TP worker process under the server, found {workers}"
         name = http("GET", base + "/v1/models")[2]["data"][0]["id"]
         for i in range(3):
             status, _, r = http("POST", base + "/v1/completions", {"model": name, "prompt": [5 + i, 17, 42, 9],

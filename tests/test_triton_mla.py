@@ -45,17 +45,25 @@ def cuda_mla_backends():
     return [d for d in builtin_backends() if "mla" in d.layer_kinds and "cuda" in d.platforms]
 
 
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+TORCH_MODEL = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def declared_combinations(decl):
-    """(kv dtype, query dtype or None, heads per rank, batch) for every combination ``decl`` accepts."""
+    """(model dtype, kv dtype, query dtype or None, heads per rank, batch) for every combination ``decl``
+    accepts. The natural pairs (the cache in the model dtype, fp8 caches under bf16) walk every head
+    count and batch; the other model-dtype x KV-dtype pairs walk 1, 16 and 128 heads at batch 33."""
     for kv in sorted(decl.kv_dtypes):
-        for heads in HEADS:
-            for batch in BATCHES:
-                yield kv, None, heads, batch
-                if decl.quantized_query.accepts(kv, heads):
-                    yield kv, kv, heads, batch
+        for model in MODEL_DTYPES:
+            natural = MODEL_DTYPE[kv] == TORCH_MODEL[model]
+            for heads in HEADS if natural else (1, 16, 128):
+                for batch in BATCHES if natural else (33,):
+                    yield model, kv, None, heads, batch
+                    if decl.quantized_query.accepts(kv, heads, model):
+                        yield model, kv, kv, heads, batch
 
 
-def _batch(batch, kv, heads, device, block_size=16, seed=0):
+def _batch(batch, kv, heads, device, block_size=16, seed=0, model=None):
     """Random paged latent cache (NaN in unused rows), lengths covering 1, 15-17, 1000 and 3000."""
     g = torch.Generator().manual_seed(seed)
     fixed = [1, 15, 16, 17, 1000, 3000]
@@ -80,7 +88,7 @@ def _batch(batch, kv, heads, device, block_size=16, seed=0):
     meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32, device=device),
                              torch.tensor(lens, dtype=torch.int32, device=device), tables.to(device),
                              torch.full((batch,), -1, dtype=torch.int64, device=device), 1, max(lens), block_size)
-    dt = MODEL_DTYPE[kv]
+    dt = TORCH_MODEL[model] if model else MODEL_DTYPE[kv]
     q_latent = (torch.randn(batch, heads, R, generator=g) * 0.2).to(dt).to(device)
     q_rope = (torch.randn(batch, heads, P, generator=g) * 0.2).to(dt).to(device)
     return cache, meta, q_latent, q_rope, scale
@@ -89,23 +97,27 @@ def _batch(batch, kv, heads, device, block_size=16, seed=0):
 def test_walk_covers_both_regimes_where_declared():
     for decl in cuda_mla_backends():
         combos = list(declared_combinations(decl))
-        assert {c[0] for c in combos} == set(decl.kv_dtypes)
-        for kv, qd, heads, _ in combos:
+        assert {c[1] for c in combos} == set(decl.kv_dtypes)
+        for model, kv, qd, heads, _ in combos:
             if qd is not None:
-                assert decl.quantized_query.accepts(kv, heads)
+                assert decl.quantized_query.accepts(kv, heads, model) and model != "float32"
     assert cuda_mla_backends(), "no CUDA MLA backend declared"
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2", "float32"])
-def test_kernel_refuses_an_undeclared_fp8_query(kv):
-    """No declaration can route an fp8 query to a non-e4m3 cache; the kernel refuses it before launching."""
+@pytest.mark.parametrize("kv,model,message", [("bfloat16", None, "needs an fp8_e4m3 cache"),
+                                               ("fp8_e5m2", None, "needs an fp8_e4m3 cache"),
+                                               ("float32", None, "needs an fp8_e4m3 cache"),
+                                               ("fp8_e4m3", "float32", "16-bit models")])
+def test_kernel_refuses_an_undeclared_fp8_query(kv, model, message):
+    """No declaration routes an fp8 query to a non-e4m3 cache or a float32 model; the kernel refuses both
+    before launching."""
     from kvforge.kernels.triton_mla_decode import mla_decode
 
-    cache, meta, q_latent, q_rope, scale = _batch(2, kv, 16, "cpu")
-    with pytest.raises(ValueError, match="fp8|float32"):
+    cache, meta, q_latent, q_rope, scale = _batch(2, kv, 16, "cpu", model=model)
+    with pytest.raises(ValueError, match=message):
         mla_decode(q_latent, q_rope, cache, meta, scale, 0.1, query_dtype="fp8_e4m3")
     for decl in cuda_mla_backends():
-        assert not decl.quantized_query.accepts(kv, 128)
+        assert not decl.quantized_query.accepts(kv, 128, model or "bfloat16")
 
 
 def test_reference_refuses_a_quantized_query():
@@ -121,17 +133,17 @@ def test_reference_refuses_a_quantized_query():
 def test_every_declared_combination_matches_fp32_reference(decl):
     impl = importlib.import_module(decl.implementation)
     worst = {}
-    for kv, qd, heads, batch in declared_combinations(decl):
-        cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", seed=heads + batch)
+    for model, kv, qd, heads, batch in declared_combinations(decl):
+        cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", seed=heads + batch, model=model)
         out = torch.full_like(q_latent, float("nan"))  # poisoned: every row must be written
         impl.mla_decode(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, query_dtype=qd, out=out)
         want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, meta, scale, 192 ** -0.5)
-        assert torch.isfinite(out).all(), (kv, qd, heads, batch)
+        assert torch.isfinite(out).all(), (model, kv, qd, heads, batch)
         err = ((out.float() - want).abs().max() / want.abs().max()).item()
-        worst[(kv, qd)] = max(worst.get((kv, qd), 0.0), err)
-        assert err <= BOUND[qd], (kv, qd, heads, batch, err)
-    print("\nworst relative error per (kv dtype, query dtype):",
-          {f"{k[0]}/{k[1] or 'model'}": f"{v:.2e}" for k, v in sorted(worst.items(), key=str)})
+        worst[(model, kv, qd)] = max(worst.get((model, kv, qd), 0.0), err)
+        assert err <= BOUND[qd], (model, kv, qd, heads, batch, err)
+    print("\nworst relative error per (model dtype, kv dtype, query dtype):",
+          {f"{k[0]}/{k[1]}/{k[2] or 'model'}": f"{v:.2e}" for k, v in sorted(worst.items(), key=str)})
 
 
 @needs_cuda

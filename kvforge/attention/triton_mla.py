@@ -6,7 +6,8 @@ expand the cached latents to per-head K/V with the PyTorch reference
 (:func:`kvforge.attention.mla_reference.mla_prefill`, eager only). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
 ``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
-"fp8_e4m3" where the declaration (triton_mla_backend.py) allows it.
+"fp8_e4m3" where the declaration (triton_mla_backend.py) allows it; it applies
+to decode steps (prefill chunks always use the model-dtype query).
 """
 
 from __future__ import annotations

@@ -9,8 +9,11 @@ model-dtype query (docs/MLA.md; ``benchmarks/bench_mla_decode.py``, H200,
 2026-11-29): at 64 and 128 heads per rank it is 1.2-1.57x faster than the bf16
 query over the same fp8 cache (the dots dominate there), at 8, 16 and 32 heads
 it is 2-4% slower (memory-bound; quantizing the query is pure overhead), and
-its error stays within 1.3e-2 of max|ref| at every head count
-(tests/test_triton_mla.py). Hence ``min_heads_per_rank=64``.
+its error stays within 1.4e-2 of max|ref| (worst over the declaration walk;
+2.8e-3 .. 1.3e-2 at 8, 16 and 128 heads; tests/test_triton_mla.py). Hence
+``min_heads_per_rank=64``, for 16-bit models only (the default
+``model_dtypes``). The quantized query is a decode-only regime: prefill
+expands the latents with the model-dtype query.
 """
 
 from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSizes, IndexLimit, QuantizedQuery

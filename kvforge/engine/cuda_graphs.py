@@ -27,18 +27,23 @@ Invariants (what makes a replay equal to an eager step):
    columns of the table rows are rewritten each step; later columns keep old
    ids, and the kernel never reads past ``seq_len``.
 4. **Fixed split-K.** ``num_splits`` per size is the kernel's own heuristic at
-   the longest context: ``min(ceil(4 * SMs / (B * kv_heads)),
-   max(1, max_model_len // 256), 64)``. Grid and partial buffers are then
-   fixed; shorter contexts leave trailing splits empty (they add nothing in
-   the merge). ``max_seq_len`` in the captured metadata is ``max_model_len``.
+   the longest context. GQA (``triton_paged``): ``min(ceil(4 * SMs / (B *
+   kv_heads)), max(1, max_model_len // 256), 64)``; MLA (``triton_mla``):
+   ``triton_mla_decode.pinned_num_splits`` (per head block, at most 32).
+   Grid and partial buffers are then fixed; shorter contexts leave trailing
+   splits empty (they add nothing in the merge). ``max_seq_len`` in the
+   captured metadata is ``max_model_len``.
 5. **Lifetime.** Captured once at startup, after the weights and the KV pool
    exist and before any request, largest size first, in one memory pool. The
    weights, the pool's buffer and the fp8 scale tensors must never be
    reallocated afterwards (fp8 calibration updates scales in place; no graph
    replays before calibration is done). A graph's output lives in the shared
    pool and is valid until the next replay of any graph.
-6. Only when every layer's planned backend is ``triton_paged`` (the reference
-   backend reads tensor values on the host, which capture forbids).
+6. Only when every layer's planned backend is in ``GRAPH_BACKENDS``
+   (``triton_paged``, ``triton_mla``; the reference backends read tensor
+   values on the host, which capture forbids), there are no per-request rings,
+   and the model has no ``cuda_graph_unsupported_reason`` (e.g. MoE layers
+   without a working ``torch._grouped_mm``).
 """
 
 from __future__ import annotations
@@ -103,7 +108,13 @@ class DecodeGraphs:
         kv_heads = plan.layers[0].kv_heads_per_rank
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" \
             else 132
-        self.num_splits = {b: fixed_num_splits(b, kv_heads, sms, plan.max_model_len) for b in self.sizes}
+        if all(layer.kind == "mla" for layer in plan.layers):  # the MLA kernel's own rule (per head block)
+            from kvforge.kernels.triton_mla_decode import pinned_num_splits
+
+            heads = plan.layers[0].heads_per_rank
+            self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms) for b in self.sizes}
+        else:
+            self.num_splits = {b: fixed_num_splits(b, kv_heads, sms, plan.max_model_len) for b in self.sizes}
         dev, bmax = self.device, self.max_size
         self.i64 = torch.zeros((3, bmax), dtype=torch.int64, device=dev)
         self.i64[2].fill_(-1)

@@ -106,7 +106,7 @@ if HAS_TRITON:
         IS_FP8: tl.constexpr,
         FP8_QUERY: tl.constexpr,
         F16_DOT: tl.constexpr,
-        IEEE_DOT: tl.constexpr,
+        IEEE_DOT: tl.constexpr,  # dots in float32 (IEEE): q and the tile are upcast
         USE_SPLIT: tl.constexpr,
         CVT_ASM: tl.constexpr,
         IS_E5M2: tl.constexpr,
@@ -145,6 +145,9 @@ if HAS_TRITON:
             if F16_DOT:
                 ql = ql.to(tl.float16)
                 qr = qr.to(tl.float16)
+            if IEEE_DOT:
+                ql = ql.to(tl.float32)
+                qr = qr.to(tl.float32)
             row_scale = tl.zeros([BLOCK_H], dtype=tl.float32) + sm_scale_log2 * kv_scale
 
         lo = 0
@@ -207,17 +210,23 @@ if HAS_TRITON:
                      o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (r[None, :] < R))
 
 
+def _head_blocking(num_heads: int) -> tuple[int, int]:
+    """(heads per program, target programs per SM): 16 / 4 up to 16 heads, 32 / 2 up to 32, else 64 / 2."""
+    if num_heads <= 16:
+        return 16, 4
+    return (32 if num_heads <= 32 else 64), 2
+
+
 def choose_config(num_heads: int, elem_bytes: int, row_pad: int) -> dict:
     """Tile sizes and launch parameters, from the H200 sweep of benchmarks/bench_mla_decode.py (docs/MLA.md):
-    64-token tiles, 8 warps, 2 stages; 16 heads per program up to 16 heads, 64 above; ~4 programs per SM for
-    small head counts. Tiles shrink so that 2 stages of cache rows fit in 160 KB of shared memory
-    (float32 caches: 32 tokens)."""
-    block_h = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
+    64-token tiles, 8 warps, 2 stages, heads per program and programs per SM from :func:`_head_blocking`.
+    Tiles shrink so that 2 stages of cache rows fit in 160 KB of shared memory (float32 caches: 32 tokens)."""
+    block_h, programs_per_sm = _head_blocking(num_heads)
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * row_pad * elem_bytes > 160 * 1024:
         tile_n //= 2
     return dict(block_h=block_h, tile_n=tile_n, num_warps=8, num_stages=2, cvt_asm=False,
-                programs_per_sm=4 if num_heads <= 16 else 2)
+                programs_per_sm=programs_per_sm)
 
 
 def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int,
@@ -225,6 +234,13 @@ def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms
     """Split-K factor: about ``programs_per_sm`` programs per SM, no split under 256 tokens, at most MAX_SPLITS."""
     progs = max(1, num_seqs * head_blocks)
     return max(1, min(math.ceil(programs_per_sm * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
+
+
+def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """The split count this kernel picks (default config) for ``num_seqs`` sequences at context
+    ``max_seq_len``: what a CUDA graph of that batch pins (kvforge/engine/cuda_graphs.py)."""
+    block_h, programs_per_sm = _head_blocking(num_heads)
+    return decode_num_splits(num_seqs, -(-num_heads // block_h), max_seq_len, num_sms, programs_per_sm)
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -298,7 +314,11 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
     else:
         part_acc = part_ml = out
+    # Dot dtype (model-dtype query): fp8 tiles -> fp16 dots with a 16-bit query (fp8 -> fp16 is exact);
+    # a cache of the query's own 16-bit dtype -> that dtype; anything involving float32 or a bf16/fp16
+    # mix -> float32 IEEE dots, so a wider cache is never rounded down to the query's precision.
     f16_dot = is_fp8 and not fp8_query and q_latent.dtype != torch.float32
+    ieee_dot = not fp8_query and not f16_dot and (q_latent.dtype == torch.float32 or cache.dtype != q_latent.dtype)
     _mla_decode_kernel[(num_seqs, head_blocks, splits)](
         q_latent, q_rope, cache, out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
@@ -307,7 +327,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
         TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
-        IEEE_DOT=q_latent.dtype == torch.float32, USE_SPLIT=use_split,
+        IEEE_DOT=ieee_dot, USE_SPLIT=use_split,
         CVT_ASM=bool(cfg["cvt_asm"]) and f16_dot, IS_E5M2=cache.dtype == torch.float8_e5m2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

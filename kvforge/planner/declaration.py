@@ -55,16 +55,20 @@ class BlockSizes:
 class QuantizedQuery:
     """When a backend consumes a quantized (fp8) query instead of the model dtype.
 
-    Accepted only for KV dtypes in ``kv_dtypes`` and at least
-    ``min_heads_per_rank`` query heads per rank. ``QuantizedQuery.never()`` is
-    the explicit "model-dtype query only" declaration.
+    Accepted only for KV dtypes in ``kv_dtypes``, at least
+    ``min_heads_per_rank`` query heads per rank, and models whose dtype is in
+    ``model_dtypes`` (quantizing a float32 query is never what a float32 model
+    asked for). ``QuantizedQuery.never()`` is the explicit "model-dtype query
+    only" declaration.
     """
 
     kv_dtypes: frozenset[str]
     min_heads_per_rank: int = 1
+    model_dtypes: frozenset[str] = frozenset({"bfloat16", "float16"})
 
-    def accepts(self, kv_dtype: str, heads_per_rank: int) -> bool:
-        return kv_dtype in self.kv_dtypes and heads_per_rank >= self.min_heads_per_rank
+    def accepts(self, kv_dtype: str, heads_per_rank: int, model_dtype: str = "bfloat16") -> bool:
+        return (kv_dtype in self.kv_dtypes and heads_per_rank >= self.min_heads_per_rank
+                and model_dtype in self.model_dtypes)
 
     @staticmethod
     def never() -> QuantizedQuery:

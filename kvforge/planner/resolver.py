@@ -102,13 +102,16 @@ def _query_dtype(layer: _Layer, model_dtype: str) -> tuple[str, str]:
     if not is_quantized(layer.kv_dtype):
         return model_dtype, f"KV cache is {layer.kv_dtype} (not quantized): query uses the model dtype {model_dtype}"
     rule = layer.backend.quantized_query
-    if rule.accepts(layer.kv_dtype, layer.heads_per_rank):
+    if rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype):
         return layer.kv_dtype, (
             f"{layer.backend.name} declares a {layer.kv_dtype} query with {layer.kv_dtype} KV from "
             f"{rule.min_heads_per_rank} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
         )
     if layer.kv_dtype not in rule.kv_dtypes:
         why = f"{layer.backend.name} does not declare a quantized query for {layer.kv_dtype} KV"
+    elif model_dtype not in rule.model_dtypes:
+        why = (f"{layer.backend.name} quantizes the query only for {', '.join(sorted(rule.model_dtypes))} models; "
+               f"this model is {model_dtype}")
     else:
         why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only from {rule.min_heads_per_rank} heads "
                f"per rank; this layer has {layer.heads_per_rank}")
