@@ -150,8 +150,12 @@ class ModelRunner:
 
             why = graphs_unsupported_reason(self)
             if why is None:
-                self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
-            else:
+                try:
+                    self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
+                except RuntimeError as e:  # an op the capture forbids: serve eagerly, say why (stats, log)
+                    self.graphs = None
+                    why = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}); running eager"
+            if why is not None:
                 import logging
 
                 self.graphs_off_reason = why
