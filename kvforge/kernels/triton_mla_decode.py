@@ -255,8 +255,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     per-tensor scale (fp8 caches). ``query_dtype``: None (model dtype) or
     "fp8_e4m3" (e4m3 caches only). ``num_splits`` pins split-K (CUDA graphs).
     """
-    if not HAS_TRITON:
-        raise RuntimeError("the Triton MLA decode needs triton")
     if cache.dim() != 3:
         raise ValueError(f"MLA cache must be [num_blocks, block_size, R + P], got {tuple(cache.shape)}")
     t, h, r = q_latent.shape
@@ -283,6 +281,8 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                              "the model-dtype query for this KV dtype")
         if q_latent.dtype == torch.float32:
             raise ValueError("an fp8 query is for 16-bit models; float32 models keep the float32 query")
+    if not HAS_TRITON:  # after the argument checks, so bad calls are named the same everywhere
+        raise RuntimeError("the Triton MLA decode needs triton (pip install triton; CUDA only)")
     if out is None:
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     elif tuple(out.shape) != (t, h, r) or out.stride(-1) != 1:
