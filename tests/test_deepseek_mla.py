@@ -53,10 +53,10 @@ CASES = {
 }
 
 
-def _save_hf(tmp_path, case, dtype=torch.float32):
+def _save_hf(tmp_path, case, dtype=torch.float32, **overrides):
     cfg_cls, model_cls, extra = CASES[case]
     torch.manual_seed(0)
-    cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra})
+    cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra, **overrides})
     model = getattr(transformers, model_cls)(cfg).eval().float()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kernels.triton_cache_write import _FP8_MAX  # the same saturation limits as the GQA cache write
+
 try:  # Triton is optional: the CPU engine never imports this module's kernels.
     import triton
     import triton.language as tl
@@ -24,7 +26,6 @@ except ImportError:  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 if HAS_TRITON:

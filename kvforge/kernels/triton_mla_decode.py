@@ -37,6 +37,7 @@ import math
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels.triton_paged_attention import _FP8, _LOG2E, _num_sms
 
 try:  # Triton is optional (the CPU engine does not need it).
     import triton
@@ -56,18 +57,6 @@ QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
 #: KV dtypes an fp8 query can be paired with (the fp8 dot needs e4m3 x e4m3).
 QUANTIZED_QUERY_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
 MAX_SPLITS = 32
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_LOG2E = 1.4426950408889634
-_NUM_SMS: dict[int, int] = {}  # per-device SM count, cached (queried once per device)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 if HAS_TRITON:

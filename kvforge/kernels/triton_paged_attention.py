@@ -78,6 +78,9 @@ _LAST_LAUNCH: dict = {}  # diagnostics: the last compiled attention kernel (n_re
 
 
 def _num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (cached); 132 (an H100/H200) for other devices, e.g. the Triton interpreter."""
+    if device.type != "cuda":
+        return 132
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
