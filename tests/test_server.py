@@ -469,6 +469,19 @@ sys.exit(serve(create_app(FakeEngine(step_delay=0.02), shutdown_grace_s=30), "12
 """
 
 
+
+def _wait_healthy(proc, base: str, timeout_s: float, poll_s: float) -> None:
+    """Poll ``base``/health until it answers 200; fail with the server's output if it exits or times out."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if http("GET", base + "/health", timeout=1)[0] == 200:
+                return
+        except OSError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
+        time.sleep(poll_s)
+
 def test_sigterm_drains_in_flight_and_exits_zero():
     port = _free_port()
     code = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port)
@@ -476,15 +489,7 @@ def test_sigterm_drains_in_flight_and_exits_zero():
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                if http("GET", base + "/health", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
-            time.sleep(0.1)
+        _wait_healthy(proc, base, 30, 0.1)
 
         async def run():
             async with aiohttp.ClientSession() as session:
@@ -542,15 +547,7 @@ def test_serve_main_real_engine_sigterm():
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if http("GET", base + "/health", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
-            time.sleep(0.2)
+        _wait_healthy(proc, base, 120, 0.2)
         c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
         stream = c.completions.create(model=c.models.list().data[0].id, prompt="Hello", max_tokens=12,
                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
@@ -586,15 +583,7 @@ def test_serve_tensor_parallel_2_cpu(tmp_path):
     base = f"http://127.0.0.1:{port}"
     workers: list[int] = []
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if http("GET", base + "/health", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
-            time.sleep(0.2)
+        _wait_healthy(proc, base, 120, 0.2)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
         workers = [int(x) for x in children.read_text().split()] if children.exists() else []
         assert len(workers) == 1, f"expected one TP worker process under the server, found {workers}"

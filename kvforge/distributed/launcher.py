@@ -201,12 +201,7 @@ class TPLauncher:
             raise DistributedError(self.broken or "this tensor-parallel engine was shut down")
         self._counter_requests += 1
         n = self._counter_requests
-        try:
-            for p in self.procs:
-                p.stdin.write(b"c")
-                p.stdin.flush()
-        except OSError as e:
-            raise self.failure(e) from e
+        self._send_to_workers(b"c")
         deadline = time.monotonic() + timeout_s
         out = [self.runner.counters()]
         for rank in range(1, self.world_size):
@@ -243,9 +238,13 @@ class TPLauncher:
             self.broken = self._dead_message(dead)
         if self.broken:
             raise DistributedError(self.broken)
+        self._send_to_workers(b"s")
+
+    def _send_to_workers(self, command: bytes) -> None:
+        """Write a one-byte command to every worker's stdin (a broken pipe becomes the engine's failure)."""
         try:
             for p in self.procs:
-                p.stdin.write(b"s")
+                p.stdin.write(command)
                 p.stdin.flush()
         except OSError as e:
             raise self.failure(e) from e

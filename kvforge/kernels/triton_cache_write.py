@@ -33,6 +33,12 @@ _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 if HAS_TRITON:
 
     @triton.jit
+    def _saturate(x, FMAX: tl.constexpr):
+        """float32 -> NaN becomes 0, then clamp (+-inf included) to +-FMAX: the cache never holds NaN/inf."""
+        x = tl.where(x != x, 0.0, x)
+        return tl.minimum(tl.maximum(x, -FMAX), FMAX)
+
+    @triton.jit
     def _write_kv_kernel(
         k_ptr,
         v_ptr,
@@ -72,13 +78,8 @@ if HAS_TRITON:
         if IS_FP8:
             ks = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
             vs = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
-            kf = k.to(tl.float32) / ks[:, None]
-            vf = v.to(tl.float32) / vs[:, None]
-            # NaN -> 0, then saturate (+-inf included) to the format max.
-            kf = tl.where(kf != kf, 0.0, kf)
-            vf = tl.where(vf != vf, 0.0, vf)
-            kf = tl.minimum(tl.maximum(kf, -FMAX), FMAX)
-            vf = tl.minimum(tl.maximum(vf, -FMAX), FMAX)
+            kf = _saturate(k.to(tl.float32) / ks[:, None], FMAX)
+            vf = _saturate(v.to(tl.float32) / vs[:, None], FMAX)
             tl.store(dst, kf.to(cache_ptr.dtype.element_ty), mask=mask)
             tl.store(dst + stride_ckv, vf.to(cache_ptr.dtype.element_ty), mask=mask)
         else:

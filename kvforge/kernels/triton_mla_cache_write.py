@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.triton_cache_write import _FP8_MAX  # the same saturation limits as the GQA cache write
+from kvforge.kernels.triton_cache_write import _FP8_MAX  # the same saturation rule as the GQA cache write
 
 try:  # Triton is optional: the CPU engine never imports this module's kernels.
     import triton
@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover
 
 
 if HAS_TRITON:
+    from kvforge.kernels.triton_cache_write import _saturate
 
     @triton.jit
     def _write_mla_kernel(
@@ -60,12 +61,8 @@ if HAS_TRITON:
         kr = tl.load(rope_ptr + t * stride_rt + p, mask=p < P, other=0.0).to(tl.float32)
         if IS_FP8:
             inv = 1.0 / tl.load(scale_ptr)
-            c = c * inv
-            kr = kr * inv
-            c = tl.where(c != c, 0.0, c)  # NaN -> 0, then saturate (+-inf included)
-            kr = tl.where(kr != kr, 0.0, kr)
-            c = tl.minimum(tl.maximum(c, -FMAX), FMAX)
-            kr = tl.minimum(tl.maximum(kr, -FMAX), FMAX)
+            c = _saturate(c * inv, FMAX)
+            kr = _saturate(kr * inv, FMAX)
         tl.store(dst + r, c.to(cache_ptr.dtype.element_ty), mask=r < R)
         tl.store(dst + R + p, kr.to(cache_ptr.dtype.element_ty), mask=p < P)
 
