@@ -136,7 +136,10 @@ def test_every_declared_combination_matches_fp32_reference(decl):
     for model, kv, qd, heads, batch in declared_combinations(decl):
         cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", seed=heads + batch, model=model)
         out = torch.full_like(q_latent, float("nan"))  # poisoned: every row must be written
-        impl.mla_decode(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, query_dtype=qd, out=out)
+        try:
+            impl.mla_decode(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, query_dtype=qd, out=out)
+        except Exception as e:  # name the combination that failed to launch
+            raise AssertionError(f"(model, kv, query, heads, batch) = {(model, kv, qd, heads, batch)}: {e}") from e
         want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, meta, scale, 192 ** -0.5)
         assert torch.isfinite(out).all(), (model, kv, qd, heads, batch)
         err = ((out.float() - want).abs().max() / want.abs().max()).item()

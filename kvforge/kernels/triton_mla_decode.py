@@ -206,13 +206,14 @@ def _head_blocking(num_heads: int) -> tuple[int, int]:
     return (32 if num_heads <= 32 else 64), 2
 
 
-def choose_config(num_heads: int, elem_bytes: int, row_pad: int) -> dict:
+def choose_config(num_heads: int, dot_bytes: int, row_pad: int) -> dict:
     """Tile sizes and launch parameters, from the H200 sweep of benchmarks/bench_mla_decode.py (docs/MLA.md):
     64-token tiles, 8 warps, 2 stages, heads per program and programs per SM from :func:`_head_blocking`.
-    Tiles shrink so that 2 stages of cache rows fit in 160 KB of shared memory (float32 caches: 32 tokens)."""
+    Tiles shrink so that 2 stages of cache rows *in the dot's element size* (``dot_bytes``: 4 for float32
+    IEEE dots, whatever the cache stores) fit in 160 KB of shared memory (float32 dots: 32 tokens)."""
     block_h, programs_per_sm = _head_blocking(num_heads)
     tile_n = 64
-    while tile_n > 16 and 2 * tile_n * row_pad * elem_bytes > 160 * 1024:
+    while tile_n > 16 and 2 * tile_n * row_pad * dot_bytes > 160 * 1024:
         tile_n //= 2
     return dict(block_h=block_h, tile_n=tile_n, num_warps=8, num_stages=2, cvt_asm=False,
                 programs_per_sm=programs_per_sm)
@@ -286,9 +287,14 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     else:
         scale = meta.seq_lens  # unused placeholder
 
+    # Dot dtype (model-dtype query): fp8 tiles -> fp16 dots with a 16-bit query (fp8 -> fp16 is exact);
+    # a cache of the query's own 16-bit dtype -> that dtype; anything involving float32 or a bf16/fp16
+    # mix -> float32 IEEE dots, so a wider cache is never rounded down to the query's precision.
+    f16_dot = is_fp8 and not fp8_query and q_latent.dtype != torch.float32
+    ieee_dot = not fp8_query and not f16_dot and (q_latent.dtype == torch.float32 or cache.dtype != q_latent.dtype)
     r_pad = max(16, triton.next_power_of_2(r))
     p_pad = max(16, triton.next_power_of_2(p))
-    cfg = choose_config(h, cache.element_size(), r_pad + p_pad)
+    cfg = choose_config(h, 4 if ieee_dot else cache.element_size(), r_pad + p_pad)
     if _config:
         cfg.update(_config)
     block_h = cfg["block_h"]
@@ -303,11 +309,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
     else:
         part_acc = part_ml = out
-    # Dot dtype (model-dtype query): fp8 tiles -> fp16 dots with a 16-bit query (fp8 -> fp16 is exact);
-    # a cache of the query's own 16-bit dtype -> that dtype; anything involving float32 or a bf16/fp16
-    # mix -> float32 IEEE dots, so a wider cache is never rounded down to the query's precision.
-    f16_dot = is_fp8 and not fp8_query and q_latent.dtype != torch.float32
-    ieee_dot = not fp8_query and not f16_dot and (q_latent.dtype == torch.float32 or cache.dtype != q_latent.dtype)
     _mla_decode_kernel[(num_seqs, head_blocks, splits)](
         q_latent, q_rope, cache, out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
