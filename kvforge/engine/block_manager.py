@@ -263,7 +263,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        # Only tokens whose ids are known can be hashed (a token in flight may be computed already).
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._ensure_hashes(seq, num_full)

@@ -200,6 +200,7 @@ class DecodeGraphs:
     def run(self, host) -> torch.Tensor:
         """Replay for a decode-only step; returns hidden states of the ``n`` real rows."""
         b = self.load(host)
+        self.runner.patch_placeholders(self.i64[0, :host.num_seqs], host)
         if b not in self.graphs:
             # capture=False (CPU tests): the same static, padded inputs, run eagerly.
             ids, pos, meta = self._inputs(b)

@@ -19,6 +19,7 @@ from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.overlap import InflightStep, copy_tokens_to_host
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
@@ -69,6 +70,9 @@ class LLMEngine:
         from kvforge.models.registry import resolve_architecture
 
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
+        if self.spec.rings and args.async_scheduling:
+            raise ConfigError("--async-scheduling is not supported for ring (CsaRing) models: their per-request "
+                              "state slots are bound to the synchronous step; drop --async-scheduling")
         if self.spec.rings and args.tensor_parallel_size > 1:
             raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet; "
                               "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
@@ -127,6 +131,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.prefill_tokens_computed = 0
+        self.async_scheduling = bool(args.async_scheduling)
+        self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.startup_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -218,6 +224,10 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs of the sequences that got a token.
+        With ``async_scheduling`` those are the previous launch's (kvforge/engine/overlap.py)."""
+        if self.async_scheduling:
+            return self._step_overlapped()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -256,6 +266,61 @@ class LLMEngine:
         self.generation_tokens_total += len(sampled)
         self.num_steps += 1
         return [seq.to_request_output() for seq in sampled_seqs]
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        launched = None
+        if not out.is_empty:
+            if out.blocks_to_copy:
+                self.pool.copy_blocks(out.blocks_to_copy)
+                self.runner.invalidate_block_tables()
+            launched = self._launch(out, self._inflight)
+        outputs = self._resolve(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        return outputs
+
+    def _launch(self, out, prev: InflightStep | None) -> InflightStep:
+        """Run ``out`` on the device without waiting for its tokens. A token still in flight from
+        ``prev`` is a placeholder gathered on the device from ``prev.token_ids``."""
+        chunks, rows, sampled_seqs, offset = [], [], [], 0
+        ph_rows, ph_src = [], []
+        for s in out.scheduled:
+            seq = s.seq
+            end = s.start_pos + s.num_new_tokens
+            if end > seq.num_tokens:  # the last new token is the one sampled by the step in flight
+                chunks.append((seq.token_ids_slice(s.start_pos, seq.num_tokens) + [0], s.start_pos, seq.block_table))
+                ph_rows.append(offset + s.num_new_tokens - 1)
+                ph_src.append(prev.row_of[seq.request_id])
+            else:
+                chunks.append((s.token_ids, s.start_pos, seq.block_table))
+            offset += s.num_new_tokens
+            if s.do_sample:
+                rows.append(offset - 1)
+                sampled_seqs.append(seq)
+            if s.start_pos < seq.num_prompt_tokens:
+                self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
+            if s.start_pos == 0 and seq.num_output_tokens == 0 and not seq.num_pending:
+                self.prompt_tokens_total += seq.num_prompt_tokens
+        placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
+        logits = self.runner.run(chunks, rows, placeholders=placeholders)
+        if sampled_seqs:
+            result = self.sampler.sample_sequences(logits, sampled_seqs)
+            token_ids, logprobs = result.token_ids, result.logprobs
+        else:
+            token_ids, logprobs = torch.empty(0, dtype=torch.long, device=logits.device), []
+        host_tokens, ready = copy_tokens_to_host(token_ids)
+        self.scheduler.advance(out)
+        return InflightStep(out, sampled_seqs, token_ids, host_tokens, logprobs, ready,
+                            {seq.request_id: i for i, seq in enumerate(sampled_seqs)})
+
+    def _resolve(self, step: InflightStep) -> list[RequestOutput]:
+        tokens = step.wait_tokens()
+        sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
+        live = [seq for seq in step.sampled_seqs if not seq.is_finished]
+        self.scheduler.resolve(step.out, sampled)
+        self.generation_tokens_total += len(live)
+        self.num_steps += 1
+        return [seq.to_request_output() for seq in live]
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -84,12 +84,17 @@ class _TableCache:
 class HostStep:
     """One step's inputs as host numpy arrays (filled by :meth:`ModelRunner.build_host`)."""
 
-    __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len")
+    __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len",
+                 "placeholders")
 
-    def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len):
+    def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len,
+                 placeholders=None):
         self.ids, self.pos, self.slots = ids, pos, slots
         self.qsl, self.seq_lens, self.tables, self.rows = qsl, seq_lens, tables, rows
         self.max_query_len, self.max_seq_len = max_query_len, max_seq_len
+        # Overlapped scheduling (kvforge/engine/overlap.py): None, or (token rows [k], source rows [k],
+        # device tensor) meaning ids[token rows] = tensor[source rows], gathered on the device.
+        self.placeholders = placeholders
 
     @property
     def num_seqs(self) -> int:
@@ -330,13 +335,28 @@ class ModelRunner:
                 and not self.needs_calibration)
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None) -> torch.Tensor:
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None) -> torch.Tensor:
         """Run one step; return float32 logits for ``logits_rows`` (flat token
-        indices), or for every token when ``logits_rows`` is None."""
+        indices), or for every token when ``logits_rows`` is None. ``placeholders``:
+        see ``HostStep.placeholders`` (the ids at those rows in ``chunks`` are ignored)."""
         host = self.build_host(chunks, logits_rows)
+        host.placeholders = placeholders
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None  # every row, in order: no gather
         return self.execute(host, self.wants_graph(host))
+
+    def patch_placeholders(self, ids: torch.Tensor, host: HostStep) -> None:
+        """Fill in-flight input ids on the device (``HostStep.placeholders``), stream-ordered
+        after the host->device copy of ``ids`` and after the step that sampled them."""
+        if host.placeholders is None:
+            return
+        rows, src, tokens = host.placeholders
+        idx = torch.from_numpy(np.stack([np.asarray(rows, dtype=np.int64), np.asarray(src, dtype=np.int64)]))
+        if self.device.type != "cpu":
+            if self._pin:
+                idx = idx.pin_memory()
+            idx = idx.to(self.device, non_blocking=True)
+        ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
     def execute(self, host: HostStep, use_graph: bool) -> torch.Tensor | None:
         """One step from host arrays: graph replay (``use_graph``) or eager; the model's logits
@@ -351,6 +371,7 @@ class ModelRunner:
                 hidden = hidden[rows.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden)
         input_ids, positions, meta, rows = self._to_device(host)
+        self.patch_placeholders(input_ids, host)
         self._ring_targets = self._ring_step_targets(host)
         try:
             hidden = self.forward(input_ids, positions, meta)

@@ -227,7 +227,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = seq.num_tokens - seq.num_computed_tokens
+            if seq.num_pending and self._reaches_length_limit(seq):
+                i += 1  # its in-flight token ends it (max_tokens / max_model_len): nothing more to compute
+                continue
+            n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill:
                     i += 1
@@ -244,13 +247,15 @@ class Scheduler:
             if self_preempted:
                 break
             start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens))
+            out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens + seq.num_pending))
             budget -= n
             i += 1
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.num_pending:
+                    break  # preempted while its token was in flight: admitted after resolve() (next step)
                 cached = bm.lookup_prefix(seq)
                 num_cached = len(cached) * bm.block_size
                 n = seq.num_tokens - num_cached
@@ -274,51 +279,88 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict) -> list[Sequence]:
-        """Apply a finished step. ``sampled[request_id] = (token_id, logprobs | None)``
-        (or just a token id) for every scheduled sequence with ``do_sample``.
+        """Apply a finished step (synchronous engine): :meth:`advance` then :meth:`resolve`.
+        ``sampled[request_id] = (token_id, logprobs | None)`` (or just a token id) for every
+        scheduled sequence with ``do_sample``.
 
         Returns the sequences that finished in this step (their blocks are freed).
         Sequences aborted after ``schedule()`` are skipped.
         """
-        bm = self.block_manager
-        finished: list[Sequence] = []
+        self.advance(output)
+        return self.resolve(output, sampled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step was launched: its tokens count as computed, and each sequence due a sample
+        now has one token in flight (``num_pending``) until :meth:`resolve` gives its value.
+        The overlapped engine calls this at launch and schedules the next step before the
+        sampled tokens are known (kvforge/engine/overlap.py)."""
         for s in output.scheduled:
             seq = s.seq
             if seq.is_finished or seq.status != SequenceStatus.RUNNING:
                 continue
             if seq.num_computed_tokens != s.start_pos:
                 raise RuntimeError(
-                    f"update: {seq.request_id} has {seq.num_computed_tokens} computed tokens, "
-                    f"the step started at {s.start_pos} (update applied twice?)"
+                    f"advance: {seq.request_id} has {seq.num_computed_tokens} computed tokens, "
+                    f"the step started at {s.start_pos} (step applied twice?)"
                 )
             seq.num_computed_tokens += s.num_new_tokens
-            bm.cache_full_blocks(seq)
-            if not s.do_sample:
+            if s.do_sample:
+                seq.num_pending += 1
+
+    def resolve(self, output: SchedulerOutput, sampled: dict) -> list[Sequence]:
+        """Give an advanced step's sampled tokens their values: append, detokenize, check stop
+        conditions, register full blocks in the prefix cache, free finished sequences.
+
+        A sequence preempted after its step was launched (it is WAITING again) still gets its
+        token: the token was sampled from a correct context, and its recompute prompt is
+        prompt + outputs. Finished (e.g. aborted) sequences are skipped.
+        """
+        bm = self.block_manager
+        finished: list[Sequence] = []
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.is_finished:
                 continue
-            try:
-                entry = sampled[seq.request_id]
-            except KeyError:
-                raise KeyError(
-                    f"update: no sampled token for {seq.request_id!r}, which was due one"
-                ) from None
-            if isinstance(entry, tuple):
-                token, lps = entry
+            if s.do_sample:
+                if seq.num_pending < 1:
+                    raise RuntimeError(f"resolve: {seq.request_id} has no token in flight (resolved twice?)")
+                try:
+                    entry = sampled[seq.request_id]
+                except KeyError:
+                    raise KeyError(
+                        f"resolve: no sampled token for {seq.request_id!r}, which was due one"
+                    ) from None
+                seq.num_pending -= 1
+                if isinstance(entry, tuple):
+                    token, lps = entry
+                else:
+                    token, lps = entry, None
+                token = int(token)
+                seq.append_token(token, lps)
+                if seq.detokenizer is not None:
+                    seq.detokenizer.add_tokens([token])
+                bm.cache_full_blocks(seq)  # before a finish frees them: later requests may share them
+                status, reason = self._stop_reason(seq, token)
+                if status is not None:
+                    if seq.status == SequenceStatus.WAITING:
+                        self.waiting.remove(seq)
+                    seq.finish(status, reason)
+                    bm.free(seq)
+                    self.requests.pop(seq.request_id, None)
+                    finished.append(seq)
             else:
-                token, lps = entry, None
-            token = int(token)
-            seq.append_token(token, lps)
-            if seq.detokenizer is not None:
-                seq.detokenizer.add_tokens([token])
-            status, reason = self._stop_reason(seq, token)
-            if status is not None:
-                seq.finish(status, reason)
-                bm.free(seq)
-                self.requests.pop(seq.request_id, None)
-                finished.append(seq)
+                bm.cache_full_blocks(seq)
         if finished:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]
         return finished
+
+    def _reaches_length_limit(self, seq: Sequence) -> bool:
+        """Whether the tokens in flight already reach ``max_tokens`` or ``max_model_len``."""
+        p = seq.params
+        if p.max_tokens is not None and seq.num_output_tokens + seq.num_pending >= p.max_tokens:
+            return True
+        return seq.num_tokens + seq.num_pending >= self.max_model_len
 
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params

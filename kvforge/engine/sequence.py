@@ -88,6 +88,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.arrival = next(_arrival_counter) if arrival is None else arrival
         self.num_computed_tokens = 0
+        # Sampled tokens whose values are not known yet (the overlapped engine: 0 or 1).
+        self.num_pending = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0

@@ -1,0 +1,104 @@
+"""Overlapped scheduling (``--async-scheduling``, kvforge/engine/overlap.py) against the synchronous
+engine on the real SmolLM2 GGUF (CPU): the same tokens, text, logprobs and finish reasons under
+natural EOS, stop strings, seeded sampling, preemption, prefix-cache hits and aborts; the same
+accounting; bad combinations fail before weights load."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvforge import SamplingParams
+from kvforge.config import EngineArgs
+from kvforge.errors import ConfigError
+
+from test_engine_smollm2 import FP32_BLOCK_BYTES, PROMPTS
+
+
+def _summary(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40),  # natural EOS ends some requests early
+    SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=7),
+    SamplingParams(temperature=0, max_tokens=30, stop=[".", "\n"]),
+    SamplingParams(temperature=0.7, max_tokens=12, seed=3, logprobs=3),
+], ids=["greedy-eos", "seeded", "stop-strings", "logprobs"])
+def test_async_equals_sync(smol_llm, params):
+    sync = smol_llm()
+    overlapped = smol_llm(async_scheduling=True)
+    want = sync.generate(PROMPTS, params, use_tqdm=False)
+    got = overlapped.generate(PROMPTS, params, use_tqdm=False)
+    assert _summary(got) == _summary(want)
+    if params.logprobs:
+        for a, b in zip(got, want):
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    reasons = {o.outputs[0].finish_reason for o in want}
+    if params.stop or params.max_tokens == 40:
+        assert "stop" in reasons, "the case must end some requests before max_tokens"
+    stats = overlapped.engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+
+
+def test_async_accounting_matches_sync(smol_llm):
+    params = SamplingParams(temperature=0, max_tokens=20)
+    sync, overlapped = smol_llm(seed=11), smol_llm(seed=11, async_scheduling=True)
+    before = [e.engine.stats() for e in (sync, overlapped)]
+    outs = [e.generate(PROMPTS[:6], params, use_tqdm=False) for e in (sync, overlapped)]
+    after = [e.engine.stats() for e in (sync, overlapped)]
+    delta = [{k: a[k] - b[k] for k in ("prompt_tokens_total", "generation_tokens_total",
+                                       "prefill_tokens_computed")} for a, b in zip(after, before)]
+    assert delta[0] == delta[1]
+    assert delta[1]["generation_tokens_total"] == sum(len(o.outputs[0].token_ids) for o in outs[1])
+
+
+def test_async_preemption_keeps_outputs(smol_llm):
+    params = SamplingParams(temperature=0, max_tokens=16)
+    base = smol_llm()
+    small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192, async_scheduling=True)
+    expect = [o.outputs[0].token_ids for o in base.generate(PROMPTS[:8], params, use_tqdm=False)]
+    before = small.engine.stats()["num_preemptions"]
+    got = small.generate(PROMPTS[:8], params, use_tqdm=False)
+    stats = small.engine.stats()
+    assert stats["num_preemptions"] > before, "the test must actually preempt"
+    assert [o.outputs[0].token_ids for o in got] == expect
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_async_prefix_cache_hit(smol_llm):
+    llm = smol_llm(async_scheduling=True, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    shared = ("You are a helpful assistant. Answer briefly and precisely. Context: the Eiffel tower is in "
+              "Paris, the Colosseum is in Rome, and the Sagrada Familia is in Barcelona. ")
+    llm.generate(shared + "Where is the Colosseum?", params, use_tqdm=False)
+    second = llm.generate(shared + "Where is the Eiffel tower?", params, use_tqdm=False)[0]
+    assert second.num_cached_tokens >= 32
+    plain = smol_llm(enable_prefix_caching=False)
+    want = plain.generate(shared + "Where is the Eiffel tower?", params, use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_async_abort_in_flight(smol_llm):
+    """Aborting a request whose token is in flight frees it at once; the others are unaffected."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = smol_llm().generate(PROMPTS[:3], params, use_tqdm=False)
+    engine = smol_llm(async_scheduling=True, seed=9).engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(f"r{i}", p, params)
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.requests["r1"].num_pending == 1
+    engine.abort_request("r1")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert "r1" not in done
+    assert done["r0"] == want[0].outputs[0].token_ids and done["r2"] == want[2].outputs[0].token_ids
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_async_scheduling_refuses_tensor_parallel():
+    with pytest.raises(ConfigError, match="async-scheduling.*tensor parallel"):
+        EngineArgs(async_scheduling=True, tensor_parallel_size=2)
