@@ -385,9 +385,17 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype)
 
-    def forward(self, rope, x: torch.Tensor, attn, rotary: DeepseekRotary) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), attn, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, rope, x: torch.Tensor, residual: torch.Tensor | None, attn, rotary: DeepseekRotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``, the residual add left to the next norm: see ``LlamaDecoderLayer.forward``."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, attn, rotary)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -444,9 +452,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary
         rope = rotary.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(rope, h, attn, rotary)
-        return self.model.norm(h)
+            h, residual = layer(rope, h, residual, attn, rotary)
+        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,12 +1,15 @@
 """Building blocks shared by the decoder models: RMSNorm, rotary embedding, gated MLP.
 
 Everything here is device-agnostic PyTorch and works on a flat batch of tokens
-(``[T, ...]``), which is what the model runner feeds.
+(``[T, ...]``), which is what the model runner feeds. On CUDA, RMSNorm (with the
+residual add), rope and SiLU*mul dispatch to fused Triton kernels (see
+``FUSED_KERNELS`` below); the PyTorch code stays the reference.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -15,16 +18,72 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 
+# ---------------------------------------------------------------------------
+# Fused Triton kernels (kvforge/kernels/triton_{rms_norm,silu_mul,rope}.py)
+# ---------------------------------------------------------------------------
+# RMSNorm (with or without the residual add), SiLU*mul and rope dispatch to one
+# Triton kernel each when the tensor is on a device in FUSED_DEVICES, triton is
+# importable, FUSED_KERNELS is true and autograd is off (the kernels are
+# inference-only). Everything else, in particular every CPU tensor, takes the
+# plain PyTorch code below, which is the oracle the kernels are tested against
+# (tests/test_fused_elementwise.py). KVFORGE_DISABLE_FUSED_KERNELS=1 in the
+# environment (read at import) turns the kernels off; so does setting
+# ``kvforge.models.layers.FUSED_KERNELS = False`` before a forward (and before
+# CUDA-graph capture, which records whichever path ran).
+FUSED_KERNELS = os.environ.get("KVFORGE_DISABLE_FUSED_KERNELS", "0").strip().lower() in ("", "0", "false", "no")
+FUSED_DEVICES = ("cuda",)  # tests add "cpu" to run the kernels in Triton's interpreter
+_kernels = None  # (rms_norm module, silu_mul module, rope module), or False without triton
+
+
+def _fused_kernels(x: torch.Tensor):
+    """The kernel modules when ``x`` should take the fused path, else None."""
+    global _kernels
+    if not FUSED_KERNELS or x.device.type not in FUSED_DEVICES or torch.is_grad_enabled():
+        return None
+    if _kernels is None:
+        from kvforge.kernels import triton_rms_norm, triton_rope, triton_silu_mul
+
+        ok = triton_rms_norm.HAS_TRITON and triton_rope.HAS_TRITON and triton_silu_mul.HAS_TRITON
+        _kernels = (triton_rms_norm, triton_silu_mul, triton_rope) if ok else False
+    return _kernels or None
+
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 and cast back (as HF Llama)."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 and cast back (as HF Llama).
+
+    ``forward(x, residual)`` first forms the residual stream ``s = x + residual``
+    (in the model dtype, as a plain ``+``) and returns ``(norm(s), s)``: the
+    decoder layers call it so that the residual add and the next norm are one
+    kernel on GPU. ``forward(x)`` returns ``norm(x)``.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None):
         super().__init__()
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        k = _fused_kernels(x)
+        if residual is None:
+            if k is not None and x.numel() and x.dim() <= 3 and x.stride(-1) == 1:
+                return k[0].rms_norm(x, self.weight, self.eps)
+            return self._norm(x)
+        if (
+            k is not None
+            and x.numel()
+            and x.dim() <= 3
+            and x.shape == residual.shape
+            and x.dtype == residual.dtype
+            and x.stride(-1) == 1
+            and residual.stride(-1) == 1
+        ):
+            return k[0].fused_add_rms_norm(x, residual, self.weight, self.eps)
+        s = x + residual
+        return self._norm(s), s
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -151,6 +210,19 @@ class RotaryEmbedding(nn.Module):
         self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin
+        kern = _fused_kernels(q)
+        if (
+            kern is not None
+            and q.dim() == 3
+            and k.dim() == 3
+            and q.shape[0] > 0
+            and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and cos.stride(-1) == 1
+            and sin.stride(-1) == 1
+        ):
+            return kern[2].rope_qk(q, k, cos, sin, self.rotary_dim)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def forward(
@@ -194,7 +266,11 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        k = _fused_kernels(gate_up)
+        if k is not None and self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self.down_proj(k[1].silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

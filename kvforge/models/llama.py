@@ -128,10 +128,27 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, bias=a.mlp_bias, dtype=dtype)
 
     def forward(
-        self, rope: RopeCache, x: torch.Tensor, attn: AttnFn, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), attn, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        rope: RopeCache,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn: AttnFn,
+        rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, residual)``: the layer's output stream is ``residual + mlp_out``, left unsummed.
+
+        The stream entering the layer is ``x`` (first layer: ``residual is None``)
+        or ``x + residual``; each sum is formed inside the following norm call
+        (one fused kernel on GPU), in the same dtype and with the same operands
+        as ``x = x + sublayer(norm(x))``, so the values are unchanged.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, attn, rotary)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -170,9 +187,10 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary
         rope = rotary.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(rope, h, attn, rotary)
-        return self.model.norm(h)
+            h, residual = layer(rope, h, residual, attn, rotary)
+        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
