@@ -50,6 +50,8 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 if HAS_TRITON:
+    from triton.runtime.errors import OutOfResources
+
     from kvforge.kernels.triton_paged_attention import _fp8_to_f16, _merge_splits_kernel
 
 #: Query dtypes the kernel implements besides the model dtype.
@@ -57,6 +59,10 @@ QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
 #: KV dtypes an fp8 query can be paired with (the fp8 dot needs e4m3 x e4m3).
 QUANTIZED_QUERY_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
 MAX_SPLITS = 32
+#: Process-wide memo (why global: a compile-time fact about this GPU and Triton, the same for every engine):
+#: (heads, q dtype, cache dtype, R, P, block size, fp8 query) -> tile_n / block_h that fit in shared memory
+#: after the default ran out (see the OutOfResources fallback in mla_decode).
+_SHRUNK_CONFIGS: dict[tuple, dict] = {}
 
 
 if HAS_TRITON:
@@ -294,33 +300,50 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     ieee_dot = not fp8_query and not f16_dot and (q_latent.dtype == torch.float32 or cache.dtype != q_latent.dtype)
     r_pad = max(16, triton.next_power_of_2(r))
     p_pad = max(16, triton.next_power_of_2(p))
+    shape_key = (h, q_latent.dtype, cache.dtype, r, p, bs, fp8_query)
     cfg = choose_config(h, 4 if ieee_dot else cache.element_size(), r_pad + p_pad)
+    cfg.update(_SHRUNK_CONFIGS.get(shape_key, {}))
     if _config:
         cfg.update(_config)
-    block_h = cfg["block_h"]
-    head_blocks = -(-h // block_h)
-    if num_splits is None:
-        num_splits = decode_num_splits(num_seqs, head_blocks, meta.max_seq_len, _num_sms(q_latent.device),
+    while True:
+        block_h = cfg["block_h"]
+        head_blocks = -(-h // block_h)
+        splits = num_splits
+        if splits is None:
+            splits = decode_num_splits(num_seqs, head_blocks, meta.max_seq_len, _num_sms(q_latent.device),
                                        cfg["programs_per_sm"])
-    splits = max(1, min(int(num_splits), MAX_SPLITS))
-    use_split = splits > 1
-    if use_split:
-        part_acc = torch.empty((t, h, splits, r_pad), dtype=torch.float32, device=q_latent.device)
-        part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
-    else:
-        part_acc = part_ml = out
-    _mla_decode_kernel[(num_seqs, head_blocks, splits)](
-        q_latent, q_rope, cache, out, part_acc, part_ml,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-        float(softmax_scale) * _LOG2E, splits,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
-        NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
-        TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
-        IEEE_DOT=ieee_dot, USE_SPLIT=use_split,
-        CVT_ASM=bool(cfg["cvt_asm"]) and f16_dot, IS_E5M2=cache.dtype == torch.float8_e5m2,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+        splits = max(1, min(int(splits), MAX_SPLITS))
+        use_split = splits > 1
+        if use_split:
+            part_acc = torch.empty((t, h, splits, r_pad), dtype=torch.float32, device=q_latent.device)
+            part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
+        else:
+            part_acc = part_ml = out
+        try:
+            _mla_decode_kernel[(num_seqs, head_blocks, splits)](
+                q_latent, q_rope, cache, out, part_acc, part_ml,
+                meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                float(softmax_scale) * _LOG2E, splits,
+                q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+                out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+                NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
+                TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
+                IEEE_DOT=ieee_dot, USE_SPLIT=use_split,
+                CVT_ASM=bool(cfg["cvt_asm"]) and f16_dot, IS_E5M2=cache.dtype == torch.float8_e5m2,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
+            break
+        except OutOfResources:
+            # Shared memory is known only after compiling (e.g. a float32 dot over a 16-bit query
+            # stages converted operands): halve the token tile, then the heads per program, and
+            # remember the shape's working config. Happens at the first call (before any graph capture).
+            if cfg["tile_n"] > 16:
+                cfg["tile_n"] //= 2
+            elif cfg["block_h"] > 16:
+                cfg["block_h"] //= 2
+            else:
+                raise
+            _SHRUNK_CONFIGS[shape_key] = {"tile_n": cfg["tile_n"], "block_h": cfg["block_h"]}
     if use_split:
         _merge_splits_kernel[(t, h)](
             part_acc, part_ml, out, meta.query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
