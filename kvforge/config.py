@@ -51,7 +51,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not for ring models), off otherwise
     skip_tokenizer_init: bool = False
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
@@ -89,9 +89,9 @@ class EngineArgs:
         parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-        parser.add_argument("--async-scheduling", action="store_true",
-                            help="overlap the host's scheduling and output work with the GPU's step "
-                                 "(one step in flight; TP=1 only)")
+        parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                            help="overlap the host's scheduling and output work with the GPU's step (one step "
+                                 "in flight). Default: on for CUDA at TP=1, off on CPU and at TP>1")
         parser.add_argument("--skip-tokenizer-init", action="store_true")
         parser.add_argument("--kv-scale-multiplier", type=float, default=1.0,
                             help="diagnostic: multiply every fp8 KV scale (e.g. 100 to show a broken scale)")

@@ -131,7 +131,10 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.prefill_tokens_computed = 0
-        self.async_scheduling = bool(args.async_scheduling)
+        # Overlap only pays where the device runs asynchronously to the host (CUDA); TP>1 and ring models
+        # keep the synchronous loop (explicit requests for them were refused above / in EngineArgs).
+        self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
+                                 else platform == "cuda" and self.tp is None and not self.spec.rings)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.startup_seconds = time.perf_counter() - t0
 
@@ -338,6 +341,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "graph_steps": self.runner.num_graph_steps,
             "eager_steps": self.runner.num_eager_steps,
+            "async_scheduling": self.async_scheduling,
         }
 
     def rank_counters(self) -> list[dict]:
