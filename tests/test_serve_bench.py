@@ -148,3 +148,19 @@ def test_word_list_is_deterministic():
     rng = random.Random(3)
     p = sb.build_prompt("x", 10, rng)
     assert p.startswith("[x] ") and len(p.split()) == 11
+
+
+def test_offline_roofline_hand_computed():
+    """Two requests (inputs 10 and 20 tokens, outputs 3 and 2), 1000 weight bytes, 10 KV bytes per token,
+    1000 B/s, 100 parameters, 1000 FLOP/s, 800 FLOPs per decode token. Decode step 1 runs both requests
+    (contexts 11 + 21): weights 1.0 s, KV 0.32 s, FLOPs 1600 -> 1.6 s, so 1.32 s bytes-only and 1.6 + 0.32
+    compute-aware. Step 2 runs the first (context 12): 1.0 + 0.12 either way (FLOPs 0.8 s < 1.0 s).
+    Prefill 2 x 100 x 30 / 1000 = 6 s."""
+    from kvforge.bench.offline import _roofline
+
+    r = _roofline([10, 20], [3, 2], 1000, 10, 1000.0, 100, 1000.0, 800.0)
+    assert r["decode_floor_s"] == pytest.approx(2.44)
+    assert r["decode_floor_compute_aware_s"] == pytest.approx(1.92 + 1.12)
+    assert r["prefill_floor_s"] == pytest.approx(6.0)
+    assert r["floor_s"] == pytest.approx(8.44) and r["floor_compute_aware_s"] == pytest.approx(9.04)
+    assert "floor_compute_aware_s" not in _roofline([10, 20], [3, 2], 1000, 10, 1000.0, 100, 1000.0)
