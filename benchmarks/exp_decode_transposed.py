@@ -44,12 +44,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
-from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kvforge.kernels.triton_paged_attention import _FP8, _LOG2E, _merge_splits_kernel, _num_sms  # noqa: E402
+from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
+from kvforge.kernels.triton_paged_attention import (  # noqa: E402
+    _FP8,
+    _LOG2E,
+    _merge_splits_kernel,
+    _num_sms,
+    paged_attention,  # noqa: E402
+)
 
 _LAST_LAUNCH: dict = {}  # diagnostics: the last compiled kernel (n_regs)
 

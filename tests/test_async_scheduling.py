@@ -6,12 +6,11 @@ accounting; bad combinations fail before weights load."""
 from __future__ import annotations
 
 import pytest
+from test_engine_smollm2 import FP32_BLOCK_BYTES, PROMPTS
 
 from kvforge import SamplingParams
 from kvforge.config import EngineArgs
 from kvforge.errors import ConfigError
-
-from test_engine_smollm2 import FP32_BLOCK_BYTES, PROMPTS
 
 
 def _summary(outs):
