@@ -51,7 +51,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not for ring models), off otherwise
+    async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not ring models), off otherwise
     skip_tokenizer_init: bool = False
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
@@ -68,9 +68,6 @@ class EngineArgs:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.distributed_timeout_s > 0:
             raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ConfigError("--async-scheduling is not supported with tensor parallelism yet (the other ranks "
-                              "would need the in-flight tokens); drop it or use --tensor-parallel-size 1")
         if not self.kv_scale_multiplier > 0:
             raise ConfigError(f"--kv-scale-multiplier must be > 0, got {self.kv_scale_multiplier}")
 
@@ -91,7 +88,7 @@ class EngineArgs:
         parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                             help="overlap the host's scheduling and output work with the GPU's step (one step "
-                                 "in flight). Default: on for CUDA at TP=1, off on CPU and at TP>1")
+                                 "in flight). Default: on for CUDA at TP=1, off on CPU and at TP>1 (where it can be turned on)")
         parser.add_argument("--skip-tokenizer-init", action="store_true")
         parser.add_argument("--kv-scale-multiplier", type=float, default=1.0,
                             help="diagnostic: multiply every fp8 KV scale (e.g. 100 to show a broken scale)")

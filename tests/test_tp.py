@@ -221,3 +221,30 @@ def test_tp2_static_decode_path_follows_rank0(tmp_path, engines, monkeypatch):
     d0, d1 = tp2.engine.rank_counters()
     assert d0["num_graph_steps"] == d1["num_graph_steps"] == c0["num_graph_steps"]
     assert d1["num_eager_steps"] == d0["num_eager_steps"] > c0["num_eager_steps"]
+
+
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static-decode"])
+def test_tp2_async_scheduling_matches_tp1(tmp_path, engines, monkeypatch, static_decode):
+    """--async-scheduling at TP=2: rank 0 broadcasts each step's sampled tokens after sampling and the worker
+    gathers its next in-flight input ids from them (also into the graph path's static buffers). Greedy
+    tokens (batched, chunked prefill, shared prefixes) and a stop token equal the synchronous TP=1 engine."""
+    from kvforge.engine.model_runner import STATIC_DECODE_ENV
+
+    cfg = _save(tmp_path, "llama_split")
+    reqs = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)]
+    tp1 = engines(tmp_path)
+    want = [o.outputs[0].token_ids for o in tp1.generate(reqs, GREEDY, use_tqdm=False)]
+    stop_at = want[1][3]
+    stop = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at])
+    want_stop = [o.outputs[0].token_ids for o in tp1.generate(reqs, stop, use_tqdm=False)]
+    if static_decode:
+        monkeypatch.setenv(STATIC_DECODE_ENV, "1")  # inherited by the worker process
+    tp2 = engines(tmp_path, tensor_parallel_size=2, async_scheduling=True)
+    assert tp2.engine.async_scheduling
+    assert [o.outputs[0].token_ids for o in tp2.generate(reqs, GREEDY, use_tqdm=False)] == want
+    assert [o.outputs[0].token_ids for o in tp2.generate(reqs, stop, use_tqdm=False)] == want_stop
+    c0, c1 = tp2.engine.rank_counters()
+    assert (c1["num_graph_steps"], c1["num_eager_steps"]) == (c0["num_graph_steps"], c0["num_eager_steps"])
+    if static_decode:
+        assert c0["num_graph_steps"] >= 5
+    assert tp2.engine.stats()["kv_blocks_used"] == 0

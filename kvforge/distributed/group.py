@@ -42,6 +42,11 @@ class TPGroup:
         dist.gather(t, None, dst=0)
         return None
 
+    def broadcast_device_(self, t: torch.Tensor) -> torch.Tensor:
+        """In-place broadcast of ``t`` from rank 0 over the device group (NCCL on GPUs, gloo on CPU)."""
+        dist.broadcast(t, 0)
+        return t
+
     def broadcast_host(self, arr: np.ndarray | None, dtype, n: int) -> np.ndarray:
         """Broadcast a 1-D host array of ``n`` elements from rank 0 over the gloo group."""
         if self.rank == 0:

@@ -15,6 +15,12 @@ and an eager step on another would pair different all-reduces). The gloo
 broadcast of the step inputs always happens before the replay, outside any
 graph; the LM head and the logits gather run eagerly after it. CPU (gloo)
 steps are eager.
+
+Async scheduling (kvforge/engine/overlap.py) at TP > 1: a step's input ids
+may be in flight (sampled by the previous step on rank 0). The header then
+carries the placeholder rows and sources, and after each step that samples,
+rank 0 broadcasts the sampled token tensor over the device group; every
+worker gathers its next step's placeholders from the copy it received.
 """
 
 from __future__ import annotations
@@ -25,33 +31,43 @@ import torch
 from kvforge.distributed.group import TPGroup
 from kvforge.engine.model_runner import HostStep, ModelRunner
 
-# n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1)
-_HEADER = 8
+# n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1),
+# n_placeholders (in-flight input ids, async scheduling), n_share (sampled tokens rank 0 broadcasts after the
+# step for the next step's placeholders; 0: none)
+_HEADER = 10
 
 
-def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False):
-    """Rank 0 sends ``(host, copies, use_graph)``; the other ranks receive and return them."""
+def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,
+                   n_share: int = 0):
+    """Rank 0 sends ``(host, copies, use_graph, n_share)``; the other ranks receive and return them.
+    A received ``host.placeholders`` is ``(rows, sources, None)``: the receiver supplies the token tensor."""
     if group.rank == 0:
         n_rows = -1 if host.rows is None else host.rows.shape[0]
+        ph = host.placeholders
+        n_ph = 0 if ph is None else len(ph[0])
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[1], n_rows, host.max_query_len,
-                           host.max_seq_len, len(copies), int(use_graph)], dtype=np.int64)
+                           host.max_seq_len, len(copies), int(use_graph), n_ph, n_share], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots] + ([host.rows] if n_rows > 0 else [])
-                             + [np.asarray(copies, dtype=np.int64).reshape(-1)])
+                             + [np.asarray(copies, dtype=np.int64).reshape(-1)]
+                             + ([np.asarray(ph[0], dtype=np.int64), np.asarray(ph[1], dtype=np.int64)] if n_ph else []))
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
         group.broadcast_host(header, np.int64, _HEADER)
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
-        return host, copies, use_graph
-    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph = group.broadcast_host(
+        return host, copies, use_graph, n_share
+    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share = group.broadcast_host(
         None, np.int64, _HEADER).tolist()
-    i64 = group.broadcast_host(None, np.int64, 3 * n_tok + max(n_rows, 0) + 2 * n_copies)
+    i64 = group.broadcast_host(None, np.int64, 3 * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
     i32 = group.broadcast_host(None, np.int32, 2 * n_seqs + 1 + n_seqs * cols)
     end = 3 * n_tok + max(n_rows, 0)
     rows = i64[3 * n_tok:end] if n_rows >= 0 else None
-    copies = [tuple(p) for p in i64[end:].reshape(-1, 2).tolist()]
+    copies = [tuple(p) for p in i64[end:end + 2 * n_copies].reshape(-1, 2).tolist()]
+    ph_at = end + 2 * n_copies
+    placeholders = (i64[ph_at:ph_at + n_ph], i64[ph_at + n_ph:ph_at + 2 * n_ph], None) if n_ph else None
     host = HostStep(i64[:n_tok], i64[n_tok:2 * n_tok], i64[2 * n_tok:3 * n_tok], i32[:n_seqs + 1],
-                    i32[n_seqs + 1:2 * n_seqs + 1], i32[2 * n_seqs + 1:].reshape(n_seqs, cols), rows, max_q, max_seq)
-    return host, copies, bool(graph)
+                    i32[n_seqs + 1:2 * n_seqs + 1], i32[2 * n_seqs + 1:].reshape(n_seqs, cols), rows, max_q, max_seq,
+                    placeholders)
+    return host, copies, bool(graph), n_share
 
 
 class TPModelRunner(ModelRunner):
@@ -73,6 +89,7 @@ class TPModelRunner(ModelRunner):
         self.group = group
         self.control = control
         self._pending_copies: list[tuple[int, int]] = []
+        self.shared_tokens: torch.Tensor | None = None  # workers: rank 0's last sampled tokens (async scheduling)
 
     # ---- rank 0 ---------------------------------------------------------------
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -82,18 +99,37 @@ class TPModelRunner(ModelRunner):
         self.invalidate_block_tables()
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None) -> torch.Tensor:
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: bool = False):
+        """As ``ModelRunner.run``. ``share_sampled`` (async scheduling): the engine will sample one token per
+        logits row and pass them to :meth:`share_sampled_tokens`, which broadcasts them to the workers."""
         host = self.build_host(chunks, logits_rows)
+        host.placeholders = placeholders
+        n_share = len(logits_rows) if share_sampled and logits_rows is not None else 0
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None
         copies, self._pending_copies = self._pending_copies, []
         use_graph = self.wants_graph(host)
         self.control.before_step()
         try:
-            broadcast_step(self.group, host, copies, use_graph)
+            broadcast_step(self.group, host, copies, use_graph, n_share)
             return self.execute(host, use_graph)
         except Exception as e:
             raise self.control.failure(e) from e
+
+    def share_sampled_tokens(self, token_ids: torch.Tensor) -> None:
+        """Rank 0: send this step's sampled tokens (int64, one per logits row) to the workers, which gather
+        the next step's in-flight input ids from them on their own device (stream-ordered, no host sync)."""
+        if token_ids.numel():
+            try:
+                self.group.broadcast_device_(token_ids.contiguous())
+            except Exception as e:
+                raise self.control.failure(e) from e
+
+    # ---- workers ----------------------------------------------------------------
+    def receive_sampled_tokens(self, n: int) -> None:
+        """Workers: receive rank 0's ``n`` sampled tokens of the step just run (see share_sampled_tokens)."""
+        if n > 0:
+            self.shared_tokens = self.group.broadcast_device_(torch.empty(n, dtype=torch.int64, device=self.device))
 
     # ---- every rank -----------------------------------------------------------
     def execute(self, host: HostStep, use_graph: bool) -> torch.Tensor | None:

@@ -60,10 +60,13 @@ def main() -> int:
                     continue
                 if cmd != b"s":  # b"q" or end-of-file (rank 0 is gone)
                     break
-                host, copies, use_graph = broadcast_step(group, None, [])
+                host, copies, use_graph, n_share = broadcast_step(group, None, [])
                 if copies:
                     pool.copy_blocks(copies)
+                if host.placeholders is not None:  # in-flight ids: from rank 0's last shared tokens
+                    host.placeholders = (*host.placeholders[:2], runner.shared_tokens)
                 runner.execute(host, use_graph)
+                runner.receive_sampled_tokens(n_share)
     except Exception as e:
         print(f"kvforge tensor-parallel worker rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

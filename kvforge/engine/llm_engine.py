@@ -131,8 +131,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.prefill_tokens_computed = 0
-        # Overlap only pays where the device runs asynchronously to the host (CUDA); TP>1 and ring models
-        # keep the synchronous loop (explicit requests for them were refused above / in EngineArgs).
+        # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
+        # (works on CPU/gloo, not yet measured on GPUs) and for ring models (refused above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
                                  else platform == "cuda" and self.tp is None and not self.spec.rings)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
@@ -305,10 +305,11 @@ class LLMEngine:
             if s.start_pos == 0 and seq.num_output_tokens == 0 and not seq.num_pending:
                 self.prompt_tokens_total += seq.num_prompt_tokens
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
-        logits = self.runner.run(chunks, rows, placeholders=placeholders)
+        logits = self.runner.run(chunks, rows, placeholders=placeholders, share_sampled=True)
         if sampled_seqs:
             result = self.sampler.sample_sequences(logits, sampled_seqs)
             token_ids, logprobs = result.token_ids, result.logprobs
+            self.runner.share_sampled_tokens(token_ids)  # TP > 1: the workers' next placeholders
         else:
             token_ids, logprobs = torch.empty(0, dtype=torch.long, device=logits.device), []
         host_tokens, ready = copy_tokens_to_host(token_ids)

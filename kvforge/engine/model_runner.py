@@ -335,15 +335,19 @@ class ModelRunner:
                 and not self.needs_calibration)
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None, placeholders=None) -> torch.Tensor:
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: bool = False):
         """Run one step; return float32 logits for ``logits_rows`` (flat token
         indices), or for every token when ``logits_rows`` is None. ``placeholders``:
-        see ``HostStep.placeholders`` (the ids at those rows in ``chunks`` are ignored)."""
+        see ``HostStep.placeholders`` (the ids at those rows in ``chunks`` are ignored).
+        ``share_sampled`` matters only at TP > 1 (kvforge/distributed/runner.py)."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None  # every row, in order: no gather
         return self.execute(host, self.wants_graph(host))
+
+    def share_sampled_tokens(self, token_ids: torch.Tensor) -> None:
+        """Hand a step's sampled tokens to the other ranks (TP > 1); nothing to do on one rank."""
 
     def patch_placeholders(self, ids: torch.Tensor, host: HostStep) -> None:
         """Fill in-flight input ids on the device (``HostStep.placeholders``), stream-ordered

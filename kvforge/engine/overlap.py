@@ -22,8 +22,10 @@ scheduler runs; a sequence whose in-flight token reaches ``max_tokens`` or
 string costs one wasted token of compute (its result is dropped). Blocks freed
 while a launched step still writes them are safe because every step runs on
 one CUDA stream, in order. Greedy and per-request-seeded outputs equal the
-synchronous engine's (tests/test_async_scheduling.py). Tensor parallelism and
-ring (CsaRing) models keep the synchronous loop.
+synchronous engine's (tests/test_async_scheduling.py). At TP > 1 rank 0 also
+broadcasts each step's sampled tokens to the workers, which gather their
+in-flight ids from them (kvforge/distributed/runner.py). Ring (CsaRing)
+models keep the synchronous loop.
 """
 
 from __future__ import annotations
