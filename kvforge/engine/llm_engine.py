@@ -235,11 +235,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         if out.blocks_to_copy:
-            if self.tp is not None:
-                self.runner.copy_blocks(out.blocks_to_copy)  # here now, on the other ranks before the step
-            else:
-                self.pool.copy_blocks(out.blocks_to_copy)
-                self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
+            self._copy_blocks(out.blocks_to_copy)
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         for s in out.scheduled:
             chunks.append((s.token_ids, s.start_pos, s.seq.block_table))
@@ -270,13 +266,20 @@ class LLMEngine:
         self.num_steps += 1
         return [seq.to_request_output() for seq in sampled_seqs]
 
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write block copies before a step (all ranks)."""
+        if self.tp is not None:
+            self.runner.copy_blocks(pairs)  # here now, on the other ranks before the step
+        else:
+            self.pool.copy_blocks(pairs)
+            self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
+
     def _step_overlapped(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
             if out.blocks_to_copy:
-                self.pool.copy_blocks(out.blocks_to_copy)
-                self.runner.invalidate_block_tables()
+                self._copy_blocks(out.blocks_to_copy)
             launched = self._launch(out, self._inflight)
         outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = launched
