@@ -1,6 +1,6 @@
-"""Tensor parallelism on two GPUs (issue 6): one script, five independent parts.
+"""Tensor parallelism on two GPUs (issue 6): one script, six independent parts.
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 benchmarks/tp_gpu_check.py --out tp.json [--parts a,b,c,d,e]
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 benchmarks/tp_gpu_check.py --out tp.json [--parts a,b,c,d,e,f] [--tiny]
 
 a. Llama-3.1-8B architecture, dummy weights, fp8 KV, no --block-size, TP=2 (CUDA graphs on): chosen block
    size, per-rank capacity, every rank's pool bytes == plan, graph sizes and graph/eager step counters of
@@ -13,6 +13,8 @@ d. One decode step at TP=2 (batch 64, graphs and eager): torch.profiler on rank 
    time vs everything else (ms per step and %).
 e. `kvforge serve --tensor-parallel-size 2` (subprocess, --skip-tokenizer-init): token-id completions
    (expect 200), a text prompt (expect 400: no tokenizer), /metrics, SIGTERM -> exit 0, worker gone.
+f. `--async-scheduling` at TP=2 vs the synchronous TP=2 engine (same dummy weights): greedy tokens and a
+   stop-token run identical, both ranks' graph/eager counters equal, every block freed.
 
 Every part runs in its own process group with a timeout (killed with its TP workers when it runs over),
 so a failure or hang is reported and the next part still runs; the JSON is rewritten after every part.
@@ -20,6 +22,7 @@ Execution order is a, c, d, e, b (DeepSeek last: slowest and newest); the table 
 ``--device cpu`` runs every part on tiny dummy configs with gloo (a smoke test of the code paths; CPU
 "graph" steps use the static padded decode inputs without capture, KVFORGE_CPU_STATIC_DECODE=1).
 ``TP_CHECK_DTYPE=float32`` (or ``--dtype float32``): float32 weights and KV for part a's logits check.
+``--tiny``: the tiny dummy configs on CUDA too (quick checks of code paths on GPUs, e.g. part f).
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ PARTS = {
     "c": "offline throughput TP=1 vs TP=2, graphs and eager",
     "d": "TP=2 decode step: all-reduce vs compute",
     "e": "kvforge serve -tp 2: completions, /metrics, shutdown",
+    "f": "async scheduling at TP=2 vs synchronous TP=2",
 }
-ORDER = "acdeb"
+ORDER = "acdefb"
 # Per-part limits. The first full run (2026-11-29) hit the old ones (a 150, c 200, d 110, e 130 s) on every
 # Llama part: an 8B engine start + Triton compile + graph capture is ~20-60 s per engine. Run one or two
 # parts per device call (a device command may last 600 s).
-TIMEOUT_S = {"a": 300, "b": 200, "c": 420, "d": 240, "e": 240}
+TIMEOUT_S = {"a": 300, "b": 200, "c": 420, "d": 240, "e": 240, "f": 300}
 GIB = 2**30
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -186,6 +190,42 @@ def part_a(s: dict) -> dict:
     out["brief"] = (f"block {t2['block_size']}, {t2['capacity_tokens_per_rank']:,} tok/rank, pool==plan "
                     f"{t2['pool_bytes_equal_plan']}, graph steps/rank {[c['num_graph_steps'] for c in g2]}, "
                     f"TP2 vs TP1 tokens {match}/{total}, max|dlogit| {diff:.2g}")
+    return out
+
+
+def part_f(s: dict) -> dict:
+    from kvforge import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=s["a_tokens"], ignore_eos=True)
+    out, stop = {}, None
+    for mode in ("sync", "async"):
+        llm, startup = make_llm(s, s["llama"], tensor_parallel_size=2, async_scheduling=mode == "async")
+        try:
+            prompts = _prompts(s["a_prompts"], llm.engine.spec.vocab_size)
+            r = {"startup_s": round(startup, 1), "async_scheduling": llm.engine.async_scheduling}
+            t0 = time.perf_counter()
+            r["tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            r["generate_s"] = round(time.perf_counter() - t0, 2)
+            if stop is None:  # a stop token the first (sync) run produces mid-way
+                stop = SamplingParams(temperature=0, max_tokens=s["a_tokens"],
+                                      stop_token_ids=[r["tokens"][1][len(r["tokens"][1]) // 2]])
+            r["stop_tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, stop, use_tqdm=False)]
+            r["counters"] = counters(llm)
+            r["kv_blocks_used"] = llm.engine.stats()["kv_blocks_used"]
+        finally:
+            llm.engine.shutdown()
+            del llm
+            free_memory()
+        out[mode] = r
+    a, b = out["sync"], out["async"]
+    same = a["tokens"] == b["tokens"] and a["stop_tokens"] == b["stop_tokens"]
+    c = b["counters"]
+    ranks_agree = all((x["num_graph_steps"], x["num_eager_steps"]) == (c[0]["num_graph_steps"],
+                                                                       c[0]["num_eager_steps"]) for x in c)
+    out["ok"] = bool(same and ranks_agree and b["async_scheduling"] and b["kv_blocks_used"] == 0)
+    out["brief"] = (f"async tokens == sync: {same} (stop run included), rank counters agree {ranks_agree} "
+                    f"(graph steps {[x['num_graph_steps'] for x in c]}), blocks freed {b['kv_blocks_used'] == 0}, "
+                    f"generate {a['generate_s']} s sync vs {b['generate_s']} s async")
     return out
 
 
@@ -430,7 +470,7 @@ def child_main(o: argparse.Namespace) -> int:
         if part == "e":
             res = part_e(s, time.time() + o.child_timeout)
         else:
-            res = {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part](s)
+            res = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f}[part](s)
         res["status"] = "ok" if res.get("ok") else "check failed"
     except BaseException as e:  # noqa: BLE001 - reported, the next part still runs
         traceback.print_exc()
@@ -490,7 +530,8 @@ def write_tiny_models(tmpdir: str) -> tuple[str, str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every part)")
-    p.add_argument("--parts", default="a,b,c,d,e", help="comma-separated subset of a,b,c,d,e")
+    p.add_argument("--parts", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
+    p.add_argument("--tiny", action="store_true", help="tiny dummy configs on CUDA too")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: tiny dummy configs over gloo (smoke test of the code paths)")
     p.add_argument("--llama", default=None, help="model for parts a, c, d, e (default llama-3.1-8b; cpu: tiny)")
@@ -514,7 +555,7 @@ def main() -> int:
         p.error(f"unknown part(s) {bad}; choose from {sorted(PARTS)}")
     t_start = time.perf_counter()
     tmpdir = tempfile.mkdtemp(prefix="tp_gpu_check_")
-    if o.device == "cpu" and (o.llama is None or o.deepseek is None):
+    if (o.device == "cpu" or o.tiny) and (o.llama is None or o.deepseek is None):
         llama, deepseek = write_tiny_models(tmpdir)
         o.llama, o.deepseek = o.llama or llama, o.deepseek or deepseek
     o.llama = o.llama or "llama-3.1-8b"
