@@ -94,3 +94,28 @@ def test_async_abort_in_flight(smol_llm):
     assert "r1" not in done
     assert done["r0"] == want[0].outputs[0].token_ids and done["r2"] == want[2].outputs[0].token_ids
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_async_preempted_before_resolve_keeps_prefix_cache():
+    """A sequence preempted while its last step is still unresolved keeps that step's full blocks in the
+    prefix cache (registered at launch, as the synchronous update does), so its recompute hits them
+    instead of recomputing from scratch (a long chunked prompt used to thrash)."""
+    from kvforge.engine.block_manager import BlockManager
+    from kvforge.engine.scheduler import Scheduler
+    from kvforge.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    a = Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Sequence("b", list(range(100, 116)), SamplingParams(max_tokens=4, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # a: 12 tokens; b: its first 4-token chunk (one full block)
+    assert [(s.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 12), ("b", 4)]
+    sched.advance(first)  # launched, not resolved
+    second = sched.schedule()  # a's in-flight token takes the last free block: b preempts itself
+    assert b in second.preempted and not b.block_table
+    assert len(bm.lookup_prefix(b)) == 1, "b's computed block must stay in the prefix cache"
+    sched.advance(second)
+    sched.resolve(first, {"a": 7})
+    bm.check_invariants([a])

@@ -304,6 +304,10 @@ class Scheduler:
                     f"the step started at {s.start_pos} (step applied twice?)"
                 )
             seq.num_computed_tokens += s.num_new_tokens
+            # Register now, not only in resolve(): a sequence preempted (or aborted) before this step
+            # resolves must leave its computed blocks in the prefix cache, as the synchronous engine does
+            # (stream order makes them valid for any later step).
+            self.block_manager.cache_full_blocks(seq)
             if s.do_sample:
                 seq.num_pending += 1
 
