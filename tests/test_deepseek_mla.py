@@ -219,6 +219,34 @@ def test_mla_absorbed_decode_equals_expanded_prefill():
     assert (expanded - absorbed).abs().max().item() <= 1e-5 * max(1.0, expanded.abs().max().item())
 
 
+def test_mla_prefill_row_chunks_equal_one_chunk(monkeypatch):
+    """Splitting a prefill's query rows (to bound the score memory) leaves every output row unchanged:
+    a 70-token prefill chunk after 30 cached tokens, split into chunks of 2..3 rows vs in one piece."""
+    from kvforge.attention import mla_reference
+
+    g = torch.Generator().manual_seed(5)
+    bs, rank, rope, heads, dn, dv = 16, 32, 8, 3, 12, 10
+    lens = [100, 37]
+    qlens = [70, 37]  # sequence 0: 30 cached + 70 new; sequence 1: a fresh prompt
+    per = [-(-n // bs) for n in lens]
+    cache = torch.randn(sum(per) + 2, bs, rank + rope, generator=g)
+    tables = torch.zeros(2, max(per), dtype=torch.int32)
+    tables[0, :per[0]] = torch.arange(per[0], dtype=torch.int32)
+    tables[1, :per[1]] = torch.arange(per[0], per[0] + per[1], dtype=torch.int32)
+    t = sum(qlens)
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, qlens[0], t], dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                             slot_mapping=torch.zeros(t, dtype=torch.int64), max_query_len=max(qlens),
+                             max_seq_len=max(lens), block_size=bs)
+    q_nope, q_rope = torch.randn(t, heads, dn, generator=g), torch.randn(t, heads, rope, generator=g)
+    w_uk, w_uv = torch.randn(heads, dn, rank, generator=g) * 0.2, torch.randn(heads, dv, rank, generator=g) * 0.2
+    whole = mla_prefill(q_nope, q_rope, cache, meta, None, 0.2, w_uk, w_uv)
+    monkeypatch.setattr(mla_reference, "PREFILL_SCORE_ELEMENTS", heads * 100 * 2 + 5)  # 2 rows at L=100
+    split = mla_prefill(q_nope, q_rope, cache, meta, None, 0.2, w_uk, w_uv)
+    assert torch.allclose(split, whole, rtol=1e-6, atol=1e-6), (split - whole).abs().max()
+    assert whole.abs().sum(-1).gt(0).all()
+
+
 # ---- (c) block-size negotiation for MLA backends ----------------------------------------------------------
 
 def _mla64():

@@ -48,6 +48,10 @@ from kvforge.attention.reference import _storage_view, _widen_bits
 
 __all__ = ["mla_attention", "mla_decode", "mla_prefill", "write_mla_cache"]
 
+#: Most float32 score elements (heads x query rows x context) one prefill chunk materializes (256 MiB);
+#: longer query chunks are split by rows, which leaves every row's arithmetic unchanged.
+PREFILL_SCORE_ELEMENTS = 1 << 26
+
 
 def _check_cache(cache: torch.Tensor) -> tuple[int, int, int]:
     if cache.dim() != 3:
@@ -205,7 +209,10 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
     ``q_nope [T, H, Dn]``, ``q_rope [T, H, P]``, ``w_uk [H, Dn, R]``,
     ``w_uv [H, V, R]`` (``kv_b_proj.weight.view(H, Dn + V, R)`` split).
     K = ``[w_uk c_s | k_rope_s]``, V = ``w_uv c_s`` from the dequantized cache.
-    Returns ``[T, H, V]`` in ``q_nope.dtype`` (padding rows zero).
+    Returns ``[T, H, V]`` in ``q_nope.dtype`` (padding rows zero). Query rows
+    are processed in chunks so that at most ``PREFILL_SCORE_ELEMENTS`` scores
+    exist at once (an 8192-token chunk over 32k of context at 16 heads would
+    otherwise materialize 17 GB of float32 scores, twice).
     """
     num_blocks, bs, width = _check_cache(cache)
     if bs != meta.block_size:
@@ -231,17 +238,21 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
         c, kr = rows[:, :r], rows[:, r:]
         k_nope = torch.einsum("lr,hdr->hld", c, wk)  # [H, L, Dn]
         v = torch.einsum("lr,hvr->hlv", c, wv)  # [H, L, V]
-        s0 = qsl[i]
-        qn = q_nope[s0:s0 + ql].to(device=device, dtype=torch.float32)
-        qr = q_rope[s0:s0 + ql].to(device=device, dtype=torch.float32)
-        scores = torch.einsum("qhd,hld->hql", qn, k_nope) + torch.einsum("qhp,lp->hql", qr, kr)
-        scores *= float(softmax_scale)
-        qpos = torch.arange(sl - ql, sl, device=device)
         kpos = torch.arange(sl, device=device)
-        scores.masked_fill_((kpos[None, :] > qpos[:, None])[None], float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        o = torch.einsum("hql,hlv->qhv", p, v)
-        out[s0:s0 + ql] = o.to(device=out.device, dtype=out.dtype)
+        rows_per_chunk = max(1, PREFILL_SCORE_ELEMENTS // (h * sl))
+        for c0 in range(0, ql, rows_per_chunk):
+            n = min(rows_per_chunk, ql - c0)
+            s0 = qsl[i] + c0
+            qn = q_nope[s0:s0 + n].to(device=device, dtype=torch.float32)
+            qr = q_rope[s0:s0 + n].to(device=device, dtype=torch.float32)
+            scores = torch.einsum("qhd,hld->hql", qn, k_nope) + torch.einsum("qhp,lp->hql", qr, kr)
+            scores *= float(softmax_scale)
+            qpos = torch.arange(sl - ql + c0, sl - ql + c0 + n, device=device)
+            scores.masked_fill_((kpos[None, :] > qpos[:, None])[None], float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            del scores
+            o = torch.einsum("hql,hlv->qhv", p, v)
+            out[s0:s0 + n] = o.to(device=out.device, dtype=out.dtype)
     return out
 
 
