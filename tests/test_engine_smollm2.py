@@ -65,12 +65,14 @@ def test_preemption_recompute_keeps_outputs(smol_llm):
     assert small.plan.num_blocks == 12
     prompts = PROMPTS[:8]
     expect = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
-    before = small.engine.stats()["num_preemptions"]
+    before = small.engine.stats()
     got = small.generate(prompts, GREEDY, use_tqdm=False)
     stats = small.engine.stats()
-    assert stats["num_preemptions"] > before, "the test must actually preempt"
+    assert stats["num_preemptions"] > before["num_preemptions"], "the test must actually preempt"
     assert [o.outputs[0].token_ids for o in got] == expect
     assert stats["kv_blocks_used"] == 0
+    # recomputes after preemption do not count a prompt again
+    assert stats["prompt_tokens_total"] - before["prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in got)
 
 
 def test_prefix_cache_hit_cuts_prefill_and_keeps_output(smol_llm):
@@ -84,6 +86,8 @@ def test_prefix_cache_hit_cuts_prefill_and_keeps_output(smol_llm):
     computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
     n_prompt = len(second.prompt_token_ids)
     assert second.num_cached_tokens >= 32 and computed == n_prompt - second.num_cached_tokens
+    # a prefix hit still counts the request's whole prompt, once
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == n_prompt
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == second.num_cached_tokens
     uncached = smol_llm(enable_prefix_caching=False)
     assert uncached.generate(shared + "Where is the Eiffel tower?", GREEDY,

@@ -291,6 +291,7 @@ def offline_main(args: argparse.Namespace) -> int:
         "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "median": med, "runs": runs,
         "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": engine.stats(), "device": str(engine.device),
         "startup_seconds": startup, "enforce_eager": engine.args.enforce_eager,
+        "async_scheduling": engine.async_scheduling,
         "versions": {"torch": torch.__version__},
     }
     # Back-compat top-level keys (first consumers read these).

@@ -127,7 +127,6 @@ class LLMEngine:
                                       ring_rows=ring_rows, ring_row_bytes=ring_row_bytes)
         self.sampler = Sampler()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
-        self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.prefill_tokens_computed = 0
@@ -255,9 +254,6 @@ class LLMEngine:
             result = self.sampler.sample_sequences(logits, sampled_seqs)
             for seq, entry in zip(sampled_seqs, result.tolist()):
                 sampled[seq.request_id] = entry
-        for s in out.scheduled:
-            if s.start_pos == 0 and s.seq.num_output_tokens == 0:
-                self.prompt_tokens_total += s.seq.num_prompt_tokens
         finished = self.scheduler.update(out, sampled)
         if self.state_slots is not None:
             for seq in finished:
@@ -305,8 +301,6 @@ class LLMEngine:
                 sampled_seqs.append(seq)
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
-            if s.start_pos == 0 and seq.num_output_tokens == 0 and not seq.num_pending:
-                self.prompt_tokens_total += seq.num_prompt_tokens
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
         logits = self.runner.run(chunks, rows, placeholders=placeholders, share_sampled=True)
         if sampled_seqs:
@@ -339,7 +333,7 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens_total": self.prompt_tokens_total,
+            "prompt_tokens_total": self.scheduler.prompt_tokens_admitted,
             "generation_tokens_total": self.generation_tokens_total,
             "prefill_tokens_computed": self.prefill_tokens_computed,
             "num_steps": self.num_steps,

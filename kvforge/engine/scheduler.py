@@ -135,6 +135,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.prompt_tokens_admitted = 0  # prompt tokens of every request admitted so far (recomputes not again)
 
     # ---- queries -----------------------------------------------------------
     @property
@@ -269,6 +270,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 if seq.num_preemptions == 0:
                     seq.num_cached_prompt_tokens = num_cached
+                    self.prompt_tokens_admitted += seq.num_prompt_tokens  # once per request, cached or not
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n, num_cached, num_cached + n == seq.num_tokens))
                 budget -= n
