@@ -325,37 +325,34 @@ class Scheduler:
         finished: list[Sequence] = []
         for s in output.scheduled:
             seq = s.seq
-            if seq.is_finished:
+            if seq.is_finished or not s.do_sample:  # advance() already registered the computed blocks
                 continue
-            if s.do_sample:
-                if seq.num_pending < 1:
-                    raise RuntimeError(f"resolve: {seq.request_id} has no token in flight (resolved twice?)")
-                try:
-                    entry = sampled[seq.request_id]
-                except KeyError:
-                    raise KeyError(
-                        f"resolve: no sampled token for {seq.request_id!r}, which was due one"
-                    ) from None
-                seq.num_pending -= 1
-                if isinstance(entry, tuple):
-                    token, lps = entry
-                else:
-                    token, lps = entry, None
-                token = int(token)
-                seq.append_token(token, lps)
-                if seq.detokenizer is not None:
-                    seq.detokenizer.add_tokens([token])
-                bm.cache_full_blocks(seq)  # before a finish frees them: later requests may share them
-                status, reason = self._stop_reason(seq, token)
-                if status is not None:
-                    if seq.status == SequenceStatus.WAITING:
-                        self.waiting.remove(seq)
-                    seq.finish(status, reason)
-                    bm.free(seq)
-                    self.requests.pop(seq.request_id, None)
-                    finished.append(seq)
+            if seq.num_pending < 1:
+                raise RuntimeError(f"resolve: {seq.request_id} has no token in flight (resolved twice?)")
+            try:
+                entry = sampled[seq.request_id]
+            except KeyError:
+                raise KeyError(f"resolve: no sampled token for {seq.request_id!r}, which was due one") from None
+            seq.num_pending -= 1
+            if isinstance(entry, tuple):
+                token, lps = entry
             else:
-                bm.cache_full_blocks(seq)
+                token, lps = entry, None
+            token = int(token)
+            seq.append_token(token, lps)
+            if seq.detokenizer is not None:
+                seq.detokenizer.add_tokens([token])
+            # Async: the next step may already have computed this token (it was in flight), so a block it
+            # completes can be registered only now that its id is known; before a finish frees it.
+            bm.cache_full_blocks(seq)
+            status, reason = self._stop_reason(seq, token)
+            if status is not None:
+                if seq.status == SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                seq.finish(status, reason)
+                bm.free(seq)
+                self.requests.pop(seq.request_id, None)
+                finished.append(seq)
         if finished:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]
