@@ -53,7 +53,7 @@ class StubRunner:
     def invalidate_block_tables(self) -> None:
         self._r.invalidate_block_tables()
 
-    def run(self, chunks, logits_rows):
+    def run(self, chunks, logits_rows, placeholders=None, share_sampled=False):
         t0 = time.perf_counter()
         host = self._r.build_host(chunks, logits_rows)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
@@ -85,7 +85,8 @@ def make_engine(args) -> LLMEngine:
                               eos_token_ids=(), tokenizer=tok)
     eng.runner = StubRunner(bs, args.vocab, args.seqs, args.seed)
     eng.sampler = Sampler()
-    eng.prompt_tokens_total = eng.generation_tokens_total = eng.num_steps = eng.prefill_tokens_computed = 0
+    eng.generation_tokens_total = eng.num_steps = eng.prefill_tokens_computed = 0
+    eng.async_scheduling, eng._inflight = False, None  # the synchronous loop (no device to overlap with here)
     rng = np.random.default_rng(args.seed)
     vocab_for_prompt = min(args.vocab, 32000)
     for i in range(args.seqs):
@@ -101,31 +102,35 @@ def run_phases(eng: LLMEngine, steps: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in ("step", "host", "schedule", "build_host", "sample", "update",
                                                      "outputs")}
     sched, sampler, runner = eng.scheduler, eng.sampler, eng.runner
-    orig = (sched.schedule, sched.update, sampler.sample_sequences)
+    orig = (sched.schedule, sched.advance, sched.resolve, sampler.sample_sequences)
+    update_parts: list[float] = []
 
     def timed(name, fn):
         def w(*a, **k):
             t0 = time.perf_counter()
             r = fn(*a, **k)
-            times[name].append(time.perf_counter() - t0)
+            (update_parts if name == "update" else times[name]).append(time.perf_counter() - t0)
             return r
         return w
 
     sched.schedule = timed("schedule", orig[0])
-    sched.update = timed("update", orig[1])
-    sampler.sample_sequences = timed("sample", orig[2])
+    sched.advance = timed("update", orig[1])  # "update" = advance + resolve (Scheduler.update)
+    sched.resolve = timed("update", orig[2])
+    sampler.sample_sequences = timed("sample", orig[3])
     runner.times = times
     try:
         for _ in range(steps):
+            update_parts.clear()
             t0 = time.perf_counter()
             eng.step()
+            times["update"].append(sum(update_parts))
             total = time.perf_counter() - t0
             times["step"].append(total)
             times["host"].append(total - times["sample"][-1])
             known = sum(times[k][-1] for k in ("schedule", "build_host", "sample", "update"))
             times["outputs"].append(total - known)  # outputs + the engine's own loop
     finally:
-        del sched.schedule, sched.update, sampler.sample_sequences
+        del sched.schedule, sched.advance, sched.resolve, sampler.sample_sequences
         runner.times = None
     return times
 

@@ -226,41 +226,19 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the outputs of the sequences that got a token.
-        With ``async_scheduling`` those are the previous launch's (kvforge/engine/overlap.py)."""
-        if self.async_scheduling:
-            return self._step_overlapped()
+        """One engine iteration; returns the outputs of the sequences that got a token: this step's
+        (synchronous), or with ``async_scheduling`` the previous launch's (kvforge/engine/overlap.py)."""
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        if out.blocks_to_copy:
-            self._copy_blocks(out.blocks_to_copy)
-        chunks, rows, sampled_seqs, offset = [], [], [], 0
-        for s in out.scheduled:
-            chunks.append((s.token_ids, s.start_pos, s.seq.block_table))
-            offset += s.num_new_tokens
-            if s.do_sample:
-                rows.append(offset - 1)
-                sampled_seqs.append(s.seq)
-            if s.start_pos < s.seq.num_prompt_tokens:
-                self.prefill_tokens_computed += min(s.num_new_tokens, s.seq.num_prompt_tokens - s.start_pos)
-        if self.state_slots is not None:
-            for seq in out.preempted:
-                self.state_slots.release(seq.request_id)
-            self.runner.step_ring_slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
-        logits = self.runner.run(chunks, rows)
-        sampled = {}
-        if sampled_seqs:
-            result = self.sampler.sample_sequences(logits, sampled_seqs)
-            for seq, entry in zip(sampled_seqs, result.tolist()):
-                sampled[seq.request_id] = entry
-        finished = self.scheduler.update(out, sampled)
-        if self.state_slots is not None:
-            for seq in finished:
-                self.state_slots.release(seq.request_id)
-        self.generation_tokens_total += len(sampled)
-        self.num_steps += 1
-        return [seq.to_request_output() for seq in sampled_seqs]
+        launched = None
+        if not out.is_empty:
+            if out.blocks_to_copy:
+                self._copy_blocks(out.blocks_to_copy)
+            launched = self._launch(out, self._inflight)
+        if not self.async_scheduling:
+            return self._resolve(launched) if launched is not None else []
+        outputs = self._resolve(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        return outputs
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies before a step (all ranks)."""
@@ -270,20 +248,10 @@ class LLMEngine:
             self.pool.copy_blocks(pairs)
             self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
 
-    def _step_overlapped(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        launched = None
-        if not out.is_empty:
-            if out.blocks_to_copy:
-                self._copy_blocks(out.blocks_to_copy)
-            launched = self._launch(out, self._inflight)
-        outputs = self._resolve(self._inflight) if self._inflight is not None else []
-        self._inflight = launched
-        return outputs
-
     def _launch(self, out, prev: InflightStep | None) -> InflightStep:
-        """Run ``out`` on the device without waiting for its tokens. A token still in flight from
-        ``prev`` is a placeholder gathered on the device from ``prev.token_ids``."""
+        """Run ``out`` on the device without waiting for its tokens and advance the scheduler. A token
+        still in flight from ``prev`` (async scheduling) is a placeholder gathered on the device from
+        ``prev.token_ids``."""
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
         for s in out.scheduled:
@@ -301,12 +269,18 @@ class LLMEngine:
                 sampled_seqs.append(seq)
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
+        if self.state_slots is not None:  # ring models (synchronous only)
+            for seq in out.preempted:
+                self.state_slots.release(seq.request_id)
+            self.runner.step_ring_slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
-        logits = self.runner.run(chunks, rows, placeholders=placeholders, share_sampled=True)
+        share = self.async_scheduling
+        logits = self.runner.run(chunks, rows, placeholders=placeholders, share_sampled=share)
         if sampled_seqs:
             result = self.sampler.sample_sequences(logits, sampled_seqs)
             token_ids, logprobs = result.token_ids, result.logprobs
-            self.runner.share_sampled_tokens(token_ids)  # TP > 1: the workers' next placeholders
+            if share:
+                self.runner.share_sampled_tokens(token_ids)  # TP > 1: the workers' next placeholders
         else:
             token_ids, logprobs = torch.empty(0, dtype=torch.long, device=logits.device), []
         host_tokens, ready = copy_tokens_to_host(token_ids)
@@ -318,7 +292,10 @@ class LLMEngine:
         tokens = step.wait_tokens()
         sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
         live = [seq for seq in step.sampled_seqs if not seq.is_finished]
-        self.scheduler.resolve(step.out, sampled)
+        finished = self.scheduler.resolve(step.out, sampled)
+        if self.state_slots is not None:
+            for seq in finished:
+                self.state_slots.release(seq.request_id)
         self.generation_tokens_total += len(live)
         self.num_steps += 1
         return [seq.to_request_output() for seq in live]
