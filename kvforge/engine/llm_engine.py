@@ -46,7 +46,8 @@ def _pick_device(requested: str) -> torch.device:
 
 
 class LLMEngine:
-    """The synchronous engine (see docs/ENGINE_API.md for the contract)."""
+    """The engine: one step per step() call, synchronous or overlapped (async scheduling); see
+    docs/ENGINE_API.md for the contract and kvforge/engine/overlap.py for the overlap."""
 
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
