@@ -119,3 +119,13 @@ def test_async_preempted_before_resolve_keeps_prefix_cache():
     sched.advance(second)
     sched.resolve(first, {"a": 7})
     bm.check_invariants([a])
+
+
+def test_async_scheduling_refused_for_ring_models_before_weights():
+    """Ring (CsaRing) models keep per-request state slots bound to the synchronous step: an explicit
+    --async-scheduling fails with the reason, before any weight is read."""
+    from kvforge import LLM
+    from kvforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="async-scheduling.*ring"):
+        LLM("csa-ring-test", load_format="dummy", async_scheduling=True, progress=False)
