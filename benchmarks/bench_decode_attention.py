@@ -96,6 +96,42 @@ def bytes_moved(batch, ctx, kv_elem):
     return kv + q_o + bt
 
 
+GLUON_SWEEP = [
+    dict(gluon_variant="cta", gluon_tile_n=64, gluon_stages=2, gluon_warps=4),
+    dict(gluon_variant="warp", gluon_v_mode=0, gluon_wt=16, gluon_stages=3, gluon_warps=4),
+] + [
+    dict(gluon_variant="warp", gluon_wt=wt, gluon_stages=ns, gluon_warps=nw, gluon_maxnreg=mr)
+    for wt in (16, 32)
+    for ns in (2, 3, 4)
+    for nw in (4, 8)
+    for mr in (None, 128 if nw == 8 else 168)
+    if (2 * ns + 2) * nw * wt * D <= 200 * 1024
+]
+GLUON_SWEEP_SHAPES = {(1, 8192), (8, 8192), (64, 8192), (256, 8192), (8, 32768), (64, 1024)}
+
+
+def run_gluon_sweep(q, cache_f8, meta, ks, scale, batch, ctx, rows, splits_options):
+    """Time every Gluon fp8 tile/stage/warp choice on one shape (appends to ``rows``)."""
+    for cfg in GLUON_SWEEP:
+        for sp in splits_options:
+            try:
+                t = bench(
+                    functools.partial(
+                        paged_attention, q, cache_f8, meta, ks, ks, scale, num_splits=sp, _config=cfg
+                    ),
+                    rep=40,
+                )
+            except Exception as e:  # resource limits
+                t = (float("nan"),) * 3
+                print("gluon sweep fail", cfg, sp, type(e).__name__, str(e)[:100])
+            rows.append(dict(batch=batch, ctx=ctx, kv="fp8_gluon", splits=sp, **cfg, us=t[0]))
+    best = min(
+        (r for r in rows if r["batch"] == batch and r["ctx"] == ctx and r["kv"] == "fp8_gluon"),
+        key=lambda r: r["us"] if r["us"] == r["us"] else 1e18,
+    )
+    print(f"gluon sweep best b{batch} c{ctx}: {best}", flush=True)
+
+
 SWEEP_CONFIGS = [
     dict(tile_n=tn, num_warps=nw, num_stages=ns) for tn in (64, 128, 256) for nw in (4, 8) for ns in (2, 3)
 ]
@@ -145,16 +181,33 @@ def run_variants(out_dir):
                     o = paged_attention(q, c, meta, ks, ks, scale, _config=cfg).float()
                     regs = getattr(_pa._LAST_LAUNCH.get("attn"), "n_regs", None)
                     err = ((o - ref).norm() / ref.norm()).item()
-                    t = bench(functools.partial(paged_attention, q, c, meta, ks, ks, scale, _config=cfg), rep=50)
+                    t = bench(
+                        functools.partial(paged_attention, q, c, meta, ks, ks, scale, _config=cfg), rep=50
+                    )
                 except Exception as e:
                     print("variant fail", name, type(e).__name__, str(e)[:200])
                     continue
                 nbytes = bytes_moved(batch, ctx, 1)
-                r = dict(batch=batch, ctx=ctx, kv=kvname, variant=name, us=t[0], min=t[1], max=t[2], err=err,
-                         TBps=nbytes / (t[0] * 1e-6) / 1e12, bf16_us=t_bf, speedup_vs_bf16=t_bf / t[0], regs=regs)
+                r = dict(
+                    batch=batch,
+                    ctx=ctx,
+                    kv=kvname,
+                    variant=name,
+                    us=t[0],
+                    min=t[1],
+                    max=t[2],
+                    err=err,
+                    TBps=nbytes / (t[0] * 1e-6) / 1e12,
+                    bf16_us=t_bf,
+                    speedup_vs_bf16=t_bf / t[0],
+                    regs=regs,
+                )
                 res.append(r)
-                print(f"{batch:4d} {ctx:6d} {kvname} {name:18s} {t[0]:8.1f} us {r['TBps']:.2f} TB/s "
-                      f"x{t_bf / t[0]:.2f} vs bf16 ({t_bf:.1f}) regs {regs} err {err:.1e}", flush=True)
+                print(
+                    f"{batch:4d} {ctx:6d} {kvname} {name:18s} {t[0]:8.1f} us {r['TBps']:.2f} TB/s "
+                    f"x{t_bf / t[0]:.2f} vs bf16 ({t_bf:.1f}) regs {regs} err {err:.1e}",
+                    flush=True,
+                )
             del cache, cache_vt
         del cache_bf
         torch.cuda.empty_cache()
@@ -223,6 +276,7 @@ def main():
     ap.add_argument("--profile-one", action="store_true", help="only run 64x8192 decode (for ncu)")
     ap.add_argument("--prefill", action="store_true", help="also time one 8k causal prefill")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host launch cost)")
+    ap.add_argument("--gluon-sweep", action="store_true", help="also sweep the Gluon fp8 kernel's tiles")
     args = ap.parse_args()
     global USE_GRAPH
     USE_GRAPH = args.graph
@@ -265,12 +319,27 @@ def main():
             cache_f8 = cache_bf.to(torch.float8_e4m3fn)
             out_f8 = paged_attention(q, cache_f8, meta, ks, ks, scale)
             res["fp8"] = bench(functools.partial(paged_attention, q, cache_f8, meta, ks, ks, scale))
-            # fp8 vs bf16 outputs on the same data (fp8 rounding of K/V only)
             from kvforge.kernels import triton_paged_attention as _pa
 
-            kk = _pa._LAST_LAUNCH.get("attn")
+            fp8_kernel = _pa._LAST_LAUNCH.get("attn")
+            # the fp8 tl.dot kernel (what the Gluon decode kernel replaces), side by side
+            triton_only = dict(gluon=False)
+            out_f8t = paged_attention(q, cache_f8, meta, ks, ks, scale, _config=triton_only)
+            res["fp8_triton"] = bench(
+                functools.partial(paged_attention, q, cache_f8, meta, ks, ks, scale, _config=triton_only)
+            )
+            res["fp8_gluon_vs_triton_rel"] = (
+                (out_f8.float() - out_f8t.float()).norm() / out_f8t.float().norm()
+            ).item()
+            if args.gluon_sweep and (batch, ctx) in GLUON_SWEEP_SHAPES:
+                run_gluon_sweep(
+                    q, cache_f8, meta, ks, scale, batch, ctx, sweep_rows, [None, 2 if batch > 8 else 8]
+                )
+            # fp8 vs bf16 outputs on the same data (fp8 rounding of K/V only)
+            kk = fp8_kernel
             if kk is not None:
                 res["fp8_kernel"] = dict(
+                    name=getattr(kk, "name", None),
                     regs=getattr(kk, "n_regs", None),
                     spills=getattr(kk, "n_spills", None),
                     smem=getattr(getattr(kk, "metadata", None), "shared", None),
@@ -345,7 +414,7 @@ def main():
     )
     hdr = (
         f"{'batch':>5} {'ctx':>6} | {'bf16 us':>22} {'TB/s':>5} {'%cp':>4} | {'fp8 us':>22} {'TB/s':>5}"
-        f" {'%cp':>4} | {'sdpa us':>8} {'TB/s':>5} | {'fp8/bf16':>8} {'sdpa/fp8':>8}"
+        f" {'%cp':>4} | {'fp8 tl.dot us':>13} | {'sdpa us':>8} {'TB/s':>5} | {'fp8/bf16':>8} {'sdpa/fp8':>8}"
     )
     print(hdr)
     for r in rows:
@@ -356,7 +425,8 @@ def main():
         sd = r.get("sdpa", (float("nan"),) * 3)
         print(
             f"{r['batch']:>5} {r['ctx']:>6} | {f(r['bf16']):>22} {r['bf16_TBps']:5.2f} {r['bf16_pct_copy']:4.0f} |"
-            f" {f(r['fp8']):>22} {r['fp8_TBps']:5.2f} {r['fp8_pct_copy']:4.0f} | {sd[0]:8.1f}"
+            f" {f(r['fp8']):>22} {r['fp8_TBps']:5.2f} {r['fp8_pct_copy']:4.0f} | {r['fp8_triton'][0]:13.1f} |"
+            f" {sd[0]:8.1f}"
             f" {r.get('sdpa_TBps', float('nan')):5.2f} | {r['bf16'][0] / r['fp8'][0]:8.2f}"
             f" {sd[0] / r['fp8'][0]:8.2f}"
         )

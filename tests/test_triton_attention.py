@@ -42,7 +42,7 @@ if DEV == "cuda" and not torch.cuda.is_available():  # pragma: no cover - CPU CI
 
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
 from kvforge.kernels.triton_cache_write import write_kv_cache  # noqa: E402
-from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
+from kvforge.kernels.triton_paged_attention import _LAST_LAUNCH, paged_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -186,6 +186,8 @@ def run_case(
     seed=0,
     num_splits=None,
     tol=REL_TOL_BF16,
+    config=None,
+    expect_kernel=None,
 ):
     gen = torch.Generator().manual_seed(seed)
     kv_cache, meta, ks, vs = make_batch(
@@ -196,8 +198,19 @@ def run_case(
     scale = 1.0 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     res = paged_attention(
-        q, kv_cache, meta, ks, vs, scale, sliding_window=window, out=out, num_splits=num_splits
+        q,
+        kv_cache,
+        meta,
+        ks,
+        vs,
+        scale,
+        sliding_window=window,
+        out=out,
+        num_splits=num_splits,
+        _config=config,
     )
+    if expect_kernel is not None:
+        assert _LAST_LAUNCH["attn"].name == expect_kernel
     assert res.data_ptr() == out.data_ptr()
     assert out.dtype == q_dtype
     assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) outputs remain"
@@ -218,6 +231,75 @@ KV_IDS = ["bf16", "e4m3", "e5m2"]
 def test_decode_lengths(kv_dtype, hq, hkv, d):
     seq_lens = [1, 15, 16, 17, 1000, 77]
     run_case(seq_lens, [1] * len(seq_lens), hq, hkv, d, kv_dtype, seed=hq * 1000 + d)
+
+
+GLUON = "_gluon_fp8_decode_warp_kernel"
+GLUON_CTA = "_gluon_fp8_decode_kernel"
+TL_DOT = "_paged_attn_kernel"
+
+
+PATHS = {
+    "gluon-warp": (dict(gluon_variant="warp"), GLUON),
+    "gluon-cta": (dict(gluon_variant="cta"), GLUON_CTA),
+    "tl.dot": (dict(gluon=False), TL_DOT),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 4), (32, 2), (12, 4)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_decode_every_path(path, kv_dtype, hq, hkv, d):
+    """fp8 decode goes to a Gluon kernel (GQA <= 16, head 64/128/256; which one by
+    ``choose_variant_and_splits``); the tl.dot kernel stays as the fallback. Each path against
+    the float64 reference, with the path asserted."""
+    seq_lens = [1, 15, 16, 17, 1000, 77, 4100]
+    config, kernel = PATHS[path]
+    run_case(
+        seq_lens,
+        [1] * len(seq_lens),
+        hq,
+        hkv,
+        d,
+        kv_dtype,
+        seed=hq * 100 + d,
+        config=config,
+        expect_kernel=kernel,
+    )
+
+
+def test_fp8_decode_default_is_gluon():
+    run_case([1, 4100], [1, 1], 32, 8, 128, torch.float8_e4m3fn, seed=1, expect_kernel=GLUON_CTA)
+    run_case([9000] * 40, [1] * 40, 32, 8, 128, torch.float8_e4m3fn, seed=2, expect_kernel=GLUON)
+
+
+GLUON_CONFIGS = {
+    "warp16": dict(gluon_variant="warp", gluon_wt=16),
+    "warp16-vstaged": dict(gluon_variant="warp", gluon_wt=16, gluon_v_mode=2),
+    "warp32x2": dict(gluon_variant="warp", gluon_wt=32, gluon_stages=2),
+    "warp16w8": dict(gluon_variant="warp", gluon_wt=16, gluon_warps=8, gluon_stages=4),
+    "cta64": dict(gluon_variant="cta", gluon_tile_n=64),
+    "cta128": dict(gluon_variant="cta", gluon_tile_n=128, gluon_stages=2),
+}
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128])
+@pytest.mark.parametrize("cfg", list(GLUON_CONFIGS))
+def test_fp8_decode_gluon_block_sizes_and_tiles(block_size, cfg):
+    """Pages that straddle tiles (48 vs 64), pages larger than a tile, every tiling."""
+    seq_lens = [1, 15, 16, 17, 1000, 130, 2049]
+    run_case(
+        seq_lens,
+        [1] * len(seq_lens),
+        16,
+        2,
+        128,
+        torch.float8_e4m3fn,
+        block_size=block_size,
+        seed=block_size,
+        config=GLUON_CONFIGS[cfg],
+        expect_kernel=GLUON_CTA if cfg.startswith("cta") else GLUON,
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)

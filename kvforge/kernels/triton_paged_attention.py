@@ -33,6 +33,7 @@ import math
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels import gluon_fp8_decode
 
 try:  # Triton is optional (the CPU engine does not need it).
     import triton
@@ -504,7 +505,14 @@ def paged_attention(
     use_window = window > 0 and window < meta.max_seq_len
 
     splits = 1
-    if one_tile:
+    use_gluon = cfg.get("gluon", True) and gluon_fp8_decode.supports(q, kv_cache, meta.max_query_len, g)
+    if use_gluon:
+        ctx = min(meta.max_seq_len, window) if use_window else meta.max_seq_len
+        variant, splits = gluon_fp8_decode.choose_variant_and_splits(
+            num_seqs, hkv, ctx, _num_sms(q.device), num_splits
+        )
+        cfg.setdefault("gluon_variant", variant)
+    elif one_tile:
         if num_splits is not None:
             splits = max(1, int(num_splits))
         else:
@@ -523,55 +531,61 @@ def paged_attention(
     else:
         part_acc = part_ml = out
 
-    f16_dot = is_fp8 and q.dtype != torch.float32 and cfg.get("fp8_dot", "f16") == "f16"
-    grid0 = num_seqs if one_tile else T // block_q + num_seqs
-    grid = (grid0, hkv, splits)
-    _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
-        q,
-        kv_cache,
-        out,
-        part_acc,
-        part_ml,
-        meta.query_start_loc,
-        meta.seq_lens,
-        meta.block_tables,
-        k_scale,
-        v_scale,
-        float(softmax_scale) * _LOG2E,
-        num_seqs,
-        window,
-        splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        meta.block_tables.stride(0),
-        NUM_Q_HEADS=hq,
-        G=g,
-        G_PAD=g_pad,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        HEAD_D=d,
-        D_PAD=d_pad,
-        BLOCK_SIZE=bs,
-        TILE_N=tile_n,
-        IS_FP8=is_fp8,
-        ONE_TILE_PER_SEQ=one_tile,
-        USE_SPLIT=use_split,
-        USE_WINDOW=use_window,
-        IEEE_DOT=q.dtype == torch.float32,
-        F16_DOT=f16_dot,
-        CVT_MODE=cfg.get("cvt_mode", 0) if f16_dot else 0,
-        PREFETCH=bool(cfg.get("prefetch", False)),
-        IS_E5M2=kv_cache.dtype == torch.float8_e5m2,
-        V_DIM_MAJOR=bool(cfg.get("v_dim_major", False)),  # benchmark experiment only
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-    )
+    if use_gluon:
+        _LAST_LAUNCH["attn"] = gluon_fp8_decode.launch_gluon_fp8_decode(
+            q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale,
+            float(softmax_scale) * _LOG2E, window if use_window else 0, splits, cfg,
+        )  # fmt: skip
+    else:
+        f16_dot = is_fp8 and q.dtype != torch.float32 and cfg.get("fp8_dot", "f16") == "f16"
+        grid0 = num_seqs if one_tile else T // block_q + num_seqs
+        grid = (grid0, hkv, splits)
+        _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
+            q,
+            kv_cache,
+            out,
+            part_acc,
+            part_ml,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            k_scale,
+            v_scale,
+            float(softmax_scale) * _LOG2E,
+            num_seqs,
+            window,
+            splits,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            meta.block_tables.stride(0),
+            NUM_Q_HEADS=hq,
+            G=g,
+            G_PAD=g_pad,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_m,
+            HEAD_D=d,
+            D_PAD=d_pad,
+            BLOCK_SIZE=bs,
+            TILE_N=tile_n,
+            IS_FP8=is_fp8,
+            ONE_TILE_PER_SEQ=one_tile,
+            USE_SPLIT=use_split,
+            USE_WINDOW=use_window,
+            IEEE_DOT=q.dtype == torch.float32,
+            F16_DOT=f16_dot,
+            CVT_MODE=cfg.get("cvt_mode", 0) if f16_dot else 0,
+            PREFETCH=bool(cfg.get("prefetch", False)),
+            IS_E5M2=kv_cache.dtype == torch.float8_e5m2,
+            V_DIM_MAJOR=bool(cfg.get("v_dim_major", False)),  # benchmark experiment only
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
     if use_split:
         _merge_splits_kernel[(T, hq)](
             part_acc,

@@ -1,0 +1,548 @@
+"""Paged decode attention over an fp8 KV cache, written in Gluon (Triton's explicit-layout dialect).
+
+Why a second kernel: with ``tl.dot`` Triton stages an fp8 V tile in shared memory and reads it
+back byte by byte, because the ``P V`` product needs V with the token axis as its reduction axis
+and Hopper has no 8-bit transposing shared-memory load (docs/KERNELS.md, "Why fp8 is stuck").
+Gluon lets the kernel choose every layout, so the V tile takes a different road:
+
+1. ``cp.async`` copies the raw fp8 K and V tiles of ``TILE_N`` tokens into a ring of
+   ``NUM_STAGES`` shared buffers (16-byte vectors, no registers held while in flight);
+2. K is read from shared memory straight into the ``mma`` B-operand layout (its reduction axis,
+   head_dim, is contiguous, so the reads are vectorized) and converted to fp16 in registers;
+3. V is read back in a row layout (16-byte vectors), converted to fp16, written to a second
+   fp16 buffer and read from there with ``ldmatrix.trans`` into the B-operand layout.
+
+Scope (the planner routes nothing else here; ``supports`` is the gate): decode only (one query
+token per sequence), fp8 e4m3/e5m2 cache, bf16/fp16 query, head size 64/128/256, at most 16
+query heads per KV head, any block size that is a multiple of 16. The rows of the 16-row ``mma``
+tile are the query heads of one KV head (rows >= G are masked). Split-K partials use the layout
+of :mod:`kvforge.kernels.triton_paged_attention` and its merge kernel.
+
+Invariants: K/V loads of tokens past the program's context end are zero-filled (an fp8 byte
+pattern can be NaN, and ``0 * NaN`` would poison the ``P V`` sum); every offset that multiplies a
+block id or a token row is int64.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; the CPU engine needs neither.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover
+    gluon = gl = async_copy = mma_v2 = None
+    HAS_GLUON = False
+
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
+MAX_GROUP: int = 16
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache  # a device's compute capability never changes in a process
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, group: int) -> bool:
+    """True when this kernel handles the call (otherwise the Triton kernel does)."""
+    return (
+        HAS_GLUON
+        and q.is_cuda
+        and _capability(q.device.index)[0] >= 9
+        and max_query_len == 1
+        and kv_cache.dtype in _FP8
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] in SUPPORTED_HEAD_SIZES
+        and group <= MAX_GROUP
+    )
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _issue_tile(
+        k_buf,
+        v_buf,
+        kv_base,
+        bt_row,
+        start,
+        hi,
+        stride_cb,
+        stride_ckv,
+        stride_cs,
+        BLOCK_SIZE: gl.constexpr,
+        TILE_N: gl.constexpr,
+        HEAD_D: gl.constexpr,
+        COPY_LAYOUT: gl.constexpr,
+    ):
+        """Start the async copies of tokens ``start .. start+TILE_N-1`` (zero past ``hi``)."""
+        n = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, COPY_LAYOUT))
+        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, COPY_LAYOUT))
+        pos = start + n
+        ok = pos < hi
+        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
+        row = blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs
+        off = row[:, None] + d[None, :]
+        mask = ok[:, None] & (d < HEAD_D)[None, :]
+        async_copy.async_copy_global_to_shared(k_buf, kv_base + off, mask=mask)
+        async_copy.async_copy_global_to_shared(v_buf, kv_base + stride_ckv + off, mask=mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _gluon_fp8_decode_kernel(
+        q_ptr,
+        kv_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        qk_scale_log2,
+        window,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_cb,
+        stride_ckv,
+        stride_ch,
+        stride_cs,
+        stride_bt,
+        NUM_Q_HEADS: gl.constexpr,
+        G: gl.constexpr,
+        HEAD_D: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        TILE_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        USE_SPLIT: gl.constexpr,
+        USE_WINDOW: gl.constexpr,
+        COPY_THREADS_D: gl.constexpr,
+    ):
+        M: gl.constexpr = 16
+        NW: gl.constexpr = gl.num_warps()
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8]
+        )
+        # k_width 4: the K operand arrives as fp8 (4 per 32 bits) and is upcast in place; the query
+        # operand must use the same k order.
+        Q_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        K_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        V_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        COPY: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 16],
+            threads_per_warp=[32 // COPY_THREADS_D, COPY_THREADS_D],
+            warps_per_cta=[NW, 1],
+            order=[1, 0],
+        )
+        ROW16: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[NW, 1], order=[1, 0]
+        )
+        RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+        V16_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+
+        seq = gl.program_id(0)
+        kvh = gl.program_id(1)
+        split = gl.program_id(2)
+        tok = gl.load(qsl_ptr + seq)
+        seq_len = gl.load(seq_lens_ptr + seq)
+
+        # The query rows: the G heads of this KV head, padded to 16.
+        g = gl.arange(0, M, layout=gl.SliceLayout(1, ROW16))
+        dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ROW16))
+        qh = (kvh * G + g).to(gl.int64)
+        q = gl.load(
+            q_ptr + tok.to(gl.int64) * stride_qt + qh[:, None] * stride_qh + dq[None, :],
+            mask=(g < G)[:, None] & (dq < HEAD_D)[None, :],
+            other=0.0,
+        )
+        q_op = gl.convert_layout(q.to(gl.float16), Q_OP)
+        qk_scale = qk_scale_log2 * gl.load(k_scale_ptr + kvh)
+
+        hi = seq_len
+        lo = 0
+        if USE_WINDOW:
+            lo = gl.maximum(seq_len - window, 0)
+        if USE_SPLIT:
+            chunk = gl.cdiv(gl.cdiv(hi - lo, num_splits), TILE_N) * TILE_N
+            lo = lo + split * chunk
+            hi = gl.minimum(lo + chunk, hi)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+
+        k_ring = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [NUM_STAGES, TILE_N, HEAD_D], RAW_SMEM)
+        v_ring = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [NUM_STAGES, TILE_N, HEAD_D], RAW_SMEM)
+        v16 = gl.allocate_shared_memory(gl.float16, [2, TILE_N, HEAD_D], V16_SMEM)
+
+        kv_base = kv_ptr + kvh.to(gl.int64) * stride_ch
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        for j in gl.static_range(NUM_STAGES - 1):
+            _issue_tile(
+                k_ring.index(j),
+                v_ring.index(j),
+                kv_base,
+                bt_row,
+                lo + j * TILE_N,
+                hi,
+                stride_cb,
+                stride_ckv,
+                stride_cs,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_D,
+                COPY,
+            )
+
+        m_i = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, MMA))
+        acc = gl.zeros([M, HEAD_D], gl.float32, layout=MMA)
+        n_off = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, MMA))
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            async_copy.wait_group(NUM_STAGES - 2)
+            gl.thread_barrier()  # every thread's copies of tile i landed; tile i-1's buffer is free
+            nxt = i + NUM_STAGES - 1
+            _issue_tile(
+                k_ring.index(nxt % NUM_STAGES),
+                v_ring.index(nxt % NUM_STAGES),
+                kv_base,
+                bt_row,
+                lo + nxt * TILE_N,
+                hi,
+                stride_cb,
+                stride_ckv,
+                stride_cs,
+                BLOCK_SIZE,
+                TILE_N,
+                HEAD_D,
+                COPY,
+            )
+            start = lo + i * TILE_N
+
+            k_op = k_ring.index(stage).permute((1, 0)).load(K_OP).to(gl.float16)
+            s = mma_v2(q_op, k_op, gl.zeros([M, TILE_N], gl.float32, layout=MMA))
+            s = s * qk_scale
+            s = gl.where((start + n_off < hi)[None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+
+            v_rows = v_ring.index(stage).load(ROW16).to(gl.float16)
+            v16.index(i % 2).store(v_rows)
+            gl.thread_barrier()
+            v_op = v16.index(i % 2).load(V_OP)
+            p_op = gl.convert_layout(p.to(gl.float16), P_OP)
+            acc = mma_v2(p_op, v_op, acc * alpha[:, None])
+        async_copy.wait_group(0)
+
+        acc = acc * gl.load(v_scale_ptr + kvh)
+        rows = gl.arange(0, M, layout=gl.SliceLayout(1, MMA))
+        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, MMA))
+        row_ok = rows < G
+        qh_o = (kvh * G + rows).to(gl.int64)
+        if USE_SPLIT:
+            pidx = (tok.to(gl.int64) * NUM_Q_HEADS + qh_o) * num_splits + split
+            gl.store(part_acc_ptr + pidx[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None])
+            ml_rows = gl.convert_layout(pidx, gl.SliceLayout(1, MMA))
+            gl.store(part_ml_ptr + ml_rows * 2, m_i, mask=row_ok)
+            gl.store(part_ml_ptr + ml_rows * 2 + 1, l_i, mask=row_ok)
+        else:
+            o = acc / l_i[:, None]
+            gl.store(
+                out_ptr + tok.to(gl.int64) * stride_ot + qh_o[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+
+    @gluon.jit
+    def _issue_tile_3d(
+        k_buf,
+        v_buf,
+        kv_base,
+        bt_row,
+        start,
+        hi,
+        stride_cb,
+        stride_ckv,
+        stride_cs,
+        BLOCK_SIZE: gl.constexpr,
+        NW: gl.constexpr,
+        WT: gl.constexpr,
+        HEAD_D: gl.constexpr,
+        L3: gl.constexpr,
+    ):
+        """Async copies of one tile as ``[NW, WT, D]``: warp ``w`` gets tokens ``start + w*WT ...``."""
+        w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        n = gl.arange(0, WT, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        pos = start + w[:, None] * WT + n[None, :]
+        ok = pos < hi
+        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
+        row = blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs
+        off = row[:, :, None] + d[None, None, :]
+        mask = ok[:, :, None] & (d < HEAD_D)[None, None, :]
+        async_copy.async_copy_global_to_shared(k_buf, kv_base + off, mask=mask)
+        async_copy.async_copy_global_to_shared(v_buf, kv_base + stride_ckv + off, mask=mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _gluon_fp8_decode_warp_kernel(
+        q_ptr,
+        kv_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        qk_scale_log2,
+        window,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_cb,
+        stride_ckv,
+        stride_ch,
+        stride_cs,
+        stride_bt,
+        NUM_Q_HEADS: gl.constexpr,
+        G: gl.constexpr,
+        HEAD_D: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        WT: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        USE_SPLIT: gl.constexpr,
+        USE_WINDOW: gl.constexpr,
+        COPY_THREADS_D: gl.constexpr,
+        V_MODE: gl.constexpr,
+    ):
+        """Warp-independent variant: each warp owns ``WT`` tokens of every tile and keeps its own
+        (max, sum, acc); the warps are merged once at the end. No cross-warp traffic per tile."""
+        M: gl.constexpr = 16
+        NW: gl.constexpr = gl.num_warps()
+        TILE_N: gl.constexpr = NW * WT
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8]
+        )
+        Q_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+        K_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+        PV_KW: gl.constexpr = 2 if V_MODE == 2 else 4
+        P_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=PV_KW)
+        V_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=PV_KW)
+        V16_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+        L3: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 1, 16],
+            threads_per_warp=[1, 32 // COPY_THREADS_D, COPY_THREADS_D],
+            warps_per_cta=[NW, 1, 1],
+            order=[2, 1, 0],
+        )
+        RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0])
+
+        seq = gl.program_id(0)
+        kvh = gl.program_id(1)
+        split = gl.program_id(2)
+        tok = gl.load(qsl_ptr + seq)
+        seq_len = gl.load(seq_lens_ptr + seq)
+
+        # Every warp holds the whole query tile (rows = the G heads of this KV head, padded to 16).
+        g = gl.arange(0, M, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        dq = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        wq = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        qh = (kvh * G + g).to(gl.int64)
+        q_off = (wq * 0)[:, None, None] + (qh * stride_qh)[None, :, None] + dq[None, None, :]
+        q_mask = (wq >= 0)[:, None, None] & (g < G)[None, :, None] & (dq < HEAD_D)[None, None, :]
+        q = gl.load(q_ptr + tok.to(gl.int64) * stride_qt + q_off, mask=q_mask, other=0.0)
+        # softmax scale, log2(e) and k_scale folded into the query (|q * scale| < 65504 assumed).
+        qk_scale = qk_scale_log2 * gl.load(k_scale_ptr + kvh)
+        q_op = gl.convert_layout((q.to(gl.float32) * qk_scale).to(gl.float16), Q_OP)
+
+        hi = seq_len
+        lo = 0
+        if USE_WINDOW:
+            lo = gl.maximum(seq_len - window, 0)
+        if USE_SPLIT:
+            chunk = gl.cdiv(gl.cdiv(hi - lo, num_splits), TILE_N) * TILE_N
+            lo = lo + split * chunk
+            hi = gl.minimum(lo + chunk, hi)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
+
+        k_ring = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [NUM_STAGES, NW, WT, HEAD_D], RAW_SMEM)
+        v_ring = gl.allocate_shared_memory(kv_ptr.dtype.element_ty, [NUM_STAGES, NW, WT, HEAD_D], RAW_SMEM)
+        if V_MODE == 2:
+            # One buffer is enough: tile i-1's reads of it finish before the loop-top barrier of tile i.
+            v16 = gl.allocate_shared_memory(gl.float16, [NW, WT, HEAD_D], V16_SMEM)
+
+        kv_base = kv_ptr + kvh.to(gl.int64) * stride_ch
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        for j in gl.static_range(NUM_STAGES - 1):
+            _issue_tile_3d(
+                k_ring.index(j), v_ring.index(j), kv_base, bt_row, lo + j * TILE_N, hi,
+                stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, NW, WT, HEAD_D, L3,
+            )  # fmt: skip
+
+        m_i = gl.full([NW, M], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
+        l_i = gl.zeros([NW, M], gl.float32, layout=gl.SliceLayout(2, MMA))
+        acc = gl.zeros([NW, M, HEAD_D], gl.float32, layout=MMA)
+        w_s = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA)))
+        n_s = gl.arange(0, WT, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+        tok_in_tile = w_s[:, None] * WT + n_s[None, :]  # [NW, WT]
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            async_copy.wait_group(NUM_STAGES - 2)
+            gl.thread_barrier()  # every thread's copies of tile i landed; tile i-1's buffer is free
+            nxt = i + NUM_STAGES - 1
+            _issue_tile_3d(
+                k_ring.index(nxt % NUM_STAGES), v_ring.index(nxt % NUM_STAGES), kv_base, bt_row,
+                lo + nxt * TILE_N, hi, stride_cb, stride_ckv, stride_cs, BLOCK_SIZE, NW, WT, HEAD_D, L3,
+            )  # fmt: skip
+            start = lo + i * TILE_N
+
+            k_op = k_ring.index(stage).permute((0, 2, 1)).load(K_OP).to(gl.float16)
+            s = mma_v2(q_op, k_op, gl.zeros([NW, M, WT], gl.float32, layout=MMA))
+            s = gl.where((start + tok_in_tile < hi)[:, None, :], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 2))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, :, None])
+            l_i = l_i * alpha + gl.sum(p, 2)
+            m_i = m_new
+
+            if V_MODE == 2:
+                v16.store(v_ring.index(stage).load(L3).to(gl.float16))
+                gl.thread_barrier()
+                v_op = v16.load(V_OP)
+            else:
+                v_op = v_ring.index(stage).load(V_OP).to(gl.float16)
+            p_op = gl.convert_layout(p.to(gl.float16), P_OP)
+            acc = mma_v2(p_op, v_op, acc * alpha[:, :, None])
+        async_copy.wait_group(0)
+
+        # Merge the warps' partial softmax states (once per program).
+        m_all = gl.max(m_i, 0)  # [M]
+        m_all_use = gl.where(m_all == float("-inf"), 0.0, m_all)
+        w_scale = gl.where(m_i == float("-inf"), 0.0, gl.exp2(m_i - m_all_use[None, :]))
+        l_all = gl.sum(l_i * w_scale, 0)
+        acc_all = gl.sum(acc * w_scale[:, :, None], 0) * gl.load(v_scale_ptr + kvh)  # [M, D]
+
+        OUT_L: gl.constexpr = gl.SliceLayout(0, MMA)
+        rows = gl.arange(0, M, layout=gl.SliceLayout(1, OUT_L))
+        d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, OUT_L))
+        row_ok = rows < G
+        qh_o = (kvh * G + rows).to(gl.int64)
+        if USE_SPLIT:
+            pidx = (tok.to(gl.int64) * NUM_Q_HEADS + qh_o) * num_splits + split
+            gl.store(part_acc_ptr + pidx[:, None] * HEAD_D + d[None, :], acc_all, mask=row_ok[:, None])
+            ml_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, MMA))
+            ml_rows = gl.convert_layout(pidx, ml_l)
+            ml_ok = gl.convert_layout(row_ok, ml_l)
+            gl.store(part_ml_ptr + ml_rows * 2, m_all, mask=ml_ok)
+            gl.store(part_ml_ptr + ml_rows * 2 + 1, l_all, mask=ml_ok)
+        else:
+            l_out = gl.convert_layout(l_all, gl.SliceLayout(1, OUT_L))
+            o = acc_all / l_out[:, None]
+            gl.store(
+                out_ptr + tok.to(gl.int64) * stride_ot + qh_o[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+
+
+def choose_variant_and_splits(
+    num_seqs: int, kv_heads: int, ctx: int, num_sms: int, forced_splits: int | None
+) -> tuple[str, int]:
+    """Which kernel ("warp" or "cta") and how many context splits (H200 sweep, docs/KERNELS.md item 7).
+
+    The warp kernel wins once every program walks >= 1024 tokens and there are >= 2 programs per
+    SM; short contexts and small grids keep the cta kernel with the tl.dot path's >= 256-token splits.
+    """
+    progs = max(1, num_seqs * kv_heads)
+    fill = math.ceil(4 * num_sms / progs)
+    warp_splits = forced_splits or max(1, min(fill, ctx // 1024, 64))
+    if ctx >= 2048 and progs * warp_splits >= 2 * num_sms:
+        return "warp", max(1, int(warp_splits))
+    return "cta", max(1, int(forced_splits or min(fill, max(1, ctx // 256), 64)))
+
+
+def _tiling(head_dim: int, variant: str) -> dict:
+    """Default tile/stage/warp choice per head size (H200, docs/KERNELS.md item 7)."""
+    if variant == "warp":
+        # D 256 keeps 16 tokens per warp and two stages to stay clear of spills.
+        return dict(wt=16, num_stages=3 if head_dim <= 128 else 2, num_warps=4)
+    return dict(tile_n=64 if head_dim <= 128 else 32, num_stages=2, num_warps=4)
+
+
+def launch_gluon_fp8_decode(
+    q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale, qk_scale_log2, window, splits, cfg
+):
+    """Launch over grid (num_seqs, Hkv, splits); arguments as the Triton decode path prepares them.
+
+    With ``splits > 1`` it writes the (acc, max, sum) partials that
+    ``triton_paged_attention._merge_splits_kernel`` merges; otherwise ``out``.
+    """
+    hq, d = q.shape[1], q.shape[2]
+    hkv, bs = kv_cache.shape[2], kv_cache.shape[3]
+    variant = cfg.get("gluon_variant", "warp")
+    tiling = _tiling(d, variant)
+    stages = cfg.get("gluon_stages") or tiling["num_stages"]
+    warps = cfg.get("gluon_warps") or tiling["num_warps"]
+    args = (
+        q,
+        kv_cache,
+        out,
+        part_acc,
+        part_ml,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        k_scale,
+        v_scale,
+        qk_scale_log2,
+        window,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        meta.block_tables.stride(0),
+    )
+    common = dict(
+        NUM_Q_HEADS=hq,
+        G=hq // hkv,
+        HEAD_D=d,
+        BLOCK_SIZE=bs,
+        NUM_STAGES=stages,
+        USE_SPLIT=splits > 1,
+        USE_WINDOW=window > 0,
+        COPY_THREADS_D=min(32, d // 16),
+        num_warps=warps,
+    )
+    if cfg.get("gluon_maxnreg"):
+        common["maxnreg"] = cfg["gluon_maxnreg"]
+    grid = (meta.num_seqs, hkv, splits)
+    if variant == "cta":
+        return _gluon_fp8_decode_kernel[grid](
+            *args, TILE_N=cfg.get("gluon_tile_n") or tiling["tile_n"], **common
+        )
+    wt = cfg.get("gluon_wt") or tiling["wt"]
+    return _gluon_fp8_decode_warp_kernel[grid](*args, WT=wt, V_MODE=cfg.get("gluon_v_mode", 0), **common)

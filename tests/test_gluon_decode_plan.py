@@ -1,0 +1,30 @@
+"""Which fp8 decode kernel and split count the Triton backend launches (pure Python, CPU).
+
+Numbers hand-computed from ``choose_variant_and_splits``' rule for an H200 (132 SMs):
+fill = ceil(4 * 132 / programs); the warp kernel needs ctx >= 2048 and
+programs * min(fill, ctx // 1024) >= 264; otherwise the cta kernel with min(fill, ctx // 256).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvforge.kernels.gluon_fp8_decode import choose_variant_and_splits
+
+
+@pytest.mark.parametrize(
+    "num_seqs,kv_heads,ctx,forced,expected",
+    [
+        (64, 8, 8192, None, ("warp", 2)),  # 512 programs, fill 2, by length 8
+        (256, 8, 32768, None, ("warp", 1)),  # 2048 programs fill the GPU alone
+        (8, 8, 32768, None, ("warp", 9)),  # fill ceil(528 / 64) = 9 < 32
+        (8, 8, 8192, None, ("warp", 8)),  # by length: 8 splits of 1024 tokens
+        (1, 8, 8192, None, ("cta", 32)),  # 8 x 8 = 64 programs < 264: cta, 256-token splits
+        (64, 8, 1024, None, ("cta", 2)),  # short context: cta
+        (256, 8, 1024, None, ("cta", 1)),
+        (8, 8, 32768, 3, ("cta", 3)),  # forced 3 splits: 192 programs < 264
+        (8, 8, 32768, 5, ("warp", 5)),  # forced 5 splits: 320 programs
+    ],
+)
+def test_variant_and_splits(num_seqs, kv_heads, ctx, forced, expected):
+    assert choose_variant_and_splits(num_seqs, kv_heads, ctx, 132, forced) == expected
