@@ -139,7 +139,7 @@ def _dense_decode_flops_per_token(model) -> float | None:
 _CATEGORIES = [
     ("allreduce", re.compile(r"AllReduce", re.I)),  # NCCL all-reduce kernels (tensor parallelism)
     ("nccl_other", re.compile(r"nccl", re.I)),      # other NCCL kernels (e.g. the logits gather)
-    ("attention", re.compile(r"_paged_attn_kernel|_merge_splits")),
+    ("attention", re.compile(r"_paged_attn_kernel|_gluon_fp8_decode|_mla_decode|_merge_splits")),
     ("kv_write", re.compile(r"_write_kv")),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce", re.I)),
     ("sampling", re.compile(r"argmax", re.I)),

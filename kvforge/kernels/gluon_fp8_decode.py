@@ -1,26 +1,36 @@
 """Paged decode attention over an fp8 KV cache, written in Gluon (Triton's explicit-layout dialect).
 
-Why a second kernel: with ``tl.dot`` Triton stages an fp8 V tile in shared memory and reads it
-back byte by byte, because the ``P V`` product needs V with the token axis as its reduction axis
-and Hopper has no 8-bit transposing shared-memory load (docs/KERNELS.md, "Why fp8 is stuck").
-Gluon lets the kernel choose every layout, so the V tile takes a different road:
+Why not ``tl.dot``: for ``P V`` the token axis of V is the reduction axis, and Hopper has no 8-bit
+transposing shared-memory load, so Triton reads the staged fp8 V tile byte by byte and spends
+more instructions per token than the bf16 kernel (docs/KERNELS.md, items 1-6). Gluon lets these
+kernels pick every layout. Both copy raw fp8 K/V tiles into a ``NUM_STAGES`` ring of shared buffers
+with ``cp.async`` (zero-filled past the context end), read K straight into the ``mma`` B-operand
+layout (head_dim, its reduction axis, is contiguous), convert fp8 -> fp16 in registers and run
+``mma_v2`` with fp16 operands. The softmax scale, log2(e) and ``k_scale`` are folded into one
+factor (the warp kernel applies it to the query, the cta kernel to the scores); ``v_scale``
+multiplies the accumulator once.
 
-1. ``cp.async`` copies the raw fp8 K and V tiles of ``TILE_N`` tokens into a ring of
-   ``NUM_STAGES`` shared buffers (16-byte vectors, no registers held while in flight);
-2. K is read from shared memory straight into the ``mma`` B-operand layout (its reduction axis,
-   head_dim, is contiguous, so the reads are vectorized) and converted to fp16 in registers;
-3. V is read back in a row layout (16-byte vectors), converted to fp16, written to a second
-   fp16 buffer and read from there with ``ldmatrix.trans`` into the B-operand layout.
+* ``_gluon_fp8_decode_warp_kernel`` ("warp", long contexts): each warp owns ``WT`` tokens of
+  every ``NUM_WARPS * WT``-token tile and keeps its own online-softmax state. Its ``[16, D]``
+  accumulator is one slice of a rank-3 batched ``mma``. No cross-warp traffic happens per tile;
+  the warps merge once at the end.
+* ``_gluon_fp8_decode_kernel`` ("cta", short contexts / small grids): the warps split the tile's
+  tokens for ``Q K^T`` and head_dim for ``P V``. V is staged as fp16 for ``ldmatrix.trans``.
+  Cheaper per program, dearer per tile.
 
-Scope (the planner routes nothing else here; ``supports`` is the gate): decode only (one query
-token per sequence), fp8 e4m3/e5m2 cache, bf16/fp16 query, head size 64/128/256, at most 16
-query heads per KV head, any block size that is a multiple of 16. The rows of the 16-row ``mma``
-tile are the query heads of one KV head (rows >= G are masked). Split-K partials use the layout
-of :mod:`kvforge.kernels.triton_paged_attention` and its merge kernel.
+``choose_variant_and_splits`` picks the kernel and the split-K factor; docs/KERNELS.md item 7 has
+the measurements behind it.
 
-Invariants: K/V loads of tokens past the program's context end are zero-filled (an fp8 byte
-pattern can be NaN, and ``0 * NaN`` would poison the ``P V`` sum); every offset that multiplies a
-block id or a token row is int64.
+Scope (``supports`` is the gate; everything else keeps the tl.dot kernel): decode only (one query
+token per sequence), fp8 e4m3/e5m2 cache, bf16/fp16 query, head size 64/128/256, at most 16 query
+heads per KV head (the rows of the 16-row ``mma`` tile; rows >= G are masked), block size any
+multiple of 16, sm_90+. Split-K partials use the layout of
+:mod:`kvforge.kernels.triton_paged_attention` and its merge kernel.
+
+Invariants: K/V bytes of tokens past a program's context end are zero-filled, because an fp8
+byte pattern can be NaN and ``0 * NaN`` would poison ``P V``. Every offset that multiplies a
+block id or a token row is int64. The query is rounded to fp16 (the warp kernel after scaling it
+in fp32), which assumes ``|q| < 65504``.
 """
 
 from __future__ import annotations
