@@ -93,6 +93,34 @@ def bytes_read(batch, ctx, heads, elem):
 
 REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
            "fp8q": (torch.float8_e4m3fn, "fp8_e4m3")}
+# The opt-in Gluon column-split kernel (<= 16 heads; an experiment, docs/MLA.md), side by side in the same run.
+GLUON_REGIMES = {"bf16_gluon": (torch.bfloat16, None), "fp8_gluon": (torch.float8_e4m3fn, None)}
+GLUON_SWEEP = [dict(gluon=True, gluon_tile_n=tn, gluon_stages=ns, programs_per_sm=pps)
+               for tn in (16, 32, 64) for ns in (2, 3, 4) for pps in (2, 4, 8) if tn * ns <= 128]
+
+
+def gluon_sweep(copy_bw, shapes=((16, 8, 65536), (16, 32, 65536), (16, 128, 16384))):
+    rows = []
+    scale = torch.tensor([1.0], device="cuda")
+    for heads, batch, ctx in shapes:
+        for name, (cdt, _) in GLUON_REGIMES.items():
+            cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
+            for cfg in GLUON_SWEEP:
+                try:
+                    med, lo, hi = bench(functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE,
+                                                          _config=cfg), rep=20)
+                except Exception as e:  # resource limits
+                    med = float("nan")
+                    print("gluon sweep fail", cfg, type(e).__name__, str(e)[:120])
+                nbytes = bytes_read(batch, ctx, heads, cache.element_size())
+                rows.append(dict(heads=heads, batch=batch, ctx=ctx, kv=name.split("_")[0], us=med,
+                                 pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, **cfg))
+            best = min((r for r in rows
+                        if (r["heads"], r["batch"], r["ctx"], r["kv"]) == (heads, batch, ctx, name.split("_")[0])),
+                       key=lambda r: r["us"] if r["us"] == r["us"] else 1e18)
+            print("gluon sweep best", best, flush=True)
+            del cache
+    return rows
 
 
 def run_shape(batch, ctx, heads, copy_bw, picks=None):
@@ -110,6 +138,15 @@ def run_shape(batch, ctx, heads, copy_bw, picks=None):
                          pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12,
                          config=config)
         del cache, call
+    if heads <= 16:
+        for name, (cdt, _qd) in GLUON_REGIMES.items():
+            config = dict(gluon=True)
+            cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
+            med, lo, hi = bench(functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE,
+                                                  _config=config))
+            nbytes = bytes_read(batch, ctx, heads, cache.element_size())
+            row[name] = dict(us=med, min=lo, max=hi, pct_copy=100 * nbytes / (med * 1e-6) / copy_bw)
+            del cache
     row["fp8_vs_bf16"] = row["bf16"]["us"] / row["fp8"]["us"]
     row["fp8q_vs_fp8"] = row["fp8"]["us"] / row["fp8q"]["us"]
     return row
@@ -159,6 +196,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--gluon-sweep", action="store_true", help="sweep the Gluon kernel's tiles (<= 16 heads)")
     ap.add_argument("--heads", default=None, help="comma-separated heads per rank (default 8,16,128)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32,128)")
     ap.add_argument("--ctxs", default=None, help="comma-separated contexts (default 4096,16384,65536)")
@@ -172,6 +210,9 @@ def main():
     if args.sweep:
         result["sweep"], picks = sweep()
         result["picks"] = {f"{k[0]}/{k[1]}": v for k, v in picks.items()}
+    if args.gluon_sweep:
+        result["gluon_sweep"] = gluon_sweep(copy_bw)
+
     def ints(text, default):
         return tuple(int(x) for x in text.split(",")) if text else default
 
@@ -188,9 +229,11 @@ def main():
                 row = run_shape(batch, ctx, heads, copy_bw, picks)
                 result["rows"].append(row)
                 b, f, q = row["bf16"], row["fp8"], row["fp8q"]
+                tl = (f" | gluon bf16 {row['bf16_gluon']['us']:.1f} ({row['bf16_gluon']['pct_copy']:.0f}%)"
+                      f" fp8 {row['fp8_gluon']['us']:.1f} ({row['fp8_gluon']['pct_copy']:.0f}%)") if "bf16_gluon" in row else ""
                 print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "
                       f"{f['pct_copy']:>4.0f} | {q['us']:>9.1f} {q['pct_copy']:>4.0f} {q['tflops']:>9.0f} | "
-                      f"{row['fp8_vs_bf16']:>8.2f} {row['fp8q_vs_fp8']:>8.2f}", flush=True)
+                      f"{row['fp8_vs_bf16']:>8.2f} {row['fp8q_vs_fp8']:>8.2f}{tl}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mla_decode.json"), "w") as fh:
