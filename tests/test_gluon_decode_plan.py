@@ -1,4 +1,5 @@
-"""Which fp8 decode kernel and split count the Triton backend launches (pure Python, CPU).
+"""Which fp8 decode kernel and split count the Triton backend launches, and when Gluon may run
+at all (pure Python, CPU).
 
 Numbers hand-computed from ``choose_variant_and_splits``' rule for an H200 (132 SMs):
 fill = ceil(4 * 132 / programs); the warp kernel needs ctx >= 2048 and
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvforge.kernels.gluon_fp8_decode import choose_variant_and_splits
+from kvforge.kernels.gluon_support import gluon_enabled
 
 
 @pytest.mark.parametrize(
@@ -28,3 +30,19 @@ from kvforge.kernels.gluon_fp8_decode import choose_variant_and_splits
 )
 def test_variant_and_splits(num_seqs, kv_heads, ctx, forced, expected):
     assert choose_variant_and_splits(num_seqs, kv_heads, ctx, 132, forced) == expected
+
+
+@pytest.mark.parametrize(
+    "version,env,expected",
+    [
+        ("3.6.0", None, True),
+        ("3.6.1", "0", True),
+        ("3.6.0", "1", False),  # KVFORGE_DISABLE_GLUON=1
+        ("3.6.0", "yes", False),
+        ("3.9.0", None, False),  # Gluon's async copy API changed after 3.6
+        ("3.5.1", None, False),
+        (None, None, False),  # no Triton
+    ],
+)
+def test_gluon_gate(version, env, expected):
+    assert gluon_enabled(version, env) is expected

@@ -24,7 +24,7 @@ the measurements behind it.
 Scope (``supports`` is the gate; everything else keeps the tl.dot kernel): decode only (one query
 token per sequence), fp8 e4m3/e5m2 cache, bf16/fp16 query, head size 64/128/256, at most 16 query
 heads per KV head (the rows of the 16-row ``mma`` tile; rows >= G are masked), block size any
-multiple of 16, sm_90+. Split-K partials use the layout of
+multiple of 16, sm_90 with Triton 3.6 (``gluon_support``). Split-K partials use the layout of
 :mod:`kvforge.kernels.triton_paged_attention` and its merge kernel.
 
 Invariants: K/V bytes of tokens past a program's context end are zero-filled, because an fp8
@@ -35,37 +35,21 @@ in fp32), which assumes ``|q| < 65504``.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-try:  # Gluon ships with Triton >= 3.5; the CPU engine needs neither.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-
-    HAS_GLUON = True
-except ImportError:  # pragma: no cover
-    gluon = gl = async_copy = mma_v2 = None
-    HAS_GLUON = False
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, mma_v2
 
 SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
 MAX_GROUP: int = 16
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@functools.cache  # a device's compute capability never changes in a process
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, group: int) -> bool:
     """True when this kernel handles the call (otherwise the Triton kernel does)."""
     return (
-        HAS_GLUON
-        and q.is_cuda
-        and _capability(q.device.index)[0] >= 9
+        gluon_runs_on(q)
         and max_query_len == 1
         and kv_cache.dtype in _FP8
         and q.dtype in (torch.bfloat16, torch.float16)

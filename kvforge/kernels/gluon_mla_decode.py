@@ -27,27 +27,18 @@ The only per-tile cross-warp traffic is step 2, a ``[16, TILE_N]`` float32 excha
 
 Scope (``supports`` is the gate; the tl.dot kernel keeps everything else): decode, at most 16
 heads, ``R`` = 512 and ``P`` = 64 (DeepSeek-V2/V3 and Kimi-K2), a model-dtype bf16/fp16 query over
-a cache of the same dtype or fp8 e4m3/e5m2, sm_90+. fp8 rows are upcast to fp16 in registers; the
-per-tensor scale joins the softmax scale. Zero-filled copies past the context end keep fp8 NaN
+a cache of the same dtype or fp8 e4m3/e5m2, sm_90 with Triton 3.6 (``gluon_support``). fp8 rows are
+upcast to fp16 in registers; the per-tensor scale joins the softmax scale. Zero-filled copies past the context end keep fp8 NaN
 patterns out of ``P C``; block-id and row offsets are int64.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-try:  # Gluon ships with Triton >= 3.5; the CPU engine needs neither.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-
-    HAS_GLUON = True
-except ImportError:  # pragma: no cover
-    gluon = gl = async_copy = mma_v2 = None
-    HAS_GLUON = False
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, mma_v2
 
 LATENT_DIM: int = 512
 ROPE_DIM: int = 64
@@ -55,18 +46,11 @@ MAX_HEADS: int = 16
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@functools.cache  # a device's compute capability never changes in a process
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def supports(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None) -> bool:
     """True when this kernel handles the decode call (otherwise the tl.dot kernel does)."""
     t, h, r = q_latent.shape
     return (
-        HAS_GLUON
-        and q_latent.is_cuda
-        and _capability(q_latent.device.index)[0] >= 9
+        gluon_runs_on(q_latent)
         and query_dtype is None
         and h <= MAX_HEADS
         and r == LATENT_DIM
@@ -150,7 +134,9 @@ if HAS_GLUON:
         NW: gl.constexpr = gl.num_warps()
         RW: gl.constexpr = R // NW
         PW: gl.constexpr = P // NW
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[2, 0], warps_per_cta=[NW, 1, 1], instr_shape=[1, 16, 8]
+        )
         # 16-bit operands (the latent tile: bf16/fp16 rows, or fp8 rows staged as fp16) use k width 2;
         # the fp8 rope columns are read as 8-bit operands and upcast in place (k width 4).
         A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -158,7 +144,9 @@ if HAS_GLUON:
         KW_ROPE: gl.constexpr = 4 if IS_FP8 else 2
         AR_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW_ROPE)
         BR_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW_ROPE)
-        LAT_THREADS: gl.constexpr = RW * cache_ptr.dtype.element_ty.primitive_bitwidth // 128  # 16 B per thread
+        LAT_THREADS: gl.constexpr = (
+            RW * cache_ptr.dtype.element_ty.primitive_bitwidth // 128
+        )  # 16 B per thread
         ROPE_THREADS: gl.constexpr = PW * cache_ptr.dtype.element_ty.primitive_bitwidth // 128
         LAT_COPY: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, 1, 128 // cache_ptr.dtype.element_ty.primitive_bitwidth],
@@ -177,7 +165,10 @@ if HAS_GLUON:
         )
         # 16-byte swizzle units, so every cp.async moves 16 bytes (8 fp8 values would halve it).
         RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(
-            vec=128 // cache_ptr.dtype.element_ty.primitive_bitwidth, per_phase=1, max_phase=8, order=[2, 1, 0]
+            vec=128 // cache_ptr.dtype.element_ty.primitive_bitwidth,
+            per_phase=1,
+            max_phase=8,
+            order=[2, 1, 0],
         )
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
 
@@ -201,13 +192,21 @@ if HAS_GLUON:
         t64 = tok.to(gl.int64)
         cq = gl.arange(0, RW, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q_L)))
         ql = gl.load(
-            ql_ptr + t64 * stride_qlt + (h64 * stride_qlh)[None, :, None] + (wq * RW)[:, None, None] + cq[None, None, :],
+            ql_ptr
+            + t64 * stride_qlt
+            + (h64 * stride_qlh)[None, :, None]
+            + (wq * RW)[:, None, None]
+            + cq[None, None, :],
             mask=(wq >= 0)[:, None, None] & (heads < NUM_HEADS)[None, :, None] & (cq < RW)[None, None, :],
             other=0.0,
         )
         cr = gl.arange(0, PW, layout=gl.SliceLayout(0, gl.SliceLayout(1, Q_L)))
         qr = gl.load(
-            qr_ptr + t64 * stride_qrt + (h64 * stride_qrh)[None, :, None] + (wq * PW)[:, None, None] + cr[None, None, :],
+            qr_ptr
+            + t64 * stride_qrt
+            + (h64 * stride_qrh)[None, :, None]
+            + (wq * PW)[:, None, None]
+            + cr[None, None, :],
             mask=(wq >= 0)[:, None, None] & (heads < NUM_HEADS)[None, :, None] & (cr < PW)[None, None, :],
             other=0.0,
         )
@@ -222,8 +221,12 @@ if HAS_GLUON:
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
 
-        lat_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, NW, TILE_N, RW], RAW_SMEM)
-        rope_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, NW, TILE_N, PW], RAW_SMEM)
+        lat_ring = gl.allocate_shared_memory(
+            cache_ptr.dtype.element_ty, [NUM_STAGES, NW, TILE_N, RW], RAW_SMEM
+        )
+        rope_ring = gl.allocate_shared_memory(
+            cache_ptr.dtype.element_ty, [NUM_STAGES, NW, TILE_N, PW], RAW_SMEM
+        )
         if IS_FP8:
             # Each warp converts its fp8 latent slice to fp16 once per tile; both products read the copy
             # (ldmatrix, and ldmatrix.trans for P C). One buffer: tile i-1's readers finish before the
@@ -267,7 +270,9 @@ if HAS_GLUON:
             p = gl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
-            p3 = gl.convert_layout(gl.expand_dims(p.to(DOT_T), 0) + gl.zeros([NW, M, TILE_N], DOT_T, layout=MMA), A_OP)
+            p3 = gl.convert_layout(
+                gl.expand_dims(p.to(DOT_T), 0) + gl.zeros([NW, M, TILE_N], DOT_T, layout=MMA), A_OP
+            )
             v = lat.load(B_OP)  # [NW, TILE_N, RW]
             acc = mma_v2(p3, v, acc * gl.expand_dims(gl.expand_dims(alpha, 1), 0))
         async_copy.wait_group(0)
@@ -344,4 +349,7 @@ MAX_SPLITS: int = 64
 
 def num_splits_for(num_seqs: int, max_seq_len: int, num_sms: int, programs_per_sm: int = 4) -> int:
     """About ``programs_per_sm`` programs per SM, no split under 512 tokens, at most ``MAX_SPLITS``."""
-    return max(1, min(math.ceil(programs_per_sm * num_sms / max(1, num_seqs)), max(1, max_seq_len // 512), MAX_SPLITS))
+    return max(
+        1,
+        min(math.ceil(programs_per_sm * num_sms / max(1, num_seqs)), max(1, max_seq_len // 512), MAX_SPLITS),
+    )
