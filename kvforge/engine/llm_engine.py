@@ -136,6 +136,7 @@ class LLMEngine:
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
                                  else platform == "cuda" and self.tp is None and not self.spec.rings)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
+        self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.startup_seconds = time.perf_counter() - t0
 
     @classmethod
@@ -229,6 +230,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the sequences that got a token: this step's
         (synchronous), or with ``async_scheduling`` the previous launch's (kvforge/engine/overlap.py)."""
+        early = None
+        if self._inflight is not None and self.scheduler.next_step_may_preempt():
+            # Memory pressure: resolve the step in flight first, so sequences it finishes free their
+            # blocks before the next schedule (instead of a preemption that a finish would have avoided).
+            early, self._inflight = self._resolve(self._inflight), None
+            self.async_pressure_resolves += 1
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
@@ -237,7 +244,10 @@ class LLMEngine:
             launched = self._launch(out, self._inflight)
         if not self.async_scheduling:
             return self._resolve(launched) if launched is not None else []
-        outputs = self._resolve(self._inflight) if self._inflight is not None else []
+        if early is not None:
+            outputs = early
+        else:
+            outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = launched
         return outputs
 
@@ -318,6 +328,7 @@ class LLMEngine:
             "graph_steps": self.runner.num_graph_steps,
             "eager_steps": self.runner.num_eager_steps,
             "async_scheduling": self.async_scheduling,
+            "async_pressure_resolves": self.async_pressure_resolves,
         }
 
     def rank_counters(self) -> list[dict]:

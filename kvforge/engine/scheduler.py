@@ -279,6 +279,24 @@ class Scheduler:
         out.blocks_to_copy = bm.take_copies()
         return out
 
+    def next_step_may_preempt(self) -> bool:
+        """True when the running sequences' next chunks (in schedule order, within the token budget)
+        could need more new blocks than are free, i.e. :meth:`schedule` might preempt now. Ignores
+        copy-on-write and the length-limit skip, so it errs towards True. The overlapped engine then
+        resolves its in-flight step first: sequences that step finishes free their blocks, and a
+        preemption (a recompute) costs far more than one step of lost overlap."""
+        bm = self.block_manager
+        free, budget, need = bm.num_free_blocks, self.max_num_batched_tokens, 0
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget <= 0:
+                break
+            n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
+            budget -= n
+            need += max(0, bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table))
+            if need > free:
+                return True
+        return False
+
     # ---- results -------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict) -> list[Sequence]:
         """Apply a finished step (synchronous engine): :meth:`advance` then :meth:`resolve`.
