@@ -4,6 +4,7 @@ at all (pure Python, CPU).
 Numbers hand-computed from ``choose_variant_and_splits``' rule for an H200 (132 SMs):
 fill = ceil(4 * 132 / programs); the warp kernel needs ctx >= 2048 and
 programs * min(fill, ctx // 1024) >= 264; otherwise the cta kernel with min(fill, ctx // 256).
+A forced split count replaces the count only.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from kvforge.kernels.gluon_support import gluon_enabled
         (1, 8, 8192, None, ("cta", 32)),  # 8 x 8 = 64 programs < 264: cta, 256-token splits
         (64, 8, 1024, None, ("cta", 2)),  # short context: cta
         (256, 8, 1024, None, ("cta", 1)),
-        (8, 8, 32768, 3, ("cta", 3)),  # forced 3 splits: 192 programs < 264
-        (8, 8, 32768, 5, ("warp", 5)),  # forced 5 splits: 320 programs
+        (8, 8, 32768, 3, ("warp", 3)),  # forced splits replace the count, not the kernel
+        (1, 8, 32768, 64, ("cta", 64)),  # shape rule: warp would get 32 splits x 8 = 256 < 264 -> cta
+        (1, 8, 32768, 0, ("cta", 1)),  # 0 means 1, as in the tl.dot path
     ],
 )
 def test_variant_and_splits(num_seqs, kv_heads, ctx, forced, expected):
@@ -46,3 +48,28 @@ def test_variant_and_splits(num_seqs, kv_heads, ctx, forced, expected):
 )
 def test_gluon_gate(version, env, expected):
     assert gluon_enabled(version, env) is expected
+
+
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,head,max_query_len,group,expected",
+    [
+        ("bfloat16", "float8_e4m3fn", 128, 1, 4, True),
+        ("float16", "float8_e5m2", 64, 1, 16, True),
+        ("bfloat16", "float8_e4m3fn", 256, 1, 1, True),
+        ("bfloat16", "float8_e4m3fn", 128, 2, 4, False),  # not a decode batch
+        ("bfloat16", "float8_e4m3fn", 128, 1, 17, False),  # more than 16 query heads per KV head
+        ("bfloat16", "float8_e4m3fn", 96, 1, 4, False),  # head size not a Gluon tile
+        ("bfloat16", "bfloat16", 128, 1, 4, False),  # not an fp8 cache
+        ("float32", "float8_e4m3fn", 128, 1, 4, False),  # float32 query keeps IEEE dots
+    ],
+)
+def test_supports(monkeypatch, q_dtype, kv_dtype, head, max_query_len, group, expected):
+    """Which calls the Gluon fp8 decode takes, with the device gate forced open (CPU tensors)."""
+    import torch
+
+    from kvforge.kernels import gluon_fp8_decode
+
+    monkeypatch.setattr(gluon_fp8_decode, "gluon_runs_on", lambda t: True)
+    q = torch.zeros(2, 4 * group, head, dtype=getattr(torch, q_dtype))
+    cache = torch.zeros(1, 2, 4, 16, head, dtype=getattr(torch, kv_dtype))
+    assert gluon_fp8_decode.supports(q, cache, max_query_len, group) is expected

@@ -41,7 +41,7 @@ if DEV == "cuda" and not torch.cuda.is_available():  # pragma: no cover - CPU CI
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
-from kvforge.kernels.gluon_support import GLUON_ENABLED  # noqa: E402
+from kvforge.kernels.gluon_support import gluon_runs_on  # noqa: E402
 from kvforge.kernels.triton_cache_write import write_kv_cache  # noqa: E402
 from kvforge.kernels.triton_paged_attention import _LAST_LAUNCH, paged_attention  # noqa: E402
 
@@ -63,8 +63,12 @@ def make_batch(
     spare_blocks=7,
     scale_range=(0.5, 2.0),
     src_dtype=torch.bfloat16,
+    nan_junk=False,
 ):
     """A random paged cache holding each sequence's full context + metadata.
+
+    ``nan_junk``: unwritten fp8 slots (page tails past a context end, spare blocks) hold NaN bytes
+    instead of finite junk, so a kernel that lets one masked-off byte reach ``P V`` fails.
 
     The whole context (including the new tokens) is written through
     write_kv_cache, as the engine does before calling attention. Block ids are
@@ -89,7 +93,9 @@ def make_batch(
     # poison the cache with random junk of the storage dtype (not NaN: unused
     # slots must not be read, a NaN would show it, but junk is fine to have)
     kv_cache.view(torch.uint8).random_(0, 256, generator=None)
-    if kv_dtype in FP8_MAX:
+    if kv_dtype in FP8_MAX and nan_junk:
+        kv_cache.view(torch.uint8).fill_(0x7F)  # NaN in e4m3 and in e5m2
+    elif kv_dtype in FP8_MAX:
         # random bytes can be NaN in fp8; replace by a finite junk value
         junk = torch.full_like(kv_cache, 3.0)
         kv_cache.copy_(
@@ -189,10 +195,21 @@ def run_case(
     tol=REL_TOL_BF16,
     config=None,
     expect_kernel=None,
+    scale_range=(0.5, 2.0),
+    nan_junk=False,
 ):
     gen = torch.Generator().manual_seed(seed)
     kv_cache, meta, ks, vs = make_batch(
-        seq_lens, query_lens, hkv, d, block_size, kv_dtype, gen, src_dtype=q_dtype
+        seq_lens,
+        query_lens,
+        hkv,
+        d,
+        block_size,
+        kv_dtype,
+        gen,
+        src_dtype=q_dtype,
+        scale_range=scale_range,
+        nan_junk=nan_junk,
     )
     T = sum(query_lens)
     q = torch.randn(T, hq, d, generator=gen).to(DEV, q_dtype)
@@ -211,7 +228,7 @@ def run_case(
         _config=config,
     )
     if expect_kernel is not None:
-        if expect_kernel != TL_DOT and not GLUON_ENABLED:
+        if expect_kernel != TL_DOT and not gluon_runs_on(q):
             pytest.skip("Gluon kernels are gated off here (kvforge/kernels/gluon_support.py)")
         launched = _LAST_LAUNCH["attn"]
         if launched is not None:  # None under TRITON_INTERPRET (nothing is compiled)
@@ -271,6 +288,49 @@ def test_fp8_decode_every_path(path, kv_dtype, hq, hkv, d):
         config=config,
         expect_kernel=kernel,
     )
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_fp8_decode_empty_query_sequences(path, splits):
+    """Sequences with no new token in a decode batch (max_query_len 1), the last one included:
+    nothing is written for them and nothing past the last token is touched."""
+    config, kernel = PATHS[path]
+    run_case([5, 300, 20, 2100, 40], [1, 0, 1, 1, 0], 16, 4, 128, torch.float8_e4m3fn, seed=4,
+             num_splits=splits, config=config, expect_kernel=kernel)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_decode_nan_in_unwritten_slots(path, kv_dtype):
+    """Page tails and spare blocks full of fp8 NaN bytes: masked-off bytes must never reach P V."""
+    config, kernel = PATHS[path]
+    run_case([1, 15, 17, 1000, 4100], [1] * 5, 32, 8, 128, kv_dtype, seed=8, config=config,
+             expect_kernel=kernel, nan_junk=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fp8_decode_calibrated_e5m2_scales(path):
+    """Scales of a calibrated e5m2 cache (~amax / 57344): the scale must multiply float32 scores,
+    not an fp16 query (which would fall into fp16 subnormals)."""
+    config, kernel = PATHS[path]
+    run_case([17, 1000, 4100], [1] * 3, 32, 8, 128, torch.float8_e5m2, seed=9, config=config,
+             expect_kernel=kernel, scale_range=(1e-4, 3e-4))  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [16, 100, 4096])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fp8_decode_warp_window_and_no_split(window, splits):
+    """The warp kernel with a sliding window, and without split-K (its direct-output epilogue)."""
+    run_case([1, 17, 1000, 5000, 300], [1] * 5, 16, 4, 128, torch.float8_e4m3fn, window=window, seed=window,
+             num_splits=splits, config=dict(gluon_variant="warp"), expect_kernel=GLUON)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["gluon-warp", "gluon-cta"])
+def test_fp8_decode_fp16_query(path):
+    config, kernel = PATHS[path]
+    run_case([1, 17, 1000, 3000], [1] * 4, 16, 4, 128, torch.float8_e5m2, q_dtype=torch.float16, seed=10,
+             config=config, expect_kernel=kernel)  # fmt: skip
 
 
 def test_fp8_decode_default_is_gluon():

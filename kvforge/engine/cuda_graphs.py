@@ -28,8 +28,11 @@ Invariants (what makes a replay equal to an eager step):
    ids, and the kernel never reads past ``seq_len``.
 4. **Fixed split-K.** ``num_splits`` per size is the kernel's own heuristic at
    the longest context. GQA (``triton_paged``): ``min(ceil(4 * SMs / (B *
-   kv_heads)), max(1, max_model_len // 256), 64)``; MLA (``triton_mla``):
-   ``triton_mla_decode.pinned_num_splits`` (per head block, at most 32).
+   kv_heads)), max(1, max_model_len // 256), 64)``; fp8 caches on the Gluon
+   decode kernels: ``gluon_fp8_decode.pinned_num_splits`` (its variant rule;
+   the kernel variant follows the shape, so capture and eager agree); MLA
+   (``triton_mla``): ``triton_mla_decode.pinned_num_splits`` (per head block,
+   at most 32).
    Grid and partial buffers are then fixed; shorter contexts leave trailing
    splits empty (they add nothing in the merge). ``max_seq_len`` in the
    captured metadata is ``max_model_len``.
@@ -96,6 +99,22 @@ def graphs_unsupported_reason(runner) -> str | None:
 class DecodeGraphs:
     """Captures and replays decode-only steps (see the module docstring)."""
 
+    def _gluon_fp8_decode(self, plan) -> bool:
+        """Whether every layer's decode runs the Gluon fp8 kernels (kvforge/kernels/gluon_fp8_decode.py)."""
+        from kvforge.kernels import gluon_fp8_decode as g
+        from kvforge.kernels.gluon_support import GLUON_ENABLED, TESTED_COMPUTE_CAPABILITY_MAJOR
+
+        if not GLUON_ENABLED or self.device.type != "cuda":
+            return False
+        if torch.cuda.get_device_capability(self.device)[0] != TESTED_COMPUTE_CAPABILITY_MAJOR:
+            return False
+        return all(
+            layer.backend == "triton_paged" and layer.kv_dtype.startswith("fp8")
+            and layer.head_size in g.SUPPORTED_HEAD_SIZES
+            and layer.heads_per_rank // max(1, layer.kv_heads_per_rank) <= g.MAX_GROUP
+            for layer in plan.layers
+        )  # fmt: skip
+
     def __init__(self, runner, *, max_num_seqs: int, sizes: list[int] | None = None, capture: bool = True):
         self.runner = runner
         self.device = runner.device
@@ -113,6 +132,10 @@ class DecodeGraphs:
 
             heads = plan.layers[0].heads_per_rank
             self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms) for b in self.sizes}
+        elif self._gluon_fp8_decode(plan):  # the Gluon fp8 decode's own rule (kernel variant + splits)
+            from kvforge.kernels.gluon_fp8_decode import pinned_num_splits
+
+            self.num_splits = {b: pinned_num_splits(b, kv_heads, plan.max_model_len, sms) for b in self.sizes}
         else:
             self.num_splits = {b: fixed_num_splits(b, kv_heads, sms, plan.max_model_len) for b in self.sizes}
         dev, bmax = self.device, self.max_size

@@ -7,8 +7,7 @@ kernels pick every layout. Both copy raw fp8 K/V tiles into a ``NUM_STAGES`` rin
 with ``cp.async`` (zero-filled past the context end), read K straight into the ``mma`` B-operand
 layout (head_dim, its reduction axis, is contiguous), convert fp8 -> fp16 in registers and run
 ``mma_v2`` with fp16 operands. The softmax scale, log2(e) and ``k_scale`` are folded into one
-factor (the warp kernel applies it to the query, the cta kernel to the scores); ``v_scale``
-multiplies the accumulator once.
+factor that multiplies the float32 scores; ``v_scale`` multiplies the accumulator once.
 
 * ``_gluon_fp8_decode_warp_kernel`` ("warp", long contexts): each warp owns ``WT`` tokens of
   every ``NUM_WARPS * WT``-token tile and keeps its own online-softmax state. Its ``[16, D]``
@@ -29,8 +28,8 @@ multiple of 16, sm_90 with Triton 3.6 (``gluon_support``). Split-K partials use 
 
 Invariants: K/V bytes of tokens past a program's context end are zero-filled, because an fp8
 byte pattern can be NaN and ``0 * NaN`` would poison ``P V``. Every offset that multiplies a
-block id or a token row is int64. The query is rounded to fp16 (the warp kernel after scaling it
-in fp32), which assumes ``|q| < 65504``.
+block id or a token row is int64. The query is rounded to fp16, which assumes ``|q| < 65504``.
+Sequences with no new token this step are skipped.
 """
 
 from __future__ import annotations
@@ -150,6 +149,8 @@ if HAS_GLUON:
         kvh = gl.program_id(1)
         split = gl.program_id(2)
         tok = gl.load(qsl_ptr + seq)
+        if gl.load(qsl_ptr + seq + 1) <= tok:
+            return  # no new token for this sequence this step (allowed by the metadata contract)
         seq_len = gl.load(seq_lens_ptr + seq)
 
         # The query rows: the G heads of this KV head, padded to 16.
@@ -353,6 +354,8 @@ if HAS_GLUON:
         kvh = gl.program_id(1)
         split = gl.program_id(2)
         tok = gl.load(qsl_ptr + seq)
+        if gl.load(qsl_ptr + seq + 1) <= tok:
+            return  # no new token for this sequence this step (allowed by the metadata contract)
         seq_len = gl.load(seq_lens_ptr + seq)
 
         # Every warp holds the whole query tile (rows = the G heads of this KV head, padded to 16).
@@ -363,9 +366,10 @@ if HAS_GLUON:
         q_off = (wq * 0)[:, None, None] + (qh * stride_qh)[None, :, None] + dq[None, None, :]
         q_mask = (wq >= 0)[:, None, None] & (g < G)[None, :, None] & (dq < HEAD_D)[None, None, :]
         q = gl.load(q_ptr + tok.to(gl.int64) * stride_qt + q_off, mask=q_mask, other=0.0)
-        # softmax scale, log2(e) and k_scale folded into the query (|q * scale| < 65504 assumed).
+        # The scale multiplies the float32 scores, not the fp16 query: a calibrated e5m2 k_scale
+        # (~amax / 57344) would push a pre-scaled query into fp16 subnormals.
         qk_scale = qk_scale_log2 * gl.load(k_scale_ptr + kvh)
-        q_op = gl.convert_layout((q.to(gl.float32) * qk_scale).to(gl.float16), Q_OP)
+        q_op = gl.convert_layout(q.to(gl.float16), Q_OP)
 
         hi = seq_len
         lo = 0
@@ -409,7 +413,7 @@ if HAS_GLUON:
             start = lo + i * TILE_N
 
             k_op = k_ring.index(stage).permute((0, 2, 1)).load(K_OP).to(gl.float16)
-            s = mma_v2(q_op, k_op, gl.zeros([NW, M, WT], gl.float32, layout=MMA))
+            s = mma_v2(q_op, k_op, gl.zeros([NW, M, WT], gl.float32, layout=MMA)) * qk_scale
             s = gl.where((start + tok_in_tile < hi)[:, None, :], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 2))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -465,13 +469,25 @@ def choose_variant_and_splits(
 
     The warp kernel wins once every program walks >= 1024 tokens and there are >= 2 programs per
     SM; short contexts and small grids keep the cta kernel with the tl.dot path's >= 256-token splits.
+    The variant depends on the shape only: ``forced_splits`` (CUDA graphs pin the count this rule
+    gives at ``max_model_len``) replaces the split count, never the kernel, so a captured graph
+    runs the kernel the eager path would choose.
     """
     progs = max(1, num_seqs * kv_heads)
     fill = math.ceil(4 * num_sms / progs)
-    warp_splits = forced_splits or max(1, min(fill, ctx // 1024, 64))
+    warp_splits = max(1, min(fill, ctx // 1024, 64))
     if ctx >= 2048 and progs * warp_splits >= 2 * num_sms:
-        return "warp", max(1, int(warp_splits))
-    return "cta", max(1, int(forced_splits or min(fill, max(1, ctx // 256), 64)))
+        variant, splits = "warp", warp_splits
+    else:
+        variant, splits = "cta", max(1, min(fill, max(1, ctx // 256), 64))
+    if forced_splits is not None:
+        splits = max(1, int(forced_splits))
+    return variant, splits
+
+
+def pinned_num_splits(batch: int, kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """The split count a CUDA graph of ``batch`` decode rows pins (kvforge/engine/cuda_graphs.py)."""
+    return choose_variant_and_splits(batch, kv_heads, max_model_len, num_sms, None)[1]
 
 
 def _tiling(head_dim: int, variant: str) -> dict:
@@ -492,9 +508,11 @@ def launch_gluon_fp8_decode(
     """
     hq, d = q.shape[1], q.shape[2]
     hkv, bs = kv_cache.shape[2], kv_cache.shape[3]
+    # Split partials are [T, Hq, S, D_PAD] with the tl.dot path's padded D: equal to d here.
+    assert d in SUPPORTED_HEAD_SIZES and d & (d - 1) == 0, d
     variant = cfg.get("gluon_variant", "warp")
     tiling = _tiling(d, variant)
-    stages = cfg.get("gluon_stages") or tiling["num_stages"]
+    stages = max(2, cfg.get("gluon_stages") or tiling["num_stages"])  # the ring needs >= 2 buffers
     warps = cfg.get("gluon_warps") or tiling["num_warps"]
     args = (
         q,

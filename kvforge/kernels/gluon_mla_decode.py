@@ -176,6 +176,8 @@ if HAS_GLUON:
         hb = gl.program_id(1)
         split = gl.program_id(2)
         tok = gl.load(qsl_ptr + seq)
+        if gl.load(qsl_ptr + seq + 1) <= tok:
+            return  # no new token for this sequence this step (allowed by the metadata contract)
         seq_len = gl.load(seq_lens_ptr + seq)
         if IS_FP8:
             DOT_T: gl.constexpr = gl.float16
