@@ -39,6 +39,9 @@ from triton.testing import do_bench  # noqa: E402
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
 from kvforge.kernels.triton_mla_decode import mla_decode  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from exp_gluon_mla_decode import mla_decode_gluon  # noqa: E402
+
 R, P, BS = 512, 64, 64
 SOFTMAX_SCALE = 1.0 / math.sqrt(192)
 
@@ -93,9 +96,10 @@ def bytes_read(batch, ctx, heads, elem):
 
 REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
            "fp8q": (torch.float8_e4m3fn, "fp8_e4m3")}
-# The opt-in Gluon column-split kernel (<= 16 heads; an experiment, docs/MLA.md), side by side in the same run.
+# The Gluon column-split kernel (<= 16 heads; an experiment, benchmarks/exp_gluon_mla_decode.py, docs/MLA.md),
+# checked against the tl.dot kernel and timed side by side in the same run.
 GLUON_REGIMES = {"bf16_gluon": (torch.bfloat16, None), "fp8_gluon": (torch.float8_e4m3fn, None)}
-GLUON_SWEEP = [dict(gluon=True, gluon_tile_n=tn, gluon_stages=ns, programs_per_sm=pps)
+GLUON_SWEEP = [dict(gluon_tile_n=tn, gluon_stages=ns, programs_per_sm=pps)
                for tn in (16, 32, 64) for ns in (2, 3, 4) for pps in (2, 4, 8) if tn * ns <= 128]
 
 
@@ -107,8 +111,8 @@ def gluon_sweep(copy_bw, shapes=((16, 8, 65536), (16, 32, 65536), (16, 128, 1638
             cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
             for cfg in GLUON_SWEEP:
                 try:
-                    med, lo, hi = bench(functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE,
-                                                          _config=cfg), rep=20)
+                    med, lo, hi = bench(functools.partial(mla_decode_gluon, ql, qr, cache, meta, scale,
+                                                          SOFTMAX_SCALE, cfg=cfg), rep=20)
                 except Exception as e:  # resource limits
                     med = float("nan")
                     print("gluon sweep fail", cfg, type(e).__name__, str(e)[:120])
@@ -140,12 +144,15 @@ def run_shape(batch, ctx, heads, copy_bw, picks=None):
         del cache, call
     if heads <= 16:
         for name, (cdt, _qd) in GLUON_REGIMES.items():
-            config = dict(gluon=True)
             cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
-            med, lo, hi = bench(functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE,
-                                                  _config=config))
+            want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
+            got = mla_decode_gluon(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
+            rel = ((got - want).abs().max() / want.abs().max()).item()
+            assert rel <= 2.0 ** -6, f"Gluon MLA experiment differs from the tl.dot kernel: {rel:.2e}"
+            med, lo, hi = bench(functools.partial(mla_decode_gluon, ql, qr, cache, meta, scale, SOFTMAX_SCALE))
             nbytes = bytes_read(batch, ctx, heads, cache.element_size())
-            row[name] = dict(us=med, min=lo, max=hi, pct_copy=100 * nbytes / (med * 1e-6) / copy_bw)
+            row[name] = dict(us=med, min=lo, max=hi, pct_copy=100 * nbytes / (med * 1e-6) / copy_bw,
+                             max_rel_vs_tl_dot=rel)
             del cache
     row["fp8_vs_bf16"] = row["bf16"]["us"] / row["fp8"]["us"]
     row["fp8q_vs_fp8"] = row["fp8"]["us"] / row["fp8q"]["us"]

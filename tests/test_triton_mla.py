@@ -152,30 +152,6 @@ def test_every_declared_combination_matches_fp32_reference(decl):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("heads", [8, 16])
-def test_gluon_column_split_experiment(kv, heads):
-    """The opt-in Gluon MLA decode (``_config={"gluon": True}``, not planned) against the reference:
-    block sizes 16 and 64, batch 1 and 7 (contexts 1 .. 3000), default and forced splits."""
-    from kvforge.kernels import triton_mla_decode
-    from kvforge.kernels.gluon_mla_decode import supports
-    from kvforge.kernels.gluon_support import gluon_runs_on
-
-    if not gluon_runs_on(torch.empty(0, device="cuda")):
-        pytest.skip("Gluon kernels are gated off here (kvforge/kernels/gluon_support.py)")
-    for bs, batch in ((16, 7), (64, 1), (64, 7)):
-        cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=bs, seed=bs + batch)
-        assert supports(q_latent, cache, None)
-        want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, meta, scale, 0.1)
-        for splits in (None, 1, 7):
-            got = triton_mla_decode.mla_decode(q_latent, q_rope, cache, meta, scale, 0.1, num_splits=splits,
-                                               _config={"gluon": True})
-            err = ((got.float() - want).abs().max() / want.abs().max()).item()
-            assert err <= 2.0 ** -6, (bs, batch, splits, err)
-
-
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 def test_split_k_and_block_sizes(kv):
     """Forced split counts (1 .. 32) and block sizes 1, 16, 64 give the same answer as the reference."""
     from kvforge.kernels.triton_mla_decode import mla_decode

@@ -37,7 +37,6 @@ import math
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels import gluon_mla_decode
 from kvforge.kernels.triton_paged_attention import _FP8, _LOG2E, _num_sms
 
 try:  # Triton is optional (the CPU engine does not need it).
@@ -293,29 +292,6 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         scale = scale.to(torch.float32).reshape(-1)[:1]
     else:
         scale = meta.seq_lens  # unused placeholder
-
-    if (_config or {}).get("gluon", False) and gluon_mla_decode.supports(q_latent, cache, query_dtype):
-        # Opt-in experiment, never planned (docs/MLA.md, "Gluon column-split decode"): <= 16 heads,
-        # R 512 / P 64, model-dtype query. Measured 0.5-1.2x the tl.dot kernel, so the default stays.
-        gcfg = dict(_config or {})
-        splits = num_splits or gluon_mla_decode.num_splits_for(
-            num_seqs, meta.max_seq_len, _num_sms(q_latent.device), gcfg.get("programs_per_sm", 4)
-        )
-        splits = max(1, min(int(splits), gluon_mla_decode.MAX_SPLITS))
-        if splits > 1:
-            part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)
-            part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
-        else:
-            part_acc = part_ml = out
-        gluon_mla_decode.launch_gluon_mla_decode(
-            q_latent, q_rope, cache, out, part_acc, part_ml, meta, scale, float(softmax_scale) * _LOG2E, splits, gcfg
-        )
-        if splits > 1:
-            _merge_splits_kernel[(t, h)](
-                part_acc, part_ml, out, meta.query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
-                NUM_Q_HEADS=h, HEAD_D=r, D_PAD=r, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
-            )
-        return out
 
     # Dot dtype (model-dtype query): fp8 tiles -> fp16 dots with a 16-bit query (fp8 -> fp16 is exact);
     # a cache of the query's own 16-bit dtype -> that dtype; anything involving float32 or a bf16/fp16

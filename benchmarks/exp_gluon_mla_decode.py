@@ -1,7 +1,10 @@
-"""MLA decode over the paged latent cache, written in Gluon, for up to 16 heads per rank: an EXPERIMENT.
+"""Experiment: MLA decode over the paged latent cache, written in Gluon, for up to 16 heads per rank.
 
-Status: opt-in only (``mla_decode(..., _config={"gluon": True})``); the planner and the engine never
-route here. On the H200 it measured 0.5-1.2x the tl.dot kernel. It is 2x slower at batch 1 x 4k,
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_mla_decode.py --gluon-sweep --heads 8,16
+
+(``bench_mla_decode.py`` imports :func:`mla_decode_gluon` from here, checks it against the tl.dot
+kernel and times both side by side.) Status: not adopted, kept out of the ``kvforge`` package; the
+planner and the engine never route here. On the H200 it measured 0.5-1.2x the tl.dot kernel. It is 2x slower at batch 1 x 4k,
 where one program's per-tile latency (~6000 cycles, 8 warps per SM) is exposed, and 1.05-1.2x faster
 for an fp8 cache at batch >= 8 x 64k. It does not reach the issue's 80% of copy bandwidth either:
 bf16 51-64%, fp8 23-31% (docs/MLA.md, "Gluon column-split decode").
@@ -35,10 +38,15 @@ patterns out of ``P C``; block-id and row offsets are int64.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 
-from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, mma_v2
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, mma_v2  # noqa: E402
+from kvforge.kernels.triton_paged_attention import _LOG2E, _merge_splits_kernel, _num_sms  # noqa: E402
 
 LATENT_DIM: int = 512
 ROPE_DIM: int = 64
@@ -355,3 +363,36 @@ def num_splits_for(num_seqs: int, max_seq_len: int, num_sms: int, programs_per_s
         1,
         min(math.ceil(programs_per_sm * num_sms / max(1, num_seqs)), max(1, max_seq_len // 512), MAX_SPLITS),
     )
+
+
+def mla_decode_gluon(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, cfg=None):
+    """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` (model-dtype query), through this
+    kernel; split partials merged by the paged-attention merge kernel."""
+    import triton
+
+    if not supports(q_latent, cache, None):
+        raise ValueError("outside the experiment's scope (see the module docstring)")
+    cfg = dict(cfg or {})
+    t, h, r = q_latent.shape
+    out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
+    num_seqs = meta.num_seqs
+    if cache.dtype in _FP8:
+        scale = scale.to(torch.float32).reshape(-1)[:1]
+    else:
+        scale = meta.seq_lens  # unused placeholder
+    splits = num_splits or num_splits_for(num_seqs, meta.max_seq_len, _num_sms(q_latent.device),
+                                          cfg.get("programs_per_sm", 4))
+    splits = max(1, min(int(splits), MAX_SPLITS))
+    if splits > 1:
+        part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)
+        part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
+    else:
+        part_acc = part_ml = out
+    launch_gluon_mla_decode(q_latent, q_rope, cache, out, part_acc, part_ml, meta, scale,
+                            float(softmax_scale) * _LOG2E, splits, cfg)
+    if splits > 1:
+        _merge_splits_kernel[(t, h)](
+            part_acc, part_ml, out, meta.query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
+            NUM_Q_HEADS=h, HEAD_D=r, D_PAD=r, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        )
+    return out
