@@ -141,6 +141,31 @@ def test_async_preempted_before_resolve_keeps_prefix_cache():
     bm.check_invariants([a])
 
 
+def test_next_step_may_preempt_counts_blocks_by_hand():
+    """Block size 4, 5 blocks. a: 12 prompt tokens (3 blocks), b: 4 (1 block) -> 1 free block after
+    the first step. With one token in flight each, a's next token is its 13th (a 4th block) and b's
+    its 5th (a 2nd block): 2 new blocks > 1 free -> True. After b finishes and frees its block:
+    a needs 1 of 2 free -> False."""
+    from kvforge.engine.block_manager import BlockManager
+    from kvforge.engine.scheduler import Scheduler
+    from kvforge.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    a = Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=8, ignore_eos=True))
+    b = Sequence("b", list(range(100, 104)), SamplingParams(max_tokens=1, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert bm.num_free_blocks == 1
+    assert not sched.next_step_may_preempt()  # the scheduled chunks already own their blocks
+    sched.advance(first)  # one token in flight for each
+    assert sched.next_step_may_preempt()
+    finished = sched.resolve(first, {"a": 7, "b": 9})  # b reaches max_tokens=1 and frees its block
+    assert [s.request_id for s in finished] == ["b"] and bm.num_free_blocks == 2
+    assert not sched.next_step_may_preempt()
+
+
 def test_async_scheduling_refused_for_ring_models_before_weights():
     """Ring (CsaRing) models keep per-request state slots bound to the synchronous step: an explicit
     --async-scheduling fails with the reason, before any weight is read."""
