@@ -51,8 +51,8 @@ from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
 from kvforge.kernels.triton_paged_attention import (  # noqa: E402
     _FP8,
     _LOG2E,
-    _merge_splits_kernel,
     _num_sms,
+    merge_split_partials,
     paged_attention,  # noqa: E402
 )
 
@@ -261,21 +261,7 @@ def paged_decode_transposed(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    _merge_splits_kernel[(T, hq)](
-        part_acc,
-        part_ml,
-        out,
-        meta.query_start_loc,
-        T,
-        splits,
-        out.stride(0),
-        out.stride(1),
-        NUM_Q_HEADS=hq,
-        HEAD_D=d,
-        D_PAD=d_pad,
-        S_PAD=max(2, triton.next_power_of_2(splits)),
-        num_warps=4,
-    )
+    merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, T)
     return out
 
 

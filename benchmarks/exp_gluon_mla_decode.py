@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, mma_v2  # noqa: E402
-from kvforge.kernels.triton_paged_attention import _LOG2E, _merge_splits_kernel, _num_sms  # noqa: E402
+from kvforge.kernels.triton_paged_attention import _LOG2E, _num_sms, merge_split_partials  # noqa: E402
 
 LATENT_DIM: int = 512
 ROPE_DIM: int = 64
@@ -368,8 +368,6 @@ def num_splits_for(num_seqs: int, max_seq_len: int, num_sms: int, programs_per_s
 def mla_decode_gluon(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, cfg=None):
     """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` (model-dtype query), through this
     kernel; split partials merged by the paged-attention merge kernel."""
-    import triton
-
     if not supports(q_latent, cache, None):
         raise ValueError("outside the experiment's scope (see the module docstring)")
     cfg = dict(cfg or {})
@@ -391,8 +389,5 @@ def mla_decode_gluon(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     launch_gluon_mla_decode(q_latent, q_rope, cache, out, part_acc, part_ml, meta, scale,
                             float(softmax_scale) * _LOG2E, splits, cfg)
     if splits > 1:
-        _merge_splits_kernel[(t, h)](
-            part_acc, part_ml, out, meta.query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=h, HEAD_D=r, D_PAD=r, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )
+        merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs)
     return out

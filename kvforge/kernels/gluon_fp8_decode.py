@@ -504,7 +504,7 @@ def launch_gluon_fp8_decode(
     """Launch over grid (num_seqs, Hkv, splits); arguments as the Triton decode path prepares them.
 
     With ``splits > 1`` it writes the (acc, max, sum) partials that
-    ``triton_paged_attention._merge_splits_kernel`` merges; otherwise ``out``.
+    ``triton_paged_attention.merge_split_partials`` merges; otherwise ``out``.
     """
     hq, d = q.shape[1], q.shape[2]
     hkv, bs = kv_cache.shape[2], kv_cache.shape[3]

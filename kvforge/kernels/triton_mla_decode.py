@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover
 if HAS_TRITON:
     from triton.runtime.errors import OutOfResources
 
-    from kvforge.kernels.triton_paged_attention import _fp8_to_f16, _merge_splits_kernel
+    from kvforge.kernels.triton_paged_attention import _fp8_to_f16, merge_split_partials
 
 #: Query dtypes the kernel implements besides the model dtype.
 QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
@@ -345,8 +345,5 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                 raise
             _SHRUNK_CONFIGS[shape_key] = {"tile_n": cfg["tile_n"], "block_h": cfg["block_h"]}
     if use_split:
-        _merge_splits_kernel[(t, h)](
-            part_acc, part_ml, out, meta.query_start_loc, num_seqs, splits, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=h, HEAD_D=r, D_PAD=r_pad, S_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )
+        merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs)
     return out

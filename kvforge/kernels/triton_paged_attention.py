@@ -587,19 +587,30 @@ def paged_attention(
             num_stages=cfg["num_stages"],
         )
     if use_split:
-        _merge_splits_kernel[(T, hq)](
-            part_acc,
-            part_ml,
-            out,
-            meta.query_start_loc,
-            num_seqs,
-            splits,
-            out.stride(0),
-            out.stride(1),
-            NUM_Q_HEADS=hq,
-            HEAD_D=d,
-            D_PAD=d_pad,
-            S_PAD=max(2, triton.next_power_of_2(splits)),
-            num_warps=4,
-        )
+        merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs)
     return out
+
+
+def merge_split_partials(
+    part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int
+) -> None:
+    """``out[t, h, :D]`` = the softmax-weighted merge of split-K partials ``part_acc [T, H, S, D_PAD]``
+    (unnormalized fp32 accumulators) and ``part_ml [T, H, S, 2]`` (log2-domain max, sum); ``D`` is
+    ``out``'s last axis. Tokens at or past ``query_start_loc[num_seqs]`` are left untouched. Every
+    split-K decode kernel (tl.dot, Gluon, MLA) writes this layout."""
+    t, h, splits, d_pad = part_acc.shape
+    _merge_splits_kernel[(t, h)](
+        part_acc,
+        part_ml,
+        out,
+        query_start_loc,
+        num_seqs,
+        splits,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=h,
+        HEAD_D=out.shape[-1],
+        D_PAD=d_pad,
+        S_PAD=max(2, triton.next_power_of_2(splits)),
+        num_warps=4,
+    )
