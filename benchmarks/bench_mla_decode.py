@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench  # noqa: E402
 
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
+from kvforge.kernels.gluon_mla_decode import mla_decode_wgmma  # noqa: E402
 from kvforge.kernels.triton_mla_decode import mla_decode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +99,9 @@ REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
            "fp8q": (torch.float8_e4m3fn, "fp8_e4m3")}
 # The Gluon column-split kernel (<= 16 heads; an experiment, benchmarks/exp_gluon_mla_decode.py, docs/MLA.md),
 # checked against the tl.dot kernel and timed side by side in the same run.
-GLUON_REGIMES = {"bf16_gluon": (torch.bfloat16, None), "fp8_gluon": (torch.float8_e4m3fn, None)}
+GLUON_REGIMES = {"bf16_gluon": (torch.bfloat16, mla_decode_gluon), "fp8_gluon": (torch.float8_e4m3fn, mla_decode_gluon)}
+# The wgmma kernel (kvforge/kernels/gluon_mla_decode.py), checked against the tl.dot kernel in the same run.
+WGMMA_REGIMES = {"bf16_wgmma": (torch.bfloat16, mla_decode_wgmma), "fp8_wgmma": (torch.float8_e4m3fn, mla_decode_wgmma)}
 GLUON_SWEEP = [dict(gluon_tile_n=tn, gluon_stages=ns, programs_per_sm=pps)
                for tn in (16, 32, 64) for ns in (2, 3, 4) for pps in (2, 4, 8) if tn * ns <= 128]
 
@@ -127,14 +130,14 @@ def gluon_sweep(copy_bw, shapes=((16, 8, 65536), (16, 32, 65536), (16, 128, 1638
     return rows
 
 
-def run_shape(batch, ctx, heads, copy_bw, picks=None):
+def run_shape(batch, ctx, heads, copy_bw, picks=None, with_gluon_exp=False):
     row = dict(batch=batch, ctx=ctx, heads=heads)
     scale = torch.tensor([1.0], device="cuda")
     for name, (cdt, qd) in REGIMES.items():
         config = (picks or {}).get((heads_class(heads), name))
         cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
         call = functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE, query_dtype=qd,
-                                 _config=config)
+                                 _config=dict(config or {}, wgmma=False))  # the tl.dot kernel
         med, lo, hi = bench(call)
         nbytes = bytes_read(batch, ctx, heads, cache.element_size())
         flops = 2 * batch * heads * ctx * (R + P + R)
@@ -142,18 +145,20 @@ def run_shape(batch, ctx, heads, copy_bw, picks=None):
                          pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12,
                          config=config)
         del cache, call
-    if heads <= 16:
-        for name, (cdt, _qd) in GLUON_REGIMES.items():
-            cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
-            want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
-            got = mla_decode_gluon(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
-            rel = ((got - want).abs().max() / want.abs().max()).item()
-            assert rel <= 2.0 ** -6, f"Gluon MLA experiment differs from the tl.dot kernel: {rel:.2e}"
-            med, lo, hi = bench(functools.partial(mla_decode_gluon, ql, qr, cache, meta, scale, SOFTMAX_SCALE))
-            nbytes = bytes_read(batch, ctx, heads, cache.element_size())
-            row[name] = dict(us=med, min=lo, max=hi, pct_copy=100 * nbytes / (med * 1e-6) / copy_bw,
-                             max_rel_vs_tl_dot=rel)
-            del cache
+    extra = dict(WGMMA_REGIMES)
+    if with_gluon_exp and heads <= 16:
+        extra.update(GLUON_REGIMES)
+    for name, (cdt, fn) in extra.items():
+        cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
+        want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE, _config={"wgmma": False}).float()
+        got = fn(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        assert rel <= 2.0 ** -6, f"{name} differs from the tl.dot kernel: {rel:.2e}"
+        med, lo, hi = bench(functools.partial(fn, ql, qr, cache, meta, scale, SOFTMAX_SCALE))
+        nbytes = bytes_read(batch, ctx, heads, cache.element_size())
+        row[name] = dict(us=med, min=lo, max=hi, tbps=nbytes / (med * 1e-6) / 1e12,
+                         pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, max_rel_vs_tl_dot=rel)
+        del cache
     row["fp8_vs_bf16"] = row["bf16"]["us"] / row["fp8"]["us"]
     row["fp8q_vs_fp8"] = row["fp8"]["us"] / row["fp8q"]["us"]
     return row
@@ -184,7 +189,7 @@ def sweep():
             for cfg in sweep_configs(cls, name):
                 try:
                     med, _, _ = bench(functools.partial(mla_decode, ql, qr, cache, meta, torch.ones(1, device="cuda"),
-                                                        SOFTMAX_SCALE, query_dtype=qd, _config=cfg), rep=20)
+                                                        SOFTMAX_SCALE, query_dtype=qd, _config=dict(cfg, wgmma=False)), rep=20)
                 except Exception as e:  # out of resources etc.
                     med = float("nan")
                     print("  config failed", cfg, name, type(e).__name__, str(e)[:80])
@@ -204,6 +209,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--gluon-sweep", action="store_true", help="sweep the Gluon kernel's tiles (<= 16 heads)")
+    ap.add_argument("--gluon-exp", action="store_true", help="also time the column-split experiment (<= 16 heads)")
     ap.add_argument("--heads", default=None, help="comma-separated heads per rank (default 8,16,128)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32,128)")
     ap.add_argument("--ctxs", default=None, help="comma-separated contexts (default 4096,16384,65536)")
@@ -233,11 +239,11 @@ def main():
             for ctx in ctxs:
                 if batch * ctx * (R + P) * 2 > 40e9:
                     continue
-                row = run_shape(batch, ctx, heads, copy_bw, picks)
+                row = run_shape(batch, ctx, heads, copy_bw, picks, args.gluon_exp)
                 result["rows"].append(row)
                 b, f, q = row["bf16"], row["fp8"], row["fp8q"]
-                tl = (f" | gluon bf16 {row['bf16_gluon']['us']:.1f} ({row['bf16_gluon']['pct_copy']:.0f}%)"
-                      f" fp8 {row['fp8_gluon']['us']:.1f} ({row['fp8_gluon']['pct_copy']:.0f}%)") if "bf16_gluon" in row else ""
+                tl = "".join(f" | {k} {row[k]['us']:.1f} ({row[k]['pct_copy']:.0f}%)"
+                             for k in ("bf16_wgmma", "fp8_wgmma", "bf16_gluon", "fp8_gluon") if k in row)
                 print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "
                       f"{f['pct_copy']:>4.0f} | {q['us']:>9.1f} {q['pct_copy']:>4.0f} {q['tflops']:>9.0f} | "
                       f"{row['fp8_vs_bf16']:>8.2f} {row['fp8q_vs_fp8']:>8.2f}{tl}", flush=True)

@@ -99,6 +99,22 @@ def graphs_unsupported_reason(runner) -> str | None:
 class DecodeGraphs:
     """Captures and replays decode-only steps (see the module docstring)."""
 
+    def _gluon_mla_decode(self, plan) -> bool:
+        """Whether every MLA layer's decode runs the wgmma kernel (kvforge/kernels/gluon_mla_decode.py)."""
+        from kvforge.kernels import gluon_mla_decode as g
+        from kvforge.kernels.gluon_support import GLUON_ENABLED, TESTED_COMPUTE_CAPABILITY_MAJOR
+
+        if not GLUON_ENABLED or self.device.type != "cuda":
+            return False
+        if torch.cuda.get_device_capability(self.device)[0] != TESTED_COMPUTE_CAPABILITY_MAJOR:
+            return False
+        return all(
+            layer.backend == "triton_mla"
+            and g.routes_heads(layer.heads_per_rank, plan.model_dtype,
+                               None if layer.query_dtype == plan.model_dtype else layer.query_dtype)
+            for layer in plan.layers
+        )  # fmt: skip
+
     def _gluon_fp8_decode(self, plan) -> bool:
         """Whether every layer's decode runs the Gluon fp8 kernels (kvforge/kernels/gluon_fp8_decode.py)."""
         from kvforge.kernels import gluon_fp8_decode as g
@@ -131,7 +147,9 @@ class DecodeGraphs:
             from kvforge.kernels.triton_mla_decode import pinned_num_splits
 
             heads = plan.layers[0].heads_per_rank
-            self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms) for b in self.sizes}
+            wgmma = self._gluon_mla_decode(plan)
+            self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms, wgmma=wgmma)
+                               for b in self.sizes}
         elif self._gluon_fp8_decode(plan):  # the Gluon fp8 decode's own rule (kernel variant + splits)
             from kvforge.kernels.gluon_fp8_decode import pinned_num_splits
 

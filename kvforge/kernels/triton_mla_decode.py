@@ -28,6 +28,12 @@ Two query regimes, chosen by the plan (``query_dtype``):
 Any block size (rows are gathered per token through the block table); any
 ``R``/``P`` (padded to powers of two in registers, masked in memory). All
 offsets are int64.
+
+Routing: a model-dtype bf16/fp16 query with at most
+``gluon_mla_decode.MAX_ROUTED_HEADS`` heads per rank goes to the wgmma kernel
+(:mod:`kvforge.kernels.gluon_mla_decode`, sm_90 with the tested Triton), which
+was faster at every measured point; an fp8 query and float32 models run the
+tl.dot kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import math
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels import gluon_mla_decode
 from kvforge.kernels.triton_paged_attention import _FP8, _LOG2E, _num_sms
 
 try:  # Triton is optional (the CPU engine does not need it).
@@ -232,9 +239,12 @@ def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms
     return max(1, min(math.ceil(programs_per_sm * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
 
 
-def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """The split count this kernel picks (default config) for ``num_seqs`` sequences at context
-    ``max_seq_len``: what a CUDA graph of that batch pins (kvforge/engine/cuda_graphs.py)."""
+def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, *, wgmma: bool = False) -> int:
+    """The split count :func:`mla_decode` picks (default config) for ``num_seqs`` sequences at context
+    ``max_seq_len``: what a CUDA graph of that batch pins (kvforge/engine/cuda_graphs.py). ``wgmma``:
+    the batch goes to the wgmma kernel (``gluon_mla_decode.routes_heads`` and its gate), whose rule differs."""
+    if wgmma:
+        return gluon_mla_decode.pinned_num_splits(num_seqs, num_heads, max_seq_len, num_sms)
     block_h, programs_per_sm = _head_blocking(num_heads)
     return decode_num_splits(num_seqs, -(-num_heads // block_h), max_seq_len, num_sms, programs_per_sm)
 
@@ -286,9 +296,13 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     num_seqs = meta.num_seqs
     if t == 0 or num_seqs == 0:
         return out
+    if is_fp8 and scale is None:
+        raise ValueError("an fp8 MLA cache needs its per-tensor scale")
+    use_wgmma = (_config or {}).get("wgmma", True)  # False: the tl.dot kernel (benchmarks, tests)
+    if use_wgmma and h <= gluon_mla_decode.MAX_ROUTED_HEADS and gluon_mla_decode.supports(q_latent, cache, query_dtype):
+        return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                                                 num_splits=num_splits, out=out)
     if is_fp8:
-        if scale is None:
-            raise ValueError("an fp8 MLA cache needs its per-tensor scale")
         scale = scale.to(torch.float32).reshape(-1)[:1]
     else:
         scale = meta.seq_lens  # unused placeholder
@@ -304,7 +318,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     cfg = choose_config(h, 4 if ieee_dot else cache.element_size(), r_pad + p_pad)
     cfg.update(_SHRUNK_CONFIGS.get(shape_key, {}))
     if _config:
-        cfg.update(_config)
+        cfg.update({k: v for k, v in _config.items() if k != "wgmma"})
     while True:
         block_h = cfg["block_h"]
         head_blocks = -(-h // block_h)

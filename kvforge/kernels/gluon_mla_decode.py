@@ -1,0 +1,350 @@
+"""MLA decode on Hopper tensor cores (``wgmma``) with the cached tokens as the M dimension.
+
+At 8-32 heads per rank MLA decode is memory-bound: every cached row (``R`` = 512 latent + ``P`` = 64
+rope values) is read once per step and used by only a few heads. ``mma_v2`` kernels (the tl.dot kernel
+in :mod:`kvforge.kernels.triton_mla_decode` and the Gluon column-split experiment) put the heads on
+M, padded to 16, and spend their instruction budget moving operands from shared memory to registers
+(byte by byte for an fp8 ``P C``). Here both products run as warpgroup MMAs that read their operands
+straight from shared memory, with the tile's tokens on the side that must be 64 wide:
+
+1. ``S^T [TILE_N, NH] = C [TILE_N, R] q_lat^T [R, NH] + C_rope [TILE_N, P] q_rope^T [P, NH]``
+   (A = the cached rows, K-major; B = the query, K-major);
+2. online softmax over the tokens (axis 0 of ``S^T``; one cross-warp max and sum per tile);
+3. ``O^T [R, NH] += C^T [R, TILE_N] P^T [TILE_N, NH]`` (A = the same cached rows read transposed,
+   which ``wgmma`` supports for 16-bit types; B = ``P^T`` written to shared memory).
+
+The accumulator ``O^T`` is ``R x NH`` float32 over one warpgroup: ``4 * NH`` registers per thread.
+An fp8 cache tile is converted to fp16 in shared memory once per tile (fp8 -> fp16 is exact; the
+per-tensor scale multiplies the float32 scores and the final accumulator), because an fp8 ``wgmma``
+cannot read an MN-major operand. With a bf16/fp16 cache the async copies land directly in the
+swizzled layout ``wgmma`` reads. Rows at or past the context end are zero-filled by the copies and
+masked to ``-inf`` in the scores, so fp8 NaN bytes never reach ``P C``.
+
+Invariants: one program = one sequence x one block of ``NH`` heads x one split of the context; the
+partials use the paged-attention merge layout (``merge_split_partials``); block-id and row offsets
+are int64. Scope is :func:`supports`; everything else stays with the tl.dot kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on
+from kvforge.kernels.triton_paged_attention import _LOG2E, _num_sms, merge_split_partials
+
+if HAS_GLUON:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+LATENT_DIM: int = 512
+ROPE_DIM: int = 64
+TILE_N: int = 64  # wgmma's M: 4 warps x 16 rows
+MAX_HEADS_PER_PROGRAM: int = 32
+MAX_SPLITS: int = 64
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def supports(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None) -> bool:
+    """True when this kernel handles the decode call: model-dtype (bf16/fp16) query, ``R`` = 512 and
+    ``P`` = 64 (DeepSeek-V2/V3, Kimi-K2), a cache of the query's dtype or fp8 e4m3/e5m2, sm_90 with a
+    tested Triton (``gluon_support``)."""
+    _t, _h, r = q_latent.shape
+    return (
+        gluon_runs_on(q_latent)
+        and query_dtype is None
+        and r == LATENT_DIM
+        and cache.shape[-1] == LATENT_DIM + ROPE_DIM
+        and q_latent.dtype in (torch.bfloat16, torch.float16)
+        and (cache.dtype in _FP8 or cache.dtype == q_latent.dtype)
+    )
+
+
+#: The wgmma kernel serves decode up to this many heads per rank: on the H200 it was faster than the
+#: tl.dot kernel at every measured point with a model-dtype query (8, 16, 32 and 128 heads, batch 1-128,
+#: contexts 4k-64k, bf16 and fp8 caches; docs/MLA.md). An fp8 query (declared from 64 heads) stays with
+#: the tl.dot kernel, which has the fp8 x fp8 dot.
+MAX_ROUTED_HEADS: int = 128
+
+
+def routes_heads(num_heads: int, model_dtype: str, query_dtype: str | None) -> bool:
+    """The routing rule without tensors (what a CUDA graph needs to pin its split count): the head
+    count is within :data:`MAX_ROUTED_HEADS`, the query stays in a 16-bit model dtype. The tensor
+    checks (:func:`supports`: device, Gluon gate, R/P, cache dtype) come on top."""
+    return num_heads <= MAX_ROUTED_HEADS and query_dtype is None and model_dtype in ("bfloat16", "float16")
+
+
+def heads_per_program(num_heads: int) -> int:
+    """``NH``: the wgmma N (a multiple of 8, at most 32 so the accumulator stays at <= 128 registers)."""
+    return min(MAX_HEADS_PER_PROGRAM, max(8, 1 << max(0, (num_heads - 1).bit_length())))
+
+
+#: A program keeps one CTA per SM busy (147-205 KB of shared memory), and its tiles run one after
+#: another, so a split shorter than this many tokens would cost more in latency than it saves.
+MIN_SPLIT_TOKENS: int = 256
+
+
+def num_splits_for(programs: int, max_seq_len: int, num_sms: int, programs_per_sm: int = 1) -> int:
+    """Splits per (sequence, head block): the most that keeps ``programs x splits`` within
+    ``programs_per_sm`` waves of one CTA per SM (rounding down, so no partial extra wave), at least
+    ``MIN_SPLIT_TOKENS`` tokens per split, at most ``MAX_SPLITS``; 1 when the programs already fill the GPU."""
+    fill = (programs_per_sm * num_sms) // max(1, programs)
+    return max(1, min(fill, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _issue_rows(
+        lat_buf, rope_buf, cache_ptr, bt_row, start, hi, stride_cb, stride_cs,
+        BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr, R: gl.constexpr, P: gl.constexpr,
+        LAT_COPY: gl.constexpr, ROPE_COPY: gl.constexpr,
+    ):  # fmt: skip
+        """One commit group: rows ``start .. start+TILE-1`` of the sequence (zero-filled at or past ``hi``)
+        into ``lat_buf [TILE, R]`` and ``rope_buf [TILE, P]``."""
+        n = gl.arange(0, TILE, layout=gl.SliceLayout(1, LAT_COPY))
+        c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_COPY))
+        pos = start + n
+        ok = pos < hi
+        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
+        row = blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs
+        async_copy.async_copy_global_to_shared(
+            lat_buf, cache_ptr + row[:, None] + c[None, :], mask=ok[:, None] & (c >= 0)[None, :]
+        )
+        nr = gl.arange(0, TILE, layout=gl.SliceLayout(1, ROPE_COPY))
+        cr = gl.arange(0, P, layout=gl.SliceLayout(0, ROPE_COPY))
+        row_r = gl.convert_layout(row, gl.SliceLayout(1, ROPE_COPY))
+        ok_r = (start + nr) < hi
+        async_copy.async_copy_global_to_shared(
+            rope_buf, cache_ptr + R + row_r[:, None] + cr[None, :], mask=ok_r[:, None] & (cr >= 0)[None, :]
+        )
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _wgmma_mla_decode_kernel(
+        ql_ptr,
+        qr_ptr,
+        cache_ptr,
+        out_ptr,
+        part_acc_ptr,
+        part_ml_ptr,
+        qsl_ptr,
+        seq_lens_ptr,
+        bt_ptr,
+        scale_ptr,
+        sm_scale_log2,
+        num_splits,
+        stride_qlt,
+        stride_qlh,
+        stride_qrt,
+        stride_qrh,
+        stride_ot,
+        stride_oh,
+        stride_cb,
+        stride_cs,
+        stride_bt,
+        NUM_HEADS: gl.constexpr,
+        NH: gl.constexpr,
+        R: gl.constexpr,
+        P: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        TILE: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        IS_FP8: gl.constexpr,
+        USE_SPLIT: gl.constexpr,
+    ):
+        NW: gl.constexpr = gl.num_warps()
+        CACHE_T: gl.constexpr = cache_ptr.dtype.element_ty
+        if IS_FP8:
+            DOT_T: gl.constexpr = gl.float16
+        else:
+            DOT_T: gl.constexpr = CACHE_T
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NH, 16])
+        VEC: gl.constexpr = 128 // CACHE_T.primitive_bitwidth  # elements per 16-byte copy
+        LAT_COPY: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, VEC], threads_per_warp=[1, 32], warps_per_cta=[NW, 1], order=[1, 0]
+        )
+        ROPE_COPY: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, VEC], threads_per_warp=[32 // (P // VEC), P // VEC], warps_per_cta=[NW, 1],
+            order=[1, 0],
+        )  # fmt: skip
+        OP_LAT: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        OP_ROPE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        if IS_FP8:
+            RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=VEC, per_phase=1, max_phase=8, order=[1, 0])
+        else:
+            RAW: gl.constexpr = OP_LAT
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, NH], DOT_T)
+        STAGE_COLS: gl.constexpr = 128  # fp8 -> fp16 staging in column chunks (bounds live registers)
+        STAGE_L: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, VEC], threads_per_warp=[32 // (STAGE_COLS // VEC), STAGE_COLS // VEC],
+            warps_per_cta=[NW, 1], order=[1, 0],
+        )  # fmt: skip
+        Q_L: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[NW, 1], order=[1, 0]
+        )
+
+        seq = gl.program_id(0)
+        hb = gl.program_id(1)
+        split = gl.program_id(2)
+        tok = gl.load(qsl_ptr + seq)
+        if gl.load(qsl_ptr + seq + 1) <= tok:
+            return  # no new token for this sequence this step (allowed by the metadata contract)
+        seq_len = gl.load(seq_lens_ptr + seq)
+        if IS_FP8:
+            qk_scale = sm_scale_log2 * gl.load(scale_ptr)
+        else:
+            qk_scale = sm_scale_log2
+
+        # The query block [NH, R] and [NH, P], zero rows for padded heads, in the dot dtype.
+        t64 = tok.to(gl.int64)
+        hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
+        cq = gl.arange(0, R, layout=gl.SliceLayout(0, Q_L))
+        ql = gl.load(
+            ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
+            mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :],
+            other=0.0,
+        )
+        cr = gl.arange(0, P, layout=gl.SliceLayout(0, Q_L))
+        qr = gl.load(
+            qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
+            mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :],
+            other=0.0,
+        )
+        ql_smem = gl.allocate_shared_memory(DOT_T, [NH, R], Q_SMEM, ql.to(DOT_T))
+        qr_smem = gl.allocate_shared_memory(DOT_T, [NH, P], Q_SMEM, qr.to(DOT_T))
+
+        lo = 0
+        hi = seq_len
+        if USE_SPLIT:
+            chunk = gl.cdiv(gl.cdiv(hi, num_splits), TILE) * TILE
+            lo = split * chunk
+            hi = gl.minimum(lo + chunk, hi)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE)
+
+        lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
+        rope_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, P], RAW)
+        if IS_FP8:
+            # One fp16 copy of the current tile; both products read it (tile i-1's wgmmas finish before
+            # the loop-top barrier of tile i).
+            lat16 = gl.allocate_shared_memory(gl.float16, [TILE, R], OP_LAT)
+            rope16 = gl.allocate_shared_memory(gl.float16, [TILE, P], OP_ROPE)
+        p_smem = gl.allocate_shared_memory(DOT_T, [TILE, NH], P_SMEM)
+        fence_async_shared()  # the query's generic-proxy stores, before any wgmma reads them
+
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        for j in gl.static_range(NUM_STAGES - 1):
+            _issue_rows(lat_ring.index(j), rope_ring.index(j), cache_ptr, bt_row, lo + j * TILE, hi, stride_cb,
+                        stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY, ROPE_COPY)  # fmt: skip
+
+        m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_i = gl.zeros([NH], gl.float32, layout=gl.SliceLayout(0, MMA))
+        acc = gl.zeros([R, NH], gl.float32, layout=MMA)
+        n_off = gl.arange(0, TILE, layout=gl.SliceLayout(1, MMA))
+        s_zero = gl.zeros([TILE, NH], gl.float32, layout=MMA)
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            async_copy.wait_group(NUM_STAGES - 2)
+            gl.thread_barrier()  # tile i landed for every thread; tile i-1's buffers are free
+            nxt = i + NUM_STAGES - 1
+            _issue_rows(lat_ring.index(nxt % NUM_STAGES), rope_ring.index(nxt % NUM_STAGES), cache_ptr, bt_row,
+                        lo + nxt * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY,
+                        ROPE_COPY)  # fmt: skip
+            if IS_FP8:
+                for c in gl.static_range(R // STAGE_COLS):
+                    part = lat_ring.index(stage).slice(c * STAGE_COLS, STAGE_COLS, dim=1).load(STAGE_L)
+                    lat16.slice(c * STAGE_COLS, STAGE_COLS, dim=1).store(part.to(gl.float16))
+                rope16.store(rope_ring.index(stage).load(ROPE_COPY).to(gl.float16))
+                lat = lat16
+                rope = rope16
+            else:
+                lat = lat_ring.index(stage)
+                rope = rope_ring.index(stage)
+            fence_async_shared()  # cp.async / staging writes -> wgmma (async proxy) reads
+            gl.thread_barrier()
+
+            s = warpgroup_mma(lat, ql_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(rope, qr_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            s = s * qk_scale
+            s = gl.where((lo + i * TILE + n_off < hi)[:, None], s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 0))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[None, :])
+            l_i = l_i * alpha + gl.sum(p, 0)
+            m_i = m_new
+            p_smem.store(p.to(DOT_T))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        async_copy.wait_group(0)
+
+        if IS_FP8:
+            acc = acc * gl.load(scale_ptr)
+        ho = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
+        co = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
+        h_ok = ho < NUM_HEADS
+        mask = (co >= 0)[:, None] & h_ok[None, :]
+        if USE_SPLIT:
+            pidx = (t64 * NUM_HEADS + ho.to(gl.int64)) * num_splits + split  # paged merge-kernel layout
+            gl.store(part_acc_ptr + (pidx * R)[None, :] + co[:, None], acc, mask=mask)
+            gl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
+            gl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
+        else:
+            o = acc / l_i[None, :]
+            gl.store(
+                out_ptr + t64 * stride_ot + (ho.to(gl.int64) * stride_oh)[None, :] + co[:, None],
+                o.to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )
+
+
+def default_stages(is_fp8: bool) -> int:
+    """Ring depth: 3 for fp8 (110 KB of rows), 2 for 16-bit rows (147 KB); both fit one CTA per SM."""
+    return 3 if is_fp8 else 2
+
+
+def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """The split count :func:`mla_decode_wgmma` picks for this batch by default (what a CUDA graph pins)."""
+    return num_splits_for(num_seqs * -(-num_heads // heads_per_program(num_heads)), max_seq_len, num_sms)
+
+
+def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
+    """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` with a model-dtype query; split
+    partials merged by the paged-attention merge kernel. ``out`` (optional) receives the result; tokens
+    past ``query_start_loc[num_seqs]`` are left untouched."""
+    if not supports(q_latent, cache, None):
+        raise ValueError("outside the wgmma MLA kernel's scope (see gluon_mla_decode.supports)")
+    cfg = dict(cfg or {})
+    t, h, r = q_latent.shape
+    nh = cfg.get("heads_per_program") or heads_per_program(h)
+    head_blocks = -(-h // nh)
+    if out is None:
+        out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
+    is_fp8 = cache.dtype in _FP8
+    scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
+    splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
+                                          _num_sms(q_latent.device), cfg.get("programs_per_sm", 1))
+    splits = max(1, min(int(splits), MAX_SPLITS))
+    if splits > 1:
+        part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)
+        part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
+    else:
+        part_acc = part_ml = out
+    _wgmma_mla_decode_kernel[(meta.num_seqs, head_blocks, splits)](
+        q_latent, q_rope, cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens,
+        meta.block_tables, scale, float(softmax_scale) * _LOG2E, splits,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0),
+        out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N,
+        NUM_STAGES=cfg.get("stages") or default_stages(is_fp8), IS_FP8=is_fp8, USE_SPLIT=splits > 1,
+        num_warps=4,
+    )  # fmt: skip
+    if splits > 1:
+        merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
+    return out

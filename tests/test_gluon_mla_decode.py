@@ -1,0 +1,91 @@
+"""The wgmma MLA decode kernel (kvforge/kernels/gluon_mla_decode.py) against the float32 reference.
+
+Reference: ``mla_reference.mla_decode`` in float32 over the dequantized latent cache with a float32
+copy of the query. Bound 2**-6 of max|ref|, as for the tl.dot kernel (tests/test_triton_mla.py): the
+kernel's roundings are the query to the dot dtype (bf16 2**-9; fp16 2**-11 for an fp8 cache, whose
+values fp16 holds exactly), P to 16 bits for ``P C``, and the bf16/fp16 output. Lengths 1, 15-17,
+1000, 3000 and random, NaN in every unused cache row, poisoned outputs. GPU tests skip unless the
+Gluon gate opens (sm_90, Triton 3.6); the scope rule runs everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_mla import _batch
+
+from kvforge.attention import mla_reference as ref
+from kvforge.kernels import gluon_mla_decode as gm
+from kvforge.kernels.gluon_support import GLUON_ENABLED
+
+needs_gluon = pytest.mark.skipif(
+    not (GLUON_ENABLED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="needs sm_90 and the tested Triton (gluon_support)",
+)
+BOUND = 2.0 ** -6
+
+
+def _check(q_latent, q_rope, cache, meta, scale, **kw):
+    want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, meta, scale, 192 ** -0.5)
+    got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, **kw)
+    assert torch.isfinite(got).all()
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+def test_heads_per_program_is_a_valid_wgmma_n():
+    for h in range(1, 129):
+        nh = gm.heads_per_program(h)
+        assert nh % 8 == 0 and 8 <= nh <= gm.MAX_HEADS_PER_PROGRAM
+        assert nh >= min(h, gm.MAX_HEADS_PER_PROGRAM)
+
+
+def test_split_rule_hand_counts():
+    # 132 SMs, one CTA each: 8 sequences x 1 head block -> floor(132 / 8) = 16 splits (128 programs)
+    assert gm.num_splits_for(8, 65536, 132) == 16
+    # 32 sequences -> floor(132 / 32) = 4 (128 programs; rounding up to 5 would start a second wave of 28)
+    assert gm.num_splits_for(32, 65536, 132) == 4
+    # a 1000-token context allows 1000 // 256 = 3 splits; batch 1 at 64k is capped at MAX_SPLITS
+    assert gm.num_splits_for(1, 1000, 132) == 3
+    assert gm.num_splits_for(1, 65536, 132) == gm.MAX_SPLITS
+    # the programs already fill the GPU: no split
+    assert gm.num_splits_for(128, 65536, 132) == 1
+    assert gm.num_splits_for(512, 65536, 132) == 1
+    # 128 heads: 4 head blocks of 32 per sequence
+    assert gm.pinned_num_splits(8, 128, 65536, 132) == 132 // 32
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [1, 8, 16, 32, 128])
+@pytest.mark.parametrize("batch", [1, 33])
+def test_matches_fp32_reference(kv, heads, batch):
+    cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
+    assert gm.supports(q_latent, cache, None)
+    err = _check(q_latent, q_rope, cache, meta, scale)
+    assert err <= BOUND, (kv, heads, batch, err)
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_forced_splits_and_block_sizes(kv):
+    for bs in (1, 16, 64):
+        cache, meta, q_latent, q_rope, scale = _batch(6, kv, 16, "cuda", block_size=bs, seed=bs)
+        for splits in (1, 2, 7, 32):
+            err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits)
+            assert err <= BOUND, (kv, bs, splits, err)
+
+
+@needs_gluon
+@pytest.mark.gpu
+def test_fp16_query_over_fp16_cache_and_empty_query_sequences():
+    cache, meta, q_latent, q_rope, scale = _batch(5, "float16", 16, "cuda", block_size=64, model="float16")
+    assert _check(q_latent, q_rope, cache, meta, scale) <= BOUND
+    # a sequence with no new token this step: its program returns, the others are unchanged
+    qsl = torch.tensor([0, 1, 1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    meta2 = type(meta)(qsl, meta.seq_lens, meta.block_tables, meta.slot_mapping[:4], 1, meta.max_seq_len,
+                       meta.block_size)
+    want = ref.mla_decode(q_latent[:4].float(), q_rope[:4].float(), cache, meta2, scale, 192 ** -0.5)
+    got = gm.mla_decode_wgmma(q_latent[:4], q_rope[:4], cache, meta2, scale, 192 ** -0.5)
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() <= BOUND
