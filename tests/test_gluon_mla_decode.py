@@ -50,8 +50,11 @@ def test_split_rule_hand_counts():
     # the programs already fill the GPU: no split
     assert gm.num_splits_for(128, 65536, 132) == 1
     assert gm.num_splits_for(512, 65536, 132) == 1
-    # 128 heads: 4 head blocks of 32 per sequence
-    assert gm.pinned_num_splits(8, 128, 65536, 132) == 132 // 32
+    # 128 heads: 4 head blocks of 32 per sequence (fp8 rows in a ring at 32 heads per program: 1 per SM)
+    assert gm.pinned_num_splits(8, 128, 65536, 132, is_fp8=True) == 132 // 32
+    # 16 heads, fp8: rows staged through registers, 2 programs per SM -> floor(264 / 8) = 33
+    assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=True) == 33
+    assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=False) == 16
 
 
 @needs_gluon
@@ -75,6 +78,18 @@ def test_forced_splits_and_block_sizes(kv):
         for splits in (1, 2, 7, 32):
             err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits)
             assert err <= BOUND, (kv, bs, splits, err)
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [8, 16, 32])
+@pytest.mark.parametrize("fp8_regs", [False, True])
+def test_both_fp8_staging_paths(kv, heads, fp8_regs):
+    """fp8 rows through an fp8 shared-memory ring or through registers: same answer."""
+    cache, meta, q_latent, q_rope, scale = _batch(33, kv, heads, "cuda", block_size=16, seed=7)
+    err = _check(q_latent, q_rope, cache, meta, scale, cfg={"fp8_regs": fp8_regs})
+    assert err <= BOUND, (kv, heads, fp8_regs, err)
 
 
 @needs_gluon

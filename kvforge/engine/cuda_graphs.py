@@ -148,7 +148,8 @@ class DecodeGraphs:
 
             heads = plan.layers[0].heads_per_rank
             wgmma = self._gluon_mla_decode(plan)
-            self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms, wgmma=wgmma)
+            fp8 = plan.layers[0].kv_dtype.startswith("fp8")
+            self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms, wgmma=wgmma, is_fp8=fp8)
                                for b in self.sizes}
         elif self._gluon_fp8_decode(plan):  # the Gluon fp8 decode's own rule (kernel variant + splits)
             from kvforge.kernels.gluon_fp8_decode import pinned_num_splits

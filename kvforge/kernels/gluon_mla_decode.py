@@ -123,6 +123,44 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _load_fp8_rows(
+        cache_ptr, bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
+        R: gl.constexpr, P: gl.constexpr, COLS: gl.constexpr, STAGE_L: gl.constexpr, ROPE_COPY: gl.constexpr,
+    ):  # fmt: skip
+        """Rows ``start .. start+TILE-1`` into registers (zeros at or past ``hi``): four ``[TILE, COLS]``
+        latent column chunks and the ``[TILE, P]`` rope part, 16 bytes per load."""
+        gl.static_assert(R == 4 * COLS)
+        n = gl.arange(0, TILE, layout=gl.SliceLayout(1, STAGE_L))
+        c = gl.arange(0, COLS, layout=gl.SliceLayout(0, STAGE_L))
+        pos = start + n
+        ok = pos < hi
+        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
+        ptr = cache_ptr + (blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs)[:, None] + c[None, :]
+        mask = ok[:, None] & (c >= 0)[None, :]
+        c0 = gl.load(ptr, mask=mask, other=0.0)
+        c1 = gl.load(ptr + COLS, mask=mask, other=0.0)
+        c2 = gl.load(ptr + 2 * COLS, mask=mask, other=0.0)
+        c3 = gl.load(ptr + 3 * COLS, mask=mask, other=0.0)
+        nr = gl.arange(0, TILE, layout=gl.SliceLayout(1, ROPE_COPY))
+        cr = gl.arange(0, P, layout=gl.SliceLayout(0, ROPE_COPY))
+        pos_r = start + nr
+        ok_r = pos_r < hi
+        blk_r = gl.load(bt_row + pos_r // BLOCK_SIZE, mask=ok_r, other=0).to(gl.int64)
+        row_r = blk_r * stride_cb + (pos_r % BLOCK_SIZE).to(gl.int64) * stride_cs
+        cr_v = gl.load(cache_ptr + R + row_r[:, None] + cr[None, :], mask=ok_r[:, None] & (cr >= 0)[None, :],
+                       other=0.0)  # fmt: skip
+        return c0, c1, c2, c3, cr_v
+
+    @gluon.jit
+    def _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, COLS: gl.constexpr):
+        """fp8 rows (registers) -> the fp16 copy both products read (fp8 -> fp16 is exact)."""
+        lat16.slice(0, COLS, dim=1).store(c0.to(gl.float16))
+        lat16.slice(COLS, COLS, dim=1).store(c1.to(gl.float16))
+        lat16.slice(2 * COLS, COLS, dim=1).store(c2.to(gl.float16))
+        lat16.slice(3 * COLS, COLS, dim=1).store(c3.to(gl.float16))
+        rope16.store(cr_v.to(gl.float16))
+
+    @gluon.jit
     def _wgmma_mla_decode_kernel(
         ql_ptr,
         qr_ptr,
@@ -154,6 +192,7 @@ if HAS_GLUON:
         NUM_STAGES: gl.constexpr,
         IS_FP8: gl.constexpr,
         USE_SPLIT: gl.constexpr,
+        FP8_REGS: gl.constexpr,
     ):
         NW: gl.constexpr = gl.num_warps()
         CACHE_T: gl.constexpr = cache_ptr.dtype.element_ty
@@ -225,8 +264,10 @@ if HAS_GLUON:
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE)
 
-        lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
-        rope_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, P], RAW)
+        STAGED_RING: gl.constexpr = not (IS_FP8 and FP8_REGS)
+        if STAGED_RING:
+            lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
+            rope_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, P], RAW)
         if IS_FP8:
             # One fp16 copy of the current tile; both products read it (tile i-1's wgmmas finish before
             # the loop-top barrier of tile i).
@@ -236,9 +277,16 @@ if HAS_GLUON:
         fence_async_shared()  # the query's generic-proxy stores, before any wgmma reads them
 
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
-        for j in gl.static_range(NUM_STAGES - 1):
-            _issue_rows(lat_ring.index(j), rope_ring.index(j), cache_ptr, bt_row, lo + j * TILE, hi, stride_cb,
-                        stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY, ROPE_COPY)  # fmt: skip
+        if STAGED_RING:
+            for j in gl.static_range(NUM_STAGES - 1):
+                _issue_rows(lat_ring.index(j), rope_ring.index(j), cache_ptr, bt_row, lo + j * TILE, hi,
+                            stride_cb, stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY, ROPE_COPY)  # fmt: skip
+        else:
+            # fp8 rows go global -> registers -> fp16 shared memory; tile i+1's loads are in flight while
+            # tile i's products run (no fp8 ring in shared memory: 94 KB per program, 2 programs per SM).
+            c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE,
+                                                  TILE, R, P, STAGE_COLS, STAGE_L, ROPE_COPY)  # fmt: skip
+            _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
 
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_i = gl.zeros([NH], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -246,23 +294,33 @@ if HAS_GLUON:
         n_off = gl.arange(0, TILE, layout=gl.SliceLayout(1, MMA))
         s_zero = gl.zeros([TILE, NH], gl.float32, layout=MMA)
         for i in range(num_tiles):
-            stage = i % NUM_STAGES
-            async_copy.wait_group(NUM_STAGES - 2)
-            gl.thread_barrier()  # tile i landed for every thread; tile i-1's buffers are free
-            nxt = i + NUM_STAGES - 1
-            _issue_rows(lat_ring.index(nxt % NUM_STAGES), rope_ring.index(nxt % NUM_STAGES), cache_ptr, bt_row,
-                        lo + nxt * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY,
-                        ROPE_COPY)  # fmt: skip
-            if IS_FP8:
-                for c in gl.static_range(R // STAGE_COLS):
-                    part = lat_ring.index(stage).slice(c * STAGE_COLS, STAGE_COLS, dim=1).load(STAGE_L)
-                    lat16.slice(c * STAGE_COLS, STAGE_COLS, dim=1).store(part.to(gl.float16))
-                rope16.store(rope_ring.index(stage).load(ROPE_COPY).to(gl.float16))
+            if not STAGED_RING:
+                # lat16 holds tile i (staged at the end of iteration i-1, or before the loop). Tile i+1's
+                # loads go out now and land while tile i's products run; they are consumed in this same
+                # iteration (fp8 values carried across iterations would cost a register per byte).
+                c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, bt_row, lo + (i + 1) * TILE, hi, stride_cb,
+                                                      stride_cs, BLOCK_SIZE, TILE, R, P, STAGE_COLS, STAGE_L,
+                                                      ROPE_COPY)  # fmt: skip
                 lat = lat16
                 rope = rope16
             else:
-                lat = lat_ring.index(stage)
-                rope = rope_ring.index(stage)
+                stage = i % NUM_STAGES
+                async_copy.wait_group(NUM_STAGES - 2)
+                gl.thread_barrier()  # tile i landed for every thread; tile i-1's buffers are free
+                nxt = i + NUM_STAGES - 1
+                _issue_rows(lat_ring.index(nxt % NUM_STAGES), rope_ring.index(nxt % NUM_STAGES), cache_ptr,
+                            bt_row, lo + nxt * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY,
+                            ROPE_COPY)  # fmt: skip
+                if IS_FP8:
+                    for c in gl.static_range(R // STAGE_COLS):
+                        part = lat_ring.index(stage).slice(c * STAGE_COLS, STAGE_COLS, dim=1).load(STAGE_L)
+                        lat16.slice(c * STAGE_COLS, STAGE_COLS, dim=1).store(part.to(gl.float16))
+                    rope16.store(rope_ring.index(stage).load(ROPE_COPY).to(gl.float16))
+                    lat = lat16
+                    rope = rope16
+                else:
+                    lat = lat_ring.index(stage)
+                    rope = rope_ring.index(stage)
             fence_async_shared()  # cp.async / staging writes -> wgmma (async proxy) reads
             gl.thread_barrier()
 
@@ -282,7 +340,11 @@ if HAS_GLUON:
             gl.thread_barrier()
             acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-        async_copy.wait_group(0)
+            if not STAGED_RING:
+                gl.thread_barrier()  # every warp's wgmmas are done reading tile i's fp16 copy
+                _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
+        if STAGED_RING:
+            async_copy.wait_group(0)
 
         if IS_FP8:
             acc = acc * gl.load(scale_ptr)
@@ -309,9 +371,21 @@ def default_stages(is_fp8: bool) -> int:
     return 3 if is_fp8 else 2
 
 
-def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
+def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
+    """fp8 rows staged through registers (94 KB of shared memory, two programs per SM) rather than an fp8
+    ring (205 KB, one per SM): up to 16 heads per program; at 32 the registers would spill."""
+    return is_fp8 and nh <= 16
+
+
+def programs_per_sm(is_fp8: bool, nh: int) -> int:
+    """Programs resident per SM (shared memory decides): 2 with fp8 rows in registers, else 1."""
+    return 2 if fp8_in_registers(is_fp8, nh) else 1
+
+
+def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, is_fp8: bool) -> int:
     """The split count :func:`mla_decode_wgmma` picks for this batch by default (what a CUDA graph pins)."""
-    return num_splits_for(num_seqs * -(-num_heads // heads_per_program(num_heads)), max_seq_len, num_sms)
+    nh = heads_per_program(num_heads)
+    return num_splits_for(num_seqs * -(-num_heads // nh), max_seq_len, num_sms, programs_per_sm(is_fp8, nh))
 
 
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
@@ -328,8 +402,9 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     is_fp8 = cache.dtype in _FP8
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
+    regs = cfg.get("fp8_regs", fp8_in_registers(is_fp8, nh))
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
-                                          _num_sms(q_latent.device), cfg.get("programs_per_sm", 1))
+                                          _num_sms(q_latent.device), 2 if regs and is_fp8 else 1)
     splits = max(1, min(int(splits), MAX_SPLITS))
     if splits > 1:
         part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)
@@ -343,7 +418,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N,
         NUM_STAGES=cfg.get("stages") or default_stages(is_fp8), IS_FP8=is_fp8, USE_SPLIT=splits > 1,
-        num_warps=4,
+        FP8_REGS=bool(regs), num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)

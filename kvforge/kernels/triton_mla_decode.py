@@ -239,12 +239,13 @@ def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms
     return max(1, min(math.ceil(programs_per_sm * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
 
 
-def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, *, wgmma: bool = False) -> int:
+def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, *, wgmma: bool = False,
+                      is_fp8: bool = False) -> int:
     """The split count :func:`mla_decode` picks (default config) for ``num_seqs`` sequences at context
     ``max_seq_len``: what a CUDA graph of that batch pins (kvforge/engine/cuda_graphs.py). ``wgmma``:
     the batch goes to the wgmma kernel (``gluon_mla_decode.routes_heads`` and its gate), whose rule differs."""
     if wgmma:
-        return gluon_mla_decode.pinned_num_splits(num_seqs, num_heads, max_seq_len, num_sms)
+        return gluon_mla_decode.pinned_num_splits(num_seqs, num_heads, max_seq_len, num_sms, is_fp8)
     block_h, programs_per_sm = _head_blocking(num_heads)
     return decode_num_splits(num_seqs, -(-num_heads // block_h), max_seq_len, num_sms, programs_per_sm)
 
