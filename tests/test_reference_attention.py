@@ -345,9 +345,11 @@ def test_argument_errors():
 def test_fp8_widening_is_exact(dtype):
     """The fast fp8 -> float32 path agrees with torch's cast on all 256 bit patterns (NaN included)."""
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).reshape(4, 64)
-    bits, factor = reference._widen_bits(raw, dtype)
-    got = bits.to(torch.float64) * factor
     want = raw.to(torch.float64)
-    assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = ~torch.isnan(want)
-    assert torch.equal(got[fin], want[fin])
+    # the bit path (CPU default) and the native path (CUDA default; no host sync), from the uint8 storage
+    for native in (False, True):
+        bits, factor = reference._widen_bits(raw.view(torch.uint8), dtype, native=native)
+        got = bits.to(torch.float64) * factor
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), native
+        assert torch.equal(got[fin], want[fin]), native

@@ -115,17 +115,21 @@ def write_kv_cache(
     cache[blocks, 1, :, offsets] = vq
 
 
-def _widen_bits(raw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+def _widen_bits(raw: torch.Tensor, dtype: torch.dtype, native: bool | None = None) -> tuple[torch.Tensor, float]:
     """Gathered storage -> a tensor that widens exactly to float32, and a power-of-two factor.
 
-    CPU casts from fp8 are slow (scalar path), so fp8 goes through fp16 bit
-    patterns (exact, NaN included): an e5m2 byte is the high byte of the fp16
+    ``native`` (default: CUDA tensors) returns the fp8 tensor itself for torch's own cast: exact, and
+    it never reads a value back to the host (the CPU path's NaN check below is a device sync, once per
+    sequence and layer in an MLA prefill). CPU casts from fp8 are slow (scalar path), so on CPU fp8 goes
+    through fp16 bit patterns (exact, NaN included): an e5m2 byte is the high byte of the fp16
     with the same value; an e4m3fn byte ``s eeee mmm`` placed as fp16
     ``s 0eeee mmm0000000`` is its value times 2^-8 (normal and subnormal
     alike), so the returned factor is 256 (the caller folds it into the scales).
     """
     if not is_fp8(dtype):
         return raw, 1.0
+    if raw.is_cuda if native is None else native:
+        return raw.view(torch.uint8).view(dtype), 1.0
     if dtype == torch.float8_e5m2:
         bits = raw.view(torch.uint8).to(torch.int16)
         bits.bitwise_left_shift_(8)
