@@ -57,6 +57,20 @@ def test_split_rule_hand_counts():
     assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=False) == 16
 
 
+def test_areg_fragment_permutation_matches_the_reshapes():
+    """The AREG path's k permutation: the kernel's reshape/permute of a [64, 4, 16] chunk (torch has the
+    same logical semantics) against ``fragment_column``, which the kernel's query load encodes; the
+    permuted product equals the plain one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, 16, generator=g, dtype=torch.float64)
+    frag = x.reshape(64, 4, 4, 2, 2).permute(0, 2, 3, 1, 4).reshape(64, 64)
+    perm = torch.tensor([gm.fragment_column(k) for k in range(64)])
+    assert sorted(perm.tolist()) == list(range(64))
+    assert torch.equal(frag, x.reshape(64, 64)[:, perm])
+    q = torch.randn(16, 64, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(frag @ q[:, perm].T, x.reshape(64, 64) @ q.T)
+
+
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
@@ -84,12 +98,14 @@ def test_forced_splits_and_block_sizes(kv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [8, 16, 32])
-@pytest.mark.parametrize("fp8_regs", [False, True])
-def test_both_fp8_staging_paths(kv, heads, fp8_regs):
-    """fp8 rows through an fp8 shared-memory ring or through registers: same answer."""
+@pytest.mark.parametrize("path", [gm.FP8_PATH_RING, gm.FP8_PATH_REGS, gm.FP8_PATH_AREG])
+def test_every_fp8_staging_path(kv, heads, path):
+    """fp8 rows through an fp8 shared-memory ring, through registers, or through registers as the score
+    product's A operand: same answer, with forced splits too."""
     cache, meta, q_latent, q_rope, scale = _batch(33, kv, heads, "cuda", block_size=16, seed=7)
-    err = _check(q_latent, q_rope, cache, meta, scale, cfg={"fp8_regs": fp8_regs})
-    assert err <= BOUND, (kv, heads, fp8_regs, err)
+    for splits in (None, 3):
+        err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits, cfg={"fp8_path": path})
+        assert err <= BOUND, (kv, heads, path, splits, err)
 
 
 @needs_gluon

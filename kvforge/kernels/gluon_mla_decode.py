@@ -161,6 +161,44 @@ if HAS_GLUON:
         rope16.store(cr_v.to(gl.float16))
 
     @gluon.jit
+    def _fragment_rows(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, X_L: gl.constexpr):
+        """Row offsets (int64) and validity of tokens ``start .. start+63`` in the fragment layout ``X_L``."""
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_L)))
+        pos = start + n
+        ok = pos < hi
+        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
+        return blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs, ok
+
+    @gluon.jit
+    def _load_fragment_chunk(cache_ptr, rows, ok, col0, X_L: gl.constexpr):
+        """Columns ``col0 .. col0+63`` of 64 rows as ``[64, 4, 16]`` fp8 in ``X_L``: 16 contiguous bytes per
+        thread per row (zeros for invalid rows)."""
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_L)))
+        w = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_L)))
+        off = rows[:, None, None] + (col0 + c * 16)[None, :, None] + w[None, None, :]
+        mask = ok[:, None, None] & (c >= 0)[None, :, None] & (w >= 0)[None, None, :]
+        return gl.load(cache_ptr + off, mask=mask, other=0.0)
+
+    @gluon.jit
+    def _score_chunk(x, lat16, q_smem, s, a_prev, col0: gl.constexpr, STORE: gl.constexpr, A_OP: gl.constexpr):
+        """One 64-column chunk of ``S^T``: the fp8 chunk -> fp16; (``STORE``) its memory-order copy into
+        ``lat16`` for the output product; the same registers, with the k axis permuted by reshapes (free:
+        ``assert_trivial``), are the ``wgmma`` A fragment against the equally permuted query chunk."""
+        xf = x.to(gl.float16)
+        if STORE:
+            lat16.slice(col0, 64, dim=1).store(xf.reshape([64, 64]))
+        # memory column 16c + 4s + 2h + j sits at fragment column 16s + 8h + 2c + j
+        a = gl.convert_layout(
+            xf.reshape([64, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4)).reshape([64, 64]), A_OP, assert_trivial=True
+        )
+        s = warpgroup_mma(a, q_smem.slice(col0, 64, dim=1).permute((1, 0)), s, is_async=True)
+        if col0 == 0 and STORE:  # the first chunk: nothing earlier to retire
+            s = warpgroup_mma_wait(1, deps=(s,))
+        else:
+            s, a_prev = warpgroup_mma_wait(1, deps=(s, a_prev))  # chunk c-1 is done; its registers may go
+        return s, a
+
+    @gluon.jit
     def _wgmma_mla_decode_kernel(
         ql_ptr,
         qr_ptr,
@@ -192,7 +230,7 @@ if HAS_GLUON:
         NUM_STAGES: gl.constexpr,
         IS_FP8: gl.constexpr,
         USE_SPLIT: gl.constexpr,
-        FP8_REGS: gl.constexpr,
+        FP8_PATH: gl.constexpr,
     ):
         NW: gl.constexpr = gl.num_warps()
         CACHE_T: gl.constexpr = cache_ptr.dtype.element_ty
@@ -253,6 +291,22 @@ if HAS_GLUON:
             mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :],
             other=0.0,
         )
+        if IS_FP8 and FP8_PATH == 2:
+            # the query's columns in the fragment order of _score_chunk (one 64-column chunk at a time)
+            kq = cq % 64
+            cq = cq - kq + 16 * ((kq // 2) % 4) + 4 * (kq // 16) + 2 * ((kq // 8) % 2) + kq % 2
+            ql = gl.load(
+                ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
+                mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :],
+                other=0.0,
+            )
+            kr = cr % 64
+            cr = cr - kr + 16 * ((kr // 2) % 4) + 4 * (kr // 16) + 2 * ((kr // 8) % 2) + kr % 2
+            qr = gl.load(
+                qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
+                mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :],
+                other=0.0,
+            )
         ql_smem = gl.allocate_shared_memory(DOT_T, [NH, R], Q_SMEM, ql.to(DOT_T))
         qr_smem = gl.allocate_shared_memory(DOT_T, [NH, P], Q_SMEM, qr.to(DOT_T))
 
@@ -264,7 +318,10 @@ if HAS_GLUON:
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE)
 
-        STAGED_RING: gl.constexpr = not (IS_FP8 and FP8_REGS)
+        # fp8 paths: 0 = an fp8 cp.async ring, 1 = rows through registers into an fp16 copy, 2 = as 1 with
+        # the score product's A operand taken from the registers (the FP8_PATH docstring above the launcher).
+        STAGED_RING: gl.constexpr = not IS_FP8 or FP8_PATH == 0
+        AREG: gl.constexpr = IS_FP8 and FP8_PATH == 2
         if STAGED_RING:
             lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
             rope_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, P], RAW)
@@ -272,7 +329,8 @@ if HAS_GLUON:
             # One fp16 copy of the current tile; both products read it (tile i-1's wgmmas finish before
             # the loop-top barrier of tile i).
             lat16 = gl.allocate_shared_memory(gl.float16, [TILE, R], OP_LAT)
-            rope16 = gl.allocate_shared_memory(gl.float16, [TILE, P], OP_ROPE)
+            if not AREG:
+                rope16 = gl.allocate_shared_memory(gl.float16, [TILE, P], OP_ROPE)
         p_smem = gl.allocate_shared_memory(DOT_T, [TILE, NH], P_SMEM)
         fence_async_shared()  # the query's generic-proxy stores, before any wgmma reads them
 
@@ -281,7 +339,7 @@ if HAS_GLUON:
             for j in gl.static_range(NUM_STAGES - 1):
                 _issue_rows(lat_ring.index(j), rope_ring.index(j), cache_ptr, bt_row, lo + j * TILE, hi,
                             stride_cb, stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY, ROPE_COPY)  # fmt: skip
-        else:
+        elif not AREG:
             # fp8 rows go global -> registers -> fp16 shared memory; tile i+1's loads are in flight while
             # tile i's products run (no fp8 ring in shared memory: 94 KB per program, 2 programs per SM).
             c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE,
@@ -293,8 +351,43 @@ if HAS_GLUON:
         acc = gl.zeros([R, NH], gl.float32, layout=MMA)
         n_off = gl.arange(0, TILE, layout=gl.SliceLayout(1, MMA))
         s_zero = gl.zeros([TILE, NH], gl.float32, layout=MMA)
+        if AREG:
+            X_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                warp_bases=[[16, 0, 0], [32, 0, 0]],
+                block_bases=[],
+                shape=[64, 4, 16],
+            )  # the wgmma A fragment of a 64 x 64 fp16 chunk, with its k axis in memory order
+            A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+            gl.static_assert(TILE == 64 and NW == 4 and R == 512 and P == 64)
         for i in range(num_tiles):
-            if not STAGED_RING:
+            if AREG:
+                # This tile's rows, loaded now (fp8 values carried across iterations would cost a register
+                # per byte); the other program on the SM runs while they land.
+                rows, ok = _fragment_rows(bt_row, lo + i * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, X_L)
+                x0 = _load_fragment_chunk(cache_ptr, rows, ok, 0, X_L)
+                x1 = _load_fragment_chunk(cache_ptr, rows, ok, 64, X_L)
+                x2 = _load_fragment_chunk(cache_ptr, rows, ok, 128, X_L)
+                x3 = _load_fragment_chunk(cache_ptr, rows, ok, 192, X_L)
+                x4 = _load_fragment_chunk(cache_ptr, rows, ok, 256, X_L)
+                x5 = _load_fragment_chunk(cache_ptr, rows, ok, 320, X_L)
+                x6 = _load_fragment_chunk(cache_ptr, rows, ok, 384, X_L)
+                x7 = _load_fragment_chunk(cache_ptr, rows, ok, 448, X_L)
+                xr = _load_fragment_chunk(cache_ptr, rows, ok, R, X_L)
+                gl.thread_barrier()  # every warp is done with tile i-1's fp16 copy
+                s, a0 = _score_chunk(x0, lat16, ql_smem, s_zero, None, 0, True, A_OP)
+                s, a0 = _score_chunk(x1, lat16, ql_smem, s, a0, 64, True, A_OP)
+                s, a0 = _score_chunk(x2, lat16, ql_smem, s, a0, 128, True, A_OP)
+                s, a0 = _score_chunk(x3, lat16, ql_smem, s, a0, 192, True, A_OP)
+                s, a0 = _score_chunk(x4, lat16, ql_smem, s, a0, 256, True, A_OP)
+                s, a0 = _score_chunk(x5, lat16, ql_smem, s, a0, 320, True, A_OP)
+                s, a0 = _score_chunk(x6, lat16, ql_smem, s, a0, 384, True, A_OP)
+                s, a0 = _score_chunk(x7, lat16, ql_smem, s, a0, 448, True, A_OP)
+                s, a0 = _score_chunk(xr, lat16, qr_smem, s, a0, 0, False, A_OP)
+                s, a0 = warpgroup_mma_wait(0, deps=(s, a0))
+                lat = lat16
+            elif not STAGED_RING:
                 # lat16 holds tile i (staged at the end of iteration i-1, or before the loop). Tile i+1's
                 # loads go out now and land while tile i's products run; they are consumed in this same
                 # iteration (fp8 values carried across iterations would cost a register per byte).
@@ -324,9 +417,10 @@ if HAS_GLUON:
             fence_async_shared()  # cp.async / staging writes -> wgmma (async proxy) reads
             gl.thread_barrier()
 
-            s = warpgroup_mma(lat, ql_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(rope, qr_smem.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
+            if not AREG:
+                s = warpgroup_mma(lat, ql_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s = warpgroup_mma(rope, qr_smem.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s,))
             s = s * qk_scale
             s = gl.where((lo + i * TILE + n_off < hi)[:, None], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))
@@ -340,7 +434,7 @@ if HAS_GLUON:
             gl.thread_barrier()
             acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            if not STAGED_RING:
+            if not STAGED_RING and not AREG:
                 gl.thread_barrier()  # every warp's wgmmas are done reading tile i's fp16 copy
                 _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
         if STAGED_RING:
@@ -369,6 +463,26 @@ if HAS_GLUON:
 def default_stages(is_fp8: bool) -> int:
     """Ring depth: 3 for fp8 (110 KB of rows), 2 for 16-bit rows (147 KB); both fit one CTA per SM."""
     return 3 if is_fp8 else 2
+
+
+#: fp8 row paths (``cfg["fp8_path"]``). RING: an fp8 cp.async ring (205 KB, one program per SM).
+#: REGS: global -> registers -> one fp16 copy that both products read (94 KB, two per SM; the default
+#: up to 16 heads). AREG: as REGS, but the score product takes its A operand from the registers (the
+#: fp8 chunk loaded in the wgmma fragment layout with a permuted k axis, the query permuted to match),
+#: so only the output product reads the fp16 copy: ~150 KB of shared-memory traffic per tile instead of
+#: ~244 KB. AREG loads each tile at the top of its own iteration (no prefetch). It compiles for sm_90
+#: without spills but was written after the last GPU run: not measured, not routed.
+FP8_PATH_RING: int = 0
+FP8_PATH_REGS: int = 1
+FP8_PATH_AREG: int = 2
+
+
+def fragment_column(k: int) -> int:
+    """AREG: the memory column (within a 64-column chunk) whose value sits at column ``k`` of the
+    ``wgmma`` A fragment: ``x.reshape([64, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4))`` of a chunk loaded as
+    ``[64, 4 (c), 16 (w = 4s + 2h + j)]`` puts memory column ``16c + w`` at ``16s + 8h + 2c + j``. The
+    kernel loads the query with the same arithmetic (``cq`` in the FP8_PATH == 2 branch)."""
+    return 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
 
 
 def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
@@ -402,7 +516,8 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     is_fp8 = cache.dtype in _FP8
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
-    regs = cfg.get("fp8_regs", fp8_in_registers(is_fp8, nh))
+    path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
+    regs = path != FP8_PATH_RING
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
                                           _num_sms(q_latent.device), 2 if regs and is_fp8 else 1)
     splits = max(1, min(int(splits), MAX_SPLITS))
@@ -418,7 +533,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N,
         NUM_STAGES=cfg.get("stages") or default_stages(is_fp8), IS_FP8=is_fp8, USE_SPLIT=splits > 1,
-        FP8_REGS=bool(regs), num_warps=4,
+        FP8_PATH=path, num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
