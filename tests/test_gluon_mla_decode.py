@@ -120,3 +120,42 @@ def test_fp16_query_over_fp16_cache_and_empty_query_sequences():
     want = ref.mla_decode(q_latent[:4].float(), q_rope[:4].float(), cache, meta2, scale, 192 ** -0.5)
     got = gm.mla_decode_wgmma(q_latent[:4], q_rope[:4], cache, meta2, scale, 192 ** -0.5)
     assert ((got.float() - want).abs().max() / want.abs().max()).item() <= BOUND
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_cuda_graph_replay_with_new_lengths_and_tables(kv):
+    """What the engine's decode graphs do: capture once with the pinned split count, then change the
+    sequence lengths and block tables in place and replay; every replay matches the reference."""
+    from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
+
+    heads, batch = 16, 8
+    cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=16, seed=3)
+    max_len = int(meta.block_tables.shape[1]) * 16
+    splits = pinned_num_splits(batch, heads, max_len, torch.cuda.get_device_properties(0).multi_processor_count,
+                               wgmma=True, is_fp8=kv.startswith("fp8"))
+    out = torch.full_like(q_latent, float("nan"))
+    seq_lens = meta.seq_lens.clone()
+    tables = meta.block_tables.clone()
+    graph_meta = type(meta)(meta.query_start_loc, seq_lens, tables, meta.slot_mapping, 1, max_len, 16)
+    mla_decode(q_latent, q_rope, cache, graph_meta, scale, 192 ** -0.5, num_splits=splits, out=out)  # compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_decode(q_latent, q_rope, cache, graph_meta, scale, 192 ** -0.5, num_splits=splits, out=out)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        perm = torch.randperm(batch, generator=gen)
+        donor_lens = meta.seq_lens.cpu()[perm]  # rows past a donor's length hold NaN: stay within them
+        new_lens = (torch.rand(batch, generator=gen) * donor_lens).ceil().clamp(min=1).to(torch.int32)
+        seq_lens.copy_(new_lens)
+        tables.copy_(meta.block_tables[perm.to(tables.device)])
+        out.fill_(float("nan"))
+        g.replay()
+        want_meta = type(meta)(meta.query_start_loc, new_lens.cuda(), tables.clone(), meta.slot_mapping, 1,
+                               max_len, 16)
+        want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, want_meta, scale, 192 ** -0.5)
+        assert torch.isfinite(out).all()
+        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+        assert err <= BOUND, (kv, err)
