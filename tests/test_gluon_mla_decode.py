@@ -4,8 +4,10 @@ Reference: ``mla_reference.mla_decode`` in float32 over the dequantized latent c
 copy of the query. Bound 2**-6 of max|ref|, as for the tl.dot kernel (tests/test_triton_mla.py): the
 kernel's roundings are the query to the dot dtype (bf16 2**-9; fp16 2**-11 for an fp8 cache, whose
 values fp16 holds exactly), P to 16 bits for ``P C``, and the bf16/fp16 output. Lengths 1, 15-17,
-1000, 3000 and random, NaN in every unused cache row, poisoned outputs. GPU tests skip unless the
-Gluon gate opens (sm_90, Triton 3.6); the scope rule runs everywhere.
+1000, 3000 and random, NaN in every unused cache row, poisoned (NaN) outputs; split-K is also held to
+the kernel's own unsplit result at 2**-7, with flat and peaked attention. GPU tests skip unless the
+Gluon gate opens (sm_90, Triton 3.6); the routing rule, the split rule and the fragment permutation
+run on CPU.
 """
 
 from __future__ import annotations
@@ -26,10 +28,57 @@ BOUND = 2.0 ** -6
 
 
 def _check(q_latent, q_rope, cache, meta, scale, **kw):
+    """Relative error vs the float32 reference; the output starts poisoned (NaN) and must be written."""
     want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, meta, scale, 192 ** -0.5)
-    got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, **kw)
-    assert torch.isfinite(got).all()
+    out = torch.full_like(q_latent, float("nan"))
+    got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, out=out, **kw)
+    assert got is out and torch.isfinite(got).all()
     return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.parametrize(
+    "heads,q,cache,query_dtype,r,p,want",
+    [
+        (16, BF16, BF16, None, 512, 64, True),
+        (16, BF16, E4M3, None, 512, 64, True),
+        (8, FP16, E5M2, None, 512, 64, True),
+        (128, BF16, E4M3, None, 512, 64, True),
+        (1, FP16, FP16, None, 512, 64, True),
+        (129, BF16, BF16, None, 512, 64, False),  # above MAX_ROUTED_HEADS
+        (128, BF16, E4M3, "fp8_e4m3", 512, 64, False),  # an fp8 query: the tl.dot kernel's fp8 dot
+        (16, F32, F32, None, 512, 64, False),  # float32 models: IEEE dots in the tl.dot kernel
+        (16, BF16, F32, None, 512, 64, False),  # a wider cache is never rounded to the query's precision
+        (16, BF16, FP16, None, 512, 64, False),  # mixed 16-bit dtypes
+        (16, BF16, BF16, None, 32, 8, False),  # other latent sizes (the tiny test models)
+        (16, BF16, BF16, None, 512, 32, False),
+    ],
+)
+def test_routing_rule_and_supports_agree(monkeypatch, heads, q, cache, query_dtype, r, p, want):
+    """``routes`` (what CUDA graphs pin splits by) and ``supports`` / ``use_wgmma`` (what ``mla_decode``
+    launches) give the same answer once the Gluon gate is open, and nothing launches with it closed."""
+    from kvforge.kernels import triton_mla_decode as tm
+
+    assert gm.routes(heads, q, cache, query_dtype, r, p) is want
+    q_latent = torch.zeros(2, heads, r, dtype=q)
+    cache_t = torch.zeros(1, 16, r + p, dtype=cache)
+    monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
+    assert gm.supports(q_latent, cache_t, query_dtype) is want
+    assert bool(tm.use_wgmma(q_latent, cache_t, query_dtype, None)) is want
+    assert not tm.use_wgmma(q_latent, cache_t, query_dtype, {"wgmma": False})
+    monkeypatch.setattr(gm, "gluon_runs_on", lambda t: False)
+    assert not tm.use_wgmma(q_latent, cache_t, query_dtype, None)
+
+
+def test_unknown_config_keys_are_refused(monkeypatch):
+    monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
+    q = torch.zeros(1, 16, 512, dtype=BF16)
+    with pytest.raises(ValueError, match="fp8_regs"):
+        gm.mla_decode_wgmma(q, q[..., :64], torch.zeros(1, 16, 576, dtype=BF16), None, None, 0.1,
+                            cfg={"fp8_regs": True})
 
 
 def test_heads_per_program_is_a_valid_wgmma_n():
@@ -81,6 +130,36 @@ def test_matches_fp32_reference(kv, heads, batch):
     assert gm.supports(q_latent, cache, None)
     err = _check(q_latent, q_rope, cache, meta, scale)
     assert err <= BOUND, (kv, heads, batch, err)
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
+def test_splits_agree_with_one_split_tightly(kv, peaked):
+    """Split-K against the kernel's own unsplit result at 2**-7 of max|out| (one bf16 ulp of output rounding
+    is 2**-8): a token dropped or counted twice at a split boundary moves a 1000-token output by ~1%, which
+    the 2**-6 reference bound could miss. ``peaked``: the query x 16, so the running max changes across
+    tiles and a few tokens dominate."""
+    cache, meta, q_latent, q_rope, scale = _batch(6, kv, 16, "cuda", block_size=16, seed=21)
+    if peaked:
+        q_latent, q_rope = q_latent * 16, q_rope * 16
+    one = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, num_splits=1).float()
+    for splits in (2, 7, 32):
+        got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, num_splits=splits).float()
+        assert ((got - one).abs().max() / one.abs().max()).item() <= 2.0 ** -7, (kv, peaked, splits)
+    assert _check(q_latent, q_rope, cache, meta, scale) <= BOUND
+
+
+@needs_gluon
+@pytest.mark.gpu
+def test_tokens_past_the_last_sequence_are_untouched():
+    cache, meta, q_latent, q_rope, scale = _batch(4, "bfloat16", 16, "cuda", block_size=16, seed=4)
+    ql = torch.cat([q_latent, q_latent[:2]])  # two padding tokens past query_start_loc[num_seqs]
+    qr = torch.cat([q_rope, q_rope[:2]])
+    out = torch.full_like(ql, float("nan"))
+    gm.mla_decode_wgmma(ql, qr, cache, meta, scale, 192 ** -0.5, out=out)
+    assert torch.isfinite(out[:4]).all() and torch.isnan(out[4:]).all()
 
 
 @needs_gluon

@@ -127,10 +127,22 @@ def test_reference_refuses_a_quantized_query():
         ref.mla_attention(q_latent[:, :, :8], q_rope, cache, meta, scale, 0.1, w, w, query_dtype="fp8_e4m3")
 
 
+@pytest.fixture(params=["routed", "tl.dot"])
+def mla_kernel(request, monkeypatch):
+    """Run a GPU test as routed (the wgmma kernel where ``gluon_mla_decode.routes`` accepts, on sm_90) and
+    again with routing off, so the tl.dot kernel, which serves whenever the Gluon gate is closed, keeps
+    its H200 coverage."""
+    if request.param == "tl.dot":
+        from kvforge.kernels import gluon_mla_decode
+
+        monkeypatch.setattr(gluon_mla_decode, "MAX_ROUTED_HEADS", 0)
+    return request.param
+
+
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("decl", cuda_mla_backends(), ids=lambda d: d.name)
-def test_every_declared_combination_matches_fp32_reference(decl):
+def test_every_declared_combination_matches_fp32_reference(decl, mla_kernel):
     impl = importlib.import_module(decl.implementation)
     worst = {}
     for model, kv, qd, heads, batch in declared_combinations(decl):
@@ -152,7 +164,7 @@ def test_every_declared_combination_matches_fp32_reference(decl):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
-def test_split_k_and_block_sizes(kv):
+def test_split_k_and_block_sizes(kv, mla_kernel):
     """Forced split counts (1 .. 32) and block sizes 1, 16, 64 give the same answer as the reference."""
     from kvforge.kernels.triton_mla_decode import mla_decode
 

@@ -31,8 +31,9 @@ Invariants (what makes a replay equal to an eager step):
    kv_heads)), max(1, max_model_len // 256), 64)``; fp8 caches on the Gluon
    decode kernels: ``gluon_fp8_decode.pinned_num_splits`` (its variant rule;
    the kernel variant follows the shape, so capture and eager agree); MLA
-   (``triton_mla``): ``triton_mla_decode.pinned_num_splits`` (per head block,
-   at most 32).
+   (``triton_mla``): ``triton_mla_decode.pinned_num_splits`` (per head block;
+   the tl.dot rule, at most 32, or the wgmma kernel's when ``routes`` sends the
+   plan there: whole waves of 1 or 2 programs per SM, at most 64).
    Grid and partial buffers are then fixed; shorter contexts leave trailing
    splits empty (they add nothing in the merge). ``max_seq_len`` in the
    captured metadata is ``max_model_len``.
@@ -99,19 +100,23 @@ def graphs_unsupported_reason(runner) -> str | None:
 class DecodeGraphs:
     """Captures and replays decode-only steps (see the module docstring)."""
 
-    def _gluon_mla_decode(self, plan) -> bool:
-        """Whether every MLA layer's decode runs the wgmma kernel (kvforge/kernels/gluon_mla_decode.py)."""
+    def _gluon_mla_decode(self, plan, latent_dim: int | None) -> bool:
+        """Whether every MLA layer's decode runs the wgmma kernel (kvforge/kernels/gluon_mla_decode.py): the
+        same ``routes`` rule ``mla_decode`` applies, on the plan's dtypes and the model's latent size."""
+        from kvforge.engine.kv_pool import TORCH_KV_DTYPES
         from kvforge.kernels import gluon_mla_decode as g
         from kvforge.kernels.gluon_support import GLUON_ENABLED, TESTED_COMPUTE_CAPABILITY_MAJOR
 
-        if not GLUON_ENABLED or self.device.type != "cuda":
+        if not GLUON_ENABLED or self.device.type != "cuda" or latent_dim is None:
             return False
         if torch.cuda.get_device_capability(self.device)[0] != TESTED_COMPUTE_CAPABILITY_MAJOR:
             return False
+        q_dtype = TORCH_KV_DTYPES[plan.model_dtype]
         return all(
             layer.backend == "triton_mla"
-            and g.routes_heads(layer.heads_per_rank, plan.model_dtype,
-                               None if layer.query_dtype == plan.model_dtype else layer.query_dtype)
+            and g.routes(layer.heads_per_rank, q_dtype, TORCH_KV_DTYPES[layer.kv_dtype],
+                         None if layer.query_dtype == plan.model_dtype else layer.query_dtype,
+                         latent_dim, (layer.head_size or 0) - latent_dim)
             for layer in plan.layers
         )  # fmt: skip
 
@@ -147,7 +152,7 @@ class DecodeGraphs:
             from kvforge.kernels.triton_mla_decode import pinned_num_splits
 
             heads = plan.layers[0].heads_per_rank
-            wgmma = self._gluon_mla_decode(plan)
+            wgmma = self._gluon_mla_decode(plan, getattr(runner.model, "config", {}).get("kv_lora_rank"))
             fp8 = plan.layers[0].kv_dtype.startswith("fp8")
             self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms, wgmma=wgmma, is_fp8=fp8)
                                for b in self.sizes}

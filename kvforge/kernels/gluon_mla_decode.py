@@ -47,33 +47,33 @@ MAX_SPLITS: int = 64
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def supports(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None) -> bool:
-    """True when this kernel handles the decode call: model-dtype (bf16/fp16) query, ``R`` = 512 and
-    ``P`` = 64 (DeepSeek-V2/V3, Kimi-K2), a cache of the query's dtype or fp8 e4m3/e5m2, sm_90 with a
-    tested Triton (``gluon_support``)."""
-    _t, _h, r = q_latent.shape
-    return (
-        gluon_runs_on(q_latent)
-        and query_dtype is None
-        and r == LATENT_DIM
-        and cache.shape[-1] == LATENT_DIM + ROPE_DIM
-        and q_latent.dtype in (torch.bfloat16, torch.float16)
-        and (cache.dtype in _FP8 or cache.dtype == q_latent.dtype)
-    )
-
-
-#: The wgmma kernel serves decode up to this many heads per rank: on the H200 it was faster than the
-#: tl.dot kernel at every measured point with a model-dtype query (8, 16, 32 and 128 heads, batch 1-128,
-#: contexts 4k-64k, bf16 and fp8 caches; docs/MLA.md). An fp8 query (declared from 64 heads) stays with
-#: the tl.dot kernel, which has the fp8 x fp8 dot.
+#: The wgmma kernel serves decode up to this many heads per rank. Measured on the H200 (docs/MLA.md):
+#: faster than the tl.dot kernel at 8, 16, 32 and 128 heads with a model-dtype query over bf16 and fp8
+#: caches (64 heads not measured; it runs the 32-head program twice). An fp8 query (declared from 64
+#: heads) stays with the tl.dot kernel, which has the fp8 x fp8 dot.
 MAX_ROUTED_HEADS: int = 128
 
 
-def routes_heads(num_heads: int, model_dtype: str, query_dtype: str | None) -> bool:
-    """The routing rule without tensors (what a CUDA graph needs to pin its split count): the head
-    count is within :data:`MAX_ROUTED_HEADS`, the query stays in a 16-bit model dtype. The tensor
-    checks (:func:`supports`: device, Gluon gate, R/P, cache dtype) come on top."""
-    return num_heads <= MAX_ROUTED_HEADS and query_dtype is None and model_dtype in ("bfloat16", "float16")
+def routes(num_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, query_dtype: str | None,
+           latent_dim: int, rope_dim: int) -> bool:
+    """The routing rule without tensors, shared by :func:`supports` and the CUDA-graph split pinning:
+    a model-dtype bf16/fp16 query (``query_dtype`` None), at most :data:`MAX_ROUTED_HEADS` heads,
+    ``R`` = 512 and ``P`` = 64 (DeepSeek-V2/V3, Kimi-K2), a cache of the query's dtype or fp8 e4m3/e5m2."""
+    return (
+        query_dtype is None
+        and 1 <= num_heads <= MAX_ROUTED_HEADS
+        and latent_dim == LATENT_DIM
+        and rope_dim == ROPE_DIM
+        and q_dtype in (torch.bfloat16, torch.float16)
+        and (cache_dtype in _FP8 or cache_dtype == q_dtype)
+    )
+
+
+def supports(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None) -> bool:
+    """True when this kernel handles the decode call: :func:`routes` on the tensors' shapes and dtypes,
+    and the device passes the Gluon gate (sm_90, a tested Triton; ``gluon_support``)."""
+    _t, h, r = q_latent.shape
+    return gluon_runs_on(q_latent) and routes(h, q_latent.dtype, cache.dtype, query_dtype, r, cache.shape[-1] - r)
 
 
 def heads_per_program(num_heads: int) -> int:
@@ -81,7 +81,7 @@ def heads_per_program(num_heads: int) -> int:
     return min(MAX_HEADS_PER_PROGRAM, max(8, 1 << max(0, (num_heads - 1).bit_length())))
 
 
-#: A program keeps one CTA per SM busy (147-205 KB of shared memory), and its tiles run one after
+#: A program occupies a whole SM or half of one (86-226 KB of shared memory), and its tiles run one after
 #: another, so a split shorter than this many tokens would cost more in latency than it saves.
 MIN_SPLIT_TOKENS: int = 256
 
@@ -465,12 +465,13 @@ def default_stages(is_fp8: bool) -> int:
     return 3 if is_fp8 else 2
 
 
-#: fp8 row paths (``cfg["fp8_path"]``). RING: an fp8 cp.async ring (205 KB, one program per SM).
+#: fp8 row paths (``cfg["fp8_path"]``). RING: an fp8 cp.async ring (205-226 KB at 16-32 heads per
+#: program, one program per SM).
 #: REGS: global -> registers -> one fp16 copy that both products read (94 KB, two per SM; the default
 #: up to 16 heads). AREG: as REGS, but the score product takes its A operand from the registers (the
 #: fp8 chunk loaded in the wgmma fragment layout with a permuted k axis, the query permuted to match),
 #: so only the output product reads the fp16 copy: ~150 KB of shared-memory traffic per tile instead of
-#: ~244 KB. AREG loads each tile at the top of its own iteration (no prefetch). It compiles for sm_90
+#: ~250 KB. AREG loads each tile at the top of its own iteration (no prefetch). It compiles for sm_90
 #: without spills but was written after the last GPU run: not measured, not routed.
 FP8_PATH_RING: int = 0
 FP8_PATH_REGS: int = 1
@@ -487,7 +488,7 @@ def fragment_column(k: int) -> int:
 
 def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
     """fp8 rows staged through registers (94 KB of shared memory, two programs per SM) rather than an fp8
-    ring (205 KB, one per SM): up to 16 heads per program; at 32 the registers would spill."""
+    ring (205-226 KB, one per SM): up to 16 heads per program; at 32 the registers would spill."""
     return is_fp8 and nh <= 16
 
 
@@ -502,6 +503,10 @@ def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
     return num_splits_for(num_seqs * -(-num_heads // nh), max_seq_len, num_sms, programs_per_sm(is_fp8, nh))
 
 
+#: What ``cfg`` may set (benchmarks and tests): heads per program, the fp8 path, the ring depth.
+CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages"})
+
+
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
     """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` with a model-dtype query; split
     partials merged by the paged-attention merge kernel. ``out`` (optional) receives the result; tokens
@@ -509,6 +514,9 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     if not supports(q_latent, cache, None):
         raise ValueError("outside the wgmma MLA kernel's scope (see gluon_mla_decode.supports)")
     cfg = dict(cfg or {})
+    unknown = set(cfg) - CFG_KEYS
+    if unknown:
+        raise ValueError(f"unknown wgmma MLA config keys {sorted(unknown)}; choose from {sorted(CFG_KEYS)}")
     t, h, r = q_latent.shape
     nh = cfg.get("heads_per_program") or heads_per_program(h)
     head_blocks = -(-h // nh)

@@ -29,11 +29,13 @@ Any block size (rows are gathered per token through the block table); any
 ``R``/``P`` (padded to powers of two in registers, masked in memory). All
 offsets are int64.
 
-Routing: a model-dtype bf16/fp16 query with at most
-``gluon_mla_decode.MAX_ROUTED_HEADS`` heads per rank goes to the wgmma kernel
+Routing (:func:`use_wgmma`): what ``gluon_mla_decode.routes`` accepts (a
+model-dtype bf16/fp16 query, at most ``MAX_ROUTED_HEADS`` heads, R 512 / P 64,
+a cache of the query's dtype or fp8) goes to the wgmma kernel
 (:mod:`kvforge.kernels.gluon_mla_decode`, sm_90 with the tested Triton), which
-was faster at every measured point; an fp8 query and float32 models run the
-tl.dot kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
+was faster at every measured point; everything else (an fp8 query, float32,
+other latent sizes, mixed 16-bit dtypes, the gate closed) runs the tl.dot
+kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ MAX_SPLITS = 32
 #: (heads, q dtype, cache dtype, R, P, block size, fp8 query) -> tile_n / block_h that fit in shared memory
 #: after the default ran out (see the OutOfResources fallback in mla_decode).
 _SHRUNK_CONFIGS: dict[tuple, dict] = {}
+#: Process-wide memo (same reason): (heads, q dtype, cache dtype, block size) whose wgmma launch ran out of
+#: shared memory or registers on this GPU; those calls go to the tl.dot kernel.
+_WGMMA_OUT_OF_RESOURCES: set[tuple] = set()
 
 
 if HAS_TRITON:
@@ -239,11 +244,17 @@ def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms
     return max(1, min(math.ceil(programs_per_sm * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
 
 
+def use_wgmma(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None, config: dict | None) -> bool:
+    """Whether :func:`mla_decode` hands the call to the wgmma kernel: its ``supports`` (routing rule and
+    Gluon gate) and not ``config["wgmma"] == False`` (benchmarks and tests force the tl.dot kernel)."""
+    return (config or {}).get("wgmma", True) and gluon_mla_decode.supports(q_latent, cache, query_dtype)
+
+
 def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, *, wgmma: bool = False,
                       is_fp8: bool = False) -> int:
     """The split count :func:`mla_decode` picks (default config) for ``num_seqs`` sequences at context
     ``max_seq_len``: what a CUDA graph of that batch pins (kvforge/engine/cuda_graphs.py). ``wgmma``:
-    the batch goes to the wgmma kernel (``gluon_mla_decode.routes_heads`` and its gate), whose rule differs."""
+    the batch goes to the wgmma kernel (``gluon_mla_decode.routes`` and its gate), whose rule differs."""
     if wgmma:
         return gluon_mla_decode.pinned_num_splits(num_seqs, num_heads, max_seq_len, num_sms, is_fp8)
     block_h, programs_per_sm = _head_blocking(num_heads)
@@ -299,10 +310,14 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         return out
     if is_fp8 and scale is None:
         raise ValueError("an fp8 MLA cache needs its per-tensor scale")
-    use_wgmma = (_config or {}).get("wgmma", True)  # False: the tl.dot kernel (benchmarks, tests)
-    if use_wgmma and h <= gluon_mla_decode.MAX_ROUTED_HEADS and gluon_mla_decode.supports(q_latent, cache, query_dtype):
-        return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
-                                                 num_splits=num_splits, out=out)
+    if use_wgmma(q_latent, cache, query_dtype, _config):
+        wgmma_key = (h, q_latent.dtype, cache.dtype, bs)
+        if wgmma_key not in _WGMMA_OUT_OF_RESOURCES:
+            try:
+                return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                                                         num_splits=num_splits, out=out)
+            except OutOfResources:  # at the first call (before any graph capture); the tl.dot kernel serves
+                _WGMMA_OUT_OF_RESOURCES.add(wgmma_key)
     if is_fp8:
         scale = scale.to(torch.float32).reshape(-1)[:1]
     else:
