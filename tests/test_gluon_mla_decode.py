@@ -177,10 +177,11 @@ def test_forced_splits_and_block_sizes(kv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [8, 16, 32])
-@pytest.mark.parametrize("path", [gm.FP8_PATH_RING, gm.FP8_PATH_REGS, gm.FP8_PATH_AREG])
+@pytest.mark.parametrize("path", [gm.FP8_PATH_RING, gm.FP8_PATH_REGS, gm.FP8_PATH_AREG, gm.FP8_PATH_AREG_PREFETCH])
 def test_every_fp8_staging_path(kv, heads, path):
     """fp8 rows through an fp8 shared-memory ring, through registers, or through registers as the score
-    product's A operand: same answer, with forced splits too."""
+    product's A operand (loaded in its own iteration, or prefetched as words): same answer, with forced
+    splits too. Block size 16 and lengths 1-3000 put tile boundaries inside pages and pages inside tiles."""
     cache, meta, q_latent, q_rope, scale = _batch(33, kv, heads, "cuda", block_size=16, seed=7)
     for splits in (None, 3):
         err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits, cfg={"fp8_path": path})

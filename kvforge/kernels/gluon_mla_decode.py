@@ -161,30 +161,59 @@ if HAS_GLUON:
         rope16.store(cr_v.to(gl.float16))
 
     @gluon.jit
-    def _fragment_rows(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, X_L: gl.constexpr):
-        """Row offsets (int64) and validity of tokens ``start .. start+63`` in the fragment layout ``X_L``."""
-        n = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_L)))
+    def _fragment_rows(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, W_L: gl.constexpr):
+        """Row offsets (int64, in bytes = fp8 elements) and validity of tokens ``start .. start+63``, in the
+        word layout ``W_L``."""
+        n = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_L)))
         pos = start + n
         ok = pos < hi
         blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
         return blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs, ok
 
     @gluon.jit
-    def _load_fragment_chunk(cache_ptr, rows, ok, col0, X_L: gl.constexpr):
-        """Columns ``col0 .. col0+63`` of 64 rows as ``[64, 4, 16]`` fp8 in ``X_L``: 16 contiguous bytes per
-        thread per row (zeros for invalid rows)."""
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_L)))
-        w = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, X_L)))
-        off = rows[:, None, None] + (col0 + c * 16)[None, :, None] + w[None, None, :]
+    def _load_fragment_words(cache_ptr, rows, ok, col0, W_L: gl.constexpr):
+        """Columns ``col0 .. col0+63`` of 64 fp8 rows as ``[64, 4, 4]`` int32 words in ``W_L``: 16 contiguous
+        bytes per thread per row (zeros for invalid rows). Words, not bytes, so that a tile can be carried
+        to the next loop iteration (Triton keeps each carried fp8 value in a register of its own)."""
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_L)))
+        w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_L)))
+        words = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+        off = (rows // 4)[:, None, None] + (col0 // 4 + c * 4)[None, :, None] + w[None, None, :]
         mask = ok[:, None, None] & (c >= 0)[None, :, None] & (w >= 0)[None, None, :]
-        return gl.load(cache_ptr + off, mask=mask, other=0.0)
+        return gl.load(words + off, mask=mask, other=0)
 
     @gluon.jit
-    def _score_chunk(x, lat16, q_smem, s, a_prev, col0: gl.constexpr, STORE: gl.constexpr, A_OP: gl.constexpr):
-        """One 64-column chunk of ``S^T``: the fp8 chunk -> fp16; (``STORE``) its memory-order copy into
+    def _load_tile_words(cache_ptr, rows, ok, R: gl.constexpr, W_L: gl.constexpr):
+        """The eight latent chunks and the rope chunk of 64 rows (``_load_fragment_words``)."""
+        return (
+            _load_fragment_words(cache_ptr, rows, ok, 0, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 64, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 128, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 192, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 256, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 320, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 384, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, 448, W_L),
+            _load_fragment_words(cache_ptr, rows, ok, R, W_L),
+        )
+
+    @gluon.jit
+    def _words_to_fp16(xw, FP8_T: gl.constexpr):
+        """``[64, 4, 4]`` int32 words -> ``[64, 4, 16]`` fp16 values, byte ``b`` of word ``w4`` at ``4 w4 + b``."""
+        b0 = (xw & 0xFF).to(gl.int8)
+        b1 = ((xw >> 8) & 0xFF).to(gl.int8)
+        b2 = ((xw >> 16) & 0xFF).to(gl.int8)
+        b3 = ((xw >> 24) & 0xFF).to(gl.int8)
+        x8 = gl.join(gl.join(b0, b2), gl.join(b1, b3)).reshape([64, 4, 16])  # [.., w4, i, o] -> byte 2i + o
+        return x8.to(FP8_T, bitcast=True).to(gl.float16)
+
+    @gluon.jit
+    def _score_chunk(xw, lat16, q_smem, s, a_prev, col0: gl.constexpr, STORE: gl.constexpr, A_OP: gl.constexpr,
+                     FP8_T: gl.constexpr):
+        """One 64-column chunk of ``S^T``: the fp8 words -> fp16; (``STORE``) its memory-order copy into
         ``lat16`` for the output product; the same registers, with the k axis permuted by reshapes (free:
         ``assert_trivial``), are the ``wgmma`` A fragment against the equally permuted query chunk."""
-        xf = x.to(gl.float16)
+        xf = _words_to_fp16(xw, FP8_T)
         if STORE:
             lat16.slice(col0, 64, dim=1).store(xf.reshape([64, 64]))
         # memory column 16c + 4s + 2h + j sits at fragment column 16s + 8h + 2c + j
@@ -291,7 +320,7 @@ if HAS_GLUON:
             mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :],
             other=0.0,
         )
-        if IS_FP8 and FP8_PATH == 2:
+        if IS_FP8 and FP8_PATH >= 2:
             # the query's columns in the fragment order of _score_chunk (one 64-column chunk at a time)
             kq = cq % 64
             cq = cq - kq + 16 * ((kq // 2) % 4) + 4 * (kq // 16) + 2 * ((kq // 8) % 2) + kq % 2
@@ -321,7 +350,8 @@ if HAS_GLUON:
         # fp8 paths: 0 = an fp8 cp.async ring, 1 = rows through registers into an fp16 copy, 2 = as 1 with
         # the score product's A operand taken from the registers (the FP8_PATH docstring above the launcher).
         STAGED_RING: gl.constexpr = not IS_FP8 or FP8_PATH == 0
-        AREG: gl.constexpr = IS_FP8 and FP8_PATH == 2
+        AREG: gl.constexpr = IS_FP8 and FP8_PATH >= 2
+        PREFETCH: gl.constexpr = FP8_PATH == 3
         if STAGED_RING:
             lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
             rope_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, P], RAW)
@@ -352,39 +382,37 @@ if HAS_GLUON:
         n_off = gl.arange(0, TILE, layout=gl.SliceLayout(1, MMA))
         s_zero = gl.zeros([TILE, NH], gl.float32, layout=MMA)
         if AREG:
-            X_L: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [8, 0, 0]],
+            W_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
                 lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
                 warp_bases=[[16, 0, 0], [32, 0, 0]],
                 block_bases=[],
-                shape=[64, 4, 16],
-            )  # the wgmma A fragment of a 64 x 64 fp16 chunk, with its k axis in memory order
+                shape=[64, 4, 4],
+            )  # 16 bytes per thread and row; as fp16 [64, 4, 16], the wgmma A fragment with k in memory order
             A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
             gl.static_assert(TILE == 64 and NW == 4 and R == 512 and P == 64)
+            if PREFETCH:
+                rows, ok = _fragment_rows(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, W_L)
+                w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
         for i in range(num_tiles):
             if AREG:
-                # This tile's rows, loaded now (fp8 values carried across iterations would cost a register
-                # per byte); the other program on the SM runs while they land.
-                rows, ok = _fragment_rows(bt_row, lo + i * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, X_L)
-                x0 = _load_fragment_chunk(cache_ptr, rows, ok, 0, X_L)
-                x1 = _load_fragment_chunk(cache_ptr, rows, ok, 64, X_L)
-                x2 = _load_fragment_chunk(cache_ptr, rows, ok, 128, X_L)
-                x3 = _load_fragment_chunk(cache_ptr, rows, ok, 192, X_L)
-                x4 = _load_fragment_chunk(cache_ptr, rows, ok, 256, X_L)
-                x5 = _load_fragment_chunk(cache_ptr, rows, ok, 320, X_L)
-                x6 = _load_fragment_chunk(cache_ptr, rows, ok, 384, X_L)
-                x7 = _load_fragment_chunk(cache_ptr, rows, ok, 448, X_L)
-                xr = _load_fragment_chunk(cache_ptr, rows, ok, R, X_L)
+                if not PREFETCH:  # this tile's rows, loaded now; the other program on the SM runs meanwhile
+                    rows, ok = _fragment_rows(bt_row, lo + i * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, W_L)
+                    w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
                 gl.thread_barrier()  # every warp is done with tile i-1's fp16 copy
-                s, a0 = _score_chunk(x0, lat16, ql_smem, s_zero, None, 0, True, A_OP)
-                s, a0 = _score_chunk(x1, lat16, ql_smem, s, a0, 64, True, A_OP)
-                s, a0 = _score_chunk(x2, lat16, ql_smem, s, a0, 128, True, A_OP)
-                s, a0 = _score_chunk(x3, lat16, ql_smem, s, a0, 192, True, A_OP)
-                s, a0 = _score_chunk(x4, lat16, ql_smem, s, a0, 256, True, A_OP)
-                s, a0 = _score_chunk(x5, lat16, ql_smem, s, a0, 320, True, A_OP)
-                s, a0 = _score_chunk(x6, lat16, ql_smem, s, a0, 384, True, A_OP)
-                s, a0 = _score_chunk(x7, lat16, ql_smem, s, a0, 448, True, A_OP)
-                s, a0 = _score_chunk(xr, lat16, qr_smem, s, a0, 0, False, A_OP)
+                s, a0 = _score_chunk(w0, lat16, ql_smem, s_zero, None, 0, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w1, lat16, ql_smem, s, a0, 64, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w2, lat16, ql_smem, s, a0, 128, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w3, lat16, ql_smem, s, a0, 192, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w4, lat16, ql_smem, s, a0, 256, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w5, lat16, ql_smem, s, a0, 320, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w6, lat16, ql_smem, s, a0, 384, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(w7, lat16, ql_smem, s, a0, 448, True, A_OP, CACHE_T)
+                s, a0 = _score_chunk(wr, lat16, qr_smem, s, a0, 0, False, A_OP, CACHE_T)
+                if PREFETCH:  # tile i+1's words, in flight through this tile's softmax and output product
+                    rows, ok = _fragment_rows(bt_row, lo + (i + 1) * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE,
+                                              W_L)  # fmt: skip
+                    w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
                 s, a0 = warpgroup_mma_wait(0, deps=(s, a0))
                 lat = lat16
             elif not STAGED_RING:
@@ -471,19 +499,22 @@ def default_stages(is_fp8: bool) -> int:
 #: up to 16 heads). AREG: as REGS, but the score product takes its A operand from the registers (the
 #: fp8 chunk loaded in the wgmma fragment layout with a permuted k axis, the query permuted to match),
 #: so only the output product reads the fp16 copy: ~150 KB of shared-memory traffic per tile instead of
-#: ~250 KB. AREG loads each tile at the top of its own iteration (no prefetch). It compiles for sm_90
-#: (255 registers and a 112-byte spill at 16 heads, none at 8) but was written after the last GPU run:
-#: not measured, not routed.
+#: ~250 KB. AREG loads each tile at the top of its own iteration; AREG_PREFETCH loads
+#: tile i+1 after tile i's score product. Both compile for sm_90 (255 registers and a 104-byte spill at
+#: 16 heads, none at 8) but were written after the last GPU run: not measured, not routed.
 FP8_PATH_RING: int = 0
 FP8_PATH_REGS: int = 1
 FP8_PATH_AREG: int = 2
+#: AREG with tile i+1's rows loaded (as int32 words, which a loop iteration can carry) while tile i's
+#: softmax and output product run.
+FP8_PATH_AREG_PREFETCH: int = 3
 
 
 def fragment_column(k: int) -> int:
     """AREG: the memory column (within a 64-column chunk) whose value sits at column ``k`` of the
     ``wgmma`` A fragment: ``x.reshape([64, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4))`` of a chunk loaded as
     ``[64, 4 (c), 16 (w = 4s + 2h + j)]`` puts memory column ``16c + w`` at ``16s + 8h + 2c + j``. The
-    kernel loads the query with the same arithmetic (``cq`` in the FP8_PATH == 2 branch)."""
+    kernel loads the query with the same arithmetic (``cq`` in the ``FP8_PATH >= 2`` branch)."""
     return 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
 
 
