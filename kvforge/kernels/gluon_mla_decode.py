@@ -557,6 +557,9 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     is_fp8 = cache.dtype in _FP8
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
+    if is_fp8 and path >= FP8_PATH_AREG and (cache.stride(0) % 4 or cache.stride(1) % 4 or cache.data_ptr() % 16):
+        raise ValueError("the AREG fp8 paths read rows as 16-byte int32 words: the cache needs row and block "
+                         "strides that are multiples of 4 bytes and a 16-byte-aligned base")
     regs = path != FP8_PATH_RING
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
                                           _num_sms(q_latent.device), 2 if regs and is_fp8 else 1)
