@@ -309,33 +309,24 @@ if HAS_GLUON:
         t64 = tok.to(gl.int64)
         hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
         cq = gl.arange(0, R, layout=gl.SliceLayout(0, Q_L))
+        cr = gl.arange(0, P, layout=gl.SliceLayout(0, Q_L))
+        if IS_FP8 and FP8_PATH >= 2:
+            # AREG: the query's columns in the fragment order of _score_chunk (per 64-column chunk;
+            # fragment_column on the host side)
+            kq = cq % 64
+            cq = cq - kq + 16 * ((kq // 2) % 4) + 4 * (kq // 16) + 2 * ((kq // 8) % 2) + kq % 2
+            kr = cr % 64
+            cr = cr - kr + 16 * ((kr // 2) % 4) + 4 * (kr // 16) + 2 * ((kr // 8) % 2) + kr % 2
         ql = gl.load(
             ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
             mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :],
             other=0.0,
         )
-        cr = gl.arange(0, P, layout=gl.SliceLayout(0, Q_L))
         qr = gl.load(
             qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
             mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :],
             other=0.0,
         )
-        if IS_FP8 and FP8_PATH >= 2:
-            # the query's columns in the fragment order of _score_chunk (one 64-column chunk at a time)
-            kq = cq % 64
-            cq = cq - kq + 16 * ((kq // 2) % 4) + 4 * (kq // 16) + 2 * ((kq // 8) % 2) + kq % 2
-            ql = gl.load(
-                ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
-                mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :],
-                other=0.0,
-            )
-            kr = cr % 64
-            cr = cr - kr + 16 * ((kr // 2) % 4) + 4 * (kr // 16) + 2 * ((kr // 8) % 2) + kr % 2
-            qr = gl.load(
-                qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
-                mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :],
-                other=0.0,
-            )
         ql_smem = gl.allocate_shared_memory(DOT_T, [NH, R], Q_SMEM, ql.to(DOT_T))
         qr_smem = gl.allocate_shared_memory(DOT_T, [NH, P], Q_SMEM, qr.to(DOT_T))
 
