@@ -104,12 +104,8 @@ if HAS_GLUON:
     ):  # fmt: skip
         """One commit group: rows ``start .. start+TILE-1`` of the sequence (zero-filled at or past ``hi``)
         into ``lat_buf [TILE, R]`` and ``rope_buf [TILE, P]``."""
-        n = gl.arange(0, TILE, layout=gl.SliceLayout(1, LAT_COPY))
+        row, ok = _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, gl.SliceLayout(1, LAT_COPY))
         c = gl.arange(0, R, layout=gl.SliceLayout(0, LAT_COPY))
-        pos = start + n
-        ok = pos < hi
-        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
-        row = blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs
         async_copy.async_copy_global_to_shared(
             lat_buf, cache_ptr + row[:, None] + c[None, :], mask=ok[:, None] & (c >= 0)[None, :]
         )
@@ -130,23 +126,17 @@ if HAS_GLUON:
         """Rows ``start .. start+TILE-1`` into registers (zeros at or past ``hi``): four ``[TILE, COLS]``
         latent column chunks and the ``[TILE, P]`` rope part, 16 bytes per load."""
         gl.static_assert(R == 4 * COLS)
-        n = gl.arange(0, TILE, layout=gl.SliceLayout(1, STAGE_L))
+        row, ok = _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, gl.SliceLayout(1, STAGE_L))
         c = gl.arange(0, COLS, layout=gl.SliceLayout(0, STAGE_L))
-        pos = start + n
-        ok = pos < hi
-        blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
-        ptr = cache_ptr + (blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs)[:, None] + c[None, :]
+        ptr = cache_ptr + row[:, None] + c[None, :]
         mask = ok[:, None] & (c >= 0)[None, :]
         c0 = gl.load(ptr, mask=mask, other=0.0)
         c1 = gl.load(ptr + COLS, mask=mask, other=0.0)
         c2 = gl.load(ptr + 2 * COLS, mask=mask, other=0.0)
         c3 = gl.load(ptr + 3 * COLS, mask=mask, other=0.0)
-        nr = gl.arange(0, TILE, layout=gl.SliceLayout(1, ROPE_COPY))
+        row_r, ok_r = _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
+                                   gl.SliceLayout(1, ROPE_COPY))  # fmt: skip
         cr = gl.arange(0, P, layout=gl.SliceLayout(0, ROPE_COPY))
-        pos_r = start + nr
-        ok_r = pos_r < hi
-        blk_r = gl.load(bt_row + pos_r // BLOCK_SIZE, mask=ok_r, other=0).to(gl.int64)
-        row_r = blk_r * stride_cb + (pos_r % BLOCK_SIZE).to(gl.int64) * stride_cs
         cr_v = gl.load(cache_ptr + R + row_r[:, None] + cr[None, :], mask=ok_r[:, None] & (cr >= 0)[None, :],
                        other=0.0)  # fmt: skip
         return c0, c1, c2, c3, cr_v
@@ -161,11 +151,11 @@ if HAS_GLUON:
         rope16.store(cr_v.to(gl.float16))
 
     @gluon.jit
-    def _fragment_rows(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, W_L: gl.constexpr):
-        """Row offsets (int64, in bytes = fp8 elements) and validity of tokens ``start .. start+63``, in the
-        word layout ``W_L``."""
-        n = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_L)))
-        pos = start + n
+    def _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
+                     ROW_L: gl.constexpr):  # fmt: skip
+        """Cache offsets (int64, in elements) and validity of the sequence's tokens ``start .. start+TILE-1``,
+        gathered through its block-table row, in the 1-D layout ``ROW_L``."""
+        pos = start + gl.arange(0, TILE, layout=ROW_L)
         ok = pos < hi
         blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
         return blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs, ok
@@ -380,15 +370,17 @@ if HAS_GLUON:
                 block_bases=[],
                 shape=[64, 4, 4],
             )  # 16 bytes per thread and row; as fp16 [64, 4, 16], the wgmma A fragment with k in memory order
+            W_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, W_L))
             A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
             gl.static_assert(TILE == 64 and NW == 4 and R == 512 and P == 64)
             if PREFETCH:
-                rows, ok = _fragment_rows(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, W_L)
+                rows, ok = _row_offsets(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, W_ROWS)
                 w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
         for i in range(num_tiles):
             if AREG:
                 if not PREFETCH:  # this tile's rows, loaded now; the other program on the SM runs meanwhile
-                    rows, ok = _fragment_rows(bt_row, lo + i * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, W_L)
+                    rows, ok = _row_offsets(bt_row, lo + i * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
+                                            W_ROWS)  # fmt: skip
                     w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
                 gl.thread_barrier()  # every warp is done with tile i-1's fp16 copy
                 s, a0 = _score_chunk(w0, lat16, ql_smem, s_zero, None, 0, True, A_OP, CACHE_T)
@@ -401,8 +393,8 @@ if HAS_GLUON:
                 s, a0 = _score_chunk(w7, lat16, ql_smem, s, a0, 448, True, A_OP, CACHE_T)
                 s, a0 = _score_chunk(wr, lat16, qr_smem, s, a0, 0, False, A_OP, CACHE_T)
                 if PREFETCH:  # tile i+1's words, in flight through this tile's softmax and output product
-                    rows, ok = _fragment_rows(bt_row, lo + (i + 1) * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE,
-                                              W_L)  # fmt: skip
+                    rows, ok = _row_offsets(bt_row, lo + (i + 1) * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE,
+                                            TILE, W_ROWS)  # fmt: skip
                     w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
                 s, a0 = warpgroup_mma_wait(0, deps=(s, a0))
                 lat = lat16
