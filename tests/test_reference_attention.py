@@ -353,3 +353,44 @@ def test_fp8_widening_is_exact(dtype):
         got = bits.to(torch.float64) * factor
         assert torch.equal(torch.isnan(got), torch.isnan(want)), native
         assert torch.equal(got[fin], want[fin]), native
+
+
+def test_host_lists_spare_the_device_read(monkeypatch):
+    """With the runner's host copies in the metadata, the reference path never reads
+    ``query_start_loc`` / ``seq_lens`` back from the device (a sync per layer on GPU) and gives the
+    same output; without them it reads the tensors."""
+    import dataclasses
+
+    case, sm = _build(MIXED, cache_dtype=E4M3)
+    want = paged_attention(case.q, case.cache, case.meta, case.k_scale, case.v_scale, sm)
+    meta = dataclasses.replace(case.meta, host_query_start_loc=tuple(case.meta.query_start_loc.tolist()),
+                               host_seq_lens=tuple(case.meta.seq_lens.tolist()))
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(t):
+        reads.append(tuple(t.shape))
+        return real_tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    got = paged_attention(case.q, case.cache, meta, case.k_scale, case.v_scale, sm)
+    assert torch.equal(got, want)
+    _close(got.double(), case.expected, atol=2e-5, rtol=2e-4)
+    assert (case.meta.query_start_loc.shape[0],) not in reads and (case.meta.seq_lens.shape[0],) not in reads
+    paged_attention(case.q, case.cache, case.meta, case.k_scale, case.v_scale, sm)
+    assert (case.meta.seq_lens.shape[0],) in reads
+
+
+def test_model_runner_fills_the_host_lists(tmp_path):
+    """The runner's metadata carries host copies equal to its device tensors (tiny random Llama, CPU)."""
+    pytest.importorskip("transformers")
+    from test_engine_vs_hf import _save_hf
+
+    from kvforge import LLM
+
+    _save_hf(tmp_path, "llama3")
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22,
+              progress=False, device="cpu")
+    _ids, _pos, meta = llm.engine.runner.prepare([([1, 2, 3], 0, [0]), ([4], 5, [1, 2])])
+    assert meta.host_query_start_loc == tuple(meta.query_start_loc.tolist()) == (0, 3, 4)
+    assert meta.host_seq_lens == tuple(meta.seq_lens.tolist()) == (3, 6)

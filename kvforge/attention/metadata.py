@@ -42,6 +42,10 @@ class AttentionMetadata:
     [num_seqs, max_blocks_per_seq] (unused entries are arbitrary);
     ``slot_mapping`` is int64 [num_tokens]. ``max_query_len`` and
     ``max_seq_len`` are host ints so kernels can size grids without a sync.
+    ``host_query_start_loc`` / ``host_seq_lens`` (optional): the same values
+    as Python ints, filled by the model runner from its host step, so the
+    PyTorch reference paths that loop over sequences never read a device
+    tensor back (a sync per layer); when absent, :meth:`host_lists` reads them.
     """
 
     query_start_loc: torch.Tensor
@@ -51,6 +55,14 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    host_query_start_loc: tuple[int, ...] | None = None
+    host_seq_lens: tuple[int, ...] | None = None
+
+    def host_lists(self) -> tuple[list[int], list[int]]:
+        """(query_start_loc, seq_lens) as Python lists: the host copies when given, else read back."""
+        if self.host_query_start_loc is not None and self.host_seq_lens is not None:
+            return list(self.host_query_start_loc), list(self.host_seq_lens)
+        return self.query_start_loc.tolist(), self.seq_lens.tolist()
 
     @property
     def num_seqs(self) -> int:

@@ -116,8 +116,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, fl
 
 
 def _sequences(meta: AttentionMetadata, num_tokens: int) -> tuple[list[int], list[int], list[int]]:
-    qsl = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
+    qsl, seq_lens = meta.host_lists()
     if seq_lens and qsl[-1] > num_tokens:
         raise ValueError(f"query_start_loc[-1] = {qsl[-1]} > num_tokens = {num_tokens}")
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]

@@ -240,8 +240,7 @@ def paged_attention(
         vs = ks
     qk_scale = ks * float(softmax_scale)
 
-    qsl = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
+    qsl, seq_lens = meta.host_lists()
     num_seqs = len(seq_lens)
     total = qsl[-1] if num_seqs else 0
     if total > num_tokens:

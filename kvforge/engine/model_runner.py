@@ -237,6 +237,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
+            host_query_start_loc=tuple(host.qsl.tolist()), host_seq_lens=tuple(host.seq_lens.tolist()),
         )
         return ids, pos, meta, rows
 
