@@ -324,3 +324,40 @@ def test_greedy_fp8_latent_cache_vs_bf16(tmp_path):
     assert torch.isfinite(logits["fp8"]).all()
     assert top1 >= 0.85
     assert prefix >= 0.3 * total
+
+
+def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
+    """The "absorbed" prefill mode (kvforge/attention/triton_mla.py): each query token becomes a decode
+    query over its causal prefix. Hand-counted metadata for a mixed step, then the absorbed evaluation
+    through that metadata (reference decode, float32) against the expanded reference prefill."""
+    from kvforge.attention.triton_mla import per_token_metadata
+
+    g = torch.Generator().manual_seed(5)
+    bs, rank, rope, heads = 16, 64, 16, 4
+    # three sequences: a 5-token prefill from scratch, one decode token at context 20, a 3-token chunk after 30
+    seq_lens = [5, 21, 33]  # query lengths 5, 1, 3 (query_start_loc below)
+    tables = torch.tensor([[7, 0, 0], [2, 4, 0], [1, 3, 5]], dtype=torch.int32)
+    num_blocks = 8
+    cache = torch.full((num_blocks, bs, rank + rope), float("nan"))
+    for i, n in enumerate(seq_lens):
+        slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for p in range(n)])
+        write_mla_cache(torch.randn(n, rank, generator=g), torch.randn(n, rope, generator=g), cache, slots, None)
+    qsl = [0, 5, 6, 9]
+    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), tables,
+                             torch.full((11,), -1, dtype=torch.int64), 5, 33, bs)
+    per = per_token_metadata(meta, 11)  # 9 real tokens + 2 padding
+    assert per.query_start_loc.tolist() == list(range(10)) and per.max_query_len == 1
+    assert per.seq_lens.tolist() == [1, 2, 3, 4, 5, 21, 31, 32, 33]
+    assert per.block_tables.tolist() == [tables[0].tolist()] * 5 + [tables[1].tolist()] + [tables[2].tolist()] * 3
+    assert per.host_seq_lens == tuple(per.seq_lens.tolist())
+
+    dn, dv = 24, 20
+    q_nope = torch.randn(11, heads, dn, generator=g)
+    q_rope = torch.randn(11, heads, rope, generator=g)
+    w_uk = torch.randn(heads, dn, rank, generator=g) * 0.1
+    w_uv = torch.randn(heads, dv, rank, generator=g) * 0.1
+    expanded = mla_prefill(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
+    q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+    absorbed = torch.einsum("thr,hvr->thv", mla_decode(q_latent, q_rope, cache, per, None, 0.1), w_uv)
+    assert torch.all(expanded[9:] == 0) and torch.all(absorbed[9:] == 0)
+    assert (expanded - absorbed).abs().max().item() <= 1e-5 * max(1.0, expanded.abs().max().item())

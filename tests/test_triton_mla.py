@@ -235,8 +235,13 @@ def _greedy(llm, n=12):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
-def test_gpu_deepseek_fp32_triton_equals_cpu_reference(tmp_path, eager):
-    """float32 weights and latent cache: the Triton MLA path (IEEE fp32 dots) gives the CPU reference's greedy tokens."""
+@pytest.mark.parametrize("prefill", ["expanded", "absorbed"])
+def test_gpu_deepseek_fp32_triton_equals_cpu_reference(tmp_path, monkeypatch, eager, prefill):
+    """float32 weights and latent cache: the Triton MLA path (IEEE fp32 dots) gives the CPU reference's greedy
+    tokens, with prefill steps expanded (the reference) or absorbed (``KVFORGE_MLA_PREFILL=absorbed``)."""
+    import kvforge.attention.triton_mla as triton_mla
+
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", prefill)
     path = _deepseek(tmp_path, dense=not eager)
     cpu = _greedy(_llm(path, "cpu"))
     gpu = _llm(path, "cuda", enforce_eager=eager)

@@ -3,7 +3,9 @@
 Decode-only steps run the absorbed form in latent space with the Triton
 kernel (:mod:`kvforge.kernels.triton_mla_decode`); steps with a prefill chunk
 expand the cached latents to per-head K/V with the PyTorch reference
-(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only). The cache
+(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only), or, with
+``KVFORGE_MLA_PREFILL=absorbed``, run every query token through the decode
+kernels (:func:`per_token_metadata`). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
 ``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
 "fp8_e4m3" where the declaration (triton_mla_backend.py) allows it; it applies
@@ -12,6 +14,9 @@ to decode steps (prefill chunks always use the model-dtype query).
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
@@ -19,7 +24,44 @@ from kvforge.attention.mla_reference import mla_prefill
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
 
-__all__ = ["mla_attention", "mla_decode", "write_mla_cache"]
+__all__ = ["mla_attention", "mla_decode", "per_token_metadata", "write_mla_cache"]
+
+#: How steps with a prefill chunk attend (read once at import; why global: an engine-wide experiment switch,
+#: not a per-request choice). "expanded" (default): the PyTorch reference expands the latents per sequence.
+#: "absorbed": every query token runs as its own decode query over its causal prefix through the decode
+#: kernels (one launch per layer, no per-sequence Python loop); written after the last GPU run, checked
+#: on CPU under TRITON_INTERPRET, not yet measured on the GPU.
+PREFILL_MODE: str = os.environ.get("KVFORGE_MLA_PREFILL", "expanded").strip().lower()
+if PREFILL_MODE not in ("expanded", "absorbed"):
+    raise ValueError(f"KVFORGE_MLA_PREFILL={PREFILL_MODE!r}: choose 'expanded' or 'absorbed'")
+
+
+def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    """The step as decode queries: query token ``j`` of sequence ``i`` becomes a one-token sequence with
+    sequence ``i``'s block-table row and length ``seq_lens[i] - query_len_i + j + 1`` (its causal
+    prefix). Token order is unchanged; tokens past ``query_start_loc[num_seqs]`` belong to no sequence.
+    Built from the metadata's host lists (no device read-back when the runner provided them)."""
+    qsl, seq_lens = meta.host_lists()
+    total = qsl[-1] if seq_lens else 0
+    if total > num_tokens:
+        raise ValueError(f"query_start_loc[-1] = {total} > num_tokens = {num_tokens}")
+    qlens = np.diff(np.asarray(qsl, dtype=np.int64))
+    owner = np.repeat(np.arange(len(seq_lens), dtype=np.int64), qlens)
+    within = np.arange(total, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64)[owner]
+    lens = np.asarray(seq_lens, dtype=np.int64)[owner] - qlens[owner] + within + 1
+    device = meta.seq_lens.device
+    owner_t = torch.from_numpy(owner).to(device)
+    return AttentionMetadata(
+        query_start_loc=torch.arange(total + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+        block_tables=meta.block_tables.index_select(0, owner_t),
+        slot_mapping=meta.slot_mapping[:total],
+        max_query_len=1,
+        max_seq_len=meta.max_seq_len,
+        block_size=meta.block_size,
+        host_query_start_loc=tuple(range(total + 1)),
+        host_seq_lens=tuple(int(x) for x in lens),
+    )
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -31,9 +73,14 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     and ``w_uv [H, V, R]`` projects the latent output, both as batched matmuls in
     the model dtype.
     """
-    if meta.max_query_len <= 1:
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, R]
-        o_latent = mla_decode(q_latent.contiguous(), q_rope, cache, meta, scale, softmax_scale,
-                              query_dtype=query_dtype, num_splits=num_splits)
-        return torch.bmm(o_latent.transpose(0, 1), w_uv.to(q_nope.dtype).transpose(1, 2)).transpose(0, 1)
-    return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
+    decode = meta.max_query_len <= 1
+    if not decode and PREFILL_MODE == "expanded":
+        return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
+    if not decode:  # "absorbed": every query token as a decode query over its causal prefix
+        meta = per_token_metadata(meta, q_nope.shape[0])
+        query_dtype = num_splits = None  # prefill keeps the model-dtype query (the plan's dtype is for decode)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, R]
+    o_latent = torch.zeros_like(q_latent) if not decode else None  # padding tokens: zero rows
+    o_latent = mla_decode(q_latent.contiguous(), q_rope, cache, meta, scale, softmax_scale,
+                          query_dtype=query_dtype, num_splits=num_splits, out=o_latent)
+    return torch.bmm(o_latent.transpose(0, 1), w_uv.to(q_nope.dtype).transpose(1, 2)).transpose(0, 1)
