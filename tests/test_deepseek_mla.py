@@ -361,3 +361,27 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     absorbed = torch.einsum("thr,hvr->thv", mla_decode(q_latent, q_rope, cache, per, None, 0.1), w_uv)
     assert torch.all(expanded[9:] == 0) and torch.all(absorbed[9:] == 0)
     assert (expanded - absorbed).abs().max().item() <= 1e-5 * max(1.0, expanded.abs().max().item())
+
+
+def test_backend_implementations_load_before_the_weights(tmp_path, monkeypatch):
+    """A backend implementation that cannot be imported (missing dependency, bad KVFORGE_* setting) stops
+    the engine before any weight is read."""
+    import importlib
+
+    import kvforge.weights
+
+    _save_hf(tmp_path, "v3_sigmoid_bias")
+    loaded = []
+    monkeypatch.setattr(kvforge.weights, "load_weights", lambda *a, **k: loaded.append(1))
+    real = importlib.import_module
+
+    def refuse_backends(name, *a, **k):
+        if name.startswith("kvforge.attention."):
+            raise ImportError(f"cannot import {name} (test)")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(importlib, "import_module", refuse_backends)
+    with pytest.raises(ImportError, match="kvforge.attention"):
+        LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False,
+            device="cpu")
+    assert loaded == []

@@ -8,6 +8,7 @@ the tokenizer and weights opened. Every KV decision the engine uses comes from
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from pathlib import Path
@@ -79,6 +80,10 @@ class LLMEngine:
                               "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
         self.model_path, self.load_format = self._weights_location(args)
         logger.info("%s", self.plan.summary())
+
+        # The planned backends' implementations, imported before any weight is read: one that cannot
+        # load here (a missing dependency, a bad KVFORGE_* setting) fails now, not after the weights.
+        self._import_backends()
 
         # 2. Tokenizer, model, weights (only now).
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
@@ -154,6 +159,13 @@ class LLMEngine:
         if args.dtype != "auto":
             return canonical_model_dtype(args.dtype)
         return "float32" if platform == "cpu" else self.spec.model_dtype
+
+    def _import_backends(self) -> None:
+        from kvforge.planner.registry import builtin_backends
+
+        impls = {d.name: d.implementation for d in builtin_backends()}
+        for name in sorted({layer.backend for layer in self.plan.layers}):
+            importlib.import_module(impls[name])
 
     def _weights_location(self, args: EngineArgs) -> tuple[str | None, str]:
         if args.model is None:
