@@ -50,10 +50,12 @@ def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMet
     within = np.arange(total, dtype=np.int64) - np.asarray(qsl[:-1], dtype=np.int64)[owner]
     lens = np.asarray(seq_lens, dtype=np.int64)[owner] - qlens[owner] + within + 1
     device = meta.seq_lens.device
-    owner_t = torch.from_numpy(owner).to(device)
+    # non_blocking: a pageable host->device copy is staged at once and does not wait for the queued kernels
+    # (a blocking copy would synchronize the stream, once per layer)
+    owner_t = torch.from_numpy(owner).to(device, non_blocking=True)
     return AttentionMetadata(
         query_start_loc=torch.arange(total + 1, dtype=torch.int32, device=device),
-        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(device, non_blocking=True),
         block_tables=meta.block_tables.index_select(0, owner_t),
         slot_mapping=meta.slot_mapping[:total],
         max_query_len=1,
