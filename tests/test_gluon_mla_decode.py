@@ -177,7 +177,9 @@ def test_forced_splits_and_block_sizes(kv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [8, 16, 32])
-@pytest.mark.parametrize("path", [gm.FP8_PATH_RING, gm.FP8_PATH_REGS, gm.FP8_PATH_AREG, gm.FP8_PATH_AREG_PREFETCH])
+@pytest.mark.parametrize(
+    "path", [gm.FP8_PATH_RING, gm.FP8_PATH_REGS, gm.FP8_PATH_AREG, gm.FP8_PATH_AREG_PREFETCH, gm.FP8_PATH_REGS_BITS]
+)
 def test_every_fp8_staging_path(kv, heads, path):
     """fp8 rows through an fp8 shared-memory ring, through registers, or through registers as the score
     product's A operand (loaded in its own iteration, or prefetched as words): same answer, with forced

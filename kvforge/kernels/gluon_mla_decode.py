@@ -119,14 +119,22 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _load_fp8_rows(
-        cache_ptr, bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
-        R: gl.constexpr, P: gl.constexpr, COLS: gl.constexpr, STAGE_L: gl.constexpr, ROPE_COPY: gl.constexpr,
-    ):  # fmt: skip
-        """Rows ``start .. start+TILE-1`` into registers (zeros at or past ``hi``): four ``[TILE, COLS]``
-        latent column chunks and the ``[TILE, P]`` rope part, 16 bytes per load."""
-        gl.static_assert(R == 4 * COLS)
+    def _fp8_row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
+                         STAGE_L: gl.constexpr, ROPE_COPY: gl.constexpr):  # fmt: skip
+        """:func:`_row_offsets` of tile ``start`` in the two layouts :func:`_load_fp8_rows` reads with. Computed a
+        tile ahead of the loads: the block-table read is a dependent global load, and waiting for it right
+        before the row loads exposed its latency once per tile."""
         row, ok = _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, gl.SliceLayout(1, STAGE_L))
+        row_r, ok_r = _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
+                                   gl.SliceLayout(1, ROPE_COPY))  # fmt: skip
+        return row, ok, row_r, ok_r
+
+    @gluon.jit
+    def _load_fp8_rows(cache_ptr, row, ok, row_r, ok_r, R: gl.constexpr, P: gl.constexpr, COLS: gl.constexpr,
+                       STAGE_L: gl.constexpr, ROPE_COPY: gl.constexpr):  # fmt: skip
+        """The rows at offsets ``row`` / ``row_r`` (:func:`_fp8_row_offsets`) into registers (zeros where not
+        ``ok``): four ``[TILE, COLS]`` latent column chunks and the ``[TILE, P]`` rope part, 16 bytes per load."""
+        gl.static_assert(R == 4 * COLS)
         c = gl.arange(0, COLS, layout=gl.SliceLayout(0, STAGE_L))
         ptr = cache_ptr + row[:, None] + c[None, :]
         mask = ok[:, None] & (c >= 0)[None, :]
@@ -134,21 +142,44 @@ if HAS_GLUON:
         c1 = gl.load(ptr + COLS, mask=mask, other=0.0)
         c2 = gl.load(ptr + 2 * COLS, mask=mask, other=0.0)
         c3 = gl.load(ptr + 3 * COLS, mask=mask, other=0.0)
-        row_r, ok_r = _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
-                                   gl.SliceLayout(1, ROPE_COPY))  # fmt: skip
         cr = gl.arange(0, P, layout=gl.SliceLayout(0, ROPE_COPY))
         cr_v = gl.load(cache_ptr + R + row_r[:, None] + cr[None, :], mask=ok_r[:, None] & (cr >= 0)[None, :],
                        other=0.0)  # fmt: skip
         return c0, c1, c2, c3, cr_v
 
     @gluon.jit
-    def _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, COLS: gl.constexpr):
-        """fp8 rows (registers) -> the fp16 copy both products read (fp8 -> fp16 is exact)."""
-        lat16.slice(0, COLS, dim=1).store(c0.to(gl.float16))
-        lat16.slice(COLS, COLS, dim=1).store(c1.to(gl.float16))
-        lat16.slice(2 * COLS, COLS, dim=1).store(c2.to(gl.float16))
-        lat16.slice(3 * COLS, COLS, dim=1).store(c3.to(gl.float16))
-        rope16.store(cr_v.to(gl.float16))
+    def _fp8_bits_to_fp16(x, BITS: gl.constexpr):
+        """fp8 -> fp16 by moving bits (integer pipe) rather than the conversion unit. ``BITS``: 1 = e4m3, whose
+        result is the value times 2^-8 (exact, subnormals included: the exponent field is copied unbiased; the
+        caller multiplies 256 back into its scales); 2 = e5m2, exact (the top byte of an fp16). 0 = ``.to``."""
+        if BITS == 0:
+            return x.to(gl.float16)
+        elif BITS == 2:
+            return gl.inline_asm_elementwise(
+                "prmt.b32 $0, $2, 0, 0x1404;\n\tprmt.b32 $1, $2, 0, 0x3424;",
+                "=r,=r,r", [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            # per byte pair: x = b1 << 16 | b0, times 128 puts each byte at bits 7..14 of its half (the
+            # sign lands on bit 14); a sign-replicating prmt gives 0xFF in byte 1/3 for a negative byte;
+            # lop3 (c ? b & ~a : a, c = bits 14-15 of each half) moves the sign to bit 15 and clears bit 14.
+            return gl.inline_asm_elementwise(
+                "{\n\t.reg .b32 x0, x1, s0, s1;\n\t"
+                "prmt.b32 x0, $2, 0, 0x4140;\n\tprmt.b32 x1, $2, 0, 0x4342;\n\t"
+                "mul.lo.u32 x0, x0, 128;\n\tmul.lo.u32 x1, x1, 128;\n\t"
+                "prmt.b32 s0, $2, 0, 0x9484;\n\tprmt.b32 s1, $2, 0, 0xB4A4;\n\t"
+                "lop3.b32 $0, x0, s0, 0xC000C000, 0x58;\n\tlop3.b32 $1, x1, s1, 0xC000C000, 0x58;\n\t}",
+                "=r,=r,r", [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, COLS: gl.constexpr, BITS: gl.constexpr):
+        """fp8 rows (registers) -> the fp16 copy both products read (exact; times 2^-8 when ``BITS`` is 1)."""
+        lat16.slice(0, COLS, dim=1).store(_fp8_bits_to_fp16(c0, BITS))
+        lat16.slice(COLS, COLS, dim=1).store(_fp8_bits_to_fp16(c1, BITS))
+        lat16.slice(2 * COLS, COLS, dim=1).store(_fp8_bits_to_fp16(c2, BITS))
+        lat16.slice(3 * COLS, COLS, dim=1).store(_fp8_bits_to_fp16(c3, BITS))
+        rope16.store(_fp8_bits_to_fp16(cr_v, BITS))
 
     @gluon.jit
     def _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
@@ -275,10 +306,13 @@ if HAS_GLUON:
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE, NH], DOT_T)
         STAGE_COLS: gl.constexpr = 128  # fp8 -> fp16 staging in column chunks (bounds live registers)
+        # Eight rows of four threads per warp: a thread's 16 fp8 become two 16-byte fp16 units (2k, 2k+1) of
+        # a 128-byte swizzle row, and the stores run a quarter warp (8 threads) at a time; two rows (swizzle
+        # phases r and r+1) per quarter warp reach all eight bank groups. One row of eight threads reached
+        # only the even ones: a 2-way conflict on every staging store (measured with ncu).
         STAGE_L: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[1, VEC], threads_per_warp=[32 // (STAGE_COLS // VEC), STAGE_COLS // VEC],
-            warps_per_cta=[NW, 1], order=[1, 0],
-        )  # fmt: skip
+            size_per_thread=[1, VEC], threads_per_warp=[8, 4], warps_per_cta=[NW, 1], order=[1, 0]
+        )
         Q_L: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, 8], threads_per_warp=[1, 32], warps_per_cta=[NW, 1], order=[1, 0]
         )
@@ -290,8 +324,19 @@ if HAS_GLUON:
         if gl.load(qsl_ptr + seq + 1) <= tok:
             return  # no new token for this sequence this step (allowed by the metadata contract)
         seq_len = gl.load(seq_lens_ptr + seq)
+        # BITS: path 4 converts fp8 -> fp16 with integer bit moves (_fp8_bits_to_fp16); e4m3 comes out 2^-8 small
+        if IS_FP8 and FP8_PATH == 4:
+            if CACHE_T == gl.float8e4nv:
+                BITS: gl.constexpr = 1
+                BIT_GAIN: gl.constexpr = 256.0
+            else:
+                BITS: gl.constexpr = 2
+                BIT_GAIN: gl.constexpr = 1.0
+        else:
+            BITS: gl.constexpr = 0
+            BIT_GAIN: gl.constexpr = 1.0
         if IS_FP8:
-            qk_scale = sm_scale_log2 * gl.load(scale_ptr)
+            qk_scale = sm_scale_log2 * gl.load(scale_ptr) * BIT_GAIN
         else:
             qk_scale = sm_scale_log2
 
@@ -300,7 +345,7 @@ if HAS_GLUON:
         hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
         cq = gl.arange(0, R, layout=gl.SliceLayout(0, Q_L))
         cr = gl.arange(0, P, layout=gl.SliceLayout(0, Q_L))
-        if IS_FP8 and FP8_PATH >= 2:
+        if IS_FP8 and (FP8_PATH == 2 or FP8_PATH == 3):
             # AREG: the query's columns in the fragment order of _score_chunk (per 64-column chunk;
             # fragment_column on the host side)
             kq = cq % 64
@@ -331,7 +376,7 @@ if HAS_GLUON:
         # fp8 paths: 0 = an fp8 cp.async ring, 1 = rows through registers into an fp16 copy, 2 = as 1 with
         # the score product's A operand taken from the registers (the FP8_PATH docstring above the launcher).
         STAGED_RING: gl.constexpr = not IS_FP8 or FP8_PATH == 0
-        AREG: gl.constexpr = IS_FP8 and FP8_PATH >= 2
+        AREG: gl.constexpr = IS_FP8 and (FP8_PATH == 2 or FP8_PATH == 3)
         PREFETCH: gl.constexpr = FP8_PATH == 3
         if STAGED_RING:
             lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
@@ -353,9 +398,13 @@ if HAS_GLUON:
         elif not AREG:
             # fp8 rows go global -> registers -> fp16 shared memory; tile i+1's loads are in flight while
             # tile i's products run (no fp8 ring in shared memory: 94 KB per program, 2 programs per SM).
-            c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE,
-                                                  TILE, R, P, STAGE_COLS, STAGE_L, ROPE_COPY)  # fmt: skip
-            _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
+            row, ok, row_r, ok_r = _fp8_row_offsets(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
+                                                    STAGE_L, ROPE_COPY)  # fmt: skip
+            c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, row, ok, row_r, ok_r, R, P, STAGE_COLS, STAGE_L,
+                                                  ROPE_COPY)  # fmt: skip
+            row, ok, row_r, ok_r = _fp8_row_offsets(bt_row, lo + TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
+                                                    STAGE_L, ROPE_COPY)  # fmt: skip
+            _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS, BITS)
 
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_i = gl.zeros([NH], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -376,6 +425,7 @@ if HAS_GLUON:
             if PREFETCH:
                 rows, ok = _row_offsets(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, W_ROWS)
                 w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
+                rows, ok = _row_offsets(bt_row, lo + TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, W_ROWS)
         for i in range(num_tiles):
             if AREG:
                 if not PREFETCH:  # this tile's rows, loaded now; the other program on the SM runs meanwhile
@@ -392,19 +442,22 @@ if HAS_GLUON:
                 s, a0 = _score_chunk(w6, lat16, ql_smem, s, a0, 384, True, A_OP, CACHE_T)
                 s, a0 = _score_chunk(w7, lat16, ql_smem, s, a0, 448, True, A_OP, CACHE_T)
                 s, a0 = _score_chunk(wr, lat16, qr_smem, s, a0, 0, False, A_OP, CACHE_T)
-                if PREFETCH:  # tile i+1's words, in flight through this tile's softmax and output product
-                    rows, ok = _row_offsets(bt_row, lo + (i + 1) * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE,
-                                            TILE, W_ROWS)  # fmt: skip
+                if PREFETCH:  # tile i+1's words (offsets from the last iteration), in flight through this
+                    # tile's softmax and output product; then tile i+2's offsets
                     w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
+                    rows, ok = _row_offsets(bt_row, lo + (i + 2) * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE,
+                                            TILE, W_ROWS)  # fmt: skip
                 s, a0 = warpgroup_mma_wait(0, deps=(s, a0))
                 lat = lat16
             elif not STAGED_RING:
                 # lat16 holds tile i (staged at the end of iteration i-1, or before the loop). Tile i+1's
                 # loads go out now and land while tile i's products run; they are consumed in this same
                 # iteration (fp8 values carried across iterations would cost a register per byte).
-                c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, bt_row, lo + (i + 1) * TILE, hi, stride_cb,
-                                                      stride_cs, BLOCK_SIZE, TILE, R, P, STAGE_COLS, STAGE_L,
+                # (the offsets of tile i+1 were computed an iteration earlier; tile i+2's go out now)
+                c0, c1, c2, c3, cr_v = _load_fp8_rows(cache_ptr, row, ok, row_r, ok_r, R, P, STAGE_COLS, STAGE_L,
                                                       ROPE_COPY)  # fmt: skip
+                row, ok, row_r, ok_r = _fp8_row_offsets(bt_row, lo + (i + 2) * TILE, hi, stride_cb, stride_cs,
+                                                        BLOCK_SIZE, TILE, STAGE_L, ROPE_COPY)  # fmt: skip
                 lat = lat16
                 rope = rope16
             else:
@@ -447,12 +500,12 @@ if HAS_GLUON:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             if not STAGED_RING and not AREG:
                 gl.thread_barrier()  # every warp's wgmmas are done reading tile i's fp16 copy
-                _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
+                _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS, BITS)
         if STAGED_RING:
             async_copy.wait_group(0)
 
         if IS_FP8:
-            acc = acc * gl.load(scale_ptr)
+            acc = acc * (gl.load(scale_ptr) * BIT_GAIN)
         ho = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
         co = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
         h_ok = ho < NUM_HEADS
@@ -491,13 +544,16 @@ FP8_PATH_AREG: int = 2
 #: AREG with tile i+1's rows loaded (as int32 words, which a loop iteration can carry) while tile i's
 #: softmax and output product run.
 FP8_PATH_AREG_PREFETCH: int = 3
+#: REGS with the fp8 -> fp16 conversion done by integer bit moves (prmt / mul / lop3) instead of the
+#: conversion unit (``_fp8_bits_to_fp16``); e4m3 comes out times 2^-8, folded back into the scales.
+FP8_PATH_REGS_BITS: int = 4
 
 
 def fragment_column(k: int) -> int:
     """AREG: the memory column (within a 64-column chunk) whose value sits at column ``k`` of the
     ``wgmma`` A fragment: ``x.reshape([64, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4))`` of a chunk loaded as
     ``[64, 4 (c), 16 (w = 4s + 2h + j)]`` puts memory column ``16c + w`` at ``16s + 8h + 2c + j``. The
-    kernel loads the query with the same arithmetic (``cq`` in the ``FP8_PATH >= 2`` branch)."""
+    kernel loads the query with the same arithmetic (``cq`` in the AREG branch)."""
     return 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
 
 
@@ -540,7 +596,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     is_fp8 = cache.dtype in _FP8
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
-    if is_fp8 and path >= FP8_PATH_AREG and (cache.stride(0) % 4 or cache.stride(1) % 4 or cache.data_ptr() % 16):
+    if is_fp8 and path in (FP8_PATH_AREG, FP8_PATH_AREG_PREFETCH) and (cache.stride(0) % 4 or cache.stride(1) % 4 or cache.data_ptr() % 16):
         raise ValueError("the AREG fp8 paths read rows as 16-byte int32 words: the cache needs row and block "
                          "strides that are multiples of 4 bytes and a 16-byte-aligned base")
     regs = path != FP8_PATH_RING
