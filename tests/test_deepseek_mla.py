@@ -363,6 +363,34 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     assert (expanded - absorbed).abs().max().item() <= 1e-5 * max(1.0, expanded.abs().max().item())
 
 
+def test_prefill_mode_auto_absorbs_short_chunks_only(monkeypatch):
+    """KVFORGE_MLA_PREFILL: "auto" runs a step absorbed while its longest sequence (prefix included) is at
+    most ABSORBED_PREFILL_MAX_SEQ_LEN tokens; the forced modes ignore the length; a bad value is refused."""
+    import importlib
+
+    import kvforge.attention.triton_mla as triton_mla
+
+    bound = triton_mla.ABSORBED_PREFILL_MAX_SEQ_LEN
+
+    def step(seq_len, query_len=8):  # one sequence: a query_len-token chunk after seq_len - query_len tokens
+        return AttentionMetadata(torch.tensor([0, query_len], dtype=torch.int32),
+                                 torch.tensor([seq_len], dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int32),
+                                 torch.zeros(query_len, dtype=torch.int64), query_len, seq_len, 16)
+
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "auto")
+    assert triton_mla.prefill_absorbed(step(bound)) and not triton_mla.prefill_absorbed(step(bound + 1))
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "absorbed")
+    assert triton_mla.prefill_absorbed(step(bound + 1))
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "expanded")
+    assert not triton_mla.prefill_absorbed(step(2))
+    monkeypatch.setenv("KVFORGE_MLA_PREFILL", "sometimes")
+    with pytest.raises(ValueError, match="choose 'auto', 'expanded' or 'absorbed'"):
+        importlib.reload(triton_mla)
+    monkeypatch.delenv("KVFORGE_MLA_PREFILL")
+    importlib.reload(triton_mla)
+    assert triton_mla.PREFILL_MODE == "auto"
+
+
 def test_backend_implementations_load_before_the_weights(tmp_path, monkeypatch):
     """A backend implementation that cannot be imported (missing dependency, bad KVFORGE_* setting) stops
     the engine before any weight is read."""

@@ -2,10 +2,11 @@
 
 Decode-only steps run the absorbed form in latent space with the Triton
 kernel (:mod:`kvforge.kernels.triton_mla_decode`); steps with a prefill chunk
-expand the cached latents to per-head K/V with the PyTorch reference
-(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only), or, with
-``KVFORGE_MLA_PREFILL=absorbed``, run every query token through the decode
-kernels (:func:`per_token_metadata`). The cache
+run every query token through the decode kernels (:func:`per_token_metadata`)
+when the step's sequences are short, else expand the cached latents to
+per-head K/V with the PyTorch reference
+(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only); see
+``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
 ``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
 "fp8_e4m3" where the declaration (triton_mla_backend.py) allows it; it applies
@@ -24,16 +25,30 @@ from kvforge.attention.mla_reference import mla_prefill
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
 
-__all__ = ["mla_attention", "mla_decode", "per_token_metadata", "write_mla_cache"]
+__all__ = ["mla_attention", "mla_decode", "per_token_metadata", "prefill_absorbed", "write_mla_cache"]
 
-#: How steps with a prefill chunk attend (read once at import; why global: an engine-wide experiment switch,
-#: not a per-request choice). "expanded" (default): the PyTorch reference expands the latents per sequence.
-#: "absorbed": every query token runs as its own decode query over its causal prefix through the decode
-#: kernels (one launch per layer, no per-sequence Python loop); written after the last GPU run, checked
-#: on CPU under TRITON_INTERPRET, not yet measured on the GPU.
-PREFILL_MODE: str = os.environ.get("KVFORGE_MLA_PREFILL", "expanded").strip().lower()
-if PREFILL_MODE not in ("expanded", "absorbed"):
-    raise ValueError(f"KVFORGE_MLA_PREFILL={PREFILL_MODE!r}: choose 'expanded' or 'absorbed'")
+#: How steps with a prefill chunk attend (read once at import; why global: an engine-wide switch for
+#: measurement, not a per-request choice). "expanded": the PyTorch reference expands the latents per
+#: sequence. "absorbed": every query token runs as its own decode query over its causal prefix through the
+#: decode kernels (one launch per layer, no per-sequence Python loop, but O(L^2) prefix reads per prompt).
+#: "auto" (default): absorbed while every sequence of the step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens
+#: long (prefix included), else expanded. Measured on DeepSeek-V2-Lite (H200): absorbed gives 1.5x the
+#: output tokens/s at 100-512-token prompts and 2.1-2.5x at 1k-4k (docs/BENCHMARKS.md section 6, sixth
+#: session); longer sequences were not measured, so they keep the expanded path.
+PREFILL_MODE: str = os.environ.get("KVFORGE_MLA_PREFILL", "auto").strip().lower()
+if PREFILL_MODE not in ("auto", "expanded", "absorbed"):
+    raise ValueError(f"KVFORGE_MLA_PREFILL={PREFILL_MODE!r}: choose 'auto', 'expanded' or 'absorbed'")
+#: "auto"'s bound on the longest sequence (``meta.max_seq_len``) of a step that runs absorbed: the longest
+#: measured (see PREFILL_MODE).
+ABSORBED_PREFILL_MAX_SEQ_LEN: int = 4096
+
+
+def prefill_absorbed(meta: AttentionMetadata) -> bool:
+    """Whether a step with a prefill chunk runs absorbed (``PREFILL_MODE``; "auto" decides by the step's
+    longest sequence, ``meta.max_seq_len``, a host integer)."""
+    if PREFILL_MODE == "auto":
+        return meta.max_seq_len <= ABSORBED_PREFILL_MAX_SEQ_LEN
+    return PREFILL_MODE == "absorbed"
 
 
 def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
@@ -76,9 +91,9 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     the model dtype.
     """
     decode = meta.max_query_len <= 1
-    if not decode and PREFILL_MODE == "expanded":
+    if not decode and not prefill_absorbed(meta):
         return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
-    if not decode:  # "absorbed": every query token as a decode query over its causal prefix
+    if not decode:  # absorbed: every query token as a decode query over its causal prefix
         meta = per_token_metadata(meta, q_nope.shape[0])
         query_dtype = num_splits = None  # prefill keeps the model-dtype query (the plan's dtype is for decode)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, R]
