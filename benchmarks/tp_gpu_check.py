@@ -72,7 +72,7 @@ TINY_DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deep
 
 # ---- settings ------------------------------------------------------------------------------------------------
 def settings(o: argparse.Namespace) -> dict:
-    gpu = o.device == "cuda"
+    gpu = o.device == "cuda" and not o.tiny  # the tiny configs hold 1024 positions: the CPU workload sizes
     s = {
         "device": o.device, "llama": o.llama, "deepseek": o.deepseek,
         "dtype": o.dtype, "kv": "auto" if o.dtype == "float32" else o.kv_cache_dtype,
@@ -488,6 +488,8 @@ def run_part(part: str, o: argparse.Namespace, timeout: float, tmpdir: str) -> d
            "--dtype", o.dtype, "--kv-cache-dtype", o.kv_cache_dtype]
     if o.c_prompts:
         cmd += ["--c-prompts", str(o.c_prompts)]
+    if o.tiny:
+        cmd += ["--tiny"]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "NCCL_NVLS_ENABLE": "0"}
     print(f"\n===== part {part}: {PARTS[part]} (timeout {timeout:.0f} s) =====", flush=True)
     t0 = time.perf_counter()

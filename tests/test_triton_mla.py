@@ -251,6 +251,36 @@ def test_gpu_deepseek_fp32_triton_equals_cpu_reference(tmp_path, monkeypatch, ea
         assert gpu.engine.stats()["graph_steps"] >= 10
 
 
+@needs_cuda
+@pytest.mark.gpu
+def test_gpu_moe_deepseek_fp32_graphs_capture_or_are_refused_up_front(tmp_path):
+    """MoE layers in float32 on CUDA: decode steps are captured when torch._grouped_mm passes its probe
+    (which includes a capture), else refused with the probe's reason; never a failed capture. Greedy
+    tokens equal the CPU reference either way."""
+    path = _deepseek(tmp_path)
+    cpu = _greedy(_llm(path, "cpu"))
+    gpu = _llm(path, "cuda")
+    reason = gpu.engine.rank_counters()[0]["graphs_off_reason"] or ""
+    assert "capture failed" not in reason, reason
+    assert _greedy(gpu) == cpu
+
+
+def test_failed_capture_reason_names_the_innermost_kvforge_line():
+    """A failed CUDA-graph capture's reason ends with the deepest kvforge frame of the error (the line that
+    did the forbidden operation), not only torch's message."""
+    from kvforge.attention.triton_mla import per_token_metadata
+    from kvforge.engine.model_runner import _innermost_kvforge_frame
+
+    with pytest.raises(AttributeError) as info:
+        per_token_metadata(None, 1)
+    where = _innermost_kvforge_frame(info.value)
+    assert where.startswith(" at kvforge/attention/triton_mla.py:") and where.endswith("(per_token_metadata)")
+    try:
+        raise RuntimeError("outside the package")
+    except RuntimeError as e:
+        assert _innermost_kvforge_frame(e) == ""
+
+
 def test_moe_deepseek_refuses_cuda_graphs_with_a_reason(tmp_path):
     from kvforge.engine.cuda_graphs import graphs_unsupported_reason
     from kvforge.models.deepseek import DeepseekV2ForCausalLM

@@ -159,7 +159,8 @@ class ModelRunner:
                     self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
                 except RuntimeError as e:  # an op the capture forbids: serve eagerly, say why (stats, log)
                     self.graphs = None
-                    why = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}); running eager"
+                    why = (f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}{_innermost_kvforge_frame(e)}); "
+                           "running eager")
             if why is not None:
                 import logging
 
@@ -424,3 +425,16 @@ class _RingAttn:
 
     def ring(self, layer: int, rows: torch.Tensor) -> None:
         self.runner._ring_write(layer, rows)
+
+
+def _innermost_kvforge_frame(error: BaseException) -> str:
+    """`` at kvforge/x.py:123 (fn)``: the deepest frame of ``error``'s traceback inside this package, so that a
+    failed capture names the line that did the forbidden operation; empty when there is none."""
+    import traceback
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename).startswith(root)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {os.path.relpath(f.filename, os.path.dirname(root))}:{f.lineno} ({f.name})"

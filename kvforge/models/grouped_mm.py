@@ -4,7 +4,10 @@
 each expert's contiguous row range of ``a`` by its weight with no host-side
 shapes, so a MoE step built on it can be captured in a CUDA graph. Its support
 depends on the torch build, the GPU and the dtype, so it is probed once per
-(device, dtype) with a tiny product checked against float32 matmuls.
+(device, dtype) with a tiny product checked against float32 matmuls and, on
+CUDA, captured in a CUDA graph: some builds run float32 through a fallback that
+copies ``offs`` to the host, which gives right answers eagerly but cannot be
+captured (seen with torch 2.11 on an H200, DeepSeek float32 at TP=2).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ _PROBED: dict[tuple[str, torch.dtype], str | None] = {}
 
 
 def grouped_mm_problem(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None when ``torch._grouped_mm`` gives right answers on ``device`` in ``dtype``, else why not."""
+    """None when ``torch._grouped_mm`` gives right answers on ``device`` in ``dtype`` (and, on CUDA, can be
+    captured in a CUDA graph), else why not."""
     key = (str(torch.device(device)), dtype)
     if key not in _PROBED:
         _PROBED[key] = _probe(torch.device(device), dtype)
@@ -38,4 +42,13 @@ def _probe(device: torch.device, dtype: torch.dtype) -> str | None:
             return f"torch._grouped_mm gives wrong results on {device} in {dtype}"
     except Exception as e:  # unsupported dtype / GPU / layout
         return f"torch._grouped_mm fails on {device} in {dtype}: {type(e).__name__}: {str(e)[:120]}"
+    if device.type == "cuda":
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+        except Exception as e:  # e.g. a host copy of offs inside the op
+            torch.cuda.synchronize(device)
+            return (f"torch._grouped_mm in {dtype} cannot be captured in a CUDA graph on {device}: "
+                    f"{type(e).__name__}: {str(e)[:120]}")
     return None
