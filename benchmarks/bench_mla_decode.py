@@ -103,11 +103,7 @@ REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
 GLUON_REGIMES = {"bf16_gluon": (torch.bfloat16, mla_decode_gluon), "fp8_gluon": (torch.float8_e4m3fn, mla_decode_gluon)}
 # The wgmma kernel (kvforge/kernels/gluon_mla_decode.py), checked against the tl.dot kernel in the same run.
 WGMMA_REGIMES = {"bf16_wgmma": (torch.bfloat16, mla_decode_wgmma), "fp8_wgmma": (torch.float8_e4m3fn, mla_decode_wgmma),
-                 "fp8ring_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 0})),
-                 "fp8areg_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 2})),
-                 "fp8aregpf_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 3})),
-                 "fp8bits_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 4})),
-                 "e5m2bits_wgmma": (torch.float8_e5m2, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 4}))}
+                 "fp8ring_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 0}))}
 GLUON_SWEEP = [dict(gluon_tile_n=tn, gluon_stages=ns, programs_per_sm=pps)
                for tn in (16, 32, 64) for ns in (2, 3, 4) for pps in (2, 4, 8) if tn * ns <= 128]
 
@@ -252,7 +248,7 @@ def main():
                 result["rows"].append(row)
                 b, f, q = row["bf16"], row["fp8"], row["fp8q"]
                 tl = "".join(f" | {k} {row[k]['us']:.1f} ({row[k]['pct_copy']:.0f}%)"
-                             for k in ("bf16_wgmma", "fp8_wgmma", "fp8ring_wgmma", "fp8areg_wgmma", "fp8aregpf_wgmma", "fp8bits_wgmma", "e5m2bits_wgmma", "bf16_gluon",
+                             for k in ("bf16_wgmma", "fp8_wgmma", "fp8ring_wgmma", "bf16_gluon",
                                        "fp8_gluon")
                              if k in row)
                 print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "

@@ -148,38 +148,13 @@ if HAS_GLUON:
         return c0, c1, c2, c3, cr_v
 
     @gluon.jit
-    def _fp8_bits_to_fp16(x, BITS: gl.constexpr):
-        """fp8 -> fp16 by moving bits (integer pipe) rather than the conversion unit. ``BITS``: 1 = e4m3, whose
-        result is the value times 2^-8 (exact, subnormals included: the exponent field is copied unbiased; the
-        caller multiplies 256 back into its scales); 2 = e5m2, exact (the top byte of an fp16). 0 = ``.to``."""
-        if BITS == 0:
-            return x.to(gl.float16)
-        elif BITS == 2:
-            return gl.inline_asm_elementwise(
-                "prmt.b32 $0, $2, 0, 0x1404;\n\tprmt.b32 $1, $2, 0, 0x3424;",
-                "=r,=r,r", [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4,
-            )  # fmt: skip
-        else:
-            # per byte pair: x = b1 << 16 | b0, times 128 puts each byte at bits 7..14 of its half (the
-            # sign lands on bit 14); a sign-replicating prmt gives 0xFF in byte 1/3 for a negative byte;
-            # lop3 (c ? b & ~a : a, c = bits 14-15 of each half) moves the sign to bit 15 and clears bit 14.
-            return gl.inline_asm_elementwise(
-                "{\n\t.reg .b32 x0, x1, s0, s1;\n\t"
-                "prmt.b32 x0, $2, 0, 0x4140;\n\tprmt.b32 x1, $2, 0, 0x4342;\n\t"
-                "mul.lo.u32 x0, x0, 128;\n\tmul.lo.u32 x1, x1, 128;\n\t"
-                "prmt.b32 s0, $2, 0, 0x9484;\n\tprmt.b32 s1, $2, 0, 0xB4A4;\n\t"
-                "lop3.b32 $0, x0, s0, 0xC000C000, 0x58;\n\tlop3.b32 $1, x1, s1, 0xC000C000, 0x58;\n\t}",
-                "=r,=r,r", [x.to(gl.uint8, bitcast=True)], dtype=gl.float16, is_pure=True, pack=4,
-            )  # fmt: skip
-
-    @gluon.jit
-    def _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, COLS: gl.constexpr, BITS: gl.constexpr):
-        """fp8 rows (registers) -> the fp16 copy both products read (exact; times 2^-8 when ``BITS`` is 1)."""
-        lat16.slice(0, COLS, dim=1).store(_fp8_bits_to_fp16(c0, BITS))
-        lat16.slice(COLS, COLS, dim=1).store(_fp8_bits_to_fp16(c1, BITS))
-        lat16.slice(2 * COLS, COLS, dim=1).store(_fp8_bits_to_fp16(c2, BITS))
-        lat16.slice(3 * COLS, COLS, dim=1).store(_fp8_bits_to_fp16(c3, BITS))
-        rope16.store(_fp8_bits_to_fp16(cr_v, BITS))
+    def _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, COLS: gl.constexpr):
+        """fp8 rows (registers) -> the fp16 copy both products read (fp8 -> fp16 is exact)."""
+        lat16.slice(0, COLS, dim=1).store(c0.to(gl.float16))
+        lat16.slice(COLS, COLS, dim=1).store(c1.to(gl.float16))
+        lat16.slice(2 * COLS, COLS, dim=1).store(c2.to(gl.float16))
+        lat16.slice(3 * COLS, COLS, dim=1).store(c3.to(gl.float16))
+        rope16.store(cr_v.to(gl.float16))
 
     @gluon.jit
     def _row_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, TILE: gl.constexpr,
@@ -190,63 +165,6 @@ if HAS_GLUON:
         ok = pos < hi
         blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
         return blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs, ok
-
-    @gluon.jit
-    def _load_fragment_words(cache_ptr, rows, ok, col0, W_L: gl.constexpr):
-        """Columns ``col0 .. col0+63`` of 64 fp8 rows as ``[64, 4, 4]`` int32 words in ``W_L``: 16 contiguous
-        bytes per thread per row (zeros for invalid rows). Words, not bytes, so that a tile can be carried
-        to the next loop iteration (Triton keeps each carried fp8 value in a register of its own)."""
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_L)))
-        w = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_L)))
-        words = cache_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
-        off = (rows // 4)[:, None, None] + (col0 // 4 + c * 4)[None, :, None] + w[None, None, :]
-        mask = ok[:, None, None] & (c >= 0)[None, :, None] & (w >= 0)[None, None, :]
-        return gl.load(words + off, mask=mask, other=0)
-
-    @gluon.jit
-    def _load_tile_words(cache_ptr, rows, ok, R: gl.constexpr, W_L: gl.constexpr):
-        """The eight latent chunks and the rope chunk of 64 rows (``_load_fragment_words``)."""
-        return (
-            _load_fragment_words(cache_ptr, rows, ok, 0, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 64, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 128, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 192, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 256, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 320, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 384, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, 448, W_L),
-            _load_fragment_words(cache_ptr, rows, ok, R, W_L),
-        )
-
-    @gluon.jit
-    def _words_to_fp16(xw, FP8_T: gl.constexpr):
-        """``[64, 4, 4]`` int32 words -> ``[64, 4, 16]`` fp16 values, byte ``b`` of word ``w4`` at ``4 w4 + b``."""
-        b0 = (xw & 0xFF).to(gl.int8)
-        b1 = ((xw >> 8) & 0xFF).to(gl.int8)
-        b2 = ((xw >> 16) & 0xFF).to(gl.int8)
-        b3 = ((xw >> 24) & 0xFF).to(gl.int8)
-        x8 = gl.join(gl.join(b0, b2), gl.join(b1, b3)).reshape([64, 4, 16])  # [.., w4, i, o] -> byte 2i + o
-        return x8.to(FP8_T, bitcast=True).to(gl.float16)
-
-    @gluon.jit
-    def _score_chunk(xw, lat16, q_smem, s, a_prev, col0: gl.constexpr, STORE: gl.constexpr, A_OP: gl.constexpr,
-                     FP8_T: gl.constexpr):
-        """One 64-column chunk of ``S^T``: the fp8 words -> fp16; (``STORE``) its memory-order copy into
-        ``lat16`` for the output product; the same registers, with the k axis permuted by reshapes (free:
-        ``assert_trivial``), are the ``wgmma`` A fragment against the equally permuted query chunk."""
-        xf = _words_to_fp16(xw, FP8_T)
-        if STORE:
-            lat16.slice(col0, 64, dim=1).store(xf.reshape([64, 64]))
-        # memory column 16c + 4s + 2h + j sits at fragment column 16s + 8h + 2c + j
-        a = gl.convert_layout(
-            xf.reshape([64, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4)).reshape([64, 64]), A_OP, assert_trivial=True
-        )
-        s = warpgroup_mma(a, q_smem.slice(col0, 64, dim=1).permute((1, 0)), s, is_async=True)
-        if col0 == 0 and STORE:  # the first chunk: nothing earlier to retire
-            s = warpgroup_mma_wait(1, deps=(s,))
-        else:
-            s, a_prev = warpgroup_mma_wait(1, deps=(s, a_prev))  # chunk c-1 is done; its registers may go
-        return s, a
 
     @gluon.jit
     def _wgmma_mla_decode_kernel(
@@ -324,19 +242,8 @@ if HAS_GLUON:
         if gl.load(qsl_ptr + seq + 1) <= tok:
             return  # no new token for this sequence this step (allowed by the metadata contract)
         seq_len = gl.load(seq_lens_ptr + seq)
-        # BITS: path 4 converts fp8 -> fp16 with integer bit moves (_fp8_bits_to_fp16); e4m3 comes out 2^-8 small
-        if IS_FP8 and FP8_PATH == 4:
-            if CACHE_T == gl.float8e4nv:
-                BITS: gl.constexpr = 1
-                BIT_GAIN: gl.constexpr = 256.0
-            else:
-                BITS: gl.constexpr = 2
-                BIT_GAIN: gl.constexpr = 1.0
-        else:
-            BITS: gl.constexpr = 0
-            BIT_GAIN: gl.constexpr = 1.0
         if IS_FP8:
-            qk_scale = sm_scale_log2 * gl.load(scale_ptr) * BIT_GAIN
+            qk_scale = sm_scale_log2 * gl.load(scale_ptr)
         else:
             qk_scale = sm_scale_log2
 
@@ -345,13 +252,6 @@ if HAS_GLUON:
         hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
         cq = gl.arange(0, R, layout=gl.SliceLayout(0, Q_L))
         cr = gl.arange(0, P, layout=gl.SliceLayout(0, Q_L))
-        if IS_FP8 and (FP8_PATH == 2 or FP8_PATH == 3):
-            # AREG: the query's columns in the fragment order of _score_chunk (per 64-column chunk;
-            # fragment_column on the host side)
-            kq = cq % 64
-            cq = cq - kq + 16 * ((kq // 2) % 4) + 4 * (kq // 16) + 2 * ((kq // 8) % 2) + kq % 2
-            kr = cr % 64
-            cr = cr - kr + 16 * ((kr // 2) % 4) + 4 * (kr // 16) + 2 * ((kr // 8) % 2) + kr % 2
         ql = gl.load(
             ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
             mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :],
@@ -373,11 +273,9 @@ if HAS_GLUON:
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE)
 
-        # fp8 paths: 0 = an fp8 cp.async ring, 1 = rows through registers into an fp16 copy, 2 = as 1 with
-        # the score product's A operand taken from the registers (the FP8_PATH docstring above the launcher).
+        # fp8 paths: 0 = an fp8 cp.async ring, 1 = rows through registers into an fp16 copy (the FP8_PATH
+        # docstring above the launcher).
         STAGED_RING: gl.constexpr = not IS_FP8 or FP8_PATH == 0
-        AREG: gl.constexpr = IS_FP8 and (FP8_PATH == 2 or FP8_PATH == 3)
-        PREFETCH: gl.constexpr = FP8_PATH == 3
         if STAGED_RING:
             lat_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, R], RAW)
             rope_ring = gl.allocate_shared_memory(CACHE_T, [NUM_STAGES, TILE, P], RAW)
@@ -385,8 +283,7 @@ if HAS_GLUON:
             # One fp16 copy of the current tile; both products read it (tile i-1's wgmmas finish before
             # the loop-top barrier of tile i).
             lat16 = gl.allocate_shared_memory(gl.float16, [TILE, R], OP_LAT)
-            if not AREG:
-                rope16 = gl.allocate_shared_memory(gl.float16, [TILE, P], OP_ROPE)
+            rope16 = gl.allocate_shared_memory(gl.float16, [TILE, P], OP_ROPE)
         p_smem = gl.allocate_shared_memory(DOT_T, [TILE, NH], P_SMEM)
         fence_async_shared()  # the query's generic-proxy stores, before any wgmma reads them
 
@@ -395,7 +292,7 @@ if HAS_GLUON:
             for j in gl.static_range(NUM_STAGES - 1):
                 _issue_rows(lat_ring.index(j), rope_ring.index(j), cache_ptr, bt_row, lo + j * TILE, hi,
                             stride_cb, stride_cs, BLOCK_SIZE, TILE, R, P, LAT_COPY, ROPE_COPY)  # fmt: skip
-        elif not AREG:
+        else:
             # fp8 rows go global -> registers -> fp16 shared memory; tile i+1's loads are in flight while
             # tile i's products run (no fp8 ring in shared memory: 94 KB per program, 2 programs per SM).
             row, ok, row_r, ok_r = _fp8_row_offsets(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
@@ -404,52 +301,15 @@ if HAS_GLUON:
                                                   ROPE_COPY)  # fmt: skip
             row, ok, row_r, ok_r = _fp8_row_offsets(bt_row, lo + TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
                                                     STAGE_L, ROPE_COPY)  # fmt: skip
-            _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS, BITS)
+            _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
 
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_i = gl.zeros([NH], gl.float32, layout=gl.SliceLayout(0, MMA))
         acc = gl.zeros([R, NH], gl.float32, layout=MMA)
         n_off = gl.arange(0, TILE, layout=gl.SliceLayout(1, MMA))
         s_zero = gl.zeros([TILE, NH], gl.float32, layout=MMA)
-        if AREG:
-            W_L: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [0, 0, 2], [8, 0, 0]],
-                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                warp_bases=[[16, 0, 0], [32, 0, 0]],
-                block_bases=[],
-                shape=[64, 4, 4],
-            )  # 16 bytes per thread and row; as fp16 [64, 4, 16], the wgmma A fragment with k in memory order
-            W_ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, W_L))
-            A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-            gl.static_assert(TILE == 64 and NW == 4 and R == 512 and P == 64)
-            if PREFETCH:
-                rows, ok = _row_offsets(bt_row, lo, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, W_ROWS)
-                w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
-                rows, ok = _row_offsets(bt_row, lo + TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE, W_ROWS)
         for i in range(num_tiles):
-            if AREG:
-                if not PREFETCH:  # this tile's rows, loaded now; the other program on the SM runs meanwhile
-                    rows, ok = _row_offsets(bt_row, lo + i * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE, TILE,
-                                            W_ROWS)  # fmt: skip
-                    w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
-                gl.thread_barrier()  # every warp is done with tile i-1's fp16 copy
-                s, a0 = _score_chunk(w0, lat16, ql_smem, s_zero, None, 0, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w1, lat16, ql_smem, s, a0, 64, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w2, lat16, ql_smem, s, a0, 128, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w3, lat16, ql_smem, s, a0, 192, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w4, lat16, ql_smem, s, a0, 256, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w5, lat16, ql_smem, s, a0, 320, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w6, lat16, ql_smem, s, a0, 384, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(w7, lat16, ql_smem, s, a0, 448, True, A_OP, CACHE_T)
-                s, a0 = _score_chunk(wr, lat16, qr_smem, s, a0, 0, False, A_OP, CACHE_T)
-                if PREFETCH:  # tile i+1's words (offsets from the last iteration), in flight through this
-                    # tile's softmax and output product; then tile i+2's offsets
-                    w0, w1, w2, w3, w4, w5, w6, w7, wr = _load_tile_words(cache_ptr, rows, ok, R, W_L)
-                    rows, ok = _row_offsets(bt_row, lo + (i + 2) * TILE, hi, stride_cb, stride_cs, BLOCK_SIZE,
-                                            TILE, W_ROWS)  # fmt: skip
-                s, a0 = warpgroup_mma_wait(0, deps=(s, a0))
-                lat = lat16
-            elif not STAGED_RING:
+            if not STAGED_RING:
                 # lat16 holds tile i (staged at the end of iteration i-1, or before the loop). Tile i+1's
                 # loads go out now and land while tile i's products run; they are consumed in this same
                 # iteration (fp8 values carried across iterations would cost a register per byte).
@@ -481,10 +341,9 @@ if HAS_GLUON:
             fence_async_shared()  # cp.async / staging writes -> wgmma (async proxy) reads
             gl.thread_barrier()
 
-            if not AREG:
-                s = warpgroup_mma(lat, ql_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s = warpgroup_mma(rope, qr_smem.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
+            s = warpgroup_mma(lat, ql_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(rope, qr_smem.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
             s = s * qk_scale
             s = gl.where((lo + i * TILE + n_off < hi)[:, None], s, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 0))
@@ -498,14 +357,14 @@ if HAS_GLUON:
             gl.thread_barrier()
             acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            if not STAGED_RING and not AREG:
+            if not STAGED_RING:
                 gl.thread_barrier()  # every warp's wgmmas are done reading tile i's fp16 copy
-                _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS, BITS)
+                _stage_fp16(lat16, rope16, c0, c1, c2, c3, cr_v, STAGE_COLS)
         if STAGED_RING:
             async_copy.wait_group(0)
 
         if IS_FP8:
-            acc = acc * (gl.load(scale_ptr) * BIT_GAIN)
+            acc = acc * gl.load(scale_ptr)
         ho = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
         co = gl.arange(0, R, layout=gl.SliceLayout(1, MMA))
         h_ok = ho < NUM_HEADS
@@ -530,31 +389,12 @@ def default_stages(is_fp8: bool) -> int:
 
 
 #: fp8 row paths (``cfg["fp8_path"]``). RING: an fp8 cp.async ring (205-226 KB at 16-32 heads per
-#: program, one program per SM).
-#: REGS: global -> registers -> one fp16 copy that both products read (94 KB, two per SM; the default
-#: up to 16 heads). AREG: as REGS, but the score product takes its A operand from the registers (the
-#: fp8 chunk loaded in the wgmma fragment layout with a permuted k axis, the query permuted to match),
-#: so only the output product reads the fp16 copy: ~150 KB of shared-memory traffic per tile instead of
-#: ~250 KB. AREG loads each tile at the top of its own iteration; AREG_PREFETCH loads
-#: tile i+1 after tile i's score product. Both compile for sm_90 (255 registers and a 104-byte spill at
-#: 16 heads, none at 8) but were written after the last GPU run: not measured, not routed.
+#: program, one program per SM). REGS: global -> registers -> one fp16 copy that both products read (94 KB,
+#: two per SM; the default up to 16 heads). Three more were measured and removed (sixth session,
+#: docs/MLA.md): the score product's A operand from registers (with and without a prefetch) and a bit-move
+#: fp8 -> fp16 conversion; none beat REGS.
 FP8_PATH_RING: int = 0
 FP8_PATH_REGS: int = 1
-FP8_PATH_AREG: int = 2
-#: AREG with tile i+1's rows loaded (as int32 words, which a loop iteration can carry) while tile i's
-#: softmax and output product run.
-FP8_PATH_AREG_PREFETCH: int = 3
-#: REGS with the fp8 -> fp16 conversion done by integer bit moves (prmt / mul / lop3) instead of the
-#: conversion unit (``_fp8_bits_to_fp16``); e4m3 comes out times 2^-8, folded back into the scales.
-FP8_PATH_REGS_BITS: int = 4
-
-
-def fragment_column(k: int) -> int:
-    """AREG: the memory column (within a 64-column chunk) whose value sits at column ``k`` of the
-    ``wgmma`` A fragment: ``x.reshape([64, 4, 4, 2, 2]).permute((0, 2, 3, 1, 4))`` of a chunk loaded as
-    ``[64, 4 (c), 16 (w = 4s + 2h + j)]`` puts memory column ``16c + w`` at ``16s + 8h + 2c + j``. The
-    kernel loads the query with the same arithmetic (``cq`` in the AREG branch)."""
-    return 16 * ((k // 2) % 4) + 4 * (k // 16) + 2 * ((k // 8) % 2) + k % 2
 
 
 def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
@@ -596,9 +436,8 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     is_fp8 = cache.dtype in _FP8
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
-    if is_fp8 and path in (FP8_PATH_AREG, FP8_PATH_AREG_PREFETCH) and (cache.stride(0) % 4 or cache.stride(1) % 4 or cache.data_ptr() % 16):
-        raise ValueError("the AREG fp8 paths read rows as 16-byte int32 words: the cache needs row and block "
-                         "strides that are multiples of 4 bytes and a 16-byte-aligned base")
+    if path not in (FP8_PATH_RING, FP8_PATH_REGS):
+        raise ValueError(f"fp8_path {path}: choose {FP8_PATH_RING} (ring) or {FP8_PATH_REGS} (registers)")
     regs = path != FP8_PATH_RING
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
                                           _num_sms(q_latent.device), 2 if regs and is_fp8 else 1)
