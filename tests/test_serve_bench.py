@@ -150,6 +150,21 @@ def test_word_list_is_deterministic():
     assert p.startswith("[x] ") and len(p.split()) == 11
 
 
+def test_prefill_floor_counts_the_experts_a_token_runs():
+    """The prefill floor's parameters per token: a tiny DeepSeek-V2 (tests/test_deepseek_mla.py's BASE: 2 MoE
+    layers of 8 routed experts, top-2, hidden 64, expert width 32) multiplies every parameter but its
+    256 x 64 input embedding, and of each MoE layer's routed experts (8 x (2*32*64 + 64*32) = 49,152
+    parameters) only 2/8."""
+    import test_deepseek_mla as t
+
+    from kvforge.bench.offline import _matmul_params_per_token
+    from kvforge.models.deepseek import DeepseekV2ForCausalLM
+
+    model = DeepseekV2ForCausalLM({**t.BASE, **t.CASES["v2_group_limited"][2], "architectures": ["DeepseekV2ForCausalLM"]})
+    total = sum(p.numel() for p in model.parameters())
+    assert _matmul_params_per_token(model) == total - 256 * 64 - 2 * 49152 * (1 - 2 / 8)
+
+
 def test_offline_roofline_hand_computed():
     """Two requests (inputs 10 and 20 tokens, outputs 3 and 2), 1000 weight bytes, 10 KV bytes per token,
     1000 B/s, 100 parameters, 1000 FLOP/s, 800 FLOPs per decode token. Decode step 1 runs both requests

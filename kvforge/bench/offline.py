@@ -12,8 +12,10 @@ counters, and on CUDA a memory roofline:
   KV of every context token of the running requests``, divided by the
   device-to-device copy bandwidth measured in the same run (bytes read and
   written per second, as in docs/KERNELS.md);
-* prefill floor: ``2 x parameters x prompt tokens`` FLOPs at the measured
-  bf16 GEMM rate;
+* prefill floor: ``2 x matmul parameters per token x prompt tokens`` FLOPs at
+  the measured bf16 GEMM rate (every parameter but the gathered input
+  embedding; of a MoE layer's routed experts only ``top_k / n_experts``: the
+  ones a token runs);
 * compute-aware decode floor (dense models): the GEMMs and the attention of
   a step are separate kernels that run one after the other, so each decode
   step takes at least ``max(weight bytes / copy bandwidth, 2 x weight
@@ -98,7 +100,7 @@ def _weights_read_bytes(model) -> int:
     return total - emb.numel() * emb.element_size()
 
 
-def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, copy_bw: float, params: int,
+def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, copy_bw: float, params: float,
               gemm_rate: float, flops_per_decode_token: float | None = None) -> dict:
     """Byte floor per decode step (and, given ``flops_per_decode_token``, the compute-aware one) summed over
     this workload's schedule, plus the prefill FLOP floor (module docstring)."""
@@ -123,6 +125,22 @@ def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, cop
     if flops_per_decode_token is not None:
         out.update({"decode_floor_compute_aware_s": decode_ca_s, "floor_compute_aware_s": decode_ca_s + prefill_s})
     return out
+
+
+def _matmul_params_per_token(model) -> float:
+    """Parameters one token multiplies through (the prefill floor's FLOPs are twice this per prompt token):
+    all of them but the input embedding when it is a separate table (gathered, not multiplied; a tied LM
+    head multiplies it once), and of a MoE layer's routed experts the fraction ``top_k / n_experts``."""
+    total = float(sum(p.numel() for p in model.parameters()))
+    emb = model.model.embed_tokens.weight
+    if getattr(model, "lm_head", None) is not None:
+        total -= emb.numel()
+    for m in model.modules():
+        routed = [getattr(m, n) for n in ("experts_gate_up", "experts_down") if hasattr(m, n)]
+        if routed:
+            n_experts, top_k = routed[0].shape[0], m.gate.a.top_k
+            total -= sum(w.numel() for w in routed) * (1.0 - top_k / n_experts)
+    return total
 
 
 def _dense_decode_flops_per_token(model) -> float | None:
@@ -309,7 +327,7 @@ def offline_main(args: argparse.Namespace) -> int:
         gemm = _gemm_rate(engine.device)
         weights_read = _weights_read_bytes(engine.model)
         roof = _roofline(in_lens, out_lens, weights_read, llm.plan.bytes_per_token, copy_bw,
-                         llm.plan.num_parameters, gemm, _dense_decode_flops_per_token(engine.model))
+                         _matmul_params_per_token(engine.model), gemm, _dense_decode_flops_per_token(engine.model))
         result.update({"copy_bandwidth_Bps": copy_bw, "gemm_bf16_flops": gemm, "weights_read_bytes": weights_read,
                        "kv_bytes_per_token": llm.plan.bytes_per_token, "roofline": roof,
                        "fraction_of_floor": roof["floor_s"] / med["seconds"]})
