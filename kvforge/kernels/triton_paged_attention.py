@@ -398,20 +398,24 @@ if HAS_TRITON:
         HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
+        D_BLOCK: tl.constexpr,
     ):
+        # one program per (token, head, D_BLOCK columns): S_PAD x D_BLOCK partials in registers at once
         t = tl.program_id(0)
         h = tl.program_id(1)
         if t >= tl.load(qsl_ptr + num_seqs):
             return  # padding token that belongs to no sequence
         s = tl.arange(0, S_PAD)
         s_ok = s < num_splits
-        d = tl.arange(0, D_PAD)
+        d = tl.program_id(2) * D_BLOCK + tl.arange(0, D_BLOCK)
         base = (t.to(tl.int64) * NUM_Q_HEADS + h) * num_splits
         m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
         l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
         m_max = tl.max(m, 0)
         w = tl.where(s_ok, tl.exp2(m - m_max), 0.0)
-        acc = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+        # a split with no token (m = -inf) weighs 0 and need not have written its accumulator: not read
+        has = s_ok & (m > float("-inf"))
+        acc = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=has[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
         tl.store(
             out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
@@ -591,15 +595,23 @@ def paged_attention(
     return out
 
 
+#: Partials one merge program holds at once (splits x columns): 64 float32 per thread at 4 warps. Past it
+#: the columns are split across programs (the MLA decode's 512 columns at 64-128 splits).
+MERGE_TILE_ELEMENTS: int = 8192
+
+
 def merge_split_partials(
     part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int
 ) -> None:
     """``out[t, h, :D]`` = the softmax-weighted merge of split-K partials ``part_acc [T, H, S, D_PAD]``
     (unnormalized fp32 accumulators) and ``part_ml [T, H, S, 2]`` (log2-domain max, sum); ``D`` is
     ``out``'s last axis. Tokens at or past ``query_start_loc[num_seqs]`` are left untouched. Every
-    split-K decode kernel (tl.dot, Gluon, MLA) writes this layout."""
+    split-K decode kernel (tl.dot, Gluon, MLA) writes this layout; a split whose max is -inf (no token)
+    contributes nothing, and its accumulator row is not read (it may be left unwritten)."""
     t, h, splits, d_pad = part_acc.shape
-    _merge_splits_kernel[(t, h)](
+    s_pad = max(2, triton.next_power_of_2(splits))
+    d_block = min(d_pad, max(16, MERGE_TILE_ELEMENTS // s_pad))
+    _merge_splits_kernel[(t, h, d_pad // d_block)](
         part_acc,
         part_ml,
         out,
@@ -611,6 +623,7 @@ def merge_split_partials(
         NUM_Q_HEADS=h,
         HEAD_D=out.shape[-1],
         D_PAD=d_pad,
-        S_PAD=max(2, triton.next_power_of_2(splits)),
+        S_PAD=s_pad,
+        D_BLOCK=d_block,
         num_warps=4,
     )
