@@ -533,7 +533,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every part)")
     p.add_argument("--parts", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
-    p.add_argument("--tiny", action="store_true", help="tiny dummy configs on CUDA too")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny dummy configs on CUDA too, with the CPU run's sizes (512 positions, 32 MiB of KV), "
+                        "also for an explicit --llama / --deepseek")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: tiny dummy configs over gloo (smoke test of the code paths)")
     p.add_argument("--llama", default=None, help="model for parts a, c, d, e (default llama-3.1-8b; cpu: tiny)")

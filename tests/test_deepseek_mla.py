@@ -350,6 +350,12 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     assert per.seq_lens.tolist() == [1, 2, 3, 4, 5, 21, 31, 32, 33]
     assert per.block_tables.tolist() == [tables[0].tolist()] * 5 + [tables[1].tolist()] + [tables[2].tolist()] * 3
     assert per.host_seq_lens == tuple(per.seq_lens.tolist())
+    # built once per step: every MLA layer of the step gets the same object
+    from kvforge.attention.triton_mla import _per_token_for_step
+
+    first = _per_token_for_step(meta, 11)
+    assert first.host_seq_lens == per.host_seq_lens and _per_token_for_step(meta, 11) is first
+    assert _per_token_for_step(meta, 12) is not first
 
     dn, dv = 24, 20
     q_nope = torch.randn(11, heads, dn, generator=g)
@@ -363,32 +369,36 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     assert (expanded - absorbed).abs().max().item() <= 1e-5 * max(1.0, expanded.abs().max().item())
 
 
-def test_prefill_mode_auto_absorbs_short_chunks_only(monkeypatch):
-    """KVFORGE_MLA_PREFILL: "auto" runs a step absorbed while its longest sequence (prefix included) is at
-    most ABSORBED_PREFILL_MAX_SEQ_LEN tokens; the forced modes ignore the length; a bad value is refused."""
-    import importlib
-
+def test_prefill_mode_auto_absorbs_short_prefills_only(monkeypatch):
+    """KVFORGE_MLA_PREFILL: "auto" runs a step absorbed while every sequence with a prefill chunk is at most
+    ABSORBED_PREFILL_MAX_SEQ_LEN tokens long (prefix included); decode rows do not count; the forced modes
+    ignore lengths; a bad value is refused."""
     import kvforge.attention.triton_mla as triton_mla
 
     bound = triton_mla.ABSORBED_PREFILL_MAX_SEQ_LEN
 
-    def step(seq_len, query_len=8):  # one sequence: a query_len-token chunk after seq_len - query_len tokens
-        return AttentionMetadata(torch.tensor([0, query_len], dtype=torch.int32),
-                                 torch.tensor([seq_len], dtype=torch.int32), torch.zeros((1, 1), dtype=torch.int32),
-                                 torch.zeros(query_len, dtype=torch.int64), query_len, seq_len, 16)
+    def step(*rows):  # (query tokens, sequence length) per sequence
+        qsl = [0]
+        for q, _ in rows:
+            qsl.append(qsl[-1] + q)
+        lens = [n for _, n in rows]
+        return AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                                 torch.zeros((len(rows), 1), dtype=torch.int32), torch.zeros(qsl[-1], dtype=torch.int64),
+                                 max(q for q, _ in rows), max(lens), 16, host_query_start_loc=tuple(qsl),
+                                 host_seq_lens=tuple(lens))
 
     monkeypatch.setattr(triton_mla, "PREFILL_MODE", "auto")
-    assert triton_mla.prefill_absorbed(step(bound)) and not triton_mla.prefill_absorbed(step(bound + 1))
+    assert triton_mla.prefill_absorbed(step((8, bound)))
+    assert not triton_mla.prefill_absorbed(step((8, bound + 1)))
+    assert triton_mla.prefill_absorbed(step((8, 100), (1, 5 * bound)))  # a long decode row does not count
+    assert not triton_mla.prefill_absorbed(step((1, 10), (2, bound + 1)))
     monkeypatch.setattr(triton_mla, "PREFILL_MODE", "absorbed")
-    assert triton_mla.prefill_absorbed(step(bound + 1))
+    assert triton_mla.prefill_absorbed(step((8, bound + 1)))
     monkeypatch.setattr(triton_mla, "PREFILL_MODE", "expanded")
-    assert not triton_mla.prefill_absorbed(step(2))
-    monkeypatch.setenv("KVFORGE_MLA_PREFILL", "sometimes")
+    assert not triton_mla.prefill_absorbed(step((8, 16)))
+    assert triton_mla.parse_prefill_mode(" Absorbed ") == "absorbed"
     with pytest.raises(ValueError, match="choose 'auto', 'expanded' or 'absorbed'"):
-        importlib.reload(triton_mla)
-    monkeypatch.delenv("KVFORGE_MLA_PREFILL")
-    importlib.reload(triton_mla)
-    assert triton_mla.PREFILL_MODE == "auto"
+        triton_mla.parse_prefill_mode("sometimes")
 
 
 def test_backend_implementations_load_before_the_weights(tmp_path, monkeypatch):

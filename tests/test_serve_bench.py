@@ -156,13 +156,23 @@ def test_prefill_floor_counts_the_experts_a_token_runs():
     256 x 64 input embedding, and of each MoE layer's routed experts (8 x (2*32*64 + 64*32) = 49,152
     parameters) only 2/8."""
     import test_deepseek_mla as t
+    import torch
 
-    from kvforge.bench.offline import _matmul_params_per_token
+    from kvforge.bench.offline import _dense_decode_flops_per_token, _matmul_params_per_token
     from kvforge.models.deepseek import DeepseekV2ForCausalLM
 
     model = DeepseekV2ForCausalLM({**t.BASE, **t.CASES["v2_group_limited"][2], "architectures": ["DeepseekV2ForCausalLM"]})
     total = sum(p.numel() for p in model.parameters())
     assert _matmul_params_per_token(model) == total - 256 * 64 - 2 * 49152 * (1 - 2 / 8)
+    # MoE: no dense compute-aware decode floor (it would count every expert)
+    assert _dense_decode_flops_per_token(model) is None
+    # a tensor-parallel rank holding 4 of the 8 experts (24,576 routed parameters per layer) runs 2/8 of them
+    for moe in [m for m in model.modules() if hasattr(m, "experts_gate_up")]:
+        moe.experts_gate_up = torch.nn.Parameter(moe.experts_gate_up[:4].detach().clone())
+        moe.experts_down = torch.nn.Parameter(moe.experts_down[:4].detach().clone())
+    half = sum(p.numel() for p in model.parameters())
+    assert half == total - 2 * 24576
+    assert _matmul_params_per_token(model) == half - 256 * 64 - 2 * 24576 * (1 - 2 / 8)
 
 
 def test_offline_roofline_hand_computed():

@@ -266,19 +266,33 @@ def test_gpu_moe_deepseek_fp32_graphs_capture_or_are_refused_up_front(tmp_path):
 
 
 def test_failed_capture_reason_names_the_innermost_kvforge_line():
-    """A failed CUDA-graph capture's reason ends with the deepest kvforge frame of the error (the line that
-    did the forbidden operation), not only torch's message."""
+    """A failed CUDA-graph capture's reason ends with where the forbidden operation ran: the deepest kvforge
+    frame of the first exception in the chain (a capture that an op invalidated raises again on exit, from
+    the ``with`` line), with that first message; empty outside the package."""
     from kvforge.attention.triton_mla import per_token_metadata
-    from kvforge.engine.model_runner import _innermost_kvforge_frame
+    from kvforge.engine.model_runner import _failure_origin
 
     with pytest.raises(AttributeError) as info:
         per_token_metadata(None, 1)
-    where = _innermost_kvforge_frame(info.value)
+    where = _failure_origin(info.value)
     assert where.startswith(" at kvforge/attention/triton_mla.py:") and where.endswith("(per_token_metadata)")
+
+    class FakeCapture:  # like torch.cuda.graph: __exit__ raises again when the capture was invalidated
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    with pytest.raises(RuntimeError) as info:
+        with FakeCapture():
+            per_token_metadata(None, 1)
+    where = _failure_origin(info.value)
+    assert " at kvforge/attention/triton_mla.py:" in where and "(per_token_metadata); first error AttributeError" in where
     try:
         raise RuntimeError("outside the package")
     except RuntimeError as e:
-        assert _innermost_kvforge_frame(e) == ""
+        assert _failure_origin(e) == ""
 
 
 def test_moe_deepseek_refuses_cuda_graphs_with_a_reason(tmp_path):

@@ -3,7 +3,7 @@
 Decode-only steps run the absorbed form in latent space with the Triton
 kernel (:mod:`kvforge.kernels.triton_mla_decode`); steps with a prefill chunk
 run every query token through the decode kernels (:func:`per_token_metadata`)
-when the step's sequences are short, else expand the cached latents to
+when the step's prefilling sequences are short, else expand the cached latents to
 per-head K/V with the PyTorch reference
 (:func:`kvforge.attention.mla_reference.mla_prefill`, eager only); see
 ``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
@@ -25,30 +25,40 @@ from kvforge.attention.mla_reference import mla_prefill
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
 
-__all__ = ["mla_attention", "mla_decode", "per_token_metadata", "prefill_absorbed", "write_mla_cache"]
+__all__ = ["mla_attention", "mla_decode", "parse_prefill_mode", "per_token_metadata", "prefill_absorbed",
+           "write_mla_cache"]
+
+def parse_prefill_mode(value: str) -> str:
+    """``KVFORGE_MLA_PREFILL``'s value, checked: "auto", "expanded" or "absorbed" (see ``PREFILL_MODE``)."""
+    mode = value.strip().lower()
+    if mode not in ("auto", "expanded", "absorbed"):
+        raise ValueError(f"KVFORGE_MLA_PREFILL={value!r}: choose 'auto', 'expanded' or 'absorbed'")
+    return mode
+
 
 #: How steps with a prefill chunk attend (read once at import; why global: an engine-wide switch for
 #: measurement, not a per-request choice). "expanded": the PyTorch reference expands the latents per
 #: sequence. "absorbed": every query token runs as its own decode query over its causal prefix through the
 #: decode kernels (one launch per layer, no per-sequence Python loop, but O(L^2) prefix reads per prompt).
-#: "auto" (default): absorbed while every sequence of the step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens
-#: long (prefix included), else expanded. Measured on DeepSeek-V2-Lite (H200): absorbed gives 1.5x the
-#: output tokens/s at 100-512-token prompts and 2.1-2.5x at 1k-4k (docs/BENCHMARKS.md section 6, sixth
-#: session); longer sequences were not measured, so they keep the expanded path.
-PREFILL_MODE: str = os.environ.get("KVFORGE_MLA_PREFILL", "auto").strip().lower()
-if PREFILL_MODE not in ("auto", "expanded", "absorbed"):
-    raise ValueError(f"KVFORGE_MLA_PREFILL={PREFILL_MODE!r}: choose 'auto', 'expanded' or 'absorbed'")
-#: "auto"'s bound on the longest sequence (``meta.max_seq_len``) of a step that runs absorbed: the longest
+#: "auto" (default): absorbed while every sequence with a prefill chunk (more than one query token) in the
+#: step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens long, prefix included, else expanded. Measured on
+#: DeepSeek-V2-Lite (H200): absorbed gives 1.5x the output tokens/s at 100-512-token prompts and 2.1-2.5x at
+#: 1k-4k (docs/BENCHMARKS.md section 6, sixth session); longer ones were not measured and stay expanded.
+PREFILL_MODE: str = parse_prefill_mode(os.environ.get("KVFORGE_MLA_PREFILL", "auto"))
+#: "auto"'s bound on the longest sequence with a prefill chunk in a step that runs absorbed: the longest
 #: measured (see PREFILL_MODE).
 ABSORBED_PREFILL_MAX_SEQ_LEN: int = 4096
 
 
 def prefill_absorbed(meta: AttentionMetadata) -> bool:
-    """Whether a step with a prefill chunk runs absorbed (``PREFILL_MODE``; "auto" decides by the step's
-    longest sequence, ``meta.max_seq_len``, a host integer)."""
-    if PREFILL_MODE == "auto":
-        return meta.max_seq_len <= ABSORBED_PREFILL_MAX_SEQ_LEN
-    return PREFILL_MODE == "absorbed"
+    """Whether a step with a prefill chunk runs absorbed (``PREFILL_MODE``). "auto" looks at the sequences
+    with more than one query token (decode rows cost the same on either path) through the metadata's host
+    lists."""
+    if PREFILL_MODE != "auto":
+        return PREFILL_MODE == "absorbed"
+    qsl, seq_lens = meta.host_lists()
+    longest = max((n for a, b, n in zip(qsl, qsl[1:], seq_lens) if b - a > 1), default=0)
+    return longest <= ABSORBED_PREFILL_MAX_SEQ_LEN
 
 
 def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
@@ -81,6 +91,22 @@ def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMet
     )
 
 
+#: The last step's per-token metadata (why global: one step's metadata object serves every MLA layer of
+#: the step, 27 for DeepSeek-V2-Lite, and the per-token form costs host work and two copies; built once per
+#: step). One entry, keyed by the identity of the step's metadata, which it holds so the id stays unique.
+_LAST_PER_TOKEN: tuple[AttentionMetadata, int, AttentionMetadata] | None = None
+
+
+def _per_token_for_step(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
+    global _LAST_PER_TOKEN
+    last = _LAST_PER_TOKEN
+    if last is not None and last[0] is meta and last[1] == num_tokens:
+        return last[2]
+    per = per_token_metadata(meta, num_tokens)
+    _LAST_PER_TOKEN = (meta, num_tokens, per)
+    return per
+
+
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   scale: torch.Tensor | None, softmax_scale: float, w_uk: torch.Tensor, w_uv: torch.Tensor, *,
                   query_dtype: str | None = None, num_splits: int | None = None) -> torch.Tensor:
@@ -94,7 +120,7 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     if not decode and not prefill_absorbed(meta):
         return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
     if not decode:  # absorbed: every query token as a decode query over its causal prefix
-        meta = per_token_metadata(meta, q_nope.shape[0])
+        meta = _per_token_for_step(meta, q_nope.shape[0])
         query_dtype = num_splits = None  # prefill keeps the model-dtype query (the plan's dtype is for decode)
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [T, H, R]
     o_latent = torch.zeros_like(q_latent) if not decode else None  # padding tokens: zero rows

@@ -130,22 +130,23 @@ def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, cop
 def _matmul_params_per_token(model) -> float:
     """Parameters one token multiplies through (the prefill floor's FLOPs are twice this per prompt token):
     all of them but the input embedding when it is a separate table (gathered, not multiplied; a tied LM
-    head multiplies it once), and of a MoE layer's routed experts the fraction ``top_k / n_experts``."""
+    head multiplies it once), and of a MoE layer's routed experts the fraction ``top_k / n_routed_experts`` (at
+    tensor parallelism ``model`` is rank 0's shard, holding ``n_routed_experts / tp`` experts: the same
+    fraction of them)."""
     total = float(sum(p.numel() for p in model.parameters()))
     emb = model.model.embed_tokens.weight
     if getattr(model, "lm_head", None) is not None:
         total -= emb.numel()
     for m in model.modules():
         routed = [getattr(m, n) for n in ("experts_gate_up", "experts_down") if hasattr(m, n)]
-        if routed:
-            n_experts, top_k = routed[0].shape[0], m.gate.a.top_k
-            total -= sum(w.numel() for w in routed) * (1.0 - top_k / n_experts)
+        if routed:  # this rank's experts (all at TP=1); a token runs top_k of the n_routed_experts in expectation
+            total -= sum(w.numel() for w in routed) * (1.0 - m.gate.a.top_k / m.gate.a.n_routed_experts)
     return total
 
 
 def _dense_decode_flops_per_token(model) -> float | None:
     """2 x the elements a decode step reads as weights (one multiply-add each); None for MoE models."""
-    if any(hasattr(m, "experts") for m in model.modules()):
+    if any(hasattr(m, "experts_gate_up") for m in model.modules()):
         return None
     total = sum(p.numel() for p in model.parameters())
     emb = model.model.embed_tokens.weight

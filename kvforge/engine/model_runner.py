@@ -155,12 +155,13 @@ class ModelRunner:
 
             why = graphs_unsupported_reason(self)
             if why is None:
+                stream = torch.cuda.current_stream(device)
                 try:
                     self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
                 except RuntimeError as e:  # an op the capture forbids: serve eagerly, say why (stats, log)
+                    torch.cuda.set_stream(stream)  # a capture_end that raised skipped the capture stream's exit
                     self.graphs = None
-                    why = (f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}{_innermost_kvforge_frame(e)}); "
-                           "running eager")
+                    why = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}{_failure_origin(e)}); running eager"
             if why is not None:
                 import logging
 
@@ -427,14 +428,24 @@ class _RingAttn:
         self.runner._ring_write(layer, rows)
 
 
-def _innermost_kvforge_frame(error: BaseException) -> str:
-    """`` at kvforge/x.py:123 (fn)``: the deepest frame of ``error``'s traceback inside this package, so that a
-    failed capture names the line that did the forbidden operation; empty when there is none."""
+def _failure_origin(error: BaseException) -> str:
+    """`` at kvforge/x.py:123 (fn)``: where a failed capture's forbidden operation ran, the deepest frame inside
+    this package of the first exception in ``error``'s chain that has one (an op that invalidates a capture
+    raises there, and ``capture_end`` then raises again in the ``with`` statement's exit), plus that first
+    exception's message when it is not ``error`` itself; empty when no frame is in the package."""
     import traceback
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.abspath(f.filename).startswith(root)]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f" at {os.path.relpath(f.filename, os.path.dirname(root))}:{f.lineno} ({f.name})"
+    chain: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and all(e is not c for c in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for exc in reversed(chain):  # the earliest first
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if os.path.abspath(f.filename).startswith(root + os.sep)]
+        if frames:
+            f = frames[-1]
+            where = f" at {os.path.relpath(f.filename, os.path.dirname(root))}:{f.lineno} ({f.name})"
+            return where if exc is error else f"{where}; first error {type(exc).__name__}: {str(exc)[:200]}"
+    return ""

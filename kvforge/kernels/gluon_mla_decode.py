@@ -440,7 +440,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     is_fp8 = cache.dtype in _FP8
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
-    if path not in (FP8_PATH_RING, FP8_PATH_REGS):
+    if type(path) is not int or path not in (FP8_PATH_RING, FP8_PATH_REGS):
         raise ValueError(f"fp8_path {path}: choose {FP8_PATH_RING} (ring) or {FP8_PATH_REGS} (registers)")
     regs = path != FP8_PATH_RING
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
