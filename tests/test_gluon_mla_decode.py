@@ -101,9 +101,12 @@ def test_split_rule_hand_counts():
     assert gm.num_splits_for(8, 65536, 132) == 16
     # 32 sequences -> floor(132 / 32) = 4 (128 programs; rounding up to 5 would start a second wave of 28)
     assert gm.num_splits_for(32, 65536, 132) == 4
-    # a 1000-token context allows 1000 // 256 = 3 splits; batch 1 at 64k is capped at MAX_SPLITS
+    # a 1000-token context allows 1000 // 256 = 3 splits; batch 1 at 64k: one split per SM (132), or per
+    # program slot with two programs per SM (264, capped at MAX_SPLITS = 256 = 65536 // 256 tokens)
     assert gm.num_splits_for(1, 1000, 132) == 3
-    assert gm.num_splits_for(1, 65536, 132) == gm.MAX_SPLITS
+    assert gm.num_splits_for(1, 65536, 132) == 132
+    assert gm.num_splits_for(1, 65536, 132, programs_per_sm=2) == 256 == gm.MAX_SPLITS
+    assert gm.num_splits_for(1, 1 << 20, 132, programs_per_sm=2) == 256
     # the programs already fill the GPU: no split
     assert gm.num_splits_for(128, 65536, 132) == 1
     assert gm.num_splits_for(512, 65536, 132) == 1

@@ -9,7 +9,7 @@ straight from shared memory, with the tile's tokens on the side that must be 64 
 
 1. ``S^T [TILE_N, NH] = C [TILE_N, R] q_lat^T [R, NH] + C_rope [TILE_N, P] q_rope^T [P, NH]``
    (A = the cached rows, K-major; B = the query, K-major);
-2. online softmax over the tokens (axis 0 of ``S^T``; one cross-warp max and sum per tile);
+2. online softmax over the tokens (axis 0 of ``S^T``; one cross-warp max per tile, the denominator summed once at the end);
 3. ``O^T [R, NH] += C^T [R, TILE_N] P^T [TILE_N, NH]`` (A = the same cached rows read transposed,
    which ``wgmma`` supports for 16-bit types; B = ``P^T`` written to shared memory).
 
@@ -43,10 +43,11 @@ LATENT_DIM: int = 512
 ROPE_DIM: int = 64
 TILE_N: int = 64  # wgmma's M: 4 warps x 16 rows
 MAX_HEADS_PER_PROGRAM: int = 32
-#: Splits of one (sequence, head block) at most: 128 lets a single long sequence occupy 128 of the H200's 132
-#: SMs (64 left half of them idle; batch 1 read at 36-38% of the copy bandwidth). Each split writes R x NH
-#: float32 partials (32 KB at 16 heads), so more would add merge traffic (4 MB at 128 vs 37 MB of fp8 rows at 64k).
-MAX_SPLITS: int = 128
+#: Splits of one (sequence, head block) at most. 256 lets a single long sequence fill both fp8 program slots
+#: of every H200 SM (264; bf16 programs take a whole SM, so 132). Measured at batch 1 x 64k (seventh session):
+#: 64 splits read at 36-38% (bf16) / 14% (fp8) of the copy bandwidth, 128 at 45-48% / 23-24%, 256 (fp8) at
+#: 24-26%. Each split writes R x NH float32 partials (32 KB at 16 heads: 8 MB at 256 vs 37 MB of fp8 rows).
+MAX_SPLITS: int = 256
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
