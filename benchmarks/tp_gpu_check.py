@@ -306,14 +306,15 @@ def part_c(s: dict) -> dict:
 
 
 def part_d(s: dict) -> dict:
-    from kvforge.bench.offline import _profile_decode, _weights_read_bytes
+    from kvforge.bench.offline import _profile_decode
+    from kvforge.bench.roofline import StepWeightBytes, step_weight_bytes
 
     llm, startup = make_llm(s, s["llama"], tensor_parallel_size=2, max_num_seqs=s["d_batch"])
     try:
         try:
-            weights = _weights_read_bytes(llm.engine.model)
+            weights = step_weight_bytes(llm.engine.model)
         except Exception:  # noqa: BLE001 - only used for a floor we do not print here
-            weights = 0
+            weights = StepWeightBytes(dense=0)
         res = _profile_decode(llm, s["d_input"], weights, None)
         res["counters"] = counters(llm)
     finally:

@@ -158,7 +158,8 @@ def test_prefill_floor_counts_the_experts_a_token_runs():
     import test_deepseek_mla as t
     import torch
 
-    from kvforge.bench.offline import _dense_decode_flops_per_token, _matmul_params_per_token
+    from kvforge.bench.roofline import dense_decode_flops_per_token as _dense_decode_flops_per_token
+    from kvforge.bench.roofline import matmul_params_per_token as _matmul_params_per_token
     from kvforge.models.deepseek import DeepseekV2ForCausalLM
 
     model = DeepseekV2ForCausalLM({**t.BASE, **t.CASES["v2_group_limited"][2], "architectures": ["DeepseekV2ForCausalLM"]})
@@ -181,7 +182,7 @@ def test_offline_roofline_hand_computed():
     (contexts 11 + 21): weights 1.0 s, KV 0.32 s, FLOPs 1600 -> 1.6 s, so 1.32 s bytes-only and 1.6 + 0.32
     compute-aware. Step 2 runs the first (context 12): 1.0 + 0.12 either way (FLOPs 0.8 s < 1.0 s).
     Prefill 2 x 100 x 30 / 1000 = 6 s."""
-    from kvforge.bench.offline import _roofline
+    from kvforge.bench.roofline import roofline as _roofline
 
     r = _roofline([10, 20], [3, 2], 1000, 10, 1000.0, 100, 1000.0, 800.0)
     assert r["decode_floor_s"] == pytest.approx(2.44)
@@ -189,3 +190,48 @@ def test_offline_roofline_hand_computed():
     assert r["prefill_floor_s"] == pytest.approx(6.0)
     assert r["floor_s"] == pytest.approx(8.44) and r["floor_compute_aware_s"] == pytest.approx(9.04)
     assert "floor_compute_aware_s" not in _roofline([10, 20], [3, 2], 1000, 10, 1000.0, 100, 1000.0)
+
+
+def test_decode_weight_bytes_follow_the_experts_a_batch_touches():
+    """1000 dense bytes + 800 routed bytes, top-2 of 8 experts: an expert idles with probability 0.75 per
+    token, so batch 1 reads 1000 + 800 x 0.25 = 1200, batch 2 reads 1000 + 800 x (1 - 0.5625) = 1350, and
+    batch 64 reads all but 800 x 0.75^64 (~1e-5). A dense model reads the same at every batch."""
+    from kvforge.bench.roofline import StepWeightBytes
+
+    w = StepWeightBytes(dense=1000, routed=800, top_k=2, n_experts=8)
+    assert w.total == 1800
+    assert w.at_batch(1) == pytest.approx(1200.0)
+    assert w.at_batch(2) == pytest.approx(1350.0)
+    assert w.at_batch(64) == pytest.approx(1800.0, abs=1e-3)
+    assert StepWeightBytes(dense=1000).at_batch(7) == 1000.0
+    with pytest.raises(ValueError, match="top_k 9 of 8"):
+        StepWeightBytes(dense=1, routed=8, top_k=9, n_experts=8)
+
+
+def test_moe_roofline_charges_the_experts_of_each_step():
+    """The roofline test's workload (outputs 3 and 2, so decode step 1 runs both requests and step 2 one)
+    with the weights above at 1000 B/s and no KV bytes: step 1 reads 1350 B (1.35 s), step 2 1200 B (1.2 s).
+    Charging every expert every step would give 3.6 s."""
+    from kvforge.bench.roofline import StepWeightBytes, roofline
+
+    w = StepWeightBytes(dense=1000, routed=800, top_k=2, n_experts=8)
+    r = roofline([10, 20], [3, 2], w, 0, 1000.0, 100, 1000.0)
+    assert r["decode_floor_s"] == pytest.approx(2.55)
+    assert roofline([10, 20], [3, 2], w.total, 0, 1000.0, 100, 1000.0)["decode_floor_s"] == pytest.approx(3.6)
+
+
+def test_step_weight_bytes_of_a_tiny_deepseek():
+    """tests/test_deepseek_mla.py's BASE DeepSeek-V2 (float32): 2 MoE layers of 8 routed experts x 6,144
+    parameters (gate_up 64 x 64, down 64 x 32) = 98,304 routed parameters = 393,216 bytes; the dense part is
+    every other parameter but the 256 x 64 input embedding; top-2 of 8."""
+    import test_deepseek_mla as t
+
+    from kvforge.bench.roofline import step_weight_bytes
+    from kvforge.models.deepseek import DeepseekV2ForCausalLM
+
+    model = DeepseekV2ForCausalLM({**t.BASE, **t.CASES["v2_group_limited"][2], "architectures": ["DeepseekV2ForCausalLM"]})
+    w = step_weight_bytes(model)
+    total = sum(p.numel() for p in model.parameters()) * 4
+    assert w.routed == 2 * 8 * (64 * 64 + 64 * 32) * 4 == 393216
+    assert (w.top_k, w.n_experts) == (2, 8)
+    assert w.dense == total - 256 * 64 * 4 - w.routed

@@ -11,7 +11,10 @@ counters, and on CUDA a memory roofline:
   step must read, ``weights read (all parameters but the input embedding) +
   KV of every context token of the running requests``, divided by the
   device-to-device copy bandwidth measured in the same run (bytes read and
-  written per second, as in docs/KERNELS.md);
+  written per second, as in docs/KERNELS.md). Of a MoE model's routed experts
+  a step reads those its running tokens pick, expected under uniform routing
+  (``roofline.StepWeightBytes``: top_k / n_experts of them at batch 1, nearly
+  all from a few dozen requests);
 * prefill floor: ``2 x matmul parameters per token x prompt tokens`` FLOPs at
   the measured bf16 GEMM rate (every parameter but the gathered input
   embedding; of a MoE layer's routed experts only ``top_k / n_experts``: the
@@ -41,6 +44,14 @@ import random
 import re
 import statistics
 import time
+
+from kvforge.bench.roofline import (
+    StepWeightBytes,
+    dense_decode_flops_per_token,
+    matmul_params_per_token,
+    roofline,
+    step_weight_bytes,
+)
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -91,70 +102,6 @@ def _gemm_rate(device) -> float:
     return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
 
 
-def _weights_read_bytes(model) -> int:
-    """Bytes of every parameter a decode step reads (the input embedding is gathered, not read)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is None:  # tied: the LM head reads the embedding
-        return total
-    return total - emb.numel() * emb.element_size()
-
-
-def _roofline(in_lens, out_lens, weights_read: int, kv_bytes_per_token: int, copy_bw: float, params: float,
-              gemm_rate: float, flops_per_decode_token: float | None = None) -> dict:
-    """Byte floor per decode step (and, given ``flops_per_decode_token``, the compute-aware one) summed over
-    this workload's schedule, plus the prefill FLOP floor (module docstring)."""
-    steps = max(out_lens)
-    decode_s = decode_ca_s = 0.0
-    active = list(zip(out_lens, in_lens))
-    for s in range(1, steps):  # output token 1 comes from the prefill; decode step s makes token s + 1
-        running = [(o, i) for o, i in active if o > s]
-        ctx = sum(i + s for o, i in running)
-        t_weights, t_kv = weights_read / copy_bw, ctx * kv_bytes_per_token / copy_bw
-        decode_s += t_weights + t_kv
-        if flops_per_decode_token is not None:
-            decode_ca_s += max(t_weights, flops_per_decode_token * len(running) / gemm_rate) + t_kv
-    prefill_s = 2 * params * sum(in_lens) / gemm_rate
-    n_out, n_in = sum(out_lens), sum(in_lens)
-    total = decode_s + prefill_s
-    out = {
-        "decode_floor_s": decode_s, "prefill_floor_s": prefill_s, "floor_s": total,
-        "output_tokens_per_s_at_floor": n_out / total, "total_tokens_per_s_at_floor": (n_in + n_out) / total,
-        "decode_only_output_tokens_per_s_at_floor": n_out / decode_s,
-    }
-    if flops_per_decode_token is not None:
-        out.update({"decode_floor_compute_aware_s": decode_ca_s, "floor_compute_aware_s": decode_ca_s + prefill_s})
-    return out
-
-
-def _matmul_params_per_token(model) -> float:
-    """Parameters one token multiplies through (the prefill floor's FLOPs are twice this per prompt token):
-    all of them but the input embedding when it is a separate table (gathered, not multiplied; a tied LM
-    head multiplies it once), and of a MoE layer's routed experts the fraction ``top_k / n_routed_experts`` (at
-    tensor parallelism ``model`` is rank 0's shard, holding ``n_routed_experts / tp`` experts: the same
-    fraction of them)."""
-    total = float(sum(p.numel() for p in model.parameters()))
-    emb = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
-        total -= emb.numel()
-    for m in model.modules():
-        routed = [getattr(m, n) for n in ("experts_gate_up", "experts_down") if hasattr(m, n)]
-        if routed:  # this rank's experts (all at TP=1); a token runs top_k of the n_routed_experts in expectation
-            total -= sum(w.numel() for w in routed) * (1.0 - m.gate.a.top_k / m.gate.a.n_routed_experts)
-    return total
-
-
-def _dense_decode_flops_per_token(model) -> float | None:
-    """2 x the elements a decode step reads as weights (one multiply-add each); None for MoE models."""
-    if any(hasattr(m, "experts_gate_up") for m in model.modules()):
-        return None
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
-        total -= emb.numel()
-    return 2.0 * total
-
-
 _CATEGORIES = [
     ("allreduce", re.compile(r"AllReduce", re.I)),  # NCCL all-reduce kernels (tensor parallelism)
     ("nccl_other", re.compile(r"nccl", re.I)),      # other NCCL kernels (e.g. the logits gather)
@@ -201,7 +148,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
             "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms}
 
 
-def _profile_decode(llm, in_len: int, weights_read: int, copy_bw: float) -> dict:
+def _profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float) -> dict:
     """Steady decode at min(num_prompts, max_num_seqs) running requests of ``in_len`` tokens."""
     from kvforge.engine.sampling_params import SamplingParams
 
@@ -226,7 +173,7 @@ def _profile_decode(llm, in_len: int, weights_read: int, copy_bw: float) -> dict
     wall_graph = (time.perf_counter() - t0) / timed
     ctx = in_len + 25
     kv_step = batch * ctx * engine.plan.bytes_per_token
-    floor_ms = (weights_read + kv_step) / copy_bw * 1e3 if copy_bw else None
+    floor_ms = (weights.at_batch(batch) + kv_step) / copy_bw * 1e3 if copy_bw else None
     result = {"batch": batch, "context_tokens": ctx, "step_floor_ms": floor_ms,
               "wall_ms_per_step_graph_timed": wall_graph * 1e3, "profiles": []}
     result["profiles"].append(_profile_steps(engine, 5, "cudagraph" if engine.runner.graphs else "eager"))
@@ -326,17 +273,18 @@ def offline_main(args: argparse.Namespace) -> int:
         result["graph_sizes"] = graphs.sizes if graphs else None
         copy_bw = _copy_bandwidth(engine.device)
         gemm = _gemm_rate(engine.device)
-        weights_read = _weights_read_bytes(engine.model)
-        roof = _roofline(in_lens, out_lens, weights_read, llm.plan.bytes_per_token, copy_bw,
-                         _matmul_params_per_token(engine.model), gemm, _dense_decode_flops_per_token(engine.model))
-        result.update({"copy_bandwidth_Bps": copy_bw, "gemm_bf16_flops": gemm, "weights_read_bytes": weights_read,
+        weights = step_weight_bytes(engine.model)
+        roof = roofline(in_lens, out_lens, weights, llm.plan.bytes_per_token, copy_bw,
+                        matmul_params_per_token(engine.model), gemm, dense_decode_flops_per_token(engine.model))
+        result.update({"copy_bandwidth_Bps": copy_bw, "gemm_bf16_flops": gemm, "weights_read_bytes": weights.total,
+                       "moe_routed_weight_bytes": weights.routed,
                        "kv_bytes_per_token": llm.plan.bytes_per_token, "roofline": roof,
                        "fraction_of_floor": roof["floor_s"] / med["seconds"]})
         if "floor_compute_aware_s" in roof:
             result["fraction_of_compute_aware_floor"] = roof["floor_compute_aware_s"] / med["seconds"]
     if args.profile_decode:
         result["decode_profile"] = _profile_decode(llm, round(sum(in_lens) / len(in_lens)),
-                                                   _weights_read_bytes(engine.model),
+                                                   step_weight_bytes(engine.model),
                                                    result.get("copy_bandwidth_Bps"))
     print(json.dumps(result, indent=2))
     if args.out:

@@ -1,0 +1,128 @@
+"""The memory/compute floor ``kvforge bench offline`` compares a run against (its module docstring says how).
+
+Everything here is arithmetic on a model's parameters and a workload's lengths, so it is tested with
+hand-computed numbers (tests/test_serve_bench.py); the measured rates (copy bandwidth, GEMM FLOP/s)
+come in as arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepWeightBytes:
+    """Weight bytes one decode step reads, as a function of the running batch.
+
+    ``dense`` is read by every step. ``routed`` (a MoE model's routed experts held on this rank) is read
+    only for the experts some running token picks. If each token picks ``top_k`` of ``n_experts`` uniformly,
+    an expert stays idle with probability ``(1 - top_k / n_experts) ** batch``, so a step reads
+    ``dense + routed x (1 - (1 - top_k / n_experts) ** batch)`` in expectation: ``top_k / n_experts`` of
+    the routed bytes at batch 1, nearly all of them from a few dozen requests. Dummy weights route close
+    to uniformly. A trained router favours some experts, touching fewer, so for real weights this is an
+    estimate rather than a strict lower bound. The strict bound, ``top_k / n_experts`` at every batch, is
+    loose beyond batch 1. At tensor parallelism ``routed`` is one rank's ``n_experts / tp`` experts and
+    the same fraction applies.
+
+    Invariants: ``routed == 0`` or ``1 <= top_k <= n_experts``; ``at_batch`` grows with the batch from
+    ``dense + routed x top_k / n_experts`` toward ``total``.
+    """
+
+    dense: int
+    routed: int = 0
+    top_k: int = 0
+    n_experts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.routed and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k {self.top_k} of {self.n_experts} experts: need 1 <= top_k <= n_experts")
+
+    @property
+    def total(self) -> int:
+        """Every weight byte a step could read (all experts)."""
+        return self.dense + self.routed
+
+    def at_batch(self, batch: int) -> float:
+        """Expected bytes a decode step of ``batch`` running requests reads (class docstring)."""
+        if not self.routed:
+            return float(self.dense)
+        idle = (1.0 - self.top_k / self.n_experts) ** max(1, batch)
+        return self.dense + self.routed * (1.0 - idle)
+
+
+def _routed_experts(model) -> list:
+    """The MoE modules of ``model`` that hold routed experts (``experts_gate_up`` / ``experts_down``)."""
+    return [m for m in model.modules() if hasattr(m, "experts_gate_up")]
+
+
+def step_weight_bytes(model) -> StepWeightBytes:
+    """:class:`StepWeightBytes` of ``model``: every parameter but a separate input embedding (gathered, not
+    read; a tied LM head reads it), with the routed experts' bytes kept apart."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if getattr(model, "lm_head", None) is not None:
+        total -= emb.numel() * emb.element_size()
+    moe = _routed_experts(model)
+    if not moe:
+        return StepWeightBytes(dense=total)
+    routed = sum(w.numel() * w.element_size() for m in moe for w in (m.experts_gate_up, m.experts_down))
+    gate = moe[0].gate.a
+    return StepWeightBytes(dense=total - routed, routed=routed, top_k=gate.top_k, n_experts=gate.n_routed_experts)
+
+
+def matmul_params_per_token(model) -> float:
+    """Parameters one token multiplies through (the prefill floor's FLOPs are twice this per prompt token):
+    all of them but the input embedding when it is a separate table (gathered, not multiplied; a tied LM
+    head multiplies it once), and of a MoE layer's routed experts the fraction ``top_k / n_routed_experts`` (at
+    tensor parallelism ``model`` is rank 0's shard, holding ``n_routed_experts / tp`` experts: the same
+    fraction of them)."""
+    total = float(sum(p.numel() for p in model.parameters()))
+    emb = model.model.embed_tokens.weight
+    if getattr(model, "lm_head", None) is not None:
+        total -= emb.numel()
+    for m in _routed_experts(model):  # this rank's experts (all at TP=1); a token runs top_k of them
+        routed = m.experts_gate_up.numel() + m.experts_down.numel()
+        total -= routed * (1.0 - m.gate.a.top_k / m.gate.a.n_routed_experts)
+    return total
+
+
+def dense_decode_flops_per_token(model) -> float | None:
+    """2 x the elements a decode step reads as weights (one multiply-add each); None for MoE models."""
+    if _routed_experts(model):
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if getattr(model, "lm_head", None) is not None:
+        total -= emb.numel()
+    return 2.0 * total
+
+
+def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv_bytes_per_token: int, copy_bw: float,
+             params: float, gemm_rate: float, flops_per_decode_token: float | None = None) -> dict:
+    """Byte floor per decode step (and, given ``flops_per_decode_token``, the compute-aware one) summed over
+    this workload's schedule, plus the prefill FLOP floor (kvforge/bench/offline.py's docstring). All
+    requests are admitted together; request ``r`` decodes for ``out_r - 1`` steps (its first token comes
+    from the prefill). ``weights``: a step's weight bytes at its batch (an int: the same at every batch)."""
+    if isinstance(weights, int):
+        weights = StepWeightBytes(dense=weights)
+    steps = max(out_lens)
+    decode_s = decode_ca_s = 0.0
+    active = list(zip(out_lens, in_lens))
+    for s in range(1, steps):  # output token 1 comes from the prefill; decode step s makes token s + 1
+        running = [(o, i) for o, i in active if o > s]
+        ctx = sum(i + s for o, i in running)
+        t_weights, t_kv = weights.at_batch(len(running)) / copy_bw, ctx * kv_bytes_per_token / copy_bw
+        decode_s += t_weights + t_kv
+        if flops_per_decode_token is not None:
+            decode_ca_s += max(t_weights, flops_per_decode_token * len(running) / gemm_rate) + t_kv
+    prefill_s = 2 * params * sum(in_lens) / gemm_rate
+    n_out, n_in = sum(out_lens), sum(in_lens)
+    total = decode_s + prefill_s
+    out = {
+        "decode_floor_s": decode_s, "prefill_floor_s": prefill_s, "floor_s": total,
+        "output_tokens_per_s_at_floor": n_out / total, "total_tokens_per_s_at_floor": (n_in + n_out) / total,
+        "decode_only_output_tokens_per_s_at_floor": n_out / decode_s,
+    }
+    if flops_per_decode_token is not None:
+        out.update({"decode_floor_compute_aware_s": decode_ca_s, "floor_compute_aware_s": decode_ca_s + prefill_s})
+    return out
