@@ -115,6 +115,9 @@ def test_split_rule_hand_counts():
     # 16 heads, fp8: rows staged through registers, 2 programs per SM -> floor(264 / 8) = 33
     assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=True) == 33
     assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=False) == 16
+    # batch 1 at 64k: fp8 pins MAX_SPLITS (two programs per SM), bf16 one split per SM
+    assert gm.pinned_num_splits(1, 16, 65536, 132, is_fp8=True) == 256
+    assert gm.pinned_num_splits(1, 16, 65536, 132, is_fp8=False) == 132
 
 
 @needs_gluon
@@ -165,7 +168,7 @@ def test_tokens_past_the_last_sequence_are_untouched():
 def test_forced_splits_and_block_sizes(kv):
     for bs in (1, 16, 64):
         cache, meta, q_latent, q_rope, scale = _batch(6, kv, 16, "cuda", block_size=bs, seed=bs)
-        for splits in (1, 2, 7, 32):
+        for splits in (1, 2, 7, 32, gm.MAX_SPLITS):  # MAX_SPLITS: most splits empty (lengths <= 3000)
             err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits)
             assert err <= BOUND, (kv, bs, splits, err)
 

@@ -1,5 +1,5 @@
 """The split-K merge kernel (``triton_paged_attention.merge_split_partials``) under the Triton interpreter
-on CPU, against a float64 merge: up to 128 splits x 512 columns (the MLA decode's batch-1 case, columns
+on CPU, against a float64 merge: up to 256 splits x 512 columns (the MLA decode's batch-1 case, columns
 spread over several programs), and splits with no token (max -inf, sum 0) whose accumulator rows hold
 NaN, as when a split-K kernel leaves them unwritten: they must not reach the output. Runs in a subprocess
 because ``TRITON_INTERPRET`` is read when the kernels are defined; skipped without Triton."""
@@ -41,6 +41,8 @@ SCRIPT = textwrap.dedent('''
         assert torch.all(out[t - 1] == 7.0), "the padding token's row was written"
 
     case(3, 2, 128, 512, 512, 3, 0)  # 128 splits: 64 columns per program, 8 programs per (token, head)
+    case(2, 2, 256, 512, 512, 3, 0)  # 256 (the wgmma MLA cap): 32 columns per program, 16 programs
+    case(2, 1, 256, 512, 512, 1, 4)  # 256 splits, all but one empty (a short sequence under a pinned graph)
     case(2, 1, 64, 512, 512, 5, 2)
     case(3, 4, 5, 96, 128, 2, 1)  # GQA-like: D 96 padded to 128, one program per (token, head)
     print("ok")

@@ -53,7 +53,8 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: The wgmma kernel serves decode up to this many heads per rank. Measured on the H200 (docs/MLA.md):
 #: faster than the tl.dot kernel at 8, 16, 32 and 128 heads with a model-dtype query over bf16 and fp8
-#: caches (64 heads not measured; it runs the 32-head program twice). An fp8 query (declared from 64
+#: caches (64 heads not measured; it runs the 32-head program twice), except bf16 at 128 heads x batch 128
+#: x 64k, 4.5% slower (seventh session; the only shape measured where it loses). An fp8 query (declared from 64
 #: heads) stays with the tl.dot kernel, which has the fp8 x fp8 dot.
 MAX_ROUTED_HEADS: int = 128
 

@@ -596,7 +596,7 @@ def paged_attention(
 
 
 #: Partials one merge program holds at once (splits x columns): 64 float32 per thread at 4 warps. Past it
-#: the columns are split across programs (the MLA decode's 512 columns at 64-128 splits).
+#: the columns are split across programs (the MLA decode's 512 columns at 64-256 splits).
 MERGE_TILE_ELEMENTS: int = 8192
 
 
