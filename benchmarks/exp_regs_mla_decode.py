@@ -2,8 +2,16 @@
 
     PYTHONUNBUFFERED=1 python3 benchmarks/exp_regs_mla_decode.py [--out DIR]
 
-Status: written in the seventh session, compiled offline for sm_90 (Triton 3.6), **not yet run on a GPU**.
-Kept out of the ``kvforge`` package; nothing routes here. ``main`` checks it against the tl.dot kernel and
+Status: not adopted. Written in the seventh session and compiled offline for sm_90 (Triton 3.6). Its
+first GPU run (08:30 UTC, 1x H200) was correct on the first try: max relative difference to the tl.dot
+kernel 6.3e-4 to 5.3e-3 (e4m3), 2.3e-3 (e5m2); bound 2^-6. It was slower than the engine's wgmma kernel:
+- 16 heads, 32 x 64k: 573.9 vs 472.1 us (50% vs 60% of the copy bandwidth);
+- 8 heads, 128 x 64k: 2254.8 vs 1718.9 us (50% vs 66%);
+- 16 heads, 1 x 64k: 56.1 vs 36.5 us.
+
+Each program has one tile's loads in flight and nothing across iterations (255 registers, two programs
+per SM), so the DRAM latency is exposed. docs/MLA.md has the next step. Kept out of the ``kvforge``
+package; nothing routes here. ``main`` checks it against the tl.dot kernel and
 times it beside the engine's wgmma kernel (:mod:`kvforge.kernels.gluon_mla_decode`).
 
 Why: the engine's fp8 path stages each 64-token tile into an fp16 copy in shared memory that both products
