@@ -3,7 +3,7 @@
     PYTHONUNBUFFERED=1 python3 benchmarks/exp_regs_mla_decode.py [--out DIR]
 
 Status: not adopted. Written in the seventh session and compiled offline for sm_90 (Triton 3.6). Its
-first GPU run (08:30 UTC, 1x H200) was correct on the first try: max relative difference to the tl.dot
+first GPU run (08:22 UTC, 1x H200) was correct on the first try: max relative difference to the tl.dot
 kernel 6.3e-4 to 5.3e-3 (e4m3), 2.3e-3 (e5m2); bound 2^-6. It was slower than the engine's wgmma kernel:
 - 16 heads, 32 x 64k: 573.9 vs 472.1 us (50% vs 60% of the copy bandwidth);
 - 8 heads, 128 x 64k: 2254.8 vs 1718.9 us (50% vs 66%);
