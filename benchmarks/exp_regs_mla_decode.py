@@ -191,6 +191,10 @@ if HAS_GLUON:
         acc3 = gl.zeros([128, NH], gl.float32, layout=MMA)
         n_off = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
         s_zero = gl.zeros([64, NH], gl.float32, layout=MMA)
+        # No prefetch across iterations: a load in flight at the proxy fence before P x V would be waited for
+        # there (the fence is a MEMBAR). A rotated loop that issued the next tile's score rows before this
+        # tile's P x V was compiled offline (sm_90, Triton 3.6): ptxas sank those loads below the P x V wgmmas,
+        # next to their use, so it prefetched nothing and was dropped.
         for i in range(num_tiles):
             start = lo + i * 64
             row_x, ok_x = _token_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, gl.SliceLayout(1, LX))
