@@ -53,10 +53,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvforge.kernels.gluon_support import HAS_GLUON, gl, gluon, gluon_runs_on  # noqa: E402
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on  # noqa: E402
 from kvforge.kernels.triton_paged_attention import _LOG2E, _num_sms, merge_split_partials  # noqa: E402
 
 if HAS_GLUON:
+    from kvforge.kernels.gluon_mla_decode import _issue_rows
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
@@ -129,6 +130,7 @@ if HAS_GLUON:
         sm_scale_log2, num_splits,
         stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
         NUM_HEADS: gl.constexpr, NH: gl.constexpr, BLOCK_SIZE: gl.constexpr, USE_SPLIT: gl.constexpr,
+        FROM_RING: gl.constexpr, NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -182,6 +184,20 @@ if HAS_GLUON:
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
         cx = gl.arange(0, 64, layout=gl.SliceLayout(0, LX))
         cy = gl.arange(0, _R, layout=gl.SliceLayout(0, LY))
+        if FROM_RING:
+            # FROM_RING: the rows land in a NUM_STAGES-deep ring of raw fp8 tiles by cp.async (as the engine's
+            # fp8 ring path lands them), and both operands are read from it with 16-byte shared loads in the
+            # same register layouts. Nothing reads the ring through the async proxy, so it needs no proxy
+            # fence, and the copies of later tiles stay in flight across the one before P x V. The 16-byte
+            # XOR swizzle keeps both read patterns free of bank conflicts (worked out by hand, not measured).
+            RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+            LAT_COPY: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [4, 1], [1, 0])
+            ROPE_COPY: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+            lat_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _R], RAW)
+            rope_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _P], RAW)
+            for j in gl.static_range(NUM_STAGES - 1):
+                _issue_rows(lat_ring.index(j), rope_ring.index(j), cache_ptr, bt_row, lo + j * 64, hi, stride_cb,
+                            stride_cs, BLOCK_SIZE, 64, _R, _P, LAT_COPY, ROPE_COPY)  # fmt: skip
 
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
@@ -197,19 +213,39 @@ if HAS_GLUON:
         # next to their use, so it prefetched nothing and was dropped.
         for i in range(num_tiles):
             start = lo + i * 64
-            row_x, ok_x = _token_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, gl.SliceLayout(1, LX))
-            px = cache_ptr + row_x[:, None] + cx[None, :]
-            mx = ok_x[:, None] & (cx >= 0)[None, :]
-            # the whole tile's score operand goes out at once (72 registers of fp8)
-            x0 = gl.load(px, mask=mx, other=0.0)
-            x1 = gl.load(px + 64, mask=mx, other=0.0)
-            x2 = gl.load(px + 128, mask=mx, other=0.0)
-            x3 = gl.load(px + 192, mask=mx, other=0.0)
-            x4 = gl.load(px + 256, mask=mx, other=0.0)
-            x5 = gl.load(px + 320, mask=mx, other=0.0)
-            x6 = gl.load(px + 384, mask=mx, other=0.0)
-            x7 = gl.load(px + 448, mask=mx, other=0.0)
-            x8 = gl.load(px + 512, mask=mx, other=0.0)
+            if FROM_RING:
+                stage = i % NUM_STAGES
+                async_copy.wait_group(NUM_STAGES - 2)
+                gl.thread_barrier()  # tile i landed for every thread; tile i-1's stage is free
+                nxt = i + NUM_STAGES - 1
+                _issue_rows(lat_ring.index(nxt % NUM_STAGES), rope_ring.index(nxt % NUM_STAGES), cache_ptr, bt_row,
+                            lo + nxt * 64, hi, stride_cb, stride_cs, BLOCK_SIZE, 64, _R, _P, LAT_COPY,
+                            ROPE_COPY)  # fmt: skip
+                lat = lat_ring.index(stage)
+                x0 = lat.slice(0, 64, dim=1).load(LX)
+                x1 = lat.slice(64, 64, dim=1).load(LX)
+                x2 = lat.slice(128, 64, dim=1).load(LX)
+                x3 = lat.slice(192, 64, dim=1).load(LX)
+                x4 = lat.slice(256, 64, dim=1).load(LX)
+                x5 = lat.slice(320, 64, dim=1).load(LX)
+                x6 = lat.slice(384, 64, dim=1).load(LX)
+                x7 = lat.slice(448, 64, dim=1).load(LX)
+                x8 = rope_ring.index(stage).load(LX)
+            else:
+                row_x, ok_x = _token_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE,
+                                             gl.SliceLayout(1, LX))  # fmt: skip
+                px = cache_ptr + row_x[:, None] + cx[None, :]
+                mx = ok_x[:, None] & (cx >= 0)[None, :]
+                # the whole tile's score operand goes out at once (72 registers of fp8)
+                x0 = gl.load(px, mask=mx, other=0.0)
+                x1 = gl.load(px + 64, mask=mx, other=0.0)
+                x2 = gl.load(px + 128, mask=mx, other=0.0)
+                x3 = gl.load(px + 192, mask=mx, other=0.0)
+                x4 = gl.load(px + 256, mask=mx, other=0.0)
+                x5 = gl.load(px + 320, mask=mx, other=0.0)
+                x6 = gl.load(px + 384, mask=mx, other=0.0)
+                x7 = gl.load(px + 448, mask=mx, other=0.0)
+                x8 = gl.load(px + 512, mask=mx, other=0.0)
             # One chunk's wgmma in flight while the next chunk converts; an operand's registers stay alive
             # (the wait's deps) until the wait that retires its wgmma.
             a0 = _score_operand(x0, DOT_A)
@@ -238,7 +274,9 @@ if HAS_GLUON:
             a8 = _score_operand(x8, DOT_A)
             s = warpgroup_mma(a8, qr_smem.permute((1, 0)), s, is_async=True)
             s, a7 = warpgroup_mma_wait(1, deps=(s, a7))
-            row_y, ok_y = _token_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE, gl.SliceLayout(1, LY))
+            if not FROM_RING:
+                row_y, ok_y = _token_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE,
+                                             gl.SliceLayout(1, LY))  # fmt: skip
             s, a8 = warpgroup_mma_wait(0, deps=(s, a8))
 
             s = s * qk_scale
@@ -256,7 +294,11 @@ if HAS_GLUON:
             # The P x V operand: the same lines again, now in L1. Loaded only here, after the barrier: hoisted
             # above the score product (as ptxas did) it doubled the live fp8 registers and spilled; before the
             # proxy fence it would be waited for there (the fence is a MEMBAR).
-            y = gl.load(cache_ptr + row_y[:, None] + cy[None, :], mask=ok_y[:, None] & (cy >= 0)[None, :], other=0.0)
+            if FROM_RING:
+                y = lat.load(LY)
+            else:
+                y = gl.load(cache_ptr + row_y[:, None] + cy[None, :], mask=ok_y[:, None] & (cy >= 0)[None, :],
+                            other=0.0)  # fmt: skip
             y = gl.reshape(y, [64, 32, 2, 2, 4])  # (token, c4..c8, c3, c2, c0 c1), still fp8: 64 registers
             y = gl.permute(y, (0, 1, 3, 4, 2))
             y_c3lo, y_c3hi = gl.split(y)
@@ -275,6 +317,8 @@ if HAS_GLUON:
             acc2, b2 = warpgroup_mma_wait(1, deps=(acc2, b2))
             acc3, b3 = warpgroup_mma_wait(0, deps=(acc3, b3))
 
+        if FROM_RING:
+            async_copy.wait_group(0)
         l_i = gl.sum(l_tile, 0)
         scale = gl.load(scale_ptr)
         ho = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
@@ -313,8 +357,10 @@ def supports(q_latent: torch.Tensor, cache: torch.Tensor) -> bool:
             and r == R and cache.shape[-1] == R + P and h <= 16)  # fmt: skip
 
 
-def mla_decode_regs(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, programs_per_sm=2):
-    """``o_latent [T, H, R]`` as ``gluon_mla_decode.mla_decode_wgmma`` computes it (fp8 cache only)."""
+def mla_decode_regs(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, programs_per_sm=2,
+                    from_ring=False, stages=2):
+    """``o_latent [T, H, R]`` as ``gluon_mla_decode.mla_decode_wgmma`` computes it (fp8 cache only).
+    ``from_ring``: operands read from a ``stages``-deep cp.async ring (kernel comment) instead of global."""
     if not supports(q_latent, cache):
         raise ValueError("outside the register-operand MLA experiment's scope (see supports)")
     t, h, r = q_latent.shape
@@ -334,10 +380,19 @@ def mla_decode_regs(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_
         scale, float(softmax_scale) * _LOG2E, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
-        NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], USE_SPLIT=True, num_warps=4,
+        NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], USE_SPLIT=True, FROM_RING=bool(from_ring),
+        NUM_STAGES=int(stages), num_warps=4,
     )  # fmt: skip
     merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
     return out
+
+
+#: What ``main`` checks against the tl.dot kernel and times beside the engine's kernel.
+VARIANTS = {
+    "regs": mla_decode_regs,
+    "regs_ring2": functools.partial(mla_decode_regs, from_ring=True, stages=2),
+    "regs_ring3": functools.partial(mla_decode_regs, from_ring=True, stages=3, programs_per_sm=1),
+}
 
 
 def main() -> None:
@@ -363,13 +418,16 @@ def main() -> None:
                 continue  # one long e5m2 case would only repeat the e4m3 timing
             cache, meta, ql, qr = make_case(batch, ctx, heads, dt)
             want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE, _config={"wgmma": False}).float()
-            got = mla_decode_regs(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
-            rel = ((got - want).abs().max() / want.abs().max()).item()
-            ok = bool(torch.isfinite(got).all()) and rel <= 2.0 ** -6
-            row[f"{name}_max_rel"] = rel
+            ok = {}
+            for label, fn in VARIANTS.items():
+                got = fn(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
+                rel = ((got - want).abs().max() / want.abs().max()).item()
+                ok[label] = bool(torch.isfinite(got).all()) and rel <= 2.0 ** -6
+                row[f"{name}_{label}_max_rel"] = rel
             nbytes = bytes_read(batch, ctx, heads, 1)
-            if ok and name == "e4m3":
-                for label, fn in (("regs", mla_decode_regs), ("wgmma", mla_decode_wgmma)):
+            if name == "e4m3":
+                timed = {k: v for k, v in VARIANTS.items() if ok[k]}
+                for label, fn in dict(timed, wgmma=mla_decode_wgmma).items():
                     med, lo, hi = bench(functools.partial(fn, ql, qr, cache, meta, scale, SOFTMAX_SCALE))
                     row[label] = dict(us=med, min=lo, max=hi, pct_copy=100 * nbytes / (med * 1e-6) / cbw)
             del cache
