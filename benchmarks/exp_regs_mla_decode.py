@@ -10,8 +10,15 @@ kernel 6.3e-4 to 5.3e-3 (e4m3), 2.3e-3 (e5m2); bound 2^-6. It was slower than th
 - 16 heads, 1 x 64k: 56.1 vs 36.5 us.
 
 Each program has one tile's loads in flight and nothing across iterations (255 registers, two programs
-per SM), so the DRAM latency is exposed. docs/MLA.md has the next step. Kept out of the ``kvforge``
-package; nothing routes here. ``main`` checks it against the tl.dot kernel and
+per SM), so the DRAM latency is exposed.
+
+The ``from_ring`` variants (``regs_ring2``, ``regs_ring3`` in ``VARIANTS``) were written after that run
+and compiled offline, **not yet run on a GPU**. cp.async lands the rows in a 2- or 3-stage ring of raw fp8
+tiles, and the operands are read from it with 16-byte shared loads in the same register layouts. The
+next tiles' copies are then in flight across the whole iteration. Each tile passes shared memory once
+written and twice read as fp8: about 106 KB instead of about 212 KB. Offline: 2 stages take 95 KB of
+shared memory (two programs per SM) with an 8-byte spill; 3 stages take 132 KB (one program) with 24.
+Kept out of the ``kvforge`` package; nothing routes here. ``main`` checks it against the tl.dot kernel and
 times it beside the engine's wgmma kernel (:mod:`kvforge.kernels.gluon_mla_decode`).
 
 Why: the engine's fp8 path stages each 64-token tile into an fp16 copy in shared memory that both products
@@ -57,12 +64,13 @@ from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluo
 from kvforge.kernels.triton_paged_attention import _LOG2E, _num_sms, merge_split_partials  # noqa: E402
 
 if HAS_GLUON:
-    from kvforge.kernels.gluon_mla_decode import _issue_rows
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
+    from kvforge.kernels.gluon_mla_decode import _issue_rows
 
 R, P = 512, 64
 if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globals)
