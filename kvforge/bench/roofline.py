@@ -50,6 +50,16 @@ class StepWeightBytes:
         return self.dense + self.routed * (1.0 - idle)
 
 
+def _weights_used(model, in_bytes: bool) -> int:
+    """Elements (or bytes) of every parameter but a separate input embedding, which is gathered, not
+    multiplied or streamed; a tied LM head multiplies it, so it counts then."""
+    size = (lambda t: t.numel() * t.element_size()) if in_bytes else (lambda t: t.numel())
+    total = sum(size(p) for p in model.parameters())
+    if getattr(model, "lm_head", None) is not None:
+        total -= size(model.model.embed_tokens.weight)
+    return total
+
+
 def _routed_experts(model) -> list:
     """The MoE modules of ``model`` that hold routed experts (``experts_gate_up`` / ``experts_down``)."""
     return [m for m in model.modules() if hasattr(m, "experts_gate_up")]
@@ -58,10 +68,7 @@ def _routed_experts(model) -> list:
 def step_weight_bytes(model) -> StepWeightBytes:
     """:class:`StepWeightBytes` of ``model``: every parameter but a separate input embedding (gathered, not
     read; a tied LM head reads it), with the routed experts' bytes kept apart."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
-        total -= emb.numel() * emb.element_size()
+    total = _weights_used(model, in_bytes=True)
     moe = _routed_experts(model)
     if not moe:
         return StepWeightBytes(dense=total)
@@ -76,10 +83,7 @@ def matmul_params_per_token(model) -> float:
     head multiplies it once), and of a MoE layer's routed experts the fraction ``top_k / n_routed_experts`` (at
     tensor parallelism ``model`` is rank 0's shard, holding ``n_routed_experts / tp`` experts: the same
     fraction of them)."""
-    total = float(sum(p.numel() for p in model.parameters()))
-    emb = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
-        total -= emb.numel()
+    total = float(_weights_used(model, in_bytes=False))
     for m in _routed_experts(model):  # this rank's experts (all at TP=1); a token runs top_k of them
         routed = m.experts_gate_up.numel() + m.experts_down.numel()
         total -= routed * (1.0 - m.gate.a.top_k / m.gate.a.n_routed_experts)
@@ -90,11 +94,7 @@ def dense_decode_flops_per_token(model) -> float | None:
     """2 x the elements a decode step reads as weights (one multiply-add each); None for MoE models."""
     if _routed_experts(model):
         return None
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.model.embed_tokens.weight
-    if getattr(model, "lm_head", None) is not None:
-        total -= emb.numel()
-    return 2.0 * total
+    return 2.0 * _weights_used(model, in_bytes=False)
 
 
 def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv_bytes_per_token: int, copy_bw: float,
