@@ -396,8 +396,11 @@ def test_prefill_mode_auto_absorbs_short_prefills_only(monkeypatch):
     assert triton_mla.prefill_absorbed(step((8, bound + 1)))
     monkeypatch.setattr(triton_mla, "PREFILL_MODE", "expanded")
     assert not triton_mla.prefill_absorbed(step((8, 16)))
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "sdpa")  # expanded, through mla_prefill_sdpa
+    assert not triton_mla.prefill_absorbed(step((8, 16)))
     assert triton_mla.parse_prefill_mode(" Absorbed ") == "absorbed"
-    with pytest.raises(ValueError, match="choose 'auto', 'expanded' or 'absorbed'"):
+    assert triton_mla.parse_prefill_mode("SDPA") == "sdpa"
+    with pytest.raises(ValueError, match="choose one of auto, expanded, absorbed, sdpa"):
         triton_mla.parse_prefill_mode("sometimes")
 
 

@@ -235,10 +235,11 @@ def _greedy(llm, n=12):
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
-@pytest.mark.parametrize("prefill", ["expanded", "absorbed", "auto"])
+@pytest.mark.parametrize("prefill", ["expanded", "absorbed", "auto", "sdpa"])
 def test_gpu_deepseek_fp32_triton_equals_cpu_reference(tmp_path, monkeypatch, eager, prefill):
     """float32 weights and latent cache: the Triton MLA path (IEEE fp32 dots) gives the CPU reference's greedy
-    tokens, with prefill steps expanded (the reference), absorbed, or chosen by length (``KVFORGE_MLA_PREFILL``)."""
+    tokens, with prefill steps expanded (the reference or, "sdpa", torch's fused attention), absorbed, or chosen
+    by length (``KVFORGE_MLA_PREFILL``)."""
     import kvforge.attention.triton_mla as triton_mla
 
     monkeypatch.setattr(triton_mla, "PREFILL_MODE", prefill)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.mla_prefill_sdpa import mla_prefill_sdpa
 from kvforge.attention.mla_reference import mla_prefill
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
@@ -28,11 +29,15 @@ from kvforge.kernels.triton_mla_decode import mla_decode
 __all__ = ["mla_attention", "mla_decode", "parse_prefill_mode", "per_token_metadata", "prefill_absorbed",
            "write_mla_cache"]
 
+#: The values ``KVFORGE_MLA_PREFILL`` takes (see ``PREFILL_MODE``).
+PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
+
+
 def parse_prefill_mode(value: str) -> str:
-    """``KVFORGE_MLA_PREFILL``'s value, checked: "auto", "expanded" or "absorbed" (see ``PREFILL_MODE``)."""
+    """``KVFORGE_MLA_PREFILL``'s value, checked against ``PREFILL_MODES``."""
     mode = value.strip().lower()
-    if mode not in ("auto", "expanded", "absorbed"):
-        raise ValueError(f"KVFORGE_MLA_PREFILL={value!r}: choose 'auto', 'expanded' or 'absorbed'")
+    if mode not in PREFILL_MODES:
+        raise ValueError(f"KVFORGE_MLA_PREFILL={value!r}: choose one of {', '.join(PREFILL_MODES)}")
     return mode
 
 
@@ -44,6 +49,9 @@ def parse_prefill_mode(value: str) -> str:
 #: step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens long, prefix included, else expanded. Measured on
 #: DeepSeek-V2-Lite (H200): absorbed gives 1.5x the output tokens/s at 100-512-token prompts and 2.1-2.5x at
 #: 1k-4k (docs/BENCHMARKS.md section 6, sixth session); longer ones were not measured and stay expanded.
+#: "sdpa": every step with a prefill chunk expands the latents in the model dtype and attends with torch's
+#: fused attention (:mod:`kvforge.attention.mla_prefill_sdpa`; seventh session, CPU-tested, not yet measured
+#: on a GPU, hence opt-in).
 PREFILL_MODE: str = parse_prefill_mode(os.environ.get("KVFORGE_MLA_PREFILL", "auto"))
 #: "auto"'s bound on the longest sequence with a prefill chunk in a step that runs absorbed: the longest
 #: measured (see PREFILL_MODE).
@@ -118,7 +126,8 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     """
     decode = meta.max_query_len <= 1
     if not decode and not prefill_absorbed(meta):
-        return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
+        expand = mla_prefill_sdpa if PREFILL_MODE == "sdpa" else mla_prefill
+        return expand(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
     if not decode:  # absorbed: every query token as a decode query over its causal prefix
         meta = _per_token_for_step(meta, q_nope.shape[0])
         query_dtype = num_splits = None  # prefill keeps the model-dtype query (the plan's dtype is for decode)
