@@ -113,3 +113,20 @@ def test_gpu_sdpa_prefill_long_chunk_in_bf16():
                            192 ** -0.5, cuda["w_uk"].bfloat16(), cuda["w_uv"].bfloat16())  # fmt: skip
     err = (got.float() - want).abs().max().item()
     assert torch.isfinite(got).all() and err <= 2.0 ** -6 * want.abs().max().item(), err
+
+
+def test_triton_mla_sends_prefill_steps_here_in_sdpa_mode(monkeypatch):
+    """``KVFORGE_MLA_PREFILL=sdpa``: the Triton MLA backend's prefill steps go through mla_prefill_sdpa
+    ("expanded" keeps the reference). Prefill steps never reach a Triton kernel, so this runs on CPU."""
+    import kvforge.attention.triton_mla as triton_mla
+
+    cache, meta, q_nope, q_rope, w_uk, w_uv, _ = _step(torch.float32, 1.0, 16)
+    calls = []
+    monkeypatch.setattr(triton_mla, "mla_prefill_sdpa", lambda *a: calls.append("sdpa") or mla_prefill_sdpa(*a))
+    monkeypatch.setattr(triton_mla, "mla_prefill", lambda *a: calls.append("reference") or mla_prefill(*a))
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "sdpa")
+    got = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
+    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "expanded")
+    want = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
+    assert calls == ["sdpa", "reference"]
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
