@@ -13,7 +13,8 @@ ptxas sank a prefetch below the products and that an early load spilled (docs/ML
 The kernels' modules import torch for their launchers only. This script gives them a stand-in
 ``torch`` module (dtype names and nothing else), so an environment holding just Triton 3.6 (the
 version the Gluon gate accepts) is enough. ``KEY=VALUE`` arguments override the kernel's constexprs;
-pointer and stride types are fixed (bf16 query, fp8 e4m3 cache unless ``CACHE=bf16``).
+pointer and stride types are fixed (bf16 query; fp8 e4m3 cache unless ``--cache``, and ``--cache bf16``
+sets ``IS_FP8=0`` for the wgmma kernel).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv"):
 
     kernel = dict(zip(("wgmma", "regs"), _kernels()))[which]
     const = dict(DEFAULTS[which], **overrides)
+    if which == "wgmma" and "IS_FP8" not in overrides:
+        const["IS_FP8"] = cache.startswith("fp8")
     sig = {"ql_ptr": "*bf16", "qr_ptr": "*bf16", "cache_ptr": f"*{cache}", "out_ptr": "*bf16",
            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
            "bt_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32", "num_splits": "i32"}

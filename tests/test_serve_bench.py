@@ -235,3 +235,28 @@ def test_step_weight_bytes_of_a_tiny_deepseek():
     assert w.routed == 2 * 8 * (64 * 64 + 64 * 32) * 4 == 393216
     assert (w.top_k, w.n_experts) == (2, 8)
     assert w.dense == total - 256 * 64 * 4 - w.routed
+
+
+def test_roofline_without_decode_steps_and_tied_embeddings():
+    """Every output is the prefill's one token: no decode step, so the decode-only rate is None (it divided
+    by zero). And a tied embedding counts once: the LM head reads it, so it stays in the weights a step
+    reads, where a separate input table (gathered, not read) does not."""
+    import torch
+
+    from kvforge.bench.roofline import dense_decode_flops_per_token, roofline, step_weight_bytes
+
+    r = roofline([10, 20], [1, 1], 1000, 10, 1000.0, 100, 1000.0)
+    assert r["decode_floor_s"] == 0 and r["decode_only_output_tokens_per_s_at_floor"] is None
+
+    class Toy(torch.nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(10, 4)  # 40 parameters
+            self.body = torch.nn.Linear(4, 4, bias=False)  # 16
+            self.lm_head = None if tied else torch.nn.Linear(4, 10, bias=False)  # 40
+
+    assert step_weight_bytes(Toy(tied=True)).total == (40 + 16) * 4
+    assert step_weight_bytes(Toy(tied=False)).total == (16 + 40) * 4
+    assert dense_decode_flops_per_token(Toy(tied=True)) == 2.0 * 56
+    assert dense_decode_flops_per_token(Toy(tied=False)) == 2.0 * 56

@@ -4,8 +4,12 @@ The reference (:func:`kvforge.attention.mla_reference.mla_prefill`) expands each
 per-head K/V and attends with float32 einsums. It is exact, but slow on a GPU at long prompts. This
 module computes the same attention with the expansion as two batched matmuls in the model dtype. The
 attention itself is one fused ``scaled_dot_product_attention`` call per sequence, with a lower-right
-causal mask: the chunk's queries are the last ``query_len`` of ``seq_len`` positions. On CUDA, torch
-picks a flash or memory-efficient kernel; on CPU, its math path. For long prompts the expanded form
+causal mask: the chunk's queries are the last ``query_len`` of ``seq_len`` positions. V is zero-padded
+to the query/key head dim (192 for DeepSeek, against 128), because torch's flash kernel takes only equal
+head dims; the padding columns are dropped. On CUDA, torch picks flash or a memory-efficient kernel; on
+CPU, its math path. Query rows go in chunks, so that a fallback to the math path (which materializes the
+scores) holds at most ``SDPA_SCORE_ELEMENTS`` of them. Each chunk attends to the keys up to its last
+position, which keeps the alignment. For long prompts the expanded form
 costs ``2 x (qk_head_dim + v_head_dim)`` FLOPs per query, key and head (640 for DeepSeek-V2/V3). The
 absorbed form through the decode kernels costs ``2 x (R + P + R)`` (2176). The expansion is
 ``2 x R x (Dn + V)`` per key and head, paid once per chunk.
@@ -23,6 +27,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla_reference import _check_cache, _dequant_factor, _gather, _sequences
+
+__all__ = ["SDPA_SCORE_ELEMENTS", "mla_prefill_sdpa"]
+
+#: Scores per query-row chunk at most (heads x rows x keys): 1 GiB of float32 should torch fall back to its
+#: math path; a fused kernel never materializes them, and sees the chunks as separate calls.
+SDPA_SCORE_ELEMENTS: int = 1 << 28
 
 
 def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -58,9 +68,16 @@ def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
         c = rows[:, :r].expand(h, sl, r)
         k = torch.cat([torch.bmm(c, wk), rows[None, :, r:].expand(h, sl, width - r)], dim=-1)  # [H, L, Dn + P]
         v = torch.bmm(c, wv)  # [H, L, V]
-        s0 = qsl[i]
-        q = torch.cat([q_nope[s0:s0 + ql], q_rope[s0:s0 + ql]], dim=-1).transpose(0, 1)  # [H, ql, Dn + P]
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(ql, sl),
-                                           scale=float(softmax_scale))  # fmt: skip
-        out[s0:s0 + ql] = o[0].transpose(0, 1)
+        dv = v.shape[-1]
+        if dv < k.shape[-1]:
+            v = F.pad(v, (0, k.shape[-1] - dv))
+        q_all = torch.cat([q_nope[qsl[i]:qsl[i] + ql], q_rope[qsl[i]:qsl[i] + ql].to(dtype)], dim=-1)
+        rows_per_chunk = max(1, SDPA_SCORE_ELEMENTS // (h * sl))
+        for c0 in range(0, ql, rows_per_chunk):
+            n = min(rows_per_chunk, ql - c0)
+            end = sl - ql + c0 + n  # keys this chunk's last query sees
+            q = q_all[c0:c0 + n].transpose(0, 1)  # [H, n, Dn + P]
+            o = F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
+                                               attn_mask=causal_lower_right(n, end), scale=float(softmax_scale))
+            out[qsl[i] + c0:qsl[i] + c0 + n] = o[0, ..., :dv].transpose(0, 1)
     return out

@@ -5,8 +5,10 @@ kernel (:mod:`kvforge.kernels.triton_mla_decode`); steps with a prefill chunk
 run every query token through the decode kernels (:func:`per_token_metadata`)
 when the step's prefilling sequences are short, else expand the cached latents to
 per-head K/V with the PyTorch reference
-(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only); see
-``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
+(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only) or, in "sdpa"
+mode, in the model dtype with torch's fused attention
+(:mod:`kvforge.attention.mla_prefill_sdpa`); see ``PREFILL_MODE``
+(``KVFORGE_MLA_PREFILL``). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
 ``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
 "fp8_e4m3" where the declaration (triton_mla_backend.py) allows it; it applies
@@ -26,8 +28,8 @@ from kvforge.attention.mla_reference import mla_prefill
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
 
-__all__ = ["mla_attention", "mla_decode", "parse_prefill_mode", "per_token_metadata", "prefill_absorbed",
-           "write_mla_cache"]
+__all__ = ["PREFILL_MODES", "mla_attention", "mla_decode", "parse_prefill_mode", "per_token_metadata",
+           "prefill_absorbed", "write_mla_cache"]
 
 #: The values ``KVFORGE_MLA_PREFILL`` takes (see ``PREFILL_MODE``).
 PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")

@@ -148,7 +148,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
             "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms}
 
 
-def _profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float) -> dict:
+def _profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float | None) -> dict:
     """Steady decode at min(num_prompts, max_num_seqs) running requests of ``in_len`` tokens."""
     from kvforge.engine.sampling_params import SamplingParams
 

@@ -103,8 +103,8 @@ def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv_bytes_per_tok
     this workload's schedule, plus the prefill FLOP floor (kvforge/bench/offline.py's docstring). All
     requests are admitted together; request ``r`` decodes for ``out_r - 1`` steps (its first token comes
     from the prefill). ``weights``: a step's weight bytes at its batch (an int: the same at every batch)."""
-    if isinstance(weights, int):
-        weights = StepWeightBytes(dense=weights)
+    if not isinstance(weights, StepWeightBytes):
+        weights = StepWeightBytes(dense=int(weights))
     steps = max(out_lens)
     decode_s = decode_ca_s = 0.0
     active = list(zip(out_lens, in_lens))
@@ -121,7 +121,8 @@ def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv_bytes_per_tok
     out = {
         "decode_floor_s": decode_s, "prefill_floor_s": prefill_s, "floor_s": total,
         "output_tokens_per_s_at_floor": n_out / total, "total_tokens_per_s_at_floor": (n_in + n_out) / total,
-        "decode_only_output_tokens_per_s_at_floor": n_out / decode_s,
+        # None when no decode step runs (every output is the prefill's one token)
+        "decode_only_output_tokens_per_s_at_floor": n_out / decode_s if decode_s else None,
     }
     if flops_per_decode_token is not None:
         out.update({"decode_floor_compute_aware_s": decode_ca_s, "floor_compute_aware_s": decode_ca_s + prefill_s})
