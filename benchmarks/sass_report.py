@@ -83,6 +83,8 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv"):
     const = dict(DEFAULTS[which], **overrides)
     if which == "wgmma" and "IS_FP8" not in overrides:
         const["IS_FP8"] = cache.startswith("fp8")
+    if which == "wgmma" and "NUM_STAGES" not in overrides:  # the launcher's default_stages
+        const["NUM_STAGES"] = 3 if const["IS_FP8"] else 2
     sig = {"ql_ptr": "*bf16", "qr_ptr": "*bf16", "cache_ptr": f"*{cache}", "out_ptr": "*bf16",
            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
            "bt_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32", "num_splits": "i32"}
