@@ -338,6 +338,43 @@ def test_gpu_deepseek_fp8_vs_bf16_latent_agreement(tmp_path):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gpu_deepseek_at_mla_widths_runs_the_wgmma_kernel(tmp_path, monkeypatch, kv):
+    """The engine tests above use latent 32, which the wgmma kernel does not take. This tiny DeepSeek has
+    DeepSeek's MLA widths (latent 512, rope 64, 16 heads; three dense layers, hidden 64) in bf16, so
+    absorbed prefill and decode steps (CUDA graphs) reach the wgmma kernel (counted). Its teacher-forced
+    logits are checked against the float32 CPU engine on the same weights: top-1 agreement >= 0.9 with a
+    bf16 cache, >= 0.8 with fp8, whose per-tensor scale is 1.0 here. Values and greedy tokens are printed."""
+    import test_deepseek_mla as t
+
+    from kvforge.kernels import gluon_mla_decode as gm
+    from kvforge.kernels.gluon_support import gluon_runs_on
+
+    if not gluon_runs_on(torch.empty(1, device="cuda")):
+        pytest.skip("the Gluon gate is closed on this device / Triton")
+    t._save_hf(tmp_path, "v3_sigmoid_bias", dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
+               qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=16,
+               first_k_dense_replace=t.BASE["num_hidden_layers"])  # fmt: skip
+    calls = []
+    real = gm.mla_decode_wgmma
+    monkeypatch.setattr(gm, "mla_decode_wgmma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(11)
+    text = torch.randint(0, 256, (120,), generator=g).tolist()
+    want = _llm(str(tmp_path), "cpu").engine.compute_prompt_logits(text).float()
+    gpu = _llm(str(tmp_path), "cuda", dtype="bfloat16", kv_cache_dtype=kv)
+    got = gpu.engine.compute_prompt_logits(text).float().cpu()
+    prefill_calls = len(calls)
+    tokens = _greedy(gpu, 8)
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"\nMLA widths, {kv} cache: wgmma calls {prefill_calls} prefill + {len(calls) - prefill_calls} decode "
+          f"(graph replays not counted); top-1 {top1:.3f}, max |logit diff| {rel:.3e} of max; greedy {tokens[0]}")
+    assert prefill_calls > 0 and len(calls) > prefill_calls
+    assert top1 >= (0.9 if kv == "auto" else 0.8)
+
+
+@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads", [8, 16, 128])
 def test_fp8_query_regime_numerics_whether_declared_or_not(heads):
     """The fp8-query regime's accuracy is measured at every head count the benchmark covers, declared or not,
