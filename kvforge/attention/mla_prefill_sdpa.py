@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.attention.mla_reference import _check_cache, _dequant_factor, _gather, _sequences
+from kvforge.attention.mla_reference import _check_prefill, _dequant_factor, _gather, _sequences
 
 __all__ = ["SDPA_SCORE_ELEMENTS", "mla_prefill_sdpa"]
 
@@ -45,13 +45,8 @@ def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
     kr]`` and ``V = c w_uv^T`` per head (model dtype), and the sequence's ``query_len`` queries attend to
     them causally, aligned to the end.
     """
-    num_blocks, bs, width = _check_cache(cache)
-    if bs != meta.block_size:
-        raise ValueError(f"cache block size {bs} != metadata block size {meta.block_size}")
-    t, h, dn = q_nope.shape
-    r = w_uk.shape[-1]
-    if r + q_rope.shape[-1] != width:
-        raise ValueError(f"kv_lora_rank {r} + rope {q_rope.shape[-1]} != cache row width {width}")
+    bs, width, r = _check_prefill(cache, meta, q_rope, w_uk)
+    t, h, _ = q_nope.shape
     dtype, device = q_nope.dtype, q_nope.device
     out = torch.zeros(t, h, w_uv.shape[1], dtype=dtype, device=device)
     qsl, qlens, seq_lens = _sequences(meta, t)

@@ -115,6 +115,18 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, fl
     return g.to(torch.float32).view(bsz, nb * bs, width), factor
 
 
+def _check_prefill(cache: torch.Tensor, meta: AttentionMetadata, q_rope: torch.Tensor,
+                   w_uk: torch.Tensor) -> tuple[int, int, int]:
+    """A prefill's cache against its metadata and projections: ``(block_size, row width, kv_lora_rank)``."""
+    _, bs, width = _check_cache(cache)
+    if bs != meta.block_size:
+        raise ValueError(f"cache block size {bs} != metadata block size {meta.block_size}")
+    r = w_uk.shape[-1]
+    if r + q_rope.shape[-1] != width:
+        raise ValueError(f"kv_lora_rank {r} + rope {q_rope.shape[-1]} != cache row width {width}")
+    return bs, width, r
+
+
 def _sequences(meta: AttentionMetadata, num_tokens: int) -> tuple[list[int], list[int], list[int]]:
     qsl, seq_lens = meta.host_lists()
     if seq_lens and qsl[-1] > num_tokens:
@@ -213,13 +225,8 @@ def mla_prefill(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
     exist at once (an 8192-token chunk over 32k of context at 16 heads would
     otherwise materialize 17 GB of float32 scores, twice).
     """
-    num_blocks, bs, width = _check_cache(cache)
-    if bs != meta.block_size:
-        raise ValueError(f"cache block size {bs} != metadata block size {meta.block_size}")
+    bs, width, r = _check_prefill(cache, meta, q_rope, w_uk)
     t, h, _ = q_nope.shape
-    r = w_uk.shape[-1]
-    if r + q_rope.shape[-1] != width:
-        raise ValueError(f"kv_lora_rank {r} + rope {q_rope.shape[-1]} != cache row width {width}")
     device = cache.device
     out = torch.zeros(t, h, w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
     qsl, qlens, seq_lens = _sequences(meta, t)
