@@ -371,8 +371,8 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
 
 def test_prefill_mode_auto_absorbs_short_prefills_only(monkeypatch):
     """KVFORGE_MLA_PREFILL: "auto" runs a step absorbed while every sequence with a prefill chunk is at most
-    ABSORBED_PREFILL_MAX_SEQ_LEN tokens long (prefix included); decode rows do not count; the forced modes
-    ignore lengths; a bad value is refused."""
+    ABSORBED_PREFILL_MAX_SEQ_LEN tokens long (prefix included), else through SDPA; decode rows do not
+    count; the forced modes ignore lengths; a bad value is refused."""
     import kvforge.attention.triton_mla as triton_mla
 
     bound = triton_mla.ABSORBED_PREFILL_MAX_SEQ_LEN
@@ -388,16 +388,14 @@ def test_prefill_mode_auto_absorbs_short_prefills_only(monkeypatch):
                                  host_seq_lens=tuple(lens))
 
     monkeypatch.setattr(triton_mla, "PREFILL_MODE", "auto")
-    assert triton_mla.prefill_absorbed(step((8, bound)))
-    assert not triton_mla.prefill_absorbed(step((8, bound + 1)))
-    assert triton_mla.prefill_absorbed(step((8, 100), (1, 5 * bound)))  # a long decode row does not count
-    assert not triton_mla.prefill_absorbed(step((1, 10), (2, bound + 1)))
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "absorbed")
-    assert triton_mla.prefill_absorbed(step((8, bound + 1)))
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "expanded")
-    assert not triton_mla.prefill_absorbed(step((8, 16)))
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "sdpa")  # expanded, through mla_prefill_sdpa
-    assert not triton_mla.prefill_absorbed(step((8, 16)))
+    assert triton_mla.prefill_path(step((8, bound))) == "absorbed"
+    assert triton_mla.prefill_path(step((8, bound + 1))) == "sdpa"
+    assert triton_mla.prefill_path(step((8, 100), (1, 5 * bound))) == "absorbed"  # a long decode row does not count
+    assert triton_mla.prefill_path(step((1, 10), (2, bound + 1))) == "sdpa"
+    for forced in ("absorbed", "expanded", "sdpa"):
+        monkeypatch.setattr(triton_mla, "PREFILL_MODE", forced)
+        assert triton_mla.prefill_path(step((8, bound + 1))) == forced
+        assert triton_mla.prefill_path(step((8, 16))) == forced
     assert triton_mla.parse_prefill_mode(" Absorbed ") == "absorbed"
     assert triton_mla.parse_prefill_mode("SDPA") == "sdpa"
     with pytest.raises(ValueError, match="choose one of auto, expanded, absorbed, sdpa"):

@@ -4,11 +4,10 @@ Decode-only steps run the absorbed form in latent space with the Triton
 kernel (:mod:`kvforge.kernels.triton_mla_decode`); steps with a prefill chunk
 run every query token through the decode kernels (:func:`per_token_metadata`)
 when the step's prefilling sequences are short, else expand the cached latents to
-per-head K/V with the PyTorch reference
-(:func:`kvforge.attention.mla_reference.mla_prefill`, eager only) or, in "sdpa"
-mode, in the model dtype with torch's fused attention
-(:mod:`kvforge.attention.mla_prefill_sdpa`); see ``PREFILL_MODE``
-(``KVFORGE_MLA_PREFILL``). The cache
+per-head K/V in the model dtype for torch's fused attention
+(:mod:`kvforge.attention.mla_prefill_sdpa`) or, forced, in float32 with the
+PyTorch reference (:func:`kvforge.attention.mla_reference.mla_prefill`); prefill
+steps run eagerly. See ``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
 ``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
 "fp8_e4m3" where the declaration (triton_mla_backend.py) allows it; it applies
@@ -29,7 +28,7 @@ from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
 
 __all__ = ["PREFILL_MODES", "mla_attention", "mla_decode", "parse_prefill_mode", "per_token_metadata",
-           "prefill_absorbed", "write_mla_cache"]
+           "prefill_path", "write_mla_cache"]
 
 #: The values ``KVFORGE_MLA_PREFILL`` takes (see ``PREFILL_MODE``).
 PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
@@ -44,31 +43,30 @@ def parse_prefill_mode(value: str) -> str:
 
 
 #: How steps with a prefill chunk attend (read once at import; why global: an engine-wide switch for
-#: measurement, not a per-request choice). "expanded": the PyTorch reference expands the latents per
-#: sequence. "absorbed": every query token runs as its own decode query over its causal prefix through the
-#: decode kernels (one launch per layer, no per-sequence Python loop, but O(L^2) prefix reads per prompt).
-#: "auto" (default): absorbed while every sequence with a prefill chunk (more than one query token) in the
-#: step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens long, prefix included, else expanded. Measured on
-#: DeepSeek-V2-Lite (H200): absorbed gives 1.5x the output tokens/s at 100-512-token prompts and 2.1-2.5x at
-#: 1k-4k (docs/BENCHMARKS.md section 6, sixth session); longer ones were not measured and stay expanded.
-#: "sdpa": every step with a prefill chunk expands the latents in the model dtype and attends with torch's
-#: fused attention (:mod:`kvforge.attention.mla_prefill_sdpa`; seventh session, CPU-tested, not yet measured
-#: on a GPU, hence opt-in).
+#: measurement, not a per-request choice). "absorbed": every query token runs as its own decode query over its
+#: causal prefix through the decode kernels (one launch per layer, no per-sequence Python loop, but O(L^2)
+#: prefix reads per prompt). "sdpa": the latents are expanded in the model dtype and torch's fused attention
+#: runs (:mod:`kvforge.attention.mla_prefill_sdpa`). "expanded": the float32 PyTorch reference expands the
+#: latents per sequence (correct, slow). "auto" (default): absorbed while every sequence with a prefill chunk
+#: (more than one query token) in the step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens long, prefix
+#: included, else sdpa.
 PREFILL_MODE: str = parse_prefill_mode(os.environ.get("KVFORGE_MLA_PREFILL", "auto"))
-#: "auto"'s bound on the longest sequence with a prefill chunk in a step that runs absorbed: the longest
-#: measured (see PREFILL_MODE).
-ABSORBED_PREFILL_MAX_SEQ_LEN: int = 4096
+#: "auto"'s bound on the longest sequence with a prefill chunk in a step that runs absorbed. Measured on
+#: DeepSeek-V2-Lite (dummy weights, H200, 16 prompts, total tok/s, docs/BENCHMARKS.md section 6, eighth
+#: session): absorbed / sdpa = 2.0x at 200-400-token prompts, 1.01x at 1k-2k, 0.83x at 2.5k-4k and 0.53x at
+#: 6k-12k; the two cross inside 1k-2k, so the bound is the top of the tied range.
+ABSORBED_PREFILL_MAX_SEQ_LEN: int = 2048
 
 
-def prefill_absorbed(meta: AttentionMetadata) -> bool:
-    """Whether a step with a prefill chunk runs absorbed (``PREFILL_MODE``). "auto" looks at the sequences
-    with more than one query token (decode rows cost the same on either path) through the metadata's host
-    lists."""
+def prefill_path(meta: AttentionMetadata) -> str:
+    """How a step with a prefill chunk attends: "absorbed", "sdpa" or "expanded" (``PREFILL_MODE``). "auto"
+    looks at the sequences with more than one query token (decode rows cost the same on either path) through
+    the metadata's host lists."""
     if PREFILL_MODE != "auto":
-        return PREFILL_MODE == "absorbed"
+        return PREFILL_MODE
     qsl, seq_lens = meta.host_lists()
     longest = max((n for a, b, n in zip(qsl, qsl[1:], seq_lens) if b - a > 1), default=0)
-    return longest <= ABSORBED_PREFILL_MAX_SEQ_LEN
+    return "absorbed" if longest <= ABSORBED_PREFILL_MAX_SEQ_LEN else "sdpa"
 
 
 def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
@@ -127,8 +125,9 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     the model dtype.
     """
     decode = meta.max_query_len <= 1
-    if not decode and not prefill_absorbed(meta):
-        expand = mla_prefill_sdpa if PREFILL_MODE == "sdpa" else mla_prefill
+    path = "decode" if decode else prefill_path(meta)
+    if path in ("sdpa", "expanded"):
+        expand = mla_prefill_sdpa if path == "sdpa" else mla_prefill
         return expand(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
     if not decode:  # absorbed: every query token as a decode query over its causal prefix
         meta = _per_token_for_step(meta, q_nope.shape[0])
