@@ -69,7 +69,7 @@ def _kernels():
 
 DEFAULTS = {
     "wgmma": dict(NUM_HEADS=16, NH=16, R=512, P=64, BLOCK_SIZE=64, TILE=64, NUM_STAGES=3, IS_FP8=True,
-                  USE_SPLIT=True, FP8_PATH=1),
+                  USE_SPLIT=True, FP8_PATH=1, LAZY_RESCALE=True),
     "regs": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, USE_SPLIT=True, FROM_RING=False, NUM_STAGES=2),
 }
 
@@ -85,6 +85,8 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv"):
         const["IS_FP8"] = cache.startswith("fp8")
     if which == "wgmma" and "NUM_STAGES" not in overrides:  # the launcher's default_stages
         const["NUM_STAGES"] = 3 if const["IS_FP8"] else 2
+    if which == "wgmma" and "LAZY_RESCALE" not in overrides:  # the launcher's lazy_rescale
+        const["LAZY_RESCALE"] = bool(const["IS_FP8"] and const["NH"] == 16 and const["FP8_PATH"] == 1)
     sig = {"ql_ptr": "*bf16", "qr_ptr": "*bf16", "cache_ptr": f"*{cache}", "out_ptr": "*bf16",
            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
            "bt_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32", "num_splits": "i32"}

@@ -89,6 +89,16 @@ def test_unknown_fp8_path_is_refused(monkeypatch):
         gm.mla_decode_wgmma(q, q[..., :64], cache, None, torch.ones(1), 0.1, cfg={"fp8_path": 2})
 
 
+def test_lazy_rescale_only_where_measured_faster():
+    """The fp8 register path at 16 heads per program only (the A/B in lazy_rescale's docstring)."""
+    assert gm.lazy_rescale(True, 16, gm.FP8_PATH_REGS)
+    assert not gm.lazy_rescale(True, 8, gm.FP8_PATH_REGS)
+    assert not gm.lazy_rescale(True, 16, gm.FP8_PATH_RING)
+    assert not gm.lazy_rescale(True, 32, gm.FP8_PATH_RING)
+    assert not gm.lazy_rescale(False, 16, gm.FP8_PATH_REGS)
+    assert "lazy_rescale" in gm.CFG_KEYS
+
+
 def test_heads_per_program_is_a_valid_wgmma_n():
     for h in range(1, 129):
         nh = gm.heads_per_program(h)
@@ -149,6 +159,38 @@ def test_splits_agree_with_one_split_tightly(kv, peaked):
         got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, 192 ** -0.5, num_splits=splits).float()
         assert ((got - one).abs().max() / one.abs().max()).item() <= 2.0 ** -7, (kv, peaked, splits)
     assert _check(q_latent, q_rope, cache, meta, scale) <= BOUND
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [8, 16])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_running_max_jumps_mid_sequence(kv, heads, lazy):
+    """Lazy rescaling (``RESCALE_LOG2`` = 8). Scores in log2 units, per head (checked on CPU for the
+    1000- and 3000-token sequences): at most ~2.5 over the first third; one token at a third of the sequence
+    scores 6.5-18 (some head grew by more than 8: the running max moves and acc is rescaled), one at half
+    scores 9-26 (growth of 2.5-8, near the threshold) and one at two thirds 12-37 (moves again). A missed
+    rescale or two maxima mixed would weight tokens wrongly by up to 2^15; held to the float32 reference,
+    unsplit and split; lazily and eagerly (``cfg["lazy_rescale"]``) at 8 and 16 heads, both cache kinds."""
+    cache, meta, q_latent, q_rope, _ = _batch(6, kv, heads, "cuda", block_size=16, seed=5)
+    scale = torch.tensor([0.05 if kv.startswith("fp8") else 1.0], device="cuda")  # fp8: 240 v fits e4m3
+    g = torch.Generator().manual_seed(5)
+    r, p = gm.LATENT_DIM, gm.ROPE_DIM
+    v = torch.ones(r) / r ** 0.5  # every head's query gets v: q.c grows with c's v component
+    q_latent = (q_latent.float().cpu() + v).to(q_latent.dtype).cuda()
+    tables, bs = meta.block_tables.cpu().long(), cache.shape[1]
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        pos = torch.arange(n)
+        beta = 40.0 * pos / n  # x (softmax scale x log2 e = 0.104): +4 log2 over the sequence
+        for at, jump in ((n // 3, 120.0), (n // 2, 170.0), (2 * n // 3, 240.0)):
+            beta[at] = jump
+        latent = torch.randn(n, r, generator=g) * 0.5 + beta[:, None] * v
+        slots = tables[i, pos // bs] * bs + pos % bs
+        ref.write_mla_cache(latent.cuda(), torch.randn(n, p, generator=g).cuda(), cache, slots.cuda(), scale)
+    for splits in (1, 7, None):
+        err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits, cfg={"lazy_rescale": lazy})
+        assert err <= BOUND, (kv, heads, lazy, splits, err)
 
 
 @needs_gluon

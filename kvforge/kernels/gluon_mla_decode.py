@@ -9,7 +9,8 @@ straight from shared memory, with the tile's tokens on the side that must be 64 
 
 1. ``S^T [TILE_N, NH] = C [TILE_N, R] q_lat^T [R, NH] + C_rope [TILE_N, P] q_rope^T [P, NH]``
    (A = the cached rows, K-major; B = the query, K-major);
-2. online softmax over the tokens (axis 0 of ``S^T``; one cross-warp max per tile, the denominator summed once at the end);
+2. online softmax over the tokens (axis 0 of ``S^T``; one cross-warp max per tile, the denominator summed
+   once at the end; the running max moves lazily, ``RESCALE_LOG2``);
 3. ``O^T [R, NH] += C^T [R, TILE_N] P^T [TILE_N, NH]`` (A = the same cached rows read transposed,
    which ``wgmma`` supports for 16-bit types; B = ``P^T`` written to shared memory).
 
@@ -48,7 +49,13 @@ MAX_HEADS_PER_PROGRAM: int = 32
 #: 64 splits read at 36-38% (bf16) / 14% (fp8) of the copy bandwidth, 128 at 45-48% / 23-24%, 256 (fp8) at
 #: 24-26%. Each split writes R x NH float32 partials (32 KB at 16 heads: 8 MB at 256 vs 37 MB of fp8 rows).
 MAX_SPLITS: int = 256
+#: Lazy softmax rescaling (:func:`lazy_rescale`): the running max moves only when a tile's max exceeds it by
+#: more than this many powers of two, so unnormalized probabilities stay at most 2^8 = 256 (within fp16/bf16
+#: P's range; the float32 sums and accumulator lose nothing) and most tiles skip rescaling acc.
+RESCALE_LOG2: float = 8.0
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globals)
+    _RESCALE_LOG2 = gl.constexpr(RESCALE_LOG2)
 
 
 #: The wgmma kernel serves decode up to this many heads per rank. Measured on the H200 (docs/MLA.md):
@@ -225,6 +232,7 @@ if HAS_GLUON:
         IS_FP8: gl.constexpr,
         USE_SPLIT: gl.constexpr,
         FP8_PATH: gl.constexpr,
+        LAZY_RESCALE: gl.constexpr,
     ):
         NW: gl.constexpr = gl.num_warps()
         CACHE_T: gl.constexpr = cache_ptr.dtype.element_ty
@@ -379,16 +387,32 @@ if HAS_GLUON:
             s = warpgroup_mma_wait(0, deps=(s,))
             s = s * qk_scale
             s = gl.where((lo + i * TILE + n_off < hi)[:, None], s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 0))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(s - m_use[None, :])
-            l_tile = l_tile * alpha[None, :] + p
-            m_i = m_new
+            if LAZY_RESCALE:
+                # The running max m_i (log2 units) moves only when some head's tile max exceeds it by more
+                # than RESCALE_LOG2; otherwise p = exp2(s - m_i) <= 2^RESCALE_LOG2 under a stale max, which
+                # the sums, the partials' m and the merge all share, so the result is unchanged up to
+                # rounding. Each skip saves the alpha multiplies of acc ([R, NH]: 64 a thread at 16 heads).
+                m_cand = gl.maximum(m_i, gl.max(s, 0))
+                if gl.max((m_cand - m_i > _RESCALE_LOG2).to(gl.int32), 0) > 0:  # also true on the first tile
+                    m_use = gl.where(m_cand == float("-inf"), 0.0, m_cand)
+                    alpha = gl.exp2(m_i - m_use)
+                    acc = acc * alpha[None, :]
+                    l_tile = l_tile * alpha[None, :]
+                    m_i = m_cand
+                p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+                l_tile = l_tile + p
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[None, :])
+                l_tile = l_tile * alpha[None, :] + p
+                acc = acc * alpha[None, :]
+                m_i = m_new
             p_smem.store(p.to(DOT_T))
             fence_async_shared()
             gl.thread_barrier()
-            acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc * alpha[None, :], is_async=True)
+            acc = warpgroup_mma(lat.permute((1, 0)), p_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             if not STAGED_RING:
                 gl.thread_barrier()  # every warp's wgmmas are done reading tile i's fp16 copy
@@ -416,6 +440,14 @@ if HAS_GLUON:
                 o.to(out_ptr.dtype.element_ty),
                 mask=mask,
             )
+
+
+def lazy_rescale(is_fp8: bool, nh: int, fp8_path: int) -> bool:
+    """Whether the kernel rescales lazily (``RESCALE_LOG2``; ``cfg["lazy_rescale"]`` overrides): only for the
+    fp8 register path at 16 heads per program, where it was measured faster. A/B in one run (eighth session,
+    H200, random data, docs/BENCHMARKS.md section 6): fp8 at 16 heads 2.6-2.8% faster at 32-128 x 64k;
+    fp8 at 8 heads 10% slower (128 x 64k); bf16 0-2% slower; fp8 at 32 heads (the ring path) 1% slower."""
+    return is_fp8 and nh == 16 and fp8_path == FP8_PATH_REGS
 
 
 def default_stages(is_fp8: bool) -> int:
@@ -450,7 +482,7 @@ def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
 
 
 #: What ``cfg`` may set (benchmarks and tests): heads per program, the fp8 path, the ring depth.
-CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages"})
+CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages", "lazy_rescale"})
 
 
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
@@ -489,7 +521,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N,
         NUM_STAGES=cfg.get("stages") or default_stages(is_fp8), IS_FP8=is_fp8, USE_SPLIT=splits > 1,
-        FP8_PATH=path, num_warps=4,
+        FP8_PATH=path, LAZY_RESCALE=bool(cfg.get("lazy_rescale", lazy_rescale(is_fp8, nh, path))), num_warps=4,
     )  # fmt: skip
     if splits > 1:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
