@@ -74,7 +74,7 @@ DEFAULTS = {
 }
 
 
-def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv"):
+def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv", num_warps: int = 4):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -96,7 +96,7 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv"):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def report(compiled) -> tuple[str, str]:
@@ -121,12 +121,13 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE constexpr overrides (ints; 0/1 for booleans)")
     ap.add_argument("--cache", default="fp8e4nv", help="cache element type: fp8e4nv, fp8e5, bf16")
     ap.add_argument("--sass", default=None, help="also write the SASS here")
+    ap.add_argument("--num-warps", type=int, default=4, help="warps per program (the launcher's num_warps)")
     a = ap.parse_args()
     overrides = {}
     for item in a.overrides:
         key, _, value = item.partition("=")
         overrides[key] = bool(int(value)) if isinstance(DEFAULTS[a.kernel].get(key), bool) else int(value)
-    line, sass = report(compile_kernel(a.kernel, overrides, a.cache))
+    line, sass = report(compile_kernel(a.kernel, overrides, a.cache, a.num_warps))
     print(a.kernel, overrides, line)
     if a.sass:
         with open(a.sass, "w") as f:

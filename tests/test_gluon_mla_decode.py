@@ -89,9 +89,32 @@ def test_unknown_fp8_path_is_refused(monkeypatch):
         gm.mla_decode_wgmma(q, q[..., :64], cache, None, torch.ones(1), 0.1, cfg={"fp8_path": 2})
 
 
+def test_eight_warps_only_on_the_fp8_register_path_at_32_heads(monkeypatch):
+    monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
+    q16 = torch.zeros(1, 16, 512, dtype=BF16)
+    q32 = torch.zeros(1, 32, 512, dtype=BF16)
+    fp8 = torch.zeros(1, 16, 576, dtype=E4M3)
+    with pytest.raises(ValueError, match="num_warps 6: choose 4"):
+        gm.mla_decode_wgmma(q32, q32[..., :64], fp8, None, torch.ones(1), 0.1, cfg={"num_warps": 6})
+    with pytest.raises(ValueError, match="runs only the fp8 register path at 32 heads"):
+        gm.mla_decode_wgmma(q32, q32[..., :64], torch.zeros(1, 16, 576, dtype=BF16), None, None, 0.1,
+                            cfg={"num_warps": 8})
+    with pytest.raises(ValueError, match="runs only the fp8 register path at 32 heads"):
+        gm.mla_decode_wgmma(q32, q32[..., :64], fp8, None, torch.ones(1), 0.1,
+                            cfg={"num_warps": 8, "fp8_path": gm.FP8_PATH_RING})
+    with pytest.raises(ValueError, match="runs only the fp8 register path at 32 heads"):
+        gm.mla_decode_wgmma(q16, q16[..., :64], fp8, None, torch.ones(1), 0.1, cfg={"num_warps": 8})
+    with pytest.raises(ValueError, match="at 32 heads per program needs num_warps 8"):
+        gm.mla_decode_wgmma(q32, q32[..., :64], fp8, None, torch.ones(1), 0.1, cfg={"num_warps": 4})
+    assert [gm.default_num_warps(True, nh) for nh in (8, 16, 32)] == [4, 4, 8]
+    assert gm.default_num_warps(False, 32) == 4
+    assert [gm.programs_per_sm(True, nh) for nh in (8, 16, 32)] == [2, 2, 1]
+
+
 def test_lazy_rescale_only_where_measured_faster():
-    """The fp8 register path at 16 heads per program only (the A/B in lazy_rescale's docstring)."""
+    """The fp8 register path at 16 and 32 heads per program only (the A/B in lazy_rescale's docstring)."""
     assert gm.lazy_rescale(True, 16, gm.FP8_PATH_REGS)
+    assert gm.lazy_rescale(True, 32, gm.FP8_PATH_REGS)
     assert not gm.lazy_rescale(True, 8, gm.FP8_PATH_REGS)
     assert not gm.lazy_rescale(True, 16, gm.FP8_PATH_RING)
     assert not gm.lazy_rescale(True, 32, gm.FP8_PATH_RING)
@@ -191,6 +214,30 @@ def test_running_max_jumps_mid_sequence(kv, heads, lazy):
     for splits in (1, 7, None):
         err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits, cfg={"lazy_rescale": lazy})
         assert err <= BOUND, (kv, heads, lazy, splits, err)
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [17, 32, 128])
+@pytest.mark.parametrize("batch", [1, 33])
+def test_eight_warps_128_token_tiles(kv, heads, batch):
+    """The fp8 register path at 32 heads per program: 8 warps, 128-token tiles (two warpgroups split the
+    tile's tokens in the score product and the latent rows in ``P x V``), the default there. Against the
+    float32 reference; 17 heads pads a 32-head program; forced splits and block sizes 1 and 64 on the long
+    sequences."""
+    cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=16, seed=heads + batch + 7)
+    assert gm.default_num_warps(True, gm.heads_per_program(heads)) == 8
+    err = _check(q_latent, q_rope, cache, meta, scale)
+    assert err <= BOUND, (kv, heads, batch, err)
+    if batch > 1 and heads == 32:
+        for bs in (1, 64):
+            cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=bs, seed=bs)
+            for splits in (1, 7, gm.MAX_SPLITS):
+                err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits)
+                assert err <= BOUND, (kv, bs, splits, err)
+                err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits, cfg={"lazy_rescale": False})
+                assert err <= BOUND, (kv, bs, splits, "eager", err)
 
 
 @needs_gluon

@@ -444,10 +444,11 @@ if HAS_GLUON:
 
 def lazy_rescale(is_fp8: bool, nh: int, fp8_path: int) -> bool:
     """Whether the kernel rescales lazily (``RESCALE_LOG2``; ``cfg["lazy_rescale"]`` overrides): only for the
-    fp8 register path at 16 heads per program, where it was measured faster. A/B in one run (eighth session,
-    H200, random data, docs/BENCHMARKS.md section 6): fp8 at 16 heads 2.6-2.8% faster at 32-128 x 64k;
-    fp8 at 8 heads 10% slower (128 x 64k); bf16 0-2% slower; fp8 at 32 heads (the ring path) 1% slower."""
-    return is_fp8 and nh == 16 and fp8_path == FP8_PATH_REGS
+    fp8 register path at 16 and 32 heads per program, where it was measured faster. A/B in one run (eighth
+    session, H200, random data, docs/BENCHMARKS.md section 6): fp8 at 16 heads 3.4-4.3% faster at 8-128 x
+    64k (1-2% at batch 1 and at 4k); at 32 heads (8 warps) 6% faster at 32 x 64k; fp8 at 8 heads 10% slower
+    (128 x 64k); bf16 0.7-3.1% slower; fp8 at 32 heads on the ring path 1% slower."""
+    return is_fp8 and nh in (16, 32) and fp8_path == FP8_PATH_REGS
 
 
 def default_stages(is_fp8: bool) -> int:
@@ -465,14 +466,25 @@ FP8_PATH_REGS: int = 1
 
 
 def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
-    """fp8 rows staged through registers (94 KB of shared memory, two programs per SM) rather than an fp8
-    ring (205-226 KB, one per SM): up to 16 heads per program; at 32 the registers would spill."""
-    return is_fp8 and nh <= 16
+    """fp8 rows staged through registers rather than an fp8 ring (205-226 KB, one program per SM): always
+    (:data:`MAX_HEADS_PER_PROGRAM` is 32). Up to 16 heads per program with 4 warps (94 KB of shared memory,
+    two programs per SM); at 32 with 8 warps and 128-token tiles (:func:`default_num_warps`)."""
+    return is_fp8 and nh <= 32
+
+
+def default_num_warps(fp8_regs: bool, nh: int) -> int:
+    """8 warps (two warpgroups, 128-token tiles, one program per SM: 194 KB of shared memory, 252 registers)
+    for the fp8 register path at 32 heads per program, where 4 warps would spill; else 4. Measured on the
+    H200 (eighth session, docs/BENCHMARKS.md section 6) against the fp8 ring with 4 warps, the previous
+    choice at 32 heads. At 16 heads 8 warps were 20-27% slower than 4, and at 8 heads they faulted (not
+    debugged), so they stay refused there."""
+    return 8 if fp8_regs and nh == 32 else 4
 
 
 def programs_per_sm(is_fp8: bool, nh: int) -> int:
-    """Programs resident per SM (shared memory decides): 2 with fp8 rows in registers, else 1."""
-    return 2 if fp8_in_registers(is_fp8, nh) else 1
+    """Programs resident per SM (shared memory decides): 2 for fp8 rows in registers with 4 warps (up to
+    16 heads), else 1."""
+    return 2 if is_fp8 and nh <= 16 else 1
 
 
 def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, is_fp8: bool) -> int:
@@ -482,7 +494,7 @@ def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
 
 
 #: What ``cfg`` may set (benchmarks and tests): heads per program, the fp8 path, the ring depth.
-CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages", "lazy_rescale"})
+CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages", "lazy_rescale", "num_warps"})
 
 
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
@@ -501,13 +513,23 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     if out is None:
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     is_fp8 = cache.dtype in _FP8
-    scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
     if type(path) is not int or path not in (FP8_PATH_RING, FP8_PATH_REGS):
         raise ValueError(f"fp8_path {path}: choose {FP8_PATH_RING} (ring) or {FP8_PATH_REGS} (registers)")
     regs = path != FP8_PATH_RING
+    nw = cfg.get("num_warps", default_num_warps(is_fp8 and regs, nh))
+    if nw not in (4, 8):
+        raise ValueError(f"num_warps {nw}: choose 4 (64-token tiles) or 8 (128-token tiles)")
+    if nw == 8 and not (is_fp8 and regs and nh == 32):
+        raise ValueError("num_warps 8 (128-token tiles) runs only the fp8 register path at 32 heads per program "
+                         "(a ring of 128-token tiles does not fit in shared memory; other head counts were slower "
+                         "or untested)")
+    if nw == 4 and is_fp8 and regs and nh > 16:
+        raise ValueError(f"the fp8 register path at {nh} heads per program needs num_warps 8 (4 warps spill)")
+    per_sm = programs_per_sm(is_fp8, nh) if regs else 1
+    scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
-                                          _num_sms(q_latent.device), 2 if regs and is_fp8 else 1)
+                                          _num_sms(q_latent.device), per_sm)
     splits = max(1, min(int(splits), MAX_SPLITS))
     if splits > 1:
         part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)
@@ -519,9 +541,9 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         meta.block_tables, scale, float(softmax_scale) * _LOG2E, splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0),
         out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
-        NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N,
+        NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N * nw // 4,
         NUM_STAGES=cfg.get("stages") or default_stages(is_fp8), IS_FP8=is_fp8, USE_SPLIT=splits > 1,
-        FP8_PATH=path, LAZY_RESCALE=bool(cfg.get("lazy_rescale", lazy_rescale(is_fp8, nh, path))), num_warps=4,
+        FP8_PATH=path, LAZY_RESCALE=bool(cfg.get("lazy_rescale", lazy_rescale(is_fp8, nh, path))), num_warps=nw,
     )  # fmt: skip
     if splits > 1:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
