@@ -14,7 +14,8 @@ straight from shared memory, with the tile's tokens on the side that must be 64 
 3. ``O^T [R, NH] += C^T [R, TILE_N] P^T [TILE_N, NH]`` (A = the same cached rows read transposed,
    which ``wgmma`` supports for 16-bit types; B = ``P^T`` written to shared memory).
 
-The accumulator ``O^T`` is ``R x NH`` float32 over one warpgroup: ``4 * NH`` registers per thread.
+The accumulator ``O^T`` is ``R x NH`` float32 over one warpgroup: ``4 * NH`` registers per thread
+(the fp8 register path at 32 heads runs two warpgroups on 128-token tiles instead: ``2 * NH`` each).
 An fp8 cache tile is converted to fp16 in shared memory once per tile (fp8 -> fp16 is exact; the
 per-tensor scale multiplies the float32 scores and the final accumulator), because an fp8 ``wgmma``
 cannot read an MN-major operand. With a bf16/fp16 cache the async copies land directly in the
@@ -476,8 +477,10 @@ def default_num_warps(fp8_regs: bool, nh: int) -> int:
     """8 warps (two warpgroups, 128-token tiles, one program per SM: 194 KB of shared memory, 252 registers)
     for the fp8 register path at 32 heads per program, where 4 warps would spill; else 4. Measured on the
     H200 (eighth session, docs/BENCHMARKS.md section 6) against the fp8 ring with 4 warps, the previous
-    choice at 32 heads. At 16 heads 8 warps were 20-27% slower than 4, and at 8 heads they faulted (not
-    debugged), so they stay refused there."""
+    choice at 32 heads: 1.15-1.33x faster at 32, 64 and 128 heads per rank from batch 8 (e.g. 32 x 64k at 32
+    heads: 652.9 vs 790.2 us), 2.4% slower at batch 1 x 64k (32 heads). At 16 heads 8 warps were 20-27%
+    slower than 4, and at 8 heads they faulted with an illegal address (not debugged), so they are refused
+    there."""
     return 8 if fp8_regs and nh == 32 else 4
 
 
