@@ -60,29 +60,29 @@ def test_declaration_requires_explicit_quantized_query():
                            index_limit=REFERENCE.index_limit)
 
 
-# ---- the real CUDA MLA backend (triton_mla): fp8 query from 64 heads per rank (measured, see its declaration) ----
-@pytest.mark.parametrize("preset,tp,heads,query", [
-    ("deepseek-v3", 8, 16, "bfloat16"),   # 128 heads at TP8
-    ("kimi-k2", 8, 8, "bfloat16"),        # 64 heads at TP8
-    ("deepseek-v3", 2, 64, "fp8_e4m3"),   # 128 heads at TP2
-    ("kimi-k2", 1, 64, "fp8_e4m3"),
+# ---- the real CUDA MLA backend (triton_mla): model-dtype query everywhere (measured, see its declaration) ----
+@pytest.mark.parametrize("preset,tp,heads", [
+    ("deepseek-v3", 8, 16),   # 128 heads at TP8
+    ("kimi-k2", 8, 8),        # 64 heads at TP8
+    ("deepseek-v3", 2, 64),   # 128 heads at TP2
+    ("kimi-k2", 1, 64),
 ])
-def test_triton_mla_query_dtype_on_cuda(preset, tp, heads, query):
+def test_triton_mla_query_dtype_on_cuda(preset, tp, heads):
     spec = spec_from_hf_config(PRESETS[preset], name=preset, source="test")
     p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(tp), platform="cuda")
     assert {layer.backend for layer in p.layers} == {"triton_mla"}
     assert {layer.heads_per_rank for layer in p.layers} == {heads}
-    assert {layer.query_dtype for layer in p.layers} == {query}
+    assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
     reason = p.layers[0].query_dtype_reason
-    if query == "bfloat16":
-        assert f"only from 64 heads per rank; this layer has {heads}" in reason
-    else:
-        assert "triton_mla declares a fp8_e4m3 query" in reason and f"this layer has {heads}" in reason
+    assert "triton_mla does not declare a quantized query for fp8_e4m3 KV" in reason
+    assert "query stays bfloat16, KV dequant scale folded into the softmax scale" in reason
 
 
 def test_float32_model_keeps_its_query_even_where_fp8_is_declared():
     spec = spec_from_hf_config(PRESETS["kimi-k2"], name="kimi-k2", source="test")
-    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(1), platform="cuda", model_dtype="float32")
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(1), backends=(MLA_FP8Q, MLA_REFERENCE, REFERENCE),
+                model_dtype="float32")
+    assert {layer.backend for layer in p.layers} == {"test_mla_fp8q"}
     assert {layer.query_dtype for layer in p.layers} == {"float32"}
     assert "quantizes the query only for bfloat16, float16 models; this model is float32" in \
         p.layers[0].query_dtype_reason

@@ -2,18 +2,24 @@
 
 MLA layers only, latent rows ``[kv_lora_rank + qk_rope_head_dim]`` per token,
 every KV dtype, any block size (the decode kernel gathers rows per token
-through the block table), int64 offsets. The quantized-query regime (fp8 query,
-fp8 x fp8 dot for ``Q C^T``) is declared only for e4m3 caches and only from the
-head count per rank where it was measured both correct and faster than the
-model-dtype query (docs/MLA.md; ``benchmarks/bench_mla_decode.py``, H200,
-2026-11-29): at 64 and 128 heads per rank it is 1.2-1.57x faster than the bf16
-query over the same fp8 cache (the dots dominate there), at 8, 16 and 32 heads
-it is 2-4% slower (memory-bound; quantizing the query is pure overhead), and
-its error stays within 1.4e-2 of max|ref| (worst over the declaration walk;
-2.8e-3 .. 1.3e-2 at 8, 16 and 128 heads; tests/test_triton_mla.py). Hence
-``min_heads_per_rank=64``, for 16-bit models only (the default
-``model_dtypes``). The quantized query is a decode-only regime: prefill
-expands the latents with the model-dtype query.
+through the block table), int64 offsets.
+
+Query dtype: the model dtype only (``QuantizedQuery.never()``). The kernels
+have an fp8-query regime (fp8 query, fp8 x fp8 dot for ``Q C^T``, the tl.dot
+kernel), and it was declared from 64 heads per rank while it beat the
+model-dtype query on the tl.dot kernel (1.2-1.57x at 64 and 128 heads, H200,
+2026-11-29). Since then the model-dtype query runs the Hopper wgmma kernel
+(``gluon_mla_decode``), and on the H200 it is faster than the fp8 query at 64
+and 128 heads per rank at every batch measured up to 32 (1.10-1.86x; eighth
+session, docs/BENCHMARKS.md section 6); the fp8 query won only at 128 heads x
+batch 128 x 16k, by 4%. An fp8 query also costs accuracy (up to 1.4e-2 of
+max|ref| against 2.5e-3). So nothing is declared: the regime is kept and
+tested as a kernel capability, and a declaration returns only with a kernel
+that is measured faster (an fp8 x fp8 wgmma score product, docs/MLA.md).
+Caveat: where the wgmma kernel is gated off (other GPUs, other Triton
+versions, ``KVFORGE_DISABLE_GLUON=1``) the tl.dot comparison above still holds;
+the planner does not know the device's kernels, so it keeps the choice that
+is right on the measured default.
 """
 
 from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSizes, IndexLimit, QuantizedQuery
@@ -26,7 +32,7 @@ TRITON_MLA = BackendDeclaration(
     kv_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
     head_sizes=None,
     block_sizes=BlockSizes.any(),
-    quantized_query=QuantizedQuery(kv_dtypes=frozenset({"fp8_e4m3"}), min_heads_per_rank=64),
+    quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "int64 offsets in the kernels"),
     implementation="kvforge.attention.triton_mla",
 )
