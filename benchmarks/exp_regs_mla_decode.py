@@ -12,12 +12,16 @@ kernel 6.3e-4 to 5.3e-3 (e4m3), 2.3e-3 (e5m2); bound 2^-6. It was slower than th
 Each program has one tile's loads in flight and nothing across iterations (255 registers, two programs
 per SM), so the DRAM latency is exposed.
 
-The ``from_ring`` variants (``regs_ring2``, ``regs_ring3`` in ``VARIANTS``) were written after that run
-and compiled offline, **not yet run on a GPU**. cp.async lands the rows in a 2- or 3-stage ring of raw fp8
-tiles, and the operands are read from it with 16-byte shared loads in the same register layouts. The
-next tiles' copies are then in flight across the whole iteration. Each tile passes shared memory once
-written and twice read as fp8: about 106 KB instead of about 212 KB. Offline: 2 stages take 95 KB of
-shared memory (two programs per SM) with an 8-byte spill; 3 stages take 132 KB (one program) with 24.
+The ``from_ring`` variants (``regs_ring2``, ``regs_ring3`` in ``VARIANTS``) were written after that run.
+cp.async lands the rows in a 2- or 3-stage ring of raw fp8 tiles, and the operands are read from it with
+16-byte shared loads in the same register layouts. The next tiles' copies are then in flight across the
+whole iteration. Each tile passes shared memory once written and twice read as fp8: about 106 KB instead
+of about 212 KB. 2 stages take 95 KB of shared memory (two programs per SM) with an 8-byte spill; 3
+stages take 132 KB (one program) with 24. Run in the eighth session (09:51 UTC, 1x H200): correct, and
+``regs_ring2`` is the fastest fp8 data flow measured, but only just: 60% (16 heads, 32 x 64k; engine 60%),
+64% (128 x 64k; 63%), 70% (8 heads, 128 x 64k; 66%), and slower at batch 1 (16% vs 24%). ``regs_ring3``
+reached 40-47%. ``ncu`` and the SASS count put its limit in one warpgroup's instruction stream: 1,183
+instructions per tile at 5.1 cycles each with two warps per scheduler (docs/MLA.md). Not routed.
 Kept out of the ``kvforge`` package; nothing routes here. ``main`` checks it against the tl.dot kernel and
 times it beside the engine's wgmma kernel (:mod:`kvforge.kernels.gluon_mla_decode`).
 
