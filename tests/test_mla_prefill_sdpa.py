@@ -9,6 +9,8 @@ dequantized like the reference, so both see the same values.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -83,6 +85,30 @@ def test_sdpa_prefill_query_row_chunks_equal_one_call(monkeypatch):
     monkeypatch.setattr(mod, "SDPA_SCORE_ELEMENTS", 4 * 100 * 2 + 5)  # 4 heads: 2 rows at L = 100
     split = mla_prefill_sdpa(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
     assert (split - whole).abs().max().item() <= 1e-6 * whole.abs().max().item()
+
+
+@pytest.mark.parametrize("heads_per_call", [1, 3])
+def test_sdpa_prefill_head_groups_equal_one_call(monkeypatch, heads_per_call):
+    """Bounding the expanded K/V bytes per call splits the heads into groups (3: an uneven last group of
+    1); each head attends on its own, so the result equals one call, and every row of every head is
+    written."""
+    import kvforge.attention.mla_prefill_sdpa as mod
+
+    cache, meta, q_nope, q_rope, w_uk, w_uv, _ = _step(torch.float32, 1.0, 16, seed=4)
+    whole = mla_prefill_sdpa(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
+    longest = max(meta.host_lists()[1])
+    qk_dim = q_nope.shape[-1] + q_rope.shape[-1]
+    budget = heads_per_call * 2 * longest * qk_dim * 4  # float32 rows: heads_per_call heads of the longest
+    monkeypatch.setattr(mod, "SDPA_KV_BYTES", budget)
+    calls = []  # (heads, keys) per call; only the module's handle on torch.nn.functional is replaced
+    sdpa = mod.F.scaled_dot_product_attention
+    monkeypatch.setattr(mod, "F", types.SimpleNamespace(
+        pad=mod.F.pad,
+        scaled_dot_product_attention=lambda q, k, *a, **kw: calls.append((q.shape[1], k.shape[2])) or sdpa(q, k, *a, **kw)))
+    grouped = mla_prefill_sdpa(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
+    assert q_nope.shape[1] == 4 and min(hc for hc, _ in calls) <= heads_per_call
+    assert all(hc * 2 * keys * qk_dim * 4 <= budget for hc, keys in calls)  # shorter sequences take more heads
+    assert (grouped - whole).abs().max().item() <= 1e-6 * whole.abs().max().item()
 
 
 def test_sdpa_prefill_checks_its_inputs():

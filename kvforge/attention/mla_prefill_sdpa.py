@@ -7,7 +7,8 @@ attention itself is one fused ``scaled_dot_product_attention`` call per sequence
 causal mask: the chunk's queries are the last ``query_len`` of ``seq_len`` positions. V is zero-padded
 to the query/key head dim (192 for DeepSeek, against 128), because torch's flash kernel takes only equal
 head dims; the padding columns are dropped. On CUDA, torch picks flash or a memory-efficient kernel; on
-CPU, its math path. Query rows go in chunks, so that a fallback to the math path (which materializes the
+CPU, its math path. Heads go in groups, so that the expanded K and V of one call hold at most
+``SDPA_KV_BYTES``; query rows go in chunks, so that a fallback to the math path (which materializes the
 scores) holds at most ``SDPA_SCORE_ELEMENTS`` of them. Each chunk attends to the keys up to its last
 position, which keeps the alignment. For long prompts the expanded form
 costs ``2 x (qk_head_dim + v_head_dim)`` FLOPs per query, key and head (640 for DeepSeek-V2/V3). The
@@ -28,11 +29,15 @@ from torch.nn.attention.bias import causal_lower_right
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla_reference import _check_prefill, _dequant_factor, _gather, _sequences
 
-__all__ = ["SDPA_SCORE_ELEMENTS", "mla_prefill_sdpa"]
+__all__ = ["SDPA_KV_BYTES", "SDPA_SCORE_ELEMENTS", "mla_prefill_sdpa"]
 
 #: Scores per query-row chunk at most (heads x rows x keys): 1 GiB of float32 should torch fall back to its
 #: math path; a fused kernel never materializes them, and sees the chunks as separate calls.
 SDPA_SCORE_ELEMENTS: int = 1 << 28
+#: Bytes of expanded K and V per call at most (heads are split into groups to stay under it; one head is
+#: always allowed): 1 GiB, against 13 GB for all 128 heads of a 128k-token sequence in bf16. The plan keeps
+#: no room for activations beyond ``1 - gpu_memory_utilization`` of the device.
+SDPA_KV_BYTES: int = 1 << 30
 
 
 def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
@@ -53,6 +58,8 @@ def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
     tables = meta.block_tables.to(device=cache.device, dtype=torch.int64)
     wk = w_uk.to(device=device, dtype=dtype).transpose(1, 2)  # [H, R, Dn]
     wv = w_uv.to(device=device, dtype=dtype).transpose(1, 2)  # [H, R, V]
+    dv = w_uv.shape[1]
+    qk_dim = q_nope.shape[-1] + width - r  # Dn + P; V is padded to it
     deq = None
     for i, (ql, sl) in enumerate(zip(qlens, seq_lens)):
         if ql == 0:
@@ -60,19 +67,24 @@ def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
         raw, factor = _gather(cache, tables[i, : -(-sl // bs)][None])
         deq = _dequant_factor(cache, scale, factor) if deq is None else deq
         rows = (raw[0, :sl] * deq).to(device=device, dtype=dtype)  # dequantized [L, R + P]
-        c = rows[:, :r].expand(h, sl, r)
-        k = torch.cat([torch.bmm(c, wk), rows[None, :, r:].expand(h, sl, width - r)], dim=-1)  # [H, L, Dn + P]
-        v = torch.bmm(c, wv)  # [H, L, V]
-        dv = v.shape[-1]
-        if dv < k.shape[-1]:
-            v = F.pad(v, (0, k.shape[-1] - dv))
         q_all = torch.cat([q_nope[qsl[i]:qsl[i] + ql], q_rope[qsl[i]:qsl[i] + ql].to(dtype)], dim=-1)
-        rows_per_chunk = max(1, SDPA_SCORE_ELEMENTS // (h * sl))
-        for c0 in range(0, ql, rows_per_chunk):
-            n = min(rows_per_chunk, ql - c0)
-            end = sl - ql + c0 + n  # keys this chunk's last query sees
-            q = q_all[c0:c0 + n].transpose(0, 1)  # [H, n, Dn + P]
-            o = F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
-                                               attn_mask=causal_lower_right(n, end), scale=float(softmax_scale))
-            out[qsl[i] + c0:qsl[i] + c0 + n] = o[0, ..., :dv].transpose(0, 1)
+        # Heads attend independently: expand K and V for at most heads_per_call heads at a time, so the
+        # expansion holds at most SDPA_KV_BYTES whatever the head count and context.
+        heads_per_call = max(1, min(h, SDPA_KV_BYTES // (2 * sl * qk_dim * rows.element_size())))
+        for h0 in range(0, h, heads_per_call):
+            hs = slice(h0, min(h, h0 + heads_per_call))
+            hc = hs.stop - h0
+            c = rows[:, :r].expand(hc, sl, r)
+            k = torch.cat([torch.bmm(c, wk[hs]), rows[None, :, r:].expand(hc, sl, width - r)], dim=-1)
+            v = torch.bmm(c, wv[hs])  # [hc, L, V]
+            if dv < qk_dim:
+                v = F.pad(v, (0, qk_dim - dv))
+            rows_per_chunk = max(1, SDPA_SCORE_ELEMENTS // (hc * sl))
+            for c0 in range(0, ql, rows_per_chunk):
+                n = min(rows_per_chunk, ql - c0)
+                end = sl - ql + c0 + n  # keys this chunk's last query sees
+                q = q_all[c0:c0 + n, hs].transpose(0, 1)  # [hc, n, Dn + P]
+                o = F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
+                                                   attn_mask=causal_lower_right(n, end), scale=float(softmax_scale))
+                out[qsl[i] + c0:qsl[i] + c0 + n, hs] = o[0, ..., :dv].transpose(0, 1)
     return out
