@@ -125,10 +125,16 @@ def test_sdpa_prefill_checks_its_inputs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("prefix", [0, 1000])
-def test_gpu_sdpa_prefill_long_chunk(dtype, prefix):
+@pytest.mark.parametrize("grouped", [False, True], ids=["all_heads", "head_groups"])
+def test_gpu_sdpa_prefill_long_chunk(monkeypatch, dtype, prefix, grouped):
     """On CUDA torch picks a fused kernel (flash for a fresh prompt with V padded to 192, memory-efficient
     for the lower-right mask after a prefix): a 2048-token chunk, fresh or after 1000 cached tokens
-    (DeepSeek's 128 + 64 / 128 head dims, fp8 cache), against the float32 reference on the same GPU."""
+    (DeepSeek's 128 + 64 / 128 head dims, fp8 cache), against the float32 reference on the same GPU;
+    ``grouped``: SDPA_KV_BYTES lowered so that the 16 heads go 5 at a time (5, 5, 5, 1)."""
+    import kvforge.attention.mla_prefill_sdpa as mod
+
+    if grouped:
+        monkeypatch.setattr(mod, "SDPA_KV_BYTES", 5 * 2 * (2048 + prefix) * 192 * (2 if dtype == torch.bfloat16 else 4))
     g = torch.Generator().manual_seed(7)
     bs, rank, rope, heads, dn, dv = 64, 512, 64, 16, 128, 128
     ql = 2048
