@@ -85,8 +85,10 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv", num_warp
         const["IS_FP8"] = cache.startswith("fp8")
     if which == "wgmma" and "NUM_STAGES" not in overrides:  # the launcher's default_stages
         const["NUM_STAGES"] = 3 if const["IS_FP8"] else 2
-    if which == "wgmma" and "LAZY_RESCALE" not in overrides:  # the launcher's lazy_rescale
-        const["LAZY_RESCALE"] = bool(const["IS_FP8"] and const["NH"] == 16 and const["FP8_PATH"] == 1)
+    if which == "wgmma" and "LAZY_RESCALE" not in overrides:  # the launcher's lazy_rescale (nh 16 or 32, fp8 regs)
+        const["LAZY_RESCALE"] = bool(const["IS_FP8"] and const["NH"] in (16, 32) and const["FP8_PATH"] == 1)
+    if which == "wgmma" and "TILE" not in overrides:  # the launcher: 16 tokens per warp
+        const["TILE"] = 16 * num_warps
     sig = {"ql_ptr": "*bf16", "qr_ptr": "*bf16", "cache_ptr": f"*{cache}", "out_ptr": "*bf16",
            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32",
            "bt_ptr": "*i32", "scale_ptr": "*fp32", "sm_scale_log2": "fp32", "num_splits": "i32"}

@@ -9,9 +9,10 @@ per-head K/V in the model dtype for torch's fused attention
 PyTorch reference (:func:`kvforge.attention.mla_reference.mla_prefill`); prefill
 steps run eagerly. See ``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
-``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
-"fp8_e4m3" where the declaration (triton_mla_backend.py) allows it; it applies
-to decode steps (prefill chunks always use the model-dtype query).
+``query_dtype`` is the plan's per-layer decision: None / the model dtype (the
+shipped declaration, triton_mla_backend.py, allows no quantized query since the
+eighth session; "fp8_e4m3" is still served for a declaration that does); it
+applies to decode steps (prefill chunks always use the model-dtype query).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ PREFILL_MODE: str = parse_prefill_mode(os.environ.get("KVFORGE_MLA_PREFILL", "au
 #: "auto"'s bound on the longest sequence with a prefill chunk in a step that runs absorbed. Measured on
 #: DeepSeek-V2-Lite (dummy weights, H200, 16 prompts, total tok/s, docs/BENCHMARKS.md section 6, eighth
 #: session): absorbed / sdpa = 2.0x at 200-400-token prompts, 1.01x at 1k-2k, 0.83x at 2.5k-4k and 0.53x at
-#: 6k-12k; the two cross inside 1k-2k, so the bound is the top of the tied range.
+#: 6k-12k; the two cross inside 1k-2k (interpolating the means, nearer 1.6k), so the bound is a judgment call at
+#: the top of the tied range: a few percent either way for 1.6k-2k prompts.
 ABSORBED_PREFILL_MAX_SEQ_LEN: int = 2048
 
 

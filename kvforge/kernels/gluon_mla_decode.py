@@ -62,8 +62,8 @@ if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globa
 #: The wgmma kernel serves decode up to this many heads per rank. Measured on the H200 (docs/MLA.md):
 #: faster than the tl.dot kernel at 8, 16, 32 and 128 heads with a model-dtype query over bf16 and fp8
 #: caches (64 heads not measured; it runs the 32-head program twice), except bf16 at 128 heads x batch 128
-#: x 64k, 4.5% slower (seventh session; the only shape measured where it loses). An fp8 query (declared from 64
-#: heads) stays with the tl.dot kernel, which has the fp8 x fp8 dot.
+#: x 64k, 4.5% slower (seventh session; the only shape measured where it loses). An fp8 query (a kernel
+#: capability no backend declares since the eighth session) runs the tl.dot kernel, which has the fp8 x fp8 dot.
 MAX_ROUTED_HEADS: int = 128
 
 
@@ -474,7 +474,8 @@ def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
 
 
 def default_num_warps(fp8_regs: bool, nh: int) -> int:
-    """8 warps (two warpgroups, 128-token tiles, one program per SM: 194 KB of shared memory, 252 registers)
+    """8 warps (two warpgroups, 128-token tiles, one program per SM: 194 KB of shared memory, 246 registers
+    with lazy rescaling, 252 without)
     for the fp8 register path at 32 heads per program, where 4 warps would spill; else 4. Measured on the
     H200 (eighth session, docs/BENCHMARKS.md section 6) against the fp8 ring with 4 warps, the previous
     choice at 32 heads: 1.15-1.33x faster at 32, 64 and 128 heads per rank from batch 8 (e.g. 32 x 64k at 32
@@ -496,7 +497,8 @@ def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
     return num_splits_for(num_seqs * -(-num_heads // nh), max_seq_len, num_sms, programs_per_sm(is_fp8, nh))
 
 
-#: What ``cfg`` may set (benchmarks and tests): heads per program, the fp8 path, the ring depth.
+#: What ``cfg`` may set (benchmarks and tests): heads per program, the fp8 path, the ring depth, lazy
+#: rescaling, warps per program.
 CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages", "lazy_rescale", "num_warps"})
 
 

@@ -23,7 +23,9 @@ Two query regimes, chosen by the plan (``query_dtype``):
   head) query row ``[q_latent | q_rope]`` is quantized in registers with its
   own scale ``amax / 448``, ``Q C^T`` is an fp8 x fp8 tensor-core dot, and the
   row scale joins the softmax scale. ``P C`` stays a 16-bit dot. Only where
-  the backend declaration allows it (see kvforge/attention/triton_mla_backend.py).
+  a backend declaration allows it: the shipped one allows it nowhere since the
+  eighth session (slower than the wgmma kernel's model-dtype query; see
+  kvforge/attention/triton_mla_backend.py), so only an explicit caller reaches it.
 
 Any block size (rows are gathered per token through the block table); any
 ``R``/``P`` (padded to powers of two in registers, masked in memory). All
