@@ -474,9 +474,9 @@ def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
 
 
 def default_num_warps(fp8_regs: bool, nh: int) -> int:
-    """8 warps (two warpgroups, 128-token tiles, one program per SM: 194 KB of shared memory, 246 registers
-    with lazy rescaling, 252 without)
-    for the fp8 register path at 32 heads per program, where 4 warps would spill; else 4. Measured on the
+    """8 warps for the fp8 register path at 32 heads per program, where 4 warps would spill; else 4. With 8,
+    two warpgroups share 128-token tiles, one program per SM (194 KB of shared memory; 246 registers with
+    lazy rescaling, 252 without). Measured on the
     H200 (eighth session, docs/BENCHMARKS.md section 6) against the fp8 ring with 4 warps, the previous
     choice at 32 heads: 1.15-1.33x faster at 32, 64 and 128 heads per rank from batch 8 (e.g. 32 x 64k at 32
     heads: 652.9 vs 790.2 us), 2.4% slower at batch 1 x 64k (32 heads). At 16 heads 8 warps were 20-27%
