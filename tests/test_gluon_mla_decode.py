@@ -12,6 +12,8 @@ run on CPU.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_triton_mla import _batch
@@ -151,6 +153,59 @@ def test_lazy_rescale_only_where_measured_faster():
     assert not gm.lazy_rescale(True, 32, gm.FP8_PATH_RING)
     assert not gm.lazy_rescale(False, 16, gm.FP8_PATH_REGS)
     assert "lazy_rescale" in gm.CFG_KEYS
+
+
+def _lazy_split(s, v, lo, hi, tile, threshold):
+    """The kernel's loop over one split, in PyTorch: scores ``s [n, H]`` in log2 units, values ``v [n, D]``;
+    P rounded to fp16 as the kernel stores it; float32 sums. Returns (acc [H, D], l [H], m [H], rescales after
+    the first tile, largest P)."""
+    h = s.shape[1]
+    m = torch.full((h,), float("-inf"))
+    acc, l_sum = torch.zeros(h, v.shape[1]), torch.zeros(h)
+    moves, largest = 0, 0.0
+    for t, a in enumerate(range(lo, hi, tile)):
+        st, vt = s[a:min(a + tile, hi)], v[a:min(a + tile, hi)]
+        cand = torch.maximum(m, st.max(0).values)
+        if bool(((cand - m) > threshold).any()):
+            alpha = torch.exp2(m - cand)
+            acc, l_sum, m = acc * alpha[:, None], l_sum * alpha, cand
+            moves += t > 0
+        p = torch.exp2(st - m).to(torch.float16).float()
+        largest = max(largest, p.max().item())
+        acc, l_sum = acc + p.T @ vt, l_sum + p.sum(0)
+    return acc, l_sum, m, moves, largest
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+def test_lazy_rescale_model_equals_softmax(tile):
+    """The algorithm the kernel runs with ``LAZY_RESCALE`` (the GPU tests check the kernel itself): per split,
+    the running max moves only past ``RESCALE_LOG2``; the splits' stale maxima merge exactly as the merge
+    kernel does. Scores drift by 6 per tile and jump by 10-30 mid-split, so the max moves mid-split and stale
+    P reaches above 1; P stays <= 2^RESCALE_LOG2 (fp16 holds it) and the result equals the exact softmax
+    within fp16 rounding of P."""
+    g = torch.Generator().manual_seed(0)
+    n, h, d = 3000, 16, 32
+    s = torch.randn(n, h, generator=g) + torch.arange(n)[:, None] * (6.0 / tile)
+    for at, jump in ((900, 10.0), (1500, 30.0), (2200, 20.0)):
+        s[at] += jump * torch.rand(h, generator=g)
+    v = torch.randn(n, d, generator=g)
+    w = torch.softmax(s.double() * math.log(2), 0)  # exp2 softmax over the tokens
+    want = (w.T @ v.double()).float()  # [H, D]
+    for splits in (1, 7, 32):
+        per_split = -(-n // splits)
+        chunk = -(-per_split // tile) * tile  # the kernel's split length: a whole number of tiles
+        parts = [_lazy_split(s, v, lo, min(lo + chunk, n), tile, gm.RESCALE_LOG2) for lo in range(0, n, chunk)]
+        big_m = torch.stack([m for _, _, m, _, _ in parts]).max(0).values
+        scale = [torch.exp2(m - big_m) for _, _, m, _, _ in parts]
+        acc = sum(a * c[:, None] for (a, _, _, _, _), c in zip(parts, scale))
+        l_sum = sum(lo_sum * c for (_, lo_sum, _, _, _), c in zip(parts, scale))
+        got = acc / l_sum[:, None]
+        largest = max(lg for *_, lg in parts)
+        assert largest <= 2.0 ** gm.RESCALE_LOG2, splits
+        if chunk > tile:  # splits of several tiles: the lazy branch ran mid-split, under a stale max too
+            assert sum(mv for *_, mv, _ in parts) > 0 and largest > 1.0, splits
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err <= 2.0 ** -9, (splits, err)
 
 
 def test_heads_per_program_is_a_valid_wgmma_n():
