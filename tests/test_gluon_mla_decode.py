@@ -125,7 +125,7 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.update(grid=grid, **kw)
 
-    monkeypatch.setattr(gm, "_wgmma_mla_decode_kernel", Recorder())
+    monkeypatch.setattr(gm, "_wgmma_mla_decode_kernel", Recorder(), raising=False)  # absent without Gluon
     monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
     monkeypatch.setattr(gm, "merge_split_partials", lambda *a: None)
     monkeypatch.setattr(gm, "_num_sms", lambda d: 132)
