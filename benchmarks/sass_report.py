@@ -62,16 +62,21 @@ def _kernels():
     sys.modules["kvforge.kernels.triton_paged_attention"] = paged
     wgmma = _load("kvforge.kernels.gluon_mla_decode", os.path.join(ROOT, "kvforge/kernels/gluon_mla_decode.py"))
     regs = _load("exp_regs_mla_decode", os.path.join(ROOT, "benchmarks/exp_regs_mla_decode.py"))
+    ws = _load("exp_ws_mla_decode", os.path.join(ROOT, "benchmarks/exp_ws_mla_decode.py"))
     if not wgmma.HAS_GLUON:
         sys.exit("this Triton has no usable Gluon (the gate wants Triton 3.6); see the docstring")
-    return wgmma._wgmma_mla_decode_kernel, regs._regs_mla_decode_kernel
+    return wgmma._wgmma_mla_decode_kernel, regs._regs_mla_decode_kernel, ws._ws_mla_decode_kernel
 
 
 DEFAULTS = {
     "wgmma": dict(NUM_HEADS=16, NH=16, R=512, P=64, BLOCK_SIZE=64, TILE=64, NUM_STAGES=3, IS_FP8=True,
                   USE_SPLIT=True, FP8_PATH=1, LAZY_RESCALE=True),
     "regs": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, USE_SPLIT=True, FROM_RING=False, NUM_STAGES=2),
+    "ws": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, NUM_STAGES=5, CONSUMER_REGS=232, PRODUCER_REGS=40,
+               LAZY=True, PRODUCER_IS_DEFAULT=False),
 }
+#: Launch options beside num_warps (the warp-specialized experiment sets a register limit).
+OPTIONS = {"ws": {"maxnreg": 168}}
 
 
 def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv", num_warps: int = 4):
@@ -79,7 +84,7 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv", num_warp
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = dict(zip(("wgmma", "regs"), _kernels()))[which]
+    kernel = dict(zip(("wgmma", "regs", "ws"), _kernels()))[which]
     const = dict(DEFAULTS[which], **overrides)
     if which == "wgmma" and "IS_FP8" not in overrides:
         const["IS_FP8"] = cache.startswith("fp8")
@@ -98,7 +103,7 @@ def compile_kernel(which: str, overrides: dict, cache: str = "fp8e4nv", num_warp
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
     sig.update({k: "constexpr" for k in const})
     src = GluonASTSource(kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **OPTIONS.get(which, {})})
 
 
 def report(compiled) -> tuple[str, str]:
