@@ -75,6 +75,14 @@ if HAS_GLUON:
     )
 
     from kvforge.kernels.gluon_mla_decode import _issue_rows
+    from kvforge.kernels.gluon_mla_decode_ws import (
+        _chunk_column_of,
+        _latent_column_of,
+        _pv_operand,
+        _score_operand,
+    )
+
+from kvforge.kernels.gluon_mla_decode_ws import chunk_column, latent_column  # noqa: E402,F401  (the maps)
 
 R, P = 512, 64
 if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globals)
@@ -83,50 +91,7 @@ if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globa
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def chunk_column(k: int) -> int:
-    """Physical column (within a 64-column chunk) that logical score column ``k`` reads: bits
-    (k0, k1, k2, k3, k4, k5) -> (c0, c4, c5, c1, c2, c3). A thread of the ``wgmma`` A layout holds logical
-    columns {2t, 2t+1, 2t+8, 2t+9} of every 16-column k-step, t = lane % 4; under this map they are
-    physical columns 16t .. 16t+15."""
-    return (k & 1) | ((k >> 1) & 1) << 4 | ((k >> 2) & 1) << 5 | ((k >> 3) & 1) << 1 | ((k >> 4) & 1) << 2 | ((k >> 5) & 1) << 3
-
-
-def latent_column(m: int) -> int:
-    """Physical latent column that accumulator row ``m`` (0..511, ``P x V``) holds: bits (m0..m8) ->
-    (c4, c5, c6, c0, c7, c8, c1, c2, c3). Each thread's 16 rows of the four 128-row accumulators are then
-    16 contiguous bytes of a cached row."""
-    b = [(m >> i) & 1 for i in range(9)]
-    return b[3] | b[6] << 1 | b[7] << 2 | b[8] << 3 | b[0] << 4 | b[1] << 5 | b[2] << 6 | b[4] << 7 | b[5] << 8
-
-
 if HAS_GLUON:
-
-    @gluon.jit
-    def _chunk_column_of(k):
-        return (k & 1) | ((k >> 1) & 1) << 4 | ((k >> 2) & 1) << 5 | ((k >> 3) & 1) << 1 | ((k >> 4) & 1) << 2 \
-            | ((k >> 5) & 1) << 3
-
-    @gluon.jit
-    def _latent_column_of(m):
-        return ((m >> 3) & 1) | ((m >> 6) & 1) << 1 | ((m >> 7) & 1) << 2 | ((m >> 8) & 1) << 3 | (m & 7) << 4 \
-            | ((m >> 4) & 3) << 7
-
-    @gluon.jit
-    def _score_operand(x, DOT_A: gl.constexpr):
-        """fp8 chunk ``x [64 tokens, 64 physical columns]`` (layout LX) -> the fp16 A operand in logical column
-        order (:func:`chunk_column`); no data moves."""
-        y = gl.reshape(x.to(gl.float16), [64, 2, 2, 2, 2, 2, 2])  # (token, c5, c4, c3, c2, c1, c0)
-        y = gl.permute(y, (0, 3, 4, 5, 1, 2, 6))  # (token, k5=c3, k4=c2, k3=c1, k2=c5, k1=c4, k0=c0)
-        return gl.convert_layout(gl.reshape(y, [64, 64]), DOT_A, assert_trivial=True)
-
-    @gluon.jit
-    def _pv_operand(y3, DOT_A: gl.constexpr):
-        """fp8 ``y3 [64 tokens, 32 (c4..c8), 4 (c0 c1)]`` (one of the four column quarters c2 c3) -> the fp16 A
-        operand ``[128 rows m, 64 tokens]`` of :func:`latent_column`; no data moves."""
-        z = gl.permute(gl.reshape(y3.to(gl.float16), [64, 128]), (1, 0))  # [col' = 4 * hi + lo, token]
-        z = gl.reshape(z, [2, 2, 2, 2, 2, 2, 2, 64])  # (c8, c7, c6, c5, c4, c1, c0, token)
-        z = gl.permute(z, (5, 0, 1, 6, 2, 3, 4, 7))  # (m6=c1, m5=c8, m4=c7, m3=c0, m2=c6, m1=c5, m0=c4)
-        return gl.convert_layout(gl.reshape(z, [128, 64]), DOT_A, assert_trivial=True)
 
     @gluon.jit
     def _token_offsets(bt_row, start, hi, stride_cb, stride_cs, BLOCK_SIZE: gl.constexpr, ROW_L: gl.constexpr):

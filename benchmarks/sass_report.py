@@ -52,7 +52,8 @@ def _load(name: str, path: str):
 
 
 def _kernels():
-    """(engine wgmma kernel, register-operand experiment kernel), loaded without torch or a GPU."""
+    """(engine wgmma kernel, register-operand experiment kernel, warp-specialized kernel), loaded without torch
+    or a GPU."""
     _stub_torch()
     for pkg in ("kvforge", "kvforge.kernels"):
         sys.modules.setdefault(pkg, types.ModuleType(pkg))
@@ -60,9 +61,10 @@ def _kernels():
     paged = types.ModuleType("kvforge.kernels.triton_paged_attention")
     paged._LOG2E, paged._num_sms, paged.merge_split_partials = 1.4426950408889634, None, None
     sys.modules["kvforge.kernels.triton_paged_attention"] = paged
+    ws = _load("kvforge.kernels.gluon_mla_decode_ws", os.path.join(ROOT, "kvforge/kernels/gluon_mla_decode_ws.py"))
+    sys.modules["kvforge.kernels"].gluon_mla_decode_ws = ws  # ``from kvforge.kernels import gluon_mla_decode_ws``
     wgmma = _load("kvforge.kernels.gluon_mla_decode", os.path.join(ROOT, "kvforge/kernels/gluon_mla_decode.py"))
     regs = _load("exp_regs_mla_decode", os.path.join(ROOT, "benchmarks/exp_regs_mla_decode.py"))
-    ws = _load("exp_ws_mla_decode", os.path.join(ROOT, "benchmarks/exp_ws_mla_decode.py"))
     if not wgmma.HAS_GLUON:
         sys.exit("this Triton has no usable Gluon (the gate wants Triton 3.6); see the docstring")
     return wgmma._wgmma_mla_decode_kernel, regs._regs_mla_decode_kernel, ws._ws_mla_decode_kernel
@@ -72,8 +74,7 @@ DEFAULTS = {
     "wgmma": dict(NUM_HEADS=16, NH=16, R=512, P=64, BLOCK_SIZE=64, TILE=64, NUM_STAGES=3, IS_FP8=True,
                   USE_SPLIT=True, FP8_PATH=1, LAZY_RESCALE=True),
     "regs": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, USE_SPLIT=True, FROM_RING=False, NUM_STAGES=2),
-    "ws": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, NUM_STAGES=5, CONSUMER_REGS=232, PRODUCER_REGS=40,
-               LAZY=True, PRODUCER_IS_DEFAULT=False),
+    "ws": dict(NUM_HEADS=8, NH=8, BLOCK_SIZE=64, NUM_STAGES=5, CONSUMER_REGS=232, PRODUCER_REGS=40, LAZY=True),
 }
 #: Launch options beside num_warps (the warp-specialized experiment sets a register limit).
 OPTIONS = {"ws": {"maxnreg": 168}}

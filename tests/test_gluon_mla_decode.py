@@ -115,19 +115,23 @@ def test_eight_warps_only_on_the_fp8_register_path_at_32_heads(monkeypatch):
 
 def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
     """CUDA graphs pin ``pinned_num_splits``; the launcher must pick the same count by default for every
-    cache kind, head count and batch (the per-SM program count differs by fp8 path and warps). The kernel
-    launch is replaced by a recorder, so this runs on CPU."""
+    cache kind, head count and batch (the per-SM program count differs by fp8 path and warps, and fp8 at up
+    to 8 heads from 8 sequences runs the warp-specialized kernel). The kernel launches are replaced by
+    recorders, so this runs on CPU."""
     from kvforge.attention.metadata import AttentionMetadata
 
     seen = {}
+    ws_seen = 0
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *a, **kw: seen.update(grid=grid, **kw)
 
     monkeypatch.setattr(gm, "_wgmma_mla_decode_kernel", Recorder(), raising=False)  # absent without Gluon
+    monkeypatch.setattr(gm.gluon_mla_decode_ws, "_ws_mla_decode_kernel", Recorder(), raising=False)
     monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
     monkeypatch.setattr(gm, "merge_split_partials", lambda *a: None)
+    monkeypatch.setattr(gm.gluon_mla_decode_ws, "merge_split_partials", lambda *a: None)
     monkeypatch.setattr(gm, "_num_sms", lambda d: 132)
     for cache_dtype in (BF16, E4M3, E5M2):
         for heads in (1, 8, 16, 17, 32, 64, 128):
@@ -141,7 +145,13 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
                                         0.1)  # fmt: skip
                     pinned = gm.pinned_num_splits(batch, heads, max_len, 132, cache_dtype != BF16)
                     assert seen["grid"][2] == pinned, (cache_dtype, heads, batch, max_len, seen["grid"], pinned)
-                    assert seen["TILE"] == 16 * seen["num_warps"]
+                    if gm.gluon_mla_decode_ws.routes(cache_dtype != BF16, heads, batch):
+                        assert seen["NH"] == 8 and seen["grid"][:2] == (1, batch)  # the warp-specialized kernel
+                        ws_seen += 1
+                    else:
+                        assert seen["TILE"] == 16 * seen["num_warps"]
+                    seen.clear()
+    assert ws_seen == 2 * 2 * 3 * 3  # fp8 kinds x heads 1, 8 x batches 8, 32, 128 x lengths
 
 
 def test_lazy_rescale_only_where_measured_faster():

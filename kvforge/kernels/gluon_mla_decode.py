@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kernels import gluon_mla_decode_ws
 from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on
 from kvforge.kernels.triton_paged_attention import _LOG2E, _num_sms, merge_split_partials
 
@@ -492,7 +493,10 @@ def programs_per_sm(is_fp8: bool, nh: int) -> int:
 
 
 def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, is_fp8: bool) -> int:
-    """The split count :func:`mla_decode_wgmma` picks for this batch by default (what a CUDA graph pins)."""
+    """The split count :func:`mla_decode_wgmma` picks for this batch by default (what a CUDA graph pins),
+    the warp-specialized kernel's where it routes there."""
+    if gluon_mla_decode_ws.routes(is_fp8, num_heads, num_seqs):
+        return gluon_mla_decode_ws.num_splits_for(num_seqs, num_heads, max_seq_len, num_sms)
     nh = heads_per_program(num_heads)
     return num_splits_for(num_seqs * -(-num_heads // nh), max_seq_len, num_sms, programs_per_sm(is_fp8, nh))
 
@@ -505,7 +509,9 @@ CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages",
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
     """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` with a model-dtype query; split
     partials merged by the paged-attention merge kernel. ``out`` (optional) receives the result; tokens
-    past ``query_start_loc[num_seqs]`` are left untouched."""
+    past ``query_start_loc[num_seqs]`` are left untouched. An fp8 cache at up to 8 heads and from 8
+    sequences runs the warp-specialized kernel (``gluon_mla_decode_ws.routes``) unless ``cfg`` sets
+    anything."""
     if not supports(q_latent, cache, None):
         raise ValueError("outside the wgmma MLA kernel's scope (see gluon_mla_decode.supports)")
     cfg = dict(cfg or {})
@@ -513,11 +519,16 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     if unknown:
         raise ValueError(f"unknown wgmma MLA config keys {sorted(unknown)}; choose from {sorted(CFG_KEYS)}")
     t, h, r = q_latent.shape
-    nh = cfg.get("heads_per_program") or heads_per_program(h)
-    head_blocks = -(-h // nh)
     if out is None:
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     is_fp8 = cache.dtype in _FP8
+    if not cfg and gluon_mla_decode_ws.routes(is_fp8, h, meta.num_seqs):
+        splits = num_splits or gluon_mla_decode_ws.num_splits_for(meta.num_seqs, h, meta.max_seq_len,
+                                                                  _num_sms(q_latent.device))  # fmt: skip
+        return gluon_mla_decode_ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                                                 num_splits=splits, out=out)  # fmt: skip
+    nh = cfg.get("heads_per_program") or heads_per_program(h)
+    head_blocks = -(-h // nh)
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
     if type(path) is not int or path not in (FP8_PATH_RING, FP8_PATH_REGS):
         raise ValueError(f"fp8_path {path}: choose {FP8_PATH_RING} (ring) or {FP8_PATH_REGS} (registers)")

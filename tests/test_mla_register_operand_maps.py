@@ -1,22 +1,18 @@
-"""Index algebra of benchmarks/exp_regs_mla_decode.py (the register-operand MLA decode experiment), on CPU.
+"""Index algebra of the register-operand MLA decode (kvforge/kernels/gluon_mla_decode_ws.py, and the
+experiment benchmarks/exp_regs_mla_decode.py that shares its helpers), on CPU.
 
 The kernel turns loaded tiles into ``wgmma`` operands with reshapes, permutes and splits. Those follow
 numpy's row-major semantics whatever the register layout is. It then reads the query columns through
 ``chunk_column`` and stores accumulator rows at ``latent_column``. Here the same shape operations run in
 numpy on tensors of physical column numbers, and the result must be exactly what those two maps claim.
-A wrong bit in either map would scramble the scores or the output columns on the GPU, where this
-experiment has not run yet.
+A wrong bit in either map would scramble the scores or the output columns on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import exp_regs_mla_decode as ex  # noqa: E402
+from kvforge.kernels import gluon_mla_decode_ws as ex
 
 
 def test_score_operand_reads_chunk_column():
@@ -45,7 +41,7 @@ def test_pv_operand_rows_are_latent_column():
 
 
 def _jit_expression(name: str) -> str:
-    """The return expression of the kernel helper ``name`` in the experiment's source (the helpers are jit
+    """The return expression of the kernel helper ``name`` in the module's source (the helpers are jit
     functions, absent without Triton, so their text is evaluated here on numpy integers)."""
     src = open(ex.__file__).read()
     body = src[src.index(f"def {name}("):]

@@ -1,0 +1,407 @@
+"""Warp-specialized fp8 MLA decode for up to 8 heads per program: a producer warpgroup and two consumer
+warpgroups per SM.
+
+The fp8 path of :mod:`kvforge.kernels.gluon_mla_decode` stages every tile into an fp16 copy that both
+products read, about 212 KB of shared-memory traffic per 64-token tile, and its warps issue their own copies
+and address arithmetic between the products. Here (one CTA per SM, ``gl.warp_specialize``):
+
+- a producer warpgroup walks the block table and issues the cp.async copies of every tile of the split into
+  a ``NUM_STAGES``-deep ring of raw fp8 tiles; each thread's ``cp.async.mbarrier.arrive.noinc`` marks a stage
+  ready when its copies land (``ready`` barriers, one arrive per producer thread);
+- two consumer warpgroups take alternate tiles (even and odd), each with its own online softmax (lazy
+  rescaling, ``RESCALE_LOG2``) and accumulators. They read the ``wgmma`` A operands straight from the ring
+  into registers: 16-byte shared loads, converted to fp16 in registers (``regs_ring2`` in
+  ``benchmarks/exp_regs_mla_decode.py``: each tile passes shared memory once written and twice read as fp8);
+- each consumer releases a stage (``empty`` barrier, one arrive) at the top of its next iteration, after a
+  partition barrier proves all four of its warps finished the previous products, and writes its own split
+  partial (``2 s + parity``), which the paged merge kernel combines with the others.
+
+The register-operand relabelings: the score product's contraction order is free, so logical column ``k``
+of a 64-column chunk is read from physical column :func:`chunk_column` ``(k)`` (the query is stored permuted
+the same way), which makes a thread's operand 16 contiguous bytes; the ``P x V`` accumulator rows are free,
+so accumulator row ``m`` holds latent column :func:`latent_column` ``(m)``, undone when the partial is stored.
+``tests/test_mla_register_operand_maps.py`` checks both maps on CPU.
+
+Measured on the H200 (ninth session, docs/BENCHMARKS.md section 6; copy bandwidth 4.26 TB/s): at 8 heads per
+program 81% of the copy bandwidth at 32 x 64k and 86% at 128 x 64k, against 63% and 66% for the wgmma
+kernel's fp8 path, 63% vs 54% at 8 x 64k, and 15% slower at batch 1 (:func:`routes`: from
+:data:`MIN_SEQS` sequences). At 16 heads per program the consumer needs ~260 registers and spills (41-53%,
+slower than the wgmma kernel), so it serves 8 heads only.
+
+Invariants: the ring stage of tile i is ``i % NUM_STAGES``, its fill number ``i // NUM_STAGES`` (the barrier
+phase parity). A consumer releases tile ``i - 2``'s stage before it waits for tile i, so any ``NUM_STAGES >= 2``
+is deadlock-free. Rows at or past the split end are zero-filled by the copies and masked to ``-inf``.
+Block-id and row offsets are int64. Scope: :func:`routes`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon
+from kvforge.kernels.triton_paged_attention import _LOG2E, merge_split_partials
+
+if HAS_GLUON:
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+R: int = 512
+P: int = 64
+#: Heads per program; the consumer's accumulators at 16 spill (see the module docstring).
+NH: int = 8
+#: Batches below this many sequences stay on the wgmma kernel (batch 1 x 64k: 39.3 vs 34.2 us; batch 8: 1.17x
+#: faster here).
+MIN_SEQS: int = 8
+#: Splits per (sequence, head block) at most; each writes two partials (one per consumer).
+MAX_SPLITS: int = 128
+#: Tokens per split at least (two tiles per consumer).
+MIN_SPLIT_TOKENS: int = 512
+#: Ring depth: 5 x 36 KB of fp8 tiles (196 KB of shared memory at 8 heads, one CTA per SM).
+NUM_STAGES: int = 5
+#: Registers per thread: maxnreg 168 over three warpgroups is a pool of 64,512; the producer's warpgroup
+#: shrinks to 40, the odd consumer grows to 232 and the even one (the kernel's own warps) gets the rest, 232.
+#: The producer as the kernel's own warps on 24 registers, beside two 240-register consumers, was 11-13%
+#: slower (ninth session).
+MAXNREG: int = 168
+CONSUMER_REGS: int = 232
+PRODUCER_REGS: int = 40
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globals)
+    _R = gl.constexpr(R)
+    _P = gl.constexpr(P)
+    _RESCALE_LOG2 = gl.constexpr(8.0)  # gluon_mla_decode.RESCALE_LOG2
+
+
+def routes(is_fp8: bool, num_heads: int, num_seqs: int) -> bool:
+    """Whether a decode call that the wgmma kernel accepts (``gluon_mla_decode.routes``) runs here instead:
+    an fp8 cache, at most :data:`NH` heads, at least :data:`MIN_SEQS` sequences."""
+    return is_fp8 and num_heads <= NH and num_seqs >= MIN_SEQS
+
+
+def num_splits_for(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, nh: int = NH) -> int:
+    """Splits per sequence: one CTA per SM (rounding down), at least :data:`MIN_SPLIT_TOKENS` tokens each,
+    at most :data:`MAX_SPLITS`; what a CUDA graph pins."""
+    programs = num_seqs * -(-num_heads // nh)
+    return max(1, min(num_sms // max(1, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def chunk_column(k: int) -> int:
+    """Physical column (within a 64-column chunk) that logical score column ``k`` reads: bits
+    (k0, k1, k2, k3, k4, k5) -> (c0, c4, c5, c1, c2, c3). A thread of the ``wgmma`` A layout holds logical
+    columns {2t, 2t+1, 2t+8, 2t+9} of every 16-column k-step, t = lane % 4; under this map they are
+    physical columns 16t .. 16t+15."""
+    return (k & 1) | ((k >> 1) & 1) << 4 | ((k >> 2) & 1) << 5 | ((k >> 3) & 1) << 1 | ((k >> 4) & 1) << 2 | ((k >> 5) & 1) << 3
+
+
+def latent_column(m: int) -> int:
+    """Physical latent column that accumulator row ``m`` (0..511, ``P x V``) holds: bits (m0..m8) ->
+    (c4, c5, c6, c0, c7, c8, c1, c2, c3). Each thread's 16 rows of the four 128-row accumulators are then
+    16 contiguous bytes of a cached row."""
+    b = [(m >> i) & 1 for i in range(9)]
+    return b[3] | b[6] << 1 | b[7] << 2 | b[8] << 3 | b[0] << 4 | b[1] << 5 | b[2] << 6 | b[4] << 7 | b[5] << 8
+
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _chunk_column_of(k):
+        return (k & 1) | ((k >> 1) & 1) << 4 | ((k >> 2) & 1) << 5 | ((k >> 3) & 1) << 1 | ((k >> 4) & 1) << 2 \
+            | ((k >> 5) & 1) << 3
+
+    @gluon.jit
+    def _latent_column_of(m):
+        return ((m >> 3) & 1) | ((m >> 6) & 1) << 1 | ((m >> 7) & 1) << 2 | ((m >> 8) & 1) << 3 | (m & 7) << 4 \
+            | ((m >> 4) & 3) << 7
+
+    @gluon.jit
+    def _score_operand(x, DOT_A: gl.constexpr):
+        """fp8 chunk ``x [64 tokens, 64 physical columns]`` (layout LX) -> the fp16 A operand in logical column
+        order (:func:`chunk_column`); no data moves."""
+        y = gl.reshape(x.to(gl.float16), [64, 2, 2, 2, 2, 2, 2])  # (token, c5, c4, c3, c2, c1, c0)
+        y = gl.permute(y, (0, 3, 4, 5, 1, 2, 6))  # (token, k5=c3, k4=c2, k3=c1, k2=c5, k1=c4, k0=c0)
+        return gl.convert_layout(gl.reshape(y, [64, 64]), DOT_A, assert_trivial=True)
+
+    @gluon.jit
+    def _pv_operand(y3, DOT_A: gl.constexpr):
+        """fp8 ``y3 [64 tokens, 32 (c4..c8), 4 (c0 c1)]`` (one of the four column quarters c2 c3) -> the fp16 A
+        operand ``[128 rows m, 64 tokens]`` of :func:`latent_column`; no data moves."""
+        z = gl.permute(gl.reshape(y3.to(gl.float16), [64, 128]), (1, 0))  # [col' = 4 * hi + lo, token]
+        z = gl.reshape(z, [2, 2, 2, 2, 2, 2, 2, 64])  # (c8, c7, c6, c5, c4, c1, c0, token)
+        z = gl.permute(z, (5, 0, 1, 6, 2, 3, 4, 7))  # (m6=c1, m5=c8, m4=c7, m3=c0, m2=c6, m1=c5, m0=c4)
+        return gl.convert_layout(gl.reshape(z, [128, 64]), DOT_A, assert_trivial=True)
+
+    @gluon.jit
+    def _produce(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
+                 NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+        """The producer warpgroup: every tile's rows into the ring, one stage per tile, as stages free up. The
+        latent part goes in four 16-row slices, so a thread holds the offsets of 4 rows at a time (the partition
+        runs on ``PRODUCER_REGS`` registers; all 64 at once spilled)."""
+        LAT_COPY: gl.constexpr = gl.BlockedLayout([1, 16], [1, 32], [gl.num_warps(), 1], [1, 0])
+        ROPE_COPY: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+        c = gl.arange(0, _R, layout=gl.SliceLayout(0, LAT_COPY))
+        cr = gl.arange(0, _P, layout=gl.SliceLayout(0, ROPE_COPY))
+        n = gl.arange(0, 16, layout=gl.SliceLayout(1, LAT_COPY))
+        nr = gl.arange(0, 64, layout=gl.SliceLayout(1, ROPE_COPY))
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)  # first fill: passes at once
+            start = lo + i * 64
+            for q in gl.static_range(4):
+                pos = start + 16 * q + n
+                ok = pos < hi
+                blk = gl.load(bt_row + pos // BLOCK_SIZE, mask=ok, other=0).to(gl.int64)
+                row = blk * stride_cb + (pos % BLOCK_SIZE).to(gl.int64) * stride_cs
+                async_copy.async_copy_global_to_shared(
+                    lat_ring.index(stage).slice(16 * q, 16, dim=0), cache_ptr + row[:, None] + c[None, :],
+                    mask=ok[:, None] & (c >= 0)[None, :],
+                )  # fmt: skip
+            pos_r = start + nr
+            ok_r = pos_r < hi
+            blk_r = gl.load(bt_row + pos_r // BLOCK_SIZE, mask=ok_r, other=0).to(gl.int64)
+            row_r = blk_r * stride_cb + (pos_r % BLOCK_SIZE).to(gl.int64) * stride_cs
+            async_copy.async_copy_global_to_shared(
+                rope_ring.index(stage), cache_ptr + _R + row_r[:, None] + cr[None, :],
+                mask=ok_r[:, None] & (cr >= 0)[None, :],
+            )  # fmt: skip
+            async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
+
+    @gluon.jit
+    def _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
+                 NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 LAZY: gl.constexpr, PARITY: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup: tiles PARITY, PARITY + 2, ... of the split; writes partial 2 s + PARITY."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        LX: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])  # fmt: skip
+        LY: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
+            shape=[64, 512])  # fmt: skip
+        p_buf = p_smem.index(PARITY)
+        m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
+        acc0 = gl.zeros([128, NH], gl.float32, layout=MMA)
+        acc1 = gl.zeros([128, NH], gl.float32, layout=MMA)
+        acc2 = gl.zeros([128, NH], gl.float32, layout=MMA)
+        acc3 = gl.zeros([128, NH], gl.float32, layout=MMA)
+        n_off = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        s_zero = gl.zeros([64, NH], gl.float32, layout=MMA)
+        mine = (num_tiles + 1 - PARITY) // 2
+        for j in range(mine):
+            i = PARITY + 2 * j
+            stage = i % NUM_STAGES
+            gl.thread_barrier()  # all four warps finished tile i-2's products: its operands and p_buf are free
+            if j > 0:
+                mbarrier.arrive(empty.index((i - 2) % NUM_STAGES), count=1)
+            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+            lat = lat_ring.index(stage)
+            # Each 64-column chunk is read from the ring just before its conversion (all nine at once would
+            # hold 72 registers of fp8 beside the accumulators); one chunk's wgmma runs while the next converts.
+            a0 = _score_operand(lat.slice(0, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a0, ql_smem.slice(0, 64, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            a1 = _score_operand(lat.slice(64, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a1, ql_smem.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a0 = warpgroup_mma_wait(1, deps=(s, a0))
+            a2 = _score_operand(lat.slice(128, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a2, ql_smem.slice(128, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a1 = warpgroup_mma_wait(1, deps=(s, a1))
+            a3 = _score_operand(lat.slice(192, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a3, ql_smem.slice(192, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a2 = warpgroup_mma_wait(1, deps=(s, a2))
+            a4 = _score_operand(lat.slice(256, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a4, ql_smem.slice(256, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a3 = warpgroup_mma_wait(1, deps=(s, a3))
+            a5 = _score_operand(lat.slice(320, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a5, ql_smem.slice(320, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a4 = warpgroup_mma_wait(1, deps=(s, a4))
+            a6 = _score_operand(lat.slice(384, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a6, ql_smem.slice(384, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a5 = warpgroup_mma_wait(1, deps=(s, a5))
+            a7 = _score_operand(lat.slice(448, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a7, ql_smem.slice(448, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a6 = warpgroup_mma_wait(1, deps=(s, a6))
+            a8 = _score_operand(rope_ring.index(stage).load(LX), DOT_A)
+            s = warpgroup_mma(a8, qr_smem.permute((1, 0)), s, is_async=True)
+            s, a7 = warpgroup_mma_wait(1, deps=(s, a7))
+            s, a8 = warpgroup_mma_wait(0, deps=(s, a8))
+
+            s = s * qk_scale
+            s = gl.where((lo + i * 64 + n_off < hi)[:, None], s, float("-inf"))
+            if LAZY:
+                m_cand = gl.maximum(m_i, gl.max(s, 0))
+                if gl.max((m_cand - m_i > _RESCALE_LOG2).to(gl.int32), 0) > 0:  # also true on the first tile
+                    alpha = gl.exp2(m_i - gl.where(m_cand == float("-inf"), 0.0, m_cand))
+                    acc0 = acc0 * alpha[None, :]
+                    acc1 = acc1 * alpha[None, :]
+                    acc2 = acc2 * alpha[None, :]
+                    acc3 = acc3 * alpha[None, :]
+                    l_tile = l_tile * alpha[None, :]
+                    m_i = m_cand
+                p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+                l_tile = l_tile + p
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, 0))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = gl.exp2(m_i - m_use)
+                p = gl.exp2(s - m_use[None, :])
+                l_tile = l_tile * alpha[None, :] + p
+                acc0 = acc0 * alpha[None, :]
+                acc1 = acc1 * alpha[None, :]
+                acc2 = acc2 * alpha[None, :]
+                acc3 = acc3 * alpha[None, :]
+                m_i = m_new
+            p_buf.store(p.to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+            y = lat.load(LY)
+            y = gl.reshape(y, [64, 32, 2, 2, 4])
+            y = gl.permute(y, (0, 1, 3, 4, 2))
+            y_c3lo, y_c3hi = gl.split(y)
+            y0, y1 = gl.split(gl.permute(y_c3lo, (0, 1, 3, 2)))
+            y2, y3 = gl.split(gl.permute(y_c3hi, (0, 1, 3, 2)))
+            b0 = _pv_operand(y0, DOT_A)
+            acc0 = warpgroup_mma(b0, p_buf, acc0, is_async=True)
+            b1 = _pv_operand(y1, DOT_A)
+            acc1 = warpgroup_mma(b1, p_buf, acc1, is_async=True)
+            acc0, b0 = warpgroup_mma_wait(1, deps=(acc0, b0))
+            b2 = _pv_operand(y2, DOT_A)
+            acc2 = warpgroup_mma(b2, p_buf, acc2, is_async=True)
+            acc1, b1 = warpgroup_mma_wait(1, deps=(acc1, b1))
+            b3 = _pv_operand(y3, DOT_A)
+            acc3 = warpgroup_mma(b3, p_buf, acc3, is_async=True)
+            acc2, b2 = warpgroup_mma_wait(1, deps=(acc2, b2))
+            acc3, b3 = warpgroup_mma_wait(0, deps=(acc3, b3))
+
+        l_i = gl.sum(l_tile, 0)
+        ho = gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
+        h_ok = (pidx0 // num_parts) % NUM_HEADS + ho < NUM_HEADS  # heads past the last one (padded block)
+        pidx = pidx0 + ho.to(gl.int64) * num_parts + PARITY  # paged merge-kernel layout
+        mrow = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+        mask = (mrow >= 0)[:, None] & h_ok[None, :]
+        if mine > 0:
+            base = part_acc_ptr + (pidx * _R)[None, :]
+            gl.store(base + _latent_column_of(mrow)[:, None], acc0 * scale, mask=mask)
+            gl.store(base + _latent_column_of(mrow + 128)[:, None], acc1 * scale, mask=mask)
+            gl.store(base + _latent_column_of(mrow + 256)[:, None], acc2 * scale, mask=mask)
+            gl.store(base + _latent_column_of(mrow + 384)[:, None], acc3 * scale, mask=mask)
+        gl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
+        gl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
+
+    @gluon.jit
+    def _consume_odd(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
+                     num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
+                     NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+        _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
+                 BLOCK_SIZE, NUM_STAGES, LAZY, 1)  # fmt: skip
+
+    @gluon.jit
+    def _consume_even(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
+                     num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
+                     NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+        _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
+                 BLOCK_SIZE, NUM_STAGES, LAZY, 0)  # fmt: skip
+
+    @gluon.jit
+    def _ws_mla_decode_kernel(
+        ql_ptr, qr_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_ptr,
+        sm_scale_log2, num_splits,
+        stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
+        NUM_HEADS: gl.constexpr, NH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr,
+    ):  # fmt: skip
+        Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NH], gl.float16)
+        Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
+
+        # head blocks vary fastest in the launch order, so the CTAs that read the same rows for different heads
+        # run at the same time and share them through L2
+        hb = gl.program_id(0)
+        seq = gl.program_id(1)
+        split = gl.program_id(2)
+        tok = gl.load(qsl_ptr + seq)
+        if gl.load(qsl_ptr + seq + 1) <= tok:
+            return
+        seq_len = gl.load(seq_lens_ptr + seq)
+        scale = gl.load(scale_ptr)
+        qk_scale = sm_scale_log2 * scale
+
+        t64 = tok.to(gl.int64)
+        hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
+        kq = gl.arange(0, _R, layout=gl.SliceLayout(0, Q_L))
+        cq = (kq // 64) * 64 + _chunk_column_of(kq % 64)
+        ql = gl.load(ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
+                     mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :], other=0.0)  # fmt: skip
+        kr = gl.arange(0, _P, layout=gl.SliceLayout(0, Q_L))
+        cr = _chunk_column_of(kr)
+        qr = gl.load(qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
+                     mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :], other=0.0)  # fmt: skip
+        ql_smem = gl.allocate_shared_memory(gl.float16, [NH, _R], Q_SMEM, ql.to(gl.float16))
+        qr_smem = gl.allocate_shared_memory(gl.float16, [NH, _P], Q_SMEM, qr.to(gl.float16))
+        p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, NH], P_SMEM)
+        lat_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _R], RAW)
+        rope_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _P], RAW)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for k in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(k), count=32 * gl.num_warps())  # one noinc arrive per producer thread
+            mbarrier.init(empty.index(k), count=1)  # one arrive from the consumer that read the stage
+        fence_async_shared()
+
+        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, seq_len)
+        num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
+        bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
+        num_parts = 2 * num_splits
+        pidx0 = (t64 * NUM_HEADS + hb * NH) * num_parts + 2 * split
+        # The argument tuples are written out: a tuple bound to a name first turns its constexprs into tensors
+        # (Triton 3.6).
+        gl.warp_specialize([
+            (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+            (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+            (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
+def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None):
+    """``out [T, H, R]`` = MLA decode in latent space over an fp8 cache (what ``gluon_mla_decode.mla_decode_wgmma``
+    computes); tokens past ``query_start_loc[num_seqs]`` are left untouched. ``num_splits``: CTAs per
+    sequence (:func:`num_splits_for` unless forced). ``cfg`` (benchmarks): ``stages``, ``lazy``, ``nh`` (16
+    heads per program: measured slower, never routed)."""
+    cfg = dict(cfg or {})
+    t, h, r = q_latent.shape
+    splits = max(1, min(int(num_splits), MAX_SPLITS))
+    nh = int(cfg.get("nh", NH))
+    head_blocks = -(-h // nh)
+    part_acc = torch.empty((t, h, 2 * splits, r), dtype=torch.float32, device=q_latent.device)
+    part_ml = torch.empty((t, h, 2 * splits, 2), dtype=torch.float32, device=q_latent.device)
+    _ws_mla_decode_kernel[(head_blocks, meta.num_seqs, splits)](
+        q_latent, q_rope, cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale.to(torch.float32).reshape(-1)[:1], float(softmax_scale) * _LOG2E, splits,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
+        NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, LAZY=bool(cfg.get("lazy", True)), num_warps=4,
+        maxnreg=MAXNREG,
+    )  # fmt: skip
+    merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
+    return out

@@ -1,0 +1,151 @@
+"""The warp-specialized fp8 MLA decode (kvforge/kernels/gluon_mla_decode_ws.py): routing and split rules on
+CPU (hand counts); on an sm_90 GPU, its output against the float32 reference over the dequantized cache
+(bound 2**-6 of max|ref|, as for the wgmma kernel) for e4m3/e5m2, 1-8 heads, block sizes 1/16/64, forced
+and default splits, peaked scores (lazy and eager rescaling), sequences with no new token, and CUDA-graph
+replay through the engine's entry point with the pinned split count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_mla import _batch
+
+from kvforge.attention import mla_reference as ref
+from kvforge.kernels import gluon_mla_decode as gm
+from kvforge.kernels import gluon_mla_decode_ws as ws
+from kvforge.kernels.gluon_support import GLUON_ENABLED
+
+needs_gluon = pytest.mark.skipif(
+    not (GLUON_ENABLED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="needs sm_90 and the tested Triton (gluon_support)",
+)
+BOUND = 2.0 ** -6
+SCALE = 192 ** -0.5
+
+
+def test_routing_rule():
+    assert ws.routes(True, 8, 8) and ws.routes(True, 1, 128)
+    assert not ws.routes(True, 8, 7)  # small batches: the wgmma kernel was faster at batch 1
+    assert not ws.routes(True, 16, 32)  # 16 heads per program spills
+    assert not ws.routes(False, 8, 32)  # 16-bit caches stay on the wgmma kernel
+
+
+def test_split_rule_hand_counts():
+    assert ws.num_splits_for(8, 8, 65536, 132) == 16  # 132 // 8 CTAs per sequence
+    assert ws.num_splits_for(128, 8, 65536, 132) == 1
+    assert ws.num_splits_for(32, 5, 4096, 132) == 4  # one head block; 4096 // 512 = 8 allows 4
+    assert ws.num_splits_for(8, 8, 300, 132) == 1  # under MIN_SPLIT_TOKENS
+    assert ws.num_splits_for(1, 8, 1 << 20, 132) == ws.MAX_SPLITS
+    assert ws.num_splits_for(8, 16, 65536, 132, nh=8) == 8  # two head blocks
+
+
+def _ws(q_latent, q_rope, cache, meta, scale, splits=None, **cfg):
+    splits = splits or ws.num_splits_for(meta.num_seqs, q_latent.shape[1], meta.max_seq_len,
+                                         torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
+    out = torch.full_like(q_latent, float("nan"))
+    got = ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, SCALE, num_splits=splits, out=out, cfg=cfg)
+    assert got is out and torch.isfinite(got).all()
+    return got
+
+
+def _err(got, q_latent, q_rope, cache, meta, scale):
+    want = ref.mla_decode(q_latent.float(), q_rope.float(), cache, meta, scale, SCALE)
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [1, 5, 8])
+@pytest.mark.parametrize("batch", [8, 33])
+def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
+    cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
+    calls = []
+    real = ws.mla_decode_ws
+    monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, SCALE)
+    assert calls == [1]
+    assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_forced_splits_and_block_sizes(kv, block_size):
+    """Lengths 1-3000 with 1-128 splits: empty consumers (one tile, or none) and tile boundaries inside pages
+    and pages inside tiles; batch 6 (below MIN_SEQS: called directly)."""
+    cache, meta, q_latent, q_rope, scale = _batch(6, kv, 8, "cuda", block_size=block_size, seed=block_size)
+    for splits in (1, 2, 7, 32, ws.MAX_SPLITS):
+        got = _ws(q_latent, q_rope, cache, meta, scale, splits)
+        assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND, (kv, block_size, splits)
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
+def test_peaked_scores_split_agreement(lazy):
+    """The query x 16: the running max moves across tiles and a few tokens dominate. Against the reference
+    and, tightly (2**-7), split against unsplit: a token dropped or counted twice at a split or consumer
+    boundary moves a 1000-token output by ~1%."""
+    cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", 8, "cuda", block_size=16, seed=21)
+    q_latent, q_rope = q_latent * 16, q_rope * 16
+    one = _ws(q_latent, q_rope, cache, meta, scale, 1, lazy=lazy).float()
+    assert _err(one, q_latent, q_rope, cache, meta, scale) <= BOUND
+    for splits in (2, 7, 32):
+        got = _ws(q_latent, q_rope, cache, meta, scale, splits, lazy=lazy).float()
+        assert ((got - one).abs().max() / one.abs().max()).item() <= 2.0 ** -7, (lazy, splits)
+
+
+@needs_gluon
+@pytest.mark.gpu
+def test_empty_query_sequences_and_tokens_past_the_last_sequence():
+    cache, meta, q_latent, q_rope, scale = _batch(9, "fp8_e4m3", 8, "cuda", block_size=16, seed=4)
+    # sequence 1 has no new token this step; two padding tokens sit past query_start_loc[num_seqs]
+    qsl = torch.tensor([0, 1, 1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int32, device="cuda")
+    meta2 = type(meta)(qsl, meta.seq_lens, meta.block_tables, meta.slot_mapping[:8], 1, meta.max_seq_len,
+                       meta.block_size)  # fmt: skip
+    ql = torch.cat([q_latent[:8], q_latent[:2]])
+    qr = torch.cat([q_rope[:8], q_rope[:2]])
+    out = torch.full_like(ql, float("nan"))
+    splits = ws.num_splits_for(9, 8, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count)
+    ws.mla_decode_ws(ql, qr, cache, meta2, scale, SCALE, num_splits=splits, out=out)
+    assert torch.isfinite(out[:8]).all() and torch.isnan(out[8:]).all()
+    want = ref.mla_decode(ql[:8].float(), qr[:8].float(), cache, meta2, scale, SCALE)
+    assert ((out[:8].float() - want).abs().max() / want.abs().max()).item() <= BOUND
+
+
+@needs_gluon
+@pytest.mark.gpu
+def test_cuda_graph_replay_with_new_lengths_and_tables():
+    """The engine's decode graphs: capture ``triton_mla_decode.mla_decode`` once with the pinned split count
+    (this kernel's rule: fp8, 8 heads, 8 sequences), change lengths and block tables in place, replay."""
+    from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
+
+    heads, batch = 8, 8
+    cache, meta, q_latent, q_rope, scale = _batch(batch, "fp8_e4m3", heads, "cuda", block_size=16, seed=3)
+    max_len = int(meta.block_tables.shape[1]) * 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = pinned_num_splits(batch, heads, max_len, sms, wgmma=True, is_fp8=True)
+    assert splits == ws.num_splits_for(batch, heads, max_len, sms)
+    out = torch.full_like(q_latent, float("nan"))
+    seq_lens, tables = meta.seq_lens.clone(), meta.block_tables.clone()
+    graph_meta = type(meta)(meta.query_start_loc, seq_lens, tables, meta.slot_mapping, 1, max_len, 16)
+    mla_decode(q_latent, q_rope, cache, graph_meta, scale, SCALE, num_splits=splits, out=out)  # compile
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_decode(q_latent, q_rope, cache, graph_meta, scale, SCALE, num_splits=splits, out=out)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        perm = torch.randperm(batch, generator=gen)
+        donor_lens = meta.seq_lens.cpu()[perm]  # rows past a donor's length hold NaN: stay within them
+        new_lens = (torch.rand(batch, generator=gen) * donor_lens).ceil().clamp(min=1).to(torch.int32)
+        seq_lens.copy_(new_lens)
+        tables.copy_(meta.block_tables[perm.to(tables.device)])
+        out.fill_(float("nan"))
+        g.replay()
+        want_meta = type(meta)(meta.query_start_loc, new_lens.cuda(), tables.clone(), meta.slot_mapping, 1,
+                               max_len, 16)  # fmt: skip
+        assert torch.isfinite(out).all()
+        assert _err(out, q_latent, q_rope, cache, want_meta, scale) <= BOUND
