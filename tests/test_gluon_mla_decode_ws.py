@@ -24,10 +24,11 @@ SCALE = 192 ** -0.5
 
 
 def test_routing_rule():
-    assert ws.routes(True, 8, 8) and ws.routes(True, 1, 128)
-    assert not ws.routes(True, 8, 7)  # small batches: the wgmma kernel was faster at batch 1
-    assert not ws.routes(True, 16, 32)  # 16 heads per program spills
-    assert not ws.routes(False, 8, 32)  # 16-bit caches stay on the wgmma kernel
+    assert ws.routes(True, 8, 8, 65536) and ws.routes(True, 1, 128, 16384)
+    assert not ws.routes(True, 8, 7, 65536)  # small batches: the wgmma kernel was faster at batch 1
+    assert not ws.routes(True, 8, 32, 4096)  # short contexts: slower at 4k
+    assert not ws.routes(True, 16, 32, 65536)  # 16 heads per program spills
+    assert not ws.routes(False, 8, 32, 65536)  # 16-bit caches stay on the wgmma kernel
 
 
 def test_split_rule_hand_counts():
@@ -60,6 +61,7 @@ def _err(got, q_latent, q_rope, cache, meta, scale):
 @pytest.mark.parametrize("batch", [8, 33])
 def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
+    monkeypatch.setattr(ws, "MIN_CONTEXT", 0)  # the test lengths are <= 3000
     calls = []
     real = ws.mla_decode_ws
     monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -117,10 +119,15 @@ def test_empty_query_sequences_and_tokens_past_the_last_sequence():
 
 @needs_gluon
 @pytest.mark.gpu
-def test_cuda_graph_replay_with_new_lengths_and_tables():
+def test_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch):
     """The engine's decode graphs: capture ``triton_mla_decode.mla_decode`` once with the pinned split count
     (this kernel's rule: fp8, 8 heads, 8 sequences), change lengths and block tables in place, replay."""
     from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
+
+    monkeypatch.setattr(ws, "MIN_CONTEXT", 0)  # the test lengths are <= 3000
+    calls = []
+    real = ws.mla_decode_ws
+    monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     heads, batch = 8, 8
     cache, meta, q_latent, q_rope, scale = _batch(batch, "fp8_e4m3", heads, "cuda", block_size=16, seed=3)
@@ -136,6 +143,7 @@ def test_cuda_graph_replay_with_new_lengths_and_tables():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         mla_decode(q_latent, q_rope, cache, graph_meta, scale, SCALE, num_splits=splits, out=out)
+    assert calls == [1, 1]
     gen = torch.Generator().manual_seed(11)
     for _ in range(3):
         perm = torch.randperm(batch, generator=gen)

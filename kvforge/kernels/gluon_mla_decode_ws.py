@@ -24,8 +24,8 @@ so accumulator row ``m`` holds latent column :func:`latent_column` ``(m)``, undo
 
 Measured on the H200 (ninth session, docs/BENCHMARKS.md section 6; copy bandwidth 4.26 TB/s): at 8 heads per
 program 81% of the copy bandwidth at 32 x 64k and 86% at 128 x 64k, against 63% and 66% for the wgmma
-kernel's fp8 path, 63% vs 54% at 8 x 64k, and 15% slower at batch 1 (:func:`routes`: from
-:data:`MIN_SEQS` sequences). At 16 heads per program the consumer needs ~260 registers and spills (41-53%,
+kernel's fp8 path, 63% vs 54% at 8 x 64k, 15% slower at batch 1 and 4-24% slower at 4k contexts
+(:func:`routes`: from :data:`MIN_SEQS` sequences and :data:`MIN_CONTEXT` tokens). At 16 heads per program the consumer needs ~260 registers and spills (41-53%,
 slower than the wgmma kernel), so it serves 8 heads only.
 
 Invariants: the ring stage of tile i is ``i % NUM_STAGES``, its fill number ``i // NUM_STAGES`` (the barrier
@@ -76,10 +76,17 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
     _RESCALE_LOG2 = gl.constexpr(8.0)  # gluon_mla_decode.RESCALE_LOG2
 
 
-def routes(is_fp8: bool, num_heads: int, num_seqs: int) -> bool:
+#: Calls whose longest context (``max_seq_len``; ``max_model_len`` in a CUDA graph) is shorter stay on the
+#: wgmma kernel: at 4k this kernel was slower (batch 8: 29.2 vs 23.5 us for the fp8 ring; batch 32: 50.8 vs
+#: 48.9 us), at 16k (batch 128) 1.30x faster; in between is not measured.
+MIN_CONTEXT: int = 16384
+
+
+def routes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int) -> bool:
     """Whether a decode call that the wgmma kernel accepts (``gluon_mla_decode.routes``) runs here instead:
-    an fp8 cache, at most :data:`NH` heads, at least :data:`MIN_SEQS` sequences."""
-    return is_fp8 and num_heads <= NH and num_seqs >= MIN_SEQS
+    an fp8 cache, at most :data:`NH` heads, at least :data:`MIN_SEQS` sequences, a longest context of at
+    least :data:`MIN_CONTEXT` tokens."""
+    return is_fp8 and num_heads <= NH and num_seqs >= MIN_SEQS and max_seq_len >= MIN_CONTEXT
 
 
 def num_splits_for(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, nh: int = NH) -> int:
