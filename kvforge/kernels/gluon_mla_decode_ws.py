@@ -112,6 +112,14 @@ def latent_column(m: int) -> int:
     return b[3] | b[6] << 1 | b[7] << 2 | b[8] << 3 | b[0] << 4 | b[1] << 5 | b[2] << 6 | b[4] << 7 | b[5] << 8
 
 
+def latent_column_halves(m: int) -> int:
+    """The map at more than 8 heads per program, where the ``P x V`` operand is loaded in two halves of 256
+    columns: bits (m0..m8) -> (c3, c4, c5, c0, c6, c7, c1, c2, c8). Accumulators 2h and 2h+1 hold the columns
+    of half h (c8 = m8); a thread's 8 rows of the pair are 8 contiguous bytes."""
+    b = [(m >> i) & 1 for i in range(9)]
+    return b[3] | b[6] << 1 | b[7] << 2 | b[0] << 3 | b[1] << 4 | b[2] << 5 | b[4] << 6 | b[5] << 7 | b[8] << 8
+
+
 if HAS_GLUON:
 
     @gluon.jit
@@ -125,6 +133,11 @@ if HAS_GLUON:
             | ((m >> 4) & 3) << 7
 
     @gluon.jit
+    def _latent_column_halves_of(m):
+        return ((m >> 3) & 1) | ((m >> 6) & 1) << 1 | ((m >> 7) & 1) << 2 | (m & 7) << 3 | ((m >> 4) & 3) << 6 \
+            | ((m >> 8) & 1) << 8
+
+    @gluon.jit
     def _score_operand(x, DOT_A: gl.constexpr):
         """fp8 chunk ``x [64 tokens, 64 physical columns]`` (layout LX) -> the fp16 A operand in logical column
         order (:func:`chunk_column`); no data moves."""
@@ -135,7 +148,8 @@ if HAS_GLUON:
     @gluon.jit
     def _pv_operand(y3, DOT_A: gl.constexpr):
         """fp8 ``y3 [64 tokens, 32 (c4..c8), 4 (c0 c1)]`` (one of the four column quarters c2 c3) -> the fp16 A
-        operand ``[128 rows m, 64 tokens]`` of :func:`latent_column`; no data moves."""
+        operand ``[128 rows m, 64 tokens]`` of :func:`latent_column`; no data moves. The same relabeling serves
+        :func:`latent_column_halves`, whose 32-index is (c3..c7) of one 256-column half."""
         z = gl.permute(gl.reshape(y3.to(gl.float16), [64, 128]), (1, 0))  # [col' = 4 * hi + lo, token]
         z = gl.reshape(z, [2, 2, 2, 2, 2, 2, 2, 64])  # (c8, c7, c6, c5, c4, c1, c0, token)
         z = gl.permute(z, (5, 0, 1, 6, 2, 3, 4, 7))  # (m6=c1, m5=c8, m4=c7, m3=c0, m2=c6, m1=c5, m0=c4)
@@ -192,6 +206,12 @@ if HAS_GLUON:
             reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
             lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
             shape=[64, 512])  # fmt: skip
+        # One 256-column half of the P x V operand at more than 8 heads: 8 contiguous bytes (registers), then
+        # tokens +1 +8 +16 +32; lanes: tokens +2 +4, columns +8 +16 +32; warps: columns +64 +128.
+        LYH: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
+            shape=[64, 256])  # fmt: skip
         p_buf = p_smem.index(PARITY)
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
@@ -268,17 +288,30 @@ if HAS_GLUON:
             p_buf.store(p.to(gl.float16))
             fence_async_shared()
             gl.thread_barrier()
-            y = lat.load(LY)
-            y = gl.reshape(y, [64, 32, 2, 2, 4])
-            y = gl.permute(y, (0, 1, 3, 4, 2))
-            y_c3lo, y_c3hi = gl.split(y)
-            y0, y1 = gl.split(gl.permute(y_c3lo, (0, 1, 3, 2)))
-            y2, y3 = gl.split(gl.permute(y_c3hi, (0, 1, 3, 2)))
-            b0 = _pv_operand(y0, DOT_A)
-            acc0 = warpgroup_mma(b0, p_buf, acc0, is_async=True)
-            b1 = _pv_operand(y1, DOT_A)
-            acc1 = warpgroup_mma(b1, p_buf, acc1, is_async=True)
-            acc0, b0 = warpgroup_mma_wait(1, deps=(acc0, b0))
+            if NH <= 8:
+                y = lat.load(LY)  # the whole P x V operand: 64 fp8 registers
+                y = gl.reshape(y, [64, 32, 2, 2, 4])
+                y = gl.permute(y, (0, 1, 3, 4, 2))
+                y_c3lo, y_c3hi = gl.split(y)
+                y0, y1 = gl.split(gl.permute(y_c3lo, (0, 1, 3, 2)))
+                y2, y3 = gl.split(gl.permute(y_c3hi, (0, 1, 3, 2)))
+                b0 = _pv_operand(y0, DOT_A)
+                acc0 = warpgroup_mma(b0, p_buf, acc0, is_async=True)
+                b1 = _pv_operand(y1, DOT_A)
+                acc1 = warpgroup_mma(b1, p_buf, acc1, is_async=True)
+                acc0, b0 = warpgroup_mma_wait(1, deps=(acc0, b0))
+            else:
+                # more than 8 heads: the operand in two 256-column halves (latent_column_halves), so 32 fp8
+                # registers are live beside the 64 of the accumulators instead of 64; 8-byte loads
+                yh = gl.permute(gl.reshape(lat.slice(0, 256, dim=1).load(LYH), [64, 32, 2, 4]), (0, 1, 3, 2))
+                y0, y1 = gl.split(yh)
+                b0 = _pv_operand(y0, DOT_A)
+                acc0 = warpgroup_mma(b0, p_buf, acc0, is_async=True)
+                b1 = _pv_operand(y1, DOT_A)
+                acc1 = warpgroup_mma(b1, p_buf, acc1, is_async=True)
+                acc0, b0 = warpgroup_mma_wait(1, deps=(acc0, b0))
+                yh = gl.permute(gl.reshape(lat.slice(256, 256, dim=1).load(LYH), [64, 32, 2, 4]), (0, 1, 3, 2))
+                y2, y3 = gl.split(yh)
             b2 = _pv_operand(y2, DOT_A)
             acc2 = warpgroup_mma(b2, p_buf, acc2, is_async=True)
             acc1, b1 = warpgroup_mma_wait(1, deps=(acc1, b1))
@@ -295,10 +328,16 @@ if HAS_GLUON:
         mask = (mrow >= 0)[:, None] & h_ok[None, :]
         if mine > 0:
             base = part_acc_ptr + (pidx * _R)[None, :]
-            gl.store(base + _latent_column_of(mrow)[:, None], acc0 * scale, mask=mask)
-            gl.store(base + _latent_column_of(mrow + 128)[:, None], acc1 * scale, mask=mask)
-            gl.store(base + _latent_column_of(mrow + 256)[:, None], acc2 * scale, mask=mask)
-            gl.store(base + _latent_column_of(mrow + 384)[:, None], acc3 * scale, mask=mask)
+            if NH <= 8:
+                gl.store(base + _latent_column_of(mrow)[:, None], acc0 * scale, mask=mask)
+                gl.store(base + _latent_column_of(mrow + 128)[:, None], acc1 * scale, mask=mask)
+                gl.store(base + _latent_column_of(mrow + 256)[:, None], acc2 * scale, mask=mask)
+                gl.store(base + _latent_column_of(mrow + 384)[:, None], acc3 * scale, mask=mask)
+            else:
+                gl.store(base + _latent_column_halves_of(mrow)[:, None], acc0 * scale, mask=mask)
+                gl.store(base + _latent_column_halves_of(mrow + 128)[:, None], acc1 * scale, mask=mask)
+                gl.store(base + _latent_column_halves_of(mrow + 256)[:, None], acc2 * scale, mask=mask)
+                gl.store(base + _latent_column_halves_of(mrow + 384)[:, None], acc3 * scale, mask=mask)
         gl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
         gl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
 
@@ -393,7 +432,8 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
     """``out [T, H, R]`` = MLA decode in latent space over an fp8 cache (what ``gluon_mla_decode.mla_decode_wgmma``
     computes); tokens past ``query_start_loc[num_seqs]`` are left untouched. ``num_splits``: CTAs per
     sequence (:func:`num_splits_for` unless forced). ``cfg`` (benchmarks): ``stages``, ``lazy``, ``nh`` (16
-    heads per program: measured slower, never routed)."""
+    heads per program: not routed), ``consumer_regs`` and ``producer_regs`` (the odd consumer's and the
+    producer's registers; the even consumer gets the rest of the pool)."""
     cfg = dict(cfg or {})
     t, h, r = q_latent.shape
     splits = max(1, min(int(num_splits), MAX_SPLITS))
@@ -407,7 +447,8 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, LAZY=bool(cfg.get("lazy", True)), num_warps=4,
+        CONSUMER_REGS=int(cfg.get("consumer_regs", CONSUMER_REGS)),
+        PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)), num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip
     merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
