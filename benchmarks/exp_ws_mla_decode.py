@@ -30,8 +30,8 @@ from kvforge.kernels.triton_paged_attention import _num_sms  # noqa: E402
 
 
 def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, cfg=None):
-    """The kernel at its default split count (``cfg["nh"]`` heads per program, 8 unless set)."""
-    nh = (cfg or {}).get("nh", ws.NH)
+    """The kernel at its default split count (``cfg["nh"]`` heads per program, the launcher's unless set)."""
+    nh = (cfg or {}).get("nh")
     splits = ws.num_splits_for(meta.num_seqs, q_latent.shape[1], meta.max_seq_len, _num_sms(q_latent.device), nh)
     return ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, num_splits=splits,
                             out=torch.empty_like(q_latent), cfg=cfg)  # fmt: skip

@@ -1,6 +1,6 @@
 """The warp-specialized fp8 MLA decode (kvforge/kernels/gluon_mla_decode_ws.py): routing and split rules on
 CPU (hand counts); on an sm_90 GPU, its output against the float32 reference over the dequantized cache
-(bound 2**-6 of max|ref|, as for the wgmma kernel) for e4m3/e5m2, 1-8 heads, block sizes 1/16/64, forced
+(bound 2**-6 of max|ref|, as for the wgmma kernel) for e4m3/e5m2, 1-16 heads (8- and 16-head programs), block sizes 1/16/64, forced
 and default splits, peaked scores (lazy and eager rescaling), sequences with no new token, and CUDA-graph
 replay through the engine's entry point with the pinned split count."""
 
@@ -27,7 +27,8 @@ def test_routing_rule():
     assert ws.routes(True, 8, 8, 65536) and ws.routes(True, 1, 128, 16384)
     assert not ws.routes(True, 8, 7, 65536)  # small batches: the wgmma kernel was faster at batch 1
     assert not ws.routes(True, 8, 32, 4096)  # short contexts: slower at 4k
-    assert not ws.routes(True, 16, 32, 65536)  # 16 heads per program spills
+    assert ws.routes(True, 16, 32, 65536) and not ws.routes(True, 17, 32, 65536)
+    assert [ws.heads_per_program(h) for h in (1, 8, 9, 16)] == [8, 8, 16, 16]
     assert not ws.routes(False, 8, 32, 65536)  # 16-bit caches stay on the wgmma kernel
 
 
@@ -37,6 +38,7 @@ def test_split_rule_hand_counts():
     assert ws.num_splits_for(32, 5, 4096, 132) == 4  # one head block; 4096 // 512 = 8 allows 4
     assert ws.num_splits_for(8, 8, 300, 132) == 1  # under MIN_SPLIT_TOKENS
     assert ws.num_splits_for(1, 8, 1 << 20, 132) == ws.MAX_SPLITS
+    assert ws.num_splits_for(8, 16, 65536, 132) == 16  # one 16-head program per sequence
     assert ws.num_splits_for(8, 16, 65536, 132, nh=8) == 8  # two head blocks
 
 
@@ -57,7 +59,7 @@ def _err(got, q_latent, q_rope, cache, meta, scale):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("heads", [1, 5, 8])
+@pytest.mark.parametrize("heads", [1, 5, 8, 12, 16])
 @pytest.mark.parametrize("batch", [8, 33])
 def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
@@ -74,10 +76,11 @@ def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-def test_forced_splits_and_block_sizes(kv, block_size):
+@pytest.mark.parametrize("heads", [8, 16])
+def test_forced_splits_and_block_sizes(kv, block_size, heads):
     """Lengths 1-3000 with 1-128 splits: empty consumers (one tile, or none) and tile boundaries inside pages
-    and pages inside tiles; batch 6 (below MIN_SEQS: called directly)."""
-    cache, meta, q_latent, q_rope, scale = _batch(6, kv, 8, "cuda", block_size=block_size, seed=block_size)
+    and pages inside tiles; batch 6 (below MIN_SEQS: called directly); 8 and 16 heads per program."""
+    cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=block_size, seed=block_size)
     for splits in (1, 2, 7, 32, ws.MAX_SPLITS):
         got = _ws(q_latent, q_rope, cache, meta, scale, splits)
         assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND, (kv, block_size, splits)
@@ -86,11 +89,12 @@ def test_forced_splits_and_block_sizes(kv, block_size):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
-def test_peaked_scores_split_agreement(lazy):
+@pytest.mark.parametrize("heads", [8, 16])
+def test_peaked_scores_split_agreement(lazy, heads):
     """The query x 16: the running max moves across tiles and a few tokens dominate. Against the reference
     and, tightly (2**-7), split against unsplit: a token dropped or counted twice at a split or consumer
     boundary moves a 1000-token output by ~1%."""
-    cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", 8, "cuda", block_size=16, seed=21)
+    cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", heads, "cuda", block_size=16, seed=21)
     q_latent, q_rope = q_latent * 16, q_rope * 16
     one = _ws(q_latent, q_rope, cache, meta, scale, 1, lazy=lazy).float()
     assert _err(one, q_latent, q_rope, cache, meta, scale) <= BOUND

@@ -40,6 +40,25 @@ def test_pv_operand_rows_are_latent_column():
     assert sorted(ex.latent_column(m) for m in range(512)) == list(range(512))
 
 
+def test_pv_operand_halves_rows_are_latent_column_halves():
+    """More than 8 heads per program: each 256-column half (``lat.slice(256 h, 256)``) is reshaped to
+    (token, c3..c7, c2, c0 c1), permuted and split on c2 into accumulators 2h and 2h+1, then relabeled by the
+    same ``_pv_operand``; the rows must be ``latent_column_halves``, and a thread's 8 contiguous bytes (its
+    two rows m3, m6 of the pair's two accumulators) must be columns 8k .. 8k+7."""
+    quarters = []
+    for h in range(2):
+        y = np.broadcast_to(np.arange(256 * h, 256 * h + 256), (64, 256)).reshape(64, 32, 2, 4).transpose(0, 1, 3, 2)
+        quarters += [y[..., 0], y[..., 1]]  # gl.split on c2
+    for j, q in enumerate(quarters):
+        z = q.reshape(64, 128).T.reshape(2, 2, 2, 2, 2, 2, 2, 64).transpose(5, 0, 1, 6, 2, 3, 4, 7).reshape(128, 64)
+        assert [int(c) for c in z[:, 0]] == [ex.latent_column_halves(128 * j + m) for m in range(128)]
+    assert sorted(ex.latent_column_halves(m) for m in range(512)) == list(range(512))
+    for r in (0, 1, 2, 4, 16, 32):  # m0-m2 (lanes), m4-m5 (warps): row r's bytes with m3, m6, m7 varied
+        held = sorted(ex.latent_column_halves(r + 8 * a + 64 * b + 128 * c) for a in (0, 1) for b in (0, 1)
+                      for c in (0, 1))  # fmt: skip
+        assert held == list(range(held[0], held[0] + 8)) and held[0] % 8 == 0
+
+
 def _jit_expression(name: str) -> str:
     """The return expression of the kernel helper ``name`` in the module's source (the helpers are jit
     functions, absent without Triton, so their text is evaluated here on numpy integers)."""
@@ -57,3 +76,4 @@ def test_kernel_bit_formulas_match_the_python_maps():
     assert eval(_jit_expression("_chunk_column_of")).tolist() == [ex.chunk_column(int(v)) for v in k]
     m = np.arange(512)
     assert eval(_jit_expression("_latent_column_of")).tolist() == [ex.latent_column(int(v)) for v in m]
+    assert eval(_jit_expression("_latent_column_halves_of")).tolist() == [ex.latent_column_halves(int(v)) for v in m]

@@ -51,8 +51,8 @@ if HAS_GLUON:
 
 R: int = 512
 P: int = 64
-#: Heads per program; the consumer's accumulators at 16 spill (see the module docstring).
-NH: int = 8
+#: Heads per rank served here at most (heads per program: :func:`heads_per_program`).
+MAX_HEADS: int = 16
 #: Batches below this many sequences stay on the wgmma kernel (batch 1 x 64k: 39.3 vs 34.2 us; batch 8: 1.17x
 #: faster here).
 MIN_SEQS: int = 8
@@ -82,17 +82,23 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
 MIN_CONTEXT: int = 16384
 
 
+def heads_per_program(num_heads: int) -> int:
+    """``NH``: 8 up to 8 heads, else 16 (the ``wgmma`` N; 16 loads the ``P x V`` operand in halves)."""
+    return 8 if num_heads <= 8 else 16
+
+
 def routes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int) -> bool:
     """Whether a decode call that the wgmma kernel accepts (``gluon_mla_decode.routes``) runs here instead:
-    an fp8 cache, at most :data:`NH` heads, at least :data:`MIN_SEQS` sequences, a longest context of at
-    least :data:`MIN_CONTEXT` tokens."""
-    return is_fp8 and num_heads <= NH and num_seqs >= MIN_SEQS and max_seq_len >= MIN_CONTEXT
+    an fp8 cache, at most :data:`MAX_HEADS` heads, at least :data:`MIN_SEQS` sequences, a longest context
+    of at least :data:`MIN_CONTEXT` tokens."""
+    return is_fp8 and num_heads <= MAX_HEADS and num_seqs >= MIN_SEQS and max_seq_len >= MIN_CONTEXT
 
 
-def num_splits_for(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, nh: int = NH) -> int:
+def num_splits_for(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, nh: int | None = None) -> int:
     """Splits per sequence: one CTA per SM (rounding down), at least :data:`MIN_SPLIT_TOKENS` tokens each,
-    at most :data:`MAX_SPLITS`; what a CUDA graph pins."""
-    programs = num_seqs * -(-num_heads // nh)
+    at most :data:`MAX_SPLITS`; what a CUDA graph pins. ``nh``: heads per program (default
+    :func:`heads_per_program`)."""
+    programs = num_seqs * -(-num_heads // (nh or heads_per_program(num_heads)))
     return max(1, min(num_sms // max(1, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
@@ -431,13 +437,13 @@ if HAS_GLUON:
 def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None):
     """``out [T, H, R]`` = MLA decode in latent space over an fp8 cache (what ``gluon_mla_decode.mla_decode_wgmma``
     computes); tokens past ``query_start_loc[num_seqs]`` are left untouched. ``num_splits``: CTAs per
-    sequence (:func:`num_splits_for` unless forced). ``cfg`` (benchmarks): ``stages``, ``lazy``, ``nh`` (16
-    heads per program: not routed), ``consumer_regs`` and ``producer_regs`` (the odd consumer's and the
+    sequence (:func:`num_splits_for` unless forced). ``cfg`` (benchmarks): ``stages``, ``lazy``, ``nh``
+    (heads per program), ``consumer_regs`` and ``producer_regs`` (the odd consumer's and the
     producer's registers; the even consumer gets the rest of the pool)."""
     cfg = dict(cfg or {})
     t, h, r = q_latent.shape
     splits = max(1, min(int(num_splits), MAX_SPLITS))
-    nh = int(cfg.get("nh", NH))
+    nh = int(cfg.get("nh", heads_per_program(h)))
     head_blocks = -(-h // nh)
     part_acc = torch.empty((t, h, 2 * splits, r), dtype=torch.float32, device=q_latent.device)
     part_ml = torch.empty((t, h, 2 * splits, 2), dtype=torch.float32, device=q_latent.device)
