@@ -145,13 +145,14 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
                                         0.1)  # fmt: skip
                     pinned = gm.pinned_num_splits(batch, heads, max_len, 132, cache_dtype != BF16)
                     assert seen["grid"][2] == pinned, (cache_dtype, heads, batch, max_len, seen["grid"], pinned)
-                    if gm.gluon_mla_decode_ws.routes(cache_dtype != BF16, heads, batch, max_len):
+                    if gm.gluon_mla_decode_ws.routes(cache_dtype != BF16, heads, batch, max_len, 132):
                         assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
                         ws_seen += 1  # the warp-specialized kernel
                     else:
                         assert seen["TILE"] == 16 * seen["num_warps"]
                     seen.clear()
-    assert ws_seen == 2 * 3 * 3  # fp8 kinds x heads 1, 8, 16 x batches 8, 32, 128 (at 65536 tokens)
+    # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: 4096 a CTA)
+    assert ws_seen == 2 * 3 * 4
 
 
 def test_lazy_rescale_only_where_measured_faster():
@@ -242,7 +243,7 @@ def test_split_rule_hand_counts():
     # 128 heads: 4 head blocks of 32 per sequence (fp8 register path with 8 warps at 32 heads: 1 per SM)
     assert gm.pinned_num_splits(8, 128, 65536, 132, is_fp8=True) == 132 // 32
     # 16 heads, fp8, 8 sequences at 64k: the warp-specialized kernel, one CTA per SM -> floor(132 / 8) = 16;
-    # below its 16k context: rows staged through registers, 2 programs per SM -> floor(264 / 8) = 33
+    # at 8k (512 tokens a CTA there): rows staged through registers, 2 programs per SM -> floor(264 / 8) = 33
     assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=True) == 16
     assert gm.pinned_num_splits(8, 16, 8192, 132, is_fp8=True) == min(33, 8192 // 256)
     assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=False) == 16

@@ -24,12 +24,15 @@ SCALE = 192 ** -0.5
 
 
 def test_routing_rule():
-    assert ws.routes(True, 8, 8, 65536) and ws.routes(True, 1, 128, 16384)
-    assert not ws.routes(True, 8, 7, 65536)  # small batches: the wgmma kernel was faster at batch 1
-    assert not ws.routes(True, 8, 32, 4096)  # short contexts: slower at 4k
-    assert ws.routes(True, 16, 32, 65536) and not ws.routes(True, 17, 32, 65536)
+    """At least MIN_TOKENS_PER_SPLIT tokens a CTA (132 SMs): batch 8 needs 16 splits, so 64k; batch 32 (4
+    splits) 16k; batch 128 (1 split) 4k; batch 1 (at most 128 splits) 512k."""
+    assert ws.routes(True, 8, 8, 65536, 132) and not ws.routes(True, 8, 8, 32768, 132)
+    assert ws.routes(True, 16, 32, 16384, 132) and not ws.routes(True, 16, 16, 16384, 132)
+    assert ws.routes(True, 1, 128, 4096, 132) and not ws.routes(True, 8, 32, 4096, 132)
+    assert not ws.routes(True, 8, 1, 65536, 132) and ws.routes(True, 8, 1, 1 << 19, 132)
+    assert ws.routes(True, 16, 32, 65536, 132) and not ws.routes(True, 17, 32, 65536, 132)
+    assert not ws.routes(False, 8, 32, 65536, 132)  # 16-bit caches stay on the wgmma kernel
     assert [ws.heads_per_program(h) for h in (1, 8, 9, 16)] == [8, 8, 16, 16]
-    assert not ws.routes(False, 8, 32, 65536)  # 16-bit caches stay on the wgmma kernel
 
 
 def test_split_rule_hand_counts():
@@ -63,7 +66,7 @@ def _err(got, q_latent, q_rope, cache, meta, scale):
 @pytest.mark.parametrize("batch", [8, 33])
 def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
-    monkeypatch.setattr(ws, "MIN_CONTEXT", 0)  # the test lengths are <= 3000
+    monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
     calls = []
     real = ws.mla_decode_ws
     monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -79,7 +82,7 @@ def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, m
 @pytest.mark.parametrize("heads", [8, 16])
 def test_forced_splits_and_block_sizes(kv, block_size, heads):
     """Lengths 1-3000 with 1-128 splits: empty consumers (one tile, or none) and tile boundaries inside pages
-    and pages inside tiles; batch 6 (below MIN_SEQS: called directly); 8 and 16 heads per program."""
+    and pages inside tiles; batch 6, called directly; 8 and 16 heads per program."""
     cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=block_size, seed=block_size)
     for splits in (1, 2, 7, 32, ws.MAX_SPLITS):
         got = _ws(q_latent, q_rope, cache, meta, scale, splits)
@@ -128,7 +131,7 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch):
     (this kernel's rule: fp8, 8 heads, 8 sequences), change lengths and block tables in place, replay."""
     from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
 
-    monkeypatch.setattr(ws, "MIN_CONTEXT", 0)  # the test lengths are <= 3000
+    monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
     calls = []
     real = ws.mla_decode_ws
     monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -495,7 +495,7 @@ def programs_per_sm(is_fp8: bool, nh: int) -> int:
 def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, is_fp8: bool) -> int:
     """The split count :func:`mla_decode_wgmma` picks for this batch by default (what a CUDA graph pins),
     the warp-specialized kernel's where it routes there."""
-    if gluon_mla_decode_ws.routes(is_fp8, num_heads, num_seqs, max_seq_len):
+    if gluon_mla_decode_ws.routes(is_fp8, num_heads, num_seqs, max_seq_len, num_sms):
         return gluon_mla_decode_ws.num_splits_for(num_seqs, num_heads, max_seq_len, num_sms)
     nh = heads_per_program(num_heads)
     return num_splits_for(num_seqs * -(-num_heads // nh), max_seq_len, num_sms, programs_per_sm(is_fp8, nh))
@@ -509,9 +509,9 @@ CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages",
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
     """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` with a model-dtype query; split
     partials merged by the paged-attention merge kernel. ``out`` (optional) receives the result; tokens
-    past ``query_start_loc[num_seqs]`` are left untouched. An fp8 cache at up to 8 heads, from 8
-    sequences and 16k tokens of context runs the warp-specialized kernel (``gluon_mla_decode_ws.routes``)
-    unless ``cfg`` sets anything."""
+    past ``query_start_loc[num_seqs]`` are left untouched. An fp8 cache at up to 16 heads with at least 4096
+    tokens per CTA runs the warp-specialized kernel (``gluon_mla_decode_ws.routes``) unless ``cfg`` sets
+    anything."""
     if not supports(q_latent, cache, None):
         raise ValueError("outside the wgmma MLA kernel's scope (see gluon_mla_decode.supports)")
     cfg = dict(cfg or {})
@@ -522,9 +522,9 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     if out is None:
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
     is_fp8 = cache.dtype in _FP8
-    if not cfg and gluon_mla_decode_ws.routes(is_fp8, h, meta.num_seqs, meta.max_seq_len):
-        splits = num_splits or gluon_mla_decode_ws.num_splits_for(meta.num_seqs, h, meta.max_seq_len,
-                                                                  _num_sms(q_latent.device))  # fmt: skip
+    sms = _num_sms(q_latent.device)
+    if not cfg and gluon_mla_decode_ws.routes(is_fp8, h, meta.num_seqs, meta.max_seq_len, sms):
+        splits = num_splits or gluon_mla_decode_ws.num_splits_for(meta.num_seqs, h, meta.max_seq_len, sms)
         return gluon_mla_decode_ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale,
                                                  num_splits=splits, out=out)  # fmt: skip
     nh = cfg.get("heads_per_program") or heads_per_program(h)
@@ -545,7 +545,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     per_sm = programs_per_sm(is_fp8, nh) if regs else 1
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
     splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
-                                          _num_sms(q_latent.device), per_sm)
+                                          sms, per_sm)
     splits = max(1, min(int(splits), MAX_SPLITS))
     if splits > 1:
         part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)

@@ -1,4 +1,4 @@
-"""Warp-specialized fp8 MLA decode for up to 8 heads per program: a producer warpgroup and two consumer
+"""Warp-specialized fp8 MLA decode for up to 16 heads per rank: a producer warpgroup and two consumer
 warpgroups per SM.
 
 The fp8 path of :mod:`kvforge.kernels.gluon_mla_decode` stages every tile into an fp16 copy that both
@@ -22,11 +22,15 @@ the same way), which makes a thread's operand 16 contiguous bytes; the ``P x V``
 so accumulator row ``m`` holds latent column :func:`latent_column` ``(m)``, undone when the partial is stored.
 ``tests/test_mla_register_operand_maps.py`` checks both maps on CPU.
 
-Measured on the H200 (ninth session, docs/BENCHMARKS.md section 6; copy bandwidth 4.26 TB/s): at 8 heads per
-program 81% of the copy bandwidth at 32 x 64k and 86% at 128 x 64k, against 63% and 66% for the wgmma
-kernel's fp8 path, 63% vs 54% at 8 x 64k, 15% slower at batch 1 and 4-24% slower at 4k contexts
-(:func:`routes`: from :data:`MIN_SEQS` sequences and :data:`MIN_CONTEXT` tokens). At 16 heads per program the consumer needs ~260 registers and spills (41-53%,
-slower than the wgmma kernel), so it serves 8 heads only.
+At 16 heads per program the ``P x V`` operand is loaded in two 256-column halves (8-byte loads,
+:func:`latent_column_halves`): whole, its 64 fp8 registers beside the 64 of the accumulators made the
+consumer spill (208 bytes; 50-53% of the copy bandwidth).
+
+Measured on the H200 (ninth session, docs/BENCHMARKS.md section 6; copy bandwidth 4.28 TB/s), against the
+wgmma kernel's fp8 path: at 8 heads 80-87% of the copy bandwidth at 32-128 x 64k (63-66%), 63% vs 53% at
+8 x 64k; at 16 heads 69-70% at 32-128 x 64k (61-64%), 54% vs 52% at 8 x 64k. Slower where a CTA gets few
+tiles (batch 1, short contexts), which :func:`routes` leaves to the wgmma kernel (at least
+:data:`MIN_TOKENS_PER_SPLIT` tokens a CTA).
 
 Invariants: the ring stage of tile i is ``i % NUM_STAGES``, its fill number ``i // NUM_STAGES`` (the barrier
 phase parity). A consumer releases tile ``i - 2``'s stage before it waits for tile i, so any ``NUM_STAGES >= 2``
@@ -53,9 +57,6 @@ R: int = 512
 P: int = 64
 #: Heads per rank served here at most (heads per program: :func:`heads_per_program`).
 MAX_HEADS: int = 16
-#: Batches below this many sequences stay on the wgmma kernel (batch 1 x 64k: 39.3 vs 34.2 us; batch 8: 1.17x
-#: faster here).
-MIN_SEQS: int = 8
 #: Splits per (sequence, head block) at most; each writes two partials (one per consumer).
 MAX_SPLITS: int = 128
 #: Tokens per split at least (two tiles per consumer).
@@ -76,10 +77,12 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
     _RESCALE_LOG2 = gl.constexpr(8.0)  # gluon_mla_decode.RESCALE_LOG2
 
 
-#: Calls whose longest context (``max_seq_len``; ``max_model_len`` in a CUDA graph) is shorter stay on the
-#: wgmma kernel: at 4k this kernel was slower (batch 8: 29.2 vs 23.5 us for the fp8 ring; batch 32: 50.8 vs
-#: 48.9 us), at 16k (batch 128) 1.30x faster; in between is not measured.
-MIN_CONTEXT: int = 16384
+#: A call runs here only if each CTA gets at least this many tokens (``max_seq_len`` over
+#: :func:`num_splits_for`; ``max_model_len`` in a CUDA graph): with fewer, the two consumers' pipelines barely
+#: fill. Measured against the wgmma kernel's fp8 path (ninth session, docs/BENCHMARKS.md section 6): every
+#: shape at >= 4096 tokens a CTA was 1.02-1.33x faster (8-16 heads; 8-128 x 16k-64k), every one at <= 2048
+#: slower (0.83-0.97x: batch 8 x 16k-32k, 16 x 16k, 32 x 4k; batch 1 x 64k, 128 splits of 512: 0.89x).
+MIN_TOKENS_PER_SPLIT: int = 4096
 
 
 def heads_per_program(num_heads: int) -> int:
@@ -87,11 +90,12 @@ def heads_per_program(num_heads: int) -> int:
     return 8 if num_heads <= 8 else 16
 
 
-def routes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int) -> bool:
+def routes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int, num_sms: int) -> bool:
     """Whether a decode call that the wgmma kernel accepts (``gluon_mla_decode.routes``) runs here instead:
-    an fp8 cache, at most :data:`MAX_HEADS` heads, at least :data:`MIN_SEQS` sequences, a longest context
-    of at least :data:`MIN_CONTEXT` tokens."""
-    return is_fp8 and num_heads <= MAX_HEADS and num_seqs >= MIN_SEQS and max_seq_len >= MIN_CONTEXT
+    an fp8 cache, at most :data:`MAX_HEADS` heads, at least :data:`MIN_TOKENS_PER_SPLIT` tokens a CTA."""
+    if not is_fp8 or num_heads > MAX_HEADS:
+        return False
+    return max_seq_len // num_splits_for(num_seqs, num_heads, max_seq_len, num_sms) >= MIN_TOKENS_PER_SPLIT
 
 
 def num_splits_for(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, nh: int | None = None) -> int:
