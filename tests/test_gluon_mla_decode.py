@@ -116,7 +116,7 @@ def test_eight_warps_only_on_the_fp8_register_path_at_32_heads(monkeypatch):
 def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
     """CUDA graphs pin ``pinned_num_splits``; the launcher must pick the same count by default for every
     cache kind, head count and batch (the per-SM program count differs by fp8 path and warps, and fp8 at up
-    to 8 heads from 8 sequences runs the warp-specialized kernel). The kernel launches are replaced by
+    to 16 heads with >= 4096 tokens a CTA runs the warp-specialized kernel). The kernel launches are replaced by
     recorders, so this runs on CPU."""
     from kvforge.attention.metadata import AttentionMetadata
 
