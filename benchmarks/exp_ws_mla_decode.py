@@ -6,10 +6,10 @@ tl.dot kernel first.
         [--cfgs 'stages=4;lazy=0;nh=16']
     ncu ... python3 benchmarks/exp_ws_mla_decode.py --profile 16x32x16384 [--cfgs nh=16]
 
-``cfg`` keys: ``stages`` (ring depth), ``lazy`` (0: rescale every tile), ``nh`` (heads per program: 8, or 16,
-which the engine does not route because its consumers spill). The engine calls the kernel through
-``gluon_mla_decode.mla_decode_wgmma`` (:func:`gluon_mla_decode_ws.routes`); here it is called directly, at any
-batch size.
+``cfg`` keys: ``stages`` (ring depth), ``lazy`` (0: rescale every tile), ``nh`` (heads per program, 8 or 16;
+the launcher's choice unless set), ``producer_regs``, ``consumer_regs``. The engine calls the kernel through
+``gluon_mla_decode.mla_decode_wgmma`` where :func:`gluon_mla_decode_ws.routes` allows; here it is called
+directly, at any shape.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ P: int = 64
 MAX_HEADS: int = 16
 #: Splits per (sequence, head block) at most; each writes two partials (one per consumer).
 MAX_SPLITS: int = 128
-#: Tokens per split at least (two tiles per consumer).
+#: Tokens per split at least (four tiles per consumer).
 MIN_SPLIT_TOKENS: int = 512
 #: Ring depth: 5 x 36 KB of fp8 tiles (196 KB of shared memory at 8 heads, one CTA per SM).
 NUM_STAGES: int = 5
@@ -70,11 +70,14 @@ NUM_STAGES: int = 5
 MAXNREG: int = 168
 CONSUMER_REGS: int = 232
 PRODUCER_REGS: int = 40
+#: Warps of the producer partition (a whole warpgroup: registers are allotted per warpgroup anyway).
+PRODUCER_WARPS: int = 4
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globals)
     _R = gl.constexpr(R)
     _P = gl.constexpr(P)
     _RESCALE_LOG2 = gl.constexpr(8.0)  # gluon_mla_decode.RESCALE_LOG2
+    _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)  # the producer partition's warps = the ready barriers' count / 32
 
 
 #: A call runs here only if each CTA gets at least this many tokens (``max_seq_len`` over
@@ -412,7 +415,7 @@ if HAS_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for k in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(k), count=32 * gl.num_warps())  # one noinc arrive per producer thread
+            mbarrier.init(ready.index(k), count=32 * _PRODUCER_WARPS)  # one noinc arrive per producer thread
             mbarrier.init(empty.index(k), count=1)  # one arrive from the consumer that read the stage
         fence_async_shared()
 
@@ -435,7 +438,7 @@ if HAS_GLUON:
             (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
                                 NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+        ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
 def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None):
