@@ -91,6 +91,23 @@ def test_forced_splits_and_block_sizes(kv, block_size, heads):
 
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [{"stages": 2}, {"stages": 3}, {"nh": 8}], ids=["stages2", "stages3", "two_blocks"])
+def test_ring_depths_and_head_blocks(cfg):
+    """A 2- and 3-stage ring (the release-before-wait order must not deadlock at 2) and two 8-head programs
+    per sequence at 16 heads (the head-block grid axis and partial index). The benchmark script checked
+    these against the tl.dot kernel on the H200; this test was added after the session's device time and has
+    not run on a GPU yet."""
+    cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", 16, "cuda", block_size=16, seed=9)
+    nh = cfg.get("nh")
+    splits = ws.num_splits_for(8, 16, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count,
+                               nh)  # fmt: skip
+    for forced in (splits, 1, 7):
+        got = _ws(q_latent, q_rope, cache, meta, scale, forced, **cfg)
+        assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND, (cfg, forced)
+
+
+@needs_gluon
+@pytest.mark.gpu
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("heads", [8, 16])
 def test_peaked_scores_split_agreement(lazy, heads):
