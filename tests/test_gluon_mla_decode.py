@@ -121,7 +121,6 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
     from kvforge.attention.metadata import AttentionMetadata
 
     seen = {}
-    ws_seen = 0
 
     class Recorder:
         def __getitem__(self, grid):
@@ -132,27 +131,31 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
     monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
     monkeypatch.setattr(gm, "merge_split_partials", lambda *a: None)
     monkeypatch.setattr(gm.gluon_mla_decode_ws, "merge_split_partials", lambda *a: None)
-    monkeypatch.setattr(gm, "_num_sms", lambda d: 132)
-    for cache_dtype in (BF16, E4M3, E5M2):
-        for heads in (1, 8, 16, 17, 32, 64, 128):
-            for batch in (1, 3, 8, 32, 128):
-                for max_len in (300, 4096, 65536):
-                    q = torch.zeros(batch, heads, 512, dtype=BF16)
-                    meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32),
-                                             torch.ones(batch, dtype=torch.int32), torch.zeros(batch, 1, dtype=torch.int32),
-                                             torch.zeros(batch, dtype=torch.int64), 1, max_len, 16)  # fmt: skip
-                    gm.mla_decode_wgmma(q, q[..., :64], torch.zeros(1, 16, 576, dtype=cache_dtype), meta, torch.ones(1),
-                                        0.1)  # fmt: skip
-                    pinned = gm.pinned_num_splits(batch, heads, max_len, 132, cache_dtype != BF16)
-                    assert seen["grid"][2] == pinned, (cache_dtype, heads, batch, max_len, seen["grid"], pinned)
-                    if gm.gluon_mla_decode_ws.routes(cache_dtype != BF16, heads, batch, max_len, 132):
-                        assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
-                        ws_seen += 1  # the warp-specialized kernel
-                    else:
-                        assert seen["TILE"] == 16 * seen["num_warps"]
-                    seen.clear()
-    # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: 4096 a CTA)
-    assert ws_seen == 2 * 3 * 4
+    for sms in (132, 78):  # H200/H100 SXM, and a smaller part
+        monkeypatch.setattr(gm, "_num_sms", lambda d, n=sms: n)
+        ws_seen = 0
+        for cache_dtype in (BF16, E4M3, E5M2):
+            for heads in (1, 8, 16, 17, 32, 64, 128):
+                for batch in (1, 3, 8, 32, 128):
+                    for max_len in (300, 4096, 65536):
+                        q = torch.zeros(batch, heads, 512, dtype=BF16)
+                        meta = AttentionMetadata(torch.arange(batch + 1, dtype=torch.int32),
+                                                 torch.ones(batch, dtype=torch.int32),
+                                                 torch.zeros(batch, 1, dtype=torch.int32),
+                                                 torch.zeros(batch, dtype=torch.int64), 1, max_len, 16)  # fmt: skip
+                        gm.mla_decode_wgmma(q, q[..., :64], torch.zeros(1, 16, 576, dtype=cache_dtype), meta,
+                                            torch.ones(1), 0.1)  # fmt: skip
+                        fp8 = cache_dtype != BF16
+                        pinned = gm.pinned_num_splits(batch, heads, max_len, sms, fp8)
+                        assert seen["grid"][2] == pinned, (sms, cache_dtype, heads, batch, max_len, seen["grid"])
+                        if gm.gluon_mla_decode_ws.routes(fp8, heads, batch, max_len, sms):
+                            assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
+                            ws_seen += 1  # the warp-specialized kernel
+                        else:
+                            assert seen["TILE"] == 16 * seen["num_warps"]
+                        seen.clear()
+        # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: >= 4096 a CTA)
+        assert ws_seen == 2 * 3 * 4, sms
 
 
 def test_lazy_rescale_only_where_measured_faster():
