@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -38,11 +37,8 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, cfg=None)
 
 
 def main() -> None:
-    from bench_mla_decode import SOFTMAX_SCALE, bench, bytes_read, copy_bandwidth, make_case
-    from exp_regs_mla_decode import VARIANTS
-
-    from kvforge.kernels.gluon_mla_decode import mla_decode_wgmma
-    from kvforge.kernels.triton_mla_decode import mla_decode
+    from bench_mla_decode import SOFTMAX_SCALE, make_case
+    from exp_regs_mla_decode import VARIANTS, compare_fp8_variants
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
@@ -59,48 +55,12 @@ def main() -> None:
             mla_decode_ws(ql, qr, cache, meta, torch.tensor([0.75], device="cuda"), SOFTMAX_SCALE, cfg=cfg)
         torch.cuda.synchronize()
         return
-    cbw = copy_bandwidth()
-    print(f"copy bandwidth {cbw / 1e12:.2f} TB/s", flush=True)
-    scale = torch.tensor([0.75], device="cuda")
     variants = {"ws": functools.partial(mla_decode_ws)}
     for spec in filter(None, a.cfgs.split(";")):
         cfg = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
         variants["ws_" + spec.replace(",", "_").replace("=", "")] = functools.partial(mla_decode_ws, cfg=cfg)
     variants["regs_ring2"] = VARIANTS["regs_ring2"]
-    rows = []
-    for shape in a.shapes.split(","):
-        heads, batch, ctx = (int(v) for v in shape.split("x"))
-        row = dict(heads=heads, batch=batch, ctx=ctx)
-        for name, dt in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
-            if name == "e5m2" and ctx > 4096:
-                continue
-            cache, meta, ql, qr = make_case(batch, ctx, heads, dt)
-            want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE, _config={"wgmma": False}).float()
-            ok = {}
-            for label, fn in variants.items():
-                try:
-                    got = fn(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
-                except ValueError:  # outside that variant's scope (regs_ring2: at most 16 heads)
-                    continue
-                rel = ((got - want).abs().max() / want.abs().max()).item()
-                ok[label] = bool(torch.isfinite(got).all()) and rel <= 2.0 ** -6
-                row[f"{name}_{label}_max_rel"] = rel
-            nbytes = bytes_read(batch, ctx, heads, 1)
-            if name == "e4m3":
-                timed = {k: v for k, v in variants.items() if ok.get(k)}
-                # the wgmma kernel's own fp8 path (any cfg keeps it off the warp-specialized kernel)
-                wgmma = functools.partial(mla_decode_wgmma, cfg={"fp8_path": 1})
-                for label, fn in dict(timed, wgmma=wgmma).items():
-                    med, lo, hi = bench(functools.partial(fn, ql, qr, cache, meta, scale, SOFTMAX_SCALE))
-                    row[label] = dict(us=med, min=lo, max=hi, pct_copy=100 * nbytes / (med * 1e-6) / cbw)
-            del cache
-        rows.append(row)
-        cells = [f"{k} {v:.1e}" for k, v in row.items() if k.endswith("max_rel")]
-        cells += [f"{k} {v['us']:.1f} us ({v['pct_copy']:.0f}%)" for k, v in row.items() if isinstance(v, dict)]
-        print(f"H{heads} {batch}x{ctx}: " + " | ".join(cells), flush=True)
-    if a.out:
-        with open(os.path.join(a.out, "exp_ws_mla_decode.json"), "w") as f:
-            json.dump(dict(copy_tbps=cbw / 1e12, gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    compare_fp8_variants(variants, a.shapes, a.out, "exp_ws_mla_decode.json")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,25 @@ if HAS_GLUON:
         return gl.convert_layout(gl.reshape(z, [128, 64]), DOT_A, assert_trivial=True)
 
     @gluon.jit
+    def _permuted_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt, stride_qrh, NH: gl.constexpr,
+                        NUM_HEADS: gl.constexpr, Q_L: gl.constexpr, Q_SMEM: gl.constexpr):  # fmt: skip
+        """The query block of token ``t64`` and heads ``hb * NH ..`` in shared memory as the score product's B
+        operand: fp16 ``[NH, R]`` and ``[NH, P]``, columns permuted chunk by chunk (:func:`chunk_column`), zero
+        rows for padded heads."""
+        hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
+        kq = gl.arange(0, _R, layout=gl.SliceLayout(0, Q_L))
+        cq = (kq // 64) * 64 + _chunk_column_of(kq % 64)
+        ql = gl.load(ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
+                     mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :], other=0.0)  # fmt: skip
+        kr = gl.arange(0, _P, layout=gl.SliceLayout(0, Q_L))
+        cr = _chunk_column_of(kr)
+        qr = gl.load(qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
+                     mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :], other=0.0)  # fmt: skip
+        ql_smem = gl.allocate_shared_memory(gl.float16, [NH, _R], Q_SMEM, ql.to(gl.float16))
+        qr_smem = gl.allocate_shared_memory(gl.float16, [NH, _P], Q_SMEM, qr.to(gl.float16))
+        return ql_smem, qr_smem
+
+    @gluon.jit
     def _produce(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                  NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
@@ -398,17 +417,8 @@ if HAS_GLUON:
         qk_scale = sm_scale_log2 * scale
 
         t64 = tok.to(gl.int64)
-        hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
-        kq = gl.arange(0, _R, layout=gl.SliceLayout(0, Q_L))
-        cq = (kq // 64) * 64 + _chunk_column_of(kq % 64)
-        ql = gl.load(ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + cq[None, :],
-                     mask=(hq < NUM_HEADS)[:, None] & (cq >= 0)[None, :], other=0.0)  # fmt: skip
-        kr = gl.arange(0, _P, layout=gl.SliceLayout(0, Q_L))
-        cr = _chunk_column_of(kr)
-        qr = gl.load(qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + cr[None, :],
-                     mask=(hq < NUM_HEADS)[:, None] & (cr >= 0)[None, :], other=0.0)  # fmt: skip
-        ql_smem = gl.allocate_shared_memory(gl.float16, [NH, _R], Q_SMEM, ql.to(gl.float16))
-        qr_smem = gl.allocate_shared_memory(gl.float16, [NH, _P], Q_SMEM, qr.to(gl.float16))
+        ql_smem, qr_smem = _permuted_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt, stride_qrh,
+                                           NH, NUM_HEADS, Q_L, Q_SMEM)  # fmt: skip
         p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, NH], P_SMEM)
         lat_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _R], RAW)
         rope_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _P], RAW)
