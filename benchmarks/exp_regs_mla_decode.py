@@ -76,6 +76,8 @@ if HAS_GLUON:
 
     from kvforge.kernels.gluon_mla_decode import _issue_rows
     from kvforge.kernels.gluon_mla_decode_ws import (
+        PV_OPERAND_LAYOUT,
+        SCORE_CHUNK_LAYOUT,
         _latent_column_of,
         _permuted_query,
         _pv_operand,
@@ -111,17 +113,8 @@ if HAS_GLUON:
     ):  # fmt: skip
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        # Score chunk [64 tokens, 64 columns]: 16 contiguous bytes (registers), then token + 8; lanes: the
-        # column sixteens, tokens 0-7; warps: token sixteens (the wgmma A layout after the column relabel).
-        LX: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])  # fmt: skip
-        # P x V operand [64 tokens, 512 columns]: 16 contiguous bytes, tokens +1 +8 +16 +32 (registers);
-        # lanes: tokens +2 +4, columns +16 +32 +64; warps: columns +128 +256.
-        LY: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
-            shape=[64, 512])  # fmt: skip
+        LX: gl.constexpr = SCORE_CHUNK_LAYOUT  # the operand layouts (gluon_mla_decode_ws)
+        LY: gl.constexpr = PV_OPERAND_LAYOUT
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NH], gl.float16)
         Q_L: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])

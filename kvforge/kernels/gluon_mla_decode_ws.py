@@ -78,6 +78,25 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
     _P = gl.constexpr(P)
     _RESCALE_LOG2 = gl.constexpr(8.0)  # gluon_mla_decode.RESCALE_LOG2
     _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)  # the producer partition's warps = the ready barriers' count / 32
+    #: Register layouts of the operands read from the fp8 tiles (4 warps; shared with the register-operand
+    #: experiment in benchmarks/exp_regs_mla_decode.py). A score chunk [64 tokens, 64 columns]: 16 contiguous
+    #: bytes (registers), then token + 8; lanes: the column sixteens, tokens 0-7; warps: token sixteens (the
+    #: wgmma A layout after the chunk_column relabel).
+    SCORE_CHUNK_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))  # fmt: skip
+    #: The P x V operand [64 tokens, 512 columns]: 16 contiguous bytes, tokens +1 +8 +16 +32 (registers); lanes:
+    #: tokens +2 +4, columns +16 +32 +64; warps: columns +128 +256 (latent_column).
+    PV_OPERAND_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
+        shape=[64, 512]))  # fmt: skip
+    #: One 256-column half of it (latent_column_halves): 8 contiguous bytes, then tokens +1 +8 +16 +32; lanes:
+    #: tokens +2 +4, columns +8 +16 +32; warps: columns +64 +128.
+    PV_HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
+        shape=[64, 256]))  # fmt: skip
 
 
 #: A call runs here only if each CTA gets at least this many tokens (``max_seq_len`` over
@@ -231,19 +250,9 @@ if HAS_GLUON:
         """One consumer warpgroup: tiles PARITY, PARITY + 2, ... of the split; writes partial 2 s + PARITY."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        LX: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])  # fmt: skip
-        LY: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[[0, 128], [0, 256]], block_bases=[],
-            shape=[64, 512])  # fmt: skip
-        # One 256-column half of the P x V operand at more than 8 heads: 8 contiguous bytes (registers), then
-        # tokens +1 +8 +16 +32; lanes: tokens +2 +4, columns +8 +16 +32; warps: columns +64 +128.
-        LYH: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
-            lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
-            shape=[64, 256])  # fmt: skip
+        LX: gl.constexpr = SCORE_CHUNK_LAYOUT
+        LY: gl.constexpr = PV_OPERAND_LAYOUT
+        LYH: gl.constexpr = PV_HALF_LAYOUT
         p_buf = p_smem.index(PARITY)
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
