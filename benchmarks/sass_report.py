@@ -74,7 +74,8 @@ DEFAULTS = {
     "wgmma": dict(NUM_HEADS=16, NH=16, R=512, P=64, BLOCK_SIZE=64, TILE=64, NUM_STAGES=3, IS_FP8=True,
                   USE_SPLIT=True, FP8_PATH=1, LAZY_RESCALE=True),
     "regs": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, USE_SPLIT=True, FROM_RING=False, NUM_STAGES=2),
-    "ws": dict(NUM_HEADS=8, NH=8, BLOCK_SIZE=64, NUM_STAGES=5, CONSUMER_REGS=232, PRODUCER_REGS=40, LAZY=True),
+    "ws": dict(NUM_HEADS=8, NH=8, BLOCK_SIZE=64, NUM_STAGES=5, CONSUMER_REGS=232, PRODUCER_REGS=40, LAZY=True,
+               COLUMNS=False),
 }
 #: Launch options beside num_warps (the warp-specialized experiment sets a register limit).
 OPTIONS = {"ws": {"maxnreg": 168}}

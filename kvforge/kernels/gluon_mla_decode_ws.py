@@ -383,6 +383,118 @@ if HAS_GLUON:
         gl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
 
     @gluon.jit
+    def _score_half(lat, rope, ql_smem, qr_smem, s_zero, HALF: gl.constexpr, DOT_A: gl.constexpr, LX: gl.constexpr):
+        """Half ``HALF`` of the score contraction of one tile: latent chunks 4 HALF .. 4 HALF + 3, and the rope
+        chunk in half 1; the next chunk converts while the previous one's ``wgmma`` runs."""
+        a = _score_operand(lat.slice(256 * HALF, 64, dim=1).load(LX), DOT_A)
+        s = warpgroup_mma(a, ql_smem.slice(256 * HALF, 64, dim=1).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)  # fmt: skip
+        for k in gl.static_range(1, 4):
+            a_next = _score_operand(lat.slice(256 * HALF + 64 * k, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a_next, ql_smem.slice(256 * HALF + 64 * k, 64, dim=1).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
+            s, a = warpgroup_mma_wait(1, deps=(s, a))
+            a = a_next
+        if HALF == 1:
+            a_next = _score_operand(rope.load(LX), DOT_A)
+            s = warpgroup_mma(a_next, qr_smem.permute((1, 0)), s, is_async=True)
+            s, a = warpgroup_mma_wait(1, deps=(s, a))
+            a = a_next
+        s, a = warpgroup_mma_wait(0, deps=(s, a))
+        return s
+
+    @gluon.jit
+    def _pv_half(lat, p_buf, acc0, acc1, HALF: gl.constexpr, DOT_A: gl.constexpr, LYH: gl.constexpr):
+        """``acc0, acc1 += V^T P`` over latent columns 256 HALF .. 256 HALF + 255 of one tile
+        (:func:`latent_column_halves` rows); returns when both ``wgmma`` are done."""
+        yh = gl.permute(gl.reshape(lat.slice(256 * HALF, 256, dim=1).load(LYH), [64, 32, 2, 4]), (0, 1, 3, 2))
+        y0, y1 = gl.split(yh)
+        b0 = _pv_operand(y0, DOT_A)
+        acc0 = warpgroup_mma(b0, p_buf, acc0, is_async=True)
+        b1 = _pv_operand(y1, DOT_A)
+        acc1 = warpgroup_mma(b1, p_buf, acc1, is_async=True)
+        acc0, b0 = warpgroup_mma_wait(1, deps=(acc0, b0))
+        acc1, b1 = warpgroup_mma_wait(0, deps=(acc1, b1))
+        return acc0, acc1
+
+    @gluon.jit
+    def _consume_columns(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
+                         qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH: gl.constexpr,
+                         NUM_HEADS: gl.constexpr, NUM_STAGES: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
+        """One consumer warpgroup of the column split: every tile, latent columns 256 HALF .. 256 HALF + 255.
+        The two halves' partial scores meet in ``s_xch`` (``xch`` barrier of the tile's parity, one arrive per
+        consumer); both then run the same online softmax on the same sums (a + b == b + a exactly), so their
+        maxima agree, and each writes its columns of the split's one partial (half 0 writes m and l)."""
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        LX: gl.constexpr = SCORE_CHUNK_LAYOUT
+        LYH: gl.constexpr = PV_HALF_LAYOUT
+        p_buf = p_smem.index(HALF)
+        m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+        l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
+        acc0 = gl.zeros([128, NH], gl.float32, layout=MMA)
+        acc1 = gl.zeros([128, NH], gl.float32, layout=MMA)
+        n_off = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+        s_zero = gl.zeros([64, NH], gl.float32, layout=MMA)
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+            s = _score_half(lat_ring.index(stage), rope_ring.index(stage), ql_smem, qr_smem, s_zero, HALF, DOT_A, LX)
+            s_xch.index(2 * HALF + i % 2).store(s)
+            gl.thread_barrier()
+            mbarrier.arrive(xch.index(i % 2), count=1)
+            if i > 0:  # the previous tile's P x V while the other half's scores arrive
+                acc0, acc1 = _pv_half(lat_ring.index((i - 1) % NUM_STAGES), p_buf, acc0, acc1, HALF, DOT_A, LYH)
+                gl.thread_barrier()  # all four warps finished tile i-1: its stage and p_buf are free
+                mbarrier.arrive(empty.index((i - 1) % NUM_STAGES), count=1)
+            mbarrier.wait(xch.index(i % 2), (i // 2) & 1)
+            s = (s + s_xch.index(2 * (1 - HALF) + i % 2).load(MMA)) * qk_scale
+            s = gl.where((lo + i * 64 + n_off < hi)[:, None], s, float("-inf"))
+            m_cand = gl.maximum(m_i, gl.max(s, 0))
+            if gl.max((m_cand - m_i > _RESCALE_LOG2).to(gl.int32), 0) > 0:  # also true on the first tile
+                alpha = gl.exp2(m_i - gl.where(m_cand == float("-inf"), 0.0, m_cand))
+                acc0 = acc0 * alpha[None, :]
+                acc1 = acc1 * alpha[None, :]
+                l_tile = l_tile * alpha[None, :]
+                m_i = m_cand
+            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
+            l_tile = l_tile + p
+            p_buf.store(p.to(gl.float16))
+            fence_async_shared()
+            gl.thread_barrier()
+        if num_tiles > 0:
+            acc0, acc1 = _pv_half(lat_ring.index((num_tiles - 1) % NUM_STAGES), p_buf, acc0, acc1, HALF, DOT_A, LYH)
+
+        ho = gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
+        h_ok = (pidx0 // num_parts) % NUM_HEADS + ho < NUM_HEADS  # heads past the last one (padded block)
+        pidx = pidx0 + ho.to(gl.int64) * num_parts
+        mrow = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+        mask = (mrow >= 0)[:, None] & h_ok[None, :]
+        if num_tiles > 0:
+            base = part_acc_ptr + (pidx * _R)[None, :]
+            gl.store(base + _latent_column_halves_of(mrow + 256 * HALF)[:, None], acc0 * scale, mask=mask)
+            gl.store(base + _latent_column_halves_of(mrow + 128 + 256 * HALF)[:, None], acc1 * scale, mask=mask)
+        if HALF == 0:
+            gl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
+            gl.store(part_ml_ptr + pidx * 2 + 1, gl.sum(l_tile, 0), mask=h_ok)
+
+    @gluon.jit
+    def _consume_left(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
+                      qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH: gl.constexpr,
+                      NUM_HEADS: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+        _consume_columns(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
+                         qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS, NUM_STAGES,
+                         0)  # fmt: skip
+
+    @gluon.jit
+    def _consume_right(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
+                       qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH: gl.constexpr,
+                       NUM_HEADS: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
+        _consume_columns(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
+                         qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS, NUM_STAGES,
+                         1)  # fmt: skip
+
+    @gluon.jit
     def _consume_odd(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
                      num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                      NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -406,7 +518,7 @@ if HAS_GLUON:
         sm_scale_log2, num_splits,
         stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
         NUM_HEADS: gl.constexpr, NH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr, COLUMNS: gl.constexpr,
     ):  # fmt: skip
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NH], gl.float16)
@@ -435,7 +547,7 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for k in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(k), count=32 * _PRODUCER_WARPS)  # one noinc arrive per producer thread
-            mbarrier.init(empty.index(k), count=1)  # one arrive from the consumer that read the stage
+            mbarrier.init(empty.index(k), count=2 if COLUMNS else 1)  # one arrive per consumer that read the stage
         fence_async_shared()
 
         chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
@@ -443,21 +555,40 @@ if HAS_GLUON:
         hi = gl.minimum(lo + chunk, seq_len)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
-        num_parts = 2 * num_splits
-        pidx0 = (t64 * NUM_HEADS + hb * NH) * num_parts + 2 * split
-        # The argument tuples are written out: a tuple bound to a name first turns its constexprs into tensors
-        # (Triton 3.6).
-        gl.warp_specialize([
-            (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+        num_parts = num_splits if COLUMNS else 2 * num_splits
+        pidx0 = (t64 * NUM_HEADS + hb * NH) * num_parts + (1 if COLUMNS else 2) * split
+        if COLUMNS:
+            S_XCH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+            s_xch = gl.allocate_shared_memory(gl.float32, [4, 64, NH], S_XCH)  # (half, tile parity)
+            xch = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(xch.index(0), count=2)
+            mbarrier.init(xch.index(1), count=2)
+            fence_async_shared()
+            gl.warp_specialize([
+                (_consume_left, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi,
+                                 num_tiles, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                 NUM_HEADS, NUM_STAGES)),
+                (_consume_right, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi,
+                                  num_tiles, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                  NUM_HEADS, NUM_STAGES)),
+                (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
                                 NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
-            (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
-                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
-            (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
-                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
-        ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+            ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+        else:
+            # The argument tuples are written out: a tuple bound to a name first turns its constexprs into tensors
+            # (Triton 3.6).
+            gl.warp_specialize([
+                (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                    stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+                (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                    stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+                (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                    stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+            ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
 def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None):
@@ -471,8 +602,10 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
     splits = max(1, min(int(num_splits), MAX_SPLITS))
     nh = int(cfg.get("nh", heads_per_program(h)))
     head_blocks = -(-h // nh)
-    part_acc = torch.empty((t, h, 2 * splits, r), dtype=torch.float32, device=q_latent.device)
-    part_ml = torch.empty((t, h, 2 * splits, 2), dtype=torch.float32, device=q_latent.device)
+    columns = bool(cfg.get("columns", False))
+    parts = splits if columns else 2 * splits
+    part_acc = torch.empty((t, h, parts, r), dtype=torch.float32, device=q_latent.device)
+    part_ml = torch.empty((t, h, parts, 2), dtype=torch.float32, device=q_latent.device)
     _ws_mla_decode_kernel[(head_blocks, meta.num_seqs, splits)](
         q_latent, q_rope, cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale.to(torch.float32).reshape(-1)[:1], float(softmax_scale) * _LOG2E, splits,
@@ -480,7 +613,8 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
         CONSUMER_REGS=int(cfg.get("consumer_regs", CONSUMER_REGS)),
-        PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)), num_warps=4,
+        PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)), COLUMNS=columns,
+        num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip
     merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
