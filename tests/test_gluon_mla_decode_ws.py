@@ -131,6 +131,41 @@ def test_column_split_consumers(kv, block_size, heads):
 
 @needs_gluon
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("block_size", [1, 64])
+@pytest.mark.parametrize("heads", [5, 8, 12, 16])
+def test_fp8_score_product(kv, block_size, heads):
+    """``fp8_score``: the query quantized to e4m3 per head in the kernel, the score product an fp8 ``wgmma``
+    on the ring tile in shared memory. Forced splits 1-128, a 2-stage ring, padded head blocks, peaked scores
+    (split against unsplit within 2**-7)."""
+    cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=block_size, seed=heads)
+
+    def quantized(ql, qr):  # the kernel's query rounding, in PyTorch: e4m3 per (token, head), amax -> 448
+        amax = torch.maximum(ql.float().abs().amax(-1), qr.float().abs().amax(-1)).clamp_min(1e-30)[..., None]
+        s = amax / 448.0
+        return (ql.float() / s).to(torch.float8_e4m3fn).float() * s, (qr.float() / s).to(torch.float8_e4m3fn).float() * s
+
+    errs, errs_q = [], []
+    for splits in (None, 1, 7, ws.MAX_SPLITS):
+        got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_score=1)
+        errs.append(_err(got, q_latent, q_rope, cache, meta, scale))
+        errs_q.append(_err(got, *quantized(q_latent, q_rope), cache, meta, scale))
+    got = _ws(q_latent, q_rope, cache, meta, scale, 3, fp8_score=1, stages=2)
+    errs.append(_err(got, q_latent, q_rope, cache, meta, scale))
+    errs_q.append(_err(got, *quantized(q_latent, q_rope), cache, meta, scale))
+    print("fp8_score errs", kv, block_size, heads, [f"{e:.2e}" for e in errs], [f"{e:.2e}" for e in errs_q])
+    assert max(errs_q) <= BOUND, errs_q
+    assert max(errs) <= 2.0 ** -4, errs
+    q_latent, q_rope = q_latent * 16, q_rope * 16
+    one = _ws(q_latent, q_rope, cache, meta, scale, 1, fp8_score=1).float()
+    assert _err(one, *quantized(q_latent, q_rope), cache, meta, scale) <= BOUND
+    for splits in (2, 7, 32):
+        got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_score=1).float()
+        assert ((got - one).abs().max() / one.abs().max()).item() <= 2.0 ** -7, splits
+
+
+@needs_gluon
+@pytest.mark.gpu
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("heads", [8, 16])
 def test_peaked_scores_split_agreement(lazy, heads):

@@ -207,6 +207,27 @@ if HAS_GLUON:
         return ql_smem, qr_smem
 
     @gluon.jit
+    def _fp8_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt, stride_qrh, NH: gl.constexpr,
+                   NUM_HEADS: gl.constexpr, Q_L: gl.constexpr):  # fmt: skip
+        """The query block as e4m3 ``[NH, R]`` and ``[NH, P]`` in natural column order (the fp8 score product's
+        B operand, read from shared memory), scaled per head so that its largest magnitude is 448; returns
+        them and the per-head dequant scales ``[NH]`` (zero rows and scale 1 for padded heads)."""
+        hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
+        kq = gl.arange(0, _R, layout=gl.SliceLayout(0, Q_L))
+        ql = gl.load(ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + kq[None, :],
+                     mask=(hq < NUM_HEADS)[:, None] & (kq >= 0)[None, :], other=0.0).to(gl.float32)  # fmt: skip
+        kr = gl.arange(0, _P, layout=gl.SliceLayout(0, Q_L))
+        qr = gl.load(qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + kr[None, :],
+                     mask=(hq < NUM_HEADS)[:, None] & (kr >= 0)[None, :], other=0.0).to(gl.float32)  # fmt: skip
+        amax = gl.maximum(gl.max(gl.abs(ql), 1), gl.max(gl.abs(qr), 1))
+        q_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+        L8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        R8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        ql8 = gl.allocate_shared_memory(gl.float8e4nv, [NH, _R], L8, (ql / q_scale[:, None]).to(gl.float8e4nv))
+        qr8 = gl.allocate_shared_memory(gl.float8e4nv, [NH, _P], R8, (qr / q_scale[:, None]).to(gl.float8e4nv))
+        return ql8, qr8, q_scale
+
+    @gluon.jit
     def _produce(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                  NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
@@ -246,14 +267,21 @@ if HAS_GLUON:
     def _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                  NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 LAZY: gl.constexpr, PARITY: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup: tiles PARITY, PARITY + 2, ... of the split; writes partial 2 s + PARITY."""
+                 LAZY: gl.constexpr, PARITY: gl.constexpr, FP8_SCORE: gl.constexpr, q_scale_smem):  # fmt: skip
+        """One consumer warpgroup: tiles PARITY, PARITY + 2, ... of the split; writes partial 2 s + PARITY.
+        ``FP8_SCORE``: ``ql_smem``/``qr_smem`` hold the e4m3 query (:func:`_fp8_query`) and the score product
+        is an fp8 ``wgmma`` on the ring tile in shared memory; ``q_scale_smem`` the per-head scales."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         LX: gl.constexpr = SCORE_CHUNK_LAYOUT
         LY: gl.constexpr = PV_OPERAND_LAYOUT
         LYH: gl.constexpr = PV_HALF_LAYOUT
         p_buf = p_smem.index(PARITY)
+        if FP8_SCORE:
+            q_scale = q_scale_smem.load(gl.SliceLayout(0, MMA))
+            MMA8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, NH, 32])  # fmt: skip
+            s8_zero = gl.zeros([64, NH], gl.float32, layout=MMA8)
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
         acc0 = gl.zeros([128, NH], gl.float32, layout=MMA)
@@ -271,35 +299,48 @@ if HAS_GLUON:
                 mbarrier.arrive(empty.index((i - 2) % NUM_STAGES), count=1)
             mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
             lat = lat_ring.index(stage)
-            # Each 64-column chunk is read from the ring just before its conversion (all nine at once would
-            # hold 72 registers of fp8 beside the accumulators); one chunk's wgmma runs while the next converts.
-            a0 = _score_operand(lat.slice(0, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a0, ql_smem.slice(0, 64, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            a1 = _score_operand(lat.slice(64, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a1, ql_smem.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a0 = warpgroup_mma_wait(1, deps=(s, a0))
-            a2 = _score_operand(lat.slice(128, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a2, ql_smem.slice(128, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a1 = warpgroup_mma_wait(1, deps=(s, a1))
-            a3 = _score_operand(lat.slice(192, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a3, ql_smem.slice(192, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a2 = warpgroup_mma_wait(1, deps=(s, a2))
-            a4 = _score_operand(lat.slice(256, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a4, ql_smem.slice(256, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a3 = warpgroup_mma_wait(1, deps=(s, a3))
-            a5 = _score_operand(lat.slice(320, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a5, ql_smem.slice(320, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a4 = warpgroup_mma_wait(1, deps=(s, a4))
-            a6 = _score_operand(lat.slice(384, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a6, ql_smem.slice(384, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a5 = warpgroup_mma_wait(1, deps=(s, a5))
-            a7 = _score_operand(lat.slice(448, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a7, ql_smem.slice(448, 64, dim=1).permute((1, 0)), s, is_async=True)
-            s, a6 = warpgroup_mma_wait(1, deps=(s, a6))
-            a8 = _score_operand(rope_ring.index(stage).load(LX), DOT_A)
-            s = warpgroup_mma(a8, qr_smem.permute((1, 0)), s, is_async=True)
-            s, a7 = warpgroup_mma_wait(1, deps=(s, a7))
-            s, a8 = warpgroup_mma_wait(0, deps=(s, a8))
+            if FP8_SCORE:
+                s = warpgroup_mma(lat.slice(0, 128, dim=1), ql_smem.slice(0, 128, dim=1).permute((1, 0)), s8_zero,
+                                  use_acc=False, is_async=True)  # fmt: skip
+                s = warpgroup_mma(lat.slice(128, 128, dim=1), ql_smem.slice(128, 128, dim=1).permute((1, 0)), s,
+                                  is_async=True)  # fmt: skip
+                s = warpgroup_mma(lat.slice(256, 128, dim=1), ql_smem.slice(256, 128, dim=1).permute((1, 0)), s,
+                                  is_async=True)  # fmt: skip
+                s = warpgroup_mma(lat.slice(384, 128, dim=1), ql_smem.slice(384, 128, dim=1).permute((1, 0)), s,
+                                  is_async=True)  # fmt: skip
+                s = warpgroup_mma(rope_ring.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(0, deps=[s])
+                s = gl.convert_layout(s, MMA, assert_trivial=True) * q_scale[None, :]
+            else:
+                # Each 64-column chunk is read from the ring just before its conversion (all nine at once would
+                # hold 72 registers of fp8 beside the accumulators); one chunk's wgmma runs while the next converts.
+                a0 = _score_operand(lat.slice(0, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a0, ql_smem.slice(0, 64, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                a1 = _score_operand(lat.slice(64, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a1, ql_smem.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a0 = warpgroup_mma_wait(1, deps=(s, a0))
+                a2 = _score_operand(lat.slice(128, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a2, ql_smem.slice(128, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a1 = warpgroup_mma_wait(1, deps=(s, a1))
+                a3 = _score_operand(lat.slice(192, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a3, ql_smem.slice(192, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a2 = warpgroup_mma_wait(1, deps=(s, a2))
+                a4 = _score_operand(lat.slice(256, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a4, ql_smem.slice(256, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a3 = warpgroup_mma_wait(1, deps=(s, a3))
+                a5 = _score_operand(lat.slice(320, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a5, ql_smem.slice(320, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a4 = warpgroup_mma_wait(1, deps=(s, a4))
+                a6 = _score_operand(lat.slice(384, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a6, ql_smem.slice(384, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a5 = warpgroup_mma_wait(1, deps=(s, a5))
+                a7 = _score_operand(lat.slice(448, 64, dim=1).load(LX), DOT_A)
+                s = warpgroup_mma(a7, ql_smem.slice(448, 64, dim=1).permute((1, 0)), s, is_async=True)
+                s, a6 = warpgroup_mma_wait(1, deps=(s, a6))
+                a8 = _score_operand(rope_ring.index(stage).load(LX), DOT_A)
+                s = warpgroup_mma(a8, qr_smem.permute((1, 0)), s, is_async=True)
+                s, a7 = warpgroup_mma_wait(1, deps=(s, a7))
+                s, a8 = warpgroup_mma_wait(0, deps=(s, a8))
 
             s = s * qk_scale
             s = gl.where((lo + i * 64 + n_off < hi)[:, None], s, float("-inf"))
@@ -498,19 +539,19 @@ if HAS_GLUON:
     def _consume_odd(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
                      num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                      NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr, q_scale_smem):  # fmt: skip
         _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
-                 BLOCK_SIZE, NUM_STAGES, LAZY, 1)  # fmt: skip
+                 BLOCK_SIZE, NUM_STAGES, LAZY, 1, FP8_SCORE, q_scale_smem)  # fmt: skip
 
     @gluon.jit
     def _consume_even(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
                      num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                      NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
+                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr, q_scale_smem):  # fmt: skip
         _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
-                 BLOCK_SIZE, NUM_STAGES, LAZY, 0)  # fmt: skip
+                 BLOCK_SIZE, NUM_STAGES, LAZY, 0, FP8_SCORE, q_scale_smem)  # fmt: skip
 
     @gluon.jit
     def _ws_mla_decode_kernel(
@@ -519,6 +560,7 @@ if HAS_GLUON:
         stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
         NUM_HEADS: gl.constexpr, NH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr, COLUMNS: gl.constexpr,
+        FP8_SCORE: gl.constexpr,
     ):  # fmt: skip
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NH], gl.float16)
@@ -538,11 +580,22 @@ if HAS_GLUON:
         qk_scale = sm_scale_log2 * scale
 
         t64 = tok.to(gl.int64)
-        ql_smem, qr_smem = _permuted_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt, stride_qrh,
-                                           NH, NUM_HEADS, Q_L, Q_SMEM)  # fmt: skip
+        if FP8_SCORE:
+            ql_smem, qr_smem, q_scale = _fp8_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt,
+                                                   stride_qrh, NH, NUM_HEADS, Q_L)  # fmt: skip
+            q_scale_smem = gl.allocate_shared_memory(gl.float32, [NH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]),
+                                                     q_scale)  # fmt: skip
+            LAT_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+            ROPE_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        else:
+            ql_smem, qr_smem = _permuted_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt,
+                                               stride_qrh, NH, NUM_HEADS, Q_L, Q_SMEM)  # fmt: skip
+            q_scale_smem = ql_smem  # unused
+            LAT_L: gl.constexpr = RAW
+            ROPE_L: gl.constexpr = RAW
         p_smem = gl.allocate_shared_memory(gl.float16, [2, 64, NH], P_SMEM)
-        lat_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _R], RAW)
-        rope_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _P], RAW)
+        lat_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _R], LAT_L)
+        rope_ring = gl.allocate_shared_memory(cache_ptr.dtype.element_ty, [NUM_STAGES, 64, _P], ROPE_L)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for k in gl.static_range(NUM_STAGES):
@@ -581,10 +634,10 @@ if HAS_GLUON:
             gl.warp_specialize([
                 (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                     stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
                 (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                     stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
+                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
                 (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                     stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
                                     NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
@@ -614,6 +667,7 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
         CONSUMER_REGS=int(cfg.get("consumer_regs", CONSUMER_REGS)),
         PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)), COLUMNS=columns,
+        FP8_SCORE=bool(cfg.get("fp8_score", False)),
         num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip
