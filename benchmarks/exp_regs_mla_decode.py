@@ -385,7 +385,7 @@ def compare_fp8_variants(variants: dict, shapes: str, out_dir: str | None, json_
                 except ValueError:  # outside that variant's scope (regs_ring2: at most 16 heads)
                     continue
                 rel = ((got - want).abs().max() / want.abs().max()).item()
-                ok[label] = bool(torch.isfinite(got).all()) and rel <= (2.0 ** -4 if "fp8_score" in label else 2.0 ** -6)
+                ok[label] = bool(torch.isfinite(got).all()) and rel <= (2.0 ** -4 if "fp8_query" in label else 2.0 ** -6)
                 row[f"{name}_{label}_max_rel"] = rel
             nbytes = bytes_read(batch, ctx, heads, 1)
             if name == "e4m3":

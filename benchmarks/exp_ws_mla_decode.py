@@ -7,7 +7,8 @@ tl.dot kernel first.
     ncu ... python3 benchmarks/exp_ws_mla_decode.py --profile 16x32x16384 [--cfgs nh=16]
 
 ``cfg`` keys: ``stages`` (ring depth), ``lazy`` (0: rescale every tile), ``nh`` (heads per program, 8 or 16;
-the launcher's choice unless set), ``producer_regs``, ``consumer_regs``. The engine calls the kernel through
+the launcher's choice unless set), ``producer_regs``, ``consumer_regs``, ``columns`` (column-split
+consumers), ``fp8_query`` (the fp8 score product; checked against 2^-4 instead of 2^-6). The engine calls the kernel through
 ``gluon_mla_decode.mla_decode_wgmma`` where :func:`gluon_mla_decode_ws.routes` allows; here it is called
 directly, at any shape.
 """
@@ -30,10 +31,12 @@ from kvforge.kernels.triton_paged_attention import _num_sms  # noqa: E402
 
 def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, cfg=None):
     """The kernel at its default split count (``cfg["nh"]`` heads per program, the launcher's unless set)."""
-    nh = (cfg or {}).get("nh")
-    splits = ws.num_splits_for(meta.num_seqs, q_latent.shape[1], meta.max_seq_len, _num_sms(q_latent.device), nh)
+    cfg = dict(cfg or {})
+    fp8_query = bool(cfg.pop("fp8_query", False))
+    splits = ws.num_splits_for(meta.num_seqs, q_latent.shape[1], meta.max_seq_len, _num_sms(q_latent.device),
+                               cfg.get("nh"))  # fmt: skip
     return ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, num_splits=splits,
-                            out=torch.empty_like(q_latent), cfg=cfg)  # fmt: skip
+                            out=torch.empty_like(q_latent), cfg=cfg, fp8_query=fp8_query)  # fmt: skip
 
 
 def main() -> None:

@@ -45,11 +45,12 @@ def test_split_rule_hand_counts():
     assert ws.num_splits_for(8, 16, 65536, 132, nh=8) == 8  # two head blocks
 
 
-def _ws(q_latent, q_rope, cache, meta, scale, splits=None, **cfg):
+def _ws(q_latent, q_rope, cache, meta, scale, splits=None, fp8_query=False, **cfg):
     splits = splits or ws.num_splits_for(meta.num_seqs, q_latent.shape[1], meta.max_seq_len,
                                          torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
     out = torch.full_like(q_latent, float("nan"))
-    got = ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, SCALE, num_splits=splits, out=out, cfg=cfg)
+    got = ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, SCALE, num_splits=splits, out=out, cfg=cfg,
+                           fp8_query=fp8_query)  # fmt: skip
     assert got is out and torch.isfinite(got).all()
     return got
 
@@ -73,6 +74,28 @@ def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, m
     got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, SCALE)
     assert calls == [1]
     assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND
+
+
+@needs_gluon
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [1, 8, 12, 16])
+@pytest.mark.parametrize("long_enough", [True, False], ids=["ws", "short"])
+def test_engine_fp8_query_runs_the_fp8_score_product_only_where_ws_routes(heads, long_enough, monkeypatch):
+    """``triton_mla_decode.mla_decode(query_dtype="fp8_e4m3")`` (what a plan with the declared e4m3 query
+    calls): the warp-specialized kernel's fp8 score product where it routes (within 2^-4 of the exact
+    reference, 2^-6 of the e4m3-query one), else the model-dtype query (within 2^-6 of the exact one)."""
+    from kvforge.kernels.triton_mla_decode import mla_decode
+
+    cache, meta, q_latent, q_rope, scale = _batch(33, "fp8_e4m3", heads, "cuda", block_size=64, seed=heads)
+    if long_enough:
+        monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
+    calls = []
+    real = ws.mla_decode_ws
+    monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(k["fp8_query"]) or real(*a, **k))
+    got = mla_decode(q_latent, q_rope, cache, meta, scale, SCALE, query_dtype="fp8_e4m3")
+    assert calls == ([True] if long_enough else [])
+    err = _err(got, q_latent, q_rope, cache, meta, scale)
+    assert err <= (2.0 ** -4 if long_enough else BOUND), err
 
 
 @needs_gluon
@@ -147,20 +170,20 @@ def test_fp8_score_product(kv, block_size, heads):
 
     errs, errs_q = [], []
     for splits in (None, 1, 7, ws.MAX_SPLITS):
-        got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_score=1)
+        got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_query=True)
         errs.append(_err(got, q_latent, q_rope, cache, meta, scale))
         errs_q.append(_err(got, *quantized(q_latent, q_rope), cache, meta, scale))
-    got = _ws(q_latent, q_rope, cache, meta, scale, 3, fp8_score=1, stages=2)
+    got = _ws(q_latent, q_rope, cache, meta, scale, 3, fp8_query=True, stages=2)
     errs.append(_err(got, q_latent, q_rope, cache, meta, scale))
     errs_q.append(_err(got, *quantized(q_latent, q_rope), cache, meta, scale))
     print("fp8_score errs", kv, block_size, heads, [f"{e:.2e}" for e in errs], [f"{e:.2e}" for e in errs_q])
     assert max(errs_q) <= BOUND, errs_q
     assert max(errs) <= 2.0 ** -4, errs
     q_latent, q_rope = q_latent * 16, q_rope * 16
-    one = _ws(q_latent, q_rope, cache, meta, scale, 1, fp8_score=1).float()
+    one = _ws(q_latent, q_rope, cache, meta, scale, 1, fp8_query=True).float()
     assert _err(one, *quantized(q_latent, q_rope), cache, meta, scale) <= BOUND
     for splits in (2, 7, 32):
-        got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_score=1).float()
+        got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_query=True).float()
         assert ((got - one).abs().max() / one.abs().max()).item() <= 2.0 ** -7, splits
 
 

@@ -60,22 +60,33 @@ def test_declaration_requires_explicit_quantized_query():
                            index_limit=REFERENCE.index_limit)
 
 
-# ---- the real CUDA MLA backend (triton_mla): model-dtype query everywhere (measured, see its declaration) ----
-@pytest.mark.parametrize("preset,tp,heads", [
-    ("deepseek-v3", 8, 16),   # 128 heads at TP8
-    ("kimi-k2", 8, 8),        # 64 heads at TP8
-    ("deepseek-v3", 2, 64),   # 128 heads at TP2
-    ("kimi-k2", 1, 64),
+# ---- the real CUDA MLA backend (triton_mla): e4m3 query at 1-16 heads per rank (measured, see its declaration) ----
+@pytest.mark.parametrize("preset,tp,heads,query,reason", [
+    ("deepseek-v3", 8, 16, "fp8_e4m3",   # 128 heads at TP8
+     "triton_mla declares a fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has 16: fp8_e4m3 dot"),
+    ("kimi-k2", 8, 8, "fp8_e4m3",        # 64 heads at TP8
+     "triton_mla declares a fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has 8: fp8_e4m3 dot"),
+    ("deepseek-v3", 2, 64, "bfloat16",   # 128 heads at TP2
+     "triton_mla accepts a fp8_e4m3 query only up to 16 heads per rank; this layer has 64: query stays bfloat16, "
+     "KV dequant scale folded into the softmax scale"),
+    ("kimi-k2", 1, 64, "bfloat16",
+     "triton_mla accepts a fp8_e4m3 query only up to 16 heads per rank; this layer has 64: query stays bfloat16, "
+     "KV dequant scale folded into the softmax scale"),
 ])
-def test_triton_mla_query_dtype_on_cuda(preset, tp, heads):
+def test_triton_mla_query_dtype_on_cuda(preset, tp, heads, query, reason):
     spec = spec_from_hf_config(PRESETS[preset], name=preset, source="test")
     p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(tp), platform="cuda")
     assert {layer.backend for layer in p.layers} == {"triton_mla"}
     assert {layer.heads_per_rank for layer in p.layers} == {heads}
+    assert {layer.query_dtype for layer in p.layers} == {query}
+    assert p.layers[0].query_dtype_reason == reason
+
+
+@pytest.mark.parametrize("kv", ["fp8_e5m2", "bf16"])
+def test_triton_mla_keeps_the_model_dtype_query_off_e4m3(kv):
+    spec = spec_from_hf_config(PRESETS["deepseek-v3"], name="deepseek-v3", source="test")
+    p = resolve(spec, CacheConfig(kv_cache_dtype=kv), ParallelConfig(8), platform="cuda")
     assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
-    reason = p.layers[0].query_dtype_reason
-    assert "triton_mla does not declare a quantized query for fp8_e4m3 KV" in reason
-    assert "query stays bfloat16, KV dequant scale folded into the softmax scale" in reason
 
 
 def test_float32_model_keeps_its_query_even_where_fp8_is_declared():
@@ -86,3 +97,14 @@ def test_float32_model_keeps_its_query_even_where_fp8_is_declared():
     assert {layer.query_dtype for layer in p.layers} == {"float32"}
     assert "quantizes the query only for bfloat16, float16 models; this model is float32" in \
         p.layers[0].query_dtype_reason
+
+
+def test_triton_mla_keeps_the_model_dtype_query_at_other_mla_widths():
+    """The e4m3 query is declared for 576-wide rows only (the kernels that make it pay take R 512 + P 64);
+    a narrower MLA (the tiny test models: latent 32) keeps bf16, with the reason."""
+    cfg = dict(PRESETS["deepseek-v3"], kv_lora_rank=32, qk_rope_head_dim=16)
+    spec = spec_from_hf_config(cfg, name="narrow", source="test")
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(8), platform="cuda")
+    assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
+    assert p.layers[0].query_dtype_reason.startswith(
+        "triton_mla accepts a fp8_e4m3 query only for head size 576; this layer has 48")

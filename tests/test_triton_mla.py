@@ -59,7 +59,7 @@ def declared_combinations(decl):
             for heads in HEADS if natural else (1, 16, 128):
                 for batch in BATCHES if natural else (33,):
                     yield model, kv, None, heads, batch
-                    if decl.quantized_query.accepts(kv, heads, model):
+                    if decl.quantized_query.accepts(kv, heads, model, R + P):
                         yield model, kv, kv, heads, batch
 
 
@@ -100,7 +100,7 @@ def test_walk_covers_both_regimes_where_declared():
         assert {c[1] for c in combos} == set(decl.kv_dtypes)
         for model, kv, qd, heads, _ in combos:
             if qd is not None:
-                assert decl.quantized_query.accepts(kv, heads, model) and model != "float32"
+                assert decl.quantized_query.accepts(kv, heads, model, R + P) and model != "float32"
     assert cuda_mla_backends(), "no CUDA MLA backend declared"
 
 

@@ -4,22 +4,25 @@ MLA layers only, latent rows ``[kv_lora_rank + qk_rope_head_dim]`` per token,
 every KV dtype, any block size (the decode kernel gathers rows per token
 through the block table), int64 offsets.
 
-Query dtype: the model dtype only (``QuantizedQuery.never()``). The kernels
-have an fp8-query regime (fp8 query, fp8 x fp8 dot for ``Q C^T``, the tl.dot
-kernel), and it was declared from 64 heads per rank while it beat the
-model-dtype query on the tl.dot kernel (1.2-1.57x at 64 and 128 heads, H200,
-2026-11-29). Since then the model-dtype query runs the Hopper wgmma kernel
-(``gluon_mla_decode``), and on the H200 it is faster than the fp8 query at 64
-and 128 heads per rank at every batch measured up to 32 (1.10-1.86x; eighth
-session, docs/BENCHMARKS.md section 6); the fp8 query won only at 128 heads x
-batch 128 x 16k, by 4%. An fp8 query also costs accuracy (up to 1.4e-2 of
-max|ref| against 2.5e-3). So nothing is declared: the regime is kept and
-tested as a kernel capability, and a declaration returns only with a kernel
-that is measured faster (an fp8 x fp8 wgmma score product, docs/MLA.md).
-Caveat: where the wgmma kernel is gated off (other GPUs, other Triton
-versions, ``KVFORGE_DISABLE_GLUON=1``) the tl.dot comparison above still holds;
-the planner does not know the device's kernels, so it keeps the choice that
-is right on the measured default.
+Query dtype: e4m3 at 1-16 heads per rank over an e4m3 cache, for rows of 576
+(kv_lora_rank 512 + rope 64: DeepSeek-V2/V3, Kimi-K2) in bf16/fp16 models; the
+model dtype everywhere else. Where the e4m3 query is declared, the decode
+runs the warp-specialized kernel's fp8 x fp8 ``wgmma`` score product
+(``gluon_mla_decode_ws``, query rounded to e4m3 per token and head) whenever a
+CTA gets at least 4096 tokens: on the H200 that was 1.09-1.22x faster than the
+same kernel with the model-dtype query and reached 85-87% of the copy
+bandwidth at 16 heads, 87-94% at 8 (batch 32-128 x 64k; tenth session,
+docs/BENCHMARKS.md section 6), at 3.2e-2 to 3.8e-2 of max|ref| against
+2.5e-3 to 5.4e-3 (bound 2^-4). At fewer tokens a CTA the model-dtype query runs
+(the wgmma kernel; faster there), so the e4m3 query is an upper bound on the
+rounding, not a promise of it. Above 16 heads nothing is declared: the fp8
+query there would run the tl.dot kernel, which the wgmma kernel's model-dtype
+query beats at 64 and 128 heads (1.10-1.86x, eighth session). Caveat: where
+the Gluon kernels are gated off (other GPUs, other Triton versions,
+``KVFORGE_DISABLE_GLUON=1``) the declared fp8 query runs the tl.dot kernel's
+fp8 regime, no faster there than its model-dtype query (docs/MLA.md); the
+planner does not know the device's kernels, so it keeps the choice that is
+right on the measured default.
 """
 
 from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSizes, IndexLimit, QuantizedQuery
@@ -32,7 +35,8 @@ TRITON_MLA = BackendDeclaration(
     kv_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
     head_sizes=None,
     block_sizes=BlockSizes.any(),
-    quantized_query=QuantizedQuery.never(),
+    quantized_query=QuantizedQuery(frozenset({"fp8_e4m3"}), min_heads_per_rank=1, max_heads_per_rank=16,
+                                   head_sizes=frozenset({576})),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "int64 offsets in the kernels"),
     implementation="kvforge.attention.triton_mla",
 )

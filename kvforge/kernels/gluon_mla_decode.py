@@ -71,10 +71,14 @@ MAX_ROUTED_HEADS: int = 128
 def routes(num_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, query_dtype: str | None,
            latent_dim: int, rope_dim: int) -> bool:
     """The routing rule without tensors, shared by :func:`supports` and the CUDA-graph split pinning:
-    a model-dtype bf16/fp16 query (``query_dtype`` None), at most :data:`MAX_ROUTED_HEADS` heads,
-    ``R`` = 512 and ``P`` = 64 (DeepSeek-V2/V3, Kimi-K2), a cache of the query's dtype or fp8 e4m3/e5m2."""
+    a bf16/fp16 model, at most :data:`MAX_ROUTED_HEADS` heads, ``R`` = 512 and ``P`` = 64 (DeepSeek-V2/V3,
+    Kimi-K2), a cache of the query's dtype or fp8 e4m3/e5m2, and the model-dtype query (``query_dtype``
+    None) or, on an e4m3 cache at up to ``gluon_mla_decode_ws.MAX_HEADS`` heads, the e4m3 query (the
+    warp-specialized kernel's fp8 score product; :func:`mla_decode_wgmma`)."""
+    fp8_query_ok = (query_dtype == "fp8_e4m3" and cache_dtype == torch.float8_e4m3fn
+                    and num_heads <= gluon_mla_decode_ws.MAX_HEADS)  # fmt: skip
     return (
-        query_dtype is None
+        (query_dtype is None or fp8_query_ok)
         and 1 <= num_heads <= MAX_ROUTED_HEADS
         and latent_dim == LATENT_DIM
         and rope_dim == ROPE_DIM
@@ -506,13 +510,16 @@ def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: 
 CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages", "lazy_rescale", "num_warps"})
 
 
-def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None):
-    """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode`` with a model-dtype query; split
-    partials merged by the paged-attention merge kernel. ``out`` (optional) receives the result; tokens
-    past ``query_start_loc[num_seqs]`` are left untouched. An fp8 cache at up to 16 heads with at least 4096
+def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None,
+                     query_dtype=None):  # fmt: skip
+    """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode``; split partials merged by the
+    paged-attention merge kernel. ``out`` (optional) receives the result; tokens past
+    ``query_start_loc[num_seqs]`` are left untouched. An fp8 cache at up to 16 heads with at least 4096
     tokens per CTA runs the warp-specialized kernel (``gluon_mla_decode_ws.routes``) unless ``cfg`` sets
-    anything."""
-    if not supports(q_latent, cache, None):
+    anything; there ``query_dtype="fp8_e4m3"`` (e4m3 cache) makes the score product an fp8 ``wgmma`` with the
+    query rounded to e4m3 per (token, head). Everywhere else the query keeps the model dtype, the
+    e4m3 query included: the exact query is the faster one at fewer tokens a CTA (docs/MLA.md)."""
+    if not supports(q_latent, cache, query_dtype):
         raise ValueError("outside the wgmma MLA kernel's scope (see gluon_mla_decode.supports)")
     cfg = dict(cfg or {})
     unknown = set(cfg) - CFG_KEYS
@@ -526,7 +533,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
     if not cfg and gluon_mla_decode_ws.routes(is_fp8, h, meta.num_seqs, meta.max_seq_len, sms):
         splits = num_splits or gluon_mla_decode_ws.num_splits_for(meta.num_seqs, h, meta.max_seq_len, sms)
         return gluon_mla_decode_ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale,
-                                                 num_splits=splits, out=out)  # fmt: skip
+                                                 num_splits=splits, out=out, fp8_query=query_dtype is not None)  # fmt: skip
     nh = cfg.get("heads_per_program") or heads_per_program(h)
     head_blocks = -(-h // nh)
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)

@@ -644,13 +644,18 @@ if HAS_GLUON:
             ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
-def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None):
+def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None,
+                  fp8_query=False):  # fmt: skip
     """``out [T, H, R]`` = MLA decode in latent space over an fp8 cache (what ``gluon_mla_decode.mla_decode_wgmma``
     computes); tokens past ``query_start_loc[num_seqs]`` are left untouched. ``num_splits``: CTAs per
-    sequence (:func:`num_splits_for` unless forced). ``cfg`` (benchmarks): ``stages``, ``lazy``, ``nh``
-    (heads per program), ``consumer_regs`` and ``producer_regs`` (the odd consumer's and the
-    producer's registers; the even consumer gets the rest of the pool)."""
+    sequence (:func:`num_splits_for` unless forced). ``fp8_query``: the score product as an fp8 ``wgmma``
+    from shared memory, the query rounded to e4m3 per (token, head) (:func:`_fp8_query`). ``cfg``
+    (benchmarks): ``stages``, ``lazy``, ``nh`` (heads per program), ``consumer_regs`` and ``producer_regs``
+    (the odd consumer's and the producer's registers; the even consumer gets the rest of the pool),
+    ``columns`` (the column-split consumers, an experiment: model-dtype query only)."""
     cfg = dict(cfg or {})
+    if fp8_query and cfg.get("columns"):
+        raise ValueError("the column-split consumers (cfg columns) have no fp8 score product")
     t, h, r = q_latent.shape
     splits = max(1, min(int(num_splits), MAX_SPLITS))
     nh = int(cfg.get("nh", heads_per_program(h)))
@@ -667,7 +672,7 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
         CONSUMER_REGS=int(cfg.get("consumer_regs", CONSUMER_REGS)),
         PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)), COLUMNS=columns,
-        FP8_SCORE=bool(cfg.get("fp8_score", False)),
+        FP8_SCORE=bool(fp8_query),
         num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip

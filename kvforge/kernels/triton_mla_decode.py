@@ -20,24 +20,27 @@ Two query regimes, chosen by the plan (``query_dtype``):
   |q| < 65504 assumed) and the per-tensor scale is folded into the softmax
   scale and applied once to the output. Any head count, any KV dtype.
 * **fp8 query** (``query_dtype="fp8_e4m3"``, e4m3 caches only): each (token,
-  head) query row ``[q_latent | q_rope]`` is quantized in registers with its
-  own scale ``amax / 448``, ``Q C^T`` is an fp8 x fp8 tensor-core dot, and the
-  row scale joins the softmax scale. ``P C`` stays a 16-bit dot. Only where
-  a backend declaration allows it: the shipped one allows it nowhere since the
-  eighth session (slower than the wgmma kernel's model-dtype query; see
-  kvforge/attention/triton_mla_backend.py), so only an explicit caller reaches it.
+  head) query row ``[q_latent | q_rope]`` is quantized with its own scale
+  ``amax / 448``, ``Q C^T`` is an fp8 x fp8 tensor-core dot, and the row scale
+  joins the softmax scale. ``P C`` stays a 16-bit dot. Only where a backend
+  declaration allows it (kvforge/attention/triton_mla_backend.py: up to 16
+  heads per rank). Where the wgmma kernel takes the call (below) it decides:
+  the warp-specialized kernel's fp8 ``wgmma`` score product at long contexts,
+  the model-dtype query elsewhere (faster there, and exact); the tl.dot
+  kernel below quantizes in registers.
 
 Any block size (rows are gathered per token through the block table); any
 ``R``/``P`` (padded to powers of two in registers, masked in memory). All
 offsets are int64.
 
 Routing (:func:`use_wgmma`): what ``gluon_mla_decode.routes`` accepts (a
-model-dtype bf16/fp16 query, at most ``MAX_ROUTED_HEADS`` heads, R 512 / P 64,
-a cache of the query's dtype or fp8) goes to the wgmma kernel
+bf16/fp16 model, at most ``MAX_ROUTED_HEADS`` heads, R 512 / P 64, a cache of
+the query's dtype or fp8; a model-dtype query, or the fp8 query at up to 16
+heads on an e4m3 cache) goes to the wgmma kernel
 (:mod:`kvforge.kernels.gluon_mla_decode`, sm_90 with the tested Triton), which
-was faster at every measured point; everything else (an fp8 query, float32,
-other latent sizes, mixed 16-bit dtypes, the gate closed) runs the tl.dot
-kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
+was faster at every measured point; everything else (an fp8 query above 16
+heads, float32, other latent sizes, mixed 16-bit dtypes, the gate closed) runs
+the tl.dot kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
 """
 
 from __future__ import annotations
@@ -317,7 +320,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         if wgmma_key not in _WGMMA_OUT_OF_RESOURCES:
             try:
                 return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
-                                                         num_splits=num_splits, out=out)
+                                                         num_splits=num_splits, out=out, query_dtype=query_dtype)
             except OutOfResources:  # at the first call (before any graph capture); the tl.dot kernel serves
                 _WGMMA_OUT_OF_RESOURCES.add(wgmma_key)
     if is_fp8:

@@ -55,20 +55,33 @@ class BlockSizes:
 class QuantizedQuery:
     """When a backend consumes a quantized (fp8) query instead of the model dtype.
 
-    Accepted only for KV dtypes in ``kv_dtypes``, at least
-    ``min_heads_per_rank`` query heads per rank, and models whose dtype is in
-    ``model_dtypes`` (quantizing a float32 query is never what a float32 model
-    asked for). ``QuantizedQuery.never()`` is the explicit "model-dtype query
-    only" declaration.
+    Accepted only for KV dtypes in ``kv_dtypes``, ``min_heads_per_rank`` to
+    ``max_heads_per_rank`` (None: no upper bound) query heads per rank, and
+    models whose dtype is in ``model_dtypes`` (quantizing a float32 query is
+    never what a float32 model asked for), and head sizes in ``head_sizes``
+    (None: any; for MLA the row width kv_lora_rank + rope). ``QuantizedQuery.never()``
+    is the explicit "model-dtype query only" declaration.
     """
 
     kv_dtypes: frozenset[str]
     min_heads_per_rank: int = 1
     model_dtypes: frozenset[str] = frozenset({"bfloat16", "float16"})
+    max_heads_per_rank: int | None = None
+    head_sizes: frozenset[int] | None = None
 
-    def accepts(self, kv_dtype: str, heads_per_rank: int, model_dtype: str = "bfloat16") -> bool:
+    def accepts(self, kv_dtype: str, heads_per_rank: int, model_dtype: str = "bfloat16",
+                head_size: int | None = None) -> bool:
+        """``head_size`` None: not checked (callers that know it pass it; the planner always does)."""
         return (kv_dtype in self.kv_dtypes and heads_per_rank >= self.min_heads_per_rank
-                and model_dtype in self.model_dtypes)
+                and (self.max_heads_per_rank is None or heads_per_rank <= self.max_heads_per_rank)
+                and model_dtype in self.model_dtypes
+                and (self.head_sizes is None or head_size is None or head_size in self.head_sizes))
+
+    def heads_range(self) -> str:
+        """The accepted heads per rank in words: "from 16" or "at 1-16"."""
+        if self.max_heads_per_rank is None:
+            return f"from {self.min_heads_per_rank}"
+        return f"at {self.min_heads_per_rank}-{self.max_heads_per_rank}"
 
     @staticmethod
     def never() -> QuantizedQuery:

@@ -102,18 +102,24 @@ def _query_dtype(layer: _Layer, model_dtype: str) -> tuple[str, str]:
     if not is_quantized(layer.kv_dtype):
         return model_dtype, f"KV cache is {layer.kv_dtype} (not quantized): query uses the model dtype {model_dtype}"
     rule = layer.backend.quantized_query
-    if rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype):
+    if rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype, layer.head_size or 0):
         return layer.kv_dtype, (
-            f"{layer.backend.name} declares a {layer.kv_dtype} query with {layer.kv_dtype} KV from "
-            f"{rule.min_heads_per_rank} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
+            f"{layer.backend.name} declares a {layer.kv_dtype} query with {layer.kv_dtype} KV "
+            f"{rule.heads_range()} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
         )
     if layer.kv_dtype not in rule.kv_dtypes:
         why = f"{layer.backend.name} does not declare a quantized query for {layer.kv_dtype} KV"
     elif model_dtype not in rule.model_dtypes:
         why = (f"{layer.backend.name} quantizes the query only for {', '.join(sorted(rule.model_dtypes))} models; "
                f"this model is {model_dtype}")
-    else:
+    elif rule.head_sizes is not None and (layer.head_size or 0) not in rule.head_sizes:
+        why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only for head size "
+               f"{', '.join(map(str, sorted(rule.head_sizes)))}; this layer has {layer.head_size}")
+    elif layer.heads_per_rank < rule.min_heads_per_rank:
         why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only from {rule.min_heads_per_rank} heads "
+               f"per rank; this layer has {layer.heads_per_rank}")
+    else:
+        why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only up to {rule.max_heads_per_rank} heads "
                f"per rank; this layer has {layer.heads_per_rank}")
     return model_dtype, f"{why}: query stays {model_dtype}, KV dequant scale folded into the softmax scale"
 
