@@ -26,11 +26,22 @@ At 16 heads per program the ``P x V`` operand is loaded in two 256-column halves
 :func:`latent_column_halves`): whole, its 64 fp8 registers beside the 64 of the accumulators made the
 consumer spill (208 bytes; 50-53% of the copy bandwidth).
 
-Measured on the H200 (ninth session, docs/BENCHMARKS.md section 6; copy bandwidth 4.28 TB/s), against the
-wgmma kernel's fp8 path: at 8 heads 80-87% of the copy bandwidth at 32-128 x 64k (63-66%), 63% vs 53% at
-8 x 64k; at 16 heads 69-70% at 32-128 x 64k (61-64%), 54% vs 52% at 8 x 64k. Slower where a CTA gets few
-tiles (batch 1, short contexts), which :func:`routes` leaves to the wgmma kernel (at least
-:data:`MIN_TOKENS_PER_SPLIT` tokens a CTA).
+With ``fp8_query`` (the plan's e4m3 query) the score product is an fp8 x fp8 ``wgmma`` instead: the query is
+rounded to e4m3 per (token, head) (:func:`_fp8_query`, scale amax/448 over ``[q_latent | q_rope]``), the
+ring is stored in the 128-byte swizzled layout ``wgmma`` reads, and ``Q C^T`` is five ``wgmma`` straight from
+shared memory (four 128-column latent chunks and the rope chunk); ``P x V`` is unchanged. That removes the
+score product's conversions and register operands, which is what kept 16 heads from 80%.
+
+Measured on the H200 (docs/BENCHMARKS.md section 6; copy bandwidth 4.28 TB/s), against the wgmma kernel's
+fp8 path (bf16 query): at 8 heads 80-87% of the copy bandwidth at 32-128 x 64k (63-66%), 63% vs 53% at
+8 x 64k; at 16 heads 69-74% at 32-128 x 64k (61-64%), 54% vs 52% at 8 x 64k. With the e4m3 query (tenth
+session): 83-91% at 16 heads and 86-92% at 8 (32-128 x 64k), 3.1e-2 to 4.9e-2 of max |ref| against the
+exact query. Slower where a CTA gets few tiles (batch 1, short contexts), with either query, which
+:func:`routes` leaves to the wgmma kernel (at least :data:`MIN_TOKENS_PER_SPLIT` tokens a CTA).
+
+``cfg={"columns": 1}`` is an experiment kept off every route (:func:`_consume_columns`): both consumers on
+every tile, each on half of the latent columns, partial scores exchanged through shared memory; lockstep
+made it slower (61% at 16 heads, 70-71% at 8).
 
 Invariants: the ring stage of tile i is ``i % NUM_STAGES``, its fill number ``i // NUM_STAGES`` (the barrier
 phase parity). A consumer releases tile ``i - 2``'s stage before it waits for tile i, so any ``NUM_STAGES >= 2``
