@@ -51,7 +51,13 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
         (128, BF16, E4M3, None, 512, 64, True),
         (1, FP16, FP16, None, 512, 64, True),
         (129, BF16, BF16, None, 512, 64, False),  # above MAX_ROUTED_HEADS
-        (128, BF16, E4M3, "fp8_e4m3", 512, 64, False),  # an fp8 query: the tl.dot kernel's fp8 dot
+        (128, BF16, E4M3, "fp8_e4m3", 512, 64, False),  # an fp8 query above 16 heads: the tl.dot kernel's fp8 dot
+        (17, BF16, E4M3, "fp8_e4m3", 512, 64, False),
+        (16, BF16, E4M3, "fp8_e4m3", 512, 64, True),  # the e4m3 query up to 16 heads (mla_decode_wgmma decides)
+        (1, FP16, E4M3, "fp8_e4m3", 512, 64, True),
+        (16, BF16, E5M2, "fp8_e4m3", 512, 64, False),  # only over an e4m3 cache
+        (16, F32, E4M3, "fp8_e4m3", 512, 64, False),
+        (16, BF16, E4M3, "fp8_e4m3", 32, 16, False),  # other latent sizes
         (16, F32, F32, None, 512, 64, False),  # float32 models: IEEE dots in the tl.dot kernel
         (16, BF16, F32, None, 512, 64, False),  # a wider cache is never rounded to the query's precision
         (16, BF16, FP16, None, 512, 64, False),  # mixed 16-bit dtypes
@@ -143,19 +149,23 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
                                                  torch.ones(batch, dtype=torch.int32),
                                                  torch.zeros(batch, 1, dtype=torch.int32),
                                                  torch.zeros(batch, dtype=torch.int64), 1, max_len, 16)  # fmt: skip
-                        gm.mla_decode_wgmma(q, q[..., :64], torch.zeros(1, 16, 576, dtype=cache_dtype), meta,
-                                            torch.ones(1), 0.1)  # fmt: skip
                         fp8 = cache_dtype != BF16
-                        pinned = gm.pinned_num_splits(batch, heads, max_len, sms, fp8)
-                        assert seen["grid"][2] == pinned, (sms, cache_dtype, heads, batch, max_len, seen["grid"])
-                        if gm.gluon_mla_decode_ws.routes(fp8, heads, batch, max_len, sms):
-                            assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
-                            ws_seen += 1  # the warp-specialized kernel
-                        else:
-                            assert seen["TILE"] == 16 * seen["num_warps"]
-                        seen.clear()
-        # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: >= 4096 a CTA)
-        assert ws_seen == 2 * 3 * 4, sms
+                        queries = [None] + (["fp8_e4m3"] if cache_dtype == E4M3 and heads <= 16 else [])
+                        for query_dtype in queries:  # the plan's e4m3 query pins the same split count
+                            gm.mla_decode_wgmma(q, q[..., :64], torch.zeros(1, 16, 576, dtype=cache_dtype), meta,
+                                                torch.ones(1), 0.1, query_dtype=query_dtype)  # fmt: skip
+                            pinned = gm.pinned_num_splits(batch, heads, max_len, sms, fp8)
+                            assert seen["grid"][2] == pinned, (sms, cache_dtype, heads, batch, max_len, seen["grid"])
+                            if gm.gluon_mla_decode_ws.routes(fp8, heads, batch, max_len, sms):
+                                assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
+                                assert seen["FP8_SCORE"] == (query_dtype is not None)
+                                ws_seen += 1  # the warp-specialized kernel
+                            else:
+                                assert seen["TILE"] == 16 * seen["num_warps"]
+                            seen.clear()
+        # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: >= 4096 a CTA),
+        # and the same e4m3 cases again with the e4m3 query
+        assert ws_seen == 2 * 3 * 4 + 3 * 4, sms
 
 
 def test_lazy_rescale_only_where_measured_faster():

@@ -63,14 +63,16 @@ def test_declaration_requires_explicit_quantized_query():
 # ---- the real CUDA MLA backend (triton_mla): e4m3 query at 1-16 heads per rank (measured, see its declaration) ----
 @pytest.mark.parametrize("preset,tp,heads,query,reason", [
     ("deepseek-v3", 8, 16, "fp8_e4m3",   # 128 heads at TP8
-     "triton_mla declares a fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has 16: fp8_e4m3 dot"),
+     "triton_mla declares an fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has 16: fp8_e4m3 dot "
+     "(on sm_90 where a decode CTA gets >= 4096 tokens; elsewhere the model-dtype query runs, faster there)"),
     ("kimi-k2", 8, 8, "fp8_e4m3",        # 64 heads at TP8
-     "triton_mla declares a fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has 8: fp8_e4m3 dot"),
+     "triton_mla declares an fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has 8: fp8_e4m3 dot "
+     "(on sm_90 where a decode CTA gets >= 4096 tokens; elsewhere the model-dtype query runs, faster there)"),
     ("deepseek-v3", 2, 64, "bfloat16",   # 128 heads at TP2
-     "triton_mla accepts a fp8_e4m3 query only up to 16 heads per rank; this layer has 64: query stays bfloat16, "
+     "triton_mla accepts an fp8_e4m3 query only up to 16 heads per rank; this layer has 64: query stays bfloat16, "
      "KV dequant scale folded into the softmax scale"),
     ("kimi-k2", 1, 64, "bfloat16",
-     "triton_mla accepts a fp8_e4m3 query only up to 16 heads per rank; this layer has 64: query stays bfloat16, "
+     "triton_mla accepts an fp8_e4m3 query only up to 16 heads per rank; this layer has 64: query stays bfloat16, "
      "KV dequant scale folded into the softmax scale"),
 ])
 def test_triton_mla_query_dtype_on_cuda(preset, tp, heads, query, reason):
@@ -107,4 +109,4 @@ def test_triton_mla_keeps_the_model_dtype_query_at_other_mla_widths():
     p = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(8), platform="cuda")
     assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
     assert p.layers[0].query_dtype_reason.startswith(
-        "triton_mla accepts a fp8_e4m3 query only for head size 576; this layer has 48")
+        "triton_mla accepts an fp8_e4m3 query only for row width (kv_lora_rank + rope) 576; this layer has 48")

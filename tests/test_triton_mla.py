@@ -102,6 +102,9 @@ def test_walk_covers_both_regimes_where_declared():
             if qd is not None:
                 assert decl.quantized_query.accepts(kv, heads, model, R + P) and model != "float32"
     assert cuda_mla_backends(), "no CUDA MLA backend declared"
+    # triton_mla declares the e4m3 query at 1-16 heads: the walk must reach it at every such head count it has
+    walked = {(kv, heads) for d in cuda_mla_backends() for _, kv, qd, heads, _ in declared_combinations(d) if qd}
+    assert walked == {("fp8_e4m3", h) for h in HEADS if h <= 16}, walked
 
 
 @pytest.mark.parametrize("kv,model,message", [("bfloat16", None, "needs an fp8_e4m3 cache"),
@@ -117,7 +120,8 @@ def test_kernel_refuses_an_undeclared_fp8_query(kv, model, message):
     with pytest.raises(ValueError, match=message):
         mla_decode(q_latent, q_rope, cache, meta, scale, 0.1, query_dtype="fp8_e4m3")
     for decl in cuda_mla_backends():
-        assert not decl.quantized_query.accepts(kv, 128, model or "bfloat16")
+        for heads in (1, 8, 16, 128):
+            assert not decl.quantized_query.accepts(kv, heads, model or "bfloat16", R + P)
 
 
 def test_reference_refuses_a_quantized_query():

@@ -144,6 +144,19 @@ def _dequant_factor(cache: torch.Tensor, scale, factor: float) -> torch.Tensor:
     return torch.full((), factor, dtype=torch.float32, device=cache.device)
 
 
+def round_query_e4m3(q_latent: torch.Tensor, q_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding of the declared e4m3 query, in PyTorch (what the warp-specialized kernel's fp8 score
+    product applies, ``gluon_mla_decode_ws._fp8_query``): each (token, head) row ``[q_latent | q_rope]``
+    scaled so its largest magnitude is 448, rounded to e4m3, scaled back; returned in the inputs' dtypes.
+    The reference itself never rounds (it declares no quantized query); tests use this to tell the rounding
+    apart from kernel error."""
+    amax = torch.maximum(q_latent.float().abs().amax(-1), q_rope.float().abs().amax(-1))[..., None]
+    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    ql = (q_latent.float() / s).to(torch.float8_e4m3fn).float() * s
+    qr = (q_rope.float() / s).to(torch.float8_e4m3fn).float() * s
+    return ql.to(q_latent.dtype), qr.to(q_rope.dtype)
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: float | torch.Tensor | None, softmax_scale: float, *, query_dtype: str | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,10 +9,11 @@ per-head K/V in the model dtype for torch's fused attention
 PyTorch reference (:func:`kvforge.attention.mla_reference.mla_prefill`); prefill
 steps run eagerly. See ``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
-``query_dtype`` is the plan's per-layer decision: None / the model dtype (the
-shipped declaration, triton_mla_backend.py, allows no quantized query since the
-eighth session; "fp8_e4m3" is still served for a declaration that does); it
-applies to decode steps (prefill chunks always use the model-dtype query).
+``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
+"fp8_e4m3" (declared at 1-16 heads per rank on e4m3 caches with 576-wide rows,
+triton_mla_backend.py; the kernels round the query only where that pays, see
+``triton_mla_decode``); it applies to decode steps (prefill chunks always use
+the model-dtype query).
 """
 
 from __future__ import annotations

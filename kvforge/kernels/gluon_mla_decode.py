@@ -63,9 +63,11 @@ if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globa
 #: The wgmma kernel serves decode up to this many heads per rank. Measured on the H200 (docs/MLA.md):
 #: faster than the tl.dot kernel at 8, 16, 32 and 128 heads with a model-dtype query over bf16 and fp8
 #: caches (64 heads not measured; it runs the 32-head program twice), except bf16 at 128 heads x batch 128
-#: x 64k, 4.5% slower (seventh session; the only shape measured where it loses). An fp8 query (a kernel
-#: capability no backend declares since the eighth session) runs the tl.dot kernel, which has the fp8 x fp8 dot.
+#: x 64k, 4.5% slower (seventh session; the only shape measured where it loses).
 MAX_ROUTED_HEADS: int = 128
+#: The e4m3 query is taken up to this many heads (the warp-specialized kernel's fp8 score product, where it
+#: routes; the model-dtype query elsewhere). Above, an fp8 query runs the tl.dot kernel's fp8 x fp8 dot.
+MAX_FP8_QUERY_HEADS: int = gluon_mla_decode_ws.MAX_HEADS
 
 
 def routes(num_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, query_dtype: str | None,
@@ -76,7 +78,7 @@ def routes(num_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, query
     None) or, on an e4m3 cache at up to ``gluon_mla_decode_ws.MAX_HEADS`` heads, the e4m3 query (the
     warp-specialized kernel's fp8 score product; :func:`mla_decode_wgmma`)."""
     fp8_query_ok = (query_dtype == "fp8_e4m3" and cache_dtype == torch.float8_e4m3fn
-                    and num_heads <= gluon_mla_decode_ws.MAX_HEADS)  # fmt: skip
+                    and num_heads <= MAX_FP8_QUERY_HEADS)  # fmt: skip
     return (
         (query_dtype is None or fp8_query_ok)
         and 1 <= num_heads <= MAX_ROUTED_HEADS

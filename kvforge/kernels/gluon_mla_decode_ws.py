@@ -14,7 +14,8 @@ and address arithmetic between the products. Here (one CTA per SM, ``gl.warp_spe
   ``benchmarks/exp_regs_mla_decode.py``: each tile passes shared memory once written and twice read as fp8);
 - each consumer releases a stage (``empty`` barrier, one arrive) at the top of its next iteration, after a
   partition barrier proves all four of its warps finished the previous products, and writes its own split
-  partial (``2 s + parity``), which the paged merge kernel combines with the others.
+  partial (``2 s + parity``), which the paged merge kernel combines with the others (the column-split
+  experiment below writes one partial per split, ``s``).
 
 The register-operand relabelings: the score product's contraction order is free, so logical column ``k``
 of a 64-column chunk is read from physical column :func:`chunk_column` ``(k)`` (the query is stored permuted
@@ -68,7 +69,8 @@ R: int = 512
 P: int = 64
 #: Heads per rank served here at most (heads per program: :func:`heads_per_program`).
 MAX_HEADS: int = 16
-#: Splits per (sequence, head block) at most; each writes two partials (one per consumer).
+#: Splits per (sequence, head block) at most; each writes two partials (one per consumer; one in the
+#: column-split experiment).
 MAX_SPLITS: int = 128
 #: Tokens per split at least (four tiles per consumer).
 MIN_SPLIT_TOKENS: int = 512

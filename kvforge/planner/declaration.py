@@ -68,6 +68,9 @@ class QuantizedQuery:
     model_dtypes: frozenset[str] = frozenset({"bfloat16", "float16"})
     max_heads_per_rank: int | None = None
     head_sizes: frozenset[int] | None = None
+    #: Appended to the plan's reason where the rule accepts: what the backend does with the quantized query
+    #: (e.g. where it still runs the model dtype), so the plan does not claim more than runs.
+    note: str = ""
 
     def accepts(self, kv_dtype: str, heads_per_rank: int, model_dtype: str = "bfloat16",
                 head_size: int | None = None) -> bool:
@@ -81,6 +84,8 @@ class QuantizedQuery:
         """The accepted heads per rank in words: "from 16" or "at 1-16"."""
         if self.max_heads_per_rank is None:
             return f"from {self.min_heads_per_rank}"
+        if self.max_heads_per_rank == self.min_heads_per_rank:
+            return f"at {self.min_heads_per_rank}"
         return f"at {self.min_heads_per_rank}-{self.max_heads_per_rank}"
 
     @staticmethod

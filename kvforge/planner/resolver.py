@@ -104,8 +104,9 @@ def _query_dtype(layer: _Layer, model_dtype: str) -> tuple[str, str]:
     rule = layer.backend.quantized_query
     if rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype, layer.head_size or 0):
         return layer.kv_dtype, (
-            f"{layer.backend.name} declares a {layer.kv_dtype} query with {layer.kv_dtype} KV "
+            f"{layer.backend.name} declares an {layer.kv_dtype} query with {layer.kv_dtype} KV "
             f"{rule.heads_range()} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
+            + (f" ({rule.note})" if rule.note else "")
         )
     if layer.kv_dtype not in rule.kv_dtypes:
         why = f"{layer.backend.name} does not declare a quantized query for {layer.kv_dtype} KV"
@@ -113,13 +114,14 @@ def _query_dtype(layer: _Layer, model_dtype: str) -> tuple[str, str]:
         why = (f"{layer.backend.name} quantizes the query only for {', '.join(sorted(rule.model_dtypes))} models; "
                f"this model is {model_dtype}")
     elif rule.head_sizes is not None and (layer.head_size or 0) not in rule.head_sizes:
-        why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only for head size "
+        what = "row width (kv_lora_rank + rope)" if layer.kind == "mla" else "head size"
+        why = (f"{layer.backend.name} accepts an {layer.kv_dtype} query only for {what} "
                f"{', '.join(map(str, sorted(rule.head_sizes)))}; this layer has {layer.head_size}")
     elif layer.heads_per_rank < rule.min_heads_per_rank:
-        why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only from {rule.min_heads_per_rank} heads "
+        why = (f"{layer.backend.name} accepts an {layer.kv_dtype} query only from {rule.min_heads_per_rank} heads "
                f"per rank; this layer has {layer.heads_per_rank}")
     else:
-        why = (f"{layer.backend.name} accepts a {layer.kv_dtype} query only up to {rule.max_heads_per_rank} heads "
+        why = (f"{layer.backend.name} accepts an {layer.kv_dtype} query only up to {rule.max_heads_per_rank} heads "
                f"per rank; this layer has {layer.heads_per_rank}")
     return model_dtype, f"{why}: query stays {model_dtype}, KV dequant scale folded into the softmax scale"
 
