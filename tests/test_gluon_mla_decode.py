@@ -20,6 +20,7 @@ from test_triton_mla import _batch
 
 from kvforge.attention import mla_reference as ref
 from kvforge.kernels import gluon_mla_decode as gm
+from kvforge.kernels import triton_mla_decode as tmd
 from kvforge.kernels.gluon_support import GLUON_ENABLED
 
 needs_gluon = pytest.mark.skipif(
@@ -441,3 +442,35 @@ def test_cuda_graph_replay_with_new_lengths_and_tables(kv):
         assert torch.isfinite(out).all()
         err = ((out.float() - want).abs().max() / want.abs().max()).item()
         assert err <= BOUND, (kv, err)
+
+
+@pytest.mark.skipif(not tmd.HAS_TRITON, reason="needs triton (OutOfResources)")
+@pytest.mark.parametrize("heads,want", [(16, ["fp8_e4m3", None]), (8, ["fp8_e4m3", None]), (17, [])])
+def test_e4m3_query_out_of_resources_retries_the_exact_query_on_the_wgmma_kernel(monkeypatch, heads, want):
+    """Where the fp8 score product cannot run (here: it runs out of resources), the declared e4m3 query at up
+    to 16 heads falls back to the model-dtype query on the wgmma kernel, not to the tl.dot kernel's slower fp8
+    regime. Kernels replaced by recorders (CPU)."""
+    from triton.runtime.errors import OutOfResources
+
+    from kvforge.attention.metadata import AttentionMetadata
+
+    calls = []
+
+    def wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, query_dtype):
+        calls.append(query_dtype)
+        if query_dtype is not None:
+            raise OutOfResources(1, 0, "shared memory")
+        return out
+
+    monkeypatch.setattr(tmd, "_WGMMA_OUT_OF_RESOURCES", set())
+    monkeypatch.setattr(tmd.gluon_mla_decode, "gluon_runs_on", lambda t: True)
+    monkeypatch.setattr(tmd.gluon_mla_decode, "mla_decode_wgmma", wgmma)
+    q = torch.zeros(2, heads, 512, dtype=BF16)
+    meta = AttentionMetadata(torch.arange(3, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                             torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, 1, 16)
+    cache = torch.zeros(1, 16, 576, dtype=E4M3)
+    if not want:  # above 16 heads the e4m3 query is the tl.dot kernel's (not run here)
+        assert not tmd.use_wgmma(q, cache, "fp8_e4m3", None)
+        return
+    out = tmd.mla_decode(q, q[..., :64], cache, meta, torch.ones(1), 0.1, query_dtype="fp8_e4m3")
+    assert calls == want and out.shape == q.shape

@@ -315,18 +315,22 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         return out
     if is_fp8 and scale is None:
         raise ValueError("an fp8 MLA cache needs its per-tensor scale")
-    if use_wgmma(q_latent, cache, query_dtype, _config):
-        wgmma_key = (h, q_latent.dtype, cache.dtype, bs, query_dtype)
-        if wgmma_key not in _WGMMA_OUT_OF_RESOURCES:
-            try:
-                return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
-                                                         num_splits=num_splits, out=out, query_dtype=query_dtype)
-            except OutOfResources:  # at the first call (before any graph capture); the tl.dot kernel serves
-                _WGMMA_OUT_OF_RESOURCES.add(wgmma_key)
-    if fp8_query and h <= gluon_mla_decode.MAX_FP8_QUERY_HEADS and (_config or {}).get("wgmma", True):
-        # the e4m3 query declared at up to 16 heads pays only on the warp-specialized kernel; the tl.dot
-        # kernel's fp8 regime is slower there than its model-dtype query (docs/BENCHMARKS.md section 6, tenth
-        # session) and less accurate, so the gate closed (or out of resources) means the exact query
+    # The e4m3 query declared at up to 16 heads pays only on the warp-specialized kernel; the tl.dot kernel's
+    # fp8 regime is slower there than its model-dtype query (docs/BENCHMARKS.md section 6, tenth session) and
+    # less accurate, so wherever the fp8 score product cannot run the exact query does (unless a caller
+    # forces the tl.dot kernel with _config, as the benchmarks do).
+    exact_fallback = fp8_query and h <= gluon_mla_decode.MAX_FP8_QUERY_HEADS and (_config or {}).get("wgmma", True)
+    for wgmma_query in (query_dtype, None) if exact_fallback else (query_dtype,):
+        if use_wgmma(q_latent, cache, wgmma_query, _config):
+            wgmma_key = (h, q_latent.dtype, cache.dtype, bs, wgmma_query)
+            if wgmma_key not in _WGMMA_OUT_OF_RESOURCES:
+                try:
+                    return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                                                             num_splits=num_splits, out=out,
+                                                             query_dtype=wgmma_query)  # fmt: skip
+                except OutOfResources:  # at the first call (before any graph capture); the next one serves
+                    _WGMMA_OUT_OF_RESOURCES.add(wgmma_key)
+    if exact_fallback:
         fp8_query, query_dtype = False, None
     if is_fp8:
         scale = scale.to(torch.float32).reshape(-1)[:1]
