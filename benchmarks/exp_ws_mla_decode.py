@@ -7,8 +7,8 @@ tl.dot kernel first.
     ncu ... python3 benchmarks/exp_ws_mla_decode.py --profile 16x32x16384 [--cfgs nh=16]
 
 ``cfg`` keys: ``stages`` (ring depth), ``lazy`` (0: rescale every tile), ``nh`` (heads per program, 8 or 16;
-the launcher's choice unless set), ``producer_regs``, ``consumer_regs``, ``columns`` (column-split
-consumers), ``fp8_query`` (the fp8 score product; checked against 2^-4 instead of 2^-6). The engine calls the kernel through
+the launcher's choice unless set), ``producer_regs``, ``consumer_regs``, ``fp8_query`` (the fp8 score
+product; checked against 2^-4 instead of 2^-6). The engine calls the kernel through
 ``gluon_mla_decode.mla_decode_wgmma`` where :func:`gluon_mla_decode_ws.routes` allows; here it is called
 directly, at any shape.
 """

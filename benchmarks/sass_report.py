@@ -75,7 +75,7 @@ DEFAULTS = {
                   USE_SPLIT=True, FP8_PATH=1, LAZY_RESCALE=True),
     "regs": dict(NUM_HEADS=16, NH=16, BLOCK_SIZE=64, USE_SPLIT=True, FROM_RING=False, NUM_STAGES=2),
     "ws": dict(NUM_HEADS=8, NH=8, BLOCK_SIZE=64, NUM_STAGES=5, CONSUMER_REGS=232, PRODUCER_REGS=40, LAZY=True,
-               COLUMNS=False, FP8_SCORE=False),
+               FP8_SCORE=False),
 }
 #: Launch options beside num_warps (the warp-specialized experiment sets a register limit).
 OPTIONS = {"ws": {"maxnreg": 168}}

@@ -134,29 +134,6 @@ def test_ring_depths_and_head_blocks(cfg):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("block_size", [1, 64])
 @pytest.mark.parametrize("heads", [5, 8, 12, 16])
-def test_column_split_consumers(kv, block_size, heads):
-    """``columns``: both consumers on every tile, each on half of the latent columns, partial scores exchanged
-    through shared memory. Forced splits 1-128 (consumers with no tile), a 2-stage ring, padded head blocks;
-    and with peaked scores, split against unsplit within 2**-7 (a tile counted once per consumer pair)."""
-    cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=block_size, seed=heads)
-    for splits in (None, 1, 7, ws.MAX_SPLITS):
-        got = _ws(q_latent, q_rope, cache, meta, scale, splits, columns=1)
-        assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND, (splits,)
-    got = _ws(q_latent, q_rope, cache, meta, scale, 3, columns=1, stages=2)
-    assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND
-    q_latent, q_rope = q_latent * 16, q_rope * 16
-    one = _ws(q_latent, q_rope, cache, meta, scale, 1, columns=1).float()
-    assert _err(one, q_latent, q_rope, cache, meta, scale) <= BOUND
-    for splits in (2, 7, 32):
-        got = _ws(q_latent, q_rope, cache, meta, scale, splits, columns=1).float()
-        assert ((got - one).abs().max() / one.abs().max()).item() <= 2.0 ** -7, splits
-
-
-@needs_gluon
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("block_size", [1, 64])
-@pytest.mark.parametrize("heads", [5, 8, 12, 16])
 def test_fp8_score_product(kv, block_size, heads):
     """``fp8_score``: the query quantized to e4m3 per head in the kernel, the score product an fp8 ``wgmma``
     on the ring tile in shared memory. Forced splits 1-128, a 2-stage ring, padded head blocks, peaked scores

@@ -14,8 +14,7 @@ and address arithmetic between the products. Here (one CTA per SM, ``gl.warp_spe
   ``benchmarks/exp_regs_mla_decode.py``: each tile passes shared memory once written and twice read as fp8);
 - each consumer releases a stage (``empty`` barrier, one arrive) at the top of its next iteration, after a
   partition barrier proves all four of its warps finished the previous products, and writes its own split
-  partial (``2 s + parity``), which the paged merge kernel combines with the others (the column-split
-  experiment below writes one partial per split, ``s``).
+  partial (``2 s + parity``), which the paged merge kernel combines with the others.
 
 The register-operand relabelings: the score product's contraction order is free, so logical column ``k``
 of a 64-column chunk is read from physical column :func:`chunk_column` ``(k)`` (the query is stored permuted
@@ -40,9 +39,8 @@ session): 83-91% at 16 heads and 86-92% at 8 (32-128 x 64k), 3.1e-2 to 4.9e-2 of
 exact query. Slower where a CTA gets few tiles (batch 1, short contexts), with either query, which
 :func:`routes` leaves to the wgmma kernel (at least :data:`MIN_TOKENS_PER_SPLIT` tokens a CTA).
 
-``cfg={"columns": 1}`` is an experiment kept off every route (:func:`_consume_columns`): both consumers on
-every tile, each on half of the latent columns, partial scores exchanged through shared memory; lockstep
-made it slower (61% at 16 heads, 70-71% at 8).
+Tried and removed (tenth session, docs/MLA.md): column-split consumers (both on every tile, each on half of
+the latent columns, partial scores exchanged through shared memory): lockstep made them slower.
 
 Invariants: the ring stage of tile i is ``i % NUM_STAGES``, its fill number ``i // NUM_STAGES`` (the barrier
 phase parity). A consumer releases tile ``i - 2``'s stage before it waits for tile i, so any ``NUM_STAGES >= 2``
@@ -69,8 +67,7 @@ R: int = 512
 P: int = 64
 #: Heads per rank served here at most (heads per program: :func:`heads_per_program`).
 MAX_HEADS: int = 16
-#: Splits per (sequence, head block) at most; each writes two partials (one per consumer; one in the
-#: column-split experiment).
+#: Splits per (sequence, head block) at most; each writes two partials (one per consumer).
 MAX_SPLITS: int = 128
 #: Tokens per split at least (four tiles per consumer).
 MIN_SPLIT_TOKENS: int = 512
@@ -277,6 +274,24 @@ if HAS_GLUON:
             async_copy.mbarrier_arrive(ready.index(stage), increment_count=False)
 
     @gluon.jit
+    def _score_from_registers(lat, rope, ql_smem, qr_smem, s_zero, DOT_A: gl.constexpr, LX: gl.constexpr):
+        """``Q C^T`` of one tile with the fp16 query: the eight latent chunks and the rope chunk, each read from
+        the ring just before its conversion (all nine at once would hold 72 registers of fp8 beside the
+        accumulators); one chunk's ``wgmma`` runs while the next converts."""
+        a = _score_operand(lat.slice(0, 64, dim=1).load(LX), DOT_A)
+        s = warpgroup_mma(a, ql_smem.slice(0, 64, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for k in gl.static_range(1, 8):
+            a_next = _score_operand(lat.slice(64 * k, 64, dim=1).load(LX), DOT_A)
+            s = warpgroup_mma(a_next, ql_smem.slice(64 * k, 64, dim=1).permute((1, 0)), s, is_async=True)
+            s, a = warpgroup_mma_wait(1, deps=(s, a))
+            a = a_next
+        a_next = _score_operand(rope.load(LX), DOT_A)
+        s = warpgroup_mma(a_next, qr_smem.permute((1, 0)), s, is_async=True)
+        s, a = warpgroup_mma_wait(1, deps=(s, a))
+        s, a_next = warpgroup_mma_wait(0, deps=(s, a_next))
+        return s
+
+    @gluon.jit
     def _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                  NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -325,35 +340,7 @@ if HAS_GLUON:
                 s = warpgroup_mma_wait(0, deps=[s])
                 s = gl.convert_layout(s, MMA, assert_trivial=True) * q_scale[None, :]
             else:
-                # Each 64-column chunk is read from the ring just before its conversion (all nine at once would
-                # hold 72 registers of fp8 beside the accumulators); one chunk's wgmma runs while the next converts.
-                a0 = _score_operand(lat.slice(0, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a0, ql_smem.slice(0, 64, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                a1 = _score_operand(lat.slice(64, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a1, ql_smem.slice(64, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a0 = warpgroup_mma_wait(1, deps=(s, a0))
-                a2 = _score_operand(lat.slice(128, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a2, ql_smem.slice(128, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a1 = warpgroup_mma_wait(1, deps=(s, a1))
-                a3 = _score_operand(lat.slice(192, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a3, ql_smem.slice(192, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a2 = warpgroup_mma_wait(1, deps=(s, a2))
-                a4 = _score_operand(lat.slice(256, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a4, ql_smem.slice(256, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a3 = warpgroup_mma_wait(1, deps=(s, a3))
-                a5 = _score_operand(lat.slice(320, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a5, ql_smem.slice(320, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a4 = warpgroup_mma_wait(1, deps=(s, a4))
-                a6 = _score_operand(lat.slice(384, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a6, ql_smem.slice(384, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a5 = warpgroup_mma_wait(1, deps=(s, a5))
-                a7 = _score_operand(lat.slice(448, 64, dim=1).load(LX), DOT_A)
-                s = warpgroup_mma(a7, ql_smem.slice(448, 64, dim=1).permute((1, 0)), s, is_async=True)
-                s, a6 = warpgroup_mma_wait(1, deps=(s, a6))
-                a8 = _score_operand(rope_ring.index(stage).load(LX), DOT_A)
-                s = warpgroup_mma(a8, qr_smem.permute((1, 0)), s, is_async=True)
-                s, a7 = warpgroup_mma_wait(1, deps=(s, a7))
-                s, a8 = warpgroup_mma_wait(0, deps=(s, a8))
+                s = _score_from_registers(lat, rope_ring.index(stage), ql_smem, qr_smem, s_zero, DOT_A, LX)
 
             s = s * qk_scale
             s = gl.where((lo + i * 64 + n_off < hi)[:, None], s, float("-inf"))
@@ -437,118 +424,6 @@ if HAS_GLUON:
         gl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
 
     @gluon.jit
-    def _score_half(lat, rope, ql_smem, qr_smem, s_zero, HALF: gl.constexpr, DOT_A: gl.constexpr, LX: gl.constexpr):
-        """Half ``HALF`` of the score contraction of one tile: latent chunks 4 HALF .. 4 HALF + 3, and the rope
-        chunk in half 1; the next chunk converts while the previous one's ``wgmma`` runs."""
-        a = _score_operand(lat.slice(256 * HALF, 64, dim=1).load(LX), DOT_A)
-        s = warpgroup_mma(a, ql_smem.slice(256 * HALF, 64, dim=1).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)  # fmt: skip
-        for k in gl.static_range(1, 4):
-            a_next = _score_operand(lat.slice(256 * HALF + 64 * k, 64, dim=1).load(LX), DOT_A)
-            s = warpgroup_mma(a_next, ql_smem.slice(256 * HALF + 64 * k, 64, dim=1).permute((1, 0)), s,
-                              is_async=True)  # fmt: skip
-            s, a = warpgroup_mma_wait(1, deps=(s, a))
-            a = a_next
-        if HALF == 1:
-            a_next = _score_operand(rope.load(LX), DOT_A)
-            s = warpgroup_mma(a_next, qr_smem.permute((1, 0)), s, is_async=True)
-            s, a = warpgroup_mma_wait(1, deps=(s, a))
-            a = a_next
-        s, a = warpgroup_mma_wait(0, deps=(s, a))
-        return s
-
-    @gluon.jit
-    def _pv_half(lat, p_buf, acc0, acc1, HALF: gl.constexpr, DOT_A: gl.constexpr, LYH: gl.constexpr):
-        """``acc0, acc1 += V^T P`` over latent columns 256 HALF .. 256 HALF + 255 of one tile
-        (:func:`latent_column_halves` rows); returns when both ``wgmma`` are done."""
-        yh = gl.permute(gl.reshape(lat.slice(256 * HALF, 256, dim=1).load(LYH), [64, 32, 2, 4]), (0, 1, 3, 2))
-        y0, y1 = gl.split(yh)
-        b0 = _pv_operand(y0, DOT_A)
-        acc0 = warpgroup_mma(b0, p_buf, acc0, is_async=True)
-        b1 = _pv_operand(y1, DOT_A)
-        acc1 = warpgroup_mma(b1, p_buf, acc1, is_async=True)
-        acc0, b0 = warpgroup_mma_wait(1, deps=(acc0, b0))
-        acc1, b1 = warpgroup_mma_wait(0, deps=(acc1, b1))
-        return acc0, acc1
-
-    @gluon.jit
-    def _consume_columns(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
-                         qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH: gl.constexpr,
-                         NUM_HEADS: gl.constexpr, NUM_STAGES: gl.constexpr, HALF: gl.constexpr):  # fmt: skip
-        """One consumer warpgroup of the column split: every tile, latent columns 256 HALF .. 256 HALF + 255.
-        The two halves' partial scores meet in ``s_xch`` (``xch`` barrier of the tile's parity, one arrive per
-        consumer); both then run the same online softmax on the same sums (a + b == b + a exactly), so their
-        maxima agree, and each writes its columns of the split's one partial (half 0 writes m and l)."""
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
-        DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        LX: gl.constexpr = SCORE_CHUNK_LAYOUT
-        LYH: gl.constexpr = PV_HALF_LAYOUT
-        p_buf = p_smem.index(HALF)
-        m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-        l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
-        acc0 = gl.zeros([128, NH], gl.float32, layout=MMA)
-        acc1 = gl.zeros([128, NH], gl.float32, layout=MMA)
-        n_off = gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-        s_zero = gl.zeros([64, NH], gl.float32, layout=MMA)
-        for i in range(num_tiles):
-            stage = i % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
-            s = _score_half(lat_ring.index(stage), rope_ring.index(stage), ql_smem, qr_smem, s_zero, HALF, DOT_A, LX)
-            s_xch.index(2 * HALF + i % 2).store(s)
-            gl.thread_barrier()
-            mbarrier.arrive(xch.index(i % 2), count=1)
-            if i > 0:  # the previous tile's P x V while the other half's scores arrive
-                acc0, acc1 = _pv_half(lat_ring.index((i - 1) % NUM_STAGES), p_buf, acc0, acc1, HALF, DOT_A, LYH)
-                gl.thread_barrier()  # all four warps finished tile i-1: its stage and p_buf are free
-                mbarrier.arrive(empty.index((i - 1) % NUM_STAGES), count=1)
-            mbarrier.wait(xch.index(i % 2), (i // 2) & 1)
-            s = (s + s_xch.index(2 * (1 - HALF) + i % 2).load(MMA)) * qk_scale
-            s = gl.where((lo + i * 64 + n_off < hi)[:, None], s, float("-inf"))
-            m_cand = gl.maximum(m_i, gl.max(s, 0))
-            if gl.max((m_cand - m_i > _RESCALE_LOG2).to(gl.int32), 0) > 0:  # also true on the first tile
-                alpha = gl.exp2(m_i - gl.where(m_cand == float("-inf"), 0.0, m_cand))
-                acc0 = acc0 * alpha[None, :]
-                acc1 = acc1 * alpha[None, :]
-                l_tile = l_tile * alpha[None, :]
-                m_i = m_cand
-            p = gl.exp2(s - gl.where(m_i == float("-inf"), 0.0, m_i)[None, :])
-            l_tile = l_tile + p
-            p_buf.store(p.to(gl.float16))
-            fence_async_shared()
-            gl.thread_barrier()
-        if num_tiles > 0:
-            acc0, acc1 = _pv_half(lat_ring.index((num_tiles - 1) % NUM_STAGES), p_buf, acc0, acc1, HALF, DOT_A, LYH)
-
-        ho = gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
-        h_ok = (pidx0 // num_parts) % NUM_HEADS + ho < NUM_HEADS  # heads past the last one (padded block)
-        pidx = pidx0 + ho.to(gl.int64) * num_parts
-        mrow = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-        mask = (mrow >= 0)[:, None] & h_ok[None, :]
-        if num_tiles > 0:
-            base = part_acc_ptr + (pidx * _R)[None, :]
-            gl.store(base + _latent_column_halves_of(mrow + 256 * HALF)[:, None], acc0 * scale, mask=mask)
-            gl.store(base + _latent_column_halves_of(mrow + 128 + 256 * HALF)[:, None], acc1 * scale, mask=mask)
-        if HALF == 0:
-            gl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
-            gl.store(part_ml_ptr + pidx * 2 + 1, gl.sum(l_tile, 0), mask=h_ok)
-
-    @gluon.jit
-    def _consume_left(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
-                      qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH: gl.constexpr,
-                      NUM_HEADS: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
-        _consume_columns(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
-                         qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS, NUM_STAGES,
-                         0)  # fmt: skip
-
-    @gluon.jit
-    def _consume_right(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
-                       qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH: gl.constexpr,
-                       NUM_HEADS: gl.constexpr, NUM_STAGES: gl.constexpr):  # fmt: skip
-        _consume_columns(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi, num_tiles,
-                         qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS, NUM_STAGES,
-                         1)  # fmt: skip
-
-    @gluon.jit
     def _consume_odd(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
                      num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                      NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
@@ -572,8 +447,7 @@ if HAS_GLUON:
         sm_scale_log2, num_splits,
         stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
         NUM_HEADS: gl.constexpr, NH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr, COLUMNS: gl.constexpr,
-        FP8_SCORE: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr,
     ):  # fmt: skip
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NH], gl.float16)
@@ -613,7 +487,7 @@ if HAS_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for k in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(k), count=32 * _PRODUCER_WARPS)  # one noinc arrive per producer thread
-            mbarrier.init(empty.index(k), count=2 if COLUMNS else 1)  # one arrive per consumer that read the stage
+            mbarrier.init(empty.index(k), count=1)  # one arrive from the consumer that read the stage
         fence_async_shared()
 
         chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), 64) * 64
@@ -621,40 +495,21 @@ if HAS_GLUON:
         hi = gl.minimum(lo + chunk, seq_len)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), 64)
         bt_row = bt_ptr + seq.to(gl.int64) * stride_bt
-        num_parts = num_splits if COLUMNS else 2 * num_splits
-        pidx0 = (t64 * NUM_HEADS + hb * NH) * num_parts + (1 if COLUMNS else 2) * split
-        if COLUMNS:
-            S_XCH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-            s_xch = gl.allocate_shared_memory(gl.float32, [4, 64, NH], S_XCH)  # (half, tile parity)
-            xch = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            mbarrier.init(xch.index(0), count=2)
-            mbarrier.init(xch.index(1), count=2)
-            fence_async_shared()
-            gl.warp_specialize([
-                (_consume_left, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi,
-                                 num_tiles, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                 NUM_HEADS, NUM_STAGES)),
-                (_consume_right, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, s_xch, xch, ready, empty, lo, hi,
-                                  num_tiles, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                  NUM_HEADS, NUM_STAGES)),
-                (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+        num_parts = 2 * num_splits
+        pidx0 = (t64 * NUM_HEADS + hb * NH) * num_parts + 2 * split
+        # The argument tuples are written out: a tuple bound to a name first turns its constexprs into tensors
+        # (Triton 3.6).
+        gl.warp_specialize([
+            (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
+            (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
+                                stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
+            (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
                                 NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
-            ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
-        else:
-            # The argument tuples are written out: a tuple bound to a name first turns its constexprs into tensors
-            # (Triton 3.6).
-            gl.warp_specialize([
-                (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
-                                    stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
-                (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
-                                    stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
-                (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
-                                    stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                    NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
-            ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+        ], [4, _PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
 def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits, out, cfg=None,
@@ -664,17 +519,13 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
     sequence (:func:`num_splits_for` unless forced). ``fp8_query``: the score product as an fp8 ``wgmma``
     from shared memory, the query rounded to e4m3 per (token, head) (:func:`_fp8_query`). ``cfg``
     (benchmarks): ``stages``, ``lazy``, ``nh`` (heads per program), ``consumer_regs`` and ``producer_regs``
-    (the odd consumer's and the producer's registers; the even consumer gets the rest of the pool),
-    ``columns`` (the column-split consumers, an experiment: model-dtype query only)."""
+    (the odd consumer's and the producer's registers; the even consumer gets the rest of the pool)."""
     cfg = dict(cfg or {})
-    if fp8_query and cfg.get("columns"):
-        raise ValueError("the column-split consumers (cfg columns) have no fp8 score product")
     t, h, r = q_latent.shape
     splits = max(1, min(int(num_splits), MAX_SPLITS))
     nh = int(cfg.get("nh", heads_per_program(h)))
     head_blocks = -(-h // nh)
-    columns = bool(cfg.get("columns", False))
-    parts = splits if columns else 2 * splits
+    parts = 2 * splits
     part_acc = torch.empty((t, h, parts, r), dtype=torch.float32, device=q_latent.device)
     part_ml = torch.empty((t, h, parts, 2), dtype=torch.float32, device=q_latent.device)
     _ws_mla_decode_kernel[(head_blocks, meta.num_seqs, splits)](
@@ -684,7 +535,7 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
         CONSUMER_REGS=int(cfg.get("consumer_regs", CONSUMER_REGS)),
-        PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)), COLUMNS=columns,
+        PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)),
         FP8_SCORE=bool(fp8_query),
         num_warps=4,
         maxnreg=MAXNREG,
