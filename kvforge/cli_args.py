@@ -64,4 +64,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="calibrate fp8 KV scales on the first batch instead of the default 1.0")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--query-dtype", choices=["auto", "model"], default="auto",
+                   help="attention query dtype: auto (quantized where the KV cache is and the backend declares "
+                        "it; the plan says why) or model (always the model dtype)")
     p.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")

@@ -55,6 +55,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
+    query_dtype: str = "auto"
     kv_scale_multiplier: float = 1.0
     progress: bool = True
     distributed_timeout_s: float = 300.0

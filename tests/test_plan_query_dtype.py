@@ -110,3 +110,20 @@ def test_triton_mla_keeps_the_model_dtype_query_at_other_mla_widths():
     assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
     assert p.layers[0].query_dtype_reason.startswith(
         "triton_mla accepts an fp8_e4m3 query only for row width (kv_lora_rank + rope) 576; this layer has 48")
+
+
+def test_query_dtype_model_keeps_the_model_dtype_where_a_quantized_query_is_declared():
+    """``--query-dtype model``: the exact query even where the backend declares the e4m3 one, with the reason;
+    a bad value fails when the config is built (before any weight is read)."""
+    from kvforge.errors import ConfigError
+
+    spec = spec_from_hf_config(PRESETS["deepseek-v3"], name="deepseek-v3", source="test")
+    p = resolve(spec, CacheConfig(kv_cache_dtype="fp8", query_dtype="model"), ParallelConfig(8), platform="cuda")
+    assert {layer.query_dtype for layer in p.layers} == {"bfloat16"}
+    assert p.layers[0].query_dtype_reason == (
+        "triton_mla declares an fp8_e4m3 query here, but --query-dtype model keeps bfloat16, KV dequant scale "
+        "folded into the softmax scale")
+    auto = resolve(spec, CacheConfig(kv_cache_dtype="fp8"), ParallelConfig(8), platform="cuda")
+    assert {layer.query_dtype for layer in auto.layers} == {"fp8_e4m3"}
+    with pytest.raises(ConfigError, match="--query-dtype must be one of auto, model, got 'fp8'"):
+        CacheConfig(kv_cache_dtype="fp8", query_dtype="fp8")

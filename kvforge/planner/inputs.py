@@ -24,6 +24,10 @@ def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
     return value
 
 
+#: ``--query-dtype`` values (CacheConfig.query_dtype).
+QUERY_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV-cache settings as the user gave them (``None`` = let the planner decide).
@@ -43,6 +47,9 @@ class CacheConfig:
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
     max_num_seqs: int = 256
+    #: "auto": a quantized attention query where the KV is quantized and the backend declares it (rule 3);
+    #: "model": always the model dtype (the user trades the declared speed-up for the exact query).
+    query_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
@@ -62,6 +69,9 @@ class CacheConfig:
         if self.kv_scale_scheme not in SCALE_SCHEMES:
             raise ConfigError(f"--kv-scale-scheme must be one of {', '.join(SCALE_SCHEMES)}, got {self.kv_scale_scheme!r}")
         object.__setattr__(self, "max_num_seqs", _positive_int("--max-num-seqs", self.max_num_seqs))
+        if self.query_dtype not in QUERY_DTYPE_CHOICES:
+            raise ConfigError(f"--query-dtype must be one of {', '.join(QUERY_DTYPE_CHOICES)}, got "
+                              f"{self.query_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -95,14 +95,19 @@ def _pick_backend(kind: str, platform: str, kv_dtype: str, head_size: int | None
                     f"{head_size}, platform {platform}):\n{listing}\nfix: choose another --kv-cache-dtype or --device")
 
 
-def _query_dtype(layer: _Layer, model_dtype: str) -> tuple[str, str]:
-    """Rule 3: quantized query only when the KV is quantized and the backend declares it."""
+def _query_dtype(layer: _Layer, model_dtype: str, choice: str = "auto") -> tuple[str, str]:
+    """Rule 3: quantized query only when the KV is quantized and the backend declares it (and ``choice``,
+    ``--query-dtype``, is not "model")."""
     if layer.kind == "state":
         return model_dtype, "state layer: no KV cache, no attention query"
     if not is_quantized(layer.kv_dtype):
         return model_dtype, f"KV cache is {layer.kv_dtype} (not quantized): query uses the model dtype {model_dtype}"
     rule = layer.backend.quantized_query
-    if rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype, layer.head_size or 0):
+    accepted = rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype, layer.head_size or 0)
+    if accepted and choice == "model":
+        return model_dtype, (f"{layer.backend.name} declares an {layer.kv_dtype} query here, but --query-dtype "
+                             f"model keeps {model_dtype}, KV dequant scale folded into the softmax scale")
+    if accepted:
         return layer.kv_dtype, (
             f"{layer.backend.name} declares an {layer.kv_dtype} query with {layer.kv_dtype} KV "
             f"{rule.heads_range()} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
@@ -352,7 +357,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     quantized = is_quantized(kv_dtype)
     scheme = cache.kv_scale_scheme if quantized else None
     for layer in layers:
-        qd, why = _query_dtype(layer, model_dtype)
+        qd, why = _query_dtype(layer, model_dtype, cache.query_dtype)
         layer_scheme = scheme
         if layer.kind == "mla" and scheme == "per_head":
             layer_scheme = "per_tensor"
