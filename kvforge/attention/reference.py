@@ -5,7 +5,10 @@ Implements exactly the contract of :mod:`kvforge.attention.metadata`:
 * :func:`write_kv_cache` stores one step's new K/V into the paged cache at
   ``slot_mapping`` (``-1`` = skip), quantizing with saturation for fp8 caches.
 * :func:`paged_attention` reads K/V straight from the block tables and computes
-  causal (optionally sliding-window) GQA attention for every new query token.
+  causal (optionally sliding-window) GQA attention for every new query token,
+  optionally with attention sinks: one learned logit per query head that joins
+  the softmax denominator only (it has no value row), so a head may give part
+  of its attention mass to "nothing".
 
 Numerics: everything is computed in float32 whatever the storage dtype; the
 result has ``q.dtype`` (or ``out.dtype`` when ``out`` is given). For fp8
@@ -172,18 +175,24 @@ def _attend(
     allowed: torch.Tensor,
     qk_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked softmax attention in float32.
 
     ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled, float32; ``v``
     is modified in place), ``allowed [B, Lq, Lk]`` bool (every query row must allow at
-    least one key), ``qk_scale``/``v_scale [Hkv]``. Returns ``[B, Hkv, G, Lq, D]``.
+    least one key), ``qk_scale``/``v_scale [Hkv]``, ``sinks`` None or float32 ``[Hkv, G]``
+    (one extra logit per query head in the denominator). Returns ``[B, Hkv, G, Lq, D]``.
     Masked keys never contribute, even if the cache holds NaN/inf there.
     """
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k)
     scores *= qk_scale.view(1, -1, 1, 1, 1)
     scores.masked_fill_(~allowed[:, None, None], float("-inf"))
-    p = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.view(1, *sinks.shape, 1, 1).expand(*scores.shape[:-1], 1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     # Zero V rows that no query may see (bitwise, so stale NaN/inf there cannot leak in as 0 * NaN).
     key_used = allowed.any(dim=1)  # [B, Lk]
     keep = torch.where(key_used, -1, 0).to(torch.int32)[:, None, :, None]
@@ -201,6 +210,7 @@ def paged_attention(
     softmax_scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of one step's new tokens over the cache.
 
@@ -213,6 +223,9 @@ def paged_attention(
     beyond a sequence's ``ceil(seq_lens[i] / block_size)`` blocks are never
     read. Scores are ``q . k_raw * (softmax_scale * k_scale[h])``; the output
     is ``softmax . v_raw * v_scale[h]`` (fp8 caches; scales ignored otherwise).
+    ``sinks`` (``[Hq]``, any float dtype) adds ``exp(sinks[h])`` to head
+    ``h``'s softmax denominator: the weights become
+    ``exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`` and sum to less than one.
     Computed in float32; returns ``out`` (filled in place, any float dtype) or
     a new ``[num_tokens, Hq, D]`` tensor of ``q.dtype``. Rows of tokens past
     ``query_start_loc[-1]`` are zero.
@@ -239,6 +252,11 @@ def paged_attention(
         ks = torch.ones(hkv, dtype=torch.float32, device=device)
         vs = ks
     qk_scale = ks * float(softmax_scale)
+    sink_logits = None
+    if sinks is not None:
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must be [num_heads] = [{hq}], got {tuple(sinks.shape)}")
+        sink_logits = sinks.to(device=device, dtype=torch.float32).view(hkv, group)
 
     qsl, seq_lens = meta.host_lists()
     num_seqs = len(seq_lens)
@@ -257,11 +275,11 @@ def paged_attention(
     short = [i for i in range(num_seqs) if 0 < qlens[i] <= BATCHED_QUERY_LEN]
     if short:
         _batched(qf, kv_cache, block_tables, short, qsl, qlens, seq_lens, qk_scale, vs, group,
-                 sliding_window, out)
+                 sliding_window, out, sink_logits)
     for i in range(num_seqs):
         if qlens[i] > BATCHED_QUERY_LEN:
             _one_sequence(qf, kv_cache, block_tables[i], qsl[i], qlens[i], seq_lens[i], qk_scale, vs,
-                          group, sliding_window, out)
+                          group, sliding_window, out, sink_logits)
     return out
 
 
@@ -273,7 +291,7 @@ def _window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> 
     return allowed
 
 
-def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, vs, group, window, out):
+def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, vs, group, window, out, sinks):
     """All short-query sequences at once, padded to the longest query and context."""
     device = kv_cache.device
     bs = kv_cache.shape[3]
@@ -311,13 +329,13 @@ def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, v
     kpos = first_block * bs + torch.arange(nb * bs, device=device)
     allowed = _window_mask(qpos[:, :, None], kpos[None, None, :], window)
     allowed &= kpos[None, None, :] < lens[:, None, None]
-    o = _attend(qb, k, v, allowed, qk_scale * factor, vs * factor)  # [B, Hkv, G, max_q, D]
+    o = _attend(qb, k, v, allowed, qk_scale * factor, vs * factor, sinks)  # [B, Hkv, G, max_q, D]
     o = o.permute(0, 3, 1, 2, 4).reshape(b, max_q, hkv * group, d)
     real = j[None, :] < ql[:, None]
     out[tok[real].to(out.device)] = o[real].to(device=out.device, dtype=out.dtype)
 
 
-def _one_sequence(qf, kv_cache, table, start, qlen, seq_len, qk_scale, vs, group, window, out):
+def _one_sequence(qf, kv_cache, table, start, qlen, seq_len, qk_scale, vs, group, window, out, sinks):
     """One long-query sequence, in query-row chunks bounded by SCORE_BUDGET_ELEMS."""
     device = kv_cache.device
     bs = kv_cache.shape[3]
@@ -337,6 +355,6 @@ def _one_sequence(qf, kv_cache, table, start, qlen, seq_len, qk_scale, vs, group
         allowed = _window_mask(qpos[:, None], kpos[None, :], window)[None]  # [1, n, Lk]
         n = r1 - r0
         qc = qf[start + r0:start + r1].view(n, hkv, group, d).permute(1, 2, 0, 3)[None]
-        o = _attend(qc, k, v, allowed, qk_scale * factor, vs * factor)  # [1, Hkv, G, n, D]
+        o = _attend(qc, k, v, allowed, qk_scale * factor, vs * factor, sinks)  # [1, Hkv, G, n, D]
         o = o[0].permute(2, 0, 1, 3).reshape(n, hq, d)
         out[start + r0:start + r1] = o.to(device=out.device, dtype=out.dtype)

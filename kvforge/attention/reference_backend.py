@@ -2,8 +2,8 @@
 
 It runs full, sliding and state layers (MLA layers go to
 mla_reference_backend.py) on any device torch supports, at any block size, in
-every KV dtype, and always takes a model-dtype query (the fp8 dequant scale is
-folded into the softmax scale). Offsets are computed by torch in int64.
+every KV dtype, with attention sinks, and always takes a model-dtype query
+(the fp8 dequant scale is folded into the softmax scale). Offsets are computed by torch in int64.
 """
 
 from kvforge.planner.declaration import INT64_MAX, BackendDeclaration, BlockSizes, IndexLimit, QuantizedQuery
@@ -18,5 +18,6 @@ REFERENCE = BackendDeclaration(
     block_sizes=BlockSizes.any(),
     quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "torch indexing (int64)"),
+    sinks=True,
     implementation="kvforge.attention.reference",
 )

@@ -144,7 +144,9 @@ class BackendDeclaration:
     head_sizes: None means any head size. page_padding_bytes: pages are padded
     up to a multiple of this many bytes (None = no padding). ``index_limit``
     bounds the offsets the backend computes. ``priority``: higher wins among
-    accepting backends.
+    accepting backends. ``sinks``: the backend adds a per-head sink logit to the
+    softmax denominator (attention sinks); only backends that declare it get
+    layers with sinks, so a backend without the field never serves one.
     """
 
     name: str
@@ -157,16 +159,20 @@ class BackendDeclaration:
     quantized_query: QuantizedQuery
     index_limit: IndexLimit
     page_padding_bytes: int | None = None
+    sinks: bool = False
     implementation: str = ""  # "module:attr" of the implementation, imported lazily by the engine
 
     def block_sizes_for(self, ctx: LayerContext) -> BlockSizes:
         rule = self.block_sizes
         return rule if isinstance(rule, BlockSizes) else rule(ctx)
 
-    def rejection(self, *, kind: str, platform: str, kv_dtype: str, head_size: int | None) -> str | None:
-        """Why this backend cannot take a layer, or None when it can."""
+    def rejection(self, *, kind: str, platform: str, kv_dtype: str, head_size: int | None,
+                  sinks: bool = False) -> str | None:
+        """Why this backend cannot take a layer (``sinks``: the layer has attention sinks), or None when it can."""
         if kind not in self.layer_kinds:
             return f"layer kind {kind!r} not supported (supports {', '.join(sorted(self.layer_kinds))})"
+        if sinks and not self.sinks:
+            return "attention sinks not supported"
         if platform not in self.platforms:
             return f"platform {platform!r} not supported (supports {', '.join(sorted(self.platforms))})"
         if kv_dtype not in self.kv_dtypes:

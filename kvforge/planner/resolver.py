@@ -82,11 +82,11 @@ def _layer_geometry(layer, kv_heads_rank: int, kv_dtype: str, tp: int) -> tuple[
 
 
 def _pick_backend(kind: str, platform: str, kv_dtype: str, head_size: int | None,
-                  backends: tuple[BackendDeclaration, ...], what: str) -> BackendDeclaration:
+                  backends: tuple[BackendDeclaration, ...], what: str, sinks: bool = False) -> BackendDeclaration:
     """Rule 2: the highest-priority backend whose declaration accepts the layer."""
     rejections = []
     for decl in sorted(backends, key=lambda d: -d.priority):
-        why = decl.rejection(kind=kind, platform=platform, kv_dtype=kv_dtype, head_size=head_size)
+        why = decl.rejection(kind=kind, platform=platform, kv_dtype=kv_dtype, head_size=head_size, sinks=sinks)
         if why is None:
             return decl
         rejections.append(f"  - {decl.name}: {why}")
@@ -325,7 +325,8 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         heads_rank, kv_rank = _heads_per_rank(ls, tp)
         layer_kv = ls.state_dtype if isinstance(ls, StateLayerSpec) else kv_dtype
         head_size, token_bytes, state_bytes = _layer_geometry(ls, kv_rank, layer_kv, tp)
-        decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}")
+        decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}",
+                             sinks=getattr(ls, "sinks", False))
         layers.append(_Layer(ls, ls.kind, heads_rank, kv_rank, head_size, layer_kv, token_bytes, state_bytes, decl))
     for ls in spec.layers:
         if isinstance(ls, AttentionLayerSpec) and ls.num_kv_heads < tp:

@@ -154,7 +154,7 @@ def _gpt_oss(cfg: dict, arch: str):
     types = _layer_types(cfg, n, lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
     layers = [
         AttentionLayerSpec(i, "sliding" if t == "sliding_attention" else "full", heads, kv_heads, head_dim, head_dim,
-                           window if t == "sliding_attention" else None)
+                           window if t == "sliding_attention" else None, sinks=True)
         for i, t in enumerate(types)
     ]
     hidden, inter = _get(cfg, "hidden_size"), _get(cfg, "intermediate_size")

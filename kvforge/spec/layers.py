@@ -26,7 +26,9 @@ class AttentionLayerSpec:
     """A full or sliding-window attention layer (MHA/GQA/MQA).
 
     Invariants: num_heads and num_kv_heads >= 1, num_heads % num_kv_heads == 0,
-    sliding_window is set iff kind == "sliding".
+    sliding_window is set iff kind == "sliding". ``sinks``: the layer adds one
+    learned logit per query head to its softmax denominator (gpt-oss), so only
+    a backend that declares sinks may serve it.
     """
 
     index: int
@@ -36,6 +38,7 @@ class AttentionLayerSpec:
     head_dim_k: int
     head_dim_v: int
     sliding_window: int | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
