@@ -1,0 +1,314 @@
+"""Kernel choice, split counts and launch parameters, pinned: the same inputs must launch the same kernels
+with the same arguments (grid, constexprs, warps, stages, scalar arguments, partial-buffer shapes).
+
+Every kernel launch of the eager entries (``paged_attention``, the MLA decode) is replaced by a recorder, so
+this runs on CPU (the Gluon device gate and the SM count are forced per case). The CUDA-graph pinning of
+split counts is observed the same way for the plans a capture sees. ``tests/data/routing_pinned.json``
+holds one SHA-256 per case of the recorded launches; it was written from the code as it stood before the
+routing tables existed, so equality here means the restructuring did not change a single launch. Exact
+equality is the point: launch parameters are integers, dtypes and shapes (and one float computed the same
+way), and a changed one is a changed kernel.
+
+Regenerate (only when a launch is meant to change, and say which in the commit):
+``PYTHONPATH=. python tests/test_routing_pinned.py --write``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kernels import (
+    gluon_fp8_decode,
+    gluon_mla_decode,
+    gluon_mla_decode_ws,
+    triton_mla_decode,
+    triton_paged_attention,
+)
+
+pytest.importorskip("triton")  # the launchers size their grids with triton's helpers
+
+GOLDEN = Path(__file__).parent / "data" / "routing_pinned.json"
+
+BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DTYPES = {"bf16": BF16, "fp16": FP16, "fp32": F32, "e4m3": E4M3, "e5m2": E5M2}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _plain(x):
+    if isinstance(x, torch.Tensor):
+        return ["tensor", list(x.shape), str(x.dtype)]
+    if isinstance(x, torch.dtype):
+        return str(x)
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float):
+        return repr(x)
+    return x
+
+
+class _Recorder:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append({"kernel": self.name, "grid": _plain(tuple(grid)), "args": _plain(args),
+                             "kwargs": {k: _plain(v) for k, v in sorted(kwargs.items())}})
+            return None
+
+        return launch
+
+
+def _patch_launches(monkeypatch, log: list, *, gluon: bool, sms: int) -> None:
+    """Every kernel the eager entries can launch becomes a recorder; the Gluon gate and SM count are set."""
+    kernels = [
+        (triton_paged_attention, "_paged_attn_kernel"),
+        (triton_paged_attention, "_merge_splits_kernel"),
+        (gluon_fp8_decode, "_gluon_fp8_decode_kernel"),
+        (gluon_fp8_decode, "_gluon_fp8_decode_warp_kernel"),
+        (triton_mla_decode, "_mla_decode_kernel"),
+        (gluon_mla_decode, "_wgmma_mla_decode_kernel"),
+        (gluon_mla_decode_ws, "_ws_mla_decode_kernel"),
+    ]
+    for module, name in kernels:
+        monkeypatch.setattr(module, name, _Recorder(name, log), raising=False)
+    for module in (gluon_fp8_decode, gluon_mla_decode):
+        monkeypatch.setattr(module, "gluon_runs_on", lambda t, g=gluon: g)
+    for module in (triton_paged_attention, triton_mla_decode, gluon_mla_decode):
+        monkeypatch.setattr(module, "_num_sms", lambda d, n=sms: n)
+    monkeypatch.setattr(triton_mla_decode, "_SHRUNK_CONFIGS", {})
+    monkeypatch.setattr(triton_mla_decode, "_WGMMA_OUT_OF_RESOURCES", set())
+
+
+def _meta(query_lens: list[int], max_seq_len: int, block_size: int) -> AttentionMetadata:
+    n = len(query_lens)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    lens = [max_seq_len] * n
+    return AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                             torch.zeros(n, 4, dtype=torch.int32), torch.zeros(qsl[-1], dtype=torch.int64),
+                             max(query_lens), max_seq_len, block_size, tuple(qsl), tuple(lens))
+
+
+def _observe(call) -> list | str:
+    try:
+        call()
+    except (ValueError, RuntimeError) as e:  # a refused call is pinned by its message
+        return f"{type(e).__name__}: {e}"
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the cases (deterministic)
+# ---------------------------------------------------------------------------------------------------------
+
+#: Batches: (name, query lengths, max_seq_len).
+PAGED_BATCHES = [
+    ("decode1x3000", [1], 3000),
+    ("decode8x300", [1] * 8, 300),
+    ("decode64x40000", [1] * 64, 40000),
+    ("decode3x70", [1] * 3, 70),
+    ("q2x4", [2] * 4, 900),
+    ("prefill", [5, 37], 200),
+    ("mixed", [1, 1, 19], 5000),
+]
+
+
+def paged_cases() -> list[dict]:
+    rng = random.Random(0)
+    cases = []
+    pairs = [("bf16", "bf16"), ("bf16", "e4m3"), ("bf16", "e5m2"), ("fp16", "fp16"), ("fp16", "e4m3"),
+             ("fp32", "fp32"), ("fp32", "e4m3")]
+    for q, kv in pairs:
+        for hq, hkv in ((8, 8), (32, 8), (32, 2), (64, 2)):
+            for d in (64, 96, 128, 256):
+                for batch, qlens, max_len in PAGED_BATCHES:
+                    cases.append(dict(q=q, kv=kv, hq=hq, hkv=hkv, d=d, batch=batch, qlens=qlens, max_len=max_len,
+                                      window=rng.choice([None, None, 512]), splits=rng.choice([None, None, 3, 0]),
+                                      gluon=rng.choice([True, False]), sms=rng.choice([132, 132, 78]),
+                                      block=rng.choice([16, 32])))
+    return cases
+
+
+def observe_paged(case: dict, monkeypatch) -> list | str:
+    log: list = []
+    _patch_launches(monkeypatch, log, gluon=case["gluon"], sms=case["sms"])
+    meta = _meta(case["qlens"], case["max_len"], case["block"])
+    t = sum(case["qlens"])
+    q = torch.zeros(t, case["hq"], case["d"], dtype=DTYPES[case["q"]])
+    cache = torch.zeros(2, 2, case["hkv"], case["block"], case["d"], dtype=DTYPES[case["kv"]])
+    scales = torch.ones(case["hkv"])
+    got = _observe(lambda: triton_paged_attention.paged_attention(
+        q, cache, meta, scales, scales, 0.125, case["window"], num_splits=case["splits"]))
+    return got or log
+
+
+MLA_BATCHES = [
+    ("1x65536", 1, 65536),
+    ("3x300", 3, 300),
+    ("8x16384", 8, 16384),
+    ("32x65536", 32, 65536),
+    ("64x4096", 64, 4096),
+    ("128x65536", 128, 65536),
+]
+
+
+def mla_cases() -> list[dict]:
+    rng = random.Random(1)
+    cases = []
+    pairs = [("bf16", "bf16"), ("bf16", "e4m3"), ("fp16", "e5m2"), ("fp16", "e4m3"), ("fp32", "fp32"),
+             ("bf16", "fp32"), ("bf16", "fp16"), ("fp32", "e4m3")]
+    for q, kv in pairs:
+        for heads in (1, 8, 16, 17, 32, 64, 128):
+            for r, p in ((512, 64), (32, 16)):
+                for batch, n, max_len in MLA_BATCHES:
+                    for query_dtype in (None, "fp8_e4m3"):
+                        if query_dtype and (kv != "e4m3" or q == "fp32") and rng.random() < 0.8:
+                            continue  # refused calls: a few are enough
+                        cases.append(dict(q=q, kv=kv, heads=heads, r=r, p=p, batch=batch, n=n, max_len=max_len,
+                                          query_dtype=query_dtype, splits=rng.choice([None, None, None, 5]),
+                                          gluon=rng.choice([True, True, False]), sms=rng.choice([132, 132, 78]),
+                                          block=rng.choice([1, 16, 64])))
+    return cases
+
+
+def observe_mla(case: dict, monkeypatch) -> list | str:
+    log: list = []
+    _patch_launches(monkeypatch, log, gluon=case["gluon"], sms=case["sms"])
+    n, h, r, p = case["n"], case["heads"], case["r"], case["p"]
+    meta = _meta([1] * n, case["max_len"], case["block"])
+    ql = torch.zeros(n, h, r, dtype=DTYPES[case["q"]])
+    qr = torch.zeros(n, h, p, dtype=DTYPES[case["q"]])
+    cache = torch.zeros(2, case["block"], r + p, dtype=DTYPES[case["kv"]])
+    got = _observe(lambda: triton_mla_decode.mla_decode(ql, qr, cache, meta, torch.ones(1), 0.1,
+                                                        query_dtype=case["query_dtype"], num_splits=case["splits"]))
+    return got or log
+
+
+def graph_cases() -> list[dict]:
+    cases = []
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for kv in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+        for head in (64, 96, 128, 256):
+            for heads, kv_heads in ((8, 8), (32, 8), (32, 2), (64, 2), (4, 1)):
+                for max_len in (300, 4096, 32768):
+                    for gluon in (True, False):
+                        cases.append(dict(kind="full", kv=kv, head=head, heads=heads, kv_heads=kv_heads,
+                                          max_len=max_len, gluon=gluon, model="bfloat16", sizes=sizes, sms=132,
+                                          latent=None, query="bfloat16"))
+    for kv in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+        for heads in (1, 8, 16, 17, 32, 128):
+            for latent, rope in ((512, 64), (32, 16)):
+                for max_len in (4096, 65536, 163840):
+                    for model in ("bfloat16", "float32"):
+                        for gluon in (True, False):
+                            for query in ([model, "fp8_e4m3"] if kv == "fp8_e4m3" and heads <= 16 else [model]):
+                                for sms in (132, 78):
+                                    cases.append(dict(kind="mla", kv=kv, head=latent + rope, heads=heads,
+                                                      kv_heads=1, max_len=max_len, gluon=gluon, model=model,
+                                                      sizes=sizes, sms=sms, latent=latent, query=query))
+    return cases
+
+
+def observe_graph(case: dict, monkeypatch) -> dict:
+    """The split count per capture size that ``DecodeGraphs`` pins for a plan of identical layers."""
+    from kvforge.engine import cuda_graphs
+    from kvforge.kernels import gluon_support
+
+    backend = "triton_mla" if case["kind"] == "mla" else "triton_paged"
+    layer = types.SimpleNamespace(kind=case["kind"], backend=backend, kv_dtype=case["kv"], head_size=case["head"],
+                                  heads_per_rank=case["heads"], kv_heads_per_rank=case["kv_heads"],
+                                  query_dtype=case["query"])
+    plan = types.SimpleNamespace(layers=[layer, layer], model_dtype=case["model"], max_model_len=case["max_len"])
+    monkeypatch.setattr(gluon_support, "GLUON_ENABLED", case["gluon"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    fake = types.SimpleNamespace(device=torch.device("cuda"))
+    sms, sizes = case["sms"], case["sizes"]
+    if case["kind"] == "mla":
+        wgmma = cuda_graphs.DecodeGraphs._gluon_mla_decode(fake, plan, case["latent"])
+        fp8 = case["kv"].startswith("fp8")
+        return {b: triton_mla_decode.pinned_num_splits(b, case["heads"], case["max_len"], sms, wgmma=wgmma,
+                                                       is_fp8=fp8) for b in sizes}
+    if cuda_graphs.DecodeGraphs._gluon_fp8_decode(fake, plan):
+        return {b: gluon_fp8_decode.pinned_num_splits(b, case["kv_heads"], case["max_len"], sms) for b in sizes}
+    return {b: cuda_graphs.fixed_num_splits(b, case["kv_heads"], sms, case["max_len"]) for b in sizes}
+
+
+SUITES = {"paged": (paged_cases, observe_paged), "mla": (mla_cases, observe_mla),
+          "graph": (graph_cases, observe_graph)}
+
+
+def _key(case: dict) -> str:
+    return hashlib.sha256(json.dumps(case, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _digest(observed) -> str:
+    return hashlib.sha256(json.dumps(observed, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the tests
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+def test_launches_equal_the_pinned_ones(suite, monkeypatch):
+    golden = json.loads(GOLDEN.read_text())[suite]
+    make, observe = SUITES[suite]
+    cases = make()
+    assert len(cases) == len(golden), f"{suite}: {len(cases)} cases, {len(golden)} pinned"
+    for case in cases:
+        with monkeypatch.context() as mp:
+            observed = observe(case, mp)
+        assert _digest(observed) == golden[_key(case)], (case, observed)
+
+
+def test_the_cases_reach_every_kernel(monkeypatch):
+    """The pinned cases are worth pinning: together they launch every kernel and split and refuse some calls."""
+    seen = set()
+    refused = 0
+    for suite in ("paged", "mla"):
+        make, observe = SUITES[suite]
+        for case in make():
+            with monkeypatch.context() as mp:
+                observed = observe(case, mp)
+            if isinstance(observed, str):
+                refused += 1
+                continue
+            seen.update(launch["kernel"] for launch in observed)
+    assert seen == {"_paged_attn_kernel", "_merge_splits_kernel", "_gluon_fp8_decode_kernel",
+                    "_gluon_fp8_decode_warp_kernel", "_mla_decode_kernel", "_wgmma_mla_decode_kernel",
+                    "_ws_mla_decode_kernel"}
+    assert refused > 0
+
+
+def _write() -> None:  # pragma: no cover - regenerates the pinned digests
+    out = {}
+    mp = pytest.MonkeyPatch()
+    for suite, (make, observe) in SUITES.items():
+        out[suite] = {}
+        for case in make():
+            with mp.context() as ctx:
+                out[suite][_key(case)] = _digest(observe(case, ctx))
+    GOLDEN.write_text(json.dumps(out, indent=0, sort_keys=True) + "\n")
+    print({k: len(v) for k, v in out.items()})
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if sys.argv[1:] == ["--write"]:
+        _write()
