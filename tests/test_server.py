@@ -93,6 +93,27 @@ def test_models_and_health(server, client):
     assert status == 200 and body["status"] == "ok"
 
 
+def test_retrieve_model_with_openai_client(server, client):
+    m = client.models.retrieve(model_name(server))
+    assert m.id == model_name(server) and m.object == "model" and m.owned_by == "kvforge"
+    assert m.created == client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-17")
+    assert exc.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"}),
+])
+def test_unknown_model_is_404_model_not_found(server, path, body):
+    status, _, r = http("POST", server.url + path, body, AUTH)
+    assert status == 404, r
+    err = r["error"]
+    assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+    assert err["param"] == "model" and "gpt-17" in err["message"]
+
+
 def test_completion_with_openai_client(server, client):
     prompt = "The capital of France is"
     r = client.completions.create(model=model_name(server), prompt=prompt, max_tokens=6, temperature=0,
@@ -245,7 +266,6 @@ BAD_COMPLETIONS = [
     ("temperature_type", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("max_tokens_type", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
     ("max_tokens_zero", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ("unknown_model", {"prompt": "hi", "model": "gpt-17"}, "model"),
     ("top_p_range", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("negative_temperature", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("top_k_range", {"prompt": "hi", "top_k": -5}, "top_k"),
@@ -312,8 +332,9 @@ def test_bad_input_with_openai_client_keeps_serving(server, client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=model_name(server), prompt="hi", temperature=-3)
     assert "temperature" in str(exc.value)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="no-such-model", prompt="hi")
+    assert exc.value.code == "model_not_found"
     r = client.completions.create(model=model_name(server), prompt="hi", max_tokens=2)
     assert r.usage.completion_tokens >= 1
 
@@ -536,6 +557,25 @@ def test_serve_main_plan_error_stops_before_weights(monkeypatch, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "max-model-len" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("missing", ["aiohttp"])
+def test_serve_main_missing_server_dependency_stops_before_weights(monkeypatch, capsys, missing):
+    import kvforge.engine.llm_engine
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("the engine was built although the server cannot import")
+
+    monkeypatch.setattr(kvforge.engine.llm_engine.LLMEngine, "from_engine_args", boom)
+    for name in [m for m in sys.modules if m == missing or m.startswith(missing + ".")
+                 or m.startswith("kvforge.server.app") or m.startswith("kvforge.server.metrics")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # import of it raises ImportError
+    rc = serve_main(["--device", "cpu", "--port", str(_free_port())])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert missing in err and "Traceback" not in err
 
 
 @needs_real_engine

@@ -2,6 +2,7 @@
 
 ``create_app(engine, ...)`` returns an ``aiohttp.web.Application`` serving
 ``/v1/completions``, ``/v1/chat/completions`` (both streaming), ``/v1/models``,
+``/v1/models/{id}``,
 ``/health`` and ``/metrics``. ``serve(app, ...)`` runs it until SIGTERM/SIGINT
 and drains; ``ServerThread`` runs it on a background thread (tests, notebooks).
 
@@ -86,6 +87,9 @@ def create_app(
                     raise _HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                      "invalid_request_error", "invalid_api_key")
             response = await handler(request)
+        except protocol.ModelNotFoundError as e:
+            metrics.on_reject("model_not_found")
+            response = _json_error(404, str(e), param=e.field, code="model_not_found")
         except InvalidRequestError as e:
             metrics.on_reject("invalid")
             msg = str(e)
@@ -147,17 +151,16 @@ def create_app(
         text = metrics.render(stats, in_flight=aengine.num_in_flight, model_name=model_name)
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
+    def model_object() -> dict:
+        return protocol.model_object(model_name, int(aengine.started), engine.max_model_len)
+
     async def models(request):
-        return web.json_response({
-            "object": "list",
-            "data": [{
-                "id": model_name,
-                "object": "model",
-                "created": int(aengine.started),
-                "owned_by": "kvforge",
-                "max_model_len": engine.max_model_len,
-            }],
-        })
+        return web.json_response({"object": "list", "data": [model_object()]})
+
+    async def model(request):
+        if request.match_info["model_id"] != model_name:
+            raise protocol.ModelNotFoundError(request.match_info["model_id"], model_name)
+        return web.json_response(model_object())
 
     async def completions(request):
         req = protocol.parse_completion(await read_json(request), model_name)
@@ -184,6 +187,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
 

@@ -59,6 +59,15 @@ def serve_main(args) -> int:
         args = parser.parse_args(list(args) if args is not None else None)
     if not logging.getLogger().handlers:  # standalone use; `kvforge serve` configures logging itself
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The HTTP stack (aiohttp, prometheus_client) is imported before anything loads: a missing
+    # dependency fails here, not after the weights.
+    try:
+        from kvforge.server.app import create_app, serve
+    except ImportError as e:
+        print(f"kvforge serve: error: {e}; the server needs aiohttp and prometheus_client "
+              f"(pip install aiohttp prometheus_client, or reinstall kvforge)", file=sys.stderr)
+        return 2
+
     try:
         from kvforge.config import EngineArgs
         from kvforge.engine.llm_engine import LLMEngine
@@ -72,8 +81,6 @@ def serve_main(args) -> int:
         return 2
     logger.info("KV cache plan:\n%s", engine.plan.summary())
     logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
-
-    from kvforge.server.app import create_app, serve
 
     app = create_app(
         engine,

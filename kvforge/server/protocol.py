@@ -18,6 +18,20 @@ from kvforge.errors import InvalidRequestError
 MAX_STOP_SEQUENCES = 16
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (HTTP 404, code ``model_not_found``)."""
+
+    def __init__(self, model: str, served_model: str):
+        super().__init__(f"the model {model!r} does not exist; this server serves {served_model!r}", field="model")
+        self.model = model
+
+
+def model_object(model_name: str, created: int, max_model_len: int) -> dict:
+    """OpenAI's model object (``GET /v1/models`` lists it, ``GET /v1/models/{id}`` returns it)."""
+    return {"id": model_name, "object": "model", "created": created, "owned_by": "kvforge",
+            "max_model_len": max_model_len}
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -142,9 +156,7 @@ def _common(body: dict, served_model: str) -> dict:
     if not isinstance(model, str):
         _bad("model", f"expected a string, got {_type_name(model)}")
     if model != served_model:
-        raise InvalidRequestError(
-            f"'model': the model {model!r} does not exist; this server serves {served_model!r}", field="model"
-        )
+        raise ModelNotFoundError(model, served_model)
     n = get_int(body, "n", 1)
     if n != 1:
         _bad("n", f"only n=1 is supported, got {n}")
