@@ -8,7 +8,10 @@ from torch import nn
 from kvforge.errors import ConfigError
 from kvforge.models.csa_ring import CsaRingTestForCausalLM
 from kvforge.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from kvforge.models.gemma3 import Gemma3ForCausalLM
+from kvforge.models.gpt_oss import GptOssForCausalLM
 from kvforge.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from kvforge.spec.architectures import text_model_config
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -18,6 +21,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "CsaRingTestForCausalLM": CsaRingTestForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # config.json files without "architectures" still carry model_type.
@@ -28,6 +33,8 @@ _MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -36,7 +43,11 @@ def supported_architectures() -> list[str]:
 
 
 def resolve_architecture(hf_config: dict) -> str:
-    """The architecture name this config asks for; ConfigError listing the supported ones if unknown."""
+    """The architecture name this config asks for; ConfigError listing the supported ones if unknown.
+
+    A multimodal wrapper resolves to its text architecture (see ``text_model_config``).
+    """
+    hf_config = text_model_config(hf_config)
     archs = hf_config.get("architectures") or []
     if not archs and hf_config.get("model_type") in _MODEL_TYPES:
         archs = [_MODEL_TYPES[hf_config["model_type"]]]
@@ -61,7 +72,7 @@ def build_model(hf_config: dict, dtype: torch.dtype, device) -> nn.Module:
     ``kvforge.weights.load_weights`` next, which fills every parameter.
     """
     arch = resolve_architecture(hf_config)
-    config = dict(hf_config)
+    config = dict(text_model_config(hf_config))
     config["architectures"] = [arch]
     with torch.device("meta"):
         model = _MODELS[arch](config, dtype=dtype)

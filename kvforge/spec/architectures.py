@@ -262,11 +262,39 @@ _BUILDERS: dict[str, Callable] = {
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_BUILDERS)
 
+# Multimodal wrappers whose text decoder runs on its own: wrapper -> the text architecture.
+TEXT_MODELS_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+_CARRIED_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
+
+
+def text_model_config(cfg: dict) -> dict:
+    """A multimodal wrapper's config -> its text decoder's config (images are not served); others unchanged.
+
+    The text config is ``text_config`` with the text architecture, and the
+    wrapper's token ids and dtype where the text config lacks them. The
+    wrapper's checkpoint tensors load into the text model by their
+    ``language_model`` names; vision tensors are skipped.
+    """
+    archs = cfg.get("architectures") or []
+    text_arch = TEXT_MODELS_OF_MULTIMODAL.get(archs[0]) if isinstance(archs, list) and archs else None
+    if text_arch is None:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{archs[0]} config has no 'text_config' object; it cannot run its text model")
+    out = dict(text, architectures=[text_arch])
+    for key in _CARRIED_TOKENS:
+        if out.get(key) is None and cfg.get(key) is not None:
+            out[key] = cfg[key]
+    out.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    return out
+
 
 def spec_from_hf_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
-    """Build a ModelSpec from a transformers-style config dict."""
+    """Build a ModelSpec from a transformers-style config dict (multimodal wrappers: their text model)."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: config must be a JSON object, got {type(cfg).__name__}")
+    cfg = text_model_config(cfg)
     archs = cfg.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise ConfigError(

@@ -1,0 +1,405 @@
+"""gpt-oss (``GptOssForCausalLM``), device-agnostic PyTorch.
+
+What differs from Llama:
+
+* ``layer_types`` alternate sliding-window (``sliding_window`` tokens) and
+  full attention (default: even layers slide);
+* every attention layer has one learned sink logit per query head
+  (``self_attn.sinks``, ``[num_heads]``): it joins the softmax denominator and
+  has no value. The runner reads it with :meth:`GptOssForCausalLM.attention_sinks`
+  and hands it to the attention backend; q/k/v/o projections carry biases;
+* YaRN rope (``rope_parameters`` / ``rope_scaling`` of type ``yarn``): blended
+  inverse frequencies and cos/sin multiplied by the attention factor;
+* every MLP is a top-k mixture of experts: router ``F.linear`` with bias, top-k
+  of the logits, softmax over the k chosen; expert ``e`` maps ``x`` to
+  ``down_e(glu) + b``, with ``gate, up`` the even / odd columns of
+  ``x @ gate_up_proj[e] + bias``, ``gate`` clamped above at ``limit``, ``up`` to
+  ``[-limit, limit]`` and ``glu = (up + 1) * gate * sigmoid(alpha * gate)``
+  (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7.0).
+
+Expert weights keep transformers' layout (``[E, in, out]``, gate/up columns
+interleaved) and names, so checkpoint tensors load by name. MXFP4-quantized
+expert tensors (``*_blocks`` / ``*_scales``) are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.errors import ConfigError
+from kvforge.models.layers import RMSNorm, RotaryEmbedding, cfg_get
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# transformers' GptOssConfig defaults for configs that state no rope.
+_DEFAULT_THETA = 150000.0
+_DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _required(config: dict, key: str) -> int:
+    try:
+        return int(config[key])
+    except KeyError:
+        raise ConfigError(f"gpt-oss config lacks required key {key!r}") from None
+
+
+def gpt_oss_rope(config: dict) -> tuple[float, dict | None]:
+    """(rope theta, rope scaling or None) from ``rope_parameters`` (transformers 5.x) or ``rope_scaling``."""
+    params = config.get("rope_parameters") or config.get("rope_scaling")
+    theta = float(cfg_get(config, "rope_theta", _DEFAULT_THETA))
+    if params is None:
+        return theta, dict(_DEFAULT_YARN)
+    params = dict(params)
+    theta = float(params.get("rope_theta", theta))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise ConfigError(f"gpt-oss rope type {kind!r} is not supported (supported: default, yarn)")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in params:
+            raise ConfigError(f"gpt-oss yarn rope needs {key!r}; got {sorted(params)}")
+    return theta, params
+
+
+class GptOssArgs:
+    """The numbers the model needs, validated, from an HF ``GptOssForCausalLM`` config dict."""
+
+    def __init__(self, config: dict):
+        self.arch = "GptOssForCausalLM"
+        self.hidden_size = _required(config, "hidden_size")
+        self.num_layers = _required(config, "num_hidden_layers")
+        self.num_heads = _required(config, "num_attention_heads")
+        self.intermediate_size = _required(config, "intermediate_size")
+        self.vocab_size = _required(config, "vocab_size")
+        self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
+        self.head_dim = int(cfg_get(config, "head_dim", self.hidden_size // self.num_heads))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        self.num_experts = int(cfg_get(config, "num_local_experts", cfg_get(config, "num_experts", 0)))
+        self.top_k = int(cfg_get(config, "num_experts_per_tok", 4))
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"gpt-oss needs num_local_experts >= 1 and 1 <= num_experts_per_tok <= experts; got "
+                              f"{self.num_experts} experts, top {self.top_k}")
+        self.rms_norm_eps = float(cfg_get(config, "rms_norm_eps", 1e-5))
+        self.swiglu_alpha = float(cfg_get(config, "swiglu_alpha", 1.702))
+        self.swiglu_limit = float(cfg_get(config, "swiglu_limit", 7.0))
+        self.attention_bias = bool(cfg_get(config, "attention_bias", True))
+        self.tie_word_embeddings = bool(cfg_get(config, "tie_word_embeddings", False))
+        self.softmax_scale = self.head_dim**-0.5
+        types = config.get("layer_types")
+        if types is None:
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(self.num_layers)]
+        if not isinstance(types, list) or len(types) != self.num_layers or set(types) - {SLIDING, FULL}:
+            raise ConfigError(f"config 'layer_types' must list {self.num_layers} entries of {SLIDING!r} / {FULL!r}, "
+                              f"got {types!r}")
+        self.layer_types = list(types)
+        window = config.get("sliding_window")
+        if SLIDING in self.layer_types and not window:
+            raise ConfigError("gpt-oss config has sliding layers but no 'sliding_window'")
+        self.windows = [int(window) if t == SLIDING else None for t in self.layer_types]
+        self.rope_theta, self.rope_scaling = gpt_oss_rope(config)
+
+
+def yarn_inv_freq_and_factor(dim: int, theta: float, yarn: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: per-frequency blend of interpolated (``/ factor``) and original frequencies, and the cos/sin factor.
+
+    Frequencies that turn more than ``beta_fast`` times over the original context
+    keep their value, fewer than ``beta_slow`` times are divided by ``factor``,
+    with a linear ramp between (bounds rounded outward when ``truncate``).
+    """
+    factor = float(yarn["factor"])
+    orig = float(yarn["original_max_position_embeddings"])
+    attention_factor = yarn.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
+
+        def m(scale, ms=1.0):
+            return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
+
+        attention_factor = m(factor, mscale) / m(factor, mscale_all) if mscale and mscale_all else m(factor)
+    beta_fast = float(yarn.get("beta_fast") or 32)
+    beta_slow = float(yarn.get("beta_slow") or 1)
+
+    def dim_for(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_for(beta_fast), dim_for(beta_slow)
+    if yarn.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp  # weight of the original (extrapolated) frequency
+    inv_freq = (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+    return inv_freq, float(attention_factor)
+
+
+class GptOssRotaryEmbedding(RotaryEmbedding):
+    """Rotate-half rope with optional YaRN: inverse frequencies from :func:`yarn_inv_freq_and_factor`, cos and
+    sin multiplied by its attention factor (in float32, before the cast to the activation dtype)."""
+
+    def __init__(self, head_dim: int, theta: float, yarn: dict | None):
+        self.yarn = yarn  # read by reset_parameters, which the base constructor calls
+        self.attention_factor = 1.0 if yarn is None else yarn_inv_freq_and_factor(head_dim, theta, yarn)[1]
+        super().__init__(head_dim, head_dim, theta, None)
+
+    def reset_parameters(self) -> None:
+        if self.inv_freq.device.type == "meta":
+            return
+        if self.yarn is None:
+            super().reset_parameters()
+            return
+        with torch.no_grad():
+            self.inv_freq.copy_(yarn_inv_freq_and_factor(self.head_dim, self.theta, self.yarn)[0])
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        f = self.attention_factor
+        return (emb.cos() * f).to(dtype), (emb.sin() * f).to(dtype)
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, a: GptOssArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias, dtype=dtype)
+        self.sinks = nn.Parameter(torch.zeros(a.num_heads, dtype=dtype))
+
+    def forward(self, rope, x: torch.Tensor, attn, rotary: RotaryEmbedding) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary.apply(rope, q, k)
+        out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class GptOssRouter(nn.Module):
+    """Top-k routing: softmax over the k largest ``x @ weight.T + bias`` logits."""
+
+    def __init__(self, a: GptOssArgs, dtype=None):
+        super().__init__()
+        self.top_k = a.top_k
+        self.weight = nn.Parameter(torch.zeros(a.num_experts, a.hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(a.num_experts, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in the logits' dtype, expert ids [T, k])."""
+        top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+
+class GptOssExperts(nn.Module):
+    """``num_local`` experts with the clamped SwiGLU (see module docstring), HF names and layout.
+
+    ``first`` is the global index of this module's first expert (tensor
+    parallelism splits experts by index; TP=1 holds all of them).
+    """
+
+    def __init__(self, a: GptOssArgs, num_local: int | None = None, first: int = 0, dtype=None):
+        super().__init__()
+        e = a.num_experts if num_local is None else num_local
+        h, i = a.hidden_size, a.intermediate_size
+        self.first, self.num_local = first, e
+        self.alpha, self.limit = a.swiglu_alpha, a.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i, dtype=dtype))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(e, i, h, dtype=dtype))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dtype))
+
+    def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots whose expert this module holds."""
+        out = torch.zeros_like(x)
+        local = ids - self.first
+        held = (local >= 0) & (local < self.num_local)
+        tok_all, slot_all = held.nonzero(as_tuple=True)
+        if tok_all.numel() == 0:
+            return out
+        e = local[tok_all, slot_all]
+        w_all = weights[tok_all, slot_all]
+        order = torch.argsort(e, stable=True)
+        counts = torch.bincount(e, minlength=self.num_local).tolist()
+        tokens, w = tok_all[order], w_all[order]
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = tokens[start:start + n]
+            gate_up = x[tok] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+            y = self.glu(gate_up) @ self.down_proj[expert] + self.down_proj_bias[expert]
+            out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))
+            start += n
+        return out
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, a: GptOssArgs, dtype=None):
+        super().__init__()
+        self.router = GptOssRouter(a, dtype=dtype)
+        self.experts = GptOssExperts(a, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        return self.experts(x, weights, ids)
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, a: GptOssArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.self_attn = GptOssAttention(a, layer_idx, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.mlp = GptOssMLP(a, dtype=dtype)
+
+    def forward(self, rope, x: torch.Tensor, residual: torch.Tensor | None, attn, rotary) -> tuple:
+        """``(mlp_out, residual)``; the output stream is ``residual + mlp_out`` (summed in the next norm)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, attn, rotary)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class GptOssModel(nn.Module):
+    def __init__(self, a: GptOssArgs, dtype=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList([GptOssDecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.rotary = GptOssRotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
+
+
+class GptOssForCausalLM(nn.Module):
+    """gpt-oss decoder over a flat batch; ``attn(layer, q, k, v)`` is the runner's (see module docstring)."""
+
+    def __init__(self, config: dict, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = dict(config)
+        self.args = a = GptOssArgs(config)
+        self.arch = a.arch
+        self.num_layers = a.num_layers
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.hidden_size, self.vocab_size = a.hidden_size, a.vocab_size
+        self.softmax_scale = a.softmax_scale
+        self.tie_word_embeddings = a.tie_word_embeddings
+        self.model = GptOssModel(a, dtype=dtype)
+        self.lm_head = (
+            None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
+        )
+
+    # -- runner interface ----------------------------------------------------
+    def sliding_window(self, layer_idx: int) -> int | None:
+        return self.args.windows[layer_idx]
+
+    def attention_sinks(self, layer_idx: int) -> torch.Tensor:
+        """The sink logits ``[num_heads on this rank]`` of layer ``layer_idx``."""
+        return self.model.layers[layer_idx].self_attn.sinks
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary
+        rope = rotary.cos_sin(positions, h.dtype)
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(rope, h, residual, attn, rotary)
+        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    # -- weights ---------------------------------------------------------------
+    def _stacked(self) -> dict[str, tuple[str, int, int]]:
+        qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, qs),
+            "self_attn.k_proj": ("self_attn.qkv_proj", qs, kvs),
+            "self_attn.v_proj": ("self_attn.qkv_proj", qs + kvs, kvs),
+        }
+
+    def hf_param_names(self) -> list[str]:
+        """Every HF-style tensor name this model consumes."""
+        out = []
+        for name, _ in self.named_parameters():
+            if ".self_attn.qkv_proj." in name:
+                prefix, suffix = name.split(".self_attn.qkv_proj.")
+                out.extend(f"{prefix}.self_attn.{p}_proj.{suffix}" for p in "qkv")
+            else:
+                out.append(name)
+        return out
+
+    def load_tensor(self, params: dict, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF-named tensor into its parameter; False when it has no place here."""
+        target, rows = name, None
+        for hf, (ours, off, n) in self._stacked().items():
+            if f".{hf}." in name:
+                target, rows = name.replace(f".{hf}.", f".{ours}."), (off, n)
+                break
+        param = params.get(target)
+        if param is None:
+            return False
+        dst = param if rows is None else param.narrow(0, *rows)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ConfigError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                              f"{tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return True
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our parameters; the set of HF names written.
+
+        ConfigError on MXFP4 expert tensors, an unknown name or a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if "rotary_emb." in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if ".mlp.experts." in name and name.endswith(("_blocks", "_scales")):
+                raise ConfigError(
+                    f"{name}: MXFP4-quantized expert weights are not supported; use a bf16/fp32 checkpoint "
+                    "(for example one saved by transformers with Mxfp4Config(dequantize=True))"
+                )
+            if self.load_tensor(params, name, tensor):
+                loaded.add(name)
+            else:
+                unknown.append(name)
+        if unknown:
+            shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+            raise ConfigError(f"{len(unknown)} checkpoint tensor(s) have no place in {self.arch}: {shown}")
+        no_sinks = [i for i in range(self.num_layers) if f"model.layers.{i}.self_attn.sinks" not in loaded]
+        if no_sinks:
+            raise ConfigError(
+                f"the checkpoint has no attention sinks (model.layers.N.self_attn.sinks, [{self.num_heads}]) for "
+                f"{len(no_sinks)} of {self.num_layers} layers (first: layer {no_sinks[0]}); gpt-oss attention "
+                "needs one per layer: use a complete gpt-oss checkpoint"
+            )
+        return loaded
+
+    def reset_buffers(self) -> None:
+        """Recompute non-persistent buffers (after ``to_empty``)."""
+        self.model.rotary.reset_parameters()
