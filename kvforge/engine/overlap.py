@@ -21,8 +21,11 @@ scheduler runs; a sequence whose in-flight token reaches ``max_tokens`` or
 ``max_model_len`` is not scheduled again, so only an EOS / stop token / stop
 string costs one wasted token of compute (its result is dropped). Blocks freed
 while a launched step still writes them are safe because every step runs on
-one CUDA stream, in order. Greedy and per-request-seeded outputs equal the
-synchronous engine's (tests/test_async_scheduling.py). At TP > 1 rank 0 also
+one CUDA stream, in order. While every step runs the same rows as the
+synchronous engine (no request ended early on EOS or a stop string, no
+preemption), outputs are bitwise equal to its; a wasted row changes the
+batch's shape and so the float summation order, and greedy outputs can then
+differ at near-ties of the logits (tests/test_async_scheduling.py). At TP > 1 rank 0 also
 broadcasts each step's sampled tokens to the workers, which gather their
 in-flight ids from them (kvforge/distributed/runner.py). Ring (CsaRing)
 models keep the synchronous loop.

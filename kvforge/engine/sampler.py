@@ -13,7 +13,9 @@ Per row, in this order (vLLM v1's order):
 Sampling uses the exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d.
 picks token ``i`` with probability ``p_i``. A row with a seed draws its ``q``
 from its own ``torch.Generator``, and every other computation is row-wise, so
-the same seed gives the same tokens whatever else is in the batch. Rows
+the same seed and the same logits give the same tokens whatever else is in the
+batch (the model's logits themselves may move in the last bits with the
+batch's shape). Rows
 without a seed share one draw from the default generator.
 """
 
