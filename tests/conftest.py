@@ -8,6 +8,11 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without CUDA the Triton kernels run in Triton's CPU interpreter (tests/triton_kernel_device.py). Triton
+# reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any test imports a kernel
+# module; a value already in the environment wins. With CUDA nothing changes: the kernels run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # One intra-op thread: CI has 2 cores, and with 2 threads small CPU ops slow
 # down by up to 10x whenever anything else runs (measured on the dev machine).
 torch.set_num_threads(1)

@@ -1,0 +1,78 @@
+"""Where the Triton kernel tests run: compiled on a CUDA GPU, else in Triton's CPU interpreter.
+
+tests/conftest.py sets ``TRITON_INTERPRET=1`` on a machine without CUDA before any kernel module is
+imported (Triton reads it when a kernel is defined). The same tests then launch the ``tl.*`` kernels on
+CPU tensors, where the interpreter evaluates every op with numpy: slowly (tests keep shapes tiny there)
+and, in the places named below, not as the GPU does. A test that reaches one of those places skips with
+the constant as its reason, for that case only. Gluon kernels never run in the interpreter.
+
+Importing this module skips the importing test module when Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+#: True when Triton interprets kernels on the CPU instead of compiling them.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+#: The device the kernel tests put their tensors on.
+DEVICE: str = "cpu" if INTERPRETED else "cuda"
+#: Whether the ``tl.*`` kernels can run here at all.
+KERNELS_RUN: bool = INTERPRETED or torch.cuda.is_available()
+
+requires_kernels = pytest.mark.skipif(
+    not KERNELS_RUN, reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (TRITON_INTERPRET=0 is set)"
+)
+gpu_only = pytest.mark.skipif(
+    INTERPRETED or not torch.cuda.is_available(),
+    reason="GPU only: long contexts, many heads or CUDA-only features (the interpreted cases cover the logic)",
+)
+
+# What the interpreter does differently from the GPU (measured on Triton 3.6 and 3.9).
+BF16_DOT = "interpreter: tl.dot multiplies bfloat16 operands as their raw uint16 bit patterns"
+BF16_ROUNDING = "interpreter: float32 -> bfloat16 casts truncate instead of rounding to nearest even"
+FP8_ROUNDING = (
+    "interpreter: float32 -> fp8 casts round ties away from zero and drop the carry into the exponent "
+    "(1.97 -> e4m3 gives 1.0, not 2.0)"
+)
+LOOP_BOUND = (
+    "interpreter: this Triton turns a loaded loop bound into an int with int(array of shape (1,)), which "
+    "NumPy >= 2.4 refuses (fixed in later Triton releases)"
+)
+
+
+if INTERPRETED:
+
+    @triton.jit
+    def _sum_below(n_ptr, out_ptr):
+        acc = 0
+        for i in range(0, tl.load(n_ptr)):
+            acc += i
+        tl.store(out_ptr, acc)
+
+
+@functools.cache  # the installed Triton and NumPy do not change while the tests run
+def loaded_loop_bounds_work() -> bool:
+    """Whether a ``range`` over a loaded bound runs here (the attention kernels' context loops)."""
+    if not INTERPRETED:
+        return True
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        _sum_below[(1,)](torch.tensor([4], dtype=torch.int32), out)
+    except triton.runtime.errors.InterpreterError as e:
+        if "0-dimensional" in str(e):
+            return False
+        raise
+    assert int(out) == 6, f"interpreter: sum of range(4) gave {int(out)}"
+    return True
+
+
+def skip_unless_loaded_loop_bounds_work() -> None:
+    if not loaded_loop_bounds_work():
+        pytest.skip(LOOP_BOUND)
