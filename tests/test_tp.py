@@ -189,7 +189,7 @@ def test_tp2_dummy_weights_match_tp1_then_hung_worker_times_out(tmp_path, engine
 def test_tp_architecture_check():
     # DeepSeek MLA runs at TP > 1 (tests/test_tp_deepseek.py); other architectures are refused before any
     # worker starts.
-    from kvforge.distributed.tp_llama import check_tp_architecture
+    from kvforge.distributed.tp_models import check_tp_architecture
     from kvforge.errors import ConfigError
 
     assert check_tp_architecture({"architectures": ["DeepseekV3ForCausalLM"]}) == "DeepseekV3ForCausalLM"

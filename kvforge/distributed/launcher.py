@@ -76,7 +76,7 @@ def rank_report(rank: int, model, pool, runner=None) -> dict:
 def setup_rank(ctx: dict, group):
     """Model slice, weights, KV pool and runner of this rank (same code on every rank)."""
     from kvforge.distributed.runner import TPModelRunner
-    from kvforge.distributed.tp_llama import build_tp_model
+    from kvforge.distributed.tp_models import build_tp_model
     from kvforge.engine.kv_pool import KVPool
     from kvforge.engine.llm_engine import TORCH_DTYPES
     from kvforge.weights import load_weights
@@ -98,7 +98,7 @@ class TPLauncher:
 
     def __init__(self, args, plan, hf_config: dict, model_dtype: str, device: torch.device,
                  model_path: str | None, load_format: str):
-        from kvforge.distributed.tp_llama import check_tp_architecture
+        from kvforge.distributed.tp_models import check_tp_architecture
 
         check_tp_architecture(hf_config)  # before any process starts
         tp = args.tensor_parallel_size

@@ -40,6 +40,12 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.group = group
 
+    @classmethod
+    def like(cls, linear: nn.Linear, group: TPGroup) -> RowParallelLinear:
+        """A row-parallel layer of ``linear``'s shape, bias and dtype (the rank's input columns)."""
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, group,
+                   dtype=linear.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.group.all_reduce_(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

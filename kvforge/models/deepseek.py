@@ -48,15 +48,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ConfigError
+from kvforge.models.decoder import (
+    DecoderArgs,
+    DecoderForCausalLM,
+    PreNormDecoderLayer,
+    copy_checked,
+    gate_up_parts,
+    required_int,
+)
 from kvforge.models.grouped_mm import grouped_mm_problem
-from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation, rope_parameters
+from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
 
 LORA_NORM_EPS = 1e-6
 """eps of q_a_layernorm / kv_a_layernorm: fixed (not rms_norm_eps) in DeepSeek's and transformers' code."""
@@ -66,34 +73,24 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-class DeepseekArgs:
+class DeepseekArgs(DecoderArgs):
     """The numbers the model needs, validated, from an HF config dict."""
 
+    FAMILY = "DeepSeek"
+    ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    DEFAULT_ARCH = "DeepseekV3ForCausalLM"
+
     def __init__(self, config: dict):
-        archs = config.get("architectures") or []
-        self.arch = archs[0] if archs else "DeepseekV3ForCausalLM"
-        if self.arch not in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-            raise ConfigError(f"the DeepSeek implementation cannot run {self.arch!r}")
+        super().__init__(config)
         self.v3 = self.arch == "DeepseekV3ForCausalLM"
-        try:
-            self.hidden_size = int(config["hidden_size"])
-            self.num_layers = int(config["num_hidden_layers"])
-            self.num_heads = int(config["num_attention_heads"])
-            self.intermediate_size = int(config["intermediate_size"])
-            self.vocab_size = int(config["vocab_size"])
-            self.kv_lora_rank = int(config["kv_lora_rank"])
-            self.qk_rope_head_dim = int(config["qk_rope_head_dim"])
-            self.qk_nope_head_dim = int(config["qk_nope_head_dim"])
-            self.v_head_dim = int(config["v_head_dim"])
-        except KeyError as e:
-            raise ConfigError(f"model config lacks required key {e.args[0]!r}") from None
+        self.kv_lora_rank = required_int(config, "kv_lora_rank")
+        self.qk_rope_head_dim = required_int(config, "qk_rope_head_dim")
+        self.qk_nope_head_dim = required_int(config, "qk_nope_head_dim")
+        self.v_head_dim = required_int(config, "v_head_dim")
         q_lora = config.get("q_lora_rank")
         self.q_lora_rank = int(q_lora) if q_lora else None
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        self.rms_norm_eps = float(cfg_get(config, "rms_norm_eps", 1e-6))
-        self.hidden_act = cfg_get(config, "hidden_act", "silu")
         self.attention_bias = bool(cfg_get(config, "attention_bias", False))
-        self.tie_word_embeddings = bool(cfg_get(config, "tie_word_embeddings", False))
         self.rope_interleave = bool(cfg_get(config, "rope_interleave", True)) if self.v3 else True
         # MoE
         self.n_routed_experts = int(cfg_get(config, "n_routed_experts", 0))
@@ -121,7 +118,6 @@ class DeepseekArgs:
         if self.n_routed_experts and uses_groups and self.n_routed_experts % self.n_group:
             raise ConfigError(f"n_routed_experts {self.n_routed_experts} must be a multiple of n_group {self.n_group}")
         # Rope and softmax scale
-        self.rope_theta, self.rope_scaling = rope_parameters(config)
         self.max_position_embeddings = int(cfg_get(config, "max_position_embeddings", 4096))
         scale = self.qk_head_dim ** -0.5
         if self.rope_scaling is not None:
@@ -374,63 +370,32 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, tok, (y * w[:, None]).to(x.dtype))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, a: DeepseekArgs, layer_idx: int, dtype=None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.self_attn = MLAAttention(a, layer_idx, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        if a.is_moe(layer_idx):
-            self.mlp = MoE(a, dtype=dtype)
-        else:
-            self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype)
-
-    def forward(
-        self, rope, x: torch.Tensor, residual: torch.Tensor | None, attn, rotary: DeepseekRotary
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp_out, residual)``, the residual add left to the next norm: see ``LlamaDecoderLayer.forward``."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, attn, rotary)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, a: DeepseekArgs, dtype=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DeepseekDecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.rotary = DeepseekRotary(a)
-
-
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
     """DeepSeek-V2 / V3 (see module docstring); the runner's ``attn`` must provide ``attn.mla``."""
 
-    def __init__(self, config: dict, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.config = dict(config)
-        self.args = a = DeepseekArgs(config)
-        self.arch = a.arch
-        self.num_layers = a.num_layers
-        self.hidden_size, self.vocab_size = a.hidden_size, a.vocab_size
-        self.softmax_scale = a.softmax_scale
-        self.tie_word_embeddings = a.tie_word_embeddings
-        self.model = DeepseekModel(a, dtype=dtype)
-        self.lm_head = (None if a.tie_word_embeddings
-                        else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype))
+    ARGS = DeepseekArgs
+    args: DeepseekArgs
 
-    # -- runner interface ----------------------------------------------------
-    def sliding_window(self, layer_idx: int) -> int | None:
-        return None
+    def make_layer(self, a: DeepseekArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
+        mlp = (MoE(a, dtype=dtype) if a.is_moe(layer_idx)
+               else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype))
+        return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, MLAAttention(a, layer_idx, dtype=dtype), mlp,
+                                   dtype=dtype)
+
+    def make_rotary(self, a: DeepseekArgs) -> DeepseekRotary:
+        return DeepseekRotary(a)
+
+    def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
+        """gate/up of the dense MLPs and of the shared experts (routed experts: see :meth:`load_checkpoint_tensor`)."""
+        a = self.args
+        return {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
+                "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
+                                                                 a.moe_intermediate_size * a.n_shared_experts)}
 
     @property
     def cuda_graph_unsupported_reason(self) -> str | None:
@@ -448,111 +413,45 @@ class DeepseekV2ForCausalLM(nn.Module):
             return f"MoE layers loop over experts with host-side token counts ({problem})"
         return None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary
-        rope = rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(rope, h, residual, attn, rotary)
-        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
+    # -- weights: routed experts are stacked per layer ----------------------------
+    def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
+        if name.endswith(".experts_gate_up"):
+            base = name[: -len(".experts_gate_up")]
+            return [f"{base}.experts.{e}.{w}.weight" for e in range(param.shape[0]) for w in ("gate_proj", "up_proj")]
+        if name.endswith(".experts_down"):
+            base = name[: -len(".experts_down")]
+            return [f"{base}.experts.{e}.down_proj.weight" for e in range(param.shape[0])]
+        return super().checkpoint_names(name, param)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= self.num_layers:
+            return True  # multi-token-prediction layers
+        return super().skips_checkpoint_tensor(name)
 
-    # -- weights ---------------------------------------------------------------
-    def _renames(self) -> dict[str, str]:
-        """HF name fragment -> ours (fused gate/up of dense and shared MLPs, router bias)."""
-        return {"mlp.gate_proj": "mlp.gate_up_proj", "mlp.up_proj": "mlp.gate_up_proj",
-                "shared_experts.gate_proj": "shared_experts.gate_up_proj",
-                "shared_experts.up_proj": "shared_experts.gate_up_proj"}
-
-    def hf_param_names(self) -> list[str]:
-        out = []
-        for name, p in self.named_parameters():
-            if name.endswith(".experts_gate_up"):
-                base = name[: -len(".experts_gate_up")]
-                for e in range(p.shape[0]):
-                    out += [f"{base}.experts.{e}.gate_proj.weight", f"{base}.experts.{e}.up_proj.weight"]
-            elif name.endswith(".experts_down"):
-                base = name[: -len(".experts_down")]
-                out += [f"{base}.experts.{e}.down_proj.weight" for e in range(p.shape[0])]
-            elif ".gate_up_proj." in name:
-                out += [name.replace(".gate_up_proj.", ".gate_proj."), name.replace(".gate_up_proj.", ".up_proj.")]
+    def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
+        """Routed experts per expert (the hub layout) or fused over experts; everything else by name."""
+        m = _EXPERT.match(name)
+        if m:
+            base, e, which = m.group(1), int(m.group(2)), m.group(3)
+            if f"{base}.experts_down" not in params:
+                return None
+            if which == "down_proj":
+                copy_checked(params[f"{base}.experts_down"][e], name, tensor)
             else:
-                out.append(name)
-        return out
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into our parameters; returns the HF names written."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unknown: list[str] = []
-
-        def put(dst: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ConfigError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                                  f"{tuple(dst.shape)}")
-            dst.copy_(tensor)
-
-        for name, tensor in weights:
-            layer = _LAYER.match(name)
-            if layer and int(layer.group(1)) >= self.num_layers:
-                continue  # multi-token-prediction layers
-            if "rotary_emb." in name or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            m = _EXPERT.match(name)
-            if m:
-                base, e, which = m.group(1), int(m.group(2)), m.group(3)
-                if f"{base}.experts_down" not in params:
-                    unknown.append(name)
-                    continue
-                if which == "down_proj":
-                    put(params[f"{base}.experts_down"][e], name, tensor)
-                else:
-                    full = params[f"{base}.experts_gate_up"][e]
-                    inter = full.shape[0] // 2
-                    put(full.narrow(0, 0 if which == "gate_proj" else inter, inter), name, tensor)
-                loaded.add(name)
-                continue
-            m = _FUSED.match(name)
-            if m:
-                base, which = m.group(1), m.group(2)
-                target = f"{base}.experts_gate_up" if which == "gate_up_proj" else f"{base}.experts_down"
-                if target not in params:
-                    unknown.append(name)
-                    continue
-                put(params[target], name, tensor)
-                n = params[target].shape[0]
-                if which == "gate_up_proj":
-                    loaded.update(f"{base}.experts.{e}.{w}.weight" for e in range(n) for w in ("gate_proj", "up_proj"))
-                else:
-                    loaded.update(f"{base}.experts.{e}.down_proj.weight" for e in range(n))
-                continue
-            target, rows = name, None
-            for hf, ours in self._renames().items():
-                if f".{hf}." in name:
-                    target = name.replace(f".{hf}.", f".{ours}.")
-                    param = params.get(target)
-                    if param is not None:
-                        half = param.shape[0] // 2
-                        rows = (0 if hf.endswith("gate_proj") else half, half)
-                    break
-            param = params.get(target)
-            if param is None:
-                unknown.append(name)
-                continue
-            put(param if rows is None else param.narrow(0, rows[0], rows[1]), name, tensor)
-            loaded.add(name)
-        if unknown:
-            shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
-            raise ConfigError(f"{len(unknown)} checkpoint tensor(s) have no place in {self.arch}: {shown}")
-        return loaded
-
-    def reset_buffers(self) -> None:
-        self.model.rotary.reset_parameters()
+                full = params[f"{base}.experts_gate_up"][e]
+                inter = full.shape[0] // 2
+                copy_checked(full.narrow(0, 0 if which == "gate_proj" else inter, inter), name, tensor)
+            return (name,)
+        m = _FUSED.match(name)
+        if m:
+            base, which = m.group(1), m.group(2)
+            target = f"{base}.experts_gate_up" if which == "gate_up_proj" else f"{base}.experts_down"
+            if target not in params:
+                return None
+            copy_checked(params[target], name, tensor)
+            return self.checkpoint_names(target, params[target])
+        return super().load_checkpoint_tensor(params, name, tensor)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

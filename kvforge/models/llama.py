@@ -11,18 +11,19 @@ KV cache and returns ``[T, Hq, D]``.
 
 Parameters mirror HF names except that q/k/v are fused into
 ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``;
-:meth:`LlamaForCausalLM.load_weights` maps HF-named tensors onto them.
+:meth:`LlamaForCausalLM.fused_parameters` declares the stacking.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kvforge.errors import ConfigError
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get, rope_parameters
+from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, gate_up_parts
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 RopeCache = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, rotary_dim]
@@ -38,32 +39,21 @@ _VARIANTS = {
 }
 
 
-class LlamaArgs:
+class LlamaArgs(DecoderArgs):
     """The numbers the model needs, validated, from an HF config dict."""
 
+    FAMILY = "Llama-family"
+    ARCHITECTURES = tuple(_VARIANTS)
+    DEFAULT_ARCH = "LlamaForCausalLM"
+
     def __init__(self, config: dict):
-        archs = config.get("architectures") or []
-        self.arch = archs[0] if archs else "LlamaForCausalLM"
-        if self.arch not in _VARIANTS:
-            raise ConfigError(f"LlamaForCausalLM implementation cannot run {self.arch!r}")
-        try:
-            self.hidden_size = int(config["hidden_size"])
-            self.num_layers = int(config["num_hidden_layers"])
-            self.num_heads = int(config["num_attention_heads"])
-            self.intermediate_size = int(config["intermediate_size"])
-            self.vocab_size = int(config["vocab_size"])
-        except KeyError as e:
-            raise ConfigError(f"model config lacks required key {e.args[0]!r}") from None
+        super().__init__(config)
         self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
         self.head_dim = int(cfg_get(config, "head_dim", self.hidden_size // self.num_heads))
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
-        self.rms_norm_eps = float(cfg_get(config, "rms_norm_eps", 1e-6))
-        self.hidden_act = cfg_get(config, "hidden_act", "silu")
-        self.tie_word_embeddings = bool(cfg_get(config, "tie_word_embeddings", False))
-        self.rope_theta, self.rope_scaling = rope_parameters(config)
         partial = float(cfg_get(config, "partial_rotary_factor", 1.0))
         self.rotary_dim = int(self.head_dim * partial)
         v = _VARIANTS[self.arch]
@@ -119,158 +109,36 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, layer_idx: int, dtype=None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.self_attn = LlamaAttention(a, layer_idx, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, bias=a.mlp_bias, dtype=dtype)
-
-    def forward(
-        self,
-        rope: RopeCache,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        attn: AttnFn,
-        rotary: RotaryEmbedding,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp_out, residual)``: the layer's output stream is ``residual + mlp_out``, left unsummed.
-
-        The stream entering the layer is ``x`` (first layer: ``residual is None``)
-        or ``x + residual``; each sum is formed inside the following norm call
-        (one fused kernel on GPU), in the same dtype and with the same operands
-        as ``x = x + sublayer(norm(x))``, so the values are unchanged.
-        """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, attn, rotary)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArgs, dtype=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        # One rotary for all layers: cos/sin are computed once per step.
-        self.rotary = RotaryEmbedding(a.head_dim, a.rotary_dim, a.rope_theta, a.rope_scaling)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderForCausalLM):
     """One implementation for Llama / Mistral / Qwen2 / Qwen3 (see module docstring)."""
 
+    ARGS = LlamaArgs
+    args: LlamaArgs
+
     def __init__(self, config: dict, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.config = dict(config)
-        self.args = a = LlamaArgs(config)
-        self.arch = a.arch
-        self.num_layers = a.num_layers
+        super().__init__(config, dtype=dtype)
+        a = self.args
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.hidden_size, self.vocab_size = a.hidden_size, a.vocab_size
-        self.softmax_scale = a.softmax_scale
-        self.tie_word_embeddings = a.tie_word_embeddings
-        self.model = LlamaModel(a, dtype=dtype)
-        self.lm_head = (
-            None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
-        )
 
-    # -- runner interface ----------------------------------------------------
-    def sliding_window(self, layer_idx: int) -> int | None:
-        return self.args.windows[layer_idx]
+    def make_layer(self, a: LlamaArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
+        mlp = GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, bias=a.mlp_bias, dtype=dtype)
+        return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, LlamaAttention(a, layer_idx, dtype=dtype), mlp,
+                                   dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary
-        rope = rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(rope, h, residual, attn, rotary)
-        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
+    def make_rotary(self, a: LlamaArgs) -> RotaryEmbedding:
+        return RotaryEmbedding(a.head_dim, a.rotary_dim, a.rope_theta, a.rope_scaling)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
-
-    # -- weights ---------------------------------------------------------------
-    def _stacked(self) -> dict[str, tuple[str, int, int]]:
-        """HF projection name -> (our fused param suffix, row offset, rows)."""
-        qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        inter = self.args.intermediate_size
+    def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
+        a = self.args
+        q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         return {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, qs),
-            "self_attn.k_proj": ("self_attn.qkv_proj", qs, kvs),
-            "self_attn.v_proj": ("self_attn.qkv_proj", qs + kvs, kvs),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+            "self_attn.qkv_proj": [("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
+                                   ("self_attn.v_proj", kv_rows)],
+            "mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
         }
 
-    def hf_param_names(self) -> list[str]:
-        """Every HF-style tensor name this model consumes (useful for dummy/GGUF checks)."""
-        out = []
-        stacked = {v[0]: [] for v in self._stacked().values()}
-        for hf, (ours, _, _) in self._stacked().items():
-            stacked[ours].append(hf)
-        for name, _ in self.named_parameters():
-            for ours, hfs in stacked.items():
-                if f".{ours}." in name:
-                    prefix, suffix = name.split(f".{ours}.")
-                    out.extend(f"{prefix}.{hf}.{suffix}" for hf in hfs)
-                    break
-            else:
-                out.append(name)
-        return out
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into our parameters (cast to param dtype/device).
-
-        Returns the set of HF-style names written (compare with :meth:`hf_param_names`).
-        Raises ConfigError on an unknown name or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        stacked = self._stacked()
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if (
-                "rotary_emb.inv_freq" in name
-                or "rotary_emb.cos_cached" in name
-                or "rotary_emb.sin_cached" in name
-            ):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store the copy anyway
-            target, rows = name, None
-            for hf, (ours, off, n) in stacked.items():
-                if f".{hf}." in name:
-                    target, rows = name.replace(f".{hf}.", f".{ours}."), (off, n)
-                    break
-            param = params.get(target)
-            if param is None:
-                unknown.append(name)
-                continue
-            dst = param if rows is None else param.narrow(0, rows[0], rows[1])
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ConfigError(
-                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
-            loaded.add(name)
-        if unknown:
-            shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
-            raise ConfigError(f"{len(unknown)} checkpoint tensor(s) have no place in {self.arch}: {shown}")
-        return loaded
-
-    def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (after ``to_empty``)."""
-        for m in self.modules():
-            if isinstance(m, RotaryEmbedding):
-                m.reset_parameters()
+    def sliding_window(self, layer_idx: int) -> int | None:
+        return self.args.windows[layer_idx]
 
 
 # The other architectures are the same implementation; distinct names keep error messages honest.

@@ -15,7 +15,7 @@ from torch import nn
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     gens: dict[torch.device, torch.Generator] = {}
-    shard = getattr(model, "shard_parameter", None)  # tensor-parallel models (kvforge/distributed/tp_llama.py)
+    shard = getattr(model, "shard_parameter", None)  # tensor-parallel models (kvforge/distributed/tp_decoder.py)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 2)
         is_norm = p.dim() == 1 and ("norm" in name or "layernorm" in name)

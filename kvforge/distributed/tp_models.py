@@ -1,0 +1,40 @@
+"""Architecture name -> tensor-parallel model class, and ``build_tp_model`` (the TP counterpart of
+kvforge/models/registry.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.distributed.group import TPGroup
+from kvforge.distributed.tp_deepseek import DEEPSEEK_FAMILY, TPDeepseekForCausalLM
+from kvforge.distributed.tp_llama import LLAMA_FAMILY, TPLlamaForCausalLM
+from kvforge.errors import ConfigError
+from kvforge.models.decoder import build_uninitialised
+from kvforge.models.registry import resolve_architecture
+
+TP_MODELS = {
+    **{arch: TPLlamaForCausalLM for arch in LLAMA_FAMILY},
+    **{arch: TPDeepseekForCausalLM for arch in DEEPSEEK_FAMILY},
+}
+
+
+def check_tp_architecture(hf_config: dict) -> str:
+    """The architecture name, or ConfigError when it has no tensor-parallel implementation."""
+    arch = resolve_architecture(hf_config)
+    if arch not in TP_MODELS:
+        raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}) and "
+                          f"DeepSeek-V2/V3; "
+                          f"{arch} runs at TP 1 only (`kvforge plan` shows its per-rank figures for any TP)")
+    return arch
+
+
+def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan):
+    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights)."""
+    arch = check_tp_architecture(hf_config)
+    heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers}
+    if len(heads) != 1:
+        raise ConfigError(f"the plan gives layers different heads per rank {sorted(heads)}; not supported at TP > 1")
+    (hpr, kvpr), = heads
+    config = dict(hf_config)
+    config["architectures"] = [arch]
+    return build_uninitialised(lambda: TP_MODELS[arch](config, dtype, group, hpr, kvpr), device)
