@@ -1,4 +1,6 @@
-"""Model-level agreement of the declared e4m3 MLA query (DESIGN.md, "Evidence that fp8 is right"), on CPU.
+"""Model-level agreement of the declared e4m3 MLA query, on CPU.
+
+See docs/PLANNER.md, "Evidence that a quantized cache is right".
 
 The fp8 score product (kvforge/kernels/gluon_mla_decode_ws.py) rounds the decode query to e4m3 per (token,
 head); its GPU tests hold it within 2^-6 of the PyTorch reference fed the query rounded the same way

@@ -1,4 +1,4 @@
-"""Block-size negotiation for the CsaRingTest model (DESIGN.md failure 1).
+"""Block-size negotiation for the CsaRingTest model (docs/PLANNER.md, "A ring that must fit in one page").
 
 4 KV heads, head_dim 192 (K and V): one KV head costs 2 x 192 = 384 elements
 per token. The ring needs (7 + spec tokens) rows of 1024 bytes in one page.

@@ -1,4 +1,7 @@
-"""Query dtype per layer is decided at planning time (DESIGN.md failure 2)."""
+"""Query dtype per layer is decided at planning time.
+
+See docs/PLANNER.md, "The query dtype is part of the contract".
+"""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """CsaRingTestForCausalLM: Llama-style attention plus a per-request ring per layer.
 
-The test architecture of the planner issue (DESIGN.md failure 1). Every layer
+The test architecture for ring block-size negotiation (docs/PLANNER.md). Every layer
 projects its (normed) input to one ring row per token, ``ring_row_bytes`` wide
 (``ring_row_bytes / element size`` values in the model dtype), and hands the
 rows to the runner through ``attn.ring(layer, rows)``. The runner keeps, per

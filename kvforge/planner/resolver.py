@@ -1,7 +1,7 @@
 """The resolver: every KV-cache decision, made once, before any weight is read.
 
-``resolve(spec, cache, parallel, platform, backends)`` applies DESIGN.md's
-rules in order: heads per rank, a backend per layer, the query dtype per layer,
+``resolve(spec, cache, parallel, platform, backends)`` applies the rules of
+docs/PLANNER.md in order: heads per rank, a backend per layer, the query dtype per layer,
 the block size, groups and page sizes, capacity, index widths. It raises
 PlanError (naming the constraint, the numbers and the fix) when no plan works.
 It imports nothing heavy: a 100-layer plan takes a few milliseconds.
