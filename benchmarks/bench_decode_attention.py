@@ -159,7 +159,7 @@ def dim_major_v(cache):
 
 
 def run_variants(out_dir):
-    """Kernel-variant shoot-out on the fp8 decode path (docs/KERNELS.md item 5), bf16 as the yardstick."""
+    """Kernel-variant shoot-out on the fp8 decode path (docs/KERNELS.md, "Designs measured and not used"), bf16 as the yardstick."""
     from kvforge.kernels import triton_paged_attention as _pa
 
     scale = 1.0 / math.sqrt(D)

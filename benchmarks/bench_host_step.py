@@ -5,7 +5,7 @@ Builds a real ``LLMEngine.step`` loop (real Scheduler, BlockManager, Sampler,
 model forward with a fixed random logits tensor ``[num_seqs, vocab]``. With
 256 running sequences of ~600 tokens of context this is the Python work a
 GPU decode step of Llama-3.1-8B at batch 256 does on the host (see
-docs/GPU_ENGINE.md, "Where the time goes").
+docs/GPU_ENGINE.md, "Where the time of a decode step goes").
 
     .venv/bin/python benchmarks/bench_host_step.py [--seqs 256] [--context 600] [--steps 50]
 

@@ -1,4 +1,4 @@
-"""One wgmma MLA decode case to profile with Nsight Compute (docs/MLA.md, "Where the fp8 time goes").
+"""One wgmma MLA decode case to profile with Nsight Compute (docs/MLA.md, "Where the fp8 time went").
 
     PYTHONPATH=. ncu --clock-control none -k regex:wgmma_mla --launch-skip 1 --launch-count 1 \\
         --section SourceCounters -o rep python3 benchmarks/ncu_mla_decode.py fp8 --heads 16 --batch 32 --ctx 16384

@@ -6,9 +6,9 @@
 
 Prints registers, spill bytes (``STACK``), shared memory, and counts of the SASS instructions that
 decide these kernels' speed (substring counts: ``LDS`` includes ``LDS.128``): global loads, cp.async, shared loads and stores, shuffles, ``HGMMA``,
-conversions, barriers, ``MEMBAR``, local-memory spills. Device time is scarce (30 minutes a session),
-so a kernel change is compiled and checked here first. This is how the seventh session found that
-ptxas sank a prefetch below the products and that an early load spilled (docs/MLA.md).
+conversions, barriers, ``MEMBAR``, local-memory spills. A kernel change can be compiled and checked here before it
+runs on a GPU: this is how a prefetch that ptxas sank below the products, and an early load that
+spilled, were found (docs/MLA.md).
 
 The kernels' modules import torch for their launchers only. This script gives them a stand-in
 ``torch`` module (dtype names and nothing else), so an environment holding just Triton 3.6 (the

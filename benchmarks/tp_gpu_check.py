@@ -1,4 +1,4 @@
-"""Tensor parallelism on two GPUs (issue 6): one script, six independent parts.
+"""Tensor parallelism on two GPUs: one script, six independent parts.
 
     NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 benchmarks/tp_gpu_check.py --out tp.json [--parts a,b,c,d,e,f] [--tiny]
 
@@ -51,9 +51,8 @@ PARTS = {
     "f": "async scheduling at TP=2 vs synchronous TP=2",
 }
 ORDER = "acdefb"
-# Per-part limits. The first full run (2026-11-29) hit the old ones (a 150, c 200, d 110, e 130 s) on every
-# Llama part: an 8B engine start + Triton compile + graph capture is ~20-60 s per engine. Run one or two
-# parts per device call (a device command may last 600 s).
+# Per-part limits: an 8B engine start + Triton compile + graph capture is ~20-60 s per engine, so the
+# Llama parts need minutes; run one or two parts per command where a command's time is limited.
 TIMEOUT_S = {"a": 300, "b": 200, "c": 420, "d": 240, "e": 240, "f": 300}
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the embedded SmolLM2 engine is loaded once per session per config."""
+"""Shared fixtures: the embedded SmolLM2 engine is loaded once per test run and config."""
 
 from __future__ import annotations
 

@@ -309,8 +309,7 @@ def test_running_max_jumps_mid_sequence(kv, heads, lazy):
     scores 9-26 (growth of 2.5-8, near the threshold) and one at two thirds 12-37 (moves again). A missed
     rescale or two maxima mixed would weight tokens wrongly by up to 2^15; held to the float32 reference,
     unsplit and split; lazily and eagerly (``cfg["lazy_rescale"]``) at 8 and 16 heads (4 warps) and 32 (8
-    warps, 128-token tiles; rescales mid-split there too, checked in a CPU model), both cache kinds. Not
-    yet run on a GPU at 32 heads (added after the eighth session's device time)."""
+    warps, 128-token tiles; rescales mid-split there too, checked in a CPU model), both cache kinds."""
     cache, meta, q_latent, q_rope, _ = _batch(6, kv, heads, "cuda", block_size=16, seed=5)
     scale = torch.tensor([0.05 if kv.startswith("fp8") else 1.0], device="cuda")  # fp8: 240 v fits e4m3
     g = torch.Generator().manual_seed(5)

@@ -117,9 +117,7 @@ def test_forced_splits_and_block_sizes(kv, block_size, heads):
 @pytest.mark.parametrize("cfg", [{"stages": 2}, {"stages": 3}, {"nh": 8}], ids=["stages2", "stages3", "two_blocks"])
 def test_ring_depths_and_head_blocks(cfg):
     """A 2- and 3-stage ring (the release-before-wait order must not deadlock at 2) and two 8-head programs
-    per sequence at 16 heads (the head-block grid axis and partial index). The benchmark script checked
-    these against the tl.dot kernel on the H200; this test was added after the session's device time and has
-    not run on a GPU yet."""
+    per sequence at 16 heads (the head-block grid axis and partial index)."""
     cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", 16, "cuda", block_size=16, seed=9)
     nh = cfg.get("nh")
     splits = ws.num_splits_for(8, 16, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count,
@@ -203,8 +201,7 @@ def test_empty_query_sequences_and_tokens_past_the_last_sequence():
 def test_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch, query_dtype):
     """The engine's decode graphs: capture ``triton_mla_decode.mla_decode`` once with the pinned split count
     (this kernel's rule: fp8, 8 heads, 8 sequences), change lengths and block tables in place, replay; with
-    the plan's bf16 and e4m3 query (the e4m3 case added in the tenth session after its device time: not yet
-    run on a GPU)."""
+    the plan's bf16 and e4m3 query."""
     from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
 
     monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000

@@ -13,8 +13,8 @@ are). For scale the same comparison is made between the bf16 and the fp8 cache w
 Measured (2026-11-30, 29 positions): query rounding KL 3.3e-5 mean (6.7e-5 max), top-1 29/29; fp8 vs bf16
 cache KL 2.2e-4 mean, top-1 26/26. The assertions: the query rounding moves no decode-step top-1 token
 and costs at most half the KL of the fp8 cache itself. A random model, not real weights (no DeepSeek
-checkpoint is available offline); the real-weights evidence for fp8 KV is SmolLM2's (docs/BENCHMARKS.md
-section 4).
+checkpoint is available offline); the real-weights evidence for fp8 KV is SmolLM2's (docs/BENCHMARKS.md,
+"Quality of fp8 KV").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The synchronous engine waits for each step's sampled tokens before it
 schedules the next step, so the GPU idles for the whole host part of a step
 (scheduling, input build, output building, detokenization; about 40% of a
-Llama-3.1-8B decode step at batch 256 on an H200, docs/BENCHMARKS.md section 3).
+Llama-3.1-8B decode step at batch 256 on an H200, docs/BENCHMARKS.md, "End to end, offline").
 
 With ``--async-scheduling`` one ``LLMEngine.step()`` call:
 
