@@ -29,10 +29,28 @@ KERNELS_RUN: bool = INTERPRETED or torch.cuda.is_available()
 requires_kernels = pytest.mark.skipif(
     not KERNELS_RUN, reason="Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (TRITON_INTERPRET=0 is set)"
 )
-gpu_only = pytest.mark.skipif(
+_gpu_skip = pytest.mark.skipif(
     INTERPRETED or not torch.cuda.is_available(),
     reason="GPU only: long contexts, many heads or CUDA-only features (the interpreted cases cover the logic)",
 )
+
+
+def gpu_only(test):
+    """Mark ``test`` ``gpu`` and skip it unless the kernels run compiled on a CUDA GPU."""
+    return pytest.mark.gpu(_gpu_skip(test))
+
+
+#: The reason Gluon tests skip: Gluon kernels are compiled for one GPU generation and never interpreted.
+GLUON_GPU_ONLY = (
+    "Gluon kernel: GPU only (sm_90 with a tested Triton, kvforge/kernels/gluon_support.py); "
+    "Triton's interpreter does not run Gluon"
+)
+
+
+def gluon_gpu_only(test):
+    """Mark ``test`` ``gpu`` and skip it unless compiled kernels run on a CUDA GPU (Gluon tests)."""
+    skip = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=GLUON_GPU_ONLY)
+    return pytest.mark.gpu(skip(test))
 
 # What the interpreter does differently from the GPU (measured on Triton 3.6 and 3.9).
 BF16_DOT = "interpreter: tl.dot multiplies bfloat16 operands as their raw uint16 bit patterns"
