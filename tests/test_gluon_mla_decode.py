@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 from test_triton_mla import _batch
+from triton_kernel_device import GLUON_GPU_ONLY
 
 from kvforge.attention import mla_reference as ref
 from kvforge.kernels import gluon_mla_decode as gm
@@ -25,7 +26,7 @@ from kvforge.kernels.gluon_support import GLUON_ENABLED
 
 needs_gluon = pytest.mark.skipif(
     not (GLUON_ENABLED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-    reason="needs sm_90 and the tested Triton (gluon_support)",
+    reason=GLUON_GPU_ONLY,
 )
 BOUND = 2.0 ** -6
 
@@ -271,7 +272,7 @@ def test_split_rule_hand_counts():
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [1, 8, 16, 32, 128])
 @pytest.mark.parametrize("batch", [1, 33])
-def test_matches_fp32_reference(kv, heads, batch):
+def test_gpu_only_matches_fp32_reference(kv, heads, batch):
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
     assert gm.supports(q_latent, cache, None)
     err = _check(q_latent, q_rope, cache, meta, scale)
@@ -282,7 +283,7 @@ def test_matches_fp32_reference(kv, heads, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
-def test_splits_agree_with_one_split_tightly(kv, peaked):
+def test_gpu_only_splits_agree_with_one_split_tightly(kv, peaked):
     """Split-K against the kernel's own unsplit result at 2**-7 of max|out| (one bf16 ulp of output rounding
     is 2**-8): a token dropped or counted twice at a split boundary moves a 1000-token output by ~1%, which
     the 2**-6 reference bound could miss. ``peaked``: the query x 16, so the running max changes across
@@ -302,7 +303,7 @@ def test_splits_agree_with_one_split_tightly(kv, peaked):
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
 @pytest.mark.parametrize("heads", [8, 16, 32])
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
-def test_running_max_jumps_mid_sequence(kv, heads, lazy):
+def test_gpu_only_running_max_jumps_mid_sequence(kv, heads, lazy):
     """Lazy rescaling (``RESCALE_LOG2`` = 8). Scores in log2 units, per head (checked on CPU for the
     1000- and 3000-token sequences): at most ~2.5 over the first third; one token at a third of the sequence
     scores 6.5-18 (some head grew by more than 8: the running max moves and acc is rescaled), one at half
@@ -335,7 +336,7 @@ def test_running_max_jumps_mid_sequence(kv, heads, lazy):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [17, 32, 128])
 @pytest.mark.parametrize("batch", [1, 33])
-def test_eight_warps_128_token_tiles(kv, heads, batch):
+def test_gpu_only_eight_warps_128_token_tiles(kv, heads, batch):
     """The fp8 register path at 32 heads per program: 8 warps, 128-token tiles (two warpgroups split the
     tile's tokens in the score product and the latent rows in ``P x V``), the default there. Against the
     float32 reference; 17 heads pads a 32-head program; forced splits and block sizes 1 and 64 on the long
@@ -356,7 +357,7 @@ def test_eight_warps_128_token_tiles(kv, heads, batch):
 
 @needs_gluon
 @pytest.mark.gpu
-def test_tokens_past_the_last_sequence_are_untouched():
+def test_gpu_only_tokens_past_the_last_sequence_are_untouched():
     cache, meta, q_latent, q_rope, scale = _batch(4, "bfloat16", 16, "cuda", block_size=16, seed=4)
     ql = torch.cat([q_latent, q_latent[:2]])  # two padding tokens past query_start_loc[num_seqs]
     qr = torch.cat([q_rope, q_rope[:2]])
@@ -368,7 +369,7 @@ def test_tokens_past_the_last_sequence_are_untouched():
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3", "fp8_e5m2"])
-def test_forced_splits_and_block_sizes(kv):
+def test_gpu_only_forced_splits_and_block_sizes(kv):
     for bs in (1, 16, 64):
         cache, meta, q_latent, q_rope, scale = _batch(6, kv, 16, "cuda", block_size=bs, seed=bs)
         for splits in (1, 2, 7, 32, gm.MAX_SPLITS):  # MAX_SPLITS: most splits empty (lengths <= 3000)
@@ -381,7 +382,7 @@ def test_forced_splits_and_block_sizes(kv):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [8, 16, 32])
 @pytest.mark.parametrize("path", [gm.FP8_PATH_RING, gm.FP8_PATH_REGS])
-def test_every_fp8_staging_path(kv, heads, path):
+def test_gpu_only_every_fp8_staging_path(kv, heads, path):
     """fp8 rows through an fp8 shared-memory ring or through registers: same answer, with forced splits
     too. Block size 16 and lengths 1-3000 put tile boundaries inside pages and pages inside tiles."""
     cache, meta, q_latent, q_rope, scale = _batch(33, kv, heads, "cuda", block_size=16, seed=7)
@@ -392,7 +393,7 @@ def test_every_fp8_staging_path(kv, heads, path):
 
 @needs_gluon
 @pytest.mark.gpu
-def test_fp16_query_over_fp16_cache_and_empty_query_sequences():
+def test_gpu_only_fp16_query_over_fp16_cache_and_empty_query_sequences():
     cache, meta, q_latent, q_rope, scale = _batch(5, "float16", 16, "cuda", block_size=64, model="float16")
     assert _check(q_latent, q_rope, cache, meta, scale) <= BOUND
     # a sequence with no new token this step: its program returns, the others are unchanged
@@ -407,7 +408,7 @@ def test_fp16_query_over_fp16_cache_and_empty_query_sequences():
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
-def test_cuda_graph_replay_with_new_lengths_and_tables(kv):
+def test_gpu_only_cuda_graph_replay_with_new_lengths_and_tables(kv):
     """What the engine's decode graphs do: capture once with the pinned split count, then change the
     sequence lengths and block tables in place and replay; every replay matches the reference."""
     from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits

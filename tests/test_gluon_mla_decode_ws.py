@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_triton_mla import _batch
+from triton_kernel_device import GLUON_GPU_ONLY
 
 from kvforge.attention import mla_reference as ref
 from kvforge.kernels import gluon_mla_decode as gm
@@ -17,7 +18,7 @@ from kvforge.kernels.gluon_support import GLUON_ENABLED
 
 needs_gluon = pytest.mark.skipif(
     not (GLUON_ENABLED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-    reason="needs sm_90 and the tested Triton (gluon_support)",
+    reason=GLUON_GPU_ONLY,
 )
 BOUND = 2.0 ** -6
 SCALE = 192 ** -0.5
@@ -65,7 +66,7 @@ def _err(got, q_latent, q_rope, cache, meta, scale):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("heads", [1, 5, 8, 12, 16])
 @pytest.mark.parametrize("batch", [8, 33])
-def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
+def test_gpu_only_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
     monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
     calls = []
@@ -80,7 +81,7 @@ def test_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [1, 8, 12, 16])
 @pytest.mark.parametrize("long_enough", [True, False], ids=["ws", "short"])
-def test_engine_fp8_query_runs_the_fp8_score_product_only_where_ws_routes(heads, long_enough, monkeypatch):
+def test_gpu_only_engine_fp8_query_runs_the_fp8_score_product_only_where_ws_routes(heads, long_enough, monkeypatch):
     """``triton_mla_decode.mla_decode(query_dtype="fp8_e4m3")`` (what a plan with the declared e4m3 query
     calls): the warp-specialized kernel's fp8 score product where it routes (within 2^-4 of the exact
     reference, 2^-6 of the e4m3-query one), else the model-dtype query (within 2^-6 of the exact one)."""
@@ -103,7 +104,7 @@ def test_engine_fp8_query_runs_the_fp8_score_product_only_where_ws_routes(heads,
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("heads", [8, 16])
-def test_forced_splits_and_block_sizes(kv, block_size, heads):
+def test_gpu_only_forced_splits_and_block_sizes(kv, block_size, heads):
     """Lengths 1-3000 with 1-128 splits: empty consumers (one tile, or none) and tile boundaries inside pages
     and pages inside tiles; batch 6, called directly; 8 and 16 heads per program."""
     cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=block_size, seed=block_size)
@@ -115,7 +116,7 @@ def test_forced_splits_and_block_sizes(kv, block_size, heads):
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [{"stages": 2}, {"stages": 3}, {"nh": 8}], ids=["stages2", "stages3", "two_blocks"])
-def test_ring_depths_and_head_blocks(cfg):
+def test_gpu_only_ring_depths_and_head_blocks(cfg):
     """A 2- and 3-stage ring (the release-before-wait order must not deadlock at 2) and two 8-head programs
     per sequence at 16 heads (the head-block grid axis and partial index)."""
     cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", 16, "cuda", block_size=16, seed=9)
@@ -132,7 +133,7 @@ def test_ring_depths_and_head_blocks(cfg):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("block_size", [1, 64])
 @pytest.mark.parametrize("heads", [5, 8, 12, 16])
-def test_fp8_score_product(kv, block_size, heads):
+def test_gpu_only_fp8_score_product(kv, block_size, heads):
     """``fp8_score``: the query quantized to e4m3 per head in the kernel, the score product an fp8 ``wgmma``
     on the ring tile in shared memory. Forced splits 1-128, a 2-stage ring, padded head blocks, peaked scores
     (split against unsplit within 2**-7)."""
@@ -164,7 +165,7 @@ def test_fp8_score_product(kv, block_size, heads):
 @pytest.mark.gpu
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("heads", [8, 16])
-def test_peaked_scores_split_agreement(lazy, heads):
+def test_gpu_only_peaked_scores_split_agreement(lazy, heads):
     """The query x 16: the running max moves across tiles and a few tokens dominate. Against the reference
     and, tightly (2**-7), split against unsplit: a token dropped or counted twice at a split or consumer
     boundary moves a 1000-token output by ~1%."""
@@ -179,7 +180,7 @@ def test_peaked_scores_split_agreement(lazy, heads):
 
 @needs_gluon
 @pytest.mark.gpu
-def test_empty_query_sequences_and_tokens_past_the_last_sequence():
+def test_gpu_only_empty_query_sequences_and_tokens_past_the_last_sequence():
     cache, meta, q_latent, q_rope, scale = _batch(9, "fp8_e4m3", 8, "cuda", block_size=16, seed=4)
     # sequence 1 has no new token this step; two padding tokens sit past query_start_loc[num_seqs]
     qsl = torch.tensor([0, 1, 1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.int32, device="cuda")
@@ -198,7 +199,7 @@ def test_empty_query_sequences_and_tokens_past_the_last_sequence():
 @needs_gluon
 @pytest.mark.gpu
 @pytest.mark.parametrize("query_dtype", [None, "fp8_e4m3"], ids=["bf16_query", "e4m3_query"])
-def test_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch, query_dtype):
+def test_gpu_only_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch, query_dtype):
     """The engine's decode graphs: capture ``triton_mla_decode.mla_decode`` once with the pinned split count
     (this kernel's rule: fp8, 8 heads, 8 sequences), change lengths and block tables in place, replay; with
     the plan's bf16 and e4m3 query."""

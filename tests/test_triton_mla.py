@@ -131,7 +131,7 @@ def test_reference_refuses_a_quantized_query():
         ref.mla_attention(q_latent[:, :, :8], q_rope, cache, meta, scale, 0.1, w, w, query_dtype="fp8_e4m3")
 
 
-@pytest.fixture(params=["routed", "tl.dot"])
+@pytest.fixture(params=["gluon_routed", "tl.dot"])
 def mla_kernel(request, monkeypatch):
     """Run a GPU test as routed (the wgmma kernel where ``gluon_mla_decode.routes`` accepts, on sm_90) and
     again with routing off, so the tl.dot kernel, which serves whenever the Gluon gate is closed, keeps
