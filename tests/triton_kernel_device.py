@@ -61,11 +61,12 @@ FP8_ROUNDING = (
 )
 LOOP_BOUND = (
     "interpreter: this Triton turns a loaded loop bound into an int with int(array of shape (1,)), which "
-    "NumPy >= 2.4 refuses (fixed in later Triton releases)"
+    "NumPy >= 2.4 refuses, and its interpreter has no _patch_lang_tensor to convert with .item() instead"
 )
 
 
 if INTERPRETED:
+    from triton.runtime import interpreter as _interpreter
 
     @triton.jit
     def _sum_below(n_ptr, out_ptr):
@@ -75,11 +76,7 @@ if INTERPRETED:
         tl.store(out_ptr, acc)
 
 
-@functools.cache  # the installed Triton and NumPy do not change while the tests run
-def loaded_loop_bounds_work() -> bool:
-    """Whether a ``range`` over a loaded bound runs here (the attention kernels' context loops)."""
-    if not INTERPRETED:
-        return True
+def _loop_over_loaded_bound_runs() -> bool:
     out = torch.zeros(1, dtype=torch.int32)
     try:
         _sum_below[(1,)](torch.tensor([4], dtype=torch.int32), out)
@@ -89,6 +86,30 @@ def loaded_loop_bounds_work() -> bool:
         raise
     assert int(out) == 6, f"interpreter: sum of range(4) gave {int(out)}"
     return True
+
+
+def _index_scalars_with_item() -> None:
+    """Make the interpreter convert a scalar tensor (a numpy array of shape (1,)) to an index with
+    ``.item()``, as later Triton releases do (triton-lang/triton#9171), where it uses ``int(array)``."""
+    original = _interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+@functools.cache  # the installed Triton and NumPy do not change while the tests run
+def loaded_loop_bounds_work() -> bool:
+    """Whether a ``range`` over a loaded bound runs here (the attention kernels' context loops); where
+    the interpreter's scalar conversion fails under NumPy >= 2.4 it is switched to ``.item()`` first."""
+    if not INTERPRETED or _loop_over_loaded_bound_runs():
+        return True
+    if not hasattr(_interpreter, "_patch_lang_tensor"):
+        return False
+    _index_scalars_with_item()
+    return _loop_over_loaded_bound_runs()
 
 
 def skip_unless_loaded_loop_bounds_work() -> None:
