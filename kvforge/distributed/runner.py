@@ -99,12 +99,13 @@ class TPModelRunner(ModelRunner):
         self.invalidate_block_tables()
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: bool = False):
-        """As ``ModelRunner.run``. ``share_sampled`` (async scheduling): the engine will sample one token per
-        logits row and pass them to :meth:`share_sampled_tokens`, which broadcasts them to the workers."""
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0):
+        """As ``ModelRunner.run``. ``share_sampled`` (async scheduling): the engine will sample that many
+        tokens (from the first logits rows) and pass them to :meth:`share_sampled_tokens`, which broadcasts
+        them to the workers."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
-        n_share = len(logits_rows) if share_sampled and logits_rows is not None else 0
+        n_share = int(share_sampled)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None
         copies, self._pending_copies = self._pending_copies, []

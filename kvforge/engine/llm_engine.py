@@ -21,7 +21,7 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host
-from kvforge.engine.sampler import Sampler
+from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
@@ -278,9 +278,17 @@ class LLMEngine:
         ``prev.token_ids``."""
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
+        prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
         for s in out.scheduled:
             seq = s.seq
             end = s.start_pos + s.num_new_tokens
+            if seq.needs_prompt_logprobs:
+                # Position p's logits score prompt token p + 1, for p up to the second-to-last prompt token.
+                stop = min(end, seq.num_prompt_tokens - 1)
+                if stop > s.start_pos:
+                    prompt_rows.extend(range(offset, offset + stop - s.start_pos))
+                    prompt_targets.extend(seq.prompt_token_ids[s.start_pos + 1:stop + 1])
+                    prompt_spans.append((seq, s.start_pos + 1, stop - s.start_pos))
             if end > seq.num_tokens:  # the last new token is the one sampled by the step in flight
                 chunks.append((seq.token_ids_slice(s.start_pos, seq.num_tokens) + [0], s.start_pos, seq.block_table))
                 ph_rows.append(offset + s.num_new_tokens - 1)
@@ -299,7 +307,14 @@ class LLMEngine:
             self.runner.step_ring_slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
         share = self.async_scheduling
-        logits = self.runner.run(chunks, rows, placeholders=placeholders, share_sampled=share)
+        logits = self.runner.run(chunks, rows + prompt_rows, placeholders=placeholders,
+                                 share_sampled=len(rows) if share else 0)
+        prompt_lp = None
+        if prompt_rows:
+            targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device, non_blocking=True)
+            k = max(seq.params.prompt_logprobs for seq, _, _ in prompt_spans)
+            prompt_lp = compute_prompt_logprobs(logits[len(rows):], targets, k, prompt_spans).to_host()
+            logits = logits[:len(rows)]
         if sampled_seqs:
             result = self.sampler.sample_sequences(logits, sampled_seqs)
             token_ids, logprobs = result.token_ids, result.logprobs
@@ -310,10 +325,12 @@ class LLMEngine:
         host_tokens, ready = copy_tokens_to_host(token_ids)
         self.scheduler.advance(out)
         return InflightStep(out, sampled_seqs, token_ids, host_tokens, logprobs, ready,
-                            {seq.request_id: i for i, seq in enumerate(sampled_seqs)})
+                            {seq.request_id: i for i, seq in enumerate(sampled_seqs)}, prompt_lp)
 
     def _resolve(self, step: InflightStep) -> list[RequestOutput]:
         tokens = step.wait_tokens()
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.apply()  # before the outputs below are built
         sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
         live = [seq for seq in step.sampled_seqs if not seq.is_finished]
         finished = self.scheduler.resolve(step.out, sampled)

@@ -338,11 +338,12 @@ class ModelRunner:
                 and not self.needs_calibration)
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: bool = False):
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0):
         """Run one step; return float32 logits for ``logits_rows`` (flat token
         indices), or for every token when ``logits_rows`` is None. ``placeholders``:
         see ``HostStep.placeholders`` (the ids at those rows in ``chunks`` are ignored).
-        ``share_sampled`` matters only at TP > 1 (kvforge/distributed/runner.py)."""
+        ``share_sampled`` (the number of tokens the engine will sample from the first
+        logits rows) matters only at TP > 1 (kvforge/distributed/runner.py)."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):

@@ -27,7 +27,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step."""
+    """The state of one request after an engine step.
+
+    prompt_logprobs: None unless ``SamplingParams.prompt_logprobs`` was set;
+    then one entry per prompt token: None for the first (nothing precedes it),
+    else a dict token_id -> logprob of the top-N alternatives plus the prompt
+    token itself, from the logits of the position before it. Complete in
+    every output of the request (the first output comes after the prefill).
+    """
 
     request_id: str
     prompt: str | None
@@ -35,6 +42,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class _SnapshotCompletionOutput(CompletionOutput):
@@ -98,11 +106,12 @@ class _SnapshotRequestOutput(RequestOutput):
     dataclass ``__init__`` (e.g. from ``dataclasses.replace``) works as usual."""
 
     @classmethod
-    def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens):
+    def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens, prompt_logprobs=None):
         self = cls.__new__(cls)
         d = self.__dict__
         d["request_id"], d["prompt"], d["outputs"] = request_id, prompt, outputs
         d["finished"], d["num_cached_tokens"] = finished, num_cached_tokens
+        d["prompt_logprobs"] = prompt_logprobs
         d["_prompt_src"] = prompt_src
         return self
 

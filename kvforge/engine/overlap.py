@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.engine.sampler import PromptLogprobs
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.engine.sequence import Sequence
 
@@ -49,6 +50,8 @@ class InflightStep:
     ``sampled_seqs[i]``; ``host_tokens`` its copy (pinned on CUDA, complete
     once ``ready`` has fired). ``row_of``: request id -> row, for the next
     step's placeholders. ``logprobs``: per row, as the sampler returned them.
+    ``prompt_logprobs``: the step's prompt-token logprobs (host copies, complete
+    once ``ready`` has fired), None when no request asked for them.
     """
 
     out: SchedulerOutput
@@ -58,6 +61,7 @@ class InflightStep:
     logprobs: list
     ready: torch.cuda.Event | None
     row_of: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def wait_tokens(self) -> list[int]:
         """Block until the sampled tokens are on the host; return them."""

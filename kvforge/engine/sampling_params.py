@@ -14,8 +14,11 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1
     and min_p == 0 disable those filters. ``seed`` makes sampling reproducible
     per request regardless of batch composition. ``logprobs`` = number of top
-    logprobs to return per generated token (None = none). ``stop`` strings are
-    not included in the returned text; ``stop_token_ids`` are extra end ids.
+    logprobs to return per generated token (None = none). ``prompt_logprobs`` =
+    the same for every prompt token (``RequestOutput.prompt_logprobs``; the first
+    prompt token has none); such a request skips the prefix cache for the prompt
+    tokens it has not scored yet. ``stop`` strings are not included in the
+    returned text; ``stop_token_ids`` are extra end ids.
     """
 
     n: int = 1
@@ -29,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -68,6 +72,11 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
         ):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+            or not 0 <= self.prompt_logprobs <= 20
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

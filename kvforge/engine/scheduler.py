@@ -257,7 +257,8 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seq.num_pending:
                     break  # preempted while its token was in flight: admitted after resolve() (next step)
-                cached = bm.lookup_prefix(seq)
+                # A request that still needs prompt logprobs computes its whole prompt (no cache hit).
+                cached = [] if seq.needs_prompt_logprobs else bm.lookup_prefix(seq)
                 num_cached = len(cached) * bm.block_size
                 n = seq.num_tokens - num_cached
                 if n > budget:

@@ -99,6 +99,11 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob: float = 0.0
+        # Prompt logprobs (params.prompt_logprobs): entry i for prompt token i, filled in order as the
+        # prefill computes them; the first token has none. Entries are never rewritten (a recompute
+        # after preemption skips those already there).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if self.params.prompt_logprobs is not None else None)
         # Incremental detokenizer (set by the scheduler when it has a tokenizer).
         self.detokenizer = None
         self._generators: dict[str, torch.Generator] = {}
@@ -139,6 +144,22 @@ class Sequence:
             self.logprobs.append(dict(logprobs) if logprobs is not None else {})
         if logprobs is not None and int(token_id) in logprobs:
             self.cumulative_logprob += float(logprobs[int(token_id)])
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs were asked for and some are not computed yet."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < len(self.prompt_token_ids)
+
+    def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, float]]) -> None:
+        """Record the logprobs of prompt tokens ``first_token ..`` (one dict per token); tokens
+        already recorded (a recompute) are skipped, a gap is an error."""
+        pl = self.prompt_logprobs
+        have = len(pl)
+        if first_token > have:
+            raise RuntimeError(f"{self.request_id}: prompt logprobs from token {first_token}, but only "
+                               f"{have} are recorded")
+        pl.extend(entries[have - first_token:])
 
     # ---- status -------------------------------------------------------------
     @property
@@ -192,6 +213,7 @@ class Sequence:
         child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
         child.logprobs = [dict(d) for d in self.logprobs] if self.logprobs is not None else None
         child.cumulative_logprob = self.cumulative_logprob
+        child.prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
         return child
 
     def to_request_output(self) -> RequestOutput:
@@ -212,7 +234,7 @@ class Sequence:
             self.cumulative_logprob if lps is not None else None,
         )
         return _SnapshotRequestOutput.snapshot(self.request_id, self.prompt, self.prompt_token_ids, [comp], finished,
-                                               self.num_cached_prompt_tokens)
+                                               self.num_cached_prompt_tokens, self.prompt_logprobs)
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,111 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``) against Hugging Face transformers.
+
+A tiny random Llama saved with ``save_pretrained``, float32 on CPU, block size 4.
+The reference is ``log_softmax`` of transformers' logits in float64. Tolerance
+2e-4 absolute on every logprob: float32 logits agree with transformers' within
+1e-4 x max|logit| (tests/test_engine_vs_hf.py; the logits here are below 2 in
+magnitude), and log-softmax shifts them by the same amount at most twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvforge import LLM, SamplingParams  # noqa: E402
+
+VOCAB = 256
+TOL = 2e-4
+CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval().float()
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+def _llm(path, **kw):
+    args = dict(dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
+                kv_cache_memory=1 << 22, progress=False, device="cpu")
+    return LLM(path, **{**args, **kw})
+
+
+def _reference(model, prompt: list[int]) -> torch.Tensor:
+    """float64 log-softmax of transformers' logits: row p scores token p + 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _check(out, prompt, ref, k):
+    pl = out.prompt_logprobs
+    assert pl is not None and len(pl) == len(prompt)
+    assert pl[0] is None
+    for i in range(1, len(prompt)):
+        row = ref[i - 1]
+        entry = pl[i]
+        assert abs(entry[prompt[i]] - row[prompt[i]].item()) <= TOL, (i, entry[prompt[i]], row[prompt[i]].item())
+        assert len(entry) in (k, k + 1)  # the top k, plus the prompt token when it is not among them
+        # The k largest of the entry are the top k (the prompt token, if extra, is not above them).
+        ours = sorted(((v, t) for t, v in entry.items()), reverse=True)[:k]
+        top_vals = row.topk(k).values.tolist() if k else []
+        for (v, t), ref_v in zip(ours, top_vals):
+            assert abs(v - ref_v) <= TOL  # the k-th best value
+            assert abs(row[t].item() - v) <= TOL  # and the id's own reference logprob
+
+
+@pytest.mark.parametrize("chunked,overlapped", [(False, False), (True, False), (True, True)],
+                         ids=["one_prefill", "chunked_prefill", "chunked_prefill_async_scheduling"])
+def test_prompt_logprobs_match_transformers(hf_model, chunked, overlapped):
+    model, path = hf_model
+    # Chunked: 16 tokens a step, so the 41-token prompt is scored over three steps, batched with others.
+    llm = _llm(path, max_num_batched_tokens=16 if chunked else 2048, enable_chunked_prefill=True,
+               async_scheduling=overlapped)
+    assert llm.engine.async_scheduling == overlapped
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (41, 9, 2)]
+    ks = [5, 0, 2]
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=k) for k in ks]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, p, k in zip(outs, prompts, ks):
+        _check(out, p, _reference(model, p), k)
+        assert len(out.outputs[0].token_ids) == 3
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_leave_others_alone(hf_model):
+    model, path = hf_model
+    llm = _llm(path, enable_prefix_caching=True)
+    prompt = list(range(3, 3 + 24))
+    plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)[0]
+    assert first.prompt_logprobs is None
+    # The prompt's blocks are cached now; a request asking for prompt logprobs still scores every token.
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    _check(out, prompt, _reference(model, prompt), 1)
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids
+    again = llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
+
+
+def test_one_token_prompt_has_only_the_leading_none(hf_model):
+    _, path = hf_model
+    llm = _llm(path)
+    out = llm.generate({"prompt_token_ids": [7]}, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
+    assert out.prompt_logprobs == [None]
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    from kvforge.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
