@@ -20,7 +20,7 @@ Every part runs in its own process group with a timeout (killed with its TP work
 so a failure or hang is reported and the next part still runs; the JSON is rewritten after every part.
 Execution order is a, c, d, e, b (DeepSeek last: slowest and newest); the table is printed in a..e order.
 ``--device cpu`` runs every part on tiny dummy configs with gloo (a smoke test of the code paths; CPU
-"graph" steps use the static padded decode inputs without capture, KVFORGE_CPU_STATIC_DECODE=1).
+"graph" steps use the static padded decode inputs without capture, the runners' static_decode_on_cpu).
 ``TP_CHECK_DTYPE=float32`` (or ``--dtype float32``): float32 weights and KV for part a's logits check.
 ``--tiny``: the tiny dummy configs on CUDA too (quick checks of code paths on GPUs, e.g. part f).
 """
@@ -459,9 +459,9 @@ def child_main(o: argparse.Namespace) -> int:
     if o.device == "cpu":
         import torch
 
-        from kvforge.engine.model_runner import STATIC_DECODE_ENV
+        from kvforge.distributed import launcher
 
-        os.environ[STATIC_DECODE_ENV] = "1"  # exercise the graph decision path (workers inherit it)
+        launcher.RUNNER_OPTIONS["static_decode_on_cpu"] = True  # exercise the graph decision path on every rank
         torch.set_num_threads(1)
     s = settings(o)
     part = o.child

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.cli_args import add_plan_args, positive_int
 from kvforge.errors import ConfigError
 
@@ -26,6 +27,9 @@ class EngineArgs:
     CPU it defaults to 1 GiB, on CUDA to free memory x utilization - weights.
     ``kv_scale_multiplier`` multiplies every fp8 KV scale: a diagnostic for
     showing that a wrong scale is detected (eval kld), not a tuning knob.
+    ``mla_prefill_mode``: how MLA layers on CUDA attend steps with a prefill
+    chunk: auto, absorbed, sdpa or expanded
+    (:data:`kvforge.attention.routing.mla.PREFILL_MODES`).
     ``distributed_timeout_s``: with ``tensor_parallel_size`` > 1, the longest
     any collective (and worker startup) may wait before the engine fails with
     a clear error instead of hanging.
@@ -56,6 +60,7 @@ class EngineArgs:
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
     query_dtype: str = "auto"
+    mla_prefill_mode: str = "auto"
     kv_scale_multiplier: float = 1.0
     progress: bool = True
     distributed_timeout_s: float = 300.0
@@ -71,6 +76,9 @@ class EngineArgs:
             raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not self.kv_scale_multiplier > 0:
             raise ConfigError(f"--kv-scale-multiplier must be > 0, got {self.kv_scale_multiplier}")
+        if self.mla_prefill_mode not in PREFILL_MODES:
+            raise ConfigError(f"--mla-prefill-mode must be one of {', '.join(PREFILL_MODES)}, "
+                              f"got {self.mla_prefill_mode!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
@@ -91,6 +99,12 @@ class EngineArgs:
                             help="overlap the host's scheduling and output work with the GPU's step (one step "
                                  "in flight). Default: on for CUDA at TP=1, off on CPU and at TP>1 (where it can be turned on)")
         parser.add_argument("--skip-tokenizer-init", action="store_true")
+        parser.add_argument("--mla-prefill-mode", choices=list(PREFILL_MODES), default="auto",
+                            help="how MLA (DeepSeek) layers on CUDA attend steps with a prefill chunk: auto "
+                                 "(absorbed while every prefilling sequence is at most "
+                                 f"{ABSORBED_PREFILL_MAX_SEQ_LEN} tokens, else sdpa), absorbed (every query "
+                                 "token through the decode kernels), sdpa (latents expanded for torch's fused "
+                                 "attention) or expanded (the float32 reference)")
         parser.add_argument("--kv-scale-multiplier", type=float, default=1.0,
                             help="diagnostic: multiply every fp8 KV scale (e.g. 100 to show a broken scale)")
         parser.add_argument("--no-progress", dest="progress", action="store_false")

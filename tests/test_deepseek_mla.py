@@ -369,11 +369,11 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     assert (expanded - absorbed).abs().max().item() <= 1e-5 * max(1.0, expanded.abs().max().item())
 
 
-def test_prefill_mode_auto_absorbs_short_prefills_only(monkeypatch):
-    """KVFORGE_MLA_PREFILL: "auto" runs a step absorbed while every sequence with a prefill chunk is at most
-    ABSORBED_PREFILL_MAX_SEQ_LEN tokens long (prefix included), else through SDPA; decode rows do not
-    count; the forced modes ignore lengths; a bad value is refused."""
+def test_prefill_mode_reads_the_step_metadata():
+    """The Triton MLA backend's prefill path for a step: the routing table's rule (tests/test_routing_tables.py)
+    on the metadata's query and sequence lengths; a bad engine argument fails before any weight is read."""
     import kvforge.attention.triton_mla as triton_mla
+    from kvforge.errors import ConfigError
 
     bound = triton_mla.ABSORBED_PREFILL_MAX_SEQ_LEN
 
@@ -387,19 +387,14 @@ def test_prefill_mode_auto_absorbs_short_prefills_only(monkeypatch):
                                  max(q for q, _ in rows), max(lens), 16, host_query_start_loc=tuple(qsl),
                                  host_seq_lens=tuple(lens))
 
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "auto")
-    assert triton_mla.prefill_path(step((8, bound))) == "absorbed"
-    assert triton_mla.prefill_path(step((8, bound + 1))) == "sdpa"
-    assert triton_mla.prefill_path(step((8, 100), (1, 5 * bound))) == "absorbed"  # a long decode row does not count
-    assert triton_mla.prefill_path(step((1, 10), (2, bound + 1))) == "sdpa"
+    assert triton_mla.prefill_path(step((8, bound)), "auto") == "absorbed"
+    assert triton_mla.prefill_path(step((8, bound + 1)), "auto") == "sdpa"
+    assert triton_mla.prefill_path(step((8, 100), (1, 5 * bound)), "auto") == "absorbed"  # decode rows do not count
+    assert triton_mla.prefill_path(step((1, 10), (2, bound + 1)), "auto") == "sdpa"
     for forced in ("absorbed", "expanded", "sdpa"):
-        monkeypatch.setattr(triton_mla, "PREFILL_MODE", forced)
-        assert triton_mla.prefill_path(step((8, bound + 1))) == forced
-        assert triton_mla.prefill_path(step((8, 16))) == forced
-    assert triton_mla.parse_prefill_mode(" Absorbed ") == "absorbed"
-    assert triton_mla.parse_prefill_mode("SDPA") == "sdpa"
-    with pytest.raises(ValueError, match="choose one of auto, expanded, absorbed, sdpa"):
-        triton_mla.parse_prefill_mode("sometimes")
+        assert triton_mla.prefill_path(step((8, bound + 1)), forced) == forced
+    with pytest.raises(ConfigError, match="--mla-prefill-mode must be one of auto, expanded, absorbed, sdpa"):
+        LLM(None, mla_prefill_mode="sometimes", device="cpu", progress=False)
 
 
 def test_backend_implementations_load_before_the_weights(tmp_path, monkeypatch):

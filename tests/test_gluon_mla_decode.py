@@ -20,7 +20,9 @@ from test_triton_mla import _batch
 from triton_kernel_device import GLUON_GPU_ONLY
 
 from kvforge.attention import mla_reference as ref
+from kvforge.attention.routing import mla as mla_routing
 from kvforge.kernels import gluon_mla_decode as gm
+from kvforge.kernels import gluon_mla_decode_ws as gm_ws
 from kvforge.kernels import triton_mla_decode as tmd
 from kvforge.kernels.gluon_support import GLUON_ENABLED
 
@@ -42,45 +44,6 @@ def _check(q_latent, q_rope, cache, meta, scale, **kw):
 
 BF16, FP16, F32 = torch.bfloat16, torch.float16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-@pytest.mark.parametrize(
-    "heads,q,cache,query_dtype,r,p,want",
-    [
-        (16, BF16, BF16, None, 512, 64, True),
-        (16, BF16, E4M3, None, 512, 64, True),
-        (8, FP16, E5M2, None, 512, 64, True),
-        (128, BF16, E4M3, None, 512, 64, True),
-        (1, FP16, FP16, None, 512, 64, True),
-        (129, BF16, BF16, None, 512, 64, False),  # above MAX_ROUTED_HEADS
-        (128, BF16, E4M3, "fp8_e4m3", 512, 64, False),  # an fp8 query above 16 heads: the tl.dot kernel's fp8 dot
-        (17, BF16, E4M3, "fp8_e4m3", 512, 64, False),
-        (16, BF16, E4M3, "fp8_e4m3", 512, 64, True),  # the e4m3 query up to 16 heads (mla_decode_wgmma decides)
-        (1, FP16, E4M3, "fp8_e4m3", 512, 64, True),
-        (16, BF16, E5M2, "fp8_e4m3", 512, 64, False),  # only over an e4m3 cache
-        (16, F32, E4M3, "fp8_e4m3", 512, 64, False),
-        (16, BF16, E4M3, "fp8_e4m3", 32, 16, False),  # other latent sizes
-        (16, F32, F32, None, 512, 64, False),  # float32 models: IEEE dots in the tl.dot kernel
-        (16, BF16, F32, None, 512, 64, False),  # a wider cache is never rounded to the query's precision
-        (16, BF16, FP16, None, 512, 64, False),  # mixed 16-bit dtypes
-        (16, BF16, BF16, None, 32, 8, False),  # other latent sizes (the tiny test models)
-        (16, BF16, BF16, None, 512, 32, False),
-    ],
-)
-def test_routing_rule_and_supports_agree(monkeypatch, heads, q, cache, query_dtype, r, p, want):
-    """``routes`` (what CUDA graphs pin splits by) and ``supports`` / ``use_wgmma`` (what ``mla_decode``
-    launches) give the same answer once the Gluon gate is open, and nothing launches with it closed."""
-    from kvforge.kernels import triton_mla_decode as tm
-
-    assert gm.routes(heads, q, cache, query_dtype, r, p) is want
-    q_latent = torch.zeros(2, heads, r, dtype=q)
-    cache_t = torch.zeros(1, 16, r + p, dtype=cache)
-    monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
-    assert gm.supports(q_latent, cache_t, query_dtype) is want
-    assert bool(tm.use_wgmma(q_latent, cache_t, query_dtype, None)) is want
-    assert not tm.use_wgmma(q_latent, cache_t, query_dtype, {"wgmma": False})
-    monkeypatch.setattr(gm, "gluon_runs_on", lambda t: False)
-    assert not tm.use_wgmma(q_latent, cache_t, query_dtype, None)
 
 
 def test_unknown_config_keys_are_refused(monkeypatch):
@@ -118,31 +81,38 @@ def test_eight_warps_only_on_the_fp8_register_path_at_32_heads(monkeypatch):
         gm.mla_decode_wgmma(q32, q32[..., :64], fp8, None, torch.ones(1), 0.1, cfg={"num_warps": 4})
     assert [gm.default_num_warps(True, nh) for nh in (8, 16, 32)] == [4, 4, 8]
     assert gm.default_num_warps(False, 32) == 4
-    assert [gm.programs_per_sm(True, nh) for nh in (8, 16, 32)] == [2, 2, 1]
+    assert [mla_routing.wgmma_programs_per_sm(True, nh) for nh in (8, 16, 32)] == [2, 2, 1]
 
 
-def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
-    """CUDA graphs pin ``pinned_num_splits``; the launcher must pick the same count by default for every
-    cache kind, head count and batch (the per-SM program count differs by fp8 path and warps, and fp8 at up
-    to 16 heads with >= 4096 tokens a CTA runs the warp-specialized kernel). The kernel launches are replaced by
-    recorders, so this runs on CPU."""
+def test_launches_equal_the_cuda_graph_pinning(monkeypatch):
+    """CUDA graphs pin the routing table's first candidate's split count; the engine entry must launch that
+    count by default for every cache kind, head count and batch, on the kernel the table named (the
+    warp-specialized one for fp8 at up to 16 heads with >= 4096 tokens a CTA). Kernel launches are replaced
+    by recorders, so this runs on CPU."""
     from kvforge.attention.metadata import AttentionMetadata
+    from kvforge.attention.routing.platform import Device
 
     seen = {}
 
     class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: seen.update(grid=grid, **kw)
+        def __init__(self, name):
+            self.name = name
 
-    monkeypatch.setattr(gm, "_wgmma_mla_decode_kernel", Recorder(), raising=False)  # absent without Gluon
-    monkeypatch.setattr(gm.gluon_mla_decode_ws, "_ws_mla_decode_kernel", Recorder(), raising=False)
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.update(kernel=self.name, grid=grid, **kw)
+
+    monkeypatch.setattr(gm, "_wgmma_mla_decode_kernel", Recorder("wgmma"), raising=False)  # absent without Gluon
+    monkeypatch.setattr(gm_ws, "_ws_mla_decode_kernel", Recorder("ws"), raising=False)
     monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
     monkeypatch.setattr(gm, "merge_split_partials", lambda *a: None)
-    monkeypatch.setattr(gm.gluon_mla_decode_ws, "merge_split_partials", lambda *a: None)
+    monkeypatch.setattr(gm_ws, "merge_split_partials", lambda *a: None)
     for sms in (132, 78):  # H200/H100 SXM, and a smaller part
-        monkeypatch.setattr(gm, "_num_sms", lambda d, n=sms: n)
+        device = Device(num_sms=sms, gluon=True)
+        monkeypatch.setattr(tmd, "routing_device", lambda t, d=device: d)
+        monkeypatch.setattr(gm, "num_sms", lambda d, n=sms: n)
         ws_seen = 0
         for cache_dtype in (BF16, E4M3, E5M2):
+            kv = {BF16: "bfloat16", E4M3: "fp8_e4m3", E5M2: "fp8_e5m2"}[cache_dtype]
             for heads in (1, 8, 16, 17, 32, 64, 128):
                 for batch in (1, 3, 8, 32, 128):
                     for max_len in (300, 4096, 65536):
@@ -151,19 +121,20 @@ def test_launcher_splits_equal_the_cuda_graph_pinning(monkeypatch):
                                                  torch.ones(batch, dtype=torch.int32),
                                                  torch.zeros(batch, 1, dtype=torch.int32),
                                                  torch.zeros(batch, dtype=torch.int64), 1, max_len, 16)  # fmt: skip
-                        fp8 = cache_dtype != BF16
                         queries = [None] + (["fp8_e4m3"] if cache_dtype == E4M3 and heads <= 16 else [])
                         for query_dtype in queries:  # the plan's e4m3 query pins the same split count
-                            gm.mla_decode_wgmma(q, q[..., :64], torch.zeros(1, 16, 576, dtype=cache_dtype), meta,
-                                                torch.ones(1), 0.1, query_dtype=query_dtype)  # fmt: skip
-                            pinned = gm.pinned_num_splits(batch, heads, max_len, sms, fp8)
+                            tmd.mla_decode(q, q[..., :64], torch.zeros(1, 16, 576, dtype=cache_dtype), meta,
+                                           torch.ones(1), 0.1, query_dtype=query_dtype)  # fmt: skip
+                            pinned = mla_routing.pinned_splits(batch, heads, 512, 64, max_len, "bfloat16", kv,
+                                                               query_dtype, device)  # fmt: skip
                             assert seen["grid"][2] == pinned, (sms, cache_dtype, heads, batch, max_len, seen["grid"])
-                            if gm.gluon_mla_decode_ws.routes(fp8, heads, batch, max_len, sms):
+                            if mla_routing.ws_takes(cache_dtype != BF16, heads, batch, max_len, sms):
+                                assert seen["kernel"] == "ws"
                                 assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
                                 assert seen["FP8_SCORE"] == (query_dtype is not None)
-                                ws_seen += 1  # the warp-specialized kernel
+                                ws_seen += 1
                             else:
-                                assert seen["TILE"] == 16 * seen["num_warps"]
+                                assert seen["kernel"] == "wgmma" and seen["TILE"] == 16 * seen["num_warps"]
                             seen.clear()
         # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: >= 4096 a CTA),
         # and the same e4m3 cases again with the e4m3 query
@@ -236,35 +207,9 @@ def test_lazy_rescale_model_equals_softmax(tile):
 
 def test_heads_per_program_is_a_valid_wgmma_n():
     for h in range(1, 129):
-        nh = gm.heads_per_program(h)
-        assert nh % 8 == 0 and 8 <= nh <= gm.MAX_HEADS_PER_PROGRAM
-        assert nh >= min(h, gm.MAX_HEADS_PER_PROGRAM)
-
-
-def test_split_rule_hand_counts():
-    # 132 SMs, one CTA each: 8 sequences x 1 head block -> floor(132 / 8) = 16 splits (128 programs)
-    assert gm.num_splits_for(8, 65536, 132) == 16
-    # 32 sequences -> floor(132 / 32) = 4 (128 programs; rounding up to 5 would start a second wave of 28)
-    assert gm.num_splits_for(32, 65536, 132) == 4
-    # a 1000-token context allows 1000 // 256 = 3 splits; batch 1 at 64k: one split per SM (132), or per
-    # program slot with two programs per SM (264, capped at MAX_SPLITS = 256 = 65536 // 256 tokens)
-    assert gm.num_splits_for(1, 1000, 132) == 3
-    assert gm.num_splits_for(1, 65536, 132) == 132
-    assert gm.num_splits_for(1, 65536, 132, programs_per_sm=2) == 256 == gm.MAX_SPLITS
-    assert gm.num_splits_for(1, 1 << 20, 132, programs_per_sm=2) == 256
-    # the programs already fill the GPU: no split
-    assert gm.num_splits_for(128, 65536, 132) == 1
-    assert gm.num_splits_for(512, 65536, 132) == 1
-    # 128 heads: 4 head blocks of 32 per sequence (fp8 register path with 8 warps at 32 heads: 1 per SM)
-    assert gm.pinned_num_splits(8, 128, 65536, 132, is_fp8=True) == 132 // 32
-    # 16 heads, fp8, 8 sequences at 64k: the warp-specialized kernel, one CTA per SM -> floor(132 / 8) = 16;
-    # at 8k (512 tokens a CTA there): rows staged through registers, 2 programs per SM -> floor(264 / 8) = 33
-    assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=True) == 16
-    assert gm.pinned_num_splits(8, 16, 8192, 132, is_fp8=True) == min(33, 8192 // 256)
-    assert gm.pinned_num_splits(8, 16, 65536, 132, is_fp8=False) == 16
-    # batch 1 at 64k: fp8 pins MAX_SPLITS (two programs per SM), bf16 one split per SM
-    assert gm.pinned_num_splits(1, 16, 65536, 132, is_fp8=True) == 256
-    assert gm.pinned_num_splits(1, 16, 65536, 132, is_fp8=False) == 132
+        nh = mla_routing.wgmma_heads_per_program(h)
+        assert nh % 8 == 0 and 8 <= nh <= 32
+        assert nh >= min(h, 32)
 
 
 @needs_gluon
@@ -274,7 +219,8 @@ def test_split_rule_hand_counts():
 @pytest.mark.parametrize("batch", [1, 33])
 def test_gpu_only_matches_fp32_reference(kv, heads, batch):
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
-    assert gm.supports(q_latent, cache, None)
+    shape = mla_routing.MLAShape(batch, heads, 512, 64, meta.max_seq_len, "bfloat16", kv)
+    assert mla_routing.wgmma_accepts(shape, None)
     err = _check(q_latent, q_rope, cache, meta, scale)
     assert err <= BOUND, (kv, heads, batch, err)
 
@@ -342,13 +288,13 @@ def test_gpu_only_eight_warps_128_token_tiles(kv, heads, batch):
     float32 reference; 17 heads pads a 32-head program; forced splits and block sizes 1 and 64 on the long
     sequences."""
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=16, seed=heads + batch + 7)
-    assert gm.default_num_warps(True, gm.heads_per_program(heads)) == 8
+    assert gm.default_num_warps(True, mla_routing.wgmma_heads_per_program(heads)) == 8
     err = _check(q_latent, q_rope, cache, meta, scale)
     assert err <= BOUND, (kv, heads, batch, err)
     if batch > 1 and heads == 32:
         for bs in (1, 64):
             cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=bs, seed=bs)
-            for splits in (1, 7, gm.MAX_SPLITS):
+            for splits in (1, 7, mla_routing.WGMMA.splits.max_splits):
                 err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits)
                 assert err <= BOUND, (kv, bs, splits, err)
                 err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits, cfg={"lazy_rescale": False})
@@ -372,7 +318,7 @@ def test_gpu_only_tokens_past_the_last_sequence_are_untouched():
 def test_gpu_only_forced_splits_and_block_sizes(kv):
     for bs in (1, 16, 64):
         cache, meta, q_latent, q_rope, scale = _batch(6, kv, 16, "cuda", block_size=bs, seed=bs)
-        for splits in (1, 2, 7, 32, gm.MAX_SPLITS):  # MAX_SPLITS: most splits empty (lengths <= 3000)
+        for splits in (1, 2, 7, 32, mla_routing.WGMMA.splits.max_splits):  # the most: most empty (lengths <= 3000)
             err = _check(q_latent, q_rope, cache, meta, scale, num_splits=splits)
             assert err <= BOUND, (kv, bs, splits, err)
 
@@ -411,13 +357,14 @@ def test_gpu_only_fp16_query_over_fp16_cache_and_empty_query_sequences():
 def test_gpu_only_cuda_graph_replay_with_new_lengths_and_tables(kv):
     """What the engine's decode graphs do: capture once with the pinned split count, then change the
     sequence lengths and block tables in place and replay; every replay matches the reference."""
-    from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
+    from kvforge.attention.routing.platform import Device
+    from kvforge.kernels.triton_mla_decode import mla_decode
 
     heads, batch = 16, 8
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=16, seed=3)
     max_len = int(meta.block_tables.shape[1]) * 16
-    splits = pinned_num_splits(batch, heads, max_len, torch.cuda.get_device_properties(0).multi_processor_count,
-                               wgmma=True, is_fp8=kv.startswith("fp8"))
+    device = Device(torch.cuda.get_device_properties(0).multi_processor_count, gluon=True)
+    splits = mla_routing.pinned_splits(batch, heads, 512, 64, max_len, "bfloat16", kv, None, device)
     out = torch.full_like(q_latent, float("nan"))
     seq_lens = meta.seq_lens.clone()
     tables = meta.block_tables.clone()
@@ -462,15 +409,18 @@ def test_e4m3_query_out_of_resources_retries_the_exact_query_on_the_wgmma_kernel
             raise OutOfResources(1, 0, "shared memory")
         return out
 
+    from kvforge.attention.routing.platform import Device
+
     monkeypatch.setattr(tmd, "_WGMMA_OUT_OF_RESOURCES", set())
-    monkeypatch.setattr(tmd.gluon_mla_decode, "gluon_runs_on", lambda t: True)
+    monkeypatch.setattr(tmd, "routing_device", lambda t: Device(132, gluon=True))
     monkeypatch.setattr(tmd.gluon_mla_decode, "mla_decode_wgmma", wgmma)
     q = torch.zeros(2, heads, 512, dtype=BF16)
     meta = AttentionMetadata(torch.arange(3, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
                              torch.zeros(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 1, 1, 16)
     cache = torch.zeros(1, 16, 576, dtype=E4M3)
     if not want:  # above 16 heads the e4m3 query is the tl.dot kernel's (not run here)
-        assert not tmd.use_wgmma(q, cache, "fp8_e4m3", None)
+        shape = mla_routing.MLAShape(2, heads, 512, 64, 1, "bfloat16", "fp8_e4m3", "fp8_e4m3")
+        assert [c.kernel for c in mla_routing.decode_candidates(shape, Device(132, gluon=True))] == ["tl_dot_mla"]
         return
     out = tmd.mla_decode(q, q[..., :64], cache, meta, torch.ones(1), 0.1, query_dtype="fp8_e4m3")
     assert calls == want and out.shape == q.shape

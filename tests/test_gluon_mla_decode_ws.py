@@ -1,5 +1,5 @@
-"""The warp-specialized fp8 MLA decode (kvforge/kernels/gluon_mla_decode_ws.py): routing and split rules on
-CPU (hand counts); on an sm_90 GPU, its output against the float32 reference over the dequantized cache
+"""The warp-specialized fp8 MLA decode (kvforge/kernels/gluon_mla_decode_ws.py; its routing and split rules
+are tested in tests/test_routing_tables.py): on an sm_90 GPU, its output against the float32 reference over the dequantized cache
 (bound 2**-6 of max|ref|, as for the wgmma kernel) for e4m3/e5m2, 1-16 heads (8- and 16-head programs), block sizes 1/16/64, forced
 and default splits, peaked scores (lazy and eager rescaling), sequences with no new token, and CUDA-graph
 replay through the engine's entry point with the pinned split count."""
@@ -12,7 +12,7 @@ from test_triton_mla import _batch
 from triton_kernel_device import GLUON_GPU_ONLY
 
 from kvforge.attention import mla_reference as ref
-from kvforge.kernels import gluon_mla_decode as gm
+from kvforge.attention.routing import mla as mla_routing
 from kvforge.kernels import gluon_mla_decode_ws as ws
 from kvforge.kernels.gluon_support import GLUON_ENABLED
 
@@ -24,31 +24,9 @@ BOUND = 2.0 ** -6
 SCALE = 192 ** -0.5
 
 
-def test_routing_rule():
-    """At least MIN_TOKENS_PER_SPLIT tokens a CTA (132 SMs): batch 8 needs 16 splits, so 64k; batch 32 (4
-    splits) 16k; batch 128 (1 split) 4k; batch 1 (at most 128 splits) 512k."""
-    assert ws.routes(True, 8, 8, 65536, 132) and not ws.routes(True, 8, 8, 32768, 132)
-    assert ws.routes(True, 16, 32, 16384, 132) and not ws.routes(True, 16, 16, 16384, 132)
-    assert ws.routes(True, 1, 128, 4096, 132) and not ws.routes(True, 8, 32, 4096, 132)
-    assert not ws.routes(True, 8, 1, 65536, 132) and ws.routes(True, 8, 1, 1 << 19, 132)
-    assert ws.routes(True, 16, 32, 65536, 132) and not ws.routes(True, 17, 32, 65536, 132)
-    assert not ws.routes(False, 8, 32, 65536, 132)  # 16-bit caches stay on the wgmma kernel
-    assert [ws.heads_per_program(h) for h in (1, 8, 9, 16)] == [8, 8, 16, 16]
-
-
-def test_split_rule_hand_counts():
-    assert ws.num_splits_for(8, 8, 65536, 132) == 16  # 132 // 8 CTAs per sequence
-    assert ws.num_splits_for(128, 8, 65536, 132) == 1
-    assert ws.num_splits_for(32, 5, 4096, 132) == 4  # one head block; 4096 // 512 = 8 allows 4
-    assert ws.num_splits_for(8, 8, 300, 132) == 1  # under MIN_SPLIT_TOKENS
-    assert ws.num_splits_for(1, 8, 1 << 20, 132) == ws.MAX_SPLITS
-    assert ws.num_splits_for(8, 16, 65536, 132) == 16  # one 16-head program per sequence
-    assert ws.num_splits_for(8, 16, 65536, 132, nh=8) == 8  # two head blocks
-
-
 def _ws(q_latent, q_rope, cache, meta, scale, splits=None, fp8_query=False, **cfg):
-    splits = splits or ws.num_splits_for(meta.num_seqs, q_latent.shape[1], meta.max_seq_len,
-                                         torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
+    splits = splits or mla_routing.ws_splits(meta.num_seqs, q_latent.shape[1], meta.max_seq_len,
+                                             torch.cuda.get_device_properties(0).multi_processor_count)  # fmt: skip
     out = torch.full_like(q_latent, float("nan"))
     got = ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, SCALE, num_splits=splits, out=out, cfg=cfg,
                            fp8_query=fp8_query)  # fmt: skip
@@ -67,12 +45,14 @@ def _err(got, q_latent, q_rope, cache, meta, scale):
 @pytest.mark.parametrize("heads", [1, 5, 8, 12, 16])
 @pytest.mark.parametrize("batch", [8, 33])
 def test_gpu_only_engine_entry_routes_here_and_matches_fp32_reference(kv, heads, batch, monkeypatch):
+    from kvforge.kernels.triton_mla_decode import mla_decode
+
     cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", block_size=64, seed=heads + batch)
-    monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
+    monkeypatch.setattr(mla_routing, "WS_MIN_TOKENS_PER_CTA", 0)  # the test lengths are <= 3000
     calls = []
     real = ws.mla_decode_ws
     monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = gm.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, SCALE)
+    got = mla_decode(q_latent, q_rope, cache, meta, scale, SCALE)
     assert calls == [1]
     assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND
 
@@ -89,7 +69,7 @@ def test_gpu_only_engine_fp8_query_runs_the_fp8_score_product_only_where_ws_rout
 
     cache, meta, q_latent, q_rope, scale = _batch(33, "fp8_e4m3", heads, "cuda", block_size=64, seed=heads)
     if long_enough:
-        monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
+        monkeypatch.setattr(mla_routing, "WS_MIN_TOKENS_PER_CTA", 0)  # the test lengths are <= 3000
     calls = []
     real = ws.mla_decode_ws
     monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(k["fp8_query"]) or real(*a, **k))
@@ -108,7 +88,7 @@ def test_gpu_only_forced_splits_and_block_sizes(kv, block_size, heads):
     """Lengths 1-3000 with 1-128 splits: empty consumers (one tile, or none) and tile boundaries inside pages
     and pages inside tiles; batch 6, called directly; 8 and 16 heads per program."""
     cache, meta, q_latent, q_rope, scale = _batch(6, kv, heads, "cuda", block_size=block_size, seed=block_size)
-    for splits in (1, 2, 7, 32, ws.MAX_SPLITS):
+    for splits in (1, 2, 7, 32, mla_routing.WS.splits.max_splits):
         got = _ws(q_latent, q_rope, cache, meta, scale, splits)
         assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND, (kv, block_size, splits)
 
@@ -121,8 +101,8 @@ def test_gpu_only_ring_depths_and_head_blocks(cfg):
     per sequence at 16 heads (the head-block grid axis and partial index)."""
     cache, meta, q_latent, q_rope, scale = _batch(8, "fp8_e4m3", 16, "cuda", block_size=16, seed=9)
     nh = cfg.get("nh")
-    splits = ws.num_splits_for(8, 16, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count,
-                               nh)  # fmt: skip
+    splits = mla_routing.ws_splits(8, 16, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count,
+                                   nh)  # fmt: skip
     for forced in (splits, 1, 7):
         got = _ws(q_latent, q_rope, cache, meta, scale, forced, **cfg)
         assert _err(got, q_latent, q_rope, cache, meta, scale) <= BOUND, (cfg, forced)
@@ -143,7 +123,7 @@ def test_gpu_only_fp8_score_product(kv, block_size, heads):
         return ref.round_query_e4m3(ql.float(), qr.float())
 
     errs, errs_q = [], []
-    for splits in (None, 1, 7, ws.MAX_SPLITS):
+    for splits in (None, 1, 7, mla_routing.WS.splits.max_splits):
         got = _ws(q_latent, q_rope, cache, meta, scale, splits, fp8_query=True)
         errs.append(_err(got, q_latent, q_rope, cache, meta, scale))
         errs_q.append(_err(got, *quantized(q_latent, q_rope), cache, meta, scale))
@@ -189,7 +169,7 @@ def test_gpu_only_empty_query_sequences_and_tokens_past_the_last_sequence():
     ql = torch.cat([q_latent[:8], q_latent[:2]])
     qr = torch.cat([q_rope[:8], q_rope[:2]])
     out = torch.full_like(ql, float("nan"))
-    splits = ws.num_splits_for(9, 8, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count)
+    splits = mla_routing.ws_splits(9, 8, meta.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count)
     ws.mla_decode_ws(ql, qr, cache, meta2, scale, SCALE, num_splits=splits, out=out)
     assert torch.isfinite(out[:8]).all() and torch.isnan(out[8:]).all()
     want = ref.mla_decode(ql[:8].float(), qr[:8].float(), cache, meta2, scale, SCALE)
@@ -203,9 +183,10 @@ def test_gpu_only_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch, que
     """The engine's decode graphs: capture ``triton_mla_decode.mla_decode`` once with the pinned split count
     (this kernel's rule: fp8, 8 heads, 8 sequences), change lengths and block tables in place, replay; with
     the plan's bf16 and e4m3 query."""
-    from kvforge.kernels.triton_mla_decode import mla_decode, pinned_num_splits
+    from kvforge.attention.routing.platform import Device
+    from kvforge.kernels.triton_mla_decode import mla_decode
 
-    monkeypatch.setattr(ws, "MIN_TOKENS_PER_SPLIT", 0)  # the test lengths are <= 3000
+    monkeypatch.setattr(mla_routing, "WS_MIN_TOKENS_PER_CTA", 0)  # the test lengths are <= 3000
     calls = []
     real = ws.mla_decode_ws
     monkeypatch.setattr(ws, "mla_decode_ws", lambda *a, **k: calls.append(k["fp8_query"]) or real(*a, **k))
@@ -214,8 +195,9 @@ def test_gpu_only_cuda_graph_replay_with_new_lengths_and_tables(monkeypatch, que
     cache, meta, q_latent, q_rope, scale = _batch(batch, "fp8_e4m3", heads, "cuda", block_size=16, seed=3)
     max_len = int(meta.block_tables.shape[1]) * 16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = pinned_num_splits(batch, heads, max_len, sms, wgmma=True, is_fp8=True)
-    assert splits == ws.num_splits_for(batch, heads, max_len, sms)
+    splits = mla_routing.pinned_splits(batch, heads, 512, 64, max_len, "bfloat16", "fp8_e4m3", query_dtype,
+                                       Device(sms, gluon=True))  # fmt: skip
+    assert splits == mla_routing.ws_splits(batch, heads, max_len, sms)
     out = torch.full_like(q_latent, float("nan"))
     seq_lens, tables = meta.seq_lens.clone(), meta.block_tables.clone()
     graph_meta = type(meta)(meta.query_start_loc, seq_lens, tables, meta.slot_mapping, 1, max_len, 16)

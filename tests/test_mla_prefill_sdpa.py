@@ -165,21 +165,19 @@ def test_gpu_sdpa_prefill_long_chunk(monkeypatch, dtype, prefix, grouped):
 
 
 def test_triton_mla_sends_prefill_steps_here_in_sdpa_mode(monkeypatch):
-    """``KVFORGE_MLA_PREFILL=sdpa``, and "auto" over its bound: the Triton MLA backend's prefill steps go
+    """``mla_prefill_mode="sdpa"``, and "auto" over its bound: the Triton MLA backend's prefill steps go
     through mla_prefill_sdpa ("expanded" keeps the reference). Prefill steps never reach a Triton kernel, so this runs on CPU."""
     import kvforge.attention.triton_mla as triton_mla
+    from kvforge.attention.routing import mla as mla_routing
 
     cache, meta, q_nope, q_rope, w_uk, w_uv, _ = _step(torch.float32, 1.0, 16)
     calls = []
     monkeypatch.setattr(triton_mla, "mla_prefill_sdpa", lambda *a: calls.append("sdpa") or mla_prefill_sdpa(*a))
     monkeypatch.setattr(triton_mla, "mla_prefill", lambda *a: calls.append("reference") or mla_prefill(*a))
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "sdpa")
-    got = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "expanded")
-    want = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", "auto")  # every prefilling sequence is over the bound
-    monkeypatch.setattr(triton_mla, "ABSORBED_PREFILL_MAX_SEQ_LEN", 0)
-    auto = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
+    got = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv, prefill_mode="sdpa")
+    want = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv, prefill_mode="expanded")
+    monkeypatch.setattr(mla_routing, "ABSORBED_PREFILL_MAX_SEQ_LEN", 0)  # every prefilling sequence is over it
+    auto = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv, prefill_mode="auto")
     assert calls == ["sdpa", "reference", "sdpa"]
     assert torch.equal(auto, got)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.routing.platform import Device
 from kvforge.kernels import (
     gluon_fp8_decode,
     gluon_mla_decode,
@@ -86,10 +87,11 @@ def _patch_launches(monkeypatch, log: list, *, gluon: bool, sms: int) -> None:
     ]
     for module, name in kernels:
         monkeypatch.setattr(module, name, _Recorder(name, log), raising=False)
-    for module in (gluon_fp8_decode, gluon_mla_decode):
-        monkeypatch.setattr(module, "gluon_runs_on", lambda t, g=gluon: g)
-    for module in (triton_paged_attention, triton_mla_decode, gluon_mla_decode):
-        monkeypatch.setattr(module, "_num_sms", lambda d, n=sms: n)
+    for module in (triton_paged_attention, triton_mla_decode):
+        monkeypatch.setattr(module, "routing_device", lambda t: Device(num_sms=sms, gluon=gluon))
+    monkeypatch.setattr(gluon_mla_decode, "gluon_runs_on", lambda t: gluon)  # the wgmma launcher's scope check
+    for module in (triton_mla_decode, gluon_mla_decode):
+        monkeypatch.setattr(module, "num_sms", lambda d: sms)
     monkeypatch.setattr(triton_mla_decode, "_SHRUNK_CONFIGS", {})
     monkeypatch.setattr(triton_mla_decode, "_WGMMA_OUT_OF_RESOURCES", set())
 
@@ -226,27 +228,19 @@ def graph_cases() -> list[dict]:
 
 
 def observe_graph(case: dict, monkeypatch) -> dict:
-    """The split count per capture size that ``DecodeGraphs`` pins for a plan of identical layers."""
-    from kvforge.engine import cuda_graphs
-    from kvforge.kernels import gluon_support
+    """The split count per capture size that the layers' backend pins for a plan of identical layers."""
+    from kvforge.attention.backends.base import BackendOptions, backend_class
+    from kvforge.planner.registry import builtin_backends
 
     backend = "triton_mla" if case["kind"] == "mla" else "triton_paged"
     layer = types.SimpleNamespace(kind=case["kind"], backend=backend, kv_dtype=case["kv"], head_size=case["head"],
                                   heads_per_rank=case["heads"], kv_heads_per_rank=case["kv_heads"],
                                   query_dtype=case["query"])
-    plan = types.SimpleNamespace(layers=[layer, layer], model_dtype=case["model"], max_model_len=case["max_len"])
-    monkeypatch.setattr(gluon_support, "GLUON_ENABLED", case["gluon"])
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    fake = types.SimpleNamespace(device=torch.device("cuda"))
-    sms, sizes = case["sms"], case["sizes"]
-    if case["kind"] == "mla":
-        wgmma = cuda_graphs.DecodeGraphs._gluon_mla_decode(fake, plan, case["latent"])
-        fp8 = case["kv"].startswith("fp8")
-        return {b: triton_mla_decode.pinned_num_splits(b, case["heads"], case["max_len"], sms, wgmma=wgmma,
-                                                       is_fp8=fp8) for b in sizes}
-    if cuda_graphs.DecodeGraphs._gluon_fp8_decode(fake, plan):
-        return {b: gluon_fp8_decode.pinned_num_splits(b, case["kv_heads"], case["max_len"], sms) for b in sizes}
-    return {b: cuda_graphs.fixed_num_splits(b, case["kv_heads"], sms, case["max_len"]) for b in sizes}
+    options = BackendOptions(softmax_scale=0.1, model_dtype=case["model"],
+                             device=Device(num_sms=case["sms"], gluon=case["gluon"]), latent_dim=case["latent"])
+    declaration = {d.name: d for d in builtin_backends()}[backend]
+    obj = backend_class(declaration)(options)
+    return {b: obj.graph_num_splits([layer, layer], b, case["max_len"]) for b in case["sizes"]}
 
 
 SUITES = {"paged": (paged_cases, observe_paged), "mla": (mla_cases, observe_mla),

@@ -198,15 +198,15 @@ def test_tp_architecture_check():
 
 
 def test_tp2_static_decode_path_follows_rank0(tmp_path, engines, monkeypatch):
-    """The CUDA-graph decode path at TP=2, exercised on CPU: with KVFORGE_CPU_STATIC_DECODE=1 every rank
+    """The CUDA-graph decode path at TP=2, exercised on CPU: with ``static_decode_on_cpu`` every rank's runner
     runs decode steps through DecodeGraphs' static, padded inputs (no capture on CPU). Rank 0 decides graph
     or eager per step and the workers follow (their counters match rank 0's); tokens equal TP=1 eager."""
-    from kvforge.engine.model_runner import STATIC_DECODE_ENV
+    from kvforge.distributed import launcher
 
     cfg = _save(tmp_path, "llama_split")
     prompts = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)[1:]]  # 3 sequences: padded to 4
     want = [o.outputs[0].token_ids for o in engines(tmp_path).generate(prompts, GREEDY, use_tqdm=False)]
-    monkeypatch.setenv(STATIC_DECODE_ENV, "1")  # inherited by the worker process
+    monkeypatch.setattr(launcher, "RUNNER_OPTIONS", {"static_decode_on_cpu": True})  # sent to every rank
     tp2 = engines(tmp_path, tensor_parallel_size=2)
     assert [r["graph_sizes"] for r in tp2.engine.tp.reports] == [tp2.engine.runner.graphs.sizes] * 2
     got = [o.outputs[0].token_ids for o in tp2.generate(prompts, GREEDY, use_tqdm=False)]
@@ -228,7 +228,7 @@ def test_tp2_async_scheduling_matches_tp1(tmp_path, engines, monkeypatch, static
     """--async-scheduling at TP=2: rank 0 broadcasts each step's sampled tokens after sampling and the worker
     gathers its next in-flight input ids from them (also into the graph path's static buffers). Greedy
     tokens (batched, chunked prefill, shared prefixes) and a stop token equal the synchronous TP=1 engine."""
-    from kvforge.engine.model_runner import STATIC_DECODE_ENV
+    from kvforge.distributed import launcher
 
     cfg = _save(tmp_path, "llama_split")
     reqs = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)]
@@ -238,7 +238,7 @@ def test_tp2_async_scheduling_matches_tp1(tmp_path, engines, monkeypatch, static
     stop = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at])
     want_stop = [o.outputs[0].token_ids for o in tp1.generate(reqs, stop, use_tqdm=False)]
     if static_decode:
-        monkeypatch.setenv(STATIC_DECODE_ENV, "1")  # inherited by the worker process
+        monkeypatch.setattr(launcher, "RUNNER_OPTIONS", {"static_decode_on_cpu": True})  # sent to every rank
     tp2 = engines(tmp_path, tensor_parallel_size=2, async_scheduling=True)
     assert tp2.engine.async_scheduling
     assert [o.outputs[0].token_ids for o in tp2.generate(reqs, GREEDY, use_tqdm=False)] == want

@@ -234,7 +234,7 @@ def run_case(
         sliding_window=window,
         out=out,
         num_splits=num_splits,
-        _config=config,
+        **(config or {}),
     )
     if expect_kernel is not None:
         if expect_kernel != TL_DOT and not gluon_runs_on(q):
@@ -271,9 +271,9 @@ TL_DOT = "_paged_attn_kernel"
 
 
 PATHS = {
-    "gpu_only_gluon-warp": (dict(gluon_variant="warp"), GLUON),
-    "gpu_only_gluon-cta": (dict(gluon_variant="cta"), GLUON_CTA),
-    "tl.dot": (dict(gluon=False), TL_DOT),
+    "gpu_only_gluon-warp": (dict(kernel="gluon_fp8_warp"), GLUON),
+    "gpu_only_gluon-cta": (dict(kernel="gluon_fp8_cta"), GLUON_CTA),
+    "tl.dot": (dict(kernel="tl_dot"), TL_DOT),
 }
 
 
@@ -284,7 +284,7 @@ PATHS = {
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_decode_every_path(path, kv_dtype, hq, hkv, d):
     """fp8 decode goes to a Gluon kernel (GQA <= 16, head 64/128/256; which one by
-    ``choose_variant_and_splits``); the tl.dot kernel stays as the fallback. Each path against
+    the routing table, kvforge/attention/routing/paged.py); the tl.dot kernel stays as the fallback. Each path against
     the float64 reference, with the path asserted."""
     seq_lens = [1, 15, 16, 17, 1000, 77, 4100]
     config, kernel = PATHS[path]
@@ -338,7 +338,7 @@ def test_fp8_decode_calibrated_e5m2_scales(path):
 def test_gpu_only_gluon_fp8_decode_warp_window_and_no_split(window, splits):
     """The warp kernel with a sliding window, and without split-K (its direct-output epilogue)."""
     run_case([1, 17, 1000, 5000, 300], [1] * 5, 16, 4, 128, torch.float8_e4m3fn, window=window, seed=window,
-             num_splits=splits, config=dict(gluon_variant="warp"), expect_kernel=GLUON)  # fmt: skip
+             num_splits=splits, config=dict(kernel="gluon_fp8_warp"), expect_kernel=GLUON)  # fmt: skip
 
 
 @gluon_gpu_only
@@ -356,12 +356,12 @@ def test_gpu_only_gluon_is_the_fp8_decode_default():
 
 
 GLUON_CONFIGS = {
-    "warp16": dict(gluon_variant="warp", gluon_wt=16),
-    "warp16-vstaged": dict(gluon_variant="warp", gluon_wt=16, gluon_v_mode=2),
-    "warp32x2": dict(gluon_variant="warp", gluon_wt=32, gluon_stages=2),
-    "warp16w8": dict(gluon_variant="warp", gluon_wt=16, gluon_warps=8, gluon_stages=4),
-    "cta64": dict(gluon_variant="cta", gluon_tile_n=64),
-    "cta128": dict(gluon_variant="cta", gluon_tile_n=128, gluon_stages=2),
+    "warp16": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=16)),
+    "warp16-vstaged": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=16, v_mode=2)),
+    "warp32x2": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=32, stages=2)),
+    "warp16w8": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=16, warps=8, stages=4)),
+    "cta64": dict(kernel="gluon_fp8_cta", gluon_tiling=dict(tile_n=64)),
+    "cta128": dict(kernel="gluon_fp8_cta", gluon_tiling=dict(tile_n=128, stages=2)),
 }
 
 

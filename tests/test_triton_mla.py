@@ -41,6 +41,10 @@ MODEL_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 BOUND = {None: 2.0 ** -6, "fp8_e4m3": 2.0 ** -4}
 
 
+#: The decode entry of each CUDA MLA backend (what its backend object calls for decode steps).
+KERNEL_ENTRY = {"triton_mla": "kvforge.kernels.triton_mla_decode"}
+
+
 def cuda_mla_backends():
     return [d for d in builtin_backends() if "mla" in d.layer_kinds and "cuda" in d.platforms]
 
@@ -133,13 +137,15 @@ def test_reference_refuses_a_quantized_query():
 
 @pytest.fixture(params=["gluon_routed", "tl.dot"])
 def mla_kernel(request, monkeypatch):
-    """Run a GPU test as routed (the wgmma kernel where ``gluon_mla_decode.routes`` accepts, on sm_90) and
+    """Run a GPU test as routed (the Gluon kernels where the routing table sends the call, on sm_90) and
     again with routing off, so the tl.dot kernel, which serves whenever the Gluon gate is closed, keeps
     its H200 coverage."""
     if request.param == "tl.dot":
-        from kvforge.kernels import gluon_mla_decode
+        import dataclasses
 
-        monkeypatch.setattr(gluon_mla_decode, "MAX_ROUTED_HEADS", 0)
+        from kvforge.attention.routing import mla as mla_routing
+
+        monkeypatch.setattr(mla_routing, "WGMMA", dataclasses.replace(mla_routing.WGMMA, max_heads=0))
     return request.param
 
 
@@ -147,7 +153,7 @@ def mla_kernel(request, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("decl", cuda_mla_backends(), ids=lambda d: d.name)
 def test_every_declared_combination_matches_fp32_reference(decl, mla_kernel):
-    impl = importlib.import_module(decl.implementation)
+    impl = importlib.import_module(KERNEL_ENTRY[decl.name])
     worst = {}
     for model, kv, qd, heads, batch in declared_combinations(decl):
         cache, meta, q_latent, q_rope, scale = _batch(batch, kv, heads, "cuda", seed=heads + batch, model=model)
@@ -243,13 +249,10 @@ def _greedy(llm, n=12):
 def test_gpu_deepseek_fp32_triton_equals_cpu_reference(tmp_path, monkeypatch, eager, prefill):
     """float32 weights and latent cache: the Triton MLA path (IEEE fp32 dots) gives the CPU reference's greedy
     tokens, with prefill steps expanded (the reference or, "sdpa", torch's fused attention), absorbed, or chosen
-    by length (``KVFORGE_MLA_PREFILL``)."""
-    import kvforge.attention.triton_mla as triton_mla
-
-    monkeypatch.setattr(triton_mla, "PREFILL_MODE", prefill)
+    by length (the engine argument ``mla_prefill_mode``)."""
     path = _deepseek(tmp_path, dense=not eager)
     cpu = _greedy(_llm(path, "cpu"))
-    gpu = _llm(path, "cuda", enforce_eager=eager)
+    gpu = _llm(path, "cuda", enforce_eager=eager, mla_prefill_mode=prefill)
     assert {layer.backend for layer in gpu.plan.layers} == {"triton_mla"}
     assert _greedy(gpu) == cpu
     if not eager:
@@ -306,7 +309,7 @@ def test_moe_deepseek_refuses_cuda_graphs_with_a_reason(tmp_path):
 
     class FakeRunner:  # only what graphs_unsupported_reason reads
         device = torch.device("cuda")
-        backend_names = ["triton_mla"]
+        backends = [type("Backend", (), {"name": "triton_mla", "captures_cuda_graphs": True})()]
         pool = type("Pool", (), {"ring_pages": 0})()
 
     import test_deepseek_mla as t

@@ -59,6 +59,7 @@ __all__ = [
     "is_fp8",
     "quantize",
     "resolve_kv_dtype",
+    "storage_dtype_name",
 ]
 
 DEFAULT_SCALE: float = 1.0
@@ -87,6 +88,21 @@ KV_DTYPE_NAMES: dict[str, torch.dtype | None] = {
 }
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: The canonical (torch-free) name of every storage and model dtype, as plans and routing tables spell them.
+_CANONICAL_NAMES: dict[torch.dtype, str] = {
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+
+
+def storage_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float8_e4m3fn`` -> ``"fp8_e4m3"``, ``torch.bfloat16`` -> ``"bfloat16"`` (the names of
+    :mod:`kvforge.kv_dtypes`); any other dtype -> ``str(dtype)``, which no routing table accepts."""
+    return _CANONICAL_NAMES.get(dtype, str(dtype))
 
 
 @dataclass(frozen=True)

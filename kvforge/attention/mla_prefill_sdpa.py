@@ -18,8 +18,8 @@ absorbed form through the decode kernels costs ``2 x (R + P + R)`` (2176). The e
 Invariant: the result equals the reference's within the model dtype's rounding of K, V, P and the
 output (bf16: 2^-8 relative per element). The fp8 cache is dequantized exactly as the reference
 dequantizes it. Used by ``triton_mla`` for steps whose prefilling sequences are longer than ``ABSORBED_PREFILL_MAX_SEQ_LEN``
-(``KVFORGE_MLA_PREFILL=auto``) and for every prefill step with ``KVFORGE_MLA_PREFILL=sdpa`` (see ``PREFILL_MODE``
-there).
+(``mla_prefill_mode="auto"``) and for every prefill step with ``mla_prefill_mode="sdpa"``
+(:mod:`kvforge.attention.routing.mla`).
 """
 
 from __future__ import annotations

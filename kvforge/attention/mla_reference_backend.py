@@ -20,5 +20,5 @@ MLA_REFERENCE = BackendDeclaration(
     block_sizes=BlockSizes.any(),
     quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "torch indexing (int64)"),
-    implementation="kvforge.attention.mla_reference",
+    implementation="kvforge.attention.backends.mla_reference",
 )

@@ -19,5 +19,5 @@ REFERENCE = BackendDeclaration(
     quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "torch indexing (int64)"),
     sinks=True,
-    implementation="kvforge.attention.reference",
+    implementation="kvforge.attention.backends.torch_reference",
 )

@@ -38,5 +38,5 @@ RING = BackendDeclaration(
     block_sizes=ring_block_sizes,
     quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "torch indexing (int64)"),
-    implementation="kvforge.attention.ring",
+    implementation="kvforge.attention.backends.ring",
 )

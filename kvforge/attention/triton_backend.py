@@ -23,5 +23,5 @@ TRITON_PAGED = BackendDeclaration(
     block_sizes=BlockSizes(multiple_of=16, why="Triton tiles are 16 tokens tall"),
     quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "int64 offsets in the kernels"),
-    implementation="kvforge.attention.triton_impl",
+    implementation="kvforge.attention.backends.triton_paged",
 )

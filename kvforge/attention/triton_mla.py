@@ -7,7 +7,8 @@ when the step's prefilling sequences are short, else expand the cached latents t
 per-head K/V in the model dtype for torch's fused attention
 (:mod:`kvforge.attention.mla_prefill_sdpa`) or, forced, in float32 with the
 PyTorch reference (:func:`kvforge.attention.mla_reference.mla_prefill`); prefill
-steps run eagerly. See ``PREFILL_MODE`` (``KVFORGE_MLA_PREFILL``). The cache
+steps run eagerly. The engine argument ``mla_prefill_mode`` chooses
+(:data:`kvforge.attention.routing.mla.PREFILL_MODES`). The cache
 write is a Triton kernel (no host sync, so decode steps can be CUDA graphs).
 ``query_dtype`` is the plan's per-layer decision: None / the model dtype, or
 "fp8_e4m3" (declared at 1-16 heads per rank on e4m3 caches with 576-wide rows,
@@ -18,58 +19,28 @@ the model-dtype query).
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla_prefill_sdpa import mla_prefill_sdpa
 from kvforge.attention.mla_reference import mla_prefill
+from kvforge.attention.routing import mla as mla_routing
+from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
 
-__all__ = ["PREFILL_MODES", "mla_attention", "mla_decode", "parse_prefill_mode", "per_token_metadata",
+__all__ = ["ABSORBED_PREFILL_MAX_SEQ_LEN", "PREFILL_MODES", "mla_attention", "mla_decode", "per_token_metadata",
            "prefill_path", "write_mla_cache"]
 
-#: The values ``KVFORGE_MLA_PREFILL`` takes (see ``PREFILL_MODE``).
-PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
 
-
-def parse_prefill_mode(value: str) -> str:
-    """``KVFORGE_MLA_PREFILL``'s value, checked against ``PREFILL_MODES``."""
-    mode = value.strip().lower()
-    if mode not in PREFILL_MODES:
-        raise ValueError(f"KVFORGE_MLA_PREFILL={value!r}: choose one of {', '.join(PREFILL_MODES)}")
-    return mode
-
-
-#: How steps with a prefill chunk attend (read once at import; why global: an engine-wide switch for
-#: measurement, not a per-request choice). "absorbed": every query token runs as its own decode query over its
-#: causal prefix through the decode kernels (one launch per layer, no per-sequence Python loop, but O(L^2)
-#: prefix reads per prompt). "sdpa": the latents are expanded in the model dtype and torch's fused attention
-#: runs (:mod:`kvforge.attention.mla_prefill_sdpa`). "expanded": the float32 PyTorch reference expands the
-#: latents per sequence (correct, slow). "auto" (default): absorbed while every sequence with a prefill chunk
-#: (more than one query token) in the step is at most ABSORBED_PREFILL_MAX_SEQ_LEN tokens long, prefix
-#: included, else sdpa.
-PREFILL_MODE: str = parse_prefill_mode(os.environ.get("KVFORGE_MLA_PREFILL", "auto"))
-#: "auto"'s bound on the longest sequence with a prefill chunk in a step that runs absorbed. Measured on
-#: DeepSeek-V2-Lite (dummy weights, H200, 16 prompts, total tok/s, docs/BENCHMARKS.md section 6, eighth
-#: session): absorbed / sdpa = 2.0x at 200-400-token prompts, 1.01x at 1k-2k, 0.83x at 2.5k-4k and 0.53x at
-#: 6k-12k; the two cross inside 1k-2k (interpolating the means, nearer 1.6k), so the bound is a judgment call at
-#: the top of the tied range: a few percent either way for 1.6k-2k prompts.
-ABSORBED_PREFILL_MAX_SEQ_LEN: int = 2048
-
-
-def prefill_path(meta: AttentionMetadata) -> str:
-    """How a step with a prefill chunk attends: "absorbed", "sdpa" or "expanded" (``PREFILL_MODE``). "auto"
-    looks at the sequences with more than one query token (decode rows cost the same on either path) through
-    the metadata's host lists."""
-    if PREFILL_MODE != "auto":
-        return PREFILL_MODE
+def prefill_path(meta: AttentionMetadata, mode: str) -> str:
+    """How a step with a prefill chunk attends under the engine's MLA prefill ``mode``: "absorbed", "sdpa" or
+    "expanded" (:func:`kvforge.attention.routing.mla.prefill_path`, on the metadata's host lists)."""
+    if mode != "auto":
+        return mode
     qsl, seq_lens = meta.host_lists()
-    longest = max((n for a, b, n in zip(qsl, qsl[1:], seq_lens) if b - a > 1), default=0)
-    return "absorbed" if longest <= ABSORBED_PREFILL_MAX_SEQ_LEN else "sdpa"
+    return mla_routing.prefill_path(mode, [b - a for a, b in zip(qsl, qsl[1:])], seq_lens)
 
 
 def per_token_metadata(meta: AttentionMetadata, num_tokens: int) -> AttentionMetadata:
@@ -120,15 +91,16 @@ def _per_token_for_step(meta: AttentionMetadata, num_tokens: int) -> AttentionMe
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                   scale: torch.Tensor | None, softmax_scale: float, w_uk: torch.Tensor, w_uv: torch.Tensor, *,
-                  query_dtype: str | None = None, num_splits: int | None = None) -> torch.Tensor:
+                  query_dtype: str | None = None, num_splits: int | None = None,
+                  prefill_mode: str = "auto") -> torch.Tensor:
     """One MLA layer's attention for a step: ``[T, H, V]`` in ``q_nope.dtype`` (same contract as the reference).
 
     ``w_uk [H, Dn, R]`` is absorbed into the query (``q_latent = w_uk^T q_nope``)
     and ``w_uv [H, V, R]`` projects the latent output, both as batched matmuls in
-    the model dtype.
+    the model dtype. ``prefill_mode``: one of ``PREFILL_MODES`` (the engine's ``mla_prefill_mode``).
     """
     decode = meta.max_query_len <= 1
-    path = "decode" if decode else prefill_path(meta)
+    path = "decode" if decode else prefill_path(meta, prefill_mode)
     if path in ("sdpa", "expanded"):
         expand = mla_prefill_sdpa if path == "sdpa" else mla_prefill
         return expand(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)

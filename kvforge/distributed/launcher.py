@@ -73,6 +73,11 @@ def rank_report(rank: int, model, pool, runner=None) -> dict:
     return report
 
 
+#: Extra ``ModelRunner`` keyword arguments every rank's runner gets (empty in production; tests set
+#: ``static_decode_on_cpu`` here so the workers run the graph path's static inputs on CPU too).
+RUNNER_OPTIONS: dict = {}
+
+
 def setup_rank(ctx: dict, group):
     """Model slice, weights, KV pool and runner of this rank (same code on every rank)."""
     from kvforge.distributed.runner import TPModelRunner
@@ -89,7 +94,8 @@ def setup_rank(ctx: dict, group):
     pool = KVPool(plan, group.device)
     runner = TPModelRunner(model, pool, plan, group.device, group, calibrate=args.calculate_kv_scales,
                            scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
-                           max_num_seqs=args.max_num_seqs)
+                           max_num_seqs=args.max_num_seqs, mla_prefill_mode=args.mla_prefill_mode,
+                           **ctx.get("runner_options", {}))
     return model, pool, runner
 
 
@@ -121,7 +127,7 @@ class TPLauncher:
         self.device = device
         ctx = dict(args=args, plan=plan, hf_config=hf_config, model_dtype=model_dtype, model_path=model_path,
                    load_format=load_format, backend=backend, world_size=tp, timeout_s=self.timeout_s,
-                   num_threads=torch.get_num_threads())
+                   num_threads=torch.get_num_threads(), runner_options=dict(RUNNER_OPTIONS))
         import datetime
 
         self.store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=self.timeout_s),

@@ -78,14 +78,15 @@ class TPModelRunner(ModelRunner):
 
     def __init__(self, model, pool, plan, device, group: TPGroup, *, calibrate: bool = False,
                  scale_multiplier: float = 1.0, control=None, enforce_eager: bool = True, max_num_seqs: int = 256,
-                 graph_sizes: list[int] | None = None):
+                 graph_sizes: list[int] | None = None, **runner_options):
         if device.type == "cuda" and not enforce_eager:
             # Bring the NCCL communicator up with a real collective before any capture: the first
             # collective creates it, which must not happen inside a graph.
             group.all_reduce_(torch.zeros(1, device=device))
             torch.cuda.synchronize(device)
         super().__init__(model, pool, plan, device, calibrate=calibrate, scale_multiplier=scale_multiplier,
-                         enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, graph_sizes=graph_sizes)
+                         enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, graph_sizes=graph_sizes,
+                         **runner_options)
         self.group = group
         self.control = control
         self._pending_copies: list[tuple[int, int]] = []

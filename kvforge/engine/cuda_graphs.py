@@ -26,26 +26,21 @@ Invariants (what makes a replay equal to an eager step):
 3. **Stale columns.** Only the first ``ceil(max seq_len / block_size)``
    columns of the table rows are rewritten each step; later columns keep old
    ids, and the kernel never reads past ``seq_len``.
-4. **Fixed split-K.** ``num_splits`` per size is the kernel's own heuristic at
-   the longest context. GQA (``triton_paged``): ``min(ceil(4 * SMs / (B *
-   kv_heads)), max(1, max_model_len // 256), 64)``; fp8 caches on the Gluon
-   decode kernels: ``gluon_fp8_decode.pinned_num_splits`` (its variant rule;
-   the kernel variant follows the shape, so capture and eager agree); MLA
-   (``triton_mla``): ``triton_mla_decode.pinned_num_splits`` (per head block;
-   the tl.dot rule, at most 32, or the wgmma kernel's when ``routes`` sends the
-   plan there: whole waves of 1 or 2 programs per SM, at most 64).
-   Grid and partial buffers are then fixed; shorter contexts leave trailing
-   splits empty (they add nothing in the merge). ``max_seq_len`` in the
-   captured metadata is ``max_model_len``.
+4. **Fixed split-K.** ``num_splits`` per size is what the layers' backend pins for a decode batch of
+   that size (its CUDA-graph hook, ``AttentionBackend.graph_num_splits``): its routing table's split
+   count at ``max_model_len`` (kvforge/attention/routing/). The table picks the kernel from the shape
+   only, so the eager path and the replay run the same kernel; the grid and partial buffers are then
+   fixed, and shorter contexts leave trailing splits empty (they add nothing in the merge).
+   ``max_seq_len`` in the captured metadata is ``max_model_len``.
 5. **Lifetime.** Captured once at startup, after the weights and the KV pool
    exist and before any request, largest size first, in one memory pool. The
    weights, the pool's buffer and the fp8 scale tensors must never be
    reallocated afterwards (fp8 calibration updates scales in place; no graph
    replays before calibration is done). A graph's output lives in the shared
    pool and is valid until the next replay of any graph.
-6. Only when every layer's planned backend is in ``GRAPH_BACKENDS``
-   (``triton_paged``, ``triton_mla``; the reference backends read tensor
-   values on the host, which capture forbids), there are no per-request rings,
+6. Only when every layer's backend ``captures_cuda_graphs`` (the Triton
+   backends; the reference backends read tensor values on the host, which
+   capture forbids), there are no per-request rings,
    and the model has no ``cuda_graph_unsupported_reason`` (e.g. MoE layers
    without a working ``torch._grouped_mm``).
 """
@@ -53,7 +48,6 @@ Invariants (what makes a replay equal to an eager step):
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
@@ -62,8 +56,6 @@ import torch
 from kvforge.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("kvforge.engine")
-
-GRAPH_BACKENDS = frozenset({"triton_paged", "triton_mla"})
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -76,19 +68,15 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def fixed_num_splits(batch: int, kv_heads: int, num_sms: int, max_model_len: int) -> int:
-    """Split-K factor pinned for a captured decode batch size (invariant 4)."""
-    by_len = max(1, max_model_len // 256)
-    return max(1, min(math.ceil(4 * num_sms / max(1, batch * kv_heads)), by_len, 64))
-
-
 def graphs_unsupported_reason(runner) -> str | None:
     """None when decode graphs can be captured for ``runner``, else why not."""
     if runner.device.type != "cuda":
         return "not a CUDA device"
-    other = sorted(set(runner.backend_names) - GRAPH_BACKENDS)
+    other = sorted({b.name for b in runner.backends if not b.captures_cuda_graphs})
     if other:
-        return f"layers planned on backend(s) {', '.join(other)} (graphs need {', '.join(sorted(GRAPH_BACKENDS))})"
+        capturable = sorted({b.name for b in runner.backends if b.captures_cuda_graphs})
+        return (f"layers planned on backend(s) {', '.join(other)}, which read tensor values on the host "
+                f"(graphs need backends that capture{': ' + ', '.join(capturable) if capturable else ''})")
     if runner.pool.ring_pages:
         return "per-request rings (CsaRingTest) are written eagerly"
     model_reason = getattr(runner.model, "cuda_graph_unsupported_reason", None)
@@ -100,42 +88,6 @@ def graphs_unsupported_reason(runner) -> str | None:
 class DecodeGraphs:
     """Captures and replays decode-only steps (see the module docstring)."""
 
-    def _gluon_mla_decode(self, plan, latent_dim: int | None) -> bool:
-        """Whether every MLA layer's decode runs the wgmma kernel (kvforge/kernels/gluon_mla_decode.py): the
-        same ``routes`` rule ``mla_decode`` applies, on the plan's dtypes and the model's latent size."""
-        from kvforge.engine.kv_pool import TORCH_KV_DTYPES
-        from kvforge.kernels import gluon_mla_decode as g
-        from kvforge.kernels.gluon_support import GLUON_ENABLED, TESTED_COMPUTE_CAPABILITY_MAJOR
-
-        if not GLUON_ENABLED or self.device.type != "cuda" or latent_dim is None:
-            return False
-        if torch.cuda.get_device_capability(self.device)[0] != TESTED_COMPUTE_CAPABILITY_MAJOR:
-            return False
-        q_dtype = TORCH_KV_DTYPES[plan.model_dtype]
-        return all(
-            layer.backend == "triton_mla"
-            and g.routes(layer.heads_per_rank, q_dtype, TORCH_KV_DTYPES[layer.kv_dtype],
-                         None if layer.query_dtype == plan.model_dtype else layer.query_dtype,
-                         latent_dim, (layer.head_size or 0) - latent_dim)
-            for layer in plan.layers
-        )  # fmt: skip
-
-    def _gluon_fp8_decode(self, plan) -> bool:
-        """Whether every layer's decode runs the Gluon fp8 kernels (kvforge/kernels/gluon_fp8_decode.py)."""
-        from kvforge.kernels import gluon_fp8_decode as g
-        from kvforge.kernels.gluon_support import GLUON_ENABLED, TESTED_COMPUTE_CAPABILITY_MAJOR
-
-        if not GLUON_ENABLED or self.device.type != "cuda":
-            return False
-        if torch.cuda.get_device_capability(self.device)[0] != TESTED_COMPUTE_CAPABILITY_MAJOR:
-            return False
-        return all(
-            layer.backend == "triton_paged" and layer.kv_dtype.startswith("fp8")
-            and layer.head_size in g.SUPPORTED_HEAD_SIZES
-            and layer.heads_per_rank // max(1, layer.kv_heads_per_rank) <= g.MAX_GROUP
-            for layer in plan.layers
-        )  # fmt: skip
-
     def __init__(self, runner, *, max_num_seqs: int, sizes: list[int] | None = None, capture: bool = True):
         self.runner = runner
         self.device = runner.device
@@ -145,23 +97,7 @@ class DecodeGraphs:
         self.max_model_len = plan.max_model_len
         self.block_size = plan.block_size
         self.max_blocks = -(-plan.max_model_len // plan.block_size)
-        kv_heads = plan.layers[0].kv_heads_per_rank
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" \
-            else 132
-        if all(layer.kind == "mla" for layer in plan.layers):  # the MLA kernel's own rule (per head block)
-            from kvforge.kernels.triton_mla_decode import pinned_num_splits
-
-            heads = plan.layers[0].heads_per_rank
-            wgmma = self._gluon_mla_decode(plan, getattr(runner.model, "config", {}).get("kv_lora_rank"))
-            fp8 = plan.layers[0].kv_dtype.startswith("fp8")
-            self.num_splits = {b: pinned_num_splits(b, heads, plan.max_model_len, sms, wgmma=wgmma, is_fp8=fp8)
-                               for b in self.sizes}
-        elif self._gluon_fp8_decode(plan):  # the Gluon fp8 decode's own rule (kernel variant + splits)
-            from kvforge.kernels.gluon_fp8_decode import pinned_num_splits
-
-            self.num_splits = {b: pinned_num_splits(b, kv_heads, plan.max_model_len, sms) for b in self.sizes}
-        else:
-            self.num_splits = {b: fixed_num_splits(b, kv_heads, sms, plan.max_model_len) for b in self.sizes}
+        self.num_splits = {b: runner.pinned_num_splits(b) for b in self.sizes}
         dev, bmax = self.device, self.max_size
         self.i64 = torch.zeros((3, bmax), dtype=torch.int64, device=dev)
         self.i64[2].fill_(-1)

@@ -81,6 +81,8 @@ class LLMEngine:
                               "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
         self.model_path, self.load_format = self._weights_location(args)
         logger.info("%s", self.plan.summary())
+        if any(layer.kind == "mla" for layer in self.plan.layers):
+            logger.info("  MLA prefill mode %s (--mla-prefill-mode)", args.mla_prefill_mode)
 
         # The planned backends' implementations, imported before any weight is read: one that cannot
         # load here (a missing dependency, a bad KVFORGE_* setting) fails now, not after the weights.
@@ -131,7 +133,8 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
                                       calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
                                       enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
-                                      ring_rows=ring_rows, ring_row_bytes=ring_row_bytes)
+                                      ring_rows=ring_rows, ring_row_bytes=ring_row_bytes,
+                                      mla_prefill_mode=args.mla_prefill_mode)
         self.sampler = Sampler()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.generation_tokens_total = 0

@@ -19,24 +19,21 @@ mixed steps, and everything with ``enforce_eager``, run eagerly.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 
 import numpy as np
 import torch
 
+from kvforge.attention.backends.base import AttentionBackend, BackendOptions, LayerKV, backend_class
 from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.routing.mla import check_prefill_mode
 from kvforge.engine.kv_pool import KVPool
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import is_quantized
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
-
-# "1": on CPU, decode steps take the CUDA-graph path's static padded inputs (run eagerly); a test hook that
-# tensor-parallel workers inherit through the environment.
-STATIC_DECODE_ENV = "KVFORGE_CPU_STATIC_DECODE"
 
 
 class _TableCache:
@@ -107,23 +104,37 @@ class ModelRunner:
     scale is multiplied by ``scale_multiplier`` (a diagnostic, default 1).
     ``enforce_eager``: never use CUDA graphs (CPU never does). ``graph_sizes``:
     decode batch sizes to capture (default ``cuda_graphs.default_capture_sizes``:
-    powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself)."""
+    powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself). ``mla_prefill_mode``: how the
+    Triton MLA backend attends steps with a prefill chunk (``kvforge.attention.routing.mla.PREFILL_MODES``).
+    ``static_decode_on_cpu``: on CPU, decode steps take the CUDA-graph path's static, padded inputs (run
+    eagerly; there is no capture on CPU), so tests exercise that path without a GPU."""
 
     def __init__(self, model, pool: KVPool, plan: KVPlan, device: torch.device, *, calibrate: bool = False,
                  scale_multiplier: float = 1.0, enforce_eager: bool = True, max_num_seqs: int = 256,
-                 graph_sizes: list[int] | None = None, ring_rows: int = 0, ring_row_bytes: int = 0):
+                 graph_sizes: list[int] | None = None, ring_rows: int = 0, ring_row_bytes: int = 0,
+                 mla_prefill_mode: str = "auto", static_decode_on_cpu: bool = False):
         self.model = model
         self.pool = pool
         self.plan = plan
         self.device = device
         self.block_size = plan.block_size
-        impls = {d.name: d.implementation for d in builtin_backends()}
         self.backend_names = [layer.backend for layer in plan.layers]
-        self.impls = [importlib.import_module(impls[layer.backend]) for layer in plan.layers]
         # The plan's query dtype per layer: None = model dtype, else the quantized query it declared (MLA).
         self.query_dtypes = [layer.query_dtype if is_quantized(layer.query_dtype) else None for layer in plan.layers]
         self.windows = [model.sliding_window(i) for i in range(len(plan.layers))]
         self.softmax_scale = model.softmax_scale
+        from kvforge.kernels.gluon_support import routing_device
+
+        self.backend_options = BackendOptions(
+            softmax_scale=model.softmax_scale, model_dtype=plan.model_dtype, device=routing_device(device),
+            latent_dim=(getattr(model, "config", None) or {}).get("kv_lora_rank"),
+            mla_prefill_mode=check_prefill_mode(mla_prefill_mode))
+        declarations = {d.name: d for d in builtin_backends()}
+        by_name = {name: backend_class(declarations[name])(self.backend_options)
+                   for name in dict.fromkeys(self.backend_names)}
+        #: The backend object of each layer (one object per planned backend, shared by its layers).
+        self.backends: list[AttentionBackend] = [by_name[name] for name in self.backend_names]
+        self._layer_kv: list[LayerKV | None] = [None] * len(plan.layers)
         self.scale_scheme = plan.layers[0].scale_scheme or "per_tensor"
         self.needs_calibration = calibrate and any(is_fp8(c.dtype) for c in pool.kv_caches)
         self.scale_multiplier = scale_multiplier
@@ -143,6 +154,9 @@ class ModelRunner:
                 raise ConfigError(f"ring of {ring_rows} x {ring_row_bytes} bytes does not fit its "
                                   f"{pool.ring_page_bytes_unpadded}-byte page (the plan should have refused)")
             self._attn_api = _RingAttn(self)
+            from kvforge.attention.ring_backend import RING
+
+            self.ring_backend = backend_class(RING)(self.backend_options)
         self._num_splits: int | None = None  # pinned split-K factor (CUDA-graph decode)
         self._tables = _TableCache()
         self._pin = device.type == "cuda"
@@ -167,9 +181,7 @@ class ModelRunner:
 
                 self.graphs_off_reason = why
                 logging.getLogger("kvforge.engine").warning("CUDA graphs off: %s", why)
-        elif (device.type == "cpu" and not enforce_eager and not pool.ring_pages
-              and os.environ.get(STATIC_DECODE_ENV) == "1"):
-            # Test hook: the graph path's static, padded decode inputs, run eagerly (no capture on CPU).
+        elif device.type == "cpu" and not enforce_eager and not pool.ring_pages and static_decode_on_cpu:
             from kvforge.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes, capture=False)
@@ -249,29 +261,39 @@ class ModelRunner:
         return ids, pos, meta
 
     # ---- attention ------------------------------------------------------------
+    def layer_kv(self, layer: int) -> LayerKV:
+        """``layer``'s cache, scales, window and query dtype as its backend takes them (built once)."""
+        kv = self._layer_kv[layer]
+        if kv is None:
+            pool = self.pool
+            kv = LayerKV(pool.kv_caches[layer], pool.k_scales[layer], pool.v_scales[layer], self.windows[layer],
+                         self.query_dtypes[layer])
+            self._layer_kv[layer] = kv
+        return kv
+
+    def pinned_num_splits(self, batch: int) -> int | None:
+        """The split count a CUDA graph of ``batch`` decode rows pins: the first layer's backend's hook over
+        the layers planned on it."""
+        backend = self.backends[0]
+        layers = [layer for layer in self.plan.layers if layer.backend == backend.name]
+        return backend.graph_num_splits(layers, batch, self.plan.max_model_len)
+
     def _attn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        pool, impl, meta = self.pool, self.impls[layer], self._meta
-        cache = pool.kv_caches[layer]
+        backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._meta
         if self.needs_calibration:
             self._calibrate(layer, k, v)
-        impl.write_kv_cache(k, v, cache, meta.slot_mapping, pool.k_scales[layer], pool.v_scales[layer])
-        if self._num_splits is not None:
-            return impl.paged_attention(q, cache, meta, pool.k_scales[layer], pool.v_scales[layer],
-                                        self.softmax_scale, self.windows[layer], num_splits=self._num_splits)
-        return impl.paged_attention(q, cache, meta, pool.k_scales[layer], pool.v_scales[layer],
-                                    self.softmax_scale, self.windows[layer])
+        backend.write_cache(kv, meta.slot_mapping, k, v)
+        return backend.attend(kv, meta, q, num_splits=self._num_splits)
 
     def _mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
              k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         """One MLA layer: store [latent | k_rope] rows, attend (see kvforge/attention/mla_reference.py)."""
-        pool, impl, meta = self.pool, self.impls[layer], self._meta
-        cache = pool.kv_caches[layer]
+        backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._meta
         if self.needs_calibration:
             rows = torch.cat([latent, k_rope.to(latent.dtype)], dim=-1)
             self._calibrate(layer, rows, rows)
-        impl.write_mla_cache(latent, k_rope, cache, meta.slot_mapping, pool.k_scales[layer])
-        return impl.mla_attention(q_nope, q_rope, cache, meta, pool.k_scales[layer], self.softmax_scale, w_uk, w_uv,
-                                  query_dtype=self.query_dtypes[layer], num_splits=self._num_splits)
+        backend.write_cache(kv, meta.slot_mapping, latent, k_rope)
+        return backend.attend(kv, meta, q_nope, q_rope, w_uk, w_uv, num_splits=self._num_splits)
 
     def _ring_write(self, layer: int, rows: torch.Tensor) -> None:
         """Store each kept token's row at (its request's slot, position mod R) of the layer's ring page."""
@@ -282,8 +304,7 @@ class ModelRunner:
         page = self.pool.ring_pages[self.ring_of_layer[layer]]
         rings = page[:, : self.ring_rows * self.ring_row_bytes].view(page.shape[0], self.ring_rows,
                                                                     self.ring_row_bytes)
-        data = rows[tokens].contiguous().view(torch.uint8).view(tokens.shape[0], self.ring_row_bytes)
-        rings[slots, ring_rows] = data
+        self.ring_backend.write_cache(LayerKV(rings, None, None), slots, ring_rows, rows[tokens])
 
     def _ring_step_targets(self, host: HostStep):
         """(token indices, slots, rows) to write this step: only each chunk's last R tokens, so no two

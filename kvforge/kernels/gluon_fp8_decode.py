@@ -17,14 +17,12 @@ factor that multiplies the float32 scores; ``v_scale`` multiplies the accumulato
   tokens for ``Q K^T`` and head_dim for ``P V``. V is staged as fp16 for ``ldmatrix.trans``.
   Cheaper per program, dearer per tile.
 
-``choose_variant_and_splits`` picks the kernel and the split-K factor; docs/KERNELS.md item 7 has
-the measurements behind it.
-
-Scope (``supports`` is the gate; everything else keeps the tl.dot kernel): decode only (one query
-token per sequence), fp8 e4m3/e5m2 cache, bf16/fp16 query, head size 64/128/256, at most 16 query
-heads per KV head (the rows of the 16-row ``mma`` tile; rows >= G are masked), block size any
-multiple of 16, sm_90 with Triton 3.6 (``gluon_support``). Split-K partials use the layout of
-:mod:`kvforge.kernels.triton_paged_attention` and its merge kernel.
+Which of the two runs, with how many splits, and which calls come here at all is the Triton paged
+backend's routing table (:mod:`kvforge.attention.routing.paged`): decode only (one query token per
+sequence), fp8 e4m3/e5m2 cache, bf16/fp16 query, head size 64/128/256, at most 16 query heads per KV
+head (the rows of the 16-row ``mma`` tile; rows >= G are masked), the Gluon gate open. Block sizes:
+any multiple of 16. Split-K partials use the layout of :mod:`kvforge.kernels.triton_paged_attention`
+and its merge kernel.
 
 Invariants: K/V bytes of tokens past a program's context end are zero-filled, because an fp8
 byte pattern can be NaN and ``0 * NaN`` would poison ``P V``. Every offset that multiplies a
@@ -34,28 +32,7 @@ Sequences with no new token this step are skipped.
 
 from __future__ import annotations
 
-import math
-
-import torch
-
-from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, mma_v2
-
-SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 128, 256)
-MAX_GROUP: int = 16
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def supports(q: torch.Tensor, kv_cache: torch.Tensor, max_query_len: int, group: int) -> bool:
-    """True when this kernel handles the call (otherwise the Triton kernel does)."""
-    return (
-        gluon_runs_on(q)
-        and max_query_len == 1
-        and kv_cache.dtype in _FP8
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and q.shape[-1] in SUPPORTED_HEAD_SIZES
-        and group <= MAX_GROUP
-    )
-
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, mma_v2
 
 if HAS_GLUON:
 
@@ -462,34 +439,6 @@ if HAS_GLUON:
             )
 
 
-def choose_variant_and_splits(
-    num_seqs: int, kv_heads: int, ctx: int, num_sms: int, forced_splits: int | None
-) -> tuple[str, int]:
-    """Which kernel ("warp" or "cta") and how many context splits (H200 sweep, docs/KERNELS.md item 7).
-
-    The warp kernel wins once every program walks >= 1024 tokens and there are >= 2 programs per
-    SM; short contexts and small grids keep the cta kernel with the tl.dot path's >= 256-token splits.
-    The variant depends on the shape only: ``forced_splits`` (CUDA graphs pin the count this rule
-    gives at ``max_model_len``) replaces the split count, never the kernel, so a captured graph
-    runs the kernel the eager path would choose.
-    """
-    progs = max(1, num_seqs * kv_heads)
-    fill = math.ceil(4 * num_sms / progs)
-    warp_splits = max(1, min(fill, ctx // 1024, 64))
-    if ctx >= 2048 and progs * warp_splits >= 2 * num_sms:
-        variant, splits = "warp", warp_splits
-    else:
-        variant, splits = "cta", max(1, min(fill, max(1, ctx // 256), 64))
-    if forced_splits is not None:
-        splits = max(1, int(forced_splits))
-    return variant, splits
-
-
-def pinned_num_splits(batch: int, kv_heads: int, max_model_len: int, num_sms: int) -> int:
-    """The split count a CUDA graph of ``batch`` decode rows pins (kvforge/engine/cuda_graphs.py)."""
-    return choose_variant_and_splits(batch, kv_heads, max_model_len, num_sms, None)[1]
-
-
 def _tiling(head_dim: int, variant: str) -> dict:
     """Default tile/stage/warp choice per head size (H200, docs/KERNELS.md item 7)."""
     if variant == "warp":
@@ -498,10 +447,16 @@ def _tiling(head_dim: int, variant: str) -> dict:
     return dict(tile_n=64 if head_dim <= 128 else 32, num_stages=2, num_warps=4)
 
 
+#: What ``tiling`` may override (tests): tokens per warp (warp kernel), tile tokens (cta kernel), ring stages,
+#: warps, the register cap, and the warp kernel's V staging mode.
+TILING_KEYS: frozenset[str] = frozenset({"wt", "tile_n", "stages", "warps", "maxnreg", "v_mode"})
+
+
 def launch_gluon_fp8_decode(
-    q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale, qk_scale_log2, window, splits, cfg
+    q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale, qk_scale_log2, window, splits, warp, tiling=None
 ):
-    """Launch over grid (num_seqs, Hkv, splits); arguments as the Triton decode path prepares them.
+    """Launch the "warp" (``warp`` True) or "cta" kernel over grid (num_seqs, Hkv, splits); arguments as the
+    Triton decode path prepares them (the routing table chose the kernel and ``splits``).
 
     With ``splits > 1`` it writes the (acc, max, sum) partials that
     ``triton_paged_attention.merge_split_partials`` merges; otherwise ``out``.
@@ -509,11 +464,15 @@ def launch_gluon_fp8_decode(
     hq, d = q.shape[1], q.shape[2]
     hkv, bs = kv_cache.shape[2], kv_cache.shape[3]
     # Split partials are [T, Hq, S, D_PAD] with the tl.dot path's padded D: equal to d here.
-    assert d in SUPPORTED_HEAD_SIZES and d & (d - 1) == 0, d
-    variant = cfg.get("gluon_variant", "warp")
+    assert d & (d - 1) == 0, d
+    cfg = dict(tiling or {})
+    unknown = set(cfg) - TILING_KEYS
+    if unknown:
+        raise ValueError(f"unknown Gluon tiling keys {sorted(unknown)}; choose from {sorted(TILING_KEYS)}")
+    variant = "warp" if warp else "cta"
     tiling = _tiling(d, variant)
-    stages = max(2, cfg.get("gluon_stages") or tiling["num_stages"])  # the ring needs >= 2 buffers
-    warps = cfg.get("gluon_warps") or tiling["num_warps"]
+    stages = max(2, cfg.get("stages") or tiling["num_stages"])  # the ring needs >= 2 buffers
+    warps = cfg.get("warps") or tiling["num_warps"]
     args = (
         q,
         kv_cache,
@@ -549,12 +508,12 @@ def launch_gluon_fp8_decode(
         COPY_THREADS_D=min(32, d // 16),
         num_warps=warps,
     )
-    if cfg.get("gluon_maxnreg"):
-        common["maxnreg"] = cfg["gluon_maxnreg"]
+    if cfg.get("maxnreg"):
+        common["maxnreg"] = cfg["maxnreg"]
     grid = (meta.num_seqs, hkv, splits)
     if variant == "cta":
         return _gluon_fp8_decode_kernel[grid](
-            *args, TILE_N=cfg.get("gluon_tile_n") or tiling["tile_n"], **common
+            *args, TILE_N=cfg.get("tile_n") or tiling["tile_n"], **common
         )
-    wt = cfg.get("gluon_wt") or tiling["wt"]
-    return _gluon_fp8_decode_warp_kernel[grid](*args, WT=wt, V_MODE=cfg.get("gluon_v_mode", 0), **common)
+    wt = cfg.get("wt") or tiling["wt"]
+    return _gluon_fp8_decode_warp_kernel[grid](*args, WT=wt, V_MODE=cfg.get("v_mode", 0), **common)

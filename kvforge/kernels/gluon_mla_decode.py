@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels import gluon_mla_decode_ws
-from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on
-from kvforge.kernels.triton_paged_attention import _LOG2E, _num_sms, merge_split_partials
+from kvforge.attention.fp8 import FP8_DTYPES, storage_dtype_name
+from kvforge.attention.routing import mla as mla_routing
+from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, gluon_runs_on, num_sms
+from kvforge.kernels.triton_paged_attention import LOG2E, merge_split_partials
 
 if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -42,76 +43,13 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-LATENT_DIM: int = 512
-ROPE_DIM: int = 64
 TILE_N: int = 64  # wgmma's M: 4 warps x 16 rows
-MAX_HEADS_PER_PROGRAM: int = 32
-#: Splits of one (sequence, head block) at most. 256 lets a single long sequence fill both fp8 program slots
-#: of every H200 SM (264; bf16 programs take a whole SM, so 132). Measured at batch 1 x 64k (seventh session):
-#: 64 splits read at 36-38% (bf16) / 14% (fp8) of the copy bandwidth, 128 at 45-48% / 23-24%, 256 (fp8) at
-#: 24-26%. Each split writes R x NH float32 partials (32 KB at 16 heads: 8 MB at 256 vs 37 MB of fp8 rows).
-MAX_SPLITS: int = 256
 #: Lazy softmax rescaling (:func:`lazy_rescale`): the running max moves only when a tile's max exceeds it by
 #: more than this many powers of two, so unnormalized probabilities stay at most 2^8 = 256 (within fp16/bf16
 #: P's range; the float32 sums and accumulator lose nothing) and most tiles skip rescaling acc.
 RESCALE_LOG2: float = 8.0
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 if HAS_GLUON:  # what the kernel reads (a jit function sees only constexpr globals)
     _RESCALE_LOG2 = gl.constexpr(RESCALE_LOG2)
-
-
-#: The wgmma kernel serves decode up to this many heads per rank. Measured on the H200 (docs/MLA.md):
-#: faster than the tl.dot kernel at 8, 16, 32 and 128 heads with a model-dtype query over bf16 and fp8
-#: caches (64 heads not measured; it runs the 32-head program twice), except bf16 at 128 heads x batch 128
-#: x 64k, 4.5% slower (seventh session; the only shape measured where it loses).
-MAX_ROUTED_HEADS: int = 128
-#: The e4m3 query is taken up to this many heads (the warp-specialized kernel's fp8 score product, where it
-#: routes; the model-dtype query elsewhere). Above, an fp8 query runs the tl.dot kernel's fp8 x fp8 dot.
-MAX_FP8_QUERY_HEADS: int = gluon_mla_decode_ws.MAX_HEADS
-
-
-def routes(num_heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, query_dtype: str | None,
-           latent_dim: int, rope_dim: int) -> bool:
-    """The routing rule without tensors, shared by :func:`supports` and the CUDA-graph split pinning:
-    a bf16/fp16 model, at most :data:`MAX_ROUTED_HEADS` heads, ``R`` = 512 and ``P`` = 64 (DeepSeek-V2/V3,
-    Kimi-K2), a cache of the query's dtype or fp8 e4m3/e5m2, and the model-dtype query (``query_dtype``
-    None) or, on an e4m3 cache at up to ``gluon_mla_decode_ws.MAX_HEADS`` heads, the e4m3 query (the
-    warp-specialized kernel's fp8 score product; :func:`mla_decode_wgmma`)."""
-    fp8_query_ok = (query_dtype == "fp8_e4m3" and cache_dtype == torch.float8_e4m3fn
-                    and num_heads <= MAX_FP8_QUERY_HEADS)  # fmt: skip
-    return (
-        (query_dtype is None or fp8_query_ok)
-        and 1 <= num_heads <= MAX_ROUTED_HEADS
-        and latent_dim == LATENT_DIM
-        and rope_dim == ROPE_DIM
-        and q_dtype in (torch.bfloat16, torch.float16)
-        and (cache_dtype in _FP8 or cache_dtype == q_dtype)
-    )
-
-
-def supports(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None) -> bool:
-    """True when this kernel handles the decode call: :func:`routes` on the tensors' shapes and dtypes,
-    and the device passes the Gluon gate (sm_90, a tested Triton; ``gluon_support``)."""
-    _t, h, r = q_latent.shape
-    return gluon_runs_on(q_latent) and routes(h, q_latent.dtype, cache.dtype, query_dtype, r, cache.shape[-1] - r)
-
-
-def heads_per_program(num_heads: int) -> int:
-    """``NH``: the wgmma N (a multiple of 8, at most 32 so the accumulator stays at <= 128 registers)."""
-    return min(MAX_HEADS_PER_PROGRAM, max(8, 1 << max(0, (num_heads - 1).bit_length())))
-
-
-#: A program occupies a whole SM or half of one (86-226 KB of shared memory), and its tiles run one after
-#: another, so a split shorter than this many tokens would cost more in latency than it saves.
-MIN_SPLIT_TOKENS: int = 256
-
-
-def num_splits_for(programs: int, max_seq_len: int, num_sms: int, programs_per_sm: int = 1) -> int:
-    """Splits per (sequence, head block): the most that keeps ``programs x splits`` within
-    ``programs_per_sm`` waves of one CTA per SM (rounding down, so no partial extra wave), at least
-    ``MIN_SPLIT_TOKENS`` tokens per split, at most ``MAX_SPLITS``; 1 when the programs already fill the GPU."""
-    fill = (programs_per_sm * num_sms) // max(1, programs)
-    return max(1, min(fill, max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 if HAS_GLUON:
@@ -492,21 +430,6 @@ def default_num_warps(fp8_regs: bool, nh: int) -> int:
     return 8 if fp8_regs and nh == 32 else 4
 
 
-def programs_per_sm(is_fp8: bool, nh: int) -> int:
-    """Programs resident per SM (shared memory decides): 2 for fp8 rows in registers with 4 warps (up to
-    16 heads), else 1."""
-    return 2 if is_fp8 and nh <= 16 else 1
-
-
-def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, is_fp8: bool) -> int:
-    """The split count :func:`mla_decode_wgmma` picks for this batch by default (what a CUDA graph pins),
-    the warp-specialized kernel's where it routes there."""
-    if gluon_mla_decode_ws.routes(is_fp8, num_heads, num_seqs, max_seq_len, num_sms):
-        return gluon_mla_decode_ws.num_splits_for(num_seqs, num_heads, max_seq_len, num_sms)
-    nh = heads_per_program(num_heads)
-    return num_splits_for(num_seqs * -(-num_heads // nh), max_seq_len, num_sms, programs_per_sm(is_fp8, nh))
-
-
 #: What ``cfg`` may set (benchmarks and tests): heads per program, the fp8 path, the ring depth, lazy
 #: rescaling, warps per program.
 CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages", "lazy_rescale", "num_warps"})
@@ -514,29 +437,25 @@ CFG_KEYS: frozenset[str] = frozenset({"heads_per_program", "fp8_path", "stages",
 
 def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_splits=None, out=None, cfg=None,
                      query_dtype=None):  # fmt: skip
-    """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode``; split partials merged by the
-    paged-attention merge kernel. ``out`` (optional) receives the result; tokens past
-    ``query_start_loc[num_seqs]`` are left untouched. An fp8 cache at up to 16 heads with at least 4096
-    tokens per CTA runs the warp-specialized kernel (``gluon_mla_decode_ws.routes``) unless ``cfg`` sets
-    anything; there ``query_dtype="fp8_e4m3"`` (e4m3 cache) makes the score product an fp8 ``wgmma`` with the
-    query rounded to e4m3 per (token, head). Everywhere else the query keeps the model dtype, the
-    e4m3 query included: the exact query is the faster one at fewer tokens a CTA (docs/MLA.md)."""
-    if not supports(q_latent, cache, query_dtype):
-        raise ValueError("outside the wgmma MLA kernel's scope (see gluon_mla_decode.supports)")
+    """``o_latent [T, H, R]`` like ``triton_mla_decode.mla_decode``, on the wgmma kernel; split partials merged
+    by the paged-attention merge kernel. ``out`` (optional) receives the result; tokens past
+    ``query_start_loc[num_seqs]`` are left untouched. ``num_splits`` (None or 0: the kernel's split rule,
+    :func:`kvforge.attention.routing.mla.wgmma_splits`). ``query_dtype``: the plan's query dtype, checked
+    against the kernel's scope; the kernel computes with the model-dtype query either way. ``cfg`` (tests):
+    see :data:`CFG_KEYS`."""
+    t, h, r = q_latent.shape
+    shape = mla_routing.MLAShape(t, h, r, cache.shape[-1] - r, 0,
+                                 storage_dtype_name(q_latent.dtype), storage_dtype_name(cache.dtype))
+    if not (gluon_runs_on(q_latent) and mla_routing.wgmma_accepts(shape, query_dtype)):
+        raise ValueError("outside the wgmma MLA kernel's scope (see kvforge.attention.routing.mla.wgmma_accepts)")
     cfg = dict(cfg or {})
     unknown = set(cfg) - CFG_KEYS
     if unknown:
         raise ValueError(f"unknown wgmma MLA config keys {sorted(unknown)}; choose from {sorted(CFG_KEYS)}")
-    t, h, r = q_latent.shape
     if out is None:
         out = torch.empty((t, h, r), dtype=q_latent.dtype, device=q_latent.device)
-    is_fp8 = cache.dtype in _FP8
-    sms = _num_sms(q_latent.device)
-    if not cfg and gluon_mla_decode_ws.routes(is_fp8, h, meta.num_seqs, meta.max_seq_len, sms):
-        splits = num_splits or gluon_mla_decode_ws.num_splits_for(meta.num_seqs, h, meta.max_seq_len, sms)
-        return gluon_mla_decode_ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale,
-                                                 num_splits=splits, out=out, fp8_query=query_dtype is not None)  # fmt: skip
-    nh = cfg.get("heads_per_program") or heads_per_program(h)
+    is_fp8 = cache.dtype in FP8_DTYPES
+    nh = cfg.get("heads_per_program") or mla_routing.wgmma_heads_per_program(h)
     head_blocks = -(-h // nh)
     path = cfg.get("fp8_path", FP8_PATH_REGS if fp8_in_registers(is_fp8, nh) else FP8_PATH_RING)
     if type(path) is not int or path not in (FP8_PATH_RING, FP8_PATH_REGS):
@@ -551,11 +470,9 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
                          "or untested)")
     if nw == 4 and is_fp8 and regs and nh > 16:
         raise ValueError(f"the fp8 register path at {nh} heads per program needs num_warps 8 (4 warps spill)")
-    per_sm = programs_per_sm(is_fp8, nh) if regs else 1
     scale = scale.to(torch.float32).reshape(-1)[:1] if is_fp8 else meta.seq_lens  # unused when 16-bit
-    splits = num_splits or num_splits_for(meta.num_seqs * head_blocks, meta.max_seq_len,
-                                          sms, per_sm)
-    splits = max(1, min(int(splits), MAX_SPLITS))
+    splits = mla_routing.wgmma_splits(meta.num_seqs, h, meta.max_seq_len, num_sms(q_latent.device), is_fp8, nh,
+                                      fp8_in_registers=regs, forced=num_splits)  # fmt: skip
     if splits > 1:
         part_acc = torch.empty((t, h, splits, r), dtype=torch.float32, device=q_latent.device)
         part_ml = torch.empty((t, h, splits, 2), dtype=torch.float32, device=q_latent.device)
@@ -563,7 +480,7 @@ def mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num
         part_acc = part_ml = out
     _wgmma_mla_decode_kernel[(meta.num_seqs, head_blocks, splits)](
         q_latent, q_rope, cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, scale, float(softmax_scale) * _LOG2E, splits,
+        meta.block_tables, scale, float(softmax_scale) * LOG2E, splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0),
         out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, R=r, P=q_rope.shape[-1], BLOCK_SIZE=cache.shape[1], TILE=TILE_N * nw // 4,

@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.attention.routing import mla as mla_routing
 from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon
-from kvforge.kernels.triton_paged_attention import _LOG2E, merge_split_partials
+from kvforge.kernels.triton_paged_attention import LOG2E, merge_split_partials
 
 if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -63,14 +64,8 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-R: int = 512
-P: int = 64
-#: Heads per rank served here at most (heads per program: :func:`heads_per_program`).
-MAX_HEADS: int = 16
-#: Splits per (sequence, head block) at most; each writes two partials (one per consumer).
-MAX_SPLITS: int = 128
-#: Tokens per split at least (four tiles per consumer).
-MIN_SPLIT_TOKENS: int = 512
+R: int = mla_routing.LATENT_DIM
+P: int = mla_routing.ROPE_DIM
 #: Ring depth: 5 x 36 KB of fp8 tiles (196 KB of shared memory at 8 heads, one CTA per SM).
 NUM_STAGES: int = 5
 #: Registers per thread: maxnreg 168 over three warpgroups is a pool of 64,512; the producer's warpgroup
@@ -82,7 +77,6 @@ CONSUMER_REGS: int = 232
 PRODUCER_REGS: int = 40
 #: Warps of the producer partition (a whole warpgroup: registers are allotted per warpgroup anyway).
 PRODUCER_WARPS: int = 4
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globals)
     _R = gl.constexpr(R)
     _P = gl.constexpr(P)
@@ -107,35 +101,6 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
         reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
         lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
         shape=[64, 256]))  # fmt: skip
-
-
-#: A call runs here only if each CTA gets at least this many tokens (``max_seq_len`` over
-#: :func:`num_splits_for`; ``max_model_len`` in a CUDA graph): with fewer, the two consumers' pipelines barely
-#: fill. Measured against the wgmma kernel's fp8 path (ninth session, docs/BENCHMARKS.md section 6): every
-#: shape at >= 4096 tokens a CTA was 1.02-1.33x faster (8-16 heads; 8-128 x 16k-64k), every one at <= 2048
-#: slower (0.83-0.97x: batch 8 x 16k-32k, 16 x 16k, 32 x 4k; batch 1 x 64k, 128 splits of 512: 0.89x).
-MIN_TOKENS_PER_SPLIT: int = 4096
-
-
-def heads_per_program(num_heads: int) -> int:
-    """``NH``: 8 up to 8 heads, else 16 (the ``wgmma`` N; 16 loads the ``P x V`` operand in halves)."""
-    return 8 if num_heads <= 8 else 16
-
-
-def routes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int, num_sms: int) -> bool:
-    """Whether a decode call that the wgmma kernel accepts (``gluon_mla_decode.routes``) runs here instead:
-    an fp8 cache, at most :data:`MAX_HEADS` heads, at least :data:`MIN_TOKENS_PER_SPLIT` tokens a CTA."""
-    if not is_fp8 or num_heads > MAX_HEADS:
-        return False
-    return max_seq_len // num_splits_for(num_seqs, num_heads, max_seq_len, num_sms) >= MIN_TOKENS_PER_SPLIT
-
-
-def num_splits_for(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, nh: int | None = None) -> int:
-    """Splits per sequence: one CTA per SM (rounding down), at least :data:`MIN_SPLIT_TOKENS` tokens each,
-    at most :data:`MAX_SPLITS`; what a CUDA graph pins. ``nh``: heads per program (default
-    :func:`heads_per_program`)."""
-    programs = num_seqs * -(-num_heads // (nh or heads_per_program(num_heads)))
-    return max(1, min(num_sms // max(1, programs), max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 def chunk_column(k: int) -> int:
@@ -522,15 +487,15 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
     (the odd consumer's and the producer's registers; the even consumer gets the rest of the pool)."""
     cfg = dict(cfg or {})
     t, h, r = q_latent.shape
-    splits = max(1, min(int(num_splits), MAX_SPLITS))
-    nh = int(cfg.get("nh", heads_per_program(h)))
+    nh = int(cfg.get("nh", mla_routing.ws_heads_per_program(h)))
+    splits = max(1, min(int(num_splits), mla_routing.WS.splits.max_splits))
     head_blocks = -(-h // nh)
     parts = 2 * splits
     part_acc = torch.empty((t, h, parts, r), dtype=torch.float32, device=q_latent.device)
     part_ml = torch.empty((t, h, parts, 2), dtype=torch.float32, device=q_latent.device)
     _ws_mla_decode_kernel[(head_blocks, meta.num_seqs, splits)](
         q_latent, q_rope, cache, out, part_acc, part_ml, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale.to(torch.float32).reshape(-1)[:1], float(softmax_scale) * _LOG2E, splits,
+        scale.to(torch.float32).reshape(-1)[:1], float(softmax_scale) * LOG2E, splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),

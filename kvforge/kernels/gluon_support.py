@@ -1,17 +1,17 @@
-"""Whether the Gluon kernels may run here: one gate for every ``gluon_*`` module.
+"""The Gluon imports every ``gluon_*`` module shares, and the Gluon gate evaluated for a device.
 
-Gluon (``triton.experimental.gluon``) is experimental and its API moves between Triton releases:
-3.9 removed ``async_copy_global_to_shared``, which these kernels use. So they run only on the Triton
-minor versions they were tested on, and only on Hopper (sm_90, the one GPU they were measured on).
-Everywhere else the tl.dot kernels serve. ``KVFORGE_DISABLE_GLUON=1`` turns them off as well.
+The gate's rule (tested Triton versions, compute capability, ``KVFORGE_DISABLE_GLUON``) is data in
+:mod:`kvforge.attention.routing.platform`; this module only asks the installed Triton and the device.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from kvforge.attention.routing.platform import DEFAULT_NUM_SMS, Device, gluon_enabled, gluon_runs_on_device
+from kvforge.env import ENV
 
 try:  # Gluon ships with Triton >= 3.5; the CPU engine needs neither.
     import triton
@@ -24,30 +24,38 @@ except ImportError:  # pragma: no cover
     triton = gluon = gl = async_copy = mma_v2 = None
     HAS_GLUON = False
 
-TESTED_TRITON_VERSIONS: tuple[str, ...] = ("3.6",)
-TESTED_COMPUTE_CAPABILITY_MAJOR: int = 9
-
-
-def gluon_enabled(triton_version: str | None, env: str | None) -> bool:
-    """The gate, as a pure function of the Triton version and ``KVFORGE_DISABLE_GLUON``."""
-    if triton_version is None:
-        return False
-    tested = ".".join(triton_version.split(".")[:2]) in TESTED_TRITON_VERSIONS
-    return tested and (env or "0").strip().lower() in ("", "0", "false", "no")
-
-
 #: Decided once at import (why global: the installed Triton and the environment do not change while the
 #: process runs, and every decode call asks).
-GLUON_ENABLED: bool = HAS_GLUON and gluon_enabled(
-    getattr(triton, "__version__", None), os.environ.get("KVFORGE_DISABLE_GLUON")
-)
+GLUON_ENABLED: bool = HAS_GLUON and gluon_enabled(getattr(triton, "__version__", None), ENV.disable_gluon)
 
 
 @functools.cache  # a device's compute capability never changes in a process
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _capability_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
-def gluon_runs_on(t: torch.Tensor) -> bool:
-    """True when the Gluon kernels may launch for a tensor on this device."""
-    return GLUON_ENABLED and t.is_cuda and _capability(t.device.index)[0] == TESTED_COMPUTE_CAPABILITY_MAJOR
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device (cached); ``DEFAULT_NUM_SMS`` for other devices (the Triton interpreter)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def gluon_runs_on(t: torch.Tensor | torch.device) -> bool:
+    """True when the Gluon kernels may launch for a tensor (or on a device) here."""
+    device = t if isinstance(t, torch.device) else t.device
+    if not (GLUON_ENABLED and device.type == "cuda"):
+        return False
+    return gluon_runs_on_device(GLUON_ENABLED, True, _capability_major(device.index))
+
+
+def routing_device(t: torch.Tensor | torch.device) -> Device:
+    """What the routing tables need to know about the device of ``t``."""
+    device = t if isinstance(t, torch.device) else t.device
+    return Device(num_sms=num_sms(device), gluon=gluon_runs_on(device))

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.attention.fp8 import fp8_max
+from kvforge.attention.fp8 import is_fp8 as is_fp8_dtype
+
 try:  # Triton is optional: the CPU engine never imports this module's kernels.
     import triton
     import triton.language as tl
@@ -26,9 +29,6 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     triton = None
     tl = None
     HAS_TRITON = False
-
-_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
 
 if HAS_TRITON:
 
@@ -116,7 +116,7 @@ def write_kv_cache(
         raise ValueError("k, v and kv_cache need a contiguous last (head_dim) axis")
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.to(torch.int64)
-    is_fp8 = kv_cache.dtype in _FP8_MAX
+    is_fp8 = is_fp8_dtype(kv_cache.dtype)
     if is_fp8:
         if k_scale is None or v_scale is None:
             raise ValueError("fp8 kv cache needs k_scale and v_scale")
@@ -145,6 +145,6 @@ def write_kv_cache(
         D_PAD=triton.next_power_of_2(d),
         BLOCK_SIZE=bs,
         IS_FP8=is_fp8,
-        FMAX=_FP8_MAX.get(kv_cache.dtype, 0.0),
+        FMAX=fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
         num_warps=4,
     )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kernels.triton_cache_write import _FP8_MAX  # the same saturation rule as the GQA cache write
+from kvforge.attention.fp8 import fp8_max
+from kvforge.attention.fp8 import is_fp8 as is_fp8_dtype
 
 try:  # Triton is optional: the CPU engine never imports this module's kernels.
     import triton
@@ -89,7 +90,7 @@ def write_mla_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Ten
         raise ValueError("latent, k_rope and the cache need a contiguous last axis")
     if n == 0:
         return
-    is_fp8 = cache.dtype in _FP8_MAX
+    is_fp8 = is_fp8_dtype(cache.dtype)
     if is_fp8:
         if scale is None:
             raise ValueError("an fp8 MLA cache needs its per-tensor scale")
@@ -104,5 +105,5 @@ def write_mla_cache(latent: torch.Tensor, k_rope: torch.Tensor, cache: torch.Ten
         latent, k_rope, cache, slot_mapping, scale,
         latent.stride(0), k_rope.stride(0), cache.stride(0), cache.stride(1),
         R=r, R_PAD=triton.next_power_of_2(r), P=p, P_PAD=triton.next_power_of_2(p), BLOCK_SIZE=bs,
-        IS_FP8=is_fp8, FMAX=_FP8_MAX.get(cache.dtype, 0.0), num_warps=4,
+        IS_FP8=is_fp8, FMAX=fp8_max(cache.dtype) if is_fp8 else 0.0, num_warps=4,
     )

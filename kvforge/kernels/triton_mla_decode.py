@@ -45,13 +45,14 @@ the tl.dot kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from kvforge.attention.fp8 import FP8_DTYPES, storage_dtype_name
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels import gluon_mla_decode
-from kvforge.kernels.triton_paged_attention import _FP8, _LOG2E, _num_sms
+from kvforge.attention.routing import mla as mla_routing
+from kvforge.kernels import gluon_mla_decode, gluon_mla_decode_ws
+from kvforge.kernels.gluon_support import num_sms, routing_device
+from kvforge.kernels.triton_paged_attention import LOG2E
 
 try:  # Triton is optional (the CPU engine does not need it).
     import triton
@@ -72,7 +73,6 @@ if HAS_TRITON:
 QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
 #: KV dtypes an fp8 query can be paired with (the fp8 dot needs e4m3 x e4m3).
 QUANTIZED_QUERY_KV_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
-MAX_SPLITS = 32
 #: Process-wide memo (why global: a compile-time fact about this GPU and Triton, the same for every engine):
 #: (heads, q dtype, cache dtype, R, P, block size, fp8 query) -> tile_n / block_h that fit in shared memory
 #: after the default ran out (see the OutOfResources fallback in mla_decode).
@@ -222,54 +222,22 @@ if HAS_TRITON:
                      o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & (r[None, :] < R))
 
 
-def _head_blocking(num_heads: int) -> tuple[int, int]:
-    """(heads per program, target programs per SM): 16 / 4 up to 16 heads, 32 / 2 up to 32, else 64 / 2."""
-    if num_heads <= 16:
-        return 16, 4
-    return (32 if num_heads <= 32 else 64), 2
-
-
 def choose_config(num_heads: int, dot_bytes: int, row_pad: int) -> dict:
-    """Tile sizes and launch parameters, from the H200 sweep of benchmarks/bench_mla_decode.py (docs/MLA.md):
-    64-token tiles, 8 warps, 2 stages, heads per program and programs per SM from :func:`_head_blocking`.
-    Tiles shrink so that 2 stages of cache rows *in the dot's element size* (``dot_bytes``: 4 for float32
-    IEEE dots, whatever the cache stores) fit in 160 KB of shared memory (float32 dots: 32 tokens)."""
-    block_h, programs_per_sm = _head_blocking(num_heads)
+    """Tile sizes and launch parameters: 64-token tiles, 8 warps, 2 stages, heads per program and programs per
+    SM from :func:`kvforge.attention.routing.mla.tl_dot_head_blocking`. Tiles shrink so that 2 stages of cache
+    rows *in the dot's element size* (``dot_bytes``: 4 for float32 IEEE dots, whatever the cache stores) fit
+    in 160 KB of shared memory (float32 dots: 32 tokens)."""
+    block_h, programs_per_sm = mla_routing.tl_dot_head_blocking(num_heads)
     tile_n = 64
     while tile_n > 16 and 2 * tile_n * row_pad * dot_bytes > 160 * 1024:
         tile_n //= 2
-    return dict(block_h=block_h, tile_n=tile_n, num_warps=8, num_stages=2, cvt_asm=False,
-                programs_per_sm=programs_per_sm)
-
-
-def decode_num_splits(num_seqs: int, head_blocks: int, max_seq_len: int, num_sms: int,
-                      programs_per_sm: int = 2) -> int:
-    """Split-K factor: about ``programs_per_sm`` programs per SM, no split under 256 tokens, at most MAX_SPLITS."""
-    progs = max(1, num_seqs * head_blocks)
-    return max(1, min(math.ceil(programs_per_sm * num_sms / progs), max(1, max_seq_len // 256), MAX_SPLITS))
-
-
-def use_wgmma(q_latent: torch.Tensor, cache: torch.Tensor, query_dtype: str | None, config: dict | None) -> bool:
-    """Whether :func:`mla_decode` hands the call to the wgmma kernel: its ``supports`` (routing rule and
-    Gluon gate) and not ``config["wgmma"] == False`` (benchmarks and tests force the tl.dot kernel)."""
-    return (config or {}).get("wgmma", True) and gluon_mla_decode.supports(q_latent, cache, query_dtype)
-
-
-def pinned_num_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, *, wgmma: bool = False,
-                      is_fp8: bool = False) -> int:
-    """The split count :func:`mla_decode` picks (default config) for ``num_seqs`` sequences at context
-    ``max_seq_len``: what a CUDA graph of that batch pins (kvforge/engine/cuda_graphs.py). ``wgmma``:
-    the batch goes to the wgmma kernel (``gluon_mla_decode.routes`` and its gate), whose rule differs."""
-    if wgmma:
-        return gluon_mla_decode.pinned_num_splits(num_seqs, num_heads, max_seq_len, num_sms, is_fp8)
-    block_h, programs_per_sm = _head_blocking(num_heads)
-    return decode_num_splits(num_seqs, -(-num_heads // block_h), max_seq_len, num_sms, programs_per_sm)
+    return dict(block_h=block_h, tile_n=tile_n, num_warps=8, num_stages=2, programs_per_sm=programs_per_sm)
 
 
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                scale: torch.Tensor | None, softmax_scale: float, *, query_dtype: str | None = None,
                num_splits: int | None = None, out: torch.Tensor | None = None,
-               _config: dict | None = None) -> torch.Tensor:
+               tl_dot_only: bool = False) -> torch.Tensor:
     """Latent-space decode attention (see the module docstring): ``o_latent [T, H, R]`` in q's dtype.
 
     ``q_latent [T, H, R]``, ``q_rope [T, H, P]`` (last axes contiguous); one
@@ -293,7 +261,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
                          f"{meta.max_query_len} (prefill goes through the expanded path)")
     if q_latent.stride(-1) != 1 or q_rope.stride(-1) != 1 or cache.stride(2) != 1:
         raise ValueError("q_latent, q_rope and the cache need a contiguous last axis")
-    is_fp8 = cache.dtype in _FP8
+    is_fp8 = cache.dtype in FP8_DTYPES
     fp8_query = query_dtype is not None
     if fp8_query:
         if query_dtype not in QUANTIZED_QUERY_DTYPES:
@@ -315,23 +283,36 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         return out
     if is_fp8 and scale is None:
         raise ValueError("an fp8 MLA cache needs its per-tensor scale")
-    # The e4m3 query declared at up to 16 heads pays only on the warp-specialized kernel; the tl.dot kernel's
-    # fp8 regime is slower there than its model-dtype query (docs/BENCHMARKS.md section 6, tenth session) and
-    # less accurate, so wherever the fp8 score product cannot run the exact query does (unless a caller
-    # forces the tl.dot kernel with _config, as the benchmarks do).
-    exact_fallback = fp8_query and h <= gluon_mla_decode.MAX_FP8_QUERY_HEADS and (_config or {}).get("wgmma", True)
-    for wgmma_query in (query_dtype, None) if exact_fallback else (query_dtype,):
-        if use_wgmma(q_latent, cache, wgmma_query, _config):
-            wgmma_key = (h, q_latent.dtype, cache.dtype, bs, wgmma_query)
-            if wgmma_key not in _WGMMA_OUT_OF_RESOURCES:
-                try:
-                    return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
-                                                             num_splits=num_splits, out=out,
-                                                             query_dtype=wgmma_query)  # fmt: skip
-                except OutOfResources:  # at the first call (before any graph capture); the next one serves
-                    _WGMMA_OUT_OF_RESOURCES.add(wgmma_key)
-    if exact_fallback:
-        fp8_query, query_dtype = False, None
+    shape = mla_routing.MLAShape(num_seqs, h, r, p, meta.max_seq_len, storage_dtype_name(q_latent.dtype),
+                                 storage_dtype_name(cache.dtype), query_dtype)
+    for route in mla_routing.decode_candidates(shape, routing_device(q_latent), num_splits, tl_dot_only):
+        if route.kernel == mla_routing.TL_DOT.name:
+            return _launch_tl_dot(q_latent, q_rope, cache, meta, scale, softmax_scale, route.query_dtype,
+                                  num_splits, out)
+        gluon_key = (h, q_latent.dtype, cache.dtype, bs, route.query_dtype)
+        if gluon_key in _WGMMA_OUT_OF_RESOURCES:
+            continue
+        try:
+            if route.kernel == mla_routing.WS.name:
+                return gluon_mla_decode_ws.mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                                                         num_splits=route.splits, out=out,
+                                                         fp8_query=route.query_dtype is not None)  # fmt: skip
+            return gluon_mla_decode.mla_decode_wgmma(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                                                     num_splits=route.splits, out=out,
+                                                     query_dtype=route.query_dtype)  # fmt: skip
+        except OutOfResources:  # at the first call (before any graph capture); the next candidate serves
+            _WGMMA_OUT_OF_RESOURCES.add(gluon_key)
+    raise AssertionError("the routing table's last candidate is the tl.dot kernel")  # pragma: no cover
+
+
+def _launch_tl_dot(q_latent, q_rope, cache, meta, scale, softmax_scale, query_dtype, num_splits, out):
+    """The tl.dot kernel (``query_dtype``: None or "fp8_e4m3"); the split count from the routing table's rule
+    for the heads per program that fit (see the OutOfResources fallback)."""
+    t, h, r = q_latent.shape
+    bs, p = cache.shape[1], q_rope.shape[-1]
+    num_seqs = meta.num_seqs
+    is_fp8 = cache.dtype in FP8_DTYPES
+    fp8_query = query_dtype is not None
     if is_fp8:
         scale = scale.to(torch.float32).reshape(-1)[:1]
     else:
@@ -347,16 +328,11 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
     shape_key = (h, q_latent.dtype, cache.dtype, r, p, bs, fp8_query)
     cfg = choose_config(h, 4 if ieee_dot else cache.element_size(), r_pad + p_pad)
     cfg.update(_SHRUNK_CONFIGS.get(shape_key, {}))
-    if _config:
-        cfg.update({k: v for k, v in _config.items() if k != "wgmma"})
     while True:
         block_h = cfg["block_h"]
         head_blocks = -(-h // block_h)
-        splits = num_splits
-        if splits is None:
-            splits = decode_num_splits(num_seqs, head_blocks, meta.max_seq_len, _num_sms(q_latent.device),
-                                       cfg["programs_per_sm"])
-        splits = max(1, min(int(splits), MAX_SPLITS))
+        splits = mla_routing.tl_dot_splits(num_seqs, h, meta.max_seq_len, num_sms(q_latent.device), block_h,
+                                           cfg["programs_per_sm"], forced=num_splits)  # fmt: skip
         use_split = splits > 1
         if use_split:
             part_acc = torch.empty((t, h, splits, r_pad), dtype=torch.float32, device=q_latent.device)
@@ -367,13 +343,13 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
             _mla_decode_kernel[(num_seqs, head_blocks, splits)](
                 q_latent, q_rope, cache, out, part_acc, part_ml,
                 meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                float(softmax_scale) * _LOG2E, splits,
+                float(softmax_scale) * LOG2E, splits,
                 q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
                 out.stride(0), out.stride(1), cache.stride(0), cache.stride(1), meta.block_tables.stride(0),
                 NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
                 TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
                 IEEE_DOT=ieee_dot, USE_SPLIT=use_split,
-                CVT_ASM=bool(cfg["cvt_asm"]) and f16_dot, IS_E5M2=cache.dtype == torch.float8_e5m2,
+                CVT_ASM=False, IS_E5M2=cache.dtype == torch.float8_e5m2,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             break

@@ -28,12 +28,15 @@ All row/slot/byte offsets are int64; block ids are the contract's int32.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import torch
 
+from kvforge.attention.fp8 import FP8_DTYPES, storage_dtype_name
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.routing import paged as paged_routing
 from kvforge.kernels import gluon_fp8_decode
+from kvforge.kernels.gluon_support import routing_device
 
 try:  # Triton is optional (the CPU engine does not need it).
     import triton
@@ -72,20 +75,10 @@ MAX_ADDRESSABLE_BLOCK: int = 2**31 - 1
 MAX_ADDRESSABLE_SLOT: int = 2**31 * BLOCK_SIZE_MULTIPLE - 1
 MAX_CONTEXT_LEN: int = 2**31 - 1
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_LOG2E = 1.4426950408889634
-_NUM_SMS: dict[int, int] = {}
+#: log2(e): every decode kernel works in the exp2 domain (softmax scale x LOG2E; split partials keep
+#: log2-domain maxima).
+LOG2E = 1.4426950408889634
 _LAST_LAUNCH: dict = {}  # diagnostics: the last compiled attention kernel (n_regs, n_spills)
-
-
-def _num_sms(device: torch.device) -> int:
-    """SM count of a CUDA device (cached); 132 (an H100/H200) for other devices, e.g. the Triton interpreter."""
-    if device.type != "cuda":
-        return 132
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 if HAS_TRITON:
@@ -424,28 +417,6 @@ if HAS_TRITON:
         )
 
 
-def _choose_config(
-    is_decode_like: bool, g_pad: int, d_pad: int, is_fp8: bool, block_size: int, max_query_len: int
-) -> dict:
-    """Tile sizes and launch parameters (tuned on H200, see docs/KERNELS.md)."""
-    if is_decode_like:
-        block_q = max(1, 16 // g_pad)
-        block_q = max(block_q, triton.next_power_of_2(max_query_len))
-        block_m = block_q * g_pad
-        tile_n = 128 if d_pad <= 128 else 64
-        num_warps = 4
-        num_stages = 3
-    else:
-        block_m = 128 if d_pad <= 128 else 64
-        block_m = max(block_m, g_pad)
-        block_q = block_m // g_pad
-        tile_n = 64 if d_pad <= 128 else 32
-        num_warps = 8 if d_pad >= 128 else 4
-        num_stages = 2
-    tile_n = max(tile_n, 16)
-    return dict(block_q=block_q, block_m=block_m, tile_n=tile_n, num_warps=num_warps, num_stages=num_stages)
-
-
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -457,16 +428,22 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
-    _config: dict | None = None,
+    kernel: str | None = None,
+    gluon_tiling: dict | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention of ``q`` ([T, Hq, D]) over ``kv_cache``.
+    """Causal paged attention of ``q`` ([T, Hq, D]) over ``kv_cache``; output dtype = ``q.dtype``.
 
-    See the module docstring. ``num_splits`` forces the split-K factor of the
-    decode path (``None``: heuristic from batch size, context and SM count;
-    CUDA-graph callers may want to pin it). Output dtype = ``q.dtype``.
+    See the module docstring. The kernel and its split count come from the backend's routing table
+    (:func:`kvforge.attention.routing.paged.route`); ``num_splits`` pins the count (CUDA graphs).
+    ``kernel`` (tests): ``"tl_dot"`` keeps the Gluon kernels out; ``"gluon_fp8_warp"`` /
+    ``"gluon_fp8_cta"`` pick that Gluon kernel wherever the table routes the call to a Gluon kernel
+    (elsewhere the table's choice runs). ``gluon_tiling`` (tests): tiling overrides for the Gluon
+    kernels (:func:`kvforge.kernels.gluon_fp8_decode.launch_gluon_fp8_decode`).
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention needs triton")
+    if kernel is not None and kernel not in paged_routing.KERNEL_NAMES:
+        raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(paged_routing.KERNEL_NAMES)}")
     T, hq, d = q.shape
     nb, two, hkv, bs, c_d = kv_cache.shape
     if two != 2 or c_d != d:
@@ -486,7 +463,7 @@ def paged_attention(
     num_seqs = meta.num_seqs
     if T == 0 or num_seqs == 0:
         return out
-    is_fp8 = kv_cache.dtype in _FP8
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
     if is_fp8:
         if k_scale is None or v_scale is None:
             raise ValueError("fp8 kv cache needs k_scale and v_scale")
@@ -495,40 +472,19 @@ def paged_attention(
     else:
         k_scale = v_scale = meta.seq_lens  # unused placeholders
 
-    g = hq // hkv
-    g_pad = triton.next_power_of_2(g)
-    d_pad = max(16, triton.next_power_of_2(d))
-    decode_like = meta.max_query_len * g_pad <= 16 or meta.max_query_len == 1
-    cfg = _choose_config(decode_like, g_pad, d_pad, is_fp8, bs, meta.max_query_len)
-    if _config:
-        cfg.update(_config)
-    block_q, block_m, tile_n = cfg["block_q"], cfg["block_m"], cfg["tile_n"]
-    one_tile = meta.max_query_len <= block_q
-
     window = int(sliding_window) if sliding_window else 0
-    use_window = window > 0 and window < meta.max_seq_len
-
-    splits = 1
-    use_gluon = cfg.get("gluon", True) and gluon_fp8_decode.supports(q, kv_cache, meta.max_query_len, g)
-    if use_gluon:
-        ctx = min(meta.max_seq_len, window) if use_window else meta.max_seq_len
-        variant, splits = gluon_fp8_decode.choose_variant_and_splits(
-            num_seqs, hkv, ctx, _num_sms(q.device), num_splits
-        )
-        cfg.setdefault("gluon_variant", variant)
-    elif one_tile:
-        if num_splits is not None:
-            splits = max(1, int(num_splits))
-        else:
-            # Enough CTAs to fill the GPU ~4 times over, but no split shorter
-            # than 256 tokens (2 tiles) and at most 64 splits (merge tile size).
-            progs = num_seqs * hkv
-            target = 4 * _num_sms(q.device)
-            ctx = min(meta.max_seq_len, window) if use_window else meta.max_seq_len
-            max_by_len = max(1, ctx // 256)
-            splits = max(1, min(math.ceil(target / progs), max_by_len, 64))
+    shape = paged_routing.PagedShape(num_seqs, hq, hkv, d, meta.max_query_len, meta.max_seq_len,
+                                     storage_dtype_name(q.dtype), storage_dtype_name(kv_cache.dtype), window)
+    device = routing_device(q)
+    if kernel == paged_routing.TL_DOT.name:
+        device = dataclasses.replace(device, gluon=False)
+    route = paged_routing.route(shape, device, num_splits)
+    use_gluon = route.kernel != paged_routing.TL_DOT.name
+    if use_gluon and kernel is not None:
+        route = dataclasses.replace(route, kernel=kernel)
+    splits = route.splits
     use_split = splits > 1
-
+    d_pad = max(16, triton.next_power_of_2(d))
     if use_split:
         part_acc = torch.empty((T, hq, splits, d_pad), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((T, hq, splits, 2), dtype=torch.float32, device=q.device)
@@ -538,11 +494,14 @@ def paged_attention(
     if use_gluon:
         _LAST_LAUNCH["attn"] = gluon_fp8_decode.launch_gluon_fp8_decode(
             q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale,
-            float(softmax_scale) * _LOG2E, window if use_window else 0, splits, cfg,
+            float(softmax_scale) * LOG2E, window if shape.uses_window else 0, splits,
+            route.kernel == paged_routing.GLUON_FP8_WARP.name, gluon_tiling,
         )  # fmt: skip
     else:
-        f16_dot = is_fp8 and q.dtype != torch.float32 and cfg.get("fp8_dot", "f16") == "f16"
-        grid0 = num_seqs if one_tile else T // block_q + num_seqs
+        tiles = route.tiles
+        g = hq // hkv
+        f16_dot = is_fp8 and q.dtype != torch.float32
+        grid0 = num_seqs if tiles.one_tile else T // tiles.block_q + num_seqs
         grid = (grid0, hkv, splits)
         _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
             q,
@@ -555,7 +514,7 @@ def paged_attention(
             meta.block_tables,
             k_scale,
             v_scale,
-            float(softmax_scale) * _LOG2E,
+            float(softmax_scale) * LOG2E,
             num_seqs,
             window,
             splits,
@@ -570,25 +529,25 @@ def paged_attention(
             meta.block_tables.stride(0),
             NUM_Q_HEADS=hq,
             G=g,
-            G_PAD=g_pad,
-            BLOCK_Q=block_q,
-            BLOCK_M=block_m,
+            G_PAD=triton.next_power_of_2(g),
+            BLOCK_Q=tiles.block_q,
+            BLOCK_M=tiles.block_m,
             HEAD_D=d,
             D_PAD=d_pad,
             BLOCK_SIZE=bs,
-            TILE_N=tile_n,
+            TILE_N=tiles.tile_n,
             IS_FP8=is_fp8,
-            ONE_TILE_PER_SEQ=one_tile,
+            ONE_TILE_PER_SEQ=tiles.one_tile,
             USE_SPLIT=use_split,
-            USE_WINDOW=use_window,
+            USE_WINDOW=shape.uses_window,
             IEEE_DOT=q.dtype == torch.float32,
             F16_DOT=f16_dot,
-            CVT_MODE=cfg.get("cvt_mode", 0) if f16_dot else 0,
-            PREFETCH=bool(cfg.get("prefetch", False)),
+            CVT_MODE=0,
+            PREFETCH=False,
             IS_E5M2=kv_cache.dtype == torch.float8_e5m2,
-            V_DIM_MAJOR=bool(cfg.get("v_dim_major", False)),  # benchmark experiment only
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            V_DIM_MAJOR=False,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
         )
     if use_split:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs)

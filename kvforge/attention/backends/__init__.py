@@ -1,0 +1,1 @@
+"""The attention backend objects (one interface, :mod:`.base`), registered by declaration name."""

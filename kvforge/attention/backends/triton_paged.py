@@ -1,0 +1,38 @@
+"""The Triton paged-attention backend object (CUDA): cache write and paged attention through the kernels
+its routing table (:mod:`kvforge.attention.routing.paged`) picks."""
+
+from __future__ import annotations
+
+from kvforge.attention.backends.base import AttentionBackend, register_backend
+from kvforge.attention.routing import paged as paged_routing
+from kvforge.attention.triton_backend import TRITON_PAGED
+from kvforge.kernels.triton_cache_write import write_kv_cache
+from kvforge.kernels.triton_paged_attention import paged_attention
+
+
+@register_backend
+class TritonPagedBackend(AttentionBackend):
+    declaration = TRITON_PAGED
+    captures_cuda_graphs = True
+
+    def write_cache(self, kv, slot_mapping, k, v):
+        write_kv_cache(k, v, kv.cache, slot_mapping, kv.k_scale, kv.v_scale)
+
+    def attend(self, kv, meta, q, *, num_splits=None):
+        return paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale, kv.window,
+                               num_splits=num_splits)
+
+    def graph_num_splits(self, layers, batch, max_model_len):
+        """The routing table's count at ``max_model_len`` for the first layer's shape; the Gluon rows only
+        where every layer is in their scope (one count serves every layer of the graph)."""
+        device = self.options.device
+        shapes = [self._decode_shape(layer, batch, max_model_len) for layer in layers]
+        gluon = device.gluon and all(paged_routing.applies(paged_routing.GLUON_FP8_CTA, s, device) for s in shapes)
+        first = shapes[0]
+        return paged_routing.pinned_splits(batch, first.num_q_heads, first.num_kv_heads, first.head_size,
+                                           max_model_len, first.query_dtype, first.kv_dtype,
+                                           type(device)(device.num_sms, gluon))  # fmt: skip
+
+    def _decode_shape(self, layer, batch: int, max_model_len: int) -> paged_routing.PagedShape:
+        return paged_routing.PagedShape(batch, layer.heads_per_rank, layer.kv_heads_per_rank, layer.head_size, 1,
+                                        max_model_len, self.options.model_dtype, layer.kv_dtype)

@@ -1,0 +1,186 @@
+"""Routing table of the Triton paged-attention backend (full and sliding layers on CUDA).
+
+Three kernels serve it. The Gluon fp8 decode kernels take decode batches over fp8 caches where the Gluon
+gate is open (:mod:`.platform`); which of the two follows the shape: the "warp" kernel (every warp keeps its
+own softmax over its share of a tile) once each program walks at least ``WARP_MIN_CONTEXT`` tokens and the
+programs fill ``WARP_MIN_WAVES`` waves of the GPU, else the "cta" kernel. Everything else (prefill, mixed
+and 16/32-bit decode, other head sizes, wider GQA groups, the gate closed) runs the tl.dot kernel. The
+kernel depends on the shape only: a pinned split count (CUDA graphs) replaces the count, never the kernel,
+so a captured graph runs the kernel the eager path would.
+
+Inputs are integers and dtype names (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"fp8_e4m3"``,
+``"fp8_e5m2"``); nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvforge.attention.routing.platform import Device
+from kvforge.attention.routing.split_k import SplitRule
+
+FP8_KV_DTYPES: frozenset[str] = frozenset({"fp8_e4m3", "fp8_e5m2"})
+
+
+@dataclass(frozen=True)
+class PagedKernel:
+    """One row of the table: a kernel and when it applies (None: any)."""
+
+    name: str
+    launcher: str  # "module:function" that launches it
+    needs_gluon: bool
+    decode_only: bool
+    kv_dtypes: frozenset[str] | None
+    query_dtypes: frozenset[str] | None
+    head_sizes: frozenset[int] | None
+    max_group: int | None  # query heads per KV head
+    splits: SplitRule
+    #: The "warp" variant's extra condition: context >= this and programs x its splits >= this many waves.
+    min_context: int = 0
+    min_waves: int = 0
+    when: str = ""
+
+
+#: The tl.dot kernel: any batch; split-K only when every sequence's query fits in one tile (decode-like).
+TL_DOT = PagedKernel(
+    name="tl_dot", launcher="kvforge.kernels.triton_paged_attention:paged_attention",
+    needs_gluon=False, decode_only=False, kv_dtypes=None, query_dtypes=None, head_sizes=None, max_group=None,
+    splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True),
+    when="every batch the Gluon rows do not take; split-K when each sequence's query fits one tile",
+)
+_GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
+                    query_dtypes=frozenset({"bfloat16", "float16"}), head_sizes=frozenset({64, 128, 256}),
+                    max_group=16)  # fmt: skip
+#: The Gluon "warp" kernel: long contexts over a full GPU.
+GLUON_FP8_WARP = PagedKernel(
+    name="gluon_fp8_warp", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
+    splits=SplitRule(waves=4, min_tokens=1024, max_splits=64, round_up=True), min_context=2048, min_waves=2,
+    when="context >= 2048 and programs x splits >= 2 x SMs",
+)
+#: The Gluon "cta" kernel: the other fp8 decode batches in the Gluon scope.
+GLUON_FP8_CTA = PagedKernel(
+    name="gluon_fp8_cta", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
+    splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True),
+    when="the other decode batches in the Gluon scope",
+)
+#: In order of preference; the first that applies serves.
+TABLE: tuple[PagedKernel, ...] = (GLUON_FP8_WARP, GLUON_FP8_CTA, TL_DOT)
+KERNEL_NAMES: tuple[str, ...] = tuple(k.name for k in TABLE)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """One call's shape: ``num_seqs`` sequences, query heads ``num_q_heads`` over ``num_kv_heads``, head
+    size ``head_size``, the longest query ``max_query_len`` and context ``max_seq_len``, the layer's
+    ``window`` (0: none)."""
+
+    num_seqs: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    max_query_len: int
+    max_seq_len: int
+    query_dtype: str
+    kv_dtype: str
+    window: int = 0
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def uses_window(self) -> bool:
+        return 0 < self.window < self.max_seq_len
+
+    @property
+    def context(self) -> int:
+        """Tokens a decode program walks at most: the window when it is shorter than the context."""
+        return min(self.max_seq_len, self.window) if self.uses_window else self.max_seq_len
+
+
+@dataclass(frozen=True)
+class TlDotTiles:
+    """The tl.dot kernel's tiles for a shape: ``block_q`` query tokens x ``G_PAD`` heads = ``block_m`` rows
+    per program, ``tile_n`` context tokens per iteration; ``one_tile``: every sequence's query fits one tile
+    (one program per (sequence, KV head), split-K possible)."""
+
+    decode_like: bool
+    block_q: int
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+    one_tile: bool
+
+
+def tl_dot_tiles(shape: PagedShape) -> TlDotTiles:
+    """Decode-like batches (one query tile per sequence): ``16 // G_PAD`` tokens a tile (more when a query
+    is longer), 128-token context tiles up to head size 128, 4 warps, 3 stages. Others: 128 rows (64 above
+    head size 128), 64-token context tiles (32 above 128), 8 warps from head size 128, 2 stages."""
+    g_pad = next_power_of_2(shape.group)
+    d_pad = max(16, next_power_of_2(shape.head_size))
+    q_len = shape.max_query_len
+    decode_like = q_len * g_pad <= 16 or q_len == 1
+    if decode_like:
+        block_q = max(max(1, 16 // g_pad), next_power_of_2(q_len))
+        block_m = block_q * g_pad
+        tile_n, num_warps, num_stages = (128 if d_pad <= 128 else 64), 4, 3
+    else:
+        block_m = max(128 if d_pad <= 128 else 64, g_pad)
+        block_q = block_m // g_pad
+        tile_n, num_warps, num_stages = (64 if d_pad <= 128 else 32), (8 if d_pad >= 128 else 4), 2
+    return TlDotTiles(decode_like, block_q, block_m, max(tile_n, 16), num_warps, num_stages, q_len <= block_q)
+
+
+def applies(kernel: PagedKernel, shape: PagedShape, device: Device) -> bool:
+    """Whether ``kernel``'s row takes ``shape`` on ``device`` (the scope; the warp row's extra condition is
+    :func:`route`'s)."""
+    return ((device.gluon or not kernel.needs_gluon)
+            and (not kernel.decode_only or shape.max_query_len == 1)
+            and (kernel.kv_dtypes is None or shape.kv_dtype in kernel.kv_dtypes)
+            and (kernel.query_dtypes is None or shape.query_dtype in kernel.query_dtypes)
+            and (kernel.head_sizes is None or shape.head_size in kernel.head_sizes)
+            and (kernel.max_group is None or shape.group <= kernel.max_group))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PagedRoute:
+    """What runs: ``kernel`` (a name of :data:`TABLE`) with ``splits`` context splits (1: no split-K)."""
+
+    kernel: str
+    splits: int
+    tiles: TlDotTiles | None = None  # the tl.dot kernel's tiles
+
+
+def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -> PagedRoute:
+    """The kernel and split count for ``shape`` (``forced_splits``: a pinned count; see the module docstring)."""
+    programs = shape.num_seqs * shape.num_kv_heads
+    if applies(GLUON_FP8_CTA, shape, device):
+        warp = GLUON_FP8_WARP
+        warp_splits = warp.splits.splits(programs, shape.context, device.num_sms)
+        if shape.context >= warp.min_context and programs * warp_splits >= warp.min_waves * device.num_sms:
+            kernel, splits = warp, warp_splits
+        else:
+            kernel = GLUON_FP8_CTA
+            splits = kernel.splits.splits(programs, shape.context, device.num_sms)
+        if forced_splits is not None:
+            splits = kernel.splits.apply_forced(forced_splits, programs, shape.context, device.num_sms)
+        return PagedRoute(kernel.name, splits)
+    tiles = tl_dot_tiles(shape)
+    splits = 1
+    if tiles.one_tile:
+        splits = TL_DOT.splits.choose(forced_splits, programs, shape.context, device.num_sms)
+    return PagedRoute(TL_DOT.name, splits, tiles)
+
+
+def pinned_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_size: int, max_model_len: int,
+                  query_dtype: str, kv_dtype: str, device: Device) -> int:
+    """The split count a CUDA graph of ``batch`` decode rows pins: the eager rule at ``max_model_len``
+    (the graph's metadata says ``max_seq_len = max_model_len``; shorter contexts leave trailing splits
+    empty). The window is not looked at, as the graph's own pinning never did."""
+    shape = PagedShape(batch, num_q_heads, num_kv_heads, head_size, 1, max_model_len, query_dtype, kv_dtype)
+    return route(shape, device).splits

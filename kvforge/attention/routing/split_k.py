@@ -1,0 +1,58 @@
+"""The split-K rule every split decode kernel uses, with its parameters named per kernel.
+
+A decode program walks one (sequence, head group) over a slice of its context; with few programs the GPU
+sits idle, so the context is split into ``splits`` slices whose partials a merge kernel combines. The rule:
+as many splits as fill ``waves`` programs per SM (``ceil`` or ``floor`` of the SM count over the programs),
+but no split shorter than ``min_tokens`` and never more than ``max_splits``; at least one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """One kernel's split-K parameters (see the module docstring).
+
+    ``round_up``: ``ceil(waves * SMs / programs)`` (a partial last wave is allowed) rather than the floor
+    (whole waves only). ``forced``: how a caller's pinned count is applied (:meth:`apply_forced`).
+    """
+
+    waves: int
+    min_tokens: int
+    max_splits: int
+    round_up: bool
+    #: "exact": the pinned count as given (at least 1); "capped": also at most ``max_splits``;
+    #: "or_rule": a pinned 0 means "use the rule", then capped.
+    forced: str = "exact"
+
+    def splits(self, programs: int, context_len: int, num_sms: int, waves: int | None = None) -> int:
+        """The rule's split count for ``programs`` programs over a context of ``context_len`` tokens
+        (``waves``: programs per SM where a kernel's residency depends on the shape; default ``self.waves``)."""
+        programs = max(1, programs)
+        target = (waves or self.waves) * num_sms
+        fill = -(-target // programs) if self.round_up else target // programs
+        return max(1, min(fill, context_len // self.min_tokens, self.max_splits))
+
+    def apply_forced(self, forced: int, programs: int, context_len: int, num_sms: int,
+                     waves: int | None = None) -> int:
+        """The split count when a caller pins ``forced`` (CUDA graphs pin the rule's count at the longest
+        context)."""
+        if self.forced == "exact":
+            return max(1, int(forced))
+        if self.forced == "or_rule" and not forced:
+            forced = self.splits(programs, context_len, num_sms, waves)
+        return max(1, min(int(forced), self.max_splits))
+
+    def choose(self, forced: int | None, programs: int, context_len: int, num_sms: int,
+               waves: int | None = None) -> int:
+        """The rule's count, or the pinned one when ``forced`` is not None."""
+        if forced is None:
+            return self.splits(programs, context_len, num_sms, waves)
+        return self.apply_forced(forced, programs, context_len, num_sms, waves)
+
+    def describe(self) -> str:
+        fill = "ceil" if self.round_up else "floor"
+        waves = "waves" if self.waves == 0 else str(self.waves)
+        return f"min({fill}({waves} x SMs / programs), context // {self.min_tokens}, {self.max_splits}), at least 1"

@@ -1,0 +1,46 @@
+"""Every environment switch kvforge reads, typed, in one place.
+
+The environment is read once, at import, into the frozen :data:`ENV` (the installed process does not
+change its mind while it runs). Switches that a user chooses per engine (the MLA prefill mode, the query
+dtype, ...) are engine arguments (:class:`kvforge.config.EngineArgs`), not environment variables; what
+stays here turns an optional accelerated path off for the whole process.
+
+=================================  ==========================================================================
+``KVFORGE_DISABLE_GLUON``          any value but ``""``/``0``/``false``/``no`` turns the Gluon kernels off
+                                   (the tl.dot kernels serve; kvforge/kernels/gluon_support.py)
+``KVFORGE_DISABLE_FUSED_KERNELS``  the same, for the fused Triton RMSNorm/rope/SiLU kernels on CUDA
+=================================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_OFF_VALUES = ("", "0", "false", "no")
+
+
+def switch_is_on(value: str | None) -> bool:
+    """A boolean switch: unset, empty, ``0``, ``false`` and ``no`` (any case, spaces ignored) are off."""
+    return (value or "0").strip().lower() not in _OFF_VALUES
+
+
+@dataclass(frozen=True)
+class Env:
+    """The process's environment switches (see the module docstring)."""
+
+    disable_gluon: bool = False
+    disable_fused_kernels: bool = False
+
+
+def read_env(environ: Mapping[str, str]) -> Env:
+    """The switches as set in ``environ`` (``os.environ`` for :data:`ENV`)."""
+    return Env(
+        disable_gluon=switch_is_on(environ.get("KVFORGE_DISABLE_GLUON")),
+        disable_fused_kernels=switch_is_on(environ.get("KVFORGE_DISABLE_FUSED_KERNELS")),
+    )
+
+
+#: Read once at import (why global: the environment of a running process is fixed; every reader asks).
+ENV: Env = read_env(os.environ)
