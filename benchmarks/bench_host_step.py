@@ -28,7 +28,7 @@ import torch
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.llm_engine import LLMEngine
-from kvforge.engine.model_runner import ModelRunner, _TableCache
+from kvforge.engine.model_runner import BlockTableCache, ModelRunner
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
@@ -41,7 +41,7 @@ class StubRunner:
     def __init__(self, block_size: int, vocab: int, max_seqs: int, seed: int):
         self._r = ModelRunner.__new__(ModelRunner)
         self._r.block_size = block_size
-        self._r._tables = _TableCache()
+        self._r._tables = BlockTableCache()
         self._r.device = torch.device("cpu")
         self._r._pin = False
         self.num_graph_steps = self.num_eager_steps = 0

@@ -2,14 +2,15 @@
 
 Rerun on any CUDA GPU:
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_mla_decode.py [--out DIR] [--quick] [--sweep]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_mla_decode.py [--out DIR] [--quick] [--heads 8,16] [--batches ...]
 
 Shapes: DeepSeek latent rows (kv_lora_rank 512 + rope 64 = 576 per token),
 block size 64, one new token per sequence; heads per rank 8, 16, 128;
 context 4k, 16k, 64k; batch 1, 8, 32, 128 (shapes whose cache would exceed
 40 GB are skipped). Regimes: bf16 cache + bf16 query ("bf16"), fp8 e4m3
 cache + bf16 query ("fp8", regime a), fp8 e4m3 cache + fp8 query ("fp8q",
-regime b). Each call is captured in a CUDA graph and timed by
+regime b), all on the tl.dot kernel; then the same three as the engine routes them (the Gluon
+kernels where the routing table sends the call), checked against the tl.dot kernel. Each call is captured in a CUDA graph and timed by
 triton.testing.do_bench (L2 cleared before every call); median, min, max.
 
 Bytes counted: every context row (576 x element size), the query
@@ -37,12 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench  # noqa: E402
 
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
-from kvforge.kernels.gluon_mla_decode import mla_decode_wgmma  # noqa: E402
-from kvforge.kernels.gluon_mla_decode import supports as wgmma_supports  # noqa: E402
+from kvforge.kernels.gluon_support import gluon_runs_on  # noqa: E402
 from kvforge.kernels.triton_mla_decode import mla_decode  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from exp_gluon_mla_decode import mla_decode_gluon  # noqa: E402
 
 R, P, BS = 512, 64, 64
 SOFTMAX_SCALE = 1.0 / math.sqrt(192)
@@ -98,74 +95,39 @@ def bytes_read(batch, ctx, heads, elem):
 
 REGIMES = {"bf16": (torch.bfloat16, None), "fp8": (torch.float8_e4m3fn, None),
            "fp8q": (torch.float8_e4m3fn, "fp8_e4m3")}
-# The Gluon column-split kernel (<= 16 heads; an experiment, benchmarks/exp_gluon_mla_decode.py, docs/MLA.md),
-# checked against the tl.dot kernel and timed side by side in the same run.
-GLUON_REGIMES = {"bf16_gluon": (torch.bfloat16, mla_decode_gluon), "fp8_gluon": (torch.float8_e4m3fn, mla_decode_gluon)}
-# The wgmma kernel (kvforge/kernels/gluon_mla_decode.py), checked against the tl.dot kernel in the same run.
-# "fp8q_wgmma": the engine's call with the e4m3 query (up to 16 heads; the warp-specialized kernel's fp8 score
-# product where it routes), checked against 2^-4 instead of 2^-6.
-WGMMA_REGIMES = {"bf16_wgmma": (torch.bfloat16, mla_decode_wgmma, None),
-                 "fp8_wgmma": (torch.float8_e4m3fn, mla_decode_wgmma, None),
-                 "fp8q_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, query_dtype="fp8_e4m3"),
-                                "fp8_e4m3"),
-                 "fp8ring_wgmma": (torch.float8_e4m3fn, functools.partial(mla_decode_wgmma, cfg={"fp8_path": 0}), None)}
-GLUON_SWEEP = [dict(gluon_tile_n=tn, gluon_stages=ns, programs_per_sm=pps)
-               for tn in (16, 32, 64) for ns in (2, 3, 4) for pps in (2, 4, 8) if tn * ns <= 128]
+# The engine's call (routed by kvforge/attention/routing/mla.py: the Gluon kernels on sm_90 with the tested
+# Triton), checked against the tl.dot kernel in the same run. "fp8q_routed": the plan's e4m3 query (up to 16
+# heads; the warp-specialized kernel's fp8 score product where it takes the call), checked against 2^-4
+# instead of 2^-6.
+ROUTED_REGIMES = {"bf16_routed": (torch.bfloat16, None), "fp8_routed": (torch.float8_e4m3fn, None),
+                  "fp8q_routed": (torch.float8_e4m3fn, "fp8_e4m3")}
 
 
-def gluon_sweep(copy_bw, shapes=((16, 8, 65536), (16, 32, 65536), (16, 128, 16384))):
-    rows = []
-    scale = torch.tensor([1.0], device="cuda")
-    for heads, batch, ctx in shapes:
-        for name, (cdt, _) in GLUON_REGIMES.items():
-            cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
-            for cfg in GLUON_SWEEP:
-                try:
-                    med, lo, hi = bench(functools.partial(mla_decode_gluon, ql, qr, cache, meta, scale,
-                                                          SOFTMAX_SCALE, cfg=cfg), rep=20)
-                except Exception as e:  # resource limits
-                    med = float("nan")
-                    print("gluon sweep fail", cfg, type(e).__name__, str(e)[:120])
-                nbytes = bytes_read(batch, ctx, heads, cache.element_size())
-                rows.append(dict(heads=heads, batch=batch, ctx=ctx, kv=name.split("_")[0], us=med,
-                                 pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, **cfg))
-            best = min((r for r in rows
-                        if (r["heads"], r["batch"], r["ctx"], r["kv"]) == (heads, batch, ctx, name.split("_")[0])),
-                       key=lambda r: r["us"] if r["us"] == r["us"] else 1e18)
-            print("gluon sweep best", best, flush=True)
-            del cache
-    return rows
-
-
-def run_shape(batch, ctx, heads, copy_bw, picks=None, with_gluon_exp=False):
+def run_shape(batch, ctx, heads, copy_bw):
     row = dict(batch=batch, ctx=ctx, heads=heads)
     scale = torch.tensor([1.0], device="cuda")
     for name, (cdt, qd) in REGIMES.items():
-        config = (picks or {}).get((heads_class(heads), name))
         cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
         call = functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE, query_dtype=qd,
-                                 _config=dict(config or {}, wgmma=False))  # the tl.dot kernel
+                                 tl_dot_only=True)  # the tl.dot kernel
         med, lo, hi = bench(call)
         nbytes = bytes_read(batch, ctx, heads, cache.element_size())
         flops = 2 * batch * heads * ctx * (R + P + R)
         row[name] = dict(us=med, min=lo, max=hi, tbps=nbytes / (med * 1e-6) / 1e12,
-                         pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12,
-                         config=config)
+                         pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, tflops=flops / (med * 1e-6) / 1e12)
         del cache, call
-    extra = dict(WGMMA_REGIMES)
-    if with_gluon_exp and heads <= 16:
-        extra.update({k: (cdt, fn, None) for k, (cdt, fn) in GLUON_REGIMES.items()})
-    for name, (cdt, fn, qd) in extra.items():
+    for name, (cdt, qd) in ROUTED_REGIMES.items():
         cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
-        if not wgmma_supports(ql, cache, qd):  # Gluon gate closed (not sm_90 / Triton 3.6) or out of scope
-            print(f"skip {name}: outside the Gluon kernels' gate or scope", flush=True)
+        if not gluon_runs_on(ql) or (qd and heads > 16):  # the Gluon gate is closed, or the query is not declared
+            print(f"skip {name}: the Gluon gate is closed here or the e4m3 query is not declared", flush=True)
             continue
-        want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE, _config={"wgmma": False}).float()
-        got = fn(ql, qr, cache, meta, scale, SOFTMAX_SCALE).float()
+        want = mla_decode(ql, qr, cache, meta, scale, SOFTMAX_SCALE, tl_dot_only=True).float()
+        call = functools.partial(mla_decode, ql, qr, cache, meta, scale, SOFTMAX_SCALE, query_dtype=qd)
+        got = call().float()
         rel = ((got - want).abs().max() / want.abs().max()).item()
         bound = 2.0 ** -4 if qd else 2.0 ** -6
         assert rel <= bound, f"{name} differs from the tl.dot kernel: {rel:.2e}"
-        med, lo, hi = bench(functools.partial(fn, ql, qr, cache, meta, scale, SOFTMAX_SCALE))
+        med, lo, hi = bench(call)
         nbytes = bytes_read(batch, ctx, heads, cache.element_size())
         row[name] = dict(us=med, min=lo, max=hi, tbps=nbytes / (med * 1e-6) / 1e12,
                          pct_copy=100 * nbytes / (med * 1e-6) / copy_bw, max_rel_vs_tl_dot=rel)
@@ -175,52 +137,10 @@ def run_shape(batch, ctx, heads, copy_bw, picks=None, with_gluon_exp=False):
     return row
 
 
-def heads_class(heads):
-    return "h16" if heads <= 16 else "h128"
-
-
-def sweep_configs(cls, regime):
-    for tn in (32, 64):
-        for ns in (2, 3):
-            for pps in (2, 4) if cls == "h16" else (2,):
-                for nw in (8,):
-                    for bh in ((16,) if cls == "h16" else (32, 64)):
-                        for cvt in ((False, True) if regime == "fp8" else (False,)):
-                            yield dict(block_h=bh, tile_n=tn, num_warps=nw, num_stages=ns, programs_per_sm=pps,
-                                       cvt_asm=cvt)
-
-
-def sweep():
-    """Tile configs at one shape per head class; returns the rows and the fastest config per (class, regime)."""
-    out, picks = [], {}
-    shapes = {"h16": (32, 65536, 16), "h128": (8, 16384, 128)}
-    for cls, (batch, ctx, heads) in shapes.items():
-        for name, (cdt, qd) in REGIMES.items():
-            cache, meta, ql, qr = make_case(batch, ctx, heads, cdt)
-            for cfg in sweep_configs(cls, name):
-                try:
-                    med, _, _ = bench(functools.partial(mla_decode, ql, qr, cache, meta, torch.ones(1, device="cuda"),
-                                                        SOFTMAX_SCALE, query_dtype=qd, _config=dict(cfg, wgmma=False)), rep=20)
-                except Exception as e:  # out of resources etc.
-                    med = float("nan")
-                    print("  config failed", cfg, name, type(e).__name__, str(e)[:80])
-                out.append(dict(batch=batch, ctx=ctx, heads=heads, regime=name, **cfg, us=med))
-            del cache
-            ok = [r for r in out if (r["heads"], r["regime"]) == (heads, name) and r["us"] == r["us"]]
-            best = min(ok, key=lambda r: r["us"])
-            picks[(cls, name)] = {k: best[k] for k in ("block_h", "tile_n", "num_warps", "num_stages",
-                                                      "programs_per_sm", "cvt_asm")}
-            print(f"best {batch}x{ctx} H{heads} {name}: {best['us']:.1f} us with {picks[(cls, name)]}", flush=True)
-    return out, picks
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--gluon-sweep", action="store_true", help="sweep the Gluon kernel's tiles (<= 16 heads)")
-    ap.add_argument("--gluon-exp", action="store_true", help="also time the column-split experiment (<= 16 heads)")
     ap.add_argument("--heads", default=None, help="comma-separated heads per rank (default 8,16,128)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32,128)")
     ap.add_argument("--ctxs", default=None, help="comma-separated contexts (default 4096,16384,65536)")
@@ -230,12 +150,6 @@ def main():
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})")
     result = dict(date=datetime.datetime.now(datetime.UTC).isoformat(), gpu=torch.cuda.get_device_name(),
                   torch=torch.__version__, host=platform.node(), copy_tbps=copy_bw / 1e12, rows=[])
-    picks = None
-    if args.sweep:
-        result["sweep"], picks = sweep()
-        result["picks"] = {f"{k[0]}/{k[1]}": v for k, v in picks.items()}
-    if args.gluon_sweep:
-        result["gluon_sweep"] = gluon_sweep(copy_bw)
 
     def ints(text, default):
         return tuple(int(x) for x in text.split(",")) if text else default
@@ -250,13 +164,11 @@ def main():
             for ctx in ctxs:
                 if batch * ctx * (R + P) * 2 > 40e9:
                     continue
-                row = run_shape(batch, ctx, heads, copy_bw, picks, args.gluon_exp)
+                row = run_shape(batch, ctx, heads, copy_bw)
                 result["rows"].append(row)
                 b, f, q = row["bf16"], row["fp8"], row["fp8q"]
                 tl = "".join(f" | {k} {row[k]['us']:.1f} ({row[k]['pct_copy']:.0f}%)"
-                             for k in ("bf16_wgmma", "fp8_wgmma", "fp8q_wgmma", "fp8ring_wgmma", "bf16_gluon",
-                                       "fp8_gluon")
-                             if k in row)
+                             for k in ROUTED_REGIMES if k in row)
                 print(f"{heads:>4} {batch:>5} {ctx:>6} | {b['us']:>9.1f} {b['pct_copy']:>4.0f} | {f['us']:>9.1f} "
                       f"{f['pct_copy']:>4.0f} | {q['us']:>9.1f} {q['pct_copy']:>4.0f} {q['tflops']:>9.0f} | "
                       f"{row['fp8_vs_bf16']:>8.2f} {row['fp8q_vs_fp8']:>8.2f}{tl}", flush=True)

@@ -36,7 +36,7 @@ from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
 
 
-class _TableCache:
+class BlockTableCache:
     """Host (numpy int32) copies of block tables, so a decode step does not
     convert every sequence's whole Python list again.
 
@@ -158,7 +158,7 @@ class ModelRunner:
 
             self.ring_backend = backend_class(RING)(self.backend_options)
         self._num_splits: int | None = None  # pinned split-K factor (CUDA-graph decode)
-        self._tables = _TableCache()
+        self._tables = BlockTableCache()
         self._pin = device.type == "cuda"
         self.num_graph_steps = 0
         self.num_eager_steps = 0

@@ -67,7 +67,7 @@ except ImportError:  # pragma: no cover
 if HAS_TRITON:
     from triton.runtime.errors import OutOfResources
 
-    from kvforge.kernels.triton_paged_attention import _fp8_to_f16, merge_split_partials
+    from kvforge.kernels.triton_paged_attention import merge_split_partials
 
 #: Query dtypes the kernel implements besides the model dtype.
 QUANTIZED_QUERY_DTYPES: tuple[str, ...] = ("fp8_e4m3",)
@@ -120,8 +120,6 @@ if HAS_TRITON:
         F16_DOT: tl.constexpr,
         IEEE_DOT: tl.constexpr,  # dots in float32 (IEEE): q and the tile are upcast
         USE_SPLIT: tl.constexpr,
-        CVT_ASM: tl.constexpr,
-        IS_E5M2: tl.constexpr,
     ):
         seq = tl.program_id(0)
         hb = tl.program_id(1)
@@ -186,11 +184,7 @@ if HAS_TRITON:
                 s = tl.dot(ql, tl.trans(c)) + tl.dot(qr, tl.trans(kr))
                 cv = c.to(tl.float16)
             else:
-                if CVT_ASM:  # fp8 -> fp16 once, in registers, before either dot (see _fp8_to_f16)
-                    cv = _fp8_to_f16(c, IS_E5M2)
-                    kr = _fp8_to_f16(kr, IS_E5M2)
-                else:
-                    cv = c.to(ql.dtype)
+                cv = c.to(ql.dtype)
                 if IEEE_DOT:
                     s = tl.dot(ql, tl.trans(cv), input_precision="ieee")
                     s += tl.dot(qr, tl.trans(kr.to(qr.dtype)), input_precision="ieee")
@@ -349,7 +343,6 @@ def _launch_tl_dot(q_latent, q_rope, cache, meta, scale, softmax_scale, query_dt
                 NUM_HEADS=h, BLOCK_H=block_h, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, BLOCK_SIZE=bs,
                 TILE_N=cfg["tile_n"], IS_FP8=is_fp8, FP8_QUERY=fp8_query, F16_DOT=f16_dot,
                 IEEE_DOT=ieee_dot, USE_SPLIT=use_split,
-                CVT_ASM=False, IS_E5M2=cache.dtype == torch.float8_e5m2,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             break

@@ -98,13 +98,8 @@ if HAS_TRITON:
         BLOCK_SIZE,
         HEAD_D,
         D_PAD,
-        V_DIM_MAJOR: tl.constexpr = False,
     ):
-        """Raw (storage dtype) K and V of tokens start..start+TILE_N-1 (masked at hi).
-
-        ``V_DIM_MAJOR`` (benchmark experiment only, never planned: docs/KERNELS.md
-        item 5, 2x slower): V pages stored ``[head_dim, block_size]``, loaded as
-        ``[D, TILE_N]`` and transposed in registers."""
+        """Raw (storage dtype) K and V of tokens start..start+TILE_N-1 (masked at hi)."""
         pos = start + n_off
         p_ok = pos < hi
         blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_ok, other=0).to(tl.int64)
@@ -115,43 +110,8 @@ if HAS_TRITON:
         else:
             kv_mask = p_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_base + kv_off, mask=kv_mask, other=0.0)
-        if V_DIM_MAJOR:
-            vt_off = (blk * stride_cb + (pos % BLOCK_SIZE).to(tl.int64))[None, :] + (d * BLOCK_SIZE)[:, None]
-            if HEAD_D == D_PAD:
-                vt_mask = p_ok[None, :]
-            else:
-                vt_mask = p_ok[None, :] & d_ok[:, None]
-            v = tl.trans(tl.load(kv_base + stride_ckv + vt_off, mask=vt_mask, other=0.0))
-        else:
-            v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
         return k, v
-
-    @triton.jit
-    def _fp8_to_f16(x, IS_E5M2: tl.constexpr):
-        """fp8 -> fp16 with the hardware pair conversion, as an opaque op (keeps the
-        conversion in registers before the dot-operand shuffle, see docs/KERNELS.md)."""
-        xb = x.to(tl.uint8, bitcast=True)
-        if IS_E5M2:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
-                "=r,=r,r",
-                [xb],
-                dtype=tl.float16,
-                is_pure=True,
-                pack=4,
-            )
-        else:
-            y = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-                "=r,=r,r",
-                [xb],
-                dtype=tl.float16,
-                is_pure=True,
-                pack=4,
-            )
-        return y
 
     @triton.jit
     def _paged_attn_kernel(
@@ -193,10 +153,6 @@ if HAS_TRITON:
         USE_WINDOW: tl.constexpr,
         IEEE_DOT: tl.constexpr,
         F16_DOT: tl.constexpr,
-        CVT_MODE: tl.constexpr,
-        PREFETCH: tl.constexpr,
-        IS_E5M2: tl.constexpr,
-        V_DIM_MAJOR: tl.constexpr,
     ):
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -272,11 +228,13 @@ if HAS_TRITON:
         kv_base = kv_ptr + kvh.to(tl.int64) * stride_ch
         bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
         n_off = tl.arange(0, TILE_N)
-        if PREFETCH:
-            k_nx, v_nx = _load_kv_tile(
+        for start in range(lo, hi, TILE_N):
+            pos = start + n_off
+            p_ok = pos < hi
+            k, v = _load_kv_tile(
                 kv_base,
                 bt_row,
-                lo,
+                start,
                 hi,
                 n_off,
                 d,
@@ -287,54 +245,8 @@ if HAS_TRITON:
                 BLOCK_SIZE,
                 HEAD_D,
                 D_PAD,
-                V_DIM_MAJOR,
             )
-        for start in range(lo, hi, TILE_N):
-            pos = start + n_off
-            p_ok = pos < hi
-            if PREFETCH:
-                k = k_nx
-                v = v_nx
-                k_nx, v_nx = _load_kv_tile(
-                    kv_base,
-                    bt_row,
-                    start + TILE_N,
-                    hi,
-                    n_off,
-                    d,
-                    d_ok,
-                    stride_cb,
-                    stride_ckv,
-                    stride_cs,
-                    BLOCK_SIZE,
-                    HEAD_D,
-                    D_PAD,
-                    V_DIM_MAJOR,
-                )
-            else:
-                k, v = _load_kv_tile(
-                    kv_base,
-                    bt_row,
-                    start,
-                    hi,
-                    n_off,
-                    d,
-                    d_ok,
-                    stride_cb,
-                    stride_ckv,
-                    stride_cs,
-                    BLOCK_SIZE,
-                    HEAD_D,
-                    D_PAD,
-                    V_DIM_MAJOR,
-                )
-            if CVT_MODE == 2:
-                k = _fp8_to_f16(k, IS_E5M2)
-                v = _fp8_to_f16(v, IS_E5M2)
-            if CVT_MODE == 1:
-                kt = tl.trans(k).to(q.dtype)
-            else:
-                kt = tl.trans(k.to(q.dtype))
+            kt = tl.trans(k.to(q.dtype))
             if IEEE_DOT:
                 s = tl.dot(q, kt, input_precision="ieee")
             else:
@@ -542,10 +454,6 @@ def paged_attention(
             USE_WINDOW=shape.uses_window,
             IEEE_DOT=q.dtype == torch.float32,
             F16_DOT=f16_dot,
-            CVT_MODE=0,
-            PREFETCH=False,
-            IS_E5M2=kv_cache.dtype == torch.float8_e5m2,
-            V_DIM_MAJOR=False,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
