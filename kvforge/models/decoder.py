@@ -10,6 +10,8 @@ interface (``forward``, ``compute_logits``, ``sliding_window``,
 * ``make_layer(args, index, dtype)``: usually a :class:`PreNormDecoderLayer`
   around the family's attention and MLP (or MoE) module;
 * ``make_rotary(args)``: the module computing rope ``cos_sin`` once per step;
+* optionally ``make_final_norm`` (default RMSNorm) and ``forward`` for a
+  layer protocol other than :class:`PreNormDecoderLayer`'s;
 * ``fused_parameters()``: which of its parameters stack several HF tensors
   (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``).
 
@@ -65,6 +67,14 @@ class DecoderArgs:
         self.rope_theta, self.rope_scaling = rope_parameters(config)
         self.softmax_scale = float("nan")
 
+    def read_grouped_query_heads(self, config: dict, default_head_dim: int | None = None) -> None:
+        """``num_kv_heads`` and ``head_dim`` of grouped-query attention, checked to divide the query heads."""
+        self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
+        self.head_dim = int(cfg_get(config, "head_dim", default_head_dim or self.hidden_size // self.num_heads))
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+
 
 class PreNormDecoderLayer(nn.Module):
     """``x + attn(norm(x))``, then ``+ mlp(norm(...))``: the pre-norm residual block.
@@ -103,17 +113,29 @@ class PreNormDecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Token embedding, the layers, the final norm and the rotary shared by every layer (HF ``model.*``)."""
 
-    def __init__(self, a: DecoderArgs, layers: Iterable[nn.Module], rotary: nn.Module, dtype=None):
+    def __init__(self, a: DecoderArgs, layers: Iterable[nn.Module], rotary: nn.Module, norm: nn.Module,
+                 dtype=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.norm = norm
         self.rotary = rotary  # cos/sin are computed once per step for all layers
+
+
+def qkv_parts(a: DecoderArgs) -> list[tuple[str, int]]:
+    """The HF tensors stacked in ``self_attn.qkv_proj``: q rows, then k, then v (grouped-query args)."""
+    q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    return [("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows), ("self_attn.v_proj", kv_rows)]
 
 
 def gate_up_parts(prefix: str, intermediate_size: int) -> list[tuple[str, int]]:
     """The HF tensors stacked in a GatedMLP's ``gate_up_proj`` under ``prefix``: gate rows first, then up."""
     return [(f"{prefix}.gate_proj", intermediate_size), (f"{prefix}.up_proj", intermediate_size)]
+
+
+def attention_and_mlp_parts(a: DecoderArgs) -> dict[str, list[tuple[str, int]]]:
+    """``fused_parameters`` of a layer with fused q/k/v and one gated MLP under ``mlp``."""
+    return {"self_attn.qkv_proj": qkv_parts(a), "mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size)}
 
 
 def copy_checked(dst: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
@@ -137,7 +159,7 @@ class DecoderForCausalLM(nn.Module):
         self.softmax_scale = a.softmax_scale
         self.tie_word_embeddings = a.tie_word_embeddings
         layers = [self.make_layer(a, i, dtype) for i in range(a.num_layers)]
-        self.model = DecoderModel(a, layers, self.make_rotary(a), dtype=dtype)
+        self.model = DecoderModel(a, layers, self.make_rotary(a), self.make_final_norm(a, dtype), dtype=dtype)
         self.lm_head = (
             None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
         )
@@ -148,6 +170,9 @@ class DecoderForCausalLM(nn.Module):
 
     def make_rotary(self, a: DecoderArgs) -> nn.Module:
         raise NotImplementedError
+
+    def make_final_norm(self, a: DecoderArgs, dtype) -> nn.Module:
+        return RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
 
     def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
         """Our fused parameter (name fragment) -> the HF projections stacked in it, in row order, with their rows."""

@@ -27,21 +27,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ConfigError
+from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, attention_and_mlp_parts
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_THETA = {SLIDING: 10_000.0, FULL: 1_000_000.0}
-
-
-def _required(config: dict, key: str) -> int:
-    try:
-        return int(config[key])
-    except KeyError:
-        raise ConfigError(f"Gemma 3 config lacks required key {key!r}") from None
 
 
 def gemma3_layer_types(config: dict, num_layers: int) -> list[str]:
@@ -88,22 +81,16 @@ def text_tensor_name(name: str) -> str | None:
     return name
 
 
-class Gemma3Args:
+class Gemma3Args(DecoderArgs):
     """The numbers the model needs, validated, from an HF ``Gemma3ForCausalLM`` config dict."""
 
+    FAMILY = "Gemma 3"
+    ARCHITECTURES = ("Gemma3ForCausalLM",)
+    DEFAULT_ARCH = "Gemma3ForCausalLM"
+
     def __init__(self, config: dict):
-        self.arch = "Gemma3ForCausalLM"
-        self.hidden_size = _required(config, "hidden_size")
-        self.num_layers = _required(config, "num_hidden_layers")
-        self.num_heads = _required(config, "num_attention_heads")
-        self.intermediate_size = _required(config, "intermediate_size")
-        self.vocab_size = _required(config, "vocab_size")
-        self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
-        self.head_dim = int(cfg_get(config, "head_dim", 256))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_kv_heads})")
-        self.rms_norm_eps = float(cfg_get(config, "rms_norm_eps", 1e-6))
+        super().__init__(config)
+        self.read_grouped_query_heads(config, default_head_dim=256)
         self.hidden_act = cfg_get(config, "hidden_activation", cfg_get(config, "hidden_act", "gelu_pytorch_tanh"))
         self.tie_word_embeddings = bool(cfg_get(config, "tie_word_embeddings", True))
         self.attention_bias = bool(cfg_get(config, "attention_bias", False))
@@ -179,36 +166,30 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, a: Gemma3Args, dtype=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([Gemma3DecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
-        self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        # One rotary per layer type; cos/sin computed once per step for each.
-        self.rotary = nn.ModuleDict({
-            t: RotaryEmbedding(a.head_dim, a.head_dim, *a.rope[t]) for t in sorted(set(a.layer_types))
-        })
-
-
-class Gemma3ForCausalLM(nn.Module):
+class Gemma3ForCausalLM(DecoderForCausalLM):
     """Gemma 3 text decoder over a flat batch; ``attn(layer, q, k, v)`` is the runner's (see module docstring)."""
 
+    ARGS = Gemma3Args
+    args: Gemma3Args
+
     def __init__(self, config: dict, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.config = dict(config)
-        self.args = a = Gemma3Args(config)
-        self.arch = a.arch
-        self.num_layers = a.num_layers
+        super().__init__(config, dtype=dtype)
+        a = self.args
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.hidden_size, self.vocab_size = a.hidden_size, a.vocab_size
-        self.softmax_scale = a.softmax_scale
-        self.tie_word_embeddings = a.tie_word_embeddings
         self.embed_scale = a.hidden_size**0.5
-        self.model = Gemma3Model(a, dtype=dtype)
-        self.lm_head = (
-            None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
-        )
+
+    def make_layer(self, a: Gemma3Args, layer_idx: int, dtype) -> Gemma3DecoderLayer:
+        return Gemma3DecoderLayer(a, layer_idx, dtype=dtype)
+
+    def make_rotary(self, a: Gemma3Args) -> nn.ModuleDict:
+        """One rotary per layer type; cos/sin computed once per step for each."""
+        return nn.ModuleDict({t: RotaryEmbedding(a.head_dim, a.head_dim, *a.rope[t]) for t in sorted(set(a.layer_types))})
+
+    def make_final_norm(self, a: Gemma3Args, dtype) -> GemmaRMSNorm:
+        return GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+
+    def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
+        return attention_and_mlp_parts(self.args)
 
     # -- runner interface ----------------------------------------------------
     def sliding_window(self, layer_idx: int) -> int | None:
@@ -227,77 +208,18 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, w).float()
+        logits = super().compute_logits(hidden)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    # -- weights ---------------------------------------------------------------
-    def _stacked(self) -> dict[str, tuple[str, int, int]]:
-        """HF projection name -> (our fused param suffix, row offset, rows)."""
-        qs, kvs, inter = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.args.intermediate_size
-        return {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, qs),
-            "self_attn.k_proj": ("self_attn.qkv_proj", qs, kvs),
-            "self_attn.v_proj": ("self_attn.qkv_proj", qs + kvs, kvs),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-        }
-
-    def hf_param_names(self) -> list[str]:
-        """Every HF-style tensor name this model consumes."""
-        fused: dict[str, list[str]] = {}
-        for hf, (ours, _, _) in self._stacked().items():
-            fused.setdefault(ours, []).append(hf)
-        out = []
-        for name, _ in self.named_parameters():
-            for ours, hfs in fused.items():
-                if f".{ours}." in name:
-                    prefix, suffix = name.split(f".{ours}.")
-                    out.extend(f"{prefix}.{hf}.{suffix}" for hf in hfs)
-                    break
-            else:
-                out.append(name)
-        return out
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into our parameters; the set of HF names written.
-
-        ConfigError on an unknown name or a shape mismatch.
-        """
-        params = dict(self.named_parameters())
-        stacked = self._stacked()
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for name, tensor in weights:
-            name = text_tensor_name(name)
-            if name is None or "rotary_emb." in name or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            target, rows = name, None
-            for hf, (ours, off, n) in stacked.items():
-                if f".{hf}." in name:
-                    target, rows = name.replace(f".{hf}.", f".{ours}."), (off, n)
-                    break
-            param = params.get(target)
-            if param is None:
-                unknown.append(name)
-                continue
-            dst = param if rows is None else param.narrow(0, *rows)
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ConfigError(
-                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}"
-                )
-            dst.copy_(tensor)
-            loaded.add(name)
-        if unknown:
-            shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
-            raise ConfigError(f"{len(unknown)} checkpoint tensor(s) have no place in {self.arch}: {shown}")
-        return loaded
-
     def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (after ``to_empty``)."""
         for r in self.model.rotary.values():
             r.reset_parameters()
+
+    # -- weights ---------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Text-model tensors (a multimodal checkpoint's renamed, its vision tensors skipped), loaded by name."""
+        return super().load_weights((text, t) for name, t in weights if (text := text_tensor_name(name)) is not None)

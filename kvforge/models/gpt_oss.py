@@ -32,20 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ConfigError
-from kvforge.models.layers import RMSNorm, RotaryEmbedding, cfg_get
+from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, qkv_parts
+from kvforge.models.layers import RotaryEmbedding, cfg_get
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' GptOssConfig defaults for configs that state no rope.
 _DEFAULT_THETA = 150000.0
 _DEFAULT_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
-
-
-def _required(config: dict, key: str) -> int:
-    try:
-        return int(config[key])
-    except KeyError:
-        raise ConfigError(f"gpt-oss config lacks required key {key!r}") from None
 
 
 def gpt_oss_rope(config: dict) -> tuple[float, dict | None]:
@@ -67,21 +61,16 @@ def gpt_oss_rope(config: dict) -> tuple[float, dict | None]:
     return theta, params
 
 
-class GptOssArgs:
+class GptOssArgs(DecoderArgs):
     """The numbers the model needs, validated, from an HF ``GptOssForCausalLM`` config dict."""
 
+    FAMILY = "gpt-oss"
+    ARCHITECTURES = ("GptOssForCausalLM",)
+    DEFAULT_ARCH = "GptOssForCausalLM"
+
     def __init__(self, config: dict):
-        self.arch = "GptOssForCausalLM"
-        self.hidden_size = _required(config, "hidden_size")
-        self.num_layers = _required(config, "num_hidden_layers")
-        self.num_heads = _required(config, "num_attention_heads")
-        self.intermediate_size = _required(config, "intermediate_size")
-        self.vocab_size = _required(config, "vocab_size")
-        self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
-        self.head_dim = int(cfg_get(config, "head_dim", self.hidden_size // self.num_heads))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_kv_heads})")
+        super().__init__(config)
+        self.read_grouped_query_heads(config)
         self.num_experts = int(cfg_get(config, "num_local_experts", cfg_get(config, "num_experts", 0)))
         self.top_k = int(cfg_get(config, "num_experts_per_tok", 4))
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -91,7 +80,6 @@ class GptOssArgs:
         self.swiglu_alpha = float(cfg_get(config, "swiglu_alpha", 1.702))
         self.swiglu_limit = float(cfg_get(config, "swiglu_limit", 7.0))
         self.attention_bias = bool(cfg_get(config, "attention_bias", True))
-        self.tie_word_embeddings = bool(cfg_get(config, "tie_word_embeddings", False))
         self.softmax_scale = self.head_dim**-0.5
         types = config.get("layer_types")
         if types is None:
@@ -263,51 +251,26 @@ class GptOssMLP(nn.Module):
         return self.experts(x, weights, ids)
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, a: GptOssArgs, layer_idx: int, dtype=None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.self_attn = GptOssAttention(a, layer_idx, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.mlp = GptOssMLP(a, dtype=dtype)
-
-    def forward(self, rope, x: torch.Tensor, residual: torch.Tensor | None, attn, rotary) -> tuple:
-        """``(mlp_out, residual)``; the output stream is ``residual + mlp_out`` (summed in the next norm)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, attn, rotary)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, a: GptOssArgs, dtype=None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([GptOssDecoderLayer(a, i, dtype=dtype) for i in range(a.num_layers)])
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
-        self.rotary = GptOssRotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
-
-
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(DecoderForCausalLM):
     """gpt-oss decoder over a flat batch; ``attn(layer, q, k, v)`` is the runner's (see module docstring)."""
 
+    ARGS = GptOssArgs
+    args: GptOssArgs
+
     def __init__(self, config: dict, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.config = dict(config)
-        self.args = a = GptOssArgs(config)
-        self.arch = a.arch
-        self.num_layers = a.num_layers
+        super().__init__(config, dtype=dtype)
+        a = self.args
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
-        self.hidden_size, self.vocab_size = a.hidden_size, a.vocab_size
-        self.softmax_scale = a.softmax_scale
-        self.tie_word_embeddings = a.tie_word_embeddings
-        self.model = GptOssModel(a, dtype=dtype)
-        self.lm_head = (
-            None if a.tie_word_embeddings else nn.Linear(a.hidden_size, a.vocab_size, bias=False, dtype=dtype)
-        )
+
+    def make_layer(self, a: GptOssArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
+        return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, GptOssAttention(a, layer_idx, dtype=dtype),
+                                   GptOssMLP(a, dtype=dtype), dtype=dtype)
+
+    def make_rotary(self, a: GptOssArgs) -> GptOssRotaryEmbedding:
+        return GptOssRotaryEmbedding(a.head_dim, a.rope_theta, a.rope_scaling)
+
+    def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
+        return {"self_attn.qkv_proj": qkv_parts(self.args)}
 
     # -- runner interface ----------------------------------------------------
     def sliding_window(self, layer_idx: int) -> int | None:
@@ -317,80 +280,22 @@ class GptOssForCausalLM(nn.Module):
         """The sink logits ``[num_heads on this rank]`` of layer ``layer_idx``."""
         return self.model.layers[layer_idx].self_attn.sinks
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary
-        rope = rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(rope, h, residual, attn, rotary)
-        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
-
     # -- weights ---------------------------------------------------------------
-    def _stacked(self) -> dict[str, tuple[str, int, int]]:
-        qs, kvs = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, qs),
-            "self_attn.k_proj": ("self_attn.qkv_proj", qs, kvs),
-            "self_attn.v_proj": ("self_attn.qkv_proj", qs + kvs, kvs),
-        }
-
-    def hf_param_names(self) -> list[str]:
-        """Every HF-style tensor name this model consumes."""
-        out = []
-        for name, _ in self.named_parameters():
-            if ".self_attn.qkv_proj." in name:
-                prefix, suffix = name.split(".self_attn.qkv_proj.")
-                out.extend(f"{prefix}.self_attn.{p}_proj.{suffix}" for p in "qkv")
-            else:
-                out.append(name)
-        return out
-
-    def load_tensor(self, params: dict, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one HF-named tensor into its parameter; False when it has no place here."""
-        target, rows = name, None
-        for hf, (ours, off, n) in self._stacked().items():
-            if f".{hf}." in name:
-                target, rows = name.replace(f".{hf}.", f".{ours}."), (off, n)
-                break
-        param = params.get(target)
-        if param is None:
-            return False
-        dst = param if rows is None else param.narrow(0, *rows)
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise ConfigError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                              f"{tuple(dst.shape)}")
-        dst.copy_(tensor)
-        return True
+    def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
+        if ".mlp.experts." in name and name.endswith(("_blocks", "_scales")):
+            raise ConfigError(
+                f"{name}: MXFP4-quantized expert weights are not supported; use a bf16/fp32 checkpoint "
+                "(for example one saved by transformers with Mxfp4Config(dequantize=True))"
+            )
+        return super().load_checkpoint_tensor(params, name, tensor)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our parameters; the set of HF names written.
 
-        ConfigError on MXFP4 expert tensors, an unknown name or a shape mismatch.
+        ConfigError on MXFP4 expert tensors, an unknown name, a shape mismatch or missing attention sinks.
         """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unknown: list[str] = []
-        for name, tensor in weights:
-            if "rotary_emb." in name or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            if ".mlp.experts." in name and name.endswith(("_blocks", "_scales")):
-                raise ConfigError(
-                    f"{name}: MXFP4-quantized expert weights are not supported; use a bf16/fp32 checkpoint "
-                    "(for example one saved by transformers with Mxfp4Config(dequantize=True))"
-                )
-            if self.load_tensor(params, name, tensor):
-                loaded.add(name)
-            else:
-                unknown.append(name)
-        if unknown:
-            shown = ", ".join(unknown[:8]) + (" ..." if len(unknown) > 8 else "")
-            raise ConfigError(f"{len(unknown)} checkpoint tensor(s) have no place in {self.arch}: {shown}")
+        loaded = super().load_weights(weights)
         no_sinks = [i for i in range(self.num_layers) if f"model.layers.{i}.self_attn.sinks" not in loaded]
         if no_sinks:
             raise ConfigError(
@@ -399,7 +304,3 @@ class GptOssForCausalLM(nn.Module):
                 "needs one per layer: use a complete gpt-oss checkpoint"
             )
         return loaded
-
-    def reset_buffers(self) -> None:
-        """Recompute non-persistent buffers (after ``to_empty``)."""
-        self.model.rotary.reset_parameters()

@@ -21,8 +21,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvforge.errors import ConfigError
-from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, gate_up_parts
+from kvforge.models.decoder import (
+    DecoderArgs,
+    DecoderForCausalLM,
+    PreNormDecoderLayer,
+    attention_and_mlp_parts,
+)
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -48,12 +52,7 @@ class LlamaArgs(DecoderArgs):
 
     def __init__(self, config: dict):
         super().__init__(config)
-        self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
-        self.head_dim = int(cfg_get(config, "head_dim", self.hidden_size // self.num_heads))
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
-            )
+        self.read_grouped_query_heads(config)
         partial = float(cfg_get(config, "partial_rotary_factor", 1.0))
         self.rotary_dim = int(self.head_dim * partial)
         v = _VARIANTS[self.arch]
@@ -129,13 +128,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return RotaryEmbedding(a.head_dim, a.rotary_dim, a.rope_theta, a.rope_scaling)
 
     def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
-        a = self.args
-        q_rows, kv_rows = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        return {
-            "self_attn.qkv_proj": [("self_attn.q_proj", q_rows), ("self_attn.k_proj", kv_rows),
-                                   ("self_attn.v_proj", kv_rows)],
-            "mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
-        }
+        return attention_and_mlp_parts(self.args)
 
     def sliding_window(self, layer_idx: int) -> int | None:
         return self.args.windows[layer_idx]
