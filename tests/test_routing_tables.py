@@ -311,3 +311,28 @@ def test_mla_prefill_path():
     assert mla.check_prefill_mode(" Absorbed ") == "absorbed" and mla.check_prefill_mode("SDPA") == "sdpa"
     with pytest.raises(ValueError, match="choose one of auto, expanded, absorbed, sdpa"):
         mla.check_prefill_mode("sometimes")
+
+
+# ---- the tables name real code, and the doc is the tables ---------------------------------------------------
+
+
+def test_every_launcher_and_path_exists():
+    import importlib
+
+    from kvforge.attention.routing import torch_backends
+
+    names = [k.launcher for k in paged.TABLE + mla.TABLE]
+    names += [r.runs for r in torch_backends.TORCH_REFERENCE + torch_backends.MLA_REFERENCE + torch_backends.RING]
+    for name in names:
+        module, attr = name.split(":")
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), name
+
+
+def test_routing_doc_is_rendered_from_the_tables():
+    from kvforge.attention.routing.render import render_markdown
+
+    doc = (ROOT / "docs" / "ROUTING.md").read_text()
+    assert doc == render_markdown(), "regenerate: python -m kvforge.attention.routing.render > docs/ROUTING.md"

@@ -1,4 +1,4 @@
-"""Declaration of the PyTorch MLA reference backend (implementation: mla_reference.py).
+"""Declaration of the PyTorch MLA reference backend (object: backends/mla_reference.py).
 
 It takes MLA layers only (DeepSeek-V2/V3 latent caches laid out as
 ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``), on any device

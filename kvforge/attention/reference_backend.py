@@ -1,4 +1,4 @@
-"""Declaration of the PyTorch reference backend (implementation: reference.py).
+"""Declaration of the PyTorch reference backend (object: backends/torch_reference.py).
 
 It runs full, sliding and state layers (MLA layers go to
 mla_reference_backend.py) on any device torch supports, at any block size, in

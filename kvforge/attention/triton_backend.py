@@ -1,10 +1,11 @@
-"""Declaration of the Triton paged-attention backend (CUDA; kvforge/kernels/).
+"""Declaration of the Triton paged-attention backend (CUDA; object: backends/triton_paged.py).
 
 The values mirror the constants the kernel module states about itself
 (``kvforge.kernels.triton_paged_attention``: ``SUPPORTED_HEAD_SIZES``,
-``SUPPORTED_KV_DTYPES``, ``BLOCK_SIZE_MULTIPLE``, ``ACCEPTS_QUANTIZED_QUERY``);
-they are written out here because the planner must not import torch, and a
-test (tests/test_engine_gpu.py) checks that both agree. Block sizes must be
+``BLOCK_SIZE_MULTIPLE``, ``ACCEPTS_QUANTIZED_QUERY``); they are written out
+here because the planner must not import torch, and tests/test_routing_tables.py
+checks that both agree, and that the routing table's kernels
+(:mod:`kvforge.attention.routing.paged`) stay inside this declaration. Block sizes must be
 multiples of 16 (one tl.dot tile edge); the query is kept in the model dtype
 and fp8 K/V are dequantized in registers with the K scale folded into the
 softmax scale. fp32 caches run with IEEE fp32 dots (correct, untuned).

@@ -2,7 +2,7 @@
 
 Why not ``tl.dot``: for ``P V`` the token axis of V is the reduction axis, and Hopper has no 8-bit
 transposing shared-memory load, so Triton reads the staged fp8 V tile byte by byte and spends
-more instructions per token than the bf16 kernel (docs/KERNELS.md, items 1-6). Gluon lets these
+more instructions per token than the bf16 kernel. Gluon lets these
 kernels pick every layout. Both copy raw fp8 K/V tiles into a ``NUM_STAGES`` ring of shared buffers
 with ``cp.async`` (zero-filled past the context end), read K straight into the ``mma`` B-operand
 layout (head_dim, its reduction axis, is contiguous), convert fp8 -> fp16 in registers and run
@@ -440,7 +440,7 @@ if HAS_GLUON:
 
 
 def _tiling(head_dim: int, variant: str) -> dict:
-    """Default tile/stage/warp choice per head size (H200, docs/KERNELS.md item 7)."""
+    """Default tile/stage/warp choice per head size."""
     if variant == "warp":
         # D 256 keeps 16 tokens per warp and two stages to stay clear of spills.
         return dict(wt=16, num_stages=3 if head_dim <= 128 else 2, num_warps=4)

@@ -2,7 +2,7 @@
 
 At 8-32 heads per rank MLA decode is memory-bound: every cached row (``R`` = 512 latent + ``P`` = 64
 rope values) is read once per step and used by only a few heads. ``mma_v2`` kernels (the tl.dot kernel
-in :mod:`kvforge.kernels.triton_mla_decode` and the Gluon column-split experiment) put the heads on
+in :mod:`kvforge.kernels.triton_mla_decode`) put the heads on
 M, padded to 16, and spend their instruction budget moving operands from shared memory to registers
 (byte by byte for an fp8 ``P C``). Here both products run as warpgroup MMAs that read their operands
 straight from shared memory, with the tile's tokens on the side that must be 64 wide:
@@ -24,7 +24,7 @@ masked to ``-inf`` in the scores, so fp8 NaN bytes never reach ``P C``.
 
 Invariants: one program = one sequence x one block of ``NH`` heads x one split of the context; the
 partials use the paged-attention merge layout (``merge_split_partials``); block-id and row offsets
-are int64. Scope is :func:`supports`; everything else stays with the tl.dot kernel.
+are int64. Scope: the ``gluon_mla_wgmma`` row of :mod:`kvforge.attention.routing.mla`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ if HAS_GLUON:
         """The block-table entries (int32) of tile ``start``'s tokens in the two layouts :func:`_load_fp8_rows`
         reads with. Loaded two tiles ahead and turned into offsets (:func:`_fp8_row_offsets`) one iteration
         later: the entry is a global load whose result the offsets depend on, and using it in the iteration
-        that loaded it stalled every warp there (ncu: 15% of the samples on its sign extension)."""
+        that loaded it stalls every warp there on the load's latency."""
         return (_block_ids(bt_row, start, hi, BLOCK_SIZE, TILE, gl.SliceLayout(1, STAGE_L)),
                 _block_ids(bt_row, start, hi, BLOCK_SIZE, TILE, gl.SliceLayout(1, ROPE_COPY)))  # fmt: skip
 
@@ -207,7 +207,7 @@ if HAS_GLUON:
         # Eight rows of four threads per warp: a thread's 16 fp8 become two 16-byte fp16 units (2k, 2k+1) of
         # a 128-byte swizzle row, and the stores run a quarter warp (8 threads) at a time; two rows (swizzle
         # phases r and r+1) per quarter warp reach all eight bank groups. One row of eight threads reached
-        # only the even ones: a 2-way conflict on every staging store (measured with ncu).
+        # only the even ones: a 2-way conflict on every staging store.
         STAGE_L: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, VEC], threads_per_warp=[8, 4], warps_per_cta=[NW, 1], order=[1, 0]
         )
@@ -289,8 +289,8 @@ if HAS_GLUON:
 
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         # The softmax denominator is kept per score element ([TILE, NH], 8-16 registers a thread) and summed
-        # over the tokens once after the loop: a per-tile sum was a second cross-warp reduction (shuffles,
-        # shared memory, a barrier) on every tile's critical path (up to 8% faster without it, seventh session).
+        # over the tokens once after the loop: a per-tile sum would be a second cross-warp reduction (shuffles,
+        # shared memory, a barrier) on every tile's critical path.
         l_tile = gl.zeros([TILE, NH], gl.float32, layout=MMA)
         acc = gl.zeros([R, NH], gl.float32, layout=MMA)
         n_off = gl.arange(0, TILE, layout=gl.SliceLayout(1, MMA))
@@ -390,10 +390,7 @@ if HAS_GLUON:
 
 def lazy_rescale(is_fp8: bool, nh: int, fp8_path: int) -> bool:
     """Whether the kernel rescales lazily (``RESCALE_LOG2``; ``cfg["lazy_rescale"]`` overrides): only for the
-    fp8 register path at 16 and 32 heads per program, where it was measured faster. A/B in one run (eighth
-    session, H200, random data, docs/BENCHMARKS.md section 6): fp8 at 16 heads 3.4-4.3% faster at 8-128 x
-    64k (1-2% at batch 1 and at 4k); at 32 heads (8 warps) 6% faster at 32 x 64k; fp8 at 8 heads 10% slower
-    (128 x 64k); bf16 0.7-3.1% slower; fp8 at 32 heads on the ring path 1% slower."""
+    fp8 register path at 16 and 32 heads per program (the configurations where it pays)."""
     return is_fp8 and nh in (16, 32) and fp8_path == FP8_PATH_REGS
 
 
@@ -404,16 +401,14 @@ def default_stages(is_fp8: bool) -> int:
 
 #: fp8 row paths (``cfg["fp8_path"]``). RING: an fp8 cp.async ring (205-226 KB at 16-32 heads per
 #: program, one program per SM). REGS: global -> registers -> one fp16 copy that both products read (94 KB,
-#: two per SM; the default up to 16 heads). Three more were measured and removed (sixth session,
-#: docs/MLA.md): the score product's A operand from registers (with and without a prefetch) and a bit-move
-#: fp8 -> fp16 conversion; none beat REGS.
+#: two per SM; the default for every fp8 cache).
 FP8_PATH_RING: int = 0
 FP8_PATH_REGS: int = 1
 
 
 def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
     """fp8 rows staged through registers rather than an fp8 ring (205-226 KB, one program per SM): always
-    (:data:`MAX_HEADS_PER_PROGRAM` is 32). Up to 16 heads per program with 4 warps (94 KB of shared memory,
+    (at most 32 heads per program, :func:`kvforge.attention.routing.mla.wgmma_heads_per_program`). Up to 16 heads per program with 4 warps (94 KB of shared memory,
     two programs per SM); at 32 with 8 warps and 128-token tiles (:func:`default_num_warps`)."""
     return is_fp8 and nh <= 32
 
@@ -421,12 +416,8 @@ def fp8_in_registers(is_fp8: bool, nh: int) -> bool:
 def default_num_warps(fp8_regs: bool, nh: int) -> int:
     """8 warps for the fp8 register path at 32 heads per program, where 4 warps would spill; else 4. With 8,
     two warpgroups share 128-token tiles, one program per SM (194 KB of shared memory; 246 registers with
-    lazy rescaling, 252 without). Measured on the
-    H200 (eighth session, docs/BENCHMARKS.md section 6) against the fp8 ring with 4 warps, the previous
-    choice at 32 heads: 1.15-1.33x faster at 32, 64 and 128 heads per rank from batch 8 (e.g. 32 x 64k at 32
-    heads: 652.9 vs 790.2 us), 2.4% slower at batch 1 x 64k (32 heads). At 16 heads 8 warps were 20-27%
-    slower than 4, and at 8 heads they faulted with an illegal address (not debugged), so they are refused
-    there."""
+    lazy rescaling, 252 without). 8 warps are refused at fewer heads per program (untested there; they
+    faulted at 8 heads)."""
     return 8 if fp8_regs and nh == 32 else 4
 
 

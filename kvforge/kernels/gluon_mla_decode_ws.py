@@ -10,8 +10,8 @@ and address arithmetic between the products. Here (one CTA per SM, ``gl.warp_spe
   ready when its copies land (``ready`` barriers, one arrive per producer thread);
 - two consumer warpgroups take alternate tiles (even and odd), each with its own online softmax (lazy
   rescaling, ``RESCALE_LOG2``) and accumulators. They read the ``wgmma`` A operands straight from the ring
-  into registers: 16-byte shared loads, converted to fp16 in registers (``regs_ring2`` in
-  ``benchmarks/exp_regs_mla_decode.py``: each tile passes shared memory once written and twice read as fp8);
+  into registers: 16-byte shared loads, converted to fp16 in registers (each tile passes shared memory once
+  written and twice read, as fp8);
 - each consumer releases a stage (``empty`` barrier, one arrive) at the top of its next iteration, after a
   partition barrier proves all four of its warps finished the previous products, and writes its own split
   partial (``2 s + parity``), which the paged merge kernel combines with the others.
@@ -24,28 +24,22 @@ so accumulator row ``m`` holds latent column :func:`latent_column` ``(m)``, undo
 
 At 16 heads per program the ``P x V`` operand is loaded in two 256-column halves (8-byte loads,
 :func:`latent_column_halves`): whole, its 64 fp8 registers beside the 64 of the accumulators made the
-consumer spill (208 bytes; 50-53% of the copy bandwidth).
+consumer spill.
 
 With ``fp8_query`` (the plan's e4m3 query) the score product is an fp8 x fp8 ``wgmma`` instead: the query is
 rounded to e4m3 per (token, head) (:func:`_fp8_query`, scale amax/448 over ``[q_latent | q_rope]``), the
 ring is stored in the 128-byte swizzled layout ``wgmma`` reads, and ``Q C^T`` is five ``wgmma`` straight from
 shared memory (four 128-column latent chunks and the rope chunk); ``P x V`` is unchanged. That removes the
-score product's conversions and register operands, which is what kept 16 heads from 80%.
+score product's conversions and register operands.
 
-Measured on the H200 (docs/BENCHMARKS.md section 6; copy bandwidth 4.28 TB/s), against the wgmma kernel's
-fp8 path (bf16 query): at 8 heads 80-87% of the copy bandwidth at 32-128 x 64k (63-66%), 63% vs 53% at
-8 x 64k; at 16 heads 69-74% at 32-128 x 64k (61-64%), 54% vs 52% at 8 x 64k. With the e4m3 query (tenth
-session): 83-91% at 16 heads and 86-92% at 8 (32-128 x 64k), 3.1e-2 to 4.9e-2 of max |ref| against the
-exact query. Slower where a CTA gets few tiles (batch 1, short contexts), with either query, which
-:func:`routes` leaves to the wgmma kernel (at least :data:`MIN_TOKENS_PER_SPLIT` tokens a CTA).
-
-Tried and removed (tenth session, docs/MLA.md): column-split consumers (both on every tile, each on half of
-the latent columns, partial scores exchanged through shared memory): lockstep made them slower.
+The two consumers' pipelines need several tiles each to fill, so the routing table
+(:mod:`kvforge.attention.routing.mla`) sends a call here only where every CTA gets at least
+``WS_MIN_TOKENS_PER_CTA`` tokens; shorter calls stay on the wgmma kernel.
 
 Invariants: the ring stage of tile i is ``i % NUM_STAGES``, its fill number ``i // NUM_STAGES`` (the barrier
 phase parity). A consumer releases tile ``i - 2``'s stage before it waits for tile i, so any ``NUM_STAGES >= 2``
 is deadlock-free. Rows at or past the split end are zero-filled by the copies and masked to ``-inf``.
-Block-id and row offsets are int64. Scope: :func:`routes`.
+Block-id and row offsets are int64. Scope: the ``gluon_mla_ws`` row of :mod:`kvforge.attention.routing.mla`.
 """
 
 from __future__ import annotations
@@ -70,8 +64,6 @@ P: int = mla_routing.ROPE_DIM
 NUM_STAGES: int = 5
 #: Registers per thread: maxnreg 168 over three warpgroups is a pool of 64,512; the producer's warpgroup
 #: shrinks to 40, the odd consumer grows to 232 and the even one (the kernel's own warps) gets the rest, 232.
-#: The producer as the kernel's own warps on 24 registers, beside two 240-register consumers, was 11-13%
-#: slower (ninth session).
 MAXNREG: int = 168
 CONSUMER_REGS: int = 232
 PRODUCER_REGS: int = 40
@@ -82,8 +74,7 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
     _P = gl.constexpr(P)
     _RESCALE_LOG2 = gl.constexpr(8.0)  # gluon_mla_decode.RESCALE_LOG2
     _PRODUCER_WARPS = gl.constexpr(PRODUCER_WARPS)  # the producer partition's warps = the ready barriers' count / 32
-    #: Register layouts of the operands read from the fp8 tiles (4 warps; shared with the register-operand
-    #: experiment in benchmarks/exp_regs_mla_decode.py). A score chunk [64 tokens, 64 columns]: 16 contiguous
+    #: Register layouts of the operands read from the fp8 tiles (4 warps). A score chunk [64 tokens, 64 columns]: 16 contiguous
     #: bytes (registers), then token + 8; lanes: the column sixteens, tokens 0-7; warps: token sixteens (the
     #: wgmma A layout after the chunk_column relabel).
     SCORE_CHUNK_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
@@ -481,7 +472,7 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
                   fp8_query=False):  # fmt: skip
     """``out [T, H, R]`` = MLA decode in latent space over an fp8 cache (what ``gluon_mla_decode.mla_decode_wgmma``
     computes); tokens past ``query_start_loc[num_seqs]`` are left untouched. ``num_splits``: CTAs per
-    sequence (:func:`num_splits_for` unless forced). ``fp8_query``: the score product as an fp8 ``wgmma``
+    sequence (the routing table's ``ws_splits``). ``fp8_query``: the score product as an fp8 ``wgmma``
     from shared memory, the query rounded to e4m3 per (token, head) (:func:`_fp8_query`). ``cfg``
     (benchmarks): ``stages``, ``lazy``, ``nh`` (heads per program), ``consumer_regs`` and ``producer_regs``
     (the odd consumer's and the producer's registers; the even consumer gets the rest of the pool)."""

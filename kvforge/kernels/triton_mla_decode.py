@@ -22,25 +22,18 @@ Two query regimes, chosen by the plan (``query_dtype``):
 * **fp8 query** (``query_dtype="fp8_e4m3"``, e4m3 caches only): each (token,
   head) query row ``[q_latent | q_rope]`` is quantized with its own scale
   ``amax / 448``, ``Q C^T`` is an fp8 x fp8 tensor-core dot, and the row scale
-  joins the softmax scale. ``P C`` stays a 16-bit dot. Only where a backend
-  declaration allows it (kvforge/attention/triton_mla_backend.py: up to 16
-  heads per rank). Where the wgmma kernel takes the call (below) it decides:
-  the warp-specialized kernel's fp8 ``wgmma`` score product at long contexts,
-  the model-dtype query elsewhere (faster there, and exact); the tl.dot
-  kernel below quantizes in registers.
+  joins the softmax scale. ``P C`` stays a 16-bit dot. Used only where the
+  routing table sends a declared e4m3 query to this kernel (above 16 heads).
 
 Any block size (rows are gathered per token through the block table); any
 ``R``/``P`` (padded to powers of two in registers, masked in memory). All
 offsets are int64.
 
-Routing (:func:`use_wgmma`): what ``gluon_mla_decode.routes`` accepts (a
-bf16/fp16 model, at most ``MAX_ROUTED_HEADS`` heads, R 512 / P 64, a cache of
-the query's dtype or fp8; a model-dtype query, or the fp8 query at up to 16
-heads on an e4m3 cache) goes to the wgmma kernel
-(:mod:`kvforge.kernels.gluon_mla_decode`, sm_90 with the tested Triton), which
-was faster at every measured point; everything else (an fp8 query above 16
-heads, float32, other latent sizes, mixed 16-bit dtypes, the gate closed) runs
-the tl.dot kernel below. ``_config={"wgmma": False}`` forces the tl.dot kernel.
+:func:`mla_decode` is the backend's decode entry: it launches the candidates the routing table
+(:func:`kvforge.attention.routing.mla.decode_candidates`) gives, in order: the warp-specialized and wgmma
+Gluon kernels where they apply, this module's tl.dot kernel otherwise. A Gluon candidate whose launch runs
+out of shared memory or registers (known at the first call, before any CUDA-graph capture) is skipped from
+then on. ``tl_dot_only=True`` (tests and benchmarks) keeps the Gluon kernels out.
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ residual add), rope and SiLU*mul dispatch to fused Triton kernels (see
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.env import ENV
 from kvforge.errors import ConfigError
 
 # ---------------------------------------------------------------------------
@@ -27,10 +27,10 @@ from kvforge.errors import ConfigError
 # inference-only). Everything else, in particular every CPU tensor, takes the
 # plain PyTorch code below, which is the oracle the kernels are tested against
 # (tests/test_fused_elementwise.py). KVFORGE_DISABLE_FUSED_KERNELS=1 in the
-# environment (read at import) turns the kernels off; so does setting
+# environment (kvforge/env.py, read at import) turns the kernels off; so does setting
 # ``kvforge.models.layers.FUSED_KERNELS = False`` before a forward (and before
 # CUDA-graph capture, which records whichever path ran).
-FUSED_KERNELS = os.environ.get("KVFORGE_DISABLE_FUSED_KERNELS", "0").strip().lower() in ("", "0", "false", "no")
+FUSED_KERNELS = not ENV.disable_fused_kernels
 FUSED_DEVICES = ("cuda",)  # tests add "cpu" to run the kernels in Triton's interpreter
 _kernels = None  # (rms_norm module, silu_mul module, rope module), or False without triton
 

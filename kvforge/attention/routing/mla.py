@@ -74,7 +74,7 @@ WGMMA = MLAKernel(
 )
 #: The tl.dot kernel (``kvforge.kernels.triton_mla_decode``); programs per SM from :func:`tl_dot_head_blocking`.
 TL_DOT = MLAKernel(
-    name="tl_dot_mla", launcher="kvforge.kernels.triton_mla_decode:launch_tl_dot", needs_gluon=False,
+    name="tl_dot_mla", launcher="kvforge.kernels.triton_mla_decode:mla_decode", needs_gluon=False,
     model_dtypes=None, kv_dtypes=None, same_dtype_cache=True, max_heads=None, latent_dim=None, rope_dim=None,
     splits=SplitRule(waves=0, min_tokens=256, max_splits=32, round_up=True, forced="capped"),
     when="everything else",

@@ -1,0 +1,99 @@
+"""docs/ROUTING.md from the routing tables: ``python -m kvforge.attention.routing.render > docs/ROUTING.md``.
+
+tests/test_routing_tables.py checks that the file equals :func:`render_markdown`, so the doc cannot drift
+from the tables.
+"""
+
+from __future__ import annotations
+
+from kvforge.attention.routing import mla, paged, platform, torch_backends
+from kvforge.attention.routing.split_k import SplitRule
+
+
+def _names(values) -> str:
+    return "any" if values is None else ", ".join(str(v) for v in sorted(values))
+
+
+def _splits(rule: SplitRule, waves: str | None = None) -> str:
+    text = rule.describe()
+    if waves:
+        text = text.replace("waves x SMs", f"{waves} x SMs")
+    pinned = {"exact": "as given", "capped": f"capped at {rule.max_splits}",
+              "or_rule": f"0 means the rule; capped at {rule.max_splits}"}[rule.forced]
+    return f"{text}; a pinned count: {pinned}"
+
+
+def _paged_section() -> list[str]:
+    lines = ["## triton_paged (full and sliding layers, CUDA)", "",
+             "Source: `kvforge/attention/routing/paged.py`. The first row that applies serves the call.", "",
+             "| kernel | launched by | Gluon gate | decode only | KV dtypes | query dtypes | head sizes | "
+             "query heads per KV head | also | splits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for k in paged.TABLE:
+        extra = (f"context >= {k.min_context}, programs x splits >= {k.min_waves} x SMs" if k.min_context
+                 else k.when)
+        lines.append(f"| `{k.name}` | `{k.launcher}` | {'yes' if k.needs_gluon else 'no'} | "
+                     f"{'yes' if k.decode_only else 'no'} | {_names(k.kv_dtypes)} | {_names(k.query_dtypes)} | "
+                     f"{_names(k.head_sizes)} | {'any' if k.max_group is None else f'<= {k.max_group}'} | "
+                     f"{extra} | {_splits(k.splits)} |")
+    lines += ["", "programs = sequences x KV heads; context = the window where it is shorter than the longest "
+              "sequence. The tl.dot kernel splits only decode-like batches (every sequence's query in one "
+              "tile of 16 // G_PAD tokens or one power of two); CUDA graphs pin the rule's count at "
+              "`max_model_len`.", ""]
+    return lines
+
+
+def _mla_section() -> list[str]:
+    lines = ["## triton_mla (MLA layers, CUDA)", "",
+             "Source: `kvforge/attention/routing/mla.py`. Decode calls try the candidates in this order "
+             "(a Gluon candidate that once ran out of shared memory or registers is skipped).", "",
+             "| kernel | launched by | Gluon gate | model dtypes | KV dtypes | heads per rank | latent + rope | "
+             "when | splits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    waves = {mla.WGMMA.name: "(2 for fp8 rows at <= 16 heads per program, else 1)",
+             mla.TL_DOT.name: "(4 up to 16 heads, else 2)"}
+    for k in mla.TABLE:
+        kv = _names(k.kv_dtypes) + (" or the model dtype" if k.kv_dtypes is not None and k.same_dtype_cache else "")
+        width = "any" if k.latent_dim is None else f"{k.latent_dim} + {k.rope_dim}"
+        heads = "any" if k.max_heads is None else f"1-{k.max_heads}"
+        lines.append(f"| `{k.name}` | `{k.launcher}` | {'yes' if k.needs_gluon else 'no'} | "
+                     f"{_names(k.model_dtypes)} | {kv} | {heads} | {width} | {k.when} | "
+                     f"{_splits(k.splits, waves.get(k.name))} |")
+    q = mla.QUANTIZED_QUERY
+    lines += ["", f"programs = sequences x head blocks; `{mla.WS.name}` takes a call only where "
+              f"context // its splits >= {mla.WS_MIN_TOKENS_PER_CTA} tokens.", "",
+              f"**Quantized query** (what the declaration offers the planner): {_names(q.dtypes)} over "
+              f"{_names(q.kv_dtypes)} caches, 1-{q.max_heads} heads per rank, rows of {_names(q.row_widths)}, "
+              f"{_names(q.model_dtypes)} models. It is tried first on the Gluon kernels, then as the "
+              f"model-dtype query; up to {mla.FP8_QUERY_MAX_HEADS} heads the tl.dot kernel gets the model-dtype "
+              "query.", "",
+              f"**Prefill** (engine argument `--mla-prefill-mode`, one of {', '.join(mla.PREFILL_MODES)}): "
+              f"`auto` runs a step absorbed while every sequence with a prefill chunk is at most "
+              f"{mla.ABSORBED_PREFILL_MAX_SEQ_LEN} tokens long, else sdpa.", ""]
+    return lines
+
+
+def _torch_section(title: str, rows) -> list[str]:
+    lines = [f"## {title}", "", "Source: `kvforge/attention/routing/torch_backends.py`.", "",
+             "| path | runs | when |", "|---|---|---|"]
+    lines += [f"| `{r.name}` | `{r.runs}` | {r.when} |" for r in rows]
+    return lines + [""]
+
+
+def render_markdown() -> str:
+    lines = ["# Routing tables", "",
+             "Which kernel serves a batch, per attention backend. Generated from `kvforge/attention/routing/` by "
+             "`python -m kvforge.attention.routing.render > docs/ROUTING.md`; a test keeps the two equal.", "",
+             f"**Gluon gate**: Triton {_names(platform.GLUON_TRITON_VERSIONS)}, compute capability "
+             f"{platform.GLUON_COMPUTE_CAPABILITY_MAJOR}.x, and `KVFORGE_DISABLE_GLUON` unset. Where it is "
+             "closed, every row marked \"Gluon gate: yes\" is skipped.", ""]
+    lines += _paged_section() + _mla_section()
+    lines += _torch_section("torch_reference (full, sliding and state layers, any device)",
+                            torch_backends.TORCH_REFERENCE)
+    lines += _torch_section("torch_mla_reference (MLA layers, any device)", torch_backends.MLA_REFERENCE)
+    lines += _torch_section("csa_ring (per-request rings)", torch_backends.RING)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
