@@ -1,6 +1,9 @@
-"""A tiny deterministic stand-in for ``LLMEngine`` (docs/ENGINE_API.md).
+"""A tiny deterministic stand-in for ``LLMEngine`` (docs/ENGINE_API.md), and the real engine the
+server tests use.
 
-It lets the server and load-generator tests run without torch or weights:
+``FakeEngine`` is for tests of server and load-generator mechanics where the model is not the
+point and a fast, controllable step is (queue bounds, SIGTERM drain, timing); tests construct it
+explicitly. Everything about outputs runs on ``smollm2_test_engine()``. The fake:
 
 * the tokenizer is character level (token id = code point, EOS = 0);
 * the "model" picks the next token from a hash of the whole sequence so far
@@ -222,37 +225,15 @@ class FakeEngine:
         r.blocks = 0
 
 
-# -- engine selection for the server / bench tests ------------------------------------
-
-
-def real_engine_available() -> bool:
-    """True when the real engine imports (and KVFORGE_TEST_FAKE_ENGINE is not set)."""
-    import os
-
-    if os.environ.get("KVFORGE_TEST_FAKE_ENGINE"):
-        return False
-    try:
-        from kvforge import config  # noqa: F401
-        from kvforge.engine import llm_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def make_test_engine(max_model_len: int = 512, max_num_seqs: int = 32):
-    """(engine, kind): the real engine on the embedded SmolLM2 (CPU) when it imports, else FakeEngine."""
-    if not real_engine_available():
-        return FakeEngine(max_model_len=max_model_len, max_num_seqs=max_num_seqs, step_delay=0.002), "fake"
+def smollm2_test_engine(max_model_len: int = 512, max_num_seqs: int = 32):
+    """The real engine on the embedded SmolLM2 (CPU), built through its command-line arguments."""
     import argparse
 
-    from kvforge import config
-    from kvforge.engine import llm_engine
-
-    EngineArgs, LLMEngine = config.EngineArgs, llm_engine.LLMEngine
+    from kvforge.config import EngineArgs
+    from kvforge.engine.llm_engine import LLMEngine
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(["--device", "cpu", "--max-model-len", str(max_model_len), "--max-num-seqs",
                             str(max_num_seqs), "--no-progress"])
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
-    return engine, "real"
+    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))

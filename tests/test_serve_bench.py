@@ -1,7 +1,7 @@
 """The load generator (kvforge bench serve) against a live server.
 
-The live server wraps the real engine (embedded SmolLM2, CPU) when it imports,
-else the fake engine (KVFORGE_TEST_FAKE_ENGINE=1 forces the fake).
+The live server wraps the real engine (embedded SmolLM2, CPU); the failure-counting test uses
+``FakeEngine`` explicitly (it needs only an authenticating server).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import FakeEngine, make_test_engine  # noqa: E402
+from fake_engine import FakeEngine, smollm2_test_engine  # noqa: E402
 
 from kvforge.bench import serve_bench as sb  # noqa: E402
 from kvforge.server.app import ServerThread, create_app  # noqa: E402
@@ -24,10 +24,9 @@ from kvforge.server.metrics import metric_sum, parse_prometheus  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server():
-    engine, kind = make_test_engine(max_model_len=512, max_num_seqs=16)
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=16)
     srv = ServerThread(create_app(engine)).start()
-    srv.kind, srv.engine = kind, engine
-    print(f"\n[test_serve_bench] engine: {kind}")
+    srv.engine = engine
     yield srv
     srv.stop()
 
