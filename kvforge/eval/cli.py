@@ -15,7 +15,10 @@ import argparse
 import ast
 import json
 import math
+import os
 import sys
+
+from kvforge.data_paths import DATA_DIR_HELP
 
 # ---------------------------------------------------------------------------
 # gsm8k
@@ -26,22 +29,26 @@ def add_gsm8k_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from kvforge.eval import gsm8k
 
     parser.description = parser.description or (
-        "GSM8K (lm-eval's gsm8k task: few-shot 'Question: ...\\nAnswer: ...', greedy, strict and "
-        "flexible exact match) against an OpenAI-compatible /v1/completions server."
+        "GSM8K against an OpenAI-compatible /v1/completions server: lm-eval's gsm8k task (few-shot "
+        "'Question: ...\\nAnswer: ...', greedy, its strict-match and flexible-extract filters), except "
+        "that the few-shot examples are the first N of the train split (lm-eval's 'sampler: first_n'; "
+        "its gsm8k default samples them at random)."
     )
     parser.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--num-fewshot", type=int, default=gsm8k.DEFAULT_NUM_FEWSHOT,
-                        help="few-shot examples: the first N of the train split (default %(default)s)")
+                        help="few-shot examples: the first N of the train split, as lm-eval's "
+                             "'sampler: first_n' (default %(default)s)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N test questions")
     parser.add_argument("--concurrency", type=int, default=gsm8k.DEFAULT_CONCURRENCY,
                         help="requests in flight at once (default %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=gsm8k.DEFAULT_MAX_TOKENS,
                         help="max generated tokens per question (default %(default)s)")
     parser.add_argument("--output", default=None, metavar="FILE.jsonl", help="write one JSON line per question")
-    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--api-key", default=None,
+                        help=f"sent as 'Authorization: Bearer KEY' (default: ${gsm8k.API_KEY_ENV} when set)")
     parser.add_argument("--data-dir", default=None,
-                        help=f"folder with test.jsonl and train.jsonl (default {gsm8k.default_data_dir()})")
+                        help=f"folder with test.jsonl and train.jsonl (default: gsm8k/ in {DATA_DIR_HELP})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -66,7 +73,7 @@ def gsm8k_main(args: argparse.Namespace) -> int:
                 limit=args.limit,
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
-                api_key=args.api_key,
+                api_key=args.api_key or os.environ.get(gsm8k.API_KEY_ENV) or None,
                 timeout_s=args.timeout,
                 progress=not args.no_progress,
             )
@@ -131,7 +138,7 @@ def add_kld_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=None,
                         help="model path or name (default: the embedded SmolLM2-135M GGUF)")
     parser.add_argument("--text", default=None,
-                        help=f"text file to score (default {kld.default_text_path()})")
+                        help=f"text file to score (default: text/tinyshakespeare.txt in {DATA_DIR_HELP})")
     parser.add_argument("--ctx", type=_csv_ints, default=kld.DEFAULT_CTX,
                         help="window size(s) in tokens, comma-separated (default 512); "
                              "the second half of each window is scored")

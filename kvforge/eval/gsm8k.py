@@ -1,18 +1,22 @@
 """GSM8K over an OpenAI-compatible ``/v1/completions`` endpoint.
 
-Follows lm-evaluation-harness's ``gsm8k`` task (the plain, non-CoT one):
+Follows lm-evaluation-harness's ``gsm8k`` task (the plain, non-CoT one, version 3), with one
+named difference, the few-shot choice:
 
 * prompt: ``Question: {question}\\nAnswer:``; each few-shot example is that
   prompt, a space and the full worked answer from the train split (ending in
-  ``#### N``); examples are separated by a blank line. kvforge takes the first
-  ``num_fewshot`` train examples (a fixed set, so runs are comparable; lm-eval
-  samples them with a fixed seed instead).
+  ``#### N``); examples are separated by a blank line.
+* few-shot examples: the FIRST ``num_fewshot`` of the train split, as lm-eval
+  does only with ``sampler: first_n``. lm-eval's gsm8k task uses its default
+  sampler, which draws them at random from the train split (fixed seed), so
+  scores are close to lm-eval's but not identical.
 * greedy decoding, ``max_tokens`` 256, stop at ``Question:``, ``</s>`` and
   ``<|im_end|>``.
-* two filters, both scored by exact match after normalization:
-  ``strict-match``: the first number after ``#### `` (or after
-  ``The answer is``, the CoT variant's marker);
-  ``flexible-extract``: the last number-like token anywhere in the completion.
+* two filters, both scored by exact match after normalization, exactly
+  lm-eval's:
+  ``strict-match``: regex ``#### (\\-?[0-9\\.\\,]+)``, first match;
+  ``flexible-extract``: regex ``(-?[$0-9.,]{2,})|(-?[0-9]+)``, last match
+  (``group_select: -1``), its non-empty group.
 * normalization (lm-eval's ``regexes_to_ignore`` plus ``ignore_case``):
   drop commas, dollar signs, everything up to ``#### `` and one trailing ``.``.
   Comparison stays a string comparison, as in lm-eval ("3.50" != "3.5").
@@ -37,11 +41,11 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_CONCURRENCY = 16
 STOP_SEQUENCES: tuple[str, ...] = ("Question:", "</s>", "<|im_end|>")
 INVALID = "[invalid]"
+API_KEY_ENV = "OPENAI_API_KEY"
+UNAUTHORIZED_HINT = f"the server wants an API key: pass --api-key KEY or set {API_KEY_ENV}"
 
-# Strict: the number right after the answer marker. lm-eval's gsm8k uses
-# "#### (\-?[0-9\.\,]+)", gsm8k-cot uses "The answer is (\-?[0-9\.\,]+)." ; we
-# accept either marker and take the first match.
-STRICT_RE = re.compile(r"(?:#### |The answer is )(\-?[0-9\.\,]+)")
+# Strict: lm-eval gsm8k's "strict-match" pattern, first match (take_first).
+STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 # Flexible: lm-eval's "flexible-extract" pattern, last match wins
 # (group_select -1); a match is a tuple and the non-empty group is used.
 FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
@@ -50,7 +54,8 @@ _IGNORE_RES = (re.compile(","), re.compile(r"\$"), re.compile(r"(?s).*#### "), r
 
 
 def default_data_dir() -> Path:
-    """``../shared/data/gsm8k`` next to the repository checkout."""
+    """``gsm8k/`` in the evaluation data folder (kvforge/data_paths.py); FileNotFoundError when
+    there is none."""
     from kvforge.data_paths import shared_data_dir
 
     return shared_data_dir() / "gsm8k"
@@ -71,7 +76,7 @@ def normalize(text: str) -> str:
 
 
 def extract_strict(completion: str) -> str:
-    """The first number after ``#### `` or ``The answer is `` (else ``[invalid]``)."""
+    """The first number after ``#### `` (else ``[invalid]``)."""
     m = STRICT_RE.search(completion)
     return m.group(1) if m else INVALID
 
@@ -216,6 +221,8 @@ def summarize(rows: list[dict], num_fewshot: int) -> dict:
 
 async def _fetch_model_name(session, base_url: str, headers: dict) -> str:
     async with session.get(models_url(base_url), headers=headers) as resp:
+        if resp.status == 401:
+            raise PermissionError(f"{models_url(base_url)} answered HTTP 401 Unauthorized; {UNAUTHORIZED_HINT}")
         resp.raise_for_status()
         body = await resp.json()
     data = body.get("data") or []
@@ -237,7 +244,8 @@ async def _complete(session, url: str, headers: dict, payload: dict, retries: in
                 if resp.status != 200:
                     # A 4xx will not get better by retrying.
                     text = await resp.text()
-                    return {"error": f"HTTP {resp.status}: {text[:300]}"}
+                    hint = f" ({UNAUTHORIZED_HINT})" if resp.status == 401 else ""
+                    return {"error": f"HTTP {resp.status}: {text[:300]}{hint}"}
                 return await resp.json()
         except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:
             if attempt == retries:
@@ -261,7 +269,8 @@ async def run_gsm8k(
     retries: int = 2,
     progress: bool = True,
 ) -> Gsm8kResult:
-    """Run GSM8K (test split, first ``limit`` questions) against ``base_url``."""
+    """Run GSM8K (test split, first ``limit`` questions) against ``base_url``; ``api_key`` is sent
+    as ``Authorization: Bearer KEY``."""
     import aiohttp
     from tqdm import tqdm
 

@@ -42,7 +42,8 @@ _ROW_CHUNK = 256
 
 
 def default_text_path() -> Path:
-    """``../shared/data/text/tinyshakespeare.txt`` next to the repository checkout."""
+    """``text/tinyshakespeare.txt`` in the evaluation data folder (kvforge/data_paths.py);
+    FileNotFoundError when there is none."""
     from kvforge.data_paths import shared_data_dir
 
     return shared_data_dir() / "text" / "tinyshakespeare.txt"
