@@ -305,7 +305,7 @@ def part_c(s: dict) -> dict:
 
 
 def part_d(s: dict) -> dict:
-    from kvforge.bench.offline import _profile_decode
+    from kvforge.bench.offline import profile_decode
     from kvforge.bench.roofline import StepWeightBytes, step_weight_bytes
 
     llm, startup = make_llm(s, s["llama"], tensor_parallel_size=2, max_num_seqs=s["d_batch"])
@@ -314,7 +314,7 @@ def part_d(s: dict) -> dict:
             weights = step_weight_bytes(llm.engine.model)
         except Exception:  # noqa: BLE001 - only used for a floor we do not print here
             weights = StepWeightBytes(dense=0)
-        res = _profile_decode(llm, s["d_input"], weights, None)
+        res = profile_decode(llm, s["d_input"], weights, None)
         res["counters"] = counters(llm)
     finally:
         llm.engine.shutdown()

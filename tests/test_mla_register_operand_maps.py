@@ -1,5 +1,4 @@
-"""Index algebra of the register-operand MLA decode (kvforge/kernels/gluon_mla_decode_ws.py, and the
-experiment benchmarks/exp_regs_mla_decode.py that shares its helpers), on CPU.
+"""Index algebra of the register-operand MLA decode (kvforge/kernels/gluon_mla_decode_ws.py), on CPU.
 
 The kernel turns loaded tiles into ``wgmma`` operands with reshapes, permutes and splits. Those follow
 numpy's row-major semantics whatever the register layout is. It then reads the query columns through

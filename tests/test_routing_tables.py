@@ -336,3 +336,31 @@ def test_routing_doc_is_rendered_from_the_tables():
 
     doc = (ROOT / "docs" / "ROUTING.md").read_text()
     assert doc == render_markdown(), "regenerate: python -m kvforge.attention.routing.render > docs/ROUTING.md"
+
+
+# ---- the backend objects ---------------------------------------------------------------------------------------
+
+
+def test_every_declared_backend_has_one_registered_object():
+    """Each built-in declaration names a module that registers exactly its object; the CUDA-graph hook and
+    capture flag belong to the Triton backends, and a name registered twice is refused."""
+    pytest.importorskip("torch")
+    from kvforge.attention.backends.base import (
+        SUPPORTED_ATTENTION_BACKENDS,
+        AttentionBackend,
+        BackendOptions,
+        backend_class,
+        register_backend,
+    )
+    from kvforge.planner.registry import builtin_backends
+
+    options = BackendOptions(softmax_scale=0.1, model_dtype="bfloat16", device=H200, latent_dim=512)
+    for decl in builtin_backends():
+        cls = backend_class(decl)
+        assert issubclass(cls, AttentionBackend) and cls.declaration is decl
+        assert SUPPORTED_ATTENTION_BACKENDS[decl.name] is cls
+        assert cls.captures_cuda_graphs == (decl.name in ("triton_paged", "triton_mla")), decl.name
+        obj = cls(options)
+        assert obj.name == decl.name
+    with pytest.raises(ValueError, match="registered twice"):
+        register_backend(type("Again", (AttentionBackend,), {"declaration": builtin_backends()[0]}))

@@ -148,7 +148,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
             "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms}
 
 
-def _profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float | None) -> dict:
+def profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float | None) -> dict:
     """Steady decode at min(num_prompts, max_num_seqs) running requests of ``in_len`` tokens."""
     from kvforge.engine.sampling_params import SamplingParams
 
@@ -283,7 +283,7 @@ def offline_main(args: argparse.Namespace) -> int:
         if "floor_compute_aware_s" in roof:
             result["fraction_of_compute_aware_floor"] = roof["floor_compute_aware_s"] / med["seconds"]
     if args.profile_decode:
-        result["decode_profile"] = _profile_decode(llm, round(sum(in_lens) / len(in_lens)),
+        result["decode_profile"] = profile_decode(llm, round(sum(in_lens) / len(in_lens)),
                                                    step_weight_bytes(engine.model),
                                                    result.get("copy_bandwidth_Bps"))
     print(json.dumps(result, indent=2))
