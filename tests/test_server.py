@@ -286,7 +286,6 @@ BAD_COMPLETIONS = [
     ("prompt_type", {"prompt": 42}, "prompt"),
     ("empty_prompt", {"prompt": ""}, "prompt"),
     ("token_id_out_of_vocab", {"prompt": [1, 2, 10**9]}, "prompt"),
-    ("batched_prompts", {"prompt": ["a", "b"]}, "prompt"),
     ("prompt_too_long", "TOO_LONG", "prompt"),
     ("max_tokens_over_context", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
 ]

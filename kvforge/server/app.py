@@ -164,13 +164,22 @@ def create_app(
 
     async def completions(request):
         req = protocol.parse_completion(await read_json(request), model_name)
-        stream = await aengine.add_request(req.prompt, req.params, max_tokens_explicit=req.max_tokens_explicit)
+        streams: list[RequestStream] = []
         try:
+            for i, prompt in enumerate(req.prompts):
+                try:
+                    streams.append(await aengine.add_request(prompt, req.params,
+                                                             max_tokens_explicit=req.max_tokens_explicit))
+                except InvalidRequestError as e:
+                    if len(req.prompts) == 1:
+                        raise
+                    raise InvalidRequestError(f"prompt {i} of the batch: {e}", field=e.field) from e
             if req.stream:
-                return await _stream(request, req, stream, engine.tokenizer, model_name)
-            return await _collect(req, stream, engine.tokenizer, model_name)
+                return await _stream(request, req, streams, engine.tokenizer, model_name)
+            return await _collect(req, streams, engine.tokenizer, model_name)
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
 
     async def chat(request):
         req = protocol.parse_chat(await read_json(request), model_name)
@@ -179,8 +188,8 @@ def create_app(
                                            max_tokens_field=req.max_tokens_field)
         try:
             if req.stream:
-                return await _stream(request, req, stream, engine.tokenizer, model_name)
-            return await _collect(req, stream, engine.tokenizer, model_name)
+                return await _stream(request, req, [stream], engine.tokenizer, model_name)
+            return await _collect(req, [stream], engine.tokenizer, model_name)
         finally:
             stream.close()
 
@@ -206,40 +215,107 @@ def create_app(
 # -- response builders ------------------------------------------------------------------
 
 
-def _logprobs_obj(req, tokenizer, comp, start: int, end: int):
-    if req.logprobs is None or not comp.logprobs:
-        return None
-    ids, lps = comp.token_ids[start:end], comp.logprobs[start:end]
-    if req.kind == "chat":
-        return protocol.chat_logprobs(tokenizer, ids, lps, req.logprobs)
-    return protocol.completion_logprobs(tokenizer, ids, lps, req.logprobs)
+class _Choice:
+    """What one choice has to say: the generated tokens (none for a prompt-only echo), led by the
+    prompt and its logprobs under ``echo``. ``prompt`` is the request's prompt (text or ids)."""
+
+    def __init__(self, req, tokenizer, prompt):
+        self.req, self.tokenizer, self.prompt = req, tokenizer, prompt
+
+    def generated(self, comp):
+        """(text, token ids, logprobs) of ``comp`` as the client sees them."""
+        if self.req.prompt_only:
+            return "", [], []
+        return comp.text, comp.token_ids, comp.logprobs or []
+
+    def finish_reason(self, comp):
+        return "length" if self.req.prompt_only else comp.finish_reason
+
+    def echo_text(self, out) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def logprobs(self, out, start: int, end: int, echo: bool, text_offset: int):
+        """The logprobs object for generated tokens ``start:end``, led by the prompt's when ``echo``."""
+        req = self.req
+        if req.logprobs is None:
+            return None
+        _, ids, lps = self.generated(out.outputs[0])
+        ids, lps = list(ids[start:end]), list(lps[start:end])
+        if req.kind == "chat":
+            return protocol.chat_logprobs(self.tokenizer, ids, lps, req.logprobs)
+        if echo:
+            ids = list(out.prompt_token_ids) + ids
+            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
+        return protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, text_offset)
 
 
-async def _collect(req, stream: RequestStream, tokenizer, model_name: str) -> web.Response:
+async def _last(stream: RequestStream):
     final = None
     async for out in stream:
         final = out
-    comp = final.outputs[0]
-    choice = {"index": 0, "logprobs": _logprobs_obj(req, tokenizer, comp, 0, len(comp.token_ids)),
-              "finish_reason": comp.finish_reason}
-    if req.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": comp.text}
-        prefix, obj = "chatcmpl", "chat.completion"
-    else:
-        choice["text"] = comp.text
-        choice["stop_reason"] = comp.stop_reason
-        prefix, obj = "cmpl", "text_completion"
+    return final
+
+
+async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str) -> web.Response:
+    finals = await asyncio.gather(*(_last(s) for s in streams))
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, final in enumerate(finals):
+        comp = final.outputs[0]
+        view = _Choice(req, tokenizer, req.prompts[i] if req.prompts else None)
+        text, ids, _ = view.generated(comp)
+        choice = {"index": i, "logprobs": view.logprobs(final, 0, len(ids), req.echo, 0),
+                  "finish_reason": view.finish_reason(comp)}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = (view.echo_text(final) if req.echo else "") + text
+            choice["stop_reason"] = None if req.prompt_only else comp.stop_reason
+        choices.append(choice)
+        prompt_tokens += len(final.prompt_token_ids)
+        completion_tokens += len(ids)
+    prefix, obj = ("chatcmpl", "chat.completion") if req.kind == "chat" else ("cmpl", "text_completion")
     return web.json_response({
         "id": protocol.random_id(prefix),
         "object": obj,
         "created": protocol.now(),
         "model": model_name,
-        "choices": [choice],
-        "usage": protocol.usage(len(final.prompt_token_ids), len(comp.token_ids)),
+        "choices": choices,
+        "usage": protocol.usage(prompt_tokens, completion_tokens),
     })
 
 
-async def _stream(request: web.Request, req, stream: RequestStream, tokenizer, model_name: str):
+async def _merge(streams: list[RequestStream]):
+    """Yield ``(index, output)`` from several streams as they produce (one task per stream)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except Exception as e:  # handed to the reader, which re-raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream(request: web.Request, req, streams: list[RequestStream], tokenizer, model_name: str):
     chat = req.kind == "chat"
     rid = protocol.random_id("chatcmpl" if chat else "cmpl")
     created = protocol.now()
@@ -254,33 +330,43 @@ async def _stream(request: web.Request, req, stream: RequestStream, tokenizer, m
             body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
-    sent_text, sent_tokens = "", 0
-    prompt_tokens = stream.prompt_tokens
+    n = len(streams)
+    views = [_Choice(req, tokenizer, req.prompts[i] if req.prompts else None) for i in range(n)]
+    sent_text, sent_tokens, offsets = [""] * n, [0] * n, [0] * n
+    echoed = [not req.echo] * n
+    prompt_tokens = [s.prompt_tokens for s in streams]
     try:
         if chat:
             await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None}]))
-        async for out in stream:
+        async for i, out in _merge(streams):
+            view = views[i]
             comp = out.outputs[0]
-            prompt_tokens = len(out.prompt_token_ids)
-            delta = comp.text[len(sent_text):]
-            n = len(comp.token_ids)
-            if not delta and not out.finished:
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            text, ids, _ = view.generated(comp)
+            delta = text[len(sent_text[i]):]
+            lead = ""
+            if not echoed[i]:
+                lead = view.echo_text(out)
+            if not delta and not lead and not out.finished:
                 continue  # e.g. a token that is only part of a character, or a held-back stop string
-            lp = _logprobs_obj(req, tokenizer, comp, sent_tokens, n)
-            finish = comp.finish_reason if out.finished else None
+            lp = view.logprobs(out, sent_tokens[i], len(ids), not echoed[i], offsets[i])
+            echoed[i] = True
+            finish = view.finish_reason(comp) if out.finished else None
             if chat:
-                choice = {"index": 0, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                           "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": i, "text": lead + delta, "logprobs": lp, "finish_reason": finish}
                 if out.finished:
-                    choice["stop_reason"] = comp.stop_reason
+                    choice["stop_reason"] = None if req.prompt_only else comp.stop_reason
             await resp.write(chunk([choice]))
-            sent_text = comp.text
-            sent_tokens = n
+            if lp is not None and lp.get("tokens"):
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            sent_text[i] = text
+            sent_tokens[i] = len(ids)
         if req.include_usage:
-            await resp.write(chunk([], protocol.usage(prompt_tokens, sent_tokens)))
+            await resp.write(chunk([], protocol.usage(sum(prompt_tokens), sum(sent_tokens))))
     except (ServerShuttingDownError, EngineDeadError) as e:
         err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())

@@ -6,6 +6,7 @@ request field at fault; ``error_body`` renders it as OpenAI's error JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -16,6 +17,7 @@ from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 16
+MAX_PROMPTS_PER_REQUEST = 1024
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -136,7 +138,7 @@ class ParsedRequest:
 
     kind: str  # "completion" | "chat"
     model: str
-    prompt: str | list[int] | None  # completion prompt (text or token ids)
+    prompts: list[str | list[int]] | None  # completion prompts (text or token ids), one choice each
     messages: list[dict] | None  # chat messages
     params: SamplingParams
     max_tokens_explicit: bool  # False: the server fills in the remaining context
@@ -145,6 +147,9 @@ class ParsedRequest:
     logprobs: int | None  # completions: top-N; chat: top_logprobs when logprobs=true
     chat_logprobs: bool
     max_tokens_field: str = "max_tokens"
+    echo: bool = False  # completions: the prompt (and its logprobs) leads each choice
+    # completions with echo and max_tokens=0: the engine generates one token, which is dropped.
+    prompt_only: bool = False
 
 
 def _common(body: dict, served_model: str) -> dict:
@@ -211,37 +216,55 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
     )
 
 
+def _completion_prompt(value: Any, name: str) -> str | list[int]:
+    """One prompt: a non-empty string or a non-empty array of non-negative token ids."""
+    if isinstance(value, str):
+        if not value:
+            _bad(name, "must not be empty")
+        return value
+    if isinstance(value, list):
+        if not value:
+            _bad(name, "must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            _bad(name, "expected a string, an array of token ids, or an array of those")
+        if any(t < 0 for t in value):
+            _bad(name, "token ids must be non-negative")
+        return value
+    _bad(name, f"expected a string or an array of token ids, got {_type_name(value)}")
+    return value
+
+
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     common = _common(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
         _bad("prompt", "is required")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            _bad("prompt", "must not be empty")
-    elif isinstance(prompt, list):
-        if not prompt:
-            _bad("prompt", "must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            _bad("prompt", "expected a string or an array of token ids (batched prompts are not supported)")
-        if any(t < 0 for t in prompt):
-            _bad("prompt", "token ids must be non-negative")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        # A batch: strings or token-id arrays, one choice each (in this order).
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            _bad("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
+        prompts = [_completion_prompt(p, "prompt") for p in prompt]
     else:
-        _bad("prompt", f"expected a string or an array of token ids, got {_type_name(prompt)}")
-    if get_bool(body, "echo", False):
-        _bad("echo", "is not supported")
+        prompts = [_completion_prompt(prompt, "prompt")]
+    echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         _bad("suffix", "is not supported")
     max_tokens = get_int(body, "max_tokens", 16)
+    prompt_only = echo and max_tokens == 0
     logprobs = get_int(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= 20:
         _bad("logprobs", f"must be an integer in [0, 20], got {logprobs}")
-    params = _params(common, max_tokens, logprobs)
+    if max_tokens is not None and max_tokens < 0:
+        _bad("max_tokens", f"must be an integer >= 0, got {max_tokens}")
+    if max_tokens == 0 and not echo:
+        _bad("max_tokens", "must be >= 1 (0 is allowed only with 'echo': true, which returns the prompt)")
+    params = _params(common, 1 if prompt_only else max_tokens, logprobs)
+    if echo and logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     return ParsedRequest(
-        "completion", common["model"], prompt, None, params, "max_tokens" in body and body["max_tokens"] is not None,
-        common["stream"], common["include_usage"], logprobs, False,
+        "completion", common["model"], prompts, None, params,
+        "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
+        logprobs, False, echo=echo, prompt_only=prompt_only,
     )
 
 
@@ -310,19 +333,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int,
+def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
                         text_offset_start: int = 0) -> dict:
-    """The legacy completions ``logprobs`` object."""
+    """The legacy completions ``logprobs`` object. An entry of ``lps`` that is None (the first prompt
+    token under ``echo``) gives a null logprob and null alternatives."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset_start
     for tid, d in zip(token_ids, lps):
         piece = tokenizer.decode([tid])
         tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+        if d is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(_finite(d.get(tid)))
         ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
         top_logprobs.append({tokenizer.decode([t]): _finite(v) for t, v in ranked} if top else None)
-        offsets.append(offset)
-        offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
