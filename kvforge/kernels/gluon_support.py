@@ -55,7 +55,14 @@ def gluon_runs_on(t: torch.Tensor | torch.device) -> bool:
     return gluon_runs_on_device(GLUON_ENABLED, True, _capability_major(device.index))
 
 
+_DEVICES: dict[torch.device, Device] = {}
+
+
 def routing_device(t: torch.Tensor | torch.device) -> Device:
-    """What the routing tables need to know about the device of ``t``."""
+    """What the routing tables need to know about the device of ``t`` (cached: neither fact changes while
+    the process runs)."""
     device = t if isinstance(t, torch.device) else t.device
-    return Device(num_sms=num_sms(device), gluon=gluon_runs_on(device))
+    known = _DEVICES.get(device)
+    if known is None:
+        known = _DEVICES[device] = Device(num_sms=num_sms(device), gluon=gluon_runs_on(device))
+    return known
