@@ -260,7 +260,7 @@ def test_gpu_only_running_max_jumps_mid_sequence(kv, heads, lazy):
     cache, meta, q_latent, q_rope, _ = _batch(6, kv, heads, "cuda", block_size=16, seed=5)
     scale = torch.tensor([0.05 if kv.startswith("fp8") else 1.0], device="cuda")  # fp8: 240 v fits e4m3
     g = torch.Generator().manual_seed(5)
-    r, p = gm.LATENT_DIM, gm.ROPE_DIM
+    r, p = mla_routing.LATENT_DIM, mla_routing.ROPE_DIM
     v = torch.ones(r) / r ** 0.5  # every head's query gets v: q.c grows with c's v component
     q_latent = (q_latent.float().cpu() + v).to(q_latent.dtype).cuda()
     tables, bs = meta.block_tables.cpu().long(), cache.shape[1]
