@@ -6,7 +6,8 @@ CPU tensors, where the interpreter evaluates every op with numpy: slowly (tests 
 and, in the places named below, not as the GPU does. A test that reaches one of those places skips with
 the constant as its reason, for that case only. Gluon kernels never run in the interpreter.
 
-Importing this module skips the importing test module when Triton is not installed.
+Triton is a test dependency (``pip install -e '.[test]'``): without it the kernel test modules fail to
+import instead of skipping, so a test run cannot silently leave the kernels out.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import functools
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # pragma: no cover - an environment without the test extras
+    raise ImportError("the Triton kernel tests need triton: pip install -e '.[test]'") from e
 
 #: True when Triton interprets kernels on the CPU instead of compiling them.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
