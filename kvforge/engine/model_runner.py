@@ -125,9 +125,10 @@ class ModelRunner:
         self.softmax_scale = model.softmax_scale
         from kvforge.kernels.gluon_support import routing_device
 
+        config = getattr(model, "config", None)
         self.backend_options = BackendOptions(
             softmax_scale=model.softmax_scale, model_dtype=plan.model_dtype, device=routing_device(device),
-            latent_dim=(getattr(model, "config", None) or {}).get("kv_lora_rank"),
+            latent_dim=config.get("kv_lora_rank") if isinstance(config, dict) else None,
             mla_prefill_mode=check_prefill_mode(mla_prefill_mode))
         declarations = {d.name: d for d in builtin_backends()}
         by_name = {name: backend_class(declarations[name])(self.backend_options)
