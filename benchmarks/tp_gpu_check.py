@@ -422,7 +422,7 @@ def part_e(s: dict, deadline: float) -> dict:
         status, text = _http("GET", base + "/metrics")
         m = parse_prometheus(text) if status == 200 else {}
         r["metrics_status"] = status
-        r["metrics_generation_tokens_total"] = metric_sum(m, "kvforge_generation_tokens_total") if m else None
+        r["metrics_generation_tokens_total"] = metric_sum(m, "kvforge:generation_tokens_total") if m else None
         proc.send_signal(signal.SIGTERM)
         r["exit_code"] = proc.wait(timeout=60)
         time.sleep(1.0)

@@ -117,16 +117,16 @@ def test_bench_counts_agree_with_server_metrics(server, tmp_path):
     def delta(metric):
         return metric_sum(after, metric) - metric_sum(before, metric)
 
-    ok_key = 'kvforge_request_success_total{model_name="%s",finished_reason="length"}'
+    ok_key = 'kvforge:request_success_total{finished_reason="length",model_name="%s"}'
     assert after[ok_key % name] - before.get(ok_key % name, 0) == totals["requests_succeeded"]
-    assert delta("kvforge_request_success_total") == totals["requests_succeeded"]
-    assert delta("kvforge_request_prompt_tokens_total") == totals["prompt_tokens"]
-    assert delta("kvforge_request_generation_tokens_total") == totals["output_tokens"]
+    assert delta("kvforge:request_success_total") == totals["requests_succeeded"]
+    assert delta("kvforge:request_prompt_tokens_sum") == totals["prompt_tokens"]
+    assert delta("kvforge:request_generation_tokens_sum") == totals["output_tokens"]
     # the engine's own counter agrees on generated tokens
-    assert delta("kvforge_generation_tokens_total") == totals["output_tokens"]
-    assert delta("kvforge_time_to_first_token_seconds_count") == totals["requests_succeeded"]
+    assert delta("kvforge:generation_tokens_total") == totals["output_tokens"]
+    assert delta("kvforge:time_to_first_token_seconds_count") == totals["requests_succeeded"]
     # unique prompts: the prefix cache could not serve the id-prefixed prompts' first blocks
-    assert report["server_metrics_delta"]["kvforge_request_generation_tokens_total"] == totals["output_tokens"]
+    assert report["server_metrics_delta"]["kvforge:request_generation_tokens_sum"] == totals["output_tokens"]
 
 
 def test_bench_counts_failures():

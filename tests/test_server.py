@@ -413,14 +413,14 @@ def test_disconnects_free_kv_blocks(server):
     deadline = time.time() + 30
     while True:
         m = metrics(server)
-        used = metric_sum(m, "kvforge_kv_blocks_used")
-        running = metric_sum(m, "kvforge_num_requests_running") + metric_sum(m, "kvforge_num_requests_waiting")
-        in_flight = metric_sum(m, "kvforge_server_requests_in_flight")
+        used = metric_sum(m, "kvforge:kv_blocks_used")
+        running = metric_sum(m, "kvforge:num_requests_running") + metric_sum(m, "kvforge:num_requests_waiting")
+        in_flight = metric_sum(m, "kvforge:num_requests_in_flight")
         if used == 0 and running == 0 and in_flight == 0:
             break
         assert time.time() < deadline, f"still in use: blocks={used} running+waiting={running} in_flight={in_flight}"
         time.sleep(0.1)
-    key = f'kvforge_request_success_total{{model_name="{model_name(server)}",finished_reason="abort"}}'
+    key = f'kvforge:request_success_total{{finished_reason="abort",model_name="{model_name(server)}"}}'
     aborted = m[key] - before[key]
     # Every streaming client is aborted. A non-streaming client that gives up while its request is still
     # queued may be dropped before it ever reaches the engine (then it is not an engine abort), so those
@@ -430,23 +430,68 @@ def test_disconnects_free_kv_blocks(server):
 
 
 def test_metrics_exposition(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
     client.completions.create(model=model_name(server), prompt="metrics", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
     status, headers, text = http("GET", server.url + "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    kinds = {
+        "kvforge:num_requests_running": "gauge", "kvforge:num_requests_waiting": "gauge",
+        "kvforge:num_requests_in_flight": "gauge", "kvforge:kv_cache_usage_perc": "gauge",
+        "kvforge:kv_blocks_used": "gauge", "kvforge:kv_blocks_total": "gauge",
+        "kvforge:prefix_cache_queries": "counter", "kvforge:prefix_cache_hits": "counter",
+        "kvforge:num_preemptions": "counter", "kvforge:prompt_tokens": "counter",
+        "kvforge:generation_tokens": "counter", "kvforge:request_success": "counter",
+        "kvforge:request_rejected": "counter", "kvforge:http_requests": "counter",
+        "kvforge:time_to_first_token_seconds": "histogram", "kvforge:inter_token_latency_seconds": "histogram",
+        "kvforge:request_time_per_output_token_seconds": "histogram",
+        "kvforge:e2e_request_latency_seconds": "histogram", "kvforge:request_prompt_tokens": "histogram",
+        "kvforge:request_generation_tokens": "histogram",
+    }
+    assert {name: families[name].type for name in kinds if name in families} == kinds
+    for family in families.values():  # every series names the model
+        for sample in family.samples:
+            assert sample.labels.get("model_name") == model_name(server), sample
     m = parse_prometheus(text)
-    for name in ("kvforge_num_requests_running", "kvforge_num_requests_waiting", "kvforge_kv_blocks_used",
-                 "kvforge_kv_blocks_total", "kvforge_prefix_cache_hit_rate", "kvforge_num_preemptions_total",
-                 "kvforge_prompt_tokens_total", "kvforge_generation_tokens_total",
-                 "kvforge_time_to_first_token_seconds_count", "kvforge_inter_token_latency_seconds_count"):
-        assert any(k.split("{")[0] == name for k in m), name
-    assert metric_sum(m, "kvforge_kv_blocks_total") > 0
-    assert metric_sum(m, "kvforge_time_to_first_token_seconds_count") >= 1
-    assert m['kvforge_time_to_first_token_seconds_bucket{le="+Inf"}'] == m[
-        "kvforge_time_to_first_token_seconds_count"]
-    for line in text.splitlines():  # every sample line is "name{labels} value"
-        if line and not line.startswith("#"):
-            float(line.rsplit(" ", 1)[1])
+    label = f'model_name="{model_name(server)}"'
+    assert m[f"kvforge:kv_blocks_total{{{label}}}"] == server.engine.stats()["kv_blocks_total"] > 0
+    assert m[f"kvforge:time_to_first_token_seconds_count{{{label}}}"] >= 1
+    assert m[f'kvforge:time_to_first_token_seconds_bucket{{le="+Inf",{label}}}'] == m[
+        f"kvforge:time_to_first_token_seconds_count{{{label}}}"]
+    assert m[f"kvforge:request_generation_tokens_sum{{{label}}}"] >= 3
+
+
+def test_metrics_of_two_apps_in_one_process_are_separate():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvforge.server.metrics import ServerMetrics
+
+    a, b = ServerMetrics("model-a"), ServerMetrics("model-b")
+    a.on_reject("invalid")
+    a.on_reject("invalid")
+    b.on_reject("queue_full")
+    stats = {"num_running": 3, "num_waiting": 1, "kv_blocks_used": 5, "kv_blocks_total": 20,
+             "prefix_cache_queries": 40, "prefix_cache_hits": 10, "num_preemptions": 2,
+             "prompt_tokens_total": 70, "generation_tokens_total": 90}
+    text_a = a.render(stats, in_flight=4).decode()
+    text_b = b.render({}, in_flight=0).decode()
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(text_a) for s in f.samples}
+    la = (("model_name", "model-a"),)
+    assert got[("kvforge:num_requests_running", la)] == 3
+    assert got[("kvforge:num_requests_waiting", la)] == 1
+    assert got[("kvforge:num_requests_in_flight", la)] == 4
+    assert got[("kvforge:kv_cache_usage_perc", la)] == 0.25
+    assert got[("kvforge:prefix_cache_hits_total", la)] == 10
+    assert got[("kvforge:prompt_tokens_total", la)] == 70
+    assert got[("kvforge:generation_tokens_total", la)] == 90
+    assert got[("kvforge:request_rejected_total", (("model_name", "model-a"), ("reason", "invalid")))] == 2
+    assert "model-b" not in text_a and "model-a" not in text_b
+    assert not any(k[0] == "kvforge:request_rejected_total" and ("reason", "invalid") in k[1]
+                   for k in {(s.name, tuple(s.labels.items())): 0
+                             for f in text_string_to_metric_families(text_b) for s in f.samples})
 
 
 # -- server mechanics on the fake engine: queue bound, SIGTERM -------------------------------------
@@ -559,7 +604,7 @@ def test_serve_main_plan_error_stops_before_weights(monkeypatch, capsys):
     assert "max-model-len" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("missing", ["aiohttp"])
+@pytest.mark.parametrize("missing", ["aiohttp", "prometheus_client"])
 def test_serve_main_missing_server_dependency_stops_before_weights(monkeypatch, capsys, missing):
     import kvforge.engine.llm_engine
     from kvforge.server.cli import serve_main
@@ -635,7 +680,7 @@ def test_serve_tensor_parallel_2_cpu(tmp_path):
         status, _, r = http("POST", base + "/v1/completions", {"model": name, "prompt": "text needs a tokenizer"})
         assert status == 400, r
         m = parse_prometheus(http("GET", base + "/metrics")[2])
-        assert metric_sum(m, "kvforge_generation_tokens_total") == 18
+        assert metric_sum(m, "kvforge:generation_tokens_total") == 18
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         log = proc.stdout.read().decode()

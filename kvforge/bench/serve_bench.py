@@ -310,10 +310,10 @@ def _metrics_delta(before, after) -> dict | None:
     if not before or not after:
         return None
     out = {}
-    for name in ("kvforge_request_success_total", "kvforge_request_prompt_tokens_total",
-                 "kvforge_request_generation_tokens_total", "kvforge_prompt_tokens_total",
-                 "kvforge_generation_tokens_total", "kvforge_num_preemptions_total",
-                 "kvforge_prefix_cache_hits_total", "kvforge_prefix_cache_queries_total"):
+    for name in ("kvforge:request_success_total", "kvforge:request_prompt_tokens_sum",
+                 "kvforge:request_generation_tokens_sum", "kvforge:prompt_tokens_total",
+                 "kvforge:generation_tokens_total", "kvforge:num_preemptions_total",
+                 "kvforge:prefix_cache_hits_total", "kvforge:prefix_cache_queries_total"):
         out[name] = metric_sum(after, name) - metric_sum(before, name)
     return out
 

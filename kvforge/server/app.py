@@ -66,9 +66,9 @@ def create_app(
     shutdown_grace_s: float = 30.0,
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md)."""
-    metrics = ServerMetrics()
-    aengine = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     model_name = served_model_name or engine.model_name
+    metrics = ServerMetrics(model_name)
+    aengine = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     config = {
         "api_key": api_key,
         "max_request_bytes": max_request_bytes,
@@ -148,8 +148,8 @@ def create_app(
 
     async def metrics_endpoint(request):
         stats = await aengine.stats()
-        text = metrics.render(stats, in_flight=aengine.num_in_flight, model_name=model_name)
-        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+        body = metrics.render(stats, in_flight=aengine.num_in_flight)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     def model_object() -> dict:
         return protocol.model_object(model_name, int(aengine.started), engine.max_model_len)
