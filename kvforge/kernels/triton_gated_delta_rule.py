@@ -1,0 +1,263 @@
+"""Triton kernels: the gated delta rule over per-sequence state slots (decode, and chunked prefill).
+
+The rule, its shapes and its state contract are those of :mod:`kvforge.attention.gated_delta_rule`
+(the PyTorch reference these kernels are tested against). Here a flat batch of ``T`` tokens
+belongs to ``N`` sequences and every sequence owns one state slot:
+
+* ``q, k [T, Hk, K]``, ``v [T, Hv, V]``, ``beta [T, Hv]``, ``g [T, Hv]`` (one gate per head) or
+  ``g [T, Hv, K]`` (one per key channel); last dimension contiguous;
+* ``states [num_slots, Hv, K, V]`` (any float dtype; arithmetic in float32), read at
+  ``slot_ids[i]`` before sequence ``i``'s tokens and overwritten in place with its state after them;
+  ``slot_ids[i] < 0`` marks a padding row: nothing is read or written for it;
+* ``has_initial_state [N]`` (optional, bool): False starts sequence ``i`` from a zero state instead
+  of reading its slot (a new sequence's slot holds whatever its previous owner left).
+
+Entries (no host sync, output allocated with ``torch.empty``):
+
+* :func:`decode` - one token per sequence (``T == N``), grid ``(N, Hv, cdiv(V, BV))``; fixed
+  shapes for fixed ``N``, so it can be captured in a CUDA graph. Each program keeps a
+  ``[K, BV]`` block of the state in registers for the token.
+* :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Per-head gates
+  run the chunked form: per chunk of ``chunk_size`` tokens, the unit lower-triangular system
+  ``(I + A)`` is inverted as the finite product ``(I - A)(I + A^2)(I + A^4)...`` (exact: ``A`` is
+  strictly lower, so ``A^chunk_size = 0``), then every product is a ``tl.dot`` in IEEE float32.
+  Per-channel gates (KDA) run the recurrence token by token inside the kernel (a chunked form would
+  need ``exp(-G)`` factors that overflow float32 for strong decays).
+
+Sequence ``i``'s loop bounds are loaded from ``query_start_loc``; one program per (sequence, value
+head, value block). Offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: the CPU engine never imports this module's kernels.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+L2_NORM_EPS = 1e-6
+DEFAULT_CHUNK_SIZE = 16
+_MAX_BV = 32
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _l2_normalize(x, NORMALIZE: tl.constexpr, axis: tl.constexpr):
+        if NORMALIZE:
+            x = x * tl.rsqrt(tl.sum(x * x, axis=axis, keep_dims=True) + 1e-6)
+        return x
+
+    @triton.jit
+    def _recurrent_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+        stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
+        scale, GROUP, DK, DV,
+        BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, NORMALIZE: tl.constexpr,
+        DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    ):
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        if slot >= 0:
+            hk = h // GROUP
+            ks = tl.arange(0, BK)
+            vs = vb * BV + tl.arange(0, BV)
+            kmask = ks < DK
+            vmask = vs < DV
+            s_off = slot * stride_ss + h * stride_sh + ks[:, None].to(tl.int64) * stride_sk + vs[None, :]
+            smask = kmask[:, None] & vmask[None, :]
+            s = tl.load(state_ptr + s_off, mask=smask, other=0.0).to(tl.float32)
+            if HAS_INIT_FLAGS:
+                s = s * (tl.load(init_ptr + i) != 0).to(tl.float32)
+            if DECODE:
+                bos = i.to(tl.int64)
+                eos = bos + 1
+            else:
+                bos = tl.load(qsl_ptr + i).to(tl.int64)
+                eos = tl.load(qsl_ptr + i + 1).to(tl.int64)
+            for t64 in range(bos, eos):  # int64 token index
+                q = tl.load(q_ptr + t64 * stride_qt + hk * stride_qh + ks, mask=kmask, other=0.0).to(tl.float32)
+                k = tl.load(k_ptr + t64 * stride_kt + hk * stride_kh + ks, mask=kmask, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + vs, mask=vmask, other=0.0).to(tl.float32)
+                q = _l2_normalize(q, NORMALIZE, 0) * scale
+                k = _l2_normalize(k, NORMALIZE, 0)
+                beta = tl.load(beta_ptr + t64 * stride_bt + h).to(tl.float32)
+                if PER_CHANNEL:
+                    g = tl.load(g_ptr + t64 * stride_gt + h * stride_gh + ks, mask=kmask, other=0.0).to(tl.float32)
+                    s = s * tl.exp(g)[:, None]
+                else:
+                    s = s * tl.exp(tl.load(g_ptr + t64 * stride_gt + h).to(tl.float32))
+                u = beta * (v - tl.sum(s * k[:, None], axis=0))
+                s = s + k[:, None] * u[None, :]
+                o = tl.sum(s * q[:, None], axis=0)
+                tl.store(out_ptr + t64 * stride_ot + h * stride_oh + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
+            tl.store(state_ptr + s_off, s.to(state_ptr.dtype.element_ty), mask=smask)
+
+    @triton.jit
+    def _chunked_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+        stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
+        scale, GROUP, DK, DV,
+        BT: tl.constexpr, LOG2_BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    ):
+        i = tl.program_id(0)
+        h = tl.program_id(1)
+        vb = tl.program_id(2)
+        slot = tl.load(slot_ptr + i).to(tl.int64)
+        if slot >= 0:
+            hk = h // GROUP
+            ks = tl.arange(0, BK)
+            vs = vb * BV + tl.arange(0, BV)
+            rs = tl.arange(0, BT)
+            kmask = ks < DK
+            vmask = vs < DV
+            s_off = slot * stride_ss + h * stride_sh + ks[:, None].to(tl.int64) * stride_sk + vs[None, :]
+            smask = kmask[:, None] & vmask[None, :]
+            s = tl.load(state_ptr + s_off, mask=smask, other=0.0).to(tl.float32)
+            if HAS_INIT_FLAGS:
+                s = s * (tl.load(init_ptr + i) != 0).to(tl.float32)
+            bos = tl.load(qsl_ptr + i)
+            eos = tl.load(qsl_ptr + i + 1)
+            strict = rs[:, None] > rs[None, :]
+            lower = rs[:, None] >= rs[None, :]
+            eye = tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)
+            for c0 in range(bos, eos, BT):
+                rows = c0 + rs
+                rmask = rows < eos
+                r64 = rows.to(tl.int64)
+                qk_mask = rmask[:, None] & kmask[None, :]
+                q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
+                            other=0.0).to(tl.float32)
+                k = tl.load(k_ptr + r64[:, None] * stride_kt + hk * stride_kh + ks[None, :], mask=qk_mask,
+                            other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + r64[:, None] * stride_vt + h * stride_vh + vs[None, :],
+                            mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+                g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+                beta = tl.load(beta_ptr + r64 * stride_bt + h, mask=rmask, other=0.0).to(tl.float32)
+                q = _l2_normalize(q, NORMALIZE, 1) * scale
+                k = _l2_normalize(k, NORMALIZE, 1)
+                gc = tl.cumsum(g, axis=0)  # padded rows add 0: gc of the last row is the chunk's total
+                g_last = tl.sum(g, axis=0)
+                decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+                kt = tl.trans(k)
+                a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision="ieee") * decay, 0.0)
+                # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A^BT = 0.
+                inv = eye - a
+                p = a
+                for _ in tl.static_range(LOG2_BT - 1):
+                    p = tl.dot(p, p, input_precision="ieee")
+                    inv = tl.dot(inv, eye + p, input_precision="ieee")
+                u = tl.dot(inv, beta[:, None] * v, input_precision="ieee")
+                w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision="ieee")
+                u = u - tl.dot(w, s, input_precision="ieee")
+                qk = tl.where(lower, tl.dot(q, kt, input_precision="ieee") * decay, 0.0)
+                o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+                tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+                k_end = k * tl.exp(g_last - gc)[:, None]
+                s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision="ieee")
+            tl.store(state_ptr + s_off, s.to(state_ptr.dtype.element_ty), mask=smask)
+
+
+def _check(q, k, v, g, beta, states, slot_ids, num_seqs):
+    if not HAS_TRITON:
+        raise RuntimeError("the gated delta rule kernels need triton")
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != t or hv % hk:
+        raise ValueError(f"want q, k [T, Hk, K], v [T, Hv, V] with Hk | Hv; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if beta.shape != (t, hv) or g.shape not in ((t, hv), (t, hv, dk)):
+        raise ValueError(f"want beta [T, Hv] and g [T, Hv] or [T, Hv, K]; got {tuple(beta.shape)}, {tuple(g.shape)}")
+    if states.dim() != 4 or tuple(states.shape[1:]) != (hv, dk, dv) or states.stride(3) != 1:
+        raise ValueError(f"states must be [num_slots, {hv}, {dk}, {dv}] with a contiguous last dim, "
+                         f"got {tuple(states.shape)}")
+    if slot_ids.shape != (num_seqs,):
+        raise ValueError(f"slot_ids must hold one slot per sequence ({num_seqs}), got {tuple(slot_ids.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    if beta.stride(1) != 1:
+        raise ValueError("beta needs a contiguous last dimension")
+
+
+def _blocks(dk: int, dv: int) -> tuple[int, int]:
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = max(16, min(_MAX_BV, triton.next_power_of_2(dv)))
+    return bk, bv
+
+
+def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
+                      normalize_qk, num_seqs, decode):
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.empty_like(v)
+    if num_seqs == 0 or t == 0:
+        return out
+    bk, bv = _blocks(dk, dv)
+    per_channel = g.dim() == 3
+    flags = has_initial_state if has_initial_state is not None else slot_ids
+    qsl = query_start_loc if query_start_loc is not None else slot_ids
+    _recurrent_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, out, states, slot_ids, flags, qsl,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        g.stride(1) if per_channel else 0, beta.stride(0), out.stride(0), out.stride(1),
+        states.stride(0), states.stride(1), states.stride(2),
+        float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
+        BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
+        HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
+    )
+    return out
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           states: torch.Tensor, slot_ids: torch.Tensor, *, has_initial_state: torch.Tensor | None = None,
+           scale: float | None = None, normalize_qk: bool = False) -> torch.Tensor:
+    """One token per sequence (``T == N``); ``out [T, Hv, V]``, ``states`` updated in place (module docstring)."""
+    _check(q, k, v, g, beta, states, slot_ids, q.shape[0])
+    return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, None, scale,
+                             normalize_qk, q.shape[0], decode=True)
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
+            has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
+            chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place."""
+    num_seqs = slot_ids.shape[0]
+    _check(q, k, v, g, beta, states, slot_ids, num_seqs)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [N + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    if g.dim() == 3:
+        return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
+                                 normalize_qk, num_seqs, decode=False)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (tl.dot tiles), got {chunk_size}")
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    out = torch.empty_like(v)
+    if num_seqs == 0 or t == 0:
+        return out
+    bk, bv = _blocks(dk, dv)
+    flags = has_initial_state if has_initial_state is not None else slot_ids
+    _chunked_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, out, states, slot_ids, flags, query_start_loc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
+        float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
+        BT=chunk_size, LOG2_BT=chunk_size.bit_length() - 1, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
+        HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
+    )
+    return out

@@ -1,0 +1,168 @@
+"""Triton gated delta rule (decode over state slots, chunked and recurrent prefill) and conv1d decode.
+
+Where they run (tests/triton_kernel_device.py): compiled on a CUDA GPU; without one, in Triton's
+CPU interpreter at tiny shapes. The large shapes (128-wide heads, decode batches up to 256, long
+prompts, bf16 inputs) are GPU only.
+
+Oracle: the float64 loops of tests/delta_rule_oracle.py on the same inputs, per sequence, from
+the state each slot held (or zeros where ``has_initial_state`` is False). Slots no sequence owns
+must come back bit-identical (the kernels write only their own slots), padding rows (slot -1)
+must leave everything untouched, and the output rows of real sequences must be finite.
+
+Tolerances, relative to max |reference| (float32 arithmetic, see tests/test_gated_delta_rule.py
+for the derivation): recurrent kernels 2e-5 (interpreter) / 1e-4 (GPU: hardware exp and rsqrt
+differ from correctly rounded ones by a few ulps); chunked kernel 1e-4 (a triangular inverse
+over a chunk and a different summation order); bf16 inputs (GPU) 1e-2 (the output is rounded to
+bf16, 2^-9 relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from delta_rule_oracle import conv_float64, naive_float64, random_inputs, rel_err
+from triton_kernel_device import (
+    DEVICE,
+    INTERPRETED,
+    gpu_only,
+    requires_kernels,
+    skip_unless_loaded_loop_bounds_work,
+)
+
+from kvforge.kernels import triton_causal_conv1d as conv_kernels
+from kvforge.kernels import triton_gated_delta_rule as kernels
+
+pytestmark = requires_kernels
+REC_TOL = 2e-5 if INTERPRETED else 1e-4
+CHUNK_TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _loops_over_loaded_bounds():
+    skip_unless_loaded_loop_bounds_work()
+
+
+def _batch(lens, hk, hv, dk, dv, per_channel, seed):
+    """Flat inputs of sequences of ``lens`` tokens (concatenated), on DEVICE."""
+    parts = [random_inputs(n, hk, hv, dk, dv, per_channel, seed=seed + i) for i, n in enumerate(lens)]
+    return [torch.cat([p[j] for p in parts]).to(DEVICE) for j in range(5)]
+
+
+def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=False, num_slots=7,
+                   chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32):
+    q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, per_channel, seed)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    gen = torch.Generator().manual_seed(seed + 100)
+    states = (0.3 * torch.randn(num_slots, hv, dk, dv, generator=gen)).to(DEVICE)
+    before = states.clone()
+    slot_ids = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    flags = torch.tensor(init, dtype=torch.bool, device=DEVICE)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    if all(n == 1 for n in lens):
+        out = kernels.decode(q, k, v, g, beta, states, slot_ids, has_initial_state=flags, normalize_qk=True)
+    else:
+        out = kernels.prefill(q, k, v, g, beta, states, slot_ids, qsl, has_initial_state=flags,
+                              normalize_qk=True, chunk_size=chunk_size)
+    owned = set()
+    for i, n in enumerate(lens):
+        a, b = int(qsl[i]), int(qsl[i + 1])
+        if slots[i] < 0:
+            continue
+        owned.add(slots[i])
+        s0 = before[slots[i]].cpu() if init[i] else None
+        ref_out, ref_s = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)), s0)
+        assert torch.isfinite(out[a:b]).all()
+        assert rel_err(out[a:b].cpu(), ref_out) < tol, (i, n)
+        assert rel_err(states[slots[i]].cpu(), ref_s) < tol, (i, n)
+    for s in range(num_slots):
+        if s not in owned:
+            assert torch.equal(states[s], before[s]), f"slot {s} is owned by no sequence but changed"
+    return out, states
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_decode_over_slots_with_padding_and_fresh_sequences(per_channel):
+    _run_and_check([1, 1, 1, 1], [5, -1, 0, 2], [True, True, False, True], per_channel=per_channel, tol=REC_TOL)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["chunked_scalar_gate", "recurrent_per_channel_gate"])
+def test_prefill_lengths_the_chunk_does_not_divide(per_channel):
+    if per_channel:  # token by token: the interpreter runs every op of every token, keep it short
+        _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], per_channel=True, tol=REC_TOL, seed=3)
+    else:  # two value blocks (40 > 32 columns), chunks of 16 over 17 and 40 tokens
+        _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
+
+
+def test_prefill_split_across_calls_equals_one_call():
+    lens = [37]
+    q, k, v, g, beta = _batch(lens, 2, 4, 16, 16, False, 5)
+    one = torch.zeros(2, 4, 16, 16, device=DEVICE)
+    slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    out_one = kernels.prefill(q, k, v, g, beta, one, slot, torch.tensor([0, 37], dtype=torch.int32, device=DEVICE),
+                              normalize_qk=True)
+    split = torch.zeros_like(one)
+    outs = []
+    for a, b in [(0, 5), (5, 21), (21, 36), (36, 37)]:
+        x = [t[a:b] for t in (q, k, v, g, beta)]
+        if b - a == 1:
+            outs.append(kernels.decode(*x, split, slot, normalize_qk=True))
+        else:
+            qsl = torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE)
+            outs.append(kernels.prefill(*x, split, slot, qsl, normalize_qk=True))
+    assert rel_err(torch.cat(outs).cpu(), out_one.double().cpu()) < CHUNK_TOL
+    assert rel_err(split[1].cpu(), one[1].double().cpu()) < CHUNK_TOL
+    assert torch.equal(split[0], one[0])  # slot 0 untouched by both (zeros)
+
+
+def test_bad_chunk_size_is_named():
+    q, k, v, g, beta = _batch([3], 1, 1, 16, 16, False, 0)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        kernels.prefill(q, k, v, g, beta, torch.zeros(1, 1, 16, 16, device=DEVICE),
+                        torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                        torch.tensor([0, 3], dtype=torch.int32, device=DEVICE), chunk_size=24)
+
+
+def test_conv1d_decode_steps_match_float64_and_shift_the_state():
+    gen = torch.Generator().manual_seed(0)
+    n, d, width, num_slots = 3, 40, 4, 5
+    weight, bias = torch.randn(d, width, generator=gen), torch.randn(d, generator=gen)
+    states = torch.randn(num_slots, width - 1, d, generator=gen)
+    before = states.clone()
+    slots, init = [4, -1, 1], [True, True, False]
+    hist = {i: (before[slots[i]] if init[i] else torch.zeros(width - 1, d)) for i in (0, 2)}
+    dev_states = states.to(DEVICE)
+    for step in range(3):
+        x = torch.randn(n, d, generator=gen)
+        out = conv_kernels.conv1d_decode(
+            x.to(DEVICE), dev_states, torch.tensor(slots, dtype=torch.int32, device=DEVICE), weight.to(DEVICE),
+            bias.to(DEVICE), has_initial_state=torch.tensor(init if step == 0 else [True] * n, device=DEVICE))
+        for i in (0, 2):
+            want = conv_float64(x[i:i + 1], weight, bias, hist[i])
+            assert rel_err(out[i:i + 1].cpu(), want) < 1e-5
+            hist[i] = torch.cat([hist[i], x[i:i + 1]])[1:]
+            assert torch.equal(dev_states[slots[i]].cpu(), hist[i])  # the shift copies values: exact
+    for s in (0, 2, 3):
+        assert torch.equal(dev_states[s].cpu(), before[s])
+
+
+# ------------------------------------------------------------------------------ GPU only
+@gpu_only
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_gpu_decode_batches_at_model_shapes(batch, per_channel):
+    slots = torch.randperm(batch + 3, generator=torch.Generator().manual_seed(batch))[:batch].tolist()
+    _run_and_check([1] * batch, slots, [True] * batch, hk=16, hv=32, dk=128, dv=128, per_channel=per_channel,
+                   num_slots=batch + 3, tol=REC_TOL, seed=batch)
+
+
+@gpu_only
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_gpu_chunked_prefill_at_model_shapes(chunk_size):
+    _run_and_check([1, 100, 333], [2, 0, 4], [False, True, True], hk=16, hv=32, dk=128, dv=128,
+                   num_slots=5, chunk_size=chunk_size, seed=chunk_size)
+
+
+@gpu_only
+def test_gpu_bf16_inputs():
+    _run_and_check([1, 65, 130], [1, 2, 0], [True, True, False], hk=4, hv=8, dk=128, dv=128, num_slots=3,
+                   tol=1e-2, dtype=torch.bfloat16)
