@@ -1,6 +1,10 @@
 """The engine on the real SmolLM2-135M-Instruct GGUF (CPU): correctness against
-transformers, batch invariance (batching, preemption, prefix cache), fp8 KV
-agreement, bad input and fail-fast startup."""
+transformers, outputs under batching, preemption and prefix caching, fp8 KV
+agreement, bad input and fail-fast startup.
+
+Batching, a recompute after preemption and a prefix-cache hit change what is computed together,
+so float32 logits move in the last bits and greedy tokens are compared by the near-tie rule of
+tests/greedy_agreement.py (identical until a near-tie of the reference's logits)."""
 
 from __future__ import annotations
 
@@ -8,11 +12,18 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from greedy_agreement import FP32_LOGIT_TOL, assert_greedy_agrees, assert_outputs_agree, top2_margins
+from test_gguf import TRANSFORMERS_LOGIT_TOL
 
 from kvforge import SamplingParams
 from kvforge.errors import ConfigError, InvalidRequestError, PlanError
 
-GREEDY = SamplingParams(temperature=0, max_tokens=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+FP8_KV_MARGIN_TOL = 1.0
+"""fp8 e4m3 KV against bf16 KV moves SmolLM2's logits by up to ~4 (median ~1 per row), yet flips a
+greedy choice only where the bf16 top-2 margin is small: measured, every flip (free-running and
+teacher-forced, 16 prompts) sat at a margin <= 0.51. Half the positions have margins above 1."""
 FP32_BLOCK_BYTES = 30 * 3 * 128 * 4 * 16  # 30 layers x 3 KV heads x (64 K + 64 V) fp32 x 16 tokens
 REFERENCE = Path(__file__).parent / "data" / "smollm2_q4_1_transformers.json"
 
@@ -37,9 +48,10 @@ PROMPTS = [
 
 
 def test_engine_greedy_equals_transformers_gguf(smol_llm):
-    """Greedy tokens (float32 weights and KV) equal transformers' own GGUF load.
+    """Greedy tokens (float32 weights and KV) follow transformers' own GGUF load until a near-tie
+    of transformers' logits.
 
-    The reference file was produced by transformers (see tests/test_gguf.py,
+    The reference file, margins included, was produced by transformers (see tests/test_gguf.py,
     which also re-checks it live under the slow marker).
     """
     ref = json.loads(REFERENCE.read_text())
@@ -47,15 +59,16 @@ def test_engine_greedy_equals_transformers_gguf(smol_llm):
     outs = llm.generate([{"prompt_token_ids": p} for p in ref["prompt_ids"]],
                         SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert len(ref["greedy"]) >= 3
-    for out, expect in zip(outs, ref["greedy"]):
-        assert out.outputs[0].token_ids == expect
+    for k, (out, expect, margins) in enumerate(zip(outs, ref["greedy"], ref["greedy_margins"])):
+        assert_greedy_agrees(out.outputs[0].token_ids, expect, margins, TRANSFORMERS_LOGIT_TOL, what=f"prompt {k}")
 
 
-def test_batch_invariance(smol_llm):
+def test_batched_outputs_agree_with_solo(smol_llm):
     llm = smol_llm()
-    alone = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     batch = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert batch[1].outputs[0].token_ids == alone
+    for i in (1, 6, 14):
+        alone = llm.generate(PROMPTS[i], GREEDY, use_tqdm=False)
+        assert_outputs_agree([batch[i]], alone, FP32_LOGIT_TOL)
     assert [len(o.prompt_token_ids) for o in batch] == [len(llm.get_tokenizer().encode(p)) for p in PROMPTS]
 
 
@@ -64,12 +77,12 @@ def test_preemption_recompute_keeps_outputs(smol_llm):
     small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192)
     assert small.plan.num_blocks == 12
     prompts = PROMPTS[:8]
-    expect = [o.outputs[0].token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+    want = base.generate(prompts, GREEDY, use_tqdm=False)
     before = small.engine.stats()
     got = small.generate(prompts, GREEDY, use_tqdm=False)
     stats = small.engine.stats()
     assert stats["num_preemptions"] > before["num_preemptions"], "the test must actually preempt"
-    assert [o.outputs[0].token_ids for o in got] == expect
+    assert_outputs_agree(got, want, FP32_LOGIT_TOL)
     assert stats["kv_blocks_used"] == 0
     # recomputes after preemption do not count a prompt again
     assert stats["prompt_tokens_total"] - before["prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in got)
@@ -90,39 +103,33 @@ def test_prefix_cache_hit_cuts_prefill_and_keeps_output(smol_llm):
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == n_prompt
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == second.num_cached_tokens
     uncached = smol_llm(enable_prefix_caching=False)
-    assert uncached.generate(shared + "Where is the Eiffel tower?", GREEDY,
-                             use_tqdm=False)[0].outputs[0].token_ids == second.outputs[0].token_ids
+    assert_outputs_agree([second], uncached.generate(shared + "Where is the Eiffel tower?", GREEDY, use_tqdm=False))
     assert first.outputs[0].token_ids  # generated something
 
 
 def test_fp8_kv_agrees_with_bf16_kv(smol_llm, capsys):
-    """Greedy fp8-KV vs bf16-KV agreement (free-running: one early flip changes
-    every later position, so this is a strict measure), and teacher-forced top-1
-    agreement on the same text (the per-token measure; see also eval kld).
-
-    Measured 2026-11-29: greedy 227/384 = 59.1% of positions; bf16 vs fp32 KV
-    is 384/384. Teacher-forced top-1 agreement is much higher (asserted >= 90%).
-    """
+    """fp8-KV greedy tokens follow bf16-KV's until a position where bf16's top-2 margin is below
+    FP8_KV_MARGIN_TOL (free-running: after a flip the streams see different text), and on the same
+    text teacher-forced, every top-1 difference sits at such a margin (the per-token measure;
+    see also eval kld)."""
     fp8 = smol_llm(kv_cache_dtype="fp8")
     bf16 = smol_llm(kv_cache_dtype="bf16")
     assert fp8.plan.kv_cache_dtype == "fp8_e4m3" and bf16.plan.kv_cache_dtype == "bfloat16"
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    a = fp8.generate(PROMPTS, params, use_tqdm=False)
-    b = bf16.generate(PROMPTS, params, use_tqdm=False)
-    same = total = 0
-    for x, y in zip(a, b):
-        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
-        same += sum(p == q for p, q in zip(tx, ty))
-        total += len(ty)
-    rate = same / total
+    a = fp8.generate(PROMPTS, params, use_tqdm=False)  # no logprobs: they differ by more than rounding
+    b = bf16.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+                      use_tqdm=False)
+    agreed = assert_outputs_agree(a, b, FP8_KV_MARGIN_TOL)
     ids = [t for o in b for t in o.prompt_token_ids + o.outputs[0].token_ids]
     lf, lb = fp8.engine.compute_prompt_logits(ids), bf16.engine.compute_prompt_logits(ids)
-    top1 = (lf.argmax(-1) == lb.argmax(-1)).float().mean().item()
+    flips = lf.argmax(-1) != lb.argmax(-1)
+    flip_margins = torch.tensor(top2_margins(lb))[flips]
     with capsys.disabled():
-        print(f"\n[fp8 vs bf16 KV on SmolLM2: greedy {same}/{total} = {rate:.1%} of positions; "
-              f"teacher-forced top-1 agreement {top1:.1%} over {len(ids)} tokens]")
-    assert rate >= 0.5
-    assert top1 >= 0.9
+        print(f"\n[fp8 vs bf16 KV on SmolLM2: greedy streams agree on {agreed}/{24 * len(PROMPTS)} leading "
+              f"positions; teacher-forced top-1 differs at {int(flips.sum())}/{len(ids)} tokens, "
+              f"largest bf16 margin there {flip_margins.max().item() if len(flip_margins) else 0:.2f}]")
+    assert (flip_margins < FP8_KV_MARGIN_TOL).all(), flip_margins
+    assert flips.float().mean().item() <= 0.1
 
 
 @pytest.mark.parametrize("prompt,field", [
