@@ -3,9 +3,13 @@
 GPU tests skip without CUDA. Without a GPU this file still checks that the
 Triton backend's declaration matches the kernel's own constants, that a CUDA
 plan routes every layer to ``triton_paged``, and that the CUDA-graph input path
-(static, padded buffers; padding rows with slot -1 / seq_len 1) gives the same
-greedy tokens as eager on CPU (``DecodeGraphs(capture=False)`` runs the same
+(static, padded buffers; padding rows with slot -1 / seq_len 1) gives the
+greedy tokens of eager on CPU (``DecodeGraphs(capture=False)`` runs the same
 static inputs without capturing).
+
+Padding, graphs, another device and another kernel change the summation order, so greedy tokens
+are compared by the near-tie rule of tests/greedy_agreement.py: identical until a position where
+the reference's top-2 logit margin is below the stated tolerance.
 
 Tiny random Llama: hidden 128, 4 heads / 2 KV heads (head dim 32, the
 kernel's smallest), 2 layers, vocab 256, max_position_embeddings 2048 (so the
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,8 +59,12 @@ def _llm(path, device, **kw):
 
 
 def _greedy(llm, prompts, n=24):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    """Request outputs with the top-2 logprobs the near-tie rule reads."""
+    return llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2), use_tqdm=False)
+
+
+def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -87,7 +96,7 @@ def test_static_padded_decode_path_matches_eager_cpu(tiny_llama):
     eager = _greedy(_llm(tiny_llama, "cpu"), prompts)
     llm = _llm(tiny_llama, "cpu")
     llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, max_num_seqs=16, capture=False)
-    assert _greedy(llm, prompts) == eager
+    assert_outputs_agree(_greedy(llm, prompts), eager, FP32_LOGIT_TOL)
     stats = llm.engine.stats()
     assert stats["graph_steps"] >= 20 and stats["eager_steps"] >= 1
 
@@ -97,14 +106,14 @@ def test_static_padded_decode_path_matches_eager_cpu(tiny_llama):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
 def test_gpu_fp32_matches_cpu_greedy(tiny_llama, eager):
     """fp32 weights, fp32 KV: the Triton kernel runs IEEE fp32 dots (relative error ~1e-6 vs float64, see
-    docs/KERNELS.md), so greedy tokens equal the CPU reference engine's."""
+    docs/KERNELS.md), so greedy tokens follow the CPU reference engine's (near-tie rule, FP32_LOGIT_TOL)."""
     prompts = _prompts()
     cpu = _greedy(_llm(tiny_llama, "cpu"), prompts)
     gpu_llm = _llm(tiny_llama, "cuda", enforce_eager=eager)
     assert {layer.backend for layer in gpu_llm.plan.layers} == {"triton_paged"}
     assert gpu_llm.plan.kv_cache_dtype == "float32"
     assert (gpu_llm.engine.runner.graphs is None) == eager
-    assert _greedy(gpu_llm, prompts) == cpu
+    assert_outputs_agree(_greedy(gpu_llm, prompts), cpu, FP32_LOGIT_TOL)
     if not eager:
         assert gpu_llm.engine.stats()["graph_steps"] >= 20
 
@@ -113,11 +122,12 @@ def test_gpu_fp32_matches_cpu_greedy(tiny_llama, eager):
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
 def test_gpu_async_scheduling_matches_cpu_greedy(tiny_llama, eager):
     """--async-scheduling on the GPU (in-flight tokens gathered on the device, also into the graph's static
-    input buffer): fp32 greedy tokens equal the synchronous CPU engine's; every block is freed at the end."""
+    input buffer): fp32 greedy tokens follow the synchronous CPU engine's (near-tie rule); every block is
+    freed at the end."""
     prompts = _prompts()
     cpu = _greedy(_llm(tiny_llama, "cpu"), prompts)
     llm = _llm(tiny_llama, "cuda", enforce_eager=eager, async_scheduling=True)
-    assert _greedy(llm, prompts) == cpu
+    assert_outputs_agree(_greedy(llm, prompts), cpu, FP32_LOGIT_TOL)
     stats = llm.engine.stats()
     assert stats["kv_blocks_used"] == 0
     if not eager:
@@ -127,21 +137,26 @@ def test_gpu_async_scheduling_matches_cpu_greedy(tiny_llama, eager):
 @needs_cuda
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
 def test_gpu_cudagraph_matches_eager(tiny_llama, dtype, kv):
-    """Graph replay vs eager on the GPU. fp32: identical tokens. bf16: the graph pads the batch (GEMM shapes
-    change) and pins split-K (8 splits here vs the eager heuristic's 1: another merge order), so results may
-    differ in the last bit and one near-tie flip diverges the rest of that sequence. Measured on the H200
-    (2026-11-29): bf16 KV 1.000, fp8 KV 0.950 position match; asserted >= 0.9 / 0.75 (printed)."""
+    """Graph replay vs eager on the GPU. The graph pads the batch (GEMM shapes change) and pins split-K
+    (8 splits here vs the eager heuristic's 1: another merge order), so logits may differ in the last bits
+    of their dtype and a near-tie may flip: near-tie rule, with FP32_LOGIT_TOL for float32 and, for
+    bfloat16, 8 bf16 steps at the largest |logit| (2^-5 of it; 4x that with an fp8 KV cache, whose
+    rounding the merge order also moves). The greedy position match is printed."""
     prompts = _prompts()
-    eager = _greedy(_llm(tiny_llama, "cuda", dtype=dtype, kv_cache_dtype=kv, enforce_eager=True), prompts)
+    eager_llm = _llm(tiny_llama, "cuda", dtype=dtype, kv_cache_dtype=kv, enforce_eager=True)
+    eager = _greedy(eager_llm, prompts)
     graph_llm = _llm(tiny_llama, "cuda", dtype=dtype, kv_cache_dtype=kv)
     graph = _greedy(graph_llm, prompts)
     assert graph_llm.engine.stats()["graph_steps"] >= 20
-    same = sum(a == b for x, y in zip(eager, graph) for a, b in zip(x, y)) / sum(map(len, eager))
+    same = sum(a == b for x, y in zip(_tokens(eager), _tokens(graph)) for a, b in zip(x, y))
+    same /= sum(map(len, _tokens(eager)))
     print(f"\ncudagraph vs eager ({dtype}, kv {kv}): greedy position match {same:.3f}")
     if dtype == "float32":
-        assert graph == eager
+        tol = FP32_LOGIT_TOL
     else:
-        assert same >= (0.75 if kv == "fp8" else 0.9)
+        scale = max(1.0, eager_llm.engine.compute_prompt_logits(prompts[-1]).abs().max().item())
+        tol = scale * 2.0**-5 * (4 if kv == "fp8" else 1)
+    assert_outputs_agree(graph, eager, tol)
 
 
 @needs_cuda
@@ -153,7 +168,7 @@ def test_gpu_fp8_vs_bf16_kv_agreement(tiny_llama):
     runs = {}
     for kv in ("bf16", "fp8"):
         llm = _llm(tiny_llama, "cuda", dtype="bfloat16", kv_cache_dtype=kv)
-        runs[kv] = (_greedy(llm, prompts, n=48), llm.engine.compute_prompt_logits(prompts[-1]).argmax(-1))
+        runs[kv] = (_tokens(_greedy(llm, prompts, n=48)), llm.engine.compute_prompt_logits(prompts[-1]).argmax(-1))
     greedy = sum(a == b for x, y in zip(runs["bf16"][0], runs["fp8"][0]) for a, b in zip(x, y))
     greedy /= sum(map(len, runs["bf16"][0]))
     teacher = (runs["bf16"][1] == runs["fp8"][1]).float().mean().item()
