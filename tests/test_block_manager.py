@@ -77,7 +77,7 @@ def test_prefix_hit_reuses_blocks_and_counts_tokens():
     assert bm.prefix_cache_queries == 10 and bm.prefix_cache_hits == 0
     b = make_seq("b", list(range(8)) + [50, 51, 52])
     hits = bm.lookup_prefix(b)
-    assert hits == a.block_table[:2]
+    assert hits.blocks == a.block_table[:2]
     assert bm.allocate(b)
     assert b.num_computed_tokens == 8
     assert b.block_table[:2] == a.block_table[:2]
@@ -105,7 +105,7 @@ def test_prefix_chain_depends_on_all_previous_blocks():
     assert bm.allocate(a)
     compute(bm, a, 5)
     b = make_seq("b", [9, 9, 3, 4, 5])  # same second block, different first
-    assert bm.lookup_prefix(b) == []
+    assert bm.lookup_prefix(b).blocks == []
     assert block_hash(None, [1, 2]) != block_hash(None, [9, 9])
     assert block_hash(block_hash(None, [1, 2]), [3, 4]) != block_hash(block_hash(None, [9, 9]), [3, 4])
 
@@ -136,7 +136,7 @@ def test_freed_cached_blocks_survive_until_never_used_run_out_then_lru():
     assert bm.num_evictions == 1
     # a's first block is still a hit.
     e = make_seq("e", [1, 2, 3])
-    assert bm.lookup_prefix(e) == [a_blocks[0]]
+    assert bm.lookup_prefix(e).blocks == [a_blocks[0]]
     bm.check_invariants([c, d])
 
 
@@ -185,7 +185,7 @@ def test_prefix_caching_disabled():
     assert bm.allocate(a)
     compute(bm, a, 5)
     b = make_seq("b", [1, 2, 3, 4, 5])
-    assert bm.lookup_prefix(b) == []
+    assert bm.lookup_prefix(b).blocks == []
     assert bm.num_cached_blocks == 0
     bm.free(a)
     assert bm.num_used_blocks == 0
@@ -338,3 +338,152 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ---- KV-cache groups (sliding-window + full) -------------------------------------
+
+
+def test_sliding_group_frees_blocks_that_left_the_window():
+    from kvforge.planner.groups import sliding_window_blocks
+
+    B, w = 4, 6
+    bm = BlockManager(64, B, group_windows=(None, w))
+    s = make_seq("a", range(5))
+    assert bm.allocate(s)
+    compute(bm, s, 5)
+    bm.release_out_of_window(s)
+    assert s.num_skipped_blocks == [0, 0]  # query at 5 sees 0..5
+    for t in range(40):
+        s.output_token_ids.append(t % 7)
+        assert bm.append_slots(s, 1)
+        held = len(s.block_tables[1]) - s.num_skipped_blocks[1]
+        assert held <= sliding_window_blocks(w, B)
+        # The step's query at position c sees c - w + 1 .. c: every one of those blocks is held.
+        c = s.num_computed_tokens
+        assert s.num_skipped_blocks[1] == max(0, c - w + 1) // B
+        compute(bm, s, 1)
+        bm.release_out_of_window(s)
+    assert len(s.block_tables[0]) == bm.blocks_needed(s.num_computed_tokens)  # the full group keeps all
+    assert bm.num_used_blocks == len(s.block_tables[0]) + len(s.block_tables[1]) - s.num_skipped_blocks[1]
+    bm.check_invariants([s])
+    bm.free(s)
+    assert bm.num_used_blocks == 0
+    bm.check_invariants([])
+
+
+def test_window_blocks_bound_is_reached():
+    """The bound is exact: a window not aligned to a block edge touches one block more."""
+    from kvforge.planner.groups import sliding_window_blocks
+
+    B, w = 4, 8
+    bm = BlockManager(64, B, group_windows=(w,))
+    s = make_seq("a", range(40))
+    assert bm.allocate(s, 10)
+    compute(bm, s, 10)
+    most = 0
+    while s.num_computed_tokens < 39:
+        assert bm.append_slots(s, 1)
+        most = max(most, len(s.block_table) - s.num_skipped_blocks[0])
+        compute(bm, s, 1)
+    assert most == sliding_window_blocks(w, B) == 3
+    # A chunk of n new tokens holds the window plus the chunk for its step.
+    t = make_seq("b", range(100, 140))
+    assert bm.allocate(t, 9)
+    compute(bm, t, 9)
+    assert bm.append_slots(t, 10)
+    assert len(t.block_table) - t.num_skipped_blocks[0] == sliding_window_blocks(w, B, 10) == 5
+
+
+def test_prefix_hit_with_a_sliding_group_needs_only_the_window():
+    B, w = 4, 6
+    bm = BlockManager(64, B, group_windows=(None, w))
+    a = make_seq("a", range(30))
+    assert bm.allocate(a)
+    compute(bm, a, 30)
+    bm.free(a)  # every full block of both groups is cached free
+    b = make_seq("b", list(range(24)) + [99, 98])
+    hit = bm.lookup_prefix(b)
+    assert hit.num_blocks == 6
+    assert hit.skipped == (0, (24 - w + 1) // B)  # query at 24 sees 19..24: blocks 4, 5 of the window
+    assert len(hit.tables[0]) == 6 and len(hit.tables[1]) == 2
+    # Evict the sliding group's early blocks: the hit stands, since the window does not need them.
+    early = {bm._hash_to_block[(1, h)] for h in b.block_hashes[:4]}
+    for blk in early:
+        key = bm._block_hash[blk]
+        del bm._hash_to_block[key]
+        bm._block_hash[blk] = None
+        del bm._cached_free[blk]
+        bm._free.append(blk)
+    bm.check_invariants([])
+    assert bm.lookup_prefix(b) == hit
+    # Evicting a block inside the window shortens the hit to the longest point whose window is whole.
+    inside = bm._hash_to_block[(1, b.block_hashes[4])]
+    del bm._hash_to_block[bm._block_hash[inside]]
+    bm._block_hash[inside] = None
+    del bm._cached_free[inside]
+    bm._free.append(inside)
+    shorter = bm.lookup_prefix(b)
+    assert shorter.num_blocks < 6
+    k = shorter.num_blocks
+    assert all((1, h) in bm._hash_to_block for h in b.block_hashes[shorter.skipped[1]:k])
+    assert bm.allocate(b, cached_blocks=shorter)
+    assert b.num_computed_tokens == k * B and b.num_skipped_blocks == [0, shorter.skipped[1]]
+    bm.check_invariants([b])
+
+
+class GroupedBlockManagerMachine(BlockManagerMachine):
+    """The same random workload over a full group and sliding-window groups sharing one pool.
+
+    Each group has its own simulated cache contents; every sequence must read
+    its own tokens in every full group and, in a sliding group, at every
+    position its next query can see.
+    """
+
+    @initialize(
+        num_blocks=st.integers(6, 30),
+        block_size=st.integers(1, 4),
+        prefix=st.booleans(),
+        vocab=st.integers(1, 3),
+        windows=st.lists(st.one_of(st.none(), st.integers(1, 9)), min_size=2, max_size=3),
+    )
+    def setup(self, num_blocks, block_size, prefix, vocab, windows):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, group_windows=tuple(windows))
+        self.kv = [[None] * block_size for _ in range(num_blocks)]
+        self.vocab = vocab
+        self.seqs = {}
+        self.counter = 0
+
+    def _write(self, seq: Sequence, n: int):
+        for src, dst in self.bm.take_copies():
+            self.kv[dst] = list(self.kv[src])
+        B = self.bm.block_size
+        toks = seq.all_token_ids
+        for g, table in enumerate(seq.block_tables):
+            assert len(table) * B >= seq.num_computed_tokens + n
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                b = table[p // B]
+                assert p // B >= seq.num_skipped_blocks[g], "a new token landed in a skipped entry"
+                assert self.bm.ref_count(b) == 1, "a step would write into a shared block"
+                self.kv[b][p % B] = (g, toks[p])
+        compute(self.bm, seq, n)
+        self.bm.release_out_of_window(seq)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        if not hasattr(self, "bm"):
+            return
+        B = self.bm.block_size
+        for seq in self.seqs.values():
+            toks = seq.all_token_ids
+            c = seq.num_computed_tokens
+            for g, table in enumerate(seq.block_tables):
+                w = self.bm.group_windows[g]
+                first = 0 if w is None else max(0, c - w + 1)
+                for p in range(first, c):
+                    assert self.kv[table[p // B]][p % B] == (g, toks[p]), (seq, g, p)
+
+
+GroupedBlockManagerMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestGroupedBlockManagerMachine = GroupedBlockManagerMachine.TestCase

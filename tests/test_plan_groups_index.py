@@ -24,8 +24,11 @@ def test_alternating_sliding_full_two_groups_no_padding():
     assert full.layers == tuple(range(1, 24, 2))
     # full layers grow with context: 12 x 8 KV heads x 128 x 1 byte
     assert p.bytes_per_token == 12 * 8 * 128
-    # sliding layers cost their whole window per sequence: 12 x 128 tokens x 1024 bytes
-    assert p.state_bytes_per_sequence == 12 * 128 * 8 * 128
+    # the sliding group holds the blocks a decode step's window touches: 127 earlier tokens + the new one
+    # span at most 9 blocks of 16 when not aligned to a block edge; a block id spans 12 layers x 16 tokens x
+    # 1024 bytes (8 KV heads x 128 x 1 byte)
+    assert p.block_size == 16
+    assert p.state_bytes_per_sequence == 9 * 12 * 16 * 8 * 128
 
 
 def test_five_to_one_pattern_reports_padding_and_waste():

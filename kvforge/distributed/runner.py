@@ -33,8 +33,8 @@ from kvforge.engine.model_runner import HostStep, ModelRunner
 
 # n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1),
 # n_placeholders (in-flight input ids, async scheduling), n_share (sampled tokens rank 0 broadcasts after the
-# step for the next step's placeholders; 0: none)
-_HEADER = 10
+# step for the next step's placeholders; 0: none), n_groups (KV-cache groups: slot mappings and block tables)
+_HEADER = 11
 
 
 def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,
@@ -45,9 +45,10 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         n_rows = -1 if host.rows is None else host.rows.shape[0]
         ph = host.placeholders
         n_ph = 0 if ph is None else len(ph[0])
-        header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[1], n_rows, host.max_query_len,
-                           host.max_seq_len, len(copies), int(use_graph), n_ph, n_share], dtype=np.int64)
-        i64 = np.concatenate([host.ids, host.pos, host.slots] + ([host.rows] if n_rows > 0 else [])
+        header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[2], n_rows, host.max_query_len,
+                           host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0]],
+                          dtype=np.int64)
+        i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)]
                              + ([np.asarray(ph[0], dtype=np.int64), np.asarray(ph[1], dtype=np.int64)] if n_ph else []))
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
@@ -55,18 +56,19 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
         return host, copies, use_graph, n_share
-    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share = group.broadcast_host(
+    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups = group.broadcast_host(
         None, np.int64, _HEADER).tolist()
-    i64 = group.broadcast_host(None, np.int64, 3 * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
-    i32 = group.broadcast_host(None, np.int32, 2 * n_seqs + 1 + n_seqs * cols)
-    end = 3 * n_tok + max(n_rows, 0)
-    rows = i64[3 * n_tok:end] if n_rows >= 0 else None
+    i64 = group.broadcast_host(None, np.int64, (2 + n_groups) * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
+    i32 = group.broadcast_host(None, np.int32, 2 * n_seqs + 1 + n_groups * n_seqs * cols)
+    start = (2 + n_groups) * n_tok
+    end = start + max(n_rows, 0)
+    rows = i64[start:end] if n_rows >= 0 else None
     copies = [tuple(p) for p in i64[end:end + 2 * n_copies].reshape(-1, 2).tolist()]
     ph_at = end + 2 * n_copies
     placeholders = (i64[ph_at:ph_at + n_ph], i64[ph_at + n_ph:ph_at + 2 * n_ph], None) if n_ph else None
-    host = HostStep(i64[:n_tok], i64[n_tok:2 * n_tok], i64[2 * n_tok:3 * n_tok], i32[:n_seqs + 1],
-                    i32[n_seqs + 1:2 * n_seqs + 1], i32[2 * n_seqs + 1:].reshape(n_seqs, cols), rows, max_q, max_seq,
-                    placeholders)
+    host = HostStep(i64[:n_tok], i64[n_tok:2 * n_tok], i64[2 * n_tok:start].reshape(n_groups, n_tok),
+                    i32[:n_seqs + 1], i32[n_seqs + 1:2 * n_seqs + 1],
+                    i32[2 * n_seqs + 1:].reshape(n_groups, n_seqs, cols), rows, max_q, max_seq, placeholders)
     return host, copies, bool(graph), n_share
 
 

@@ -9,6 +9,18 @@ little-endian int64 (``block_hash``). SHA-256 (not Python's ``hash``) makes the
 keys stable across processes and collisions practically impossible, so a hit
 can never hand a sequence someone else's KV. Hashes depend only on token ids
 (no LoRA / multimodal salt yet).
+
+KV-cache groups (hybrid models, e.g. sliding-window + full attention): the
+plan splits the attention layers into groups that share a block table; every
+group draws its block ids from the one pool here, and a sequence holds one
+table per group (``Sequence.block_tables``). A full group keeps every block
+of the sequence. A sliding-window group of window ``w`` frees, before each of
+the sequence's steps and after each advance, the blocks whose tokens all lie
+before ``num_computed_tokens - w + 1`` (no later query can see them); their
+table entries become skipped placeholders (``Sequence.num_skipped_blocks``).
+A cached block is registered under (group, chained hash), so a prefix hit
+finds each group's own blocks; a sliding group needs only the blocks inside
+the window of the hit point (``lookup_prefix``).
 """
 
 from __future__ import annotations
@@ -17,8 +29,10 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from kvforge.engine.sequence import Sequence
+from kvforge.planner.groups import sliding_window_blocks
 
 
 def block_hash(parent: bytes | None, token_ids) -> bytes:
@@ -36,13 +50,40 @@ class NoFreeBlocksError(RuntimeError):
     """Raised by ``allocate``/``append_slots`` with ``strict=True`` when the pool is exhausted."""
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """A prefix-cache hit: the leading ``num_blocks`` block positions are cached in every group.
+
+    ``skipped[g]``: leading positions group ``g`` does not need (a sliding
+    group: blocks wholly before the window of the first uncached token);
+    ``tables[g]``: the cached block ids of positions ``skipped[g] .. num_blocks - 1``.
+    ``len(hit)`` is ``num_blocks``.
+    """
+
+    num_blocks: int
+    skipped: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    @property
+    def blocks(self) -> list[int]:
+        """The first group's cached block ids (all of them for a single-group model)."""
+        return list(self.tables[0])
+
+
 class BlockManager:
     """Hands out KV-cache blocks (ids ``0 .. num_blocks-1``) to sequences.
+
+    ``group_windows``: one entry per KV-cache group, None for a full-attention
+    (or MLA) group, the window for a sliding-window group; default one full
+    group. Every group uses ``block_size``.
 
     Every block is in exactly one of three states:
 
     - *used*: ``ref_count > 0``; held by exactly ``ref_count`` sequences (each
-      sequence's ``block_table`` lists a block at most once);
+      sequence's ``block_tables`` list a block at most once, in one group);
     - *free, never used* (or evicted): ``ref_count == 0``, no hash; kept in
       ``_free`` (FIFO);
     - *cached free*: ``ref_count == 0`` and its hash is in the prefix cache;
@@ -52,7 +93,7 @@ class BlockManager:
 
     1. ``num_free_blocks + num_used_blocks == num_blocks``, where free counts
        both free lists.
-    2. ``_hash_to_block[h] == b`` implies ``_block_hash[b] == h``; a block in
+    2. ``_hash_to_block[k] == b`` implies ``_block_hash[b] == k``; a block in
        ``_cached_free`` has a hash, a block in ``_free`` has none.
     3. A hashed block's contents are exactly the tokens its hash describes and
        are computed (a block is registered only once all its tokens are in the
@@ -64,23 +105,37 @@ class BlockManager:
     6. Writing into a block shared with another sequence (after ``fork``)
        first copies it (copy-on-write); the copies are returned by
        ``take_copies`` for the model runner to apply before the step.
+    7. Every group's table of a sequence has the same length; a sliding group
+       holds real blocks only from ``num_skipped_blocks[g]`` on, which is
+       never after the window of the sequence's next query.
 
     After every sequence is freed, ``num_used_blocks == 0``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group_windows: tuple[int | None, ...] = (None,)):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        group_windows = tuple(group_windows)
+        if not group_windows:
+            raise ValueError("need at least one KV-cache group")
+        for w in group_windows:
+            if w is not None and w < 1:
+                raise ValueError(f"a sliding window must be >= 1, got {w}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = group_windows
+        self.num_groups = len(group_windows)
+        self._sliding = tuple(g for g, w in enumerate(group_windows) if w is not None)
+        self._full = tuple(g for g, w in enumerate(group_windows) if w is None)
         self._ref_count = [0] * num_blocks
-        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()
-        self._hash_to_block: dict[bytes, int] = {}
+        self._hash_to_block: dict[tuple[int, bytes], int] = {}
         self._pending_copies: list[tuple[int, int]] = []
         # Stats (tokens).
         self.prefix_cache_queries = 0
@@ -109,7 +164,25 @@ class BlockManager:
         return self._ref_count[block_id]
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks of one group's table that cover ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_per_sequence(self, num_tokens: int, new_tokens: int = 1) -> int:
+        """Most block ids (all groups) a sequence of ``num_tokens`` computed tokens holds in a step of
+        ``new_tokens`` tokens: every block in a full group, the window's in a sliding group
+        (``sliding_window_blocks``, never more than the sequence's own blocks)."""
+        full = self.blocks_needed(num_tokens)
+        total = full * len(self._full)
+        for g in self._sliding:
+            total += min(full, sliding_window_blocks(self.group_windows[g], self.block_size, new_tokens))
+        return total
+
+    def _window_start(self, group: int, position: int) -> int:
+        """First block position that group ``group`` needs for a query at ``position``."""
+        w = self.group_windows[group]
+        if w is None:
+            return 0
+        return max(0, position - w + 1) // self.block_size
 
     # ---- hashing -----------------------------------------------------------
     def _ensure_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
@@ -122,55 +195,79 @@ class BlockManager:
             hashes.append(block_hash(parent, seq.token_ids_slice(i * B, (i + 1) * B)))
         return hashes
 
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks that hold the longest prefix of ``seq``'s tokens (no side effects).
+    def _no_hit(self) -> PrefixHit:
+        return PrefixHit(0, (0,) * self.num_groups, ((),) * self.num_groups)
+
+    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix of ``seq``'s tokens that every group can resume from (no side effects).
 
         Only full blocks are matched, and never all of the tokens: at most
-        ``(num_tokens - 1) // block_size`` blocks, so the last token is recomputed.
+        ``(num_tokens - 1) // block_size`` blocks, so the last token is
+        recomputed. A full group needs every block of the prefix; a sliding
+        group only those inside the window of the first uncached token, so its
+        hit can stand on blocks whose earlier neighbours were evicted.
         """
-        if not self.enable_prefix_caching or seq.block_table:
-            return []
+        if not self.enable_prefix_caching or seq.holds_blocks:
+            return self._no_hit()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(seq, max_blocks)
-        hits: list[int] = []
-        for h in hashes[:max_blocks]:
-            b = self._hash_to_block.get(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        cache = self._hash_to_block
+        k = max_blocks
+        for g in self._full:
+            n = 0
+            while n < k and (g, hashes[n]) in cache:
+                n += 1
+            k = n
+        while k > 0 and not all((g, hashes[i]) in cache for g in self._sliding
+                                for i in range(self._window_start(g, k * self.block_size), k)):
+            k -= 1
+        skipped = tuple(self._window_start(g, k * self.block_size) for g in range(self.num_groups))
+        tables = tuple(tuple(cache[(g, hashes[i])] for i in range(skipped[g], k)) for g in range(self.num_groups))
+        return PrefixHit(k, skipped, tables)
+
+    def _as_hit(self, cached) -> PrefixHit:
+        """``cached`` as a PrefixHit: a hit is kept; a list of block ids is the one-group form
+        (``[]`` = no hit, for any number of groups)."""
+        if isinstance(cached, PrefixHit):
+            return cached
+        cached = list(cached)
+        if not cached:
+            return self._no_hit()
+        if self.num_groups != 1:
+            raise ValueError("a list of cached block ids describes one KV-cache group; pass lookup_prefix()'s hit")
+        return PrefixHit(len(cached), (0,), (tuple(cached),))
 
     # ---- allocation --------------------------------------------------------
-    def _num_free_for(self, cached_blocks: list[int]) -> int:
-        """Free blocks left after taking ``cached_blocks`` (some may sit in the cached-free list)."""
-        revived = sum(1 for b in cached_blocks if self._ref_count[b] == 0)
+    def _num_free_for(self, hit: PrefixHit) -> int:
+        """Free blocks left after taking the hit's blocks (some may sit in the cached-free list)."""
+        revived = sum(1 for t in hit.tables for b in t if self._ref_count[b] == 0)
         return self.num_free_blocks - revived
+
+    def _new_blocks_for(self, hit: PrefixHit, num_new_tokens: int) -> int:
+        """Blocks to take for ``num_new_tokens`` after the hit, in every group together."""
+        per_group = self.blocks_needed(hit.num_blocks * self.block_size + num_new_tokens) - hit.num_blocks
+        return per_group * self.num_groups
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int | None = None, cached_blocks=None) -> bool:
         """Whether ``allocate(seq, num_new_tokens, cached_blocks)`` would succeed."""
-        if cached_blocks is None:
-            cached_blocks = self.lookup_prefix(seq)
-        num_cached = len(cached_blocks) * self.block_size
+        hit = self.lookup_prefix(seq) if cached_blocks is None else self._as_hit(cached_blocks)
         if num_new_tokens is None:
-            num_new_tokens = seq.num_tokens - num_cached
-        need = self.blocks_needed(num_cached + num_new_tokens) - len(cached_blocks)
-        return need <= self._num_free_for(cached_blocks)
+            num_new_tokens = seq.num_tokens - hit.num_blocks * self.block_size
+        return self._new_blocks_for(hit, num_new_tokens) <= self._num_free_for(hit)
 
-    def allocate(
-        self, seq: Sequence, num_new_tokens: int | None = None, cached_blocks: list[int] | None = None
-    ) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None, cached_blocks=None) -> bool:
         """Give a sequence with no blocks its cached prefix plus room for ``num_new_tokens``.
 
-        ``cached_blocks`` is ``lookup_prefix(seq)`` (looked up when None). On
-        success sets ``seq.num_computed_tokens`` to the cached token count and
-        returns True; returns False (changing nothing) when blocks are short.
+        ``cached_blocks`` is ``lookup_prefix(seq)`` (looked up when None; a
+        list of block ids is accepted for one group). On success sets
+        ``seq.num_computed_tokens`` to the cached token count and returns True;
+        returns False (changing nothing) when blocks are short.
         ``num_new_tokens`` defaults to all of the sequence's uncached tokens.
         """
-        if seq.block_table:
+        if seq.holds_blocks:
             raise RuntimeError(f"allocate: {seq.request_id} already holds blocks; use append_slots")
-        if cached_blocks is None:
-            cached_blocks = self.lookup_prefix(seq)
-        num_cached = len(cached_blocks) * self.block_size
+        hit = self.lookup_prefix(seq) if cached_blocks is None else self._as_hit(cached_blocks)
+        num_cached = hit.num_blocks * self.block_size
         if num_new_tokens is None:
             num_new_tokens = seq.num_tokens - num_cached
         if num_new_tokens < 0 or num_cached + num_new_tokens > seq.num_tokens:
@@ -178,20 +275,23 @@ class BlockManager:
                 f"allocate: {num_cached} cached + {num_new_tokens} new tokens exceeds the "
                 f"{seq.num_tokens} tokens of {seq.request_id}"
             )
-        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+        if self._new_blocks_for(hit, num_new_tokens) > self._num_free_for(hit):
             return False
-        for b in cached_blocks:
-            if self._ref_count[b] == 0:
-                del self._cached_free[b]
-            self._ref_count[b] += 1
-        seq.block_table = list(cached_blocks)
-        seq.num_registered_blocks = len(cached_blocks)
+        for t in hit.tables:
+            for b in t:
+                if self._ref_count[b] == 0:
+                    del self._cached_free[b]
+                self._ref_count[b] += 1
+        need = self.blocks_needed(num_cached + num_new_tokens) - hit.num_blocks
+        seq.block_tables = [[0] * hit.skipped[g] + list(hit.tables[g]) for g in range(self.num_groups)]
+        seq.num_skipped_blocks = list(hit.skipped)
+        for table in seq.block_tables:
+            table.extend(self._take_free() for _ in range(need))
+        seq.num_registered_blocks = hit.num_blocks
         seq.num_computed_tokens = num_cached
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached
-        need = self.blocks_needed(num_cached + num_new_tokens) - len(cached_blocks)
-        seq.block_table.extend(self._take_free() for _ in range(need))
         return True
 
     def _take_free(self) -> int:
@@ -199,9 +299,9 @@ class BlockManager:
             b = self._free.popleft()
         elif self._cached_free:
             b, _ = self._cached_free.popitem(last=False)  # least recently freed
-            h = self._block_hash[b]
-            if h is not None and self._hash_to_block.get(h) == b:
-                del self._hash_to_block[h]
+            key = self._block_hash[b]
+            if key is not None and self._hash_to_block.get(key) == b:
+                del self._hash_to_block[key]
             self._block_hash[b] = None
             self.num_evictions += 1
         else:  # pragma: no cover - callers check first
@@ -210,43 +310,93 @@ class BlockManager:
         self._ref_count[b] = 1
         return b
 
-    def _shared_blocks_to_write(self, seq: Sequence, num_new_tokens: int) -> list[int]:
-        """Indices into ``seq.block_table`` of blocks that the next write touches and others share."""
+    def _release(self, b: int, seq: Sequence) -> None:
+        rc = self._ref_count[b]
+        if rc <= 0:
+            raise RuntimeError(f"double free of block {b} by {seq.request_id}")
+        self._ref_count[b] = rc - 1
+        if rc == 1:
+            if self._block_hash[b] is not None:
+                self._cached_free[b] = None
+            else:
+                self._free.append(b)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Free each sliding group's blocks that no query from ``num_computed_tokens`` on can see;
+        returns how many entries were released. Their table entries become skipped placeholders (0)."""
+        released = 0
+        for g in self._sliding:
+            first = min(self._window_start(g, seq.num_computed_tokens), len(seq.block_tables[g]))
+            skipped = seq.num_skipped_blocks[g]
+            if first <= skipped:
+                continue
+            table = seq.block_tables[g]
+            for i in range(first - 1, skipped - 1, -1):  # tail first, as in free()
+                self._release(table[i], seq)
+            # A new list (not an in-place edit): the model runner's table cache keys on the list object.
+            seq.block_tables[g] = [0] * first + table[first:]
+            seq.num_skipped_blocks[g] = first
+            released += first - skipped
+        return released
+
+    def _shared_blocks_to_write(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """(group, index) of table entries that the next write touches and others share."""
         if num_new_tokens <= 0:
             return []
         first = seq.num_computed_tokens // self.block_size
-        last = min(len(seq.block_table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
-        return [i for i in range(first, last) if self._ref_count[seq.block_table[i]] > 1]
+        out = []
+        for g, table in enumerate(seq.block_tables):
+            last = min(len(table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
+            out.extend((g, i) for i in range(max(first, seq.num_skipped_blocks[g]), last)
+                       if self._ref_count[table[i]] > 1)
+        return out
+
+    def new_blocks_for_step(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks (all groups) that ``append_slots(seq, num_new_tokens)`` adds to the tables, not
+        counting copy-on-write nor the out-of-window blocks it frees first."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return max(0, need) * self.num_groups
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        need = max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
-        need += len(self._shared_blocks_to_write(seq, num_new_tokens))
-        return need <= self.num_free_blocks
+        """Whether ``append_slots`` would succeed (counting the out-of-window blocks it frees first)."""
+        out_of_window = 0
+        for g in self._sliding:
+            first = min(self._window_start(g, seq.num_computed_tokens), len(seq.block_tables[g]))
+            out_of_window += sum(1 for b in seq.block_tables[g][seq.num_skipped_blocks[g]:first]
+                                 if self._ref_count[b] == 1)
+        need = self.new_blocks_for_step(seq, num_new_tokens) + len(self._shared_blocks_to_write(seq, num_new_tokens))
+        return need <= self.num_free_blocks + out_of_window
 
     def append_slots(self, seq: Sequence, num_new_tokens: int, strict: bool = False) -> bool:
         """Make room for tokens ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``.
 
-        Grows ``seq.block_table`` and copies-on-write shared blocks that will be
-        written. Returns False (changing nothing) when blocks are short, or
-        raises ``NoFreeBlocksError`` when ``strict``.
+        First frees the sliding groups' blocks that left the window (they are
+        never read again, whatever happens next); then grows every group's
+        table and copies-on-write shared blocks that will be written. Returns
+        False (changing nothing more) when blocks are short, or raises
+        ``NoFreeBlocksError`` when ``strict``.
         """
+        if self._sliding:
+            self.release_out_of_window(seq)
         # Same test as can_append_slots, computing the shared blocks once (hot path: every step, every sequence).
         shared = self._shared_blocks_to_write(seq, num_new_tokens)
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        if max(0, need) + len(shared) > len(self._free) + len(self._cached_free):
+        if max(0, need) * self.num_groups + len(shared) > len(self._free) + len(self._cached_free):
             if strict:
                 raise NoFreeBlocksError(
                     f"append_slots: {seq.request_id} needs more blocks than the {self.num_free_blocks} free"
                 )
             return False
-        for i in shared:
-            old = seq.block_table[i]
+        for g, i in shared:
+            table = seq.block_tables[g]
+            old = table[i]
             new = self._take_free()
             self._ref_count[old] -= 1  # stays >= 1: it was shared
-            seq.block_table[i] = new
+            table[i] = new
             self._pending_copies.append((old, new))
-        if need > 0:  # copy-on-write above kept the table's length
-            seq.block_table.extend(self._take_free() for _ in range(need))
+        if need > 0:  # copy-on-write above kept the tables' length
+            for table in seq.block_tables:
+                table.extend(self._take_free() for _ in range(need))
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -256,10 +406,11 @@ class BlockManager:
 
     # ---- prefix-cache registration ------------------------------------------
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's full, computed blocks in the prefix cache.
+        """Register the sequence's full, computed blocks in the prefix cache (every group).
 
         Call after advancing ``seq.num_computed_tokens``. If another block
-        already holds the same hash, this block stays unregistered (no dedup).
+        already holds the same (group, hash), this block stays unregistered
+        (no dedup). Skipped entries of sliding groups hold no block.
         """
         if not self.enable_prefix_caching:
             return
@@ -268,12 +419,13 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._ensure_hashes(seq, num_full)
-        for i in range(seq.num_registered_blocks, num_full):
-            b = seq.block_table[i]
-            h = hashes[i]
-            if self._block_hash[b] is None and h not in self._hash_to_block:
-                self._block_hash[b] = h
-                self._hash_to_block[h] = b
+        for g, table in enumerate(seq.block_tables):
+            for i in range(max(seq.num_registered_blocks, seq.num_skipped_blocks[g]), num_full):
+                b = table[i]
+                key = (g, hashes[i])
+                if self._block_hash[b] is None and key not in self._hash_to_block:
+                    self._block_hash[b] = key
+                    self._hash_to_block[key] = b
         seq.num_registered_blocks = num_full
 
     # ---- release -----------------------------------------------------------
@@ -283,26 +435,22 @@ class BlockManager:
         Blocks are released tail first, so under LRU eviction a prompt's later
         blocks are evicted before its earlier (more shareable) ones.
         """
-        for b in reversed(seq.block_table):
-            rc = self._ref_count[b]
-            if rc <= 0:
-                raise RuntimeError(f"double free of block {b} by {seq.request_id}")
-            self._ref_count[b] = rc - 1
-            if rc == 1:
-                if self._block_hash[b] is not None:
-                    self._cached_free[b] = None
-                else:
-                    self._free.append(b)
-        seq.block_table = []
+        for g, table in enumerate(seq.block_tables):
+            for b in reversed(table[seq.num_skipped_blocks[g]:]):
+                self._release(b, seq)
+        seq.block_tables = [[] for _ in range(self.num_groups)]
+        seq.num_skipped_blocks = [0] * self.num_groups
         seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (refs + 1 each)."""
-        if child.block_table:
+        if child.holds_blocks:
             raise RuntimeError(f"fork: child {child.request_id} already holds blocks")
-        for b in parent.block_table:
-            self._ref_count[b] += 1
-        child.block_table = list(parent.block_table)
+        for g, table in enumerate(parent.block_tables):
+            for b in table[parent.num_skipped_blocks[g]:]:
+                self._ref_count[b] += 1
+        child.block_tables = [list(t) for t in parent.block_tables]
+        child.num_skipped_blocks = list(parent.num_skipped_blocks)
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 
@@ -334,14 +482,21 @@ class BlockManager:
             assert self._block_hash[b] is None, f"never-used free block {b} has a hash"
         for b in cached:
             assert self._block_hash[b] is not None, f"cached free block {b} has no hash"
-        for h, b in self._hash_to_block.items():
-            assert self._block_hash[b] == h, f"hash map disagrees for block {b}"
-        assert sum(1 for h in self._block_hash if h is not None) == len(self._hash_to_block)
+        for key, b in self._hash_to_block.items():
+            assert self._block_hash[b] == key, f"hash map disagrees for block {b}"
+        assert sum(1 for k in self._block_hash if k is not None) == len(self._hash_to_block)
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
         if seqs is not None:
             holders = [0] * self.num_blocks
             for s in seqs:
-                assert len(set(s.block_table)) == len(s.block_table), f"{s.request_id} lists a block twice"
-                for b in s.block_table:
+                held = [b for g, t in enumerate(s.block_tables) for b in t[s.num_skipped_blocks[g]:]]
+                assert len(set(held)) == len(held), f"{s.request_id} lists a block twice"
+                assert len({len(t) for t in s.block_tables}) <= 1, f"{s.request_id}: group tables differ in length"
+                for g, t in enumerate(s.block_tables):
+                    assert all(b == 0 for b in t[:s.num_skipped_blocks[g]]), "a skipped entry is not 0"
+                    if t:
+                        assert s.num_skipped_blocks[g] <= self._window_start(g, s.num_computed_tokens), \
+                            f"{s.request_id}: group {g} skipped a block inside the window"
+                for b in held:
                     holders[b] += 1
             assert holders == self._ref_count, "ref counts differ from the number of holders"

@@ -9,16 +9,17 @@ attention, final norm); the LM head and sampling run eagerly after it.
 Invariants (what makes a replay equal to an eager step):
 
 1. **Static inputs.** One set of device buffers sized for the largest capture
-   size ``Bmax``: ``i64[3, Bmax]`` (token ids, positions, slots),
-   ``seq_lens[Bmax]``, ``query_start_loc = arange(Bmax + 1)`` (constant: one
-   token per row) and ``block_tables[Bmax, max_blocks]`` with
+   size ``Bmax``: ``i64[2 + G, Bmax]`` (token ids, positions, and one slot
+   mapping per KV-cache group, ``G`` groups), ``seq_lens[Bmax]``,
+   ``query_start_loc = arange(Bmax + 1)`` (constant: one token per row) and
+   ``block_tables[G, Bmax, max_blocks]`` (one table per group) with
    ``max_blocks = ceil(max_model_len / block_size)``. The graph of size ``B``
-   reads the leading ``B`` rows. :meth:`DecodeGraphs.run` writes them on the
+   reads the leading ``B`` rows of each. :meth:`DecodeGraphs.run` writes them on the
    current stream before the replay (stream order makes the replay see them).
    Host data travels through pinned memory with ``non_blocking`` copies; a
    replay never syncs with the host.
 2. **Padding rows** ``n .. B-1``: token 0, position 0, slot -1 (the cache
-   write skips it, so no page is touched), ``seq_len`` 1 and a block-table row
+   write skips it, so no page is touched), ``seq_len`` 1 and block-table rows
    of zeros, so the kernel reads block 0, offset 0 only: in bounds. Their
    outputs are computed and ignored; every layer is row-independent, so they
    cannot change the real rows. The KV pool is zero-filled on CUDA at startup,
@@ -99,13 +100,14 @@ class DecodeGraphs:
         self.max_blocks = -(-plan.max_model_len // plan.block_size)
         self.num_splits = {b: runner.pinned_num_splits(b) for b in self.sizes}
         dev, bmax = self.device, self.max_size
-        self.i64 = torch.zeros((3, bmax), dtype=torch.int64, device=dev)
-        self.i64[2].fill_(-1)
+        self.num_groups = G = runner.num_groups
+        self.i64 = torch.zeros((2 + G, bmax), dtype=torch.int64, device=dev)
+        self.i64[2:].fill_(-1)
         self.qsl = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((bmax, self.max_blocks), dtype=torch.int32, device=dev)
-        self.scratch32 = torch.empty(bmax + bmax * self.max_blocks, dtype=torch.int32, device=dev)
-        self._host64 = np.zeros((3, bmax), dtype=np.int64)
+        self.block_tables = torch.zeros((G, bmax, self.max_blocks), dtype=torch.int32, device=dev)
+        self.scratch32 = torch.empty(bmax + G * bmax * self.max_blocks, dtype=torch.int32, device=dev)
+        self._host64 = np.zeros((2 + G, bmax), dtype=np.int64)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         if capture:
@@ -113,12 +115,12 @@ class DecodeGraphs:
 
     # ---- static views ---------------------------------------------------------
     def _inputs(self, b: int):
-        meta = AttentionMetadata(
-            query_start_loc=self.qsl[:b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
-            slot_mapping=self.i64[2, :b], max_query_len=1, max_seq_len=self.max_model_len,
+        metas = tuple(AttentionMetadata(
+            query_start_loc=self.qsl[:b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[g, :b],
+            slot_mapping=self.i64[2 + g, :b], max_query_len=1, max_seq_len=self.max_model_len,
             block_size=self.block_size,
-        )
-        return self.i64[0, :b], self.i64[1, :b], meta
+        ) for g in range(self.num_groups))
+        return self.i64[0, :b], self.i64[1, :b], metas
 
     def size_for(self, n: int) -> int | None:
         for b in self.sizes:
@@ -159,17 +161,17 @@ class DecodeGraphs:
         b = self.size_for(n)
         if b is None or host.max_query_len != 1:
             raise ValueError(f"not a decode step that fits a captured size (n={n}, max {self.max_size})")
-        h = self._host64
-        h[0, :n], h[1, :n], h[2, :n] = host.ids, host.pos, host.slots
-        h[0, n:b], h[1, n:b], h[2, n:b] = 0, 0, -1
-        cols = host.tables.shape[1]
+        h, G = self._host64, self.num_groups
+        h[0, :n], h[1, :n], h[2:, :n] = host.ids, host.pos, host.slots
+        h[0, n:b], h[1, n:b], h[2:, n:b] = 0, 0, -1
+        cols = host.tables.shape[2]
         if cols > self.max_blocks:
             raise ValueError(f"block table of {cols} columns exceeds max_model_len's {self.max_blocks}")
         bmax = self.max_size
-        i32 = np.zeros(bmax + b * cols, dtype=np.int32)
+        i32 = np.zeros(bmax + G * b * cols, dtype=np.int32)
         i32[:bmax] = 1
         i32[:n] = host.seq_lens
-        i32[bmax:bmax + n * cols] = host.tables.reshape(-1)
+        i32[bmax:].reshape(G, b, cols)[:, :n] = host.tables
         a64, a32 = torch.from_numpy(h), torch.from_numpy(i32)
         if self.device.type == "cuda":
             a64, a32 = a64.pin_memory(), a32.pin_memory()
@@ -177,7 +179,7 @@ class DecodeGraphs:
         scratch = self.scratch32[:i32.shape[0]]
         scratch.copy_(a32, non_blocking=True)
         self.seq_lens.copy_(scratch[:bmax])
-        self.block_tables[:b, :cols].copy_(scratch[bmax:].view(b, cols))
+        self.block_tables[:, :b, :cols].copy_(scratch[bmax:].view(G, b, cols))
         return b
 
     def run(self, host) -> torch.Tensor:

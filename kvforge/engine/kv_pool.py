@@ -1,13 +1,18 @@
 """The KV pool: one allocation per rank, exactly the bytes the plan states.
 
-Layout: ``group_size`` page slots x ``num_blocks`` pages of ``page_bytes``;
-layer ``j`` of the attention group owns page slot ``j`` and sees it as
+Layout: ``group_size`` page slots x ``num_blocks`` pages of ``page_bytes``.
+The plan's attention KV-cache groups (full, sliding-window, MLA) share the
+block ids ``0 .. num_blocks - 1``: a block id belongs to one group at a time
+(kvforge/engine/block_manager.py) and then stands for its page in every slot.
+The ``j``-th layer of a group owns page slot ``j`` and sees it as
 ``[num_blocks, 2, kv_heads, block_size, head_size]`` in its storage dtype
 (the layout in kvforge.attention.metadata); an MLA layer (a plan whose one
 group is of kind "mla") sees ``[num_blocks, block_size, kv_lora_rank +
 qk_rope_head_dim]`` (the layout in kvforge.attention.mla_reference) with one
-per-tensor scale (``k_scales[l]`` of shape [1]). Every byte offset is int64
-(torch indexing); block ids are int32 in the block tables.
+per-tensor scale (``k_scales[l]`` of shape [1]). A group with fewer layers
+than ``group_size`` leaves its last slots unused (the plan's padding layers).
+Every byte offset is int64 (torch indexing); block ids are int32 in the block
+tables.
 
 Rings (CsaRingTest): after the attention pages come ``state_slots`` x
 ``num_rings`` pages of the ring group's page size; ``ring_pages[j]`` is the
@@ -31,35 +36,51 @@ TORCH_KV_DTYPES = {
 }
 
 
+ATTENTION_GROUP_KINDS = ("full", "sliding", "mla")
+
+
 class KVPool:
     """Owns the KV buffer and the per-layer views and fp8 scales.
 
     Invariants: ``buffer.numel() == num_blocks * group_size * page_bytes +
     state_slots * state_bytes_per_sequence`` (the plan's figures; the second
     term only for rings); each view's bytes equal ``num_blocks * page_bytes``;
-    ``k_scales[l]`` / ``v_scales[l]`` are float32 [kv_heads_per_rank].
+    ``kv_caches[l]`` / ``k_scales[l]`` / ``v_scales[l]`` belong to layer ``l``
+    (scales float32 [kv_heads_per_rank]); ``layer_group[l]`` is the index of
+    layer ``l``'s group in ``groups``, whose windows are ``group_windows``.
     """
 
     def __init__(self, plan: KVPlan, device: torch.device):
-        groups = [g for g in plan.groups if g.kind in ("full", "sliding", "mla")]
+        groups = [g for g in plan.groups if g.kind in ATTENTION_GROUP_KINDS]
         rings = [g for g in plan.groups if g.kind == "ring"]
-        other = [g for g in plan.groups if g.kind not in ("full", "sliding", "mla", "ring")]
-        if len(groups) != 1 or other:
+        other = [g for g in plan.groups if g.kind not in ATTENTION_GROUP_KINDS + ("ring",)]
+        if not groups or other:
             kinds = ", ".join(sorted({g.kind for g in plan.groups}))
             raise ConfigError(
-                f"the engine runs models with one attention KV group; {plan.architecture} has groups of kind(s) "
-                f"{kinds} ({len(plan.groups)} groups). `kvforge plan` supports it; serving it is not built yet"
+                f"the engine runs attention KV-cache groups (full, sliding, MLA); {plan.architecture} has groups "
+                f"of kind(s) {kinds} ({len(plan.groups)} groups). `kvforge plan` supports it; serving it is not "
+                f"built yet"
             )
         if plan.num_blocks is None:
             raise ConfigError("the plan has no capacity (no KV memory was given)")
-        group = groups[0]
-        self.plan = plan
-        self.group = group
-        self.num_blocks = plan.num_blocks
-        self.block_size = plan.block_size
-        self.page_bytes = group.page_bytes
-        if group.page_bytes != group.page_bytes_unpadded:
+        sizes = sorted({g.block_size for g in groups})
+        if len(sizes) > 1:
+            raise ConfigError(f"the plan's KV-cache groups have different block sizes {sizes} (layer types with "
+                              f"different bytes per token); the engine's pool needs one block size")
+        if any(g.page_bytes != g.page_bytes_unpadded for g in groups):
             raise ConfigError("padded pages are not supported by the engine's pool yet")
+        self.plan = plan
+        self.groups = tuple(groups)
+        self.group = groups[0]
+        self.num_blocks = plan.num_blocks
+        self.block_size = sizes[0]
+        self.page_bytes = groups[0].page_bytes
+        self.group_windows = tuple(plan.layers[g.layers[0]].sliding_window if g.kind == "sliding" else None
+                                   for g in groups)
+        self.layer_group: list[int] = [0] * len(plan.layers)
+        for gi, g in enumerate(groups):
+            for layer_index in g.layers:
+                self.layer_group[layer_index] = gi
         attention_bytes = self.num_blocks * plan.group_size * self.page_bytes
         self.state_slots = (plan.capacity.state_slots or 0) if rings else 0
         ring_bytes = self.state_slots * sum(g.page_bytes for g in rings)
@@ -70,22 +91,27 @@ class KVPool:
         # block 0) sees finite numbers; CPU keeps torch.empty (pages are written before they are read).
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
         self.buffer = alloc(nbytes, dtype=torch.uint8, device=device)
-        self.kv_caches: list[torch.Tensor] = []
-        self.k_scales: list[torch.Tensor] = []
-        self.v_scales: list[torch.Tensor] = []
-        per_layer = self.num_blocks * self.page_bytes
-        for slot, layer_index in enumerate(group.layers):
-            layer = plan.layers[layer_index]
-            dtype = TORCH_KV_DTYPES[layer.kv_dtype]
-            head = layer.head_size
-            raw = self.buffer[slot * per_layer:(slot + 1) * per_layer]
-            if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
-                view = raw.view(dtype).view(self.num_blocks, self.block_size, head)
-            else:
-                view = raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, head)
-            self.kv_caches.append(view)
-            self.k_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
-            self.v_scales.append(torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device))
+        # [slot, block, page bytes]: block b of every slot (copy-on-write copies a block in all of them).
+        self.pages = self.buffer[:attention_bytes].view(plan.group_size, self.num_blocks, self.page_bytes)
+        self.kv_caches: list[torch.Tensor] = [None] * len(plan.layers)
+        self.k_scales: list[torch.Tensor] = [None] * len(plan.layers)
+        self.v_scales: list[torch.Tensor] = [None] * len(plan.layers)
+        for g in groups:
+            for slot, layer_index in enumerate(g.layers):
+                layer = plan.layers[layer_index]
+                dtype = TORCH_KV_DTYPES[layer.kv_dtype]
+                head = layer.head_size
+                raw = self.pages[slot].view(-1)
+                if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
+                    view = raw.view(dtype).view(self.num_blocks, self.block_size, head)
+                else:
+                    view = raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, head)
+                self.kv_caches[layer_index] = view
+                self.k_scales[layer_index] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
+                self.v_scales[layer_index] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
+        missing = [i for i, c in enumerate(self.kv_caches) if c is None]
+        if missing:  # pragma: no cover - every non-state layer is in a group, state groups are refused above
+            raise ConfigError(f"layers {missing} are in no attention KV-cache group of the plan")
         self.ring_layers = [g.layers[0] for g in rings]
         self.ring_pages: list[torch.Tensor] = []
         offset = attention_bytes
@@ -99,13 +125,16 @@ class KVPool:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
+        """Copy-on-write: duplicate block ``src`` into ``dst`` in every page slot (so in every layer)."""
         if not pairs:
             return
         idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous()
         if self.buffer.device.type == "cuda":
             idx = idx.pin_memory().to(self.buffer.device, non_blocking=True)  # no host sync
         src, dst = idx[0], idx[1]
-        for cache in self.kv_caches:
-            cache[dst] = cache[src]
+        self.pages[:, dst] = self.pages[:, src]

@@ -110,7 +110,8 @@ class LLMEngine:
             # 3. KV pool exactly as planned.
             self.pool = KVPool(self.plan, self.device)
         # Block manager, scheduler, runner.
-        self.block_manager = BlockManager(self.plan.num_blocks, self.plan.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(self.plan.num_blocks, self.pool.block_size, args.enable_prefix_caching,
+                                          group_windows=self.pool.group_windows)
         self.max_model_len = self.plan.max_model_len
         batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
@@ -293,11 +294,11 @@ class LLMEngine:
                     prompt_targets.extend(seq.prompt_token_ids[s.start_pos + 1:stop + 1])
                     prompt_spans.append((seq, s.start_pos + 1, stop - s.start_pos))
             if end > seq.num_tokens:  # the last new token is the one sampled by the step in flight
-                chunks.append((seq.token_ids_slice(s.start_pos, seq.num_tokens) + [0], s.start_pos, seq.block_table))
+                chunks.append((seq.token_ids_slice(s.start_pos, seq.num_tokens) + [0], s.start_pos, seq.block_tables))
                 ph_rows.append(offset + s.num_new_tokens - 1)
                 ph_src.append(prev.row_of[seq.request_id])
             else:
-                chunks.append((s.token_ids, s.start_pos, seq.block_table))
+                chunks.append((s.token_ids, s.start_pos, seq.block_tables))
             offset += s.num_new_tokens
             if s.do_sample:
                 rows.append(offset - 1)
@@ -386,7 +387,7 @@ class LLMEngine:
             parts = []
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
-                parts.append(self.runner.run([(piece, start, seq.block_table)], None))
+                parts.append(self.runner.run([(piece, start, seq.block_tables)], None))
             return torch.cat(parts)
         finally:
             self.block_manager.free(seq)

@@ -5,6 +5,11 @@ its paged cache (quantizing when the plan says fp8) and runs the layer's
 planned backend over the block tables. Nothing here decides a KV question:
 backends, dtypes, block size and scales all come from the plan.
 
+KV-cache groups: each sequence brings one block table per group of the plan
+(``Sequence.block_tables``); the step gets one block table and one slot
+mapping per group, so one AttentionMetadata per group, and each layer is
+handed its group's (``KVPool.layer_group``).
+
 Input preparation never waits for the device: every step tensor (token ids,
 positions, slots, query_start_loc, seq_lens, block tables, the rows whose
 logits are wanted) is built on the host with numpy, placed in pinned memory
@@ -79,7 +84,12 @@ class BlockTableCache:
 
 
 class HostStep:
-    """One step's inputs as host numpy arrays (filled by :meth:`ModelRunner.build_host`)."""
+    """One step's inputs as host numpy arrays (filled by :meth:`ModelRunner.build_host`).
+
+    ``slots`` is int64 ``[num_groups, num_tokens]`` and ``tables`` int32
+    ``[num_groups, num_seqs, cols]``: one slot mapping and one block table per
+    KV-cache group.
+    """
 
     __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len",
                  "placeholders")
@@ -122,6 +132,13 @@ class ModelRunner:
         # The plan's query dtype per layer: None = model dtype, else the quantized query it declared (MLA).
         self.query_dtypes = [layer.query_dtype if is_quantized(layer.query_dtype) else None for layer in plan.layers]
         self.windows = [model.sliding_window(i) for i in range(len(plan.layers))]
+        self.layer_group = pool.layer_group
+        self.num_groups = pool.num_groups
+        for i, layer in enumerate(plan.layers):
+            if layer.kind == "sliding" and self.windows[i] != layer.sliding_window:
+                # The block manager frees what leaves the plan's window: the model must not look further back.
+                raise ConfigError(f"layer {i}: the model attends over a window of {self.windows[i]} tokens but the "
+                                  f"plan's sliding window is {layer.sliding_window}")
         self.softmax_scale = model.softmax_scale
         from kvforge.kernels.gluon_support import routing_device
 
@@ -142,7 +159,7 @@ class ModelRunner:
         if scale_multiplier != 1.0:
             for s in pool.k_scales + pool.v_scales:
                 s.mul_(scale_multiplier)
-        self._meta: AttentionMetadata | None = None
+        self._metas: tuple[AttentionMetadata, ...] | None = None  # this step's, one per KV-cache group
         # Models with MLA layers get an object: attn(layer, q, k, v) as usual, plus attn.mla(...).
         self._attn_api = _MLAAttn(self) if any(x.kind == "mla" for x in plan.layers) else self._attn
         # Rings (CsaRingTest): R rows of ring_row_bytes in one page per request and layer.
@@ -194,25 +211,41 @@ class ModelRunner:
         """Call when block tables were changed in place (copy-on-write)."""
         self._tables.clear()
 
-    def build_host(self, chunks: list[tuple[list[int], int, list[int]]],
+    def _group_tables(self, tables) -> list[list[int]]:
+        """A chunk's block tables, one per group; a flat list of ids is the one group's table."""
+        if tables and isinstance(tables[0], list):
+            if len(tables) != self.num_groups:
+                raise ValueError(f"{len(tables)} block tables for a pool of {self.num_groups} KV-cache groups")
+            return tables
+        if self.num_groups != 1:
+            raise ValueError(f"one block table given for a pool of {self.num_groups} KV-cache groups")
+        return [tables]
+
+    def build_host(self, chunks: list[tuple[list[int], int, list]],
                    logits_rows: list[int] | None = None) -> HostStep:
-        """chunks: per sequence (new token ids, start position, block table).
+        """chunks: per sequence (new token ids, start position, block tables: one list of block ids per
+        KV-cache group, or one list for a single-group pool).
 
         Positions of sequence i's new tokens are start .. start + n - 1; its
         context after the step is start + n. Unused block-table entries are 0.
         """
         bs = self.block_size
         n_seqs = len(chunks)
+        G = self.num_groups
         # Vectorized over sequences (per-sequence numpy scalar writes cost ~1 ms at 256 sequences).
         lens = np.fromiter((len(c[0]) for c in chunks), dtype=np.int64, count=n_seqs)
         starts = np.fromiter((c[1] for c in chunks), dtype=np.int64, count=n_seqs)
-        arrays = [self._tables.get(c[2]) for c in chunks]
-        widths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=n_seqs)
+        per_seq = [self._group_tables(c[2]) for c in chunks]
+        arrays = [[self._tables.get(t[g]) for t in per_seq] for g in range(G)]
+        widths = np.fromiter((max(a.shape[0] for a in (arrays[g][i] for g in range(G))) for i in range(n_seqs)),
+                             dtype=np.int64, count=n_seqs)
         cols = max(1, int(widths.max()) if n_seqs else 1)
-        tables = np.zeros((n_seqs, cols), dtype=np.int32)
-        if n_seqs:
-            # Row-major boolean assignment: row i gets its table in its first widths[i] columns.
-            tables[np.arange(cols) < widths[:, None]] = np.concatenate(arrays)
+        tables = np.zeros((G, n_seqs, cols), dtype=np.int32)
+        for g in range(G):
+            if n_seqs:
+                # Row-major boolean assignment: row i gets its table in its first len(table) columns.
+                w = np.fromiter((a.shape[0] for a in arrays[g]), dtype=np.int64, count=n_seqs)
+                tables[g][np.arange(cols) < w[:, None]] = np.concatenate(arrays[g])
         n_tok = int(lens.sum())
         qsl = np.zeros(n_seqs + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
@@ -226,7 +259,7 @@ class ModelRunner:
             ids = np.fromiter(itertools.chain.from_iterable(c[0] for c in chunks), dtype=np.int64, count=n_tok)
             seq_idx = np.repeat(np.arange(n_seqs), lens)
             pos = starts[seq_idx] + (np.arange(n_tok, dtype=np.int64) - qsl[:-1][seq_idx])
-        slots = tables[seq_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = tables[:, seq_idx, pos // bs].astype(np.int64) * bs + pos % bs  # [G, n_tok]
         self._tables.end_step()
         rows = None if logits_rows is None else np.asarray(logits_rows, dtype=np.int64)
         return HostStep(ids, pos, slots, qsl, seq_lens, tables, rows, max_q,
@@ -236,7 +269,8 @@ class ModelRunner:
         """Two host->device copies (pinned, non_blocking) and views of them."""
         n_tok, n_seqs = host.ids.shape[0], host.num_seqs
         n_rows = 0 if host.rows is None else host.rows.shape[0]
-        i64 = np.concatenate([host.ids, host.pos, host.slots] + ([host.rows] if n_rows else []))
+        G = host.tables.shape[0]
+        i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows else []))
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
         a64, a32 = torch.from_numpy(i64), torch.from_numpy(i32)
         if self.device.type != "cpu":
@@ -244,22 +278,25 @@ class ModelRunner:
                 a64, a32 = a64.pin_memory(), a32.pin_memory()
             a64 = a64.to(self.device, non_blocking=True)
             a32 = a32.to(self.device, non_blocking=True)
-        ids, pos, slots = a64[:n_tok], a64[n_tok:2 * n_tok], a64[2 * n_tok:3 * n_tok]
-        rows = a64[3 * n_tok:] if n_rows else None
+        ids, pos = a64[:n_tok], a64[n_tok:2 * n_tok]
+        slots = a64[2 * n_tok:(2 + G) * n_tok].view(G, n_tok)
+        rows = a64[(2 + G) * n_tok:] if n_rows else None
         qsl = a32[:n_seqs + 1]
         seq_lens = a32[n_seqs + 1:2 * n_seqs + 1]
-        tables = a32[2 * n_seqs + 1:].view(n_seqs, host.tables.shape[1])
-        meta = AttentionMetadata(
-            query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
+        tables = a32[2 * n_seqs + 1:].view(G, n_seqs, host.tables.shape[2])
+        host_qsl, host_lens = tuple(host.qsl.tolist()), tuple(host.seq_lens.tolist())
+        metas = tuple(AttentionMetadata(
+            query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables[g], slot_mapping=slots[g],
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
-            host_query_start_loc=tuple(host.qsl.tolist()), host_seq_lens=tuple(host.seq_lens.tolist()),
-        )
-        return ids, pos, meta, rows
+            host_query_start_loc=host_qsl, host_seq_lens=host_lens,
+        ) for g in range(G))
+        return ids, pos, metas, rows
 
-    def prepare(self, chunks: list[tuple[list[int], int, list[int]]]):
-        """(input_ids, positions, metadata) on the runner's device for ``chunks``."""
-        ids, pos, meta, _ = self._to_device(self.build_host(chunks))
-        return ids, pos, meta
+    def prepare(self, chunks: list[tuple[list[int], int, list]]):
+        """(input_ids, positions, metadata) on the runner's device for ``chunks``; the metadata is one
+        AttentionMetadata for a single-group pool, else a tuple of one per KV-cache group."""
+        ids, pos, metas, _ = self._to_device(self.build_host(chunks))
+        return ids, pos, metas[0] if len(metas) == 1 else metas
 
     # ---- attention ------------------------------------------------------------
     def layer_kv(self, layer: int) -> LayerKV:
@@ -280,7 +317,7 @@ class ModelRunner:
         return backend.graph_num_splits(layers, batch, self.plan.max_model_len)
 
     def _attn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._meta
+        backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._metas[self.layer_group[layer]]
         if self.needs_calibration:
             self._calibrate(layer, k, v)
         backend.write_cache(kv, meta.slot_mapping, k, v)
@@ -289,7 +326,7 @@ class ModelRunner:
     def _mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
              k_rope: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         """One MLA layer: store [latent | k_rope] rows, attend (see kvforge/attention/mla_reference.py)."""
-        backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._meta
+        backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._metas[self.layer_group[layer]]
         if self.needs_calibration:
             rows = torch.cat([latent, k_rope.to(latent.dtype)], dim=-1)
             self._calibrate(layer, rows, rows)
@@ -335,14 +372,18 @@ class ModelRunner:
         if layer == len(self.pool.kv_caches) - 1:
             self.needs_calibration = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                num_splits: int | None = None) -> torch.Tensor:
-        """The model over one step's tensors; returns hidden states [T, hidden]."""
-        self._meta, self._num_splits = meta, num_splits
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_splits: int | None = None
+                ) -> torch.Tensor:
+        """The model over one step's tensors; returns hidden states [T, hidden]. ``meta``: one
+        AttentionMetadata per KV-cache group (a tuple), or one AttentionMetadata for a single group."""
+        self._metas = (meta,) if isinstance(meta, AttentionMetadata) else tuple(meta)
+        if len(self._metas) != self.num_groups:
+            raise ValueError(f"{len(self._metas)} attention metadata for {self.num_groups} KV-cache groups")
+        self._num_splits = num_splits
         try:
             return self.model(input_ids, positions, self._attn_api)
         finally:
-            self._meta, self._num_splits = None, None
+            self._metas, self._num_splits = None, None
 
     def counters(self) -> dict:
         """Step counters and the graph set-up of this runner (rank 0 at TP=1)."""

@@ -151,11 +151,13 @@ class Scheduler:
 
     # ---- requests ----------------------------------------------------------
     def max_blocks_needed(self, seq: Sequence) -> int:
-        """KV blocks the sequence holds at its longest (its last token is never computed)."""
+        """KV blocks (all groups) the sequence holds at its longest (its last token is never computed)."""
         total = self.max_model_len
         if seq.params.max_tokens is not None:
             total = min(total, seq.num_prompt_tokens + seq.params.max_tokens)
-        return self.block_manager.blocks_needed(total - 1)
+        # A sliding-window group holds a whole chunk for its step: count the largest chunk the budget allows.
+        chunk = min(self.max_num_batched_tokens, total - 1)
+        return self.block_manager.max_blocks_per_sequence(total - 1, chunk)
 
     def add(self, seq: Sequence) -> None:
         """Queue a request, or raise InvalidRequestError if it can never be served."""
@@ -173,7 +175,7 @@ class Scheduler:
         need = self.max_blocks_needed(seq)
         if need > self.block_manager.num_blocks:
             bs = self.block_manager.block_size
-            prompt_blocks = self.block_manager.blocks_needed(n)
+            prompt_blocks = self.block_manager.max_blocks_per_sequence(n, min(n, self.max_num_batched_tokens))
             fld = "prompt" if prompt_blocks > self.block_manager.num_blocks else "max_tokens"
             raise InvalidRequestError(
                 f"request needs up to {need} KV-cache blocks ({n} prompt tokens, max_tokens="
@@ -188,7 +190,7 @@ class Scheduler:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
             )
-        if seq.block_table:
+        if seq.holds_blocks:
             raise InvalidRequestError(
                 f"request {seq.request_id!r} already holds KV blocks", field="request_id"
             )
@@ -293,7 +295,7 @@ class Scheduler:
                 break
             n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             budget -= n
-            need += max(0, bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table))
+            need += bm.new_blocks_for_step(seq, n)
             if need > free:
                 return True
         return False
@@ -329,6 +331,7 @@ class Scheduler:
             # resolves must leave its computed blocks in the prefix cache, as the synchronous engine does
             # (stream order makes them valid for any later step).
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.release_out_of_window(seq)  # sliding-window groups: blocks no query can see
             if s.do_sample:
                 seq.num_pending += 1
 

@@ -59,8 +59,13 @@ class Sequence:
     - ``status``: WAITING -> RUNNING -> FINISHED_* (RUNNING -> WAITING on
       preemption).
     - ``num_computed_tokens``: tokens whose KV is in the cache.
-    - ``block_table``: cache block ids, block ``i`` holds tokens
-      ``i*block_size .. (i+1)*block_size-1``.
+    - ``block_tables``: one list of cache block ids per KV-cache group (one
+      group for most models); entry ``i`` holds tokens
+      ``i*block_size .. (i+1)*block_size-1`` of that group's layers.
+      ``block_table`` is the first group's list.
+    - ``num_skipped_blocks``: per group, leading entries that hold no block
+      (a sliding-window group's blocks whose tokens all left the window);
+      they read 0 and are never attended to.
     - ``block_hashes``: chained hashes of the full blocks of ``all_token_ids``
       computed so far (a cache of the block manager; valid forever because
       tokens are never rewritten).
@@ -90,7 +95,8 @@ class Sequence:
         self.num_computed_tokens = 0
         # Sampled tokens whose values are not known yet (the overlapped engine: 0 or 1).
         self.num_pending = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = [[]]
+        self.num_skipped_blocks: list[int] = [0]
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_prompt_tokens = 0
@@ -107,6 +113,20 @@ class Sequence:
         # Incremental detokenizer (set by the scheduler when it has a tokenizer).
         self.detokenizer = None
         self._generators: dict[str, torch.Generator] = {}
+
+    # ---- blocks -------------------------------------------------------------
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV-cache group's block ids (the only group of a single-group model)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
+
+    @property
+    def holds_blocks(self) -> bool:
+        return any(self.block_tables)
 
     # ---- tokens -------------------------------------------------------------
     @property
@@ -239,5 +259,6 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
-            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table if len(self.block_tables) == 1 else self.block_tables})"
         )

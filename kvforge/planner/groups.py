@@ -65,3 +65,18 @@ def choose_grouping(types: list[LayerType]) -> Grouping:
             total_padding += pad
             groups.append((t, chunk, pad))
     return Grouping(size, tuple(groups), total_padding)
+
+
+def sliding_window_blocks(window: int, block_size: int, new_tokens: int = 1) -> int:
+    """Most blocks a sliding-window group holds for one sequence during a step of ``new_tokens`` tokens.
+
+    The step's queries at positions ``s .. s + new_tokens - 1`` read keys from
+    ``s - window + 1`` on, so the group keeps the ``window - 1`` tokens before
+    ``s`` plus the new ones: ``window - 2 + new_tokens + 1`` consecutive tokens,
+    which touch at most ``ceil((window + new_tokens - 2) / block_size) + 1``
+    blocks (a run not aligned to a block edge touches one block more). Blocks
+    whose tokens all lie before ``s - window + 1`` are freed (kvforge/engine/
+    block_manager.py). A decode step (``new_tokens`` = 1) gives the figure the
+    plan counts per sequence; a longer prefill chunk holds more for its step.
+    """
+    return -(-(window + new_tokens - 2) // block_size) + 1

@@ -35,6 +35,7 @@ class GroupPlan:
 
     ``padding_layers``: page slots of this group that no layer uses (hybrid
     models split each layer type into groups of the same size).
+    ``sliding_window``: the window of a "sliding" group (None otherwise).
     """
 
     kind: str
@@ -45,6 +46,7 @@ class GroupPlan:
     padding_layers: int
     kv_dtype: str
     backend: str
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,19 @@ class IndexCheck:
 
 @dataclass(frozen=True)
 class Capacity:
-    """How many tokens fit. Null figures when no memory was given."""
+    """How many tokens fit. Null figures when no memory was given.
+
+    ``num_blocks``: block ids of the KV pool, shared by every attention group
+    (a block id spans one page in each of the plan's ``group_size`` slots).
+    ``max_concurrency``: sequences of ``max_model_len`` tokens the pool holds
+    at once: each takes ``ceil(max_model_len / block_size)`` block ids in every
+    full / MLA group, its window's block ids in every sliding group (as many as
+    a decode step holds, ``kvforge.planner.groups.sliding_window_blocks``) and
+    its state slot. ``capacity_tokens``: tokens the full / MLA groups hold once
+    the windows of ``int(max_concurrency)`` sequences are set aside (all of the
+    pool's blocks without sliding groups; without full groups, the tokens of
+    ``int(max_concurrency)`` sequences of ``max_model_len``).
+    """
 
     kv_cache_dtype: str
     bytes_per_token: int

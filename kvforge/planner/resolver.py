@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvforge.errors import PlanError
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT, is_quantized
 from kvforge.planner.declaration import BackendDeclaration, BlockSizes, LayerContext
-from kvforge.planner.groups import LayerType, choose_grouping
+from kvforge.planner.groups import LayerType, choose_grouping, sliding_window_blocks
 from kvforge.planner.inputs import CacheConfig, ParallelConfig, check_platform
 from kvforge.planner.kv_plan import Capacity, GroupPlan, IndexCheck, KVPlan, LayerPlan
 from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
@@ -214,6 +214,7 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
     grouping = choose_grouping(layer_types)
     page = max((t.padded_page_bytes_at_base for t in layer_types), default=0)
     groups: list[GroupPlan] = []
+    by_index = {x.spec.index: x for x in layers}
     for t, chunk, pad in grouping.groups:
         unpadded = block_size * t.token_bytes
         group_block = block_size
@@ -221,13 +222,13 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
             factor = max(1, page // unpadded)
             group_block = block_size * factor
             unpadded = group_block * t.token_bytes
-        groups.append(GroupPlan(t.kind, chunk, group_block, page, unpadded, pad, t.kv_dtype, t.backend))
+        window = getattr(by_index[chunk[0]].spec, "sliding_window", None) if t.kind == "sliding" else None
+        groups.append(GroupPlan(t.kind, chunk, group_block, page, unpadded, pad, t.kv_dtype, t.backend, window))
     state_layers = [x for x in layers if x.kind == "state"]
     if state_layers:
         per = max(x.state_bytes for x in state_layers)
         groups.append(GroupPlan("state", tuple(x.spec.index for x in state_layers), 1, per, per, 0,
                                 state_layers[0].kv_dtype, state_layers[0].backend.name))
-    by_index = {x.spec.index: x for x in layers}
     for ring in spec.rings:
         owner = by_index[ring.layer_index]
         unpadded = block_size * owner.token_bytes
@@ -236,20 +237,36 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
     return tuple(groups), grouping
 
 
+def _block_id_bytes(groups: tuple[GroupPlan, ...], group_size: int) -> int:
+    """Bytes behind one block id: its page in each of the ``group_size`` slots."""
+    paged = [g for g in groups if g.kind in GROWING_KINDS or g.kind == "sliding"]
+    return group_size * (paged[0].page_bytes if paged else 0)
+
+
+def _window_blocks(groups: tuple[GroupPlan, ...], max_model_len: int) -> int:
+    """Block ids one sequence of ``max_model_len`` tokens holds in the sliding groups (a decode step;
+    never more than its own blocks): what kvforge/engine/block_manager.py keeps of each window."""
+    return sum(min(math.ceil(max_model_len / g.block_size), sliding_window_blocks(g.sliding_window, g.block_size))
+               for g in groups if g.kind == "sliding")
+
+
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
-              state_bytes: int, max_model_len: int, memory: int | None) -> Capacity:
+              slot_state_bytes: int, max_model_len: int, memory: int | None) -> Capacity:
     """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
 
-    A block id covers one page in each of ``group_size`` page slots; a sequence
-    of L tokens takes ceil(L / block) block ids in every growing (full / MLA)
-    group, plus its constant state (state layers, sliding windows, rings).
+    A block id covers one page in each of ``group_size`` page slots and is
+    taken by one group. A sequence of L tokens takes ceil(L / block) block ids
+    in every growing (full / MLA) group, its window's block ids in every
+    sliding group (``_window_blocks``), and ``slot_state_bytes`` outside the
+    block pool (state layers, rings: one slot per sequence).
     """
     if memory is None:
         return Capacity(kv_dtype, bytes_per_token, None, None, None, None, None)
     growing = [g for g in groups if g.kind in GROWING_KINDS]
-    paged = [g for g in groups if g.kind in GROWING_KINDS or g.kind == "sliding"]
-    block_id_bytes = group_size * (paged[0].page_bytes if paged else 0)
-    per_seq = sum(math.ceil(max_model_len / g.block_size) for g in growing) * block_id_bytes + state_bytes
+    block_id_bytes = _block_id_bytes(groups, group_size)
+    window_blocks = _window_blocks(groups, max_model_len)
+    growing_blocks = sum(math.ceil(max_model_len / g.block_size) for g in growing)
+    per_seq = (growing_blocks + window_blocks) * block_id_bytes + slot_state_bytes
     if per_seq == 0:
         return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None)
     concurrency = memory / per_seq
@@ -259,13 +276,13 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
             f"{max_model_len} ({per_seq} bytes each); fix: lower --max-model-len to at most "
             f"{int(max_model_len * concurrency)} or give more memory (--kv-cache-memory / --gpu-memory-utilization)"
         )
-    slots = int(concurrency) if state_bytes else None
-    pool = memory - (slots or 0) * state_bytes
+    slots = int(concurrency) if slot_state_bytes else None
+    pool = memory - (slots or 0) * slot_state_bytes
     num_blocks = pool // block_id_bytes if block_id_bytes else 0
     if growing:
-        tokens = (num_blocks // len(growing)) * growing[0].block_size
+        tokens = ((num_blocks - int(concurrency) * window_blocks) // len(growing)) * growing[0].block_size
     else:
-        tokens = (slots or 0) * max_model_len
+        tokens = int(concurrency) * max_model_len
     return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots)
 
 
@@ -376,16 +393,17 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
 
     groups, grouping = _build_groups(layers, block_size, spec, ring_rows)
     bytes_per_token = sum(x.token_bytes for x in layers if x.kind in GROWING_KINDS)
-    state_per_seq = sum(x.state_bytes for x in layers if x.kind == "state")
-    state_per_seq += sum(min(x.spec.sliding_window, max_len) * x.token_bytes for x in layers if x.kind == "sliding")
-    state_per_seq += sum(g.page_bytes for g in groups if g.kind == "ring")
+    # Per-sequence constant bytes: state-layer and ring slots, plus the block ids of the sliding windows.
+    slot_state = sum(x.state_bytes for x in layers if x.kind == "state")
+    slot_state += sum(g.page_bytes for g in groups if g.kind == "ring")
+    state_per_seq = slot_state + _window_blocks(groups, max_len) * _block_id_bytes(groups, grouping.group_size)
     if grouping.padding_layers:
         warnings.append(f"{grouping.padding_layers} padding layer slot(s) in groups of {grouping.group_size}: "
                         f"worst-case waste {grouping.waste_pct:.1f}% of KV memory")
 
     weights = math.ceil(spec.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
     memory = _memory(spec, cache, weights)
-    capacity = _capacity(kv_dtype, groups, grouping.group_size, bytes_per_token, state_per_seq, max_len, memory)
+    capacity = _capacity(kv_dtype, groups, grouping.group_size, bytes_per_token, slot_state, max_len, memory)
 
     baseline = None
     if _baseline and kv_dtype != model_dtype:
