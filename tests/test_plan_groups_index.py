@@ -65,3 +65,17 @@ def test_int32_row_offset_limit_fails_with_numbers():
                  ParallelConfig(8), backends=(mla32, REFERENCE))
     check = ok.index_checks[0]
     assert check.ok and check.row_bytes == 576 and check.planned_slots == ok.num_blocks * 16 < max_slots
+
+
+@pytest.mark.parametrize("name,ok,words", [
+    ("llama-3.1-8b", True, "every group"),
+    ("gpt-oss-20b", True, "sliding-window groups from the blocks inside the window"),
+    ("csa-ring-test", False, "ring"),
+    ("qwen3-next-80b-a3b", False, "state layers"),
+])
+def test_plan_says_whether_prefix_caching_works_and_why(name, ok, words):
+    p = resolve(spec(name), CacheConfig())
+    assert p.prefix_caching is ok
+    assert words in p.prefix_caching_reason and p.prefix_caching_reason.startswith("on:" if ok else "off:")
+    d = p.to_dict()
+    assert d["prefix_caching"] is ok and d["prefix_caching_reason"] == p.prefix_caching_reason

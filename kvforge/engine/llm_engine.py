@@ -110,7 +110,10 @@ class LLMEngine:
             # 3. KV pool exactly as planned.
             self.pool = KVPool(self.plan, self.device)
         # Block manager, scheduler, runner.
-        self.block_manager = BlockManager(self.plan.num_blocks, self.pool.block_size, args.enable_prefix_caching,
+        prefix_caching = args.enable_prefix_caching and self.plan.prefix_caching
+        if args.enable_prefix_caching and not self.plan.prefix_caching:
+            logger.warning("prefix caching %s", self.plan.prefix_caching_reason)
+        self.block_manager = BlockManager(self.plan.num_blocks, self.pool.block_size, prefix_caching,
                                           group_windows=self.pool.group_windows)
         self.max_model_len = self.plan.max_model_len
         batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)

@@ -111,6 +111,9 @@ class KVPlan:
     index_checks: tuple[IndexCheck, ...]
     warnings: tuple[str, ...]
     scale_source: str | None
+    #: Whether a request may resume from cached blocks of an earlier one, and why (or why not).
+    prefix_caching: bool = True
+    prefix_caching_reason: str = ""
 
     @property
     def num_blocks(self) -> int | None:

@@ -38,6 +38,7 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_row("max model len", str(plan.max_model_len))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
     head.add_row("state bytes per sequence", f"{plan.state_bytes_per_sequence:,}")
+    head.add_row("prefix caching", plan.prefix_caching_reason)
     head.add_row("weights per rank", f"{_gib(plan.weights_bytes_per_rank)} ({plan.num_parameters:,} parameters)")
     if cap.num_blocks is not None:
         head.add_row("KV memory per rank", _gib(cap.kv_cache_memory))

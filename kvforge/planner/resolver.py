@@ -286,6 +286,23 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots)
 
 
+def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
+    """Rule 8: a prefix-cache hit resumes a request from cached blocks, which must hold everything the
+    skipped tokens left behind. Paged groups do (a sliding group needs only its window's blocks); a state
+    layer's state or a ring's rows at the hit point are kept nowhere, so those models cannot cache."""
+    kinds = {g.kind for g in groups}
+    if "state" in kinds:
+        return False, ("off: state layers keep one running state per request, and the state at a cached "
+                       "prefix's end is not stored")
+    if "ring" in kinds:
+        return False, ("off: a request's ring holds rows of its last tokens, which a cached prefix would "
+                       "skip writing")
+    if "sliding" in kinds:
+        return True, ("on: full groups resume from every block of the cached prefix, sliding-window groups "
+                      "from the blocks inside the window of its end")
+    return True, "on: every group resumes from the blocks of the cached prefix"
+
+
 def _scale_source(spec: ModelSpec, cache: CacheConfig, quantized: bool) -> tuple[str | None, list[str]]:
     if not quantized:
         return None, []
@@ -429,6 +446,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                 f"(~{limit_bytes} bytes per layer) are allocated, or use a backend with 64-bit offsets"
             )
 
+    prefix_ok, prefix_reason = _prefix_caching(groups)
     scale_source, scale_warnings = _scale_source(spec, cache, quantized)
     warnings.extend(scale_warnings)
     return KVPlan(
@@ -440,6 +458,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         worst_case_waste_pct=round(grouping.waste_pct, 2), capacity=capacity, baseline=baseline,
         weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
         warnings=tuple(warnings), scale_source=scale_source,
+        prefix_caching=prefix_ok, prefix_caching_reason=prefix_reason,
     )
 
 
