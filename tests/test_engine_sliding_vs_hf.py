@@ -33,9 +33,9 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def _mistral(path):
-    cfg = transformers.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=VOCAB,
+def _mistral(path, head_dim=16):
+    cfg = transformers.MistralConfig(hidden_size=4 * head_dim, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=head_dim, intermediate_size=128, vocab_size=VOCAB,
                                      max_position_embeddings=256, rms_norm_eps=1e-5, sliding_window=WINDOW)
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(cfg).eval().float()
@@ -92,12 +92,23 @@ def _prompts():
         torch.randint(0, VOCAB, (61,), generator=g).tolist()]
 
 
-def test_mistral_sliding_window_greedy_equals_transformers_with_chunks_and_prefix_hits(tmp_path):
+def static_decode_runner(engine):
+    """A runner whose decode steps take the CUDA-graph path's static, padded per-group inputs (eager on CPU)."""
+    from kvforge.engine.model_runner import ModelRunner
+
+    return ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
+                       max_num_seqs=engine.scheduler.max_num_seqs, static_decode_on_cpu=True)
+
+
+@pytest.mark.parametrize("decode_path", ["eager", "static"])
+def test_mistral_sliding_window_greedy_equals_transformers_with_chunks_and_prefix_hits(tmp_path, decode_path):
     hf = _mistral(tmp_path)
     # Budget 23: prefill chunks end at positions that are not block or window edges.
     llm = LLM(str(tmp_path), dtype="float32", block_size=BLOCK, skip_tokenizer_init=True, kv_cache_memory=1 << 22,
-              max_num_batched_tokens=23, enable_prefix_caching=True, progress=False, device="cpu")
+              max_num_batched_tokens=23, enable_prefix_caching=True, progress=False, device="cpu", max_num_seqs=4)
     engine = llm.engine
+    if decode_path == "static":
+        engine.runner = static_decode_runner(engine)
     assert [g.kind for g in llm.plan.groups] == ["sliding"] and engine.block_manager.group_windows == (WINDOW,)
     watch = _WindowWatch(engine)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -119,3 +130,27 @@ def test_mistral_sliding_window_greedy_equals_transformers_with_chunks_and_prefi
     assert engine.block_manager.num_evictions == 0
     assert engine.block_manager.prefix_cache_hits - hits == sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
     assert engine.block_manager.num_used_blocks == 0
+    if decode_path == "static":
+        assert engine.runner.num_graph_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_mistral_sliding_window_on_cuda_eager_and_graphs(tmp_path, enforce_eager):
+    """Triton paged attention over a sliding group whose early blocks are freed and reused, decode steps as
+    CUDA-graph replays (per-group block tables in the static buffers) or eager: greedy equals transformers."""
+    hf = _mistral(tmp_path, head_dim=32)  # the Triton kernel's smallest head size
+    llm = LLM(str(tmp_path), dtype="float32", block_size=16, skip_tokenizer_init=True, kv_cache_memory=1 << 24,
+              max_num_batched_tokens=23, progress=False, device="cuda", max_num_seqs=4,
+              enforce_eager=enforce_eager)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    prompts = _prompts()
+    want = [_hf_greedy(hf, p, NEW_TOKENS)[0] for p in prompts]
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+    assert {layer.backend for layer in llm.plan.layers} == {"triton_paged"}
+    counters = llm.engine.rank_counters()[0]
+    assert (counters["num_graph_steps"] > 0) == (not enforce_eager), counters
