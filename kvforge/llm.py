@@ -13,6 +13,9 @@ from kvforge.engine.sampling_params import SamplingParams
 class LLM:
     """Owns one LLMEngine. ``model=None`` is the embedded SmolLM2-135M-Instruct.
 
+    ``with LLM(...) as llm:`` shuts the engine down on exit (``shutdown()``: the KV pool, CUDA
+    graphs, weights and tensor-parallel workers are released at once).
+
     Keyword arguments are EngineArgs fields (kv_cache_dtype, block_size,
     max_model_len, dtype, seed, load_format, skip_tokenizer_init, ...).
     """
@@ -21,6 +24,16 @@ class LLM:
         kwargs.setdefault("progress", kwargs.pop("use_tqdm", True))
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Free the engine's device memory now (``LLMEngine.shutdown``); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def plan(self):

@@ -298,6 +298,15 @@ class TPLauncher:
         destroy_group()
 
 
+    def release(self) -> None:
+        """Drop rank 0's model, pool and runner (after ``ModelRunner.release``) and the runner's link
+        back to this launcher, so nothing here keeps device memory alive. Call after :meth:`shutdown`."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.control = None
+        self.model = self.pool = self.runner = None
+
+
 def _kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:

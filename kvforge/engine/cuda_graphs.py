@@ -154,6 +154,16 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch sizes %s, split-K %s) in %.1f s", len(self.graphs),
                     self.sizes, [self.num_splits[b] for b in self.sizes], self.capture_seconds)
 
+    def release(self) -> None:
+        """Free every captured graph (and with them the graph memory pool), the static buffers and the
+        reference to the runner. Idempotent; nothing replays afterwards."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.runner = None
+        self.i64 = self.qsl = self.seq_lens = self.block_tables = self.scratch32 = None
+        self.sizes, self.max_size = [], 0
+
     # ---- replay -------------------------------------------------------------------
     def load(self, host) -> int:
         """Write a decode-only step (``HostStep``) into the static buffers; returns the padded size."""

@@ -129,6 +129,13 @@ class KVPool:
     def num_groups(self) -> int:
         return len(self.groups)
 
+    def release(self) -> None:
+        """Drop the buffer and every view of it (the memory goes back to the allocator once no caller
+        holds a view); ``nbytes`` is 0 afterwards. Idempotent."""
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
+        self.pages = self.buffer
+        self.kv_caches, self.k_scales, self.v_scales, self.ring_pages = [], [], [], []
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every page slot (so in every layer)."""
         if not pairs:

@@ -8,6 +8,7 @@ the tokenizer and weights opened. Every KV decision the engine uses comes from
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import time
@@ -151,15 +152,45 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.startup_seconds = time.perf_counter() - t0
+        self._shut_down = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel worker processes (if any) and leave the process group; idempotent."""
-        if getattr(self, "tp", None) is not None:
-            self.tp.shutdown()
+        """Give everything back at once: stop tensor-parallel workers (if any) and leave the process
+        group, abort the requests still queued or running, free the CUDA graphs, the KV pool and the
+        model's weights (``ModelRunner.release``), collect reference cycles and return cached device
+        memory to the driver. Afterwards ``torch.cuda.memory_allocated()`` is back where it was before
+        the engine was built, whatever references the caller still holds to the engine. Idempotent;
+        the engine takes no requests afterwards."""
+        if getattr(self, "_shut_down", True):  # also: __init__ failed before the engine existed
+            return
+        self._shut_down = True
+        try:
+            if self.tp is not None:
+                self.tp.shutdown()
+        finally:
+            for request_id in list(self.scheduler.requests):
+                self.abort_request(request_id)
+            self._inflight = None
+            self.runner.release()
+            if self.tp is not None:
+                self.tp.release()
+            self.model = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+
+    @property
+    def is_shut_down(self) -> bool:
+        return self._shut_down
+
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this engine was shut down (its KV pool and weights are freed); build a new one")
 
     # ---- startup helpers ------------------------------------------------------
     def _model_dtype(self, args: EngineArgs, platform: str) -> str:
@@ -229,6 +260,7 @@ class LLMEngine:
                                   field="prompt")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        self._check_running()
         params = params or SamplingParams()
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -250,6 +282,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the sequences that got a token: this step's
         (synchronous), or with ``async_scheduling`` the previous launch's (kvforge/engine/overlap.py)."""
+        self._check_running()
         early = None
         if self._inflight is not None and self.scheduler.next_step_may_preempt():
             # Memory pressure: resolve the step in flight first, so sequences it finishes free their
@@ -379,6 +412,7 @@ class LLMEngine:
     def compute_prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced float32 logits [T, vocab] through the paged KV cache
         (so a quantized cache affects them), chunked like a prefill."""
+        self._check_running()
         _, ids = self._tokenize(list(token_ids))
         if len(ids) > self.max_model_len:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max-model-len {self.max_model_len}", field="prompt")

@@ -385,6 +385,25 @@ class ModelRunner:
         finally:
             self._metas, self._num_splits = None, None
 
+    def release(self) -> None:
+        """Give back the device memory this runner holds: the captured CUDA graphs and their static
+        inputs, the model's weights (every parameter and buffer becomes an empty tensor, so a caller
+        still holding the model does not keep them), the KV pool and the per-layer views, the backend
+        objects; and drop the references that tie the runner to its graphs and attention callables.
+        Idempotent; the runner cannot run afterwards."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+        self.graphs_off_reason = "shut down"
+        if self.model is not None:
+            free_module_tensors(self.model)
+            self.model = None
+        if self.pool is not None:
+            self.pool.release()
+        self._layer_kv, self.backends = [], []
+        self.ring_backend = None
+        self._attn_api = self._meta = self._ring_targets = None
+
     def counters(self) -> dict:
         """Step counters and the graph set-up of this runner (rank 0 at TP=1)."""
         g = self.graphs
@@ -452,6 +471,18 @@ class ModelRunner:
         if rows is not None:
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)
+
+
+def free_module_tensors(module: torch.nn.Module) -> None:
+    """Replace every parameter's data and every buffer of ``module`` (and its children) with an empty
+    tensor of the same dtype and device, so their memory is freed even while the module is referenced."""
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = torch.empty(0, dtype=b.dtype, device=b.device)
 
 
 class _MLAAttn:
