@@ -42,21 +42,27 @@ def kv_head_start(num_kv_heads: int, kv_per_rank: int, rank: int, tp: int) -> in
     return rank * num_kv_heads // tp
 
 
+def kv_heads_for_rank(num_kv_heads: int, tp: int, kv_heads_per_rank: int) -> int:
+    """KV heads each rank holds (split, or 1 replicated head when fewer than ranks), checked against the plan's."""
+    if num_kv_heads % tp == 0:
+        want = num_kv_heads // tp
+    elif tp % num_kv_heads == 0:
+        want = 1
+    else:
+        raise ConfigError(f"TP {tp} neither divides nor is a multiple of {num_kv_heads} KV heads")
+    if kv_heads_per_rank != want:
+        raise ConfigError(f"the plan gives {kv_heads_per_rank} KV heads per rank; TP {tp} over "
+                          f"{num_kv_heads} KV heads needs {want}")
+    return want
+
+
 class TPLlamaForCausalLM(TensorParallelDecoder, LlamaForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
         a = LlamaArgs(config)
         tp = group.world_size
         check_heads_per_rank(a.num_heads, tp, heads_per_rank)
-        if a.num_kv_heads % tp == 0:
-            want_kv = a.num_kv_heads // tp
-        elif tp % a.num_kv_heads == 0:
-            want_kv = 1
-        else:
-            raise ConfigError(f"TP {tp} neither divides nor is a multiple of {a.num_kv_heads} KV heads")
-        if kv_heads_per_rank != want_kv:
-            raise ConfigError(f"the plan gives {kv_heads_per_rank} KV heads per rank; TP {tp} over "
-                              f"{a.num_kv_heads} KV heads needs {want_kv}")
+        kv_heads_for_rank(a.num_kv_heads, tp, kv_heads_per_rank)
         check_tp_divides(tp, a.intermediate_size, "intermediate_size")
         local = per_rank_config(config, a, group, num_attention_heads=heads_per_rank,
                                 num_key_value_heads=kv_heads_per_rank, head_dim=a.head_dim,

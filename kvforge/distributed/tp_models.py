@@ -7,14 +7,18 @@ import torch
 
 from kvforge.distributed.group import TPGroup
 from kvforge.distributed.tp_deepseek import DEEPSEEK_FAMILY, TPDeepseekForCausalLM
+from kvforge.distributed.tp_hybrid import TPGemma3ForCausalLM, TPGptOssForCausalLM
 from kvforge.distributed.tp_llama import LLAMA_FAMILY, TPLlamaForCausalLM
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import build_uninitialised
 from kvforge.models.registry import resolve_architecture
+from kvforge.spec.architectures import text_model_config
 
 TP_MODELS = {
     **{arch: TPLlamaForCausalLM for arch in LLAMA_FAMILY},
     **{arch: TPDeepseekForCausalLM for arch in DEEPSEEK_FAMILY},
+    "Gemma3ForCausalLM": TPGemma3ForCausalLM,
+    "GptOssForCausalLM": TPGptOssForCausalLM,
 }
 
 
@@ -22,8 +26,8 @@ def check_tp_architecture(hf_config: dict) -> str:
     """The architecture name, or ConfigError when it has no tensor-parallel implementation."""
     arch = resolve_architecture(hf_config)
     if arch not in TP_MODELS:
-        raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}) and "
-                          f"DeepSeek-V2/V3; "
+        raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}), "
+                          f"DeepSeek-V2/V3, Gemma 3 and gpt-oss; "
                           f"{arch} runs at TP 1 only (`kvforge plan` shows its per-rank figures for any TP)")
     return arch
 
@@ -35,6 +39,6 @@ def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, gr
     if len(heads) != 1:
         raise ConfigError(f"the plan gives layers different heads per rank {sorted(heads)}; not supported at TP > 1")
     (hpr, kvpr), = heads
-    config = dict(hf_config)
+    config = dict(text_model_config(hf_config))
     config["architectures"] = [arch]
     return build_uninitialised(lambda: TP_MODELS[arch](config, dtype, group, hpr, kvpr), device)
