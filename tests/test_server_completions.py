@@ -166,3 +166,40 @@ def test_bad_batches_and_echo(server, body, field):
     while server.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not server.engine.has_unfinished_requests()
+
+
+def test_lm_eval_loglikelihood_request(server):
+    """The exact request lm-evaluation-harness's local-completions model sends for loglikelihood (token-id
+    prompts in a batch, max_tokens=1, logprobs=1, echo, seed), read the way it reads the answer: the sum of
+    ``token_logprobs[ctxlen:-1]`` and whether each continuation token is the top-1 alternative."""
+    import json
+    import urllib.request
+
+    tok = server.engine.tokenizer
+    pairs = [("Question: What color is the sky? Answer:", " blue"), ("The opposite of hot is", " cold"),
+             ("2 + 2 =", " 5")]
+    prompts, ctxlens = [], []
+    for context, continuation in pairs:
+        ctx = tok.encode(context)
+        prompts.append(ctx + tok.encode(continuation, add_special_tokens=False))
+        ctxlens.append(len(ctx))
+    body = {"model": server.engine.model_name, "prompt": prompts, "temperature": 0, "max_tokens": 1,
+            "logprobs": 1, "seed": 1234, "echo": True}
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out = json.loads(r.read())
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert len(choices) == 3
+    for choice, ids, ctxlen in zip(choices, prompts, ctxlens):
+        token_lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        assert len(token_lps) == len(ids) - ctxlen
+        ref = _reference_logprobs(server.engine, ids)
+        want = sum(ref[p - 1, ids[p]].item() for p in range(ctxlen, len(ids)))
+        assert abs(sum(token_lps) - want) <= TOL * len(token_lps)
+        greedy = all(lp == max(top.values()) for lp, top in zip(token_lps, tops))
+        ref_greedy = all(ref[p - 1].argmax().item() == ids[p] for p in range(ctxlen, len(ids)))
+        margins = [ref[p - 1].topk(2).values.diff().abs().item() for p in range(ctxlen, len(ids))]
+        if min(margins) > TOL:  # not a near-tie: the greedy flag must agree with the reference
+            assert greedy == ref_greedy
