@@ -1,0 +1,235 @@
+"""Kimi-Linear (``KimiLinearForCausalLM``): Kimi Delta Attention (KDA) and MLA layers, MoE, device-agnostic.
+
+Layers follow ``layer_types`` (else the checkpoint's ``linear_attn_config``: 1-indexed
+``full_attn_layers`` / ``kda_layers``; else every 4th layer from index 4 is full attention).
+
+* **KDA** (``self_attn`` of ``linear_attention`` layers): ``q_proj``, ``k_proj``, ``v_proj`` go
+  through the short causal conv (SiLU, the q, k and v kernels ``[H * D, 1, W]`` stacked) continuing the
+  sequence's conv state, then the gated delta rule with one gate per key channel
+  ``g = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)`` (float32) and
+  ``beta = sigmoid(b_proj(x))`` (q/k L2-normalised, scale ``D^-0.5``), continuing its recurrent
+  state; the output goes through the sigmoid-gated RMSNorm ``o_norm`` (gate
+  ``g_b_proj(g_a_proj(x))``, weight applied in float32) and ``o_proj``. State operations are the
+  runner's ``attn.short_conv`` / ``attn.delta_rule`` (kvforge/attention/linear_state.py).
+* **MLA** (``full_attention`` layers): DeepSeek-V2's latent attention
+  (:class:`kvforge.models.deepseek.MLAAttention`, ``attn.mla``) without rope: the
+  ``qk_rope_head_dim`` features are shared by all heads as in DeepSeek but never rotated.
+* **MLP**: ``mlp_layer_types`` (else the first ``first_k_dense_replace`` layers, default 1, dense):
+  ``sparse`` layers are DeepSeek-V3 MoE (sigmoid router with ``e_score_correction_bias``, group-limited
+  top-k, renormalised with ``moe_renormalize``, times ``routed_scaling_factor``, plus shared experts);
+  ``dense`` layers a gated MLP of ``intermediate_size``.
+
+Config keys are read under transformers' saved names (``num_experts``, ``num_experts_per_token``,
+``num_expert_group``, ``num_shared_experts``, ``moe_renormalize``) or their aliases. Checkpoints use
+the hub layout (what transformers also writes): MLPs under ``block_sparse_moe``, experts per expert
+as ``w1`` (gate), ``w3`` (up), ``w2`` (down), ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``, and the
+forget gate's ``f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log`` directly under ``self_attn``.
+Parameters keep those names except the fused ones (q/k/v convs into ``conv1d``, gate/up of dense and
+shared MLPs) and the routed experts (stacked) under ``mlp``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.attention.linear_state import LinearStateLayout
+from kvforge.errors import ConfigError
+from kvforge.models.decoder import (
+    DecoderArgs,
+    DecoderForCausalLM,
+    PreNormDecoderLayer,
+    gate_up_parts,
+    required_int,
+)
+from kvforge.models.deepseek import MLAAttention, MoE
+from kvforge.models.layers import GatedMLP, cfg_get
+from kvforge.models.qwen3_next import FULL, LINEAR, GatedRMSNorm, hybrid_layer_types, short_conv_weight
+from kvforge.models.stacked_experts import StackedExpertsCheckpoint
+
+_EXPERT_WEIGHTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_EXPERT_WEIGHT_NAMES = {v: k for k, v in _EXPERT_WEIGHTS.items()}
+
+
+def our_name(name: str) -> str:
+    """A Kimi-Linear checkpoint name -> ours (``block_sparse_moe`` -> ``mlp``, ``w1/w3/w2`` -> ``gate/up/down_proj``)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"\.experts\.(\d+)\.(w[123])\.", lambda m: f".experts.{m[1]}.{_EXPERT_WEIGHTS[m[2]]}.", name)
+
+
+def checkpoint_name(name: str) -> str:
+    """The inverse of :func:`our_name`."""
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    return re.sub(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.",
+                  lambda m: f".experts.{m[1]}.{_EXPERT_WEIGHT_NAMES[m[2]]}.", name)
+
+
+def _first(config: dict, keys: tuple[str, ...], default):
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return default
+
+
+class KimiLinearArgs(DecoderArgs):
+    """The numbers the model needs, validated, from an HF ``KimiLinearForCausalLM`` config dict.
+
+    Carries the attribute names :class:`~kvforge.models.deepseek.MLAAttention`,
+    :class:`~kvforge.models.deepseek.Gate` and :class:`~kvforge.models.deepseek.MoE` read.
+    """
+
+    FAMILY = "Kimi-Linear"
+    ARCHITECTURES = ("KimiLinearForCausalLM",)
+    DEFAULT_ARCH = "KimiLinearForCausalLM"
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        # MLA
+        self.kv_lora_rank = required_int(config, "kv_lora_rank")
+        self.qk_rope_head_dim = required_int(config, "qk_rope_head_dim")
+        self.qk_nope_head_dim = required_int(config, "qk_nope_head_dim")
+        self.v_head_dim = required_int(config, "v_head_dim")
+        q_lora = config.get("q_lora_rank")
+        self.q_lora_rank = int(q_lora) if q_lora else None
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.attention_bias = bool(cfg_get(config, "attention_bias", False))
+        self.softmax_scale = self.qk_head_dim**-0.5
+        # KDA
+        lin = config.get("linear_attn_config") or {}
+        self.linear_head_dim = int(_first(config, ("linear_head_dim",), lin.get("head_dim", 128)))
+        self.linear_num_heads = int(_first(config, ("linear_num_heads",), lin.get("num_heads", 32)))
+        self.conv_width = int(_first(config, ("linear_conv_kernel_dim",), lin.get("short_conv_kernel_size", 4)))
+        if "layer_types" not in config and "full_attn_layers" in lin and "kda_layers" in lin:
+            full = {int(i) - 1 for i in lin["full_attn_layers"]}
+            config = dict(config, layer_types=[FULL if i in full else LINEAR for i in range(self.num_layers)])
+        self.layer_types = hybrid_layer_types(config, self.num_layers, lambda i: FULL if i and i % 4 == 0 else LINEAR)
+        if LINEAR in self.layer_types and self.hidden_act != "silu":
+            raise ConfigError(f"Kimi-Linear KDA layers run their short conv with hidden_act; only 'silu' is "
+                              f"supported, got {self.hidden_act!r}")
+        if self.conv_width < 2:
+            raise ConfigError(f"the short conv kernel size must be >= 2, got {self.conv_width}")
+        # MoE (DeepSeek-V3 routing)
+        self.v3 = True
+        self.n_routed_experts = int(_first(config, ("num_experts", "num_local_experts", "n_routed_experts"), 0))
+        self.top_k = int(_first(config, ("num_experts_per_token", "num_experts_per_tok"), 1))
+        self.n_group = int(_first(config, ("num_expert_group", "n_group"), 1))
+        self.topk_group = int(cfg_get(config, "topk_group", self.n_group))
+        self.n_shared_experts = int(_first(config, ("num_shared_experts", "n_shared_experts"), 0))
+        self.norm_topk_prob = bool(_first(config, ("moe_renormalize", "norm_topk_prob"), True))
+        self.routed_scaling_factor = float(cfg_get(config, "routed_scaling_factor", 1.0))
+        self.moe_intermediate_size = int(cfg_get(config, "moe_intermediate_size", self.intermediate_size))
+        router = config.get("moe_router_activation_func", "sigmoid")
+        if router != "sigmoid":
+            raise ConfigError(f"Kimi-Linear router activation {router!r} is not supported (supported: sigmoid)")
+        if self.n_routed_experts and self.n_routed_experts % self.n_group:
+            raise ConfigError(f"num_experts {self.n_routed_experts} must be a multiple of num_expert_group "
+                              f"{self.n_group}")
+        mlp_types = config.get("mlp_layer_types")
+        if mlp_types is None:
+            dense = int(cfg_get(config, "first_k_dense_replace", 1))
+            mlp_types = ["dense" if i < dense else "sparse" for i in range(self.num_layers)]
+        if len(mlp_types) != self.num_layers or set(mlp_types) - {"dense", "sparse"}:
+            raise ConfigError(f"config 'mlp_layer_types' must list {self.num_layers} entries of 'dense' / 'sparse', "
+                              f"got {mlp_types!r}")
+        if "sparse" in mlp_types and not self.n_routed_experts:
+            raise ConfigError("Kimi-Linear config has sparse MLP layers but no experts (num_experts)")
+        self.mlp_types = list(mlp_types)
+
+    def linear_state_layout(self) -> LinearStateLayout:
+        width = self.linear_num_heads * self.linear_head_dim
+        return LinearStateLayout(conv_channels=3 * width, conv_width=self.conv_width,
+                                 num_value_heads=self.linear_num_heads, key_dim=self.linear_head_dim,
+                                 value_dim=self.linear_head_dim)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA (see the module docstring); called as ``self_attn(rope, x, attn, rotary)`` like attention."""
+
+    def __init__(self, a: KimiLinearArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.head_dim = a.linear_num_heads, a.linear_head_dim
+        width = self.heads * self.head_dim
+        self.q_proj = nn.Linear(a.hidden_size, width, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(a.hidden_size, width, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(a.hidden_size, width, bias=False, dtype=dtype)
+        self.conv1d = nn.Conv1d(3 * width, 3 * width, a.conv_width, groups=3 * width, bias=False, dtype=dtype)
+        self.f_a_proj = nn.Linear(a.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1, dtype=dtype))
+        self.b_proj = nn.Linear(a.hidden_size, self.heads, bias=False, dtype=dtype)
+        self.g_a_proj = nn.Linear(a.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.g_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
+        self.o_norm = GatedRMSNorm(self.head_dim, a.rms_norm_eps, torch.sigmoid, round_normed=False, dtype=dtype)
+        self.o_proj = nn.Linear(width, a.hidden_size, bias=False, dtype=dtype)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)``, float32 ``[T, H, D]``."""
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        f = f.view(x.shape[0], self.heads, self.head_dim)
+        return -self.A_log.float().exp().view(self.heads, 1) * F.softplus(f, threshold=20.0)
+
+    def forward(self, rope, x: torch.Tensor, attn, rotary) -> torch.Tensor:
+        t, h, d = x.shape[0], self.heads, self.head_dim
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
+        q, k, v = (part.reshape(t, h, d) for part in mixed.split(h * d, dim=-1))
+        o = attn.delta_rule(self.layer_idx, q, k, v, self.forget_gate(x), torch.sigmoid(self.b_proj(x)),
+                            normalize_qk=True)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        return self.o_proj(self.o_norm(o, gate).reshape(t, h * d))
+
+
+class NoRope(nn.Module):
+    """The rotary of a model without positional rotation: MLA's rope features pass unchanged."""
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        return None
+
+    def rotate(self, rope, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class KimiLinearForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
+    """Kimi-Linear over a flat batch; ``attn`` must provide ``mla``, ``short_conv`` and ``delta_rule``."""
+
+    ARGS = KimiLinearArgs
+    args: KimiLinearArgs
+
+    def make_layer(self, a: KimiLinearArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
+        mixer = (KimiDeltaAttention(a, layer_idx, dtype=dtype) if a.layer_types[layer_idx] == LINEAR
+                 else MLAAttention(a, layer_idx, dtype=dtype))
+        mlp = (MoE(a, dtype=dtype) if a.mlp_types[layer_idx] == "sparse"
+               else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype))
+        return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, mixer, mlp, dtype=dtype)
+
+    def make_rotary(self, a: KimiLinearArgs) -> NoRope:
+        return NoRope()
+
+    def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
+        a = self.args
+        width = a.linear_num_heads * a.linear_head_dim
+        return {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
+                "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
+                                                                 a.moe_intermediate_size * a.n_shared_experts),
+                "self_attn.conv1d": [(f"self_attn.{p}_conv1d", width) for p in "qkv"]}
+
+    # -- checkpoint names: MLPs under ``block_sparse_moe``, experts' w1 / w3 / w2 ----------------
+    def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
+        return [checkpoint_name(n) for n in super().checkpoint_names(name, param)]
+
+    def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
+        written = super().load_checkpoint_tensor(params, our_name(name), tensor)
+        return None if written is None else [checkpoint_name(n) for n in written]
+
+    def linear_state_layouts(self) -> dict[int, LinearStateLayout]:
+        """Layer index -> the per-sequence state of each KDA layer."""
+        layout = self.args.linear_state_layout()
+        return {i: layout for i, t in enumerate(self.args.layer_types) if t == LINEAR}

@@ -1,0 +1,278 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet and gated full-attention layers, MoE, device-agnostic.
+
+Layers follow ``layer_types`` (else every ``full_attention_interval``-th layer, default 4, is full
+attention; the others ``linear_attention``). Every norm is zero-centred: ``x / rms(x) * (1 + w)``
+in float32 (:class:`~kvforge.models.gemma3.GemmaRMSNorm`, the same formula).
+
+* **Gated DeltaNet** (``linear_attn``): ``in_proj_qkvz`` gives per key head ``[q | k | v | z]``
+  (``v``, ``z`` of the ``Hv / Hk`` value heads it serves) and ``in_proj_ba`` ``[b | a]``; q, k, v
+  go through the short causal conv (SiLU, ``conv1d.weight [D, 1, W]``) continuing the sequence's
+  conv state, then the gated delta rule (q/k L2-normalised, scale ``K^-0.5``) continuing its
+  recurrent state, with ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``; the
+  output is normalised per value head with the SiLU-gated RMSNorm ``w * rms_norm(o) * silu(z)``
+  and projected by ``out_proj``. The state operations are the runner's ``attn.short_conv`` and
+  ``attn.delta_rule`` (:class:`kvforge.attention.linear_state.LinearStates`).
+* **Gated attention** (``self_attn``): ``q_proj`` gives per head ``[q | gate]``; q/k get a
+  zero-centred per-head RMSNorm and rope on the first ``partial_rotary_factor * head_dim``
+  features (default 0.25); the attention output is multiplied by ``sigmoid(gate)`` before
+  ``o_proj``.
+* **MLP**: layers not in ``mlp_only_layers`` with ``(i + 1) % decoder_sparse_step == 0`` (and
+  ``num_experts > 0``) are MoE: softmax router, top-``num_experts_per_tok`` (renormalised with
+  ``norm_topk_prob``), plus one shared expert scaled by ``sigmoid(shared_expert_gate(x))``;
+  the others a gated MLP of ``intermediate_size``.
+
+Parameter names are transformers'; gate/up of the dense and shared MLPs are fused, routed
+experts stacked (kvforge/models/stacked_experts.py). Multi-token-prediction tensors (``mtp.*``)
+are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.attention.linear_state import LinearStateLayout
+from kvforge.errors import ConfigError
+from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, gate_up_parts, required_int
+from kvforge.models.deepseek import MoE
+from kvforge.models.gemma3 import GemmaRMSNorm
+from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, get_activation
+from kvforge.models.stacked_experts import StackedExpertsCheckpoint
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def hybrid_layer_types(config: dict, num_layers: int, default) -> list[str]:
+    """``layer_types`` from the config (``linear_attention`` / ``full_attention``), else ``default(i)``."""
+    types = config.get("layer_types")
+    if types is None:
+        return [default(i) for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or set(types) - {LINEAR, FULL}:
+        raise ConfigError(f"config 'layer_types' must list {num_layers} entries of {LINEAR!r} / {FULL!r}, got {types!r}")
+    return list(types)
+
+
+class Qwen3NextArgs(DecoderArgs):
+    """The numbers the model needs, validated, from an HF ``Qwen3NextForCausalLM`` config dict."""
+
+    FAMILY = "Qwen3-Next"
+    ARCHITECTURES = ("Qwen3NextForCausalLM",)
+    DEFAULT_ARCH = "Qwen3NextForCausalLM"
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.read_grouped_query_heads(config, default_head_dim=256)
+        self.softmax_scale = self.head_dim**-0.5
+        self.attention_bias = bool(cfg_get(config, "attention_bias", False))
+        params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+        factor = float(cfg_get(config, "partial_rotary_factor", params.get("partial_rotary_factor", 0.25)))
+        self.rotary_dim = int(self.head_dim * factor)
+        interval = int(cfg_get(config, "full_attention_interval", 4))
+        self.layer_types = hybrid_layer_types(config, self.num_layers,
+                                              lambda i: FULL if (i + 1) % interval == 0 else LINEAR)
+        self.linear_num_key_heads = required_int(config, "linear_num_key_heads")
+        self.linear_num_value_heads = required_int(config, "linear_num_value_heads")
+        self.linear_key_head_dim = required_int(config, "linear_key_head_dim")
+        self.linear_value_head_dim = required_int(config, "linear_value_head_dim")
+        self.conv_width = int(cfg_get(config, "linear_conv_kernel_dim", 4))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                              f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if LINEAR in self.layer_types and self.hidden_act != "silu":
+            raise ConfigError(f"Qwen3-Next linear-attention layers run their short conv with hidden_act; "
+                              f"only 'silu' is supported, got {self.hidden_act!r}")
+        if self.conv_width < 2:
+            raise ConfigError(f"linear_conv_kernel_dim must be >= 2, got {self.conv_width}")
+        self.num_experts = int(cfg_get(config, "num_experts", 0))
+        self.top_k = int(cfg_get(config, "num_experts_per_tok", 1))
+        self.norm_topk_prob = bool(cfg_get(config, "norm_topk_prob", True))
+        self.moe_intermediate_size = int(cfg_get(config, "moe_intermediate_size", self.intermediate_size))
+        self.shared_expert_intermediate_size = int(cfg_get(config, "shared_expert_intermediate_size", 0))
+        self.decoder_sparse_step = int(cfg_get(config, "decoder_sparse_step", 1))
+        self.mlp_only_layers = set(cfg_get(config, "mlp_only_layers", []))
+
+    def is_moe(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def linear_state_layout(self) -> LinearStateLayout:
+        key_total = self.linear_num_key_heads * self.linear_key_head_dim
+        value_total = self.linear_num_value_heads * self.linear_value_head_dim
+        return LinearStateLayout(conv_channels=2 * key_total + value_total, conv_width=self.conv_width,
+                                 num_value_heads=self.linear_num_value_heads, key_dim=self.linear_key_head_dim,
+                                 value_dim=self.linear_value_head_dim)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rms_norm(x) * act(gate)`` in float32, cast back to x's dtype (HF ``RMSNormGated``).
+
+    ``round_normed``: the normalised x is rounded to x's dtype and multiplied by the weight in that
+    dtype first (Qwen3-Next); otherwise the weight multiplies in float32 (Kimi-Linear).
+    """
+
+    def __init__(self, dim: int, eps: float, activation, round_normed: bool, dtype=None):
+        super().__init__()
+        self.eps = float(eps)
+        self.act = activation
+        self.round_normed = round_normed
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight * xf.to(x.dtype) if self.round_normed else self.weight.float() * xf
+        return (normed * self.act(gate.float())).to(x.dtype)
+
+
+def short_conv_weight(conv: nn.Conv1d) -> torch.Tensor:
+    """``conv1d.weight [D, 1, W]`` as ``[D, W]`` (a view)."""
+    return conv.weight[:, 0, :]
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next linear attention (see the module docstring)."""
+
+    def __init__(self, a: Qwen3NextArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.hk, self.hv = a.linear_num_key_heads, a.linear_num_value_heads
+        self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
+        key_total, value_total = self.hk * self.dk, self.hv * self.dv
+        conv_dim = 2 * key_total + value_total
+        self.in_proj_qkvz = nn.Linear(a.hidden_size, 2 * key_total + 2 * value_total, bias=False, dtype=dtype)
+        self.in_proj_ba = nn.Linear(a.hidden_size, 2 * self.hv, bias=False, dtype=dtype)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, a.conv_width, groups=conv_dim, bias=False, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv, dtype=dtype))
+        self.A_log = nn.Parameter(torch.zeros(self.hv, dtype=dtype))
+        self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps, F.silu, round_normed=True, dtype=dtype)
+        self.out_proj = nn.Linear(value_total, a.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
+        t, hk, hv, dk, dv = x.shape[0], self.hk, self.hv, self.dk, self.dv
+        per = hv // hk
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([dk, dk, per * dv, per * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * per).split([per, per], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        beta = b.reshape(t, hv).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias)
+        o = attn.delta_rule(self.layer_idx, q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g,
+                            beta, normalize_qk=True)
+        o = self.norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv))
+        return self.out_proj(o.reshape(t, hv * dv))
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate, per-head zero-centred q/k norms and partial rope."""
+
+    def __init__(self, a: Qwen3NextArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        q_size, kv_size, bias = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.attention_bias
+        self.q_proj = nn.Linear(a.hidden_size, 2 * q_size, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(a.hidden_size, kv_size, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(a.hidden_size, kv_size, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, a.hidden_size, bias=bias, dtype=dtype)
+        self.q_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
+        self.k_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
+
+    def forward(self, rope, x: torch.Tensor, attn, rotary: RotaryEmbedding) -> torch.Tensor:
+        t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q, gate = self.q_proj(x).view(t, h, 2 * d).split([d, d], dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, hkv, d))
+        v = self.v_proj(x).view(t, hkv, d)
+        q, k = rotary.apply(rope, q.contiguous(), k)
+        out = attn(self.layer_idx, q, k, v).reshape(t, h * d)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
+
+
+class Qwen3NextMoE(MoE):
+    """Softmax top-k routed experts plus one sigmoid-gated shared expert (routing as HF Qwen3-Next)."""
+
+    def __init__(self, a: Qwen3NextArgs, dtype=None):
+        nn.Module.__init__(self)
+        e, i, h = a.num_experts, a.moe_intermediate_size, a.hidden_size
+        self.inter, self.top_k, self.norm_topk_prob = i, a.top_k, a.norm_topk_prob
+        self.gate = nn.Linear(h, e, bias=False, dtype=dtype)
+        self.experts_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
+        self.experts_down = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+        self.act = get_activation(a.hidden_act)
+        self.shared_expert = GatedMLP(h, a.shared_expert_intermediate_size, a.hidden_act, dtype=dtype)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.routed(x, weights.to(logits.dtype), ids)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    """``x + mixer(norm(x))``, then ``+ mlp(norm(...))``; the mixer is Gated DeltaNet or gated attention."""
+
+    def __init__(self, a: Qwen3NextArgs, layer_idx: int, dtype=None):
+        super().__init__()
+        self.layer_type = a.layer_types[layer_idx]
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(a, layer_idx, dtype=dtype)
+        else:
+            self.self_attn = GatedAttention(a, layer_idx, dtype=dtype)
+        self.mlp = (Qwen3NextMoE(a, dtype=dtype) if a.is_moe(layer_idx)
+                    else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype))
+        self.input_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+
+    def forward(self, rope, x: torch.Tensor, attn, rotary: RotaryEmbedding) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, attn) if self.layer_type == LINEAR else self.self_attn(rope, h, attn, rotary)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
+    """Qwen3-Next over a flat batch; ``attn`` must also provide ``short_conv`` and ``delta_rule``."""
+
+    ARGS = Qwen3NextArgs
+    args: Qwen3NextArgs
+
+    def __init__(self, config: dict, dtype: torch.dtype | None = None):
+        super().__init__(config, dtype=dtype)
+        a = self.args
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+
+    def make_layer(self, a: Qwen3NextArgs, layer_idx: int, dtype) -> Qwen3NextDecoderLayer:
+        return Qwen3NextDecoderLayer(a, layer_idx, dtype=dtype)
+
+    def make_rotary(self, a: Qwen3NextArgs) -> RotaryEmbedding:
+        return RotaryEmbedding(a.head_dim, a.rotary_dim, a.rope_theta, a.rope_scaling)
+
+    def make_final_norm(self, a: Qwen3NextArgs, dtype) -> GemmaRMSNorm:
+        return GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
+
+    def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
+        a = self.args
+        return {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
+                "mlp.shared_expert.gate_up_proj": gate_up_parts("mlp.shared_expert",
+                                                                a.shared_expert_intermediate_size)}
+
+    def linear_state_layouts(self) -> dict[int, LinearStateLayout]:
+        """Layer index -> the per-sequence state of each linear-attention layer."""
+        layout = self.args.linear_state_layout()
+        return {i: layout for i, t in enumerate(self.args.layer_types) if t == LINEAR}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary
+        rope = rotary.cos_sin(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(rope, h, attn, rotary)
+        return self.model.norm(h)
+
+    def skips_checkpoint_tensor(self, name: str) -> bool:
+        return name.startswith("mtp.") or super().skips_checkpoint_tensor(name)

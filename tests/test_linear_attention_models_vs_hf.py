@@ -1,0 +1,237 @@
+"""Qwen3-Next and Kimi-Linear vs transformers on tiny random checkpoints (float32, CPU).
+
+Each config is built in transformers with a fixed seed, random (non-default) weights (norms
+around their neutral value, conv kernels, router biases), saved with ``save_pretrained``
+(safetensors) and loaded with our loader. transformers' torch fallbacks are the reference (no
+fla / causal-conv1d kernels are installed). Our model runs over a test-built state: a paged cache
+for full attention, a latent cache for MLA and one state slot per sequence for the linear layers
+(tests/state_slot_reference.py), with the PyTorch delta rule.
+
+Checks: the linear-attention layers alone against transformers' layers (same weights, a prompt
+then a continuation with transformers' cache); two prompts of different lengths prefilled together
+then decoded together, each logit row against transformers' forward of the whole sequence; one
+prompt prefilled in chunks across steps (so states are carried through slots); greedy tokens of
+a batch of prompts of different lengths against transformers' ``generate``. Bound:
+max |ours - hf| <= 1e-4 * max(1, max |hf|) (float32 on both sides; the delta rule's chunked and
+recurrent forms differ from transformers' only in summation order, tests/test_gated_delta_rule.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from paged_reference import run_steps  # noqa: E402
+from state_slot_reference import StateSlotAttention  # noqa: E402
+
+from kvforge.errors import ConfigError  # noqa: E402
+from kvforge.models.decoder import build_uninitialised  # noqa: E402
+from kvforge.models.kimi_linear import KimiLinearForCausalLM  # noqa: E402
+from kvforge.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
+from kvforge.weights import load_config, load_weights  # noqa: E402
+
+REL_TOL = 1e-4
+VOCAB = 128
+
+QWEN3_NEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=512, rms_norm_eps=1e-6,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+KIMI_LINEAR = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    n_group=4, topk_group=2, routed_scaling_factor=2.5, linear_head_dim=16, linear_num_heads=4,
+    linear_conv_kernel_dim=4, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+)
+CASES = {
+    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT, Qwen3NextForCausalLM),
+    "kimi-linear": ("KimiLinearConfig", "KimiLinearForCausalLM", KIMI_LINEAR, KimiLinearForCausalLM),
+}
+PROMPT_LENS = (70, 23)  # the first is longer than one 64-token chunk of the reference
+DECODE_STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_checkpoint(case: str, path, **overrides):
+    """A random transformers model of ``case`` saved at ``path``: (hf model, saved config dict)."""
+    config_cls, model_cls, base, _ = CASES[case]
+    config = getattr(transformers, config_cls)(**{**base, **overrides})
+    torch.manual_seed(1234)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "A_log" in name or "dt_bias" in name:
+                continue  # transformers' init gives the decay range trained models have
+            if name.endswith("norm.weight") and case == "qwen3-next" and "linear_attn.norm" not in name:
+                p.copy_(0.2 * torch.randn_like(p))  # zero-centred: x * (1 + w)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif "conv1d" in name:
+                p.copy_(0.4 * torch.randn_like(p))
+            elif "e_score_correction_bias" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(path, safe_serialization=True)
+    with open(path / "config.json") as f:
+        return model, json.load(f)
+
+
+def load_ours(case, path):
+    cls = CASES[case][3]
+    config = load_config(path)
+    ours = build_uninitialised(lambda: cls(config, dtype=torch.float32), "cpu")
+    load_weights(ours, path, "auto", progress=False)
+    return ours
+
+
+def _sequences(n_extra: int):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, VOCAB, (n + n_extra,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _hf_logits(hf, seqs):
+    with torch.no_grad():
+        return [hf(input_ids=torch.tensor([s])).logits[0].float() for s in seqs]
+
+
+def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_and_decode_logits_match_transformers(case, tmp_path):
+    hf, _ = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    seqs = _sequences(DECODE_STEPS)
+    ref = _hf_logits(hf, seqs)
+    p0, p1 = PROMPT_LENS
+    steps = [[(0, seqs[0][:p0]), (1, seqs[1][:p1])]]
+    steps += [[(0, [seqs[0][p0 + j]]), (1, [seqs[1][p1 + j]])] for j in range(DECODE_STEPS)]
+    got = run_steps(ours, StateSlotAttention(ours), steps)
+    worst = max(_worst(got[0][:p0], ref[0][:p0]), _worst(got[0][p0:], ref[1][:p1]))
+    for j in range(DECODE_STEPS):
+        worst = max(worst, _worst(got[j + 1][0], ref[0][p0 + j]), _worst(got[j + 1][1], ref[1][p1 + j]))
+    assert worst <= REL_TOL, f"{case}: relative max error {worst:.3g}"
+    assert float(ref[0].abs().max()) > 0.5  # the logits are not trivially small
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_prefill_carries_the_state_across_steps(case, tmp_path):
+    hf, _ = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    seq = _sequences(0)[0]
+    ref = _hf_logits(hf, [seq])[0]
+    cuts = [0, 1, 3, 30, 31, 69, len(seq)]  # pieces shorter than the conv kernel, single tokens, long ones
+    steps = [[(0, seq[a:b])] for a, b in zip(cuts, cuts[1:])]
+    got = torch.cat(run_steps(ours, StateSlotAttention(ours, block_size=4), steps))
+    assert _worst(got, ref) <= REL_TOL
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_batch_of_different_lengths_equals_transformers_generate(case, tmp_path):
+    hf, _ = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 19, 1)]
+    new = 6
+    want = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    attn = StateSlotAttention(ours)
+    got = [[] for _ in prompts]
+    feed = {i: p for i, p in enumerate(prompts)}
+    with torch.no_grad():
+        for _ in range(new):
+            ids = [t for i in feed for t in feed[i]]
+            pos = attn.step(list(feed), [len(feed[i]) for i in feed])
+            logits = ours.compute_logits(ours(torch.tensor(ids), pos, attn))
+            ends = torch.tensor([len(f) for f in feed.values()]).cumsum(0) - 1
+            for i, tok in zip(list(feed), logits[ends].argmax(-1).tolist()):
+                got[i].append(tok)
+                feed[i] = [tok]
+    assert got == want
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_linear_attention_layer_matches_transformers_layer_with_its_cache(case, tmp_path):
+    """One linear layer with transformers' weights: a prompt, then a continuation through both caches."""
+    hf, config = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    hf_layer = hf.model.layers[0]
+    hf_mixer = hf_layer.linear_attn if case == "qwen3-next" else hf_layer.self_attn
+    our_layer = ours.model.layers[0]
+    our_mixer = our_layer.linear_attn if case == "qwen3-next" else our_layer.self_attn
+    cache = transformers.DynamicCache(config=hf.config)
+    attn = StateSlotAttention(ours)
+    x = 0.5 * torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for a, b in [(0, 9), (9, 10), (10, 12)]:
+            want = hf_mixer(x[:, a:b], cache=cache)
+            attn.step([0], [b - a])
+            got = (our_mixer(x[0, a:b], attn) if case == "qwen3-next"
+                   else our_mixer(None, x[0, a:b], attn, None))
+            assert _worst(got, want[0]) <= REL_TOL, (a, b)
+
+
+def test_missing_conv_weight_names_the_tensor(tmp_path):
+    make_checkpoint("qwen3-next", tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.linear_attn.conv1d.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lacks 1 tensor.*model\.layers\.0\.linear_attn\.conv1d\.weight"):
+        load_ours("qwen3-next", tmp_path)
+
+
+def test_state_layouts_match_the_plan_spec(tmp_path):
+    """The model's per-sequence state elements equal what the planner's spec counts for each state layer."""
+    from kvforge.spec.architectures import spec_from_hf_config
+
+    _, config = make_checkpoint("qwen3-next", tmp_path)
+    ours = load_ours("qwen3-next", tmp_path)
+    spec = spec_from_hf_config(config, name="qwen3-next", source="test")
+    state_layers = {x.index: x.state_elements for x in spec.layers if x.kind == "state"}
+    assert state_layers == {i: lay.elements for i, lay in ours.linear_state_layouts().items()}
+
+
+def test_the_engine_refuses_them_before_reading_weights(tmp_path, monkeypatch):
+    """Until the engine allocates state slots, both architectures fail with the reason, before any weight."""
+    import kvforge.weights as weights
+    from kvforge import LLM
+    from kvforge.models.registry import resolve_architecture
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights must not be read for a model the engine cannot serve")
+
+    monkeypatch.setattr(weights, "load_weights", no_weights)
+    _, config = make_checkpoint("qwen3-next", tmp_path)
+    with pytest.raises(ConfigError, match="Qwen3NextForCausalLM cannot be served yet: .*state slot"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1 << 24, progress=False, device="cpu")
+    for arch, model_type in (("Qwen3NextForCausalLM", "qwen3_next"), ("KimiLinearForCausalLM", "kimi_linear")):
+        for cfg in ({"architectures": [arch]}, {"model_type": model_type}):
+            with pytest.raises(ConfigError, match=f"{arch} cannot be served yet"):
+                resolve_architecture(cfg)
