@@ -42,7 +42,7 @@ BOUND = {None: 2.0 ** -6, "fp8_e4m3": 2.0 ** -4}
 
 
 #: The decode entry of each CUDA MLA backend (what its backend object calls for decode steps).
-KERNEL_ENTRY = {"triton_mla": "kvforge.kernels.triton_mla_decode"}
+KERNEL_ENTRY = {"triton_mla": "kvforge.kernels.triton_mla_decode", "torch_mla_reference": "kvforge.attention.mla_reference"}
 
 
 def cuda_mla_backends():
