@@ -322,7 +322,7 @@ class LLMEngine:
         for s in out.scheduled:
             seq = s.seq
             end = s.start_pos + s.num_new_tokens
-            if seq.needs_prompt_logprobs:
+            if seq.prompt_logprobs is not None and seq.needs_prompt_logprobs:
                 # Position p's logits score prompt token p + 1, for p up to the second-to-last prompt token.
                 stop = min(end, seq.num_prompt_tokens - 1)
                 if stop > s.start_pos:
@@ -347,7 +347,7 @@ class LLMEngine:
             self.runner.step_ring_slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
         share = self.async_scheduling
-        logits = self.runner.run(chunks, rows + prompt_rows, placeholders=placeholders,
+        logits = self.runner.run(chunks, rows + prompt_rows if prompt_rows else rows, placeholders=placeholders,
                                  share_sampled=len(rows) if share else 0)
         prompt_lp = None
         if prompt_rows:

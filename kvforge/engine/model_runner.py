@@ -402,7 +402,8 @@ class ModelRunner:
             self.pool.release()
         self._layer_kv, self.backends = [], []
         self.ring_backend = None
-        self._attn_api = self._meta = self._ring_targets = None
+        self._attn_api = self._ring_targets = None
+        self._metas = ()
 
     def counters(self) -> dict:
         """Step counters and the graph set-up of this runner (rank 0 at TP=1)."""
