@@ -94,6 +94,30 @@ def test_engines_one_after_another_on_cpu_reuse_nothing():
         assert refs["the engine"]() is None
 
 
+def test_ring_model_shutdown_frees_its_ring_pages(tmp_path):
+    """A ring (CsaRingTest) engine: the ring pages (views of the pool) and state slots go with the pool."""
+    import json
+
+    config = dict(architectures=["CsaRingTestForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128, vocab_size=128,
+                  ring_rows=7, ring_row_bytes=256, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", skip_tokenizer_init=True, kv_cache_memory=1 << 21,
+              max_model_len=256, max_num_seqs=3, progress=False, device="cpu", enable_prefix_caching=False)
+    llm.generate([{"prompt_token_ids": [5, 9, 3]}, {"prompt_token_ids": list(range(10, 20))}], PARAMS,
+                 use_tqdm=False)
+    ring = weakref.ref(llm.engine.pool.ring_pages[0])
+    buffer = weakref.ref(llm.engine.pool.buffer)
+    gc.collect()
+    gc.disable()
+    try:
+        llm.shutdown()
+        assert ring() is None and buffer() is None
+    finally:
+        gc.enable()
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -121,7 +145,9 @@ def test_engines_give_device_memory_back(kwargs):
     for i in range(4):
         llm = LLM(**{**kwargs, "progress": False, "device": "cuda"})
         assert _allocated() > start + (1 << 30)  # the pool alone is far above 1 GiB at 0.3 of an H200
-        llm.generate(["Hello there", "The sky is"], PARAMS, use_tqdm=False)
+        # Token ids: the preset has no tokenizer.
+        llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8, 9]}], PARAMS,
+                     use_tqdm=False)
         llm.engine.shutdown()
         after = _allocated()
         if base is None:
