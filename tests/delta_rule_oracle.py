@@ -34,7 +34,9 @@ def naive_float64(q, k, v, g, beta, state=None, normalize=True, scale=None):
     return out, torch.stack(s)
 
 
-def random_inputs(t_len, hk=2, hv=4, dk=16, dv=8, per_channel=False, seed=0):
+def random_inputs(t_len, hk=2, hv=4, dk=16, dv=8, per_channel=False, seed=0, repeated_keys=False):
+    """Random rule inputs. ``repeated_keys``: nearly identical keys, beta ~ 1 and almost no decay, the
+    case where a chunk's triangular system is hardest (its inverse's series has binomial-sized terms)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(t_len, hk, dk, generator=gen)
     # Keys share a direction (as trained keys do): the chunk's triangular system then couples
@@ -45,6 +47,10 @@ def random_inputs(t_len, hk=2, hv=4, dk=16, dv=8, per_channel=False, seed=0):
     a = torch.empty(gate_shape[1:]).uniform_(0.01, 3.0, generator=gen)
     g = -a * F.softplus(torch.randn(gate_shape, generator=gen) - 2.0)
     beta = torch.rand(t_len, hv, generator=gen)
+    if repeated_keys:
+        k = torch.randn(1, hk, dk, generator=gen) + 0.01 * torch.randn(t_len, hk, dk, generator=gen)
+        beta = 0.99 + 0.01 * beta
+        g = 1e-3 * g
     return q, k, v, g, beta
 
 

@@ -142,3 +142,11 @@ def test_same_convention_as_transformers_torch_fallbacks(per_channel):
                             initial_state=s0[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, s = gdr.chunked(q, k, v, g, beta, s0, chunk_size=16, normalize_qk=True)
     assert rel_err(out, want[0].double()) < CHUNK_TOL and rel_err(s, want_s[0].double()) < CHUNK_TOL
+
+
+def test_chunked_with_repeated_keys():
+    """Nearly identical keys, beta ~ 1, almost no decay: the hardest chunk system for a triangular solve."""
+    q, k, v, g, beta = random_inputs(100, hk=1, hv=1, dk=32, seed=6, repeated_keys=True)
+    out, s = gdr.chunked(q, k, v, g, beta, chunk_size=64, normalize_qk=True)
+    ref_out, ref_s = naive_float64(q, k, v, g, beta)
+    assert rel_err(out, ref_out) < CHUNK_TOL and rel_err(s, ref_s) < CHUNK_TOL

@@ -42,15 +42,16 @@ def _loops_over_loaded_bounds():
     skip_unless_loaded_loop_bounds_work()
 
 
-def _batch(lens, hk, hv, dk, dv, per_channel, seed):
+def _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys=False):
     """Flat inputs of sequences of ``lens`` tokens (concatenated), on DEVICE."""
-    parts = [random_inputs(n, hk, hv, dk, dv, per_channel, seed=seed + i) for i, n in enumerate(lens)]
+    parts = [random_inputs(n, hk, hv, dk, dv, per_channel, seed=seed + i, repeated_keys=repeated_keys)
+             for i, n in enumerate(lens)]
     return [torch.cat([p[j] for p in parts]).to(DEVICE) for j in range(5)]
 
 
 def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=False, num_slots=7,
-                   chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32):
-    q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, per_channel, seed)
+                   chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32, repeated_keys=False):
+    q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     gen = torch.Generator().manual_seed(seed + 100)
     states = (0.3 * torch.randn(num_slots, hv, dk, dv, generator=gen)).to(DEVICE)
@@ -91,6 +92,11 @@ def test_prefill_lengths_the_chunk_does_not_divide(per_channel):
         _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], per_channel=True, tol=REC_TOL, seed=3)
     else:  # two value blocks (40 > 32 columns), chunks of 16 over 17 and 40 tokens
         _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
+
+
+def test_chunked_prefill_with_repeated_keys():
+    """Nearly identical keys with beta ~ 1: the chunk's triangular inverse must be solved, not series-expanded."""
+    _run_and_check([40], [0], [False], hk=1, hv=1, num_slots=1, chunk_size=32, repeated_keys=True, seed=8)
 
 
 def test_prefill_split_across_calls_equals_one_call():
@@ -160,6 +166,13 @@ def test_gpu_decode_batches_at_model_shapes(batch, per_channel):
 def test_gpu_chunked_prefill_at_model_shapes(chunk_size):
     _run_and_check([1, 100, 333], [2, 0, 4], [False, True, True], hk=16, hv=32, dk=128, dv=128,
                    num_slots=5, chunk_size=chunk_size, seed=chunk_size)
+
+
+@gpu_only
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_gpu_chunked_prefill_with_repeated_keys(chunk_size):
+    _run_and_check([200, 64], [1, 0], [True, False], hk=2, hv=4, dk=128, dv=128, num_slots=2,
+                   chunk_size=chunk_size, repeated_keys=True, seed=chunk_size)
 
 
 @gpu_only

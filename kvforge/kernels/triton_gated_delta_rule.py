@@ -19,8 +19,10 @@ Entries (no host sync, output allocated with ``torch.empty``):
   ``[K, BV]`` block of the state in registers for the token.
 * :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Per-head gates
   run the chunked form: per chunk of ``chunk_size`` tokens, the unit lower-triangular system
-  ``(I + A)`` is inverted as the finite product ``(I - A)(I + A^2)(I + A^4)...`` (exact: ``A`` is
-  strictly lower, so ``A^chunk_size = 0``), then every product is a ``tl.dot`` in IEEE float32.
+  ``(I + A)`` is inverted in registers by forward substitution (row by row: as accurate as a
+  triangular solve; the finite product ``(I - A)(I + A^2)(I + A^4)...`` is not, its powers of
+  ``A`` grow like binomial coefficients when keys repeat), then every product is a ``tl.dot`` in
+  IEEE float32.
   Per-channel gates (KDA) run the recurrence token by token inside the kernel (a chunked form would
   need ``exp(-G)`` factors that overflow float32 for strong decays).
 
@@ -109,7 +111,7 @@ if HAS_TRITON:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
-        BT: tl.constexpr, LOG2_BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     ):
         i = tl.program_id(0)
@@ -153,12 +155,12 @@ if HAS_TRITON:
                 decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
                 kt = tl.trans(k)
                 a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision="ieee") * decay, 0.0)
-                # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A^BT = 0.
-                inv = eye - a
-                p = a
-                for _ in tl.static_range(LOG2_BT - 1):
-                    p = tl.dot(p, p, input_precision="ieee")
-                    inv = tl.dot(inv, eye + p, input_precision="ieee")
+                # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
+                inv = eye
+                for r in range(1, BT):
+                    a_row = tl.sum(tl.where(rs[:, None] == r, a, 0.0), axis=0)
+                    row = tl.where(rs == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
+                    inv = tl.where(rs[:, None] == r, row[None, :], inv)
                 u = tl.dot(inv, beta[:, None] * v, input_precision="ieee")
                 w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision="ieee")
                 u = u - tl.dot(w, s, input_precision="ieee")
@@ -257,7 +259,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
-        BT=chunk_size, LOG2_BT=chunk_size.bit_length() - 1, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
+        BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
     )
     return out
