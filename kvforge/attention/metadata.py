@@ -14,6 +14,14 @@ KV cache layout of one full/sliding attention layer (a view into the pool):
               index 0 of dim 1 is K, 1 is V; dtype = storage dtype
               (model dtype, torch.float8_e4m3fn or torch.float8_e5m2)
 
+KV-cache groups: the layers of one group share block ids and a page layout;
+a step has one ``block_tables`` and one ``slot_mapping`` per group (the rest
+is common), so one AttentionMetadata per group, and each layer is handed its
+group's. In a sliding-window group, table entries wholly before a sequence's
+window may be 0 (their blocks were freed and may hold another sequence's
+tokens): a backend may read such entries (block 0 is in range) but must mask
+their keys, NaN included, as it masks every key outside the window.
+
 Token ``p`` of sequence ``i`` lives in block ``block_tables[i, p // block_size]``
 at offset ``p % block_size``. Its *slot* is ``block * block_size + offset``;
 ``slot_mapping[t]`` is the slot that new token ``t`` writes to, or -1 to skip
