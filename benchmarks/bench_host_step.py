@@ -41,6 +41,7 @@ class StubRunner:
     def __init__(self, block_size: int, vocab: int, max_seqs: int, seed: int):
         self._r = ModelRunner.__new__(ModelRunner)
         self._r.block_size = block_size
+        self._r.num_groups = 1
         self._r._tables = BlockTableCache()
         self._r.device = torch.device("cpu")
         self._r._pin = False

@@ -137,6 +137,7 @@ class BlockManager:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[tuple[int, bytes], int] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._empty_hit = PrefixHit(0, (0,) * self.num_groups, ((),) * self.num_groups)
         # Stats (tokens).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -196,7 +197,7 @@ class BlockManager:
         return hashes
 
     def _no_hit(self) -> PrefixHit:
-        return PrefixHit(0, (0,) * self.num_groups, ((),) * self.num_groups)
+        return self._empty_hit
 
     def lookup_prefix(self, seq: Sequence) -> PrefixHit:
         """The longest cached prefix of ``seq``'s tokens that every group can resume from (no side effects).
@@ -321,6 +322,10 @@ class BlockManager:
             else:
                 self._free.append(b)
 
+    @property
+    def has_sliding_groups(self) -> bool:
+        return bool(self._sliding)
+
     def release_out_of_window(self, seq: Sequence) -> int:
         """Free each sliding group's blocks that no query from ``num_computed_tokens`` on can see;
         returns how many entries were released. Their table entries become skipped placeholders (0)."""
@@ -344,17 +349,19 @@ class BlockManager:
         if num_new_tokens <= 0:
             return []
         first = seq.num_computed_tokens // self.block_size
+        end = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        rc = self._ref_count
         out = []
         for g, table in enumerate(seq.block_tables):
-            last = min(len(table), self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
-            out.extend((g, i) for i in range(max(first, seq.num_skipped_blocks[g]), last)
-                       if self._ref_count[table[i]] > 1)
+            for i in range(max(first, seq.num_skipped_blocks[g]), min(len(table), end)):
+                if rc[table[i]] > 1:
+                    out.append((g, i))
         return out
 
     def new_blocks_for_step(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks (all groups) that ``append_slots(seq, num_new_tokens)`` adds to the tables, not
         counting copy-on-write nor the out-of-window blocks it frees first."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_tables[0])
         return max(0, need) * self.num_groups
 
     def can_append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -380,7 +387,8 @@ class BlockManager:
             self.release_out_of_window(seq)
         # Same test as can_append_slots, computing the shared blocks once (hot path: every step, every sequence).
         shared = self._shared_blocks_to_write(seq, num_new_tokens)
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        tables = seq.block_tables
+        need = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(tables[0])
         if max(0, need) * self.num_groups + len(shared) > len(self._free) + len(self._cached_free):
             if strict:
                 raise NoFreeBlocksError(
@@ -388,14 +396,14 @@ class BlockManager:
                 )
             return False
         for g, i in shared:
-            table = seq.block_tables[g]
+            table = tables[g]
             old = table[i]
             new = self._take_free()
             self._ref_count[old] -= 1  # stays >= 1: it was shared
             table[i] = new
             self._pending_copies.append((old, new))
         if need > 0:  # copy-on-write above kept the tables' length
-            for table in seq.block_tables:
+            for table in tables:
                 table.extend(self._take_free() for _ in range(need))
         return True
 
@@ -415,7 +423,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         # Only tokens whose ids are known can be hashed (a token in flight may be computed already).
-        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
+        num_full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_tables[0]))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._ensure_hashes(seq, num_full)

@@ -211,20 +211,10 @@ class ModelRunner:
         """Call when block tables were changed in place (copy-on-write)."""
         self._tables.clear()
 
-    def _group_tables(self, tables) -> list[list[int]]:
-        """A chunk's block tables, one per group; a flat list of ids is the one group's table."""
-        if tables and isinstance(tables[0], list):
-            if len(tables) != self.num_groups:
-                raise ValueError(f"{len(tables)} block tables for a pool of {self.num_groups} KV-cache groups")
-            return tables
-        if self.num_groups != 1:
-            raise ValueError(f"one block table given for a pool of {self.num_groups} KV-cache groups")
-        return [tables]
-
     def build_host(self, chunks: list[tuple[list[int], int, list]],
                    logits_rows: list[int] | None = None) -> HostStep:
         """chunks: per sequence (new token ids, start position, block tables: one list of block ids per
-        KV-cache group, or one list for a single-group pool).
+        KV-cache group, or, in every chunk, one flat list for a single-group pool).
 
         Positions of sequence i's new tokens are start .. start + n - 1; its
         context after the step is start + n. Unused block-table entries are 0.
@@ -235,17 +225,24 @@ class ModelRunner:
         # Vectorized over sequences (per-sequence numpy scalar writes cost ~1 ms at 256 sequences).
         lens = np.fromiter((len(c[0]) for c in chunks), dtype=np.int64, count=n_seqs)
         starts = np.fromiter((c[1] for c in chunks), dtype=np.int64, count=n_seqs)
-        per_seq = [self._group_tables(c[2]) for c in chunks]
-        arrays = [[self._tables.get(t[g]) for t in per_seq] for g in range(G)]
-        widths = np.fromiter((max(a.shape[0] for a in (arrays[g][i] for g in range(G))) for i in range(n_seqs)),
-                             dtype=np.int64, count=n_seqs)
+        get = self._tables.get
+        if n_seqs and isinstance(chunks[0][2][0], list):  # one table per group
+            if len(chunks[0][2]) != G:
+                raise ValueError(f"{len(chunks[0][2])} block tables for a pool of {G} KV-cache groups")
+            arrays = [[get(c[2][g]) for c in chunks] for g in range(G)]
+        else:  # a flat list of block ids: the one group's table
+            if G != 1:
+                raise ValueError(f"one block table given for a pool of {G} KV-cache groups")
+            arrays = [[get(c[2]) for c in chunks]]
+        # A sequence's tables have one length in every group (the block manager's invariant).
+        widths = np.fromiter((a.shape[0] for a in arrays[0]), dtype=np.int64, count=n_seqs)
         cols = max(1, int(widths.max()) if n_seqs else 1)
         tables = np.zeros((G, n_seqs, cols), dtype=np.int32)
-        for g in range(G):
-            if n_seqs:
-                # Row-major boolean assignment: row i gets its table in its first len(table) columns.
-                w = np.fromiter((a.shape[0] for a in arrays[g]), dtype=np.int64, count=n_seqs)
-                tables[g][np.arange(cols) < w[:, None]] = np.concatenate(arrays[g])
+        if n_seqs:
+            filled = np.arange(cols) < widths[:, None]
+            for g in range(G):
+                # Row-major boolean assignment: row i gets its table in its first widths[i] columns.
+                tables[g][filled] = np.concatenate(arrays[g])
         n_tok = int(lens.sum())
         qsl = np.zeros(n_seqs + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])

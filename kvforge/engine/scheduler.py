@@ -317,6 +317,7 @@ class Scheduler:
         now has one token in flight (``num_pending``) until :meth:`resolve` gives its value.
         The overlapped engine calls this at launch and schedules the next step before the
         sampled tokens are known (kvforge/engine/overlap.py)."""
+        sliding = self.block_manager.has_sliding_groups
         for s in output.scheduled:
             seq = s.seq
             if seq.is_finished or seq.status != SequenceStatus.RUNNING:
@@ -331,7 +332,8 @@ class Scheduler:
             # resolves must leave its computed blocks in the prefix cache, as the synchronous engine does
             # (stream order makes them valid for any later step).
             self.block_manager.cache_full_blocks(seq)
-            self.block_manager.release_out_of_window(seq)  # sliding-window groups: blocks no query can see
+            if sliding:  # sliding-window groups: free the blocks no query can see any more
+                self.block_manager.release_out_of_window(seq)
             if s.do_sample:
                 seq.num_pending += 1
 
