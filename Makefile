@@ -7,6 +7,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
+# The Triton the GPU machine runs; in CI its CPU interpreter runs the tl.* kernels (tests/conftest.py).
+TRITON_PIN ?= triton==3.6.0
 
 .PHONY: demo test install install-test lint clean
 
@@ -21,6 +23,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q $(TORCH_PIN) $(TRITON_PIN)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $@
 
