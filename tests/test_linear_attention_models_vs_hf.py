@@ -235,3 +235,27 @@ def test_the_engine_refuses_them_before_reading_weights(tmp_path, monkeypatch):
         for cfg in ({"architectures": [arch]}, {"model_type": model_type}):
             with pytest.raises(ConfigError, match=f"{arch} cannot be served yet"):
                 resolve_architecture(cfg)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_kernels_in_the_model_match_transformers(case, tmp_path, monkeypatch):
+    """The same model with its state operations on the Triton kernels (Triton's CPU interpreter here; the
+    GPU covers them in tests/test_triton_gated_delta_rule.py): prefill of two prompts, then decode steps."""
+    device = pytest.importorskip("triton_kernel_device")
+    if not device.INTERPRETED:
+        pytest.skip("the model runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
+    device.skip_unless_loaded_loop_bounds_work()
+    from kvforge.attention import linear_state
+
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
+    hf, _ = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(3, VOCAB, (n + 2,), generator=g).tolist() for n in (11, 4)]
+    ref = _hf_logits(hf, seqs)
+    steps = [[(0, seqs[0][:11]), (1, seqs[1][:4])]] + [[(0, [seqs[0][11 + j]]), (1, [seqs[1][4 + j]])] for j in range(2)]
+    got = run_steps(ours, StateSlotAttention(ours), steps)
+    worst = max(_worst(got[0][:11], ref[0][:11]), _worst(got[0][11:], ref[1][:4]))
+    for j in range(2):
+        worst = max(worst, _worst(got[j + 1][0], ref[0][11 + j]), _worst(got[j + 1][1], ref[1][4 + j]))
+    assert worst <= REL_TOL, f"{case}: relative max error {worst:.3g}"

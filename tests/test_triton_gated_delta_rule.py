@@ -29,6 +29,8 @@ from triton_kernel_device import (
     skip_unless_loaded_loop_bounds_work,
 )
 
+from kvforge.attention import linear_state
+from kvforge.attention.linear_state import LinearStateLayout, LinearStates, SlotBatch
 from kvforge.kernels import triton_causal_conv1d as conv_kernels
 from kvforge.kernels import triton_gated_delta_rule as kernels
 
@@ -149,6 +151,43 @@ def test_conv1d_decode_steps_match_float64_and_shift_the_state():
             assert torch.equal(dev_states[slots[i]].cpu(), hist[i])  # the shift copies values: exact
     for s in (0, 2, 3):
         assert torch.equal(dev_states[s].cpu(), before[s])
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatch):
+    """LinearStates dispatches to the kernels (prefill and decode steps, slots, fresh sequences) and gets
+    what its PyTorch path gets: outputs and every slot after each step."""
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", DEVICE))
+    hk, hv, dk, dv, width = 1, 2, 16, 16, 4
+    layout = LinearStateLayout(conv_channels=2 * hk * dk + hv * dv, conv_width=width, num_value_heads=hv,
+                               key_dim=dk, value_dim=dv)
+    weight = torch.randn(layout.conv_channels, width, generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for on_kernels in (True, False):
+        dev = DEVICE if on_kernels else "cpu"
+        gen = torch.Generator().manual_seed(2)  # the same inputs for both paths
+        states = LinearStates.allocate({0: layout}, 4, torch.float32, dev)
+        for t in (states.conv[0], states.recurrent[0]):
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(1)))
+        if not on_kernels:
+            monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ())
+        outs = []
+        # step 1: two prompts (slots 2 and 0, fresh); step 2: both decode; step 3: a third prompt joins a decode
+        for lens, slots, init in (([9, 3], [2, 0], [False, False]), ([1, 1], [2, 0], [True, True]),
+                                  ([1, 5, 1], [2, 3, 0], [True, False, True])):
+            n = sum(lens)
+            x = torch.randn(n, layout.conv_channels, generator=gen)
+            _, _, _, g, beta = random_inputs(n, hk, hv, dk, dv, per_channel, seed=n)
+            states.set_batch(SlotBatch.build(lens, slots, init, dev))
+            mixed = states.short_conv(0, x.to(dev), weight.to(dev), None)
+            q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+            o = states.delta_rule(0, q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g.to(dev),
+                                  beta.to(dev))
+            outs.append((mixed.cpu(), o.cpu(), states.conv[0].cpu().clone(), states.recurrent[0].cpu().clone()))
+        runs[on_kernels] = outs
+    for got, want in zip(runs[True], runs[False]):
+        for a, b in zip(got, want):
+            assert rel_err(a, b.double()) < CHUNK_TOL
 
 
 # ------------------------------------------------------------------------------ GPU only

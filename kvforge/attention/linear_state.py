@@ -11,7 +11,7 @@ whatever the slot's previous owner left). A slot id < 0 is a padding row (nothin
 Models call :meth:`LinearStates.short_conv` and :meth:`LinearStates.delta_rule` (through the
 runner's ``attn`` object); both read each sequence's state from its slot and write the state after
 the step's tokens back in place, so a prompt cut into chunks across steps gives the state of one
-chunk. On CUDA with Triton: decode-only steps run the slot kernels
+chunk. On CUDA with Triton (devices in ``KERNEL_DEVICES``): decode-only steps run the slot kernels
 (kvforge/kernels/triton_gated_delta_rule.py, triton_causal_conv1d.py: no host sync), prefill steps
 the delta-rule prefill kernel and the PyTorch conv per sequence; elsewhere the PyTorch reference
 (kvforge/attention/gated_delta_rule.py, causal_conv1d.py) per sequence, from the host copies of
@@ -94,8 +94,11 @@ class SlotBatch:
                 yield i, qsl[i], qsl[i + 1], slot, self.host_has_initial_state[i]
 
 
+KERNEL_DEVICES = ("cuda",)  # tests add "cpu" to run the kernels in Triton's interpreter
+
+
 def _use_kernels(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda":
+    if x.device.type not in KERNEL_DEVICES:
         return False
     from kvforge.kernels import triton_gated_delta_rule
 

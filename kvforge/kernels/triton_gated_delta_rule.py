@@ -157,7 +157,7 @@ if HAS_TRITON:
                 a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision="ieee") * decay, 0.0)
                 # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
                 inv = eye
-                for r in range(1, BT):
+                for r in range(1, tl.minimum(eos - c0, BT)):  # rows past the sequence end stay identity rows
                     a_row = tl.sum(tl.where(rs[:, None] == r, a, 0.0), axis=0)
                     row = tl.where(rs == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
                     inv = tl.where(rs[:, None] == r, row[None, :], inv)
