@@ -144,7 +144,7 @@ def test_engines_give_device_memory_back(kwargs):
     base = None
     for i in range(4):
         llm = LLM(**{**kwargs, "progress": False, "device": "cuda"})
-        assert _allocated() > start + (1 << 30)  # the pool alone is far above 1 GiB at 0.3 of an H200
+        assert _allocated() > start + (1 << 30)  # at 0.3 of a data-center GPU the pool alone is far above 1 GiB
         # Token ids: the preset has no tokenizer.
         llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}, {"prompt_token_ids": [7, 8, 9]}], PARAMS,
                      use_tqdm=False)

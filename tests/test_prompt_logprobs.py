@@ -109,3 +109,26 @@ def test_prompt_logprobs_out_of_range_is_refused():
 
     with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
+def test_prompt_logprobs_on_cuda_match_transformers(tmp_path, eager):
+    """The Triton backend on CUDA (float32 weights and KV, IEEE float32 dots; async scheduling, the CUDA
+    default), chunked prefill of 32 tokens a step: the same tolerance as on CPU."""
+    config = dict(CONFIG, hidden_size=128, intermediate_size=256)  # head dim 32, the kernel's smallest
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval().float()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype="auto", block_size=16, skip_tokenizer_init=True,
+              kv_cache_memory=1 << 24, progress=False, device="cuda", enforce_eager=eager,
+              max_num_batched_tokens=32, enable_chunked_prefill=True)
+    assert {layer.backend for layer in llm.plan.layers} == {"triton_paged"}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (70, 13)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, p in zip(outs, prompts):
+        _check(out, p, _reference(model, p), 3)
+    llm.shutdown()
