@@ -203,3 +203,22 @@ def test_lm_eval_loglikelihood_request(server):
         margins = [ref[p - 1].topk(2).values.diff().abs().item() for p in range(ctxlen, len(ids))]
         if min(margins) > TOL:  # not a near-tie: the greedy flag must agree with the reference
             assert greedy == ref_greedy
+
+
+def test_second_app_in_process_with_a_slash_in_its_model_name(server):
+    """A model name with a slash (as Hugging Face ids have) is retrievable; two apps in one process keep
+    their own metrics (each series names its app's model)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with ServerThread(create_app(server.engine, served_model_name="org/tiny-model")) as other:
+        c = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0)
+        assert c.models.retrieve("org/tiny-model").id == "org/tiny-model"
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("org/other-model")
+        for srv, name in ((other, "org/tiny-model"), (server, server.engine.model_name)):
+            with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+                text = r.read().decode()
+            labels = {s.labels.get("model_name") for f in text_string_to_metric_families(text) for s in f.samples}
+            assert labels == {name}
