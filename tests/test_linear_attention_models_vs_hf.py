@@ -207,15 +207,20 @@ def test_missing_conv_weight_names_the_tensor(tmp_path):
         load_ours("qwen3-next", tmp_path)
 
 
-def test_state_layouts_match_the_plan_spec(tmp_path):
-    """The model's per-sequence state elements equal what the planner's spec counts for each state layer."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_layouts_and_layer_kinds_match_the_plan_spec(case, tmp_path):
+    """Per linear layer, the model's state elements equal the planner's; MLA / attention layers sit where the
+    spec puts its attention layers."""
     from kvforge.spec.architectures import spec_from_hf_config
 
-    _, config = make_checkpoint("qwen3-next", tmp_path)
-    ours = load_ours("qwen3-next", tmp_path)
-    spec = spec_from_hf_config(config, name="qwen3-next", source="test")
+    _, config = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    spec = spec_from_hf_config(config, name=case, source="test")
     state_layers = {x.index: x.state_elements for x in spec.layers if x.kind == "state"}
     assert state_layers == {i: lay.elements for i, lay in ours.linear_state_layouts().items()}
+    attention_kind = {"qwen3-next": "full", "kimi-linear": "mla"}[case]
+    want = ["state" if t == "linear_attention" else attention_kind for t in CASES[case][2]["layer_types"]]
+    assert [x.kind for x in spec.layers] == want
 
 
 def test_the_engine_refuses_them_before_reading_weights(tmp_path, monkeypatch):

@@ -165,8 +165,8 @@ def _gpt_oss(cfg: dict, arch: str):
     return layers, _embedding_params(cfg) + n * per_layer
 
 
-def _deepseek(cfg: dict, arch: str):
-    n = _get(cfg, "num_hidden_layers")
+def _mla_layer(cfg: dict, index: int) -> tuple[MLALayerSpec, int]:
+    """One MLA layer's spec and its attention parameter count (DeepSeek field names)."""
     heads = _get(cfg, "num_attention_heads")
     hidden = _get(cfg, "hidden_size")
     kv_lora = _get(cfg, "kv_lora_rank")
@@ -174,7 +174,6 @@ def _deepseek(cfg: dict, arch: str):
     nope = _get(cfg, "qk_nope_head_dim")
     v_dim = _get(cfg, "v_head_dim")
     q_lora = _get(cfg, "q_lora_rank", required=False)
-    layers = [MLALayerSpec(i, heads, kv_lora, rope, nope, v_dim) for i in range(n)]
     qk = nope + rope
     if q_lora:
         q_params = hidden * q_lora + q_lora + q_lora * heads * qk
@@ -182,6 +181,14 @@ def _deepseek(cfg: dict, arch: str):
         q_params = hidden * heads * qk
     attn = (q_params + hidden * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim)
             + heads * v_dim * hidden)
+    return MLALayerSpec(index, heads, kv_lora, rope, nope, v_dim), attn
+
+
+def _deepseek(cfg: dict, arch: str):
+    n = _get(cfg, "num_hidden_layers")
+    hidden = _get(cfg, "hidden_size")
+    layers = [_mla_layer(cfg, i)[0] for i in range(n)]
+    attn = _mla_layer(cfg, 0)[1]
     inter = _get(cfg, "intermediate_size")
     moe_inter = _get(cfg, "moe_intermediate_size", required=False) or inter
     routed = _get(cfg, "n_routed_experts", required=False, minimum=0) or 0
@@ -237,6 +244,51 @@ def _qwen3_next(cfg: dict, arch: str):
     return layers, total
 
 
+def _kimi_linear(cfg: dict, arch: str):
+    """KDA layers (a per-sequence state) and MLA layers (a latent cache); saved or hub config keys."""
+    n = _get(cfg, "num_hidden_layers")
+    hidden = _get(cfg, "hidden_size")
+    lin = cfg.get("linear_attn_config") or {}
+    head_dim = _get(dict(lin, **cfg), "linear_head_dim", default=lin.get("head_dim", 128))
+    num_heads = _get(dict(lin, **cfg), "linear_num_heads", default=lin.get("num_heads", 32))
+    conv = _get(dict(lin, **cfg), "linear_conv_kernel_dim", default=lin.get("short_conv_kernel_size", 4))
+    if conv < 2:
+        raise ConfigError(f"the short conv kernel size must be >= 2, got {conv}")
+    if cfg.get("layer_types") is None and "full_attn_layers" in lin:
+        full = {int(i) - 1 for i in lin["full_attn_layers"]}  # 1-indexed in the checkpoint config
+        types = ["full_attention" if i in full else "linear_attention" for i in range(n)]
+    else:
+        types = _layer_types(cfg, n, lambda i: "full_attention" if i and i % 4 == 0 else "linear_attention")
+    width = num_heads * head_dim
+    # KDA state per sequence: the recurrent state (heads x head_dim x head_dim) plus the causal-conv
+    # history of q, k and v ((conv - 1) x 3 * width).
+    state = num_heads * head_dim * head_dim + (conv - 1) * 3 * width
+    kda_params = (3 * hidden * width + 3 * width * conv + hidden * head_dim + head_dim * width + width + num_heads
+                  + hidden * num_heads + hidden * head_dim + head_dim * width + head_dim + width * hidden)
+    dtype = _model_dtype(cfg)
+    inter = _get(cfg, "intermediate_size")
+    moe_inter = _get(cfg, "moe_intermediate_size", required=False) or inter
+    routed = next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if cfg.get(k)), 0)
+    shared = next((cfg[k] for k in ("num_shared_experts", "n_shared_experts") if cfg.get(k)), 0)
+    mlp_types = cfg.get("mlp_layer_types") or [
+        "dense" if i < _get(cfg, "first_k_dense_replace", default=1, minimum=0) else "sparse" for i in range(n)]
+    layers: list[LayerSpec] = []
+    total = _embedding_params(cfg)
+    for i, t in enumerate(types):
+        if t == "linear_attention":
+            layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype))
+            attn = kda_params
+        else:
+            layer, attn = _mla_layer(cfg, i)
+            layers.append(layer)
+        if mlp_types[i] == "sparse":
+            mlp = (routed + shared) * 3 * hidden * moe_inter + hidden * routed + routed
+        else:
+            mlp = 3 * hidden * inter
+        total += attn + mlp + 2 * hidden
+    return layers, total
+
+
 def _csa_ring(cfg: dict, arch: str):
     layers, params = _dense_llama(cfg, arch)
     rows = _get(cfg, "ring_rows", default=7)
@@ -257,6 +309,7 @@ _BUILDERS: dict[str, Callable] = {
     "DeepseekV2ForCausalLM": _deepseek,
     "DeepseekV3ForCausalLM": _deepseek,
     "Qwen3NextForCausalLM": _qwen3_next,
+    "KimiLinearForCausalLM": _kimi_linear,
     "CsaRingTestForCausalLM": _csa_ring,
 }
 

@@ -88,6 +88,18 @@ PRESETS: dict[str, dict] = {
         "linear_conv_kernel_dim": 4, "vocab_size": 151936, "max_position_embeddings": 262144,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     },
+    "kimi-linear-48b-a3b": {
+        "architectures": ["KimiLinearForCausalLM"], "hidden_size": 2304, "num_hidden_layers": 27,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512, "q_lora_rank": None,
+        "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 9216,
+        "moe_intermediate_size": 1024, "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1,
+        "first_k_dense_replace": 1, "linear_attn_config": {
+            "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]},
+        "vocab_size": 163840, "max_position_embeddings": 1048576, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
     "csa-ring-test": {
         "architectures": ["CsaRingTestForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 4,
         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 192, "intermediate_size": 2048,

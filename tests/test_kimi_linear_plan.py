@@ -1,0 +1,38 @@
+"""The Kimi-Linear spec and plan: KDA state layers plus MLA latent layers, hand-computed from the preset."""
+
+import pytest
+
+from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.resolver import resolve
+from kvforge.spec.architectures import spec_from_hf_config
+from kvforge.spec.presets import PRESETS
+
+NAME = "kimi-linear-48b-a3b"
+
+
+def plan(kv, **cache):
+    spec = spec_from_hf_config(dict(PRESETS[NAME]), name=NAME, source="test")
+    return resolve(spec, CacheConfig(kv_cache_dtype=kv, **cache), ParallelConfig(1))
+
+
+def test_layers_follow_the_one_indexed_full_attention_list():
+    p = plan("bf16")
+    mla = [x.index for x in p.layers if x.kind == "mla"]
+    assert mla == [3, 7, 11, 15, 19, 23, 26]  # full_attn_layers [4, 8, ..., 24, 27] counted from 1
+    assert sum(x.kind == "state" for x in p.layers) == 20
+
+
+def test_fp8_latent_cache_gain_below_2x_exact():
+    L, mem = 32768, 40 * 2**30
+    p8 = plan("fp8", kv_cache_memory=mem, max_model_len=L)
+    p16 = plan("bf16", kv_cache_memory=mem, max_model_len=L)
+    # 7 MLA layers x (kv_lora_rank 512 + rope 64) elements per token
+    b16 = 7 * 576 * 2
+    assert p16.bytes_per_token == b16 and p8.bytes_per_token == b16 // 2
+    # 20 KDA layers; state = 32 heads x 128 x 128 + (4 - 1) x 3 x 32 x 128 (conv history of q, k, v), bf16
+    state = 20 * (32 * 128 * 128 + 3 * 3 * 32 * 128) * 2
+    assert p8.state_bytes_per_sequence == p16.state_bytes_per_sequence == state == 22446080
+    exact = (state + L * b16) / (state + L * b16 / 2)
+    assert p8.max_concurrency / p16.max_concurrency == pytest.approx(exact, rel=1e-6)
+    assert 1 < exact < 2
+    assert all(x.kv_dtype == "bfloat16" for x in p8.layers if x.kind == "state")  # the state is not quantized
