@@ -4,7 +4,8 @@ Checkpoints store them per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight`
 or fused over experts (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``,
 what transformers 5 writes). :class:`StackedExpertsCheckpoint` is the
 :class:`~kvforge.models.decoder.DecoderForCausalLM` mixin that maps both onto the stacked
-parameters (the layout of :class:`kvforge.models.deepseek.MoE`).
+parameters (the layout of :class:`kvforge.models.deepseek.MoE`), and says whether decode steps can be
+captured in a CUDA graph (DeepSeek's rule for that MoE module).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import torch
 
 from kvforge.models.decoder import copy_checked
+from kvforge.models.deepseek import DeepseekV2ForCausalLM
 
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
@@ -21,6 +23,11 @@ _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_pr
 
 class StackedExpertsCheckpoint:
     """``checkpoint_names`` / ``load_checkpoint_tensor`` for stacked routed experts; the rest by the base class."""
+
+    @property
+    def cuda_graph_unsupported_reason(self) -> str | None:
+        """DeepSeek's rule, for the same MoE module: decode is capturable where ``torch._grouped_mm`` works."""
+        return DeepseekV2ForCausalLM.cuda_graph_unsupported_reason.fget(self)
 
     def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
         if name.endswith(".experts_gate_up"):
