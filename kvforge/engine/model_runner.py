@@ -301,8 +301,13 @@ class ModelRunner:
         kv = self._layer_kv[layer]
         if kv is None:
             pool = self.pool
+            sinks_of = getattr(self.model, "attention_sinks", None)
+            sinks = sinks_of(layer) if sinks_of is not None else None
+            if sinks is not None and not self.backends[layer].declaration.sinks:
+                raise ConfigError(f"layer {layer} has attention sinks but its planned backend "
+                                  f"{self.backends[layer].name} does not declare them")
             kv = LayerKV(pool.kv_caches[layer], pool.k_scales[layer], pool.v_scales[layer], self.windows[layer],
-                         self.query_dtypes[layer])
+                         self.query_dtypes[layer], sinks)
             self._layer_kv[layer] = kv
         return kv
 

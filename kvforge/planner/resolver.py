@@ -362,6 +362,12 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}",
                              sinks=getattr(ls, "sinks", False))
         layers.append(_Layer(ls, ls.kind, heads_rank, kv_rank, head_size, layer_kv, token_bytes, state_bytes, decl))
+    uncut = [ls.index for ls in spec.layers if getattr(ls, "sliding_window", None) and ls.sliding_window >= max_len]
+    if uncut:
+        window = max(spec.layers[i].sliding_window for i in uncut)
+        warnings.append(f"sliding window {window} >= --max-model-len {max_len} (layers {_ranges(uncut)}): the window "
+                        f"never cuts, so these layers keep every token like full layers (capacity counts "
+                        f"{max_len} tokens for each)")
     for ls in spec.layers:
         if isinstance(ls, AttentionLayerSpec) and ls.num_kv_heads < tp:
             warnings.append(f"num_key_value_heads {ls.num_kv_heads} < tensor-parallel-size {tp}: each rank holds "

@@ -48,14 +48,15 @@ class BackendOptions:
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's cache as a backend sees it: the cache view, the fp8 scales (float32 ``[num_kv_heads]``;
-    MLA: one per-tensor value), the sliding window (None: unbounded) and the plan's query dtype (None: the
-    model dtype)."""
+    MLA: one per-tensor value), the sliding window (None: unbounded), the plan's query dtype (None: the
+    model dtype) and the attention sinks (only on backends that declare them)."""
 
     cache: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     window: int | None = None
     query_dtype: str | None = None
+    sinks: torch.Tensor | None = None  # one logit per query head of this rank (attention sinks), or None
 
 
 class AttentionBackend(ABC):

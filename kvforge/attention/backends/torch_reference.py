@@ -19,4 +19,4 @@ class TorchReferenceBackend(AttentionBackend):
 
     def attend(self, kv, meta, q, *, num_splits=None):
         return reference.paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale,
-                                         kv.window)
+                                         kv.window, sinks=kv.sinks)
