@@ -153,6 +153,38 @@ def test_conv1d_decode_steps_match_float64_and_shift_the_state():
         assert torch.equal(dev_states[s].cpu(), before[s])
 
 
+def test_conv1d_prefill_matches_float64_and_leaves_each_slot_its_last_inputs():
+    _check_conv1d_prefill(70, [1, 2, 9, 3, 4], [4, 1, -1, 0, 5], [True, True, True, False, True])
+
+
+@gpu_only
+def test_gpu_conv1d_prefill_at_model_width():
+    _check_conv1d_prefill(8192, [1, 300, 2, 17, 64], [3, 0, 5, 1, 2], [True, False, True, True, False])
+
+
+def _check_conv1d_prefill(d, lens, slots, init):
+    gen = torch.Generator().manual_seed(3)
+    width, num_slots = 4, 6
+    weight, bias = torch.randn(d, width, generator=gen), torch.randn(d, generator=gen)
+    states = torch.randn(num_slots, width - 1, d, generator=gen)
+    x = torch.randn(sum(lens), d, generator=gen)
+    dev_states = states.clone().to(DEVICE)  # a copy also on CPU: `states` keeps the values before
+    qsl = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    out = conv_kernels.conv1d_prefill(
+        x.to(DEVICE), dev_states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+        torch.tensor(qsl, dtype=torch.int32, device=DEVICE), weight.to(DEVICE), bias.to(DEVICE),
+        has_initial_state=torch.tensor(init, device=DEVICE))
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        hist = states[slot] if init[i] else torch.zeros(width - 1, d)
+        a, b = qsl[i], qsl[i + 1]
+        assert rel_err(out[a:b].cpu(), conv_float64(x[a:b], weight, bias, hist)) < 1e-5, i
+        assert torch.equal(dev_states[slot].cpu(), torch.cat([hist, x[a:b]])[-(width - 1):])  # copies: exact
+    for s in (2, 3):
+        assert torch.equal(dev_states[s].cpu(), states[s])
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatch):
     """LinearStates dispatches to the kernels (prefill and decode steps, slots, fresh sequences) and gets

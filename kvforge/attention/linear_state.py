@@ -13,7 +13,7 @@ runner's ``attn`` object); both read each sequence's state from its slot and wri
 the step's tokens back in place, so a prompt cut into chunks across steps gives the state of one
 chunk. On CUDA with Triton (devices in ``KERNEL_DEVICES``): decode-only steps run the slot kernels
 (kvforge/kernels/triton_gated_delta_rule.py, triton_causal_conv1d.py: no host sync), prefill steps
-the delta-rule prefill kernel and the PyTorch conv per sequence; elsewhere the PyTorch reference
+the prefill kernels; elsewhere the PyTorch reference
 (kvforge/attention/gated_delta_rule.py, causal_conv1d.py) per sequence, from the host copies of
 the batch.
 """
@@ -136,11 +136,14 @@ class LinearStates:
                    activation: str | None = "silu") -> torch.Tensor:
         """The causal conv of ``x [T, D]`` (``weight [D, W]``) continuing each sequence's conv state."""
         b, states = self._batch(), self.conv[layer]
-        if b.max_query_len == 1 and _use_kernels(x):
-            from kvforge.kernels.triton_causal_conv1d import conv1d_decode
+        if _use_kernels(x):
+            from kvforge.kernels.triton_causal_conv1d import conv1d_decode, conv1d_prefill
 
-            return conv1d_decode(x, states, b.slot_ids, weight, bias, activation,
-                                 has_initial_state=b.has_initial_state)
+            if b.max_query_len == 1:
+                return conv1d_decode(x, states, b.slot_ids, weight, bias, activation,
+                                     has_initial_state=b.has_initial_state)
+            return conv1d_prefill(x, states, b.slot_ids, b.query_start_loc, weight, bias, activation,
+                                  has_initial_state=b.has_initial_state)
         out = torch.zeros_like(x)
         for _, start, end, slot, has_state in b.spans():
             o, s = causal_conv1d.causal_conv1d(x[start:end], weight, bias, states[slot] if has_state else None,
