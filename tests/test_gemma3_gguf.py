@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from greedy_agreement import assert_greedy_agrees, top2_margins
 
 from kvforge.errors import ConfigError
 
@@ -130,6 +131,28 @@ def test_gemma3_270m_matches_stored_transformers_reference(ours):
     _check_against(ref, model, tok)
 
 
+@needs_gemma
+@pytest.mark.slow
+def test_gemma3_270m_engine_greedy_matches_transformers(gguf_file):
+    """``LLM(gguf)`` (KV pool with a sliding and a full group, prefill chunks of 256 tokens, the three
+    prompts batched) follows transformers' greedy tokens until a near-tie of its logits (LOGIT_BOUND)."""
+    from kvforge import LLM, SamplingParams
+
+    ref = json.loads(REFERENCE.read_text())
+    with LLM(str(gguf_file), dtype="float32", device="cpu", max_model_len=4096, max_num_batched_tokens=256,
+             kv_cache_memory=1 << 28, progress=False) as llm:
+        assert sorted({g.kind for g in llm.plan.groups}) == ["full", "sliding"]
+        outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in ref["prompts"]],
+                            SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+        text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
+                            use_tqdm=False)[0].outputs[0].text
+    for case, out in zip(ref["prompts"], outs):
+        assert_greedy_agrees(out.outputs[0].token_ids, case["greedy"], case["greedy_margins"], LOGIT_BOUND,
+                             what=case["prompt"][:30])
+    assert text.strip()  # the GGUF tokenizer detokenizes the engine's tokens
+
+
 def _transformers_reference(gguf_file: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,12 +163,14 @@ def _transformers_reference(gguf_file: Path) -> dict:
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                              min_new_tokens=MAX_NEW_TOKENS)[0, len(ids):].tolist()
+            run = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
+            gen = run.sequences[0, len(ids):].tolist()
             logits = hf(input_ids=torch.tensor([ids + gen])).logits[0].float()
         rows = _rows(len(ids) + len(gen))
         top = logits[rows].topk(5, dim=-1)
-        out["prompts"].append({"prompt": prompt, "prompt_ids": ids, "greedy": gen, "rows": rows,
+        out["prompts"].append({"prompt": prompt, "prompt_ids": ids, "greedy": gen,
+                               "greedy_margins": top2_margins(torch.cat(run.logits)), "rows": rows,
                                "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()})
     return out
 
@@ -161,6 +186,7 @@ def test_stored_reference_is_what_transformers_produces(gguf_file):
         assert (a["prompt_ids"], a["greedy"], a["rows"], a["top_ids"]) == (
             b["prompt_ids"], b["greedy"], b["rows"], b["top_ids"])
         assert np.allclose(a["top_logits"], b["top_logits"], atol=1e-4)
+        assert np.allclose(a["greedy_margins"], b["greedy_margins"], atol=1e-4)
 
 
 # ---------------------------------------------------------------------------

@@ -129,3 +129,35 @@ def test_gemma3_attention_softcapping_refused_before_weights(tmp_path):
     cfg["attn_logit_softcapping"] = 50.0
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         build_model(cfg, torch.float32, "meta")
+
+
+def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint: the plan and the model use text_config, the
+    language-model tensors load by their text names, vision tensors are skipped; text-only logits
+    equal the multimodal transformers model's."""
+    from hybrid_checkpoints import GEMMA3
+
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    # Released Gemma 3 checkpoints have no final soft-capping (and transformers' multimodal class would not
+    # apply it); it is tested on the text model above.
+    text = transformers.Gemma3TextConfig(**{**GEMMA3, "final_logit_softcapping": None})
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(4)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((0.2 if "norm" in name else 0.08) * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = load_config(tmp_path)
+    assert cfg["architectures"] == ["Gemma3ForConditionalGeneration"]
+    spec = spec_from_hf_config(cfg, name="mm", source="test")
+    assert spec.architecture == "Gemma3ForCausalLM"
+    assert [layer.sliding_window for layer in spec.layers] == [WINDOW, WINDOW, None, WINDOW]
+    ours = build_model(cfg, torch.float32, "cpu")
+    load_weights(ours, tmp_path, "auto", progress=False)
+    seq = _sequences(0)[0]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([seq])).logits[0].float()
+    got = run_steps(ours, PagedReferenceAttention(ours), [[(0, seq[:30])], [(0, seq[30:])]])
+    assert _worst(torch.cat(got), ref) <= REL_TOL
