@@ -11,7 +11,7 @@
   initial state (its slot holds random junk, which must not leak in).
 
 ``step(seq_ids, query_lens)`` declares the next forward's batch and returns its positions;
-``free(seq_id)`` drops a sequence (its slot goes back to the free list, its blocks are kept).
+``preempt(seq_id)`` drops a sequence (its slot goes back to the free list, its blocks are kept).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class StateSlotAttention(PagedReferenceAttention):
         self.states.set_batch(SlotBatch.build(query_lens, [self.slot_of[s] for s in seq_ids], has_state, "cpu"))
         return positions
 
-    def free(self, seq_id: int) -> None:
+    def preempt(self, seq_id: int) -> None:
         self.free_slots.append(self.slot_of.pop(seq_id))
         self.lens.pop(seq_id, None)
         self.tables.pop(seq_id, None)

@@ -264,3 +264,20 @@ def test_triton_kernels_in_the_model_match_transformers(case, tmp_path, monkeypa
     for j in range(2):
         worst = max(worst, _worst(got[j + 1][0], ref[0][11 + j]), _worst(got[j + 1][1], ref[1][4 + j]))
     assert worst <= REL_TOL, f"{case}: relative max error {worst:.3g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_preempted_sequence_recomputes_its_state_in_a_reused_slot(case, tmp_path):
+    """Preemption drops a sequence's slot; its recompute (prompt + generated tokens as one new prefill) lands
+    in a slot another sequence has just written, and must start from zeros, not from that slot."""
+    hf, _ = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path)
+    a, b = _sequences(6)
+    ref_a = _hf_logits(hf, [a[:30]])[0]
+    attn = StateSlotAttention(ours, num_slots=2)
+    run_steps(ours, attn, [[(0, a[:20]), (1, b[:10])], [(0, a[20:21]), (1, b[10:11])]])
+    attn.preempt(0)  # preempted: its slot goes back, sequence 2 takes it and writes its state there
+    run_steps(ours, attn, [[(2, b[:5]), (1, b[11:12])]])
+    attn.preempt(2)
+    got = run_steps(ours, attn, [[(0, a[:29]), (1, b[12:13])], [(0, a[29:30])]])
+    assert _worst(got[0][:29], ref_a[:29]) <= REL_TOL and _worst(got[1][0], ref_a[29]) <= REL_TOL
