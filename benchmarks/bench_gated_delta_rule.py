@@ -1,0 +1,93 @@
+"""Gated delta rule kernels on a CUDA GPU: decode over state slots against the bandwidth floor, and prefill.
+
+Rerun on any CUDA GPU:
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_gated_delta_rule.py [--quick] [--batches 1,8,64,256]
+
+Shapes: Qwen3-Next's Gated DeltaNet layer (16 key heads, 32 value heads, K = V = 128; per-head
+gates) and Kimi-Linear's KDA layer (32 heads, K = V = 128; per-channel gates); float32 states,
+bf16 inputs. Decode: one token per sequence, the slots a random subset of ``2 * batch`` slots, each
+call captured in a CUDA graph and timed by triton.testing.do_bench (median). Bytes counted: each
+sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
+= that at the device-to-device copy bandwidth measured in the same run over the median time.
+Prefill: one sequence of 4096 tokens and 16 of 256 (eager; chunk 16), tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from triton.testing import do_bench  # noqa: E402
+
+from kvforge.kernels.triton_gated_delta_rule import decode, prefill  # noqa: E402
+
+LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
+
+
+def timed(fn, graph: bool) -> float:
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return do_bench(fn, warmup=10, rep=50, quantiles=[0.5])[0] * 1e-3
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), graph=False)
+
+
+def inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, per_channel: bool):
+    dev, bf = "cuda", torch.bfloat16
+    q = torch.randn(tokens, hk, dk, device=dev, dtype=bf)
+    k = torch.randn(tokens, hk, dk, device=dev, dtype=bf)
+    v = torch.randn(tokens, hv, dv, device=dev, dtype=bf)
+    g = -torch.rand((tokens, hv, dk) if per_channel else (tokens, hv), device=dev)
+    beta = torch.rand(tokens, hv, device=dev)
+    return q, k, v, g, beta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--quick", action="store_true", help="decode batches 1 and 64 only, no prefill")
+    args = parser.parse_args()
+    batches = [1, 64] if args.quick else [int(b) for b in args.batches.split(",")]
+    peak = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:.0f} GB/s")
+    for name, (hk, hv, dk, dv, per_channel) in LAYERS.items():
+        for batch in batches:
+            q, k, v, g, beta = inputs(batch, hk, hv, dk, dv, per_channel)
+            states = torch.zeros(2 * batch, hv, dk, dv, device="cuda")
+            slots = torch.randperm(2 * batch, device="cuda")[:batch].to(torch.int32)
+            seconds = timed(functools.partial(decode, q, k, v, g, beta, states, slots, normalize_qk=True), graph=True)
+            nbytes = batch * (2 * hv * dk * dv * 4 + sum(x[0].numel() * x.element_size() for x in (q, k, v, g, beta))
+                              + hv * dv * 2)
+            print(f"decode {name:12s} batch {batch:4d}: {seconds * 1e6:8.1f} us  "
+                  f"{nbytes / seconds / 1e9:7.0f} GB/s  {100 * nbytes / seconds / peak:5.1f} %floor")
+        if args.quick:
+            continue
+        for seqs, length in ((1, 4096), (16, 256)):
+            q, k, v, g, beta = inputs(seqs * length, hk, hv, dk, dv, per_channel)
+            states = torch.zeros(seqs, hv, dk, dv, device="cuda")
+            slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
+            qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
+            run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True)
+            seconds = timed(run, graph=False)
+            print(f"prefill {name:12s} {seqs:3d} x {length:5d}: {seconds * 1e3:8.2f} ms  "
+                  f"{seqs * length / seconds / 1e3:8.0f} k tokens/s")
+
+
+if __name__ == "__main__":
+    main()
