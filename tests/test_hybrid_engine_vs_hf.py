@@ -85,3 +85,33 @@ def test_max_model_len_below_the_window_is_stated_and_runs_like_full_attention(t
     with torch.no_grad():
         tol = 1e-4 * max(1.0, hf(torch.tensor([prompt + want[:6]])).logits.abs().max().item())
     assert_greedy_agrees(got, want[:6], margins, tol, what="max-model-len 12")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
+def test_engine_matches_transformers_on_cuda(family, eager, tmp_path, engines):
+    """float32 on CUDA: Gemma 3 routes to the Triton paged kernels (windows; CUDA graphs where asked),
+    gpt-oss to the reference backend (the only one declaring sinks; eager). Greedy tokens follow
+    transformers' float32 greedy on CUDA until a near-tie within 1e-4 * max |logit|."""
+    hf, _ = make_checkpoint(family, tmp_path)
+    hf = hf.cuda()
+    llm = engines(tmp_path, device="cuda", enforce_eager=eager)
+    backends = {layer.backend for layer in llm.plan.layers}
+    assert backends == ({"triton_paged"} if family == "gemma3" else {"torch_reference"})
+    if family == "gemma3" and not eager:
+        assert llm.engine.runner.graphs is not None
+    prompts = _prompts()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]], device="cuda")).logits[0].float().cpu()
+    tol = 1e-4 * max(1.0, ref.abs().max().item())
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for k, (p, out) in enumerate(zip(prompts, outs)):
+        with torch.no_grad():
+            run = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                              return_dict_in_generate=True)
+        want = run.sequences[0, len(p):].tolist()
+        assert_greedy_agrees(out.outputs[0].token_ids, want, top2_margins(torch.cat(run.logits).cpu()), tol,
+                             what=f"{family} cuda prompt {k}")

@@ -200,7 +200,9 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         emb = self.model.embed_tokens
-        h = emb(input_ids) * torch.tensor(self.embed_scale, dtype=emb.weight.dtype, device=emb.weight.device)
+        # sqrt(hidden) rounded to the weight dtype first, as transformers does; a Python number, so the step
+        # copies nothing to the device (CUDA-graph capture forbids that).
+        h = emb(input_ids) * float(torch.tensor(self.embed_scale, dtype=emb.weight.dtype))
         rotaries = self.model.rotary
         ropes = {t: r.cos_sin(positions, h.dtype) for t, r in rotaries.items()}
         for layer in self.model.layers:

@@ -276,6 +276,11 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def sliding_window(self, layer_idx: int) -> int | None:
         return self.args.windows[layer_idx]
 
+    @property
+    def cuda_graph_unsupported_reason(self) -> str | None:
+        """Decode steps cannot be captured: the experts loop reads per-expert token counts on the host."""
+        return "the MoE layers loop over experts with host-side token counts"
+
     def attention_sinks(self, layer_idx: int) -> torch.Tensor:
         """The sink logits ``[num_heads on this rank]`` of layer ``layer_idx``."""
         return self.model.layers[layer_idx].self_attn.sinks
