@@ -10,12 +10,15 @@
   from a shuffled free list (so slot lookups are exercised); a sequence's first chunk has no
   initial state (its slot holds random junk, which must not leak in).
 
-``step(seq_ids, query_lens)`` declares the next forward's batch and returns its positions;
+``device``: where the caches, states and step metadata live (the model's device; on CUDA the state
+operations run the Triton kernels). ``step(seq_ids, query_lens)`` declares the next forward's batch
+and returns its positions;
 ``preempt(seq_id)`` drops a sequence (its slot goes back to the free list, its blocks are kept).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -26,10 +29,11 @@ from kvforge.attention.mla_reference import mla_attention, write_mla_cache
 
 
 class StateSlotAttention(PagedReferenceAttention):
-    def __init__(self, model, *, num_slots: int = 8, seed: int = 0, **kw):
+    def __init__(self, model, *, num_slots: int = 8, seed: int = 0, device="cpu", **kw):
         super().__init__(model, seed=seed, num_kv_heads=getattr(model, "num_kv_heads", 1), **kw)
+        self.device = torch.device(device)
         gen = torch.Generator().manual_seed(seed + 1)
-        self.states = LinearStates.allocate(model.linear_state_layouts(), num_slots, torch.float32, "cpu")
+        self.states = LinearStates.allocate(model.linear_state_layouts(), num_slots, torch.float32, self.device)
         for t in [*self.states.conv.values(), *self.states.recurrent.values()]:
             t.copy_(torch.randn(t.shape, generator=gen))  # junk a fresh sequence must not read
         self.free_slots = torch.randperm(num_slots, generator=gen).tolist()
@@ -42,8 +46,18 @@ class StateSlotAttention(PagedReferenceAttention):
             if s not in self.slot_of:
                 self.slot_of[s] = self.free_slots.pop()
         positions = super().step(seq_ids, query_lens)
-        self.states.set_batch(SlotBatch.build(query_lens, [self.slot_of[s] for s in seq_ids], has_state, "cpu"))
-        return positions
+        meta = self.meta
+        self.meta = dataclasses.replace(
+            meta, query_start_loc=meta.query_start_loc.to(self.device), seq_lens=meta.seq_lens.to(self.device),
+            block_tables=meta.block_tables.to(self.device), slot_mapping=meta.slot_mapping.to(self.device))
+        self.states.set_batch(SlotBatch.build(query_lens, [self.slot_of[s] for s in seq_ids], has_state, self.device))
+        return positions.to(self.device)
+
+    def __call__(self, layer, q, k, v):
+        if layer not in self.caches:
+            self.caches[layer] = torch.zeros(self.num_blocks, 2, self.hkv, self.block_size, k.shape[-1], dtype=k.dtype,
+                                             device=k.device)
+        return super().__call__(layer, q, k, v)
 
     def preempt(self, seq_id: int) -> None:
         self.free_slots.append(self.slot_of.pop(seq_id))
@@ -61,6 +75,17 @@ class StateSlotAttention(PagedReferenceAttention):
         if cache is None:
             width = latent.shape[-1] + k_rope.shape[-1]
             cache = self.latent_caches[layer] = torch.zeros(self.num_blocks, self.block_size, width,
-                                                            dtype=latent.dtype)
+                                                            dtype=latent.dtype, device=latent.device)
         write_mla_cache(latent, k_rope, cache, self.meta.slot_mapping)
         return mla_attention(q_nope, q_rope, cache, self.meta, None, self.model.softmax_scale, w_uk, w_uv)
+
+
+@torch.no_grad()
+def run_steps_on_device(model, attn: StateSlotAttention, steps) -> list[torch.Tensor]:
+    """``run_steps`` with the token ids on ``attn.device``; logits come back to the CPU."""
+    out = []
+    for batch in steps:
+        ids = torch.tensor([t for _, toks in batch for t in toks], dtype=torch.long, device=attn.device)
+        pos = attn.step([s for s, _ in batch], [len(toks) for _, toks in batch])
+        out.append(model.compute_logits(model(ids, pos, attn)).cpu())
+    return out

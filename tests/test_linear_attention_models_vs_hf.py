@@ -281,3 +281,27 @@ def test_a_preempted_sequence_recomputes_its_state_in_a_reused_slot(case, tmp_pa
     attn.preempt(2)
     got = run_steps(ours, attn, [[(0, a[:29]), (1, b[12:13])], [(0, a[29:30])]])
     assert _worst(got[0][:29], ref_a[:29]) <= REL_TOL and _worst(got[1][0], ref_a[29]) <= REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_float32_logits_and_greedy_match_transformers(case, tmp_path):
+    """On CUDA (the state operations on the Triton kernels, MoE as grouped GEMMs where they work): prefill of
+    two prompts together, then decode steps, float32, against transformers' CPU forward."""
+    from state_slot_reference import run_steps_on_device
+
+    hf, _ = make_checkpoint(case, tmp_path)
+    ours = load_ours(case, tmp_path).to("cuda")
+    seqs = _sequences(DECODE_STEPS)
+    ref = _hf_logits(hf, seqs)
+    p0, p1 = PROMPT_LENS
+    steps = [[(0, seqs[0][:p0]), (1, seqs[1][:p1])]]
+    steps += [[(0, [seqs[0][p0 + j]]), (1, [seqs[1][p1 + j]])] for j in range(DECODE_STEPS)]
+    got = run_steps_on_device(ours, StateSlotAttention(ours, device="cuda"), steps)
+    worst = max(_worst(got[0][:p0], ref[0][:p0]), _worst(got[0][p0:], ref[1][:p1]))
+    for j in range(DECODE_STEPS):
+        worst = max(worst, _worst(got[j + 1][0], ref[0][p0 + j]), _worst(got[j + 1][1], ref[1][p1 + j]))
+    assert worst <= REL_TOL, f"{case}: relative max error {worst:.3g}"
+    assert [int(x.argmax()) for x in got[0][[p0 - 1, p0 + p1 - 1]]] == [int(ref[0][p0 - 1].argmax()),
+                                                                        int(ref[1][p1 - 1].argmax())]
