@@ -11,7 +11,8 @@ Checks: the linear-attention layers alone against transformers' layers (same wei
 then a continuation with transformers' cache); two prompts of different lengths prefilled together
 then decoded together, each logit row against transformers' forward of the whole sequence; one
 prompt prefilled in chunks across steps (so states are carried through slots); greedy tokens of
-a batch of prompts of different lengths against transformers' ``generate``. Bound:
+a batch of prompts of different lengths against transformers' ``generate`` (near-tie rule of
+tests/greedy_agreement.py); a preempted sequence recomputed in a reused slot. Bound:
 max |ours - hf| <= 1e-4 * max(1, max |hf|) (float32 on both sides; the delta rule's chunked and
 recurrent forms differ from transformers' only in summation order, tests/test_gated_delta_rule.py).
 """
@@ -25,6 +26,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from greedy_agreement import assert_greedy_agrees, top2_margins  # noqa: E402
 from paged_reference import run_steps  # noqa: E402
 from state_slot_reference import StateSlotAttention  # noqa: E402
 
@@ -156,10 +158,15 @@ def test_greedy_batch_of_different_lengths_equals_transformers_generate(case, tm
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 19, 1)]
     new = 6
-    want = []
+    want, margins, tols = [], [], []
     for p in prompts:
-        out = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+        with torch.no_grad():
+            run = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        logits = torch.cat(run.logits)
+        want.append(run.sequences[0, len(p):].tolist())
+        margins.append(top2_margins(logits))
+        tols.append(REL_TOL * max(1.0, logits.abs().max().item()))
     attn = StateSlotAttention(ours)
     got = [[] for _ in prompts]
     feed = {i: p for i, p in enumerate(prompts)}
@@ -172,7 +179,8 @@ def test_greedy_batch_of_different_lengths_equals_transformers_generate(case, tm
             for i, tok in zip(list(feed), logits[ends].argmax(-1).tolist()):
                 got[i].append(tok)
                 feed[i] = [tok]
-    assert got == want
+    for i in range(len(prompts)):  # near-tie rule (tests/greedy_agreement.py) at this file's logit tolerance
+        assert_greedy_agrees(got[i], want[i], margins[i], tols[i], what=f"prompt {i}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -286,7 +294,7 @@ def test_a_preempted_sequence_recomputes_its_state_in_a_reused_slot(case, tmp_pa
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_float32_logits_and_greedy_match_transformers(case, tmp_path):
+def test_gpu_float32_logits_match_transformers(case, tmp_path):
     """On CUDA (the state operations on the Triton kernels, MoE as grouped GEMMs where they work): prefill of
     two prompts together, then decode steps, float32, against transformers' CPU forward."""
     from state_slot_reference import run_steps_on_device
@@ -303,5 +311,3 @@ def test_gpu_float32_logits_and_greedy_match_transformers(case, tmp_path):
     for j in range(DECODE_STEPS):
         worst = max(worst, _worst(got[j + 1][0], ref[0][p0 + j]), _worst(got[j + 1][1], ref[1][p1 + j]))
     assert worst <= REL_TOL, f"{case}: relative max error {worst:.3g}"
-    assert [int(x.argmax()) for x in got[0][[p0 - 1, p0 + p1 - 1]]] == [int(ref[0][p0 - 1].argmax()),
-                                                                        int(ref[1][p1 - 1].argmax())]
