@@ -14,9 +14,10 @@ and tokenizer), so the comparison runs in two layers, as for SmolLM2
   chunks, so window edges fall inside and between chunks.
 * ``slow``: the stored reference is checked against transformers live.
 
-Teacher-forced bound: at the stored rows, |ours - transformers| <= 2e-3 at the
-top-5 transformers logits (logits reach ~30; both run float32 on the same
-dequantized weights, the difference is summation order).
+Teacher-forced bound: at the stored rows, |ours - transformers| <= 5e-4 at the
+top-5 transformers logits (logits reach ~32; both run float32 on the same
+dequantized weights, the difference is summation order: measured 3.4e-5 at
+most, on the 1848-token prompt).
 
 Separately (no real weights): a Q4_K GGUF whose last tensor is cut short fails
 with one error naming the tensor, before any weight is read.
@@ -37,7 +38,7 @@ from kvforge.errors import ConfigError
 
 REFERENCE = Path(__file__).parent / "data" / "gemma3_270m_transformers.json"
 MAX_NEW_TOKENS = 16
-LOGIT_BOUND = 2e-3
+LOGIT_BOUND = 5e-4
 ROW_STRIDE = 97
 CHUNK = 300
 _ANIMALS = ["fox", "heron", "otter", "badger", "falcon", "lynx", "beaver"]
