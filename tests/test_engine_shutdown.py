@@ -131,9 +131,9 @@ def _allocated() -> int:
 @pytest.mark.parametrize("kwargs", [
     # The ring test preset (dummy weights, rings: eager decode).
     dict(model="csa-ring-test", load_format="dummy", gpu_memory_utilization=0.3),
-    # The embedded SmolLM2 with decode CUDA graphs captured.
-    dict(model=None, gpu_memory_utilization=0.3, max_model_len=1024),
-], ids=["ring_preset", "smollm2_cuda_graphs"])
+    # Llama-3.1-8B's shapes (dummy weights) with decode CUDA graphs captured.
+    dict(model="llama-3.1-8b", load_format="dummy", gpu_memory_utilization=0.3, max_model_len=1024),
+], ids=["ring_preset", "llama_8b_dummy_cuda_graphs"])
 def test_engines_give_device_memory_back(kwargs):
     """Four engines one after another: after each ``shutdown()`` (caller's references still alive),
     ``memory_allocated`` is back at its starting value. The first engine may leave the process's
