@@ -10,6 +10,7 @@ long prefill queries, so both the batched and the per-sequence paths run).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -122,12 +123,20 @@ def test_sinks_shape_checked():
 def test_planner_never_routes_sinks_to_a_backend_without_them():
     gpt_oss = spec_from_hf_config(PRESETS["gpt-oss-20b"], name="gpt-oss-20b", source="test")
     assert all(layer.sinks for layer in gpt_oss.layers)
-    assert REFERENCE.sinks and not TRITON_PAGED.sinks
-    plan = resolve(gpt_oss, CacheConfig(kv_cache_dtype="bfloat16"), platform="cuda")
+    assert REFERENCE.sinks and TRITON_PAGED.sinks
+    for kv in ("bfloat16", "fp8_e4m3"):
+        plan = resolve(gpt_oss, CacheConfig(kv_cache_dtype=kv), platform="cuda")
+        assert {layer.backend for layer in plan.layers} == {"triton_paged"}
+        assert all(layer.sinks for layer in plan.layers)  # the plan tells the backend (CUDA-graph splits)
+    plan = resolve(gpt_oss, CacheConfig(kv_cache_dtype="bfloat16"), platform="cpu")
+    assert {layer.backend for layer in plan.layers} == {"torch_reference"}
+    no_sinks = dataclasses.replace(TRITON_PAGED, sinks=False)
+    plan = resolve(gpt_oss, CacheConfig(kv_cache_dtype="bfloat16"), platform="cuda", backends=(no_sinks, REFERENCE))
     assert {layer.backend for layer in plan.layers} == {"torch_reference"}
     gemma = spec_from_hf_config(PRESETS["gemma-3-1b"], name="gemma-3-1b", source="test")
     assert not any(layer.sinks for layer in gemma.layers)
     plan = resolve(gemma, CacheConfig(kv_cache_dtype="bfloat16"), platform="cuda")
     assert {layer.backend for layer in plan.layers} == {"triton_paged"}
+    assert not any(layer.sinks for layer in plan.layers)
     with pytest.raises(PlanError, match="attention sinks not supported"):
-        resolve(gpt_oss, CacheConfig(kv_cache_dtype="bfloat16"), platform="cuda", backends=(TRITON_PAGED,))
+        resolve(gpt_oss, CacheConfig(kv_cache_dtype="bfloat16"), platform="cuda", backends=(no_sinks,))

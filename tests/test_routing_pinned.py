@@ -5,7 +5,9 @@ Every kernel launch of the eager entries (``paged_attention``, the MLA decode) i
 this runs on CPU (the Gluon device gate and the SM count are forced per case). The CUDA-graph pinning of
 split counts is observed the same way for the plans a capture sees. ``tests/data/routing_pinned.json``
 holds one SHA-256 per case of the recorded launches; it was written from the code as it stood before the
-routing tables existed, so equality here means the restructuring did not change a single launch. Exact
+routing tables existed, so equality here means the restructuring did not change a single launch. The
+``paged_sinks`` and ``graph_sinks`` suites (layers with attention sinks) were added with the sinks, and pin
+those launches from then on. Exact
 equality is the point: launch parameters are integers, dtypes and shapes (and one float computed the same
 way), and a changed one is a changed kernel.
 
@@ -75,6 +77,15 @@ REMOVED_CONSTEXPRS = {
 }
 
 
+#: Parameters added since the pin that a launch passes only as keywords, with the switch that says they are
+#: off: a launch with the switch off is pinned without them (the kernel then reads neither), so every launch
+#: of the pinned cases is compared with what it passed before; launches with the switch on are pinned whole.
+ADDED_WHEN_ON = {
+    "_paged_attn_kernel": ("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
+    "_merge_splits_kernel": ("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
+}
+
+
 class _Recorder:
     def __init__(self, name: str, log: list):
         self.name, self.log = name, log
@@ -84,6 +95,10 @@ class _Recorder:
             for key, value in REMOVED_CONSTEXPRS.get(self.name, {}).items():
                 assert key not in kwargs, f"{self.name} passes {key} again: drop it from REMOVED_CONSTEXPRS"
                 kwargs[key] = value(args)
+            if self.name in ADDED_WHEN_ON:
+                switch, added = ADDED_WHEN_ON[self.name]
+                if kwargs[switch] is False:
+                    kwargs = {k: v for k, v in kwargs.items() if k not in added}
             self.log.append({"kernel": self.name, "grid": _plain(tuple(grid)), "args": _plain(args),
                              "kwargs": {k: _plain(v) for k, v in sorted(kwargs.items())}})
             return None
@@ -164,6 +179,22 @@ def paged_cases() -> list[dict]:
     return cases
 
 
+def paged_sinks_cases() -> list[dict]:
+    """Layers with attention sinks (added after the pin): windows that cut or not, decode, prefill and mixed
+    batches, bf16 and fp8 caches with the Gluon gate open or closed, pinned split counts."""
+    rng = random.Random(2)
+    cases = []
+    for q, kv in (("bf16", "bf16"), ("bf16", "e4m3"), ("fp16", "e5m2"), ("fp32", "fp32")):
+        for hq, hkv in ((8, 8), (64, 8)):
+            for d in (64, 128):
+                for batch, qlens, max_len in PAGED_BATCHES:
+                    cases.append(dict(q=q, kv=kv, hq=hq, hkv=hkv, d=d, batch=batch, qlens=qlens, max_len=max_len,
+                                      window=rng.choice([None, 128, 4096]), splits=rng.choice([None, None, 3, 0]),
+                                      gluon=rng.choice([True, False]), sms=rng.choice([132, 78]),
+                                      block=rng.choice([16, 32]), sinks=True))
+    return cases
+
+
 def observe_paged(case: dict, monkeypatch) -> list | str:
     log: list = []
     _patch_launches(monkeypatch, log, gluon=case["gluon"], sms=case["sms"])
@@ -172,8 +203,9 @@ def observe_paged(case: dict, monkeypatch) -> list | str:
     q = torch.zeros(t, case["hq"], case["d"], dtype=DTYPES[case["q"]])
     cache = torch.zeros(2, 2, case["hkv"], case["block"], case["d"], dtype=DTYPES[case["kv"]])
     scales = torch.ones(case["hkv"])
+    sinks = torch.zeros(case["hq"]) if case.get("sinks") else None
     got = _observe(lambda: triton_paged_attention.paged_attention(
-        q, cache, meta, scales, scales, 0.125, case["window"], num_splits=case["splits"]))
+        q, cache, meta, scales, scales, 0.125, case["window"], num_splits=case["splits"], sinks=sinks))
     return got or log
 
 
@@ -244,6 +276,11 @@ def graph_cases() -> list[dict]:
     return cases
 
 
+def graph_sinks_cases() -> list[dict]:
+    """Plans of layers with attention sinks (added after the pin): the Gluon rows never serve them."""
+    return [dict(case, sinks=True) for case in graph_cases() if case["kind"] == "full"]
+
+
 def observe_graph(case: dict, monkeypatch) -> dict:
     """The split count per capture size that the layers' backend pins for a plan of identical layers."""
     from kvforge.attention.backends.base import BackendOptions, backend_class
@@ -252,7 +289,7 @@ def observe_graph(case: dict, monkeypatch) -> dict:
     backend = "triton_mla" if case["kind"] == "mla" else "triton_paged"
     layer = types.SimpleNamespace(kind=case["kind"], backend=backend, kv_dtype=case["kv"], head_size=case["head"],
                                   heads_per_rank=case["heads"], kv_heads_per_rank=case["kv_heads"],
-                                  query_dtype=case["query"])
+                                  query_dtype=case["query"], sinks=case.get("sinks", False))
     options = BackendOptions(softmax_scale=0.1, model_dtype=case["model"],
                              device=Device(num_sms=case["sms"], gluon=case["gluon"]), latent_dim=case["latent"])
     declaration = {d.name: d for d in builtin_backends()}[backend]
@@ -261,7 +298,8 @@ def observe_graph(case: dict, monkeypatch) -> dict:
 
 
 SUITES = {"paged": (paged_cases, observe_paged), "mla": (mla_cases, observe_mla),
-          "graph": (graph_cases, observe_graph)}
+          "graph": (graph_cases, observe_graph), "paged_sinks": (paged_sinks_cases, observe_paged),
+          "graph_sinks": (graph_sinks_cases, observe_graph)}
 
 
 def _key(case: dict) -> str:
@@ -306,6 +344,39 @@ def test_the_cases_reach_every_kernel(monkeypatch):
                     "_gluon_fp8_decode_warp_kernel", "_mla_decode_kernel", "_wgmma_mla_decode_kernel",
                     "_ws_mla_decode_kernel"}
     assert refused > 0
+
+
+def test_sinks_cases_launch_the_tl_dot_kernel_with_sinks_on(monkeypatch):
+    """Layers with sinks (Gluon gate open or closed) launch only the tl.dot kernel and the merge, both with
+    the sinks on, and both with and without split-K."""
+    kernels, merged, direct = set(), 0, 0
+    for case in paged_sinks_cases():
+        with monkeypatch.context() as mp:
+            observed = observe_paged(case, mp)
+        assert isinstance(observed, list), (case, observed)
+        for launch in observed:
+            kernels.add(launch["kernel"])
+            assert launch["kwargs"]["USE_SINKS"] is True and launch["kwargs"]["sinks_ptr"][0] == "tensor"
+        merged += len(observed) == 2
+        direct += len(observed) == 1
+    assert kernels == {"_paged_attn_kernel", "_merge_splits_kernel"} and merged and direct
+
+
+def test_graph_pinning_of_sinks_layers_is_the_tl_dot_rule(monkeypatch):
+    """For layers with sinks the graph pins the tl.dot kernel's count even where the Gluon gate is open and
+    the same layers without sinks would pin a Gluon row's count."""
+    from kvforge.attention.routing import paged
+
+    differs = 0
+    for case in graph_sinks_cases():
+        pinned = observe_graph(case, monkeypatch)
+        without = observe_graph(dict(case, sinks=False), monkeypatch)
+        for batch, splits in pinned.items():
+            shape = paged.PagedShape(batch, case["heads"], case["kv_heads"], case["head"], 1, case["max_len"],
+                                     case["model"], case["kv"])
+            assert splits == paged.route(shape, Device(case["sms"], gluon=False)).splits, (case, batch)
+            differs += splits != without[batch]
+    assert differs > 0
 
 
 def _write() -> None:  # pragma: no cover - regenerates the pinned digests

@@ -79,6 +79,9 @@ def test_paged_table_against_declaration_and_kernel_constants():
     for k in paged.TABLE[:-1]:
         assert k.head_sizes <= TRITON_PAGED.head_sizes and k.kv_dtypes <= TRITON_PAGED.kv_dtypes
     assert set(paged.KERNEL_NAMES) == {"tl_dot", "gluon_fp8_warp", "gluon_fp8_cta"}
+    # the declaration offers sinks exactly when a row of the table serves them, and the tl.dot row (which
+    # takes every shape) is one
+    assert TRITON_PAGED.sinks == any(k.sinks for k in paged.TABLE) and paged.TL_DOT.sinks
 
 
 # ---- the split rule ----------------------------------------------------------------------------------------
@@ -145,6 +148,33 @@ def test_paged_gluon_scope(q, kv, head, q_len, group, expected):
     assert paged.applies(paged.GLUON_FP8_CTA, shape, H200) is expected
     assert (paged.route(shape, H200).kernel != "tl_dot") is expected
     assert paged.route(shape, NO_GLUON).kernel == "tl_dot"  # the gate closed: always the tl.dot kernel
+
+
+def test_paged_sinks_go_to_the_tl_dot_kernel():
+    """A layer with attention sinks never takes a Gluon row (they add no sink); with or without a window, its
+    fp8 decode runs the tl.dot kernel with the tl.dot rule's splits (4 x 132 / (4 x 2) = 66 -> 64 at most,
+    5000 // 256 = 19 -> 19; with a 128-token window: 128 // 256 = 0 -> 1)."""
+    assert paged.TL_DOT.sinks and not paged.GLUON_FP8_WARP.sinks and not paged.GLUON_FP8_CTA.sinks
+    shape = paged.PagedShape(4, 8, 2, 128, 1, 5000, "bfloat16", "fp8_e4m3")
+    assert paged.route(shape, H200).kernel == "gluon_fp8_cta"
+    with_sinks = paged.PagedShape(4, 8, 2, 128, 1, 5000, "bfloat16", "fp8_e4m3", sinks=True)
+    assert not paged.applies(paged.GLUON_FP8_CTA, with_sinks, H200)
+    assert (paged.route(with_sinks, H200).kernel, paged.route(with_sinks, H200).splits) == ("tl_dot", 19)
+    windowed = paged.PagedShape(4, 8, 2, 128, 1, 5000, "bfloat16", "fp8_e4m3", window=128, sinks=True)
+    assert (paged.route(windowed, H200).kernel, paged.route(windowed, H200).splits) == ("tl_dot", 1)
+    assert paged.route(windowed, H200, 5).splits == 5  # a pinned count as given
+    assert paged.route(paged.PagedShape(4, 8, 2, 128, 1, 5000, "bfloat16", "fp8_e4m3", window=128), H200).kernel \
+        == "gluon_fp8_cta"  # a window alone stays on the Gluon rows
+
+
+def test_paged_graph_pinning_with_sinks_is_the_tl_dot_rule():
+    for kv in ("bfloat16", "fp8_e4m3", "fp8_e5m2"):
+        for batch in (1, 2, 8, 64, 256):
+            shape = paged.PagedShape(batch, 64, 8, 64, 1, 32768, "bfloat16", kv, sinks=True)
+            want = paged.route(shape, NO_GLUON).splits
+            assert paged.pinned_splits(batch, 64, 8, 64, 32768, "bfloat16", kv, H200, sinks=True) == want
+    # e.g. one sequence: ceil(4 x 132 / 8) = 66 -> capped at 64
+    assert paged.pinned_splits(1, 64, 8, 64, 32768, "bfloat16", "fp8_e4m3", H200, sinks=True) == 64
 
 
 def test_paged_tl_dot_tiles_and_splits():

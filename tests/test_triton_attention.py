@@ -72,8 +72,11 @@ def make_batch(
     scale_range=(0.5, 2.0),
     src_dtype=torch.bfloat16,
     nan_junk=False,
+    per_tensor_scale=False,
 ):
     """A random paged cache holding each sequence's full context + metadata.
+
+    ``per_tensor_scale``: one fp8 scale for every KV head (shape ``[1]``) instead of one per head.
 
     ``nan_junk``: unwritten fp8 slots (page tails past a context end, spare blocks) hold NaN bytes
     instead of finite junk, so a kernel that lets one masked-off byte reach ``P V`` fails.
@@ -114,8 +117,9 @@ def make_batch(
             torch.nan_to_num(kv_cache.float(), nan=3.0, posinf=3.0, neginf=-3.0).clamp(-8, 8).to(kv_dtype)
         )
     lo, hi = scale_range
-    k_scale = (torch.rand(num_kv_heads, generator=gen) * (hi - lo) + lo).to(DEV)
-    v_scale = (torch.rand(num_kv_heads, generator=gen) * (hi - lo) + lo).to(DEV)
+    num_scales = 1 if per_tensor_scale else num_kv_heads
+    k_scale = (torch.rand(num_scales, generator=gen) * (hi - lo) + lo).to(DEV)
+    v_scale = (torch.rand(num_scales, generator=gen) * (hi - lo) + lo).to(DEV)
     total = sum(seq_lens)
     k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(DEV)
     v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(DEV)
@@ -155,8 +159,9 @@ def dequant_context(kv_cache, meta, seq, k_scale, v_scale):
     return k, v
 
 
-def reference(q, kv_cache, meta, k_scale, v_scale, softmax_scale, window=None):
-    """float64 causal paged attention over the dequantized cache."""
+def reference(q, kv_cache, meta, k_scale, v_scale, softmax_scale, window=None, sinks=None):
+    """float64 causal paged attention over the dequantized cache. ``sinks`` ([Hq]): head ``h``'s weights are
+    ``exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`` (the sink has no value row and is not scaled)."""
     T, hq, d = q.shape
     out = torch.full((T, hq, d), float("nan"), dtype=torch.float64, device=DEV)
     qsl = meta.query_start_loc.tolist()
@@ -179,7 +184,13 @@ def reference(q, kv_cache, meta, k_scale, v_scale, softmax_scale, window=None):
         if window:
             mask &= kpos > qpos - window
         scores = scores.masked_fill(~mask[None], float("-inf"))
-        p = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            p = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.double().to(DEV)[:, None]  # [Hq, 1]
+            top = torch.maximum(scores.amax(dim=-1), sink)  # [Hq, L]
+            e = torch.exp(scores - top[..., None])
+            p = e / (e.sum(dim=-1) + torch.exp(sink - top))[..., None]
         out[a:b] = torch.einsum("hls,shd->lhd", p, v)
     return out
 
@@ -205,7 +216,11 @@ def run_case(
     expect_kernel=None,
     scale_range=(0.5, 2.0),
     nan_junk=False,
+    sinks=None,
+    per_tensor_scale=False,
 ):
+    """One batch through ``paged_attention`` against :func:`reference`; returns the relative error.
+    ``sinks``: the sink logits ([hq]), or None."""
     skip_unless_loaded_loop_bounds_work()
     gen = torch.Generator().manual_seed(seed)
     kv_cache, meta, ks, vs = make_batch(
@@ -219,6 +234,7 @@ def run_case(
         src_dtype=q_dtype,
         scale_range=scale_range,
         nan_junk=nan_junk,
+        per_tensor_scale=per_tensor_scale,
     )
     T = sum(query_lens)
     q = torch.randn(T, hq, d, generator=gen).to(DEV, q_dtype)
@@ -234,6 +250,7 @@ def run_case(
         sliding_window=window,
         out=out,
         num_splits=num_splits,
+        sinks=None if sinks is None else sinks.to(DEV),
         **(config or {}),
     )
     if expect_kernel is not None:
@@ -245,7 +262,9 @@ def run_case(
     assert res.data_ptr() == out.data_ptr()
     assert out.dtype == q_dtype
     assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) outputs remain"
-    ref = reference(q, kv_cache, meta, ks, vs, scale, window)
+    ref = reference(q, kv_cache, meta, ks, vs, scale, window, sinks)
+    if sinks is not None:  # the sinks move the output far more than the tolerance: the case can fail
+        assert rel_err(reference(q, kv_cache, meta, ks, vs, scale, window), ref) > 10 * tol
     err = rel_err(out, ref)
     assert err < tol, f"rel err {err:.3e} >= {tol}"
     return err
@@ -524,6 +543,105 @@ def test_small_sliding_window(window):
              window=window, seed=window, tol=REL_TOL_FP16)  # fmt: skip
     run_case([1, 15, 40, 33], [1] * 4, 4, 2, 32, torch.float16, q_dtype=torch.float16, window=window,
              num_splits=3, seed=window + 1, tol=REL_TOL_FP16)  # fmt: skip
+
+
+# ----------------------------------------------------------------- window + attention sinks
+def sink_logits(hq, seed, dtype=torch.float32):
+    """One sink logit per query head, spread over the range where they matter (scores here are about
+    N(0, 1), so a context of n tokens has a log-sum-exp near log(n) + 0.5): -40 (no effect), a few values
+    in [-1, 6], and 40 (the sink takes nearly all the mass), in a random order."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.tensor([-40.0, 40.0] + (torch.rand(hq, generator=gen) * 7 - 1).tolist())[:hq]
+    return values[torch.randperm(hq, generator=gen)].to(dtype)
+
+
+SINK_KV = [
+    pytest.param(torch.float16, torch.float16, False, REL_TOL_FP16, id="fp16"),
+    pytest.param(torch.bfloat16, torch.float16, False, REL_TOL_FP16, id="bf16-fp16q"),
+    pytest.param(torch.bfloat16, torch.bfloat16, False, REL_TOL_BF16, id="bf16",
+                 marks=pytest.mark.skipif(INTERPRETED, reason=BF16_DOT)),
+    pytest.param(torch.float8_e4m3fn, torch.bfloat16, False, REL_TOL_BF16, id="e4m3-bf16q-per-head"),
+    pytest.param(torch.float8_e4m3fn, torch.float16, True, REL_TOL_FP16, id="e4m3-fp16q-per-tensor"),
+    pytest.param(torch.float8_e5m2, torch.float16, True, REL_TOL_FP16, id="e5m2-fp16q-per-tensor"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # padding rows
+@pytest.mark.parametrize("kv_dtype,q_dtype,per_tensor,tol", SINK_KV)
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_small_sinks_and_window_prefill_mixed(kv_dtype, q_dtype, per_tensor, tol, window):
+    """Sinks with no window, a 5-token window (it starts mid-block: block size 16) and a 20-token one, over
+    a fresh prefill spanning three query tiles, a chunked prefill, a decode, a short prefix hit and a
+    sequence with no new token (no split-K: the sink enters in the kernel's epilogue)."""
+    run_case([37, 40, 17, 30, 20], [37, 17, 1, 3, 0], 6, 2, 32, kv_dtype, q_dtype=q_dtype, window=window,
+             seed=7, tol=tol, sinks=sink_logits(6, 7), per_tensor_scale=per_tensor)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype,per_tensor,tol", SINK_KV)
+@pytest.mark.parametrize("window", [None, 5, 20])
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_small_sinks_and_window_decode_split_k(kv_dtype, q_dtype, per_tensor, tol, window, splits):
+    """Decode with sinks at forced split counts 1, 2 and 5 (5 splits of a 40-token context leave some
+    splits empty): the sink enters once per row, in the merge (a sink per split would add it up to five
+    times); the 5-token window starts mid-block."""
+    run_case([40, 9, 17, 33, 1], [1, 0, 1, 1, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, window=window,
+             num_splits=splits, seed=splits, tol=tol, sinks=sink_logits(4, splits), per_tensor_scale=per_tensor)  # fmt: skip
+
+
+def test_small_sinks_bf16_logits_and_shape_checked():
+    """Sinks given in the model dtype are read as their values; a sinks tensor of the wrong shape is refused
+    before any launch."""
+    run_case([40, 17], [1, 1], 4, 2, 32, torch.float16, q_dtype=torch.float16, num_splits=2, seed=3,
+             tol=REL_TOL_FP16, sinks=sink_logits(4, 3, torch.bfloat16))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    kv_cache, meta, ks, vs = make_batch([5], [1], 2, 32, 16, torch.float16, gen)
+    q = torch.randn(1, 4, 32, generator=gen).to(DEV, torch.float16)
+    with pytest.raises(ValueError, match=r"sinks must be \[num_heads\] = \[4\]"):
+        paged_attention(q, kv_cache, meta, ks, vs, 0.1, sinks=torch.zeros(2, device=DEV))
+
+
+def test_small_backend_attends_with_the_layer_sinks_and_window():
+    """The backend object hands the layer's window and sinks (LayerKV) to the kernels."""
+    from kvforge.attention.backends.base import BackendOptions, LayerKV
+    from kvforge.attention.backends.triton_paged import TritonPagedBackend
+    from kvforge.attention.routing.platform import Device
+
+    skip_unless_loaded_loop_bounds_work()
+    gen = torch.Generator().manual_seed(5)
+    kv_cache, meta, ks, vs = make_batch([40, 23], [1, 23], 2, 32, 16, torch.float8_e4m3fn, gen,
+                                        src_dtype=torch.float16)  # fmt: skip
+    q = torch.randn(24, 4, 32, generator=gen).to(DEV, torch.float16)
+    sinks = sink_logits(4, 5)
+    backend = TritonPagedBackend(BackendOptions(softmax_scale=0.2, model_dtype="float16", device=Device()))
+    out = backend.attend(LayerKV(kv_cache, ks, vs, window=6, sinks=sinks.to(DEV)), meta, q)
+    ref = reference(q, kv_cache, meta, ks, vs, 0.2, 6, sinks)
+    assert rel_err(reference(q, kv_cache, meta, ks, vs, 0.2, 6), ref) > 10 * REL_TOL_FP16
+    assert rel_err(out, ref) < REL_TOL_FP16
+
+
+@gpu_only
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)
+@pytest.mark.parametrize("window", [None, 128, 1000])
+@pytest.mark.parametrize("splits", [None, 1, 3, 16])
+def test_sinks_and_window_decode_gpt_oss_shape(kv_dtype, window, splits):
+    """gpt-oss-20b's attention on one rank (64 query heads over 8 KV heads, head size 64, window 128) over
+    long contexts, every cache dtype, the routing table's split count and forced ones; fp8 decode with
+    sinks runs the tl.dot kernel (the Gluon rows do not serve sinks)."""
+    seq_lens = [1, 127, 128, 129, 1000, 5000, 300]
+    run_case(seq_lens, [1] * len(seq_lens), 64, 8, 64, kv_dtype, window=window, num_splits=splits,
+             seed=17, sinks=sink_logits(64, 17), expect_kernel=TL_DOT)  # fmt: skip
+
+
+@gpu_only
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=KV_IDS)
+@pytest.mark.parametrize("window", [None, 128])
+def test_sinks_and_window_prefill_gpt_oss_shape(kv_dtype, window):
+    """gpt-oss shapes over prefill chunks across the window edge, decodes and a prefix hit, with a
+    per-tensor fp8 scale (per-head scales: the decode test)."""
+    seq_lens = [700, 300, 129, 2000, 50]
+    query_lens = [700, 172, 1, 64, 0]
+    run_case(seq_lens, query_lens, 64, 8, 64, kv_dtype, window=window, seed=23, sinks=sink_logits(64, 23),
+             per_tensor_scale=True, expect_kernel=TL_DOT)  # fmt: skip
 
 
 # ----------------------------------------------------------------- padding tokens

@@ -9,6 +9,9 @@ checks that both agree, and that the routing table's kernels
 multiples of 16 (one tl.dot tile edge); the query is kept in the model dtype
 and fp8 K/V are dequantized in registers with the K scale folded into the
 softmax scale. fp32 caches run with IEEE fp32 dots (correct, untuned).
+Sliding windows and attention sinks (one logit per query head in the
+softmax denominator) are served; sinks on the tl.dot kernel only, which
+the routing table picks for every layer with sinks.
 Offsets are int64 inside the kernels.
 """
 
@@ -24,5 +27,6 @@ TRITON_PAGED = BackendDeclaration(
     block_sizes=BlockSizes(multiple_of=16, why="Triton tiles are 16 tokens tall"),
     quantized_query=QuantizedQuery.never(),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "int64 offsets in the kernels"),
+    sinks=True,
     implementation="kvforge.attention.backends.triton_paged",
 )

@@ -15,6 +15,12 @@ table, so enough bytes are in flight per iteration.
 * fp8 K/V are upcast to the query dtype in registers; ``k_scale`` is folded
   into the softmax scale (``exp2`` domain) and ``v_scale`` multiplies the
   accumulator once at the end.
+* Attention sinks (one logit per query head, ``sinks_log2`` in the exp2
+  domain) join the softmax denominator only. The sink enters each query row
+  exactly once, where the row's last (max, sum) is known: in the kernel's
+  epilogue without split-K, in the merge kernel with it (the partials of the
+  splits never hold it). Both take the running max over the sink too, so a
+  sink far above every score cannot overflow.
 * Decode-like batches (every sequence's query fits in one tile, e.g. pure
   decode) use split-K: ``num_splits`` programs per (sequence, KV head) each
   cover a slice of the context and write (acc, max, sum) partials that a second
@@ -138,6 +144,7 @@ if HAS_TRITON:
         stride_ch,
         stride_cs,
         stride_bt,
+        sinks_ptr,  # float32 [Hq] sink logits x log2(e) (read where USE_SINKS)
         NUM_Q_HEADS: tl.constexpr,
         G: tl.constexpr,
         G_PAD: tl.constexpr,
@@ -151,6 +158,7 @@ if HAS_TRITON:
         ONE_TILE_PER_SEQ: tl.constexpr,
         USE_SPLIT: tl.constexpr,
         USE_WINDOW: tl.constexpr,
+        USE_SINKS: tl.constexpr,
         IEEE_DOT: tl.constexpr,
         F16_DOT: tl.constexpr,
     ):
@@ -282,6 +290,12 @@ if HAS_TRITON:
             tl.store(part_ml_ptr + pidx * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=row_ok)
         else:
+            if USE_SINKS:
+                sink = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0)
+                m_fin = tl.maximum(m_i, sink)
+                alpha = tl.exp2(m_i - m_fin)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha + tl.exp2(sink - m_fin)
             o = acc / l_i[:, None]
             tl.store(
                 out_ptr + tok64[:, None] * stride_ot + qh64[:, None] * stride_oh + d[None, :],
@@ -299,11 +313,13 @@ if HAS_TRITON:
         num_splits,
         stride_ot,
         stride_oh,
+        sinks_ptr,  # float32 [H] sink logits x log2(e) (read where USE_SINKS)
         NUM_Q_HEADS: tl.constexpr,
         HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
         D_BLOCK: tl.constexpr,
+        USE_SINKS: tl.constexpr,
     ):
         # one program per (token, head, D_BLOCK columns): S_PAD x D_BLOCK partials in registers at once
         t = tl.program_id(0)
@@ -317,11 +333,17 @@ if HAS_TRITON:
         m = tl.load(part_ml_ptr + (base + s) * 2, mask=s_ok, other=float("-inf"))
         l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1, mask=s_ok, other=0.0)
         m_max = tl.max(m, 0)
+        if USE_SINKS:
+            sink = tl.load(sinks_ptr + h)
+            m_max = tl.maximum(m_max, sink)
         w = tl.where(s_ok, tl.exp2(m - m_max), 0.0)
         # a split with no token (m = -inf) weighs 0 and need not have written its accumulator: not read
         has = s_ok & (m > float("-inf"))
         acc = tl.load(part_acc_ptr + (base + s)[:, None] * D_PAD + d[None, :], mask=has[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        denom = tl.sum(l_s * w, 0)
+        if USE_SINKS:
+            denom += tl.exp2(sink - m_max)  # once per (token, head): the splits' partials hold no sink
+        o = tl.sum(acc * w[:, None], 0) / denom
         tl.store(
             out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
             o.to(out_ptr.dtype.element_ty),
@@ -342,8 +364,12 @@ def paged_attention(
     num_splits: int | None = None,
     kernel: str | None = None,
     gluon_tiling: dict | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``q`` ([T, Hq, D]) over ``kv_cache``; output dtype = ``q.dtype``.
+
+    ``sinks`` (``[Hq]``, any float dtype; None: no sinks): head ``h``'s weights become
+    ``exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`` (the sink logit is not scaled by ``softmax_scale``).
 
     See the module docstring. The kernel and its split count come from the backend's routing table
     (:func:`kvforge.attention.routing.paged.route`); ``num_splits`` pins the count (CUDA graphs).
@@ -383,10 +409,17 @@ def paged_attention(
         v_scale = v_scale.to(torch.float32).reshape(-1).expand(hkv).contiguous()
     else:
         k_scale = v_scale = meta.seq_lens  # unused placeholders
+    if sinks is not None:
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must be [num_heads] = [{hq}], got {tuple(sinks.shape)}")
+        sinks_log2 = sinks.to(device=q.device, dtype=torch.float32) * LOG2E
+    else:
+        sinks_log2 = meta.seq_lens  # unused placeholder
 
     window = int(sliding_window) if sliding_window else 0
     shape = paged_routing.PagedShape(num_seqs, hq, hkv, d, meta.max_query_len, meta.max_seq_len,
-                                     storage_dtype_name(q.dtype), storage_dtype_name(kv_cache.dtype), window)
+                                     storage_dtype_name(q.dtype), storage_dtype_name(kv_cache.dtype), window,
+                                     sinks is not None)
     device = routing_device(q)
     if kernel == paged_routing.TL_DOT.name:
         device = dataclasses.replace(device, gluon=False)
@@ -456,9 +489,12 @@ def paged_attention(
             F16_DOT=f16_dot,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
+            sinks_ptr=sinks_log2,
+            USE_SINKS=sinks is not None,
         )
     if use_split:
-        merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs)
+        merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs,
+                             sinks_log2 if sinks is not None else None)
     return out
 
 
@@ -468,13 +504,16 @@ MERGE_TILE_ELEMENTS: int = 8192
 
 
 def merge_split_partials(
-    part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int
+    part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int,
+    sinks_log2: torch.Tensor | None = None,
 ) -> None:
     """``out[t, h, :D]`` = the softmax-weighted merge of split-K partials ``part_acc [T, H, S, D_PAD]``
     (unnormalized fp32 accumulators) and ``part_ml [T, H, S, 2]`` (log2-domain max, sum); ``D`` is
     ``out``'s last axis. Tokens at or past ``query_start_loc[num_seqs]`` are left untouched. Every
     split-K decode kernel (tl.dot, Gluon, MLA) writes this layout; a split whose max is -inf (no token)
-    contributes nothing, and its accumulator row is not read (it may be left unwritten)."""
+    contributes nothing, and its accumulator row is not read (it may be left unwritten). ``sinks_log2``
+    (float32 ``[H]``, sink logits x log2(e); None: no sinks) joins each row's denominator here, once: the
+    partials must not hold it."""
     t, h, splits, d_pad = part_acc.shape
     s_pad = max(2, triton.next_power_of_2(splits))
     d_block = min(d_pad, max(16, MERGE_TILE_ELEMENTS // s_pad))
@@ -493,4 +532,6 @@ def merge_split_partials(
         S_PAD=s_pad,
         D_BLOCK=d_block,
         num_warps=4,
+        sinks_ptr=query_start_loc if sinks_log2 is None else sinks_log2,
+        USE_SINKS=sinks_log2 is not None,
     )

@@ -27,6 +27,7 @@ class LayerPlan:
     scale_scheme: str | None
     sliding_window: int | None = None
     state_bytes: int = 0
+    sinks: bool = False  # the layer adds one sink logit per query head to its softmax denominator
 
 
 @dataclass(frozen=True)

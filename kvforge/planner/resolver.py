@@ -410,6 +410,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
             kv_heads_per_rank=layer.kv_heads_per_rank, head_size=layer.head_size,
             bytes_per_token=layer.token_bytes if layer.kind in GROWING_KINDS else 0, scale_scheme=layer_scheme,
             sliding_window=getattr(layer.spec, "sliding_window", None), state_bytes=layer.state_bytes,
+            sinks=getattr(layer.spec, "sinks", False),
         ))
     if quantized and scheme == "per_head" and any(x.kind == "mla" for x in layers):
         warnings.append("MLA latent caches have no KV heads: per-head scales fall back to per-tensor for MLA layers")

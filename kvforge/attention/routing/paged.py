@@ -4,9 +4,12 @@ Three kernels serve it. The Gluon fp8 decode kernels take decode batches over fp
 gate is open (:mod:`.platform`); which of the two follows the shape: the "warp" kernel (every warp keeps its
 own softmax over its share of a tile) once each program walks at least ``WARP_MIN_CONTEXT`` tokens and the
 programs fill ``WARP_MIN_WAVES`` waves of the GPU, else the "cta" kernel. Everything else (prefill, mixed
-and 16/32-bit decode, other head sizes, wider GQA groups, the gate closed) runs the tl.dot kernel. The
-kernel depends on the shape only: a pinned split count (CUDA graphs) replaces the count, never the kernel,
-so a captured graph runs the kernel the eager path would.
+and 16/32-bit decode, other head sizes, wider GQA groups, layers with attention sinks, the gate closed) runs
+the tl.dot kernel. Sliding windows run on every kernel; attention sinks (one logit per query head in the
+softmax denominator) only on the tl.dot kernel, which adds them once per query row: in its epilogue without
+split-K, in the merge of the split partials with it. The kernel depends on the shape only: a pinned split
+count (CUDA graphs) replaces the count, never the kernel, so a captured graph runs the kernel the eager path
+would.
 
 Inputs are integers and dtype names (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"fp8_e4m3"``,
 ``"fp8_e5m2"``); nothing here imports torch.
@@ -34,6 +37,7 @@ class PagedKernel:
     query_dtypes: frozenset[str] | None
     head_sizes: frozenset[int] | None
     max_group: int | None  # query heads per KV head
+    sinks: bool  # serves layers with attention sinks
     splits: SplitRule
     #: The "warp" variant's extra condition: context >= this and programs x its splits >= this many waves.
     min_context: int = 0
@@ -45,12 +49,12 @@ class PagedKernel:
 TL_DOT = PagedKernel(
     name="tl_dot", launcher="kvforge.kernels.triton_paged_attention:paged_attention",
     needs_gluon=False, decode_only=False, kv_dtypes=None, query_dtypes=None, head_sizes=None, max_group=None,
-    splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True),
+    sinks=True, splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True),
     when="every batch the Gluon rows do not take; split-K when each sequence's query fits one tile",
 )
 _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
                     query_dtypes=frozenset({"bfloat16", "float16"}), head_sizes=frozenset({64, 128, 256}),
-                    max_group=16)  # fmt: skip
+                    max_group=16, sinks=False)  # fmt: skip
 #: The Gluon "warp" kernel: long contexts over a full GPU.
 GLUON_FP8_WARP = PagedKernel(
     name="gluon_fp8_warp", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
@@ -76,7 +80,7 @@ def next_power_of_2(n: int) -> int:
 class PagedShape:
     """One call's shape: ``num_seqs`` sequences, query heads ``num_q_heads`` over ``num_kv_heads``, head
     size ``head_size``, the longest query ``max_query_len`` and context ``max_seq_len``, the layer's
-    ``window`` (0: none)."""
+    ``window`` (0: none) and whether it has attention ``sinks``."""
 
     num_seqs: int
     num_q_heads: int
@@ -87,6 +91,7 @@ class PagedShape:
     query_dtype: str
     kv_dtype: str
     window: int = 0
+    sinks: bool = False
 
     @property
     def group(self) -> int:
@@ -144,7 +149,8 @@ def applies(kernel: PagedKernel, shape: PagedShape, device: Device) -> bool:
             and (kernel.kv_dtypes is None or shape.kv_dtype in kernel.kv_dtypes)
             and (kernel.query_dtypes is None or shape.query_dtype in kernel.query_dtypes)
             and (kernel.head_sizes is None or shape.head_size in kernel.head_sizes)
-            and (kernel.max_group is None or shape.group <= kernel.max_group))  # fmt: skip
+            and (kernel.max_group is None or shape.group <= kernel.max_group)
+            and (kernel.sinks or not shape.sinks))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -178,9 +184,11 @@ def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -
 
 
 def pinned_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_size: int, max_model_len: int,
-                  query_dtype: str, kv_dtype: str, device: Device) -> int:
+                  query_dtype: str, kv_dtype: str, device: Device, sinks: bool = False) -> int:
     """The split count a CUDA graph of ``batch`` decode rows pins: the eager rule at ``max_model_len``
     (the graph's metadata says ``max_seq_len = max_model_len``; shorter contexts leave trailing splits
-    empty). The window is not looked at, as the graph's own pinning never did."""
-    shape = PagedShape(batch, num_q_heads, num_kv_heads, head_size, 1, max_model_len, query_dtype, kv_dtype)
+    empty) for layers with or without attention ``sinks`` (which decide the kernel). The window is not
+    looked at, as the graph's own pinning never did."""
+    shape = PagedShape(batch, num_q_heads, num_kv_heads, head_size, 1, max_model_len, query_dtype, kv_dtype,
+                       sinks=sinks)
     return route(shape, device).splits

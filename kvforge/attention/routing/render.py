@@ -27,19 +27,24 @@ def _paged_section() -> list[str]:
     lines = ["## triton_paged (full and sliding layers, CUDA)", "",
              "Source: `kvforge/attention/routing/paged.py`. The first row that applies serves the call.", "",
              "| kernel | launched by | Gluon gate | decode only | KV dtypes | query dtypes | head sizes | "
-             "query heads per KV head | also | splits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "query heads per KV head | sinks | also | splits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in paged.TABLE:
         extra = (f"context >= {k.min_context}, programs x splits >= {k.min_waves} x SMs" if k.min_context
                  else k.when)
         lines.append(f"| `{k.name}` | `{k.launcher}` | {'yes' if k.needs_gluon else 'no'} | "
                      f"{'yes' if k.decode_only else 'no'} | {_names(k.kv_dtypes)} | {_names(k.query_dtypes)} | "
                      f"{_names(k.head_sizes)} | {'any' if k.max_group is None else f'<= {k.max_group}'} | "
-                     f"{extra} | {_splits(k.splits)} |")
+                     f"{'yes' if k.sinks else 'no'} | {extra} | {_splits(k.splits)} |")
     lines += ["", "programs = sequences x KV heads; context = the window where it is shorter than the longest "
               "sequence. The tl.dot kernel splits only decode-like batches (every sequence's query in one "
               "tile of 16 // G_PAD tokens or one power of two); CUDA graphs pin the rule's count at "
-              "`max_model_len`.", ""]
+              "`max_model_len` of the row that serves the graph's layers (a Gluon row only where it serves every "
+              "one of them, so never for layers with sinks).", "",
+              "**Sliding windows** run on every row. **Attention sinks** (one logit per query head, in the "
+              "softmax denominator only) run on the rows marked \"sinks: yes\"; a layer with sinks skips the "
+              "others. The sink enters each query row once: in the kernel's epilogue without split-K, in the "
+              "merge of the partials with it (the splits' partials never hold it).", ""]
     return lines
 
 
