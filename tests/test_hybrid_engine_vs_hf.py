@@ -92,14 +92,14 @@ def test_max_model_len_below_the_window_is_stated_and_runs_like_full_attention(t
 @pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
 def test_engine_matches_transformers_on_cuda(family, eager, tmp_path, engines):
-    """float32 on CUDA: Gemma 3 routes to the Triton paged kernels (windows; CUDA graphs where asked),
-    gpt-oss to the reference backend (the only one declaring sinks; eager). Greedy tokens follow
+    """float32 on CUDA: both route to the Triton paged kernels (windows; gpt-oss's sinks on the tl.dot
+    kernel; CUDA graphs where asked, for Gemma 3). Greedy tokens follow
     transformers' float32 greedy on CUDA until a near-tie within 1e-4 * max |logit|."""
     hf, _ = make_checkpoint(family, tmp_path)
     hf = hf.cuda()
     llm = engines(tmp_path, device="cuda", enforce_eager=eager)
     backends = {layer.backend for layer in llm.plan.layers}
-    assert backends == ({"triton_paged"} if family == "gemma3" else {"torch_reference"})
+    assert backends == {"triton_paged"}
     if family == "gemma3" and not eager:
         assert llm.engine.runner.graphs is not None
     prompts = _prompts()
