@@ -22,6 +22,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
         dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
         calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,
+        state_dtype=args.state_dtype,
     )
     if args.json:
         print(result.to_json())

@@ -67,4 +67,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-dtype", choices=["auto", "model"], default="auto",
                    help="attention query dtype: auto (quantized where the KV cache is and the backend declares "
                         "it; the plan says why) or model (always the model dtype)")
+    p.add_argument("--state-dtype", choices=["auto", "model", "float32", "bfloat16", "float16"], default="auto",
+                   help="state slots of linear-attention layers (Qwen3-Next, Kimi-Linear): auto (float32, the "
+                        "recurrent state is rewritten every token), model (the model dtype, half the bytes of a "
+                        "16-bit model) or a float dtype; never quantized")
     p.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")

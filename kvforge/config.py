@@ -60,6 +60,7 @@ class EngineArgs:
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
     query_dtype: str = "auto"
+    state_dtype: str = "auto"
     mla_prefill_mode: str = "auto"
     kv_scale_multiplier: float = 1.0
     progress: bool = True

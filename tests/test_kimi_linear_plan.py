@@ -22,17 +22,21 @@ def test_layers_follow_the_one_indexed_full_attention_list():
     assert sum(x.kind == "state" for x in p.layers) == 20
 
 
-def test_fp8_latent_cache_gain_below_2x_exact():
+@pytest.mark.parametrize("state_dtype,elem", [("auto", 4), ("model", 2)])
+def test_fp8_latent_cache_gain_below_2x_exact(state_dtype, elem):
     L, mem = 32768, 40 * 2**30
-    p8 = plan("fp8", kv_cache_memory=mem, max_model_len=L)
-    p16 = plan("bf16", kv_cache_memory=mem, max_model_len=L)
+    p8 = plan("fp8", kv_cache_memory=mem, max_model_len=L, state_dtype=state_dtype)
+    p16 = plan("bf16", kv_cache_memory=mem, max_model_len=L, state_dtype=state_dtype)
     # 7 MLA layers x (kv_lora_rank 512 + rope 64) elements per token
     b16 = 7 * 576 * 2
     assert p16.bytes_per_token == b16 and p8.bytes_per_token == b16 // 2
-    # 20 KDA layers; state = 32 heads x 128 x 128 + (4 - 1) x 3 x 32 x 128 (conv history of q, k, v), bf16
-    state = 20 * (32 * 128 * 128 + 3 * 3 * 32 * 128) * 2
-    assert p8.state_bytes_per_sequence == p16.state_bytes_per_sequence == state == 22446080
+    # 20 KDA layers; state = 32 heads x 128 x 128 + (4 - 1) x 3 x 32 x 128 (conv history of q, k, v)
+    state = 20 * (32 * 128 * 128 + 3 * 3 * 32 * 128) * elem
+    assert p8.state_bytes_per_sequence == p16.state_bytes_per_sequence == state == 11223040 * elem
     exact = (state + L * b16) / (state + L * b16 / 2)
     assert p8.max_concurrency / p16.max_concurrency == pytest.approx(exact, rel=1e-6)
+    assert p8.concurrency_gain() == exact  # the same two integers divided (max_model_len fills whole blocks)
+    assert f"= {exact:.4f}x" in p8.summary() and p8.to_dict()["concurrency_gain_vs_baseline"] == exact
     assert 1 < exact < 2
-    assert all(x.kv_dtype == "bfloat16" for x in p8.layers if x.kind == "state")  # the state is not quantized
+    want = "float32" if elem == 4 else "bfloat16"
+    assert all(x.kv_dtype == want for x in p8.layers if x.kind == "state")  # the state is not quantized

@@ -62,19 +62,26 @@ def test_llama_capacity_exact():
     assert p.to_dict()["capacity_gain_vs_baseline"] == 2.0
 
 
-def test_hybrid_linear_attention_gain_below_2x_exact():
+@pytest.mark.parametrize("state_dtype,elem", [("auto", 4), ("model", 2)])
+def test_hybrid_linear_attention_gain_below_2x_exact(state_dtype, elem):
+    """The state is float32 by default (2 bytes with --state-dtype model for this bf16 model), never fp8:
+    fp8 halves only the full layers' bytes, so the gain is the exact ratio of bytes per sequence."""
     L = 4096
     mem = 40 * 2**30
-    p8 = plan("qwen3-next-80b-a3b", "fp8", 1, kv_cache_memory=mem, max_model_len=L)
-    p16 = plan("qwen3-next-80b-a3b", "bf16", 1, kv_cache_memory=mem, max_model_len=L)
+    p8 = plan("qwen3-next-80b-a3b", "fp8", 1, kv_cache_memory=mem, max_model_len=L, state_dtype=state_dtype)
+    p16 = plan("qwen3-next-80b-a3b", "bf16", 1, kv_cache_memory=mem, max_model_len=L, state_dtype=state_dtype)
     # 12 full layers (every 4th of 48) x 2 KV heads x (256 + 256) elements per token
     b16 = 12 * 2 * 512 * 2
     assert p16.bytes_per_token == b16 == 24576 and p8.bytes_per_token == b16 // 2
-    # 36 Gated-DeltaNet layers; state = 32 x 128 x 128 + (4 - 1) x (2 x 16 x 128 + 32 x 128), bf16
-    state = 36 * (32 * 128 * 128 + 3 * (2 * 2048 + 4096)) * 2
-    assert p8.state_bytes_per_sequence == p16.state_bytes_per_sequence == state == 39518208
-    exact = (state + L * b16) / (state + L * b16 / 2)  # 1.5602...
+    # 36 Gated-DeltaNet layers; state = 32 x 128 x 128 + (4 - 1) x (2 x 16 x 128 + 32 x 128) elements
+    state = 36 * (32 * 128 * 128 + 3 * (2 * 2048 + 4096)) * elem
+    assert p8.state_bytes_per_sequence == p16.state_bytes_per_sequence == state == 19759104 * elem
+    assert {x.kv_dtype for x in p8.layers if x.kind == "state"} == {"float32" if elem == 4 else "bfloat16"}
+    assert p8.state_dtype == ("float32" if elem == 4 else "bfloat16") and "--state-dtype" in p8.state_dtype_reason
+    exact = (state + L * b16) / (state + L * b16 / 2)  # 1.3675... (float32 state), 1.5602... (bf16 state)
     assert p8.max_concurrency / p16.max_concurrency == pytest.approx(exact, rel=1e-6)
+    assert p8.concurrency_gain() == exact  # the same two integers divided (max_model_len fills whole blocks)
+    assert f"= {exact:.4f}x" in p8.summary() and p8.to_dict()["concurrency_gain_vs_baseline"] == exact
     assert exact < 2
     gain = p8.capacity_tokens / p16.capacity_tokens
     assert gain == pytest.approx(exact, rel=0.02) and gain < 1.6

@@ -67,7 +67,7 @@ class LLMEngine:
             gpu_memory=args.gpu_memory or (torch.cuda.mem_get_info(self.device)[1] if platform == "cuda" else None),
             gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
-            query_dtype=args.query_dtype,
+            query_dtype=args.query_dtype, state_dtype=args.state_dtype,
         )
         self.plan = resolve(self.spec, cache, ParallelConfig(args.tensor_parallel_size), platform,
                             model_dtype=model_dtype)

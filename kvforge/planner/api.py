@@ -13,7 +13,7 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = 0.9,
          device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int = 256, query_dtype: str = "auto",
-         backends=None) -> KVPlan:
+         state_dtype: str = "auto", backends=None) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights."""
     from kvforge.kv_dtypes import canonical_model_dtype
 
@@ -22,6 +22,7 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
                         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
-                        max_num_seqs=max_num_seqs, query_dtype=query_dtype)
+                        max_num_seqs=max_num_seqs, query_dtype=query_dtype,
+                        state_dtype=state_dtype)
     model_dtype = canonical_model_dtype(dtype) if dtype and dtype != "auto" else None
     return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype)

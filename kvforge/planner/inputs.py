@@ -26,6 +26,8 @@ def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
 
 #: ``--query-dtype`` values (CacheConfig.query_dtype).
 QUERY_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model")
+#: ``--state-dtype`` values (CacheConfig.state_dtype): the storage dtype of linear-attention state slots.
+STATE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,9 @@ class CacheConfig:
     #: "auto": a quantized attention query where the KV is quantized and the backend declares it (rule 3);
     #: "model": always the model dtype (the user trades the declared speed-up for the exact query).
     query_dtype: str = "auto"
+    #: State slots of linear-attention layers: "auto" (float32; the resolver's ``state_dtype`` says why), "model" (the model
+    #: dtype) or an explicit float dtype. Never quantized: the state is rewritten every token.
+    state_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
@@ -72,6 +77,9 @@ class CacheConfig:
         if self.query_dtype not in QUERY_DTYPE_CHOICES:
             raise ConfigError(f"--query-dtype must be one of {', '.join(QUERY_DTYPE_CHOICES)}, got "
                               f"{self.query_dtype!r}")
+        if self.state_dtype not in STATE_DTYPE_CHOICES:
+            raise ConfigError(f"--state-dtype must be one of {', '.join(STATE_DTYPE_CHOICES)}, got "
+                              f"{self.state_dtype!r} (a linear-attention state is never quantized)")
 
 
 @dataclass(frozen=True)

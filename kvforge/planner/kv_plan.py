@@ -84,6 +84,9 @@ class Capacity:
     capacity_tokens: int | None
     max_concurrency: float | None
     state_slots: int | None
+    #: Bytes one sequence of ``max_model_len`` tokens takes (its block ids' pages and its state slot): the
+    #: divisor of ``max_concurrency``, so the ratio of two plans' figures is their exact concurrency gain.
+    bytes_per_sequence: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class KVPlan:
     #: Whether a request may resume from cached blocks of an earlier one, and why (or why not).
     prefix_caching: bool = True
     prefix_caching_reason: str = ""
+    #: Storage dtype of the state slots of linear-attention layers (None without state layers), and why.
+    state_dtype: str | None = None
+    state_dtype_reason: str = ""
 
     @property
     def num_blocks(self) -> int | None:
@@ -128,6 +134,15 @@ class KVPlan:
     def max_concurrency(self) -> float | None:
         return self.capacity.max_concurrency
 
+    def concurrency_gain(self) -> float | None:
+        """Exact max-concurrency ratio to the baseline (model-dtype KV) plan: its bytes per sequence over
+        this plan's. Below 2x for fp8 whenever a sequence also holds bytes fp8 does not halve (state slots,
+        or block ids of a layout fp8 does not shrink); None without a baseline or capacity."""
+        base = self.baseline
+        if base is None or not base.bytes_per_sequence or not self.capacity.bytes_per_sequence:
+            return None
+        return base.bytes_per_sequence / self.capacity.bytes_per_sequence
+
     def backends(self) -> list[str]:
         return sorted({layer.backend for layer in self.layers})
 
@@ -139,6 +154,8 @@ class KVPlan:
         d["max_concurrency"] = cap["max_concurrency"]
         d["state_slots"] = cap["state_slots"]
         d["kv_cache_memory"] = cap["kv_cache_memory"]
+        d["bytes_per_sequence"] = cap["bytes_per_sequence"]
+        d["concurrency_gain_vs_baseline"] = self.concurrency_gain()
         if self.baseline is not None and self.capacity.capacity_tokens and self.baseline.capacity_tokens:
             d["capacity_gain_vs_baseline"] = round(self.capacity.capacity_tokens / self.baseline.capacity_tokens, 4)
         else:
@@ -168,7 +185,13 @@ class KVPlan:
             if self.baseline is not None and self.baseline.capacity_tokens:
                 gain = cap.capacity_tokens / self.baseline.capacity_tokens
                 line += f" ({gain:.2f}x the {self.baseline.kv_cache_dtype} KV capacity of {self.baseline.capacity_tokens})"
+                exact = self.concurrency_gain()
+                if exact is not None and self.state_bytes_per_sequence:
+                    line += (f"; concurrency gain exactly {self.baseline.bytes_per_sequence} / "
+                             f"{cap.bytes_per_sequence} = {exact:.4f}x bytes per sequence")
             lines.append(line)
+        if self.state_dtype is not None:
+            lines.append(f"  state dtype {self.state_dtype}: {self.state_dtype_reason}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

@@ -38,6 +38,8 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_row("max model len", str(plan.max_model_len))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
     head.add_row("state bytes per sequence", f"{plan.state_bytes_per_sequence:,}")
+    if plan.state_dtype is not None:
+        head.add_row("state dtype", plan.state_dtype_reason)
     head.add_row("prefix caching", plan.prefix_caching_reason)
     head.add_row("weights per rank", f"{_gib(plan.weights_bytes_per_rank)} ({plan.num_parameters:,} parameters)")
     if cap.num_blocks is not None:
@@ -48,6 +50,11 @@ def render_plan(plan: KVPlan, console=None) -> None:
             gain = cap.capacity_tokens / plan.baseline.capacity_tokens
             head.add_row(f"vs {plan.baseline.kv_cache_dtype} KV", f"{plan.baseline.capacity_tokens:,} tokens, "
                          f"concurrency {plan.baseline.max_concurrency:.2f}: gain {gain:.2f}x")
+            exact = plan.concurrency_gain()
+            if exact is not None and plan.state_bytes_per_sequence:
+                head.add_row("concurrency gain (exact)",
+                             f"{plan.baseline.bytes_per_sequence:,} / {cap.bytes_per_sequence:,} bytes per sequence "
+                             f"= {exact:.4f}x (state bytes are not halved)")
     else:
         head.add_row("capacity", "no memory given (--kv-cache-memory or --gpu-memory)")
     console.print(head)

@@ -78,7 +78,28 @@ def _layer_geometry(layer, kv_heads_rank: int, kv_dtype: str, tp: int) -> tuple[
         return layer.kv_lora_rank + layer.qk_rope_head_dim, (layer.kv_lora_rank + layer.qk_rope_head_dim) * elem, 0
     split = layer.tp_divisible_elements // tp
     rest = layer.state_elements - layer.tp_divisible_elements
-    return None, 0, (split + rest) * BYTES_PER_ELEMENT[layer.state_dtype]
+    return None, 0, (split + rest) * elem  # kv_dtype: the plan's state dtype
+
+
+STATE_DTYPE = "float32"
+
+
+def state_dtype(choice: str, model_dtype: str) -> tuple[str, str]:
+    """The storage dtype of linear-attention state slots and why (``choice``: ``--state-dtype``).
+
+    "auto" keeps float32 whatever the model dtype: the recurrent state is an accumulator the delta rule
+    rewrites at every token, so a 16-bit slot would round it once per decode step (an error that grows
+    with the generated length) where transformers and the kernels keep it in float32; the conv history
+    (a few percent of the state) shares the slot's dtype. The price is twice the state bytes of a
+    16-bit model, which the plan's capacity counts. The state is never quantized."""
+    if choice == "auto":
+        return STATE_DTYPE, (f"float32 (--state-dtype auto): the recurrent state is rewritten every token, so a "
+                             f"{model_dtype} slot would round it once per decode step; transformers keeps it in "
+                             f"float32 too. --state-dtype model halves the state bytes of a 16-bit model")
+    if choice == "model":
+        return model_dtype, (f"the model dtype {model_dtype} (--state-dtype model): half the bytes of float32 for a "
+                             f"16-bit model, the recurrent state rounded to {model_dtype} after every step")
+    return choice, f"{choice} (--state-dtype {choice})"
 
 
 def _pick_backend(kind: str, platform: str, kv_dtype: str, head_size: int | None,
@@ -268,7 +289,7 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     growing_blocks = sum(math.ceil(max_model_len / g.block_size) for g in growing)
     per_seq = (growing_blocks + window_blocks) * block_id_bytes + slot_state_bytes
     if per_seq == 0:
-        return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None)
+        return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None, 0)
     concurrency = memory / per_seq
     if concurrency < 1:
         raise PlanError(
@@ -283,7 +304,7 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
         tokens = ((num_blocks - int(concurrency) * window_blocks) // len(growing)) * growing[0].block_size
     else:
         tokens = int(concurrency) * max_model_len
-    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots)
+    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots, per_seq)
 
 
 def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
@@ -354,10 +375,12 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         raise PlanError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                         f"{spec.max_position_embeddings}; fix: use --max-model-len <= {spec.max_position_embeddings}")
 
+    has_state = any(isinstance(ls, StateLayerSpec) for ls in spec.layers)
+    slot_dtype, slot_dtype_reason = state_dtype(cache.state_dtype, model_dtype) if has_state else (None, "")
     layers: list[_Layer] = []
     for ls in spec.layers:
         heads_rank, kv_rank = _heads_per_rank(ls, tp)
-        layer_kv = ls.state_dtype if isinstance(ls, StateLayerSpec) else kv_dtype
+        layer_kv = slot_dtype if isinstance(ls, StateLayerSpec) else kv_dtype
         head_size, token_bytes, state_bytes = _layer_geometry(ls, kv_rank, layer_kv, tp)
         decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}",
                              sinks=getattr(ls, "sinks", False))
@@ -466,6 +489,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
         warnings=tuple(warnings), scale_source=scale_source,
         prefix_caching=prefix_ok, prefix_caching_reason=prefix_reason,
+        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason,
     )
 
 
