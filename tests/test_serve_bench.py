@@ -259,3 +259,38 @@ def test_roofline_without_decode_steps_and_tied_embeddings():
     assert step_weight_bytes(Toy(tied=False)).total == (16 + 40) * 4
     assert dense_decode_flops_per_token(Toy(tied=True)) == 2.0 * 56
     assert dense_decode_flops_per_token(Toy(tied=False)) == 2.0 * 56
+
+
+def test_kv_floor_reads_only_the_window_of_sliding_layers():
+    """Per sequence and step: 10 bytes per token of full layers, 4 of a window-8 layer and 6 of a window-3
+    layer, 100 state bytes (read and written: 200). At context 2: 20 + 8 + 12 + 200 = 240; at context 20:
+    200 + 32 + 18 + 200 = 450. The roofline workload (inputs 10 and 20, outputs 3 and 2) at 1 B/s with no
+    weights: step 1 runs contexts 11 and 21 (110 + 32 + 18 + 200 = 360, 210 + 32 + 18 + 200 = 460), step 2
+    context 12 (120 + 32 + 18 + 200 = 370): 1190 s."""
+    from kvforge.bench.roofline import StepKVBytes, roofline
+
+    kv = StepKVBytes(per_token=10, windowed=((3, 6), (8, 4)), state=100)
+    assert kv.at_context(2) == 240 and kv.at_context(20) == 450
+    assert roofline([10, 20], [3, 2], 0, kv, 1.0, 100, 1000.0)["decode_floor_s"] == pytest.approx(1190.0)
+    # An int is bytes per token of every layer: the same floor as StepKVBytes(per_token=...).
+    assert (roofline([10, 20], [3, 2], 0, 10, 1.0, 100, 1000.0)["decode_floor_s"]
+            == roofline([10, 20], [3, 2], 0, StepKVBytes(10), 1.0, 100, 1000.0)["decode_floor_s"])
+
+
+def test_kv_step_bytes_from_plans():
+    """From real plans: a model without sliding layers charges the plan's bytes per token for every
+    context token; gpt-oss-20b (12 sliding layers of window 128 and 12 full layers, 8 KV heads x 64 x
+    K and V = 1024 fp8 bytes per token and layer) charges its sliding layers at most 128 tokens, so
+    beyond the window a step grows only by the full layers' bytes (the plan's bytes per token)."""
+    from kvforge.bench.roofline import StepKVBytes
+    from kvforge.planner.api import plan as plan_for
+
+    llama = plan_for("llama-3.1-8b", kv_cache_dtype="fp8")
+    kv = StepKVBytes.from_plan(llama)
+    assert kv == StepKVBytes(per_token=llama.bytes_per_token)
+    oss = plan_for("gpt-oss-20b", kv_cache_dtype="fp8")
+    kv = StepKVBytes.from_plan(oss)
+    assert kv == StepKVBytes(per_token=12 * 1024, windowed=((128, 12 * 1024),)) == StepKVBytes(
+        per_token=oss.bytes_per_token, windowed=((128, oss.bytes_per_token),))
+    assert kv.at_context(10_000) - kv.at_context(9_999) == oss.bytes_per_token
+    assert kv.at_context(100) == 2 * 12 * 1024 * 100

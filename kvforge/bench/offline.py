@@ -9,7 +9,9 @@ counters, and on CUDA a memory roofline:
 * decode floor: for every decode step of this exact workload (all requests
   admitted together, request ``r`` decoding for ``out_r`` steps), the bytes the
   step must read, ``weights read (all parameters but the input embedding) +
-  KV of every context token of the running requests``, divided by the
+  KV of every context token of the running requests`` (of a sliding-window
+  layer only the tokens inside its window; linear-attention state read and
+  written once a step: ``roofline.StepKVBytes``), divided by the
   device-to-device copy bandwidth measured in the same run (bytes read and
   written per second, as in docs/KERNELS.md). Of a MoE model's routed experts
   a step reads those its running tokens pick, expected under uniform routing
@@ -44,8 +46,10 @@ import random
 import re
 import statistics
 import time
+from dataclasses import asdict
 
 from kvforge.bench.roofline import (
+    StepKVBytes,
     StepWeightBytes,
     dense_decode_flops_per_token,
     matmul_params_per_token,
@@ -274,11 +278,13 @@ def offline_main(args: argparse.Namespace) -> int:
         copy_bw = _copy_bandwidth(engine.device)
         gemm = _gemm_rate(engine.device)
         weights = step_weight_bytes(engine.model)
-        roof = roofline(in_lens, out_lens, weights, llm.plan.bytes_per_token, copy_bw,
+        kv = StepKVBytes.from_plan(llm.plan)
+        roof = roofline(in_lens, out_lens, weights, kv, copy_bw,
                         matmul_params_per_token(engine.model), gemm, dense_decode_flops_per_token(engine.model))
         result.update({"copy_bandwidth_Bps": copy_bw, "gemm_bf16_flops": gemm, "weights_read_bytes": weights.total,
                        "moe_routed_weight_bytes": weights.routed,
-                       "kv_bytes_per_token": llm.plan.bytes_per_token, "roofline": roof,
+                       "kv_bytes_per_token": llm.plan.bytes_per_token, "kv_step_bytes": asdict(kv),
+                       "roofline": roof,
                        "fraction_of_floor": roof["floor_s"] / med["seconds"]})
         if "floor_compute_aware_s" in roof:
             result["fraction_of_compute_aware_floor"] = roof["floor_compute_aware_s"] / med["seconds"]

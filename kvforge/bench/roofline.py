@@ -50,6 +50,42 @@ class StepWeightBytes:
         return self.dense + self.routed * (1.0 - idle)
 
 
+@dataclass(frozen=True)
+class StepKVBytes:
+    """KV-cache and state bytes one running sequence moves in one decode step, by layer kind.
+
+    ``per_token``: bytes per context token of the layers that read every token (full attention, MLA).
+    ``windowed``: ``(window, bytes per token)`` of sliding-window layers, which read at most ``window``
+    tokens whatever the context. ``state``: bytes of fixed per-sequence state (linear-attention layers),
+    read and written once per step, so a step moves it twice.
+
+    Invariant: ``at_context`` grows with the context and, beyond the largest window, exactly by
+    ``per_token`` per token.
+    """
+
+    per_token: int
+    windowed: tuple[tuple[int, int], ...] = ()
+    state: int = 0
+
+    def at_context(self, context: int) -> int:
+        """Bytes one sequence with ``context`` tokens moves in one decode step."""
+        return (self.per_token * context + sum(b * min(context, w) for w, b in self.windowed)
+                + 2 * self.state)
+
+    @staticmethod
+    def from_plan(plan) -> StepKVBytes:
+        """From a :class:`kvforge.planner.kv_plan.KVPlan` (bytes per rank): growing layers at the plan's
+        bytes per token, each sliding group's layers at their unpadded page bytes per token, and the
+        layers' fixed state."""
+        windows: dict[int, int] = {}
+        for g in plan.groups:
+            if g.kind == "sliding":
+                per_layer = g.page_bytes_unpadded // g.block_size
+                windows[g.sliding_window] = windows.get(g.sliding_window, 0) + per_layer * len(g.layers)
+        state = sum(layer.state_bytes for layer in plan.layers)
+        return StepKVBytes(plan.bytes_per_token, tuple(sorted(windows.items())), state)
+
+
 def _weights_used(model, in_bytes: bool) -> int:
     """Elements (or bytes) of every parameter but a separate input embedding, which is gathered, not
     multiplied or streamed; a tied LM head multiplies it, so it counts then."""
@@ -97,21 +133,24 @@ def dense_decode_flops_per_token(model) -> float | None:
     return 2.0 * _weights_used(model, in_bytes=False)
 
 
-def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv_bytes_per_token: int, copy_bw: float,
+def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv: StepKVBytes | int, copy_bw: float,
              params: float, gemm_rate: float, flops_per_decode_token: float | None = None) -> dict:
     """Byte floor per decode step (and, given ``flops_per_decode_token``, the compute-aware one) summed over
     this workload's schedule, plus the prefill FLOP floor (kvforge/bench/offline.py's docstring). All
     requests are admitted together; request ``r`` decodes for ``out_r - 1`` steps (its first token comes
-    from the prefill). ``weights``: a step's weight bytes at its batch (an int: the same at every batch)."""
+    from the prefill). ``weights``: a step's weight bytes at its batch (an int: the same at every batch).
+    ``kv``: a sequence's KV and state bytes per step (an int: bytes per context token of every layer)."""
     if not isinstance(weights, StepWeightBytes):
         weights = StepWeightBytes(dense=int(weights))
+    if not isinstance(kv, StepKVBytes):
+        kv = StepKVBytes(per_token=int(kv))
     steps = max(out_lens)
     decode_s = decode_ca_s = 0.0
     active = list(zip(out_lens, in_lens))
     for s in range(1, steps):  # output token 1 comes from the prefill; decode step s makes token s + 1
         running = [(o, i) for o, i in active if o > s]
-        ctx = sum(i + s for o, i in running)
-        t_weights, t_kv = weights.at_batch(len(running)) / copy_bw, ctx * kv_bytes_per_token / copy_bw
+        kv_bytes = sum(kv.at_context(i + s) for o, i in running)
+        t_weights, t_kv = weights.at_batch(len(running)) / copy_bw, kv_bytes / copy_bw
         decode_s += t_weights + t_kv
         if flops_per_decode_token is not None:
             decode_ca_s += max(t_weights, flops_per_decode_token * len(running) / gemm_rate) + t_kv
