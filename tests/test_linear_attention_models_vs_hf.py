@@ -231,25 +231,6 @@ def test_state_layouts_and_layer_kinds_match_the_plan_spec(case, tmp_path):
     assert [x.kind for x in spec.layers] == want
 
 
-def test_the_engine_refuses_them_before_reading_weights(tmp_path, monkeypatch):
-    """Until the engine allocates state slots, both architectures fail with the reason, before any weight."""
-    import kvforge.weights as weights
-    from kvforge import LLM
-    from kvforge.models.registry import resolve_architecture
-
-    def no_weights(*args, **kwargs):
-        raise AssertionError("weights must not be read for a model the engine cannot serve")
-
-    monkeypatch.setattr(weights, "load_weights", no_weights)
-    _, config = make_checkpoint("qwen3-next", tmp_path)
-    with pytest.raises(ConfigError, match="Qwen3NextForCausalLM cannot be served yet: .*state slot"):
-        LLM(str(tmp_path), skip_tokenizer_init=True, kv_cache_memory=1 << 24, progress=False, device="cpu")
-    for arch, model_type in (("Qwen3NextForCausalLM", "qwen3_next"), ("KimiLinearForCausalLM", "kimi_linear")):
-        for cfg in ({"architectures": [arch]}, {"model_type": model_type}):
-            with pytest.raises(ConfigError, match=f"{arch} cannot be served yet"):
-                resolve_architecture(cfg)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_kernels_in_the_model_match_transformers(case, tmp_path, monkeypatch):
     """The same model with its state operations on the Triton kernels (Triton's CPU interpreter here; the

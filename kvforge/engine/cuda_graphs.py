@@ -39,7 +39,13 @@ Invariants (what makes a replay equal to an eager step):
    reallocated afterwards (fp8 calibration updates scales in place; no graph
    replays before calibration is done). A graph's output lives in the shared
    pool and is valid until the next replay of any graph.
-6. Only when every layer's backend ``captures_cuda_graphs`` (the Triton
+6. **State slots** (linear-attention layers): ``slot_ids[Bmax]`` int32 and
+   ``has_initial_state[Bmax]`` bool are static too, with ``query_start_loc``
+   the same ``arange``; :meth:`DecodeGraphs.load` writes each row's slot and
+   whether its slot already holds its state (False only for a one-token
+   prompt), padding rows slot -1 (the decode kernels neither read nor write
+   it). The captured decode kernels update the slots in place.
+7. Only when every attention layer's backend ``captures_cuda_graphs`` (the Triton
    backends; the reference backends read tensor values on the host, which
    capture forbids), there are no per-request rings,
    and the model has no ``cuda_graph_unsupported_reason`` (e.g. MoE layers
@@ -73,13 +79,20 @@ def graphs_unsupported_reason(runner) -> str | None:
     """None when decode graphs can be captured for ``runner``, else why not."""
     if runner.device.type != "cuda":
         return "not a CUDA device"
-    other = sorted({b.name for b in runner.backends if not b.captures_cuda_graphs})
+    # State layers run no attention backend: their slots go through the linear-state kernels below.
+    attention = [b for b, layer in zip(runner.backends, runner.plan.layers) if layer.kind != "state"]
+    other = sorted({b.name for b in attention if not b.captures_cuda_graphs})
     if other:
-        capturable = sorted({b.name for b in runner.backends if b.captures_cuda_graphs})
+        capturable = sorted({b.name for b in attention if b.captures_cuda_graphs})
         return (f"layers planned on backend(s) {', '.join(other)}, which read tensor values on the host "
                 f"(graphs need backends that capture{': ' + ', '.join(capturable) if capturable else ''})")
     if runner.pool.ring_pages:
         return "per-request rings (CsaRingTest) are written eagerly"
+    if runner.linear_states is not None:
+        from kvforge.kernels import triton_gated_delta_rule
+
+        if not triton_gated_delta_rule.HAS_TRITON:
+            return "linear-attention state slots need the Triton decode kernels (Triton is not importable)"
     model_reason = getattr(runner.model, "cuda_graph_unsupported_reason", None)
     if model_reason:
         return f"the model is not capturable: {model_reason}"
@@ -108,6 +121,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((G, bmax, self.max_blocks), dtype=torch.int32, device=dev)
         self.scratch32 = torch.empty(bmax + G * bmax * self.max_blocks, dtype=torch.int32, device=dev)
         self._host64 = np.zeros((2 + G, bmax), dtype=np.int64)
+        # Linear-attention state slots: each row's slot (-1: padding) and whether the slot holds its state.
+        self.has_slots = runner.linear_states is not None
+        self.slot_ids = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
+        self.has_initial_state = torch.ones(bmax, dtype=torch.bool, device=dev)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         if capture:
@@ -121,6 +138,20 @@ class DecodeGraphs:
             block_size=self.block_size,
         ) for g in range(self.num_groups))
         return self.i64[0, :b], self.i64[1, :b], metas
+
+    def _slot_batch(self, b: int, host_slots=None, host_init=None):
+        """The static slot batch of size ``b`` (None without state layers). ``host_slots``/``host_init``: the
+        step's values for the host copies (the PyTorch path of uncaptured runs); padding otherwise."""
+        if not self.has_slots:
+            return None
+        from kvforge.attention.linear_state import SlotBatch
+
+        slots = tuple(host_slots) if host_slots is not None else (-1,) * b
+        init = tuple(host_init) if host_init is not None else (True,) * b
+        return SlotBatch(query_start_loc=self.qsl[:b + 1], slot_ids=self.slot_ids[:b],
+                         has_initial_state=self.has_initial_state[:b], max_query_len=1,
+                         host_query_start_loc=tuple(range(b + 1)), host_slot_ids=slots,
+                         host_has_initial_state=init)
 
     def size_for(self, n: int) -> int | None:
         for b in self.sizes:
@@ -141,11 +172,12 @@ class DecodeGraphs:
             pool = torch.cuda.graph_pool_handle()
             for b in sorted(self.sizes, reverse=True):
                 ids, pos, meta = self._inputs(b)
-                runner.forward(ids, pos, meta, self.num_splits[b])  # warm-up: compiles kernels, no KV write
+                slot_batch = self._slot_batch(b)  # every row padding: no state slot is touched
+                runner.forward(ids, pos, meta, self.num_splits[b], slot_batch)  # warm-up: compiles, writes nothing
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = runner.forward(ids, pos, meta, self.num_splits[b])
+                    out = runner.forward(ids, pos, meta, self.num_splits[b], slot_batch)
                 self.graphs[b] = (graph, out)
             torch.cuda.synchronize(self.device)
         finally:
@@ -162,6 +194,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.runner = None
         self.i64 = self.qsl = self.seq_lens = self.block_tables = self.scratch32 = None
+        self.slot_ids = self.has_initial_state = None
         self.sizes, self.max_size = [], 0
 
     # ---- replay -------------------------------------------------------------------
@@ -190,6 +223,16 @@ class DecodeGraphs:
         scratch.copy_(a32, non_blocking=True)
         self.seq_lens.copy_(scratch[:bmax])
         self.block_tables[:, :b, :cols].copy_(scratch[bmax:].view(G, b, cols))
+        if self.has_slots:
+            slots = np.full(bmax, -1, dtype=np.int32)
+            slots[:n] = host.state_slots
+            init = np.ones(bmax, dtype=np.bool_)
+            init[:n] = host.has_initial_state()
+            s32, sb = torch.from_numpy(slots), torch.from_numpy(init)
+            if self.device.type == "cuda":
+                s32, sb = s32.pin_memory(), sb.pin_memory()
+            self.slot_ids.copy_(s32, non_blocking=True)
+            self.has_initial_state.copy_(sb, non_blocking=True)
         return b
 
     def run(self, host) -> torch.Tensor:
@@ -200,7 +243,12 @@ class DecodeGraphs:
             # capture=False (CPU tests): the same static, padded inputs, run eagerly.
             ids, pos, meta = self._inputs(b)
             splits = self.num_splits[b] if graphs_unsupported_reason(self.runner) is None else None
-            return self.runner.forward(ids, pos, meta, splits)[:host.num_seqs]
+            n = host.num_seqs
+            slot_batch = None
+            if self.has_slots:
+                slot_batch = self._slot_batch(b, list(host.state_slots) + [-1] * (b - n),
+                                              list(host.has_initial_state()) + [True] * (b - n))
+            return self.runner.forward(ids, pos, meta, splits, slot_batch)[:n]
         graph, out = self.graphs[b]
         graph.replay()
         return out[:host.num_seqs]

@@ -18,12 +18,22 @@ Rings (CsaRingTest): after the attention pages come ``state_slots`` x
 ``num_rings`` pages of the ring group's page size; ``ring_pages[j]`` is the
 uint8 ``[state_slots, page_bytes]`` view of the ring owned by layer
 ``ring_layers[j]``. A request holds one state slot while it runs.
+
+Linear-attention state (Qwen3-Next, Kimi-Linear: a plan with a "state" group):
+after the attention pages (and rings) come, per state layer in index order,
+``state_slots`` conv states ``[W - 1, D]`` then ``state_slots`` recurrent
+states ``[Hv, K, V]`` in the plan's state dtype, shaped by the model's
+``linear_state_layouts()``; ``linear_states`` wraps them
+(kvforge/attention/linear_state.py). Each layer's two views take exactly the
+plan's ``state_bytes`` of that layer per slot; a running sequence holds one
+slot (the same index in every layer).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvforge.attention.linear_state import LinearStateLayout, LinearStates
 from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 
@@ -44,16 +54,18 @@ class KVPool:
 
     Invariants: ``buffer.numel() == num_blocks * group_size * page_bytes +
     state_slots * state_bytes_per_sequence`` (the plan's figures; the second
-    term only for rings); each view's bytes equal ``num_blocks * page_bytes``;
+    term only for rings and state layers); each view's bytes equal ``num_blocks * page_bytes``;
     ``kv_caches[l]`` / ``k_scales[l]`` / ``v_scales[l]`` belong to layer ``l``
-    (scales float32 [kv_heads_per_rank]); ``layer_group[l]`` is the index of
+    (scales float32 [kv_heads_per_rank]; None for a state layer); ``layer_group[l]`` is the index of
     layer ``l``'s group in ``groups``, whose windows are ``group_windows``.
     """
 
-    def __init__(self, plan: KVPlan, device: torch.device):
+    def __init__(self, plan: KVPlan, device: torch.device,
+                 state_layouts: dict[int, LinearStateLayout] | None = None):
         groups = [g for g in plan.groups if g.kind in ATTENTION_GROUP_KINDS]
         rings = [g for g in plan.groups if g.kind == "ring"]
-        other = [g for g in plan.groups if g.kind not in ATTENTION_GROUP_KINDS + ("ring",)]
+        state_layers = [x.index for x in plan.layers if x.kind == "state"]
+        other = [g for g in plan.groups if g.kind not in ATTENTION_GROUP_KINDS + ("ring", "state")]
         if not groups or other:
             kinds = ", ".join(sorted({g.kind for g in plan.groups}))
             raise ConfigError(
@@ -82,11 +94,15 @@ class KVPool:
             for layer_index in g.layers:
                 self.layer_group[layer_index] = gi
         attention_bytes = self.num_blocks * plan.group_size * self.page_bytes
-        self.state_slots = (plan.capacity.state_slots or 0) if rings else 0
+        self.state_slots = (plan.capacity.state_slots or 0) if rings or state_layers else 0
         ring_bytes = self.state_slots * sum(g.page_bytes for g in rings)
         if rings and ring_bytes != self.state_slots * plan.state_bytes_per_sequence:
             raise ConfigError("ring pages do not add up to the plan's state bytes per sequence")
-        nbytes = attention_bytes + ring_bytes
+        state_dtype = TORCH_KV_DTYPES[plan.state_dtype] if state_layers else None
+        if state_layers:
+            _check_state_layouts(plan, state_layers, state_layouts, state_dtype)
+        linear_bytes = self.state_slots * sum(plan.layers[i].state_bytes for i in state_layers)
+        nbytes = attention_bytes + ring_bytes + linear_bytes
         # CUDA: zero-filled (one memset), so a read of a never-written page (CUDA-graph padding rows read
         # block 0) sees finite numbers; CPU keeps torch.empty (pages are written before they are read).
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
@@ -109,7 +125,7 @@ class KVPool:
                 self.kv_caches[layer_index] = view
                 self.k_scales[layer_index] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
                 self.v_scales[layer_index] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
-        missing = [i for i, c in enumerate(self.kv_caches) if c is None]
+        missing = [i for i, c in enumerate(self.kv_caches) if c is None and plan.layers[i].kind != "state"]
         if missing:  # pragma: no cover - every non-state layer is in a group, state groups are refused above
             raise ConfigError(f"layers {missing} are in no attention KV-cache group of the plan")
         self.ring_layers = [g.layers[0] for g in rings]
@@ -120,6 +136,20 @@ class KVPool:
             self.ring_pages.append(self.buffer[offset:offset + size].view(self.state_slots, g.page_bytes))
             offset += size
         self.ring_page_bytes_unpadded = rings[0].page_bytes_unpadded if rings else 0
+        #: The conv and recurrent state slots of every linear-attention layer (None without state layers).
+        self.linear_states: LinearStates | None = None
+        if state_layers:
+            conv, recurrent = {}, {}
+            for i in state_layers:
+                lay = state_layouts[i]
+                for shape, into in ((lay.conv_shape, conv), (lay.recurrent_shape, recurrent)):
+                    size = self.state_slots * _numel(shape) * state_dtype.itemsize
+                    raw = self.buffer[offset:offset + size]
+                    if offset % state_dtype.itemsize:  # pragma: no cover - pages are whole multiples of 4 bytes
+                        raise ConfigError(f"state slots start at byte {offset}, not aligned to {state_dtype}")
+                    into[i] = raw.view(state_dtype).view(self.state_slots, *shape)
+                    offset += size
+            self.linear_states = LinearStates(conv, recurrent)
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +165,7 @@ class KVPool:
         self.buffer = torch.empty(0, dtype=torch.uint8, device=self.buffer.device)
         self.pages = self.buffer
         self.kv_caches, self.k_scales, self.v_scales, self.ring_pages = [], [], [], []
+        self.linear_states = None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every page slot (so in every layer)."""
@@ -145,3 +176,24 @@ class KVPool:
             idx = idx.pin_memory().to(self.buffer.device, non_blocking=True)  # no host sync
         src, dst = idx[0], idx[1]
         self.pages[:, dst] = self.pages[:, src]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _check_state_layouts(plan: KVPlan, state_layers: list[int], layouts, dtype: torch.dtype) -> None:
+    """Every state layer of the plan has the model's layout, of exactly its planned bytes per slot."""
+    if layouts is None or set(layouts) != set(state_layers):
+        have = sorted(layouts or ())
+        raise ConfigError(f"the plan has linear-attention state layers {state_layers} but the model reports state "
+                          f"layouts for layers {have} (its linear_state_layouts()); the spec and the model disagree")
+    for i in state_layers:
+        got = layouts[i].elements * dtype.itemsize
+        if got != plan.layers[i].state_bytes:
+            raise ConfigError(f"layer {i}: the model's state takes {got} bytes per sequence in {dtype} but the plan "
+                              f"planned {plan.layers[i].state_bytes}; the spec's state elements disagree with the "
+                              f"model's layout")

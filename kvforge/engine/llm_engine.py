@@ -74,6 +74,14 @@ class LLMEngine:
         from kvforge.models.registry import resolve_architecture
 
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
+        # Linear-attention layers (Qwen3-Next, Kimi-Linear): one state slot per running sequence, from the plan.
+        self.has_linear_state = any(layer.kind == "state" for layer in self.plan.layers)
+        if self.has_linear_state and args.async_scheduling:
+            raise ConfigError("--async-scheduling is not supported for linear-attention models: their per-sequence "
+                              "state slots are bound to the synchronous step; drop --async-scheduling")
+        if self.has_linear_state and args.tensor_parallel_size > 1:
+            raise ConfigError("linear-attention state slots are not supported with tensor parallelism yet; use "
+                              "--tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
         if self.spec.rings and args.async_scheduling:
             raise ConfigError("--async-scheduling is not supported for ring (CsaRing) models: their per-request "
                               "state slots are bound to the synchronous step; drop --async-scheduling")
@@ -109,7 +117,8 @@ class LLMEngine:
             load_weights(self.model, self.model_path, self.load_format, seed=args.seed, progress=args.progress)
 
             # 3. KV pool exactly as planned.
-            self.pool = KVPool(self.plan, self.device)
+            layouts = getattr(self.model, "linear_state_layouts", None)
+            self.pool = KVPool(self.plan, self.device, layouts() if layouts is not None else None)
         # Block manager, scheduler, runner.
         prefix_caching = args.enable_prefix_caching and self.plan.prefix_caching
         if args.enable_prefix_caching and not self.plan.prefix_caching:
@@ -123,11 +132,13 @@ class LLMEngine:
         max_num_seqs = args.max_num_seqs
         self.state_slots = None
         ring_rows = ring_row_bytes = 0
-        if self.spec.rings:
+        if self.spec.rings or self.has_linear_state:
             from kvforge.engine.state_slots import StateSlots
 
+            # Every running request holds a slot: the plan's state slots are its max concurrency, admitted exactly.
             self.state_slots = StateSlots(self.pool.state_slots)
-            max_num_seqs = min(max_num_seqs, self.pool.state_slots)  # every running request holds a slot
+            max_num_seqs = min(max_num_seqs, self.pool.state_slots)
+        if self.spec.rings:
             ring_rows = self.spec.rings[0].rows(self.plan.num_speculative_tokens)
             ring_row_bytes = self.spec.rings[0].row_bytes
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, batched, self.max_model_len,
@@ -148,7 +159,7 @@ class LLMEngine:
         # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
         # (works on CPU/gloo, not yet measured on GPUs) and for ring models (refused above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
-                                 else platform == "cuda" and self.tp is None and not self.spec.rings)
+                                 else platform == "cuda" and self.tp is None and self.state_slots is None)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.startup_seconds = time.perf_counter() - t0
@@ -341,10 +352,14 @@ class LLMEngine:
                 sampled_seqs.append(seq)
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
-        if self.state_slots is not None:  # ring models (synchronous only)
-            for seq in out.preempted:
+        if self.state_slots is not None:  # ring and linear-attention models (synchronous only)
+            for seq in out.preempted:  # it recomputes from its prompt: its first chunk starts from a zero state
                 self.state_slots.release(seq.request_id)
-            self.runner.step_ring_slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
+            slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
+            if self.has_linear_state:
+                self.runner.step_state_slots = slots
+            else:
+                self.runner.step_ring_slots = slots
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
         share = self.async_scheduling
         logits = self.runner.run(chunks, rows + prompt_rows if prompt_rows else rows, placeholders=placeholders,
@@ -419,12 +434,21 @@ class LLMEngine:
         seq = Sequence(f"__score_{id(ids)}", ids, SamplingParams(max_tokens=1))
         if not self.block_manager.allocate(seq, len(ids), cached_blocks=[]):
             raise InvalidRequestError("not enough free KV blocks to score this text now", field="prompt")
+        slots = self.state_slots if self.has_linear_state else None
+        if slots is not None and not slots.num_free:
+            self.block_manager.free(seq)
+            raise InvalidRequestError("no free state slot to score this text now (every slot holds a running "
+                                      "sequence)", field="prompt")
         try:
             chunk = self.scheduler.max_num_batched_tokens
             parts = []
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
+                if slots is not None:
+                    self.runner.step_state_slots = [slots.acquire(seq.request_id)]
                 parts.append(self.runner.run([(piece, start, seq.block_tables)], None))
             return torch.cat(parts)
         finally:
             self.block_manager.free(seq)
+            if slots is not None:
+                slots.release(seq.request_id)

@@ -17,6 +17,13 @@ and copied with ``non_blocking=True`` (two copies per step: one int64 and one
 int32 buffer). On CPU the host tensors are used directly. The only host sync
 of a step is the engine reading the sampled tokens.
 
+Linear-attention layers (Qwen3-Next, Kimi-Linear) read and write their
+sequences' state slots (``KVPool.linear_states``): the engine hands each step
+one slot per sequence (``step_state_slots``, in the step's order), and the
+step's ``SlotBatch`` marks a sequence's first chunk (start position 0) as
+having no initial state, so a fresh or recomputed sequence never reads what
+the slot's previous owner left.
+
 Decode-only steps (every sequence brings one token) on CUDA replay a captured
 CUDA graph when one is available (kvforge/engine/cuda_graphs.py); prefill and
 mixed steps, and everything with ``enforce_eager``, run eagerly.
@@ -32,6 +39,7 @@ import torch
 
 from kvforge.attention.backends.base import AttentionBackend, BackendOptions, LayerKV, backend_class
 from kvforge.attention.fp8 import compute_scales, is_fp8
+from kvforge.attention.linear_state import SlotBatch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing.mla import check_prefill_mode
 from kvforge.engine.kv_pool import KVPool
@@ -92,7 +100,7 @@ class HostStep:
     """
 
     __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len",
-                 "placeholders")
+                 "placeholders", "state_slots")
 
     def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len,
                  placeholders=None):
@@ -102,6 +110,12 @@ class HostStep:
         # Overlapped scheduling (kvforge/engine/overlap.py): None, or (token rows [k], source rows [k],
         # device tensor) meaning ids[token rows] = tensor[source rows], gathered on the device.
         self.placeholders = placeholders
+        # Linear-attention models: int32 [num_seqs], each sequence's state slot (None otherwise).
+        self.state_slots = None
+
+    def has_initial_state(self) -> np.ndarray:
+        """bool [num_seqs]: whether each sequence's slot already holds its state (its chunk starts after 0)."""
+        return self.seq_lens > np.diff(self.qsl)
 
     @property
     def num_seqs(self) -> int:
@@ -154,11 +168,12 @@ class ModelRunner:
         self.backends: list[AttentionBackend] = [by_name[name] for name in self.backend_names]
         self._layer_kv: list[LayerKV | None] = [None] * len(plan.layers)
         self.scale_scheme = plan.layers[0].scale_scheme or "per_tensor"
-        self.needs_calibration = calibrate and any(is_fp8(c.dtype) for c in pool.kv_caches)
+        self.needs_calibration = calibrate and any(is_fp8(c.dtype) for c in pool.kv_caches if c is not None)
         self.scale_multiplier = scale_multiplier
         if scale_multiplier != 1.0:
             for s in pool.k_scales + pool.v_scales:
-                s.mul_(scale_multiplier)
+                if s is not None:  # state layers have no cache and no scales
+                    s.mul_(scale_multiplier)
         self._metas: tuple[AttentionMetadata, ...] | None = None  # this step's, one per KV-cache group
         # Models with MLA layers get an object: attn(layer, q, k, v) as usual, plus attn.mla(...).
         self._attn_api = _MLAAttn(self) if any(x.kind == "mla" for x in plan.layers) else self._attn
@@ -167,6 +182,12 @@ class ModelRunner:
         self.ring_of_layer = {layer: j for j, layer in enumerate(pool.ring_layers)}
         self.step_ring_slots: list[int] | None = None  # per chunk of the next run(); set by the engine
         self._ring_targets = None
+        #: State slots of the linear-attention layers (None without them), and the slot of each sequence of
+        #: the next run(), set by the engine.
+        self.linear_states = pool.linear_states
+        self.step_state_slots: list[int] | None = None
+        if self.linear_states is not None:
+            self._attn_api = _LinearAttn(self)
         if pool.ring_pages:
             if ring_rows * ring_row_bytes > pool.ring_page_bytes_unpadded:
                 raise ConfigError(f"ring of {ring_rows} x {ring_row_bytes} bytes does not fit its "
@@ -371,13 +392,23 @@ class ModelRunner:
         n = self.pool.k_scales[layer].numel()
         self.pool.k_scales[layer].copy_(ks.float().reshape(-1).expand(n) * self.scale_multiplier)
         self.pool.v_scales[layer].copy_(vs.float().reshape(-1).expand(n) * self.scale_multiplier)
-        if layer == len(self.pool.kv_caches) - 1:
+        if layer == max(i for i, c in enumerate(self.pool.kv_caches) if c is not None):  # the last cache calibrated
             self.needs_calibration = False
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_splits: int | None = None
-                ) -> torch.Tensor:
+    def slot_batch(self, host: HostStep) -> SlotBatch:
+        """The step's state slots on the device (eager steps; CUDA graphs fill static buffers instead)."""
+        return SlotBatch.build(np.diff(host.qsl).tolist(), host.state_slots.tolist(),
+                               host.has_initial_state().tolist(), self.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_splits: int | None = None,
+                slot_batch: SlotBatch | None = None) -> torch.Tensor:
         """The model over one step's tensors; returns hidden states [T, hidden]. ``meta``: one
-        AttentionMetadata per KV-cache group (a tuple), or one AttentionMetadata for a single group."""
+        AttentionMetadata per KV-cache group (a tuple), or one AttentionMetadata for a single group.
+        ``slot_batch``: the sequences' state slots (required with linear-attention layers)."""
+        if self.linear_states is not None:
+            if slot_batch is None:
+                raise RuntimeError("a model with linear-attention layers needs the step's SlotBatch")
+            self.linear_states.set_batch(slot_batch)
         self._metas = (meta,) if isinstance(meta, AttentionMetadata) else tuple(meta)
         if len(self._metas) != self.num_groups:
             raise ValueError(f"{len(self._metas)} attention metadata for {self.num_groups} KV-cache groups")
@@ -386,6 +417,8 @@ class ModelRunner:
             return self.model(input_ids, positions, self._attn_api)
         finally:
             self._metas, self._num_splits = None, None
+            if self.linear_states is not None:
+                self.linear_states.batch = None
 
     def release(self) -> None:
         """Give back the device memory this runner holds: the captured CUDA graphs and their static
@@ -405,6 +438,7 @@ class ModelRunner:
         self._layer_kv, self.backends = [], []
         self.ring_backend = None
         self._attn_api = self._ring_targets = None
+        self.linear_states = None
         self._metas = ()
 
     def counters(self) -> dict:
@@ -431,6 +465,12 @@ class ModelRunner:
         logits rows) matters only at TP > 1 (kvforge/distributed/runner.py)."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
+        if self.linear_states is not None:
+            slots, self.step_state_slots = self.step_state_slots, None
+            if slots is None or len(slots) != host.num_seqs:
+                raise RuntimeError(f"a step of {host.num_seqs} sequences over linear-attention state needs one state "
+                                   f"slot per sequence (step_state_slots), got {slots!r}")
+            host.state_slots = np.asarray(slots, dtype=np.int32)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None  # every row, in order: no gather
         return self.execute(host, self.wants_graph(host))
@@ -466,8 +506,9 @@ class ModelRunner:
         input_ids, positions, meta, rows = self._to_device(host)
         self.patch_placeholders(input_ids, host)
         self._ring_targets = self._ring_step_targets(host)
+        slot_batch = self.slot_batch(host) if self.linear_states is not None else None
         try:
-            hidden = self.forward(input_ids, positions, meta)
+            hidden = self.forward(input_ids, positions, meta, slot_batch=slot_batch)
         finally:
             self._ring_targets, self.step_ring_slots = None, None
         self.num_eager_steps += 1
@@ -508,6 +549,20 @@ class _MLAAttn:
 
     def mla(self, layer: int, q_nope, q_rope, latent, k_rope, w_uk, w_uv) -> torch.Tensor:
         return self.runner._mla(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)
+
+
+class _LinearAttn(_MLAAttn):
+    """The attention callable for linear-attention hybrids: ``attn(layer, q, k, v)`` (full layers) and
+    ``attn.mla(...)`` (MLA layers) as usual, plus ``attn.short_conv`` / ``attn.delta_rule`` over the pool's
+    state slots (:class:`kvforge.attention.linear_state.LinearStates`, batch set by ``forward``)."""
+
+    __slots__ = ()
+
+    def short_conv(self, layer: int, x, weight, bias, activation="silu") -> torch.Tensor:
+        return self.runner.linear_states.short_conv(layer, x, weight, bias, activation)
+
+    def delta_rule(self, layer: int, q, k, v, g, beta, **kw) -> torch.Tensor:
+        return self.runner.linear_states.delta_rule(layer, q, k, v, g, beta, **kw)
 
 
 class _RingAttn:

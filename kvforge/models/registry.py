@@ -25,14 +25,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "CsaRingTestForCausalLM": CsaRingTestForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
-}
-
-# Models implemented here that the engine does not serve yet: architecture -> (class, why). Refused by
-# resolve_architecture (before any weight is read); tests build them from the class directly.
-_NOT_SERVED_YET: dict[str, tuple[type[nn.Module], str]] = {
-    arch: (cls, "its linear-attention layers need a per-sequence state slot (conv and recurrent state), and the "
-                "engine does not allocate state slots yet (`kvforge plan` shows the planned state bytes)")
-    for arch, cls in (("Qwen3NextForCausalLM", Qwen3NextForCausalLM), ("KimiLinearForCausalLM", KimiLinearForCausalLM))
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
 
 # config.json files without "architectures" still carry model_type.
@@ -66,8 +60,6 @@ def resolve_architecture(hf_config: dict) -> str:
     for a in archs:
         if a in _MODELS:
             return a
-        if a in _NOT_SERVED_YET:
-            raise ConfigError(f"{a} cannot be served yet: {_NOT_SERVED_YET[a][1]}")
     asked = archs or [hf_config.get("model_type")]
     raise ConfigError(
         f"model architecture {', '.join(map(str, asked))} is not supported; "

@@ -92,14 +92,16 @@ def state_dtype(choice: str, model_dtype: str) -> tuple[str, str]:
     with the generated length) where transformers and the kernels keep it in float32; the conv history
     (a few percent of the state) shares the slot's dtype. The price is twice the state bytes of a
     16-bit model, which the plan's capacity counts. The state is never quantized."""
+    if choice == "auto" and model_dtype == STATE_DTYPE:
+        return STATE_DTYPE, "--state-dtype auto: float32, the model dtype"
     if choice == "auto":
-        return STATE_DTYPE, (f"float32 (--state-dtype auto): the recurrent state is rewritten every token, so a "
-                             f"{model_dtype} slot would round it once per decode step; transformers keeps it in "
-                             f"float32 too. --state-dtype model halves the state bytes of a 16-bit model")
+        return STATE_DTYPE, (f"--state-dtype auto: the recurrent state is rewritten every token, so a {model_dtype} "
+                             f"slot would round it once per decode step (transformers keeps it in float32 too); "
+                             f"--state-dtype model halves the state bytes")
     if choice == "model":
-        return model_dtype, (f"the model dtype {model_dtype} (--state-dtype model): half the bytes of float32 for a "
-                             f"16-bit model, the recurrent state rounded to {model_dtype} after every step")
-    return choice, f"{choice} (--state-dtype {choice})"
+        return model_dtype, (f"--state-dtype model: the model dtype, the recurrent state rounded to {model_dtype} "
+                             f"after every step")
+    return choice, f"--state-dtype {choice}"
 
 
 def _pick_backend(kind: str, platform: str, kv_dtype: str, head_size: int | None,

@@ -1,0 +1,209 @@
+"""Qwen3-Next and Kimi-Linear through the whole engine (plan -> KV pool with state slots -> scheduler ->
+runner -> sampler) against transformers, float32 on CPU.
+
+Tiny random checkpoints written by transformers (tests/test_linear_attention_models_vs_hf.py's
+``make_checkpoint``), blocks of 4 tokens, prefill chunks of 16 tokens (every prompt but the shortest
+crosses several steps, so states are carried through slots between steps). Teacher-forced logits:
+max |ours - hf| <= 1e-4 * max(1, max |hf|). Greedy tokens of a batch of prompts of different lengths
+follow transformers' greedy stream until a near-tie within that tolerance (tests/greedy_agreement.py):
+batch composition and chunking change the summation order. Also: the decode steps on the CUDA-graph
+path's static slot buffers (run eagerly on CPU), preemption and recompute under memory pressure (a
+recomputed sequence's first chunk must not read its slot), a repeated batch (prefix caching is off
+for state layers: no hit, the same tokens), the admitted concurrency equal to the plan's, and the
+fp8 latent cache of Kimi-Linear's MLA layers with the state in the model dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from greedy_agreement import assert_greedy_agrees, top2_margins
+
+transformers = pytest.importorskip("transformers")
+
+from test_linear_attention_models_vs_hf import VOCAB, make_checkpoint  # noqa: E402
+
+from kvforge import SamplingParams  # noqa: E402
+from kvforge.engine.sequence import Sequence  # noqa: E402
+
+ENGINE = dict(dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
+              kv_cache_memory=1 << 21, progress=False, device="cpu", max_num_batched_tokens=16, max_model_len=128)
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+CASES = ["qwen3-next", "kimi-linear"]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (37, 21, 1, 9)]
+
+
+def _hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
+    with torch.no_grad():
+        run = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    return run.sequences[0, len(prompt):].tolist(), top2_margins(torch.cat(run.logits))
+
+
+def _tolerance(hf, prompts) -> float:
+    with torch.no_grad():
+        return 1e-4 * max(1.0, max(hf(torch.tensor([p])).logits.abs().max().item() for p in prompts))
+
+
+def _static_decode_runner(engine):
+    """A runner whose decode steps take the CUDA-graph path's static, padded inputs and slot buffers."""
+    from kvforge.engine.model_runner import ModelRunner
+
+    return ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
+                       max_num_seqs=engine.scheduler.max_num_seqs, static_decode_on_cpu=True)
+
+
+def _generate(llm, prompts, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("decode_path", ["eager", "static"])
+@pytest.mark.parametrize("case", CASES)
+def test_engine_matches_transformers(case, decode_path, tmp_path, engines):
+    hf, _ = make_checkpoint(case, tmp_path)
+    llm = engines(tmp_path)
+    engine = llm.engine
+    assert not engine.block_manager.enable_prefix_caching and "state" in engine.plan.prefix_caching_reason
+    if decode_path == "static":
+        engine.runner = _static_decode_runner(engine)
+        assert engine.runner.graphs is not None and engine.runner.graphs.has_slots
+    prompts = _prompts()
+    tol = _tolerance(hf, prompts)
+
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]])).logits[0]
+    ours = engine.compute_prompt_logits(prompts[0])  # three runs of 16, 16 and 5 tokens, one state slot
+    assert ours.shape == ref.shape and (ours - ref).abs().max().item() <= tol
+
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    first = _generate(llm, prompts)
+    for k, (got, (want, margins)) in enumerate(zip(first, expected)):
+        assert_greedy_agrees(got, want, margins, tol, what=f"{case} {decode_path} prompt {k}")
+    if decode_path == "static":
+        assert engine.runner.num_graph_steps > 0  # decode steps took the static path
+
+    # The same batch again: no prefix-cache query can hit (off for state layers), every slot now holds an
+    # earlier sequence's state that the new first chunks must ignore, and the steps are the same computations
+    # in the same order, so the tokens are exactly the first run's (CPU float32 is deterministic).
+    again = _generate(llm, prompts)
+    assert again == first
+    assert engine.stats()["prefix_cache_hits"] == 0
+    assert engine.state_slots.num_free == engine.state_slots.num_slots  # every slot back after finishing
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_preempted_sequences_recompute_their_state(case, tmp_path, engines):
+    """Memory pressure (most blocks held by a request outside the scheduler) preempts running sequences;
+    each gives its state slot back and recomputes from its prompt, its first chunk from a zero state."""
+    hf, _ = make_checkpoint(case, tmp_path)
+    llm = engines(tmp_path)
+    engine = llm.engine
+    bm = engine.block_manager
+    hog = Sequence("hog", [1] * (4 * (bm.num_free_blocks - 18)), SamplingParams(max_tokens=1))
+    assert bm.allocate(hog, cached_blocks=[]) and bm.num_free_blocks == 18  # 72 tokens left for 100
+    prompts = _prompts()
+    tol = _tolerance(hf, prompts)
+    released = []
+    slots = engine.state_slots
+    release = slots.release
+
+    def record(request_id):
+        released.append(request_id)
+        return release(request_id)
+
+    slots.release = record
+    got = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert engine.stats()["num_preemptions"] > 0
+    for k, (tokens, p) in enumerate(zip(got, prompts)):
+        want, margins = _hf_greedy(hf, p)
+        assert_greedy_agrees(tokens, want, margins, tol, what=f"{case} preempted prompt {k}")
+    assert len(released) >= len(prompts) + engine.stats()["num_preemptions"]  # finishes and preemptions
+    assert slots.num_free == slots.num_slots
+
+
+def test_the_engine_admits_exactly_the_planned_concurrency(tmp_path, engines):
+    """Every running sequence holds a state slot and its blocks: the pool has ``int(max_concurrency)`` slots
+    beside the blocks of that many sequences of max-model-len, and the scheduler runs that many at once."""
+    make_checkpoint("qwen3-next", tmp_path)
+    llm = engines(tmp_path, kv_cache_memory=120_000, max_model_len=64)
+    engine, plan = llm.engine, llm.engine.plan
+    slots = plan.capacity.state_slots
+    assert slots == int(plan.max_concurrency) >= 2 and plan.max_concurrency - slots > 0.05  # not a whole number
+    per_slot = sum(plan.layers[i].state_bytes for i in engine.pool.linear_states.conv)
+    states = [*engine.pool.linear_states.conv.values(), *engine.pool.linear_states.recurrent.values()]
+    assert all(t.shape[0] == slots and t.dtype == torch.float32 for t in states)
+    assert sum(t.numel() * t.element_size() for t in states) == slots * per_slot == slots * plan.state_bytes_per_sequence
+    # The blocks of `slots` sequences of max-model-len fit: the plan's block count covers them.
+    blocks_per_seq = -(-plan.max_model_len // plan.block_size)
+    assert plan.num_blocks >= slots * blocks_per_seq
+    assert engine.pool.nbytes <= plan.capacity.kv_cache_memory
+    assert engine.scheduler.max_num_seqs == slots
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (20,), generator=g).tolist() for _ in range(slots + 3)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, engine.scheduler.num_running)
+        assert engine.state_slots.num_slots - engine.state_slots.num_free == engine.scheduler.num_running
+    assert most == slots
+    assert engine.stats()["num_preemptions"] == 0  # the planned concurrency fits at full length
+
+
+def test_kimi_linear_fp8_latent_cache_gain_equals_the_plan(tmp_path, engines):
+    """fp8 latent cache on the MLA layers, the state in the model dtype (bfloat16): the pool's bytes per
+    sequence (block pages of max-model-len tokens plus one state slot) give exactly the plan's gain, below 2x."""
+    make_checkpoint("kimi-linear", tmp_path)
+    kw = dict(dtype="bfloat16", state_dtype="model", kv_cache_memory=1 << 20, max_model_len=64)
+    bf16, fp8 = engines(tmp_path, **kw), engines(tmp_path, kv_cache_dtype="fp8", **kw)
+
+    def pool_bytes_per_sequence(llm):
+        pool, plan = llm.engine.pool, llm.engine.plan
+        block = sum(c.numel() * c.element_size() for c in pool.kv_caches if c is not None) // pool.num_blocks
+        states = [*pool.linear_states.conv.values(), *pool.linear_states.recurrent.values()]
+        assert {t.dtype for t in states} == {torch.bfloat16}  # the state is never quantized
+        slot = sum(t.numel() * t.element_size() for t in states) // pool.state_slots
+        return -(-plan.max_model_len // plan.block_size) * block + slot
+
+    p8 = fp8.engine.plan
+    assert {x.kv_dtype for x in p8.layers if x.kind == "mla"} == {"fp8_e4m3"}
+    assert p8.state_dtype == "bfloat16" and "--state-dtype model" in p8.state_dtype_reason
+    assert all(x.query_dtype_reason for x in p8.layers)
+    measured = pool_bytes_per_sequence(bf16) / pool_bytes_per_sequence(fp8)
+    assert measured == p8.concurrency_gain() and 1 < measured < 2
+    assert fp8.engine.state_slots.num_slots == p8.capacity.state_slots > bf16.engine.state_slots.num_slots
+    got = _generate(fp8, _prompts()[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [len(t) for t in got] == [4, 4]
+
+
+def test_linear_attention_engines_refuse_tp_and_async_before_weights(tmp_path, monkeypatch):
+    import kvforge.weights as weights
+    from kvforge import LLM
+    from kvforge.errors import ConfigError
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights must not be read")
+
+    monkeypatch.setattr(weights, "load_weights", no_weights)
+    make_checkpoint("qwen3-next", tmp_path)
+    with pytest.raises(ConfigError, match="async-scheduling is not supported for linear-attention"):
+        LLM(str(tmp_path), **{**ENGINE, "async_scheduling": True})
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        LLM(str(tmp_path), **{**ENGINE, "tensor_parallel_size": 2})
