@@ -40,3 +40,12 @@ def test_fp8_latent_cache_gain_below_2x_exact(state_dtype, elem):
     assert 1 < exact < 2
     want = "float32" if elem == 4 else "bfloat16"
     assert all(x.kv_dtype == want for x in p8.layers if x.kind == "state")  # the state is not quantized
+
+
+def test_a_quantized_state_dtype_is_refused_with_the_choices():
+    from kvforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--state-dtype must be one of auto, model, float32, .* never quantized"):
+        plan("fp8", state_dtype="fp8_e4m3")
+    p = plan("fp8", state_dtype="float16")
+    assert p.state_dtype == "float16" and {x.kv_dtype for x in p.layers if x.kind == "state"} == {"float16"}

@@ -163,6 +163,10 @@ def test_the_engine_admits_exactly_the_planned_concurrency(tmp_path, engines):
         engine.step()
         most = max(most, engine.scheduler.num_running)
         assert engine.state_slots.num_slots - engine.state_slots.num_free == engine.scheduler.num_running
+        if engine.num_steps == 6:  # an aborted running request gives its slot back
+            held = engine.state_slots.num_free
+            engine.abort_request("0")
+            assert engine.state_slots.num_free == held + 1
     assert most == slots
     assert engine.stats()["num_preemptions"] == 0  # the planned concurrency fits at full length
 
@@ -207,3 +211,44 @@ def test_linear_attention_engines_refuse_tp_and_async_before_weights(tmp_path, m
         LLM(str(tmp_path), **{**ENGINE, "async_scheduling": True})
     with pytest.raises(ConfigError, match="tensor parallelism"):
         LLM(str(tmp_path), **{**ENGINE, "tensor_parallel_size": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
+@pytest.mark.parametrize("case", CASES)
+def test_engine_matches_transformers_on_cuda(case, eager, tmp_path, engines):
+    """float32 on CUDA: the state slots on the Triton kernels (prefill and decode), full layers on the Triton
+    paged backend, MLA layers on their planned backend. Dense-MLP variants (MoE decode needs grouped GEMMs to be
+    captured), so decode steps replay CUDA graphs whose slot ids and has_initial_state are static buffers; one
+    sequence stops early, so later decode batches of 3 replay the graph of 4 with a padding row at slot -1.
+    Greedy tokens follow transformers' float32 greedy on CUDA until a near-tie within 1e-4 * max |logit|."""
+    # Head size 32 and blocks of 16: shapes the Triton paged backend declares.
+    dense = {"qwen3-next": dict(num_experts=0, head_dim=32), "kimi-linear": dict(mlp_layer_types=["dense"] * 4)}[case]
+    hf, _ = make_checkpoint(case, tmp_path, **dense)
+    hf = hf.cuda()
+    llm = engines(tmp_path, device="cuda", enforce_eager=eager, max_num_seqs=8, block_size=16)
+    runner = llm.engine.runner
+    assert not llm.engine.async_scheduling
+    attention = {x.backend for x in llm.plan.layers if x.kind != "state"}
+    assert attention == {"triton_paged" if case == "qwen3-next" else "triton_mla"}
+    if not eager:
+        assert runner.graphs is not None and runner.graphs.has_slots, runner.graphs_off_reason
+    prompts = _prompts()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompts[0]], device="cuda")).logits[0].float().cpu()
+        tol = 1e-4 * max(1.0, max(hf(torch.tensor([p], device="cuda")).logits.abs().max().item() for p in prompts))
+    ours = llm.engine.compute_prompt_logits(prompts[0]).cpu()
+    assert (ours - ref).abs().max().item() <= tol
+    lengths = [NEW_TOKENS, 5, NEW_TOKENS, NEW_TOKENS]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for k, (p, out, n) in enumerate(zip(prompts, outs, lengths)):
+        with torch.no_grad():
+            run = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        want = run.sequences[0, len(p):].tolist()
+        assert_greedy_agrees(out.outputs[0].token_ids, want, top2_margins(torch.cat(run.logits).cpu()), tol,
+                             what=f"{case} cuda {'eager' if eager else 'graphs'} prompt {k}")
+    if not eager:
+        assert runner.num_graph_steps > 0
