@@ -107,6 +107,34 @@ def test_engine_matches_transformers(case, decode_path, tmp_path, engines):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_state_kernels_over_the_pool_slots_in_the_engine(case, tmp_path, engines, monkeypatch):
+    """The state operations on the Triton kernels (Triton's CPU interpreter here; the gpu-marked test below
+    compiles them) over the pool's slot views: prefill kernels for the chunks, decode kernels for the CUDA-graph
+    path's static slot buffers, where three sequences fill a batch of four with a padding row at slot -1."""
+    device = pytest.importorskip("triton_kernel_device")
+    if not device.INTERPRETED:
+        pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
+    device.skip_unless_loaded_loop_bounds_work()
+    from kvforge.attention import linear_state
+
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
+    assert linear_state._use_kernels(torch.zeros(1))
+    hf, _ = make_checkpoint(case, tmp_path)
+    llm = engines(tmp_path, max_num_seqs=4)
+    engine = llm.engine
+    engine.runner = _static_decode_runner(engine)
+    assert engine.runner.graphs.sizes == [1, 2, 4]
+    prompts = [p[:n] for p, n in zip(_prompts(), (20, 6, 1))]
+    tol = _tolerance(hf, prompts)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    got = _generate(llm, prompts, params)
+    assert engine.runner.num_graph_steps > 0
+    for k, (tokens, p) in enumerate(zip(got, prompts)):
+        want, margins = _hf_greedy(hf, p)
+        assert_greedy_agrees(tokens, want[:3], margins, tol, what=f"{case} kernels prompt {k}")
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_preempted_sequences_recompute_their_state(case, tmp_path, engines):
     """Memory pressure (most blocks held by a request outside the scheduler) preempts running sequences;
     each gives its state slot back and recomputes from its prompt, its first chunk from a zero state."""
