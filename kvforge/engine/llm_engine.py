@@ -137,6 +137,9 @@ class LLMEngine:
 
             # Every running request holds a slot: the plan's state slots are its max concurrency, admitted exactly.
             self.state_slots = StateSlots(self.pool.state_slots)
+            if max_num_seqs > self.pool.state_slots:
+                logger.info("running sequences capped at the plan's %d state slots (--max-num-seqs %d)",
+                            self.pool.state_slots, max_num_seqs)
             max_num_seqs = min(max_num_seqs, self.pool.state_slots)
         if self.spec.rings:
             ring_rows = self.spec.rings[0].rows(self.plan.num_speculative_tokens)
@@ -355,6 +358,11 @@ class LLMEngine:
         if self.state_slots is not None:  # ring and linear-attention models (synchronous only)
             for seq in out.preempted:  # it recomputes from its prompt: its first chunk starts from a zero state
                 self.state_slots.release(seq.request_id)
+            held = self.state_slots.held
+            for s in out.scheduled:
+                if s.seq.request_id not in held and s.start_pos and self.has_linear_state:
+                    # A fresh slot holds no state of this sequence: only its first chunk may start in one.
+                    raise RuntimeError(f"{s.seq.request_id} resumes at token {s.start_pos} without a state slot")
             slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
             if self.has_linear_state:
                 self.runner.step_state_slots = slots
