@@ -1,0 +1,119 @@
+"""The KV pool's groups under Gemma 3 and gpt-oss (sliding-window and full layers) in the engine, against
+transformers on tiny random checkpoints (tests/hybrid_checkpoints.py: 16-token window), float32 on CPU.
+
+What this adds to tests/test_hybrid_engine_vs_hf.py: every step, no sequence
+holds a sliding-group block that a query of the step can see yet was freed,
+and none holds more than the window plus its chunk; a second round of the same
+prompts resumes every prompt from its last full block (the sliding groups from
+the window's blocks, their earlier blocks having been freed while the first
+round ran); and decode steps through the CUDA-graph path's static per-group
+inputs (run eagerly on CPU). Block size 4, prefill chunks of 23 tokens (ending
+inside the window), prompts 3-4x the window, batched. Greedy tokens follow
+transformers' by the near-tie rule (tests/greedy_agreement.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from greedy_agreement import FP32_LOGIT_TOL, assert_greedy_agrees, top2_margins
+
+transformers = pytest.importorskip("transformers")
+
+from hybrid_checkpoints import VOCAB, WINDOW, make_checkpoint  # noqa: E402
+
+from kvforge import SamplingParams  # noqa: E402
+from kvforge.engine.model_runner import ModelRunner  # noqa: E402
+from kvforge.planner.groups import sliding_window_blocks  # noqa: E402
+
+BLOCK = 4
+NEW_TOKENS = 8
+CHUNK = 23
+ENGINE = dict(dtype="float32", block_size=BLOCK, skip_tokenizer_init=True, kv_cache_memory=1 << 22,
+              max_num_batched_tokens=CHUNK, enable_prefix_caching=True, progress=False, device="cpu",
+              max_num_seqs=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _hf_greedy(hf, prompt, n):
+    """Greedy tokens from whole-sequence forwards (no cache) and the top-2 margin of every step."""
+    toks, margins = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([toks])).logits[0, -1:]
+            margins += top2_margins(logits)
+            toks.append(int(logits[0].argmax()))
+    return toks[len(prompt):], margins
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    stem = torch.randint(0, VOCAB, (50,), generator=g).tolist()
+    return [stem + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 13)] + [
+        torch.randint(0, VOCAB, (61,), generator=g).tolist()]
+
+
+class _WindowWatch:
+    """After every schedule: the most blocks any sequence holds in a sliding group, and no entry a query of
+    the step can see is a freed one."""
+
+    def __init__(self, engine):
+        self.most = 0
+        inner = engine.scheduler.schedule
+
+        def schedule():
+            out = inner()
+            bm = engine.block_manager
+            for s in out.scheduled:
+                for g, w in enumerate(bm.group_windows):
+                    if w is not None:
+                        self.most = max(self.most, len(s.seq.block_tables[g]) - s.seq.num_skipped_blocks[g])
+                        assert s.seq.num_skipped_blocks[g] <= max(0, s.start_pos - w + 1) // bm.block_size
+            return out
+
+        engine.scheduler.schedule = schedule
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt-oss"])
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf, _ = make_checkpoint(request.param, path)
+    prompts = _prompts()
+    return request.param, path, prompts, [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("decode_path", ["eager", "static"])
+def test_sliding_blocks_freed_and_prefix_hits_resume_from_the_window(checkpoint, engines, decode_path):
+    family, path, prompts, want = checkpoint
+    llm = engines(path)
+    engine = llm.engine
+    sliding = [g for g in llm.plan.groups if g.kind == "sliding"]
+    assert sliding and len(engine.block_manager.group_windows) == len(llm.plan.groups)
+    if decode_path == "static":
+        engine.runner = ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
+                                    max_num_seqs=engine.scheduler.max_num_seqs, static_decode_on_cpu=True)
+    watch = _WindowWatch(engine)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    bm = engine.block_manager
+    for run in ("first", "prefix-cached"):
+        hits = bm.prefix_cache_hits
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        for k, (out, (tokens, margins)) in enumerate(zip(outs, want)):
+            assert_greedy_agrees(out.outputs[0].token_ids, tokens, margins, FP32_LOGIT_TOL,
+                                 what=f"{family} {decode_path} {run} request {k}")
+    # The second round resumes every prompt from its last full block, in every group.
+    assert bm.num_evictions == 0
+    assert bm.prefix_cache_hits - hits == sum((len(p) - 1) // BLOCK * BLOCK for p in prompts)
+    # A chunk of n tokens holds the window plus the chunk for its step, never a whole 61-token prompt.
+    assert watch.most <= sliding_window_blocks(WINDOW, BLOCK, CHUNK) < -(-(61 + NEW_TOKENS) // BLOCK)
+    assert bm.num_used_blocks == 0
+    if decode_path == "static":
+        assert engine.runner.num_graph_steps > 0
