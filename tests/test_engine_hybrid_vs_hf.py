@@ -117,3 +117,28 @@ def test_sliding_blocks_freed_and_prefix_hits_resume_from_the_window(checkpoint,
     assert bm.num_used_blocks == 0
     if decode_path == "static":
         assert engine.runner.num_graph_steps > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family,enforce_eager", [("gemma3", True), ("gemma3", False), ("gpt-oss", True)])
+def test_groups_on_cuda_eager_and_graphs(tmp_path, engines, family, enforce_eager):
+    """Triton paged attention over every group (Gemma 3: three sliding groups and a full one; gpt-oss: one
+    of each, with sinks, eager: its MoE loop is not capturable), decode steps as CUDA-graph replays with one
+    static block table and slot mapping per group, or eager: greedy follows transformers (float32 on the
+    CPU), first round and prefix-cache round."""
+    hf, _ = make_checkpoint(family, tmp_path, hidden_size=128, head_dim=32)  # the kernel's smallest head size
+    llm = engines(tmp_path, device="cuda", block_size=16, enforce_eager=enforce_eager)
+    assert {layer.backend for layer in llm.plan.layers} == {"triton_paged"}
+    prompts = _prompts()
+    want = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    for run in ("first", "prefix-cached"):
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        for k, (out, (tokens, margins)) in enumerate(zip(outs, want)):
+            assert_greedy_agrees(out.outputs[0].token_ids, tokens, margins, FP32_LOGIT_TOL,
+                                 what=f"{family} cuda eager={enforce_eager} {run} request {k}")
+    assert llm.engine.block_manager.prefix_cache_hits > 0
+    counters = llm.engine.rank_counters()[0]
+    assert (counters["num_graph_steps"] > 0) == (not enforce_eager), counters
