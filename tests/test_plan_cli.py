@@ -98,3 +98,24 @@ def test_planner_imports_no_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name,state,per_token", [
+    # Qwen3-Next-80B: 36 Gated-DeltaNet layers of 32 x 128 x 128 + 3 x 8192 float32 elements; 12 full layers
+    # x 2 KV heads x 512 elements per token. Kimi-Linear-48B: 20 KDA layers of 32 x 128 x 128 + 3 x 3 x 4096
+    # float32 elements; 7 MLA layers x 576 elements per token.
+    ("qwen3-next-80b-a3b", 36 * (32 * 128 * 128 + 3 * 8192) * 4, 12 * 2 * 512),
+    ("kimi-linear-48b-a3b", 20 * (32 * 128 * 128 + 9 * 4096) * 4, 7 * 576),
+])
+def test_plan_shows_the_exact_fp8_gain_of_linear_attention_hybrids(capsys, name, state, per_token):
+    L = 4096
+    code, out, _ = run(capsys, name, "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GiB", "--max-model-len",
+                       str(L), "--json")
+    assert code == 0
+    d = json.loads(out)
+    exact = (state + L * per_token * 2) / (state + L * per_token)
+    assert d["concurrency_gain_vs_baseline"] == exact and 1 < exact < 2
+    assert d["state_dtype"] == "float32" and d["bytes_per_sequence"] == state + L * per_token
+    code, out, _ = run(capsys, name, "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GiB", "--max-model-len",
+                       str(L))
+    assert code == 0 and "concurrency gain (exact)" in out and "state dtype" in out
