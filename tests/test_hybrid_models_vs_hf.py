@@ -161,3 +161,32 @@ def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
         ref = hf(input_ids=torch.tensor([seq])).logits[0].float()
     got = run_steps(ours, PagedReferenceAttention(ours), [[(0, seq[:30])], [(0, seq[30:])]])
     assert _worst(torch.cat(got), ref) <= REL_TOL
+
+
+def test_gpt_oss_grouped_experts_match_transformers(tmp_path, monkeypatch):
+    """The capturable grouped-GEMM experts path (CUDA; run here on CPU, where torch._grouped_mm works)
+    gives transformers' logits too, and so does an expert share with other ranks' slots zeroed."""
+    from kvforge.models.gpt_oss import GptOssExperts
+    from kvforge.models.grouped_mm import grouped_mm_problem
+
+    if grouped_mm_problem("cpu", torch.float32):
+        pytest.skip(f"torch._grouped_mm unusable on CPU: {grouped_mm_problem('cpu', torch.float32)}")
+    hf, _ = make_checkpoint("gpt-oss", tmp_path)
+    ours = load_ours(tmp_path)
+    monkeypatch.setattr(GptOssExperts, "forward", GptOssExperts.grouped)
+    seq = _sequences(0)[0]
+    ref = _hf_logits(hf, [seq])[0]
+    got = run_steps(ours, PagedReferenceAttention(ours), [[(0, seq[:30])], [(0, seq[30:])]])
+    assert _worst(torch.cat(got), ref) <= REL_TOL
+    # Two halves of the experts (as two ranks hold them) add up to all of them.
+    full = ours.model.layers[0].mlp.experts
+    x = torch.randn(9, full.gate_up_proj.shape[1], generator=torch.Generator().manual_seed(2))
+    weights, ids = ours.model.layers[0].mlp.router(x)
+    halves = []
+    for first in (0, 3):
+        part = GptOssExperts(ours.args, num_local=3, first=first)
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            getattr(part, name).data.copy_(getattr(full, name).data[first:first + 3])
+        halves.append(part.grouped(x, weights, ids))
+    want = full.loop(x, weights, ids)
+    assert (halves[0] + halves[1] - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())

@@ -33,6 +33,7 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, qkv_parts
+from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -216,7 +217,17 @@ class GptOssExperts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots whose expert this module holds."""
+        """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots whose expert this module holds.
+
+        On CUDA, where ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host
+        sync, so decode steps can be CUDA graphs); otherwise a loop over the experts that have tokens.
+        """
+        if x.is_cuda and grouped_mm_problem(x.device, x.dtype) is None:
+            return self.grouped(x, weights, ids)
+        return self.loop(x, weights, ids)
+
+    def loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Tokens sorted by expert; one pair of GEMMs per expert with tokens (counts read on the host)."""
         out = torch.zeros_like(x)
         local = ids - self.first
         held = (local >= 0) & (local < self.num_local)
@@ -238,6 +249,27 @@ class GptOssExperts(nn.Module):
             out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))
             start += n
         return out
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same sum with static shapes: (token, slot) rows sorted by expert, slots held by other ranks
+        sorted last and zeroed; expert row ranges from a device-side count (no host sync)."""
+        t, k = ids.shape
+        n = self.num_local
+        local = (ids - self.first).reshape(-1)
+        flat = torch.where((local >= 0) & (local < n), local, torch.full_like(local, n))
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts[:n], 0).to(torch.int32)
+        tok = order // k
+        expert = flat[order]
+        held = expert < n
+        bias_row = expert.clamp(max=n - 1)
+        gate_up = torch._grouped_mm(x[tok], self.gate_up_proj, offs=offs) + self.gate_up_proj_bias[bias_row]
+        y = torch._grouped_mm(self.glu(gate_up), self.down_proj, offs=offs) + self.down_proj_bias[bias_row]
+        # Rows past offs[-1] are not computed (arbitrary values): zero them and their weights.
+        w = torch.where(held, weights.reshape(-1)[order], torch.zeros_like(weights.reshape(-1)[order]))
+        y = torch.where(held[:, None], y, torch.zeros_like(y))
+        return torch.zeros_like(x).index_add_(0, tok, (y * w[:, None]).to(x.dtype))
 
 
 class GptOssMLP(nn.Module):
@@ -278,8 +310,13 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     @property
     def cuda_graph_unsupported_reason(self) -> str | None:
-        """Decode steps cannot be captured: the experts loop reads per-expert token counts on the host."""
-        return "the MoE layers loop over experts with host-side token counts"
+        """Why decode steps cannot be captured (None: they can): the experts are capturable on CUDA where
+        ``torch._grouped_mm`` works for the weights' dtype; otherwise they loop with host-side counts."""
+        w = self.model.layers[0].mlp.experts.down_proj
+        if w.device.type != "cuda":
+            return "the MoE layers loop over experts with host-side token counts"
+        problem = grouped_mm_problem(w.device, w.dtype)
+        return f"the MoE layers loop over experts with host-side token counts ({problem})" if problem else None
 
     def attention_sinks(self, layer_idx: int) -> torch.Tensor:
         """The sink logits ``[num_heads on this rank]`` of layer ``layer_idx``."""
