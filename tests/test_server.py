@@ -604,6 +604,38 @@ def test_serve_main_plan_error_stops_before_weights(monkeypatch, capsys):
     assert "max-model-len" in err and "Traceback" not in err
 
 
+def test_serve_main_port_in_use_stops_before_weights(monkeypatch, capsys):
+    import kvforge.engine.llm_engine
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("the engine was built although the port is taken")
+
+    monkeypatch.setattr(kvforge.engine.llm_engine.LLMEngine, "from_engine_args", boom)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        rc = serve_main(["--device", "cpu", "--port", str(port)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err and "Traceback" not in err
+
+
+def test_serve_main_unresolvable_host_stops_before_weights(monkeypatch, capsys):
+    import kvforge.engine.llm_engine
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("the engine was built although the host does not resolve")
+
+    monkeypatch.setattr(kvforge.engine.llm_engine.LLMEngine, "from_engine_args", boom)
+    rc = serve_main(["--device", "cpu", "--host", "256.0.0.1", "--port", str(_free_port())])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on 256.0.0.1" in err and "--host" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("missing", ["aiohttp", "prometheus_client"])
 def test_serve_main_missing_server_dependency_stops_before_weights(monkeypatch, capsys, missing):
     import kvforge.engine.llm_engine

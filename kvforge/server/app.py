@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 
@@ -378,21 +379,41 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
 # -- running it ---------------------------------------------------------------------------
 
 
-async def start_site(app: web.Application, host: str, port: int, shutdown_timeout: float = 10.0):
-    """Set up a runner (with handler cancellation on disconnect) and bind; returns (runner, port)."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0 picks a free one); raises OSError when the
+    address cannot be resolved or is in use. ``kvforge serve`` binds before it loads any weight."""
+    family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+async def start_site(app: web.Application, host: str, port: int, shutdown_timeout: float = 10.0,
+                     sock: socket.socket | None = None):
+    """Set up a runner (with handler cancellation on disconnect) and listen, on ``sock`` when given
+    (from :func:`bind_socket`) else on ``host:port``; returns (runner, port)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     return runner, bound
 
 
-def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000) -> int:
-    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests and return 0."""
+def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests and return 0.
+    ``sock`` is an already bound listening socket (:func:`bind_socket`); without it ``host:port`` is bound."""
 
     async def main() -> int:
-        runner, bound = await start_site(app, host, port)
+        runner, bound = await start_site(app, host, port, sock=sock)
         logger.info("kvforge server listening on http://%s:%d", host, bound)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

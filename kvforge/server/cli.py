@@ -62,7 +62,7 @@ def serve_main(args) -> int:
     # The HTTP stack (aiohttp, prometheus_client) is imported before anything loads: a missing
     # dependency fails here, not after the weights.
     try:
-        from kvforge.server.app import create_app, serve
+        from kvforge.server.app import bind_socket, create_app, serve
     except ImportError as e:
         print(f"kvforge serve: error: {e}; the server needs aiohttp and prometheus_client "
               f"(pip install aiohttp prometheus_client, or reinstall kvforge)", file=sys.stderr)
@@ -74,11 +74,27 @@ def serve_main(args) -> int:
 
         _validate(args)
         engine_args = EngineArgs.from_cli_args(args)
-        # from_engine_args resolves the KV plan first: a PlanError/ConfigError stops us before weights load.
-        engine = LLMEngine.from_engine_args(engine_args)
     except KVForgeError as e:
         print(f"kvforge serve: error: {e}", file=sys.stderr)
         return 2
+    # The address is bound before the engine exists: a port in use or a host that does not resolve
+    # stops us before weights load.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"kvforge serve: error: cannot listen on {args.host}:{args.port}: {e}; fix: choose another "
+              f"--port (or stop what listens there) or a --host of this machine", file=sys.stderr)
+        return 2
+    try:
+        # from_engine_args resolves the KV plan first: a PlanError/ConfigError stops us before weights load.
+        engine = LLMEngine.from_engine_args(engine_args)
+    except KVForgeError as e:
+        sock.close()
+        print(f"kvforge serve: error: {e}", file=sys.stderr)
+        return 2
+    except BaseException:
+        sock.close()
+        raise
     logger.info("KV cache plan:\n%s", engine.plan.summary())
     logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
 
@@ -92,10 +108,7 @@ def serve_main(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use it", args.host)
     try:
-        return serve(app, args.host, args.port)
-    except OSError as e:
-        print(f"kvforge serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 2
+        return serve(app, args.host, args.port, sock=sock)
     finally:
         engine.shutdown()  # tensor-parallel workers stop with the server
 
