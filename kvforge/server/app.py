@@ -2,7 +2,7 @@
 
 ``create_app(engine, ...)`` returns an ``aiohttp.web.Application`` serving
 ``/v1/completions``, ``/v1/chat/completions`` (both streaming), ``/v1/models``,
-``/v1/models/{id}``,
+``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/tokenizer_info``,
 ``/health`` and ``/metrics``. ``serve(app, ...)`` runs it until SIGTERM/SIGINT
 and drains; ``ServerThread`` runs it on a background thread (tests, notebooks).
 
@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 
 from kvforge.errors import InvalidRequestError
-from kvforge.server import protocol
+from kvforge.server import protocol, tokenization
 from kvforge.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -42,6 +42,7 @@ ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 CONFIG = web.AppKey("config", dict)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 
 
@@ -81,7 +82,7 @@ def create_app(
     async def middleware(request: web.Request, handler):
         path = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         try:
-            if api_key is not None and request.path.startswith("/v1"):
+            if api_key is not None and (request.path.startswith("/v1") or request.path in TOKENIZER_PATHS):
                 given = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                     metrics.on_reject("unauthorized")
@@ -194,7 +195,22 @@ def create_app(
         finally:
             stream.close()
 
+    async def tokenize(request):
+        req = tokenization.parse_tokenize(await read_json(request), model_name)
+        return web.json_response(await asyncio.to_thread(tokenization.tokenize, engine.tokenizer, req,
+                                                         engine.max_model_len))
+
+    async def detokenize(request):
+        ids = tokenization.parse_detokenize(await read_json(request), model_name)
+        return web.json_response(await asyncio.to_thread(tokenization.detokenize, engine.tokenizer, ids))
+
+    async def tokenizer_info(request):
+        return web.json_response(tokenization.tokenizer_info(engine.tokenizer, engine.max_model_len))
+
     app.router.add_get("/health", health)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model)

@@ -24,6 +24,7 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 from kvforge.server.metrics import ServerMetrics
+from kvforge.server.tokenization import NO_TOKENIZER, chat_prompt_ids
 
 logger = logging.getLogger("kvforge.server")
 
@@ -224,16 +225,11 @@ class AsyncEngine:
         max_len = self.engine.max_model_len
         prompt_field = "prompt"
         if tok is None and (messages is not None or isinstance(prompt, str)):
-            raise InvalidRequestError("this server has no tokenizer (--skip-tokenizer-init or no tokenizer files): "
-                                      "send 'prompt' as an array of token ids", field="messages" if messages
-                                      is not None else "prompt")
+            raise InvalidRequestError(NO_TOKENIZER, field="messages" if messages is not None else "prompt")
         if messages is not None:
             prompt_field = "messages"
-            try:
-                prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-            except Exception as e:  # a template that rejects the conversation
-                raise InvalidRequestError(f"'messages': cannot apply the chat template: {e}", field="messages") from e
-        if isinstance(prompt, str):
+            prompt = chat_prompt_ids(tok, messages)
+        elif isinstance(prompt, str):
             prompt = tok.encode(prompt)  # tokenize once; the engine gets the ids
         n = len(prompt)
         if n >= max_len:

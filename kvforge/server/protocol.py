@@ -52,7 +52,7 @@ def now() -> int:
 _MISSING = object()
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -70,7 +70,7 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _bad(name: str, why: str):
+def bad_field(name: str, why: str):
     raise InvalidRequestError(f"'{name}': {why}", field=name)
 
 
@@ -79,9 +79,9 @@ def get_number(body: dict, name: str, default, *, allow_null: bool = True):
     if value is _MISSING or (value is None and allow_null):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _bad(name, f"expected a number, got {_type_name(value)}")
+        bad_field(name, f"expected a number, got {type_name(value)}")
     if not math.isfinite(value):
-        _bad(name, "expected a finite number")
+        bad_field(name, "expected a finite number")
     return float(value)
 
 
@@ -92,7 +92,7 @@ def get_int(body: dict, name: str, default):
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        _bad(name, f"expected an integer, got {_type_name(value)}")
+        bad_field(name, f"expected an integer, got {type_name(value)}")
     return value
 
 
@@ -101,7 +101,7 @@ def get_bool(body: dict, name: str, default: bool) -> bool:
     if value is _MISSING or value is None:
         return default
     if not isinstance(value, bool):
-        _bad(name, f"expected a boolean, got {_type_name(value)}")
+        bad_field(name, f"expected a boolean, got {type_name(value)}")
     return value
 
 
@@ -110,7 +110,7 @@ def get_int_list(body: dict, name: str) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        _bad(name, "expected an array of integers")
+        bad_field(name, "expected an array of integers")
     return value
 
 
@@ -121,11 +121,11 @@ def get_stop(body: dict) -> list[str]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        _bad("stop", "expected a string or an array of strings")
+        bad_field("stop", "expected a string or an array of strings")
     if len(value) > MAX_STOP_SEQUENCES:
-        _bad("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
+        bad_field("stop", f"at most {MAX_STOP_SEQUENCES} stop sequences are supported")
     if any(not s for s in value):
-        _bad("stop", "stop sequences must be non-empty")
+        bad_field("stop", "stop sequences must be non-empty")
     return value
 
 
@@ -159,26 +159,26 @@ def _common(body: dict, served_model: str) -> dict:
     if model is None:
         model = served_model
     if not isinstance(model, str):
-        _bad("model", f"expected a string, got {_type_name(model)}")
+        bad_field("model", f"expected a string, got {type_name(model)}")
     if model != served_model:
         raise ModelNotFoundError(model, served_model)
     n = get_int(body, "n", 1)
     if n != 1:
-        _bad("n", f"only n=1 is supported, got {n}")
+        bad_field("n", f"only n=1 is supported, got {n}")
     best_of = get_int(body, "best_of", None)
     if best_of not in (None, 1):
-        _bad("best_of", "only best_of=1 is supported")
+        bad_field("best_of", "only best_of=1 is supported")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if get_number(body, penalty, 0.0) != 0.0:
-            _bad(penalty, "is not supported (only 0)")
+            bad_field(penalty, "is not supported (only 0)")
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict):
-            _bad("stream_options", f"expected an object, got {_type_name(stream_options)}")
+            bad_field("stream_options", f"expected an object, got {type_name(stream_options)}")
         if not stream:
-            _bad("stream_options", "is only allowed when 'stream' is true")
+            bad_field("stream_options", "is only allowed when 'stream' is true")
         include_usage = get_bool(stream_options, "include_usage", False)
     return {
         "model": model,
@@ -199,7 +199,7 @@ def _common(body: dict, served_model: str) -> dict:
 def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     if max_tokens is not None and max_tokens < 1:
         # SamplingParams would say the same, but name the OpenAI field the client sent.
-        _bad("max_tokens", f"must be an integer >= 1, got {max_tokens}")
+        bad_field("max_tokens", f"must be an integer >= 1, got {max_tokens}")
     return SamplingParams(
         n=1,
         temperature=common["temperature"],
@@ -220,44 +220,44 @@ def _completion_prompt(value: Any, name: str) -> str | list[int]:
     """One prompt: a non-empty string or a non-empty array of non-negative token ids."""
     if isinstance(value, str):
         if not value:
-            _bad(name, "must not be empty")
+            bad_field(name, "must not be empty")
         return value
     if isinstance(value, list):
         if not value:
-            _bad(name, "must not be empty")
+            bad_field(name, "must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            _bad(name, "expected a string, an array of token ids, or an array of those")
+            bad_field(name, "expected a string, an array of token ids, or an array of those")
         if any(t < 0 for t in value):
-            _bad(name, "token ids must be non-negative")
+            bad_field(name, "token ids must be non-negative")
         return value
-    _bad(name, f"expected a string or an array of token ids, got {_type_name(value)}")
+    bad_field(name, f"expected a string or an array of token ids, got {type_name(value)}")
     return value
 
 
 def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     common = _common(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
-        _bad("prompt", "is required")
+        bad_field("prompt", "is required")
     prompt = body["prompt"]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         # A batch: strings or token-id arrays, one choice each (in this order).
         if len(prompt) > MAX_PROMPTS_PER_REQUEST:
-            _bad("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
+            bad_field("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
         prompts = [_completion_prompt(p, "prompt") for p in prompt]
     else:
         prompts = [_completion_prompt(prompt, "prompt")]
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
-        _bad("suffix", "is not supported")
+        bad_field("suffix", "is not supported")
     max_tokens = get_int(body, "max_tokens", 16)
     prompt_only = echo and max_tokens == 0
     logprobs = get_int(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= 20:
-        _bad("logprobs", f"must be an integer in [0, 20], got {logprobs}")
+        bad_field("logprobs", f"must be an integer in [0, 20], got {logprobs}")
     if max_tokens is not None and max_tokens < 0:
-        _bad("max_tokens", f"must be an integer >= 0, got {max_tokens}")
+        bad_field("max_tokens", f"must be an integer >= 0, got {max_tokens}")
     if max_tokens == 0 and not echo:
-        _bad("max_tokens", "must be >= 1 (0 is allowed only with 'echo': true, which returns the prompt)")
+        bad_field("max_tokens", "must be >= 1 (0 is allowed only with 'echo': true, which returns the prompt)")
     params = _params(common, 1 if prompt_only else max_tokens, logprobs)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
@@ -275,45 +275,51 @@ def _message_text(content: Any, index: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                _bad(f"messages[{index}].content", "only text content parts are supported")
+                bad_field(f"messages[{index}].content", "only text content parts are supported")
             parts.append(part["text"])
         return "".join(parts)
     if content is None:
         return ""
-    _bad(f"messages[{index}].content", f"expected a string, got {_type_name(content)}")
+    bad_field(f"messages[{index}].content", f"expected a string, got {type_name(content)}")
     return ""
+
+
+def parse_messages(messages: Any) -> list[dict]:
+    """Chat messages as ``{"role", "content"}`` dicts with text content (``developer`` is ``system``)."""
+    if not isinstance(messages, list) or not messages:
+        bad_field("messages", "expected a non-empty array of messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            bad_field(f"messages[{i}]", f"expected an object, got {type_name(m)}")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            bad_field(f"messages[{i}].role", f"unknown role {role!r}")
+        clean.append({"role": "system" if role == "developer" else role,
+                      "content": _message_text(m.get("content"), i)})
+    return clean
 
 
 def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     common = _common(body, served_model)
     messages = body.get("messages")
     if messages is None:
-        _bad("messages", "is required")
-    if not isinstance(messages, list) or not messages:
-        _bad("messages", "expected a non-empty array of messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            _bad(f"messages[{i}]", f"expected an object, got {_type_name(m)}")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            _bad(f"messages[{i}].role", f"unknown role {role!r}")
-        clean.append({"role": "system" if role == "developer" else role,
-                      "content": _message_text(m.get("content"), i)})
+        bad_field("messages", "is required")
+    clean = parse_messages(messages)
     max_tokens = get_int(body, "max_completion_tokens", None)
     field_name = "max_completion_tokens"
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None)
         field_name = "max_tokens"
     if max_tokens is not None and max_tokens < 1:
-        _bad(field_name, f"must be an integer >= 1, got {max_tokens}")
+        bad_field(field_name, f"must be an integer >= 1, got {max_tokens}")
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None)
     if top is not None:
         if not want_logprobs:
-            _bad("top_logprobs", "requires 'logprobs' to be true")
+            bad_field("top_logprobs", "requires 'logprobs' to be true")
         if not 0 <= top <= 20:
-            _bad("top_logprobs", f"must be an integer in [0, 20], got {top}")
+            bad_field("top_logprobs", f"must be an integer in [0, 20], got {top}")
     logprobs = (top or 0) if want_logprobs else None
     params = _params(common, max_tokens, logprobs)
     return ParsedRequest(

@@ -1,0 +1,113 @@
+"""The served model's tokenizer over HTTP, in vLLM's shapes: ``POST /tokenize``, ``POST /detokenize``
+and ``GET /tokenizer_info``. Clients that count or split tokens themselves (lm-evaluation-harness's
+remote tokenizer, load generators) use these instead of loading the tokenizer locally.
+
+``chat_prompt_ids`` is the one place a chat conversation becomes prompt token ids: the chat route
+and ``/tokenize`` with ``messages`` both call it. The rendered template already holds the special
+tokens it wants (a ``{{ bos_token }}`` at its start, for instance), so the text is encoded without
+adding the tokenizer's own (as transformers' ``apply_chat_template(tokenize=True)`` does); adding
+them would put a second BOS before every Llama 3, Gemma or Mistral conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.errors import InvalidRequestError
+from kvforge.server import protocol
+
+NO_TOKENIZER = ("this server has no tokenizer (--skip-tokenizer-init or no tokenizer files): "
+                "send 'prompt' as an array of token ids")
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """Render ``messages`` with the chat template and encode the text as it stands (the tokenizer's
+    special tokens only with ``add_special_tokens``, which ``/tokenize`` may ask for)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # a template that rejects the conversation, or no template at all
+        raise InvalidRequestError(f"'messages': cannot apply the chat template: {e}", field="messages") from e
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A validated ``/tokenize`` body: ``prompt`` text or chat ``messages`` (exactly one)."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
+    _check_body_and_model(body, served_model)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise InvalidRequestError("send exactly one of 'prompt' (text) and 'messages' (a chat)", field="prompt")
+    prompt = body.get("prompt")
+    if has_prompt and not isinstance(prompt, str):
+        protocol.bad_field("prompt", f"expected a string, got {protocol.type_name(prompt)}")
+    return TokenizeRequest(
+        prompt=prompt if has_prompt else None,
+        messages=protocol.parse_messages(body["messages"]) if has_messages else None,
+        # vLLM's defaults: a plain prompt gets the tokenizer's special tokens, a chat has its own.
+        add_special_tokens=protocol.get_bool(body, "add_special_tokens", has_prompt),
+        add_generation_prompt=protocol.get_bool(body, "add_generation_prompt", True),
+        return_token_strs=protocol.get_bool(body, "return_token_strs", False),
+    )
+
+
+def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
+    if tokenizer is None:
+        raise InvalidRequestError(NO_TOKENIZER, field="prompt")
+    if req.messages is not None:
+        ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, req.add_special_tokens)
+    else:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def parse_detokenize(body: Any, served_model: str) -> list[int]:
+    _check_body_and_model(body, served_model)
+    if body.get("tokens") is None:
+        protocol.bad_field("tokens", "is required (an array of token ids)")
+    return protocol.get_int_list(body, "tokens")
+
+
+def detokenize(tokenizer, ids: list[int]) -> dict:
+    if tokenizer is None:
+        raise InvalidRequestError(NO_TOKENIZER, field="tokens")
+    vocab = tokenizer.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        protocol.bad_field("tokens", f"token ids must be integers in [0, {vocab}); got {bad[0]}")
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def tokenizer_info(tokenizer, max_model_len: int) -> dict:
+    """The tokenizer's special tokens and chat template (``eos_token`` is what clients probe for)."""
+    if tokenizer is None:
+        raise InvalidRequestError(NO_TOKENIZER, field=None)
+    return {
+        "tokenizer_class": "kvforge.tokenizer.Tokenizer",
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "pad_token": tokenizer.pad_token,
+        "unk_token": tokenizer.unk_token,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": max_model_len,
+        "vocab_size": tokenizer.vocab_size,
+    }
+
+
+def _check_body_and_model(body: Any, served_model: str) -> None:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", field=None)
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise protocol.ModelNotFoundError(str(model), served_model)
