@@ -29,8 +29,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         from kvforge.planner.render import render_plan
 
-        render_plan(result)
+        render_plan(result, console=_plan_console())
     return 0
+
+
+# Wide enough for every column of the plan's tables; rich would otherwise cut cells ("trito…") at its
+# default of 80 columns whenever stdout is a file or a pipe.
+PIPED_TABLE_WIDTH = 200
+
+
+def _plan_console():
+    """A rich console for the plan: the terminal's width on a terminal, PIPED_TABLE_WIDTH otherwise."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=PIPED_TABLE_WIDTH)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -56,6 +56,14 @@ def test_table_output(capsys):
     assert code == 0 and "KV plan" in out and "padding layers 2" in out
 
 
+def test_piped_table_keeps_whole_cells(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # stdout is captured: not a terminal
+    code, out, _ = run(capsys, "gemma-3-27b", "--device", "cuda", "--kv-cache-dtype", "fp8", "--gpu-memory", "141GB")
+    assert code == 0
+    assert "…" not in out
+    assert "sliding" in out and "triton_paged" in out and "fp8_e4m3" in out and "bfloat16" in out
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["llama-3.1-8b", "--kv-cache-dtype", "fp9"], "unknown KV cache dtype 'fp9'"),
     (["llama-3.1-8b", "-tp", "3"], "does not divide num_attention_heads 32"),
