@@ -7,7 +7,7 @@ and none holds more than the window plus its chunk; a second round of the same
 prompts resumes every prompt from its last full block (the sliding groups from
 the window's blocks, their earlier blocks having been freed while the first
 round ran); and decode steps through the CUDA-graph path's static per-group
-inputs (run eagerly on CPU). Block size 4, prefill chunks of 23 tokens (ending
+inputs (run eagerly on CPU), and with overlapped scheduling. Block size 4, prefill chunks of 23 tokens (ending
 inside the window), prompts 3-4x the window, batched. Greedy tokens follow
 transformers' by the near-tie rule (tests/greedy_agreement.py).
 """
@@ -89,11 +89,14 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, prompts, [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-@pytest.mark.parametrize("decode_path", ["eager", "static"])
+@pytest.mark.parametrize("decode_path", ["eager", "static", "async"])
 def test_sliding_blocks_freed_and_prefix_hits_resume_from_the_window(checkpoint, engines, decode_path):
+    """``async``: overlapped scheduling, so blocks leave the window while the step that computed their last
+    token is still in flight."""
     family, path, prompts, want = checkpoint
-    llm = engines(path)
+    llm = engines(path, async_scheduling=decode_path == "async")
     engine = llm.engine
+    assert engine.async_scheduling == (decode_path == "async")
     sliding = [g for g in llm.plan.groups if g.kind == "sliding"]
     assert sliding and len(engine.block_manager.group_windows) == len(llm.plan.groups)
     if decode_path == "static":
