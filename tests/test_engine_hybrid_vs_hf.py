@@ -86,14 +86,14 @@ def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf, _ = make_checkpoint(request.param, path)
     prompts = _prompts()
-    return request.param, path, prompts, [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    return request.param, path, prompts, [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts], hf
 
 
 @pytest.mark.parametrize("decode_path", ["eager", "static", "async"])
 def test_sliding_blocks_freed_and_prefix_hits_resume_from_the_window(checkpoint, engines, decode_path):
     """``async``: overlapped scheduling, so blocks leave the window while the step that computed their last
     token is still in flight."""
-    family, path, prompts, want = checkpoint
+    family, path, prompts, want, _ = checkpoint
     llm = engines(path, async_scheduling=decode_path == "async")
     engine = llm.engine
     assert engine.async_scheduling == (decode_path == "async")
@@ -145,3 +145,30 @@ def test_groups_on_cuda_eager_and_graphs(tmp_path, engines, family, enforce_eage
     assert llm.engine.block_manager.prefix_cache_hits > 0
     counters = llm.engine.rank_counters()[0]
     assert (counters["num_graph_steps"] > 0) == (not enforce_eager), counters
+
+
+def test_scoring_holds_the_window_per_chunk(checkpoint, engines):
+    """compute_prompt_logits (the evaluators' path) takes blocks chunk by chunk and frees what leaves each
+    window: at most the full groups' blocks plus window + chunk per sliding group; logits as transformers'."""
+    _, path, prompts, _, hf = checkpoint
+    llm = engines(path)
+    engine, bm = llm.engine, llm.engine.block_manager
+    used = []
+    inner = engine.runner.run
+
+    def run(*args, **kw):
+        used.append(bm.num_used_blocks)
+        return inner(*args, **kw)
+
+    engine.runner.run = run
+    prompt = prompts[2]  # 61 tokens: chunks of 23, 23, 15
+    ours = engine.compute_prompt_logits(prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    full = sum(1 for w in bm.group_windows if w is None)
+    sliding = len(bm.group_windows) - full
+    assert len(used) == 3
+    assert max(used) <= full * -(-61 // BLOCK) + sliding * sliding_window_blocks(WINDOW, BLOCK, CHUNK)
+    assert used[-1] < len(bm.group_windows) * -(-61 // BLOCK)  # the sliding groups did not keep every block
+    assert bm.num_used_blocks == 0

@@ -434,13 +434,15 @@ class LLMEngine:
     # ---- scoring (eval) -------------------------------------------------------
     def compute_prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced float32 logits [T, vocab] through the paged KV cache
-        (so a quantized cache affects them), chunked like a prefill."""
+        (so a quantized cache affects them), chunked like a prefill. Blocks are taken chunk by chunk, and
+        a sliding-window group frees what leaves its window between chunks, as for a request."""
         self._check_running()
         _, ids = self._tokenize(list(token_ids))
         if len(ids) > self.max_model_len:
             raise InvalidRequestError(f"{len(ids)} tokens exceed max-model-len {self.max_model_len}", field="prompt")
         seq = Sequence(f"__score_{id(ids)}", ids, SamplingParams(max_tokens=1))
-        if not self.block_manager.allocate(seq, len(ids), cached_blocks=[]):
+        chunk = self.scheduler.max_num_batched_tokens
+        if not self.block_manager.allocate(seq, min(chunk, len(ids)), cached_blocks=[]):
             raise InvalidRequestError("not enough free KV blocks to score this text now", field="prompt")
         slots = self.state_slots if self.has_linear_state else None
         if slots is not None and not slots.num_free:
@@ -448,10 +450,12 @@ class LLMEngine:
             raise InvalidRequestError("no free state slot to score this text now (every slot holds a running "
                                       "sequence)", field="prompt")
         try:
-            chunk = self.scheduler.max_num_batched_tokens
             parts = []
             for start in range(0, len(ids), chunk):
                 piece = ids[start:start + chunk]
+                seq.num_computed_tokens = start
+                if start and not self.block_manager.append_slots(seq, len(piece)):
+                    raise InvalidRequestError("not enough free KV blocks to score this text now", field="prompt")
                 if slots is not None:
                     self.runner.step_state_slots = [slots.acquire(seq.request_id)]
                 parts.append(self.runner.run([(piece, start, seq.block_tables)], None))
