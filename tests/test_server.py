@@ -288,6 +288,7 @@ BAD_COMPLETIONS = [
     ("token_id_out_of_vocab", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("prompt_too_long", "TOO_LONG", "prompt"),
     ("max_tokens_over_context", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("logit_bias", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
 ]
 
 
@@ -319,6 +320,16 @@ BAD_CHAT = [
     ("top_logprobs_without_logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs"),
     ("prompt_too_long", "TOO_LONG", "messages"),
+    ("logit_bias", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": -100}}, "logit_bias"),
+    ("json_mode", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("json_schema", {"messages": [{"role": "user", "content": "hi"}],
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("tools", {"messages": [{"role": "user", "content": "hi"}],
+               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("tool_choice_required", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     "tool_choice"),
 ]
 
 
@@ -330,6 +341,13 @@ def test_bad_chat_requests(server, name, body, field):
     status, _, r = http("POST", server.url + "/v1/chat/completions", body, AUTH)
     assert status == 400, r
     assert r["error"]["param"] == field and field in r["error"]["message"]
+
+
+def test_neutral_values_of_unsupported_features_are_accepted(server, client):
+    r = client.chat.completions.create(model=model_name(server), messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2, temperature=0, logit_bias={}, response_format={"type": "text"},
+                                       tool_choice="none")
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_bad_input_with_openai_client_keeps_serving(server, client):

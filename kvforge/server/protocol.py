@@ -152,6 +152,22 @@ class ParsedRequest:
     prompt_only: bool = False
 
 
+def _refuse_unsupported_features(body: dict) -> None:
+    """Fields that would change what the model may output, which this server does not implement: refused
+    (400 naming the field) rather than ignored, so a client never takes plain text for constrained output."""
+    if body.get("logit_bias"):
+        bad_field("logit_bias", "is not supported (send null or {})")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        bad_field("response_format", "is not supported: only {\"type\": \"text\"} (no JSON mode or JSON schema)")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            bad_field(name, "tool and function calling are not supported")
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        bad_field("tool_choice", "tool calling is not supported (only \"none\" or \"auto\" without tools)")
+
+
 def _common(body: dict, served_model: str) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
@@ -171,6 +187,7 @@ def _common(body: dict, served_model: str) -> dict:
     for penalty in ("presence_penalty", "frequency_penalty"):
         if get_number(body, penalty, 0.0) != 0.0:
             bad_field(penalty, "is not supported (only 0)")
+    _refuse_unsupported_features(body)
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
     include_usage = False
