@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvforge.errors import KVForgeError
@@ -45,13 +46,18 @@ def _plan_console():
     return Console() if sys.stdout.isatty() else Console(width=PIPED_TABLE_WIDTH)
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``command == "plan"`` the engine subcommands (and
     their heavy imports) are skipped so planning stays fast and torch-free."""
+    from kvforge import __version__
     from kvforge.cli_args import add_plan_args
 
-    parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0].replace("``", ""))
+    parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="resolve and print the KV-cache plan (no weights are read)")
@@ -64,7 +70,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     if command != "plan":
         _add_engine_commands(sub)
+    _accept_log_level_after_command(parser)
     return parser
+
+
+def _accept_log_level_after_command(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` also after the (sub)command name (``kvforge serve --log-level DEBUG``); there it
+    has no default of its own, so the top-level INFO stands unless it is given."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                subparser.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS)
+                _accept_log_level_after_command(subparser)
 
 
 def _add_engine_commands(sub) -> None:
@@ -88,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader stopped early (`kvforge plan --json | head`): nothing went wrong here. Later writes
+        # (the interpreter's final flush) go to /dev/null instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,57 @@
+"""The ``kvforge`` command line itself: --version, --log-level on either side of the subcommand, and
+output to a reader that stops early."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvforge import __version__
+from kvforge.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvforge {__version__}"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--log-level", "WARNING", "plan", "--json"],
+    ["plan", "--log-level", "WARNING", "--json"],
+    ["plan", "--json", "--log-level=WARNING"],
+])
+def test_log_level_before_or_after_the_subcommand(capsys, argv):
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "SmolLM2-135M-Instruct"
+
+
+def test_log_level_after_an_engine_subcommand_is_parsed(capsys):
+    # A bad --port stops serve before any engine is built; --log-level after `serve` must parse first.
+    assert main(["serve", "--log-level", "DEBUG", "--port", "99999"]) == 2
+    assert "--port must be in" in capsys.readouterr().err
+
+
+def test_bad_log_level_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--log-level", "LOUD"])
+    assert exc.value.code == 2
+    assert "--log-level" in capsys.readouterr().err
+
+
+def test_reader_that_stops_early_is_not_an_error():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvforge.cli", "plan", "--json"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the plan is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
