@@ -396,15 +396,15 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0 picks a free one); raises OSError when the
-    address cannot be resolved or is in use. ``kvforge serve`` binds before it loads any weight."""
+    """A TCP socket bound to ``host:port`` (port 0 picks a free one); raises OSError when the address
+    cannot be resolved or is in use. ``kvforge serve`` binds before it loads any weight; the socket
+    listens only once the app serves, so until then a client's connection is refused, not left waiting."""
     family, type_, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                        flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, type_, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(128)
     except OSError:
         sock.close()
         raise

@@ -109,6 +109,9 @@ def serve_main(args) -> int:
         logger.warning("listening on %s without --api-key: anyone who can reach this port can use it", args.host)
     try:
         return serve(app, args.host, args.port, sock=sock)
+    except OSError as e:  # another server began listening on the port while the engine loaded
+        print(f"kvforge serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     finally:
         engine.shutdown()  # tensor-parallel workers stop with the server
 
