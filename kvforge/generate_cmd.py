@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -19,6 +20,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
     EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
+    p.add_argument("--prompt-token-ids", action="append", default=None, type=token_ids, metavar="ID,ID,...",
+                   help="a prompt as comma-separated token ids (repeat for several); for models without a "
+                        "tokenizer, such as presets on dummy weights")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template (user turn)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -27,6 +31,41 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--compare-kv-dtype", default=None,
                    help="also run greedy with this KV dtype (e.g. bf16) and report agreement")
+
+
+def token_ids(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3] (non-negative integers, at least one)."""
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if any(t < 0 for t in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: token ids must be >= 0")
+    return ids
+
+
+def _prompts(args: argparse.Namespace) -> list:
+    """Text prompts, or token-id prompts; refused before any weight loads when they cannot work."""
+    from kvforge.errors import ConfigError
+    from kvforge.spec.presets import PRESETS
+
+    if args.prompt and args.prompt_token_ids:
+        raise ConfigError("pass either --prompt or --prompt-token-ids, not both")
+    if args.prompt_token_ids:
+        if args.chat:
+            raise ConfigError("--chat renders text messages; it cannot take --prompt-token-ids")
+        return [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
+    is_preset = args.model is not None and not Path(args.model).exists() and args.model.lower() in PRESETS
+    if args.tokenizer is None and (is_preset or args.skip_tokenizer_init):
+        why = f"the preset {args.model!r} runs on dummy weights without a tokenizer" if is_preset else \
+            "--skip-tokenizer-init leaves the engine without a tokenizer"
+        raise ConfigError(f"{why}, so text prompts cannot be encoded; fix: pass --prompt-token-ids 1,2,3 "
+                          f"(or --tokenizer DIR)")
+    return args.prompt or [DEFAULT_PROMPT]
+
+
+def _shown(prompt) -> str:
+    return prompt if isinstance(prompt, str) else f"token ids {prompt['prompt_token_ids']}"
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[int, float]:
@@ -52,7 +91,7 @@ def generate_main(args: argparse.Namespace) -> int:
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.llm import LLM
 
-    prompts = args.prompt or [DEFAULT_PROMPT]
+    prompts = _prompts(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
     engine_args = EngineArgs.from_cli_args(args)
@@ -63,7 +102,9 @@ def generate_main(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     for prompt, out in zip(prompts, outs):
-        print(f"\n>>> {prompt}\n{out.outputs[0].text}")
+        comp = out.outputs[0]
+        text = comp.text if isinstance(prompt, str) else f"{comp.text!r} = token ids {list(comp.token_ids)}"
+        print(f"\n>>> {_shown(prompt)}\n{text}")
         print(f"[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}]")
     print(f"\ngenerated {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s) with {llm.plan.kv_cache_dtype} KV")
     if args.compare_kv_dtype:

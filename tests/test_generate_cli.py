@@ -1,0 +1,55 @@
+"""``kvforge generate`` prompts: text, or token ids for models without a tokenizer; prompts that
+cannot be encoded are refused before any weight loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvforge.llm
+from kvforge.cli import main
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+              "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the engine was built although the prompts cannot work")
+
+    monkeypatch.setattr(kvforge.llm, "LLM", boom)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", "gemma-3-1b", "--prompt", "hi"], "--prompt-token-ids"),
+    (["generate", "llama-3.1-8b"], "--prompt-token-ids"),  # the default prompt is text too
+    (["generate", "--skip-tokenizer-init", "--prompt", "hi"], "--skip-tokenizer-init"),
+    (["generate", "--prompt", "hi", "--prompt-token-ids", "1,2"], "not both"),
+    (["generate", "--chat", "--prompt-token-ids", "1,2"], "--chat"),
+])
+def test_prompts_that_cannot_work_stop_before_the_engine(no_engine, capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["1,x", "1,,2", "-1,2", ""])
+def test_malformed_token_ids_are_argparse_errors(no_engine, capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--prompt-token-ids", value])
+    assert exc.value.code == 2
+    assert "--prompt-token-ids" in capsys.readouterr().err
+
+
+def test_token_id_prompts_on_a_model_without_a_tokenizer(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    code = main(["generate", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
+                 "--prompt-token-ids", "1,2,3", "--prompt-token-ids", "7,8", "--max-tokens", "3", "--ignore-eos",
+                 "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert ">>> token ids [1, 2, 3]" in out and ">>> token ids [7, 8]" in out
+    assert out.count("[3 tokens, finish: length]") == 2
