@@ -468,6 +468,29 @@ class GroupedBlockManagerMachine(BlockManagerMachine):
         compute(self.bm, seq, n)
         self.bm.release_out_of_window(seq)
 
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=16), i=st.integers(0, 63))
+    def lookup_is_the_longest_resumable_prefix(self, tokens, i):
+        """The hit is the largest k whose blocks every group needs are cached (brute force over k); the probe
+        extends a live sequence's tokens when there is one, so it shares cached blocks."""
+        stem = self._pick(i).all_token_ids if self.seqs else []
+        seq = make_seq("probe", stem + [t % self.vocab for t in tokens])
+        hit = self.bm.lookup_prefix(seq)
+        if not self.bm.enable_prefix_caching:
+            assert hit.num_blocks == 0
+            return
+        B, cache = self.bm.block_size, self.bm._hash_to_block
+        hashes = seq.block_hashes
+
+        def resumable(k):
+            for g, w in enumerate(self.bm.group_windows):
+                first = 0 if w is None else max(0, k * B - w + 1) // B
+                if any((g, hashes[i]) not in cache for i in range(first, k)):
+                    return False
+            return True
+
+        best = max(k for k in range((seq.num_tokens - 1) // B + 1) if resumable(k))
+        assert hit.num_blocks == best
+
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
         if not hasattr(self, "bm"):
@@ -484,6 +507,6 @@ class GroupedBlockManagerMachine(BlockManagerMachine):
 
 
 GroupedBlockManagerMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=400, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestGroupedBlockManagerMachine = GroupedBlockManagerMachine.TestCase

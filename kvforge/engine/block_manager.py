@@ -219,9 +219,14 @@ class BlockManager:
             while n < k and (g, hashes[n]) in cache:
                 n += 1
             k = n
-        while k > 0 and not all((g, hashes[i]) in cache for g in self._sliding
-                                for i in range(self._window_start(g, k * self.block_size), k)):
-            k -= 1
+        while k > 0:
+            # The last block a sliding group misses inside the window of the hit point k. Every hit point
+            # in (missing, k] has that block in its window too, so the next candidate is ``missing``.
+            missing = max((i for g in self._sliding for i in range(self._window_start(g, k * self.block_size), k)
+                           if (g, hashes[i]) not in cache), default=None)
+            if missing is None:
+                break
+            k = missing
         skipped = tuple(self._window_start(g, k * self.block_size) for g in range(self.num_groups))
         tables = tuple(tuple(cache[(g, hashes[i])] for i in range(skipped[g], k)) for g in range(self.num_groups))
         return PrefixHit(k, skipped, tables)
