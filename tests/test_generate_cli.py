@@ -1,5 +1,6 @@
 """``kvforge generate`` prompts: text, or token ids for models without a tokenizer; prompts that
-cannot be encoded are refused before any weight loads."""
+cannot be encoded, and ``kvforge bench offline`` lengths that cannot fit, are refused before any
+weight loads."""
 
 from __future__ import annotations
 
@@ -53,3 +54,14 @@ def test_token_id_prompts_on_a_model_without_a_tokenizer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ">>> token ids [1, 2, 3]" in out and ">>> token ids [7, 8]" in out
     assert out.count("[3 tokens, finish: length]") == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-model-len", "256"], "over --max-model-len 256"),  # the default ranges reach 1024 + 1024
+    (["--input-len", "10", "5"], "--input-len 10 5"),
+    (["--output-len", "0", "5"], "--output-len 0 5"),
+])
+def test_bench_offline_lengths_that_cannot_run_stop_before_the_engine(no_engine, capsys, argv, needle):
+    assert main(["bench", "offline", "--load-format", "dummy", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -236,6 +236,23 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
     return run
 
 
+def check_lengths(input_len, output_len, max_model_len: int | None) -> None:
+    """Refuse length ranges that cannot run (before any weight loads): each range is MIN <= MAX with
+    MIN >= 1, and the longest request (input MAX + output MAX) fits --max-model-len when it is given."""
+    from kvforge.errors import ConfigError
+
+    for flag, (lo, hi) in (("--input-len", input_len), ("--output-len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ConfigError(f"{flag} {lo} {hi}: need 1 <= MIN <= MAX")
+    longest = input_len[1] + output_len[1]
+    if max_model_len is not None and longest > max_model_len:
+        raise ConfigError(f"the longest request is --input-len MAX {input_len[1]} + --output-len MAX {output_len[1]} "
+                          f"= {longest} tokens, over --max-model-len {max_model_len}; fix: lower the MAX values "
+                          f"(e.g. --input-len {min(input_len[0], max_model_len // 2)} {max_model_len // 2} "
+                          f"--output-len {min(output_len[0], max_model_len // 2)} {max_model_len // 2}) "
+                          f"or raise --max-model-len")
+
+
 # ---- main -----------------------------------------------------------------------------------------------------
 def offline_main(args: argparse.Namespace) -> int:
     import torch
@@ -243,10 +260,12 @@ def offline_main(args: argparse.Namespace) -> int:
     from kvforge.config import EngineArgs
     from kvforge.llm import LLM
 
+    check_lengths(args.input_len, args.output_len, args.max_model_len)
     t_start = time.perf_counter()
     llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
     startup = time.perf_counter() - t_start
     engine = llm.engine
+    check_lengths(args.input_len, args.output_len, engine.max_model_len)
     print(llm.plan.summary())
     rng = random.Random(args.seed)
     in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng)
