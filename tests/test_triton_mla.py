@@ -311,6 +311,8 @@ def test_moe_deepseek_refuses_cuda_graphs_with_a_reason(tmp_path):
         device = torch.device("cuda")
         backends = [type("Backend", (), {"name": "triton_mla", "captures_cuda_graphs": True})()]
         pool = type("Pool", (), {"ring_pages": 0})()
+        plan = type("Plan", (), {"layers": [type("Layer", (), {"kind": "mla"})()]})()
+        linear_states = None
 
     import test_deepseek_mla as t
 
