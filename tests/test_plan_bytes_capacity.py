@@ -98,3 +98,19 @@ def test_weights_per_rank_and_fit():
         plan("llama-3.1-70b", "bf16", 1, gpu_memory=141 * 10**9)
     ok = plan("llama-3.1-70b", "fp8", 2, gpu_memory=141 * 10**9, max_model_len=8192)
     assert ok.capacity.kv_cache_memory == int(141e9 * 0.9) - ok.weights_bytes_per_rank
+
+
+def test_too_little_memory_names_a_fix_that_can_work():
+    """Memory for half a sequence: the fix offers a shorter --max-model-len (half of it) or the bytes one
+    sequence needs. Memory for a few tokens: a max-model-len of a handful of tokens is no fix, so only the
+    memory is named."""
+    from kvforge.errors import PlanError
+    from kvforge.planner.api import plan
+
+    need = plan("llama-3.1-8b", max_model_len=4096, kv_cache_memory=1 << 40).capacity.bytes_per_sequence
+    with pytest.raises(PlanError, match=r"lower --max-model-len to at most 2048 or give at least "
+                                        rf"{need} bytes per rank"):
+        plan("llama-3.1-8b", max_model_len=4096, kv_cache_memory=need // 2)
+    with pytest.raises(PlanError, match=rf"fix: give at least {need} bytes per rank") as err:
+        plan("llama-3.1-8b", max_model_len=4096, kv_cache_memory=1024)
+    assert "lower --max-model-len" not in str(err.value)

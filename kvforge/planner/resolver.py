@@ -273,6 +273,10 @@ def _window_blocks(groups: tuple[GroupPlan, ...], max_model_len: int) -> int:
                for g in groups if g.kind == "sliding")
 
 
+#: Below this many tokens a shorter --max-model-len is no useful fix for too little KV memory.
+MIN_SUGGESTED_MODEL_LEN = 64
+
+
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
               slot_state_bytes: int, max_model_len: int, memory: int | None) -> Capacity:
     """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
@@ -294,10 +298,13 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
         return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None, 0)
     concurrency = memory / per_seq
     if concurrency < 1:
+        more_memory = f"give at least {per_seq} bytes per rank (--kv-cache-memory / --gpu-memory-utilization)"
+        shorter = int(max_model_len * concurrency)
+        fix = (f"lower --max-model-len to at most {shorter} or {more_memory}" if shorter >= MIN_SUGGESTED_MODEL_LEN
+               else more_memory)
         raise PlanError(
             f"the KV cache memory ({memory} bytes per rank) holds less than one sequence of --max-model-len "
-            f"{max_model_len} ({per_seq} bytes each); fix: lower --max-model-len to at most "
-            f"{int(max_model_len * concurrency)} or give more memory (--kv-cache-memory / --gpu-memory-utilization)"
+            f"{max_model_len} ({per_seq} bytes each); fix: {fix}"
         )
     slots = int(concurrency) if slot_state_bytes else None
     pool = memory - (slots or 0) * slot_state_bytes
