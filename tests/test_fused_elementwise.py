@@ -205,6 +205,8 @@ ROPE_CASES = [
     (9, 3, 64, 64, None),  # SmolLM2-135M
     (8, 2, 128, 64, None),  # partial rotary, power-of-two tail
     (5, 1, 80, 32, dict(rope_type="linear", factor=2.0)),  # odd heads, 48-wide tail
+    (4, 2, 16, 8, None),  # Qwen3-Next test shapes: quarter-width pairs, a tail as wide as the rotated part
+    (4, 2, 32, 16, None),
 ]
 
 

@@ -274,11 +274,22 @@ def test_a_preempted_sequence_recomputes_its_state_in_a_reused_slot(case, tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paths", ["all-kernels", "state-ops-in-torch", "elementwise-in-torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gpu_float32_logits_match_transformers(case, tmp_path):
+def test_gpu_float32_logits_match_transformers(case, paths, tmp_path, monkeypatch):
     """On CUDA (the state operations on the Triton kernels, MoE as grouped GEMMs where they work): prefill of
-    two prompts together, then decode steps, float32, against transformers' CPU forward."""
+    two prompts together, then decode steps, float32, against transformers' CPU forward. ``paths`` moves one
+    group of kernels back to PyTorch on the same device (the state operations: conv1d and delta rule; the fused
+    norm / rope / SiLU kernels), so a mismatch names the kernels that cause it."""
     from state_slot_reference import run_steps_on_device
+
+    from kvforge.attention import linear_state
+    from kvforge.models import layers
+
+    if paths == "state-ops-in-torch":
+        monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ())
+    elif paths == "elementwise-in-torch":
+        monkeypatch.setattr(layers, "FUSED_KERNELS", False)
 
     hf, _ = make_checkpoint(case, tmp_path)
     ours = load_ours(case, tmp_path).to("cuda")

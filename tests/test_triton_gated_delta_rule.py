@@ -101,6 +101,45 @@ def test_chunked_prefill_with_repeated_keys():
     _run_and_check([40], [0], [False], hk=1, hv=1, num_slots=1, chunk_size=32, repeated_keys=True, seed=8)
 
 
+def _model_layout_inputs(lens, hk, hv, dk, dv, seed):
+    """Inputs laid out as a Gated DeltaNet layer passes them: q, k and v are strided views of one conv output
+    ``[T, 2 * hk * dk + hv * dv]`` (row stride wider than a head block), and the gates have the decay range of
+    ``-exp(A_log) * softplus(a + dt_bias)`` with ``A`` in (0, 16): from almost none to ``exp(-40)`` per token."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    mixed = torch.nn.functional.silu(torch.randn(t, 2 * hk * dk + hv * dv, generator=gen))
+    q, k, v = mixed.to(DEVICE).split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv)
+    decay_rate = torch.cat([torch.tensor([0.05]), torch.empty(hv - 1).uniform_(0.5, 16.0, generator=gen)])
+    g = -decay_rate * torch.nn.functional.softplus(torch.randn(t, hv, generator=gen) + 1.0)
+    beta = torch.sigmoid(torch.randn(t, hv, generator=gen))
+    return q, k, v, g.to(DEVICE), beta.to(DEVICE)
+
+
+@pytest.mark.parametrize("lens", [[70, 23], [16, 5]], ids=["full_and_partial_chunks", "one_chunk_each"])
+def test_chunked_prefill_on_the_model_layout(lens):
+    """The chunked kernel on a Gated DeltaNet layer's own inputs (strided views, 2 value heads per key head,
+    16-wide heads, strong decays), a fresh sequence and one continuing its slot, against the float64 oracle."""
+    hk, hv, dk, dv = 2, 4, 16, 16
+    q, k, v, g, beta = _model_layout_inputs(lens, hk, hv, dk, dv, seed=len(lens) + lens[0])
+    assert q.stride(0) == 2 * hk * dk + hv * dv and not q.is_contiguous()
+    states = 0.3 * torch.randn(3, hv, dk, dv, generator=torch.Generator().manual_seed(4))
+    before = states.clone()
+    states = states.to(DEVICE)
+    slots, init = [2, 0], [False, True]
+    qsl = [0, lens[0], lens[0] + lens[1]]
+    out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                          torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+                          has_initial_state=torch.tensor(init, device=DEVICE), normalize_qk=True)
+    for i, (slot, has_state) in enumerate(zip(slots, init)):
+        a, b = qsl[i], qsl[i + 1]
+        want_out, want_state = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)),
+                                             before[slot] if has_state else None)
+        assert rel_err(out[a:b].cpu(), want_out) < CHUNK_TOL, i
+        assert rel_err(states[slot].cpu(), want_state) < CHUNK_TOL, i
+    assert torch.equal(states[1].cpu(), before[1])
+
+
 def test_prefill_split_across_calls_equals_one_call():
     lens = [37]
     q, k, v, g, beta = _batch(lens, 2, 4, 16, 16, False, 5)
