@@ -255,6 +255,24 @@ def test_triton_kernels_in_the_model_match_transformers(case, tmp_path, monkeypa
     assert worst <= REL_TOL, f"{case}: relative max error {worst:.3g}"
 
 
+def test_partial_rotary_factor_of_rope_parameters_wins_over_a_top_level_one(tmp_path):
+    """Some transformers versions write Qwen3-Next's class default ``partial_rotary_factor: 0.25`` at the top
+    level of config.json next to the model's own value in ``rope_parameters`` (0.5 here), and rotate by the
+    latter. Position 0 is the same under any factor (no rotation), so the logits after it are compared."""
+    hf, saved = make_checkpoint("qwen3-next", tmp_path)
+    assert saved["rope_parameters"]["partial_rotary_factor"] == 0.5
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({**saved, "partial_rotary_factor": 0.25}, f)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    seq = _sequences(0)[1][:12]
+    ref = _hf_logits(reread, [seq])[0]
+    assert torch.equal(ref, _hf_logits(hf, [seq])[0])  # transformers rotates by rope_parameters' factor
+    ours = load_ours("qwen3-next", tmp_path)
+    assert ours.model.rotary.rotary_dim == ours.head_dim // 2
+    got = run_steps(ours, StateSlotAttention(ours), [[(0, seq)]])[0]
+    assert _worst(got, ref) <= REL_TOL
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_preempted_sequence_recomputes_its_state_in_a_reused_slot(case, tmp_path):
     """Preemption drops a sequence's slot; its recompute (prompt + generated tokens as one new prefill) lands

@@ -53,6 +53,19 @@ def hybrid_layer_types(config: dict, num_layers: int, default) -> list[str]:
     return list(types)
 
 
+def partial_rotary_factor(config: dict) -> float:
+    """The fraction of each head's features that rope rotates, in transformers' order of priority: the value in
+    ``rope_parameters``, then a top-level ``partial_rotary_factor``, then 0.25 (Qwen3-Next's default).
+
+    A config can carry both, and they can disagree: some transformers versions write the config class's default
+    at the top level next to the model's own value in ``rope_parameters``, and their models rotate by the latter.
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    return float(cfg_get(config, "partial_rotary_factor", 0.25))
+
+
 class Qwen3NextArgs(DecoderArgs):
     """The numbers the model needs, validated, from an HF ``Qwen3NextForCausalLM`` config dict."""
 
@@ -65,9 +78,7 @@ class Qwen3NextArgs(DecoderArgs):
         self.read_grouped_query_heads(config, default_head_dim=256)
         self.softmax_scale = self.head_dim**-0.5
         self.attention_bias = bool(cfg_get(config, "attention_bias", False))
-        params = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
-        factor = float(cfg_get(config, "partial_rotary_factor", params.get("partial_rotary_factor", 0.25)))
-        self.rotary_dim = int(self.head_dim * factor)
+        self.rotary_dim = int(self.head_dim * partial_rotary_factor(config))
         interval = int(cfg_get(config, "full_attention_interval", 4))
         self.layer_types = hybrid_layer_types(config, self.num_layers,
                                               lambda i: FULL if (i + 1) % interval == 0 else LINEAR)
