@@ -7,15 +7,34 @@ previous ``W - 1`` inputs, oldest first. The output is
 in place (row ``j`` <- row ``j + 1``, the last row <- ``x[i]``). ``slot_ids[i] < 0`` is a padding
 row (skipped); ``has_initial_state[i]`` False reads zeros instead of the slot.
 
-:func:`conv1d_decode` (one token per sequence): grid ``(N, cdiv(D, BLOCK_D))``; a program owns
-one sequence's channel block, so the shift needs no synchronisation (slot ids of a batch are
-distinct). No host sync, fixed shapes for fixed ``N``: capturable in a CUDA graph.
+Both functions take ``x [T, D]`` (``T = N`` for :func:`conv1d_decode`) and return ``out [T, D]``.
 
-:func:`conv1d_prefill` (sequences of any lengths, ``query_start_loc [N + 1]``): one launch computes
-the outputs, grid ``(cdiv(T, BLOCK_T), cdiv(D, BLOCK_D))``, each token finding its sequence by a
-binary search over ``query_start_loc`` and reading taps before its sequence's first token from the
-slot; a second launch (grid ``(N, cdiv(D, BLOCK_D))``) then writes each slot's new state, the last
-``W - 1`` inputs of ``cat(state, x)``. Tokens at or past ``query_start_loc[N]`` are not written.
+:func:`conv1d_decode` (one token per sequence): grid ``(N, cdiv(D, BLOCK_D))``, one launch.
+
+:func:`conv1d_prefill` (sequences of any lengths, ``query_start_loc [N + 1]``): a first launch,
+grid ``(cdiv(T, BLOCK_T), cdiv(D, BLOCK_D))``, computes the outputs, each token finding its sequence
+by a binary search over ``query_start_loc`` and reading taps before its sequence's first token from
+the slot; it reads slots and writes none. A second launch on the same stream, grid
+``(N, cdiv(D, BLOCK_D))``, then writes each slot's new state, the last ``W - 1`` inputs of
+``cat(state, x)``: for a sequence of ``L`` tokens, new row ``r`` is old row ``r + L`` when
+``r + L < W - 1`` (only sequences shorter than ``W - 1`` tokens keep old rows; ``L = 0`` keeps the
+slot), else ``x[eos - (W - 1) + r]``. Tokens at or past ``query_start_loc[N]`` are not written.
+
+Why the in-place state updates are race-free (the decode kernel and the prefill state kernel):
+
+* Between programs: program ``(i, c)`` reads and writes only elements ``[slot_ids[i], :, channel
+  block c]``; distinct non-padding slot ids (one slot per live sequence, the caller's contract)
+  make these element sets disjoint, so no program reads or writes what another one writes.
+  Padding rows (slot < 0) and channels past ``D`` load and store nothing.
+* Within a program: a new row ``r`` may come from an old row ``r' > r`` that is itself rewritten
+  by the same program, possibly by another warp. The program first loads every old value it needs
+  into registers, then ``tl.debug_barrier()`` (a CTA barrier, ordering all of the program's global
+  loads before any of its stores), then stores. No store can precede a load of the same element,
+  whatever the warp schedule or register layout.
+
+``has_initial_state[i]`` False masks the slot's loads off (zeros), so whatever the slot held,
+NaN included, never reaches the output or the new state. No host sync and a grid fixed by the
+shapes: both functions are capturable in a CUDA graph.
 
 Arithmetic in float32; the output has ``x``'s dtype.
 """
@@ -45,35 +64,37 @@ if HAS_TRITON:
     def _conv1d_decode_kernel(
         x_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, w_ptr, bias_ptr,
         D, stride_x, stride_o, stride_ss, stride_sr, stride_w,
-        WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-        HAS_INIT_FLAGS: tl.constexpr,
+        WIDTH: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SILU: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     ):
         i = tl.program_id(0)
         ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-        dmask = ds < D
+        rs = tl.arange(0, ROWS)
         slot = tl.load(slot_ptr + i).to(tl.int64)
-        if slot >= 0:
-            keep = 1.0
-            if HAS_INIT_FLAGS:
-                keep = (tl.load(init_ptr + i) != 0).to(tl.float32)
-            x = tl.load(x_ptr + i.to(tl.int64) * stride_x + ds, mask=dmask, other=0.0)
-            acc = tl.load(w_ptr + ds * stride_w + (WIDTH - 1), mask=dmask, other=0.0).to(tl.float32) * x.to(tl.float32)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + ds, mask=dmask, other=0.0).to(tl.float32)
-            row_ptr = state_ptr + slot * stride_ss + ds
-            prev = tl.load(row_ptr, mask=dmask, other=0.0).to(tl.float32) * keep
-            for j in tl.static_range(WIDTH - 1):
-                w = tl.load(w_ptr + ds * stride_w + j, mask=dmask, other=0.0).to(tl.float32)
-                acc += w * prev
-                if j < WIDTH - 2:  # shift: row j <- row j + 1 (exact: a value of the state's own dtype)
-                    nxt = tl.load(row_ptr + (j + 1) * stride_sr, mask=dmask, other=0.0).to(tl.float32) * keep
-                    tl.store(row_ptr + j * stride_sr, nxt.to(state_ptr.dtype.element_ty), mask=dmask)
-                    prev = nxt
-            tl.store(row_ptr + (WIDTH - 2) * stride_sr, x.to(state_ptr.dtype.element_ty), mask=dmask)
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-            tl.store(out_ptr + i.to(tl.int64) * stride_o + ds, acc.to(out_ptr.dtype.element_ty), mask=dmask)
-
+        live = slot >= 0
+        reads_state = live
+        if HAS_INIT_FLAGS:
+            reads_state = live & (tl.load(init_ptr + i) != 0)
+        dmask = (ds < D) & live
+        m2 = (rs < WIDTH - 1)[:, None] & dmask[None, :]
+        base = state_ptr + slot * stride_ss + ds[None, :]
+        # Gather: every old value this program needs, into registers (zeros without an initial state).
+        x = tl.load(x_ptr + i.to(tl.int64) * stride_x + ds, mask=dmask, other=0.0)
+        old = tl.load(base + rs.to(tl.int64)[:, None] * stride_sr, mask=m2 & reads_state, other=0.0)
+        shifted = tl.load(base + (rs + 1).to(tl.int64)[:, None] * stride_sr,
+                          mask=m2 & (rs < WIDTH - 2)[:, None] & reads_state, other=0.0)
+        # All of this program's loads of the slot happen before any of its stores (see the module docstring).
+        tl.debug_barrier()
+        new = tl.where((rs == WIDTH - 2)[:, None], x[None, :], shifted)  # copies: values of the state's dtype
+        tl.store(base + rs.to(tl.int64)[:, None] * stride_sr, new.to(state_ptr.dtype.element_ty), mask=m2)
+        taps = tl.load(w_ptr + ds[None, :] * stride_w + rs[:, None], mask=m2, other=0.0).to(tl.float32)
+        acc = tl.sum(taps * old.to(tl.float32), axis=0)
+        acc += tl.load(w_ptr + ds * stride_w + (WIDTH - 1), mask=dmask, other=0.0).to(tl.float32) * x.to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + ds, mask=dmask, other=0.0).to(tl.float32)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + i.to(tl.int64) * stride_o + ds, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
     def _conv1d_prefill_kernel(
@@ -96,7 +117,7 @@ if HAS_TRITON:
             hi = tl.where(below, hi, mid)
         bos = tl.load(qsl_ptr + lo)
         slot = tl.load(slot_ptr + lo).to(tl.int64)
-        keep = (tl.load(init_ptr + lo) != 0).to(tl.float32)
+        has_init = tl.load(init_ptr + lo) != 0
         tmask = (ts < total) & (slot >= 0)
         m2 = tmask[:, None] & dmask[None, :]
         acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
@@ -109,7 +130,7 @@ if HAS_TRITON:
                          other=0.0).to(tl.float32)
             row = (WIDTH - 1) + (p - bos)
             sv = tl.load(state_ptr + slot[:, None] * stride_ss + row.to(tl.int64)[:, None] * stride_sr + ds[None, :],
-                         mask=m2 & ~from_x[:, None], other=0.0).to(tl.float32) * keep[:, None]
+                         mask=m2 & (~from_x & has_init)[:, None], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + ds * stride_w + j, mask=dmask, other=0.0).to(tl.float32)
             acc += w[None, :] * (xv + sv)
         if SILU:
@@ -124,20 +145,23 @@ if HAS_TRITON:
     ):
         i = tl.program_id(0)
         ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        rs = tl.arange(0, ROWS)
         slot = tl.load(slot_ptr + i).to(tl.int64)
-        if slot >= 0:
-            bos = tl.load(qsl_ptr + i)
-            eos = tl.load(qsl_ptr + i + 1)
-            keep = (tl.load(init_ptr + i) != 0).to(tl.float32)
-            rs = tl.arange(0, ROWS)
-            p = eos - (WIDTH - 1) + rs  # new row r holds input p: from x, or an older row of the slot
-            m2 = (rs < WIDTH - 1)[:, None] & (ds < D)[None, :]
-            from_x = (p >= bos)[:, None]
-            base = state_ptr + slot * stride_ss + ds[None, :]
-            xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + ds[None, :], mask=m2 & from_x, other=0.0)
-            old = tl.load(base + (rs + (eos - bos)).to(tl.int64)[:, None] * stride_sr, mask=m2 & ~from_x, other=0.0)
-            new = xv.to(tl.float32) + old.to(tl.float32) * keep
-            tl.store(base + rs.to(tl.int64)[:, None] * stride_sr, new.to(state_ptr.dtype.element_ty), mask=m2)
+        bos = tl.load(qsl_ptr + i)
+        eos = tl.load(qsl_ptr + i + 1)
+        reads_state = tl.load(init_ptr + i) != 0
+        p = eos - (WIDTH - 1) + rs  # new row r holds input p: x[p], or old row r + (eos - bos) if p < bos
+        m2 = (rs < WIDTH - 1)[:, None] & (ds < D)[None, :] & (slot >= 0)
+        from_x = (p >= bos)[:, None]
+        base = state_ptr + slot * stride_ss + ds[None, :]
+        # Gather: every old value this program needs, into registers (zeros without an initial state).
+        xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + ds[None, :], mask=m2 & from_x, other=0.0)
+        old = tl.load(base + (rs + (eos - bos)).to(tl.int64)[:, None] * stride_sr,
+                      mask=m2 & ~from_x & reads_state, other=0.0)
+        # All of this program's loads of the slot happen before any of its stores (see the module docstring).
+        tl.debug_barrier()
+        new = tl.where(from_x, xv.to(state_ptr.dtype.element_ty), old.to(state_ptr.dtype.element_ty))
+        tl.store(base + rs.to(tl.int64)[:, None] * stride_sr, new, mask=m2)
 
 
 def _check_conv(x, conv_states, slot_ids, weight, activation, num_seqs):
@@ -196,7 +220,7 @@ def conv1d_decode(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Te
         x, out, conv_states, slot_ids, has_initial_state if has_initial_state is not None else slot_ids,
         weight, bias if bias is not None else weight,
         d, x.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1), weight.stride(0),
-        WIDTH=width, BLOCK_D=_BLOCK_D, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
+        WIDTH=width, ROWS=triton.next_power_of_2(width - 1), BLOCK_D=_BLOCK_D, HAS_BIAS=bias is not None,
+        SILU=activation == "silu", HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
     )
     return out
