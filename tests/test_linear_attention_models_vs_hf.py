@@ -19,6 +19,7 @@ recurrent forms differ from transformers' only in summation order, tests/test_ga
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -195,9 +196,14 @@ def test_linear_attention_layer_matches_transformers_layer_with_its_cache(case, 
     cache = transformers.DynamicCache(config=hf.config)
     attn = StateSlotAttention(ours)
     x = 0.5 * torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(0))
+    # transformers 5.x releases name the mixer's cache argument differently; the forward swallows unknown
+    # keywords (**kwargs), so a wrong name would silently run without the cache.
+    params = inspect.signature(type(hf_mixer).forward).parameters
+    cache_arg = next((n for n in ("cache", "cache_params", "past_key_values") if n in params), None)
+    assert cache_arg is not None, f"{type(hf_mixer).__name__}.forward takes no cache argument: {list(params)}"
     with torch.no_grad():
         for a, b in [(0, 9), (9, 10), (10, 12)]:
-            want = hf_mixer(x[:, a:b], cache=cache)
+            want = hf_mixer(x[:, a:b], **{cache_arg: cache})
             attn.step([0], [b - a])
             got = (our_mixer(x[0, a:b], attn) if case == "qwen3-next"
                    else our_mixer(None, x[0, a:b], attn, None))
