@@ -38,8 +38,9 @@ from kvforge.distributed.tp_decoder import (
 )
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import gate_up_parts
-from kvforge.models.deepseek import _EXPERT, _FUSED, DeepseekArgs, DeepseekV2ForCausalLM, MoE
+from kvforge.models.deepseek import DeepseekArgs, DeepseekV2ForCausalLM, MoE
 from kvforge.models.layers import GatedMLP
+from kvforge.models.stacked_experts import FUSED_EXPERTS_NAME, PER_EXPERT_NAME
 
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -125,7 +126,7 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
 
     # -- routed experts: this rank's experts [rank * E/tp, (rank + 1) * E/tp) --------------
     def _is_stacked_experts(self, name: str) -> bool:
-        return bool(_FUSED.match(name)) or name.endswith((".experts_gate_up", ".experts_down"))
+        return bool(FUSED_EXPERTS_NAME.match(name)) or name.endswith((".experts_gate_up", ".experts_down"))
 
     def shard_hf(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of an HF-named full tensor (per-expert tensors: see :meth:`rank_checkpoint`)."""
@@ -146,7 +147,7 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
         n_local = self.args.n_routed_experts
         lo = self.group.rank * n_local
         for name, t in weights:
-            m = _EXPERT.match(name)
+            m = PER_EXPERT_NAME.match(name)
             if m:
                 e = int(m.group(2))
                 if lo <= e < lo + n_local:

@@ -58,12 +58,12 @@ from kvforge.models.decoder import (
     DecoderArgs,
     DecoderForCausalLM,
     PreNormDecoderLayer,
-    copy_checked,
     gate_up_parts,
     required_int,
 )
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
+from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 
 LORA_NORM_EPS = 1e-6
 """eps of q_a_layernorm / kv_a_layernorm: fixed (not rms_norm_eps) in DeepSeek's and transformers' code."""
@@ -370,13 +370,13 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, tok, (y * w[:, None]).to(x.dtype))
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class DeepseekV2ForCausalLM(DecoderForCausalLM):
-    """DeepSeek-V2 / V3 (see module docstring); the runner's ``attn`` must provide ``attn.mla``."""
+class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
+    """DeepSeek-V2 / V3 (see module docstring); the runner's ``attn`` must provide ``attn.mla``.
+
+    Routed experts load and decide CUDA-graph capture through :class:`StackedExpertsCheckpoint`."""
 
     ARGS = DeepseekArgs
     args: DeepseekArgs
@@ -397,61 +397,11 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
                 "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
                                                                  a.moe_intermediate_size * a.n_shared_experts)}
 
-    @property
-    def cuda_graph_unsupported_reason(self) -> str | None:
-        """Why decode steps cannot be captured (None: they can). MoE layers are capturable on CUDA where
-        ``torch._grouped_mm`` works for the weights' dtype (probed once, kvforge/models/grouped_mm.py);
-        otherwise they loop over experts with per-expert counts read on the host, which capture forbids."""
-        moe = [m for m in self.modules() if isinstance(m, MoE)]
-        if not moe:
-            return None
-        w = moe[0].experts_down
-        if w.device.type != "cuda":
-            return "MoE layers loop over experts with host-side token counts"
-        problem = grouped_mm_problem(w.device, w.dtype)
-        if problem:
-            return f"MoE layers loop over experts with host-side token counts ({problem})"
-        return None
-
-    # -- weights: routed experts are stacked per layer ----------------------------
-    def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
-        if name.endswith(".experts_gate_up"):
-            base = name[: -len(".experts_gate_up")]
-            return [f"{base}.experts.{e}.{w}.weight" for e in range(param.shape[0]) for w in ("gate_proj", "up_proj")]
-        if name.endswith(".experts_down"):
-            base = name[: -len(".experts_down")]
-            return [f"{base}.experts.{e}.down_proj.weight" for e in range(param.shape[0])]
-        return super().checkpoint_names(name, param)
-
     def skips_checkpoint_tensor(self, name: str) -> bool:
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= self.num_layers:
             return True  # multi-token-prediction layers
         return super().skips_checkpoint_tensor(name)
-
-    def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
-        """Routed experts per expert (the hub layout) or fused over experts; everything else by name."""
-        m = _EXPERT.match(name)
-        if m:
-            base, e, which = m.group(1), int(m.group(2)), m.group(3)
-            if f"{base}.experts_down" not in params:
-                return None
-            if which == "down_proj":
-                copy_checked(params[f"{base}.experts_down"][e], name, tensor)
-            else:
-                full = params[f"{base}.experts_gate_up"][e]
-                inter = full.shape[0] // 2
-                copy_checked(full.narrow(0, 0 if which == "gate_proj" else inter, inter), name, tensor)
-            return (name,)
-        m = _FUSED.match(name)
-        if m:
-            base, which = m.group(1), m.group(2)
-            target = f"{base}.experts_gate_up" if which == "gate_up_proj" else f"{base}.experts_down"
-            if target not in params:
-                return None
-            copy_checked(params[target], name, tensor)
-            return self.checkpoint_names(target, params[target])
-        return super().load_checkpoint_tensor(params, name, tensor)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
