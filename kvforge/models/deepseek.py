@@ -46,7 +46,6 @@ supported.
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -64,13 +63,24 @@ from kvforge.models.decoder import (
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
+from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
 LORA_NORM_EPS = 1e-6
 """eps of q_a_layernorm / kv_a_layernorm: fixed (not rms_norm_eps) in DeepSeek's and transformers' code."""
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+def read_mla_sizes(a: DecoderArgs, config: dict) -> None:
+    """Sets on ``a`` the sizes :class:`MLAAttention` reads: ``kv_lora_rank``, ``qk_rope_head_dim``,
+    ``qk_nope_head_dim``, ``v_head_dim``, ``q_lora_rank`` (None: no query LoRA), ``qk_head_dim`` and
+    ``attention_bias``."""
+    a.kv_lora_rank = required_int(config, "kv_lora_rank")
+    a.qk_rope_head_dim = required_int(config, "qk_rope_head_dim")
+    a.qk_nope_head_dim = required_int(config, "qk_nope_head_dim")
+    a.v_head_dim = required_int(config, "v_head_dim")
+    q_lora = config.get("q_lora_rank")
+    a.q_lora_rank = int(q_lora) if q_lora else None
+    a.qk_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+    a.attention_bias = bool(cfg_get(config, "attention_bias", False))
 
 
 class DeepseekArgs(DecoderArgs):
@@ -83,14 +93,7 @@ class DeepseekArgs(DecoderArgs):
     def __init__(self, config: dict):
         super().__init__(config)
         self.v3 = self.arch == "DeepseekV3ForCausalLM"
-        self.kv_lora_rank = required_int(config, "kv_lora_rank")
-        self.qk_rope_head_dim = required_int(config, "qk_rope_head_dim")
-        self.qk_nope_head_dim = required_int(config, "qk_nope_head_dim")
-        self.v_head_dim = required_int(config, "v_head_dim")
-        q_lora = config.get("q_lora_rank")
-        self.q_lora_rank = int(q_lora) if q_lora else None
-        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        self.attention_bias = bool(cfg_get(config, "attention_bias", False))
+        read_mla_sizes(self, config)
         self.rope_interleave = bool(cfg_get(config, "rope_interleave", True)) if self.v3 else True
         # MoE
         self.n_routed_experts = int(cfg_get(config, "n_routed_experts", 0))
@@ -126,7 +129,7 @@ class DeepseekArgs(DecoderArgs):
                 raise ConfigError(f"DeepSeek rope scaling {kind!r} is not supported (supported: yarn)")
             mscale_all_dim = self.rope_scaling.get("mscale_all_dim") or 0
             if mscale_all_dim:
-                m = _yarn_mscale(self._yarn_factor(), float(mscale_all_dim))
+                m = yarn_mscale(self._yarn_factor(), float(mscale_all_dim))
                 scale = scale * m * m
         self.softmax_scale = scale
 
@@ -157,36 +160,11 @@ class DeepseekRotary(nn.Module):
 
     def _compute(self) -> tuple[torch.Tensor, float]:
         a, dim, base = self.args, self.dim, self.args.rope_theta
-        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        extrapolated = 1.0 / pos_freqs
         s = a.rope_scaling
         if s is None:
-            return extrapolated, 1.0
+            return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim), 1.0
         factor = a._yarn_factor()
-        orig = float(s["original_max_position_embeddings"])
-        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
-        att = s.get("attention_factor")
-        if att is None:
-            if mscale and mscale_all:
-                att = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
-            else:
-                att = _yarn_mscale(factor)
-        beta_fast = float(s.get("beta_fast") or 32)
-        beta_slow = float(s.get("beta_slow") or 1)
-
-        def dim_for(rotations: float) -> float:  # rotary feature index that turns `rotations` times over orig
-            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = dim_for(beta_fast), dim_for(beta_slow)
-        if s.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        keep = 1 - ramp  # 1: keep the original (extrapolated) frequency; 0: interpolate by `factor`
-        inv_freq = extrapolated / factor * (1 - keep) + extrapolated * keep
-        return inv_freq, float(att)
+        return yarn_inv_freq(dim, base, s, factor), yarn_attention_factor(s, factor)
 
     def reset_parameters(self) -> None:
         if self.inv_freq.device.type == "meta":

@@ -24,7 +24,6 @@ expert tensors (``*_blocks`` / ``*_scales``) are refused with a clear error.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -35,6 +34,7 @@ from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, qkv_parts
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
+from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' GptOssConfig defaults for configs that state no rope.
@@ -96,49 +96,13 @@ class GptOssArgs(DecoderArgs):
         self.rope_theta, self.rope_scaling = gpt_oss_rope(config)
 
 
-def yarn_inv_freq_and_factor(dim: int, theta: float, yarn: dict) -> tuple[torch.Tensor, float]:
-    """YaRN: per-frequency blend of interpolated (``/ factor``) and original frequencies, and the cos/sin factor.
-
-    Frequencies that turn more than ``beta_fast`` times over the original context
-    keep their value, fewer than ``beta_slow`` times are divided by ``factor``,
-    with a linear ramp between (bounds rounded outward when ``truncate``).
-    """
-    factor = float(yarn["factor"])
-    orig = float(yarn["original_max_position_embeddings"])
-    attention_factor = yarn.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all = yarn.get("mscale"), yarn.get("mscale_all_dim")
-
-        def m(scale, ms=1.0):
-            return 1.0 if scale <= 1 else 0.1 * ms * math.log(scale) + 1.0
-
-        attention_factor = m(factor, mscale) / m(factor, mscale_all) if mscale and mscale_all else m(factor)
-    beta_fast = float(yarn.get("beta_fast") or 32)
-    beta_slow = float(yarn.get("beta_slow") or 1)
-
-    def dim_for(rotations: float) -> float:
-        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    lo, hi = dim_for(beta_fast), dim_for(beta_slow)
-    if yarn.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, dim - 1)
-    if lo == hi:
-        hi += 0.001
-    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
-    keep = 1 - ramp  # weight of the original (extrapolated) frequency
-    inv_freq = (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
-    return inv_freq, float(attention_factor)
-
-
 class GptOssRotaryEmbedding(RotaryEmbedding):
-    """Rotate-half rope with optional YaRN: inverse frequencies from :func:`yarn_inv_freq_and_factor`, cos and
-    sin multiplied by its attention factor (in float32, before the cast to the activation dtype)."""
+    """Rotate-half rope with optional YaRN (kvforge/models/yarn.py): its inverse frequencies, cos and sin
+    multiplied by its attention factor (in float32, before the cast to the activation dtype)."""
 
     def __init__(self, head_dim: int, theta: float, yarn: dict | None):
         self.yarn = yarn  # read by reset_parameters, which the base constructor calls
-        self.attention_factor = 1.0 if yarn is None else yarn_inv_freq_and_factor(head_dim, theta, yarn)[1]
+        self.attention_factor = 1.0 if yarn is None else yarn_attention_factor(yarn, float(yarn["factor"]))
         super().__init__(head_dim, head_dim, theta, None)
 
     def reset_parameters(self) -> None:
@@ -148,7 +112,7 @@ class GptOssRotaryEmbedding(RotaryEmbedding):
             super().reset_parameters()
             return
         with torch.no_grad():
-            self.inv_freq.copy_(yarn_inv_freq_and_factor(self.head_dim, self.theta, self.yarn)[0])
+            self.inv_freq.copy_(yarn_inv_freq(self.head_dim, self.theta, self.yarn, float(self.yarn["factor"])))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

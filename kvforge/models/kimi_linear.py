@@ -43,9 +43,8 @@ from kvforge.models.decoder import (
     DecoderForCausalLM,
     PreNormDecoderLayer,
     gate_up_parts,
-    required_int,
 )
-from kvforge.models.deepseek import MLAAttention, MoE
+from kvforge.models.deepseek import MLAAttention, MoE, read_mla_sizes
 from kvforge.models.layers import GatedMLP, cfg_get
 from kvforge.models.qwen3_next import FULL, LINEAR, GatedRMSNorm, hybrid_layer_types, short_conv_weight
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -88,14 +87,7 @@ class KimiLinearArgs(DecoderArgs):
     def __init__(self, config: dict):
         super().__init__(config)
         # MLA
-        self.kv_lora_rank = required_int(config, "kv_lora_rank")
-        self.qk_rope_head_dim = required_int(config, "qk_rope_head_dim")
-        self.qk_nope_head_dim = required_int(config, "qk_nope_head_dim")
-        self.v_head_dim = required_int(config, "v_head_dim")
-        q_lora = config.get("q_lora_rank")
-        self.q_lora_rank = int(q_lora) if q_lora else None
-        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
-        self.attention_bias = bool(cfg_get(config, "attention_bias", False))
+        read_mla_sizes(self, config)
         self.softmax_scale = self.qk_head_dim**-0.5
         # KDA
         lin = config.get("linear_attn_config") or {}
