@@ -60,6 +60,7 @@ from kvforge.models.decoder import (
     gate_up_parts,
     required_int,
 )
+from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -302,28 +303,18 @@ class MoE(nn.Module):
 
     def _routed_loop(self, x, weights, ids, valid=None) -> torch.Tensor:
         """Tokens sorted by expert; one pair of GEMMs per expert with tokens (counts read on the host)."""
-        out = torch.zeros_like(x)
         if valid is None:
             tok_all = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])
             e, w_all = ids.reshape(-1), weights.reshape(-1)
         else:
             tok_all, slot_all = valid.nonzero(as_tuple=True)
             e, w_all = ids[tok_all, slot_all], weights[tok_all, slot_all]
-        if e.numel() == 0:
-            return out
-        order = torch.argsort(e, stable=True)
-        counts = torch.bincount(e, minlength=self.experts_down.shape[0]).tolist()
-        tokens, w = tok_all[order], w_all[order]
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = tokens[start:start + n]
-            gate, up = F.linear(x[tok], self.experts_gate_up[expert]).split(self.inter, dim=-1)
-            y = F.linear(self.act(gate) * up, self.experts_down[expert])
-            out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))  # float32 weights, as HF
-            start += n
-        return out
+        return sum_over_experts(x, tok_all, e, w_all, self.experts_down.shape[0], self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed expert ``expert``'s gated MLP on rows ``x``."""
+        gate, up = F.linear(x, self.experts_gate_up[expert]).split(self.inter, dim=-1)
+        return F.linear(self.act(gate) * up, self.experts_down[expert])
 
     def _routed_grouped(self, x, weights, ids, valid=None) -> torch.Tensor:
         """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted

@@ -32,6 +32,7 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, qkv_parts
+from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq
@@ -192,27 +193,16 @@ class GptOssExperts(nn.Module):
 
     def loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Tokens sorted by expert; one pair of GEMMs per expert with tokens (counts read on the host)."""
-        out = torch.zeros_like(x)
         local = ids - self.first
         held = (local >= 0) & (local < self.num_local)
         tok_all, slot_all = held.nonzero(as_tuple=True)
-        if tok_all.numel() == 0:
-            return out
-        e = local[tok_all, slot_all]
-        w_all = weights[tok_all, slot_all]
-        order = torch.argsort(e, stable=True)
-        counts = torch.bincount(e, minlength=self.num_local).tolist()
-        tokens, w = tok_all[order], w_all[order]
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = tokens[start:start + n]
-            gate_up = x[tok] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            y = self.glu(gate_up) @ self.down_proj[expert] + self.down_proj_bias[expert]
-            out.index_add_(0, tok, (y * w[start:start + n, None]).to(out.dtype))
-            start += n
-        return out
+        return sum_over_experts(x, tok_all, local[tok_all, slot_all], weights[tok_all, slot_all], self.num_local,
+                                self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``expert``'s clamped-SwiGLU MLP on rows ``x``."""
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        return self.glu(gate_up) @ self.down_proj[expert] + self.down_proj_bias[expert]
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum with static shapes: (token, slot) rows sorted by expert, slots held by other ranks
