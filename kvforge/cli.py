@@ -15,11 +15,14 @@ from kvforge.errors import KVForgeError
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvforge.planner.api import plan as make_plan
+    from kvforge.speculative.config import resolve_speculative
 
+    speculative = resolve_speculative(args.speculative_config, args.num_speculative_tokens)
     result = make_plan(
         args.model, tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size, max_model_len=args.max_model_len,
-        num_speculative_tokens=args.num_speculative_tokens, kv_cache_memory=args.kv_cache_memory,
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+        kv_cache_memory=args.kv_cache_memory,
         gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
         dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
         calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,

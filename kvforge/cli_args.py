@@ -54,7 +54,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (model dtype), bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2")
     p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default: negotiated)")
-    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0)
+    p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
+                   help="speculate this many tokens per step with n-gram (prompt-lookup) proposals; shorthand for "
+                        "--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": N}'")
+    p.add_argument("--speculative-config", default=None,
+                   help="speculative decoding as JSON (vLLM's keys): method ngram with num_speculative_tokens, "
+                        "prompt_lookup_min, prompt_lookup_max (docs/SPECULATIVE.md)")
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per rank (e.g. 8GiB)")
     p.add_argument("--gpu-memory", type=parse_bytes, default=None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.cli_args import add_plan_args, positive_int
 from kvforge.errors import ConfigError
+from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: CPU has no "free device memory" to size from
 
@@ -30,6 +31,7 @@ class EngineArgs:
     ``mla_prefill_mode``: how MLA layers on CUDA attend steps with a prefill
     chunk: auto, absorbed, sdpa or expanded
     (:data:`kvforge.attention.routing.mla.PREFILL_MODES`).
+    ``speculative_config``: how to speculate (kvforge/speculative/config.py, docs/SPECULATIVE.md).
     ``distributed_timeout_s``: with ``tensor_parallel_size`` > 1, the longest
     any collective (and worker startup) may wait before the engine fails with
     a clear error instead of hanging.
@@ -65,8 +67,14 @@ class EngineArgs:
     kv_scale_multiplier: float = 1.0
     progress: bool = True
     distributed_timeout_s: float = 300.0
+    #: ``--speculative-config``: a SpeculativeConfig, its dict or JSON text; stored as a SpeculativeConfig
+    #: (or None). ``num_speculative_tokens`` alone means ngram with that count; either way both fields agree.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        speculative = resolve_speculative(self.speculative_config, self.num_speculative_tokens)
+        object.__setattr__(self, "speculative_config", speculative)
+        object.__setattr__(self, "num_speculative_tokens", speculative.num_speculative_tokens if speculative else 0)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

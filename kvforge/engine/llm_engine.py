@@ -33,6 +33,7 @@ from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
 from kvforge.spec.load import load_model_spec
 from kvforge.spec.presets import PRESETS
+from kvforge.speculative.support import check_speculative
 
 logger = logging.getLogger("kvforge.engine")
 
@@ -88,6 +89,11 @@ class LLMEngine:
         if self.spec.rings and args.tensor_parallel_size > 1:
             raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet; "
                               "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
+        batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
+        self.speculative = args.speculative_config
+        if self.speculative is not None:
+            check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched,
+                              async_scheduling=args.async_scheduling)
         self.model_path, self.load_format = self._weights_location(args)
         logger.info("%s", self.plan.summary())
         if any(layer.kind == "mla" for layer in self.plan.layers):
@@ -126,7 +132,6 @@ class LLMEngine:
         self.block_manager = BlockManager(self.plan.num_blocks, self.pool.block_size, prefix_caching,
                                           group_windows=self.pool.group_windows)
         self.max_model_len = self.plan.max_model_len
-        batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         eos |= set(self._config_eos())
         max_num_seqs = args.max_num_seqs

@@ -1,0 +1,123 @@
+"""SpeculativeConfig: the ``--speculative-config`` JSON (vLLM's keys), parsed and checked.
+
+Accepted keys: ``method`` (``ngram``, ``draft_model``, ``mtp``), ``num_speculative_tokens``,
+``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only) and ``model`` (draft_model only).
+``--num-speculative-tokens N`` alone means ``{"method": "ngram", "num_speculative_tokens": N}``.
+Everything here is checked without reading a model; what depends on the model (an MTP layer, the
+plan's limits) is checked by ``kvforge/speculative/support.py``, still before weights load.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvforge.errors import ConfigError
+
+METHODS = ("ngram", "draft_model", "mtp")
+#: n-gram sizes when the config names neither bound: look for the longest suffix of up to 5 tokens,
+#: and never propose from a single-token match (too often a coincidence).
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+_EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+
+
+def _count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"--speculative-config: {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates. ``num_speculative_tokens``: proposals per decoding sequence and step
+    (the plan reserves room for them). ``prompt_lookup_min/max``: the n-gram sizes the ngram method
+    matches, longest first. ``model``: the draft model (draft_model method)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError(f"--speculative-config: unknown method {self.method!r}; use one of "
+                              f"{', '.join(METHODS)} (example: {_EXAMPLE})")
+        _count("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is not None:
+                _count("prompt_lookup_min", lo, 1)
+            if hi is not None:
+                _count("prompt_lookup_max", hi, 1)
+            if lo is None and hi is None:
+                lo, hi = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
+            elif lo is None:
+                lo = min(DEFAULT_PROMPT_LOOKUP_MIN, hi)
+            elif hi is None:
+                hi = max(DEFAULT_PROMPT_LOOKUP_MAX, lo)
+            if lo > hi:
+                raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi}); "
+                                  "the shortest n-gram to match must not be longer than the longest")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            if self.model is not None:
+                raise ConfigError("--speculative-config: method ngram takes no model; use method draft_model "
+                                  "for a draft model")
+        else:
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"--speculative-config: {key} applies to method ngram only, not "
+                                      f"{self.method}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ConfigError('--speculative-config: method draft_model needs "model" (an HF directory, '
+                              '.gguf file or preset sharing the target\'s tokenizer)')
+        if self.method == "mtp" and self.model is not None:
+            raise ConfigError("--speculative-config: method mtp uses the target checkpoint's own MTP layer; "
+                              "drop \"model\"")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpeculativeConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"--speculative-config must be a JSON object, got {type(data).__name__} "
+                              f"(example: {_EXAMPLE})")
+        unknown = sorted(set(data) - _KEYS)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; accepted: "
+                              f"{', '.join(sorted(_KEYS))}")
+        if "num_speculative_tokens" not in data:
+            raise ConfigError(f"--speculative-config needs num_speculative_tokens (example: {_EXAMPLE})")
+        return cls(method=data.get("method", "ngram"), num_speculative_tokens=data["num_speculative_tokens"],
+                   prompt_lookup_min=data.get("prompt_lookup_min"), prompt_lookup_max=data.get("prompt_lookup_max"),
+                   model=data.get("model"))
+
+    @classmethod
+    def parse(cls, value) -> SpeculativeConfig:
+        """A SpeculativeConfig, a dict, or its JSON text."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not valid JSON ({e.msg} at character {e.pos}); "
+                                  f"example: {_EXAMPLE}") from None
+        return cls.from_dict(value)
+
+
+def resolve_speculative(speculative_config, num_speculative_tokens: int) -> SpeculativeConfig | None:
+    """The one speculative setting of ``--speculative-config`` and ``--num-speculative-tokens``: the config
+    when given (a shorthand that disagrees with it is an error), else ngram with the shorthand's count,
+    else None (no speculation)."""
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+            or num_speculative_tokens < 0:
+        raise ConfigError(f"--num-speculative-tokens must be an integer >= 0, got {num_speculative_tokens!r}")
+    if speculative_config is None:
+        return SpeculativeConfig("ngram", num_speculative_tokens) if num_speculative_tokens else None
+    config = SpeculativeConfig.parse(speculative_config)
+    if num_speculative_tokens and num_speculative_tokens != config.num_speculative_tokens:
+        raise ConfigError(f"--num-speculative-tokens {num_speculative_tokens} disagrees with --speculative-config's "
+                          f"num_speculative_tokens {config.num_speculative_tokens}; give one of them")
+    return config

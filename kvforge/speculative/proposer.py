@@ -1,0 +1,34 @@
+"""The interface every proposer implements, and the one place that builds a proposer from a config."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from typing import Protocol
+
+from kvforge.engine.sequence import Sequence
+from kvforge.errors import ConfigError
+from kvforge.speculative.config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    """Guesses the tokens that follow each sequence.
+
+    ``propose(seqs)`` returns one list per sequence, in order, of at most ``num_speculative_tokens``
+    token ids that would follow ``seq.all_token_ids``; an empty list proposes nothing for that sequence.
+    Proposals only cost compute when they are wrong: verification keeps exactly the tokens the target
+    model would have produced. A proposer that runs a model (a draft model) batches the sequences
+    itself; the engine calls ``propose`` once per step, before scheduling, with the decoding sequences.
+    """
+
+    num_speculative_tokens: int
+
+    def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]: ...
+
+
+def build_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of ``config.method`` (methods without one are refused before weights load)."""
+    if config.method == "ngram":
+        from kvforge.speculative.ngram import NgramProposer
+
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    raise ConfigError(f"speculative method {config.method} is not supported yet")

@@ -1,0 +1,54 @@
+"""What the engine checks about speculation before any weight loads: the method against the model,
+the proposal count against the plan and the step budget, and the scheduling mode.
+
+Rollback of rejected tokens is exact for paged KV (full, sliding, MLA: positions past
+``num_computed_tokens`` are simply rewritten later) and for rings (the plan gives each ring one extra
+row per speculative token, so the rows of rejected positions never overwrite a row still in use).
+Linear-attention state is rewritten in place token by token and cannot be rolled back, so those
+models refuse speculation.
+"""
+
+from __future__ import annotations
+
+from kvforge.errors import ConfigError
+from kvforge.planner.kv_plan import KVPlan
+from kvforge.spec.model_spec import ModelSpec
+from kvforge.speculative.config import SpeculativeConfig
+
+
+def mtp_layers(spec: ModelSpec) -> int:
+    """Multi-token-prediction layers the checkpoint carries (DeepSeek-V3's ``num_nextn_predict_layers``)."""
+    value = spec.hf_config.get("num_nextn_predict_layers") or 0
+    return int(value) if isinstance(value, int) else 0
+
+
+def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, *, max_num_batched_tokens: int,
+                      async_scheduling: bool | None) -> None:
+    """Raise ConfigError naming the problem and the fix when the engine cannot speculate as configured."""
+    k = config.num_speculative_tokens
+    if config.method == "mtp":
+        if not mtp_layers(spec):
+            raise ConfigError(f"--speculative-config method mtp needs a checkpoint with a multi-token-prediction "
+                              f"layer (num_nextn_predict_layers > 0 in config.json); {spec.name} has none. Use "
+                              f"method ngram, or a DeepSeek-V3-style checkpoint that carries one")
+        raise ConfigError("--speculative-config method mtp is not supported yet; use method ngram")
+    if config.method == "draft_model":
+        raise ConfigError("--speculative-config method draft_model is not supported yet; use method ngram")
+    if any(layer.kind == "state" for layer in plan.layers):
+        raise ConfigError("speculative decoding is not supported for linear-attention models: their recurrent "
+                          "state is rewritten token by token and rejected proposals could not be rolled back; "
+                          "drop --speculative-config / --num-speculative-tokens")
+    if plan.num_speculative_tokens != k:
+        raise ConfigError(f"the plan reserves room for {plan.num_speculative_tokens} speculative tokens but "
+                          f"{k} are configured; plan with --num-speculative-tokens {k}")
+    if k + 1 > max_num_batched_tokens:
+        raise ConfigError(f"num_speculative_tokens {k} + 1 exceeds --max-num-batched-tokens "
+                          f"{max_num_batched_tokens}: a decoding sequence could never verify all its proposals; "
+                          f"lower num_speculative_tokens to at most {max_num_batched_tokens - 1}")
+    if k + 2 > plan.max_model_len:
+        raise ConfigError(f"num_speculative_tokens {k} leaves no room in max-model-len {plan.max_model_len} "
+                          f"(a prompt token, {k} proposals and the next token must fit); lower it to at most "
+                          f"{plan.max_model_len - 2}")
+    if async_scheduling:
+        raise ConfigError("--async-scheduling does not combine with speculative decoding yet (a step's accepted "
+                          "length is known only after it ran); drop --async-scheduling")

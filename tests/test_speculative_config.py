@@ -1,0 +1,130 @@
+"""--speculative-config / --num-speculative-tokens: parsing, and every refusal made before weights load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvforge.cli import main
+from kvforge.config import EngineArgs
+from kvforge.engine.llm_engine import LLMEngine
+from kvforge.errors import ConfigError
+from kvforge.spec.presets import PRESETS
+from kvforge.speculative.config import SpeculativeConfig
+
+
+def test_json_in_vllm_shape_is_parsed():
+    args = EngineArgs(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+                                         '"prompt_lookup_max": 4}')
+    assert args.speculative_config == SpeculativeConfig("ngram", 3, 2, 4)
+    assert args.num_speculative_tokens == 3  # what the planner reads
+
+
+def test_shorthand_means_ngram():
+    args = EngineArgs(num_speculative_tokens=2)
+    assert args.speculative_config.method == "ngram"
+    assert args.speculative_config.num_speculative_tokens == 2
+    assert EngineArgs().speculative_config is None
+
+
+def test_dict_and_defaults():
+    cfg = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 5}).speculative_config
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 5)
+    assert SpeculativeConfig("ngram", 1, prompt_lookup_max=1).prompt_lookup_min == 1
+    assert SpeculativeConfig("ngram", 1, prompt_lookup_min=7).prompt_lookup_max == 7
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"method": "eagle", "num_speculative_tokens": 2}', "unknown method 'eagle'"),
+    ('{"method": "ngram"}', "needs num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": -2}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer >= 1"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown key(s) lookahead"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "prompt_lookup_min (4) >"),
+    ('{"num_speculative_tokens": 2, "prompt_lookup_min": 0}', "prompt_lookup_min must be"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "ngram takes no model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
+    ('{"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3}', "applies to method ngram only"),
+])
+def test_bad_config_is_refused(value, message):
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(speculative_config=value)
+    assert message in str(e.value)
+
+
+def test_shorthand_disagreeing_with_config_is_refused():
+    with pytest.raises(ConfigError, match="disagrees"):
+        EngineArgs(num_speculative_tokens=3, speculative_config={"num_speculative_tokens": 2})
+    assert EngineArgs(num_speculative_tokens=2, speculative_config={"num_speculative_tokens": 2}) \
+        .num_speculative_tokens == 2
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Building a model fails the test: every refusal below must come before it."""
+    def fail(*a, **k):
+        raise AssertionError("the model was built before the speculative config was refused")
+    monkeypatch.setattr("kvforge.models.registry.build_model", fail)
+
+
+def _engine(model=None, **kw):
+    base = dict(device="cpu", progress=False, kv_cache_memory=1 << 30, max_model_len=1024, load_format="auto" if model is None
+                else "dummy", skip_tokenizer_init=True)
+    return LLMEngine(EngineArgs(model=model, **{**base, **kw}))
+
+
+def _config_dir(tmp_path, preset, **extra):
+    (tmp_path / "config.json").write_text(json.dumps({**PRESETS[preset], **extra}))
+    return str(tmp_path)
+
+
+def test_mtp_without_mtp_layer_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers > 0"):
+        _engine(speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # embedded SmolLM2
+
+
+def test_mtp_with_mtp_layer_is_not_supported_yet(no_weights, tmp_path):
+    model = _config_dir(tmp_path, "deepseek-v3", num_nextn_predict_layers=1)
+    with pytest.raises(ConfigError, match="method mtp is not supported yet"):
+        _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_draft_model_is_not_supported_yet(no_weights):
+    with pytest.raises(ConfigError, match="draft_model is not supported yet"):
+        _engine(speculative_config={"method": "draft_model", "model": "llama-3.1-8b", "num_speculative_tokens": 2})
+
+
+def test_linear_attention_model_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="not supported for linear-attention models"):
+        _engine("qwen3-next-80b-a3b", num_speculative_tokens=2)
+
+
+def test_more_tokens_than_the_step_budget_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="exceeds --max-num-batched-tokens 4"):
+        _engine(num_speculative_tokens=4, max_num_batched_tokens=4)
+
+
+def test_more_tokens_than_max_model_len_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="leaves no room in max-model-len 8"):
+        _engine(num_speculative_tokens=7, max_model_len=8, max_num_batched_tokens=64)
+
+
+def test_async_scheduling_with_speculation_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="--async-scheduling does not combine"):
+        _engine(num_speculative_tokens=2, async_scheduling=True)
+
+
+def test_cli_reports_a_bad_config_without_traceback(capsys):
+    assert main(["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}',
+                 "--prompt", "hi", "--device", "cpu"]) == 2
+    assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_plan_cli_takes_the_config(capsys):
+    assert main(["plan", "csa-ring-test", "--json", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 3}']) == 0
+    assert json.loads(capsys.readouterr().out)["num_speculative_tokens"] == 3
