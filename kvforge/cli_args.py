@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from kvforge.planner.inputs import QUERY_DTYPE_CHOICES
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -69,9 +71,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="calibrate fp8 KV scales on the first batch instead of the default 1.0")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--query-dtype", choices=["auto", "model"], default="auto",
-                   help="attention query dtype: auto (quantized where the KV cache is and the backend declares "
-                        "it; the plan says why) or model (always the model dtype)")
+    p.add_argument("--query-dtype", choices=list(QUERY_DTYPE_CHOICES), default="auto",
+                   help="attention query dtype: auto (the model dtype unless a backend declares a quantized query "
+                        "as its default; none does today), model (always the model dtype) or fp8 (opt in to the "
+                        "backend's fp8 query over an fp8 KV cache; fails where a layer cannot take it). The plan "
+                        "says why per layer")
     p.add_argument("--state-dtype", choices=["auto", "model", "float32", "bfloat16", "float16"], default="auto",
                    help="state slots of linear-attention layers (Qwen3-Next, Kimi-Linear): auto (float32, the "
                         "recurrent state is rewritten every token), model (the model dtype, half the bytes of a "

@@ -71,10 +71,20 @@ def test_piped_table_keeps_whole_cells(capsys, monkeypatch):
     (["csa-ring-test", "-tp", "8", "--kv-cache-dtype", "fp8", "--block-size", "16"], "6144 bytes"),
     (["llama-3.1-70b", "--gpu-memory", "80GB"], "weights need"),
     (["llama-3.1-8b", "--max-model-len", "1000000"], "max_position_embeddings"),
+    (["deepseek-v2-lite", "--device", "cuda", "--query-dtype", "fp8"], "KV cache is bfloat16 (not quantized)"),
 ])
 def test_bad_input_exits_2_with_message(capsys, argv, needle):
     code, _, err = run(capsys, *argv)
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags,query", [([], "bfloat16"), (["--query-dtype", "model"], "bfloat16"),
+                                         (["--query-dtype", "fp8"], "fp8_e4m3")])
+def test_fp8_mla_query_dtype_flag(capsys, flags, query):
+    """DeepSeek-V2-Lite on CUDA with an fp8 latent cache: the model-dtype query unless --query-dtype fp8."""
+    code, out, _ = run(capsys, "deepseek-v2-lite", "--device", "cuda", "--kv-cache-dtype", "fp8", *flags, "--json")
+    assert code == 0
+    assert {layer["query_dtype"] for layer in json.loads(out)["layers"]} == {query}
 
 
 @pytest.mark.parametrize("flag,value", [("--block-size", "-16"), ("--block-size", "1.5"), ("--tensor-parallel-size", "0"),

@@ -8,7 +8,8 @@ Query dtype: the e4m3 query is declared exactly where the routing table
 score product: e4m3 caches, 1-16 heads per rank, 576-wide rows (kv_lora_rank 512 + rope 64), bf16/fp16
 models. Where that kernel does not take a decode call (fewer tokens per CTA, the Gluon gate closed) the
 model-dtype query runs, so the e4m3 query bounds the rounding rather than promising it; the plan's reason
-says so (``QuantizedQuery.note``). Everywhere else the model-dtype query is declared.
+says so (``QuantizedQuery.note``). Everywhere else the model-dtype query is declared. The e4m3 query is
+opt-in (``QuantizedQuery.opt_in``): the planner takes it only under ``--query-dtype fp8``.
 """
 
 from kvforge.attention.routing.mla import QUANTIZED_QUERY
@@ -25,6 +26,7 @@ TRITON_MLA = BackendDeclaration(
     quantized_query=QuantizedQuery(
         QUANTIZED_QUERY.kv_dtypes, min_heads_per_rank=1, max_heads_per_rank=QUANTIZED_QUERY.max_heads,
         model_dtypes=QUANTIZED_QUERY.model_dtypes, head_sizes=QUANTIZED_QUERY.row_widths, note=QUANTIZED_QUERY.note,
+        opt_in=QUANTIZED_QUERY.opt_in,
     ),
     index_limit=IndexLimit("row_byte_offset", INT64_MAX, "int64 offsets in the kernels"),
     implementation="kvforge.attention.backends.triton_mla",

@@ -71,6 +71,10 @@ class QuantizedQuery:
     #: Appended to the plan's reason where the rule accepts: what the backend does with the quantized query
     #: (e.g. where it still runs the model dtype), so the plan does not claim more than runs.
     note: str = ""
+    #: Non-empty: the planner takes this quantized query only under ``--query-dtype fp8``, and this text (the
+    #: evidence that decided it) is quoted in the plan's reason under ``--query-dtype auto``. Empty: ``auto``
+    #: takes it wherever the rule accepts.
+    opt_in: str = ""
 
     def accepts(self, kv_dtype: str, heads_per_rank: int, model_dtype: str = "bfloat16",
                 head_size: int | None = None) -> bool:

@@ -25,7 +25,7 @@ def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
 
 
 #: ``--query-dtype`` values (CacheConfig.query_dtype).
-QUERY_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model")
+QUERY_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model", "fp8")
 #: ``--state-dtype`` values (CacheConfig.state_dtype): the storage dtype of linear-attention state slots.
 STATE_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model", "float32", "bfloat16", "float16")
 
@@ -49,8 +49,10 @@ class CacheConfig:
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
     max_num_seqs: int = 256
-    #: "auto": a quantized attention query where the KV is quantized and the backend declares it (rule 3);
-    #: "model": always the model dtype (the user trades the declared speed-up for the exact query).
+    #: "auto": the model dtype, except where a backend declares a quantized query that is not opt-in (none of
+    #: the built-in backends does); "model": always the model dtype; "fp8": the backend's declared quantized
+    #: query on every attention layer, or a PlanError naming the layers that cannot take it
+    #: (kvforge/planner/query_dtype.py).
     query_dtype: str = "auto"
     #: State slots of linear-attention layers: "auto" (float32; the resolver's ``state_dtype`` says why), "model" (the model
     #: dtype) or an explicit float dtype. Never quantized: the state is rewritten every token.

@@ -19,6 +19,7 @@ from kvforge.planner.declaration import BackendDeclaration, BlockSizes, LayerCon
 from kvforge.planner.groups import LayerType, choose_grouping, sliding_window_blocks
 from kvforge.planner.inputs import CacheConfig, ParallelConfig, check_platform
 from kvforge.planner.kv_plan import Capacity, GroupPlan, IndexCheck, KVPlan, LayerPlan
+from kvforge.planner.query_dtype import plan_query_dtypes
 from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
 from kvforge.spec.model_spec import ModelSpec
 
@@ -116,42 +117,6 @@ def _pick_backend(kind: str, platform: str, kv_dtype: str, head_size: int | None
     listing = "\n".join(rejections) or "  (no backends registered)"
     raise PlanError(f"no attention backend accepts {what} (kind {kind}, KV dtype {kv_dtype}, head size "
                     f"{head_size}, platform {platform}):\n{listing}\nfix: choose another --kv-cache-dtype or --device")
-
-
-def _query_dtype(layer: _Layer, model_dtype: str, choice: str = "auto") -> tuple[str, str]:
-    """Rule 3: quantized query only when the KV is quantized and the backend declares it (and ``choice``,
-    ``--query-dtype``, is not "model")."""
-    if layer.kind == "state":
-        return model_dtype, "state layer: no KV cache, no attention query"
-    if not is_quantized(layer.kv_dtype):
-        return model_dtype, f"KV cache is {layer.kv_dtype} (not quantized): query uses the model dtype {model_dtype}"
-    rule = layer.backend.quantized_query
-    accepted = rule.accepts(layer.kv_dtype, layer.heads_per_rank, model_dtype, layer.head_size or 0)
-    if accepted and choice == "model":
-        return model_dtype, (f"{layer.backend.name} declares an {layer.kv_dtype} query here, but --query-dtype "
-                             f"model keeps {model_dtype}, KV dequant scale folded into the softmax scale")
-    if accepted:
-        return layer.kv_dtype, (
-            f"{layer.backend.name} declares an {layer.kv_dtype} query with {layer.kv_dtype} KV "
-            f"{rule.heads_range()} heads per rank; this layer has {layer.heads_per_rank}: {layer.kv_dtype} dot"
-            + (f" ({rule.note})" if rule.note else "")
-        )
-    if layer.kv_dtype not in rule.kv_dtypes:
-        why = f"{layer.backend.name} does not declare a quantized query for {layer.kv_dtype} KV"
-    elif model_dtype not in rule.model_dtypes:
-        why = (f"{layer.backend.name} quantizes the query only for {', '.join(sorted(rule.model_dtypes))} models; "
-               f"this model is {model_dtype}")
-    elif rule.head_sizes is not None and (layer.head_size or 0) not in rule.head_sizes:
-        what = "row width (kv_lora_rank + rope)" if layer.kind == "mla" else "head size"
-        why = (f"{layer.backend.name} accepts an {layer.kv_dtype} query only for {what} "
-               f"{', '.join(map(str, sorted(rule.head_sizes)))}; this layer has {layer.head_size}")
-    elif layer.heads_per_rank < rule.min_heads_per_rank:
-        why = (f"{layer.backend.name} accepts an {layer.kv_dtype} query only from {rule.min_heads_per_rank} heads "
-               f"per rank; this layer has {layer.heads_per_rank}")
-    else:
-        why = (f"{layer.backend.name} accepts an {layer.kv_dtype} query only up to {rule.max_heads_per_rank} heads "
-               f"per rank; this layer has {layer.heads_per_rank}")
-    return model_dtype, f"{why}: query stays {model_dtype}, KV dequant scale folded into the softmax scale"
 
 
 def _violations(block_size: int, constraints) -> list[tuple[BackendDeclaration, LayerContext, BlockSizes]]:
@@ -429,8 +394,8 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     layer_plans = []
     quantized = is_quantized(kv_dtype)
     scheme = cache.kv_scale_scheme if quantized else None
-    for layer in layers:
-        qd, why = _query_dtype(layer, model_dtype, cache.query_dtype)
+    query_dtypes = plan_query_dtypes(layers, model_dtype, cache.query_dtype, _ranges)
+    for layer, (qd, why) in zip(layers, query_dtypes, strict=True):
         layer_scheme = scheme
         if layer.kind == "mla" and scheme == "per_head":
             layer_scheme = "per_tensor"
@@ -464,7 +429,8 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     baseline = None
     if _baseline and kv_dtype != model_dtype:
         try:
-            base_plan = resolve(spec, CacheConfig(**{**cache.__dict__, "kv_cache_dtype": model_dtype}), parallel,
+            base_plan = resolve(spec, CacheConfig(**{**cache.__dict__, "kv_cache_dtype": model_dtype,
+                                                     "query_dtype": "model"}), parallel,
                                 platform, backends, model_dtype, _baseline=False)
             baseline = base_plan.capacity
         except PlanError as exc:

@@ -16,6 +16,7 @@ The e4m3 query (``QUANTIZED_QUERY``, what the backend declaration offers the pla
 1-``FP8_QUERY_MAX_HEADS`` heads on e4m3 caches with 576-wide rows. It runs as an fp8 product only on the
 warp-specialized kernel; wherever that kernel does not take the call, the model-dtype query runs (the
 wgmma kernel's, or the tl.dot kernel's exact query), so the e4m3 query is an upper bound on the rounding.
+The planner takes it only under ``--query-dtype fp8`` (``QuantizedQueryRule.opt_in`` says why).
 
 Steps with a prefill chunk take one of the paths in :data:`PREFILL_MODES` (:func:`prefill_path`).
 
@@ -87,7 +88,8 @@ KERNEL_NAMES: tuple[str, ...] = tuple(k.name for k in TABLE)
 @dataclass(frozen=True)
 class QuantizedQueryRule:
     """Where the backend takes a quantized query: ``dtypes`` over ``kv_dtypes``, 1 to ``max_heads`` heads
-    per rank, rows of ``row_widths``, models in ``model_dtypes``."""
+    per rank, rows of ``row_widths``, models in ``model_dtypes``; ``opt_in``: why the planner takes it only
+    when asked (``--query-dtype fp8``), quoted in the plan's reason."""
 
     dtypes: frozenset[str]
     kv_dtypes: frozenset[str]
@@ -95,6 +97,7 @@ class QuantizedQueryRule:
     row_widths: frozenset[int]
     model_dtypes: frozenset[str]
     note: str
+    opt_in: str
 
 
 #: The e4m3 query: declared exactly where the warp-specialized kernel can run its fp8 score product.
@@ -103,6 +106,8 @@ QUANTIZED_QUERY = QuantizedQueryRule(
     row_widths=frozenset({LATENT_DIM + ROPE_DIM}), model_dtypes=SIXTEEN_BIT,
     note=(f"on sm_90 where a decode CTA gets >= {WS_MIN_TOKENS_PER_CTA} tokens; elsewhere the model-dtype query "
           "runs, faster there"),
+    opt_in=("its decode output error was 15x the model-dtype query's (2.0-2.6e-2 against 1.7-2.0e-3 relative L2) "
+            "for a 1.14x kernel speed-up, and no model-level KLD has been measured (docs/BENCHMARKS.md)"),
 )
 #: Above this many heads a quantized query runs the tl.dot kernel's fp8 dot; at or below it, wherever the
 #: fp8 score product does not run, the model-dtype query runs instead.

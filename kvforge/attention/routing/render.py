@@ -71,7 +71,7 @@ def _mla_section() -> list[str]:
               f"{_names(q.kv_dtypes)} caches, 1-{q.max_heads} heads per rank, rows of {_names(q.row_widths)}, "
               f"{_names(q.model_dtypes)} models. It is tried first on the Gluon kernels, then as the "
               f"model-dtype query; up to {mla.FP8_QUERY_MAX_HEADS} heads the tl.dot kernel gets the model-dtype "
-              "query.", "",
+              f"query. The planner takes it only under `--query-dtype fp8`: {q.opt_in}.", "",
               f"**Prefill** (engine argument `--mla-prefill-mode`, one of {', '.join(mla.PREFILL_MODES)}): "
               f"`auto` runs a step absorbed while every sequence with a prefill chunk is at most "
               f"{mla.ABSORBED_PREFILL_MAX_SEQ_LEN} tokens long, else sdpa.", ""]
