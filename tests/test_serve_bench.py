@@ -236,6 +236,72 @@ def test_step_weight_bytes_of_a_tiny_deepseek():
     assert w.dense == total - 256 * 64 * 4 - w.routed
 
 
+def _tiny(case: str):
+    """Our model (float32, untrained) of a tiny config: gpt-oss from tests/hybrid_checkpoints.py, Qwen3-Next and
+    Kimi-Linear from tests/test_linear_attention_models_vs_hf.py."""
+    import hybrid_checkpoints as hc
+    import test_linear_attention_models_vs_hf as la
+
+    from kvforge.models.gpt_oss import GptOssForCausalLM
+    from kvforge.models.kimi_linear import KimiLinearForCausalLM
+    from kvforge.models.qwen3_next import Qwen3NextForCausalLM
+
+    cls, cfg = {"gpt-oss": (GptOssForCausalLM, hc.GPT_OSS), "qwen3-next": (Qwen3NextForCausalLM, la.QWEN3_NEXT),
+                "kimi-linear": (KimiLinearForCausalLM, la.KIMI_LINEAR)}[case]
+    return cls(dict(cfg))
+
+
+#: Routed-expert parameters, by hand from the configs (hidden 64 everywhere):
+#: gpt-oss: 4 MoE layers x 6 experts x (gate_up 64 x 96 + its bias 96 + down 48 x 64 + its bias 64 = 9,376);
+#: Qwen3-Next: 3 MoE layers (layer 1 is mlp_only) x 6 experts x (gate_up 64 x 64 + down 64 x 32 = 6,144);
+#: Kimi-Linear: 2 sparse layers x 8 experts x 6,144. Each: (routed parameters, top_k, experts, vocab).
+ROUTED_BY_HAND = {"gpt-oss": (4 * 6 * 9376, 2, 6, 256), "qwen3-next": (3 * 6 * 6144, 2, 6, 128),
+                  "kimi-linear": (2 * 8 * 6144, 2, 8, 128)}
+
+
+@pytest.mark.parametrize("case", sorted(ROUTED_BY_HAND))
+def test_roofline_charges_the_experts_a_step_touches_for_every_moe_layout(case):
+    """gpt-oss (experts with biases under ``mlp.experts``), Qwen3-Next (a plain linear router) and Kimi-Linear
+    (DeepSeek's MoE): the routed experts are recognised, so a decode step of one request reads the dense
+    bytes plus top_k / experts of the routed bytes, and a token multiplies that share of them; the input
+    embedding (vocab x 64) is gathered, not read."""
+    from kvforge.bench.roofline import (
+        dense_decode_flops_per_token,
+        matmul_params_per_token,
+        roofline,
+        step_weight_bytes,
+    )
+
+    model = _tiny(case)
+    routed, top_k, experts, vocab = ROUTED_BY_HAND[case]
+    total = sum(p.numel() for p in model.parameters())
+    embed = vocab * 64
+    w = step_weight_bytes(model)
+    assert (w.routed, w.top_k, w.n_experts) == (4 * routed, top_k, experts)
+    assert w.dense == 4 * (total - embed - routed)
+    assert matmul_params_per_token(model) == pytest.approx(total - embed - routed * (1 - top_k / experts))
+    assert dense_decode_flops_per_token(model) is None
+    # one request, two output tokens: one decode step at batch 1, 1 byte/s, no KV bytes
+    floor = roofline([10], [2], w, 0, 1.0, 1.0, 1.0)["decode_floor_s"]
+    assert floor == pytest.approx(4 * (total - embed - routed) + 4 * routed * top_k / experts)
+
+
+def test_roofline_of_a_gpt_oss_rank_holding_half_the_experts():
+    """Under tensor parallelism a rank holds 3 of the 6 experts (and the router of all 6): its routed bytes
+    halve and a token still runs 2/6 of them."""
+    from kvforge.bench.roofline import matmul_params_per_token, step_weight_bytes
+    from kvforge.models.gpt_oss import GptOssExperts
+
+    model = _tiny("gpt-oss")
+    for layer in model.model.layers:
+        layer.mlp.experts = GptOssExperts(model.args, num_local=3, first=3)
+    total = sum(p.numel() for p in model.parameters())
+    routed = 4 * 3 * 9376
+    w = step_weight_bytes(model)
+    assert (w.routed, w.top_k, w.n_experts) == (4 * routed, 2, 6)
+    assert matmul_params_per_token(model) == pytest.approx(total - 256 * 64 - routed * (1 - 2 / 6))
+
+
 def test_roofline_without_decode_steps_and_tied_embeddings():
     """Every output is the prefill's one token: no decode step, so the decode-only rate is None (it divided
     by zero). And a tied embedding counts once: the LM head reads it, so it stays in the weights a step

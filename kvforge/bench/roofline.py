@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.models.routed_experts import modules_with_routed_experts
+
 
 @dataclass(frozen=True)
 class StepWeightBytes:
@@ -96,21 +98,20 @@ def _weights_used(model, in_bytes: bool) -> int:
     return total
 
 
-def _routed_experts(model) -> list:
-    """The MoE modules of ``model`` that hold routed experts (``experts_gate_up`` / ``experts_down``)."""
-    return [m for m in model.modules() if hasattr(m, "experts_gate_up")]
-
-
 def step_weight_bytes(model) -> StepWeightBytes:
     """:class:`StepWeightBytes` of ``model``: every parameter but a separate input embedding (gathered, not
-    read; a tied LM head reads it), with the routed experts' bytes kept apart."""
+    read; a tied LM head reads it), with the routed experts' bytes kept apart. Every MoE layer must route
+    the same top-k of the same number of experts (one expected fraction for all of them)."""
     total = _weights_used(model, in_bytes=True)
-    moe = _routed_experts(model)
+    moe = modules_with_routed_experts(model)
     if not moe:
         return StepWeightBytes(dense=total)
-    routed = sum(w.numel() * w.element_size() for m in moe for w in (m.experts_gate_up, m.experts_down))
-    gate = moe[0].gate.a
-    return StepWeightBytes(dense=total - routed, routed=routed, top_k=gate.top_k, n_experts=gate.n_routed_experts)
+    routing = {(m.top_k, m.num_experts) for m in moe}
+    if len(routing) != 1:
+        raise ValueError(f"MoE layers route differently (top_k, experts): {sorted(routing)}; one step-weight "
+                         "model covers one routing")
+    routed = sum(m.nbytes for m in moe)
+    return StepWeightBytes(dense=total - routed, routed=routed, top_k=moe[0].top_k, n_experts=moe[0].num_experts)
 
 
 def matmul_params_per_token(model) -> float:
@@ -120,15 +121,14 @@ def matmul_params_per_token(model) -> float:
     tensor parallelism ``model`` is rank 0's shard, holding ``n_routed_experts / tp`` experts: the same
     fraction of them)."""
     total = float(_weights_used(model, in_bytes=False))
-    for m in _routed_experts(model):  # this rank's experts (all at TP=1); a token runs top_k of them
-        routed = m.experts_gate_up.numel() + m.experts_down.numel()
-        total -= routed * (1.0 - m.gate.a.top_k / m.gate.a.n_routed_experts)
+    for m in modules_with_routed_experts(model):  # this rank's experts (all at TP=1); a token runs top_k of them
+        total -= m.numel * (1.0 - m.fraction_per_token)
     return total
 
 
 def dense_decode_flops_per_token(model) -> float | None:
     """2 x the elements a decode step reads as weights (one multiply-add each); None for MoE models."""
-    if _routed_experts(model):
+    if modules_with_routed_experts(model):
         return None
     return 2.0 * _weights_used(model, in_bytes=False)
 

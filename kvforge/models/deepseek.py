@@ -63,6 +63,7 @@ from kvforge.models.decoder import (
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
+from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
@@ -287,6 +288,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def routed_experts(self) -> RoutedExperts:
+        """The experts held here (stacked), top-k of the router's experts (the router holds all of them)."""
+        return RoutedExperts((self.experts_gate_up, self.experts_down), self.gate.a.top_k, self.gate.weight.shape[0])
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecod
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
+from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -235,6 +236,13 @@ class GptOssMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)
         return self.experts(x, weights, ids)
+
+    def routed_experts(self) -> RoutedExperts:
+        """Every expert tensor held here (projections and their biases), top-k of the router's experts (the
+        router holds all of them; tensor parallelism keeps a share of the experts)."""
+        e = self.experts
+        return RoutedExperts((e.gate_up_proj, e.gate_up_proj_bias, e.down_proj, e.down_proj_bias),
+                             self.router.top_k, self.router.weight.shape[0])
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -38,6 +38,7 @@ from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, gate_up_part
 from kvforge.models.deepseek import MoE
 from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, get_activation
+from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -222,6 +223,10 @@ class Qwen3NextMoE(MoE):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = self.routed(x, weights.to(logits.dtype), ids)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def routed_experts(self) -> RoutedExperts:
+        """The stacked experts, top-k of the router's (a plain linear) experts."""
+        return RoutedExperts((self.experts_gate_up, self.experts_down), self.top_k, self.gate.weight.shape[0])
 
 
 class Qwen3NextDecoderLayer(nn.Module):
