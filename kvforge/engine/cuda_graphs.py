@@ -27,12 +27,16 @@ Invariants (what makes a replay equal to an eager step):
 3. **Stale columns.** Only the first ``ceil(max seq_len / block_size)``
    columns of the table rows are rewritten each step; later columns keep old
    ids, and the kernel never reads past ``seq_len``.
-4. **Fixed split-K.** ``num_splits`` per size is what the layers' backend pins for a decode batch of
-   that size (its CUDA-graph hook, ``AttentionBackend.graph_num_splits``): its routing table's split
-   count at ``max_model_len`` (kvforge/attention/routing/). The table picks the kernel from the shape
-   only, so the eager path and the replay run the same kernel; the grid and partial buffers are then
-   fixed, and shorter contexts leave trailing splits empty (they add nothing in the merge).
-   ``max_seq_len`` in the captured metadata is ``max_model_len``.
+4. **Fixed split-K per context bucket.** Each capture size ``B`` is captured once per context bucket
+   ``C`` of :func:`graph_contexts` (the longest context a replay of that graph may see); a step replays
+   the graph of the smallest bucket at least its longest ``seq_len``. ``num_splits`` of ``(B, C)`` is
+   what the layers' backend pins for ``B`` decode rows at context ``C`` (its CUDA-graph hook,
+   ``AttentionBackend.graph_num_splits``, the routing table's count; kvforge/attention/routing/) and
+   ``max_seq_len`` in the captured metadata is ``C``, so the table picks the kernel it would pick
+   eagerly at context ``C``. The grid and partial buffers are then fixed; the kernels divide each
+   sequence's own context among the splits, so shorter contexts than ``C`` are served correctly.
+   Without buckets, a short context would replay the kernel and split count chosen for
+   ``max_model_len`` (many near-empty splits).
 5. **Lifetime.** Captured once at startup, after the weights and the KV pool
    exist and before any request, largest size first, in one memory pool. The
    weights, the pool's buffer and the fp8 scale tensors must never be
@@ -75,6 +79,16 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+#: Context buckets below ``max_model_len`` that get graphs of their own (module docstring, invariant 4).
+GRAPH_CONTEXT_BUCKETS: tuple[int, ...] = (2048, 8192, 32768)
+
+
+def graph_contexts(max_model_len: int) -> list[int]:
+    """The context buckets captured for every size: the fixed buckets below ``max_model_len``, then
+    ``max_model_len`` itself (ascending)."""
+    return [c for c in GRAPH_CONTEXT_BUCKETS if c < max_model_len] + [max_model_len]
+
+
 def graphs_unsupported_reason(runner) -> str | None:
     """None when decode graphs can be captured for ``runner``, else why not."""
     if runner.device.type != "cuda":
@@ -111,7 +125,8 @@ class DecodeGraphs:
         self.max_model_len = plan.max_model_len
         self.block_size = plan.block_size
         self.max_blocks = -(-plan.max_model_len // plan.block_size)
-        self.num_splits = {b: runner.pinned_num_splits(b) for b in self.sizes}
+        self.contexts = graph_contexts(plan.max_model_len)
+        self.num_splits = {(b, c): runner.pinned_num_splits(b, c) for b in self.sizes for c in self.contexts}
         dev, bmax = self.device, self.max_size
         self.num_groups = G = runner.num_groups
         self.i64 = torch.zeros((2 + G, bmax), dtype=torch.int64, device=dev)
@@ -125,16 +140,16 @@ class DecodeGraphs:
         self.has_slots = runner.linear_states is not None
         self.slot_ids = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.ones(bmax, dtype=torch.bool, device=dev)
-        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         if capture:
             self.capture()
 
     # ---- static views ---------------------------------------------------------
-    def _inputs(self, b: int):
+    def _inputs(self, b: int, context: int):
         metas = tuple(AttentionMetadata(
             query_start_loc=self.qsl[:b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[g, :b],
-            slot_mapping=self.i64[2 + g, :b], max_query_len=1, max_seq_len=self.max_model_len,
+            slot_mapping=self.i64[2 + g, :b], max_query_len=1, max_seq_len=context,
             block_size=self.block_size,
         ) for g in range(self.num_groups))
         return self.i64[0, :b], self.i64[1, :b], metas
@@ -159,6 +174,13 @@ class DecodeGraphs:
                 return b
         return None
 
+    def context_for(self, max_seq_len: int) -> int:
+        """The smallest context bucket holding ``max_seq_len`` (``max_model_len`` beyond the others)."""
+        for c in self.contexts:
+            if c >= max_seq_len:
+                return c
+        return self.contexts[-1]
+
     def can_run(self, n: int) -> bool:
         return 0 < n <= self.max_size
 
@@ -170,21 +192,23 @@ class DecodeGraphs:
         calib, runner.needs_calibration = runner.needs_calibration, False
         try:
             pool = torch.cuda.graph_pool_handle()
-            for b in sorted(self.sizes, reverse=True):
-                ids, pos, meta = self._inputs(b)
+            for key in sorted(self.num_splits, reverse=True):
+                b, context = key
+                ids, pos, meta = self._inputs(b, context)
                 slot_batch = self._slot_batch(b)  # every row padding: no state slot is touched
-                runner.forward(ids, pos, meta, self.num_splits[b], slot_batch)  # warm-up: compiles, writes nothing
+                runner.forward(ids, pos, meta, self.num_splits[key], slot_batch)  # warm-up: compiles, writes nothing
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = runner.forward(ids, pos, meta, self.num_splits[b], slot_batch)
-                self.graphs[b] = (graph, out)
+                    out = runner.forward(ids, pos, meta, self.num_splits[key], slot_batch)
+                self.graphs[key] = (graph, out)
             torch.cuda.synchronize(self.device)
         finally:
             runner.needs_calibration = calib
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, split-K %s) in %.1f s", len(self.graphs),
-                    self.sizes, [self.num_splits[b] for b in self.sizes], self.capture_seconds)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s x contexts %s, split-K %s) in %.1f s",
+                    len(self.graphs), self.sizes, self.contexts, [self.num_splits[k] for k in sorted(self.num_splits)],
+                    self.capture_seconds)
 
     def release(self) -> None:
         """Free every captured graph (and with them the graph memory pool), the static buffers and the
@@ -238,17 +262,18 @@ class DecodeGraphs:
     def run(self, host) -> torch.Tensor:
         """Replay for a decode-only step; returns hidden states of the ``n`` real rows."""
         b = self.load(host)
+        key = (b, self.context_for(host.max_seq_len))
         self.runner.patch_placeholders(self.i64[0, :host.num_seqs], host)
-        if b not in self.graphs:
+        if key not in self.graphs:
             # capture=False (CPU tests): the same static, padded inputs, run eagerly.
-            ids, pos, meta = self._inputs(b)
-            splits = self.num_splits[b] if graphs_unsupported_reason(self.runner) is None else None
+            ids, pos, meta = self._inputs(*key)
+            splits = self.num_splits[key] if graphs_unsupported_reason(self.runner) is None else None
             n = host.num_seqs
             slot_batch = None
             if self.has_slots:
                 slot_batch = self._slot_batch(b, list(host.state_slots) + [-1] * (b - n),
                                               list(host.has_initial_state()) + [True] * (b - n))
             return self.runner.forward(ids, pos, meta, splits, slot_batch)[:n]
-        graph, out = self.graphs[b]
+        graph, out = self.graphs[key]
         graph.replay()
         return out[:host.num_seqs]

@@ -332,12 +332,12 @@ class ModelRunner:
             self._layer_kv[layer] = kv
         return kv
 
-    def pinned_num_splits(self, batch: int) -> int | None:
-        """The split count a CUDA graph of ``batch`` decode rows pins: the first layer's backend's hook over
-        the layers planned on it."""
+    def pinned_num_splits(self, batch: int, context: int | None = None) -> int | None:
+        """The split count a CUDA graph of ``batch`` decode rows over contexts up to ``context`` (default
+        ``max_model_len``) pins: the first layer's backend's hook over the layers planned on it."""
         backend = self.backends[0]
         layers = [layer for layer in self.plan.layers if layer.backend == backend.name]
-        return backend.graph_num_splits(layers, batch, self.plan.max_model_len)
+        return backend.graph_num_splits(layers, batch, context or self.plan.max_model_len)
 
     def _attn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._metas[self.layer_group[layer]]

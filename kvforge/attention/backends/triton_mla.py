@@ -23,27 +23,27 @@ class TritonMLABackend(AttentionBackend):
                                         w_uk, w_uv, query_dtype=kv.query_dtype, num_splits=num_splits,
                                         prefill_mode=self.options.mla_prefill_mode)  # fmt: skip
 
-    def graph_num_splits(self, layers, batch, max_model_len):
-        """The first decode candidate's count at ``max_model_len`` for the first layer; the Gluon kernels only
+    def graph_num_splits(self, layers, batch, context):
+        """The first decode candidate's count at ``context`` for the first layer; the Gluon kernels only
         where every layer is in their scope (one count serves every layer of the graph). Without the
         model's latent width (``options.latent_dim``) the Gluon kernels are not assumed."""
         opts, device = self.options, self.options.device
         latent = opts.latent_dim
         gluon = device.gluon and latent is not None and all(
-            mla_routing.wgmma_accepts(self._decode_shape(layer, batch, max_model_len), self._query(layer))
+            mla_routing.wgmma_accepts(self._decode_shape(layer, batch, context), self._query(layer))
             for layer in layers)  # fmt: skip
-        first = self._decode_shape(layers[0], batch, max_model_len)
-        return mla_routing.pinned_splits(batch, first.num_heads, first.latent_dim, first.rope_dim, max_model_len,
+        first = self._decode_shape(layers[0], batch, context)
+        return mla_routing.pinned_splits(batch, first.num_heads, first.latent_dim, first.rope_dim, context,
                                          first.model_dtype, first.kv_dtype, self._query(layers[0]),
                                          type(device)(device.num_sms, gluon))  # fmt: skip
 
     def _query(self, layer) -> str | None:
         return None if layer.query_dtype == self.options.model_dtype else layer.query_dtype
 
-    def _decode_shape(self, layer, batch: int, max_model_len: int) -> mla_routing.MLAShape:
+    def _decode_shape(self, layer, batch: int, context: int) -> mla_routing.MLAShape:
         latent = self.options.latent_dim or 0
         return mla_routing.MLAShape(batch, layer.heads_per_rank, latent, (layer.head_size or 0) - latent,
-                                    max_model_len, self.options.model_dtype, layer.kv_dtype, self._query(layer))
+                                    context, self.options.model_dtype, layer.kv_dtype, self._query(layer))
 
     def description(self) -> str:
         return f"{self.name} (MLA prefill mode {self.options.mla_prefill_mode})"

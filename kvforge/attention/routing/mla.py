@@ -257,7 +257,7 @@ def decode_candidates(shape: MLAShape, device: Device, forced_splits: int | None
 def pinned_splits(batch: int, num_heads: int, latent_dim: int, rope_dim: int, max_model_len: int,
                   model_dtype: str, kv_dtype: str, query_dtype: str | None, device: Device) -> int:
     """The split count a CUDA graph of ``batch`` decode rows pins: the first candidate's at
-    ``max_model_len`` (a later candidate only runs after the first ran out of resources, which happens at
+    ``max_model_len``, the graph's context bucket (a later candidate only runs after the first ran out of resources, which happens at
     the first call, before any capture)."""
     shape = MLAShape(batch, num_heads, latent_dim, rope_dim, max_model_len, model_dtype, kv_dtype, query_dtype)
     return decode_candidates(shape, device)[0].splits

@@ -39,7 +39,7 @@ def _paged_section() -> list[str]:
     lines += ["", "programs = sequences x KV heads; context = the window where it is shorter than the longest "
               "sequence. The tl.dot kernel splits only decode-like batches (every sequence's query in one "
               "tile of 16 // G_PAD tokens or one power of two); CUDA graphs pin the rule's count at "
-              "`max_model_len` of the row that serves the graph's layers (a Gluon row only where it serves every "
+              "their context bucket (kvforge/engine/cuda_graphs.py) of the row that serves the graph's layers (a Gluon row only where it serves every "
               "one of them, so never for layers with sinks).", "",
               "**Sliding windows** run on every row. **Attention sinks** (one logit per query head, in the "
               "softmax denominator only) run on the rows marked \"sinks: yes\"; a layer with sinks skips the "
