@@ -95,8 +95,7 @@ def generate_main(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
     engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**{k: v for k, v in engine_args.__dict__.items()})
-    print(llm.plan.summary())
+    llm = LLM(**{k: v for k, v in engine_args.__dict__.items()})  # the engine logs its plan
     t0 = time.perf_counter()
     outs = _run(llm, prompts, params, args.chat)
     dt = time.perf_counter() - t0

@@ -45,15 +45,19 @@ def test_malformed_token_ids_are_argparse_errors(no_engine, capsys, value):
     assert "--prompt-token-ids" in capsys.readouterr().err
 
 
-def test_token_id_prompts_on_a_model_without_a_tokenizer(tmp_path, capsys):
+def test_token_id_prompts_on_a_model_without_a_tokenizer(tmp_path, capsys, caplog):
+    """Token-id prompts run; the plan is shown once (the engine's log), not again on stdout."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    code = main(["generate", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
-                 "--prompt-token-ids", "1,2,3", "--prompt-token-ids", "7,8", "--max-tokens", "3", "--ignore-eos",
-                 "--no-progress"])
+    with caplog.at_level("INFO"):
+        code = main(["generate", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
+                     "--prompt-token-ids", "1,2,3", "--prompt-token-ids", "7,8", "--max-tokens", "3",
+                     "--ignore-eos", "--no-progress"])
     assert code == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert ">>> token ids [1, 2, 3]" in out and ">>> token ids [7, 8]" in out
     assert out.count("[3 tokens, finish: length]") == 2
+    assert (out + captured.err + caplog.text).count("KV plan for ") == 1
 
 
 @pytest.mark.parametrize("argv, needle", [

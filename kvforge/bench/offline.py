@@ -266,7 +266,6 @@ def offline_main(args: argparse.Namespace) -> int:
     startup = time.perf_counter() - t_start
     engine = llm.engine
     check_lengths(args.input_len, args.output_len, engine.max_model_len)
-    print(llm.plan.summary())
     rng = random.Random(args.seed)
     in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng)
     warm_up(llm)

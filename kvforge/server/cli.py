@@ -95,7 +95,6 @@ def serve_main(args) -> int:
     except BaseException:
         sock.close()
         raise
-    logger.info("KV cache plan:\n%s", engine.plan.summary())
     logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
 
     app = create_app(
