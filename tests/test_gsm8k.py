@@ -340,6 +340,22 @@ def test_stub_request_errors_are_reported(tmp_path, capsys):
     assert "HTTP 401" in captured.err
 
 
+def test_data_dir_may_name_the_data_folder_like_the_environment_variable(tmp_path, capsys):
+    """``--data-dir`` naming the folder that holds gsm8k/ (as $KVFORGE_DATA_DIR does) runs the same questions
+    as naming gsm8k/ itself."""
+    data = _write_data(tmp_path)
+    summaries = []
+    with StubServer(CANNED) as srv:
+        for folder in (data, data.parent):
+            args = _parse(["--base-url", srv.url, "--model", "m", "--data-dir", str(folder), "--limit", "4",
+                           "--num-fewshot", "1", "--json", "--no-progress"])
+            assert gsm8k_main(args) == 0
+            summary = json.loads(capsys.readouterr().out)
+            summary.pop("elapsed_s")  # wall time: the one field that differs between the runs
+            summaries.append(summary)
+    assert summaries[0]["n"] == 4 and summaries[0] == summaries[1]
+
+
 def test_missing_data_dir(tmp_path, capsys):
     args = _parse(["--base-url", "http://127.0.0.1:9", "--data-dir", str(tmp_path / "nope"), "--no-progress"])
     assert gsm8k_main(args) == 1

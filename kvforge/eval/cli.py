@@ -48,7 +48,8 @@ def add_gsm8k_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None,
                         help=f"sent as 'Authorization: Bearer KEY' (default: ${gsm8k.API_KEY_ENV} when set)")
     parser.add_argument("--data-dir", default=None,
-                        help=f"folder with test.jsonl and train.jsonl (default: gsm8k/ in {DATA_DIR_HELP})")
+                        help="data folder holding gsm8k/ (test.jsonl, train.jsonl), like $KVFORGE_DATA_DIR, or the "
+                             f"gsm8k/ folder itself (default: gsm8k/ in {DATA_DIR_HELP})")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

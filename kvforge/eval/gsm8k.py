@@ -53,12 +53,13 @@ FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 _IGNORE_RES = (re.compile(","), re.compile(r"\$"), re.compile(r"(?s).*#### "), re.compile(r"\.$"))
 
 
-def default_data_dir() -> Path:
-    """``gsm8k/`` in the evaluation data folder (kvforge/data_paths.py); FileNotFoundError when
-    there is none."""
-    from kvforge.data_paths import shared_data_dir
+def gsm8k_dir(given: str | Path | None = None) -> Path:
+    """The GSM8K folder (holding test.jsonl): ``given`` (``--data-dir``) as a folder holding ``gsm8k/`` or
+    the ``gsm8k/`` folder itself, else ``gsm8k/`` in the evaluation data folder (kvforge/data_paths.py,
+    ``dataset_dir``); FileNotFoundError naming the folders tried when there is none."""
+    from kvforge.data_paths import dataset_dir
 
-    return shared_data_dir() / "gsm8k"
+    return dataset_dir("gsm8k", "test.jsonl", given)
 
 
 # ---------------------------------------------------------------------------
@@ -274,7 +275,7 @@ async def run_gsm8k(
     import aiohttp
     from tqdm import tqdm
 
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = gsm8k_dir(data_dir)
     tests = load_split(data_dir, "test", limit)
     shots = load_split(data_dir, "train", num_fewshot) if num_fewshot > 0 else []
     if len(shots) < num_fewshot:
