@@ -4,7 +4,12 @@
   CPU groups, timeouts) and the few collectives the engine uses.
 - ``layers.py``: row-parallel linear, vocab-parallel embedding, and how a full
   tensor is cut for one rank.
-- ``tp_llama.py``: the Llama family with per-rank heads, KV heads, MLP and vocab.
+- ``tp_decoder.py``: what every TP decoder shares (row-parallel o/down projections, vocab-parallel
+  ends, cutting full tensors for a rank).
+- ``tp_gqa.py``: grouped-query attention split over ranks (query heads split, KV heads split or
+  replicated, the dense MLP split), shared by the families below.
+- ``tp_llama.py``: the Llama family.
+- ``tp_hybrid.py``: Gemma 3 and gpt-oss (experts split by index).
 - ``tp_deepseek.py``: DeepSeek-V2/V3 (MLA heads split, latent cache replicated,
   routed experts split by index).
 - ``runner.py``: rank 0 broadcasts each step's inputs; every rank runs the model.

@@ -94,6 +94,11 @@ class TensorParallelDecoder(DecoderForCausalLM):
         """HF projection (name fragment) -> the part of it this rank keeps."""
         raise NotImplementedError
 
+    def splits_first_dim(self, name: str) -> bool:
+        """Whether the tensor ``name`` (HF or ours) is split along its first dimension in equal rank shares
+        (stacked experts, per-head vectors); none by default."""
+        return False
+
     # -- logits ------------------------------------------------------------------------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 [T, vocab] on rank 0, None on the other ranks (every rank must call it)."""
@@ -110,6 +115,9 @@ class TensorParallelDecoder(DecoderForCausalLM):
 
     def shard_hf(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of an HF-named full tensor."""
+        if self.splits_first_dim(name):
+            part = even_slice(full.shape[0], self.group)
+            return full.narrow(0, part.start, part.count)
         if name in VOCAB_PARAMETERS:
             return shard_vocab_rows(full, self.group.rank, self.group.world_size)
         found = self._projection(name)
@@ -133,7 +141,9 @@ class TensorParallelDecoder(DecoderForCausalLM):
         shape = list(dict(self.named_parameters())[name].shape)
         fused = self._fused_full_parts(name)
         found = self._projection(name)
-        if name in VOCAB_PARAMETERS:
+        if self.splits_first_dim(name):
+            shape[0] *= self.group.world_size
+        elif name in VOCAB_PARAMETERS:
             shape[0] = self.full_args.vocab_size
         elif fused:
             shape[0] = sum(n for _, n in fused[1])

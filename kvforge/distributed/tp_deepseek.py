@@ -125,22 +125,9 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
         }
 
     # -- routed experts: this rank's experts [rank * E/tp, (rank + 1) * E/tp) --------------
-    def _is_stacked_experts(self, name: str) -> bool:
+    def splits_first_dim(self, name: str) -> bool:
+        """Stacked experts, ours or fused in the checkpoint (per-expert tensors: see :meth:`rank_checkpoint`)."""
         return bool(FUSED_EXPERTS_NAME.match(name)) or name.endswith((".experts_gate_up", ".experts_down"))
-
-    def shard_hf(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of an HF-named full tensor (per-expert tensors: see :meth:`rank_checkpoint`)."""
-        if self._is_stacked_experts(name):
-            n = full.shape[0] // self.group.world_size
-            return full.narrow(0, self.group.rank * n, n)
-        return super().shard_hf(name, full)
-
-    def full_parameter_shape(self, name: str) -> tuple[int, ...]:
-        if self._is_stacked_experts(name):
-            shape = list(dict(self.named_parameters())[name].shape)
-            shape[0] *= self.group.world_size
-            return tuple(shape)
-        return super().full_parameter_shape(name)
 
     def rank_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Per-expert tensors of this rank's experts renumbered from 0, other ranks' skipped; the rest cut."""

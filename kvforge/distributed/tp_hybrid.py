@@ -28,44 +28,20 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from kvforge.distributed.group import TPGroup
-from kvforge.distributed.tp_decoder import (
-    RankSlice,
-    TensorParallelDecoder,
-    check_heads_per_rank,
-    check_tp_divides,
-    even_slice,
-    per_rank_config,
-)
-from kvforge.distributed.tp_llama import kv_head_start, kv_heads_for_rank
+from kvforge.distributed.tp_decoder import RankSlice, check_tp_divides
+from kvforge.distributed.tp_gqa import GroupedQueryTP
 from kvforge.models.gemma3 import Gemma3Args, Gemma3ForCausalLM, text_tensor_name
 from kvforge.models.gpt_oss import GptOssArgs, GptOssExperts, GptOssForCausalLM
 
 
-def _attention_slices(model) -> dict[str, RankSlice]:
-    """q/k/v/o of a grouped-query attention: query heads split, KV heads split or replicated."""
-    a, d = model.full_args, model.full_args.head_dim
-    q = even_slice(a.num_heads * d, model.group)
-    kv = RankSlice(model.kv_start * d, model.num_kv_heads * d, a.num_kv_heads * d)
-    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": q}
-
-
-class TPGemma3ForCausalLM(TensorParallelDecoder, Gemma3ForCausalLM):
+class TPGemma3ForCausalLM(GroupedQueryTP, Gemma3ForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
-        a = Gemma3Args(config)
-        tp = group.world_size
-        check_heads_per_rank(a.num_heads, tp, heads_per_rank)
-        kv_heads_for_rank(a.num_kv_heads, tp, kv_heads_per_rank)
-        check_tp_divides(tp, a.intermediate_size, "intermediate_size")
-        local = per_rank_config(config, a, group, num_attention_heads=heads_per_rank,
-                                num_key_value_heads=kv_heads_per_rank, head_dim=a.head_dim,
-                                intermediate_size=a.intermediate_size // tp)
-        super().__init__(config, local, a, group, dtype)
-        self.kv_start = kv_head_start(a.num_kv_heads, kv_heads_per_rank, group.rank, tp)
+        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, Gemma3Args(config),
+                         split_intermediate=True)
 
     def rank_slices(self) -> dict[str, RankSlice]:
-        mlp = even_slice(self.full_args.intermediate_size, self.group)
-        return {**_attention_slices(self), "mlp.gate_proj": mlp, "mlp.up_proj": mlp, "mlp.down_proj": mlp}
+        return {**self.attention_slices(), **self.gated_mlp_slices()}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)  # the gathered logits (rank 0), soft-capped once there
@@ -96,35 +72,19 @@ _PER_HEAD_OR_EXPERT = (".self_attn.sinks", ".mlp.experts.gate_up_proj", ".mlp.ex
 """gpt-oss tensors split along their first dimension in equal rank shares (query heads or experts)."""
 
 
-class TPGptOssForCausalLM(TensorParallelDecoder, GptOssForCausalLM):
+class TPGptOssForCausalLM(GroupedQueryTP, GptOssForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
         a = GptOssArgs(config)
-        tp = group.world_size
-        check_heads_per_rank(a.num_heads, tp, heads_per_rank)
-        kv_heads_for_rank(a.num_kv_heads, tp, kv_heads_per_rank)
-        check_tp_divides(tp, a.num_experts, "num_local_experts")
+        check_tp_divides(group.world_size, a.num_experts, "num_local_experts")
         # The rank's config keeps every expert, so the (replicated) router covers them all; the experts
         # module is replaced by this rank's share below.
-        local = per_rank_config(config, a, group, num_attention_heads=heads_per_rank,
-                                num_key_value_heads=kv_heads_per_rank, head_dim=a.head_dim)
-        super().__init__(config, local, a, group, dtype)
-        self.kv_start = kv_head_start(a.num_kv_heads, kv_heads_per_rank, group.rank, tp)
+        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, a, split_intermediate=False)
         for layer in self.model.layers:
             layer.mlp.experts = TPGptOssExperts(a, group, dtype=dtype)
 
     def rank_slices(self) -> dict[str, RankSlice]:
-        return _attention_slices(self)
+        return self.attention_slices()
 
-    def shard_hf(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        if name.endswith(_PER_HEAD_OR_EXPERT):
-            part = even_slice(full.shape[0], self.group)
-            return full.narrow(0, part.start, part.count)
-        return super().shard_hf(name, full)
-
-    def full_parameter_shape(self, name: str) -> tuple[int, ...]:
-        if name.endswith(_PER_HEAD_OR_EXPERT):
-            shape = list(dict(self.named_parameters())[name].shape)
-            shape[0] *= self.group.world_size
-            return tuple(shape)
-        return super().full_parameter_shape(name)
+    def splits_first_dim(self, name: str) -> bool:
+        return name.endswith(_PER_HEAD_OR_EXPERT)
