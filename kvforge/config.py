@@ -11,11 +11,13 @@ import argparse
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
-from kvforge.cli_args import add_plan_args, positive_int
+from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
 from kvforge.errors import ConfigError
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: CPU has no "free device memory" to size from
+# Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 2048
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class EngineArgs:
     ``dtype``: "auto" = float32 on CPU (fast and exact there), the config's
     dtype (bf16 usually) on CUDA. ``kv_cache_memory``: KV bytes per rank; on
     CPU it defaults to 1 GiB, on CUDA to free memory x utilization - weights.
+    ``long_prefill_token_threshold``: with chunked prefill, the most prefill
+    tokens a step that also carries decode tokens may hold (None: the
+    default, 0: up to the whole ``max_num_batched_tokens``).
     ``kv_scale_multiplier`` multiplies every fp8 KV scale: a diagnostic for
     showing that a wrong scale is detected (eval kld), not a tuning knob.
     ``mla_prefill_mode``: how MLA layers on CUDA attend steps with a prefill
@@ -54,6 +59,7 @@ class EngineArgs:
     num_speculative_tokens: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None  # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: off
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
@@ -81,6 +87,13 @@ class EngineArgs:
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is not None:
+            if self.long_prefill_token_threshold < 0:
+                raise ConfigError(f"--long-prefill-token-threshold must be >= 0 (0: off), got "
+                                  f"{self.long_prefill_token_threshold}")
+            if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+                raise ConfigError("--long-prefill-token-threshold splits prompts into chunks and needs chunked "
+                                  "prefill: drop --no-enable-chunked-prefill or the threshold")
         if not self.distributed_timeout_s > 0:
             raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not self.kv_scale_multiplier > 0:
@@ -100,7 +113,12 @@ class EngineArgs:
         parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+        parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                            help="tokens one step may compute (default 8192 on CUDA, 2048 on CPU)")
+        parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
+                            help="prefill tokens a step may hold while requests are decoding, so a running "
+                                 "stream waits behind at most this much prefill (default "
+                                 f"{DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}; 0: the whole --max-num-batched-tokens)")
         parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
         parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvforge.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineArgs
+from kvforge.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD, EngineArgs
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
@@ -149,8 +149,12 @@ class LLMEngine:
         if self.spec.rings:
             ring_rows = self.spec.rings[0].rows(self.plan.num_speculative_tokens)
             ring_row_bytes = self.spec.rings[0].row_bytes
+        threshold = args.long_prefill_token_threshold
+        if threshold is None:
+            threshold = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD if args.enable_chunked_prefill else 0
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, batched, self.max_model_len,
-                                   args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer)
+                                   args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer,
+                                   long_prefill_token_threshold=threshold)
         if self.tp is not None:
             self.runner = self.tp.runner  # broadcasts each step to the other ranks
         else:

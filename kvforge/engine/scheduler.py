@@ -1,19 +1,28 @@
 """Continuous-batching scheduler (vLLM-v1 style: one token budget, no prefill/decode phases).
 
-Each ``schedule()`` builds one step:
+Each ``schedule()`` builds one step. The rule (docs/SCHEDULER.md): every running stream
+gets its token in every step, and a stream waits behind at most one bounded prefill chunk.
 
-1. RUNNING sequences, oldest arrival first, each get the tokens they still
-   need (1 for a decoding sequence, the next chunk for one mid-prefill),
-   within the token budget. When the block manager cannot make room, the
-   most recently arrived running sequence not yet scheduled this step is
-   preempted by recompute (its blocks freed, ``num_computed_tokens = 0``,
-   put back at the FRONT of the waiting queue; its prompt for recompute is
-   prompt + outputs so far, and nothing it generated is lost). If that
-   sequence is the one being scheduled, the running pass stops.
+1. RUNNING sequences in the order decodes first, then sequences mid-prefill (a
+   prompt or a recompute), each group oldest arrival first. A decode gets its
+   token; a sequence mid-prefill gets its next chunk within the token budget
+   and the step's prefill room. When the block manager cannot make room, the
+   last sequence in that order not yet scheduled this step (the newest
+   mid-prefill, else the newest decode) is preempted by recompute (its blocks
+   freed, ``num_computed_tokens = 0``, put back at the FRONT of the waiting
+   queue; its prompt for recompute is prompt + outputs so far, and nothing it
+   generated is lost). If that sequence is the one being scheduled, the
+   running pass stops.
 2. If nothing was preempted, WAITING sequences (FIFO) are admitted while the
-   budget, ``max_num_seqs`` and free blocks allow. Their prefix-cache hit is
-   skipped, and with chunked prefill a prompt longer than the remaining budget
-   is split over steps.
+   budget, the prefill room, ``max_num_seqs`` and free blocks allow. Their
+   prefix-cache hit is skipped, and with chunked prefill a prompt longer than
+   the room is split over steps.
+
+Prefill room: ``max_num_batched_tokens`` minus the step's decode tokens; when
+the step carries a decode token and ``long_prefill_token_threshold`` is set
+(chunked prefill only), the step's prefill tokens together stay within that
+threshold, so a decoding stream's inter-token gap is one step with at most
+that many prefill tokens. A step without decodes uses the whole budget.
 
 A token is sampled for a sequence only in the step whose tokens reach the end
 of everything it knows (``ScheduledSequence.do_sample``). ``update()`` then
@@ -74,10 +83,14 @@ class SchedulerOutput:
 
     ``blocks_to_copy``: (src, dst) copy-on-write block copies to apply before
     running the step. ``preempted``: sequences preempted while building it.
+    ``num_decode_tokens`` / ``num_prefill_tokens``: the step's tokens of decoding
+    sequences and of prompt (or recompute) chunks; they sum to ``num_batched_tokens``.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
@@ -100,6 +113,8 @@ class Scheduler:
     ``eos_token_ids``: ids that end a request unless ``ignore_eos``.
     ``tokenizer``: enables incremental detokenization and stop strings
     (requests with ``stop`` strings are rejected without one).
+    ``long_prefill_token_threshold``: with chunked prefill, the most prefill
+    tokens a step that carries a decode token may hold (0: the whole budget).
     """
 
     def __init__(
@@ -111,6 +126,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         eos_token_ids=(),
         tokenizer=None,
+        long_prefill_token_threshold: int = 0,
     ):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -118,6 +134,8 @@ class Scheduler:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len}")
+        if long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0: off), got {long_prefill_token_threshold}")
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) < max_model_len ({max_model_len}) "
@@ -129,6 +147,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Prompts are split only with chunked prefill; without it the threshold could starve a long prompt.
+        self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.tokenizer = tokenizer
         self.waiting: deque[Sequence] = deque()
@@ -221,11 +241,28 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    @staticmethod
+    def _tokens_to_compute(seq: Sequence) -> int:
+        """Known tokens of ``seq`` whose KV is not computed yet (1 for a decoding sequence)."""
+        return seq.num_tokens + seq.num_pending - seq.num_computed_tokens
+
+    def _order_running(self) -> None:
+        """Schedule order: decodes first, then sequences mid-prefill; each oldest arrival first."""
+        self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.arrival))
+
+    def _prefill_room(self, num_decode_tokens: int) -> int:
+        """Prefill tokens a step may hold given its decode tokens (see the module docstring)."""
+        room = self.max_num_batched_tokens - num_decode_tokens
+        if num_decode_tokens and self.long_prefill_token_threshold:
+            room = min(room, self.long_prefill_token_threshold)
+        return room
+
     def schedule(self) -> SchedulerOutput:
         bm = self.block_manager
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self.running.sort(key=lambda s: s.arrival)
+        prefill_room = None  # set when the first prefill chunk is considered: every decode precedes it
+        self._order_running()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -233,15 +270,22 @@ class Scheduler:
             if seq.num_pending and self._reaches_length_limit(seq):
                 i += 1  # its in-flight token ends it (max_tokens / max_model_len): nothing more to compute
                 continue
-            n = seq.num_tokens + seq.num_pending - seq.num_computed_tokens
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    i += 1
-                    continue
-                n = budget
+            n = self._tokens_to_compute(seq)
+            is_prefill = n > 1
+            if is_prefill:
+                if prefill_room is None:
+                    prefill_room = self._prefill_room(out.num_decode_tokens)
+                room = min(budget, prefill_room)
+                if room <= 0:
+                    break  # only sequences mid-prefill are left
+                if n > room:
+                    if not self.enable_chunked_prefill:
+                        i += 1
+                        continue
+                    n = room
             self_preempted = False
             while not bm.append_slots(seq, n):
-                victim = self.running.pop()  # newest arrival; index >= i, so not yet scheduled
+                victim = self.running.pop()  # last in schedule order; index >= i, so not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -252,10 +296,17 @@ class Scheduler:
             start = seq.num_computed_tokens
             out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens + seq.num_pending))
             budget -= n
+            if is_prefill:
+                prefill_room -= n
+                out.num_prefill_tokens += n
+            else:
+                out.num_decode_tokens += n
             i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if prefill_room is None:
+                prefill_room = self._prefill_room(out.num_decode_tokens)
+            while self.waiting and min(budget, prefill_room) > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_pending:
                     break  # preempted while its token was in flight: admitted after resolve() (next step)
@@ -263,10 +314,11 @@ class Scheduler:
                 cached = [] if seq.needs_prompt_logprobs else bm.lookup_prefix(seq)
                 num_cached = len(cached) * bm.block_size
                 n = seq.num_tokens - num_cached
-                if n > budget:
+                room = min(budget, prefill_room)
+                if n > room:
                     if not self.enable_chunked_prefill:
                         break
-                    n = budget
+                    n = room
                 if not bm.allocate(seq, n, cached):
                     break
                 self.waiting.popleft()
@@ -277,6 +329,8 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n, num_cached, num_cached + n == seq.num_tokens))
                 budget -= n
+                prefill_room -= n
+                out.num_prefill_tokens += n
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.blocks_to_copy = bm.take_copies()
@@ -290,10 +344,20 @@ class Scheduler:
         preemption (a recompute) costs far more than one step of lost overlap."""
         bm = self.block_manager
         free, budget, need = bm.num_free_blocks, self.max_num_batched_tokens, 0
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if budget <= 0:
+        self._order_running()
+        decode_tokens, prefill_room = 0, None
+        for seq in self.running:
+            n = self._tokens_to_compute(seq)
+            if n > 1:
+                if prefill_room is None:
+                    prefill_room = self._prefill_room(decode_tokens)
+                n = min(n, prefill_room)
+                prefill_room -= n
+            else:
+                decode_tokens += n
+            n = min(n, budget)
+            if n <= 0:
                 break
-            n = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             budget -= n
             need += bm.new_blocks_for_step(seq, n)
             if need > free:
