@@ -58,6 +58,30 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask, stride_ss, stride_sh, stride_sk,
+                    HAS_INIT_FLAGS: tl.constexpr):
+        """Sequence ``i``'s ``[BK, BV]`` state block (value channels ``vs`` of head ``h``) from its slot, in
+        float32, zeroed where ``has_initial_state[i]`` is False; with the offsets and mask of the final store."""
+        s_off = slot * stride_ss + h * stride_sh + ks[:, None].to(tl.int64) * stride_sk + vs[None, :]
+        smask = kmask[:, None] & vmask[None, :]
+        s = tl.load(state_ptr + s_off, mask=smask, other=0.0).to(tl.float32)
+        if HAS_INIT_FLAGS:
+            s = s * (tl.load(init_ptr + i) != 0).to(tl.float32)
+        return s, s_off, smask
+
+    @triton.jit
+    def _load_qkv(q_ptr, k_ptr, v_ptr, rows, hk, h, kcols, vcols, qk_mask, v_mask,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
+                  NORMALIZE: tl.constexpr, AXIS: tl.constexpr):
+        """q (L2-normalised when NORMALIZE, times ``scale``), k (normalised) and v in float32, of the token
+        ``rows`` (one int64 token index, or a column of them) at key channels ``kcols`` of key head ``hk``
+        and value channels ``vcols`` of value head ``h``; the channels lie along ``AXIS``."""
+        q = tl.load(q_ptr + rows * stride_qt + hk * stride_qh + kcols, mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows * stride_kt + hk * stride_kh + kcols, mask=qk_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + rows * stride_vt + h * stride_vh + vcols, mask=v_mask, other=0.0).to(tl.float32)
+        return _l2_normalize(q, NORMALIZE, AXIS) * scale, _l2_normalize(k, NORMALIZE, AXIS), v
+
+    @triton.jit
     def _recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
@@ -76,11 +100,8 @@ if HAS_TRITON:
             vs = vb * BV + tl.arange(0, BV)
             kmask = ks < DK
             vmask = vs < DV
-            s_off = slot * stride_ss + h * stride_sh + ks[:, None].to(tl.int64) * stride_sk + vs[None, :]
-            smask = kmask[:, None] & vmask[None, :]
-            s = tl.load(state_ptr + s_off, mask=smask, other=0.0).to(tl.float32)
-            if HAS_INIT_FLAGS:
-                s = s * (tl.load(init_ptr + i) != 0).to(tl.float32)
+            s, s_off, smask = _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask,
+                                          stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
             if DECODE:
                 bos = i.to(tl.int64)
                 eos = bos + 1
@@ -88,11 +109,8 @@ if HAS_TRITON:
                 bos = tl.load(qsl_ptr + i).to(tl.int64)
                 eos = tl.load(qsl_ptr + i + 1).to(tl.int64)
             for t64 in range(bos, eos):  # int64 token index
-                q = tl.load(q_ptr + t64 * stride_qt + hk * stride_qh + ks, mask=kmask, other=0.0).to(tl.float32)
-                k = tl.load(k_ptr + t64 * stride_kt + hk * stride_kh + ks, mask=kmask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + vs, mask=vmask, other=0.0).to(tl.float32)
-                q = _l2_normalize(q, NORMALIZE, 0) * scale
-                k = _l2_normalize(k, NORMALIZE, 0)
+                q, k, v = _load_qkv(q_ptr, k_ptr, v_ptr, t64, hk, h, ks, vs, kmask, vmask, stride_qt, stride_qh,
+                                    stride_kt, stride_kh, stride_vt, stride_vh, scale, NORMALIZE, 0)
                 beta = tl.load(beta_ptr + t64 * stride_bt + h).to(tl.float32)
                 if PER_CHANNEL:
                     g = tl.load(g_ptr + t64 * stride_gt + h * stride_gh + ks, mask=kmask, other=0.0).to(tl.float32)
@@ -125,11 +143,8 @@ if HAS_TRITON:
             rs = tl.arange(0, BT)
             kmask = ks < DK
             vmask = vs < DV
-            s_off = slot * stride_ss + h * stride_sh + ks[:, None].to(tl.int64) * stride_sk + vs[None, :]
-            smask = kmask[:, None] & vmask[None, :]
-            s = tl.load(state_ptr + s_off, mask=smask, other=0.0).to(tl.float32)
-            if HAS_INIT_FLAGS:
-                s = s * (tl.load(init_ptr + i) != 0).to(tl.float32)
+            s, s_off, smask = _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask,
+                                          stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
             bos = tl.load(qsl_ptr + i)
             eos = tl.load(qsl_ptr + i + 1)
             strict = rs[:, None] > rs[None, :]
@@ -139,17 +154,12 @@ if HAS_TRITON:
                 rows = c0 + rs
                 rmask = rows < eos
                 r64 = rows.to(tl.int64)
-                qk_mask = rmask[:, None] & kmask[None, :]
-                q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
-                            other=0.0).to(tl.float32)
-                k = tl.load(k_ptr + r64[:, None] * stride_kt + hk * stride_kh + ks[None, :], mask=qk_mask,
-                            other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + r64[:, None] * stride_vt + h * stride_vh + vs[None, :],
-                            mask=rmask[:, None] & vmask[None, :], other=0.0).to(tl.float32)
+                q, k, v = _load_qkv(q_ptr, k_ptr, v_ptr, r64[:, None], hk, h, ks[None, :], vs[None, :],
+                                    rmask[:, None] & kmask[None, :], rmask[:, None] & vmask[None, :],
+                                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
+                                    NORMALIZE, 1)
                 g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
                 beta = tl.load(beta_ptr + r64 * stride_bt + h, mask=rmask, other=0.0).to(tl.float32)
-                q = _l2_normalize(q, NORMALIZE, 1) * scale
-                k = _l2_normalize(k, NORMALIZE, 1)
                 gc = tl.cumsum(g, axis=0)  # padded rows add 0: gc of the last row is the chunk's total
                 g_last = tl.sum(g, axis=0)
                 decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
