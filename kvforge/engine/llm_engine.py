@@ -26,6 +26,7 @@ from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
+from kvforge.engine.step_log import StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.kv_dtypes import canonical_model_dtype
 from kvforge.planner.inputs import CacheConfig, ParallelConfig
@@ -174,6 +175,7 @@ class LLMEngine:
                                  else platform == "cuda" and self.tp is None and self.state_slots is None)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
+        self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)
         self.startup_seconds = time.perf_counter() - t0
         self._shut_down = False
 
@@ -339,6 +341,7 @@ class LLMEngine:
         """Run ``out`` on the device without waiting for its tokens and advance the scheduler. A token
         still in flight from ``prev`` (async scheduling) is a placeholder gathered on the device from
         ``prev.token_ids``."""
+        launched = time.time()
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
         prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
@@ -397,10 +400,12 @@ class LLMEngine:
         host_tokens, ready = copy_tokens_to_host(token_ids)
         self.scheduler.advance(out)
         return InflightStep(out, sampled_seqs, token_ids, host_tokens, logprobs, ready,
-                            {seq.request_id: i for i, seq in enumerate(sampled_seqs)}, prompt_lp)
+                            {seq.request_id: i for i, seq in enumerate(sampled_seqs)}, prompt_lp, launched)
 
     def _resolve(self, step: InflightStep) -> list[RequestOutput]:
         tokens = step.wait_tokens()
+        out = step.out
+        self.step_log.add(step.launched, time.time(), out.num_prefill_tokens, out.num_decode_tokens, out.num_seqs)
         if step.prompt_logprobs is not None:
             step.prompt_logprobs.apply()  # before the outputs below are built
         sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}

@@ -52,6 +52,7 @@ class InflightStep:
     step's placeholders. ``logprobs``: per row, as the sampler returned them.
     ``prompt_logprobs``: the step's prompt-token logprobs (host copies, complete
     once ``ready`` has fired), None when no request asked for them.
+    ``launched``: wall-clock time the step was launched (the engine's step record).
     """
 
     out: SchedulerOutput
@@ -62,6 +63,7 @@ class InflightStep:
     ready: torch.cuda.Event | None
     row_of: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    launched: float = 0.0
 
     def wait_tokens(self) -> list[int]:
         """Block until the sampled tokens are on the host; return them."""
