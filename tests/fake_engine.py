@@ -225,8 +225,9 @@ class FakeEngine:
         r.blocks = 0
 
 
-def smollm2_test_engine(max_model_len: int = 512, max_num_seqs: int = 32):
-    """The real engine on the embedded SmolLM2 (CPU), built through its command-line arguments."""
+def smollm2_test_engine(max_model_len: int = 512, max_num_seqs: int = 32, extra_args: tuple[str, ...] = ()):
+    """The real engine on the embedded SmolLM2 (CPU), built through its command-line arguments
+    (``extra_args`` appended)."""
     import argparse
 
     from kvforge.config import EngineArgs
@@ -235,5 +236,5 @@ def smollm2_test_engine(max_model_len: int = 512, max_num_seqs: int = 32):
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(["--device", "cpu", "--max-model-len", str(max_model_len), "--max-num-seqs",
-                            str(max_num_seqs), "--no-progress"])
+                            str(max_num_seqs), "--no-progress", *extra_args])
     return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))

@@ -5,7 +5,15 @@ unique prompt of about ``--isl`` tokens (random words from a seeded RNG,
 prefixed with a unique id so the prefix cache cannot serve it) and
 ``max_tokens=--osl`` with ``ignore_eos``. Token counts come from the server's
 ``usage`` (``stream_options.include_usage``); TTFT and inter-token latency are
-measured from the stream as it arrives.
+measured from the stream as it arrives: every chunk with a choice is a token
+arrival (a server streams each step's tokens, text or not, as vLLM does).
+
+The schedule behind the worst gaps: after each repetition the load generator
+reads the server's record of recent engine steps (``GET /debug/steps``, kvforge
+servers) and reports, for the longest inter-token gaps, the steps whose tokens
+came between the two chunks and how many prefill tokens they ran. Steps and
+chunks are matched on wall-clock time, so this needs the client on the server's
+host (or clocks in sync).
 
 Flow: ``--warmup`` discarded passes (``--warmup-requests`` requests each,
 default one per concurrency slot; they also calibrate words per token so the
@@ -66,6 +74,7 @@ class RequestResult:
     ttft: float | None = None  # seconds
     latency: float | None = None  # seconds, request start to last byte
     itls: list[float] = field(default_factory=list)  # seconds between content chunks
+    chunk_times: list[float] = field(default_factory=list)  # wall-clock arrival of each content chunk
     start: float = 0.0
     end: float = 0.0
     prompt: str = ""
@@ -162,13 +171,13 @@ async def send_request(session, url: str, model: str, prompt: str, osl: int, hea
                 if obj.get("usage"):
                     res.prompt_tokens = obj["usage"]["prompt_tokens"]
                     res.completion_tokens = obj["usage"]["completion_tokens"]
-                for choice in obj.get("choices") or []:
-                    if choice.get("text"):
-                        if res.ttft is None:
-                            res.ttft = now - res.start
-                        else:
-                            res.itls.append(now - last)
-                        last = now
+                if obj.get("choices"):  # one step's tokens (the usage chunk has no choices)
+                    if res.ttft is None:
+                        res.ttft = now - res.start
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                    res.chunk_times.append(time.time())
             res.end = time.perf_counter()
             res.latency = res.end - res.start
             if not done:
@@ -289,6 +298,63 @@ def summarize_repetitions(reps: list[dict]) -> dict:
     return summary
 
 
+# -- the schedule behind the worst gaps -------------------------------------------------------------
+
+WORST_GAPS = 5
+
+
+async def fetch_steps(session, base_url: str) -> list[dict] | None:
+    """The server's record of recent engine steps, or None when it keeps none (not a kvforge server)."""
+    try:
+        async with session.get(f"{base_url}/debug/steps") as resp:
+            if resp.status != 200:
+                return None
+            return (await resp.json())["steps"]
+    except Exception:
+        return None
+
+
+def gap_schedule(results: list[RequestResult], steps: list[dict] | None, worst: int = WORST_GAPS) -> dict | None:
+    """For the ``worst`` longest inter-token gaps of a pass: the engine steps whose tokens came between
+    the two chunks (``a < step.finished <= b`` in wall-clock time), their prefill and decode tokens and
+    step times. ``at_or_above_p99`` sums up every gap at or above the pass's ITL p99 the same way.
+    A gap older than the oldest recorded step has ``steps: None``."""
+    if steps is None:
+        return None
+    gaps = sorted(((b - a, a, b) for r in results if r.ok for a, b in zip(r.chunk_times, r.chunk_times[1:])),
+                  reverse=True)
+    oldest = steps[0]["launched"] if steps else math.inf
+
+    def behind(a, b):
+        if a < oldest:
+            return None
+        return [s for s in steps if a < s["finished"] <= b]
+
+    def describe(gap, a, b):
+        ss = behind(a, b)
+        if ss is None:
+            return {"gap_ms": 1000 * gap, "steps": None}
+        return {"gap_ms": 1000 * gap, "steps": len(ss),
+                "prefill_tokens": sum(s["num_prefill_tokens"] for s in ss),
+                "decode_tokens": sum(s["num_decode_tokens"] for s in ss),
+                "max_step_prefill_tokens": max((s["num_prefill_tokens"] for s in ss), default=0),
+                "step_ms": [round(1000 * s["seconds"], 1) for s in ss]}
+
+    p99 = percentile([g for g, _, _ in gaps], 99)
+    tail = [describe(*g) for g in gaps if p99 is not None and g[0] >= p99]
+    known = [d for d in tail if d["steps"] is not None]
+    return {
+        "worst": [describe(*g) for g in gaps[:worst]],
+        "at_or_above_p99": {
+            "gaps": len(tail),
+            "recorded": len(known),
+            "max_prefill_tokens": max((d["prefill_tokens"] for d in known), default=None),
+            "max_steps": max((d["steps"] for d in known), default=None),
+            "median_prefill_tokens": statistics.median(d["prefill_tokens"] for d in known) if known else None,
+        },
+    }
+
+
 # -- server metrics ------------------------------------------------------------------------------
 
 
@@ -379,6 +445,7 @@ async def run_benchmark(
             results, dur = await run_pass(session, url, model, prompts, osl, concurrency, headers, timeout_s)
             s = summarize_pass(results, dur)
             s["repetition"] = rep
+            s["gap_schedule"] = gap_schedule(results, await fetch_steps(session, base_url))
             count(s, num_requests)
             reps.append(s)
             pooled.extend(results)
@@ -428,6 +495,24 @@ def format_report(report: dict) -> str:
     if cold and cold["first_repetition_is_outlier"]:
         lines.append(f"NOTE: repetition 0 took {cold['first_to_rest_duration_ratio']:.2f}x the median of the rest "
                      f"(> {cold['threshold']}x): cold start outlier; judge by the median.")
+    worst = [(g, r["repetition"]) for r in report["repetitions"] if r.get("gap_schedule")
+             for g in r["gap_schedule"]["worst"]]
+    if worst:
+        worst.sort(key=lambda x: -x[0]["gap_ms"])
+        lines.append("worst inter-token gaps and the engine steps behind them (prefill tokens per step):")
+        for g, rep in worst[:WORST_GAPS]:
+            if g["steps"] is None:
+                lines.append(f"  {g['gap_ms']:8.1f} ms  rep {rep}: before the oldest recorded step")
+                continue
+            per_step = ", ".join(f"{ms} ms" for ms in g["step_ms"])
+            lines.append(f"  {g['gap_ms']:8.1f} ms  rep {rep}: {g['steps']} step(s), {g['prefill_tokens']} prefill "
+                         f"tokens (at most {g['max_step_prefill_tokens']} in one), {g['decode_tokens']} decode "
+                         f"tokens; steps {per_step}")
+        tails = [r["gap_schedule"]["at_or_above_p99"] for r in report["repetitions"] if r.get("gap_schedule")]
+        most = [t["max_prefill_tokens"] for t in tails if t["max_prefill_tokens"] is not None]
+        if most:
+            lines.append(f"gaps >= ITL p99: at most {max(most)} prefill tokens and "
+                         f"{max(t['max_steps'] for t in tails if t['max_steps'] is not None)} step(s) behind one")
     t = report["totals"]
     lines.append(f"totals (incl. warm-up): {t['requests_succeeded']}/{t['requests_sent']} ok, "
                  f"{t['prompt_tokens']} prompt + {t['output_tokens']} output tokens")

@@ -153,6 +153,20 @@ def create_app(
         body = metrics.render(stats, in_flight=aengine.num_in_flight)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
+    async def debug_steps(request):
+        log = aengine.step_log
+        if log is None:
+            raise web.HTTPNotFound(reason="this engine keeps no step record")
+        raw = request.query.get("last")
+        try:
+            last = None if raw is None else int(raw)
+        except ValueError:
+            last = 0
+        if last is not None and last < 1:
+            raise InvalidRequestError(f"'last' must be a positive integer, got {raw!r}", field="last")
+        steps = [r.as_dict() for r in log.last(last)]
+        return web.json_response({"capacity": log.capacity, "total_steps": log.total, "steps": steps})
+
     def model_object() -> dict:
         return protocol.model_object(model_name, int(aengine.started), engine.max_model_len)
 
@@ -212,6 +226,7 @@ def create_app(
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/debug/steps", debug_steps)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/v1/completions", completions)
@@ -365,8 +380,10 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             lead = ""
             if not echoed[i]:
                 lead = view.echo_text(out)
-            if not delta and not lead and not out.finished:
-                continue  # e.g. a token that is only part of a character, or a held-back stop string
+            if not delta and not lead and not out.finished and len(ids) == sent_tokens[i]:
+                continue  # nothing new: no token, no text
+            # A step's new tokens go out at once even when they add no text yet (part of a character, a
+            # held-back stop string): the client sees every token's arrival, as vLLM streams them.
             lp = view.logprobs(out, sent_tokens[i], len(ids), not echoed[i], offsets[i])
             echoed[i] = True
             finish = view.finish_reason(comp) if out.finished else None

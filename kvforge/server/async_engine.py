@@ -118,6 +118,9 @@ class AsyncEngine:
         self._accepting = True
         self._dead: BaseException | None = None
         self.last_stats: dict = {}
+        # The engine's record of recent steps (kvforge/engine/step_log.py); engines without one have none.
+        self.step_log = getattr(engine, "step_log", None)
+        self._steps_seen = self.step_log.total if self.step_log is not None else 0  # steps the metrics have seen
         self._executor_closed = False
         self.started = time.time()
 
@@ -274,7 +277,11 @@ class AsyncEngine:
     def _iterate(self, aborts: list[str]):
         self._do_aborts(aborts)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        return outputs, self.engine.has_unfinished_requests(), self.engine.stats()
+        steps = []
+        if self.step_log is not None:
+            steps = self.step_log.since(self._steps_seen)
+            self._steps_seen = self.step_log.total
+        return outputs, steps, self.engine.has_unfinished_requests(), self.engine.stats()
 
     async def stats(self) -> dict:
         """Fresh engine stats (waits for the current step, if any)."""
@@ -292,7 +299,7 @@ class AsyncEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
             active = set(self._streams)
             try:
-                outputs, unfinished, stats = await self._call(self._iterate, aborts)
+                outputs, steps, unfinished, stats = await self._call(self._iterate, aborts)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -303,6 +310,7 @@ class AsyncEngine:
                 return
             self.last_stats = stats
             self._added_since_stats = 0
+            self.metrics.on_steps(steps)
             now = time.monotonic()
             seen = set()
             for out in outputs:

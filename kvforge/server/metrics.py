@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -106,6 +107,15 @@ class ServerMetrics:
         self.generation_tokens = histogram("request_generation_tokens",
                                            "Completion tokens of each finished (non-aborted) request.",
                                            TOKEN_BUCKETS)
+        # Engine steps, from the engine's step record (kvforge/engine/step_log.py).
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          STEP_TOKEN_BUCKETS)
+        self.iteration_prefill_tokens = histogram("iteration_prefill_tokens",
+                                                  "Prompt (prefill) tokens computed per engine step.",
+                                                  (0,) + STEP_TOKEN_BUCKETS)
+        self.iteration_seconds = histogram("iteration_duration_seconds",
+                                           "Wall time each engine step added before its tokens were ready.",
+                                           ITL_BUCKETS)
         self._finished = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
                                  m + ["finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:
@@ -134,6 +144,13 @@ class ServerMetrics:
                 self.itl.observe(gap)
         stream.last_token_time = now
         stream.num_tokens = n
+
+    def on_steps(self, records) -> None:
+        """Observe newly resolved engine steps (``StepRecord``s)."""
+        for r in records:
+            self.iteration_tokens.observe(r.num_prefill_tokens + r.num_decode_tokens)
+            self.iteration_prefill_tokens.observe(r.num_prefill_tokens)
+            self.iteration_seconds.observe(r.seconds)
 
     def on_finish(self, stream, out, now: float) -> None:
         reason = (out.outputs[0].finish_reason if out.outputs else "abort") or "stop"
