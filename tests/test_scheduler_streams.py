@@ -106,16 +106,26 @@ def test_running_decodes_get_a_token_every_step_while_long_prompts_arrive():
 
 def test_an_older_prompt_mid_prefill_does_not_starve_a_decode():
     """A prompt that arrived first but was queued second (it is older by arrival) is mid-prefill while
-    the other stream decodes: the decode still gets its token every step."""
+    the other stream decodes: the decode still gets its token every step, next to one chunk."""
     bm = BlockManager(256, 4, False)
     sched = Scheduler(bm, 8, 16, 256)
     old = Sequence("old", prompt_of(1, 100), SamplingParams(max_tokens=3, ignore_eos=True))
     young = Sequence("young", prompt_of(2, 2), SamplingParams(max_tokens=12, ignore_eos=True))
     assert old.arrival < young.arrival
-    done, watch = run_streams(sched, {0: [young, old]}, threshold=0)
-    assert watch.worst_gap_prefill == 15  # budget 16 less the decode's token
-    assert done["young"].output_token_ids == expected_output(young.prompt_token_ids, 12)
-    assert done["old"].output_token_ids == expected_output(old.prompt_token_ids, 3)
+    sched.add(young)
+    sched.add(old)
+    runner = FakeRunner(bm)
+    steps = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        steps.append({s.request_id: s.num_new_tokens for s in out.scheduled})
+        sched.update(out, runner.execute(out))
+    assert steps[0] == {"young": 2, "old": 14}
+    young_steps = [i for i, st in enumerate(steps) if "young" in st]
+    assert young_steps == list(range(12)), f"young got no token in steps {sorted(set(range(12)) - set(young_steps))}"
+    assert all(st.get("old", 0) <= 15 for st in steps)  # one chunk: the budget less young's token
+    assert young.output_token_ids == expected_output(young.prompt_token_ids, 12)
+    assert old.output_token_ids == expected_output(old.prompt_token_ids, 3)
 
 
 def test_a_step_without_decodes_uses_the_whole_budget():
