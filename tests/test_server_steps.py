@@ -131,3 +131,26 @@ def test_bench_reports_the_steps_behind_the_worst_gaps(server):
     assert sched["at_or_above_p99"]["max_prefill_tokens"] <= THRESHOLD * sched["at_or_above_p99"]["max_steps"]
     text = sb.format_report(report)
     assert "worst inter-token gaps" in text and "prefill tokens" in text
+
+
+def test_gap_schedule_picks_the_steps_between_two_chunks():
+    """Pure: chunk arrivals at 10.0, 10.1, 10.5 (gaps 100 and 400 ms); steps finishing at 10.05
+    (before the first gap's end), 10.1 (on it), 10.3 and 10.45 (inside the second gap)."""
+    def step(i, finished, prefill, decode, seconds):
+        return {"step": i, "launched": finished - seconds, "finished": finished, "seconds": seconds,
+                "num_prefill_tokens": prefill, "num_decode_tokens": decode, "num_seqs": decode + (prefill > 0)}
+
+    steps = [step(0, 9.99, 0, 2, 0.01), step(1, 10.05, 0, 2, 0.05), step(2, 10.1, 0, 2, 0.05),
+             step(3, 10.3, 2048, 1, 0.2), step(4, 10.45, 512, 2, 0.15)]
+    r = sb.RequestResult(ok=True, chunk_times=[10.0, 10.1, 10.5])
+    sched = sb.gap_schedule([r, sb.RequestResult(ok=False, chunk_times=[10.0, 99.0])], steps, worst=3)
+    assert [round(g["gap_ms"]) for g in sched["worst"]] == [400, 100]
+    wide, narrow = sched["worst"]
+    assert (wide["steps"], wide["prefill_tokens"], wide["decode_tokens"], wide["max_step_prefill_tokens"]) == (
+        2, 2560, 3, 2048)
+    assert wide["step_ms"] == [200.0, 150.0]
+    assert (narrow["steps"], narrow["prefill_tokens"], narrow["step_ms"]) == (2, 0, [50.0, 50.0])
+    assert sched["at_or_above_p99"]["gaps"] == 1 and sched["at_or_above_p99"]["max_prefill_tokens"] == 2560
+    # a gap that starts before the oldest recorded step is not attributed; no record at all gives None
+    assert sb.gap_schedule([r], steps[3:], worst=2)["worst"][1]["steps"] is None
+    assert sb.gap_schedule([r], None) is None
