@@ -1,5 +1,5 @@
 """The KV pool's groups under Gemma 3 and gpt-oss (sliding-window and full layers) in the engine, against
-transformers on tiny random checkpoints (tests/hybrid_checkpoints.py: 16-token window), float32 on CPU.
+transformers on tiny random checkpoints (tests/tiny_checkpoints.py: 16-token window), float32 on CPU.
 
 What this adds to tests/test_hybrid_engine_vs_hf.py: every step, no sequence
 holds a sliding-group block that a query of the step can see yet was freed,
@@ -20,7 +20,7 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_greedy_agrees, top2_margins
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_checkpoints import VOCAB, WINDOW, make_checkpoint  # noqa: E402
+from tiny_checkpoints import VOCAB, WINDOW, make_checkpoint  # noqa: E402
 
 from kvforge import SamplingParams  # noqa: E402
 from kvforge.engine.model_runner import ModelRunner  # noqa: E402

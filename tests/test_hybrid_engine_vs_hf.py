@@ -1,7 +1,7 @@
 """Gemma 3 and gpt-oss through the whole engine (plan -> KV pool with a block table per group, sliding
 blocks freed, reference backend with windows and sinks -> sampler) against transformers, float32 on CPU.
 
-Tiny random checkpoints (tests/hybrid_checkpoints.py: 16-token window, prompts of 3-4x the window) in
+Tiny random checkpoints (tests/tiny_checkpoints.py: 16-token window, prompts of 3-4x the window) in
 blocks of 4 tokens. Teacher-forced logits: max |ours - hf| <= 1e-4 * max(1, max |hf|). Greedy
 tokens: batched, with prefill chunks of 24 tokens (chunk edges fall inside and beyond the window),
 again with prefix-cache hits, and at TP=2 over gloo; each follows transformers' greedy stream until a
@@ -16,7 +16,7 @@ from greedy_agreement import assert_greedy_agrees, top2_margins
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_checkpoints import VOCAB, WINDOW, make_checkpoint  # noqa: E402
+from tiny_checkpoints import VOCAB, WINDOW, make_checkpoint  # noqa: E402
 
 from kvforge import SamplingParams  # noqa: E402
 

@@ -20,8 +20,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_checkpoints import CASES, VOCAB, WINDOW, load_ours, make_checkpoint  # noqa: E402
 from paged_reference import PagedReferenceAttention, run_steps  # noqa: E402
+from tiny_checkpoints import HYBRID_CASES as CASES  # noqa: E402
+from tiny_checkpoints import VOCAB, WINDOW, load_ours, make_checkpoint  # noqa: E402
 
 from kvforge.errors import ConfigError  # noqa: E402
 from kvforge.models.registry import build_model  # noqa: E402
@@ -135,7 +136,7 @@ def test_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
     """A Gemma3ForConditionalGeneration checkpoint: the plan and the model use text_config, the
     language-model tensors load by their text names, vision tensors are skipped; text-only logits
     equal the multimodal transformers model's."""
-    from hybrid_checkpoints import GEMMA3
+    from tiny_checkpoints import GEMMA3
 
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14)

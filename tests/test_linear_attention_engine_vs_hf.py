@@ -1,8 +1,7 @@
 """Qwen3-Next and Kimi-Linear through the whole engine (plan -> KV pool with state slots -> scheduler ->
 runner -> sampler) against transformers, float32 on CPU.
 
-Tiny random checkpoints written by transformers (tests/test_linear_attention_models_vs_hf.py's
-``make_checkpoint``), blocks of 4 tokens, prefill chunks of 16 tokens (every prompt but the shortest
+Tiny random checkpoints written by transformers (tests/tiny_checkpoints.py), blocks of 4 tokens, prefill chunks of 16 tokens (every prompt but the shortest
 crosses several steps, so states are carried through slots between steps). Teacher-forced logits:
 max |ours - hf| <= 1e-4 * max(1, max |hf|). Greedy tokens of a batch of prompts of different lengths
 follow transformers' greedy stream until a near-tie within that tolerance (tests/greedy_agreement.py):
@@ -21,7 +20,8 @@ from greedy_agreement import assert_greedy_agrees, top2_margins
 
 transformers = pytest.importorskip("transformers")
 
-from test_linear_attention_models_vs_hf import VOCAB, make_checkpoint  # noqa: E402
+from tiny_checkpoints import LINEAR_VOCAB as VOCAB  # noqa: E402
+from tiny_checkpoints import make_checkpoint  # noqa: E402
 
 from kvforge import SamplingParams  # noqa: E402
 from kvforge.engine.sequence import Sequence  # noqa: E402

@@ -1,8 +1,8 @@
 """Qwen3-Next and Kimi-Linear vs transformers on tiny random checkpoints (float32, CPU).
 
-Each config is built in transformers with a fixed seed, random (non-default) weights (norms
-around their neutral value, conv kernels, router biases), saved with ``save_pretrained``
-(safetensors) and loaded with our loader. transformers' torch fallbacks are the reference (no
+Each config (tests/tiny_checkpoints.py) is built in transformers with a fixed seed, random
+(non-default) weights (norms around their neutral value, conv kernels, router biases), saved with
+``save_pretrained`` (safetensors) and loaded with our loader. transformers' torch fallbacks are the reference (no
 fla / causal-conv1d kernels are installed). Our model runs over a test-built state: a paged cache
 for full attention, a latent cache for MLA and one state slot per sequence for the linear layers
 (tests/state_slot_reference.py), with the PyTorch delta rule.
@@ -30,37 +30,14 @@ transformers = pytest.importorskip("transformers")
 from greedy_agreement import assert_greedy_agrees, top2_margins  # noqa: E402
 from paged_reference import run_steps  # noqa: E402
 from state_slot_reference import StateSlotAttention  # noqa: E402
+from tiny_checkpoints import CASES as CHECKPOINTS  # noqa: E402
+from tiny_checkpoints import LINEAR_ATTENTION_CASES as CASES  # noqa: E402
+from tiny_checkpoints import LINEAR_VOCAB as VOCAB  # noqa: E402
+from tiny_checkpoints import load_ours, make_checkpoint  # noqa: E402
 
 from kvforge.errors import ConfigError  # noqa: E402
-from kvforge.models.decoder import build_uninitialised  # noqa: E402
-from kvforge.models.kimi_linear import KimiLinearForCausalLM  # noqa: E402
-from kvforge.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
-from kvforge.weights import load_config, load_weights  # noqa: E402
 
 REL_TOL = 1e-4
-VOCAB = 128
-
-QWEN3_NEXT = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-    linear_value_head_dim=16, linear_conv_kernel_dim=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-    num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1], max_position_embeddings=512, rms_norm_eps=1e-6,
-    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-)
-KIMI_LINEAR = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
-    qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-    n_group=4, topk_group=2, routed_scaling_factor=2.5, linear_head_dim=16, linear_num_heads=4,
-    linear_conv_kernel_dim=4, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-    mlp_layer_types=["dense", "sparse", "sparse", "dense"],
-)
-CASES = {
-    "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT, Qwen3NextForCausalLM),
-    "kimi-linear": ("KimiLinearConfig", "KimiLinearForCausalLM", KIMI_LINEAR, KimiLinearForCausalLM),
-}
 PROMPT_LENS = (70, 23)  # the first is longer than one 64-token chunk of the reference
 DECODE_STEPS = 4
 
@@ -71,42 +48,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def make_checkpoint(case: str, path, **overrides):
-    """A random transformers model of ``case`` saved at ``path``: (hf model, saved config dict)."""
-    config_cls, model_cls, base, _ = CASES[case]
-    config = getattr(transformers, config_cls)(**{**base, **overrides})
-    torch.manual_seed(1234)
-    model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "A_log" in name or "dt_bias" in name:
-                continue  # transformers' init gives the decay range trained models have
-            if name.endswith("norm.weight") and case == "qwen3-next" and "linear_attn.norm" not in name:
-                p.copy_(0.2 * torch.randn_like(p))  # zero-centred: x * (1 + w)
-            elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif "conv1d" in name:
-                p.copy_(0.4 * torch.randn_like(p))
-            elif "e_score_correction_bias" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn_like(b))
-    model.save_pretrained(path, safe_serialization=True)
-    with open(path / "config.json") as f:
-        return model, json.load(f)
-
-
-def load_ours(case, path):
-    cls = CASES[case][3]
-    config = load_config(path)
-    ours = build_uninitialised(lambda: cls(config, dtype=torch.float32), "cpu")
-    load_weights(ours, path, "auto", progress=False)
-    return ours
 
 
 def _sequences(n_extra: int):
@@ -126,7 +67,7 @@ def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_and_decode_logits_match_transformers(case, tmp_path):
     hf, _ = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     seqs = _sequences(DECODE_STEPS)
     ref = _hf_logits(hf, seqs)
     p0, p1 = PROMPT_LENS
@@ -143,7 +84,7 @@ def test_prefill_and_decode_logits_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_prefill_carries_the_state_across_steps(case, tmp_path):
     hf, _ = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     seq = _sequences(0)[0]
     ref = _hf_logits(hf, [seq])[0]
     cuts = [0, 1, 3, 30, 31, 69, len(seq)]  # pieces shorter than the conv kernel, single tokens, long ones
@@ -155,7 +96,7 @@ def test_chunked_prefill_carries_the_state_across_steps(case, tmp_path):
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_batch_of_different_lengths_equals_transformers_generate(case, tmp_path):
     hf, _ = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 19, 1)]
     new = 6
@@ -188,7 +129,7 @@ def test_greedy_batch_of_different_lengths_equals_transformers_generate(case, tm
 def test_linear_attention_layer_matches_transformers_layer_with_its_cache(case, tmp_path):
     """One linear layer with transformers' weights: a prompt, then a continuation through both caches."""
     hf, config = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     hf_layer = hf.model.layers[0]
     hf_mixer = hf_layer.linear_attn if case == "qwen3-next" else hf_layer.self_attn
     our_layer = ours.model.layers[0]
@@ -218,7 +159,7 @@ def test_missing_conv_weight_names_the_tensor(tmp_path):
     del tensors["model.layers.0.linear_attn.conv1d.weight"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"lacks 1 tensor.*model\.layers\.0\.linear_attn\.conv1d\.weight"):
-        load_ours("qwen3-next", tmp_path)
+        load_ours(tmp_path)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -228,12 +169,12 @@ def test_state_layouts_and_layer_kinds_match_the_plan_spec(case, tmp_path):
     from kvforge.spec.architectures import spec_from_hf_config
 
     _, config = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     spec = spec_from_hf_config(config, name=case, source="test")
     state_layers = {x.index: x.state_elements for x in spec.layers if x.kind == "state"}
     assert state_layers == {i: lay.elements for i, lay in ours.linear_state_layouts().items()}
     attention_kind = {"qwen3-next": "full", "kimi-linear": "mla"}[case]
-    want = ["state" if t == "linear_attention" else attention_kind for t in CASES[case][2]["layer_types"]]
+    want = ["state" if t == "linear_attention" else attention_kind for t in CHECKPOINTS[case][2]["layer_types"]]
     assert [x.kind for x in spec.layers] == want
 
 
@@ -249,7 +190,7 @@ def test_triton_kernels_in_the_model_match_transformers(case, tmp_path, monkeypa
 
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     hf, _ = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, VOCAB, (n + 2,), generator=g).tolist() for n in (11, 4)]
     ref = _hf_logits(hf, seqs)
@@ -273,7 +214,7 @@ def test_partial_rotary_factor_of_rope_parameters_wins_over_a_top_level_one(tmp_
     seq = _sequences(0)[1][:12]
     ref = _hf_logits(reread, [seq])[0]
     assert torch.equal(ref, _hf_logits(hf, [seq])[0])  # transformers rotates by rope_parameters' factor
-    ours = load_ours("qwen3-next", tmp_path)
+    ours = load_ours(tmp_path)
     assert ours.model.rotary.rotary_dim == ours.head_dim // 2
     got = run_steps(ours, StateSlotAttention(ours), [[(0, seq)]])[0]
     assert _worst(got, ref) <= REL_TOL
@@ -284,7 +225,7 @@ def test_a_preempted_sequence_recomputes_its_state_in_a_reused_slot(case, tmp_pa
     """Preemption drops a sequence's slot; its recompute (prompt + generated tokens as one new prefill) lands
     in a slot another sequence has just written, and must start from zeros, not from that slot."""
     hf, _ = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path)
+    ours = load_ours(tmp_path)
     a, b = _sequences(6)
     ref_a = _hf_logits(hf, [a[:30]])[0]
     attn = StateSlotAttention(ours, num_slots=2)
@@ -316,7 +257,7 @@ def test_gpu_float32_logits_match_transformers(case, paths, tmp_path, monkeypatc
         monkeypatch.setattr(layers, "FUSED_KERNELS", False)
 
     hf, _ = make_checkpoint(case, tmp_path)
-    ours = load_ours(case, tmp_path).to("cuda")
+    ours = load_ours(tmp_path).to("cuda")
     seqs = _sequences(DECODE_STEPS)
     ref = _hf_logits(hf, seqs)
     p0, p1 = PROMPT_LENS

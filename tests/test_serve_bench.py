@@ -237,17 +237,15 @@ def test_step_weight_bytes_of_a_tiny_deepseek():
 
 
 def _tiny(case: str):
-    """Our model (float32, untrained) of a tiny config: gpt-oss from tests/hybrid_checkpoints.py, Qwen3-Next and
-    Kimi-Linear from tests/test_linear_attention_models_vs_hf.py."""
-    import hybrid_checkpoints as hc
-    import test_linear_attention_models_vs_hf as la
+    """Our model (float32, untrained) of a tiny config of tests/tiny_checkpoints.py."""
+    from tiny_checkpoints import GPT_OSS, KIMI_LINEAR, QWEN3_NEXT
 
     from kvforge.models.gpt_oss import GptOssForCausalLM
     from kvforge.models.kimi_linear import KimiLinearForCausalLM
     from kvforge.models.qwen3_next import Qwen3NextForCausalLM
 
-    cls, cfg = {"gpt-oss": (GptOssForCausalLM, hc.GPT_OSS), "qwen3-next": (Qwen3NextForCausalLM, la.QWEN3_NEXT),
-                "kimi-linear": (KimiLinearForCausalLM, la.KIMI_LINEAR)}[case]
+    cls, cfg = {"gpt-oss": (GptOssForCausalLM, GPT_OSS), "qwen3-next": (Qwen3NextForCausalLM, QWEN3_NEXT),
+                "kimi-linear": (KimiLinearForCausalLM, KIMI_LINEAR)}[case]
     return cls(dict(cfg))
 
 

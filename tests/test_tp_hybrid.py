@@ -20,8 +20,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hybrid_checkpoints import VOCAB, make_checkpoint  # noqa: E402
 from paged_reference import PagedReferenceAttention, run_steps  # noqa: E402
+from tiny_checkpoints import VOCAB, make_checkpoint  # noqa: E402
 
 from kvforge.models.registry import build_model  # noqa: E402
 from kvforge.weights import load_config, load_weights  # noqa: E402
