@@ -412,6 +412,24 @@ class BlockManager:
                 table.extend(self._take_free() for _ in range(need))
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Free every group's blocks past the ones covering the first ``num_tokens`` tokens (tail first);
+        returns how many were freed. Speculative decoding calls it after verification: blocks taken for
+        rejected proposals hold no token of the sequence. Those blocks were taken by ``append_slots`` for
+        positions past every registered block, so none is shared or hashed."""
+        keep = self.blocks_needed(num_tokens)
+        if len(seq.block_tables[0]) <= keep:
+            return 0
+        freed = 0
+        for g, table in enumerate(seq.block_tables):
+            for i in range(len(table) - 1, max(keep, seq.num_skipped_blocks[g]) - 1, -1):
+                self._release(table[i], seq)
+                freed += 1
+            # A new list (not an in-place edit): the model runner's table cache keys on the list object.
+            seq.block_tables[g] = table[:keep]
+        seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
+        return freed
+
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies from copy-on-write since the last call; apply before the step."""
         out, self._pending_copies = self._pending_copies, []

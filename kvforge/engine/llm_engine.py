@@ -172,7 +172,19 @@ class LLMEngine:
         # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
         # (works on CPU/gloo, not yet measured on GPUs) and for ring models (refused above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
-                                 else platform == "cuda" and self.tp is None and self.state_slots is None)
+                                 else platform == "cuda" and self.tp is None and self.state_slots is None
+                                 and self.speculative is None)
+        # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
+        self.proposer = self.spec_counters = None
+        if self.speculative is not None:
+            from kvforge.speculative.proposer import build_proposer
+            from kvforge.speculative.stats import SpecDecodeCounters
+
+            self.proposer = build_proposer(self.speculative)
+            self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
+            logger.info("speculative decoding: %s, %d tokens per step; verification steps run eagerly and the "
+                        "synchronous loop (async scheduling off)", self.speculative.method,
+                        self.speculative.num_speculative_tokens)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)
@@ -314,6 +326,8 @@ class LLMEngine:
             # blocks before the next schedule (instead of a preemption that a finish would have avoided).
             early, self._inflight = self._resolve(self._inflight), None
             self.async_pressure_resolves += 1
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
@@ -328,6 +342,13 @@ class LLMEngine:
             outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = launched
         return outputs
+
+    def _propose(self) -> None:
+        """Give every decoding sequence (one token to compute) its proposals for the next step."""
+        decoding = [seq for seq in self.scheduler.running
+                    if seq.num_tokens - seq.num_computed_tokens == 1 and not seq.num_pending]
+        for seq, proposal in zip(decoding, self.proposer.propose(decoding) if decoding else []):
+            seq.spec_token_ids = proposal
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies before a step (all ranks)."""
@@ -345,9 +366,11 @@ class LLMEngine:
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
         prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
+        proposals = [] if self.proposer is not None else None  # per sampled sequence (speculative decoding)
         for s in out.scheduled:
             seq = s.seq
-            end = s.start_pos + s.num_new_tokens
+            num_spec = len(s.spec_token_ids)
+            end = s.start_pos + s.num_new_tokens - num_spec  # proposals are not the sequence's tokens
             if seq.prompt_logprobs is not None and seq.needs_prompt_logprobs:
                 # Position p's logits score prompt token p + 1, for p up to the second-to-last prompt token.
                 stop = min(end, seq.num_prompt_tokens - 1)
@@ -363,8 +386,13 @@ class LLMEngine:
                 chunks.append((s.token_ids, s.start_pos, seq.block_tables))
             offset += s.num_new_tokens
             if s.do_sample:
-                rows.append(offset - 1)
+                if num_spec:  # the last real token's row, then one row per proposal
+                    rows.extend(range(offset - 1 - num_spec, offset))
+                else:
+                    rows.append(offset - 1)
                 sampled_seqs.append(seq)
+                if proposals is not None:
+                    proposals.append(s.spec_token_ids)
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
         if self.state_slots is not None:  # ring and linear-attention models (synchronous only)
@@ -390,6 +418,10 @@ class LLMEngine:
             k = max(seq.params.prompt_logprobs for seq, _, _ in prompt_spans)
             prompt_lp = compute_prompt_logprobs(logits[len(rows):], targets, k, prompt_spans).to_host()
             logits = logits[:len(rows)]
+        if proposals is not None:
+            self.scheduler.advance(out)
+            return InflightStep(out, sampled_seqs, None, None, [], None, {}, prompt_lp, launched,
+                                verified=self._verify(logits, sampled_seqs, proposals))
         if sampled_seqs:
             result = self.sampler.sample_sequences(logits, sampled_seqs)
             token_ids, logprobs = result.token_ids, result.logprobs
@@ -402,19 +434,43 @@ class LLMEngine:
         return InflightStep(out, sampled_seqs, token_ids, host_tokens, logprobs, ready,
                             {seq.request_id: i for i, seq in enumerate(sampled_seqs)}, prompt_lp, launched)
 
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]]) -> list[list]:
+        """Verify a speculative step's proposals; per sequence, the [(token, logprobs)] to append."""
+        from kvforge.speculative.stats import SpeculativeStats
+        from kvforge.speculative.verify import verify_proposals
+
+        if not seqs:
+            return []
+        result = verify_proposals(logits, [seq.params for seq in seqs],
+                                  [seq.generator_for(logits.device) for seq in seqs], proposals)
+        for seq, props, accepted in zip(seqs, proposals, result.num_accepted):
+            if props:
+                self.spec_counters.record(len(props), accepted)
+                seq.speculative = (seq.speculative or SpeculativeStats()).plus(len(props), accepted)
+            elif seq.speculative is None:
+                seq.speculative = SpeculativeStats()
+        return [list(zip(tokens, lps)) for tokens, lps in zip(result.tokens, result.logprobs)]
+
     def _resolve(self, step: InflightStep) -> list[RequestOutput]:
-        tokens = step.wait_tokens()
+        if step.verified is not None:
+            sampled = {seq.request_id: pairs for seq, pairs in zip(step.sampled_seqs, step.verified)}
+        else:
+            tokens = step.wait_tokens()
+            sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
         out = step.out
         self.step_log.add(step.launched, time.time(), out.num_prefill_tokens, out.num_decode_tokens, out.num_seqs)
         if step.prompt_logprobs is not None:
             step.prompt_logprobs.apply()  # before the outputs below are built
-        sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
         live = [seq for seq in step.sampled_seqs if not seq.is_finished]
+        before = sum(seq.num_output_tokens for seq in live) if step.verified is not None else 0
         finished = self.scheduler.resolve(step.out, sampled)
         if self.state_slots is not None:
             for seq in finished:
                 self.state_slots.release(seq.request_id)
-        self.generation_tokens_total += len(live)
+        if step.verified is not None:  # a verified step appends 1 .. k + 1 tokens per sequence
+            self.generation_tokens_total += sum(seq.num_output_tokens for seq in live) - before
+        else:
+            self.generation_tokens_total += len(live)
         self.num_steps += 1
         return [seq.to_request_output() for seq in live]
 
@@ -436,6 +492,7 @@ class LLMEngine:
             "eager_steps": self.runner.num_eager_steps,
             "async_scheduling": self.async_scheduling,
             "async_pressure_resolves": self.async_pressure_resolves,
+            "spec_decode": self.spec_counters.as_dict() if self.spec_counters is not None else None,
         }
 
     def rank_counters(self) -> list[dict]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvforge.speculative.stats import SpeculativeStats
+
 
 @dataclass
 class CompletionOutput:
@@ -34,6 +36,8 @@ class RequestOutput:
     else a dict token_id -> logprob of the top-N alternatives plus the prompt
     token itself, from the logits of the position before it. Complete in
     every output of the request (the first output comes after the prefill).
+    speculative: None unless the engine speculates; then the request's acceptance so far
+    (``acceptance_rate``, ``mean_accepted_length``; kvforge/speculative/stats.py).
     """
 
     request_id: str
@@ -43,6 +47,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    speculative: SpeculativeStats | None = None
 
 
 class _SnapshotCompletionOutput(CompletionOutput):
@@ -106,12 +111,13 @@ class _SnapshotRequestOutput(RequestOutput):
     dataclass ``__init__`` (e.g. from ``dataclasses.replace``) works as usual."""
 
     @classmethod
-    def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens, prompt_logprobs=None):
+    def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens, prompt_logprobs=None,
+                 speculative=None):
         self = cls.__new__(cls)
         d = self.__dict__
         d["request_id"], d["prompt"], d["outputs"] = request_id, prompt, outputs
         d["finished"], d["num_cached_tokens"] = finished, num_cached_tokens
-        d["prompt_logprobs"] = prompt_logprobs
+        d["prompt_logprobs"], d["speculative"] = prompt_logprobs, speculative
         d["_prompt_src"] = prompt_src
         return self
 

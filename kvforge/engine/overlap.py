@@ -64,6 +64,9 @@ class InflightStep:
     row_of: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
     launched: float = 0.0
+    #: Speculative steps (synchronous): per sampled sequence, the verified [(token, logprobs)] to append;
+    #: ``token_ids`` and ``host_tokens`` are then None.
+    verified: list | None = None
 
     def wait_tokens(self) -> list[int]:
         """Block until the sampled tokens are on the host; return them."""

@@ -151,6 +151,13 @@ class Sampler:
             sub_gens = [generators[i] for i in random_rows]
             token_ids[idx] = self._sample_random(logits[idx], sub_params, sub_gens)
 
+        return self.with_logprobs(logits, token_ids, params)
+
+    @staticmethod
+    def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+        """``token_ids`` [N] chosen from float32 ``logits`` [N, vocab], with the logprobs of the rows whose
+        params ask for them (see :class:`SamplerOutput`)."""
+        n, vocab = logits.shape
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * n)
@@ -178,6 +185,27 @@ class Sampler:
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, params: list[SamplingParams], generators) -> torch.Tensor:
+        probs = Sampler.target_probs(logits, params)
+        m, vocab = probs.shape
+        device = probs.device
+        q = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if len(unseeded) == m:
+            q.exponential_()
+        else:
+            if unseeded:
+                idx = torch.tensor(unseeded, dtype=torch.long, device=device)
+                q[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+            for i, g in enumerate(generators):
+                if g is not None:
+                    q[i].exponential_(generator=g)
+        q.clamp_(min=1e-20)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution a non-greedy row samples from: float32 ``logits`` [M, vocab] / temperature,
+        then min-p, top-k and top-p (module docstring), softmax. [M, vocab] float32."""
         m, vocab = logits.shape
         device = logits.device
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
@@ -212,17 +240,4 @@ class Sampler:
                 1, sorted_idx, sorted_logits.masked_fill(drop, float("-inf"))
             )
 
-        probs = torch.softmax(logits, dim=-1)
-        q = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if len(unseeded) == m:
-            q.exponential_()
-        else:
-            if unseeded:
-                idx = torch.tensor(unseeded, dtype=torch.long, device=device)
-                q[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-            for i, g in enumerate(generators):
-                if g is not None:
-                    q[i].exponential_(generator=g)
-        q.clamp_(min=1e-20)
-        return (probs / q).argmax(dim=-1)
+        return torch.softmax(logits, dim=-1)

@@ -56,12 +56,18 @@ class ScheduledSequence:
     the step). ``do_sample``: this step reaches the end of the sequence's known
     tokens (its prefill, or recompute, completes; always true for decode), so
     the logits of its last new token are sampled.
+
+    ``spec_token_ids``: speculative proposals that follow the sequence's last token in this step (a
+    decoding sequence only); they are the last ``len(spec_token_ids)`` of the ``num_new_tokens``, are
+    not part of the sequence, and their logits rows are verified with the last real token's
+    (kvforge/speculative/verify.py).
     """
 
     seq: Sequence
     num_new_tokens: int
     start_pos: int
     do_sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -69,6 +75,9 @@ class ScheduledSequence:
 
     @property
     def token_ids(self) -> list[int]:
+        spec = self.spec_token_ids
+        if spec:
+            return self.seq.token_ids_slice(self.start_pos, self.start_pos + self.num_new_tokens - len(spec)) + spec
         return self.seq.token_ids_slice(self.start_pos, self.start_pos + self.num_new_tokens)
 
     @property
@@ -283,8 +292,9 @@ class Scheduler:
                         i += 1
                         continue
                     n = room
+            spec = self._proposals_to_verify(seq, n, budget) if seq.spec_token_ids else []
             self_preempted = False
-            while not bm.append_slots(seq, n):
+            while not bm.append_slots(seq, n + len(spec)):
                 victim = self.running.pop()  # last in schedule order; index >= i, so not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -294,13 +304,14 @@ class Scheduler:
             if self_preempted:
                 break
             start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSequence(seq, n, start, start + n == seq.num_tokens + seq.num_pending))
-            budget -= n
+            out.scheduled.append(ScheduledSequence(seq, n + len(spec), start,
+                                                   start + n == seq.num_tokens + seq.num_pending, spec))
+            budget -= n + len(spec)
             if is_prefill:
                 prefill_room -= n
                 out.num_prefill_tokens += n
             else:
-                out.num_decode_tokens += n
+                out.num_decode_tokens += n + len(spec)
             i += 1
 
         if not out.preempted:
@@ -335,6 +346,17 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.blocks_to_copy = bm.take_copies()
         return out
+
+    def _proposals_to_verify(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """The leading proposals of a decoding sequence (``n == 1``) this step verifies: as many as the token
+        budget and the length limits leave room for (every accepted proposal plus the target's token must
+        fit within ``max_tokens`` and ``max_model_len``)."""
+        if n != 1 or seq.num_pending:
+            return []
+        room = min(budget, self.max_model_len - seq.num_tokens) - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return seq.spec_token_ids[:room] if room > 0 else []
 
     def next_step_may_preempt(self) -> bool:
         """True when the running sequences' next chunks (in schedule order, within the token budget)
@@ -391,7 +413,8 @@ class Scheduler:
                     f"advance: {seq.request_id} has {seq.num_computed_tokens} computed tokens, "
                     f"the step started at {s.start_pos} (step applied twice?)"
                 )
-            seq.num_computed_tokens += s.num_new_tokens
+            # Proposals count as computed only once verified (resolve() adds the accepted ones).
+            seq.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
             # Register now, not only in resolve(): a sequence preempted (or aborted) before this step
             # resolves must leave its computed blocks in the prefix cache, as the synchronous engine does
             # (stream order makes them valid for any later step).
@@ -422,18 +445,16 @@ class Scheduler:
             except KeyError:
                 raise KeyError(f"resolve: no sampled token for {seq.request_id!r}, which was due one") from None
             seq.num_pending -= 1
-            if isinstance(entry, tuple):
-                token, lps = entry
+            if isinstance(entry, list):  # verified proposals, then the target's token: [(token, logprobs)]
+                self._roll_back_rejected(s, len(entry) - 1)
+                status = None
+                for token, lps in entry:
+                    status, reason = self._append(seq, int(token), lps)
+                    if status is not None:
+                        break
             else:
-                token, lps = entry, None
-            token = int(token)
-            seq.append_token(token, lps)
-            if seq.detokenizer is not None:
-                seq.detokenizer.add_tokens([token])
-            # Async: the next step may already have computed this token (it was in flight), so a block it
-            # completes can be registered only now that its id is known; before a finish frees it.
-            bm.cache_full_blocks(seq)
-            status, reason = self._stop_reason(seq, token)
+                token, lps = entry if isinstance(entry, tuple) else (entry, None)
+                status, reason = self._append(seq, int(token), lps)
             if status is not None:
                 if seq.status == SequenceStatus.WAITING:
                     self.waiting.remove(seq)
@@ -445,6 +466,28 @@ class Scheduler:
             done = {id(s) for s in finished}
             self.running = [s for s in self.running if id(s) not in done]
         return finished
+
+    def _append(self, seq: Sequence, token: int, lps) -> tuple:
+        """Append one sampled token; (status, reason) when it ends the sequence, else (None, None)."""
+        seq.append_token(token, lps)
+        if seq.detokenizer is not None:
+            seq.detokenizer.add_tokens([token])
+        # Async: the next step may already have computed this token (it was in flight), so a block it
+        # completes can be registered only now that its id is known; before a finish frees it.
+        self.block_manager.cache_full_blocks(seq)
+        return self._stop_reason(seq, token)
+
+    def _roll_back_rejected(self, s: ScheduledSequence, num_accepted: int) -> None:
+        """After verification: the accepted proposals' KV counts as computed; the rejected ones' KV
+        (written past ``num_computed_tokens``) is dropped with the blocks that hold nothing else, so the
+        sequence holds exactly the blocks of its computed tokens, as without speculation. Positions past
+        ``num_computed_tokens`` are rewritten before anything reads them, and the prefix cache only ever
+        hashes known tokens up to ``num_computed_tokens``."""
+        if not 0 <= num_accepted <= len(s.spec_token_ids):
+            raise RuntimeError(f"{s.request_id}: {num_accepted} accepted of {len(s.spec_token_ids)} proposals")
+        seq = s.seq
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.trim(seq, seq.num_computed_tokens)
 
     def _reaches_length_limit(self, seq: Sequence) -> bool:
         """Whether the tokens in flight already reach ``max_tokens`` or ``max_model_len``."""

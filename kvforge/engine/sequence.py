@@ -20,6 +20,7 @@ import torch
 
 from kvforge.engine.outputs import RequestOutput, _SnapshotCompletionOutput, _SnapshotRequestOutput
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.speculative.stats import SpeculativeStats
 
 _arrival_counter = itertools.count()
 
@@ -112,6 +113,10 @@ class Sequence:
             [None] if self.params.prompt_logprobs is not None else None)
         # Incremental detokenizer (set by the scheduler when it has a tokenizer).
         self.detokenizer = None
+        # Speculative decoding: the proposals for the next step (set by the engine before each schedule, read
+        # by the scheduler only for a decoding sequence), and the acceptance record (None: no speculation).
+        self.spec_token_ids: list[int] = []
+        self.speculative: SpeculativeStats | None = None
         self._generators: dict[str, torch.Generator] = {}
 
     # ---- blocks -------------------------------------------------------------
@@ -254,7 +259,7 @@ class Sequence:
             self.cumulative_logprob if lps is not None else None,
         )
         return _SnapshotRequestOutput.snapshot(self.request_id, self.prompt, self.prompt_token_ids, [comp], finished,
-                                               self.num_cached_prompt_tokens, self.prompt_logprobs)
+                                               self.num_cached_prompt_tokens, self.prompt_logprobs, self.speculative)
 
     def __repr__(self) -> str:
         return (

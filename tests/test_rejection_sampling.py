@@ -1,0 +1,109 @@
+"""Verification functions (kvforge/speculative/verify.py) on their own.
+
+Rejection sampling: the first emitted token must be distributed as the target distribution ``p``
+whatever the proposal distribution ``q``. Checked with a chi-square goodness-of-fit test of N draws
+(one fixed seed per draw, so the test is deterministic) against ``p`` itself, the independent
+reference. Threshold: the test fails when p-value < 1e-3. The same test applied to a biased
+acceptance rule (always accept the proposal) must reject, which shows the test has the power to fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.speculative.verify import accept_greedy, rejection_sample, verify_proposals
+
+P_VALUE_THRESHOLD = 1e-3
+N = 6000
+TARGET = torch.tensor([0.30, 0.05, 0.25, 0.15, 0.20, 0.05])
+PROPOSAL = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.05, 0.10])
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Upper tail of the chi-square statistic of ``counts`` against ``probs`` (df = bins - 1)."""
+    expected = probs.double() * counts.sum()
+    stat = ((counts.double() - expected) ** 2 / expected).sum()
+    df = probs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def first_tokens(draw) -> torch.Tensor:
+    counts = torch.zeros(TARGET.numel(), dtype=torch.long)
+    for seed in range(N):
+        g = torch.Generator().manual_seed(seed)
+        counts[draw(g)] += 1
+    return counts
+
+
+def test_distribution_proposals_keep_the_target_distribution():
+    second = torch.tensor([0.1, 0.1, 0.2, 0.2, 0.2, 0.2])
+    target = torch.stack([TARGET, second, second])
+
+    def draw(g):
+        proposals = torch.multinomial(PROPOSAL, 2, replacement=True, generator=g).tolist()
+        return rejection_sample(target, proposals, torch.stack([PROPOSAL, PROPOSAL]), g)[0]
+
+    assert chi_square_p_value(first_tokens(draw), TARGET) > P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("proposal", [0, 1, 3])
+def test_point_mass_proposals_keep_the_target_distribution(proposal):
+    # An n-gram proposal is a fixed token: q is a point mass on it.
+    target = torch.stack([TARGET, TARGET])
+    assert chi_square_p_value(first_tokens(lambda g: rejection_sample(target, [proposal], None, g)[0]),
+                              TARGET) > P_VALUE_THRESHOLD
+
+
+def test_no_proposals_samples_the_target():
+    assert chi_square_p_value(first_tokens(lambda g: rejection_sample(TARGET[None], [], None, g)[0]),
+                              TARGET) > P_VALUE_THRESHOLD
+
+
+def test_the_chi_square_test_rejects_a_biased_rule():
+    def always_accept(g):
+        return int(torch.multinomial(PROPOSAL, 1, generator=g))
+
+    assert chi_square_p_value(first_tokens(always_accept), TARGET) < P_VALUE_THRESHOLD
+
+
+def test_second_token_after_acceptance_follows_its_row():
+    # Given the first proposal was accepted, the next emitted token is distributed as row 1.
+    row1 = torch.tensor([0.05, 0.05, 0.1, 0.5, 0.2, 0.1])
+    target = torch.stack([torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), row1])  # proposal 2 always accepted
+    counts = first_tokens(lambda g: rejection_sample(target, [2], None, g)[1])
+    assert chi_square_p_value(counts, row1) > P_VALUE_THRESHOLD
+
+
+def test_certain_and_impossible_proposals():
+    g = torch.Generator().manual_seed(0)
+    certain = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    assert rejection_sample(certain, [1, 2], None, g) == [1, 2, 0]
+    assert rejection_sample(certain, [0, 2], None, g) == [1]  # p(0) = 0: rejected, residual is all on 1
+
+
+def test_accept_greedy():
+    assert accept_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all accepted + the bonus token
+    assert accept_greedy([4, 9, 6, 7], [4, 5, 6]) == [4, 9]
+    assert accept_greedy([1, 5, 6, 7], [4, 5, 6]) == [1]
+    assert accept_greedy([3], []) == [3]
+
+
+def test_verify_proposals_rows_and_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10)
+    argmax = logits.argmax(-1).tolist()
+    greedy = SamplingParams(temperature=0, logprobs=1)
+    # Sequence 0: two proposals, the first right and the second wrong; sequence 1: none; sequence 2: one, right.
+    proposals = [[argmax[0], (argmax[1] + 1) % 10], [], [argmax[4]]]
+    out = verify_proposals(logits, [greedy, SamplingParams(temperature=0), greedy], [None] * 3, proposals)
+    assert out.tokens == [[argmax[0], argmax[1]], [argmax[3]], [argmax[4], argmax[5]]]
+    assert out.num_accepted == [1, 0, 1]
+    lp = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] == [None]
+    for seq, rows in ((0, [0, 1]), (2, [4, 5])):
+        for entry, r in zip(out.logprobs[seq], rows):
+            assert entry == pytest.approx({argmax[r]: float(lp[r, argmax[r]])}, abs=1e-6)
+    with pytest.raises(ValueError, match="need 6 logits rows"):
+        verify_proposals(logits[:5], [greedy] * 3, [None] * 3, proposals)
