@@ -54,7 +54,7 @@ def test_a_long_prompt_runs_in_threshold_chunks_next_to_a_decoding_stream(server
 
     def stream():
         req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({
-            "prompt": [1, 2, 3, 4, 5], "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+            "prompt": [1, 2, 3, 4, 5], "max_tokens": 64, "ignore_eos": True, "temperature": 0,
             "stream": True}).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req) as r:
             for line in r:
