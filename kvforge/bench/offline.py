@@ -4,7 +4,8 @@ Requests have input and output lengths drawn uniformly from the given ranges
 (seeded; the same lengths in every repetition, fresh random token ids each
 time so the prefix cache cannot help), ignore_eos, greedy. Reports requests/s,
 output and total tokens/s (each repetition and the median), the engine's own
-counters, and on CUDA a memory roofline:
+counters (with speculative decoding: acceptance rate and mean accepted length per run and over all
+runs, ``spec_decode``), and on CUDA a memory roofline:
 
 * decode floor: for every decode step of this exact workload (all requests
   admitted together, request ``r`` decoding for ``out_r`` steps), the bytes the
@@ -56,6 +57,7 @@ from kvforge.bench.roofline import (
     roofline,
     step_weight_bytes,
 )
+from kvforge.speculative.stats import spec_decode_summary
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
@@ -231,8 +233,14 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
            "steps": after["num_steps"] - before["num_steps"],
            "graph_steps": after["graph_steps"] - before["graph_steps"],
            "num_preemptions": after["num_preemptions"] - before["num_preemptions"]}
+    spec = spec_decode_summary(before.get("spec_decode"), after.get("spec_decode"))
+    accepted = ""
+    if spec is not None:
+        run["spec_decode"] = spec
+        accepted = (f", acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
+                    f"{spec['mean_accepted_length']:.2f}")
     print(f"{label}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
-          f"{run['steps']} steps ({run['graph_steps']} graph)", flush=True)
+          f"{run['steps']} steps ({run['graph_steps']} graph){accepted}", flush=True)
     return run
 
 
@@ -280,11 +288,17 @@ def offline_main(args: argparse.Namespace) -> int:
         "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": engine.stats(), "device": str(engine.device),
         "startup_seconds": startup, "enforce_eager": engine.args.enforce_eager,
         "async_scheduling": engine.async_scheduling,
+        "speculative_config": asdict(engine.speculative) if engine.speculative is not None else None,
         "versions": {"torch": torch.__version__},
     }
     # Back-compat top-level keys (first consumers read these).
     result.update({"seconds": med["seconds"], "requests_per_s": med["requests_per_s"],
                    "output_tokens_per_s": med["output_tokens_per_s"], "total_tokens_per_s": med["total_tokens_per_s"]})
+    if engine.speculative is not None:  # over the timed runs together
+        spec = [r["spec_decode"] for r in runs]
+        total = {k: sum(x[k] for x in spec) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        total["accepted_per_pos"] = [sum(col) for col in zip(*(x["accepted_per_pos"] for x in spec))]
+        result["spec_decode"] = spec_decode_summary(None, total)
     if engine.device.type == "cuda":
         import triton
 

@@ -54,3 +54,18 @@ class SpecDecodeCounters:
         """The ``engine.stats()["spec_decode"]`` entry."""
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos)}
+
+
+def spec_decode_summary(before: dict | None, after: dict | None) -> dict | None:
+    """The counters of ``engine.stats()["spec_decode"]`` between two snapshots, with the acceptance rate
+    (accepted / proposed) and the mean accepted length (1 + accepted per verification step); None when
+    the engine does not speculate."""
+    if after is None:
+        return None
+    before = before or {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                        "accepted_per_pos": [0] * len(after["accepted_per_pos"])}
+    d = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], before["accepted_per_pos"])]
+    d["acceptance_rate"] = d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0
+    d["mean_accepted_length"] = 1.0 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0
+    return d
