@@ -392,7 +392,7 @@ class LLMEngine:
                     rows.append(offset - 1)
                 sampled_seqs.append(seq)
                 if proposals is not None:
-                    proposals.append(s.spec_token_ids)
+                    proposals.append(list(s.spec_token_ids))
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
         if self.state_slots is not None:  # ring and linear-attention models (synchronous only)

@@ -67,7 +67,7 @@ class ScheduledSequence:
     num_new_tokens: int
     start_pos: int
     do_sample: bool
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] | tuple[()] = ()  # a shared empty tuple: no list built per step and sequence
 
     @property
     def request_id(self) -> str:
@@ -292,9 +292,10 @@ class Scheduler:
                         i += 1
                         continue
                     n = room
-            spec = self._proposals_to_verify(seq, n, budget) if seq.spec_token_ids else []
+            spec = self._proposals_to_verify(seq, n, budget) if seq.spec_token_ids else ()
+            m = n + len(spec) if spec else n  # with the proposals
             self_preempted = False
-            while not bm.append_slots(seq, n + len(spec)):
+            while not bm.append_slots(seq, m):
                 victim = self.running.pop()  # last in schedule order; index >= i, so not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -304,14 +305,14 @@ class Scheduler:
             if self_preempted:
                 break
             start = seq.num_computed_tokens
-            out.scheduled.append(ScheduledSequence(seq, n + len(spec), start,
-                                                   start + n == seq.num_tokens + seq.num_pending, spec))
-            budget -= n + len(spec)
+            out.scheduled.append(ScheduledSequence(seq, m, start, start + n == seq.num_tokens + seq.num_pending,
+                                                   spec))
+            budget -= m
             if is_prefill:
                 prefill_room -= n
                 out.num_prefill_tokens += n
             else:
-                out.num_decode_tokens += n + len(spec)
+                out.num_decode_tokens += m
             i += 1
 
         if not out.preempted:
@@ -347,16 +348,16 @@ class Scheduler:
         out.blocks_to_copy = bm.take_copies()
         return out
 
-    def _proposals_to_verify(self, seq: Sequence, n: int, budget: int) -> list[int]:
+    def _proposals_to_verify(self, seq: Sequence, n: int, budget: int) -> list[int] | tuple[()]:
         """The leading proposals of a decoding sequence (``n == 1``) this step verifies: as many as the token
         budget and the length limits leave room for (every accepted proposal plus the target's token must
         fit within ``max_tokens`` and ``max_model_len``)."""
         if n != 1 or seq.num_pending:
-            return []
+            return ()
         room = min(budget, self.max_model_len - seq.num_tokens) - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-        return seq.spec_token_ids[:room] if room > 0 else []
+        return seq.spec_token_ids[:room] if room > 0 else ()
 
     def next_step_may_preempt(self) -> bool:
         """True when the running sequences' next chunks (in schedule order, within the token budget)
