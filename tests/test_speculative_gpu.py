@@ -1,0 +1,66 @@
+"""Speculative decoding on CUDA: the Triton paged and MLA backends take the verify step's 1 + k query
+rows (eagerly; one-token decode steps still replay CUDA graphs), bf16 and fp8 KV.
+
+Reference: the same engine with speculation off, asked for logprobs so greedy tokens are compared by
+the near-tie rule of tests/greedy_agreement.py (bf16 weights: the verify step's batch shape changes
+the summation order, which can flip a near-tie). Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from greedy_agreement import assert_outputs_agree
+
+transformers = pytest.importorskip("transformers")
+
+from kvforge import LLM, SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=256, vocab_size=256, max_position_embeddings=2048,
+             rms_norm_eps=1e-5, torch_dtype="bfloat16")
+DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                intermediate_size=192, moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=1,
+                num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=64, qk_rope_head_dim=16,
+                qk_nope_head_dim=32, v_head_dim=32, vocab_size=256, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                torch_dtype="bfloat16")
+PROMPTS = [[5, 6, 7, 8] * 8, [9, 9, 3] * 10, list(range(40, 140)), [1, 2, 3, 4, 5] * 40]
+PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+
+
+def _run(path, **kw):
+    llm = LLM(path, load_format="dummy", skip_tokenizer_init=True, kv_cache_memory=1 << 28, progress=False,
+              device="cuda", max_num_seqs=8, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return llm, outs
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_agrees_with_speculation_off(tmp_path, model, kv, k):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA if model == "llama" else DEEPSEEK))
+    _, ref = _run(str(tmp_path), kv_cache_dtype=kv)
+    llm, outs = _run(str(tmp_path), kv_cache_dtype=kv, num_speculative_tokens=k)
+    assert_outputs_agree(outs, ref, tol=0.05)  # bf16 logits
+    stats = llm.engine.stats()
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0
+    assert stats["async_scheduling"] is False  # speculation runs the synchronous loop
+    assert stats["eager_steps"] > 0  # the verify steps
+
+
+def test_embedded_model_repeats_a_paragraph_faster_in_steps():
+    text = "The quick brown fox jumps over the lazy dog. The early bird catches the worm. A stitch in time saves nine."
+    prompt = f"Repeat this text exactly: {text}\nRepeated: {text}\nRepeated:"
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
+    ref = LLM(device="cuda", progress=False).generate([prompt], params, use_tqdm=False)
+    llm = LLM(device="cuda", progress=False, num_speculative_tokens=4)
+    outs = llm.generate([prompt], params, use_tqdm=False)
+    assert_outputs_agree(outs, ref, tol=0.05)
+    assert outs[0].speculative.acceptance_rate > 0.3
+    assert llm.engine.stats()["num_steps"] < 64
