@@ -271,3 +271,21 @@ def test_ring_model(tmp_path, k):
 
 def test_ngram_proposer_is_the_default():
     assert isinstance(embedded(num_speculative_tokens=2).engine.proposer, NgramProposer)
+
+
+@pytest.mark.parametrize("case", ["gemma3", "gpt-oss"])
+def test_sliding_window_models(tmp_path, case):
+    """Sliding-window groups free blocks that leave the window while proposals come and go; block size 4
+    and a 16-token window make that happen every few steps."""
+    from tiny_checkpoints import make_checkpoint
+
+    make_checkpoint(case, tmp_path)
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False,
+              device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = token_ids(generate(LLM(str(tmp_path), **kw), TINY_PROMPTS, params))
+    # Unigram matches too: these random models repeat their context less than the others.
+    on = LLM(str(tmp_path), speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}, **kw)
+    assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
+    assert on.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
+

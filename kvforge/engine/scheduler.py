@@ -296,6 +296,9 @@ class Scheduler:
             m = n + len(spec) if spec else n  # with the proposals
             self_preempted = False
             while not bm.append_slots(seq, m):
+                if spec:  # never preempt a request to make room for proposals: verify none this step
+                    spec, m = (), n
+                    continue
                 victim = self.running.pop()  # last in schedule order; index >= i, so not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
