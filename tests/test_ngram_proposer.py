@@ -31,10 +31,10 @@ def test_examples():
     assert ngram_proposal(np.array([4]), 3, 1, 3) == []
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(60))
 def test_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 4, size=int(rng.integers(1, 60))).tolist()
+    tokens = rng.integers(0, 2 + seed % 5, size=int(rng.integers(1, 80))).tolist()
     k, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 3))
     max_n = min_n + int(rng.integers(0, 4))
     assert ngram_proposal(np.array(tokens, dtype=np.int64), k, min_n, max_n) == brute_force(tokens, k, min_n, max_n)
@@ -44,3 +44,16 @@ def test_proposer_reads_prompt_and_output():
     seq = Sequence("a", [3, 4, 5, 6, 3])
     seq.append_token(4)
     assert NgramProposer(2, 1, 3).propose([seq, Sequence("b", [1, 2])]) == [[5, 6], []]
+
+
+def test_buffers_follow_growing_sequences():
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(3, 1, 4)
+    seqs = [Sequence(str(i), rng.integers(0, 3, size=5).tolist()) for i in range(3)]
+    for step in range(40):
+        for seq in seqs:
+            seq.append_token(int(rng.integers(0, 3)))
+        live = seqs[step % 2:]  # a sequence missing from a call is rebuilt when it comes back
+        assert proposer.propose(live) == [brute_force(s.all_token_ids, 3, 1, 4) for s in live]
+    replaced = Sequence("0", [7, 8, 7])  # a new sequence under a known request id
+    assert proposer.propose([replaced]) == [[8, 7]]
