@@ -64,3 +64,21 @@ def test_bench_offline_reports_acceptance(tiny, tmp_path, capsys):
     assert total["num_accepted_tokens"] == sum(r["num_accepted_tokens"] for r in runs)
     assert 0.0 <= total["acceptance_rate"] <= 1.0 and total["mean_accepted_length"] >= 1.0
     assert "acceptance" in capsys.readouterr().out
+
+
+def test_bench_serve_reads_acceptance_from_the_server_counters():
+    from kvforge.bench.serve_bench import _metrics_delta
+
+    def scrape(drafts, proposed, accepted):
+        m = 'model_name="m"'
+        return {f"kvforge:spec_decode_num_drafts_total{{{m}}}": drafts,
+                f"kvforge:spec_decode_num_draft_tokens_total{{{m}}}": proposed,
+                f"kvforge:spec_decode_num_accepted_tokens_total{{{m}}}": accepted,
+                f"kvforge:generation_tokens_total{{{m}}}": 0.0}
+
+    delta = _metrics_delta(scrape(10, 30, 12), scrape(30, 90, 52))
+    assert delta["kvforge:spec_decode_num_draft_tokens_total"] == 60
+    assert delta["spec_decode_acceptance_rate"] == pytest.approx(40 / 60)
+    assert delta["spec_decode_mean_accepted_length"] == pytest.approx(1 + 40 / 20)
+    plain = {'kvforge:generation_tokens_total{model_name="m"}': 1.0}
+    assert "spec_decode_acceptance_rate" not in _metrics_delta(plain, plain)

@@ -381,7 +381,17 @@ def _metrics_delta(before, after) -> dict | None:
                  "kvforge:generation_tokens_total", "kvforge:num_preemptions_total",
                  "kvforge:prefix_cache_hits_total", "kvforge:prefix_cache_queries_total"):
         out[name] = metric_sum(after, name) - metric_sum(before, name)
+    drafts, proposed, accepted = SPEC_DECODE_COUNTERS
+    if any(key.split("{", 1)[0] == proposed for key in after):  # the server speculates
+        for name in SPEC_DECODE_COUNTERS:
+            out[name] = metric_sum(after, name) - metric_sum(before, name)
+        out["spec_decode_acceptance_rate"] = out[accepted] / out[proposed] if out[proposed] else 0.0
+        out["spec_decode_mean_accepted_length"] = 1.0 + out[accepted] / out[drafts] if out[drafts] else 1.0
     return out
+
+
+SPEC_DECODE_COUNTERS = ("kvforge:spec_decode_num_drafts_total", "kvforge:spec_decode_num_draft_tokens_total",
+                        "kvforge:spec_decode_num_accepted_tokens_total")
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
@@ -513,6 +523,10 @@ def format_report(report: dict) -> str:
         if most:
             lines.append(f"gaps >= ITL p99: at most {max(most)} prefill tokens and "
                          f"{max(t['max_steps'] for t in tails if t['max_steps'] is not None)} step(s) behind one")
+    delta = report.get("server_metrics_delta") or {}
+    if "spec_decode_acceptance_rate" in delta:
+        lines.append(f"speculative decoding: acceptance {delta['spec_decode_acceptance_rate']:.1%}, mean accepted "
+                     f"length {delta['spec_decode_mean_accepted_length']:.2f} (server counters over the timed runs)")
     t = report["totals"]
     lines.append(f"totals (incl. warm-up): {t['requests_succeeded']}/{t['requests_sent']} ok, "
                  f"{t['prompt_tokens']} prompt + {t['output_tokens']} output tokens")
