@@ -104,7 +104,10 @@ def generate_main(args: argparse.Namespace) -> int:
         comp = out.outputs[0]
         text = comp.text if isinstance(prompt, str) else f"{comp.text!r} = token ids {list(comp.token_ids)}"
         print(f"\n>>> {_shown(prompt)}\n{text}")
-        print(f"[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}]")
+        spec = out.speculative
+        accepted = (f", {spec.acceptance_rate:.0%} of proposals accepted, {spec.mean_accepted_length:.2f} tokens "
+                    f"per step" if spec is not None and spec.num_drafts else "")
+        print(f"[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}{accepted}]")
     print(f"\ngenerated {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s) with {llm.plan.kv_cache_dtype} KV")
     if args.compare_kv_dtype:
         if args.temperature != 0:
