@@ -2,8 +2,10 @@
 rows (eagerly; one-token decode steps still replay CUDA graphs), bf16 and fp8 KV.
 
 Reference: the same engine with speculation off, asked for logprobs so greedy tokens are compared by
-the near-tie rule of tests/greedy_agreement.py (bf16 weights: the verify step's batch shape changes
-the summation order, which can flip a near-tie). Skipped without CUDA.
+the near-tie rule of tests/greedy_agreement.py: the verify step's batch shape changes the summation
+order, which can flip a near-tie. Tolerance as tests/test_engine_gpu.py: FP32_LOGIT_TOL in float32;
+in bfloat16, 8 bf16 steps at the largest |logit| (2^-5 of it; 4x that with an fp8 KV cache). Skipped
+without CUDA.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 
 import pytest
 import torch
-from greedy_agreement import assert_outputs_agree
+from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,14 +42,21 @@ def _run(path, **kw):
     return llm, outs
 
 
+def _tolerance(llm, dtype: str, kv: str) -> float:
+    if dtype == "float32":
+        return FP32_LOGIT_TOL
+    scale = max(1.0, llm.engine.compute_prompt_logits(PROMPTS[-1]).abs().max().item())
+    return scale * 2.0**-5 * (4 if kv == "fp8" else 1)
+
+
 @pytest.mark.parametrize("model", ["llama", "deepseek"])
-@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "fp8")])
 @pytest.mark.parametrize("k", [2, 5])
-def test_greedy_agrees_with_speculation_off(tmp_path, model, kv, k):
+def test_greedy_agrees_with_speculation_off(tmp_path, model, dtype, kv, k):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA if model == "llama" else DEEPSEEK))
-    _, ref = _run(str(tmp_path), kv_cache_dtype=kv)
-    llm, outs = _run(str(tmp_path), kv_cache_dtype=kv, num_speculative_tokens=k)
-    assert_outputs_agree(outs, ref, tol=0.05)  # bf16 logits
+    off, ref = _run(str(tmp_path), dtype=dtype, kv_cache_dtype=kv)
+    llm, outs = _run(str(tmp_path), dtype=dtype, kv_cache_dtype=kv, num_speculative_tokens=k)
+    assert_outputs_agree(outs, ref, _tolerance(off, dtype, kv))
     stats = llm.engine.stats()
     assert stats["spec_decode"]["num_accepted_tokens"] > 0
     assert stats["async_scheduling"] is False  # speculation runs the synchronous loop
@@ -58,9 +67,10 @@ def test_embedded_model_repeats_a_paragraph_faster_in_steps():
     text = "The quick brown fox jumps over the lazy dog. The early bird catches the worm. A stitch in time saves nine."
     prompt = f"Repeat this text exactly: {text}\nRepeated: {text}\nRepeated:"
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
-    ref = LLM(device="cuda", progress=False).generate([prompt], params, use_tqdm=False)
-    llm = LLM(device="cuda", progress=False, num_speculative_tokens=4)
+    off = LLM(device="cuda", progress=False, dtype="float32")
+    ref = off.generate([prompt], params, use_tqdm=False)
+    llm = LLM(device="cuda", progress=False, dtype="float32", num_speculative_tokens=4)
     outs = llm.generate([prompt], params, use_tqdm=False)
-    assert_outputs_agree(outs, ref, tol=0.05)
+    assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
     assert outs[0].speculative.acceptance_rate > 0.3
     assert llm.engine.stats()["num_steps"] < 64
