@@ -237,6 +237,7 @@ def test_ring_model(tmp_path, k):
     R = RING["ring_rows"] + k
     pool = on.engine.pool
     assert on.engine.runner.ring_rows == R
+    pool.buffer.fill_(0xAB)  # a sentinel: ring bytes past the R rows must keep it
     captured, original = {}, StateSlots.release
 
     def spy(self, request_id):
@@ -253,6 +254,10 @@ def test_ring_model(tmp_path, k):
     assert token_ids(outs) == ref
     assert on.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
     model, rb = on.engine.model, RING["ring_row_bytes"]
+    attention_bytes = pool.num_blocks * on.plan.group_size * pool.page_bytes
+    rings = pool.buffer[attention_bytes:].view(len(pool.ring_pages), pool.state_slots, -1)
+    assert bool((rings[:, :, R * rb:] == 0xAB).all()), "a ring write went past its R rows"
+    assert bool((rings[:, :, (R - 1) * rb:R * rb] != 0xAB).any()), "the plan's speculative rows were never used"
     for out in outs:
         tokens = out.prompt_token_ids + out.outputs[0].token_ids[:-1]
         seen = {}
