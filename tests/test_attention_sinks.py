@@ -57,14 +57,14 @@ def _oracle(q, k, v, ctx, scale, window, sinks):
     return out
 
 
-def _case(hkv, group, block_size, cache_dtype, seed):
+def _case(hkv, group, block_size, cache_dtype, seed, seqs=SEQS):
     g = torch.Generator().manual_seed(seed)
     d = 16
     hq = hkv * group
-    lens = [c + n for c, n in SEQS]
+    lens = [c + n for c, n in seqs]
     nblocks = [-(-n // block_size) for n in lens]
     perm = torch.randperm(sum(nblocks) + 3, generator=g).tolist()
-    tables = torch.full((len(SEQS), max(nblocks) + 1), 1 << 30, dtype=torch.int32)
+    tables = torch.full((len(seqs), max(nblocks) + 1), 1 << 30, dtype=torch.int32)
     cur = 0
     for i, nb in enumerate(nblocks):
         tables[i, :nb] = torch.tensor(perm[cur:cur + nb], dtype=torch.int32)
@@ -72,18 +72,18 @@ def _case(hkv, group, block_size, cache_dtype, seed):
     cache = torch.full((len(perm), 2, hkv, block_size, d), float("nan")).to(cache_dtype)
     ks = [torch.randn(n, hkv, d, generator=g) for n in lens]
     vs = [torch.randn(n, hkv, d, generator=g) for n in lens]
-    qs = [torch.randn(n, hq, d, generator=g) for _, n in SEQS]
+    qs = [torch.randn(n, hq, d, generator=g) for _, n in seqs]
     slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size
                           for i, n in enumerate(lens) for p in range(n)], dtype=torch.int64)
     one = torch.ones(hkv)
     write_kv_cache(torch.cat(ks), torch.cat(vs), cache, slots, one, one)
     qsl = [0]
-    for _, n in SEQS:
+    for _, n in seqs:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=tables, slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
-        max_query_len=max(n for _, n in SEQS), max_seq_len=max(lens), block_size=block_size,
+        max_query_len=max(n for _, n in seqs), max_seq_len=max(lens), block_size=block_size,
     )
     stored = [(k.to(cache_dtype).double(), v.to(cache_dtype).double()) for k, v in zip(ks, vs)]
     return torch.cat(qs), cache, meta, qs, stored, qsl
@@ -105,6 +105,22 @@ def test_sinks_and_window_match_float64_formula(window, hkv, group, cache_dtype)
     # The sinks change the result (the test above would notice them missing).
     plain = paged_attention(q, cache, meta, None, None, scale, sliding_window=window)
     assert (plain - got).abs().max().item() > 1e-2
+
+
+# Decode steps (one new token per sequence): one sequence, equal lengths (no mask), unequal lengths (masked).
+DECODE_STEPS = [[(40, 1)], [(29, 1), (29, 1), (29, 1)], [(0, 1), (20, 1), (47, 1), (8, 1)]]
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 16])
+@pytest.mark.parametrize("seqs", DECODE_STEPS, ids=["one", "equal", "unequal"])
+def test_sinks_and_window_in_decode_steps(window, seqs):
+    q, cache, meta, qs, stored, qsl = _case(2, 3, 8, torch.float32, seed=len(seqs), seqs=seqs)
+    sinks = torch.linspace(-3.0, 4.0, 6)
+    got = paged_attention(q, cache, meta, None, None, 0.25, sliding_window=window, sinks=sinks)
+    for i, (c, _) in enumerate(seqs):
+        want = _oracle(qs[i].double(), *stored[i], c, 0.25, window, sinks.double())
+        err = (got[qsl[i]:qsl[i + 1]].double() - want).abs()
+        assert bool((err <= 2e-5 + 2e-4 * want.abs()).all()), f"seq {i}: max err {err.max().item():.3g}"
 
 
 def test_very_negative_sinks_are_plain_softmax():

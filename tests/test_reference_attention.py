@@ -246,6 +246,22 @@ def test_decode_batch_16_matches():
     _check(case, sm)
 
 
+# Decode steps (one new token per sequence): one sequence and equal lengths take the unmasked exact key
+# range, unequal lengths the masked one; lengths at and around block edges.
+DECODE_STEPS = [[(40, 1)], [(15, 1)], [(31, 1), (31, 1), (31, 1)], [(0, 1), (14, 1), (15, 1), (16, 1), (99, 1)]]
+
+
+@pytest.mark.parametrize("window", [None, 1, 9, 16, 40])
+@pytest.mark.parametrize("seqs", DECODE_STEPS, ids=["one", "one-edge", "equal", "unequal"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, E4M3], ids=str)
+def test_decode_steps(seqs, window, cache_dtype):
+    case, sm = _build(seqs, cache_dtype=cache_dtype, window=window, scale_scheme="per_head", seed=len(seqs),
+                      pad_tokens=0)
+    _check(case, sm, window=window)
+    padded, _ = _build(seqs, cache_dtype=cache_dtype, window=window, scale_scheme="per_head", seed=len(seqs))
+    _check(padded, sm, window=window)
+
+
 def test_paths_agree(monkeypatch):
     """Force every sequence through the batched path, then through the per-sequence chunked path."""
     case, sm = _build(MIXED, cache_dtype=E5M2, scale_scheme="per_head", seed=21)

@@ -22,7 +22,9 @@ Shapes: ``q [num_tokens, Hq, D]``, ``k``/``v [num_tokens, Hkv, D]``,
 head ``h // (Hq // Hkv)``. Tokens past ``query_start_loc[-1]`` (padding) get a
 zero output row, so ``out`` is always fully written.
 
-Speed: sequences with short queries (decode, speculative verification; query
+Speed: a decode step (one new token in every sequence) runs as one batched product with no padded
+query rows, and without any mask where every sequence sees the same key range (one sequence, or equal
+lengths). Otherwise sequences with short queries (decode, speculative verification; query
 length <= :data:`BATCHED_QUERY_LEN`) run as one batched computation over all of
 them, with their blocks gathered and padded to the longest context and masked.
 Longer queries (prefill chunks) run per sequence, in query-row chunks sized so
@@ -97,25 +99,30 @@ def write_kv_cache(
         raise ValueError(f"k/v must be [num_tokens, {hkv}, {head_dim}], got {tuple(k.shape)}/{tuple(v.shape)}")
     if n == 0:
         return
-    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64)
-    valid = slots >= 0
-    idx = torch.nonzero(valid, as_tuple=True)[0]
-    if idx.numel() == 0:
-        return
-    slots = slots[idx]
-    if int(slots.max()) >= num_blocks * block_size:
-        raise IndexError(f"slot {int(slots.max())} out of range for {num_blocks} blocks of {block_size}")
+    slots = slot_mapping[:n].to(device=kv_cache.device, dtype=torch.int64)
+    lo, hi = (int(x) for x in torch.aminmax(slots))
+    idx = None
+    if lo < 0:  # skipped tokens (padding): keep the others
+        idx = torch.nonzero(slots >= 0, as_tuple=True)[0]
+        if idx.numel() == 0:
+            return
+        slots = slots[idx]
+        hi = int(slots.max())
+    if hi >= num_blocks * block_size:
+        raise IndexError(f"slot {hi} out of range for {num_blocks} blocks of {block_size}")
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
     dtype = kv_cache.dtype
-    ks = as_head_scales(k_scale, hkv, kv_cache.device)
-    vs = as_head_scales(v_scale, hkv, kv_cache.device)
-    kq = _storage_view(_to_storage(k[:n].to(kv_cache.device)[idx], ks, dtype))
-    vq = _storage_view(_to_storage(v[:n].to(kv_cache.device)[idx], vs, dtype))
+    k, v = k[:n].to(kv_cache.device), v[:n].to(kv_cache.device)
+    if idx is not None:
+        k, v = k[idx], v[idx]
+    if is_fp8(dtype):
+        k = _to_storage(k, as_head_scales(k_scale, hkv, kv_cache.device), dtype)
+        v = _to_storage(v, as_head_scales(v_scale, hkv, kv_cache.device), dtype)
     cache = _storage_view(kv_cache)
     # Advanced indices on dims 0 and 3, separated by slices: the indexed view is [n, Hkv, D].
-    cache[blocks, 0, :, offsets] = kq
-    cache[blocks, 1, :, offsets] = vq
+    cache[blocks, 0, :, offsets] = _storage_view(k.to(dtype))
+    cache[blocks, 1, :, offsets] = _storage_view(v.to(dtype))
 
 
 def _widen_bits(raw: torch.Tensor, dtype: torch.dtype, native: bool | None = None) -> tuple[torch.Tensor, float]:
@@ -155,17 +162,12 @@ def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tens
     """
     bsz, nb = blocks.shape
     _, _, hkv, bs, d = kv_cache.shape
-    flat = blocks.reshape(-1)
-    store = _storage_view(kv_cache)
-    res = []
-    factor = 1.0
-    for which in (0, 1):
-        g = store[:, which].index_select(0, flat)  # [B*nb, Hkv, bs, D], contiguous
-        g, factor = _widen_bits(g, kv_cache.dtype)
-        x = torch.empty(bsz, hkv, nb, bs, d, dtype=torch.float32, device=kv_cache.device)
-        x.copy_(g.view(bsz, nb, hkv, bs, d).permute(0, 2, 1, 3, 4))  # widen + reorder in one pass
-        res.append(x.view(bsz, hkv, nb * bs, d))
-    return res[0], res[1], factor
+    g = _storage_view(kv_cache).index_select(0, blocks.reshape(-1))  # [B*nb, 2, Hkv, bs, D], K and V at once
+    g, factor = _widen_bits(g, kv_cache.dtype)
+    x = torch.empty(2, bsz, hkv, nb, bs, d, dtype=torch.float32, device=kv_cache.device)
+    x.copy_(g.view(bsz, nb, 2, hkv, bs, d).permute(2, 0, 3, 1, 4, 5))  # widen + reorder in one pass
+    x = x.view(2, bsz, hkv, nb * bs, d)
+    return x[0], x[1], factor
 
 
 def _attend(
@@ -173,20 +175,20 @@ def _attend(
     k: torch.Tensor,
     v: torch.Tensor,
     allowed: torch.Tensor,
-    qk_scale: torch.Tensor,
-    v_scale: torch.Tensor,
+    qk_scale: torch.Tensor | float,
+    v_scale: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked softmax attention in float32.
 
     ``q [B, Hkv, G, Lq, D]``, ``k``/``v [B, Hkv, Lk, D]`` (raw, unscaled, float32; ``v``
     is modified in place), ``allowed [B, Lq, Lk]`` bool (every query row must allow at
-    least one key), ``qk_scale``/``v_scale [Hkv]``, ``sinks`` None or float32 ``[Hkv, G]``
+    least one key), ``qk_scale [Hkv]`` or one float, ``v_scale [Hkv]`` or None (1), ``sinks`` None or float32 ``[Hkv, G]``
     (one extra logit per query head in the denominator). Returns ``[B, Hkv, G, Lq, D]``.
     Masked keys never contribute, even if the cache holds NaN/inf there.
     """
     scores = torch.einsum("bhgqd,bhkd->bhgqk", q, k)
-    scores *= qk_scale.view(1, -1, 1, 1, 1)
+    scores *= _per_head(qk_scale, 5)
     scores.masked_fill_(~allowed[:, None, None], float("-inf"))
     if sinks is None:
         p = torch.softmax(scores, dim=-1)
@@ -198,7 +200,16 @@ def _attend(
     keep = torch.where(key_used, -1, 0).to(torch.int32)[:, None, :, None]
     v.view(torch.int32).bitwise_and_(keep)  # in place: v is our own gathered copy
     o = torch.einsum("bhgqk,bhkd->bhgqd", p, v)
-    return o * v_scale.view(1, -1, 1, 1, 1)
+    return o if v_scale is None else o * _per_head(v_scale, 5)
+
+
+def _per_head(scale: torch.Tensor | float, ndim: int) -> torch.Tensor | float:
+    """A ``[Hkv]`` scale shaped to broadcast over dim 1 of an ``ndim``-dim tensor; a float as is."""
+    return scale if isinstance(scale, float) else scale.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _times(scale: torch.Tensor | float | None, factor: float) -> torch.Tensor | float | None:
+    return None if scale is None else scale * factor
 
 
 def paged_attention(
@@ -246,12 +257,10 @@ def paged_attention(
         raise ValueError(f"out must be {(num_tokens, hq, head_dim)}, got {tuple(out.shape)}")
 
     if is_fp8(kv_cache.dtype):
-        ks = as_head_scales(k_scale, hkv, device)
         vs = as_head_scales(v_scale, hkv, device)
-    else:
-        ks = torch.ones(hkv, dtype=torch.float32, device=device)
-        vs = ks
-    qk_scale = ks * float(softmax_scale)
+        qk_scale = as_head_scales(k_scale, hkv, device) * float(softmax_scale)
+    else:  # model-dtype caches store unscaled values
+        vs, qk_scale = None, float(softmax_scale)
     sink_logits = None
     if sinks is not None:
         if tuple(sinks.shape) != (hq,):
@@ -270,6 +279,11 @@ def paged_attention(
         if qlens[i] < 0 or seq_lens[i] < qlens[i]:
             raise ValueError(f"sequence {i}: query_len {qlens[i]} invalid for seq_len {seq_lens[i]}")
     qf = q.to(device=device, dtype=torch.float32)
+    if num_seqs and BATCHED_QUERY_LEN >= 1 and total == num_seqs and min(qlens) == 1:
+        # Decode: one query token per sequence, row i is sequence i's.
+        _decode(qf, kv_cache, meta.block_tables.to(device), seq_lens, qk_scale, vs, group, sliding_window, out,
+                sink_logits)
+        return out
     block_tables = meta.block_tables.to(device=device, dtype=torch.int64)
 
     short = [i for i in range(num_seqs) if 0 < qlens[i] <= BATCHED_QUERY_LEN]
@@ -289,6 +303,49 @@ def _window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> 
     if window is not None:
         allowed &= kpos > qpos - window
     return allowed
+
+
+def _decode(qf, kv_cache, block_tables, seq_lens, qk_scale, vs, group, window, out, sinks):
+    """Every sequence brings one query token, row i of ``qf`` being sequence i's: one batched product over
+    the blocks holding any of their visible keys. Where all sequences see the same key range (one sequence,
+    or equal lengths) that range is sliced out exactly and nothing is masked; otherwise keys outside a
+    sequence's range are masked (scores to -inf, V rows zeroed bitwise as in :func:`_attend`)."""
+    device = kv_cache.device
+    _, _, hkv, bs, d = kv_cache.shape
+    b = len(seq_lens)
+    firsts = [max(0, n - window) if window is not None else 0 for n in seq_lens]  # first visible key
+    lo, hi = min(firsts), max(seq_lens)
+    first_block = lo // bs
+    nb = (hi + bs - 1) // bs - first_block
+    exact = min(seq_lens) == hi and max(firsts) == lo
+    blocks = block_tables[:b, first_block:first_block + nb]
+    if not exact:
+        lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+        bidx = torch.arange(first_block, first_block + nb, device=device)
+        # Entries past a sequence's last block are arbitrary: read block 0 there (masked).
+        blocks = torch.where(bidx[None, :] < (lens[:, None] + bs - 1) // bs, blocks, 0)
+    k, v, factor = _gather_kv(kv_cache, blocks)  # [B, Hkv, nb * bs, D]
+    if exact:
+        keys = slice(lo - first_block * bs, hi - first_block * bs)
+        k, v = k[:, :, keys], v[:, :, keys]
+    scores = torch.matmul(qf[:b].view(b, hkv, group, d), k.transpose(-1, -2))  # [B, Hkv, G, Lk]
+    scores *= _per_head(qk_scale * factor, 4)
+    if not exact:
+        kpos = first_block * bs + torch.arange(nb * bs, device=device)
+        allowed = kpos[None, :] < lens[:, None]
+        if window is not None:
+            allowed &= kpos[None, :] >= lens[:, None] - window
+        scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
+        v.view(torch.int32).bitwise_and_(torch.where(allowed, -1, 0).to(torch.int32)[:, None, :, None])
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.view(1, *sinks.shape, 1).expand(*scores.shape[:-1], 1)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    o = torch.matmul(p, v)  # [B, Hkv, G, D]
+    if vs is not None:
+        o *= _per_head(vs * factor, 4)
+    out[:b] = o.view(b, hkv * group, d)
 
 
 def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, vs, group, window, out, sinks):
@@ -329,7 +386,7 @@ def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, v
     kpos = first_block * bs + torch.arange(nb * bs, device=device)
     allowed = _window_mask(qpos[:, :, None], kpos[None, None, :], window)
     allowed &= kpos[None, None, :] < lens[:, None, None]
-    o = _attend(qb, k, v, allowed, qk_scale * factor, vs * factor, sinks)  # [B, Hkv, G, max_q, D]
+    o = _attend(qb, k, v, allowed, qk_scale * factor, _times(vs, factor), sinks)  # [B, Hkv, G, max_q, D]
     o = o.permute(0, 3, 1, 2, 4).reshape(b, max_q, hkv * group, d)
     real = j[None, :] < ql[:, None]
     out[tok[real].to(out.device)] = o[real].to(device=out.device, dtype=out.dtype)
@@ -355,6 +412,6 @@ def _one_sequence(qf, kv_cache, table, start, qlen, seq_len, qk_scale, vs, group
         allowed = _window_mask(qpos[:, None], kpos[None, :], window)[None]  # [1, n, Lk]
         n = r1 - r0
         qc = qf[start + r0:start + r1].view(n, hkv, group, d).permute(1, 2, 0, 3)[None]
-        o = _attend(qc, k, v, allowed, qk_scale * factor, vs * factor, sinks)  # [1, Hkv, G, n, D]
+        o = _attend(qc, k, v, allowed, qk_scale * factor, _times(vs, factor), sinks)  # [1, Hkv, G, n, D]
         o = o[0].permute(2, 0, 1, 3).reshape(n, hq, d)
         out[start + r0:start + r1] = o.to(device=out.device, dtype=out.dtype)
