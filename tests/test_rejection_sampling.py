@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.speculative.verify import accept_greedy, rejection_sample, verify_proposals
+from kvforge.speculative.verify import (
+    accept_greedy,
+    rejection_sample,
+    rejection_sample_batch,
+    verify_proposals,
+)
 
 P_VALUE_THRESHOLD = 1e-3
 N = 6000
@@ -107,3 +112,36 @@ def test_verify_proposals_rows_and_logprobs():
             assert entry == pytest.approx({argmax[r]: float(lp[r, argmax[r]])}, abs=1e-6)
     with pytest.raises(ValueError, match="need 6 logits rows"):
         verify_proposals(logits[:5], [greedy] * 3, [None] * 3, proposals)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_batched_sequences_each_keep_the_target_distribution(with_q):
+    """One call over many sequences with 0 .. 3 proposals each (so the rows and proposals of a sequence
+    sit at varying offsets), every sequence with its own seeded generator; for each number of proposals,
+    the first emitted tokens of those sequences follow the target."""
+    n = 4 * N // 3
+    g = torch.Generator().manual_seed(12345)
+    counts = [i % 4 for i in range(n)]
+    proposals = [torch.multinomial(PROPOSAL, k, replacement=True, generator=g).tolist() if k else []
+                 for k in counts]
+    target = torch.cat([torch.stack([TARGET] * (k + 1)) for k in counts])
+    q = torch.stack([PROPOSAL] * sum(counts)) if with_q else None
+    generators = [torch.Generator().manual_seed(seed) for seed in range(n)]
+    out = rejection_sample_batch(target, proposals, generators, q)
+    for k in range(4):
+        first = torch.tensor([o[0] for o, c in zip(out, counts) if c == k])
+        counts_k = torch.bincount(first, minlength=TARGET.numel())
+        assert chi_square_p_value(counts_k, TARGET) > P_VALUE_THRESHOLD, k
+    assert all(len(o) <= c + 1 for o, c in zip(out, counts))
+    assert all(o[:-1] == p[:len(o) - 1] for o, p in zip(out, proposals))  # accepted tokens are a prefix
+
+
+def test_seeded_sequence_without_proposals_draws_what_the_sampler_draws():
+    from kvforge.engine.sampler import Sampler
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.7, seed=s) for s in (1, 2, 3)]
+    want = Sampler().sample(logits, params, [torch.Generator().manual_seed(s) for s in (1, 2, 3)]).token_ids
+    probs = Sampler.target_probs(logits, params)
+    got = rejection_sample_batch(probs, [[], [], []], [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    assert [t[0] for t in got] == want.tolist()

@@ -37,38 +37,85 @@ def accept_greedy(target_tokens: list[int], proposals: list[int]) -> list[int]:
     return target_tokens[:a + 1]
 
 
-def _race(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Index ``i`` with probability ``weights[i] / weights.sum()`` (the sampler's exponential race)."""
-    q = torch.empty_like(weights).exponential_(generator=generator).clamp_(min=1e-20)
-    return int((weights / q).argmax())
+def _exponential(vocab: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """Exp(1) draws ``[len(generators), vocab]``: row ``i`` from ``generators[i]`` where it is set, the
+    other rows from one batched draw of the default generator (as the sampler draws them)."""
+    out = torch.empty((len(generators), vocab), dtype=torch.float32, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return out.exponential_()
+    if unseeded:
+        out[torch.tensor(unseeded, device=device)] = torch.empty(
+            (len(unseeded), vocab), dtype=torch.float32, device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i].exponential_(generator=g)
+    return out
+
+
+def rejection_sample_batch(target_probs: torch.Tensor, proposals: list[list[int]],
+                           generators: list[torch.Generator | None] | None = None,
+                           proposal_probs: torch.Tensor | None = None) -> list[list[int]]:
+    """The emitted tokens of several sequences (module docstring), with two host reads in all.
+
+    Sequence ``i`` owns ``len(proposals[i]) + 1`` consecutive rows of ``target_probs`` (float32
+    ``[rows, vocab]``, row ``j`` of it = ``p_j``). ``proposal_probs``: ``[total proposals, vocab]``, the
+    ``q`` of every proposal in order, or None for point-mass proposals. A seeded sequence's generator
+    draws its acceptance uniforms, then the Exp(1) race of its emitted token (alone, the race the
+    non-speculative sampler runs)."""
+    device = target_probs.device
+    n = len(proposals)
+    generators = generators if generators is not None else [None] * n
+    counts = [len(p) for p in proposals]
+    starts, row = [], 0
+    for k in counts:
+        starts.append(row)
+        row += k + 1
+    if target_probs.shape[0] != row:
+        raise ValueError(f"{n} sequences with {row - n} proposals need {row} target rows, got {target_probs.shape[0]}")
+    accepted = list(counts)
+    offsets = [start - i for i, start in enumerate(starts)]  # sequence i's first proposal in the flat order
+    flat = [t for p in proposals for t in p]
+    if flat:
+        tokens = torch.tensor(flat, dtype=torch.long, device=device)
+        rows = torch.tensor([starts[i] + j for i, k in enumerate(counts) for j in range(k)], device=device)
+        p = target_probs[rows, tokens]
+        q = (proposal_probs[torch.arange(len(flat), device=device), tokens] if proposal_probs is not None
+             else torch.ones_like(p))
+        u = torch.empty(len(flat), dtype=torch.float32, device=device).uniform_()  # unseeded sequences' uniforms
+        for i, (k, g) in enumerate(zip(counts, generators)):
+            if g is not None and k:
+                u[offsets[i]:offsets[i] + k].uniform_(generator=g)
+        ok = (u * q < p).tolist()  # u < p / q, without dividing by q
+        for i, k in enumerate(counts):
+            seg = ok[offsets[i]:offsets[i] + k]
+            accepted[i] = seg.index(False) if False in seg else k
+    final_rows = torch.tensor([starts[i] + accepted[i] for i in range(n)], device=device)
+    weights = target_probs[final_rows].clone()
+    rejected = [i for i in range(n) if accepted[i] < counts[i]]
+    if rejected:
+        idx = torch.tensor(rejected, device=device)
+        if proposal_probs is None:  # the residual of a point mass: p without the rejected token
+            weights[idx, torch.tensor([proposals[i][accepted[i]] for i in rejected], device=device)] = 0.0
+        else:
+            q_rows = torch.tensor([offsets[i] + accepted[i] for i in rejected], device=device)
+            weights[idx] = (weights[idx] - proposal_probs[q_rows]).clamp_(min=0.0)
+        # p == q up to rounding leaves no residual; that rejection had probability 0: keep p.
+        empty = weights.sum(dim=-1, keepdim=True) <= 0.0
+        weights = torch.where(empty, target_probs[final_rows], weights)
+    race = _exponential(weights.shape[1], generators, device).clamp_(min=1e-20)
+    emitted = (weights / race).argmax(dim=-1).tolist()
+    return [list(proposals[i][:accepted[i]]) + [emitted[i]] for i in range(n)]
 
 
 def rejection_sample(target_probs: torch.Tensor, proposals: list[int], proposal_probs: torch.Tensor | None = None,
                      generator: torch.Generator | None = None) -> list[int]:
-    """The emitted tokens for one sequence (module docstring). ``target_probs``: float32 [k + 1, vocab],
-    row ``i`` = ``p_i``; ``proposal_probs``: [k, vocab] = ``q_i``, or None for point-mass proposals."""
+    """One sequence's emitted tokens: :func:`rejection_sample_batch` with ``target_probs`` [k + 1, vocab]
+    and ``proposal_probs`` [k, vocab] (or None for point masses)."""
     k = len(proposals)
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"{k} proposals need {k + 1} target rows, got {target_probs.shape[0]}")
-    a = k
-    if k:
-        device = target_probs.device
-        idx = torch.tensor(proposals, dtype=torch.long, device=device)[:, None]
-        p = target_probs[:k].gather(1, idx).squeeze(1)
-        q = proposal_probs.gather(1, idx).squeeze(1) if proposal_probs is not None else torch.ones_like(p)
-        u = torch.rand(k, generator=generator, device=device)
-        accepted = (u * q < p).tolist()  # u < p / q, without dividing by q
-        a = accepted.index(False) if False in accepted else k
-    if a == k:
-        return proposals + [_race(target_probs[k], generator)]
-    if proposal_probs is None:
-        residual = target_probs[a].clone()
-        residual[proposals[a]] = 0.0
-    else:
-        residual = (target_probs[a] - proposal_probs[a]).clamp_(min=0.0)
-    if not float(residual.sum()) > 0.0:  # p == q up to rounding: then the rejection had probability 0
-        residual = target_probs[a]
-    return proposals[:a] + [_race(residual, generator)]
+    return rejection_sample_batch(target_probs, [list(proposals)], [generator], proposal_probs)[0]
 
 
 @dataclass
@@ -85,7 +132,7 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
                      proposals: list[list[int]]) -> VerifiedStep:
     """Verify a step: sequence ``i`` owns ``len(proposals[i]) + 1`` consecutive rows of float32 ``logits``,
     in order. Greedy rows take one argmax over the whole batch (one host read); sampled rows go through
-    :func:`rejection_sample` over :meth:`Sampler.target_probs`."""
+    :func:`rejection_sample_batch` over :meth:`Sampler.target_probs`."""
     starts, row = [], 0
     for props in proposals:
         starts.append(row)
@@ -97,22 +144,15 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
     greedy = [p.temperature == 0 for p in params]
     argmax = logits.argmax(dim=-1).tolist() if any(greedy) else None
     sampled = [i for i, g in enumerate(greedy) if not g]
-    probs_of = {}
+    tokens_of = {}
     if sampled:
         rows = [r for i in sampled for r in range(starts[i], starts[i] + len(proposals[i]) + 1)]
         row_params = [params[i] for i in sampled for _ in range(len(proposals[i]) + 1)]
         probs = Sampler.target_probs(logits[torch.tensor(rows, device=logits.device)], row_params)
-        at = 0
-        for i in sampled:
-            n = len(proposals[i]) + 1
-            probs_of[i] = probs[at:at + n]
-            at += n
-    tokens = []
-    for i, props in enumerate(proposals):
-        if greedy[i]:
-            tokens.append(accept_greedy(argmax[starts[i]:starts[i] + len(props) + 1], props))
-        else:
-            tokens.append(rejection_sample(probs_of[i], props, None, generators[i]))
+        emitted = rejection_sample_batch(probs, [proposals[i] for i in sampled], [generators[i] for i in sampled])
+        tokens_of = dict(zip(sampled, emitted))
+    tokens = [accept_greedy(argmax[starts[i]:starts[i] + len(props) + 1], props) if greedy[i] else tokens_of[i]
+              for i, props in enumerate(proposals)]
     logprobs = [[None] * len(t) for t in tokens]
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
     if asking:
