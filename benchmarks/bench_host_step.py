@@ -33,6 +33,7 @@ from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
+from kvforge.engine.step_log import StepLog
 
 
 class StubRunner:
@@ -87,6 +88,7 @@ def make_engine(args) -> LLMEngine:
     eng.runner = StubRunner(bs, args.vocab, args.seqs, args.seed)
     eng.sampler = Sampler()
     eng.generation_tokens_total = eng.num_steps = eng.prefill_tokens_computed = 0
+    eng._shut_down, eng.proposer, eng.step_log = False, None, StepLog()
     eng.async_scheduling, eng._inflight = False, None  # the synchronous loop (no device to overlap with here)
     rng = np.random.default_rng(args.seed)
     vocab_for_prompt = min(args.vocab, 32000)
