@@ -358,3 +358,44 @@ def test_kv_step_bytes_from_plans():
         per_token=oss.bytes_per_token, windowed=((128, oss.bytes_per_token),))
     assert kv.at_context(10_000) - kv.at_context(9_999) == oss.bytes_per_token
     assert kv.at_context(100) == 2 * 12 * 1024 * 100
+
+
+def test_causal_pairs_hand_counted():
+    from kvforge.bench.roofline import causal_pairs
+
+    assert causal_pairs(10) == 55  # 1 + 2 + ... + 10
+    assert causal_pairs(10, 4) == 1 + 2 + 3 + 4 + 6 * 4  # from token 4 on each query sees 4 keys
+    assert causal_pairs(3, 4) == 6  # the window is longer than the prompt
+    assert causal_pairs(10, 10) == causal_pairs(10)
+
+
+@pytest.mark.parametrize("model, tp, expected", [
+    # 32 layers x 2 x 32 heads x (128 + 128): the score and the weighted value of every head
+    ("llama-3.1-8b", 1, ((0, 32 * 2 * 32 * 256),)),
+    ("llama-3.1-8b", 2, ((0, 32 * 2 * 16 * 256),)),  # one rank's 16 heads
+    # 27 MLA layers x 2 x 16 heads x (128 nope + 64 rope + 128 v), the expanded heads
+    ("deepseek-v2-lite", 1, ((0, 27 * 2 * 16 * 320),)),
+    # 12 full and 12 sliding (window 128) layers x 2 x 64 heads x (64 + 64)
+    ("gpt-oss-20b", 1, ((0, 12 * 2 * 64 * 128), (128, 12 * 2 * 64 * 128))),
+])
+def test_prefill_attention_flops_from_plans(model, tp, expected):
+    import kvforge
+    from kvforge.bench.roofline import PrefillAttentionFlops
+    from kvforge.spec.load import load_model_spec
+
+    plan = kvforge.plan(model, device="cuda", gpu_memory=141 * 10**9, tensor_parallel_size=tp)
+    assert PrefillAttentionFlops.from_plan(load_model_spec(model), plan).per_pair == expected
+
+
+def test_prefill_floor_adds_attention_flops():
+    """Prompts 10 and 20 over one full layer group of 100 FLOPs a pair and one window-4 group of 10:
+    attention 100 x (55 + 210) + 10 x (34 + 74) = 27,580 FLOPs beside 2 x 100 params x 30 tokens."""
+    from kvforge.bench.roofline import PrefillAttentionFlops, roofline
+
+    attention = PrefillAttentionFlops(((0, 100), (4, 10)))
+    assert attention.of_prompt(20) == 100 * 210 + 10 * (10 + 16 * 4)
+    r = roofline([10, 20], [1, 1], 1000, 10, 1000.0, 100, 1000.0, prefill_attention=attention)
+    assert r["prefill_attention_floor_s"] == pytest.approx(27.58)
+    assert r["prefill_floor_s"] == pytest.approx((6000 + 27580) / 1000.0)
+    assert r["prefill_tokens_per_s_at_floor"] == pytest.approx(30 / r["prefill_floor_s"])
+    assert roofline([10, 20], [1, 1], 1000, 10, 1000.0, 100, 1000.0)["prefill_floor_s"] == pytest.approx(6.0)

@@ -18,10 +18,14 @@ runs, ``spec_decode``), and on CUDA a memory roofline:
   a step reads those its running tokens pick, expected under uniform routing
   (``roofline.StepWeightBytes``: top_k / n_experts of them at batch 1, nearly
   all from a few dozen requests);
-* prefill floor: ``2 x matmul parameters per token x prompt tokens`` FLOPs at
-  the measured bf16 GEMM rate (every parameter but the gathered input
-  embedding; of a MoE layer's routed experts only ``top_k / n_experts``: the
-  ones a token runs);
+* prefill floor: ``2 x matmul parameters per token x prompt tokens`` FLOPs plus
+  each prompt's causal attention FLOPs (``roofline.PrefillAttentionFlops``:
+  scores and weighted values of every (query, key) pair, inside the window of
+  sliding layers) at the measured bf16 GEMM rate (every parameter but the
+  gathered input embedding; of a MoE layer's routed experts only
+  ``top_k / n_experts``: the ones a token runs); a workload of one output token
+  a request (``--output-len 1 1``) is all prefill, so its ``fraction_of_floor``
+  is the prefill's fraction of the FLOP roofline;
 * compute-aware decode floor (dense models): the GEMMs and the attention of
   a step are separate kernels that run one after the other, so each decode
   step takes at least ``max(weight bytes / copy bandwidth, 2 x weight
@@ -50,6 +54,7 @@ import time
 from dataclasses import asdict
 
 from kvforge.bench.roofline import (
+    PrefillAttentionFlops,
     StepKVBytes,
     StepWeightBytes,
     dense_decode_flops_per_token,
@@ -311,11 +316,13 @@ def offline_main(args: argparse.Namespace) -> int:
         gemm = _gemm_rate(engine.device)
         weights = step_weight_bytes(engine.model)
         kv = StepKVBytes.from_plan(llm.plan)
-        roof = roofline(in_lens, out_lens, weights, kv, copy_bw,
-                        matmul_params_per_token(engine.model), gemm, dense_decode_flops_per_token(engine.model))
+        attention = PrefillAttentionFlops.from_plan(engine.spec, llm.plan)
+        roof = roofline(in_lens, out_lens, weights, kv, copy_bw, matmul_params_per_token(engine.model), gemm,
+                        dense_decode_flops_per_token(engine.model), attention)
         result.update({"copy_bandwidth_Bps": copy_bw, "gemm_bf16_flops": gemm, "weights_read_bytes": weights.total,
                        "moe_routed_weight_bytes": weights.routed,
                        "kv_bytes_per_token": llm.plan.bytes_per_token, "kv_step_bytes": asdict(kv),
+                       "prefill_attention_flops_per_pair": attention.per_pair,
                        "roofline": roof,
                        "fraction_of_floor": roof["floor_s"] / med["seconds"]})
         if "floor_compute_aware_s" in roof:

@@ -88,6 +88,52 @@ class StepKVBytes:
         return StepKVBytes(plan.bytes_per_token, tuple(sorted(windows.items())), state)
 
 
+def causal_pairs(prompt_len: int, window: int = 0) -> int:
+    """(query, key) pairs causal attention over a prompt of ``prompt_len`` tokens scores: token ``p``
+    (1-based) sees ``min(p, window)`` keys (``window`` 0: all ``p``)."""
+    n = prompt_len
+    if not window or window >= n:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+@dataclass(frozen=True)
+class PrefillAttentionFlops:
+    """FLOPs of a prompt's attention scores and weighted values, which the weights' FLOPs leave out.
+
+    ``per_pair``: ``(window, FLOPs per (query, key) pair summed over the layers with that window)``, window
+    0 for full-context layers. A pair costs each query head ``2 x head_dim_k`` (the score) plus
+    ``2 x head_dim_v`` (the weighted value) FLOPs; an MLA layer counts its expanded heads
+    (``qk_nope + qk_rope`` and ``v_head_dim``), the fewest FLOPs any of its prefill forms computes.
+    Linear-attention (state) layers have no pairs; their cost grows linearly and is not counted here.
+
+    Invariant: :meth:`of_prompt` is ``sum(flops x causal_pairs(prompt, window))``, quadratic in the prompt
+    below every window.
+    """
+
+    per_pair: tuple[tuple[int, int], ...] = ()
+
+    def of_prompt(self, prompt_len: int) -> int:
+        return sum(f * causal_pairs(prompt_len, w) for w, f in self.per_pair)
+
+    @staticmethod
+    def from_plan(spec, plan) -> PrefillAttentionFlops:
+        """From a model spec's layer dimensions and a plan's heads per rank (so at tensor parallelism the
+        figure is one rank's, like the weights' FLOPs)."""
+        heads = {layer.index: layer.heads_per_rank for layer in plan.layers}
+        per_window: dict[int, int] = {}
+        for layer in spec.layers:
+            if layer.kind == "mla":
+                dims = layer.qk_nope_head_dim + layer.qk_rope_head_dim + layer.v_head_dim
+            elif layer.kind in ("full", "sliding"):
+                dims = layer.head_dim_k + layer.head_dim_v
+            else:
+                continue
+            window = (layer.sliding_window or 0) if layer.kind == "sliding" else 0
+            per_window[window] = per_window.get(window, 0) + 2 * heads[layer.index] * dims
+        return PrefillAttentionFlops(tuple(sorted(per_window.items())))
+
+
 def _weights_used(model, in_bytes: bool) -> int:
     """Elements (or bytes) of every parameter but a separate input embedding, which is gathered, not
     multiplied or streamed; a tied LM head multiplies it, so it counts then."""
@@ -134,12 +180,15 @@ def dense_decode_flops_per_token(model) -> float | None:
 
 
 def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv: StepKVBytes | int, copy_bw: float,
-             params: float, gemm_rate: float, flops_per_decode_token: float | None = None) -> dict:
+             params: float, gemm_rate: float, flops_per_decode_token: float | None = None,
+             prefill_attention: PrefillAttentionFlops | None = None) -> dict:
     """Byte floor per decode step (and, given ``flops_per_decode_token``, the compute-aware one) summed over
-    this workload's schedule, plus the prefill FLOP floor (kvforge/bench/offline.py's docstring). All
-    requests are admitted together; request ``r`` decodes for ``out_r - 1`` steps (its first token comes
-    from the prefill). ``weights``: a step's weight bytes at its batch (an int: the same at every batch).
-    ``kv``: a sequence's KV and state bytes per step (an int: bytes per context token of every layer)."""
+    this workload's schedule, plus the prefill FLOP floor (kvforge/bench/offline.py's docstring): the
+    weights' FLOPs of every prompt token and, given ``prefill_attention``, each prompt's causal attention
+    FLOPs, at ``gemm_rate``. All requests are admitted together; request ``r`` decodes for ``out_r - 1``
+    steps (its first token comes from the prefill). ``weights``: a step's weight bytes at its batch (an
+    int: the same at every batch). ``kv``: a sequence's KV and state bytes per step (an int: bytes per
+    context token of every layer)."""
     if not isinstance(weights, StepWeightBytes):
         weights = StepWeightBytes(dense=int(weights))
     if not isinstance(kv, StepKVBytes):
@@ -154,11 +203,14 @@ def roofline(in_lens, out_lens, weights: StepWeightBytes | int, kv: StepKVBytes 
         decode_s += t_weights + t_kv
         if flops_per_decode_token is not None:
             decode_ca_s += max(t_weights, flops_per_decode_token * len(running) / gemm_rate) + t_kv
-    prefill_s = 2 * params * sum(in_lens) / gemm_rate
+    attention_flops = sum(prefill_attention.of_prompt(n) for n in in_lens) if prefill_attention else 0
+    prefill_s = (2 * params * sum(in_lens) + attention_flops) / gemm_rate
     n_out, n_in = sum(out_lens), sum(in_lens)
     total = decode_s + prefill_s
     out = {
         "decode_floor_s": decode_s, "prefill_floor_s": prefill_s, "floor_s": total,
+        "prefill_attention_floor_s": attention_flops / gemm_rate,
+        "prefill_tokens_per_s_at_floor": n_in / prefill_s if prefill_s else None,
         "output_tokens_per_s_at_floor": n_out / total, "total_tokens_per_s_at_floor": (n_in + n_out) / total,
         # None when no decode step runs (every output is the prefill's one token)
         "decode_only_output_tokens_per_s_at_floor": n_out / decode_s if decode_s else None,
