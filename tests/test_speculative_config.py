@@ -93,8 +93,8 @@ def test_mtp_with_mtp_layer_is_not_supported_yet(no_weights, tmp_path):
         _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
-def test_draft_model_is_not_supported_yet(no_weights):
-    with pytest.raises(ConfigError, match="draft_model is not supported yet"):
+def test_draft_with_another_vocabulary_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="vocabulary of 128256 tokens but the target SmolLM2"):
         _engine(speculative_config={"method": "draft_model", "model": "llama-3.1-8b", "num_speculative_tokens": 2})
 
 

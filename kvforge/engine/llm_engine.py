@@ -71,8 +71,12 @@ class LLMEngine:
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,
         )
+        speculative = args.speculative_config
+        # A draft model (speculative decoding): its config only, planned beside the target's.
+        self.draft_spec = (load_model_spec(speculative.model)
+                           if speculative is not None and speculative.method == "draft_model" else None)
         self.plan = resolve(self.spec, cache, ParallelConfig(args.tensor_parallel_size), platform,
-                            model_dtype=model_dtype)
+                            model_dtype=model_dtype, draft_spec=self.draft_spec)
         from kvforge.models.registry import resolve_architecture
 
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights

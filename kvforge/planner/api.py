@@ -13,8 +13,9 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = 0.9,
          device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int = 256, query_dtype: str = "auto",
-         state_dtype: str = "auto", backends=None) -> KVPlan:
-    """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights."""
+         state_dtype: str = "auto", backends=None, draft_model: str | None = None) -> KVPlan:
+    """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;
+    ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``)."""
     from kvforge.kv_dtypes import canonical_model_dtype
 
     spec = load_model_spec(model)
@@ -25,4 +26,6 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         max_num_seqs=max_num_seqs, query_dtype=query_dtype,
                         state_dtype=state_dtype)
     model_dtype = canonical_model_dtype(dtype) if dtype and dtype != "auto" else None
-    return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype)
+    draft_spec = load_model_spec(draft_model) if draft_model is not None else None
+    return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype,
+                   draft_spec=draft_spec)

@@ -121,6 +121,9 @@ class KVPlan:
     #: Storage dtype of the state slots of linear-attention layers (None without state layers), and why.
     state_dtype: str | None = None
     state_dtype_reason: str = ""
+    #: The draft model's plan (speculative decoding, method draft_model): its layers and groups, in a pool of
+    #: its own carved out of the same KV memory (``capacity.kv_cache_memory`` here is the target's share).
+    draft: KVPlan | None = None
 
     @property
     def num_blocks(self) -> int | None:
@@ -143,11 +146,33 @@ class KVPlan:
             return None
         return base.bytes_per_sequence / self.capacity.bytes_per_sequence
 
+    @property
+    def total_kv_cache_memory(self) -> int | None:
+        """KV memory of the target and the draft together (the target's alone without a draft)."""
+        mem = self.capacity.kv_cache_memory
+        if mem is None or self.draft is None:
+            return mem
+        return mem + (self.draft.capacity.kv_cache_memory or 0)
+
+    def draft_explanation(self) -> str | None:
+        """What the draft's KV costs, in one line (None without a draft or without capacity)."""
+        draft, cap = self.draft, self.capacity
+        if draft is None or cap.bytes_per_sequence is None or draft.capacity.bytes_per_sequence is None:
+            return None
+        total = self.total_kv_cache_memory
+        per_t, per_d = cap.bytes_per_sequence, draft.capacity.bytes_per_sequence
+        return (f"draft {draft.model}: {per_d:,} bytes per sequence of {self.max_model_len} tokens beside the "
+                f"target's {per_t:,}; the KV memory {total:,} splits {cap.kv_cache_memory:,} target / "
+                f"{draft.capacity.kv_cache_memory:,} draft ({draft.num_blocks} draft blocks of {draft.block_size} "
+                f"tokens), so max concurrency is {total:,} / {per_t + per_d:,} = {cap.max_concurrency:.2f} "
+                f"(without the draft {total / per_t:.2f})")
+
     def backends(self) -> list[str]:
         return sorted({layer.backend for layer in self.layers})
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["draft"] = self.draft.to_dict() if self.draft is not None else None
         cap = d.pop("capacity")
         d["num_blocks"] = cap["num_blocks"]
         d["capacity_tokens"] = cap["capacity_tokens"]
@@ -192,6 +217,8 @@ class KVPlan:
             lines.append(line)
         if self.state_dtype is not None:
             lines.append(f"  state dtype {self.state_dtype}: {self.state_dtype_reason}")
+        if self.draft is not None:
+            lines.append(f"  {self.draft_explanation() or f'draft {self.draft.model}: no capacity given'}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

@@ -57,6 +57,8 @@ def render_plan(plan: KVPlan, console=None) -> None:
                              f"= {exact:.4f}x (state bytes are not halved)")
     else:
         head.add_row("capacity", "no memory given (--kv-cache-memory or --gpu-memory)")
+    if plan.draft is not None:
+        head.add_row("speculative draft", plan.draft_explanation() or f"{plan.draft.model} (no capacity given)")
     console.print(head)
 
     layers = Table(title="layers (per rank)")
@@ -77,10 +79,11 @@ def render_plan(plan: KVPlan, console=None) -> None:
                    f"worst-case waste {plan.worst_case_waste_pct:.1f}%)")
     for col in ("kind", "layers", "block", "page bytes", "unpadded", "padding layers", "backend"):
         groups.add_column(col)
-    for g in plan.groups:
+    draft_groups = plan.draft.groups if plan.draft is not None else ()
+    for prefix, g in [("", g) for g in plan.groups] + [("draft:", g) for g in draft_groups]:
         idx = list(g.layers)
         text = ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]}..{idx[-1]} ({len(idx)})"
-        groups.add_row(g.kind, text, str(g.block_size), f"{g.page_bytes:,}", f"{g.page_bytes_unpadded:,}",
+        groups.add_row(prefix + g.kind, text, str(g.block_size), f"{g.page_bytes:,}", f"{g.page_bytes_unpadded:,}",
                        str(g.padding_layers), g.backend)
     console.print(groups)
     for check in plan.index_checks:

@@ -238,6 +238,15 @@ def _window_blocks(groups: tuple[GroupPlan, ...], max_model_len: int) -> int:
                for g in groups if g.kind == "sliding")
 
 
+def _bytes_per_sequence(groups: tuple[GroupPlan, ...], group_size: int, slot_state_bytes: int,
+                        max_model_len: int) -> int:
+    """Bytes one sequence of ``max_model_len`` tokens takes: its block ids in every growing group and its
+    window's in every sliding group (one page per slot of the group size each), plus its state slot."""
+    growing_blocks = sum(math.ceil(max_model_len / g.block_size) for g in groups if g.kind in GROWING_KINDS)
+    return (growing_blocks + _window_blocks(groups, max_model_len)) * _block_id_bytes(groups, group_size) \
+        + slot_state_bytes
+
+
 #: Below this many tokens a shorter --max-model-len is no useful fix for too little KV memory.
 MIN_SUGGESTED_MODEL_LEN = 64
 
@@ -257,8 +266,7 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     growing = [g for g in groups if g.kind in GROWING_KINDS]
     block_id_bytes = _block_id_bytes(groups, group_size)
     window_blocks = _window_blocks(groups, max_model_len)
-    growing_blocks = sum(math.ceil(max_model_len / g.block_size) for g in growing)
-    per_seq = (growing_blocks + window_blocks) * block_id_bytes + slot_state_bytes
+    per_seq = _bytes_per_sequence(groups, group_size, slot_state_bytes, max_model_len)
     if per_seq == 0:
         return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None, 0)
     concurrency = memory / per_seq
@@ -329,8 +337,9 @@ def _memory(spec: ModelSpec, cache: CacheConfig, weights: int) -> int | None:
 
 def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: ParallelConfig | None = None,
             platform: str = "cpu", backends: tuple[BackendDeclaration, ...] | None = None,
-            model_dtype: str | None = None, _baseline: bool = True) -> KVPlan:
-    """Decide every KV-cache question for ``spec``; raise PlanError if no plan works."""
+            model_dtype: str | None = None, _baseline: bool = True, draft_spec: ModelSpec | None = None) -> KVPlan:
+    """Decide every KV-cache question for ``spec``; raise PlanError if no plan works. ``draft_spec``: a draft
+    model for speculative decoding, planned beside it (``_plan_draft``; the plan's ``draft``)."""
     cache = cache or CacheConfig()
     parallel = parallel or ParallelConfig()
     platform = check_platform(platform)
@@ -345,6 +354,10 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     warnings: list[str] = []
 
     max_len = cache.max_model_len or spec.max_position_embeddings or 4096
+    if draft_spec is not None:
+        from kvforge.speculative.support import check_draft_model
+
+        check_draft_model(spec, draft_spec, max_len)
     if spec.max_position_embeddings and max_len > spec.max_position_embeddings:
         raise PlanError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                         f"{spec.max_position_embeddings}; fix: use --max-model-len <= {spec.max_position_embeddings}")
@@ -424,6 +437,11 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
 
     weights = math.ceil(spec.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
     memory = _memory(spec, cache, weights)
+    draft = None
+    if draft_spec is not None:
+        per_target = _bytes_per_sequence(groups, grouping.group_size, slot_state, max_len)
+        draft, memory = _plan_draft(draft_spec, cache, parallel, platform, backends, model_dtype, max_len, memory,
+                                    per_target)
     capacity = _capacity(kv_dtype, groups, grouping.group_size, bytes_per_token, slot_state, max_len, memory)
 
     baseline = None
@@ -431,7 +449,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         try:
             base_plan = resolve(spec, CacheConfig(**{**cache.__dict__, "kv_cache_dtype": model_dtype,
                                                      "query_dtype": "model"}), parallel,
-                                platform, backends, model_dtype, _baseline=False)
+                                platform, backends, model_dtype, _baseline=False, draft_spec=draft_spec)
             baseline = base_plan.capacity
         except PlanError as exc:
             warnings.append(f"no {model_dtype} baseline plan: {str(exc).splitlines()[0]}")
@@ -464,8 +482,41 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
         warnings=tuple(warnings), scale_source=scale_source,
         prefix_caching=prefix_ok, prefix_caching_reason=prefix_reason,
-        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason,
+        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft,
     )
+
+
+def _plan_draft(draft_spec: ModelSpec, cache: CacheConfig, parallel: ParallelConfig, platform: str,
+                backends: tuple[BackendDeclaration, ...], model_dtype: str, max_len: int, memory: int | None,
+                per_target: int) -> tuple[KVPlan, int | None]:
+    """The draft model's plan and the target's share of ``memory``.
+
+    The draft keeps its KV in a pool of its own, carved out of the same KV memory: every running sequence
+    holds blocks in both, so the memory is split in proportion to the bytes one sequence of ``max_len``
+    tokens takes in each (``per_target`` and the draft's), and both pools hold the same number of such
+    sequences: memory / (per_target + per_draft). With ``--gpu-memory`` the draft's weights come out of the
+    memory first. The draft runs in the target's model dtype and KV dtype, at the target's max length."""
+    shape_cache = CacheConfig(**{**cache.__dict__, "max_model_len": max_len, "kv_cache_memory": None,
+                                 "gpu_memory": None, "num_speculative_tokens": 0})
+
+    def draft_plan(c: CacheConfig) -> KVPlan:
+        try:
+            return resolve(draft_spec, c, parallel, platform, backends, model_dtype, _baseline=False)
+        except PlanError as exc:
+            raise PlanError(f"draft model {draft_spec.name}: {exc}") from None
+
+    shape = draft_plan(shape_cache)
+    if memory is None:
+        return shape, None
+    if cache.kv_cache_memory is None:
+        memory -= shape.weights_bytes_per_rank
+        if memory <= 0:
+            raise PlanError(f"the draft model {draft_spec.name}'s weights ({shape.weights_bytes_per_rank / 2**30:.2f} "
+                            f"GiB per rank) leave no KV memory; fix: raise --gpu-memory-utilization or use a "
+                            f"smaller draft")
+    per_draft = _bytes_per_sequence(shape.groups, shape.group_size, 0, max_len)
+    draft_memory = memory * per_draft // (per_target + per_draft)
+    return draft_plan(CacheConfig(**{**shape_cache.__dict__, "kv_cache_memory": draft_memory})), memory - draft_memory
 
 
 def _ranges(indices) -> str:

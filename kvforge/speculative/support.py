@@ -15,6 +15,9 @@ from kvforge.planner.kv_plan import KVPlan
 from kvforge.spec.model_spec import ModelSpec
 from kvforge.speculative.config import SpeculativeConfig
 
+#: Config keys of special tokens a draft must share with its target (where both configs name them).
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 
 def mtp_layers(spec: ModelSpec) -> int:
     """Multi-token-prediction layers the checkpoint carries (DeepSeek-V3's ``num_nextn_predict_layers``)."""
@@ -33,6 +36,9 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
                               f"method ngram, or a DeepSeek-V3-style checkpoint that carries one")
         raise ConfigError("--speculative-config method mtp is not supported yet; use method ngram")
     if config.method == "draft_model":
+        if plan.draft is None:
+            raise ConfigError("--speculative-config method draft_model needs a plan made with the draft model "
+                              "(resolve(..., draft_spec=...)); the engine plans it from the config's \"model\"")
         raise ConfigError("--speculative-config method draft_model is not supported yet; use method ngram")
     if any(layer.kind == "state" for layer in plan.layers):
         raise ConfigError("speculative decoding is not supported for linear-attention models: their recurrent "
@@ -52,3 +58,29 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
     if async_scheduling:
         raise ConfigError("--async-scheduling does not combine with speculative decoding yet (a step's accepted "
                           "length is known only after it ran); drop --async-scheduling")
+
+
+def check_draft_model(target: ModelSpec, draft: ModelSpec, max_model_len: int) -> None:
+    """Raise ConfigError when ``draft`` cannot propose for ``target`` (checked from configs, before any weight):
+    its vocabulary must be the target's (same size; the same special token ids where both configs name them),
+    its KV must roll back (no linear-attention state, no rings: rejected proposals' state could not be
+    undone), and its max_position_embeddings must cover ``max_model_len``."""
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"the draft model {draft.name} has a vocabulary of {draft.vocab_size} tokens but the target "
+                          f"{target.name} has {target.vocab_size}: a draft must share the target's tokenizer; use a "
+                          f"draft of the target's family")
+    for key in SPECIAL_TOKEN_KEYS:
+        mine, theirs = draft.hf_config.get(key), target.hf_config.get(key)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ConfigError(f"the draft model {draft.name} has {key} {mine} but the target {target.name} has "
+                              f"{theirs}: a draft must share the target's tokenizer; use a draft of the target's "
+                              f"family")
+    kinds = {layer.kind for layer in draft.layers}
+    if "state" in kinds or draft.rings:
+        what = "linear-attention state" if "state" in kinds else "per-request rings"
+        raise ConfigError(f"the draft model {draft.name} keeps {what}, which rejected proposals would overwrite "
+                          f"without a way back; use a draft with full, sliding-window or MLA attention only")
+    if draft.max_position_embeddings and draft.max_position_embeddings < max_model_len:
+        raise ConfigError(f"the draft model {draft.name} has max_position_embeddings {draft.max_position_embeddings}, "
+                          f"below --max-model-len {max_model_len}: it could not propose past that position; lower "
+                          f"--max-model-len to {draft.max_position_embeddings} or use a draft with a longer context")
