@@ -6,13 +6,17 @@ Both run the embedded SmolLM2-135M-Instruct (Q4_1 GGUF) dequantized to float32, 
 computes in on CPU: kvforge through ``LLM().engine`` (no model argument, greedy, ignore_eos, prefix cache
 off so every repetition prefills), transformers through ``AutoModelForCausalLM.from_pretrained(...,
 gguf_file=..., dtype=torch.float32)`` and ``generate(do_sample=False)`` with no EOS id in its generation config.
-The same prompt token ids go to both; the two alternate, kvforge first, for ``--reps`` repetitions
-after one untimed warm-up each, so load on a shared machine hits both alike.
+The same prompt token ids (the chat template around one fixed request, unless ``--raw``) go to both;
+the two alternate for ``--reps`` repetitions after one untimed warm-up each, so load on a shared machine
+hits both alike.
 
-Per run: time to first token (prefill + first sample) and decode tok/s = (gen - 1) / (time of the last
-token - time of the first). kvforge's token times are taken after each ``engine.step()``; transformers'
-at each ``streamer.put`` (called once per generated token). Prints medians with [min-max] and the
-decode ratio kvforge / transformers, and whether the greedy tokens agree.
+Per run: time to first token (prefill + first sample), decode tok/s = (gen - 1) / (time of the last
+token - time of the first), and the process CPU time per decode token over the same span (all threads;
+on a shared machine it shows how much of the wall time was spent waiting for a core). kvforge's token
+times are taken after each ``engine.step()``; transformers' at each ``streamer.put`` (called once per
+generated token). Repetitions alternate which engine runs first. Prints medians with [min-max], the
+decode ratio kvforge / transformers (of the medians, and per repetition), and whether the greedy tokens
+agree.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import copy
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,42 +33,60 @@ import torch
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+@dataclass(frozen=True)
+class Run:
+    """One timed request: time to first token, decode tok/s (wall), process CPU ms per decode token."""
+
+    ttft_ms: float
+    decode_tok_s: float
+    cpu_ms_per_token: float
+    tokens: list[int]
+
+
+def _run(t0: float, wall: list[float], cpu: list[float], tokens: list[int]) -> Run:
+    n = len(wall) - 1
+    return Run((wall[0] - t0) * 1e3, n / (wall[-1] - wall[0]), (cpu[-1] - cpu[0]) / n * 1e3, tokens)
+
+
 class _TokenClock:
     """A transformers streamer that records when each generated token arrives (the prompt's put is skipped)."""
 
     def __init__(self):
-        self.times: list[float] = []
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
         self._prompt_seen = False
 
     def put(self, value) -> None:
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        self.times.append(time.perf_counter())
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
     def end(self) -> None:
         pass
 
 
-def run_kvforge(engine, prompt_ids: list[int], gen: int, run_id: str) -> tuple[float, float, list[int]]:
-    """(ttft s, decode tok/s, tokens) of one greedy request through the engine's step loop."""
+def run_kvforge(engine, prompt_ids: list[int], gen: int, run_id: str) -> Run:
+    """One greedy request through the engine's step loop."""
     from kvforge.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     t0 = time.perf_counter()
     engine.add_request(run_id, list(prompt_ids), params)
-    times, tokens = [], []
+    wall, cpu, tokens = [], [], []
     while engine.has_unfinished_requests():
         outs = engine.step()
-        now = time.perf_counter()
+        now, now_cpu = time.perf_counter(), time.process_time()
         for out in outs:
             if out.request_id == run_id:
                 new = list(out.outputs[0].token_ids)
-                times.extend([now] * (len(new) - len(tokens)))
+                wall.extend([now] * (len(new) - len(tokens)))
+                cpu.extend([now_cpu] * (len(new) - len(tokens)))
                 tokens = new
     if len(tokens) != gen:
         raise RuntimeError(f"kvforge produced {len(tokens)} tokens, expected {gen}")
-    return times[0] - t0, (gen - 1) / (times[-1] - times[0]), tokens
+    return _run(t0, wall, cpu, tokens)
 
 
 def _greedy_config(model, gen: int):
@@ -78,18 +101,17 @@ def _greedy_config(model, gen: int):
     return config
 
 
-def run_hf(model, prompt_ids: list[int], gen: int) -> tuple[float, float, list[int]]:
-    """(ttft s, decode tok/s, tokens) of one greedy ``generate``."""
+def run_hf(model, prompt_ids: list[int], gen: int) -> Run:
+    """One greedy ``generate``."""
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     clock = _TokenClock()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=_greedy_config(model, gen),
                              streamer=clock)
-    tokens = out[0, len(prompt_ids):].tolist()
-    if len(clock.times) != gen:
-        raise RuntimeError(f"transformers produced {len(clock.times)} tokens, expected {gen}")
-    return clock.times[0] - t0, (gen - 1) / (clock.times[-1] - clock.times[0]), tokens
+    if len(clock.wall) != gen:
+        raise RuntimeError(f"transformers produced {len(clock.wall)} tokens, expected {gen}")
+    return _run(t0, clock.wall, clock.cpu, out[0, len(prompt_ids):].tolist())
 
 
 def fmt(xs: list[float], digits: int = 2) -> str:
@@ -134,28 +156,30 @@ def main() -> int:
           f"backend {engine.plan.layers[0].backend}; transformers: float32, attn_implementation={args.hf_attn}")
     print(f"prompt {len(prompt_ids)} tokens, {args.gen} output tokens, {args.reps} repetitions (+1 warm-up each)")
 
-    run_kvforge(engine, prompt_ids, args.gen, "warmup")
-    run_hf(hf, prompt_ids, args.gen)
-    kv_ttft, kv_tps, hf_ttft, hf_tps = [], [], [], []
-    agree = []
+    runs = {"kvforge": lambda rep: run_kvforge(engine, prompt_ids, args.gen, f"rep{rep}"),
+            "transformers": lambda rep: run_hf(hf, prompt_ids, args.gen)}
+    for run in runs.values():  # warm-up
+        run(-1)
+    results: dict[str, list[Run]] = {name: [] for name in runs}
     for rep in range(args.reps):
-        t, s, kv_tokens = run_kvforge(engine, prompt_ids, args.gen, f"rep{rep}")
-        kv_ttft.append(t * 1e3)
-        kv_tps.append(s)
-        t, s, hf_tokens = run_hf(hf, prompt_ids, args.gen)
-        hf_ttft.append(t * 1e3)
-        hf_tps.append(s)
-        same = next((i for i, (a, b) in enumerate(zip(kv_tokens, hf_tokens)) if a != b), len(kv_tokens))
-        agree.append(same)
-        print(f"  rep {rep}: kvforge {kv_tps[-1]:.2f} tok/s (ttft {kv_ttft[-1]:.0f} ms), "
-              f"transformers {hf_tps[-1]:.2f} tok/s (ttft {hf_ttft[-1]:.0f} ms)", flush=True)
+        order = list(runs) if rep % 2 == 0 else list(reversed(runs))  # neither always runs first
+        for name in order:
+            results[name].append(runs[name](rep))
+        print(f"  rep {rep} ({order[0]} first): " + ", ".join(
+            f"{name} {results[name][-1].decode_tok_s:.2f} tok/s (ttft {results[name][-1].ttft_ms:.0f} ms)"
+            for name in runs), flush=True)
 
-    print(f"{'':14s} {'decode tok/s':>22s} {'TTFT ms':>22s}")
-    print(f"{'kvforge':14s} {fmt(kv_tps):>22s} {fmt(kv_ttft, 0):>22s}")
-    print(f"{'transformers':14s} {fmt(hf_tps):>22s} {fmt(hf_ttft, 0):>22s}")
-    ratios = [a / b for a, b in zip(kv_tps, hf_tps)]
-    print(f"decode speed kvforge / transformers: median of medians "
-          f"{statistics.median(kv_tps) / statistics.median(hf_tps):.3f}, per repetition {fmt(ratios, 3)}")
+    print(f"{'':14s} {'decode tok/s':>22s} {'TTFT ms':>22s} {'CPU ms / decode token':>24s}")
+    for name, rs in results.items():
+        print(f"{name:14s} {fmt([r.decode_tok_s for r in rs]):>22s} {fmt([r.ttft_ms for r in rs], 0):>22s} "
+              f"{fmt([r.cpu_ms_per_token for r in rs], 1):>24s}")
+    kv, hf_runs = results["kvforge"], results["transformers"]
+    ratios = [a.decode_tok_s / b.decode_tok_s for a, b in zip(kv, hf_runs)]
+    print(f"decode speed kvforge / transformers: ratio of medians "
+          f"{statistics.median(r.decode_tok_s for r in kv) / statistics.median(r.decode_tok_s for r in hf_runs):.3f}"
+          f", per repetition {fmt(ratios, 3)}")
+    agree = [next((i for i, (a, b) in enumerate(zip(x.tokens, y.tokens)) if a != b), args.gen)
+             for x, y in zip(kv, hf_runs)]
     print(f"greedy tokens equal for the first {min(agree)} of {args.gen} in every repetition")
     return 0
 

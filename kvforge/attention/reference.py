@@ -34,12 +34,14 @@ key range that the chunk can see (causal / sliding window) is gathered.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvforge.attention.fp8 import as_head_scales, fp8_max, is_fp8
 from kvforge.attention.metadata import AttentionMetadata
 
-__all__ = ["BATCHED_QUERY_LEN", "SCORE_BUDGET_ELEMS", "paged_attention", "write_kv_cache"]
+__all__ = ["BATCHED_QUERY_LEN", "SCORE_BUDGET_ELEMS", "SlotTargets", "paged_attention", "slot_targets", "write_kv_cache"]
 
 BATCHED_QUERY_LEN = 8
 """Sequences with at most this many new tokens are batched together."""
@@ -72,6 +74,37 @@ def _to_storage(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return y.to(dtype)
 
 
+class SlotTargets(NamedTuple):
+    """Where a slot mapping's tokens go: ``rows`` (int64 indices of the written tokens, None when none is
+    skipped) and, per written token, its ``blocks`` and ``offsets`` (int64)."""
+
+    rows: torch.Tensor | None
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+
+def slot_targets(slot_mapping: torch.Tensor, num_blocks: int, block_size: int,
+                 device: torch.device) -> SlotTargets | None:
+    """The targets of ``slot_mapping`` in a cache of ``num_blocks`` blocks of ``block_size`` on ``device``
+    (None when every slot is -1); IndexError for a slot past the cache. It reads the slots' range on the host.
+    """
+    slots = slot_mapping.to(device=device, dtype=torch.int64)
+    if slots.numel() == 0:
+        return None
+    lo, hi = (int(x) for x in torch.aminmax(slots))
+    rows = None
+    if lo < 0:  # skipped tokens (padding): keep the others
+        rows = torch.nonzero(slots >= 0, as_tuple=True)[0]
+        if rows.numel() == 0:
+            return None
+        slots = slots[rows]
+        hi = int(slots.max())
+    if hi >= num_blocks * block_size:
+        raise IndexError(f"slot {hi} out of range for {num_blocks} blocks of {block_size}")
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    return SlotTargets(rows, blocks, slots - blocks * block_size)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -79,6 +112,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    targets: SlotTargets | None = None,
 ) -> None:
     """Write new K/V rows into the paged cache, in place.
 
@@ -90,6 +124,8 @@ def write_kv_cache(
     other caches store ``x`` cast to the cache dtype and ignore the scales.
     Scales: per-tensor or ``[Hkv]`` float32 (None = 1.0). Duplicate slots in
     one call are a caller error (which write wins is unspecified).
+    ``targets``: ``slot_targets`` of this ``slot_mapping`` and cache shape, computed once by a caller that
+    writes many layers' caches from one slot mapping (computed here when None).
     """
     num_blocks, hkv, block_size, head_dim = _check_cache(kv_cache)
     n = int(slot_mapping.shape[0])
@@ -97,32 +133,21 @@ def write_kv_cache(
         raise ValueError(f"slot_mapping has {n} entries but k/v have {k.shape[0]}/{v.shape[0]} tokens")
     if tuple(k.shape[1:]) != (hkv, head_dim) or tuple(v.shape[1:]) != (hkv, head_dim):
         raise ValueError(f"k/v must be [num_tokens, {hkv}, {head_dim}], got {tuple(k.shape)}/{tuple(v.shape)}")
-    if n == 0:
+    if targets is None:
+        targets = slot_targets(slot_mapping, num_blocks, block_size, kv_cache.device)
+    if targets is None:
         return
-    slots = slot_mapping[:n].to(device=kv_cache.device, dtype=torch.int64)
-    lo, hi = (int(x) for x in torch.aminmax(slots))
-    idx = None
-    if lo < 0:  # skipped tokens (padding): keep the others
-        idx = torch.nonzero(slots >= 0, as_tuple=True)[0]
-        if idx.numel() == 0:
-            return
-        slots = slots[idx]
-        hi = int(slots.max())
-    if hi >= num_blocks * block_size:
-        raise IndexError(f"slot {hi} out of range for {num_blocks} blocks of {block_size}")
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots - blocks * block_size
     dtype = kv_cache.dtype
     k, v = k[:n].to(kv_cache.device), v[:n].to(kv_cache.device)
-    if idx is not None:
-        k, v = k[idx], v[idx]
+    if targets.rows is not None:
+        k, v = k[targets.rows], v[targets.rows]
     if is_fp8(dtype):
         k = _to_storage(k, as_head_scales(k_scale, hkv, kv_cache.device), dtype)
         v = _to_storage(v, as_head_scales(v_scale, hkv, kv_cache.device), dtype)
     cache = _storage_view(kv_cache)
     # Advanced indices on dims 0 and 3, separated by slices: the indexed view is [n, Hkv, D].
-    cache[blocks, 0, :, offsets] = _storage_view(k.to(dtype))
-    cache[blocks, 1, :, offsets] = _storage_view(v.to(dtype))
+    cache[targets.blocks, 0, :, targets.offsets] = _storage_view(k.to(dtype))
+    cache[targets.blocks, 1, :, targets.offsets] = _storage_view(v.to(dtype))
 
 
 def _widen_bits(raw: torch.Tensor, dtype: torch.dtype, native: bool | None = None) -> tuple[torch.Tensor, float]:
@@ -251,9 +276,7 @@ def paged_attention(
     num_tokens, hq, _ = q.shape
     group = hq // hkv
     device = kv_cache.device
-    if out is None:
-        out = torch.empty(num_tokens, hq, head_dim, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != (num_tokens, hq, head_dim):
+    if out is not None and tuple(out.shape) != (num_tokens, hq, head_dim):
         raise ValueError(f"out must be {(num_tokens, hq, head_dim)}, got {tuple(out.shape)}")
 
     if is_fp8(kv_cache.dtype):
@@ -272,17 +295,24 @@ def paged_attention(
     total = qsl[-1] if num_seqs else 0
     if total > num_tokens:
         raise ValueError(f"query_start_loc[-1] = {total} > num_tokens = {num_tokens}")
-    if total < num_tokens:
-        out[total:].zero_()
     qlens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
     for i in range(num_seqs):
         if qlens[i] < 0 or seq_lens[i] < qlens[i]:
             raise ValueError(f"sequence {i}: query_len {qlens[i]} invalid for seq_len {seq_lens[i]}")
     qf = q.to(device=device, dtype=torch.float32)
-    if num_seqs and BATCHED_QUERY_LEN >= 1 and total == num_seqs and min(qlens) == 1:
-        # Decode: one query token per sequence, row i is sequence i's.
-        _decode(qf, kv_cache, meta.block_tables.to(device), seq_lens, qk_scale, vs, group, sliding_window, out,
-                sink_logits)
+    decode = num_seqs and BATCHED_QUERY_LEN >= 1 and total == num_seqs and min(qlens) == 1
+    if decode and out is None and total == num_tokens:
+        # One query token per sequence, row i being sequence i's, and no padding row: the result is the output.
+        o = _decode(qf, kv_cache, meta.block_tables.to(device), seq_lens, qk_scale, vs, group, sliding_window,
+                    sink_logits)
+        return o.to(device=q.device, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(num_tokens, hq, head_dim, dtype=q.dtype, device=q.device)
+    if total < num_tokens:
+        out[total:].zero_()
+    if decode:
+        out[:total] = _decode(qf, kv_cache, meta.block_tables.to(device), seq_lens, qk_scale, vs, group,
+                              sliding_window, sink_logits)
         return out
     block_tables = meta.block_tables.to(device=device, dtype=torch.int64)
 
@@ -305,11 +335,12 @@ def _window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> 
     return allowed
 
 
-def _decode(qf, kv_cache, block_tables, seq_lens, qk_scale, vs, group, window, out, sinks):
-    """Every sequence brings one query token, row i of ``qf`` being sequence i's: one batched product over
-    the blocks holding any of their visible keys. Where all sequences see the same key range (one sequence,
-    or equal lengths) that range is sliced out exactly and nothing is masked; otherwise keys outside a
-    sequence's range are masked (scores to -inf, V rows zeroed bitwise as in :func:`_attend`)."""
+def _decode(qf, kv_cache, block_tables, seq_lens, qk_scale, vs, group, window, sinks) -> torch.Tensor:
+    """Every sequence brings one query token, row i of ``qf`` being sequence i's; returns float32
+    ``[num_seqs, Hq, D]``. One batched product over the blocks holding any of their visible keys. Where all
+    sequences see the same key range (one sequence, or equal lengths) that range is sliced out exactly and
+    nothing is masked; otherwise keys outside a sequence's range are masked (scores to -inf, V rows zeroed
+    bitwise as in :func:`_attend`)."""
     device = kv_cache.device
     _, _, hkv, bs, d = kv_cache.shape
     b = len(seq_lens)
@@ -328,24 +359,27 @@ def _decode(qf, kv_cache, block_tables, seq_lens, qk_scale, vs, group, window, o
     if exact:
         keys = slice(lo - first_block * bs, hi - first_block * bs)
         k, v = k[:, :, keys], v[:, :, keys]
-    scores = torch.matmul(qf[:b].view(b, hkv, group, d), k.transpose(-1, -2))  # [B, Hkv, G, Lk]
-    scores *= _per_head(qk_scale * factor, 4)
+    lk = k.shape[2]
+    # The score scale goes on the (small) query; batch and KV head merge in views of the gathered K and V.
+    q_scaled = qf[:b].view(b, hkv, group, d) * _per_head(qk_scale * factor, 4)
+    scores = torch.bmm(q_scaled.view(b * hkv, group, d), k.reshape(b * hkv, lk, d).transpose(1, 2))
+    scores4 = scores.view(b, hkv, group, lk)  # [B, Hkv, G, Lk]
     if not exact:
         kpos = first_block * bs + torch.arange(nb * bs, device=device)
         allowed = kpos[None, :] < lens[:, None]
         if window is not None:
             allowed &= kpos[None, :] >= lens[:, None] - window
-        scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
+        scores4.masked_fill_(~allowed[:, None, None, :], float("-inf"))
         v.view(torch.int32).bitwise_and_(torch.where(allowed, -1, 0).to(torch.int32)[:, None, :, None])
     if sinks is None:
         p = torch.softmax(scores, dim=-1)
     else:
-        sink = sinks.view(1, *sinks.shape, 1).expand(*scores.shape[:-1], 1)
-        p = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    o = torch.matmul(p, v)  # [B, Hkv, G, D]
+        sink = sinks.view(1, *sinks.shape, 1).expand(b, hkv, group, 1)
+        p = torch.softmax(torch.cat([scores4, sink], dim=-1), dim=-1)[..., :-1].reshape(b * hkv, group, lk)
+    o = torch.bmm(p, v.reshape(b * hkv, lk, d)).view(b, hkv, group, d)
     if vs is not None:
         o *= _per_head(vs * factor, 4)
-    out[:b] = o.view(b, hkv * group, d)
+    return o.view(b, hkv * group, d)
 
 
 def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, vs, group, window, out, sinks):

@@ -84,6 +84,9 @@ class RMSNorm(nn.Module):
         return self._norm(s), s
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # Nothing to widen or narrow: torch's own RMSNorm is this formula in one call.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         in_dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -224,6 +227,19 @@ class RotaryEmbedding(nn.Module):
         ):
             return kern[2].rope_qk(q, k, cos, sin, self.rotary_dim)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def apply_packed(
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], qk: torch.Tensor, num_q_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`apply` to q and k given as one ``[T, Hq + Hkv, D]`` tensor, q's heads first (the
+        adjacent q and k columns of a fused projection); returns ``(q, k)``. Without the fused kernel both
+        are rotated by one pass of the same elementwise formula (the values ``apply`` gives; q and k come
+        back as views of one tensor)."""
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
+        if _fused_kernels(qk) is not None:
+            return self.apply(cos_sin, q, k)
+        rotated = self._rotate(qk, *cos_sin)
+        return rotated[:, :num_q_heads], rotated[:, num_q_heads:]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

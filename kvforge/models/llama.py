@@ -97,13 +97,16 @@ class LlamaAttention(nn.Module):
         self, rope: RopeCache, x: torch.Tensor, attn: AttnFn, rotary: RotaryEmbedding
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(rope, q, k)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k rotate as one tensor
+            qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = rotary.apply_packed(rope, qk, self.num_heads)
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = rotary.apply(rope, q, k)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 

@@ -10,12 +10,30 @@ from kvforge.attention.reference_backend import REFERENCE
 @register_backend
 class TorchReferenceBackend(AttentionBackend):
     """Cache write and causal paged attention in PyTorch, float32 math; one path (its routing table:
-    :mod:`kvforge.attention.routing.torch_backends`)."""
+    :mod:`kvforge.attention.routing.torch_backends`).
+
+    A step hands every layer the same ``slot_mapping`` tensor: its targets (``reference.slot_targets``, a
+    read of the slots' range on the host) are computed for the first layer and kept, with the tensor they
+    belong to, for the layers after it. The runner builds a new slot mapping tensor every step and never
+    writes into one it handed over, so the tensor's identity (held, so it cannot be reused) names its values.
+    """
 
     declaration = REFERENCE
 
+    def __init__(self, options):
+        super().__init__(options)
+        self._targets: tuple | None = None  # (slot_mapping, cache geometry, its SlotTargets)
+
     def write_cache(self, kv, slot_mapping, k, v):
-        reference.write_kv_cache(k, v, kv.cache, slot_mapping, kv.k_scale, kv.v_scale)
+        cache = kv.cache
+        geometry = (cache.shape[0], cache.shape[3], cache.device)
+        last = self._targets
+        if last is not None and last[0] is slot_mapping and last[1] == geometry:
+            targets = last[2]
+        else:
+            targets = reference.slot_targets(slot_mapping, *geometry)
+            self._targets = (slot_mapping, geometry, targets)
+        reference.write_kv_cache(k, v, cache, slot_mapping, kv.k_scale, kv.v_scale, targets=targets)
 
     def attend(self, kv, meta, q, *, num_splits=None):
         return reference.paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale,
