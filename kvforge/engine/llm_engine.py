@@ -18,6 +18,7 @@ import torch
 
 from kvforge.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD, EngineArgs
 from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
@@ -192,6 +193,7 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)
+        freeze_after_startup()  # no full collection walks the startup's objects mid-step (engine/gc_freeze.py)
         self.startup_seconds = time.perf_counter() - t0
         self._shut_down = False
 
@@ -220,6 +222,7 @@ class LLMEngine:
             if self.tp is not None:
                 self.tp.release()
             self.model = None
+            thaw()
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
