@@ -145,3 +145,28 @@ def test_seeded_sequence_without_proposals_draws_what_the_sampler_draws():
     probs = Sampler.target_probs(logits, params)
     got = rejection_sample_batch(probs, [[], [], []], [torch.Generator().manual_seed(s) for s in (1, 2, 3)])
     assert [t[0] for t in got] == want.tolist()
+
+
+def _verify_first_tokens(claimed_q: torch.Tensor) -> torch.Tensor:
+    """First emitted tokens of :func:`verify_proposals` over sampled rows whose logits give ``TARGET`` (then a
+    second row), with two proposals drawn from ``PROPOSAL`` and ``claimed_q`` handed over as their q."""
+    second = torch.tensor([0.1, 0.1, 0.2, 0.2, 0.2, 0.2])
+    logits = torch.stack([TARGET, second, second]).log()
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def draw(g):
+        proposals = torch.multinomial(PROPOSAL, 2, replacement=True, generator=g).tolist()
+        q = claimed_q.expand(2, -1)
+        return verify_proposals(logits, [params], [g], [proposals], [q]).tokens[0][0]
+
+    return first_tokens(draw)
+
+
+def test_verify_with_draft_q_keeps_the_target_distribution():
+    # A draft model hands over the q its proposals were drawn from: verify_proposals must use it.
+    assert chi_square_p_value(_verify_first_tokens(PROPOSAL), TARGET) > P_VALUE_THRESHOLD
+
+
+def test_verify_with_a_wrong_q_is_detected():
+    # The same proposals with a q they were not drawn from (uniform) bias the output: the test has power.
+    assert chi_square_p_value(_verify_first_tokens(torch.full((6,), 1 / 6)), TARGET) < P_VALUE_THRESHOLD

@@ -98,6 +98,30 @@ def test_draft_with_another_vocabulary_is_refused(no_weights):
         _engine(speculative_config={"method": "draft_model", "model": "llama-3.1-8b", "num_speculative_tokens": 2})
 
 
+def test_draft_on_a_linear_attention_model_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="not supported for linear-attention models"):
+        _engine("qwen3-next-80b-a3b", speculative_config={"method": "draft_model", "model": "qwen3-8b",
+                                                          "num_speculative_tokens": 2})
+
+
+def test_linear_attention_draft_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="keeps linear-attention state"):
+        _engine("qwen3-8b", speculative_config={"method": "draft_model", "model": "qwen3-next-80b-a3b",
+                                                "num_speculative_tokens": 2})
+
+
+def test_draft_without_the_context_is_refused(no_weights, tmp_path):
+    draft = _config_dir(tmp_path, "qwen3-8b", max_position_embeddings=512)
+    with pytest.raises(ConfigError, match="max_position_embeddings 512, below --max-model-len 1024"):
+        _engine("qwen3-8b", speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+
+
+def test_draft_with_tensor_parallelism_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="draft_model does not run with tensor parallelism yet"):
+        _engine("qwen3-8b", tensor_parallel_size=2, speculative_config={
+            "method": "draft_model", "model": "qwen3-8b", "num_speculative_tokens": 2})
+
+
 def test_linear_attention_model_is_refused(no_weights):
     with pytest.raises(ConfigError, match="not supported for linear-attention models"):
         _engine("qwen3-next-80b-a3b", num_speculative_tokens=2)

@@ -100,7 +100,11 @@ class LLMEngine:
         if self.speculative is not None:
             check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched,
                               async_scheduling=args.async_scheduling)
-        self.model_path, self.load_format = self._weights_location(args)
+        self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
+        if self.draft_spec is not None:  # the draft's weights follow the target's load format (dummy or real)
+            self.draft_location = self._weights_location(speculative.model,
+                                                         "dummy" if args.load_format == "dummy" else "auto")
+            resolve_architecture(self.draft_spec.hf_config)
         logger.info("%s", self.plan.summary())
         if any(layer.kind == "mla" for layer in self.plan.layers):
             logger.info("  MLA prefill mode %s (--mla-prefill-mode)", args.mla_prefill_mode)
@@ -180,12 +184,14 @@ class LLMEngine:
                                  else platform == "cuda" and self.tp is None and self.state_slots is None
                                  and self.speculative is None)
         # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
-        self.proposer = self.spec_counters = None
+        self.proposer = self.spec_counters = self.draft_runner = None
         if self.speculative is not None:
             from kvforge.speculative.proposer import build_proposer
             from kvforge.speculative.stats import SpecDecodeCounters
 
-            self.proposer = build_proposer(self.speculative)
+            draft = (self._build_draft(args, model_dtype, max_num_seqs, batched) if self.draft_spec is not None
+                     else None)
+            self.proposer = build_proposer(self.speculative, draft)
             self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
             logger.info("speculative decoding: %s, %d tokens per step; verification steps run eagerly and the "
                         "synchronous loop (async scheduling off)", self.speculative.method,
@@ -219,6 +225,8 @@ class LLMEngine:
                 self.abort_request(request_id)
             self._inflight = None
             self.runner.release()
+            if self.draft_runner is not None:
+                self.draft_runner.release()
             if self.tp is not None:
                 self.tp.release()
             self.model = None
@@ -247,20 +255,40 @@ class LLMEngine:
         from kvforge.planner.registry import builtin_backends
 
         impls = {d.name: d.implementation for d in builtin_backends()}
-        for name in sorted({layer.backend for layer in self.plan.layers}):
+        layers = self.plan.layers + (self.plan.draft.layers if self.plan.draft is not None else ())
+        for name in sorted({layer.backend for layer in layers}):
             importlib.import_module(impls[name])
 
-    def _weights_location(self, args: EngineArgs) -> tuple[str | None, str]:
-        if args.model is None:
-            return str(embedded_model_path()), "gguf" if args.load_format == "auto" else args.load_format
-        path = Path(args.model)
+    @staticmethod
+    def _weights_location(model: str | None, load_format: str) -> tuple[str | None, str]:
+        if model is None:
+            return str(embedded_model_path()), "gguf" if load_format == "auto" else load_format
+        path = Path(model)
         if not path.exists():
-            if args.model.lower() in PRESETS:
-                if args.load_format not in ("auto", "dummy"):
-                    raise ConfigError(f"preset {args.model!r} has no weights on disk; use --load-format dummy")
+            if model.lower() in PRESETS:
+                if load_format not in ("auto", "dummy"):
+                    raise ConfigError(f"preset {model!r} has no weights on disk; use --load-format dummy")
                 return None, "dummy"
-            raise ConfigError(f"model path {args.model} does not exist")
-        return str(path), args.load_format
+            raise ConfigError(f"model path {model} does not exist")
+        return str(path), load_format
+
+    def _build_draft(self, args: EngineArgs, model_dtype: str, max_num_seqs: int, batched: int) -> dict:
+        """The draft model, its pool (the plan's ``draft``), runner and block manager: the arguments of
+        :class:`kvforge.speculative.draft_model.DraftModelProposer`."""
+        from kvforge.models.registry import build_model
+        from kvforge.weights import load_weights
+
+        plan = self.plan.draft
+        model = build_model(self.draft_spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
+        path, load_format = self.draft_location
+        load_weights(model, path, load_format, seed=args.seed, progress=args.progress)
+        pool = KVPool(plan, self.device)
+        self.draft_runner = ModelRunner(model, pool, plan, self.device, calibrate=args.calculate_kv_scales,
+                                        scale_multiplier=args.kv_scale_multiplier, enforce_eager=True,
+                                        max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
+        blocks = BlockManager(plan.num_blocks, pool.block_size, False, group_windows=pool.group_windows)
+        return dict(runner=self.draft_runner, block_manager=blocks, max_model_len=self.max_model_len,
+                    max_num_batched_tokens=batched)
 
     def _load_tokenizer(self, args: EngineArgs):
         from kvforge.tokenizer import load_tokenizer
@@ -316,6 +344,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self._discard_proposer_state(request_id)
         if self.state_slots is not None:
             self.state_slots.release(request_id)
 
@@ -349,6 +378,12 @@ class LLMEngine:
             outputs = self._resolve(self._inflight) if self._inflight is not None else []
         self._inflight = launched
         return outputs
+
+    def _discard_proposer_state(self, request_id: str) -> None:
+        """A finished, aborted or preempted request's proposer state (a draft model's KV) is freed with it."""
+        discard = getattr(self.proposer, "discard", None)
+        if discard is not None:
+            discard(request_id)
 
     def _propose(self) -> None:
         """Give every decoding sequence (one token to compute) its proposals for the next step."""
@@ -402,6 +437,8 @@ class LLMEngine:
                     proposals.append(list(s.spec_token_ids))
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
+        for seq in out.preempted:
+            self._discard_proposer_state(seq.request_id)
         if self.state_slots is not None:  # ring and linear-attention models (synchronous only)
             for seq in out.preempted:  # it recomputes from its prompt: its first chunk starts from a zero state
                 self.state_slots.release(seq.request_id)
@@ -448,8 +485,11 @@ class LLMEngine:
 
         if not seqs:
             return []
+        probs_of = getattr(self.proposer, "proposal_probs", None)
+        probs = ([probs_of(seq, len(props)) if props else None for seq, props in zip(seqs, proposals)]
+                 if probs_of is not None else None)
         result = verify_proposals(logits, [seq.params for seq in seqs],
-                                  [seq.generator_for(logits.device) for seq in seqs], proposals)
+                                  [seq.generator_for(logits.device) for seq in seqs], proposals, probs)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):
             if props:
                 self.spec_counters.record(len(props), accepted)
@@ -471,6 +511,9 @@ class LLMEngine:
         live = [seq for seq in step.sampled_seqs if not seq.is_finished]
         before = sum(seq.num_output_tokens for seq in live) if step.verified is not None else 0
         finished = self.scheduler.resolve(step.out, sampled)
+        if self.proposer is not None:
+            for seq in finished:
+                self._discard_proposer_state(seq.request_id)
         if self.state_slots is not None:
             for seq in finished:
                 self.state_slots.release(seq.request_id)

@@ -18,6 +18,12 @@ class Proposer(Protocol):
     Proposals only cost compute when they are wrong: verification keeps exactly the tokens the target
     model would have produced. A proposer that runs a model (a draft model) batches the sequences
     itself; the engine calls ``propose`` once per step, before scheduling, with the decoding sequences.
+
+    Two optional methods (the engine calls them when a proposer has them): ``proposal_probs(seq, n)``,
+    the distribution ``q`` [n, vocab] each of the sequence's first ``n`` proposals was drawn from (None or
+    absent: point masses, as for n-gram proposals), which rejection sampling needs; and
+    ``discard(request_id)``, called when a request finishes, is aborted or preempted, for a proposer that
+    keeps per-request state (a draft model's KV).
     """
 
     num_speculative_tokens: int
@@ -25,10 +31,15 @@ class Proposer(Protocol):
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]: ...
 
 
-def build_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of ``config.method`` (methods without one are refused before weights load)."""
+def build_proposer(config: SpeculativeConfig, draft=None) -> Proposer:
+    """The proposer of ``config.method`` (methods without one are refused before weights load). ``draft``:
+    for method draft_model, the keyword arguments of :class:`DraftModelProposer` besides the count."""
     if config.method == "ngram":
         from kvforge.speculative.ngram import NgramProposer
 
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model" and draft is not None:
+        from kvforge.speculative.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.num_speculative_tokens, **draft)
     raise ConfigError(f"speculative method {config.method} is not supported yet")

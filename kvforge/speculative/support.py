@@ -39,7 +39,9 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
         if plan.draft is None:
             raise ConfigError("--speculative-config method draft_model needs a plan made with the draft model "
                               "(resolve(..., draft_spec=...)); the engine plans it from the config's \"model\"")
-        raise ConfigError("--speculative-config method draft_model is not supported yet; use method ngram")
+        if plan.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-config method draft_model does not run with tensor parallelism yet; "
+                              "use --tensor-parallel-size 1 or method ngram")
     if any(layer.kind == "state" for layer in plan.layers):
         raise ConfigError("speculative decoding is not supported for linear-attention models: their recurrent "
                           "state is rewritten token by token and rejected proposals could not be rolled back; "

@@ -128,11 +128,34 @@ class VerifiedStep:
     num_accepted: list[int]
 
 
+def _proposal_q(proposals: list[list[int]], probs: list[torch.Tensor | None], vocab: int,
+                device) -> torch.Tensor | None:
+    """The ``q`` rows of every proposal in order (``proposal_probs`` of :func:`rejection_sample_batch`):
+    ``probs[i][:len(proposals[i])]``, a point mass where a sequence has none; None when no sequence has any."""
+    if all(p is None for p in probs):
+        return None
+    rows = []
+    for props, q in zip(proposals, probs):
+        if not props:
+            continue
+        if q is None:
+            q = torch.zeros((len(props), vocab), dtype=torch.float32, device=device)
+            q[torch.arange(len(props), device=device), torch.tensor(props, device=device)] = 1.0
+        elif q.shape[0] < len(props) or q.shape[1] != vocab:
+            raise ValueError(f"proposal probabilities of shape {tuple(q.shape)} for {len(props)} proposals over "
+                             f"a vocabulary of {vocab}")
+        rows.append(q[:len(props)].to(device=device, dtype=torch.float32))
+    return torch.cat(rows) if rows else None
+
+
 def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                     proposals: list[list[int]]) -> VerifiedStep:
+                     proposals: list[list[int]], proposal_probs: list[torch.Tensor | None] | None = None
+                     ) -> VerifiedStep:
     """Verify a step: sequence ``i`` owns ``len(proposals[i]) + 1`` consecutive rows of float32 ``logits``,
     in order. Greedy rows take one argmax over the whole batch (one host read); sampled rows go through
-    :func:`rejection_sample_batch` over :meth:`Sampler.target_probs`."""
+    :func:`rejection_sample_batch` over :meth:`Sampler.target_probs`. ``proposal_probs[i]``: the ``q``
+    [>= len(proposals[i]), vocab] sequence ``i``'s proposals were drawn from (a draft model), or None for
+    point-mass proposals (n-gram); None for all point masses."""
     starts, row = [], 0
     for props in proposals:
         starts.append(row)
@@ -149,7 +172,9 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
         rows = [r for i in sampled for r in range(starts[i], starts[i] + len(proposals[i]) + 1)]
         row_params = [params[i] for i in sampled for _ in range(len(proposals[i]) + 1)]
         probs = Sampler.target_probs(logits[torch.tensor(rows, device=logits.device)], row_params)
-        emitted = rejection_sample_batch(probs, [proposals[i] for i in sampled], [generators[i] for i in sampled])
+        q = (_proposal_q([proposals[i] for i in sampled], [proposal_probs[i] for i in sampled], logits.shape[1],
+                         logits.device) if proposal_probs is not None else None)
+        emitted = rejection_sample_batch(probs, [proposals[i] for i in sampled], [generators[i] for i in sampled], q)
         tokens_of = dict(zip(sampled, emitted))
     tokens = [accept_greedy(argmax[starts[i]:starts[i] + len(props) + 1], props) if greedy[i] else tokens_of[i]
               for i, props in enumerate(proposals)]

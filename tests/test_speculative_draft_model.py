@@ -1,0 +1,161 @@
+"""Speculative decoding with a draft model (kvforge/speculative/draft_model.py).
+
+Greedy output must equal speculation off token for token (the reference: speculation off, itself checked
+against transformers in tests/test_engine_vs_hf.py); equality is exact because verification keeps exactly
+the target's argmax tokens, whatever the draft proposes (the verify rows only change the batch's float
+summation order, which flips no near-tie for these fixed prompts and seeds). After every step the draft's
+KV is checked like the target's: a sequence's draft state holds exactly the blocks of its computed tokens,
+and only tokens of the sequence (or the proposals of the step just run) are behind them.
+"""
+
+from __future__ import annotations
+
+import torch
+from test_speculative_engine import (
+    DEEPSEEK,
+    LLAMA,
+    REPEAT,
+    TINY_PROMPTS,
+    check_rollback_invariants,
+    save_tiny,
+)
+
+from kvforge import LLM, SamplingParams
+from kvforge.engine.sequence import Sequence
+from kvforge.spec.embedded import embedded_model_path
+from kvforge.speculative.draft_model import DraftModelProposer
+
+
+def check_draft_invariants(engine) -> None:
+    proposer = engine.proposer
+    bm = proposer.block_manager
+    states = list(proposer._states.values())
+    bm.check_invariants(states)
+    running = {seq.request_id for seq in engine.scheduler.running}
+    for state in states:
+        assert state.request_id in running, f"{state.request_id}: draft blocks held after it stopped running"
+        seq = state.seq
+        assert len(state.block_tables[0]) == bm.blocks_needed(state.num_computed_tokens)
+        assert state.num_real + len(state.fed) == state.num_computed_tokens
+        assert state.num_real <= seq.num_tokens
+
+
+def generate(llm, prompts, params):
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), list(p) if not isinstance(p, str) else p, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        check_rollback_invariants(engine)
+        if engine.speculative is not None and engine.speculative.method == "draft_model":
+            check_draft_invariants(engine)
+    if engine.speculative is not None and engine.speculative.method == "draft_model":
+        assert engine.proposer.block_manager.num_used_blocks == 0  # every finished request freed its draft KV
+    return [final[str(i)] for i in range(len(prompts))]
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def draft_config(model, k):
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+def test_embedded_model_as_its_own_draft():
+    prompts = [REPEAT, "Write a short note about the sea.", "Count: one, two, three, four, five, six,"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = token_ids(generate(LLM(device="cpu", progress=False), prompts, params))
+    on = LLM(device="cpu", progress=False, speculative_config=draft_config(embedded_model_path(), 3))
+    assert isinstance(on.engine.proposer, DraftModelProposer)
+    outs = generate(on, prompts, params)
+    assert token_ids(outs) == ref
+    counters = on.engine.stats()["spec_decode"]
+    # The draft is the target: it proposes the target's argmax (up to float summation order).
+    assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9
+    assert on.engine.stats()["num_steps"] < 16 * 3 / 2
+
+
+def test_different_draft_with_fp8_chunked_prefill_and_preemption(tmp_path):
+    target = save_tiny(tmp_path / "target", LLAMA)
+    torch.manual_seed(1)
+    draft_case = (LLAMA[0], LLAMA[1], dict(LLAMA[2], num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                           num_key_value_heads=1, intermediate_size=64))
+    draft = save_tiny(tmp_path / "draft", draft_case)
+    prompts = TINY_PROMPTS + [list(range(100, 140)), [7] * 20]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # A 12-token step budget chunks the prompts (and the draft's catch-up); 16 target blocks of 4 tokens for
+    # five requests of up to 64 tokens preempt by recompute.
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_dtype="fp8", progress=False,
+              device="cpu", max_model_len=64, max_num_batched_tokens=12)
+    target_block = 2 * 2 * 2 * 16 * 4  # layers x K,V x KV heads x head size x block, one byte each
+    draft_block = 1 * 2 * 1 * 16 * 4
+    blocks = 16
+    memory = blocks * (target_block + draft_block)
+    ref = token_ids(generate(LLM(target, kv_cache_memory=blocks * target_block, **kw), prompts, params))
+    on = LLM(target, kv_cache_memory=memory, speculative_config=draft_config(draft, 3), **kw)
+    assert on.engine.plan.num_blocks == blocks and on.engine.plan.draft.num_blocks == blocks
+    assert on.engine.plan.draft.kv_cache_dtype == "fp8_e4m3"
+    outs = generate(on, prompts, params)
+    assert token_ids(outs) == ref
+    stats = on.engine.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["spec_decode"]["num_draft_tokens"] > 50  # a random draft: acceptance is low, output unchanged
+
+
+def test_deepseek_target_with_mla_draft(tmp_path):
+    target = save_tiny(tmp_path / "target", DEEPSEEK)
+    torch.manual_seed(2)
+    draft = save_tiny(tmp_path / "draft", (DEEPSEEK[0], DEEPSEEK[1], dict(DEEPSEEK[2], num_hidden_layers=1)))
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False,
+              device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = token_ids(generate(LLM(target, **kw), TINY_PROMPTS, params))
+    on = LLM(target, speculative_config=draft_config(draft, 2), **kw)
+    assert {g.kind for g in on.engine.plan.draft.groups} == {"mla"}
+    assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
+    assert on.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_seeded_sampling_with_a_draft_is_reproducible():
+    cfg = draft_config(embedded_model_path(), 3)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True)
+    a = generate(LLM(device="cpu", progress=False, speculative_config=cfg), [REPEAT], params)
+    b = generate(LLM(device="cpu", progress=False, speculative_config=cfg), [REPEAT], params)
+    assert token_ids(a) == token_ids(b) and len(token_ids(a)[0]) == 16
+    assert a[0].speculative.num_accepted_tokens > 0  # the draft's q equals the target's p: most are accepted
+
+
+class FixedLogitsRunner:
+    """Every row's logits are ``logits`` (a draft model that always predicts the same distribution)."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def run(self, chunks, rows):
+        return self.logits.expand(len(rows), -1).clone()
+
+
+def test_sampled_proposals_follow_q_and_q_is_handed_over():
+    from test_rejection_sampling import P_VALUE_THRESHOLD, chi_square_p_value
+
+    from kvforge.engine.block_manager import BlockManager
+
+    logits = torch.tensor([1.0, 0.2, -0.5, 0.7, 0.0, -1.0])
+    params = SamplingParams(temperature=0.7, max_tokens=100)
+    q = torch.softmax(logits.double() / 0.7, dim=-1)  # the independent reference for q
+    proposer = DraftModelProposer(2, FixedLogitsRunner(logits), BlockManager(4096, 4, False), 64, 64)
+    counts = torch.zeros(6, dtype=torch.long)
+    for i in range(3000):
+        seq = Sequence(f"r{i}", [1, 2, 3], params)
+        proposals = proposer.propose([seq])[0]
+        assert len(proposals) == 2
+        counts[proposals[0]] += 1
+        handed = proposer.proposal_probs(seq, 2)
+        torch.testing.assert_close(handed, q.float().expand(2, -1), rtol=1e-5, atol=1e-6)
+        proposer.discard(seq.request_id)
+    assert chi_square_p_value(counts, q) > P_VALUE_THRESHOLD
+    assert proposer.block_manager.num_used_blocks == 0
