@@ -1,6 +1,9 @@
 """n-gram speculative decoding on CPU with real weights (the embedded SmolLM2-135M-Instruct GGUF).
 
-    python benchmarks/spec_ngram_cpu.py [--k 2 4] [--reps 3] [--max-tokens 64] [--threads 1]
+    python benchmarks/spec_ngram_cpu.py [--k 2 4] [--reps 3] [--max-tokens 64] [--threads 1] [--draft-model M]
+
+``--draft-model M`` proposes with a draft model instead of prompt lookup (``M``: a path, or ``embedded``
+for the embedded model as its own draft).
 
 Workload: "repeat / lightly edit this paragraph" prompts (chat template), greedy, batch 1, where the
 output copies its prompt and prompt lookup has something to find. One engine per setting, built once;
@@ -39,12 +42,23 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-model", default=None, help="propose with this draft model ('embedded': the target)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kvforge import LLM, SamplingParams
 
     settings = [0] + args.k
-    llms = {k: LLM(progress=False, num_speculative_tokens=k, enable_prefix_caching=False) for k in settings}
+    def speculation(k: int) -> dict:
+        if not k:
+            return {}
+        if args.draft_model is None:
+            return {"num_speculative_tokens": k}
+        from kvforge.spec.embedded import embedded_model_path
+
+        draft = str(embedded_model_path()) if args.draft_model == "embedded" else args.draft_model
+        return {"speculative_config": {"method": "draft_model", "model": draft, "num_speculative_tokens": k}}
+
+    llms = {k: LLM(progress=False, enable_prefix_caching=False, **speculation(k)) for k in settings}
     tok = llms[0].engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": t.format(p)}], add_generation_prompt=True)
                for t in TASKS for p in PARAGRAPHS]

@@ -74,3 +74,34 @@ def test_embedded_model_repeats_a_paragraph_faster_in_steps():
     assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
     assert outs[0].speculative.acceptance_rate > 0.3
     assert llm.engine.stats()["num_steps"] < 64
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "fp8")])
+def test_draft_model_agrees_with_speculation_off(tmp_path, model, dtype, kv):
+    """A 1-layer draft of the target's family (dummy weights, another seed of the same shapes but fewer
+    layers): the draft's pool and runner on CUDA, its proposals verified by the Triton backends."""
+    config = LLAMA if model == "llama" else DEEPSEEK
+    (tmp_path / "target").mkdir()
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    off, ref = _run(str(tmp_path / "target"), dtype=dtype, kv_cache_dtype=kv)
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    llm, outs = _run(str(tmp_path / "target"), dtype=dtype, kv_cache_dtype=kv, speculative_config=spec)
+    assert_outputs_agree(outs, ref, _tolerance(off, dtype, kv))
+    assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    assert llm.engine.proposer.block_manager.num_used_blocks == 0
+
+
+def test_embedded_model_as_its_own_draft_on_cuda():
+    from kvforge.spec.embedded import embedded_model_path
+
+    prompt = "Write a short note about the sea."
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    ref = LLM(device="cuda", progress=False, dtype="float32").generate([prompt], params, use_tqdm=False)
+    llm = LLM(device="cuda", progress=False, dtype="float32", speculative_config={
+        "method": "draft_model", "model": str(embedded_model_path()), "num_speculative_tokens": 4})
+    outs = llm.generate([prompt], params, use_tqdm=False)
+    assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
+    assert outs[0].speculative.acceptance_rate > 0.9
