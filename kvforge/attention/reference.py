@@ -24,7 +24,7 @@ zero output row, so ``out`` is always fully written.
 
 Speed: a decode step (one new token in every sequence) runs as one batched product with no padded
 query rows, and without any mask where every sequence sees the same key range (one sequence, or equal
-lengths). Otherwise sequences with short queries (decode, speculative verification; query
+lengths). Otherwise sequences with short queries (decode beside prefills, speculative verification; query
 length <= :data:`BATCHED_QUERY_LEN`) run as one batched computation over all of
 them, with their blocks gathered and padded to the longest context and masked.
 Longer queries (prefill chunks) run per sequence, in query-row chunks sized so
