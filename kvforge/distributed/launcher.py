@@ -55,15 +55,31 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def expected_state_bytes(plan) -> dict[int, int]:
+    """Linear-attention layer -> the plan's state bytes per slot on each rank (its share of the heads)."""
+    return {lp.index: lp.state_bytes for lp in plan.layers if lp.kind == "state"}
+
+
 def expected_pool_bytes(plan) -> int:
+    """The pool bytes of every rank: the attention pages plus, with linear-attention layers, the state slots."""
     group = next(g for g in plan.groups if g.kind in ("full", "sliding", "mla"))
-    return plan.num_blocks * plan.group_size * group.page_bytes
+    slots = plan.capacity.state_slots or 0
+    return plan.num_blocks * plan.group_size * group.page_bytes + slots * sum(expected_state_bytes(plan).values())
+
+
+def state_slot_bytes(pool) -> dict[int, int]:
+    """Linear-attention layer -> the bytes one slot of ``pool`` holds (conv + recurrent state)."""
+    ls = pool.linear_states
+    if ls is None:
+        return {}
+    return {i: (ls.conv[i][0].nbytes + ls.recurrent[i][0].nbytes) for i in sorted(ls.conv)}
 
 
 def rank_report(rank: int, model, pool, runner=None) -> dict:
     report = {"rank": rank, "pid": os.getpid(), "nbytes": pool.nbytes,
               # an MLA cache [blocks, block_size, latent + rope] is one replicated "KV head"
-              "kv_heads": [int(c.shape[2]) if c.dim() == 5 else 1 for c in pool.kv_caches],
+              "kv_heads": [int(c.shape[2]) if c.dim() == 5 else 1 for c in pool.kv_caches if c is not None],
+              "state_slots": int(pool.state_slots), "state_bytes": state_slot_bytes(pool),
               "heads": int(model.args.num_heads), "model_kv_heads": int(getattr(model.args, "num_kv_heads", 1)),
               "kv_start": int(model.kv_start)}
     if runner is not None:
@@ -91,7 +107,8 @@ def setup_rank(ctx: dict, group):
     model = build_tp_model(ctx["hf_config"], TORCH_DTYPES[ctx["model_dtype"]], group.device, group, plan)
     load_weights(model, ctx["model_path"], ctx["load_format"], seed=args.seed,
                  progress=args.progress and group.rank == 0)
-    pool = KVPool(plan, group.device)
+    layouts = getattr(model, "linear_state_layouts", None)  # this rank's heads of each linear-attention layer
+    pool = KVPool(plan, group.device, layouts() if layouts is not None else None)
     runner = TPModelRunner(model, pool, plan, group.device, group, calibrate=args.calculate_kv_scales,
                            scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
                            max_num_seqs=args.max_num_seqs, mla_prefill_mode=args.mla_prefill_mode,
@@ -190,6 +207,12 @@ class TPLauncher:
                     f"rank {r['rank']} allocated {r['nbytes']} KV bytes with KV heads per layer {r['kv_heads']}; "
                     f"the plan states {want_bytes} bytes (num_blocks {plan.num_blocks} x group size "
                     f"{plan.group_size} x page bytes) and KV heads {want_heads}")
+        want_state = expected_state_bytes(plan)
+        for r in self.reports:
+            if r["state_bytes"] != want_state or r["state_slots"] != (plan.capacity.state_slots or 0) * bool(want_state):
+                raise DistributedError(
+                    f"rank {r['rank']} allocated {r['state_slots']} state slots of {r['state_bytes']} bytes per "
+                    f"linear-attention layer; the plan states {plan.capacity.state_slots} slots of {want_state}")
         sizes = [r.get("graph_sizes") for r in self.reports]
         if any(s != sizes[0] for s in sizes):
             raise DistributedError(f"ranks captured different CUDA-graph batch sizes {sizes} (every rank must "

@@ -2,8 +2,9 @@
 
 Rank 0 schedules; for every step it wakes the workers, broadcasts the step's
 host inputs (token ids, positions, slot mapping, rows whose logits are wanted,
-pending copy-on-write block pairs as int64; query_start_loc, seq_lens and block
-tables as int32) over the gloo group, and then every rank runs the same model
+pending copy-on-write block pairs as int64; query_start_loc, seq_lens, block
+tables and, for linear-attention models, each sequence's state slot as int32)
+over the gloo group, and then every rank runs the same model
 step on its own heads. Logits come back on rank 0 only.
 
 CUDA graphs (NCCL only): every rank captures the same decode batch sizes at
@@ -33,8 +34,9 @@ from kvforge.engine.model_runner import HostStep, ModelRunner
 
 # n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1),
 # n_placeholders (in-flight input ids, async scheduling), n_share (sampled tokens rank 0 broadcasts after the
-# step for the next step's placeholders; 0: none), n_groups (KV-cache groups: slot mappings and block tables)
-_HEADER = 11
+# step for the next step's placeholders; 0: none), n_groups (KV-cache groups: slot mappings and block tables),
+# n_state (linear-attention models: one state slot per sequence, so n_seqs; 0: none)
+_HEADER = 12
 
 
 def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,
@@ -45,21 +47,24 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         n_rows = -1 if host.rows is None else host.rows.shape[0]
         ph = host.placeholders
         n_ph = 0 if ph is None else len(ph[0])
+        n_state = 0 if host.state_slots is None else host.num_seqs
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[2], n_rows, host.max_query_len,
-                           host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0]],
-                          dtype=np.int64)
+                           host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0],
+                           n_state], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)]
                              + ([np.asarray(ph[0], dtype=np.int64), np.asarray(ph[1], dtype=np.int64)] if n_ph else []))
-        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
+        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)]
+                             + ([host.state_slots.astype(np.int32)] if n_state else []))
         group.broadcast_host(header, np.int64, _HEADER)
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
         return host, copies, use_graph, n_share
-    n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups = group.broadcast_host(
-        None, np.int64, _HEADER).tolist()
+    (n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups,
+     n_state) = group.broadcast_host(None, np.int64, _HEADER).tolist()
     i64 = group.broadcast_host(None, np.int64, (2 + n_groups) * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
-    i32 = group.broadcast_host(None, np.int32, 2 * n_seqs + 1 + n_groups * n_seqs * cols)
+    n_i32 = 2 * n_seqs + 1 + n_groups * n_seqs * cols
+    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state)
     start = (2 + n_groups) * n_tok
     end = start + max(n_rows, 0)
     rows = i64[start:end] if n_rows >= 0 else None
@@ -68,7 +73,9 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
     placeholders = (i64[ph_at:ph_at + n_ph], i64[ph_at + n_ph:ph_at + 2 * n_ph], None) if n_ph else None
     host = HostStep(i64[:n_tok], i64[n_tok:2 * n_tok], i64[2 * n_tok:start].reshape(n_groups, n_tok),
                     i32[:n_seqs + 1], i32[n_seqs + 1:2 * n_seqs + 1],
-                    i32[2 * n_seqs + 1:].reshape(n_groups, n_seqs, cols), rows, max_q, max_seq, placeholders)
+                    i32[2 * n_seqs + 1:n_i32].reshape(n_groups, n_seqs, cols), rows, max_q, max_seq, placeholders)
+    if n_state:
+        host.state_slots = i32[n_i32:]
     return host, copies, bool(graph), n_share
 
 
@@ -108,6 +115,7 @@ class TPModelRunner(ModelRunner):
         them to the workers."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
+        self.take_state_slots(host)
         n_share = int(share_sampled)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None

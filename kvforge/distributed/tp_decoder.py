@@ -3,7 +3,8 @@
 Each rank builds the family's ordinary model from a per-rank config (its query
 heads, its MLP slice, ``ceil(vocab / tp)`` vocabulary rows) and then
 :class:`TensorParallelDecoder` swaps in the parallel pieces every family has:
-``o_proj`` and the dense MLPs' ``down_proj`` become row-parallel (all-reduce),
+``o_proj`` (a linear-attention layer's ``out_proj``) and the dense MLPs' ``down_proj`` become
+row-parallel (all-reduce),
 the embedding vocab-parallel, and the LM head computes this rank's vocabulary
 slice whose logits rank 0 gathers. Column-parallel projections (q/k/v,
 gate/up, ...) stay plain ``nn.Linear`` modules of the rank's rows.
@@ -35,7 +36,7 @@ from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM
 from kvforge.models.layers import GatedMLP
 
 VOCAB_PARAMETERS = ("model.embed_tokens.weight", "lm_head.weight")
-ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
+ROW_PARALLEL_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
 """Projections whose input columns are split (all-reduced outputs); every other sharded one splits output rows."""
 
 
@@ -84,7 +85,10 @@ class TensorParallelDecoder(DecoderForCausalLM):
         self.group = group
         self.vocab_size = full_args.vocab_size
         for layer in self.model.layers:
-            layer.self_attn.o_proj = RowParallelLinear.like(layer.self_attn.o_proj, group)
+            for mixer, proj in (("self_attn", "o_proj"), ("linear_attn", "out_proj")):
+                owner = getattr(layer, mixer, None)
+                if owner is not None:
+                    setattr(owner, proj, RowParallelLinear.like(getattr(owner, proj), group))
             if isinstance(layer.mlp, GatedMLP):
                 layer.mlp.down_proj = RowParallelLinear.like(layer.mlp.down_proj, group)
         self.model.embed_tokens = VocabParallelEmbedding(full_args.vocab_size, full_args.hidden_size, group,
@@ -93,6 +97,11 @@ class TensorParallelDecoder(DecoderForCausalLM):
     def rank_slices(self) -> dict[str, RankSlice]:
         """HF projection (name fragment) -> the part of it this rank keeps."""
         raise NotImplementedError
+
+    def rank_slices_for(self, name: str) -> dict[str, RankSlice]:
+        """The slices that apply to tensor ``name`` (families whose layer types share projection names
+        answer per layer); :meth:`rank_slices` by default."""
+        return self.rank_slices()
 
     def splits_first_dim(self, name: str) -> bool:
         """Whether the tensor ``name`` (HF or ours) is split along its first dimension in equal rank shares
@@ -108,7 +117,7 @@ class TensorParallelDecoder(DecoderForCausalLM):
 
     # -- sharding ----------------------------------------------------------------------
     def _projection(self, name: str) -> tuple[str, RankSlice] | None:
-        for proj, part in self.rank_slices().items():
+        for proj, part in self.rank_slices_for(name).items():
             if f".{proj}." in name:
                 return proj, part
         return None
@@ -130,7 +139,7 @@ class TensorParallelDecoder(DecoderForCausalLM):
 
     def _fused_full_parts(self, name: str) -> tuple[str, list[tuple[str, int]]] | None:
         """``(our fused fragment, [(HF projection, TP=1 rows)])`` when ``name`` is a fused parameter."""
-        slices = self.rank_slices()
+        slices = self.rank_slices_for(name)
         for ours, parts in self.fused_parameters().items():
             if f".{ours}." in name:
                 return ours, [(hf, slices[hf].full) for hf, _ in parts]

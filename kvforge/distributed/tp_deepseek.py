@@ -63,6 +63,45 @@ class TPMoE(MoE):
         return self.group.all_reduce_(out)
 
 
+def build_tp_moe(rank_args, full_args, group: TPGroup, dtype=None) -> TPMoE:
+    """This rank's MoE block: its routed experts (``rank_args``), the full router and its rows of the shared
+    experts (``full_args``: every expert, the full group structure)."""
+    moe = TPMoE(rank_args, group, dtype=dtype)
+    moe.gate = type(moe.gate)(full_args)
+    if full_args.n_shared_experts:
+        rows = full_args.moe_intermediate_size * full_args.n_shared_experts // group.world_size
+        moe.shared_experts = GatedMLP(full_args.hidden_size, rows, full_args.hidden_act, dtype=dtype)
+    return moe
+
+
+def mla_slices(a, group: TPGroup) -> dict[str, RankSlice]:
+    """MLA query heads split: q (or q_b) and kv_b rows of this rank's heads, o_proj's columns."""
+    q = even_slice(a.num_heads * a.qk_head_dim, group)
+    return {"self_attn.q_proj": q, "self_attn.q_b_proj": q,
+            "self_attn.kv_b_proj": even_slice(a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), group),
+            "self_attn.o_proj": even_slice(a.num_heads * a.v_head_dim, group)}
+
+
+def is_stacked_expert(name: str) -> bool:
+    """Stacked routed experts, ours or fused over experts in the checkpoint (split by expert index)."""
+    return bool(FUSED_EXPERTS_NAME.match(name)) or name.endswith((".experts_gate_up", ".experts_down"))
+
+
+def rank_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], n_local: int, group: TPGroup, shard
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert tensors of this rank's experts ``[rank * n_local, (rank + 1) * n_local)`` renumbered from 0,
+    other ranks' skipped; every other tensor cut by ``shard(name, tensor)``."""
+    lo = group.rank * n_local
+    for name, t in weights:
+        m = PER_EXPERT_NAME.match(name)
+        if m:
+            e = int(m.group(2))
+            if lo <= e < lo + n_local:
+                yield f"{m.group(1)}.experts.{e - lo}.{m.group(3)}.weight", t
+            continue  # another rank's expert
+        yield name, shard(name, t)
+
+
 class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
@@ -88,12 +127,7 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
         self.kv_start = 0
         for i, layer in enumerate(self.model.layers):
             if a.is_moe(i):
-                moe = TPMoE(self.args, group, dtype=dtype)
-                moe.gate = type(moe.gate)(a)  # the full router (all experts, full group structure)
-                if a.n_shared_experts:
-                    moe.shared_experts = GatedMLP(a.hidden_size, self._shared_rows() // tp, a.hidden_act,
-                                                  dtype=dtype)
-                layer.mlp = moe
+                layer.mlp = build_tp_moe(self.args, a, group, dtype=dtype)
 
     def _shared_rows(self) -> int:
         a = self.full_args
@@ -108,14 +142,10 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
 
     def rank_slices(self) -> dict[str, RankSlice]:
         a, g = self.full_args, self.group
-        q = even_slice(a.num_heads * a.qk_head_dim, g)
         shared = even_slice(self._shared_rows(), g)
         mlp = even_slice(a.intermediate_size, g)
         return {
-            "self_attn.q_proj": q,
-            "self_attn.q_b_proj": q,
-            "self_attn.kv_b_proj": even_slice(a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), g),
-            "self_attn.o_proj": even_slice(a.num_heads * a.v_head_dim, g),
+            **mla_slices(a, g),
             "mlp.shared_experts.gate_proj": shared,
             "mlp.shared_experts.up_proj": shared,
             "mlp.shared_experts.down_proj": shared,
@@ -127,18 +157,8 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
     # -- routed experts: this rank's experts [rank * E/tp, (rank + 1) * E/tp) --------------
     def splits_first_dim(self, name: str) -> bool:
         """Stacked experts, ours or fused in the checkpoint (per-expert tensors: see :meth:`rank_checkpoint`)."""
-        return bool(FUSED_EXPERTS_NAME.match(name)) or name.endswith((".experts_gate_up", ".experts_down"))
+        return is_stacked_expert(name)
 
     def rank_checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Per-expert tensors of this rank's experts renumbered from 0, other ranks' skipped; the rest cut."""
-        n_local = self.args.n_routed_experts
-        lo = self.group.rank * n_local
-        for name, t in weights:
-            m = PER_EXPERT_NAME.match(name)
-            if m:
-                e = int(m.group(2))
-                if lo <= e < lo + n_local:
-                    yield f"{m.group(1)}.experts.{e - lo}.{m.group(3)}.weight", t
-                continue  # another rank's expert
-            yield name, self.shard_hf(name, t)
-
+        return rank_expert_tensors(weights, self.args.n_routed_experts, self.group, self.shard_hf)

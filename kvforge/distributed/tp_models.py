@@ -8,7 +8,9 @@ import torch
 from kvforge.distributed.group import TPGroup
 from kvforge.distributed.tp_deepseek import DEEPSEEK_FAMILY, TPDeepseekForCausalLM
 from kvforge.distributed.tp_hybrid import TPGemma3ForCausalLM, TPGptOssForCausalLM
+from kvforge.distributed.tp_kimi_linear import TPKimiLinearForCausalLM
 from kvforge.distributed.tp_llama import LLAMA_FAMILY, TPLlamaForCausalLM
+from kvforge.distributed.tp_qwen3_next import TPQwen3NextForCausalLM
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import build_uninitialised
 from kvforge.models.registry import resolve_architecture
@@ -19,6 +21,8 @@ TP_MODELS = {
     **{arch: TPDeepseekForCausalLM for arch in DEEPSEEK_FAMILY},
     "Gemma3ForCausalLM": TPGemma3ForCausalLM,
     "GptOssForCausalLM": TPGptOssForCausalLM,
+    "Qwen3NextForCausalLM": TPQwen3NextForCausalLM,
+    "KimiLinearForCausalLM": TPKimiLinearForCausalLM,
 }
 
 
@@ -27,7 +31,7 @@ def check_tp_architecture(hf_config: dict) -> str:
     arch = resolve_architecture(hf_config)
     if arch not in TP_MODELS:
         raise ConfigError(f"--tensor-parallel-size > 1 runs the Llama family ({', '.join(LLAMA_FAMILY)}), "
-                          f"DeepSeek-V2/V3, Gemma 3 and gpt-oss; "
+                          f"DeepSeek-V2/V3, Gemma 3, gpt-oss, Qwen3-Next and Kimi-Linear; "
                           f"{arch} runs at TP 1 only (`kvforge plan` shows its per-rank figures for any TP)")
     return arch
 
@@ -35,7 +39,7 @@ def check_tp_architecture(hf_config: dict) -> str:
 def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan):
     """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights)."""
     arch = check_tp_architecture(hf_config)
-    heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers}
+    heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers if lp.kind != "state"}
     if len(heads) != 1:
         raise ConfigError(f"the plan gives layers different heads per rank {sorted(heads)}; not supported at TP > 1")
     (hpr, kvpr), = heads

@@ -86,9 +86,6 @@ class LLMEngine:
         if self.has_linear_state and args.async_scheduling:
             raise ConfigError("--async-scheduling is not supported for linear-attention models: their per-sequence "
                               "state slots are bound to the synchronous step; drop --async-scheduling")
-        if self.has_linear_state and args.tensor_parallel_size > 1:
-            raise ConfigError("linear-attention state slots are not supported with tensor parallelism yet; use "
-                              "--tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
         if self.spec.rings and args.async_scheduling:
             raise ConfigError("--async-scheduling is not supported for ring (CsaRing) models: their per-request "
                               "state slots are bound to the synchronous step; drop --async-scheduling")

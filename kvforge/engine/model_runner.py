@@ -465,15 +465,20 @@ class ModelRunner:
         logits rows) matters only at TP > 1 (kvforge/distributed/runner.py)."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
-        if self.linear_states is not None:
-            slots, self.step_state_slots = self.step_state_slots, None
-            if slots is None or len(slots) != host.num_seqs:
-                raise RuntimeError(f"a step of {host.num_seqs} sequences over linear-attention state needs one state "
-                                   f"slot per sequence (step_state_slots), got {slots!r}")
-            host.state_slots = np.asarray(slots, dtype=np.int32)
+        self.take_state_slots(host)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None  # every row, in order: no gather
         return self.execute(host, self.wants_graph(host))
+
+    def take_state_slots(self, host: HostStep) -> None:
+        """Linear-attention models: move the engine's ``step_state_slots`` (one per sequence) into ``host``."""
+        if self.linear_states is None:
+            return
+        slots, self.step_state_slots = self.step_state_slots, None
+        if slots is None or len(slots) != host.num_seqs:
+            raise RuntimeError(f"a step of {host.num_seqs} sequences over linear-attention state needs one state "
+                               f"slot per sequence (step_state_slots), got {slots!r}")
+        host.state_slots = np.asarray(slots, dtype=np.int32)
 
     def share_sampled_tokens(self, token_ids: torch.Tensor) -> None:
         """Hand a step's sampled tokens to the other ranks (TP > 1); nothing to do on one rank."""

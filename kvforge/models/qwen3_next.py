@@ -216,13 +216,21 @@ class Qwen3NextMoE(MoE):
         self.shared_expert = GatedMLP(h, a.shared_expert_intermediate_size, a.hidden_act, dtype=dtype)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of the router (the experts it holds all of)."""
         logits = self.gate(x)
         weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.routed(x, weights.to(logits.dtype), ids)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return weights.to(logits.dtype), ids
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert scaled by its sigmoid gate."""
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        return self.routed(x, weights, ids) + self.shared(x)
 
     def routed_experts(self) -> RoutedExperts:
         """The stacked experts, top-k of the router's (a plain linear) experts."""

@@ -49,6 +49,14 @@ def _divisors(n: int) -> str:
 def _heads_per_rank(layer, tp: int) -> tuple[int, int]:
     """Rule 1: query heads split; KV heads split, or replicated when fewer than ranks."""
     if isinstance(layer, StateLayerSpec):
+        for key, count in layer.split_heads:
+            if count % tp:
+                raise PlanError(
+                    f"--tensor-parallel-size {tp} does not divide {key} {count} (linear-attention layer "
+                    f"{layer.index}): each rank holds an equal share of the heads and of their state; use a TP "
+                    f"size that divides {' and '.join(f'{k} {n}' for k, n in layer.split_heads)}: "
+                    f"{_divisors(math.gcd(*(n for _, n in layer.split_heads)))}"
+                )
         return 0, 0
     heads = layer.num_heads
     if heads % tp:

@@ -223,11 +223,13 @@ def _qwen3_next(cfg: dict, arch: str):
     # Gated DeltaNet state per sequence: the recurrent state (v_heads x k_dim x v_dim)
     # plus the causal-conv history ((conv - 1) x (2 * key_total + value_total)).
     state = v_heads * k_dim * v_dim + (conv - 1) * (2 * key_total + value_total)
+    split = (("linear_num_key_heads", k_heads), ("linear_num_value_heads", v_heads))
     dtype = _model_dtype(cfg)
     layers: list[LayerSpec] = []
     for i, t in enumerate(types):
         if t == "linear_attention":
-            layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype))
+            layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
+                                         split_heads=split))
         else:
             layers.append(AttentionLayerSpec(i, "full", heads, kv_heads, head_dim, head_dim))
     hidden = _get(cfg, "hidden_size")
@@ -276,7 +278,8 @@ def _kimi_linear(cfg: dict, arch: str):
     total = _embedding_params(cfg)
     for i, t in enumerate(types):
         if t == "linear_attention":
-            layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype))
+            layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
+                                         split_heads=(("linear_num_heads", num_heads),)))
             attn = kda_params
         else:
             layer, attn = _mla_layer(cfg, i)

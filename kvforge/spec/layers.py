@@ -62,6 +62,8 @@ class StateLayerSpec:
     all heads; ``tp_divisible_elements`` is the part split across TP ranks
     (usually all of it). The state is stored in ``state_dtype`` (the model dtype
     unless the config says otherwise) and is never quantized with the KV cache.
+    ``split_heads`` names the head counts (config key, count) whose equal split
+    over the ranks splits the state: the TP size must divide each of them.
     """
 
     index: int
@@ -69,6 +71,7 @@ class StateLayerSpec:
     tp_divisible_elements: int
     state_dtype: str
     kind: Literal["state"] = "state"
+    split_heads: tuple[tuple[str, int], ...] = ()
 
 
 LayerSpec = AttentionLayerSpec | MLALayerSpec | StateLayerSpec
