@@ -68,7 +68,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None,
                    help="HF model dir / config.json / .gguf file / preset name (default: embedded SmolLM2)")
     add_plan_args(p)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="platform to plan for")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_plan)
 
