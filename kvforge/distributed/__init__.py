@@ -12,6 +12,8 @@
 - ``tp_hybrid.py``: Gemma 3 and gpt-oss (experts split by index).
 - ``tp_deepseek.py``: DeepSeek-V2/V3 (MLA heads split, latent cache replicated,
   routed experts split by index).
+- ``tp_qwen3_next.py`` / ``tp_kimi_linear.py``: the linear-attention hybrids (Gated DeltaNet / KDA heads
+  and their state slots split, gated attention / MLA heads split, experts by index).
 - ``runner.py``: rank 0 broadcasts each step's inputs; every rank runs the model.
 - ``launcher.py`` (rank 0) and ``worker.py`` (ranks 1..N-1): processes, startup
   checks (per-rank KV bytes against the plan), watchdog, shutdown.
