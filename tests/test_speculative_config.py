@@ -145,7 +145,9 @@ def test_async_scheduling_with_speculation_is_refused(no_weights):
 def test_cli_reports_a_bad_config_without_traceback(capsys):
     assert main(["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}',
                  "--prompt", "hi", "--device", "cpu"]) == 2
-    assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "num_speculative_tokens must be an integer >= 1, got 0" in err
+    assert "set num_speculative_tokens to 1 or more, or omit --speculative-config" in err
 
 
 def test_plan_cli_takes_the_config(capsys):

@@ -180,10 +180,11 @@ def _common(body: dict, served_model: str) -> dict:
         raise ModelNotFoundError(model, served_model)
     n = get_int(body, "n", 1)
     if n != 1:
-        bad_field("n", f"only n=1 is supported, got {n}")
+        bad_field("n", f"only n=1 is supported, got {n}; send {n} requests instead (on /v1/completions one "
+                       f"request whose prompt array repeats the prompt {n} times gives {n} choices)")
     best_of = get_int(body, "best_of", None)
     if best_of not in (None, 1):
-        bad_field("best_of", "only best_of=1 is supported")
+        bad_field("best_of", "only best_of=1 is supported; drop best_of")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if get_number(body, penalty, 0.0) != 0.0:
             bad_field(penalty, "is not supported (only 0)")

@@ -25,7 +25,8 @@ _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max"
 
 def _count(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"--speculative-config: {name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"--speculative-config: {name} must be an integer >= {minimum}, got {value!r}; set "
+                          f"{name} to {minimum} or more, or omit --speculative-config to decode without speculation")
     return value
 
 
