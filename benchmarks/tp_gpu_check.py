@@ -1,6 +1,6 @@
-"""Tensor parallelism on two GPUs: one script, six independent parts.
+"""Tensor parallelism on two GPUs: one script, seven independent parts.
 
-    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 benchmarks/tp_gpu_check.py --out tp.json [--parts a,b,c,d,e,f] [--tiny]
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=. python3 benchmarks/tp_gpu_check.py --out tp.json [--parts a,b,c,d,e,f,g] [--tiny]
 
 a. Llama-3.1-8B architecture, dummy weights, fp8 KV, no --block-size, TP=2 (CUDA graphs on): chosen block
    size, per-rank capacity, every rank's pool bytes == plan, graph sizes and graph/eager step counters of
@@ -15,6 +15,8 @@ e. `kvforge serve --tensor-parallel-size 2` (subprocess, --skip-tokenizer-init):
    (expect 200), a text prompt (expect 400: no tokenizer), /metrics, SIGTERM -> exit 0, worker gone.
 f. `--async-scheduling` at TP=2 vs the synchronous TP=2 engine (same dummy weights): greedy tokens and a
    stop-token run identical, both ranks' graph/eager counters equal, every block freed.
+g. Qwen3-Next-80B-A3B architecture (its bf16 weights need two H200s), dummy weights, TP=2: every rank's pool
+   bytes and state-slot bytes per linear-attention layer == plan, generation (finite logits), graph counters.
 
 Every part runs in its own process group with a timeout (killed with its TP workers when it runs over),
 so a failure or hang is reported and the next part still runs; the JSON is rewritten after every part.
@@ -49,11 +51,12 @@ PARTS = {
     "d": "TP=2 decode step: all-reduce vs compute",
     "e": "kvforge serve -tp 2: completions, /metrics, shutdown",
     "f": "async scheduling at TP=2 vs synchronous TP=2",
+    "g": "Qwen3-Next-80B TP=2: pool and state-slot bytes vs plan, generation",
 }
-ORDER = "acdefb"
+ORDER = "acdefbg"
 # Per-part limits: an 8B engine start + Triton compile + graph capture is ~20-60 s per engine, so the
 # Llama parts need minutes; run one or two parts per command where a command's time is limited.
-TIMEOUT_S = {"a": 300, "b": 200, "c": 420, "d": 240, "e": 240, "f": 300}
+TIMEOUT_S = {"a": 300, "b": 200, "c": 420, "d": 240, "e": 240, "f": 300, "g": 420}
 GIB = 2**30
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -67,13 +70,20 @@ TINY_DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deep
                  "rms_norm_eps": 1e-5, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
                  "routed_scaling_factor": 1.0, "scoring_func": "softmax", "norm_topk_prob": False,
                  "torch_dtype": "float32"}
+TINY_QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
+                   "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                   "intermediate_size": 96, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "num_experts": 6,
+                   "num_experts_per_tok": 2, "vocab_size": 255, "max_position_embeddings": 1024,
+                   "rms_norm_eps": 1e-6, "full_attention_interval": 4, "torch_dtype": "float32"}
 
 
 # ---- settings ------------------------------------------------------------------------------------------------
 def settings(o: argparse.Namespace) -> dict:
     gpu = o.device == "cuda" and not o.tiny  # the tiny configs hold 1024 positions: the CPU workload sizes
     s = {
-        "device": o.device, "llama": o.llama, "deepseek": o.deepseek,
+        "device": o.device, "llama": o.llama, "deepseek": o.deepseek, "linear": o.linear,
         "dtype": o.dtype, "kv": "auto" if o.dtype == "float32" else o.kv_cache_dtype,
         "max_model_len": 4096 if gpu else 512, "kv_cache_memory": 16 * GIB if gpu else 32 * 2**20,
         "a_prompts": 4, "a_tokens": 24, "b_prompts": 2, "b_tokens": 16,
@@ -124,7 +134,7 @@ def plan_info(llm) -> dict:
         "backends": sorted({layer.backend for layer in plan.layers}),
         "kv_cache_dtype": plan.kv_cache_dtype, "model_dtype": plan.model_dtype,
         "block_size": plan.block_size, "block_size_reason": plan.block_size_reason,
-        "kv_heads_per_rank": plan.layers[0].kv_heads_per_rank, "bytes_per_token_per_rank": plan.bytes_per_token,
+        "kv_heads_per_rank": next(x for x in plan.layers if x.kind != "state").kv_heads_per_rank, "bytes_per_token_per_rank": plan.bytes_per_token,
         "num_blocks_per_rank": plan.num_blocks, "capacity_tokens_per_rank": plan.capacity_tokens,
         "weights_bytes_per_rank": plan.weights_bytes_per_rank, "pool_bytes_plan": want,
         "pool_bytes_per_rank": [r["nbytes"] for r in reports],
@@ -254,6 +264,43 @@ def part_b(s: dict) -> dict:
     r["brief"] = (f"backends {r['backends']}, block {r['block_size']}, {r['capacity_tokens_per_rank']:,} tok/rank, "
                   f"pool==plan {r['pool_bytes_equal_plan']}, {n} tokens in {r['generate_s']} s, finite logits "
                   f"{r['logits_finite']}, graphs {'off: ' + str(r['graphs_off_reason']) if not r['graph_sizes_per_rank'][0] else 'on'}")
+    return r
+
+
+def part_g(s: dict) -> dict:
+    import torch
+
+    from kvforge import SamplingParams
+    from kvforge.distributed.launcher import expected_state_bytes
+
+    llm, startup = make_llm(s, s["linear"], tensor_parallel_size=2)
+    try:
+        r = {"startup_s": round(startup, 1), **plan_info(llm)}
+        want = expected_state_bytes(llm.plan)
+        r["state_slots"] = llm.plan.capacity.state_slots
+        r["state_bytes_per_slot_plan"] = want
+        r["state_bytes_equal_plan"] = all(x["state_bytes"] == want for x in r["rank_reports"])
+        prompts = _prompts(s["b_prompts"], llm.engine.spec.vocab_size)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=s["b_tokens"], ignore_eos=True),
+                            use_tqdm=False)
+        r["generate_s"] = round(time.perf_counter() - t0, 2)
+        r["tokens"] = [o.outputs[0].token_ids for o in outs]
+        r["counters"] = counters(llm)
+        logits = llm.engine.compute_prompt_logits(prompts[0]["prompt_token_ids"])
+        r["logits_finite"] = bool(torch.isfinite(logits).all().item())
+    finally:
+        llm.engine.shutdown()
+        del llm
+        free_memory()
+    n = sum(len(t) for t in r["tokens"])
+    r["ok"] = bool(r["pool_bytes_equal_plan"] and r["state_bytes_equal_plan"] and r["logits_finite"]
+                   and n == s["b_prompts"] * s["b_tokens"])
+    graph_steps = [c["num_graph_steps"] for c in r["counters"]]
+    r["brief"] = (f"{r['state_slots']} state slots, state==plan {r['state_bytes_equal_plan']}, pool==plan "
+                  f"{r['pool_bytes_equal_plan']}, weights {r['weights_bytes_per_rank'] / GIB:.1f} GiB/rank, {n} tokens "
+                  f"in {r['generate_s']} s, finite logits {r['logits_finite']}, graph steps per rank {graph_steps} "
+                  f"(off: {r['graphs_off_reason']}), startup {r['startup_s']} s")
     return r
 
 
@@ -470,7 +517,7 @@ def child_main(o: argparse.Namespace) -> int:
         if part == "e":
             res = part_e(s, time.time() + o.child_timeout)
         else:
-            res = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f}[part](s)
+            res = {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "f": part_f, "g": part_g}[part](s)
         res["status"] = "ok" if res.get("ok") else "check failed"
     except BaseException as e:  # noqa: BLE001 - reported, the next part still runs
         traceback.print_exc()
@@ -485,6 +532,7 @@ def run_part(part: str, o: argparse.Namespace, timeout: float, tmpdir: str) -> d
     out_file = os.path.join(tmpdir, f"part_{part}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", part, "--child-out", out_file,
            "--child-timeout", str(timeout), "--device", o.device, "--llama", o.llama, "--deepseek", o.deepseek,
+           "--linear", o.linear,
            "--dtype", o.dtype, "--kv-cache-dtype", o.kv_cache_dtype]
     if o.c_prompts:
         cmd += ["--c-prompts", str(o.c_prompts)]
@@ -518,21 +566,22 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def write_tiny_models(tmpdir: str) -> tuple[str, str]:
+def write_tiny_models(tmpdir: str) -> tuple[str, str, str]:
     paths = []
-    for name, cfg in (("tiny_llama", TINY_LLAMA), ("tiny_deepseek", TINY_DEEPSEEK)):
+    for name, cfg in (("tiny_llama", TINY_LLAMA), ("tiny_deepseek", TINY_DEEPSEEK),
+                      ("tiny_qwen3_next", TINY_QWEN3_NEXT)):
         d = os.path.join(tmpdir, name)
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f)
         paths.append(d)
-    return paths[0], paths[1]
+    return paths[0], paths[1], paths[2]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="write the JSON result here (rewritten after every part)")
-    p.add_argument("--parts", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
+    p.add_argument("--parts", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f,g")
     p.add_argument("--tiny", action="store_true",
                    help="tiny dummy configs on CUDA too, with the CPU run's sizes (512 positions, 32 MiB of KV), "
                         "also for an explicit --llama / --deepseek")
@@ -540,6 +589,7 @@ def main() -> int:
                    help="cpu: tiny dummy configs over gloo (smoke test of the code paths)")
     p.add_argument("--llama", default=None, help="model for parts a, c, d, e (default llama-3.1-8b; cpu: tiny)")
     p.add_argument("--deepseek", default=None, help="model for part b (default deepseek-v2-lite; cpu: tiny)")
+    p.add_argument("--linear", default=None, help="model for part g (default qwen3-next-80b-a3b; cpu: tiny)")
     p.add_argument("--dtype", default=os.environ.get("TP_CHECK_DTYPE", "auto"))
     p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--c-prompts", type=int, default=0, help="requests in part c (default 256; cpu 16)")
@@ -559,11 +609,12 @@ def main() -> int:
         p.error(f"unknown part(s) {bad}; choose from {sorted(PARTS)}")
     t_start = time.perf_counter()
     tmpdir = tempfile.mkdtemp(prefix="tp_gpu_check_")
-    if (o.device == "cpu" or o.tiny) and (o.llama is None or o.deepseek is None):
-        llama, deepseek = write_tiny_models(tmpdir)
-        o.llama, o.deepseek = o.llama or llama, o.deepseek or deepseek
+    if (o.device == "cpu" or o.tiny) and (o.llama is None or o.deepseek is None or o.linear is None):
+        llama, deepseek, linear = write_tiny_models(tmpdir)
+        o.llama, o.deepseek, o.linear = o.llama or llama, o.deepseek or deepseek, o.linear or linear
     o.llama = o.llama or "llama-3.1-8b"
     o.deepseek = o.deepseek or "deepseek-v2-lite"
+    o.linear = o.linear or "qwen3-next-80b-a3b"
     env_info = {"device": o.device, "llama": o.llama, "deepseek": o.deepseek, "dtype": o.dtype,
                 "kv_cache_dtype": o.kv_cache_dtype, "parts": parts}
     try:
