@@ -152,9 +152,29 @@ class ParsedRequest:
     prompt_only: bool = False
 
 
+# vLLM's extra request fields that change the output, each with the test of its value that leaves the
+# output unchanged (accepted, as is null); any other value is refused like the OpenAI fields below.
+_VLLM_EXTRAS_NEUTRAL = {
+    "min_tokens": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1,
+    "length_penalty": lambda v: v == 1,
+    "use_beam_search": lambda v: v is False,
+    "include_stop_str_in_output": lambda v: v is False,
+    "allowed_token_ids": lambda v: v == [],
+    "bad_words": lambda v: v == [],
+    **{name: lambda v: False for name in ("prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex",
+                                          "guided_choice", "guided_grammar", "structured_outputs")},
+}
+
+
 def _refuse_unsupported_features(body: dict) -> None:
     """Fields that would change what the model may output, which this server does not implement: refused
     (400 naming the field) rather than ignored, so a client never takes plain text for constrained output."""
+    for name, neutral in _VLLM_EXTRAS_NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not neutral(value):
+            hint = "; for prompt logprobs send echo with logprobs to /v1/completions" if name == "prompt_logprobs" else ""
+            bad_field(name, f"is not supported (leave it unset){hint}")
     if body.get("logit_bias"):
         bad_field("logit_bias", "is not supported (send null or {})")
     fmt = body.get("response_format")
