@@ -128,6 +128,8 @@ def test_query_dtype_fp8_where_a_layer_cannot_take_it_is_a_plan_error(preset, tp
     assert text.startswith("--query-dtype fp8: these layers cannot take a quantized (fp8) attention query:\n")
     assert f"\n  - {why}\n" in text
     assert "fix: drop --query-dtype fp8 (auto keeps the model-dtype query)" in text
+    # a CPU plan points to the GPU backends; a CUDA plan has nothing to add
+    assert ("this plan is for CPU: `kvforge plan --device cuda` plans the GPU backends" in text) == (platform == "cpu")
 
 
 def test_query_dtype_fp8_skips_state_layers():

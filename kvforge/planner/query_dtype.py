@@ -76,9 +76,10 @@ def _layer_query_dtype(layer, model_dtype: str, choice: str) -> tuple[str, str]:
     return _quantized(layer)
 
 
-def plan_query_dtypes(layers, model_dtype: str, choice: str, ranges) -> list[tuple[str, str]]:
+def plan_query_dtypes(layers, model_dtype: str, choice: str, ranges, platform: str) -> list[tuple[str, str]]:
     """(query dtype, reason) per layer, in order. Under ``--query-dtype fp8`` every attention layer must take
-    the quantized query; otherwise one PlanError lists the layers (``ranges`` formats indices) and why."""
+    the quantized query; otherwise one PlanError lists the layers (``ranges`` formats indices) and why, and
+    on a CPU plan says that the GPU backends are planned with ``--device cuda``."""
     refused: dict[str, list[int]] = {}
     for layer in layers:
         why = _rejection(layer, model_dtype) if choice == "fp8" and layer.kind != "state" else None
@@ -89,5 +90,7 @@ def plan_query_dtypes(layers, model_dtype: str, choice: str, ranges) -> list[tup
         raise PlanError(f"--query-dtype fp8: these layers cannot take a quantized (fp8) attention query:\n{listing}\n"
                         "fix: drop --query-dtype fp8 (auto keeps the model-dtype query); the fp8 query needs an "
                         "fp8_e4m3 KV cache (--kv-cache-dtype fp8) and a backend that declares it for the layer "
-                        "(`kvforge plan` shows each layer's backend and why)")
+                        "(`kvforge plan` shows each layer's backend and why)"
+                        + ("; this plan is for CPU: `kvforge plan --device cuda` plans the GPU backends"
+                           if platform == "cpu" else ""))
     return [_layer_query_dtype(layer, model_dtype, choice) for layer in layers]

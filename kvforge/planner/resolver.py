@@ -415,7 +415,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     layer_plans = []
     quantized = is_quantized(kv_dtype)
     scheme = cache.kv_scale_scheme if quantized else None
-    query_dtypes = plan_query_dtypes(layers, model_dtype, cache.query_dtype, _ranges)
+    query_dtypes = plan_query_dtypes(layers, model_dtype, cache.query_dtype, _ranges, platform)
     for layer, (qd, why) in zip(layers, query_dtypes, strict=True):
         layer_scheme = scheme
         if layer.kind == "mla" and scheme == "per_head":
