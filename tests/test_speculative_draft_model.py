@@ -53,7 +53,8 @@ def generate(llm, prompts, params):
         if engine.speculative is not None and engine.speculative.method == "draft_model":
             check_draft_invariants(engine)
     if engine.speculative is not None and engine.speculative.method == "draft_model":
-        assert engine.proposer.block_manager.num_used_blocks == 0  # every finished request freed its draft KV
+        stats = engine.stats()  # every finished request freed its draft KV
+        assert stats["draft_kv_blocks_used"] == 0 and stats["draft_kv_blocks_total"] == engine.plan.draft.num_blocks
     return [final[str(i)] for i in range(len(prompts))]
 
 

@@ -523,7 +523,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         bm = self.block_manager
-        return {
+        out = {
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "kv_blocks_used": bm.num_used_blocks,
@@ -541,6 +541,11 @@ class LLMEngine:
             "async_pressure_resolves": self.async_pressure_resolves,
             "spec_decode": self.spec_counters.as_dict() if self.spec_counters is not None else None,
         }
+        draft_blocks = getattr(self.proposer, "block_manager", None)  # a draft model's own pool
+        if draft_blocks is not None:
+            out["draft_kv_blocks_used"] = draft_blocks.num_used_blocks
+            out["draft_kv_blocks_total"] = draft_blocks.num_blocks
+        return out
 
     def rank_counters(self) -> list[dict]:
         """Per-rank step counters (``num_graph_steps``, ``num_eager_steps``, ``graph_sizes``,
