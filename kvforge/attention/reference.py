@@ -195,6 +195,18 @@ def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tens
     return x[0], x[1], factor
 
 
+def _gather_kv_by_head(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Blocks ``[B, nb]`` -> raw K, V float32 ``[Hkv, B, nb * block_size, D]`` and their factor (as
+    :func:`_gather_kv`, KV head first): one ``index_select`` over the cache's block axis seen KV head first
+    lands every head's blocks in order, so no reordering copy follows (float32 caches: no copy at all)."""
+    bsz, nb = blocks.shape
+    _, _, hkv, bs, d = kv_cache.shape
+    g = _storage_view(kv_cache).permute(1, 2, 0, 3, 4).index_select(2, blocks.reshape(-1))  # [2, Hkv, B*nb, bs, D]
+    g, factor = _widen_bits(g, kv_cache.dtype)
+    x = g.to(torch.float32).view(2, hkv, bsz, nb * bs, d)
+    return x[0], x[1], factor
+
+
 def _attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -355,31 +367,31 @@ def _decode(qf, kv_cache, block_tables, seq_lens, qk_scale, vs, group, window, s
         bidx = torch.arange(first_block, first_block + nb, device=device)
         # Entries past a sequence's last block are arbitrary: read block 0 there (masked).
         blocks = torch.where(bidx[None, :] < (lens[:, None] + bs - 1) // bs, blocks, 0)
-    k, v, factor = _gather_kv(kv_cache, blocks)  # [B, Hkv, nb * bs, D]
+    k, v, factor = _gather_kv_by_head(kv_cache, blocks)  # [Hkv, B, nb * bs, D]
     if exact:
         keys = slice(lo - first_block * bs, hi - first_block * bs)
         k, v = k[:, :, keys], v[:, :, keys]
     lk = k.shape[2]
-    # The score scale goes on the (small) query; batch and KV head merge in views of the gathered K and V.
-    q_scaled = qf[:b].view(b, hkv, group, d) * _per_head(qk_scale * factor, 4)
-    scores = torch.bmm(q_scaled.view(b * hkv, group, d), k.reshape(b * hkv, lk, d).transpose(1, 2))
-    scores4 = scores.view(b, hkv, group, lk)  # [B, Hkv, G, Lk]
+    # KV head and batch merge in views of the gathered K and V; the score scale goes on the (small) query.
+    q_scaled = (qf[:b].view(b, hkv, group, d) * _per_head(qk_scale * factor, 4)).transpose(0, 1)
+    scores = torch.bmm(q_scaled.reshape(hkv * b, group, d), k.reshape(hkv * b, lk, d).transpose(1, 2))
+    scores4 = scores.view(hkv, b, group, lk)  # [Hkv, B, G, Lk]
     if not exact:
         kpos = first_block * bs + torch.arange(nb * bs, device=device)
         allowed = kpos[None, :] < lens[:, None]
         if window is not None:
             allowed &= kpos[None, :] >= lens[:, None] - window
-        scores4.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-        v.view(torch.int32).bitwise_and_(torch.where(allowed, -1, 0).to(torch.int32)[:, None, :, None])
+        scores4.masked_fill_(~allowed[None, :, None, :], float("-inf"))
+        v.view(torch.int32).bitwise_and_(torch.where(allowed, -1, 0).to(torch.int32)[None, :, :, None])
     if sinks is None:
         p = torch.softmax(scores, dim=-1)
     else:
-        sink = sinks.view(1, *sinks.shape, 1).expand(b, hkv, group, 1)
-        p = torch.softmax(torch.cat([scores4, sink], dim=-1), dim=-1)[..., :-1].reshape(b * hkv, group, lk)
-    o = torch.bmm(p, v.reshape(b * hkv, lk, d)).view(b, hkv, group, d)
+        sink = sinks.view(hkv, 1, group, 1).expand(hkv, b, group, 1)
+        p = torch.softmax(torch.cat([scores4, sink], dim=-1), dim=-1)[..., :-1].reshape(hkv * b, group, lk)
+    o = torch.bmm(p, v.reshape(hkv * b, lk, d)).view(hkv, b, group, d)
     if vs is not None:
-        o *= _per_head(vs * factor, 4)
-    return o.view(b, hkv * group, d)
+        o *= (vs * factor).view(-1, 1, 1, 1)
+    return o.transpose(0, 1).reshape(b, hkv * group, d)
 
 
 def _batched(qf, kv_cache, block_tables, seqs, qsl, qlens, seq_lens, qk_scale, vs, group, window, out, sinks):
