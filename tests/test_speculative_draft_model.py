@@ -160,3 +160,20 @@ def test_sampled_proposals_follow_q_and_q_is_handed_over():
         proposer.discard(seq.request_id)
     assert chi_square_p_value(counts, q) > P_VALUE_THRESHOLD
     assert proposer.block_manager.num_used_blocks == 0
+
+
+def test_sliding_window_model_as_its_own_draft(tmp_path):
+    """The draft's sliding-window groups free what leaves the window while its proposals are rolled back
+    (a 16-token window over blocks of 4); the invariants above check every step."""
+    from tiny_checkpoints import make_checkpoint
+
+    make_checkpoint("gemma3", tmp_path)
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False,
+              device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = token_ids(generate(LLM(str(tmp_path), **kw), TINY_PROMPTS, params))
+    on = LLM(str(tmp_path), speculative_config=draft_config(tmp_path, 3), **kw)
+    assert "sliding" in {g.kind for g in on.engine.plan.draft.groups}
+    assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
+    counters = on.engine.stats()["spec_decode"]
+    assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9
