@@ -211,3 +211,24 @@ def test_engine_flag_is_checked_before_anything_loads():
     with pytest.raises(ConfigError, match="must be >= 0"):
         EngineArgs(long_prefill_token_threshold=-1)
     assert EngineArgs(enable_chunked_prefill=False).long_prefill_token_threshold is None  # the default stays valid
+
+
+def test_without_chunked_prefill_the_budget_holds_the_longest_prompt(monkeypatch):
+    """vLLM's habit: with chunked prefill off and no --max-num-batched-tokens, a step holds max_model_len
+    tokens; an explicit smaller budget fails before any weight is read."""
+    from kvforge.config import EngineArgs
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.errors import ConfigError
+
+    args = dict(device="cpu", progress=False, kv_cache_memory=1 << 28, max_model_len=4096, skip_tokenizer_init=True,
+                enable_chunked_prefill=False)
+    engine = LLMEngine(EngineArgs(**args))
+    assert engine.scheduler.max_num_batched_tokens == 4096
+    engine.shutdown()
+
+    def fail(*a, **k):
+        raise AssertionError("weights were loaded before the flag was checked")
+
+    monkeypatch.setattr("kvforge.models.registry.build_model", fail)
+    with pytest.raises(ConfigError, match="lower --max-model-len"):
+        LLMEngine(EngineArgs(**args, max_num_batched_tokens=2048))

@@ -93,6 +93,13 @@ class LLMEngine:
             raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet; "
                               "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
         batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
+        if not args.enable_chunked_prefill and batched < self.plan.max_model_len:
+            if args.max_num_batched_tokens is not None:
+                raise ConfigError(
+                    f"--max-num-batched-tokens {batched} < max_model_len {self.plan.max_model_len} without chunked "
+                    "prefill: a prompt longer than one step could never be scheduled; raise "
+                    "--max-num-batched-tokens, lower --max-model-len or drop --no-enable-chunked-prefill")
+            batched = self.plan.max_model_len  # as vLLM: without chunks a step must hold the longest prompt
         self.speculative = args.speculative_config
         if self.speculative is not None:
             check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched,
