@@ -122,6 +122,13 @@ def test_draft_with_tensor_parallelism_is_refused(no_weights):
             "method": "draft_model", "model": "qwen3-8b", "num_speculative_tokens": 2})
 
 
+def test_preset_draft_for_a_real_target_is_refused(no_weights, tmp_path):
+    target = _config_dir(tmp_path, "qwen3-8b")
+    with pytest.raises(ConfigError, match="is a preset without weights but the target"):
+        _engine(target, load_format="auto", speculative_config={"method": "draft_model", "model": "qwen3-8b",
+                                                                "num_speculative_tokens": 2})
+
+
 def test_linear_attention_model_is_refused(no_weights):
     with pytest.raises(ConfigError, match="not supported for linear-attention models"):
         _engine("qwen3-next-80b-a3b", num_speculative_tokens=2)

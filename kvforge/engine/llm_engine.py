@@ -107,7 +107,12 @@ class LLMEngine:
         self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
         if self.draft_spec is not None:  # the draft's weights follow the target's load format (dummy or real)
             self.draft_location = self._weights_location(speculative.model,
-                                                         "dummy" if args.load_format == "dummy" else "auto")
+                                                         "dummy" if self.load_format == "dummy" else "auto")
+            if self.draft_location[1] == "dummy" and self.load_format != "dummy":
+                raise ConfigError(f"the draft model {speculative.model!r} is a preset without weights but the target "
+                                  f"{self.spec.name} loads real weights: a draft with random weights would propose "
+                                  f"nothing useful; give the draft's checkpoint directory or .gguf file (or run both "
+                                  f"with --load-format dummy)")
             resolve_architecture(self.draft_spec.hf_config)
         logger.info("%s", self.plan.summary())
         if any(layer.kind == "mla" for layer in self.plan.layers):
