@@ -52,11 +52,16 @@ def _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys=False):
 
 
 def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=False, num_slots=7,
-                   chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32, repeated_keys=False):
+                   chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32, repeated_keys=False,
+                   fresh_slots_hold=None):
     q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     gen = torch.Generator().manual_seed(seed + 100)
     states = (0.3 * torch.randn(num_slots, hv, dk, dv, generator=gen)).to(DEVICE)
+    if fresh_slots_hold is not None:  # what a slot held before its new sequence (e.g. NaN: a poisoned slot)
+        for slot, fresh in zip(slots, init):
+            if slot >= 0 and not fresh:
+                states[slot] = fresh_slots_hold
     before = states.clone()
     slot_ids = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
     flags = torch.tensor(init, dtype=torch.bool, device=DEVICE)
@@ -94,6 +99,14 @@ def test_prefill_lengths_the_chunk_does_not_divide(per_channel):
         _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], per_channel=True, tol=REC_TOL, seed=3)
     else:  # two value blocks (40 > 32 columns), chunks of 16 over 17 and 40 tokens
         _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1], [1, 17, 9]], ids=["decode", "chunked_prefill"])
+def test_a_fresh_sequence_never_reads_its_slot(lens):
+    """A slot that held NaN (a request that overflowed, or never-written memory) starts its next sequence from
+    zeros: a fresh sequence's state is masked off, not multiplied by zero (NaN x 0 is NaN)."""
+    _run_and_check(lens, [4, 2, 0], [True, False, False], fresh_slots_hold=float("nan"),
+                   tol=REC_TOL if lens == [1, 1, 1] else CHUNK_TOL, seed=5)
 
 
 def test_chunked_prefill_with_repeated_keys():

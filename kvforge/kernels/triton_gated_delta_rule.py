@@ -61,12 +61,15 @@ if HAS_TRITON:
     def _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask, stride_ss, stride_sh, stride_sk,
                     HAS_INIT_FLAGS: tl.constexpr):
         """Sequence ``i``'s ``[BK, BV]`` state block (value channels ``vs`` of head ``h``) from its slot, in
-        float32, zeroed where ``has_initial_state[i]`` is False; with the offsets and mask of the final store."""
+        float32, zeros where ``has_initial_state[i]`` is False (the slot is not read); with the offsets and mask
+        of the final store."""
         s_off = slot * stride_ss + h * stride_sh + ks[:, None].to(tl.int64) * stride_sk + vs[None, :]
         smask = kmask[:, None] & vmask[None, :]
-        s = tl.load(state_ptr + s_off, mask=smask, other=0.0).to(tl.float32)
-        if HAS_INIT_FLAGS:
-            s = s * (tl.load(init_ptr + i) != 0).to(tl.float32)
+        if HAS_INIT_FLAGS:  # a fresh sequence never reads its slot: whatever it holds (even NaN) stays out
+            smask_load = smask & (tl.load(init_ptr + i) != 0)
+        else:
+            smask_load = smask
+        s = tl.load(state_ptr + s_off, mask=smask_load, other=0.0).to(tl.float32)
         return s, s_off, smask
 
     @triton.jit
