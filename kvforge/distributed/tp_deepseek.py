@@ -63,6 +63,21 @@ class TPMoE(MoE):
         return self.group.all_reduce_(out)
 
 
+def check_mla_moe_split(a, tp: int, heads_per_rank: int, kv_heads_per_rank: int, experts_key: str) -> None:
+    """What an MLA + MoE model (DeepSeek's args ``a``: ``num_heads``, ``intermediate_size``,
+    ``n_routed_experts``, ``moe_intermediate_size``, ``n_shared_experts``) needs to split over ``tp`` ranks:
+    the plan's heads per rank, one replicated latent "KV head", and dense, routed and shared MLP sizes that
+    divide by ``tp`` (``experts_key``: the config key of the routed expert count, named in the error)."""
+    check_heads_per_rank(a.num_heads, tp, heads_per_rank)
+    if kv_heads_per_rank != 1:
+        raise ConfigError(f"the plan gives {kv_heads_per_rank} KV heads per rank; the MLA latent cache is "
+                          f"replicated (1 per rank)")
+    check_tp_divides(tp, a.intermediate_size, "intermediate_size")
+    check_tp_divides(tp, a.n_routed_experts, experts_key)
+    if a.n_routed_experts:
+        check_tp_divides(tp, a.moe_intermediate_size * a.n_shared_experts, "the shared experts' intermediate size")
+
+
 def build_tp_moe(rank_args, full_args, group: TPGroup, dtype=None) -> TPMoE:
     """This rank's MoE block: its routed experts (``rank_args``), the full router and its rows of the shared
     experts (``full_args``: every expert, the full group structure)."""
@@ -107,15 +122,7 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
                  kv_heads_per_rank: int):
         a = DeepseekArgs(config)
         tp = group.world_size
-        check_heads_per_rank(a.num_heads, tp, heads_per_rank)
-        if kv_heads_per_rank != 1:
-            raise ConfigError(f"the plan gives {kv_heads_per_rank} KV heads per rank; the MLA latent cache is "
-                              f"replicated (1 per rank)")
-        check_tp_divides(tp, a.intermediate_size, "intermediate_size")
-        check_tp_divides(tp, a.n_routed_experts, "n_routed_experts")
-        if a.n_routed_experts:
-            check_tp_divides(tp, a.moe_intermediate_size * a.n_shared_experts,
-                             "the shared experts' intermediate size")
+        check_mla_moe_split(a, tp, heads_per_rank, kv_heads_per_rank, "n_routed_experts")
         sizes = dict(num_attention_heads=heads_per_rank, intermediate_size=a.intermediate_size // tp)
         if a.n_routed_experts:
             # shared experts: one GatedMLP of n_shared * moe_intermediate, replaced below by its slice

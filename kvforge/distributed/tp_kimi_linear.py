@@ -32,13 +32,17 @@ from kvforge.distributed.group import TPGroup
 from kvforge.distributed.tp_decoder import (
     RankSlice,
     TensorParallelDecoder,
-    check_heads_per_rank,
     check_tp_divides,
     even_slice,
     per_rank_config,
 )
-from kvforge.distributed.tp_deepseek import build_tp_moe, is_stacked_expert, mla_slices, rank_expert_tensors
-from kvforge.errors import ConfigError
+from kvforge.distributed.tp_deepseek import (
+    build_tp_moe,
+    check_mla_moe_split,
+    is_stacked_expert,
+    mla_slices,
+    rank_expert_tensors,
+)
 from kvforge.models.decoder import gate_up_parts
 from kvforge.models.kimi_linear import KimiLinearArgs, KimiLinearForCausalLM, our_name
 from kvforge.models.qwen3_next import LINEAR
@@ -52,14 +56,8 @@ class TPKimiLinearForCausalLM(TensorParallelDecoder, KimiLinearForCausalLM):
                  kv_heads_per_rank: int):
         a = KimiLinearArgs(config)
         tp = group.world_size
-        check_heads_per_rank(a.num_heads, tp, heads_per_rank)
-        if kv_heads_per_rank != 1:
-            raise ConfigError(f"the plan gives {kv_heads_per_rank} KV heads per rank; the MLA latent cache is "
-                              f"replicated (1 per rank)")
+        check_mla_moe_split(a, tp, heads_per_rank, kv_heads_per_rank, "num_experts")
         check_tp_divides(tp, a.linear_num_heads, "linear_num_heads")
-        check_tp_divides(tp, a.intermediate_size, "intermediate_size")
-        check_tp_divides(tp, a.n_routed_experts, "num_experts")
-        check_tp_divides(tp, a.moe_intermediate_size * a.n_shared_experts, "the shared experts' intermediate size")
         # The rank's MoE has E/tp experts and one expert group; its router is replaced by the full one below.
         sizes = dict(num_attention_heads=heads_per_rank, linear_num_heads=a.linear_num_heads // tp,
                      intermediate_size=a.intermediate_size // tp, num_experts=a.n_routed_experts // tp,
