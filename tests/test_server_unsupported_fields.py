@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvforge.server.protocol import InvalidRequestError, parse_chat, parse_completion
+from kvforge.server.protocol import InvalidRequestError, choice_params, parse_chat, parse_completion
 
 MODEL = "m"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -10,24 +10,48 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
                          ids=["completions", "chat"])
-def test_n_above_one_names_the_alternative(parse, body):
+@pytest.mark.parametrize("n", [0, -1, 129])
+def test_n_out_of_range_is_refused(parse, body, n):
     with pytest.raises(InvalidRequestError) as err:
-        parse({**body, "model": MODEL, "n": 3}, MODEL)
-    assert err.value.field == "n"
-    message = str(err.value)
-    assert "only n=1 is supported, got 3" in message
-    assert "send 3 requests instead" in message and "repeats the prompt 3 times" in message
+        parse({**body, "model": MODEL, "n": n}, MODEL)
+    assert err.value.field == "n" and f"must be an integer in [1, 128], got {n}" in str(err.value)
 
 
-def test_n_one_and_best_of_one_are_accepted():
-    parsed = parse_completion({"prompt": "hi", "model": MODEL, "n": 1, "best_of": 1}, MODEL)
-    assert parsed.params.n == 1
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
+                         ids=["completions", "chat"])
+def test_n_and_best_of_equal_to_n_are_accepted(parse, body):
+    parsed = parse({**body, "model": MODEL, "n": 3, "best_of": 3}, MODEL)
+    assert parsed.n == 3 and parsed.params.n == 1  # one engine request per choice
 
 
-def test_best_of_above_one_says_to_drop_it():
+def test_batch_times_n_is_bounded():
     with pytest.raises(InvalidRequestError) as err:
-        parse_completion({"prompt": "hi", "model": MODEL, "best_of": 2}, MODEL)
-    assert err.value.field == "best_of" and "drop best_of" in str(err.value)
+        parse_completion({"prompt": ["a"] * 9, "model": MODEL, "n": 128}, MODEL)
+    assert err.value.field == "n" and "9 prompts x n=128 is 1152 sequences; at most 1024" in str(err.value)
+
+
+@pytest.mark.parametrize("n, best_of", [(1, 2), (2, 4), (3, 2)])
+def test_best_of_other_than_n_is_refused(n, best_of):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "n": n, "best_of": best_of}, MODEL)
+    assert err.value.field == "best_of"
+    assert f"only best_of equal to n ({n}) is supported, got {best_of}" in str(err.value)
+    assert "drop best_of" in str(err.value)
+
+
+@pytest.mark.parametrize("seed", [1 << 63, -(1 << 63) - 1])
+def test_seed_outside_64_bits_is_refused(seed):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "seed": seed}, MODEL)
+    assert err.value.field == "seed"
+
+
+def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
+    params = parse_completion({"prompt": "hi", "model": MODEL, "seed": (1 << 63) - 2, "n": 4}, MODEL).params
+    seeds = [choice_params(params, j).seed for j in range(4)]
+    assert seeds == [(1 << 63) - 2, (1 << 63) - 1, -(1 << 63), -(1 << 63) + 1]
+    unseeded = parse_completion({"prompt": "hi", "model": MODEL, "n": 2}, MODEL).params
+    assert choice_params(unseeded, 1).seed is None
 
 
 VLLM_EXTRAS_REFUSED = [

@@ -178,18 +178,45 @@ def create_app(
             raise protocol.ModelNotFoundError(request.match_info["model_id"], model_name)
         return web.json_response(model_object())
 
-    async def completions(request):
-        req = protocol.parse_completion(await read_json(request), model_name)
-        streams: list[RequestStream] = []
+    async def add_choices(req: protocol.ParsedRequest) -> list[RequestStream]:
+        """One engine request per choice, in choice order (prompt position * n + sample number). With
+        n > 1 and prefix caching on, each prompt's first sample is computed before its others are added,
+        so they reuse its prompt blocks instead of computing the prompt n times. A failure closes (aborts)
+        every request added so far."""
+        prompts = req.prompts if req.kind == "completion" else [None]
+        n = req.n
+        streams: list[RequestStream | None] = [None] * (len(prompts) * n)
+
+        async def add(i: int, sample: int) -> None:
+            try:
+                streams[i * n + sample] = await aengine.add_request(
+                    prompts[i], protocol.choice_params(req.params, sample), messages=req.messages,
+                    max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field)
+            except InvalidRequestError as e:
+                if len(prompts) == 1:
+                    raise
+                raise InvalidRequestError(f"prompt {i} of the batch: {e}", field=e.field) from e
+
         try:
-            for i, prompt in enumerate(req.prompts):
-                try:
-                    streams.append(await aengine.add_request(prompt, req.params,
-                                                             max_tokens_explicit=req.max_tokens_explicit))
-                except InvalidRequestError as e:
-                    if len(req.prompts) == 1:
-                        raise
-                    raise InvalidRequestError(f"prompt {i} of the batch: {e}", field=e.field) from e
+            for i in range(len(prompts)):
+                await add(i, 0)
+            if n > 1:
+                if aengine.shares_prompt_prefixes:
+                    await asyncio.gather(*(streams[i * n].wait_output() for i in range(len(prompts))))
+                for i in range(len(prompts)):
+                    for sample in range(1, n):
+                        await add(i, sample)
+        except BaseException:
+            for stream in streams:
+                if stream is not None:
+                    stream.close()
+            raise
+        return streams
+
+    async def generate(request, parse):
+        req = parse(await read_json(request), model_name)
+        streams = await add_choices(req)
+        try:
             if req.stream:
                 return await _stream(request, req, streams, engine.tokenizer, model_name)
             return await _collect(req, streams, engine.tokenizer, model_name)
@@ -197,17 +224,11 @@ def create_app(
             for stream in streams:
                 stream.close()
 
+    async def completions(request):
+        return await generate(request, protocol.parse_completion)
+
     async def chat(request):
-        req = protocol.parse_chat(await read_json(request), model_name)
-        stream = await aengine.add_request(None, req.params, messages=req.messages,
-                                           max_tokens_explicit=req.max_tokens_explicit,
-                                           max_tokens_field=req.max_tokens_field)
-        try:
-            if req.stream:
-                return await _stream(request, req, [stream], engine.tokenizer, model_name)
-            return await _collect(req, [stream], engine.tokenizer, model_name)
-        finally:
-            stream.close()
+        return await generate(request, protocol.parse_chat)
 
     async def tokenize(request):
         req = tokenization.parse_tokenize(await read_json(request), model_name)
@@ -290,12 +311,17 @@ async def _last(stream: RequestStream):
     return final
 
 
+def _prompt_of(req, choice: int):
+    """The request's prompt (text or ids) behind choice ``choice``; None for chat."""
+    return req.prompts[choice // req.n] if req.prompts else None
+
+
 async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str) -> web.Response:
     finals = await asyncio.gather(*(_last(s) for s in streams))
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, final in enumerate(finals):
         comp = final.outputs[0]
-        view = _Choice(req, tokenizer, req.prompts[i] if req.prompts else None)
+        view = _Choice(req, tokenizer, _prompt_of(req, i))
         text, ids, _ = view.generated(comp)
         choice = {"index": i, "logprobs": view.logprobs(final, 0, len(ids), req.echo, 0),
                   "finish_reason": view.finish_reason(comp)}
@@ -305,7 +331,8 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
             choice["text"] = (view.echo_text(final) if req.echo else "") + text
             choice["stop_reason"] = None if req.prompt_only else comp.stop_reason
         choices.append(choice)
-        prompt_tokens += len(final.prompt_token_ids)
+        if i % req.n == 0:  # a prompt counts once, however many choices it has
+            prompt_tokens += len(final.prompt_token_ids)
         completion_tokens += len(ids)
     prefix, obj = ("chatcmpl", "chat.completion") if req.kind == "chat" else ("cmpl", "text_completion")
     return web.json_response({
@@ -363,14 +390,15 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
     n = len(streams)
-    views = [_Choice(req, tokenizer, req.prompts[i] if req.prompts else None) for i in range(n)]
+    views = [_Choice(req, tokenizer, _prompt_of(req, i)) for i in range(n)]
     sent_text, sent_tokens, offsets = [""] * n, [0] * n, [0] * n
     echoed = [not req.echo] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
     try:
         if chat:
-            await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
+            for i in range(n):
+                await resp.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]))
         async for i, out in _merge(streams):
             view = views[i]
             comp = out.outputs[0]
@@ -400,7 +428,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             sent_text[i] = text
             sent_tokens[i] = len(ids)
         if req.include_usage:
-            await resp.write(chunk([], protocol.usage(sum(prompt_tokens), sum(sent_tokens))))
+            await resp.write(chunk([], protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens))))
     except (ServerShuttingDownError, EngineDeadError) as e:
         err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())

@@ -92,6 +92,11 @@ class RequestStream:
             self.final = out
         return out
 
+    async def wait_output(self) -> None:
+        """Wait until the request has an output (its prompt is computed) or has failed; consumes nothing."""
+        if not self.finished:
+            await self._event.wait()
+
     def close(self) -> None:
         """Release the request; aborts it in the engine unless it finished. Idempotent."""
         if self._closed:
@@ -136,6 +141,11 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams) + self._adding
+
+    @property
+    def shares_prompt_prefixes(self) -> bool:
+        """Whether a request whose prompt repeats a computed one reuses its KV blocks (prefix caching on)."""
+        return bool(getattr(getattr(self.engine, "block_manager", None), "enable_prefix_caching", False))
 
     @property
     def healthy(self) -> bool:

@@ -18,6 +18,9 @@ from kvforge.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 16
 MAX_PROMPTS_PER_REQUEST = 1024
+MAX_N = 128  # choices per prompt (OpenAI's limit for ``n``)
+MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -138,7 +141,7 @@ class ParsedRequest:
 
     kind: str  # "completion" | "chat"
     model: str
-    prompts: list[str | list[int]] | None  # completion prompts (text or token ids), one choice each
+    prompts: list[str | list[int]] | None  # completion prompts (text or token ids), n choices each
     messages: list[dict] | None  # chat messages
     params: SamplingParams
     max_tokens_explicit: bool  # False: the server fills in the remaining context
@@ -150,6 +153,17 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) leads each choice
     # completions with echo and max_tokens=0: the engine generates one token, which is dropped.
     prompt_only: bool = False
+    n: int = 1  # independent choices per prompt; choice index = prompt position * n + sample number
+
+
+def choice_params(params: SamplingParams, sample: int) -> SamplingParams:
+    """The sampling parameters of sample ``sample`` (0 .. n - 1) of one prompt: a seeded request's sample
+    ``j`` uses ``seed + j`` (wrapped into the signed 64-bit range), so sample 0 is the request with ``n``
+    = 1 and each sample is reproducible on its own; an unseeded request's samples draw independently."""
+    if sample == 0 or params.seed is None:
+        return params
+    seed = (params.seed + sample - SEED_MIN) % (1 << 64) + SEED_MIN
+    return dataclasses.replace(params, seed=seed)
 
 
 # vLLM's extra request fields that change the output, each with the test of its value that leaves the
@@ -199,12 +213,15 @@ def _common(body: dict, served_model: str) -> dict:
     if model != served_model:
         raise ModelNotFoundError(model, served_model)
     n = get_int(body, "n", 1)
-    if n != 1:
-        bad_field("n", f"only n=1 is supported, got {n}; send {n} requests instead (on /v1/completions one "
-                       f"request whose prompt array repeats the prompt {n} times gives {n} choices)")
+    if not 1 <= n <= MAX_N:
+        bad_field("n", f"must be an integer in [1, {MAX_N}], got {n}")
     best_of = get_int(body, "best_of", None)
-    if best_of not in (None, 1):
-        bad_field("best_of", "only best_of=1 is supported; drop best_of")
+    if best_of is not None and best_of != n:
+        bad_field("best_of", f"only best_of equal to n ({n}) is supported, got {best_of}: this server does not "
+                             f"rank candidates; drop best_of, or send n={best_of} and pick among the choices")
+    seed = get_int(body, "seed", None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        bad_field("seed", f"must be a signed 64-bit integer, got {seed}")
     for penalty in ("presence_penalty", "frequency_penalty"):
         if get_number(body, penalty, 0.0) != 0.0:
             bad_field(penalty, "is not supported (only 0)")
@@ -220,13 +237,14 @@ def _common(body: dict, served_model: str) -> dict:
         include_usage = get_bool(stream_options, "include_usage", False)
     return {
         "model": model,
+        "n": n,
         "stream": stream,
         "include_usage": include_usage,
         "temperature": get_number(body, "temperature", 1.0),
         "top_p": get_number(body, "top_p", 1.0),
         "top_k": get_int(body, "top_k", -1),
         "min_p": get_number(body, "min_p", 0.0),
-        "seed": get_int(body, "seed", None),
+        "seed": seed,
         "stop": get_stop(body),
         "stop_token_ids": get_int_list(body, "stop_token_ids"),
         "ignore_eos": get_bool(body, "ignore_eos", False),
@@ -284,6 +302,9 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
         prompts = [_completion_prompt(p, "prompt") for p in prompt]
     else:
         prompts = [_completion_prompt(prompt, "prompt")]
+    if len(prompts) * common["n"] > MAX_SEQUENCES_PER_REQUEST:
+        bad_field("n", f"{len(prompts)} prompts x n={common['n']} is {len(prompts) * common['n']} sequences; at most "
+                       f"{MAX_SEQUENCES_PER_REQUEST} per request: split the batch")
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         bad_field("suffix", "is not supported")
@@ -302,7 +323,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     return ParsedRequest(
         "completion", common["model"], prompts, None, params,
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
-        logprobs, False, echo=echo, prompt_only=prompt_only,
+        logprobs, False, echo=echo, prompt_only=prompt_only, n=common["n"],
     )
 
 
@@ -362,7 +383,7 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     params = _params(common, max_tokens, logprobs)
     return ParsedRequest(
         "chat", common["model"], None, clean, params, max_tokens is not None,
-        common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
+        common["stream"], common["include_usage"], logprobs, want_logprobs, field_name, n=common["n"],
     )
 
 
