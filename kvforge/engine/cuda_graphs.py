@@ -1,17 +1,21 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only and speculative verification steps.
 
 A decode-only step (every scheduled sequence brings exactly one new token) of
 ``n`` sequences replays the graph captured for the smallest capture size
-``B >= n``; larger batches, prefill and mixed steps run eagerly. The graph
+``B >= n``; larger batches, prefill and mixed steps run eagerly. With
+speculative decoding, a verification step in which every sequence brings the
+same ``Q = 1 + k`` query tokens (its last token and ``k`` proposals) replays a
+graph captured for ``(B, Q)`` too; a step whose sequences verify different
+counts runs eagerly. The graph
 covers the model forward (embedding, every layer with its KV write and paged
 attention, final norm); the LM head and sampling run eagerly after it.
 
 Invariants (what makes a replay equal to an eager step):
 
 1. **Static inputs.** One set of device buffers sized for the largest capture
-   size ``Bmax``: ``i64[2 + G, Bmax]`` (token ids, positions, and one slot
-   mapping per KV-cache group, ``G`` groups), ``seq_lens[Bmax]``,
-   ``query_start_loc = arange(Bmax + 1)`` (constant: one token per row) and
+   size ``Bmax`` and query length ``Qmax``: ``i64[2 + G, Bmax * Qmax]`` (token ids, positions, and one
+   slot mapping per KV-cache group, ``G`` groups), ``seq_lens[Bmax]``,
+   ``query_start_loc = Q * arange(Bmax + 1)`` per query length ``Q`` (constant) and
    ``block_tables[G, Bmax, max_blocks]`` (one table per group) with
    ``max_blocks = ceil(max_model_len / block_size)``. The graph of size ``B``
    reads the leading ``B`` rows of each. :meth:`DecodeGraphs.run` writes them on the
@@ -19,8 +23,8 @@ Invariants (what makes a replay equal to an eager step):
    Host data travels through pinned memory with ``non_blocking`` copies; a
    replay never syncs with the host.
 2. **Padding rows** ``n .. B-1``: token 0, position 0, slot -1 (the cache
-   write skips it, so no page is touched), ``seq_len`` 1 and block-table rows
-   of zeros, so the kernel reads block 0, offset 0 only: in bounds. Their
+   write skips it, so no page is touched), ``seq_len`` ``Q`` and block-table rows
+   of zeros, so the kernel reads block 0, offsets ``0 .. Q-1`` only: in bounds. Their
    outputs are computed and ignored; every layer is row-independent, so they
    cannot change the real rows. The KV pool is zero-filled on CUDA at startup,
    so even that read sees finite numbers.
@@ -43,13 +47,19 @@ Invariants (what makes a replay equal to an eager step):
    reallocated afterwards (fp8 calibration updates scales in place; no graph
    replays before calibration is done). A graph's output lives in the shared
    pool and is valid until the next replay of any graph.
-6. **State slots** (linear-attention layers): ``slot_ids[Bmax]`` int32 and
+6. **Verification graphs** (``Q > 1``): the paged kernels take the ``Q`` query rows of a sequence with
+   causal masking, as eagerly; an MLA group's metadata is the per-token form (each query token a
+   one-token sequence over its causal prefix, ``kvforge.attention.triton_mla.per_token_metadata``),
+   derived from the static buffers by device operations recorded inside the graph, so a replay
+   recomputes it from the step's ``seq_lens`` and tables. Split counts are pinned per ``(B, C, Q)``.
+   Models with linear-attention state or rings capture ``Q = 1`` only.
+7. **State slots** (linear-attention layers): ``slot_ids[Bmax]`` int32 and
    ``has_initial_state[Bmax]`` bool are static too, with ``query_start_loc``
    the same ``arange``; :meth:`DecodeGraphs.load` writes each row's slot and
    whether its slot already holds its state (False only for a one-token
    prompt), padding rows slot -1 (the decode kernels neither read nor write
    it). The captured decode kernels update the slots in place.
-7. Only when every attention layer's backend ``captures_cuda_graphs`` (the Triton
+8. Only when every attention layer's backend ``captures_cuda_graphs`` (the Triton
    backends; the reference backends read tensor values on the host, which
    capture forbids), there are no per-request rings,
    and the model has no ``cuda_graph_unsupported_reason`` (e.g. MoE layers
@@ -116,7 +126,8 @@ def graphs_unsupported_reason(runner) -> str | None:
 class DecodeGraphs:
     """Captures and replays decode-only steps (see the module docstring)."""
 
-    def __init__(self, runner, *, max_num_seqs: int, sizes: list[int] | None = None, capture: bool = True):
+    def __init__(self, runner, *, max_num_seqs: int, sizes: list[int] | None = None, capture: bool = True,
+                 query_lens: tuple[int, ...] = (1,)):
         self.runner = runner
         self.device = runner.device
         plan = runner.plan
@@ -126,18 +137,25 @@ class DecodeGraphs:
         self.block_size = plan.block_size
         self.max_blocks = -(-plan.max_model_len // plan.block_size)
         self.contexts = graph_contexts(plan.max_model_len)
-        self.num_splits = {(b, c): runner.pinned_num_splits(b, c) for b in self.sizes for c in self.contexts}
-        dev, bmax = self.device, self.max_size
+        # Linear-attention state slots: each row's slot (-1: padding) and whether the slot holds its state.
+        self.has_slots = runner.linear_states is not None
+        self.query_lens = (1,) if self.has_slots else tuple(sorted({1, *query_lens}))
+        self.num_splits = {(b, c, q): runner.pinned_num_splits(b, c, q)
+                           for b in self.sizes for c in self.contexts for q in self.query_lens}
+        dev, bmax, qmax = self.device, self.max_size, self.query_lens[-1]
         self.num_groups = G = runner.num_groups
-        self.i64 = torch.zeros((2 + G, bmax), dtype=torch.int64, device=dev)
+        self.mla_groups = frozenset(runner.layer_group[i] for i, layer in enumerate(plan.layers) if layer.kind == "mla")
+        self.i64 = torch.zeros((2 + G, bmax * qmax), dtype=torch.int64, device=dev)
         self.i64[2:].fill_(-1)
-        self.qsl = torch.arange(bmax + 1, dtype=torch.int32, device=dev)
+        self.qsl = {q: q * torch.arange(bmax + 1, dtype=torch.int32, device=dev) for q in self.query_lens}
+        self.token_qsl = torch.arange(bmax * qmax + 1, dtype=torch.int32, device=dev)
+        # Per-token MLA metadata: query token j of a sequence sees its causal prefix, seq_len - Q + j + 1.
+        self.within = {q: torch.arange(q, dtype=torch.int32, device=dev).repeat(bmax) + (1 - q)
+                       for q in self.query_lens if q > 1}
         self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((G, bmax, self.max_blocks), dtype=torch.int32, device=dev)
         self.scratch32 = torch.empty(bmax + G * bmax * self.max_blocks, dtype=torch.int32, device=dev)
-        self._host64 = np.zeros((2 + G, bmax), dtype=np.int64)
-        # Linear-attention state slots: each row's slot (-1: padding) and whether the slot holds its state.
-        self.has_slots = runner.linear_states is not None
+        self._host64 = np.zeros((2 + G, bmax * qmax), dtype=np.int64)
         self.slot_ids = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.ones(bmax, dtype=torch.bool, device=dev)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
@@ -146,13 +164,25 @@ class DecodeGraphs:
             self.capture()
 
     # ---- static views ---------------------------------------------------------
-    def _inputs(self, b: int, context: int):
-        metas = tuple(AttentionMetadata(
-            query_start_loc=self.qsl[:b + 1], seq_lens=self.seq_lens[:b], block_tables=self.block_tables[g, :b],
-            slot_mapping=self.i64[2 + g, :b], max_query_len=1, max_seq_len=context,
-            block_size=self.block_size,
-        ) for g in range(self.num_groups))
-        return self.i64[0, :b], self.i64[1, :b], metas
+    def _inputs(self, b: int, context: int, q: int = 1):
+        """Views of the static buffers for ``b`` sequences of ``q`` query tokens; for ``q > 1`` an MLA group's
+        per-token metadata is computed here from them (call it inside the capture: invariant 6)."""
+        t = b * q
+        metas = []
+        for g in range(self.num_groups):
+            if q > 1 and g in self.mla_groups:
+                metas.append(AttentionMetadata(
+                    query_start_loc=self.token_qsl[:t + 1],
+                    seq_lens=self.seq_lens[:b].repeat_interleave(q) + self.within[q][:t],
+                    block_tables=self.block_tables[g, :b].repeat_interleave(q, dim=0),
+                    slot_mapping=self.i64[2 + g, :t], max_query_len=1, max_seq_len=context,
+                    block_size=self.block_size))
+            else:
+                metas.append(AttentionMetadata(
+                    query_start_loc=self.qsl[q][:b + 1], seq_lens=self.seq_lens[:b],
+                    block_tables=self.block_tables[g, :b], slot_mapping=self.i64[2 + g, :t], max_query_len=q,
+                    max_seq_len=context, block_size=self.block_size))
+        return self.i64[0, :t], self.i64[1, :t], tuple(metas)
 
     def _slot_batch(self, b: int, host_slots=None, host_init=None):
         """The static slot batch of size ``b`` (None without state layers). ``host_slots``/``host_init``: the
@@ -163,7 +193,7 @@ class DecodeGraphs:
 
         slots = tuple(host_slots) if host_slots is not None else (-1,) * b
         init = tuple(host_init) if host_init is not None else (True,) * b
-        return SlotBatch(query_start_loc=self.qsl[:b + 1], slot_ids=self.slot_ids[:b],
+        return SlotBatch(query_start_loc=self.qsl[1][:b + 1], slot_ids=self.slot_ids[:b],
                          has_initial_state=self.has_initial_state[:b], max_query_len=1,
                          host_query_start_loc=tuple(range(b + 1)), host_slot_ids=slots,
                          host_has_initial_state=init)
@@ -184,6 +214,14 @@ class DecodeGraphs:
     def can_run(self, n: int) -> bool:
         return 0 < n <= self.max_size
 
+    def accepts(self, host) -> bool:
+        """Whether ``host`` is a step a captured graph serves: at most ``Bmax`` sequences, each with the same
+        number of query tokens, one of the captured query lengths."""
+        q = host.max_query_len
+        if not self.can_run(host.num_seqs) or q not in self.query_lens:
+            return False
+        return q == 1 or bool((np.diff(host.qsl) == q).all())
+
     # ---- capture ----------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
@@ -193,22 +231,24 @@ class DecodeGraphs:
         try:
             pool = torch.cuda.graph_pool_handle()
             for key in sorted(self.num_splits, reverse=True):
-                b, context = key
-                ids, pos, meta = self._inputs(b, context)
+                b, context, q = key
+                self.seq_lens.fill_(q)  # every row a padding sequence of q tokens: the warm-up reads block 0 only
+                ids, pos, meta = self._inputs(b, context, q)
                 slot_batch = self._slot_batch(b)  # every row padding: no state slot is touched
                 runner.forward(ids, pos, meta, self.num_splits[key], slot_batch)  # warm-up: compiles, writes nothing
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
+                    ids, pos, meta = self._inputs(b, context, q)
                     out = runner.forward(ids, pos, meta, self.num_splits[key], slot_batch)
                 self.graphs[key] = (graph, out)
             torch.cuda.synchronize(self.device)
         finally:
             runner.needs_calibration = calib
         self.capture_seconds = time.perf_counter() - t0
-        logger.info("captured %d decode CUDA graphs (batch sizes %s x contexts %s, split-K %s) in %.1f s",
-                    len(self.graphs), self.sizes, self.contexts, [self.num_splits[k] for k in sorted(self.num_splits)],
-                    self.capture_seconds)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s x contexts %s x query lengths %s, split-K %s) "
+                    "in %.1f s", len(self.graphs), self.sizes, self.contexts, list(self.query_lens),
+                    [self.num_splits[k] for k in sorted(self.num_splits)], self.capture_seconds)
 
     def release(self) -> None:
         """Free every captured graph (and with them the graph memory pool), the static buffers and the
@@ -217,26 +257,29 @@ class DecodeGraphs:
             graph.reset()
         self.graphs.clear()
         self.runner = None
-        self.i64 = self.qsl = self.seq_lens = self.block_tables = self.scratch32 = None
+        self.i64 = self.qsl = self.token_qsl = self.within = self.seq_lens = self.block_tables = self.scratch32 = None
         self.slot_ids = self.has_initial_state = None
         self.sizes, self.max_size = [], 0
 
     # ---- replay -------------------------------------------------------------------
     def load(self, host) -> int:
-        """Write a decode-only step (``HostStep``) into the static buffers; returns the padded size."""
-        n = host.num_seqs
+        """Write a decode-only or uniform verification step (``HostStep``) into the static buffers; returns
+        the padded size."""
+        n, q = host.num_seqs, host.max_query_len
         b = self.size_for(n)
-        if b is None or host.max_query_len != 1:
-            raise ValueError(f"not a decode step that fits a captured size (n={n}, max {self.max_size})")
+        if b is None or not self.accepts(host):
+            raise ValueError(f"not a step that fits a captured graph (n={n}, max {self.max_size}, query length {q}, "
+                             f"captured {list(self.query_lens)})")
         h, G = self._host64, self.num_groups
-        h[0, :n], h[1, :n], h[2:, :n] = host.ids, host.pos, host.slots
-        h[0, n:b], h[1, n:b], h[2:, n:b] = 0, 0, -1
+        t, tb = n * q, b * q
+        h[0, :t], h[1, :t], h[2:, :t] = host.ids, host.pos, host.slots
+        h[0, t:tb], h[1, t:tb], h[2:, t:tb] = 0, 0, -1
         cols = host.tables.shape[2]
         if cols > self.max_blocks:
             raise ValueError(f"block table of {cols} columns exceeds max_model_len's {self.max_blocks}")
         bmax = self.max_size
         i32 = np.zeros(bmax + G * b * cols, dtype=np.int32)
-        i32[:bmax] = 1
+        i32[:bmax] = q  # padding sequences: q tokens at positions 0 .. q-1 of block 0
         i32[:n] = host.seq_lens
         i32[bmax:].reshape(G, b, cols)[:, :n] = host.tables
         a64, a32 = torch.from_numpy(h), torch.from_numpy(i32)
@@ -260,10 +303,12 @@ class DecodeGraphs:
         return b
 
     def run(self, host) -> torch.Tensor:
-        """Replay for a decode-only step; returns hidden states of the ``n`` real rows."""
+        """Replay for a decode-only or uniform verification step; returns hidden states of the real rows."""
         b = self.load(host)
-        key = (b, self.context_for(host.max_seq_len))
-        self.runner.patch_placeholders(self.i64[0, :host.num_seqs], host)
+        q = host.max_query_len
+        t = host.num_seqs * q
+        key = (b, self.context_for(host.max_seq_len), q)
+        self.runner.patch_placeholders(self.i64[0, :t], host)
         if key not in self.graphs:
             # capture=False (CPU tests): the same static, padded inputs, run eagerly.
             ids, pos, meta = self._inputs(*key)
@@ -273,7 +318,7 @@ class DecodeGraphs:
             if self.has_slots:
                 slot_batch = self._slot_batch(b, list(host.state_slots) + [-1] * (b - n),
                                               list(host.has_initial_state()) + [True] * (b - n))
-            return self.runner.forward(ids, pos, meta, splits, slot_batch)[:n]
+            return self.runner.forward(ids, pos, meta, splits, slot_batch)[:t]
         graph, out = self.graphs[key]
         graph.replay()
-        return out[:host.num_seqs]
+        return out[:t]

@@ -177,11 +177,12 @@ class LLMEngine:
         if self.tp is not None:
             self.runner = self.tp.runner  # broadcasts each step to the other ranks
         else:
+            verify = 1 + self.speculative.num_speculative_tokens if self.speculative is not None else 1
             self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
                                       calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
                                       enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
                                       ring_rows=ring_rows, ring_row_bytes=ring_row_bytes,
-                                      mla_prefill_mode=args.mla_prefill_mode)
+                                      mla_prefill_mode=args.mla_prefill_mode, verify_query_len=verify)
         self.sampler = Sampler()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.generation_tokens_total = 0
@@ -202,8 +203,9 @@ class LLMEngine:
                      else None)
             self.proposer = build_proposer(self.speculative, draft)
             self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
-            logger.info("speculative decoding: %s, %d tokens per step; verification steps run eagerly and the "
-                        "synchronous loop (async scheduling off)", self.speculative.method,
+            logger.info("speculative decoding: %s, %d tokens per step; the synchronous loop (async scheduling off); "
+                        "verification steps replay CUDA graphs when every sequence verifies all %d",
+                        self.speculative.method, self.speculative.num_speculative_tokens,
                         self.speculative.num_speculative_tokens)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)

@@ -136,7 +136,7 @@ class ModelRunner:
     def __init__(self, model, pool: KVPool, plan: KVPlan, device: torch.device, *, calibrate: bool = False,
                  scale_multiplier: float = 1.0, enforce_eager: bool = True, max_num_seqs: int = 256,
                  graph_sizes: list[int] | None = None, ring_rows: int = 0, ring_row_bytes: int = 0,
-                 mla_prefill_mode: str = "auto", static_decode_on_cpu: bool = False):
+                 mla_prefill_mode: str = "auto", static_decode_on_cpu: bool = False, verify_query_len: int = 1):
         self.model = model
         self.pool = pool
         self.plan = plan
@@ -210,7 +210,8 @@ class ModelRunner:
             if why is None:
                 stream = torch.cuda.current_stream(device)
                 try:
-                    self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes)
+                    self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes,
+                                               query_lens=(1, verify_query_len))
                 except RuntimeError as e:  # an op the capture forbids: serve eagerly, say why (stats, log)
                     torch.cuda.set_stream(stream)  # a capture_end that raised skipped the capture stream's exit
                     self.graphs = None
@@ -223,7 +224,8 @@ class ModelRunner:
         elif device.type == "cpu" and not enforce_eager and not pool.ring_pages and static_decode_on_cpu:
             from kvforge.engine.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes, capture=False)
+            self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes, capture=False,
+                                       query_lens=(1, verify_query_len))
         elif device.type != "cuda":
             self.graphs_off_reason = "not a CUDA device"
 
@@ -332,12 +334,13 @@ class ModelRunner:
             self._layer_kv[layer] = kv
         return kv
 
-    def pinned_num_splits(self, batch: int, context: int | None = None) -> int | None:
-        """The split count a CUDA graph of ``batch`` decode rows over contexts up to ``context`` (default
-        ``max_model_len``) pins: the first layer's backend's hook over the layers planned on it."""
+    def pinned_num_splits(self, batch: int, context: int | None = None, query_len: int = 1) -> int | None:
+        """The split count a CUDA graph of ``batch`` sequences of ``query_len`` query tokens over contexts up to
+        ``context`` (default ``max_model_len``) pins: the first layer's backend's hook over the layers planned
+        on it."""
         backend = self.backends[0]
         layers = [layer for layer in self.plan.layers if layer.backend == backend.name]
-        return backend.graph_num_splits(layers, batch, context or self.plan.max_model_len)
+        return backend.graph_num_splits(layers, batch, context or self.plan.max_model_len, query_len)
 
     def _attn(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         backend, kv, meta = self.backends[layer], self.layer_kv(layer), self._metas[self.layer_group[layer]]
@@ -451,10 +454,9 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------
     def wants_graph(self, host: HostStep) -> bool:
-        """Whether ``host`` replays a captured decode graph (else the step runs eagerly)."""
+        """Whether ``host`` replays a captured decode or verification graph (else the step runs eagerly)."""
         graphs = self.graphs
-        return (graphs is not None and host.max_query_len == 1 and graphs.can_run(host.num_seqs)
-                and not self.needs_calibration)
+        return graphs is not None and graphs.accepts(host) and not self.needs_calibration
 
     @torch.inference_mode()
     def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0):

@@ -83,9 +83,10 @@ class AttentionBackend(ABC):
                num_splits: int | None = None) -> torch.Tensor:
         """The layer's attention output for the step's query tokens."""
 
-    def graph_num_splits(self, layers: Sequence, batch: int, context: int) -> int | None:
-        """The split count a CUDA graph of ``batch`` decode rows over contexts up to ``context`` (its context
-        bucket, kvforge/engine/cuda_graphs.py) pins for ``layers`` (the plan's layers on this backend), or None."""
+    def graph_num_splits(self, layers: Sequence, batch: int, context: int, query_len: int = 1) -> int | None:
+        """The split count a CUDA graph of ``batch`` sequences of ``query_len`` query tokens (1: decode; more:
+        speculative verification) over contexts up to ``context`` (its context bucket,
+        kvforge/engine/cuda_graphs.py) pins for ``layers`` (the plan's layers on this backend), or None."""
         return None
 
     def description(self) -> str:

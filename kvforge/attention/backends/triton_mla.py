@@ -23,11 +23,14 @@ class TritonMLABackend(AttentionBackend):
                                         w_uk, w_uv, query_dtype=kv.query_dtype, num_splits=num_splits,
                                         prefill_mode=self.options.mla_prefill_mode)  # fmt: skip
 
-    def graph_num_splits(self, layers, batch, context):
+    def graph_num_splits(self, layers, batch, context, query_len=1):
         """The first decode candidate's count at ``context`` for the first layer; the Gluon kernels only
         where every layer is in their scope (one count serves every layer of the graph). Without the
-        model's latent width (``options.latent_dim``) the Gluon kernels are not assumed."""
+        model's latent width (``options.latent_dim``) the Gluon kernels are not assumed. A verification graph
+        (``query_len > 1``) attends each query token as a decode query over its causal prefix: ``batch x
+        query_len`` decode rows."""
         opts, device = self.options, self.options.device
+        batch *= query_len
         latent = opts.latent_dim
         gluon = device.gluon and latent is not None and all(
             mla_routing.wgmma_accepts(self._decode_shape(layer, batch, context), self._query(layer))

@@ -22,18 +22,19 @@ class TritonPagedBackend(AttentionBackend):
         return paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale, kv.window,
                                num_splits=num_splits, sinks=kv.sinks)
 
-    def graph_num_splits(self, layers, batch, context):
+    def graph_num_splits(self, layers, batch, context, query_len=1):
         """The routing table's count at ``context`` for the first layer's shape; the Gluon rows only
         where every layer is in their scope, which layers with attention sinks are not (one count serves every
         layer of the graph)."""
         device = self.options.device
-        shapes = [self._decode_shape(layer, batch, context) for layer in layers]
+        shapes = [self._decode_shape(layer, batch, context, query_len) for layer in layers]
         gluon = device.gluon and all(paged_routing.applies(paged_routing.GLUON_FP8_CTA, s, device) for s in shapes)
         first = shapes[0]
         return paged_routing.pinned_splits(batch, first.num_q_heads, first.num_kv_heads, first.head_size,
                                            context, first.query_dtype, first.kv_dtype,
-                                           type(device)(device.num_sms, gluon), first.sinks)  # fmt: skip
+                                           type(device)(device.num_sms, gluon), first.sinks,
+                                           query_len)  # fmt: skip
 
-    def _decode_shape(self, layer, batch: int, context: int) -> paged_routing.PagedShape:
-        return paged_routing.PagedShape(batch, layer.heads_per_rank, layer.kv_heads_per_rank, layer.head_size, 1,
-                                        context, self.options.model_dtype, layer.kv_dtype, sinks=layer.sinks)
+    def _decode_shape(self, layer, batch: int, context: int, query_len: int = 1) -> paged_routing.PagedShape:
+        return paged_routing.PagedShape(batch, layer.heads_per_rank, layer.kv_heads_per_rank, layer.head_size,
+                                        query_len, context, self.options.model_dtype, layer.kv_dtype, sinks=layer.sinks)

@@ -184,11 +184,12 @@ def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -
 
 
 def pinned_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_size: int, max_model_len: int,
-                  query_dtype: str, kv_dtype: str, device: Device, sinks: bool = False) -> int:
-    """The split count a CUDA graph of ``batch`` decode rows pins: the eager rule at ``max_model_len``, the
-    graph's context bucket (its metadata says ``max_seq_len = max_model_len``; the kernels divide shorter
-    contexts among the same splits) for layers with or without attention ``sinks`` (which decide the kernel). The window is not
-    looked at, as the graph's own pinning never did."""
-    shape = PagedShape(batch, num_q_heads, num_kv_heads, head_size, 1, max_model_len, query_dtype, kv_dtype,
-                       sinks=sinks)
+                  query_dtype: str, kv_dtype: str, device: Device, sinks: bool = False, query_len: int = 1) -> int:
+    """The split count a CUDA graph of ``batch`` sequences of ``query_len`` query tokens (1: decode) pins: the
+    eager rule at ``max_model_len``, the graph's context bucket (its metadata says ``max_seq_len =
+    max_model_len``; the kernels divide shorter contexts among the same splits) for layers with or without
+    attention ``sinks`` (which decide the kernel). The window is not looked at, as the graph's own pinning
+    never did."""
+    shape = PagedShape(batch, num_q_heads, num_kv_heads, head_size, query_len, max_model_len, query_dtype,
+                       kv_dtype, sinks=sinks)
     return route(shape, device).splits
