@@ -295,7 +295,7 @@ class LLMEngine:
         load_weights(model, path, load_format, seed=args.seed, progress=args.progress)
         pool = KVPool(plan, self.device)
         self.draft_runner = ModelRunner(model, pool, plan, self.device, calibrate=args.calculate_kv_scales,
-                                        scale_multiplier=args.kv_scale_multiplier, enforce_eager=True,
+                                        scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
                                         max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
         blocks = BlockManager(plan.num_blocks, pool.block_size, False, group_windows=pool.group_windows)
         return dict(runner=self.draft_runner, block_manager=blocks, max_model_len=self.max_model_len,
