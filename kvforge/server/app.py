@@ -284,6 +284,11 @@ class _Choice:
     def finish_reason(self, comp):
         return "length" if self.req.prompt_only else comp.finish_reason
 
+    def stop_reason(self, comp):
+        """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice; None for EOS,
+        a length limit or a choice still running."""
+        return None if self.req.prompt_only else comp.stop_reason
+
     def echo_text(self, out) -> str:
         if isinstance(self.prompt, str):
             return self.prompt
@@ -324,12 +329,11 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
         view = _Choice(req, tokenizer, _prompt_of(req, i))
         text, ids, _ = view.generated(comp)
         choice = {"index": i, "logprobs": view.logprobs(final, 0, len(ids), req.echo, 0),
-                  "finish_reason": view.finish_reason(comp)}
+                  "finish_reason": view.finish_reason(comp), "stop_reason": view.stop_reason(comp)}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = (view.echo_text(final) if req.echo else "") + text
-            choice["stop_reason"] = None if req.prompt_only else comp.stop_reason
         choices.append(choice)
         if i % req.n == 0:  # a prompt counts once, however many choices it has
             prompt_tokens += len(final.prompt_token_ids)
@@ -420,8 +424,8 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                           "finish_reason": finish}
             else:
                 choice = {"index": i, "text": lead + delta, "logprobs": lp, "finish_reason": finish}
-                if out.finished:
-                    choice["stop_reason"] = None if req.prompt_only else comp.stop_reason
+            if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
+                choice["stop_reason"] = view.stop_reason(comp)
             await resp.write(chunk([choice]))
             if lp is not None and lp.get("tokens"):
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])

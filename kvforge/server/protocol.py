@@ -400,7 +400,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
                         text_offset_start: int = 0) -> dict:
-    """The legacy completions ``logprobs`` object. An entry of ``lps`` that is None (the first prompt
+    """The legacy completions ``logprobs`` object. Each ``top_logprobs`` entry holds the ``top`` most
+    likely tokens and the chosen token (so ``top`` = 0 gives the chosen token alone, and an entry has
+    ``top`` or ``top + 1`` keys), as vLLM does. An entry of ``lps`` that is None (the first prompt
     token under ``echo``) gives a null logprob and null alternatives."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset_start
@@ -415,12 +417,16 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, flo
             continue
         token_logprobs.append(_finite(d.get(tid)))
         ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
-        top_logprobs.append({tokenizer.decode([t]): _finite(v) for t, v in ranked} if top else None)
+        if tid in d and all(t != tid for t, _ in ranked):
+            ranked.append((tid, d[tid]))
+        top_logprobs.append({tokenizer.decode([t]): _finite(v) for t, v in ranked})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int) -> dict:
+    """The chat ``logprobs`` object: each token's logprob and its ``top`` most likely alternatives
+    (OpenAI's shape: ``top_logprobs`` = 0 gives an empty list)."""
     content = []
     for tid, d in zip(token_ids, lps):
         piece = tokenizer.decode([tid])
