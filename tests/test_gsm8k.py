@@ -362,9 +362,16 @@ def test_missing_data_dir(tmp_path, capsys):
     assert "test.jsonl" in capsys.readouterr().err
 
 
-def test_api_key_from_environment(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("kvforge_key, openai_key", [(None, "from-env"), ("from-env", "wrong")],
+                         ids=["openai", "kvforge-first"])
+def test_api_key_from_environment(tmp_path, capsys, monkeypatch, kvforge_key, openai_key):
+    """Without --api-key the client sends $KVFORGE_API_KEY, else $OPENAI_API_KEY (kvforge/server/api_keys.py)."""
     data = _write_data(tmp_path)
-    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    monkeypatch.setenv("OPENAI_API_KEY", openai_key)
+    if kvforge_key is None:
+        monkeypatch.delenv("KVFORGE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("KVFORGE_API_KEY", kvforge_key)
     with StubServer(CANNED, api_key="from-env") as srv:
         args = _parse(["--base-url", srv.url, "--data-dir", str(data), "--limit", "2", "--json", "--no-progress"])
         assert gsm8k_main(args) == 0
@@ -375,15 +382,16 @@ def test_api_key_from_environment(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("model", [None, "m"], ids=["models-listing", "completions"])
 def test_unauthorized_names_the_key_and_flag(tmp_path, capsys, monkeypatch, model):
     """HTTP 401, from /v1/models or from /v1/completions, ends with a hint naming --api-key and
-    OPENAI_API_KEY."""
+    both environment variables."""
     data = _write_data(tmp_path)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("KVFORGE_API_KEY", raising=False)
     with StubServer(CANNED, api_key="right") as srv:
         srv.protect_models = True
         argv = ["--base-url", srv.url, "--data-dir", str(data), "--limit", "1", "--no-progress"]
         assert gsm8k_main(_parse(argv + (["--model", model] if model else []))) == 1
     err = capsys.readouterr().err
-    assert "401" in err and "--api-key" in err and "OPENAI_API_KEY" in err
+    assert "401" in err and "--api-key" in err and "KVFORGE_API_KEY" in err and "OPENAI_API_KEY" in err
 
 
 # ---------------------------------------------------------------------------

@@ -36,12 +36,13 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+
+from kvforge.server.api_keys import CLIENT_API_KEY_HELP, UNAUTHORIZED_HINT, client_api_key
 
 OUTLIER_FACTOR = 1.5
 
@@ -426,7 +427,8 @@ async def run_benchmark(
         if model is None:
             async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {(await resp.text())[:200]}")
+                    hint = f"; {UNAUTHORIZED_HINT}" if resp.status == 401 else ""
+                    raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {(await resp.text())[:200]}{hint}")
                 model = (await resp.json())["data"][0]["id"]
         before = await scrape_metrics(session, base_url)
         totals = {"requests_sent": 0, "requests_succeeded": 0, "requests_failed": 0, "prompt_tokens": 0,
@@ -578,8 +580,7 @@ def plot_report(report: dict, path: str) -> None:
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     parser.add_argument("--model", default=None, help="model name (default: the first at /v1/models)")
-    parser.add_argument("--api-key", default=os.environ.get("KVFORGE_API_KEY"),
-                        help="bearer token (default: $KVFORGE_API_KEY)")
+    parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
     parser.add_argument("--isl", type=int, default=128, help="input tokens per request, approximately")
     parser.add_argument("--osl", type=int, default=128, help="output tokens per request (ignore_eos)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
@@ -610,7 +611,7 @@ def bench_serve_main(args) -> int:
         report = asyncio.run(run_benchmark(
             args.base_url, isl=args.isl, osl=args.osl, concurrency=args.concurrency,
             num_requests=args.num_requests, repetitions=args.repetitions, warmup=args.warmup,
-            warmup_requests=args.warmup_requests, model=args.model, api_key=args.api_key, seed=args.seed,
+            warmup_requests=args.warmup_requests, model=args.model, api_key=client_api_key(args.api_key), seed=args.seed,
             timeout_s=args.timeout,
         ))
     except Exception as e:  # cannot reach the server at all
@@ -625,6 +626,8 @@ def bench_serve_main(args) -> int:
         plot_report(report, args.plot)
         print(f"wrote {args.plot}")
     failed = sum(r["requests_failed"] for r in report["repetitions"])
+    if any(e.startswith("HTTP 401") for r in report["repetitions"] for e in r["errors"]):
+        print(f"kvforge bench serve: error: HTTP 401: {UNAUTHORIZED_HINT}", file=sys.stderr)
     return 1 if failed else 0
 
 

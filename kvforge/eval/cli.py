@@ -15,10 +15,10 @@ import argparse
 import ast
 import json
 import math
-import os
 import sys
 
 from kvforge.data_paths import DATA_DIR_HELP
+from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key
 
 # ---------------------------------------------------------------------------
 # gsm8k
@@ -45,8 +45,7 @@ def add_gsm8k_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=gsm8k.DEFAULT_MAX_TOKENS,
                         help="max generated tokens per question (default %(default)s)")
     parser.add_argument("--output", default=None, metavar="FILE.jsonl", help="write one JSON line per question")
-    parser.add_argument("--api-key", default=None,
-                        help=f"sent as 'Authorization: Bearer KEY' (default: ${gsm8k.API_KEY_ENV} when set)")
+    parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
     parser.add_argument("--data-dir", default=None,
                         help="data folder holding gsm8k/ (test.jsonl, train.jsonl), like $KVFORGE_DATA_DIR, or the "
                              f"gsm8k/ folder itself (default: gsm8k/ in {DATA_DIR_HELP})")
@@ -74,7 +73,7 @@ def gsm8k_main(args: argparse.Namespace) -> int:
                 limit=args.limit,
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
-                api_key=args.api_key or os.environ.get(gsm8k.API_KEY_ENV) or None,
+                api_key=client_api_key(args.api_key),
                 timeout_s=args.timeout,
                 progress=not args.no_progress,
             )

@@ -36,13 +36,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvforge.server.api_keys import UNAUTHORIZED_HINT
+
 DEFAULT_NUM_FEWSHOT = 5
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_CONCURRENCY = 16
 STOP_SEQUENCES: tuple[str, ...] = ("Question:", "</s>", "<|im_end|>")
 INVALID = "[invalid]"
-API_KEY_ENV = "OPENAI_API_KEY"
-UNAUTHORIZED_HINT = f"the server wants an API key: pass --api-key KEY or set {API_KEY_ENV}"
 
 # Strict: lm-eval gsm8k's "strict-match" pattern, first match (take_first).
 STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")

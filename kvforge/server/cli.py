@@ -29,7 +29,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: local only)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: no auth)")
+                   help="require 'Authorization: Bearer KEY' on every /v1 route and the tokenizer routes "
+                        "(default: $KVFORGE_API_KEY; neither set: no auth)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests allowed to wait for the engine before new ones get 503 (default 1024)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20,
@@ -62,6 +63,7 @@ def serve_main(args) -> int:
     # The HTTP stack (aiohttp, prometheus_client) is imported before anything loads: a missing
     # dependency fails here, not after the weights.
     try:
+        from kvforge.server.api_keys import SERVER_API_KEY_ENV, server_api_key
         from kvforge.server.app import bind_socket, create_app, serve
     except ImportError as e:
         print(f"kvforge serve: error: {e}; the server needs aiohttp and prometheus_client "
@@ -96,16 +98,20 @@ def serve_main(args) -> int:
         sock.close()
         raise
     logger.info("serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+    api_key = server_api_key(args.api_key)
+    if api_key and not args.api_key:
+        logger.info("requiring the API key from $%s", SERVER_API_KEY_ENV)
 
     app = create_app(
         engine,
-        api_key=args.api_key,
+        api_key=api_key,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
     )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logger.warning("listening on %s without --api-key: anyone who can reach this port can use it", args.host)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,
+                       SERVER_API_KEY_ENV)
     try:
         return serve(app, args.host, args.port, sock=sock)
     except OSError as e:  # another server began listening on the port while the engine loaded
