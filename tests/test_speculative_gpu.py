@@ -1,5 +1,6 @@
 """Speculative decoding on CUDA: the Triton paged and MLA backends take the verify step's 1 + k query
-rows (eagerly; one-token decode steps still replay CUDA graphs), bf16 and fp8 KV.
+rows (replayed from CUDA graphs when every sequence verifies k proposals, tests/test_verify_graphs.py;
+eagerly otherwise), bf16 and fp8 KV.
 
 Reference: the same engine with speculation off, asked for logprobs so greedy tokens are compared by
 the near-tie rule of tests/greedy_agreement.py: the verify step's batch shape changes the summation
@@ -60,7 +61,7 @@ def test_greedy_agrees_with_speculation_off(tmp_path, model, dtype, kv, k):
     stats = llm.engine.stats()
     assert stats["spec_decode"]["num_accepted_tokens"] > 0
     assert stats["async_scheduling"] is False  # speculation runs the synchronous loop
-    assert stats["eager_steps"] > 0  # the verify steps
+    assert stats["eager_steps"] > 0  # the prefill steps, and verify steps with fewer than k proposals
 
 
 def test_embedded_model_repeats_a_paragraph_faster_in_steps():
