@@ -98,12 +98,6 @@ def test_draft_with_another_vocabulary_is_refused(no_weights):
         _engine(speculative_config={"method": "draft_model", "model": "llama-3.1-8b", "num_speculative_tokens": 2})
 
 
-def test_draft_on_a_linear_attention_model_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="not supported for linear-attention models"):
-        _engine("qwen3-next-80b-a3b", speculative_config={"method": "draft_model", "model": "qwen3-8b",
-                                                          "num_speculative_tokens": 2})
-
-
 def test_linear_attention_draft_is_refused(no_weights):
     with pytest.raises(ConfigError, match="keeps linear-attention state"):
         _engine("qwen3-8b", speculative_config={"method": "draft_model", "model": "qwen3-next-80b-a3b",
@@ -129,9 +123,9 @@ def test_preset_draft_for_a_real_target_is_refused(no_weights, tmp_path):
                                                                 "num_speculative_tokens": 2})
 
 
-def test_linear_attention_model_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="not supported for linear-attention models"):
-        _engine("qwen3-next-80b-a3b", num_speculative_tokens=2)
+def test_linear_attention_model_with_tensor_parallelism_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="linear-attention models does not run with tensor parallelism"):
+        _engine("qwen3-next-80b-a3b", num_speculative_tokens=2, tensor_parallel_size=2)
 
 
 def test_more_tokens_than_the_step_budget_is_refused(no_weights):

@@ -244,7 +244,7 @@ def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatc
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", DEVICE))
     hk, hv, dk, dv, width = 1, 2, 16, 16, 4
     layout = LinearStateLayout(conv_channels=2 * hk * dk + hv * dv, conv_width=width, num_value_heads=hv,
-                               key_dim=dk, value_dim=dv)
+                               key_dim=dk, value_dim=dv, num_key_heads=hk, gate_per_channel=per_channel)
     weight = torch.randn(layout.conv_channels, width, generator=torch.Generator().manual_seed(0))
     runs = {}
     for on_kernels in (True, False):

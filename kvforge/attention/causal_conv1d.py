@@ -38,3 +38,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if activation == "silu":
         out = F.silu(out)
     return out.to(x.dtype), xx[xx.shape[0] - (width - 1):]
+
+
+def state_after(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The conv state ``[W - 1, D]`` after the inputs ``x [T, D]`` that follow ``state``: the last ``W - 1``
+    rows of ``cat(state, x)``, in ``state``'s dtype (the inputs are copied, never computed on)."""
+    xx = torch.cat([state, x.to(state.dtype)])
+    return xx[xx.shape[0] - state.shape[0]:]

@@ -16,6 +16,14 @@ chunk. On CUDA with Triton (devices in ``KERNEL_DEVICES``): decode-only steps ru
 the prefill kernels; elsewhere the PyTorch reference
 (kvforge/attention/gated_delta_rule.py, causal_conv1d.py) per sequence, from the host copies of
 the batch.
+
+Speculative decoding (docs/LINEAR_ATTENTION.md, "Speculative decoding"): a sequence verifying ``k``
+proposals brings ``1 + k`` rows (``SlotBatch.spec_lens``). Its outputs are computed from its slot as
+for any chunk, but its state is not written back: the slot keeps the state before the step, and the
+rows' inputs (conv input, k, v, gate, beta; float32) go to the sequence's verify rows
+(:class:`VerifyRows`, ``1 + k`` per slot and layer). Once verification accepted ``a`` proposals,
+:meth:`LinearStates.keep_verified` replays the first ``1 + a`` kept rows onto the slot: the slot then
+holds the state after exactly the sequence's computed tokens, as if the rejected rows never ran.
 """
 
 from __future__ import annotations
@@ -30,13 +38,17 @@ from kvforge.attention import causal_conv1d, gated_delta_rule
 
 @dataclass(frozen=True)
 class LinearStateLayout:
-    """One linear-attention layer's per-sequence state: conv ``[W - 1, D]`` and recurrent ``[Hv, K, V]``."""
+    """One linear-attention layer's per-sequence state: conv ``[W - 1, D]`` and recurrent ``[Hv, K, V]``;
+    ``num_key_heads`` (``Hk``) and ``gate_per_channel`` (a gate per key channel, KDA, or one per head) shape
+    the inputs a verify step keeps per row."""
 
     conv_channels: int
     conv_width: int
     num_value_heads: int
     key_dim: int
     value_dim: int
+    num_key_heads: int
+    gate_per_channel: bool
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -51,6 +63,70 @@ class LinearStateLayout:
         """State elements per sequence (the spec's ``StateLayerSpec.state_elements``)."""
         return (self.conv_width - 1) * self.conv_channels + self.num_value_heads * self.key_dim * self.value_dim
 
+    @property
+    def gate_shape(self) -> tuple[int, ...]:
+        return (self.num_value_heads, self.key_dim) if self.gate_per_channel else (self.num_value_heads,)
+
+    def verify_row_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One verify row's kept inputs: conv input ``[D]``, k ``[Hk, K]``, v ``[Hv, V]``, gate, beta ``[Hv]``."""
+        return {"conv_input": (self.conv_channels,), "k": (self.num_key_heads, self.key_dim),
+                "v": (self.num_value_heads, self.value_dim), "g": self.gate_shape, "beta": (self.num_value_heads,)}
+
+    @property
+    def token_input_elements(self) -> int:
+        """Elements of one verify row (the spec's ``StateLayerSpec.token_input_elements``)."""
+        return sum(_numel(shape) for shape in self.verify_row_shapes().values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+#: The dtype of verify rows: every input a kernel reads converts to it exactly.
+VERIFY_ROW_DTYPE = torch.float32
+
+
+class VerifyRows:
+    """One layer's kept inputs of verify steps: per name of :meth:`LinearStateLayout.verify_row_shapes`, a
+    float32 tensor ``[num_slots, rows, *shape]`` (``rows`` = 1 + the speculative token count), row ``j`` of
+    slot ``s`` the ``j``-th row of the last verify step of the sequence holding slot ``s``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = dict(tensors)
+        self.rows = next(iter(self.tensors.values())).shape[1]
+
+    @classmethod
+    def carve(cls, buffer: torch.Tensor, layout: LinearStateLayout, num_slots: int, rows: int) -> VerifyRows:
+        """Views of ``buffer`` (float32, exactly ``num_slots * rows * token_input_elements`` elements)."""
+        tensors, offset = {}, 0
+        for name, shape in layout.verify_row_shapes().items():
+            n = num_slots * rows * _numel(shape)
+            tensors[name] = buffer[offset:offset + n].view(num_slots, rows, *shape)
+            offset += n
+        if offset != buffer.numel():
+            raise ValueError(f"verify rows take {offset} elements, the buffer has {buffer.numel()}")
+        return cls(tensors)
+
+    @classmethod
+    def allocate(cls, layout: LinearStateLayout, num_slots: int, rows: int, device,
+                 dtype: torch.dtype = VERIFY_ROW_DTYPE) -> VerifyRows:
+        """Zeroed rows; ``dtype`` float64 only for float64 reference runs (the pool's rows are float32)."""
+        n = num_slots * rows * layout.token_input_elements
+        return cls.carve(torch.zeros(n, dtype=dtype, device=device), layout, num_slots, rows)
+
+    def flat(self, name: str) -> torch.Tensor:
+        """``[num_slots * rows, *shape]``: row ``j`` of slot ``s`` at ``s * rows + j``."""
+        t = self.tensors[name]
+        return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+
+    def keep(self, name: str, x: torch.Tensor, batch: SlotBatch) -> None:
+        """Store the step's verify rows of ``x`` (token-major) at their sequences' slots."""
+        flat = self.flat(name)
+        flat.index_copy_(0, batch.verify_dest, x.index_select(0, batch.verify_src).to(flat.dtype))
+
 
 @dataclass(frozen=True)
 class SlotBatch:
@@ -59,6 +135,12 @@ class SlotBatch:
     ``query_start_loc`` int32 [N + 1], ``slot_ids`` int32 [N], ``has_initial_state`` bool [N] on the
     device; the ``host_*`` tuples hold the same values for the PyTorch paths. ``max_query_len`` is
     the longest sequence's token count this step (1: a decode-only step).
+
+    ``host_spec_lens``: per sequence, the proposals it verifies this step (its last ``spec_lens[i]``
+    rows; 0 for every other sequence). Verifying sequences keep their slot's state unwritten:
+    ``store_slot_ids`` is ``slot_ids`` with -1 at them (where the kernels store final states), and
+    their rows go to the verify rows: token ``verify_src[j]`` to flat row ``verify_dest[j]``
+    (``slot * verify_rows + row``), int64; both empty without verifying sequences.
     """
 
     query_start_loc: torch.Tensor
@@ -68,23 +150,49 @@ class SlotBatch:
     host_query_start_loc: tuple[int, ...]
     host_slot_ids: tuple[int, ...]
     host_has_initial_state: tuple[bool, ...]
+    host_spec_lens: tuple[int, ...] = ()
+    store_slot_ids: torch.Tensor | None = None
+    verify_src: torch.Tensor | None = None
+    verify_dest: torch.Tensor | None = None
 
     @classmethod
     def build(cls, query_lens: Sequence[int], slot_ids: Sequence[int], has_initial_state: Sequence[bool],
-              device) -> SlotBatch:
-        if not len(query_lens) == len(slot_ids) == len(has_initial_state):
-            raise ValueError("query_lens, slot_ids and has_initial_state need one entry per sequence")
+              device, spec_lens: Sequence[int] | None = None, verify_rows: int = 0) -> SlotBatch:
+        """``spec_lens`` (optional, one per sequence): proposals verified per sequence; ``verify_rows``: the
+        verify rows per slot (1 + the speculative token count), needed when any ``spec_lens`` is non-zero."""
+        spec_lens = [0] * len(query_lens) if spec_lens is None else [int(n) for n in spec_lens]
+        if not len(query_lens) == len(slot_ids) == len(has_initial_state) == len(spec_lens):
+            raise ValueError("query_lens, slot_ids, has_initial_state and spec_lens need one entry per sequence")
         qsl = [0]
         for n in query_lens:
             qsl.append(qsl[-1] + int(n))
+        src, dest, store = [], [], [int(x) for x in slot_ids]
+        for i, n in enumerate(spec_lens):
+            if n and store[i] >= 0:
+                if not 0 < n + 1 <= min(verify_rows, int(query_lens[i])):
+                    raise ValueError(f"sequence {i} verifies {n} proposals in {query_lens[i]} rows but a slot keeps "
+                                     f"{verify_rows} verify rows")
+                src.extend(range(qsl[i + 1] - n - 1, qsl[i + 1]))
+                dest.extend(store[i] * verify_rows + j for j in range(n + 1))
+                store[i] = -1
+        slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=device)
         return cls(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            slot_ids=torch.tensor(list(slot_ids), dtype=torch.int32, device=device),
+            slot_ids=slots_t,
             has_initial_state=torch.tensor(list(has_initial_state), dtype=torch.bool, device=device),
             max_query_len=max(query_lens, default=0),
             host_query_start_loc=tuple(qsl), host_slot_ids=tuple(int(s) for s in slot_ids),
             host_has_initial_state=tuple(bool(x) for x in has_initial_state),
+            host_spec_lens=tuple(spec_lens),
+            store_slot_ids=torch.tensor(store, dtype=torch.int32, device=device) if src else slots_t,
+            verify_src=torch.tensor(src, dtype=torch.int64, device=device) if src else None,
+            verify_dest=torch.tensor(dest, dtype=torch.int64, device=device) if src else None,
         )
+
+    @property
+    def verifies(self) -> bool:
+        """Whether some sequence of the step verifies proposals."""
+        return self.verify_src is not None
 
     def spans(self):
         """``(sequence index, first token, end token, slot, has_initial_state)`` of every non-padding sequence."""
@@ -92,6 +200,10 @@ class SlotBatch:
         for i, slot in enumerate(self.host_slot_ids):
             if slot >= 0:
                 yield i, qsl[i], qsl[i + 1], slot, self.host_has_initial_state[i]
+
+    def writes_state(self, i: int) -> bool:
+        """Whether sequence ``i`` stores its state after the step (False while it verifies proposals)."""
+        return not (self.host_spec_lens and self.host_spec_lens[i])
 
 
 KERNEL_DEVICES = ("cuda",)  # tests add "cpu" to run the kernels in Triton's interpreter
@@ -106,25 +218,39 @@ def _use_kernels(x: torch.Tensor) -> bool:
 
 
 class LinearStates:
-    """The conv and recurrent state slots of every linear-attention layer, and the current step's batch."""
+    """The conv and recurrent state slots of every linear-attention layer, their verify rows (speculative
+    decoding only; None otherwise), and the current step's batch."""
 
-    def __init__(self, conv: Mapping[int, torch.Tensor], recurrent: Mapping[int, torch.Tensor]):
-        if set(conv) != set(recurrent):
-            raise ValueError("every linear-attention layer needs both a conv and a recurrent state")
+    def __init__(self, conv: Mapping[int, torch.Tensor], recurrent: Mapping[int, torch.Tensor],
+                 verify: Mapping[int, VerifyRows] | None = None):
+        if set(conv) != set(recurrent) or (verify is not None and set(verify) != set(conv)):
+            raise ValueError("every linear-attention layer needs a conv and a recurrent state (and verify rows, "
+                             "when any layer has them)")
         self.conv = dict(conv)
         self.recurrent = dict(recurrent)
+        self.verify = dict(verify) if verify is not None else None
+        self.verify_rows = next(iter(self.verify.values())).rows if self.verify else 0
         self.batch: SlotBatch | None = None
+        #: Per layer, whether the last verify step normalised q and k (a replay normalises k as it did).
+        self._normalize_qk: dict[int, bool] = {}
 
     @classmethod
     def allocate(cls, layouts: Mapping[int, LinearStateLayout], num_slots: int, dtype: torch.dtype,
-                 device) -> LinearStates:
-        """Zeroed state tensors ``[num_slots, ...]`` of ``dtype`` for each layer of ``layouts``."""
+                 device, verify_rows: int = 0) -> LinearStates:
+        """Zeroed state tensors ``[num_slots, ...]`` of ``dtype`` for each layer of ``layouts``; with
+        ``verify_rows`` (1 + the speculative token count), zeroed verify rows as well."""
         conv = {i: torch.zeros(num_slots, *lay.conv_shape, dtype=dtype, device=device) for i, lay in layouts.items()}
         rec = {i: torch.zeros(num_slots, *lay.recurrent_shape, dtype=dtype, device=device)
                for i, lay in layouts.items()}
-        return cls(conv, rec)
+        rows_dtype = torch.float64 if dtype == torch.float64 else VERIFY_ROW_DTYPE
+        verify = ({i: VerifyRows.allocate(lay, num_slots, verify_rows, device, rows_dtype)
+                   for i, lay in layouts.items()} if verify_rows else None)
+        return cls(conv, rec, verify)
 
     def set_batch(self, batch: SlotBatch) -> None:
+        if batch.verifies and self.verify is None:
+            raise RuntimeError("a step verifies speculative proposals but the state slots keep no verify rows "
+                               "(the plan was made without speculative tokens)")
         self.batch = batch
 
     def _batch(self) -> SlotBatch:
@@ -136,6 +262,8 @@ class LinearStates:
                    activation: str | None = "silu") -> torch.Tensor:
         """The causal conv of ``x [T, D]`` (``weight [D, W]``) continuing each sequence's conv state."""
         b, states = self._batch(), self.conv[layer]
+        if b.verifies:
+            self.verify[layer].keep("conv_input", x, b)
         if _use_kernels(x):
             from kvforge.kernels.triton_causal_conv1d import conv1d_decode, conv1d_prefill
 
@@ -143,19 +271,25 @@ class LinearStates:
                 return conv1d_decode(x, states, b.slot_ids, weight, bias, activation,
                                      has_initial_state=b.has_initial_state)
             return conv1d_prefill(x, states, b.slot_ids, b.query_start_loc, weight, bias, activation,
-                                  has_initial_state=b.has_initial_state)
+                                  has_initial_state=b.has_initial_state, store_slot_ids=b.store_slot_ids)
         out = torch.zeros_like(x)
-        for _, start, end, slot, has_state in b.spans():
+        for i, start, end, slot, has_state in b.spans():
             o, s = causal_conv1d.causal_conv1d(x[start:end], weight, bias, states[slot] if has_state else None,
                                                activation)
             out[start:end] = o
-            states[slot].copy_(s)
+            if b.writes_state(i):
+                states[slot].copy_(s)
         return out
 
     def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, *, scale: float | None = None, normalize_qk: bool = True) -> torch.Tensor:
         """``o [T, Hv, V]`` of the gated delta rule continuing each sequence's recurrent state."""
         b, states = self._batch(), self.recurrent[layer]
+        if b.verifies:
+            rows = self.verify[layer]
+            for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+                rows.keep(name, x, b)
+            self._normalize_qk[layer] = normalize_qk
         if _use_kernels(v):
             from kvforge.kernels import triton_gated_delta_rule as kernels
 
@@ -163,12 +297,59 @@ class LinearStates:
                 return kernels.decode(q, k, v, g, beta, states, b.slot_ids, has_initial_state=b.has_initial_state,
                                       scale=scale, normalize_qk=normalize_qk)
             return kernels.prefill(q, k, v, g, beta, states, b.slot_ids, b.query_start_loc,
-                                   has_initial_state=b.has_initial_state, scale=scale, normalize_qk=normalize_qk)
+                                   has_initial_state=b.has_initial_state, scale=scale, normalize_qk=normalize_qk,
+                                   store_slot_ids=b.store_slot_ids)
         out = torch.zeros_like(v)
-        for _, start, end, slot, has_state in b.spans():
+        for i, start, end, slot, has_state in b.spans():
             form = gated_delta_rule.recurrent if end - start == 1 else gated_delta_rule.chunked
             o, s = form(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
                         states[slot] if has_state else None, scale=scale, normalize_qk=normalize_qk)
             out[start:end] = o
-            states[slot].copy_(s)
+            if b.writes_state(i):
+                states[slot].copy_(s)
         return out
+
+    def keep_verified(self, slot_ids: Sequence[int], num_rows: Sequence[int]) -> None:
+        """After verification: slot ``slot_ids[i]`` (which holds its sequence's state before its last verify
+        step) advances over that step's first ``num_rows[i]`` rows (1 + the accepted proposals), replayed from
+        the verify rows, in every layer. The slot then holds the state after exactly the sequence's computed
+        tokens; the rejected rows leave no trace."""
+        if len(slot_ids) != len(num_rows):
+            raise ValueError("keep_verified needs one row count per slot")
+        if not slot_ids:
+            return
+        if self.verify is None:
+            raise RuntimeError("keep_verified needs verify rows (a plan made with speculative tokens)")
+        r = self.verify_rows
+        for slot, n in zip(slot_ids, num_rows):
+            if not 0 < n <= r or slot < 0:
+                raise ValueError(f"slot {slot}: {n} rows to keep, a verify step has 1 .. {r}")
+        src, qsl = [], [0]
+        for slot, n in zip(slot_ids, num_rows):
+            src.extend(slot * r + j for j in range(n))
+            qsl.append(qsl[-1] + n)
+        some = next(iter(self.conv.values()))
+        dev = some.device
+        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
+        kernels = _use_kernels(some)
+        if kernels:
+            from kvforge.kernels import triton_gated_delta_rule as rule_kernels
+            from kvforge.kernels.triton_causal_conv1d import conv1d_update_states
+
+            slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=dev)
+            qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+        for layer, rows in self.verify.items():
+            x, k, v, g, beta = (rows.flat(name).index_select(0, src_t) for name in ("conv_input", "k", "v", "g", "beta"))
+            normalize = self._normalize_qk.get(layer, True)
+            if kernels:
+                conv1d_update_states(x, self.conv[layer], slots_t, qsl_t)
+                rule_kernels.prefill(k, k, v, g, beta, self.recurrent[layer], slots_t, qsl_t, normalize_qk=normalize,
+                                     store_output=False)
+                continue
+            for i, slot in enumerate(slot_ids):
+                span = slice(qsl[i], qsl[i + 1])
+                conv = self.conv[layer][slot]
+                conv.copy_(causal_conv1d.state_after(conv, x[span]))
+                _, s = gated_delta_rule.recurrent(k[span], k[span], v[span], g[span], beta[span],
+                                                  self.recurrent[layer][slot], normalize_qk=normalize)
+                self.recurrent[layer][slot].copy_(s)

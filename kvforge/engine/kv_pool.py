@@ -26,14 +26,17 @@ states ``[Hv, K, V]`` in the plan's state dtype, shaped by the model's
 ``linear_state_layouts()``; ``linear_states`` wraps them
 (kvforge/attention/linear_state.py). Each layer's two views take exactly the
 plan's ``state_bytes`` of that layer per slot; a running sequence holds one
-slot (the same index in every layer).
+slot (the same index in every layer). With speculative tokens, each state layer
+then has its float32 verify rows (``state_slots x (1 + k)`` rows of the
+layout's ``token_input_elements``), exactly the plan's ``verify_replay_bytes``
+of that layer per slot.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvforge.attention.linear_state import LinearStateLayout, LinearStates
+from kvforge.attention.linear_state import VERIFY_ROW_DTYPE, LinearStateLayout, LinearStates, VerifyRows
 from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 
@@ -101,7 +104,8 @@ class KVPool:
         state_dtype = TORCH_KV_DTYPES[plan.state_dtype] if state_layers else None
         if state_layers:
             _check_state_layouts(plan, state_layers, state_layouts, state_dtype)
-        linear_bytes = self.state_slots * sum(plan.layers[i].state_bytes for i in state_layers)
+        linear_bytes = self.state_slots * sum(plan.layers[i].state_bytes + plan.layers[i].verify_replay_bytes
+                                              for i in state_layers)
         nbytes = attention_bytes + ring_bytes + linear_bytes
         # CUDA: zero-filled (one memset), so a read of a never-written page (CUDA-graph padding rows read
         # block 0) sees finite numbers; CPU keeps torch.empty (pages are written before they are read).
@@ -149,7 +153,15 @@ class KVPool:
                         raise ConfigError(f"state slots start at byte {offset}, not aligned to {state_dtype}")
                     into[i] = raw.view(state_dtype).view(self.state_slots, *shape)
                     offset += size
-            self.linear_states = LinearStates(conv, recurrent)
+            verify = {}
+            rows = plan.num_speculative_tokens + 1
+            for i in state_layers:
+                size = plan.layers[i].verify_replay_bytes * self.state_slots
+                if size:
+                    raw = self.buffer[offset:offset + size].view(VERIFY_ROW_DTYPE)
+                    verify[i] = VerifyRows.carve(raw, state_layouts[i], self.state_slots, rows)
+                    offset += size
+            self.linear_states = LinearStates(conv, recurrent, verify or None)
 
     @property
     def nbytes(self) -> int:
@@ -197,3 +209,8 @@ def _check_state_layouts(plan: KVPlan, state_layers: list[int], layouts, dtype: 
             raise ConfigError(f"layer {i}: the model's state takes {got} bytes per sequence in {dtype} but the plan "
                               f"planned {plan.layers[i].state_bytes}; the spec's state elements disagree with the "
                               f"model's layout")
+        replay = plan.layers[i].verify_replay_bytes
+        want = (plan.num_speculative_tokens + 1) * layouts[i].token_input_elements * VERIFY_ROW_DTYPE.itemsize
+        if replay and replay != want:
+            raise ConfigError(f"layer {i}: the model's verify rows take {want} bytes per sequence but the plan "
+                              f"planned {replay}; the spec's token input elements disagree with the model's layout")

@@ -461,6 +461,8 @@ class LLMEngine:
             slots = [self.state_slots.acquire(s.seq.request_id) for s in out.scheduled]
             if self.has_linear_state:
                 self.runner.step_state_slots = slots
+                if proposals is not None:  # verifying sequences keep their states until verification
+                    self.runner.step_spec_lens = [len(s.spec_token_ids) for s in out.scheduled]
             else:
                 self.runner.step_ring_slots = slots
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
@@ -475,8 +477,10 @@ class LLMEngine:
             logits = logits[:len(rows)]
         if proposals is not None:
             self.scheduler.advance(out)
-            return InflightStep(out, sampled_seqs, None, None, [], None, {}, prompt_lp, launched,
-                                verified=self._verify(logits, sampled_seqs, proposals))
+            verified = self._verify(logits, sampled_seqs, proposals)
+            if self.has_linear_state:
+                self._keep_verified_states(sampled_seqs, proposals, verified)
+            return InflightStep(out, sampled_seqs, None, None, [], None, {}, prompt_lp, launched, verified=verified)
         if sampled_seqs:
             result = self.sampler.sample_sequences(logits, sampled_seqs)
             token_ids, logprobs = result.token_ids, result.logprobs
@@ -508,6 +512,16 @@ class LLMEngine:
             elif seq.speculative is None:
                 seq.speculative = SpeculativeStats()
         return [list(zip(tokens, lps)) for tokens, lps in zip(result.tokens, result.logprobs)]
+
+    def _keep_verified_states(self, seqs: list[Sequence], proposals: list[list[int]], verified: list[list]) -> None:
+        """Linear-attention state of the sequences that verified proposals: their slots still hold the state
+        before the step; they advance over the sequence's real token and the accepted proposals (one row per
+        emitted token but the last, which is computed next step)."""
+        held = self.state_slots.held
+        pairs = [(held[seq.request_id], len(tokens)) for seq, props, tokens in zip(seqs, proposals, verified)
+                 if props]
+        if pairs:
+            self.runner.keep_verified([slot for slot, _ in pairs], [n for _, n in pairs])
 
     def _resolve(self, step: InflightStep) -> list[RequestOutput]:
         if step.verified is not None:

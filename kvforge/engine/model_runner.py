@@ -22,7 +22,10 @@ sequences' state slots (``KVPool.linear_states``): the engine hands each step
 one slot per sequence (``step_state_slots``, in the step's order), and the
 step's ``SlotBatch`` marks a sequence's first chunk (start position 0) as
 having no initial state, so a fresh or recomputed sequence never reads what
-the slot's previous owner left.
+the slot's previous owner left. With speculative decoding the engine also hands
+each step the proposals every sequence verifies (``step_spec_lens``): those
+sequences keep their slots' states and their rows, and after verification
+:meth:`ModelRunner.keep_verified` replays the accepted rows onto the slots.
 
 Decode-only steps (every sequence brings one token) on CUDA replay a captured
 CUDA graph when one is available (kvforge/engine/cuda_graphs.py); prefill and
@@ -100,7 +103,7 @@ class HostStep:
     """
 
     __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len",
-                 "placeholders", "state_slots")
+                 "placeholders", "state_slots", "spec_lens")
 
     def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len,
                  placeholders=None):
@@ -110,8 +113,10 @@ class HostStep:
         # Overlapped scheduling (kvforge/engine/overlap.py): None, or (token rows [k], source rows [k],
         # device tensor) meaning ids[token rows] = tensor[source rows], gathered on the device.
         self.placeholders = placeholders
-        # Linear-attention models: int32 [num_seqs], each sequence's state slot (None otherwise).
+        # Linear-attention models: int32 [num_seqs], each sequence's state slot (None otherwise), and the
+        # proposals each verifies this step (None: none).
         self.state_slots = None
+        self.spec_lens = None
 
     def has_initial_state(self) -> np.ndarray:
         """bool [num_seqs]: whether each sequence's slot already holds its state (its chunk starts after 0)."""
@@ -186,6 +191,7 @@ class ModelRunner:
         #: the next run(), set by the engine.
         self.linear_states = pool.linear_states
         self.step_state_slots: list[int] | None = None
+        self.step_spec_lens: list[int] | None = None  # per sequence: proposals it verifies (speculative decoding)
         if self.linear_states is not None:
             self._attn_api = _LinearAttn(self)
         if pool.ring_pages:
@@ -400,8 +406,10 @@ class ModelRunner:
 
     def slot_batch(self, host: HostStep) -> SlotBatch:
         """The step's state slots on the device (eager steps; CUDA graphs fill static buffers instead)."""
+        spec = host.spec_lens.tolist() if host.spec_lens is not None else None
         return SlotBatch.build(np.diff(host.qsl).tolist(), host.state_slots.tolist(),
-                               host.has_initial_state().tolist(), self.device)
+                               host.has_initial_state().tolist(), self.device, spec_lens=spec,
+                               verify_rows=self.linear_states.verify_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_splits: int | None = None,
                 slot_batch: SlotBatch | None = None) -> torch.Tensor:
@@ -481,6 +489,17 @@ class ModelRunner:
             raise RuntimeError(f"a step of {host.num_seqs} sequences over linear-attention state needs one state "
                                f"slot per sequence (step_state_slots), got {slots!r}")
         host.state_slots = np.asarray(slots, dtype=np.int32)
+        spec, self.step_spec_lens = self.step_spec_lens, None
+        if spec is not None and any(spec):
+            if len(spec) != host.num_seqs:
+                raise RuntimeError(f"step_spec_lens needs one entry per sequence ({host.num_seqs}), got {spec!r}")
+            host.spec_lens = np.asarray(spec, dtype=np.int32)
+
+    @torch.inference_mode()
+    def keep_verified(self, slots: list[int], num_rows: list[int]) -> None:
+        """After a verify step: each slot advances over the first ``num_rows`` of its sequence's verify rows
+        (1 + the accepted proposals); see :meth:`LinearStates.keep_verified`."""
+        self.linear_states.keep_verified(slots, num_rows)
 
     def share_sampled_tokens(self, token_ids: torch.Tensor) -> None:
         """Hand a step's sampled tokens to the other ranks (TP > 1); nothing to do on one rank."""

@@ -36,6 +36,9 @@ Why the in-place state updates are race-free (the decode kernel and the prefill 
 NaN included, never reaches the output or the new state. No host sync and a grid fixed by the
 shapes: both functions are capturable in a CUDA graph.
 
+``conv1d_prefill``'s ``store_slot_ids`` (-1: keep the slot) leaves a verifying sequence's slot as it
+was; :func:`conv1d_update_states` runs the second launch alone, to replay its accepted rows later.
+
 Arithmetic in float32; the output has ``x``'s dtype.
 """
 
@@ -183,8 +186,11 @@ def _check_conv(x, conv_states, slot_ids, weight, activation, num_seqs):
 
 def conv1d_prefill(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor,
                    weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = "silu", *,
-                   has_initial_state: torch.Tensor | None = None) -> torch.Tensor:
-    """``out [T, D]`` for sequences of any lengths; each slot ends holding its sequence's last ``W - 1`` inputs."""
+                   has_initial_state: torch.Tensor | None = None,
+                   store_slot_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``out [T, D]`` for sequences of any lengths; each slot ends holding its sequence's last ``W - 1`` inputs.
+    ``store_slot_ids`` (int32 [N], default ``slot_ids``): -1 where a slot keeps its state (a sequence verifying
+    speculative proposals), else ``slot_ids[i]``."""
     n = slot_ids.shape[0]
     d, width = _check_conv(x, conv_states, slot_ids, weight, activation, n)
     if query_start_loc.shape != (n + 1,):
@@ -200,11 +206,35 @@ def conv1d_prefill(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.T
         WIDTH=width, SEARCH_STEPS=max(1, n.bit_length()), BLOCK_T=_PREFILL_BLOCK_T, BLOCK_D=_PREFILL_BLOCK_D,
         HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=4,
     )
-    _conv1d_state_kernel[(n, triton.cdiv(d, _BLOCK_D))](
+    if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
+        raise ValueError(f"store_slot_ids must be [N] = [{n}], got {tuple(store_slot_ids.shape)}")
+    _launch_state_kernel(x, conv_states, slot_ids if store_slot_ids is None else store_slot_ids, flags,
+                         query_start_loc, d, width)
+    return out
+
+
+def _launch_state_kernel(x, conv_states, slot_ids, flags, query_start_loc, d, width):
+    _conv1d_state_kernel[(slot_ids.shape[0], triton.cdiv(d, _BLOCK_D))](
         x, conv_states, slot_ids, flags, query_start_loc, d, x.stride(0), conv_states.stride(0),
         conv_states.stride(1), WIDTH=width, ROWS=triton.next_power_of_2(width - 1), BLOCK_D=_BLOCK_D, num_warps=4,
     )
-    return out
+
+
+def conv1d_update_states(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor,
+                         query_start_loc: torch.Tensor) -> None:
+    """Advance each slot's conv state over its sequence's inputs ``x [T, D]`` (``query_start_loc``) without
+    computing outputs: slot ``slot_ids[i]`` ends holding the last ``W - 1`` rows of ``cat(state, x_i)``
+    (the replay of a verify step's accepted rows)."""
+    n, d = slot_ids.shape[0], x.shape[1]
+    if conv_states.dim() != 3 or conv_states.shape[2] != d or conv_states.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError(f"want x [T, D] and conv_states [slots, W - 1, D] with contiguous last dims; got "
+                         f"{tuple(x.shape)}, {tuple(conv_states.shape)}")
+    if query_start_loc.shape != (n + 1,):
+        raise ValueError(f"query_start_loc must be [N + 1] = [{n + 1}], got {tuple(query_start_loc.shape)}")
+    if n == 0 or x.shape[0] == 0:
+        return
+    _launch_state_kernel(x, conv_states, slot_ids, torch.ones_like(slot_ids, dtype=torch.bool), query_start_loc, d,
+                         conv_states.shape[1] + 1)
 
 
 def conv1d_decode(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor, weight: torch.Tensor,

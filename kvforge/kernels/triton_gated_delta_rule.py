@@ -10,7 +10,10 @@ belongs to ``N`` sequences and every sequence owns one state slot:
   ``slot_ids[i]`` before sequence ``i``'s tokens and overwritten in place with its state after them;
   ``slot_ids[i] < 0`` marks a padding row: nothing is read or written for it;
 * ``has_initial_state [N]`` (optional, bool): False starts sequence ``i`` from a zero state instead
-  of reading its slot (a new sequence's slot holds whatever its previous owner left).
+  of reading its slot (a new sequence's slot holds whatever its previous owner left);
+* ``store_slot_ids [N]`` (optional, :func:`prefill` only): ``slot_ids[i]`` (store the final state,
+  the default) or -1 (store nothing: a sequence verifying speculative proposals keeps the state
+  before the step, kvforge/attention/linear_state.py).
 
 Entries (no host sync, output allocated with ``torch.empty``):
 
@@ -73,6 +76,14 @@ if HAS_TRITON:
         return s, s_off, smask
 
     @triton.jit
+    def _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss):
+        """Store the final state block at ``store_slot_ids[i]`` (the read slot's offsets moved there: it is
+        the read slot or -1); nothing where it is -1 (a sequence verifying proposals keeps its state)."""
+        store_slot = tl.load(store_slot_ptr + i).to(tl.int64)
+        tl.store(state_ptr + s_off + (store_slot - slot) * stride_ss, s.to(state_ptr.dtype.element_ty),
+                 mask=smask & (store_slot >= 0))
+
+    @triton.jit
     def _load_qkv(q_ptr, k_ptr, v_ptr, rows, hk, h, kcols, vcols, qk_mask, v_mask,
                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
                   NORMALIZE: tl.constexpr, AXIS: tl.constexpr):
@@ -86,12 +97,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _recurrent_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, NORMALIZE: tl.constexpr,
-        DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+        DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr,
     ):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -122,18 +133,20 @@ if HAS_TRITON:
                     s = s * tl.exp(tl.load(g_ptr + t64 * stride_gt + h).to(tl.float32))
                 u = beta * (v - tl.sum(s * k[:, None], axis=0))
                 s = s + k[:, None] * u[None, :]
-                o = tl.sum(s * q[:, None], axis=0)
-                tl.store(out_ptr + t64 * stride_ot + h * stride_oh + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
-            tl.store(state_ptr + s_off, s.to(state_ptr.dtype.element_ty), mask=smask)
+                if STORE_OUT:
+                    o = tl.sum(s * q[:, None], axis=0)
+                    tl.store(out_ptr + t64 * stride_ot + h * stride_oh + vs, o.to(out_ptr.dtype.element_ty),
+                             mask=vmask)
+            _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
     @triton.jit
     def _chunked_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+        NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr,
     ):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -177,13 +190,15 @@ if HAS_TRITON:
                 u = tl.dot(inv, beta[:, None] * v, input_precision="ieee")
                 w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision="ieee")
                 u = u - tl.dot(w, s, input_precision="ieee")
-                qk = tl.where(lower, tl.dot(q, kt, input_precision="ieee") * decay, 0.0)
-                o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
-                tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+                if STORE_OUT:
+                    qk = tl.where(lower, tl.dot(q, kt, input_precision="ieee") * decay, 0.0)
+                    o = (tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee")
+                         + tl.dot(qk, u, input_precision="ieee"))
+                    tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
+                             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
                 k_end = k * tl.exp(g_last - gc)[:, None]
                 s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision="ieee")
-            tl.store(state_ptr + s_off, s.to(state_ptr.dtype.element_ty), mask=smask)
+            _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
 
 def _check(q, k, v, g, beta, states, slot_ids, num_seqs):
@@ -215,7 +230,7 @@ def _blocks(dk: int, dv: int) -> tuple[int, int]:
 
 
 def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
-                      normalize_qk, num_seqs, decode):
+                      normalize_qk, num_seqs, decode, store_slot_ids=None, store_output=True):
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty_like(v)
@@ -226,13 +241,13 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
     flags = has_initial_state if has_initial_state is not None else slot_ids
     qsl = query_start_loc if query_start_loc is not None else slot_ids
     _recurrent_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, out, states, slot_ids, flags, qsl,
+        q, k, v, g, beta, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags, qsl,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         g.stride(1) if per_channel else 0, beta.stride(0), out.stride(0), out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
-        HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), num_warps=4,
     )
     return out
 
@@ -249,15 +264,23 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
             has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
-            chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
-    """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place."""
+            chunk_size: int = DEFAULT_CHUNK_SIZE, store_slot_ids: torch.Tensor | None = None,
+            store_output: bool = True) -> torch.Tensor:
+    """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
+
+    ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
+    its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
+    computes only the states (that replay); ``out`` is then left unwritten."""
     num_seqs = slot_ids.shape[0]
     _check(q, k, v, g, beta, states, slot_ids, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [N + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
+        raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
     if g.dim() == 3:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
-                                 normalize_qk, num_seqs, decode=False)
+                                 normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
+                                 store_output=store_output)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 (tl.dot tiles), got {chunk_size}")
     t, hk, dk = q.shape
@@ -268,11 +291,12 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     bk, bv = _blocks(dk, dv)
     flags = has_initial_state if has_initial_state is not None else slot_ids
     _chunked_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, out, states, slot_ids, flags, query_start_loc,
+        q, k, v, g, beta, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
+        query_start_loc,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
-        HAS_INIT_FLAGS=has_initial_state is not None, num_warps=4,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), num_warps=4,
     )
     return out

@@ -134,7 +134,8 @@ class KimiLinearArgs(DecoderArgs):
         width = self.linear_num_heads * self.linear_head_dim
         return LinearStateLayout(conv_channels=3 * width, conv_width=self.conv_width,
                                  num_value_heads=self.linear_num_heads, key_dim=self.linear_head_dim,
-                                 value_dim=self.linear_head_dim)
+                                 value_dim=self.linear_head_dim, num_key_heads=self.linear_num_heads,
+                                 gate_per_channel=True)
 
 
 class KimiDeltaAttention(nn.Module):

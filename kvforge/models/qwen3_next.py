@@ -113,7 +113,8 @@ class Qwen3NextArgs(DecoderArgs):
         value_total = self.linear_num_value_heads * self.linear_value_head_dim
         return LinearStateLayout(conv_channels=2 * key_total + value_total, conv_width=self.conv_width,
                                  num_value_heads=self.linear_num_value_heads, key_dim=self.linear_key_head_dim,
-                                 value_dim=self.linear_value_head_dim)
+                                 value_dim=self.linear_value_head_dim, num_key_heads=self.linear_num_key_heads,
+                                 gate_per_channel=False)
 
 
 class GatedRMSNorm(nn.Module):

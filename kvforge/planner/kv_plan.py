@@ -28,6 +28,9 @@ class LayerPlan:
     sliding_window: int | None = None
     state_bytes: int = 0
     sinks: bool = False  # the layer adds one sink logit per query head to its softmax denominator
+    #: State layers with speculative decoding: per sequence, the float32 inputs of the 1 + k rows of a verify
+    #: step, kept to replay the accepted rows onto the state (part of ``state_bytes_per_sequence``).
+    verify_replay_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,10 @@ class KVPlan:
             d["capacity_gain_vs_baseline"] = None
         return d
 
+    def verify_replay_bytes_per_sequence(self) -> int:
+        """Bytes of a sequence's state slot that keep a verify step's inputs (0 without speculation)."""
+        return sum(layer.verify_replay_bytes for layer in self.layers)
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
@@ -217,6 +224,10 @@ class KVPlan:
             lines.append(line)
         if self.state_dtype is not None:
             lines.append(f"  state dtype {self.state_dtype}: {self.state_dtype_reason}")
+        replay = self.verify_replay_bytes_per_sequence()
+        if replay:
+            lines.append(f"  {replay} of the state bytes/sequence: verify rows kept to roll linear-attention state "
+                         f"back to the accepted tokens ({self.num_speculative_tokens + 1} rows per layer, float32)")
         if self.draft is not None:
             lines.append(f"  {self.draft_explanation() or f'draft {self.draft.model}: no capacity given'}")
         for w in self.warnings:

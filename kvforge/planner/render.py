@@ -37,7 +37,10 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_row("block size", f"{plan.block_size}: {plan.block_size_reason}")
     head.add_row("max model len", str(plan.max_model_len))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
-    head.add_row("state bytes per sequence", f"{plan.state_bytes_per_sequence:,}")
+    replay = plan.verify_replay_bytes_per_sequence()
+    head.add_row("state bytes per sequence", f"{plan.state_bytes_per_sequence:,}" + (
+        f" (of which {replay:,} keep a verify step's {plan.num_speculative_tokens + 1} rows to roll the "
+        f"linear-attention state back)" if replay else ""))
     if plan.state_dtype is not None:
         head.add_row("state dtype", plan.state_dtype_reason)
     head.add_row("prefix caching", plan.prefix_caching_reason)

@@ -91,6 +91,16 @@ def _layer_geometry(layer, kv_heads_rank: int, kv_dtype: str, tp: int) -> tuple[
 
 
 STATE_DTYPE = "float32"
+#: Verify rows of linear-attention layers are kept in float32: the exact values the step's kernels read.
+VERIFY_REPLAY_BYTES_PER_ELEMENT = 4
+
+
+def verify_replay_bytes(layer, num_speculative_tokens: int, tp: int) -> int:
+    """Per sequence and state layer: the inputs of a verify step's ``1 + k`` rows on one rank, kept so the
+    accepted rows can be replayed onto the state (docs/LINEAR_ATTENTION.md); 0 without speculation."""
+    if not num_speculative_tokens or not isinstance(layer, StateLayerSpec):
+        return 0
+    return (num_speculative_tokens + 1) * (layer.token_input_elements // tp) * VERIFY_REPLAY_BYTES_PER_ELEMENT
 
 
 def state_dtype(choice: str, model_dtype: str) -> tuple[str, str]:
@@ -429,6 +439,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
             bytes_per_token=layer.token_bytes if layer.kind in GROWING_KINDS else 0, scale_scheme=layer_scheme,
             sliding_window=getattr(layer.spec, "sliding_window", None), state_bytes=layer.state_bytes,
             sinks=getattr(layer.spec, "sinks", False),
+            verify_replay_bytes=verify_replay_bytes(layer.spec, cache.num_speculative_tokens, tp),
         ))
     if quantized and scheme == "per_head" and any(x.kind == "mla" for x in layers):
         warnings.append("MLA latent caches have no KV heads: per-head scales fall back to per-tensor for MLA layers")
@@ -436,7 +447,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     groups, grouping = _build_groups(layers, block_size, spec, ring_rows)
     bytes_per_token = sum(x.token_bytes for x in layers if x.kind in GROWING_KINDS)
     # Per-sequence constant bytes: state-layer and ring slots, plus the block ids of the sliding windows.
-    slot_state = sum(x.state_bytes for x in layers if x.kind == "state")
+    slot_state = sum(x.state_bytes + x.verify_replay_bytes for x in layer_plans if x.kind == "state")
     slot_state += sum(g.page_bytes for g in groups if g.kind == "ring")
     state_per_seq = slot_state + _window_blocks(groups, max_len) * _block_id_bytes(groups, grouping.group_size)
     if grouping.padding_layers:

@@ -224,12 +224,14 @@ def _qwen3_next(cfg: dict, arch: str):
     # plus the causal-conv history ((conv - 1) x (2 * key_total + value_total)).
     state = v_heads * k_dim * v_dim + (conv - 1) * (2 * key_total + value_total)
     split = (("linear_num_key_heads", k_heads), ("linear_num_value_heads", v_heads))
+    # One token's inputs to the state update: the conv input, then k, v, one gate and one beta per value head.
+    inputs = (2 * key_total + value_total) + key_total + value_total + 2 * v_heads
     dtype = _model_dtype(cfg)
     layers: list[LayerSpec] = []
     for i, t in enumerate(types):
         if t == "linear_attention":
             layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
-                                         split_heads=split))
+                                         split_heads=split, token_input_elements=inputs))
         else:
             layers.append(AttentionLayerSpec(i, "full", heads, kv_heads, head_dim, head_dim))
     hidden = _get(cfg, "hidden_size")
@@ -265,6 +267,9 @@ def _kimi_linear(cfg: dict, arch: str):
     # KDA state per sequence: the recurrent state (heads x head_dim x head_dim) plus the causal-conv
     # history of q, k and v ((conv - 1) x 3 * width).
     state = num_heads * head_dim * head_dim + (conv - 1) * 3 * width
+    # One token's inputs to the state update: the conv input (q, k, v), then k, v, the per-channel gate and
+    # one beta per head.
+    inputs = 3 * width + 3 * width + num_heads
     kda_params = (3 * hidden * width + 3 * width * conv + hidden * head_dim + head_dim * width + width + num_heads
                   + hidden * num_heads + hidden * head_dim + head_dim * width + head_dim + width * hidden)
     dtype = _model_dtype(cfg)
@@ -279,7 +284,7 @@ def _kimi_linear(cfg: dict, arch: str):
     for i, t in enumerate(types):
         if t == "linear_attention":
             layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
-                                         split_heads=(("linear_num_heads", num_heads),)))
+                                         split_heads=(("linear_num_heads", num_heads),), token_input_elements=inputs))
             attn = kda_params
         else:
             layer, attn = _mla_layer(cfg, i)

@@ -64,6 +64,10 @@ class StateLayerSpec:
     unless the config says otherwise) and is never quantized with the KV cache.
     ``split_heads`` names the head counts (config key, count) whose equal split
     over the ranks splits the state: the TP size must divide each of them.
+    ``token_input_elements`` counts the elements of one token's inputs to the
+    state update (the conv input, the delta rule's k, v, gate and beta), all
+    split across ranks: a speculative verify step keeps them for its rows to
+    replay the accepted ones (docs/LINEAR_ATTENTION.md, "Speculative decoding").
     """
 
     index: int
@@ -72,6 +76,7 @@ class StateLayerSpec:
     state_dtype: str
     kind: Literal["state"] = "state"
     split_heads: tuple[tuple[str, int], ...] = ()
+    token_input_elements: int = 0
 
 
 LayerSpec = AttentionLayerSpec | MLALayerSpec | StateLayerSpec

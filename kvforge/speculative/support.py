@@ -2,10 +2,10 @@
 the proposal count against the plan and the step budget, and the scheduling mode.
 
 Rollback of rejected tokens is exact for paged KV (full, sliding, MLA: positions past
-``num_computed_tokens`` are simply rewritten later) and for rings (the plan gives each ring one extra
-row per speculative token, so the rows of rejected positions never overwrite a row still in use).
-Linear-attention state is rewritten in place token by token and cannot be rolled back, so those
-models refuse speculation.
+``num_computed_tokens`` are simply rewritten later), for rings (the plan gives each ring one extra
+row per speculative token, so the rows of rejected positions never overwrite a row still in use) and
+for linear-attention state (a verifying sequence's slot keeps the state before the step, and the
+accepted rows are replayed onto it from the verify rows the plan sizes; kvforge/attention/linear_state.py).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
         if plan.tensor_parallel_size > 1:
             raise ConfigError("--speculative-config method draft_model does not run with tensor parallelism yet; "
                               "use --tensor-parallel-size 1 or method ngram")
-    if any(layer.kind == "state" for layer in plan.layers):
-        raise ConfigError("speculative decoding is not supported for linear-attention models: their recurrent "
-                          "state is rewritten token by token and rejected proposals could not be rolled back; "
-                          "drop --speculative-config / --num-speculative-tokens")
+    if any(layer.kind == "state" for layer in plan.layers) and plan.tensor_parallel_size > 1:
+        raise ConfigError("speculative decoding of linear-attention models does not run with tensor parallelism "
+                          "yet (the ranks' state rollback is not broadcast); use --tensor-parallel-size 1 or drop "
+                          "--speculative-config / --num-speculative-tokens")
     if plan.num_speculative_tokens != k:
         raise ConfigError(f"the plan reserves room for {plan.num_speculative_tokens} speculative tokens but "
                           f"{k} are configured; plan with --num-speculative-tokens {k}")
