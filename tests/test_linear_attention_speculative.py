@@ -1,0 +1,216 @@
+"""Speculative decoding of Qwen3-Next and Kimi-Linear: greedy output equal to speculation off, token for token.
+
+Tiny random checkpoints (tests/tiny_checkpoints.py), float32 on CPU, prefill chunks of 16 tokens (the longer
+prompts cross steps, and verify steps share steps with other sequences' prefill chunks). Speculation off is
+the reference (that path is checked against transformers in tests/test_linear_attention_engine_vs_hf.py).
+Proposers: n-gram (prompts that repeat a pattern, so some proposals are accepted), one that proposes random
+tokens (nearly every proposal rejected: every step rolls the state back), and an oracle that proposes the
+reference's own next tokens (every proposal accepted: the replay covers all 1 + k rows). Exact token equality
+holds because verification keeps exactly the target's argmax tokens; only the float summation order of the
+verify rows differs from one-token decode steps, which could flip a near-tie (none occurs for these fixed
+prompts and weights). A slot whose state kept a rejected row would change the following logits and tokens.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_checkpoints import LINEAR_VOCAB as VOCAB  # noqa: E402
+from tiny_checkpoints import make_checkpoint  # noqa: E402
+
+from kvforge import SamplingParams  # noqa: E402
+from kvforge.attention import linear_state  # noqa: E402
+from kvforge.engine.sequence import Sequence  # noqa: E402
+
+ENGINE = dict(dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
+              kv_cache_memory=1 << 21, progress=False, device="cpu", max_num_batched_tokens=16, max_model_len=128)
+NEW_TOKENS = 16
+CASES = ["qwen3-next", "kimi-linear"]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts(n: int = 4) -> list[list[int]]:
+    """Random prompts, each ending in a pattern repeated a few times."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for head, pattern, times in ((21, 5, 3), (3, 4, 2), (30, 3, 4), (1, 6, 2))[:n]:
+        rep = torch.randint(3, VOCAB, (pattern,), generator=g).tolist()
+        out.append(torch.randint(3, VOCAB, (head,), generator=g).tolist() + rep * times)
+    return out
+
+
+class GarbageProposer:
+    """Proposes uniformly random token ids (seeded): nearly every proposal is rejected."""
+
+    def __init__(self, num_speculative_tokens: int, seed: int = 0):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.rng = random.Random(seed)
+
+    def propose(self, seqs):
+        return [[self.rng.randrange(VOCAB) for _ in range(self.num_speculative_tokens)] for _ in seqs]
+
+
+class OracleProposer:
+    """Proposes the tokens the non-speculative run generated next: every proposal is accepted. With
+    ``partly``, each proposal list is right only up to a random position (seeded) and wrong from there,
+    so some steps keep part of their rows."""
+
+    def __init__(self, num_speculative_tokens: int, prompts, outputs, partly: bool = False):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.reference = {tuple(p): out for p, out in zip(prompts, outputs)}
+        self.rng = random.Random(3) if partly else None
+
+    def propose(self, seqs):
+        proposals = []
+        for seq in seqs:
+            done = seq.all_token_ids[seq.num_prompt_tokens:]
+            want = list(self.reference[tuple(seq.prompt_token_ids)][len(done):len(done) + self.num_speculative_tokens])
+            right = len(want) if self.rng is None else self.rng.randint(0, len(want))
+            want[right:] = [(tok + 1) % VOCAB for tok in want[right:]]
+            proposals.append(want)
+        return proposals
+
+
+
+def _generate(engine, prompts, params):
+    """Step to the end; after every step no slot is held by a finished request. Outputs in prompt order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), list(p), params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        running = {seq.request_id for seq in engine.scheduler.running}
+        assert set(engine.state_slots.held) <= running
+    assert engine.state_slots.num_free == engine.state_slots.num_slots
+    return [final[str(i)] for i in range(len(prompts))]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _greedy(n=NEW_TOKENS):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def _reference(tmp_path, engines, prompts, n=NEW_TOKENS, **kw):
+    return _tokens(_generate(engines(tmp_path, **kw).engine, prompts, _greedy(n)))
+
+
+def _acceptance(outs) -> tuple[int, int]:
+    return (sum(o.speculative.num_accepted_tokens for o in outs), sum(o.speculative.num_draft_tokens for o in outs))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
+    make_checkpoint(case, tmp_path)
+    prompts = _prompts()
+    want = _reference(tmp_path, engines, prompts)
+
+    # A one-token suffix finds earlier matches in random text (the model does not continue the prompts' patterns).
+    ngram = engines(tmp_path, speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                                  "prompt_lookup_min": 1})
+    assert ngram.engine.plan.verify_replay_bytes_per_sequence() > 0
+    outs = _generate(ngram.engine, prompts, _greedy())
+    assert _tokens(outs) == want
+    assert _acceptance(outs)[1] > 0  # n-gram proposals were verified (the random model seldom accepts one)
+
+    garbage = engines(tmp_path, num_speculative_tokens=k)
+    garbage.engine.proposer = GarbageProposer(k)
+    outs = _generate(garbage.engine, prompts, _greedy())
+    assert _tokens(outs) == want
+    accepted, proposed = _acceptance(outs)
+    assert proposed >= len(prompts) * (NEW_TOKENS // 2) and accepted <= proposed // 10
+
+    oracle = engines(tmp_path, num_speculative_tokens=k)
+    oracle.engine.proposer = OracleProposer(k, prompts, want)
+    outs = _generate(oracle.engine, prompts, _greedy())
+    assert _tokens(outs) == want
+    accepted, proposed = _acceptance(outs)
+    assert proposed > 0 and accepted == proposed
+    assert oracle.engine.num_steps < garbage.engine.num_steps  # k + 1 tokens per verify step
+
+    partly = engines(tmp_path, num_speculative_tokens=k)
+    partly.engine.proposer = OracleProposer(k, prompts, want, partly=True)
+    outs = _generate(partly.engine, prompts, _greedy())
+    assert _tokens(outs) == want
+    accepted, proposed = _acceptance(outs)
+    assert 0 < accepted < proposed  # steps that keep some rows and roll the others back
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines):
+    """Memory pressure preempts verifying sequences; each recomputes from its prompt, its first chunk from a
+    zero state, and the output still equals speculation off."""
+    make_checkpoint(case, tmp_path)
+    prompts = _prompts()
+    want = _reference(tmp_path, engines, prompts)
+    llm = engines(tmp_path, num_speculative_tokens=3)
+    engine = llm.engine
+    engine.proposer = GarbageProposer(3, seed=1)
+    bm = engine.block_manager
+    hog = Sequence("hog", [1] * (4 * (bm.num_free_blocks - 22)), SamplingParams(max_tokens=1))
+    assert bm.allocate(hog, cached_blocks=[]) and bm.num_free_blocks == 22  # 88 tokens for 130 + 64 + proposals
+    outs = _generate(engine, prompts, _greedy())
+    assert engine.stats()["num_preemptions"] > 0
+    assert _tokens(outs) == want
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
+    """The state operations on the Triton kernels (Triton's interpreter on CPU here; the gpu-marked test below
+    compiles them): verify steps through the prefill kernels with kept slots, and the replay kernels."""
+    device = pytest.importorskip("triton_kernel_device")
+    if not device.INTERPRETED:
+        pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
+    device.skip_unless_loaded_loop_bounds_work()
+    make_checkpoint(case, tmp_path)
+    prompts = [p[:n] for p, n in zip(_prompts(2), (18, 7))]
+    want = _reference(tmp_path, engines, prompts, n=6)
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
+    assert linear_state._use_kernels(torch.zeros(1))
+    for proposer in ("garbage", "oracle"):
+        llm = engines(tmp_path, num_speculative_tokens=3)
+        llm.engine.proposer = (GarbageProposer(3) if proposer == "garbage"
+                               else OracleProposer(3, prompts, want))
+        outs = _generate(llm.engine, prompts, _greedy(6))
+        assert _tokens(outs) == want, proposer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
+    """On CUDA (compiled kernels, decode CUDA graphs for the non-verify steps): n-gram, garbage and oracle
+    proposals give the tokens of speculation off."""
+    make_checkpoint(case, tmp_path)
+    prompts = _prompts()
+    gpu = dict(device="cuda", kv_cache_memory=1 << 24)
+    want = _reference(tmp_path, engines, prompts, **gpu)
+    for proposer in ("ngram", "garbage", "oracle"):
+        engine = engines(tmp_path, num_speculative_tokens=k, **gpu).engine
+        if proposer == "garbage":
+            engine.proposer = GarbageProposer(k)
+        elif proposer == "oracle":
+            engine.proposer = OracleProposer(k, prompts, want)
+        outs = _generate(engine, prompts, _greedy())
+        assert _tokens(outs) == want, proposer
+        if proposer == "oracle":
+            accepted, proposed = _acceptance(outs)
+            assert proposed > 0 and accepted == proposed
