@@ -14,10 +14,9 @@ memory as the target's) with its own block manager; each decoding sequence has o
    ``max_num_batched_tokens`` tokens like a prefill chunk; a sequence whose catch-up does not fit this
    step continues in the next and proposes nothing meanwhile.
 3. Proposals. The last row's logits give proposal 1; ``k - 1`` more passes of one token per sequence give
-   proposals 2 .. k. Greedy requests take the argmax; sampled ones draw from the draft's distribution
-   ``q`` (the target's sampling settings applied to the draft's logits: temperature, min-p, top-k,
-   top-p), with the request's generator when it has a seed, and ``q`` of every proposal is kept for the
-   verifier's rejection sampling (:meth:`proposal_probs`).
+   proposals 2 .. k, picked by ``kvforge/speculative/pick.py`` (argmax for greedy requests, a draw from
+   ``q`` for sampled ones); ``q`` of every proposal is kept for the verifier's rejection sampling
+   (:meth:`proposal_probs`).
 
 A sequence gets at most as many proposals as ``max_tokens`` and ``max_model_len`` leave room to verify, so
 the draft never writes past position ``max_model_len - 2``. A state is freed when its sequence finishes,
@@ -32,9 +31,8 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from kvforge.engine.block_manager import BlockManager
-from kvforge.engine.sampler import Sampler
 from kvforge.engine.sequence import Sequence
-from kvforge.speculative.verify import _exponential
+from kvforge.speculative.pick import pick_proposals
 
 
 class DraftState:
@@ -119,20 +117,6 @@ class DraftModelProposer:
         probs = self._probs.get(seq.request_id)
         return probs[:num_proposals] if probs is not None else None
 
-    def _pick(self, logits: torch.Tensor, states: list[DraftState]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """One proposal per row: argmax for greedy requests, a draw from ``q`` for sampled ones."""
-        tokens = logits.argmax(dim=-1).tolist()
-        probs: list[torch.Tensor | None] = [None] * len(states)
-        sampled = [i for i, s in enumerate(states) if s.seq.params.temperature != 0]
-        if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            q = Sampler.target_probs(logits[idx], [states[i].seq.params for i in sampled])
-            race = _exponential(q.shape[1], [states[i].seq.generator_for(logits.device) for i in sampled],
-                                logits.device).clamp_(min=1e-20)
-            for i, token, row in zip(sampled, (q / race).argmax(dim=-1).tolist(), q):
-                tokens[i], probs[i] = token, row
-        return tokens, probs
-
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]:
         k, bm = self.num_speculative_tokens, self.block_manager
         self._probs = {}
@@ -170,7 +154,7 @@ class DraftModelProposer:
         probs: dict[int, list[torch.Tensor]] = {}
         step = 1
         while True:
-            tokens, q = self._pick(logits, [state for _, state, _ in active])
+            tokens, q = pick_proposals(logits, [state.seq for _, state, _ in active])
             for (i, _, _), token, row in zip(active, tokens, q):
                 out[i].append(token)
                 if row is not None:

@@ -1,0 +1,33 @@
+"""How a model-based proposer turns its logits into proposals (draft models, the MTP layer).
+
+Greedy requests (temperature 0) take the argmax. Sampled ones draw from the proposer's distribution
+``q``: the request's own sampling settings (temperature, min-p, top-k, top-p) applied to the
+proposer's logits, drawn with the request's generator when it has a seed. ``q`` of every drawn
+proposal goes to the verifier, whose rejection sampling then keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from kvforge.engine.sampler import Sampler
+from kvforge.engine.sequence import Sequence
+from kvforge.speculative.verify import _exponential
+
+
+def pick_proposals(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One proposal per row of ``logits`` [rows, vocab] (row i for ``seqs[i]``) and its ``q`` (None when
+    greedy)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    sampled = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0]
+    if sampled:
+        idx = torch.tensor(sampled, device=logits.device)
+        q = Sampler.target_probs(logits[idx], [seqs[i].params for i in sampled])
+        race = _exponential(q.shape[1], [seqs[i].generator_for(logits.device) for i in sampled],
+                            logits.device).clamp_(min=1e-20)
+        for i, token, row in zip(sampled, (q / race).argmax(dim=-1).tolist(), q):
+            tokens[i], probs[i] = token, row
+    return tokens, probs
