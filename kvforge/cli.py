@@ -28,6 +28,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,
         state_dtype=args.state_dtype,
         draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
+        mtp=speculative is not None and speculative.method == "mtp",
     )
     if args.json:
         print(result.to_json())

@@ -13,12 +13,17 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = 0.9,
          device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int = 256, query_dtype: str = "auto",
-         state_dtype: str = "auto", backends=None, draft_model: str | None = None) -> KVPlan:
+         state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;
-    ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``)."""
+    ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
+    checkpoint's multi-token-prediction layer (speculative method mtp, the plan's ``mtp_layers``)."""
     from kvforge.kv_dtypes import canonical_model_dtype
 
     spec = load_model_spec(model)
+    if mtp:
+        from kvforge.speculative.mtp_spec import with_mtp_layer
+
+        spec = with_mtp_layer(spec)
     cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
                         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,

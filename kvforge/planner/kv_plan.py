@@ -127,6 +127,9 @@ class KVPlan:
     #: The draft model's plan (speculative decoding, method draft_model): its layers and groups, in a pool of
     #: its own carved out of the same KV memory (``capacity.kv_cache_memory`` here is the target's share).
     draft: KVPlan | None = None
+    #: Multi-token-prediction layers among ``layers`` (speculative method mtp): planned like the target's own
+    #: layers, in their groups, and counted in ``bytes_per_token`` and the capacity.
+    mtp_layers: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int | None:
@@ -169,6 +172,18 @@ class KVPlan:
                 f"{draft.capacity.kv_cache_memory:,} draft ({draft.num_blocks} draft blocks of {draft.block_size} "
                 f"tokens), so max concurrency is {total:,} / {per_t + per_d:,} = {cap.max_concurrency:.2f} "
                 f"(without the draft {total / per_t:.2f})")
+
+    def mtp_explanation(self) -> str | None:
+        """Where the multi-token-prediction layers sit and the share of the KV they take (None without)."""
+        if not self.mtp_layers:
+            return None
+        mine = set(self.mtp_layers)
+        groups = [i for i, g in enumerate(self.groups) if mine & set(g.layers)]
+        cost = sum(layer.bytes_per_token for layer in self.layers if layer.index in mine)
+        word = "layer" if len(mine) == 1 else "layers"
+        return (f"MTP {word} {', '.join(map(str, self.mtp_layers))} (speculative method mtp) in group "
+                f"{', '.join(map(str, groups))} with the target's layers: {cost:,} of the {self.bytes_per_token:,} "
+                f"bytes/token/rank, so the capacity is {1 - cost / self.bytes_per_token:.4f}x the target's alone")
 
     def backends(self) -> list[str]:
         return sorted({layer.backend for layer in self.layers})
@@ -230,6 +245,8 @@ class KVPlan:
                          f"back to the accepted tokens ({self.num_speculative_tokens + 1} rows per layer, float32)")
         if self.draft is not None:
             lines.append(f"  {self.draft_explanation() or f'draft {self.draft.model}: no capacity given'}")
+        if self.mtp_layers:
+            lines.append(f"  {self.mtp_explanation()}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

@@ -184,26 +184,37 @@ def _mla_layer(cfg: dict, index: int) -> tuple[MLALayerSpec, int]:
     return MLALayerSpec(index, heads, kv_lora, rope, nope, v_dim), attn
 
 
-def _deepseek(cfg: dict, arch: str):
-    n = _get(cfg, "num_hidden_layers")
+def _deepseek_layer_params(cfg: dict, index: int) -> int:
+    """Parameters of DeepSeek decoder layer ``index``: MLA, its MLP (MoE or dense by the config's rule)
+    and its two norms."""
     hidden = _get(cfg, "hidden_size")
-    layers = [_mla_layer(cfg, i)[0] for i in range(n)]
-    attn = _mla_layer(cfg, 0)[1]
     inter = _get(cfg, "intermediate_size")
     moe_inter = _get(cfg, "moe_intermediate_size", required=False) or inter
     routed = _get(cfg, "n_routed_experts", required=False, minimum=0) or 0
     shared = _get(cfg, "n_shared_experts", required=False, minimum=0) or 0
     first_dense = _get(cfg, "first_k_dense_replace", default=0, minimum=0)
     freq = _get(cfg, "moe_layer_freq", default=1)
-    total = _embedding_params(cfg)
-    for i in range(n):
-        is_moe = routed > 0 and i >= first_dense and i % freq == 0
-        if is_moe:
-            mlp = (routed + shared) * 3 * hidden * moe_inter + hidden * routed
-        else:
-            mlp = 3 * hidden * inter
-        total += attn + mlp + 2 * hidden
-    return layers, total
+    if routed > 0 and index >= first_dense and index % freq == 0:
+        mlp = (routed + shared) * 3 * hidden * moe_inter + hidden * routed
+    else:
+        mlp = 3 * hidden * inter
+    return _mla_layer(cfg, index)[1] + mlp + 2 * hidden
+
+
+def _deepseek(cfg: dict, arch: str):
+    n = _get(cfg, "num_hidden_layers")
+    layers = [_mla_layer(cfg, i)[0] for i in range(n)]
+    return layers, _embedding_params(cfg) + sum(_deepseek_layer_params(cfg, i) for i in range(n))
+
+
+def deepseek_mtp_layer(cfg: dict) -> tuple[MLALayerSpec, int]:
+    """The first multi-token-prediction layer of a DeepSeek-V3 config (index ``num_hidden_layers``) and its
+    parameters: a decoder layer plus its embedding, head, ``eh_proj`` and three norms
+    (kvforge/models/deepseek_mtp.py)."""
+    n = _get(cfg, "num_hidden_layers")
+    hidden, vocab = _get(cfg, "hidden_size"), _get(cfg, "vocab_size")
+    extra = 2 * vocab * hidden + 2 * hidden * hidden + 3 * hidden
+    return _mla_layer(cfg, n)[0], _deepseek_layer_params(cfg, n) + extra
 
 
 def _qwen3_next(cfg: dict, arch: str):

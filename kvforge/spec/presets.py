@@ -68,7 +68,7 @@ PRESETS: dict[str, dict] = {
         "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
         "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
         "vocab_size": 129280, "max_position_embeddings": 163840, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
     },
     "kimi-k2": {
         "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,
