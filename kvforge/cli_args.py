@@ -62,7 +62,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help="speculative decoding as JSON (vLLM's keys): method ngram with num_speculative_tokens, "
                         "prompt_lookup_min, prompt_lookup_max; method draft_model with model (a smaller model of "
-                        "the same vocabulary) and num_speculative_tokens (docs/SPECULATIVE.md)")
+                        "the same vocabulary) and num_speculative_tokens; method mtp (the DeepSeek-V3 checkpoint's "
+                        "own multi-token-prediction layer) with num_speculative_tokens (docs/SPECULATIVE.md)")
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per rank (e.g. 8GiB)")
     p.add_argument("--gpu-memory", type=parse_bytes, default=None,

@@ -87,10 +87,26 @@ def test_mtp_without_mtp_layer_is_refused(no_weights):
         _engine(speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # embedded SmolLM2
 
 
-def test_mtp_with_mtp_layer_is_not_supported_yet(no_weights, tmp_path):
-    model = _config_dir(tmp_path, "deepseek-v3", num_nextn_predict_layers=1)
-    with pytest.raises(ConfigError, match="method mtp is not supported yet"):
+def test_mtp_on_an_architecture_without_mtp_support_is_refused(no_weights, tmp_path):
+    model = _config_dir(tmp_path, "deepseek-v2-lite", num_nextn_predict_layers=1)
+    with pytest.raises(ConfigError, match="runs the MTP layers of DeepseekV3ForCausalLM checkpoints, not "
+                                          "DeepseekV2ForCausalLM"):
         _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_mtp_with_tensor_parallelism_is_refused(no_weights):
+    with pytest.raises(ConfigError, match="method mtp does not run with tensor parallelism yet"):
+        _engine("deepseek-v3", tensor_parallel_size=2, speculative_config={"method": "mtp",
+                                                                           "num_speculative_tokens": 1})
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_num_batched_tokens=4), r"num_speculative_tokens 4 \+ 1 exceeds --max-num-batched-tokens 4"),
+    (dict(max_model_len=5), "num_speculative_tokens 4 leaves no room in max-model-len 5"),
+])
+def test_mtp_beyond_what_the_plan_allows_is_refused(no_weights, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        _engine("deepseek-v3", speculative_config={"method": "mtp", "num_speculative_tokens": 4}, **kw)
 
 
 def test_draft_with_another_vocabulary_is_refused(no_weights):

@@ -73,6 +73,11 @@ class LLMEngine:
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,
         )
         speculative = args.speculative_config
+        self.with_mtp = speculative is not None and speculative.method == "mtp"
+        if self.with_mtp:  # the checkpoint's MTP layer is planned as one more layer of the target
+            from kvforge.speculative.mtp_spec import with_mtp_layer
+
+            self.spec = with_mtp_layer(self.spec)
         # A draft model (speculative decoding): its config only, planned beside the target's.
         self.draft_spec = (load_model_spec(speculative.model)
                            if speculative is not None and speculative.method == "draft_model" else None)
@@ -138,7 +143,8 @@ class LLMEngine:
             self.model, self.pool, self.device = self.tp.model, self.tp.pool, self.tp.device
         else:
             torch.manual_seed(args.seed)
-            self.model = build_model(self.spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
+            self.model = build_model(self.spec.hf_config, TORCH_DTYPES[model_dtype], self.device,
+                                     with_mtp=self.with_mtp)
             load_weights(self.model, self.model_path, self.load_format, seed=args.seed, progress=args.progress)
 
             # 3. KV pool exactly as planned.
@@ -201,7 +207,9 @@ class LLMEngine:
 
             draft = (self._build_draft(args, model_dtype, max_num_seqs, batched) if self.draft_spec is not None
                      else None)
-            self.proposer = build_proposer(self.speculative, draft)
+            mtp = (dict(runner=self.runner, block_manager=self.block_manager, max_model_len=self.max_model_len)
+                   if self.with_mtp else None)
+            self.proposer = build_proposer(self.speculative, draft, mtp)
             self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
             logger.info("speculative decoding: %s, %d tokens per step; the synchronous loop (async scheduling off); "
                         "verification steps replay CUDA graphs when every sequence verifies all %d",
@@ -480,6 +488,10 @@ class LLMEngine:
             verified = self._verify(logits, sampled_seqs, proposals)
             if self.has_linear_state:
                 self._keep_verified_states(sampled_seqs, proposals, verified)
+            observe = getattr(self.proposer, "observe", None)  # the MTP layer follows every target step
+            if observe is not None:
+                observe(out.scheduled, {seq.request_id: [token for token, _ in pairs]
+                                        for seq, pairs in zip(sampled_seqs, verified)})
             return InflightStep(out, sampled_seqs, None, None, [], None, {}, prompt_lp, launched, verified=verified)
         if sampled_seqs:
             result = self.sampler.sample_sequences(logits, sampled_seqs)

@@ -30,6 +30,11 @@ sequences keep their slots' states and their rows, and after verification
 Decode-only steps (every sequence brings one token) on CUDA replay a captured
 CUDA graph when one is available (kvforge/engine/cuda_graphs.py); prefill and
 mixed steps, and everything with ``enforce_eager``, run eagerly.
+
+With ``keep_hidden`` set (speculative method mtp), a step also keeps the hidden
+states of all its tokens (``last_hidden``, the model's output before the head;
+no copy) until the next step, and :meth:`ModelRunner.run_mtp` runs the model's
+multi-token-prediction layer over the same pool and block tables.
 """
 
 from __future__ import annotations
@@ -203,6 +208,9 @@ class ModelRunner:
 
             self.ring_backend = backend_class(RING)(self.backend_options)
         self._num_splits: int | None = None  # pinned split-K factor (CUDA-graph decode)
+        #: Keep each step's hidden states [tokens, hidden] in ``last_hidden`` (speculative method mtp).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self._tables = BlockTableCache()
         self._pin = device.type == "cuda"
         self.num_graph_steps = 0
@@ -523,6 +531,8 @@ class ModelRunner:
         if use_graph:
             hidden = self.graphs.run(host)
             self.num_graph_steps += 1
+            if self.keep_hidden:
+                self.last_hidden = hidden
             if host.rows is not None:
                 rows = torch.from_numpy(host.rows)
                 if self._pin:
@@ -538,9 +548,28 @@ class ModelRunner:
         finally:
             self._ring_targets, self.step_ring_slots = None, None
         self.num_eager_steps += 1
+        if self.keep_hidden:
+            self.last_hidden = hidden
         if rows is not None:
             hidden = hidden[rows]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run_mtp(self, chunks, hidden: torch.Tensor, logits_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's multi-token-prediction layer over ``chunks`` (as :meth:`run`; the ids are the tokens
+        that follow each position) with ``hidden`` [tokens, hidden], one previous hidden state per token;
+        returns (float32 logits, head inputs) of ``logits_rows``. Its KV goes to the plan's MTP layer,
+        through the block tables given, eagerly."""
+        host = self.build_host(chunks, logits_rows)
+        ids, positions, metas, rows = self._to_device(host)
+        self._metas, self._num_splits = metas, None
+        try:
+            out = self.model.mtp_forward(ids, positions, hidden, self._attn_api)
+        finally:
+            self._metas = None
+        if rows is not None:
+            out = out[rows]
+        return self.model.mtp_logits(out), out
 
 
 def free_module_tensors(module: torch.nn.Module) -> None:

@@ -40,7 +40,9 @@ Weights use transformers' names; routed experts come per expert
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the hub layout) or fused
 (``mlp.experts.gate_up_proj`` [E, 2I, hidden], ``mlp.experts.down_proj``
 [E, hidden, I]). Multi-token-prediction layers (index >= num_hidden_layers)
-are skipped. FP8 block-quantized checkpoints (``weight_scale_inv``) are not
+are skipped unless the model is built ``with_mtp`` (speculative method mtp): then the first one,
+``model.layers.{num_hidden_layers}``, loads into ``mtp_layers`` (kvforge/models/deepseek_mtp.py) and
+:meth:`DeepseekV2ForCausalLM.mtp_forward` runs it. FP8 block-quantized checkpoints (``weight_scale_inv``) are not
 supported.
 """
 
@@ -60,6 +62,7 @@ from kvforge.models.decoder import (
     gate_up_parts,
     required_int,
 )
+from kvforge.models.deepseek_mtp import DeepseekMTPLayer
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
@@ -355,6 +358,48 @@ class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
     ARGS = DeepseekArgs
     args: DeepseekArgs
 
+    def __init__(self, config: dict, dtype: torch.dtype | None = None, with_mtp: bool = False):
+        super().__init__(config, dtype)
+        #: The checkpoint's first multi-token-prediction layer (``with_mtp``), keyed by its layer index.
+        self.mtp_layers: nn.ModuleDict | None = None
+        self._mtp_params: dict[str, nn.Parameter] | None = None
+        if with_mtp:
+            if int(config.get("num_nextn_predict_layers") or 0) < 1:
+                raise ConfigError(f"{self.arch} config has no multi-token-prediction layer "
+                                  f"(num_nextn_predict_layers); build it without with_mtp")
+            a, n = self.args, self.num_layers
+            block = self.make_layer(a, n, dtype)
+            self.mtp_layers = nn.ModuleDict({str(n): DeepseekMTPLayer(
+                a.hidden_size, a.vocab_size, a.rms_norm_eps, block.self_attn, block.mlp, dtype=dtype)})
+
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    attn) -> torch.Tensor:
+        """The MTP layer's head input [T, hidden] (see kvforge/models/deepseek_mtp.py); ``hidden``: the
+        previous hidden state of each row (the model's output, or this layer's own)."""
+        return self.mtp_layers[str(self.num_layers)].predict(next_ids, positions, hidden, attn, self.model.rotary)
+
+    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.mtp_layers[str(self.num_layers)].logits(out)
+
+    def _is_mtp_tensor(self, name: str) -> bool:
+        layer = _LAYER.match(name)
+        return layer is not None and self.mtp_layers is not None and int(layer.group(1)) == self.num_layers
+
+    def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
+        if name.startswith("mtp_layers."):
+            name = "model.layers." + name[len("mtp_layers."):]
+        return super().checkpoint_names(name, param)
+
+    def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
+        """The MTP layer's tensors load by their HF names into ``mtp_layers`` (a view of its parameters
+        under ``model.layers.{n}``); everything else as for any layer."""
+        if self._is_mtp_tensor(name):
+            if self._mtp_params is None:
+                self._mtp_params = {"model.layers." + k[len("mtp_layers."):]: p
+                                    for k, p in self.named_parameters() if k.startswith("mtp_layers.")}
+            params = self._mtp_params
+        return super().load_checkpoint_tensor(params, name, tensor)
+
     def make_layer(self, a: DeepseekArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
         mlp = (MoE(a, dtype=dtype) if a.is_moe(layer_idx)
                else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype))
@@ -373,8 +418,8 @@ class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         layer = _LAYER.match(name)
-        if layer and int(layer.group(1)) >= self.num_layers:
-            return True  # multi-token-prediction layers
+        if layer and int(layer.group(1)) >= self.num_layers and not self._is_mtp_tensor(name):
+            return True  # multi-token-prediction layers (all of them, or those past the one built)
         return super().skips_checkpoint_tensor(name)
 
 

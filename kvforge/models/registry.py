@@ -71,17 +71,18 @@ def get_model_class(hf_config: dict) -> type[nn.Module]:
     return _MODELS[resolve_architecture(hf_config)]
 
 
-def build_model(hf_config: dict, dtype: torch.dtype, device) -> nn.Module:
+def build_model(hf_config: dict, dtype: torch.dtype, device, with_mtp: bool = False) -> nn.Module:
     """Instantiate the model with uninitialised parameters of ``dtype`` on ``device``.
 
     No random init is run (that is slow for big models); call
-    ``kvforge.weights.load_weights`` next, which fills every parameter.
+    ``kvforge.weights.load_weights`` next, which fills every parameter. ``with_mtp``: also the
+    checkpoint's multi-token-prediction layer (DeepSeek-V3, speculative method mtp).
     """
     arch = resolve_architecture(hf_config)
     config = dict(text_model_config(hf_config))
     config["architectures"] = [arch]
     with torch.device("meta"):
-        model = _MODELS[arch](config, dtype=dtype)
+        model = _MODELS[arch](config, dtype=dtype, **({"with_mtp": True} if with_mtp else {}))
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     return model.eval()

@@ -19,11 +19,13 @@ class Proposer(Protocol):
     model would have produced. A proposer that runs a model (a draft model) batches the sequences
     itself; the engine calls ``propose`` once per step, before scheduling, with the decoding sequences.
 
-    Two optional methods (the engine calls them when a proposer has them): ``proposal_probs(seq, n)``,
+    Optional methods (the engine calls them when a proposer has them): ``proposal_probs(seq, n)``,
     the distribution ``q`` [n, vocab] each of the sequence's first ``n`` proposals was drawn from (None or
-    absent: point masses, as for n-gram proposals), which rejection sampling needs; and
+    absent: point masses, as for n-gram proposals), which rejection sampling needs;
     ``discard(request_id)``, called when a request finishes, is aborted or preempted, for a proposer that
-    keeps per-request state (a draft model's KV).
+    keeps per-request state (a draft model's KV); and ``observe(scheduled, new_tokens)``, called after every
+    verified step with the step's scheduled chunks and each sampled request's appended tokens, for a
+    proposer that reads the target's hidden states of that step (the MTP layer, kvforge/speculative/mtp.py).
     """
 
     num_speculative_tokens: int
@@ -31,9 +33,9 @@ class Proposer(Protocol):
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]: ...
 
 
-def build_proposer(config: SpeculativeConfig, draft=None) -> Proposer:
-    """The proposer of ``config.method`` (methods without one are refused before weights load). ``draft``:
-    for method draft_model, the keyword arguments of :class:`DraftModelProposer` besides the count."""
+def build_proposer(config: SpeculativeConfig, draft=None, mtp=None) -> Proposer:
+    """The proposer of ``config.method``. ``draft``: for method draft_model, the keyword arguments of
+    :class:`DraftModelProposer` besides the count; ``mtp``: for method mtp, those of :class:`MTPProposer`."""
     if config.method == "ngram":
         from kvforge.speculative.ngram import NgramProposer
 
@@ -42,4 +44,9 @@ def build_proposer(config: SpeculativeConfig, draft=None) -> Proposer:
         from kvforge.speculative.draft_model import DraftModelProposer
 
         return DraftModelProposer(config.num_speculative_tokens, **draft)
-    raise ConfigError(f"speculative method {config.method} is not supported yet")
+    if config.method == "mtp" and mtp is not None:
+        from kvforge.speculative.mtp import MTPProposer
+
+        return MTPProposer(config.num_speculative_tokens, **mtp)
+    raise ConfigError(f"speculative method {config.method} needs its model: draft_model a draft, mtp the "
+                      f"target's MTP layer")

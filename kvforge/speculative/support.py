@@ -14,15 +14,10 @@ from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.spec.model_spec import ModelSpec
 from kvforge.speculative.config import SpeculativeConfig
+from kvforge.speculative.mtp_spec import check_mtp_target
 
 #: Config keys of special tokens a draft must share with its target (where both configs name them).
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def mtp_layers(spec: ModelSpec) -> int:
-    """Multi-token-prediction layers the checkpoint carries (DeepSeek-V3's ``num_nextn_predict_layers``)."""
-    value = spec.hf_config.get("num_nextn_predict_layers") or 0
-    return int(value) if isinstance(value, int) else 0
 
 
 def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, *, max_num_batched_tokens: int,
@@ -30,11 +25,14 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
     """Raise ConfigError naming the problem and the fix when the engine cannot speculate as configured."""
     k = config.num_speculative_tokens
     if config.method == "mtp":
-        if not mtp_layers(spec):
-            raise ConfigError(f"--speculative-config method mtp needs a checkpoint with a multi-token-prediction "
-                              f"layer (num_nextn_predict_layers > 0 in config.json); {spec.name} has none. Use "
-                              f"method ngram, or a DeepSeek-V3-style checkpoint that carries one")
-        raise ConfigError("--speculative-config method mtp is not supported yet; use method ngram")
+        check_mtp_target(spec)
+        if not plan.mtp_layers:
+            raise ConfigError("--speculative-config method mtp needs a plan with the checkpoint's MTP layer "
+                              "(resolve the spec kvforge.speculative.mtp_spec.with_mtp_layer returns); the engine "
+                              "plans it from the config")
+        if plan.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-config method mtp does not run with tensor parallelism yet; use "
+                              "--tensor-parallel-size 1 or method ngram")
     if config.method == "draft_model":
         if plan.draft is None:
             raise ConfigError("--speculative-config method draft_model needs a plan made with the draft model "

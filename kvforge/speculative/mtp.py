@@ -1,0 +1,140 @@
+"""MTP proposals: the target checkpoint's multi-token-prediction layer guesses the next ``k`` tokens.
+
+The MTP layer (kvforge/models/deepseek_mtp.py) at position ``i`` reads the target's hidden state
+``h_i`` and the token ``t_{i+1}`` and guesses ``t_{i+2}``. Its KV is one more layer of the target's
+MLA group, written through the target sequence's own block tables, so it has no pool, block manager
+or rollback of its own: the target's positions and the MTP layer's are the same, and positions past
+a sequence's computed tokens are rewritten before anything reads them.
+
+Two calls per engine step:
+
+1. :meth:`MTPProposer.observe`, right after the target's step and its verification: for every chunk
+   of the step, the positions whose next token is now known (a prefill chunk's positions; a sampled
+   chunk's real positions and its accepted proposals, whose next tokens are the verified ones) run
+   through the MTP layer with the step's hidden states of those rows (``ModelRunner.last_hidden``).
+   This writes the MTP layer's KV of every position the target computed, in the same step (so a block
+   the prefix cache registers holds both), and the last row of a sequence that got a token gives its
+   first proposal's logits and hidden state.
+2. :meth:`MTPProposer.propose`, before the next schedule, for the decoding sequences: proposal 1 from
+   those logits; proposals 2 .. k apply the layer again to its own output (its hidden state and the
+   previous proposal, one position further), batched over sequences. Those positions
+   (``num_computed_tokens`` onwards) are the ones the next step verifies: their blocks are taken now
+   (``BlockManager.append_slots``, which the scheduler's own call then finds in place); a sequence whose
+   blocks cannot be had gets one proposal. Their KV is scratch: the next ``observe`` rewrites every
+   position it keeps, from the target's hidden states.
+
+Greedy requests take the argmax; sampled ones draw from ``q`` and hand it to the verifier
+(kvforge/speculative/pick.py). A sequence gets at most as many proposals as ``max_tokens`` and
+``max_model_len`` leave room to verify. Prefix caching: a cached block's MTP KV of its last position
+was computed with the token that followed it in the sequence that filled the block; a later sequence
+sharing the block but not that token gets slightly different proposals (never different output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.sequence import Sequence
+from kvforge.speculative.draft_model import _room
+from kvforge.speculative.pick import pick_proposals
+
+
+class MTPProposer:
+    """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`. ``runner``: the
+    target's ModelRunner (``keep_hidden`` on, a model with ``mtp_forward``); ``block_manager``: the target's."""
+
+    def __init__(self, num_speculative_tokens: int, runner, block_manager: BlockManager, max_model_len: int):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.runner, self.block_manager, self.max_model_len = runner, block_manager, max_model_len
+        runner.keep_hidden = True
+        # request id -> (the sequence, its token count then, logits [vocab] and head input [hidden] of its last
+        # MTP position): the start of the sequence's next proposals.
+        self._heads: dict[str, tuple[Sequence, int, torch.Tensor, torch.Tensor]] = {}
+        self._probs: dict[str, torch.Tensor] = {}  # request id -> q [proposals, vocab] of its latest proposals
+
+    def discard(self, request_id: str) -> None:
+        self._heads.pop(request_id, None)
+        self._probs.pop(request_id, None)
+
+    def proposal_probs(self, seq: Sequence, num_proposals: int) -> torch.Tensor | None:
+        """``q`` [num_proposals, vocab] of the sequence's first proposals (None for a greedy request)."""
+        probs = self._probs.get(seq.request_id)
+        return probs[:num_proposals] if probs is not None else None
+
+    # ---- after each target step ---------------------------------------------------------------------
+    def observe(self, scheduled, new_tokens: dict[str, list[int]]) -> None:
+        """Run the MTP layer over the step's positions whose next token is known (module docstring, 1).
+        ``scheduled``: the step's ``ScheduledSequence`` entries in run order; ``new_tokens``: per sampled
+        request, the tokens the step appends (accepted proposals, then the target's token)."""
+        hidden = self.runner.last_hidden
+        chunks, rows, last_rows, heads = [], [], [], []
+        offset = 0
+        for s in scheduled:
+            seq, start = s.seq, s.start_pos
+            real = s.num_new_tokens - len(s.spec_token_ids)
+            if s.do_sample:
+                appended = new_tokens.get(seq.request_id) or []
+                if not appended:
+                    offset += s.num_new_tokens
+                    continue
+                following = list(s.token_ids[1:real]) + appended
+            else:  # a prefill chunk before the prompt's end: the next prompt token follows it
+                following = list(s.token_ids[1:real]) + seq.token_ids_slice(start + real, start + real + 1)
+            rows.extend(range(offset, offset + len(following)))
+            chunks.append((following, start, seq.block_tables))
+            last_rows.append(len(rows) - 1)
+            heads.append(seq if s.do_sample else None)
+            offset += s.num_new_tokens
+        if not chunks:
+            return
+        idx = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+        logits, out = self.runner.run_mtp(chunks, hidden.index_select(0, idx), last_rows)
+        for seq, row_logits, row_out in zip(heads, logits, out):
+            if seq is not None:
+                self._heads[seq.request_id] = (seq, seq.num_tokens + len(new_tokens[seq.request_id]), row_logits,
+                                               row_out)
+
+    # ---- before each schedule -----------------------------------------------------------------------
+    def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]:
+        self._probs = {}
+        out: list[list[int]] = [[] for _ in seqs]
+        active = []  # (output index, sequence, proposals wanted)
+        logits, hidden = [], []
+        for i, seq in enumerate(seqs):
+            head = self._heads.pop(seq.request_id, None)
+            if head is None or head[0] is not seq or head[1] != seq.num_tokens:
+                continue  # no MTP output for this sequence's current last position (e.g. it was preempted)
+            room = _room(seq, self.num_speculative_tokens, self.max_model_len)
+            if room == 0:
+                continue
+            if room > 1 and not self.block_manager.append_slots(seq, room - 1):
+                room = 1  # the pool is full: no room for the layer's own later positions
+            active.append((i, seq, room))
+            logits.append(head[2])
+            hidden.append(head[3])
+        if not active:
+            return out
+        logits, hidden = torch.stack(logits), torch.stack(hidden)
+        probs: dict[int, list[torch.Tensor]] = {}
+        step = 1
+        while True:
+            tokens, q = pick_proposals(logits, [seq for _, seq, _ in active])
+            for (i, _, _), token, row in zip(active, tokens, q):
+                out[i].append(token)
+                if row is not None:
+                    probs.setdefault(i, []).append(row)
+            keep = [j for j, (_, _, wanted) in enumerate(active) if wanted > step]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            # The layer again at the next position: its own output in place of the target's hidden state.
+            chunks = [([out[i][-1]], seq.num_tokens - 2 + step, seq.block_tables) for i, seq, _ in active]
+            sel = torch.tensor(keep, dtype=torch.long, device=hidden.device)
+            logits, hidden = self.runner.run_mtp(chunks, hidden.index_select(0, sel), list(range(len(chunks))))
+            step += 1
+        for i, rows_q in probs.items():
+            self._probs[seqs[i].request_id] = torch.stack(rows_q)
+        return out

@@ -1,0 +1,182 @@
+"""Speculative method mtp in the engine (a tiny random DeepSeek-V3 with an MTP layer, CPU): greedy output
+equal to speculation off at k = 1 and 3, float32 and bfloat16, model-dtype and fp8 KV caches, chunked
+prefill; the rollback invariants after every step (tests/test_speculative_engine.py).
+
+Verification keeps exactly the tokens of the target's argmax, but the verify step's batch shape changes
+the summation order, which can flip a near-tie: tokens are compared by the near-tie rule of
+tests/greedy_agreement.py, with the tolerance of tests/test_speculative_gpu.py (FP32_LOGIT_TOL in
+float32; 8 bf16 steps at the largest |logit| in bfloat16, 4x that with an fp8 KV cache). Random MTP
+weights guess the target's tokens rarely, so these cases mostly test rejection; ``test_mtp_that_computes_the_target_is_accepted`` builds a checkpoint whose MTP layer
+computes the target's own next-token function, where every greedy proposal must be accepted.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
+from mtp_checkpoint import save_deepseek_v3_with_mtp
+from safetensors.torch import load_file, save_file
+from test_speculative_engine import generate, token_ids
+
+from kvforge import LLM, SamplingParams
+
+torch.set_num_threads(1)
+PROMPTS = [[5, 6, 7, 8] * 6, list(range(30, 61)), [9, 9, 3, 9, 9, 3, 9, 9]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _llm(path, k=0, **kw):
+    base = dict(block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False, device="cpu",
+                max_num_batched_tokens=16)
+    if k:
+        base["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+    return LLM(str(path), **{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek_v3_mtp")
+    save_deepseek_v3_with_mtp(path)
+    return path
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto"),
+                                      ("bfloat16", "fp8")])
+def test_greedy_agrees_with_speculation_off(checkpoint, dtype, kv):
+    # A 16-token budget chunks the 24- and 31-token prompts and truncates proposals next to prefill chunks.
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    off = _llm(checkpoint, dtype=dtype, kv_cache_dtype=kv)
+    ref = generate(off, PROMPTS, params)
+    tol = FP32_LOGIT_TOL
+    if dtype == "bfloat16":
+        tol = max(1.0, off.engine.compute_prompt_logits(PROMPTS[1]).abs().max().item()) * 2.0**-5
+        tol *= 4 if kv == "fp8" else 1
+    for k in (1, 3):
+        llm = _llm(checkpoint, k, dtype=dtype, kv_cache_dtype=kv)
+        assert llm.engine.plan.mtp_layers == (2,)
+        assert_outputs_agree(generate(llm, PROMPTS, params), ref, tol)
+        counters = llm.engine.stats()["spec_decode"]
+        assert counters["num_draft_tokens"] >= 20 * k  # proposals were made and verified
+
+
+def _target_function_checkpoint(path) -> None:
+    """Every attention output and MLP down projection of the target and of the MTP block is zero, so the
+    target's next token is a function of the current token only: head(norm(embed(t))). The MTP layer is
+    made to compute that same function of the token it reads: its embedding, output norm and head are the
+    target's, ``enorm`` is 1 and ``eh_proj`` keeps the embedding half ([I, 0]); its output at position i
+    is norm(embed(t_{i+1})), whose logits are exactly the target's at position i + 1."""
+    tensors = {}
+    for name in ("model.safetensors", "mtp.safetensors"):
+        tensors.update(load_file(str(path / name)))
+    for name, t in tensors.items():
+        if "o_proj" in name or "down_proj" in name:
+            tensors[name] = torch.zeros_like(t)
+    h = tensors["model.norm.weight"].shape[0]
+    mtp = "model.layers.2."
+    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors[mtp + "enorm.weight"] = torch.ones(h)
+    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    main = {k: v.contiguous() for k, v in tensors.items() if not k.startswith(mtp)}
+    save_file(main, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items() if k.startswith(mtp)}, str(path / "mtp.safetensors"))
+
+
+def test_mtp_that_computes_the_target_is_accepted(tmp_path):
+    save_deepseek_v3_with_mtp(tmp_path)
+    _target_function_checkpoint(tmp_path)
+    ref = token_ids(generate(_llm(tmp_path, dtype="float32"), PROMPTS))
+    for k in (1, 3):
+        llm = _llm(tmp_path, k, dtype="float32")
+        outs = generate(llm, PROMPTS)
+        assert token_ids(outs) == ref
+        counters = llm.engine.stats()["spec_decode"]
+        # Every proposal is the target's argmax (equal logits; a near-tie could only flip the last bits).
+        assert counters["num_draft_tokens"] >= 20, counters
+        assert counters["num_accepted_tokens"] == counters["num_draft_tokens"], counters
+        assert llm.engine.stats()["num_steps"] < 48 // k + 10  # 48 tokens in about 48 / (k + 1) decode steps
+
+
+def test_dummy_weights_run_the_mtp_layer(tmp_path):
+    """A config without weights (a preset's path): the MTP layer gets seeded random weights like the rest."""
+    from mtp_checkpoint import DEEPSEEK_V3_MTP
+
+    (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V3_MTP, "architectures": ["DeepseekV3ForCausalLM"]}))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ref = generate(_llm(tmp_path, dtype="float32", load_format="dummy"), PROMPTS, params)
+    llm = _llm(tmp_path, 2, dtype="float32", load_format="dummy")
+    assert_outputs_agree(generate(llm, PROMPTS, params), ref, FP32_LOGIT_TOL)
+    assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    mtp = llm.engine.model.mtp_layers["2"]
+    assert 0.01 < mtp.eh_proj.weight.std().item() < 0.03  # drawn ~ normal(0, 0.02)
+
+
+def test_sampled_proposals_hand_their_q_to_verification(tmp_path):
+    """With the MTP layer computing the target's distribution (the construction above), q of each sampled
+    proposal equals the target's p, so rejection sampling accepts every proposal: it would accept a
+    proposal d only with probability p(d) if q were missing (a point mass) or another distribution."""
+    save_deepseek_v3_with_mtp(tmp_path)
+    _target_function_checkpoint(tmp_path)
+    llm = _llm(tmp_path, 3, dtype="float32")
+    params = SamplingParams(temperature=1.0, top_k=20, max_tokens=24, ignore_eos=True, seed=11)
+    generate(llm, PROMPTS, params)
+    counters = llm.engine.stats()["spec_decode"]
+    assert counters["num_draft_tokens"] >= 20
+    # min(1, p/q) is 1 up to float rounding of two equal softmaxes
+    assert counters["num_accepted_tokens"] == counters["num_draft_tokens"], counters
+
+
+def test_sampled_output_follows_the_target_distribution(checkpoint):
+    """Random MTP weights (q far from p): the first two sampled tokens of many seeded requests follow the
+    target's joint distribution p(t1) p(t2 | t1) (chi-square, p-value threshold of
+    tests/test_rejection_sampling.py); t2 is a verified MTP proposal or the rejection's residual draw. A q
+    handed over that is not the one the proposal was drawn from would bias it (a missing q would not:
+    verifying a drawn proposal as a point mass is exact too, at lower acceptance, which the test above
+    catches)."""
+    from test_rejection_sampling import P_VALUE_THRESHOLD, chi_square_p_value
+
+    prompt = PROMPTS[2]
+    off = _llm(checkpoint, dtype="float32", max_num_batched_tokens=2048)
+    temperature, top_k, n = 1.5, 3, 1800
+
+    def probs(ids):
+        logits = off.engine.compute_prompt_logits(ids)[-1].double() / temperature
+        top = logits.topk(top_k)
+        return top.indices.tolist(), torch.softmax(top.values, dim=-1)
+
+    cells, want = {}, []
+    first, p1 = probs(prompt)
+    for a, pa in zip(first, p1):
+        second, p2 = probs(prompt + [a])
+        for b, pb in zip(second, p2):
+            cells[(a, b)] = len(want)
+            want.append(float(pa * pb))
+    llm = _llm(checkpoint, 1, dtype="float32", max_num_batched_tokens=2048, max_num_seqs=256)
+    engine = llm.engine
+    for i in range(n):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=temperature, top_k=top_k, max_tokens=3,
+                                                          ignore_eos=True, seed=i))
+    counts = torch.zeros(len(want), dtype=torch.long)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                counts[cells[tuple(out.outputs[0].token_ids[:2])]] += 1
+    assert counts.sum() == n
+    assert engine.stats()["spec_decode"]["num_draft_tokens"] >= n  # every t2 was a verified proposal
+    assert chi_square_p_value(counts, torch.tensor(want)) > P_VALUE_THRESHOLD, (counts, want)
+
+
+def test_preemption_recomputes_the_mtp_layer(checkpoint):
+    """A pool of 16 blocks of 4 tokens for three requests of ~40 tokens each: requests are preempted and
+    recomputed (the MTP layer's KV with them) while others hold proposals' blocks."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    memory = 16 * 4 * 3 * (32 + 8) * 4  # blocks x tokens x (2 target + 1 MTP layers) x latent row of float32
+    ref = generate(_llm(checkpoint, dtype="float32"), PROMPTS, params)
+    llm = _llm(checkpoint, 3, dtype="float32", kv_cache_memory=memory, max_model_len=64)
+    assert llm.engine.plan.num_blocks == 16
+    assert_outputs_agree(generate(llm, PROMPTS, params), ref, FP32_LOGIT_TOL)
+    assert llm.engine.stats()["num_preemptions"] > 0
