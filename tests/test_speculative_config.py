@@ -100,6 +100,13 @@ def test_mtp_with_tensor_parallelism_is_refused(no_weights):
                                                                            "num_speculative_tokens": 1})
 
 
+def test_mtp_from_a_gguf_file_is_refused(no_weights, tmp_path):
+    model = _config_dir(tmp_path, "deepseek-v3")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match="loads the MTP layer from HF safetensors .* not from gguf"):
+        _engine(model, load_format="auto", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(max_num_batched_tokens=4), r"num_speculative_tokens 4 \+ 1 exceeds --max-num-batched-tokens 4"),
     (dict(max_model_len=5), "num_speculative_tokens 4 leaves no room in max-model-len 5"),

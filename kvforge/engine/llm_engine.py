@@ -110,6 +110,14 @@ class LLMEngine:
             check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched,
                               async_scheduling=args.async_scheduling)
         self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
+        if self.with_mtp and self.load_format != "dummy":
+            from kvforge.weights import detect_load_format
+
+            fmt = detect_load_format(self.model_path) if self.load_format == "auto" else self.load_format
+            if fmt != "safetensors":
+                raise ConfigError(f"--speculative-config method mtp loads the MTP layer from HF safetensors "
+                                  f"(model.layers.N.* tensors), not from {fmt}; use the checkpoint's HF directory "
+                                  f"or another method")
         if self.draft_spec is not None:  # the draft's weights follow the target's load format (dummy or real)
             self.draft_location = self._weights_location(speculative.model,
                                                          "dummy" if self.load_format == "dummy" else "auto")

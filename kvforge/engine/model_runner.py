@@ -555,11 +555,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def run_mtp(self, chunks, hidden: torch.Tensor, logits_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_mtp(self, chunks, hidden: torch.Tensor, logits_rows: list[int],
+                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The model's multi-token-prediction layer over ``chunks`` (as :meth:`run`; the ids are the tokens
         that follow each position) with ``hidden`` [tokens, hidden], one previous hidden state per token;
-        returns (float32 logits, head inputs) of ``logits_rows``. Its KV goes to the plan's MTP layer,
-        through the block tables given, eagerly."""
+        returns (float32 logits or None without ``logits``, head inputs) of ``logits_rows``. Its KV goes to
+        the plan's MTP layer, through the block tables given, eagerly."""
         host = self.build_host(chunks, logits_rows)
         ids, positions, metas, rows = self._to_device(host)
         self._metas, self._num_splits = metas, None
@@ -569,7 +570,12 @@ class ModelRunner:
             self._metas = None
         if rows is not None:
             out = out[rows]
-        return self.model.mtp_logits(out), out
+        return (self.mtp_logits(out) if logits else None), out
+
+    @torch.inference_mode()
+    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the MTP layer's head inputs ``out`` [rows, hidden]."""
+        return self.model.mtp_logits(out)
 
 
 def free_module_tensors(module: torch.nn.Module) -> None:

@@ -13,10 +13,10 @@ Two calls per engine step:
    chunk's real positions and its accepted proposals, whose next tokens are the verified ones) run
    through the MTP layer with the step's hidden states of those rows (``ModelRunner.last_hidden``).
    This writes the MTP layer's KV of every position the target computed, in the same step (so a block
-   the prefix cache registers holds both), and the last row of a sequence that got a token gives its
-   first proposal's logits and hidden state.
+   the prefix cache registers holds both), and the last row of a sequence that got a token gives the
+   head input its first proposal comes from (kept until the next ``propose``).
 2. :meth:`MTPProposer.propose`, before the next schedule, for the decoding sequences: proposal 1 from
-   those logits; proposals 2 .. k apply the layer again to its own output (its hidden state and the
+   that head input's logits; proposals 2 .. k apply the layer again to its own output (its hidden state and the
    previous proposal, one position further), batched over sequences. Those positions
    (``num_computed_tokens`` onwards) are the ones the next step verifies: their blocks are taken now
    (``BlockManager.append_slots``, which the scheduler's own call then finds in place); a sequence whose
@@ -50,9 +50,9 @@ class MTPProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.runner, self.block_manager, self.max_model_len = runner, block_manager, max_model_len
         runner.keep_hidden = True
-        # request id -> (the sequence, its token count then, logits [vocab] and head input [hidden] of its last
-        # MTP position): the start of the sequence's next proposals.
-        self._heads: dict[str, tuple[Sequence, int, torch.Tensor, torch.Tensor]] = {}
+        # request id -> (the sequence, its token count then, the head input [hidden] of its last MTP position):
+        # the start of the sequence's next proposals (logits are computed for those that propose).
+        self._heads: dict[str, tuple[Sequence, int, torch.Tensor]] = {}
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q [proposals, vocab] of its latest proposals
 
     def discard(self, request_id: str) -> None:
@@ -91,18 +91,17 @@ class MTPProposer:
         if not chunks:
             return
         idx = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-        logits, out = self.runner.run_mtp(chunks, hidden.index_select(0, idx), last_rows)
-        for seq, row_logits, row_out in zip(heads, logits, out):
+        _, out = self.runner.run_mtp(chunks, hidden.index_select(0, idx), last_rows, logits=False)
+        for seq, row in zip(heads, out):
             if seq is not None:
-                self._heads[seq.request_id] = (seq, seq.num_tokens + len(new_tokens[seq.request_id]), row_logits,
-                                               row_out)
+                self._heads[seq.request_id] = (seq, seq.num_tokens + len(new_tokens[seq.request_id]), row)
 
     # ---- before each schedule -----------------------------------------------------------------------
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]:
         self._probs = {}
         out: list[list[int]] = [[] for _ in seqs]
         active = []  # (output index, sequence, proposals wanted)
-        logits, hidden = [], []
+        hidden = []
         for i, seq in enumerate(seqs):
             head = self._heads.pop(seq.request_id, None)
             if head is None or head[0] is not seq or head[1] != seq.num_tokens:
@@ -113,11 +112,11 @@ class MTPProposer:
             if room > 1 and not self.block_manager.append_slots(seq, room - 1):
                 room = 1  # the pool is full: no room for the layer's own later positions
             active.append((i, seq, room))
-            logits.append(head[2])
-            hidden.append(head[3])
+            hidden.append(head[2])
         if not active:
             return out
-        logits, hidden = torch.stack(logits), torch.stack(hidden)
+        hidden = torch.stack(hidden)
+        logits = self.runner.mtp_logits(hidden)
         probs: dict[int, list[torch.Tensor]] = {}
         step = 1
         while True:
