@@ -33,7 +33,7 @@ mixed steps, and everything with ``enforce_eager``, run eagerly.
 
 With ``keep_hidden`` set (speculative method mtp), a step also keeps the hidden
 states of all its tokens (``last_hidden``, the model's output before the head;
-no copy) until the next step, and :meth:`ModelRunner.run_mtp` runs the model's
+no copy) for the proposer to take, and :meth:`ModelRunner.run_mtp` runs the model's
 multi-token-prediction layer over the same pool and block tables.
 """
 

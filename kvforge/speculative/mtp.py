@@ -69,7 +69,7 @@ class MTPProposer:
         """Run the MTP layer over the step's positions whose next token is known (module docstring, 1).
         ``scheduled``: the step's ``ScheduledSequence`` entries in run order; ``new_tokens``: per sampled
         request, the tokens the step appends (accepted proposals, then the target's token)."""
-        hidden = self.runner.last_hidden
+        hidden, self.runner.last_hidden = self.runner.last_hidden, None  # not held past this step
         chunks, rows, last_rows, heads = [], [], [], []
         offset = 0
         for s in scheduled:
