@@ -172,6 +172,26 @@ def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_draft_model_proposals(case, tmp_path, engines):
+    """A tiny random Llama of the same vocabulary and special tokens drafts for the linear-attention target (a
+    draft keeps no linear state, so only the target's slots roll back); the output equals speculation off."""
+    from test_speculative_engine import LLAMA, save_tiny
+
+    target = tmp_path / "target"
+    make_checkpoint(case, target)
+    draft = save_tiny(tmp_path / "draft", (LLAMA[0], LLAMA[1], dict(LLAMA[2], vocab_size=VOCAB, pad_token_id=0,
+                                                                        bos_token_id=1, eos_token_id=2)))
+    prompts = _prompts()
+    want = _reference(target, engines, prompts)
+    engine = engines(target, speculative_config={"method": "draft_model", "model": draft,
+                                                 "num_speculative_tokens": 3}).engine
+    assert engine.plan.draft is not None and engine.plan.verify_replay_bytes_per_sequence() > 0
+    outs = _generate(engine, prompts, _greedy())
+    assert _tokens(outs) == want
+    assert _acceptance(outs)[1] > 0
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
     """The state operations on the Triton kernels (Triton's interpreter on CPU here; the gpu-marked test below
     compiles them): verify steps through the prefill kernels with kept slots, and the replay kernels."""
