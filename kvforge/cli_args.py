@@ -7,6 +7,8 @@ import re
 
 from kvforge.planner.inputs import QUERY_DTYPE_CHOICES
 
+DEFAULT_MAX_NUM_SEQS = 256  # sequences one step may run when --max-num-seqs is not given
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -72,7 +74,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-scale-scheme", choices=["per_tensor", "per_head"], default="per_tensor")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="calibrate fp8 KV scales on the first batch instead of the default 1.0")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help=f"sequences one step may run (default {DEFAULT_MAX_NUM_SEQS}; an engine given a smaller "
+                        "--max-num-batched-tokens runs at most that many)")
     p.add_argument("--query-dtype", choices=list(QUERY_DTYPE_CHOICES), default="auto",
                    help="attention query dtype: auto (the model dtype unless a backend declares a quantized query "
                         "as its default; none does today), model (always the model dtype) or fp8 (opt in to the "

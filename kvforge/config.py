@@ -8,14 +8,19 @@ the planner (before weights load); the rest is validated here.
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
-from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
+from kvforge.cli_args import DEFAULT_MAX_NUM_SEQS, add_plan_args, non_negative_int, positive_int
 from kvforge.errors import ConfigError
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
+logger = logging.getLogger("kvforge.config")
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: CPU has no "free device memory" to size from
+# Tokens one step may compute when --max-num-batched-tokens is not given, by platform.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 2048
 
@@ -36,6 +41,11 @@ class EngineArgs:
     ``mla_prefill_mode``: how MLA layers on CUDA attend steps with a prefill
     chunk: auto, absorbed, sdpa or expanded
     (:data:`kvforge.attention.routing.mla.PREFILL_MODES`).
+    ``max_num_seqs`` and ``max_num_batched_tokens``: a step gives each running sequence at least one
+    token, so the token budget must hold ``max_num_seqs`` tokens. Both given and the budget smaller: a
+    ConfigError naming both. Only the budget given: ``max_num_seqs`` (None) is the default 256 capped at
+    the budget (logged). Only ``max_num_seqs`` given: the budget is the platform default raised to it
+    (:meth:`step_token_budget`). After construction ``max_num_seqs`` is an int.
     ``speculative_config``: how to speculate (kvforge/speculative/config.py, docs/SPECULATIVE.md).
     ``distributed_timeout_s``: with ``tensor_parallel_size`` > 1, the longest
     any collective (and worker startup) may wait before the engine fails with
@@ -57,7 +67,7 @@ class EngineArgs:
     gpu_memory: int | None = None
     kv_cache_memory: int | None = None
     num_speculative_tokens: int = 0
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: DEFAULT_MAX_NUM_SEQS, capped at max_num_batched_tokens
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None  # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: off
     enable_prefix_caching: bool = True
@@ -87,6 +97,7 @@ class EngineArgs:
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        object.__setattr__(self, "max_num_seqs", self._resolve_max_num_seqs())
         if self.long_prefill_token_threshold is not None:
             if self.long_prefill_token_threshold < 0:
                 raise ConfigError(f"--long-prefill-token-threshold must be >= 0 (0: off), got "
@@ -102,6 +113,32 @@ class EngineArgs:
             raise ConfigError(f"--mla-prefill-mode must be one of {', '.join(PREFILL_MODES)}, "
                               f"got {self.mla_prefill_mode!r}")
 
+    def _resolve_max_num_seqs(self) -> int:
+        seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs is None:
+            if budget is not None and budget < DEFAULT_MAX_NUM_SEQS:
+                logger.info("--max-num-batched-tokens %d is below the default --max-num-seqs %d: a step runs at "
+                            "most %d sequences (set --max-num-seqs to choose)", budget, DEFAULT_MAX_NUM_SEQS, budget)
+                return budget
+            return DEFAULT_MAX_NUM_SEQS
+        if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be an integer >= 1, got {seqs!r}")
+        if budget is not None and budget < seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens {budget} is below --max-num-seqs {seqs}: a step gives every running "
+                f"sequence at least one token, so it could not run {seqs} at once; raise --max-num-batched-tokens "
+                f"to at least {seqs}, or lower --max-num-seqs to at most {budget} (or drop --max-num-seqs: it then "
+                f"follows the budget)")
+        return seqs
+
+    def step_token_budget(self, platform: str) -> int:
+        """Tokens one step may compute on ``platform`` ("cpu" or "cuda"): ``max_num_batched_tokens`` when
+        given, else the platform's default raised to ``max_num_seqs``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS.get(platform, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]),
+                   self.max_num_seqs)
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
         if model_positional:
@@ -114,7 +151,8 @@ class EngineArgs:
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
-                            help="tokens one step may compute (default 8192 on CUDA, 2048 on CPU)")
+                            help="tokens one step may compute, at least --max-num-seqs (default 8192 on CUDA, 2048 "
+                                 "on CPU, raised to --max-num-seqs)")
         parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,
                             help="prefill tokens a step may hold while requests are decoding, so a running "
                                  "stream waits behind at most this much prefill (default "

@@ -97,7 +97,7 @@ class LLMEngine:
         if self.spec.rings and args.tensor_parallel_size > 1:
             raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet; "
                               "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
-        batched = args.max_num_batched_tokens or (2048 if platform == "cpu" else 8192)
+        batched = args.step_token_budget(platform)
         if not args.enable_chunked_prefill and batched < self.plan.max_model_len:
             if args.max_num_batched_tokens is not None:
                 raise ConfigError(

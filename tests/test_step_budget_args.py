@@ -1,0 +1,89 @@
+"""``--max-num-batched-tokens`` must hold ``--max-num-seqs`` tokens (a step gives every running sequence at
+least one): both given and the budget smaller is refused before weights load; a budget given alone caps
+the default ``--max-num-seqs``; ``--max-num-seqs`` given alone raises the default budget."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+from kvforge.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from kvforge.errors import ConfigError
+
+
+def test_both_given_and_the_budget_below_the_sequences_is_refused():
+    with pytest.raises(ConfigError) as err:
+        EngineArgs(max_num_batched_tokens=128, max_num_seqs=256)
+    message = str(err.value)
+    assert "--max-num-batched-tokens 128 is below --max-num-seqs 256" in message
+    assert "raise --max-num-batched-tokens to at least 256" in message
+    assert "lower --max-num-seqs to at most 128" in message
+
+
+def test_a_budget_alone_caps_the_default_sequences_and_says_so(caplog):
+    with caplog.at_level(logging.INFO, logger="kvforge.config"):
+        args = EngineArgs(max_num_batched_tokens=128)
+    assert args.max_num_seqs == 128 and args.step_token_budget("cpu") == 128
+    assert "--max-num-batched-tokens 128 is below the default --max-num-seqs 256" in caplog.text
+    assert EngineArgs(max_num_batched_tokens=512).max_num_seqs == 256  # a larger budget leaves the default
+
+
+@pytest.mark.parametrize("seqs, budget", [(8, 8), (8, 64), (None, None)])
+def test_budgets_that_hold_the_sequences_are_kept(seqs, budget):
+    args = EngineArgs(max_num_seqs=seqs, max_num_batched_tokens=budget)
+    assert args.max_num_seqs == (seqs or 256)
+    assert args.step_token_budget("cpu") == (budget or DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"])
+
+
+def test_sequences_alone_raise_the_default_budget():
+    args = EngineArgs(max_num_seqs=4096)
+    assert args.step_token_budget("cpu") == 4096 and args.step_token_budget("cuda") == 8192
+    assert EngineArgs().step_token_budget("cpu") == 2048 and EngineArgs().step_token_budget("cuda") == 8192
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5])
+def test_max_num_seqs_must_be_a_positive_integer(bad):
+    with pytest.raises(ConfigError, match="--max-num-seqs must be an integer >= 1"):
+        EngineArgs(max_num_seqs=bad)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_refuses_the_pair_before_weights(monkeypatch, capsys):
+    import kvforge.weights
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded despite a bad flag")
+
+    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
+    rc = serve_main(["--device", "cpu", "--max-num-batched-tokens", "128", "--max-num-seqs", "256",
+                     "--port", str(_free_port())])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--max-num-batched-tokens 128 is below --max-num-seqs 256" in err and "Traceback" not in err
+
+
+def test_the_engine_runs_at_most_the_budget_of_sequences():
+    from kvforge.engine.llm_engine import LLMEngine
+    from kvforge.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", max_model_len=64, max_num_batched_tokens=8,
+                                                   progress=False))
+    try:
+        assert engine.scheduler.max_num_seqs == 8 and engine.scheduler.max_num_batched_tokens == 8
+        for i in range(12):
+            engine.add_request(str(i), [1, 2, 3, 4 + i], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        most, done = 0, 0
+        while engine.has_unfinished_requests():
+            done += sum(out.finished for out in engine.step())
+            most = max(most, engine.scheduler.num_running)
+        assert done == 12 and most <= 8
+    finally:
+        engine.shutdown()
