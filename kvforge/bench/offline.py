@@ -4,7 +4,8 @@ Requests have input and output lengths drawn uniformly from the given ranges
 (seeded; the same lengths in every repetition, fresh random token ids each
 time so the prefix cache cannot help), ignore_eos, greedy. Reports requests/s,
 output and total tokens/s (each repetition and the median), the engine's own
-counters (with speculative decoding: acceptance rate and mean accepted length per run and over all
+counters over the timed runs (``engine_stats``; the warm-up's apart, ``engine_stats_warmup``; with
+speculative decoding: acceptance rate and mean accepted length per run and over all
 runs, ``spec_decode``), and on CUDA a memory roofline:
 
 * decode floor: for every decode step of this exact workload (all requests
@@ -211,6 +212,30 @@ def make_workload(num_prompts: int, input_len, output_len, rng: random.Random):
     return in_lens, out_lens, params
 
 
+# engine.stats() keys that describe the engine's state now (gauges, flags), not a count since startup.
+STATE_STATS = frozenset({"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "draft_kv_blocks_used",
+                         "draft_kv_blocks_total", "async_scheduling"})
+
+
+def stats_between(before: dict, after: dict) -> dict:
+    """``engine.stats()`` over an interval: each counter's growth from ``before`` to ``after`` (nested in
+    ``spec_decode``, and per position in its lists); the :data:`STATE_STATS` and anything not a number
+    as they are in ``after``."""
+
+    def grow(key, a, b):
+        if key in STATE_STATS or isinstance(a, bool) or b is None:
+            return a
+        if isinstance(a, dict):
+            return {k: grow(k, v, b.get(k)) for k, v in a.items()}
+        if isinstance(a, list):
+            return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+        if isinstance(a, (int, float)):
+            return a - b
+        return a
+
+    return {k: grow(k, v, before.get(k)) for k, v in after.items()}
+
+
 def warm_up(llm, lengths=(16, 300, 700)) -> None:
     """Compiles the prefill, mixed and decode kernel variants (graphs were captured at startup)."""
     from kvforge.engine.sampling_params import SamplingParams
@@ -281,8 +306,11 @@ def offline_main(args: argparse.Namespace) -> int:
     check_lengths(args.input_len, args.output_len, engine.max_model_len)
     rng = random.Random(args.seed)
     in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng)
+    at_start = engine.stats()
     warm_up(llm)
+    warmed = engine.stats()
     runs = [timed_run(llm, in_lens, params, rng, f"run {rep}") for rep in range(max(1, args.repetitions))]
+    timed = stats_between(warmed, engine.stats())
     med = {k: statistics.median(r[k] for r in runs)
            for k in ("seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
     result = {
@@ -290,7 +318,8 @@ def offline_main(args: argparse.Namespace) -> int:
         "block_size": llm.plan.block_size, "max_model_len": llm.plan.max_model_len,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "median": med, "runs": runs,
-        "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": engine.stats(), "device": str(engine.device),
+        "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": timed,
+        "engine_stats_warmup": stats_between(at_start, warmed), "device": str(engine.device),
         "startup_seconds": startup, "enforce_eager": engine.args.enforce_eager,
         "async_scheduling": engine.async_scheduling,
         "speculative_config": asdict(engine.speculative) if engine.speculative is not None else None,

@@ -1,0 +1,53 @@
+"""``kvforge bench offline`` reports the engine's counters over its timed runs (``engine_stats``) and the
+warm-up's apart (``engine_stats_warmup``), so the warm-up's steps and tokens never count as measured work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvforge.bench.offline import stats_between, warm_up
+from kvforge.cli import main
+
+TINY = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=1024,
+            rms_norm_eps=1e-5, torch_dtype="float32")
+
+
+def test_stats_between_subtracts_counters_and_keeps_state():
+    before = {"num_steps": 10, "kv_blocks_used": 3, "kv_blocks_total": 64, "async_scheduling": False,
+              "spec_decode": {"num_drafts": 4, "accepted_per_pos": [3, 1]}, "num_running": 2}
+    after = {"num_steps": 25, "kv_blocks_used": 0, "kv_blocks_total": 64, "async_scheduling": False,
+             "spec_decode": {"num_drafts": 9, "accepted_per_pos": [7, 2]}, "num_running": 0}
+    assert stats_between(before, after) == {
+        "num_steps": 15, "kv_blocks_used": 0, "kv_blocks_total": 64, "async_scheduling": False,
+        "spec_decode": {"num_drafts": 5, "accepted_per_pos": [4, 1]}, "num_running": 0}
+    assert stats_between({"spec_decode": None}, {"spec_decode": None}) == {"spec_decode": None}
+
+
+def test_engine_stats_cover_the_timed_runs_only(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "bench.json"
+    num_prompts, output_len, reps = 3, 6, 2
+    assert main(["bench", "offline", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                 "--skip-tokenizer-init", "--kv-cache-memory", "4MiB", "--no-enable-prefix-caching",
+                 "--num-prompts", str(num_prompts), "--input-len", "8", "16",
+                 "--output-len", str(output_len), str(output_len), "--repetitions", str(reps),
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    timed, warm, runs = result["engine_stats"], result["engine_stats_warmup"], result["runs"]
+    assert timed["generation_tokens_total"] == reps * num_prompts * output_len == sum(r["output_tokens"] for r in runs)
+    assert timed["prompt_tokens_total"] == sum(r["input_tokens"] for r in runs)
+    assert timed["num_steps"] == sum(r["steps"] for r in runs)
+    # The warm-up: the three prompts warm_up() sends, 8 tokens each.
+    warm_lengths = warm_up.__defaults__[0]
+    assert warm["generation_tokens_total"] == len(warm_lengths) * 8
+    assert warm["prompt_tokens_total"] == sum(warm_lengths)
+    assert warm["num_steps"] > 0
+    assert timed["kv_blocks_total"] == warm["kv_blocks_total"] > 0 and timed["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("key", ["num_running", "kv_blocks_used"])
+def test_state_keys_are_not_differenced(key):
+    assert stats_between({key: 5}, {key: 2}) == {key: 2}
