@@ -1,22 +1,27 @@
-"""A draft model in the plan: its groups, its share of the KV memory and the concurrency it costs, checked
+"""A draft model in the plan: its layers in the target's groups and pool and the capacity they cost, checked
 against bytes computed by hand from the configs; and the draft checks made before any weight."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from kvforge.cli import main
 from kvforge.errors import ConfigError, PlanError
 from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.proposer_layers import ProposerLayers
 from kvforge.planner.resolver import resolve
 from kvforge.spec.architectures import spec_from_hf_config
 from kvforge.spec.presets import PRESETS
 
-# A 2-layer Llama of Llama-3.1-8B's vocabulary: 4 KV heads of 64, so 2 x 4 x (64 + 64) elements per token.
-SMALL_DRAFT = dict(PRESETS["llama-3.1-8b"], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=4, intermediate_size=512, head_dim=64)
+# A 2-layer Llama of Llama-3.1-8B's vocabulary and KV geometry (8 KV heads of 128): its layers join the
+# target's full-attention group.
+SMALL_DRAFT = dict(PRESETS["llama-3.1-8b"], hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=8, intermediate_size=512, head_dim=128)
+L, BLOCK, MEMORY = 8192, 16, 6 * 10**9
+PAGE = BLOCK * 8 * (128 + 128) * 2  # one layer's page of 16 tokens: 8 KV heads x (K 128 + V 128) bf16
 
 
 def spec(config, name):
@@ -24,30 +29,79 @@ def spec(config, name):
 
 
 @pytest.mark.parametrize("kv, elem", [("auto", 2), ("fp8", 1)])
-def test_draft_groups_and_capacity(kv, elem):
-    L, block, memory = 8192, 16, 6 * 10**9
-    target_per_seq = (L // block) * block * 32 * 8 * (128 + 128) * elem  # 32 layers, 8 KV heads of 128
-    draft_per_seq = (L // block) * block * 2 * 4 * (64 + 64) * elem
-    cache = CacheConfig(kv_cache_dtype=kv, max_model_len=L, kv_cache_memory=memory)
+def test_draft_layers_join_the_target_group(kv, elem):
+    page = PAGE * elem // 2
+    per_seq = (L // BLOCK) * (32 + 2) * page  # every block id spans 32 target + 2 draft page slots
+    alone_per_seq = (L // BLOCK) * 32 * page
+    cache = CacheConfig(kv_cache_dtype=kv, max_model_len=L, kv_cache_memory=MEMORY)
     alone = resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"), cache)
     plan = resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"), cache, draft_spec=spec(SMALL_DRAFT, "small"))
-    assert alone.capacity.bytes_per_sequence == target_per_seq
-    assert plan.capacity.bytes_per_sequence == target_per_seq
-    assert plan.draft.capacity.bytes_per_sequence == draft_per_seq
-    assert [g.layers for g in plan.draft.groups] == [(0, 1)] and plan.draft.groups[0].kind == "full"
-    # The memory splits so both pools hold the same number of full-length sequences.
-    assert plan.capacity.kv_cache_memory + plan.draft.capacity.kv_cache_memory == memory
-    expected = memory / (target_per_seq + draft_per_seq)
-    assert plan.max_concurrency == pytest.approx(expected, rel=1e-4)
-    assert plan.draft.max_concurrency == pytest.approx(expected, rel=1e-4)
-    assert alone.max_concurrency == pytest.approx(memory / target_per_seq, rel=1e-4)
-    assert plan.num_blocks == plan.capacity.kv_cache_memory // (32 * block * 8 * 256 * elem)
-    assert plan.draft.num_blocks == plan.draft.capacity.kv_cache_memory // (2 * block * 4 * 128 * elem)
+    assert [(g.layers, g.draft_layers) for g in plan.groups] == [(tuple(range(32)), (0, 1))]
+    assert plan.group_size == 34 and plan.padding_layers == 0 and plan.groups[0].page_bytes == page
+    assert plan.capacity.bytes_per_sequence == per_seq
+    assert plan.num_blocks == MEMORY // (34 * page)
+    assert plan.capacity_tokens == plan.num_blocks * BLOCK
+    assert plan.max_concurrency == pytest.approx(MEMORY / per_seq, rel=1e-4)
+    # Without the draft: the target's plan alone, from the same memory.
+    assert plan.draft.capacity_without == alone.capacity
+    assert alone.capacity.bytes_per_sequence == alone_per_seq and alone.num_blocks == MEMORY // (32 * page)
+    assert plan.draft.bytes_per_token == 2 * 8 * 256 * elem and plan.bytes_per_token == 32 * 8 * 256 * elem
+    assert [x.index for x in plan.draft.layers] == [0, 1] and plan.draft.layers[0].kv_dtype == plan.kv_cache_dtype
     text = plan.summary()
-    assert "draft small" in text and f"{draft_per_seq:,} bytes per sequence" in text
-    assert f"without the draft {memory / target_per_seq:.2f}" in text
+    assert "draft small: layers 0, 1 join group 0 (full, target layers 0..31 (32))" in text
+    assert f"takes {per_seq:,} bytes (without the draft {alone_per_seq:,})" in text
     if kv == "fp8":  # the model-dtype baseline carries the draft too: the gain is like for like
-        assert plan.baseline.bytes_per_sequence == 2 * target_per_seq
+        assert plan.baseline.bytes_per_sequence == 2 * per_seq
+
+
+def test_draft_layers_of_their_own_layout_form_groups_of_the_pool_page():
+    # Sliding-window draft layers of the target's KV geometry: a type of their own, with the pool's page. Group
+    # sizes between 2 and 32 for types of 32 and 2 layers: 2 wastes no slot (16 full groups + 1 sliding).
+    draft = dict(SMALL_DRAFT, use_sliding_window=True, sliding_window=1024)
+    plan = resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"),
+                   CacheConfig(max_model_len=L, kv_cache_memory=MEMORY), draft_spec=spec(draft, "small"))
+    assert plan.group_size == 2 and len(plan.groups) == 17
+    own = plan.groups[-1]
+    assert (own.kind, own.layers, own.draft_layers, own.sliding_window) == ("sliding", (), (0, 1), 1024)
+    assert all(g.page_bytes == PAGE and g.block_size == BLOCK for g in plan.groups)
+    window_blocks = -(-(1024 - 1) // BLOCK) + 1  # ceil((window + 1 - 2) / block) + 1 blocks at a decode step
+    per_seq = (16 * (L // BLOCK) + window_blocks) * 2 * PAGE
+    assert plan.capacity.bytes_per_sequence == per_seq
+    assert plan.num_blocks == MEMORY // (2 * PAGE)
+    assert "layers 0, 1 form group 16 (sliding) of their own" in plan.summary()
+
+
+def test_a_draft_page_other_than_the_pool_page_is_refused():
+    # 4 KV heads of 64: 16 x 4 x 128 x 2 = 16384-byte pages where the target's are 65536.
+    draft = dict(SMALL_DRAFT, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+    with pytest.raises(PlanError) as e:
+        resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"), CacheConfig(max_model_len=L),
+                draft_spec=spec(draft, "small"))
+    text = str(e.value)
+    assert "draft model small: layers 0, 1" in text and "16384 bytes" in text and "65536 bytes" in text
+    assert "fix: use a draft whose attention layers have the target's KV heads x head size" in text
+
+
+def test_mla_draft_layer_joins_the_target_mla_group():
+    target = spec(PRESETS["deepseek-v3"], "deepseek-v3")
+    row = (512 + 64) * 2  # one latent row per token: kv_lora_rank + qk_rope_head_dim, bf16
+    plan = resolve(target, CacheConfig(max_model_len=4096, kv_cache_memory=10**9),
+                   draft_spec=spec(dict(PRESETS["deepseek-v3"], num_hidden_layers=1), "mla-draft"))
+    assert [(g.kind, g.layers, g.draft_layers) for g in plan.groups] == [("mla", tuple(range(61)), (0,))]
+    assert plan.num_blocks == 10**9 // (62 * 16 * row)
+    assert plan.capacity.bytes_per_sequence == (4096 // 16) * 62 * 16 * row
+
+
+def test_extra_proposer_layers_join_by_the_same_rule():
+    # An extra MLA layer of the target's own checkpoint (an MTP layer): no weights beyond the target's count.
+    target = spec(PRESETS["deepseek-v3"], "deepseek-v3")
+    mtp = ProposerLayers("mtp", "DeepseekV3", (replace(target.layers[0], index=61),), 0)
+    cache = CacheConfig(max_model_len=4096, gpu_memory=8 * 10**12)
+    plan = resolve(target, cache, proposer_layers=mtp)
+    alone = resolve(target, cache)
+    assert plan.groups[0].draft_layers == (61,) and plan.group_size == 62
+    assert plan.capacity.kv_cache_memory == alone.capacity.kv_cache_memory  # no weights of its own
+    assert plan.draft.capacity_without == alone.capacity
 
 
 def test_gpu_memory_pays_the_draft_weights():
@@ -55,8 +109,10 @@ def test_gpu_memory_pays_the_draft_weights():
     target = spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b")
     alone = resolve(target, cache)
     plan = resolve(target, cache, draft_spec=spec(SMALL_DRAFT, "small"))
-    total = plan.capacity.kv_cache_memory + plan.draft.capacity.kv_cache_memory
-    assert total == alone.capacity.kv_cache_memory - plan.draft.weights_bytes_per_rank
+    draft_params = spec(SMALL_DRAFT, "small").num_parameters
+    assert plan.draft.weights_bytes_per_rank == draft_params * 2
+    assert plan.capacity.kv_cache_memory == alone.capacity.kv_cache_memory - draft_params * 2
+    assert plan.draft.capacity_without == alone.capacity
 
 
 def test_plan_cli_shows_the_draft_groups(tmp_path, capsys):
@@ -65,12 +121,15 @@ def test_plan_cli_shows_the_draft_groups(tmp_path, capsys):
     assert main(["plan", "llama-3.1-8b", "--max-model-len", "8192", "--kv-cache-memory", "6000000000",
                  "--speculative-config", cfg]) == 0
     out = capsys.readouterr().out
-    assert "draft:full" in out and "speculative draft" in out
+    assert "draft layers" in out and "speculative draft" in out and "capacity with the draft" in out
     assert main(["plan", "llama-3.1-8b", "--max-model-len", "8192", "--kv-cache-memory", "6000000000", "--json",
                  "--speculative-config", cfg]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["draft"]["groups"][0]["layers"] == [0, 1]
-    assert d["draft"]["bytes_per_sequence"] == 512 * 16 * 2 * 4 * 128 * 2
+    assert d["groups"][0]["draft_layers"] == [0, 1]
+    assert d["bytes_per_sequence"] == 512 * 34 * PAGE
+    assert d["draft"]["capacity_without"]["bytes_per_sequence"] == 512 * 32 * PAGE
+    assert d["num_blocks"] == MEMORY // (34 * PAGE)
+    assert d["draft"]["capacity_without"]["num_blocks"] == MEMORY // (32 * PAGE)
 
 
 @pytest.mark.parametrize("over, message", [
@@ -86,10 +145,9 @@ def test_bad_draft_is_refused(over, message):
 
 
 def test_linear_attention_draft_is_refused():
-    target = spec(dict(PRESETS["qwen3-next-80b-a3b"], num_hidden_layers=4), "qwen3-next")
-    draft = spec(PRESETS["qwen3-next-80b-a3b"], "qwen3-next-draft")
-    with pytest.raises(ConfigError, match="keeps linear-attention state"):
-        resolve(target, CacheConfig(max_model_len=4096), draft_spec=draft)
+    qwen3_next = spec(dict(PRESETS["qwen3-next-80b-a3b"], num_hidden_layers=4), "qwen3-next")
+    with pytest.raises(ConfigError, match="the draft model qwen3-next keeps linear-attention state"):
+        resolve(spec(PRESETS["qwen3-8b"], "qwen3-8b"), CacheConfig(max_model_len=4096), draft_spec=qwen3_next)
 
 
 def test_a_draft_plan_error_names_the_draft():

@@ -7,6 +7,10 @@ layers leaves ``padding_layers`` page slots unused. The group size is chosen
 between the smallest and largest type to waste the fewest page slots (ties:
 fewer groups). Types with smaller pages use proportionally larger blocks so
 every page has the same byte size; a non-integral ratio is padded.
+
+A speculative proposer's layers (a draft model's) are counted in the type of
+the target's layers with the same page layout, after them (``draft_layers``),
+so they fill the same groups; a layout of its own is a type of its own.
 """
 
 from __future__ import annotations
@@ -22,12 +26,18 @@ class LayerType:
     padded_page_bytes_at_base: int  # backend page padding applied at the base block size
     kv_dtype: str
     backend: str
+    draft_layers: tuple[int, ...] = ()  # the proposer's layers of this layout (slots after ``layers``)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers) + len(self.draft_layers)
 
 
 @dataclass(frozen=True)
 class Grouping:
     group_size: int
-    groups: tuple[tuple[LayerType, tuple[int, ...], int], ...]  # (type, layers, padding_layers)
+    #: (type, target layers, proposer layers, padding_layers) per group
+    groups: tuple[tuple[LayerType, tuple[int, ...], tuple[int, ...], int], ...]
     padding_layers: int
 
     @property
@@ -43,7 +53,7 @@ def choose_grouping(types: list[LayerType]) -> Grouping:
     """Split each type into groups of one common size, wasting the fewest slots."""
     if not types:
         return Grouping(0, (), 0)
-    counts = [len(t.layers) for t in types]
+    counts = [t.num_layers for t in types]
     if len(types) == 1:
         candidates = [counts[0]]
     else:
@@ -59,11 +69,12 @@ def choose_grouping(types: list[LayerType]) -> Grouping:
     groups = []
     total_padding = 0
     for t in types:
-        for start in range(0, len(t.layers), size):
-            chunk = t.layers[start:start + size]
+        members = [(False, i) for i in t.layers] + [(True, i) for i in t.draft_layers]
+        for start in range(0, len(members), size):
+            chunk = members[start:start + size]
             pad = size - len(chunk)
             total_padding += pad
-            groups.append((t, chunk, pad))
+            groups.append((t, tuple(i for d, i in chunk if not d), tuple(i for d, i in chunk if d), pad))
     return Grouping(size, tuple(groups), total_padding)
 
 

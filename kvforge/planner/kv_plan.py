@@ -7,7 +7,7 @@ order fixed by the dataclasses); ``summary`` a few lines for logs.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class GroupPlan:
     ``padding_layers``: page slots of this group that no layer uses (hybrid
     models split each layer type into groups of the same size).
     ``sliding_window``: the window of a "sliding" group (None otherwise).
+    ``draft_layers``: layers of the speculative proposer (a draft model's layer
+    indices) in this group; their page slots follow the target's ``layers``, so
+    slot ``len(layers) + j`` belongs to ``draft_layers[j]``. A group of the
+    proposer's own has no target ``layers``.
     """
 
     kind: str
@@ -51,6 +55,7 @@ class GroupPlan:
     kv_dtype: str
     backend: str
     sliding_window: int | None = None
+    draft_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,26 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """The speculative proposer's layers in the target's plan (a draft model, or extra layers such as an MTP
+    layer): planned by the target's rules, placed in the target's groups (``GroupPlan.draft_layers``) and
+    paid from the same pool. ``capacity_without`` is the target's plan without them, from the same memory:
+    the capacity the proposer costs is the difference to the plan's ``capacity``."""
+
+    model: str
+    architecture: str
+    layers: tuple[LayerPlan, ...]
+    bytes_per_token: int
+    weights_bytes_per_rank: int
+    num_parameters: int
+    capacity_without: Capacity
+    index_checks: tuple[IndexCheck, ...] = ()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class KVPlan:
     model: str
     architecture: str
@@ -124,9 +149,9 @@ class KVPlan:
     #: Storage dtype of the state slots of linear-attention layers (None without state layers), and why.
     state_dtype: str | None = None
     state_dtype_reason: str = ""
-    #: The draft model's plan (speculative decoding, method draft_model): its layers and groups, in a pool of
-    #: its own carved out of the same KV memory (``capacity.kv_cache_memory`` here is the target's share).
-    draft: KVPlan | None = None
+    #: The speculative proposer's layers (method draft_model), in the groups and pool above: ``capacity``
+    #: counts them; ``draft.capacity_without`` is the target alone.
+    draft: DraftPlan | None = None
     #: Multi-token-prediction layers among ``layers`` (speculative method mtp): planned like the target's own
     #: layers, in their groups, and counted in ``bytes_per_token`` and the capacity.
     mtp_layers: tuple[int, ...] = ()
@@ -152,26 +177,33 @@ class KVPlan:
             return None
         return base.bytes_per_sequence / self.capacity.bytes_per_sequence
 
-    @property
-    def total_kv_cache_memory(self) -> int | None:
-        """KV memory of the target and the draft together (the target's alone without a draft)."""
-        mem = self.capacity.kv_cache_memory
-        if mem is None or self.draft is None:
-            return mem
-        return mem + (self.draft.capacity.kv_cache_memory or 0)
+    def draft_runner_plan(self) -> KVPlan:
+        """The plan as the proposer's model runner reads it: the proposer's layers (``draft.layers``, indices of
+        its own) over this plan's groups, block size and pool."""
+        if self.draft is None:
+            raise ValueError("the plan has no speculative proposer layers (draft)")
+        return replace(self, model=self.draft.model, architecture=self.draft.architecture, layers=self.draft.layers,
+                       draft=None)
+
+    def draft_groups(self) -> list[tuple[int, GroupPlan]]:
+        """(index, group) of every group holding proposer layers."""
+        return [(i, g) for i, g in enumerate(self.groups) if g.draft_layers]
 
     def draft_explanation(self) -> str | None:
-        """What the draft's KV costs, in one line (None without a draft or without capacity)."""
-        draft, cap = self.draft, self.capacity
-        if draft is None or cap.bytes_per_sequence is None or draft.capacity.bytes_per_sequence is None:
+        """Where the proposer's layers sit and what they cost, in one line (None without a draft)."""
+        draft = self.draft
+        if draft is None:
             return None
-        total = self.total_kv_cache_memory
-        per_t, per_d = cap.bytes_per_sequence, draft.capacity.bytes_per_sequence
-        return (f"draft {draft.model}: {per_d:,} bytes per sequence of {self.max_model_len} tokens beside the "
-                f"target's {per_t:,}; the KV memory {total:,} splits {cap.kv_cache_memory:,} target / "
-                f"{draft.capacity.kv_cache_memory:,} draft ({draft.num_blocks} draft blocks of {draft.block_size} "
-                f"tokens), so max concurrency is {total:,} / {per_t + per_d:,} = {cap.max_concurrency:.2f} "
-                f"(without the draft {total / per_t:.2f})")
+        placed = "; ".join(_placement(i, g) for i, g in self.draft_groups())
+        text = f"draft {draft.model}: {placed}; {draft.bytes_per_token:,} bytes/token beside the target's " \
+               f"{self.bytes_per_token:,}"
+        cap, alone = self.capacity, draft.capacity_without
+        if cap.bytes_per_sequence is None or alone.bytes_per_sequence is None:
+            return text
+        return (f"{text}; a sequence of {self.max_model_len} tokens takes {cap.bytes_per_sequence:,} bytes "
+                f"(without the draft {alone.bytes_per_sequence:,}): {cap.num_blocks:,} blocks = "
+                f"{cap.capacity_tokens:,} tokens, max concurrency {cap.max_concurrency:.2f} (without the draft "
+                f"{alone.num_blocks:,} blocks = {alone.capacity_tokens:,} tokens, {alone.max_concurrency:.2f})")
 
     def mtp_explanation(self) -> str | None:
         """Where the multi-token-prediction layers sit and the share of the KV they take (None without)."""
@@ -191,6 +223,8 @@ class KVPlan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["draft"] = self.draft.to_dict() if self.draft is not None else None
+        if self.draft is not None:
+            d["draft"]["explanation"] = self.draft_explanation()
         cap = d.pop("capacity")
         d["num_blocks"] = cap["num_blocks"]
         d["capacity_tokens"] = cap["capacity_tokens"]
@@ -244,9 +278,25 @@ class KVPlan:
             lines.append(f"  {replay} of the state bytes/sequence: verify rows kept to roll linear-attention state "
                          f"back to the accepted tokens ({self.num_speculative_tokens + 1} rows per layer, float32)")
         if self.draft is not None:
-            lines.append(f"  {self.draft_explanation() or f'draft {self.draft.model}: no capacity given'}")
+            lines.append(f"  {self.draft_explanation()}")
         if self.mtp_layers:
             lines.append(f"  {self.mtp_explanation()}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
+
+
+def _listing(indices) -> str:
+    indices = list(indices)
+    if len(indices) > 4:
+        return f"{indices[0]}..{indices[-1]} ({len(indices)})"
+    return ", ".join(map(str, indices))
+
+
+def _placement(index: int, group: GroupPlan) -> str:
+    """Where a group's proposer layers sit: joining the target's layers, or a group of their own."""
+    many = len(group.draft_layers) > 1
+    who = f"layers {_listing(group.draft_layers)}" if many else f"layer {group.draft_layers[0]}"
+    if group.layers:
+        return f"{who} join{'' if many else 's'} group {index} ({group.kind}, target layers {_listing(group.layers)})"
+    return f"{who} form{'' if many else 's'} group {index} ({group.kind}) of their own"

@@ -22,6 +22,11 @@ def _layer_rows(plan: KVPlan):
     return rows
 
 
+def _indices(idx) -> str:
+    idx = list(idx)
+    return ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]}..{idx[-1]} ({len(idx)})"
+
+
 def render_plan(plan: KVPlan, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -61,7 +66,7 @@ def render_plan(plan: KVPlan, console=None) -> None:
     else:
         head.add_row("capacity", "no memory given (--kv-cache-memory or --gpu-memory)")
     if plan.draft is not None:
-        head.add_row("speculative draft", plan.draft_explanation() or f"{plan.draft.model} (no capacity given)")
+        head.add_row("speculative draft", plan.draft_explanation())
     if plan.mtp_layers:
         head.add_row("speculative MTP", plan.mtp_explanation())
     console.print(head)
@@ -82,15 +87,28 @@ def render_plan(plan: KVPlan, console=None) -> None:
 
     groups = Table(title=f"KV cache groups (group size {plan.group_size}, padding layers {plan.padding_layers}, "
                    f"worst-case waste {plan.worst_case_waste_pct:.1f}%)")
-    for col in ("kind", "layers", "block", "page bytes", "unpadded", "padding layers", "backend"):
+    columns = ("kind", "layers") + (("draft layers",) if plan.draft is not None else ()) + (
+        "block", "page bytes", "unpadded", "padding layers", "backend")
+    for col in columns:
         groups.add_column(col)
-    draft_groups = plan.draft.groups if plan.draft is not None else ()
-    for prefix, g in [("", g) for g in plan.groups] + [("draft:", g) for g in draft_groups]:
-        idx = list(g.layers)
-        text = ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]}..{idx[-1]} ({len(idx)})"
-        groups.add_row(prefix + g.kind, text, str(g.block_size), f"{g.page_bytes:,}", f"{g.page_bytes_unpadded:,}",
-                       str(g.padding_layers), g.backend)
+    for g in plan.groups:
+        draft = (_indices(g.draft_layers) or "-",) if plan.draft is not None else ()
+        groups.add_row(g.kind, _indices(g.layers) or "-", *draft, str(g.block_size), f"{g.page_bytes:,}",
+                       f"{g.page_bytes_unpadded:,}", str(g.padding_layers), g.backend)
     console.print(groups)
+    if plan.draft is not None:
+        draft_layers = Table(title=f"draft {plan.draft.model} layers (per rank), in the groups above")
+        for col in ("layers", "kind", "backend", "KV", "query", "heads", "KV heads", "bytes/token"):
+            draft_layers.add_column(col)
+        for layer in plan.draft.layers:
+            draft_layers.add_row(str(layer.index), layer.kind, layer.backend, layer.kv_dtype, layer.query_dtype,
+                                 str(layer.heads_per_rank), str(layer.kv_heads_per_rank), f"{layer.bytes_per_token:,}")
+        console.print(draft_layers)
+        alone = plan.draft.capacity_without
+        if alone.num_blocks is not None and cap.num_blocks is not None:
+            console.print(f"capacity with the draft: {cap.num_blocks:,} blocks / {cap.capacity_tokens:,} tokens, "
+                          f"max concurrency {cap.max_concurrency:.2f}; without: {alone.num_blocks:,} blocks / "
+                          f"{alone.capacity_tokens:,} tokens, max concurrency {alone.max_concurrency:.2f}")
     for check in plan.index_checks:
         console.print(f"index check {check.backend}: {check.planned_slots:,} slots of {check.row_bytes} B "
                       f"<= {check.max_slots:,} addressable: {'ok' if check.ok else 'OVERFLOW'}")

@@ -18,7 +18,8 @@ from kvforge.kv_dtypes import BYTES_PER_ELEMENT, is_quantized
 from kvforge.planner.declaration import BackendDeclaration, BlockSizes, LayerContext
 from kvforge.planner.groups import LayerType, choose_grouping, sliding_window_blocks
 from kvforge.planner.inputs import CacheConfig, ParallelConfig, check_platform
-from kvforge.planner.kv_plan import Capacity, GroupPlan, IndexCheck, KVPlan, LayerPlan
+from kvforge.planner.kv_plan import Capacity, DraftPlan, GroupPlan, IndexCheck, KVPlan, LayerPlan
+from kvforge.planner.proposer_layers import ProposerLayers
 from kvforge.planner.query_dtype import plan_query_dtypes
 from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
 from kvforge.spec.model_spec import ModelSpec
@@ -203,33 +204,45 @@ def _negotiate_block_size(user_block: int | None, constraints) -> tuple[int, str
     return chosen, f"{message} At 16: {reasons}"
 
 
-def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_rows: int):
-    types: dict[tuple, list[_Layer]] = {}
+def _type_key(layer: _Layer) -> tuple:
+    """The page layout of a paged layer: layers of one key can share a group's block table and pages."""
+    return (layer.kind, getattr(layer.spec, "sliding_window", None), layer.token_bytes, layer.kv_dtype,
+            layer.backend.name)
+
+
+def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_rows: int,
+                  proposer: list[_Layer] = (), proposer_name: str = ""):
+    types: dict[tuple, tuple[list[_Layer], list[_Layer]]] = {}
     for layer in layers:
-        if layer.kind == "state":
-            continue
-        window = getattr(layer.spec, "sliding_window", None)
-        key = (layer.kind, window, layer.token_bytes, layer.kv_dtype, layer.backend.name)
-        types.setdefault(key, []).append(layer)
+        if layer.kind != "state":
+            types.setdefault(_type_key(layer), ([], []))[0].append(layer)
+    for layer in proposer:
+        types.setdefault(_type_key(layer), ([], []))[1].append(layer)
     layer_types = [
-        LayerType(kind=k[0], layers=tuple(x.spec.index for x in v), token_bytes=k[2],
-                  padded_page_bytes_at_base=v[0].backend.padded_page_bytes(block_size * k[2]),
-                  kv_dtype=k[3], backend=k[4])
-        for k, v in types.items()
+        LayerType(kind=k[0], layers=tuple(x.spec.index for x in t), token_bytes=k[2],
+                  padded_page_bytes_at_base=(t or d)[0].backend.padded_page_bytes(block_size * k[2]),
+                  kv_dtype=k[3], backend=k[4], draft_layers=tuple(x.spec.index for x in d))
+        for k, (t, d) in types.items()
     ]
-    grouping = choose_grouping(layer_types)
+    target_pages = {t.padded_page_bytes_at_base for t in layer_types if t.layers}
     page = max((t.padded_page_bytes_at_base for t in layer_types), default=0)
+    if proposer:
+        page = _check_proposer_pages(layer_types, target_pages, block_size, proposer_name)
+    grouping = choose_grouping(layer_types)
     groups: list[GroupPlan] = []
     by_index = {x.spec.index: x for x in layers}
-    for t, chunk, pad in grouping.groups:
+    by_draft_index = {x.spec.index: x for x in proposer}
+    for t, chunk, draft_chunk, pad in grouping.groups:
         unpadded = block_size * t.token_bytes
         group_block = block_size
         if t.padded_page_bytes_at_base < page:
             factor = max(1, page // unpadded)
             group_block = block_size * factor
             unpadded = group_block * t.token_bytes
-        window = getattr(by_index[chunk[0]].spec, "sliding_window", None) if t.kind == "sliding" else None
-        groups.append(GroupPlan(t.kind, chunk, group_block, page, unpadded, pad, t.kv_dtype, t.backend, window))
+        first = by_index[chunk[0]] if chunk else by_draft_index[draft_chunk[0]]
+        window = getattr(first.spec, "sliding_window", None) if t.kind == "sliding" else None
+        groups.append(GroupPlan(t.kind, chunk, group_block, page, unpadded, pad, t.kv_dtype, t.backend, window,
+                                draft_chunk))
     state_layers = [x for x in layers if x.kind == "state"]
     if state_layers:
         per = max(x.state_bytes for x in state_layers)
@@ -241,6 +254,27 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
         groups.append(GroupPlan("ring", (ring.layer_index,), block_size, owner.backend.padded_page_bytes(unpadded),
                                 unpadded, 0, owner.kv_dtype, "csa_ring"))
     return tuple(groups), grouping
+
+
+def _check_proposer_pages(layer_types: list[LayerType], target_pages: set[int], block_size: int,
+                          name: str) -> int:
+    """The pool's page size; a proposer layer type of its own must fill exactly such a page at the pool's
+    block size (a block id spans one page per slot; a smaller or larger page would need another block size
+    or padding, which the pool does not serve). Raises PlanError naming the numbers and the fix."""
+    if not target_pages:
+        return max(t.padded_page_bytes_at_base for t in layer_types)
+    page = max(target_pages)
+    for t in layer_types:
+        if t.layers or t.padded_page_bytes_at_base == page:
+            continue
+        raise PlanError(
+            f"draft model {name}: layer{'s' if len(t.draft_layers) > 1 else ''} {_ranges(t.draft_layers)} "
+            f"({t.kind}, {t.token_bytes} bytes per token, KV dtype {t.kv_dtype}, backend {t.backend}) match no "
+            f"group of the target, and their page of {block_size} tokens is {t.padded_page_bytes_at_base} bytes "
+            f"where the target's pool pages are {page} bytes: the proposer's KV lives in the target's pool, one "
+            f"page size for every group; fix: use a draft whose attention layers have the target's KV heads x "
+            f"head size (or MLA latent width), so they join the target's groups, or method ngram")
+    return page
 
 
 def _block_id_bytes(groups: tuple[GroupPlan, ...], group_size: int) -> int:
@@ -355,9 +389,13 @@ def _memory(spec: ModelSpec, cache: CacheConfig, weights: int) -> int | None:
 
 def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: ParallelConfig | None = None,
             platform: str = "cpu", backends: tuple[BackendDeclaration, ...] | None = None,
-            model_dtype: str | None = None, _baseline: bool = True, draft_spec: ModelSpec | None = None) -> KVPlan:
-    """Decide every KV-cache question for ``spec``; raise PlanError if no plan works. ``draft_spec``: a draft
-    model for speculative decoding, planned beside it (``_plan_draft``; the plan's ``draft``)."""
+            model_dtype: str | None = None, _baseline: bool = True, draft_spec: ModelSpec | None = None,
+            proposer_layers: ProposerLayers | None = None) -> KVPlan:
+    """Decide every KV-cache question for ``spec``; raise PlanError if no plan works.
+
+    ``proposer_layers``: a speculative proposer's layers (kvforge/planner/proposer_layers.py), planned by
+    the same rules and placed in the target's groups and pool (the plan's ``draft``); ``draft_spec``: a
+    draft model, checked against the target (vocabulary, length, rollback) and planned as its layers."""
     cache = cache or CacheConfig()
     parallel = parallel or ParallelConfig()
     platform = check_platform(platform)
@@ -375,7 +413,10 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     if draft_spec is not None:
         from kvforge.speculative.support import check_draft_model
 
+        if proposer_layers is not None:
+            raise ValueError("resolve: give draft_spec or proposer_layers, not both")
         check_draft_model(spec, draft_spec, max_len)
+        proposer_layers = ProposerLayers.of_draft_model(draft_spec)
     if spec.max_position_embeddings and max_len > spec.max_position_embeddings:
         raise PlanError(f"--max-model-len {max_len} exceeds the model's max_position_embeddings "
                         f"{spec.max_position_embeddings}; fix: use --max-model-len <= {spec.max_position_embeddings}")
@@ -390,6 +431,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}",
                              sinks=getattr(ls, "sinks", False))
         layers.append(_Layer(ls, ls.kind, heads_rank, kv_rank, head_size, layer_kv, token_bytes, state_bytes, decl))
+    proposer = _proposer_layers(proposer_layers, tp, kv_dtype, platform, backends) if proposer_layers else []
     uncut = [ls.index for ls in spec.layers if getattr(ls, "sliding_window", None) and ls.sliding_window >= max_len]
     if uncut:
         window = max(spec.layers[i].sliding_window for i in uncut)
@@ -405,12 +447,13 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     # Rule 4 constraints: one per (backend, layer), plus each ring's backend.
     constraints = []
     contexts: dict[int, LayerContext] = {}
-    for layer in layers:
+    for is_target, layer in [(True, x) for x in layers] + [(False, x) for x in proposer]:
         if layer.kind == "state":
             continue
         ctx = LayerContext(layer.spec.index, layer.kind, layer.head_size or 0, layer.heads_per_rank,
                            layer.kv_heads_per_rank, layer.token_bytes)
-        contexts[layer.spec.index] = ctx
+        if is_target:
+            contexts[layer.spec.index] = ctx
         constraints.append((layer.backend, ctx, layer.backend.block_sizes_for(ctx)))
     ring_rows = 0
     for ring in spec.rings:
@@ -422,29 +465,15 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         constraints.append((decl, ring_ctx, decl.block_sizes_for(ring_ctx)))
     block_size, block_reason = _negotiate_block_size(cache.block_size, constraints)
 
-    layer_plans = []
     quantized = is_quantized(kv_dtype)
     scheme = cache.kv_scale_scheme if quantized else None
-    query_dtypes = plan_query_dtypes(layers, model_dtype, cache.query_dtype, _ranges, platform)
-    for layer, (qd, why) in zip(layers, query_dtypes, strict=True):
-        layer_scheme = scheme
-        if layer.kind == "mla" and scheme == "per_head":
-            layer_scheme = "per_tensor"
-        if layer.kind == "state":
-            layer_scheme = None
-        layer_plans.append(LayerPlan(
-            index=layer.spec.index, kind=layer.kind, backend=layer.backend.name, kv_dtype=layer.kv_dtype,
-            query_dtype=qd, query_dtype_reason=why, heads_per_rank=layer.heads_per_rank,
-            kv_heads_per_rank=layer.kv_heads_per_rank, head_size=layer.head_size,
-            bytes_per_token=layer.token_bytes if layer.kind in GROWING_KINDS else 0, scale_scheme=layer_scheme,
-            sliding_window=getattr(layer.spec, "sliding_window", None), state_bytes=layer.state_bytes,
-            sinks=getattr(layer.spec, "sinks", False),
-            verify_replay_bytes=verify_replay_bytes(layer.spec, cache.num_speculative_tokens, tp),
-        ))
-    if quantized and scheme == "per_head" and any(x.kind == "mla" for x in layers):
+    layer_plans = _layer_plans(layers, model_dtype, cache.query_dtype, platform, scheme,
+                               cache.num_speculative_tokens, tp)
+    if quantized and scheme == "per_head" and any(x.kind == "mla" for x in layers + proposer):
         warnings.append("MLA latent caches have no KV heads: per-head scales fall back to per-tensor for MLA layers")
 
-    groups, grouping = _build_groups(layers, block_size, spec, ring_rows)
+    groups, grouping = _build_groups(layers, block_size, spec, ring_rows, proposer,
+                                     proposer_layers.name if proposer_layers else "")
     bytes_per_token = sum(x.token_bytes for x in layers if x.kind in GROWING_KINDS)
     # Per-sequence constant bytes: state-layer and ring slots, plus the block ids of the sliding windows.
     slot_state = sum(x.state_bytes + x.verify_replay_bytes for x in layer_plans if x.kind == "state")
@@ -455,32 +484,32 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                         f"worst-case waste {grouping.waste_pct:.1f}% of KV memory")
 
     weights = math.ceil(spec.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
-    memory = _memory(spec, cache, weights)
-    draft = None
-    if draft_spec is not None:
-        per_target = _bytes_per_sequence(groups, grouping.group_size, slot_state, max_len)
-        draft, memory = _plan_draft(draft_spec, cache, parallel, platform, backends, model_dtype, max_len, memory,
-                                    per_target)
-    capacity = _capacity(kv_dtype, groups, grouping.group_size, bytes_per_token, slot_state, max_len, memory)
+    draft_weights = (math.ceil(proposer_layers.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
+                     if proposer_layers else 0)
+    memory = _memory(spec, cache, weights + draft_weights)
+    capacity = _capacity(kv_dtype, groups, grouping.group_size,
+                         bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory)
 
     baseline = None
     if _baseline and kv_dtype != model_dtype:
         try:
             base_plan = resolve(spec, CacheConfig(**{**cache.__dict__, "kv_cache_dtype": model_dtype,
                                                      "query_dtype": "model"}), parallel,
-                                platform, backends, model_dtype, _baseline=False, draft_spec=draft_spec)
+                                platform, backends, model_dtype, _baseline=False, proposer_layers=proposer_layers)
             baseline = base_plan.capacity
         except PlanError as exc:
             warnings.append(f"no {model_dtype} baseline plan: {str(exc).splitlines()[0]}")
 
     index_checks = _index_checks(layers, block_size, capacity, max_len)
-    for check in index_checks:
+    draft_checks = _index_checks(proposer, block_size, capacity, max_len)
+    for whose, check in [("", c) for c in index_checks] + [("draft", c) for c in draft_checks]:
         if not check.ok:
             planned = check.planned_slots
             limit_bytes = check.max_slots * check.row_bytes
-            decl = next(x.backend for x in layers if x.backend.name == check.backend)
+            decl = next(x.backend for x in layers + proposer if x.backend.name == check.backend)
+            whose = f"draft model {proposer_layers.name}: " if whose else ""
             raise PlanError(
-                f"index overflow: {check.backend} computes {check.quantity} with {decl.index_limit.description} "
+                f"{whose}index overflow: {check.backend} computes {check.quantity} with {decl.index_limit.description} "
                 f"(max {decl.index_limit.max_value}); with {check.row_bytes}-byte rows it can address "
                 f"{check.max_slots} slots (= {decl.index_limit.max_value + 1} / {check.row_bytes}) but the plan has "
                 f"{planned} slots ({planned // block_size} blocks x {block_size}) in layers "
@@ -488,6 +517,15 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                 f"(~{limit_bytes} bytes per layer) are allocated, or use a backend with 64-bit offsets"
             )
 
+    draft = None
+    if proposer_layers is not None:
+        alone = resolve(spec, cache, parallel, platform, backends, model_dtype, _baseline=False)
+        draft = DraftPlan(
+            model=proposer_layers.name, architecture=proposer_layers.architecture,
+            layers=tuple(_layer_plans(proposer, model_dtype, cache.query_dtype, platform, scheme, 0, tp)),
+            bytes_per_token=sum(x.token_bytes for x in proposer), weights_bytes_per_rank=draft_weights,
+            num_parameters=proposer_layers.num_parameters, capacity_without=alone.capacity,
+            index_checks=tuple(draft_checks))
     prefix_ok, prefix_reason = _prefix_caching(groups)
     scale_source, scale_warnings = _scale_source(spec, cache, quantized)
     warnings.extend(scale_warnings)
@@ -505,37 +543,47 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     )
 
 
-def _plan_draft(draft_spec: ModelSpec, cache: CacheConfig, parallel: ParallelConfig, platform: str,
-                backends: tuple[BackendDeclaration, ...], model_dtype: str, max_len: int, memory: int | None,
-                per_target: int) -> tuple[KVPlan, int | None]:
-    """The draft model's plan and the target's share of ``memory``.
-
-    The draft keeps its KV in a pool of its own, carved out of the same KV memory: every running sequence
-    holds blocks in both, so the memory is split in proportion to the bytes one sequence of ``max_len``
-    tokens takes in each (``per_target`` and the draft's), and both pools hold the same number of such
-    sequences: memory / (per_target + per_draft). With ``--gpu-memory`` the draft's weights come out of the
-    memory first. The draft runs in the target's model dtype and KV dtype, at the target's max length."""
-    shape_cache = CacheConfig(**{**cache.__dict__, "max_model_len": max_len, "kv_cache_memory": None,
-                                 "gpu_memory": None, "num_speculative_tokens": 0})
-
-    def draft_plan(c: CacheConfig) -> KVPlan:
+def _proposer_layers(proposer: ProposerLayers, tp: int, kv_dtype: str, platform: str,
+                     backends: tuple[BackendDeclaration, ...]) -> list[_Layer]:
+    """The proposer's layers by the target's rules 1 and 2 (heads per rank, a backend) in the target's KV
+    dtype; errors name the proposer. Only paged layers: their KV must roll back with the target's."""
+    out = []
+    for ls in proposer.layers:
+        if isinstance(ls, StateLayerSpec):
+            raise PlanError(f"draft model {proposer.name}: layer {ls.index} keeps linear-attention state, which "
+                            f"cannot roll back rejected proposals; use a draft of attention layers only")
         try:
-            return resolve(draft_spec, c, parallel, platform, backends, model_dtype, _baseline=False)
+            heads_rank, kv_rank = _heads_per_rank(ls, tp)
+            head_size, token_bytes, _ = _layer_geometry(ls, kv_rank, kv_dtype, tp)
+            decl = _pick_backend(ls.kind, platform, kv_dtype, head_size, backends, f"layer {ls.index}",
+                                 sinks=getattr(ls, "sinks", False))
         except PlanError as exc:
-            raise PlanError(f"draft model {draft_spec.name}: {exc}") from None
+            raise PlanError(f"draft model {proposer.name}: {exc}") from None
+        out.append(_Layer(ls, ls.kind, heads_rank, kv_rank, head_size, kv_dtype, token_bytes, 0, decl))
+    return out
 
-    shape = draft_plan(shape_cache)
-    if memory is None:
-        return shape, None
-    if cache.kv_cache_memory is None:
-        memory -= shape.weights_bytes_per_rank
-        if memory <= 0:
-            raise PlanError(f"the draft model {draft_spec.name}'s weights ({shape.weights_bytes_per_rank / 2**30:.2f} "
-                            f"GiB per rank) leave no KV memory; fix: raise --gpu-memory-utilization or use a "
-                            f"smaller draft")
-    per_draft = _bytes_per_sequence(shape.groups, shape.group_size, 0, max_len)
-    draft_memory = memory * per_draft // (per_target + per_draft)
-    return draft_plan(CacheConfig(**{**shape_cache.__dict__, "kv_cache_memory": draft_memory})), memory - draft_memory
+
+def _layer_plans(layers: list[_Layer], model_dtype: str, query_dtype: str, platform: str, scheme: str | None,
+                 num_speculative_tokens: int, tp: int) -> list[LayerPlan]:
+    """Rule 3 (query dtype) and the LayerPlan of each layer."""
+    plans = []
+    for layer, (qd, why) in zip(layers, plan_query_dtypes(layers, model_dtype, query_dtype, _ranges, platform),
+                                strict=True):
+        layer_scheme = scheme
+        if layer.kind == "mla" and scheme == "per_head":
+            layer_scheme = "per_tensor"
+        if layer.kind == "state":
+            layer_scheme = None
+        plans.append(LayerPlan(
+            index=layer.spec.index, kind=layer.kind, backend=layer.backend.name, kv_dtype=layer.kv_dtype,
+            query_dtype=qd, query_dtype_reason=why, heads_per_rank=layer.heads_per_rank,
+            kv_heads_per_rank=layer.kv_heads_per_rank, head_size=layer.head_size,
+            bytes_per_token=layer.token_bytes if layer.kind in GROWING_KINDS else 0, scale_scheme=layer_scheme,
+            sliding_window=getattr(layer.spec, "sliding_window", None), state_bytes=layer.state_bytes,
+            sinks=getattr(layer.spec, "sinks", False),
+            verify_replay_bytes=verify_replay_bytes(layer.spec, num_speculative_tokens, tp),
+        ))
+    return plans
 
 
 def _ranges(indices) -> str:
