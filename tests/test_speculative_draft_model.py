@@ -3,9 +3,10 @@
 Greedy output must equal speculation off token for token (the reference: speculation off, itself checked
 against transformers in tests/test_engine_vs_hf.py); equality is exact because verification keeps exactly
 the target's argmax tokens, whatever the draft proposes (the verify rows only change the batch's float
-summation order, which flips no near-tie for these fixed prompts and seeds). After every step the draft's
-KV is checked like the target's: a sequence's draft state holds exactly the blocks of its computed tokens,
-and only tokens of the sequence (or the proposals of the step just run) are behind them.
+summation order, which flips no near-tie for these fixed prompts and seeds). The draft's layers live in the
+target's groups and pool: after every step the one block manager's free blocks are exactly those no running
+sequence holds, each decoding sequence holds the blocks of its computed tokens (target and draft layers
+alike), and the draft's KV covers every position the target computed with the sequence's own tokens.
 """
 
 from __future__ import annotations
@@ -27,17 +28,22 @@ from kvforge.speculative.draft_model import DraftModelProposer
 
 
 def check_draft_invariants(engine) -> None:
-    proposer = engine.proposer
-    bm = proposer.block_manager
-    states = list(proposer._states.values())
-    bm.check_invariants(states)
-    running = {seq.request_id for seq in engine.scheduler.running}
-    for state in states:
-        assert state.request_id in running, f"{state.request_id}: draft blocks held after it stopped running"
+    proposer, bm = engine.proposer, engine.block_manager
+    assert proposer.block_manager is bm  # no block manager of the draft's own
+    running = list(engine.scheduler.running)
+    held = {b for seq in running for g, t in enumerate(seq.block_tables) for b in t[seq.num_skipped_blocks[g]:]}
+    assert bm.num_free_blocks == bm.num_blocks - len(held), "blocks held by no running sequence"
+    ids = {seq.request_id for seq in running}
+    for state in proposer._states.values():
+        assert state.request_id in ids, f"{state.request_id}: draft state kept after it stopped running"
         seq = state.seq
-        assert len(state.block_tables[0]) == bm.blocks_needed(state.num_computed_tokens)
-        assert state.num_real + len(state.fed) == state.num_computed_tokens
         assert state.num_real <= seq.num_tokens
+        valid = state.num_real
+        for token in state.fed:
+            if valid >= seq.num_tokens or seq.all_token_ids[valid] != token:
+                break
+            valid += 1
+        assert valid >= seq.num_computed_tokens, f"{seq}: the draft's KV stops at {valid}"
 
 
 def generate(llm, prompts, params):
@@ -52,9 +58,7 @@ def generate(llm, prompts, params):
         check_rollback_invariants(engine)
         if engine.speculative is not None and engine.speculative.method == "draft_model":
             check_draft_invariants(engine)
-    if engine.speculative is not None and engine.speculative.method == "draft_model":
-        stats = engine.stats()  # every finished request freed its draft KV
-        assert stats["draft_kv_blocks_used"] == 0 and stats["draft_kv_blocks_total"] == engine.plan.draft.num_blocks
+    assert engine.block_manager.num_used_blocks == 0  # every finished request freed its blocks, draft's too
     return [final[str(i)] for i in range(len(prompts))]
 
 
@@ -83,23 +87,24 @@ def test_embedded_model_as_its_own_draft():
 def test_different_draft_with_fp8_chunked_prefill_and_preemption(tmp_path):
     target = save_tiny(tmp_path / "target", LLAMA)
     torch.manual_seed(1)
+    # Another width and depth, the target's KV geometry (2 KV heads of 16): its layer joins the target's group.
     draft_case = (LLAMA[0], LLAMA[1], dict(LLAMA[2], num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                           num_key_value_heads=1, intermediate_size=64))
+                                           num_key_value_heads=2, intermediate_size=48))
     draft = save_tiny(tmp_path / "draft", draft_case)
     prompts = TINY_PROMPTS + [list(range(100, 140)), [7] * 20]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    # A 12-token step budget chunks the prompts (and the draft's catch-up); 16 target blocks of 4 tokens for
+    # A 12-token step budget chunks the prompts (the draft follows each chunk); 16 blocks of 4 tokens for
     # five requests of up to 64 tokens preempt by recompute.
     kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_dtype="fp8", progress=False,
               device="cpu", max_model_len=64, max_num_batched_tokens=12)
-    target_block = 2 * 2 * 2 * 16 * 4  # layers x K,V x KV heads x head size x block, one byte each
-    draft_block = 1 * 2 * 1 * 16 * 4
+    page = 2 * 2 * 16 * 4  # K,V x KV heads x head size x block, one byte each: one layer's page
     blocks = 16
-    memory = blocks * (target_block + draft_block)
-    ref = token_ids(generate(LLM(target, kv_cache_memory=blocks * target_block, **kw), prompts, params))
-    on = LLM(target, kv_cache_memory=memory, speculative_config=draft_config(draft, 3), **kw)
-    assert on.engine.plan.num_blocks == blocks and on.engine.plan.draft.num_blocks == blocks
-    assert on.engine.plan.draft.kv_cache_dtype == "fp8_e4m3"
+    ref = token_ids(generate(LLM(target, kv_cache_memory=blocks * 2 * page, **kw), prompts, params))
+    # A block id spans the pages of the target's 2 layers and the draft's 1: the same 16 blocks cost 3 pages.
+    on = LLM(target, kv_cache_memory=blocks * 3 * page, speculative_config=draft_config(draft, 3), **kw)
+    plan = on.engine.plan
+    assert plan.num_blocks == blocks and [(g.layers, g.draft_layers) for g in plan.groups] == [((0, 1), (0,))]
+    assert plan.draft.layers[0].kv_dtype == "fp8_e4m3" and on.engine.pool.nbytes == blocks * 3 * page
     outs = generate(on, prompts, params)
     assert token_ids(outs) == ref
     stats = on.engine.stats()
@@ -116,7 +121,7 @@ def test_deepseek_target_with_mla_draft(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ref = token_ids(generate(LLM(target, **kw), TINY_PROMPTS, params))
     on = LLM(target, speculative_config=draft_config(draft, 2), **kw)
-    assert {g.kind for g in on.engine.plan.draft.groups} == {"mla"}
+    assert [(g.kind, g.layers, g.draft_layers) for g in on.engine.plan.groups] == [("mla", (0, 1, 2), (0,))]
     assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
     assert on.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
 
@@ -148,18 +153,23 @@ def test_sampled_proposals_follow_q_and_q_is_handed_over():
     logits = torch.tensor([1.0, 0.2, -0.5, 0.7, 0.0, -1.0])
     params = SamplingParams(temperature=0.7, max_tokens=100)
     q = torch.softmax(logits.double() / 0.7, dim=-1)  # the independent reference for q
-    proposer = DraftModelProposer(2, FixedLogitsRunner(logits), BlockManager(4096, 4, False), 64, 64)
+    bm = BlockManager(4096, 4, False)
+    proposer = DraftModelProposer(2, FixedLogitsRunner(logits), bm, 64, 64)
     counts = torch.zeros(6, dtype=torch.long)
     for i in range(3000):
         seq = Sequence(f"r{i}", [1, 2, 3], params)
+        assert bm.allocate(seq, 2)
+        seq.num_computed_tokens = 2  # a decoding sequence: its last token is fed with the proposals
         proposals = proposer.propose([seq])[0]
+        assert len(seq.block_tables[0]) == 2  # positions 2 .. 4 (the last token, 2 proposals) have blocks
         assert len(proposals) == 2
         counts[proposals[0]] += 1
         handed = proposer.proposal_probs(seq, 2)
         torch.testing.assert_close(handed, q.float().expand(2, -1), rtol=1e-5, atol=1e-6)
         proposer.discard(seq.request_id)
+        bm.free(seq)
     assert chi_square_p_value(counts, q) > P_VALUE_THRESHOLD
-    assert proposer.block_manager.num_used_blocks == 0
+    assert bm.num_used_blocks == 0
 
 
 def test_sliding_window_model_as_its_own_draft(tmp_path):
@@ -173,7 +183,7 @@ def test_sliding_window_model_as_its_own_draft(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = token_ids(generate(LLM(str(tmp_path), **kw), TINY_PROMPTS, params))
     on = LLM(str(tmp_path), speculative_config=draft_config(tmp_path, 3), **kw)
-    assert "sliding" in {g.kind for g in on.engine.plan.draft.groups}
+    assert "sliding" in {g.kind for g in on.engine.plan.groups if g.draft_layers}
     assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
     counters = on.engine.stats()["spec_decode"]
     assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9

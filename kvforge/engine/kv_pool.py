@@ -11,6 +11,12 @@ group is of kind "mla") sees ``[num_blocks, block_size, kv_lora_rank +
 qk_rope_head_dim]`` (the layout in kvforge.attention.mla_reference) with one
 per-tensor scale (``k_scales[l]`` of shape [1]). A group with fewer layers
 than ``group_size`` leaves its last slots unused (the plan's padding layers).
+
+A speculative proposer's layers (the plan's ``draft``: a draft model's) own
+the slots after the target's layers of their group (``GroupPlan.draft_layers``)
+and see them the same way: ``draft_kv_caches[l]`` etc. for proposer layer
+``l``, wrapped for the proposer's model runner by :meth:`KVPool.draft_view`.
+They share the target's block ids, so a sequence's block tables hold both.
 Every byte offset is int64 (torch indexing); block ids are int32 in the block
 tables.
 
@@ -90,12 +96,16 @@ class KVPool:
         self.num_blocks = plan.num_blocks
         self.block_size = sizes[0]
         self.page_bytes = groups[0].page_bytes
-        self.group_windows = tuple(plan.layers[g.layers[0]].sliding_window if g.kind == "sliding" else None
-                                   for g in groups)
+        self.group_windows = tuple(g.sliding_window if g.kind == "sliding" else None for g in groups)
         self.layer_group: list[int] = [0] * len(plan.layers)
+        draft_layers = plan.draft.layers if plan.draft is not None else ()
+        draft_position = {layer.index: i for i, layer in enumerate(draft_layers)}
+        self.draft_layer_group: list[int] = [0] * len(draft_layers)
         for gi, g in enumerate(groups):
             for layer_index in g.layers:
                 self.layer_group[layer_index] = gi
+            for layer_index in g.draft_layers:
+                self.draft_layer_group[draft_position[layer_index]] = gi
         attention_bytes = self.num_blocks * plan.group_size * self.page_bytes
         self.state_slots = (plan.capacity.state_slots or 0) if rings or state_layers else 0
         ring_bytes = self.state_slots * sum(g.page_bytes for g in rings)
@@ -116,20 +126,19 @@ class KVPool:
         self.kv_caches: list[torch.Tensor] = [None] * len(plan.layers)
         self.k_scales: list[torch.Tensor] = [None] * len(plan.layers)
         self.v_scales: list[torch.Tensor] = [None] * len(plan.layers)
+        self.draft_kv_caches: list[torch.Tensor] = [None] * len(draft_layers)
+        self.draft_k_scales: list[torch.Tensor] = [None] * len(draft_layers)
+        self.draft_v_scales: list[torch.Tensor] = [None] * len(draft_layers)
         for g in groups:
-            for slot, layer_index in enumerate(g.layers):
-                layer = plan.layers[layer_index]
-                dtype = TORCH_KV_DTYPES[layer.kv_dtype]
-                head = layer.head_size
-                raw = self.pages[slot].view(-1)
-                if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
-                    view = raw.view(dtype).view(self.num_blocks, self.block_size, head)
-                else:
-                    view = raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, head)
-                self.kv_caches[layer_index] = view
-                self.k_scales[layer_index] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
-                self.v_scales[layer_index] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
+            owners = [(plan.layers[i], i, self.kv_caches, self.k_scales, self.v_scales) for i in g.layers]
+            owners += [(draft_layers[draft_position[i]], draft_position[i], self.draft_kv_caches,
+                        self.draft_k_scales, self.draft_v_scales) for i in g.draft_layers]
+            for slot, (layer, position, caches, k_scales, v_scales) in enumerate(owners):
+                caches[position] = self._page_view(slot, layer)
+                k_scales[position] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
+                v_scales[position] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
         missing = [i for i, c in enumerate(self.kv_caches) if c is None and plan.layers[i].kind != "state"]
+        missing += [f"draft {layer.index}" for layer, c in zip(draft_layers, self.draft_kv_caches) if c is None]
         if missing:  # pragma: no cover - every non-state layer is in a group, state groups are refused above
             raise ConfigError(f"layers {missing} are in no attention KV-cache group of the plan")
         self.ring_layers = [g.layers[0] for g in rings]
@@ -163,6 +172,20 @@ class KVPool:
                     offset += size
             self.linear_states = LinearStates(conv, recurrent, verify or None)
 
+    def _page_view(self, slot: int, layer) -> torch.Tensor:
+        """Page slot ``slot`` as ``layer`` (a LayerPlan) sees it: its cache layout in its storage dtype."""
+        dtype = TORCH_KV_DTYPES[layer.kv_dtype]
+        raw = self.pages[slot].view(-1)
+        if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
+            return raw.view(dtype).view(self.num_blocks, self.block_size, layer.head_size)
+        return raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, layer.head_size)
+
+    def draft_view(self) -> DraftPoolView:
+        """The proposer's layers of this pool, shaped as a model runner over them takes a pool."""
+        if self.plan.draft is None:
+            raise ConfigError("the plan has no speculative proposer layers (plan.draft)")
+        return DraftPoolView(self)
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
@@ -188,6 +211,31 @@ class KVPool:
             idx = idx.pin_memory().to(self.buffer.device, non_blocking=True)  # no host sync
         src, dst = idx[0], idx[1]
         self.pages[:, dst] = self.pages[:, src]
+
+
+class DraftPoolView:
+    """The proposer's page slots of a :class:`KVPool` under the names a model runner reads (``kv_caches[l]``
+    etc. for proposer layer ``l``; the pool's groups and block size). No rings or state slots: a proposer's
+    layers are paged. ``release`` drops the view's references; the pool owns the memory."""
+
+    ring_layers: list = []
+    ring_pages: list = []
+    ring_page_bytes_unpadded = 0
+    state_slots = 0
+    linear_states = None
+
+    def __init__(self, pool: KVPool):
+        self.kv_caches, self.k_scales, self.v_scales = pool.draft_kv_caches, pool.draft_k_scales, pool.draft_v_scales
+        self.layer_group = pool.draft_layer_group
+        self.groups, self.group_windows = pool.groups, pool.group_windows
+        self.num_blocks, self.block_size = pool.num_blocks, pool.block_size
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def release(self) -> None:
+        self.kv_caches, self.k_scales, self.v_scales = [], [], []
 
 
 def _numel(shape) -> int:

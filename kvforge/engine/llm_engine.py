@@ -300,22 +300,22 @@ class LLMEngine:
         return str(path), load_format
 
     def _build_draft(self, args: EngineArgs, model_dtype: str, max_num_seqs: int, batched: int) -> dict:
-        """The draft model, its pool (the plan's ``draft``), runner and block manager: the arguments of
-        :class:`kvforge.speculative.draft_model.DraftModelProposer`."""
+        """The draft model and a runner over its layers of the target's pool (the plan's ``draft``): the
+        arguments of :class:`kvforge.speculative.draft_model.DraftModelProposer`, which allocates through
+        the target's block manager."""
         from kvforge.models.registry import build_model
         from kvforge.weights import load_weights
 
-        plan = self.plan.draft
         model = build_model(self.draft_spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
         path, load_format = self.draft_location
         load_weights(model, path, load_format, seed=args.seed, progress=args.progress)
-        pool = KVPool(plan, self.device)
-        self.draft_runner = ModelRunner(model, pool, plan, self.device, calibrate=args.calculate_kv_scales,
-                                        scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
-                                        max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
-        blocks = BlockManager(plan.num_blocks, pool.block_size, False, group_windows=pool.group_windows)
-        return dict(runner=self.draft_runner, block_manager=blocks, max_model_len=self.max_model_len,
-                    max_num_batched_tokens=batched)
+        self.draft_runner = ModelRunner(model, self.pool.draft_view(), self.plan.draft_runner_plan(), self.device,
+                                        calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
+                                        enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
+                                        mla_prefill_mode=args.mla_prefill_mode)
+        return dict(runner=self.draft_runner, block_manager=self.block_manager, max_model_len=self.max_model_len,
+                    max_num_batched_tokens=batched, copy_blocks=self._copy_blocks,
+                    spare_blocks=lambda: self.scheduler.spare_blocks())
 
     def _load_tokenizer(self, args: EngineArgs):
         from kvforge.tokenizer import load_tokenizer
@@ -398,7 +398,10 @@ class LLMEngine:
                 self._copy_blocks(out.blocks_to_copy)
             launched = self._launch(out, self._inflight)
         if not self.async_scheduling:
-            return self._resolve(launched) if launched is not None else []
+            outputs = self._resolve(launched) if launched is not None else []
+            if self.proposer is not None:  # blocks taken for proposals this step did not verify
+                self.scheduler.trim_to_computed()
+            return outputs
         if early is not None:
             outputs = early
         else:
@@ -426,6 +429,8 @@ class LLMEngine:
         else:
             self.pool.copy_blocks(pairs)
             self.runner.invalidate_block_tables()  # copy-on-write rewrote table entries in place
+            if self.draft_runner is not None:
+                self.draft_runner.invalidate_block_tables()
 
     def _launch(self, out, prev: InflightStep | None) -> InflightStep:
         """Run ``out`` on the device without waiting for its tokens and advance the scheduler. A token
@@ -485,6 +490,9 @@ class LLMEngine:
         share = self.async_scheduling
         logits = self.runner.run(chunks, rows + prompt_rows if prompt_rows else rows, placeholders=placeholders,
                                  share_sampled=len(rows) if share else 0)
+        follow = getattr(self.proposer, "follow", None)
+        if follow is not None:  # a draft model computes its layers' KV of the step's positions too
+            follow(out.scheduled)
         prompt_lp = None
         if prompt_rows:
             targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device, non_blocking=True)
@@ -589,10 +597,6 @@ class LLMEngine:
             "async_pressure_resolves": self.async_pressure_resolves,
             "spec_decode": self.spec_counters.as_dict() if self.spec_counters is not None else None,
         }
-        draft_blocks = getattr(self.proposer, "block_manager", None)  # a draft model's own pool
-        if draft_blocks is not None:
-            out["draft_kv_blocks_used"] = draft_blocks.num_used_blocks
-            out["draft_kv_blocks_total"] = draft_blocks.num_blocks
         return out
 
     def rank_counters(self) -> list[dict]:

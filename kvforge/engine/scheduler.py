@@ -351,6 +351,13 @@ class Scheduler:
         out.blocks_to_copy = bm.take_copies()
         return out
 
+    def trim_to_computed(self) -> None:
+        """Free every running sequence's blocks past its computed tokens: blocks a proposer took for positions
+        a step did not verify (proposals the budget cut, or a sequence not scheduled). They hold no token of
+        the sequence; between steps a sequence holds exactly the blocks of its computed tokens."""
+        for seq in self.running:
+            self.block_manager.trim(seq, seq.num_computed_tokens)
+
     def _proposals_to_verify(self, seq: Sequence, n: int, budget: int) -> list[int] | tuple[()]:
         """The leading proposals of a decoding sequence (``n == 1``) this step verifies: as many as the token
         budget and the length limits leave room for (every accepted proposal plus the target's token must
@@ -368,8 +375,14 @@ class Scheduler:
         copy-on-write and the length-limit skip, so it errs towards True. The overlapped engine then
         resolves its in-flight step first: sequences that step finishes free their blocks, and a
         preemption (a recompute) costs far more than one step of lost overlap."""
+        return self.spare_blocks() < 0
+
+    def spare_blocks(self) -> int:
+        """Free blocks minus the new blocks the running sequences' next chunks need (in schedule order, within
+        the token budget, without proposals): what a speculative proposer may take for its proposals' positions
+        without making :meth:`schedule` preempt (negative: it might preempt already)."""
         bm = self.block_manager
-        free, budget, need = bm.num_free_blocks, self.max_num_batched_tokens, 0
+        budget, need = self.max_num_batched_tokens, 0
         self._order_running()
         decode_tokens, prefill_room = 0, None
         for seq in self.running:
@@ -386,9 +399,7 @@ class Scheduler:
                 break
             budget -= n
             need += bm.new_blocks_for_step(seq, n)
-            if need > free:
-                return True
-        return False
+        return bm.num_free_blocks - need
 
     # ---- results -------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: dict) -> list[Sequence]:

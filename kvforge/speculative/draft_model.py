@@ -1,31 +1,45 @@
 """Draft-model proposals: a smaller model of the target's vocabulary guesses the next ``k`` tokens.
 
-The draft keeps its KV in a pool of its own (the plan's ``draft``: its groups, carved out of the same KV
-memory as the target's) with its own block manager; each decoding sequence has one draft state there
-(its block tables, its computed length). A call of :meth:`DraftModelProposer.propose`:
+The draft's layers live in the target's KV pool: the plan places each in the target's group of the same
+page layout or in groups of their own (``GroupPlan.draft_layers``), so a sequence's block tables (one per
+group) hold the draft's KV beside the target's, allocated, shared, cached, trimmed and freed by the target's
+one block manager. The draft keeps no blocks of its own and no rollback of its own: ``BlockManager.trim``
+after verification drops the rejected positions of both.
 
-1. Rollback. The draft's KV holds the sequence's tokens it has seen, then the proposals it fed itself
-   last step. Those count only as far as they are the sequence's tokens now (the target accepted them);
-   the draft's computed length falls back to there and ``BlockManager.trim`` frees the blocks past it,
-   as for the target's rejected positions. Positions past the computed length are never read: the next
-   pass rewrites them first. The last known token is always fed again (its logits give proposal 1).
-2. Catch-up. One batched pass over every sequence's tokens the draft has not seen (the whole prompt the
-   first time, then the target's token and any accepted proposal it did not feed), within
-   ``max_num_batched_tokens`` tokens like a prefill chunk; a sequence whose catch-up does not fit this
-   step continues in the next and proposes nothing meanwhile.
-3. Proposals. The last row's logits give proposal 1; ``k - 1`` more passes of one token per sequence give
-   proposals 2 .. k, picked by ``kvforge/speculative/pick.py`` (argmax for greedy requests, a draw from
-   ``q`` for sampled ones); ``q`` of every proposal is kept for the verifier's rejection sampling
-   (:meth:`proposal_probs`).
+Invariant: every position the target has computed holds the draft's KV of the same token. The engine keeps
+it with :meth:`DraftModelProposer.follow`: after each target step, the draft runs over the step's chunks
+that carry no proposals (prefill chunks, decodes without proposals), at the same positions in the same
+blocks. So a block is registered in the prefix cache only once both models wrote it (registration follows
+the step), a prefix hit skips the draft's layers for its tokens too, a sliding group frees a block only
+after both used it, and a preempted sequence recomputes both.
 
-A sequence gets at most as many proposals as ``max_tokens`` and ``max_model_len`` leave room to verify, so
-the draft never writes past position ``max_model_len - 2``. A state is freed when its sequence finishes,
-is aborted or preempted (:meth:`discard`, called by the engine), so the draft's blocks follow the
-target's.
+A call of :meth:`DraftModelProposer.propose` (decoding sequences: all tokens but the last computed):
+
+1. Rollback. The draft's KV holds the sequence's tokens, then the proposals it fed itself last step; those
+   count only as far as they are the sequence's tokens now and the target has computed them (positions past
+   the target's computed tokens may sit in blocks the target's trim freed). Positions past the valid length
+   are never read before the next feed rewrites them: attention is causal from the fed position.
+2. Blocks. The verify step writes the last token and the proposals at positions ``num_computed_tokens ..
+   + room``; the draft writes its KV for exactly those positions first, so the proposer takes their blocks
+   through the target's ``append_slots`` (the scheduler's own call for the step then adds none) and applies
+   any copy-on-write at once. It takes only blocks the running sequences' next step does not need
+   (``spare_blocks``, the scheduler's count), so proposals never cause a preemption; a sequence without
+   room proposes nothing this step (its decode runs without proposals and ``follow`` feeds the draft).
+3. Proposals. The last known token (and any token the draft has not seen) is fed; the last row's logits
+   give proposal 1; one pass of one token per sequence for each further proposal gives proposals 2 .. k,
+   and one last pass feeds proposal k, so the draft's KV covers every position the verify step writes and
+   every accepted proposal is a computed position of both models. Proposals are picked by
+   ``kvforge/speculative/pick.py`` (argmax for greedy requests, a draw from ``q`` for sampled ones); ``q``
+   of every proposal is kept for the verifier's rejection sampling (:meth:`proposal_probs`).
+
+A sequence gets at most as many proposals as ``max_tokens`` and ``max_model_len`` leave room to verify (the
+scheduler's rule), so the draft never writes past position ``max_model_len - 1``. The engine calls
+:meth:`discard` when a sequence finishes, is aborted or preempted (its blocks go with the target's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -36,26 +50,20 @@ from kvforge.speculative.pick import pick_proposals
 
 
 class DraftState:
-    """One sequence's KV in the draft's pool, in the shape ``BlockManager`` hands blocks to.
+    """What the draft has written for one sequence: positions ``0 .. num_real - 1`` hold the draft's KV of
+    the sequence's tokens; the next ``len(fed)`` positions hold proposals it fed itself, not yet known to be
+    the sequence's."""
 
-    Positions ``0 .. num_computed_tokens - 1`` hold KV: the sequence's tokens up to ``num_real``, then
-    ``fed`` (proposals the draft fed itself, not yet known to be the sequence's)."""
+    __slots__ = ("seq", "request_id", "num_real", "fed")
 
-    __slots__ = ("seq", "request_id", "block_tables", "num_skipped_blocks", "num_registered_blocks",
-                 "num_computed_tokens", "num_real", "fed")
-
-    def __init__(self, seq: Sequence, num_groups: int):
+    def __init__(self, seq: Sequence, num_real: int):
         self.seq, self.request_id = seq, seq.request_id
-        self.block_tables: list[list[int]] = [[] for _ in range(num_groups)]
-        self.num_skipped_blocks = [0] * num_groups
-        self.num_registered_blocks = 0
-        self.num_computed_tokens = 0
-        self.num_real = 0
+        self.num_real = num_real
         self.fed: list[int] = []
 
     @property
-    def holds_blocks(self) -> bool:
-        return any(self.block_tables)
+    def num_written(self) -> int:
+        return self.num_real + len(self.fed)
 
 
 def _room(seq: Sequence, k: int, max_model_len: int) -> int:
@@ -69,47 +77,70 @@ def _room(seq: Sequence, k: int, max_model_len: int) -> int:
 
 class DraftModelProposer:
     """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`. ``runner``: a
-    ModelRunner over the draft model and its pool; ``block_manager``: the draft pool's block ids."""
+    ModelRunner over the draft model and its layers of the target's pool (``KVPool.draft_view``);
+    ``block_manager``: the target's; ``copy_blocks``: applies copy-on-write block copies to the pool now
+    (the engine's, which also tells both runners their tables changed); ``spare_blocks``: how many free
+    blocks the running sequences' next step does not need (the scheduler's ``spare_blocks``; without it,
+    every free block)."""
 
     def __init__(self, num_speculative_tokens: int, runner, block_manager: BlockManager, max_model_len: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None,
+                 spare_blocks: Callable[[], int] | None = None):
         self.num_speculative_tokens = num_speculative_tokens
         self.runner, self.block_manager = runner, block_manager
         self.max_model_len, self.max_num_batched_tokens = max_model_len, max_num_batched_tokens
+        self.copy_blocks = copy_blocks
+        self.spare_blocks = spare_blocks or (lambda: block_manager.num_free_blocks)
         self._states: dict[str, DraftState] = {}
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q [proposals, vocab] of its latest proposals
 
     # ---- state ------------------------------------------------------------------------------------------
     def discard(self, request_id: str) -> None:
-        """Free the draft's blocks of a finished, aborted or preempted request (a later call starts over)."""
-        state = self._states.pop(request_id, None)
+        """Forget a finished, aborted or preempted request (its blocks are the target's, freed with it)."""
+        self._states.pop(request_id, None)
         self._probs.pop(request_id, None)
-        if state is not None:
-            self.block_manager.free(state)
 
-    def _state(self, seq: Sequence) -> DraftState:
+    def _state(self, seq: Sequence, start: int) -> DraftState:
+        """The sequence's state; a new one trusts the ``start`` positions the target computed (the invariant:
+        a prefix-cache hit's blocks hold the draft's KV too)."""
         state = self._states.get(seq.request_id)
         if state is not None and state.seq is not seq:
             self.discard(seq.request_id)
             state = None
         if state is None:
-            state = self._states[seq.request_id] = DraftState(seq, self.block_manager.num_groups)
+            state = self._states[seq.request_id] = DraftState(seq, start)
         return state
 
-    def _roll_back(self, state: DraftState) -> int:
-        """Drop the KV of proposals the sequence did not take (module docstring, 1); returns the tokens to feed."""
+    @staticmethod
+    def _roll_back(state: DraftState, limit: int) -> int:
+        """The valid length (module docstring, 1): the fed proposals the sequence took, at most ``limit``."""
         seq = state.seq
         valid = state.num_real
-        for j, token in enumerate(state.fed):
+        for token in state.fed:
             if valid >= seq.num_tokens or seq.token_ids_slice(valid, valid + 1)[0] != token:
                 break
-            valid = state.num_real + j + 1
-        valid = min(valid, state.num_computed_tokens, seq.num_tokens - 1)  # the last token is always fed
-        if valid < state.num_computed_tokens:
-            state.num_computed_tokens = valid
-            self.block_manager.trim(state, valid)
+            valid += 1
+        valid = min(valid, limit)
         state.num_real, state.fed = valid, []
-        return seq.num_tokens - valid
+        return valid
+
+    def follow(self, scheduled) -> None:
+        """Run the draft over a target step's chunks without proposals (``ScheduledSequence`` list), so the
+        draft's KV covers every position the target computed (the module's invariant). Chunks with proposals
+        were written by :meth:`propose` already."""
+        chunks = []
+        for s in scheduled:
+            if s.spec_token_ids:
+                continue
+            seq = s.seq
+            end = s.start_pos + s.num_new_tokens
+            state = self._state(seq, s.start_pos)
+            valid = self._roll_back(state, end)
+            if valid < end:
+                chunks.append((seq.token_ids_slice(valid, end), valid, seq.block_tables))
+                state.num_real = end
+        if chunks:
+            self.runner.run(chunks, [])
 
     # ---- proposing --------------------------------------------------------------------------------------
     def proposal_probs(self, seq: Sequence, num_proposals: int) -> torch.Tensor | None:
@@ -121,55 +152,54 @@ class DraftModelProposer:
         k, bm = self.num_speculative_tokens, self.block_manager
         self._probs = {}
         out: list[list[int]] = [[] for _ in seqs]
-        budget = self.max_num_batched_tokens
-        chunks, rows, going = [], [], []  # going: (output index, state, proposals wanted, chunk index)
-        offset = 0
+        budget, spare = self.max_num_batched_tokens, self.spare_blocks()
+        chunks, going = [], []  # going: (output index, state, proposals wanted)
         for i, seq in enumerate(seqs):
             room = _room(seq, k, self.max_model_len)
-            if room == 0 or budget == 0:
+            if room == 0:
                 continue
-            state = self._state(seq)
-            need = self._roll_back(state)
-            chunk = min(need, budget)
-            wanted = room if chunk == need else 0
-            start = state.num_computed_tokens
-            if not bm.append_slots(state, chunk + max(wanted - 1, 0)):
-                if not wanted or not bm.append_slots(state, chunk):
-                    continue  # the draft's pool is full: no proposal for this sequence this step
-                wanted = 0
+            state = self._state(seq, seq.num_computed_tokens)
+            start = self._roll_back(state, seq.num_computed_tokens)
+            chunk = seq.num_tokens - start
+            # Blocks for every position the verify step writes: num_computed_tokens .. num_tokens - 1 + room;
+            # beyond the step's own (without proposals), only spare ones.
+            own = seq.num_tokens - seq.num_computed_tokens
+            extra = bm.new_blocks_for_step(seq, own + room) - bm.new_blocks_for_step(seq, own)
+            if chunk > budget or extra > spare or not bm.append_slots(seq, own + room):
+                continue  # no proposal this step; the decode feeds the draft (follow)
             budget -= chunk
-            chunks.append((seq.token_ids_slice(start, start + chunk), start, state.block_tables))
-            offset += chunk
-            rows.append(offset - 1)
-            state.num_computed_tokens = state.num_real = start + chunk
-            if wanted:
-                going.append((i, state, wanted, len(chunks) - 1))
+            spare -= extra
+            chunks.append((seq.token_ids_slice(start, seq.num_tokens), start, seq.block_tables))
+            state.num_real = seq.num_tokens
+            going.append((i, state, room))
         if not chunks:
             return out
-        logits = self.runner.run(chunks, rows)
-        if not going:
-            return out
-        logits = logits[torch.tensor([j for *_, j in going], device=logits.device)]
-        active = [(i, state, wanted) for i, state, wanted, _ in going]
+        copies = bm.take_copies()
+        if copies:
+            self.copy_blocks(copies)
+        offsets, total = [], 0
+        for tokens, _, _ in chunks:
+            total += len(tokens)
+            offsets.append(total - 1)
+        logits = self.runner.run(chunks, offsets)
+        active = going
         probs: dict[int, list[torch.Tensor]] = {}
         step = 1
         while True:
             tokens, q = pick_proposals(logits, [state.seq for _, state, _ in active])
-            for (i, _, _), token, row in zip(active, tokens, q):
+            # Feed each new proposal: the draft's KV at the position the verify step gives it.
+            chunks = []
+            for (i, state, _), token, row in zip(active, tokens, q):
                 out[i].append(token)
                 if row is not None:
                     probs.setdefault(i, []).append(row)
-            active = [(i, state, wanted) for i, state, wanted in active if wanted > step]
+                chunks.append(([token], state.num_written, state.seq.block_tables))
+                state.fed.append(token)
+            still = [j for j, (_, _, wanted) in enumerate(active) if wanted > step]
+            logits = self.runner.run(chunks, still)  # one token per chunk: row j is chunk j
+            active = [active[j] for j in still]
             if not active:
                 break
-            chunks = []
-            for i, state, _ in active:
-                pos = state.num_computed_tokens
-                token = out[i][-1]
-                chunks.append(([token], pos, state.block_tables))
-                state.fed.append(token)
-                state.num_computed_tokens = pos + 1
-            logits = self.runner.run(chunks, list(range(len(chunks))))
             step += 1
         for i, rows_q in probs.items():
             self._probs[seqs[i].request_id] = torch.stack(rows_q)
