@@ -173,19 +173,23 @@ def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines
 
 @pytest.mark.parametrize("case", CASES)
 def test_draft_model_proposals(case, tmp_path, engines):
-    """A tiny random Llama of the same vocabulary and special tokens drafts for the linear-attention target (a
-    draft keeps no linear state, so only the target's slots roll back); the output equals speculation off."""
-    from test_speculative_engine import LLAMA, save_tiny
+    """A tiny random model of the same vocabulary and special tokens drafts for the linear-attention target (a
+    draft keeps no linear state, so only the target's slots roll back); the output equals speculation off. The
+    draft's layers join the target's attention group, so they have its KV geometry: a Llama's 2 KV heads of 16
+    for Qwen3-Next, a DeepSeek's MLA latent of 32 + 8 for Kimi-Linear."""
+    from test_speculative_engine import DEEPSEEK, LLAMA, save_tiny
 
     target = tmp_path / "target"
     make_checkpoint(case, target)
-    draft = save_tiny(tmp_path / "draft", (LLAMA[0], LLAMA[1], dict(LLAMA[2], vocab_size=VOCAB, pad_token_id=0,
-                                                                        bos_token_id=1, eos_token_id=2)))
+    base = LLAMA if case == "qwen3-next" else (DEEPSEEK[0], DEEPSEEK[1], dict(DEEPSEEK[2], num_hidden_layers=1))
+    draft = save_tiny(tmp_path / "draft", (base[0], base[1], dict(base[2], vocab_size=VOCAB, pad_token_id=0,
+                                                                    bos_token_id=1, eos_token_id=2)))
     prompts = _prompts()
     want = _reference(target, engines, prompts)
     engine = engines(target, speculative_config={"method": "draft_model", "model": draft,
                                                  "num_speculative_tokens": 3}).engine
     assert engine.plan.draft is not None and engine.plan.verify_replay_bytes_per_sequence() > 0
+    assert [g.kind for g in engine.plan.groups if g.draft_layers] == ["full" if case == "qwen3-next" else "mla"]
     outs = _generate(engine, prompts, _greedy())
     assert _tokens(outs) == want
     assert _acceptance(outs)[1] > 0
