@@ -196,6 +196,25 @@ def test_draft_model_proposals(case, tmp_path, engines):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_tensor_parallel_ranks_roll_back_their_heads(case, tmp_path, engines):
+    """TP 2 on gloo (2 processes): each rank keeps its heads' verify rows and replays the accepted ones (rank 0
+    sends the replays with the next step); the output equals TP 2 without speculation (the same all-reduces)."""
+    make_checkpoint(case, tmp_path)
+    prompts = _prompts()
+    reference = engines(tmp_path, tensor_parallel_size=2).engine
+    want = _tokens(_generate(reference, prompts, _greedy()))
+    reference.shutdown()  # one tensor-parallel engine per process at a time
+    for proposer in ("garbage", "partly right"):
+        engine = engines(tmp_path, tensor_parallel_size=2, num_speculative_tokens=3).engine
+        engine.proposer = (GarbageProposer(3) if proposer == "garbage"
+                           else OracleProposer(3, prompts, want, partly=True))
+        outs = _generate(engine, prompts, _greedy())
+        engine.shutdown()
+        assert _tokens(outs) == want, proposer
+        assert _acceptance(outs)[1] > 0
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
     """The state operations on the Triton kernels (Triton's interpreter on CPU here; the gpu-marked test below
     compiles them): verify steps through the prefill kernels with kept slots, and the replay kernels."""

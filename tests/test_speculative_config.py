@@ -146,11 +146,6 @@ def test_preset_draft_for_a_real_target_is_refused(no_weights, tmp_path):
                                                                 "num_speculative_tokens": 2})
 
 
-def test_linear_attention_model_with_tensor_parallelism_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="linear-attention models does not run with tensor parallelism"):
-        _engine("qwen3-next-80b-a3b", num_speculative_tokens=2, tensor_parallel_size=2)
-
-
 def test_more_tokens_than_the_step_budget_is_refused(no_weights):
     with pytest.raises(ConfigError, match="exceeds --max-num-batched-tokens 4"):
         _engine(num_speculative_tokens=4, max_num_batched_tokens=4)

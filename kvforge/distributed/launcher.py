@@ -56,8 +56,9 @@ def describe_exit(code: int | None) -> str:
 
 
 def expected_state_bytes(plan) -> dict[int, int]:
-    """Linear-attention layer -> the plan's state bytes per slot on each rank (its share of the heads)."""
-    return {lp.index: lp.state_bytes for lp in plan.layers if lp.kind == "state"}
+    """Linear-attention layer -> the plan's state bytes per slot on each rank (its share of the heads), verify
+    rows included (speculative decoding)."""
+    return {lp.index: lp.state_bytes + lp.verify_replay_bytes for lp in plan.layers if lp.kind == "state"}
 
 
 def expected_pool_bytes(plan) -> int:
@@ -68,11 +69,13 @@ def expected_pool_bytes(plan) -> int:
 
 
 def state_slot_bytes(pool) -> dict[int, int]:
-    """Linear-attention layer -> the bytes one slot of ``pool`` holds (conv + recurrent state)."""
+    """Linear-attention layer -> the bytes one slot of ``pool`` holds (conv + recurrent state, and the verify
+    rows with speculative decoding)."""
     ls = pool.linear_states
     if ls is None:
         return {}
-    return {i: (ls.conv[i][0].nbytes + ls.recurrent[i][0].nbytes) for i in sorted(ls.conv)}
+    rows = {i: sum(t[0].nbytes for t in v.tensors.values()) for i, v in (ls.verify or {}).items()}
+    return {i: (ls.conv[i][0].nbytes + ls.recurrent[i][0].nbytes + rows.get(i, 0)) for i in sorted(ls.conv)}
 
 
 def rank_report(rank: int, model, pool, runner=None) -> dict:

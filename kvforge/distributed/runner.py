@@ -3,7 +3,8 @@
 Rank 0 schedules; for every step it wakes the workers, broadcasts the step's
 host inputs (token ids, positions, slot mapping, rows whose logits are wanted,
 pending copy-on-write block pairs as int64; query_start_loc, seq_lens, block
-tables and, for linear-attention models, each sequence's state slot as int32)
+tables and, for linear-attention models, each sequence's state slot, the
+proposals it verifies and the replays of the previous verification as int32)
 over the gloo group, and then every rank runs the same model
 step on its own heads. Logits come back on rank 0 only.
 
@@ -35,36 +36,43 @@ from kvforge.engine.model_runner import HostStep, ModelRunner
 # n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1),
 # n_placeholders (in-flight input ids, async scheduling), n_share (sampled tokens rank 0 broadcasts after the
 # step for the next step's placeholders; 0: none), n_groups (KV-cache groups: slot mappings and block tables),
-# n_state (linear-attention models: one state slot per sequence, so n_seqs; 0: none)
-_HEADER = 12
+# n_state (linear-attention models: one state slot per sequence, so n_seqs; 0: none), n_spec (n_seqs when some
+# sequence verifies proposals over linear-attention state: the proposals of each; 0: none), n_keep (verifying
+# slots whose accepted rows every rank replays before this step: a slot and a row count each)
+_HEADER = 14
 
 
 def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,
-                   n_share: int = 0):
-    """Rank 0 sends ``(host, copies, use_graph, n_share)``; the other ranks receive and return them.
-    A received ``host.placeholders`` is ``(rows, sources, None)``: the receiver supplies the token tensor."""
+                   n_share: int = 0, keeps: list[tuple[int, int]] = ()):
+    """Rank 0 sends ``(host, copies, use_graph, n_share, keeps)``; the other ranks receive and return them.
+    A received ``host.placeholders`` is ``(rows, sources, None)``: the receiver supplies the token tensor.
+    ``keeps``: (state slot, rows) replays of the last verification (ModelRunner.keep_verified), which the
+    receivers apply before the step."""
     if group.rank == 0:
         n_rows = -1 if host.rows is None else host.rows.shape[0]
         ph = host.placeholders
         n_ph = 0 if ph is None else len(ph[0])
         n_state = 0 if host.state_slots is None else host.num_seqs
+        n_spec = 0 if host.spec_lens is None else host.num_seqs
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[2], n_rows, host.max_query_len,
                            host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0],
-                           n_state], dtype=np.int64)
+                           n_state, n_spec, len(keeps)], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)]
                              + ([np.asarray(ph[0], dtype=np.int64), np.asarray(ph[1], dtype=np.int64)] if n_ph else []))
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)]
-                             + ([host.state_slots.astype(np.int32)] if n_state else []))
+                             + ([host.state_slots.astype(np.int32)] if n_state else [])
+                             + ([host.spec_lens.astype(np.int32)] if n_spec else [])
+                             + [np.asarray(keeps, dtype=np.int32).reshape(-1)])
         group.broadcast_host(header, np.int64, _HEADER)
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
-        return host, copies, use_graph, n_share
+        return host, copies, use_graph, n_share, list(keeps)
     (n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups,
-     n_state) = group.broadcast_host(None, np.int64, _HEADER).tolist()
+     n_state, n_spec, n_keep) = group.broadcast_host(None, np.int64, _HEADER).tolist()
     i64 = group.broadcast_host(None, np.int64, (2 + n_groups) * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
     n_i32 = 2 * n_seqs + 1 + n_groups * n_seqs * cols
-    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state)
+    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state + n_spec + 2 * n_keep)
     start = (2 + n_groups) * n_tok
     end = start + max(n_rows, 0)
     rows = i64[start:end] if n_rows >= 0 else None
@@ -75,8 +83,11 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
                     i32[:n_seqs + 1], i32[n_seqs + 1:2 * n_seqs + 1],
                     i32[2 * n_seqs + 1:n_i32].reshape(n_groups, n_seqs, cols), rows, max_q, max_seq, placeholders)
     if n_state:
-        host.state_slots = i32[n_i32:]
-    return host, copies, bool(graph), n_share
+        host.state_slots = i32[n_i32:n_i32 + n_state]
+    if n_spec:
+        host.spec_lens = i32[n_i32 + n_state:n_i32 + n_state + n_spec]
+    keeps = [tuple(p) for p in i32[n_i32 + n_state + n_spec:].reshape(-1, 2).tolist()]
+    return host, copies, bool(graph), n_share, keeps
 
 
 class TPModelRunner(ModelRunner):
@@ -99,6 +110,7 @@ class TPModelRunner(ModelRunner):
         self.group = group
         self.control = control
         self._pending_copies: list[tuple[int, int]] = []
+        self._pending_keeps: list[tuple[int, int]] = []  # replays of the last verification, for the other ranks
         self.shared_tokens: torch.Tensor | None = None  # workers: rank 0's last sampled tokens (async scheduling)
 
     # ---- rank 0 ---------------------------------------------------------------
@@ -107,6 +119,12 @@ class TPModelRunner(ModelRunner):
         self.pool.copy_blocks(pairs)
         self._pending_copies.extend((int(a), int(b)) for a, b in pairs)
         self.invalidate_block_tables()
+
+    def keep_verified(self, slots: list[int], num_rows: list[int]) -> None:
+        """Replay the accepted verify rows here now and on the other ranks before the next step (every step
+        that reads a state slot comes after it)."""
+        super().keep_verified(slots, num_rows)
+        self._pending_keeps.extend((int(s), int(n)) for s, n in zip(slots, num_rows))
 
     @torch.inference_mode()
     def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0):
@@ -120,10 +138,11 @@ class TPModelRunner(ModelRunner):
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None
         copies, self._pending_copies = self._pending_copies, []
+        keeps, self._pending_keeps = self._pending_keeps, []
         use_graph = self.wants_graph(host)
         self.control.before_step()
         try:
-            broadcast_step(self.group, host, copies, use_graph, n_share)
+            broadcast_step(self.group, host, copies, use_graph, n_share, keeps)
             return self.execute(host, use_graph)
         except Exception as e:
             raise self.control.failure(e) from e

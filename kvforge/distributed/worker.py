@@ -60,9 +60,11 @@ def main() -> int:
                     continue
                 if cmd != b"s":  # b"q" or end-of-file (rank 0 is gone)
                     break
-                host, copies, use_graph, n_share = broadcast_step(group, None, [])
+                host, copies, use_graph, n_share, keeps = broadcast_step(group, None, [])
                 if copies:
                     pool.copy_blocks(copies)
+                if keeps:  # the last verification's accepted rows, before this step reads any state slot
+                    runner.keep_verified([slot for slot, _ in keeps], [n for _, n in keeps])
                 if host.placeholders is not None:  # in-flight ids: from rank 0's last shared tokens
                     host.placeholders = (*host.placeholders[:2], runner.shared_tokens)
                 runner.execute(host, use_graph)

@@ -40,10 +40,6 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
         if plan.tensor_parallel_size > 1:
             raise ConfigError("--speculative-config method draft_model does not run with tensor parallelism yet; "
                               "use --tensor-parallel-size 1 or method ngram")
-    if any(layer.kind == "state" for layer in plan.layers) and plan.tensor_parallel_size > 1:
-        raise ConfigError("speculative decoding of linear-attention models does not run with tensor parallelism "
-                          "yet (the ranks' state rollback is not broadcast); use --tensor-parallel-size 1 or drop "
-                          "--speculative-config / --num-speculative-tokens")
     if plan.num_speculative_tokens != k:
         raise ConfigError(f"the plan reserves room for {plan.num_speculative_tokens} speculative tokens but "
                           f"{k} are configured; plan with --num-speculative-tokens {k}")
