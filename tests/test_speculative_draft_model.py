@@ -187,3 +187,62 @@ def test_sliding_window_model_as_its_own_draft(tmp_path):
     assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
     counters = on.engine.stats()["spec_decode"]
     assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9
+
+
+def test_prefix_cached_blocks_carry_the_draft_kv():
+    """The draft follows every target chunk, so a block the prefix cache registers holds the draft's KV of
+    its tokens too. With the model as its own draft, each draft layer's page equals the same target layer's
+    in every cached block (the same weights over the same tokens; float32, batch shapes only change the
+    summation order, hence the tolerance); a second request over the same prompt resumes from those blocks
+    for both models and still gets the target's output with nearly every proposal accepted."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = token_ids(generate(LLM(device="cpu", progress=False), [REPEAT], params))
+    on = LLM(device="cpu", progress=False, speculative_config=draft_config(embedded_model_path(), 3))
+    engine = on.engine
+    assert token_ids(generate(on, [REPEAT], params)) == ref
+    bm, pool = engine.block_manager, engine.pool
+    cached = sorted(bm._hash_to_block.values())
+    assert len(cached) >= 2
+    assert len(pool.draft_kv_caches) == len(pool.kv_caches) == 30
+    for layer in range(30):
+        torch.testing.assert_close(pool.draft_kv_caches[layer][cached], pool.kv_caches[layer][cached],
+                                   rtol=1e-3, atol=1e-3)
+    hits = bm.prefix_cache_hits
+    engine.add_request("again", REPEAT, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+        check_rollback_invariants(engine)
+        check_draft_invariants(engine)
+    assert bm.prefix_cache_hits - hits >= len(cached) * bm.block_size - bm.block_size
+    assert final.outputs[0].token_ids == ref[0]
+    assert final.speculative.num_accepted_tokens / final.speculative.num_draft_tokens > 0.9
+
+
+def test_draft_layers_own_the_page_slots_after_the_target_layers():
+    """KVPool: in a group of n target and d draft layers, draft layer j owns page slot n + j, a page of its own
+    (no view of a draft layer aliases a target layer's), and the buffer holds exactly the plan's bytes."""
+    from kvforge.engine.kv_pool import KVPool
+    from kvforge.planner.inputs import CacheConfig
+    from kvforge.planner.resolver import resolve
+    from kvforge.spec.architectures import spec_from_hf_config
+
+    target = spec_from_hf_config(dict(LLAMA[2], architectures=["LlamaForCausalLM"], model_type="llama"),
+                                 name="t", source="test")
+    draft = spec_from_hf_config(dict(LLAMA[2], num_hidden_layers=3, architectures=["LlamaForCausalLM"],
+                                     model_type="llama"), name="d", source="test")
+    page = 4 * 2 * 2 * 16 * 4  # block 4 x K,V x 2 KV heads x head size 16 x float32
+    plan = resolve(target, CacheConfig(kv_cache_dtype="float32", block_size=4, max_model_len=64,
+                                       kv_cache_memory=20 * 5 * page), draft_spec=draft)
+    assert [(g.layers, g.draft_layers) for g in plan.groups] == [((0, 1), (0, 1, 2))] and plan.num_blocks == 20
+    pool = KVPool(plan, torch.device("cpu"))
+    assert pool.nbytes == 20 * 5 * page
+    view = pool.draft_view()
+    starts = [c.data_ptr() for c in pool.kv_caches] + [c.data_ptr() for c in view.kv_caches]
+    assert starts == [pool.pages[slot].data_ptr() for slot in range(5)]
+    assert view.layer_group == [0, 0, 0] and view.num_groups == 1 and view.block_size == 4
+    pool.buffer.zero_()
+    view.kv_caches[2].fill_(1.0)
+    assert all(not c.any() for c in pool.kv_caches + view.kv_caches[:2])
+    assert bool((pool.pages[4].view(torch.float32) == 1.0).all())
