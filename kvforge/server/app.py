@@ -180,9 +180,9 @@ def create_app(
 
     async def add_choices(req: protocol.ParsedRequest) -> list[RequestStream]:
         """One engine request per choice, in choice order (prompt position * n + sample number). With
-        n > 1 and prefix caching on, each prompt's first sample is computed before its others are added,
-        so they reuse its prompt blocks instead of computing the prompt n times. A failure closes (aborts)
-        every request added so far."""
+        n > 1 and prefix caching on, a prompt that fills a KV block has its first sample's prompt computed
+        before its other samples are added, so they reuse its full blocks instead of computing the prompt
+        n times. A failure closes (aborts) every request added so far."""
         prompts = req.prompts if req.kind == "completion" else [None]
         n = req.n
         streams: list[RequestStream | None] = [None] * (len(prompts) * n)
@@ -200,9 +200,12 @@ def create_app(
         try:
             for i in range(len(prompts)):
                 await add(i, 0)
+            block = aengine.prefix_block_size
             if n > 1:
-                if aengine.shares_prompt_prefixes:
-                    await asyncio.gather(*(streams[i * n].wait_output() for i in range(len(prompts))))
+                if block is not None:
+                    # A sample reuses the full blocks before the prompt's last token (computed anew).
+                    leaders = [streams[i * n] for i in range(len(prompts)) if streams[i * n].prompt_tokens > block]
+                    await asyncio.gather(*(leader.wait_output() for leader in leaders))
                 for i in range(len(prompts)):
                     for sample in range(1, n):
                         await add(i, sample)

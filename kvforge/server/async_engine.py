@@ -143,9 +143,11 @@ class AsyncEngine:
         return len(self._streams) + self._adding
 
     @property
-    def shares_prompt_prefixes(self) -> bool:
-        """Whether a request whose prompt repeats a computed one reuses its KV blocks (prefix caching on)."""
-        return bool(getattr(getattr(self.engine, "block_manager", None), "enable_prefix_caching", False))
+    def prefix_block_size(self) -> int | None:
+        """Tokens per KV block when a request whose prompt repeats a computed one reuses its full blocks
+        (prefix caching on); None when nothing is reused."""
+        blocks = getattr(self.engine, "block_manager", None)
+        return blocks.block_size if getattr(blocks, "enable_prefix_caching", False) else None
 
     @property
     def healthy(self) -> bool:
