@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.speculative.stats import SpeculativeStats
 
 
 class LLM:
@@ -46,7 +48,11 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string or {"prompt_token_ids": [...]}.
 
-        Results come back in prompt order. Invalid requests raise before any is run.
+        Results come back in prompt order, one ``RequestOutput`` per prompt whose ``outputs`` hold its
+        ``n`` samples (``index`` 0 .. n - 1). Each sample is its own engine request
+        (``SamplingParams.sample_params``: a seeded sample ``j`` uses ``seed + j``); with prefix caching
+        on, samples 1 .. n - 1 are added once sample 0's prompt is computed, so they reuse its KV blocks.
+        Invalid requests raise before any is run.
         """
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
@@ -57,18 +63,34 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        samples = [[rid] + [f"{rid}.{j}" for j in range(1, p.n)] for rid, p in zip(ids, params)]
+        # Samples 1 .. n - 1 of a prompt, keyed by the request of its sample 0, to add once that has an output.
+        later = {rid: [(sid, prompt, p.sample_params(j)) for j, sid in enumerate(sids) if j]
+                 for rid, sids, prompt, p in zip(ids, samples, prompts, params) if p.n > 1}
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p.sample_params(0))
                 added.append(rid)
+            if not self.engine.block_manager.enable_prefix_caching:  # nothing to reuse: add them all now
+                for rid in list(later):
+                    added += self._add_all(later.pop(rid))
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm and self.engine.args.progress)
+        done = self._run([sid for sids in samples for sid in sids], later, use_tqdm and self.engine.args.progress)
+        return [done[sids[0]] if len(sids) == 1 else _merge_samples(rid, [done[sid] for sid in sids])
+                for rid, sids in zip(ids, samples)]
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _add_all(self, requests) -> list[str]:
+        added = []
+        for rid, prompt, p in requests:
+            self.engine.add_request(rid, prompt, p)
+            added.append(rid)
+        return added
+
+    def _run(self, ids: list[str], later: dict, use_tqdm: bool) -> dict[str, RequestOutput]:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
@@ -76,18 +98,26 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
-        while len(done) < len(ids) and self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted and out.request_id not in done:
-                    done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id in later:  # its prompt is computed: its other samples reuse the blocks
+                        self._add_all(later.pop(out.request_id))
+                    if out.finished and out.request_id in wanted and out.request_id not in done:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - set(done):
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         missing = [i for i in ids if i not in done]
         if missing:
             raise RuntimeError(f"engine stopped with unfinished requests {missing}")
-        return [done[i] for i in ids]
+        return done
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
         """One conversation (list of {"role", "content"}) or a list of them."""
@@ -98,3 +128,19 @@ class LLM:
         # The template already holds the special tokens: encode without adding BOS again.
         ids = [{"prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
         return self.generate(ids, sampling_params, use_tqdm)
+
+
+def _merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's samples (each its own finished request, sample 0 first) as one RequestOutput with
+    ``outputs[j]`` the sample ``j``; the prompt's fields come from sample 0, speculative counts are summed."""
+    first = outs[0]
+    spec = [o.speculative for o in outs if o.speculative is not None]
+    speculative = None
+    if spec:
+        speculative = SpeculativeStats(sum(s.num_drafts for s in spec), sum(s.num_draft_tokens for s in spec),
+                                       sum(s.num_accepted_tokens for s in spec))
+    return RequestOutput(
+        request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+        outputs=[dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)], finished=True,
+        num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs, speculative=speculative,
+    )

@@ -8,8 +8,9 @@ from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError, KVForgeError
 
 INVALID = [
-    ("n", 2),
     ("n", 0),
+    ("n", True),
+    ("n", 1.0),
     ("temperature", -0.1),
     ("temperature", "hot"),
     ("top_p", 0.0),
@@ -23,6 +24,8 @@ INVALID = [
     ("seed", 1.5),
     ("seed", True),
     ("seed", "42"),
+    ("seed", 1 << 63),
+    ("seed", -(1 << 63) - 1),
     ("max_tokens", 0),
     ("max_tokens", -5),
     ("max_tokens", 3.0),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvforge.server.protocol import InvalidRequestError, choice_params, parse_chat, parse_completion
+from kvforge.server.protocol import InvalidRequestError, parse_chat, parse_completion
 
 MODEL = "m"
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -21,7 +21,8 @@ def test_n_out_of_range_is_refused(parse, body, n):
                          ids=["completions", "chat"])
 def test_n_and_best_of_equal_to_n_are_accepted(parse, body):
     parsed = parse({**body, "model": MODEL, "n": 3, "best_of": 3}, MODEL)
-    assert parsed.n == 3 and parsed.params.n == 1  # one engine request per choice
+    assert parsed.n == parsed.params.n == 3
+    assert {parsed.params.sample_params(j).n for j in range(3)} == {1}  # one engine request per choice
 
 
 def test_batch_times_n_is_bounded():
@@ -48,10 +49,10 @@ def test_seed_outside_64_bits_is_refused(seed):
 
 def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
     params = parse_completion({"prompt": "hi", "model": MODEL, "seed": (1 << 63) - 2, "n": 4}, MODEL).params
-    seeds = [choice_params(params, j).seed for j in range(4)]
+    seeds = [params.sample_params(j).seed for j in range(4)]
     assert seeds == [(1 << 63) - 2, (1 << 63) - 1, -(1 << 63), -(1 << 63) + 1]
     unseeded = parse_completion({"prompt": "hi", "model": MODEL, "n": 2}, MODEL).params
-    assert choice_params(unseeded, 1).seed is None
+    assert unseeded.sample_params(1).seed is None
 
 
 VLLM_EXTRAS_REFUSED = [

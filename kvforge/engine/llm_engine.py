@@ -361,6 +361,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         self._check_running()
         params = params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(f"the engine runs one sequence per request, got n={params.n}: add one request "
+                                      "per sample with params.sample_params(j), as LLM.generate does", field="n")
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,10 @@ class SamplingParams:
     prompt token has none); such a request skips the prefix cache for the prompt
     tokens it has not scored yet. ``stop`` strings are not included in the
     returned text; ``stop_token_ids`` are extra end ids.
+
+    ``n``: independent samples of the prompt. The engine runs one sequence per
+    request (``LLMEngine.add_request`` takes n = 1); ``LLM.generate`` and the
+    server run sample ``j`` as its own request with :meth:`sample_params`.
     """
 
     n: int = 1
@@ -52,8 +59,8 @@ class SamplingParams:
         def bad(field_name: str, why: str):
             raise InvalidRequestError(f"invalid sampling parameter {field_name}: {why}", field=field_name)
 
-        if not isinstance(self.n, int) or self.n != 1:
-            bad("n", f"only n=1 is supported, got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
@@ -66,8 +73,9 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be a signed 64-bit integer, got {self.seed!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
         ):
@@ -81,6 +89,17 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+
+    def sample_params(self, sample: int) -> SamplingParams:
+        """The parameters of sample ``sample`` (0 .. n - 1) run as its own request: n = 1 and, when
+        seeded, ``seed + sample`` (wrapped into the signed 64-bit range), so sample 0 is the request with
+        n = 1 and each sample is reproducible on its own; unseeded samples draw independently."""
+        if not 0 <= sample < self.n:
+            raise ValueError(f"sample must be in [0, {self.n}), got {sample}")
+        seed = self.seed
+        if seed is not None:
+            seed = (seed + sample - SEED_MIN) % (1 << 64) + SEED_MIN
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -190,7 +190,7 @@ def create_app(
         async def add(i: int, sample: int) -> None:
             try:
                 streams[i * n + sample] = await aengine.add_request(
-                    prompts[i], protocol.choice_params(req.params, sample), messages=req.messages,
+                    prompts[i], req.params.sample_params(sample), messages=req.messages,
                     max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field)
             except InvalidRequestError as e:
                 if len(prompts) == 1:

@@ -13,14 +13,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from kvforge.errors import InvalidRequestError
 
 MAX_STOP_SEQUENCES = 16
 MAX_PROMPTS_PER_REQUEST = 1024
 MAX_N = 128  # choices per prompt (OpenAI's limit for ``n``)
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -153,17 +152,11 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) leads each choice
     # completions with echo and max_tokens=0: the engine generates one token, which is dropped.
     prompt_only: bool = False
-    n: int = 1  # independent choices per prompt; choice index = prompt position * n + sample number
 
-
-def choice_params(params: SamplingParams, sample: int) -> SamplingParams:
-    """The sampling parameters of sample ``sample`` (0 .. n - 1) of one prompt: a seeded request's sample
-    ``j`` uses ``seed + j`` (wrapped into the signed 64-bit range), so sample 0 is the request with ``n``
-    = 1 and each sample is reproducible on its own; an unseeded request's samples draw independently."""
-    if sample == 0 or params.seed is None:
-        return params
-    seed = (params.seed + sample - SEED_MIN) % (1 << 64) + SEED_MIN
-    return dataclasses.replace(params, seed=seed)
+    @property
+    def n(self) -> int:
+        """Independent choices per prompt (``params.n``); choice index = prompt position * n + sample number."""
+        return self.params.n
 
 
 # vLLM's extra request fields that change the output, each with the test of its value that leaves the
@@ -257,7 +250,7 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         # SamplingParams would say the same, but name the OpenAI field the client sent.
         bad_field("max_tokens", f"must be an integer >= 1, got {max_tokens}")
     return SamplingParams(
-        n=1,
+        n=common["n"],
         temperature=common["temperature"],
         top_p=common["top_p"],
         top_k=common["top_k"],
@@ -323,7 +316,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     return ParsedRequest(
         "completion", common["model"], prompts, None, params,
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
-        logprobs, False, echo=echo, prompt_only=prompt_only, n=common["n"],
+        logprobs, False, echo=echo, prompt_only=prompt_only,
     )
 
 
@@ -383,7 +376,7 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     params = _params(common, max_tokens, logprobs)
     return ParsedRequest(
         "chat", common["model"], None, clean, params, max_tokens is not None,
-        common["stream"], common["include_usage"], logprobs, want_logprobs, field_name, n=common["n"],
+        common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
     )
 
 
