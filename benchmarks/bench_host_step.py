@@ -95,7 +95,7 @@ def make_engine(args) -> LLMEngine:
     for i in range(args.seqs):
         n = int(args.context + rng.integers(-16, 17))
         ids = rng.integers(100, vocab_for_prompt, size=n).tolist()
-        eng.scheduler.add(Sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=10_000,
+        eng.scheduler.add(Sequence(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=2 * (args.steps + args.warmup) + 16,
                                                                 ignore_eos=True)))
     return eng
 

@@ -11,7 +11,7 @@ from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.errors import ConfigError
 from kvforge.spec.presets import PRESETS
-from kvforge.speculative.config import SpeculativeConfig
+from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 
 def test_json_in_vllm_shape_is_parsed():
@@ -156,9 +156,11 @@ def test_more_tokens_than_max_model_len_is_refused(no_weights):
         _engine(num_speculative_tokens=7, max_model_len=8, max_num_batched_tokens=64)
 
 
-def test_async_scheduling_with_speculation_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="--async-scheduling does not combine"):
-        _engine(num_speculative_tokens=2, async_scheduling=True)
+def test_backoff_must_be_a_bool():
+    with pytest.raises(ConfigError, match="backoff must be true or false, got 'yes'"):
+        resolve_speculative({"method": "ngram", "num_speculative_tokens": 2, "backoff": "yes"}, 0)
+    assert resolve_speculative({"num_speculative_tokens": 2, "backoff": False}, 0).backoff is False
+    assert resolve_speculative(None, 2).backoff is True
 
 
 def test_cli_reports_a_bad_config_without_traceback(capsys):

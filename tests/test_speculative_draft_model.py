@@ -101,7 +101,9 @@ def test_different_draft_with_fp8_chunked_prefill_and_preemption(tmp_path):
     blocks = 16
     ref = token_ids(generate(LLM(target, kv_cache_memory=blocks * 2 * page, **kw), prompts, params))
     # A block id spans the pages of the target's 2 layers and the draft's 1: the same 16 blocks cost 3 pages.
-    on = LLM(target, kv_cache_memory=blocks * 3 * page, speculative_config=draft_config(draft, 3), **kw)
+    # Back-off off: a random draft's proposals fail, and this test wants them verified every step.
+    on = LLM(target, kv_cache_memory=blocks * 3 * page, speculative_config={**draft_config(draft, 3), "backoff": False},
+             **kw)
     plan = on.engine.plan
     assert plan.num_blocks == blocks and [(g.layers, g.draft_layers) for g in plan.groups] == [((0, 1), (0,))]
     assert plan.draft.layers[0].kv_dtype == "fp8_e4m3" and on.engine.pool.nbytes == blocks * 3 * page

@@ -109,7 +109,7 @@ def test_greedy_equal_and_proposals_accepted(reference):
 
 def test_garbage_proposals_change_nothing(reference):
     prompts, ref = reference
-    llm = embedded(num_speculative_tokens=4)
+    llm = embedded(speculative_config={"num_speculative_tokens": 4, "backoff": False})  # verify every step
     llm.engine.proposer = GarbageProposer(4, llm.engine.spec.vocab_size)
     outs = generate(llm, prompts)
     assert token_ids(outs) == ref
@@ -290,7 +290,8 @@ def test_sliding_window_models(tmp_path, case):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = token_ids(generate(LLM(str(tmp_path), **kw), TINY_PROMPTS, params))
     # Unigram matches too: these random models repeat their context less than the others.
-    on = LLM(str(tmp_path), speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1}, **kw)
+    on = LLM(str(tmp_path), speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff": False},
+             **kw)
     assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
     assert on.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
 

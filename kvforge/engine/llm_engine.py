@@ -35,6 +35,7 @@ from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
 from kvforge.spec.load import load_model_spec
 from kvforge.spec.presets import PRESETS
+from kvforge.speculative.stats import SpeculativeStats
 from kvforge.speculative.support import check_speculative
 
 logger = logging.getLogger("kvforge.engine")
@@ -107,8 +108,7 @@ class LLMEngine:
             batched = self.plan.max_model_len  # as vLLM: without chunks a step must hold the longest prompt
         self.speculative = args.speculative_config
         if self.speculative is not None:
-            check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched,
-                              async_scheduling=args.async_scheduling)
+            check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched)
         self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
         if self.with_mtp and self.load_format != "dummy":
             from kvforge.weights import detect_load_format
@@ -205,10 +205,10 @@ class LLMEngine:
         # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
         # (works on CPU/gloo, not yet measured on GPUs) and for ring models (refused above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
-                                 else platform == "cuda" and self.tp is None and self.state_slots is None
-                                 and self.speculative is None)
+                                 else platform == "cuda" and self.tp is None and self.state_slots is None)
         # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
-        self.proposer = self.spec_counters = self.draft_runner = None
+        self.proposer = self.spec_counters = self.draft_runner = self.spec_backoff = None
+        self.num_launches = 0  # steps launched (the clock of the proposal back-off)
         if self.speculative is not None:
             from kvforge.speculative.proposer import build_proposer
             from kvforge.speculative.stats import SpecDecodeCounters
@@ -219,10 +219,14 @@ class LLMEngine:
                    if self.with_mtp else None)
             self.proposer = build_proposer(self.speculative, draft, mtp)
             self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
-            logger.info("speculative decoding: %s, %d tokens per step; the synchronous loop (async scheduling off); "
-                        "verification steps replay CUDA graphs when every sequence verifies all %d",
+            if self.speculative.backoff and getattr(self.proposer, "backs_off", True):
+                from kvforge.speculative.backoff import ProposalBackoff
+
+                self.spec_backoff = ProposalBackoff()
+            logger.info("speculative decoding: %s, %d tokens per step, back-off %s; verification steps run "
+                        "synchronously and replay CUDA graphs when every sequence verifies all %d",
                         self.speculative.method, self.speculative.num_speculative_tokens,
-                        self.speculative.num_speculative_tokens)
+                        "on" if self.spec_backoff is not None else "off", self.speculative.num_speculative_tokens)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)
@@ -387,19 +391,26 @@ class LLMEngine:
         (synchronous), or with ``async_scheduling`` the previous launch's (kvforge/engine/overlap.py)."""
         self._check_running()
         early = None
-        if self._inflight is not None and self.scheduler.next_step_may_preempt():
+        probing = self.proposer is not None and self._proposals_due()
+        if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()):
             # Memory pressure: resolve the step in flight first, so sequences it finishes free their
             # blocks before the next schedule (instead of a preemption that a finish would have avoided).
+            # Proposals: the proposer reads every sequence's latest tokens.
             early, self._inflight = self._resolve(self._inflight), None
-            self.async_pressure_resolves += 1
+            if not probing:
+                self.async_pressure_resolves += 1
         if self.proposer is not None:
-            self._propose()
+            self._propose(probing)
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
             if out.blocks_to_copy:
                 self._copy_blocks(out.blocks_to_copy)
             launched = self._launch(out, self._inflight)
+        if launched is not None and launched.verified is not None:
+            # A verification step: the next step's positions depend on what it accepted, so it is resolved
+            # now (its tokens are already on the host), after any step resolved early above.
+            return (early or []) + self._resolve(launched)
         if not self.async_scheduling:
             outputs = self._resolve(launched) if launched is not None else []
             if self.proposer is not None:  # blocks taken for proposals this step did not verify
@@ -414,16 +425,37 @@ class LLMEngine:
 
     def _discard_proposer_state(self, request_id: str) -> None:
         """A finished, aborted or preempted request's proposer state (a draft model's KV) is freed with it."""
+        if self.spec_backoff is not None:
+            self.spec_backoff.forget(request_id)
         discard = getattr(self.proposer, "discard", None)
         if discard is not None:
             discard(request_id)
 
-    def _propose(self) -> None:
-        """Give every decoding sequence (one token to compute) its proposals for the next step."""
-        decoding = [seq for seq in self.scheduler.running
-                    if seq.num_tokens - seq.num_computed_tokens == 1 and not seq.num_pending]
+    def _proposals_due(self) -> bool:
+        """Whether a running sequence past its prompt is due for proposals this step (kvforge/speculative/
+        backoff.py; every step for proposers that do not back off)."""
+        if self.spec_backoff is None:
+            return any(seq.num_output_tokens for seq in self.scheduler.running)
+        step = self.num_launches
+        return any(seq.num_output_tokens and self.spec_backoff.due(seq.request_id, step)
+                   for seq in self.scheduler.running)
+
+    def _propose(self, probing: bool) -> None:
+        """Give every decoding sequence (one token to compute) that is due its proposals for the next step;
+        the others verify none."""
+        step, backoff = self.num_launches, self.spec_backoff
+        decoding = []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.speculative is None and seq.num_output_tokens:
+                seq.speculative = SpeculativeStats()
+            if (probing and seq.num_tokens - seq.num_computed_tokens == 1 and not seq.num_pending
+                    and (backoff is None or backoff.due(seq.request_id, step))):
+                decoding.append(seq)
         for seq, proposal in zip(decoding, self.proposer.propose(decoding) if decoding else []):
             seq.spec_token_ids = proposal
+            if not proposal and backoff is not None:
+                backoff.record(seq.request_id, step, 0, 0)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies before a step (all ranks)."""
@@ -443,7 +475,9 @@ class LLMEngine:
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
         prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
-        proposals = [] if self.proposer is not None else None  # per sampled sequence (speculative decoding)
+        self.num_launches += 1
+        # Per sampled sequence, when any sequence verifies proposals this step (speculative decoding).
+        proposals = [] if any(s.spec_token_ids for s in out.scheduled) else None
         for s in out.scheduled:
             seq = s.seq
             num_spec = len(s.spec_token_ids)
@@ -526,7 +560,6 @@ class LLMEngine:
 
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]]) -> list[list]:
         """Verify a speculative step's proposals; per sequence, the [(token, logprobs)] to append."""
-        from kvforge.speculative.stats import SpeculativeStats
         from kvforge.speculative.verify import verify_proposals
 
         if not seqs:
@@ -538,6 +571,8 @@ class LLMEngine:
                                   [seq.generator_for(logits.device) for seq in seqs], proposals, probs)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):
             if props:
+                if self.spec_backoff is not None:
+                    self.spec_backoff.record(seq.request_id, self.num_launches, len(props), accepted)
                 self.spec_counters.record(len(props), accepted)
                 seq.speculative = (seq.speculative or SpeculativeStats()).plus(len(props), accepted)
             elif seq.speculative is None:

@@ -19,7 +19,7 @@ METHODS = ("ngram", "draft_model", "mtp")
 #: and never propose from a single-token match (too often a coincidence).
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "backoff"}
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 
@@ -34,15 +34,20 @@ def _count(name: str, value, minimum: int) -> int:
 class SpeculativeConfig:
     """How the engine speculates. ``num_speculative_tokens``: proposals per decoding sequence and step
     (the plan reserves room for them). ``prompt_lookup_min/max``: the n-gram sizes the ngram method
-    matches, longest first. ``model``: the draft model (draft_model method)."""
+    matches, longest first. ``model``: the draft model (draft_model method). ``backoff``: a sequence whose
+    probes keep gaining nothing skips proposals for a growing number of steps
+    (:mod:`kvforge.speculative.backoff`; False: proposals every step)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    backoff: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.backoff, bool):
+            raise ConfigError(f"--speculative-config: backoff must be true or false, got {self.backoff!r}")
         if self.method not in METHODS:
             raise ConfigError(f"--speculative-config: unknown method {self.method!r}; use one of "
                               f"{', '.join(METHODS)} (example: {_EXAMPLE})")
@@ -92,7 +97,7 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config needs num_speculative_tokens (example: {_EXAMPLE})")
         return cls(method=data.get("method", "ngram"), num_speculative_tokens=data["num_speculative_tokens"],
                    prompt_lookup_min=data.get("prompt_lookup_min"), prompt_lookup_max=data.get("prompt_lookup_max"),
-                   model=data.get("model"))
+                   model=data.get("model"), backoff=data.get("backoff", True))
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig:

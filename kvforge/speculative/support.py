@@ -20,8 +20,7 @@ from kvforge.speculative.mtp_spec import check_mtp_target
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, *, max_num_batched_tokens: int,
-                      async_scheduling: bool | None) -> None:
+def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, *, max_num_batched_tokens: int) -> None:
     """Raise ConfigError naming the problem and the fix when the engine cannot speculate as configured."""
     k = config.num_speculative_tokens
     if config.method == "mtp":
@@ -51,9 +50,6 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
         raise ConfigError(f"num_speculative_tokens {k} leaves no room in max-model-len {plan.max_model_len} "
                           f"(a prompt token, {k} proposals and the next token must fit); lower it to at most "
                           f"{plan.max_model_len - 2}")
-    if async_scheduling:
-        raise ConfigError("--async-scheduling does not combine with speculative decoding yet (a step's accepted "
-                          "length is known only after it ran); drop --async-scheduling")
 
 
 def check_draft_model(target: ModelSpec, draft: ModelSpec, max_model_len: int) -> None:
