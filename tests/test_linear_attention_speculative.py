@@ -130,7 +130,7 @@ def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
     assert _tokens(outs) == want
     assert _acceptance(outs)[1] > 0  # n-gram proposals were verified (the random model seldom accepts one)
 
-    garbage = engines(tmp_path, num_speculative_tokens=k)
+    garbage = engines(tmp_path, speculative_config={"num_speculative_tokens": k, "backoff": False})  # every step
     garbage.engine.proposer = GarbageProposer(k)
     outs = _generate(garbage.engine, prompts, _greedy())
     assert _tokens(outs) == want
