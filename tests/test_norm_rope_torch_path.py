@@ -1,6 +1,6 @@
 """The PyTorch paths of RMSNorm and rope (what CPU runs) against float64 evaluations of their formulas.
 
-RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``. A float32 input takes torch's own ``rms_norm``; 16-bit inputs
+RMSNorm: ``w * x / sqrt(mean(x^2) + eps)``. A float32 input on CPU takes the formula as written; 16-bit inputs
 widen to float32, normalise, round to the dtype and then multiply the weight (as transformers' Llama). Bounds:
 float32 ``1e-5 * |ref|`` (a reduction over up to 1536 terms and two roundings); 16-bit ``1.01 * eps * |ref|``
 (two roundings: the normalised value, then the weight product) plus the same float32 slack.

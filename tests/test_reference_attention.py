@@ -262,6 +262,44 @@ def test_decode_steps(seqs, window, cache_dtype):
     _check(padded, sm, window=window)
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("seqs", [[(40, 1)], [(31, 1), (31, 1), (31, 1)], [(14, 1), (15, 1)]],
+                         ids=["one", "equal", "unequal"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, E4M3], ids=str)
+def test_decode_fused_attention_path(monkeypatch, seqs, window, cache_dtype):
+    """A decode step whose sequences all see the same keys, over a model-dtype cache without sinks, runs as
+    torch's fused attention over the gathered keys (once per call) and matches the float64 dense oracle;
+    unequal lengths (a mask) and fp8 caches (per-head scales) keep the batched products."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    case, sm = _build(seqs, cache_dtype=cache_dtype, window=window, scale_scheme="per_head", seed=3,
+                      head_dim=64, pad_tokens=0)
+    _check(case, sm, window=window)
+    fused = cache_dtype not in FMAX and len({c for c, _ in seqs}) == 1
+    assert len(calls) == (2 if fused else 0)  # _check attends twice (with and without ``out``)
+    if fused:
+        length = seqs[0][0] + 1
+        assert calls[0] == (len(seqs), 3, min(length, window or length), 64)  # [B, Hkv, visible keys, D]
+
+
+def test_decode_keys_are_shared_by_calls():
+    """``decode_keys`` computed once gives every call the output of computing them in the call."""
+    case, sm = _build([(14, 1), (15, 1), (40, 1)], window=9, seed=4, pad_tokens=0)
+    keys = reference.decode_keys(case.meta, 9, case.cache.device)
+    assert keys is not None and keys.visible is not None
+    want = paged_attention(case.q, case.cache, case.meta, None, None, sm, sliding_window=9)
+    got = paged_attention(case.q, case.cache, case.meta, None, None, sm, sliding_window=9, decode=keys)
+    assert torch.equal(got, want)
+    prefill, _ = _build([(0, 3)], seed=4, pad_tokens=0)
+    assert reference.decode_keys(prefill.meta, None, prefill.cache.device) is None
+
+
 def test_paths_agree(monkeypatch):
     """Force every sequence through the batched path, then through the per-sequence chunked path."""
     case, sm = _build(MIXED, cache_dtype=E5M2, scale_scheme="per_head", seed=21)

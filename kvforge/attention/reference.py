@@ -37,11 +37,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kvforge.attention.fp8 import as_head_scales, fp8_max, is_fp8
 from kvforge.attention.metadata import AttentionMetadata
 
-__all__ = ["BATCHED_QUERY_LEN", "SCORE_BUDGET_ELEMS", "SlotTargets", "paged_attention", "slot_targets", "write_kv_cache"]
+__all__ = ["BATCHED_QUERY_LEN", "SCORE_BUDGET_ELEMS", "DecodeKeys", "SlotTargets", "decode_keys",
+           "paged_attention", "slot_targets", "write_kv_cache"]
 
 BATCHED_QUERY_LEN = 8
 """Sequences with at most this many new tokens are batched together."""
@@ -76,17 +78,21 @@ def _to_storage(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 class SlotTargets(NamedTuple):
     """Where a slot mapping's tokens go: ``rows`` (int64 indices of the written tokens, None when none is
-    skipped) and, per written token, its ``blocks`` and ``offsets`` (int64)."""
+    skipped) and, per written token, its ``blocks`` and ``offsets`` (int64). ``cache_rows`` (int64
+    ``[2, written tokens * Hkv]``, or None): the row of each written token's K heads (``[0]``) and V heads
+    (``[1]``) in the cache seen as ``[num_blocks * 2 * Hkv * block_size, D]``, token-major then head."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
     offsets: torch.Tensor
+    cache_rows: torch.Tensor | None = None
 
 
 def slot_targets(slot_mapping: torch.Tensor, num_blocks: int, block_size: int,
-                 device: torch.device) -> SlotTargets | None:
+                 device: torch.device, num_kv_heads: int | None = None) -> SlotTargets | None:
     """The targets of ``slot_mapping`` in a cache of ``num_blocks`` blocks of ``block_size`` on ``device``
     (None when every slot is -1); IndexError for a slot past the cache. It reads the slots' range on the host.
+    With ``num_kv_heads`` the targets also hold ``cache_rows`` for a cache of that many KV heads.
     """
     slots = slot_mapping.to(device=device, dtype=torch.int64)
     if slots.numel() == 0:
@@ -102,7 +108,14 @@ def slot_targets(slot_mapping: torch.Tensor, num_blocks: int, block_size: int,
     if hi >= num_blocks * block_size:
         raise IndexError(f"slot {hi} out of range for {num_blocks} blocks of {block_size}")
     blocks = torch.div(slots, block_size, rounding_mode="floor")
-    return SlotTargets(rows, blocks, slots - blocks * block_size)
+    offsets = slots - blocks * block_size
+    cache_rows = None
+    if num_kv_heads is not None:
+        # Row of (block, K or V = kv, head h, offset) = ((block * 2 + kv) * Hkv + h) * block_size + offset.
+        heads = torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device).view(2, 1, num_kv_heads)
+        first = (blocks * (2 * num_kv_heads * block_size) + offsets).view(1, -1, 1)
+        cache_rows = (first + heads * block_size).view(2, -1)
+    return SlotTargets(rows, blocks, offsets, cache_rows)
 
 
 def write_kv_cache(
@@ -134,13 +147,25 @@ def write_kv_cache(
     if tuple(k.shape[1:]) != (hkv, head_dim) or tuple(v.shape[1:]) != (hkv, head_dim):
         raise ValueError(f"k/v must be [num_tokens, {hkv}, {head_dim}], got {tuple(k.shape)}/{tuple(v.shape)}")
     if targets is None:
-        targets = slot_targets(slot_mapping, num_blocks, block_size, kv_cache.device)
+        targets = slot_targets(slot_mapping, num_blocks, block_size, kv_cache.device, hkv)
     if targets is None:
         return
     dtype = kv_cache.dtype
-    k, v = k[:n].to(kv_cache.device), v[:n].to(kv_cache.device)
+    if k.shape[0] != n or v.shape[0] != n:
+        k, v = k[:n], v[:n]
+    if k.device != kv_cache.device:
+        k, v = k.to(kv_cache.device), v.to(kv_cache.device)
     if targets.rows is not None:
         k, v = k[targets.rows], v[targets.rows]
+    rows_of = targets.cache_rows
+    if (rows_of is not None and rows_of.shape[1] == targets.blocks.shape[0] * hkv and not is_fp8(dtype)
+            and kv_cache.is_contiguous()):
+        # Model-dtype cache: one indexed row copy for K and one for V, at rows computed once per slot mapping.
+        rows = kv_cache.view(-1, head_dim)
+        for kv_rows, x in ((rows_of[0], k), (rows_of[1], v)):
+            x = x.reshape(-1, head_dim)
+            rows.index_copy_(0, kv_rows, x if x.dtype == dtype else x.to(dtype))
+        return
     if is_fp8(dtype):
         k = _to_storage(k, as_head_scales(k_scale, hkv, kv_cache.device), dtype)
         v = _to_storage(v, as_head_scales(v_scale, hkv, kv_cache.device), dtype)
@@ -195,15 +220,18 @@ def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tens
     return x[0], x[1], factor
 
 
-def _gather_kv_by_head(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Blocks ``[B, nb]`` -> raw K, V float32 ``[Hkv, B, nb * block_size, D]`` and their factor (as
-    :func:`_gather_kv`, KV head first): one ``index_select`` over the cache's block axis seen KV head first
-    lands every head's blocks in order, so no reordering copy follows (float32 caches: no copy at all)."""
-    bsz, nb = blocks.shape
+def _gather_kv_by_head(kv_cache: torch.Tensor, blocks: torch.Tensor,
+                       bsz: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Blocks (int64 ``[bsz * nb]``, each sequence's ``nb`` in a row) -> raw K, V float32
+    ``[Hkv, bsz, nb * block_size, D]`` and their factor (as :func:`_gather_kv`, KV head first): one
+    ``index_select`` over the cache's block axis seen KV head first lands every head's blocks in order, so no
+    reordering copy follows (float32 caches: no copy at all)."""
     _, _, hkv, bs, d = kv_cache.shape
-    g = _storage_view(kv_cache).permute(1, 2, 0, 3, 4).index_select(2, blocks.reshape(-1))  # [2, Hkv, B*nb, bs, D]
+    g = _storage_view(kv_cache).permute(1, 2, 0, 3, 4).index_select(2, blocks)  # [2, Hkv, B*nb, bs, D]
     g, factor = _widen_bits(g, kv_cache.dtype)
-    x = g.to(torch.float32).view(2, hkv, bsz, nb * bs, d)
+    if g.dtype != torch.float32:
+        g = g.to(torch.float32)
+    x = g.view(2, hkv, bsz, -1, d)
     return x[0], x[1], factor
 
 
@@ -259,6 +287,7 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    decode: DecodeKeys | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of one step's new tokens over the cache.
 
@@ -276,7 +305,8 @@ def paged_attention(
     ``exp(s_j) / (sum_i exp(s_i) + exp(sinks[h]))`` and sum to less than one.
     Computed in float32; returns ``out`` (filled in place, any float dtype) or
     a new ``[num_tokens, Hq, D]`` tensor of ``q.dtype``. Rows of tokens past
-    ``query_start_loc[-1]`` are zero.
+    ``query_start_loc[-1]`` are zero. ``decode``: ``decode_keys(meta, sliding_window, kv_cache.device)``,
+    computed once by a caller that attends many layers with one metadata (computed here when None).
     """
     num_blocks, hkv, block_size, head_dim = _check_cache(kv_cache)
     if block_size != meta.block_size:
@@ -302,30 +332,34 @@ def paged_attention(
             raise ValueError(f"sinks must be [num_heads] = [{hq}], got {tuple(sinks.shape)}")
         sink_logits = sinks.to(device=device, dtype=torch.float32).view(hkv, group)
 
+    if decode is None:
+        decode = decode_keys(meta, sliding_window, device)
+    if decode is not None:
+        total = decode.num_seqs
+        if total > num_tokens:
+            raise ValueError(f"query_start_loc[-1] = {total} > num_tokens = {num_tokens}")
+        qf = q if q.dtype == torch.float32 and q.device == device else q.to(device, torch.float32)
+        o = _decode(qf, kv_cache, decode, qk_scale, vs, group, sink_logits)
+        if out is None and total == num_tokens:
+            # Row i is sequence i's one query token and there is no padding row: the result is the output.
+            return o if o.dtype == q.dtype and o.device == q.device else o.to(device=q.device, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(num_tokens, hq, head_dim, dtype=q.dtype, device=q.device)
+        out[total:].zero_()
+        out[:total] = o
+        return out
+
     qsl, seq_lens = meta.host_lists()
     num_seqs = len(seq_lens)
     total = qsl[-1] if num_seqs else 0
     if total > num_tokens:
         raise ValueError(f"query_start_loc[-1] = {total} > num_tokens = {num_tokens}")
-    qlens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
-    for i in range(num_seqs):
-        if qlens[i] < 0 or seq_lens[i] < qlens[i]:
-            raise ValueError(f"sequence {i}: query_len {qlens[i]} invalid for seq_len {seq_lens[i]}")
+    qlens = _query_lens(qsl, seq_lens)
     qf = q.to(device=device, dtype=torch.float32)
-    decode = num_seqs and BATCHED_QUERY_LEN >= 1 and total == num_seqs and min(qlens) == 1
-    if decode and out is None and total == num_tokens:
-        # One query token per sequence, row i being sequence i's, and no padding row: the result is the output.
-        o = _decode(qf, kv_cache, meta.block_tables.to(device), seq_lens, qk_scale, vs, group, sliding_window,
-                    sink_logits)
-        return o.to(device=q.device, dtype=q.dtype)
     if out is None:
         out = torch.empty(num_tokens, hq, head_dim, dtype=q.dtype, device=q.device)
     if total < num_tokens:
         out[total:].zero_()
-    if decode:
-        out[:total] = _decode(qf, kv_cache, meta.block_tables.to(device), seq_lens, qk_scale, vs, group,
-                              sliding_window, sink_logits)
-        return out
     block_tables = meta.block_tables.to(device=device, dtype=torch.int64)
 
     short = [i for i in range(num_seqs) if 0 < qlens[i] <= BATCHED_QUERY_LEN]
@@ -347,42 +381,94 @@ def _window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int | None) -> 
     return allowed
 
 
-def _decode(qf, kv_cache, block_tables, seq_lens, qk_scale, vs, group, window, sinks) -> torch.Tensor:
-    """Every sequence brings one query token, row i of ``qf`` being sequence i's; returns float32
-    ``[num_seqs, Hq, D]``. One batched product over the blocks holding any of their visible keys. Where all
-    sequences see the same key range (one sequence, or equal lengths) that range is sliced out exactly and
-    nothing is masked; otherwise keys outside a sequence's range are masked (scores to -inf, V rows zeroed
-    bitwise as in :func:`_attend`)."""
-    device = kv_cache.device
-    _, _, hkv, bs, d = kv_cache.shape
+def _query_lens(qsl: list[int], seq_lens: list[int]) -> list[int]:
+    """Each sequence's number of query tokens; ValueError where it is negative or above its length."""
+    qlens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+    for i, (n, length) in enumerate(zip(qlens, seq_lens)):
+        if n < 0 or length < n:
+            raise ValueError(f"sequence {i}: query_len {n} invalid for seq_len {length}")
+    return qlens
+
+
+class DecodeKeys(NamedTuple):
+    """The keys of a decode step (one query token per sequence, row i being sequence i's) under one sliding
+    window; the same for every layer that shares the step's metadata and window.
+
+    Sequence i reads ``num_blocks`` blocks, ``blocks[i * num_blocks:(i + 1) * num_blocks]`` (int64; block
+    0 in place of entries past its last block), whose first key is at position ``first_block * block_size``.
+    When every sequence sees the same keys, ``keys`` is their range within those ``num_blocks * block_size``
+    keys and ``visible`` is None; otherwise ``keys`` is None and ``visible`` (bool ``[num_seqs, num_blocks *
+    block_size]``) marks each sequence's visible keys.
+    """
+
+    num_seqs: int
+    blocks: torch.Tensor
+    num_blocks: int
+    first_block: int
+    keys: slice | None
+    visible: torch.Tensor | None
+
+
+def decode_keys(meta: AttentionMetadata, sliding_window: int | None,
+                device: torch.device) -> DecodeKeys | None:
+    """``meta``'s :class:`DecodeKeys` on ``device``, or None when it is not a decode step (a sequence brings
+    more or fewer than one query token, or there is no sequence); ValueError for a query length that does not
+    fit its sequence."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    qsl, seq_lens = meta.host_lists()
     b = len(seq_lens)
+    if not b or BATCHED_QUERY_LEN < 1 or qsl[-1] != b:
+        return None
+    if min(_query_lens(qsl, seq_lens)) != 1:
+        return None
+    bs = meta.block_size
+    window = sliding_window
     firsts = [max(0, n - window) if window is not None else 0 for n in seq_lens]  # first visible key
     lo, hi = min(firsts), max(seq_lens)
     first_block = lo // bs
     nb = (hi + bs - 1) // bs - first_block
-    exact = min(seq_lens) == hi and max(firsts) == lo
-    blocks = block_tables[:b, first_block:first_block + nb]
-    if not exact:
-        lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-        bidx = torch.arange(first_block, first_block + nb, device=device)
-        # Entries past a sequence's last block are arbitrary: read block 0 there (masked).
-        blocks = torch.where(bidx[None, :] < (lens[:, None] + bs - 1) // bs, blocks, 0)
-    k, v, factor = _gather_kv_by_head(kv_cache, blocks)  # [Hkv, B, nb * bs, D]
-    if exact:
+    blocks = meta.block_tables.to(device=device)[:b, first_block:first_block + nb]
+    if min(seq_lens) == hi and max(firsts) == lo:  # every sequence sees the same keys
         keys = slice(lo - first_block * bs, hi - first_block * bs)
-        k, v = k[:, :, keys], v[:, :, keys]
+        return DecodeKeys(b, blocks.reshape(-1).to(torch.int64), nb, first_block, keys, None)
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    bidx = torch.arange(first_block, first_block + nb, device=device)
+    # Entries past a sequence's last block are arbitrary: read block 0 there (masked).
+    blocks = torch.where(bidx[None, :] < (lens[:, None] + bs - 1) // bs, blocks, 0)
+    kpos = first_block * bs + torch.arange(nb * bs, device=device)
+    visible = kpos[None, :] < lens[:, None]
+    if window is not None:
+        visible &= kpos[None, :] >= lens[:, None] - window
+    return DecodeKeys(b, blocks.reshape(-1).to(torch.int64), nb, first_block, None, visible)
+
+
+def _decode(qf, kv_cache, dk: DecodeKeys, qk_scale, vs, group, sinks) -> torch.Tensor:
+    """Every sequence brings one query token, row i of ``qf`` being sequence i's (``dk``: the step's
+    :func:`decode_keys`); returns float32 ``[num_seqs, Hq, D]``. One batched product over the blocks holding
+    any of their visible keys. Where all sequences see the same key range (one sequence, or equal lengths)
+    that range is sliced out exactly and nothing is masked; otherwise keys outside a sequence's range are
+    masked (scores to -inf, V rows zeroed bitwise as in :func:`_attend`)."""
+    _, _, hkv, bs, d = kv_cache.shape
+    b = dk.num_seqs
+    k, v, factor = _gather_kv_by_head(kv_cache, dk.blocks, b)  # [Hkv, B, nb * bs, D]
+    if dk.keys is not None:
+        k, v = k[:, :, dk.keys], v[:, :, dk.keys]
+        if sinks is None and vs is None and kv_cache.device.type == "cpu":
+            # No mask, no sink, no scale but the softmax's: torch's fused attention over [B, Hkv, Lk, D]
+            # views, query head h reading KV head h // group.
+            q4 = qf[:b].view(b, hkv * group, 1, d)
+            o = F.scaled_dot_product_attention(q4, k.transpose(0, 1), v.transpose(0, 1),
+                                               scale=qk_scale * factor, enable_gqa=True)
+            return o.view(b, hkv * group, d)
     lk = k.shape[2]
     # KV head and batch merge in views of the gathered K and V; the score scale goes on the (small) query.
     q_scaled = (qf[:b].view(b, hkv, group, d) * _per_head(qk_scale * factor, 4)).transpose(0, 1)
     scores = torch.bmm(q_scaled.reshape(hkv * b, group, d), k.reshape(hkv * b, lk, d).transpose(1, 2))
     scores4 = scores.view(hkv, b, group, lk)  # [Hkv, B, G, Lk]
-    if not exact:
-        kpos = first_block * bs + torch.arange(nb * bs, device=device)
-        allowed = kpos[None, :] < lens[:, None]
-        if window is not None:
-            allowed &= kpos[None, :] >= lens[:, None] - window
-        scores4.masked_fill_(~allowed[None, :, None, :], float("-inf"))
-        v.view(torch.int32).bitwise_and_(torch.where(allowed, -1, 0).to(torch.int32)[None, :, :, None])
+    if dk.visible is not None:
+        scores4.masked_fill_(~dk.visible[None, :, None, :], float("-inf"))
+        v.view(torch.int32).bitwise_and_(torch.where(dk.visible, -1, 0).to(torch.int32)[None, :, :, None])
     if sinks is None:
         p = torch.softmax(scores, dim=-1)
     else:

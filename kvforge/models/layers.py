@@ -84,13 +84,14 @@ class RMSNorm(nn.Module):
         return self._norm(s), s
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # Nothing to widen or narrow: torch's own RMSNorm is this formula in one call.
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type != "cpu":
+            # Nothing to widen or narrow: torch's own RMSNorm is this formula in one call. (On CPU it is
+            # composed of more operations than the formula below, two of them copies.)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         in_dtype = x.dtype
-        xf = x.float()
+        xf = x if in_dtype == torch.float32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(in_dtype)
+        return self.weight * (xf if in_dtype == torch.float32 else xf.to(in_dtype))
 
 
 # ---------------------------------------------------------------------------
