@@ -52,3 +52,30 @@ def test_garbage_proposals_back_off_and_keep_greedy_output():
     every.engine.proposer = GarbageProposer(3, every.engine.spec.vocab_size)
     assert token_ids(generate(every, PROMPTS, PARAMS)) == ref
     assert every.engine.stats()["spec_decode"]["num_drafts"] >= 70  # without back-off: every decode step
+
+
+def test_async_steps_feed_a_draft_model_through_placeholders(tmp_path):
+    """Under async scheduling the steps without proposals overlap: the draft follows them with the in-flight
+    token gathered on the device. A tiny Llama as its own draft, probed every third step: its KV of every
+    followed position must equal the target's, or its proposals (the target's own argmax) would be rejected."""
+    from test_speculative_engine import LLAMA, TINY_PROMPTS, save_tiny
+
+    from kvforge import LLM
+
+    path = save_tiny(tmp_path, LLAMA)
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False,
+              device="cpu", max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = token_ids(generate(LLM(path, **kw), TINY_PROMPTS, params))
+    on = LLM(path, async_scheduling=True, **kw,
+             speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    engine = on.engine
+    assert engine.async_scheduling and engine.spec_backoff is not None
+    engine.spec_backoff.due = lambda request_id, step: step % 3 == 0
+    launched = []
+    launch = engine._launch
+    engine._launch = lambda out, prev: (launched.append(prev is not None), launch(out, prev))[1]
+    assert token_ids(generate(on, TINY_PROMPTS, params, check=False)) == ref  # (its invariants assume sync steps)
+    spec = engine.stats()["spec_decode"]
+    assert spec["num_drafts"] >= 10 and spec["num_accepted_tokens"] >= 0.95 * spec["num_draft_tokens"], spec
+    assert sum(launched) >= 5  # steps launched while their predecessor was in flight

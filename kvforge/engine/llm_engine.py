@@ -209,6 +209,7 @@ class LLMEngine:
         # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
         self.proposer = self.spec_counters = self.draft_runner = self.spec_backoff = None
         self.num_launches = 0  # steps launched (the clock of the proposal back-off)
+        self._observes = False  # a proposer that sees every step's tokens (MTP): every step verifies, synchronously
         if self.speculative is not None:
             from kvforge.speculative.proposer import build_proposer
             from kvforge.speculative.stats import SpecDecodeCounters
@@ -219,7 +220,10 @@ class LLMEngine:
                    if self.with_mtp else None)
             self.proposer = build_proposer(self.speculative, draft, mtp)
             self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
-            if self.speculative.backoff and getattr(self.proposer, "backs_off", True):
+            self._observes = hasattr(self.proposer, "observe")
+            if self._observes and args.async_scheduling is None:
+                self.async_scheduling = False
+            if self.speculative.backoff and not self._observes:
                 from kvforge.speculative.backoff import ProposalBackoff
 
                 self.spec_backoff = ProposalBackoff()
@@ -476,8 +480,10 @@ class LLMEngine:
         ph_rows, ph_src = [], []
         prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
         self.num_launches += 1
-        # Per sampled sequence, when any sequence verifies proposals this step (speculative decoding).
-        proposals = [] if any(s.spec_token_ids for s in out.scheduled) else None
+        # Per sampled sequence, when any sequence verifies proposals this step (speculative decoding), or every
+        # step for a proposer that observes each step's tokens (the MTP layer).
+        proposals = ([] if self.proposer is not None and (self._observes or any(s.spec_token_ids for s in out.scheduled))
+                     else None)
         for s in out.scheduled:
             seq = s.seq
             num_spec = len(s.spec_token_ids)
@@ -529,7 +535,7 @@ class LLMEngine:
                                  share_sampled=len(rows) if share else 0)
         follow = getattr(self.proposer, "follow", None)
         if follow is not None:  # a draft model computes its layers' KV of the step's positions too
-            follow(out.scheduled)
+            follow(out.scheduled, prev)
         prompt_lp = None
         if prompt_rows:
             targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device, non_blocking=True)

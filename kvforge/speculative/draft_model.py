@@ -124,11 +124,13 @@ class DraftModelProposer:
         state.num_real, state.fed = valid, []
         return valid
 
-    def follow(self, scheduled) -> None:
+    def follow(self, scheduled, prev=None) -> None:
         """Run the draft over a target step's chunks without proposals (``ScheduledSequence`` list), so the
         draft's KV covers every position the target computed (the module's invariant). Chunks with proposals
-        were written by :meth:`propose` already."""
-        chunks = []
+        were written by :meth:`propose` already. ``prev``: the step still in flight under async scheduling
+        (``InflightStep``); a chunk's last token that it samples is gathered on the device from its
+        ``token_ids``, as for the target's step."""
+        chunks, ph_rows, ph_src, offset = [], [], [], 0
         for s in scheduled:
             if s.spec_token_ids:
                 continue
@@ -137,10 +139,16 @@ class DraftModelProposer:
             state = self._state(seq, s.start_pos)
             valid = self._roll_back(state, end)
             if valid < end:
-                chunks.append((seq.token_ids_slice(valid, end), valid, seq.block_tables))
+                tokens = seq.token_ids_slice(valid, min(end, seq.num_tokens))
+                if end > seq.num_tokens:  # the last token is in flight: a placeholder
+                    tokens = tokens + [0]
+                    ph_rows.append(offset + len(tokens) - 1)
+                    ph_src.append(prev.row_of[seq.request_id])
+                chunks.append((tokens, valid, seq.block_tables))
+                offset += len(tokens)
                 state.num_real = end
         if chunks:
-            self.runner.run(chunks, [])
+            self.runner.run(chunks, [], placeholders=(ph_rows, ph_src, prev.token_ids) if ph_rows else None)
 
     # ---- proposing --------------------------------------------------------------------------------------
     def proposal_probs(self, seq: Sequence, num_proposals: int) -> torch.Tensor | None:
