@@ -56,7 +56,7 @@ def test_greedy_agrees_with_speculation_off(checkpoint, dtype, kv):
         tol *= 4 if kv == "fp8" else 1
     for k in (1, 3):
         llm = _llm(checkpoint, k, dtype=dtype, kv_cache_dtype=kv)
-        assert llm.engine.plan.mtp_layers == (2,)
+        assert [layer.index for layer in llm.engine.plan.draft.layers] == [2]
         assert_outputs_agree(generate(llm, PROMPTS, params), ref, tol)
         counters = llm.engine.stats()["spec_decode"]
         assert counters["num_draft_tokens"] >= 20 * k  # proposals were made and verified

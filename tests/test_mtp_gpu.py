@@ -53,7 +53,7 @@ def test_mtp_agrees_with_speculation_off(tmp_path, dtype, kv, k):
                      speculative_config={"method": "mtp", "num_speculative_tokens": k})
     assert_outputs_agree(outs, ref, tol)
     stats = llm.engine.stats()
-    assert llm.engine.plan.mtp_layers == (3,)
+    assert [layer.index for layer in llm.engine.plan.draft.layers] == [3]
     assert stats["spec_decode"]["num_draft_tokens"] > 0
 
 

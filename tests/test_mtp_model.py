@@ -32,8 +32,9 @@ def test_mtp_logits_match_reference(tmp_path):
     ref = save_deepseek_v3_with_mtp(tmp_path)
     llm = _llm(tmp_path)
     engine = llm.engine
-    assert engine.plan.mtp_layers == (2,) and len(engine.plan.layers) == 3
-    assert len(engine.plan.groups) == 1 and 2 in engine.plan.groups[0].layers  # one MLA group, shared tables
+    # The MTP layer (checkpoint index 2) sits in the target's one MLA group, after its layers: shared tables.
+    assert len(engine.plan.layers) == 2 and [layer.index for layer in engine.plan.draft.layers] == [2]
+    assert len(engine.plan.groups) == 1 and engine.plan.groups[0].draft_layers == (2,)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 256, (11,), generator=g).tolist()
     tables = [[5, 1, 7]]  # scattered blocks of 4 tokens
@@ -43,7 +44,8 @@ def test_mtp_logits_match_reference(tmp_path):
     ref_hidden = ref.hidden(ids)
     assert (hidden.double() - ref_hidden).abs().max().item() <= 1e-4 * max(1.0, ref_hidden.abs().max().item())
 
-    logits, out = runner.run_mtp([(ids[1:], 0, tables)], hidden[:-1], list(range(len(ids) - 1)))
+    mtp = engine.draft_runner  # the target model over the plan's proposer layer
+    logits, out = mtp.run_mtp([(ids[1:], 0, tables)], hidden[:-1], list(range(len(ids) - 1)))
     ref_out = ref.outputs(ids[1:], ref_hidden[:-1])
     want = ref.logits(ref_out)
     scale = max(1.0, want.abs().max().item())
@@ -52,7 +54,7 @@ def test_mtp_logits_match_reference(tmp_path):
 
     # Second pass: the layer's own output at position T - 2 and a guessed token, at position T - 1.
     guess = int(want[-1].argmax())
-    logits2, _ = runner.run_mtp([([guess], len(ids) - 1, tables)], out[-1:], [0])
+    logits2, _ = mtp.run_mtp([([guess], len(ids) - 1, tables)], out[-1:], [0])
     want2 = ref.logits(ref.outputs(ids[1:] + [guess], torch.cat([ref_hidden[:-1], ref_out[-1:]])))[-1]
     assert (logits2[0].double() - want2).abs().max().item() <= 1e-4 * max(1.0, want2.abs().max().item())
     # The MTP layer is a real model: its guesses are not the target's (random weights), so this test would

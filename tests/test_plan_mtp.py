@@ -1,5 +1,6 @@
-"""Speculative method mtp in the plan: the checkpoint's MTP layer is one more layer of the target's MLA
-group (same block tables), counted in bytes per token, capacity and weights, and shown by the plan."""
+"""Speculative method mtp in the plan: the checkpoint's MTP layer is the plan's proposer layer, placed in
+the target's MLA group after the target's layers (same block tables), counted in bytes per token,
+capacity and weights, and shown by the plan."""
 
 from __future__ import annotations
 
@@ -16,26 +17,28 @@ from kvforge.spec.presets import PRESETS
 def test_deepseek_v3_plan_holds_the_mtp_layer_in_its_group():
     kw = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 34, max_model_len=8192)
     alone, with_mtp = plan("deepseek-v3", **kw), plan("deepseek-v3", mtp=True, **kw)
-    assert alone.mtp_layers == () and with_mtp.mtp_layers == (61,)
-    assert [layer.index for layer in with_mtp.layers] == list(range(62))
-    assert with_mtp.layers[61].kind == "mla" and with_mtp.layers[61].backend == with_mtp.layers[0].backend
-    assert len(with_mtp.groups) == 1 and with_mtp.groups[0].layers == tuple(range(62))
-    assert with_mtp.bytes_per_token == 62 * 576 and alone.bytes_per_token == 61 * 576
-    # The same memory holds 61/62 of the tokens (block counts round down).
-    assert with_mtp.capacity_tokens <= alone.capacity_tokens * 61 / 62 < with_mtp.capacity_tokens + 64
+    assert alone.draft is None
+    draft = with_mtp.draft
+    assert draft.model == "deepseek-v3 MTP layer" and [layer.index for layer in draft.layers] == [61]
+    assert draft.layers[0].kind == "mla" and draft.layers[0].backend == with_mtp.layers[0].backend
+    assert len(with_mtp.groups) == 1 and with_mtp.groups[0].layers == tuple(range(61))
+    assert with_mtp.groups[0].draft_layers == (61,)
+    # One more latent row per token: 62 x 576 bytes (fp8) per sequence token instead of 61 x 576.
+    assert draft.bytes_per_token == 576 and with_mtp.capacity.bytes_per_sequence == 62 * 576 * 8192
+    assert draft.capacity_without == alone.capacity and alone.capacity.bytes_per_sequence == 61 * 576 * 8192
+    assert with_mtp.capacity.num_blocks == (1 << 34) // (62 * 576 * 16)
     # The MTP layer's weights: a MoE decoder layer plus embedding, head, eh_proj and three norms.
     h, v = 7168, 129280
-    assert with_mtp.num_parameters - alone.num_parameters > 2 * v * h + 2 * h * h
-    text = with_mtp.summary()
-    assert "MTP layer 61 (speculative method mtp) in group 0" in text and "0.9839x" in text
+    assert draft.num_parameters > 2 * v * h + 2 * h * h
+    assert "draft deepseek-v3 MTP layer: layer 61 joins group 0" in with_mtp.summary()
 
 
 def test_kvforge_plan_cli_shows_the_mtp_layer(capsys):
     assert main(["plan", "deepseek-v3", "--kv-cache-memory", str(1 << 34), "--json", "--speculative-config",
                  '{"method": "mtp", "num_speculative_tokens": 2}']) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["mtp_layers"] == [61] and data["num_speculative_tokens"] == 2
-    assert data["bytes_per_token"] == 62 * 576 * 2
+    assert [layer["index"] for layer in data["draft"]["layers"]] == [61] and data["num_speculative_tokens"] == 2
+    assert data["groups"][0]["draft_layers"] == [61]
 
 
 def test_plan_without_an_mtp_layer_is_refused(tmp_path):

@@ -75,15 +75,16 @@ class LLMEngine:
         )
         speculative = args.speculative_config
         self.with_mtp = speculative is not None and speculative.method == "mtp"
-        if self.with_mtp:  # the checkpoint's MTP layer is planned as one more layer of the target
-            from kvforge.speculative.mtp_spec import with_mtp_layer
+        mtp_layers = None
+        if self.with_mtp:  # the checkpoint's MTP layer, planned in the target's groups like a draft's layers
+            from kvforge.speculative.mtp_spec import mtp_proposer_layers
 
-            self.spec = with_mtp_layer(self.spec)
+            mtp_layers = mtp_proposer_layers(self.spec)
         # A draft model (speculative decoding): its config only, planned beside the target's.
         self.draft_spec = (load_model_spec(speculative.model)
                            if speculative is not None and speculative.method == "draft_model" else None)
         self.plan = resolve(self.spec, cache, ParallelConfig(args.tensor_parallel_size), platform,
-                            model_dtype=model_dtype, draft_spec=self.draft_spec)
+                            model_dtype=model_dtype, draft_spec=self.draft_spec, proposer_layers=mtp_layers)
         from kvforge.models.registry import resolve_architecture
 
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
@@ -216,8 +217,7 @@ class LLMEngine:
 
             draft = (self._build_draft(args, model_dtype, max_num_seqs, batched) if self.draft_spec is not None
                      else None)
-            mtp = (dict(runner=self.runner, block_manager=self.block_manager, max_model_len=self.max_model_len)
-                   if self.with_mtp else None)
+            mtp = self._build_mtp(args, max_num_seqs) if self.with_mtp else None
             self.proposer = build_proposer(self.speculative, draft, mtp)
             self.spec_counters = SpecDecodeCounters(self.speculative.num_speculative_tokens)
             self._observes = hasattr(self.proposer, "observe")
@@ -323,6 +323,17 @@ class LLMEngine:
                                         mla_prefill_mode=args.mla_prefill_mode)
         return dict(runner=self.draft_runner, block_manager=self.block_manager, max_model_len=self.max_model_len,
                     max_num_batched_tokens=batched, copy_blocks=self._copy_blocks,
+                    spare_blocks=lambda: self.scheduler.spare_blocks())
+
+    def _build_mtp(self, args: EngineArgs, max_num_seqs: int) -> dict:
+        """A runner of the target model's MTP layer over its layer of the target's pool (the plan's ``draft``):
+        the arguments of :class:`kvforge.speculative.mtp.MTPProposer`."""
+        self.draft_runner = ModelRunner(self.model, self.pool.draft_view(), self.plan.draft_runner_plan(),
+                                        self.device, calibrate=args.calculate_kv_scales,
+                                        scale_multiplier=args.kv_scale_multiplier, enforce_eager=True,
+                                        max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
+        return dict(runner=self.draft_runner, target_runner=self.runner, block_manager=self.block_manager,
+                    max_model_len=self.max_model_len, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())
 
     def _load_tokenizer(self, args: EngineArgs):

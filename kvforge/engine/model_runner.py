@@ -33,8 +33,9 @@ mixed steps, and everything with ``enforce_eager``, run eagerly.
 
 With ``keep_hidden`` set (speculative method mtp), a step also keeps the hidden
 states of all its tokens (``last_hidden``, the model's output before the head;
-no copy) for the proposer to take, and :meth:`ModelRunner.run_mtp` runs the model's
-multi-token-prediction layer over the same pool and block tables.
+no copy) for the proposer to take; a runner over the plan's proposer layers
+(``KVPool.draft_view``) runs the model's multi-token-prediction layer with
+:meth:`ModelRunner.run_mtp`, through the same block tables.
 """
 
 from __future__ import annotations
@@ -560,7 +561,8 @@ class ModelRunner:
         """The model's multi-token-prediction layer over ``chunks`` (as :meth:`run`; the ids are the tokens
         that follow each position) with ``hidden`` [tokens, hidden], one previous hidden state per token;
         returns (float32 logits or None without ``logits``, head inputs) of ``logits_rows``. Its KV goes to
-        the plan's MTP layer, through the block tables given, eagerly."""
+        this runner's layer 0 (a runner over the plan's proposer layers), through the block tables given,
+        eagerly."""
         host = self.build_host(chunks, logits_rows)
         ids, positions, metas, rows = self._to_device(host)
         self._metas, self._num_splits = metas, None

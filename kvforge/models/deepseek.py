@@ -42,7 +42,8 @@ Weights use transformers' names; routed experts come per expert
 [E, hidden, I]). Multi-token-prediction layers (index >= num_hidden_layers)
 are skipped unless the model is built ``with_mtp`` (speculative method mtp): then the first one,
 ``model.layers.{num_hidden_layers}``, loads into ``mtp_layers`` (kvforge/models/deepseek_mtp.py) and
-:meth:`DeepseekV2ForCausalLM.mtp_forward` runs it. FP8 block-quantized checkpoints (``weight_scale_inv``) are not
+:meth:`DeepseekV2ForCausalLM.mtp_forward` runs it, through a runner over the plan's proposer layers (its
+attention is their layer 0). FP8 block-quantized checkpoints (``weight_scale_inv``) are not
 supported.
 """
 
@@ -368,7 +369,8 @@ class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
                 raise ConfigError(f"{self.arch} config has no multi-token-prediction layer "
                                   f"(num_nextn_predict_layers); build it without with_mtp")
             a, n = self.args, self.num_layers
-            block = self.make_layer(a, n, dtype)
+            block = self.make_layer(a, n, dtype)  # MoE or dense by its checkpoint index
+            block.self_attn.layer_idx = 0  # its KV: layer 0 of the proposer's layers (the plan's draft)
             self.mtp_layers = nn.ModuleDict({str(n): DeepseekMTPLayer(
                 a.hidden_size, a.vocab_size, a.rms_norm_eps, block.self_attn, block.mlp, dtype=dtype)})
 

@@ -12,8 +12,8 @@ its head (after the final norm) and ``t_{i+1}`` the token that follows position 
     out_i = shared_head.norm(y_i);  logits_i = shared_head.head(out_i)   # a guess of t_{i+2}
 
 The layer's attention is MLA with the main model's dimensions and runs at position ``i``; its KV
-cache is one more layer of the target's MLA group (layer index ``num_hidden_layers``), so it shares
-the target sequence's block tables. Used for more than one guess, the layer is applied again to its
+cache is a page slot of the target's MLA group (the plan's proposer layer), so it shares the target
+sequence's block tables. Used for more than one guess, the layer is applied again to its
 own output: ``out_i`` takes the place of ``h`` at position ``i + 1`` with the guessed token.
 """
 

@@ -16,14 +16,15 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;
     ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
-    checkpoint's multi-token-prediction layer (speculative method mtp, the plan's ``mtp_layers``)."""
+    checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``)."""
     from kvforge.kv_dtypes import canonical_model_dtype
 
     spec = load_model_spec(model)
+    proposer_layers = None
     if mtp:
-        from kvforge.speculative.mtp_spec import with_mtp_layer
+        from kvforge.speculative.mtp_spec import mtp_proposer_layers
 
-        spec = with_mtp_layer(spec)
+        proposer_layers = mtp_proposer_layers(spec)
     cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
                         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
@@ -33,4 +34,4 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
     model_dtype = canonical_model_dtype(dtype) if dtype and dtype != "auto" else None
     draft_spec = load_model_spec(draft_model) if draft_model is not None else None
     return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype,
-                   draft_spec=draft_spec)
+                   draft_spec=draft_spec, proposer_layers=proposer_layers)

@@ -149,12 +149,10 @@ class KVPlan:
     #: Storage dtype of the state slots of linear-attention layers (None without state layers), and why.
     state_dtype: str | None = None
     state_dtype_reason: str = ""
-    #: The speculative proposer's layers (method draft_model), in the groups and pool above: ``capacity``
+    #: The speculative proposer's layers (method draft_model; method mtp: the checkpoint's MTP layer), in the
+    #: groups and pool above: ``capacity``
     #: counts them; ``draft.capacity_without`` is the target alone.
     draft: DraftPlan | None = None
-    #: Multi-token-prediction layers among ``layers`` (speculative method mtp): planned like the target's own
-    #: layers, in their groups, and counted in ``bytes_per_token`` and the capacity.
-    mtp_layers: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int | None:
@@ -204,18 +202,6 @@ class KVPlan:
                 f"(without the draft {alone.bytes_per_sequence:,}): {cap.num_blocks:,} blocks = "
                 f"{cap.capacity_tokens:,} tokens, max concurrency {cap.max_concurrency:.2f} (without the draft "
                 f"{alone.num_blocks:,} blocks = {alone.capacity_tokens:,} tokens, {alone.max_concurrency:.2f})")
-
-    def mtp_explanation(self) -> str | None:
-        """Where the multi-token-prediction layers sit and the share of the KV they take (None without)."""
-        if not self.mtp_layers:
-            return None
-        mine = set(self.mtp_layers)
-        groups = [i for i, g in enumerate(self.groups) if mine & set(g.layers)]
-        cost = sum(layer.bytes_per_token for layer in self.layers if layer.index in mine)
-        word = "layer" if len(mine) == 1 else "layers"
-        return (f"MTP {word} {', '.join(map(str, self.mtp_layers))} (speculative method mtp) in group "
-                f"{', '.join(map(str, groups))} with the target's layers: {cost:,} of the {self.bytes_per_token:,} "
-                f"bytes/token/rank, so the capacity is {1 - cost / self.bytes_per_token:.4f}x the target's alone")
 
     def backends(self) -> list[str]:
         return sorted({layer.backend for layer in self.layers})
@@ -279,8 +265,6 @@ class KVPlan:
                          f"back to the accepted tokens ({self.num_speculative_tokens + 1} rows per layer, float32)")
         if self.draft is not None:
             lines.append(f"  {self.draft_explanation()}")
-        if self.mtp_layers:
-            lines.append(f"  {self.mtp_explanation()}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

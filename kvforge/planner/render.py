@@ -67,8 +67,6 @@ def render_plan(plan: KVPlan, console=None) -> None:
         head.add_row("capacity", "no memory given (--kv-cache-memory or --gpu-memory)")
     if plan.draft is not None:
         head.add_row("speculative draft", plan.draft_explanation())
-    if plan.mtp_layers:
-        head.add_row("speculative MTP", plan.mtp_explanation())
     console.print(head)
 
     layers = Table(title="layers (per rank)")

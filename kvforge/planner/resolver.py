@@ -539,7 +539,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
         warnings=tuple(warnings), scale_source=scale_source,
         prefix_caching=prefix_ok, prefix_caching_reason=prefix_reason,
-        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft, mtp_layers=spec.mtp_layers,
+        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft
     )
 
 

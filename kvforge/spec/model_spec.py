@@ -15,8 +15,6 @@ class ModelSpec:
     model code is built from; it is excluded from equality and hashing.
     ``num_parameters`` counts every weight (all experts of an MoE);
     ``model_dtype`` is the canonical dtype weights and activations run in.
-    ``mtp_layers``: indices of ``layers`` that are the checkpoint's multi-token-prediction layers,
-    planned only for speculative decoding with method mtp (their weights are in ``num_parameters``).
     """
 
     architecture: str
@@ -30,7 +28,6 @@ class ModelSpec:
     max_position_embeddings: int | None
     source: str
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
-    mtp_layers: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:

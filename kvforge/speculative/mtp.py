@@ -1,27 +1,30 @@
 """MTP proposals: the target checkpoint's multi-token-prediction layer guesses the next ``k`` tokens.
 
 The MTP layer (kvforge/models/deepseek_mtp.py) at position ``i`` reads the target's hidden state
-``h_i`` and the token ``t_{i+1}`` and guesses ``t_{i+2}``. Its KV is one more layer of the target's
-MLA group, written through the target sequence's own block tables, so it has no pool, block manager
-or rollback of its own: the target's positions and the MTP layer's are the same, and positions past
-a sequence's computed tokens are rewritten before anything reads them.
+``h_i`` and the token ``t_{i+1}`` and guesses ``t_{i+2}``. Its KV is the plan's proposer layer in the
+target's MLA group, written through the target sequence's own block tables, so it has no pool, block
+manager or rollback of its own: the target's positions and the MTP layer's are the same, and positions
+past a sequence's computed tokens are rewritten before anything reads them (the target's trim frees
+their blocks).
 
 Two calls per engine step:
 
 1. :meth:`MTPProposer.observe`, right after the target's step and its verification: for every chunk
    of the step, the positions whose next token is now known (a prefill chunk's positions; a sampled
    chunk's real positions and its accepted proposals, whose next tokens are the verified ones) run
-   through the MTP layer with the step's hidden states of those rows (``ModelRunner.last_hidden``).
+   through the MTP layer with the step's hidden states of those rows (the target runner's
+   ``last_hidden``).
    This writes the MTP layer's KV of every position the target computed, in the same step (so a block
    the prefix cache registers holds both), and the last row of a sequence that got a token gives the
    head input its first proposal comes from (kept until the next ``propose``).
 2. :meth:`MTPProposer.propose`, before the next schedule, for the decoding sequences: proposal 1 from
    that head input's logits; proposals 2 .. k apply the layer again to its own output (its hidden state and the
    previous proposal, one position further), batched over sequences. Those positions
-   (``num_computed_tokens`` onwards) are the ones the next step verifies: their blocks are taken now
-   (``BlockManager.append_slots``, which the scheduler's own call then finds in place); a sequence whose
-   blocks cannot be had gets one proposal. Their KV is scratch: the next ``observe`` rewrites every
-   position it keeps, from the target's hidden states.
+   (``num_computed_tokens`` onwards) are the ones the next step verifies: the blocks of the whole verify
+   step are taken now (``BlockManager.append_slots``, which the scheduler's own call then finds in
+   place), beyond the step's own only from the spare blocks (the scheduler's ``spare_blocks``), so
+   proposals never cause a preemption; a sequence without them gets one proposal. Their KV is scratch:
+   the next ``observe`` rewrites every position it keeps, from the target's hidden states.
 
 Greedy requests take the argmax; sampled ones draw from ``q`` and hand it to the verifier
 (kvforge/speculative/pick.py). A sequence gets at most as many proposals as ``max_tokens`` and
@@ -32,6 +35,7 @@ sharing the block but not that token gets slightly different proposals (never di
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -43,13 +47,21 @@ from kvforge.speculative.pick import pick_proposals
 
 
 class MTPProposer:
-    """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`. ``runner``: the
-    target's ModelRunner (``keep_hidden`` on, a model with ``mtp_forward``); ``block_manager``: the target's."""
+    """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`. ``runner``: a
+    ModelRunner of the target model (which has ``mtp_forward``) over the plan's proposer layers;
+    ``target_runner``: the target's (``keep_hidden`` is turned on); ``block_manager``: the target's;
+    ``copy_blocks``: applies copy-on-write copies to the pool now; ``spare_blocks``: how many free blocks the
+    running sequences' next step does not need."""
 
-    def __init__(self, num_speculative_tokens: int, runner, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, num_speculative_tokens: int, runner, target_runner, block_manager: BlockManager,
+                 max_model_len: int, copy_blocks: Callable[[list[tuple[int, int]]], None],
+                 spare_blocks: Callable[[], int] | None = None):
         self.num_speculative_tokens = num_speculative_tokens
-        self.runner, self.block_manager, self.max_model_len = runner, block_manager, max_model_len
-        runner.keep_hidden = True
+        self.runner, self.target_runner = runner, target_runner
+        self.block_manager, self.max_model_len = block_manager, max_model_len
+        self.copy_blocks = copy_blocks
+        self.spare_blocks = spare_blocks or (lambda: block_manager.num_free_blocks)
+        target_runner.keep_hidden = True
         # request id -> (the sequence, its token count then, the head input [hidden] of its last MTP position):
         # the start of the sequence's next proposals (logits are computed for those that propose).
         self._heads: dict[str, tuple[Sequence, int, torch.Tensor]] = {}
@@ -69,7 +81,7 @@ class MTPProposer:
         """Run the MTP layer over the step's positions whose next token is known (module docstring, 1).
         ``scheduled``: the step's ``ScheduledSequence`` entries in run order; ``new_tokens``: per sampled
         request, the tokens the step appends (accepted proposals, then the target's token)."""
-        hidden, self.runner.last_hidden = self.runner.last_hidden, None  # not held past this step
+        hidden, self.target_runner.last_hidden = self.target_runner.last_hidden, None  # not held past this step
         chunks, rows, last_rows, heads = [], [], [], []
         offset = 0
         for s in scheduled:
@@ -102,6 +114,7 @@ class MTPProposer:
         out: list[list[int]] = [[] for _ in seqs]
         active = []  # (output index, sequence, proposals wanted)
         hidden = []
+        bm, spare = self.block_manager, self.spare_blocks()
         for i, seq in enumerate(seqs):
             head = self._heads.pop(seq.request_id, None)
             if head is None or head[0] is not seq or head[1] != seq.num_tokens:
@@ -109,12 +122,20 @@ class MTPProposer:
             room = _room(seq, self.num_speculative_tokens, self.max_model_len)
             if room == 0:
                 continue
-            if room > 1 and not self.block_manager.append_slots(seq, room - 1):
-                room = 1  # the pool is full: no room for the layer's own later positions
+            if room > 1:  # blocks of the verify step's positions, beyond its own token's only spare ones
+                own = seq.num_tokens - seq.num_computed_tokens
+                extra = bm.new_blocks_for_step(seq, own + room) - bm.new_blocks_for_step(seq, own)
+                if extra > spare or not bm.append_slots(seq, own + room):
+                    room = 1  # one proposal: it writes no position past the step's own
+                else:
+                    spare -= extra
             active.append((i, seq, room))
             hidden.append(head[2])
         if not active:
             return out
+        copies = bm.take_copies()
+        if copies:
+            self.copy_blocks(copies)
         hidden = torch.stack(hidden)
         logits = self.runner.mtp_logits(hidden)
         probs: dict[int, list[torch.Tensor]] = {}

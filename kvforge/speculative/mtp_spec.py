@@ -1,17 +1,17 @@
-"""The target's spec with its multi-token-prediction layer, for speculative method mtp (torch-free).
+"""The checkpoint's multi-token-prediction layer as the plan's proposer layers (speculative method mtp;
+torch-free).
 
 The MTP layer of a DeepSeek-V3 checkpoint (``model.layers.{num_hidden_layers}``) attends with MLA of
-the target's dimensions, so it is planned as one more layer of the target: the resolver puts it in the
-target's MLA group (same page layout), it shares each sequence's block tables, and its KV is counted in
-the plan's bytes per token and capacity. Only the first MTP layer is planned: proposals past the first
-reuse it (kvforge/speculative/mtp.py).
+the target's dimensions, so the resolver places it in the target's MLA group, after the target's layers
+(``GroupPlan.draft_layers``, kvforge/planner/proposer_layers.py): it shares each sequence's block tables
+and its KV is counted in the plan's bytes per token and capacity (``plan.draft``). Only the first MTP
+layer is planned: proposals past the first reuse it (kvforge/speculative/mtp.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from kvforge.errors import ConfigError
+from kvforge.planner.proposer_layers import ProposerLayers
 from kvforge.spec.architectures import deepseek_mtp_layer
 from kvforge.spec.model_spec import ModelSpec
 
@@ -36,11 +36,9 @@ def check_mtp_target(spec: ModelSpec) -> None:
                           f"checkpoints, not {spec.architecture}; use method ngram or draft_model")
 
 
-def with_mtp_layer(spec: ModelSpec) -> ModelSpec:
-    """``spec`` plus its first MTP layer (index ``num_hidden_layers``) and that layer's weights."""
-    if spec.mtp_layers:
-        return spec
+def mtp_proposer_layers(spec: ModelSpec) -> ProposerLayers:
+    """``spec``'s first MTP layer (index ``num_hidden_layers``) and its weights, for the resolver's
+    ``proposer_layers``."""
     check_mtp_target(spec)
     layer, params = deepseek_mtp_layer(spec.hf_config)
-    return dataclasses.replace(spec, layers=spec.layers + (layer,), num_parameters=spec.num_parameters + params,
-                               mtp_layers=(layer.index,))
+    return ProposerLayers(f"{spec.name} MTP layer", spec.architecture, (layer,), params)

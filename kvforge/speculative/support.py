@@ -25,10 +25,10 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
     k = config.num_speculative_tokens
     if config.method == "mtp":
         check_mtp_target(spec)
-        if not plan.mtp_layers:
+        if plan.draft is None:
             raise ConfigError("--speculative-config method mtp needs a plan with the checkpoint's MTP layer "
-                              "(resolve the spec kvforge.speculative.mtp_spec.with_mtp_layer returns); the engine "
-                              "plans it from the config")
+                              "(resolve(..., proposer_layers=kvforge.speculative.mtp_spec.mtp_proposer_layers(spec))); "
+                              "the engine plans it from the config")
         if plan.tensor_parallel_size > 1:
             raise ConfigError("--speculative-config method mtp does not run with tensor parallelism yet; use "
                               "--tensor-parallel-size 1 or method ngram")
