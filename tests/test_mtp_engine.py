@@ -32,7 +32,7 @@ def _llm(path, k=0, **kw):
     base = dict(block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False, device="cpu",
                 max_num_batched_tokens=16)
     if k:
-        base["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        base["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k, "backoff": False}
     return LLM(str(path), **{**base, **kw})
 
 

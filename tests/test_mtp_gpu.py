@@ -50,7 +50,7 @@ def test_mtp_agrees_with_speculation_off(tmp_path, dtype, kv, k):
         scale = max(1.0, off.engine.compute_prompt_logits(PROMPTS[-1]).abs().max().item())
         tol = scale * 2.0**-5 * (4 if kv == "fp8" else 1)
     llm, outs = _run(str(tmp_path), load_format="dummy", dtype=dtype, kv_cache_dtype=kv,
-                     speculative_config={"method": "mtp", "num_speculative_tokens": k})
+                     speculative_config={"method": "mtp", "num_speculative_tokens": k, "backoff": False})
     assert_outputs_agree(outs, ref, tol)
     stats = llm.engine.stats()
     assert [layer.index for layer in llm.engine.plan.draft.layers] == [3]
@@ -69,7 +69,8 @@ def test_mtp_computing_the_target_is_accepted_on_cuda(tmp_path, dtype):
     off, ref = _run(str(tmp_path), dtype=dtype)
     tol = FP32_LOGIT_TOL if dtype == "float32" else 2.0**-5 * max(
         1.0, off.engine.compute_prompt_logits(PROMPTS[-1]).abs().max().item())
-    llm, outs = _run(str(tmp_path), dtype=dtype, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    llm, outs = _run(str(tmp_path), dtype=dtype, speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                                                   "backoff": False})
     assert_outputs_agree(outs, ref, tol)
     stats = llm.engine.stats()
     counters = stats["spec_decode"]
