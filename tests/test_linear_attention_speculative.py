@@ -195,6 +195,51 @@ def test_draft_model_proposals(case, tmp_path, engines):
     assert _acceptance(outs)[1] > 0
 
 
+def _recording(run, replayed: list):
+    """``run`` (DecodeGraphs.run) that first notes each replayed step's (sequences, query length)."""
+    def recorded(host):
+        replayed.append((host.num_seqs, host.max_query_len))
+        return run(host)
+    return recorded
+
+
+@pytest.mark.parametrize("path", ["reference", "kernels"])
+@pytest.mark.parametrize("case", CASES)
+def test_verify_steps_on_the_graph_path_static_buffers(case, path, tmp_path, engines, monkeypatch):
+    """Verify steps where every sequence verifies k proposals take the CUDA-graph path's static, padded inputs
+    (run eagerly on CPU): static slot ids, no state stored, verify rows through static source and destination
+    buffers whose padding rows repeat the first real row. Batches of 3 pad to 4. ``kernels``: the state
+    operations on the Triton kernels (Triton's interpreter), shorter runs."""
+    from kvforge.engine.model_runner import ModelRunner
+
+    make_checkpoint(case, tmp_path)
+    prompts, n = _prompts(3), NEW_TOKENS
+    proposers = ("garbage", "oracle")
+    if path == "kernels":
+        device = pytest.importorskip("triton_kernel_device")
+        if not device.INTERPRETED:
+            pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
+        device.skip_unless_loaded_loop_bounds_work()
+        prompts, n, proposers = [p[:m] for p, m in zip(prompts, (12, 5, 9))], 6, ("garbage",)
+    want = _reference(tmp_path, engines, prompts, n)
+    if path == "kernels":
+        monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
+    for proposer in proposers:
+        engine = engines(tmp_path, num_speculative_tokens=3, max_num_seqs=4).engine
+        engine.runner = ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
+                                    max_num_seqs=4, static_decode_on_cpu=True, verify_query_len=4)
+        graphs = engine.runner.graphs
+        assert graphs.query_lens == (1, 4) and graphs.sizes == [1, 2, 4]
+        replayed = []
+        graphs.run = _recording(graphs.run, replayed)
+        engine.proposer = GarbageProposer(3) if proposer == "garbage" else OracleProposer(3, prompts, want)
+        outs = _generate(engine, prompts, _greedy(n))
+        assert _tokens(outs) == want, proposer
+        assert any(q == 4 for _, q in replayed), replayed
+        if proposer == "garbage":  # the three sequences verify in step; an oracle's finish at other steps
+            assert (3, 4) in replayed, replayed  # three sequences verifying 3 proposals each, padded to 4
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_ranks_roll_back_their_heads(case, tmp_path, engines):
     """TP 2 on gloo (2 processes): each rank keeps its heads' verify rows and replays the accepted ones (rank 0

@@ -52,13 +52,21 @@ Invariants (what makes a replay equal to an eager step):
    one-token sequence over its causal prefix, ``kvforge.attention.triton_mla.per_token_metadata``),
    derived from the static buffers by device operations recorded inside the graph, so a replay
    recomputes it from the step's ``seq_lens`` and tables. Split counts are pinned per ``(B, C, Q)``.
-   Models with linear-attention state or rings capture ``Q = 1`` only.
+   Models with rings capture ``Q = 1`` only. Models with linear-attention state capture ``Q > 1`` only
+   for steps where every sequence verifies ``Q - 1`` proposals (invariant 7).
 7. **State slots** (linear-attention layers): ``slot_ids[Bmax]`` int32 and
    ``has_initial_state[Bmax]`` bool are static too, with ``query_start_loc``
    the same ``arange``; :meth:`DecodeGraphs.load` writes each row's slot and
    whether its slot already holds its state (False only for a one-token
    prompt), padding rows slot -1 (the decode kernels neither read nor write
-   it). The captured decode kernels update the slots in place.
+   it). The captured decode kernels update the slots in place. A verification
+   graph (``Q > 1``, every sequence verifying ``Q - 1`` proposals) stores no
+   state (``store_slot_ids`` all -1) and keeps its rows' inputs in the verify
+   rows through two more static buffers, ``verify_src`` / ``verify_dest``
+   ``[Bmax * Q]`` int64: a real row ``j`` of sequence ``i`` goes to
+   ``slot * Q + j``; padding rows repeat the first real row's copy (the same
+   value to the same place, so the result does not depend on their order).
+   The engine's replay of the accepted rows runs after the step, eagerly.
 8. Only when every attention layer's backend ``captures_cuda_graphs`` (the Triton
    backends; the reference backends read tensor values on the host, which
    capture forbids), there are no per-request rings,
@@ -139,7 +147,9 @@ class DecodeGraphs:
         self.contexts = graph_contexts(plan.max_model_len)
         # Linear-attention state slots: each row's slot (-1: padding) and whether the slot holds its state.
         self.has_slots = runner.linear_states is not None
-        self.query_lens = (1,) if self.has_slots else tuple(sorted({1, *query_lens}))
+        # State models verify in graphs only with verify rows of the graph's query length (1 + k).
+        verify_q = runner.linear_states.verify_rows if self.has_slots else 0
+        self.query_lens = tuple(sorted({1, *(q for q in query_lens if not self.has_slots or q == verify_q)}))
         self.num_splits = {(b, c, q): runner.pinned_num_splits(b, c, q)
                            for b in self.sizes for c in self.contexts for q in self.query_lens}
         dev, bmax, qmax = self.device, self.max_size, self.query_lens[-1]
@@ -158,6 +168,9 @@ class DecodeGraphs:
         self._host64 = np.zeros((2 + G, bmax * qmax), dtype=np.int64)
         self.slot_ids = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.ones(bmax, dtype=torch.bool, device=dev)
+        self.no_store = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
+        self.verify_src = torch.zeros(bmax * qmax, dtype=torch.int64, device=dev)
+        self.verify_dest = torch.zeros(bmax * qmax, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         if capture:
@@ -184,19 +197,24 @@ class DecodeGraphs:
                     max_seq_len=context, block_size=self.block_size))
         return self.i64[0, :t], self.i64[1, :t], tuple(metas)
 
-    def _slot_batch(self, b: int, host_slots=None, host_init=None):
-        """The static slot batch of size ``b`` (None without state layers). ``host_slots``/``host_init``: the
-        step's values for the host copies (the PyTorch path of uncaptured runs); padding otherwise."""
+    def _slot_batch(self, b: int, host_slots=None, host_init=None, q: int = 1):
+        """The static slot batch of size ``b`` (None without state layers); ``q > 1``: every sequence verifies
+        ``q - 1`` proposals (invariant 7). ``host_slots``/``host_init``: the step's values for the host copies
+        (the PyTorch path of uncaptured runs); padding otherwise."""
         if not self.has_slots:
             return None
         from kvforge.attention.linear_state import SlotBatch
 
         slots = tuple(host_slots) if host_slots is not None else (-1,) * b
         init = tuple(host_init) if host_init is not None else (True,) * b
-        return SlotBatch(query_start_loc=self.qsl[1][:b + 1], slot_ids=self.slot_ids[:b],
-                         has_initial_state=self.has_initial_state[:b], max_query_len=1,
-                         host_query_start_loc=tuple(range(b + 1)), host_slot_ids=slots,
-                         host_has_initial_state=init)
+        verify = {}
+        if q > 1:
+            verify = dict(host_spec_lens=tuple((q - 1) * (s >= 0) for s in slots), store_slot_ids=self.no_store[:b],
+                          verify_src=self.verify_src[:b * q], verify_dest=self.verify_dest[:b * q])
+        return SlotBatch(query_start_loc=self.qsl[q][:b + 1], slot_ids=self.slot_ids[:b],
+                         has_initial_state=self.has_initial_state[:b], max_query_len=q,
+                         host_query_start_loc=tuple(range(0, q * b + 1, q)), host_slot_ids=slots,
+                         host_has_initial_state=init, **verify)
 
     def size_for(self, n: int) -> int | None:
         for b in self.sizes:
@@ -220,6 +238,8 @@ class DecodeGraphs:
         q = host.max_query_len
         if not self.can_run(host.num_seqs) or q not in self.query_lens:
             return False
+        if q > 1 and self.has_slots and (host.spec_lens is None or not (host.spec_lens == q - 1).all()):
+            return False  # a state model's verification graph keeps its slots: only verifying sequences fit
         return q == 1 or bool((np.diff(host.qsl) == q).all())
 
     # ---- capture ----------------------------------------------------------------
@@ -234,7 +254,7 @@ class DecodeGraphs:
                 b, context, q = key
                 self.seq_lens.fill_(q)  # every row a padding sequence of q tokens: the warm-up reads block 0 only
                 ids, pos, meta = self._inputs(b, context, q)
-                slot_batch = self._slot_batch(b)  # every row padding: no state slot is touched
+                slot_batch = self._slot_batch(b, q=q)  # every row padding: no state slot is touched
                 runner.forward(ids, pos, meta, self.num_splits[key], slot_batch)  # warm-up: compiles, writes nothing
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -258,7 +278,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.runner = None
         self.i64 = self.qsl = self.token_qsl = self.within = self.seq_lens = self.block_tables = self.scratch32 = None
-        self.slot_ids = self.has_initial_state = None
+        self.slot_ids = self.has_initial_state = self.no_store = self.verify_src = self.verify_dest = None
         self.sizes, self.max_size = [], 0
 
     # ---- replay -------------------------------------------------------------------
@@ -300,6 +320,17 @@ class DecodeGraphs:
                 s32, sb = s32.pin_memory(), sb.pin_memory()
             self.slot_ids.copy_(s32, non_blocking=True)
             self.has_initial_state.copy_(sb, non_blocking=True)
+            if q > 1:  # verify rows: real row j of sequence i to slot * q + j, padding rows as the first real row
+                src = np.zeros(bmax * q, dtype=np.int64)
+                src[:t] = np.arange(t)
+                dest = np.full(bmax * q, int(slots[0]) * q, dtype=np.int64)
+                dest[:t] = (slots[:n, None].astype(np.int64) * q + np.arange(q)).reshape(-1)
+                v64 = torch.from_numpy(np.stack([src, dest]))
+                if self.device.type == "cuda":
+                    v64 = v64.pin_memory()
+                v64 = v64.to(self.device, non_blocking=True)
+                self.verify_src.copy_(v64[0])
+                self.verify_dest.copy_(v64[1])
         return b
 
     def run(self, host) -> torch.Tensor:
@@ -317,7 +348,7 @@ class DecodeGraphs:
             slot_batch = None
             if self.has_slots:
                 slot_batch = self._slot_batch(b, list(host.state_slots) + [-1] * (b - n),
-                                              list(host.has_initial_state()) + [True] * (b - n))
+                                              list(host.has_initial_state()) + [True] * (b - n), q)
             return self.runner.forward(ids, pos, meta, splits, slot_batch)[:t]
         graph, out = self.graphs[key]
         graph.replay()
