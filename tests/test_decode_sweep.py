@@ -1,0 +1,31 @@
+"""benchmarks/decode_sweep.py runs end to end (CPU, a tiny Llama config with dummy weights) and times only
+decode-only steps of the full batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=512,
+              rms_norm_eps=1e-5, torch_dtype="float32")
+
+
+def test_sweep_writes_every_point(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("decode_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "sweep.json"
+    assert module.main(["--model", str(tmp_path), "--device", "cpu", "--batches", "1", "2", "--contexts", "16",
+                        "40", "--steps", "5", "--kv", "float32", "fp8", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"float32", "fp8"}
+    for kv in runs.values():
+        assert set(kv) == {"1x16", "2x16", "1x40", "2x40"}
+        for point in kv.values():
+            # 5 new tokens: the first comes from the prefill step, the other 4 from decode-only steps.
+            assert point["decode_steps"] == 4 and point["tok_s"] > 0
+    assert "| 2x40 |" in capsys.readouterr().out
