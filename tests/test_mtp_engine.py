@@ -180,3 +180,29 @@ def test_preemption_recomputes_the_mtp_layer(checkpoint):
     assert llm.engine.plan.num_blocks == 16
     assert_outputs_agree(generate(llm, PROMPTS, params), ref, FP32_LOGIT_TOL)
     assert llm.engine.stats()["num_preemptions"] > 0
+
+
+def test_chunked_prefill_writes_the_mtp_layer_of_every_prompt_position(checkpoint):
+    """A 31-token prompt prefilled in chunks of 16: once its first token is sampled, the MTP layer's cache
+    rows of positions 0 .. 30 (its proposer slot of the target's blocks) equal those of one unchunked MTP
+    pass over the same prompt (float32; summation order differs, 1e-5 of the largest row value)."""
+    prompt = PROMPTS[1]
+    llm = _llm(checkpoint, 2, dtype="float32")
+    engine = llm.engine
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    seq = engine.scheduler.requests["a"]
+    while not seq.output_token_ids:
+        engine.step()
+    assert engine.stats()["num_steps"] == 2  # two prefill chunks
+    cache, bs = engine.pool.draft_kv_caches[0], engine.pool.block_size
+    table = seq.block_tables[0]
+    got = torch.stack([cache[table[p // bs], p % bs] for p in range(len(prompt))])
+
+    ref_engine = _llm(checkpoint, 2, dtype="float32", max_num_batched_tokens=64).engine
+    tables = [[3, 9, 1, 6, 4, 8, 2, 7]]
+    ref_engine.runner.run([(prompt, 0, tables)], [len(prompt) - 1])
+    ref_engine.draft_runner.run_mtp([(prompt[1:] + seq.output_token_ids[:1], 0, tables)],
+                                    ref_engine.runner.last_hidden, [len(prompt) - 1])
+    ref_cache = ref_engine.pool.draft_kv_caches[0]
+    want = torch.stack([ref_cache[tables[0][p // bs], p % bs] for p in range(len(prompt))])
+    assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
