@@ -71,14 +71,34 @@ def test_draft_layers_of_their_own_layout_form_groups_of_the_pool_page():
     assert "layers 0, 1 form group 16 (sliding) of their own" in plan.summary()
 
 
-def test_a_draft_page_other_than_the_pool_page_is_refused():
-    # 4 KV heads of 64: 16 x 4 x 128 x 2 = 16384-byte pages where the target's are 65536.
-    draft = dict(SMALL_DRAFT, hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+def test_draft_layers_of_a_fraction_of_the_page_share_page_slots():
+    # A Llama-3.2-1B-like draft: 16 layers of 8 KV heads of 64, a page of 16 x 8 x 128 x 2 = 32768 bytes, half
+    # the pool's: two layers per page slot, 8 slots. Group sizes between 8 and 32 for types of 32 and 8 slots:
+    # 8 wastes none (4 target groups + 1 draft group).
+    draft = dict(SMALL_DRAFT, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64)
+    plan = resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"),
+                   CacheConfig(max_model_len=L, kv_cache_memory=MEMORY), draft_spec=spec(draft, "small"))
+    assert plan.group_size == 8 and len(plan.groups) == 5 and plan.padding_layers == 0
+    own = plan.groups[-1]
+    assert (own.layers, own.draft_layers, own.draft_layers_per_slot) == ((), tuple(range(16)), 2)
+    assert all(g.page_bytes == g.page_bytes_unpadded == PAGE and g.block_size == BLOCK for g in plan.groups)
+    per_seq = (L // BLOCK) * (32 + 8) * PAGE  # 32 target slots + 16 draft layers in 8 slots
+    assert plan.capacity.bytes_per_sequence == per_seq
+    assert plan.num_blocks == MEMORY // (8 * PAGE)
+    assert plan.draft.bytes_per_token == 16 * 8 * 128 * 2
+    assert "layers 0..15 (16) form group 4 (full, 2 per page slot) of their own" in plan.summary()
+
+
+@pytest.mark.parametrize("over, page", [
+    (dict(num_key_value_heads=8, num_attention_heads=8, head_dim=256), 131072),  # twice the pool's page
+    (dict(num_key_value_heads=3, num_attention_heads=6, head_dim=128), 24576),  # not a whole fraction
+])
+def test_a_draft_page_that_does_not_fit_the_pool_page_is_refused(over, page):
     with pytest.raises(PlanError) as e:
         resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"), CacheConfig(max_model_len=L),
-                draft_spec=spec(draft, "small"))
+                draft_spec=spec(dict(SMALL_DRAFT, **over), "small"))
     text = str(e.value)
-    assert "draft model small: layers 0, 1" in text and "16384 bytes" in text and "65536 bytes" in text
+    assert "draft model small: layers 0, 1" in text and f"is {page} bytes" in text and "65536 bytes" in text
     assert "fix: use a draft whose attention layers have the target's KV heads x head size" in text
 
 

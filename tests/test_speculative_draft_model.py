@@ -11,6 +11,7 @@ alike), and the draft's KV covers every position the target computed with the se
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_speculative_engine import (
     DEEPSEEK,
@@ -84,12 +85,19 @@ def test_embedded_model_as_its_own_draft():
     assert on.engine.stats()["num_steps"] < 16 * 3 / 2
 
 
-def test_different_draft_with_fp8_chunked_prefill_and_preemption(tmp_path):
+@pytest.mark.parametrize("kv_heads, layers, groups", [
+    # The target's KV geometry (2 KV heads of 16): the draft's layer joins the target's group, a block id
+    # spans 3 pages (2 target + 1 draft layer).
+    (2, 1, [((0, 1), (0,), 1)]),
+    # 1 KV head of 16: half the pool's page, both draft layers share one page slot; group size 1 (types of
+    # 2 and 1 slots), so 3 groups of one slot each.
+    (1, 2, [((0,), (), 1), ((1,), (), 1), ((), (0, 1), 2)]),
+])
+def test_different_draft_with_fp8_chunked_prefill_and_preemption(tmp_path, kv_heads, layers, groups):
     target = save_tiny(tmp_path / "target", LLAMA)
     torch.manual_seed(1)
-    # Another width and depth, the target's KV geometry (2 KV heads of 16): its layer joins the target's group.
-    draft_case = (LLAMA[0], LLAMA[1], dict(LLAMA[2], num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                           num_key_value_heads=2, intermediate_size=48))
+    draft_case = (LLAMA[0], LLAMA[1], dict(LLAMA[2], num_hidden_layers=layers, hidden_size=32, num_attention_heads=2,
+                                           num_key_value_heads=kv_heads, intermediate_size=48))
     draft = save_tiny(tmp_path / "draft", draft_case)
     prompts = TINY_PROMPTS + [list(range(100, 140)), [7] * 20]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -97,16 +105,17 @@ def test_different_draft_with_fp8_chunked_prefill_and_preemption(tmp_path):
     # five requests of up to 64 tokens preempt by recompute.
     kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_dtype="fp8", progress=False,
               device="cpu", max_model_len=64, max_num_batched_tokens=12)
-    page = 2 * 2 * 16 * 4  # K,V x KV heads x head size x block, one byte each: one layer's page
+    page = 2 * 2 * 16 * 4  # K,V x KV heads x head size x block, one byte each: one target layer's page
     blocks = 16
     ref = token_ids(generate(LLM(target, kv_cache_memory=blocks * 2 * page, **kw), prompts, params))
-    # A block id spans the pages of the target's 2 layers and the draft's 1: the same 16 blocks cost 3 pages.
-    # Back-off off: a random draft's proposals fail, and this test wants them verified every step.
+    # The same 16 blocks of every group cost 3 page slots per block position. Back-off off: a random draft's
+    # proposals fail, and this test wants them verified every step.
     on = LLM(target, kv_cache_memory=blocks * 3 * page, speculative_config={**draft_config(draft, 3), "backoff": False},
              **kw)
     plan = on.engine.plan
-    assert plan.num_blocks == blocks and [(g.layers, g.draft_layers) for g in plan.groups] == [((0, 1), (0,))]
-    assert plan.draft.layers[0].kv_dtype == "fp8_e4m3" and on.engine.pool.nbytes == blocks * 3 * page
+    assert [(g.layers, g.draft_layers, g.draft_layers_per_slot) for g in plan.groups] == groups
+    assert plan.num_blocks * plan.group_size == blocks * 3 and on.engine.pool.nbytes == blocks * 3 * page
+    assert all(layer.kv_dtype == "fp8_e4m3" for layer in plan.draft.layers)
     outs = generate(on, prompts, params)
     assert token_ids(outs) == ref
     stats = on.engine.stats()

@@ -45,7 +45,9 @@ def check_rollback_invariants(engine) -> None:
     running = list(engine.scheduler.running)
     bm.check_invariants(running + list(engine.scheduler.waiting))
     for seq in running:
-        assert seq.num_tokens - seq.num_computed_tokens == 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+        # Decoding, or computing its prompt (a preempted sequence recomputes its prompt and outputs, in chunks).
+        assert seq.num_tokens - seq.num_computed_tokens == 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
+            or seq.num_preemptions > 0
         if seq.num_tokens - seq.num_computed_tokens == 1:
             assert len(seq.block_tables[0]) == bm.blocks_needed(seq.num_computed_tokens), seq
         tokens, parent = seq.all_token_ids, None
@@ -54,9 +56,9 @@ def check_rollback_invariants(engine) -> None:
             for g, table in enumerate(seq.block_tables):
                 if i >= seq.num_skipped_blocks[g]:
                     key = bm._block_hash[table[i]]
-                    # None: another block already held this hash when it was registered (no dedup).
-                    assert key == (g, parent) or (key is None and (g, parent) in bm._hash_to_block), \
-                        f"{seq}: block {i} hashes other tokens"
+                    # None: another block already held this hash when it was registered (no dedup); that block
+                    # may have been evicted since.
+                    assert key is None or key == (g, parent), f"{seq}: block {i} hashes other tokens"
 
 
 def generate(llm, prompts, params=GREEDY, check=True):

@@ -77,22 +77,27 @@ def test_embedded_model_repeats_a_paragraph_faster_in_steps():
     assert llm.engine.stats()["num_steps"] < 64
 
 
-@pytest.mark.parametrize("model", ["llama", "deepseek"])
+@pytest.mark.parametrize("model", ["llama", "llama-sliced", "deepseek"])
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "fp8")])
 def test_draft_model_agrees_with_speculation_off(tmp_path, model, dtype, kv):
     """A 1-layer draft of the target's family (dummy weights, another seed of the same shapes but fewer
-    layers): the draft's pool and runner on CUDA, its proposals verified by the Triton backends."""
-    config = LLAMA if model == "llama" else DEEPSEEK
+    layers), its layer in the target's group of the pool, on CUDA, its proposals verified by the Triton
+    backends; "llama-sliced": a 2-layer draft of 1 KV head where the target has 2, so half the page: both
+    draft layers share one page slot, each on a slice of every page (a cache view strided by the page)."""
+    config = LLAMA if model != "deepseek" else DEEPSEEK
+    draft = dict(config, num_hidden_layers=1) if model != "llama-sliced" else dict(config, num_key_value_heads=1)
     (tmp_path / "target").mkdir()
     (tmp_path / "draft").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(config))
-    (tmp_path / "draft" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(draft))
     off, ref = _run(str(tmp_path / "target"), dtype=dtype, kv_cache_dtype=kv)
     spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
     llm, outs = _run(str(tmp_path / "target"), dtype=dtype, kv_cache_dtype=kv, speculative_config=spec)
     assert_outputs_agree(outs, ref, _tolerance(off, dtype, kv))
     assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
-    assert llm.engine.proposer.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+    if model == "llama-sliced":
+        assert [g.draft_layers_per_slot for g in llm.engine.plan.groups if g.draft_layers] == [2]
 
 
 def test_embedded_model_as_its_own_draft_on_cuda():

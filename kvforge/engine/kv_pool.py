@@ -16,6 +16,9 @@ A speculative proposer's layers (the plan's ``draft``: a draft model's) own
 the slots after the target's layers of their group (``GroupPlan.draft_layers``)
 and see them the same way: ``draft_kv_caches[l]`` etc. for proposer layer
 ``l``, wrapped for the proposer's model runner by :meth:`KVPool.draft_view`.
+In a group of ``draft_layers_per_slot`` = r > 1, proposer layer ``j`` of the
+group sees slice ``j % r`` of every page of slot ``j // r`` (a view whose
+block stride is the whole page).
 They share the target's block ids, so a sequence's block tables hold both.
 Every byte offset is int64 (torch indexing); block ids are int32 in the block
 tables.
@@ -130,11 +133,15 @@ class KVPool:
         self.draft_k_scales: list[torch.Tensor] = [None] * len(draft_layers)
         self.draft_v_scales: list[torch.Tensor] = [None] * len(draft_layers)
         for g in groups:
-            owners = [(plan.layers[i], i, self.kv_caches, self.k_scales, self.v_scales) for i in g.layers]
-            owners += [(draft_layers[draft_position[i]], draft_position[i], self.draft_kv_caches,
-                        self.draft_k_scales, self.draft_v_scales) for i in g.draft_layers]
-            for slot, (layer, position, caches, k_scales, v_scales) in enumerate(owners):
-                caches[position] = self._page_view(slot, layer)
+            r = g.draft_layers_per_slot
+            # (slot, its slice of how many, layer, position, where its views go)
+            owners = [(slot, 0, 1, plan.layers[i], i, self.kv_caches, self.k_scales, self.v_scales)
+                      for slot, i in enumerate(g.layers)]
+            owners += [(len(g.layers) + j // r, j % r, r, draft_layers[draft_position[i]], draft_position[i],
+                        self.draft_kv_caches, self.draft_k_scales, self.draft_v_scales)
+                       for j, i in enumerate(g.draft_layers)]
+            for slot, part, parts, layer, position, caches, k_scales, v_scales in owners:
+                caches[position] = self._page_view(slot, layer, part, parts)
                 k_scales[position] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
                 v_scales[position] = torch.ones(layer.kv_heads_per_rank, dtype=torch.float32, device=device)
         missing = [i for i, c in enumerate(self.kv_caches) if c is None and plan.layers[i].kind != "state"]
@@ -172,13 +179,20 @@ class KVPool:
                     offset += size
             self.linear_states = LinearStates(conv, recurrent, verify or None)
 
-    def _page_view(self, slot: int, layer) -> torch.Tensor:
-        """Page slot ``slot`` as ``layer`` (a LayerPlan) sees it: its cache layout in its storage dtype."""
+    def _page_view(self, slot: int, layer, part: int = 0, parts: int = 1) -> torch.Tensor:
+        """Page slot ``slot`` as ``layer`` (a LayerPlan) sees it: its cache layout in its storage dtype. With
+        ``parts`` > 1 the layer owns slice ``part`` of ``parts`` equal slices of every page of the slot: a view
+        whose block stride is the whole page (backends index caches by their strides)."""
         dtype = TORCH_KV_DTYPES[layer.kv_dtype]
-        raw = self.pages[slot].view(-1)
-        if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
-            return raw.view(dtype).view(self.num_blocks, self.block_size, layer.head_size)
-        return raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size, layer.head_size)
+        if parts == 1:
+            raw = self.pages[slot].view(-1)
+            if layer.kind == "mla":  # one row per token: [latent | k_rope] (kvforge/attention/mla_reference.py)
+                return raw.view(dtype).view(self.num_blocks, self.block_size, layer.head_size)
+            return raw.view(dtype).view(self.num_blocks, 2, layer.kv_heads_per_rank, self.block_size,
+                                        layer.head_size)
+        size = self.page_bytes // parts
+        raw = self.pages[slot][:, part * size:(part + 1) * size]  # [num_blocks, size], rows a page apart
+        return raw.view(dtype).unflatten(1, (2, layer.kv_heads_per_rank, self.block_size, layer.head_size))
 
     def draft_view(self) -> DraftPoolView:
         """The proposer's layers of this pool, shaped as a model runner over them takes a pool."""

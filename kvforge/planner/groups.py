@@ -10,7 +10,9 @@ every page has the same byte size; a non-integral ratio is padded.
 
 A speculative proposer's layers (a draft model's) are counted in the type of
 the target's layers with the same page layout, after them (``draft_layers``),
-so they fill the same groups; a layout of its own is a type of its own.
+so they fill the same groups; a layout of its own is a type of its own, and
+when its pages are a whole fraction of the pool's, ``layers_per_slot`` of
+them share one page slot (each a slice of every page of it).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ class LayerType:
     kv_dtype: str
     backend: str
     draft_layers: tuple[int, ...] = ()  # the proposer's layers of this layout (slots after ``layers``)
+    layers_per_slot: int = 1  # proposer layers sharing one page slot (a type of proposer layers only)
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers) + len(self.draft_layers)
+        """Page slots the type fills (its layers, with ``layers_per_slot`` proposer layers per slot)."""
+        return len(self.layers) + -(-len(self.draft_layers) // self.layers_per_slot)
 
 
 @dataclass(frozen=True)
@@ -69,12 +73,13 @@ def choose_grouping(types: list[LayerType]) -> Grouping:
     groups = []
     total_padding = 0
     for t in types:
-        members = [(False, i) for i in t.layers] + [(True, i) for i in t.draft_layers]
-        for start in range(0, len(members), size):
-            chunk = members[start:start + size]
+        r = t.layers_per_slot
+        slots = [((i,), ()) for i in t.layers] + [((), t.draft_layers[j:j + r]) for j in range(0, len(t.draft_layers), r)]
+        for start in range(0, len(slots), size):
+            chunk = slots[start:start + size]
             pad = size - len(chunk)
             total_padding += pad
-            groups.append((t, tuple(i for d, i in chunk if not d), tuple(i for d, i in chunk if d), pad))
+            groups.append((t, tuple(i for mine, _ in chunk for i in mine), tuple(i for _, d in chunk for i in d), pad))
     return Grouping(size, tuple(groups), total_padding)
 
 

@@ -43,7 +43,10 @@ class GroupPlan:
     ``draft_layers``: layers of the speculative proposer (a draft model's layer
     indices) in this group; their page slots follow the target's ``layers``, so
     slot ``len(layers) + j`` belongs to ``draft_layers[j]``. A group of the
-    proposer's own has no target ``layers``.
+    proposer's own has no target ``layers``; when its pages are a whole fraction
+    of the pool's, ``draft_layers_per_slot`` (r) of them share a page slot:
+    ``draft_layers[j]`` owns bytes ``(j % r) * page_bytes / r`` onwards of each
+    page of slot ``j // r``.
     """
 
     kind: str
@@ -56,6 +59,7 @@ class GroupPlan:
     backend: str
     sliding_window: int | None = None
     draft_layers: tuple[int, ...] = ()
+    draft_layers_per_slot: int = 1
 
 
 @dataclass(frozen=True)
@@ -283,4 +287,5 @@ def _placement(index: int, group: GroupPlan) -> str:
     who = f"layers {_listing(group.draft_layers)}" if many else f"layer {group.draft_layers[0]}"
     if group.layers:
         return f"{who} join{'' if many else 's'} group {index} ({group.kind}, target layers {_listing(group.layers)})"
-    return f"{who} form{'' if many else 's'} group {index} ({group.kind}) of their own"
+    packed = (f", {group.draft_layers_per_slot} per page slot" if group.draft_layers_per_slot > 1 else "")
+    return f"{who} form{'' if many else 's'} group {index} ({group.kind}{packed}) of their own"

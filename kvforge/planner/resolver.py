@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvforge.errors import PlanError
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT, is_quantized
@@ -227,7 +227,7 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
     target_pages = {t.padded_page_bytes_at_base for t in layer_types if t.layers}
     page = max((t.padded_page_bytes_at_base for t in layer_types), default=0)
     if proposer:
-        page = _check_proposer_pages(layer_types, target_pages, block_size, proposer_name)
+        layer_types, page = _fit_proposer_pages(layer_types, target_pages, block_size, proposer_name)
     grouping = choose_grouping(layer_types)
     groups: list[GroupPlan] = []
     by_index = {x.spec.index: x for x in layers}
@@ -241,8 +241,10 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
             unpadded = group_block * t.token_bytes
         first = by_index[chunk[0]] if chunk else by_draft_index[draft_chunk[0]]
         window = getattr(first.spec, "sliding_window", None) if t.kind == "sliding" else None
+        if t.layers_per_slot > 1:
+            unpadded = page  # the slot's pages are sliced among its proposer layers
         groups.append(GroupPlan(t.kind, chunk, group_block, page, unpadded, pad, t.kv_dtype, t.backend, window,
-                                draft_chunk))
+                                draft_chunk, t.layers_per_slot))
     state_layers = [x for x in layers if x.kind == "state"]
     if state_layers:
         per = max(x.state_bytes for x in state_layers)
@@ -256,25 +258,40 @@ def _build_groups(layers: list[_Layer], block_size: int, spec: ModelSpec, rings_
     return tuple(groups), grouping
 
 
-def _check_proposer_pages(layer_types: list[LayerType], target_pages: set[int], block_size: int,
-                          name: str) -> int:
-    """The pool's page size; a proposer layer type of its own must fill exactly such a page at the pool's
-    block size (a block id spans one page per slot; a smaller or larger page would need another block size
-    or padding, which the pool does not serve). Raises PlanError naming the numbers and the fix."""
+#: Proposer layer kinds whose caches may be a slice of each page (their backends index a cache by its strides).
+PACKABLE_KINDS = ("full", "sliding")
+
+
+def _fit_proposer_pages(layer_types: list[LayerType], target_pages: set[int], block_size: int,
+                        name: str) -> tuple[list[LayerType], int]:
+    """The layer types with the proposer's own fitted to the pool's page, and that page size.
+
+    A block id spans one page per slot, all of the pool's size. A proposer type of its own with exactly that
+    page takes slots like the target's layers; one whose page is a whole fraction ``1/r`` of it (full or
+    sliding attention) puts ``r`` layers in each slot, each on a slice of every page; anything else (a
+    larger page, a ratio that is not whole, an MLA latent of another width) raises PlanError naming the
+    numbers and the fix."""
     if not target_pages:
-        return max(t.padded_page_bytes_at_base for t in layer_types)
+        return layer_types, max(t.padded_page_bytes_at_base for t in layer_types)
     page = max(target_pages)
+    fitted = []
     for t in layer_types:
-        if t.layers or t.padded_page_bytes_at_base == page:
+        own = t.padded_page_bytes_at_base
+        if t.layers or own == page:
+            fitted.append(t)
+            continue
+        if t.kind in PACKABLE_KINDS and own < page and page % own == 0:
+            fitted.append(replace(t, layers_per_slot=page // own, padded_page_bytes_at_base=page))
             continue
         raise PlanError(
             f"draft model {name}: layer{'s' if len(t.draft_layers) > 1 else ''} {_ranges(t.draft_layers)} "
             f"({t.kind}, {t.token_bytes} bytes per token, KV dtype {t.kv_dtype}, backend {t.backend}) match no "
-            f"group of the target, and their page of {block_size} tokens is {t.padded_page_bytes_at_base} bytes "
-            f"where the target's pool pages are {page} bytes: the proposer's KV lives in the target's pool, one "
-            f"page size for every group; fix: use a draft whose attention layers have the target's KV heads x "
-            f"head size (or MLA latent width), so they join the target's groups, or method ngram")
-    return page
+            f"group of the target, and their page of {block_size} tokens is {own} bytes where the target's pool "
+            f"pages are {page} bytes: the proposer's KV lives in the target's pool, whose page slots take a "
+            f"layer's page of exactly that size or (full and sliding attention) a whole fraction of it; fix: use "
+            f"a draft whose attention layers have the target's KV heads x head size (or MLA latent width), or a "
+            f"whole fraction of it, or method ngram")
+    return fitted, page
 
 
 def _block_id_bytes(groups: tuple[GroupPlan, ...], group_size: int) -> int:
