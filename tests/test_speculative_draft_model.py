@@ -38,7 +38,7 @@ def check_draft_invariants(engine) -> None:
     for state in proposer._states.values():
         assert state.request_id in ids, f"{state.request_id}: draft state kept after it stopped running"
         seq = state.seq
-        assert state.num_real <= seq.num_tokens
+        assert state.num_real <= seq.num_tokens + seq.num_pending
         valid = state.num_real
         for token in state.fed:
             if valid >= seq.num_tokens or seq.all_token_ids[valid] != token:
@@ -257,3 +257,32 @@ def test_draft_layers_own_the_page_slots_after_the_target_layers():
     view.kv_caches[2].fill_(1.0)
     assert all(not c.any() for c in pool.kv_caches + view.kv_caches[:2])
     assert bool((pool.pages[4].view(torch.float32) == 1.0).all())
+
+
+def test_async_steps_hold_exactly_the_blocks_of_their_computed_tokens(tmp_path):
+    """Async scheduling with a draft probed every third step: the steps between overlap, the draft follows
+    them, and after every step (in flight or not) each running sequence holds exactly the blocks of its
+    computed tokens in every group, the draft's included: blocks taken for proposals a step did not verify
+    are returned, and none leaks."""
+    path = save_tiny(tmp_path, LLAMA)
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 20, progress=False,
+              device="cpu", max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = token_ids(generate(LLM(path, **kw), TINY_PROMPTS, params))
+    on = LLM(path, async_scheduling=True, speculative_config=draft_config(path, 3), **kw)
+    engine = on.engine
+    engine.spec_backoff.due = lambda request_id, step: step % 3 == 0
+    bm = engine.block_manager
+    for i, p in enumerate(TINY_PROMPTS):
+        engine.add_request(str(i), list(p), params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final[out.request_id] = out
+        running = list(engine.scheduler.running)
+        bm.check_invariants(running + list(engine.scheduler.waiting))
+        for seq in running:
+            assert len(seq.block_tables[0]) == bm.blocks_needed(seq.num_computed_tokens), seq
+        check_draft_invariants(engine)
+    assert [final[str(i)].outputs[0].token_ids for i in range(len(TINY_PROMPTS))] == ref
+    assert bm.num_used_blocks == 0 and engine.stats()["spec_decode"]["num_drafts"] > 0

@@ -425,17 +425,17 @@ class LLMEngine:
         if launched is not None and launched.verified is not None:
             # A verification step: the next step's positions depend on what it accepted, so it is resolved
             # now (its tokens are already on the host), after any step resolved early above.
-            return (early or []) + self._resolve(launched)
-        if not self.async_scheduling:
+            outputs = (early or []) + self._resolve(launched)
+        elif not self.async_scheduling:
             outputs = self._resolve(launched) if launched is not None else []
-            if self.proposer is not None:  # blocks taken for proposals this step did not verify
-                self.scheduler.trim_to_computed()
-            return outputs
-        if early is not None:
-            outputs = early
         else:
-            outputs = self._resolve(self._inflight) if self._inflight is not None else []
-        self._inflight = launched
+            if early is not None:
+                outputs = early
+            else:
+                outputs = self._resolve(self._inflight) if self._inflight is not None else []
+            self._inflight = launched
+        if self.proposer is not None:  # blocks taken for proposals this step did not verify
+            self.scheduler.trim_to_computed()
         return outputs
 
     def _discard_proposer_state(self, request_id: str) -> None:
