@@ -213,8 +213,7 @@ def make_workload(num_prompts: int, input_len, output_len, rng: random.Random):
 
 
 # engine.stats() keys that describe the engine's state now (gauges, flags), not a count since startup.
-STATE_STATS = frozenset({"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "draft_kv_blocks_used",
-                         "draft_kv_blocks_total", "async_scheduling"})
+STATE_STATS = frozenset({"num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "async_scheduling"})
 
 
 def stats_between(before: dict, after: dict) -> dict:
