@@ -54,6 +54,7 @@ from kvforge.attention.routing.mla import check_prefill_mode
 from kvforge.engine.kv_pool import KVPool
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import is_quantized
+from kvforge.models.layers import store_input_major
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
 
@@ -243,6 +244,10 @@ class ModelRunner:
                                        query_lens=(1, verify_query_len))
         elif device.type != "cuda":
             self.graphs_off_reason = "not a CUDA device"
+        if device.type == "cpu":
+            input_major = getattr(model, "input_major_modules", None)
+            if input_major is not None:
+                store_input_major(input_major())  # one-row products stream the weights faster this way
 
     # ---- inputs ---------------------------------------------------------------
     def invalidate_block_tables(self) -> None:

@@ -178,6 +178,16 @@ class DecoderForCausalLM(nn.Module):
         """Our fused parameter (name fragment) -> the HF projections stacked in it, in row order, with their rows."""
         return {}
 
+    def input_major_modules(self) -> list[nn.Module]:
+        """The linear layers (and a tied head's embedding) whose weights only ever reach ``F.linear`` or
+        ``F.embedding``, so the CPU runner may store them input-major (``layers.store_input_major``); none
+        unless the family lists them."""
+        return []
+
+    def head_module(self) -> nn.Module:
+        """The module holding the LM head's weight: ``lm_head``, or the embedding it is tied to."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
     # -- runner interface ----------------------------------------------------------
     def sliding_window(self, layer_idx: int) -> int | None:
         return None

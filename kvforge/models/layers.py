@@ -291,6 +291,22 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def store_input_major(modules) -> None:
+    """Give each module's ``weight`` (``[out, in]``) input-major storage in place: the same values and shape,
+    seen through a transpose of a contiguous ``[in, out]`` tensor (the Parameter object, and so any tying, is
+    kept). ``F.linear`` then multiplies by that contiguous matrix; on CPU, at a few tokens per step, this
+    streams the weight faster than the output-major layout (docs/BENCHMARKS.md, the CPU one-stream section).
+    Only for modules whose weight reaches ``F.linear`` / ``F.embedding`` and is never viewed as contiguous;
+    modules other than ``nn.Linear`` and ``nn.Embedding`` themselves (tensor-parallel shards, for one) are
+    left as they are. Idempotent."""
+    for m in modules:
+        if type(m) not in (nn.Linear, nn.Embedding):
+            continue
+        w = m.weight
+        if w.dim() == 2 and w.stride() != (1, w.shape[0]):
+            w.data = w.data.t().contiguous().t()
+
+
 _ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,

@@ -133,6 +133,13 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
         return attention_and_mlp_parts(self.args)
 
+    def input_major_modules(self) -> list[nn.Module]:
+        mods = [self.head_module()]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mods += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        return mods
+
     def sliding_window(self, layer_idx: int) -> int | None:
         return self.args.windows[layer_idx]
 
