@@ -20,7 +20,7 @@ def test_sweep_writes_every_point(tmp_path, capsys):
     spec.loader.exec_module(module)
     out = tmp_path / "sweep.json"
     assert module.main(["--model", str(tmp_path), "--device", "cpu", "--batches", "1", "2", "--contexts", "16",
-                        "40", "--steps", "5", "--kv", "float32", "fp8", "--out", str(out)]) == 0
+                        "40", "--steps", "5", "--repeats", "2", "--kv", "float32", "fp8", "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert set(runs) == {"float32", "fp8"}
     for kv in runs.values():
