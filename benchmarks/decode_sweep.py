@@ -5,8 +5,8 @@
 
 For each (batch, context), ``--repeats`` times: ``batch`` random prompts of ``context`` tokens (dummy
 weights, prefix caching off so no prompt reuses another's blocks), greedy, ``--steps`` new tokens each. A
-step may hold ``max(contexts) * max(batches)`` tokens with no cap on a step's prefill, so every prompt is in
-within a few steps. The engine's step record (``engine.step_log``) times every step; a repeat's decode speed
+step may hold ``max(contexts)`` tokens with no cap on a step's prefill, so every prompt is in within
+``max(batches)`` steps. The engine's step record (``engine.step_log``) times every step; a repeat's decode speed
 is ``batch`` over the median of its decode-only steps that ran all ``batch`` sequences (prefill steps
 excluded). Prints the median over repeats with min and max, and the fp8 / bf16 ratio of the medians, and
 writes the numbers as JSON.
@@ -33,7 +33,7 @@ def sweep(model: str, kv: str, batches: list[int], contexts: list[int], steps: i
     max_len = max(contexts) + steps + 8
     llm = LLM(model, load_format="dummy", device=device, kv_cache_dtype=kv, max_num_seqs=max(batches),
               max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True, progress=False,
-              max_num_batched_tokens=max(8192, max(contexts) * max(batches)), long_prefill_token_threshold=0)
+              max_num_batched_tokens=max(8192, max(contexts)), long_prefill_token_threshold=0)
     engine, gen = llm.engine, torch.Generator().manual_seed(seed)
     vocab = engine.spec.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
