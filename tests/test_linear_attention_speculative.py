@@ -51,6 +51,12 @@ def _prompts(n: int = 4) -> list[list[int]]:
     return out
 
 
+def _every_step(k: int, **config) -> dict:
+    """A speculative config (n-gram unless ``method`` says otherwise) whose sequences get proposals at every
+    decode step (no back-off after rejections: every step verifies and rolls back)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "backoff": False, **config}
+
+
 class GarbageProposer:
     """Proposes uniformly random token ids (seeded): nearly every proposal is rejected."""
 
@@ -123,21 +129,20 @@ def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
     want = _reference(tmp_path, engines, prompts)
 
     # A one-token suffix finds earlier matches in random text (the model does not continue the prompts' patterns).
-    ngram = engines(tmp_path, speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                                  "prompt_lookup_min": 1})
+    ngram = engines(tmp_path, speculative_config=_every_step(k, prompt_lookup_min=1))
     assert ngram.engine.plan.verify_replay_bytes_per_sequence() > 0
     outs = _generate(ngram.engine, prompts, _greedy())
     assert _tokens(outs) == want
     assert _acceptance(outs)[1] > 0  # n-gram proposals were verified (the random model seldom accepts one)
 
-    garbage = engines(tmp_path, speculative_config={"num_speculative_tokens": k, "backoff": False})  # every step
+    garbage = engines(tmp_path, speculative_config=_every_step(k))
     garbage.engine.proposer = GarbageProposer(k)
     outs = _generate(garbage.engine, prompts, _greedy())
     assert _tokens(outs) == want
     accepted, proposed = _acceptance(outs)
     assert proposed >= len(prompts) * (NEW_TOKENS // 2) and accepted <= proposed // 10
 
-    oracle = engines(tmp_path, num_speculative_tokens=k)
+    oracle = engines(tmp_path, speculative_config=_every_step(k))
     oracle.engine.proposer = OracleProposer(k, prompts, want)
     outs = _generate(oracle.engine, prompts, _greedy())
     assert _tokens(outs) == want
@@ -145,7 +150,7 @@ def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
     assert proposed > 0 and accepted == proposed
     assert oracle.engine.num_steps < garbage.engine.num_steps  # k + 1 tokens per verify step
 
-    partly = engines(tmp_path, num_speculative_tokens=k)
+    partly = engines(tmp_path, speculative_config=_every_step(k))
     partly.engine.proposer = OracleProposer(k, prompts, want, partly=True)
     outs = _generate(partly.engine, prompts, _greedy())
     assert _tokens(outs) == want
@@ -160,7 +165,7 @@ def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines
     make_checkpoint(case, tmp_path)
     prompts = _prompts()
     want = _reference(tmp_path, engines, prompts)
-    llm = engines(tmp_path, num_speculative_tokens=3)
+    llm = engines(tmp_path, speculative_config=_every_step(3))
     engine = llm.engine
     engine.proposer = GarbageProposer(3, seed=1)
     bm = engine.block_manager
@@ -186,8 +191,7 @@ def test_draft_model_proposals(case, tmp_path, engines):
                                                                     bos_token_id=1, eos_token_id=2)))
     prompts = _prompts()
     want = _reference(target, engines, prompts)
-    engine = engines(target, speculative_config={"method": "draft_model", "model": draft,
-                                                 "num_speculative_tokens": 3}).engine
+    engine = engines(target, speculative_config=_every_step(3, method="draft_model", model=draft)).engine
     assert engine.plan.draft is not None and engine.plan.verify_replay_bytes_per_sequence() > 0
     assert [g.kind for g in engine.plan.groups if g.draft_layers] == ["full" if case == "qwen3-next" else "mla"]
     outs = _generate(engine, prompts, _greedy())
@@ -225,7 +229,7 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, tmp_path, eng
     if path == "kernels":
         monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     for proposer in proposers:
-        engine = engines(tmp_path, num_speculative_tokens=3, max_num_seqs=4).engine
+        engine = engines(tmp_path, speculative_config=_every_step(3), max_num_seqs=4).engine
         engine.runner = ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
                                     max_num_seqs=4, static_decode_on_cpu=True, verify_query_len=4)
         graphs = engine.runner.graphs
@@ -250,7 +254,7 @@ def test_tensor_parallel_ranks_roll_back_their_heads(case, tmp_path, engines):
     want = _tokens(_generate(reference, prompts, _greedy()))
     reference.shutdown()  # one tensor-parallel engine per process at a time
     for proposer in ("garbage", "partly right"):
-        engine = engines(tmp_path, tensor_parallel_size=2, num_speculative_tokens=3).engine
+        engine = engines(tmp_path, tensor_parallel_size=2, speculative_config=_every_step(3)).engine
         engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                            else OracleProposer(3, prompts, want, partly=True))
         outs = _generate(engine, prompts, _greedy())
@@ -273,7 +277,7 @@ def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     assert linear_state._use_kernels(torch.zeros(1))
     for proposer in ("garbage", "oracle"):
-        llm = engines(tmp_path, num_speculative_tokens=3)
+        llm = engines(tmp_path, speculative_config=_every_step(3))
         llm.engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                                else OracleProposer(3, prompts, want))
         outs = _generate(llm.engine, prompts, _greedy(6))
@@ -302,8 +306,7 @@ def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
                                                        logprobs=2))
     want = _tokens(ref)
     for proposer in ("ngram", "garbage", "oracle", "partly right"):
-        engine = engines(tmp_path, speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                                       "prompt_lookup_min": 1}, **gpu).engine
+        engine = engines(tmp_path, speculative_config=_every_step(k, prompt_lookup_min=1), **gpu).engine
         if proposer == "garbage":
             engine.proposer = GarbageProposer(k)
         elif proposer != "ngram":
