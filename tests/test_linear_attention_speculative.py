@@ -158,6 +158,25 @@ def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
     assert 0 < accepted < proposed  # steps that keep some rows and roll the others back
 
 
+def test_seeded_sampling_with_rollbacks_is_reproducible(tmp_path, engines):
+    """Sampled requests verify through the rejection sampler (unchanged) and roll their states back through the
+    same replay: proposals are both accepted and rejected, and two runs with the same seeds give the same tokens
+    (the pool is uninitialized memory on CPU: a replay reading rows no step wrote would not repeat)."""
+    make_checkpoint("qwen3-next", tmp_path)
+    prompts = _prompts(3)
+    want = _reference(tmp_path, engines, prompts)
+    runs = []
+    for _ in range(2):
+        engine = engines(tmp_path, speculative_config=_every_step(3)).engine
+        engine.proposer = OracleProposer(3, prompts, want, partly=True)
+        params = SamplingParams(temperature=0.7, top_k=8, max_tokens=NEW_TOKENS, ignore_eos=True, seed=11)
+        outs = _generate(engine, prompts, params)
+        accepted, proposed = _acceptance(outs)
+        assert 0 < accepted < proposed
+        runs.append(_tokens(outs))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines):
     """Memory pressure preempts verifying sequences; each recomputes from its prompt, its first chunk from a

@@ -140,7 +140,7 @@ class SlotBatch:
     rows; 0 for every other sequence). Verifying sequences keep their slot's state unwritten:
     ``store_slot_ids`` is ``slot_ids`` with -1 at them (where the kernels store final states), and
     their rows go to the verify rows: token ``verify_src[j]`` to flat row ``verify_dest[j]``
-    (``slot * verify_rows + row``), int64; both empty without verifying sequences.
+    (``slot * verify_rows + row``), int64; both None without verifying sequences.
     """
 
     query_start_loc: torch.Tensor
