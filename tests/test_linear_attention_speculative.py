@@ -309,8 +309,8 @@ def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
     """float32 on CUDA: the compiled Triton kernels (verify steps through the prefill kernels with kept slots,
-    the replay kernels), decode steps replaying CUDA graphs over the state slots (dense-MLP variants, head size
-    32 and blocks of 16 as in tests/test_linear_attention_engine_vs_hf.py). n-gram, random, oracle and partly
+    the replay kernels), decode steps and uniform verify steps replaying CUDA graphs over the state slots
+    (dense-MLP variants, head size 32 and blocks of 16 as in tests/test_linear_attention_engine_vs_hf.py). n-gram, random, oracle and partly
     right proposals follow speculation off's greedy tokens, up to a near-tie of its logits within 1e-3 (the
     verify rows go through other kernels than the graphs' decode steps, so the last bits may differ)."""
     from greedy_agreement import FP32_LOGIT_TOL, assert_greedy_agrees, margins_from_logprobs
