@@ -310,9 +310,10 @@ def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
 def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
     """float32 on CUDA: the compiled Triton kernels (verify steps through the prefill kernels with kept slots,
     the replay kernels), decode steps and uniform verify steps replaying CUDA graphs over the state slots
-    (dense-MLP variants, head size 32 and blocks of 16 as in tests/test_linear_attention_engine_vs_hf.py). n-gram, random, oracle and partly
-    right proposals follow speculation off's greedy tokens, up to a near-tie of its logits within 1e-3 (the
-    verify rows go through other kernels than the graphs' decode steps, so the last bits may differ)."""
+    (dense-MLP variants, head size 32 and blocks of 16 as in tests/test_linear_attention_engine_vs_hf.py).
+    n-gram, random, oracle and partly right proposals follow speculation off's greedy tokens, up to a near-tie
+    of its logits within 1e-3 (the verify rows go through other kernels than the graphs' decode steps, so the
+    last bits may differ)."""
     from greedy_agreement import FP32_LOGIT_TOL, assert_greedy_agrees, margins_from_logprobs
 
     dense = {"qwen3-next": dict(num_experts=0, head_dim=32), "kimi-linear": dict(mlp_layer_types=["dense"] * 4)}[case]
@@ -326,6 +327,10 @@ def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
     want = _tokens(ref)
     for proposer in ("ngram", "garbage", "oracle", "partly right"):
         engine = engines(tmp_path, speculative_config=_every_step(k, prompt_lookup_min=1), **gpu).engine
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.query_lens == (1, k + 1), engine.runner.graphs_off_reason
+        replayed = []
+        graphs.run = _recording(graphs.run, replayed)
         if proposer == "garbage":
             engine.proposer = GarbageProposer(k)
         elif proposer != "ngram":
@@ -335,3 +340,5 @@ def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
             assert_greedy_agrees(got, r.outputs[0].token_ids, margins_from_logprobs(r.outputs[0].logprobs),
                                  FP32_LOGIT_TOL, what=f"{case} k={k} {proposer} prompt {i}")
         assert _acceptance(outs)[1] > 0, proposer
+        if proposer == "garbage":  # every decoding sequence verifies k proposals: verification graphs replay
+            assert any(q == k + 1 for _, q in replayed), replayed
