@@ -97,7 +97,8 @@ def test_weights_per_rank_and_fit():
     with pytest.raises(PlanError, match="weights need .* GiB per rank"):
         plan("llama-3.1-70b", "bf16", 1, gpu_memory=141 * 10**9)
     ok = plan("llama-3.1-70b", "fp8", 2, gpu_memory=141 * 10**9, max_model_len=8192)
-    assert ok.capacity.kv_cache_memory == int(141e9 * 0.9) - ok.weights_bytes_per_rank
+    # The device's usable memory less the weights and the activations of one step (exact: integer bytes).
+    assert ok.capacity.kv_cache_memory == int(141e9 * 0.9) - ok.weights_bytes_per_rank - ok.activations.bytes
 
 
 def test_too_little_memory_names_a_fix_that_can_work():

@@ -72,6 +72,7 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,
+            max_num_batched_tokens=self._step_budget(args, platform),
         )
         speculative = args.speculative_config
         self.with_mtp = speculative is not None and speculative.method == "mtp"
@@ -280,6 +281,14 @@ class LLMEngine:
             raise RuntimeError("this engine was shut down (its KV pool and weights are freed); build a new one")
 
     # ---- startup helpers ------------------------------------------------------
+    def _step_budget(self, args: EngineArgs, platform: str) -> int:
+        """The step size the plan reserves activations for: the token budget, or without chunked prefill
+        the longest prompt when that is larger (see the budget check below)."""
+        batched = args.step_token_budget(platform)
+        if not args.enable_chunked_prefill:
+            batched = max(batched, args.max_model_len or self.spec.max_position_embeddings or 0)
+        return batched
+
     def _model_dtype(self, args: EngineArgs, platform: str) -> str:
         """--dtype, else float32 on CPU (fast and exact there), else the config's dtype."""
         if args.dtype != "auto":

@@ -13,10 +13,12 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = 0.9,
          device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int = 256, query_dtype: str = "auto",
-         state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False) -> KVPlan:
+         state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False,
+         max_num_batched_tokens: int | None = None) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;
     ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
-    checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``)."""
+    checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``);
+    ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default)."""
     from kvforge.kv_dtypes import canonical_model_dtype
 
     spec = load_model_spec(model)
@@ -30,7 +32,7 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
                         max_num_seqs=max_num_seqs, query_dtype=query_dtype,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens)
     model_dtype = canonical_model_dtype(dtype) if dtype and dtype != "auto" else None
     draft_spec = load_model_spec(draft_model) if draft_model is not None else None
     return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype,

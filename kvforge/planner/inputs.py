@@ -36,7 +36,9 @@ class CacheConfig:
 
     Memory: ``kv_cache_memory`` (bytes for the KV cache on one rank) wins;
     otherwise ``gpu_memory`` x ``gpu_memory_utilization`` minus the weights on
-    one rank. With neither, the plan has no capacity figures.
+    one rank and the activation reserve of a step of ``max_num_batched_tokens``
+    tokens (None: the platform's default budget; kvforge/planner/activations.py).
+    With neither, the plan has no capacity figures.
     """
 
     kv_cache_dtype: str = "auto"
@@ -57,6 +59,8 @@ class CacheConfig:
     #: State slots of linear-attention layers: "auto" (float32; the resolver's ``state_dtype`` says why), "model" (the model
     #: dtype) or an explicit float dtype. Never quantized: the state is rewritten every token.
     state_dtype: str = "auto"
+    #: Tokens one step may compute (None: the platform's default, raised to ``max_num_seqs``).
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))
@@ -76,6 +80,9 @@ class CacheConfig:
         if self.kv_scale_scheme not in SCALE_SCHEMES:
             raise ConfigError(f"--kv-scale-scheme must be one of {', '.join(SCALE_SCHEMES)}, got {self.kv_scale_scheme!r}")
         object.__setattr__(self, "max_num_seqs", _positive_int("--max-num-seqs", self.max_num_seqs))
+        if self.max_num_batched_tokens is not None:
+            object.__setattr__(self, "max_num_batched_tokens",
+                               _positive_int("--max-num-batched-tokens", self.max_num_batched_tokens))
         if self.query_dtype not in QUERY_DTYPE_CHOICES:
             raise ConfigError(f"--query-dtype must be one of {', '.join(QUERY_DTYPE_CHOICES)}, got "
                               f"{self.query_dtype!r}")

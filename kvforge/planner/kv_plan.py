@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 
+from kvforge.planner.activations import ActivationReserve
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -157,6 +159,9 @@ class KVPlan:
     #: groups and pool above: ``capacity``
     #: counts them; ``draft.capacity_without`` is the target alone.
     draft: DraftPlan | None = None
+    #: The bytes a step of ``max_num_batched_tokens`` tokens needs for its activations on one rank, set
+    #: aside before the KV memory when that is derived from the device (kvforge/planner/activations.py).
+    activations: ActivationReserve | None = None
 
     @property
     def num_blocks(self) -> int | None:
@@ -249,6 +254,8 @@ class KVPlan:
             f"  {self.bytes_per_token} bytes/token/rank, {self.state_bytes_per_sequence} state bytes/sequence, "
             f"max model len {self.max_model_len}",
         ]
+        if self.activations is not None:
+            lines.append(f"  activations: {self.activations.describe()}")
         cap = self.capacity
         if cap.num_blocks is not None:
             line = (f"  {cap.num_blocks} blocks = {cap.capacity_tokens} tokens, "

@@ -50,6 +50,8 @@ def render_plan(plan: KVPlan, console=None) -> None:
         head.add_row("state dtype", plan.state_dtype_reason)
     head.add_row("prefix caching", plan.prefix_caching_reason)
     head.add_row("weights per rank", f"{_gib(plan.weights_bytes_per_rank)} ({plan.num_parameters:,} parameters)")
+    if plan.activations is not None:
+        head.add_row("activations per rank", plan.activations.describe())
     if cap.num_blocks is not None:
         head.add_row("KV memory per rank", _gib(cap.kv_cache_memory))
         head.add_row("blocks / tokens", f"{cap.num_blocks:,} / {cap.capacity_tokens:,}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from kvforge.errors import PlanError
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT, is_quantized
+from kvforge.planner.activations import ActivationReserve, activation_reserve
 from kvforge.planner.declaration import BackendDeclaration, BlockSizes, LayerContext
 from kvforge.planner.groups import LayerType, choose_grouping, sliding_window_blocks
 from kvforge.planner.inputs import CacheConfig, ParallelConfig, check_platform
@@ -389,19 +390,46 @@ def _scale_source(spec: ModelSpec, cache: CacheConfig, quantized: bool) -> tuple
     ]
 
 
-def _memory(spec: ModelSpec, cache: CacheConfig, weights: int) -> int | None:
+def step_token_budget(cache: CacheConfig, platform: str) -> int:
+    """Tokens one step computes: ``--max-num-batched-tokens``, else the platform's default raised to
+    ``--max-num-seqs`` (the engine's rule, kvforge/config.py)."""
+    if cache.max_num_batched_tokens is not None:
+        return cache.max_num_batched_tokens
+    from kvforge.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[platform], cache.max_num_seqs)
+
+
+def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnings: list[str]) -> int | None:
+    """KV bytes per rank: ``--kv-cache-memory``, else the device's usable memory less the weights and the
+    activation reserve (PlanError when they do not fit, naming the flag to lower)."""
+    gib = 2**30
     if cache.kv_cache_memory is not None:
+        need = weights + cache.kv_cache_memory + reserve.bytes
+        if cache.gpu_memory is not None and need > cache.gpu_memory:
+            warnings.append(
+                f"weights {weights / gib:.2f} GiB + --kv-cache-memory {cache.kv_cache_memory / gib:.2f} GiB + "
+                f"activations {reserve.describe()} = {need / gib:.2f} GiB exceed the device's "
+                f"{cache.gpu_memory / gib:.2f} GiB: a full step may run out of memory; lower --kv-cache-memory "
+                f"or --max-num-batched-tokens")
         return cache.kv_cache_memory
     if cache.gpu_memory is None:
         return None
     usable = int(cache.gpu_memory * cache.gpu_memory_utilization)
     if weights >= usable:
         raise PlanError(
-            f"weights need {weights / 2**30:.2f} GiB per rank but --gpu-memory {cache.gpu_memory / 2**30:.2f} GiB x "
-            f"--gpu-memory-utilization {cache.gpu_memory_utilization} = {usable / 2**30:.2f} GiB; fix: raise "
+            f"weights need {weights / gib:.2f} GiB per rank but --gpu-memory {cache.gpu_memory / gib:.2f} GiB x "
+            f"--gpu-memory-utilization {cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: raise "
             f"--tensor-parallel-size or --gpu-memory-utilization, or use a smaller model"
         )
-    return usable - weights
+    if weights + reserve.bytes >= usable:
+        raise PlanError(
+            f"weights {weights / gib:.2f} GiB per rank + activations {reserve.describe()} leave no KV memory in "
+            f"--gpu-memory {cache.gpu_memory / gib:.2f} GiB x --gpu-memory-utilization "
+            f"{cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: lower --max-num-batched-tokens "
+            f"(the activations grow with it), or raise --gpu-memory-utilization or --tensor-parallel-size"
+        )
+    return usable - weights - reserve.bytes
 
 
 def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: ParallelConfig | None = None,
@@ -503,7 +531,10 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     weights = math.ceil(spec.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
     draft_weights = (math.ceil(proposer_layers.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
                      if proposer_layers else 0)
-    memory = _memory(spec, cache, weights + draft_weights)
+    reserve = activation_reserve(spec, step_token_budget(cache, platform), cache.max_num_seqs,
+                                 num_speculative_tokens=cache.num_speculative_tokens, tensor_parallel_size=tp,
+                                 model_dtype=model_dtype, platform=platform, max_model_len=max_len)
+    memory = _memory(cache, weights + draft_weights, reserve, warnings)
     capacity = _capacity(kv_dtype, groups, grouping.group_size,
                          bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory)
 
@@ -556,7 +587,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
         warnings=tuple(warnings), scale_source=scale_source,
         prefix_caching=prefix_ok, prefix_caching_reason=prefix_reason,
-        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft
+        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft, activations=reserve
     )
 
 

@@ -1,0 +1,203 @@
+"""The activation reserve: the peak bytes one step's live tensors take, set aside before the KV cache is sized.
+
+A step runs ``T = max_num_batched_tokens`` tokens through the layers one after the other, so only the
+largest set of tensors alive at one moment counts (a layer's tensors die before the next layer's). The
+rule names each phase of a step and the tensors alive in it, as the model code holds them
+(kvforge/models/decoder.py, llama.py, layers.py, deepseek.py), per rank, in the model dtype unless
+said otherwise:
+
+* the stream (every phase of a layer): the previous layer's output and residual (the caller's loop
+  still holds them), this layer's residual and its normed input: ``4 x [T, hidden]``;
+* the residual-add norm between the sublayers: two more ``[T, hidden]`` (its outputs) beside the
+  attention output; without the fused kernels (CPU) the float32 square and product of the norm;
+* attention: the fused QKV output, rotated q and k (new tensors: the rope kernel writes out of place;
+  without it, the unfused rotate-half's three temporaries), the attention output ``[T, Hq, Dv]`` and
+  ``o_proj``'s output; on CUDA the split-K partials of the decode kernels (float32
+  ``[rows, Hq, splits, D_pad]`` and ``[rows, Hq, splits, 2]``; a split count fills at most
+  ``SPLIT_WAVES x MAX_SMS`` programs, so the rows over all splits are at most
+  ``SPLIT_WAVES x MAX_SMS / Hkv + max_num_seqs`` per query row of a sequence);
+* MLA: the query (and its LoRA input), the latent projection and its normed copy, the rotated rope
+  parts, the output; on CUDA the larger of the absorbed prefill (``q_latent``, its contiguous copy and
+  ``o_latent``, ``[T, H, R]`` each) and the expanded prefill (K and V of the heads of one call at the
+  longest context, bounded by ``SDPA_KV_BYTES``, plus the concatenated query);
+* a gated MLP: ``gate_up [T, 2I]``, the activation product ``[T, I]`` (without the fused SiLU-and-mul
+  also ``act(gate)`` beside it) and ``down_proj``'s output;
+* routed experts: the router's float32 input and scores, then per routed row (``T x top_k`` on CUDA,
+  where every rank sorts all slots for ``torch._grouped_mm``; on CPU at most ``T`` rows run one expert
+  at a time): the gathered input, ``gate_up``, ``act(gate)`` and the product, the expert output, its
+  float32 weighted copy and the cast, plus the layer's output ``[T, hidden]``; shared experts after them;
+* the head: the hidden rows and the sampler over ``max_num_seqs x (1 + num_speculative_tokens)`` rows
+  of the vocabulary at ``SAMPLER_BYTES_PER_LOGIT`` (float32 logits, the temperature-scaled copy, the
+  top-k/top-p sort's values and int64 indices, its masks, softmax and cumulative sum: kvforge/engine/
+  sampler.py). Prompt logprobs are sliced by the sampler and are not counted.
+
+Linear-attention (state) layers are bounded by their token inputs (``token_input_elements``): the
+projection output in the model dtype and two float32 copies (conv and delta-rule inputs), plus the
+output. The total is rounded up by ``ALLOCATOR_SLACK`` for the caching allocator's rounding and
+fragmentation (see :data:`ALLOCATOR_SLACK`). Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvforge.kv_dtypes import BYTES_PER_ELEMENT
+from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
+from kvforge.spec.model_spec import ModelSpec
+
+#: The caching allocator rounds each block up to 512 bytes (small) or 2 MiB segments (large) and may not
+#: reuse a freed block for a larger request of the next layer; 10% plus 64 MiB covers the rounding of the
+#: few dozen tensors of a phase (at most 2 MiB each) and the fragmentation of two differently sized phases.
+ALLOCATOR_SLACK = 0.10
+ALLOCATOR_SLACK_BYTES = 64 << 20
+#: Bytes per sampled row and vocabulary entry at the sampler's peak (top-p path, kvforge/engine/sampler.py):
+#: float32 logits, the row selection, the temperature-scaled copy, sorted values (4) and int64 indices (8),
+#: three bool masks, the masked copy, softmax, its cumulative sum and the strictly-better mass, the scattered
+#: result and its softmax: 49 bytes, rounded up; plus the int64 ranks of one row.
+SAMPLER_BYTES_PER_LOGIT = 52
+#: Split-K bound: programs per SM the split rules fill (kvforge/attention/routing/split_k.py) and the largest
+#: SM count planned for.
+SPLIT_WAVES = 4
+MAX_SMS = 160
+#: Expanded MLA prefill: bytes of K and V one call holds at most (kvforge/attention/mla_prefill_sdpa.py).
+SDPA_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ActivationReserve:
+    """The bytes one step's activations need on one rank: ``bytes`` = ``tensor_bytes`` (the peak phase's
+    tensors) times ``1 + ALLOCATOR_SLACK`` plus ``ALLOCATOR_SLACK_BYTES``. ``phases``: each phase's tensor bytes."""
+
+    bytes: int
+    tensor_bytes: int
+    tokens: int
+    sampled_rows: int
+    peak_phase: str
+    phases: tuple[tuple[str, int], ...]
+
+    def describe(self) -> str:
+        return (f"{self.bytes / 2**30:.2f} GiB for a step of {self.tokens:,} tokens "
+                f"(peak: {self.peak_phase}; {self.sampled_rows:,} sampled rows)")
+
+
+def _cfg(config: dict, *keys, default=0):
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return value
+    return default
+
+
+def _attention_phase(layer, tokens: int, rows_per_seq: int, max_seqs: int, tp: int, e: int, fused: bool,
+                     max_len: int, hidden: int) -> int:
+    """Bytes of an attention sublayer's own tensors (the stream excluded) at its peak."""
+    t = tokens
+    if isinstance(layer, AttentionLayerSpec):
+        hq, hkv = layer.num_heads // tp, max(1, layer.num_kv_heads // tp)
+        dk, dv = layer.head_dim_k, layer.head_dim_v
+        qkv = t * (hq * dk + hkv * dk + hkv * dv) * e
+        qk = t * (hq + hkv) * dk * e
+        out = t * hq * dv * e
+        partials = 0
+        if fused:
+            d_pad = max(16, 1 << (dk - 1).bit_length())
+            split_rows = rows_per_seq * (math.ceil(SPLIT_WAVES * MAX_SMS / hkv) + max_seqs)
+            partials = split_rows * hq * (d_pad + 2) * 4
+            return qkv + qk + out + partials + t * hidden * e
+        # Unfused rope: x*cos, rotate_half(x)*sin and their sum alive at once, and the per-head q/k norms'
+        # copies where a family has them.
+        return qkv + max(4 * qk, qk + out + t * hidden * e)
+    if isinstance(layer, MLALayerSpec):
+        h = layer.num_heads // tp
+        r, p, dn, v = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.qk_nope_head_dim, layer.v_head_dim
+        q = t * h * (dn + p) * e
+        latent = t * (r + p) * e + t * r * e * 2  # the projection, its contiguous copy and the normed latent
+        rope = t * h * p * e + t * p * e
+        out = t * h * v * e
+        inner = out
+        if fused:
+            absorbed = 3 * t * h * r * e + (rows_per_seq * (SPLIT_WAVES * MAX_SMS + max_seqs)) * h * (r + 2) * 4
+            qk_dim = dn + p
+            heads_per_call = max(1, min(h, SDPA_KV_BYTES // max(1, 2 * max_len * qk_dim * e)))
+            expanded = (heads_per_call * max_len * (2 * qk_dim + v) * e + t * h * qk_dim * e
+                        + max_len * (r + p) * 4)
+            inner = out + max(absorbed, expanded)
+        return q + latent + rope + inner + t * hidden * e
+    if isinstance(layer, StateLayerSpec):
+        inputs = t * (layer.token_input_elements // tp)
+        return inputs * (e + 2 * 4) + t * hidden * (e + 4)
+    raise TypeError(f"unknown layer spec {type(layer).__name__}")
+
+
+def _mlp_phase(tokens: int, hidden: int, inter: int, e: int, fused: bool) -> int:
+    """A gated MLP's own tensors at their peak: gate_up, the product (and unfused act(gate)), the output."""
+    act = 0 if fused else inter
+    return tokens * (2 * inter + inter + max(act, hidden)) * e
+
+
+def _moe_phase(config: dict, tokens: int, hidden: int, tp: int, e: int, fused: bool) -> int:
+    """Routed (and shared) experts' tensors at their peak; 0 for a model without routed experts."""
+    experts = int(_cfg(config, "n_routed_experts", "num_local_experts", "num_experts"))
+    if experts <= 0:
+        return 0
+    top_k = int(_cfg(config, "num_experts_per_tok", "experts_per_token", default=1))
+    inter = int(_cfg(config, "moe_intermediate_size", "intermediate_size"))
+    t = tokens
+    router = t * hidden * 4 + 4 * t * experts * 4 + t * top_k * 8 * 4  # float32 input, logits/scores/choice
+    routed_rows = t * top_k if fused else t
+    per_row = (2 * inter + 2 * inter) * e  # gate_up, act(gate), the product
+    per_row += hidden * e * 2 + hidden * 4  # gathered input (or output), expert output, float32 weighted copy
+    routed = routed_rows * per_row + t * top_k * 8 * 4 + t * hidden * e  # sort keys; the layer's output
+    shared = int(_cfg(config, "n_shared_experts", default=0)) * inter
+    shared = shared or int(_cfg(config, "shared_expert_intermediate_size", default=0))
+    shared_phase = t * hidden * e + _mlp_phase(t, hidden, shared // tp, e, fused) if shared else 0
+    return max(router, routed, shared_phase + t * hidden * e)
+
+
+def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int, *,
+                       num_speculative_tokens: int = 0, tensor_parallel_size: int = 1,
+                       model_dtype: str | None = None, platform: str = "cuda",
+                       max_model_len: int | None = None) -> ActivationReserve:
+    """The activation reserve of ``spec`` for steps of ``max_num_batched_tokens`` tokens (module docstring).
+
+    ``platform`` "cuda" counts the fused kernels' tensors and the split-K partials; "cpu" the unfused
+    reference code's temporaries instead."""
+    e = BYTES_PER_ELEMENT[model_dtype or spec.model_dtype]
+    tp = tensor_parallel_size
+    fused = platform == "cuda"
+    t = max_num_batched_tokens
+    per_seq = 1 + num_speculative_tokens
+    rows = min(t, max_num_seqs * per_seq)
+    hidden = spec.hidden_size
+    config = spec.hf_config or {}
+    max_len = max_model_len or spec.max_position_embeddings or 4096
+    # Step-wide: the int64 token ids and positions, rope's cos and sin (computed once for all layers).
+    rotary = max((getattr(x, "head_dim_k", 0) or getattr(x, "qk_rope_head_dim", 0) for x in spec.layers), default=0)
+    step = t * 2 * 8 + 2 * t * rotary * e
+    stream = step + 4 * t * hidden * e
+    norm_extra = 2 * t * hidden * e + (0 if fused else t * hidden * 8)
+    phases: dict[str, int] = {}
+    seen = set()
+    for layer in spec.layers:
+        key = (type(layer), layer.kind, getattr(layer, "num_heads", 0), getattr(layer, "num_kv_heads", 0),
+               getattr(layer, "token_input_elements", 0))
+        if key in seen:
+            continue
+        seen.add(key)
+        own = _attention_phase(layer, t, per_seq, max_num_seqs, tp, e, fused, max_len, hidden)
+        name = f"{layer.kind} attention" if layer.kind != "state" else "linear attention"
+        phases[name] = max(phases.get(name, 0), stream + own)
+    phases["residual norm"] = stream + t * hidden * e + norm_extra
+    inter = int(_cfg(config, "intermediate_size"))
+    if inter:
+        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused)
+    moe = _moe_phase(config, t, hidden, tp, e, fused)
+    if moe:
+        phases["routed experts"] = stream + moe
+    vocab = spec.vocab_size
+    phases["sampler"] = 2 * t * hidden * e + rows * vocab * max(SAMPLER_BYTES_PER_LOGIT, e + 4) + vocab * 8
+    peak_name, peak = max(phases.items(), key=lambda kv: kv[1])
+    total = math.ceil(peak * (1 + ALLOCATOR_SLACK)) + ALLOCATOR_SLACK_BYTES
+    return ActivationReserve(bytes=total, tensor_bytes=peak, tokens=t, sampled_rows=rows, peak_phase=peak_name,
+                             phases=tuple(phases.items()))

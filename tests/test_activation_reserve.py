@@ -1,0 +1,149 @@
+"""The planner's activation reserve against the live tensor bytes the real model modules reach on CPU.
+
+Tiny random configs run a step of ``T`` tokens through the model's modules (the attention backend is
+represented by the output it returns, which is all the Triton backends allocate besides their split-K
+partials) and through the head and the sampler; the peak of live tensor bytes is measured by
+tests/live_tensor_peak.py. The rule (platform "cpu": the unfused code the CPU runs) must be at least the
+measured peak and at most 1.5x it: the rule counts every tensor of its peak phase as alive at once,
+while the code frees some (a temporary of an expression) a moment before the next is allocated, and
+bounds the router's and rope's temporaries by their largest case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from live_tensor_peak import LiveTensorPeak
+
+from kvforge.engine.sampler import Sampler
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.models.decoder import build_uninitialised
+from kvforge.models.deepseek import DeepseekV3ForCausalLM
+from kvforge.models.llama import LlamaForCausalLM
+from kvforge.planner.activations import activation_reserve
+from kvforge.spec.architectures import spec_from_hf_config
+
+torch.set_num_threads(1)
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+             rms_norm_eps=1e-5, torch_dtype="float32")
+QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32, "intermediate_size": 96}
+# Two routed experts, both chosen by every token: the CPU expert loop runs each on all T rows, the
+# largest load a routing can give.
+DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, moe_intermediate_size=48, n_routed_experts=2,
+                n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5, torch_dtype="float32")
+
+
+class OutputOnlyAttention:
+    """Returns a zero output of the backend's shape: what a Triton backend allocates for a prefill step."""
+
+    def __call__(self, layer, q, k, v):
+        return torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+
+    def mla(self, layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv):
+        return torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=q_nope.dtype)
+
+
+def _model(cls, config):
+    torch.manual_seed(0)
+    model = build_uninitialised(lambda: cls(config, dtype=torch.float32), "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _forward_peak(model, tokens: int) -> int:
+    ids = torch.randint(0, model.vocab_size, (tokens,))
+    positions = torch.arange(tokens)
+    with torch.no_grad(), LiveTensorPeak() as probe:
+        probe.ignore(*model.parameters(), *model.buffers())
+        model(ids, positions, OutputOnlyAttention())
+    return probe.peak
+
+
+def _model_phases(spec, tokens: int, seqs: int) -> int:
+    reserve = activation_reserve(spec, tokens, seqs, platform="cpu")
+    return max(b for name, b in reserve.phases if name != "sampler")
+
+
+@pytest.mark.parametrize("cls,config", [(LlamaForCausalLM, LLAMA), (LlamaForCausalLM, QWEN3),
+                                        (DeepseekV3ForCausalLM, DEEPSEEK)], ids=["llama", "qwen3", "deepseek"])
+@pytest.mark.parametrize("tokens", [16, 128, 512])
+def test_reserve_bounds_the_measured_forward_peak(cls, config, tokens):
+    spec = spec_from_hf_config(config, name="tiny", source="test")
+    model = _model(cls, config)
+    measured = _forward_peak(model, tokens)
+    planned = _model_phases(spec, tokens, 8)
+    print(f"{config['architectures'][0]} T={tokens}: measured {measured}, planned {planned}, {planned / measured:.3f}x")
+    assert measured <= planned <= 1.5 * measured, (measured, planned, activation_reserve(spec, tokens, 8,
+                                                                                         platform="cpu").phases)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_reserve_bounds_the_head_and_sampler_peak(rows):
+    """The head's logits of ``rows`` rows and a top-k/top-p sample over them, with the step's hidden alive."""
+    spec = spec_from_hf_config(LLAMA, name="tiny", source="test")
+    model = _model(LlamaForCausalLM, LLAMA)
+    tokens = 64
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05)] * rows
+    with torch.no_grad(), LiveTensorPeak() as probe:
+        probe.ignore(*model.parameters(), *model.buffers())
+        hidden = torch.randn(tokens, LLAMA["hidden_size"])
+        normed = model.model.norm(hidden)
+        logits = model.compute_logits(normed[:rows])
+        Sampler()(logits, params)
+    planned = dict(activation_reserve(spec, tokens, rows, platform="cpu").phases)["sampler"]
+    print(f"sampler rows={rows}: measured {probe.peak}, planned {planned}, {planned / probe.peak:.3f}x")
+    assert probe.peak <= planned <= 1.5 * probe.peak, (probe.peak, planned)
+
+
+def _plan(**kwargs):
+    from kvforge.planner.api import plan
+
+    return plan("llama-3.1-8b", device="cuda", gpu_memory=140 * 2**30, max_model_len=32768, **kwargs)
+
+
+def test_a_larger_step_lowers_the_kv_memory_by_exactly_its_reserve():
+    small, large = _plan(max_num_batched_tokens=8192), _plan(max_num_batched_tokens=262144)
+    assert large.activations.tokens == 262144 and small.activations.tokens == 8192
+    assert large.activations.bytes > small.activations.bytes
+    lost = small.capacity.kv_cache_memory - large.capacity.kv_cache_memory
+    assert lost == large.activations.bytes - small.activations.bytes  # integer bytes: exact
+    usable = int(140 * 2**30 * 0.9)
+    assert large.capacity.kv_cache_memory == usable - large.weights_bytes_per_rank - large.activations.bytes
+    assert large.capacity.num_blocks < small.capacity.num_blocks
+    assert large.to_dict()["activations"]["bytes"] == large.activations.bytes
+    assert f"activations: {large.activations.bytes / 2**30:.2f} GiB for a step of 262,144 tokens" in large.summary()
+
+
+def test_a_step_whose_activations_do_not_fit_names_the_flag():
+    from kvforge.errors import PlanError
+
+    with pytest.raises(PlanError, match="lower --max-num-batched-tokens"):
+        _plan(max_num_batched_tokens=2_000_000)
+
+
+def test_explicit_kv_memory_is_kept_and_warns_when_the_step_does_not_fit():
+    from kvforge.planner.api import plan
+
+    kv = 120 * 2**30
+    p = plan("llama-3.1-8b", device="cuda", gpu_memory=140 * 2**30, kv_cache_memory=kv, max_model_len=32768,
+             max_num_batched_tokens=262144)
+    assert p.capacity.kv_cache_memory == kv
+    assert any("--max-num-batched-tokens" in w and "exceed" in w for w in p.warnings)
+    fits = plan("llama-3.1-8b", device="cuda", gpu_memory=140 * 2**30, kv_cache_memory=kv, max_model_len=32768,
+                max_num_batched_tokens=2048, max_num_seqs=8)
+    assert not any("exceed" in w for w in fits.warnings)
+
+
+def test_the_gpu_step_counts_the_fused_path_and_the_reference_more():
+    """The fused kernels drop the unfused temporaries (act(gate) beside the product, rope's copies)."""
+    spec = spec_from_hf_config(LLAMA, name="tiny", source="test")
+    cuda = dict(activation_reserve(spec, 4096, 8, platform="cuda").phases)
+    cpu = dict(activation_reserve(spec, 4096, 8, platform="cpu").phases)
+    assert cuda["MLP"] < cpu["MLP"]
