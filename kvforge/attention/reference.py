@@ -78,14 +78,14 @@ def _to_storage(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 class SlotTargets(NamedTuple):
     """Where a slot mapping's tokens go: ``rows`` (int64 indices of the written tokens, None when none is
-    skipped) and, per written token, its ``blocks`` and ``offsets`` (int64). ``cache_rows`` (int64
-    ``[2, written tokens * Hkv]``, or None): the row of each written token's K heads (``[0]``) and V heads
-    (``[1]``) in the cache seen as ``[num_blocks * 2 * Hkv * block_size, D]``, token-major then head."""
+    skipped) and, per written token, its ``blocks`` and ``offsets`` (int64). ``cache_rows`` (None, or two
+    int64 ``[written tokens * Hkv]``): the rows of the written tokens' K heads and of their V heads in the
+    cache seen as ``[num_blocks * 2 * Hkv * block_size, D]``, token-major then head."""
 
     rows: torch.Tensor | None
     blocks: torch.Tensor
     offsets: torch.Tensor
-    cache_rows: torch.Tensor | None = None
+    cache_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def slot_targets(slot_mapping: torch.Tensor, num_blocks: int, block_size: int,
@@ -114,7 +114,7 @@ def slot_targets(slot_mapping: torch.Tensor, num_blocks: int, block_size: int,
         # Row of (block, K or V = kv, head h, offset) = ((block * 2 + kv) * Hkv + h) * block_size + offset.
         heads = torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device).view(2, 1, num_kv_heads)
         first = (blocks * (2 * num_kv_heads * block_size) + offsets).view(1, -1, 1)
-        cache_rows = (first + heads * block_size).view(2, -1)
+        cache_rows = tuple((first + heads * block_size).view(2, -1).unbind(0))
     return SlotTargets(rows, blocks, offsets, cache_rows)
 
 
@@ -158,7 +158,7 @@ def write_kv_cache(
     if targets.rows is not None:
         k, v = k[targets.rows], v[targets.rows]
     rows_of = targets.cache_rows
-    if (rows_of is not None and rows_of.shape[1] == targets.blocks.shape[0] * hkv and not is_fp8(dtype)
+    if (rows_of is not None and rows_of[0].shape[0] == targets.blocks.shape[0] * hkv and not is_fp8(dtype)
             and kv_cache.is_contiguous()):
         # Model-dtype cache: one indexed row copy for K and one for V, at rows computed once per slot mapping.
         rows = kv_cache.view(-1, head_dim)
@@ -220,6 +220,12 @@ def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tens
     return x[0], x[1], factor
 
 
+def _gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[2, Hkv, len(blocks), block_size, D]``: the blocks' K and V, KV head first, in one ``index_select``
+    over the cache's block axis seen KV head first (a new contiguous tensor)."""
+    return kv_cache.permute(1, 2, 0, 3, 4).index_select(2, blocks)
+
+
 def _gather_kv_by_head(kv_cache: torch.Tensor, blocks: torch.Tensor,
                        bsz: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Blocks (int64 ``[bsz * nb]``, each sequence's ``nb`` in a row) -> raw K, V float32
@@ -227,8 +233,7 @@ def _gather_kv_by_head(kv_cache: torch.Tensor, blocks: torch.Tensor,
     ``index_select`` over the cache's block axis seen KV head first lands every head's blocks in order, so no
     reordering copy follows (float32 caches: no copy at all)."""
     _, _, hkv, bs, d = kv_cache.shape
-    g = _storage_view(kv_cache).permute(1, 2, 0, 3, 4).index_select(2, blocks)  # [2, Hkv, B*nb, bs, D]
-    g, factor = _widen_bits(g, kv_cache.dtype)
+    g, factor = _widen_bits(_gather_blocks(_storage_view(kv_cache), blocks), kv_cache.dtype)
     if g.dtype != torch.float32:
         g = g.to(torch.float32)
     x = g.view(2, hkv, bsz, -1, d)
@@ -451,16 +456,24 @@ def _decode(qf, kv_cache, dk: DecodeKeys, qk_scale, vs, group, sinks) -> torch.T
     masked (scores to -inf, V rows zeroed bitwise as in :func:`_attend`)."""
     _, _, hkv, bs, d = kv_cache.shape
     b = dk.num_seqs
+    if dk.keys is not None and sinks is None and vs is None and kv_cache.device.type == "cpu":
+        # No mask, no sink, no scale but the softmax's: torch's fused attention, query head h reading KV head
+        # h // group, over K and V seen as [B, Hkv, Lk, D] straight from the gathered
+        # [2, Hkv, B, nb * bs, D] (few tensor calls: at one token per step each costs about as much as a
+        # small product).
+        g = _gather_blocks(kv_cache, dk.blocks)
+        if g.dtype != torch.float32:
+            g = g.to(torch.float32)
+        lk, span = dk.keys.stop - dk.keys.start, dk.num_blocks * bs * d
+        shape, strides = (b, hkv, lk, d), (span, b * span, d, 1)
+        k = g.as_strided(shape, strides, g.storage_offset() + dk.keys.start * d)
+        v = g.as_strided(shape, strides, g.storage_offset() + hkv * b * span + dk.keys.start * d)
+        q4 = (qf if qf.shape[0] == b else qf[:b]).view(b, hkv * group, 1, d)
+        o = F.scaled_dot_product_attention(q4, k, v, scale=qk_scale, enable_gqa=True)
+        return o.view(b, hkv * group, d)
     k, v, factor = _gather_kv_by_head(kv_cache, dk.blocks, b)  # [Hkv, B, nb * bs, D]
     if dk.keys is not None:
         k, v = k[:, :, dk.keys], v[:, :, dk.keys]
-        if sinks is None and vs is None and kv_cache.device.type == "cpu":
-            # No mask, no sink, no scale but the softmax's: torch's fused attention over [B, Hkv, Lk, D]
-            # views, query head h reading KV head h // group.
-            q4 = qf[:b].view(b, hkv * group, 1, d)
-            o = F.scaled_dot_product_attention(q4, k.transpose(0, 1), v.transpose(0, 1),
-                                               scale=qk_scale * factor, enable_gqa=True)
-            return o.view(b, hkv * group, d)
     lk = k.shape[2]
     # KV head and batch merge in views of the gathered K and V; the score scale goes on the (small) query.
     q_scaled = (qf[:b].view(b, hkv, group, d) * _per_head(qk_scale * factor, 4)).transpose(0, 1)

@@ -90,7 +90,9 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         in_dtype = x.dtype
         xf = x if in_dtype == torch.float32 else x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # mean(x^2) as the sum of squares over n: the values of xf.pow(2).mean(-1), in fewer tensor calls.
+        inv_rms = torch.linalg.vecdot(xf, xf).unsqueeze(-1).div_(xf.shape[-1]).add_(self.eps).rsqrt_()
+        xf = xf * inv_rms
         return self.weight * (xf if in_dtype == torch.float32 else xf.to(in_dtype))
 
 
@@ -195,6 +197,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self.register_buffer("inv_freq", torch.empty(rotary_dim // 2, dtype=torch.float32), persistent=False)
+        self._last_signed_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -236,9 +239,8 @@ class RotaryEmbedding(nn.Module):
         adjacent q and k columns of a fused projection); returns ``(q, k)``. Without the fused kernel both
         are rotated by one pass of the same elementwise formula (the values ``apply`` gives; q and k come
         back as views of one tensor)."""
-        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         if _fused_kernels(qk) is not None:
-            return self.apply(cos_sin, q, k)
+            return self.apply(cos_sin, qk[:, :num_q_heads], qk[:, num_q_heads:])
         rotated = self._rotate(qk, *cos_sin)
         return rotated[:, :num_q_heads], rotated[:, num_q_heads:]
 
@@ -247,9 +249,25 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.apply(self.cos_sin(positions, q.dtype), q, k)
 
+    def _signed_sin(self, sin: torch.Tensor) -> torch.Tensor:
+        """``sin`` with its first half negated, made once per step: every layer rotates with the same
+        ``sin`` tensor (``cos_sin`` makes new tables each step and nothing writes into them), so the last
+        one made, kept with the tensor it came from, serves the layers after the first."""
+        last = self._last_signed_sin
+        if last is not None and last[0] is sin:
+            return last[1]
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        self._last_signed_sin = (sin, signed)
+        return signed
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:
-            return x * cos + rotate_half(x) * sin
+            # rotate_half(x) * sin, as the halves of x swapped (one flip) times sin with its first half
+            # negated: the same products, since negating a factor is exact.
+            half = self.rotary_dim // 2
+            swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+            return x * cos + swapped * self._signed_sin(sin)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
@@ -287,8 +305,8 @@ class GatedMLP(nn.Module):
         k = _fused_kernels(gate_up)
         if k is not None and self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
             return self.down_proj(k[1].silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        i = self.intermediate_size
+        return self.down_proj(self.act(gate_up[..., :i]) * gate_up[..., i:])
 
 
 def store_input_major(modules) -> None:
