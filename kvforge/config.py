@@ -32,7 +32,7 @@ class EngineArgs:
     ``device``: "auto" (cuda when available, else cpu), "cpu" or "cuda".
     ``dtype``: "auto" = float32 on CPU (fast and exact there), the config's
     dtype (bf16 usually) on CUDA. ``kv_cache_memory``: KV bytes per rank; on
-    CPU it defaults to 1 GiB, on CUDA to free memory x utilization - weights.
+    CPU it defaults to 1 GiB, on CUDA to device memory x utilization - weights - the activations of one step (kvforge/planner/activations.py).
     ``long_prefill_token_threshold``: with chunked prefill, the most prefill
     tokens a step that also carries decode tokens may hold (None: the
     default, 0: up to the whole ``max_num_batched_tokens``).

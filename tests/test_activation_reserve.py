@@ -37,6 +37,10 @@ DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=64, interme
                 kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                 vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5, torch_dtype="float32")
 
+# Many wide heads, small MLPs: the MLA attention phase is the peak.
+DEEPSEEK_MLA = {**DEEPSEEK, "num_attention_heads": 8, "qk_nope_head_dim": 32, "v_head_dim": 32, "kv_lora_rank": 64,
+                "intermediate_size": 64, "moe_intermediate_size": 16}
+
 
 class OutputOnlyAttention:
     """Returns a zero output of the backend's shape: what a Triton backend allocates for a prefill step."""
@@ -71,14 +75,18 @@ def _model_phases(spec, tokens: int, seqs: int) -> int:
     return max(b for name, b in reserve.phases if name != "sampler")
 
 
-@pytest.mark.parametrize("cls,config", [(LlamaForCausalLM, LLAMA), (LlamaForCausalLM, QWEN3),
-                                        (DeepseekV3ForCausalLM, DEEPSEEK)], ids=["llama", "qwen3", "deepseek"])
+@pytest.mark.parametrize("cls,config,peak_phase", [
+    (LlamaForCausalLM, LLAMA, "MLP"), (LlamaForCausalLM, QWEN3, "full attention"),
+    (DeepseekV3ForCausalLM, DEEPSEEK, "routed experts"), (DeepseekV3ForCausalLM, DEEPSEEK_MLA, "mla attention"),
+], ids=["llama", "qwen3", "deepseek-moe", "deepseek-mla"])
 @pytest.mark.parametrize("tokens", [16, 128, 512])
-def test_reserve_bounds_the_measured_forward_peak(cls, config, tokens):
+def test_reserve_bounds_the_measured_forward_peak(cls, config, peak_phase, tokens):
     spec = spec_from_hf_config(config, name="tiny", source="test")
     model = _model(cls, config)
     measured = _forward_peak(model, tokens)
     planned = _model_phases(spec, tokens, 8)
+    phases = [(b, name) for name, b in activation_reserve(spec, tokens, 8, platform="cpu").phases if name != "sampler"]
+    assert max(phases)[1] == peak_phase  # the case tests the phase it is meant to
     print(f"{config['architectures'][0]} T={tokens}: measured {measured}, planned {planned}, {planned / measured:.3f}x")
     assert measured <= planned <= 1.5 * measured, (measured, planned, activation_reserve(spec, tokens, 8,
                                                                                          platform="cpu").phases)
@@ -147,3 +155,11 @@ def test_the_gpu_step_counts_the_fused_path_and_the_reference_more():
     cuda = dict(activation_reserve(spec, 4096, 8, platform="cuda").phases)
     cpu = dict(activation_reserve(spec, 4096, 8, platform="cpu").phases)
     assert cuda["MLP"] < cpu["MLP"]
+
+
+def test_the_expanded_mla_bound_is_the_prefill_module_s():
+    from kvforge.attention import mla_prefill_sdpa
+    from kvforge.planner import activations
+
+    assert activations.SDPA_KV_BYTES == mla_prefill_sdpa.SDPA_KV_BYTES
+

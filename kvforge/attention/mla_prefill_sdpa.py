@@ -37,8 +37,8 @@ __all__ = ["SDPA_KV_BYTES", "SDPA_SCORE_ELEMENTS", "mla_prefill_sdpa"]
 #: math path; a fused kernel never materializes them, and sees the chunks as separate calls.
 SDPA_SCORE_ELEMENTS: int = 1 << 28
 #: Bytes of expanded K and V per call at most (heads are split into groups to stay under it; one head is
-#: always allowed): 1 GiB, against 13 GB for all 128 heads of a 128k-token sequence in bf16. The plan keeps
-#: no room for activations beyond ``1 - gpu_memory_utilization`` of the device.
+#: always allowed): 1 GiB, against 13 GB for all 128 heads of a 128k-token sequence in bf16. The plan's
+#: activation reserve counts one call's expansion (kvforge/planner/activations.py).
 SDPA_KV_BYTES: int = 1 << 30
 
 
