@@ -172,9 +172,10 @@ def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seq
     hidden = spec.hidden_size
     config = spec.hf_config or {}
     max_len = max_model_len or spec.max_position_embeddings or 4096
-    # Step-wide: the int64 token ids and positions, rope's cos and sin (computed once for all layers).
+    # Step-wide: the int64 token ids and positions, rope's cos and sin (computed once for all layers; the
+    # unfused rotation also keeps a sign-folded copy of sin for the step).
     rotary = max((getattr(x, "head_dim_k", 0) or getattr(x, "qk_rope_head_dim", 0) for x in spec.layers), default=0)
-    step = t * 2 * 8 + 2 * t * rotary * e
+    step = t * 2 * 8 + (2 if fused else 3) * t * rotary * e
     stream = step + 4 * t * hidden * e
     norm_extra = 2 * t * hidden * e + (0 if fused else t * hidden * 8)
     phases: dict[str, int] = {}
