@@ -9,9 +9,10 @@ import pytest
 from kvforge.cli import main
 from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
-from kvforge.errors import ConfigError
+from kvforge.errors import ConfigError, PlanError
 from kvforge.spec.presets import PRESETS
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
+from kvforge.speculative.support import check_speculative
 
 
 def test_json_in_vllm_shape_is_parsed():
@@ -133,10 +134,39 @@ def test_draft_without_the_context_is_refused(no_weights, tmp_path):
         _engine("qwen3-8b", speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
 
 
-def test_draft_with_tensor_parallelism_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="draft_model does not run with tensor parallelism yet"):
-        _engine("qwen3-8b", tensor_parallel_size=2, speculative_config={
-            "method": "draft_model", "model": "qwen3-8b", "num_speculative_tokens": 2})
+# A 2-layer draft of Llama-3.1-8B's vocabulary and KV head size (128); the target has 8 KV heads.
+TP_DRAFT = dict(PRESETS["llama-3.1-8b"], hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=8, intermediate_size=512, head_dim=128)
+
+
+def _tp_plan(tp: int, **draft):
+    from kvforge.planner.inputs import CacheConfig, ParallelConfig
+    from kvforge.planner.resolver import resolve
+    from kvforge.spec.architectures import spec_from_hf_config
+
+    target = spec_from_hf_config(dict(PRESETS["llama-3.1-8b"]), name="llama-3.1-8b", source="test")
+    small = spec_from_hf_config({**TP_DRAFT, **draft}, name="small", source="test")
+    return target, resolve(target, CacheConfig(max_model_len=4096, kv_cache_memory=1 << 30, num_speculative_tokens=2),
+                           ParallelConfig(tp), "cuda", draft_spec=small)
+
+
+@pytest.mark.parametrize("kv_heads, per_rank, per_slot", [
+    (8, 2, 1),  # split like the target's (8 / 4): the target's page per rank, the draft joins its group
+    (2, 1, 2),  # fewer KV heads than ranks: replicated (1 per rank), half the page, 2 layers per page slot
+])
+def test_draft_at_tensor_parallelism_is_planned_per_rank(kv_heads, per_rank, per_slot):
+    target, plan = _tp_plan(4, num_key_value_heads=kv_heads)
+    # Accepted at TP > 1 (every rank runs its slice of the draft; tests/test_speculative_draft_tp.py).
+    check_speculative(SpeculativeConfig("draft_model", 2, model="small"), target, plan, max_num_batched_tokens=64)
+    assert [lp.kv_heads_per_rank for lp in plan.draft.layers] == [per_rank, per_rank]
+    assert [lp.heads_per_rank for lp in plan.draft.layers] == [2, 2]
+    assert plan.draft.bytes_per_token == 2 * per_rank * 2 * 128 * 2  # layers x KV heads x (K, V) x 128 x bf16
+    assert [g.draft_layers_per_slot for g in plan.groups if g.draft_layers] == [per_slot]
+
+
+def test_draft_whose_kv_heads_do_not_split_over_tp_is_refused():
+    with pytest.raises(PlanError, match="draft model small: --tensor-parallel-size 2 and num_key_value_heads 3"):
+        _tp_plan(2, num_attention_heads=6, num_key_value_heads=3)
 
 
 def test_preset_draft_for_a_real_target_is_refused(no_weights, tmp_path):

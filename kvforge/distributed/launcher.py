@@ -4,13 +4,17 @@ Startup: a TCPStore on 127.0.0.1 (free port), one ``python -m
 kvforge.distributed.worker`` process per rank 1..N-1 (environment inherited,
 ``NCCL_NVLS_ENABLE=0``), the startup context pickled over the worker's stdin,
 then the process group. Every rank builds its model slice, loads its shards
-and allocates its KV pool from the same KVPlan; the workers report their pool
-bytes and KV heads, and rank 0 asserts them against the plan.
+and allocates its KV pool from the same KVPlan; with a draft model
+(speculative method draft_model) every rank also builds the draft's slice by
+the same tensor-parallel rules and a runner over the draft's layers of its
+pool (the plan's ``draft_runner_plan``). The workers report their pool bytes
+and KV heads (the draft's too), and rank 0 asserts them against the plan.
 
 After startup each worker's stdin is its wake-up line: one byte per step
-(``s``), ``c`` to publish its step counters in the store (graph / eager steps),
-``q`` to quit; end-of-file (rank 0 gone) also ends it. The step data itself
-goes over torch.distributed.
+(``s`` the target's, ``d`` the draft's), ``t`` for rank 0's sampled tokens
+(async scheduling), ``c`` to publish its step counters in the store (graph /
+eager steps), ``q`` to quit; end-of-file (rank 0 gone) also ends it. The step
+data itself goes over torch.distributed.
 
 Failure handling: a watchdog thread polls the worker processes; a step checks
 them before waking them, so a dead worker is reported at the next step. A
@@ -78,10 +82,20 @@ def state_slot_bytes(pool) -> dict[int, int]:
     return {i: (ls.conv[i][0].nbytes + ls.recurrent[i][0].nbytes + rows.get(i, 0)) for i in sorted(ls.conv)}
 
 
+def _kv_heads(caches) -> list[int]:
+    # an MLA cache [blocks, block_size, latent + rope] is one replicated "KV head"
+    return [int(c.shape[2]) if c.dim() == 5 else 1 for c in caches if c is not None]
+
+
+def expected_kv_heads(layers) -> list[int]:
+    """The plan's KV heads per rank of each paged layer (target or draft ``LayerPlan``s), in index order."""
+    return [lp.kv_heads_per_rank for lp in sorted(layers, key=lambda lp: lp.index)
+            if lp.kind in ("full", "sliding", "mla")]
+
+
 def rank_report(rank: int, model, pool, runner=None) -> dict:
     report = {"rank": rank, "pid": os.getpid(), "nbytes": pool.nbytes,
-              # an MLA cache [blocks, block_size, latent + rope] is one replicated "KV head"
-              "kv_heads": [int(c.shape[2]) if c.dim() == 5 else 1 for c in pool.kv_caches if c is not None],
+              "kv_heads": _kv_heads(pool.kv_caches), "draft_kv_heads": _kv_heads(getattr(pool, "draft_kv_caches", [])),
               "state_slots": int(pool.state_slots), "state_bytes": state_slot_bytes(pool),
               "heads": int(model.args.num_heads), "model_kv_heads": int(getattr(model.args, "num_kv_heads", 1)),
               "kv_start": int(model.kv_start)}
@@ -119,14 +133,42 @@ def setup_rank(ctx: dict, group):
     return model, pool, runner
 
 
+def setup_draft(ctx: dict, group, pool):
+    """The draft model's slice of this rank (the target's tensor-parallel rules, the draft's heads per rank
+    from the plan) with its weights, and a runner over its layers of ``pool``; ``(None, None)`` without a
+    draft (same code on every rank)."""
+    draft = ctx.get("draft")
+    if draft is None:
+        return None, None
+    from kvforge.distributed.runner import STEP_DRAFT, TPModelRunner
+    from kvforge.distributed.tp_models import build_tp_model
+    from kvforge.engine.llm_engine import TORCH_DTYPES
+    from kvforge.weights import load_weights
+
+    args, plan = ctx["args"], ctx["plan"].draft_runner_plan()
+    model = build_tp_model(draft["hf_config"], TORCH_DTYPES[ctx["model_dtype"]], group.device, group, plan)
+    load_weights(model, draft["model_path"], draft["load_format"], seed=args.seed,
+                 progress=args.progress and group.rank == 0)
+    runner = TPModelRunner(model, pool.draft_view(), plan, group.device, group, calibrate=args.calculate_kv_scales,
+                           scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
+                           max_num_seqs=args.max_num_seqs, mla_prefill_mode=args.mla_prefill_mode,
+                           step_command=STEP_DRAFT, **ctx.get("runner_options", {}))
+    return model, runner
+
+
 class TPLauncher:
     """Owns the worker processes and the process group of one TP engine (on rank 0)."""
 
     def __init__(self, args, plan, hf_config: dict, model_dtype: str, device: torch.device,
-                 model_path: str | None, load_format: str):
+                 model_path: str | None, load_format: str, draft: dict | None = None):
+        """``draft``: the draft model of speculative method draft_model (``hf_config``, ``model_path``,
+        ``load_format``), built on every rank beside the target (:attr:`draft_model`, :attr:`draft_runner`)."""
         from kvforge.distributed.tp_models import check_tp_architecture
 
         check_tp_architecture(hf_config)  # before any process starts
+        if draft is not None:
+            check_tp_architecture(draft["hf_config"])
+        self.draft_model = self.draft_runner = None
         tp = args.tensor_parallel_size
         self.world_size = tp
         self.timeout_s = float(args.distributed_timeout_s)
@@ -147,7 +189,7 @@ class TPLauncher:
         self.device = device
         ctx = dict(args=args, plan=plan, hf_config=hf_config, model_dtype=model_dtype, model_path=model_path,
                    load_format=load_format, backend=backend, world_size=tp, timeout_s=self.timeout_s,
-                   num_threads=torch.get_num_threads(), runner_options=dict(RUNNER_OPTIONS))
+                   num_threads=torch.get_num_threads(), runner_options=dict(RUNNER_OPTIONS), draft=draft)
         import datetime
 
         self.store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=self.timeout_s),
@@ -168,12 +210,16 @@ class TPLauncher:
             self._watchdog = threading.Thread(target=self._watch, name="kvforge-tp-watchdog", daemon=True)
             self._watchdog.start()
             self.model, self.pool, self.runner = setup_rank(ctx, self.group)
+            self.draft_model, self.draft_runner = setup_draft(ctx, self.group, self.pool)
             # Startup reports go through the store (startup deadline), not a collective (step timeout).
             self._wait_for(REPORT_KEY, "load its weights and allocate its KV pool")
             self.reports = [rank_report(0, self.model, self.pool, self.runner)] + [
                 pickle.loads(self.store.get(REPORT_KEY.format(r))) for r in range(1, tp)]
             self._check_reports(plan)
             self.runner.control = self
+            if self.draft_runner is not None:
+                self.draft_runner.control = self
+                self.runner.link_draft(self.draft_runner)
         except BaseException:
             self.shutdown()
             raise
@@ -202,14 +248,18 @@ class TPLauncher:
         if errors:
             raise DistributedError("tensor-parallel startup failed on " + "; ".join(errors))
         want_bytes = expected_pool_bytes(plan)
-        want_heads = [plan.layers[i].kv_heads_per_rank for g in plan.groups
-                      if g.kind in ("full", "sliding", "mla") for i in g.layers]
+        want_heads = expected_kv_heads(plan.layers)
+        want_draft_heads = expected_kv_heads(plan.draft.layers) if self.draft_runner is not None else []
         for r in self.reports:
             if r["nbytes"] != want_bytes or r["kv_heads"] != want_heads:
                 raise DistributedError(
                     f"rank {r['rank']} allocated {r['nbytes']} KV bytes with KV heads per layer {r['kv_heads']}; "
                     f"the plan states {want_bytes} bytes (num_blocks {plan.num_blocks} x group size "
                     f"{plan.group_size} x page bytes) and KV heads {want_heads}")
+            if self.draft_runner is not None and r["draft_kv_heads"] != want_draft_heads:
+                raise DistributedError(
+                    f"rank {r['rank']} holds KV heads {r['draft_kv_heads']} per draft layer; the plan states "
+                    f"{want_draft_heads}")
         want_state = expected_state_bytes(plan)
         for r in self.reports:
             if r["state_bytes"] != want_state or r["state_slots"] != (plan.capacity.state_slots or 0) * bool(want_state):
@@ -261,8 +311,16 @@ class TPLauncher:
                 logger.error("%s", self.broken)
                 return
 
-    def before_step(self) -> None:
-        """Raise if any rank is gone; else wake every worker for one step."""
+    def before_step(self, command: bytes = b"s") -> None:
+        """Raise if any rank is gone; else wake every worker for one step (``command``: the target's ``s`` or
+        the draft's ``d``)."""
+        self._wake(command)
+
+    def before_share(self) -> None:
+        """Wake every worker for the sampled tokens rank 0 broadcasts next (async scheduling)."""
+        self._wake(b"t")
+
+    def _wake(self, command: bytes) -> None:
         if self.closed:
             raise DistributedError("this tensor-parallel engine was shut down")
         dead = self._dead()
@@ -270,7 +328,7 @@ class TPLauncher:
             self.broken = self._dead_message(dead)
         if self.broken:
             raise DistributedError(self.broken)
-        self._send_to_workers(b"s")
+        self._send_to_workers(command)
 
     def _send_to_workers(self, command: bytes) -> None:
         """Write a one-byte command to every worker's stdin (a broken pipe becomes the engine's failure)."""
@@ -327,10 +385,10 @@ class TPLauncher:
     def release(self) -> None:
         """Drop rank 0's model, pool and runner (after ``ModelRunner.release``) and the runner's link
         back to this launcher, so nothing here keeps device memory alive. Call after :meth:`shutdown`."""
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.control = None
-        self.model = self.pool = self.runner = None
+        for runner in (getattr(self, "runner", None), getattr(self, "draft_runner", None)):
+            if runner is not None:
+                runner.control = None
+        self.model = self.pool = self.runner = self.draft_model = self.draft_runner = None
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:

@@ -21,8 +21,15 @@ steps are eager.
 Async scheduling (kvforge/engine/overlap.py) at TP > 1: a step's input ids
 may be in flight (sampled by the previous step on rank 0). The header then
 carries the placeholder rows and sources, and after each step that samples,
-rank 0 broadcasts the sampled token tensor over the device group; every
-worker gathers its next step's placeholders from the copy it received.
+rank 0 wakes the workers for the tokens and broadcasts the sampled token tensor
+over the device group; every worker gathers its next placeholders (of a target
+or a draft step) from the copy it received last.
+
+A draft model (speculative method draft_model) runs on every rank too: rank 0's
+draft runner is a second TPModelRunner over the draft's layers of the same pool
+(``KVPool.draft_view``), whose steps wake the workers with another command and
+go through the same broadcast. The two runners share one list of pending
+copy-on-write pairs (one pool), so whichever step is broadcast next carries them.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ from kvforge.engine.model_runner import HostStep, ModelRunner
 # sequence verifies proposals over linear-attention state: the proposals of each; 0: none), n_keep (verifying
 # slots whose accepted rows every rank replays before this step: a slot and a row count each)
 _HEADER = 14
+
+#: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model,
+#: rank 0's sampled tokens of the last target step (async scheduling).
+STEP_TARGET, STEP_DRAFT, SHARE_TOKENS = b"s", b"d", b"t"
 
 
 def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,
@@ -98,7 +109,7 @@ class TPModelRunner(ModelRunner):
 
     def __init__(self, model, pool, plan, device, group: TPGroup, *, calibrate: bool = False,
                  scale_multiplier: float = 1.0, control=None, enforce_eager: bool = True, max_num_seqs: int = 256,
-                 graph_sizes: list[int] | None = None, **runner_options):
+                 graph_sizes: list[int] | None = None, step_command: bytes = STEP_TARGET, **runner_options):
         if device.type == "cuda" and not enforce_eager:
             # Bring the NCCL communicator up with a real collective before any capture: the first
             # collective creates it, which must not happen inside a graph.
@@ -109,16 +120,27 @@ class TPModelRunner(ModelRunner):
                          **runner_options)
         self.group = group
         self.control = control
-        self._pending_copies: list[tuple[int, int]] = []
+        self.step_command = step_command  # the byte that wakes the workers for a step of this runner's model
+        self._pending_copies: list[tuple[int, int]] = []  # shared with a linked draft runner (one pool)
+        self._linked: list[TPModelRunner] = []  # runners over the same pool whose block tables a copy changes
         self._pending_keeps: list[tuple[int, int]] = []  # replays of the last verification, for the other ranks
         self.shared_tokens: torch.Tensor | None = None  # workers: rank 0's last sampled tokens (async scheduling)
 
     # ---- rank 0 ---------------------------------------------------------------
+    def link_draft(self, draft: TPModelRunner) -> None:
+        """Make ``draft`` (a runner over this pool's draft layers) share this runner's pending block copies:
+        the next step of either model carries them to the other ranks, and a copy invalidates both block
+        table caches."""
+        draft._pending_copies = self._pending_copies
+        self._linked.append(draft)
+        draft._linked.append(self)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write here now and on the other ranks before the next step."""
+        """Copy-on-write here now and on the other ranks before the next step (of either linked model)."""
         self.pool.copy_blocks(pairs)
         self._pending_copies.extend((int(a), int(b)) for a, b in pairs)
-        self.invalidate_block_tables()
+        for runner in (self, *self._linked):
+            runner.invalidate_block_tables()
 
     def keep_verified(self, slots: list[int], num_rows: list[int]) -> None:
         """Replay the accepted verify rows here now and on the other ranks before the next step (every step
@@ -137,10 +159,11 @@ class TPModelRunner(ModelRunner):
         n_share = int(share_sampled)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None
-        copies, self._pending_copies = self._pending_copies, []
+        copies = list(self._pending_copies)
+        self._pending_copies.clear()  # in place: the list is shared with a linked runner
         keeps, self._pending_keeps = self._pending_keeps, []
         use_graph = self.wants_graph(host)
-        self.control.before_step()
+        self.control.before_step(self.step_command)
         try:
             broadcast_step(self.group, host, copies, use_graph, n_share, keeps)
             return self.execute(host, use_graph)
@@ -152,13 +175,14 @@ class TPModelRunner(ModelRunner):
         the next step's in-flight input ids from them on their own device (stream-ordered, no host sync)."""
         if token_ids.numel():
             try:
+                self.control.before_share()
                 self.group.broadcast_device_(token_ids.contiguous())
             except Exception as e:
                 raise self.control.failure(e) from e
 
     # ---- workers ----------------------------------------------------------------
     def receive_sampled_tokens(self, n: int) -> None:
-        """Workers: receive rank 0's ``n`` sampled tokens of the step just run (see share_sampled_tokens)."""
+        """Workers: receive rank 0's ``n`` sampled tokens of the last target step (see share_sampled_tokens)."""
         if n > 0:
             self.shared_tokens = self.group.broadcast_device_(torch.empty(n, dtype=torch.int64, device=self.device))
 

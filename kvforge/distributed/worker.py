@@ -2,8 +2,11 @@
 
 Reads the startup context from stdin (8-byte length + pickle, written by
 rank 0's launcher), joins the process group, builds its model slice and KV
-pool, reports them to rank 0, then runs one step per ``s`` byte on stdin
-(publishes its step counters for ``c``) until ``q`` or end-of-file. SIGINT is
+pool (and the draft model's slice, with speculative method draft_model),
+reports them to rank 0, then runs one target step per ``s`` byte on stdin, one
+draft step per ``d``, receives rank 0's sampled tokens of the last target step
+per ``t`` (async scheduling) and publishes its step counters for ``c``, until
+``q`` or end-of-file. SIGINT is
 ignored (a Ctrl-C reaches the whole process group; rank 0 decides when the
 workers stop). Any failure ends the process with a non-zero code (rank 0
 turns that into a clear error).
@@ -30,8 +33,15 @@ def main() -> int:
     import torch.distributed as dist
 
     from kvforge.distributed.group import destroy_group, init_group
-    from kvforge.distributed.launcher import COUNTERS_KEY, READY_KEY, REPORT_KEY, rank_report, setup_rank
-    from kvforge.distributed.runner import broadcast_step
+    from kvforge.distributed.launcher import (
+        COUNTERS_KEY,
+        READY_KEY,
+        REPORT_KEY,
+        rank_report,
+        setup_draft,
+        setup_rank,
+    )
+    from kvforge.distributed.runner import SHARE_TOKENS, STEP_DRAFT, STEP_TARGET, broadcast_step
 
     torch.set_num_threads(ctx["num_threads"])
     timeout = ctx["timeout_s"]
@@ -42,6 +52,7 @@ def main() -> int:
     group = init_group(rank, ctx["world_size"], store, ctx["backend"], device, timeout)
     try:
         model, pool, runner = setup_rank(ctx, group)
+        _, draft_runner = setup_draft(ctx, group, pool)
         report = rank_report(rank, model, pool, runner)
     except Exception as e:
         report = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
@@ -50,6 +61,7 @@ def main() -> int:
         destroy_group()
         return 1
     requests = 0
+    n_share = 0  # sampled tokens rank 0 shares after the last target step (async scheduling)
     try:
         with torch.inference_mode():
             while True:
@@ -58,17 +70,25 @@ def main() -> int:
                     requests += 1
                     store.set(COUNTERS_KEY.format(rank, requests), pickle.dumps(runner.counters()))
                     continue
-                if cmd != b"s":  # b"q" or end-of-file (rank 0 is gone)
+                if cmd == SHARE_TOKENS:
+                    runner.receive_sampled_tokens(n_share)
+                    continue
+                if cmd not in (STEP_TARGET, STEP_DRAFT):  # b"q" or end-of-file (rank 0 is gone)
                     break
-                host, copies, use_graph, n_share, keeps = broadcast_step(group, None, [])
-                if copies:
+                if cmd == STEP_DRAFT and draft_runner is None:
+                    raise RuntimeError("rank 0 sent a draft-model step but this engine has no draft model")
+                host, copies, use_graph, step_share, keeps = broadcast_step(group, None, [])
+                if copies:  # one pool: the copies of either model's steps apply to every layer
                     pool.copy_blocks(copies)
                 if keeps:  # the last verification's accepted rows, before this step reads any state slot
                     runner.keep_verified([slot for slot, _ in keeps], [n for _, n in keeps])
                 if host.placeholders is not None:  # in-flight ids: from rank 0's last shared tokens
                     host.placeholders = (*host.placeholders[:2], runner.shared_tokens)
-                runner.execute(host, use_graph)
-                runner.receive_sampled_tokens(n_share)
+                if cmd == STEP_TARGET:
+                    runner.execute(host, use_graph)
+                    n_share = step_share
+                else:
+                    draft_runner.execute(host, use_graph)
     except Exception as e:
         print(f"kvforge tensor-parallel worker rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -148,8 +148,10 @@ class LLMEngine:
             # shards and allocates its KV pool from this plan; rank 0 checks their KV bytes against it.
             from kvforge.distributed.launcher import TPLauncher
 
+            draft = (dict(hf_config=self.draft_spec.hf_config, model_path=self.draft_location[0],
+                          load_format=self.draft_location[1]) if self.draft_spec is not None else None)
             self.tp = TPLauncher(args, self.plan, self.spec.hf_config, model_dtype, self.device,
-                                 self.model_path, self.load_format)
+                                 self.model_path, self.load_format, draft=draft)
             self.model, self.pool, self.device = self.tp.model, self.tp.pool, self.tp.device
         else:
             torch.manual_seed(args.seed)
@@ -319,17 +321,22 @@ class LLMEngine:
     def _build_draft(self, args: EngineArgs, model_dtype: str, max_num_seqs: int, batched: int) -> dict:
         """The draft model and a runner over its layers of the target's pool (the plan's ``draft``): the
         arguments of :class:`kvforge.speculative.draft_model.DraftModelProposer`, which allocates through
-        the target's block manager."""
+        the target's block manager. At TP > 1 every rank built its slice of the draft at startup
+        (kvforge/distributed/launcher.py); rank 0's draft runner broadcasts each draft step to the others."""
         from kvforge.models.registry import build_model
         from kvforge.weights import load_weights
 
-        model = build_model(self.draft_spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
-        path, load_format = self.draft_location
-        load_weights(model, path, load_format, seed=args.seed, progress=args.progress)
-        self.draft_runner = ModelRunner(model, self.pool.draft_view(), self.plan.draft_runner_plan(), self.device,
-                                        calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
-                                        enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
-                                        mla_prefill_mode=args.mla_prefill_mode)
+        if self.tp is not None:
+            self.draft_runner = self.tp.draft_runner
+        else:
+            model = build_model(self.draft_spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
+            path, load_format = self.draft_location
+            load_weights(model, path, load_format, seed=args.seed, progress=args.progress)
+            self.draft_runner = ModelRunner(model, self.pool.draft_view(), self.plan.draft_runner_plan(),
+                                            self.device, calibrate=args.calculate_kv_scales,
+                                            scale_multiplier=args.kv_scale_multiplier,
+                                            enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
+                                            mla_prefill_mode=args.mla_prefill_mode)
         return dict(runner=self.draft_runner, block_manager=self.block_manager, max_model_len=self.max_model_len,
                     max_num_batched_tokens=batched, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())

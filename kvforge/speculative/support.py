@@ -36,9 +36,6 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
         if plan.draft is None:
             raise ConfigError("--speculative-config method draft_model needs a plan made with the draft model "
                               "(resolve(..., draft_spec=...)); the engine plans it from the config's \"model\"")
-        if plan.tensor_parallel_size > 1:
-            raise ConfigError("--speculative-config method draft_model does not run with tensor parallelism yet; "
-                              "use --tensor-parallel-size 1 or method ngram")
     if plan.num_speculative_tokens != k:
         raise ConfigError(f"the plan reserves room for {plan.num_speculative_tokens} speculative tokens but "
                           f"{k} are configured; plan with --num-speculative-tokens {k}")
