@@ -19,6 +19,7 @@ from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.models.decoder import build_uninitialised
 from kvforge.models.deepseek import DeepseekV3ForCausalLM
+from kvforge.models.gpt_oss import GptOssForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.planner.activations import activation_reserve
 from kvforge.spec.architectures import spec_from_hf_config
@@ -40,6 +41,11 @@ DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=64, interme
 # Many wide heads, small MLPs: the MLA attention phase is the peak.
 DEEPSEEK_MLA = {**DEEPSEEK, "num_attention_heads": 8, "qk_nope_head_dim": 32, "v_head_dim": 32, "kv_lora_rank": 64,
                 "intermediate_size": 64, "moe_intermediate_size": 16}
+# gpt-oss: sliding and full layers with sinks, clamped-SwiGLU experts (two, both chosen by every token).
+GPT_OSS = dict(architectures=["GptOssForCausalLM"], hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+               num_experts_per_tok=2, sliding_window=32, vocab_size=512, max_position_embeddings=1024,
+               rms_norm_eps=1e-5, torch_dtype="float32")
 
 
 class OutputOnlyAttention:
@@ -78,7 +84,8 @@ def _model_phases(spec, tokens: int, seqs: int) -> int:
 @pytest.mark.parametrize("cls,config,peak_phase", [
     (LlamaForCausalLM, LLAMA, "MLP"), (LlamaForCausalLM, QWEN3, "full attention"),
     (DeepseekV3ForCausalLM, DEEPSEEK, "routed experts"), (DeepseekV3ForCausalLM, DEEPSEEK_MLA, "mla attention"),
-], ids=["llama", "qwen3", "deepseek-moe", "deepseek-mla"])
+    (GptOssForCausalLM, GPT_OSS, "routed experts"),
+], ids=["llama", "qwen3", "deepseek-moe", "deepseek-mla", "gpt-oss"])
 @pytest.mark.parametrize("tokens", [16, 128, 512])
 def test_reserve_bounds_the_measured_forward_peak(cls, config, peak_phase, tokens):
     spec = spec_from_hf_config(config, name="tiny", source="test")

@@ -25,7 +25,8 @@ said otherwise:
 * routed experts: the router's float32 input and scores, then per routed row (``T x top_k`` on CUDA,
   where every rank sorts all slots for ``torch._grouped_mm``; on CPU at most ``T`` rows run one expert
   at a time): the gathered input, ``gate_up``, ``act(gate)`` and the product, the expert output, its
-  float32 weighted copy and the cast, plus the layer's output ``[T, hidden]``; shared experts after them;
+  float32 weighted copy and the cast (gpt-oss: its clamped SwiGLU's intermediates instead), the slots'
+  bookkeeping and the layer's output ``[T, hidden]``; shared experts after them;
 * the head: the hidden rows and the sampler over ``max_num_seqs x (1 + num_speculative_tokens)`` rows
   of the vocabulary at ``SAMPLER_BYTES_PER_LOGIT`` (float32 logits, the temperature-scaled copy, the
   top-k/top-p sort's values and int64 indices, its masks, softmax and cumulative sum: kvforge/engine/
@@ -56,6 +57,10 @@ ALLOCATOR_SLACK_BYTES = 64 << 20
 #: three bool masks, the masked copy, softmax, its cumulative sum and the strictly-better mass, the scattered
 #: result and its softmax: 49 bytes, rounded up; plus the int64 ranks of one row.
 SAMPLER_BYTES_PER_LOGIT = 52
+#: Routed experts: the bookkeeping of one (token, expert) slot alive beside the experts' tensors: expert ids,
+#: weights, masks, the sort's keys and order, gathered token indices (int64 mostly); 189 bytes measured on
+#: the CPU expert loop (gpt-oss), rounded up.
+ROUTING_BYTES_PER_SLOT = 192
 #: Split-K bound: programs per SM the split rules fill (kvforge/attention/routing/split_k.py) and the largest
 #: SM count planned for.
 SPLIT_WAVES = 4
@@ -136,7 +141,7 @@ def _mlp_phase(tokens: int, hidden: int, inter: int, e: int, fused: bool) -> int
     return tokens * (2 * inter + inter + max(act, hidden)) * e
 
 
-def _moe_phase(config: dict, tokens: int, hidden: int, tp: int, e: int, fused: bool) -> int:
+def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: int, e: int, fused: bool) -> int:
     """Routed (and shared) experts' tensors at their peak; 0 for a model without routed experts."""
     experts = int(_cfg(config, "n_routed_experts", "num_local_experts", "num_experts"))
     if experts <= 0:
@@ -144,11 +149,17 @@ def _moe_phase(config: dict, tokens: int, hidden: int, tp: int, e: int, fused: b
     top_k = int(_cfg(config, "num_experts_per_tok", "experts_per_token", default=1))
     inter = int(_cfg(config, "moe_intermediate_size", "intermediate_size"))
     t = tokens
-    router = t * hidden * 4 + 4 * t * experts * 4 + t * top_k * 8 * 4  # float32 input, logits/scores/choice
+    slots = t * top_k * ROUTING_BYTES_PER_SLOT
+    router = t * hidden * 4 + 4 * t * experts * 4 + slots  # float32 input, logits/scores/choice
     routed_rows = t * top_k if fused else t
-    per_row = (2 * inter + 2 * inter) * e  # gate_up, act(gate), the product
-    per_row += hidden * e * 2 + hidden * 4  # gathered input (or output), expert output, float32 weighted copy
-    routed = routed_rows * per_row + t * top_k * 8 * 4 + t * hidden * e  # sort keys; the layer's output
+    if architecture == "GptOssForCausalLM":
+        # The clamped SwiGLU beside gate_up: clamped gate and up, up + 1, gate x alpha and its sigmoid (7I
+        # with the gathered input); then gate_up, the product and the biased output's three [rows, H].
+        per_row = max(7 * inter + hidden, 2 * inter + 4 * hidden) * e
+    else:
+        per_row = (2 * inter + 2 * inter) * e  # gate_up, act(gate), the product
+        per_row += hidden * e * 2 + hidden * 4  # gathered input (or output), expert output, float32 weighted copy
+    routed = routed_rows * per_row + slots + t * hidden * e  # the slots' bookkeeping; the layer's output
     shared = int(_cfg(config, "n_shared_experts", default=0)) * inter
     shared = shared or int(_cfg(config, "shared_expert_intermediate_size", default=0))
     shared_phase = t * hidden * e + _mlp_phase(t, hidden, shared // tp, e, fused) if shared else 0
@@ -193,7 +204,7 @@ def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seq
     inter = int(_cfg(config, "intermediate_size"))
     if inter:
         phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused)
-    moe = _moe_phase(config, t, hidden, tp, e, fused)
+    moe = _moe_phase(config, spec.architecture, t, hidden, tp, e, fused)
     if moe:
         phases["routed experts"] = stream + moe
     vocab = spec.vocab_size
