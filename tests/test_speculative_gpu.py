@@ -111,3 +111,31 @@ def test_embedded_model_as_its_own_draft_on_cuda():
     outs = llm.generate([prompt], params, use_tqdm=False)
     assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
     assert outs[0].speculative.acceptance_rate > 0.9
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("draft_kind, dtype, kv", [("self", "float32", "auto"), ("one-layer", "bfloat16", "fp8")])
+def test_draft_model_at_tp2_agrees_with_speculation_off(tmp_path, draft_kind, dtype, kv):
+    """TP=2 on two GPUs (NCCL, decode CUDA graphs on every rank): the draft's slice runs on each rank over its
+    pool's draft layers, rank 0 picks the proposals. "self": the target as its own draft (dummy weights of one
+    seed, so the same model): acceptance > 0.9; "one-layer": a 1-layer draft joining the target's group."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(LLAMA))
+    draft = LLAMA if draft_kind == "self" else dict(LLAMA, num_hidden_layers=1)
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(draft))
+    off, ref = _run(str(tmp_path / "target"), dtype=dtype, kv_cache_dtype=kv, tensor_parallel_size=2)
+    tol = _tolerance(off, dtype, kv)
+    off.engine.shutdown()  # one tensor-parallel engine per process
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    llm, outs = _run(str(tmp_path / "target"), dtype=dtype, kv_cache_dtype=kv, tensor_parallel_size=2,
+                     speculative_config=spec)
+    try:
+        assert_outputs_agree(outs, ref, tol)
+        counters = llm.engine.stats()["spec_decode"]
+        assert counters["num_draft_tokens"] > 0 and llm.engine.block_manager.num_used_blocks == 0
+        if draft_kind == "self":
+            assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9
+        assert [r["draft_kv_heads"] for r in llm.engine.tp.reports] == [[1] * draft["num_hidden_layers"]] * 2
+    finally:
+        llm.engine.shutdown()

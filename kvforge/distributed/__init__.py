@@ -14,7 +14,8 @@
   routed experts split by index).
 - ``tp_qwen3_next.py`` / ``tp_kimi_linear.py``: the linear-attention hybrids (Gated DeltaNet / KDA heads
   and their state slots split, gated attention / MLA heads split, experts by index).
-- ``runner.py``: rank 0 broadcasts each step's inputs; every rank runs the model.
+- ``runner.py``: rank 0 broadcasts each step's inputs; every rank runs the model (and, with a
+  draft model, the draft's slice over its pool's draft layers).
 - ``launcher.py`` (rank 0) and ``worker.py`` (ranks 1..N-1): processes, startup
   checks (per-rank KV bytes against the plan), watchdog, shutdown.
 
