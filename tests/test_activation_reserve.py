@@ -21,6 +21,7 @@ from kvforge.models.decoder import build_uninitialised
 from kvforge.models.deepseek import DeepseekV3ForCausalLM
 from kvforge.models.gpt_oss import GptOssForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.qwen3_next import Qwen3NextForCausalLM
 from kvforge.planner.activations import activation_reserve
 from kvforge.spec.architectures import spec_from_hf_config
 
@@ -46,16 +47,32 @@ GPT_OSS = dict(architectures=["GptOssForCausalLM"], hidden_size=64, intermediate
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
                num_experts_per_tok=2, sliding_window=32, vocab_size=512, max_position_embeddings=1024,
                rms_norm_eps=1e-5, torch_dtype="float32")
+# Qwen3-Next: three Gated DeltaNet layers and one gated attention layer, MoE with a shared expert.
+QWEN3_NEXT = dict(architectures=["Qwen3NextForCausalLM"], hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=2,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-5, torch_dtype="float32")
+
+QWEN3_NEXT_MOE = {**QWEN3_NEXT, "moe_intermediate_size": 256}
+QWEN3_NEXT_FULL = {**QWEN3_NEXT, "layer_types": ["full_attention"] * 4, "num_attention_heads": 8, "head_dim": 32}
 
 
 class OutputOnlyAttention:
-    """Returns a zero output of the backend's shape: what a Triton backend allocates for a prefill step."""
+    """Returns a zero output of the backend's shape: what a Triton backend allocates for a prefill step (the
+    linear-attention kernels, kvforge/kernels/triton_causal_conv1d.py and triton_gated_delta_rule.py, too)."""
 
     def __call__(self, layer, q, k, v):
         return torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
 
     def mla(self, layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv):
         return torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=q_nope.dtype)
+
+    def short_conv(self, layer, x, weight, bias, activation):
+        return torch.zeros_like(x)
+
+    def delta_rule(self, layer, q, k, v, g, beta, *, scale=None, normalize_qk=True):
+        return torch.zeros_like(v)
 
 
 def _model(cls, config):
@@ -84,8 +101,10 @@ def _model_phases(spec, tokens: int, seqs: int) -> int:
 @pytest.mark.parametrize("cls,config,peak_phase", [
     (LlamaForCausalLM, LLAMA, "MLP"), (LlamaForCausalLM, QWEN3, "full attention"),
     (DeepseekV3ForCausalLM, DEEPSEEK, "routed experts"), (DeepseekV3ForCausalLM, DEEPSEEK_MLA, "mla attention"),
-    (GptOssForCausalLM, GPT_OSS, "routed experts"),
-], ids=["llama", "qwen3", "deepseek-moe", "deepseek-mla", "gpt-oss"])
+    (GptOssForCausalLM, GPT_OSS, "routed experts"), (Qwen3NextForCausalLM, QWEN3_NEXT, "linear attention"),
+    (Qwen3NextForCausalLM, QWEN3_NEXT_MOE, "routed experts"), (Qwen3NextForCausalLM, QWEN3_NEXT_FULL, "full attention"),
+], ids=["llama", "qwen3", "deepseek-moe", "deepseek-mla", "gpt-oss", "qwen3-next", "qwen3-next-moe",
+        "qwen3-next-full"])
 @pytest.mark.parametrize("tokens", [16, 128, 512])
 def test_reserve_bounds_the_measured_forward_peak(cls, config, peak_phase, tokens):
     spec = spec_from_hf_config(config, name="tiny", source="test")

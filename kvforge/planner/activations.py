@@ -32,9 +32,9 @@ said otherwise:
   top-k/top-p sort's values and int64 indices, its masks, softmax and cumulative sum: kvforge/engine/
   sampler.py). Prompt logprobs are sliced by the sampler and are not counted.
 
-Linear-attention (state) layers are bounded by their token inputs (``token_input_elements``): the
-projection output in the model dtype and two float32 copies (conv and delta-rule inputs), plus the
-output. The total is rounded up by ``ALLOCATOR_SLACK`` for the caching allocator's rounding and
+Qwen3-Next has phases of its own (:func:`_qwen3_next_phases`). Other linear-attention (state) layers are
+bounded by their token inputs (``token_input_elements``): the projection output in the model dtype and
+two float32 copies (conv and delta-rule inputs), plus the output. The total is rounded up by ``ALLOCATOR_SLACK`` for the caching allocator's rounding and
 fragmentation (see :data:`ALLOCATOR_SLACK`). Torch-free.
 """
 
@@ -94,6 +94,14 @@ def _cfg(config: dict, *keys, default=0):
     return default
 
 
+def _split_partials(layer: AttentionLayerSpec, rows_per_seq: int, max_seqs: int, tp: int) -> int:
+    """The paged decode kernels' float32 split-K partials at their largest (module docstring)."""
+    hq, hkv = layer.num_heads // tp, max(1, layer.num_kv_heads // tp)
+    d_pad = max(16, 1 << (layer.head_dim_k - 1).bit_length())
+    split_rows = rows_per_seq * (math.ceil(SPLIT_WAVES * MAX_SMS / hkv) + max_seqs)
+    return split_rows * hq * (d_pad + 2) * 4
+
+
 def _attention_phase(layer, tokens: int, rows_per_seq: int, max_seqs: int, tp: int, e: int, fused: bool,
                      max_len: int, hidden: int) -> int:
     """Bytes of an attention sublayer's own tensors (the stream excluded) at its peak."""
@@ -104,12 +112,8 @@ def _attention_phase(layer, tokens: int, rows_per_seq: int, max_seqs: int, tp: i
         qkv = t * (hq * dk + hkv * dk + hkv * dv) * e
         qk = t * (hq + hkv) * dk * e
         out = t * hq * dv * e
-        partials = 0
         if fused:
-            d_pad = max(16, 1 << (dk - 1).bit_length())
-            split_rows = rows_per_seq * (math.ceil(SPLIT_WAVES * MAX_SMS / hkv) + max_seqs)
-            partials = split_rows * hq * (d_pad + 2) * 4
-            return qkv + qk + out + partials + t * hidden * e
+            return qkv + qk + out + _split_partials(layer, rows_per_seq, max_seqs, tp) + t * hidden * e
         # Unfused rope: x*cos, rotate_half(x)*sin and their sum alive at once, and the per-head q/k norms'
         # copies where a family has them.
         return qkv + max(4 * qk, qk + out + t * hidden * e)
@@ -166,6 +170,66 @@ def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: in
     return max(router, routed, shared_phase + t * hidden * e)
 
 
+def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, fused: bool, step: int,
+                       split_partials: int) -> dict[str, int]:
+    """Qwen3-Next's phases (kvforge/models/qwen3_next.py): its layers add the residual outside the norms,
+    whose float32 copies run on every device; the gated attention's query projection carries the output
+    gate; Gated DeltaNet's projections, conv input and output beside the delta rule's output."""
+    f = 4
+    h = spec.hidden_size
+    hk, hv = config["linear_num_key_heads"] // tp, config["linear_num_value_heads"] // tp
+    key, value = hk * config["linear_key_head_dim"], hv * config["linear_value_head_dim"]
+    conv = 2 * key + value
+    heads = config["num_attention_heads"] // tp
+    q = heads * int(_cfg(config, "head_dim", default=256))
+    kv = max(1, config.get("num_key_value_heads", heads * tp) // tp) * int(_cfg(config, "head_dim", default=256))
+    norm = h * (2 * f)  # GemmaRMSNorm's float32 copy and square (or product)
+    stream = step + 2 * t * h * e  # the layer's input and its normed copy (the mixer's output later)
+    phases = {"residual norm": step + t * (3 * h * e + norm)}
+    proj = (2 * key + 2 * value + 2 * hv) * e  # in_proj_qkvz and in_proj_ba outputs
+    phases["linear attention"] = stream + t * (proj + 2 * conv * e + max(
+        0, 2 * value * e + value * (4 * f + e) - conv * e + h * e))
+    rope = (q + kv) * e * (0 if fused else 3)
+    phases["full attention"] = stream + t * (2 * q * e + max(rope + q * e + 2 * kv * e,
+                                                             2 * q * e + 2 * kv * e + 3 * q * e + h * e)) + (
+        split_partials)
+    inner = int(_cfg(config, "intermediate_size"))
+    mlp_stream = step + t * 4 * h * e
+    phases["MLP"] = mlp_stream + _mlp_phase(t, h, inner // tp, e, fused)
+    experts = int(_cfg(config, "num_experts"))
+    if experts:
+        top_k = int(_cfg(config, "num_experts_per_tok", default=1))
+        moe = int(_cfg(config, "moe_intermediate_size", "intermediate_size"))
+        slots = t * top_k * ROUTING_BYTES_PER_SLOT
+        router = t * experts * (e + 2 * f) + slots
+        rows = t * top_k if fused else t
+        routed = rows * (4 * moe + 2 * h) * e + slots + t * h * e
+        shared = int(_cfg(config, "shared_expert_intermediate_size", default=0)) // tp
+        shared_phase = 2 * t * h * e + _mlp_phase(t, h, shared, e, fused) if shared else 0
+        phases["routed experts"] = mlp_stream + max(router, routed, shared_phase + t * h * e)
+    return phases
+
+
+def _decoder_phases(spec: ModelSpec, config: dict, t: int, per_seq: int, max_seqs: int, tp: int, e: int,
+                    fused: bool, max_len: int, step: int) -> dict[str, int]:
+    """The phases of a pre-norm decoder (kvforge/models/decoder.py: Llama, DeepSeek, gpt-oss, ...)."""
+    hidden = spec.hidden_size
+    stream = step + 4 * t * hidden * e
+    phases: dict[str, int] = {}
+    for layer in spec.layers:
+        name = f"{layer.kind} attention" if layer.kind != "state" else "linear attention"
+        own = _attention_phase(layer, t, per_seq, max_seqs, tp, e, fused, max_len, hidden)
+        phases[name] = max(phases.get(name, 0), stream + own)
+    phases["residual norm"] = stream + t * hidden * e + 2 * t * hidden * e + (0 if fused else t * hidden * 8)
+    inter = int(_cfg(config, "intermediate_size"))
+    if inter:
+        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused)
+    moe = _moe_phase(config, spec.architecture, t, hidden, tp, e, fused)
+    if moe:
+        phases["routed experts"] = stream + moe
+    return phases
+
+
 def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int, *,
                        num_speculative_tokens: int = 0, tensor_parallel_size: int = 1,
                        model_dtype: str | None = None, platform: str = "cuda",
@@ -180,35 +244,20 @@ def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seq
     t = max_num_batched_tokens
     per_seq = 1 + num_speculative_tokens
     rows = min(t, max_num_seqs * per_seq)
-    hidden = spec.hidden_size
     config = spec.hf_config or {}
     max_len = max_model_len or spec.max_position_embeddings or 4096
     # Step-wide: the int64 token ids and positions, rope's cos and sin (computed once for all layers; the
     # unfused rotation also keeps a sign-folded copy of sin for the step).
     rotary = max((getattr(x, "head_dim_k", 0) or getattr(x, "qk_rope_head_dim", 0) for x in spec.layers), default=0)
     step = t * 2 * 8 + (2 if fused else 3) * t * rotary * e
-    stream = step + 4 * t * hidden * e
-    norm_extra = 2 * t * hidden * e + (0 if fused else t * hidden * 8)
-    phases: dict[str, int] = {}
-    seen = set()
-    for layer in spec.layers:
-        key = (type(layer), layer.kind, getattr(layer, "num_heads", 0), getattr(layer, "num_kv_heads", 0),
-               getattr(layer, "token_input_elements", 0))
-        if key in seen:
-            continue
-        seen.add(key)
-        own = _attention_phase(layer, t, per_seq, max_num_seqs, tp, e, fused, max_len, hidden)
-        name = f"{layer.kind} attention" if layer.kind != "state" else "linear attention"
-        phases[name] = max(phases.get(name, 0), stream + own)
-    phases["residual norm"] = stream + t * hidden * e + norm_extra
-    inter = int(_cfg(config, "intermediate_size"))
-    if inter:
-        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused)
-    moe = _moe_phase(config, spec.architecture, t, hidden, tp, e, fused)
-    if moe:
-        phases["routed experts"] = stream + moe
+    if spec.architecture == "Qwen3NextForCausalLM":
+        full = next((x for x in spec.layers if isinstance(x, AttentionLayerSpec)), None)
+        partials = _split_partials(full, per_seq, max_num_seqs, tp) if full is not None and fused else 0
+        phases = _qwen3_next_phases(config, spec, t, tp, e, fused, step, partials)
+    else:
+        phases = _decoder_phases(spec, config, t, per_seq, max_num_seqs, tp, e, fused, max_len, step)
     vocab = spec.vocab_size
-    phases["sampler"] = 2 * t * hidden * e + rows * vocab * max(SAMPLER_BYTES_PER_LOGIT, e + 4) + vocab * 8
+    phases["sampler"] = 2 * t * spec.hidden_size * e + rows * vocab * max(SAMPLER_BYTES_PER_LOGIT, e + 4) + vocab * 8
     peak_name, peak = max(phases.items(), key=lambda kv: kv[1])
     total = math.ceil(peak * (1 + ALLOCATOR_SLACK)) + ALLOCATOR_SLACK_BYTES
     return ActivationReserve(bytes=total, tensor_bytes=peak, tokens=t, sampled_rows=rows, peak_phase=peak_name,
