@@ -91,3 +91,13 @@ def test_async_scheduling_with_a_draft(tmp_path, engines):
     engine.spec_backoff.due = lambda request_id, step: step % 3 == 0  # overlapped steps between the probes
     assert_outputs_agree(run(on, TINY_PROMPTS), ref)
     assert engine.stats()["spec_decode"]["num_drafts"] > 0 and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_a_draft_without_a_tensor_parallel_implementation_is_refused_before_any_worker_starts():
+    from kvforge.distributed.launcher import TPLauncher
+    from kvforge.errors import ConfigError
+
+    draft = {"hf_config": {"architectures": ["CsaRingTestForCausalLM"]}, "model_path": None, "load_format": "dummy"}
+    with pytest.raises(ConfigError, match="the draft model .*CsaRingTestForCausalLM runs at TP 1 only"):
+        TPLauncher(None, None, {"architectures": ["LlamaForCausalLM"]}, "float32", torch.device("cpu"), None,
+                   "dummy", draft=draft)

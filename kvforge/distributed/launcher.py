@@ -167,7 +167,13 @@ class TPLauncher:
 
         check_tp_architecture(hf_config)  # before any process starts
         if draft is not None:
-            check_tp_architecture(draft["hf_config"])
+            from kvforge.errors import ConfigError
+
+            try:
+                check_tp_architecture(draft["hf_config"])
+            except ConfigError as e:
+                raise ConfigError(f"the draft model (--speculative-config method draft_model): {e}; use a draft of "
+                                  f"one of these families or method ngram") from None
         self.draft_model = self.draft_runner = None
         tp = args.tensor_parallel_size
         self.world_size = tp
