@@ -80,6 +80,23 @@ def test_different_draft_with_fp8_and_chunked_prefill(tmp_path, engines, kv_head
     assert stats["spec_decode"]["num_draft_tokens"] > 50 and stats["kv_blocks_used"] == 0
 
 
+def test_draft_of_half_the_page_per_rank_shares_page_slots(tmp_path, engines):
+    """A 2-layer draft of 2 KV heads of 8 (the target: 2 of 16): per rank 1 head of 8, half the rank's page,
+    so both draft layers share one page slot of every rank's pool, each on a slice of every page."""
+    target = save_tiny(tmp_path / "target", LLAMA)
+    torch.manual_seed(1)
+    draft = save_tiny(tmp_path / "draft", (LLAMA[0], LLAMA[1], dict(
+        LLAMA[2], num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+        intermediate_size=32)))
+    ref = reference(engines(target, tensor_parallel_size=2), TINY_PROMPTS)
+    on = engines(target, tensor_parallel_size=2, speculative_config=draft_config(draft, 2, backoff=False))
+    assert [(g.draft_layers, g.draft_layers_per_slot) for g in on.engine.plan.groups if g.draft_layers] == [((0, 1), 2)]
+    check_draft_heads(on.engine, [1, 1])
+    assert_outputs_agree(run(on, TINY_PROMPTS), ref)
+    stats = on.engine.stats()
+    assert stats["spec_decode"]["num_draft_tokens"] > 20 and stats["kv_blocks_used"] == 0
+
+
 def test_async_scheduling_with_a_draft(tmp_path, engines):
     """Async scheduling: the draft follows steps whose last token is still in flight; every rank gathers it
     from rank 0's shared tokens of the step before (the target step's placeholders and the draft's alike)."""
