@@ -19,6 +19,7 @@ from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.models.decoder import build_uninitialised
 from kvforge.models.deepseek import DeepseekV3ForCausalLM
+from kvforge.models.gemma3 import Gemma3ForCausalLM
 from kvforge.models.gpt_oss import GptOssForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.qwen3_next import Qwen3NextForCausalLM
@@ -57,6 +58,12 @@ QWEN3_NEXT = dict(architectures=["Qwen3NextForCausalLM"], hidden_size=64, interm
 QWEN3_NEXT_MOE = {**QWEN3_NEXT, "moe_intermediate_size": 256}
 QWEN3_NEXT_FULL = {**QWEN3_NEXT, "layer_types": ["full_attention"] * 4, "num_attention_heads": 8, "head_dim": 32}
 
+# Gemma 3: sandwich norms in float32 on every device, a GELU MLP (never the fused SiLU kernel), two rope tables.
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32, query_pre_attn_scalar=16,
+              vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6, torch_dtype="float32",
+              layer_types=["sliding_attention", "full_attention"])
+
 
 class OutputOnlyAttention:
     """Returns a zero output of the backend's shape: what a Triton backend allocates for a prefill step (the
@@ -75,9 +82,9 @@ class OutputOnlyAttention:
         return torch.zeros_like(v)
 
 
-def _model(cls, config):
+def _model(cls, config, dtype=torch.float32):
     torch.manual_seed(0)
-    model = build_uninitialised(lambda: cls(config, dtype=torch.float32), "cpu")
+    model = build_uninitialised(lambda: cls(config, dtype=dtype), "cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.05)
@@ -103,12 +110,15 @@ def _model_phases(spec, tokens: int, seqs: int) -> int:
     (DeepseekV3ForCausalLM, DEEPSEEK, "routed experts"), (DeepseekV3ForCausalLM, DEEPSEEK_MLA, "mla attention"),
     (GptOssForCausalLM, GPT_OSS, "routed experts"), (Qwen3NextForCausalLM, QWEN3_NEXT, "linear attention"),
     (Qwen3NextForCausalLM, QWEN3_NEXT_MOE, "routed experts"), (Qwen3NextForCausalLM, QWEN3_NEXT_FULL, "full attention"),
+    (Gemma3ForCausalLM, GEMMA3, "MLP"),
 ], ids=["llama", "qwen3", "deepseek-moe", "deepseek-mla", "gpt-oss", "qwen3-next", "qwen3-next-moe",
-        "qwen3-next-full"])
-@pytest.mark.parametrize("tokens", [16, 128, 512])
-def test_reserve_bounds_the_measured_forward_peak(cls, config, peak_phase, tokens):
+        "qwen3-next-full", "gemma3"])
+@pytest.mark.parametrize("tokens,dtype", [(16, "float32"), (128, "float32"), (512, "float32"), (256, "bfloat16")])
+def test_reserve_bounds_the_measured_forward_peak(cls, config, peak_phase, tokens, dtype):
+    """float32 and bfloat16 models: the float32 copies some code makes of bfloat16 tensors count double."""
+    config = {**config, "torch_dtype": dtype}
     spec = spec_from_hf_config(config, name="tiny", source="test")
-    model = _model(cls, config)
+    model = _model(cls, config, getattr(torch, dtype))
     measured = _forward_peak(model, tokens)
     planned = _model_phases(spec, tokens, 8)
     phases = [(b, name) for name, b in activation_reserve(spec, tokens, 8, platform="cpu").phases if name != "sampler"]
@@ -181,6 +191,11 @@ def test_the_gpu_step_counts_the_fused_path_and_the_reference_more():
     cuda = dict(activation_reserve(spec, 4096, 8, platform="cuda").phases)
     cpu = dict(activation_reserve(spec, 4096, 8, platform="cpu").phases)
     assert cuda["MLP"] < cpu["MLP"]
+    # Gemma's GELU MLP has no fused kernel on CUDA either: only the CPU rope's sign-folded sin table differs.
+    gemma = spec_from_hf_config(GEMMA3, name="tiny", source="test")
+    gemma_cuda = dict(activation_reserve(gemma, 4096, 8, platform="cuda").phases)["MLP"]
+    gemma_cpu = dict(activation_reserve(gemma, 4096, 8, platform="cpu").phases)["MLP"]
+    assert gemma_cpu - gemma_cuda == 4096 * GEMMA3["head_dim"] * 4
 
 
 def test_the_expanded_mla_bound_is_the_prefill_module_s():

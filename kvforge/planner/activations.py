@@ -222,8 +222,10 @@ def _decoder_phases(spec: ModelSpec, config: dict, t: int, per_seq: int, max_seq
         phases[name] = max(phases.get(name, 0), stream + own)
     phases["residual norm"] = stream + t * hidden * e + 2 * t * hidden * e + (0 if fused else t * hidden * 8)
     inter = int(_cfg(config, "intermediate_size"))
-    if inter:
-        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused)
+    if inter:  # the fused SiLU-and-mul serves SiLU MLPs only (Gemma's GELU keeps act(gate) on every device)
+        default_act = "gelu_pytorch_tanh" if spec.architecture.startswith("Gemma") else "silu"
+        silu = _cfg(config, "hidden_activation", "hidden_act", default=default_act) in ("silu", "swish")
+        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused and silu)
     moe = _moe_phase(config, spec.architecture, t, hidden, tp, e, fused)
     if moe:
         phases["routed experts"] = stream + moe
