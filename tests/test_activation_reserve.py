@@ -204,3 +204,14 @@ def test_the_expanded_mla_bound_is_the_prefill_module_s():
 
     assert activations.SDPA_KV_BYTES == mla_prefill_sdpa.SDPA_KV_BYTES
 
+
+
+def test_the_engine_plans_the_reserve_of_its_step_budget():
+    """The engine's plan reserves its own step: the budget given, or without chunked prefill the longest
+    prompt when that is larger."""
+    from kvforge import LLM
+
+    with LLM(device="cpu", max_model_len=512, max_num_batched_tokens=384, max_num_seqs=8, progress=False) as llm:
+        assert (llm.plan.activations.tokens, llm.plan.activations.sampled_rows) == (384, 8)
+    with LLM(device="cpu", max_model_len=4096, max_num_seqs=8, enable_chunked_prefill=False, progress=False) as llm:
+        assert llm.plan.activations.tokens == 4096  # above the CPU's default budget of 2048
