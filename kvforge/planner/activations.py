@@ -6,6 +6,8 @@ rule names each phase of a step and the tensors alive in it, as the model code h
 (kvforge/models/decoder.py, llama.py, layers.py, deepseek.py), per rank, in the model dtype unless
 said otherwise:
 
+* the step (every phase): the int64 token ids and positions and rope's cos and sin tables (the
+  unfused rotation adds a sign-folded sin);
 * the stream (every phase of a layer): the previous layer's output and residual (the caller's loop
   still holds them), this layer's residual and its normed input: ``4 x [T, hidden]``;
 * the residual-add norm between the sublayers: two more ``[T, hidden]`` (its outputs) beside the
@@ -32,10 +34,12 @@ said otherwise:
   top-k/top-p sort's values and int64 indices, its masks, softmax and cumulative sum: kvforge/engine/
   sampler.py). Prompt logprobs are sliced by the sampler and are not counted.
 
-Qwen3-Next has phases of its own (:func:`_qwen3_next_phases`). Other linear-attention (state) layers are
-bounded by their token inputs (``token_input_elements``): the projection output in the model dtype and
-two float32 copies (conv and delta-rule inputs), plus the output. The total is rounded up by ``ALLOCATOR_SLACK`` for the caching allocator's rounding and
-fragmentation (see :data:`ALLOCATOR_SLACK`). Torch-free.
+Qwen3-Next has phases of its own (:func:`_qwen3_next_phases`). Other linear-attention (state) layers
+are bounded by their token inputs (``token_input_elements``): the projection output in the model dtype
+and two float32 copies (conv and delta-rule inputs), plus the output. The peak is raised by
+:data:`ALLOCATOR_SLACK` and :data:`ALLOCATOR_SLACK_BYTES` for the caching allocator's rounding and
+fragmentation. tests/test_activation_reserve.py measures the live tensor bytes of the model code against
+the rule. Torch-free.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ ALLOCATOR_SLACK_BYTES = 64 << 20
 #: result and its softmax: 49 bytes, rounded up; plus the int64 ranks of one row.
 SAMPLER_BYTES_PER_LOGIT = 52
 #: Routed experts: the bookkeeping of one (token, expert) slot alive beside the experts' tensors: expert ids,
-#: weights, masks, the sort's keys and order, gathered token indices (int64 mostly); 189 bytes measured on
-#: the CPU expert loop (gpt-oss), rounded up.
+#: weights, masks, the sort's keys and order, gathered token indices (int64 mostly): 189 bytes in gpt-oss's
+#: CPU expert loop, rounded up.
 ROUTING_BYTES_PER_SLOT = 192
 #: Split-K bound: programs per SM the split rules fill (kvforge/attention/routing/split_k.py) and the largest
 #: SM count planned for.
