@@ -89,6 +89,7 @@ def make_engine(args) -> LLMEngine:
     eng.sampler = Sampler()
     eng.generation_tokens_total = eng.num_steps = eng.prefill_tokens_computed = 0
     eng._shut_down, eng.proposer, eng.step_log = False, None, StepLog()
+    eng.num_launches, eng.spec_backoff, eng._observes = 0, None, False
     eng.async_scheduling, eng._inflight = False, None  # the synchronous loop (no device to overlap with here)
     rng = np.random.default_rng(args.seed)
     vocab_for_prompt = min(args.vocab, 32000)
