@@ -145,10 +145,10 @@ def test_a_client_that_leaves_aborts_every_sample(server):
     url = server.url + "/v1/completions"
     name = server.engine.model_name
 
-    async def stream_then_leave(session):
+    async def stream_then_leave(http):
         body = {"model": name, "prompt": PROMPT, "n": 4, "max_tokens": 120, "temperature": 1.0,
                 "ignore_eos": True, "stream": True}
-        resp = await session.post(url, json=body)
+        resp = await http.post(url, json=body)
         assert resp.status == 200
         got = 0
         async for line in resp.content:
@@ -158,16 +158,16 @@ def test_a_client_that_leaves_aborts_every_sample(server):
                     break
         resp.close()  # drop the connection mid-stream
 
-    async def wait_then_leave(session):
+    async def wait_then_leave(http):
         body = {"model": name, "prompt": PROMPT + " again", "n": 4, "max_tokens": 120, "temperature": 1.0,
                 "ignore_eos": True}
         with pytest.raises(asyncio.TimeoutError):
-            async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
+            async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=0.5)) as resp:
                 await resp.read()
 
     async def run():
-        async with aiohttp.ClientSession() as session:
-            await asyncio.gather(stream_then_leave(session), wait_then_leave(session))
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(stream_then_leave(http), wait_then_leave(http))
 
     asyncio.run(run())
     deadline = time.time() + 30
