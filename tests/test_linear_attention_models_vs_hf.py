@@ -24,6 +24,7 @@ import json
 
 import pytest
 import torch
+from linear_attention_setup import one_torch_thread  # noqa: F401 (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,14 +41,6 @@ from kvforge.errors import ConfigError  # noqa: E402
 REL_TOL = 1e-4
 PROMPT_LENS = (70, 23)  # the first is longer than one 64-token chunk of the reference
 DECODE_STEPS = 4
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _sequences(n_extra: int):

@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from linear_attention_setup import CASES, ENGINE, one_torch_thread  # noqa: F401 (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,18 +28,7 @@ from kvforge import SamplingParams  # noqa: E402
 from kvforge.attention import linear_state  # noqa: E402
 from kvforge.engine.sequence import Sequence  # noqa: E402
 
-ENGINE = dict(dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
-              kv_cache_memory=1 << 21, progress=False, device="cpu", max_num_batched_tokens=16, max_model_len=128)
 NEW_TOKENS = 16
-CASES = ["qwen3-next", "kimi-linear"]
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _prompts(n: int = 4) -> list[list[int]]:
