@@ -1,0 +1,283 @@
+"""Triton kernel: ``y = x @ weight.T (+ bias)`` for a few rows of ``x``, streaming the weight once.
+
+With ``M`` <= 16 rows (the tokens of a decode step) a linear layer is bound by reading its weight
+``[N, K]`` (``nn.Linear``'s layout, K contiguous): every weight element feeds at most 16 products. The
+kernel reads each weight element exactly once and multiplies it with all ``M`` rows while it is in
+registers.
+
+Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: a program owns ``BLOCK_N`` weight rows (output columns) and one
+slice of K, and walks the slice in ``BLOCK_K`` chunks. Each chunk loads one ``[BLOCK_N, BLOCK_K]`` weight
+tile (``evict_first``: it is never read again) and the ``[rows, BLOCK_K]`` chunk of ``x`` (``evict_last``:
+every program re-reads it from L2). Two ways to multiply (``SmallMLinearConfig.use_dot``):
+
+* broadcast (few rows): one row of ``x`` accumulates ``tile * x_chunk`` elementwise in a
+  ``[BLOCK_N, BLOCK_K]`` float32 register tile and reduces it across threads once, after the loop; with 2 to
+  4 rows each row's products are reduced over the chunk every iteration into a ``[BLOCK_N, rows]``
+  accumulator (rows padded to a power of two).
+* ``tl.dot`` (more rows): ``tile @ x_chunk.T`` on tensor cores into a ``[BLOCK_N, 16]`` float32 accumulator,
+  the rows of ``x`` padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows load as zeros).
+
+Weight rows past ``N`` are clamped to row ``N - 1`` for the loads (no mask along the streamed rows) and
+never stored. With ``SPLIT_K`` = 1 the program adds the bias and stores ``y`` in ``x``'s dtype; with more
+splits each writes float32 partials ``[SPLIT_K, M, N]`` and a second kernel adds them in split order, adds
+the bias and casts (deterministic: no atomics).
+
+Numerics: products and sums in float32 (bf16 and fp16 products are exact in float32; only the order of
+the float32 additions differs from other GEMMs), the bias added in float32, one rounding to ``x``'s dtype.
+
+The launch configuration is a pure function of ``(M, N, K, SM count)`` (:func:`small_m_linear_config`):
+no autotuning, so a CUDA graph captures the launch the eager path makes. Allocations are ``torch.empty``
+(the output, and the partials when split); no host synchronization: safe inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.attention.routing.platform import DEFAULT_NUM_SMS
+from kvforge.attention.routing.split_k import SplitRule
+
+try:  # Triton is optional: the CPU engine never imports this module's kernels.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+#: The most rows of ``x`` one launch takes.
+MAX_ROWS = 16
+#: Up to this many rows the broadcast multiply serves; more rows run ``tl.dot`` (rows padded to 16).
+BROADCAST_MAX_ROWS = 4
+#: ``tl.dot`` needs every dimension >= 16: the rows of ``x`` are padded to this on the dot path.
+DOT_ROWS = 16
+#: Weight dtypes the kernel reads (``x`` has the same dtype).
+DTYPES = (torch.bfloat16, torch.float16)
+
+#: Broadcast path: K chunk per iteration (elements) and the range of weight rows per program.
+BROADCAST_BLOCK_K = 512
+BROADCAST_BLOCK_N = (4, 16)
+BROADCAST_NUM_WARPS = 4
+#: tl.dot path: weight rows per program (the MMA's M), K chunk, warps, pipeline stages.
+DOT_BLOCK_N = 16
+DOT_BLOCK_K = 256
+DOT_NUM_WARPS = 4
+DOT_NUM_STAGES = 4
+#: Pipeline stages of the broadcast path's K loop.
+BROADCAST_NUM_STAGES = 3
+#: Programs per SM the broadcast path's row blocks aim for (narrower blocks until they do).
+MIN_PROGRAMS_PER_SM = 2
+#: K is split where the row blocks give fewer programs than ``waves`` x SMs, into slices of at least
+#: ``min_tokens`` elements of K, at most ``max_splits`` of them (SplitRule's ceil rule).
+SPLIT_K_RULE = SplitRule(waves=1, min_tokens=1024, max_splits=8, round_up=True)
+#: Columns per program of the split-K reduction.
+REDUCE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class SmallMLinearConfig:
+    """One launch: weight rows and K chunk per program, K slices, warps, pipeline stages, and whether the
+    rows multiply on tensor cores (``use_dot``) or by broadcast."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+
+    def rows_block(self, m: int) -> int:
+        """The padded row count the kernel is compiled for."""
+        return DOT_ROWS if self.use_dot else next_power_of_2(m)
+
+    def k_per_split(self, k: int) -> int:
+        """Elements of K per split: a multiple of ``block_k`` (the last split may be shorter)."""
+        chunks = -(-k // self.block_k)
+        return -(-chunks // self.split_k) * self.block_k
+
+    def check(self, m: int) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"{name}={v} must be a power of two")
+        if self.split_k < 1:
+            raise ValueError(f"split_k={self.split_k} must be >= 1")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"the tl.dot path needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
+        if not self.use_dot and self.block_k < 8:
+            raise ValueError(f"the broadcast path needs block_k >= 8 (one 16-byte vector), got {self.block_k}")
+        if m > MAX_ROWS:
+            raise ValueError(f"small_m_linear takes at most {MAX_ROWS} rows, got {m}")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> SmallMLinearConfig:
+    """The launch for ``x [m, k] @ weight[n, k].T`` on a GPU with ``num_sms`` SMs.
+
+    Broadcast path (``m <= BROADCAST_MAX_ROWS``): the widest ``block_n`` in ``BROADCAST_BLOCK_N`` that
+    still gives ``MIN_PROGRAMS_PER_SM`` programs per SM; tl.dot path: ``DOT_BLOCK_N``. Then K is split
+    (``SPLIT_K_RULE``) only where the row blocks alone do not fill the SMs once.
+    """
+    use_dot = m > BROADCAST_MAX_ROWS
+    # Small K (tests, tiny models): one chunk covers it, at least one 16-byte vector (or an MMA's K) wide.
+    if use_dot:
+        block_k = max(16, min(DOT_BLOCK_K, next_power_of_2(k)))
+        block_n, num_warps, num_stages = DOT_BLOCK_N, DOT_NUM_WARPS, DOT_NUM_STAGES
+    else:
+        block_k = max(8, min(BROADCAST_BLOCK_K, next_power_of_2(k)))
+        lo, hi = BROADCAST_BLOCK_N
+        target = MIN_PROGRAMS_PER_SM * num_sms
+        block_n = hi
+        while block_n > lo and -(-n // block_n) < target:
+            block_n //= 2
+        num_warps, num_stages = BROADCAST_NUM_WARPS, BROADCAST_NUM_STAGES
+    split_k = SPLIT_K_RULE.splits(-(-n // block_n), k, num_sms)
+    return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _small_m_linear_kernel(
+        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+        M, N, K, stride_xm, stride_wn, stride_om, k_per_split, chunks_per_split,
+        M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N load row N - 1 and are never stored
+        offs_m = tl.arange(0, M_PAD)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+        k_start = pid_k * k_per_split
+        # acc[n, m] = sum_k w[n, k] * x[m, k]; acc1 (one row of x): the products summed elementwise over the
+        # chunks, reduced across threads once after the loop.
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K if (M_PAD == 1 and not USE_DOT) else 1], dtype=tl.float32)
+        for i in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
+            k0 = k_start + i * BLOCK_K
+            k_mask = (k0 + offs_k) < K  # the slice's own end is a whole number of chunks: only K bounds it
+            if EVEN_K:
+                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            if USE_DOT:
+                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :]
+                x_mask = (offs_m < M)[:, None]
+                if not EVEN_K:
+                    x_mask = x_mask & k_mask[None, :]
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+                acc = tl.dot(w, tl.trans(x), acc)
+            elif M_PAD == 1:
+                if EVEN_K:
+                    x0 = tl.load(x_ptr + k0 + offs_k, eviction_policy="evict_last")
+                else:
+                    x0 = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0, eviction_policy="evict_last")
+                acc1 += w.to(tl.float32) * x0.to(tl.float32)[None, :]
+            else:
+                wf = w.to(tl.float32)
+                for m in tl.static_range(M_PAD):
+                    x_mask = m < M
+                    if not EVEN_K:
+                        x_mask = x_mask & k_mask
+                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=x_mask, other=0.0,
+                                 eviction_policy="evict_last")
+                    part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+                    acc = tl.where(offs_m[None, :] == m, acc + part[:, None], acc)
+        if M_PAD == 1 and not USE_DOT:
+            acc = tl.sum(acc1, axis=1)[:, None]
+        n_mask = offs_n < N
+        mask = n_mask[:, None] & (offs_m < M)[None, :]
+        if WRITE_PARTIALS:
+            part_ptrs = part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
+            tl.store(part_ptrs, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _sum_splits_kernel(
+        part_ptr, bias_ptr, out_ptr, M, N, stride_om,
+        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        m = tl.program_id(1)
+        offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        n_mask = offs_n < N
+        y = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # split order: the same sum on every run
+            y += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=n_mask, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m.to(tl.int64) * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"small_m_linear wants x [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} features but weight {tuple(weight.shape)} takes {weight.shape[1]}")
+    if weight.dtype not in DTYPES or x.dtype != weight.dtype:
+        raise ValueError(f"small_m_linear takes bfloat16 or float16 x and weight of one dtype, got {x.dtype} "
+                         f"and {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("small_m_linear needs x and weight contiguous along K (the nn.Linear layout)")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}] vector, got {tuple(bias.shape)}")
+
+
+def small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: SmallMLinearConfig | None = None, num_sms: int = DEFAULT_NUM_SMS,
+) -> torch.Tensor:  # fmt: skip
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with ``M <= MAX_ROWS``: ``[M, N]`` in ``x``'s dtype.
+
+    ``config`` overrides :func:`small_m_linear_config` (benchmarks sweep it); ``num_sms`` is the SM count
+    that function plans for (the caller knows its device).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("small_m_linear needs triton")
+    _check(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = config or small_m_linear_config(m, n, k, num_sms)
+    cfg.check(m)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    k_per_split = cfg.k_per_split(k)
+    split_k = -(-k // k_per_split)  # no empty split
+    chunks = -(-k // cfg.block_k)
+    chunks_per_split = k_per_split // cfg.block_k
+    # Every chunk of every split lies inside K: the loads need no K mask.
+    even_k = k % cfg.block_k == 0 and chunks % chunks_per_split == 0
+    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
+    _small_m_linear_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
+        x, weight, bias_arg, out, partials,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split, chunks_per_split,
+        M_PAD=cfg.rows_block(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=cfg.use_dot, EVEN_K=even_k, HAS_BIAS=bias is not None,
+        WRITE_PARTIALS=split_k > 1, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    if split_k > 1:
+        _sum_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
+            partials, bias_arg, out, m, n, out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out
