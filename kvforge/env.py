@@ -9,6 +9,8 @@ stays here turns an optional accelerated path off for the whole process.
 ``KVFORGE_DISABLE_GLUON``          any value but ``""``/``0``/``false``/``no`` turns the Gluon kernels off
                                    (the tl.dot kernels serve; kvforge/kernels/gluon_support.py)
 ``KVFORGE_DISABLE_FUSED_KERNELS``  the same, for the fused Triton RMSNorm/rope/SiLU kernels on CUDA
+``KVFORGE_SMALL_M_LINEAR``         ``1``/``0`` turns the small-M Triton linear kernel on or off for decode
+                                   steps on CUDA; unset: its default (kvforge/models/linear_route.py)
 =================================  ==========================================================================
 """
 
@@ -32,6 +34,7 @@ class Env:
 
     disable_gluon: bool = False
     disable_fused_kernels: bool = False
+    small_m_linear: bool | None = None  # None: unset, the route's default
 
 
 def read_env(environ: Mapping[str, str]) -> Env:
@@ -39,7 +42,13 @@ def read_env(environ: Mapping[str, str]) -> Env:
     return Env(
         disable_gluon=switch_is_on(environ.get("KVFORGE_DISABLE_GLUON")),
         disable_fused_kernels=switch_is_on(environ.get("KVFORGE_DISABLE_FUSED_KERNELS")),
+        small_m_linear=_optional_switch(environ.get("KVFORGE_SMALL_M_LINEAR")),
     )
+
+
+def _optional_switch(value: str | None) -> bool | None:
+    """A switch whose absence (unset or empty) leaves the choice to the code's default."""
+    return None if value is None or not value.strip() else switch_is_on(value)
 
 
 #: Read once at import (why global: the environment of a running process is fixed; every reader asks).

@@ -1,7 +1,7 @@
 """Parallel layers and how a full tensor is cut for one rank.
 
-Column-parallel projections (q/k/v, gate/up) are plain ``nn.Linear`` modules of
-the rank's output rows: no communication. Row-parallel projections (o_proj,
+Column-parallel projections (q/k/v, gate/up) are the family's own linear modules
+of the rank's output rows: no communication. Row-parallel projections (o_proj,
 down_proj) hold the rank's input columns and all-reduce their partial sums; a
 bias is added once, after the reduction. The embedding and the LM head hold a
 contiguous slice of the vocabulary (padded to a multiple of the TP size);
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvforge.distributed.group import TPGroup
+from kvforge.models.linear_route import linear
 
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int, int]:
@@ -34,7 +35,8 @@ def shard_vocab_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Te
 
 
 class RowParallelLinear(nn.Linear):
-    """``nn.Linear`` over this rank's input features; partial sums are all-reduced."""
+    """``nn.Linear`` over this rank's input features; partial sums (routed by
+    :func:`~kvforge.models.linear_route.linear`) are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: TPGroup, dtype=None):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
@@ -47,7 +49,7 @@ class RowParallelLinear(nn.Linear):
                    dtype=linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce_(F.linear(x, self.weight))
+        y = self.group.all_reduce_(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -7,7 +7,7 @@ heads, its MLP slice, ``ceil(vocab / tp)`` vocabulary rows) and then
 row-parallel (all-reduce),
 the embedding vocab-parallel, and the LM head computes this rank's vocabulary
 slice whose logits rank 0 gathers. Column-parallel projections (q/k/v,
-gate/up, ...) stay plain ``nn.Linear`` modules of the rank's rows.
+gate/up, ...) stay the family's own linear modules of the rank's rows.
 
 A family declares, per HF projection it shards, the :class:`RankSlice` this
 rank keeps (``rank_slices``); cutting checkpoint tensors (``shard_hf``), the
@@ -21,7 +21,6 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvforge.distributed.group import TPGroup
 from kvforge.distributed.layers import (
@@ -34,6 +33,7 @@ from kvforge.distributed.layers import (
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM
 from kvforge.models.layers import GatedMLP
+from kvforge.models.linear_route import linear
 
 VOCAB_PARAMETERS = ("model.embed_tokens.weight", "lm_head.weight")
 ROW_PARALLEL_PROJECTIONS = ("o_proj", "out_proj", "down_proj")
@@ -113,7 +113,7 @@ class TensorParallelDecoder(DecoderForCausalLM):
         """Float32 [T, vocab] on rank 0, None on the other ranks (every rank must call it)."""
         if hidden.shape[0] == 0:  # no rows wanted this step (every rank knows): no collective
             return hidden.new_zeros((0, self.vocab_size), dtype=torch.float32) if self.group.rank == 0 else None
-        return gather_vocab_logits(F.linear(hidden, self.lm_head_weight).float(), self.vocab_size, self.group)
+        return gather_vocab_logits(linear(hidden, self.lm_head_weight).float(), self.vocab_size, self.group)
 
     # -- sharding ----------------------------------------------------------------------
     def _projection(self, name: str) -> tuple[str, RankSlice] | None:

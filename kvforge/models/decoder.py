@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.layers import RMSNorm, cfg_get, rope_parameters
+from kvforge.models.linear_route import linear
 
 
 def required_int(config: dict, key: str) -> int:
@@ -206,7 +206,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after ``to_empty``)."""

@@ -17,6 +17,7 @@ from torch import nn
 
 from kvforge.env import ENV
 from kvforge.errors import ConfigError
+from kvforge.models.linear_route import Linear
 
 # ---------------------------------------------------------------------------
 # Fused Triton kernels (kvforge/kernels/triton_{rms_norm,silu_mul,rope}.py)
@@ -294,10 +295,8 @@ class GatedMLP(nn.Module):
     ):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(
-            hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device
-        )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,10 +314,11 @@ def store_input_major(modules) -> None:
     kept). ``F.linear`` then multiplies by that contiguous matrix; on CPU, at a few tokens per step, this
     streams the weight faster than the output-major layout (docs/BENCHMARKS.md, the CPU one-stream section).
     Only for modules whose weight reaches ``F.linear`` / ``F.embedding`` and is never viewed as contiguous;
-    modules other than ``nn.Linear`` and ``nn.Embedding`` themselves (tensor-parallel shards, for one) are
+    modules other than ``nn.Linear``, the routed :class:`~kvforge.models.linear_route.Linear` (whose route
+    never takes an input-major weight) and ``nn.Embedding`` themselves (tensor-parallel shards, for one) are
     left as they are. Idempotent."""
     for m in modules:
-        if type(m) not in (nn.Linear, nn.Embedding):
+        if type(m) not in (nn.Linear, Linear, nn.Embedding):
             continue
         w = m.weight
         if w.dim() == 2 and w.stride() != (1, w.shape[0]):

@@ -28,6 +28,7 @@ from kvforge.models.decoder import (
     attention_and_mlp_parts,
 )
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get
+from kvforge.models.linear_route import Linear
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 RopeCache = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, rotary_dim]
@@ -85,8 +86,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
+        self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)

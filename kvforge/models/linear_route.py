@@ -1,0 +1,88 @@
+"""Which kernel multiplies a linear layer's input by its weight: ``F.linear`` (cuBLAS on CUDA) or the
+small-M Triton kernel (kvforge/kernels/triton_small_m_linear.py), decided in one place.
+
+:func:`use_small_m_linear` is the rule; :func:`linear` applies it to one product and :class:`Linear` (an
+``nn.Linear`` with the same parameters, names and loading) routes every call of its ``forward``. The
+models' projections, the row-parallel layers of tensor parallelism and the LM head call :func:`linear`.
+
+The small-M kernel takes a product when
+
+* the switch is on: :data:`SMALL_M_LINEAR`, from ``KVFORGE_SMALL_M_LINEAR`` in the environment
+  (kvforge/env.py), else :data:`SMALL_M_LINEAR_DEFAULT`; assigning the module attribute before a forward
+  (and before CUDA-graph capture, which records whichever path ran) overrides both;
+* the tensors are on a device type in :data:`SMALL_M_LINEAR_DEVICES` (CUDA; tests add ``"cpu"`` to run the
+  kernel in Triton's interpreter);
+* ``x`` and the weight are bfloat16 or float16 of one dtype, with 1 to :data:`SMALL_M_MAX_ROWS` rows;
+* the weight's rows are 16-byte aligned (``K`` a multiple of 8), so the kernel streams whole vectors;
+* (in :func:`linear`) ``x`` is 2-D, both are contiguous along ``K`` and autograd is off (the kernel is
+  inference-only and reads ``nn.Linear``'s layout; input-major CPU weights never qualify).
+
+Everything else runs ``F.linear``. The rule reads shapes and dtypes only, so a CUDA graph captured for
+``M`` tokens holds the kernel an eager step of ``M`` tokens runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.env import ENV
+
+#: Whether the kernel serves where the environment does not say (docs/BENCHMARKS.md has the comparison
+#: with cuBLAS that decides it).
+SMALL_M_LINEAR_DEFAULT = False
+#: The process's switch (see the module docstring).
+SMALL_M_LINEAR: bool = SMALL_M_LINEAR_DEFAULT if ENV.small_m_linear is None else ENV.small_m_linear
+SMALL_M_LINEAR_DEVICES: tuple[str, ...] = ("cuda",)
+#: The most rows (tokens of a step) the kernel takes; more go to cuBLAS.
+SMALL_M_MAX_ROWS = 8
+_DTYPES = (torch.bfloat16, torch.float16)
+_ROW_ALIGN_BYTES = 16
+
+_kernel = None  # the kernel module, imported on first use (the CPU engine never needs triton)
+
+
+def use_small_m_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``x [m, k] @ weight[n, k].T`` in ``dtype`` on ``device`` runs the small-M kernel."""
+    return (
+        SMALL_M_LINEAR
+        and device.type in SMALL_M_LINEAR_DEVICES
+        and dtype in _DTYPES
+        and 1 <= m <= SMALL_M_MAX_ROWS
+        and n > 0
+        and (k * dtype.itemsize) % _ROW_ALIGN_BYTES == 0
+    )
+
+
+def _small_m_kernel():
+    global _kernel
+    if _kernel is None:
+        from kvforge.kernels import triton_small_m_linear
+
+        _kernel = triton_small_m_linear
+    return _kernel
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, by the small-M kernel where :func:`use_small_m_linear` says so."""
+    if (
+        x.dim() == 2
+        and use_small_m_linear(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.device)
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (bias is None or bias.stride(0) == 1)
+        and not torch.is_grad_enabled()
+    ):
+        from kvforge.kernels.gluon_support import num_sms
+
+        return _small_m_kernel().small_m_linear(x, weight, bias, num_sms=num_sms(x.device))
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, names, initialisation and loading) whose forward is :func:`linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
