@@ -28,7 +28,7 @@ PROMPT_LENS = (2040, 70, 300)
 
 def test_buckets_below_max_model_len_then_max_model_len():
     assert graph_contexts(131072) == [*GRAPH_CONTEXT_BUCKETS, 131072]
-    assert graph_contexts(8192) == [2048, 8192]
+    assert graph_contexts(8192) == [2048, 4096, 8192]
     assert graph_contexts(2048) == [2048]
     assert graph_contexts(1000) == [1000]
     assert graph_contexts(MAX_MODEL_LEN) == sorted(set(graph_contexts(MAX_MODEL_LEN)))
@@ -60,7 +60,7 @@ def test_decode_replays_the_smallest_bucket_holding_the_context(tiny_llama):
     llm = _llm(tiny_llama, "cpu")
     runner = llm.engine.runner
     runner.graphs = DecodeGraphs(runner, max_num_seqs=4, capture=False)
-    assert runner.graphs.contexts == [2048, 8192]
+    assert runner.graphs.contexts == [2048, 4096, 8192]
     seen = []  # (bucket the step's metadata names, the step's longest context)
     forward = runner.forward
 
@@ -74,7 +74,7 @@ def test_decode_replays_the_smallest_bucket_holding_the_context(tiny_llama):
     outs = _greedy(llm)
     assert_outputs_agree(outs, eager, FP32_LOGIT_TOL)
     assert llm.engine.stats()["graph_steps"] >= 20
-    assert {bucket for bucket, _ in seen} == {2048, 8192}
+    assert {bucket for bucket, _ in seen} == {2048, 4096}
     for bucket, longest in seen:
         assert longest <= bucket
         assert bucket == 2048 or longest > 2048  # the smallest bucket holding the context
@@ -85,6 +85,6 @@ def test_captured_buckets_follow_cpu_greedy(tiny_llama):
     cpu = _greedy(_llm(tiny_llama, "cpu"))
     gpu = _llm(tiny_llama, "cuda")
     graphs = gpu.engine.runner.graphs
-    assert graphs is not None and {c for _, c, _ in graphs.graphs} == {2048, 8192}
+    assert graphs is not None and {c for _, c, _ in graphs.graphs} == {2048, 4096, 8192}
     assert_outputs_agree(_greedy(gpu), cpu, FP32_LOGIT_TOL)
     assert gpu.engine.stats()["graph_steps"] >= 20

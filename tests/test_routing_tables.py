@@ -96,6 +96,10 @@ def test_split_rule():
     floor = SplitRule(waves=1, min_tokens=512, max_splits=128, round_up=False)
     assert floor.splits(32, 65536, 132) == 4 and floor.splits(200, 65536, 132) == 1  # floor, at least 1
     assert floor.splits(1, 65536, 132, waves=2) == 128
+    small = SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2)
+    assert small.splits(64, 32768, 132) == 5  # 64 programs <= 132 // 2: ceil(2 x 132 / 64)
+    assert small.splits(67, 32768, 132) == 8  # 67 programs > 66: ceil(4 x 132 / 67)
+    assert small.splits(64, 32768, 132, waves=4) == 9  # a caller's waves win
     assert SplitRule(4, 256, 64, True, forced="exact").choose(0, 8, 32768, 132) == 1
     assert SplitRule(4, 256, 64, True, forced="exact").choose(100, 8, 32768, 132) == 100  # not capped
     assert SplitRule(4, 256, 32, True, forced="capped").choose(100, 8, 32768, 132) == 32
@@ -115,8 +119,9 @@ def _paged(num_seqs, kv_heads, ctx, *, q_heads=None, head=128, q_len=1, q="bfloa
     [
         (64, 8, 8192, None, ("gluon_fp8_warp", 2)),  # 512 programs, fill ceil(528 / 512) = 2, by length 8
         (256, 8, 32768, None, ("gluon_fp8_warp", 1)),  # 2048 programs fill the GPU alone
-        (8, 8, 32768, None, ("gluon_fp8_warp", 9)),  # fill ceil(528 / 64) = 9 < 32
-        (8, 8, 8192, None, ("gluon_fp8_warp", 8)),  # by length: 8 splits of 1024 tokens
+        (8, 8, 32768, None, ("gluon_fp8_warp", 5)),  # 64 programs <= 66: fill ceil(264 / 64) = 5 < 32
+        (8, 8, 8192, None, ("gluon_fp8_warp", 5)),  # 5 < 8 by length; 64 x 5 = 320 >= 264: warp
+        (16, 8, 32768, None, ("gluon_fp8_warp", 5)),  # 128 programs > 66: four waves, ceil(528 / 128)
         (1, 8, 8192, None, ("gluon_fp8_cta", 32)),  # 8 x 8 = 64 programs < 264: cta, 256-token splits
         (64, 8, 1024, None, ("gluon_fp8_cta", 2)),  # short context: cta
         (256, 8, 1024, None, ("gluon_fp8_cta", 1)),
@@ -174,13 +179,13 @@ def test_paged_graph_pinning_with_sinks_is_the_tl_dot_rule():
             want = paged.route(shape, NO_GLUON).splits
             assert paged.pinned_splits(batch, 64, 8, 64, 32768, "bfloat16", kv, H200, sinks=True) == want
     # e.g. one sequence: ceil(4 x 132 / 8) = 66 -> capped at 64
-    assert paged.pinned_splits(1, 64, 8, 64, 32768, "bfloat16", "fp8_e4m3", H200, sinks=True) == 64
+    assert paged.pinned_splits(1, 64, 8, 64, 32768, "bfloat16", "fp8_e4m3", H200, sinks=True) == 33
 
 
 def test_paged_tl_dot_tiles_and_splits():
     # decode, GQA 4 (G_PAD 4): 4 tokens x 4 heads = 16 rows, 128-token context tiles, split-K by the rule
     r = paged.route(_paged(2, 8, 40000, kv="bfloat16"), H200)
-    assert (r.kernel, r.splits) == ("tl_dot", 33)  # 16 programs: ceil(528 / 16) = 33 < 40000 // 256
+    assert (r.kernel, r.splits) == ("tl_dot", 17)  # 16 programs <= 66: ceil(264 / 16) = 17 < 40000 // 256
     t = r.tiles
     assert (t.decode_like, t.block_q, t.block_m, t.tile_n, t.num_warps, t.num_stages, t.one_tile) == \
         (True, 4, 16, 128, 4, 3, True)

@@ -40,7 +40,8 @@ Invariants (what makes a replay equal to an eager step):
    eagerly at context ``C``. The grid and partial buffers are then fixed; the kernels divide each
    sequence's own context among the splits, so shorter contexts than ``C`` are served correctly.
    Without buckets, a short context would replay the kernel and split count chosen for
-   ``max_model_len`` (many near-empty splits).
+   ``max_model_len`` (many near-empty splits). Buckets double, so a replay's longest context is more than
+   half of ``C`` (beyond the first bucket): a split then holds at least half the tokens the rule gave it.
 5. **Lifetime.** Captured once at startup, after the weights and the KV pool
    exist and before any request, largest size first, in one memory pool. The
    weights, the pool's buffer and the fp8 scale tensors must never be
@@ -98,7 +99,7 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 #: Context buckets below ``max_model_len`` that get graphs of their own (module docstring, invariant 4).
-GRAPH_CONTEXT_BUCKETS: tuple[int, ...] = (2048, 8192, 32768)
+GRAPH_CONTEXT_BUCKETS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768, 65536)
 
 
 def graph_contexts(max_model_len: int) -> list[int]:

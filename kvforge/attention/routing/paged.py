@@ -49,7 +49,7 @@ class PagedKernel:
 TL_DOT = PagedKernel(
     name="tl_dot", launcher="kvforge.kernels.triton_paged_attention:paged_attention",
     needs_gluon=False, decode_only=False, kv_dtypes=None, query_dtypes=None, head_sizes=None, max_group=None,
-    sinks=True, splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True),
+    sinks=True, splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2),
     when="every batch the Gluon rows do not take; split-K when each sequence's query fits one tile",
 )
 _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
@@ -58,13 +58,13 @@ _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
 #: The Gluon "warp" kernel: long contexts over a full GPU.
 GLUON_FP8_WARP = PagedKernel(
     name="gluon_fp8_warp", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
-    splits=SplitRule(waves=4, min_tokens=1024, max_splits=64, round_up=True), min_context=2048, min_waves=2,
+    splits=SplitRule(waves=4, min_tokens=1024, max_splits=64, round_up=True, small_grid_waves=2), min_context=2048, min_waves=2,
     when="context >= 2048 and programs x splits >= 2 x SMs",
 )
 #: The Gluon "cta" kernel: the other fp8 decode batches in the Gluon scope.
 GLUON_FP8_CTA = PagedKernel(
     name="gluon_fp8_cta", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
-    splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True),
+    splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2),
     when="the other decode batches in the Gluon scope",
 )
 #: In order of preference; the first that applies serves.

@@ -3,7 +3,9 @@
 A decode program walks one (sequence, head group) over a slice of its context; with few programs the GPU
 sits idle, so the context is split into ``splits`` slices whose partials a merge kernel combines. The rule:
 as many splits as fill ``waves`` programs per SM (``ceil`` or ``floor`` of the SM count over the programs),
-but no split shorter than ``min_tokens`` and never more than ``max_splits``; at least one.
+but no split shorter than ``min_tokens`` and never more than ``max_splits``; at least one. A kernel may fill
+fewer waves when its programs are few (``small_grid_waves`` once the programs are at most half the SMs): a
+few (sequence, head) programs split many ways pay more in partials and merging than the extra waves hide.
 """
 
 from __future__ import annotations
@@ -26,12 +28,20 @@ class SplitRule:
     #: "exact": the pinned count as given (at least 1); "capped": also at most ``max_splits``;
     #: "or_rule": a pinned 0 means "use the rule", then capped.
     forced: str = "exact"
+    #: Waves to fill when ``programs <= num_sms // 2`` (0: ``waves`` everywhere).
+    small_grid_waves: int = 0
+
+    def waves_for(self, programs: int, num_sms: int) -> int:
+        """The waves the rule fills for ``programs`` programs (``small_grid_waves`` on small grids)."""
+        if self.small_grid_waves and programs <= num_sms // 2:
+            return self.small_grid_waves
+        return self.waves
 
     def splits(self, programs: int, context_len: int, num_sms: int, waves: int | None = None) -> int:
         """The rule's split count for ``programs`` programs over a context of ``context_len`` tokens
         (``waves``: programs per SM where a kernel's residency depends on the shape; default ``self.waves``)."""
         programs = max(1, programs)
-        target = (waves or self.waves) * num_sms
+        target = (waves or self.waves_for(programs, num_sms)) * num_sms
         fill = -(-target // programs) if self.round_up else target // programs
         return max(1, min(fill, context_len // self.min_tokens, self.max_splits))
 
@@ -55,4 +65,6 @@ class SplitRule:
     def describe(self) -> str:
         fill = "ceil" if self.round_up else "floor"
         waves = "waves" if self.waves == 0 else str(self.waves)
+        if self.small_grid_waves:
+            waves += f" (or {self.small_grid_waves} when programs <= SMs // 2)"
         return f"min({fill}({waves} x SMs / programs), context // {self.min_tokens}, {self.max_splits}), at least 1"
