@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_kernel_device import DEVICE, requires_kernels, skip_unless_loaded_loop_bounds_work
+import torch.nn.functional as F
+from triton_kernel_device import DEVICE, gpu_only, requires_kernels, skip_unless_loaded_loop_bounds_work
 
 from kvforge.env import read_env
 from kvforge.kernels import triton_small_m_linear
@@ -153,3 +154,43 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
     assert _rel(off, want) <= bound, "the 16-bit model without the kernel is off: not the kernel's fault"
     assert _rel(on, want) <= bound
     assert _rel(on, off) <= bound
+
+
+@gpu_only
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_model_forward_in_cuda_graph_on_gpu(tokens, tmp_path, route_on):
+    """A forward of ``tokens`` rows captured in a CUDA graph with the route on (broadcast path at 1 row, tl.dot
+    at 5) replays to the eager result bit for bit, and stays within the bf16 bound of the route-off forward."""
+    _hf_checkpoint("qwen2-bias", tmp_path)
+    model = build_model(load_config(tmp_path), torch.bfloat16, "cuda")
+    load_weights(model, tmp_path, "auto", progress=False)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, BASE["vocab_size"], (tokens,), generator=gen).cuda()
+    pos = torch.arange(tokens, device="cuda") + 3
+
+    def attend(layer_idx, q, k, v):  # the step's own tokens, causal: stateless, so capturable
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, scale=model.softmax_scale)
+        return out.transpose(0, 1)
+
+    def step():
+        return model.compute_logits(model(ids, pos, attend))
+
+    with torch.inference_mode():
+        eager = step()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        linear_route.SMALL_M_LINEAR = False  # the fixture's monkeypatch restores it
+        off = step()
+    assert _rel(eager.double(), off.double()) <= 3e-2
