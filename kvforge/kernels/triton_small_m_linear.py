@@ -32,6 +32,7 @@ no autotuning, so a CUDA graph captures the launch the eager path makes. Allocat
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,7 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.cache  # a pure function of a few shapes a model repeats every step
 def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> SmallMLinearConfig:
     """The launch for ``x [m, k] @ weight[n, k].T`` on a GPU with ``num_sms`` SMs.
 

@@ -40,7 +40,7 @@ SMALL_M_MAX_ROWS = 8
 _DTYPES = (torch.bfloat16, torch.float16)
 _ROW_ALIGN_BYTES = 16
 
-_kernel = None  # the kernel module, imported on first use (the CPU engine never needs triton)
+_kernel = None  # (small_m_linear, num_sms), imported on first use (the CPU engine never needs triton)
 
 
 def use_small_m_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -58,9 +58,9 @@ def use_small_m_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch
 def _small_m_kernel():
     global _kernel
     if _kernel is None:
-        from kvforge.kernels import triton_small_m_linear
+        from kvforge.kernels import gluon_support, triton_small_m_linear
 
-        _kernel = triton_small_m_linear
+        _kernel = (triton_small_m_linear, gluon_support.num_sms)
     return _kernel
 
 
@@ -75,9 +75,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and (bias is None or bias.stride(0) == 1)
         and not torch.is_grad_enabled()
     ):
-        from kvforge.kernels.gluon_support import num_sms
-
-        return _small_m_kernel().small_m_linear(x, weight, bias, num_sms=num_sms(x.device))
+        kernel, num_sms = _small_m_kernel()
+        return kernel.small_m_linear(x, weight, bias, num_sms=num_sms(x.device))
     return F.linear(x, weight, bias)
 
 
