@@ -277,7 +277,10 @@ def test_async_steps_hold_exactly_the_blocks_of_their_computed_tokens(tmp_path):
         engine.add_request(str(i), list(p), params)
     final = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outs = engine.step()
+        ids = [out.request_id for out in outs]
+        assert len(ids) == len(set(ids)), ids  # one output per request and step, also when two steps resolve
+        for out in outs:
             final[out.request_id] = out
         running = list(engine.scheduler.running)
         bm.check_invariants(running + list(engine.scheduler.waiting))

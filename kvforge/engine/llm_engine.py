@@ -440,8 +440,9 @@ class LLMEngine:
             launched = self._launch(out, self._inflight)
         if launched is not None and launched.verified is not None:
             # A verification step: the next step's positions depend on what it accepted, so it is resolved
-            # now (its tokens are already on the host), after any step resolved early above.
-            outputs = (early or []) + self._resolve(launched)
+            # now (its tokens are already on the host), after any step resolved early above. A request in
+            # both gets one output, the later (outputs are cumulative): one step, one delta per stream.
+            outputs = _latest_per_request((early or []) + self._resolve(launched))
         elif not self.async_scheduling:
             outputs = self._resolve(launched) if launched is not None else []
         else:
@@ -710,3 +711,12 @@ class LLMEngine:
             self.block_manager.free(seq)
             if slots is not None:
                 slots.release(seq.request_id)
+
+
+def _latest_per_request(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The last output of each request, in the order requests first appear (outputs are cumulative, so the
+    last holds every token of the earlier ones)."""
+    latest: dict[str, RequestOutput] = {}
+    for out in outputs:
+        latest[out.request_id] = out
+    return list(latest.values())
