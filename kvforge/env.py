@@ -9,6 +9,9 @@ stays here turns an optional accelerated path off for the whole process.
 ``KVFORGE_DISABLE_GLUON``          any value but ``""``/``0``/``false``/``no`` turns the Gluon kernels off
                                    (the tl.dot kernels serve; kvforge/kernels/gluon_support.py)
 ``KVFORGE_DISABLE_FUSED_KERNELS``  the same, for the fused Triton RMSNorm/rope/SiLU kernels on CUDA
+``KVFORGE_DISABLE_SDPA_PREFILL``   the same, for long prefill chunks of the Triton paged backend through
+                                   torch's fused attention (the kernels serve every sequence;
+                                   kvforge/attention/routing/paged.py)
 ``KVFORGE_SMALL_M_LINEAR``         ``1``/``0`` turns the small-M Triton linear kernel on or off for decode
                                    steps on CUDA; unset: its default (kvforge/models/linear_route.py)
 =================================  ==========================================================================
@@ -35,6 +38,7 @@ class Env:
     disable_gluon: bool = False
     disable_fused_kernels: bool = False
     small_m_linear: bool | None = None  # None: unset, the route's default
+    disable_sdpa_prefill: bool = False
 
 
 def read_env(environ: Mapping[str, str]) -> Env:
@@ -43,6 +47,7 @@ def read_env(environ: Mapping[str, str]) -> Env:
         disable_gluon=switch_is_on(environ.get("KVFORGE_DISABLE_GLUON")),
         disable_fused_kernels=switch_is_on(environ.get("KVFORGE_DISABLE_FUSED_KERNELS")),
         small_m_linear=_optional_switch(environ.get("KVFORGE_SMALL_M_LINEAR")),
+        disable_sdpa_prefill=switch_is_on(environ.get("KVFORGE_DISABLE_SDPA_PREFILL")),
     )
 
 

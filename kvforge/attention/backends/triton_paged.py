@@ -1,13 +1,14 @@
 """The Triton paged-attention backend object (CUDA): cache write and paged attention through the kernels
-its routing table (:mod:`kvforge.attention.routing.paged`) picks."""
+its routing table (:mod:`kvforge.attention.routing.paged`) picks, long prefill chunks through torch's fused
+attention where the table sends them (:mod:`kvforge.attention.paged_prefill_sdpa`)."""
 
 from __future__ import annotations
 
 from kvforge.attention.backends.base import AttentionBackend, register_backend
+from kvforge.attention.paged_prefill_sdpa import routed_paged_attention
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.attention.triton_backend import TRITON_PAGED
 from kvforge.kernels.triton_cache_write import write_kv_cache
-from kvforge.kernels.triton_paged_attention import paged_attention
 
 
 @register_backend
@@ -19,8 +20,8 @@ class TritonPagedBackend(AttentionBackend):
         write_kv_cache(k, v, kv.cache, slot_mapping, kv.k_scale, kv.v_scale)
 
     def attend(self, kv, meta, q, *, num_splits=None):
-        return paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale, kv.window,
-                               num_splits=num_splits, sinks=kv.sinks)
+        return routed_paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale,
+                                      kv.window, num_splits=num_splits, sinks=kv.sinks)
 
     def graph_num_splits(self, layers, batch, context, query_len=1):
         """The routing table's count at ``context`` for the first layer's shape; the Gluon rows only

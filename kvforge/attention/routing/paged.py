@@ -11,6 +11,18 @@ split-K, in the merge of the split partials with it. The kernel depends on the s
 count (CUDA graphs) replaces the count, never the kernel, so a captured graph runs the kernel the eager path
 would.
 
+Long prefill chunks leave the kernels for torch's fused attention (:data:`SDPA_PREFILL`,
+:func:`sdpa_prefill_sequences`): in an eager step whose host copies of ``query_start_loc`` and ``seq_lens``
+are known, a sequence with at least ``SDPA_PREFILL.min_query_len`` query tokens runs through
+``scaled_dot_product_attention`` over its context gathered from the cache
+(:mod:`kvforge.attention.paged_prefill_sdpa`) when the layer has no attention sinks, its window does not cut
+into the sequence (none, or at least the sequence's length), the head size is at most
+``SDPA_PREFILL.max_head_size`` and the query is bf16 or fp16. The other sequences of the step run through
+the table above as a batch of their own. A call with a pinned split count (a CUDA graph) or without the host
+copies never leaves the kernels, and ``min_query_len`` exceeds any verification length a graph is captured
+for, so decode and verification graphs never reach it. ``KVFORGE_DISABLE_SDPA_PREFILL`` (:mod:`kvforge.env`)
+and a named kernel (``kernel=`` of the launchers, tests and benchmarks) keep every sequence on the kernels.
+
 Inputs are integers and dtype names (``"bfloat16"``, ``"float16"``, ``"float32"``, ``"fp8_e4m3"``,
 ``"fp8_e5m2"``); nothing here imports torch.
 """
@@ -193,3 +205,51 @@ def pinned_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_size: in
     shape = PagedShape(batch, num_q_heads, num_kv_heads, head_size, query_len, max_model_len, query_dtype,
                        kv_dtype, sinks=sinks)
     return route(shape, device).splits
+
+
+# ---- prefill through torch's fused attention ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SdpaPrefillRule:
+    """Which sequences of a step leave the kernels for ``scaled_dot_product_attention`` (module docstring):
+    at least ``min_query_len`` query tokens, a query dtype in ``query_dtypes``, head size at most
+    ``max_head_size`` (torch's flash kernel's limit), no sinks, no window shorter than the sequence."""
+
+    min_query_len: int
+    query_dtypes: frozenset[str]
+    max_head_size: int
+    when: str = ""
+
+
+#: The rule. 512 query tokens: a shorter chunk's attention is a few microseconds of the kernels, less than
+#: gathering its context and the per-sequence launches cost; and far above any speculative verification length.
+SDPA_PREFILL = SdpaPrefillRule(
+    min_query_len=512, query_dtypes=frozenset({"bfloat16", "float16"}), max_head_size=256,
+    when="eager steps with host lists; no sinks; window none or >= the sequence's length",
+)
+
+
+def sdpa_prefill_layer(head_size: int, query_dtype: str, sinks: bool, enabled: bool = True,
+                       pinned_splits: bool = False) -> bool:
+    """Whether any sequence of a call on this layer may leave the kernels: the rule's layer conditions, the
+    switch ``enabled`` (off: ``KVFORGE_DISABLE_SDPA_PREFILL`` or a named kernel) and no pinned split count."""
+    rule = SDPA_PREFILL
+    return (enabled and not pinned_splits and not sinks and head_size <= rule.max_head_size
+            and query_dtype in rule.query_dtypes)  # fmt: skip
+
+
+def sdpa_prefill_takes(query_len: int, seq_len: int, window: int = 0) -> bool:
+    """Whether one sequence (``query_len`` new tokens, ``seq_len`` after the step) of a layer that
+    :func:`sdpa_prefill_layer` admits leaves the kernels: a long enough query and no window cutting into it."""
+    return query_len >= SDPA_PREFILL.min_query_len and (window <= 0 or window >= seq_len)
+
+
+def sdpa_prefill_sequences(query_lens: list[int], seq_lens: list[int], window: int, head_size: int,
+                           query_dtype: str, sinks: bool, enabled: bool = True,
+                           pinned_splits: bool = False) -> tuple[int, ...]:
+    """The indices of the sequences that run through ``scaled_dot_product_attention`` (the others: the
+    kernels of :data:`TABLE`)."""
+    if not sdpa_prefill_layer(head_size, query_dtype, sinks, enabled, pinned_splits):
+        return ()
+    return tuple(i for i, (q, n) in enumerate(zip(query_lens, seq_lens)) if sdpa_prefill_takes(q, n, window))
