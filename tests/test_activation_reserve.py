@@ -200,9 +200,31 @@ def test_the_gpu_step_counts_the_fused_path_and_the_reference_more():
 
 def test_the_expanded_mla_bound_is_the_prefill_module_s():
     from kvforge.attention import mla_prefill_sdpa
+    from kvforge.attention.routing import paged
     from kvforge.planner import activations
 
-    assert activations.SDPA_KV_BYTES == mla_prefill_sdpa.SDPA_KV_BYTES
+    assert activations.SDPA_KV_BYTES == mla_prefill_sdpa.SDPA_KV_BYTES == paged.SDPA_PREFILL_KV_BYTES
+
+
+def test_the_gpu_step_counts_the_paged_sdpa_prefill():
+    """Steps of at least the SDPA threshold count one SDPA call's gathered K/V (at the longest context, bounded
+    by SDPA_KV_BYTES) beside the output; shorter steps, float32 models and layers with sinks do not."""
+    from kvforge.attention.routing import paged
+    from kvforge.planner.activations import _paged_sdpa_prefill
+    from kvforge.spec.layers import AttentionLayerSpec
+
+    layer = AttentionLayerSpec(index=0, kind="full", num_heads=32, num_kv_heads=8, head_dim_k=128, head_dim_v=128)
+    long = 262144
+    bf16 = _paged_sdpa_prefill(layer, 8192, 1, 2, long, "bfloat16")
+    assert bf16 == 8 * 2 * 128 * long * 2 + 8192 * 32 * (128 * 2 + 4)  # all 8 heads: exactly SDPA_KV_BYTES
+    fp8_head = paged.sdpa_prefill_kv_bytes_per_head(long, 128, "bfloat16", "fp8_e4m3")
+    assert _paged_sdpa_prefill(layer, 8192, 1, 2, long, "fp8_e4m3") == 2 * fp8_head + 8192 * 32 * (128 * 2 + 4)
+    assert _paged_sdpa_prefill(layer, 8192, 1, 2, 4096, None) == 2 * 8192 * 32 * 128 * 2  # the rest's half
+    assert _paged_sdpa_prefill(layer, paged.SDPA_PREFILL.min_query_len - 1, 1, 2, long, "bfloat16") == 0
+    assert _paged_sdpa_prefill(layer, 8192, 1, 4, long, "float32") == 0
+    sinks = AttentionLayerSpec(index=0, kind="full", num_heads=32, num_kv_heads=8, head_dim_k=128, head_dim_v=128,
+                               sinks=True)
+    assert _paged_sdpa_prefill(sinks, 8192, 1, 2, long, "bfloat16") == 0
 
 
 

@@ -37,6 +37,7 @@ from triton_kernel_device import (
 )
 
 from kvforge.attention import paged_prefill_sdpa as mod
+from kvforge.attention.fp8 import storage_dtype_name
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.env import Env
@@ -222,7 +223,7 @@ def test_row_chunks_and_head_groups_match_one_call(monkeypatch):
     step = make_step(seqs, 6, 3, 32, 16, torch.float8_e4m3fn, torch.float16, seed=11)
     whole = mod.routed_paged_attention(step.q, step.cache, step.meta, step.k_scale, step.v_scale, step.scale)
     monkeypatch.setattr(mod, "SDPA_SCORE_ELEMENTS", 2 * 100 * 700)  # 100-row chunks at 2 heads x ~700 keys
-    per_head = mod.sdpa_sequence_bytes(THRESHOLD + 133, 32, 2, 1, True, 2)
+    per_head = paged_routing.sdpa_prefill_kv_bytes_per_head(THRESHOLD + 133, 32, "float16", "fp8_e4m3", 2, 16)
     monkeypatch.setattr(mod, "SDPA_KV_BYTES", per_head)  # one KV head per call
     calls = []
     sdpa = mod._end_aligned_sdpa
@@ -326,3 +327,46 @@ def test_gpu_realistic(monkeypatch, cache_dtype, seqs):
     tl_dot = mod.routed_paged_attention(step.q, step.cache, step.meta, step.k_scale, step.v_scale, step.scale,
                                         kernel="tl_dot")
     assert_close(step, tl_dot, reference(step), TOL[torch.bfloat16])
+
+
+# ---- memory -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype", [(torch.float8_e4m3fn, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float16)])
+def test_gather_peak_is_the_routing_formula(cache_dtype, q_dtype):
+    """The bytes the gather holds at once (measured from the allocations) are exactly what the routing
+    table's formula says, which the plan's activation reserve counts."""
+    from live_tensor_peak import LiveTensorPeak
+
+    step = make_step([(100, THRESHOLD - 50)], 4, 2, 32, 16, cache_dtype, q_dtype, seed=8)
+    n = 100 + THRESHOLD - 50
+    blocks = step.meta.block_tables[0, : -(-n // 16)].long()
+    scales = mod._kv_scales(step.cache, step.k_scale, step.v_scale, 2)
+    with LiveTensorPeak() as m:
+        m.ignore(step.cache, blocks, *(() if scales is None else (scales,)))
+        kv = mod._gather_kv(step.cache, blocks, n, slice(0, 2), q_dtype, scales)
+    assert kv.shape == (n, 2, 2, 32) and kv.dtype == q_dtype
+    want = 2 * paged_routing.sdpa_prefill_kv_bytes_per_head(n, 32, storage_dtype_name(q_dtype),
+                                                            storage_dtype_name(cache_dtype), 1, 16)
+    assert m.peak == want
+
+
+def test_the_reserve_bounds_an_sdpa_step(monkeypatch):
+    """One SDPA sequence (bf16 query over an fp8 cache, the path of a device where flash runs): the live
+    bytes of the routed call stay within the output plus what the plan counts for it."""
+    from live_tensor_peak import LiveTensorPeak
+
+    from kvforge.planner.activations import _paged_sdpa_prefill
+    from kvforge.spec.layers import AttentionLayerSpec
+
+    monkeypatch.setattr(mod, "_flash_takes", lambda q, hkv: True)
+    step = make_step([(0, THRESHOLD)], 8, 2, 64, 16, torch.float8_e4m3fn, torch.bfloat16, seed=9, pad=0)
+    with LiveTensorPeak() as m:
+        m.ignore(step.q, step.cache, step.k_scale, step.v_scale,
+                 *(t for t in vars(step.meta).values() if isinstance(t, torch.Tensor)))
+        out = mod.routed_paged_attention(step.q, step.cache, step.meta, step.k_scale, step.v_scale, step.scale)
+    layer = AttentionLayerSpec(index=0, kind="full", num_heads=8, num_kv_heads=2, head_dim_k=64, head_dim_v=64)
+    counted = _paged_sdpa_prefill(layer, THRESHOLD, 1, 2, THRESHOLD, "fp8_e4m3") + out.nbytes
+    gathered = 2 * paged_routing.sdpa_prefill_kv_bytes_per_head(THRESHOLD, 64, "bfloat16", "fp8_e4m3")
+    assert gathered + out.nbytes <= m.peak <= counted

@@ -52,23 +52,13 @@ from kvforge.attention.routing import paged as paged_routing
 from kvforge.env import ENV
 from kvforge.kernels.triton_paged_attention import paged_attention
 
-__all__ = ["SDPA_KV_BYTES", "SDPA_SCORE_ELEMENTS", "routed_paged_attention", "sdpa_sequence_bytes"]
+__all__ = ["SDPA_KV_BYTES", "SDPA_SCORE_ELEMENTS", "routed_paged_attention"]
 
-#: Bytes one call's gathered K and V may hold (KV heads are split into groups to stay under it; one head is
-#: always allowed): 1 GiB, the K/V of all 8 KV heads of a 262,144-token Llama-3-8B sequence in bf16.
-SDPA_KV_BYTES: int = 1 << 30
+#: Bytes one call's gathered K and V may hold (:data:`kvforge.attention.routing.paged.SDPA_PREFILL_KV_BYTES`).
+SDPA_KV_BYTES: int = paged_routing.SDPA_PREFILL_KV_BYTES
 #: Scores per query-row chunk at most (heads x rows x keys) where flash does not take the call: 1 GiB of
 #: float32 should torch fall back to its math path.
 SDPA_SCORE_ELEMENTS: int = 1 << 28
-
-
-def sdpa_sequence_bytes(seq_len: int, head_size: int, model_bytes: int, cache_bytes: int, fp8: bool,
-                        expand: int = 1) -> int:
-    """Bytes one KV head of one call holds at its peak: the gathered K and V rows in the cache dtype, their
-    float32 dequantization (fp8 only) and the rows in the model dtype, times ``expand`` query heads per KV
-    head where they are expanded."""
-    per_row = 2 * head_size * (cache_bytes + (4 if fp8 else 0) + model_bytes * expand)
-    return seq_len * per_row
 
 
 def routed_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -89,10 +79,8 @@ def routed_paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
     chosen = set(seqs)
     rest = [i for i in range(len(seq_lens)) if i not in chosen]
     if any(qsl[i + 1] > qsl[i] for i in rest):
-        sub, rows = _sub_batch(meta, rest, qsl, seq_lens, q.device)
-        sub_out = paged_attention(q.index_select(0, rows), kv_cache, sub, k_scale, v_scale, softmax_scale,
-                                  sliding_window, num_splits=num_splits, kernel=kernel, sinks=sinks)
-        out.index_copy_(0, rows, sub_out)
+        _attend_rest(q, kv_cache, meta, rest, out, k_scale, v_scale, softmax_scale, sliding_window,
+                     num_splits=num_splits, kernel=kernel, sinks=sinks)
     hkv = kv_cache.shape[2]
     scales = _kv_scales(kv_cache, k_scale, v_scale, hkv)
     flash = _flash_takes(q, hkv)
@@ -113,6 +101,15 @@ def _sdpa_sequences(q, kv_cache, meta, window, num_splits, kernel, sinks) -> tup
     return paged_routing.sdpa_prefill_sequences(qlens, list(seq_lens), int(window or 0), q.shape[-1],
                                                 storage_dtype_name(q.dtype), sinks is not None, enabled,
                                                 num_splits is not None)
+
+
+def _attend_rest(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
+                 out: torch.Tensor, *args, **kwargs) -> None:
+    """Sequences ``seqs`` through the kernels as a batch of their own, their rows of ``out`` written (the
+    gathered query and the batch's output die here, before the SDPA calls)."""
+    qsl, seq_lens = meta.host_lists()
+    sub, rows = _sub_batch(meta, seqs, qsl, seq_lens, q.device)
+    out.index_copy_(0, rows, paged_attention(q.index_select(0, rows), kv_cache, sub, *args, **kwargs))
 
 
 def _sub_batch(meta: AttentionMetadata, seqs: list[int], qsl: list[int], seq_lens: list[int],
@@ -173,7 +170,7 @@ def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, heads
     torch.index_select(kv_cache[:, :, heads].permute(0, 3, 1, 2, 4), 0, blocks, out=rows)
     rows = rows.view(-1, two, hc, d)[:seq_len]
     if scales is not None:
-        return (rows.to(torch.float32) * scales[:, heads, None]).to(dtype)
+        return rows.to(torch.float32).mul_(scales[:, heads, None]).to(dtype)
     return rows.to(dtype)
 
 
@@ -185,8 +182,9 @@ def _attend_sequence(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tens
     hkv = kv_cache.shape[2]
     group = hq // hkv
     expand = 1 if flash else group
-    per_head = sdpa_sequence_bytes(seq_len, d, q.element_size(), kv_cache.element_size(), scales is not None,
-                                   expand)
+    per_head = paged_routing.sdpa_prefill_kv_bytes_per_head(seq_len, d, storage_dtype_name(q.dtype),
+                                                            storage_dtype_name(kv_cache.dtype), expand,
+                                                            kv_cache.shape[3])
     heads_per_call = max(1, min(hkv, SDPA_KV_BYTES // per_head))
     for h0 in range(0, hkv, heads_per_call):
         heads = slice(h0, min(hkv, h0 + heads_per_call))

@@ -17,7 +17,13 @@ said otherwise:
   ``o_proj``'s output; on CUDA the split-K partials of the decode kernels (float32
   ``[rows, Hq, splits, D_pad]`` and ``[rows, Hq, splits, 2]``; a split count fills at most
   ``SPLIT_WAVES x MAX_SMS`` programs, so the rows over all splits are at most
-  ``SPLIT_WAVES x MAX_SMS / Hkv + max_num_seqs`` per query row of a sequence);
+  ``SPLIT_WAVES x MAX_SMS / Hkv + max_num_seqs`` per query row of a sequence); and, for steps of at
+  least the SDPA prefill threshold, the larger of the two halves of the routed paged attention
+  (kvforge/attention/paged_prefill_sdpa.py): the rest of the step on the kernels (its gathered query and
+  output, ``2 x [T, Hq, D]``) and one SDPA call (the gathered K and V of the KV heads of one call at the
+  longest context, bounded by ``SDPA_KV_BYTES``, the call's output ``[T, Hq, D]`` and its float32
+  log-sum-exp); flash is assumed to take the calls (K and V not expanded to the query heads), and the
+  rows of a context's last partial block are left to the allocator slack;
 * MLA: the query (and its LoRA input), the latent projection and its normed copy, the rotated rope
   parts, the output; on CUDA the larger of the absorbed prefill (``q_latent``, its contiguous copy and
   ``o_latent``, ``[T, H, R]`` each) and the expanded prefill (K and V of the heads of one call at the
@@ -47,6 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvforge.attention.routing import paged as paged_routing
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT
 from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
 from kvforge.spec.model_spec import ModelSpec
@@ -69,7 +76,8 @@ ROUTING_BYTES_PER_SLOT = 192
 #: SM count planned for.
 SPLIT_WAVES = 4
 MAX_SMS = 160
-#: Expanded MLA prefill: bytes of K and V one call holds at most (kvforge/attention/mla_prefill_sdpa.py).
+#: Expanded MLA prefill and the paged SDPA prefill: bytes of K and V one call holds at most
+#: (kvforge/attention/mla_prefill_sdpa.py, kvforge/attention/routing/paged.py).
 SDPA_KV_BYTES = 1 << 30
 
 
@@ -106,8 +114,29 @@ def _split_partials(layer: AttentionLayerSpec, rows_per_seq: int, max_seqs: int,
     return split_rows * hq * (d_pad + 2) * 4
 
 
+def _paged_sdpa_prefill(layer: AttentionLayerSpec, tokens: int, tp: int, e: int, max_len: int,
+                        kv_dtype: str | None) -> int:
+    """The routed paged attention's own tensors at its peak (module docstring); 0 where the SDPA rule never
+    takes a sequence of the step (too few tokens, a float32 model, too large a head, sinks, a window shorter
+    than the threshold). A window caps the context an SDPA sequence can have. ``kv_dtype`` None: the
+    largest case (an fp8 cache's float32 dequantization)."""
+    rule = paged_routing.SDPA_PREFILL
+    d, window = layer.head_dim_k, layer.sliding_window or 0
+    if (tokens < rule.min_query_len or e != 2 or d > rule.max_head_size or layer.sinks
+            or 0 < window < rule.min_query_len):
+        return 0
+    hq, hkv = layer.num_heads // tp, max(1, layer.num_kv_heads // tp)
+    model = "bfloat16"  # the two 16-bit dtypes count the same
+    context = min(max_len, window) if window else max_len
+    cache = kv_dtype or "fp8_e4m3"
+    per_head = paged_routing.sdpa_prefill_kv_bytes_per_head(context, d, model, "float16" if cache == model else cache)
+    gathered = min(hkv, max(1, SDPA_KV_BYTES // per_head)) * per_head
+    rest = 2 * tokens * hq * d * e
+    return max(rest, gathered + tokens * hq * (d * e + 4))
+
+
 def _attention_phase(layer, tokens: int, rows_per_seq: int, max_seqs: int, tp: int, e: int, fused: bool,
-                     max_len: int, hidden: int) -> int:
+                     max_len: int, hidden: int, kv_dtype: str | None = None) -> int:
     """Bytes of an attention sublayer's own tensors (the stream excluded) at its peak."""
     t = tokens
     if isinstance(layer, AttentionLayerSpec):
@@ -117,7 +146,8 @@ def _attention_phase(layer, tokens: int, rows_per_seq: int, max_seqs: int, tp: i
         qk = t * (hq + hkv) * dk * e
         out = t * hq * dv * e
         if fused:
-            return qkv + qk + out + _split_partials(layer, rows_per_seq, max_seqs, tp) + t * hidden * e
+            return (qkv + qk + out + _split_partials(layer, rows_per_seq, max_seqs, tp) + t * hidden * e
+                    + _paged_sdpa_prefill(layer, t, tp, e, max_len, kv_dtype))
         # Unfused rope: x*cos, rotate_half(x)*sin and their sum alive at once, and the per-head q/k norms'
         # copies where a family has them.
         return qkv + max(4 * qk, qk + out + t * hidden * e)
@@ -175,10 +205,11 @@ def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: in
 
 
 def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, fused: bool, step: int,
-                       split_partials: int) -> dict[str, int]:
+                       paged_kernels: int) -> dict[str, int]:
     """Qwen3-Next's phases (kvforge/models/qwen3_next.py): its layers add the residual outside the norms,
     whose float32 copies run on every device; the gated attention's query projection carries the output
-    gate; Gated DeltaNet's projections, conv input and output beside the delta rule's output."""
+    gate; Gated DeltaNet's projections, conv input and output beside the delta rule's output.
+    ``paged_kernels``: the paged backend's own tensors in the attention phase (split-K partials, SDPA prefill)."""
     f = 4
     h = spec.hidden_size
     hk, hv = config["linear_num_key_heads"] // tp, config["linear_num_value_heads"] // tp
@@ -196,7 +227,7 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
     rope = (q + kv) * e * (0 if fused else 3)
     phases["full attention"] = stream + t * (2 * q * e + max(rope + q * e + 2 * kv * e,
                                                              2 * q * e + 2 * kv * e + 3 * q * e + h * e)) + (
-        split_partials)
+        paged_kernels)
     inner = int(_cfg(config, "intermediate_size"))
     mlp_stream = step + t * 4 * h * e
     phases["MLP"] = mlp_stream + _mlp_phase(t, h, inner // tp, e, fused)
@@ -215,14 +246,14 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
 
 
 def _decoder_phases(spec: ModelSpec, config: dict, t: int, per_seq: int, max_seqs: int, tp: int, e: int,
-                    fused: bool, max_len: int, step: int) -> dict[str, int]:
+                    fused: bool, max_len: int, step: int, kv_dtype: str | None = None) -> dict[str, int]:
     """The phases of a pre-norm decoder (kvforge/models/decoder.py: Llama, DeepSeek, gpt-oss, ...)."""
     hidden = spec.hidden_size
     stream = step + 4 * t * hidden * e
     phases: dict[str, int] = {}
     for layer in spec.layers:
         name = f"{layer.kind} attention" if layer.kind != "state" else "linear attention"
-        own = _attention_phase(layer, t, per_seq, max_seqs, tp, e, fused, max_len, hidden)
+        own = _attention_phase(layer, t, per_seq, max_seqs, tp, e, fused, max_len, hidden, kv_dtype)
         phases[name] = max(phases.get(name, 0), stream + own)
     phases["residual norm"] = stream + t * hidden * e + 2 * t * hidden * e + (0 if fused else t * hidden * 8)
     inter = int(_cfg(config, "intermediate_size"))
@@ -239,11 +270,11 @@ def _decoder_phases(spec: ModelSpec, config: dict, t: int, per_seq: int, max_seq
 def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int, *,
                        num_speculative_tokens: int = 0, tensor_parallel_size: int = 1,
                        model_dtype: str | None = None, platform: str = "cuda",
-                       max_model_len: int | None = None) -> ActivationReserve:
+                       max_model_len: int | None = None, kv_dtype: str | None = None) -> ActivationReserve:
     """The activation reserve of ``spec`` for steps of ``max_num_batched_tokens`` tokens (module docstring).
 
     ``platform`` "cuda" counts the fused kernels' tensors and the split-K partials; "cpu" the unfused
-    reference code's temporaries instead."""
+    reference code's temporaries instead. ``kv_dtype``: the cache's (None: the largest case)."""
     e = BYTES_PER_ELEMENT[model_dtype or spec.model_dtype]
     tp = tensor_parallel_size
     fused = platform == "cuda"
@@ -258,10 +289,13 @@ def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seq
     step = t * 2 * 8 + (2 if fused else 3) * t * rotary * e
     if spec.architecture == "Qwen3NextForCausalLM":
         full = next((x for x in spec.layers if isinstance(x, AttentionLayerSpec)), None)
-        partials = _split_partials(full, per_seq, max_num_seqs, tp) if full is not None and fused else 0
-        phases = _qwen3_next_phases(config, spec, t, tp, e, fused, step, partials)
+        kernels = 0  # the paged kernels' own tensors: split-K partials and the routed SDPA prefill
+        if full is not None and fused:
+            kernels = _split_partials(full, per_seq, max_num_seqs, tp) + _paged_sdpa_prefill(full, t, tp, e, max_len,
+                                                                                              kv_dtype)
+        phases = _qwen3_next_phases(config, spec, t, tp, e, fused, step, kernels)
     else:
-        phases = _decoder_phases(spec, config, t, per_seq, max_num_seqs, tp, e, fused, max_len, step)
+        phases = _decoder_phases(spec, config, t, per_seq, max_num_seqs, tp, e, fused, max_len, step, kv_dtype)
     vocab = spec.vocab_size
     phases["sampler"] = 2 * t * spec.hidden_size * e + rows * vocab * max(SAMPLER_BYTES_PER_LOGIT, e + 4) + vocab * 8
     peak_name, peak = max(phases.items(), key=lambda kv: kv[1])

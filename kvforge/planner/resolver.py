@@ -533,7 +533,8 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                      if proposer_layers else 0)
     reserve = activation_reserve(spec, step_token_budget(cache, platform), cache.max_num_seqs,
                                  num_speculative_tokens=cache.num_speculative_tokens, tensor_parallel_size=tp,
-                                 model_dtype=model_dtype, platform=platform, max_model_len=max_len)
+                                 model_dtype=model_dtype, platform=platform, max_model_len=max_len,
+                                 kv_dtype=kv_dtype)
     memory = _memory(cache, weights + draft_weights, reserve, warnings)
     capacity = _capacity(kv_dtype, groups, grouping.group_size,
                          bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory)

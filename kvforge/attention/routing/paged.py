@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvforge.attention.routing.platform import Device
 from kvforge.attention.routing.split_k import SplitRule
+from kvforge.kv_dtypes import BYTES_PER_ELEMENT
 
 FP8_KV_DTYPES: frozenset[str] = frozenset({"fp8_e4m3", "fp8_e5m2"})
 
@@ -228,6 +229,25 @@ SDPA_PREFILL = SdpaPrefillRule(
     min_query_len=512, query_dtypes=frozenset({"bfloat16", "float16"}), max_head_size=256,
     when="eager steps with host lists; no sinks; window none or >= the sequence's length",
 )
+
+
+#: Bytes of gathered K and V one SDPA call may hold (KV heads go in groups to stay under it; one head is always
+#: allowed): 1 GiB, the K and V of all 8 KV heads of a 262,144-token Llama-3-8B sequence in bf16. The plan's
+#: activation reserve counts one call's (kvforge/planner/activations.py).
+SDPA_PREFILL_KV_BYTES: int = 1 << 30
+
+
+def sdpa_prefill_kv_bytes_per_head(seq_len: int, head_size: int, model_dtype: str, kv_dtype: str, expand: int = 1,
+                                   block_size: int = 1) -> int:
+    """Peak bytes of one KV head's gathered K and V for a sequence of ``seq_len`` tokens: the rows read from
+    whole blocks in the cache dtype, then (a cache of another dtype) their copy in the model dtype, through a
+    float32 copy for fp8 (the scale applied there), all alive at once; where K and V are expanded to
+    ``expand`` query heads per KV head, the model-dtype rows and their expansion."""
+    model, cache = BYTES_PER_ELEMENT[model_dtype], BYTES_PER_ELEMENT[kv_dtype]
+    rows = -(-seq_len // block_size) * block_size
+    converted = 0 if kv_dtype == model_dtype else seq_len * ((4 if kv_dtype in FP8_KV_DTYPES else 0) + model)
+    expanded = seq_len * model * (1 + expand) if expand > 1 else 0
+    return 2 * head_size * max(rows * cache + converted, expanded)
 
 
 def sdpa_prefill_layer(head_size: int, query_dtype: str, sinks: bool, enabled: bool = True,
