@@ -51,6 +51,13 @@ def test_rule(route_on):
     assert not use_small_m_linear(1, 4096, 4096, bf16, torch.device("cpu"))
 
 
+def test_rule_weight_size_limit(route_on, monkeypatch):
+    monkeypatch.setattr(linear_route, "SMALL_M_MAX_WEIGHT_BYTES", 6144 * 4096 * 2)
+    assert use_small_m_linear(1, 6144, 4096, torch.bfloat16, CUDA)  # the qkv projection: at the limit
+    assert not use_small_m_linear(1, 6145, 4096, torch.bfloat16, CUDA)
+    assert not use_small_m_linear(1, 28672, 4096, torch.bfloat16, CUDA)  # gate_up: cuBLAS
+
+
 def test_switch(monkeypatch):
     monkeypatch.setattr(linear_route, "SMALL_M_LINEAR", False)
     assert not use_small_m_linear(1, 4096, 4096, torch.bfloat16, CUDA)

@@ -12,7 +12,8 @@ The small-M kernel takes a product when
   (and before CUDA-graph capture, which records whichever path ran) overrides both;
 * the tensors are on a device type in :data:`SMALL_M_LINEAR_DEVICES` (CUDA; tests add ``"cpu"`` to run the
   kernel in Triton's interpreter);
-* ``x`` and the weight are bfloat16 or float16 of one dtype, with 1 to :data:`SMALL_M_MAX_ROWS` rows;
+* ``x`` and the weight are bfloat16 or float16 of one dtype, with 1 to :data:`SMALL_M_MAX_ROWS` rows, the
+  weight at most :data:`SMALL_M_MAX_WEIGHT_BYTES`;
 * the weight's rows are 16-byte aligned (``K`` a multiple of 8), so the kernel streams whole vectors;
 * (in :func:`linear`) ``x`` is 2-D, both are contiguous along ``K`` and autograd is off (the kernel is
   inference-only and reads ``nn.Linear``'s layout; input-major CPU weights never qualify).
@@ -37,6 +38,9 @@ SMALL_M_LINEAR: bool = SMALL_M_LINEAR_DEFAULT if ENV.small_m_linear is None else
 SMALL_M_LINEAR_DEVICES: tuple[str, ...] = ("cuda",)
 #: The most rows (tokens of a step) the kernel takes; more go to cuBLAS.
 SMALL_M_MAX_ROWS = 8
+#: The largest weight (bytes) the kernel takes; None: any. (Where cuBLAS already streams large weights at
+#: copy bandwidth, only the smaller projections need the kernel.)
+SMALL_M_MAX_WEIGHT_BYTES: int | None = None
 _DTYPES = (torch.bfloat16, torch.float16)
 _ROW_ALIGN_BYTES = 16
 
@@ -52,6 +56,7 @@ def use_small_m_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch
         and 1 <= m <= SMALL_M_MAX_ROWS
         and n > 0
         and (k * dtype.itemsize) % _ROW_ALIGN_BYTES == 0
+        and (SMALL_M_MAX_WEIGHT_BYTES is None or n * k * dtype.itemsize <= SMALL_M_MAX_WEIGHT_BYTES)
     )
 
 
