@@ -24,6 +24,7 @@ def _splits(rule: SplitRule, waves: str | None = None) -> str:
 
 
 def _paged_section() -> list[str]:
+    rule = paged.SDPA_PREFILL
     lines = ["## triton_paged (full and sliding layers, CUDA)", "",
              "Source: `kvforge/attention/routing/paged.py`. The first row that applies serves the call.", "",
              "| kernel | launched by | Gluon gate | decode only | KV dtypes | query dtypes | head sizes | "
@@ -44,7 +45,16 @@ def _paged_section() -> list[str]:
               "**Sliding windows** run on every row. **Attention sinks** (one logit per query head, in the "
               "softmax denominator only) run on the rows marked \"sinks: yes\"; a layer with sinks skips the "
               "others. The sink enters each query row once: in the kernel's epilogue without split-K, in the "
-              "merge of the partials with it (the splits' partials never hold it).", ""]
+              "merge of the partials with it (the splits' partials never hold it).", "",
+              f"**Prefill through SDPA** (`kvforge/attention/paged_prefill_sdpa.py`): in an eager step whose "
+              f"metadata carries the host copies of `query_start_loc` and `seq_lens`, a sequence with at least "
+              f"{rule.min_query_len} query tokens runs through torch's `scaled_dot_product_attention` over its "
+              f"context gathered from the cache (fp8 dequantized with the per-KV-head scales) when the layer has "
+              f"no sinks, its window is none or at least the sequence's length, the head size is at most "
+              f"{rule.max_head_size} and the query is {_names(rule.query_dtypes)}: `is_causal` without a cached "
+              "prefix, the lower-right causal mask with one. The step's other sequences run the rows above as "
+              "a batch of their own. A pinned split count (CUDA graphs), a named `kernel=` or "
+              "`KVFORGE_DISABLE_SDPA_PREFILL` keeps every sequence on the kernels.", ""]
     return lines
 
 
