@@ -3,6 +3,14 @@
 Rerun on any CUDA GPU:
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode_attention.py [--out DIR] [--quick] [--graph] [--prefill]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_decode_attention.py --prefill-only
+
+``--prefill``/``--prefill-only``: the steps of ``PREFILL_STEPS`` (1 x 4096 and 1 x 8192 new tokens, 4096
+after 4096 cached, 31 decode rows beside a 4096-token chunk) through the backend's routed path (chunks of
+at least the SDPA threshold through torch's scaled_dot_product_attention, kvforge/attention/
+paged_prefill_sdpa.py) and through the tl.dot kernel alone, bf16 and fp8 e4m3 caches: the two outputs
+are checked to agree (relative L2 < 2e-2) before timing; us, TFLOP/s of the causal attention, and the
+names of the attention kernels torch launched.
 
 Shapes: 32 query heads / 8 KV heads, head dim 128, block size 16, one new
 token per sequence; batch 1, 8, 64, 256 x context 1k, 8k, 32k; KV cache bf16
@@ -36,6 +44,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
+from kvforge.attention.paged_prefill_sdpa import routed_paged_attention  # noqa: E402
 from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -96,42 +105,99 @@ def bytes_moved(batch, ctx, kv_elem):
     return kv + q_o + bt
 
 
-def run_prefill(rows_out):
-    """One prefill shape for reference: 1 x 8192 new tokens, causal, vs SDPA (flash)."""
-    T = 8192
-    scale = 1.0 / math.sqrt(D)
-    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
-    cache_bf, meta = make_paged(1, T, torch.bfloat16)
+#: Prefill steps timed by --prefill: (name, [(cached tokens, new tokens) per sequence]).
+PREFILL_STEPS = (
+    ("1x4096 new", [(0, 4096)]),
+    ("1x8192 new", [(0, 8192)]),
+    ("4096 new after 4096", [(4096, 4096)]),
+    ("31 decode (ctx 4096) + 4096 new", [(4096, 1)] * 31 + [(0, 4096)]),
+)
+
+
+def make_step(seqs, dtype, gen_seed=0):
+    """A paged cache holding each sequence's whole context (random values, shuffled blocks), the step's
+    query and metadata with the host copies the engine gives (query_start_loc, seq_lens)."""
+    g = torch.Generator(device="cuda").manual_seed(gen_seed)
+    seq_lens = [c + n for c, n in seqs]
+    per = [math.ceil(n / BS) for n in seq_lens]
+    nblk = sum(per)
+    cache = torch.randn((nblk, 2, HKV, BS, D), device="cuda", generator=g).to(dtype)
+    perm = torch.randperm(nblk, device="cuda", generator=g).to(torch.int32)
+    tables = torch.zeros((len(seqs), max(per)), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(per):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, T], dtype=torch.int32, device="cuda"),
-        seq_lens=meta.seq_lens,
-        block_tables=meta.block_tables,
-        slot_mapping=torch.zeros(T, dtype=torch.int64, device="cuda"),
-        max_query_len=T,
-        max_seq_len=T,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64, device="cuda"),
+        max_query_len=max(n for _, n in seqs),
+        max_seq_len=max(seq_lens),
         block_size=BS,
+        host_query_start_loc=tuple(qsl),
+        host_seq_lens=tuple(seq_lens),
     )
-    ks = torch.ones(HKV, device="cuda")
-    flops = 2 * 2 * HQ * D * T * T / 2
-    r = {"prefill_T": T}
-    for name, cache in (("bf16", cache_bf), ("fp8", cache_bf.to(torch.float8_e4m3fn))):
-        paged_attention(q, cache, meta, ks, ks, scale)
-        t = bench(functools.partial(paged_attention, q, cache, meta, ks, ks, scale))
-        r[name] = t
-        r[name + "_TFLOPs"] = flops / (t[0] * 1e-6) / 1e12
-    qs = q.transpose(0, 1).unsqueeze(0)
-    k = torch.randn(1, HKV, T, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    t = bench(functools.partial(sdpa, qs, k, v, is_causal=True, enable_gqa=True))
-    r["sdpa"] = t
-    r["sdpa_TFLOPs"] = flops / (t[0] * 1e-6) / 1e12
-    rows_out.append(r)
-    print(
-        f"prefill 1x{T} causal: bf16 {r['bf16'][0]:.0f} us ({r['bf16_TFLOPs']:.0f} TFLOP/s), fp8"
-        f" {r['fp8'][0]:.0f} us ({r['fp8_TFLOPs']:.0f}), sdpa {t[0]:.0f} us ({r['sdpa_TFLOPs']:.0f})",
-        flush=True,
-    )
+    q = torch.randn(qsl[-1], HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, cache, meta
+
+
+def causal_flops(seqs):
+    """QK^T and PV multiply-adds of causal attention, end-aligned: 4 x Hq x D per (query, visible key)."""
+    return sum(4 * HQ * D * (n * c + n * (n + 1) // 2) for c, n in seqs)
+
+
+def sdpa_kernels(fn):
+    """Names of the CUDA kernels one call launches whose names say attention (what torch dispatched to)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    keys = ("flash", "fmha", "cudnn", "attention", "sdpa", "attn")
+    return sorted(n for n in names if any(k in n.lower() for k in keys) and "paged_attn" not in n)
+
+
+def run_prefill(rows_out):
+    """Prefill steps: the routed path (long chunks through torch SDPA, the rest on the kernels) beside the
+    tl.dot kernel over the whole step, bf16 and fp8 e4m3 caches; outputs checked to agree first."""
+    scale = 1.0 / math.sqrt(D)
+    ks = torch.full((HKV,), 0.05, device="cuda")
+    print("prefill: routed (SDPA for chunks >= the threshold) vs the tl.dot kernel; us (TFLOP/s)", flush=True)
+    for name, seqs in PREFILL_STEPS:
+        q, cache_bf, meta = make_step(seqs, torch.bfloat16)
+        flops = causal_flops(seqs)
+        r = {"step": name, "seqs": seqs, "flops": flops}
+        for kv_name, cache in (("bf16", cache_bf), ("fp8", (cache_bf.float() / 0.05).to(torch.float8_e4m3fn))):
+            routed = functools.partial(routed_paged_attention, q, cache, meta, ks, ks, scale)
+            tl_dot = functools.partial(paged_attention, q, cache, meta, ks, ks, scale, kernel="tl_dot")
+            a, b = routed().float(), tl_dot().float()
+            rel = ((a - b).norm() / b.norm()).item()
+            if not rel < 2e-2:
+                raise SystemExit(f"{name} {kv_name}: routed and tl.dot outputs differ (rel {rel:.3e})")
+            r[kv_name + "_rel"] = rel
+            for path, fn in (("routed", routed), ("tl_dot", tl_dot)):
+                t = bench(fn)
+                r[f"{kv_name}_{path}"] = t
+                r[f"{kv_name}_{path}_TFLOPs"] = flops / (t[0] * 1e-6) / 1e12
+            if kv_name == "bf16":
+                r["sdpa_kernels"] = sdpa_kernels(routed)
+            del cache
+        rows_out.append(r)
+        line = " | ".join(
+            f"{kv} routed {r[kv + '_routed'][0]:.0f} ({r[kv + '_routed_TFLOPs']:.0f}) tl.dot {r[kv + '_tl_dot'][0]:.0f}"
+            f" ({r[kv + '_tl_dot_TFLOPs']:.0f}) x{r[kv + '_tl_dot'][0] / r[kv + '_routed'][0]:.2f}"
+            for kv in ("bf16", "fp8")
+        )
+        print(f"  {name:>32}: {line}; rel diff bf16 {r['bf16_rel']:.1e} fp8 {r['fp8_rel']:.1e}", flush=True)
+        print(f"  {'':>32}  attention kernels: {', '.join(r['sdpa_kernels']) or '-'}", flush=True)
+        del q, cache_bf
+        torch.cuda.empty_cache()
 
 
 def profile_one():
@@ -153,7 +219,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="only batch 1/64 x ctx 8k")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--profile-one", action="store_true", help="only run 64x8192 decode (for ncu)")
-    ap.add_argument("--prefill", action="store_true", help="also time one 8k causal prefill")
+    ap.add_argument("--prefill", action="store_true", help="also time prefill steps: routed (SDPA) vs tl.dot")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill steps")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host launch cost)")
     args = ap.parse_args()
     global USE_GRAPH
@@ -178,7 +245,7 @@ def main():
     )
     print(f"# {dev} torch {torch.__version__} triton {triton.__version__}")
     print(f"# copy bandwidth (read+write) {copy_bw / 1e12:.3f} TB/s ({copy_us:.0f} us for 2x4 GiB)")
-    batches = [1, 64] if args.quick else [1, 8, 64, 256]
+    batches = [] if args.prefill_only else [1, 64] if args.quick else [1, 8, 64, 256]
     ctxs = [8192] if args.quick else [1024, 8192, 32768]
     scale = 1.0 / math.sqrt(D)
     rows = []
@@ -229,10 +296,13 @@ def main():
             print(json.dumps(res), flush=True)
 
     prefill_rows = []
-    if args.prefill:
+    if args.prefill or args.prefill_only:
+        USE_GRAPH = False  # prefill steps run eagerly in the engine
         run_prefill(prefill_rows)
     with open(os.path.join(args.out, "bench_decode_attention.json"), "w") as f:
         json.dump(dict(info=info, rows=rows, prefill=prefill_rows), f, indent=1)
+    if not rows:
+        return
 
     print()
     print(
