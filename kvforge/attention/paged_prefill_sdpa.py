@@ -18,9 +18,10 @@ lower-right mask ``torch.nn.attention.bias.causal_lower_right``.
 
 What torch runs (torch 2.11 and 2.13 on CUDA, sm80 and later, bf16/fp16, head size <= 256, which the rule
 guarantees): ``is_causal=True`` goes through the SDPA dispatcher, which takes the first usable backend in
-its priority order: flash attention (FlashAttention-2), or cuDNN's fused attention where torch puts it
-first (sm90/sm100 with a cuDNN newer than 9.15 in the torch builds that prefer it); both read the KV heads
-as they are (``enable_gqa=True``). The lower-right mask dispatches in torch's ``CausalBias``: flash with its
+its priority order: flash attention (FlashAttention-2), or cuDNN's fused attention where the order puts
+cuDNN first (recent builds, on sm90/sm100 with a cuDNN newer than 9.15); both read the KV heads as they
+are (``enable_gqa=True``). ``benchmarks/bench_decode_attention.py --prefill-only`` prints the kernels
+that ran. The lower-right mask dispatches in torch's ``CausalBias``: flash with its
 own end-aligned causal mask when flash can run (GQA included), else the memory-efficient kernel with a
 lower-right mask type, else the math path over a materialized mask. On CPU both run the math path or
 torch's CPU flash kernel. Where flash cannot take the call (CPU; flash disabled), K and V are expanded to
@@ -35,8 +36,8 @@ plan's activation reserve counts one call's rows and the compacted rest of the b
 non-blocking copy from pinned memory.
 
 Invariant: each SDPA sequence's output equals float64 attention over the dequantized cache within the
-model dtype's rounding of the dequantized K and V (fp8 only), of P and of the output (2^-9 relative each
-in bf16); the other sequences get exactly the kernels' output for their own batch.
+model dtype's rounding of the dequantized K and V (caches of another dtype), of P and of the output (2^-9
+relative each in bf16); the other sequences get exactly the kernels' output for their own batch.
 """
 
 from __future__ import annotations

@@ -220,15 +220,11 @@ class SdpaPrefillRule:
     min_query_len: int
     query_dtypes: frozenset[str]
     max_head_size: int
-    when: str = ""
 
 
-#: The rule. 512 query tokens: a shorter chunk's attention is a few microseconds of the kernels, less than
-#: gathering its context and the per-sequence launches cost; and far above any speculative verification length.
-SDPA_PREFILL = SdpaPrefillRule(
-    min_query_len=512, query_dtypes=frozenset({"bfloat16", "float16"}), max_head_size=256,
-    when="eager steps with host lists; no sinks; window none or >= the sequence's length",
-)
+#: The rule. 512 query tokens: far above any speculative verification length; shorter chunks keep the one
+#: batched launch of the kernels rather than a context gather and a few launches per sequence.
+SDPA_PREFILL = SdpaPrefillRule(min_query_len=512, query_dtypes=frozenset({"bfloat16", "float16"}), max_head_size=256)
 
 
 #: Bytes of gathered K and V one SDPA call may hold (KV heads go in groups to stay under it; one head is always
