@@ -166,10 +166,12 @@ def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, heads
     ``dtype`` (fp8 rows times their head's scale in float32, rounded once)."""
     _, two, _, bs, d = kv_cache.shape
     hc = heads.stop - heads.start
-    # [blocks, 2, heads, bs, D] read token-major into [blocks, bs, 2, heads, D]: one gather kernel.
-    rows = torch.empty((blocks.shape[0], bs, two, hc, d), dtype=kv_cache.dtype, device=kv_cache.device)
-    torch.index_select(kv_cache[:, :, heads].permute(0, 3, 1, 2, 4), 0, blocks, out=rows)
-    rows = rows.view(-1, two, hc, d)[:seq_len]
+    # [blocks, 2, heads, bs, D] read token-major into [blocks, bs, 2, heads, D]: one gather kernel (fp8 bytes
+    # as uint8: index support for fp8 dtypes varies by device and torch version).
+    store = kv_cache.view(torch.uint8) if scales is not None else kv_cache
+    rows = torch.empty((blocks.shape[0], bs, two, hc, d), dtype=store.dtype, device=kv_cache.device)
+    torch.index_select(store[:, :, heads].permute(0, 3, 1, 2, 4), 0, blocks, out=rows)
+    rows = rows.view(kv_cache.dtype).view(-1, two, hc, d)[:seq_len]
     if scales is not None:
         return rows.to(torch.float32).mul_(scales[:, heads, None]).to(dtype)
     return rows.to(dtype)
