@@ -34,9 +34,37 @@ def run(llm, prompts, params=GREEDY):
 
 def reference(llm, prompts):
     """Speculation off at TP=2, then shut down (one tensor-parallel engine per process)."""
-    outs = run(llm, prompts)
-    llm.engine.shutdown()
-    return outs
+    try:
+        return run(llm, prompts)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    """The tiny random Llama target (``save_tiny`` seeds it: every test sees the same weights)."""
+    return save_tiny(tmp_path_factory.mktemp("target"), LLAMA)
+
+
+@pytest.fixture(scope="module")
+def target_tp2_reference(target):
+    """The target's greedy outputs for TINY_PROMPTS at TP=2 with speculation off and ENGINE's settings."""
+    from kvforge import LLM
+
+    return reference(LLM(target, **ENGINE, tensor_parallel_size=2), TINY_PROMPTS)
+
+
+CHUNKED_PROMPTS = TINY_PROMPTS + [list(range(100, 140))]
+# A 12-token step budget chunks the prompts (the draft follows each chunk on every rank).
+CHUNKED_FP8 = dict(kv_cache_dtype="fp8", max_model_len=64, max_num_batched_tokens=12, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def chunked_fp8_reference(target):
+    """The target's greedy outputs for CHUNKED_PROMPTS at TP=2 with speculation off, fp8 KV, chunked prefill."""
+    from kvforge import LLM
+
+    return reference(LLM(target, **{**ENGINE, **CHUNKED_FP8}), CHUNKED_PROMPTS)
 
 
 def check_draft_heads(engine, want: list[int]) -> None:
@@ -45,12 +73,10 @@ def check_draft_heads(engine, want: list[int]) -> None:
     assert [r["draft_kv_heads"] for r in engine.tp.reports] == [want, want]
 
 
-def test_target_as_its_own_draft(tmp_path, engines):
-    path = save_tiny(tmp_path, LLAMA)
-    ref = reference(engines(path, tensor_parallel_size=2), TINY_PROMPTS)
-    on = engines(path, tensor_parallel_size=2, speculative_config=draft_config(path, 3))
+def test_target_as_its_own_draft(target, target_tp2_reference, engines):
+    on = engines(target, tensor_parallel_size=2, speculative_config=draft_config(target, 3))
     check_draft_heads(on.engine, [1, 1])  # 2 KV heads split over 2 ranks
-    assert_outputs_agree(run(on, TINY_PROMPTS), ref)
+    assert_outputs_agree(run(on, TINY_PROMPTS), target_tp2_reference)
     counters = on.engine.stats()["spec_decode"]
     # The draft is the target, sharded the same way: it proposes the target's argmax (up to summation order).
     assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9
@@ -58,55 +84,47 @@ def test_target_as_its_own_draft(tmp_path, engines):
 
 
 @pytest.mark.parametrize("kv_heads, per_rank", [(2, 1), (1, 1)])  # split; replicated (1 KV head < 2 ranks)
-def test_different_draft_with_fp8_and_chunked_prefill(tmp_path, engines, kv_heads, per_rank):
-    target = save_tiny(tmp_path / "target", LLAMA)
+def test_different_draft_with_fp8_and_chunked_prefill(tmp_path, engines, target, chunked_fp8_reference, kv_heads,
+                                                      per_rank):
     torch.manual_seed(1)
     draft = save_tiny(tmp_path / "draft", (LLAMA[0], LLAMA[1], dict(
         LLAMA[2], num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=kv_heads,
         intermediate_size=48)))
-    prompts = TINY_PROMPTS + [list(range(100, 140))]
-    # A 12-token step budget chunks the prompts (the draft follows each chunk on every rank).
-    kw = dict(kv_cache_dtype="fp8", max_model_len=64, max_num_batched_tokens=12, tensor_parallel_size=2)
-    ref = reference(engines(target, **kw), prompts)
     # Back-off off: a random draft's proposals fail, and this test wants them verified every step.
-    on = engines(target, speculative_config=draft_config(draft, 3, backoff=False), **kw)
+    on = engines(target, speculative_config=draft_config(draft, 3, backoff=False), **CHUNKED_FP8)
     plan = on.engine.plan
     # Per rank the draft layer has the target's page (1 KV head of 16): it joins the target's group.
     assert [(g.layers, g.draft_layers) for g in plan.groups] == [((0, 1), (0,))]
     assert all(layer.kv_dtype == "fp8_e4m3" for layer in plan.draft.layers)
     check_draft_heads(on.engine, [per_rank])
-    assert_outputs_agree(run(on, prompts), ref)
+    assert_outputs_agree(run(on, CHUNKED_PROMPTS), chunked_fp8_reference)
     stats = on.engine.stats()
     assert stats["spec_decode"]["num_draft_tokens"] > 50 and stats["kv_blocks_used"] == 0
 
 
-def test_draft_of_half_the_page_per_rank_shares_page_slots(tmp_path, engines):
+def test_draft_of_half_the_page_per_rank_shares_page_slots(tmp_path, engines, target, target_tp2_reference):
     """A 2-layer draft of 2 KV heads of 8 (the target: 2 of 16): per rank 1 head of 8, half the rank's page,
     so both draft layers share one page slot of every rank's pool, each on a slice of every page."""
-    target = save_tiny(tmp_path / "target", LLAMA)
     torch.manual_seed(1)
     draft = save_tiny(tmp_path / "draft", (LLAMA[0], LLAMA[1], dict(
         LLAMA[2], num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
         intermediate_size=32)))
-    ref = reference(engines(target, tensor_parallel_size=2), TINY_PROMPTS)
     on = engines(target, tensor_parallel_size=2, speculative_config=draft_config(draft, 2, backoff=False))
     assert [(g.draft_layers, g.draft_layers_per_slot) for g in on.engine.plan.groups if g.draft_layers] == [((0, 1), 2)]
     check_draft_heads(on.engine, [1, 1])
-    assert_outputs_agree(run(on, TINY_PROMPTS), ref)
+    assert_outputs_agree(run(on, TINY_PROMPTS), target_tp2_reference)
     stats = on.engine.stats()
     assert stats["spec_decode"]["num_draft_tokens"] > 20 and stats["kv_blocks_used"] == 0
 
 
-def test_async_scheduling_with_a_draft(tmp_path, engines):
+def test_async_scheduling_with_a_draft(target, target_tp2_reference, engines):
     """Async scheduling: the draft follows steps whose last token is still in flight; every rank gathers it
     from rank 0's shared tokens of the step before (the target step's placeholders and the draft's alike)."""
-    path = save_tiny(tmp_path, LLAMA)
-    ref = reference(engines(path, tensor_parallel_size=2), TINY_PROMPTS)
-    on = engines(path, tensor_parallel_size=2, async_scheduling=True, speculative_config=draft_config(path, 3))
+    on = engines(target, tensor_parallel_size=2, async_scheduling=True, speculative_config=draft_config(target, 3))
     engine = on.engine
     assert engine.async_scheduling
     engine.spec_backoff.due = lambda request_id, step: step % 3 == 0  # overlapped steps between the probes
-    assert_outputs_agree(run(on, TINY_PROMPTS), ref)
+    assert_outputs_agree(run(on, TINY_PROMPTS), target_tp2_reference)
     assert engine.stats()["spec_decode"]["num_drafts"] > 0 and engine.stats()["kv_blocks_used"] == 0
 
 
