@@ -370,3 +370,48 @@ def test_the_reserve_bounds_an_sdpa_step(monkeypatch):
     counted = _paged_sdpa_prefill(layer, THRESHOLD, 1, 2, THRESHOLD, "fp8_e4m3") + out.nbytes
     gathered = 2 * paged_routing.sdpa_prefill_kv_bytes_per_head(THRESHOLD, 64, "bfloat16", "fp8_e4m3")
     assert gathered + out.nbytes <= m.peak <= counted
+
+
+# ---- the engine on CUDA -------------------------------------------------------------------------------------
+
+#: Logit differences two bf16 engine runs that attend through different kernels may show on the tiny model
+#: below (logits of magnitude ~1): its attention outputs differ by a few 2^-9 relative per element between
+#: the kernels, which two layers carry into the logits at about 1e-2; 5e-2 leaves room, and a wrong context
+#: or mask moves them by far more.
+BF16_LOGIT_TOL = 5e-2
+
+
+@gpu_only
+def test_gpu_engine_prefill_through_sdpa_matches_the_kernels(tmp_path, monkeypatch):
+    """A bf16 engine with chunked prefill (1024-token budget): a 1600-token prompt runs a first chunk of 1024
+    and a later chunk of 576 after 1024 cached tokens through SDPA, beside short prompts and decode rows on
+    the kernels; greedy tokens and logprobs agree with the same engine on the kernels alone."""
+    from greedy_agreement import assert_outputs_agree
+
+    transformers = pytest.importorskip("transformers")
+    from kvforge import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=256, vocab_size=256,
+                                   max_position_embeddings=4096, rms_norm_eps=1e-5)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path, safe_serialization=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (1600, 40, 700)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    calls = []
+    attend = mod._attend_sequence
+    monkeypatch.setattr(mod, "_attend_sequence", lambda q, *a: calls.append(q.shape[0]) or attend(q, *a))
+
+    def run():
+        with LLM(str(tmp_path), dtype="bfloat16", block_size=16, skip_tokenizer_init=True, device="cuda",
+                 kv_cache_memory=1 << 26, max_num_batched_tokens=1024, max_num_seqs=8, progress=False) as llm:
+            return llm.generate(prompts, params, use_tqdm=False)
+
+    routed = run()
+    assert {1024, 576} <= set(calls), calls  # the first chunk, and the later one after 1024 cached tokens
+    monkeypatch.setattr(mod, "ENV", Env(disable_sdpa_prefill=True))
+    calls.clear()
+    kernels = run()
+    assert calls == []
+    assert_outputs_agree(routed, kernels, BF16_LOGIT_TOL)
