@@ -130,6 +130,7 @@ def _rel(a, b):
 def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, route_on, monkeypatch):
     skip_unless_loaded_loop_bounds_work()
     monkeypatch.setattr(linear_route, "SMALL_M_LINEAR_DEVICES", (DEVICE,))
+    monkeypatch.setattr(linear_route, "SMALL_M_MAX_ROWS", 8)  # the kernel takes the 3-row decode steps
     calls = []
     kernel = triton_small_m_linear.small_m_linear
 
@@ -164,9 +165,10 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
 
 @gpu_only
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_model_forward_in_cuda_graph_on_gpu(tokens, tmp_path, route_on):
+def test_model_forward_in_cuda_graph_on_gpu(tokens, tmp_path, route_on, monkeypatch):
     """A forward of ``tokens`` rows captured in a CUDA graph with the route on (broadcast path at 1 row, tl.dot
     at 5) replays to the eager result bit for bit, and stays within the bf16 bound of the route-off forward."""
+    monkeypatch.setattr(linear_route, "SMALL_M_MAX_ROWS", 8)  # 5 rows: the kernel's tl.dot path
     _hf_checkpoint("qwen2-bias", tmp_path)
     model = build_model(load_config(tmp_path), torch.bfloat16, "cuda")
     load_weights(model, tmp_path, "auto", progress=False)

@@ -30,14 +30,16 @@ from torch import nn
 
 from kvforge.env import ENV
 
-#: Whether the kernel serves where the environment does not say (docs/BENCHMARKS.md has the comparison
-#: with cuBLAS that decides it).
-SMALL_M_LINEAR_DEFAULT = False
+#: Whether the kernel serves where the environment does not say. On an H200 it beats cuBLAS on every
+#: Llama-3.1-8B projection and the LM head at one row, and a batch-1 decode step is 6-7% faster with it
+#: (docs/BENCHMARKS.md, "Batch 1").
+SMALL_M_LINEAR_DEFAULT = True
 #: The process's switch (see the module docstring).
 SMALL_M_LINEAR: bool = SMALL_M_LINEAR_DEFAULT if ENV.small_m_linear is None else ENV.small_m_linear
 SMALL_M_LINEAR_DEVICES: tuple[str, ...] = ("cuda",)
-#: The most rows (tokens of a step) the kernel takes; more go to cuBLAS.
-SMALL_M_MAX_ROWS = 8
+#: The most rows (tokens of a step) the kernel takes; more go to cuBLAS. The kernel handles up to 16; at 2-16
+#: rows it is slower than cuBLAS on the MLP and LM head (docs/BENCHMARKS.md), so the route stops at one.
+SMALL_M_MAX_ROWS = 1
 #: The largest weight (bytes) the kernel takes; None: any. (Where cuBLAS already streams large weights at
 #: copy bandwidth, only the smaller projections need the kernel.)
 SMALL_M_MAX_WEIGHT_BYTES: int | None = None
