@@ -22,7 +22,7 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: CPU has no "free device memory" 
 # Tokens one step may compute when --max-num-batched-tokens is not given, by platform.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
-DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 2048
+DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4096
 
 
 @dataclass(frozen=True)
