@@ -221,6 +221,7 @@ def test_row_chunks_and_head_groups_match_one_call(monkeypatch):
     not guaranteed (the kernels may block differently), so within the fp16 bound."""
     seqs = [(0, THRESHOLD), (130, THRESHOLD + 3)]
     step = make_step(seqs, 6, 3, 32, 16, torch.float8_e4m3fn, torch.float16, seed=11)
+    monkeypatch.setattr(mod, "_flash_takes", lambda q, hkv: False)  # the path that bounds rows (flash never does)
     whole = mod.routed_paged_attention(step.q, step.cache, step.meta, step.k_scale, step.v_scale, step.scale)
     monkeypatch.setattr(mod, "SDPA_SCORE_ELEMENTS", 2 * 100 * 700)  # 100-row chunks at 2 heads x ~700 keys
     per_head = paged_routing.sdpa_prefill_kv_bytes_per_head(THRESHOLD + 133, 32, "float16", "fp8_e4m3", 2, 16)

@@ -42,6 +42,8 @@ relative each in bf16); the other sequences get exactly the kernels' output for 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -104,12 +106,23 @@ def _sdpa_sequences(q, kv_cache, meta, window, num_splits, kernel, sinks) -> tup
                                                 num_splits is not None)
 
 
+#: The last step's sub-batch: (its metadata, the sequences, (sub-batch metadata, row indices)). Every layer of
+#: a step gets the same metadata object, so the sub-batch is built once per step, not once per layer.
+_last_sub_batch: tuple | None = None
+
+
 def _attend_rest(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, seqs: list[int],
                  out: torch.Tensor, *args, **kwargs) -> None:
     """Sequences ``seqs`` through the kernels as a batch of their own, their rows of ``out`` written (the
     gathered query and the batch's output die here, before the SDPA calls)."""
-    qsl, seq_lens = meta.host_lists()
-    sub, rows = _sub_batch(meta, seqs, qsl, seq_lens, q.device)
+    global _last_sub_batch
+    last = _last_sub_batch
+    if last is not None and last[0] is meta and last[1] == seqs and last[2][1].device == q.device:
+        sub, rows = last[2]
+    else:
+        qsl, seq_lens = meta.host_lists()
+        sub, rows = _sub_batch(meta, seqs, qsl, seq_lens, q.device)
+        _last_sub_batch = (meta, list(seqs), (sub, rows))
     out.index_copy_(0, rows, paged_attention(q.index_select(0, rows), kv_cache, sub, *args, **kwargs))
 
 
@@ -149,13 +162,17 @@ def _kv_scales(kv_cache: torch.Tensor, k_scale, v_scale, hkv: int) -> torch.Tens
 
 
 def _flash_takes(q: torch.Tensor, hkv: int) -> bool:
-    """Whether torch's flash kernel takes this step's SDPA calls (asked with one-token probes of the
-    calls' dtype, device and head counts)."""
+    """Whether torch's flash kernel takes this step's SDPA calls (asked once per device, dtype and head
+    shape, with one-token probes)."""
     if q.device.type != "cuda":
         return False
-    hq, d = q.shape[1], q.shape[2]
-    probe_q = q.new_empty((1, hq, 1, d))
-    probe_kv = q.new_empty((1, hkv, 1, d))
+    return _flash_takes_shape(q.device, q.dtype, q.shape[1], hkv, q.shape[2])
+
+
+@functools.lru_cache(maxsize=64)
+def _flash_takes_shape(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    probe_q = torch.empty((1, hq, 1, d), dtype=dtype, device=device)
+    probe_kv = torch.empty((1, hkv, 1, d), dtype=dtype, device=device)
     params = torch.backends.cuda.SDPAParams(probe_q, probe_kv, probe_kv, None, 0.0, False, True)
     return torch.backends.cuda.can_use_flash_attention(params)
 
