@@ -85,10 +85,18 @@ def embedded(**kw):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def off():
+    """The speculation-off reference engine of the embedded SmolLM2, shared by the tests of this module.
+    Without prefix caching every reference run computes its prompts in full, exactly as a fresh engine
+    (a cached prefix would change the float summation order of the reference)."""
+    return embedded(enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def reference(off):
     """Speculation off, the embedded SmolLM2: REPEAT, a prose prompt, and a short one."""
     prompts = [REPEAT, "Write a short note about the sea.", "Count: one, two, three, four, five, six,"]
-    return prompts, token_ids(generate(embedded(), prompts))
+    return prompts, token_ids(generate(off, prompts))
 
 
 def test_greedy_equal_and_proposals_accepted(reference):
@@ -144,26 +152,28 @@ def test_chunked_prefill_and_preemption():
     assert on.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0
 
 
-def test_stop_token_inside_accepted_proposals():
+def test_stop_token_inside_accepted_proposals(off):
     # "." ends the request: it is usually an accepted proposal in the middle of a step's tokens.
-    stop = embedded().engine.tokenizer.encode(" dog.")[-1]
+    stop = off.engine.tokenizer.encode(" dog.")[-1]
     params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
-    ref = token_ids(generate(embedded(), [REPEAT], params))
+    ref = token_ids(generate(off, [REPEAT], params))
     outs = generate(embedded(num_speculative_tokens=4), [REPEAT], params)
     assert token_ids(outs) == ref and ref[0][-1] == stop
     assert outs[0].outputs[0].finish_reason == "stop"
 
 
-def test_max_tokens_limits_proposals():
+def test_max_tokens_limits_proposals(off):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    ref = token_ids(generate(embedded(), [REPEAT], params))
-    outs = generate(embedded(num_speculative_tokens=6), [REPEAT], params)
+    ref = token_ids(generate(off, [REPEAT], params))
+    on = embedded(num_speculative_tokens=6)
+    assert isinstance(on.engine.proposer, NgramProposer)  # n-gram is the default method
+    outs = generate(on, [REPEAT], params)
     assert token_ids(outs) == ref and len(ref[0]) == 5
 
 
-def test_logprobs_match_speculation_off():
+def test_logprobs_match_speculation_off(off):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    ref = generate(embedded(), [REPEAT], params)[0].outputs[0]
+    ref = generate(off, [REPEAT], params)[0].outputs[0]
     out = generate(embedded(num_speculative_tokens=3), [REPEAT], params)[0].outputs[0]
     assert out.token_ids == ref.token_ids
     assert len(out.logprobs) == len(ref.logprobs) == 12
@@ -274,10 +284,6 @@ def test_ring_model(tmp_path, k):
             ring = page[: R * rb].view(torch.float32).view(R, rb // 4)
             for p in range(len(tokens) - RING["ring_rows"], len(tokens)):
                 torch.testing.assert_close(ring[p % R], seen[layer][p], rtol=1e-5, atol=1e-6)
-
-
-def test_ngram_proposer_is_the_default():
-    assert isinstance(embedded(num_speculative_tokens=2).engine.proposer, NgramProposer)
 
 
 @pytest.mark.parametrize("case", ["gemma3", "gpt-oss"])
