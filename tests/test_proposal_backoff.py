@@ -36,7 +36,7 @@ def test_an_acceptance_ends_the_streak_and_forget_resets():
 
 
 PROMPTS = ["Write a short note about the sea.", "Count: one, two, three, four, five, six,"]
-PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def test_garbage_proposals_back_off_and_keep_greedy_output():
@@ -46,12 +46,12 @@ def test_garbage_proposals_back_off_and_keep_greedy_output():
     outs = generate(on, PROMPTS, PARAMS)
     assert token_ids(outs) == ref
     drafts = on.engine.stats()["spec_decode"]["num_drafts"]
-    assert 0 < drafts < 40  # every request probed, far from once per token (2 x 39 decode steps)
+    assert 0 < drafts < 20  # every request probed, far from once per token (2 x 23 decode steps)
 
     every = embedded(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "backoff": False})
     every.engine.proposer = GarbageProposer(3, every.engine.spec.vocab_size)
     assert token_ids(generate(every, PROMPTS, PARAMS)) == ref
-    assert every.engine.stats()["spec_decode"]["num_drafts"] >= 70  # without back-off: every decode step
+    assert every.engine.stats()["spec_decode"]["num_drafts"] >= 42  # without back-off: (nearly) every decode step
 
 
 def test_async_steps_feed_a_draft_model_through_placeholders(tmp_path):
