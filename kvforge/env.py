@@ -14,6 +14,9 @@ stays here turns an optional accelerated path off for the whole process.
                                    kvforge/attention/routing/paged.py)
 ``KVFORGE_SMALL_M_LINEAR``         ``1``/``0`` turns the small-M Triton linear kernel on or off for decode
                                    steps on CUDA; unset: its default (kvforge/models/linear_route.py)
+``KVFORGE_SDPA_PREFILL_CUDNN``     lets torch pick cuDNN's fused attention for those prefill chunks (off:
+                                   flash, memory-efficient or math only; cuDNN builds a plan per new shape,
+                                   kvforge/attention/paged_prefill_sdpa.py)
 =================================  ==========================================================================
 """
 
@@ -39,6 +42,7 @@ class Env:
     disable_fused_kernels: bool = False
     small_m_linear: bool | None = None  # None: unset, the route's default
     disable_sdpa_prefill: bool = False
+    sdpa_prefill_cudnn: bool = False
 
 
 def read_env(environ: Mapping[str, str]) -> Env:
@@ -48,6 +52,7 @@ def read_env(environ: Mapping[str, str]) -> Env:
         disable_fused_kernels=switch_is_on(environ.get("KVFORGE_DISABLE_FUSED_KERNELS")),
         small_m_linear=_optional_switch(environ.get("KVFORGE_SMALL_M_LINEAR")),
         disable_sdpa_prefill=switch_is_on(environ.get("KVFORGE_DISABLE_SDPA_PREFILL")),
+        sdpa_prefill_cudnn=switch_is_on(environ.get("KVFORGE_SDPA_PREFILL_CUDNN")),
     )
 
 
