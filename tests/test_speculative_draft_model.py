@@ -71,10 +71,17 @@ def draft_config(model, k):
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
 
 
-def test_embedded_model_as_its_own_draft():
+@pytest.fixture(scope="module")
+def off():
+    """The speculation-off reference engine of the embedded SmolLM2, shared by the tests of this module;
+    without prefix caching every reference run computes its prompts in full, exactly as a fresh engine."""
+    return LLM(device="cpu", progress=False, enable_prefix_caching=False)
+
+
+def test_embedded_model_as_its_own_draft(off):
     prompts = [REPEAT, "Write a short note about the sea.", "Count: one, two, three, four, five, six,"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = token_ids(generate(LLM(device="cpu", progress=False), prompts, params))
+    ref = token_ids(generate(off, prompts, params))
     on = LLM(device="cpu", progress=False, speculative_config=draft_config(embedded_model_path(), 3))
     assert isinstance(on.engine.proposer, DraftModelProposer)
     outs = generate(on, prompts, params)
@@ -200,14 +207,14 @@ def test_sliding_window_model_as_its_own_draft(tmp_path):
     assert counters["num_accepted_tokens"] / counters["num_draft_tokens"] > 0.9
 
 
-def test_prefix_cached_blocks_carry_the_draft_kv():
+def test_prefix_cached_blocks_carry_the_draft_kv(off):
     """The draft follows every target chunk, so a block the prefix cache registers holds the draft's KV of
     its tokens too. With the model as its own draft, each draft layer's page equals the same target layer's
     in every cached block (the same weights over the same tokens; float32, batch shapes only change the
     summation order, hence the tolerance); a second request over the same prompt resumes from those blocks
     for both models and still gets the target's output with nearly every proposal accepted."""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = token_ids(generate(LLM(device="cpu", progress=False), [REPEAT], params))
+    ref = token_ids(generate(off, [REPEAT], params))
     on = LLM(device="cpu", progress=False, speculative_config=draft_config(embedded_model_path(), 3))
     engine = on.engine
     assert token_ids(generate(on, [REPEAT], params)) == ref
