@@ -37,15 +37,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is optional: the CPU engine never imports this module's kernels.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 L2_NORM_EPS = 1e-6
 DEFAULT_CHUNK_SIZE = 16

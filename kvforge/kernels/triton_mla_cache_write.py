@@ -16,18 +16,7 @@ import torch
 
 from kvforge.attention.fp8 import fp8_max
 from kvforge.attention.fp8 import is_fp8 as is_fp8_dtype
-
-try:  # Triton is optional: the CPU engine never imports this module's kernels.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
     from kvforge.kernels.triton_cache_write import _saturate

@@ -45,17 +45,8 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing import mla as mla_routing
 from kvforge.kernels import gluon_mla_decode, gluon_mla_decode_ws
 from kvforge.kernels.gluon_support import num_sms, routing_device
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 from kvforge.kernels.triton_paged_attention import LOG2E
-
-try:  # Triton is optional (the CPU engine does not need it).
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
 if HAS_TRITON:
     from triton.runtime.errors import OutOfResources

@@ -43,16 +43,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.kernels import gluon_fp8_decode
 from kvforge.kernels.gluon_support import routing_device
-
-try:  # Triton is optional (the CPU engine does not need it).
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 # --------------------------------------------------------------------------
 # What these kernels accept (plain data for the planner's backend declaration)

@@ -39,16 +39,7 @@ import torch
 
 from kvforge.attention.routing.platform import DEFAULT_NUM_SMS
 from kvforge.attention.routing.split_k import SplitRule
-
-try:  # Triton is optional: the CPU engine never imports this module's kernels.
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised on machines without triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most rows of ``x`` one launch takes.
 MAX_ROWS = 16
