@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_checkpoints import randomize_dense_parameters
 from triton_kernel_device import DEVICE, gpu_only, requires_kernels, skip_unless_loaded_loop_bounds_work
 
 from kvforge.env import read_env
@@ -93,14 +94,7 @@ def _hf_checkpoint(case, path):
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(4321)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**BASE, **extra)).float().eval()
-    with torch.no_grad():  # default init leaves norms at 1 and biases at 0: randomise so they are tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
+    randomize_dense_parameters(model)  # norms and biases away from 1 and 0, so they are tested
     model.save_pretrained(path, safe_serialization=True)
     return model
 

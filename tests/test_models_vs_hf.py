@@ -17,6 +17,8 @@ from greedy_agreement import assert_greedy_agrees, top2_margins
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_checkpoints import randomize_dense_parameters  # noqa: E402
+
 from kvforge.errors import ConfigError  # noqa: E402
 from kvforge.models.dense_attention import DenseKVAttention, greedy_generate  # noqa: E402
 from kvforge.models.registry import build_model  # noqa: E402
@@ -79,14 +81,7 @@ def _make_hf_checkpoint(case: str, path) -> tuple[object, dict]:
     config = getattr(transformers, config_cls)(**BASE, **extra)
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():  # default init leaves norms at 1 and biases at 0: randomise so they are tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.08 * torch.randn_like(p))
+    randomize_dense_parameters(model)  # norms and biases away from 1 and 0, so they are tested
     model.save_pretrained(path, safe_serialization=True)
     with open(path / "config.json") as f:
         return model, json.load(f)

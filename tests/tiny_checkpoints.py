@@ -97,6 +97,20 @@ HYBRID_CASES = ("gemma3", "gpt-oss")
 LINEAR_ATTENTION_CASES = ("qwen3-next", "kimi-linear")
 
 
+def randomize_dense_parameters(model) -> None:
+    """Draw a dense transformers model's weights away from the default init, which leaves norms at 1 and
+    biases at 0, so that norms and biases change the logits too: norms 1 + 0.2 N(0, 1), biases 0.1 N(0, 1),
+    the rest 0.08 N(0, 1) (from torch's global generator: seed it first)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+
+
 def make_checkpoint(case: str, path, **overrides):
     """A random transformers model of ``case`` saved at ``path``: (hf model, saved config dict)."""
     config_cls, model_cls, base, init = CASES[case]
