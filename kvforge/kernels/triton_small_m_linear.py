@@ -11,9 +11,9 @@ tile (``evict_first``: it is never read again) and the ``[rows, BLOCK_K]`` chunk
 every program re-reads it from L2). Two ways to multiply (``SmallMLinearConfig.use_dot``):
 
 * broadcast (few rows): one row of ``x`` accumulates ``tile * x_chunk`` elementwise in a
-  ``[BLOCK_N, BLOCK_K]`` float32 register tile and reduces it across threads once, after the loop; with 2 to
-  4 rows each row's products are reduced over the chunk every iteration into a ``[BLOCK_N, rows]``
-  accumulator (rows padded to a power of two).
+  ``[BLOCK_N, BLOCK_K]`` float32 register tile and reduces it across threads once, after the loop; 2 to
+  4 rows (padded to a power of two) do the same in a ``[BLOCK_N, rows, BLOCK_K]`` tile, its K chunk
+  narrowed so the tile stays within ``BROADCAST_ACC_ELEMENTS``.
 * ``tl.dot`` (more rows): ``tile @ x_chunk.T`` on tensor cores into a ``[BLOCK_N, 16]`` float32 accumulator,
   the rows of ``x`` padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows load as zeros).
 
@@ -52,6 +52,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 #: Broadcast path: K chunk per iteration (elements) and the range of weight rows per program.
 BROADCAST_BLOCK_K = 512
+#: Broadcast path with several rows: float32 accumulator elements per program (weight rows x rows of ``x``
+#: x K chunk), which caps the K chunk (64 registers a thread at 4 warps); one row keeps ``BROADCAST_BLOCK_K``.
+BROADCAST_ACC_ELEMENTS = 8192
 BROADCAST_BLOCK_N = (4, 16)
 BROADCAST_NUM_WARPS = 4
 #: tl.dot path: weight rows per program (the MMA's M), K chunk, warps, pipeline stages.
@@ -115,7 +118,8 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
     """The launch for ``x [m, k] @ weight[n, k].T`` on a GPU with ``num_sms`` SMs.
 
     Broadcast path (``m <= BROADCAST_MAX_ROWS``): the widest ``block_n`` in ``BROADCAST_BLOCK_N`` that
-    still gives ``MIN_PROGRAMS_PER_SM`` programs per SM; tl.dot path: ``DOT_BLOCK_N``. Then K is split
+    still gives ``MIN_PROGRAMS_PER_SM`` programs per SM, and a K chunk within ``BROADCAST_ACC_ELEMENTS``
+    for several rows; tl.dot path: ``DOT_BLOCK_N``. Then K is split
     (``SPLIT_K_RULE``) only where the row blocks alone do not fill the SMs once.
     """
     use_dot = m > BROADCAST_MAX_ROWS
@@ -124,12 +128,13 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
         block_k = max(16, min(DOT_BLOCK_K, next_power_of_2(k)))
         block_n, num_warps, num_stages = DOT_BLOCK_N, DOT_NUM_WARPS, DOT_NUM_STAGES
     else:
-        block_k = max(8, min(BROADCAST_BLOCK_K, next_power_of_2(k)))
         lo, hi = BROADCAST_BLOCK_N
         target = MIN_PROGRAMS_PER_SM * num_sms
         block_n = hi
         while block_n > lo and -(-n // block_n) < target:
             block_n //= 2
+        widest = BROADCAST_BLOCK_K if m == 1 else BROADCAST_ACC_ELEMENTS // (block_n * next_power_of_2(m))
+        block_k = max(8, min(BROADCAST_BLOCK_K, widest, next_power_of_2(k)))
         num_warps, num_stages = BROADCAST_NUM_WARPS, BROADCAST_NUM_STAGES
     split_k = SPLIT_K_RULE.splits(-(-n // block_n), k, num_sms)
     return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
@@ -157,6 +162,9 @@ if HAS_TRITON:
         # chunks, reduced across threads once after the loop.
         acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_N, BLOCK_K if (M_PAD == 1 and not USE_DOT) else 1], dtype=tl.float32)
+        # More rows by broadcast: the products of every row summed elementwise over the chunks, reduced once.
+        acc3 = tl.zeros([BLOCK_N, M_PAD if (M_PAD > 1 and not USE_DOT) else 1,
+                         BLOCK_K if (M_PAD > 1 and not USE_DOT) else 1], dtype=tl.float32)
         for i in tl.range(0, chunks_per_split, num_stages=NUM_STAGES):
             k0 = k_start + i * BLOCK_K
             k_mask = (k0 + offs_k) < K  # the slice's own end is a whole number of chunks: only K bounds it
@@ -178,17 +186,16 @@ if HAS_TRITON:
                     x0 = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0, eviction_policy="evict_last")
                 acc1 += w.to(tl.float32) * x0.to(tl.float32)[None, :]
             else:
-                wf = w.to(tl.float32)
-                for m in tl.static_range(M_PAD):
-                    x_mask = m < M
-                    if not EVEN_K:
-                        x_mask = x_mask & k_mask
-                    xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=x_mask, other=0.0,
-                                 eviction_policy="evict_last")
-                    part = tl.sum(wf * xm.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-                    acc = tl.where(offs_m[None, :] == m, acc + part[:, None], acc)
+                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :]
+                x_mask = (offs_m < M)[:, None]
+                if not EVEN_K:
+                    x_mask = x_mask & k_mask[None, :]
+                x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")  # [M_PAD, BLOCK_K]
+                acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
         if M_PAD == 1 and not USE_DOT:
             acc = tl.sum(acc1, axis=1)[:, None]
+        elif not USE_DOT:
+            acc = tl.sum(acc3, axis=2)
         n_mask = offs_n < N
         mask = n_mask[:, None] & (offs_m < M)[None, :]
         if WRITE_PARTIALS:
