@@ -103,8 +103,40 @@ def _greedy(n=NEW_TOKENS):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def _reference(tmp_path, engines, prompts, n=NEW_TOKENS, **kw):
-    return _tokens(_generate(engines(tmp_path, **kw).engine, prompts, _greedy(n)))
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(case)``: the case's tiny checkpoint directory, written once per module (make_checkpoint
+    seeds its weights)."""
+    paths = {}
+
+    def get(case):
+        if case not in paths:
+            paths[case] = tmp_path_factory.mktemp(case)
+            make_checkpoint(case, paths[case])
+        return paths[case]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """``reference(case, prompts, n)``: speculation off's greedy tokens (ENGINE's settings), computed once per
+    module for each case, prompt list and length."""
+    from kvforge import LLM
+
+    done = {}
+
+    def get(case, prompts, n=NEW_TOKENS):
+        key = (case, tuple(map(tuple, prompts)), n)
+        if key not in done:
+            llm = LLM(str(checkpoint(case)), **ENGINE)
+            try:
+                done[key] = _tokens(_generate(llm.engine, prompts, _greedy(n)))
+            finally:
+                llm.engine.shutdown()
+        return done[key]
+
+    return get
 
 
 def _acceptance(outs) -> tuple[int, int]:
@@ -113,26 +145,26 @@ def _acceptance(outs) -> tuple[int, int]:
 
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("case", CASES)
-def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
-    make_checkpoint(case, tmp_path)
+def test_greedy_equal_with_every_proposer(case, k, checkpoint, reference, engines):
+    path = checkpoint(case)
     prompts = _prompts()
-    want = _reference(tmp_path, engines, prompts)
+    want = reference(case, prompts)
 
     # A one-token suffix finds earlier matches in random text (the model does not continue the prompts' patterns).
-    ngram = engines(tmp_path, speculative_config=_every_step(k, prompt_lookup_min=1))
+    ngram = engines(path, speculative_config=_every_step(k, prompt_lookup_min=1))
     assert ngram.engine.plan.verify_replay_bytes_per_sequence() > 0
     outs = _generate(ngram.engine, prompts, _greedy())
     assert _tokens(outs) == want
     assert _acceptance(outs)[1] > 0  # n-gram proposals were verified (the random model seldom accepts one)
 
-    garbage = engines(tmp_path, speculative_config=_every_step(k))
+    garbage = engines(path, speculative_config=_every_step(k))
     garbage.engine.proposer = GarbageProposer(k)
     outs = _generate(garbage.engine, prompts, _greedy())
     assert _tokens(outs) == want
     accepted, proposed = _acceptance(outs)
     assert proposed >= len(prompts) * (NEW_TOKENS // 2) and accepted <= proposed // 10
 
-    oracle = engines(tmp_path, speculative_config=_every_step(k))
+    oracle = engines(path, speculative_config=_every_step(k))
     oracle.engine.proposer = OracleProposer(k, prompts, want)
     outs = _generate(oracle.engine, prompts, _greedy())
     assert _tokens(outs) == want
@@ -140,7 +172,7 @@ def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
     assert proposed > 0 and accepted == proposed
     assert oracle.engine.num_steps < garbage.engine.num_steps  # k + 1 tokens per verify step
 
-    partly = engines(tmp_path, speculative_config=_every_step(k))
+    partly = engines(path, speculative_config=_every_step(k))
     partly.engine.proposer = OracleProposer(k, prompts, want, partly=True)
     outs = _generate(partly.engine, prompts, _greedy())
     assert _tokens(outs) == want
@@ -148,16 +180,16 @@ def test_greedy_equal_with_every_proposer(case, k, tmp_path, engines):
     assert 0 < accepted < proposed  # steps that keep some rows and roll the others back
 
 
-def test_seeded_sampling_with_rollbacks_is_reproducible(tmp_path, engines):
+def test_seeded_sampling_with_rollbacks_is_reproducible(checkpoint, reference, engines):
     """Sampled requests verify through the rejection sampler (unchanged) and roll their states back through the
     same replay: proposals are both accepted and rejected, and two runs with the same seeds give the same tokens
     (the pool is uninitialized memory on CPU: a replay reading rows no step wrote would not repeat)."""
-    make_checkpoint("qwen3-next", tmp_path)
+    path = checkpoint("qwen3-next")
     prompts = _prompts(3)
-    want = _reference(tmp_path, engines, prompts)
+    want = reference("qwen3-next", prompts)
     runs = []
     for _ in range(2):
-        engine = engines(tmp_path, speculative_config=_every_step(3)).engine
+        engine = engines(path, speculative_config=_every_step(3)).engine
         engine.proposer = OracleProposer(3, prompts, want, partly=True)
         params = SamplingParams(temperature=0.7, top_k=8, max_tokens=NEW_TOKENS, ignore_eos=True, seed=11)
         outs = _generate(engine, prompts, params)
@@ -168,13 +200,12 @@ def test_seeded_sampling_with_rollbacks_is_reproducible(tmp_path, engines):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines):
+def test_preempted_sequences_recompute_under_speculation(case, checkpoint, reference, engines):
     """Memory pressure preempts verifying sequences; each recomputes from its prompt, its first chunk from a
     zero state, and the output still equals speculation off."""
-    make_checkpoint(case, tmp_path)
     prompts = _prompts()
-    want = _reference(tmp_path, engines, prompts)
-    llm = engines(tmp_path, speculative_config=_every_step(3))
+    want = reference(case, prompts)
+    llm = engines(checkpoint(case), speculative_config=_every_step(3))
     engine = llm.engine
     engine.proposer = GarbageProposer(3, seed=1)
     bm = engine.block_manager
@@ -186,20 +217,19 @@ def test_preempted_sequences_recompute_under_speculation(case, tmp_path, engines
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_draft_model_proposals(case, tmp_path, engines):
+def test_draft_model_proposals(case, tmp_path, checkpoint, reference, engines):
     """A tiny random model of the same vocabulary and special tokens drafts for the linear-attention target (a
     draft keeps no linear state, so only the target's slots roll back); the output equals speculation off. The
     draft's layers join the target's attention group, so they have its KV geometry: a Llama's 2 KV heads of 16
     for Qwen3-Next, a DeepSeek's MLA latent of 32 + 8 for Kimi-Linear."""
     from test_speculative_engine import DEEPSEEK, LLAMA, save_tiny
 
-    target = tmp_path / "target"
-    make_checkpoint(case, target)
+    target = checkpoint(case)
     base = LLAMA if case == "qwen3-next" else (DEEPSEEK[0], DEEPSEEK[1], dict(DEEPSEEK[2], num_hidden_layers=1))
     draft = save_tiny(tmp_path / "draft", (base[0], base[1], dict(base[2], vocab_size=VOCAB, pad_token_id=0,
                                                                     bos_token_id=1, eos_token_id=2)))
     prompts = _prompts()
-    want = _reference(target, engines, prompts)
+    want = reference(case, prompts)
     engine = engines(target, speculative_config=_every_step(3, method="draft_model", model=draft)).engine
     assert engine.plan.draft is not None and engine.plan.verify_replay_bytes_per_sequence() > 0
     assert [g.kind for g in engine.plan.groups if g.draft_layers] == ["full" if case == "qwen3-next" else "mla"]
@@ -218,14 +248,13 @@ def _recording(run, replayed: list):
 
 @pytest.mark.parametrize("path", ["reference", "kernels"])
 @pytest.mark.parametrize("case", CASES)
-def test_verify_steps_on_the_graph_path_static_buffers(case, path, tmp_path, engines, monkeypatch):
+def test_verify_steps_on_the_graph_path_static_buffers(case, path, checkpoint, reference, engines, monkeypatch):
     """Verify steps where every sequence verifies k proposals take the CUDA-graph path's static, padded inputs
     (run eagerly on CPU): static slot ids, no state stored, verify rows through static source and destination
     buffers whose padding rows repeat the first real row. Batches of 3 pad to 4. ``kernels``: the state
     operations on the Triton kernels (Triton's interpreter), shorter runs."""
     from kvforge.engine.model_runner import ModelRunner
 
-    make_checkpoint(case, tmp_path)
     prompts, n = _prompts(3), NEW_TOKENS
     proposers = ("garbage", "oracle")
     if path == "kernels":
@@ -234,11 +263,11 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, tmp_path, eng
             pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
         device.skip_unless_loaded_loop_bounds_work()
         prompts, n, proposers = [p[:m] for p, m in zip(prompts, (12, 5, 9))], 6, ("garbage",)
-    want = _reference(tmp_path, engines, prompts, n)
+    want = reference(case, prompts, n)
     if path == "kernels":
         monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     for proposer in proposers:
-        engine = engines(tmp_path, speculative_config=_every_step(3), max_num_seqs=4).engine
+        engine = engines(checkpoint(case), speculative_config=_every_step(3), max_num_seqs=4).engine
         engine.runner = ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
                                     max_num_seqs=4, static_decode_on_cpu=True, verify_query_len=4)
         graphs = engine.runner.graphs
@@ -254,16 +283,16 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, tmp_path, eng
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_tensor_parallel_ranks_roll_back_their_heads(case, tmp_path, engines):
+def test_tensor_parallel_ranks_roll_back_their_heads(case, checkpoint, engines):
     """TP 2 on gloo (2 processes): each rank keeps its heads' verify rows and replays the accepted ones (rank 0
     sends the replays with the next step); the output equals TP 2 without speculation (the same all-reduces)."""
-    make_checkpoint(case, tmp_path)
+    path = checkpoint(case)
     prompts = _prompts()
-    reference = engines(tmp_path, tensor_parallel_size=2).engine
-    want = _tokens(_generate(reference, prompts, _greedy()))
-    reference.shutdown()  # one tensor-parallel engine per process at a time
+    off = engines(path, tensor_parallel_size=2).engine
+    want = _tokens(_generate(off, prompts, _greedy()))
+    off.shutdown()  # one tensor-parallel engine per process at a time
     for proposer in ("garbage", "partly right"):
-        engine = engines(tmp_path, tensor_parallel_size=2, speculative_config=_every_step(3)).engine
+        engine = engines(path, tensor_parallel_size=2, speculative_config=_every_step(3)).engine
         engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                            else OracleProposer(3, prompts, want, partly=True))
         outs = _generate(engine, prompts, _greedy())
@@ -273,20 +302,19 @@ def test_tensor_parallel_ranks_roll_back_their_heads(case, tmp_path, engines):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_triton_kernels_in_the_engine(case, tmp_path, engines, monkeypatch):
+def test_triton_kernels_in_the_engine(case, checkpoint, reference, engines, monkeypatch):
     """The state operations on the Triton kernels (Triton's interpreter on CPU here; the gpu-marked test below
     compiles them): verify steps through the prefill kernels with kept slots, and the replay kernels."""
     device = pytest.importorskip("triton_kernel_device")
     if not device.INTERPRETED:
         pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
     device.skip_unless_loaded_loop_bounds_work()
-    make_checkpoint(case, tmp_path)
     prompts = [p[:n] for p, n in zip(_prompts(2), (18, 7))]
-    want = _reference(tmp_path, engines, prompts, n=6)
+    want = reference(case, prompts, n=6)
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     assert linear_state._use_kernels(torch.zeros(1))
     for proposer in ("garbage", "oracle"):
-        llm = engines(tmp_path, speculative_config=_every_step(3))
+        llm = engines(checkpoint(case), speculative_config=_every_step(3))
         llm.engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                                else OracleProposer(3, prompts, want))
         outs = _generate(llm.engine, prompts, _greedy(6))
