@@ -103,33 +103,43 @@ def _greedy(n=NEW_TOKENS):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+#: The checkpoints of the tests that run the state operations in Triton's interpreter: the last linear-attention
+#: layer dropped (the interpreter's cost grows with the linear layers; two still keep per-layer state apart).
+KERNEL_TEST_LAYERS = {
+    "qwen3-next": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "kimi-linear": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        mlp_layer_types=["dense", "sparse", "dense"]),
+}
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """``checkpoint(case)``: the case's tiny checkpoint directory, written once per module (make_checkpoint
-    seeds its weights)."""
+    """``checkpoint(case, kernel_test=False)``: the case's tiny checkpoint directory (with KERNEL_TEST_LAYERS
+    for ``kernel_test``), written once per module (make_checkpoint seeds its weights)."""
     paths = {}
 
-    def get(case):
-        if case not in paths:
-            paths[case] = tmp_path_factory.mktemp(case)
-            make_checkpoint(case, paths[case])
-        return paths[case]
+    def get(case, kernel_test=False):
+        key = (case, kernel_test)
+        if key not in paths:
+            paths[key] = tmp_path_factory.mktemp(case)
+            make_checkpoint(case, paths[key], **(KERNEL_TEST_LAYERS[case] if kernel_test else {}))
+        return paths[key]
 
     return get
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    """``reference(case, prompts, n)``: speculation off's greedy tokens (ENGINE's settings), computed once per
-    module for each case, prompt list and length."""
+    """``reference(case, prompts, n, kernel_test=False)``: speculation off's greedy tokens (ENGINE's settings),
+    computed once per module for each checkpoint, prompt list and length."""
     from kvforge import LLM
 
     done = {}
 
-    def get(case, prompts, n=NEW_TOKENS):
-        key = (case, tuple(map(tuple, prompts)), n)
+    def get(case, prompts, n=NEW_TOKENS, kernel_test=False):
+        key = (case, tuple(map(tuple, prompts)), n, kernel_test)
         if key not in done:
-            llm = LLM(str(checkpoint(case)), **ENGINE)
+            llm = LLM(str(checkpoint(case, kernel_test)), **ENGINE)
             try:
                 done[key] = _tokens(_generate(llm.engine, prompts, _greedy(n)))
             finally:
@@ -252,7 +262,7 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, checkpoint, r
     """Verify steps where every sequence verifies k proposals take the CUDA-graph path's static, padded inputs
     (run eagerly on CPU): static slot ids, no state stored, verify rows through static source and destination
     buffers whose padding rows repeat the first real row. Batches of 3 pad to 4. ``kernels``: the state
-    operations on the Triton kernels (Triton's interpreter), shorter runs."""
+    operations on the Triton kernels (Triton's interpreter), shorter runs on KERNEL_TEST_LAYERS."""
     from kvforge.engine.model_runner import ModelRunner
 
     prompts, n = _prompts(3), NEW_TOKENS
@@ -263,11 +273,12 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, checkpoint, r
             pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
         device.skip_unless_loaded_loop_bounds_work()
         prompts, n, proposers = [p[:m] for p, m in zip(prompts, (12, 5, 9))], 6, ("garbage",)
-    want = reference(case, prompts, n)
-    if path == "kernels":
+    kernel_test = path == "kernels"
+    want = reference(case, prompts, n, kernel_test)
+    if kernel_test:
         monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     for proposer in proposers:
-        engine = engines(checkpoint(case), speculative_config=_every_step(3), max_num_seqs=4).engine
+        engine = engines(checkpoint(case, kernel_test), speculative_config=_every_step(3), max_num_seqs=4).engine
         engine.runner = ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
                                     max_num_seqs=4, static_decode_on_cpu=True, verify_query_len=4)
         graphs = engine.runner.graphs
@@ -304,17 +315,18 @@ def test_tensor_parallel_ranks_roll_back_their_heads(case, checkpoint, engines):
 @pytest.mark.parametrize("case", CASES)
 def test_triton_kernels_in_the_engine(case, checkpoint, reference, engines, monkeypatch):
     """The state operations on the Triton kernels (Triton's interpreter on CPU here; the gpu-marked test below
-    compiles them): verify steps through the prefill kernels with kept slots, and the replay kernels."""
+    compiles them): verify steps through the prefill kernels with kept slots, and the replay kernels (on
+    KERNEL_TEST_LAYERS)."""
     device = pytest.importorskip("triton_kernel_device")
     if not device.INTERPRETED:
         pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
     device.skip_unless_loaded_loop_bounds_work()
     prompts = [p[:n] for p, n in zip(_prompts(2), (18, 7))]
-    want = reference(case, prompts, n=6)
+    want = reference(case, prompts, 6, kernel_test=True)
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     assert linear_state._use_kernels(torch.zeros(1))
     for proposer in ("garbage", "oracle"):
-        llm = engines(checkpoint(case), speculative_config=_every_step(3))
+        llm = engines(checkpoint(case, kernel_test=True), speculative_config=_every_step(3))
         llm.engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                                else OracleProposer(3, prompts, want))
         outs = _generate(llm.engine, prompts, _greedy(6))
