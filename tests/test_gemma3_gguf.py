@@ -91,21 +91,31 @@ def _rows(n: int) -> list[int]:
 
 
 @torch.no_grad()
-def _our_greedy_and_logits(model, ids: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation (prefill in CHUNK-token chunks, then decode), and the logits of every position of
-    prompt + continuation: the prefill's rows, then one decode step per continuation token (the last one
-    fed too, for the row after it). Once the continuation equals the stored one, these are the
-    teacher-forced logits of the stored sequence."""
-    from paged_reference import PagedReferenceAttention, run_steps
+def _our_greedy_and_logits(model, ids: list[int]) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Greedy continuation (prefill in CHUNK-token chunks, then decode), and the logits at the stored rows of
+    prompt + continuation (``_rows``): the prefill's, then one decode step per continuation token (the last one
+    fed too, for the row after it). Once the continuation equals the stored one, these are the teacher-forced
+    logits of the stored sequence. Logits (a 262,144-token vocabulary) are computed only at the rows used:
+    the stored ones and each step's last."""
+    from paged_reference import PagedReferenceAttention
 
+    stored = set(_rows(len(ids) + MAX_NEW_TOKENS))
     attn = PagedReferenceAttention(model, block_size=16, num_blocks=2 * (len(ids) + MAX_NEW_TOKENS) // 16 + 8)
-    rows = run_steps(model, attn, [[(0, ids[a:a + CHUNK])] for a in range(0, len(ids), CHUNK)])
-    out = [int(rows[-1][-1].argmax())]
+    logits: dict[int, torch.Tensor] = {}
+
+    def feed(start: int, tokens: list[int]) -> None:
+        hidden = model(torch.tensor(tokens), attn.step([0], [len(tokens)]), attn)
+        keep = [i for i in range(len(tokens)) if start + i in stored or i == len(tokens) - 1]
+        logits.update(zip([start + i for i in keep], model.compute_logits(hidden[keep])))
+
+    for a in range(0, len(ids), CHUNK):
+        feed(a, ids[a:a + CHUNK])
+    out = [int(logits[len(ids) - 1].argmax())]
     while True:
-        rows.append(run_steps(model, attn, [[(0, out[-1:])]])[0])
+        feed(len(ids) + len(out) - 1, out[-1:])
         if len(out) == MAX_NEW_TOKENS:
-            return out, torch.cat(rows)
-        out.append(int(rows[-1][-1].argmax()))
+            return out, logits
+        out.append(int(logits[len(ids) + len(out) - 1].argmax()))
 
 
 def _check_against(ref: dict, model, tok) -> None:
@@ -118,7 +128,7 @@ def _check_against(ref: dict, model, tok) -> None:
         assert got == case["greedy"], case["prompt"][:40]
         worst = 0.0
         for row, top_ids, top_logits in zip(case["rows"], case["top_ids"], case["top_logits"]):
-            diff = (logits[row, top_ids] - torch.tensor(top_logits)).abs().max().item()
+            diff = (logits[row][top_ids] - torch.tensor(top_logits)).abs().max().item()
             worst = max(worst, diff)
         assert worst <= LOGIT_BOUND, f"{case['prompt'][:40]!r}: max logit difference {worst:.3g}"
 
@@ -207,14 +217,19 @@ def test_stored_reference_is_what_transformers_produces(gguf_file):
         ids = tok(case["prompt"]).input_ids
         assert ids == case["prompt_ids"]
         assert len(case["greedy"]) == MAX_NEW_TOKENS
-        with torch.no_grad():
-            logits = hf(input_ids=torch.tensor([ids + case["greedy"]])).logits[0].float()
-        steps = logits[len(ids) - 1:-1]  # the logits that chose each continuation token
+        n = len(ids) + MAX_NEW_TOKENS
+        chose = list(range(len(ids) - 1, n - 1))  # the rows whose logits chose each continuation token
+        rows = _rows(n)
+        assert rows == case["rows"]
+        with torch.no_grad():  # logits at those rows only (a 262,144-token vocabulary)
+            logits = hf(input_ids=torch.tensor([ids + case["greedy"]]),
+                        logits_to_keep=torch.tensor(chose + rows)).logits[0].float()
+        steps, at_rows = logits[:len(chose)], logits[len(chose):]
         assert steps.argmax(-1).tolist() == case["greedy"], case["prompt"][:40]
         assert np.allclose(top2_margins(steps), case["greedy_margins"], atol=1e-4)
-        live = _stored_rows(logits)
-        assert (live["rows"], live["top_ids"]) == (case["rows"], case["top_ids"])
-        assert np.allclose(live["top_logits"], case["top_logits"], atol=1e-4)
+        top = at_rows.topk(5, dim=-1)
+        assert top.indices.tolist() == case["top_ids"]
+        assert np.allclose(top.values.tolist(), case["top_logits"], atol=1e-4)
 
 
 # ---------------------------------------------------------------------------
