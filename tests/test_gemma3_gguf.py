@@ -76,14 +76,20 @@ def gguf_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ours(gguf_file):
-    from kvforge.models.registry import build_model
-    from kvforge.tokenizer import load_tokenizer
-    from kvforge.weights import load_config, load_weights
+def llm(gguf_file):
+    """``LLM(gguf)`` in float32 on CPU: a KV pool for 4096-token sequences, prefill chunks of 256 tokens."""
+    from kvforge import LLM
 
-    model = build_model(load_config(gguf_file), torch.float32, "cpu")
-    load_weights(model, gguf_file, "auto", progress=False)
-    return model, load_tokenizer(gguf_file)
+    with LLM(str(gguf_file), dtype="float32", device="cpu", max_model_len=4096, max_num_batched_tokens=256,
+             kv_cache_memory=1 << 28, progress=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def ours(llm):
+    """The engine's model (built and loaded from the GGUF by build_model and load_weights) and tokenizer, to run
+    outside the engine over the reference attention."""
+    return llm.engine.model, llm.engine.tokenizer
 
 
 def _rows(n: int) -> list[int]:
@@ -145,20 +151,17 @@ def test_gemma3_270m_matches_stored_transformers_reference(ours):
 
 @needs_gemma
 @pytest.mark.slow
-def test_gemma3_270m_engine_greedy_matches_transformers(gguf_file):
+def test_gemma3_270m_engine_greedy_matches_transformers(llm):
     """``LLM(gguf)`` (KV pool with a sliding and a full group, prefill chunks of 256 tokens, the three
     prompts batched) follows transformers' greedy tokens until a near-tie of its logits (LOGIT_BOUND)."""
-    from kvforge import LLM, SamplingParams
+    from kvforge import SamplingParams
 
     ref = json.loads(REFERENCE.read_text())
-    with LLM(str(gguf_file), dtype="float32", device="cpu", max_model_len=4096, max_num_batched_tokens=256,
-             kv_cache_memory=1 << 28, progress=False) as llm:
-        assert sorted({g.kind for g in llm.plan.groups}) == ["full", "sliding"]
-        outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in ref["prompts"]],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
-        text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
-                            use_tqdm=False)[0].outputs[0].text
+    assert sorted({g.kind for g in llm.plan.groups}) == ["full", "sliding"]
+    outs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in ref["prompts"]],
+                        SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4),
+                        use_tqdm=False)[0].outputs[0].text
     for case, out in zip(ref["prompts"], outs):
         assert_greedy_agrees(out.outputs[0].token_ids, case["greedy"], case["greedy_margins"], LOGIT_BOUND,
                              what=case["prompt"][:30])
