@@ -169,13 +169,15 @@ def test_gemma3_270m_engine_greedy_matches_transformers(llm):
 
 
 def _load_transformers(gguf_file: Path):
-    """transformers' tokenizer and float32 model from the GGUF (its metadata parsed once)."""
+    """transformers' tokenizer and float32 model from the GGUF (its metadata parsed once). The tokenizer class is
+    the one AutoTokenizer picks for Gemma 3, named directly: AutoTokenizer would first build the whole config
+    from the GGUF only to pick it."""
     from gguf_read_once import one_gguf_reader_per_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, GemmaTokenizer
 
     kw = dict(gguf_file=gguf_file.name)
     with one_gguf_reader_per_file():
-        tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
+        tok = GemmaTokenizer.from_pretrained(gguf_file.parent, **kw)
         hf = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
     return tok, hf
 
