@@ -99,6 +99,8 @@ def _sdpa_sequences(q, kv_cache, meta, window, num_splits, kernel, sinks) -> tup
     """The table's SDPA sequences; none without the host copies (reading them back would sync the step)."""
     if meta.host_query_start_loc is None or meta.host_seq_lens is None:
         return ()
+    if not paged_routing.sdpa_prefill_takes(meta.max_query_len, meta.max_seq_len):
+        return ()  # no query is long enough (every decode step): no per-sequence walk on this layer
     qsl, seq_lens = meta.host_query_start_loc, meta.host_seq_lens
     qlens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
     enabled = kernel is None and not ENV.disable_sdpa_prefill
