@@ -10,8 +10,8 @@ new rows before attention runs (the model runner writes them first), so a sequen
 ``0 .. seq_len - 1`` are all in its blocks.
 
 One sequence with query rows ``[a, b)`` and ``L = seq_len`` tokens: its K and V rows of positions
-``0 .. L - 1`` are gathered from its blocks into ``[L, heads, D]`` (one indexing kernel; fp8 rows are
-dequantized with the per-KV-head ``k_scale`` / ``v_scale`` in float32, then rounded once to the model
+``0 .. L - 1`` are gathered from its blocks into ``[L, heads, D]`` (on CUDA one Triton kernel that also
+dequantizes: fp8 rows times the per-KV-head ``k_scale`` / ``v_scale`` in float32, rounded once to the model
 dtype), and its ``b - a`` queries attend causally, aligned to the end: query ``j`` sees keys ``0 .. L -
 (b - a) + j``. With ``b - a == L`` (no cached prefix) that is ``is_causal=True``; with a prefix, the
 lower-right mask ``torch.nn.attention.bias.causal_lower_right``.
@@ -54,6 +54,8 @@ from kvforge.attention.fp8 import FP8_DTYPES, storage_dtype_name
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.env import ENV
+from kvforge.kernels.optional_triton import HAS_TRITON
+from kvforge.kernels.triton_gather_kv import gather_paged_kv
 from kvforge.kernels.triton_paged_attention import paged_attention
 
 __all__ = ["SDPA_KV_BYTES", "SDPA_SCORE_ELEMENTS", "routed_paged_attention"]
@@ -183,7 +185,12 @@ def _flash_takes_shape(device: torch.device, dtype: torch.dtype, hq: int, hkv: i
 def _gather_kv(kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, heads: slice, dtype: torch.dtype,
                scales: torch.Tensor | None) -> torch.Tensor:
     """K and V of positions ``0 .. seq_len - 1``, KV heads ``heads``: ``[seq_len, 2, heads, D]`` in
-    ``dtype`` (fp8 rows times their head's scale in float32, rounded once)."""
+    ``dtype`` (fp8 rows times their head's scale in float32, rounded once). On CUDA one Triton kernel reads
+    the blocks and writes the rows (:func:`~kvforge.kernels.triton_gather_kv.gather_paged_kv`); elsewhere
+    torch gathers whole blocks, then converts (the peak that
+    :func:`~kvforge.attention.routing.paged.sdpa_prefill_kv_bytes_per_head` bounds)."""
+    if kv_cache.is_cuda and HAS_TRITON:
+        return gather_paged_kv(kv_cache, blocks, seq_len, heads, dtype, None if scales is None else scales[:, heads])
     _, two, _, bs, d = kv_cache.shape
     hc = heads.stop - heads.start
     # [blocks, 2, heads, bs, D] read token-major into [blocks, bs, 2, heads, D]: one gather kernel (fp8 bytes

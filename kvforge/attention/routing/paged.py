@@ -238,7 +238,8 @@ def sdpa_prefill_kv_bytes_per_head(seq_len: int, head_size: int, model_dtype: st
     """Peak bytes of one KV head's gathered K and V for a sequence of ``seq_len`` tokens: the rows read from
     whole blocks in the cache dtype, then (a cache of another dtype) their copy in the model dtype, through a
     float32 copy for fp8 (the scale applied there), all alive at once; where K and V are expanded to
-    ``expand`` query heads per KV head, the model-dtype rows and their expansion."""
+    ``expand`` query heads per KV head, the model-dtype rows and their expansion. That is torch's gather
+    (CPU); the CUDA gather kernel writes the model-dtype rows only, so this bounds it too."""
     model, cache = BYTES_PER_ELEMENT[model_dtype], BYTES_PER_ELEMENT[kv_dtype]
     rows = -(-seq_len // block_size) * block_size
     converted = 0 if kv_dtype == model_dtype else seq_len * ((4 if kv_dtype in FP8_KV_DTYPES else 0) + model)
