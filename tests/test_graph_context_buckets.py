@@ -31,6 +31,10 @@ def test_buckets_below_max_model_len_then_max_model_len():
     assert graph_contexts(8192) == [2048, 4096, 8192]
     assert graph_contexts(2048) == [2048]
     assert graph_contexts(1000) == [1000]
+    # a fixed bucket at most an eighth below max_model_len is left out (its graphs would nearly repeat)
+    assert graph_contexts(32808) == [2048, 4096, 8192, 16384, 32808]
+    assert graph_contexts(36865) == [2048, 4096, 8192, 16384, 32768, 36865]
+    assert graph_contexts(2304) == [2304] and graph_contexts(2305) == [2048, 2305]
     assert graph_contexts(MAX_MODEL_LEN) == sorted(set(graph_contexts(MAX_MODEL_LEN)))
 
 

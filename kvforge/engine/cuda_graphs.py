@@ -41,7 +41,9 @@ Invariants (what makes a replay equal to an eager step):
    sequence's own context among the splits, so shorter contexts than ``C`` are served correctly.
    Without buckets, a short context would replay the kernel and split count chosen for
    ``max_model_len`` (many near-empty splits). Buckets double, so a replay's longest context is more than
-   half of ``C`` (beyond the first bucket): a split then holds at least half the tokens the rule gave it.
+   half of ``C`` (beyond the first bucket; more than 4/9 of it in the last bucket where the fixed bucket
+   within an eighth below ``max_model_len`` is left out): a split then holds nearly half the tokens the rule
+   gave it or more.
 5. **Lifetime.** Captured once at startup, after the weights and the KV pool
    exist and before any request, largest size first, in one memory pool. The
    weights, the pool's buffer and the fp8 scale tensors must never be
@@ -104,8 +106,9 @@ GRAPH_CONTEXT_BUCKETS: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768, 65536)
 
 def graph_contexts(max_model_len: int) -> list[int]:
     """The context buckets captured for every size: the fixed buckets below ``max_model_len``, then
-    ``max_model_len`` itself (ascending)."""
-    return [c for c in GRAPH_CONTEXT_BUCKETS if c < max_model_len] + [max_model_len]
+    ``max_model_len`` itself (ascending). A fixed bucket that ``max_model_len`` exceeds by at most an eighth
+    is left out: its graphs would differ from the last bucket's by a few blocks (32768 beside 32808)."""
+    return [c for c in GRAPH_CONTEXT_BUCKETS if c + c // 8 < max_model_len] + [max_model_len]
 
 
 def graphs_unsupported_reason(runner) -> str | None:
