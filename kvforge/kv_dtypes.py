@@ -56,5 +56,14 @@ def canonical_model_dtype(name: str) -> str:
     return canon
 
 
+def platform_model_dtype(requested: str | None, platform: str, config_dtype: str) -> str:
+    """The model dtype a run uses: ``requested`` (``--dtype``; None or ``auto``: not given), else float32 on
+    CPU (fast and exact there), else the checkpoint config's ``config_dtype``. The engine and ``plan``
+    both ask here, so a plan predicts the engine's dtype, KV dtype and capacity."""
+    if requested and requested != "auto":
+        return canonical_model_dtype(requested)
+    return "float32" if platform == "cpu" else canonical_model_dtype(config_dtype)
+
+
 def is_quantized(kv_dtype: str) -> bool:
     return kv_dtype in QUANTIZED

@@ -34,7 +34,8 @@ def test_json_has_every_documented_key(capsys):
     assert REQUIRED_KEYS <= d.keys()
     assert LAYER_KEYS <= d["layers"][0].keys() and GROUP_KEYS <= d["groups"][0].keys()
     assert d["block_size"] == 32 and d["tensor_parallel_size"] == 8
-    assert d["baseline"]["kv_cache_dtype"] == "bfloat16" and d["baseline"]["capacity_tokens"] > 0
+    # the baseline is the model dtype the CPU engine runs (float32), as the plan of `generate` would say
+    assert d["baseline"]["kv_cache_dtype"] == "float32" and d["baseline"]["capacity_tokens"] > 0
     assert d["num_blocks"] * 32 == d["capacity_tokens"]
 
 
@@ -127,13 +128,27 @@ def test_planner_imports_no_torch():
 ])
 def test_plan_shows_the_exact_fp8_gain_of_linear_attention_hybrids(capsys, name, state, per_token):
     L = 4096
-    code, out, _ = run(capsys, name, "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GiB", "--max-model-len",
-                       str(L), "--json")
+    code, out, _ = run(capsys, name, "--device", "cuda", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GiB",
+                       "--max-model-len", str(L), "--json")  # the bf16 model dtype of a GPU run
     assert code == 0
     d = json.loads(out)
     exact = (state + L * per_token * 2) / (state + L * per_token)
     assert d["concurrency_gain_vs_baseline"] == exact and 1 < exact < 2
     assert d["state_dtype"] == "float32" and d["bytes_per_sequence"] == state + L * per_token
-    code, out, _ = run(capsys, name, "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GiB", "--max-model-len",
-                       str(L))
+    code, out, _ = run(capsys, name, "--device", "cuda", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GiB",
+                       "--max-model-len", str(L))
     assert code == 0 and "concurrency gain (exact)" in out and "state dtype" in out
+
+
+def test_plan_predicts_the_engines_cpu_dtype(capsys, smol_llm):
+    """`kvforge plan` on CPU plans the model dtype the CPU engine runs (float32 unless --dtype says): the
+    engine built with the same (default) flags plans the same KV dtype and bytes per token."""
+    code, out, _ = run(capsys, "--json")
+    assert code == 0
+    d = json.loads(out)
+    engine_plan = smol_llm().engine.plan
+    assert {layer["kv_dtype"] for layer in d["layers"]} == {layer.kv_dtype for layer in engine_plan.layers}
+    assert {layer.kv_dtype for layer in engine_plan.layers} == {"float32"}
+    assert d["bytes_per_token"] == engine_plan.bytes_per_token
+    code, out, _ = run(capsys, "--dtype", "bfloat16", "--json")
+    assert code == 0 and d["bytes_per_token"] == 2 * json.loads(out)["bytes_per_token"]

@@ -34,7 +34,7 @@ def test_deepseek_v3_plan_holds_the_mtp_layer_in_its_group():
 
 
 def test_kvforge_plan_cli_shows_the_mtp_layer(capsys):
-    assert main(["plan", "deepseek-v3", "--kv-cache-memory", str(1 << 34), "--json", "--speculative-config",
+    assert main(["plan", "deepseek-v3", "--device", "cuda", "--kv-cache-memory", str(1 << 34), "--json", "--speculative-config",
                  '{"method": "mtp", "num_speculative_tokens": 2}']) == 0
     data = json.loads(capsys.readouterr().out)
     assert [layer["index"] for layer in data["draft"]["layers"]] == [61] and data["num_speculative_tokens"] == 2

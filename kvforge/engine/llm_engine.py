@@ -29,7 +29,7 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
-from kvforge.kv_dtypes import canonical_model_dtype
+from kvforge.kv_dtypes import platform_model_dtype
 from kvforge.planner.inputs import CacheConfig, ParallelConfig
 from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
@@ -292,10 +292,8 @@ class LLMEngine:
         return batched
 
     def _model_dtype(self, args: EngineArgs, platform: str) -> str:
-        """--dtype, else float32 on CPU (fast and exact there), else the config's dtype."""
-        if args.dtype != "auto":
-            return canonical_model_dtype(args.dtype)
-        return "float32" if platform == "cpu" else self.spec.model_dtype
+        """--dtype, else float32 on CPU, else the config's dtype (:func:`kvforge.kv_dtypes.platform_model_dtype`)."""
+        return platform_model_dtype(args.dtype, platform, self.spec.model_dtype)
 
     def _import_backends(self) -> None:
         from kvforge.planner.registry import builtin_backends

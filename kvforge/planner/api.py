@@ -19,7 +19,7 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
     ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
     checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``);
     ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default)."""
-    from kvforge.kv_dtypes import canonical_model_dtype
+    from kvforge.kv_dtypes import platform_model_dtype
 
     spec = load_model_spec(model)
     proposer_layers = None
@@ -33,7 +33,7 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
                         max_num_seqs=max_num_seqs, query_dtype=query_dtype,
                         state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens)
-    model_dtype = canonical_model_dtype(dtype) if dtype and dtype != "auto" else None
+    model_dtype = platform_model_dtype(dtype, device, spec.model_dtype)
     draft_spec = load_model_spec(draft_model) if draft_model is not None else None
     return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype,
                    draft_spec=draft_spec, proposer_layers=proposer_layers)
