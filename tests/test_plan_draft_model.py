@@ -138,12 +138,12 @@ def test_gpu_memory_pays_the_draft_weights():
 def test_plan_cli_shows_the_draft_groups(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(SMALL_DRAFT))
     cfg = json.dumps({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
-    assert main(["plan", "llama-3.1-8b", "--max-model-len", "8192", "--kv-cache-memory", "6000000000",
-                 "--speculative-config", cfg]) == 0
+    assert main(["plan", "llama-3.1-8b", "--device", "cuda", "--max-model-len", "8192", "--kv-cache-memory",
+                 "6000000000", "--speculative-config", cfg]) == 0
     out = capsys.readouterr().out
     assert "draft layers" in out and "speculative draft" in out and "capacity with the draft" in out
-    assert main(["plan", "llama-3.1-8b", "--max-model-len", "8192", "--kv-cache-memory", "6000000000", "--json",
-                 "--speculative-config", cfg]) == 0
+    assert main(["plan", "llama-3.1-8b", "--device", "cuda", "--max-model-len", "8192", "--kv-cache-memory",
+                 "6000000000", "--json", "--speculative-config", cfg]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["groups"][0]["draft_layers"] == [0, 1]
     assert d["bytes_per_sequence"] == 512 * 34 * PAGE
