@@ -42,6 +42,26 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+_TOKEN_MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(text: str) -> int:
+    """A positive count of tokens, plain or human-readable as vLLM takes it: '131072', '128K' (x 1024),
+    '128k' (x 1000), '25.6k'; lowercase multipliers are decimal, uppercase binary (whole numbers only)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)([kmgKMG]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (examples: 131072, 128K = 131072, 128k = 128000)")
+    number, unit = m.groups()
+    if "." in number and unit not in ("k", "m", "g"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction needs a decimal multiplier (k, m, g), e.g. 25.6k")
+    value = float(number) * _TOKEN_MULTIPLIERS[unit] if "." in number else int(number) * _TOKEN_MULTIPLIERS[unit]
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return int(value)
+
+
 def fraction(text: str) -> float:
     try:
         value = float(text)
@@ -56,7 +76,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     """The flags that decide the KV-cache plan (shared by plan/generate/serve)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (model dtype), bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2")
+                   help="auto (model dtype), bfloat16 (bf16), float16 (fp16), float32 (fp32), fp8 (= fp8_e4m3), "
+                        "fp8_e5m2")
     p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default: negotiated)")
     p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
                    help="speculate this many tokens per step with n-gram (prompt-lookup) proposals; shorthand for "
@@ -66,8 +87,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "prompt_lookup_min, prompt_lookup_max; method draft_model with model (a smaller model of "
                         "the same vocabulary) and num_speculative_tokens; method mtp (the DeepSeek-V3 checkpoint's "
                         "own multi-token-prediction layer) with num_speculative_tokens (docs/SPECULATIVE.md)")
-    p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache bytes per rank (e.g. 8GiB)")
+    p.add_argument("--max-model-len", type=token_count, default=None,
+                   help="longest sequence (prompt + output) in tokens; 128K = 131072, 128k = 128000")
+    p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes,
+                   default=None, help="KV cache bytes per rank (e.g. 8GiB)")
     p.add_argument("--gpu-memory", type=parse_bytes, default=None,
                    help="device memory per rank for planning without a device (e.g. 141GB)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)

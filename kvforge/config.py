@@ -157,8 +157,10 @@ class EngineArgs:
                             help="prefill tokens a step may hold while requests are decoding, so a running "
                                  "stream waits behind at most this much prefill (default "
                                  f"{DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}; 0: the whole --max-num-batched-tokens)")
-        parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                            help="reuse the KV blocks of prompt prefixes already computed (default on)")
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                            help="split long prompts over steps within --max-num-batched-tokens (default on)")
         parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                             help="overlap the host's scheduling and output work with the GPU's step (one step "

@@ -42,7 +42,8 @@ def canonical_kv_dtype(name: str) -> str:
     key = str(name).strip().lower()
     if key not in _ALIASES:
         raise ConfigError(
-            f"unknown KV cache dtype {name!r}; use one of: auto, bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2"
+            f"unknown KV cache dtype {name!r}; use one of: auto, bfloat16 (bf16), float16 (fp16), float32 (fp32), "
+            f"fp8 (= fp8_e4m3), fp8_e5m2"
         )
     return _ALIASES[key]
 
