@@ -347,6 +347,8 @@ def parse_messages(messages: Any) -> list[dict]:
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             bad_field(f"messages[{i}].role", f"unknown role {role!r}")
+        if role != "assistant" and m.get("content") is None:  # only an assistant turn may come without text
+            bad_field(f"messages[{i}].content", f"is required for a {role} message (a string or text parts)")
         clean.append({"role": "system" if role == "developer" else role,
                       "content": _message_text(m.get("content"), i)})
     return clean
