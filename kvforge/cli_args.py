@@ -8,6 +8,7 @@ import re
 from kvforge.planner.inputs import QUERY_DTYPE_CHOICES
 
 DEFAULT_MAX_NUM_SEQS = 256  # sequences one step may run when --max-num-seqs is not given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # share of the GPU's memory a run plans for (vLLM's default)
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -93,7 +94,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    default=None, help="KV cache bytes per rank (e.g. 8GiB)")
     p.add_argument("--gpu-memory", type=parse_bytes, default=None,
                    help="device memory per rank for planning without a device (e.g. 141GB)")
-    p.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                   help="share of the GPU's memory to plan for (default 0.9; on CPU the KV cache gets --kv-cache-memory)")
     p.add_argument("--kv-scale-scheme", choices=["per_tensor", "per_head"], default="per_tensor")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="calibrate fp8 KV scales on the first batch instead of the default 1.0")

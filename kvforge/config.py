@@ -12,7 +12,13 @@ import logging
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
-from kvforge.cli_args import DEFAULT_MAX_NUM_SEQS, add_plan_args, non_negative_int, positive_int
+from kvforge.cli_args import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    add_plan_args,
+    non_negative_int,
+    positive_int,
+)
 from kvforge.errors import ConfigError
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
@@ -63,7 +69,7 @@ class EngineArgs:
     block_size: int | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     gpu_memory: int | None = None
     kv_cache_memory: int | None = None
     num_speculative_tokens: int = 0

@@ -16,7 +16,12 @@ from pathlib import Path
 
 import torch
 
-from kvforge.config import DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD, EngineArgs
+from kvforge.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+    EngineArgs,
+)
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.kv_pool import KVPool
@@ -62,6 +67,10 @@ class LLMEngine:
         platform = self.device.type
 
         # 1. Spec and plan: config metadata only; no weight file is opened here.
+        if platform == "cpu" and args.kv_cache_memory is None and args.gpu_memory is None \
+                and args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+            logger.warning("--gpu-memory-utilization %s has no effect on CPU: the KV cache gets --kv-cache-memory "
+                           "(default %d GiB)", args.gpu_memory_utilization, DEFAULT_CPU_KV_CACHE_MEMORY >> 30)
         self.spec = load_model_spec(args.model)
         model_dtype = self._model_dtype(args, platform)
         cache = CacheConfig(
