@@ -60,7 +60,7 @@ def canonical_model_dtype(name: str) -> str:
 def platform_model_dtype(requested: str | None, platform: str, config_dtype: str) -> str:
     """The model dtype a run uses: ``requested`` (``--dtype``; None or ``auto``: not given), else float32 on
     CPU (fast and exact there), else the checkpoint config's ``config_dtype``. The engine and ``plan``
-    both ask here, so a plan predicts the engine's dtype, KV dtype and capacity."""
+    both ask here, so a plan predicts the engine's model dtype, KV dtype and bytes per token."""
     if requested and requested != "auto":
         return canonical_model_dtype(requested)
     return "float32" if platform == "cpu" else canonical_model_dtype(config_dtype)
