@@ -125,6 +125,8 @@ def _paged(num_seqs, kv_heads, ctx, *, q_heads=None, head=128, q_len=1, q="bfloa
         (1, 8, 8192, None, ("gluon_fp8_cta", 32)),  # 8 x 8 = 64 programs < 264: cta, 256-token splits
         (64, 8, 1024, None, ("gluon_fp8_cta", 2)),  # short context: cta
         (256, 8, 1024, None, ("gluon_fp8_cta", 1)),
+        (256, 8, 2048, None, ("gluon_fp8_cta", 1)),  # the first graph bucket's edge: its replays are shorter
+        (256, 8, 2049, None, ("gluon_fp8_warp", 1)),  # longer than 2048: warp
         (8, 8, 32768, 3, ("gluon_fp8_warp", 3)),  # a pinned count replaces the count, not the kernel
         (1, 8, 32768, 64, ("gluon_fp8_cta", 64)),  # warp would get 32 splits x 8 = 256 < 264 -> cta
         (1, 8, 32768, 0, ("gluon_fp8_cta", 1)),  # 0 means 1, as on the tl.dot kernel

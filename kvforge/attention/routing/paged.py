@@ -2,8 +2,10 @@
 
 Three kernels serve it. The Gluon fp8 decode kernels take decode batches over fp8 caches where the Gluon
 gate is open (:mod:`.platform`); which of the two follows the shape: the "warp" kernel (every warp keeps its
-own softmax over its share of a tile) once each program walks at least ``WARP_MIN_CONTEXT`` tokens and the
-programs fill ``WARP_MIN_WAVES`` waves of the GPU, else the "cta" kernel. Everything else (prefill, mixed
+own softmax over its share of a tile) once the context is longer than its row's ``min_context`` and the
+programs fill ``min_waves`` waves of the GPU, else the "cta" kernel. The bound is exclusive because the first
+CUDA-graph context bucket ends at it: a graph of that bucket replays contexts up to it, nearly all of which the
+eager path runs on the "cta" kernel, so the graph must route to it too. Everything else (prefill, mixed
 and 16/32-bit decode, other head sizes, wider GQA groups, layers with attention sinks, the gate closed) runs
 the tl.dot kernel. Sliding windows run on every kernel; attention sinks (one logit per query head in the
 softmax denominator) only on the tl.dot kernel, which adds them once per query row: in its epilogue without
@@ -52,7 +54,7 @@ class PagedKernel:
     max_group: int | None  # query heads per KV head
     sinks: bool  # serves layers with attention sinks
     splits: SplitRule
-    #: The "warp" variant's extra condition: context >= this and programs x its splits >= this many waves.
+    #: The "warp" variant's extra condition: context > this and programs x its splits >= this many waves.
     min_context: int = 0
     min_waves: int = 0
     when: str = ""
@@ -72,7 +74,7 @@ _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
 GLUON_FP8_WARP = PagedKernel(
     name="gluon_fp8_warp", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
     splits=SplitRule(waves=4, min_tokens=1024, max_splits=64, round_up=True, small_grid_waves=2), min_context=2048, min_waves=2,
-    when="context >= 2048 and programs x splits >= 2 x SMs",
+    when="context > 2048 and programs x splits >= 2 x SMs",
 )
 #: The Gluon "cta" kernel: the other fp8 decode batches in the Gluon scope.
 GLUON_FP8_CTA = PagedKernel(
@@ -181,7 +183,7 @@ def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -
     if applies(GLUON_FP8_CTA, shape, device):
         warp = GLUON_FP8_WARP
         warp_splits = warp.splits.splits(programs, shape.context, device.num_sms)
-        if shape.context >= warp.min_context and programs * warp_splits >= warp.min_waves * device.num_sms:
+        if shape.context > warp.min_context and programs * warp_splits >= warp.min_waves * device.num_sms:
             kernel, splits = warp, warp_splits
         else:
             kernel = GLUON_FP8_CTA

@@ -31,7 +31,7 @@ def _paged_section() -> list[str]:
              "query heads per KV head | sinks | also | splits |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in paged.TABLE:
-        extra = (f"context >= {k.min_context}, programs x splits >= {k.min_waves} x SMs" if k.min_context
+        extra = (f"context > {k.min_context}, programs x splits >= {k.min_waves} x SMs" if k.min_context
                  else k.when)
         lines.append(f"| `{k.name}` | `{k.launcher}` | {'yes' if k.needs_gluon else 'no'} | "
                      f"{'yes' if k.decode_only else 'no'} | {_names(k.kv_dtypes)} | {_names(k.query_dtypes)} | "
