@@ -65,8 +65,9 @@ from kvforge.models.decoder import (
 )
 from kvforge.models.deepseek_mtp import DeepseekMTPLayer
 from kvforge.models.expert_loop import sum_over_experts
+from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
-from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, get_activation
+from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
@@ -328,24 +329,16 @@ class MoE(nn.Module):
     def _routed_grouped(self, x, weights, ids, valid=None) -> torch.Tensor:
         """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted
         last and zeroed; expert row ranges from a device-side count (no host sync)."""
-        t, k = ids.shape
+        k = ids.shape[1]
         n = self.experts_down.shape[0]
         flat = ids.reshape(-1)
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts[:n], 0).to(torch.int32)
-        tok = order // k
-        gate, up = torch._grouped_mm(x[tok], self.experts_gate_up.transpose(-2, -1), offs=offs).split(
-            self.inter, dim=-1)
-        y = torch._grouped_mm(self.act(gate) * up, self.experts_down.transpose(-2, -1), offs=offs)
-        w = weights.reshape(-1)[order]
-        if valid is not None:  # rows past offs[-1] are not computed: zero them and their weights
-            held = flat[order] < n
-            w = torch.where(held, w, torch.zeros_like(w))
-            y = torch.where(held[:, None], y, torch.zeros_like(y))
-        return torch.zeros_like(x).index_add_(0, tok, (y * w[:, None]).to(x.dtype))
+        rows = group_by_expert(flat, n, k)
+        gate_up = torch._grouped_mm(x[rows.tokens], self.experts_gate_up.transpose(-2, -1), offs=rows.offs)
+        y = torch._grouped_mm(act_and_mul(gate_up, self.act), self.experts_down.transpose(-2, -1), offs=rows.offs)
+        del gate_up
+        return weighted_sum_per_token(y, rows, weights, valid).to(x.dtype)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

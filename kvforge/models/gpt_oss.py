@@ -33,6 +33,7 @@ from torch import nn
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, qkv_parts
 from kvforge.models.expert_loop import sum_over_experts
+from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
 from kvforge.models.routed_experts import RoutedExperts
@@ -208,23 +209,17 @@ class GptOssExperts(nn.Module):
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same sum with static shapes: (token, slot) rows sorted by expert, slots held by other ranks
         sorted last and zeroed; expert row ranges from a device-side count (no host sync)."""
-        t, k = ids.shape
+        k = ids.shape[1]
         n = self.num_local
-        local = (ids - self.first).reshape(-1)
-        flat = torch.where((local >= 0) & (local < n), local, torch.full_like(local, n))
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(n + 1, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts[:n], 0).to(torch.int32)
-        tok = order // k
-        expert = flat[order]
-        held = expert < n
-        bias_row = expert.clamp(max=n - 1)
-        gate_up = torch._grouped_mm(x[tok], self.gate_up_proj, offs=offs) + self.gate_up_proj_bias[bias_row]
-        y = torch._grouped_mm(self.glu(gate_up), self.down_proj, offs=offs) + self.down_proj_bias[bias_row]
-        # Rows past offs[-1] are not computed (arbitrary values): zero them and their weights.
-        w = torch.where(held, weights.reshape(-1)[order], torch.zeros_like(weights.reshape(-1)[order]))
-        y = torch.where(held[:, None], y, torch.zeros_like(y))
-        return torch.zeros_like(x).index_add_(0, tok, (y * w[:, None]).to(x.dtype))
+        local = ids - self.first
+        held = (local >= 0) & (local < n)
+        flat = torch.where(held, local, torch.full_like(local, n)).reshape(-1)
+        rows = group_by_expert(flat, n, k)
+        bias_row = rows.expert.clamp(max=n - 1)
+        gate_up = torch._grouped_mm(x[rows.tokens], self.gate_up_proj, offs=rows.offs) + self.gate_up_proj_bias[bias_row]
+        y = torch._grouped_mm(self.glu(gate_up), self.down_proj, offs=rows.offs) + self.down_proj_bias[bias_row]
+        del gate_up
+        return weighted_sum_per_token(y, rows, weights, held).to(x.dtype)
 
 
 class GptOssMLP(nn.Module):

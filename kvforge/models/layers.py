@@ -300,12 +300,17 @@ class GatedMLP(nn.Module):
         self.act = get_activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        k = _fused_kernels(gate_up)
-        if k is not None and self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-            return self.down_proj(k[1].silu_and_mul(gate_up))
-        i = self.intermediate_size
-        return self.down_proj(self.act(gate_up[..., :i]) * gate_up[..., i:])
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+
+
+def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up = [gate | up]`` (last axis, halves of equal width): one fused kernel for
+    SiLU over a 2-D row-major ``gate_up`` where the fused kernels run, else the two elementwise calls."""
+    k = _fused_kernels(gate_up)
+    if k is not None and act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return k[1].silu_and_mul(gate_up)
+    i = gate_up.shape[-1] // 2
+    return act(gate_up[..., :i]) * gate_up[..., i:]
 
 
 def store_input_major(modules) -> None:

@@ -33,7 +33,7 @@ said otherwise:
 * routed experts: the router's float32 input and scores, then per routed row (``T x top_k`` on CUDA,
   where every rank sorts all slots for ``torch._grouped_mm``; on CPU at most ``T`` rows run one expert
   at a time): the gathered input, ``gate_up``, ``act(gate)`` and the product, the expert output, its
-  float32 weighted copy and the cast (gpt-oss: its clamped SwiGLU's intermediates instead), the slots'
+  copy in token order and that copy in float32 for the weighted sum (kvforge/models/expert_rows.py; gpt-oss: its clamped SwiGLU's intermediates instead), the slots'
   bookkeeping and the layer's output ``[T, hidden]``; shared experts after them;
 * the head: the hidden rows and the sampler over ``max_num_seqs x (1 + num_speculative_tokens)`` rows
   of the vocabulary at ``SAMPLER_BYTES_PER_LOGIT`` (float32 logits, the temperature-scaled copy, the
@@ -196,7 +196,7 @@ def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: in
         per_row = max(7 * inter + hidden, 2 * inter + 4 * hidden) * e
     else:
         per_row = (2 * inter + 2 * inter) * e  # gate_up, act(gate), the product
-        per_row += hidden * e * 2 + hidden * 4  # gathered input (or output), expert output, float32 weighted copy
+        per_row += hidden * e * 2 + hidden * 4  # expert output, beside the gathered input or the output in token order; float32 copy
     routed = routed_rows * per_row + slots + t * hidden * e  # the slots' bookkeeping; the layer's output
     shared = int(_cfg(config, "n_shared_experts", default=0)) * inter
     shared = shared or int(_cfg(config, "shared_expert_intermediate_size", default=0))

@@ -1,0 +1,60 @@
+"""Routed (token, slot) rows grouped by expert for ``torch._grouped_mm``, and their weighted sum back per token.
+
+A MoE layer routes each of ``T`` tokens to ``k`` experts: ``T * k`` rows, row ``r`` being token ``r // k``'s
+slot ``r % k``. :func:`group_by_expert` orders the rows by expert (stably, so within an expert by row) and
+gives the cumulative row counts ``torch._grouped_mm`` takes as ``offs``; rows whose expert is held elsewhere
+carry the id ``num_experts`` and sort last, past ``offs[-1]``. :func:`weighted_sum_per_token` undoes the
+order and sums each token's ``k`` outputs with their router weights.
+
+Both run on the device with static shapes and no host synchronization, so a step using them can be
+captured in a CUDA graph. The sort keys are int16 (expert ids are far below 32,767): a radix sort then
+makes a quarter of the passes of int64 keys. The sum is one batched product per token (``[1, k] @ [k,
+hidden]`` in float32) rather than an atomic ``index_add_`` in the model dtype: deterministic, one rounding
+to the model dtype per output, and no atomics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """``order[p]``: the flat row at sorted position ``p``; ``offs`` int32 ``[num_experts]``: the end of each
+    expert's range of sorted positions; ``expert[p]``: the expert id at position ``p`` (``num_experts`` for
+    rows held elsewhere); ``tokens[p] = order[p] // k``, the token whose input row position ``p`` takes."""
+
+    order: torch.Tensor
+    offs: torch.Tensor
+    expert: torch.Tensor
+    tokens: torch.Tensor
+
+
+def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> ExpertRows:
+    """Group the ``T * top_k`` rows of ``flat_ids`` (int, ``num_experts`` for a row held elsewhere) by expert."""
+    if num_experts >= torch.iinfo(torch.int16).max:
+        raise ValueError(f"{num_experts} experts: expert ids must fit int16 keys")
+    order = torch.argsort(flat_ids.to(torch.int16), stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))
+    offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    return ExpertRows(order=order, offs=offs, expert=flat_ids[order], tokens=order // top_k)
+
+
+def weighted_sum_per_token(y: torch.Tensor, rows: ExpertRows, weights: torch.Tensor,
+                           held: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y_row(t, j)`` in ``y``'s dtype, ``y`` being the experts' outputs in
+    sorted order (``[T * k, hidden]``) and ``weights`` ``[T, k]``.
+
+    ``held`` (bool ``[T, k]``; None: every slot) marks the slots whose expert is held here: the others were
+    not computed (their rows, past ``offs[-1]``, hold arbitrary values) and add nothing."""
+    t, k = weights.shape
+    per_token = torch.empty_like(y).index_copy_(0, rows.order, y)  # row (t, j) back at t * k + j
+    w = weights.to(torch.float32)
+    if held is not None:
+        per_token.masked_fill_(~held.reshape(-1, 1), 0)
+        w = torch.where(held, w, torch.zeros_like(w))
+    out = torch.bmm(w.view(t, 1, k), per_token.view(t, k, -1).to(torch.float32))
+    return out.view(t, -1).to(y.dtype)
