@@ -14,8 +14,8 @@ from kvforge.errors import KVForgeError
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from kvforge.cli_args import DEFAULT_MAX_NUM_SEQS
     from kvforge.planner.api import plan as make_plan
+    from kvforge.planner.inputs import DEFAULT_MAX_NUM_SEQS
     from kvforge.speculative.config import resolve_speculative
 
     speculative = resolve_speculative(args.speculative_config, args.num_speculative_tokens)

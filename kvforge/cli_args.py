@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from kvforge.planner.inputs import QUERY_DTYPE_CHOICES
-
-DEFAULT_MAX_NUM_SEQS = 256  # sequences one step may run when --max-num-seqs is not given
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # share of the GPU's memory a run plans for (vLLM's default)
+from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, QUERY_DTYPE_CHOICES
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

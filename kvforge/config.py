@@ -12,14 +12,9 @@ import logging
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
-from kvforge.cli_args import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_NUM_SEQS,
-    add_plan_args,
-    non_negative_int,
-    positive_int,
-)
+from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
 from kvforge.errors import ConfigError
+from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 logger = logging.getLogger("kvforge.config")

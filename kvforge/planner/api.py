@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.inputs import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    CacheConfig,
+    ParallelConfig,
+)
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.resolver import resolve
 from kvforge.spec.load import load_model_spec
@@ -10,9 +15,9 @@ from kvforge.spec.load import load_model_spec
 
 def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
          block_size: int | None = None, max_model_len: int | None = None, num_speculative_tokens: int = 0,
-         kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+         kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
          device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
-         calculate_kv_scales: bool = False, max_num_seqs: int = 256, query_dtype: str = "auto",
+         calculate_kv_scales: bool = False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, query_dtype: str = "auto",
          state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False,
          max_num_batched_tokens: int | None = None) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;

@@ -9,6 +9,10 @@ from kvforge.kv_dtypes import canonical_kv_dtype
 
 PLATFORMS = ("cpu", "cuda")
 SCALE_SCHEMES = ("per_tensor", "per_head")
+#: Share of the GPU's memory a run plans for (vLLM's default).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+#: Sequences one step may run when --max-num-seqs is not given.
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
@@ -47,10 +51,10 @@ class CacheConfig:
     num_speculative_tokens: int = 0
     kv_cache_memory: int | None = None
     gpu_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     #: "auto": the model dtype, except where a backend declares a quantized query that is not opt-in (none of
     #: the built-in backends does); "model": always the model dtype; "fp8": the backend's declared quantized
     #: query on every attention layer, or a PlanError naming the layers that cannot take it
