@@ -102,11 +102,24 @@ def _add_engine_commands(sub) -> None:
     cli_engine.register(sub)
 
 
+def command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)parser the command words of ``argv`` select (``kvforge bench serve ...``: bench's serve)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        word = next((w for w in argv if subs and w in subs[0].choices), None)
+        if word is None:
+            return parser
+        parser = subs[0].choices[word]
+        argv = argv[argv.index(word) + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's own usage, not the top level's
+        command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:

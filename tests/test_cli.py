@@ -55,3 +55,18 @@ def test_reader_that_stops_early_is_not_an_error():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize("argv,prog", [
+    (["plan", "--bogus"], "kvforge plan"),
+    (["serve", "--bogus"], "kvforge serve"),
+    (["bench", "serve", "--bogus"], "kvforge bench serve"),
+    (["eval", "kld", "--bogus"], "kvforge eval kld"),
+])
+def test_unknown_flag_is_reported_with_the_subcommands_usage(capsys, argv, prog):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: {prog}" in err
+    assert f"{prog}: error: unrecognized arguments: --bogus" in err
