@@ -71,3 +71,36 @@ def test_cpu_engine_keeps_the_loop(monkeypatch):
     monkeypatch.setattr(MoE, "_routed_grouped", lambda *a, **k: called.append(1))
     moe(torch.randn(4, 64))
     assert not called
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked):
+    """With the Triton expert kernel routed (CUDA, or Triton's CPU interpreter here), the grouped path still
+    equals the loop: every expert's rows, and under an expert mask only the slots held here. float16:
+    the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
+    from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
+
+    if not KERNELS_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    skip_unless_loaded_loop_bounds_work()
+    from kvforge.models import expert_gemm_route
+
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
+    called = []
+    real = expert_gemm_route.use_triton_expert_gemm
+    monkeypatch.setattr(expert_gemm_route, "use_triton_expert_gemm", lambda *a: called.append(real(*a)) or real(*a))
+    moe = _moe(torch.float16).to(DEVICE)
+    x = torch.randn(21, 64).to(torch.float16).to(DEVICE)
+    w, ids = moe.gate(x)
+    valid = None
+    if masked:
+        valid = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE) < 0.5
+        ids = torch.where(valid, ids, torch.zeros_like(ids))
+    with torch.no_grad():
+        grouped = moe._routed_grouped(x, w, ids, valid).float().cpu()
+        loop = moe.cpu().float()._routed_loop(x.cpu().float(), w.cpu().float(), ids.cpu(),
+                                              None if valid is None else valid.cpu()).float()
+    assert called == [True, True]  # both products ran the kernel
+    assert loop.abs().max() > 0
+    assert (grouped - loop).abs().max() <= 2 ** -8 * loop.abs().max()

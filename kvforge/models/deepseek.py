@@ -64,6 +64,7 @@ from kvforge.models.decoder import (
     required_int,
 )
 from kvforge.models.deepseek_mtp import DeepseekMTPLayer
+from kvforge.models.expert_gemm_route import grouped_expert_matmul
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
@@ -335,8 +336,8 @@ class MoE(nn.Module):
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
         rows = group_by_expert(flat, n, k)
-        gate_up = torch._grouped_mm(x[rows.tokens], self.experts_gate_up.transpose(-2, -1), offs=rows.offs)
-        y = torch._grouped_mm(act_and_mul(gate_up, self.act), self.experts_down.transpose(-2, -1), offs=rows.offs)
+        gate_up = grouped_expert_matmul(x, self.experts_gate_up, rows, gather=True)
+        y = grouped_expert_matmul(act_and_mul(gate_up, self.act), self.experts_down, rows, gather=False)
         del gate_up
         return weighted_sum_per_token(y, rows, weights, valid).to(x.dtype)
 

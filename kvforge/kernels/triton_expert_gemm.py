@@ -1,0 +1,107 @@
+"""Triton kernel: the routed experts' products for a few rows per expert, each expert's weight read once.
+
+The rows of a MoE step are grouped by expert (kvforge/models/expert_rows.py): sorted positions
+``offs[e - 1] <= p < offs[e]`` belong to expert ``e``. For sorted position ``p`` the kernel computes
+``out[p] = a[src[p]] @ weight[e].T`` with ``weight [E, N, K]`` (K contiguous, ``nn.Linear``'s layout per
+expert) and ``src`` the row of ``a`` that position takes (``GATHER``: the token's input row; otherwise
+``src[p] = p``, the previous product's rows in sorted order). This is ``torch._grouped_mm(a[src], weight.
+transpose(1, 2), offs=offs)`` without the gathered copy of ``a``. Positions from ``offs[-1]`` on (slots whose
+expert is held by another rank) are not written.
+
+In a decode step each expert has a few rows (64 tokens x top-6 over 64 experts: ~6), so the product is
+bound by reading the experts' weights. Grid ``(E, cdiv(N, BLOCK_N))``: a program owns ``BLOCK_N`` weight
+rows of one expert, and for each block of 16 of the expert's rows streams them over K in ``BLOCK_K``
+chunks into ``tl.dot`` (the rows padded to 16, the MMA's smallest dimension; padded rows load zeros and
+are not stored). An expert without rows costs its programs one load of ``offs``; an expert with more than
+16 rows reads its weight tile once per block of 16, the repeats from L2.
+
+Numerics: bf16/fp16 products exact in float32, float32 sums (the order of the float32 additions differs
+from other GEMMs), one rounding to ``a``'s dtype. The launch is a pure function of the shapes; no host
+synchronization, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
+
+#: Input and weight dtypes the kernel takes (one dtype for both).
+DTYPES = (torch.bfloat16, torch.float16)
+#: Rows per ``tl.dot`` (its smallest dimension), weight rows per program, K chunk, warps, pipeline stages.
+ROWS = 16
+BLOCK_N = 16
+BLOCK_K = 256
+NUM_WARPS = 4
+NUM_STAGES = 4
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _expert_gemm_kernel(
+        a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr,
+        N, K, stride_am, stride_we, stride_wn, stride_om,
+        GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        expert = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        end = tl.load(offs_ptr + expert)
+        start = tl.load(offs_ptr + tl.maximum(expert - 1, 0))
+        start = tl.where(expert > 0, start, 0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N load row N - 1 and are never stored
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
+        n_mask = offs_n < N
+        for m0 in range(start, end, ROWS):
+            pos = m0 + tl.arange(0, ROWS)
+            m_mask = pos < end
+            if GATHER:
+                src = tl.load(src_ptr + pos, mask=m_mask, other=0).to(tl.int64)
+            else:
+                src = pos.to(tl.int64)
+            a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]
+            acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)  # acc[n, m] = sum_k w[n, k] * a[m, k]
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                if EVEN_K:
+                    w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+                    a = tl.load(a_ptrs + k0, mask=m_mask[:, None], other=0.0)
+                else:
+                    k_mask = (k0 + offs_k) < K
+                    w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+                    a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = tl.dot(w, tl.trans(a), acc)
+            out_ptrs = out_ptr + pos.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
+                num_rows: int | None = None) -> torch.Tensor:
+    """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T`` for each sorted position ``p`` of expert
+    ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] = p``).
+    ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``)."""
+    if not HAS_TRITON:
+        raise RuntimeError("expert_gemm needs triton")
+    if a.dim() != 2 or weight.dim() != 3 or a.shape[1] != weight.shape[2]:
+        raise ValueError(f"expert_gemm wants a [rows, K] and weight [E, N, K], got {tuple(a.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if a.dtype != weight.dtype or a.dtype not in DTYPES:
+        raise ValueError(f"expert_gemm takes bfloat16 or float16 of one dtype, got {a.dtype} and {weight.dtype}")
+    if a.stride(1) != 1 or weight.stride(2) != 1:
+        raise ValueError("expert_gemm needs a and weight contiguous along K")
+    if offs.shape != (weight.shape[0],):
+        raise ValueError(f"offs must be [E] = [{weight.shape[0]}], got {tuple(offs.shape)}")
+    e, n, k = weight.shape
+    rows = num_rows if num_rows is not None else (src.shape[0] if src is not None else a.shape[0])
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    if rows == 0 or n == 0:
+        return out
+    block_k = max(16, min(BLOCK_K, triton.next_power_of_2(k)))
+    _expert_gemm_kernel[(e, triton.cdiv(n, BLOCK_N))](
+        a, weight, out, offs, src if src is not None else offs,
+        n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        GATHER=src is not None, ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out

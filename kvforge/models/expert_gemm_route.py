@@ -1,0 +1,65 @@
+"""Which kernel multiplies the routed experts' rows: ``torch._grouped_mm`` or the Triton expert kernel
+(kvforge/kernels/triton_expert_gemm.py), decided in one place.
+
+:func:`use_triton_expert_gemm` is the rule and :func:`grouped_expert_matmul` applies it to one product of
+rows grouped by expert (kvforge/models/expert_rows.py). The Triton kernel takes a product when
+
+* the switch is on: :data:`TRITON_EXPERT_GEMM`, from ``KVFORGE_TRITON_EXPERT_GEMM`` in the environment
+  (kvforge/env.py), else :data:`TRITON_EXPERT_GEMM_DEFAULT`; assigning the module attribute before a
+  forward (and before CUDA-graph capture, which records whichever path ran) overrides both;
+* the tensors are on a device type in :data:`TRITON_EXPERT_GEMM_DEVICES` (CUDA; tests add ``"cpu"`` to run
+  the kernel in Triton's interpreter);
+* input and weight are bfloat16 or float16 of one dtype, the weight ``[E, N, K]`` with K contiguous and
+  the input contiguous along K;
+* the step has at most :data:`TRITON_EXPERT_GEMM_MAX_ROWS` routed rows (tokens x top-k): a decode step's
+  few rows per expert, where reading the weights bounds the product. Prefill steps keep
+  ``torch._grouped_mm``.
+
+The rule reads shapes and dtypes only, so a CUDA graph captured for a batch holds the kernel an eager step
+of that batch runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.env import ENV
+from kvforge.models.expert_rows import ExpertRows
+
+#: Whether the kernel serves where the environment does not say: off until it is measured against
+#: ``torch._grouped_mm`` on a GPU (docs/KERNELS.md).
+TRITON_EXPERT_GEMM_DEFAULT = False
+#: The process's switch (see the module docstring).
+TRITON_EXPERT_GEMM: bool = (TRITON_EXPERT_GEMM_DEFAULT if ENV.triton_expert_gemm is None
+                            else ENV.triton_expert_gemm)
+TRITON_EXPERT_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
+#: The most routed rows a step's product may have for the kernel: 256 decode tokens x top-8.
+TRITON_EXPERT_GEMM_MAX_ROWS = 2048
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product of ``num_rows`` routed rows of ``a`` by ``weight [E, N, K]`` runs the kernel."""
+    return (
+        TRITON_EXPERT_GEMM
+        and a.device.type in TRITON_EXPERT_GEMM_DEVICES
+        and a.dtype in _DTYPES
+        and weight.dtype == a.dtype
+        and 0 < num_rows <= TRITON_EXPERT_GEMM_MAX_ROWS
+        and weight.dim() == 3
+        and weight.stride(2) == 1
+        and a.stride(-1) == 1
+        and not torch.is_grad_enabled()
+    )
+
+
+def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRows, gather: bool) -> torch.Tensor:
+    """``out[p] = a_row(p) @ weight[expert(p)].T`` for every sorted position ``p`` (``[len(order), N]``):
+    ``a_row(p) = a[rows.tokens[p]]`` with ``gather``, else ``a[p]`` (rows already in sorted order). Positions
+    past ``rows.offs[-1]`` are not computed."""
+    num_rows = rows.order.shape[0]
+    if use_triton_expert_gemm(num_rows, a, weight):
+        from kvforge.kernels.triton_expert_gemm import expert_gemm
+
+        return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows)
+    return torch._grouped_mm(a[rows.tokens] if gather else a, weight.transpose(-2, -1), offs=rows.offs)

@@ -1,0 +1,94 @@
+"""The routed experts' kernel (kvforge/kernels/triton_expert_gemm.py) against a float64 loop over rows.
+
+Tolerance per output element, as for the small-M linear kernel (tests/test_small_m_linear.py): products
+of two 16-bit values are exact in float32, the sum of ``K`` of them in any order is within ``g * S``
+(``S = |a| @ |w|.T``, ``g = 4 * (K + 1) * 2^-24``), and the one rounding to the dtype moves the value by
+at most ``eps * |value|``: ``|y - ref| <= eps * (|ref| + g S) + g S``.
+
+Runs compiled on CUDA, or in Triton's CPU interpreter elsewhere at small shapes, in float16 there
+(the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_kernel_device import DEVICE, INTERPRETED, requires_kernels, skip_unless_loaded_loop_bounds_work
+
+from kvforge.kernels.triton_expert_gemm import expert_gemm
+
+pytestmark = requires_kernels
+
+DTYPES = [torch.float16] if INTERPRETED else [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _loop_bounds():
+    skip_unless_loaded_loop_bounds_work()  # the row loop runs between loaded offsets
+
+
+def _case(counts, n, k, dtype, tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = len(counts)
+    weight = torch.randn(e, n, k, generator=g).to(dtype)
+    a = torch.randn(tokens, k, generator=g).to(dtype)
+    rows = sum(counts)
+    src = torch.randint(0, tokens, (rows,), generator=g)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    experts = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    return a, weight, offs, src, experts
+
+
+def _check(got, a_rows, weight, experts, dtype):
+    k = weight.shape[2]
+    w = weight[experts].double()  # [rows, N, K]
+    ref = torch.einsum("rk,rnk->rn", a_rows.double(), w)
+    s = torch.einsum("rk,rnk->rn", a_rows.double().abs(), w.abs())
+    gamma = 4 * (k + 1) * 2.0 ** -24
+    bound = torch.finfo(dtype).eps * (ref.abs() + gamma * s) + gamma * s
+    err = (got.double() - ref).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts,n,k", [
+    ([3, 0, 5, 1], 48, 64),  # an expert without rows; N a multiple of the 16-row blocks, K of the chunk
+    ([20, 2, 0, 7], 40, 40),  # 20 rows: two blocks of 16; N and K with ragged ends
+    ([1], 16, 16),
+])
+def test_gathered_rows_match_a_float64_loop(dtype, counts, n, k):
+    a, weight, offs, src, experts = _case(counts, n, k, dtype, tokens=9)
+    got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE)).cpu()
+    assert got.shape == (sum(counts), n) and got.dtype == dtype
+    _check(got, a[src], weight, experts, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_in_sorted_order_without_gather(dtype):
+    counts = [2, 17, 0, 4]
+    a, weight, offs, _, experts = _case(counts, 32, 48, dtype, tokens=sum(counts), seed=1)
+    got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE)).cpu()
+    _check(got, a, weight, experts, dtype)
+
+
+def test_positions_past_the_last_offset_are_left_alone():
+    """Slots held by another rank sort past ``offs[-1]``: their rows are neither read nor written."""
+    dtype = torch.float16
+    counts = [2, 3]
+    a, weight, offs, src, experts = _case(counts, 16, 32, dtype, tokens=6, seed=2)
+    src = torch.cat([src, torch.tensor([10**6, 10**6])])  # out-of-range sources: a read would fault
+    got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE)).cpu()
+    assert got.shape == (7, 16)
+    _check(got[:5], a[src[:5]], weight, experts, dtype)
+
+
+def test_bad_inputs_are_refused():
+    a = torch.zeros(4, 8, dtype=torch.float16)
+    w = torch.zeros(2, 16, 8, dtype=torch.float16)
+    offs = torch.tensor([1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one dtype"):
+        expert_gemm(a.float(), w.float(), offs)
+    with pytest.raises(ValueError, match=r"weight \[E, N, K\]"):
+        expert_gemm(a, w[:, :, :4], offs)
+    with pytest.raises(ValueError, match="offs must be"):
+        expert_gemm(a, w, offs[:1])
