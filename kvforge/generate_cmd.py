@@ -64,6 +64,20 @@ def _prompts(args: argparse.Namespace) -> list:
     return args.prompt or [DEFAULT_PROMPT]
 
 
+def _compare_kv_dtype(args: argparse.Namespace) -> str | None:
+    """``--compare-kv-dtype`` as a canonical KV dtype name (None when not given), checked before any weight
+    loads: the comparison engine is only built after the first run."""
+    from kvforge.errors import ConfigError
+    from kvforge.kv_dtypes import canonical_kv_dtype
+
+    if args.compare_kv_dtype is None:
+        return None
+    try:
+        return canonical_kv_dtype(args.compare_kv_dtype)
+    except ConfigError as exc:
+        raise ConfigError(f"--compare-kv-dtype: {exc}") from None
+
+
 def _shown(prompt) -> str:
     return prompt if isinstance(prompt, str) else f"token ids {prompt['prompt_token_ids']}"
 
@@ -92,6 +106,7 @@ def generate_main(args: argparse.Namespace) -> int:
     from kvforge.llm import LLM
 
     prompts = _prompts(args)
+    compare_kv_dtype = _compare_kv_dtype(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
     engine_args = EngineArgs.from_cli_args(args)
@@ -109,11 +124,13 @@ def generate_main(args: argparse.Namespace) -> int:
                     f"per step" if spec is not None and spec.num_drafts else "")
         print(f"[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}{accepted}]")
     print(f"\ngenerated {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s) with {llm.plan.kv_cache_dtype} KV")
-    if args.compare_kv_dtype:
+    if compare_kv_dtype is not None:
         if args.temperature != 0:
             print("note: --compare-kv-dtype compares greedy runs; use --temperature 0", file=sys.stderr)
-        other = LLM(**{**engine_args.__dict__, "kv_cache_dtype": args.compare_kv_dtype})
+        llm.shutdown()  # its KV pool would leave the second engine no device memory to plan for
+        other = LLM(**{**engine_args.__dict__, "kv_cache_dtype": compare_kv_dtype})
         ref = _run(other, prompts, params, args.chat)
+        other.shutdown()
         total_same, total = 0, 0
         print(f"\n{llm.plan.kv_cache_dtype} KV vs {other.plan.kv_cache_dtype} KV (greedy):")
         for i, (a, b) in enumerate(zip(outs, ref)):

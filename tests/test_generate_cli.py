@@ -69,3 +69,30 @@ def test_bench_offline_lengths_that_cannot_run_stop_before_the_engine(no_engine,
     assert main(["bench", "offline", "--load-format", "dummy", *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_an_unknown_compare_kv_dtype_stops_before_the_engine(no_engine, capsys):
+    assert main(["generate", "--compare-kv-dtype", "int4", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare-kv-dtype" in err and "'int4'" in err and "fp8_e5m2" in err and "Traceback" not in err
+
+
+def test_compare_kv_dtype_frees_the_first_engine_before_building_the_second(tmp_path, monkeypatch, capsys):
+    """On a GPU the first engine's KV pool holds the memory the second engine plans for, so it is shut down
+    first."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    built = []
+
+    class RecordingLLM(kvforge.llm.LLM):
+        def __init__(self, *a, **k):
+            built.append((self, [llm.engine.is_shut_down for llm, _ in built]))
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(kvforge.llm, "LLM", RecordingLLM)
+    code = main(["generate", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
+                 "--prompt-token-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--no-progress",
+                 "--compare-kv-dtype", "bf16"])
+    assert code == 0
+    assert "float32 KV vs bfloat16 KV (greedy)" in capsys.readouterr().out
+    assert [shut_down_before for _, shut_down_before in built] == [[], [True]]
+    assert all(llm.engine.is_shut_down for llm, _ in built)
