@@ -15,7 +15,6 @@ from kvforge.errors import KVForgeError
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvforge.planner.api import plan as make_plan
-    from kvforge.planner.inputs import DEFAULT_MAX_NUM_SEQS
     from kvforge.speculative.config import resolve_speculative
 
     speculative = resolve_speculative(args.speculative_config, args.num_speculative_tokens)
@@ -27,7 +26,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
         dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
         calculate_kv_scales=args.calculate_kv_scales,
-        max_num_seqs=DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs, query_dtype=args.query_dtype,
+        max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,
         state_dtype=args.state_dtype,
         draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
         mtp=speculative is not None and speculative.method == "mtp",

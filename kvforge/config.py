@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
 from kvforge.errors import ConfigError
-from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS
+from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 logger = logging.getLogger("kvforge.config")
@@ -115,21 +115,10 @@ class EngineArgs:
                               f"got {self.mla_prefill_mode!r}")
 
     def _resolve_max_num_seqs(self) -> int:
-        seqs, budget = self.max_num_seqs, self.max_num_batched_tokens
-        if seqs is None:
-            if budget is not None and budget < DEFAULT_MAX_NUM_SEQS:
-                logger.info("--max-num-batched-tokens %d is below the default --max-num-seqs %d: a step runs at "
-                            "most %d sequences (set --max-num-seqs to choose)", budget, DEFAULT_MAX_NUM_SEQS, budget)
-                return budget
-            return DEFAULT_MAX_NUM_SEQS
-        if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be an integer >= 1, got {seqs!r}")
-        if budget is not None and budget < seqs:
-            raise ConfigError(
-                f"--max-num-batched-tokens {budget} is below --max-num-seqs {seqs}: a step gives every running "
-                f"sequence at least one token, so it could not run {seqs} at once; raise --max-num-batched-tokens "
-                f"to at least {seqs}, or lower --max-num-seqs to at most {budget} (or drop --max-num-seqs: it then "
-                f"follows the budget)")
+        seqs = resolve_max_num_seqs(self.max_num_seqs, self.max_num_batched_tokens)
+        if self.max_num_seqs is None and seqs != DEFAULT_MAX_NUM_SEQS:
+            logger.info("--max-num-batched-tokens %d is below the default --max-num-seqs %d: a step runs at "
+                        "most %d sequences (set --max-num-seqs to choose)", seqs, DEFAULT_MAX_NUM_SEQS, seqs)
         return seqs
 
     def step_token_budget(self, platform: str) -> int:

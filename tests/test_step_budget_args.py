@@ -97,3 +97,21 @@ def test_gpu_memory_utilization_on_cpu_says_it_does_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="kvforge.engine"), pytest.raises(ConfigError):
         LLMEngine.from_engine_args(EngineArgs(model="no-such-model-dir", device="cpu", gpu_memory_utilization=0.5))
     assert "--gpu-memory-utilization 0.5 has no effect on CPU" in caplog.text
+
+
+def test_the_planner_takes_the_engines_rule(capsys):
+    """``kvforge plan`` and ``kvforge.plan`` refuse the pair the engine refuses, and plan for the sequences
+    the engine runs when only the budget is given (the activation reserve's split-attention partials grow
+    with the sequences)."""
+    import kvforge
+    from kvforge.cli import main
+
+    assert main(["plan", "--max-num-batched-tokens", "128", "--max-num-seqs", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-num-batched-tokens 128 is below --max-num-seqs 256" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens 128 is below --max-num-seqs 256"):
+        kvforge.plan(max_num_batched_tokens=128, max_num_seqs=256)
+    budget_alone = kvforge.plan("llama-3.1-8b", device="cuda", gpu_memory=141 * 10**9, max_num_batched_tokens=128)
+    engine_seqs = EngineArgs(max_num_batched_tokens=128).max_num_seqs
+    assert budget_alone == kvforge.plan("llama-3.1-8b", device="cuda", gpu_memory=141 * 10**9,
+                                        max_num_batched_tokens=128, max_num_seqs=engine_seqs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from kvforge.planner.inputs import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_NUM_SEQS,
     CacheConfig,
     ParallelConfig,
+    resolve_max_num_seqs,
 )
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.resolver import resolve
@@ -17,13 +17,14 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          block_size: int | None = None, max_model_len: int | None = None, num_speculative_tokens: int = 0,
          kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
          device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
-         calculate_kv_scales: bool = False, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, query_dtype: str = "auto",
+         calculate_kv_scales: bool = False, max_num_seqs: int | None = None, query_dtype: str = "auto",
          state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False,
          max_num_batched_tokens: int | None = None) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;
     ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
     checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``);
-    ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default)."""
+    ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default);
+    ``max_num_seqs`` (None: the default, capped at ``max_num_batched_tokens``) must fit in it, as in the engine."""
     from kvforge.kv_dtypes import platform_model_dtype
 
     spec = load_model_spec(model)
@@ -36,7 +37,7 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
                         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
-                        max_num_seqs=max_num_seqs, query_dtype=query_dtype,
+                        max_num_seqs=resolve_max_num_seqs(max_num_seqs, max_num_batched_tokens), query_dtype=query_dtype,
                         state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens)
     model_dtype = platform_model_dtype(dtype, device, spec.model_dtype)
     draft_spec = load_model_spec(draft_model) if draft_model is not None else None

@@ -28,6 +28,27 @@ def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
     return value
 
 
+def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int | None) -> int:
+    """Sequences one step may run. A step gives each running sequence at least one token, so the token
+    budget must hold them: both given and the budget smaller is a ConfigError naming both; the budget alone
+    caps the default DEFAULT_MAX_NUM_SEQS at itself; neither given is the default. The engine
+    (EngineArgs) and the planner (``kvforge.plan``, ``kvforge plan``) both ask here."""
+    seqs = max_num_seqs
+    budget = None if max_num_batched_tokens is None else _positive_int("--max-num-batched-tokens",
+                                                                       max_num_batched_tokens)
+    if seqs is None:
+        return budget if budget is not None and budget < DEFAULT_MAX_NUM_SEQS else DEFAULT_MAX_NUM_SEQS
+    if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be an integer >= 1, got {seqs!r}")
+    if budget is not None and budget < seqs:
+        raise ConfigError(
+            f"--max-num-batched-tokens {budget} is below --max-num-seqs {seqs}: a step gives every running "
+            f"sequence at least one token, so it could not run {seqs} at once; raise --max-num-batched-tokens "
+            f"to at least {seqs}, or lower --max-num-seqs to at most {budget} (or drop --max-num-seqs: it then "
+            f"follows the budget)")
+    return seqs
+
+
 #: ``--query-dtype`` values (CacheConfig.query_dtype).
 QUERY_DTYPE_CHOICES: tuple[str, ...] = ("auto", "model", "fp8")
 #: ``--state-dtype`` values (CacheConfig.state_dtype): the storage dtype of linear-attention state slots.
