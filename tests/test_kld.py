@@ -18,6 +18,7 @@ from kvforge.eval.cli import add_kld_args, kld_configs, kld_main
 from kvforge.eval.kld import QuantConfig, kld_stats, plan_windows, token_stats
 
 LN2 = math.log(2.0)
+PROSE = Path(__file__).parent / "data" / "english_prose.txt"  # written for these tests
 
 
 def logits_of(*rows):
@@ -199,7 +200,6 @@ def _fake_make_engine(model, kv_cache_dtype, overrides=None):
 @pytest.fixture
 def fake_engines(monkeypatch):
     monkeypatch.setattr(kld, "make_engine", _fake_make_engine)
-    monkeypatch.setattr(kld, "engine_arg_fields", lambda: {"model", "kv_cache_dtype", "max_model_len"})
 
 
 def _parse(argv):
@@ -275,12 +275,38 @@ def test_missing_text(fake_engines, tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+@pytest.fixture
+def no_engine(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("an engine was built although the command cannot run")
+
+    monkeypatch.setattr(kld, "make_engine", boom)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--ctx", "2"], "--ctx 2 is too short"),
+    (["--ctx", "512,3"], "--ctx 3 is too short"),
+    (["--kv-cache-dtype", "fp8,int4"], "unknown KV cache dtype 'int4'"),
+    (["--kv-scale-scheme", "per_tensor,per_channel"], "--kv-scale-scheme must be one of per_tensor, per_head"),
+    (["--kv-scale-multiplier", "0"], "--kv-scale-multiplier must be > 0"),
+    (["--engine-arg", "block_sise=16"], "EngineArgs has no field 'block_sise'"),
+])
+def test_options_that_cannot_work_stop_before_any_engine(no_engine, capsys, argv, needle):
+    """The baseline engine loads its weights first; a bad quantized config or window size is refused
+    before that, with the message naming it."""
+    assert kld_main(_parse(["--text", str(PROSE), "--no-progress", *argv])) == 1
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_kv_cache_memory_takes_byte_sizes_like_the_engine_flags():
+    assert _parse(["--kv-cache-memory", "16MiB"]).kv_cache_memory == 16 << 20
+    assert _parse(["--kv-cache-memory", "8GB"]).kv_cache_memory == 8 * 10**9
+
+
 # ---------------------------------------------------------------------------
 # the real engine (SmolLM2-135M on CPU)
 # ---------------------------------------------------------------------------
-
-
-PROSE = Path(__file__).parent / "data" / "english_prose.txt"  # written for these tests
 
 
 @pytest.mark.slow

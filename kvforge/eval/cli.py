@@ -17,6 +17,7 @@ import json
 import math
 import sys
 
+from kvforge.cli_args import parse_bytes
 from kvforge.data_paths import DATA_DIR_HELP
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key
 
@@ -157,7 +158,7 @@ def add_kld_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="engine device")
     parser.add_argument("--dtype", default="auto",
                         help="model dtype of every engine (default auto: float32 on CPU, the config's on CUDA)")
-    parser.add_argument("--kv-cache-memory", type=int, default=kld.DEFAULT_KV_CACHE_MEMORY, metavar="BYTES",
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=kld.DEFAULT_KV_CACHE_MEMORY, metavar="BYTES",
                         help="KV bytes for EACH engine (they coexist on one device; default %(default)s)")
     parser.add_argument("--engine-arg", action="append", type=_kv_pair, default=[], metavar="KEY=VALUE",
                         help="extra EngineArgs field for every engine (e.g. --engine-arg device=cpu)")

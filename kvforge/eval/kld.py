@@ -32,6 +32,8 @@ import numpy as np
 
 DEFAULT_CTX = (512,)
 DEFAULT_MAX_TOKENS = 20_000
+# The smallest window: its second half (positions ctx//2 .. ctx-2) must score at least one token.
+MIN_CTX = 4
 # KV bytes per engine. The baseline and every quantized engine live on one
 # device at once, so none may size its cache from "free memory" (on CUDA the
 # first would take it all). 512 MiB holds a 2048-token window of a 7B-class
@@ -177,6 +179,13 @@ def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------
 
 
+def check_ctx(ctx: int) -> None:
+    """ValueError unless a window of ``ctx`` tokens scores at least one token."""
+    if ctx < MIN_CTX:
+        raise ValueError(f"--ctx {ctx} is too short: a window scores its second half, so it needs at least "
+                         f"{MIN_CTX} tokens; use --ctx {MIN_CTX} or more (default {DEFAULT_CTX[0]})")
+
+
 def plan_windows(num_tokens: int, ctx: int, max_scored: int) -> list[tuple[int, int]]:
     """Consecutive windows ``(start, length)`` over a token stream.
 
@@ -184,8 +193,7 @@ def plan_windows(num_tokens: int, ctx: int, max_scored: int) -> list[tuple[int, 
     the last window is shortened so the total scored is ``min(max_scored,
     available)``. Raises ValueError if not even one window fits.
     """
-    if ctx < 4:
-        raise ValueError(f"ctx must be >= 4, got {ctx}")
+    check_ctx(ctx)
     first = ctx // 2
     per = ctx - 1 - first
     windows: list[tuple[int, int]] = []
@@ -243,10 +251,9 @@ def engine_arg_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
-def make_engine(model: str | None, kv_cache_dtype: str, overrides: dict | None = None):
-    """Build an :class:`LLMEngine` for ``model`` (None = embedded SmolLM2)."""
+def engine_args(model: str | None, kv_cache_dtype: str, overrides: dict | None = None):
+    """The :class:`EngineArgs` of one engine (ValueError naming a field EngineArgs does not have)."""
     from kvforge.config import EngineArgs
-    from kvforge.engine.llm_engine import LLMEngine
 
     names = engine_arg_fields()
     kwargs = {"model": model, "kv_cache_dtype": kv_cache_dtype}
@@ -254,7 +261,26 @@ def make_engine(model: str | None, kv_cache_dtype: str, overrides: dict | None =
         if k not in names:
             raise ValueError(f"EngineArgs has no field {k!r} (fields: {', '.join(sorted(names))})")
         kwargs[k] = v
-    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    return EngineArgs(**kwargs)
+
+
+def make_engine(model: str | None, kv_cache_dtype: str, overrides: dict | None = None):
+    """Build an :class:`LLMEngine` for ``model`` (None = embedded SmolLM2)."""
+    from kvforge.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(engine_args(model, kv_cache_dtype, overrides))
+
+
+def check_engines(model: str | None, configs: list[QuantConfig], common: dict) -> None:
+    """Check every engine's options before any engine loads weights: EngineArgs' own checks and the
+    planner's input checks (KV dtype, scale scheme). Without this a bad quantized config would only fail
+    once the baseline's weights were loaded."""
+    from kvforge.planner.inputs import CacheConfig
+
+    for dtype, overrides in [("auto", common)] + [(c.kv_cache_dtype, {**common, **dict(c.overrides)})
+                                                 for c in configs]:
+        args = engine_args(model, dtype, overrides)
+        CacheConfig(kv_cache_dtype=args.kv_cache_dtype, kv_scale_scheme=args.kv_scale_scheme)
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -301,6 +327,8 @@ def run_kld(
 
     log = log or (lambda msg: print(msg, file=sys.stderr))
     configs = configs or [QuantConfig("fp8")]
+    for ctx in ctxs:
+        check_ctx(ctx)
     text_path = Path(text_path) if text_path is not None else default_text_path()
     if not text_path.is_file():
         raise FileNotFoundError(f"text file {text_path} not found (pass --text FILE)")
@@ -314,6 +342,7 @@ def run_kld(
     if "progress" in fields and "progress" not in common:
         common["progress"] = progress
 
+    check_engines(model, configs, common)
     t0 = time.perf_counter()
     base = make_engine(model, "auto", common)
     quants = []
