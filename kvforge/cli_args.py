@@ -70,6 +70,26 @@ def fraction(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def http_url(text: str) -> str:
+    """A server's http(s) URL with a host, e.g. http://127.0.0.1:8000 (a /v1 suffix is fine)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http(s) URL of a server; example: http://127.0.0.1:8000")
+    return text.strip()
+
+
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     """The flags that decide the KV-cache plan (shared by plan/generate/serve)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)

@@ -449,3 +449,32 @@ def test_real_server_limit_3(tmp_path, capsys):
         assert r["completion"].strip(), r  # the model said something
         assert "Question:" not in r["completion"]
         assert r["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--base-url", "notaurl"], "argument --base-url: 'notaurl' is not an http(s) URL"),
+    (["--base-url", "http://127.0.0.1:9", "--max-tokens", "0"], "argument --max-tokens: '0' must be >= 1"),
+    (["--base-url", "http://127.0.0.1:9", "--timeout", "-1"], "argument --timeout: '-1' must be > 0"),
+    (["--base-url", "http://127.0.0.1:9", "--limit", "0"], "argument --limit: '0' must be >= 1"),
+    (["--base-url", "http://127.0.0.1:9", "--num-fewshot", "-1"], "argument --num-fewshot: '-1' must be >= 0"),
+])
+def test_bad_values_are_usage_errors_naming_the_flag(capsys, argv, needle):
+    from kvforge.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "gsm8k", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "kvforge eval gsm8k: error: " + needle in err
+
+
+def test_no_server_at_the_url_says_how_to_start_one(tmp_path, capsys):
+    data = _write_data(tmp_path)
+    with socket.socket() as s:  # a port nobody listens on once the socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = _parse(["--base-url", f"http://127.0.0.1:{port}", "--data-dir", str(data), "--limit", "1",
+                   "--no-progress"])
+    assert gsm8k_main(args) == 1
+    err = capsys.readouterr().err
+    assert f"cannot reach a server at --base-url http://127.0.0.1:{port}" in err and "kvforge serve" in err

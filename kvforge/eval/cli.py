@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from kvforge.cli_args import parse_bytes
+from kvforge.cli_args import http_url, non_negative_int, parse_bytes, positive_float, positive_int
 from kvforge.data_paths import DATA_DIR_HELP
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key
 
@@ -35,22 +35,24 @@ def add_gsm8k_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "that the few-shot examples are the first N of the train split (lm-eval's 'sampler: first_n'; "
         "its gsm8k default samples them at random)."
     )
-    parser.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
+    parser.add_argument("--base-url", required=True, type=http_url,
+                        help="server URL, e.g. http://127.0.0.1:8000 (or .../v1)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    parser.add_argument("--num-fewshot", type=int, default=gsm8k.DEFAULT_NUM_FEWSHOT,
+    parser.add_argument("--num-fewshot", type=non_negative_int, default=gsm8k.DEFAULT_NUM_FEWSHOT,
                         help="few-shot examples: the first N of the train split, as lm-eval's "
                              "'sampler: first_n' (default %(default)s)")
-    parser.add_argument("--limit", type=int, default=None, help="only the first N test questions")
-    parser.add_argument("--concurrency", type=int, default=gsm8k.DEFAULT_CONCURRENCY,
+    parser.add_argument("--limit", type=positive_int, default=None, help="only the first N test questions")
+    parser.add_argument("--concurrency", type=positive_int, default=gsm8k.DEFAULT_CONCURRENCY,
                         help="requests in flight at once (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=gsm8k.DEFAULT_MAX_TOKENS,
+    parser.add_argument("--max-tokens", type=positive_int, default=gsm8k.DEFAULT_MAX_TOKENS,
                         help="max generated tokens per question (default %(default)s)")
     parser.add_argument("--output", default=None, metavar="FILE.jsonl", help="write one JSON line per question")
     parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
     parser.add_argument("--data-dir", default=None,
                         help="data folder holding gsm8k/ (test.jsonl, train.jsonl), like $KVFORGE_DATA_DIR, or the "
                              f"gsm8k/ folder itself (default: gsm8k/ in {DATA_DIR_HELP})")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default %(default)s)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="seconds per request (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -59,11 +61,10 @@ def add_gsm8k_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def gsm8k_main(args: argparse.Namespace) -> int:
     import asyncio
 
+    import aiohttp
+
     from kvforge.eval import gsm8k
 
-    if args.num_fewshot < 0 or (args.limit is not None and args.limit < 1) or args.concurrency < 1:
-        print("error: --num-fewshot must be >= 0, --limit and --concurrency >= 1", file=sys.stderr)
-        return 2
     try:
         result = asyncio.run(
             gsm8k.run_gsm8k(
@@ -79,6 +80,10 @@ def gsm8k_main(args: argparse.Namespace) -> int:
                 progress=not args.no_progress,
             )
         )
+    except aiohttp.ClientConnectorError as e:
+        print(f"error: cannot reach a server at --base-url {args.base_url} ({e}); start one with `kvforge serve` "
+              f"or pass the URL of a running one", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
