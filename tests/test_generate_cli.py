@@ -96,3 +96,21 @@ def test_compare_kv_dtype_frees_the_first_engine_before_building_the_second(tmp_
     assert "float32 KV vs bfloat16 KV (greedy)" in capsys.readouterr().out
     assert [shut_down_before for _, shut_down_before in built] == [[], [True]]
     assert all(llm.engine.is_shut_down for llm, _ in built)
+
+
+@pytest.mark.parametrize("flag", ["--num-prompts", "--repetitions"])
+def test_bench_offline_counts_below_one_are_usage_errors(no_engine, capsys, flag):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "offline", "--load-format", "dummy", flag, "0"])
+    assert exc.value.code == 2
+    assert f"argument {flag}: '0' must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_offline_runs_at_a_max_model_len_shorter_than_its_warm_up_prompts(tmp_path, capsys):
+    """The warm-up's prompts are cut to the model length; they keep at least one token."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "offline", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                 "--skip-tokenizer-init", "--kv-cache-memory", "1MiB", "--max-model-len", "8", "--num-prompts", "2",
+                 "--input-len", "2", "2", "--output-len", "2", "2", "--no-progress", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["output_tokens"] == 4

@@ -67,13 +67,14 @@ from kvforge.speculative.stats import spec_decode_summary
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
+    from kvforge.cli_args import positive_int
     from kvforge.config import EngineArgs
 
     EngineArgs.add_cli_args(p)
-    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--num-prompts", type=positive_int, default=256)
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--repetitions", type=int, default=1, help="timed runs (median reported)")
+    p.add_argument("--repetitions", type=positive_int, default=1, help="timed runs (median reported)")
     p.add_argument("--profile-decode", action="store_true", help="CUDA: time and profile steady decode steps")
     p.add_argument("--out", default=None, help="write the JSON result here")
 
@@ -236,10 +237,11 @@ def stats_between(before: dict, after: dict) -> dict:
 
 
 def warm_up(llm, lengths=(16, 300, 700)) -> None:
-    """Compiles the prefill, mixed and decode kernel variants (graphs were captured at startup)."""
+    """Compiles the prefill, mixed and decode kernel variants (graphs were captured at startup). Prompts are
+    cut to leave room for their 8 tokens, but keep at least one token (a short --max-model-len)."""
     from kvforge.engine.sampling_params import SamplingParams
 
-    n_max = llm.engine.max_model_len - 9
+    n_max = max(1, llm.engine.max_model_len - 9)
     warm = [{"prompt_token_ids": [11 + i] * min(n, n_max)} for i, n in enumerate(lengths)]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 
@@ -308,7 +310,7 @@ def offline_main(args: argparse.Namespace) -> int:
     at_start = engine.stats()
     warm_up(llm)
     warmed = engine.stats()
-    runs = [timed_run(llm, in_lens, params, rng, f"run {rep}") for rep in range(max(1, args.repetitions))]
+    runs = [timed_run(llm, in_lens, params, rng, f"run {rep}") for rep in range(args.repetitions)]
     timed = stats_between(warmed, engine.stats())
     med = {k: statistics.median(r[k] for r in runs)
            for k in ("seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
