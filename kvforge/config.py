@@ -94,6 +94,9 @@ class EngineArgs:
         object.__setattr__(self, "num_speculative_tokens", speculative.num_speculative_tokens if speculative else 0)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"--seed must be an integer (it seeds dummy weights and torch's generator), got "
+                              f"{self.seed!r}; pass an int such as 0, the default")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

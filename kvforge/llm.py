@@ -9,6 +9,7 @@ from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.errors import InvalidRequestError
 from kvforge.speculative.stats import SpeculativeStats
 
 
@@ -46,7 +47,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for one prompt or a list; a prompt is a string or {"prompt_token_ids": [...]}.
+        """Generate for one prompt or a list; a prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}
+        or (in a list) a list of token ids.
 
         Results come back in prompt order, one ``RequestOutput`` per prompt whose ``outputs`` hold its
         ``n`` samples (``index`` 0 .. n - 1). Each sample is its own engine request
@@ -56,6 +58,9 @@ class LLM:
         """
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise InvalidRequestError('prompts is a list of ints: pass token ids as {"prompt_token_ids": [...]} '
+                                      "(one prompt) or as a list of token-id lists", field="prompt")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")

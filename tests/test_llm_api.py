@@ -1,0 +1,50 @@
+"""``kvforge.LLM`` as vLLM users call it: the prompt shapes ``generate`` takes, and options that are refused
+with the field named before the engine is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.config import EngineArgs
+from kvforge.errors import ConfigError, InvalidRequestError
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+              "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    with LLM(str(path), load_format="dummy", device="cpu", max_model_len=64, kv_cache_memory=1 << 20,
+             skip_tokenizer_init=True, use_tqdm=False) as llm:
+        yield llm
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def test_token_id_prompts_in_every_accepted_shape_give_the_same_tokens(llm):
+    ids = [5, 17, 42]
+    shapes = [{"prompt_token_ids": ids}, [{"prompt_token_ids": ids}], [ids], [tuple(ids)]]
+    outs = [llm.generate(shape, GREEDY, use_tqdm=False) for shape in shapes]
+    assert all(len(o) == 1 and o[0].prompt_token_ids == ids for o in outs)
+    assert len({tuple(o[0].outputs[0].token_ids) for o in outs}) == 1
+
+
+def test_a_flat_list_of_ints_is_refused_with_the_shapes_that_work(llm):
+    with pytest.raises(InvalidRequestError, match=r'pass token ids as \{"prompt_token_ids": \[...\]\}'):
+        llm.generate([5, 17, 42], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("bad", [None, "7", 1.5, True])
+def test_the_engine_seed_must_be_an_integer(bad):
+    """vLLM's ``LLM(seed=None)`` is refused naming the flag, not a TypeError from torch.manual_seed once the
+    plan is made."""
+    with pytest.raises(ConfigError, match="--seed must be an integer"):
+        EngineArgs(seed=bad)
