@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 # The Triton the GPU machine runs; in CI its CPU interpreter runs the tl.* kernels (tests/conftest.py).
 TRITON_PIN ?= triton==3.6.0
+# Test processes (pytest-xdist; each test file stays in one process, every process runs torch on one thread).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test install install-test lint clean
 
@@ -38,7 +40,7 @@ demo: install
 
 test: install-test
 	$(BIN)/ruff check kvforge tests
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: install-test
 	$(BIN)/ruff check kvforge tests
