@@ -32,33 +32,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
 from kvforge.kernels.triton_expert_gemm import expert_gemm  # noqa: E402
 from kvforge.models.expert_rows import group_by_expert  # noqa: E402
 
 EXPERTS, HIDDEN, INTER, TOP_K = 64, 2048, 1408, 6
-
-
-def graph_bench(fn, rep=50):
-    """Median, min, max in us of a CUDA-graph replay of ``fn`` (L2 cleared before each call by do_bench)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    med, lo, hi = do_bench(graph.replay, warmup=10, rep=rep, quantiles=[0.5, 0.0, 1.0])
-    return med * 1e3, lo * 1e3, hi * 1e3
-
-
-def copy_bandwidth(nbytes=2 << 30):
-    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    y = torch.empty_like(x)
-    med = do_bench(functools.partial(y.copy_, x), warmup=10, rep=100, quantiles=[0.5])
-    return 2 * nbytes / (med * 1e-3)
 
 
 def check(y, a_rows, weight, experts, k, what):

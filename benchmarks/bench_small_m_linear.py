@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
 from kvforge.kernels.triton_small_m_linear import (  # noqa: E402
     SmallMLinearConfig,
@@ -61,29 +61,6 @@ DOT_CANDIDATES = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4
                   (64, 256, 4, 3), (128, 128, 8, 4)]
 BROADCAST_MAX_SWEEP_ROWS = 8
 SPLITS = (1, 2, 4)
-
-
-def graph_bench(fn, rep):
-    """Median, min, max in us of a CUDA-graph replay of ``fn`` (L2 cleared before each call by do_bench)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    med, lo, hi = do_bench(graph.replay, warmup=10, rep=rep, quantiles=[0.5, 0.0, 1.0])
-    del graph
-    return med * 1e3, lo * 1e3, hi * 1e3
-
-
-def copy_bandwidth(nbytes=2 << 30):
-    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-    y = torch.empty_like(x)
-    med = do_bench(functools.partial(y.copy_, x), warmup=10, rep=100, quantiles=[0.5])
-    del x, y
-    return 2 * nbytes / (med * 1e-3)
 
 
 def error_ratio(y, ref32, scale32, k):
