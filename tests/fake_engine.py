@@ -158,7 +158,9 @@ class FakeEngine:
                 self._gen_tokens += 1
                 self._grow(r)
                 finish, stop_reason = self._finish_reason(r, tok)
-                text = self.tokenizer.decode(r.out_ids, r.params.skip_special_tokens)
+                # The engine's text: a stop token (here: a stop_token_ids entry) adds none, a stop string is cut.
+                shown = r.out_ids[:-1] if finish == "stop" and isinstance(stop_reason, int) else r.out_ids
+                text = self.tokenizer.decode(shown, r.params.skip_special_tokens)
                 if finish == "stop" and isinstance(stop_reason, str):
                     text = text[: text.find(stop_reason)]
                 lps = None

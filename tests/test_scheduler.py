@@ -397,6 +397,32 @@ def test_scheduler_stop_strings_and_text():
     assert bm.num_used_blocks == 0
 
 
+def test_the_token_that_stops_a_request_adds_no_text():
+    """As in vLLM: a stop token id or an EOS (even one rendered with skip_special_tokens=False) ends the
+    request and stays in its token ids, but its text is not returned; an ignored EOS is ordinary text."""
+    tok = ByteTokenizer()
+    target = tok.encode("Hi there.") + [ByteTokenizer.EOS] + tok.encode("more")
+
+    class Scripted(FakeRunner):
+        def execute(self, out):
+            res = super().execute(out)
+            for rid in res:
+                res[rid] = (target[sched.requests[rid].num_output_tokens], None)
+            return res
+
+    sched, bm = make_sched(tokenizer=tok, eos_token_ids=[ByteTokenizer.EOS])
+    sched.add(Sequence("stoptok", tok.encode("Q:"), SamplingParams(max_tokens=50, stop_token_ids=[ord(".")])))
+    sched.add(Sequence("eos", tok.encode("Q:"), SamplingParams(max_tokens=50, skip_special_tokens=False)))
+    sched.add(Sequence("ignored", tok.encode("Q:"), SamplingParams(max_tokens=11, ignore_eos=True,
+                                                                   skip_special_tokens=False)))
+    done = run_all(sched, Scripted(bm))
+    assert done["stoptok"].output_token_ids == tok.encode("Hi there.") and done["stoptok"].stop_reason == ord(".")
+    assert done["stoptok"].output_text == "Hi there"
+    assert done["eos"].output_token_ids == target[:10] and done["eos"].finish_reason == "stop"
+    assert done["eos"].output_text == "Hi there."
+    assert done["ignored"].output_text == "Hi there.<eos>m" and done["ignored"].finish_reason == "length"
+
+
 def test_stop_strings_without_tokenizer_rejected():
     sched, _ = make_sched()
     with pytest.raises(InvalidRequestError) as ei:

@@ -69,10 +69,10 @@ def test_stop_reason_names_the_stop_that_fired(fake, kind, stream):
     assert (finish, reason) == ("stop", stop)
     if not stream:  # the fake engine does not hold back streamed text that may start a stop string
         assert text == base[:first]
-    # A stop token id: the choice ends on its first occurrence and stop_reason is the id.
+    # A stop token id: the choice ends on its first occurrence, without its text; stop_reason is the id.
     token = ord(base[6])
     text, finish, reason = _run(fake, kind, stream, max_tokens=12, extra_body={"stop_token_ids": [token]})
-    assert finish == "stop" and reason == token and text == base[:base.index(base[6]) + 1]
+    assert finish == "stop" and reason == token and text == base[:base.index(base[6])]
 
 
 # -- logprobs 0 on the real engine ------------------------------------------------------------------

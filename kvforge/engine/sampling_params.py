@@ -20,8 +20,10 @@ class SamplingParams:
     logprobs to return per generated token (None = none). ``prompt_logprobs`` =
     the same for every prompt token (``RequestOutput.prompt_logprobs``; the first
     prompt token has none); such a request skips the prefix cache for the prompt
-    tokens it has not scored yet. ``stop`` strings are not included in the
-    returned text; ``stop_token_ids`` are extra end ids.
+    tokens it has not scored yet. ``stop_token_ids`` are extra end ids. As in
+    vLLM, neither a ``stop`` string nor the token that stops a request (EOS or
+    one of ``stop_token_ids``) is part of the returned text; that token stays
+    in ``token_ids``.
 
     ``n``: independent samples of the prompt. The engine runs one sequence per
     request (``LLMEngine.add_request`` takes n = 1); ``LLM.generate`` and the

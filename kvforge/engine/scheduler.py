@@ -483,9 +483,11 @@ class Scheduler:
         return finished
 
     def _append(self, seq: Sequence, token: int, lps) -> tuple:
-        """Append one sampled token; (status, reason) when it ends the sequence, else (None, None)."""
+        """Append one sampled token; (status, reason) when it ends the sequence, else (None, None). A stop
+        token (EOS unless ignored, or one of ``stop_token_ids``) stays in the token ids but adds no text,
+        as a stop string adds none (vLLM's default)."""
         seq.append_token(token, lps)
-        if seq.detokenizer is not None:
+        if seq.detokenizer is not None and not self._is_stop_token(seq, token):
             seq.detokenizer.add_tokens([token])
         # Async: the next step may already have computed this token (it was in flight), so a block it
         # completes can be registered only now that its id is known; before a finish frees it.
@@ -510,6 +512,11 @@ class Scheduler:
         if p.max_tokens is not None and seq.num_output_tokens + seq.num_pending >= p.max_tokens:
             return True
         return seq.num_tokens + seq.num_pending >= self.max_model_len
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token`` ends the sequence by itself: EOS unless ignored, or one of ``stop_token_ids``."""
+        p = seq.params
+        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
 
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params
