@@ -45,7 +45,8 @@ def token_ids(text: str) -> list[int]:
 
 
 def _prompts(args: argparse.Namespace) -> list:
-    """Text prompts, or token-id prompts; refused before any weight loads when they cannot work."""
+    """Text prompts, or token-id prompts (checked against the model's vocabulary); refused before any weight
+    loads when they cannot work."""
     from kvforge.errors import ConfigError
     from kvforge.spec.presets import PRESETS
 
@@ -54,13 +55,23 @@ def _prompts(args: argparse.Namespace) -> list:
     if args.prompt_token_ids:
         if args.chat:
             raise ConfigError("--chat renders text messages; it cannot take --prompt-token-ids")
-        return [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
+        from kvforge.engine.prompt_ids import check_prompt_token_ids
+        from kvforge.errors import InvalidRequestError
+        from kvforge.spec.load import load_model_spec
+
+        vocab_size = load_model_spec(args.model).vocab_size  # config metadata only
+        try:
+            return [{"prompt_token_ids": check_prompt_token_ids(ids, vocab_size)} for ids in args.prompt_token_ids]
+        except InvalidRequestError as exc:
+            raise ConfigError(f"--prompt-token-ids: {exc}") from None
     is_preset = args.model is not None and not Path(args.model).exists() and args.model.lower() in PRESETS
     if args.tokenizer is None and (is_preset or args.skip_tokenizer_init):
         why = f"the preset {args.model!r} runs on dummy weights without a tokenizer" if is_preset else \
             "--skip-tokenizer-init leaves the engine without a tokenizer"
         raise ConfigError(f"{why}, so text prompts cannot be encoded; fix: pass --prompt-token-ids 1,2,3 "
                           f"(or --tokenizer DIR)")
+    if args.prompt and not all(args.prompt):
+        raise ConfigError("--prompt is empty; give it some text")
     return args.prompt or [DEFAULT_PROMPT]
 
 

@@ -30,6 +30,8 @@ def no_engine(monkeypatch):
     (["generate", "--skip-tokenizer-init", "--prompt", "hi"], "--skip-tokenizer-init"),
     (["generate", "--prompt", "hi", "--prompt-token-ids", "1,2"], "not both"),
     (["generate", "--chat", "--prompt-token-ids", "1,2"], "--chat"),
+    (["generate", "--prompt-token-ids", "1,49152"], "--prompt-token-ids: prompt token ids must be integers in [0, 49152)"),
+    (["generate", "--prompt", "hi", "--prompt", ""], "--prompt is empty"),
 ])
 def test_prompts_that_cannot_work_stop_before_the_engine(no_engine, capsys, argv, needle):
     assert main(argv) == 2

@@ -28,6 +28,7 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host
+from kvforge.engine.prompt_ids import check_prompt_token_ids
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
@@ -388,15 +389,7 @@ class LLMEngine:
                                           "files): send prompt_token_ids", field="prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            if not ids:
-                raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
-            vocab = self.spec.vocab_size
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {t!r}",
-                                              field="prompt")
-            return None, ids
+            return None, check_prompt_token_ids(prompt, self.spec.vocab_size)
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                   field="prompt")
 

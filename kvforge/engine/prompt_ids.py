@@ -1,0 +1,17 @@
+"""The rule for a prompt given as token ids: at least one id, each an integer in [0, vocab_size)."""
+
+from __future__ import annotations
+
+from kvforge.errors import InvalidRequestError
+
+
+def check_prompt_token_ids(ids, vocab_size: int) -> list[int]:
+    """``ids`` as a list, or InvalidRequestError (field "prompt") naming the first id out of range."""
+    ids = list(ids)
+    if not ids:
+        raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {t!r}",
+                                      field="prompt")
+    return ids
