@@ -125,14 +125,18 @@ class LLM:
         return done
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
-        """One conversation (list of {"role", "content"}) or a list of them."""
+        """One conversation (list of {"role", "content"}) or a list of them; each output's ``prompt`` is the
+        conversation rendered by the chat template."""
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built without one")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         # The template already holds the special tokens: encode without adding BOS again.
         ids = [{"prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
-        return self.generate(ids, sampling_params, use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm)
+        for out, prompt in zip(outs, prompts):
+            out.prompt = prompt  # the rendered conversation, as vLLM's chat reports it
+        return outs
 
 
 def _merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

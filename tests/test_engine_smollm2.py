@@ -164,9 +164,13 @@ def test_unknown_model_path():
 
 
 def test_chat(smol_llm):
-    out = smol_llm().chat([{"role": "user", "content": "What is the capital of France?"}],
-                          SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    llm = smol_llm()
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
+    # The prompt is the rendered conversation (as in vLLM), the text of the prompt token ids.
+    assert "What is the capital of France?" in out.prompt
+    assert llm.get_tokenizer().encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
 
 
 def test_plan_errors_come_before_any_weight_file_is_opened(tmp_path, monkeypatch):
