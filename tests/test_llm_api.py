@@ -48,3 +48,17 @@ def test_the_engine_seed_must_be_an_integer(bad):
     plan is made."""
     with pytest.raises(ConfigError, match="--seed must be an integer"):
         EngineArgs(seed=bad)
+
+
+def test_a_hub_id_says_models_are_read_from_local_files():
+    """vLLM downloads ``org/name`` from the Hugging Face Hub; here the error says to download it first."""
+    import kvforge
+
+    with pytest.raises(ConfigError) as err:
+        kvforge.plan("HuggingFaceTB/SmolLM2-135M-Instruct")
+    message = str(err.value)
+    assert "read from local files only" in message
+    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR" in message
+    with pytest.raises(ConfigError) as err:
+        kvforge.plan("no-such-model")
+    assert "download" not in str(err.value) and "presets: " in str(err.value)

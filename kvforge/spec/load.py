@@ -7,6 +7,7 @@ No weight tensor is ever opened, so every plan error surfaces before loading.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from kvforge.errors import ConfigError
@@ -53,8 +54,11 @@ def load_hf_config(model: str | None) -> tuple[dict, str, str]:
     key = model.strip().lower()
     if key in PRESETS:
         return dict(PRESETS[key]), key, f"preset {key}"
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", model.strip()) is not None
+    download = (f"; models are read from local files only: download it first (e.g. `huggingface-cli download "
+                f"{model.strip()} --local-dir DIR`) and pass DIR" if hub_id else "")
     raise ConfigError(
-        f"model {model!r} is neither a path that exists nor a preset; presets: {', '.join(sorted(PRESETS))}"
+        f"model {model!r} is neither a path that exists nor a preset{download}; presets: {', '.join(sorted(PRESETS))}"
     )
 
 
