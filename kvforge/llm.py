@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
@@ -45,7 +46,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}
         or (in a list) a list of token ids.
@@ -61,12 +62,16 @@ class LLM:
         if prompts and all(isinstance(p, int) for p in prompts):
             raise InvalidRequestError('prompts is a list of ints: pass token ids as {"prompt_token_ids": [...]} '
                                       "(one prompt) or as a list of token-id lists", field="prompt")
-        if isinstance(sampling_params, list):
+        if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-            params = sampling_params
+            params = list(sampling_params)
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be a SamplingParams (or one per prompt), got "
+                                f"{type(p).__name__}: build it as SamplingParams(temperature=..., max_tokens=...)")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         samples = [[rid] + [f"{rid}.{j}" for j in range(1, p.n)] for rid, p in zip(ids, params)]
         # Samples 1 .. n - 1 of a prompt, keyed by the request of its sample 0, to add once that has an output.

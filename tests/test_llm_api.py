@@ -42,6 +42,19 @@ def test_a_flat_list_of_ints_is_refused_with_the_shapes_that_work(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_one_sampling_params_per_prompt_as_a_list_or_a_tuple(llm):
+    longer = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for per_prompt in ([GREEDY, longer], (GREEDY, longer)):
+        outs = llm.generate([[5, 17], [42]], per_prompt, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
+
+
+def test_sampling_params_of_another_type_are_refused_naming_the_class(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* got dict"):
+        llm.generate([[5, 17]], {"temperature": 0}, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("bad", [None, "7", 1.5, True])
 def test_the_engine_seed_must_be_an_integer(bad):
     """vLLM's ``LLM(seed=None)`` is refused naming the flag, not a TypeError from torch.manual_seed once the
