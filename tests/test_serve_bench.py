@@ -143,6 +143,16 @@ def test_bench_counts_failures():
         assert report["repetitions"][0]["requests_succeeded"] == 4
 
 
+def test_a_base_url_that_is_no_http_url_is_a_usage_error(capsys):
+    from kvforge.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--base-url", "127.0.0.1:8000"])
+    assert exc.value.code == 2
+    assert "kvforge bench serve: error: argument --base-url: '127.0.0.1:8000' is not an http(s) URL" in \
+        capsys.readouterr().err
+
+
 def test_word_list_is_deterministic():
     rng = random.Random(3)
     p = sb.build_prompt("x", 10, rng)

@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kvforge.cli_args import http_url
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, UNAUTHORIZED_HINT, client_api_key
 
 OUTLIER_FACTOR = 1.5
@@ -578,7 +579,8 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", type=http_url,
+                        help="server root (default %(default)s)")
     parser.add_argument("--model", default=None, help="model name (default: the first at /v1/models)")
     parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
     parser.add_argument("--isl", type=int, default=128, help="input tokens per request, approximately")
