@@ -423,6 +423,31 @@ def test_the_token_that_stops_a_request_adds_no_text():
     assert done["ignored"].output_text == "Hi there.<eos>m" and done["ignored"].finish_reason == "length"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_tokens_text():
+    """vLLM's include_stop_str_in_output: the text runs through the stop string (nothing after it), and a
+    stop token id's or EOS's text is kept."""
+    tok = ByteTokenizer()
+    target = tok.encode("Hi there.\nBye") + [ByteTokenizer.EOS]
+
+    class Scripted(FakeRunner):
+        def execute(self, out):
+            res = super().execute(out)
+            for rid in res:
+                res[rid] = (target[sched.requests[rid].num_output_tokens], None)
+            return res
+
+    sched, bm = make_sched(tokenizer=tok, eos_token_ids=[ByteTokenizer.EOS])
+    keep = dict(max_tokens=50, include_stop_str_in_output=True)
+    sched.add(Sequence("str", tok.encode("Q:"), SamplingParams(stop=["re.", "\n"], **keep)))
+    sched.add(Sequence("tok", tok.encode("Q:"), SamplingParams(stop_token_ids=[ord(".")], **keep)))
+    sched.add(Sequence("eos", tok.encode("Q:"), SamplingParams(skip_special_tokens=False, **keep)))
+    done = run_all(sched, Scripted(bm))
+    assert done["str"].stop_reason == "re." and done["str"].output_text == "Hi there."
+    assert done["tok"].stop_reason == ord(".") and done["tok"].output_text == "Hi there."
+    assert done["eos"].finish_reason == "stop" and done["eos"].output_text == "Hi there.\nBye<eos>"
+    assert bm.num_used_blocks == 0
+
+
 def test_stop_strings_without_tokenizer_rejected():
     sched, _ = make_sched()
     with pytest.raises(InvalidRequestError) as ei:

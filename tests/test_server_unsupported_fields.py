@@ -57,7 +57,7 @@ def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
 
 VLLM_EXTRAS_REFUSED = [
     ("min_tokens", 3), ("repetition_penalty", 1.2), ("length_penalty", 0.5), ("use_beam_search", True),
-    ("include_stop_str_in_output", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("guided_json", {"type": "object"}),
     ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
     ("structured_outputs", {"choice": ["a"]}),
@@ -76,9 +76,18 @@ def test_vllm_extra_that_changes_the_output_is_refused(parse, body, field, value
 
 @pytest.mark.parametrize("field, value", [
     ("min_tokens", 0), ("repetition_penalty", 1.0), ("repetition_penalty", 1), ("length_penalty", 1.0),
-    ("use_beam_search", False), ("include_stop_str_in_output", False), ("allowed_token_ids", []),
+    ("use_beam_search", False), ("allowed_token_ids", []),
     ("bad_words", []), ("prompt_logprobs", None), ("guided_json", None),
 ])
 def test_vllm_extra_at_its_neutral_value_is_accepted(field, value):
     parsed = parse_completion({"prompt": "hi", "model": MODEL, field: value}, MODEL)
     assert parsed.params.max_tokens == 16
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
+                         ids=["completions", "chat"])
+@pytest.mark.parametrize("value", [True, False])
+def test_include_stop_str_in_output_reaches_the_sampling_params(parse, body, value):
+    parsed = parse({**body, "model": MODEL, "include_stop_str_in_output": value}, MODEL)
+    assert parsed.params.include_stop_str_in_output is value
+    assert parse({**body, "model": MODEL}, MODEL).params.include_stop_str_in_output is False

@@ -37,8 +37,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] | list[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -87,7 +89,7 @@ class IncrementalDetokenizer:
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
-            self.text = self.text[: best[0]]
+            self.text = self.text[: best[0] + (len(best[1]) if self.include_stop else 0)]
             self.stopped_on = best[1]
 
     def output_text(self, finished: bool = True) -> str:

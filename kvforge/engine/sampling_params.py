@@ -23,7 +23,8 @@ class SamplingParams:
     tokens it has not scored yet. ``stop_token_ids`` are extra end ids. As in
     vLLM, neither a ``stop`` string nor the token that stops a request (EOS or
     one of ``stop_token_ids``) is part of the returned text; that token stays
-    in ``token_ids``.
+    in ``token_ids``. ``include_stop_str_in_output`` keeps both in the text (the
+    text then ends with the stop string or the stop token's text).
 
     ``n``: independent samples of the prompt. The engine runs one sequence per
     request (``LLMEngine.add_request`` takes n = 1); ``LLM.generate`` and the
@@ -43,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):

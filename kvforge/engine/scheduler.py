@@ -217,7 +217,8 @@ class Scheduler:
             raise InvalidRequestError("stop strings need a tokenizer, and this engine has none", field="stop")
         if self.tokenizer is not None and seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens
+                self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens,
+                include_stop=seq.params.include_stop_str_in_output,
             )
         if seq.holds_blocks:
             raise InvalidRequestError(
@@ -485,9 +486,10 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, lps) -> tuple:
         """Append one sampled token; (status, reason) when it ends the sequence, else (None, None). A stop
         token (EOS unless ignored, or one of ``stop_token_ids``) stays in the token ids but adds no text,
-        as a stop string adds none (vLLM's default)."""
+        as a stop string adds none, unless the request includes stop strings in its output (vLLM's rule)."""
         seq.append_token(token, lps)
-        if seq.detokenizer is not None and not self._is_stop_token(seq, token):
+        if seq.detokenizer is not None and (seq.params.include_stop_str_in_output
+                                            or not self._is_stop_token(seq, token)):
             seq.detokenizer.add_tokens([token])
         # Async: the next step may already have computed this token (it was in flight), so a block it
         # completes can be registered only now that its id is known; before a finish frees it.

@@ -166,7 +166,6 @@ _VLLM_EXTRAS_NEUTRAL = {
     "repetition_penalty": lambda v: v == 1,
     "length_penalty": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
-    "include_stop_str_in_output": lambda v: v is False,
     "allowed_token_ids": lambda v: v == [],
     "bad_words": lambda v: v == [],
     **{name: lambda v: False for name in ("prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex",
@@ -242,6 +241,7 @@ def _common(body: dict, served_model: str) -> dict:
         "stop_token_ids": get_int_list(body, "stop_token_ids"),
         "ignore_eos": get_bool(body, "ignore_eos", False),
         "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
     }
 
 
@@ -262,6 +262,7 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         ignore_eos=common["ignore_eos"],
         logprobs=logprobs,
         skip_special_tokens=common["skip_special_tokens"],
+        include_stop_str_in_output=common["include_stop_str_in_output"],
     )
 
 
