@@ -397,11 +397,10 @@ def test_scheduler_stop_strings_and_text():
     assert bm.num_used_blocks == 0
 
 
-def test_the_token_that_stops_a_request_adds_no_text():
-    """As in vLLM: a stop token id or an EOS (even one rendered with skip_special_tokens=False) ends the
-    request and stays in its token ids, but its text is not returned; an ignored EOS is ordinary text."""
-    tok = ByteTokenizer()
-    target = tok.encode("Hi there.") + [ByteTokenizer.EOS] + tok.encode("more")
+def _scripted(target: list[int]):
+    """A scheduler with the byte tokenizer and EOS, and a runner that samples ``target[i]`` as every
+    request's ``i``-th output token."""
+    sched, bm = make_sched(tokenizer=ByteTokenizer(), eos_token_ids=[ByteTokenizer.EOS])
 
     class Scripted(FakeRunner):
         def execute(self, out):
@@ -410,12 +409,20 @@ def test_the_token_that_stops_a_request_adds_no_text():
                 res[rid] = (target[sched.requests[rid].num_output_tokens], None)
             return res
 
-    sched, bm = make_sched(tokenizer=tok, eos_token_ids=[ByteTokenizer.EOS])
+    return sched, bm, Scripted(bm)
+
+
+def test_the_token_that_stops_a_request_adds_no_text():
+    """As in vLLM: a stop token id or an EOS (even one rendered with skip_special_tokens=False) ends the
+    request and stays in its token ids, but its text is not returned; an ignored EOS is ordinary text."""
+    tok = ByteTokenizer()
+    target = tok.encode("Hi there.") + [ByteTokenizer.EOS] + tok.encode("more")
+    sched, bm, runner = _scripted(target)
     sched.add(Sequence("stoptok", tok.encode("Q:"), SamplingParams(max_tokens=50, stop_token_ids=[ord(".")])))
     sched.add(Sequence("eos", tok.encode("Q:"), SamplingParams(max_tokens=50, skip_special_tokens=False)))
     sched.add(Sequence("ignored", tok.encode("Q:"), SamplingParams(max_tokens=11, ignore_eos=True,
                                                                    skip_special_tokens=False)))
-    done = run_all(sched, Scripted(bm))
+    done = run_all(sched, runner)
     assert done["stoptok"].output_token_ids == tok.encode("Hi there.") and done["stoptok"].stop_reason == ord(".")
     assert done["stoptok"].output_text == "Hi there"
     assert done["eos"].output_token_ids == target[:10] and done["eos"].finish_reason == "stop"
@@ -427,21 +434,12 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_tokens_te
     """vLLM's include_stop_str_in_output: the text runs through the stop string (nothing after it), and a
     stop token id's or EOS's text is kept."""
     tok = ByteTokenizer()
-    target = tok.encode("Hi there.\nBye") + [ByteTokenizer.EOS]
-
-    class Scripted(FakeRunner):
-        def execute(self, out):
-            res = super().execute(out)
-            for rid in res:
-                res[rid] = (target[sched.requests[rid].num_output_tokens], None)
-            return res
-
-    sched, bm = make_sched(tokenizer=tok, eos_token_ids=[ByteTokenizer.EOS])
+    sched, bm, runner = _scripted(tok.encode("Hi there.\nBye") + [ByteTokenizer.EOS])
     keep = dict(max_tokens=50, include_stop_str_in_output=True)
     sched.add(Sequence("str", tok.encode("Q:"), SamplingParams(stop=["re.", "\n"], **keep)))
     sched.add(Sequence("tok", tok.encode("Q:"), SamplingParams(stop_token_ids=[ord(".")], **keep)))
     sched.add(Sequence("eos", tok.encode("Q:"), SamplingParams(skip_special_tokens=False, **keep)))
-    done = run_all(sched, Scripted(bm))
+    done = run_all(sched, runner)
     assert done["str"].stop_reason == "re." and done["str"].output_text == "Hi there."
     assert done["tok"].stop_reason == ord(".") and done["tok"].output_text == "Hi there."
     assert done["eos"].finish_reason == "stop" and done["eos"].output_text == "Hi there.\nBye<eos>"
