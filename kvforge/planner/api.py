@@ -15,8 +15,9 @@ from kvforge.spec.load import load_model_spec
 
 def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
          block_size: int | None = None, max_model_len: int | None = None, num_speculative_tokens: int = 0,
-         kv_cache_memory: int | None = None, gpu_memory: int | None = None, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-         device: str = "cpu", dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
+         kv_cache_memory: int | None = None, gpu_memory: int | None = None,
+         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, device: str = "cpu",
+         dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int | None = None, query_dtype: str = "auto",
          state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False,
          max_num_batched_tokens: int | None = None) -> KVPlan:
@@ -37,7 +38,8 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
                         gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
-                        max_num_seqs=resolve_max_num_seqs(max_num_seqs, max_num_batched_tokens), query_dtype=query_dtype,
+                        max_num_seqs=resolve_max_num_seqs(max_num_seqs, max_num_batched_tokens),
+                        query_dtype=query_dtype,
                         state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens)
     model_dtype = platform_model_dtype(dtype, device, spec.model_dtype)
     draft_spec = load_model_spec(draft_model) if draft_model is not None else None
