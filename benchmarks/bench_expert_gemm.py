@@ -94,6 +94,7 @@ def main():
               f" {r['grouped_mm_pct_copy']:4.0f} | {f(r['kernel']):>22} {r['kernel_pct_copy']:4.0f} | {r['speedup']:5.2f}")
     info = dict(device=dev, date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 torch=torch.__version__, triton=triton.__version__, copy_bw_TBps=copy_bw / 1e12, cmd=" ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_expert_gemm.json"), "w") as fh:
         json.dump(dict(info=info, rows=rows_out), fh, indent=1)
 
