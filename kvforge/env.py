@@ -14,6 +14,8 @@ stays here turns an optional accelerated path off for the whole process.
                                    kvforge/attention/routing/paged.py)
 ``KVFORGE_SMALL_M_LINEAR``         ``1``/``0`` turns the small-M Triton linear kernel on or off for decode
                                    steps on CUDA; unset: its default (kvforge/models/linear_route.py)
+``KVFORGE_SMALL_M_PROLOGUES``      ``1``/``0`` lets that kernel compute its one-row input from the layer before
+                                   (add + RMSNorm, SiLU-and-mul) instead of separate kernels; unset: its default
 ``KVFORGE_TRITON_EXPERT_GEMM``     ``1``/``0`` turns the Triton routed-experts kernel on or off for MoE steps of
                                    few rows on CUDA; unset: its default (kvforge/models/expert_gemm_route.py)
 ``KVFORGE_SDPA_PREFILL_CUDNN``     lets torch pick cuDNN's fused attention for those prefill chunks (off:
@@ -43,6 +45,7 @@ class Env:
     disable_gluon: bool = False
     disable_fused_kernels: bool = False
     small_m_linear: bool | None = None  # None: unset, the route's default
+    small_m_prologues: bool | None = None  # None: unset, the route's default
     disable_sdpa_prefill: bool = False
     sdpa_prefill_cudnn: bool = False
     triton_expert_gemm: bool | None = None  # None: unset, the route's default
@@ -54,6 +57,7 @@ def read_env(environ: Mapping[str, str]) -> Env:
         disable_gluon=switch_is_on(environ.get("KVFORGE_DISABLE_GLUON")),
         disable_fused_kernels=switch_is_on(environ.get("KVFORGE_DISABLE_FUSED_KERNELS")),
         small_m_linear=_optional_switch(environ.get("KVFORGE_SMALL_M_LINEAR")),
+        small_m_prologues=_optional_switch(environ.get("KVFORGE_SMALL_M_PROLOGUES")),
         disable_sdpa_prefill=switch_is_on(environ.get("KVFORGE_DISABLE_SDPA_PREFILL")),
         sdpa_prefill_cudnn=switch_is_on(environ.get("KVFORGE_SDPA_PREFILL_CUDNN")),
         triton_expert_gemm=_optional_switch(environ.get("KVFORGE_TRITON_EXPERT_GEMM")),

@@ -99,16 +99,16 @@ def _hf_checkpoint(case, path):
     return model
 
 
-def _decode_logits(model, seqs):
+def _decode_logits(model, seqs, prompt_lens=PROMPT_LENS):
     """Prefill the prompts (one flat batch), then DECODE_STEPS teacher-forced steps of one token each."""
     attn = DenseKVAttention.for_model(model)
-    ids = torch.cat([s[:n] for s, n in zip(seqs, PROMPT_LENS)]).to(DEVICE)
-    pos = torch.cat([torch.arange(n) for n in PROMPT_LENS]).to(DEVICE)
-    attn.set_batch(range(len(seqs)), list(PROMPT_LENS))
+    ids = torch.cat([s[:n] for s, n in zip(seqs, prompt_lens)]).to(DEVICE)
+    pos = torch.cat([torch.arange(n) for n in prompt_lens]).to(DEVICE)
+    attn.set_batch(range(len(seqs)), list(prompt_lens))
     model(ids, pos, attn)
     out = []
     for step in range(DECODE_STEPS):
-        p = [n + step for n in PROMPT_LENS]
+        p = [n + step for n in prompt_lens]
         ids = torch.stack([s[i] for s, i in zip(seqs, p)]).to(DEVICE)
         attn.set_batch(range(len(seqs)), [1] * len(seqs))
         out.append(model.compute_logits(model(ids, torch.tensor(p, device=DEVICE), attn)).double().cpu())
@@ -155,6 +155,56 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
     assert _rel(off, want) <= bound, "the 16-bit model without the kernel is off: not the kernel's fault"
     assert _rel(on, want) <= bound
     assert _rel(on, off) <= bound
+
+
+@requires_kernels
+@pytest.mark.parametrize("case,dtype", [("llama", torch.bfloat16), ("qwen2-bias", torch.float16)])
+def test_one_row_decode_with_prologues_matches_transformers(case, dtype, tmp_path, route_on, monkeypatch):
+    """One sequence: its decode steps compute both norms of every layer inside the next product and SiLU-and-mul
+    inside the down projection (counted), and the logits stay within the bounds of the three-row case above
+    against transformers and against the route off (no prologue, no kernel)."""
+    skip_unless_loaded_loop_bounds_work()
+    monkeypatch.setattr(linear_route, "SMALL_M_LINEAR_DEVICES", (DEVICE,))
+    monkeypatch.setattr(linear_route, "SMALL_M_PROLOGUES", True)
+    calls = []
+
+    def counted(name):
+        kernel = getattr(triton_small_m_linear, name)
+
+        def run(*args, num_sms=None, **kw):
+            calls.append(name)
+            return kernel(*args, num_sms=4, **kw)  # a 4-SM plan: the fewest programs for the interpreter
+
+        monkeypatch.setattr(triton_small_m_linear, name, run)
+
+    for name in ("small_m_linear", "rms_norm_linear", "silu_mul_linear"):
+        counted(name)
+    hf = _hf_checkpoint(case, tmp_path)
+    ours = build_model(load_config(tmp_path), dtype, DEVICE)
+    load_weights(ours, tmp_path, "auto", progress=False)
+    n = 11
+    seq = torch.randint(0, BASE["vocab_size"], (n + DECODE_STEPS,), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = torch.stack([hf(input_ids=seq[None]).logits[0, n + step].double() for step in range(DECODE_STEPS)])
+    with torch.inference_mode():
+        on = _decode_logits(ours, [seq], (n,))
+        kernel_calls = list(calls)
+        monkeypatch.setattr(linear_route, "SMALL_M_LINEAR", False)
+        off = _decode_logits(ours, [seq], (n,))
+    layers = BASE["num_hidden_layers"]
+    per_step = ["rms_norm_linear", "small_m_linear", "rms_norm_linear", "silu_mul_linear"] * layers
+    assert kernel_calls == (per_step + ["small_m_linear"]) * DECODE_STEPS  # qkv, o, gate_up, down; LM head
+    assert len(calls) == len(kernel_calls)  # route off: no kernel call
+    bound = {torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    assert _rel(off, want) <= bound, "the 16-bit model without the kernel is off: not the kernel's fault"
+    assert _rel(on, want) <= bound
+    assert _rel(on, off) <= bound
+
+
+def test_prologues_switch():
+    assert read_env({}).small_m_prologues is None  # unset: the route's default
+    assert linear_route.SMALL_M_PROLOGUES_DEFAULT is True
+    assert read_env({"KVFORGE_SMALL_M_PROLOGUES": "0"}).small_m_prologues is False
 
 
 @gpu_only

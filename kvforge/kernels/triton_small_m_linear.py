@@ -22,6 +22,16 @@ never stored. With ``SPLIT_K`` = 1 the program adds the bias and stores ``y`` in
 splits each writes float32 partials ``[SPLIT_K, M, N]`` and a second kernel adds them in split order, adds
 the bias and casts (deterministic: no atomics).
 
+One row can also be computed inside the programs from what the layer before left (``PROLOGUE``), saving
+that layer's own launch: :func:`rms_norm_linear` multiplies ``RMSNorm(x + residual)`` and
+:func:`silu_mul_linear` multiplies ``SiLU(gate) * up`` of a ``[gate | up]`` row. SiLU-and-mul is rounded
+to the model dtype where the separate kernel rounds it. The norm is folded into the product: each
+program multiplies the weight by ``norm_weight * s`` (``s = x + residual``, rounded once as torch's add;
+the programs of the first row block write ``s`` out) while it sums ``s^2`` over K beside the products,
+and scales its sums by ``rsqrt(mean(s^2) + eps)`` at the end (K is never split). So the normed row is
+never rounded to the model dtype: the result differs from the separate norm kernel's by that rounding
+(at most one unit in the last place of each element of the normed row, through the product).
+
 Numerics: products and sums in float32 (bf16 and fp16 products are exact in float32; only the order of
 the float32 additions differs from other GEMMs), the bias added in float32, one rounding to ``x``'s dtype.
 
@@ -32,6 +42,7 @@ no autotuning, so a CUDA graph captures the launch the eager path makes. Allocat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -71,6 +82,9 @@ MIN_PROGRAMS_PER_SM = 2
 SPLIT_K_RULE = SplitRule(waves=1, min_tokens=1024, max_splits=8, round_up=True)
 #: Columns per program of the split-K reduction.
 REDUCE_BLOCK = 1024
+#: What the kernel computes the one row of its input from (``PROLOGUE``): the row itself; ``RMSNorm(x +
+#: residual)`` (or ``RMSNorm(x)``); ``SiLU(gate) * up`` of a ``[gate | up]`` row.
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -141,17 +155,50 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
 
 
 if HAS_TRITON:
+    _RMS_NORM = tl.constexpr(PROLOGUE_RMS_NORM)
+    _SILU_MUL = tl.constexpr(PROLOGUE_SILU_MUL)
+
+    @triton.jit
+    def _one_row_chunk(
+        x_ptr, res_ptr, norm_w_ptr, offs, mask, K,
+        EVEN_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ):  # fmt: skip
+        """``(h, s)``: elements ``offs`` of the one input row ``h`` with the prologue applied, and (RMSNorm
+        prologue) of the stream ``s = x + residual`` (rounded once to the dtype, as torch's add). SiLU-and-mul
+        rounds as the separate kernel does (kvforge/kernels/triton_silu_mul.py); the RMSNorm prologue gives
+        ``norm_weight * s`` in float32, to be scaled by 1 / rms after the products."""
+        in_ty = x_ptr.dtype.element_ty
+        if EVEN_K:
+            x = tl.load(x_ptr + offs, eviction_policy="evict_last")
+        else:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+        s = x
+        if PROLOGUE == _RMS_NORM:
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+                s = (x.to(tl.float32) + r.to(tl.float32)).to(in_ty)
+            nw = tl.load(norm_w_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x = nw * s.to(tl.float32)
+        elif PROLOGUE == _SILU_MUL:  # x_ptr is the row [gate | up], K wide each
+            g = x.to(tl.float32)
+            u = tl.load(x_ptr + K + offs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(in_ty).to(tl.float32)  # F.silu rounds to the model dtype
+            x = (act * u).to(in_ty)
+        return x, s
 
     @triton.jit
     def _small_m_linear_kernel(
-        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+        x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, norm_w_ptr, stream_ptr, eps,
         M, N, K, stride_xm, stride_wn, stride_om, k_per_split, chunks_per_split,
         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
-        NUM_STAGES: tl.constexpr,
+        NUM_STAGES: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        # RMSNorm prologue: the products take weight * s unscaled and the row's sum of squares accumulates
+        # beside them; 1 / rms scales the sums once at the end (one K slice: the wrapper never splits K).
+        squares = tl.zeros([BLOCK_K if PROLOGUE == _RMS_NORM else 1], dtype=tl.float32)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N load row N - 1 and are never stored
         offs_m = tl.arange(0, M_PAD)
@@ -180,10 +227,12 @@ if HAS_TRITON:
                 x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
                 acc = tl.dot(w, tl.trans(x), acc)
             elif M_PAD == 1:
-                if EVEN_K:
-                    x0 = tl.load(x_ptr + k0 + offs_k, eviction_policy="evict_last")
-                else:
-                    x0 = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0, eviction_policy="evict_last")
+                x0, stream = _one_row_chunk(x_ptr, res_ptr, norm_w_ptr, k0 + offs_k, k_mask, K,
+                                            EVEN_K, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
+                if PROLOGUE == _RMS_NORM:
+                    if HAS_RESIDUAL and pid_n == 0:
+                        tl.store(stream_ptr + k0 + offs_k, stream, mask=k_mask)
+                    squares += stream.to(tl.float32) * stream.to(tl.float32)
                 acc1 += w.to(tl.float32) * x0.to(tl.float32)[None, :]
             else:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :]
@@ -194,6 +243,8 @@ if HAS_TRITON:
                 acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
         if M_PAD == 1 and not USE_DOT:
             acc = tl.sum(acc1, axis=1)[:, None]
+            if PROLOGUE == _RMS_NORM:
+                acc *= tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
         elif not USE_DOT:
             acc = tl.sum(acc3, axis=2)
         n_mask = offs_n < N
@@ -247,13 +298,63 @@ def small_m_linear(
     ``config`` overrides :func:`small_m_linear_config` (benchmarks sweep it); ``num_sms`` is the SM count
     that function plans for (the caller knows its device).
     """
+    _check(x, weight, bias)
+    return _launch(x, weight, bias, config, num_sms, PROLOGUE_NONE, x.shape[1])
+
+
+def rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, config: SmallMLinearConfig | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(F.linear(h, weight, bias), s)`` for one row: ``s = x + residual`` (``x`` without a residual) and
+    ``h = RMSNorm(s)`` with ``norm_weight`` and ``eps``, folded into the product (module docstring: ``h`` is
+    not rounded to the dtype); ``s`` is a new tensor (``x`` itself without a residual). One launch where the
+    separate kernels take two. ``config`` must take the broadcast path (one row); its K is never split."""
+    _check(x, weight, bias)
+    if x.shape[0] != 1 or not x.is_contiguous():
+        raise ValueError(f"rms_norm_linear takes one contiguous row, got {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):  # fmt: skip
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    if norm_weight.shape != (x.shape[1],) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm weight must be a contiguous [{x.shape[1]}] vector of x's dtype, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
+    stream = torch.empty_like(x) if residual is not None else x
+    out = _launch(x, weight, bias, config, num_sms, PROLOGUE_RMS_NORM, x.shape[1],
+                  residual=residual, norm_weight=norm_weight, eps=eps, stream=stream)  # fmt: skip
+    return out, stream
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: SmallMLinearConfig | None = None, num_sms: int = DEFAULT_NUM_SMS,
+) -> torch.Tensor:  # fmt: skip
+    """``F.linear(F.silu(gate) * up, weight, bias)`` for one row ``gate_up = [gate | up]`` (``[1, 2K]``),
+    the product's input computed inside its programs, rounded as the separate kernel rounds it
+    (kvforge/kernels/triton_silu_mul.py)."""
+    if gate_up.dim() != 2 or gate_up.shape[0] != 1 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul_linear takes one contiguous row [gate | up], got {tuple(gate_up.shape)}")
+    k = gate_up.shape[1] // 2
+    _check(gate_up[:, :k], weight, bias)
+    return _launch(gate_up, weight, bias, config, num_sms, PROLOGUE_SILU_MUL, k)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SmallMLinearConfig | None,
+    num_sms: int, prologue: int, k: int, residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None, eps: float = 0.0, stream: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     if not HAS_TRITON:
         raise RuntimeError("small_m_linear needs triton")
-    _check(x, weight, bias)
-    m, k = x.shape
+    m = x.shape[0]
     n = weight.shape[0]
     cfg = config or small_m_linear_config(m, n, k, num_sms)
+    if prologue == PROLOGUE_RMS_NORM and cfg.split_k != 1:
+        cfg = dataclasses.replace(cfg, split_k=1)  # 1 / rms scales whole sums over K
     cfg.check(m)
+    if prologue != PROLOGUE_NONE and cfg.use_dot:
+        raise ValueError("a prologue runs on the broadcast path only (one row); the config asks for tl.dot")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -269,10 +370,13 @@ def small_m_linear(
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
     _small_m_linear_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
         x, weight, bias_arg, out, partials,
+        residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        stream if stream is not None else x, float(eps),
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split, chunks_per_split,
         M_PAD=cfg.rows_block(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, EVEN_K=even_k, HAS_BIAS=bias is not None,
         WRITE_PARTIALS=split_k > 1, NUM_STAGES=cfg.num_stages,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if split_k > 1:

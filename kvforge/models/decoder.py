@@ -28,7 +28,7 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.layers import RMSNorm, cfg_get, rope_parameters
-from kvforge.models.linear_route import linear
+from kvforge.models.linear_route import linear, norm_input, stream_of
 
 
 def required_int(config: dict, key: str) -> int:
@@ -101,13 +101,12 @@ class PreNormDecoderLayer(nn.Module):
         (one fused kernel on GPU), in the same dtype and with the same operands
         as ``x = x + sublayer(norm(x))``, so the values are unchanged.
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        # A one-row CUDA step may compute each norm inside the sublayer's first product (norm_input).
+        h, stream = norm_input(self.input_layernorm, x, residual, self.self_attn)
         h = self.self_attn(rope, h, attn, rotary)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, stream = norm_input(self.post_attention_layernorm, h, stream_of(stream), self.mlp)
+        h = self.mlp(h)
+        return h, stream_of(stream)
 
 
 class DecoderModel(nn.Module):

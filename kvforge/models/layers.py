@@ -17,7 +17,7 @@ from torch import nn
 
 from kvforge.env import ENV
 from kvforge.errors import ConfigError
-from kvforge.models.linear_route import Linear
+from kvforge.models.linear_route import Linear, silu_mul_linear
 
 # ---------------------------------------------------------------------------
 # Fused Triton kernels (kvforge/kernels/triton_{rms_norm,silu_mul,rope}.py)
@@ -57,6 +57,10 @@ class RMSNorm(nn.Module):
     decoder layers call it so that the residual add and the next norm are one
     kernel on GPU. ``forward(x)`` returns ``norm(x)``.
     """
+
+    #: The formula above exactly (a subclass that changes it sets this False): a one-row product may compute
+    #: it in its prologue (kvforge/models/linear_route.py, ``norm_input``).
+    norm_is_plain_rms = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None):
         super().__init__()
@@ -299,8 +303,18 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
         self.act = get_activation(act)
 
+    @property
+    def input_projection(self) -> Linear:
+        """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``)."""
+        return self.gate_up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu:
+            out = silu_mul_linear(gate_up, self.down_proj)  # one launch for a one-row step on CUDA
+            if out is not None:
+                return out
+        return self.down_proj(act_and_mul(gate_up, self.act))
 
 
 def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:

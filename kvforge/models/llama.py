@@ -94,11 +94,16 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    @property
+    def input_projection(self) -> Linear:
+        """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``)."""
+        return self.qkv_proj
+
     def forward(
         self, rope: RopeCache, x: torch.Tensor, attn: AttnFn, rotary: RotaryEmbedding
     ) -> torch.Tensor:
-        t = x.shape[0]
         qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k rotate as one tensor
