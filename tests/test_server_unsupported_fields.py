@@ -56,7 +56,7 @@ def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
 
 
 VLLM_EXTRAS_REFUSED = [
-    ("min_tokens", 3), ("repetition_penalty", 1.2), ("length_penalty", 0.5), ("use_beam_search", True),
+    ("min_tokens", 3), ("length_penalty", 0.5), ("use_beam_search", True),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("guided_json", {"type": "object"}),
     ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
@@ -75,7 +75,7 @@ def test_vllm_extra_that_changes_the_output_is_refused(parse, body, field, value
 
 
 @pytest.mark.parametrize("field, value", [
-    ("min_tokens", 0), ("repetition_penalty", 1.0), ("repetition_penalty", 1), ("length_penalty", 1.0),
+    ("min_tokens", 0), ("length_penalty", 1.0),
     ("use_beam_search", False), ("allowed_token_ids", []),
     ("bad_words", []), ("prompt_logprobs", None), ("guided_json", None),
 ])
@@ -91,3 +91,24 @@ def test_include_stop_str_in_output_reaches_the_sampling_params(parse, body, val
     parsed = parse({**body, "model": MODEL, "include_stop_str_in_output": value}, MODEL)
     assert parsed.params.include_stop_str_in_output is value
     assert parse({**body, "model": MODEL}, MODEL).params.include_stop_str_in_output is False
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
+                         ids=["completions", "chat"])
+def test_penalties_reach_the_sampling_params(parse, body):
+    parsed = parse({**body, "model": MODEL, "presence_penalty": 0.5, "frequency_penalty": -1.25,
+                    "repetition_penalty": 1.3}, MODEL)
+    p = parsed.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.25, 1.3)
+    p = parse({**body, "model": MODEL}, MODEL).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("presence_penalty", 2.5, r"in \[-2, 2\]"), ("frequency_penalty", -3, r"in \[-2, 2\]"),
+    ("repetition_penalty", 0, "> 0"), ("repetition_penalty", -1.0, "> 0"),
+])
+def test_penalty_out_of_range_names_the_field(field, value, why):
+    with pytest.raises(InvalidRequestError, match=why) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, field: value}, MODEL)
+    assert err.value.field == field

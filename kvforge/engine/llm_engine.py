@@ -28,6 +28,7 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host
+from kvforge.engine.penalties import apply_penalties
 from kvforge.engine.prompt_ids import check_prompt_token_ids
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
@@ -581,7 +582,10 @@ class LLMEngine:
                                         for seq, pairs in zip(sampled_seqs, verified)})
             return InflightStep(out, sampled_seqs, None, None, [], None, {}, prompt_lp, launched, verified=verified)
         if sampled_seqs:
-            result = self.sampler.sample_sequences(logits, sampled_seqs)
+            pending = None
+            if ph_rows and any(seq.params.has_penalties for seq in sampled_seqs):
+                pending = self._pending_tokens(sampled_seqs, prev)
+            result = self.sampler.sample_sequences(logits, sampled_seqs, pending)
             token_ids, logprobs = result.token_ids, result.logprobs
             if share:
                 self.runner.share_sampled_tokens(token_ids)  # TP > 1: the workers' next placeholders
@@ -592,6 +596,15 @@ class LLMEngine:
         return InflightStep(out, sampled_seqs, token_ids, host_tokens, logprobs, ready,
                             {seq.request_id: i for i, seq in enumerate(sampled_seqs)}, prompt_lp, launched)
 
+    @staticmethod
+    def _pending_tokens(seqs: list[Sequence], prev: InflightStep) -> torch.Tensor:
+        """Per sampled sequence, the token it sampled in ``prev`` that is not on the host yet (on the device),
+        or -1: the penalties count it as output."""
+        src = [prev.row_of[seq.request_id] if seq.num_pending else -1 for seq in seqs]
+        src_t = torch.tensor(src, dtype=torch.long).to(prev.token_ids.device, non_blocking=True)
+        gathered = prev.token_ids[src_t.clamp(min=0)]
+        return torch.where(src_t >= 0, gathered, torch.full_like(gathered, -1))
+
     def _verify(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]]) -> list[list]:
         """Verify a speculative step's proposals; per sequence, the [(token, logprobs)] to append."""
         from kvforge.speculative.verify import verify_proposals
@@ -601,8 +614,15 @@ class LLMEngine:
         probs_of = getattr(self.proposer, "proposal_probs", None)
         probs = ([probs_of(seq, len(props)) if props else None for seq, props in zip(seqs, proposals)]
                  if probs_of is not None else None)
+        raw = None
+        if any(seq.params.has_penalties for seq in seqs):
+            # Row j of a sequence scores the token after its output and the first j proposals.
+            row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
+            histories = [(seq.prompt_token_ids, seq.output_token_ids + props[:j])
+                         for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
+            raw, logits = logits, apply_penalties(logits.float(), row_params, histories)
         result = verify_proposals(logits, [seq.params for seq in seqs],
-                                  [seq.generator_for(logits.device) for seq in seqs], proposals, probs)
+                                  [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):
             if props:
                 if self.spec_backoff is not None:

@@ -3,9 +3,11 @@
 Per row, in this order (vLLM v1's order):
 
 1. logprobs (when asked) = ``log_softmax`` of the RAW logits (before
-   temperature or filters); top-N of them plus the sampled token.
-2. temperature == 0: greedy, ``argmax`` of the raw logits.
-3. otherwise: logits / temperature, then min-p (drop tokens whose probability
+   penalties, temperature or filters); top-N of them plus the sampled token.
+2. repetition, presence and frequency penalties (kvforge/engine/penalties.py),
+   for rows that set them; the steps below see the penalized logits.
+3. temperature == 0: greedy, ``argmax`` of the logits.
+4. otherwise: logits / temperature, then min-p (drop tokens whose probability
    is below ``min_p * max_prob``), top-k (keep the k largest), top-p (keep the
    smallest set of largest tokens whose probability sums to >= top_p; the top
    token is always kept), then sample from the renormalized distribution.
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
 
 
@@ -120,16 +123,24 @@ class Sampler:
     ) -> SamplerOutput:
         return self.sample(logits, params, generators)
 
-    def sample_sequences(self, logits: torch.Tensor, seqs) -> SamplerOutput:
-        """Convenience: take params and generators from ``Sequence`` objects."""
-        return self.sample(logits, [s.params for s in seqs], [s.generator_for(logits.device) for s in seqs])
+    def sample_sequences(self, logits: torch.Tensor, seqs, pending: torch.Tensor | None = None) -> SamplerOutput:
+        """Take params, generators and (for penalties) token histories from ``Sequence`` objects; ``pending``
+        as :func:`~kvforge.engine.penalties.apply_penalties` takes it."""
+        params = [s.params for s in seqs]
+        histories = ([(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+                     if any(p.has_penalties for p in params) else None)  # fmt: skip
+        return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending)
 
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
+        histories: list[History] | None = None,
+        pending: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """Rows of ``logits`` [N, vocab] sampled under ``params`` (module docstring); ``histories`` (per row,
+        prompt and output token ids) are needed where a row sets a penalty."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
@@ -137,8 +148,14 @@ class Sampler:
             raise ValueError(f"{len(params)} SamplingParams for {n} rows of logits")
         if generators is None:
             generators = [None] * n
-        logits = logits.float()
-        device = logits.device
+        raw = logits.float()
+        device = raw.device
+        if any(p.has_penalties for p in params):
+            if histories is None or len(histories) != n:
+                raise ValueError("penalties need each row's (prompt, output) token ids")
+            logits = apply_penalties(raw, params, histories, pending)
+        else:
+            logits = raw
 
         greedy_mask = [p.temperature == 0 for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
@@ -151,7 +168,7 @@ class Sampler:
             sub_gens = [generators[i] for i in random_rows]
             token_ids[idx] = self._sample_random(logits[idx], sub_params, sub_gens)
 
-        return self.with_logprobs(logits, token_ids, params)
+        return self.with_logprobs(raw, token_ids, params)
 
     @staticmethod
     def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:

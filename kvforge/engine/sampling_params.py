@@ -26,6 +26,10 @@ class SamplingParams:
     in ``token_ids``. ``include_stop_str_in_output`` keeps both in the text (the
     text then ends with the stop string or the stop token's text).
 
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2], 0: off) lower the logits of tokens already in
+    the output, ``repetition_penalty`` (> 0, 1: off) those of tokens in the prompt or the output
+    (kvforge/engine/penalties.py has the formulas); logprobs stay those of the raw logits.
+
     ``n``: independent samples of the prompt. The engine runs one sequence per
     request (``LLMEngine.add_request`` takes n = 1); ``LLM.generate`` and the
     server run sample ``j`` as its own request with :meth:`sample_params`.
@@ -45,6 +49,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -89,6 +96,13 @@ class SamplingParams:
             or not 0 <= self.prompt_logprobs <= 20
         ):
             bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
+            bad("repetition_penalty", f"must be a finite number > 0 (1 = off), got {rp!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
@@ -108,3 +122,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

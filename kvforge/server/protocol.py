@@ -163,7 +163,6 @@ class ParsedRequest:
 # output unchanged (accepted, as is null); any other value is refused like the OpenAI fields below.
 _VLLM_EXTRAS_NEUTRAL = {
     "min_tokens": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1,
     "length_penalty": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
     "allowed_token_ids": lambda v: v == [],
@@ -214,9 +213,6 @@ def _common(body: dict, served_model: str) -> dict:
     seed = get_int(body, "seed", None)
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         bad_field("seed", f"must be a signed 64-bit integer, got {seed}")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if get_number(body, penalty, 0.0) != 0.0:
-            bad_field(penalty, "is not supported (only 0)")
     _refuse_unsupported_features(body)
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
@@ -242,6 +238,9 @@ def _common(body: dict, served_model: str) -> dict:
         "ignore_eos": get_bool(body, "ignore_eos", False),
         "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
         "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
+        "presence_penalty": get_number(body, "presence_penalty", 0.0),
+        "frequency_penalty": get_number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": get_number(body, "repetition_penalty", 1.0),
     }
 
 
@@ -263,6 +262,9 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         logprobs=logprobs,
         skip_special_tokens=common["skip_special_tokens"],
         include_stop_str_in_output=common["include_stop_str_in_output"],
+        presence_penalty=common["presence_penalty"],
+        frequency_penalty=common["frequency_penalty"],
+        repetition_penalty=common["repetition_penalty"],
     )
 
 

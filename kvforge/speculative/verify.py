@@ -149,13 +149,14 @@ def _proposal_q(proposals: list[list[int]], probs: list[torch.Tensor | None], vo
 
 
 def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                     proposals: list[list[int]], proposal_probs: list[torch.Tensor | None] | None = None
-                     ) -> VerifiedStep:
+                     proposals: list[list[int]], proposal_probs: list[torch.Tensor | None] | None = None,
+                     raw_logits: torch.Tensor | None = None) -> VerifiedStep:
     """Verify a step: sequence ``i`` owns ``len(proposals[i]) + 1`` consecutive rows of float32 ``logits``,
     in order. Greedy rows take one argmax over the whole batch (one host read); sampled rows go through
     :func:`rejection_sample_batch` over :meth:`Sampler.target_probs`. ``proposal_probs[i]``: the ``q``
     [>= len(proposals[i]), vocab] sequence ``i``'s proposals were drawn from (a draft model), or None for
-    point-mass proposals (n-gram); None for all point masses."""
+    point-mass proposals (n-gram); None for all point masses. ``raw_logits``: the logits before penalties
+    where ``logits`` are penalized (logprobs are those of the raw logits, as the sampler's); None: ``logits``."""
     starts, row = [], 0
     for props in proposals:
         starts.append(row)
@@ -185,7 +186,8 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
         ids = [t for i in asking for t in tokens[i]]
         row_params = [params[i] for i in asking for _ in tokens[i]]
         device = logits.device
-        out = Sampler.with_logprobs(logits[torch.tensor(rows, device=device)],
+        raw = (raw_logits if raw_logits is not None else logits).float()
+        out = Sampler.with_logprobs(raw[torch.tensor(rows, device=device)],
                                     torch.tensor(ids, dtype=torch.long, device=device), row_params)
         at = 0
         for i in asking:
