@@ -105,6 +105,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "prompt_lookup_min, prompt_lookup_max; method draft_model with model (a smaller model of "
                         "the same vocabulary) and num_speculative_tokens; method mtp (the DeepSeek-V3 checkpoint's "
                         "own multi-token-prediction layer) with num_speculative_tokens (docs/SPECULATIVE.md)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility; changes nothing (kvforge never runs a checkpoint's code)")
     p.add_argument("--max-model-len", type=token_count, default=None,
                    help="longest sequence (prompt + output) in tokens; 128K = 131072, 128k = 128000")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes,

@@ -48,6 +48,8 @@ class EngineArgs:
     the budget (logged). Only ``max_num_seqs`` given: the budget is the platform default raised to it
     (:meth:`step_token_budget`). After construction ``max_num_seqs`` is an int.
     ``speculative_config``: how to speculate (kvforge/speculative/config.py, docs/SPECULATIVE.md).
+    ``trust_remote_code`` (vLLM's flag) is accepted and changes nothing: kvforge runs its own model code
+    for the architectures it knows and never imports code shipped with a checkpoint.
     ``distributed_timeout_s``: with ``tensor_parallel_size`` > 1, the longest
     any collective (and worker startup) may wait before the engine fails with
     a clear error instead of hanging.
@@ -83,6 +85,7 @@ class EngineArgs:
     mla_prefill_mode: str = "auto"
     kv_scale_multiplier: float = 1.0
     progress: bool = True
+    trust_remote_code: bool = False
     distributed_timeout_s: float = 300.0
     #: ``--speculative-config``: a SpeculativeConfig, its dict or JSON text; stored as a SpeculativeConfig
     #: (or None). ``num_speculative_tokens`` alone means ngram with that count; either way both fields agree.

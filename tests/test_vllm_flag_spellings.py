@@ -41,6 +41,17 @@ def test_bad_token_counts_name_the_problem(text, message):
         token_count(text)
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "plan"])
+def test_trust_remote_code_is_accepted_and_reaches_the_engine_args(command):
+    from kvforge.config import EngineArgs
+
+    ns = parse(command, "--trust-remote-code")
+    assert ns.trust_remote_code is True and parse(command).trust_remote_code is False
+    if command != "plan":
+        assert EngineArgs.from_cli_args(ns).trust_remote_code is True
+    assert EngineArgs(trust_remote_code=True).trust_remote_code is True  # the Python API's keyword
+
+
 def test_kv_cache_memory_bytes_is_the_same_flag():
     assert parse("plan", "--kv-cache-memory-bytes", "8GiB").kv_cache_memory == 8 << 30
     assert parse("plan", "--kv-cache-memory", "8GiB").kv_cache_memory == 8 << 30
