@@ -51,3 +51,24 @@ def test_engine_stats_cover_the_timed_runs_only(tmp_path):
 @pytest.mark.parametrize("key", ["num_running", "kv_blocks_used"])
 def test_state_keys_are_not_differenced(key):
     assert stats_between({key: 5}, {key: 2}) == {key: 2}
+
+
+def test_warmup_runs_are_untimed_and_leave_the_timed_prompts_alone(tmp_path, capsys):
+    """``--warmup-runs 1`` runs the whole workload once more before the timed runs, counted with the
+    warm-up; the timed runs see the same workload (the same lengths) as without it."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    results = []
+    for warmups in (0, 1):
+        out = tmp_path / f"bench{warmups}.json"
+        assert main(["bench", "offline", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                     "--skip-tokenizer-init", "--kv-cache-memory", "4MiB", "--no-enable-prefix-caching",
+                     "--num-prompts", "3", "--input-len", "8", "16", "--output-len", "5", "5",
+                     "--warmup-runs", str(warmups), "--out", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    plain, warmed = results
+    assert warmed["warmup_runs"] == 1 and plain["warmup_runs"] == 0
+    assert "warm-up run 0:" in capsys.readouterr().out
+    extra = warmed["engine_stats_warmup"]["generation_tokens_total"] - plain["engine_stats_warmup"]["generation_tokens_total"]
+    assert extra == 3 * 5  # one more pass over the three requests
+    assert warmed["engine_stats"]["generation_tokens_total"] == plain["engine_stats"]["generation_tokens_total"] == 15
+    assert warmed["engine_stats"]["prompt_tokens_total"] == plain["engine_stats"]["prompt_tokens_total"]

@@ -67,7 +67,7 @@ from kvforge.speculative.stats import spec_decode_summary
 
 
 def add_offline_args(p: argparse.ArgumentParser) -> None:
-    from kvforge.cli_args import positive_int
+    from kvforge.cli_args import non_negative_int, positive_int
     from kvforge.config import EngineArgs
 
     EngineArgs.add_cli_args(p)
@@ -75,6 +75,9 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--repetitions", type=positive_int, default=1, help="timed runs (median reported)")
+    p.add_argument("--warmup-runs", type=non_negative_int, default=0,
+                   help="untimed runs of the whole workload (other random prompts) before the timed ones: the "
+                        "first timed run is then as fast as the next")
     p.add_argument("--profile-decode", action="store_true", help="CUDA: time and profile steady decode steps")
     p.add_argument("--out", default=None, help="write the JSON result here")
 
@@ -309,6 +312,9 @@ def offline_main(args: argparse.Namespace) -> int:
     in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng)
     at_start = engine.stats()
     warm_up(llm)
+    warm_rng = random.Random(args.seed + 1)  # the timed runs' prompts do not depend on the warm-up runs
+    for rep in range(args.warmup_runs):
+        timed_run(llm, in_lens, params, warm_rng, f"warm-up run {rep}")
     warmed = engine.stats()
     runs = [timed_run(llm, in_lens, params, rng, f"run {rep}") for rep in range(args.repetitions)]
     timed = stats_between(warmed, engine.stats())
@@ -319,6 +325,7 @@ def offline_main(args: argparse.Namespace) -> int:
         "block_size": llm.plan.block_size, "max_model_len": llm.plan.max_model_len,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "median": med, "runs": runs,
+        "warmup_runs": args.warmup_runs,
         "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": timed,
         "engine_stats_warmup": stats_between(at_start, warmed), "device": str(engine.device),
         "startup_seconds": startup, "enforce_eager": engine.args.enforce_eager,
