@@ -19,7 +19,6 @@ from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 logger = logging.getLogger("kvforge.config")
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: CPU has no "free device memory" to size from
 # Tokens one step may compute when --max-num-batched-tokens is not given, by platform.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).

@@ -39,10 +39,33 @@ def test_json_has_every_documented_key(capsys):
     assert d["num_blocks"] * 32 == d["capacity_tokens"]
 
 
-def test_no_memory_gives_null_capacity(capsys):
-    code, out, _ = run(capsys, "llama-3.1-8b", "--json")
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_no_memory_gives_null_capacity(capsys, device):
+    code, out, _ = run(capsys, "llama-3.1-8b", "--device", device, "--json")
     d = json.loads(out)
     assert code == 0 and d["num_blocks"] is None and d["capacity_tokens"] is None and d["max_concurrency"] is None
+
+
+def test_cpu_plan_without_memory_names_the_cpu_engines_default(capsys, tmp_path):
+    """A plan is often made on one machine for another, so no memory flag means no capacity; on CPU the
+    table says what the CPU engine would take, and that figure is the engine's: the plan given it has the
+    block count of the engine built from the same flags."""
+    from kvforge import LLM
+    from kvforge.planner.inputs import DEFAULT_CPU_KV_CACHE_MEMORY
+
+    code, out, _ = run(capsys, "llama-3.1-8b")
+    assert code == 0 and "the CPU engine takes 1.00 GiB unless --kv-cache-memory says" in " ".join(out.split())
+    code, out, _ = run(capsys, "llama-3.1-8b", "--device", "cuda")
+    assert code == 0 and "CPU engine" not in out
+    config = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run(capsys, str(tmp_path), "--kv-cache-memory", str(DEFAULT_CPU_KV_CACHE_MEMORY), "--json")
+    planned = json.loads(out)
+    engine = LLM(str(tmp_path), load_format="dummy", device="cpu", skip_tokenizer_init=True, progress=False)
+    assert code == 0 and planned["num_blocks"] == engine.plan.num_blocks > 0
+    assert planned["capacity_tokens"] == engine.plan.capacity_tokens
 
 
 def test_embedded_model_plan(capsys):

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from kvforge.config import (
-    DEFAULT_CPU_KV_CACHE_MEMORY,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
     EngineArgs,
@@ -37,7 +36,12 @@ from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.kv_dtypes import platform_model_dtype
-from kvforge.planner.inputs import CacheConfig, ParallelConfig
+from kvforge.planner.inputs import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    CacheConfig,
+    ParallelConfig,
+    resolve_kv_cache_memory,
+)
 from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
 from kvforge.spec.load import load_model_spec
@@ -78,7 +82,7 @@ class LLMEngine:
         cache = CacheConfig(
             kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,
-            kv_cache_memory=args.kv_cache_memory or (DEFAULT_CPU_KV_CACHE_MEMORY if platform == "cpu" else None),
+            kv_cache_memory=resolve_kv_cache_memory(args.kv_cache_memory, platform),
             gpu_memory=args.gpu_memory or (torch.cuda.mem_get_info(self.device)[1] if platform == "cuda" else None),
             gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,

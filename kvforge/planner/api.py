@@ -25,7 +25,9 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
     ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
     checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``);
     ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default);
-    ``max_num_seqs`` (None: the default, capped at ``max_num_batched_tokens``) must fit in it, as in the engine."""
+    ``max_num_seqs`` (None: the default, capped at ``max_num_batched_tokens``) must fit in it, as in the engine.
+    Without ``kv_cache_memory`` or ``gpu_memory`` the plan has no capacity figures (the CPU engine would
+    take DEFAULT_CPU_KV_CACHE_MEMORY; a plan is usually made for another machine than this one)."""
     from kvforge.kv_dtypes import platform_model_dtype
 
     spec = load_model_spec(model)

@@ -13,6 +13,8 @@ SCALE_SCHEMES = ("per_tensor", "per_head")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 #: Sequences one step may run when --max-num-seqs is not given.
 DEFAULT_MAX_NUM_SEQS = 256
+#: KV cache bytes on CPU when --kv-cache-memory is not given (a CPU has no "free device memory" to size from).
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 
 
 def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
@@ -26,6 +28,14 @@ def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
     return value
+
+
+def resolve_kv_cache_memory(kv_cache_memory: int | None, device: str) -> int | None:
+    """KV cache bytes the engine plans with: ``kv_cache_memory`` when set; on CPU (which never sizes from
+    the GPU memory flags) DEFAULT_CPU_KV_CACHE_MEMORY; otherwise None (capacity from the GPU's memory)."""
+    if kv_cache_memory is not None:
+        return kv_cache_memory
+    return DEFAULT_CPU_KV_CACHE_MEMORY if device == "cpu" else None
 
 
 def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvforge.planner.inputs import DEFAULT_CPU_KV_CACHE_MEMORY
 from kvforge.planner.kv_plan import KVPlan
 
 
@@ -66,7 +67,10 @@ def render_plan(plan: KVPlan, console=None) -> None:
                              f"{plan.baseline.bytes_per_sequence:,} / {cap.bytes_per_sequence:,} bytes per sequence "
                              f"= {exact:.4f}x (state bytes are not halved)")
     else:
-        head.add_row("capacity", "no memory given (--kv-cache-memory or --gpu-memory)")
+        note = "no memory given (--kv-cache-memory or --gpu-memory)"
+        if plan.platform == "cpu":
+            note += f"; the CPU engine takes {_gib(DEFAULT_CPU_KV_CACHE_MEMORY)} unless --kv-cache-memory says"
+        head.add_row("capacity", note)
     if plan.draft is not None:
         head.add_row("speculative draft", plan.draft_explanation())
     console.print(head)
