@@ -28,6 +28,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0: off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1: off")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--compare-kv-dtype", default=None,
                    help="also run greedy with this KV dtype (e.g. bf16) and report agreement")
@@ -119,7 +122,9 @@ def generate_main(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     compare_kv_dtype = _compare_kv_dtype(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: v for k, v in engine_args.__dict__.items()})  # the engine logs its plan
     t0 = time.perf_counter()

@@ -47,6 +47,27 @@ def test_malformed_token_ids_are_argparse_errors(no_engine, capsys, value):
     assert "--prompt-token-ids" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--presence-penalty", "3"), ("--repetition-penalty", "0")])
+def test_bad_penalties_stop_before_the_engine(no_engine, capsys, flag, value):
+    assert main(["generate", "--prompt", "hi", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert flag[2:].replace("-", "_") in err and "Traceback" not in err
+
+
+def test_penalty_flags_reach_the_sampling_params(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    seen = []
+    real = kvforge.llm.LLM.generate
+    monkeypatch.setattr(kvforge.llm.LLM, "generate", lambda self, prompts, params, **kw: seen.append(params)
+                        or real(self, prompts, params, **kw))
+    code = main(["generate", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
+                 "--prompt-token-ids", "1,2,3", "--max-tokens", "4", "--ignore-eos", "--no-progress",
+                 "--presence-penalty", "0.5", "--frequency-penalty", "-1", "--repetition-penalty", "1.2"])
+    assert code == 0
+    p = seen[0]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+
+
 def test_token_id_prompts_on_a_model_without_a_tokenizer(tmp_path, capsys, caplog):
     """Token-id prompts run; the plan is shown once (the engine's log), not again on stdout."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
