@@ -132,3 +132,20 @@ def test_chat_top_logprobs_zero_gives_each_token_and_no_alternatives(real):
         assert c.top_logprobs == [] and c.logprob <= 0 and abs(c.logprob - c2.logprob) <= TOL
         assert c.bytes == list(c.token.encode())
         assert len(c2.top_logprobs) == 2 and c2.top_logprobs[0].token == c.token  # greedy: the most likely
+
+
+def test_penalties_from_the_openai_client_change_greedy_output(real):
+    """OpenAI's presence/frequency penalties (the client's own parameters) and vLLM's repetition_penalty
+    (extra_body) reach the sampler: greedy output over a repetitive prompt changes, and the logprobs stay
+    the raw ones (the chosen token need not be the raw top-1)."""
+    engine, client = real
+    kw = dict(model=engine.model_name, prompt="one two one two one two one two", max_tokens=12, temperature=0,
+              logprobs=1)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    penalized = client.completions.create(**kw, presence_penalty=2.0, frequency_penalty=2.0,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    repeated = client.completions.create(**kw, extra_body={"ignore_eos": True, "repetition_penalty": 3.0}).choices[0]
+    assert penalized.text != plain.text and repeated.text != plain.text
+    lp = penalized.logprobs
+    assert any(max(top, key=top.get) != token for token, top in zip(lp.tokens, lp.top_logprobs)), \
+        "some penalized choice should differ from the raw top-1"
