@@ -488,13 +488,15 @@ class Scheduler:
         token (EOS unless ignored, or one of ``stop_token_ids``) stays in the token ids but adds no text,
         as a stop string adds none, unless the request includes stop strings in its output (vLLM's rule)."""
         seq.append_token(token, lps)
-        if seq.detokenizer is not None and (seq.params.include_stop_str_in_output
-                                            or not self._is_stop_token(seq, token)):
+        stop_token, token_reason = self._stop_token(seq, token)
+        if seq.detokenizer is not None and (seq.params.include_stop_str_in_output or not stop_token):
             seq.detokenizer.add_tokens([token])
         # Async: the next step may already have computed this token (it was in flight), so a block it
         # completes can be registered only now that its id is known; before a finish frees it.
         self.block_manager.cache_full_blocks(seq)
-        return self._stop_reason(seq, token)
+        if stop_token:
+            return SequenceStatus.FINISHED_STOPPED, token_reason
+        return self._stop_reason(seq)
 
     def _roll_back_rejected(self, s: ScheduledSequence, num_accepted: int) -> None:
         """After verification: the accepted proposals' KV counts as computed; the rejected ones' KV
@@ -515,17 +517,20 @@ class Scheduler:
             return True
         return seq.num_tokens + seq.num_pending >= self.max_model_len
 
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
-        """Whether ``token`` ends the sequence by itself: EOS unless ignored, or one of ``stop_token_ids``."""
-        p = seq.params
-        return (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
-
-    def _stop_reason(self, seq: Sequence, token: int):
+    def _stop_token(self, seq: Sequence, token: int) -> tuple[bool, int | None]:
+        """Whether ``token`` ends the sequence by itself (EOS unless ignored, or one of ``stop_token_ids``),
+        and the ``stop_reason`` it reports: None for EOS, the id for a ``stop_token_ids`` entry."""
         p = seq.params
         if not p.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, None
+            return True, None
         if token in p.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, token
+            return True, token
+        return False, None
+
+    def _stop_reason(self, seq: Sequence):
+        """(status, stop_reason) when a stop string, ``max_tokens`` or ``max_model_len`` ends ``seq`` after its
+        last token (not a stop token), else (None, None)."""
+        p = seq.params
         if seq.detokenizer is not None and seq.detokenizer.stopped_on is not None:
             return SequenceStatus.FINISHED_STOPPED, seq.detokenizer.stopped_on
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
