@@ -181,3 +181,15 @@ def test_engine_modes_agree_with_the_synchronous_engine(tiny, engine_kw):
                              _penalized_margins(sync, p, ref_tokens, PENALIZED), FP32_LOGIT_TOL, what=f"prompt {k}")
     if "num_speculative_tokens" in engine_kw:
         assert other.engine.spec_counters.num_accepted_tokens > 0, "no proposal was accepted: the case tests nothing"
+
+
+def test_sequence_token_arrays_follow_the_lists_as_they_grow():
+    from kvforge.engine.sequence import Sequence
+
+    seq = Sequence("r", [5, 6, 7])
+    for round_size in (0, 1, 15, 1, 40, 3):
+        for _ in range(round_size):
+            seq.append_token(100 + len(seq.output_token_ids))
+        prompt, output = seq.token_arrays()
+        assert prompt.tolist() == [5, 6, 7] and output.tolist() == seq.output_token_ids
+        assert output.dtype.name == "int64"

@@ -10,7 +10,8 @@ For a row with history ``prompt`` + ``output`` (the tokens before the one being 
 
 The penalized logits feed greedy and random sampling alike; logprobs stay those of the raw logits (the
 sampler computes them before). Only rows with a penalty are touched; their histories are gathered into
-one padded host array, so the host cost grows with the history lengths of those rows only.
+one padded host array, so the host cost grows with the history lengths of those rows only (sequences
+keep their ids as growing int64 arrays, ``Sequence.token_arrays``, so a step copies arrays, not lists).
 
 ``pending``: int64 ``[rows]`` on the logits' device, a token of the output not on the host yet (overlapped
 scheduling: the previous step's sampled token), or -1; it counts as one more output token.
@@ -18,15 +19,17 @@ scheduling: the previous step's sampled token), or -1; it counts as one more out
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
 
-History = tuple[list[int], list[int]]  # (prompt token ids, output token ids)
+History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids): lists or int64 arrays
 
 
-def _padded(lists: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
+def _padded(lists: list[Sequence[int]], fill: int, device: torch.device) -> torch.Tensor:
     width = max((len(x) for x in lists), default=0)
     arr = np.full((len(lists), max(width, 1)), fill, dtype=np.int64)
     for i, x in enumerate(lists):

@@ -127,7 +127,7 @@ class Sampler:
         """Take params, generators and (for penalties) token histories from ``Sequence`` objects; ``pending``
         as :func:`~kvforge.engine.penalties.apply_penalties` takes it."""
         params = [s.params for s in seqs]
-        histories = ([(s.prompt_token_ids, s.output_token_ids) for s in seqs]
+        histories = ([s.token_arrays() if p.has_penalties else ((), ()) for s, p in zip(seqs, params)]
                      if any(p.has_penalties for p in params) else None)  # fmt: skip
         return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+import numpy as np
 import torch
 
 from kvforge.engine.outputs import RequestOutput, _SnapshotCompletionOutput, _SnapshotRequestOutput
@@ -96,6 +97,10 @@ class Sequence:
         self.num_computed_tokens = 0
         # Sampled tokens whose values are not known yet (the overlapped engine: 0 or 1).
         self.num_pending = 0
+        # token_arrays()'s caches.
+        self._prompt_array: np.ndarray | None = None
+        self._output_array = np.empty(0, dtype=np.int64)
+        self._output_array_len = 0
         self.block_tables: list[list[int]] = [[]]
         self.num_skipped_blocks: list[int] = [0]
         self.block_hashes: list[bytes] = []
@@ -162,6 +167,22 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def token_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(prompt ids, output ids)`` as int64 arrays (for the sampler's penalties). The prompt's is made
+        once; the output's is a view of a buffer that doubles as it fills and copies only the tokens
+        appended since the last call (the ids only ever grow)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        n, done = len(self.output_token_ids), self._output_array_len
+        if n > len(self._output_array):
+            grown = np.empty(max(2 * len(self._output_array), n, 16), dtype=np.int64)
+            grown[:done] = self._output_array[:done]
+            self._output_array = grown
+        if n > done:
+            self._output_array[done:n] = self.output_token_ids[done:n]
+            self._output_array_len = n
+        return self._prompt_array, self._output_array[:n]
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(int(token_id))
