@@ -289,7 +289,9 @@ BAD_COMPLETIONS = [
     ("token_id_out_of_vocab", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("prompt_too_long", "TOO_LONG", "prompt"),
     ("max_tokens_over_context", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
-    ("logit_bias", {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    ("logit_bias_range", {"prompt": "hi", "logit_bias": {"1": 500}}, "logit_bias"),
+    ("logit_bias_out_of_vocab", {"prompt": "hi", "logit_bias": {str(10**9): 5}}, "logit_bias"),
+    ("allowed_token_ids_out_of_vocab", {"prompt": "hi", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
 ]
 
 
@@ -321,7 +323,7 @@ BAD_CHAT = [
     ("top_logprobs_without_logprobs", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs"),
     ("prompt_too_long", "TOO_LONG", "messages"),
-    ("logit_bias", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": -100}}, "logit_bias"),
+    ("logit_bias_type", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": ["42"]}, "logit_bias"),
     ("json_mode", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      "response_format"),
     ("json_schema", {"messages": [{"role": "user", "content": "hi"}],

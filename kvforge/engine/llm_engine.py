@@ -27,7 +27,6 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host
-from kvforge.engine.penalties import apply_penalties
 from kvforge.engine.prompt_ids import check_prompt_token_ids
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
@@ -404,6 +403,11 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidRequestError(f"the engine runs one sequence per request, got n={params.n}: add one request "
                                       "per sample with params.sample_params(j), as LLM.generate does", field="n")
+        vocab = self.spec.vocab_size
+        for field, tokens in params.indexed_token_ids().items():
+            if tokens and max(tokens) >= vocab:
+                raise InvalidRequestError(f"token id {max(tokens)} in {field} is outside the vocabulary of {vocab} "
+                                          f"tokens (ids 0 to {vocab - 1})", field=field)
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
@@ -619,12 +623,12 @@ class LLMEngine:
         probs = ([probs_of(seq, len(props)) if props else None for seq, props in zip(seqs, proposals)]
                  if probs_of is not None else None)
         raw = None
-        if any(seq.params.has_penalties for seq in seqs):
+        row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
+        if any(p.has_penalties or p.logit_bias or p.allowed_token_ids for p in row_params):
             # Row j of a sequence scores the token after its output and the first j proposals.
-            row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
             histories = [(seq.prompt_token_ids, seq.output_token_ids + props[:j])
                          for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
-            raw, logits = logits, apply_penalties(logits.float(), row_params, histories)
+            raw, logits = logits, Sampler.processed_logits(logits.float(), row_params, histories)
         result = verify_proposals(logits, [seq.params for seq in seqs],
                                   [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):

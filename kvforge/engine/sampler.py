@@ -4,8 +4,9 @@ Per row, in this order (vLLM v1's order):
 
 1. logprobs (when asked) = ``log_softmax`` of the RAW logits (before
    penalties, temperature or filters); top-N of them plus the sampled token.
-2. repetition, presence and frequency penalties (kvforge/engine/penalties.py),
-   for rows that set them; the steps below see the penalized logits.
+2. allowed tokens and logit bias (kvforge/engine/token_biases.py), then
+   repetition, presence and frequency penalties (kvforge/engine/penalties.py),
+   for rows that set them; the steps below see these processed logits.
 3. temperature == 0: greedy, ``argmax`` of the logits.
 4. otherwise: logits / temperature, then min-p (drop tokens whose probability
    is below ``min_p * max_prob``), top-k (keep the k largest), top-p (keep the
@@ -29,6 +30,7 @@ import torch
 
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.token_biases import apply_token_biases
 
 
 @dataclass
@@ -150,12 +152,7 @@ class Sampler:
             generators = [None] * n
         raw = logits.float()
         device = raw.device
-        if any(p.has_penalties for p in params):
-            if histories is None or len(histories) != n:
-                raise ValueError("penalties need each row's (prompt, output) token ids")
-            logits = apply_penalties(raw, params, histories, pending)
-        else:
-            logits = raw
+        logits = self.processed_logits(raw, params, histories, pending)
 
         greedy_mask = [p.temperature == 0 for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
@@ -169,6 +166,20 @@ class Sampler:
             token_ids[idx] = self._sample_random(logits[idx], sub_params, sub_gens)
 
         return self.with_logprobs(raw, token_ids, params)
+
+    @staticmethod
+    def processed_logits(raw: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
+                         pending: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """float32 ``raw`` logits [N, vocab] after each row's allowed tokens and logit bias
+        (kvforge/engine/token_biases.py), then its penalties (kvforge/engine/penalties.py; ``histories`` are
+        needed where a row sets one): what greedy and random selection see. ``raw`` itself where no row
+        asks for anything."""
+        logits = apply_token_biases(raw, params)
+        if any(p.has_penalties for p in params):
+            if histories is None or len(histories) != raw.shape[0]:
+                raise ValueError("penalties need each row's (prompt, output) token ids")
+            logits = apply_penalties(logits, params, histories, pending)
+        return logits
 
     @staticmethod
     def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:

@@ -52,6 +52,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    #: ``{token id: bias}`` given, stored as sorted ``(id, bias)`` pairs (hashable); each bias in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Only these tokens may be sampled (None or empty: any).
+    allowed_token_ids: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -62,6 +66,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.logit_bias, dict) or self.logit_bias is None:
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias or {}))
+        if self.allowed_token_ids is not None:
+            ids = tuple(self.allowed_token_ids)
+            object.__setattr__(self, "allowed_token_ids", ids or None)
         self.validate()
 
     def validate(self) -> None:
@@ -103,6 +112,16 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not 0 < rp < float("inf"):
             bad("repetition_penalty", f"must be a finite number > 0 (1 = off), got {rp!r}")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0
+            and isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100
+            for t, b in self.logit_bias
+        ):  # fmt: skip
+            bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        if self.allowed_token_ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
+        ):
+            bad("allowed_token_ids", "must be a list of token ids (integers >= 0)")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
@@ -123,7 +142,25 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    def indexed_token_ids(self) -> dict[str, list[int]]:
+        """The token ids that index the logits, by field (``logit_bias``, ``allowed_token_ids``): each must
+        be in the vocabulary (the engine checks on ``add_request``)."""
+        return {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": list(self.allowed_token_ids or ())}
+
     @property
     def has_penalties(self) -> bool:
         """Whether any penalty changes the logits."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
+    """``{id: bias}`` (ids as ints or decimal strings, as JSON sends them) as sorted ``(id, bias)`` pairs;
+    values that are not numbers are kept as they are for ``validate`` to name."""
+    pairs = []
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        pairs.append((token, float(value) if isinstance(value, int) and not isinstance(value, bool) else value))
+    try:
+        return tuple(sorted(pairs))
+    except TypeError:  # mixed key types: left unsorted, refused by validate
+        return tuple(pairs)

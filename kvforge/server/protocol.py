@@ -165,7 +165,6 @@ _VLLM_EXTRAS_NEUTRAL = {
     "min_tokens": lambda v: v == 0,
     "length_penalty": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
-    "allowed_token_ids": lambda v: v == [],
     "bad_words": lambda v: v == [],
     **{name: lambda v: False for name in ("prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex",
                                           "guided_choice", "guided_grammar", "structured_outputs")},
@@ -180,8 +179,6 @@ def _refuse_unsupported_features(body: dict) -> None:
         if value is not None and not neutral(value):
             hint = "; for prompt logprobs send echo with logprobs to /v1/completions" if name == "prompt_logprobs" else ""
             bad_field(name, f"is not supported (leave it unset){hint}")
-    if body.get("logit_bias"):
-        bad_field("logit_bias", "is not supported (send null or {})")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         bad_field("response_format", "is not supported: only {\"type\": \"text\"} (no JSON mode or JSON schema)")
@@ -241,7 +238,24 @@ def _common(body: dict, served_model: str) -> dict:
         "presence_penalty": get_number(body, "presence_penalty", 0.0),
         "frequency_penalty": get_number(body, "frequency_penalty", 0.0),
         "repetition_penalty": get_number(body, "repetition_penalty", 1.0),
+        "logit_bias": _logit_bias(body),
+        "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
     }
+
+
+def _logit_bias(body: dict) -> dict:
+    """OpenAI's ``logit_bias``: an object from token ids (decimal strings) to numbers (null: none)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        bad_field("logit_bias", f"expected an object from token ids to biases, got {type_name(value)}")
+    for key, bias in value.items():
+        if not key.strip().isdigit():
+            bad_field("logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            bad_field("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} for token {key}")
+    return value
 
 
 def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -265,6 +279,8 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         presence_penalty=common["presence_penalty"],
         frequency_penalty=common["frequency_penalty"],
         repetition_penalty=common["repetition_penalty"],
+        logit_bias=common["logit_bias"],
+        allowed_token_ids=common["allowed_token_ids"],
     )
 
 
