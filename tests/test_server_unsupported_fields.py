@@ -56,7 +56,7 @@ def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
 
 
 VLLM_EXTRAS_REFUSED = [
-    ("min_tokens", 3), ("length_penalty", 0.5), ("use_beam_search", True),
+    ("length_penalty", 0.5), ("use_beam_search", True),
     ("bad_words", ["x"]),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("guided_json", {"type": "object"}),
     ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
@@ -75,7 +75,7 @@ def test_vllm_extra_that_changes_the_output_is_refused(parse, body, field, value
 
 
 @pytest.mark.parametrize("field, value", [
-    ("min_tokens", 0), ("length_penalty", 1.0),
+    ("length_penalty", 1.0),
     ("use_beam_search", False), ("allowed_token_ids", []),  # empty: no restriction
     ("bad_words", []), ("prompt_logprobs", None), ("guided_json", None),
 ])
@@ -112,3 +112,12 @@ def test_penalty_out_of_range_names_the_field(field, value, why):
     with pytest.raises(InvalidRequestError, match=why) as err:
         parse_completion({"prompt": "hi", "model": MODEL, field: value}, MODEL)
     assert err.value.field == field
+
+
+def test_min_logit_bias_and_allowed_ids_reach_the_sampling_params():
+    p = parse_completion({"prompt": "hi", "model": MODEL, "min_tokens": 4, "logit_bias": {"7": -100, "3": 2},
+                          "allowed_token_ids": [3, 7, 9]}, MODEL).params
+    assert p.min_tokens == 4 and p.logit_bias == ((3, 2.0), (7, -100.0)) and p.allowed_token_ids == (3, 7, 9)
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "min_tokens": 20, "max_tokens": 10}, MODEL)
+    assert err.value.field == "min_tokens"

@@ -82,3 +82,60 @@ def test_engine_forced_and_banned_tokens(tmp_path):
     with pytest.raises(InvalidRequestError, match="outside the vocabulary") as err:
         llm.generate(prompt, SamplingParams(**base, logit_bias={VOCAB: 1.0}), use_tqdm=False)
     assert err.value.field == "logit_bias"
+
+
+# ---- min_tokens -------------------------------------------------------------------------------------------
+
+
+def test_min_tokens_excludes_stop_tokens_until_enough_output():
+    logits = torch.zeros(4, VOCAB)
+    params = [SamplingParams(min_tokens=3, stop_token_ids=[9]), SamplingParams(min_tokens=3, stop_token_ids=[9]),
+              SamplingParams(min_tokens=3, ignore_eos=True), SamplingParams()]
+    got = apply_token_biases(logits, params, num_generated=[2, 3, 0, 0], eos_token_ids={1, 2})
+    inf = float("-inf")
+    assert got[0, [1, 2, 9]].tolist() == [inf] * 3 and torch.isfinite(got[0]).sum() == VOCAB - 3
+    assert torch.equal(got[1], logits[1])  # three output tokens already: stops allowed
+    assert torch.equal(got[2], logits[2])  # EOS ignored, no stop ids: nothing to exclude
+    assert torch.equal(got[3], logits[3])
+    with pytest.raises(ValueError, match="count of output tokens"):
+        apply_token_biases(logits, params)
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert err.value.field == "min_tokens"
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_stop_strings_wait_for_min_tokens():
+    from kvforge.engine.detokenizer import IncrementalDetokenizer
+
+    for min_tokens, want in ((0, "a"), (3, "aba"), (4, "ababa")):
+        d = IncrementalDetokenizer(CharTokenizer(), [], stop=("b",), min_tokens=min_tokens)
+        for ch in "ababab":
+            d.add_tokens([ord(ch)])
+        assert d.stopped_on == "b" and d.text == want, (min_tokens, d.text)
+
+
+@pytest.mark.parametrize("engine_kw", [{}, dict(async_scheduling=True), dict(num_speculative_tokens=2)],
+                         ids=["sync", "async", "speculative"])
+def test_engine_min_tokens_holds_back_a_stop_token(tmp_path, engine_kw):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), dtype="float32", skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False,
+              device="cpu", **engine_kw)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}]
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    stop = plain[1]
+    first = plain.index(stop)
+    early = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]), use_tqdm=False)
+    assert len(early[0].outputs[0].token_ids) == first + 1  # without min_tokens it stops at once
+    held = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], min_tokens=6),
+                        use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 6 and stop not in held.token_ids[:6]
+    assert held.finish_reason == "length" or held.token_ids[-1] == stop

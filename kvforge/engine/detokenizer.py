@@ -15,7 +15,8 @@ Stop strings may span several tokens: after each delta we search the text
 from ``len(old_text) - (longest stop - 1)``. On a hit the text is truncated
 right before the stop string (the stop string is not returned). For
 streaming, ``output_text(finished=False)`` also withholds a trailing piece of
-text that could still become a stop string.
+text that could still become a stop string. With ``min_tokens`` (vLLM's rule)
+only text that arrives after more than that many output tokens is searched.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ class IncrementalDetokenizer:
         stop: tuple[str, ...] | list[str] = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.include_stop = include_stop
+        # Stop strings are looked for only in text that arrives once more than min_tokens output tokens are in.
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -65,6 +70,7 @@ class IncrementalDetokenizer:
         if self.stopped_on is not None:
             return ""
         self._ids.extend(int(t) for t in token_ids)
+        self.num_output_tokens += len(token_ids)
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self._ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -77,7 +83,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         old_len = len(self.text)
         self.text += delta
-        if self.stop and delta:
+        if self.stop and delta and self.num_output_tokens > self.min_tokens:
             self._check_stop(old_len)
         return delta
 

@@ -215,7 +215,7 @@ class LLMEngine:
                                       enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
                                       ring_rows=ring_rows, ring_row_bytes=ring_row_bytes,
                                       mla_prefill_mode=args.mla_prefill_mode, verify_query_len=verify)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos)
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.generation_tokens_total = 0
         self.num_steps = 0
@@ -624,11 +624,13 @@ class LLMEngine:
                  if probs_of is not None else None)
         raw = None
         row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
-        if any(p.has_penalties or p.logit_bias or p.allowed_token_ids for p in row_params):
+        if any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens for p in row_params):
             # Row j of a sequence scores the token after its output and the first j proposals.
             histories = [(seq.prompt_token_ids, seq.output_token_ids + props[:j])
                          for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
-            raw, logits = logits, Sampler.processed_logits(logits.float(), row_params, histories)
+            generated = [seq.num_output_tokens + j for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
+            raw, logits = logits, self.sampler.processed_logits(logits.float(), row_params, histories,
+                                                                num_generated=generated)
         result = verify_proposals(logits, [seq.params for seq in seqs],
                                   [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):

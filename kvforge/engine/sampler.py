@@ -24,6 +24,7 @@ without a seed share one draw from the default generator.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -115,7 +116,11 @@ def compute_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
 
 
 class Sampler:
-    """Stateless; call it with logits and the rows' SamplingParams (and generators)."""
+    """Call it with logits and the rows' SamplingParams (and generators); it holds only the model's EOS ids
+    (``min_tokens`` keeps them from ending a request early)."""
+
+    def __init__(self, eos_token_ids: Collection[int] = ()):
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def __call__(
         self,
@@ -131,7 +136,10 @@ class Sampler:
         params = [s.params for s in seqs]
         histories = ([s.token_arrays() if p.has_penalties else ((), ()) for s, p in zip(seqs, params)]
                      if any(p.has_penalties for p in params) else None)  # fmt: skip
-        return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending)
+        generated = ([s.num_output_tokens + s.num_pending for s in seqs] if any(p.min_tokens for p in params)
+                     else None)  # fmt: skip
+        return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending,
+                           generated)  # fmt: skip
 
     def sample(
         self,
@@ -140,9 +148,11 @@ class Sampler:
         generators: list[torch.Generator | None] | None = None,
         histories: list[History] | None = None,
         pending: torch.Tensor | None = None,
+        num_generated: list[int] | None = None,
     ) -> SamplerOutput:
         """Rows of ``logits`` [N, vocab] sampled under ``params`` (module docstring); ``histories`` (per row,
-        prompt and output token ids) are needed where a row sets a penalty."""
+        prompt and output token ids) are needed where a row sets a penalty, ``num_generated`` (output tokens
+        so far) where it sets ``min_tokens``."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
@@ -152,7 +162,7 @@ class Sampler:
             generators = [None] * n
         raw = logits.float()
         device = raw.device
-        logits = self.processed_logits(raw, params, histories, pending)
+        logits = self.processed_logits(raw, params, histories, pending, num_generated)
 
         greedy_mask = [p.temperature == 0 for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
@@ -167,14 +177,13 @@ class Sampler:
 
         return self.with_logprobs(raw, token_ids, params)
 
-    @staticmethod
-    def processed_logits(raw: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
-                         pending: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """float32 ``raw`` logits [N, vocab] after each row's allowed tokens and logit bias
-        (kvforge/engine/token_biases.py), then its penalties (kvforge/engine/penalties.py; ``histories`` are
-        needed where a row sets one): what greedy and random selection see. ``raw`` itself where no row
-        asks for anything."""
-        logits = apply_token_biases(raw, params)
+    def processed_logits(self, raw: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
+                         pending: torch.Tensor | None = None, num_generated: list[int] | None = None,
+                         ) -> torch.Tensor:  # fmt: skip
+        """float32 ``raw`` logits [N, vocab] after each row's allowed tokens, logit bias and ``min_tokens``
+        rule (kvforge/engine/token_biases.py), then its penalties (kvforge/engine/penalties.py): what
+        greedy and random selection see. ``raw`` itself where no row asks for anything."""
+        logits = apply_token_biases(raw, params, num_generated, self.eos_token_ids)
         if any(p.has_penalties for p in params):
             if histories is None or len(histories) != raw.shape[0]:
                 raise ValueError("penalties need each row's (prompt, output) token ids")

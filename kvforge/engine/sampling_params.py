@@ -56,6 +56,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: Only these tokens may be sampled (None or empty: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    #: Output tokens before EOS, a ``stop_token_ids`` entry or a stop string may end the request (vLLM's).
+    min_tokens: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -122,6 +124,10 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
         ):
             bad("allowed_token_ids", "must be a list of token ids (integers >= 0)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"{self.min_tokens} is above max_tokens {self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):

@@ -218,7 +218,7 @@ class Scheduler:
         if self.tokenizer is not None and seq.detokenizer is None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens,
-                include_stop=seq.params.include_stop_str_in_output,
+                include_stop=seq.params.include_stop_str_in_output, min_tokens=seq.params.min_tokens,
             )
         if seq.holds_blocks:
             raise InvalidRequestError(

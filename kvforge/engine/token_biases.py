@@ -3,7 +3,9 @@
 * ``allowed_token_ids`` (vLLM's field): every other token's logit becomes -inf, so neither greedy nor random
   sampling can pick it;
 * ``logit_bias`` (OpenAI's field): ``{token id: bias}``, each bias in [-100, 100] added to that token's logit
-  (-100 in practice bans a token, +100 forces it).
+  (-100 in practice bans a token, +100 forces it);
+* ``min_tokens`` (vLLM's field): while a row has fewer output tokens than that, its stop tokens (EOS unless
+  ignored, and ``stop_token_ids``) are excluded (stop strings are held back by the detokenizer).
 
 Rows without either are left as they are (the function returns its input when no row has one). Logprobs
 stay those of the raw logits: the sampler computes them before.
@@ -11,19 +13,38 @@ stay those of the raw logits: the sampler computes them before.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
 
 
-def apply_token_biases(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """float32 ``logits`` [rows, vocab] with each row's allowed set and biases applied (module docstring)."""
+def _stop_tokens(params: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+
+def apply_token_biases(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int] | None = None,
+                       eos_token_ids: Collection[int] = ()) -> torch.Tensor:  # fmt: skip
+    """float32 ``logits`` [rows, vocab] with each row's allowed set, biases and ``min_tokens`` rule applied
+    (module docstring); ``num_generated``: each row's output tokens before the one it samples (needed where
+    a row sets ``min_tokens``)."""
     allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-    if not allowed_rows and not bias_rows:
+    min_rows = [i for i, p in enumerate(params) if p.min_tokens]
+    if min_rows:
+        if num_generated is None:
+            raise ValueError("min_tokens needs each row's count of output tokens")
+        min_rows = [i for i in min_rows if num_generated[i] < params[i].min_tokens]
+    if not allowed_rows and not bias_rows and not min_rows:
         return logits
     out = logits.clone()
     device = logits.device
+    vocab = logits.shape[1]
+    banned = [(i, t) for i in min_rows for t in _stop_tokens(params[i], eos_token_ids) if t < vocab]
+    if banned:
+        rows, cols = zip(*banned)
+        out[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
     if allowed_rows:
         keep = torch.zeros(len(allowed_rows), logits.shape[1], dtype=torch.bool)
         for r, i in enumerate(allowed_rows):

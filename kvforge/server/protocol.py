@@ -162,7 +162,6 @@ class ParsedRequest:
 # vLLM's extra request fields that change the output, each with the test of its value that leaves the
 # output unchanged (accepted, as is null); any other value is refused like the OpenAI fields below.
 _VLLM_EXTRAS_NEUTRAL = {
-    "min_tokens": lambda v: v == 0,
     "length_penalty": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
     "bad_words": lambda v: v == [],
@@ -240,6 +239,7 @@ def _common(body: dict, served_model: str) -> dict:
         "repetition_penalty": get_number(body, "repetition_penalty", 1.0),
         "logit_bias": _logit_bias(body),
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
+        "min_tokens": get_int(body, "min_tokens", 0),
     }
 
 
@@ -281,6 +281,7 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
         repetition_penalty=common["repetition_penalty"],
         logit_bias=common["logit_bias"],
         allowed_token_ids=common["allowed_token_ids"],
+        min_tokens=common["min_tokens"],
     )
 
 
