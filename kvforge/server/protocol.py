@@ -219,11 +219,10 @@ def _common(body: dict, served_model: str) -> dict:
         if not stream:
             bad_field("stream_options", "is only allowed when 'stream' is true")
         include_usage = get_bool(stream_options, "include_usage", False)
-    return {
-        "model": model,
+    # The SamplingParams fields the request sets, by their names (max_tokens and logprobs differ between the
+    # two endpoints and are added by each).
+    sampling = {
         "n": n,
-        "stream": stream,
-        "include_usage": include_usage,
         "temperature": get_number(body, "temperature", 1.0),
         "top_p": get_number(body, "top_p", 1.0),
         "top_k": get_int(body, "top_k", -1),
@@ -241,6 +240,7 @@ def _common(body: dict, served_model: str) -> dict:
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
     }
+    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage, "sampling": sampling}
 
 
 def _logit_bias(body: dict) -> dict:
@@ -262,27 +262,7 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
     if max_tokens is not None and max_tokens < 1:
         # SamplingParams would say the same, but name the OpenAI field the client sent.
         bad_field("max_tokens", f"must be an integer >= 1, got {max_tokens}")
-    return SamplingParams(
-        n=common["n"],
-        temperature=common["temperature"],
-        top_p=common["top_p"],
-        top_k=common["top_k"],
-        min_p=common["min_p"],
-        seed=common["seed"],
-        max_tokens=max_tokens,
-        stop=tuple(common["stop"]),
-        stop_token_ids=tuple(common["stop_token_ids"]),
-        ignore_eos=common["ignore_eos"],
-        logprobs=logprobs,
-        skip_special_tokens=common["skip_special_tokens"],
-        include_stop_str_in_output=common["include_stop_str_in_output"],
-        presence_penalty=common["presence_penalty"],
-        frequency_penalty=common["frequency_penalty"],
-        repetition_penalty=common["repetition_penalty"],
-        logit_bias=common["logit_bias"],
-        allowed_token_ids=common["allowed_token_ids"],
-        min_tokens=common["min_tokens"],
-    )
+    return SamplingParams(**common["sampling"], max_tokens=max_tokens, logprobs=logprobs)
 
 
 def _completion_prompt(value: Any, name: str) -> str | list[int]:
