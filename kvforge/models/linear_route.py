@@ -102,8 +102,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def use_prologue(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the product of the one row ``x`` (the prologue's input, as wide as its output row) by
-    ``weight`` computes ``x``'s transformation inside the small-M kernel."""
+    """Whether the product by ``weight`` of the row the prologue computes from the one row ``x`` (the
+    residual stream, or the ``[gate | up]`` row) runs in the small-M kernel with that prologue."""
     return (
         SMALL_M_PROLOGUES
         and x.dim() == 2
