@@ -131,7 +131,10 @@ def test_launches_equal_the_cuda_graph_pinning(monkeypatch):
                             if mla_routing.ws_takes(cache_dtype != BF16, heads, batch, max_len, sms):
                                 assert seen["kernel"] == "ws"
                                 assert seen["NH"] == (8 if heads <= 8 else 16) and seen["grid"][:2] == (1, batch)
-                                assert seen["FP8_SCORE"] == (query_dtype is not None)
+                                # the bf16 query over an e4m3 cache runs as two e4m3 terms at 16 heads a program
+                                two_terms = query_dtype is None and cache_dtype == E4M3 and seen["NH"] == 16
+                                assert seen["TWO_TERMS"] == two_terms
+                                assert seen["FP8_SCORE"] == (query_dtype is not None or two_terms)
                                 ws_seen += 1
                             else:
                                 assert seen["kernel"] == "wgmma" and seen["TILE"] == 16 * seen["num_warps"]

@@ -83,6 +83,7 @@ REMOVED_CONSTEXPRS = {
 ADDED_WHEN_ON = {
     "_paged_attn_kernel": ("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
     "_merge_splits_kernel": ("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
+    "_ws_mla_decode_kernel": ("TWO_TERMS", ("TWO_TERMS",)),
 }
 
 

@@ -32,6 +32,13 @@ ring is stored in the 128-byte swizzled layout ``wgmma`` reads, and ``Q C^T`` is
 shared memory (four 128-column latent chunks and the rope chunk); ``P x V`` is unchanged. That removes the
 score product's conversions and register operands.
 
+A bf16 model-dtype query over an e4m3 cache at 16 heads per program (``routing.mla.ws_two_term_query``)
+takes the same fp8 score product as two e4m3 terms: ``q = s (hi + lo / 16)`` per head, ``s`` a power of two,
+which holds a bf16 query exactly (:func:`_fp8_query`); the ``wgmma`` N doubles (rows ``h`` and ``NH + h``)
+and the two column halves of the product are scaled and added. Its output error stays near the fp16
+product's (1.8-2.3e-3 against 1.7e-3 relative L2; the fp8 product's accumulation is coarser than float32),
+where one e4m3 term is 15x off. ``hi`` is rounded in integer arithmetic (:func:`_e4m3_value`).
+
 The two consumers' pipelines need several tiles each to fill, so the routing table
 (:mod:`kvforge.attention.routing.mla`) sends a call here only where every CTA gets at least
 ``WS_MIN_TOKENS_PER_CTA`` tokens; shorter calls stay on the wgmma kernel.
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.attention.fp8 import storage_dtype_name
 from kvforge.attention.routing import mla as mla_routing
 from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon
 from kvforge.kernels.triton_paged_attention import LOG2E, merge_split_partials
@@ -92,6 +100,13 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
         reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
         lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], warp_bases=[[0, 64], [0, 128]], block_bases=[],
         shape=[64, 256]))  # fmt: skip
+
+
+def two_term_capable(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the two-term e4m3 score product (:func:`_fp8_query`) can hold this query exactly: a bf16
+    query (to 2^-21 of the head's largest magnitude) over an e4m3 cache. An fp16 query's 11 significant bits
+    do not fit in two 4-bit terms, and an e5m2 cache would make the product mixed-format."""
+    return query_dtype == torch.bfloat16 and cache_dtype == torch.float8_e4m3fn
 
 
 def chunk_column(k: int) -> int:
@@ -173,25 +188,64 @@ if HAS_GLUON:
         return ql_smem, qr_smem
 
     @gluon.jit
+    def _e4m3_value(x):
+        """``x`` (float32, ``|x| <= 448``) rounded to the nearest e4m3 value (ties to even), as float32, in
+        integer arithmetic: 3 mantissa bits where ``|x| >= 2^-6``, multiples of 2^-9 below. (Converting to
+        fp8 and back in registers is not used: Triton 3.6 miscompiled that round trip for half the elements.)"""
+        b = x.to(gl.int32, bitcast=True)
+        normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).to(gl.float32, bitcast=True)
+        subnormal = (x + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14: the sum's last bit is worth 2^-9
+        return gl.where(gl.abs(x) >= 0.015625, normal, subnormal)
+
+    @gluon.jit
     def _fp8_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt, stride_qrh, NH: gl.constexpr,
-                   NUM_HEADS: gl.constexpr, Q_L: gl.constexpr):  # fmt: skip
-        """The query block as e4m3 ``[NH, R]`` and ``[NH, P]`` in natural column order (the fp8 score product's
-        B operand, read from shared memory), scaled per head so that its largest magnitude is 448; returns
-        them and the per-head dequant scales ``[NH]`` (zero rows and scale 1 for padded heads)."""
-        hq = hb * NH + gl.arange(0, NH, layout=gl.SliceLayout(1, Q_L))
+                   NUM_HEADS: gl.constexpr, Q_L: gl.constexpr, TWO_TERMS: gl.constexpr):  # fmt: skip
+        """The query block as e4m3 in natural column order (the fp8 score product's B operand, read from shared
+        memory) and the dequant scale of each of its rows (zero rows for padded heads).
+
+        One term (``TWO_TERMS`` false, the plan's e4m3 query): ``[NH, R]`` and ``[NH, P]``, each head scaled so
+        that its largest magnitude is 448 (scale amax/448). Two terms (a bf16 model-dtype query): ``[2 NH, R]``
+        and ``[2 NH, P]``, rows ``h`` and ``NH + h`` the two terms of head h, ``q = s (hi + lo / 16)`` with ``s``
+        the power of two that puts the head's amax in (224, 448], ``hi = e4m3(q / s)`` (:func:`_e4m3_value`)
+        and ``lo = e4m3(16 (q / s - hi))``. ``q / s`` is exact; where ``|q / s| >= 2^-6`` its 8 significant bits
+        are ``hi``'s top 4 plus a remainder that ``lo`` holds exactly; below, the error is under 2^-14 in units
+        of ``q / s``, i.e. under 2^-21 of the head's amax. Each head's row is loaded once per term and the terms
+        are computed row by row."""
+        ROWS: gl.constexpr = 2 * NH if TWO_TERMS else NH
+        row = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_L))
+        hq = hb * NH + row % NH
         kq = gl.arange(0, _R, layout=gl.SliceLayout(0, Q_L))
         ql = gl.load(ql_ptr + t64 * stride_qlt + (hq.to(gl.int64) * stride_qlh)[:, None] + kq[None, :],
-                     mask=(hq < NUM_HEADS)[:, None] & (kq >= 0)[None, :], other=0.0).to(gl.float32)  # fmt: skip
+                     mask=(hq < NUM_HEADS)[:, None] & (kq >= 0)[None, :], other=0.0)  # fmt: skip
         kr = gl.arange(0, _P, layout=gl.SliceLayout(0, Q_L))
         qr = gl.load(qr_ptr + t64 * stride_qrt + (hq.to(gl.int64) * stride_qrh)[:, None] + kr[None, :],
-                     mask=(hq < NUM_HEADS)[:, None] & (kr >= 0)[None, :], other=0.0).to(gl.float32)  # fmt: skip
-        amax = gl.maximum(gl.max(gl.abs(ql), 1), gl.max(gl.abs(qr), 1))
-        q_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+                     mask=(hq < NUM_HEADS)[:, None] & (kr >= 0)[None, :], other=0.0)  # fmt: skip
+        # the query stays in its own dtype until it is scaled (fewer live registers)
+        amax = gl.maximum(gl.max(gl.abs(ql.to(gl.float32)), 1), gl.max(gl.abs(qr.to(gl.float32)), 1))
         L8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         R8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
-        ql8 = gl.allocate_shared_memory(gl.float8e4nv, [NH, _R], L8, (ql / q_scale[:, None]).to(gl.float8e4nv))
-        qr8 = gl.allocate_shared_memory(gl.float8e4nv, [NH, _P], R8, (qr / q_scale[:, None]).to(gl.float8e4nv))
-        return ql8, qr8, q_scale
+        if TWO_TERMS:
+            # the power of two at or above amax / 448 (exponent bits rounded up), doubled where the division
+            # rounded below it; division is approximate on the GPU, multiplying by a power of two is exact
+            bits = ((amax / 448.0).to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000
+            bits = gl.where(amax > 448.0 * bits.to(gl.float32, bitcast=True), bits + 0x800000, bits)
+            bits = gl.where(amax > 0, bits, 0x3F800000)  # scale 1 for zero rows
+            inv_scale = (0x7F000000 - bits).to(gl.float32, bitcast=True)
+            is_lo = (row >= NH)[:, None]
+            xl = ql.to(gl.float32) * inv_scale[:, None]
+            xr = qr.to(gl.float32) * inv_scale[:, None]
+            hl = _e4m3_value(xl)
+            hr = _e4m3_value(xr)
+            tl_ = gl.where(is_lo, (xl - hl) * 16.0, hl).to(gl.float8e4nv)
+            tr_ = gl.where(is_lo, (xr - hr) * 16.0, hr).to(gl.float8e4nv)
+            row_scale = bits.to(gl.float32, bitcast=True) * gl.where(row >= NH, 0.0625, 1.0)
+        else:
+            row_scale = gl.where(amax > 0, amax / 448.0, 1.0)
+            tl_ = (ql.to(gl.float32) / row_scale[:, None]).to(gl.float8e4nv)
+            tr_ = (qr.to(gl.float32) / row_scale[:, None]).to(gl.float8e4nv)
+        ql8 = gl.allocate_shared_memory(gl.float8e4nv, [ROWS, _R], L8, tl_)
+        qr8 = gl.allocate_shared_memory(gl.float8e4nv, [ROWS, _P], R8, tr_)
+        return ql8, qr8, row_scale
 
     @gluon.jit
     def _produce(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
@@ -251,10 +305,13 @@ if HAS_GLUON:
     def _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                  NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 LAZY: gl.constexpr, PARITY: gl.constexpr, FP8_SCORE: gl.constexpr, q_scale_smem):  # fmt: skip
+                 LAZY: gl.constexpr, PARITY: gl.constexpr, FP8_SCORE: gl.constexpr, TWO_TERMS: gl.constexpr,
+                 q_scale_smem):  # fmt: skip
         """One consumer warpgroup: tiles PARITY, PARITY + 2, ... of the split; writes partial 2 s + PARITY.
-        ``FP8_SCORE``: ``ql_smem``/``qr_smem`` hold the e4m3 query (:func:`_fp8_query`) and the score product
-        is an fp8 ``wgmma`` on the ring tile in shared memory; ``q_scale_smem`` the per-head scales."""
+        ``FP8_SCORE``: ``ql_smem``/``qr_smem`` hold the query in e4m3 (:func:`_fp8_query`, one term or
+        ``TWO_TERMS``) and the score product is an fp8 ``wgmma`` on the ring tile in shared memory;
+        ``q_scale_smem`` the scales of the query's rows. With two terms the product is ``[64, 2 NH]``; its
+        column halves are scaled and added (a split along a register dimension: no data moves)."""
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
         DOT_A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         LX: gl.constexpr = SCORE_CHUNK_LAYOUT
@@ -262,10 +319,11 @@ if HAS_GLUON:
         LYH: gl.constexpr = PV_HALF_LAYOUT
         p_buf = p_smem.index(PARITY)
         if FP8_SCORE:
-            q_scale = q_scale_smem.load(gl.SliceLayout(0, MMA))
+            QN: gl.constexpr = 2 * NH if TWO_TERMS else NH
             MMA8: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, NH, 32])  # fmt: skip
-            s8_zero = gl.zeros([64, NH], gl.float32, layout=MMA8)
+                                                           instr_shape=[16, QN, 32])  # fmt: skip
+            q_scale = q_scale_smem.load(gl.SliceLayout(0, MMA8))
+            s8_zero = gl.zeros([64, QN], gl.float32, layout=MMA8)
         m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
         l_tile = gl.zeros([64, NH], gl.float32, layout=MMA)
         acc0 = gl.zeros([128, NH], gl.float32, layout=MMA)
@@ -294,7 +352,11 @@ if HAS_GLUON:
                                   is_async=True)  # fmt: skip
                 s = warpgroup_mma(rope_ring.index(stage), qr_smem.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=[s])
-                s = gl.convert_layout(s, MMA, assert_trivial=True) * q_scale[None, :]
+                s = s * q_scale[None, :]
+                if TWO_TERMS:
+                    s_hi, s_lo = gl.split(gl.permute(gl.reshape(s, [64, 2, NH]), (0, 2, 1)))
+                    s = s_hi + s_lo
+                s = gl.convert_layout(s, MMA, assert_trivial=True)
             else:
                 s = _score_from_registers(lat, rope_ring.index(stage), ql_smem, qr_smem, s_zero, DOT_A, LX)
 
@@ -383,19 +445,21 @@ if HAS_GLUON:
     def _consume_odd(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
                      num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                      NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr, q_scale_smem):  # fmt: skip
+                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr, TWO_TERMS: gl.constexpr,
+                     q_scale_smem):  # fmt: skip
         _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
-                 BLOCK_SIZE, NUM_STAGES, LAZY, 1, FP8_SCORE, q_scale_smem)  # fmt: skip
+                 BLOCK_SIZE, NUM_STAGES, LAZY, 1, FP8_SCORE, TWO_TERMS, q_scale_smem)  # fmt: skip
 
     @gluon.jit
     def _consume_even(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi,
                      num_tiles, stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts,
                      NH: gl.constexpr, NUM_HEADS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr, q_scale_smem):  # fmt: skip
+                     NUM_STAGES: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr, TWO_TERMS: gl.constexpr,
+                     q_scale_smem):  # fmt: skip
         _consume(ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
-                 BLOCK_SIZE, NUM_STAGES, LAZY, 0, FP8_SCORE, q_scale_smem)  # fmt: skip
+                 BLOCK_SIZE, NUM_STAGES, LAZY, 0, FP8_SCORE, TWO_TERMS, q_scale_smem)  # fmt: skip
 
     @gluon.jit
     def _ws_mla_decode_kernel(
@@ -404,6 +468,7 @@ if HAS_GLUON:
         stride_qlt, stride_qlh, stride_qrt, stride_qrh, stride_ot, stride_oh, stride_cb, stride_cs, stride_bt,
         NUM_HEADS: gl.constexpr, NH: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LAZY: gl.constexpr, FP8_SCORE: gl.constexpr,
+        TWO_TERMS: gl.constexpr,
     ):  # fmt: skip
         Q_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, NH], gl.float16)
@@ -425,9 +490,9 @@ if HAS_GLUON:
         t64 = tok.to(gl.int64)
         if FP8_SCORE:
             ql_smem, qr_smem, q_scale = _fp8_query(ql_ptr, qr_ptr, t64, hb, stride_qlt, stride_qlh, stride_qrt,
-                                                   stride_qrh, NH, NUM_HEADS, Q_L)  # fmt: skip
-            q_scale_smem = gl.allocate_shared_memory(gl.float32, [NH], gl.SwizzledSharedLayout(1, 1, 1, order=[0]),
-                                                     q_scale)  # fmt: skip
+                                                   stride_qrh, NH, NUM_HEADS, Q_L, TWO_TERMS)  # fmt: skip
+            q_scale_smem = gl.allocate_shared_memory(gl.float32, [2 * NH if TWO_TERMS else NH],
+                                                     gl.SwizzledSharedLayout(1, 1, 1, order=[0]), q_scale)  # fmt: skip
             LAT_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
             ROPE_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         else:
@@ -458,10 +523,10 @@ if HAS_GLUON:
         gl.warp_specialize([
             (_consume_even, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, TWO_TERMS, q_scale_smem)),
             (_consume_odd, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
-                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, q_scale_smem)),
+                                NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY, FP8_SCORE, TWO_TERMS, q_scale_smem)),
             (_produce, (ql_smem, qr_smem, lat_ring, rope_ring, p_smem, ready, empty, cache_ptr, bt_row, lo, hi, num_tiles,
                                 stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH,
                                 NUM_HEADS, BLOCK_SIZE, NUM_STAGES, LAZY)),
@@ -481,6 +546,8 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
     nh = int(cfg.get("nh", mla_routing.ws_heads_per_program(h)))
     splits = max(1, min(int(num_splits), mla_routing.WS.splits.max_splits))
     head_blocks = -(-h // nh)
+    by_rule = mla_routing.ws_two_term_query(storage_dtype_name(q_latent.dtype), storage_dtype_name(cache.dtype), nh)
+    two_terms = not fp8_query and two_term_capable(q_latent.dtype, cache.dtype) and bool(cfg.get("two_terms", by_rule))
     parts = 2 * splits
     part_acc = torch.empty((t, h, parts, r), dtype=torch.float32, device=q_latent.device)
     part_ml = torch.empty((t, h, parts, 2), dtype=torch.float32, device=q_latent.device)
@@ -492,7 +559,7 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         NUM_HEADS=h, NH=nh, BLOCK_SIZE=cache.shape[1], NUM_STAGES=int(cfg.get("stages", NUM_STAGES)),
         CONSUMER_REGS=int(cfg.get("consumer_regs", CONSUMER_REGS)),
         PRODUCER_REGS=int(cfg.get("producer_regs", PRODUCER_REGS)), LAZY=bool(cfg.get("lazy", True)),
-        FP8_SCORE=bool(fp8_query),
+        FP8_SCORE=bool(fp8_query) or two_terms, TWO_TERMS=two_terms,
         num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip

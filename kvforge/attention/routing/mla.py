@@ -5,7 +5,9 @@ gives (a candidate whose launch once ran out of shared memory or registers is sk
 
 1. ``gluon_mla_ws``: the warp-specialized fp8 kernel (a producer warpgroup, two consumers on alternate
    tiles), for fp8 caches at up to ``WS.max_heads`` heads where every CTA gets at least
-   ``WS_MIN_TOKENS_PER_CTA`` tokens; with the plan's e4m3 query its score product is an fp8 ``wgmma``.
+   ``WS_MIN_TOKENS_PER_CTA`` tokens; with the plan's e4m3 query its score product is an fp8 ``wgmma``, and
+   so is a bf16 model-dtype query's over an e4m3 cache at 16 heads per program, as two exact e4m3 terms
+   (:func:`ws_two_term_query`).
 2. ``gluon_mla_wgmma``: the ``wgmma`` kernel (cached tokens as the M dimension), for bf16/fp16 models at up
    to ``WGMMA.max_heads`` heads over a cache of the model's dtype or fp8, latent 512 + rope 64. It always
    computes with the model-dtype query.
@@ -64,6 +66,10 @@ WS = MLAKernel(
 )
 #: A call runs on :data:`WS` only if each CTA gets at least this many tokens (context over its splits).
 WS_MIN_TOKENS_PER_CTA: int = 4096
+#: Heads per program from which :data:`WS` runs a bf16 model-dtype query over an e4m3 cache as two e4m3 terms
+#: (an fp8 score product that holds the query exactly) rather than the fp16 product from registers: 1.01-1.07x
+#: faster at 16, 0.99-1.04x at 8, for a relative L2 error of 1.8-2.3e-3 against 1.7e-3 (docs/BENCHMARKS.md).
+WS_TWO_TERM_MIN_HEADS: int = 16
 #: The wgmma kernel (``kvforge.kernels.gluon_mla_decode``). Its programs per SM depend on the shape
 #: (:func:`wgmma_programs_per_sm`), hence ``waves=0`` in its rule.
 WGMMA = MLAKernel(
@@ -107,7 +113,7 @@ QUANTIZED_QUERY = QuantizedQueryRule(
     note=(f"on sm_90 where a decode CTA gets >= {WS_MIN_TOKENS_PER_CTA} tokens; elsewhere the model-dtype query "
           "runs, faster there"),
     opt_in=("its decode output error was 15x the model-dtype query's (2.0-2.6e-2 against 1.7-2.0e-3 relative L2) "
-            "for a 1.14x kernel speed-up, and no model-level KLD has been measured (docs/BENCHMARKS.md)"),
+            "for a 1.09-1.14x kernel speed-up, and no model-level KLD has been measured (docs/BENCHMARKS.md)"),
 )
 #: Above this many heads a quantized query runs the tl.dot kernel's fp8 dot; at or below it, wherever the
 #: fp8 score product does not run, the model-dtype query runs instead.
@@ -147,6 +153,12 @@ def ws_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, hea
     """The warp-specialized kernel's split count (one CTA per SM, whole waves)."""
     programs = num_seqs * -(-num_heads // (heads_per_program or ws_heads_per_program(num_heads)))
     return WS.splits.choose(forced, programs, max_seq_len, num_sms)
+
+
+def ws_two_term_query(model_dtype: str, kv_dtype: str, heads_per_program: int) -> bool:
+    """Whether :data:`WS` computes a model-dtype query as two e4m3 terms: a bf16 query (two 4-bit terms hold
+    its 8 significant bits) over an e4m3 cache, at ``WS_TWO_TERM_MIN_HEADS`` or more heads per program."""
+    return model_dtype == "bfloat16" and kv_dtype == "fp8_e4m3" and heads_per_program >= WS_TWO_TERM_MIN_HEADS
 
 
 def ws_takes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int, num_sms: int) -> bool:
