@@ -68,7 +68,9 @@ WS = MLAKernel(
 WS_MIN_TOKENS_PER_CTA: int = 4096
 #: Heads per program from which :data:`WS` runs a bf16 model-dtype query over an e4m3 cache as two e4m3 terms
 #: (an fp8 score product that holds the query exactly) rather than the fp16 product from registers: 1.01-1.07x
-#: faster at 16, 0.99-1.04x at 8, for a relative L2 error of 1.8-2.3e-3 against 1.7e-3 (docs/BENCHMARKS.md).
+#: faster at 16, 0.99-1.04x at 8, for a relative L2 error of 1.8-2.3e-3 against 1.7e-3 (3.5e-3 against 1.6e-3
+#: with peaked scores), where one e4m3 term gives 2.8-3.7e-2 and the fp8 cache's own rounding is 2^-4 an element
+#: (docs/BENCHMARKS.md).
 WS_TWO_TERM_MIN_HEADS: int = 16
 #: The wgmma kernel (``kvforge.kernels.gluon_mla_decode``). Its programs per SM depend on the shape
 #: (:func:`wgmma_programs_per_sm`), hence ``waves=0`` in its rule.
