@@ -61,6 +61,9 @@ def _rank_main(rank: int, root: str, cases: list[tuple[str, int, bool]]) -> None
             else:
                 assert all(x is None for x in logits)
                 torch.save({"kv_start": model.kv_start}, os.path.join(root, f"{name}{'.dummy' if dummy else ''}.rank1.pt"))
+        # both ranks past their last collective before either tears the group down (a rank that destroyed it
+        # while its peer's messages were still in flight once aborted its process)
+        torch.distributed.barrier()
     finally:
         destroy_group()
 
