@@ -36,9 +36,8 @@ A bf16 model-dtype query over an e4m3 cache at 16 heads per program (``routing.m
 takes the same fp8 score product as two e4m3 terms: ``q = s (hi + lo / 16)`` per head, ``s`` a power of two,
 which holds a bf16 query exactly (:func:`_fp8_query`); the ``wgmma`` N doubles (rows ``h`` and ``NH + h``)
 and the two column halves of the product are scaled and added. Its output error stays near the fp16
-product's (1.8-2.3e-3 against 1.7e-3 relative L2, 3.5e-3 against 1.6e-3 with peaked scores; the fp8 product's
-accumulation is coarser than float32),
-where one e4m3 term is 15x off. ``hi`` is rounded in integer arithmetic (:func:`_e4m3_value`).
+product's (1.8-2.3e-3 against 1.7e-3 relative L2, 3.5e-3 against 1.6e-3 with peaked scores; the fp8
+product's accumulation is coarser than float32), where one e4m3 term is 15x off. ``hi`` is rounded in integer arithmetic (:func:`_e4m3_value`).
 
 The two consumers' pipelines need several tiles each to fill, so the routing table
 (:mod:`kvforge.attention.routing.mla`) sends a call here only where every CTA gets at least
@@ -104,10 +103,9 @@ if HAS_GLUON:  # what the kernels read (a jit function sees only constexpr globa
 
 
 def two_term_capable(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the two-term e4m3 score product (:func:`_fp8_query`) can hold this query exactly: a bf16
-    query (to 2^-21 of the head's largest magnitude) over an e4m3 cache. An fp16 query's 11 significant bits
-    do not fit in two 4-bit terms, and an e5m2 cache would make the product mixed-format."""
-    return query_dtype == torch.bfloat16 and cache_dtype == torch.float8_e4m3fn
+    """Whether the two-term e4m3 score product (:func:`_fp8_query`) can hold this query exactly (to 2^-21 of
+    the head's largest magnitude): ``routing.mla.two_term_query_exact`` for these dtypes."""
+    return mla_routing.two_term_query_exact(storage_dtype_name(query_dtype), storage_dtype_name(cache_dtype))
 
 
 def chunk_column(k: int) -> int:

@@ -157,10 +157,17 @@ def ws_splits(num_seqs: int, num_heads: int, max_seq_len: int, num_sms: int, hea
     return WS.splits.choose(forced, programs, max_seq_len, num_sms)
 
 
+def two_term_query_exact(model_dtype: str, kv_dtype: str) -> bool:
+    """Whether two e4m3 terms hold the query exactly and pair with the cache in one fp8 product: a bf16 query
+    (its 8 significant bits fit in two 4-bit terms; an fp16 query's 11 do not) over an e4m3 cache (an e5m2
+    cache would make the product mixed-format)."""
+    return model_dtype == "bfloat16" and kv_dtype == "fp8_e4m3"
+
+
 def ws_two_term_query(model_dtype: str, kv_dtype: str, heads_per_program: int) -> bool:
-    """Whether :data:`WS` computes a model-dtype query as two e4m3 terms: a bf16 query (two 4-bit terms hold
-    its 8 significant bits) over an e4m3 cache, at ``WS_TWO_TERM_MIN_HEADS`` or more heads per program."""
-    return model_dtype == "bfloat16" and kv_dtype == "fp8_e4m3" and heads_per_program >= WS_TWO_TERM_MIN_HEADS
+    """Whether :data:`WS` computes a model-dtype query as two e4m3 terms: where they hold it exactly
+    (:func:`two_term_query_exact`), at ``WS_TWO_TERM_MIN_HEADS`` or more heads per program."""
+    return two_term_query_exact(model_dtype, kv_dtype) and heads_per_program >= WS_TWO_TERM_MIN_HEADS
 
 
 def ws_takes(is_fp8: bool, num_heads: int, num_seqs: int, max_seq_len: int, num_sms: int) -> bool:
