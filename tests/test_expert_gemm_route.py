@@ -9,7 +9,7 @@ import torch
 
 from kvforge.env import read_env
 from kvforge.models import expert_gemm_route
-from kvforge.models.expert_gemm_route import TRITON_EXPERT_GEMM_MAX_ROWS, use_triton_expert_gemm
+from kvforge.models.expert_gemm_route import TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT, use_triton_expert_gemm
 
 EXPERTS, N, K = 64, 2816, 2048
 
@@ -30,10 +30,13 @@ def test_decode_sized_steps_take_the_kernel(route_on):
     a, w = tensors()
     with torch.no_grad():
         assert use_triton_expert_gemm(1, a, w)
-        assert use_triton_expert_gemm(TRITON_EXPERT_GEMM_MAX_ROWS, a, w)
-        assert use_triton_expert_gemm(64 * 6, a, w)  # 64 tokens at DeepSeek-V2-Lite's top-6
-        assert not use_triton_expert_gemm(TRITON_EXPERT_GEMM_MAX_ROWS + 1, a, w)  # prefill-sized: grouped_mm
+        most = TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT * EXPERTS
+        assert use_triton_expert_gemm(most, a, w)
+        assert use_triton_expert_gemm(128 * 6, a, w)  # 128 tokens at DeepSeek-V2-Lite's top-6
+        assert not use_triton_expert_gemm(most + 1, a, w)  # prefill-sized: grouped_mm
         assert not use_triton_expert_gemm(256 * 6, a, w)  # measured slower than grouped_mm there
+        w256 = torch.empty(256, N, K, dtype=torch.bfloat16, device="meta")  # rows per expert, not per step
+        assert use_triton_expert_gemm(256 * 8, a, w256)
         assert not use_triton_expert_gemm(0, a, w)
 
 

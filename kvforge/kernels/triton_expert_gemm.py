@@ -29,11 +29,13 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 #: Input and weight dtypes the kernel takes (one dtype for both).
 DTYPES = (torch.bfloat16, torch.float16)
 #: Rows per ``tl.dot`` (its smallest dimension), weight rows per program, K chunk, warps, pipeline stages.
+#: The tile is the fastest of a sweep over DeepSeek-V2-Lite's decode products on an H200 (BLOCK_N 16-64,
+#: BLOCK_K 128-256, 4-8 warps, 3-5 stages; docs/BENCHMARKS.md, "Routed experts").
 ROWS = 16
-BLOCK_N = 16
-BLOCK_K = 256
+BLOCK_N = 64
+BLOCK_K = 128
 NUM_WARPS = 4
-NUM_STAGES = 4
+NUM_STAGES = 3
 
 if HAS_TRITON:
 

@@ -11,9 +11,9 @@ rows grouped by expert (kvforge/models/expert_rows.py). The Triton kernel takes 
   the kernel in Triton's interpreter);
 * input and weight are bfloat16 or float16 of one dtype, the weight ``[E, N, K]`` with K contiguous and
   the input contiguous along K;
-* the step has at most :data:`TRITON_EXPERT_GEMM_MAX_ROWS` routed rows (tokens x top-k): a decode step's
-  few rows per expert, where reading the weights bounds the product. Prefill steps keep
-  ``torch._grouped_mm``.
+* the step has at most :data:`TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT` routed rows (tokens x top-k) per
+  expert of the weight on average: a decode step's few rows per expert, where reading the weights bounds
+  the product. Prefill steps keep ``torch._grouped_mm``.
 
 The rule reads shapes and dtypes only, so a CUDA graph captured for a batch holds the kernel an eager step
 of that batch runs.
@@ -27,17 +27,17 @@ from kvforge.env import ENV
 from kvforge.models.expert_rows import ExpertRows
 
 #: Whether the kernel serves where the environment does not say. On an H200, over DeepSeek-V2-Lite's experts,
-#: it beats ``torch._grouped_mm`` by 1.06-1.35x at 1-64 decode tokens and a batch-64 decode run is ~5%
-#: faster with it (docs/BENCHMARKS.md, "Routed experts").
+#: it beats ``torch._grouped_mm`` by 1.29-1.66x at 1-128 decode tokens (docs/BENCHMARKS.md, "Routed
+#: experts").
 TRITON_EXPERT_GEMM_DEFAULT = True
 #: The process's switch (see the module docstring).
 TRITON_EXPERT_GEMM: bool = (TRITON_EXPERT_GEMM_DEFAULT if ENV.triton_expert_gemm is None
                             else ENV.triton_expert_gemm)
 TRITON_EXPERT_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
-#: The most routed rows a step's product may have for the kernel: 64 decode tokens x top-8. At 64 tokens x
-#: top-6 (384 rows) the kernel is 1.06-1.11x ``torch._grouped_mm``; at 256 x top-6 (1536 rows) 0.57x (each
-#: expert's weight is re-read for every 16 of its rows).
-TRITON_EXPERT_GEMM_MAX_ROWS = 512
+#: The most routed rows per expert (the step's rows over the weight's experts) for the kernel. Over 64
+#: experts, 128 tokens x top-6 (12 rows an expert) ran 1.29-1.30x ``torch._grouped_mm``, 256 x top-6 (24)
+#: 0.65-0.73x: an expert with more than 16 rows reads its weight once per 16.
+TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT = 12
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -48,8 +48,8 @@ def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor)
         and a.device.type in TRITON_EXPERT_GEMM_DEVICES
         and a.dtype in _DTYPES
         and weight.dtype == a.dtype
-        and 0 < num_rows <= TRITON_EXPERT_GEMM_MAX_ROWS
         and weight.dim() == 3
+        and 0 < num_rows <= TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT * weight.shape[0]
         and weight.stride(2) == 1
         and a.stride(-1) == 1
         and not torch.is_grad_enabled()
