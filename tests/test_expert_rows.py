@@ -1,12 +1,37 @@
 """Grouping routed rows by expert and summing them back per token (kvforge/models/expert_rows.py),
-against a float64 loop over tokens and slots written here."""
+against a float64 loop over tokens and slots written here; each test runs the PyTorch path and the Triton
+kernels (kvforge/kernels/triton_expert_rows.py: compiled on a GPU, else in Triton's interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from triton_kernel_device import DEVICE, KERNELS_RUN
 
+from kvforge.models import expert_rows
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
+
+
+@pytest.fixture(params=["torch", "triton"])
+def device(request, monkeypatch):
+    """The device the test's tensors go to, with the path under test routed there (autograd off, as in the
+    engine: the kernels are inference-only)."""
+    if request.param == "torch":
+        monkeypatch.setattr(expert_rows, "TRITON_ROWS", False)
+        dev = "cpu"
+    elif not KERNELS_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    else:
+        monkeypatch.setattr(expert_rows, "TRITON_ROWS", True)
+        monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", (DEVICE,))
+        dev = DEVICE
+    with torch.no_grad():
+        yield dev
+
+
+def _kernel_ran(rows, device) -> bool:
+    """The path under test served: rows grouped by the kernel carry ``inverse``, the PyTorch path's do not."""
+    return (rows.inverse is not None) == expert_rows.TRITON_ROWS
 
 
 def _routing(tokens: int, k: int, experts: int, seed: int):
@@ -16,10 +41,11 @@ def _routing(tokens: int, k: int, experts: int, seed: int):
     return ids, weights
 
 
-@pytest.mark.parametrize("tokens,k,experts", [(1, 1, 4), (7, 3, 8), (64, 6, 64), (33, 8, 256)])
-def test_groups_are_sorted_stable_and_counted(tokens, k, experts):
+@pytest.mark.parametrize("tokens,k,experts", [(1, 1, 4), (7, 3, 8), (64, 6, 64), (33, 8, 256), (256, 8, 512)])
+def test_groups_are_sorted_stable_and_counted(device, tokens, k, experts):
     ids, _ = _routing(tokens, k, experts, seed=tokens)
-    rows = group_by_expert(ids.reshape(-1), experts, k)
+    rows = group_by_expert(ids.reshape(-1).to(device), experts, k)
+    assert _kernel_ran(rows, device)
     flat = ids.reshape(-1).tolist()
     want = sorted(range(len(flat)), key=lambda r: (flat[r], r))  # by expert, then by row
     assert rows.order.tolist() == want
@@ -28,6 +54,44 @@ def test_groups_are_sorted_stable_and_counted(tokens, k, experts):
     counts = [flat.count(e) for e in range(experts)]
     assert rows.offs.dtype == torch.int32
     assert rows.offs.tolist() == [sum(counts[:e + 1]) for e in range(experts)]
+    assert rows.order.dtype == rows.tokens.dtype == torch.int64 and rows.expert.dtype == ids.dtype
+    if rows.inverse is not None:  # the sorted position of every flat row: order's inverse permutation
+        assert rows.order[rows.inverse].tolist() == list(range(len(flat)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_rows_held_elsewhere_sort_last_in_row_order(device, dtype):
+    """Ids equal to ``num_experts`` mark slots of experts on another rank: after every held row, by row."""
+    ids = torch.tensor([3, 0, 3, 2, 3, 0, 1, 3], dtype=dtype)
+    rows = group_by_expert(ids.to(device), 3, 2)
+    assert rows.order.tolist() == [1, 5, 6, 3, 0, 2, 4, 7]
+    assert rows.expert.tolist() == [0, 0, 1, 2, 3, 3, 3, 3]
+    assert rows.offs.tolist() == [2, 3, 4]
+    assert rows.tokens.tolist() == [0, 2, 3, 1, 0, 1, 2, 3]
+
+
+@torch.no_grad()
+def test_the_rule_sends_decode_sized_steps_to_the_kernel(monkeypatch):
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS", True)
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", ("meta",))
+    ids = torch.zeros(expert_rows.TRITON_ROWS_MAX, dtype=torch.int64, device="meta")
+    assert expert_rows.use_triton_rows(ids, 256)
+    assert not expert_rows.use_triton_rows(torch.zeros(expert_rows.TRITON_ROWS_MAX + 1, device="meta"), 256)
+    assert not expert_rows.use_triton_rows(torch.zeros(0, device="meta"), 256)
+    assert not expert_rows.use_triton_rows(torch.zeros(8, dtype=torch.int64), 256)  # cpu: not listed
+    with torch.enable_grad():
+        assert not expert_rows.use_triton_rows(ids, 256)
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS", False)
+    assert not expert_rows.use_triton_rows(ids, 256)
+
+
+def test_kernel_refuses_what_it_cannot_sort():
+    from kvforge.kernels import triton_expert_rows
+
+    with pytest.raises(ValueError, match="rows in one program"):
+        triton_expert_rows.group_rows(torch.zeros(triton_expert_rows.MAX_ROWS + 1, dtype=torch.int64), 8, 1)
+    with pytest.raises(ValueError, match="overflow the int32 sort keys"):
+        triton_expert_rows.group_rows(torch.zeros(4096, dtype=torch.int64), 2**20, 1)
 
 
 def _reference(x, ids, weights, w1, held=None):
@@ -41,26 +105,28 @@ def _reference(x, ids, weights, w1, held=None):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
-def test_weighted_sum_matches_a_per_token_loop(dtype, tol):
+def test_weighted_sum_matches_a_per_token_loop(device, dtype, tol):
     tokens, k, experts, hidden = 19, 4, 8, 32
     ids, weights = _routing(tokens, k, experts, seed=3)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     w1 = torch.randn(experts, hidden, hidden, generator=g).to(dtype)
-    rows = group_by_expert(ids.reshape(-1), experts, k)
+    rows = group_by_expert(ids.reshape(-1).to(device), experts, k)
+    assert _kernel_ran(rows, device)
     y = torch.stack([x[t] @ w1[e] for t, e in zip(rows.tokens.tolist(), rows.expert.tolist())])  # sorted rows
-    got = weighted_sum_per_token(y, rows, weights)
+    got = weighted_sum_per_token(y.to(device), rows, weights.to(device)).cpu()
     assert got.dtype == dtype
     want = _reference(x, ids, weights, w1)
     assert (got.double() - want).abs().max() <= tol * want.abs().max()
 
 
-def test_slots_held_elsewhere_add_nothing_even_when_their_rows_are_garbage():
+def test_slots_held_elsewhere_add_nothing_even_when_their_rows_are_garbage(device):
     tokens, k, experts, hidden = 11, 3, 6, 16
     ids, weights = _routing(tokens, k, experts, seed=5)
     held = ids < 3  # this rank holds experts 0..2
     flat = torch.where(held, ids, torch.full_like(ids, 3)).reshape(-1)
-    rows = group_by_expert(flat, 3, k)
+    rows = group_by_expert(flat.to(device), 3, k)
+    assert _kernel_ran(rows, device)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(tokens, hidden, generator=g)
     w1 = torch.randn(experts, hidden, hidden, generator=g)
@@ -69,7 +135,7 @@ def test_slots_held_elsewhere_add_nothing_even_when_their_rows_are_garbage():
         if e < 3:
             y[p] = x[t] @ w1[e]
     assert int(rows.offs[-1]) == int(held.sum())
-    got = weighted_sum_per_token(y, rows, weights, held)
+    got = weighted_sum_per_token(y.to(device), rows, weights.to(device), held.to(device)).cpu()
     want = _reference(x, ids, weights, w1, held)
     assert torch.isfinite(got).all()
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()

@@ -74,17 +74,25 @@ def test_cpu_engine_keeps_the_loop(monkeypatch):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked):
+@pytest.mark.parametrize("triton_rows", [False, True])
+def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows):
     """With the Triton expert kernel routed (CUDA, or Triton's CPU interpreter here), the grouped path still
-    equals the loop: every expert's rows, and under an expert mask only the slots held here. float16:
-    the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
+    equals the loop: every expert's rows, and under an expert mask only the slots held here; also with the
+    rows grouped and summed by their Triton kernels (kvforge/models/expert_rows.py). float16: the
+    interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
     from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
 
     if not KERNELS_RUN:
         pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
     skip_unless_loaded_loop_bounds_work()
-    from kvforge.models import expert_gemm_route
+    from kvforge.models import expert_gemm_route, expert_rows
 
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS", triton_rows)
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", (DEVICE,))
+    grouped_by = []
+    real_group = expert_rows.group_by_expert
+    monkeypatch.setattr("kvforge.models.deepseek.group_by_expert",
+                        lambda *a: grouped_by.append(r := real_group(*a)) or r)
     monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
     monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
     called = []
@@ -102,5 +110,6 @@ def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked):
         loop = moe.cpu().float()._routed_loop(x.cpu().float(), w.cpu().float(), ids.cpu(),
                                               None if valid is None else valid.cpu()).float()
     assert called == [True, True]  # both products ran the kernel
+    assert [r.inverse is not None for r in grouped_by] == [triton_rows]
     assert loop.abs().max() > 0
     assert (grouped - loop).abs().max() <= 2 ** -8 * loop.abs().max()

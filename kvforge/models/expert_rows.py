@@ -11,6 +11,11 @@ captured in a CUDA graph. The sort keys are int16 (expert ids are far below 32,7
 makes a quarter of the passes of int64 keys. The sum is one batched product per token (``[1, k] @ [k,
 hidden]`` in float32) rather than an atomic ``index_add_`` in the model dtype: deterministic, one rounding
 to the model dtype per output, and no atomics.
+
+On CUDA, steps of at most :data:`TRITON_ROWS_MAX` rows (decode steps) take one Triton kernel each instead
+(kvforge/kernels/triton_expert_rows.py), unless ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused kernels
+off (kvforge/env.py). :func:`use_triton_rows` is the rule; rows grouped by the kernel carry ``inverse``,
+which sends their sum to the second kernel. The PyTorch code here is the reference both are tested against.
 """
 
 from __future__ import annotations
@@ -19,23 +24,51 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.env import ENV
+
+#: Whether the Triton kernels may serve (module attribute; assign before a forward and before CUDA-graph
+#: capture, which records whichever path ran).
+TRITON_ROWS = not ENV.disable_fused_kernels
+#: Device types they serve on (tests add "cpu" to run them in Triton's interpreter).
+TRITON_ROWS_DEVICES: tuple[str, ...] = ("cuda",)
+#: The most rows (tokens x top-k) a step may have for them: one program sorts every row in registers, so
+#: prefill steps of thousands of tokens keep PyTorch's radix sort.
+TRITON_ROWS_MAX = 2048
+
 
 @dataclass(frozen=True)
 class ExpertRows:
     """``order[p]``: the flat row at sorted position ``p``; ``offs`` int32 ``[num_experts]``: the end of each
     expert's range of sorted positions; ``expert[p]``: the expert id at position ``p`` (``num_experts`` for
-    rows held elsewhere); ``tokens[p] = order[p] // k``, the token whose input row position ``p`` takes."""
+    rows held elsewhere); ``tokens[p] = order[p] // k``, the token whose input row position ``p`` takes;
+    ``inverse[r]``: the sorted position of flat row ``r`` (set by the Triton kernel only, None otherwise)."""
 
     order: torch.Tensor
     offs: torch.Tensor
     expert: torch.Tensor
     tokens: torch.Tensor
+    inverse: torch.Tensor | None = None
+
+
+def use_triton_rows(flat_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether :func:`group_by_expert` runs the Triton kernel for these ids (see the module docstring)."""
+    if not (TRITON_ROWS and flat_ids.device.type in TRITON_ROWS_DEVICES
+            and 0 < flat_ids.shape[0] <= TRITON_ROWS_MAX and not torch.is_grad_enabled()):
+        return False
+    from kvforge.kernels import triton_expert_rows
+
+    return triton_expert_rows.HAS_TRITON and (num_experts + 1) * triton_expert_rows.MAX_ROWS < 2**31
 
 
 def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> ExpertRows:
     """Group the ``T * top_k`` rows of ``flat_ids`` (int, ``num_experts`` for a row held elsewhere) by expert."""
     if num_experts >= torch.iinfo(torch.int16).max:
         raise ValueError(f"{num_experts} experts: expert ids must fit int16 keys")
+    if use_triton_rows(flat_ids, num_experts):
+        from kvforge.kernels.triton_expert_rows import group_rows
+
+        order, offs, expert, tokens, inverse = group_rows(flat_ids, num_experts, top_k)
+        return ExpertRows(order=order, offs=offs, expert=expert, tokens=tokens, inverse=inverse)
     order = torch.argsort(flat_ids.to(torch.int16), stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))
@@ -51,6 +84,10 @@ def weighted_sum_per_token(y: torch.Tensor, rows: ExpertRows, weights: torch.Ten
     ``held`` (bool ``[T, k]``; None: every slot) marks the slots whose expert is held here: the others were
     not computed (their rows, past ``offs[-1]``, hold arbitrary values) and add nothing."""
     t, k = weights.shape
+    if rows.inverse is not None:
+        from kvforge.kernels.triton_expert_rows import combine_rows
+
+        return combine_rows(y, rows.inverse, weights, held)
     per_token = torch.empty_like(y).index_copy_(0, rows.order, y)  # row (t, j) back at t * k + j
     w = weights.to(torch.float32)
     if held is not None:

@@ -1,0 +1,130 @@
+"""Triton kernels: a MoE step's routed rows grouped by expert, and their weighted sum back per token.
+
+The same two operations as the PyTorch code of kvforge/models/expert_rows.py (the reference), each in one
+launch where PyTorch takes about ten (a cast, a radix sort of several passes, a count, a cumulative sum,
+gathers) and five (an un-permuting copy, casts, a batched product).
+
+:func:`group_rows`: one program reads the ``R`` flat expert ids and sorts the keys ``id * R_PAD + row``
+(``tl.sort``, in registers): the sorted keys give each position's row and expert at once, in the stable
+order (by expert, then by row) that ``torch.argsort(..., stable=True)`` gives. The expert counts are a
+``tl.histogram`` of the ids and their cumulative sum is ``offs``. It also writes ``inverse``, the sorted
+position of every flat row, which the sum below reads. Rows held elsewhere carry the id ``num_experts``
+and sort last; padding lanes (``row >= R``) sort after them and are never stored. Keys are int32:
+``(num_experts + 1) * R_PAD < 2**31`` is checked by the wrapper.
+
+:func:`combine_rows`: program ``(t, n-block)`` adds ``weights[t, j] * y[inverse[t * k + j]]`` over the
+token's ``k`` slots in float32, in slot order, and rounds once to ``y``'s dtype. A slot that is not held
+(``held[t, j]`` false) loads nothing from ``y`` (its row was never computed and may hold anything). The
+reference's batched float32 product may add in another order, so the two agree to float32 summation error
+before the one rounding, not bit for bit.
+
+No host synchronization and only ``torch.empty``: both can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
+
+#: The most rows :func:`group_rows` sorts in its one program.
+MAX_ROWS = 4096
+#: Hidden features per program of :func:`combine_rows`.
+COMBINE_BLOCK = 1024
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _group_rows_kernel(
+        ids_ptr, order_ptr, expert_ptr, tokens_ptr, inverse_ptr, offs_ptr,
+        R, NUM_EXPERTS, TOP_K, R_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.arange(0, R_PAD)
+        in_range = row < R
+        ids = tl.load(ids_ptr + row, mask=in_range, other=NUM_EXPERTS).to(tl.int32)
+        keys = tl.sort(ids * R_PAD + row)  # padding lanes: id NUM_EXPERTS and row >= R, so last of all
+        pos = tl.arange(0, R_PAD)
+        src = keys % R_PAD
+        tl.store(order_ptr + pos, src.to(tl.int64), mask=in_range)
+        tl.store(expert_ptr + pos, (keys // R_PAD).to(expert_ptr.dtype.element_ty), mask=in_range)
+        tl.store(tokens_ptr + pos, (src // TOP_K).to(tl.int64), mask=in_range)
+        tl.store(inverse_ptr + src, pos.to(tl.int64), mask=in_range)
+        counts = tl.histogram(ids, E_PAD, mask=in_range)
+        ends = tl.cumsum(counts, 0)
+        e = tl.arange(0, E_PAD)
+        tl.store(offs_ptr + e, ends.to(tl.int32), mask=e < NUM_EXPERTS)
+
+    @triton.jit
+    def _combine_rows_kernel(
+        y_ptr, inverse_ptr, w_ptr, held_ptr, out_ptr, N, stride_y, stride_w, stride_out,
+        TOP_K: tl.constexpr, HAS_HELD: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        n_mask = n < N
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            p = tl.load(inverse_ptr + t * TOP_K + j)
+            w = tl.load(w_ptr + t * stride_w + j).to(tl.float32)
+            if HAS_HELD:
+                held = tl.load(held_ptr + t * TOP_K + j) != 0
+                row = tl.load(y_ptr + p * stride_y + n, mask=n_mask & held, other=0.0)
+                w = tl.where(held, w, 0.0)
+            else:
+                row = tl.load(y_ptr + p * stride_y + n, mask=n_mask, other=0.0)
+            acc += w * row.to(tl.float32)
+        tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int):
+    """``(order, offs, expert, tokens, inverse)`` of the ``R`` rows of ``flat_ids`` (see the module
+    docstring): int64 ``order``, ``tokens`` and ``inverse`` ``[R]``, int32 ``offs [num_experts]``,
+    ``expert [R]`` in ``flat_ids``' dtype."""
+    if not HAS_TRITON:
+        raise RuntimeError("group_rows needs triton")
+    if flat_ids.dim() != 1 or flat_ids.is_floating_point():
+        raise ValueError(f"flat_ids must be a 1-d integer tensor, got {flat_ids.dtype} {tuple(flat_ids.shape)}")
+    r = flat_ids.shape[0]
+    if not 0 < r <= MAX_ROWS:
+        raise ValueError(f"group_rows sorts 1 to {MAX_ROWS} rows in one program, got {r}")
+    r_pad = triton.next_power_of_2(r)
+    if (num_experts + 1) * r_pad >= 2**31:
+        raise ValueError(f"{num_experts} experts x {r_pad} rows overflow the int32 sort keys")
+    dev = flat_ids.device
+    order = torch.empty(r, dtype=torch.int64, device=dev)
+    expert = torch.empty(r, dtype=flat_ids.dtype, device=dev)
+    tokens = torch.empty(r, dtype=torch.int64, device=dev)
+    inverse = torch.empty(r, dtype=torch.int64, device=dev)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _group_rows_kernel[(1,)](
+        flat_ids, order, expert, tokens, inverse, offs, r, num_experts, top_k,
+        R_PAD=r_pad, E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=8 if r_pad >= 1024 else 4,
+    )  # fmt: skip
+    return order, offs, expert, tokens, inverse
+
+
+def combine_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
+                 held: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * y[inverse[t * k + j]]`` over held slots, ``[T, N]`` in ``y``'s dtype
+    (``y [T * k, N]`` with a contiguous last dim, ``weights [T, k]``, ``held`` bool ``[T, k]`` or None)."""
+    if not HAS_TRITON:
+        raise RuntimeError("combine_rows needs triton")
+    t, k = weights.shape
+    if y.dim() != 2 or y.shape[0] != t * k or y.stride(1) != 1:
+        raise ValueError(f"y must be [T * k, N] = [{t * k}, N] contiguous along N, got {tuple(y.shape)}")
+    if inverse.shape != (t * k,):
+        raise ValueError(f"inverse must be [{t * k}], got {tuple(inverse.shape)}")
+    n = y.shape[1]
+    out = torch.empty((t, n), dtype=y.dtype, device=y.device)
+    if t == 0 or n == 0:
+        return out
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    if held is not None:
+        held = held.reshape(t * k).contiguous()
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(n))
+    _combine_rows_kernel[(t, triton.cdiv(n, block))](
+        y, inverse, weights, held if held is not None else inverse, out, n, y.stride(0), weights.stride(0),
+        out.stride(0), TOP_K=k, HAS_HELD=held is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
