@@ -20,7 +20,10 @@ from kvforge import SamplingParams
 from kvforge.errors import ConfigError, InvalidRequestError, PlanError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
-FP8_KV_MARGIN_TOL = 1.0
+# How far fp8 KV may move a top-2 logit gap of the 135M model: measured, the largest bf16 margin at a
+# teacher-forced top-1 flip was below 1.0 on the machines CI ran on first and 1.07 on an AMD EPYC with the
+# same torch (the flips, 27 of 535 tokens there, depend on the CPU's bf16 kernels).
+FP8_KV_MARGIN_TOL = 1.5
 """fp8 e4m3 KV against bf16 KV moves SmolLM2's logits by up to ~4 (median ~1 per row), yet flips a
 greedy choice only where the bf16 top-2 margin is small: measured, every flip (free-running and
 teacher-forced, 16 prompts) sat at a margin <= 0.51. Half the positions have margins above 1."""
