@@ -39,6 +39,7 @@ from kvforge.models.deepseek import MoE
 from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, get_activation
 from kvforge.models.routed_experts import RoutedExperts
+from kvforge.models.router_topk import softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -220,9 +221,7 @@ class Qwen3NextMoE(MoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of the router (the experts it holds all of)."""
         logits = self.gate(x)
-        weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = softmax_topk(logits, self.top_k, self.norm_topk_prob)
         return weights.to(logits.dtype), ids
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""A softmax router's choice: softmax over every expert's logit, the top-k, optionally renormalised, times a
+scale. The DeepSeek-V2 ``greedy`` gate and Qwen3-Next's router are this function.
+
+:func:`softmax_topk` is the one entry: on CUDA (with autograd off) it runs one Triton kernel
+(kvforge/kernels/triton_router_topk.py) unless ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused
+kernels off (kvforge/env.py); elsewhere it runs :func:`softmax_topk_reference`, the PyTorch formulas the
+kernel is tested against. Both return float32 weights in descending order and int64 expert ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.env import ENV
+
+#: Whether the kernel may serve (module attribute; assign before a forward and before CUDA-graph capture).
+TRITON_ROUTER = not ENV.disable_fused_kernels
+#: Device types it serves on (tests add "cpu" to run it in Triton's interpreter).
+TRITON_ROUTER_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+def softmax_topk_reference(logits: torch.Tensor, k: int, renormalize: bool,
+                           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch: ``topk(softmax(logits in float32))``, divided by the chosen sum with ``renormalize``, times
+    ``scale``."""
+    weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights * scale if scale != 1.0 else weights), ids
+
+
+def use_triton_router(logits: torch.Tensor) -> bool:
+    """Whether :func:`softmax_topk` runs the kernel for these logits."""
+    if not (TRITON_ROUTER and logits.device.type in TRITON_ROUTER_DEVICES and not torch.is_grad_enabled()):
+        return False
+    from kvforge.kernels import triton_router_topk
+
+    return (triton_router_topk.HAS_TRITON and logits.dim() == 2 and logits.stride(-1) == 1
+            and logits.shape[-1] <= triton_router_topk.MAX_EXPERTS)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32 [T, k], ids int64 [T, k])``: the router's top-``k`` (see the module docstring)."""
+    if use_triton_router(logits):
+        from kvforge.kernels.triton_router_topk import softmax_topk as kernel
+
+        return kernel(logits, k, renormalize, scale)
+    return softmax_topk_reference(logits, k, renormalize, scale)
