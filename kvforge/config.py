@@ -163,7 +163,7 @@ class EngineArgs:
         parser.add_argument("--skip-tokenizer-init", action="store_true")
         parser.add_argument("--mla-prefill-mode", choices=list(PREFILL_MODES), default="auto",
                             help="how MLA (DeepSeek) layers on CUDA attend steps with a prefill chunk: auto "
-                                 "(absorbed while every prefilling sequence is at most "
+                                 "(a prefilling sequence absorbed up to "
                                  f"{ABSORBED_PREFILL_MAX_SEQ_LEN} tokens, else sdpa), absorbed (every query "
                                  "token through the decode kernels), sdpa (latents expanded for torch's fused "
                                  "attention) or expanded (the float32 reference)")

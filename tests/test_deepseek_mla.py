@@ -347,17 +347,23 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     qsl = [0, 5, 6, 9]
     meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), tables,
                              torch.full((11,), -1, dtype=torch.int64), 5, 33, bs)
-    per = per_token_metadata(meta, 11)  # 9 real tokens + 2 padding
+    per, tokens = per_token_metadata(meta, 11)  # 9 real tokens + 2 padding
+    assert tokens.tolist() == list(range(9))
     assert per.query_start_loc.tolist() == list(range(10)) and per.max_query_len == 1
     assert per.seq_lens.tolist() == [1, 2, 3, 4, 5, 21, 31, 32, 33]
     assert per.block_tables.tolist() == [tables[0].tolist()] * 5 + [tables[1].tolist()] + [tables[2].tolist()] * 3
     assert per.host_seq_lens == tuple(per.seq_lens.tolist())
+    # the tokens of some sequences only (the absorbed ones of a step that expands the others)
+    sub, tokens = per_token_metadata(meta, 11, sequences=(0, 2))
+    assert tokens.tolist() == [0, 1, 2, 3, 4, 6, 7, 8]
+    assert sub.seq_lens.tolist() == [1, 2, 3, 4, 5, 31, 32, 33] and sub.query_start_loc.tolist() == list(range(9))
+    assert sub.block_tables.tolist() == [tables[0].tolist()] * 5 + [tables[2].tolist()] * 3
     # built once per step: every MLA layer of the step gets the same object
-    from kvforge.attention.triton_mla import _per_token_for_step
+    from kvforge.attention.triton_mla import _prefill_step
 
-    first = _per_token_for_step(meta, 11)
-    assert first.host_seq_lens == per.host_seq_lens and _per_token_for_step(meta, 11) is first
-    assert _per_token_for_step(meta, 12) is not first
+    first = _prefill_step(meta, 11, "absorbed")
+    assert first.per_token.host_seq_lens == per.host_seq_lens and _prefill_step(meta, 11, "absorbed") is first
+    assert _prefill_step(meta, 12, "absorbed") is not first
 
     dn, dv = 24, 20
     q_nope = torch.randn(11, heads, dn, generator=g)
@@ -372,8 +378,9 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
 
 
 def test_prefill_mode_reads_the_step_metadata():
-    """The Triton MLA backend's prefill path for a step: the routing table's rule (tests/test_routing_tables.py)
-    on the metadata's query and sequence lengths; a bad engine argument fails before any weight is read."""
+    """The Triton MLA backend's path per sequence of a step: the routing table's rule
+    (tests/test_routing_tables.py) on the metadata's query and sequence lengths; a bad engine argument fails
+    before any weight is read."""
     import kvforge.attention.triton_mla as triton_mla
     from kvforge.errors import ConfigError
 
@@ -389,12 +396,12 @@ def test_prefill_mode_reads_the_step_metadata():
                                  max(q for q, _ in rows), max(lens), 16, host_query_start_loc=tuple(qsl),
                                  host_seq_lens=tuple(lens))
 
-    assert triton_mla.prefill_path(step((8, bound)), "auto") == "absorbed"
-    assert triton_mla.prefill_path(step((8, bound + 1)), "auto") == "sdpa"
-    assert triton_mla.prefill_path(step((8, 100), (1, 5 * bound)), "auto") == "absorbed"  # decode rows do not count
-    assert triton_mla.prefill_path(step((1, 10), (2, bound + 1)), "auto") == "sdpa"
+    assert triton_mla.sequence_paths(step((8, bound)), "auto") == ["absorbed"]
+    assert triton_mla.sequence_paths(step((8, bound + 1)), "auto") == ["sdpa"]
+    assert triton_mla.sequence_paths(step((8, 100), (1, 5 * bound)), "auto") == ["absorbed", "absorbed"]
+    assert triton_mla.sequence_paths(step((1, 10), (2, bound + 1)), "auto") == ["absorbed", "sdpa"]
     for forced in ("absorbed", "expanded", "sdpa"):
-        assert triton_mla.prefill_path(step((8, bound + 1)), forced) == forced
+        assert triton_mla.sequence_paths(step((8, bound + 1)), forced) == [forced]
     with pytest.raises(ConfigError, match="--mla-prefill-mode must be one of auto, expanded, absorbed, sdpa"):
         LLM(None, mla_prefill_mode="sometimes", device="cpu", progress=False)
 

@@ -165,19 +165,32 @@ def test_gpu_sdpa_prefill_long_chunk(monkeypatch, dtype, prefix, grouped):
 
 
 def test_triton_mla_sends_prefill_steps_here_in_sdpa_mode(monkeypatch):
-    """``mla_prefill_mode="sdpa"``, and "auto" over its bound: the Triton MLA backend's prefill steps go
-    through mla_prefill_sdpa ("expanded" keeps the reference). Prefill steps never reach a Triton kernel, so this runs on CPU."""
+    """``mla_prefill_mode="sdpa"``, and "auto" over its bound: the Triton MLA backend's prefilling sequences
+    go through mla_prefill_sdpa, and the step's decoding sequence through the decode kernel ("expanded" keeps
+    the reference for the whole step). Where the decode kernel cannot run (Triton's interpreter without
+    loaded loop bounds), the float32 reference decode stands in for it: the routing is what is checked."""
+    from triton_kernel_device import KERNELS_RUN, loaded_loop_bounds_work
+
     import kvforge.attention.triton_mla as triton_mla
+    from kvforge.attention import mla_reference
     from kvforge.attention.routing import mla as mla_routing
 
     cache, meta, q_nope, q_rope, w_uk, w_uv, _ = _step(torch.float32, 1.0, 16)
     calls = []
-    monkeypatch.setattr(triton_mla, "mla_prefill_sdpa", lambda *a: calls.append("sdpa") or mla_prefill_sdpa(*a))
+    real_decode = triton_mla.mla_decode
+    if not (KERNELS_RUN and loaded_loop_bounds_work()):
+        def real_decode(*a, num_splits=None, **k):
+            return mla_reference.mla_decode(*a, **k)
+    monkeypatch.setattr(triton_mla, "mla_prefill_sdpa",
+                        lambda *a, **k: calls.append(("sdpa", k["sequences"])) or mla_prefill_sdpa(*a, **k))
     monkeypatch.setattr(triton_mla, "mla_prefill", lambda *a: calls.append("reference") or mla_prefill(*a))
+    monkeypatch.setattr(triton_mla, "mla_decode",
+                        lambda q, *a, **k: calls.append(("decode", q.shape[0])) or real_decode(q, *a, **k))
     got = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv, prefill_mode="sdpa")
     want = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv, prefill_mode="expanded")
     monkeypatch.setattr(mla_routing, "ABSORBED_PREFILL_MAX_SEQ_LEN", 0)  # every prefilling sequence is over it
     auto = triton_mla.mla_attention(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv, prefill_mode="auto")
-    assert calls == ["sdpa", "reference", "sdpa"]
+    # sequences 0 and 1 prefill (70 and 37 tokens), 2 decodes (1 token), 3 has no token this step
+    assert calls == [("sdpa", (0, 1)), ("decode", 1), "reference", ("sdpa", (0, 1)), ("decode", 1)]
     assert torch.equal(auto, got)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -334,17 +334,18 @@ def test_mla_graph_pinning_is_the_first_candidate():
 
 
 def test_mla_prefill_path():
-    """"auto" runs a step absorbed while every sequence with a prefill chunk is at most
-    ABSORBED_PREFILL_MAX_SEQ_LEN tokens long (prefix included), else through SDPA; decode rows do not count;
-    the forced modes ignore lengths; a bad mode is refused."""
+    """Per sequence of a step with a prefill chunk: "auto" absorbs a prefilling sequence of at most
+    ABSORBED_PREFILL_MAX_SEQ_LEN tokens (prefix included) and sends a longer one through SDPA; "sdpa" sends
+    every prefilling sequence there; under both a decoding sequence (one query token) is absorbed, however
+    long; "absorbed" and "expanded" take every sequence; a bad mode is refused."""
     bound = mla.ABSORBED_PREFILL_MAX_SEQ_LEN
-    assert mla.prefill_path("auto", [8], [bound]) == "absorbed"
-    assert mla.prefill_path("auto", [8], [bound + 1]) == "sdpa"
-    assert mla.prefill_path("auto", [8, 1], [100, 5 * bound]) == "absorbed"  # a long decode row does not count
-    assert mla.prefill_path("auto", [1, 2], [10, bound + 1]) == "sdpa"
-    for forced in ("absorbed", "expanded", "sdpa"):
-        assert mla.prefill_path(forced, [8], [bound + 1]) == forced
-        assert mla.prefill_path(forced, [8], [16]) == forced
+    assert mla.sequence_paths("auto", [8], [bound]) == ["absorbed"]
+    assert mla.sequence_paths("auto", [8], [bound + 1]) == ["sdpa"]
+    assert mla.sequence_paths("auto", [8, 1], [100, 5 * bound]) == ["absorbed", "absorbed"]
+    assert mla.sequence_paths("auto", [1, 2, 9], [10, bound + 1, 50]) == ["absorbed", "sdpa", "absorbed"]
+    assert mla.sequence_paths("sdpa", [1, 2, 9], [5 * bound, 16, 50]) == ["absorbed", "sdpa", "sdpa"]
+    for forced in ("absorbed", "expanded"):
+        assert mla.sequence_paths(forced, [8, 1], [bound + 1, 16]) == [forced, forced]
     assert mla.check_prefill_mode(" Absorbed ") == "absorbed" and mla.check_prefill_mode("SDPA") == "sdpa"
     with pytest.raises(ValueError, match="choose one of auto, expanded, absorbed, sdpa"):
         mla.check_prefill_mode("sometimes")

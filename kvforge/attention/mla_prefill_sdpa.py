@@ -17,9 +17,9 @@ absorbed form through the decode kernels costs ``2 x (R + P + R)`` (2176). The e
 
 Invariant: the result equals the reference's within the model dtype's rounding of K, V, P and the
 output (bf16: 2^-8 relative per element). The fp8 cache is dequantized exactly as the reference
-dequantizes it. Used by ``triton_mla`` for steps whose prefilling sequences are longer than ``ABSORBED_PREFILL_MAX_SEQ_LEN``
-(``mla_prefill_mode="auto"``) and for every prefill step with ``mla_prefill_mode="sdpa"``
-(:mod:`kvforge.attention.routing.mla`).
+dequantizes it. Used by ``triton_mla`` for the prefilling sequences longer than
+``ABSORBED_PREFILL_MAX_SEQ_LEN`` (``mla_prefill_mode="auto"``) and for every prefilling sequence with
+``mla_prefill_mode="sdpa"`` (:func:`kvforge.attention.routing.mla.sequence_paths`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ SDPA_KV_BYTES: int = 1 << 30
 
 def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float | torch.Tensor | None, softmax_scale: float, w_uk: torch.Tensor,
-                     w_uv: torch.Tensor) -> torch.Tensor:
-    """``[T, H, V]`` in ``q_nope.dtype`` with the reference's contract (padding rows zero).
+                     w_uv: torch.Tensor, sequences: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``[T, H, V]`` in ``q_nope.dtype`` with the reference's contract (padding rows zero). ``sequences``
+    (None: all) picks the sequences attended; the rows of the others are zero too.
 
     ``q_nope [T, H, Dn]``, ``q_rope [T, H, P]``, ``w_uk [H, Dn, R]``, ``w_uv [H, V, R]``. Per sequence with
     query tokens: the dequantized latents ``c [L, R]`` and rope keys ``kr [L, P]`` become ``K = [c w_uk^T |
@@ -63,7 +64,8 @@ def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
     dv = w_uv.shape[1]
     qk_dim = q_nope.shape[-1] + width - r  # Dn + P; V is padded to it
     deq = None
-    for i, (ql, sl) in enumerate(zip(qlens, seq_lens)):
+    for i in range(len(seq_lens)) if sequences is None else sequences:
+        ql, sl = qlens[i], seq_lens[i]
         if ql == 0:
             continue
         raw, factor = _gather(cache, tables[i, : -(-sl // bs)][None])

@@ -20,7 +20,8 @@ warp-specialized kernel; wherever that kernel does not take the call, the model-
 wgmma kernel's, or the tl.dot kernel's exact query), so the e4m3 query is an upper bound on the rounding.
 The planner takes it only under ``--query-dtype fp8`` (``QuantizedQueryRule.opt_in`` says why).
 
-Steps with a prefill chunk take one of the paths in :data:`PREFILL_MODES` (:func:`prefill_path`).
+Steps with a prefill chunk send each sequence down one of the paths of :data:`PREFILL_MODES`
+(:func:`sequence_paths`).
 
 Inputs are integers and dtype names; nothing here imports torch.
 """
@@ -288,10 +289,12 @@ def pinned_splits(batch: int, num_heads: int, latent_dim: int, rope_dim: int, ma
 
 #: How steps with a prefill chunk attend (the engine argument ``mla_prefill_mode``). "absorbed": every query
 #: token runs as its own decode query over its causal prefix through the decode kernels (one launch per
-#: layer, O(L^2) prefix reads per prompt). "sdpa": the latents are expanded in the model dtype for torch's
-#: fused attention. "expanded": the float32 PyTorch reference expands the latents per sequence (correct,
-#: slow). "auto": absorbed while every sequence with a prefill chunk is at most
-#: ``ABSORBED_PREFILL_MAX_SEQ_LEN`` tokens long (prefix included), else sdpa.
+#: layer, O(L^2) prefix reads per prompt). "sdpa": the latents of each prefilling sequence are expanded in
+#: the model dtype for torch's fused attention. "expanded": the float32 PyTorch reference expands the latents
+#: of every sequence (correct, slow). "auto": a prefilling sequence is absorbed while it is at most
+#: ``ABSORBED_PREFILL_MAX_SEQ_LEN`` tokens long (prefix included), else sdpa. Under "auto" and "sdpa" a
+#: decoding sequence of the step (one query token) is always absorbed: the decode kernel reads its context
+#: once in latent space, where expanding it costs ``2 R (Dn + V)`` FLOPs per key and head for one query.
 PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
 ABSORBED_PREFILL_MAX_SEQ_LEN: int = 2048
 
@@ -304,10 +307,15 @@ def check_prefill_mode(value: str) -> str:
     return mode
 
 
-def prefill_path(mode: str, query_lens: list[int], seq_lens: list[int]) -> str:
-    """"absorbed", "sdpa" or "expanded" for a step with a prefill chunk: ``mode`` unless "auto", which looks
-    at the sequences with more than one query token (decode rows cost the same on either path)."""
-    if mode != "auto":
-        return mode
-    longest = max((n for q, n in zip(query_lens, seq_lens) if q > 1), default=0)
-    return "absorbed" if longest <= ABSORBED_PREFILL_MAX_SEQ_LEN else "sdpa"
+def sequence_paths(mode: str, query_lens: list[int], seq_lens: list[int]) -> list[str]:
+    """Per sequence of a step with a prefill chunk: "absorbed", "sdpa" or "expanded" under the engine's
+    ``mode`` (see :data:`PREFILL_MODES`)."""
+    if mode in ("expanded", "absorbed"):
+        return [mode] * len(query_lens)
+
+    def path(query_len: int, seq_len: int) -> str:
+        if query_len <= 1:
+            return "absorbed"
+        return "sdpa" if mode == "sdpa" or seq_len > ABSORBED_PREFILL_MAX_SEQ_LEN else "absorbed"
+
+    return [path(q, n) for q, n in zip(query_lens, seq_lens)]

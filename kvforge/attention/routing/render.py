@@ -83,8 +83,9 @@ def _mla_section() -> list[str]:
               f"model-dtype query; up to {mla.FP8_QUERY_MAX_HEADS} heads the tl.dot kernel gets the model-dtype "
               f"query. The planner takes it only under `--query-dtype fp8`: {q.opt_in}.", "",
               f"**Prefill** (engine argument `--mla-prefill-mode`, one of {', '.join(mla.PREFILL_MODES)}): "
-              f"`auto` runs a step absorbed while every sequence with a prefill chunk is at most "
-              f"{mla.ABSORBED_PREFILL_MAX_SEQ_LEN} tokens long, else sdpa.", ""]
+              f"`auto` absorbs a prefilling sequence of at most {mla.ABSORBED_PREFILL_MAX_SEQ_LEN} tokens "
+              f"(prefix included) and expands a longer one for sdpa; under `auto` and `sdpa` the step's "
+              f"decoding sequences are always absorbed.", ""]
     return lines
 
 
