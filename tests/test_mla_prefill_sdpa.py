@@ -167,9 +167,10 @@ def test_gpu_sdpa_prefill_long_chunk(monkeypatch, dtype, prefix, grouped):
 def test_triton_mla_sends_prefill_steps_here_in_sdpa_mode(monkeypatch):
     """``mla_prefill_mode="sdpa"``, and "auto" over its bound: the Triton MLA backend's prefilling sequences
     go through mla_prefill_sdpa, and the step's decoding sequence through the decode kernel ("expanded" keeps
-    the reference for the whole step). Where the decode kernel cannot run (Triton's interpreter without
-    loaded loop bounds), the float32 reference decode stands in for it: the routing is what is checked."""
-    from triton_kernel_device import KERNELS_RUN, loaded_loop_bounds_work
+    the reference for the whole step). The tensors are on the CPU: where the decode kernel cannot take them
+    (compiled for a GPU, or Triton's interpreter without loaded loop bounds) the float32 reference decode
+    stands in for it: the routing is what is checked."""
+    from triton_kernel_device import INTERPRETED, loaded_loop_bounds_work
 
     import kvforge.attention.triton_mla as triton_mla
     from kvforge.attention import mla_reference
@@ -178,7 +179,7 @@ def test_triton_mla_sends_prefill_steps_here_in_sdpa_mode(monkeypatch):
     cache, meta, q_nope, q_rope, w_uk, w_uv, _ = _step(torch.float32, 1.0, 16)
     calls = []
     real_decode = triton_mla.mla_decode
-    if not (KERNELS_RUN and loaded_loop_bounds_work()):
+    if not (INTERPRETED and loaded_loop_bounds_work()):
         def real_decode(*a, num_splits=None, **k):
             return mla_reference.mla_decode(*a, **k)
     monkeypatch.setattr(triton_mla, "mla_prefill_sdpa",
