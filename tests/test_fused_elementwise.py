@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from triton_kernel_device import BF16_ROUNDING, DEVICE, INTERPRETED, requires_kernels
 
 from kvforge.kernels.triton_rms_norm import fused_add_rms_norm, rms_norm
-from kvforge.kernels.triton_rope import rope_qk
+from kvforge.kernels.triton_rope import rope_qk, rope_qk_pairs
 from kvforge.kernels.triton_silu_mul import silu_and_mul
 from kvforge.models import layers
 from kvforge.models.layers import RMSNorm, RotaryEmbedding, rotate_half
@@ -251,6 +251,55 @@ def test_rope_rejects_mismatched_tables():
     q = torch.zeros(3, 2, 8, device=DEV)
     with pytest.raises(ValueError, match="do not match"):
         rope_qk(q, q, torch.zeros(3, 1, 4, device=DEV), torch.zeros(3, 1, 4, device=DEV), 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("t", TOKENS)
+def test_rope_qk_pairs_deepseek_layout(dtype, interleaved, t):
+    """DeepSeek's rope features (kvforge/models/deepseek.py, ``DeepseekRotary``): 64 of them, half-width
+    angle tables, pairs (x[2j], x[2j+1]) rotated into (out[j], out[j+32]) when interleaved; q heads a strided
+    view of the q projection, k one head of the latent projection."""
+    heads, dn, p, r = 16, 128, 64, 512
+    gen = torch.Generator().manual_seed(t + 10 * interleaved)
+    pos = torch.randint(0, 4096, (t,), generator=gen).double()
+    inv = 1.0 / 10000.0 ** (torch.arange(0, p, 2, dtype=torch.float64) / p)
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :].to(dtype).to(DEV), ang.sin()[:, None, :].to(dtype).to(DEV)
+    q = _rand((t, heads, dn + p), dtype, gen, 2.0)[..., dn:]
+    k = _rand((t, r + p), dtype, gen, 2.0)[:, None, r:]
+    qo, ko = rope_qk_pairs(q, k, cos, sin, interleaved)
+    e, tiny = _eps(dtype), torch.finfo(dtype).tiny
+    for name, out, x in (("q", qo, q), ("k", ko, k)):
+        xd, c, sn = x.double().cpu(), cos.double().cpu(), sin.double().cpu()
+        x1, x2 = (xd[..., 0::2], xd[..., 1::2]) if interleaved else (xd[..., :p // 2], xd[..., p // 2:])
+        ref = torch.cat((x1 * c - x2 * sn, x2 * c + x1 * sn), dim=-1)
+        scale = torch.cat(((x1 * c).abs() + (x2 * sn).abs(), (x2 * c).abs() + (x1 * sn).abs()), dim=-1)
+        _check(out.cpu(), ref, 1.01 * e * scale + tiny, f"{name} vs float64")
+
+
+def test_deepseek_rotary_takes_the_kernel_and_matches_its_formula(monkeypatch):
+    from kvforge.kernels import triton_rope
+    from kvforge.models.deepseek import DeepseekArgs, DeepseekRotary
+
+    monkeypatch.setattr(layers, "FUSED_DEVICES", (DEV,))
+    monkeypatch.setattr(layers, "FUSED_KERNELS", True)
+    calls = []
+    real = triton_rope.rope_qk_pairs
+    monkeypatch.setattr(triton_rope, "rope_qk_pairs", lambda *a: calls.append(a[-1]) or real(*a))
+    cfg = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=64,
+               num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, kv_lora_rank=32,
+               qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=64,
+               max_position_embeddings=64, rms_norm_eps=1e-5, q_lora_rank=None)
+    rotary = DeepseekRotary(DeepseekArgs(cfg)).to(DEV)
+    gen = torch.Generator().manual_seed(3)
+    rope = rotary.cos_sin(torch.arange(5).to(DEV), torch.float32)
+    q, k = _rand((5, 4, 16), torch.float32, gen), _rand((5, 1, 16), torch.float32, gen)
+    with torch.no_grad():
+        qo, ko = rotary.rotate_qk(rope, q, k)
+    assert calls == [True]  # DeepSeek-V2 pairs are interleaved
+    _check(qo, rotary.rotate(rope, q), 1e-6 * q.abs().max() * torch.ones_like(qo), "q vs the formula")
+    _check(ko, rotary.rotate(rope, k), 1e-6 * k.abs().max() * torch.ones_like(ko), "k vs the formula")
 
 
 # ----------------------------------------------------------------- integration

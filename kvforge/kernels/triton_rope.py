@@ -24,6 +24,10 @@ within ``eps * (|a| + |b|)`` of the exact value for products ``a``, ``b``, as
 PyTorch's does, so the two differ by at most ``2 * eps * (|a| + |b|)``. In the
 interpreter the result is bit-identical.
 
+:func:`rope_qk_pairs` is the same kernel for DeepSeek's rope features: half-width angle tables, and
+optionally interleaved pairs ``(x[2j], x[2j + 1])`` whose rotations are stored de-interleaved (at ``j``
+and ``j + R/2``), as DeepSeek's reference rotates them.
+
 One program per token rotates every q head and every k head of that token
 (two ``[heads, R/2]`` tiles), so q and k cost one launch. ``q`` ``[T, Hq, D]``
 and ``k`` ``[T, Hk, D]`` may be strided views (e.g. of a fused qkv output)
@@ -57,16 +61,23 @@ if HAS_TRITON:
         H_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
         TAIL_PAD: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
     ):
-        """Rotate all ``H`` heads of token ``t``; copy features ``[2 * HALF, HEAD_D)`` through."""
+        """Rotate all ``H`` heads of token ``t``; copy features ``[2 * HALF, HEAD_D)`` through. The pairs are
+        ``(x[j], x[j + HALF])``, or ``(x[2j], x[2j + 1])`` when ``INTERLEAVED``; either way the rotated pair
+        is stored at ``j`` and ``j + HALF``."""
         h = tl.arange(0, H_PAD).to(tl.int64)
         j = tl.arange(0, HALF_PAD)
         m = (h[:, None] < H) & (j[None, :] < HALF)
         ty = dst_ptr.dtype.element_ty
-        src = src_ptr + t * stride_st + h[:, None] * stride_sh + j[None, :]
+        src_row = src_ptr + t * stride_st + h[:, None] * stride_sh
         dst = dst_ptr + t * stride_dt + h[:, None] * stride_dh + j[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            x1 = tl.load(src_row + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src_row + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(src_row + j[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src_row + j[None, :] + HALF, mask=m, other=0.0).to(tl.float32)
         x1c = (x1 * c[None, :]).to(ty).to(tl.float32)
         x2s = (x2 * s[None, :]).to(ty).to(tl.float32)
         x2c = (x2 * c[None, :]).to(ty).to(tl.float32)
@@ -105,15 +116,16 @@ if HAS_TRITON:
         HK_PAD: tl.constexpr,
         HALF_PAD: tl.constexpr,
         TAIL_PAD: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, HALF_PAD)
         c = tl.load(cos_ptr + t * stride_ct + j, mask=j < HALF, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * stride_st + j, mask=j < HALF, other=0.0).to(tl.float32)
         _rope_heads(q_ptr, qo_ptr, c, s, t, stride_qt, stride_qh, stride_qot, stride_qoh,
-                    HQ, HALF, HEAD_D, HQ_PAD, HALF_PAD, TAIL_PAD)
+                    HQ, HALF, HEAD_D, HQ_PAD, HALF_PAD, TAIL_PAD, INTERLEAVED)
         _rope_heads(k_ptr, ko_ptr, c, s, t, stride_kt, stride_kh, stride_kot, stride_koh,
-                    HK, HALF, HEAD_D, HK_PAD, HALF_PAD, TAIL_PAD)
+                    HK, HALF, HEAD_D, HK_PAD, HALF_PAD, TAIL_PAD, INTERLEAVED)
 
 
 def rope_qk(
@@ -124,6 +136,21 @@ def rope_qk(
     ``cos``/``sin``: ``[T, 1, rotary_dim]`` or ``[T, rotary_dim]``, same dtype
     as ``q`` and ``k``, contiguous along the feature axis.
     """
+    return _launch(q, k, cos, sin, rotary_dim, rotary_dim, interleaved=False)
+
+
+def rope_qk_pairs(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope over every feature of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` with half-width tables ``cos``/``sin``
+    (``[T, 1, D / 2]`` or ``[T, D / 2]``: one angle per pair) and the pairs ``(x[2j], x[2j + 1])`` when
+    ``interleaved``, else ``(x[j], x[j + D / 2])``; the rotated pair ``j`` lands at ``j`` and ``j + D / 2``
+    (de-interleaved: DeepSeek's layout). Same numerics as :func:`rope_qk`."""
+    d = q.shape[-1]
+    return _launch(q, k, cos, sin, d, d // 2, interleaved=interleaved)
+
+
+def _launch(q, k, cos, sin, rotary_dim: int, table_width: int, interleaved: bool):
     if not HAS_TRITON:
         raise RuntimeError("rope_qk needs triton")
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -133,8 +160,8 @@ def rope_qk(
     if rotary_dim % 2 or rotary_dim > d or rotary_dim <= 0:
         raise ValueError(f"rotary_dim {rotary_dim} must be even, positive and <= head_dim {d}")
     cos2, sin2 = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
-    if cos2.shape != (t, rotary_dim) or sin2.shape != (t, rotary_dim):
-        raise ValueError(f"cos/sin {tuple(cos.shape)} do not match T={t}, rotary_dim={rotary_dim}")
+    if cos2.shape != (t, table_width) or sin2.shape != (t, table_width):
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not match T={t}, {table_width} angles per token")
     if not (q.dtype == k.dtype == cos.dtype == sin.dtype):
         raise ValueError(f"dtype mismatch: q {q.dtype} k {k.dtype} cos {cos.dtype} sin {sin.dtype}")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos2.stride(1) != 1 or sin2.stride(1) != 1:
@@ -171,6 +198,7 @@ def rope_qk(
         HK_PAD=triton.next_power_of_2(hk),
         HALF_PAD=triton.next_power_of_2(half),
         TAIL_PAD=triton.next_power_of_2(tail) if tail else 0,
+        INTERLEAVED=interleaved,
         num_warps=4 if hq_pad * half <= 2048 else 8,
     )
     return qo, ko

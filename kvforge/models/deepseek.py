@@ -68,7 +68,7 @@ from kvforge.models.expert_gemm_route import grouped_expert_matmul
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
-from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, get_activation
+from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -188,6 +188,19 @@ class DeepseekRotary(nn.Module):
         f = self.attention_factor
         return (freqs.cos() * f)[:, None, :].to(dtype), (freqs.sin() * f)[:, None, :].to(dtype)
 
+    def rotate_qk(self, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor,
+                  k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`rotate` of ``q [T, Hq, P]`` and ``k [T, Hk, P]``: one fused Triton kernel on CUDA
+        (kvforge/kernels/triton_rope.py, ``rope_qk_pairs``; the same products and roundings), else the
+        formula twice."""
+        cos, sin = rope
+        kern = fused_kernels(q)
+        if (kern is not None and q.dim() == 3 and k.dim() == 3 and q.shape[0] > 0
+                and q.dtype == k.dtype == cos.dtype == sin.dtype
+                and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1):
+            return kern[2].rope_qk_pairs(q, k, cos, sin, self.interleave)
+        return self.rotate(rope, q), self.rotate(rope, k)
+
     def rotate(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``x [T, H, P]`` -> rotated, de-interleaved ``[T, H, P]``."""
         cos, sin = rope
@@ -225,9 +238,9 @@ class MLAAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([r, p], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        q_rope = rotary.rotate(rope, q_rope)
-        k_rope = rotary.rotate(rope, k_rope[:, None, :])[:, 0]
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
+        k_rope = k_rope[:, 0]
         w = self.kv_b_proj.weight.view(h, dn + a.v_head_dim, r)
         out = attn.mla(self.layer_idx, q_nope, q_rope, latent, k_rope, w[:, :dn], w[:, dn:])
         return self.o_proj(out.reshape(t, h * a.v_head_dim))

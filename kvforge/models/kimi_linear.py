@@ -186,6 +186,9 @@ class NoRope(nn.Module):
     def rotate(self, rope, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def rotate_qk(self, rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
     def reset_parameters(self) -> None:
         pass
 

@@ -36,7 +36,7 @@ FUSED_DEVICES = ("cuda",)  # tests add "cpu" to run the kernels in Triton's inte
 _kernels = None  # (rms_norm module, silu_mul module, rope module), or False without triton
 
 
-def _fused_kernels(x: torch.Tensor):
+def fused_kernels(x: torch.Tensor):
     """The kernel modules when ``x`` should take the fused path, else None."""
     global _kernels
     if not FUSED_KERNELS or x.device.type not in FUSED_DEVICES or torch.is_grad_enabled():
@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        k = _fused_kernels(x)
+        k = fused_kernels(x)
         if residual is None:
             if k is not None and x.numel() and x.dim() <= 3 and x.stride(-1) == 1:
                 return k[0].rms_norm(x, self.weight, self.eps)
@@ -222,7 +222,7 @@ class RotaryEmbedding(nn.Module):
         self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin
-        kern = _fused_kernels(q)
+        kern = fused_kernels(q)
         if (
             kern is not None
             and q.dim() == 3
@@ -244,7 +244,7 @@ class RotaryEmbedding(nn.Module):
         adjacent q and k columns of a fused projection); returns ``(q, k)``. Without the fused kernel both
         are rotated by one pass of the same elementwise formula (the values ``apply`` gives; q and k come
         back as views of one tensor)."""
-        if _fused_kernels(qk) is not None:
+        if fused_kernels(qk) is not None:
             return self.apply(cos_sin, qk[:, :num_q_heads], qk[:, num_q_heads:])
         rotated = self._rotate(qk, *cos_sin)
         return rotated[:, :num_q_heads], rotated[:, num_q_heads:]
@@ -320,7 +320,7 @@ class GatedMLP(nn.Module):
 def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
     """``act(gate) * up`` of ``gate_up = [gate | up]`` (last axis, halves of equal width): one fused kernel for
     SiLU over a 2-D row-major ``gate_up`` where the fused kernels run, else the two elementwise calls."""
-    k = _fused_kernels(gate_up)
+    k = fused_kernels(gate_up)
     if k is not None and act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         return k[1].silu_and_mul(gate_up)
     i = gate_up.shape[-1] // 2
