@@ -6,27 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_kernel_device import DEVICE, KERNELS_RUN
+from triton_kernel_device import route_fixture
 
 from kvforge.models import expert_rows
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 
-
-@pytest.fixture(params=["torch", "triton"])
-def device(request, monkeypatch):
-    """The device the test's tensors go to, with the path under test routed there (autograd off, as in the
-    engine: the kernels are inference-only)."""
-    if request.param == "torch":
-        monkeypatch.setattr(expert_rows, "TRITON_ROWS", False)
-        dev = "cpu"
-    elif not KERNELS_RUN:
-        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
-    else:
-        monkeypatch.setattr(expert_rows, "TRITON_ROWS", True)
-        monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", (DEVICE,))
-        dev = DEVICE
-    with torch.no_grad():
-        yield dev
+device = route_fixture(expert_rows, "TRITON_ROWS", "TRITON_ROWS_DEVICES")
 
 
 def _kernel_ran(rows, device) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_kernel_device import DEVICE, KERNELS_RUN
+from triton_kernel_device import DEVICE, KERNELS_RUN, route_fixture
 
 from kvforge.models import router_topk
 
@@ -21,19 +21,7 @@ def _expected(logits: torch.Tensor, k: int, renormalize: bool, scale: float):
     return w * scale, ids
 
 
-@pytest.fixture(params=["torch", "triton"])
-def device(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setattr(router_topk, "TRITON_ROUTER", False)
-        dev = "cpu"
-    elif not KERNELS_RUN:
-        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
-    else:
-        monkeypatch.setattr(router_topk, "TRITON_ROUTER", True)
-        monkeypatch.setattr(router_topk, "TRITON_ROUTER_DEVICES", (DEVICE,))
-        dev = DEVICE
-    with torch.no_grad():
-        yield dev
+device = route_fixture(router_topk, "TRITON_ROUTER", "TRITON_ROUTER_DEVICES")
 
 
 @pytest.mark.parametrize("tokens,experts,k,renormalize,scale", [

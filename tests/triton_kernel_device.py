@@ -119,3 +119,27 @@ def loaded_loop_bounds_work() -> bool:
 def skip_unless_loaded_loop_bounds_work() -> None:
     if not loaded_loop_bounds_work():
         pytest.skip(LOOP_BOUND)
+
+
+
+def route_fixture(module, switch: str, devices: str):
+    """A fixture ``device`` that runs a test once per path of a route with a module-level switch: "torch"
+    turns ``module.switch`` off (the PyTorch reference, tensors on the CPU); "triton" turns it on and lists
+    :data:`DEVICE` in ``module.devices`` (skipped where the kernels cannot run). Autograd is off, as in the
+    engine: the kernels are inference-only. The fixture's value is the device the tensors go to."""
+
+    @pytest.fixture(params=["torch", "triton"])
+    def device(request, monkeypatch):
+        if request.param == "torch":
+            monkeypatch.setattr(module, switch, False)
+            dev = "cpu"
+        elif not KERNELS_RUN:
+            pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+        else:
+            monkeypatch.setattr(module, switch, True)
+            monkeypatch.setattr(module, devices, (DEVICE,))
+            dev = DEVICE
+        with torch.no_grad():
+            yield dev
+
+    return device
