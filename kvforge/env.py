@@ -8,8 +8,9 @@ stays here turns an optional accelerated path off for the whole process.
 =================================  ==========================================================================
 ``KVFORGE_DISABLE_GLUON``          any value but ``""``/``0``/``false``/``no`` turns the Gluon kernels off
                                    (the tl.dot kernels serve; kvforge/kernels/gluon_support.py)
-``KVFORGE_DISABLE_FUSED_KERNELS``  the same, for the fused Triton RMSNorm/rope/SiLU kernels and the MoE
-                                   row bookkeeping (kvforge/models/expert_rows.py) on CUDA
+``KVFORGE_DISABLE_FUSED_KERNELS``  the same, for the fused Triton RMSNorm/rope/SiLU kernels, the MoE
+                                   row bookkeeping (kvforge/models/expert_rows.py) and the softmax
+                                   router's top-k (kvforge/models/router_topk.py) on CUDA
 ``KVFORGE_DISABLE_SDPA_PREFILL``   the same, for long prefill chunks of the Triton paged backend through
                                    torch's fused attention (the kernels serve every sequence;
                                    kvforge/attention/routing/paged.py)
