@@ -10,8 +10,8 @@ expert is held by another rank) are not written.
 
 In a decode step each expert has a few rows (64 tokens x top-6 over 64 experts: ~6), so the product is
 bound by reading the experts' weights. Grid ``(E, cdiv(N, BLOCK_N))``: a program owns ``BLOCK_N`` weight
-rows of one expert, and for each block of 16 of the expert's rows streams them over K in ``BLOCK_K``
-chunks into ``tl.dot`` (the rows padded to 16, the MMA's smallest dimension; padded rows load zeros and
+rows of one expert (the :class:`ExpertGemmTile`), and for each block of 16 of the expert's rows streams them
+over K in ``BLOCK_K`` chunks into ``tl.dot`` (the rows padded to 16, the MMA's smallest dimension; padded rows load zeros and
 are not stored). An expert without rows costs its programs one load of ``offs``; an expert with more than
 16 rows reads its weight tile once per block of 16, the repeats from L2.
 
@@ -22,20 +22,31 @@ synchronization, so it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: Input and weight dtypes the kernel takes (one dtype for both).
 DTYPES = (torch.bfloat16, torch.float16)
-#: Rows per ``tl.dot`` (its smallest dimension), weight rows per program, K chunk, warps, pipeline stages.
-#: The tile is the fastest of a sweep over DeepSeek-V2-Lite's decode products on an H200 (BLOCK_N 16-64,
-#: BLOCK_K 128-256, 4-8 warps, 3-5 stages; docs/BENCHMARKS.md, "Routed experts").
+#: Rows per ``tl.dot`` (its smallest dimension).
 ROWS = 16
-BLOCK_N = 64
-BLOCK_K = 128
-NUM_WARPS = 4
-NUM_STAGES = 3
+
+
+@dataclass(frozen=True)
+class ExpertGemmTile:
+    """A program's tile: weight rows, K chunk, warps, pipeline stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+#: The tile the engine launches: the fastest of a sweep over DeepSeek-V2-Lite's decode products on an H200
+#: (``benchmarks/bench_expert_gemm.py --sweep``; docs/BENCHMARKS.md, "Routed experts").
+TILE = ExpertGemmTile()
 
 if HAS_TRITON:
 
@@ -79,10 +90,11 @@ if HAS_TRITON:
 
 
 def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
-                num_rows: int | None = None) -> torch.Tensor:
+                num_rows: int | None = None, tile: ExpertGemmTile = TILE) -> torch.Tensor:
     """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T`` for each sorted position ``p`` of expert
     ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] = p``).
-    ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``)."""
+    ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``); ``tile``: the
+    launch's tile (benchmarks sweep it)."""
     if not HAS_TRITON:
         raise RuntimeError("expert_gemm needs triton")
     if a.dim() != 2 or weight.dim() != 3 or a.shape[1] != weight.shape[2]:
@@ -99,11 +111,11 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: 
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if rows == 0 or n == 0:
         return out
-    block_k = max(16, min(BLOCK_K, triton.next_power_of_2(k)))
-    _expert_gemm_kernel[(e, triton.cdiv(n, BLOCK_N))](
+    block_k = max(16, min(tile.block_k, triton.next_power_of_2(k)))
+    _expert_gemm_kernel[(e, triton.cdiv(n, tile.block_n))](
         a, weight, out, offs, src if src is not None else offs,
         n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        GATHER=src is not None, ROWS=ROWS, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        GATHER=src is not None, ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
     )  # fmt: skip
     return out
