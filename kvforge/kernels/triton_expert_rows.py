@@ -29,6 +29,10 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most rows :func:`group_rows` sorts in its one program.
 MAX_ROWS = 4096
+#: The fewest lanes it sorts (the rows padded up to a power of two, at least this): every width is its own
+#: compiled kernel, a few seconds of compile each on first use or at CUDA-graph capture (measured 1.9-5.3 s
+#: for sm_90 on a 2-core CPU), so decode batches of 1 to 256 tokens share 5 widths rather than 9.
+MIN_SORT_WIDTH = 128
 #: Hidden features per program of :func:`combine_rows`.
 COMBINE_BLOCK = 1024
 
@@ -87,7 +91,7 @@ def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int):
     r = flat_ids.shape[0]
     if not 0 < r <= MAX_ROWS:
         raise ValueError(f"group_rows sorts 1 to {MAX_ROWS} rows in one program, got {r}")
-    r_pad = triton.next_power_of_2(r)
+    r_pad = max(MIN_SORT_WIDTH, triton.next_power_of_2(r))
     if (num_experts + 1) * r_pad >= 2**31:
         raise ValueError(f"{num_experts} experts x {r_pad} rows overflow the int32 sort keys")
     dev = flat_ids.device
