@@ -195,3 +195,14 @@ def test_triton_mla_sends_prefill_steps_here_in_sdpa_mode(monkeypatch):
     assert calls == [("sdpa", (0, 1)), ("decode", 1), "reference", ("sdpa", (0, 1)), ("decode", 1)]
     assert torch.equal(auto, got)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # without the decoding sequence's token, nothing is absorbed (the sequence without tokens costs nothing)
+    calls.clear()
+    qsl = list(meta.host_query_start_loc)
+    lens = list(meta.host_seq_lens)
+    qsl2, lens2 = qsl[:3] + [qsl[2]] * 2, lens[:2] + [lens[2] - 1, lens[3]]  # sequence 2: no token this step
+    meta2 = AttentionMetadata(torch.tensor(qsl2, dtype=torch.int32), torch.tensor(lens2, dtype=torch.int32),
+                              meta.block_tables, meta.slot_mapping, meta.max_query_len, meta.max_seq_len,
+                              meta.block_size, host_query_start_loc=tuple(qsl2), host_seq_lens=tuple(lens2))
+    only = triton_mla.mla_attention(q_nope, q_rope, cache, meta2, None, 0.1, w_uk, w_uv, prefill_mode="sdpa")
+    assert calls == [("sdpa", (0, 1))]
+    assert torch.equal(only[:qsl[2]], got[:qsl[2]]) and torch.all(only[qsl[2]:] == 0)

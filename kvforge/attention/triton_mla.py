@@ -114,7 +114,9 @@ def _prefill_step(meta: AttentionMetadata, num_tokens: int, mode: str) -> _Prefi
     per = tokens = None
     if absorbed:
         per, index = per_token_metadata(meta, num_tokens, None if not expanded else absorbed)
-        if expanded:
+        if len(index) == 0:  # the absorbed sequences have no token this step
+            per = None
+        elif expanded:
             tokens = torch.from_numpy(index).to(meta.seq_lens.device, non_blocking=True)
     step = _PrefillStep(paths[expanded[0]] if expanded else None, expanded, per, tokens)
     _LAST_STEP = (meta, num_tokens, mode, step)
