@@ -139,9 +139,11 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     if step.expand == "expanded":  # the float32 reference takes the whole step
         return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
     if step.expand is None:  # every query token as a decode query over its causal prefix; padding rows zero
+        n = step.per_token.num_seqs if step.per_token is not None else 0
+        if 0 < n == q_nope.shape[0]:  # no padding rows: the decode output is the step's
+            return _absorbed(q_nope, q_rope, cache, step.per_token, scale, softmax_scale, w_uk, w_uv)
         out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
-        if step.per_token is not None:
-            n = step.per_token.num_seqs
+        if n:
             out[:n] = _absorbed(q_nope[:n], q_rope[:n], cache, step.per_token, scale, softmax_scale, w_uk, w_uv)
         return out
     out = mla_prefill_sdpa(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv, sequences=step.expanded)
