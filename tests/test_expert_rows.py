@@ -15,7 +15,8 @@ device = route_fixture(expert_rows, "TRITON_ROWS", "TRITON_ROWS_DEVICES")
 
 
 def _kernel_ran(rows, device) -> bool:
-    """The path under test served: rows grouped by the kernel carry ``inverse``, the PyTorch path's do not."""
+    """The path under test served: rows grouped where the Triton sum serves carry ``inverse``, the PyTorch
+    path's do not."""
     return (rows.inverse is not None) == expert_rows.TRITON_ROWS
 
 
@@ -103,6 +104,25 @@ def test_weighted_sum_matches_a_per_token_loop(device, dtype, tol):
     assert got.dtype == dtype
     want = _reference(x, ids, weights, w1)
     assert (got.double() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_steps_too_large_for_the_sort_kernel_still_sum_in_the_kernel(device, monkeypatch):
+    """Past ``TRITON_ROWS_MAX`` rows PyTorch sorts; where the sum kernel serves, one scatter gives it
+    ``inverse`` (order's inverse permutation) and the sum equals the per-token loop."""
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS_MAX", 8)
+    tokens, k, experts, hidden = 13, 3, 5, 16
+    ids, weights = _routing(tokens, k, experts, seed=9)
+    rows = group_by_expert(ids.reshape(-1).to(device), experts, k)
+    assert _kernel_ran(rows, device)
+    if rows.inverse is not None:
+        assert rows.order[rows.inverse].tolist() == list(range(tokens * k))
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(tokens, hidden, generator=g)
+    w1 = torch.randn(experts, hidden, hidden, generator=g)
+    y = torch.stack([x[t] @ w1[e] for t, e in zip(rows.tokens.tolist(), rows.expert.tolist())])
+    got = weighted_sum_per_token(y.to(device), rows, weights.to(device)).cpu()
+    want = _reference(x, ids, weights, w1)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_slots_held_elsewhere_add_nothing_even_when_their_rows_are_garbage(device):

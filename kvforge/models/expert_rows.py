@@ -12,10 +12,12 @@ makes a quarter of the passes of int64 keys. The sum is one batched product per 
 hidden]`` in float32) rather than an atomic ``index_add_`` in the model dtype: deterministic, one rounding
 to the model dtype per output, and no atomics.
 
-On CUDA, steps of at most :data:`TRITON_ROWS_MAX` rows (decode steps) take one Triton kernel each instead
-(kvforge/kernels/triton_expert_rows.py), unless ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused kernels
-off (kvforge/env.py). :func:`use_triton_rows` is the rule; rows grouped by the kernel carry ``inverse``,
-which sends their sum to the second kernel. The PyTorch code here is the reference both are tested against.
+On CUDA the sum is one Triton kernel for any number of rows, and the grouping is one for steps of at most
+:data:`TRITON_ROWS_MAX` rows (decode steps; kvforge/kernels/triton_expert_rows.py), unless
+``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused kernels off (kvforge/env.py). :func:`use_triton_sum` and
+:func:`use_triton_rows` are the rules; rows grouped where the sum kernel serves carry ``inverse`` (from the
+grouping kernel, or one scatter after PyTorch's sort), which sends their sum to that kernel. The PyTorch
+code here is the reference both are tested against.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class ExpertRows:
     """``order[p]``: the flat row at sorted position ``p``; ``offs`` int32 ``[num_experts]``: the end of each
     expert's range of sorted positions; ``expert[p]``: the expert id at position ``p`` (``num_experts`` for
     rows held elsewhere); ``tokens[p] = order[p] // k``, the token whose input row position ``p`` takes;
-    ``inverse[r]``: the sorted position of flat row ``r`` (set by the Triton kernel only, None otherwise)."""
+    ``inverse[r]``: the sorted position of flat row ``r`` (set where the Triton sum serves, None otherwise)."""
 
     order: torch.Tensor
     offs: torch.Tensor
@@ -50,14 +52,24 @@ class ExpertRows:
     inverse: torch.Tensor | None = None
 
 
-def use_triton_rows(flat_ids: torch.Tensor, num_experts: int) -> bool:
-    """Whether :func:`group_by_expert` runs the Triton kernel for these ids (see the module docstring)."""
+def use_triton_sum(flat_ids: torch.Tensor) -> bool:
+    """Whether :func:`weighted_sum_per_token` of rows grouped from these ids runs the Triton kernel (any
+    number of rows; see the module docstring)."""
     if not (TRITON_ROWS and flat_ids.device.type in TRITON_ROWS_DEVICES
-            and 0 < flat_ids.shape[0] <= TRITON_ROWS_MAX and not torch.is_grad_enabled()):
+            and flat_ids.shape[0] > 0 and not torch.is_grad_enabled()):
         return False
     from kvforge.kernels import triton_expert_rows
 
-    return triton_expert_rows.HAS_TRITON and (num_experts + 1) * triton_expert_rows.MAX_ROWS < 2**31
+    return triton_expert_rows.HAS_TRITON
+
+
+def use_triton_rows(flat_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether :func:`group_by_expert` runs the Triton kernel for these ids (see the module docstring)."""
+    if not (flat_ids.shape[0] <= TRITON_ROWS_MAX and use_triton_sum(flat_ids)):
+        return False
+    from kvforge.kernels import triton_expert_rows
+
+    return (num_experts + 1) * triton_expert_rows.MAX_ROWS < 2**31
 
 
 def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> ExpertRows:
@@ -73,7 +85,10 @@ def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> Exp
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))
     offs = torch.cumsum(counts[:num_experts], 0).to(torch.int32)
-    return ExpertRows(order=order, offs=offs, expert=flat_ids[order], tokens=order // top_k)
+    inverse = None
+    if use_triton_sum(flat_ids):
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    return ExpertRows(order=order, offs=offs, expert=flat_ids[order], tokens=order // top_k, inverse=inverse)
 
 
 def weighted_sum_per_token(y: torch.Tensor, rows: ExpertRows, weights: torch.Tensor,
