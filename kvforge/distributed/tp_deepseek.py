@@ -40,7 +40,6 @@ from kvforge.errors import ConfigError
 from kvforge.models.decoder import gate_up_parts
 from kvforge.models.deepseek import DeepseekArgs, DeepseekV2ForCausalLM, MoE
 from kvforge.models.layers import GatedMLP
-from kvforge.models.side_stream import beside
 from kvforge.models.stacked_experts import FUSED_EXPERTS_NAME, PER_EXPERT_NAME
 
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -55,14 +54,12 @@ class TPMoE(MoE):
         self.expert_start = group.rank * self.experts_down.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # down_proj is a plain Linear (no collective on the side stream): partial sum reduced below
-        shared = beside(self.shared_experts, x) if self.shared_experts is not None else None
         weights, ids = self.gate(x)  # replicated router: global expert ids
         local = ids - self.expert_start
         mine = (local >= 0) & (local < self.experts_down.shape[0])
         out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine)
-        if shared is not None:
-            out = out + shared.result()
+        if self.shared_experts is not None:  # down_proj is a plain Linear: partial sum reduced below
+            out = out + self.shared_experts(x)
         return self.group.all_reduce_(out)
 
 

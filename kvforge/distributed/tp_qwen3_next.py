@@ -44,7 +44,6 @@ from kvforge.distributed.tp_decoder import (
 from kvforge.distributed.tp_deepseek import is_stacked_expert, rank_expert_tensors
 from kvforge.distributed.tp_gqa import kv_head_start, kv_heads_for_rank
 from kvforge.models.qwen3_next import Qwen3NextArgs, Qwen3NextForCausalLM, Qwen3NextMoE
-from kvforge.models.side_stream import beside
 
 _PER_VALUE_HEAD = (".linear_attn.dt_bias", ".linear_attn.A_log")
 
@@ -59,12 +58,11 @@ class TPQwen3NextMoE(Qwen3NextMoE):
         self.expert_start = group.rank * rank_args.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = beside(self.shared, x)  # no collective inside: the sum is reduced below
         weights, ids = self.route(x)  # global expert ids
         local = ids - self.expert_start
         mine = (local >= 0) & (local < self.experts_down.shape[0])
         out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine)
-        return self.group.all_reduce_(out + shared.result())
+        return self.group.all_reduce_(out + self.shared(x))
 
 
 class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):

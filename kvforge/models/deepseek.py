@@ -71,7 +71,6 @@ from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk
-from kvforge.models.side_stream import beside
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
@@ -230,19 +229,16 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), bias=False, dtype=dtype)
         self.o_proj = nn.Linear(h * a.v_head_dim, a.hidden_size, bias=a.attention_bias, dtype=dtype)
 
-    def project_query(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H * (Dn + P)]``: the heads' queries, nope and rope parts."""
-        if self.a.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-
     def forward(self, rope, x: torch.Tensor, attn, rotary: DeepseekRotary) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         h, dn, p, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
-        q = beside(self.project_query, x)  # the query's products overlap the latent's
+        if a.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([r, p], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_nope, q_rope = q.result().view(t, h, dn + p).split([dn, p], dim=-1)
         q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
         k_rope = k_rope[:, 0]
         w = self.kv_b_proj.weight.view(h, dn + a.v_head_dim, r)
@@ -309,11 +305,10 @@ class MoE(nn.Module):
                                if a.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = beside(self.shared_experts, x) if self.shared_experts is not None else None  # overlaps routing
         weights, ids = self.gate(x)
         out = self.routed(x, weights, ids)
-        if shared is not None:
-            out = out + shared.result()
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out
 
     def routed_experts(self) -> RoutedExperts:

@@ -40,7 +40,6 @@ from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk
-from kvforge.models.side_stream import beside
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -230,9 +229,8 @@ class Qwen3NextMoE(MoE):
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = beside(self.shared, x)  # overlaps the routing
         weights, ids = self.route(x)
-        return self.routed(x, weights, ids) + shared.result()
+        return self.routed(x, weights, ids) + self.shared(x)
 
     def routed_experts(self) -> RoutedExperts:
         """The stacked experts, top-k of the router's (a plain linear) experts."""
