@@ -113,3 +113,53 @@ def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows
     assert [r.inverse is not None for r in grouped_by] == [triton_rows]
     assert loop.abs().max() > 0
     assert (grouped - loop).abs().max() <= 2 ** -8 * loop.abs().max()
+
+
+GPT_OSS_CFG = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48, vocab_size=64,
+                   max_position_embeddings=512, rms_norm_eps=1e-5, sliding_window=8, num_local_experts=6,
+                   num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("first,num_local", [(0, None), (2, 3)])
+def test_gpt_oss_grouped_equals_loop(monkeypatch, kernel, first, num_local):
+    """gpt-oss's experts (biases, interleaved gate/up, weights stored out-major behind HF's [E, in, out]
+    shapes): the grouped path, through ``torch._grouped_mm`` or the Triton expert kernel with its bias
+    (CUDA, or Triton's CPU interpreter here), equals the loop; with ``first``/``num_local``, a rank holding
+    experts 2..4 computes only their slots. float16: the interpreter's bfloat16 ``tl.dot`` multiplies bit
+    patterns."""
+    from kvforge.models import expert_gemm_route
+    from kvforge.models.gpt_oss import GptOssArgs, GptOssExperts, GptOssRouter
+
+    if kernel:
+        from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
+
+        if not KERNELS_RUN:
+            pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+        skip_unless_loaded_loop_bounds_work()
+        monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
+    else:
+        DEVICE = "cpu"
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", kernel)
+    called = []
+    real = expert_gemm_route.use_triton_expert_gemm
+    monkeypatch.setattr(expert_gemm_route, "use_triton_expert_gemm", lambda *a: called.append(real(*a)) or real(*a))
+    a = GptOssArgs(GPT_OSS_CFG)
+    torch.manual_seed(3)
+    experts, router = GptOssExperts(a, num_local=num_local, first=first), GptOssRouter(a)
+    with torch.no_grad():
+        for p in list(experts.parameters()) + list(router.parameters()):
+            p.copy_(torch.randn_like(p).mul_(0.3))
+    assert experts.gate_up_proj.shape == (experts.num_local, 64, 96)  # HF's shape, stored out-major
+    assert experts.gate_up_proj.transpose(1, 2).is_contiguous()
+    x = torch.randn(13, 64)
+    weights, ids = router(x)
+    dtype = torch.float16
+    with torch.no_grad():
+        loop = experts.loop(x, weights, ids)
+        half = experts.to(dtype).to(DEVICE)
+        grouped = half.grouped(x.to(dtype).to(DEVICE), weights.to(dtype).to(DEVICE), ids.to(DEVICE)).float().cpu()
+    assert called == [kernel, kernel]
+    assert loop.abs().max() > 0
+    assert (grouped - loop).abs().max() <= 2 ** -7 * loop.abs().max()

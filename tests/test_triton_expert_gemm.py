@@ -39,11 +39,15 @@ def _case(counts, n, k, dtype, tokens, seed=0):
     return a, weight, offs, src, experts
 
 
-def _check(got, a_rows, weight, experts, dtype):
+def _check(got, a_rows, weight, experts, dtype, bias=None):
+    """With ``bias``, its value joins the float32 sum exactly once: one more addition in the error bound."""
     k = weight.shape[2]
     w = weight[experts].double()  # [rows, N, K]
     ref = torch.einsum("rk,rnk->rn", a_rows.double(), w)
     s = torch.einsum("rk,rnk->rn", a_rows.double().abs(), w.abs())
+    if bias is not None:
+        ref = ref + bias[experts].double()
+        s = s + bias[experts].double().abs()
     gamma = 4 * (k + 1) * 2.0 ** -24
     bound = torch.finfo(dtype).eps * (ref.abs() + gamma * s) + gamma * s
     err = (got.double() - ref).abs()
@@ -69,6 +73,17 @@ def test_rows_in_sorted_order_without_gather(dtype):
     a, weight, offs, _, experts = _case(counts, 32, 48, dtype, tokens=sum(counts), seed=1)
     got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE)).cpu()
     _check(got, a, weight, experts, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_expert_bias_is_added_before_the_rounding(dtype):
+    counts = [4, 0, 18, 3]
+    a, weight, offs, src, experts = _case(counts, 40, 48, dtype, tokens=7, seed=3)
+    bias = torch.randn(len(counts), 40, generator=torch.Generator().manual_seed(4)).mul(4).to(dtype)
+    got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE), bias=bias.to(DEVICE)).cpu()
+    _check(got, a[src], weight, experts, dtype, bias)
+    with pytest.raises(ValueError, match="bias must be"):
+        expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE), bias=bias[:, :8].to(DEVICE))
 
 
 def test_positions_past_the_last_offset_are_left_alone():

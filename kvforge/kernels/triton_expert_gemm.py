@@ -4,8 +4,9 @@ The rows of a MoE step are grouped by expert (kvforge/models/expert_rows.py): so
 ``offs[e - 1] <= p < offs[e]`` belong to expert ``e``. For sorted position ``p`` the kernel computes
 ``out[p] = a[src[p]] @ weight[e].T`` with ``weight [E, N, K]`` (K contiguous, ``nn.Linear``'s layout per
 expert) and ``src`` the row of ``a`` that position takes (``GATHER``: the token's input row; otherwise
-``src[p] = p``, the previous product's rows in sorted order). This is ``torch._grouped_mm(a[src], weight.
-transpose(1, 2), offs=offs)`` without the gathered copy of ``a``. Positions from ``offs[-1]`` on (slots whose
+``src[p] = p``, the previous product's rows in sorted order), plus the expert's bias ``bias[e]`` where one
+is given. This is ``torch._grouped_mm(a[src], weight.transpose(1, 2), offs=offs)`` without the gathered
+copy of ``a``. Positions from ``offs[-1]`` on (slots whose
 expert is held by another rank) are not written.
 
 In a decode step each expert has a few rows (64 tokens x top-6 over 64 experts: ~6), so the product is
@@ -16,7 +17,7 @@ are not stored). An expert without rows costs its programs one load of ``offs``;
 16 rows reads its weight tile once per block of 16, the repeats from L2.
 
 Numerics: bf16/fp16 products exact in float32, float32 sums (the order of the float32 additions differs
-from other GEMMs), one rounding to ``a``'s dtype. The launch is a pure function of the shapes; no host
+from other GEMMs), the bias added in float32, one rounding to ``a``'s dtype. The launch is a pure function of the shapes; no host
 synchronization, so it can be captured in a CUDA graph.
 """
 
@@ -52,10 +53,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_gemm_kernel(
-        a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr,
-        N, K, stride_am, stride_we, stride_wn, stride_om,
+        a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr, bias_ptr,
+        N, K, stride_am, stride_we, stride_wn, stride_om, stride_be,
         GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         expert = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -67,6 +68,8 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
         n_mask = offs_n < N
+        if HAS_BIAS:  # the expert's bias over this program's weight rows, added in float32
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0)
         for m0 in range(start, end, ROWS):
             pos = m0 + tl.arange(0, ROWS)
             m_mask = pos < end
@@ -85,16 +88,20 @@ if HAS_TRITON:
                     w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
                     a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                 acc = tl.dot(w, tl.trans(a), acc)
+            if HAS_BIAS:
+                acc += bias.to(tl.float32)[:, None]
             out_ptrs = out_ptr + pos.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
 def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
-                num_rows: int | None = None, tile: ExpertGemmTile = TILE) -> torch.Tensor:
-    """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T`` for each sorted position ``p`` of expert
-    ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] = p``).
-    ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``); ``tile``: the
-    launch's tile (benchmarks sweep it)."""
+                num_rows: int | None = None, tile: ExpertGemmTile = TILE,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T (+ bias[e])`` for each sorted position ``p``
+    of expert ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] =
+    p``). ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``); ``tile``: the
+    launch's tile (benchmarks sweep it); ``bias``: ``[E, N]``, contiguous along N, added in float32 before
+    the one rounding."""
     if not HAS_TRITON:
         raise RuntimeError("expert_gemm needs triton")
     if a.dim() != 2 or weight.dim() != 3 or a.shape[1] != weight.shape[2]:
@@ -107,15 +114,18 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: 
     if offs.shape != (weight.shape[0],):
         raise ValueError(f"offs must be [E] = [{weight.shape[0]}], got {tuple(offs.shape)}")
     e, n, k = weight.shape
+    if bias is not None and (bias.shape != (e, n) or bias.stride(1) != 1):
+        raise ValueError(f"bias must be [E, N] = [{e}, {n}] contiguous along N, got {tuple(bias.shape)}")
     rows = num_rows if num_rows is not None else (src.shape[0] if src is not None else a.shape[0])
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if rows == 0 or n == 0:
         return out
     block_k = max(16, min(tile.block_k, triton.next_power_of_2(k)))
     _expert_gemm_kernel[(e, triton.cdiv(n, tile.block_n))](
-        a, weight, out, offs, src if src is not None else offs,
+        a, weight, out, offs, src if src is not None else offs, bias if bias is not None else offs,
         n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0,
         GATHER=src is not None, ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NUM_STAGES=tile.num_stages, num_warps=tile.num_warps,
+        NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, num_warps=tile.num_warps,
     )  # fmt: skip
     return out

@@ -56,13 +56,19 @@ def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor)
     )
 
 
-def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRows, gather: bool) -> torch.Tensor:
-    """``out[p] = a_row(p) @ weight[expert(p)].T`` for every sorted position ``p`` (``[len(order), N]``):
-    ``a_row(p) = a[rows.tokens[p]]`` with ``gather``, else ``a[p]`` (rows already in sorted order). Positions
-    past ``rows.offs[-1]`` are not computed."""
+def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRows, gather: bool,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[p] = a_row(p) @ weight[expert(p)].T (+ bias[expert(p)])`` for every sorted position ``p``
+    (``[len(order), N]``): ``a_row(p) = a[rows.tokens[p]]`` with ``gather``, else ``a[p]`` (rows already in
+    sorted order); ``bias`` ``[E, N]`` or None. Positions past ``rows.offs[-1]`` hold no defined values.
+    The kernel adds the bias before its one rounding, ``torch._grouped_mm``'s path after rounding the
+    product."""
     num_rows = rows.order.shape[0]
-    if use_triton_expert_gemm(num_rows, a, weight):
+    if use_triton_expert_gemm(num_rows, a, weight) and (bias is None or bias.stride(-1) == 1):
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
-        return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows)
-    return torch._grouped_mm(a[rows.tokens] if gather else a, weight.transpose(-2, -1), offs=rows.offs)
+        return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows, bias=bias)
+    out = torch._grouped_mm(a[rows.tokens] if gather else a, weight.transpose(-2, -1), offs=rows.offs)
+    if bias is not None:  # rows held elsewhere (expert id E) take the last expert's bias; they are never read
+        out = out + bias[rows.expert.clamp(max=weight.shape[0] - 1)]
+    return out

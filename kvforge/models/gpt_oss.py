@@ -17,8 +17,10 @@ What differs from Llama:
   ``[-limit, limit]`` and ``glu = (up + 1) * gate * sigmoid(alpha * gate)``
   (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7.0).
 
-Expert weights keep transformers' layout (``[E, in, out]``, gate/up columns
-interleaved) and names, so checkpoint tensors load by name. MXFP4-quantized
+Expert weights keep transformers' shapes (``[E, in, out]``, gate/up columns
+interleaved) and names, so checkpoint tensors load by name; their storage is
+out-major (``[E, out, in]`` contiguous, seen through a transpose), the layout the
+routed-experts kernel streams. MXFP4-quantized
 expert tensors (``*_blocks`` / ``*_scales``) are refused with a clear error.
 """
 
@@ -32,6 +34,7 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, PreNormDecoderLayer, qkv_parts
+from kvforge.models.expert_gemm_route import grouped_expert_matmul
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
@@ -173,9 +176,11 @@ class GptOssExperts(nn.Module):
         h, i = a.hidden_size, a.intermediate_size
         self.first, self.num_local = first, e
         self.alpha, self.limit = a.swiglu_alpha, a.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i, dtype=dtype))
+        # HF's [E, in, out] parameters, stored out-major ([E, out, in] contiguous, seen through a transpose):
+        # the same names, shapes, values and loading, and the layout the routed-experts kernel streams.
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype).transpose(1, 2))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.zeros(e, i, h, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i, dtype=dtype).transpose(1, 2))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h, dtype=dtype))
 
     def glu(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -186,8 +191,9 @@ class GptOssExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots whose expert this module holds.
 
-        On CUDA, where ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host
-        sync, so decode steps can be CUDA graphs); otherwise a loop over the experts that have tokens.
+        On CUDA, where ``torch._grouped_mm`` works for the dtype, one grouped product per projection (the
+        Triton expert kernel or ``torch._grouped_mm``: kvforge/models/expert_gemm_route.py; no host sync, so
+        decode steps can be CUDA graphs); otherwise a loop over the experts that have tokens.
         """
         if x.is_cuda and grouped_mm_problem(x.device, x.dtype) is None:
             return self.grouped(x, weights, ids)
@@ -215,9 +221,10 @@ class GptOssExperts(nn.Module):
         held = (local >= 0) & (local < n)
         flat = torch.where(held, local, torch.full_like(local, n)).reshape(-1)
         rows = group_by_expert(flat, n, k)
-        bias_row = rows.expert.clamp(max=n - 1)
-        gate_up = torch._grouped_mm(x[rows.tokens], self.gate_up_proj, offs=rows.offs) + self.gate_up_proj_bias[bias_row]
-        y = torch._grouped_mm(self.glu(gate_up), self.down_proj, offs=rows.offs) + self.down_proj_bias[bias_row]
+        gate_up = grouped_expert_matmul(x, self.gate_up_proj.transpose(1, 2), rows, gather=True,
+                                        bias=self.gate_up_proj_bias)
+        y = grouped_expert_matmul(self.glu(gate_up), self.down_proj.transpose(1, 2), rows, gather=False,
+                                  bias=self.down_proj_bias)
         del gate_up
         return weighted_sum_per_token(y, rows, weights, held).to(x.dtype)
 

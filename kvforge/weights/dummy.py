@@ -2,7 +2,8 @@
 
 Linear and embedding weights ~ normal(0, 0.02), norm weights 1, biases 0. The
 numbers are generated on the parameter's own device (fast for big models) and
-are deterministic for a given seed, device and model structure; a
+are deterministic for a given seed, device and model structure (drawn in the
+order of each parameter's shape, whatever its memory layout); a
 tensor-parallel rank gets its part of the same full tensors as TP=1.
 """
 
@@ -33,7 +34,8 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 full = torch.empty(model.full_parameter_shape(name), device=p.device,
                                    dtype=p.dtype if drawable else torch.float32)
                 p.copy_(shard(name, full.normal_(0.0, std, generator=g)))
-            elif drawable:
+            elif drawable and p.is_contiguous():
                 p.normal_(0.0, std, generator=g)
-            else:  # e.g. fp8 storage: draw in float32 and cast
-                p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=g))
+            else:  # fp8 storage (drawn in float32, cast) or a strided layout (drawn in the shape's order)
+                p.copy_(torch.empty(p.shape, device=p.device, dtype=p.dtype if drawable else torch.float32)
+                        .normal_(0.0, std, generator=g))
