@@ -106,6 +106,25 @@ def test_weighted_sum_matches_a_per_token_loop(device, dtype, tol):
     assert (got.double() - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)])
+def test_an_addend_joins_the_sum_before_its_rounding(device, dtype, tol):
+    """A MoE layer's shared experts' output rides in the sum: ``addend[t] + sum_j w * y``, one rounding (the
+    bf16 bound is the one rounding's, relative to the largest value)."""
+    tokens, k, experts, hidden = 9, 2, 5, 24
+    ids, weights = _routing(tokens, k, experts, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w1 = torch.randn(experts, hidden, hidden, generator=g).to(dtype)
+    addend = torch.randn(tokens, hidden, generator=g).mul(3).to(dtype)
+    rows = group_by_expert(ids.reshape(-1).to(device), experts, k)
+    assert _kernel_ran(rows, device)
+    y = torch.stack([x[t] @ w1[e] for t, e in zip(rows.tokens.tolist(), rows.expert.tolist())])
+    got = weighted_sum_per_token(y.to(device), rows, weights.to(device), addend=addend.to(device)).cpu()
+    want = _reference(x, ids, weights, w1) + addend.double()
+    assert got.dtype == dtype
+    assert (got.double() - want).abs().max() <= tol * want.abs().max()
+
+
 def test_steps_too_large_for_the_sort_kernel_still_sum_in_the_kernel(device, monkeypatch):
     """Past ``TRITON_ROWS_MAX`` rows PyTorch sorts; where the sum kernel serves, one scatter gives it
     ``inverse`` (order's inverse permutation) and the sum equals the per-token loop."""

@@ -106,9 +106,11 @@ def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows
         valid = torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE) < 0.5
         ids = torch.where(valid, ids, torch.zeros_like(ids))
     with torch.no_grad():
-        grouped = moe._routed_grouped(x, w, ids, valid).float().cpu()
+        shared = moe.shared_experts(x)  # rides in the weighted sum
+        grouped = moe._routed_grouped(x, w, ids, valid, shared).float().cpu()
         loop = moe.cpu().float()._routed_loop(x.cpu().float(), w.cpu().float(), ids.cpu(),
                                               None if valid is None else valid.cpu()).float()
+        loop = loop + shared.float().cpu()
     assert called == [True, True]  # both products ran the kernel
     assert [r.inverse is not None for r in grouped_by] == [triton_rows]
     assert loop.abs().max() > 0

@@ -54,12 +54,12 @@ class TPMoE(MoE):
         self.expert_start = group.rank * self.experts_down.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the shared experts' down_proj is a plain Linear: its partial sum is reduced below with the routed one
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         weights, ids = self.gate(x)  # replicated router: global expert ids
         local = ids - self.expert_start
         mine = (local >= 0) & (local < self.experts_down.shape[0])
-        out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine)
-        if self.shared_experts is not None:  # down_proj is a plain Linear: partial sum reduced below
-            out = out + self.shared_experts(x)
+        out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine, addend=shared)
         return self.group.all_reduce_(out)
 
 

@@ -61,8 +61,9 @@ class TPQwen3NextMoE(Qwen3NextMoE):
         weights, ids = self.route(x)  # global expert ids
         local = ids - self.expert_start
         mine = (local >= 0) & (local < self.experts_down.shape[0])
-        out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine)
-        return self.group.all_reduce_(out + self.shared(x))
+        shared = self.shared(x)
+        out = self.routed(x, weights, torch.where(mine, local, torch.zeros_like(local)), mine, addend=shared)
+        return self.group.all_reduce_(out)
 
 
 class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):

@@ -60,13 +60,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _combine_rows_kernel(
-        y_ptr, inverse_ptr, w_ptr, held_ptr, out_ptr, N, stride_y, stride_w, stride_out,
-        TOP_K: tl.constexpr, HAS_HELD: tl.constexpr, BLOCK: tl.constexpr,
+        y_ptr, inverse_ptr, w_ptr, held_ptr, add_ptr, out_ptr, N, stride_y, stride_w, stride_add, stride_out,
+        TOP_K: tl.constexpr, HAS_HELD: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         n_mask = n < N
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        if HAS_ADDEND:
+            acc = tl.load(add_ptr + t * stride_add + n, mask=n_mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             p = tl.load(inverse_ptr + t * TOP_K + j)
             w = tl.load(w_ptr + t * stride_w + j).to(tl.float32)
@@ -108,9 +111,10 @@ def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int):
 
 
 def combine_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
-                 held: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * y[inverse[t * k + j]]`` over held slots, ``[T, N]`` in ``y``'s dtype
-    (``y [T * k, N]`` with a contiguous last dim, ``weights [T, k]``, ``held`` bool ``[T, k]`` or None)."""
+                 held: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = addend[t] + sum_j weights[t, j] * y[inverse[t * k + j]]`` over held slots, summed in float32
+    and rounded once, ``[T, N]`` in ``y``'s dtype (``y [T * k, N]`` with a contiguous last dim, ``weights
+    [T, k]``, ``held`` bool ``[T, k]`` or None, ``addend [T, N]`` contiguous along N or None)."""
     if not HAS_TRITON:
         raise RuntimeError("combine_rows needs triton")
     t, k = weights.shape
@@ -126,9 +130,12 @@ def combine_rows(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
         weights = weights.contiguous()
     if held is not None:
         held = held.reshape(t * k).contiguous()
+    if addend is not None and (addend.shape != (t, n) or addend.stride(1) != 1):
+        raise ValueError(f"addend must be [T, N] = [{t}, {n}] contiguous along N, got {tuple(addend.shape)}")
     block = min(COMBINE_BLOCK, triton.next_power_of_2(n))
     _combine_rows_kernel[(t, triton.cdiv(n, block))](
-        y, inverse, weights, held if held is not None else inverse, out, n, y.stride(0), weights.stride(0),
-        out.stride(0), TOP_K=k, HAS_HELD=held is not None, BLOCK=block, num_warps=4,
+        y, inverse, weights, held if held is not None else inverse, addend if addend is not None else y, out, n,
+        y.stride(0), weights.stride(0), addend.stride(0) if addend is not None else 0, out.stride(0),
+        TOP_K=k, HAS_HELD=held is not None, HAS_ADDEND=addend is not None, BLOCK=block, num_warps=4,
     )  # fmt: skip
     return out

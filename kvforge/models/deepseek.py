@@ -305,28 +305,28 @@ class MoE(nn.Module):
                                if a.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         weights, ids = self.gate(x)
-        out = self.routed(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.routed(x, weights, ids, addend=shared)
 
     def routed_experts(self) -> RoutedExperts:
         """The experts held here (stacked), top-k of the router's experts (the router holds all of them)."""
         return RoutedExperts((self.experts_gate_up, self.experts_down), self.gate.a.top_k, self.gate.weight.shape[0])
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               valid: torch.Tensor | None = None) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots this module holds.
+               valid: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """``addend[t] + sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots this module holds.
 
         ``ids`` [T, k] index this module's experts; ``valid`` (bool [T, k], None = all) marks the slots
-        whose expert is here (tensor parallelism splits experts by index). On CUDA, where
+        whose expert is here (tensor parallelism splits experts by index); ``addend`` [T, hidden] (None:
+        nothing), the shared experts' output, joins the grouped path's float32 sum before its rounding. On CUDA, where
         ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host sync, so the
         step can be a CUDA graph); otherwise a loop over the experts that have tokens.
         """
         if x.is_cuda and grouped_mm_problem(x.device, x.dtype) is None:
-            return self._routed_grouped(x, weights, ids, valid)
-        return self._routed_loop(x, weights, ids, valid)
+            return self._routed_grouped(x, weights, ids, valid, addend)
+        out = self._routed_loop(x, weights, ids, valid)
+        return out if addend is None else out + addend
 
     def _routed_loop(self, x, weights, ids, valid=None) -> torch.Tensor:
         """Tokens sorted by expert; one pair of GEMMs per expert with tokens (counts read on the host)."""
@@ -343,7 +343,7 @@ class MoE(nn.Module):
         gate, up = F.linear(x, self.experts_gate_up[expert]).split(self.inter, dim=-1)
         return F.linear(self.act(gate) * up, self.experts_down[expert])
 
-    def _routed_grouped(self, x, weights, ids, valid=None) -> torch.Tensor:
+    def _routed_grouped(self, x, weights, ids, valid=None, addend=None) -> torch.Tensor:
         """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted
         last and zeroed; expert row ranges from a device-side count (no host sync)."""
         k = ids.shape[1]
@@ -355,7 +355,7 @@ class MoE(nn.Module):
         gate_up = grouped_expert_matmul(x, self.experts_gate_up, rows, gather=True)
         y = grouped_expert_matmul(act_and_mul(gate_up, self.act), self.experts_down, rows, gather=False)
         del gate_up
-        return weighted_sum_per_token(y, rows, weights, valid).to(x.dtype)
+        return weighted_sum_per_token(y, rows, weights, valid, addend).to(x.dtype)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -92,21 +92,24 @@ def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> Exp
 
 
 def weighted_sum_per_token(y: torch.Tensor, rows: ExpertRows, weights: torch.Tensor,
-                           held: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * y_row(t, j)`` in ``y``'s dtype, ``y`` being the experts' outputs in
-    sorted order (``[T * k, hidden]``) and ``weights`` ``[T, k]``.
+                           held: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = addend[t] + sum_j weights[t, j] * y_row(t, j)``, summed in float32 and rounded once to
+    ``y``'s dtype, ``y`` being the experts' outputs in sorted order (``[T * k, hidden]``), ``weights``
+    ``[T, k]`` and ``addend`` ``[T, hidden]`` or None (nothing added; a MoE layer's shared experts).
 
     ``held`` (bool ``[T, k]``; None: every slot) marks the slots whose expert is held here: the others were
     not computed (their rows, past ``offs[-1]``, hold arbitrary values) and add nothing."""
     t, k = weights.shape
-    if rows.inverse is not None:
+    if rows.inverse is not None and (addend is None or addend.stride(-1) == 1):
         from kvforge.kernels.triton_expert_rows import combine_rows
 
-        return combine_rows(y, rows.inverse, weights, held)
+        return combine_rows(y, rows.inverse, weights, held, addend)
     per_token = torch.empty_like(y).index_copy_(0, rows.order, y)  # row (t, j) back at t * k + j
     w = weights.to(torch.float32)
     if held is not None:
         per_token.masked_fill_(~held.reshape(-1, 1), 0)
         w = torch.where(held, w, torch.zeros_like(w))
-    out = torch.bmm(w.view(t, 1, k), per_token.view(t, k, -1).to(torch.float32))
-    return out.view(t, -1).to(y.dtype)
+    out = torch.bmm(w.view(t, 1, k), per_token.view(t, k, -1).to(torch.float32)).view(t, -1)
+    if addend is not None:
+        out += addend.to(torch.float32)
+    return out.to(y.dtype)

@@ -229,8 +229,9 @@ class Qwen3NextMoE(MoE):
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared(x)
         weights, ids = self.route(x)
-        return self.routed(x, weights, ids) + self.shared(x)
+        return self.routed(x, weights, ids, addend=shared)
 
     def routed_experts(self) -> RoutedExperts:
         """The stacked experts, top-k of the router's (a plain linear) experts."""
