@@ -1,0 +1,95 @@
+"""A/B of ``kvforge bench offline`` in one sitting: the same workload on engines built alternately with and
+without module-attribute overrides, so that both sides share the machine, its clocks and its caches.
+
+    python benchmarks/ab_offline.py --set kvforge.models.expert_rows.TRITON_ROWS=False --rounds 2 -- \\
+        deepseek-v2-lite --load-format dummy --device cuda --skip-tokenizer-init --max-model-len 4096 \\
+        --num-prompts 64 --input-len 100 512 --output-len 64 192 --async-scheduling --repetitions 3
+
+Each run is its own process (``python -c`` with the overrides assigned before the command line runs, as a
+switch's docstring asks: before the engine starts and captures its graphs); the order is A, B, A, B, ...
+(A: the tree as it is; B: with every ``--set``). Values are Python literals (``0``, ``False``, ``(16, 256)``)
+or else strings. Prints each run's output tok/s and the median per side over all their timed runs, with
+min-max, and the ratio B / A of the medians; ``--out`` keeps every run's JSON in one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_BOOTSTRAP = """
+import importlib, sys
+for target, value in {overrides!r}:
+    module, attr = target.rsplit(".", 1)
+    setattr(importlib.import_module(module), attr, value)
+from kvforge.cli import main
+sys.argv = ["kvforge", "bench", "offline"] + {args!r}
+sys.exit(main())
+"""
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``module.path.ATTR=value`` -> (``module.path.ATTR``, the value as a Python literal, else the string)."""
+    target, sep, raw = text.partition("=")
+    if not sep or "." not in target:
+        raise argparse.ArgumentTypeError(f"--set wants module.path.ATTR=value, got {text!r}")
+    module, attr = target.rsplit(".", 1)
+    try:
+        found = hasattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: cannot import {module} ({exc})") from exc
+    if not found:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: {module} has no attribute {attr}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return target, value
+
+
+def run_once(overrides: list[tuple[str, object]], args: list[str], out: Path) -> dict:
+    code = _BOOTSTRAP.format(overrides=overrides, args=args + ["--out", str(out)])
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)  # the result: --out
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--set", dest="overrides", type=parse_override, action="append", required=True,
+                   metavar="MODULE.ATTR=VALUE", help="an override of side B (repeatable)")
+    p.add_argument("--rounds", type=int, default=2, help="A/B pairs (default 2)")
+    p.add_argument("--out", default=None, help="write every run's JSON here")
+    p.add_argument("offline_args", nargs=argparse.REMAINDER, help="-- then the arguments of `kvforge bench offline`")
+    a = p.parse_args()
+    args = a.offline_args[1:] if a.offline_args[:1] == ["--"] else a.offline_args
+    if not args:
+        p.error("give the offline benchmark's arguments after --")
+    results: dict[str, list[dict]] = {"A": [], "B": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            for side, overrides in (("A", []), ("B", a.overrides)):
+                d = run_once(overrides, args, Path(tmp) / f"{side}{r}.json")
+                results[side].append(d)
+                speeds = [round(x["output_tokens_per_s"]) for x in d["runs"]]
+                print(f"round {r} {side}: output tok/s {speeds}, fraction of floor {d.get('fraction_of_floor', 0):.3f}",
+                      flush=True)
+    med = {}
+    for side, runs in results.items():
+        speeds = [x["output_tokens_per_s"] for d in runs for x in d["runs"]]
+        med[side] = statistics.median(speeds)
+        print(f"{side}: median {med[side]:,.0f} [{min(speeds):,.0f}-{max(speeds):,.0f}] output tok/s over "
+              f"{len(speeds)} timed runs")
+    print(f"B / A: {med['B'] / med['A']:.3f}  (B: {', '.join(f'{t}={v!r}' for t, v in a.overrides)})")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"overrides": a.overrides, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
