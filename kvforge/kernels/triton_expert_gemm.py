@@ -6,8 +6,8 @@ The rows of a MoE step are grouped by expert (kvforge/models/expert_rows.py): so
 expert) and ``src`` the row of ``a`` that position takes (``GATHER``: the token's input row; otherwise
 ``src[p] = p``, the previous product's rows in sorted order), plus the expert's bias ``bias[e]`` where one
 is given. This is ``torch._grouped_mm(a[src], weight.transpose(1, 2), offs=offs)`` without the gathered
-copy of ``a``. Positions from ``offs[-1]`` on (slots whose
-expert is held by another rank) are not written.
+copy of ``a``. Positions from ``offs[-1]`` on (slots whose expert is held by another rank) are not
+written.
 
 In a decode step each expert has a few rows (64 tokens x top-6 over 64 experts: ~6), so the product is
 bound by reading the experts' weights. Grid ``(E, cdiv(N, BLOCK_N))``: a program owns ``BLOCK_N`` weight
@@ -17,8 +17,8 @@ are not stored). An expert without rows costs its programs one load of ``offs``;
 16 rows reads its weight tile once per block of 16, the repeats from L2.
 
 Numerics: bf16/fp16 products exact in float32, float32 sums (the order of the float32 additions differs
-from other GEMMs), the bias added in float32, one rounding to ``a``'s dtype. The launch is a pure function of the shapes; no host
-synchronization, so it can be captured in a CUDA graph.
+from other GEMMs), the bias added in float32, one rounding to ``a``'s dtype. The launch is a pure function
+of the shapes; no host synchronization, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

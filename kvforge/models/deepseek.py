@@ -319,9 +319,9 @@ class MoE(nn.Module):
 
         ``ids`` [T, k] index this module's experts; ``valid`` (bool [T, k], None = all) marks the slots
         whose expert is here (tensor parallelism splits experts by index); ``addend`` [T, hidden] (None:
-        nothing), the shared experts' output, joins the grouped path's float32 sum before its rounding. On CUDA, where
-        ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host sync, so the
-        step can be a CUDA graph); otherwise a loop over the experts that have tokens.
+        nothing), the shared experts' output, joins the grouped path's float32 sum before its rounding.
+        On CUDA, where ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host
+        sync, so the step can be a CUDA graph); otherwise a loop over the experts that have tokens.
         """
         if x.is_cuda and grouped_mm_problem(x.device, x.dtype) is None:
             return self._routed_grouped(x, weights, ids, valid, addend)
