@@ -74,12 +74,12 @@ def test_cpu_engine_keeps_the_loop(monkeypatch):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("triton_rows", [False, True])
-def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows):
+@pytest.mark.parametrize("triton_rows,fuse_silu", [(False, False), (True, False), (True, True)])
+def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows, fuse_silu):
     """With the Triton expert kernel routed (CUDA, or Triton's CPU interpreter here), the grouped path still
     equals the loop: every expert's rows, and under an expert mask only the slots held here; also with the
-    rows grouped and summed by their Triton kernels (kvforge/models/expert_rows.py). float16: the
-    interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
+    rows grouped and summed by their Triton kernels (kvforge/models/expert_rows.py), and with SiLU-and-mul
+    inside the down product. float16: the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
     from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
 
     if not KERNELS_RUN:
@@ -95,6 +95,12 @@ def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows
                         lambda *a: grouped_by.append(r := real_group(*a)) or r)
     monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
     monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
+    monkeypatch.setattr(expert_gemm_route, "FUSE_SILU_MUL", fuse_silu)
+    from kvforge.kernels import triton_expert_gemm
+    fused = []
+    real_gemm = triton_expert_gemm.expert_gemm
+    monkeypatch.setattr(triton_expert_gemm, "expert_gemm",
+                        lambda *a, **k: fused.append(k.get("silu_mul", False)) or real_gemm(*a, **k))
     called = []
     real = expert_gemm_route.use_triton_expert_gemm
     monkeypatch.setattr(expert_gemm_route, "use_triton_expert_gemm", lambda *a: called.append(real(*a)) or real(*a))
@@ -112,6 +118,7 @@ def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows
                                               None if valid is None else valid.cpu()).float()
         loop = loop + shared.float().cpu()
     assert called == [True, True]  # both products ran the kernel
+    assert fused == [False, fuse_silu]  # the down product took the activation when asked
     assert [r.inverse is not None for r in grouped_by] == [triton_rows]
     assert loop.abs().max() > 0
     assert (grouped - loop).abs().max() <= 2 ** -8 * loop.abs().max()

@@ -39,8 +39,10 @@ def _case(counts, n, k, dtype, tokens, seed=0):
     return a, weight, offs, src, experts
 
 
-def _check(got, a_rows, weight, experts, dtype, bias=None):
-    """With ``bias``, its value joins the float32 sum exactly once: one more addition in the error bound."""
+def _check(got, a_rows, weight, experts, dtype, bias=None, input_ulps=0):
+    """With ``bias``, its value joins the float32 sum exactly once: one more addition in the error bound.
+    ``input_ulps``: each input value may sit that many roundings of the dtype away from ``a_rows`` (the
+    kernel computes it), which moves the sum by up to ``input_ulps * eps * S``."""
     k = weight.shape[2]
     w = weight[experts].double()  # [rows, N, K]
     ref = torch.einsum("rk,rnk->rn", a_rows.double(), w)
@@ -49,7 +51,8 @@ def _check(got, a_rows, weight, experts, dtype, bias=None):
         ref = ref + bias[experts].double()
         s = s + bias[experts].double().abs()
     gamma = 4 * (k + 1) * 2.0 ** -24
-    bound = torch.finfo(dtype).eps * (ref.abs() + gamma * s) + gamma * s
+    eps = torch.finfo(dtype).eps
+    bound = eps * (ref.abs() + gamma * s) + gamma * s + input_ulps * eps * s
     err = (got.double() - ref).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
 
@@ -84,6 +87,26 @@ def test_per_expert_bias_is_added_before_the_rounding(dtype):
     _check(got, a[src], weight, experts, dtype, bias)
     with pytest.raises(ValueError, match="bias must be"):
         expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE), bias=bias[:, :8].to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gather", [False, True])
+def test_silu_and_mul_prologue_matches_pytorchs_activation(dtype, gather):
+    """The rows are ``[gate | up]``; the reference multiplies PyTorch's ``F.silu(gate) * up`` in the dtype
+    (each value rounded twice, as the kernel rounds it), so the kernel's values may differ from it only where
+    its hardware ``exp`` moves a rounding: at most one ulp of the dtype per input value."""
+    counts = [5, 0, 17, 2]
+    k = 40  # ragged against the K chunk: the up half starts mid-chunk
+    a, weight, offs, src, experts = _case(counts, 24, k, dtype, tokens=sum(counts), seed=5)
+    gate_up = torch.randn(sum(counts), 2 * k, generator=torch.Generator().manual_seed(6)).mul(3).to(dtype)
+    rows = gate_up[src] if gather else gate_up
+    h = torch.nn.functional.silu(rows[:, :k]) * rows[:, k:]
+    got = expert_gemm(gate_up.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE) if gather else None,
+                      silu_mul=True).cpu()
+    assert got.shape == (sum(counts), 24)
+    _check(got, h, weight, experts, dtype, input_ulps=1)
+    with pytest.raises(ValueError, match=r"\[gate \| up\]"):
+        expert_gemm(gate_up[:, :k].to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), silu_mul=True)
 
 
 def test_positions_past_the_last_offset_are_left_alone():

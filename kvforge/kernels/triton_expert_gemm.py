@@ -56,7 +56,7 @@ if HAS_TRITON:
         a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr, bias_ptr,
         N, K, stride_am, stride_we, stride_wn, stride_om, stride_be,
         GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     ):  # fmt: skip
         expert = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -82,11 +82,17 @@ if HAS_TRITON:
             for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
                 if EVEN_K:
                     w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
-                    a = tl.load(a_ptrs + k0, mask=m_mask[:, None], other=0.0)
+                    a_mask = m_mask[:, None]
                 else:
                     k_mask = (k0 + offs_k) < K
                     w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-                    a = tl.load(a_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    a_mask = m_mask[:, None] & k_mask[None, :]
+                a = tl.load(a_ptrs + k0, mask=a_mask, other=0.0)
+                if SILU_MUL:  # a holds the gate; the up half sits K further along the row
+                    g = a.to(tl.float32)
+                    u = tl.load(a_ptrs + K + k0, mask=a_mask, other=0.0).to(tl.float32)
+                    act = (g / (1.0 + tl.exp(-g))).to(w.dtype).to(tl.float32)  # F.silu rounds to the dtype
+                    a = (act * u).to(w.dtype)
                 acc = tl.dot(w, tl.trans(a), acc)
             if HAS_BIAS:
                 acc += bias.to(tl.float32)[:, None]
@@ -96,16 +102,19 @@ if HAS_TRITON:
 
 def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
                 num_rows: int | None = None, tile: ExpertGemmTile = TILE,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T (+ bias[e])`` for each sorted position ``p``
     of expert ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] =
     p``). ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``); ``tile``: the
     launch's tile (benchmarks sweep it); ``bias``: ``[E, N]``, contiguous along N, added in float32 before
-    the one rounding."""
+    the one rounding; ``silu_mul``: ``a`` is ``[rows, 2K]`` of ``[gate | up]`` rows and the product takes
+    ``silu(gate) * up`` (exactly the values of kvforge/kernels/triton_silu_mul.py's kernel)."""
     if not HAS_TRITON:
         raise RuntimeError("expert_gemm needs triton")
-    if a.dim() != 2 or weight.dim() != 3 or a.shape[1] != weight.shape[2]:
-        raise ValueError(f"expert_gemm wants a [rows, K] and weight [E, N, K], got {tuple(a.shape)} and "
+    width = 2 * weight.shape[-1] if silu_mul else weight.shape[-1]
+    if a.dim() != 2 or weight.dim() != 3 or a.shape[1] != width:
+        what = "[rows, 2K] of [gate | up]" if silu_mul else "[rows, K]"
+        raise ValueError(f"expert_gemm wants a {what} and weight [E, N, K], got {tuple(a.shape)} and "
                          f"{tuple(weight.shape)}")
     if a.dtype != weight.dtype or a.dtype not in DTYPES:
         raise ValueError(f"expert_gemm takes bfloat16 or float16 of one dtype, got {a.dtype} and {weight.dtype}")
@@ -126,6 +135,6 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: 
         n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         bias.stride(0) if bias is not None else 0,
         GATHER=src is not None, ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, num_warps=tile.num_warps,
+        NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
     )  # fmt: skip
     return out

@@ -64,11 +64,11 @@ from kvforge.models.decoder import (
     required_int,
 )
 from kvforge.models.deepseek_mtp import DeepseekMTPLayer
-from kvforge.models.expert_gemm_route import grouped_expert_matmul
+from kvforge.models.expert_gemm_route import gated_down_matmul, grouped_expert_matmul
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
-from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
+from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -353,7 +353,7 @@ class MoE(nn.Module):
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
         rows = group_by_expert(flat, n, k)
         gate_up = grouped_expert_matmul(x, self.experts_gate_up, rows, gather=True)
-        y = grouped_expert_matmul(act_and_mul(gate_up, self.act), self.experts_down, rows, gather=False)
+        y = gated_down_matmul(gate_up, self.experts_down, rows, self.act)
         del gate_up
         return weighted_sum_per_token(y, rows, weights, valid, addend).to(x.dtype)
 

@@ -15,6 +15,10 @@ rows grouped by expert (kvforge/models/expert_rows.py). The Triton kernel takes 
   expert of the weight on average: a decode step's few rows per expert, where reading the weights bounds
   the product. Prefill steps keep ``torch._grouped_mm``.
 
+:func:`gated_down_matmul` is the down product of a gated MLP's ``[gate | up]`` rows: where the kernel takes
+it and the activation is SiLU, the kernel computes ``silu(gate) * up`` as it loads the rows
+(:data:`FUSE_SILU_MUL`), else the activation runs first as its own launch.
+
 The rule reads shapes and dtypes only, so a CUDA graph captured for a batch holds the kernel an eager step
 of that batch runs.
 """
@@ -22,9 +26,11 @@ of that batch runs.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvforge.env import ENV
 from kvforge.models.expert_rows import ExpertRows
+from kvforge.models.layers import act_and_mul
 
 #: Whether the kernel serves where the environment does not say. On an H200, over DeepSeek-V2-Lite's experts,
 #: it beats ``torch._grouped_mm`` by 1.29-1.66x at 1-128 decode tokens (docs/BENCHMARKS.md, "Routed
@@ -38,6 +44,9 @@ TRITON_EXPERT_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
 #: experts, 128 tokens x top-6 (12 rows an expert) ran 1.29-1.30x ``torch._grouped_mm``, 256 x top-6 (24)
 #: 0.65-0.73x: an expert with more than 16 rows reads its weight once per 16.
 TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT = 12
+#: Whether the kernel's down product computes SiLU-and-mul of its input rows itself (one launch fewer a MoE
+#: layer; the same values as the separate kernel).
+FUSE_SILU_MUL = True
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -72,3 +81,14 @@ def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
     if bias is not None:  # rows held elsewhere (expert id E) take the last expert's bias; they are never read
         out = out + bias[rows.expert.clamp(max=weight.shape[0] - 1)]
     return out
+
+
+def gated_down_matmul(gate_up: torch.Tensor, weight: torch.Tensor, rows: ExpertRows, act) -> torch.Tensor:
+    """``grouped_expert_matmul(act(gate) * up, weight, rows, gather=False)`` for ``gate_up [len(order), 2I]``
+    in sorted order and ``weight [E, N, I]``; SiLU inside the kernel where it takes the product."""
+    if (FUSE_SILU_MUL and act is F.silu and gate_up.dim() == 2
+            and use_triton_expert_gemm(rows.order.shape[0], gate_up, weight)):
+        from kvforge.kernels.triton_expert_gemm import expert_gemm
+
+        return expert_gemm(gate_up, weight, rows.offs, None, num_rows=rows.order.shape[0], silu_mul=True)
+    return grouped_expert_matmul(act_and_mul(gate_up, act), weight, rows, gather=False)
