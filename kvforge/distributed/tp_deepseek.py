@@ -90,11 +90,17 @@ def build_tp_moe(rank_args, full_args, group: TPGroup, dtype=None) -> TPMoE:
 
 
 def mla_slices(a, group: TPGroup) -> dict[str, RankSlice]:
-    """MLA query heads split: q (or q_b) and kv_b rows of this rank's heads, o_proj's columns."""
+    """MLA query heads split: q (or q_b) and kv_b rows of this rank's heads, o_proj's columns; the latent path
+    whole on every rank (named too, since a fused parameter cuts each of its parts by its slice)."""
     q = even_slice(a.num_heads * a.qk_head_dim, group)
-    return {"self_attn.q_proj": q, "self_attn.q_b_proj": q,
-            "self_attn.kv_b_proj": even_slice(a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), group),
-            "self_attn.o_proj": even_slice(a.num_heads * a.v_head_dim, group)}
+    kv_a = a.kv_lora_rank + a.qk_rope_head_dim
+    slices = {"self_attn.q_proj": q, "self_attn.q_b_proj": q,
+              "self_attn.kv_b_proj": even_slice(a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), group),
+              "self_attn.o_proj": even_slice(a.num_heads * a.v_head_dim, group),
+              "self_attn.kv_a_proj_with_mqa": RankSlice(0, kv_a, kv_a)}
+    if a.q_lora_rank is not None:
+        slices["self_attn.q_a_proj"] = RankSlice(0, a.q_lora_rank, a.q_lora_rank)
+    return slices
 
 
 def is_stacked_expert(name: str) -> bool:

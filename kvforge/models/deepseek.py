@@ -5,6 +5,10 @@ Attention (every layer is MLA): the query comes from ``q_proj`` or, with
 head into ``q_nope [Dn]`` and ``q_rope [P]``; ``kv_a_proj_with_mqa(x)`` gives
 the latent (``kv_lora_rank`` R, normalised by ``kv_a_layernorm``) and one
 shared rope key ``k_rope [P]``. Rope touches only the ``P`` rope features.
+``q_proj`` (or ``q_a_proj``) and ``kv_a_proj_with_mqa`` read the same input,
+so DeepSeek's layers stack them in one parameter, ``fused_qkv_a_proj`` (query
+rows first; loaded from the two HF tensors), one product a layer
+(:func:`fuses_input_projections`).
 The model hands ``(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)`` to
 ``attn.mla`` (the runner's MLA callable, see kvforge/engine/model_runner.py),
 where ``w_uk [H, Dn, R]`` / ``w_uv [H, V, R]`` are the key and value halves of
@@ -211,20 +215,48 @@ class DeepseekRotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+#: Whether DeepSeek's layers stack their two input projections in one parameter (one product a layer).
+FUSE_INPUT_PROJECTIONS = True
+
+
+def fuses_input_projections(a: DeepseekArgs) -> bool:
+    """Whether a DeepSeek layer stacks the query's input projection (``q_proj``, or ``q_a_proj`` with a query
+    LoRA) and ``kv_a_proj_with_mqa`` in ``fused_qkv_a_proj``: when :data:`FUSE_INPUT_PROJECTIONS` is on and
+    both have a bias or neither has (``q_proj`` never has one)."""
+    return FUSE_INPUT_PROJECTIONS and (a.q_lora_rank is not None or not a.attention_bias)
+
+
+def input_projection_parts(a: DeepseekArgs, num_heads: int) -> list[tuple[str, int]]:
+    """The HF tensors stacked in ``self_attn.fused_qkv_a_proj`` (``num_heads``: the query heads held here)."""
+    q = ("self_attn.q_proj", num_heads * a.qk_head_dim) if a.q_lora_rank is None else ("self_attn.q_a_proj",
+                                                                                       a.q_lora_rank)
+    return [q, ("self_attn.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim)]
+
+
 class MLAAttention(nn.Module):
-    def __init__(self, a: DeepseekArgs, layer_idx: int, dtype=None):
+    """One MLA layer (module docstring). ``fuse_inputs``: the two input projections as one parameter,
+    ``fused_qkv_a_proj`` (:func:`fuses_input_projections` says where the model may)."""
+
+    def __init__(self, a: DeepseekArgs, layer_idx: int, dtype=None, fuse_inputs: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
         self.a = a
         h, qk = a.num_heads, a.qk_head_dim
-        if a.q_lora_rank is None:
-            self.q_proj = nn.Linear(a.hidden_size, h * qk, bias=False, dtype=dtype)
+        q_in = h * qk if a.q_lora_rank is None else a.q_lora_rank
+        kv_in = a.kv_lora_rank + a.qk_rope_head_dim
+        self.input_split = (q_in, kv_in)
+        self.fuse_inputs = fuse_inputs
+        if fuse_inputs:
+            self.fused_qkv_a_proj = nn.Linear(a.hidden_size, q_in + kv_in, bias=a.attention_bias, dtype=dtype)
+        elif a.q_lora_rank is None:
+            self.q_proj = nn.Linear(a.hidden_size, q_in, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias, dtype=dtype)
+            self.q_a_proj = nn.Linear(a.hidden_size, q_in, bias=a.attention_bias, dtype=dtype)
+        if a.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, LORA_NORM_EPS, dtype=dtype)
             self.q_b_proj = nn.Linear(a.q_lora_rank, h * qk, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
-                                            bias=a.attention_bias, dtype=dtype)
+        if not fuse_inputs:
+            self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, kv_in, bias=a.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LORA_NORM_EPS, dtype=dtype)
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), bias=False, dtype=dtype)
         self.o_proj = nn.Linear(h * a.v_head_dim, a.hidden_size, bias=a.attention_bias, dtype=dtype)
@@ -232,12 +264,15 @@ class MLAAttention(nn.Module):
     def forward(self, rope, x: torch.Tensor, attn, rotary: DeepseekRotary) -> torch.Tensor:
         a, t = self.a, x.shape[0]
         h, dn, p, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
-        if a.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.fuse_inputs:
+            q, kv = self.fused_qkv_a_proj(x).split(self.input_split, dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if a.q_lora_rank is None else self.q_a_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
+        if a.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([r, p], dim=-1)
+        latent, k_rope = kv.split([r, p], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
         k_rope = k_rope[:, 0]
@@ -415,18 +450,22 @@ class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
     def make_layer(self, a: DeepseekArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
         mlp = (MoE(a, dtype=dtype) if a.is_moe(layer_idx)
                else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype))
-        return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, MLAAttention(a, layer_idx, dtype=dtype), mlp,
-                                   dtype=dtype)
+        attn = MLAAttention(a, layer_idx, dtype=dtype, fuse_inputs=fuses_input_projections(a))
+        return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, dtype=dtype)
 
     def make_rotary(self, a: DeepseekArgs) -> DeepseekRotary:
         return DeepseekRotary(a)
 
     def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
-        """gate/up of the dense MLPs and of the shared experts (routed experts: see :meth:`load_checkpoint_tensor`)."""
+        """gate/up of the dense MLPs and of the shared experts (routed experts: see :meth:`load_checkpoint_tensor`),
+        and the attention's input projections where :func:`fuses_input_projections`."""
         a = self.args
-        return {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
-                "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
-                                                                 a.moe_intermediate_size * a.n_shared_experts)}
+        parts = {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
+                 "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
+                                                                  a.moe_intermediate_size * a.n_shared_experts)}
+        if fuses_input_projections(a):
+            parts["self_attn.fused_qkv_a_proj"] = input_projection_parts(a, a.num_heads)
+        return parts
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         layer = _LAYER.match(name)
