@@ -296,20 +296,23 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, checkpoint, r
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_ranks_roll_back_their_heads(case, checkpoint, engines):
     """TP 2 on gloo (2 processes): each rank keeps its heads' verify rows and replays the accepted ones (rank 0
-    sends the replays with the next step); the output equals TP 2 without speculation (the same all-reduces)."""
+    sends the replays with the next step); the output equals TP 2 without speculation (the same all-reduces).
+    One speculating engine serves both proposers in turn (prefix caching off, so the second pass prefills
+    and verifies from scratch as the first did)."""
     path = checkpoint(case)
     prompts = _prompts()
     off = engines(path, tensor_parallel_size=2).engine
     want = _tokens(_generate(off, prompts, _greedy()))
     off.shutdown()  # one tensor-parallel engine per process at a time
+    engine = engines(path, tensor_parallel_size=2, speculative_config=_every_step(3),
+                     enable_prefix_caching=False).engine
     for proposer in ("garbage", "partly right"):
-        engine = engines(path, tensor_parallel_size=2, speculative_config=_every_step(3)).engine
         engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                            else OracleProposer(3, prompts, want, partly=True))
         outs = _generate(engine, prompts, _greedy())
-        engine.shutdown()
         assert _tokens(outs) == want, proposer
         assert _acceptance(outs)[1] > 0
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -325,8 +328,8 @@ def test_triton_kernels_in_the_engine(case, checkpoint, reference, engines, monk
     want = reference(case, prompts, 6, kernel_test=True)
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     assert linear_state._use_kernels(torch.zeros(1))
-    for proposer in ("garbage", "oracle"):
-        llm = engines(checkpoint(case, kernel_test=True), speculative_config=_every_step(3))
+    llm = engines(checkpoint(case, kernel_test=True), speculative_config=_every_step(3), enable_prefix_caching=False)
+    for proposer in ("garbage", "oracle"):  # one engine, the proposers in turn (nothing cached between them)
         llm.engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                                else OracleProposer(3, prompts, want))
         outs = _generate(llm.engine, prompts, _greedy(6))
