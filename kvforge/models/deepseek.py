@@ -226,10 +226,10 @@ def fuses_input_projections(a: DeepseekArgs) -> bool:
     return FUSE_INPUT_PROJECTIONS and (a.q_lora_rank is not None or not a.attention_bias)
 
 
-def input_projection_parts(a: DeepseekArgs, num_heads: int) -> list[tuple[str, int]]:
-    """The HF tensors stacked in ``self_attn.fused_qkv_a_proj`` (``num_heads``: the query heads held here)."""
-    q = ("self_attn.q_proj", num_heads * a.qk_head_dim) if a.q_lora_rank is None else ("self_attn.q_a_proj",
-                                                                                       a.q_lora_rank)
+def input_projection_parts(a: DeepseekArgs) -> list[tuple[str, int]]:
+    """The HF tensors stacked in ``self_attn.fused_qkv_a_proj`` (``a``: the args of the heads held here)."""
+    q = ("self_attn.q_proj", a.num_heads * a.qk_head_dim) if a.q_lora_rank is None else ("self_attn.q_a_proj",
+                                                                                         a.q_lora_rank)
     return [q, ("self_attn.kv_a_proj_with_mqa", a.kv_lora_rank + a.qk_rope_head_dim)]
 
 
@@ -464,7 +464,7 @@ class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
                  "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
                                                                   a.moe_intermediate_size * a.n_shared_experts)}
         if fuses_input_projections(a):
-            parts["self_attn.fused_qkv_a_proj"] = input_projection_parts(a, a.num_heads)
+            parts["self_attn.fused_qkv_a_proj"] = input_projection_parts(a)
         return parts
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
