@@ -78,7 +78,7 @@ def test_paged_table_against_declaration_and_kernel_constants():
     assert not tpa.ACCEPTS_QUANTIZED_QUERY and not TRITON_PAGED.quantized_query.kv_dtypes
     for k in paged.TABLE[:-1]:
         assert k.head_sizes <= TRITON_PAGED.head_sizes and k.kv_dtypes <= TRITON_PAGED.kv_dtypes
-    assert set(paged.KERNEL_NAMES) == {"tl_dot", "gluon_fp8_warp", "gluon_fp8_cta"}
+    assert set(paged.KERNEL_NAMES) == {"tl_dot", "gluon_fp8_warp1", "gluon_fp8_warp", "gluon_fp8_cta"}
     # the declaration offers sinks exactly when a row of the table serves them, and the tl.dot row (which
     # takes every shape) is one
     assert TRITON_PAGED.sinks == any(k.sinks for k in paged.TABLE) and paged.TL_DOT.sinks
@@ -117,24 +117,38 @@ def _paged(num_seqs, kv_heads, ctx, *, q_heads=None, head=128, q_len=1, q="bfloa
 @pytest.mark.parametrize(
     "num_seqs,kv_heads,ctx,forced,expected",
     [
-        (64, 8, 8192, None, ("gluon_fp8_warp", 2)),  # 512 programs, fill ceil(528 / 512) = 2, by length 8
-        (256, 8, 32768, None, ("gluon_fp8_warp", 1)),  # 2048 programs fill the GPU alone
-        (8, 8, 32768, None, ("gluon_fp8_warp", 5)),  # 64 programs <= 66: fill ceil(264 / 64) = 5 < 32
+        (64, 8, 8192, None, ("gluon_fp8_warp1", 2)),  # 512 programs >= 99: one warp, floor(8 x 132 / 512) = 2
+        (256, 8, 32768, None, ("gluon_fp8_warp1", 1)),  # 2048 programs fill the GPU alone
+        (256, 8, 1024, None, ("gluon_fp8_warp1", 1)),  # any context: the row looks at the programs only
+        (16, 8, 32768, None, ("gluon_fp8_warp1", 8)),  # 128 programs >= 99: floor(1056 / 128) = 8
+        (16, 8, 1024, None, ("gluon_fp8_warp1", 4)),  # 8 > 1024 // 256 = 4 by length
+        (13, 8, 1024, None, ("gluon_fp8_warp1", 4)),  # 104 programs >= 99
+        (96, 8, 4096, None, ("gluon_fp8_warp1", 1)),  # floor(1056 / 768) = 1: whole programs per SM
+        (12, 8, 4096, None, ("gluon_fp8_warp", 4)),  # 96 programs < 99: four warps
+        (16, 8, 100, None, ("gluon_fp8_warp1", 1)),  # no split shorter than 256 tokens
+        (16, 8, 32768, 3, ("gluon_fp8_warp1", 3)),  # a pinned count replaces the count, not the kernel
+        (8, 8, 32768, None, ("gluon_fp8_warp", 5)),  # 64 programs <= 66: ceil(2 x 132 / 64) = 5
         (8, 8, 8192, None, ("gluon_fp8_warp", 5)),  # 5 < 8 by length; 64 x 5 = 320 >= 264: warp
-        (16, 8, 32768, None, ("gluon_fp8_warp", 5)),  # 128 programs > 66: four waves, ceil(528 / 128)
+        (2, 32, 8192, None, ("gluon_fp8_warp", 5)),  # 64 programs from 32 KV heads
+        (8, 8, 2048, None, ("gluon_fp8_cta", 5)),  # not longer than 2048: cta, ceil(2 x 132 / 64) = 5 < 8
         (1, 8, 8192, None, ("gluon_fp8_cta", 32)),  # 8 x 8 = 64 programs < 264: cta, 256-token splits
-        (64, 8, 1024, None, ("gluon_fp8_cta", 2)),  # short context: cta
-        (256, 8, 1024, None, ("gluon_fp8_cta", 1)),
-        (256, 8, 2048, None, ("gluon_fp8_cta", 1)),  # the first graph bucket's edge: its replays are shorter
-        (256, 8, 2049, None, ("gluon_fp8_warp", 1)),  # longer than 2048: warp
         (8, 8, 32768, 3, ("gluon_fp8_warp", 3)),  # a pinned count replaces the count, not the kernel
         (1, 8, 32768, 64, ("gluon_fp8_cta", 64)),  # warp would get 32 splits x 8 = 256 < 264 -> cta
         (1, 8, 32768, 0, ("gluon_fp8_cta", 1)),  # 0 means 1, as on the tl.dot kernel
+        (64, 2, 8192, None, ("gluon_fp8_warp1", 8)),  # 128 programs from 2 KV heads: floor(1056 / 128) = 8
     ],
 )
 def test_paged_gluon_variant_and_splits(num_seqs, kv_heads, ctx, forced, expected):
     r = paged.route(_paged(num_seqs, kv_heads, ctx), H200, forced)
     assert (r.kernel, r.splits) == expected
+
+
+def test_paged_one_warp_row_leaves_head_256_to_the_four_warp_kernels():
+    """Head size 256 is outside the one-warp row's scope (its tile would not fit the registers): a large grid
+    of it runs the four-warp kernel, as before the row existed."""
+    shape = paged.PagedShape(64, 8, 2, 256, 1, 8192, "bfloat16", "fp8_e4m3")
+    assert not paged.applies(paged.GLUON_FP8_WARP1, shape, H200)
+    assert (paged.route(shape, H200).kernel, paged.route(shape, H200).splits) == ("gluon_fp8_warp", 5)
 
 
 @pytest.mark.parametrize(

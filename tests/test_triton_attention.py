@@ -290,6 +290,7 @@ TL_DOT = "_paged_attn_kernel"
 
 
 PATHS = {
+    "gpu_only_gluon-warp1": (dict(kernel="gluon_fp8_warp1"), GLUON),
     "gpu_only_gluon-warp": (dict(kernel="gluon_fp8_warp"), GLUON),
     "gpu_only_gluon-cta": (dict(kernel="gluon_fp8_cta"), GLUON_CTA),
     "tl.dot": (dict(kernel="tl_dot"), TL_DOT),
@@ -307,6 +308,8 @@ def test_fp8_decode_every_path(path, kv_dtype, hq, hkv, d):
     the float64 reference, with the path asserted."""
     seq_lens = [1, 15, 16, 17, 1000, 77, 4100]
     config, kernel = PATHS[path]
+    if path == "gpu_only_gluon-warp1" and d == 256:
+        pytest.skip("the one-warp row serves head sizes 64 and 128")
     run_case(
         seq_lens,
         [1] * len(seq_lens),
@@ -371,7 +374,19 @@ def test_gpu_only_gluon_fp8_decode_fp16_query(path):
 @gluon_gpu_only
 def test_gpu_only_gluon_is_the_fp8_decode_default():
     run_case([1, 4100], [1, 1], 32, 8, 128, torch.float8_e4m3fn, seed=1, expect_kernel=GLUON_CTA)
-    run_case([9000] * 40, [1] * 40, 32, 8, 128, torch.float8_e4m3fn, seed=2, expect_kernel=GLUON)
+    run_case([9000] * 8, [1] * 8, 32, 8, 128, torch.float8_e4m3fn, seed=2, expect_kernel=GLUON)
+    assert _LAST_LAUNCH["attn"].metadata.num_warps == 4  # 64 programs: the four-warp row
+
+
+@gluon_gpu_only
+def test_gpu_only_gluon_large_grids_run_one_warp_programs():
+    """From 0.75 (sequence, KV head) programs per SM on, fp8 decode runs the one-warp row, with and without
+    splits, at short and long contexts."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-sms // 8)  # x 8 KV heads >= SMs
+    for lens in ([3000] * batch, [1, 17, 300, 64] * 40):
+        run_case(lens, [1] * len(lens), 32, 8, 128, torch.float8_e4m3fn, seed=len(lens), expect_kernel=GLUON)
+        assert _LAST_LAUNCH["attn"].metadata.num_warps == 1
 
 
 GLUON_CONFIGS = {
@@ -379,6 +394,8 @@ GLUON_CONFIGS = {
     "warp16-vstaged": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=16, v_mode=2)),
     "warp32x2": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=32, stages=2)),
     "warp16w8": dict(kernel="gluon_fp8_warp", gluon_tiling=dict(wt=16, warps=8, stages=4)),
+    "warp1": dict(kernel="gluon_fp8_warp1"),
+    "warp16w1": dict(kernel="gluon_fp8_warp1", gluon_tiling=dict(wt=16, stages=4)),
     "cta64": dict(kernel="gluon_fp8_cta", gluon_tiling=dict(tile_n=64)),
     "cta128": dict(kernel="gluon_fp8_cta", gluon_tiling=dict(tile_n=128, stages=2)),
 }

@@ -364,9 +364,9 @@ def paged_attention(
 
     See the module docstring. The kernel and its split count come from the backend's routing table
     (:func:`kvforge.attention.routing.paged.route`); ``num_splits`` pins the count (CUDA graphs).
-    ``kernel`` (tests): ``"tl_dot"`` keeps the Gluon kernels out; ``"gluon_fp8_warp"`` /
-    ``"gluon_fp8_cta"`` pick that Gluon kernel wherever the table routes the call to a Gluon kernel
-    (elsewhere the table's choice runs). ``gluon_tiling`` (tests): tiling overrides for the Gluon
+    ``kernel`` (tests): ``"tl_dot"`` keeps the Gluon kernels out; ``"gluon_fp8_warp1"``, ``"gluon_fp8_warp"``
+    or ``"gluon_fp8_cta"`` pick that Gluon row wherever the table routes the call to a Gluon kernel and the
+    row's scope takes the shape (elsewhere the table's choice runs). ``gluon_tiling`` (tests): tiling overrides for the Gluon
     kernels (:func:`kvforge.kernels.gluon_fp8_decode.launch_gluon_fp8_decode`).
     """
     if not HAS_TRITON:
@@ -416,7 +416,7 @@ def paged_attention(
         device = dataclasses.replace(device, gluon=False)
     route = paged_routing.route(shape, device, num_splits)
     use_gluon = route.kernel != paged_routing.TL_DOT.name
-    if use_gluon and kernel is not None:
+    if use_gluon and kernel is not None and paged_routing.applies(paged_routing.KERNELS[kernel], shape, device):
         route = dataclasses.replace(route, kernel=kernel)
     splits = route.splits
     use_split = splits > 1
@@ -428,10 +428,11 @@ def paged_attention(
         part_acc = part_ml = out
 
     if use_gluon:
+        row = paged_routing.KERNELS[route.kernel]
         _LAST_LAUNCH["attn"] = gluon_fp8_decode.launch_gluon_fp8_decode(
             q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale,
             float(softmax_scale) * LOG2E, window if shape.uses_window else 0, splits,
-            route.kernel == paged_routing.GLUON_FP8_WARP.name, gluon_tiling,
+            row.name != paged_routing.GLUON_FP8_CTA.name, {**dict(row.tiling), **(gluon_tiling or {})},
         )  # fmt: skip
     else:
         tiles = route.tiles

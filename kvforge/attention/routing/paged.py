@@ -1,13 +1,16 @@
 """Routing table of the Triton paged-attention backend (full and sliding layers on CUDA).
 
-Three kernels serve it. The Gluon fp8 decode kernels take decode batches over fp8 caches where the Gluon
-gate is open (:mod:`.platform`); which of the two follows the shape: the "warp" kernel (every warp keeps its
-own softmax over its share of a tile) once the context is longer than its row's ``min_context`` and the
-programs fill ``min_waves`` waves of the GPU, else the "cta" kernel. The bound is exclusive because the first
-CUDA-graph context bucket ends at it: a graph of that bucket replays contexts up to it, nearly all of which the
-eager path runs on the "cta" kernel, so the graph must route to it too. Everything else (prefill, mixed
-and 16/32-bit decode, other head sizes, wider GQA groups, layers with attention sinks, the gate closed) runs
-the tl.dot kernel. Sliding windows run on every kernel; attention sinks (one logit per query head in the
+Four rows serve it, three kernels. The Gluon fp8 decode kernels take decode batches over fp8 caches where the
+Gluon gate is open (:mod:`.platform`); which one follows the shape: on grids of at least
+``min_programs_per_sm`` programs per SM (head sizes 64 and 128) the "warp" kernel (every warp keeps its own
+softmax over its share of a tile) with one warp per program, at any context; on smaller grids the four-warp
+"warp" kernel once the context is longer than its row's ``min_context`` and the programs fill ``min_waves``
+waves of the GPU, else the "cta" kernel. The one-warp row depends on the number of programs only, so a CUDA
+graph of a batch runs it exactly where the eager path does. The four-warp row's context bound is exclusive
+because the first CUDA-graph context bucket ends at it: a graph of that bucket replays contexts up to it,
+nearly all of which the eager path runs on the "cta" kernel, so the graph must route to it too. Everything
+else (prefill, mixed and 16/32-bit decode, other head sizes, wider GQA groups, layers with attention sinks,
+the gate closed) runs the tl.dot kernel. Sliding windows run on every kernel; attention sinks (one logit per query head in the
 softmax denominator) only on the tl.dot kernel, which adds them once per query row: in its epilogue without
 split-K, in the merge of the split partials with it. The kernel depends on the shape only: a pinned split
 count (CUDA graphs) replaces the count, never the kernel, so a captured graph runs the kernel the eager path
@@ -57,6 +60,11 @@ class PagedKernel:
     #: The "warp" variant's extra condition: context > this and programs x its splits >= this many waves.
     min_context: int = 0
     min_waves: int = 0
+    #: The one-warp variant's condition: programs >= this many x SMs (0: no such condition).
+    min_programs_per_sm: float = 0.0
+    #: Tile overrides the launcher applies for this row (``(key, value)`` pairs of
+    #: :data:`kvforge.kernels.gluon_fp8_decode.TILING_KEYS`).
+    tiling: tuple[tuple[str, int], ...] = ()
     when: str = ""
 
 
@@ -70,6 +78,18 @@ TL_DOT = PagedKernel(
 _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
                     query_dtypes=frozenset({"bfloat16", "float16"}), head_sizes=frozenset({64, 128, 256}),
                     max_group=16, sinks=False)  # fmt: skip
+#: The Gluon "warp" kernel with one warp per program, 32 tokens a tile and a 3-stage ring: large grids at any
+#: context. A one-warp program never waits on another warp, so its copies and products interleave freely with
+#: those of the other programs on its SM. Its splits aim at ~8 programs per SM (whole ones: the floor), where
+#: it beat the four-warp kernels at 16-256 sequences x 8 KV heads; below ~0.75 programs per SM the splits
+#: get too short to keep enough copies in flight (docs/BENCHMARKS.md, "Paged decode attention").
+GLUON_FP8_WARP1 = PagedKernel(
+    name="gluon_fp8_warp1", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode",
+    **{**_GLUON_SCOPE, "head_sizes": frozenset({64, 128})},
+    splits=SplitRule(waves=8, min_tokens=256, max_splits=64, round_up=False), min_programs_per_sm=0.75,
+    tiling=(("wt", 32), ("stages", 3), ("warps", 1)),
+    when="programs >= 0.75 x SMs",
+)
 #: The Gluon "warp" kernel: long contexts over a full GPU.
 GLUON_FP8_WARP = PagedKernel(
     name="gluon_fp8_warp", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
@@ -83,8 +103,9 @@ GLUON_FP8_CTA = PagedKernel(
     when="the other decode batches in the Gluon scope",
 )
 #: In order of preference; the first that applies serves.
-TABLE: tuple[PagedKernel, ...] = (GLUON_FP8_WARP, GLUON_FP8_CTA, TL_DOT)
+TABLE: tuple[PagedKernel, ...] = (GLUON_FP8_WARP1, GLUON_FP8_WARP, GLUON_FP8_CTA, TL_DOT)
 KERNEL_NAMES: tuple[str, ...] = tuple(k.name for k in TABLE)
+KERNELS: dict[str, PagedKernel] = {k.name: k for k in TABLE}
 
 
 def next_power_of_2(n: int) -> int:
@@ -181,9 +202,12 @@ def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -
     """The kernel and split count for ``shape`` (``forced_splits``: a pinned count; see the module docstring)."""
     programs = shape.num_seqs * shape.num_kv_heads
     if applies(GLUON_FP8_CTA, shape, device):
-        warp = GLUON_FP8_WARP
+        warp, one_warp = GLUON_FP8_WARP, GLUON_FP8_WARP1
         warp_splits = warp.splits.splits(programs, shape.context, device.num_sms)
-        if shape.context > warp.min_context and programs * warp_splits >= warp.min_waves * device.num_sms:
+        if applies(one_warp, shape, device) and programs >= one_warp.min_programs_per_sm * device.num_sms:
+            kernel = one_warp
+            splits = kernel.splits.splits(programs, shape.context, device.num_sms)
+        elif shape.context > warp.min_context and programs * warp_splits >= warp.min_waves * device.num_sms:
             kernel, splits = warp, warp_splits
         else:
             kernel = GLUON_FP8_CTA
