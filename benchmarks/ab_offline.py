@@ -8,7 +8,9 @@ without module-attribute overrides, so that both sides share the machine, its cl
 Each run is its own process (``python -c`` with the overrides assigned before the command line runs, as a
 switch's docstring asks: before the engine starts and captures its graphs); the order is A, B, A, B, ...
 (A: the tree as it is; B: with every ``--set``). Values are Python literals (``0``, ``False``, ``(16, 256)``)
-or else strings. Prints each run's output tok/s and the median per side over all their timed runs, with
+or else strings. ``MODULE.ATTR.FIELD=VALUE`` replaces one field of a frozen dataclass attribute (a routing
+table's row): ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9`` switches that
+row off. Prints each run's output tok/s and the median per side over all their timed runs, with
 min-max, and the ratio B / A of the medians; ``--out`` keeps every run's JSON in one file.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import json
 import statistics
@@ -25,33 +28,48 @@ import tempfile
 from pathlib import Path
 
 _BOOTSTRAP = """
-import importlib, sys
-for target, value in {overrides!r}:
+import dataclasses, importlib, sys
+for target, field, value in {overrides!r}:
     module, attr = target.rsplit(".", 1)
-    setattr(importlib.import_module(module), attr, value)
+    mod = importlib.import_module(module)
+    if field:
+        value = dataclasses.replace(getattr(mod, attr), **{{field: value}})
+    setattr(mod, attr, value)
 from kvforge.cli import main
 sys.argv = ["kvforge", "bench", "offline"] + {args!r}
 sys.exit(main())
 """
 
 
-def parse_override(text: str) -> tuple[str, object]:
-    """``module.path.ATTR=value`` -> (``module.path.ATTR``, the value as a Python literal, else the string)."""
+def parse_override(text: str) -> tuple[str, str, object]:
+    """``module.path.ATTR=value`` -> (``module.path.ATTR``, "", value); ``module.path.ATTR.FIELD=value``, where
+    ``ATTR`` is a frozen dataclass (a routing-table row) -> (``module.path.ATTR``, ``FIELD``, value): the
+    attribute becomes a copy with that field replaced. The value is a Python literal, else the string."""
     target, sep, raw = text.partition("=")
     if not sep or "." not in target:
         raise argparse.ArgumentTypeError(f"--set wants module.path.ATTR=value, got {text!r}")
-    module, attr = target.rsplit(".", 1)
-    try:
-        found = hasattr(importlib.import_module(module), attr)
-    except ImportError as exc:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: cannot import {module} ({exc})") from exc
-    if not found:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: {module} has no attribute {attr}")
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw
-    return target, value
+    module, attr = target.rsplit(".", 1)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        mod = None
+    if mod is not None:
+        if not hasattr(mod, attr):
+            raise argparse.ArgumentTypeError(f"--set {text!r}: {module} has no attribute {attr}")
+        return target, "", value
+    owner, field = module, attr
+    module, attr = owner.rsplit(".", 1)
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: cannot resolve {owner} ({exc})") from exc
+    if not dataclasses.is_dataclass(obj) or field not in {f.name for f in dataclasses.fields(obj)}:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: {owner} is not a dataclass with a field {field!r}")
+    return owner, field, value
 
 
 def run_once(overrides: list[tuple[str, object]], args: list[str], out: Path) -> dict:
@@ -63,7 +81,7 @@ def run_once(overrides: list[tuple[str, object]], args: list[str], out: Path) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", dest="overrides", type=parse_override, action="append", required=True,
-                   metavar="MODULE.ATTR=VALUE", help="an override of side B (repeatable)")
+                   metavar="MODULE.ATTR[.FIELD]=VALUE", help="an override of side B (repeatable)")
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs (default 2)")
     p.add_argument("--out", default=None, help="write every run's JSON here")
     p.add_argument("offline_args", nargs=argparse.REMAINDER, help="-- then the arguments of `kvforge bench offline`")
@@ -86,7 +104,8 @@ def main() -> None:
         med[side] = statistics.median(speeds)
         print(f"{side}: median {med[side]:,.0f} [{min(speeds):,.0f}-{max(speeds):,.0f}] output tok/s over "
               f"{len(speeds)} timed runs")
-    print(f"B / A: {med['B'] / med['A']:.3f}  (B: {', '.join(f'{t}={v!r}' for t, v in a.overrides)})")
+    named = ", ".join(f"{t}{'.' + f if f else ''}={v!r}" for t, f, v in a.overrides)
+    print(f"B / A: {med['B'] / med['A']:.3f}  (B: {named})")
     if a.out:
         Path(a.out).write_text(json.dumps({"overrides": a.overrides, "runs": results}, indent=1))
 

@@ -1,0 +1,114 @@
+"""fp8 paged decode as the routing table sends it, with and without one of its rows, side by side.
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_paged_rows.py [--without gluon_fp8_warp1] [--rounds 2]
+
+Llama-3.1-8B's attention shape (32 query / 8 KV heads, head size 128), block size 16, an fp8 e4m3 cache of
+random values with shuffled block tables, one new token per sequence: batches 4-256 at contexts of 1024,
+4096 and 16384 tokens (up to 2M context tokens a call), and 256 sequences of lengths uniform in 100..1100.
+Each call is the engine's entry, ``paged_attention``, timed as a CUDA-graph replay with L2 cleared
+(median us); "with" is the table as it is, "without" the same table with the named row switched off (a
+copy of it that never applies). The sides alternate ``--rounds`` times and each keeps its fastest median.
+Printed per shape: each side's kernel and split count, us, % of the copy bandwidth (K and V bytes of every
+context token), their ratio, and the relative L2 distance between the two outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
+
+from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
+from kvforge.attention.routing import paged  # noqa: E402
+from kvforge.attention.routing.platform import Device  # noqa: E402
+from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+#: The row attributes that switch each switchable row off.
+SWITCH_OFF = {"gluon_fp8_warp1": ("GLUON_FP8_WARP1", dict(min_programs_per_sm=float("inf")))}
+
+
+def make_case(lens: list[int], seed: int = 0):
+    """Query, fp8 cache and decode metadata for sequences of context ``lens`` (shuffled blocks)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    per = [math.ceil(n / BS) for n in lens]
+    cache = torch.randn((sum(per), 2, HKV, BS, D), device="cuda", generator=g).to(torch.float8_e4m3fn)
+    perm = torch.randperm(sum(per), device="cuda", generator=g).to(torch.int32)
+    tables = torch.zeros((len(lens), max(per)), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, n in enumerate(per):
+        tables[i, :n] = perm[used:used + n]
+        used += n
+    b = len(lens)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(b + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), block_tables=tables,
+        slot_mapping=torch.zeros(b, dtype=torch.int64, device="cuda"), max_query_len=1, max_seq_len=max(lens),
+        block_size=BS,
+    )
+    q = torch.randn(b, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, cache, meta
+
+
+def shapes() -> dict[str, list[int]]:
+    rng = torch.Generator().manual_seed(1)
+    out = {"256 x U(100,1100)": torch.randint(100, 1101, (256,), generator=rng).tolist()}
+    for b in (4, 8, 9, 12, 16, 24, 32, 48, 64, 96, 128, 256):
+        for c in (1024, 4096, 16384):
+            if b * c <= 1 << 21:
+                out[f"{b} x {c}"] = [c] * b
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--without", choices=sorted(SWITCH_OFF), default="gluon_fp8_warp1")
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+    attr, change = SWITCH_OFF[a.without]
+    rows = {"with": getattr(paged, attr), "without": dataclasses.replace(getattr(paged, attr), **change)}
+    device = Device(torch.cuda.get_device_properties(0).multi_processor_count, True)
+    cp = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {cp / 1e12:.2f} TB/s; without = no {a.without}")
+    print("| batch x context | without: kernel/splits | us | %cp | with: kernel/splits | us | %cp | without / with "
+          "| rel. L2 |")
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|")
+    scale = 1 / math.sqrt(D)
+    ones = torch.ones(HKV, device="cuda")
+    try:
+        for name, lens in shapes().items():
+            q, cache, meta = make_case(lens)
+            kv_bytes = sum(lens) * HKV * D * 2
+            shape = paged.PagedShape(len(lens), HQ, HKV, D, 1, max(lens), "bfloat16", "fp8_e4m3")
+            best, route, out = {}, {}, {}
+            for _ in range(a.rounds):
+                for side, row in rows.items():
+                    setattr(paged, attr, row)
+                    route[side] = paged.route(shape, device)
+                    fn = functools.partial(paged_attention, q, cache, meta, ones, ones, scale)
+                    out[side] = fn().float()
+                    best[side] = min(best.get(side, math.inf), graph_bench(fn)[0])
+            err = ((out["with"] - out["without"]).norm() / out["without"].norm()).item()
+            cells = []
+            for side in ("without", "with"):
+                r, t = route[side], best[side]
+                cells.append(f"{r.kernel}/{r.splits} | {t:.1f} | {100 * kv_bytes / (t * 1e-6) / cp:.0f}")
+            print(f"| {name} | {' | '.join(cells)} | {best['without'] / best['with']:.2f} | {err:.1e} |", flush=True)
+            del q, cache, meta
+            torch.cuda.empty_cache()
+    finally:
+        setattr(paged, attr, rows["with"])
+
+
+if __name__ == "__main__":
+    main()
