@@ -174,3 +174,36 @@ def test_gpu_fp8_vs_bf16_kv_agreement(tiny_llama):
     teacher = (runs["bf16"][1] == runs["fp8"][1]).float().mean().item()
     print(f"\nfp8 vs bf16 KV on GPU: teacher-forced top-1 agreement {teacher:.3f}, greedy position match {greedy:.3f}")
     assert teacher >= 0.85
+
+
+@needs_cuda
+def test_gpu_one_warp_fp8_decode_graphs_match_eager(tmp_path):
+    """A batch large enough for the one-warp row of the fp8 decode table (16 sequences x 8 KV heads of size
+    128 = 128 programs, >= 0.75 per SM on an H100/H200): graph replay (split count pinned at the 2048-token
+    bucket) against eager (the rule's count at the real contexts), bf16 model, fp8 e4m3 KV, near-tie rule at
+    4 x 2^-5 of the largest |logit| as for the small model above. Where the Gluon gate is open, the eager
+    decode steps are asserted to have run the one-warp program."""
+    from kvforge.attention.routing import paged as paged_routing
+    from kvforge.kernels.gluon_support import gluon_runs_on
+    from kvforge.kernels.triton_paged_attention import _LAST_LAUNCH
+
+    cfg = dict(CFG, hidden_size=256, num_attention_heads=8, num_key_value_heads=8, head_dim=128)
+    torch.manual_seed(2)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval().float()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = 16
+    if batch * 8 < paged_routing.GLUON_FP8_WARP1.min_programs_per_sm * sms:
+        pytest.skip(f"{sms} SMs: 16 x 8 programs are below the one-warp row's threshold")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (5 + 17 * i,), generator=g).tolist() for i in range(batch)]
+    eager_llm = _llm(str(tmp_path), "cuda", dtype="bfloat16", kv_cache_dtype="fp8", enforce_eager=True)
+    eager = _greedy(eager_llm, prompts)
+    if gluon_runs_on(torch.empty(1, device="cuda")):
+        launched = _LAST_LAUNCH["attn"]
+        assert launched.name == "_gluon_fp8_decode_warp_kernel" and launched.metadata.num_warps == 1
+    graph_llm = _llm(str(tmp_path), "cuda", dtype="bfloat16", kv_cache_dtype="fp8")
+    graph = _greedy(graph_llm, prompts)
+    assert graph_llm.engine.stats()["graph_steps"] >= 20
+    scale = max(1.0, eager_llm.engine.compute_prompt_logits(prompts[-1]).abs().max().item())
+    assert_outputs_agree(graph, eager, scale * 2.0**-5 * 4)

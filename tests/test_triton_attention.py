@@ -355,12 +355,14 @@ def test_fp8_decode_calibrated_e5m2_scales(path):
 
 
 @gluon_gpu_only
+@pytest.mark.parametrize("row", ["gluon_fp8_warp", "gluon_fp8_warp1"])
 @pytest.mark.parametrize("window", [16, 100, 4096])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_only_gluon_fp8_decode_warp_window_and_no_split(window, splits):
-    """The warp kernel with a sliding window, and without split-K (its direct-output epilogue)."""
+def test_gpu_only_gluon_fp8_decode_warp_window_and_no_split(row, window, splits):
+    """The warp kernel (four warps and one) with a sliding window, and without split-K (its direct-output
+    epilogue)."""
     run_case([1, 17, 1000, 5000, 300], [1] * 5, 16, 4, 128, torch.float8_e4m3fn, window=window, seed=window,
-             num_splits=splits, config=dict(kernel="gluon_fp8_warp"), expect_kernel=GLUON)  # fmt: skip
+             num_splits=splits, config=dict(kernel=row), expect_kernel=GLUON)  # fmt: skip
 
 
 @gluon_gpu_only
