@@ -1,20 +1,24 @@
-"""fp8 paged decode as the routing table sends it, with and without one of its rows, side by side.
+"""fp8 paged decode as the routing table sends it, against the same table with one row changed, side by side.
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_paged_rows.py [--without gluon_fp8_warp1] [--rounds 2]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_paged_rows.py [--row gluon_fp8_warp1] [--set FIELD=VALUE ...]
+        [--rounds 2]
 
 Llama-3.1-8B's attention shape (32 query / 8 KV heads, head size 128), block size 16, an fp8 e4m3 cache of
 random values with shuffled block tables, one new token per sequence: batches 4-256 at contexts of 1024,
 4096 and 16384 tokens (up to 2M context tokens a call), and 256 sequences of lengths uniform in 100..1100.
 Each call is the engine's entry, ``paged_attention``, timed as a CUDA-graph replay with L2 cleared
-(median us); "with" is the table as it is, "without" the same table with the named row switched off (a
-copy of it that never applies). The sides alternate ``--rounds`` times and each keeps its fastest median.
-Printed per shape: each side's kernel and split count, us, % of the copy bandwidth (K and V bytes of every
-context token), their ratio, and the relative L2 distance between the two outputs.
+(median us); "table" is the table as it is, "changed" the same table with the named row replaced by a
+copy with each ``--set`` field (a Python literal; ``splits.FIELD`` for its split rule). Without ``--set``
+the row is switched off (a bound it never meets). The sides alternate ``--rounds``
+times and each keeps its fastest median. Printed per shape: each side's kernel and split count, us, % of
+the copy bandwidth (K and V bytes of every context token), their ratio, and the relative L2 distance
+between the two outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import math
@@ -34,8 +38,23 @@ from kvforge.attention.routing.platform import Device  # noqa: E402
 from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-#: The row attributes that switch each switchable row off.
-SWITCH_OFF = {"gluon_fp8_warp1": ("GLUON_FP8_WARP1", dict(min_programs_per_sm=float("inf")))}
+#: The module attribute of each row this script can change, and the fields that switch it off.
+ROWS = {"gluon_fp8_warp1": ("GLUON_FP8_WARP1", dict(min_programs_per_sm=float("inf"))),
+        "gluon_fp8_warp": ("GLUON_FP8_WARP", dict(min_context=1 << 62))}
+
+
+def changed_row(row, assignments: list[str], off: dict):
+    """``row`` with each ``FIELD=VALUE`` / ``splits.FIELD=VALUE`` replaced; none: switched off (``off``)."""
+    if not assignments:
+        return dataclasses.replace(row, **off)
+    for text in assignments:
+        field, _, raw = text.partition("=")
+        value = ast.literal_eval(raw)
+        if field.startswith("splits."):
+            row = dataclasses.replace(row, splits=dataclasses.replace(row.splits, **{field[7:]: value}))
+        else:
+            row = dataclasses.replace(row, **{field: value})
+    return row
 
 
 def make_case(lens: list[int], seed: int = 0):
@@ -72,15 +91,17 @@ def shapes() -> dict[str, list[int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--without", choices=sorted(SWITCH_OFF), default="gluon_fp8_warp1")
+    p.add_argument("--row", choices=sorted(ROWS), default="gluon_fp8_warp1")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
-    attr, change = SWITCH_OFF[a.without]
-    rows = {"with": getattr(paged, attr), "without": dataclasses.replace(getattr(paged, attr), **change)}
+    attr, off = ROWS[a.row]
+    rows = {"table": getattr(paged, attr), "changed": changed_row(getattr(paged, attr), a.assignments, off)}
     device = Device(torch.cuda.get_device_properties(0).multi_processor_count, True)
     cp = copy_bandwidth()
-    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {cp / 1e12:.2f} TB/s; without = no {a.without}")
-    print("| batch x context | without: kernel/splits | us | %cp | with: kernel/splits | us | %cp | without / with "
+    change = ", ".join(a.assignments) or "switched off"
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {cp / 1e12:.2f} TB/s; changed = {a.row} {change}")
+    print("| batch x context | changed: kernel/splits | us | %cp | table: kernel/splits | us | %cp | changed / table "
           "| rel. L2 |")
     print("|---|---|---:|---:|---|---:|---:|---:|---:|")
     scale = 1 / math.sqrt(D)
@@ -98,16 +119,16 @@ def main() -> None:
                     fn = functools.partial(paged_attention, q, cache, meta, ones, ones, scale)
                     out[side] = fn().float()
                     best[side] = min(best.get(side, math.inf), graph_bench(fn)[0])
-            err = ((out["with"] - out["without"]).norm() / out["without"].norm()).item()
+            err = ((out["table"] - out["changed"]).norm() / out["changed"].norm()).item()
             cells = []
-            for side in ("without", "with"):
+            for side in ("changed", "table"):
                 r, t = route[side], best[side]
                 cells.append(f"{r.kernel}/{r.splits} | {t:.1f} | {100 * kv_bytes / (t * 1e-6) / cp:.0f}")
-            print(f"| {name} | {' | '.join(cells)} | {best['without'] / best['with']:.2f} | {err:.1e} |", flush=True)
+            print(f"| {name} | {' | '.join(cells)} | {best['changed'] / best['table']:.2f} | {err:.1e} |", flush=True)
             del q, cache, meta
             torch.cuda.empty_cache()
     finally:
-        setattr(paged, attr, rows["with"])
+        setattr(paged, attr, rows["table"])
 
 
 if __name__ == "__main__":
