@@ -20,6 +20,7 @@ import argparse
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -53,26 +54,35 @@ def parse_override(text: str) -> tuple[str, str, object]:
     except (ValueError, SyntaxError):
         value = raw
     module, attr = target.rsplit(".", 1)
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        mod = None
-    if mod is not None:
-        if not hasattr(mod, attr):
+    if _is_module(module):  # module.ATTR (an import error inside the module propagates)
+        if not hasattr(importlib.import_module(module), attr):
             raise argparse.ArgumentTypeError(f"--set {text!r}: {module} has no attribute {attr}")
         return target, "", value
     owner, field = module, attr
     module, attr = owner.rsplit(".", 1)
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: cannot resolve {owner} ({exc})") from exc
+    if not _is_module(module) or not hasattr(importlib.import_module(module), attr):
+        raise argparse.ArgumentTypeError(f"--set {text!r}: neither {target} nor {owner} is a module attribute")
+    obj = getattr(importlib.import_module(module), attr)
     if not dataclasses.is_dataclass(obj) or field not in {f.name for f in dataclasses.fields(obj)}:
         raise argparse.ArgumentTypeError(f"--set {text!r}: {owner} is not a dataclass with a field {field!r}")
+    current = getattr(obj, field)
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not type(current):
+        raise argparse.ArgumentTypeError(f"--set {text!r}: {owner}.{field} is a {type(current).__name__}, "
+                                         f"got {value!r}")
     return owner, field, value
 
 
-def run_once(overrides: list[tuple[str, object]], args: list[str], out: Path) -> dict:
+def _is_module(name: str) -> bool:
+    """Whether ``name`` names an importable module (without importing it unless its parent is imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is missing or is a module, not a package
+        return False
+
+
+def run_once(overrides: list[tuple[str, str, object]], args: list[str], out: Path) -> dict:
     code = _BOOTSTRAP.format(overrides=overrides, args=args + ["--out", str(out)])
     subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)  # the result: --out
     return json.loads(out.read_text())

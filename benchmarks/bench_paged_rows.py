@@ -34,26 +34,42 @@ from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
 from kvforge.attention.metadata import AttentionMetadata  # noqa: E402
 from kvforge.attention.routing import paged  # noqa: E402
-from kvforge.attention.routing.platform import Device  # noqa: E402
+from kvforge.kernels.gluon_support import routing_device  # noqa: E402
 from kvforge.kernels.triton_paged_attention import paged_attention  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-#: The module attribute of each row this script can change, and the fields that switch it off.
-ROWS = {"gluon_fp8_warp1": ("GLUON_FP8_WARP1", dict(min_programs_per_sm=float("inf"))),
-        "gluon_fp8_warp": ("GLUON_FP8_WARP", dict(min_context=1 << 62))}
+#: Per row this script can change: its module attribute, the fields that switch it off, and the fields
+#: ``route()`` reads for it (``splits.*`` for every row; the launcher reads ``tiling``).
+ROWS = {
+    "gluon_fp8_warp1": ("GLUON_FP8_WARP1", dict(min_programs_per_sm=float("inf")),
+                        {"min_programs_per_sm", "tiling"}),
+    "gluon_fp8_warp": ("GLUON_FP8_WARP", dict(min_context=1 << 62), {"min_context", "min_waves", "tiling"}),
+}
 
 
-def changed_row(row, assignments: list[str], off: dict):
-    """``row`` with each ``FIELD=VALUE`` / ``splits.FIELD=VALUE`` replaced; none: switched off (``off``)."""
+def changed_row(row, assignments: list[str], off: dict, fields: set[str]):
+    """``row`` with each ``FIELD=VALUE`` / ``splits.FIELD=VALUE`` replaced; none: switched off (``off``).
+    A field ``route()`` does not read for this row, or a value of another type than the field's, is a
+    ValueError naming it."""
     if not assignments:
         return dataclasses.replace(row, **off)
     for text in assignments:
-        field, _, raw = text.partition("=")
-        value = ast.literal_eval(raw)
-        if field.startswith("splits."):
-            row = dataclasses.replace(row, splits=dataclasses.replace(row.splits, **{field[7:]: value}))
-        else:
-            row = dataclasses.replace(row, **{field: value})
+        field, sep, raw = text.partition("=")
+        owner, name = (row.splits, field[7:]) if field.startswith("splits.") else (row, field)
+        if not sep or not (owner is row.splits or name in fields) or not hasattr(owner, name):
+            allowed = sorted(fields) + [f"splits.{f.name}" for f in dataclasses.fields(row.splits)]
+            raise ValueError(f"--set {text!r}: FIELD=VALUE with FIELD one of {', '.join(allowed)}")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--set {text!r}: the value must be a Python literal") from None
+        current = getattr(owner, name)
+        if isinstance(current, (int, float)) and not isinstance(current, bool):
+            value = type(current)(value) if isinstance(value, (int, float)) else value
+        if type(value) is not type(current):
+            raise ValueError(f"--set {text!r}: {name} is a {type(current).__name__}")
+        changed = dataclasses.replace(owner, **{name: value})
+        row = dataclasses.replace(row, splits=changed) if owner is row.splits else changed
     return row
 
 
@@ -95,9 +111,12 @@ def main() -> None:
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="FIELD=VALUE")
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
-    attr, off = ROWS[a.row]
-    rows = {"table": getattr(paged, attr), "changed": changed_row(getattr(paged, attr), a.assignments, off)}
-    device = Device(torch.cuda.get_device_properties(0).multi_processor_count, True)
+    attr, off, fields = ROWS[a.row]
+    try:
+        rows = {"table": getattr(paged, attr), "changed": changed_row(getattr(paged, attr), a.assignments, off, fields)}
+    except ValueError as exc:
+        p.error(str(exc))
+    device = routing_device(torch.device("cuda", torch.cuda.current_device()))
     cp = copy_bandwidth()
     change = ", ".join(a.assignments) or "switched off"
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {cp / 1e12:.2f} TB/s; changed = {a.row} {change}")

@@ -237,3 +237,22 @@ def test_the_engine_plans_the_reserve_of_its_step_budget():
         assert (llm.plan.activations.tokens, llm.plan.activations.sampled_rows) == (384, 8)
     with LLM(device="cpu", max_model_len=4096, max_num_seqs=8, enable_chunked_prefill=False, progress=False) as llm:
         assert llm.plan.activations.tokens == 4096  # above the CPU's default budget of 2048
+
+
+@pytest.mark.parametrize("num_sms", [1, 78, 132, 160])
+def test_the_split_bound_covers_every_paged_row(num_sms):
+    """The partials' bound (``SPLIT_WAVES x MAX_SMS / Hkv + max_num_seqs`` rows per query row, the CUDA
+    reserve's ``_split_partials``) holds for the split count every paged row picks: decode batches of 1-256
+    sequences over 1-32 KV heads per rank at contexts up to 128k, fp8 (the Gluon rows) and bf16 (tl.dot)."""
+    from kvforge.attention.routing import paged
+    from kvforge.attention.routing.platform import Device
+    from kvforge.planner.activations import MAX_SMS, SPLIT_WAVES
+
+    device = Device(num_sms, True)
+    for kv in ("fp8_e4m3", "bfloat16"):
+        for hkv in (1, 2, 4, 8, 32):
+            for seqs in (1, 3, 12, 13, 16, 64, 96, 256):
+                for ctx in (300, 4096, 131072):
+                    shape = paged.PagedShape(seqs, 4 * hkv, hkv, 128, 1, ctx, "bfloat16", kv)
+                    rows = seqs * paged.route(shape, device).splits
+                    assert rows <= -(-SPLIT_WAVES * MAX_SMS // hkv) + seqs, (kv, hkv, seqs, ctx)

@@ -416,3 +416,14 @@ def test_every_declared_backend_has_one_registered_object():
         assert obj.name == decl.name
     with pytest.raises(ValueError, match="registered twice"):
         register_backend(type("Again", (AttentionBackend,), {"declaration": builtin_backends()[0]}))
+
+
+def test_paged_row_tilings_name_launcher_keys():
+    """A row's ``tiling`` reaches the Gluon launcher, which rejects unknown keys: every key must be one."""
+    from kvforge.kernels.gluon_fp8_decode import TILING_KEYS
+
+    for row in paged.TABLE:
+        assert {key for key, _ in row.tiling} <= TILING_KEYS, row.name
+    assert dict(paged.GLUON_FP8_WARP1.tiling)["warps"] == 1
+    shape = paged.PagedShape(256, 32, 8, 128, 1, 1024, "bfloat16", "fp8_e4m3")
+    assert paged.route(shape, H200).tiling == paged.GLUON_FP8_WARP1.tiling  # the route carries its row's tiles

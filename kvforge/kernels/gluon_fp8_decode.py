@@ -9,12 +9,13 @@ layout (head_dim, its reduction axis, is contiguous), convert fp8 -> fp16 in reg
 ``mma_v2`` with fp16 operands. The softmax scale, log2(e) and ``k_scale`` are folded into one
 factor that multiplies the float32 scores; ``v_scale`` multiplies the accumulator once.
 
-* ``_gluon_fp8_decode_warp_kernel`` ("warp", long contexts): each warp owns ``WT`` tokens of
+* ``_gluon_fp8_decode_warp_kernel`` ("warp": large grids at any context with one warp a program,
+  long contexts on smaller grids with four): each warp owns ``WT`` tokens of
   every ``NUM_WARPS * WT``-token tile and keeps its own online-softmax state. Its ``[16, D]``
   accumulator is one slice of a rank-3 batched ``mma``. No cross-warp traffic happens per tile;
   the warps merge once at the end. With one warp per program (the routing table's row for large
   grids, ``tiling`` ``warps=1``) there is nothing to merge and no warp waits for another.
-* ``_gluon_fp8_decode_kernel`` ("cta", short contexts / small grids): the warps split the tile's
+* ``_gluon_fp8_decode_kernel`` ("cta", the other batches: short contexts on small grids): the warps split the tile's
   tokens for ``Q K^T`` and head_dim for ``P V``. V is staged as fp16 for ``ldmatrix.trans``.
   Cheaper per program, dearer per tile.
 

@@ -417,7 +417,7 @@ def paged_attention(
     route = paged_routing.route(shape, device, num_splits)
     use_gluon = route.kernel != paged_routing.TL_DOT.name
     if use_gluon and kernel is not None and paged_routing.applies(paged_routing.KERNELS[kernel], shape, device):
-        route = dataclasses.replace(route, kernel=kernel)
+        route = dataclasses.replace(route, kernel=kernel, tiling=paged_routing.KERNELS[kernel].tiling)
     splits = route.splits
     use_split = splits > 1
     d_pad = max(16, triton.next_power_of_2(d))
@@ -428,11 +428,10 @@ def paged_attention(
         part_acc = part_ml = out
 
     if use_gluon:
-        row = paged_routing.KERNELS[route.kernel]
         _LAST_LAUNCH["attn"] = gluon_fp8_decode.launch_gluon_fp8_decode(
             q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale,
             float(softmax_scale) * LOG2E, window if shape.uses_window else 0, splits,
-            row.name != paged_routing.GLUON_FP8_CTA.name, {**dict(row.tiling), **(gluon_tiling or {})},
+            route.kernel != paged_routing.GLUON_FP8_CTA.name, {**dict(route.tiling), **(gluon_tiling or {})},
         )  # fmt: skip
     else:
         tiles = route.tiles

@@ -72,9 +72,9 @@ SAMPLER_BYTES_PER_LOGIT = 52
 #: weights, masks, the sort's keys and order, gathered token indices (int64 mostly): 189 bytes in gpt-oss's
 #: CPU expert loop, rounded up.
 ROUTING_BYTES_PER_SLOT = 192
-#: Split-K bound: programs per SM the split rules fill (kvforge/attention/routing/split_k.py) and the largest
-#: SM count planned for.
-SPLIT_WAVES = 4
+#: Split-K bound: the most programs per SM any paged row's split rule fills (kvforge/attention/routing/
+#: split_k.py; the one-warp row aims at 8) and the largest SM count planned for.
+SPLIT_WAVES = max(max(k.splits.waves, k.splits.small_grid_waves) for k in paged_routing.TABLE)
 MAX_SMS = 160
 #: Expanded MLA prefill and the paged SDPA prefill: bytes of K and V one call holds at most
 #: (kvforge/attention/mla_prefill_sdpa.py, kvforge/attention/routing/paged.py).

@@ -5,8 +5,10 @@ Gluon gate is open (:mod:`.platform`); which one follows the shape: on grids of 
 ``min_programs_per_sm`` programs per SM (head sizes 64 and 128) the "warp" kernel (every warp keeps its own
 softmax over its share of a tile) with one warp per program, at any context; on smaller grids the four-warp
 "warp" kernel once the context is longer than its row's ``min_context`` and the programs fill ``min_waves``
-waves of the GPU, else the "cta" kernel. The one-warp row depends on the number of programs only, so a CUDA
-graph of a batch runs it exactly where the eager path does. The four-warp row's context bound is exclusive
+waves of the GPU, else the "cta" kernel. The one-warp row depends on the number of programs only; a CUDA
+graph, captured for a padded batch, runs the row of its padded size (9-12 sequences over 8 KV heads replay
+the 16-sequence graph's one-warp launch where an eager step runs a four-warp kernel). The four-warp row's
+context bound is exclusive
 because the first CUDA-graph context bucket ends at it: a graph of that bucket replays contexts up to it,
 nearly all of which the eager path runs on the "cta" kernel, so the graph must route to it too. Everything
 else (prefill, mixed and 16/32-bit decode, other head sizes, wider GQA groups, layers with attention sinks,
@@ -81,16 +83,17 @@ _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
 #: The Gluon "warp" kernel with one warp per program, 32 tokens a tile and a 3-stage ring: large grids at any
 #: context. A one-warp program never waits on another warp, so its copies and products interleave freely with
 #: those of the other programs on its SM. Its splits aim at ~8 programs per SM (whole ones: the floor), where
-#: it beat the four-warp kernels at 16-256 sequences x 8 KV heads; below ~0.75 programs per SM the splits
-#: get too short to keep enough copies in flight (docs/BENCHMARKS.md, "Paged decode attention").
+#: it beat the four-warp kernels at 16-256 sequences x 8 KV heads except 48 x 16k and 96 x 4k-16k (3-9%
+#: slower); below ~0.75 programs per SM the splits get too short to keep enough copies in flight
+#: (docs/BENCHMARKS.md, "Paged decode attention").
 GLUON_FP8_WARP1 = PagedKernel(
     name="gluon_fp8_warp1", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode",
     **{**_GLUON_SCOPE, "head_sizes": frozenset({64, 128})},
     splits=SplitRule(waves=8, min_tokens=256, max_splits=64, round_up=False), min_programs_per_sm=0.75,
     tiling=(("wt", 32), ("stages", 3), ("warps", 1)),
-    when="programs >= 0.75 x SMs",
+    when="large grids",
 )
-#: The Gluon "warp" kernel: long contexts over a full GPU.
+#: The Gluon "warp" kernel with four warps a program: long contexts on the grids below the one-warp row's.
 GLUON_FP8_WARP = PagedKernel(
     name="gluon_fp8_warp", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
     splits=SplitRule(waves=4, min_tokens=1024, max_splits=64, round_up=True, small_grid_waves=2), min_context=2048, min_waves=2,
@@ -196,6 +199,7 @@ class PagedRoute:
     kernel: str
     splits: int
     tiles: TlDotTiles | None = None  # the tl.dot kernel's tiles
+    tiling: tuple[tuple[str, int], ...] = ()  # a Gluon row's tile overrides (its ``tiling``)
 
 
 def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -> PagedRoute:
@@ -214,7 +218,7 @@ def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -
             splits = kernel.splits.splits(programs, shape.context, device.num_sms)
         if forced_splits is not None:
             splits = kernel.splits.apply_forced(forced_splits, programs, shape.context, device.num_sms)
-        return PagedRoute(kernel.name, splits)
+        return PagedRoute(kernel.name, splits, tiling=kernel.tiling)
     tiles = tl_dot_tiles(shape)
     splits = 1
     if tiles.one_tile:

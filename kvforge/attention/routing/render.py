@@ -32,7 +32,9 @@ def _paged_section() -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in paged.TABLE:
         extra = (f"context > {k.min_context}, programs x splits >= {k.min_waves} x SMs" if k.min_context
-                 else k.when)
+                 else f"programs >= {k.min_programs_per_sm:g} x SMs" if k.min_programs_per_sm else k.when)
+        if k.tiling:
+            extra += "; tiles: " + ", ".join(f"{key} {value}" for key, value in k.tiling)
         lines.append(f"| `{k.name}` | `{k.launcher}` | {'yes' if k.needs_gluon else 'no'} | "
                      f"{'yes' if k.decode_only else 'no'} | {_names(k.kv_dtypes)} | {_names(k.query_dtypes)} | "
                      f"{_names(k.head_sizes)} | {'any' if k.max_group is None else f'<= {k.max_group}'} | "
