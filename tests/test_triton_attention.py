@@ -366,7 +366,7 @@ def test_gpu_only_gluon_fp8_decode_warp_window_and_no_split(row, window, splits)
 
 
 @gluon_gpu_only
-@pytest.mark.parametrize("path", ["gpu_only_gluon-warp", "gpu_only_gluon-cta"])
+@pytest.mark.parametrize("path", ["gpu_only_gluon-warp1", "gpu_only_gluon-warp", "gpu_only_gluon-cta"])
 def test_gpu_only_gluon_fp8_decode_fp16_query(path):
     config, kernel = PATHS[path]
     run_case([1, 17, 1000, 3000], [1] * 4, 16, 4, 128, torch.float8_e5m2, q_dtype=torch.float16, seed=10,
