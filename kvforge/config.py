@@ -75,6 +75,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
+    #: ``--cuda-graph-sizes``: the decode batch sizes captured as CUDA graphs (None: powers of two up to
+    #: ``max_num_seqs``, and ``max_num_seqs``); stored sorted, without repeats.
+    cuda_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not ring models), off otherwise
     skip_tokenizer_init: bool = False
     kv_scale_scheme: str = "per_tensor"
@@ -104,6 +107,8 @@ class EngineArgs:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         object.__setattr__(self, "max_num_seqs", self._resolve_max_num_seqs())
+        if self.cuda_graph_sizes is not None:
+            object.__setattr__(self, "cuda_graph_sizes", self._check_graph_sizes(self.cuda_graph_sizes))
         if self.long_prefill_token_threshold is not None:
             if self.long_prefill_token_threshold < 0:
                 raise ConfigError(f"--long-prefill-token-threshold must be >= 0 (0: off), got "
@@ -118,6 +123,19 @@ class EngineArgs:
         if self.mla_prefill_mode not in PREFILL_MODES:
             raise ConfigError(f"--mla-prefill-mode must be one of {', '.join(PREFILL_MODES)}, "
                               f"got {self.mla_prefill_mode!r}")
+
+    def graph_sizes(self) -> list[int] | None:
+        """The decode batch sizes to capture (``--cuda-graph-sizes``), None for the runner's default."""
+        return list(self.cuda_graph_sizes) if self.cuda_graph_sizes is not None else None
+
+    def _check_graph_sizes(self, sizes) -> tuple[int, ...]:
+        values = sorted(set(sizes)) if isinstance(sizes, (list, tuple)) else None
+        if not values or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in values):
+            raise ConfigError(f"--cuda-graph-sizes wants one or more positive batch sizes, got {sizes!r}")
+        if values[-1] > self.max_num_seqs:
+            raise ConfigError(f"--cuda-graph-sizes {values[-1]} exceeds --max-num-seqs {self.max_num_seqs}: no "
+                              f"decode step runs more sequences; drop it or raise --max-num-seqs")
+        return tuple(values)
 
     def _resolve_max_num_seqs(self) -> int:
         seqs = resolve_max_num_seqs(self.max_num_seqs, self.max_num_batched_tokens)
@@ -157,6 +175,11 @@ class EngineArgs:
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                             help="split long prompts over steps within --max-num-batched-tokens (default on)")
         parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        parser.add_argument("--cuda-graph-sizes", type=positive_int, nargs="+", default=None, metavar="N",
+                            help="decode batch sizes to capture as CUDA graphs, each at most --max-num-seqs "
+                                 "(default: 1, 2, 4, ... below --max-num-seqs, and --max-num-seqs); a decode "
+                                 "step runs the smallest captured size that holds its batch, padded, and a "
+                                 "larger batch runs eagerly")
         parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                             help="overlap the host's scheduling and output work with the GPU's step (one step "
                                  "in flight). Default: on for CUDA at TP=1, off on CPU and at TP>1 (where it can be turned on)")

@@ -199,15 +199,16 @@ def test_tp_architecture_check():
 def test_tp2_static_decode_path_follows_rank0(tmp_path, engines, monkeypatch):
     """The CUDA-graph decode path at TP=2, exercised on CPU: with ``static_decode_on_cpu`` every rank's runner
     runs decode steps through DecodeGraphs' static, padded inputs (no capture on CPU). Rank 0 decides graph
-    or eager per step and the workers follow (their counters match rank 0's); tokens equal TP=1 eager."""
+    or eager per step and the workers follow (their counters match rank 0's); tokens equal TP=1 eager. Every
+    rank captures the sizes ``--cuda-graph-sizes`` names."""
     from kvforge.distributed import launcher
 
     cfg = _save(tmp_path, "llama_split")
     prompts = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)[1:]]  # 3 sequences: padded to 4
     want = engines(tmp_path).generate(prompts, GREEDY, use_tqdm=False)
     monkeypatch.setattr(launcher, "RUNNER_OPTIONS", {"static_decode_on_cpu": True})  # sent to every rank
-    tp2 = engines(tmp_path, tensor_parallel_size=2)
-    assert [r["graph_sizes"] for r in tp2.engine.tp.reports] == [tp2.engine.runner.graphs.sizes] * 2
+    tp2 = engines(tmp_path, tensor_parallel_size=2, cuda_graph_sizes=[4, 1])
+    assert [r["graph_sizes"] for r in tp2.engine.tp.reports] == [[1, 4]] * 2 == [tp2.engine.runner.graphs.sizes] * 2
     assert_outputs_agree(tp2.generate(prompts, GREEDY, use_tqdm=False), want)
     c0, c1 = tp2.engine.rank_counters()
     assert c0["num_graph_steps"] >= 5 and c0["num_eager_steps"] >= 1

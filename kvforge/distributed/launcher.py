@@ -129,7 +129,7 @@ def setup_rank(ctx: dict, group):
     runner = TPModelRunner(model, pool, plan, group.device, group, calibrate=args.calculate_kv_scales,
                            scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
                            max_num_seqs=args.max_num_seqs, mla_prefill_mode=args.mla_prefill_mode,
-                           **ctx.get("runner_options", {}))
+                           graph_sizes=args.graph_sizes(), **ctx.get("runner_options", {}))
     return model, pool, runner
 
 
@@ -152,7 +152,8 @@ def setup_draft(ctx: dict, group, pool):
     runner = TPModelRunner(model, pool.draft_view(), plan, group.device, group, calibrate=args.calculate_kv_scales,
                            scale_multiplier=args.kv_scale_multiplier, enforce_eager=args.enforce_eager,
                            max_num_seqs=args.max_num_seqs, mla_prefill_mode=args.mla_prefill_mode,
-                           step_command=STEP_DRAFT, **ctx.get("runner_options", {}))
+                           graph_sizes=args.graph_sizes(), step_command=STEP_DRAFT,
+                           **ctx.get("runner_options", {}))
     return model, runner
 
 

@@ -213,7 +213,8 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.pool, self.plan, self.device,
                                       calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
                                       enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
-                                      ring_rows=ring_rows, ring_row_bytes=ring_row_bytes,
+                                      graph_sizes=args.graph_sizes(), ring_rows=ring_rows,
+                                      ring_row_bytes=ring_row_bytes,
                                       mla_prefill_mode=args.mla_prefill_mode, verify_query_len=verify)
         self.sampler = Sampler(eos)
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
@@ -348,7 +349,7 @@ class LLMEngine:
                                             self.device, calibrate=args.calculate_kv_scales,
                                             scale_multiplier=args.kv_scale_multiplier,
                                             enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
-                                            mla_prefill_mode=args.mla_prefill_mode)
+                                            graph_sizes=args.graph_sizes(), mla_prefill_mode=args.mla_prefill_mode)
         return dict(runner=self.draft_runner, block_manager=self.block_manager, max_model_len=self.max_model_len,
                     max_num_batched_tokens=batched, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())
