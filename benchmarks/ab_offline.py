@@ -7,8 +7,8 @@ without module-attribute overrides, so that both sides share the machine, its cl
 
 Each run is its own process (``python -c`` with the overrides assigned before the command line runs, as a
 switch's docstring asks: before the engine starts and captures its graphs); the order is A, B, A, B, ...
-(A: the tree as it is; B: with every ``--set``). Values are Python literals (``0``, ``False``, ``(16, 256)``)
-or else strings. ``MODULE.ATTR.FIELD=VALUE`` replaces one field of a frozen dataclass attribute (a routing
+(A: the tree as it is; B: with every ``--set``, and the arguments ``--b-args`` adds to the command line).
+Values are Python literals (``0``, ``False``, ``(16, 256)``) or else strings. ``MODULE.ATTR.FIELD=VALUE`` replaces one field of a frozen dataclass attribute (a routing
 table's row): ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9`` switches that
 row off. Prints each run's output tok/s and the median per side over all their timed runs, with
 min-max, and the ratio B / A of the medians; ``--out`` keeps every run's JSON in one file.
@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -90,8 +91,11 @@ def run_once(overrides: list[tuple[str, str, object]], args: list[str], out: Pat
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--set", dest="overrides", type=parse_override, action="append", required=True,
+    p.add_argument("--set", dest="overrides", type=parse_override, action="append", default=[],
                    metavar="MODULE.ATTR[.FIELD]=VALUE", help="an override of side B (repeatable)")
+    p.add_argument("--b-args", default="", metavar="ARGS",
+                   help="command-line arguments side B adds to the offline benchmark's, as one string, e.g. "
+                        "'--cuda-graph-sizes 1 2 4 8 16 32 64 128 192 256'")
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs (default 2)")
     p.add_argument("--out", default=None, help="write every run's JSON here")
     p.add_argument("offline_args", nargs=argparse.REMAINDER, help="-- then the arguments of `kvforge bench offline`")
@@ -99,11 +103,14 @@ def main() -> None:
     args = a.offline_args[1:] if a.offline_args[:1] == ["--"] else a.offline_args
     if not args:
         p.error("give the offline benchmark's arguments after --")
+    b_args = shlex.split(a.b_args)
+    if not a.overrides and not b_args:
+        p.error("side B needs at least one --set or --b-args")
     results: dict[str, list[dict]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for side, overrides in (("A", []), ("B", a.overrides)):
-                d = run_once(overrides, args, Path(tmp) / f"{side}{r}.json")
+            for side, overrides, extra in (("A", [], []), ("B", a.overrides, b_args)):
+                d = run_once(overrides, args + extra, Path(tmp) / f"{side}{r}.json")
                 results[side].append(d)
                 speeds = [round(x["output_tokens_per_s"]) for x in d["runs"]]
                 print(f"round {r} {side}: output tok/s {speeds}, fraction of floor {d.get('fraction_of_floor', 0):.3f}",
@@ -114,10 +121,11 @@ def main() -> None:
         med[side] = statistics.median(speeds)
         print(f"{side}: median {med[side]:,.0f} [{min(speeds):,.0f}-{max(speeds):,.0f}] output tok/s over "
               f"{len(speeds)} timed runs")
-    named = ", ".join(f"{t}{'.' + f if f else ''}={v!r}" for t, f, v in a.overrides)
+    named = ", ".join([f"{t}{'.' + f if f else ''}={v!r}" for t, f, v in a.overrides]
+                      + ([" ".join(b_args)] if b_args else []))
     print(f"B / A: {med['B'] / med['A']:.3f}  (B: {named})")
     if a.out:
-        Path(a.out).write_text(json.dumps({"overrides": a.overrides, "runs": results}, indent=1))
+        Path(a.out).write_text(json.dumps({"overrides": a.overrides, "b_args": b_args, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":
