@@ -15,17 +15,16 @@ factor that multiplies the float32 scores; ``v_scale`` multiplies the accumulato
   accumulator is one slice of a rank-3 batched ``mma``. No cross-warp traffic happens per tile;
   the warps merge once at the end. With one warp per program (the routing table's row for large
   grids, ``tiling`` ``warps=1``) there is nothing to merge and no warp waits for another.
-* ``_gluon_fp8_decode_kernel`` ("cta", the other batches: short contexts on small grids): the warps split the tile's
-  tokens for ``Q K^T`` and head_dim for ``P V``. V is staged as fp16 for ``ldmatrix.trans``.
+* ``_gluon_fp8_decode_kernel`` ("cta", the other batches: short contexts on small grids): the warps
+  split the tile's tokens for ``Q K^T`` and head_dim for ``P V``. V is staged as fp16 for ``ldmatrix.trans``.
   Cheaper per program, dearer per tile.
 
 Which of the two runs, in which configuration (a row's ``tiling``), with how many splits, and which
 calls come here at all is the Triton paged backend's routing table
 (:mod:`kvforge.attention.routing.paged`): decode only (one query token per sequence), fp8 e4m3/e5m2
 cache, bf16/fp16 query, head size 64/128/256, at most 16 query heads per KV head (the rows of the 16-row
-``mma`` tile; rows >= G are masked), the Gluon gate open. Block sizes:
-any multiple of 16. Split-K partials use the layout of :mod:`kvforge.kernels.triton_paged_attention`
-and its merge kernel.
+``mma`` tile; rows >= G are masked), the Gluon gate open. Block sizes: any multiple of 16. Split-K
+partials use the layout of :mod:`kvforge.kernels.triton_paged_attention` and its merge kernel.
 
 Invariants: K/V bytes of tokens past a program's context end are zero-filled, because an fp8
 byte pattern can be NaN and ``0 * NaN`` would poison ``P V``. Every offset that multiplies a

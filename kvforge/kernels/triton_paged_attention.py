@@ -364,10 +364,11 @@ def paged_attention(
 
     See the module docstring. The kernel and its split count come from the backend's routing table
     (:func:`kvforge.attention.routing.paged.route`); ``num_splits`` pins the count (CUDA graphs).
-    ``kernel`` (tests): ``"tl_dot"`` keeps the Gluon kernels out; ``"gluon_fp8_warp1"``, ``"gluon_fp8_warp"``
-    or ``"gluon_fp8_cta"`` pick that Gluon row wherever the table routes the call to a Gluon kernel and the
-    row's scope takes the shape (elsewhere the table's choice runs). ``gluon_tiling`` (tests): tiling overrides for the Gluon
-    kernels (:func:`kvforge.kernels.gluon_fp8_decode.launch_gluon_fp8_decode`).
+    ``kernel`` (tests): ``"tl_dot"`` keeps the Gluon kernels out; ``"gluon_fp8_warp1"``,
+    ``"gluon_fp8_warp"`` or ``"gluon_fp8_cta"`` pick that Gluon row wherever the table routes the call to a
+    Gluon kernel and the row's scope takes the shape (elsewhere the table's choice runs; the split count is
+    the routed row's). ``gluon_tiling`` (tests): tiling overrides for the Gluon kernels
+    (:func:`kvforge.kernels.gluon_fp8_decode.launch_gluon_fp8_decode`).
     """
     if not HAS_TRITON:
         raise RuntimeError("paged_attention needs triton")

@@ -8,15 +8,14 @@ softmax over its share of a tile) with one warp per program, at any context; on 
 waves of the GPU, else the "cta" kernel. The one-warp row depends on the number of programs only; a CUDA
 graph, captured for a padded batch, runs the row of its padded size (9-12 sequences over 8 KV heads replay
 the 16-sequence graph's one-warp launch where an eager step runs a four-warp kernel). The four-warp row's
-context bound is exclusive
-because the first CUDA-graph context bucket ends at it: a graph of that bucket replays contexts up to it,
-nearly all of which the eager path runs on the "cta" kernel, so the graph must route to it too. Everything
-else (prefill, mixed and 16/32-bit decode, other head sizes, wider GQA groups, layers with attention sinks,
-the gate closed) runs the tl.dot kernel. Sliding windows run on every kernel; attention sinks (one logit per query head in the
-softmax denominator) only on the tl.dot kernel, which adds them once per query row: in its epilogue without
-split-K, in the merge of the split partials with it. The kernel depends on the shape only: a pinned split
-count (CUDA graphs) replaces the count, never the kernel, so a captured graph runs the kernel the eager path
-would.
+context bound is exclusive because the first CUDA-graph context bucket ends at it: a graph of that bucket
+replays contexts up to it, nearly all of which the eager path runs on the "cta" kernel, so the graph must
+route to it too. Everything else (prefill, mixed and 16/32-bit decode, other head sizes, wider GQA groups,
+layers with attention sinks, the gate closed) runs the tl.dot kernel. Sliding windows run on every kernel;
+attention sinks (one logit per query head in the softmax denominator) only on the tl.dot kernel, which adds
+them once per query row: in its epilogue without split-K, in the merge of the split partials with it. The
+kernel depends on the shape only: a pinned split count (CUDA graphs) replaces the count, never the kernel,
+so a captured graph runs the kernel the eager path would.
 
 Long prefill chunks leave the kernels for torch's fused attention (:data:`SDPA_PREFILL`,
 :func:`sdpa_prefill_sequences`): in an eager step whose host copies of ``query_start_loc`` and ``seq_lens``
@@ -202,20 +201,24 @@ class PagedRoute:
     tiling: tuple[tuple[str, int], ...] = ()  # a Gluon row's tile overrides (its ``tiling``)
 
 
+def _fills_waves(kernel: PagedKernel, programs: int, context: int, device: Device) -> bool:
+    """Whether ``kernel``'s programs times its splits fill its ``min_waves`` waves of the GPU."""
+    splits = kernel.splits.splits(programs, context, device.num_sms)
+    return programs * splits >= kernel.min_waves * device.num_sms
+
+
 def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -> PagedRoute:
     """The kernel and split count for ``shape`` (``forced_splits``: a pinned count; see the module docstring)."""
     programs = shape.num_seqs * shape.num_kv_heads
     if applies(GLUON_FP8_CTA, shape, device):
-        warp, one_warp = GLUON_FP8_WARP, GLUON_FP8_WARP1
-        warp_splits = warp.splits.splits(programs, shape.context, device.num_sms)
+        one_warp, warp = GLUON_FP8_WARP1, GLUON_FP8_WARP
         if applies(one_warp, shape, device) and programs >= one_warp.min_programs_per_sm * device.num_sms:
             kernel = one_warp
-            splits = kernel.splits.splits(programs, shape.context, device.num_sms)
-        elif shape.context > warp.min_context and programs * warp_splits >= warp.min_waves * device.num_sms:
-            kernel, splits = warp, warp_splits
+        elif shape.context > warp.min_context and _fills_waves(warp, programs, shape.context, device):
+            kernel = warp
         else:
             kernel = GLUON_FP8_CTA
-            splits = kernel.splits.splits(programs, shape.context, device.num_sms)
+        splits = kernel.splits.splits(programs, shape.context, device.num_sms)
         if forced_splits is not None:
             splits = kernel.splits.apply_forced(forced_splits, programs, shape.context, device.num_sms)
         return PagedRoute(kernel.name, splits, tiling=kernel.tiling)
