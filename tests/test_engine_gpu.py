@@ -160,6 +160,23 @@ def test_gpu_cudagraph_matches_eager(tiny_llama, dtype, kv):
 
 
 @needs_cuda
+def test_gpu_named_graph_sizes_capture_and_follow_cpu(tiny_llama):
+    """``cuda_graph_sizes=[6, 3]``: only batches of 3 and 6 are captured; five sequences replay the size-6
+    graph (one padding row) until two finish, then the size-3 graph. fp32 greedy tokens follow the CPU
+    reference engine's (near-tie rule, FP32_LOGIT_TOL)."""
+    prompts = _prompts()
+    lens = [20, 20, 20, 8, 8]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in lens]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    cpu = _llm(tiny_llama, "cpu").generate(requests, params, use_tqdm=False)
+    llm = _llm(tiny_llama, "cuda", cuda_graph_sizes=[6, 3])
+    graphs = llm.engine.runner.graphs
+    assert graphs.sizes == [3, 6] and {b for b, _, _ in graphs.graphs} == {3, 6}
+    assert_outputs_agree(llm.generate(requests, params, use_tqdm=False), cpu, FP32_LOGIT_TOL)
+    assert llm.engine.stats()["graph_steps"] >= 15
+
+
+@needs_cuda
 def test_gpu_fp8_vs_bf16_kv_agreement(tiny_llama):
     """bf16 model: fp8 e4m3 KV vs bf16 KV. Teacher-forced next-token top-1 agreement over the same text
     (the robust number) must be >= 0.85 (H200 2026-11-29: 0.980; the CPU reference engine: 0.96); greedy
