@@ -75,8 +75,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
-    #: ``--cuda-graph-sizes``: the decode batch sizes captured as CUDA graphs (None: powers of two up to
-    #: ``max_num_seqs``, and ``max_num_seqs``); stored sorted, without repeats.
+    #: ``--cuda-graph-sizes``: the decode batch sizes captured as CUDA graphs (None: 1, 2, 4, multiples of
+    #: 8 up to 256 and of 16 beyond below ``max_num_seqs``, and ``max_num_seqs``); stored sorted, without
+    #: repeats.
     cuda_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not ring models), off otherwise
     skip_tokenizer_init: bool = False

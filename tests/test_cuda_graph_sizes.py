@@ -13,6 +13,7 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
 
 from kvforge import LLM, SamplingParams
 from kvforge.config import EngineArgs
+from kvforge.engine.cuda_graphs import default_capture_sizes
 from kvforge.errors import ConfigError
 
 
@@ -81,3 +82,19 @@ def test_the_runner_pads_decode_batches_to_the_named_sizes(monkeypatch):
     assert_outputs_agree(padded, eager, FP32_LOGIT_TOL)
     stats = llm.engine.stats()
     assert stats["graph_steps"] >= 10, stats
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, expected",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (4, [1, 2, 4]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (256, [1, 2, 4, *range(8, 257, 8)]),
+        (300, [1, 2, 4, *range(8, 257, 8), 272, 288, 300]),
+    ],
+)
+def test_the_default_sizes_step_by_eight_then_sixteen(max_num_seqs, expected):
+    # Written out independently of the function: 1, 2, 4, multiples of 8 to 256, of 16 beyond, then the cap.
+    assert default_capture_sizes(max_num_seqs) == expected

@@ -91,13 +91,12 @@ logger = logging.getLogger("kvforge.engine")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_num_seqs`` (powers of two), plus ``max_num_seqs``."""
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_num_seqs)
-    return sizes
+    """1, 2, 4, then multiples of 8 up to 256 and of 16 beyond, those below ``max_num_seqs``, then
+    ``max_num_seqs`` itself (ascending, no repeats). A decode batch above 4 sequences then pads by at most
+    7 rows (15 above 256); powers of two would pad a batch of 129 to 256, whose GEMMs are compute-bound
+    where 129 rows are still close to the weight-read time."""
+    ladder = [1, 2, 4, *range(8, 257, 8), *range(272, max_num_seqs, 16)]
+    return [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
 
 
 #: Context buckets below ``max_model_len`` that get graphs of their own (module docstring, invariant 4).

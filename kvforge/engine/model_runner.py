@@ -140,7 +140,7 @@ class ModelRunner:
     scale is multiplied by ``scale_multiplier`` (a diagnostic, default 1).
     ``enforce_eager``: never use CUDA graphs (CPU never does). ``graph_sizes``:
     decode batch sizes to capture (default ``cuda_graphs.default_capture_sizes``:
-    powers of two up to ``max_num_seqs``, and ``max_num_seqs`` itself). ``mla_prefill_mode``: how the
+    1, 2, 4, multiples of 8 up to 256 and of 16 beyond, and ``max_num_seqs`` itself). ``mla_prefill_mode``: how the
     Triton MLA backend attends steps with a prefill chunk (``kvforge.attention.routing.mla.PREFILL_MODES``).
     ``static_decode_on_cpu``: on CPU, decode steps take the CUDA-graph path's static, padded inputs (run
     eagerly; there is no capture on CPU), so tests exercise that path without a GPU."""
