@@ -286,6 +286,8 @@ BAD_COMPLETIONS = [
     ("missing_prompt", {"max_tokens": 3}, "prompt"),
     ("prompt_type", {"prompt": 42}, "prompt"),
     ("empty_prompt", {"prompt": ""}, "prompt"),
+    ("lone_surrogate", {"prompt": "\ud800abc"}, "prompt"),
+    ("lone_surrogate_in_batch", {"prompt": ["fine", "\udfff"]}, "prompt[1]"),
     ("token_id_out_of_vocab", {"prompt": [1, 2, 10**9]}, "prompt"),
     ("prompt_too_long", "TOO_LONG", "prompt"),
     ("max_tokens_over_context", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
@@ -317,6 +319,8 @@ BAD_CHAT = [
     ("missing_messages", {}, "messages"),
     ("messages_type", {"messages": "hi"}, "messages"),
     ("bad_role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("missing_role", {"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ("lone_surrogate", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content"),
     ("content_type", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("max_completion_tokens_zero", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
@@ -385,6 +389,15 @@ def test_request_body_limit(server):
     body = {"model": model_name(server), "prompt": "x" * (MAX_REQUEST_BYTES + 10)}
     status, _, r = http("POST", server.url + "/v1/completions", body, AUTH)
     assert status == 413 and r["error"]["code"] == "request_too_large"
+    assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_json_nested_past_the_parser_is_a_400(server):
+    depth = 20_000  # 40 KB, under this server's body limit; the parser's recursion stops far earlier
+    body = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    status, _, r = http("POST", server.url + "/v1/completions", body, AUTH)
+    assert status == 400, r
+    assert r["error"]["param"] == "body" and "nested too deeply" in r["error"]["message"]
     assert http("GET", server.url + "/health")[0] == 200
 
 

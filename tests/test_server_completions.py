@@ -144,10 +144,11 @@ def test_streamed_batch_with_echo(server, client):
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),
     ({"prompt": "hi", "echo": "yes"}, "echo"),
-    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"prompt": [[1, 2], []]}, "prompt[1]"),
     ({"prompt": ["a", 5]}, "prompt"),
-    ({"prompt": [[1, 2], [-1]]}, "prompt"),
-    ({"prompt": ["fine", "long " * 300]}, "prompt"),
+    ({"prompt": [[1, 2], [-1]]}, "prompt[1]"),
+    ({"prompt": ["fine", "long " * 300]}, "prompt[1]"),
 ])
 def test_bad_batches_and_echo(server, body, field):
     import json

@@ -137,10 +137,7 @@ def create_app(
             metrics.on_reject("too_large")
             raise _HTTPError(413, f"request body exceeds the limit (--max-request-bytes) of "
                              f"{max_request_bytes} bytes", "invalid_request_error", "request_too_large") from e
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise InvalidRequestError(f"malformed JSON body: {e}", field="body") from e
+        return protocol.decode_json_body(raw)
 
     async def health(request):
         if aengine.healthy and aengine.accepting:
@@ -195,7 +192,13 @@ def create_app(
             except InvalidRequestError as e:
                 if len(prompts) == 1:
                     raise
-                raise InvalidRequestError(f"prompt {i} of the batch: {e}", field=e.field) from e
+                # Name the prompt's place in the batch as the parser does: 'prompt[i]'.
+                message, field = str(e), f"prompt[{i}]"
+                if message.startswith("'prompt'"):
+                    message = f"'{field}'" + message[len("'prompt'"):]
+                else:
+                    message = f"'{field}': {message}"
+                raise InvalidRequestError(message, field=field) from e
 
         try:
             for i in range(len(prompts)):

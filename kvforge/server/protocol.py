@@ -7,6 +7,7 @@ request field at fault; ``error_body`` renders it as OpenAI's error JSON.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
@@ -70,6 +71,49 @@ def type_name(value: Any) -> str:
     if isinstance(value, dict):
         return "object"
     return type(value).__name__
+
+
+def decode_json_body(raw: bytes) -> Any:
+    """The request body as JSON. Malformed JSON, nesting too deep for the parser, and strings holding
+    a lone UTF-16 surrogate (``"\\ud800"``: valid JSON, but no text a tokenizer can take) are
+    InvalidRequestErrors; the last names where the string is."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidRequestError(f"malformed JSON body: {e}", field="body") from e
+    except RecursionError as e:
+        raise InvalidRequestError("malformed JSON body: nested too deeply", field="body") from e
+    where = _lone_surrogate_path(body)
+    if where is not None:
+        bad_field(where, "holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); send valid Unicode text")
+    return body
+
+
+def _lone_surrogate_path(value: Any) -> str | None:
+    """The path (``prompt[1]``, ``messages[0].content``) of a string value, or of the object holding a
+    key, that is not encodable as UTF-8, else None. Iterative, so any nesting the parser accepted is
+    walked."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        path, v = pending.pop()
+        if isinstance(v, str) and not _is_utf8_text(v):
+            return path or "body"
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if not _is_utf8_text(k):
+                    return path or "body"
+                pending.append((f"{path}.{k}" if path else k, item))
+        elif isinstance(v, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
+def _is_utf8_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def bad_field(name: str, why: str):
@@ -292,7 +336,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
         # A batch: strings or token-id arrays, one choice each (in this order).
         if len(prompt) > MAX_PROMPTS_PER_REQUEST:
             bad_field("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
-        prompts = [_completion_prompt(p, "prompt") for p in prompt]
+        prompts = [_completion_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
         prompts = [_completion_prompt(prompt, "prompt")]
     if len(prompts) * common["n"] > MAX_SEQUENCES_PER_REQUEST:
@@ -345,6 +389,8 @@ def parse_messages(messages: Any) -> list[dict]:
         if not isinstance(m, dict):
             bad_field(f"messages[{i}]", f"expected an object, got {type_name(m)}")
         role = m.get("role")
+        if role is None:
+            bad_field(f"messages[{i}].role", "is required (system, developer, user, assistant or tool)")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             bad_field(f"messages[{i}].role", f"unknown role {role!r}")
         if role != "assistant" and m.get("content") is None:  # only an assistant turn may come without text
