@@ -23,7 +23,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-token-ids", action="append", default=None, type=token_ids, metavar="ID,ID,...",
                    help="a prompt as comma-separated token ids (repeat for several); for models without a "
                         "tokenizer, such as presets on dummy weights")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template (user turn)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the model's chat template (user turn); without --prompt, the default question "
+                        "takes the template whenever the model has one")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -114,6 +116,11 @@ def _run(llm, prompts, params, chat: bool):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
+def _has_chat_template(llm) -> bool:
+    tokenizer = llm.engine.tokenizer
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
 def generate_main(args: argparse.Namespace) -> int:
     from kvforge.config import EngineArgs
     from kvforge.engine.sampling_params import SamplingParams
@@ -128,7 +135,9 @@ def generate_main(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: v for k, v in engine_args.__dict__.items()})  # the engine logs its plan
     t0 = time.perf_counter()
-    outs = _run(llm, prompts, params, args.chat)
+    # The default prompt is a question: an instruct model answers it only inside its chat template.
+    chat = args.chat or (not args.prompt and not args.prompt_token_ids and _has_chat_template(llm))
+    outs = _run(llm, prompts, params, chat)
     dt = time.perf_counter() - t0
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     for prompt, out in zip(prompts, outs):
@@ -145,7 +154,7 @@ def generate_main(args: argparse.Namespace) -> int:
             print("note: --compare-kv-dtype compares greedy runs; use --temperature 0", file=sys.stderr)
         llm.shutdown()  # its KV pool would leave the second engine no device memory to plan for
         other = LLM(**{**engine_args.__dict__, "kv_cache_dtype": compare_kv_dtype})
-        ref = _run(other, prompts, params, args.chat)
+        ref = _run(other, prompts, params, chat)
         other.shutdown()
         total_same, total = 0, 0
         print(f"\n{llm.plan.kv_cache_dtype} KV vs {other.plan.kv_cache_dtype} KV (greedy):")

@@ -137,3 +137,21 @@ def test_bench_offline_runs_at_a_max_model_len_shorter_than_its_warm_up_prompts(
                  "--skip-tokenizer-init", "--kv-cache-memory", "1MiB", "--max-model-len", "8", "--num-prompts", "2",
                  "--input-len", "2", "2", "--output-len", "2", "2", "--no-progress", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["output_tokens"] == 4
+
+
+@pytest.mark.parametrize("argv, takes_template", [([], True), (["--prompt", "The capital of France is"], False)],
+                         ids=["default-question", "own-prompt"])
+def test_the_default_question_takes_the_chat_template(monkeypatch, capsys, argv, takes_template):
+    """Without --prompt, the built-in question goes through the embedded instruct model's chat template (as a
+    bare completion it gets an empty answer); a prompt of one's own stays a completion unless --chat."""
+    from kvforge.generate_cmd import DEFAULT_PROMPT
+
+    chats = []
+    real_chat = kvforge.llm.LLM.chat
+    monkeypatch.setattr(kvforge.llm.LLM, "chat", lambda self, conversations, params, **kw: chats.append(conversations)
+                        or real_chat(self, conversations, params, **kw))
+    assert main(["generate", "--max-tokens", "8", "--no-progress", *argv]) == 0
+    assert chats == ([[[{"role": "user", "content": DEFAULT_PROMPT}]]] if takes_template else [])
+    out = capsys.readouterr().out
+    answer = out.split("\n[", 1)[0].rsplit(">>>", 1)[-1].splitlines()[1:]  # the lines after the prompt's
+    assert "".join(answer).strip(), out

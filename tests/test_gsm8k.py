@@ -358,7 +358,7 @@ def test_data_dir_may_name_the_data_folder_like_the_environment_variable(tmp_pat
 
 def test_missing_data_dir(tmp_path, capsys):
     args = _parse(["--base-url", "http://127.0.0.1:9", "--data-dir", str(tmp_path / "nope"), "--no-progress"])
-    assert gsm8k_main(args) == 1
+    assert gsm8k_main(args) == 2  # a usage error, as the other commands exit
     assert "test.jsonl" in capsys.readouterr().err
 
 
@@ -475,6 +475,6 @@ def test_no_server_at_the_url_says_how_to_start_one(tmp_path, capsys):
         port = s.getsockname()[1]
     args = _parse(["--base-url", f"http://127.0.0.1:{port}", "--data-dir", str(data), "--limit", "1",
                    "--no-progress"])
-    assert gsm8k_main(args) == 1
+    assert gsm8k_main(args) == 2
     err = capsys.readouterr().err
     assert f"cannot reach a server at --base-url http://127.0.0.1:{port}" in err and "kvforge serve" in err

@@ -271,7 +271,7 @@ def test_driver_broken_scale_is_large(fake_engines, tmp_path):
 
 
 def test_missing_text(fake_engines, tmp_path, capsys):
-    assert kld_main(_parse(["--text", str(tmp_path / "none.txt"), "--no-progress"])) == 1
+    assert kld_main(_parse(["--text", str(tmp_path / "none.txt"), "--no-progress"])) == 2
     assert "not found" in capsys.readouterr().err
 
 
@@ -294,7 +294,7 @@ def no_engine(monkeypatch):
 def test_options_that_cannot_work_stop_before_any_engine(no_engine, capsys, argv, needle):
     """The baseline engine loads its weights first; a bad quantized config or window size is refused
     before that, with the message naming it."""
-    assert kld_main(_parse(["--text", str(PROSE), "--no-progress", *argv])) == 1
+    assert kld_main(_parse(["--text", str(PROSE), "--no-progress", *argv])) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
 

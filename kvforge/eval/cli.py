@@ -19,6 +19,7 @@ import sys
 
 from kvforge.cli_args import http_url, non_negative_int, parse_bytes, positive_float, positive_int
 from kvforge.data_paths import DATA_DIR_HELP
+from kvforge.errors import KVForgeError
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key
 
 # ---------------------------------------------------------------------------
@@ -83,8 +84,11 @@ def gsm8k_main(args: argparse.Namespace) -> int:
     except aiohttp.ClientConnectorError as e:
         print(f"error: cannot reach a server at --base-url {args.base_url} ({e}); start one with `kvforge serve` "
               f"or pass the URL of a running one", file=sys.stderr)
-        return 1
-    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        return 2
+    except (FileNotFoundError, ValueError) as e:  # the data or an option cannot work: a usage error
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # aiohttp errors while listing models, etc.
@@ -217,11 +221,13 @@ def kld_main(args: argparse.Namespace) -> int:
             },
             progress=not args.no_progress,
         )
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # the text or an option cannot work: a usage error
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    except KVForgeError as e:  # PlanError / ConfigError from the engine carry their own explanation
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     except Exception as e:
-        # PlanError / ConfigError from the engine carry their own explanation.
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if args.json:
