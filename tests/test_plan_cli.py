@@ -54,7 +54,7 @@ def test_cpu_plan_without_memory_names_the_cpu_engines_default(capsys, tmp_path)
     from kvforge.planner.inputs import DEFAULT_CPU_KV_CACHE_MEMORY
 
     code, out, _ = run(capsys, "llama-3.1-8b")
-    assert code == 0 and "the CPU engine takes 1.00 GiB unless --kv-cache-memory says" in " ".join(out.split())
+    assert code == 0 and "the CPU engine takes 1.00 GiB unless --kv-cache-memory sets another size" in " ".join(out.split())
     code, out, _ = run(capsys, "llama-3.1-8b", "--device", "cuda")
     assert code == 0 and "CPU engine" not in out
     config = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

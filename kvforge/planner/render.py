@@ -69,7 +69,7 @@ def render_plan(plan: KVPlan, console=None) -> None:
     else:
         note = "no memory given (--kv-cache-memory or --gpu-memory)"
         if plan.platform == "cpu":
-            note += f"; the CPU engine takes {_gib(DEFAULT_CPU_KV_CACHE_MEMORY)} unless --kv-cache-memory says"
+            note += f"; the CPU engine takes {_gib(DEFAULT_CPU_KV_CACHE_MEMORY)} unless --kv-cache-memory sets another size"
         head.add_row("capacity", note)
     if plan.draft is not None:
         head.add_row("speculative draft", plan.draft_explanation())

@@ -249,8 +249,9 @@ class AsyncEngine:
         n = len(prompt)
         if n >= max_len:
             raise InvalidRequestError(
-                f"'{prompt_field}': the prompt has {n} tokens, but this model's maximum context length "
-                f"(--max-model-len) is {max_len} tokens; shorten the prompt",
+                f"'{prompt_field}': the prompt has {n} tokens, which leaves no room for output within this "
+                f"model's maximum context length (--max-model-len) of {max_len} tokens; shorten the prompt to at "
+                f"most {max_len - 1} tokens",
                 field=prompt_field,
             )
         room = max_len - n
