@@ -104,7 +104,8 @@ def _lone_surrogate_path(value: Any) -> str | None:
                     return path or "body"
                 pending.append((f"{path}.{k}" if path else k, item))
         elif isinstance(v, list):
-            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+            # Only strings and containers can hold text: a long token-id array costs no path strings.
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(v) if isinstance(item, (str, list, dict)))
     return None
 
 
