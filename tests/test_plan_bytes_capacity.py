@@ -44,6 +44,17 @@ def test_fewer_kv_heads_than_ranks_replicates_one_head():
     assert p16.layers[0].kv_heads_per_rank == 1 and p16.bytes_per_token == 32 * 256 * 2
 
 
+def test_block_size_above_max_model_len_warns_with_the_idle_share():
+    """A block longer than any sequence can never fill: the plan says how much of each block stays empty.
+    The default block size under a short max_model_len is not the user's choice and draws no warning."""
+    p = plan("llama-3.1-8b", "bf16", block_size=1024, max_model_len=256)
+    hits = [w for w in p.warnings if "--block-size 1024 exceeds max model len 256" in w]
+    assert len(hits) == 1 and "75.0% of every block stays empty" in hits[0]
+    assert not any("exceeds max model len" in w for w in plan("llama-3.1-8b", "bf16", block_size=256,
+                                                                max_model_len=256).warnings)
+    assert not any("exceeds max model len" in w for w in plan("llama-3.1-8b", "bf16", max_model_len=8).warnings)
+
+
 @pytest.mark.parametrize("tp", [1, 8])
 def test_deepseek_v3_mla_same_on_every_rank(tp):
     # 61 MLA layers x (512 latent + 64 rope); latent replicated: TP does not divide it.

@@ -509,6 +509,12 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         decl = _pick_backend("ring", platform, kv_dtype, None, backends, f"the ring of layer {ring.layer_index}")
         constraints.append((decl, ring_ctx, decl.block_sizes_for(ring_ctx)))
     block_size, block_reason = _negotiate_block_size(cache.block_size, constraints)
+    if cache.block_size is not None and block_size > max_len:
+        idle = 1 - max_len / block_size
+        warnings.append(f"--block-size {block_size} exceeds max model len {max_len}: a sequence fills at most "
+                        f"{max_len} of a block's {block_size} token slots, so {idle:.1%} of every block stays "
+                        f"empty; a block size <= {max_len} (default {DEFAULT_BLOCK_SIZE}) leaves that memory to "
+                        f"other sequences")
 
     quantized = is_quantized(kv_dtype)
     scheme = cache.kv_scale_scheme if quantized else None
