@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -448,3 +449,21 @@ def test_model_runner_fills_the_host_lists(tmp_path):
     _ids, _pos, meta = llm.engine.runner.prepare([([1, 2, 3], 0, [0]), ([4], 5, [1, 2])])
     assert meta.host_query_start_loc == tuple(meta.query_start_loc.tolist()) == (0, 3, 4)
     assert meta.host_seq_lens == tuple(meta.seq_lens.tolist()) == (3, 6)
+    assert meta.decode_order is None  # a step with prompt tokens has no decode order
+    # A decode step: one token each; the order lists the longest context first, ties in batch order.
+    _ids, _pos, meta = llm.engine.runner.prepare(
+        [([1], 2, [0]), ([4], 8, [1, 2, 3]), ([5], 3, [4]), ([6], 8, [5, 6, 7])])
+    assert meta.seq_lens.tolist() == [3, 9, 4, 9]
+    assert meta.decode_order.dtype == torch.int32
+    assert meta.decode_order.tolist() == [1, 3, 2, 0]
+
+
+def test_longest_first_pads_in_order():
+    """Padding rows (a CUDA graph's batch beyond the step's sequences) follow the sorted rows in order, so
+    every prefix at least the real rows long is a permutation of its indices."""
+    lens = np.array([5, 70, 5, 900, 1], dtype=np.int32)
+    order = AttentionMetadata.longest_first(lens, 8)
+    assert order.dtype == np.int32 and order.tolist() == [3, 1, 0, 2, 4, 5, 6, 7]
+    for b in range(5, 9):
+        assert sorted(order[:b].tolist()) == list(range(b))
+    assert AttentionMetadata.longest_first(np.zeros(0, dtype=np.int32)).tolist() == []

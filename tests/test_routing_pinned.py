@@ -7,7 +7,8 @@ split counts is observed the same way for the plans a capture sees. ``tests/data
 holds one SHA-256 per case of the recorded launches; it was written from the code as it stood before the
 routing tables existed, so equality here means the restructuring did not change a single launch. The
 ``paged_sinks`` and ``graph_sinks`` suites (layers with attention sinks) were added with the sinks, and pin
-those launches from then on. Exact
+those launches from then on; ``paged_ordered`` (decode grids walking ``meta.decode_order``, KV heads first)
+was added with that grid, and the suites before it run with the batch-order grid. Exact
 equality is the point: launch parameters are integers, dtypes and shapes (and one float computed the same
 way), and a changed one is a changed kernel.
 
@@ -17,6 +18,7 @@ Regenerate (only when a launch is meant to change, and say which in the commit):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -24,6 +26,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,12 +81,16 @@ REMOVED_CONSTEXPRS = {
 
 
 #: Parameters added since the pin that a launch passes only as keywords, with the switch that says they are
-#: off: a launch with the switch off is pinned without them (the kernel then reads neither), so every launch
-#: of the pinned cases is compared with what it passed before; launches with the switch on are pinned whole.
+#: off: a launch with the switch off is pinned without them (the kernel then reads none of them), so every
+#: launch of the pinned cases is compared with what it passed before; launches with the switch on are pinned
+#: whole. The decode grid's order (``HEADS_FIRST``) is off in the suites pinned before it
+#: (``ORDERED_DECODE_GRID`` False there) and on in ``paged_ordered``.
 ADDED_WHEN_ON = {
-    "_paged_attn_kernel": ("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
-    "_merge_splits_kernel": ("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
-    "_ws_mla_decode_kernel": ("TWO_TERMS", ("TWO_TERMS",)),
+    "_paged_attn_kernel": [("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
+                           ("HEADS_FIRST", ("HEADS_FIRST", "USE_ORDER", "order_ptr"))],
+    "_merge_splits_kernel": [("USE_SINKS", ("USE_SINKS", "sinks_ptr"))],
+    "_ws_mla_decode_kernel": [("TWO_TERMS", ("TWO_TERMS",))],
+    "_gluon_fp8_decode_warp_kernel": [("HEADS_FIRST", ("HEADS_FIRST", "USE_ORDER", "CHUNK_BY_LONGEST", "order_ptr"))],
 }
 
 
@@ -96,8 +103,7 @@ class _Recorder:
             for key, value in REMOVED_CONSTEXPRS.get(self.name, {}).items():
                 assert key not in kwargs, f"{self.name} passes {key} again: drop it from REMOVED_CONSTEXPRS"
                 kwargs[key] = value(args)
-            if self.name in ADDED_WHEN_ON:
-                switch, added = ADDED_WHEN_ON[self.name]
+            for switch, added in ADDED_WHEN_ON.get(self.name, ()):
                 if kwargs[switch] is False:
                     kwargs = {k: v for k, v in kwargs.items() if k not in added}
             self.log.append({"kernel": self.name, "grid": _plain(tuple(grid)), "args": _plain(args),
@@ -196,10 +202,20 @@ def paged_sinks_cases() -> list[dict]:
     return cases
 
 
+def paged_ordered_cases() -> list[dict]:
+    """The decode batches of the paged suite on the ordered decode grid, with a decode order in the metadata
+    (added after the pin)."""
+    return [dict(case, ordered=True) for case in paged_cases() if set(case["qlens"]) == {1}]
+
+
 def observe_paged(case: dict, monkeypatch) -> list | str:
     log: list = []
     _patch_launches(monkeypatch, log, gluon=case["gluon"], sms=case["sms"])
+    monkeypatch.setattr(triton_paged_attention, "ORDERED_DECODE_GRID", bool(case.get("ordered")))
     meta = _meta(case["qlens"], case["max_len"], case["block"])
+    if case.get("ordered"):
+        order = AttentionMetadata.longest_first(np.array(meta.host_seq_lens))
+        meta = dataclasses.replace(meta, decode_order=torch.from_numpy(order))
     t = sum(case["qlens"])
     q = torch.zeros(t, case["hq"], case["d"], dtype=DTYPES[case["q"]])
     cache = torch.zeros(2, 2, case["hkv"], case["block"], case["d"], dtype=DTYPES[case["kv"]])
@@ -300,7 +316,7 @@ def observe_graph(case: dict, monkeypatch) -> dict:
 
 SUITES = {"paged": (paged_cases, observe_paged), "mla": (mla_cases, observe_mla),
           "graph": (graph_cases, observe_graph), "paged_sinks": (paged_sinks_cases, observe_paged),
-          "graph_sinks": (graph_sinks_cases, observe_graph)}
+          "graph_sinks": (graph_sinks_cases, observe_graph), "paged_ordered": (paged_ordered_cases, observe_paged)}
 
 
 def _key(case: dict) -> str:
@@ -345,6 +361,25 @@ def test_the_cases_reach_every_kernel(monkeypatch):
                     "_gluon_fp8_decode_warp_kernel", "_mla_decode_kernel", "_wgmma_mla_decode_kernel",
                     "_ws_mla_decode_kernel"}
     assert refused > 0
+
+
+def test_ordered_cases_walk_the_decode_order_heads_first(monkeypatch):
+    """The ordered suite's decode launches (the Triton kernel and the Gluon warp kernel) put the KV heads on
+    the first grid axis and read the order; the Gluon cta kernel keeps its batch-order grid."""
+    kinds = set()
+    for case in paged_ordered_cases():
+        with monkeypatch.context() as mp:
+            observed = observe_paged(case, mp)
+        for launch in observed if isinstance(observed, list) else ():
+            name, kwargs = launch["kernel"], launch["kwargs"]
+            if name in ("_paged_attn_kernel", "_gluon_fp8_decode_warp_kernel"):
+                assert kwargs["HEADS_FIRST"] is True and kwargs["USE_ORDER"] is True, (case, launch)
+                assert launch["grid"][0] == case["hkv"], (case, launch)
+                kinds.add(name)
+            elif name == "_gluon_fp8_decode_kernel":
+                assert launch["grid"][1] == case["hkv"]
+                kinds.add(name)
+    assert kinds == {"_paged_attn_kernel", "_gluon_fp8_decode_warp_kernel", "_gluon_fp8_decode_kernel"}
 
 
 def test_sinks_cases_launch_the_tl_dot_kernel_with_sinks_on(monkeypatch):

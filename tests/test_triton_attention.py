@@ -31,8 +31,10 @@ sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from triton_kernel_device import (
@@ -218,9 +220,13 @@ def run_case(
     nan_junk=False,
     sinks=None,
     per_tensor_scale=False,
+    decode_order=None,
 ):
     """One batch through ``paged_attention`` against :func:`reference`; returns the relative error.
-    ``sinks``: the sink logits ([hq]), or None."""
+    ``sinks``: the sink logits ([hq]), or None. ``decode_order``: a permutation of the sequences handed to
+    the kernel as ``meta.decode_order`` (None: none); with ``num_splits=1`` the output must then equal,
+    bit for bit, the output without it (every program computes the same values whichever order it runs
+    in; with splits, the chunks follow the order's first sequence, so only the reference bound holds)."""
     skip_unless_loaded_loop_bounds_work()
     gen = torch.Generator().manual_seed(seed)
     kv_cache, meta, ks, vs = make_batch(
@@ -240,19 +246,16 @@ def run_case(
     q = torch.randn(T, hq, d, generator=gen).to(DEV, q_dtype)
     scale = 1.0 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
-    res = paged_attention(
-        q,
-        kv_cache,
-        meta,
-        ks,
-        vs,
-        scale,
-        sliding_window=window,
-        out=out,
-        num_splits=num_splits,
-        sinks=None if sinks is None else sinks.to(DEV),
-        **(config or {}),
-    )
+    def attend(m, o):
+        return paged_attention(q, kv_cache, m, ks, vs, scale, sliding_window=window, out=o, num_splits=num_splits,
+                               sinks=None if sinks is None else sinks.to(DEV), **(config or {}))
+
+    if decode_order is not None:
+        unordered = attend(meta, torch.full_like(q, float("nan")))
+        meta = dataclasses.replace(meta, decode_order=torch.tensor(decode_order, dtype=torch.int32, device=DEV))
+    res = attend(meta, out)
+    if decode_order is not None and num_splits == 1:
+        assert torch.equal(out, unordered), "the program order changed the values"
     if expect_kernel is not None:
         if expect_kernel != TL_DOT and not gluon_runs_on(q):
             pytest.skip(GLUON_GPU_ONLY)
@@ -332,6 +335,23 @@ def test_fp8_decode_empty_query_sequences(path, splits):
     config, kernel = PATHS[path]
     run_case([5, 300, 20, 2100, 40], [1, 0, 1, 1, 0], 16, 4, 128, torch.float8_e4m3fn, seed=4,
              num_splits=splits, config=config, expect_kernel=kernel)  # fmt: skip
+
+
+@gpu_only
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("first", ["longest", "shortest"])
+def test_fp8_decode_in_decode_order(path, splits, first):
+    """Programs handed out through ``meta.decode_order`` (a sequence with no new token among them), longest
+    context first as the runner orders them, or shortest first: the warp kernel sizes its split-K chunks by
+    the order's first sequence, and a 5-token first sequence must not cut the 2100-token one short. Against
+    the reference; with one split also bit for bit against the unordered launch."""
+    config, kernel = PATHS[path]
+    lens, qlens = [40, 2100, 5, 300, 1000, 17], [1, 1, 1, 0, 1, 1]
+    order = AttentionMetadata.longest_first(np.array(lens)).tolist()
+    assert order == [1, 4, 3, 0, 5, 2]
+    run_case(lens, qlens, 32, 8, 128, torch.float8_e4m3fn, seed=6, num_splits=splits, config=config,
+             expect_kernel=kernel, decode_order=order if first == "longest" else order[::-1])  # fmt: skip
 
 
 @gpu_only
@@ -542,6 +562,22 @@ def test_small_decode_split_k_and_merge(kv_dtype, q_dtype, tol, splits):
     sequences with no new token in the batch are skipped."""
     run_case([40, 9, 17, 33], [1, 0, 1, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, num_splits=splits,
              seed=splits, tol=tol)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype,tol", [SMALL_KV[0], SMALL_KV[3]])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_small_decode_in_a_given_order(kv_dtype, q_dtype, tol, splits):
+    """The decode grid walks ``meta.decode_order`` (a shuffled permutation, a sequence with no new token in
+    it): each sequence still gets its own output, with and without split-K."""
+    run_case([400, 9, 17, 33, 2], [1, 1, 0, 1, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, num_splits=splits, seed=7,
+             tol=tol, decode_order=[4, 0, 3, 2, 1])  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype,tol", [SMALL_KV[0], SMALL_KV[3]])
+def test_small_decode_order_keeps_unsplit_values(kv_dtype, q_dtype, tol):
+    """Without split-K the order changes only when each program runs: bit-identical outputs."""
+    run_case([40, 9, 17, 33, 2], [1, 1, 0, 1, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, num_splits=1, seed=8,
+             tol=tol, decode_order=[0, 3, 2, 1, 4])  # fmt: skip
 
 
 @pytest.mark.parametrize("kv_dtype,q_dtype,tol", [SMALL_KV[0], SMALL_KV[2], SMALL_KV[5]])

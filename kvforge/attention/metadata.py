@@ -31,12 +31,22 @@ FP8: stored value = saturate(x / scale) cast to the fp8 format, where scale is
 ``k_scale[h]`` / ``v_scale[h]`` (float32, shape [num_kv_heads]; per-tensor
 scales are the same value repeated). Dequantized value = stored * scale.
 Backends fold ``k_scale`` into the softmax scale and ``v_scale`` into the output.
+
+Decode order (optional): ``decode_order`` is int32 [num_seqs], a permutation
+of ``0 .. num_seqs - 1`` listing the sequences longest context first. Decode
+kernels that launch one program per (KV head, sequence) hand out sequences in
+this order, so the longest programs start first and the grid's last wave holds
+the short ones (longest-processing-time-first): on a batch of mixed context
+lengths the tail no longer waits on one long sequence that started last. Any
+permutation gives the same values; the order only changes when each program
+runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -54,6 +64,8 @@ class AttentionMetadata:
     as Python ints, filled by the model runner from its host step, so the
     PyTorch reference paths that loop over sequences never read a device
     tensor back (a sync per layer); when absent, :meth:`host_lists` reads them.
+    ``decode_order`` (optional, decode steps): int32 [num_seqs], the
+    sequences longest context first (module docstring, "Decode order").
     """
 
     query_start_loc: torch.Tensor
@@ -65,6 +77,16 @@ class AttentionMetadata:
     block_size: int
     host_query_start_loc: tuple[int, ...] | None = None
     host_seq_lens: tuple[int, ...] | None = None
+    decode_order: torch.Tensor | None = None
+
+    @staticmethod
+    def longest_first(seq_lens: np.ndarray, size: int | None = None) -> np.ndarray:
+        """int32 [size] (default ``len(seq_lens)``): the indices of ``seq_lens`` longest first (ties in index
+        order), then ``len(seq_lens) .. size - 1`` (padding rows) in order; the ``decode_order`` contract."""
+        n = seq_lens.shape[0]
+        order = np.arange(n if size is None else size, dtype=np.int32)
+        order[:n] = np.argsort(-seq_lens.astype(np.int64), kind="stable")
+        return order
 
     def host_lists(self) -> tuple[list[int], list[int]]:
         """(query_start_loc, seq_lens) as Python lists: the host copies when given, else read back."""

@@ -14,7 +14,9 @@ Invariants (what makes a replay equal to an eager step):
 
 1. **Static inputs.** One set of device buffers sized for the largest capture
    size ``Bmax`` and query length ``Qmax``: ``i64[2 + G, Bmax * Qmax]`` (token ids, positions, and one
-   slot mapping per KV-cache group, ``G`` groups), ``seq_lens[Bmax]``,
+   slot mapping per KV-cache group, ``G`` groups), ``seq_lens[Bmax]``, ``decode_order[Bmax]`` (the
+   ``Q = 1`` graphs' longest-first order: the real rows sorted, then the padding rows in order, so the
+   leading ``B`` entries are a permutation of ``0 .. B-1`` for every ``B`` at least the step's size),
    ``query_start_loc = Q * arange(Bmax + 1)`` per query length ``Q`` (constant) and
    ``block_tables[G, Bmax, max_blocks]`` (one table per group) with
    ``max_blocks = ceil(max_model_len / block_size)``. The graph of size ``B``
@@ -166,8 +168,9 @@ class DecodeGraphs:
         self.within = {q: torch.arange(q, dtype=torch.int32, device=dev).repeat(bmax) + (1 - q)
                        for q in self.query_lens if q > 1}
         self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
+        self.decode_order = torch.arange(bmax, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((G, bmax, self.max_blocks), dtype=torch.int32, device=dev)
-        self.scratch32 = torch.empty(bmax + G * bmax * self.max_blocks, dtype=torch.int32, device=dev)
+        self.scratch32 = torch.empty(2 * bmax + G * bmax * self.max_blocks, dtype=torch.int32, device=dev)
         self._host64 = np.zeros((2 + G, bmax * qmax), dtype=np.int64)
         self.slot_ids = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.ones(bmax, dtype=torch.bool, device=dev)
@@ -197,7 +200,8 @@ class DecodeGraphs:
                 metas.append(AttentionMetadata(
                     query_start_loc=self.qsl[q][:b + 1], seq_lens=self.seq_lens[:b],
                     block_tables=self.block_tables[g, :b], slot_mapping=self.i64[2 + g, :t], max_query_len=q,
-                    max_seq_len=context, block_size=self.block_size))
+                    max_seq_len=context, block_size=self.block_size,
+                    decode_order=self.decode_order[:b] if q == 1 else None))
         return self.i64[0, :t], self.i64[1, :t], tuple(metas)
 
     def _slot_batch(self, b: int, host_slots=None, host_init=None, q: int = 1):
@@ -253,6 +257,7 @@ class DecodeGraphs:
         calib, runner.needs_calibration = runner.needs_calibration, False
         try:
             pool = torch.cuda.graph_pool_handle()
+            self.decode_order.copy_(torch.arange(self.max_size, dtype=torch.int32))
             for key in sorted(self.num_splits, reverse=True):
                 b, context, q = key
                 self.seq_lens.fill_(q)  # every row a padding sequence of q tokens: the warm-up reads block 0 only
@@ -281,6 +286,7 @@ class DecodeGraphs:
         self.graphs.clear()
         self.runner = None
         self.i64 = self.qsl = self.token_qsl = self.within = self.seq_lens = self.block_tables = self.scratch32 = None
+        self.decode_order = None
         self.slot_ids = self.has_initial_state = self.no_store = self.verify_src = self.verify_dest = None
         self.sizes, self.max_size = [], 0
 
@@ -301,10 +307,11 @@ class DecodeGraphs:
         if cols > self.max_blocks:
             raise ValueError(f"block table of {cols} columns exceeds max_model_len's {self.max_blocks}")
         bmax = self.max_size
-        i32 = np.zeros(bmax + G * b * cols, dtype=np.int32)
+        i32 = np.zeros(2 * bmax + G * b * cols, dtype=np.int32)
         i32[:bmax] = q  # padding sequences: q tokens at positions 0 .. q-1 of block 0
         i32[:n] = host.seq_lens
-        i32[bmax:].reshape(G, b, cols)[:, :n] = host.tables
+        i32[bmax:2 * bmax] = AttentionMetadata.longest_first(host.seq_lens, bmax)  # padding rows last
+        i32[2 * bmax:].reshape(G, b, cols)[:, :n] = host.tables
         a64, a32 = torch.from_numpy(h), torch.from_numpy(i32)
         if self.device.type == "cuda":
             a64, a32 = a64.pin_memory(), a32.pin_memory()
@@ -312,7 +319,8 @@ class DecodeGraphs:
         scratch = self.scratch32[:i32.shape[0]]
         scratch.copy_(a32, non_blocking=True)
         self.seq_lens.copy_(scratch[:bmax])
-        self.block_tables[:, :b, :cols].copy_(scratch[bmax:].view(G, b, cols))
+        self.decode_order.copy_(scratch[bmax:2 * bmax])
+        self.block_tables[:, :b, :cols].copy_(scratch[2 * bmax:].view(G, b, cols))
         if self.has_slots:
             slots = np.full(bmax, -1, dtype=np.int32)
             slots[:n] = host.state_slots

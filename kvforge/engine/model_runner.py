@@ -311,7 +311,9 @@ class ModelRunner:
         n_rows = 0 if host.rows is None else host.rows.shape[0]
         G = host.tables.shape[0]
         i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows else []))
-        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)])
+        decode = host.max_query_len == 1 and n_seqs > 0
+        order = [AttentionMetadata.longest_first(host.seq_lens)] if decode else []
+        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)] + order)
         a64, a32 = torch.from_numpy(i64), torch.from_numpy(i32)
         if self.device.type != "cpu":
             if self._pin:
@@ -323,12 +325,14 @@ class ModelRunner:
         rows = a64[(2 + G) * n_tok:] if n_rows else None
         qsl = a32[:n_seqs + 1]
         seq_lens = a32[n_seqs + 1:2 * n_seqs + 1]
-        tables = a32[2 * n_seqs + 1:].view(G, n_seqs, host.tables.shape[2])
+        n_table = host.tables.size
+        tables = a32[2 * n_seqs + 1:2 * n_seqs + 1 + n_table].view(G, n_seqs, host.tables.shape[2])
+        decode_order = a32[2 * n_seqs + 1 + n_table:] if decode else None
         host_qsl, host_lens = tuple(host.qsl.tolist()), tuple(host.seq_lens.tolist())
         metas = tuple(AttentionMetadata(
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables[g], slot_mapping=slots[g],
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
-            host_query_start_loc=host_qsl, host_seq_lens=host_lens,
+            host_query_start_loc=host_qsl, host_seq_lens=host_lens, decode_order=decode_order,
         ) for g in range(G))
         return ids, pos, metas, rows
 

@@ -29,7 +29,8 @@ partials use the layout of :mod:`kvforge.kernels.triton_paged_attention` and its
 Invariants: K/V bytes of tokens past a program's context end are zero-filled, because an fp8
 byte pattern can be NaN and ``0 * NaN`` would poison ``P V``. Every offset that multiplies a
 block id or a token row is int64. The query is rounded to fp16, which assumes ``|q| < 65504``.
-Sequences with no new token this step are skipped.
+Sequences with no new token this step are skipped. The warp kernel's grid may walk the sequences
+through a permutation (``order_ptr``, longest context first); the values do not depend on it.
 """
 
 from __future__ import annotations
@@ -296,6 +297,7 @@ if HAS_GLUON:
         stride_ch,
         stride_cs,
         stride_bt,
+        order_ptr,  # int32 [num_seqs]: program slot -> sequence (read where USE_ORDER)
         NUM_Q_HEADS: gl.constexpr,
         G: gl.constexpr,
         HEAD_D: gl.constexpr,
@@ -306,6 +308,9 @@ if HAS_GLUON:
         USE_WINDOW: gl.constexpr,
         COPY_THREADS_D: gl.constexpr,
         V_MODE: gl.constexpr,
+        HEADS_FIRST: gl.constexpr,
+        USE_ORDER: gl.constexpr,
+        CHUNK_BY_LONGEST: gl.constexpr,
     ):
         """Warp-independent variant: each warp owns ``WT`` tokens of every tile and keeps its own
         (max, sum, acc); the warps are merged once at the end. No cross-warp traffic per tile."""
@@ -329,9 +334,17 @@ if HAS_GLUON:
         )
         RAW_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0])
 
-        seq = gl.program_id(0)
-        kvh = gl.program_id(1)
+        if HEADS_FIRST:
+            kvh = gl.program_id(0)
+            slot = gl.program_id(1)
+        else:
+            slot = gl.program_id(0)
+            kvh = gl.program_id(1)
         split = gl.program_id(2)
+        if USE_ORDER:
+            seq = gl.load(order_ptr + slot)
+        else:
+            seq = slot
         tok = gl.load(qsl_ptr + seq)
         if gl.load(qsl_ptr + seq + 1) <= tok:
             return  # no new token for this sequence this step (allowed by the metadata contract)
@@ -355,7 +368,16 @@ if HAS_GLUON:
         if USE_WINDOW:
             lo = gl.maximum(seq_len - window, 0)
         if USE_SPLIT:
-            chunk = gl.cdiv(gl.cdiv(hi - lo, num_splits), TILE_N) * TILE_N
+            span = hi - lo
+            if CHUNK_BY_LONGEST:
+                # Chunks sized for the batch's longest sequence (the decode order's first): a shorter one
+                # takes fewer, full chunks and its remaining splits exit empty. max() keeps every token
+                # of this sequence inside its splits whichever sequence comes first.
+                longest = gl.load(seq_lens_ptr + gl.load(order_ptr))
+                if USE_WINDOW:
+                    longest = gl.minimum(longest, window)
+                span = gl.maximum(span, longest)
+            chunk = gl.cdiv(gl.cdiv(span, num_splits), TILE_N) * TILE_N
             lo = lo + split * chunk
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
@@ -441,6 +463,12 @@ if HAS_GLUON:
             )
 
 
+#: With ``meta.decode_order``, the warp kernel's split-K chunks are the longest sequence's context over the
+#: split count (a shorter sequence fills fewer splits), not each sequence's own context over it.
+#: Benchmarks set it False to compare.
+SPLITS_SIZED_BY_LONGEST: bool = True
+
+
 def _tiling(head_dim: int, variant: str) -> dict:
     """Default tile/stage/warp choice per head size."""
     if variant == "warp":
@@ -455,10 +483,13 @@ TILING_KEYS: frozenset[str] = frozenset({"wt", "tile_n", "stages", "warps", "max
 
 
 def launch_gluon_fp8_decode(
-    q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale, qk_scale_log2, window, splits, warp, tiling=None
+    q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale, qk_scale_log2, window, splits, warp, tiling=None,
+    heads_first=True,
 ):
     """Launch the "warp" (``warp`` True) or "cta" kernel over grid (num_seqs, Hkv, splits); arguments as the
-    Triton decode path prepares them (the routing table chose the kernel and ``splits``).
+    Triton decode path prepares them (the routing table chose the kernel and ``splits``). ``heads_first``
+    (the warp kernel): grid (Hkv, num_seqs, splits), the sequences taken in ``meta.decode_order`` when it
+    is set (:mod:`kvforge.attention.metadata`, "Decode order").
 
     With ``splits > 1`` it writes the (acc, max, sum) partials that
     ``triton_paged_attention.merge_split_partials`` merges; otherwise ``out``.
@@ -518,4 +549,10 @@ def launch_gluon_fp8_decode(
             *args, TILE_N=cfg.get("tile_n") or tiling["tile_n"], **common
         )
     wt = cfg.get("wt") or tiling["wt"]
-    return _gluon_fp8_decode_warp_kernel[grid](*args, WT=wt, V_MODE=cfg.get("v_mode", 0), **common)
+    if heads_first:
+        grid = (hkv, meta.num_seqs, splits)
+    order = meta.decode_order if heads_first else None
+    return _gluon_fp8_decode_warp_kernel[grid](
+        *args, order_ptr=order if order is not None else meta.seq_lens, WT=wt, V_MODE=cfg.get("v_mode", 0), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
+        CHUNK_BY_LONGEST=order is not None and SPLITS_SIZED_BY_LONGEST, **common
+    )

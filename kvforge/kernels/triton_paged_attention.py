@@ -75,6 +75,11 @@ MAX_CONTEXT_LEN: int = 2**31 - 1
 #: log2(e): every decode kernel works in the exp2 domain (softmax scale x LOG2E; split partials keep
 #: log2-domain maxima).
 LOG2E = 1.4426950408889634
+#: Decode grids (the tl.dot kernel's one-tile decode, the Gluon "warp" kernel) put the KV head on the
+#: fastest grid axis, so the programs of one sequence go out together, and hand out the sequences in
+#: ``meta.decode_order`` (longest first) when the metadata has one. False: sequence-major grids in batch
+#: order (benchmarks compare the two).
+ORDERED_DECODE_GRID: bool = True
 _LAST_LAUNCH: dict = {}  # diagnostics: the last compiled attention kernel (n_regs, n_spills)
 
 
@@ -136,6 +141,7 @@ if HAS_TRITON:
         stride_cs,
         stride_bt,
         sinks_ptr,  # float32 [Hq] sink logits x log2(e) (read where USE_SINKS)
+        order_ptr,  # int32 [num_seqs]: program slot -> sequence (read where USE_ORDER)
         NUM_Q_HEADS: tl.constexpr,
         G: tl.constexpr,
         G_PAD: tl.constexpr,
@@ -152,13 +158,22 @@ if HAS_TRITON:
         USE_SINKS: tl.constexpr,
         IEEE_DOT: tl.constexpr,
         F16_DOT: tl.constexpr,
+        HEADS_FIRST: tl.constexpr,
+        USE_ORDER: tl.constexpr,
     ):
-        pid_q = tl.program_id(0)
-        kvh = tl.program_id(1)
+        if HEADS_FIRST:
+            kvh = tl.program_id(0)
+            pid_q = tl.program_id(1)
+        else:
+            pid_q = tl.program_id(0)
+            kvh = tl.program_id(1)
         split = tl.program_id(2)
 
         if ONE_TILE_PER_SEQ:
-            seq = pid_q
+            if USE_ORDER:
+                seq = tl.load(order_ptr + pid_q)
+            else:
+                seq = pid_q
             qblk = 0
         else:
             # Largest seq with qsl[seq] // BLOCK_Q + seq <= pid_q (strictly increasing in seq).
@@ -433,13 +448,16 @@ def paged_attention(
             q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale,
             float(softmax_scale) * LOG2E, window if shape.uses_window else 0, splits,
             route.kernel != paged_routing.GLUON_FP8_CTA.name, {**dict(route.tiling), **(gluon_tiling or {})},
+            ORDERED_DECODE_GRID,
         )  # fmt: skip
     else:
         tiles = route.tiles
         g = hq // hkv
         f16_dot = is_fp8 and q.dtype != torch.float32
         grid0 = num_seqs if tiles.one_tile else T // tiles.block_q + num_seqs
-        grid = (grid0, hkv, splits)
+        heads_first = tiles.one_tile and ORDERED_DECODE_GRID
+        order = meta.decode_order if heads_first else None
+        grid = (hkv, grid0, splits) if heads_first else (grid0, hkv, splits)
         _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
             q,
             kv_cache,
@@ -483,6 +501,9 @@ def paged_attention(
             num_stages=tiles.num_stages,
             sinks_ptr=sinks_log2,
             USE_SINKS=sinks is not None,
+            order_ptr=order if order is not None else meta.seq_lens,
+            HEADS_FIRST=heads_first,
+            USE_ORDER=order is not None,
         )
     if use_split:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs,
