@@ -557,6 +557,22 @@ def test_queue_bound_returns_503_with_retry_after():
         assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_queue_bound_takes_a_request_of_n_sequences_at_once():
+    """The bound is checked once per client request for all its sequences (prompts x n): on an idle server a
+    request of as many sequences as the bound runs, where counting each sample as queued refused its second;
+    one that can never fit is a 400 naming n, not a 503 that asks for a retry."""
+    engine = FakeEngine(max_num_seqs=1, step_delay=0.01)
+    with ServerThread(create_app(engine, max_queued_requests=2)) as srv:
+        url = srv.url + "/v1/completions"
+        status, _, r = http("POST", url, {"prompt": "p", "max_tokens": 2, "n": 2})
+        assert status == 200 and len(r["choices"]) == 2, r
+        status, _, r = http("POST", url, {"prompt": ["a", "b"], "max_tokens": 2})
+        assert status == 200 and len(r["choices"]) == 2, r
+        status, _, r = http("POST", url, {"prompt": ["a", "b"], "max_tokens": 2, "n": 2})
+        assert status == 400 and r["error"]["param"] == "n", r
+        assert "4 sequences" in r["error"]["message"] and "--max-queued-requests 2" in r["error"]["message"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

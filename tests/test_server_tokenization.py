@@ -28,7 +28,8 @@ from kvforge.tokenizer import Tokenizer  # noqa: E402
 
 API_KEY = "tok-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
+CHAT_TEMPLATE = ("{{ bos_token }}{% if greeting is defined %}{{ greeting }} . {% endif %}"
+                 "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} . {% endfor %}"
                  "{% if add_generation_prompt %}assistant :{% endif %}")
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
@@ -64,13 +65,53 @@ def bos_server():
         yield srv
 
 
-def _reference_chat_ids(messages) -> list[int]:
+def _reference_chat_ids(messages, add_generation_prompt=True, **kwargs) -> list[int]:
     from transformers import PreTrainedTokenizerFast
 
     ref = PreTrainedTokenizerFast(tokenizer_object=_bos_adding_backend(), bos_token="<s>", eos_token="</s>",
                                   unk_token="<unk>")
-    out = ref.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=True, add_generation_prompt=True)
+    out = ref.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=True,
+                                  add_generation_prompt=add_generation_prompt, **kwargs)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+CONTINUED = MESSAGES + [{"role": "assistant", "content": "hello"}]
+#: (chat fields, the reference's apply_chat_template arguments, messages)
+RENDERINGS = {
+    "no generation prompt": (dict(add_generation_prompt=False), dict(add_generation_prompt=False), MESSAGES),
+    "continue final message": (dict(add_generation_prompt=False, continue_final_message=True),
+                               dict(add_generation_prompt=False, continue_final_message=True), CONTINUED),
+    "template kwargs": (dict(chat_template_kwargs={"greeting": "hello"}), dict(greeting="hello"), MESSAGES),
+}
+
+
+@pytest.mark.parametrize("name", list(RENDERINGS))
+def test_chat_rendering_fields_follow_transformers(bos_server, name):
+    """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` render as transformers
+    renders them, in ``/tokenize`` and in the chat route's prompt (its token count), and change the prompt."""
+    fields, ref_args, messages = RENDERINGS[name]
+    ref = _reference_chat_ids(messages, **ref_args)
+    assert ref != _reference_chat_ids(messages)  # each field changes the default rendering
+    status, body = http("POST", bos_server.url + "/tokenize", {"messages": messages, **fields}, AUTH)
+    assert status == 200, body
+    assert body["tokens"] == ref
+    c = openai.OpenAI(base_url=bos_server.url + "/v1", api_key=API_KEY, max_retries=0)
+    r = c.chat.completions.create(model="bos-model", messages=messages, max_tokens=1, extra_body=fields)
+    assert r.usage.prompt_tokens == len(ref)
+
+
+@pytest.mark.parametrize("fields,param", [
+    (dict(chat_template="{{ 'x' }}"), "chat_template"),
+    (dict(continue_final_message=True), "continue_final_message"),  # with the default add_generation_prompt
+    (dict(continue_final_message=True, add_generation_prompt=False), "continue_final_message"),  # user last
+    (dict(chat_template_kwargs=[1]), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (dict(echo=True), "echo"),
+])
+def test_chat_rendering_fields_refused_with_the_field_named(bos_server, fields, param):
+    status, body = http("POST", bos_server.url + "/v1/chat/completions",
+                        {"messages": MESSAGES, "max_tokens": 1, **fields}, AUTH)
+    assert status == 400 and body["error"]["param"] == param, body
 
 
 def test_chat_prompt_has_one_bos_like_transformers(bos_server):

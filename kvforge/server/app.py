@@ -182,13 +182,15 @@ def create_app(
         n times. A failure closes (aborts) every request added so far."""
         prompts = req.prompts if req.kind == "completion" else [None]
         n = req.n
+        aengine.admit(len(prompts) * n)
         streams: list[RequestStream | None] = [None] * (len(prompts) * n)
 
         async def add(i: int, sample: int) -> None:
             try:
                 streams[i * n + sample] = await aengine.add_request(
                     prompts[i], req.params.sample_params(sample), messages=req.messages,
-                    max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field)
+                    max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field,
+                    chat_options=req.chat_options, admitted=True)
             except InvalidRequestError as e:
                 if len(prompts) == 1:
                     raise

@@ -24,7 +24,7 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 from kvforge.server.metrics import ServerMetrics
-from kvforge.server.tokenization import NO_TOKENIZER, chat_prompt_ids
+from kvforge.server.tokenization import NO_TOKENIZER, ChatTemplateOptions, chat_prompt_ids
 
 logger = logging.getLogger("kvforge.server")
 
@@ -188,6 +188,22 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------
 
+    def admit(self, sequences: int) -> None:
+        """The queue bound, for one client request of ``sequences`` engine requests (prompts x n), checked once
+        for all of them: refused with 503 while the queue could not take them all, unless it is empty (a
+        request never waits on itself); a request of more sequences than the bound can never be taken
+        and is a 400 naming ``n``. The queue counts the engine's waiting requests at its last step and
+        every request added since (they may be running already: the bound errs towards refusing)."""
+        limit = self.max_queued_requests
+        if sequences > limit:
+            raise InvalidRequestError(
+                f"'n': this request asks for {sequences} sequences (prompts x n), more than the server queues at "
+                f"once (--max-queued-requests {limit}); send fewer prompts or a smaller n", field="n")
+        queued = self.last_stats.get("num_waiting", 0) + self._added_since_stats + self._adding
+        if queued and queued + sequences > limit:
+            raise QueueFullError(f"too many queued requests ({queued} waiting, limit {limit}, this request "
+                                 f"{sequences}); retry later")
+
     async def add_request(
         self,
         prompt: str | list[int] | None,
@@ -196,8 +212,11 @@ class AsyncEngine:
         messages: list[dict] | None = None,
         max_tokens_explicit: bool = True,
         max_tokens_field: str = "max_tokens",
+        chat_options: ChatTemplateOptions | None = None,
+        admitted: bool = False,
     ) -> RequestStream:
-        """Validate and queue one request; returns its stream.
+        """Validate and queue one request; returns its stream. ``admitted``: :meth:`admit` already took it
+        in with the other sequences of its HTTP request (the queue bound is not checked again).
 
         ``messages`` (chat) are rendered with the tokenizer's chat template.
         ``params.max_tokens`` None means the rest of the context; a limit the
@@ -209,16 +228,13 @@ class AsyncEngine:
             raise ServerShuttingDownError("the server is shutting down")
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed: {self._dead!r}")
-        queued = self.last_stats.get("num_waiting", 0) + self._added_since_stats + self._adding
-        if queued >= self.max_queued_requests:
-            raise QueueFullError(
-                f"too many queued requests ({queued} waiting, limit {self.max_queued_requests}); retry later"
-            )
+        if not admitted:
+            self.admit(1)
         request_id = f"req-{next(self._ids)}"
         self._adding += 1
         fut = asyncio.get_running_loop().run_in_executor(
             self._executor, self._prepare_and_add, request_id, prompt, messages, params, max_tokens_explicit,
-            max_tokens_field,
+            max_tokens_field, chat_options,
         )
         try:
             prompt_tokens = await asyncio.shield(fut)
@@ -234,7 +250,8 @@ class AsyncEngine:
         self._wakeup.set()
         return stream
 
-    def _prepare_and_add(self, request_id, prompt, messages, params, max_tokens_explicit, max_tokens_field) -> int:
+    def _prepare_and_add(self, request_id, prompt, messages, params, max_tokens_explicit, max_tokens_field,
+                         chat_options=None) -> int:
         """Runs on the engine thread: render, count, check lengths, add."""
         tok = self.engine.tokenizer
         max_len = self.engine.max_model_len
@@ -243,7 +260,7 @@ class AsyncEngine:
             raise InvalidRequestError(NO_TOKENIZER, field="messages" if messages is not None else "prompt")
         if messages is not None:
             prompt_field = "messages"
-            prompt = chat_prompt_ids(tok, messages)
+            prompt = chat_prompt_ids(tok, messages, chat_options)
         elif isinstance(prompt, str):
             prompt = tok.encode(prompt)  # tokenize once; the engine gets the ids
         n = len(prompt)

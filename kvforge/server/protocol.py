@@ -179,6 +179,48 @@ def get_stop(body: dict) -> list[str]:
 # -- requests -------------------------------------------------------------------
 
 
+#: Template variables a request's ``chat_template_kwargs`` may not set (the request's own fields do).
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered, from vLLM's chat request fields: ``add_generation_prompt`` (open an
+    assistant turn after the messages), ``continue_final_message`` (the prompt ends inside the final
+    assistant message, which the model continues; needs ``add_generation_prompt`` false) and
+    ``chat_template_kwargs`` (extra template variables, e.g. ``enable_thinking``), as sorted pairs."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+def parse_chat_template_options(body: dict, messages: list[dict]) -> ChatTemplateOptions:
+    """The rendering fields of a chat or ``/tokenize`` body, checked against its ``messages``. A
+    request-level ``chat_template`` is refused: the server renders with the model's own template."""
+    if body.get("chat_template") is not None:
+        bad_field("chat_template", "per-request chat templates are not accepted: the server renders with the "
+                                   "model's template (leave it unset)")
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final = get_bool(body, "continue_final_message", False)
+    if continue_final:
+        if add_generation_prompt:
+            bad_field("continue_final_message", "cannot be combined with add_generation_prompt true: send "
+                                                "add_generation_prompt false to continue the final message")
+        if messages[-1]["role"] != "assistant":
+            bad_field("continue_final_message", f"needs an assistant message last, got a {messages[-1]['role']} "
+                                                f"message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        bad_field("chat_template_kwargs", f"expected an object, got {type_name(kwargs)}")
+    reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
+    if reserved:
+        bad_field("chat_template_kwargs", f"may not set {', '.join(reserved)} (the request's own fields set it)")
+    return ChatTemplateOptions(add_generation_prompt, continue_final, tuple(sorted(kwargs.items())))
+
+
 @dataclass
 class ParsedRequest:
     """What the handlers need from a validated completion or chat request."""
@@ -197,6 +239,7 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) leads each choice
     # completions with echo and max_tokens=0: the engine generates one token, which is dropped.
     prompt_only: bool = False
+    chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
 
     @property
     def n(self) -> int:
@@ -423,9 +466,12 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
             bad_field("top_logprobs", f"must be an integer in [0, 20], got {top}")
     logprobs = (top or 0) if want_logprobs else None
     params = _params(common, max_tokens, logprobs)
+    if get_bool(body, "echo", False):
+        bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
     return ParsedRequest(
         "chat", common["model"], None, clean, params, max_tokens is not None,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
+        chat_options=parse_chat_template_options(body, clean),
     )
 
 

@@ -16,19 +16,36 @@ from typing import Any
 
 from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol
+from kvforge.server.protocol import ChatTemplateOptions, parse_chat_template_options
 
 NO_TOKENIZER = ("this server has no tokenizer (--skip-tokenizer-init or no tokenizer files): "
                 "send 'prompt' as an array of token ids")
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+#: Marks the end of the final message's text in a rendering for ``continue_final_message``: the prompt is
+#: cut there, so the template's end-of-turn after the message never reaches the model.
+_CONTINUE_MARK = "\u0000kvforge-continue\u0000"
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], options: ChatTemplateOptions | None = None,
                     add_special_tokens: bool = False) -> list[int]:
-    """Render ``messages`` with the chat template and encode the text as it stands (the tokenizer's
-    special tokens only with ``add_special_tokens``, which ``/tokenize`` may ask for)."""
+    """Render ``messages`` with the chat template as ``options`` ask and encode the text as it stands (the
+    tokenizer's special tokens only with ``add_special_tokens``, which ``/tokenize`` may ask for)."""
+    options = options or ChatTemplateOptions()
+    if options.continue_final_message:
+        last = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_MARK)
+        messages = [*messages[:-1], last]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=options.add_generation_prompt,
+                                             **dict(options.template_kwargs))
     except Exception as e:  # a template that rejects the conversation, or no template at all
         raise InvalidRequestError(f"'messages': cannot apply the chat template: {e}", field="messages") from e
+    if options.continue_final_message:
+        end = text.find(_CONTINUE_MARK)
+        if end < 0:
+            raise InvalidRequestError("'continue_final_message': the chat template does not render the final "
+                                      "message's text, so there is nothing to continue", field="continue_final_message")
+        text = text[:end]
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -39,7 +56,7 @@ class TokenizeRequest:
     prompt: str | None
     messages: list[dict] | None
     add_special_tokens: bool
-    add_generation_prompt: bool
+    chat_options: ChatTemplateOptions
     return_token_strs: bool
 
 
@@ -51,12 +68,13 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
     prompt = body.get("prompt")
     if has_prompt and not isinstance(prompt, str):
         protocol.bad_field("prompt", f"expected a string, got {protocol.type_name(prompt)}")
+    messages = protocol.parse_messages(body["messages"]) if has_messages else None
     return TokenizeRequest(
         prompt=prompt if has_prompt else None,
-        messages=protocol.parse_messages(body["messages"]) if has_messages else None,
+        messages=messages,
         # vLLM's defaults: a plain prompt gets the tokenizer's special tokens, a chat has its own.
         add_special_tokens=protocol.get_bool(body, "add_special_tokens", has_prompt),
-        add_generation_prompt=protocol.get_bool(body, "add_generation_prompt", True),
+        chat_options=parse_chat_template_options(body, messages) if has_messages else ChatTemplateOptions(),
         return_token_strs=protocol.get_bool(body, "return_token_strs", False),
     )
 
@@ -65,7 +83,7 @@ def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
     if tokenizer is None:
         raise InvalidRequestError(NO_TOKENIZER, field="prompt")
     if req.messages is not None:
-        ids = chat_prompt_ids(tokenizer, req.messages, req.add_generation_prompt, req.add_special_tokens)
+        ids = chat_prompt_ids(tokenizer, req.messages, req.chat_options, req.add_special_tokens)
     else:
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
