@@ -294,6 +294,9 @@ BAD_COMPLETIONS = [
     ("logit_bias_range", {"prompt": "hi", "logit_bias": {"1": 500}}, "logit_bias"),
     ("logit_bias_out_of_vocab", {"prompt": "hi", "logit_bias": {str(10**9): 5}}, "logit_bias"),
     ("allowed_token_ids_out_of_vocab", {"prompt": "hi", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
+    ("stop_token_ids_out_of_vocab", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("include_usage_type", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "x"}},
+     "stream_options.include_usage"),
 ]
 
 

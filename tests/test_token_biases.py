@@ -82,6 +82,13 @@ def test_engine_forced_and_banned_tokens(tmp_path):
     with pytest.raises(InvalidRequestError, match="outside the vocabulary") as err:
         llm.generate(prompt, SamplingParams(**base, logit_bias={VOCAB: 1.0}), use_tqdm=False)
     assert err.value.field == "logit_bias"
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary") as err:
+        llm.generate(prompt, SamplingParams(**base, stop_token_ids=[3, VOCAB]), use_tqdm=False)
+    assert err.value.field == "stop_token_ids"
+    for field, value in (("stop", 5), ("stop_token_ids", 7)):
+        with pytest.raises(InvalidRequestError, match="expected a list") as err:
+            SamplingParams(**{field: value})
+        assert err.value.field == field
 
 
 # ---- min_tokens -------------------------------------------------------------------------------------------

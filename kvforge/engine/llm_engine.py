@@ -405,7 +405,7 @@ class LLMEngine:
             raise InvalidRequestError(f"the engine runs one sequence per request, got n={params.n}: add one request "
                                       "per sample with params.sample_params(j), as LLM.generate does", field="n")
         vocab = self.spec.vocab_size
-        for field, tokens in params.indexed_token_ids().items():
+        for field, tokens in params.named_token_ids().items():
             if tokens and max(tokens) >= vocab:
                 raise InvalidRequestError(f"token id {max(tokens)} in {field} is outside the vocabulary of {vocab} "
                                           f"tokens (ids 0 to {vocab - 1})", field=field)

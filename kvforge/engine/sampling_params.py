@@ -62,6 +62,11 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept lists/str for convenience but store tuples (frozen, hashable).
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, list, tuple)):
+                raise InvalidRequestError(f"invalid sampling parameter {name}: expected a list (or one string for "
+                                          f"stop), got {type(value).__name__}", field=name)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -148,10 +153,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
-    def indexed_token_ids(self) -> dict[str, list[int]]:
-        """The token ids that index the logits, by field (``logit_bias``, ``allowed_token_ids``): each must
-        be in the vocabulary (the engine checks on ``add_request``)."""
-        return {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": list(self.allowed_token_ids or ())}
+    def named_token_ids(self) -> dict[str, list[int]]:
+        """The token ids the parameters name, by field (``logit_bias``, ``allowed_token_ids``,
+        ``stop_token_ids``): each must be in the vocabulary (the engine checks on ``add_request``)."""
+        return {"logit_bias": [t for t, _ in self.logit_bias], "allowed_token_ids": list(self.allowed_token_ids or ()),
+                "stop_token_ids": list(self.stop_token_ids)}
 
     @property
     def has_penalties(self) -> bool:

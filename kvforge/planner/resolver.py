@@ -400,9 +400,11 @@ def step_token_budget(cache: CacheConfig, platform: str) -> int:
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[platform], cache.max_num_seqs)
 
 
-def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnings: list[str]) -> int | None:
+def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnings: list[str],
+            weights_dtype: str = "") -> int | None:
     """KV bytes per rank: ``--kv-cache-memory``, else the device's usable memory less the weights and the
-    activation reserve (PlanError when they do not fit, naming the flag to lower)."""
+    activation reserve (PlanError when they do not fit, naming the flag to lower; ``weights_dtype``, the
+    dtype the weights were counted in, is named there)."""
     gib = 2**30
     if cache.kv_cache_memory is not None:
         need = weights + cache.kv_cache_memory + reserve.bytes
@@ -418,7 +420,8 @@ def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnin
     usable = int(cache.gpu_memory * cache.gpu_memory_utilization)
     if weights >= usable:
         raise PlanError(
-            f"weights need {weights / gib:.2f} GiB per rank but --gpu-memory {cache.gpu_memory / gib:.2f} GiB x "
+            f"weights need {weights / gib:.2f} GiB per rank{f' (in {weights_dtype})' if weights_dtype else ''} "
+            f"but --gpu-memory {cache.gpu_memory / gib:.2f} GiB x "
             f"--gpu-memory-utilization {cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: raise "
             f"--tensor-parallel-size or --gpu-memory-utilization, or use a smaller model"
         )
@@ -541,7 +544,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                                  num_speculative_tokens=cache.num_speculative_tokens, tensor_parallel_size=tp,
                                  model_dtype=model_dtype, platform=platform, max_model_len=max_len,
                                  kv_dtype=kv_dtype)
-    memory = _memory(cache, weights + draft_weights, reserve, warnings)
+    memory = _memory(cache, weights + draft_weights, reserve, warnings, str(model_dtype))
     capacity = _capacity(kv_dtype, groups, grouping.group_size,
                          bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory)
 

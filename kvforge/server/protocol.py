@@ -143,12 +143,14 @@ def get_int(body: dict, name: str, default):
     return value
 
 
-def get_bool(body: dict, name: str, default: bool) -> bool:
+def get_bool(body: dict, name: str, default: bool, where: str = "") -> bool:
+    """``body[name]`` as a bool (absent or null: ``default``); ``where`` prefixes the field's name in errors
+    (``stream_options.``)."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return default
     if not isinstance(value, bool):
-        bad_field(name, f"expected a boolean, got {type_name(value)}")
+        bad_field(where + name, f"expected a boolean, got {type_name(value)}")
     return value
 
 
@@ -306,7 +308,7 @@ def _common(body: dict, served_model: str) -> dict:
             bad_field("stream_options", f"expected an object, got {type_name(stream_options)}")
         if not stream:
             bad_field("stream_options", "is only allowed when 'stream' is true")
-        include_usage = get_bool(stream_options, "include_usage", False)
+        include_usage = get_bool(stream_options, "include_usage", False, where="stream_options.")
     # The SamplingParams fields the request sets, by their names (max_tokens and logprobs differ between the
     # two endpoints and are added by each).
     sampling = {
@@ -395,7 +397,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     if logprobs is not None and not 0 <= logprobs <= 20:
         bad_field("logprobs", f"must be an integer in [0, 20], got {logprobs}")
     if max_tokens is not None and max_tokens < 0:
-        bad_field("max_tokens", f"must be an integer >= 0, got {max_tokens}")
+        bad_field("max_tokens", f"must be an integer >= 1 (0 only with 'echo': true), got {max_tokens}")
     if max_tokens == 0 and not echo:
         bad_field("max_tokens", "must be >= 1 (0 is allowed only with 'echo': true, which returns the prompt)")
     params = _params(common, 1 if prompt_only else max_tokens, logprobs)
