@@ -121,3 +121,31 @@ def test_min_logit_bias_and_allowed_ids_reach_the_sampling_params():
     with pytest.raises(InvalidRequestError) as err:
         parse_completion({"prompt": "hi", "model": MODEL, "min_tokens": 20, "max_tokens": 10}, MODEL)
     assert err.value.field == "min_tokens"
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
+                         ids=["completions", "chat"])
+def test_unknown_fields_are_logged_as_ignored(parse, body, caplog):
+    """A field the route does not know is logged by name; OpenAI's output-neutral fields are not."""
+    with caplog.at_level("WARNING", logger="kvforge.server.protocol"):
+        parse({**body, "model": MODEL, "user": "u1", "metadata": {"k": "v"}}, MODEL)
+        assert not caplog.records
+        parse({**body, "model": MODEL, "temprature": 0.5, "priority": 1}, MODEL)
+    assert [r.getMessage() for r in caplog.records] == [
+        "fields present in the request but ignored: priority, temprature"]
+
+
+def test_every_field_the_parsers_read_is_known():
+    """The known-field sets hold every field name the request parsers read from a body, so a field the
+    server does read is never logged as ignored."""
+    import inspect
+    import re
+
+    from kvforge.server import protocol
+
+    source = inspect.getsource(protocol)
+    read = {name for pattern in (r'get_\w+\(body, "(\w+)"', r'body\.get\("(\w+)"', r'body\["(\w+)"\]')
+            for name in re.findall(pattern, source)}
+    read |= set(protocol._VLLM_EXTRAS_NEUTRAL)
+    assert {"prompt", "messages", "temperature", "continue_final_message"} <= read  # the scan finds them
+    assert read - (protocol.COMPLETION_FIELDS | protocol.CHAT_FIELDS) == set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 import uuid
@@ -16,6 +17,8 @@ from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from kvforge.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_SEQUENCES = 16
 MAX_PROMPTS_PER_REQUEST = 1024
@@ -249,6 +252,31 @@ class ParsedRequest:
         return self.params.n
 
 
+#: Fields both generation routes read (or refuse), the sampling fields among them.
+_COMMON_FIELDS = frozenset({
+    "model", "n", "best_of", "seed", "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "stop",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "min_tokens", "response_format",
+    "tools", "functions", "tool_choice", "length_penalty", "use_beam_search", "bad_words", "prompt_logprobs",
+    "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    # OpenAI's fields that do not change the output: accepted and not read.
+    "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
+                                "add_generation_prompt", "continue_final_message", "chat_template",
+                                "chat_template_kwargs"}
+
+
+def log_ignored_fields(body: dict, known: frozenset[str]) -> list[str]:
+    """Fields of ``body`` this route does not know, logged as a warning (as vLLM logs them) and returned: a
+    misspelt or unsupported field is then visible in the server log instead of silently without effect."""
+    ignored = sorted(str(k) for k in body if k not in known)
+    if ignored:
+        logger.warning("fields present in the request but ignored: %s", ", ".join(ignored))
+    return ignored
+
+
 # vLLM's extra request fields that change the output, each with the test of its value that leaves the
 # output unchanged (accepted, as is null); any other value is refused like the OpenAI fields below.
 _VLLM_EXTRAS_NEUTRAL = {
@@ -403,6 +431,7 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     params = _params(common, 1 if prompt_only else max_tokens, logprobs)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    log_ignored_fields(body, COMPLETION_FIELDS)
     return ParsedRequest(
         "completion", common["model"], prompts, None, params,
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
@@ -470,6 +499,7 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     params = _params(common, max_tokens, logprobs)
     if get_bool(body, "echo", False):
         bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
+    log_ignored_fields(body, CHAT_FIELDS)
     return ParsedRequest(
         "chat", common["model"], None, clean, params, max_tokens is not None,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
