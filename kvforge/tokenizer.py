@@ -15,7 +15,9 @@ usual metaspace BPE, deriving merges from the scores when the file has none.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -30,6 +32,20 @@ from kvforge.errors import ConfigError
 # ---------------------------------------------------------------------------
 # The tokenizer
 # ---------------------------------------------------------------------------
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _char_to_byte() -> dict[str, int]:
+    """The inverse of byte-level BPE's byte -> character table: the printable Latin-1 bytes (33-126,
+    161-172, 174-255) stand for themselves, every other byte for the character 256 + its rank among them."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in set(printable)]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
 
 
 def _token_str(tok: Any) -> str | None:
@@ -89,6 +105,29 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for in decoded text. A token that ends inside a multi-byte
+        character decodes alone to U+FFFD; its bytes then come from the vocabulary entry: a byte-fallback
+        token (``<0xC3>``) is that byte, a byte-level BPE token maps each character back through the
+        byte-to-character table of GPT-2's byte-level BPE. A SentencePiece word-start token keeps its
+        leading space. Concatenating the bytes of a sequence's tokens gives its decoded text's UTF-8
+        (special tokens as their text; a SentencePiece text's first space included)."""
+        text = self._tok.decode([int(token_id)], skip_special_tokens=False)
+        raw = self._tok.id_to_token(int(token_id))
+        if raw is None:
+            return text.encode()
+        if raw.startswith("\u2581") and not text.startswith(" "):
+            text = " " + text  # a SentencePiece word start: the decoder drops the space only at a text's start
+        if "\ufffd" not in text:
+            return text.encode()
+        byte = _BYTE_TOKEN.fullmatch(raw)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        table = _char_to_byte()
+        if all(c in table for c in raw):
+            return bytes(table[c] for c in raw)
+        return text.encode()
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
         if isinstance(ids, int):

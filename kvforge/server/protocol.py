@@ -6,6 +6,7 @@ request field at fault; ``error_body`` renders it as OpenAI's error JSON.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -518,19 +519,33 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+class TextOffsets:
+    """The character offset of each token in a choice's text, carried from one stream chunk to the next: a
+    token ending inside a multi-byte character adds no character, the token completing it adds one."""
+
+    def __init__(self, start: int = 0):
+        self.next = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, token: bytes) -> int:
+        """The offset at which ``token`` (its bytes) starts; moves past it."""
+        at = self.next
+        self.next += len(self._utf8.decode(token))
+        return at
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
-                        text_offset_start: int = 0) -> dict:
+                        offsets: TextOffsets | None = None) -> dict:
     """The legacy completions ``logprobs`` object. Each ``top_logprobs`` entry holds the ``top`` most
     likely tokens and the chosen token (so ``top`` = 0 gives the chosen token alone, and an entry has
     ``top`` or ``top + 1`` keys), as vLLM does. An entry of ``lps`` that is None (the first prompt
     token under ``echo``) gives a null logprob and null alternatives."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = text_offset_start
+    tokens, token_logprobs, top_logprobs, starts = [], [], [], []
+    offsets = offsets or TextOffsets()
     for tid, d in zip(token_ids, lps):
         piece = tokenizer.decode([tid])
         tokens.append(piece)
-        offsets.append(offset)
-        offset += len(piece)
+        starts.append(offsets.advance(token_bytes(tokenizer, tid, piece)))
         if d is None:
             token_logprobs.append(None)
             top_logprobs.append(None)
@@ -541,7 +556,15 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, flo
             ranked.append((tid, d[tid]))
         top_logprobs.append({tokenizer.decode([t]): _finite(v) for t, v in ranked})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+            "text_offset": starts}
+
+
+def token_bytes(tokenizer, token_id: int, piece: str) -> bytes:
+    """The bytes of token ``token_id`` whose text alone is ``piece``: the tokenizer's own record when the
+    piece is part of a multi-byte character (U+FFFD alone), else the piece's UTF-8."""
+    if "\ufffd" in piece and hasattr(tokenizer, "token_bytes"):
+        return tokenizer.token_bytes(token_id)
+    return piece.encode("utf8")
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int) -> dict:
@@ -554,9 +577,10 @@ def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], 
         content.append({
             "token": piece,
             "logprob": _finite(d.get(tid)),
-            "bytes": list(piece.encode("utf8")),
+            "bytes": list(token_bytes(tokenizer, tid, piece)),
             "top_logprobs": [
-                {"token": (p := tokenizer.decode([t])), "logprob": _finite(v), "bytes": list(p.encode("utf8"))}
+                {"token": (p := tokenizer.decode([t])), "logprob": _finite(v),
+                 "bytes": list(token_bytes(tokenizer, t, p))}
                 for t, v in ranked
             ],
         })
