@@ -38,8 +38,9 @@ kernels that launch one program per (KV head, sequence) hand out sequences in
 this order, so the longest programs start first and the grid's last wave holds
 the short ones (longest-processing-time-first): on a batch of mixed context
 lengths the tail no longer waits on one long sequence that started last. Any
-permutation gives the same values; the order only changes when each program
-runs.
+permutation is correct. Without split-K the values do not depend on it; with
+split-K the fp8 warp kernel sizes its chunks by the order's first sequence, so
+the split boundaries (and the last bits of the merge) follow the order.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ Invariants: K/V bytes of tokens past a program's context end are zero-filled, be
 byte pattern can be NaN and ``0 * NaN`` would poison ``P V``. Every offset that multiplies a
 block id or a token row is int64. The query is rounded to fp16, which assumes ``|q| < 65504``.
 Sequences with no new token this step are skipped. The warp kernel's grid may walk the sequences
-through a permutation (``order_ptr``, longest context first); the values do not depend on it.
+through a permutation (``order_ptr``, longest context first); without split-K the values do not
+depend on it, with split-K its first sequence sizes the chunks (every token stays in its splits).
 """
 
 from __future__ import annotations
@@ -553,6 +554,7 @@ def launch_gluon_fp8_decode(
         grid = (hkv, meta.num_seqs, splits)
     order = meta.decode_order if heads_first else None
     return _gluon_fp8_decode_warp_kernel[grid](
-        *args, order_ptr=order if order is not None else meta.seq_lens, WT=wt, V_MODE=cfg.get("v_mode", 0), HEADS_FIRST=heads_first, USE_ORDER=order is not None,
-        CHUNK_BY_LONGEST=order is not None and SPLITS_SIZED_BY_LONGEST, **common
+        *args, order_ptr=order if order is not None else meta.seq_lens, WT=wt, V_MODE=cfg.get("v_mode", 0),
+        HEADS_FIRST=heads_first, USE_ORDER=order is not None,
+        CHUNK_BY_LONGEST=order is not None and SPLITS_SIZED_BY_LONGEST, **common,
     )

@@ -269,13 +269,12 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens
                                 "chat_template_kwargs"}
 
 
-def log_ignored_fields(body: dict, known: frozenset[str]) -> list[str]:
-    """Fields of ``body`` this route does not know, logged as a warning (as vLLM logs them) and returned: a
-    misspelt or unsupported field is then visible in the server log instead of silently without effect."""
+def log_ignored_fields(body: dict, known: frozenset[str]) -> None:
+    """Log the fields of ``body`` this route does not know as a warning (as vLLM logs them): a misspelt or
+    unsupported field is then visible in the server log instead of silently without effect."""
     ignored = sorted(str(k) for k in body if k not in known)
     if ignored:
         logger.warning("fields present in the request but ignored: %s", ", ".join(ignored))
-    return ignored
 
 
 # vLLM's extra request fields that change the output, each with the test of its value that leaves the
@@ -523,8 +522,8 @@ class TextOffsets:
     """The character offset of each token in a choice's text, carried from one stream chunk to the next: a
     token ending inside a multi-byte character adds no character, the token completing it adds one."""
 
-    def __init__(self, start: int = 0):
-        self.next = start
+    def __init__(self):
+        self.next = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def advance(self, token: bytes) -> int:
