@@ -149,3 +149,66 @@ def test_penalties_from_the_openai_client_change_greedy_output(real):
     lp = penalized.logprobs
     assert any(max(top, key=top.get) != token for token, top in zip(lp.tokens, lp.top_logprobs)), \
         "some penalized choice should differ from the raw top-1"
+
+
+# -- special tokens in logprobs --------------------------------------------------------------------
+
+
+def _literal(engine, token_id: int) -> str:
+    """The token's text as transformers decodes it with the special tokens kept (the reference: the
+    tokens OpenAI and vLLM show in logprobs), checked to be a special token (skipped by default)."""
+    from transformers import PreTrainedTokenizerFast
+
+    ref = PreTrainedTokenizerFast(tokenizer_object=engine.tokenizer.backend)
+    assert ref.decode([token_id], skip_special_tokens=True) == ""
+    return ref.decode([token_id], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_completion_logprobs_show_special_tokens_as_their_text(real, stream):
+    """EOS (forced as the third token: min_tokens keeps it out of the first two, logit_bias makes it the
+    greedy choice) shows as its text in ``tokens`` and in ``top_logprobs``, while the choice's text omits
+    it (skip_special_tokens); its offset is the end of that text. An echoed prompt's special token shows
+    the same way."""
+    engine, client = real
+    (eos,) = engine.tokenizer.eos_token_ids
+    literal = _literal(engine, eos)
+    assert literal == "<|im_end|>"
+    kw = dict(model=engine.model_name, prompt="One, two, three,", max_tokens=5, temperature=0, logprobs=1,
+              logit_bias={str(eos): 100}, extra_body={"min_tokens": 2})
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+        text = "".join(c.text for c in chunks)
+        tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        tops = [t for c in chunks if c.logprobs for t in c.logprobs.top_logprobs]
+        offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        finish = chunks[-1].finish_reason
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, finish = choice.text, choice.finish_reason
+        tokens, tops, offsets = choice.logprobs.tokens, choice.logprobs.top_logprobs, choice.logprobs.text_offset
+    assert finish == "stop" and len(tokens) == 3 and tokens[-1] == literal
+    assert literal in tops[-1] and literal not in text and "" not in tokens
+    assert text == tokens[0] + tokens[1] and offsets == [0, len(tokens[0]), len(text)]
+
+    prompt = engine.tokenizer.encode("<|im_start|>user\nHi")
+    echo = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=0, echo=True,
+                                     logprobs=0).choices[0]
+    assert echo.logprobs.tokens[0] == _literal(engine, prompt[0]) == "<|im_start|>"
+    assert echo.text == "user\nHi" and echo.logprobs.text_offset[:2] == [0, 0]  # the text omits it
+
+
+def test_chat_logprobs_show_special_tokens_as_their_text(real):
+    """A chat choice that ends on EOS lists it in ``logprobs.content`` with its text and that text's UTF-8
+    ``bytes`` (OpenAI's shape); the message content omits it."""
+    engine, client = real
+    (eos,) = engine.tokenizer.eos_token_ids
+    literal = _literal(engine, eos)
+    r = client.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                       logit_bias={str(eos): 100}, extra_body={"min_tokens": 1})
+    choice = r.choices[0]
+    content = choice.logprobs.content
+    assert choice.finish_reason == "stop" and len(content) == 2
+    assert content[-1].token == literal and content[-1].bytes == list(literal.encode())
+    assert choice.message.content == content[0].token and literal not in choice.message.content

@@ -140,6 +140,68 @@ def test_streamed_batch_with_echo(server, client):
         assert c.text.startswith(PROMPTS[c.index])
 
 
+MAX_LEN = 256  # the server fixture's --max-model-len
+
+
+def _ids_of_length(tok, n: int) -> list[int]:
+    ids = tok.encode(" ".join(PROMPTS) * 40)
+    assert len(ids) >= n + 1
+    return ids[:n]
+
+
+def _post(server, body: dict):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": server.engine.model_name, **body}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_echo_max_tokens_zero_takes_a_prompt_that_fills_the_context(server, client):
+    """With echo and max_tokens=0 nothing is generated, so a prompt of exactly --max-model-len tokens is
+    served (as vLLM serves it): the echoed prompt with every prompt token's logprob, each against the
+    scoring path's log-softmax. One token more is a 400 naming the prompt; so is the full prompt when a
+    token is to be generated."""
+    tok = server.engine.tokenizer
+    ids = _ids_of_length(tok, MAX_LEN)
+    r = client.completions.create(model=server.engine.model_name, prompt=[ids, ids[:10]], max_tokens=0,
+                                  echo=True, logprobs=2)
+    full, short = r.choices
+    assert r.usage.prompt_tokens == MAX_LEN + 10 and r.usage.completion_tokens == 0
+    assert full.finish_reason == "length" and full.text == tok.decode(ids)
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == MAX_LEN
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = _reference_logprobs(server.engine, ids)
+    for i in range(1, MAX_LEN):
+        assert abs(lp.token_logprobs[i] - ref[i - 1, ids[i]].item()) <= TOL, i
+        top = ref[i - 1].topk(2)
+        want = {tok.decode([t]): v for t, v in zip(top.indices.tolist(), top.values.tolist())}
+        want.setdefault(tok.decode([ids[i]]), ref[i - 1, ids[i]].item())
+        assert lp.top_logprobs[i].keys() == want.keys(), i
+        assert all(abs(v - want[piece]) <= TOL for piece, v in lp.top_logprobs[i].items()), i
+    assert short.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:10], abs=TOL)
+    streamed = [c for chunk in client.completions.create(model=server.engine.model_name, prompt=ids, max_tokens=0,
+                                                          echo=True, logprobs=0, stream=True)
+                for c in chunk.choices]
+    assert "".join(c.text for c in streamed) == full.text
+    streamed_lps = [t for c in streamed for t in c.logprobs.token_logprobs]
+    assert streamed_lps[0] is None and streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=TOL)
+
+    status, body = _post(server, {"prompt": ids + ids[:1], "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert str(MAX_LEN + 1) in body["error"]["message"] and str(MAX_LEN) in body["error"]["message"]
+    status, body = _post(server, {"prompt": ids, "max_tokens": 1, "echo": True})
+    assert status == 400 and body["error"]["param"] == "prompt"
+
+
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),

@@ -141,6 +141,40 @@ def test_chat_n_choices_streaming_and_not(server, client):
     assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == expected
 
 
+def _streamed_tokens(chunks, kind: str) -> dict[int, list[int]]:
+    """Per choice, the number of tokens each of its chunks carries (from the chunk's logprobs), in order;
+    chunks without logprobs (a chat stream's role chunks) are left out."""
+    counts: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.logprobs is None:
+                continue
+            got = choice.logprobs.tokens if kind == "completion" else choice.logprobs.content
+            counts.setdefault(choice.index, []).append(len(got))
+    return counts
+
+
+@pytest.mark.parametrize("case", ["completion", "chat", "batch"])
+def test_every_streamed_chunk_carries_one_step_of_its_choice(server, client, case):
+    """As OpenAI and vLLM stream them, each chunk of each choice carries the token of one engine step (no
+    speculative decoding here: one token), the first chunk of choice 0 included: the samples added after
+    sample 0's prompt was computed (prefix caching) do not make choice 0's first tokens arrive together,
+    nor do the prompts of a batch."""
+    name = server.engine.model_name
+    kw = dict(model=name, max_tokens=4, temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+    if case == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], n=3,
+                                                     logprobs=True, **kw))
+    elif case == "completion":
+        chunks = list(client.completions.create(prompt=PROMPT, n=3, logprobs=0, **kw))
+    else:
+        chunks = list(client.completions.create(prompt=[PROMPT, PROMPT[:40] + " and", PROMPT + " in"], n=2,
+                                                logprobs=0, **kw))
+    counts = _streamed_tokens(chunks, "chat" if case == "chat" else "completion")
+    choices = 6 if case == "batch" else 3
+    assert counts == {i: [1, 1, 1, 1] for i in range(choices)}
+
+
 def test_a_client_that_leaves_aborts_every_sample(server):
     url = server.url + "/v1/completions"
     name = server.engine.model_name

@@ -176,50 +176,14 @@ def create_app(
         return web.json_response(model_object())
 
     async def add_choices(req: protocol.ParsedRequest) -> list[RequestStream]:
-        """One engine request per choice, in choice order (prompt position * n + sample number). With
-        n > 1 and prefix caching on, a prompt that fills a KV block has its first sample's prompt computed
-        before its other samples are added, so they reuse its full blocks instead of computing the prompt
-        n times. A failure closes (aborts) every request added so far."""
+        """One engine request per choice, in choice order (prompt position * n + sample number), all queued
+        before the next engine step (``AsyncEngine.add_requests``)."""
         prompts = req.prompts if req.kind == "completion" else [None]
-        n = req.n
-        aengine.admit(len(prompts) * n)
-        streams: list[RequestStream | None] = [None] * (len(prompts) * n)
-
-        async def add(i: int, sample: int) -> None:
-            try:
-                streams[i * n + sample] = await aengine.add_request(
-                    prompts[i], req.params.sample_params(sample), messages=req.messages,
-                    max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field,
-                    chat_options=req.chat_options, admitted=True)
-            except InvalidRequestError as e:
-                if len(prompts) == 1:
-                    raise
-                # Name the prompt's place in the batch as the parser does: 'prompt[i]'.
-                message, field = str(e), f"prompt[{i}]"
-                if message.startswith("'prompt'"):
-                    message = f"'{field}'" + message[len("'prompt'"):]
-                else:
-                    message = f"'{field}': {message}"
-                raise InvalidRequestError(message, field=field) from e
-
-        try:
-            for i in range(len(prompts)):
-                await add(i, 0)
-            block = aengine.prefix_block_size
-            if n > 1:
-                if block is not None:
-                    # A sample reuses the full blocks before the prompt's last token (computed anew).
-                    leaders = [streams[i * n] for i in range(len(prompts)) if streams[i * n].prompt_tokens > block]
-                    await asyncio.gather(*(leader.wait_output() for leader in leaders))
-                for i in range(len(prompts)):
-                    for sample in range(1, n):
-                        await add(i, sample)
-        except BaseException:
-            for stream in streams:
-                if stream is not None:
-                    stream.close()
-            raise
-        return streams
+        aengine.admit(len(prompts) * req.n)
+        return await aengine.add_requests(
+            prompts, [req.params.sample_params(j) for j in range(req.n)], messages=req.messages,
+            max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field,
+            chat_options=req.chat_options, prompt_only=req.prompt_only, admitted=True)
 
     async def generate(request, parse):
         req = parse(await read_json(request), model_name)
@@ -311,10 +275,18 @@ class _Choice:
         ids, lps = list(ids[start:end]), list(lps[start:end])
         if req.kind == "chat":
             return protocol.chat_logprobs(self.tokenizer, ids, lps, req.logprobs)
+        offsets = offsets or protocol.TextOffsets()
+        parts = []
         if echo:
-            ids = list(out.prompt_token_ids) + ids
-            lps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + lps
-        return protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, offsets)
+            # Offsets index the choice's text: a text prompt is echoed as sent (its special tokens written
+            # out), a prompt of token ids decoded without its special tokens.
+            prompt_ids = list(out.prompt_token_ids)
+            parts.append(protocol.completion_logprobs(
+                self.tokenizer, prompt_ids, list(out.prompt_logprobs or [None] * len(prompt_ids)), req.logprobs,
+                offsets, skip_special_tokens=not isinstance(self.prompt, str)))
+        parts.append(protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, offsets,
+                                                  skip_special_tokens=req.params.skip_special_tokens))
+        return protocol.join_logprobs(parts)
 
 
 async def _last(stream: RequestStream):

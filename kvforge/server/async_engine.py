@@ -9,18 +9,27 @@ Each request gets a ``RequestStream``: the loop publishes the latest
 (cumulative) ``RequestOutput`` to it, so a slow reader never makes outputs pile
 up; a reader that goes away closes the stream, which aborts the request and
 frees its KV blocks.
+
+The engine requests of one client request (its prompts times ``n``) are added
+in one call on the engine thread, so no engine step runs between them; a
+sample that is to reuse sample 0's prompt blocks is added on the engine thread
+right after the step that computed that prompt, before the next step. A reader
+that starts on its streams once they are returned so sees each of them from
+its first step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.outputs import CompletionOutput, RequestOutput
+from kvforge.engine.prompt_ids import check_prompt_token_ids
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 from kvforge.server.metrics import ServerMetrics
@@ -48,10 +57,16 @@ class EngineDeadError(Exception):
 class RequestStream:
     """The consumer side of one request: ``async for out in stream`` then ``close()``."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int):
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, prompt_only: bool = False,
+                 scored_token: int | None = None):
         self._owner = owner
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
+        # A prompt-only request (echo with max_tokens 0) generates nothing: its outputs show the prompt alone.
+        # scored_token: its last prompt token, which the engine scores as its one sampled token
+        # (AsyncEngine._prompt_only); None when the engine has the whole prompt.
+        self.prompt_only = prompt_only
+        self.scored_token = scored_token
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -92,11 +107,6 @@ class RequestStream:
             self.final = out
         return out
 
-    async def wait_output(self) -> None:
-        """Wait until the request has an output (its prompt is computed) or has failed; consumes nothing."""
-        if not self.finished:
-            await self._event.wait()
-
     def close(self) -> None:
         """Release the request; aborts it in the engine unless it finished. Idempotent."""
         if self._closed:
@@ -118,6 +128,9 @@ class AsyncEngine:
         self._adding = 0  # add_request calls in flight
         self._added_since_stats = 0
         self._pending_aborts: list[str] = []
+        # Engine thread only: samples to add once their sample 0 (the key) has an output, and the reverse map.
+        self._later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
+        self._leader_of: dict[str, str] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._accepting = True
@@ -215,44 +228,117 @@ class AsyncEngine:
         chat_options: ChatTemplateOptions | None = None,
         admitted: bool = False,
     ) -> RequestStream:
-        """Validate and queue one request; returns its stream. ``admitted``: :meth:`admit` already took it
-        in with the other sequences of its HTTP request (the queue bound is not checked again).
+        """Validate and queue one request; returns its stream (:meth:`add_requests` with one prompt and one
+        sample)."""
+        (stream,) = await self.add_requests([prompt], [params], messages=messages,
+                                            max_tokens_explicit=max_tokens_explicit,
+                                            max_tokens_field=max_tokens_field, chat_options=chat_options,
+                                            admitted=admitted)
+        return stream
 
-        ``messages`` (chat) are rendered with the tokenizer's chat template.
-        ``params.max_tokens`` None means the rest of the context; a limit the
-        client did not set explicitly is clamped to the context instead of
-        refused. Raises InvalidRequestError, QueueFullError,
-        ServerShuttingDownError or EngineDeadError.
+    async def add_requests(
+        self,
+        prompts: list[str | list[int] | None],
+        samples: list[SamplingParams],
+        *,
+        messages: list[dict] | None = None,
+        max_tokens_explicit: bool = True,
+        max_tokens_field: str = "max_tokens",
+        chat_options: ChatTemplateOptions | None = None,
+        prompt_only: bool = False,
+        admitted: bool = False,
+    ) -> list[RequestStream]:
+        """Validate and queue one engine request per prompt and sample (``samples[j]``: the parameters of
+        sample ``j``); returns their streams in order prompt position * ``len(samples)`` + sample number.
+        ``admitted``: :meth:`admit` already took them in (the queue bound is not checked again).
+
+        Every prompt is checked before any request is added, and all are added in one call on the engine
+        thread, so no engine step runs between them: a step in between would give the requests added first
+        tokens before their readers start (once this returns), which would then arrive together. With prefix
+        caching on, the samples other than 0 of a prompt longer than one KV block are added on the engine
+        thread right after the step that computed sample 0's prompt (before the next step), so they reuse
+        its full blocks instead of computing the prompt again, and sample 0 streams meanwhile.
+
+        ``messages`` (chat) are rendered with the tokenizer's chat template (``prompts`` is then ``[None]``).
+        A ``max_tokens`` of None means the rest of the context; a limit the client did not set explicitly is
+        clamped to the context instead of refused. ``prompt_only`` (echo with max_tokens 0): nothing is
+        generated, so a prompt may fill the context. With several prompts an error names the prompt's place
+        (``prompt[i]``). Raises InvalidRequestError, QueueFullError, ServerShuttingDownError or
+        EngineDeadError.
         """
         if not self._accepting:
             raise ServerShuttingDownError("the server is shutting down")
         if self._dead is not None:
             raise EngineDeadError(f"the engine failed: {self._dead!r}")
+        count = len(prompts) * len(samples)
         if not admitted:
-            self.admit(1)
-        request_id = f"req-{next(self._ids)}"
-        self._adding += 1
+            self.admit(count)
+        request_ids = [f"req-{next(self._ids)}" for _ in range(count)]
+        self._adding += count
         fut = asyncio.get_running_loop().run_in_executor(
-            self._executor, self._prepare_and_add, request_id, prompt, messages, params, max_tokens_explicit,
-            max_tokens_field, chat_options,
+            self._executor, self._prepare_and_add, request_ids, prompts, samples, messages, max_tokens_explicit,
+            max_tokens_field, chat_options, prompt_only,
         )
         try:
-            prompt_tokens = await asyncio.shield(fut)
+            prepared = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The client left while the request was being added: undo it once it lands.
-            fut.add_done_callback(lambda f: f.exception() is None and self._schedule_abort(request_id))
+            # The client left while its requests were being added: undo them once they land.
+            fut.add_done_callback(lambda f: f.exception() is None and self._schedule_abort(*request_ids))
             raise
         finally:
-            self._adding -= 1
-        self._added_since_stats += 1
-        stream = RequestStream(self, request_id, prompt_tokens)
-        self._streams[request_id] = stream
+            self._adding -= count
+        self._added_since_stats += count
+        streams = []
+        for k, request_id in enumerate(request_ids):
+            prompt_tokens, scored = prepared[k // len(samples)]
+            stream = RequestStream(self, request_id, prompt_tokens, prompt_only, scored)
+            self._streams[request_id] = stream
+            streams.append(stream)
         self._wakeup.set()
-        return stream
+        return streams
 
-    def _prepare_and_add(self, request_id, prompt, messages, params, max_tokens_explicit, max_tokens_field,
-                         chat_options=None) -> int:
-        """Runs on the engine thread: render, count, check lengths, add."""
+    def _prepare_and_add(self, request_ids, prompts, samples, messages, max_tokens_explicit, max_tokens_field,
+                         chat_options, prompt_only) -> list[tuple[int, int | None]]:
+        """Runs on the engine thread: render, count and check every prompt, then add the requests. Returns
+        per prompt its token count and, for a prompt-only request, the prompt token scored as the engine's
+        sampled token (see :meth:`_prompt_only`)."""
+        n = len(samples)
+        prepared = []
+        for i, prompt in enumerate(prompts):
+            with _naming_prompt(i, len(prompts)):
+                prepared.append(self._prepare(prompt, messages, samples, max_tokens_explicit, max_tokens_field,
+                                              chat_options, prompt_only))
+        block = self.prefix_block_size
+        added: list[str] = []
+        later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
+        try:
+            for i, (ids, _, _, params) in enumerate(prepared):
+                with _naming_prompt(i, len(prompts)):
+                    self.engine.add_request(request_ids[i * n], ids, params[0])
+                added.append(request_ids[i * n])
+            for i, (ids, _, _, params) in enumerate(prepared):
+                followers = [(request_ids[i * n + j], ids, params[j]) for j in range(1, n)]
+                # A sample reuses the full blocks before the prompt's last token (computed anew); a request
+                # with prompt logprobs computes its whole prompt, reusing nothing.
+                if followers and block is not None and len(ids) > block and params[0].prompt_logprobs is None:
+                    later[request_ids[i * n]] = followers
+                    continue
+                for rid, ids_, p in followers:
+                    with _naming_prompt(i, len(prompts)):
+                        self.engine.add_request(rid, ids_, p)
+                    added.append(rid)
+        except BaseException:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        for leader, followers in later.items():
+            self._later[leader] = followers
+            for rid, _, _ in followers:
+                self._leader_of[rid] = leader
+        return [(count, scored) for _, count, scored, _ in prepared]
+
+    def _prepare(self, prompt, messages, samples, max_tokens_explicit, max_tokens_field, chat_options, prompt_only):
+        """One prompt's (engine prompt ids, prompt token count, scored token or None, params per sample)."""
         tok = self.engine.tokenizer
         max_len = self.engine.max_model_len
         prompt_field = "prompt"
@@ -264,6 +350,15 @@ class AsyncEngine:
         elif isinstance(prompt, str):
             prompt = tok.encode(prompt)  # tokenize once; the engine gets the ids
         n = len(prompt)
+        if prompt_only:
+            if n > max_len:
+                raise InvalidRequestError(
+                    f"'{prompt_field}': the prompt has {n} tokens, more than this model's maximum context length "
+                    f"(--max-model-len) of {max_len} tokens; shorten the prompt to at most {max_len} tokens",
+                    field=prompt_field,
+                )
+            ids, scored, params = self._prompt_only(list(prompt), samples)
+            return ids, n, scored, params
         if n >= max_len:
             raise InvalidRequestError(
                 f"'{prompt_field}': the prompt has {n} tokens, which leaves no room for output within this "
@@ -272,16 +367,39 @@ class AsyncEngine:
                 field=prompt_field,
             )
         room = max_len - n
-        if params.max_tokens is None or (params.max_tokens > room and not max_tokens_explicit):
-            params = dataclasses.replace(params, max_tokens=room)
-        elif params.max_tokens > room:
-            raise InvalidRequestError(
-                f"'{max_tokens_field}': the prompt has {n} tokens and {params.max_tokens} were requested, "
-                f"but the maximum context length is {max_len} tokens; ask for at most {room}",
-                field=max_tokens_field,
-            )
-        self.engine.add_request(request_id, prompt, params)
-        return n
+        params = []
+        for p in samples:
+            if p.max_tokens is None or (p.max_tokens > room and not max_tokens_explicit):
+                p = dataclasses.replace(p, max_tokens=room)
+            elif p.max_tokens > room:
+                raise InvalidRequestError(
+                    f"'{max_tokens_field}': the prompt has {n} tokens and {p.max_tokens} were requested, "
+                    f"but the maximum context length is {max_len} tokens; ask for at most {room}",
+                    field=max_tokens_field,
+                )
+            params.append(p)
+        return list(prompt), n, None, params
+
+    def _prompt_only(self, ids: list[int], samples: list[SamplingParams]):
+        """A prompt-only request (echo, max_tokens 0) generates nothing, yet a prompt's last token is scored
+        from the logits of the position before it, which the engine computes only to sample. So the engine
+        gets the prompt without its last token and samples exactly one token, forced to be that last token
+        (``allowed_token_ids``; the logprobs stay those of the raw logits): its logprobs are the last prompt
+        token's, and a prompt that fills the context needs no room beyond it. Returns (engine prompt,
+        scored token or None for a one-token prompt, params per sample)."""
+        if len(ids) < 2:
+            return ids, None, [dataclasses.replace(p, max_tokens=1, min_tokens=0) for p in samples]
+        scored = ids[-1]
+        vocab = _vocab_size(self.engine)
+        if vocab is not None:
+            check_prompt_token_ids([scored], vocab)
+            allowed = samples[0].allowed_token_ids or ()
+            if allowed and max(allowed) >= vocab:  # the engine's own check, which the forced token replaces
+                raise InvalidRequestError(f"token id {max(allowed)} in allowed_token_ids is outside the vocabulary "
+                                          f"of {vocab} tokens (ids 0 to {vocab - 1})", field="allowed_token_ids")
+        params = [dataclasses.replace(p, max_tokens=1, min_tokens=0, temperature=0.0, allowed_token_ids=[scored],
+                                      logprobs=p.prompt_logprobs) for p in samples]
+        return ids[:-1], scored, params
 
     def _release(self, stream: RequestStream) -> None:
         if self._streams.pop(stream.request_id, None) is None:
@@ -290,8 +408,8 @@ class AsyncEngine:
             self._schedule_abort(stream.request_id)
             self.metrics.on_abort(stream)
 
-    def _schedule_abort(self, request_id: str) -> None:
-        self._pending_aborts.append(request_id)
+    def _schedule_abort(self, *request_ids: str) -> None:
+        self._pending_aborts.extend(request_ids)
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -300,18 +418,43 @@ class AsyncEngine:
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _do_aborts(self, request_ids: list[str]) -> None:
+    def _do_aborts(self, request_ids: list[str]) -> list[tuple[str, BaseException]]:
+        """Abort requests (engine thread). A sample still waiting for its sample 0 is dropped; the samples
+        still waiting for an aborted sample 0 are added now. Returns the adds that failed."""
         for rid in request_ids:
-            self.engine.abort_request(rid)
+            leader = self._leader_of.pop(rid, None)
+            if leader is not None:
+                self._later[leader] = [f for f in self._later[leader] if f[0] != rid]
+            else:
+                self.engine.abort_request(rid)
+        failed = []
+        for rid in request_ids:
+            failed += self._add_later(rid)
+        return failed
+
+    def _add_later(self, leader: str) -> list[tuple[str, BaseException]]:
+        """Add the samples waiting for ``leader`` (engine thread); returns those the engine refused."""
+        failed = []
+        for rid, ids, params in self._later.pop(leader, ()):
+            del self._leader_of[rid]
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as e:
+                failed.append((rid, e))
+        return failed
 
     def _iterate(self, aborts: list[str]):
-        self._do_aborts(aborts)
+        failed = self._do_aborts(aborts)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        for out in outputs:
+            if out.request_id in self._later:
+                # Its prompt is computed: its other samples join before the next step and reuse its blocks.
+                failed += self._add_later(out.request_id)
         steps = []
         if self.step_log is not None:
             steps = self.step_log.since(self._steps_seen)
             self._steps_seen = self.step_log.total
-        return outputs, steps, self.engine.has_unfinished_requests(), self.engine.stats()
+        return outputs, failed, steps, self.engine.has_unfinished_requests(), self.engine.stats()
 
     async def stats(self) -> dict:
         """Fresh engine stats (waits for the current step, if any)."""
@@ -329,7 +472,7 @@ class AsyncEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
             active = set(self._streams)
             try:
-                outputs, steps, unfinished, stats = await self._call(self._iterate, aborts)
+                outputs, failed, steps, unfinished, stats = await self._call(self._iterate, aborts)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -341,6 +484,10 @@ class AsyncEngine:
             self.last_stats = stats
             self._added_since_stats = 0
             self.metrics.on_steps(steps)
+            for rid, e in failed:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream._fail(EngineDeadError(f"the engine refused request {rid}: {e}"))
             now = time.monotonic()
             seen = set()
             for out in outputs:
@@ -348,6 +495,8 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
                 if stream is None:
                     continue  # closed by its reader; the abort is queued
+                if stream.prompt_only:
+                    out = _prompt_only_output(out, stream.scored_token)
                 self.metrics.on_output(stream, out, now)
                 if out.finished:
                     del self._streams[out.request_id]
@@ -361,3 +510,43 @@ class AsyncEngine:
                         stream._fail(EngineDeadError(f"the engine dropped request {rid}"))
             # Give handlers a turn to write what they got before the next (blocking) step.
             await asyncio.sleep(0)
+
+
+def _prompt_only_output(out: RequestOutput, scored: int | None) -> RequestOutput:
+    """The output of a prompt-only request as its client sees it: the whole prompt (with the scored last
+    token, whose logprobs are the engine's sampled-token logprobs) and an empty completion."""
+    comp = out.outputs[0]
+    prompt_ids = list(out.prompt_token_ids)
+    prompt_logprobs = out.prompt_logprobs
+    if scored is not None:
+        prompt_ids.append(scored)
+        if prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs) + [comp.logprobs[0] if comp.logprobs else None]
+    empty = CompletionOutput(0, "", [], "length" if out.finished else None, None,
+                             [] if comp.logprobs is not None else None)
+    return RequestOutput(out.request_id, out.prompt, prompt_ids, [empty], out.finished, out.num_cached_tokens,
+                         prompt_logprobs, out.speculative)
+
+
+@contextlib.contextmanager
+def _naming_prompt(index: int, prompts: int):
+    """With several prompts, an InvalidRequestError raised inside names the prompt's place as the parser
+    does: ``'prompt[i]'``."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        if prompts == 1:
+            raise
+        field = f"prompt[{index}]"
+        message = str(e)
+        if message.startswith("'prompt'"):
+            message = f"'{field}'" + message[len("'prompt'"):]
+        else:
+            message = f"'{field}': {message}"
+        raise InvalidRequestError(message, field=field) from e
+
+
+def _vocab_size(engine) -> int | None:
+    spec = getattr(engine, "spec", None)
+    size = getattr(spec, "vocab_size", None) if spec is not None else getattr(engine, "vocab_size", None)
+    return size if isinstance(size, int) else None

@@ -243,7 +243,8 @@ class ParsedRequest:
     chat_logprobs: bool
     max_tokens_field: str = "max_tokens"
     echo: bool = False  # completions: the prompt (and its logprobs) leads each choice
-    # completions with echo and max_tokens=0: the engine generates one token, which is dropped.
+    # completions with echo and max_tokens=0: nothing is generated (the engine scores the prompt's last token
+    # as its one sampled token, kvforge/server/async_engine.py), so the prompt may fill the context.
     prompt_only: bool = False
     chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
 
@@ -533,18 +534,26 @@ class TextOffsets:
         return at
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's text in logprobs: what it decodes to alone, special tokens as their text (``<|im_end|>``),
+    as OpenAI and vLLM show them, though a choice's text omits them (``skip_special_tokens``)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
-                        offsets: TextOffsets | None = None) -> dict:
+                        offsets: TextOffsets | None = None, skip_special_tokens: bool = True) -> dict:
     """The legacy completions ``logprobs`` object. Each ``top_logprobs`` entry holds the ``top`` most
     likely tokens and the chosen token (so ``top`` = 0 gives the chosen token alone, and an entry has
     ``top`` or ``top + 1`` keys), as vLLM does. An entry of ``lps`` that is None (the first prompt
-    token under ``echo``) gives a null logprob and null alternatives."""
+    token under ``echo``) gives a null logprob and null alternatives. Tokens show as :func:`token_text`;
+    ``text_offset`` indexes the text they make, which omits special tokens when ``skip_special_tokens``."""
     tokens, token_logprobs, top_logprobs, starts = [], [], [], []
     offsets = offsets or TextOffsets()
     for tid, d in zip(token_ids, lps):
-        piece = tokenizer.decode([tid])
+        piece = token_text(tokenizer, tid)
         tokens.append(piece)
-        starts.append(offsets.advance(token_bytes(tokenizer, tid, piece)))
+        shown = tokenizer.decode([tid], skip_special_tokens=True) if skip_special_tokens else piece
+        starts.append(offsets.advance(token_bytes(tokenizer, tid, piece) if shown == piece else shown.encode()))
         if d is None:
             token_logprobs.append(None)
             top_logprobs.append(None)
@@ -553,9 +562,14 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, flo
         ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
         if tid in d and all(t != tid for t, _ in ranked):
             ranked.append((tid, d[tid]))
-        top_logprobs.append({tokenizer.decode([t]): _finite(v) for t, v in ranked})
+        top_logprobs.append({token_text(tokenizer, t): _finite(v) for t, v in ranked})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": starts}
+
+
+def join_logprobs(parts: list[dict]) -> dict:
+    """Completions ``logprobs`` objects of consecutive tokens as one."""
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
 
 def token_bytes(tokenizer, token_id: int, piece: str) -> bytes:
@@ -568,17 +582,18 @@ def token_bytes(tokenizer, token_id: int, piece: str) -> bytes:
 
 def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int) -> dict:
     """The chat ``logprobs`` object: each token's logprob and its ``top`` most likely alternatives
-    (OpenAI's shape: ``top_logprobs`` = 0 gives an empty list)."""
+    (OpenAI's shape: ``top_logprobs`` = 0 gives an empty list). Tokens show as :func:`token_text`, with
+    that text's bytes."""
     content = []
     for tid, d in zip(token_ids, lps):
-        piece = tokenizer.decode([tid])
+        piece = token_text(tokenizer, tid)
         ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
         content.append({
             "token": piece,
             "logprob": _finite(d.get(tid)),
             "bytes": list(token_bytes(tokenizer, tid, piece)),
             "top_logprobs": [
-                {"token": (p := tokenizer.decode([t])), "logprob": _finite(v),
+                {"token": (p := token_text(tokenizer, t)), "logprob": _finite(v),
                  "bytes": list(token_bytes(tokenizer, t, p))}
                 for t, v in ranked
             ],
