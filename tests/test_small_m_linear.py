@@ -117,28 +117,6 @@ def test_dot_path(m, dtype, config, bias):
     _check_close(small_m_linear(x, w, b, config=config), x, w, b)
 
 
-def _row_blocks(block_m, split_k):
-    return SmallMLinearConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2, use_dot=True,
-                              block_m=block_m)
-
-
-# Rows spread over several row blocks (the grid's first axis): a full block, a partial last block, one block
-# wider than the rows; with K split, each split's partials at every row.
-@pytest.mark.parametrize("config,bias", [(_row_blocks(16, 1), True), (_row_blocks(32, 2), False),
-                                         (_row_blocks(64, 3), True)], ids=["bm16", "bm32-split2", "bm64-split3"])
-@pytest.mark.parametrize("dtype", _dtypes(use_dot=True))
-@pytest.mark.parametrize("m", [17, 40, 64])
-def test_row_blocks(m, dtype, config, bias):
-    x, w, b = _inputs(m, 40, 200, dtype, bias, seed=m)
-    _check_close(small_m_linear(x, w, b, config=config), x, w, b)
-
-
-@pytest.mark.parametrize("m", [17, 33, 100, 256])
-def test_default_config_above_sixteen_rows(m):
-    x, w, b = _inputs(m, 48, 96, torch.float16, bias=m % 2 == 1, seed=m)
-    _check_close(small_m_linear(x, w, b), x, w, b)
-
-
 def test_strided_rows_of_x():
     """Rows of ``x`` a wider tensor's views (a fused projection's columns): the row stride is honoured."""
     x_wide, w, b = _inputs(3, 24, 160, torch.float16, bias=True)
@@ -164,14 +142,14 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
             "lm_head": (128256, 4096)}
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16, 24, 64, 136, 256])
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
 def test_config_for_llama_shapes(m):
     """Every Llama-3.1-8B projection gets a launch the kernel accepts, filling 132 SMs at least twice over
     (with the split) and never splitting K into slices shorter than a chunk."""
     for n, k in LLAMA_8B.values():
         cfg = small_m_linear_config(m, n, k, num_sms=132)
         cfg.check(m)
-        programs = -(-m // cfg.rows_block(m)) * -(-n // cfg.block_n) * cfg.split_k
+        programs = -(-n // cfg.block_n) * cfg.split_k
         assert programs >= 132, (m, n, k, cfg)
         assert cfg.k_per_split(k) >= cfg.block_k
         assert cfg.use_dot == (m > 4)
@@ -184,7 +162,7 @@ def test_llama_8b_shapes_on_gpu(name):
     n, k = LLAMA_8B[name]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     _, w, b = _inputs(1, n, k, torch.bfloat16, bias=name == "qkv")
-    for m in (1, 2, 3, 4, 5, 8, 16, 24, 100, 256):
+    for m in (1, 2, 3, 4, 5, 8, 16):
         x, _, _ = _inputs(m, 1, k, torch.bfloat16, bias=False, seed=m)
         _check_close(small_m_linear(x, w, b, num_sms=num_sms), x, w, b)
 
@@ -195,7 +173,7 @@ GRAPH_CONFIGS = [None, SmallMLinearConfig(block_n=16, block_k=256, split_k=4, nu
 
 @gpu_only
 @pytest.mark.parametrize("config", GRAPH_CONFIGS, ids=["default", "split4"])
-@pytest.mark.parametrize("m", [1, 8, 100])
+@pytest.mark.parametrize("m", [1, 8])
 def test_cuda_graph_replay_on_gpu(m, config):
     """A captured launch (split-K with its second kernel included) replays to the eager result bit for bit:
     the same kernels, the same summation order."""

@@ -1,24 +1,21 @@
 """Triton kernel: ``y = x @ weight.T (+ bias)`` for a few rows of ``x``, streaming the weight once.
 
-With up to a few hundred rows ``M`` (the tokens of a decode step) a linear layer is bound by reading its
-weight ``[N, K]`` (``nn.Linear``'s layout, K contiguous), or close to it: every weight element feeds at
-most ``M`` products. The kernel reads each weight element from memory once and multiplies it with the
-rows of ``x`` while it is on chip.
+With ``M`` <= 16 rows (the tokens of a decode step) a linear layer is bound by reading its weight
+``[N, K]`` (``nn.Linear``'s layout, K contiguous): every weight element feeds at most 16 products. The
+kernel reads each weight element exactly once and multiplies it with all ``M`` rows while it is in
+registers.
 
-Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K)``: a program owns ``BLOCK_M`` rows of ``x``,
-``BLOCK_N`` weight rows (output columns) and one slice of K, and walks the slice in ``BLOCK_K`` chunks.
-The row blocks of one weight tile are neighbours in the launch order, so beyond the first they read the
-tile from L2. Each chunk loads one ``[BLOCK_N, BLOCK_K]`` weight tile (``evict_first`` where one row block
-reads it: it is never read again) and the ``[rows, BLOCK_K]`` chunk of ``x`` (``evict_last``: every
-program re-reads it from L2). Two ways to multiply (``SmallMLinearConfig.use_dot``):
+Grid ``(cdiv(N, BLOCK_N), SPLIT_K)``: a program owns ``BLOCK_N`` weight rows (output columns) and one
+slice of K, and walks the slice in ``BLOCK_K`` chunks. Each chunk loads one ``[BLOCK_N, BLOCK_K]`` weight
+tile (``evict_first``: it is never read again) and the ``[rows, BLOCK_K]`` chunk of ``x`` (``evict_last``:
+every program re-reads it from L2). Two ways to multiply (``SmallMLinearConfig.use_dot``):
 
 * broadcast (few rows): one row of ``x`` accumulates ``tile * x_chunk`` elementwise in a
   ``[BLOCK_N, BLOCK_K]`` float32 register tile and reduces it across threads once, after the loop; 2 to
   4 rows (padded to a power of two) do the same in a ``[BLOCK_N, rows, BLOCK_K]`` tile, its K chunk
   narrowed so the tile stays within ``BROADCAST_ACC_ELEMENTS``.
-* ``tl.dot`` (more rows): ``tile @ x_chunk.T`` on tensor cores into a ``[BLOCK_N, BLOCK_M]`` float32
-  accumulator (the weight rows are the MMA's M, so a few tokens still fill it), ``BLOCK_M`` a power of two
-  >= 16 (``tl.dot`` needs every dimension >= 16; rows past ``M`` load as zeros and are never stored).
+* ``tl.dot`` (more rows): ``tile @ x_chunk.T`` on tensor cores into a ``[BLOCK_N, 16]`` float32 accumulator,
+  the rows of ``x`` padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows load as zeros).
 
 Weight rows past ``N`` are clamped to row ``N - 1`` for the loads (no mask along the streamed rows) and
 never stored. With ``SPLIT_K`` = 1 the program adds the bias and stores ``y`` in ``x``'s dtype; with more
@@ -56,12 +53,10 @@ from kvforge.attention.routing.split_k import SplitRule
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most rows of ``x`` one launch takes.
-MAX_ROWS = 256
+MAX_ROWS = 16
 #: Up to this many rows the broadcast multiply serves; more rows run ``tl.dot`` (rows padded to 16).
 BROADCAST_MAX_ROWS = 4
-#: The most rows the broadcast path can take at all (its register tile holds every row).
-BROADCAST_LIMIT_ROWS = 16
-#: ``tl.dot`` needs every dimension >= 16: the smallest row block of the dot path.
+#: ``tl.dot`` needs every dimension >= 16: the rows of ``x`` are padded to this on the dot path.
 DOT_ROWS = 16
 #: Weight dtypes the kernel reads (``x`` has the same dtype).
 DTYPES = (torch.bfloat16, torch.float16)
@@ -78,13 +73,6 @@ DOT_BLOCK_N = 16
 DOT_BLOCK_K = 256
 DOT_NUM_WARPS = 4
 DOT_NUM_STAGES = 4
-#: tl.dot path above ``DOT_ROWS`` rows: the largest row block, weight rows per program, K chunk, warps,
-#: pipeline stages.
-WIDE_BLOCK_M = 64
-WIDE_BLOCK_N = 64
-WIDE_BLOCK_K = 64
-WIDE_NUM_WARPS = 4
-WIDE_NUM_STAGES = 4
 #: Pipeline stages of the broadcast path's K loop.
 BROADCAST_NUM_STAGES = 3
 #: Programs per SM the broadcast path's row blocks aim for (narrower blocks until they do).
@@ -101,9 +89,8 @@ PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 
 @dataclass(frozen=True)
 class SmallMLinearConfig:
-    """One launch: weight rows and K chunk per program, K slices, warps, pipeline stages, whether the
-    rows multiply on tensor cores (``use_dot``) or by broadcast, and the rows of ``x`` a tl.dot program
-    takes (``block_m``; the broadcast path takes every row in one program)."""
+    """One launch: weight rows and K chunk per program, K slices, warps, pipeline stages, and whether the
+    rows multiply on tensor cores (``use_dot``) or by broadcast."""
 
     block_n: int
     block_k: int
@@ -111,11 +98,10 @@ class SmallMLinearConfig:
     num_warps: int
     num_stages: int
     use_dot: bool
-    block_m: int = DOT_ROWS
 
     def rows_block(self, m: int) -> int:
-        """The padded row count each program is compiled for."""
-        return self.block_m if self.use_dot else next_power_of_2(m)
+        """The padded row count the kernel is compiled for."""
+        return DOT_ROWS if self.use_dot else next_power_of_2(m)
 
     def k_per_split(self, k: int) -> int:
         """Elements of K per split: a multiple of ``block_k`` (the last split may be shorter)."""
@@ -123,17 +109,14 @@ class SmallMLinearConfig:
         return -(-chunks // self.split_k) * self.block_k
 
     def check(self, m: int) -> None:
-        for name in ("block_n", "block_k", "block_m"):
+        for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name}={v} must be a power of two")
         if self.split_k < 1:
             raise ValueError(f"split_k={self.split_k} must be >= 1")
-        if self.use_dot and min(self.block_n, self.block_k, self.block_m) < 16:
-            raise ValueError(f"the tl.dot path needs block_n, block_k and block_m >= 16, got {self.block_n}, "
-                             f"{self.block_k}, {self.block_m}")
-        if not self.use_dot and m > BROADCAST_LIMIT_ROWS:
-            raise ValueError(f"the broadcast path takes at most {BROADCAST_LIMIT_ROWS} rows, got {m}")
+        if self.use_dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"the tl.dot path needs block_n and block_k >= 16, got {self.block_n}, {self.block_k}")
         if not self.use_dot and self.block_k < 8:
             raise ValueError(f"the broadcast path needs block_k >= 8 (one 16-byte vector), got {self.block_k}")
         if m > MAX_ROWS:
@@ -154,13 +137,8 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
     (``SPLIT_K_RULE``) only where the row blocks alone do not fill the SMs once.
     """
     use_dot = m > BROADCAST_MAX_ROWS
-    block_m = DOT_ROWS
     # Small K (tests, tiny models): one chunk covers it, at least one 16-byte vector (or an MMA's K) wide.
-    if use_dot and m > DOT_ROWS:
-        block_m = min(next_power_of_2(m), WIDE_BLOCK_M)
-        block_k = max(16, min(WIDE_BLOCK_K, next_power_of_2(k)))
-        block_n, num_warps, num_stages = WIDE_BLOCK_N, WIDE_NUM_WARPS, WIDE_NUM_STAGES
-    elif use_dot:
+    if use_dot:
         block_k = max(16, min(DOT_BLOCK_K, next_power_of_2(k)))
         block_n, num_warps, num_stages = DOT_BLOCK_N, DOT_NUM_WARPS, DOT_NUM_STAGES
     else:
@@ -172,8 +150,8 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
         widest = BROADCAST_BLOCK_K if m == 1 else BROADCAST_ACC_ELEMENTS // (block_n * next_power_of_2(m))
         block_k = max(8, min(BROADCAST_BLOCK_K, widest, next_power_of_2(k)))
         num_warps, num_stages = BROADCAST_NUM_WARPS, BROADCAST_NUM_STAGES
-    split_k = SPLIT_K_RULE.splits(-(-n // block_n) * -(-m // block_m), k, num_sms)
-    return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot, block_m)
+    split_k = SPLIT_K_RULE.splits(-(-n // block_n), k, num_sms)
+    return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
 
 
 if HAS_TRITON:
@@ -214,17 +192,16 @@ if HAS_TRITON:
         M, N, K, stride_xm, stride_wn, stride_om, k_per_split, chunks_per_split,
         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
-        NUM_STAGES: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, W_EVICTION: tl.constexpr,
+        NUM_STAGES: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_k = tl.program_id(2)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
         # RMSNorm prologue: the products take weight * s unscaled and the row's sum of squares accumulates
         # beside them; 1 / rms scales the sums once at the end (one K slice: the wrapper never splits K).
         squares = tl.zeros([BLOCK_K if PROLOGUE == _RMS_NORM else 1], dtype=tl.float32)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N load row N - 1 and are never stored
-        offs_m = pid_m * M_PAD + tl.arange(0, M_PAD)
+        offs_m = tl.arange(0, M_PAD)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
         k_start = pid_k * k_per_split
@@ -239,9 +216,9 @@ if HAS_TRITON:
             k0 = k_start + i * BLOCK_K
             k_mask = (k0 + offs_k) < K  # the slice's own end is a whole number of chunks: only K bounds it
             if EVEN_K:
-                w = tl.load(w_ptrs + k0, eviction_policy=W_EVICTION)
+                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
             else:
-                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICTION)
+                w = tl.load(w_ptrs + k0, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
             if USE_DOT:
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k0 + offs_k[None, :]
                 x_mask = (offs_m < M)[:, None]
@@ -391,8 +368,7 @@ def _launch(
     even_k = k % cfg.block_k == 0 and chunks % chunks_per_split == 0
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
-    grid = (triton.cdiv(m, cfg.rows_block(m)), triton.cdiv(n, cfg.block_n), split_k)
-    _small_m_linear_kernel[grid](
+    _small_m_linear_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
         x, weight, bias_arg, out, partials,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         stream if stream is not None else x, float(eps),
@@ -401,7 +377,6 @@ def _launch(
         USE_DOT=cfg.use_dot, EVEN_K=even_k, HAS_BIAS=bias is not None,
         WRITE_PARTIALS=split_k > 1, NUM_STAGES=cfg.num_stages,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        W_EVICTION="evict_first" if grid[0] == 1 else "",  # other row blocks read the tile from L2
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if split_k > 1:

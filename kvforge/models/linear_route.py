@@ -12,9 +12,8 @@ The small-M kernel takes a product when
   (and before CUDA-graph capture, which records whichever path ran) overrides both;
 * the tensors are on a device type in :data:`SMALL_M_LINEAR_DEVICES` (CUDA; tests add ``"cpu"`` to run the
   kernel in Triton's interpreter);
-* ``x`` and the weight are bfloat16 or float16 of one dtype, with 1 to :data:`SMALL_M_MAX_ROWS` rows or a
-  row count inside :data:`SMALL_M_WIDE_ROWS` (the kernel's row blocks on tensor cores), the weight at most
-  :data:`SMALL_M_MAX_WEIGHT_BYTES`;
+* ``x`` and the weight are bfloat16 or float16 of one dtype, with 1 to :data:`SMALL_M_MAX_ROWS` rows, the
+  weight at most :data:`SMALL_M_MAX_WEIGHT_BYTES`;
 * the weight's rows are 16-byte aligned (``K`` a multiple of 8), so the kernel streams whole vectors;
 * (in :func:`linear`) ``x`` is 2-D, both are contiguous along ``K`` and autograd is off (the kernel is
   inference-only and reads ``nn.Linear``'s layout; input-major CPU weights never qualify).
@@ -51,8 +50,6 @@ SMALL_M_LINEAR_DEVICES: tuple[str, ...] = ("cuda",)
 #: The most rows (tokens of a step) the kernel takes; more go to cuBLAS. The kernel handles up to 16; at 2-16
 #: rows it is slower than cuBLAS on the MLP and LM head (docs/BENCHMARKS.md), so the route stops at one.
 SMALL_M_MAX_ROWS = 1
-#: Row counts (inclusive bounds) where the kernel's row-block path takes the product; None: none.
-SMALL_M_WIDE_ROWS: tuple[int, int] | None = None
 #: The largest weight (bytes) the kernel takes; None: any. (Where cuBLAS already streams large weights at
 #: copy bandwidth, only the smaller projections need the kernel.)
 SMALL_M_MAX_WEIGHT_BYTES: int | None = None
@@ -72,8 +69,7 @@ def use_small_m_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch
         SMALL_M_LINEAR
         and device.type in SMALL_M_LINEAR_DEVICES
         and dtype in _DTYPES
-        and (1 <= m <= SMALL_M_MAX_ROWS or (SMALL_M_WIDE_ROWS is not None
-                                             and SMALL_M_WIDE_ROWS[0] <= m <= SMALL_M_WIDE_ROWS[1]))
+        and 1 <= m <= SMALL_M_MAX_ROWS
         and n > 0
         and (k * dtype.itemsize) % _ROW_ALIGN_BYTES == 0
         and (SMALL_M_MAX_WEIGHT_BYTES is None or n * k * dtype.itemsize <= SMALL_M_MAX_WEIGHT_BYTES)
