@@ -233,6 +233,17 @@ def test_bad_batches_and_echo(server, body, field):
     assert not server.engine.has_unfinished_requests()
 
 
+def test_echo_max_tokens_zero_with_min_tokens_names_the_clients_max_tokens(server):
+    """Echo with max_tokens 0 runs in the engine as one forced token, yet a min_tokens above 0 is refused
+    against the client's own max_tokens (0), not the engine's 1; min_tokens 0 is served."""
+    status, body = _post(server, {"prompt": "One, two, three", "max_tokens": 0, "echo": True, "min_tokens": 3})
+    err = body["error"]
+    assert status == 400 and err["param"] == "min_tokens"
+    assert "3 is above max_tokens 0" in err["message"] and "max_tokens 1" not in err["message"]
+    status, body = _post(server, {"prompt": "One, two, three", "max_tokens": 0, "echo": True, "min_tokens": 0})
+    assert status == 200 and body["choices"][0]["text"] == "One, two, three"
+
+
 def test_lm_eval_loglikelihood_request(server):
     """The exact request lm-evaluation-harness's local-completions model sends for loglikelihood (token-id
     prompts in a batch, max_tokens=1, logprobs=1, echo, seed), read the way it reads the answer: the sum of

@@ -30,6 +30,7 @@ from kvforge.server import protocol, tokenization
 from kvforge.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
+    InternalServerError,
     QueueFullError,
     RequestStream,
     ServerShuttingDownError,
@@ -108,6 +109,8 @@ def create_app(
                                    headers={"Retry-After": "5"})
         except EngineDeadError as e:
             response = _json_error(500, str(e), "server_error", code="engine_dead")
+        except InternalServerError as e:
+            response = _json_error(500, str(e), "server_error", code="internal_error")
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -412,7 +415,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             sent_tokens[i] = len(ids)
         if req.include_usage:
             await resp.write(chunk([], protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens))))
-    except (ServerShuttingDownError, EngineDeadError) as e:
+    except (ServerShuttingDownError, EngineDeadError, InternalServerError) as e:
         err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")

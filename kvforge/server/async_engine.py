@@ -10,12 +10,21 @@ Each request gets a ``RequestStream``: the loop publishes the latest
 up; a reader that goes away closes the stream, which aborts the request and
 frees its KV blocks.
 
+A request's streams are registered on the event loop before its add is handed
+to the engine thread, so every output of every step that includes the request
+reaches its stream, whenever the caller of ``add_requests`` resumes; an output
+whose stream is missing belongs to a stream that was registered and then
+released (closed by its reader, or failed by a shutdown). A failed add
+unregisters its streams, and nothing of it is left in the engine.
+
 The engine requests of one client request (its prompts times ``n``) are added
 in one call on the engine thread, so no engine step runs between them; a
 sample that is to reuse sample 0's prompt blocks is added on the engine thread
 right after the step that computed that prompt, before the next step. A reader
 that starts on its streams once they are returned so sees each of them from
-its first step.
+its first step: a reader that keeps up gets one step per output, and one that
+falls behind (a busy event loop) gets the latest output, which holds the steps
+it missed.
 """
 
 from __future__ import annotations
@@ -54,6 +63,11 @@ class EngineDeadError(Exception):
     """The engine raised while stepping; requests in flight fail (HTTP 500)."""
 
 
+class InternalServerError(Exception):
+    """One request failed on something that should not happen (a bug) while the engine runs on: HTTP 500
+    ``internal_error``, not ``engine_dead``."""
+
+
 class RequestStream:
     """The consumer side of one request: ``async for out in stream`` then ``close()``."""
 
@@ -61,6 +75,8 @@ class RequestStream:
                  scored_token: int | None = None):
         self._owner = owner
         self.request_id = request_id
+        # prompt_tokens and scored_token are set on the engine thread before the request is added
+        # (AsyncEngine._prepare_and_add), so they are known before its first output.
         self.prompt_tokens = prompt_tokens
         # A prompt-only request (echo with max_tokens 0) generates nothing: its outputs show the prompt alone.
         # scored_token: its last prompt token, which the engine scores as its one sampled token
@@ -77,6 +93,7 @@ class RequestStream:
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self._closed = False
+        self._added = False  # its add_requests call returned it: the engine had it before any later step
 
     # producer side (event loop thread) --------------------------------------
 
@@ -124,8 +141,9 @@ class AsyncEngine:
         self.metrics = metrics or ServerMetrics()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-engine")
         self._ids = itertools.count()
-        self._streams: dict[str, RequestStream] = {}  # added to the engine, not yet finished/closed
-        self._adding = 0  # add_request calls in flight
+        # Registered before their add goes to the engine thread; removed when finished, closed or failed.
+        self._streams: dict[str, RequestStream] = {}
+        self._adding = 0  # engine requests whose add_requests call is in flight
         self._added_since_stats = 0
         self._pending_aborts: list[str] = []
         # Engine thread only: samples to add once their sample 0 (the key) has an output, and the reverse map.
@@ -153,7 +171,7 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams) + self._adding
+        return len(self._streams)
 
     @property
     def prefix_block_size(self) -> int | None:
@@ -273,41 +291,50 @@ class AsyncEngine:
         count = len(prompts) * len(samples)
         if not admitted:
             self.admit(count)
-        request_ids = [f"req-{next(self._ids)}" for _ in range(count)]
+        # The streams exist before the engine can run a step with their requests: _run finds every output.
+        streams = [RequestStream(self, f"req-{next(self._ids)}", 0, prompt_only) for _ in range(count)]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
         self._adding += count
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._executor, self._prepare_and_add, request_ids, prompts, samples, messages, max_tokens_explicit,
-            max_tokens_field, chat_options, prompt_only,
-        )
+        self._wakeup.set()
         try:
-            prepared = await asyncio.shield(fut)
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._prepare_and_add, streams, prompts, samples, messages, max_tokens_explicit,
+                max_tokens_field, chat_options, prompt_only,
+            )
         except asyncio.CancelledError:
-            # The client left while its requests were being added: undo them once they land.
-            fut.add_done_callback(lambda f: f.exception() is None and self._schedule_abort(*request_ids))
+            # The client left while its requests were being added: abort them (after the add, if it runs:
+            # the engine thread takes the aborts in order).
+            for stream in streams:
+                stream.close()
+            raise
+        except BaseException:
+            # Refused: the engine thread added none of them (or aborted those it had added) before any step.
+            for stream in streams:
+                stream._closed = True
+                self._streams.pop(stream.request_id, None)
             raise
         finally:
             self._adding -= count
         self._added_since_stats += count
-        streams = []
-        for k, request_id in enumerate(request_ids):
-            prompt_tokens, scored = prepared[k // len(samples)]
-            stream = RequestStream(self, request_id, prompt_tokens, prompt_only, scored)
-            self._streams[request_id] = stream
-            streams.append(stream)
-        self._wakeup.set()
+        for stream in streams:
+            stream._added = True
         return streams
 
-    def _prepare_and_add(self, request_ids, prompts, samples, messages, max_tokens_explicit, max_tokens_field,
-                         chat_options, prompt_only) -> list[tuple[int, int | None]]:
-        """Runs on the engine thread: render, count and check every prompt, then add the requests. Returns
-        per prompt its token count and, for a prompt-only request, the prompt token scored as the engine's
-        sampled token (see :meth:`_prompt_only`)."""
+    def _prepare_and_add(self, streams, prompts, samples, messages, max_tokens_explicit, max_tokens_field,
+                         chat_options, prompt_only) -> None:
+        """Runs on the engine thread: render, count and check every prompt, then add the requests. Before the
+        first add, each stream gets its prompt's token count and, for a prompt-only request, the prompt token
+        scored as the engine's sampled token (see :meth:`_prompt_only`). Raises with nothing added."""
         n = len(samples)
+        request_ids = [s.request_id for s in streams]
         prepared = []
         for i, prompt in enumerate(prompts):
             with _naming_prompt(i, len(prompts)):
                 prepared.append(self._prepare(prompt, messages, samples, max_tokens_explicit, max_tokens_field,
                                               chat_options, prompt_only))
+        for k, stream in enumerate(streams):
+            _, stream.prompt_tokens, stream.scored_token, _ = prepared[k // n]
         block = self.prefix_block_size
         added: list[str] = []
         later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
@@ -319,8 +346,10 @@ class AsyncEngine:
             for i, (ids, _, _, params) in enumerate(prepared):
                 followers = [(request_ids[i * n + j], ids, params[j]) for j in range(1, n)]
                 # A sample reuses the full blocks before the prompt's last token (computed anew); a request
-                # with prompt logprobs computes its whole prompt, reusing nothing.
-                if followers and block is not None and len(ids) > block and params[0].prompt_logprobs is None:
+                # with prompt logprobs computes its whole prompt, reusing nothing. Only samples that differ
+                # from sample 0 in their seed alone wait: the engine took sample 0, so it takes them too.
+                if (followers and block is not None and len(ids) > block and params[0].prompt_logprobs is None
+                        and all(_same_but_seed(p, params[0]) for _, _, p in followers)):
                     later[request_ids[i * n]] = followers
                     continue
                 for rid, ids_, p in followers:
@@ -335,7 +364,6 @@ class AsyncEngine:
             self._later[leader] = followers
             for rid, _, _ in followers:
                 self._leader_of[rid] = leader
-        return [(count, scored) for _, count, scored, _ in prepared]
 
     def _prepare(self, prompt, messages, samples, max_tokens_explicit, max_tokens_field, chat_options, prompt_only):
         """One prompt's (engine prompt ids, prompt token count, scored token or None, params per sample)."""
@@ -433,7 +461,8 @@ class AsyncEngine:
         return failed
 
     def _add_later(self, leader: str) -> list[tuple[str, BaseException]]:
-        """Add the samples waiting for ``leader`` (engine thread); returns those the engine refused."""
+        """Add the samples waiting for ``leader`` (engine thread); returns those the engine refused, which it
+        should not: each has sample 0's parameters but for its seed, and the engine took sample 0."""
         failed = []
         for rid, ids, params in self._later.pop(leader, ()):
             del self._leader_of[rid]
@@ -470,10 +499,15 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             aborts, self._pending_aborts = self._pending_aborts, []
-            active = set(self._streams)
+            # The requests the engine had before this step: their adds returned (streams still being added
+            # may land before or after it).
+            active = {rid for rid, s in self._streams.items() if s._added}
             try:
                 outputs, failed, steps, unfinished, stats = await self._call(self._iterate, aborts)
             except asyncio.CancelledError:
+                # Shutdown: the step may never have started, so its aborts go back to the queue, which
+                # shutdown() runs (an abort that did run is a no-op the second time).
+                self._pending_aborts[:0] = aborts
                 raise
             except Exception as e:
                 logger.exception("engine step failed; failing %d request(s)", len(self._streams))
@@ -487,14 +521,19 @@ class AsyncEngine:
             for rid, e in failed:
                 stream = self._streams.pop(rid, None)
                 if stream is not None:
-                    stream._fail(EngineDeadError(f"the engine refused request {rid}: {e}"))
+                    logger.error("the engine refused sample %s, held back for its sample 0 that it took: %r", rid, e)
+                    stream._fail(InternalServerError(
+                        f"internal error: the engine refused sample {rid} of this request after taking its sample "
+                        f"0 with the same parameters but the seed: {type(e).__name__}: {e}"))
             now = time.monotonic()
             seen = set()
             for out in outputs:
                 seen.add(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is None:
-                    continue  # closed by its reader; the abort is queued
+                    # Registered before its add, so released since: closed by its reader (or failed by a
+                    # shutdown); its abort is queued.
+                    continue
                 if stream.prompt_only:
                     out = _prompt_only_output(out, stream.scored_token)
                 self.metrics.on_output(stream, out, now)
@@ -544,6 +583,10 @@ def _naming_prompt(index: int, prompts: int):
         else:
             message = f"'{field}': {message}"
         raise InvalidRequestError(message, field=field) from e
+
+
+def _same_but_seed(params: SamplingParams, sample0: SamplingParams) -> bool:
+    return dataclasses.replace(params, seed=sample0.seed) == sample0
 
 
 def _vocab_size(engine) -> int | None:

@@ -429,6 +429,11 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
         bad_field("max_tokens", f"must be an integer >= 1 (0 only with 'echo': true), got {max_tokens}")
     if max_tokens == 0 and not echo:
         bad_field("max_tokens", "must be >= 1 (0 is allowed only with 'echo': true, which returns the prompt)")
+    min_tokens = common["sampling"]["min_tokens"]
+    if prompt_only and min_tokens > 0:
+        # The engine runs a prompt-only request with max_tokens 1; the client's limit is 0.
+        bad_field("min_tokens", f"{min_tokens} is above max_tokens 0 (with 'echo' and max_tokens 0 nothing is "
+                                "generated)")
     params = _params(common, 1 if prompt_only else max_tokens, logprobs)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
