@@ -72,3 +72,20 @@ def test_warmup_runs_are_untimed_and_leave_the_timed_prompts_alone(tmp_path, cap
     assert extra == 3 * 5  # one more pass over the three requests
     assert warmed["engine_stats"]["generation_tokens_total"] == plain["engine_stats"]["generation_tokens_total"] == 15
     assert warmed["engine_stats"]["prompt_tokens_total"] == plain["engine_stats"]["prompt_tokens_total"]
+
+
+def test_profile_categories_take_the_engines_kernels_by_name():
+    """The decode profile files each kernel the engine launches under its category, by the kernel's own name
+    (so a renamed kernel that drops out of its category fails here)."""
+    kernels = pytest.importorskip("kvforge.kernels.triton_small_m_linear")
+    from kvforge.bench.offline import kernel_category
+    from kvforge.kernels import gluon_fp8_decode, triton_cache_write, triton_paged_attention
+
+    assert kernel_category(kernels._small_m_linear_kernel.__name__) == "gemm"
+    assert kernel_category(kernels._sum_splits_kernel.__name__) == "gemm"
+    assert kernel_category(triton_paged_attention._paged_attn_kernel.__name__) == "attention"
+    assert kernel_category(triton_paged_attention._merge_splits_kernel.__name__) == "attention"
+    assert kernel_category(gluon_fp8_decode._gluon_fp8_decode_warp_kernel.__name__) == "attention"
+    assert kernel_category(triton_cache_write._write_kv_kernel.__name__) == "kv_write"
+    assert kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"  # a cuBLAS kernel's name
+    assert kernel_category("triton_red_fused_add_rms_norm") == "other"

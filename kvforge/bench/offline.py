@@ -123,9 +123,18 @@ _CATEGORIES = [
     ("nccl_other", re.compile(r"nccl", re.I)),      # other NCCL kernels (e.g. the logits gather)
     ("attention", re.compile(r"_paged_attn_kernel|_gluon_fp8_decode|_mla_decode|_merge_splits")),
     ("kv_write", re.compile(r"_write_kv")),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce", re.I)),
+    # cuBLAS's kernels, the small-M Triton kernel and its split-K sum, the Triton expert kernel
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce|_small_m_linear|_sum_splits", re.I)),
     ("sampling", re.compile(r"argmax", re.I)),
 ]
+
+
+def kernel_category(name: str) -> str:
+    """The profile category (:data:`_CATEGORIES`, else ``other``) of a CUDA kernel named ``name``."""
+    for category, rx in _CATEGORIES:
+        if rx.search(name):
+            return category
+    return "other"
 
 
 def _profile_steps(engine, n_steps: int, label: str) -> dict:
@@ -147,12 +156,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
             dev_t = getattr(evt, "self_cuda_time_total", 0.0)
         if not dev_t or str(getattr(evt, "device_type", "")).split(".")[-1] != "CUDA":
             continue
-        for name, rx in _CATEGORIES:
-            if rx.search(evt.key):
-                cats[name] += dev_t
-                break
-        else:
-            cats["other"] += dev_t
+        cats[kernel_category(evt.key)] += dev_t
     per_step_ms = {k: v / 1e3 / n_steps for k, v in cats.items()}
     gpu = sum(per_step_ms.values())
     try:
