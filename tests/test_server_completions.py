@@ -209,6 +209,7 @@ def test_echo_max_tokens_zero_takes_a_prompt_that_fills_the_context(server, clie
     ({"prompt": ["a", ""]}, "prompt[1]"),
     ({"prompt": [[1, 2], []]}, "prompt[1]"),
     ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": [[1, 2], "x"]}, "prompt"),  # OpenAI's forms (and vLLM's schema) keep one kind per batch
     ({"prompt": [[1, 2], [-1]]}, "prompt[1]"),
     ({"prompt": ["fine", "long " * 300]}, "prompt[1]"),
 ])

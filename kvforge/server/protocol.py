@@ -411,6 +411,9 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
         # A batch: strings or token-id arrays, one choice each (in this order).
         if len(prompt) > MAX_PROMPTS_PER_REQUEST:
             bad_field("prompt", f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
+        if len({type(p) for p in prompt}) > 1:  # OpenAI's four forms: one kind of prompt per batch
+            bad_field("prompt", "mixes strings and token-id arrays; send an array of strings or an array of "
+                                "token-id arrays")
         prompts = [_completion_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
         prompts = [_completion_prompt(prompt, "prompt")]
