@@ -69,7 +69,7 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(v_buf, kv_base + stride_ckv + off, mask=mask)
         async_copy.commit_group()
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_splits", "stride_bt"])
     def _gluon_fp8_decode_kernel(
         q_ptr,
         kv_ptr,
@@ -274,7 +274,7 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(v_buf, kv_base + stride_ckv + off, mask=mask)
         async_copy.commit_group()
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_splits", "stride_bt"])
     def _gluon_fp8_decode_warp_kernel(
         q_ptr,
         kv_ptr,

@@ -145,7 +145,7 @@ if HAS_GLUON:
         return _offsets_of(_block_ids(bt_row, start, hi, BLOCK_SIZE, TILE, ROW_L), start, hi, stride_cb, stride_cs,
                            BLOCK_SIZE, TILE, ROW_L)  # fmt: skip
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_splits", "stride_bt"])
     def _wgmma_mla_decode_kernel(
         ql_ptr,
         qr_ptr,

@@ -460,7 +460,7 @@ if HAS_GLUON:
                  stride_cb, stride_cs, qk_scale, scale, part_acc_ptr, part_ml_ptr, pidx0, num_parts, NH, NUM_HEADS,
                  BLOCK_SIZE, NUM_STAGES, LAZY, 0, FP8_SCORE, TWO_TERMS, q_scale_smem)  # fmt: skip
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_splits", "stride_bt"])
     def _ws_mla_decode_kernel(
         ql_ptr, qr_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, scale_ptr,
         sm_scale_log2, num_splits,

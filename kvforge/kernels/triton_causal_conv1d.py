@@ -91,7 +91,7 @@ if HAS_TRITON:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + i.to(tl.int64) * stride_o + ds, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _conv1d_prefill_kernel(
         x_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr, w_ptr, bias_ptr,
         D, N, stride_x, stride_o, stride_ss, stride_sr, stride_w,

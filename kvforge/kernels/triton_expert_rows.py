@@ -38,7 +38,7 @@ COMBINE_BLOCK = 1024
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _group_rows_kernel(
         ids_ptr, order_ptr, expert_ptr, tokens_ptr, inverse_ptr, offs_ptr,
         R, NUM_EXPERTS, TOP_K, R_PAD: tl.constexpr, E_PAD: tl.constexpr,

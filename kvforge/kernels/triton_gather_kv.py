@@ -23,7 +23,7 @@ __all__ = ["gather_paged_kv"]
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seq_len", "head_start"])
     def _gather_kv_kernel(
         cache_ptr,
         blocks_ptr,

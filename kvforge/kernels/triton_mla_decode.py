@@ -68,7 +68,7 @@ _WGMMA_OUT_OF_RESOURCES: set[tuple] = set()
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
     def _mla_decode_kernel(
         ql_ptr,
         qr_ptr,

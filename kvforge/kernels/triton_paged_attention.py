@@ -115,7 +115,7 @@ if HAS_TRITON:
         v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
         return k, v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
     def _paged_attn_kernel(
         q_ptr,
         kv_ptr,
@@ -309,7 +309,7 @@ if HAS_TRITON:
                 mask=row_ok[:, None] & d_ok[None, :],
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
     def _merge_splits_kernel(
         part_acc_ptr,
         part_ml_ptr,
