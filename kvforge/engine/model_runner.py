@@ -306,28 +306,31 @@ class ModelRunner:
                         int(seq_lens.max()) if n_seqs else 0)
 
     def _to_device(self, host: HostStep):
-        """Two host->device copies (pinned, non_blocking) and views of them."""
+        """Two host->device copies (pinned, non_blocking) and views of them. Every view starts 16 bytes into
+        its buffer times a whole number (:func:`pack_aligned`), so the pointers a kernel gets are 16-byte
+        aligned whatever the batch: Triton specializes a kernel on its pointers' alignment, and a view's
+        alignment changing with the number of sequences or tokens would compile new variants mid-serving."""
         n_tok, n_seqs = host.ids.shape[0], host.num_seqs
         n_rows = 0 if host.rows is None else host.rows.shape[0]
         G = host.tables.shape[0]
-        i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows else []))
+        i64, at64 = pack_aligned([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows else []))
         decode = host.max_query_len == 1 and n_seqs > 0
         order = [AttentionMetadata.longest_first(host.seq_lens)] if decode else []
-        i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)] + order)
+        i32, at32 = pack_aligned([host.qsl, host.seq_lens, host.tables.reshape(-1)] + order)
         a64, a32 = torch.from_numpy(i64), torch.from_numpy(i32)
         if self.device.type != "cpu":
             if self._pin:
                 a64, a32 = a64.pin_memory(), a32.pin_memory()
             a64 = a64.to(self.device, non_blocking=True)
             a32 = a32.to(self.device, non_blocking=True)
-        ids, pos = a64[:n_tok], a64[n_tok:2 * n_tok]
-        slots = a64[2 * n_tok:(2 + G) * n_tok].view(G, n_tok)
-        rows = a64[(2 + G) * n_tok:] if n_rows else None
-        qsl = a32[:n_seqs + 1]
-        seq_lens = a32[n_seqs + 1:2 * n_seqs + 1]
+        ids, pos = a64[at64[0]:at64[0] + n_tok], a64[at64[1]:at64[1] + n_tok]
+        slots = a64[at64[2]:at64[2] + G * n_tok].view(G, n_tok)
+        rows = a64[at64[3]:at64[3] + n_rows] if n_rows else None
+        qsl = a32[at32[0]:at32[0] + n_seqs + 1]
+        seq_lens = a32[at32[1]:at32[1] + n_seqs]
         n_table = host.tables.size
-        tables = a32[2 * n_seqs + 1:2 * n_seqs + 1 + n_table].view(G, n_seqs, host.tables.shape[2])
-        decode_order = a32[2 * n_seqs + 1 + n_table:] if decode else None
+        tables = a32[at32[2]:at32[2] + n_table].view(G, n_seqs, host.tables.shape[2])
+        decode_order = a32[at32[3]:at32[3] + n_seqs] if decode else None
         host_qsl, host_lens = tuple(host.qsl.tolist()), tuple(host.seq_lens.tolist())
         metas = tuple(AttentionMetadata(
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables[g], slot_mapping=slots[g],
@@ -587,6 +590,20 @@ class ModelRunner:
     def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
         """float32 logits of the MTP layer's head inputs ``out`` [rows, hidden]."""
         return self.model.mtp_logits(out)
+
+
+def pack_aligned(arrays: list[np.ndarray], align_bytes: int = 16) -> tuple[np.ndarray, list[int]]:
+    """One flat array of ``arrays`` (one dtype) and each one's start offset (elements); every start is a
+    multiple of ``align_bytes``, the gaps between them zero."""
+    step = max(1, align_bytes // arrays[0].dtype.itemsize)
+    starts, at = [], 0
+    for a in arrays:
+        starts.append(at)
+        at += -(-a.size // step) * step
+    out = np.zeros(at, dtype=arrays[0].dtype)
+    for a, start in zip(arrays, starts):
+        out[start:start + a.size] = a.reshape(-1)
+    return out, starts
 
 
 def free_module_tensors(module: torch.nn.Module) -> None:
