@@ -88,6 +88,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = a.num_kv_heads * a.head_dim
         self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.o_bias, dtype=dtype)
+        # True where something else also reads the forward's ``x`` (a forward pre-hook): the norm before
+        # this block then cannot be left to the q/k/v product's prologue.
+        self.input_has_other_readers = False
         if a.qk_norm:
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
@@ -95,9 +98,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     @property
-    def input_projection(self) -> Linear:
-        """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``)."""
-        return self.qkv_proj
+    def input_projection(self) -> Linear | None:
+        """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``); None
+        where it is not the only one."""
+        return None if self.input_has_other_readers else self.qkv_proj
 
     def forward(
         self, rope: RopeCache, x: torch.Tensor, attn: AttnFn, rotary: RotaryEmbedding
