@@ -80,6 +80,9 @@ class EngineArgs:
     #: repeats.
     cuda_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not ring models), off otherwise
+    #: Run a few synthetic requests at startup so no kernel compiles inside a user's request
+    #: (kvforge/engine/warm_up.py). None: on for CUDA at TP=1 without --calculate-kv-scales, off otherwise.
+    warm_up: bool | None = None
     skip_tokenizer_init: bool = False
     kv_scale_scheme: str = "per_tensor"
     calculate_kv_scales: bool = False
@@ -95,6 +98,12 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        if self.warm_up and self.calculate_kv_scales:
+            raise ConfigError("warm_up=True with calculate_kv_scales: the warm-up's synthetic prompts would set the "
+                              "KV scales; drop one of them")
+        if self.warm_up and self.tensor_parallel_size > 1:
+            raise ConfigError("warm_up=True is not supported at tensor_parallel_size > 1 (the other ranks' step "
+                              "counters would keep the warm-up's steps); drop warm_up")
         speculative = resolve_speculative(self.speculative_config, self.num_speculative_tokens)
         object.__setattr__(self, "speculative_config", speculative)
         object.__setattr__(self, "num_speculative_tokens", speculative.num_speculative_tokens if speculative else 0)

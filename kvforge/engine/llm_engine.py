@@ -252,9 +252,13 @@ class LLMEngine:
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)
+        self._shut_down = False
+        if self._wants_warm_up(args, platform):
+            from kvforge.engine.warm_up import run_warm_up
+
+            run_warm_up(self)
         freeze_after_startup()  # no full collection walks the startup's objects mid-step (engine/gc_freeze.py)
         self.startup_seconds = time.perf_counter() - t0
-        self._shut_down = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -298,6 +302,13 @@ class LLMEngine:
             raise RuntimeError("this engine was shut down (its KV pool and weights are freed); build a new one")
 
     # ---- startup helpers ------------------------------------------------------
+    def _wants_warm_up(self, args: EngineArgs, platform: str) -> bool:
+        """``args.warm_up``, or by default: on CUDA at TP=1, unless the first step calibrates the KV scales
+        (``--calculate-kv-scales``: warm-up prompts would set them)."""
+        if args.warm_up is not None:
+            return args.warm_up
+        return platform == "cuda" and self.tp is None and not args.calculate_kv_scales
+
     def _step_budget(self, args: EngineArgs, platform: str) -> int:
         """The step size the plan reserves activations for: the token budget, or without chunked prefill
         the longest prompt when that is larger (see the budget check below)."""
