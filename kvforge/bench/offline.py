@@ -63,6 +63,7 @@ from kvforge.bench.roofline import (
     roofline,
     step_weight_bytes,
 )
+from kvforge.kernels.jit_compilations import JitCompilations
 from kvforge.speculative.stats import spec_decode_summary
 
 
@@ -254,14 +255,16 @@ def warm_up(llm, lengths=(16, 300, 700)) -> None:
 
 
 def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> dict:
-    """One generate() over fresh random prompts of ``in_lens`` tokens; throughput and step counters."""
+    """One generate() over fresh random prompts of ``in_lens`` tokens; throughput, step counters and the
+    Triton kernels compiled during the run (``kernel_compilations``; 0 once the engine has warmed up)."""
     engine = llm.engine
     vocab = engine.spec.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(n)]} for n in in_lens]
     before = engine.stats()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    with JitCompilations() as compiled:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
     after = engine.stats()
     n_in = sum(in_lens)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -270,7 +273,8 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
            "total_tokens_per_s": (n_in + n_out) / dt,
            "steps": after["num_steps"] - before["num_steps"],
            "graph_steps": after["graph_steps"] - before["graph_steps"],
-           "num_preemptions": after["num_preemptions"] - before["num_preemptions"]}
+           "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
+           "kernel_compilations": len(compiled.names)}
     spec = spec_decode_summary(before.get("spec_decode"), after.get("spec_decode"))
     accepted = ""
     if spec is not None:
@@ -278,7 +282,8 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
         accepted = (f", acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
                     f"{spec['mean_accepted_length']:.2f}")
     print(f"{label}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
-          f"{run['steps']} steps ({run['graph_steps']} graph){accepted}", flush=True)
+          f"{run['steps']} steps ({run['graph_steps']} graph){accepted}"
+          + (f", {len(compiled.names)} kernel compilations" if compiled.names else ""), flush=True)
     return run
 
 
