@@ -313,10 +313,11 @@ class ModelRunner:
         n_tok, n_seqs = host.ids.shape[0], host.num_seqs
         n_rows = 0 if host.rows is None else host.rows.shape[0]
         G = host.tables.shape[0]
-        i64, at64 = pack_aligned([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows else []))
+        # Segments: ids, pos, each group's slots, [rows] | qsl, seq_lens, each group's table, [decode order].
+        i64, at64 = pack_aligned([host.ids, host.pos, *host.slots] + ([host.rows] if n_rows else []))
         decode = host.max_query_len == 1 and n_seqs > 0
         order = [AttentionMetadata.longest_first(host.seq_lens)] if decode else []
-        i32, at32 = pack_aligned([host.qsl, host.seq_lens, host.tables.reshape(-1)] + order)
+        i32, at32 = pack_aligned([host.qsl, host.seq_lens, *host.tables] + order)
         a64, a32 = torch.from_numpy(i64), torch.from_numpy(i32)
         if self.device.type != "cpu":
             if self._pin:
@@ -324,13 +325,13 @@ class ModelRunner:
             a64 = a64.to(self.device, non_blocking=True)
             a32 = a32.to(self.device, non_blocking=True)
         ids, pos = a64[at64[0]:at64[0] + n_tok], a64[at64[1]:at64[1] + n_tok]
-        slots = a64[at64[2]:at64[2] + G * n_tok].view(G, n_tok)
-        rows = a64[at64[3]:at64[3] + n_rows] if n_rows else None
+        slots = [a64[at64[2 + g]:at64[2 + g] + n_tok] for g in range(G)]
+        rows = a64[at64[2 + G]:at64[2 + G] + n_rows] if n_rows else None
         qsl = a32[at32[0]:at32[0] + n_seqs + 1]
         seq_lens = a32[at32[1]:at32[1] + n_seqs]
-        n_table = host.tables.size
-        tables = a32[at32[2]:at32[2] + n_table].view(G, n_seqs, host.tables.shape[2])
-        decode_order = a32[at32[3]:at32[3] + n_seqs] if decode else None
+        cols = host.tables.shape[2]
+        tables = [a32[at32[2 + g]:at32[2 + g] + n_seqs * cols].view(n_seqs, cols) for g in range(G)]
+        decode_order = a32[at32[2 + G]:at32[2 + G] + n_seqs] if decode else None
         host_qsl, host_lens = tuple(host.qsl.tolist()), tuple(host.seq_lens.tolist())
         metas = tuple(AttentionMetadata(
             query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables[g], slot_mapping=slots[g],
