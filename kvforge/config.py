@@ -80,7 +80,7 @@ class EngineArgs:
     #: repeats.
     cuda_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool | None = None  # None: on for CUDA at TP=1 (not ring models), off otherwise
-    #: Run a few synthetic requests at startup so no kernel compiles inside a user's request
+    #: ``--warm-up``: run a few synthetic requests at startup so no kernel compiles inside a user's request
     #: (kvforge/engine/warm_up.py). None: on for CUDA at TP=1 without --calculate-kv-scales, off otherwise.
     warm_up: bool | None = None
     skip_tokenizer_init: bool = False
@@ -99,11 +99,11 @@ class EngineArgs:
 
     def __post_init__(self):
         if self.warm_up and self.calculate_kv_scales:
-            raise ConfigError("warm_up=True with calculate_kv_scales: the warm-up's synthetic prompts would set the "
+            raise ConfigError("--warm-up with --calculate-kv-scales: the warm-up's synthetic prompts would set the "
                               "KV scales; drop one of them")
         if self.warm_up and self.tensor_parallel_size > 1:
-            raise ConfigError("warm_up=True is not supported at tensor_parallel_size > 1 (the other ranks' step "
-                              "counters would keep the warm-up's steps); drop warm_up")
+            raise ConfigError("--warm-up is not supported at --tensor-parallel-size > 1 (the other ranks' step "
+                              "counters would keep the warm-up's steps); drop --warm-up")
         speculative = resolve_speculative(self.speculative_config, self.num_speculative_tokens)
         object.__setattr__(self, "speculative_config", speculative)
         object.__setattr__(self, "num_speculative_tokens", speculative.num_speculative_tokens if speculative else 0)
@@ -193,6 +193,10 @@ class EngineArgs:
         parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                             help="overlap the host's scheduling and output work with the GPU's step (one step "
                                  "in flight). Default: on for CUDA at TP=1, off on CPU and at TP>1 (where it can be turned on)")
+        parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                            help="run a few synthetic requests at startup so no kernel compiles inside a "
+                                 "request (docs/GPU_ENGINE.md). Default: on for CUDA at TP=1 without "
+                                 "--calculate-kv-scales, off otherwise")
         parser.add_argument("--skip-tokenizer-init", action="store_true")
         parser.add_argument("--mla-prefill-mode", choices=list(PREFILL_MODES), default="auto",
                             help="how MLA (DeepSeek) layers on CUDA attend steps with a prefill chunk: auto "

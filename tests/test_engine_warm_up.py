@@ -13,7 +13,7 @@ from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN
 from kvforge.attention.routing.paged import SDPA_PREFILL
 from kvforge.config import EngineArgs
 from kvforge.engine import warm_up as warm_up_module
-from kvforge.engine.warm_up import CAPACITY_FRACTION, SHORT_QUERIES, warm_up_rounds
+from kvforge.engine.warm_up import BASE_PROMPT_LENGTHS, CAPACITY_FRACTION, SHORT_QUERIES, warm_up_rounds
 from kvforge.errors import ConfigError
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -119,10 +119,45 @@ def test_default_is_off_on_cpu(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(calculate_kv_scales=True), "calculate_kv_scales"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(calculate_kv_scales=True), "--calculate-kv-scales"),
+    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
 ])
 def test_refused_combinations_name_the_option(kw, words):
     with pytest.raises(ConfigError, match=words):
         EngineArgs(warm_up=True, **kw)
     EngineArgs(warm_up=None, **kw)  # the default turns itself off there instead
+
+
+def test_requests_the_cache_cannot_hold_are_left_out(tmp_path):
+    """Sliding-window groups take a whole window of blocks each: with a cache that holds one sequence, some
+    warm-up requests need more blocks than the pool has. They are left out; the engine starts and serves."""
+    from tiny_checkpoints import make_checkpoint
+
+    make_checkpoint("gemma3", tmp_path, sliding_window=128, max_position_embeddings=1024)
+    kw = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, progress=False, block_size=4,
+              max_model_len=700, max_num_batched_tokens=512, kv_cache_memory=280576)
+    cold, warm = LLM(str(tmp_path), warm_up=False, **kw), LLM(str(tmp_path), warm_up=True, **kw)
+    try:
+        assert warm.engine.stats() == cold.engine.stats()
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = [llm.generate([{"prompt_token_ids": [7] * 250}], params, use_tqdm=False) for llm in (warm, cold)]
+        assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
+    finally:
+        warm.engine.shutdown()
+        cold.engine.shutdown()
+
+
+def test_without_chunked_prefill_no_prompt_exceeds_the_base_lengths():
+    """A prompt longer than the step budget only makes sense when it is chunked: without chunked prefill the
+    budget is max_model_len, and such a prompt would be one huge prefill."""
+    rounds = warm_up_rounds(131072, 131072, float("inf"), vocab_size=1000, chunked_prefill=False)
+    assert max(r.prompt_len for requests in rounds for r in requests) <= max(BASE_PROMPT_LENGTHS) + SHORT_QUERIES[-1]
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--warm-up"], True), (["--no-warm-up"], False)])
+def test_cli_flag(flags, expected):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(flags)).warm_up is expected

@@ -13,7 +13,8 @@ those paths:
 - then short prompts alone (a decode-like query tile, a one-tile prefill), fresh and continuing a long
   cached prefix.
 
-Afterwards the engine forgets them (:func:`forget_warm_up`): the prefix cache drops their hashes and every
+A request the scheduler refuses (more KV blocks than the pool holds: a small cache, or sliding-window groups
+that each take a whole window) is left out. Afterwards the engine forgets them (:func:`forget_warm_up`): the prefix cache drops their hashes and every
 counter a user reads (``LLMEngine.stats``, the step log, speculative-decoding counters) starts at zero, as
 on an engine that never warmed up. The KV blocks the requests used are free again.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN
 from kvforge.attention.routing.paged import SDPA_PREFILL
+from kvforge.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +57,13 @@ class WarmUpRequest:
         return [t for t, n in self.segments for _ in range(n)]
 
 
-def warm_up_rounds(max_model_len: int, step_budget: int, capacity_tokens: float,
-                   vocab_size: int) -> list[list[WarmUpRequest]]:
+def warm_up_rounds(max_model_len: int, step_budget: int, capacity_tokens: float, vocab_size: int,
+                   chunked_prefill: bool = True) -> list[list[WarmUpRequest]]:
     """The warm-up's rounds of requests (each round runs to completion before the next) for an engine with
     these limits (``step_budget``: the most tokens one step computes, ``max_num_batched_tokens``).
 
-    Round 1: prompts of ``BASE_PROMPT_LENGTHS`` and one longer than the step budget (its second chunk
-    continues a cached prefix beside decoding sequences), shortest first; request i generates
+    Round 1: prompts of ``BASE_PROMPT_LENGTHS`` and, with ``chunked_prefill``, one longer than the step
+    budget (its second chunk continues a cached prefix beside decoding sequences), shortest first; request i generates
     ``FIRST_MAX_TOKENS + 2 i`` tokens, so the decode batch shrinks one by one. Prompts are cut to leave room
     for the most tokens any request generates (lengths that become equal count once), then the longest are
     dropped until the round fits ``CAPACITY_FRACTION`` of the KV capacity.
@@ -70,7 +72,7 @@ def warm_up_rounds(max_model_len: int, step_budget: int, capacity_tokens: float,
     longest round-1 prompt, and the longest within MLA's absorbed limit, each with ``SHORT_QUERIES[-1]`` new
     tokens (a short query over a cached prefix). Every prompt starts with its own token id, so only the
     continuations share a prefix (with the prompt they continue). Deterministic."""
-    lengths = [*BASE_PROMPT_LENGTHS, step_budget + 300]
+    lengths = [*BASE_PROMPT_LENGTHS] + ([step_budget + 300] if chunked_prefill else [])
     most = max(1, min(FIRST_MAX_TOKENS + 2 * (len(lengths) - 1), max_model_len - 2))
     cap = max(1, max_model_len - 1 - most)
     ids = iter(range(11, 11 + 64))
@@ -98,19 +100,25 @@ def run_warm_up(engine) -> int:
     from kvforge.engine.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    rounds = warm_up_rounds(engine.max_model_len, engine.scheduler.max_num_batched_tokens,
-                            engine.plan.capacity_tokens or float("inf"), engine.spec.vocab_size)
-    steps = 0
+    scheduler = engine.scheduler
+    rounds = warm_up_rounds(engine.max_model_len, scheduler.max_num_batched_tokens,
+                            engine.plan.capacity_tokens or float("inf"), engine.spec.vocab_size,
+                            chunked_prefill=scheduler.enable_chunked_prefill)
+    steps = skipped = 0
     for k, requests in enumerate(rounds):
         for i, r in enumerate(requests):
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
-            engine.add_request(f"kvforge-warm-up-{k}-{i}", {"prompt_token_ids": r.prompt_token_ids()}, params)
+            try:
+                engine.add_request(f"kvforge-warm-up-{k}-{i}", {"prompt_token_ids": r.prompt_token_ids()}, params)
+            except InvalidRequestError:  # more KV blocks than the pool has (sliding groups count whole windows)
+                skipped += 1
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
     forget_warm_up(engine)
-    logger.info("warm-up: %d rounds (prompts of %s tokens) in %d steps, %.1f s", len(rounds),
-                [[r.prompt_len for r in requests] for requests in rounds], steps, time.perf_counter() - t0)
+    logger.info("warm-up: %d rounds (prompts of %s tokens; %d refused as too large for the KV cache) in %d "
+                "steps, %.1f s", len(rounds), [[r.prompt_len for r in requests] for requests in rounds], skipped,
+                steps, time.perf_counter() - t0)
     return steps
 
 
