@@ -321,15 +321,32 @@ def _bytes_per_sequence(groups: tuple[GroupPlan, ...], group_size: int, slot_sta
 MIN_SUGGESTED_MODEL_LEN = 64
 
 
+def _chunk_blocks(groups: tuple[GroupPlan, ...], max_model_len: int, chunk_tokens: int) -> int:
+    """Block ids the sliding groups hold beyond their decode windows while one sequence of ``max_model_len``
+    computes a chunk of ``chunk_tokens`` tokens (``sliding_window_blocks`` of the chunk less that of one
+    token, never more than the sequence's own blocks): what the scheduler charges a request on top of
+    its windows (kvforge/engine/scheduler.py, ``max_blocks_needed``)."""
+    total = 0
+    for g in groups:
+        if g.kind == "sliding":
+            own = math.ceil(max_model_len / g.block_size)
+            total += (min(own, sliding_window_blocks(g.sliding_window, g.block_size, chunk_tokens))
+                      - min(own, sliding_window_blocks(g.sliding_window, g.block_size)))
+    return total
+
+
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
-              slot_state_bytes: int, max_model_len: int, memory: int | None) -> Capacity:
+              slot_state_bytes: int, max_model_len: int, memory: int | None, chunk_tokens: int = 1) -> Capacity:
     """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
 
     A block id covers one page in each of ``group_size`` page slots and is
     taken by one group. A sequence of L tokens takes ceil(L / block) block ids
     in every growing (full / MLA) group, its window's block ids in every
     sliding group (``_window_blocks``), and ``slot_state_bytes`` outside the
-    block pool (state layers, rings: one slot per sequence).
+    block pool (state layers, rings: one slot per sequence). The memory must also
+    hold one such sequence while it computes a chunk of ``chunk_tokens`` (the step
+    budget): its windows plus ``_chunk_blocks``; else the scheduler would refuse a
+    request of max-model-len that the plan promised.
     """
     if memory is None:
         return Capacity(kv_dtype, bytes_per_token, None, None, None, None, None)
@@ -340,14 +357,24 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     if per_seq == 0:
         return Capacity(kv_dtype, bytes_per_token, memory, 0, 0, None, None, 0)
     concurrency = memory / per_seq
+    chunk_bytes = _chunk_blocks(groups, max_model_len, chunk_tokens) * block_id_bytes
     if concurrency < 1:
-        more_memory = f"give at least {per_seq} bytes per rank (--kv-cache-memory / --gpu-memory-utilization)"
+        more_memory = (f"give at least {per_seq + chunk_bytes} bytes per rank (--kv-cache-memory / "
+                       f"--gpu-memory-utilization)")
         shorter = int(max_model_len * concurrency)
         fix = (f"lower --max-model-len to at most {shorter} or {more_memory}" if shorter >= MIN_SUGGESTED_MODEL_LEN
                else more_memory)
         raise PlanError(
             f"the KV cache memory ({memory} bytes per rank) holds less than one sequence of --max-model-len "
             f"{max_model_len} ({per_seq} bytes each); fix: {fix}"
+        )
+    if memory < per_seq + chunk_bytes:
+        raise PlanError(
+            f"the KV cache memory ({memory} bytes per rank) holds one sequence of --max-model-len {max_model_len} "
+            f"({per_seq} bytes) only while it decodes: computing a chunk of {chunk_tokens} tokens, its "
+            f"sliding-window groups hold {chunk_bytes} bytes more (the window plus the chunk), so a request of that "
+            f"length would be refused; fix: give at least {per_seq + chunk_bytes} bytes per rank, or lower "
+            f"--max-num-batched-tokens (the chunk) or --max-model-len"
         )
     slots = int(concurrency) if slot_state_bytes else None
     pool = memory - (slots or 0) * slot_state_bytes
@@ -546,7 +573,8 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                                  kv_dtype=kv_dtype)
     memory = _memory(cache, weights + draft_weights, reserve, warnings, str(model_dtype))
     capacity = _capacity(kv_dtype, groups, grouping.group_size,
-                         bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory)
+                         bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory,
+                         chunk_tokens=max(1, min(step_token_budget(cache, platform), max_len - 1)))
 
     baseline = None
     if _baseline and kv_dtype != model_dtype:
