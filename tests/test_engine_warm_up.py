@@ -128,19 +128,28 @@ def test_refused_combinations_name_the_option(kw, words):
     EngineArgs(warm_up=None, **kw)  # the default turns itself off there instead
 
 
-def test_requests_the_cache_cannot_hold_are_left_out(tmp_path):
-    """Sliding-window groups take a whole window of blocks each: with a cache that holds one sequence, some
-    warm-up requests need more blocks than the pool has. They are left out; the engine starts and serves."""
+def test_a_cache_of_one_sequence_warms_up(tmp_path):
+    """Sliding-window groups take a window plus a chunk each: with the least memory the plan accepts (one
+    sequence of max-model-len computing a chunk of the step budget), the warm-up runs and the engine then
+    serves a request of max-model-len."""
+    import re
+
     from tiny_checkpoints import make_checkpoint
+
+    from kvforge.errors import PlanError
 
     make_checkpoint("gemma3", tmp_path, sliding_window=128, max_position_embeddings=1024)
     kw = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, progress=False, block_size=4,
-              max_model_len=700, max_num_batched_tokens=512, kv_cache_memory=280576)
-    cold, warm = LLM(str(tmp_path), warm_up=False, **kw), LLM(str(tmp_path), warm_up=True, **kw)
+              max_model_len=700, max_num_batched_tokens=512)
+    with pytest.raises(PlanError, match="only while it decodes") as info:
+        LLM(str(tmp_path), kv_cache_memory=280576, **kw)  # one decoding sequence's bytes
+    need = int(re.search(r"give at least (\d+) bytes", str(info.value)).group(1))
+    cold = LLM(str(tmp_path), warm_up=False, kv_cache_memory=need, **kw)
+    warm = LLM(str(tmp_path), warm_up=True, kv_cache_memory=need, **kw)
     try:
         assert warm.engine.stats() == cold.engine.stats()
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        outs = [llm.generate([{"prompt_token_ids": [7] * 250}], params, use_tqdm=False) for llm in (warm, cold)]
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        outs = [llm.generate([{"prompt_token_ids": [7] * 699}], params, use_tqdm=False) for llm in (warm, cold)]
         assert outs[0][0].outputs[0].token_ids == outs[1][0].outputs[0].token_ids
     finally:
         warm.engine.shutdown()

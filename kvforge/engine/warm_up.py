@@ -13,8 +13,8 @@ those paths:
 - then short prompts alone (a decode-like query tile, a one-tile prefill), fresh and continuing a long
   cached prefix.
 
-A request the scheduler refuses (more KV blocks than the pool holds: a small cache, or sliding-window groups
-that each take a whole window) is left out. Afterwards the engine forgets them (:func:`forget_warm_up`): the prefix cache drops their hashes and every
+A request the scheduler refuses is left out (none should be: every plan admits a request of max-model-len,
+and no warm-up request is longer). Afterwards the engine forgets them (:func:`forget_warm_up`): the prefix cache drops their hashes and every
 counter a user reads (``LLMEngine.stats``, the step log, speculative-decoding counters) starts at zero, as
 on an engine that never warmed up. The KV blocks the requests used are free again.
 """
@@ -110,13 +110,13 @@ def run_warm_up(engine) -> int:
             params = SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True)
             try:
                 engine.add_request(f"kvforge-warm-up-{k}-{i}", {"prompt_token_ids": r.prompt_token_ids()}, params)
-            except InvalidRequestError:  # more KV blocks than the pool has (sliding groups count whole windows)
+            except InvalidRequestError:  # not expected (module docstring): left out rather than fatal
                 skipped += 1
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
     forget_warm_up(engine)
-    logger.info("warm-up: %d rounds (prompts of %s tokens; %d refused as too large for the KV cache) in %d "
+    logger.info("warm-up: %d rounds (prompts of %s tokens; %d refused) in %d "
                 "steps, %.1f s", len(rounds), [[r.prompt_len for r in requests] for requests in rounds], skipped,
                 steps, time.perf_counter() - t0)
     return steps
