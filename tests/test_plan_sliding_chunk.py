@@ -65,6 +65,7 @@ def test_the_refusal_names_the_memory_that_works():
     need = int(re.search(r"give at least (\d+) bytes", str(info.value)).group(1))
     plan = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=need, max_num_batched_tokens=budget))
     assert _admits_a_longest_request(plan, budget)
+    assert plan.capacity.chunk_bytes == need - per_seq > 0
     # A smaller chunk needs less: the same memory as one decoding sequence suffices for a one-block chunk.
     small = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=need - 1,
                                       max_num_batched_tokens=16)) if need - 1 >= per_seq else None

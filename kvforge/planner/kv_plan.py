@@ -101,6 +101,9 @@ class Capacity:
     #: Bytes one sequence of ``max_model_len`` tokens takes (its block ids' pages and its state slot): the
     #: divisor of ``max_concurrency``, so the ratio of two plans' figures is their exact concurrency gain.
     bytes_per_sequence: int | None = None
+    #: Bytes the sliding-window groups hold beyond their windows while one sequence of ``max_model_len``
+    #: computes a chunk of the step budget: the memory holds at least ``bytes_per_sequence + chunk_bytes``.
+    chunk_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ def render_plan(plan: KVPlan, console=None) -> None:
         head.add_row("KV memory per rank", _gib(cap.kv_cache_memory))
         head.add_row("blocks / tokens", f"{cap.num_blocks:,} / {cap.capacity_tokens:,}")
         head.add_row("max concurrency", f"{cap.max_concurrency:.2f} x {plan.max_model_len} tokens")
+        if cap.chunk_bytes:
+            head.add_row("sliding chunk", f"{cap.chunk_bytes:,} bytes beyond the windows while a sequence "
+                                          f"computes a chunk of the step budget")
         if plan.baseline is not None and plan.baseline.capacity_tokens:
             gain = cap.capacity_tokens / plan.baseline.capacity_tokens
             head.add_row(f"vs {plan.baseline.kv_cache_dtype} KV", f"{plan.baseline.capacity_tokens:,} tokens, "

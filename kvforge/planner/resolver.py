@@ -383,7 +383,8 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
         tokens = ((num_blocks - int(concurrency) * window_blocks) // len(growing)) * growing[0].block_size
     else:
         tokens = int(concurrency) * max_model_len
-    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots, per_seq)
+    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots, per_seq,
+                    chunk_bytes)
 
 
 def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
