@@ -70,3 +70,21 @@ def test_the_refusal_names_the_memory_that_works():
     small = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=need - 1,
                                       max_num_batched_tokens=16)) if need - 1 >= per_seq else None
     assert small is None or _admits_a_longest_request(small, 16)
+
+
+def test_plan_json_reports_the_chunk_bytes(capsys):
+    """``kvforge plan --json``: ``chunk_bytes`` grows with --max-num-batched-tokens (the chunk), the
+    concurrency (a decode figure) does not; a model without sliding groups reports 0."""
+    import json
+
+    from kvforge.cli import main
+
+    def plan(model, budget):
+        assert main(["plan", model, "--device", "cuda", "--max-model-len", "8192", "--kv-cache-memory", str(20 * 10**9),
+                     "--max-num-batched-tokens", str(budget), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    small, large = plan("gemma-3-27b", 512), plan("gemma-3-27b", 8192)
+    assert 0 < small["chunk_bytes"] < large["chunk_bytes"]
+    assert small["max_concurrency"] == large["max_concurrency"]
+    assert plan("llama-3.1-8b", 8192)["chunk_bytes"] == 0

@@ -230,6 +230,7 @@ class KVPlan:
         d["state_slots"] = cap["state_slots"]
         d["kv_cache_memory"] = cap["kv_cache_memory"]
         d["bytes_per_sequence"] = cap["bytes_per_sequence"]
+        d["chunk_bytes"] = cap["chunk_bytes"]
         d["concurrency_gain_vs_baseline"] = self.concurrency_gain()
         if self.baseline is not None and self.capacity.capacity_tokens and self.baseline.capacity_tokens:
             d["capacity_gain_vs_baseline"] = round(self.capacity.capacity_tokens / self.baseline.capacity_tokens, 4)
