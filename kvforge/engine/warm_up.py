@@ -7,16 +7,17 @@ each on a cold Triton cache. The warm-up's requests (:func:`warm_up_rounds`) are
 those paths:
 
 - prompts of several lengths (short, past the prefill attention's SDPA threshold, past MLA's absorbed
-  limit) in one step, and, where ``max_model_len`` allows, one prompt longer than the step budget, so
-  its second chunk continues a cached prefix beside decoding sequences;
+  limit) in one step, and, with chunked prefill and where ``max_model_len`` allows, one prompt longer
+  than the step budget, so its second chunk continues a cached prefix beside decoding sequences;
 - ``max_tokens`` that differ, so the decode batch shrinks to one sequence;
 - then short prompts alone (a decode-like query tile, a one-tile prefill), fresh and continuing a long
   cached prefix.
 
-A request the scheduler refuses is left out (none should be: every plan admits a request of max-model-len,
-and no warm-up request is longer). Afterwards the engine forgets them (:func:`forget_warm_up`): the prefix cache drops their hashes and every
-counter a user reads (``LLMEngine.stats``, the step log, speculative-decoding counters) starts at zero, as
-on an engine that never warmed up. The KV blocks the requests used are free again.
+A request the scheduler refuses is left out (none should be: every plan admits a request of
+max-model-len, and no warm-up request is longer). Afterwards the engine forgets them
+(:func:`forget_warm_up`): the prefix cache drops their hashes and every counter a user reads
+(``LLMEngine.stats``, the step log, speculative-decoding counters) starts at zero, as on an engine that
+never warmed up. The KV blocks the requests used are free again.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def warm_up_rounds(max_model_len: int, step_budget: int, capacity_tokens: float,
     these limits (``step_budget``: the most tokens one step computes, ``max_num_batched_tokens``).
 
     Round 1: prompts of ``BASE_PROMPT_LENGTHS`` and, with ``chunked_prefill``, one longer than the step
-    budget (its second chunk continues a cached prefix beside decoding sequences), shortest first; request i generates
-    ``FIRST_MAX_TOKENS + 2 i`` tokens, so the decode batch shrinks one by one. Prompts are cut to leave room
+    budget (its second chunk continues a cached prefix beside decoding sequences), shortest first; request
+    i generates ``FIRST_MAX_TOKENS + 2 i`` tokens, so the decode batch shrinks one by one. Prompts are cut to leave room
     for the most tokens any request generates (lengths that become equal count once), then the longest are
     dropped until the round fits ``CAPACITY_FRACTION`` of the KV capacity.
 
@@ -90,7 +91,8 @@ def warm_up_rounds(max_model_len: int, step_budget: int, capacity_tokens: float,
     absorbed = [r for r in fits if r.prompt_len + extra <= ABSORBED_PREFILL_MAX_SEQ_LEN]
     for base in dict.fromkeys(group[-1] for group in (fits, absorbed) if group):
         later.append(WarmUpRequest(base.segments + ((token(), extra),), FIRST_MAX_TOKENS))
-    later = [r for r in later if r.prompt_len + r.max_tokens <= min(max_model_len, CAPACITY_FRACTION * capacity_tokens)]
+    room = min(max_model_len, CAPACITY_FRACTION * capacity_tokens)
+    later = [r for r in later if r.prompt_len + r.max_tokens <= room]
     return ([first] if first else []) + [[r] for r in later]
 
 
@@ -116,9 +118,8 @@ def run_warm_up(engine) -> int:
             engine.step()
             steps += 1
     forget_warm_up(engine)
-    logger.info("warm-up: %d rounds (prompts of %s tokens; %d refused) in %d "
-                "steps, %.1f s", len(rounds), [[r.prompt_len for r in requests] for requests in rounds], skipped,
-                steps, time.perf_counter() - t0)
+    logger.info("warm-up: %d rounds (prompts of %s tokens; %d refused) in %d steps, %.1f s", len(rounds),
+                [[r.prompt_len for r in requests] for requests in rounds], skipped, steps, time.perf_counter() - t0)
     return steps
 
 
