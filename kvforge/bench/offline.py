@@ -245,10 +245,13 @@ def stats_between(before: dict, after: dict) -> dict:
 
 
 def warm_up(llm, lengths=(16, 300, 700)) -> None:
-    """Compiles the prefill, mixed and decode kernel variants (graphs were captured at startup). Prompts are
-    cut to leave room for their 8 tokens, but keep at least one token (a short --max-model-len)."""
+    """Three short requests before the timed runs, unless the engine ran its own startup warm-up
+    (kvforge/engine/warm_up.py; off on CPU). Prompts are cut to leave room for their 8 tokens, but keep at
+    least one token (a short --max-model-len)."""
     from kvforge.engine.sampling_params import SamplingParams
 
+    if llm.engine.warmed_up:
+        return
     n_max = max(1, llm.engine.max_model_len - 9)
     warm = [{"prompt_token_ids": [11 + i] * min(n, n_max)} for i, n in enumerate(lengths)]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

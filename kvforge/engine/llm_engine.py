@@ -253,7 +253,8 @@ class LLMEngine:
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)
         self._shut_down = False
-        if self._wants_warm_up(args, platform):
+        self.warmed_up = self._wants_warm_up(args, platform)  # the startup warm-up ran (engine/warm_up.py)
+        if self.warmed_up:
             from kvforge.engine.warm_up import run_warm_up
 
             run_warm_up(self)
