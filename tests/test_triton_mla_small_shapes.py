@@ -177,3 +177,31 @@ def test_small_mla_cache_write(kv_dtype):
     assert torch.equal(dev_cache.cpu().view(torch.uint8), expected.view(nb, bs, r + p).view(torch.uint8))
     if fp8:
         assert dev_cache.cpu().view(nb * bs, r + p)[5, :4].float().tolist() == [0.0, fmax, -fmax, fmax]
+
+
+def test_absorbed_layer_entry_is_token_major_and_matches_the_formula():
+    """The backend's decode entry (kvforge/attention/triton_mla.py, ``mla_attention`` of a decode step): the
+    per-head products absorb ``w_uk`` into the query and ``w_uv`` into the output around the kernel. Its
+    output must be the token-major ``[T, H, V]`` layout, contiguous (the output projection reshapes it
+    without a copy), and equal the float64 formula ``o = w_uv softmax(s) c`` within the fp16 bound."""
+    from kvforge.attention.triton_mla import mla_attention
+
+    skip_unless_loaded_loop_bounds_work()
+    gen = torch.Generator().manual_seed(11)
+    heads, dn, r, p, v, block_size, lens = 3, 8, 64, 16, 12, 16, [1, 17, 70]
+    cache, tables, stored = _paged_rows(lens, block_size, r + p, torch.float16, 1.0, gen)
+    b = len(lens)
+    q_nope = (torch.randn(b, heads, dn, generator=gen) * 0.5).to(torch.float16)
+    q_rope = (torch.randn(b, heads, p, generator=gen) * 0.5).to(torch.float16)
+    w_uk = (torch.randn(heads, dn, r, generator=gen) * 0.2).to(torch.float16)
+    w_uv = (torch.randn(heads, v, r, generator=gen) * 0.2).to(torch.float16)
+    meta = AttentionMetadata(torch.arange(b + 1, dtype=torch.int32, device=DEVICE),
+                             torch.tensor(lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE),
+                             torch.full((b,), -1, dtype=torch.int64, device=DEVICE), 1, max(lens), block_size)
+    got = mla_attention(q_nope.to(DEVICE), q_rope.to(DEVICE), cache.to(DEVICE), meta, None, SOFTMAX_SCALE,
+                        w_uk.to(DEVICE), w_uv.to(DEVICE), num_splits=1)
+    assert got.shape == (b, heads, v) and got.is_contiguous()
+    q_latent = torch.einsum("thd,hdr->thr", q_nope.double(), w_uk.double())
+    want = torch.einsum("thr,hvr->thv", _reference(q_latent, q_rope, stored, r), w_uv.double())
+    err = ((got.cpu().double() - want).abs().max() / want.abs().max()).item()
+    assert err <= 2.0**-6, err

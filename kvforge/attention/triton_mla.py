@@ -155,9 +155,17 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
 
 
 def _absorbed(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv, query_dtype=None, num_splits=None):
-    """Decode queries (one per row of ``meta``) in latent space: ``[rows, H, V]``. The plan's query dtype and
-    split count apply to decode steps; prefill tokens keep the model-dtype query (both None)."""
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk.to(q_nope.dtype)).transpose(0, 1)  # [rows, H, R]
-    o_latent = mla_decode(q_latent.contiguous(), q_rope, cache, meta, scale, softmax_scale,
+    """Decode queries (one per row of ``meta``) in latent space: ``[rows, H, V]``, contiguous. The plan's query
+    dtype and split count apply to decode steps; prefill tokens keep the model-dtype query (both None).
+
+    Both per-head products write the token-major layout directly (``out=`` a head-major view of a
+    ``[rows, H, ·]`` tensor; cuBLAS takes the row stride ``H x width``), so neither the decode kernel's query
+    nor the output projection's input is copied into shape."""
+    rows, heads, dtype = q_nope.shape[0], q_nope.shape[1], q_nope.dtype
+    q_latent = torch.empty(rows, heads, w_uk.shape[2], dtype=dtype, device=q_nope.device)
+    torch.bmm(q_nope.transpose(0, 1), w_uk.to(dtype), out=q_latent.transpose(0, 1))
+    o_latent = mla_decode(q_latent, q_rope, cache, meta, scale, softmax_scale,
                           query_dtype=query_dtype, num_splits=num_splits)
-    return torch.bmm(o_latent.transpose(0, 1), w_uv.to(q_nope.dtype).transpose(1, 2)).transpose(0, 1)
+    out = torch.empty(rows, heads, w_uv.shape[1], dtype=dtype, device=q_nope.device)
+    torch.bmm(o_latent.transpose(0, 1), w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
+    return out
