@@ -101,9 +101,6 @@ class EngineArgs:
         if self.warm_up and self.calculate_kv_scales:
             raise ConfigError("--warm-up with --calculate-kv-scales: the warm-up's synthetic prompts would set the "
                               "KV scales; drop one of them")
-        if self.warm_up and self.tensor_parallel_size > 1:
-            raise ConfigError("--warm-up is not supported at --tensor-parallel-size > 1 (the other ranks' step "
-                              "counters would keep the warm-up's steps); drop --warm-up")
         speculative = resolve_speculative(self.speculative_config, self.num_speculative_tokens)
         object.__setattr__(self, "speculative_config", speculative)
         object.__setattr__(self, "num_speculative_tokens", speculative.num_speculative_tokens if speculative else 0)
@@ -196,7 +193,7 @@ class EngineArgs:
         parser.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
                             help="run a few synthetic requests at startup so no kernel compiles inside a "
                                  "request (docs/GPU_ENGINE.md). Default: on for CUDA at TP=1 without "
-                                 "--calculate-kv-scales, off otherwise")
+                                 "--calculate-kv-scales, off otherwise (at TP>1 it can be turned on)")
         parser.add_argument("--skip-tokenizer-init", action="store_true")
         parser.add_argument("--mla-prefill-mode", choices=list(PREFILL_MODES), default="auto",
                             help="how MLA (DeepSeek) layers on CUDA attend steps with a prefill chunk: auto "

@@ -118,14 +118,18 @@ def test_default_is_off_on_cpu(model_dir, monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(calculate_kv_scales=True), "--calculate-kv-scales"),
-    (dict(tensor_parallel_size=2), "--tensor-parallel-size"),
-])
+@pytest.mark.parametrize("kw, words", [(dict(calculate_kv_scales=True), "--calculate-kv-scales")])
 def test_refused_combinations_name_the_option(kw, words):
     with pytest.raises(ConfigError, match=words):
         EngineArgs(warm_up=True, **kw)
     EngineArgs(warm_up=None, **kw)  # the default turns itself off there instead
+
+
+def test_tensor_parallel_warm_up_is_opt_in():
+    """At TP > 1 the default leaves the warm-up off (not measured on several GPUs); asking for it is allowed
+    (tests/test_tp.py runs it on two CPU ranks)."""
+    assert EngineArgs(warm_up=True, tensor_parallel_size=2).warm_up is True
+    assert EngineArgs(tensor_parallel_size=2).warm_up is None
 
 
 def test_a_cache_of_one_sequence_warms_up(tmp_path):

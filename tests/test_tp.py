@@ -249,3 +249,34 @@ def test_tp2_async_scheduling_matches_tp1(tmp_path, engines, monkeypatch, static
     if static_decode:
         assert c0["num_graph_steps"] >= 5
     assert tp2.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_tp2_warm_up_leaves_no_trace_on_any_rank(tmp_path, engines, monkeypatch):
+    """``--warm-up`` at TP=2: its steps run on both ranks like any others (graph and eager), then every
+    rank's step counters read zero and the engine's stats equal those of a TP=2 engine that never warmed
+    up. The same requests then take the same steps on both engines with the same all-reduce order, so the
+    greedy tokens are equal, not merely in agreement, and so are every rank's counters afterwards."""
+    from kvforge.distributed import launcher
+    from kvforge.engine import warm_up as warm_up_module
+
+    cfg = _save(tmp_path, "llama_split")
+    reqs = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size)]
+    monkeypatch.setattr(launcher, "RUNNER_OPTIONS", {"static_decode_on_cpu": True})  # sent to every rank
+    steps = []
+    run = warm_up_module.run_warm_up
+    monkeypatch.setattr(warm_up_module, "run_warm_up", lambda engine: steps.append(run(engine)) or steps[-1])
+    results = {}
+    for warm in (False, True):  # one tensor-parallel engine at a time in a process
+        llm = engines(tmp_path, tensor_parallel_size=2, warm_up=warm)
+        try:
+            fresh = (llm.engine.stats(), llm.engine.rank_counters())
+            outs = llm.generate(reqs, GREEDY, use_tqdm=False)
+            results[warm] = (fresh, [o.outputs[0].token_ids for o in outs], llm.engine.rank_counters())
+        finally:
+            llm.engine.shutdown()
+    assert len(steps) == 1 and steps[0] >= 8  # the warm-up ran once, on the warmed engine only
+    (cold_fresh, cold_tokens, cold_after), (warm_fresh, warm_tokens, warm_after) = results[False], results[True]
+    assert [(c["num_graph_steps"], c["num_eager_steps"]) for c in warm_fresh[1]] == [(0, 0), (0, 0)]
+    assert warm_fresh == cold_fresh
+    assert warm_tokens == cold_tokens
+    assert warm_after == cold_after and warm_after[0]["num_graph_steps"] >= 5

@@ -286,11 +286,13 @@ class TPLauncher:
     def rank_counters(self, timeout_s: float = 30.0) -> list[dict]:
         """Every rank's step counters (``num_graph_steps``, ``num_eager_steps``, graph sizes), rank 0 first.
         Call between steps, from the thread that runs them."""
+        from kvforge.distributed.runner import REPORT_COUNTERS
+
         if self.closed or self.broken:
             raise DistributedError(self.broken or "this tensor-parallel engine was shut down")
         self._counter_requests += 1
         n = self._counter_requests
-        self._send_to_workers(b"c")
+        self._send_to_workers(REPORT_COUNTERS)
         deadline = time.monotonic() + timeout_s
         out = [self.runner.counters()]
         for rank in range(1, self.world_size):
@@ -301,6 +303,18 @@ class TPLauncher:
                 time.sleep(0.01)
             out.append(pickle.loads(self.store.get(key)))
         return out
+
+    def reset_rank_counters(self) -> None:
+        """Every rank's step counters (target and draft runners) back to zero: the other ranks at their
+        next command, in order with the steps, and rank 0's here. Call between steps."""
+        from kvforge.distributed.runner import RESET_COUNTERS
+
+        if self.closed or self.broken:
+            raise DistributedError(self.broken or "this tensor-parallel engine was shut down")
+        self._send_to_workers(RESET_COUNTERS)
+        for runner in (self.runner, self.draft_runner):
+            if runner is not None:
+                runner.reset_counters()
 
     # ---- steps --------------------------------------------------------------------
     def _dead(self) -> list[tuple[int, subprocess.Popen]]:

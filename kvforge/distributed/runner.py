@@ -51,6 +51,8 @@ _HEADER = 14
 #: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model,
 #: rank 0's sampled tokens of the last target step (async scheduling).
 STEP_TARGET, STEP_DRAFT, SHARE_TOKENS = b"s", b"d", b"t"
+#: Worker commands between steps: report the step counters (to the store), set them to zero.
+REPORT_COUNTERS, RESET_COUNTERS = b"c", b"z"
 
 
 def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,

@@ -41,7 +41,14 @@ def main() -> int:
         setup_draft,
         setup_rank,
     )
-    from kvforge.distributed.runner import SHARE_TOKENS, STEP_DRAFT, STEP_TARGET, broadcast_step
+    from kvforge.distributed.runner import (
+        REPORT_COUNTERS,
+        RESET_COUNTERS,
+        SHARE_TOKENS,
+        STEP_DRAFT,
+        STEP_TARGET,
+        broadcast_step,
+    )
 
     torch.set_num_threads(ctx["num_threads"])
     timeout = ctx["timeout_s"]
@@ -66,9 +73,14 @@ def main() -> int:
         with torch.inference_mode():
             while True:
                 cmd = stdin.read(1)
-                if cmd == b"c":
+                if cmd == REPORT_COUNTERS:
                     requests += 1
                     store.set(COUNTERS_KEY.format(rank, requests), pickle.dumps(runner.counters()))
+                    continue
+                if cmd == RESET_COUNTERS:
+                    for r in (runner, draft_runner):
+                        if r is not None:
+                            r.reset_counters()
                     continue
                 if cmd == SHARE_TOKENS:
                     runner.receive_sampled_tokens(n_share)

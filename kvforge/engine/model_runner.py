@@ -474,6 +474,10 @@ class ModelRunner:
         self.linear_states = None
         self._metas = ()
 
+    def reset_counters(self) -> None:
+        """Step counters back to zero, as on a runner that never stepped (after the startup warm-up)."""
+        self.num_graph_steps = self.num_eager_steps = 0
+
     def counters(self) -> dict:
         """Step counters and the graph set-up of this runner (rank 0 at TP=1)."""
         g = self.graphs

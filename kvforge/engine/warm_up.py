@@ -125,8 +125,8 @@ def run_warm_up(engine) -> int:
 
 def forget_warm_up(engine) -> None:
     """Reset what the warm-up left behind to an unused engine's values: cached prefix hashes and the
-    counters of the engine, its scheduler, block manager and runner, the step log and the speculative
-    decoding counters and back-off."""
+    counters of the engine, its scheduler, block manager and runners (the draft model's too, and every
+    tensor-parallel rank's), the step log and the speculative decoding counters and back-off."""
     from kvforge.engine.step_log import StepLog
 
     bm = engine.block_manager
@@ -135,7 +135,11 @@ def forget_warm_up(engine) -> None:
     engine.scheduler.num_preemptions = engine.scheduler.prompt_tokens_admitted = 0
     engine.generation_tokens_total = engine.num_steps = engine.prefill_tokens_computed = 0
     engine.num_launches = engine.async_pressure_resolves = 0
-    engine.runner.num_graph_steps = engine.runner.num_eager_steps = 0
+    if engine.tp is not None:  # every rank's runners, in order with the steps
+        engine.tp.reset_rank_counters()
+    for runner in (engine.runner, engine.draft_runner):
+        if runner is not None:
+            runner.reset_counters()
     engine.step_log = StepLog()
     if engine.spec_counters is not None:
         engine.spec_counters = type(engine.spec_counters)(engine.speculative.num_speculative_tokens)
