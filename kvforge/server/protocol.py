@@ -545,7 +545,7 @@ class TextOffsets:
 def token_text(tokenizer, token_id: int) -> str:
     """A token's text in logprobs: what it decodes to alone, special tokens as their text (``<|im_end|>``),
     as OpenAI and vLLM show them, though a choice's text omits them (``skip_special_tokens``)."""
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.token_text(token_id)
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
@@ -560,7 +560,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, flo
     for tid, d in zip(token_ids, lps):
         piece = token_text(tokenizer, tid)
         tokens.append(piece)
-        shown = tokenizer.decode([tid], skip_special_tokens=True) if skip_special_tokens else piece
+        shown = "" if skip_special_tokens and tokenizer.is_special(tid) else piece  # what the choice's text holds
         starts.append(offsets.advance(token_bytes(tokenizer, tid, piece) if shown == piece else shown.encode()))
         if d is None:
             token_logprobs.append(None)
