@@ -304,17 +304,14 @@ class TPLauncher:
             out.append(pickle.loads(self.store.get(key)))
         return out
 
-    def reset_rank_counters(self) -> None:
-        """Every rank's step counters (target and draft runners) back to zero: the other ranks at their
-        next command, in order with the steps, and rank 0's here. Call between steps."""
+    def reset_worker_counters(self) -> None:
+        """The other ranks' step counters (target and draft runners) back to zero, at their next command, in
+        order with the steps (rank 0's runners are the engine's own). Call between steps."""
         from kvforge.distributed.runner import RESET_COUNTERS
 
         if self.closed or self.broken:
             raise DistributedError(self.broken or "this tensor-parallel engine was shut down")
         self._send_to_workers(RESET_COUNTERS)
-        for runner in (self.runner, self.draft_runner):
-            if runner is not None:
-                runner.reset_counters()
 
     # ---- steps --------------------------------------------------------------------
     def _dead(self) -> list[tuple[int, subprocess.Popen]]:

@@ -135,8 +135,8 @@ def forget_warm_up(engine) -> None:
     engine.scheduler.num_preemptions = engine.scheduler.prompt_tokens_admitted = 0
     engine.generation_tokens_total = engine.num_steps = engine.prefill_tokens_computed = 0
     engine.num_launches = engine.async_pressure_resolves = 0
-    if engine.tp is not None:  # every rank's runners, in order with the steps
-        engine.tp.reset_rank_counters()
+    if engine.tp is not None:  # the other ranks' runners, in order with the steps
+        engine.tp.reset_worker_counters()
     for runner in (engine.runner, engine.draft_runner):
         if runner is not None:
             runner.reset_counters()
