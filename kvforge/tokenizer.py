@@ -111,13 +111,15 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """What ``token_id`` decodes to alone, special tokens as their text (``decode([token_id],
         skip_special_tokens=False)``), remembered per id: logprobs ask for the same ids again and again."""
+        token_id = int(token_id)
         text = self._pieces.get(token_id)
         if text is None:
-            text = self._pieces[token_id] = self._tok.decode([int(token_id)], skip_special_tokens=False)
+            text = self._pieces[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
         return text
 
     def is_special(self, token_id: int) -> bool:
-        """Whether ``token_id`` is a special token (one that ``skip_special_tokens`` drops)."""
+        """Whether ``token_id`` is a special token (one that ``skip_special_tokens`` drops), from the backend's
+        added tokens when first asked (tokens added to the backend later are not seen)."""
         if self._special_ids is None:
             self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         return token_id in self._special_ids

@@ -307,3 +307,22 @@ def test_token_text_and_special_ids_agree_with_decoding_every_id(tmp_path, sourc
             assert tok.token_text(i) == alone
             assert ("" if tok.is_special(i) else alone) == tok.decode([i], skip_special_tokens=True)
     assert tok.eos_token_ids and all(tok.is_special(i) for i in tok.eos_token_ids)
+
+
+def test_logprobs_take_a_tokenizer_with_decode_alone(hf_tok):
+    """An engine's tokenizer need only decode (docs/ENGINE_API.md): the logprobs objects built through it
+    equal those built through kvforge's tokenizer, which remembers texts and knows special ids."""
+    from kvforge.server.protocol import chat_logprobs, completion_logprobs
+
+    class DecodeOnly:
+        def decode(self, ids, skip_special_tokens=True):
+            return hf_tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = hf_tok.encode("<|start|>user\nhi there<|eot|>", add_special_tokens=False)
+    lps = [{i: -0.5, (i + 1) % hf_tok.vocab_size: -1.5} for i in ids]
+    for skip in (True, False):
+        assert (completion_logprobs(DecodeOnly(), ids, lps, 1, skip_special_tokens=skip)
+                == completion_logprobs(hf_tok, ids, lps, 1, skip_special_tokens=skip))
+    assert chat_logprobs(DecodeOnly(), ids, lps, 1) == chat_logprobs(hf_tok, ids, lps, 1)
+    text_offsets = completion_logprobs(hf_tok, ids, lps, 0)["text_offset"]
+    assert text_offsets[-1] == len(hf_tok.decode(ids[:-1]))  # the special <|eot|> adds no text

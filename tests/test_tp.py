@@ -277,6 +277,10 @@ def test_tp2_warm_up_leaves_no_trace_on_any_rank(tmp_path, engines, monkeypatch)
     assert len(steps) == 1 and steps[0] >= 8  # the warm-up ran once, on the warmed engine only
     (cold_fresh, cold_tokens, cold_after), (warm_fresh, warm_tokens, warm_after) = results[False], results[True]
     assert [(c["num_graph_steps"], c["num_eager_steps"]) for c in warm_fresh[1]] == [(0, 0), (0, 0)]
-    assert warm_fresh == cold_fresh
+    assert warm_fresh[0] == cold_fresh[0]
     assert warm_tokens == cold_tokens
-    assert warm_after == cold_after and warm_after[0]["num_graph_steps"] >= 5
+
+    def steps(counters):
+        return [(c["num_graph_steps"], c["num_eager_steps"]) for c in counters]
+
+    assert steps(warm_after) == steps(cold_after) and warm_after[0]["num_graph_steps"] >= 5

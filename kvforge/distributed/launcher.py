@@ -329,14 +329,18 @@ class TPLauncher:
                 logger.error("%s", self.broken)
                 return
 
-    def before_step(self, command: bytes = b"s") -> None:
-        """Raise if any rank is gone; else wake every worker for one step (``command``: the target's ``s`` or
-        the draft's ``d``)."""
-        self._wake(command)
+    def before_step(self, command: bytes | None = None) -> None:
+        """Raise if any rank is gone; else wake every worker for one step (``command``: the target's
+        ``STEP_TARGET``, the default, or the draft's ``STEP_DRAFT``)."""
+        from kvforge.distributed.runner import STEP_TARGET
+
+        self._wake(STEP_TARGET if command is None else command)
 
     def before_share(self) -> None:
         """Wake every worker for the sampled tokens rank 0 broadcasts next (async scheduling)."""
-        self._wake(b"t")
+        from kvforge.distributed.runner import SHARE_TOKENS
+
+        self._wake(SHARE_TOKENS)
 
     def _wake(self, command: bytes) -> None:
         if self.closed:

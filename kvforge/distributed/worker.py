@@ -5,8 +5,8 @@ rank 0's launcher), joins the process group, builds its model slice and KV
 pool (and the draft model's slice, with speculative method draft_model),
 reports them to rank 0, then runs one target step per ``s`` byte on stdin, one
 draft step per ``d``, receives rank 0's sampled tokens of the last target step
-per ``t`` (async scheduling) and publishes its step counters for ``c``, until
-``q`` or end-of-file. SIGINT is
+per ``t`` (async scheduling), publishes its step counters for ``c`` and sets
+them to zero for ``z`` (after the startup warm-up), until ``q`` or end-of-file. SIGINT is
 ignored (a Ctrl-C reaches the whole process group; rank 0 decides when the
 workers stop). Any failure ends the process with a non-zero code (rank 0
 turns that into a clear error).

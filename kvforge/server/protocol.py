@@ -544,8 +544,16 @@ class TextOffsets:
 
 def token_text(tokenizer, token_id: int) -> str:
     """A token's text in logprobs: what it decodes to alone, special tokens as their text (``<|im_end|>``),
-    as OpenAI and vLLM show them, though a choice's text omits them (``skip_special_tokens``)."""
-    return tokenizer.token_text(token_id)
+    as OpenAI and vLLM show them, though a choice's text omits them (``skip_special_tokens``). A kvforge
+    :class:`~kvforge.tokenizer.Tokenizer` remembers it per id; any other tokenizer decodes it."""
+    remembered = getattr(tokenizer, "token_text", None)
+    return remembered(token_id) if remembered is not None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _is_special(tokenizer, token_id: int) -> bool:
+    """Whether ``skip_special_tokens`` drops ``token_id`` (by id where the tokenizer knows, else by decoding)."""
+    by_id = getattr(tokenizer, "is_special", None)
+    return by_id(token_id) if by_id is not None else tokenizer.decode([token_id], skip_special_tokens=True) == ""
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
@@ -560,7 +568,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, flo
     for tid, d in zip(token_ids, lps):
         piece = token_text(tokenizer, tid)
         tokens.append(piece)
-        shown = "" if skip_special_tokens and tokenizer.is_special(tid) else piece  # what the choice's text holds
+        shown = "" if skip_special_tokens and _is_special(tokenizer, tid) else piece  # what the choice's text holds
         starts.append(offsets.advance(token_bytes(tokenizer, tid, piece) if shown == piece else shown.encode()))
         if d is None:
             token_logprobs.append(None)
