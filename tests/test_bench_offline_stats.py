@@ -40,6 +40,12 @@ def test_engine_stats_cover_the_timed_runs_only(tmp_path):
     assert timed["generation_tokens_total"] == reps * num_prompts * output_len == sum(r["output_tokens"] for r in runs)
     assert timed["prompt_tokens_total"] == sum(r["input_tokens"] for r in runs)
     assert timed["num_steps"] == sum(r["steps"] for r in runs)
+    for r in runs:  # the run's time by kind of step, from the engine's step log
+        split = r["step_seconds"]
+        assert split["prompt_steps"] >= 1 and split["prompt_steps"] + split["decode_steps"] == r["steps"]
+        # each step's own time: together at most the run's wall time (perf_counter vs time.time: 10 ms slack)
+        assert 0 < split["prompt_seconds"] + split["decode_seconds"] <= r["seconds"] + 0.01
+        assert 0 < split["first_prompt_step_seconds"] <= split["prompt_seconds"]
     # The warm-up: the three prompts warm_up() sends, 8 tokens each.
     warm_lengths = warm_up.__defaults__[0]
     assert warm["generation_tokens_total"] == len(warm_lengths) * 8

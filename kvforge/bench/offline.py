@@ -257,13 +257,29 @@ def warm_up(llm, lengths=(16, 300, 700)) -> None:
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 
 
+def step_seconds(records) -> dict | None:
+    """Where a run's wall time went by kind of step, from its records in the engine's step log (each
+    record's ``seconds``: the time the step had to itself): steps with prompt tokens and decode-only steps,
+    their counts and seconds, and the first prompt step's seconds (the step a host that idled before the run
+    slows most; docs/BENCHMARKS.md "Startup and first requests"). None without records."""
+    if not records:
+        return None
+    prompt = [r.seconds for r in records if r.num_prefill_tokens]
+    decode = [r.seconds for r in records if not r.num_prefill_tokens]
+    return {"prompt_steps": len(prompt), "prompt_seconds": sum(prompt), "decode_steps": len(decode),
+            "decode_seconds": sum(decode), "first_prompt_step_seconds": prompt[0] if prompt else None}
+
+
 def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> dict:
-    """One generate() over fresh random prompts of ``in_lens`` tokens; throughput, step counters and the
-    Triton kernels compiled during the run (``kernel_compilations``; 0 once the engine has warmed up)."""
+    """One generate() over fresh random prompts of ``in_lens`` tokens; throughput, step counters, the
+    Triton kernels compiled during the run (``kernel_compilations``; 0 once the engine has warmed up) and
+    the run's time by kind of step (``step_seconds``: None where the step log no longer holds the run's
+    first step)."""
     engine = llm.engine
     vocab = engine.spec.vocab_size
     prompts = [{"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(n)]} for n in in_lens]
     before = engine.stats()
+    first_step = engine.step_log.total
     with JitCompilations() as compiled:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -278,15 +294,22 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
            "graph_steps": after["graph_steps"] - before["graph_steps"],
            "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
            "kernel_compilations": len(compiled.names)}
+    records = engine.step_log.since(first_step)
+    run["step_seconds"] = step_seconds(records) if records and records[0].step == first_step else None
     spec = spec_decode_summary(before.get("spec_decode"), after.get("spec_decode"))
     accepted = ""
     if spec is not None:
         run["spec_decode"] = spec
         accepted = (f", acceptance {spec['acceptance_rate']:.1%}, mean accepted length "
                     f"{spec['mean_accepted_length']:.2f}")
+    split = run["step_seconds"]
+    where = ""
+    if split is not None and split["prompt_steps"]:
+        where = (f"; prompt steps {split['prompt_seconds']:.2f} s (the first {split['first_prompt_step_seconds'] * 1e3:.0f}"
+                 f" ms), decode steps {split['decode_seconds']:.2f} s")
     print(f"{label}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
           f"{run['steps']} steps ({run['graph_steps']} graph){accepted}"
-          + (f", {len(compiled.names)} kernel compilations" if compiled.names else ""), flush=True)
+          + (f", {len(compiled.names)} kernel compilations" if compiled.names else "") + where, flush=True)
     return run
 
 
