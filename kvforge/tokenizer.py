@@ -131,7 +131,7 @@ class Tokenizer:
         byte-to-character table of GPT-2's byte-level BPE. A SentencePiece word-start token keeps its
         leading space. Concatenating the bytes of a sequence's tokens gives its decoded text's UTF-8
         (special tokens as their text; a SentencePiece text's first space included)."""
-        text = self._tok.decode([int(token_id)], skip_special_tokens=False)
+        text = self.token_text(token_id)
         raw = self._tok.id_to_token(int(token_id))
         if raw is None:
             return text.encode()
