@@ -119,6 +119,27 @@ def test_gpu_fp32_matches_cpu_greedy(tiny_llama, eager):
 
 
 @needs_cuda
+def test_gpu_rope_runs_inside_the_cache_write(tiny_llama, monkeypatch):
+    """On the Triton backend the Llama family rotates q and k in the cache-write kernel
+    (kvforge/kernels/triton_rope_cache_write.py): every eager step calls it once a layer and the separate
+    rope kernel never runs; greedy tokens follow the CPU engine's (near-tie rule, FP32_LOGIT_TOL)."""
+    from kvforge.attention.backends import triton_paged
+    from kvforge.kernels import triton_rope
+
+    calls = []
+    fused = triton_paged.rope_and_write_kv
+    monkeypatch.setattr(triton_paged, "rope_and_write_kv", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+    monkeypatch.setattr(triton_rope, "rope_qk", lambda *a: pytest.fail("the separate rope kernel ran"))
+    prompts = _prompts()
+    cpu = _greedy(_llm(tiny_llama, "cpu"), prompts)
+    gpu_llm = _llm(tiny_llama, "cuda", enforce_eager=True, warm_up=False)
+    got = _greedy(gpu_llm, prompts)
+    steps = gpu_llm.engine.stats()["eager_steps"]
+    assert len(calls) == CFG["num_hidden_layers"] * steps
+    assert_outputs_agree(got, cpu, FP32_LOGIT_TOL)
+
+
+@needs_cuda
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cudagraph"])
 def test_gpu_async_scheduling_matches_cpu_greedy(tiny_llama, eager):
     """--async-scheduling on the GPU (in-flight tokens gathered on the device, also into the graph's static

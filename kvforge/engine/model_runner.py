@@ -54,7 +54,7 @@ from kvforge.attention.routing.mla import check_prefill_mode
 from kvforge.engine.kv_pool import KVPool
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import is_quantized
-from kvforge.models.layers import store_input_major
+from kvforge.models.layers import fused_kernels, store_input_major
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
 
@@ -187,8 +187,9 @@ class ModelRunner:
                 if s is not None:  # state layers have no cache and no scales
                     s.mul_(scale_multiplier)
         self._metas: tuple[AttentionMetadata, ...] | None = None  # this step's, one per KV-cache group
-        # Models with MLA layers get an object: attn(layer, q, k, v) as usual, plus attn.mla(...).
-        self._attn_api = _MLAAttn(self) if any(x.kind == "mla" for x in plan.layers) else self._attn
+        # The attention callable handed to the model: attn(layer, q, k, v) and attn.rope_attend(...); models
+        # with MLA layers also get attn.mla(...).
+        self._attn_api = _MLAAttn(self) if any(x.kind == "mla" for x in plan.layers) else _PagedAttn(self)
         # Rings (CsaRingTest): R rows of ring_row_bytes in one page per request and layer.
         self.ring_rows, self.ring_row_bytes = ring_rows, ring_row_bytes
         self.ring_of_layer = {layer: j for j, layer in enumerate(pool.ring_layers)}
@@ -375,6 +376,21 @@ class ModelRunner:
         if self.needs_calibration:
             self._calibrate(layer, k, v)
         backend.write_cache(kv, meta.slot_mapping, k, v)
+        return backend.attend(kv, meta, q, num_splits=self._num_splits)
+
+    def _rope_attn(self, layer: int, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope,
+                   rotary) -> torch.Tensor:
+        """:meth:`_attn` of q and k before rope, given as one ``[T, Hq + Hkv, D]`` tensor (q's heads first;
+        ``rope``: the step's ``rotary.cos_sin`` tables). Where the layer's backend rotates k on its way into
+        the cache (``fuses_rope_with_cache_write``), one kernel rotates q and k and stores k and v; else (and
+        while fp8 scales are calibrated from k) rope runs first."""
+        backend = self.backends[layer]
+        if not backend.fuses_rope_with_cache_write or self.needs_calibration or fused_kernels(qk) is None:
+            q, k = rotary.apply_packed(rope, qk, num_q_heads)
+            return self._attn(layer, q, k, v)
+        kv, meta = self.layer_kv(layer), self._metas[self.layer_group[layer]]
+        q = backend.rope_and_write_cache(kv, meta.slot_mapping, qk[:, :num_q_heads], qk[:, num_q_heads:], v,
+                                         *rope, rotary.rotary_dim)
         return backend.attend(kv, meta, q, num_splits=self._num_splits)
 
     def _mla(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
@@ -623,7 +639,27 @@ def free_module_tensors(module: torch.nn.Module) -> None:
                 m._buffers[name] = torch.empty(0, dtype=b.dtype, device=b.device)
 
 
-class _MLAAttn:
+class _PagedAttn:
+    """The attention callable handed to the model: ``attn(layer, q [T, Hq, D], k [T, Hkv, D], v) -> [T, Hq,
+    D]`` stores the step's k and v in the layer's cache and attends over it (q and k after rope);
+    ``attn.rope_attend(layer, qk [T, Hq + Hkv, D], num_q_heads, v, rope, rotary)`` does the same with q and
+    k before rope, q's heads first in ``qk`` (``rotary`` a :class:`kvforge.models.layers.RotaryEmbedding`,
+    ``rope`` its ``cos_sin`` tables of the step), so a backend may rotate k on its way into the cache."""
+
+    __slots__ = ("runner",)
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.runner._attn(layer, q, k, v)
+
+    def rope_attend(self, layer: int, qk: torch.Tensor, num_q_heads: int, v: torch.Tensor, rope,
+                    rotary) -> torch.Tensor:
+        return self.runner._rope_attn(layer, qk, num_q_heads, v, rope, rotary)
+
+
+class _MLAAttn(_PagedAttn):
     """The attention callable handed to models with MLA layers.
 
     ``attn(layer, q, k, v)`` is the usual paged attention; ``attn.mla(layer,
@@ -633,13 +669,7 @@ class _MLAAttn:
     rope; ``w_uk``/``w_uv`` are ``kv_b_proj.weight.view(H, Dn + V, R)`` split).
     """
 
-    __slots__ = ("runner",)
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.runner._attn(layer, q, k, v)
+    __slots__ = ()
 
     def mla(self, layer: int, q_nope, q_rope, latent, k_rope, w_uk, w_uv) -> torch.Tensor:
         return self.runner._mla(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)
@@ -659,17 +689,11 @@ class _LinearAttn(_MLAAttn):
         return self.runner.linear_states.delta_rule(layer, q, k, v, g, beta, **kw)
 
 
-class _RingAttn:
+class _RingAttn(_PagedAttn):
     """The attention callable for ring models: ``attn(layer, q, k, v)`` as usual,
     plus ``attn.ring(layer, rows [T, ring_row_bytes / elem])`` (see kvforge/models/csa_ring.py)."""
 
-    __slots__ = ("runner",)
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.runner._attn(layer, q, k, v)
+    __slots__ = ()
 
     def ring(self, layer: int, rows: torch.Tensor) -> None:
         self.runner._ring_write(layer, rows)

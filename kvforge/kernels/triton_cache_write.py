@@ -78,6 +78,18 @@ if HAS_TRITON:
             tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+def head_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_kv_heads: int, is_fp8: bool,
+                placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V scales as the write kernels read them: float32, one per KV head (a per-tensor scale
+    repeated) for fp8 caches; for other caches ``placeholder`` twice (never read)."""
+    if not is_fp8:
+        return placeholder, placeholder
+    if k_scale is None or v_scale is None:
+        raise ValueError("fp8 kv cache needs k_scale and v_scale")
+    return (k_scale.to(torch.float32).reshape(-1).expand(num_kv_heads).contiguous(),
+            v_scale.to(torch.float32).reshape(-1).expand(num_kv_heads).contiguous())
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -108,13 +120,7 @@ def write_kv_cache(
     if slot_mapping.dtype != torch.int64:
         slot_mapping = slot_mapping.to(torch.int64)
     is_fp8 = is_fp8_dtype(kv_cache.dtype)
-    if is_fp8:
-        if k_scale is None or v_scale is None:
-            raise ValueError("fp8 kv cache needs k_scale and v_scale")
-        k_scale = k_scale.to(torch.float32).reshape(-1).expand(hkv).contiguous()
-        v_scale = v_scale.to(torch.float32).reshape(-1).expand(hkv).contiguous()
-    else:
-        k_scale = v_scale = slot_mapping  # unused placeholders
+    k_scale, v_scale = head_scales(k_scale, v_scale, hkv, is_fp8, placeholder=slot_mapping)
     _write_kv_kernel[(T,)](
         k,
         v,

@@ -45,6 +45,29 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 if HAS_TRITON:
 
     @triton.jit
+    def rotated_heads(src_ptr, c, s, t, stride_st, stride_sh, H, HALF, ty: tl.constexpr,
+                      H_PAD: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
+        """``(lo, hi, h, j, mask)``: the rotated pairs of the ``H`` heads of token ``t`` as ``[H_PAD, HALF_PAD]``
+        tiles in ``ty`` (``lo`` is stored at feature ``j``, ``hi`` at ``j + HALF``), with the head and pair
+        indices and the mask of real elements. The pairs are ``(x[j], x[j + HALF])``, or ``(x[2j], x[2j + 1])``
+        when ``INTERLEAVED``; the numerics are the module docstring's."""
+        h = tl.arange(0, H_PAD).to(tl.int64)
+        j = tl.arange(0, HALF_PAD)
+        m = (h[:, None] < H) & (j[None, :] < HALF)
+        src_row = src_ptr + t * stride_st + h[:, None] * stride_sh
+        if INTERLEAVED:
+            x1 = tl.load(src_row + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src_row + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(src_row + j[None, :], mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(src_row + j[None, :] + HALF, mask=m, other=0.0).to(tl.float32)
+        x1c = (x1 * c[None, :]).to(ty).to(tl.float32)
+        x2s = (x2 * s[None, :]).to(ty).to(tl.float32)
+        x2c = (x2 * c[None, :]).to(ty).to(tl.float32)
+        x1s = (x1 * s[None, :]).to(ty).to(tl.float32)
+        return (x1c - x2s).to(ty), (x2c + x1s).to(ty), h, j, m
+
+    @triton.jit
     def _rope_heads(
         src_ptr,
         dst_ptr,
@@ -63,27 +86,14 @@ if HAS_TRITON:
         TAIL_PAD: tl.constexpr,
         INTERLEAVED: tl.constexpr,
     ):
-        """Rotate all ``H`` heads of token ``t``; copy features ``[2 * HALF, HEAD_D)`` through. The pairs are
-        ``(x[j], x[j + HALF])``, or ``(x[2j], x[2j + 1])`` when ``INTERLEAVED``; either way the rotated pair
-        is stored at ``j`` and ``j + HALF``."""
-        h = tl.arange(0, H_PAD).to(tl.int64)
-        j = tl.arange(0, HALF_PAD)
-        m = (h[:, None] < H) & (j[None, :] < HALF)
+        """Rotate all ``H`` heads of token ``t`` (:func:`rotated_heads`) into ``dst``; copy features
+        ``[2 * HALF, HEAD_D)`` through."""
         ty = dst_ptr.dtype.element_ty
-        src_row = src_ptr + t * stride_st + h[:, None] * stride_sh
+        lo, hi, h, j, m = rotated_heads(src_ptr, c, s, t, stride_st, stride_sh, H, HALF, ty, H_PAD, HALF_PAD,
+                                        INTERLEAVED)
         dst = dst_ptr + t * stride_dt + h[:, None] * stride_dh + j[None, :]
-        if INTERLEAVED:
-            x1 = tl.load(src_row + 2 * j[None, :], mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src_row + 2 * j[None, :] + 1, mask=m, other=0.0).to(tl.float32)
-        else:
-            x1 = tl.load(src_row + j[None, :], mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(src_row + j[None, :] + HALF, mask=m, other=0.0).to(tl.float32)
-        x1c = (x1 * c[None, :]).to(ty).to(tl.float32)
-        x2s = (x2 * s[None, :]).to(ty).to(tl.float32)
-        x2c = (x2 * c[None, :]).to(ty).to(tl.float32)
-        x1s = (x1 * s[None, :]).to(ty).to(tl.float32)
-        tl.store(dst, (x1c - x2s).to(ty), mask=m)
-        tl.store(dst + HALF, (x2c + x1s).to(ty), mask=m)
+        tl.store(dst, lo, mask=m)
+        tl.store(dst + HALF, hi, mask=m)
         if TAIL_PAD > 0:
             e = 2 * HALF + tl.arange(0, TAIL_PAD)
             mt = (h[:, None] < H) & (e[None, :] < HEAD_D)

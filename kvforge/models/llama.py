@@ -7,7 +7,10 @@ Covers ``LlamaForCausalLM`` (Llama 2/3, llama3 rope scaling, SmolLM),
 The model runs a flat batch of ``T`` tokens from many sequences. It applies
 rope to q and k and then hands ``(layer_idx, q[T, Hq, D], k[T, Hkv, D],
 v[T, Hkv, D])`` to the ``attn`` callable supplied by the runner, which owns the
-KV cache and returns ``[T, Hq, D]``.
+KV cache and returns ``[T, Hq, D]``; where the callable offers ``rope_attend``
+(the runner's does) and q and k have no norm, it hands over q and k before rope
+(``[T, Hq + Hkv, D]``, q's heads first) with the step's tables instead, so rope
+can run where k is stored.
 
 Parameters mirror HF names except that q/k/v are fused into
 ``self_attn.qkv_proj`` and gate/up into ``mlp.gate_up_proj``;
@@ -110,8 +113,12 @@ class LlamaAttention(nn.Module):
         t = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
+        rope_attend = getattr(attn, "rope_attend", None)
         if self.q_norm is None:  # q and k rotate as one tensor
             qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            if rope_attend is not None:  # rope where the attention stores k (the runner's callable)
+                out = rope_attend(self.layer_idx, qk, self.num_heads, v, rope, rotary)
+                return self.o_proj(out.reshape(t, self.q_size))
             q, k = rotary.apply_packed(rope, qk, self.num_heads)
         else:
             q = self.q_norm(qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim))

@@ -5,7 +5,9 @@ A backend object serves every layer the plan routed to it. Per layer it is hande
 :class:`~kvforge.attention.metadata.AttentionMetadata`:
 
 - :meth:`AttentionBackend.write_cache` stores the step's new rows (``k, v`` for full/sliding layers;
-  ``latent, k_rope`` for MLA layers; ring rows for rings);
+  ``latent, k_rope`` for MLA layers; ring rows for rings); a backend that declares
+  ``fuses_rope_with_cache_write`` also offers :meth:`AttentionBackend.rope_and_write_cache`, rope on q and
+  k with the write in one kernel;
 - :meth:`AttentionBackend.attend` runs the layer's attention for the step, prefill, decode or mixed
   (``q`` for full/sliding layers; ``q_nope, q_rope, w_uk, w_uv`` for MLA layers); ``num_splits`` is the
   split count a CUDA graph pinned (None when eager);
@@ -66,6 +68,9 @@ class AttentionBackend(ABC):
     #: Whether decode steps on this backend may be captured as CUDA graphs (the PyTorch references read
     #: tensor values on the host, which capture forbids).
     captures_cuda_graphs: ClassVar[bool] = False
+    #: Whether :meth:`rope_and_write_cache` serves: k rotated on its way into the cache, in one kernel with
+    #: q's rope (a backend may answer per instance).
+    fuses_rope_with_cache_write: bool = False
 
     def __init__(self, options: BackendOptions):
         self.options = options
@@ -77,6 +82,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def write_cache(self, kv: LayerKV, slot_mapping: torch.Tensor, *rows: torch.Tensor) -> None:
         """Store one step's new rows at ``slot_mapping`` (-1: skip)."""
+
+    def rope_and_write_cache(self, kv: LayerKV, slot_mapping: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+        """NeoX rope (rotate-half over the first ``rotary_dim`` features, ``cos``/``sin`` of
+        :meth:`kvforge.models.layers.RotaryEmbedding.cos_sin`) on ``q`` and ``k``; the rotated ``k`` and ``v``
+        stored as :meth:`write_cache` stores them; returns the rotated ``q``. Only where
+        ``fuses_rope_with_cache_write``."""
+        raise NotImplementedError(f"{self.name} does not rotate k into its cache")
 
     @abstractmethod
     def attend(self, kv: LayerKV, meta: AttentionMetadata, *query: torch.Tensor,

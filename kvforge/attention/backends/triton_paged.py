@@ -1,4 +1,5 @@
-"""The Triton paged-attention backend object (CUDA): cache write and paged attention through the kernels
+"""The Triton paged-attention backend object (CUDA): cache write (with rope on q and k where the model hands
+them over before rope) and paged attention through the kernels
 its routing table (:mod:`kvforge.attention.routing.paged`) picks, long prefill chunks through torch's fused
 attention where the table sends them (:mod:`kvforge.attention.paged_prefill_sdpa`)."""
 
@@ -9,6 +10,11 @@ from kvforge.attention.paged_prefill_sdpa import routed_paged_attention
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.attention.triton_backend import TRITON_PAGED
 from kvforge.kernels.triton_cache_write import write_kv_cache
+from kvforge.kernels.triton_rope_cache_write import rope_and_write_kv
+
+#: Rope on q and k and the cache write of k and v as one kernel (kvforge/kernels/triton_rope_cache_write.py);
+#: False: the rope kernel, then the write kernel.
+FUSE_ROPE_WITH_CACHE_WRITE = True
 
 
 @register_backend
@@ -16,8 +22,15 @@ class TritonPagedBackend(AttentionBackend):
     declaration = TRITON_PAGED
     captures_cuda_graphs = True
 
+    @property
+    def fuses_rope_with_cache_write(self) -> bool:
+        return FUSE_ROPE_WITH_CACHE_WRITE
+
     def write_cache(self, kv, slot_mapping, k, v):
         write_kv_cache(k, v, kv.cache, slot_mapping, kv.k_scale, kv.v_scale)
+
+    def rope_and_write_cache(self, kv, slot_mapping, q, k, v, cos, sin, rotary_dim):
+        return rope_and_write_kv(q, k, v, cos, sin, rotary_dim, kv.cache, slot_mapping, kv.k_scale, kv.v_scale)
 
     def attend(self, kv, meta, q, *, num_splits=None):
         return routed_paged_attention(q, kv.cache, meta, kv.k_scale, kv.v_scale, self.options.softmax_scale,
