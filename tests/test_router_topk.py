@@ -79,3 +79,60 @@ def test_kernel_refuses_bad_shapes():
         softmax_topk(torch.zeros(2, 8), 9, renormalize=False)
     with pytest.raises(ValueError, match="contiguous along E"):
         softmax_topk(torch.zeros(8, 2).t(), 1, renormalize=False)
+
+
+@pytest.mark.parametrize("tokens,experts,hidden,k,renormalize,scale", [
+    (1, 4, 16, 1, False, 1.0), (9, 64, 300, 6, False, 1.0), (5, 64, 2048, 6, True, 1.0), (3, 160, 64, 8, False, 16.0),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_softmax_topk_matches_float64(device, tokens, experts, hidden, k, renormalize, scale, dtype):
+    """The router with its float32 product (DeepSeek's gate): inputs whose products and sums are exact in
+    float32 (small integers times 2^-12, below 2^24 units), and a first feature that orders every token's
+    experts by a distinct offset larger than the rest of the sum can move it: the logits are exact and
+    untied, so the ids equal the float64 sort's and the weights the float64 softmax's to float32 rounding."""
+    g = torch.Generator().manual_seed(tokens * hidden + k)
+    x = torch.randint(-1, 2, (tokens, hidden), generator=g).to(torch.float64)
+    x[:, 0] = 1
+    w = torch.randint(-1, 2, (experts, hidden), generator=g).to(torch.float64)
+    w[:, 0] = torch.randperm(experts, generator=g).to(torch.float64) * (2 * hidden + 1)
+    w = w * 2.0**-12
+    logits = x @ w.T
+    got_w, ids = router_topk.linear_softmax_topk(x.to(dtype).to(device), w.float().to(device), k, renormalize, scale)
+    want_w, want_ids = _expected(logits, k, renormalize, scale)
+    assert got_w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (tokens, k)
+    assert torch.equal(ids.cpu(), want_ids)
+    tol = (experts + 8) * 2.0**-24
+    assert (got_w.cpu().double() - want_w).abs().max() <= tol * want_w.abs().max()
+
+
+def test_router_product_takes_the_kernel_where_it_serves(monkeypatch):
+    """DeepSeek's gate on the kernel path: one launch of the product kernel, none of the logits kernel."""
+    if not KERNELS_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    from kvforge.kernels import triton_router_topk
+    from kvforge.models.deepseek import DeepseekArgs, Gate
+
+    monkeypatch.setattr(router_topk, "TRITON_ROUTER", True)
+    monkeypatch.setattr(router_topk, "TRITON_ROUTER_DEVICES", (DEVICE,))
+    calls = []
+    product, two_step = triton_router_topk.linear_softmax_topk, triton_router_topk.softmax_topk
+    monkeypatch.setattr(triton_router_topk, "linear_softmax_topk", lambda *a: calls.append(a[0].shape) or product(*a))
+    monkeypatch.setattr(triton_router_topk, "softmax_topk", lambda *a: pytest.fail("a second launch"))
+    cfg = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=64,
+               num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, moe_intermediate_size=32,
+               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+               kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, vocab_size=64,
+               max_position_embeddings=64, rms_norm_eps=1e-5, q_lora_rank=None, topk_method="greedy")
+    gate = Gate(DeepseekArgs(cfg)).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(gate.weight.shape, generator=g))
+        x = torch.randn(3, 64, generator=g).to(DEVICE, torch.bfloat16)
+        w, ids = gate(x)
+        assert calls == [(3, 64)]
+        # Against the two launches (float32 product by F.linear): the same experts, weights to float32 sums.
+        monkeypatch.setattr(router_topk, "FUSE_ROUTER_PRODUCT", False)
+        monkeypatch.setattr(triton_router_topk, "softmax_topk", two_step)
+        w2, ids2 = gate(x)
+    assert calls == [(3, 64)] and torch.equal(ids, ids2)
+    assert (w - w2).abs().max() <= 1e-5
