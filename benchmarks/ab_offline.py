@@ -8,9 +8,11 @@ without module-attribute overrides, so that both sides share the machine, its cl
 Each run is its own process (``python -c`` with the overrides assigned before the command line runs, as a
 switch's docstring asks: before the engine starts and captures its graphs); the order is A, B, A, B, ...
 (A: the tree as it is; B: with every ``--set``, and the arguments ``--b-args`` adds to the command line).
-Values are Python literals (``0``, ``False``, ``(16, 256)``) or else strings. ``MODULE.ATTR.FIELD=VALUE`` replaces one field of a frozen dataclass attribute (a routing
-table's row): ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9`` switches that
-row off. Prints each run's output tok/s and the median per side over all their timed runs, with
+Values are Python literals (``0``, ``False``, ``(16, 256)``) or else strings. ``MODULE.ATTR.FIELD=VALUE``
+replaces one field of a frozen dataclass attribute (a routing table's row), and a dotted ``FIELD`` one field
+of a dataclass inside it: ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9``
+switches that row off, ``--set kvforge.attention.routing.paged.TL_DOT.splits.small_grid_min_tokens=0`` gives
+its small grids the long splits. Prints each run's output tok/s and the median per side over all their timed runs, with
 min-max, and the ratio B / A of the medians; ``--out`` keeps every run's JSON in one file.
 """
 
@@ -27,16 +29,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 _BOOTSTRAP = """
 import dataclasses, importlib, sys
+
+def replaced(obj, path, value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    return dataclasses.replace(obj, **{{head: replaced(getattr(obj, head), rest, value)}})
+
 for target, field, value in {overrides!r}:
     module, attr = target.rsplit(".", 1)
     mod = importlib.import_module(module)
-    if field:
-        value = dataclasses.replace(getattr(mod, attr), **{{field: value}})
-    setattr(mod, attr, value)
+    setattr(mod, attr, replaced(getattr(mod, attr), field.split(".") if field else [], value))
 from kvforge.cli import main
 sys.argv = ["kvforge", "bench", "offline"] + {args!r}
 sys.exit(main())
@@ -46,7 +54,9 @@ sys.exit(main())
 def parse_override(text: str) -> tuple[str, str, object]:
     """``module.path.ATTR=value`` -> (``module.path.ATTR``, "", value); ``module.path.ATTR.FIELD=value``, where
     ``ATTR`` is a frozen dataclass (a routing-table row) -> (``module.path.ATTR``, ``FIELD``, value): the
-    attribute becomes a copy with that field replaced. The value is a Python literal, else the string."""
+    attribute becomes a copy with that field replaced; ``FIELD`` may be a dotted path through nested frozen
+    dataclasses (``GLUON_FP8_CTA.splits.small_grid_min_tokens``). The value is a Python literal, else the
+    string."""
     target, sep, raw = text.partition("=")
     if not sep or "." not in target:
         raise argparse.ArgumentTypeError(f"--set wants module.path.ATTR=value, got {text!r}")
@@ -54,25 +64,32 @@ def parse_override(text: str) -> tuple[str, str, object]:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw
-    module, attr = target.rsplit(".", 1)
-    if _is_module(module):  # module.ATTR (an import error inside the module propagates)
-        if not hasattr(importlib.import_module(module), attr):
-            raise argparse.ArgumentTypeError(f"--set {text!r}: {module} has no attribute {attr}")
-        return target, "", value
-    owner, field = module, attr
-    module, attr = owner.rsplit(".", 1)
-    if not _is_module(module) or not hasattr(importlib.import_module(module), attr):
-        raise argparse.ArgumentTypeError(f"--set {text!r}: neither {target} nor {owner} is a module attribute")
-    obj = getattr(importlib.import_module(module), attr)
-    if not dataclasses.is_dataclass(obj) or field not in {f.name for f in dataclasses.fields(obj)}:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: {owner} is not a dataclass with a field {field!r}")
-    current = getattr(obj, field)
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if type(value) is not type(current):
-        raise argparse.ArgumentTypeError(f"--set {text!r}: {owner}.{field} is a {type(current).__name__}, "
-                                         f"got {value!r}")
-    return owner, field, value
+    parts = target.split(".")
+    for i in range(len(parts) - 1, 0, -1):  # the longest module prefix whose next name is an attribute
+        module = ".".join(parts[:i])
+        if _is_module(module) and _holds_value(importlib.import_module(module), parts[i]):
+            break
+    else:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: no module attribute in {target}")
+    owner, fields = ".".join(parts[: i + 1]), parts[i + 1 :]
+    current = getattr(importlib.import_module(module), parts[i])
+    for j, field in enumerate(fields):
+        if not dataclasses.is_dataclass(current) or field not in {f.name for f in dataclasses.fields(current)}:
+            where = ".".join([owner, *fields[:j]])
+            raise argparse.ArgumentTypeError(f"--set {text!r}: {where} is not a dataclass with a field {field!r}")
+        current = getattr(current, field)
+    if fields:
+        if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not type(current):
+            raise argparse.ArgumentTypeError(f"--set {text!r}: {target} is a {type(current).__name__}, "
+                                             f"got {value!r}")
+    return owner, ".".join(fields), value
+
+
+def _holds_value(module: types.ModuleType, name: str) -> bool:
+    """Whether ``module`` has an attribute ``name`` that is not itself a module."""
+    return hasattr(module, name) and not isinstance(getattr(module, name), types.ModuleType)
 
 
 def _is_module(name: str) -> bool:

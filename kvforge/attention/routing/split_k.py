@@ -6,6 +6,8 @@ as many splits as fill ``waves`` programs per SM (``ceil`` or ``floor`` of the S
 but no split shorter than ``min_tokens`` and never more than ``max_splits``; at least one. A kernel may fill
 fewer waves when its programs are few (``small_grid_waves`` once the programs are at most half the SMs): a
 few (sequence, head) programs split many ways pay more in partials and merging than the extra waves hide.
+On those small grids a kernel may also take shorter splits (``small_grid_min_tokens``): a lone program walks
+its tokens one tile at a time, so a few programs over a short context finish sooner split finer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class SplitRule:
     forced: str = "exact"
     #: Waves to fill when ``programs <= num_sms // 2`` (0: ``waves`` everywhere).
     small_grid_waves: int = 0
+    #: The shortest split when ``programs <= num_sms // 2`` (0: ``min_tokens`` everywhere).
+    small_grid_min_tokens: int = 0
 
     def waves_for(self, programs: int, num_sms: int) -> int:
         """The waves the rule fills for ``programs`` programs (``small_grid_waves`` on small grids)."""
@@ -37,13 +41,19 @@ class SplitRule:
             return self.small_grid_waves
         return self.waves
 
+    def min_tokens_for(self, programs: int, num_sms: int) -> int:
+        """The shortest split for ``programs`` programs (``small_grid_min_tokens`` on small grids)."""
+        if self.small_grid_min_tokens and programs <= num_sms // 2:
+            return self.small_grid_min_tokens
+        return self.min_tokens
+
     def splits(self, programs: int, context_len: int, num_sms: int, waves: int | None = None) -> int:
         """The rule's split count for ``programs`` programs over a context of ``context_len`` tokens
         (``waves``: programs per SM where a kernel's residency depends on the shape; default ``self.waves``)."""
         programs = max(1, programs)
         target = (waves or self.waves_for(programs, num_sms)) * num_sms
         fill = -(-target // programs) if self.round_up else target // programs
-        return max(1, min(fill, context_len // self.min_tokens, self.max_splits))
+        return max(1, min(fill, context_len // self.min_tokens_for(programs, num_sms), self.max_splits))
 
     def apply_forced(self, forced: int, programs: int, context_len: int, num_sms: int,
                      waves: int | None = None) -> int:
@@ -67,4 +77,7 @@ class SplitRule:
         waves = "waves" if self.waves == 0 else str(self.waves)
         if self.small_grid_waves:
             waves += f" (or {self.small_grid_waves} when programs <= SMs // 2)"
-        return f"min({fill}({waves} x SMs / programs), context // {self.min_tokens}, {self.max_splits}), at least 1"
+        tokens = str(self.min_tokens)
+        if self.small_grid_min_tokens:
+            tokens += f" (or {self.small_grid_min_tokens} when programs <= SMs // 2)"
+        return f"min({fill}({waves} x SMs / programs), context // {tokens}, {self.max_splits}), at least 1"

@@ -1,0 +1,48 @@
+"""benchmarks/ab_offline.py's ``--set`` parsing and the bootstrap that applies it in each run's process."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvforge.attention.routing import paged
+
+_SPEC = importlib.util.spec_from_file_location("ab_offline", Path(__file__).parents[1] / "benchmarks" / "ab_offline.py")
+ab_offline = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(ab_offline)
+
+
+def _apply(overrides) -> dict:
+    """Run the bootstrap's override loop (not its benchmark) on fresh imports, returning the changed rows."""
+    code = ab_offline._BOOTSTRAP.format(overrides=overrides, args=[]).split("from kvforge.cli import main")[0]
+    scope: dict = {}
+    exec(code, scope)
+    return scope
+
+
+def test_plain_field_and_nested_field(monkeypatch):
+    monkeypatch.setattr(paged, "TL_DOT", paged.TL_DOT)  # restored after the bootstrap replaces it
+    monkeypatch.setattr(paged, "GLUON_FP8_CTA", paged.GLUON_FP8_CTA)
+    plain = ab_offline.parse_override("kvforge.attention.routing.paged.GLUON_FP8_CTA.min_waves=3")
+    nested = ab_offline.parse_override("kvforge.attention.routing.paged.TL_DOT.splits.small_grid_min_tokens=0")
+    assert plain == ("kvforge.attention.routing.paged.GLUON_FP8_CTA", "min_waves", 3)
+    assert nested == ("kvforge.attention.routing.paged.TL_DOT", "splits.small_grid_min_tokens", 0)
+    before = paged.TL_DOT
+    _apply([plain, nested])
+    assert paged.GLUON_FP8_CTA.min_waves == 3
+    assert paged.TL_DOT.splits.small_grid_min_tokens == 0 and paged.TL_DOT.splits.min_tokens == before.splits.min_tokens
+    assert paged.TL_DOT.name == before.name
+
+
+def test_module_attribute_and_refusals():
+    assert ab_offline.parse_override("kvforge.models.router_topk.FUSE_ROUTER_PRODUCT=False") == (
+        "kvforge.models.router_topk.FUSE_ROUTER_PRODUCT", "", False)
+    with pytest.raises(argparse.ArgumentTypeError, match="not a dataclass with a field 'nope'"):
+        ab_offline.parse_override("kvforge.attention.routing.paged.TL_DOT.splits.nope=1")
+    with pytest.raises(argparse.ArgumentTypeError, match="is a int"):
+        ab_offline.parse_override("kvforge.attention.routing.paged.TL_DOT.splits.min_tokens=big")
+    with pytest.raises(argparse.ArgumentTypeError, match="no module attribute"):
+        ab_offline.parse_override("kvforge.attention.routing.nothing_here=1")
