@@ -74,7 +74,7 @@ from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
-from kvforge.models.router_topk import linear_softmax_topk
+from kvforge.models.router_topk import softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
@@ -301,10 +301,6 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
-        renormalize = a.top_k > 1 and a.norm_topk_prob
-        scale = 1.0 if renormalize else a.routed_scaling_factor
-        if not a.v3 and a.topk_method != "group_limited_greedy":
-            return linear_softmax_topk(x, self.weight, a.top_k, renormalize, scale)
         logits = F.linear(x.float(), self.weight.float())
         t, e = logits.shape
         if a.v3:
@@ -317,6 +313,10 @@ class Gate(nn.Module):
             if a.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
             return weights * a.routed_scaling_factor, ids
+        renormalize = a.top_k > 1 and a.norm_topk_prob
+        scale = 1.0 if renormalize else a.routed_scaling_factor
+        if a.topk_method != "group_limited_greedy":
+            return softmax_topk(logits, a.top_k, renormalize, scale)
         scores = logits.softmax(dim=-1)
         mask = self._group_mask(scores.view(t, a.n_group, e // a.n_group).amax(dim=-1))
         weights, ids = scores.masked_fill(~mask, 0.0).topk(a.top_k, dim=-1)

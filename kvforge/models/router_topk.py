@@ -1,8 +1,7 @@
 """A softmax router's choice: softmax over every expert's logit, the top-k, optionally renormalised, times a
-scale. The DeepSeek-V2 ``greedy`` gate and Qwen3-Next's router are this function; DeepSeek's enters through
-:func:`linear_softmax_topk`, which also forms its float32 logits (in the same kernel where it serves).
+scale. The DeepSeek-V2 ``greedy`` gate and Qwen3-Next's router are this function.
 
-:func:`softmax_topk` is the one entry for given logits: on CUDA (with autograd off) it runs one Triton kernel
+:func:`softmax_topk` is the one entry: on CUDA (with autograd off) it runs one Triton kernel
 (kvforge/kernels/triton_router_topk.py) unless ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused
 kernels off (kvforge/env.py); elsewhere it runs :func:`softmax_topk_reference`, the PyTorch formulas the
 kernel is tested against. Both return float32 weights in descending order and int64 expert ids.
@@ -11,7 +10,6 @@ kernel is tested against. Both return float32 weights in descending order and in
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvforge.env import ENV
 
@@ -19,9 +17,6 @@ from kvforge.env import ENV
 TRITON_ROUTER = not ENV.disable_fused_kernels
 #: Device types it serves on (tests add "cpu" to run it in Triton's interpreter).
 TRITON_ROUTER_DEVICES: tuple[str, ...] = ("cuda",)
-#: Whether :func:`linear_softmax_topk` multiplies inside the kernel where the kernel serves (False: the
-#: product by ``F.linear``, then the kernel).
-FUSE_ROUTER_PRODUCT = True
 
 
 def softmax_topk_reference(logits: torch.Tensor, k: int, renormalize: bool,
@@ -52,16 +47,3 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool,
 
         return kernel(logits, k, renormalize, scale)
     return softmax_topk_reference(logits, k, renormalize, scale)
-
-
-def linear_softmax_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
-                        scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`softmax_topk` of the float32 logits ``x.float() @ weight.float().T`` (``weight [E, H]``). Where the
-    kernel serves (and ``FUSE_ROUTER_PRODUCT``), one launch forms the logits too
-    (kvforge/kernels/triton_router_topk.py, ``linear_softmax_topk``; float32 sums in another order)."""
-    if FUSE_ROUTER_PRODUCT and weight.dtype == torch.float32 and use_triton_router(x) and weight.stride(-1) == 1:
-        from kvforge.kernels import triton_router_topk
-
-        if weight.shape[0] <= triton_router_topk.PRODUCT_MAX_EXPERTS:
-            return triton_router_topk.linear_softmax_topk(x, weight, k, renormalize, scale)
-    return softmax_topk(F.linear(x.float(), weight.float()), k, renormalize, scale)
