@@ -38,8 +38,8 @@ def test_plain_field_and_nested_field(monkeypatch):
 
 
 def test_module_attribute_and_refusals():
-    assert ab_offline.parse_override("kvforge.models.router_topk.FUSE_ROUTER_PRODUCT=False") == (
-        "kvforge.models.router_topk.FUSE_ROUTER_PRODUCT", "", False)
+    assert ab_offline.parse_override("kvforge.attention.backends.triton_paged.FUSE_ROPE_WITH_CACHE_WRITE=False") == (
+        "kvforge.attention.backends.triton_paged.FUSE_ROPE_WITH_CACHE_WRITE", "", False)
     with pytest.raises(argparse.ArgumentTypeError, match="not a dataclass with a field 'nope'"):
         ab_offline.parse_override("kvforge.attention.routing.paged.TL_DOT.splits.nope=1")
     with pytest.raises(argparse.ArgumentTypeError, match="is a int"):

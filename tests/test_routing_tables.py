@@ -101,9 +101,9 @@ def test_split_rule():
     assert small.splits(67, 32768, 132) == 8  # 67 programs > 66: ceil(4 x 132 / 67)
     assert small.splits(64, 32768, 132, waves=4) == 9  # a caller's waves win
     short = SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2,
-                      small_grid_min_tokens=64)
-    assert short.splits(8, 1152, 132) == 18 and small.splits(8, 1152, 132) == 4  # 1152 // 64 against // 256
-    assert short.splits(8, 100, 132) == 1  # shorter than two 64-token splits
+                      small_grid_min_tokens=128)
+    assert short.splits(8, 1152, 132) == 9 and small.splits(8, 1152, 132) == 4  # 1152 // 128 against // 256
+    assert short.splits(8, 200, 132) == 1  # shorter than two 128-token splits
     assert short.splits(67, 1152, 132) == 4  # 67 programs > 66: 256-token splits again
     assert SplitRule(4, 256, 64, True, forced="exact").choose(0, 8, 32768, 132) == 1
     assert SplitRule(4, 256, 64, True, forced="exact").choose(100, 8, 32768, 132) == 100  # not capped
@@ -187,7 +187,7 @@ def test_paged_sinks_go_to_the_tl_dot_kernel():
     assert not paged.applies(paged.GLUON_FP8_CTA, with_sinks, H200)
     assert (paged.route(with_sinks, H200).kernel, paged.route(with_sinks, H200).splits) == ("tl_dot", 33)
     windowed = paged.PagedShape(4, 8, 2, 128, 1, 5000, "bfloat16", "fp8_e4m3", window=128, sinks=True)
-    assert (paged.route(windowed, H200).kernel, paged.route(windowed, H200).splits) == ("tl_dot", 2)  # 128 // 64
+    assert (paged.route(windowed, H200).kernel, paged.route(windowed, H200).splits) == ("tl_dot", 1)  # 128 // 128
     assert paged.route(windowed, H200, 5).splits == 5  # a pinned count as given
     assert paged.route(paged.PagedShape(4, 8, 2, 128, 1, 5000, "bfloat16", "fp8_e4m3", window=128), H200).kernel \
         == "gluon_fp8_cta"  # a window alone stays on the Gluon rows
@@ -210,9 +210,9 @@ def test_paged_tl_dot_tiles_and_splits():
     t = r.tiles
     assert (t.decode_like, t.block_q, t.block_m, t.tile_n, t.num_warps, t.num_stages, t.one_tile) == \
         (True, 4, 16, 128, 4, 3, True)
-    # a window shorter than the context bounds the splits: 300 // 64 = 4 (16 programs: a small grid's 64-token
+    # a window shorter than the context bounds the splits: 300 // 128 = 2 (16 programs: a small grid's 128-token
     # splits); from 67 programs up, splits of 256 tokens: 300 // 256 = 1
-    assert paged.route(_paged(2, 8, 40000, kv="bfloat16", window=300), H200).splits == 4
+    assert paged.route(_paged(2, 8, 40000, kv="bfloat16", window=300), H200).splits == 2
     assert paged.route(_paged(9, 8, 40000, kv="bfloat16", window=300), H200).splits == 1
     # prefill (37 tokens, GQA 4): 128-row tiles of 32 tokens, several tiles per sequence, no split-K
     r = paged.route(_paged(2, 8, 200, kv="bfloat16", q_len=37), H200, 7)
@@ -222,7 +222,7 @@ def test_paged_tl_dot_tiles_and_splits():
     assert (r.tiles.block_m, r.tiles.block_q, r.tiles.tile_n) == (64, 2, 32)
     # q_len 2 x G_PAD 4 <= 16 rows: still decode-like, one tile per sequence, split-K allowed
     r = paged.route(_paged(4, 8, 900, kv="bfloat16", q_len=2), H200)
-    assert r.tiles.decode_like and r.tiles.one_tile and r.splits == 9  # 32 programs: ceil(264 / 32) < 900 // 64
+    assert r.tiles.decode_like and r.tiles.one_tile and r.splits == 7  # 32 programs: 900 // 128 < ceil(264 / 32)
 
 
 def test_paged_graph_pinning_is_the_eager_rule_at_max_model_len():

@@ -74,7 +74,7 @@ TL_DOT = PagedKernel(
     name="tl_dot", launcher="kvforge.kernels.triton_paged_attention:paged_attention",
     needs_gluon=False, decode_only=False, kv_dtypes=None, query_dtypes=None, head_sizes=None, max_group=None,
     sinks=True, splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2,
-                                 small_grid_min_tokens=64),
+                                 small_grid_min_tokens=128),
     when="every batch the Gluon rows do not take; split-K when each sequence's query fits one tile",
 )
 _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
@@ -103,7 +103,7 @@ GLUON_FP8_WARP = PagedKernel(
 GLUON_FP8_CTA = PagedKernel(
     name="gluon_fp8_cta", launcher="kvforge.kernels.gluon_fp8_decode:launch_gluon_fp8_decode", **_GLUON_SCOPE,
     splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2,
-                     small_grid_min_tokens=64),
+                     small_grid_min_tokens=128),
     when="the other decode batches in the Gluon scope",
 )
 #: In order of preference; the first that applies serves.
