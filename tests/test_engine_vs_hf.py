@@ -44,18 +44,25 @@ def _save_hf(tmp_path, case):
     return model
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_engine_logits_and_greedy_match_hf(tmp_path, case):
-    hf = _save_hf(tmp_path, case)
+def engine_with_matching_prompt_logits(tmp_path, hf, g: torch.Generator) -> tuple[LLM, list[int], float]:
+    """The float32 CPU engine over the checkpoint saved at ``tmp_path`` (block size 4), a 23-token prompt drawn
+    from ``g`` whose logits it computes within the tolerance of ``hf``'s (asserted), and that tolerance."""
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
               kv_cache_memory=1 << 22, progress=False, device="cpu")
-    g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 256, (23,), generator=g).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     ours = llm.engine.compute_prompt_logits(prompt)
     tol = 1e-4 * max(1.0, ref.abs().max().item())
     assert (ours - ref).abs().max().item() <= tol
+    return llm, prompt, tol
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_engine_logits_and_greedy_match_hf(tmp_path, case):
+    hf = _save_hf(tmp_path, case)
+    g = torch.Generator().manual_seed(1)
+    llm, prompt, tol = engine_with_matching_prompt_logits(tmp_path, hf, g)
 
     # Greedy decode through the scheduler (prefill + 12 decode steps, 3 prompts batched).
     prompts = [prompt, prompt[:7], torch.randint(0, 256, (40,), generator=g).tolist()]

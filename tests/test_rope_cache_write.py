@@ -189,9 +189,9 @@ def test_engine_with_rope_in_the_cache_write_matches_transformers(tmp_path, monk
     tokens against transformers, as tests/test_engine_vs_hf.py checks the plain path."""
     pytest.importorskip("transformers")
     from greedy_agreement import assert_greedy_agrees, top2_margins
-    from test_engine_vs_hf import _save_hf
+    from test_engine_vs_hf import _save_hf, engine_with_matching_prompt_logits
 
-    from kvforge import LLM, SamplingParams
+    from kvforge import SamplingParams
     from kvforge.attention.backends.torch_reference import TorchReferenceBackend
     from kvforge.models import layers
 
@@ -206,15 +206,8 @@ def test_engine_with_rope_in_the_cache_write_matches_transformers(tmp_path, monk
     monkeypatch.setattr(TorchReferenceBackend, "fuses_rope_with_cache_write", True, raising=False)
     monkeypatch.setattr(TorchReferenceBackend, "rope_and_write_cache", rope_and_write_cache)
     hf = _save_hf(tmp_path, case)
-    llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype="auto", block_size=4, skip_tokenizer_init=True,
-              kv_cache_memory=1 << 22, progress=False, device="cpu")
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 256, (23,), generator=g).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    ours = llm.engine.compute_prompt_logits(prompt)
-    tol = 1e-4 * max(1.0, ref.abs().max().item())
-    assert (ours - ref).abs().max().item() <= tol
+    llm, prompt, tol = engine_with_matching_prompt_logits(tmp_path, hf, g)
     assert calls, "the runner did not take the fused path"
     prompts = [prompt[:7], torch.randint(0, 256, (30,), generator=g).tolist()]
     calls.clear()

@@ -45,6 +45,14 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 if HAS_TRITON:
 
     @triton.jit
+    def angle_tables(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_PAD: tl.constexpr):
+        """Token ``t``'s ``HALF`` cos and sin values as float32 ``[HALF_PAD]`` vectors (0 on the padding)."""
+        j = tl.arange(0, HALF_PAD)
+        c = tl.load(cos_ptr + t * stride_ct + j, mask=j < HALF, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * stride_st + j, mask=j < HALF, other=0.0).to(tl.float32)
+        return c, s
+
+    @triton.jit
     def rotated_heads(src_ptr, c, s, t, stride_st, stride_sh, H, HALF, ty: tl.constexpr,
                       H_PAD: tl.constexpr, HALF_PAD: tl.constexpr, INTERLEAVED: tl.constexpr):
         """``(lo, hi, h, j, mask)``: the rotated pairs of the ``H`` heads of token ``t`` as ``[H_PAD, HALF_PAD]``
@@ -129,9 +137,7 @@ if HAS_TRITON:
         INTERLEAVED: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
-        j = tl.arange(0, HALF_PAD)
-        c = tl.load(cos_ptr + t * stride_ct + j, mask=j < HALF, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * stride_st + j, mask=j < HALF, other=0.0).to(tl.float32)
+        c, s = angle_tables(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_PAD)
         _rope_heads(q_ptr, qo_ptr, c, s, t, stride_qt, stride_qh, stride_qot, stride_qoh,
                     HQ, HALF, HEAD_D, HQ_PAD, HALF_PAD, TAIL_PAD, INTERLEAVED)
         _rope_heads(k_ptr, ko_ptr, c, s, t, stride_kt, stride_kh, stride_kot, stride_koh,

@@ -26,7 +26,7 @@ from kvforge.kernels.triton_cache_write import head_scales
 
 if HAS_TRITON:
     from kvforge.kernels.triton_cache_write import _saturate
-    from kvforge.kernels.triton_rope import _rope_heads, rotated_heads
+    from kvforge.kernels.triton_rope import _rope_heads, angle_tables, rotated_heads
 
     @triton.jit
     def _cache_values(x, scale, out_ty: tl.constexpr, IS_FP8: tl.constexpr, FMAX: tl.constexpr):
@@ -76,9 +76,7 @@ if HAS_TRITON:
         FMAX: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
-        j = tl.arange(0, HALF_PAD)
-        c = tl.load(cos_ptr + t * stride_ct + j, mask=j < HALF, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * stride_st + j, mask=j < HALF, other=0.0).to(tl.float32)
+        c, s = angle_tables(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_PAD)
         _rope_heads(q_ptr, qo_ptr, c, s, t, stride_qt, stride_qh, stride_qot, stride_qoh,
                     HQ, HALF, HEAD_D, HQ_PAD, HALF_PAD, TAIL_PAD, False)
         slot = tl.load(slot_ptr + t).to(tl.int64)
