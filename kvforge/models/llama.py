@@ -113,9 +113,9 @@ class LlamaAttention(nn.Module):
         t = qkv.shape[0]
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
-        rope_attend = getattr(attn, "rope_attend", None)
         if self.q_norm is None:  # q and k rotate as one tensor
             qk = qkv[:, :qk_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            rope_attend = getattr(attn, "rope_attend", None)
             if rope_attend is not None:  # rope where the attention stores k (the runner's callable)
                 out = rope_attend(self.layer_idx, qk, self.num_heads, v, rope, rotary)
                 return self.o_proj(out.reshape(t, self.q_size))
