@@ -361,9 +361,9 @@ def test_per_token_metadata_hand_counts_and_absorbed_prefill_equals_expanded():
     # built once per step: every MLA layer of the step gets the same object
     from kvforge.attention.triton_mla import _prefill_step
 
-    first = _prefill_step(meta, 11, "absorbed", heads)
-    assert first.per_token.host_seq_lens == per.host_seq_lens and _prefill_step(meta, 11, "absorbed", heads) is first
-    assert _prefill_step(meta, 12, "absorbed", heads) is not first
+    first = _prefill_step(meta, 11, "absorbed")
+    assert first.per_token.host_seq_lens == per.host_seq_lens and _prefill_step(meta, 11, "absorbed") is first
+    assert _prefill_step(meta, 12, "absorbed") is not first
 
     dn, dv = 24, 20
     q_nope = torch.randn(11, heads, dn, generator=g)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mla_cache_rows import FP8, paged_rows
 from triton_kernel_device import (
     BF16_DOT,
     DEVICE,
@@ -31,7 +30,32 @@ from kvforge.kernels.triton_mla_decode import mla_decode
 
 pytestmark = requires_kernels
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SOFTMAX_SCALE = 0.3
+
+
+def _paged_rows(lens, block_size, width, dtype, scale, gen):
+    """A paged cache ``[num_blocks, block_size, width]`` whose token rows hold ``rows / scale`` in ``dtype``
+    (torch's cast); every other row is NaN. Returns (cache, block tables, rows as stored, in float64)."""
+    per = [-(-n // block_size) for n in lens]
+    nblocks = sum(per) + 3
+    perm = torch.randperm(nblocks, generator=gen)
+    tables = torch.full((len(lens), max(per) + 1), 2**30, dtype=torch.int32)  # unused entries: junk ids
+    cache = torch.full((nblocks, block_size, width), float("nan")).to(dtype)
+    if dtype in FP8:
+        cache.view(torch.uint8).fill_(0x7F)  # NaN in e4m3 and e5m2
+    stored, at = [], 0
+    for i, n in enumerate(lens):
+        ids = perm[at : at + per[i]]
+        at += per[i]
+        tables[i, : per[i]] = ids.to(torch.int32)
+        rows = torch.randn(n, width, generator=gen)
+        rows[:, : width // 2] *= 0.5
+        q = (rows / scale).to(dtype)
+        pos = torch.arange(n)
+        cache[ids[pos // block_size], pos % block_size] = q
+        stored.append(q.double() * scale)
+    return cache, tables, stored
 
 
 def _reference(q_latent, q_rope, stored, r):
@@ -48,7 +72,7 @@ def _run(kv_dtype, q_dtype, heads, r, p, block_size, lens, splits, query_dtype=N
     skip_unless_loaded_loop_bounds_work()
     gen = torch.Generator().manual_seed(seed)
     scale = 0.0625 if kv_dtype in FP8 else 1.0
-    cache, tables, stored = paged_rows(lens, block_size, r + p, kv_dtype, scale, gen)
+    cache, tables, stored = _paged_rows(lens, block_size, r + p, kv_dtype, scale, gen)
     b = len(lens)
     q_latent = (torch.randn(b, heads, r, generator=gen) * 0.5).to(q_dtype)
     q_rope = (torch.randn(b, heads, p, generator=gen) * 0.5).to(q_dtype)
@@ -165,7 +189,7 @@ def test_absorbed_layer_entry_is_token_major_and_matches_the_formula():
     skip_unless_loaded_loop_bounds_work()
     gen = torch.Generator().manual_seed(11)
     heads, dn, r, p, v, block_size, lens = 3, 8, 64, 16, 12, 16, [1, 17, 70]
-    cache, tables, stored = paged_rows(lens, block_size, r + p, torch.float16, 1.0, gen)
+    cache, tables, stored = _paged_rows(lens, block_size, r + p, torch.float16, 1.0, gen)
     b = len(lens)
     q_nope = (torch.randn(b, heads, dn, generator=gen) * 0.5).to(torch.float16)
     q_rope = (torch.randn(b, heads, p, generator=gen) * 0.5).to(torch.float16)

@@ -3,11 +3,8 @@
 Decode-only steps run the absorbed form in latent space with the Triton
 kernel (:mod:`kvforge.kernels.triton_mla_decode`). In a step with a prefill chunk
 each sequence takes its own path (:func:`kvforge.attention.routing.mla.sequence_paths`,
-under the engine argument ``mla_prefill_mode``): absorbed sequences stay in latent
-space, a prefilling one's tokens in query tiles
-(:mod:`kvforge.kernels.triton_mla_prefill`, where
-:func:`kvforge.attention.routing.mla.takes_query_tiles` says so), the others' (decoding
-ones, a few tokens) each as a decode query through the decode kernels
+under the engine argument ``mla_prefill_mode``): absorbed sequences (decoding ones,
+short prefills) run every query token through the decode kernels
 (:func:`per_token_metadata`); long prefills expand their cached latents to per-head
 K/V in the model dtype for torch's fused attention
 (:mod:`kvforge.attention.mla_prefill_sdpa`) or, forced for the whole step, in float32
@@ -35,7 +32,6 @@ from kvforge.attention.routing import mla as mla_routing
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.kernels.triton_mla_cache_write import write_mla_cache
 from kvforge.kernels.triton_mla_decode import mla_decode
-from kvforge.kernels.triton_mla_prefill import mla_prefill_tiled, query_tiles
 
 __all__ = ["ABSORBED_PREFILL_MAX_SEQ_LEN", "PREFILL_MODES", "mla_attention", "mla_decode", "per_token_metadata",
            "sequence_paths", "write_mla_cache"]
@@ -92,57 +88,38 @@ def per_token_metadata(meta: AttentionMetadata, num_tokens: int,
 @dataclass(frozen=True)
 class _PrefillStep:
     """How one step with a prefill chunk attends: ``expand`` (None, "sdpa" or "expanded") for the sequences
-    in ``expanded``; the others in latent space over ``num_rows`` query rows: rows ``0 .. per_token.num_seqs``
-    as decode queries (``per_token``, None: none), the rest through the query-tiled prefill kernel
-    (``tiles``, its tile table on the device, None: none). ``tokens``: the step's token index of each row
-    (None: row ``i`` is token ``i``)."""
+    in ``expanded``; the rest through the decode kernels as ``per_token`` queries at the step's token indices
+    ``tokens`` (None: the step's every token, in order; ``per_token`` None: no absorbed sequence)."""
 
     expand: str | None
     expanded: tuple[int, ...]
     per_token: AttentionMetadata | None
-    tiles: torch.Tensor | None
     tokens: torch.Tensor | None
-    num_rows: int
 
 
 #: The last step's plan (why global: one step's metadata object serves every MLA layer of the step, 27 for
-#: DeepSeek-V2-Lite, and the per-token form and the tile table cost host work and copies; built once per
-#: step). One entry, keyed by the identity of the step's metadata, which it holds so the id stays unique.
-_LAST_STEP: tuple[AttentionMetadata, int, str, int, _PrefillStep] | None = None
+#: DeepSeek-V2-Lite, and the per-token form costs host work and two copies; built once per step). One entry,
+#: keyed by the identity of the step's metadata, which it holds so the id stays unique.
+_LAST_STEP: tuple[AttentionMetadata, int, str, _PrefillStep] | None = None
 
 
-def _prefill_step(meta: AttentionMetadata, num_tokens: int, mode: str, num_heads: int) -> _PrefillStep:
+def _prefill_step(meta: AttentionMetadata, num_tokens: int, mode: str) -> _PrefillStep:
     global _LAST_STEP
     last = _LAST_STEP
-    if last is not None and last[0] is meta and last[1:4] == (num_tokens, mode, num_heads):
-        return last[4]
+    if last is not None and last[0] is meta and last[1] == num_tokens and last[2] == mode:
+        return last[3]
     paths = sequence_paths(meta, mode)
-    qsl, seq_lens = meta.host_lists()
     expanded = tuple(i for i, p in enumerate(paths) if p != "absorbed")
-    absorbed = [i for i, p in enumerate(paths) if p == "absorbed"]
-    tiled = [i for i in absorbed if mla_routing.takes_query_tiles(qsl[i + 1] - qsl[i], num_heads)]
-    per_seqs = tuple(i for i in absorbed if i not in tiled)
-    per, index = None, np.zeros(0, dtype=np.int64)
-    if per_seqs:
-        per, index = per_token_metadata(meta, num_tokens, None if len(per_seqs) == len(seq_lens) else per_seqs)
-        if len(index) == 0:  # the per-token sequences have no token this step
+    absorbed = tuple(i for i, p in enumerate(paths) if p == "absorbed")
+    per = tokens = None
+    if absorbed:
+        per, index = per_token_metadata(meta, num_tokens, None if not expanded else absorbed)
+        if len(index) == 0:  # the absorbed sequences have no token this step
             per = None
-    device = meta.seq_lens.device
-    tiles = None
-    if tiled:
-        first, rows = [], len(index)
-        for i in tiled:
-            first.append(rows)
-            rows += qsl[i + 1] - qsl[i]
-        tokens_per_tile = mla_routing.prefill_query_tiling(num_heads)[1]
-        table = query_tiles(first, [qsl[i + 1] - qsl[i] for i in tiled], [seq_lens[i] for i in tiled], tiled,
-                            tokens_per_tile)
-        tiles = torch.from_numpy(table).to(device, non_blocking=True)
-        index = np.concatenate([index] + [np.arange(qsl[i], qsl[i + 1], dtype=np.int64) for i in tiled])
-    in_order = np.array_equal(index, np.arange(len(index)))
-    tokens = None if in_order else torch.from_numpy(index).to(device, non_blocking=True)
-    step = _PrefillStep(paths[expanded[0]] if expanded else None, expanded, per, tiles, tokens, len(index))
-    _LAST_STEP = (meta, num_tokens, mode, num_heads, step)
+        elif expanded:
+            tokens = torch.from_numpy(index).to(meta.seq_lens.device, non_blocking=True)
+    step = _PrefillStep(paths[expanded[0]] if expanded else None, expanded, per, tokens)
+    _LAST_STEP = (meta, num_tokens, mode, step)
     return step
 
 
@@ -157,57 +134,38 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tenso
     the model dtype. ``prefill_mode``: one of ``PREFILL_MODES`` (the engine's ``mla_prefill_mode``).
     """
     if meta.max_query_len <= 1:
-        return _in_latent_space(q_nope, w_uk, w_uv, lambda q_latent, o_latent: mla_decode(
-            q_latent, q_rope, cache, meta, scale, softmax_scale, query_dtype=query_dtype, num_splits=num_splits,
-            out=o_latent))
-    step = _prefill_step(meta, q_nope.shape[0], prefill_mode, q_nope.shape[1])
+        return _absorbed(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv, query_dtype, num_splits)
+    step = _prefill_step(meta, q_nope.shape[0], prefill_mode)
     if step.expand == "expanded":  # the float32 reference takes the whole step
         return mla_prefill(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv)
-    n = step.num_rows
-    if step.expand is None and step.tokens is None and n == q_nope.shape[0]:  # the latent rows are the step's
-        return _latent_prefill(q_nope, q_rope, cache, meta, step, scale, softmax_scale, w_uk, w_uv)
-    if step.expand is None:  # padding rows (and tokens of no sequence) zero
+    if step.expand is None:  # every query token as a decode query over its causal prefix; padding rows zero
+        n = step.per_token.num_seqs if step.per_token is not None else 0
+        if 0 < n == q_nope.shape[0]:  # no padding rows: the decode output is the step's
+            return _absorbed(q_nope, q_rope, cache, step.per_token, scale, softmax_scale, w_uk, w_uv)
         out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=q_nope.dtype, device=q_nope.device)
-    else:
-        out = mla_prefill_sdpa(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv,
-                               sequences=step.expanded)
-    if n == 0:
+        if n:
+            out[:n] = _absorbed(q_nope[:n], q_rope[:n], cache, step.per_token, scale, softmax_scale, w_uk, w_uv)
         return out
-    if step.tokens is None:
-        out[:n] = _latent_prefill(q_nope[:n], q_rope[:n], cache, meta, step, scale, softmax_scale, w_uk, w_uv)
-    else:
-        rows = _latent_prefill(q_nope.index_select(0, step.tokens), q_rope.index_select(0, step.tokens), cache,
-                               meta, step, scale, softmax_scale, w_uk, w_uv)
+    out = mla_prefill_sdpa(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv, sequences=step.expanded)
+    if step.per_token is not None:
+        rows = _absorbed(q_nope.index_select(0, step.tokens), q_rope.index_select(0, step.tokens), cache,
+                         step.per_token, scale, softmax_scale, w_uk, w_uv)
         out.index_copy_(0, step.tokens, rows)
     return out
 
 
-def _latent_prefill(q_nope, q_rope, cache, meta, step: _PrefillStep, scale, softmax_scale, w_uk, w_uv):
-    """The step's latent-space rows (``step.num_rows`` of them, in ``step.tokens`` order): the per-token rows
-    through the decode kernels, the tiled rows through the prefill kernel, the model-dtype query."""
-
-    def attend(q_latent, o_latent):
-        n = step.per_token.num_seqs if step.per_token is not None else 0
-        if n:
-            mla_decode(q_latent[:n], q_rope[:n], cache, step.per_token, scale, softmax_scale, out=o_latent[:n])
-        if step.tiles is not None:
-            mla_prefill_tiled(q_latent, q_rope, cache, step.tiles, meta.block_tables, scale, softmax_scale, o_latent)
-
-    return _in_latent_space(q_nope, w_uk, w_uv, attend)
-
-
-def _in_latent_space(q_nope, w_uk, w_uv, attend) -> torch.Tensor:
-    """``[rows, H, V]``, contiguous: ``w_uk`` absorbed into the query, ``attend(q_latent, o_latent)`` filling
-    ``o_latent [rows, H, R]``, ``w_uv`` projecting it out.
+def _absorbed(q_nope, q_rope, cache, meta, scale, softmax_scale, w_uk, w_uv, query_dtype=None, num_splits=None):
+    """Decode queries (one per row of ``meta``) in latent space: ``[rows, H, V]``, contiguous. The plan's query
+    dtype and split count apply to decode steps; prefill tokens keep the model-dtype query (both None).
 
     Both per-head products write the token-major layout directly (``out=`` a head-major view of a
-    ``[rows, H, ·]`` tensor; cuBLAS takes the row stride ``H x width``), so neither the attention kernels'
-    query nor the output projection's input is copied into shape."""
+    ``[rows, H, ·]`` tensor; cuBLAS takes the row stride ``H x width``), so neither the decode kernel's query
+    nor the output projection's input is copied into shape."""
     rows, heads, dtype = q_nope.shape[0], q_nope.shape[1], q_nope.dtype
     q_latent = torch.empty(rows, heads, w_uk.shape[2], dtype=dtype, device=q_nope.device)
     torch.bmm(q_nope.transpose(0, 1), w_uk.to(dtype), out=q_latent.transpose(0, 1))
-    o_latent = torch.empty_like(q_latent)
-    attend(q_latent, o_latent)
+    o_latent = mla_decode(q_latent, q_rope, cache, meta, scale, softmax_scale,
+                          query_dtype=query_dtype, num_splits=num_splits)
     out = torch.empty(rows, heads, w_uv.shape[1], dtype=dtype, device=q_nope.device)
     torch.bmm(o_latent.transpose(0, 1), w_uv.to(dtype).transpose(1, 2), out=out.transpose(0, 1))
     return out

@@ -287,10 +287,9 @@ def pinned_splits(batch: int, num_heads: int, latent_dim: int, rope_dim: int, ma
 
 # ---- prefill ----------------------------------------------------------------------------------------------
 
-#: How steps with a prefill chunk attend (the engine argument ``mla_prefill_mode``). "absorbed": attention in
-#: latent space over each query token's causal prefix: a prefilling sequence's tokens in tiles that share
-#: each latent read (:func:`takes_query_tiles`), other tokens each as a decode query through the decode
-#: kernels. "sdpa": the latents of each prefilling sequence are expanded in
+#: How steps with a prefill chunk attend (the engine argument ``mla_prefill_mode``). "absorbed": every query
+#: token runs as its own decode query over its causal prefix through the decode kernels (one launch per
+#: layer, O(L^2) prefix reads per prompt). "sdpa": the latents of each prefilling sequence are expanded in
 #: the model dtype for torch's fused attention. "expanded": the float32 PyTorch reference expands the latents
 #: of every sequence (correct, slow). "auto": a prefilling sequence is absorbed while it is at most
 #: ``ABSORBED_PREFILL_MAX_SEQ_LEN`` tokens long (prefix included), else sdpa. Under "auto" and "sdpa" a
@@ -298,30 +297,6 @@ def pinned_splits(batch: int, num_heads: int, latent_dim: int, rope_dim: int, ma
 #: once in latent space, where expanding it costs ``2 R (Dn + V)`` FLOPs per key and head for one query.
 PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
 ABSORBED_PREFILL_MAX_SEQ_LEN: int = 2048
-
-
-#: Rows (query tokens x heads) of a program of the query-tiled prefill kernel
-#: (:mod:`kvforge.kernels.triton_mla_prefill`): the M of its score and value dots.
-PREFILL_TILE_ROWS: int = 64
-#: An absorbed prefilling sequence with at least this many query tokens in the step runs the query-tiled
-#: kernel; one with fewer (a speculative verify step's few tokens, a prompt's last short chunk) runs each
-#: token through the decode kernels, whose split-K spreads one long context over the SMs where a tiled
-#: program would walk it alone.
-PREFILL_TILE_MIN_QUERY_LEN: int = 16
-
-
-def prefill_query_tiling(num_heads: int) -> tuple[int, int]:
-    """The query-tiled prefill kernel's (heads per program, query tokens per program): the heads rounded up
-    to a power of two (at most ``PREFILL_TILE_ROWS``), and as many tokens as fill ``PREFILL_TILE_ROWS`` rows."""
-    block_h = min(PREFILL_TILE_ROWS, 1 << max(0, (num_heads - 1).bit_length()))
-    return block_h, PREFILL_TILE_ROWS // block_h
-
-
-def takes_query_tiles(query_len: int, num_heads: int) -> bool:
-    """Whether an absorbed prefilling sequence of ``query_len`` tokens in the step runs the query-tiled
-    kernel: at least ``PREFILL_TILE_MIN_QUERY_LEN`` tokens, and heads few enough that a program holds two or
-    more tokens (at one token a program the tile shares nothing and the decode kernels are faster)."""
-    return query_len >= PREFILL_TILE_MIN_QUERY_LEN and prefill_query_tiling(num_heads)[1] > 1
 
 
 def check_prefill_mode(value: str) -> str:

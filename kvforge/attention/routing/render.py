@@ -87,11 +87,7 @@ def _mla_section() -> list[str]:
               f"**Prefill** (engine argument `--mla-prefill-mode`, one of {', '.join(mla.PREFILL_MODES)}): "
               f"`auto` absorbs a prefilling sequence of at most {mla.ABSORBED_PREFILL_MAX_SEQ_LEN} tokens "
               f"(prefix included) and expands a longer one for sdpa; under `auto` and `sdpa` the step's "
-              f"decoding sequences are always absorbed. An absorbed sequence with at least "
-              f"{mla.PREFILL_TILE_MIN_QUERY_LEN} query tokens in the step runs the query-tiled kernel "
-              f"(`kvforge.kernels.triton_mla_prefill`: {mla.PREFILL_TILE_ROWS} rows of query tokens x heads a "
-              f"program share each latent tile) where a program holds two or more tokens (fewer than "
-              f"{mla.PREFILL_TILE_ROWS} heads per rank); its other tokens run as decode queries.", ""]
+              f"decoding sequences are always absorbed.", ""]
     return lines
 
 
