@@ -7,7 +7,8 @@ without module-attribute overrides, so that both sides share the machine, its cl
 
 Each run is its own process (``python -c`` with the overrides assigned before the command line runs, as a
 switch's docstring asks: before the engine starts and captures its graphs); the order is A, B, A, B, ...
-(A: the tree as it is; B: with every ``--set``, and the arguments ``--b-args`` adds to the command line).
+(A: the tree as it is; B: with every ``--set``, the arguments ``--b-args`` adds to the command line and the
+environment variables of ``--b-env``).
 Values are Python literals (``0``, ``False``, ``(16, 256)``) or else strings. ``MODULE.ATTR.FIELD=VALUE``
 replaces one field of a frozen dataclass attribute (a routing table's row), and a dotted ``FIELD`` one field
 of a dataclass inside it: ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9``
@@ -24,6 +25,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -100,9 +102,19 @@ def _is_module(name: str) -> bool:
         return False
 
 
-def run_once(overrides: list[tuple[str, str, object]], args: list[str], out: Path) -> dict:
+def parse_env(text: str) -> tuple[str, str]:
+    """``NAME=value`` -> (``NAME``, ``value``)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--b-env wants NAME=value, got {text!r}")
+    return name, value
+
+
+def run_once(overrides: list[tuple[str, str, object]], args: list[str], out: Path,
+             env: dict[str, str] | None = None) -> dict:
     code = _BOOTSTRAP.format(overrides=overrides, args=args + ["--out", str(out)])
-    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)  # the result: --out
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL,
+                   env=None if not env else {**os.environ, **env})  # the result: --out
     return json.loads(out.read_text())
 
 
@@ -113,6 +125,8 @@ def main() -> None:
     p.add_argument("--b-args", default="", metavar="ARGS",
                    help="command-line arguments side B adds to the offline benchmark's, as one string, e.g. "
                         "'--cuda-graph-sizes 1 2 4 8 16 32 64 128 192 256'")
+    p.add_argument("--b-env", type=parse_env, action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable side B sets (repeatable), e.g. KVFORGE_SDPA_PREFILL_CUDNN=1")
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs (default 2)")
     p.add_argument("--out", default=None, help="write every run's JSON here")
     p.add_argument("offline_args", nargs=argparse.REMAINDER, help="-- then the arguments of `kvforge bench offline`")
@@ -121,13 +135,14 @@ def main() -> None:
     if not args:
         p.error("give the offline benchmark's arguments after --")
     b_args = shlex.split(a.b_args)
-    if not a.overrides and not b_args:
-        p.error("side B needs at least one --set or --b-args")
+    b_env = dict(a.b_env)
+    if not a.overrides and not b_args and not b_env:
+        p.error("side B needs at least one --set, --b-args or --b-env")
     results: dict[str, list[dict]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for side, overrides, extra in (("A", [], []), ("B", a.overrides, b_args)):
-                d = run_once(overrides, args + extra, Path(tmp) / f"{side}{r}.json")
+            for side, overrides, extra, env in (("A", [], [], {}), ("B", a.overrides, b_args, b_env)):
+                d = run_once(overrides, args + extra, Path(tmp) / f"{side}{r}.json", env)
                 results[side].append(d)
                 speeds = [round(x["output_tokens_per_s"]) for x in d["runs"]]
                 print(f"round {r} {side}: output tok/s {speeds}, fraction of floor {d.get('fraction_of_floor', 0):.3f}",
@@ -139,10 +154,11 @@ def main() -> None:
         print(f"{side}: median {med[side]:,.0f} [{min(speeds):,.0f}-{max(speeds):,.0f}] output tok/s over "
               f"{len(speeds)} timed runs")
     named = ", ".join([f"{t}{'.' + f if f else ''}={v!r}" for t, f, v in a.overrides]
-                      + ([" ".join(b_args)] if b_args else []))
+                      + ([" ".join(b_args)] if b_args else []) + [f"{k}={v}" for k, v in b_env.items()])
     print(f"B / A: {med['B'] / med['A']:.3f}  (B: {named})")
     if a.out:
-        Path(a.out).write_text(json.dumps({"overrides": a.overrides, "b_args": b_args, "runs": results}, indent=1))
+        Path(a.out).write_text(json.dumps({"overrides": a.overrides, "b_args": b_args, "b_env": b_env, "runs": results},
+                                          indent=1))
 
 
 if __name__ == "__main__":

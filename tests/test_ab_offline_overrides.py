@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,23 @@ def test_module_attribute_and_refusals():
         ab_offline.parse_override("kvforge.attention.routing.paged.TL_DOT.splits.min_tokens=big")
     with pytest.raises(argparse.ArgumentTypeError, match="no module attribute"):
         ab_offline.parse_override("kvforge.attention.routing.nothing_here=1")
+
+
+def test_b_env_reaches_side_b_only(monkeypatch, tmp_path):
+    """``--b-env NAME=value`` sets the variable in side B's process environment and nowhere else; a bad
+    form is refused."""
+    assert ab_offline.parse_env("KVFORGE_SDPA_PREFILL_CUDNN=1") == ("KVFORGE_SDPA_PREFILL_CUDNN", "1")
+    assert ab_offline.parse_env("X=a=b") == ("X", "a=b")
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=value"):
+        ab_offline.parse_env("X")
+    seen = []
+
+    def fake_run(cmd, check, stdout, env):
+        seen.append(None if env is None else env.get("KVFORGE_AB_PROBE"))
+        Path(cmd[-1].split("'--out', '")[1].split("'")[0]).write_text('{"runs": []}')
+
+    monkeypatch.setattr(ab_offline.subprocess, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["ab_offline", "--b-env", "KVFORGE_AB_PROBE=1", "--rounds", "1", "--", "x"])
+    with pytest.raises(statistics.StatisticsError):  # no timed runs: the median of an empty list
+        ab_offline.main()
+    assert seen == [None, "1"]

@@ -9,8 +9,6 @@ dequantized like the reference, so both see the same values.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -100,11 +98,9 @@ def test_sdpa_prefill_head_groups_equal_one_call(monkeypatch, heads_per_call):
     qk_dim = q_nope.shape[-1] + q_rope.shape[-1]
     budget = heads_per_call * 2 * longest * qk_dim * 4  # float32 rows: heads_per_call heads of the longest
     monkeypatch.setattr(mod, "SDPA_KV_BYTES", budget)
-    calls = []  # (heads, keys) per call; only the module's handle on torch.nn.functional is replaced
-    sdpa = mod.F.scaled_dot_product_attention
-    monkeypatch.setattr(mod, "F", types.SimpleNamespace(
-        pad=mod.F.pad,
-        scaled_dot_product_attention=lambda q, k, *a, **kw: calls.append((q.shape[1], k.shape[2])) or sdpa(q, k, *a, **kw)))
+    calls = []  # (heads, keys) per call
+    sdpa = mod.end_aligned_sdpa
+    monkeypatch.setattr(mod, "end_aligned_sdpa", lambda q, k, *a: calls.append((q.shape[1], k.shape[2])) or sdpa(q, k, *a))
     grouped = mla_prefill_sdpa(q_nope, q_rope, cache, meta, None, 0.1, w_uk, w_uv)
     assert q_nope.shape[1] == 4 and min(hc for hc, _ in calls) <= heads_per_call
     assert all(hc * 2 * keys * qk_dim * 4 <= budget for hc, keys in calls)  # shorter sequences take more heads

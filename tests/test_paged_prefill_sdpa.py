@@ -227,8 +227,8 @@ def test_row_chunks_and_head_groups_match_one_call(monkeypatch):
     per_head = paged_routing.sdpa_prefill_kv_bytes_per_head(THRESHOLD + 133, 32, "float16", "fp8_e4m3", 2, 16)
     monkeypatch.setattr(mod, "SDPA_KV_BYTES", per_head)  # one KV head per call
     calls = []
-    sdpa = mod._end_aligned_sdpa
-    monkeypatch.setattr(mod, "_end_aligned_sdpa", lambda q, *a: calls.append(tuple(q.shape)) or sdpa(q, *a))
+    sdpa = mod.end_aligned_sdpa
+    monkeypatch.setattr(mod, "end_aligned_sdpa", lambda q, *a: calls.append(tuple(q.shape)) or sdpa(q, *a))
     chunked = mod.routed_paged_attention(step.q, step.cache, step.meta, step.k_scale, step.v_scale, step.scale)
     # One KV head (2 query heads) per call; rows of 140000 // (2 x 512) = 136 and 140000 // (2 x 645) = 108:
     # 3 x 4 calls for the first sequence, 3 x 5 for the second.
@@ -421,27 +421,3 @@ def test_gpu_engine_prefill_through_sdpa_matches_the_kernels(tmp_path, monkeypat
     kernels = run()
     assert calls == []
     assert_outputs_agree(routed, kernels, BF16_LOGIT_TOL)
-
-
-def test_cudnn_attention_only_when_asked(monkeypatch):
-    """The prefill calls run with torch's cuDNN attention disabled unless KVFORGE_SDPA_PREFILL_CUDNN is set
-    (it builds a plan per new shape); flash stays allowed."""
-    from torch.nn.attention import SDPBackend
-
-    from kvforge.env import read_env
-
-    assert SDPBackend.CUDNN_ATTENTION not in mod.SDPA_BACKENDS and SDPBackend.FLASH_ATTENTION in mod.SDPA_BACKENDS
-    assert read_env({"KVFORGE_SDPA_PREFILL_CUDNN": "1"}).sdpa_prefill_cudnn
-    assert not read_env({}).sdpa_prefill_cudnn
-    seen = []
-    sdpa = mod.F.scaled_dot_product_attention
-
-    def spy(*args, **kwargs):
-        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(mod.F, "scaled_dot_product_attention", spy)
-    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8)
-    mod._end_aligned_sdpa(q, k, k, 0.3, False)  # after 2 cached positions: the lower-right mask
-    mod._end_aligned_sdpa(q, k[:, :, :3], k[:, :, :3], 0.3, False)  # no cached prefix: is_causal
-    assert seen == [(False, True), (False, True)]

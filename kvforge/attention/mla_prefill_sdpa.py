@@ -3,8 +3,9 @@
 The reference (:func:`kvforge.attention.mla_reference.mla_prefill`) expands each sequence's latents to
 per-head K/V and attends with float32 einsums. It is exact, but slow on a GPU at long prompts. This
 module computes the same attention with the expansion as two batched matmuls in the model dtype. The
-attention itself is one fused ``scaled_dot_product_attention`` call per sequence, with a lower-right
-causal mask: the chunk's queries are the last ``query_len`` of ``seq_len`` positions. V is zero-padded
+attention itself is one fused ``scaled_dot_product_attention`` call per sequence, end-aligned: the chunk's
+queries are the last ``query_len`` of ``seq_len`` positions (:func:`kvforge.attention.end_aligned_sdpa.end_aligned_sdpa`,
+which keeps cuDNN's per-shape plans out of it). V is zero-padded
 to the query/key head dim (192 for DeepSeek, against 128), because torch's flash kernel takes only equal
 head dims; the padding columns are dropped. On CUDA, torch picks flash or a memory-efficient kernel; on
 CPU, its math path. Heads go in groups, so that the expanded K and V of one call hold at most
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
+from kvforge.attention.end_aligned_sdpa import end_aligned_sdpa
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla_reference import _check_prefill, _dequant_factor, _gather, _sequences
 
@@ -88,7 +89,6 @@ def mla_prefill_sdpa(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Te
                 n = min(rows_per_chunk, ql - c0)
                 end = sl - ql + c0 + n  # keys this chunk's last query sees
                 q = q_all[c0:c0 + n, hs].transpose(0, 1)  # [hc, n, Dn + P]
-                o = F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
-                                                   attn_mask=causal_lower_right(n, end), scale=float(softmax_scale))
+                o = end_aligned_sdpa(q[None], k[None, :, :end], v[None, :, :end], float(softmax_scale))
                 out[qsl[i] + c0:qsl[i] + c0 + n, hs] = o[0, ..., :dv].transpose(0, 1)
     return out

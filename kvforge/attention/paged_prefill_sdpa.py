@@ -18,9 +18,9 @@ lower-right mask ``torch.nn.attention.bias.causal_lower_right``.
 
 What torch runs (torch 2.11 and 2.13 on CUDA, sm80 and later, bf16/fp16, head size <= 256, which the rule
 guarantees): ``is_causal=True`` goes through the SDPA dispatcher, which takes the first usable backend of
-``SDPA_BACKENDS``: flash attention (FlashAttention-2), which reads the KV heads as they are
-(``enable_gqa=True``). cuDNN's fused attention (faster on sm90, but it finalizes a plan for every new
-shape) is first only with ``KVFORGE_SDPA_PREFILL_CUDNN`` set. ``benchmarks/bench_decode_attention.py --prefill-only`` prints the kernels
+``kvforge.attention.end_aligned_sdpa.SDPA_BACKENDS``: flash attention (FlashAttention-2), which reads the KV
+heads as they are (``enable_gqa=True``). cuDNN's fused attention (faster on sm90, but it finalizes a plan for
+every new shape) is first only with ``KVFORGE_SDPA_PREFILL_CUDNN`` set. ``benchmarks/bench_decode_attention.py --prefill-only`` prints the kernels
 that ran. The lower-right mask dispatches in torch's ``CausalBias``: flash with its
 own end-aligned causal mask when flash can run (GQA included), else the memory-efficient kernel with a
 lower-right mask type, else the math path over a materialized mask. On CPU both run the math path or
@@ -46,10 +46,8 @@ import functools
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
+from kvforge.attention.end_aligned_sdpa import end_aligned_sdpa
 from kvforge.attention.fp8 import FP8_DTYPES, storage_dtype_name
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing import paged as paged_routing
@@ -229,25 +227,5 @@ def _attend_sequence(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tens
             m = min(rows, n - r0)
             end = seq_len - n + r0 + m  # keys the chunk's last query sees
             qc = q[r0:r0 + m, q_heads].transpose(0, 1)[None]
-            o = _end_aligned_sdpa(qc, k[None, :, :end], v[None, :, :end], softmax_scale, expand < group)
+            o = end_aligned_sdpa(qc, k[None, :, :end], v[None, :, :end], softmax_scale, expand < group)
             out[r0:r0 + m, q_heads] = o[0].transpose(0, 1)
-
-
-#: The fused-attention backends torch may pick. cuDNN is left out unless ``KVFORGE_SDPA_PREFILL_CUDNN`` is set:
-#: it finalizes an execution plan per new shape (tens to hundreds of milliseconds, once per prompt length
-#: a server has not seen), which a prefill step would wait for; flash takes any length at once.
-SDPA_BACKENDS: tuple[SDPBackend, ...] = (
-    ((SDPBackend.CUDNN_ATTENTION,) if ENV.sdpa_prefill_cudnn else ())
-    + (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-)
-
-
-def _end_aligned_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      gqa: bool) -> torch.Tensor:
-    """``q [1, H, m, D]`` over ``k, v [1, Hk, n, D]`` (``m <= n``), query ``j`` seeing keys ``0 .. n - m + j``."""
-    m, n = q.shape[2], k.shape[2]
-    with sdpa_kernel(list(SDPA_BACKENDS), set_priority=True):
-        if m == n:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, n), scale=softmax_scale,
-                                              enable_gqa=gqa)
