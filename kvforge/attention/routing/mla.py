@@ -296,7 +296,11 @@ def pinned_splits(batch: int, num_heads: int, latent_dim: int, rope_dim: int, ma
 #: decoding sequence of the step (one query token) is always absorbed: the decode kernel reads its context
 #: once in latent space, where expanding it costs ``2 R (Dn + V)`` FLOPs per key and head for one query.
 PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
-ABSORBED_PREFILL_MAX_SEQ_LEN: int = 2048
+#: Under "auto", the longest prefilling sequence that is absorbed. End to end on DeepSeek-V2-Lite, prompts of
+#: 2048-3072 tokens ran 1.62x (fp8 latents) and 1.10x (bf16) faster absorbed than through sdpa, prompts of
+#: 1024-2048 1.17x (bf16); sdpa led at 2500-4000 tokens (bf16) and leads a layer from ~2.5k tokens on
+#: (docs/BENCHMARKS.md, "Prefill modes").
+ABSORBED_PREFILL_MAX_SEQ_LEN: int = 3072
 
 
 def check_prefill_mode(value: str) -> str:
