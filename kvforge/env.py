@@ -20,9 +20,9 @@ stays here turns an optional accelerated path off for the whole process.
                                    (add + RMSNorm, SiLU-and-mul) instead of separate kernels; unset: its default
 ``KVFORGE_TRITON_EXPERT_GEMM``     ``1``/``0`` turns the Triton routed-experts kernel on or off for MoE steps of
                                    few rows on CUDA; unset: its default (kvforge/models/expert_gemm_route.py)
-``KVFORGE_SDPA_PREFILL_CUDNN``     lets torch pick cuDNN's fused attention for those prefill chunks (off:
-                                   flash, memory-efficient or math only; cuDNN builds a plan per new shape,
-                                   kvforge/attention/paged_prefill_sdpa.py)
+``KVFORGE_SDPA_PREFILL_CUDNN``     lets torch pick cuDNN's fused attention for those prefill chunks and MLA's
+                                   sdpa prefill (off: flash, memory-efficient or math only; cuDNN builds a plan
+                                   per new shape, kvforge/attention/end_aligned_sdpa.py)
 =================================  ==========================================================================
 """
 
