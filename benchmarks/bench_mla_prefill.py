@@ -67,8 +67,8 @@ def step(heads: int, length: int, tokens: int, kv: str, gen: torch.Generator):
 
 
 def routed(args, mode: str):
-    """``mla_attention`` under prefill ``mode`` as a callable (the step plan built once, as for a step's layers)."""
-    triton_mla._LAST_STEP = None  # the plan is memoized per metadata object: rebuild it for this mode
+    """``mla_attention`` under prefill ``mode`` as a callable, called once (the step's plan built, as the first of
+    a step's layers builds it)."""
 
     def run():
         return triton_mla.mla_attention(*args, prefill_mode=mode)

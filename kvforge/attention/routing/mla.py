@@ -298,8 +298,8 @@ def pinned_splits(batch: int, num_heads: int, latent_dim: int, rope_dim: int, ma
 PREFILL_MODES: tuple[str, ...] = ("auto", "expanded", "absorbed", "sdpa")
 #: Under "auto", the longest prefilling sequence that is absorbed. End to end on DeepSeek-V2-Lite, prompts of
 #: 2048-3072 tokens ran 1.62x (fp8 latents) and 1.10x (bf16) faster absorbed than through sdpa, prompts of
-#: 1024-2048 1.17x (bf16); sdpa led at 2500-4000 tokens (bf16) and leads a layer from ~2.5k tokens on
-#: (docs/BENCHMARKS.md, "Prefill modes").
+#: 1024-2048 1.17x (bf16, cuDNN then allowed in sdpa); sdpa led at 2500-4000 tokens (bf16) and leads a layer
+#: from ~2.5k tokens on (docs/BENCHMARKS.md, "Where `auto` switches").
 ABSORBED_PREFILL_MAX_SEQ_LEN: int = 3072
 
 
