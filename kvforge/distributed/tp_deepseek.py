@@ -48,6 +48,8 @@ DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 class TPMoE(MoE):
     """This rank's routed experts plus its slice of the shared experts; one all-reduce."""
 
+    FOLDS_SHARED_EXPERTS = False  # the forward adds this rank's slice of the shared experts itself
+
     def __init__(self, a: DeepseekArgs, group: TPGroup, dtype=None):
         super().__init__(a, dtype=dtype)  # `a` is the rank's args: E/tp experts, shared intermediate / tp
         self.group = group

@@ -154,6 +154,7 @@ class LLMEngine:
         # 2. Tokenizer, model, weights (only now).
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
         from kvforge.models.registry import build_model
+        from kvforge.models.shared_expert_fold import fold_shared_experts
         from kvforge.weights import load_weights
 
         self.tp = None
@@ -172,6 +173,7 @@ class LLMEngine:
             self.model = build_model(self.spec.hf_config, TORCH_DTYPES[model_dtype], self.device,
                                      with_mtp=self.with_mtp)
             load_weights(self.model, self.model_path, self.load_format, seed=args.seed, progress=args.progress)
+            fold_shared_experts(self.model, self.device)
 
             # 3. KV pool exactly as planned.
             layouts = getattr(self.model, "linear_state_layouts", None)
@@ -349,6 +351,7 @@ class LLMEngine:
         the target's block manager. At TP > 1 every rank built its slice of the draft at startup
         (kvforge/distributed/launcher.py); rank 0's draft runner broadcasts each draft step to the others."""
         from kvforge.models.registry import build_model
+        from kvforge.models.shared_expert_fold import fold_shared_experts
         from kvforge.weights import load_weights
 
         if self.tp is not None:
@@ -357,6 +360,7 @@ class LLMEngine:
             model = build_model(self.draft_spec.hf_config, TORCH_DTYPES[model_dtype], self.device)
             path, load_format = self.draft_location
             load_weights(model, path, load_format, seed=args.seed, progress=args.progress)
+            fold_shared_experts(model, self.device)
             self.draft_runner = ModelRunner(model, self.pool.draft_view(), self.plan.draft_runner_plan(),
                                             self.device, calibrate=args.calculate_kv_scales,
                                             scale_multiplier=args.kv_scale_multiplier,

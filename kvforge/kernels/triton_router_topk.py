@@ -4,7 +4,9 @@ in one launch per step (PyTorch takes three to five: softmax, topk, sum, divide 
 One program per token loads the ``E`` logits, takes ``p = exp(x - max) / sum`` in float32, then picks the
 largest ``k`` probabilities one at a time (a maximum, then the lowest expert index holding it: ties go to
 the lower index), so ``ids[t]`` is in descending order of probability as ``torch.topk`` returns it. With
-``renormalize`` the ``k`` chosen are divided by their sum; then they are multiplied by ``scale``.
+``renormalize`` the ``k`` chosen are divided by their sum; then they are multiplied by ``scale``. With
+``shared = S`` the rows are ``k + S`` wide: slots ``k .. k + S - 1`` hold the ids ``E .. E + S - 1`` with
+weight exactly 1 (shared experts folded behind the routed ones, kvforge/models/shared_expert_fold.py).
 Numerics: float32 throughout; ``exp`` may differ from PyTorch's in the last bit, so weights agree with
 the PyTorch reference (kvforge/models/router_topk.py) to a few float32 ulps, not bit for bit.
 """
@@ -24,6 +26,7 @@ if HAS_TRITON:
     def _softmax_topk_kernel(
         logits_ptr, weights_ptr, ids_ptr, E, stride_t, scale,
         K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+        SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_PAD)
@@ -42,12 +45,18 @@ if HAS_TRITON:
             p = tl.where(e == idx, -1.0, p)
         if RENORMALIZE:
             chosen = chosen / tl.sum(tl.where(slot < K, chosen, 0.0), 0)
-        tl.store(weights_ptr + t * K + slot, chosen * scale, mask=slot < K)
-        tl.store(ids_ptr + t * K + slot, chosen_ids, mask=slot < K)
+        width = K + SHARED
+        tl.store(weights_ptr + t * width + slot, chosen * scale, mask=slot < K)
+        tl.store(ids_ptr + t * width + slot, chosen_ids, mask=slot < K)
+        if SHARED > 0:
+            extra = tl.arange(0, SHARED_PAD)
+            tl.store(weights_ptr + t * width + K + extra, tl.full(extra.shape, 1.0, tl.float32), mask=extra < SHARED)
+            tl.store(ids_ptr + t * width + K + extra, (E + extra).to(tl.int64), mask=extra < SHARED)
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0):
-    """``(weights float32 [T, k], ids int64 [T, k])`` of ``logits [T, E]`` (see the module docstring)."""
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0, shared: int = 0):
+    """``(weights float32 [T, k + shared], ids int64 [T, k + shared])`` of ``logits [T, E]`` (see the module
+    docstring)."""
     if not HAS_TRITON:
         raise RuntimeError("softmax_topk needs triton")
     if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(1) != 1:
@@ -55,13 +64,16 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float =
     t, e = logits.shape
     if not 0 < k <= e or e > MAX_EXPERTS:
         raise ValueError(f"top-{k} of {e} experts: need 0 < k <= E <= {MAX_EXPERTS}")
-    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+    if shared < 0:
+        raise ValueError(f"shared slots must be >= 0, got {shared}")
+    weights = torch.empty((t, k + shared), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, k + shared), dtype=torch.int64, device=logits.device)
     if t:
         e_pad = triton.next_power_of_2(e)
         _softmax_topk_kernel[(t,)](
             logits, weights, ids, e, logits.stride(0), float(scale),
-            K=k, K_PAD=triton.next_power_of_2(k), E_PAD=e_pad, RENORMALIZE=renormalize,
+            K=k, K_PAD=triton.next_power_of_2(k), E_PAD=e_pad, RENORMALIZE=renormalize, SHARED=shared,
+            SHARED_PAD=triton.next_power_of_2(max(shared, 1)),
             num_warps=4 if e_pad <= 1024 else 8,
         )  # fmt: skip
     return weights, ids

@@ -74,7 +74,7 @@ from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
-from kvforge.models.router_topk import softmax_topk
+from kvforge.models.router_topk import softmax_topk, with_shared_slots
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
@@ -299,7 +299,20 @@ class Gate(nn.Module):
         mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
         return mask.repeat_interleave(a.n_routed_experts // a.n_group, dim=1)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``shared``: slots appended to every token's choice, the ids after the router's experts at weight 1
+        (shared experts folded into the stacked ones, :meth:`MoE.fold_shared_experts`)."""
+        return self._choose(x) if not shared else self._choose_with_shared(x, shared)
+
+    def _choose_with_shared(self, x: torch.Tensor, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.a
+        if not a.v3 and a.topk_method != "group_limited_greedy":  # the softmax router writes the slots itself
+            renormalize = a.top_k > 1 and a.norm_topk_prob
+            scale = 1.0 if renormalize else a.routed_scaling_factor
+            return softmax_topk(F.linear(x.float(), self.weight.float()), a.top_k, renormalize, scale, shared)
+        return with_shared_slots(*self._choose(x), self.weight.shape[0], shared)
+
+    def _choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.a
         logits = F.linear(x.float(), self.weight.float())
         t, e = logits.shape
@@ -326,7 +339,18 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked weights) plus shared experts."""
+    """Routed experts (stacked weights) plus shared experts.
+
+    :meth:`fold_shared_experts` may move the shared experts into the stack, behind the routed ones, as
+    ``n_shared_experts`` experts of ``moe_intermediate_size`` every token runs at weight 1: the same sum
+    (a gated MLP of ``S * I`` is the sum of ``S`` gated MLPs of ``I`` over its row blocks), in the routed
+    experts' launches."""
+
+    #: Whether :meth:`fold_shared_experts` may fold (a subclass whose forward calls ``shared_experts``
+    #: itself says no).
+    FOLDS_SHARED_EXPERTS = True
+    #: Shared experts folded into the stack (the last ``folded_shared`` of ``experts_*``); 0: none.
+    folded_shared = 0
 
     def __init__(self, a: DeepseekArgs, dtype=None):
         super().__init__()
@@ -340,13 +364,45 @@ class MoE(nn.Module):
                                if a.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded_shared:
+            return self.routed(x, *self.gate(x, shared=self.folded_shared))
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         weights, ids = self.gate(x)
         return self.routed(x, weights, ids, addend=shared)
 
+    @torch.no_grad()
+    def fold_shared_experts(self) -> bool:
+        """Move the shared experts into the stacked experts (see the class docstring); False where there is
+        nothing to fold, the class does not fold, or it is done. New stacked tensors on the weights' device;
+        the shared experts' module is dropped."""
+        mlp = self.shared_experts
+        if not self.FOLDS_SHARED_EXPERTS or mlp is None or self.folded_shared:
+            return False
+        gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight  # [2 * S * I, H] (gate rows, up rows), [H, S * I]
+        e, two_i, hidden = self.experts_gate_up.shape
+        i = two_i // 2
+        if mlp.intermediate_size % i or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return False
+        s = mlp.intermediate_size // i
+        stacked_gate_up = self.experts_gate_up.new_empty(e + s, two_i, hidden)
+        stacked_gate_up[:e] = self.experts_gate_up
+        stacked_gate_up[e:, :i] = gate_up[: s * i].view(s, i, hidden)
+        stacked_gate_up[e:, i:] = gate_up[s * i:].view(s, i, hidden)
+        stacked_down = self.experts_down.new_empty(e + s, hidden, i)
+        stacked_down[:e] = self.experts_down
+        stacked_down[e:] = down.view(hidden, s, i).permute(1, 0, 2)
+        self.experts_gate_up = nn.Parameter(stacked_gate_up, requires_grad=False)
+        self.experts_down = nn.Parameter(stacked_down, requires_grad=False)
+        self.shared_experts = None
+        self.folded_shared = s
+        return True
+
     def routed_experts(self) -> RoutedExperts:
-        """The experts held here (stacked), top-k of the router's experts (the router holds all of them)."""
-        return RoutedExperts((self.experts_gate_up, self.experts_down), self.gate.a.top_k, self.gate.weight.shape[0])
+        """The routed experts held here (stacked; folded shared experts left out), top-k of the router's
+        experts (the router holds all of them)."""
+        held = self.experts_down.shape[0] - self.folded_shared
+        return RoutedExperts((self.experts_gate_up[:held], self.experts_down[:held]), self.gate.a.top_k,
+                             self.gate.weight.shape[0])
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                valid: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
@@ -386,7 +442,7 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
-        rows = group_by_expert(flat, n, k)
+        rows = group_by_expert(flat, n, k, self.folded_shared)
         gate_up = grouped_expert_matmul(x, self.experts_gate_up, rows, gather=True)
         y = gated_down_matmul(gate_up, self.experts_down, rows, self.act)
         del gate_up

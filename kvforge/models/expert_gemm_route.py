@@ -12,8 +12,9 @@ rows grouped by expert (kvforge/models/expert_rows.py). The Triton kernel takes 
 * input and weight are bfloat16 or float16 of one dtype, the weight ``[E, N, K]`` with K contiguous and
   the input contiguous along K;
 * the step has at most :data:`TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT` routed rows (tokens x top-k) per
-  expert of the weight on average: a decode step's few rows per expert, where reading the weights bounds
-  the product. Prefill steps keep ``torch._grouped_mm``.
+  routed expert of the weight on average: a decode step's few rows per expert, where reading the weights
+  bounds the product. Folded shared experts (every token's rows, kvforge/models/shared_expert_fold.py) are
+  left out of that average. Prefill steps keep ``torch._grouped_mm``.
 
 :func:`gated_down_matmul` is the down product of a gated MLP's ``[gate | up]`` rows: where the kernel takes
 it and the activation is SiLU, the kernel computes ``silu(gate) * up`` as it loads the rows
@@ -50,15 +51,18 @@ FUSE_SILU_MUL = True
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the product of ``num_rows`` routed rows of ``a`` by ``weight [E, N, K]`` runs the kernel."""
+def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor, shared_experts: int = 0,
+                           shared_rows: int = 0) -> bool:
+    """Whether the product of ``num_rows`` rows of ``a`` by ``weight [E, N, K]`` runs the kernel;
+    ``shared_rows`` of them belong to the last ``shared_experts`` experts (folded shared experts)."""
     return (
         TRITON_EXPERT_GEMM
         and a.device.type in TRITON_EXPERT_GEMM_DEVICES
         and a.dtype in _DTYPES
         and weight.dtype == a.dtype
         and weight.dim() == 3
-        and 0 < num_rows <= TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT * weight.shape[0]
+        and 0 < num_rows
+        and num_rows - shared_rows <= TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT * (weight.shape[0] - shared_experts)
         and weight.stride(2) == 1
         and a.stride(-1) == 1
         and not torch.is_grad_enabled()
@@ -73,7 +77,7 @@ def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
     The kernel adds the bias before its one rounding, ``torch._grouped_mm``'s path after rounding the
     product."""
     num_rows = rows.order.shape[0]
-    if use_triton_expert_gemm(num_rows, a, weight) and (bias is None or bias.stride(-1) == 1):
+    if use_triton_expert_gemm(num_rows, a, weight, rows.shared_experts, rows.shared_rows) and (bias is None or bias.stride(-1) == 1):
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
         return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows, bias=bias)
@@ -87,7 +91,7 @@ def gated_down_matmul(gate_up: torch.Tensor, weight: torch.Tensor, rows: ExpertR
     """``grouped_expert_matmul(act(gate) * up, weight, rows, gather=False)`` for ``gate_up [len(order), 2I]``
     in sorted order and ``weight [E, N, I]``; SiLU inside the kernel where it takes the product."""
     if (FUSE_SILU_MUL and act is F.silu and gate_up.dim() == 2
-            and use_triton_expert_gemm(rows.order.shape[0], gate_up, weight)):
+            and use_triton_expert_gemm(rows.order.shape[0], gate_up, weight, rows.shared_experts, rows.shared_rows)):
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
         return expert_gemm(gate_up, weight, rows.offs, None, num_rows=rows.order.shape[0], silu_mul=True)

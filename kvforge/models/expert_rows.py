@@ -43,13 +43,17 @@ class ExpertRows:
     """``order[p]``: the flat row at sorted position ``p``; ``offs`` int32 ``[num_experts]``: the end of each
     expert's range of sorted positions; ``expert[p]``: the expert id at position ``p`` (``num_experts`` for
     rows held elsewhere); ``tokens[p] = order[p] // k``, the token whose input row position ``p`` takes;
-    ``inverse[r]``: the sorted position of flat row ``r`` (set where the Triton sum serves, None otherwise)."""
+    ``inverse[r]``: the sorted position of flat row ``r`` (set where the Triton sum serves, None otherwise);
+    ``shared_experts``: the last experts, which every token runs (folded shared experts), and
+    ``shared_rows`` their rows."""
 
     order: torch.Tensor
     offs: torch.Tensor
     expert: torch.Tensor
     tokens: torch.Tensor
     inverse: torch.Tensor | None = None
+    shared_experts: int = 0
+    shared_rows: int = 0
 
 
 def use_triton_sum(flat_ids: torch.Tensor) -> bool:
@@ -72,15 +76,17 @@ def use_triton_rows(flat_ids: torch.Tensor, num_experts: int) -> bool:
     return (num_experts + 1) * triton_expert_rows.MAX_ROWS < 2**31
 
 
-def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> ExpertRows:
-    """Group the ``T * top_k`` rows of ``flat_ids`` (int, ``num_experts`` for a row held elsewhere) by expert."""
+def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int, shared_experts: int = 0) -> ExpertRows:
+    """Group the ``T * top_k`` rows of ``flat_ids`` (int, ``num_experts`` for a row held elsewhere) by expert;
+    ``shared_experts``: the last experts, in every token's ``top_k`` slots (folded shared experts)."""
     if num_experts >= torch.iinfo(torch.int16).max:
         raise ValueError(f"{num_experts} experts: expert ids must fit int16 keys")
+    shared = dict(shared_experts=shared_experts, shared_rows=flat_ids.shape[0] // top_k * shared_experts)
     if use_triton_rows(flat_ids, num_experts):
         from kvforge.kernels.triton_expert_rows import group_rows
 
         order, offs, expert, tokens, inverse = group_rows(flat_ids, num_experts, top_k)
-        return ExpertRows(order=order, offs=offs, expert=expert, tokens=tokens, inverse=inverse)
+        return ExpertRows(order=order, offs=offs, expert=expert, tokens=tokens, inverse=inverse, **shared)
     order = torch.argsort(flat_ids.to(torch.int16), stable=True)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_ids.device)
     counts.scatter_add_(0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))
@@ -88,7 +94,8 @@ def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int) -> Exp
     inverse = None
     if use_triton_sum(flat_ids):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    return ExpertRows(order=order, offs=offs, expert=flat_ids[order], tokens=order // top_k, inverse=inverse)
+    return ExpertRows(order=order, offs=offs, expert=flat_ids[order], tokens=order // top_k, inverse=inverse,
+                      **shared)
 
 
 def weighted_sum_per_token(y: torch.Tensor, rows: ExpertRows, weights: torch.Tensor,

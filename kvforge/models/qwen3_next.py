@@ -207,6 +207,8 @@ class GatedAttention(nn.Module):
 class Qwen3NextMoE(MoE):
     """Softmax top-k routed experts plus one sigmoid-gated shared expert (routing as HF Qwen3-Next)."""
 
+    FOLDS_SHARED_EXPERTS = False  # the shared expert's weight is a per-token sigmoid, not 1
+
     def __init__(self, a: Qwen3NextArgs, dtype=None):
         nn.Module.__init__(self)
         e, i, h = a.num_experts, a.moe_intermediate_size, a.hidden_size

@@ -4,7 +4,9 @@ scale. The DeepSeek-V2 ``greedy`` gate and Qwen3-Next's router are this function
 :func:`softmax_topk` is the one entry: on CUDA (with autograd off) it runs one Triton kernel
 (kvforge/kernels/triton_router_topk.py) unless ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused
 kernels off (kvforge/env.py); elsewhere it runs :func:`softmax_topk_reference`, the PyTorch formulas the
-kernel is tested against. Both return float32 weights in descending order and int64 expert ids.
+kernel is tested against. Both return float32 weights in descending order and int64 expert ids; with
+``shared = S`` each row carries ``S`` more slots, the ids ``E .. E + S - 1`` at weight 1 (shared experts
+folded behind the routed ones, kvforge/models/shared_expert_fold.py; :func:`with_shared_slots`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,24 @@ TRITON_ROUTER = not ENV.disable_fused_kernels
 TRITON_ROUTER_DEVICES: tuple[str, ...] = ("cuda",)
 
 
-def softmax_topk_reference(logits: torch.Tensor, k: int, renormalize: bool,
-                           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def with_shared_slots(weights: torch.Tensor, ids: torch.Tensor, first: int,
+                      shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights``/``ids [T, k]`` with ``shared`` slots appended: ids ``first .. first + shared - 1``, weight 1."""
+    if not shared:
+        return weights, ids
+    t = ids.shape[0]
+    extra = torch.arange(first, first + shared, dtype=ids.dtype, device=ids.device).expand(t, shared)
+    return torch.cat([weights, weights.new_ones(t, shared)], 1), torch.cat([ids, extra], 1)
+
+
+def softmax_topk_reference(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0,
+                           shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch: ``topk(softmax(logits in float32))``, divided by the chosen sum with ``renormalize``, times
-    ``scale``."""
+    ``scale``; then ``shared`` slots (:func:`with_shared_slots`)."""
     weights, ids = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights * scale if scale != 1.0 else weights), ids
+    return with_shared_slots(weights * scale if scale != 1.0 else weights, ids, logits.shape[-1], shared)
 
 
 def use_triton_router(logits: torch.Tensor) -> bool:
@@ -39,11 +51,12 @@ def use_triton_router(logits: torch.Tensor) -> bool:
             and logits.shape[-1] <= triton_router_topk.MAX_EXPERTS)
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool,
-                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights float32 [T, k], ids int64 [T, k])``: the router's top-``k`` (see the module docstring)."""
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0,
+                 shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32 [T, k + shared], ids int64 [T, k + shared])``: the router's top-``k`` and ``shared``
+    slots of weight 1 (see the module docstring)."""
     if use_triton_router(logits):
         from kvforge.kernels.triton_router_topk import softmax_topk as kernel
 
-        return kernel(logits, k, renormalize, scale)
-    return softmax_topk_reference(logits, k, renormalize, scale)
+        return kernel(logits, k, renormalize, scale, shared)
+    return softmax_topk_reference(logits, k, renormalize, scale, shared)

@@ -1,0 +1,200 @@
+"""Shared experts folded into the routed experts' stack (kvforge/models/shared_expert_fold.py).
+
+A MoE block's output after the fold equals its output before, on the same weights and input: float32,
+the per-expert loop (the fold only cuts the shared MLP's row blocks apart and adds their products in
+another order: measured max |diff| ~1e-7 at outputs ~1, bound 1e-5 relative), and the grouped path through
+the Triton kernels (Triton's CPU interpreter here; float16, bound 2^-8 of the largest output as the
+unfolded kernel route's test). The router kernel's shared slots equal the PyTorch reference's. The
+engine with the fold matches transformers' logits within the tolerance of tests/test_deepseek_mla.py.
+The cost model's description of the routed experts does not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.bench.roofline import matmul_params_per_token, step_weight_bytes
+from kvforge.distributed.tp_deepseek import TPMoE
+from kvforge.models import shared_expert_fold
+from kvforge.models.deepseek import DeepseekArgs, MoE
+from kvforge.models.qwen3_next import Qwen3NextMoE
+from kvforge.models.router_topk import softmax_topk_reference, with_shared_slots
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3, first_k_dense_replace=1,
+            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=64,
+            max_position_embeddings=64, rms_norm_eps=1e-5, q_lora_rank=None)
+ROUTERS = {
+    "v2_greedy": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", topk_method="greedy",
+                      n_shared_experts=2, routed_scaling_factor=1.5),
+    "v2_group_limited": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                             topk_method="group_limited_greedy", n_group=4, topk_group=2, n_shared_experts=1),
+    "v3_sigmoid": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", n_group=4,
+                       topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=3),
+}
+
+
+def _moe(router: str, dtype=torch.float32, seed=0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(DeepseekArgs({**BASE, **ROUTERS[router]}), dtype=dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.2).to(p.dtype))
+        if hasattr(moe.gate, "e_score_correction_bias"):
+            moe.gate.e_score_correction_bias.normal_(0, 0.1)
+    return moe
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_fold_keeps_the_block_output(router):
+    moe = _moe(router)
+    shared_rows = moe.shared_experts.intermediate_size
+    x = torch.randn(19, 64)
+    with torch.no_grad():
+        before = moe(x)
+        assert moe.fold_shared_experts()
+        after = moe(x)
+    s = shared_rows // 32
+    assert moe.folded_shared == s and moe.shared_experts is None
+    assert tuple(moe.experts_gate_up.shape) == (8 + s, 64, 64) and tuple(moe.experts_down.shape) == (8 + s, 64, 32)
+    assert before.abs().max() > 0.1
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5 * before.abs().max().item())
+    assert not moe.fold_shared_experts()  # once
+
+
+def test_router_appends_the_shared_slots():
+    moe = _moe("v2_greedy")
+    x = torch.randn(7, 64)
+    w, ids = moe.gate(x)
+    ws, ids_s = moe.gate(x, shared=2)
+    assert torch.equal(ws[:, :3], w) and torch.equal(ids_s[:, :3], ids)
+    assert torch.equal(ws[:, 3:], torch.ones(7, 2))
+    assert torch.equal(ids_s[:, 3:], torch.tensor([[8, 9]] * 7))
+    w3, i3 = _moe("v3_sigmoid").gate(x, shared=1)
+    assert tuple(w3.shape) == (7, 4) and torch.equal(i3[:, 3], torch.full((7,), 8)) and torch.equal(w3[:, 3], torch.ones(7))
+
+
+@pytest.mark.parametrize("shared", [1, 2, 3])
+def test_router_kernel_shared_slots_equal_reference(shared):
+    from triton_kernel_device import DEVICE, KERNELS_RUN
+
+    if not KERNELS_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    from kvforge.kernels.triton_router_topk import softmax_topk
+
+    logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(shared))
+    w, ids = softmax_topk(logits.to(DEVICE), 4, True, 2.0, shared)
+    rw, rids = softmax_topk_reference(logits, 4, True, 2.0, shared)
+    assert torch.equal(ids.cpu(), rids)  # distinct random logits: no ties
+    torch.testing.assert_close(w.cpu(), rw, rtol=1e-6, atol=1e-7)
+    assert torch.equal(w[:, 4:].cpu(), torch.ones(5, shared))
+
+
+def test_with_shared_slots_is_the_identity_at_zero():
+    w, ids = torch.rand(3, 2), torch.randint(0, 5, (3, 2))
+    assert with_shared_slots(w, ids, 5, 0) == (w, ids)
+
+
+def test_fold_keeps_the_cost_model():
+    """The floor's weight bytes and FLOPs read the routed experts through ``routed_experts()``: the
+    folded shared experts stay dense (read by every step), as before the fold."""
+    from torch import nn
+
+    model = nn.ModuleList([_moe("v2_greedy"), _moe("v3_sigmoid", seed=1)])
+    bytes_before, params_before = step_weight_bytes(model), matmul_params_per_token(model)
+    for m in model:
+        assert m.fold_shared_experts()
+    assert step_weight_bytes(model) == bytes_before
+    assert matmul_params_per_token(model) == pytest.approx(params_before, rel=1e-12)
+
+
+def test_blocks_that_add_the_shared_experts_themselves_do_not_fold():
+    assert TPMoE.FOLDS_SHARED_EXPERTS is False and Qwen3NextMoE.FOLDS_SHARED_EXPERTS is False
+    moe = _moe("v2_greedy")
+    moe.FOLDS_SHARED_EXPERTS = False
+    assert not moe.fold_shared_experts() and moe.shared_experts is not None
+
+
+def test_the_rule_folds_on_cuda_only(monkeypatch):
+    assert shared_expert_fold.folds_shared_experts("cuda")
+    assert not shared_expert_fold.folds_shared_experts("cpu")
+    model = torch.nn.ModuleList([_moe("v2_greedy")])
+    assert shared_expert_fold.fold_shared_experts(model, "cpu") == 0
+    monkeypatch.setattr(shared_expert_fold, "FOLD_SHARED_EXPERTS", False)
+    assert not shared_expert_fold.folds_shared_experts("cuda")
+
+
+@pytest.mark.parametrize("triton_rows", [False, True])
+def test_folded_kernel_route_equals_unfolded_loop(monkeypatch, triton_rows):
+    """The folded block through the Triton expert kernels (rows grouped and summed by their kernels or by
+    PyTorch, SiLU-and-mul inside the down product) equals the unfolded block's per-expert loop. float16:
+    the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
+    from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
+
+    if not KERNELS_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    skip_unless_loaded_loop_bounds_work()
+    from kvforge.models import expert_gemm_route, expert_rows
+
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS", triton_rows)
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", (DEVICE,))
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
+    called = []
+    real = expert_gemm_route.use_triton_expert_gemm
+    monkeypatch.setattr(expert_gemm_route, "use_triton_expert_gemm",
+                        lambda *a: called.append(real(*a)) or real(*a))
+    reference = _moe("v2_greedy")
+    moe = _moe("v2_greedy", torch.float16).to(DEVICE)
+    x = torch.randn(13, 64)
+    with torch.no_grad():
+        reference.load_state_dict({k: v.float().cpu() for k, v in moe.state_dict().items()})
+        want = reference(x.half().float())  # the unfolded block, float32, per-expert loop
+        assert moe.fold_shared_experts()
+        w, ids = moe.gate(x.half().to(DEVICE), shared=moe.folded_shared)
+        got = moe._routed_grouped(x.half().to(DEVICE), w, ids).float().cpu()
+    assert called == [True, True]  # both products ran the kernel
+    assert want.abs().max() > 0.1
+    assert (got - want).abs().max() <= 2 ** -8 * want.abs().max()
+
+
+def test_kernel_rule_leaves_the_shared_rows_out():
+    """At 128 tokens, top-6 of 64 experts plus 2 folded shared experts: 12 routed rows an expert, the
+    kernel's bound, where counting the shared rows (15.5 an expert) would send the step to grouped_mm."""
+    from kvforge.models import expert_gemm_route
+
+    a = torch.empty(1, 16, dtype=torch.bfloat16)
+    w = torch.empty(66, 32, 16, dtype=torch.bfloat16)
+    rows = 128 * 8
+    with torch.no_grad():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", ("cpu",))
+            mp.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
+            assert expert_gemm_route.use_triton_expert_gemm(rows, a, w, 2, 128 * 2)
+            assert not expert_gemm_route.use_triton_expert_gemm(rows, a, w)
+            assert not expert_gemm_route.use_triton_expert_gemm(rows + 8, a, w, 2, 129 * 2)
+
+
+def test_engine_with_the_fold_matches_transformers(tmp_path, monkeypatch):
+    """The engine folds after loading a checkpoint (here on CPU by the rule's device list) and its prompt
+    logits still match transformers' within tests/test_deepseek_mla.py's bound."""
+    transformers = pytest.importorskip("transformers")
+    from kvforge import LLM
+
+    monkeypatch.setattr(shared_expert_fold, "FOLD_DEVICES", ("cpu",))
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(**{**BASE, "vocab_size": 128, "num_hidden_layers": 3,
+                                           "topk_method": "greedy", "n_shared_experts": 2,
+                                           "initializer_range": 0.1, "rope_scaling": None})
+    hf = transformers.DeepseekV2ForCausalLM(cfg).eval().float()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 20,
+              progress=False, device="cpu")
+    folded = [m for m in llm.engine.model.modules() if isinstance(m, MoE)]
+    assert folded and all(m.folded_shared == 2 and m.shared_experts is None for m in folded)
+    ids = torch.randint(0, 128, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = llm.engine.compute_prompt_logits(ids)
+    assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
