@@ -63,6 +63,25 @@ def test_fold_keeps_the_block_output(router):
     assert not moe.fold_shared_experts()  # once
 
 
+@pytest.mark.parametrize("router", ["v2_greedy", "v3_sigmoid"])
+def test_folded_grouped_path_runs_the_shared_experts_apart(router):
+    """Where the expert kernel does not take the step (here: CPU, ``torch._grouped_mm``), the folded shared
+    experts run as dense products of the stack's views, added to the routed sum; equal to the unfolded
+    block's loop (float32)."""
+    from kvforge.models.grouped_mm import grouped_mm_problem
+
+    if grouped_mm_problem("cpu", torch.float32) is not None:
+        pytest.skip("this torch build has no working torch._grouped_mm on CPU")
+    moe = _moe(router)
+    x = torch.randn(23, 64)
+    with torch.no_grad():
+        w, ids = moe.gate(x)
+        want = moe._routed_loop(x, w, ids) + moe.shared_experts(x)
+        assert moe.fold_shared_experts()
+        got = moe._routed_grouped(x, *moe.gate(x, shared=moe.folded_shared))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_router_appends_the_shared_slots():
     moe = _moe("v2_greedy")
     x = torch.randn(7, 64)
@@ -125,11 +144,12 @@ def test_the_rule_folds_on_cuda_only(monkeypatch):
     assert not shared_expert_fold.folds_shared_experts("cuda")
 
 
-@pytest.mark.parametrize("triton_rows", [False, True])
-def test_folded_kernel_route_equals_unfolded_loop(monkeypatch, triton_rows):
+@pytest.mark.parametrize("triton_rows,tokens", [(False, 13), (True, 13), (True, 40)])
+def test_folded_kernel_route_equals_unfolded_loop(monkeypatch, triton_rows, tokens):
     """The folded block through the Triton expert kernels (rows grouped and summed by their kernels or by
-    PyTorch, SiLU-and-mul inside the down product) equals the unfolded block's per-expert loop. float16:
-    the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
+    PyTorch, SiLU-and-mul inside the down product; at 40 tokens each shared expert's rows are three
+    programs' blocks of 16) equals the unfolded block's per-expert loop. float16: the interpreter's
+    bfloat16 ``tl.dot`` multiplies bit patterns."""
     from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
 
     if not KERNELS_RUN:
@@ -141,13 +161,20 @@ def test_folded_kernel_route_equals_unfolded_loop(monkeypatch, triton_rows):
     monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", (DEVICE,))
     monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
     monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT", 16)  # 40 x top-3 of 8: 15
     called = []
     real = expert_gemm_route.use_triton_expert_gemm
     monkeypatch.setattr(expert_gemm_route, "use_triton_expert_gemm",
                         lambda *a: called.append(real(*a)) or real(*a))
+    from kvforge.kernels import triton_expert_gemm
+
+    shared_launches = []
+    real_gemm = triton_expert_gemm.expert_gemm
+    monkeypatch.setattr(triton_expert_gemm, "expert_gemm", lambda *a, **k: shared_launches.append(
+        (k.get("shared_experts"), k.get("shared_rows"))) or real_gemm(*a, **k))
     reference = _moe("v2_greedy")
     moe = _moe("v2_greedy", torch.float16).to(DEVICE)
-    x = torch.randn(13, 64)
+    x = torch.randn(tokens, 64)
     with torch.no_grad():
         reference.load_state_dict({k: v.float().cpu() for k, v in moe.state_dict().items()})
         want = reference(x.half().float())  # the unfolded block, float32, per-expert loop
@@ -155,6 +182,7 @@ def test_folded_kernel_route_equals_unfolded_loop(monkeypatch, triton_rows):
         w, ids = moe.gate(x.half().to(DEVICE), shared=moe.folded_shared)
         got = moe._routed_grouped(x.half().to(DEVICE), w, ids).float().cpu()
     assert called == [True, True]  # both products ran the kernel
+    assert shared_launches == [(2, tokens)] * 2  # both split the shared experts' rows
     assert want.abs().max() > 0.1
     assert (got - want).abs().max() <= 2 ** -8 * want.abs().max()
 

@@ -14,7 +14,14 @@ bound by reading the experts' weights. Grid ``(E, cdiv(N, BLOCK_N))``: a program
 rows of one expert (the :class:`ExpertGemmTile`), and for each block of 16 of the expert's rows streams them
 over K in ``BLOCK_K`` chunks into ``tl.dot`` (the rows padded to 16, the MMA's smallest dimension; padded rows load zeros and
 are not stored). An expert without rows costs its programs one load of ``offs``; an expert with more than
-16 rows reads its weight tile once per block of 16, the repeats from L2.
+16 rows reads its weight tile once per block of 16 (the repeats may come from L2; the loads ask to be
+evicted first, so under a full grid they mostly do not).
+
+Experts that every token runs (``shared_experts``, the last ones of the weight: shared experts folded into
+the stack, kvforge/models/shared_expert_fold.py) hold every token's row, so one program per weight tile
+would stream its tile once per 16 tokens, one block after the other. Each of their blocks of 16 rows gets
+a program of its own instead: grid ``(E - S + S * cdiv(shared_rows, 16), cdiv(N, BLOCK_N))``, the blocks of
+one tile neighbours in the launch order, so that they run side by side and share the tile's reads in L2.
 
 Numerics: bf16/fp16 products exact in float32, float32 sums (the order of the float32 additions differs
 from other GEMMs), the bias added in float32, one rounding to ``a``'s dtype. The launch is a pure function
@@ -55,11 +62,18 @@ if HAS_TRITON:
     def _expert_gemm_kernel(
         a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr, bias_ptr,
         N, K, stride_am, stride_we, stride_wn, stride_om, stride_be,
+        ROUTED, SHARED_BLOCKS,
         GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
     ):  # fmt: skip
-        expert = tl.program_id(0)
+        pid = tl.program_id(0)
         pid_n = tl.program_id(1)
+        # programs [0, ROUTED): one expert each, all its row blocks; then SHARED_BLOCKS programs per shared
+        # expert, one row block each
+        shared = pid >= ROUTED
+        expert = tl.where(shared, ROUTED + (pid - ROUTED) // SHARED_BLOCKS, pid)
+        block = tl.where(shared, (pid - ROUTED) % SHARED_BLOCKS, 0)
+        block_step = tl.where(shared, SHARED_BLOCKS, 1)
         end = tl.load(offs_ptr + expert)
         start = tl.load(offs_ptr + tl.maximum(expert - 1, 0))
         start = tl.where(expert > 0, start, 0)
@@ -70,7 +84,7 @@ if HAS_TRITON:
         n_mask = offs_n < N
         if HAS_BIAS:  # the expert's bias over this program's weight rows, added in float32
             bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + offs_n, mask=n_mask, other=0.0)
-        for m0 in range(start, end, ROWS):
+        for m0 in range(start + block * ROWS, end, block_step * ROWS):
             pos = m0 + tl.arange(0, ROWS)
             m_mask = pos < end
             if GATHER:
@@ -102,13 +116,16 @@ if HAS_TRITON:
 
 def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
                 num_rows: int | None = None, tile: ExpertGemmTile = TILE,
-                bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, silu_mul: bool = False, shared_experts: int = 0,
+                shared_rows: int = 0) -> torch.Tensor:
     """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T (+ bias[e])`` for each sorted position ``p``
     of expert ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] =
     p``). ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``); ``tile``: the
     launch's tile (benchmarks sweep it); ``bias``: ``[E, N]``, contiguous along N, added in float32 before
     the one rounding; ``silu_mul``: ``a`` is ``[rows, 2K]`` of ``[gate | up]`` rows and the product takes
-    ``silu(gate) * up`` (exactly the values of kvforge/kernels/triton_silu_mul.py's kernel)."""
+    ``silu(gate) * up`` (exactly the values of kvforge/kernels/triton_silu_mul.py's kernel).
+    ``shared_experts``: the last experts of ``weight`` hold at most ``shared_rows`` positions each (every
+    token's; the module docstring says how their rows are split over programs)."""
     if not HAS_TRITON:
         raise RuntimeError("expert_gemm needs triton")
     width = 2 * weight.shape[-1] if silu_mul else weight.shape[-1]
@@ -129,11 +146,16 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: 
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if rows == 0 or n == 0:
         return out
+    if not 0 <= shared_experts <= e or shared_rows < 0:
+        raise ValueError(f"shared_experts {shared_experts} of {e} experts, shared_rows {shared_rows}: need "
+                         f"0 <= shared_experts <= E and shared_rows >= 0")
     block_k = max(16, min(tile.block_k, triton.next_power_of_2(k)))
-    _expert_gemm_kernel[(e, triton.cdiv(n, tile.block_n))](
+    shared_blocks = max(1, triton.cdiv(shared_rows, ROWS)) if shared_experts else 1
+    routed = e - shared_experts
+    _expert_gemm_kernel[(routed + shared_experts * shared_blocks, triton.cdiv(n, tile.block_n))](
         a, weight, out, offs, src if src is not None else offs, bias if bias is not None else offs,
         n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        bias.stride(0) if bias is not None else 0,
+        bias.stride(0) if bias is not None else 0, routed, shared_blocks,
         GATHER=src is not None, ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
     )  # fmt: skip

@@ -68,11 +68,11 @@ from kvforge.models.decoder import (
     required_int,
 )
 from kvforge.models.deepseek_mtp import DeepseekMTPLayer
-from kvforge.models.expert_gemm_route import gated_down_matmul, grouped_expert_matmul
+from kvforge.models.expert_gemm_route import gated_down_matmul, grouped_expert_matmul, use_triton_expert_gemm
 from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
-from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, fused_kernels, get_activation
+from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk, with_shared_slots
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -436,17 +436,40 @@ class MoE(nn.Module):
 
     def _routed_grouped(self, x, weights, ids, valid=None, addend=None) -> torch.Tensor:
         """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted
-        last and zeroed; expert row ranges from a device-side count (no host sync)."""
-        k = ids.shape[1]
+        last and zeroed; expert row ranges from a device-side count (no host sync).
+
+        Folded shared experts ride in the grouped products where the Triton expert kernel takes them
+        (decode-sized steps); in larger steps ``torch._grouped_mm`` would gather every token's row once
+        more per shared expert, so there they run apart (:meth:`_folded_shared_apart`) as the sum's addend."""
+        shared = self.folded_shared
         n = self.experts_down.shape[0]
+        if shared and not use_triton_expert_gemm(ids.numel(), x, self.experts_gate_up, shared, x.shape[0] * shared):
+            addend = self._folded_shared_apart(x)
+            weights, ids, shared = weights[:, :-shared], ids[:, :-shared], 0
+            if valid is not None:
+                valid = valid[:, : ids.shape[1]]
+        k = ids.shape[1]
         flat = ids.reshape(-1)
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
-        rows = group_by_expert(flat, n, k, self.folded_shared)
+        rows = group_by_expert(flat, n, k, shared)
         gate_up = grouped_expert_matmul(x, self.experts_gate_up, rows, gather=True)
         y = gated_down_matmul(gate_up, self.experts_down, rows, self.act)
         del gate_up
         return weighted_sum_per_token(y, rows, weights, valid, addend).to(x.dtype)
+
+    def _folded_shared_apart(self, x: torch.Tensor) -> torch.Tensor:
+        """The folded shared experts' sum over ``x`` [T, hidden] as dense products of the stack's last
+        experts: one gate/up product over all of them (a view of the stack), SiLU-and-mul, then the down
+        products accumulated into one output (cuBLAS ``addmm``)."""
+        s, (t, hidden) = self.folded_shared, x.shape
+        first = self.experts_down.shape[0] - s
+        gate_up = F.linear(x, self.experts_gate_up[first:].reshape(-1, hidden))  # [T, S * 2I]
+        h = act_and_mul(gate_up.view(t * s, -1), self.act).view(t, s, -1)  # [T, S, I]
+        out = F.linear(h[:, 0], self.experts_down[first])
+        for j in range(1, s):
+            out = torch.addmm(out, h[:, j], self.experts_down[first + j].t())
+        return out
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -69,6 +69,12 @@ def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor,
     )
 
 
+def _shared(rows: ExpertRows) -> dict:
+    """The expert kernel's arguments for the folded shared experts of ``rows`` (each holds every token)."""
+    s = rows.shared_experts
+    return dict(shared_experts=s, shared_rows=rows.shared_rows // s if s else 0)
+
+
 def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRows, gather: bool,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out[p] = a_row(p) @ weight[expert(p)].T (+ bias[expert(p)])`` for every sorted position ``p``
@@ -80,7 +86,8 @@ def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
     if use_triton_expert_gemm(num_rows, a, weight, rows.shared_experts, rows.shared_rows) and (bias is None or bias.stride(-1) == 1):
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
-        return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows, bias=bias)
+        return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows, bias=bias,
+                           **_shared(rows))
     out = torch._grouped_mm(a[rows.tokens] if gather else a, weight.transpose(-2, -1), offs=rows.offs)
     if bias is not None:  # rows held elsewhere (expert id E) take the last expert's bias; they are never read
         out = out + bias[rows.expert.clamp(max=weight.shape[0] - 1)]
@@ -94,5 +101,6 @@ def gated_down_matmul(gate_up: torch.Tensor, weight: torch.Tensor, rows: ExpertR
             and use_triton_expert_gemm(rows.order.shape[0], gate_up, weight, rows.shared_experts, rows.shared_rows)):
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
-        return expert_gemm(gate_up, weight, rows.offs, None, num_rows=rows.order.shape[0], silu_mul=True)
+        return expert_gemm(gate_up, weight, rows.offs, None, num_rows=rows.order.shape[0], silu_mul=True,
+                           **_shared(rows))
     return grouped_expert_matmul(act_and_mul(gate_up, act), weight, rows, gather=False)
