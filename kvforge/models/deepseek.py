@@ -460,15 +460,13 @@ class MoE(nn.Module):
 
     def _folded_shared_apart(self, x: torch.Tensor) -> torch.Tensor:
         """The folded shared experts' sum over ``x`` [T, hidden] as dense products of the stack's last
-        experts: one gate/up product over all of them (a view of the stack), SiLU-and-mul, then the down
-        products accumulated into one output (cuBLAS ``addmm``)."""
-        s, (t, hidden) = self.folded_shared, x.shape
-        first = self.experts_down.shape[0] - s
-        gate_up = F.linear(x, self.experts_gate_up[first:].reshape(-1, hidden))  # [T, S * 2I]
-        h = act_and_mul(gate_up.view(t * s, -1), self.act).view(t, s, -1)  # [T, S, I]
-        out = F.linear(h[:, 0], self.experts_down[first])
-        for j in range(1, s):
-            out = torch.addmm(out, h[:, j], self.experts_down[first + j].t())
+        experts, one expert after the other (each operand contiguous), the down products accumulated into
+        one output (cuBLAS ``addmm``)."""
+        first = self.experts_down.shape[0] - self.folded_shared
+        out = None
+        for e in range(first, self.experts_down.shape[0]):
+            h = act_and_mul(F.linear(x, self.experts_gate_up[e]), self.act)
+            out = F.linear(h, self.experts_down[e]) if out is None else torch.addmm(out, h, self.experts_down[e].t())
         return out
 
 
