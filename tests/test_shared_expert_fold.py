@@ -65,9 +65,9 @@ def test_fold_keeps_the_block_output(router):
 
 @pytest.mark.parametrize("router", ["v2_greedy", "v3_sigmoid"])
 def test_folded_grouped_path_runs_the_shared_experts_apart(router):
-    """Where the expert kernel does not take the step (here: CPU, ``torch._grouped_mm``), the folded shared
-    experts run as dense products of the stack's views, added to the routed sum; equal to the unfolded
-    block's loop (float32)."""
+    """Where the expert kernel does not take the step (prompt steps; here CPU, ``torch._grouped_mm``), the
+    folded shared experts run as dense products of the stack's experts, the routed sum's addend; equal to
+    the unfolded block's loop (float32)."""
     from kvforge.models.grouped_mm import grouped_mm_problem
 
     if grouped_mm_problem("cpu", torch.float32) is not None:
@@ -78,7 +78,8 @@ def test_folded_grouped_path_runs_the_shared_experts_apart(router):
         w, ids = moe.gate(x)
         want = moe._routed_loop(x, w, ids) + moe.shared_experts(x)
         assert moe.fold_shared_experts()
-        got = moe._routed_grouped(x, *moe.gate(x, shared=moe.folded_shared))
+        assert not moe._folded_shared_in_kernel(x)  # the kernel serves CUDA only
+        got = moe._routed_grouped(x, w, ids, addend=moe._folded_shared_apart(x))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -130,6 +131,13 @@ def test_fold_keeps_the_cost_model():
 
 def test_blocks_that_add_the_shared_experts_themselves_do_not_fold():
     assert TPMoE.FOLDS_SHARED_EXPERTS is False and Qwen3NextMoE.FOLDS_SHARED_EXPERTS is False
+    from kvforge.models.qwen3_next import Qwen3NextArgs
+    from kvforge.spec.presets import PRESETS
+
+    config = {**PRESETS["qwen3-next-80b-a3b"], "hidden_size": 64, "num_experts": 4, "moe_intermediate_size": 16,
+              "shared_expert_intermediate_size": 16}
+    qwen = Qwen3NextMoE(Qwen3NextArgs(config), dtype=torch.float32)  # its shared expert is `shared_expert`
+    assert not qwen.fold_shared_experts() and qwen.shared_expert is not None
     moe = _moe("v2_greedy")
     moe.FOLDS_SHARED_EXPERTS = False
     assert not moe.fold_shared_experts() and moe.shared_experts is not None
@@ -179,8 +187,9 @@ def test_folded_kernel_route_equals_unfolded_loop(monkeypatch, triton_rows, toke
         reference.load_state_dict({k: v.float().cpu() for k, v in moe.state_dict().items()})
         want = reference(x.half().float())  # the unfolded block, float32, per-expert loop
         assert moe.fold_shared_experts()
+        assert moe._folded_shared_in_kernel(x.half().to(DEVICE))
         w, ids = moe.gate(x.half().to(DEVICE), shared=moe.folded_shared)
-        got = moe._routed_grouped(x.half().to(DEVICE), w, ids).float().cpu()
+        got = moe._routed_grouped(x.half().to(DEVICE), w, ids, shared_slots=moe.folded_shared).float().cpu()
     assert called == [True, True]  # both products ran the kernel
     assert shared_launches == [(2, tokens)] * 2  # both split the shared experts' rows
     assert want.abs().max() > 0.1

@@ -364,19 +364,32 @@ class MoE(nn.Module):
                                if a.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.folded_shared:
-            return self.routed(x, *self.gate(x, shared=self.folded_shared))
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        s = self.folded_shared
+        if s and self._folded_shared_in_kernel(x):
+            return self.routed(x, *self.gate(x, shared=s), shared_slots=s)
+        if s:
+            shared = self._folded_shared_apart(x)
+        else:
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
         weights, ids = self.gate(x)
         return self.routed(x, weights, ids, addend=shared)
+
+    def _folded_shared_in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the folded shared experts ride in the routed experts' products for ``x``: where the Triton
+        expert kernel takes the step (decode-sized steps). In larger steps ``torch._grouped_mm`` would gather
+        every token's row once more per shared expert, so they run apart (:meth:`_folded_shared_apart`)."""
+        s, t = self.folded_shared, x.shape[0]
+        return use_triton_expert_gemm(t * (self.gate.a.top_k + s), x, self.experts_gate_up, s, t * s)
 
     @torch.no_grad()
     def fold_shared_experts(self) -> bool:
         """Move the shared experts into the stacked experts (see the class docstring); False where there is
         nothing to fold, the class does not fold, or it is done. New stacked tensors on the weights' device;
         the shared experts' module is dropped."""
+        if not self.FOLDS_SHARED_EXPERTS or self.folded_shared:
+            return False
         mlp = self.shared_experts
-        if not self.FOLDS_SHARED_EXPERTS or mlp is None or self.folded_shared:
+        if mlp is None:
             return False
         gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight  # [2 * S * I, H] (gate rows, up rows), [H, S * I]
         e, two_i, hidden = self.experts_gate_up.shape
@@ -405,17 +418,19 @@ class MoE(nn.Module):
                              self.gate.weight.shape[0])
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-               valid: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+               valid: torch.Tensor | None = None, addend: torch.Tensor | None = None,
+               shared_slots: int = 0) -> torch.Tensor:
         """``addend[t] + sum_k weights[t, k] * expert[ids[t, k]](x[t])`` over the slots this module holds.
 
         ``ids`` [T, k] index this module's experts; ``valid`` (bool [T, k], None = all) marks the slots
         whose expert is here (tensor parallelism splits experts by index); ``addend`` [T, hidden] (None:
         nothing), the shared experts' output, joins the grouped path's float32 sum before its rounding.
+        ``shared_slots``: the last slots of ``ids`` are folded shared experts (every token's).
         On CUDA, where ``torch._grouped_mm`` works for the dtype, one grouped GEMM per projection (no host
         sync, so the step can be a CUDA graph); otherwise a loop over the experts that have tokens.
         """
         if x.is_cuda and grouped_mm_problem(x.device, x.dtype) is None:
-            return self._routed_grouped(x, weights, ids, valid, addend)
+            return self._routed_grouped(x, weights, ids, valid, addend, shared_slots)
         out = self._routed_loop(x, weights, ids, valid)
         return out if addend is None else out + addend
 
@@ -434,25 +449,15 @@ class MoE(nn.Module):
         gate, up = F.linear(x, self.experts_gate_up[expert]).split(self.inter, dim=-1)
         return F.linear(self.act(gate) * up, self.experts_down[expert])
 
-    def _routed_grouped(self, x, weights, ids, valid=None, addend=None) -> torch.Tensor:
+    def _routed_grouped(self, x, weights, ids, valid=None, addend=None, shared_slots: int = 0) -> torch.Tensor:
         """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted
-        last and zeroed; expert row ranges from a device-side count (no host sync).
-
-        Folded shared experts ride in the grouped products where the Triton expert kernel takes them
-        (decode-sized steps); in larger steps ``torch._grouped_mm`` would gather every token's row once
-        more per shared expert, so there they run apart (:meth:`_folded_shared_apart`) as the sum's addend."""
-        shared = self.folded_shared
+        last and zeroed; expert row ranges from a device-side count (no host sync)."""
         n = self.experts_down.shape[0]
-        if shared and not use_triton_expert_gemm(ids.numel(), x, self.experts_gate_up, shared, x.shape[0] * shared):
-            addend = self._folded_shared_apart(x)
-            weights, ids, shared = weights[:, :-shared], ids[:, :-shared], 0
-            if valid is not None:
-                valid = valid[:, : ids.shape[1]]
         k = ids.shape[1]
         flat = ids.reshape(-1)
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
-        rows = group_by_expert(flat, n, k, shared)
+        rows = group_by_expert(flat, n, k, shared_slots)
         gate_up = grouped_expert_matmul(x, self.experts_gate_up, rows, gather=True)
         y = gated_down_matmul(gate_up, self.experts_down, rows, self.act)
         del gate_up
@@ -461,7 +466,7 @@ class MoE(nn.Module):
     def _folded_shared_apart(self, x: torch.Tensor) -> torch.Tensor:
         """The folded shared experts' sum over ``x`` [T, hidden] as dense products of the stack's last
         experts, one expert after the other (each operand contiguous), the down products accumulated into
-        one output (cuBLAS ``addmm``)."""
+        one output (cuBLAS ``addmm``): the weighted sum's addend."""
         first = self.experts_down.shape[0] - self.folded_shared
         out = None
         for e in range(first, self.experts_down.shape[0]):
