@@ -6,7 +6,9 @@
 For each (batch, context), ``--repeats`` times: ``batch`` random prompts of ``context`` tokens (dummy
 weights, prefix caching off so no prompt reuses another's blocks), greedy, ``--steps`` new tokens each. A
 step may hold ``max(contexts)`` tokens with no cap on a step's prefill, so every prompt is in within
-``max(batches)`` steps. The engine's step record (``engine.step_log``) times every step; a repeat's decode speed
+``max(batches)`` steps. Where the batch's prompts take ``a`` steps to admit (``--max-num-batched-tokens``,
+default ``max(8192, max(contexts))``), each request asks for ``steps + a - 1`` tokens, so the full batch
+still decodes together for at least ``steps - 1`` steps (:func:`admission_steps` bounds ``a``). The engine's step record (``engine.step_log``) times every step; a repeat's decode speed
 is ``batch`` over the median of its decode-only steps that ran all ``batch`` sequences (prefill steps
 excluded). Prints the median over repeats with min and max, and the fp8 / bf16 ratio of the medians, and
 writes the numbers as JSON.
@@ -28,18 +30,34 @@ import torch  # noqa: E402
 from kvforge import LLM, SamplingParams  # noqa: E402
 
 
+def admission_steps(batch: int, context: int, budget: int) -> int:
+    """At most the steps that take ``batch`` prompts of ``context`` tokens in at ``budget`` tokens a step
+    (chunked: a prompt may start in one step and end in the next; every admitted sequence's decode token
+    takes one of the budget's tokens)."""
+    if batch * context <= budget:
+        return 1
+    return min(batch, -(-batch * context // (budget - batch)) + 1)
+
+
 def sweep(model: str, kv: str, batches: list[int], contexts: list[int], steps: int, device: str = "cuda",
-          repeats: int = 1, seed: int = 0) -> dict:
-    max_len = max(contexts) + steps + 8
+          repeats: int = 1, seed: int = 0, max_num_batched_tokens: int | None = None) -> dict:
+    budget = max_num_batched_tokens or max(8192, max(contexts))
+    if budget < max(contexts):
+        raise ValueError(f"a step budget of {budget} tokens cannot hold one {max(contexts)}-token prompt")
+    admissions = {(b, c): admission_steps(b, c, budget) for b in batches for c in contexts}
+    max_len = max(contexts) + steps + max(admissions.values()) + 8
     llm = LLM(model, load_format="dummy", device=device, kv_cache_dtype=kv, max_num_seqs=max(batches),
               max_model_len=max_len, enable_prefix_caching=False, skip_tokenizer_init=True, progress=False,
-              max_num_batched_tokens=max(8192, max(contexts)), long_prefill_token_threshold=0)
+              max_num_batched_tokens=budget, long_prefill_token_threshold=0)
     engine, gen = llm.engine, torch.Generator().manual_seed(seed)
     vocab = engine.spec.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     results = {}
     for context in contexts:
         for batch in batches:
+            # a request admitted first decodes while the others' prompts run: it asks for as many more tokens
+            # as there are admission steps after its own, so the whole batch shares ``steps - 1`` decode steps
+            params = SamplingParams(temperature=0, max_tokens=steps + admissions[batch, context] - 1,
+                                    ignore_eos=True)
             speeds, counts, wall = [], [], 0.0
             for _ in range(repeats):
                 prompts = [{"prompt_token_ids": torch.randint(0, vocab, (context,), generator=gen).tolist()}
@@ -71,9 +89,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step budget (default max(8192, max(contexts)))")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    runs = {kv: sweep(args.model, kv, args.batches, args.contexts, args.steps, args.device, args.repeats)
+    runs = {kv: sweep(args.model, kv, args.batches, args.contexts, args.steps, args.device, args.repeats,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
             for kv in args.kv}
     base, other = args.kv[0], args.kv[-1]
     print(f"\n| batch x context | {' | '.join(args.kv)} | {other} / {base} |")

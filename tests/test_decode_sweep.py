@@ -29,3 +29,16 @@ def test_sweep_writes_every_point(tmp_path, capsys):
             # 5 new tokens: the first comes from the prefill step, the other 4 from decode-only steps.
             assert point["decode_steps"] == 4 and point["tok_s"] > 0
     assert "| 2x40 |" in capsys.readouterr().out
+
+
+def test_batches_whose_prompts_take_several_steps_still_decode_together(tmp_path):
+    """Three 40-token prompts at 64 tokens a step take several steps to admit; every request asks for more
+    tokens than ``--steps`` by those steps, so the full batch still shares at least ``steps - 1`` decode steps."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_sweep.py"
+    spec = importlib.util.spec_from_file_location("decode_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.admission_steps(3, 40, 64) == 3 and module.admission_steps(1, 40, 64) == 1
+    runs = module.sweep(str(tmp_path), "float32", [3], [40], steps=5, device="cpu", max_num_batched_tokens=64)
+    assert runs["3x40"]["decode_steps"] >= 4 and runs["3x40"]["tok_s"] > 0
