@@ -32,18 +32,22 @@ from kvforge import LLM, SamplingParams  # noqa: E402
 
 def admission_steps(batch: int, context: int, budget: int) -> int:
     """At most the steps that take ``batch`` prompts of ``context`` tokens in at ``budget`` tokens a step
-    (chunked: a prompt may start in one step and end in the next; every admitted sequence's decode token
-    takes one of the budget's tokens)."""
+    (chunked: a prompt may start in one step and end in the next; while a prompt waits, at most
+    ``batch - 1`` admitted sequences' decode tokens take budget tokens, so a step prefills at least
+    ``budget - batch + 1``). Needs ``budget > batch``."""
+    if budget <= batch:
+        raise ValueError(f"a step budget of {budget} tokens must exceed the batch of {batch} sequences")
     if batch * context <= budget:
         return 1
-    return min(batch, -(-batch * context // (budget - batch)) + 1)
+    return -(-batch * context // (budget - batch + 1)) + 1
 
 
 def sweep(model: str, kv: str, batches: list[int], contexts: list[int], steps: int, device: str = "cuda",
           repeats: int = 1, seed: int = 0, max_num_batched_tokens: int | None = None) -> dict:
     budget = max_num_batched_tokens or max(8192, max(contexts))
-    if budget < max(contexts):
-        raise ValueError(f"a step budget of {budget} tokens cannot hold one {max(contexts)}-token prompt")
+    if budget < max(contexts) or budget <= max(batches):
+        raise ValueError(f"a step budget of {budget} tokens must hold one {max(contexts)}-token prompt and "
+                         f"exceed the largest batch ({max(batches)})")
     admissions = {(b, c): admission_steps(b, c, budget) for b in batches for c in contexts}
     max_len = max(contexts) + steps + max(admissions.values()) + 8
     llm = LLM(model, load_format="dummy", device=device, kv_cache_dtype=kv, max_num_seqs=max(batches),

@@ -235,3 +235,45 @@ def test_engine_with_the_fold_matches_transformers(tmp_path, monkeypatch):
         ref = hf(torch.tensor([ids])).logits[0]
     ours = llm.engine.compute_prompt_logits(ids)
     assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_the_mtp_layer_view_is_dropped_after_loading(tmp_path, monkeypatch):
+    """Loading keeps a view of the MTP layer's parameters only while it loads: after the fold, no old
+    expert stack of that layer stays referenced (it would hold a MoE layer's weights on the device)."""
+    import gc
+    import weakref
+
+    pytest.importorskip("transformers")
+    from mtp_checkpoint import save_deepseek_v3_with_mtp
+
+    from kvforge import LLM
+
+    monkeypatch.setattr(shared_expert_fold, "FOLD_DEVICES", ("cpu",))
+    save_deepseek_v3_with_mtp(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 20,
+              progress=False, device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    model = llm.engine.model
+    assert model._mtp_params is None
+    mtp_moe = [m for m in model.mtp_layers.modules() if isinstance(m, MoE)]
+    assert mtp_moe and all(m.folded_shared == 1 for m in mtp_moe)
+    # a fresh fold of an unfolded copy frees the old stack once nothing else holds it
+    moe = _moe("v2_greedy")
+    old = weakref.ref(moe.experts_gate_up)
+    moe.fold_shared_experts()
+    gc.collect()
+    assert old() is None
+
+
+def test_the_planner_counts_folded_shared_rows():
+    """The activation estimate of a decode-sized CUDA step at TP 1 counts the shared experts as routed rows
+    (top-6 plus 2 shared: the same as a top-8 router without shared experts); prompt-sized steps and TP 2
+    count them apart, as the engine runs them."""
+    from kvforge.planner.activations import _moe_phase
+    from kvforge.spec.presets import PRESETS
+
+    cfg = PRESETS["deepseek-v2-lite"]
+    arch = cfg["architectures"][0]
+    as_top8 = {**cfg, "num_experts_per_tok": 8, "n_shared_experts": 0}
+    assert _moe_phase(cfg, arch, 64, 2048, 1, 2, True) == _moe_phase(as_top8, arch, 64, 2048, 1, 2, True)
+    for t, tp, fused in ((8192, 1, True), (64, 2, True), (64, 1, False)):
+        assert _moe_phase(cfg, arch, t, 2048, tp, 2, fused) != _moe_phase(as_top8, arch, t, 2048, tp, 2, fused)

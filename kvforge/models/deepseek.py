@@ -519,6 +519,14 @@ class DeepseekV2ForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
             name = "model.layers." + name[len("mtp_layers."):]
         return super().checkpoint_names(name, param)
 
+    def load_weights(self, weights) -> set[str]:
+        """As the base class; the MTP layer's parameter view (:meth:`load_checkpoint_tensor`) is dropped
+        afterwards, so that tensors replaced later (:meth:`MoE.fold_shared_experts`) are not held by it."""
+        try:
+            return super().load_weights(weights)
+        finally:
+            self._mtp_params = None
+
     def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
         """The MTP layer's tensors load by their HF names into ``mtp_layers`` (a view of its parameters
         under ``model.layers.{n}``); everything else as for any layer."""

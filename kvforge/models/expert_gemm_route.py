@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.env import ENV
+from kvforge.models import expert_kernel_rows
 from kvforge.models.expert_rows import ExpertRows
 from kvforge.models.layers import act_and_mul
 
@@ -41,10 +42,9 @@ TRITON_EXPERT_GEMM_DEFAULT = True
 TRITON_EXPERT_GEMM: bool = (TRITON_EXPERT_GEMM_DEFAULT if ENV.triton_expert_gemm is None
                             else ENV.triton_expert_gemm)
 TRITON_EXPERT_GEMM_DEVICES: tuple[str, ...] = ("cuda",)
-#: The most routed rows per expert (the step's rows over the weight's experts) for the kernel. Over 64
-#: experts, 128 tokens x top-6 (12 rows an expert) ran 1.29-1.30x ``torch._grouped_mm``, 256 x top-6 (24)
-#: 0.65-0.73x: an expert with more than 16 rows reads its weight once per 16.
-TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT = 12
+#: The most routed rows per routed expert for the kernel (kvforge/models/expert_kernel_rows.py says why;
+#: assigning this module attribute overrides it for the route).
+TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT = expert_kernel_rows.TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT
 #: Whether the kernel's down product computes SiLU-and-mul of its input rows itself (one launch fewer a MoE
 #: layer; the same values as the separate kernel).
 FUSE_SILU_MUL = True
@@ -61,8 +61,9 @@ def use_triton_expert_gemm(num_rows: int, a: torch.Tensor, weight: torch.Tensor,
         and a.dtype in _DTYPES
         and weight.dtype == a.dtype
         and weight.dim() == 3
-        and 0 < num_rows
-        and num_rows - shared_rows <= TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT * (weight.shape[0] - shared_experts)
+        and num_rows > 0
+        and expert_kernel_rows.kernel_takes_rows(num_rows - shared_rows, weight.shape[0] - shared_experts,
+                                                 TRITON_EXPERT_GEMM_MAX_ROWS_PER_EXPERT)
         and weight.stride(2) == 1
         and a.stride(-1) == 1
         and not torch.is_grad_enabled()

@@ -34,7 +34,8 @@ said otherwise:
   where every rank sorts all slots for ``torch._grouped_mm``; on CPU at most ``T`` rows run one expert
   at a time): the gathered input, ``gate_up``, ``act(gate)`` and the product, the expert output, its
   copy in token order and that copy in float32 for the weighted sum (kvforge/models/expert_rows.py; gpt-oss: its clamped SwiGLU's intermediates instead), the slots'
-  bookkeeping and the layer's output ``[T, hidden]``; shared experts after them;
+  bookkeeping and the layer's output ``[T, hidden]``; shared experts after them (on CUDA at TP 1, in steps
+  the expert kernel takes, as routed rows of their own);
 * the head: the hidden rows and the sampler over ``max_num_seqs x (1 + num_speculative_tokens)`` rows
   of the vocabulary at ``SAMPLER_BYTES_PER_LOGIT`` (float32 logits, the temperature-scaled copy, the
   top-k/top-p sort's values and int64 indices, its masks, softmax and cumulative sum: kvforge/engine/
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT
+from kvforge.models.expert_kernel_rows import kernel_takes_rows
 from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
 from kvforge.spec.model_spec import ModelSpec
 
@@ -187,9 +189,13 @@ def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: in
     top_k = int(_cfg(config, "num_experts_per_tok", "experts_per_token", default=1))
     inter = int(_cfg(config, "moe_intermediate_size", "intermediate_size"))
     t = tokens
-    slots = t * top_k * ROUTING_BYTES_PER_SLOT
+    n_shared = int(_cfg(config, "n_shared_experts", "num_shared_experts", default=0))
+    # On CUDA at TP 1 a step the expert kernel takes runs the shared experts as routed rows of their own
+    # (kvforge/models/shared_expert_fold.py); larger steps run them apart, after the routed products.
+    folded = fused and tp == 1 and n_shared > 0 and kernel_takes_rows(t * top_k, experts)
+    slots = t * (top_k + (n_shared if folded else 0)) * ROUTING_BYTES_PER_SLOT
     router = t * hidden * 4 + 4 * t * experts * 4 + slots  # float32 input, logits/scores/choice
-    routed_rows = t * top_k if fused else t
+    routed_rows = t * (top_k + (n_shared if folded else 0)) if fused else t
     if architecture == "GptOssForCausalLM":
         # The clamped SwiGLU beside gate_up: clamped gate and up, up + 1, gate x alpha and its sigmoid (7I
         # with the gathered input); then gate_up, the product and the biased output's three [rows, H].
@@ -198,8 +204,7 @@ def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: in
         per_row = (2 * inter + 2 * inter) * e  # gate_up, act(gate), the product
         per_row += hidden * e * 2 + hidden * 4  # expert output, beside the gathered input or the output in token order; float32 copy
     routed = routed_rows * per_row + slots + t * hidden * e  # the slots' bookkeeping; the layer's output
-    shared = int(_cfg(config, "n_shared_experts", default=0)) * inter
-    shared = shared or int(_cfg(config, "shared_expert_intermediate_size", default=0))
+    shared = 0 if folded else n_shared * inter or int(_cfg(config, "shared_expert_intermediate_size", default=0))
     shared_phase = t * hidden * e + _mlp_phase(t, hidden, shared // tp, e, fused) if shared else 0
     return max(router, routed, shared_phase + t * hidden * e)
 
