@@ -33,7 +33,9 @@ def folds_shared_experts(device: torch.device | str) -> bool:
 
 def fold_shared_experts(model: nn.Module, device: torch.device | str) -> int:
     """Fold the shared experts of every MoE block of ``model`` (loaded on ``device``) where the rule says
-    so; returns the number of blocks folded. The replaced tensors' memory goes back to the device."""
+    so; returns the number of blocks folded. Blocks fold one after another, so the transient peak is one
+    block's old and new stacks (the target model folds before the KV pool is allocated; a draft model
+    after it, inside the activation reserve); the replaced tensors' memory goes back to the device."""
     if not folds_shared_experts(device):
         return 0
     folded = sum(1 for m in list(model.modules())
