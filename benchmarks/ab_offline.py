@@ -14,7 +14,9 @@ replaces one field of a frozen dataclass attribute (a routing table's row), and 
 of a dataclass inside it: ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9``
 switches that row off, ``--set kvforge.attention.routing.paged.TL_DOT.splits.small_grid_min_tokens=0`` gives
 its small grids the long splits. Prints each run's output tok/s and the median per side over all their timed runs, with
-min-max, and the ratio B / A of the medians; ``--out`` keeps every run's JSON in one file.
+min-max, and the ratio B / A of the medians; with ``--profile-decode`` among the offline arguments also each
+run's replayed decode step and each side's median step (a decode step varies less than a whole run, so small
+changes show there first); ``--out`` keeps every run's JSON in one file.
 """
 
 from __future__ import annotations
@@ -110,6 +112,17 @@ def parse_env(text: str) -> tuple[str, str]:
     return name, value
 
 
+def decode_step(d: dict) -> str:
+    """One run's replayed decode step from ``--profile-decode`` (its wall time with the floor, the batch and
+    context it stepped), or "" without a profile."""
+    prof = d.get("decode_profile")
+    if not prof:
+        return ""
+    floor = prof.get("step_floor_ms")
+    return (f", decode step {prof['wall_ms_per_step_graph_timed']:.2f} ms"
+            + (f" (floor {floor:.2f})" if floor else "") + f" at {prof['batch']} x {prof['context_tokens']} tokens")
+
+
 def run_once(overrides: list[tuple[str, str, object]], args: list[str], out: Path,
              env: dict[str, str] | None = None) -> dict:
     code = _BOOTSTRAP.format(overrides=overrides, args=args + ["--out", str(out)])
@@ -145,14 +158,16 @@ def main() -> None:
                 d = run_once(overrides, args + extra, Path(tmp) / f"{side}{r}.json", env)
                 results[side].append(d)
                 speeds = [round(x["output_tokens_per_s"]) for x in d["runs"]]
-                print(f"round {r} {side}: output tok/s {speeds}, fraction of floor {d.get('fraction_of_floor', 0):.3f}",
-                      flush=True)
+                print(f"round {r} {side}: output tok/s {speeds}, fraction of floor {d.get('fraction_of_floor', 0):.3f}"
+                      f"{decode_step(d)}", flush=True)
     med = {}
     for side, runs in results.items():
         speeds = [x["output_tokens_per_s"] for d in runs for x in d["runs"]]
         med[side] = statistics.median(speeds)
+        steps = [d["decode_profile"]["wall_ms_per_step_graph_timed"] for d in runs if d.get("decode_profile")]
+        step = f"; decode step {statistics.median(steps):.2f} ms over {len(steps)} profiles" if steps else ""
         print(f"{side}: median {med[side]:,.0f} [{min(speeds):,.0f}-{max(speeds):,.0f}] output tok/s over "
-              f"{len(speeds)} timed runs")
+              f"{len(speeds)} timed runs{step}")
     named = ", ".join([f"{t}{'.' + f if f else ''}={v!r}" for t, f, v in a.overrides]
                       + ([" ".join(b_args)] if b_args else []) + [f"{k}={v}" for k, v in b_env.items()])
     print(f"B / A: {med['B'] / med['A']:.3f}  (B: {named})")

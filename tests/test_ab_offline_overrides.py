@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import statistics
 from pathlib import Path
 
@@ -67,3 +68,24 @@ def test_b_env_reaches_side_b_only(monkeypatch, tmp_path):
     with pytest.raises(statistics.StatisticsError):  # no timed runs: the median of an empty list
         ab_offline.main()
     assert seen == [None, "1"]
+
+
+def test_decode_profiles_are_reported_per_run_and_side(monkeypatch, tmp_path, capsys):
+    """With ``--profile-decode`` each run's replayed step is printed, and each side's median step."""
+    steps = iter([9.5, 9.8, 9.7, 9.9])
+
+    def fake_run(cmd, check, stdout, env):
+        out = Path(cmd[-1].split("'--out', '")[1].split("'")[0])
+        prof = {"wall_ms_per_step_graph_timed": next(steps), "step_floor_ms": 7.5, "batch": 64,
+                "context_tokens": 345}
+        out.write_text(json.dumps({"runs": [{"output_tokens_per_s": 4000.0}], "fraction_of_floor": 0.7,
+                                   "decode_profile": prof}))
+
+    monkeypatch.setattr(ab_offline.subprocess, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["ab_offline", "--b-env", "X=1", "--rounds", "2", "--", "x", "--profile-decode"])
+    ab_offline.main()
+    out = capsys.readouterr().out
+    assert "round 0 A: output tok/s [4000], fraction of floor 0.700, decode step 9.50 ms (floor 7.50) at 64 x 345" in out
+    assert "A: median 4,000 [4,000-4,000] output tok/s over 2 timed runs; decode step 9.60 ms over 2 profiles" in out
+    assert "B: median 4,000 [4,000-4,000] output tok/s over 2 timed runs; decode step 9.85 ms over 2 profiles" in out
+    assert ab_offline.decode_step({}) == ""
