@@ -301,18 +301,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``shared``: slots appended to every token's choice, the ids after the router's experts at weight 1
-        (shared experts folded into the stacked ones, :meth:`MoE.fold_shared_experts`)."""
-        return self._choose(x) if not shared else self._choose_with_shared(x, shared)
-
-    def _choose_with_shared(self, x: torch.Tensor, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.a
-        if not a.v3 and a.topk_method != "group_limited_greedy":  # the softmax router writes the slots itself
-            renormalize = a.top_k > 1 and a.norm_topk_prob
-            scale = 1.0 if renormalize else a.routed_scaling_factor
-            return softmax_topk(F.linear(x.float(), self.weight.float()), a.top_k, renormalize, scale, shared)
-        return with_shared_slots(*self._choose(x), self.weight.shape[0], shared)
-
-    def _choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (shared experts folded into the stacked ones, :meth:`MoE.fold_shared_experts`); the softmax top-k
+        kernel writes them itself."""
         a = self.a
         logits = F.linear(x.float(), self.weight.float())
         t, e = logits.shape
@@ -325,17 +315,19 @@ class Gate(nn.Module):
             weights = scores.gather(1, ids)
             if a.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return weights * a.routed_scaling_factor, ids
+            return with_shared_slots(weights * a.routed_scaling_factor, ids, e, shared)
         renormalize = a.top_k > 1 and a.norm_topk_prob
         scale = 1.0 if renormalize else a.routed_scaling_factor
         if a.topk_method != "group_limited_greedy":
-            return softmax_topk(logits, a.top_k, renormalize, scale)
+            return softmax_topk(logits, a.top_k, renormalize, scale, shared)
         scores = logits.softmax(dim=-1)
         mask = self._group_mask(scores.view(t, a.n_group, e // a.n_group).amax(dim=-1))
         weights, ids = scores.masked_fill(~mask, 0.0).topk(a.top_k, dim=-1)
         if renormalize:
-            return weights / (weights.sum(-1, keepdim=True) + 1e-20), ids
-        return weights * scale, ids
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * scale
+        return with_shared_slots(weights, ids, e, shared)
 
 
 class MoE(nn.Module):
@@ -452,8 +444,8 @@ class MoE(nn.Module):
     def _routed_grouped(self, x, weights, ids, valid=None, addend=None, shared_slots: int = 0) -> torch.Tensor:
         """Same sum with static shapes: (token, slot) rows sorted by expert, slots held elsewhere sorted
         last and zeroed; expert row ranges from a device-side count (no host sync)."""
-        n = self.experts_down.shape[0]
         k = ids.shape[1]
+        n = self.experts_down.shape[0]
         flat = ids.reshape(-1)
         if valid is not None:
             flat = torch.where(valid.reshape(-1), flat, torch.full_like(flat, n))
