@@ -105,6 +105,11 @@ def test_split_rule():
     assert short.splits(8, 1152, 132) == 9 and small.splits(8, 1152, 132) == 4  # 1152 // 128 against // 256
     assert short.splits(8, 200, 132) == 1  # shorter than two 128-token splits
     assert short.splits(67, 1152, 132) == 4  # 67 programs > 66: 256-token splits again
+    wave = SplitRule(waves=2, min_tokens=256, max_splits=256, round_up=False, one_wave_min_tokens=64)
+    assert wave.splits(1, 4096, 132) == 64  # max(min(264, 16), min(132, 64))
+    assert wave.splits(8, 16384, 132) == 33  # max(min(33, 64), min(16, 256)): two waves of long splits
+    assert wave.splits(66, 4096, 132) == 4 and wave.splits(67, 4096, 132) == 3  # no floor past SMs // 2
+    assert wave.splits(1, 100, 132) == 1  # shorter than two 64-token splits
     assert SplitRule(4, 256, 64, True, forced="exact").choose(0, 8, 32768, 132) == 1
     assert SplitRule(4, 256, 64, True, forced="exact").choose(100, 8, 32768, 132) == 100  # not capped
     assert SplitRule(4, 256, 32, True, forced="capped").choose(100, 8, 32768, 132) == 32
@@ -333,7 +338,12 @@ def test_mla_split_rules_hand_counts():
     assert mla.wgmma_splits(1, 16, 65536, 132, is_fp8=True) == 256  # 264 programs, capped at 256
     assert mla.wgmma_splits(1, 16, 65536, 132, is_fp8=False) == 132
     assert mla.wgmma_splits(8, 128, 65536, 132, is_fp8=True) == 132 // 32  # 4 blocks of 32, one per SM
-    assert mla.wgmma_splits(1, 16, 1000, 132, is_fp8=False) == 3
+    # small grids keep one wave of splits down to 64 tokens: 1000 // 64 = 15 where 1000 // 256 = 3
+    assert mla.wgmma_splits(1, 16, 1000, 132, is_fp8=False) == 15
+    assert mla.wgmma_splits(1, 16, 4096, 132, is_fp8=True) == 64  # max(min(264, 16), min(132, 64))
+    assert mla.wgmma_splits(4, 16, 8192, 132, is_fp8=True) == 33  # max(min(66, 32), min(33, 128))
+    assert mla.wgmma_splits(8, 16, 16384, 132, is_fp8=True) == 33  # the second wave wins: min(33, 64)
+    assert mla.wgmma_splits(67, 16, 65536, 132, is_fp8=False) == 1  # 67 programs > 66: no floor
     assert mla.wgmma_splits(1, 16, 65536, 132, is_fp8=True, fp8_in_registers=False) == 132
     assert [mla.wgmma_heads_per_program(h) for h in (1, 8, 9, 16, 17, 32, 128)] == [8, 8, 16, 16, 32, 32, 32]
     # tl.dot: 16 heads per program / 4 per SM up to 16 heads, then 32 / 2, 64 / 2; ceil, at most 32

@@ -74,12 +74,16 @@ WS_MIN_TOKENS_PER_CTA: int = 4096
 #: (docs/BENCHMARKS.md).
 WS_TWO_TERM_MIN_HEADS: int = 16
 #: The wgmma kernel (``kvforge.kernels.gluon_mla_decode``). Its programs per SM depend on the shape
-#: (:func:`wgmma_programs_per_sm`), hence ``waves=0`` in its rule.
+#: (:func:`wgmma_programs_per_sm`), hence ``waves=0`` in its rule. On small grids (1-8 sequences of 16 heads)
+#: one wave of splits down to 64 tokens beats the 256-token floor: 1 x 4096 tokens 14.5 against 18.7 us (bf16),
+#: 14.7 against 20.7 (fp8), where the fp8 rows' second wave still pays at 8 sequences of 8k-16k
+#: (docs/BENCHMARKS.md, "MLA decode: split length on small grids").
 WGMMA = MLAKernel(
     name="gluon_mla_wgmma", launcher="kvforge.kernels.gluon_mla_decode:mla_decode_wgmma", needs_gluon=True,
     model_dtypes=SIXTEEN_BIT, kv_dtypes=FP8_KV_DTYPES, same_dtype_cache=True, max_heads=128,
     latent_dim=LATENT_DIM, rope_dim=ROPE_DIM,
-    splits=SplitRule(waves=0, min_tokens=256, max_splits=256, round_up=False, forced="or_rule"),
+    splits=SplitRule(waves=0, min_tokens=256, max_splits=256, round_up=False, forced="or_rule",
+                     one_wave_min_tokens=64),
     when="bf16/fp16 model, <= 128 heads, cache of the model dtype or fp8, latent 512 + rope 64",
 )
 #: The tl.dot kernel (``kvforge.kernels.triton_mla_decode``); programs per SM from :func:`tl_dot_head_blocking`.

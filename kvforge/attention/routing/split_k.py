@@ -7,7 +7,10 @@ but no split shorter than ``min_tokens`` and never more than ``max_splits``; at 
 fewer waves when its programs are few (``small_grid_waves`` once the programs are at most half the SMs): a
 few (sequence, head) programs split many ways pay more in partials and merging than the extra waves hide.
 On those small grids a kernel may also take shorter splits (``small_grid_min_tokens``): a lone program walks
-its tokens one tile at a time, so a few programs over a short context finish sooner split finer.
+its tokens one tile at a time, so a few programs over a short context finish sooner split finer. A kernel
+whose rule fills more than one wave may also keep, on small grids, at least one full wave of splits no shorter
+than ``one_wave_min_tokens`` where its own rule gives fewer (its long-split waves are for long contexts; a
+short one is served faster by one wave of short splits).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class SplitRule:
     small_grid_waves: int = 0
     #: The shortest split when ``programs <= num_sms // 2`` (0: ``min_tokens`` everywhere).
     small_grid_min_tokens: int = 0
+    #: On small grids, at least ``min(floor(SMs / programs), context // one_wave_min_tokens)`` splits
+    #: (0: no such floor).
+    one_wave_min_tokens: int = 0
 
     def waves_for(self, programs: int, num_sms: int) -> int:
         """The waves the rule fills for ``programs`` programs (``small_grid_waves`` on small grids)."""
@@ -53,7 +59,10 @@ class SplitRule:
         programs = max(1, programs)
         target = (waves or self.waves_for(programs, num_sms)) * num_sms
         fill = -(-target // programs) if self.round_up else target // programs
-        return max(1, min(fill, context_len // self.min_tokens_for(programs, num_sms), self.max_splits))
+        count = min(fill, context_len // self.min_tokens_for(programs, num_sms))
+        if self.one_wave_min_tokens and programs <= num_sms // 2:
+            count = max(count, min(num_sms // programs, context_len // self.one_wave_min_tokens))
+        return max(1, min(count, self.max_splits))
 
     def apply_forced(self, forced: int, programs: int, context_len: int, num_sms: int,
                      waves: int | None = None) -> int:
@@ -80,4 +89,8 @@ class SplitRule:
         tokens = str(self.min_tokens)
         if self.small_grid_min_tokens:
             tokens += f" (or {self.small_grid_min_tokens} when programs <= SMs // 2)"
-        return f"min({fill}({waves} x SMs / programs), context // {tokens}, {self.max_splits}), at least 1"
+        rule = f"min({fill}({waves} x SMs / programs), context // {tokens}, {self.max_splits})"
+        if self.one_wave_min_tokens:
+            rule += (f"; when programs <= SMs // 2 at least min(floor(SMs / programs), context // "
+                     f"{self.one_wave_min_tokens})")
+        return rule + ", at least 1"
