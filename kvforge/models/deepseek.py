@@ -73,6 +73,7 @@ from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
+from kvforge.models.linear_route import Linear
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk, with_shared_slots
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -247,28 +248,36 @@ class MLAAttention(nn.Module):
         self.input_split = (q_in, kv_in)
         self.fuse_inputs = fuse_inputs
         if fuse_inputs:
-            self.fused_qkv_a_proj = nn.Linear(a.hidden_size, q_in + kv_in, bias=a.attention_bias, dtype=dtype)
+            self.fused_qkv_a_proj = Linear(a.hidden_size, q_in + kv_in, bias=a.attention_bias, dtype=dtype)
         elif a.q_lora_rank is None:
-            self.q_proj = nn.Linear(a.hidden_size, q_in, bias=False, dtype=dtype)
+            self.q_proj = Linear(a.hidden_size, q_in, bias=False, dtype=dtype)
         else:
-            self.q_a_proj = nn.Linear(a.hidden_size, q_in, bias=a.attention_bias, dtype=dtype)
+            self.q_a_proj = Linear(a.hidden_size, q_in, bias=a.attention_bias, dtype=dtype)
         if a.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, LORA_NORM_EPS, dtype=dtype)
-            self.q_b_proj = nn.Linear(a.q_lora_rank, h * qk, bias=False, dtype=dtype)
+            self.q_b_proj = Linear(a.q_lora_rank, h * qk, bias=False, dtype=dtype)
         if not fuse_inputs:
-            self.kv_a_proj_with_mqa = nn.Linear(a.hidden_size, kv_in, bias=a.attention_bias, dtype=dtype)
+            self.kv_a_proj_with_mqa = Linear(a.hidden_size, kv_in, bias=a.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, LORA_NORM_EPS, dtype=dtype)
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(h * a.v_head_dim, a.hidden_size, bias=a.attention_bias, dtype=dtype)
+        self.o_proj = Linear(h * a.v_head_dim, a.hidden_size, bias=a.attention_bias, dtype=dtype)
 
-    def forward(self, rope, x: torch.Tensor, attn, rotary: DeepseekRotary) -> torch.Tensor:
-        a, t = self.a, x.shape[0]
+    @property
+    def input_projection(self) -> Linear | None:
+        """The one reader of the forward's ``x`` where the input projections are stacked
+        (kvforge/models/linear_route.py, ``norm_input``); None where two projections read it."""
+        return self.fused_qkv_a_proj if self.fuse_inputs else None
+
+    def forward(self, rope, x, attn, rotary: DeepseekRotary) -> torch.Tensor:
+        a = self.a
         h, dn, p, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
         if self.fuse_inputs:
             q, kv = self.fused_qkv_a_proj(x).split(self.input_split, dim=-1)
+            t = q.shape[0]
         else:
             q = self.q_proj(x) if a.q_lora_rank is None else self.q_a_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
+            t = x.shape[0]
         if a.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
