@@ -403,6 +403,26 @@ class ModelRunner:
         backend.write_cache(kv, meta.slot_mapping, latent, k_rope)
         return backend.attend(kv, meta, q_nope, q_rope, w_uk, w_uv, num_splits=self._num_splits)
 
+    def _mla_rows(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_rows: torch.Tensor, norm,
+                  rope, rotary, w_uk: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """:meth:`_mla` from the rows before the latent's norm and rope: ``kv_rows [T, R + P]`` (the latent,
+        then the key's rope features), ``norm`` the latent's RMSNorm, ``q_rope`` before rope (``rope``:
+        ``rotary.cos_sin`` of the step, ``rotary`` a :class:`kvforge.models.deepseek.DeepseekRotary`). Where
+        the layer's backend makes the rows in its cache write (``fuses_mla_rows``), one kernel normalizes,
+        rotates and stores them; else (and while fp8 scales are calibrated) the three run apart."""
+        backend = self.backends[layer]
+        r = kv_rows.shape[-1] - q_rope.shape[-1]
+        weight = getattr(norm, "weight", None)
+        if (not backend.fuses_mla_rows or self.needs_calibration or fused_kernels(kv_rows) is None
+                or not getattr(norm, "norm_is_plain_rms", False) or weight is None or weight.dtype != kv_rows.dtype):
+            latent, k_rope = kv_rows.split([r, q_rope.shape[-1]], dim=-1)
+            q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
+            return self._mla(layer, q_nope, q_rope, norm(latent), k_rope[:, 0], w_uk, w_uv)
+        kv, meta = self.layer_kv(layer), self._metas[self.layer_group[layer]]
+        q_rope = backend.norm_rope_and_write_mla(kv, meta.slot_mapping, q_rope, kv_rows, weight, norm.eps, *rope,
+                                                 rotary.interleave)
+        return backend.attend(kv, meta, q_nope, q_rope, w_uk, w_uv, num_splits=self._num_splits)
+
     def _ring_write(self, layer: int, rows: torch.Tensor) -> None:
         """Store each kept token's row at (its request's slot, position mod R) of the layer's ring page."""
         targets = self._ring_targets
@@ -666,13 +686,19 @@ class _MLAAttn(_PagedAttn):
     q_nope [T, H, Dn], q_rope [T, H, P], latent [T, R], k_rope [T, P],
     w_uk [H, Dn, R], w_uv [H, V, R]) -> [T, H, V]`` writes the layer's latent
     cache rows and runs its planned MLA backend (``k_rope``/``q_rope`` after
-    rope; ``w_uk``/``w_uv`` are ``kv_b_proj.weight.view(H, Dn + V, R)`` split).
+    rope; ``w_uk``/``w_uv`` are ``kv_b_proj.weight.view(H, Dn + V, R)`` split);
+    ``attn.mla_rows(layer, q_nope, q_rope, kv_rows [T, R + P], norm, rope,
+    rotary, w_uk, w_uv)`` does the same from the rows before the latent's norm
+    and rope (DeepSeek's rotary), so a backend may make them in its cache write.
     """
 
     __slots__ = ()
 
     def mla(self, layer: int, q_nope, q_rope, latent, k_rope, w_uk, w_uv) -> torch.Tensor:
         return self.runner._mla(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)
+
+    def mla_rows(self, layer: int, q_nope, q_rope, kv_rows, norm, rope, rotary, w_uk, w_uv) -> torch.Tensor:
+        return self.runner._mla_rows(layer, q_nope, q_rope, kv_rows, norm, rope, rotary, w_uk, w_uv)
 
 
 class _LinearAttn(_MLAAttn):

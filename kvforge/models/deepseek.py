@@ -281,12 +281,16 @@ class MLAAttention(nn.Module):
         if a.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
-        latent, k_rope = kv.split([r, p], dim=-1)
-        latent = self.kv_a_layernorm(latent)
-        q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
-        k_rope = k_rope[:, 0]
         w = self.kv_b_proj.weight.view(h, dn + a.v_head_dim, r)
-        out = attn.mla(self.layer_idx, q_nope, q_rope, latent, k_rope, w[:, :dn], w[:, dn:])
+        mla_rows = getattr(attn, "mla_rows", None)
+        if mla_rows is not None and isinstance(rotary, DeepseekRotary):  # the latent's norm and rope in the write
+            out = mla_rows(self.layer_idx, q_nope, q_rope, kv, self.kv_a_layernorm, rope, rotary, w[:, :dn],
+                           w[:, dn:])
+        else:
+            latent, k_rope = kv.split([r, p], dim=-1)
+            latent = self.kv_a_layernorm(latent)
+            q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
+            out = attn.mla(self.layer_idx, q_nope, q_rope, latent, k_rope[:, 0], w[:, :dn], w[:, dn:])
         return self.o_proj(out.reshape(t, h * a.v_head_dim))
 
 

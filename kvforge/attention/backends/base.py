@@ -7,7 +7,8 @@ A backend object serves every layer the plan routed to it. Per layer it is hande
 - :meth:`AttentionBackend.write_cache` stores the step's new rows (``k, v`` for full/sliding layers;
   ``latent, k_rope`` for MLA layers; ring rows for rings); a backend that declares
   ``fuses_rope_with_cache_write`` also offers :meth:`AttentionBackend.rope_and_write_cache`, rope on q and
-  k with the write in one kernel;
+  k with the write in one kernel, and one that declares ``fuses_mla_rows``
+  :meth:`AttentionBackend.norm_rope_and_write_mla`, an MLA layer's latent norm and rope with the write;
 - :meth:`AttentionBackend.attend` runs the layer's attention for the step, prefill, decode or mixed
   (``q`` for full/sliding layers; ``q_nope, q_rope, w_uk, w_uv`` for MLA layers); ``num_splits`` is the
   split count a CUDA graph pinned (None when eager);
@@ -71,6 +72,9 @@ class AttentionBackend(ABC):
     #: Whether :meth:`rope_and_write_cache` serves: k rotated on its way into the cache, in one kernel with
     #: q's rope (a backend may answer per instance).
     fuses_rope_with_cache_write: bool = False
+    #: Whether :meth:`norm_rope_and_write_mla` serves: an MLA layer's latent norm and rope with its cache
+    #: write in one kernel.
+    fuses_mla_rows: bool = False
 
     def __init__(self, options: BackendOptions):
         self.options = options
@@ -90,6 +94,15 @@ class AttentionBackend(ABC):
         stored as :meth:`write_cache` stores them; returns the rotated ``q``. Only where
         ``fuses_rope_with_cache_write``."""
         raise NotImplementedError(f"{self.name} does not rotate k into its cache")
+
+    def norm_rope_and_write_mla(self, kv: LayerKV, slot_mapping: torch.Tensor, q_rope: torch.Tensor,
+                                kv_rows: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                                sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """MLA rows made and stored at once: ``RMSNorm(kv_rows[:, :R])`` (``norm_weight``, ``eps``) and the
+        rotated ``kv_rows[:, R:]`` stored as :meth:`write_cache` stores ``latent, k_rope``; returns the rotated
+        ``q_rope`` (DeepSeek's rope: ``cos``/``sin`` of :meth:`kvforge.models.deepseek.DeepseekRotary.cos_sin`,
+        pairs interleaved or not). Only where ``fuses_mla_rows``."""
+        raise NotImplementedError(f"{self.name} does not make MLA rows in its cache write")
 
     @abstractmethod
     def attend(self, kv: LayerKV, meta: AttentionMetadata, *query: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The Triton MLA backend object (CUDA): latent cache write and MLA attention through the kernels its
+"""The Triton MLA backend object (CUDA): latent cache write (with the latent's norm and rope where the model
+hands its rows over before them) and MLA attention through the kernels its
 routing table (:mod:`kvforge.attention.routing.mla`) picks; prefill steps by the engine's
 ``mla_prefill_mode``."""
 
@@ -8,6 +9,11 @@ from kvforge.attention import triton_mla
 from kvforge.attention.backends.base import AttentionBackend, register_backend
 from kvforge.attention.routing import mla as mla_routing
 from kvforge.attention.triton_mla_backend import TRITON_MLA
+from kvforge.kernels.triton_mla_rows import norm_rope_write_mla
+
+#: Whether an MLA layer's latent norm and rope run inside its cache write (one launch where there were
+#: three); assign before the engine captures its CUDA graphs.
+FUSE_MLA_ROWS = True
 
 
 @register_backend
@@ -15,8 +21,16 @@ class TritonMLABackend(AttentionBackend):
     declaration = TRITON_MLA
     captures_cuda_graphs = True
 
+    @property
+    def fuses_mla_rows(self) -> bool:
+        return FUSE_MLA_ROWS
+
     def write_cache(self, kv, slot_mapping, latent, k_rope):
         triton_mla.write_mla_cache(latent, k_rope, kv.cache, slot_mapping, kv.k_scale)
+
+    def norm_rope_and_write_mla(self, kv, slot_mapping, q_rope, kv_rows, norm_weight, eps, cos, sin, interleaved):
+        return norm_rope_write_mla(q_rope, kv_rows, norm_weight, eps, cos, sin, interleaved, kv.cache, slot_mapping,
+                                   kv.k_scale)
 
     def attend(self, kv, meta, q_nope, q_rope, w_uk, w_uv, *, num_splits=None):
         return triton_mla.mla_attention(q_nope, q_rope, kv.cache, meta, kv.k_scale, self.options.softmax_scale,
