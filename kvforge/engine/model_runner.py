@@ -411,13 +411,11 @@ class ModelRunner:
         the layer's backend makes the rows in its cache write (``fuses_mla_rows``), one kernel normalizes,
         rotates and stores them; else (and while fp8 scales are calibrated) the three run apart."""
         backend = self.backends[layer]
-        r = kv_rows.shape[-1] - q_rope.shape[-1]
         weight = getattr(norm, "weight", None)
         if (not backend.fuses_mla_rows or self.needs_calibration or fused_kernels(kv_rows) is None
                 or not getattr(norm, "norm_is_plain_rms", False) or weight is None or weight.dtype != kv_rows.dtype):
-            latent, k_rope = kv_rows.split([r, q_rope.shape[-1]], dim=-1)
-            q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
-            return self._mla(layer, q_nope, q_rope, norm(latent), k_rope[:, 0], w_uk, w_uv)
+            q_rope, latent, k_rope = rotary.latent_rows(rope, q_rope, kv_rows, norm)
+            return self._mla(layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv)
         kv, meta = self.layer_kv(layer), self._metas[self.layer_group[layer]]
         q_rope = backend.norm_rope_and_write_mla(kv, meta.slot_mapping, q_rope, kv_rows, weight, norm.eps, *rope,
                                                  rotary.interleave)

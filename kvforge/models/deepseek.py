@@ -158,6 +158,17 @@ class DeepseekArgs(DecoderArgs):
                 and layer % self.moe_layer_freq == 0)
 
 
+def latent_rows(rotary: nn.Module, rope, q_rope: torch.Tensor, kv: torch.Tensor,
+                norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_rope, latent, k_rope)`` from ``q_rope [T, H, P]`` and the row ``kv [T, R + P]`` (the latent before
+    ``norm``, then the key's rope features): the query's and the key's rope features rotated by ``rotary``
+    (its ``rotate_qk``), the latent normalized; what the cache stores, made in separate launches."""
+    p = q_rope.shape[-1]
+    latent, k_rope = kv.split([kv.shape[-1] - p, p], dim=-1)
+    q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
+    return q_rope, norm(latent), k_rope[:, 0]
+
+
 class DeepseekRotary(nn.Module):
     """Rope on the ``P`` rope features (default or YaRN frequencies), see the module docstring."""
 
@@ -205,6 +216,11 @@ class DeepseekRotary(nn.Module):
                 and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1):
             return kern[2].rope_qk_pairs(q, k, cos, sin, self.interleave)
         return self.rotate(rope, q), self.rotate(rope, k)
+
+    def latent_rows(self, rope: tuple[torch.Tensor, torch.Tensor], q_rope: torch.Tensor, kv: torch.Tensor,
+                    norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`latent_rows` with this rotary."""
+        return latent_rows(self, rope, q_rope, kv, norm)
 
     def rotate(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``x [T, H, P]`` -> rotated, de-interleaved ``[T, H, P]``."""
@@ -287,10 +303,8 @@ class MLAAttention(nn.Module):
             out = mla_rows(self.layer_idx, q_nope, q_rope, kv, self.kv_a_layernorm, rope, rotary, w[:, :dn],
                            w[:, dn:])
         else:
-            latent, k_rope = kv.split([r, p], dim=-1)
-            latent = self.kv_a_layernorm(latent)
-            q_rope, k_rope = rotary.rotate_qk(rope, q_rope, k_rope[:, None, :])
-            out = attn.mla(self.layer_idx, q_nope, q_rope, latent, k_rope[:, 0], w[:, :dn], w[:, dn:])
+            q_rope, latent, k_rope = latent_rows(rotary, rope, q_rope, kv, self.kv_a_layernorm)
+            out = attn.mla(self.layer_idx, q_nope, q_rope, latent, k_rope, w[:, :dn], w[:, dn:])
         return self.o_proj(out.reshape(t, h * a.v_head_dim))
 
 
