@@ -12,6 +12,10 @@ still decodes together for at least ``steps - 1`` steps (:func:`admission_steps`
 is ``batch`` over the median of its decode-only steps that ran all ``batch`` sequences (prefill steps
 excluded). Prints the median over repeats with min and max, and the fp8 / bf16 ratio of the medians, and
 writes the numbers as JSON.
+
+A context of a power of two plus the new tokens replays the next CUDA-graph context bucket
+(kvforge/engine/cuda_graphs.py: 4,096 + 32 tokens the 8,192-token one), whose split counts are pinned for
+twice the context; a context a little below the power of two (4,000) stays in the bucket of that size.
 """
 
 from __future__ import annotations
