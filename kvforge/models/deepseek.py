@@ -289,13 +289,12 @@ class MLAAttention(nn.Module):
         h, dn, p, r = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank
         if self.fuse_inputs:
             q, kv = self.fused_qkv_a_proj(x).split(self.input_split, dim=-1)
-            t = q.shape[0]
         else:
             q = self.q_proj(x) if a.q_lora_rank is None else self.q_a_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
-            t = x.shape[0]
         if a.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
+        t = q.shape[0]  # x may be a pending norm (the stacked projection's prologue), q is a tensor
         q_nope, q_rope = q.view(t, h, dn + p).split([dn, p], dim=-1)
         w = self.kv_b_proj.weight.view(h, dn + a.v_head_dim, r)
         mla_rows = getattr(attn, "mla_rows", None)
