@@ -31,6 +31,17 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_PAD)
         x = tl.load(logits_ptr + t * stride_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        store_softmax_topk(x, e, t, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD, RENORMALIZE, SHARED,
+                            SHARED_PAD)
+
+    @triton.jit
+    def store_softmax_topk(
+        x, e, t, weights_ptr, ids_ptr, E, scale,
+        K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+        SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
+    ):  # fmt: skip
+        """Row ``t``'s choice from its float32 logits ``x [E_PAD]`` (lanes ``e >= E`` hold -inf): the weights
+        and ids of the module docstring, stored at ``weights_ptr`` / ``ids_ptr`` (rows ``K + SHARED`` wide)."""
         p = tl.exp(x - tl.max(x, 0))  # padding lanes: exp(-inf) = 0
         p = p / tl.sum(p, 0)
         p = tl.where(e < E, p, -1.0)  # never chosen

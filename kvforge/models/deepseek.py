@@ -75,7 +75,7 @@ from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
 from kvforge.models.linear_route import Linear
 from kvforge.models.routed_experts import RoutedExperts
-from kvforge.models.router_topk import softmax_topk, with_shared_slots
+from kvforge.models.router_topk import router_softmax_topk, with_shared_slots
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
@@ -317,6 +317,13 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, a.hidden_size, dtype=torch.float32))
         if a.v3:
             self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32))
+        self.launch_counter: torch.Tensor | None = None  # the one-launch router's (router_softmax_topk)
+
+    def _launch_counter(self, x: torch.Tensor) -> torch.Tensor:
+        """This router's int32 zero on ``x``'s device (made at the first call there, before any capture)."""
+        if self.launch_counter is None or self.launch_counter.device != x.device:
+            self.launch_counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+        return self.launch_counter
 
     def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
         """[T, n_group] -> bool [T, E]: experts in the ``topk_group`` best groups."""
@@ -330,6 +337,10 @@ class Gate(nn.Module):
         (shared experts folded into the stacked ones, :meth:`MoE.fold_shared_experts`); the softmax top-k
         kernel writes them itself."""
         a = self.a
+        renormalize = a.top_k > 1 and a.norm_topk_prob
+        scale = 1.0 if renormalize else a.routed_scaling_factor
+        if not a.v3 and a.topk_method != "group_limited_greedy":
+            return router_softmax_topk(x, self.weight, a.top_k, renormalize, scale, shared, self._launch_counter(x))
         logits = F.linear(x.float(), self.weight.float())
         t, e = logits.shape
         if a.v3:
@@ -342,10 +353,6 @@ class Gate(nn.Module):
             if a.norm_topk_prob:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
             return with_shared_slots(weights * a.routed_scaling_factor, ids, e, shared)
-        renormalize = a.top_k > 1 and a.norm_topk_prob
-        scale = 1.0 if renormalize else a.routed_scaling_factor
-        if a.topk_method != "group_limited_greedy":
-            return softmax_topk(logits, a.top_k, renormalize, scale, shared)
         scores = logits.softmax(dim=-1)
         mask = self._group_mask(scores.view(t, a.n_group, e // a.n_group).amax(dim=-1))
         weights, ids = scores.masked_fill(~mask, 0.0).topk(a.top_k, dim=-1)

@@ -1,6 +1,11 @@
 """A softmax router's choice: softmax over every expert's logit, the top-k, optionally renormalised, times a
 scale. The DeepSeek-V2 ``greedy`` gate and Qwen3-Next's router are this function.
 
+:func:`router_softmax_topk` starts from the router's input and weight (float32 logits, DeepSeek's gate): for
+1 to ``MAX_ROWS`` tokens on CUDA one Triton kernel computes the logits and the choice
+(kvforge/kernels/triton_router_logits_topk.py, one launch where PyTorch takes a cast, a split product and
+the top-k); elsewhere the logits are ``F.linear(x.float(), weight.float())`` and :func:`softmax_topk` chooses.
+
 :func:`softmax_topk` is the one entry: on CUDA (with autograd off) it runs one Triton kernel
 (kvforge/kernels/triton_router_topk.py) unless ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused
 kernels off (kvforge/env.py); elsewhere it runs :func:`softmax_topk_reference`, the PyTorch formulas the
@@ -19,6 +24,8 @@ from kvforge.env import ENV
 TRITON_ROUTER = not ENV.disable_fused_kernels
 #: Device types it serves on (tests add "cpu" to run it in Triton's interpreter).
 TRITON_ROUTER_DEVICES: tuple[str, ...] = ("cuda",)
+#: Whether :func:`router_softmax_topk` may compute the logits inside the kernel (with ``TRITON_ROUTER``).
+FUSED_ROUTER_LOGITS = True
 
 
 def with_shared_slots(weights: torch.Tensor, ids: torch.Tensor, first: int,
@@ -60,3 +67,29 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float =
 
         return kernel(logits, k, renormalize, scale, shared)
     return softmax_topk_reference(logits, k, renormalize, scale, shared)
+
+
+def use_fused_router_logits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`router_softmax_topk` runs the logits-and-choice kernel for ``x [T, H]`` and ``weight
+    [E, H]``: the router kernel's switches, 1 to ``MAX_ROWS`` tokens, at most ``MAX_EXPERTS`` experts, rows
+    contiguous along the hidden size."""
+    if not (FUSED_ROUTER_LOGITS and TRITON_ROUTER and x.device.type in TRITON_ROUTER_DEVICES
+            and not torch.is_grad_enabled()):
+        return False
+    from kvforge.kernels import triton_router_logits_topk as fused
+
+    return (fused.HAS_TRITON and x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= fused.MAX_ROWS
+            and weight.shape[0] <= fused.MAX_EXPERTS and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and weight.device == x.device)
+
+
+def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0,
+                        shared: int = 0, counter: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`softmax_topk` of the float32 logits ``x @ weight.T`` (see the module docstring). ``counter``: the
+    call site's int32 [1] zero on ``x``'s device, which the one-launch kernel needs (None: two steps)."""
+    if counter is not None and use_fused_router_logits(x, weight):
+        from kvforge.kernels.triton_router_logits_topk import router_logits_topk
+
+        return router_logits_topk(x, weight, k, renormalize, scale, shared, counter)
+    logits = torch.nn.functional.linear(x.float(), weight.float())
+    return softmax_topk(logits, k, renormalize, scale, shared)

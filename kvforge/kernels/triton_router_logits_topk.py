@@ -1,0 +1,98 @@
+"""Triton kernel: a MoE router's float32 logits and its softmax top-k in one launch, for a few tokens.
+
+A decode step of one to ``MAX_ROWS`` tokens routes each MoE layer through four launches in PyTorch: the
+cast of ``x`` to float32, a float32 product that cuBLAS splits over the hidden size (a product and a
+reduction) and the top-k kernel (kvforge/kernels/triton_router_topk.py). Here one launch does it all:
+
+- grid ``E``: each program computes ``logits[t, e] = sum_h x[t, h] * weight[e, h]`` for every token and
+  its expert (one weight row, read once), ``x`` converted to float32 in registers (exact for 16-bit inputs),
+  products and sums in float32 (no tensor cores: the router's float32 semantics), and stores them in a
+  float32 scratch ``[T, E]``;
+- each program then takes a ticket from ``counter`` (an atomic add after a barrier, so the program's stores
+  come first); the program holding the last ticket reads every logit back past L1 and runs the softmax
+  top-k of :func:`kvforge.kernels.triton_router_topk.store_softmax_topk` for each token, then resets
+  ``counter`` to 0 for the next launch.
+
+Numerics: the logits are float32 sums as in ``F.linear(x.float(), weight.float())``, in another order (they
+agree to a few float32 ulps of the sum of |products|); the choice is then the top-k kernel's. The counter is
+one int32 per call site (a router layer owns its own), zero between launches; launches sharing a counter
+must not overlap (one stream). No host synchronization: safe inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
+
+#: The most tokens one launch routes (the last program chooses for each in turn).
+MAX_ROWS = 4
+#: The most experts (the last program holds a token's logits in registers).
+MAX_EXPERTS = 1024
+#: Elements of the ``[rows, hidden chunk]`` tile a program multiplies at once (64 float32 a thread).
+TILE_ELEMENTS = 8192
+
+if HAS_TRITON:
+    from kvforge.kernels.triton_router_topk import store_softmax_topk
+
+    @triton.jit
+    def _router_logits_topk_kernel(
+        x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, counter_ptr, T, E, stride_xt, stride_we, scale,
+        H: tl.constexpr, T_PAD: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+        RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
+    ):  # fmt: skip
+        expert = tl.program_id(0)
+        rows = tl.arange(0, T_PAD)
+        cols = tl.arange(0, BLOCK_H)
+        acc = tl.zeros([T_PAD], dtype=tl.float32)
+        for h0 in tl.range(0, H, BLOCK_H):
+            h = h0 + cols
+            w = tl.load(w_ptr + expert.to(tl.int64) * stride_we + h, mask=h < H, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + h[None, :],
+                        mask=(rows[:, None] < T) & (h[None, :] < H), other=0.0).to(tl.float32)
+            acc += tl.sum(x * w[None, :], axis=1)
+        tl.store(logits_ptr + rows * E + expert, acc, mask=rows < T)
+        tl.debug_barrier()  # every thread's logits are stored before the ticket is taken
+        ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if ticket == tl.num_programs(0) - 1:
+            e = tl.arange(0, E_PAD)
+            for t in tl.static_range(T_PAD):
+                if t < T:
+                    row = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
+                    store_softmax_topk(row, e, t, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD, RENORMALIZE,
+                                       SHARED, SHARED_PAD)
+            tl.store(counter_ptr, 0)
+
+
+def hidden_block(rows: int, hidden: int) -> int:
+    """The hidden-size chunk: the whole hidden size where ``rows x hidden`` fits ``TILE_ELEMENTS`` (one pass
+    over the weight row), else the largest power of two that does."""
+    return min(triton.next_power_of_2(hidden), max(16, TILE_ELEMENTS // triton.next_power_of_2(rows)))
+
+
+def router_logits_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, scale: float,
+                       shared: int, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights float32 [T, k + shared], ids int64 [T, k + shared])`` of the router ``weight [E, H]`` over
+    ``x [T, H]`` (``T <= MAX_ROWS``): the module docstring. ``counter``: int32 [1], zero, on ``x``'s device."""
+    if not HAS_TRITON:
+        raise RuntimeError("router_logits_topk needs triton")
+    t, h = x.shape
+    e = weight.shape[0]
+    if not 0 < t <= MAX_ROWS:
+        raise ValueError(f"router_logits_topk routes 1 to {MAX_ROWS} tokens, got {t}")
+    if weight.shape[1] != h or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a contiguous hidden size")
+    if not 0 < k <= e or e > MAX_EXPERTS or shared < 0:
+        raise ValueError(f"top-{k} of {e} experts with {shared} shared slots: need 0 < k <= E <= {MAX_EXPERTS}")
+    if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
+        raise ValueError("counter must be one int32 on x's device")
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    weights = torch.empty((t, k + shared), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, k + shared), dtype=torch.int64, device=x.device)
+    _router_logits_topk_kernel[(e,)](
+        x, weight, logits, weights, ids, counter, t, e, x.stride(0), weight.stride(0), float(scale), H=h,
+        T_PAD=triton.next_power_of_2(t), BLOCK_H=hidden_block(t, h), K=k, K_PAD=triton.next_power_of_2(k),
+        E_PAD=triton.next_power_of_2(e), RENORMALIZE=renormalize, SHARED=shared,
+        SHARED_PAD=triton.next_power_of_2(max(shared, 1)), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
