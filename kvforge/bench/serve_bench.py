@@ -76,7 +76,7 @@ class RequestResult:
     ttft: float | None = None  # seconds
     latency: float | None = None  # seconds, request start to last byte
     itls: list[float] = field(default_factory=list)  # seconds between content chunks
-    chunk_times: list[float] = field(default_factory=list)  # wall-clock arrival of each content chunk
+    chunk_times: list[float] = field(default_factory=list)  # wall-clock arrival of each content chunk (itls[i]: i -> i+1)
     start: float = 0.0
     end: float = 0.0
     prompt: str = ""
@@ -320,11 +320,15 @@ def gap_schedule(results: list[RequestResult], steps: list[dict] | None, worst: 
     """For the ``worst`` longest inter-token gaps of a pass: the engine steps whose tokens came between
     the two chunks (``a < step.finished <= b`` in wall-clock time), their prefill and decode tokens and
     step times. ``at_or_above_p99`` sums up every gap at or above the pass's ITL p99 the same way.
-    A gap older than the oldest recorded step has ``steps: None``."""
+    A gap older than the oldest recorded step has ``steps: None``.
+
+    A gap's length is its inter-token latency (``RequestResult.itls``, the monotonic clock), so the
+    worst gaps are the largest ITL samples even when the wall clock steps during the pass; the wall
+    clock only places the gap among the server's steps."""
     if steps is None:
         return None
-    gaps = sorted(((b - a, a, b) for r in results if r.ok for a, b in zip(r.chunk_times, r.chunk_times[1:])),
-                  reverse=True)
+    gaps = sorted(((itl, a, b) for r in results if r.ok
+                   for itl, a, b in zip(r.itls, r.chunk_times, r.chunk_times[1:])), reverse=True)
     oldest = steps[0]["launched"] if steps else math.inf
 
     def behind(a, b):

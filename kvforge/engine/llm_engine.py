@@ -32,7 +32,7 @@ from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
-from kvforge.engine.step_log import StepLog
+from kvforge.engine.step_log import Stamp, StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.kv_dtypes import platform_model_dtype
 from kvforge.planner.inputs import (
@@ -529,7 +529,7 @@ class LLMEngine:
         """Run ``out`` on the device without waiting for its tokens and advance the scheduler. A token
         still in flight from ``prev`` (async scheduling) is a placeholder gathered on the device from
         ``prev.token_ids``."""
-        launched = time.time()
+        launched = Stamp.now()
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
         prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
@@ -677,7 +677,7 @@ class LLMEngine:
             tokens = step.wait_tokens()
             sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
         out = step.out
-        self.step_log.add(step.launched, time.time(), out.num_prefill_tokens, out.num_decode_tokens, out.num_seqs)
+        self.step_log.add(step.launched, Stamp.now(), out.num_prefill_tokens, out.num_decode_tokens, out.num_seqs)
         if step.prompt_logprobs is not None:
             step.prompt_logprobs.apply()  # before the outputs below are built
         live = [seq for seq in step.sampled_seqs if not seq.is_finished]

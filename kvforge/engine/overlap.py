@@ -40,6 +40,7 @@ import torch
 from kvforge.engine.sampler import PromptLogprobs
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.engine.sequence import Sequence
+from kvforge.engine.step_log import Stamp
 
 
 @dataclass
@@ -52,7 +53,7 @@ class InflightStep:
     step's placeholders. ``logprobs``: per row, as the sampler returned them.
     ``prompt_logprobs``: the step's prompt-token logprobs (host copies, complete
     once ``ready`` has fired), None when no request asked for them.
-    ``launched``: wall-clock time the step was launched (the engine's step record).
+    ``launched``: when the step was launched, on both clocks (the engine's step record).
     """
 
     out: SchedulerOutput
@@ -63,7 +64,7 @@ class InflightStep:
     ready: torch.cuda.Event | None
     row_of: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
-    launched: float = 0.0
+    launched: Stamp = Stamp(0.0, 0.0)
     #: Speculative steps (synchronous): per sampled sequence, the verified [(token, logprobs)] to append;
     #: ``token_ids`` and ``host_tokens`` are then None.
     verified: list | None = None

@@ -1,10 +1,12 @@
 """A bounded record of the engine's recent steps: what each step computed and when its tokens came.
 
-The engine adds one ``StepRecord`` per resolved step (its sampled tokens are on the host). Times are
-wall-clock seconds (``time.time()``), so a client on the same host can line its own timestamps up
-with them. ``seconds`` is the part of the wall time the step had to itself: from its launch, or from
-the previous step's tokens if those came later (with async scheduling a step is launched while its
-predecessor still runs), to its own tokens. It is the delay the step added to every stream in it.
+The engine adds one ``StepRecord`` per resolved step (its sampled tokens are on the host).
+``launched`` and ``finished`` are wall-clock seconds (``time.time()``), so a client on the same host
+can line its own timestamps up with them. ``seconds`` is the part of the elapsed time the step had to
+itself: from its launch, or from the previous step's tokens if those came later (with async
+scheduling a step is launched while its predecessor still runs), to its own tokens. It is the delay
+the step added to every stream in it, and it is measured on the monotonic clock, so a step of the
+wall clock (a time-sync adjustment) never shows up as a slow or negative step.
 
 Reads come from other threads (the server's event loop): every access holds a lock, and a read
 returns a list copy.
@@ -13,10 +15,23 @@ returns a list copy.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 DEFAULT_CAPACITY = 4096
+
+
+class Stamp(NamedTuple):
+    """One instant on both clocks: ``wall`` (``time.time()``) and ``mono`` (``time.monotonic()``)."""
+
+    wall: float
+    mono: float
+
+    @classmethod
+    def now(cls) -> Stamp:
+        return cls(time.time(), time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -43,16 +58,17 @@ class StepLog:
         self._records: deque[StepRecord] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self.total = 0
-        self._last_finished = 0.0
+        self._last_finished_mono = -float("inf")
 
-    def add(self, launched: float, finished: float, num_prefill_tokens: int, num_decode_tokens: int,
+    def add(self, launched: Stamp, finished: Stamp, num_prefill_tokens: int, num_decode_tokens: int,
             num_seqs: int) -> StepRecord:
         with self._lock:
-            rec = StepRecord(self.total, launched, finished, finished - max(launched, self._last_finished),
+            seconds = finished.mono - max(launched.mono, self._last_finished_mono)
+            rec = StepRecord(self.total, launched.wall, finished.wall, seconds,
                              num_prefill_tokens, num_decode_tokens, num_seqs)
             self._records.append(rec)
             self.total += 1
-            self._last_finished = finished
+            self._last_finished_mono = finished.mono
             return rec
 
     def last(self, n: int | None = None) -> list[StepRecord]:
