@@ -43,7 +43,7 @@ def test_engine_stats_cover_the_timed_runs_only(tmp_path):
     for r in runs:  # the run's time by kind of step, from the engine's step log
         split = r["step_seconds"]
         assert split["prompt_steps"] >= 1 and split["prompt_steps"] + split["decode_steps"] == r["steps"]
-        # each step's own time: together at most the run's wall time (perf_counter vs time.time: 10 ms slack)
+        # each step's own time: together at most the run's time (time.monotonic vs perf_counter: 10 ms slack)
         assert 0 < split["prompt_seconds"] + split["decode_seconds"] <= r["seconds"] + 0.01
         assert 0 < split["first_prompt_step_seconds"] <= split["prompt_seconds"]
     # The warm-up: the three prompts warm_up() sends, 8 tokens each.
