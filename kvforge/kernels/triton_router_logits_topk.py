@@ -2,19 +2,19 @@
 
 A decode step of one to ``MAX_ROWS`` tokens routes each MoE layer through four launches in PyTorch: the
 cast of ``x`` to float32, a float32 product that cuBLAS splits over the hidden size (a product and a
-reduction) and the top-k kernel (kvforge/kernels/triton_router_topk.py). Here one launch does it all:
+reduction) and the choice kernel (kvforge/kernels/triton_router_topk.py). Here one launch does it all:
 
 - grid ``E``: each program computes ``logits[t, e] = sum_h x[t, h] * weight[e, h]`` for every token and
   its expert (one weight row, read once), ``x`` converted to float32 in registers (exact for 16-bit inputs),
   products and sums in float32 (no tensor cores: the router's float32 semantics), and stores them in a
   float32 scratch ``[T, E]``;
 - each program then takes a ticket from ``counter`` (an atomic add after a barrier, so the program's stores
-  come first); the program holding the last ticket reads every logit back past L1 and runs the softmax
-  top-k of :func:`kvforge.kernels.triton_router_topk.store_softmax_topk` for each token, then resets
-  ``counter`` to 0 for the next launch.
+  come first); the program holding the last ticket reads every logit back past L1 and runs the router's
+  choice (:func:`kvforge.kernels.triton_router_topk.store_router_choice`: softmax or sigmoid scores, the
+  bias, the expert groups, the top-k) for each token, then resets ``counter`` to 0 for the next launch.
 
 Numerics: the logits are float32 sums as in ``F.linear(x.float(), weight.float())``, in another order (they
-agree to a few float32 ulps of the sum of |products|); the choice is then the top-k kernel's. The counter is
+agree to a few float32 ulps of the sum of |products|); the choice is then the choice kernel's. The counter is
 one int32 per call site (a router layer owns its own), zero between launches; launches sharing a counter
 must not overlap (one stream). No host synchronization: safe inside CUDA-graph capture.
 """
@@ -33,13 +33,15 @@ MAX_EXPERTS = 1024
 TILE_ELEMENTS = 8192
 
 if HAS_TRITON:
-    from kvforge.kernels.triton_router_topk import store_softmax_topk
+    from kvforge.kernels.triton_router_topk import choice_constexprs, store_router_choice
 
     @triton.jit
     def _router_logits_topk_kernel(
-        x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, counter_ptr, T, E, stride_xt, stride_we, scale,
-        H: tl.constexpr, T_PAD: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-        RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
+        x_ptr, w_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, counter_ptr, T, E, stride_xt, stride_we, scale,
+        H: tl.constexpr, T_PAD: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+        E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
+        SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr,
+        GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
     ):  # fmt: skip
         expert = tl.program_id(0)
         rows = tl.arange(0, T_PAD)
@@ -59,8 +61,9 @@ if HAS_TRITON:
             for t in tl.static_range(T_PAD):
                 if t < T:
                     row = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
-                    store_softmax_topk(row, e, t, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD, RENORMALIZE,
-                                       SHARED, SHARED_PAD)
+                    store_router_choice(row, e, t, bias_ptr, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD,
+                                        RENORMALIZE, SHARED, SHARED_PAD, SIGMOID, HAS_BIAS, N_GROUP, N_GROUP_PAD,
+                                        GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS)
             tl.store(counter_ptr, 0)
 
 
@@ -71,9 +74,12 @@ def hidden_block(rows: int, hidden: int) -> int:
 
 
 def router_logits_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, scale: float,
-                       shared: int, counter: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       shared: int, counter: torch.Tensor, *, bias: torch.Tensor | None = None, sigmoid: bool = False,
+                       n_group: int = 1, topk_group: int = 1, group_top2: bool = False,
+                       renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, k + shared], ids int64 [T, k + shared])`` of the router ``weight [E, H]`` over
-    ``x [T, H]`` (``T <= MAX_ROWS``): the module docstring. ``counter``: int32 [1], zero, on ``x``'s device."""
+    ``x [T, H]`` (``T <= MAX_ROWS``): the module docstring; the rule's arguments are
+    :func:`kvforge.kernels.triton_router_topk.router_topk`'s. ``counter``: int32 [1], zero, on ``x``'s device."""
     if not HAS_TRITON:
         raise RuntimeError("router_logits_topk needs triton")
     t, h = x.shape
@@ -82,17 +88,20 @@ def router_logits_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormaliz
         raise ValueError(f"router_logits_topk routes 1 to {MAX_ROWS} tokens, got {t}")
     if weight.shape[1] != h or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share a contiguous hidden size")
-    if not 0 < k <= e or e > MAX_EXPERTS or shared < 0:
-        raise ValueError(f"top-{k} of {e} experts with {shared} shared slots: need 0 < k <= E <= {MAX_EXPERTS}")
+    if e > MAX_EXPERTS:
+        raise ValueError(f"router_logits_topk holds at most {MAX_EXPERTS} experts, got {e}")
+    consts = choice_constexprs(k, renormalize, shared, e, sigmoid=sigmoid, has_bias=bias is not None,
+                               n_group=n_group, topk_group=topk_group, group_top2=group_top2, renorm_eps=renorm_eps)
+    if bias is not None and (bias.shape != (e,) or bias.device != x.device or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [E] = [{e}] on x's device, got {tuple(bias.shape)}")
     if counter.dtype != torch.int32 or counter.numel() != 1 or counter.device != x.device:
         raise ValueError("counter must be one int32 on x's device")
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     weights = torch.empty((t, k + shared), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, k + shared), dtype=torch.int64, device=x.device)
     _router_logits_topk_kernel[(e,)](
-        x, weight, logits, weights, ids, counter, t, e, x.stride(0), weight.stride(0), float(scale), H=h,
-        T_PAD=triton.next_power_of_2(t), BLOCK_H=hidden_block(t, h), K=k, K_PAD=triton.next_power_of_2(k),
-        E_PAD=triton.next_power_of_2(e), RENORMALIZE=renormalize, SHARED=shared,
-        SHARED_PAD=triton.next_power_of_2(max(shared, 1)), num_warps=4,
+        x, weight, bias if bias is not None else weight, logits, weights, ids, counter, t, e, x.stride(0),
+        weight.stride(0), float(scale), H=h, T_PAD=triton.next_power_of_2(t), BLOCK_H=hidden_block(t, h),
+        num_warps=4, **consts,
     )  # fmt: skip
     return weights, ids

@@ -1,14 +1,24 @@
-"""Triton kernel: a MoE router's softmax over the experts, its top-k, the optional renormalisation and scale,
-in one launch per step (PyTorch takes three to five: softmax, topk, sum, divide or multiply).
+"""Triton kernel: a MoE router's choice from its float32 logits in one launch per step (PyTorch takes three
+to fifteen: softmax or sigmoid, the group scores and mask, topk, gather, sum, divide, multiply).
 
-One program per token loads the ``E`` logits, takes ``p = exp(x - max) / sum`` in float32, then picks the
-largest ``k`` probabilities one at a time (a maximum, then the lowest expert index holding it: ties go to
-the lower index), so ``ids[t]`` is in descending order of probability as ``torch.topk`` returns it. With
-``renormalize`` the ``k`` chosen are divided by their sum; then they are multiplied by ``scale``. With
-``shared = S`` the rows are ``k + S`` wide: slots ``k .. k + S - 1`` hold the ids ``E .. E + S - 1`` with
-weight exactly 1 (shared experts folded behind the routed ones, kvforge/models/shared_expert_fold.py).
-Numerics: float32 throughout; ``exp`` may differ from PyTorch's in the last bit, so weights agree with
-the PyTorch reference (kvforge/models/router_topk.py) to a few float32 ulps, not bit for bit.
+One program per token loads the ``E`` logits and applies the rule of
+:class:`kvforge.models.router_topk.RouterRule`:
+
+- scores ``s``: ``p = exp(x - max) / sum`` (softmax) or ``1 / (1 + exp(-x))`` (``SIGMOID``), float32;
+- choice values ``c = s + bias`` (``HAS_BIAS``), else ``c = s``;
+- with ``N_GROUP > 1`` groups of ``GROUP_SIZE`` experts: each group's score is its largest ``c``, or the sum
+  of its two largest (``GROUP_TOP2``); the ``TOPK_GROUP`` best groups stay (ties to the lower group) and
+  the other experts' ``c`` become ``-inf``;
+- the ``k`` largest ``c`` one at a time (a maximum, then the lowest expert index holding it: ties go to the
+  lower index), so ``ids[t]`` is in descending order as ``torch.topk`` returns it; the weights are the
+  chosen experts' scores ``s``; with ``RENORMALIZE`` they are divided by their sum plus ``RENORM_EPS``;
+  then they are multiplied by ``scale``.
+
+With ``shared = S`` the rows are ``k + S`` wide: slots ``k .. k + S - 1`` hold the ids ``E .. E + S - 1``
+with weight exactly 1 (shared experts folded behind the routed ones, kvforge/models/shared_expert_fold.py).
+Numerics: float32 throughout; ``exp`` may differ from PyTorch's in the last bit, so weights agree with the
+PyTorch reference (kvforge/models/router_topk.py) to a few float32 ulps, not bit for bit; the group score
+is one float32 addition, as in PyTorch.
 """
 
 from __future__ import annotations
@@ -19,43 +29,78 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most experts one program holds in registers.
 MAX_EXPERTS = 4096
+#: The most expert groups (each is one pass over the row).
+MAX_GROUPS = 64
 
 if HAS_TRITON:
 
     @triton.jit
-    def _softmax_topk_kernel(
-        logits_ptr, weights_ptr, ids_ptr, E, stride_t, scale,
+    def _router_topk_kernel(
+        logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, stride_t, scale,
         K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-        SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
+        SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+        N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, E_PAD)
         x = tl.load(logits_ptr + t * stride_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        store_softmax_topk(x, e, t, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD, RENORMALIZE, SHARED,
-                            SHARED_PAD)
+        store_router_choice(x, e, t, bias_ptr, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD, RENORMALIZE,
+                            SHARED, SHARED_PAD, SIGMOID, HAS_BIAS, N_GROUP, N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP,
+                            GROUP_TOP2, RENORM_EPS)
 
     @triton.jit
-    def store_softmax_topk(
-        x, e, t, weights_ptr, ids_ptr, E, scale,
+    def store_router_choice(
+        x, e, t, bias_ptr, weights_ptr, ids_ptr, E, scale,
         K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-        SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
+        SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+        N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+        GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
     ):  # fmt: skip
         """Row ``t``'s choice from its float32 logits ``x [E_PAD]`` (lanes ``e >= E`` hold -inf): the weights
         and ids of the module docstring, stored at ``weights_ptr`` / ``ids_ptr`` (rows ``K + SHARED`` wide)."""
-        p = tl.exp(x - tl.max(x, 0))  # padding lanes: exp(-inf) = 0
-        p = p / tl.sum(p, 0)
-        p = tl.where(e < E, p, -1.0)  # never chosen
+        valid = e < E
+        if SIGMOID:
+            s = 1.0 / (1.0 + tl.exp(-x))
+        else:
+            s = tl.exp(x - tl.max(x, 0))  # padding lanes: exp(-inf) = 0
+            s = s / tl.sum(s, 0)
+        s = tl.where(valid, s, 0.0)
+        c = s
+        if HAS_BIAS:
+            c = c + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        c = tl.where(valid, c, float("-inf"))  # never chosen
+        if N_GROUP > 1:
+            group = e // GROUP_SIZE  # padding lanes fall past the last group
+            g = tl.arange(0, N_GROUP_PAD)
+            group_score = tl.full(g.shape, float("-inf"), tl.float32)
+            for j in tl.static_range(N_GROUP):
+                in_j = group == j
+                top = tl.max(tl.where(in_j, c, float("-inf")), 0)
+                if GROUP_TOP2 and GROUP_SIZE > 1:
+                    first = tl.min(tl.where(in_j & (c == top), e, E_PAD), 0)
+                    top = top + tl.max(tl.where(in_j & (e != first), c, float("-inf")), 0)
+                group_score = tl.where(g == j, top, group_score)
+            keep = e < 0  # all false
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.max(group_score, 0)
+                kept = tl.min(tl.where(group_score == best, g, N_GROUP), 0)
+                keep = keep | (group == kept)
+                group_score = tl.where(g == kept, float("-inf"), group_score)
+            c = tl.where(keep, c, float("-inf"))
         slot = tl.arange(0, K_PAD)
         chosen = tl.zeros([K_PAD], dtype=tl.float32)
         chosen_ids = tl.zeros([K_PAD], dtype=tl.int64)
         for j in tl.static_range(K):
-            best = tl.max(p, 0)
-            idx = tl.min(tl.where(p == best, e, E_PAD), 0)
+            best = tl.max(c, 0)
+            idx = tl.min(tl.where(c == best, e, E_PAD), 0)
+            if HAS_BIAS:  # the weight is the unbiased score
+                best = tl.sum(tl.where(e == idx, s, 0.0), 0)
             chosen = tl.where(slot == j, best, chosen)
             chosen_ids = tl.where(slot == j, idx.to(tl.int64), chosen_ids)
-            p = tl.where(e == idx, -1.0, p)
+            c = tl.where(e == idx, float("-inf"), c)
         if RENORMALIZE:
-            chosen = chosen / tl.sum(tl.where(slot < K, chosen, 0.0), 0)
+            chosen = chosen / (tl.sum(tl.where(slot < K, chosen, 0.0), 0) + RENORM_EPS)
         width = K + SHARED
         tl.store(weights_ptr + t * width + slot, chosen * scale, mask=slot < K)
         tl.store(ids_ptr + t * width + slot, chosen_ids, mask=slot < K)
@@ -65,26 +110,52 @@ if HAS_TRITON:
             tl.store(ids_ptr + t * width + K + extra, (E + extra).to(tl.int64), mask=extra < SHARED)
 
 
-def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0, shared: int = 0):
+def choice_constexprs(k: int, renormalize: bool, shared: int, experts: int, *, sigmoid: bool = False,
+                      has_bias: bool = False, n_group: int = 1, topk_group: int = 1, group_top2: bool = False,
+                      renorm_eps: float = 0.0) -> dict:
+    """The compile-time arguments of :func:`store_router_choice` for a rule over ``experts`` experts, checked:
+    ``ValueError`` names a rule the kernel cannot run."""
+    if not 0 < k <= experts or experts > MAX_EXPERTS:
+        raise ValueError(f"top-{k} of {experts} experts: need 0 < k <= E <= {MAX_EXPERTS}")
+    if shared < 0:
+        raise ValueError(f"shared slots must be >= 0, got {shared}")
+    if not 1 <= topk_group <= n_group <= MAX_GROUPS or experts % n_group:
+        raise ValueError(f"{experts} experts in {n_group} groups keeping {topk_group}: need equal groups and "
+                         f"1 <= topk_group <= n_group <= {MAX_GROUPS}")
+    group_size = experts // n_group
+    if n_group > 1 and topk_group * group_size < k:
+        raise ValueError(f"top-{k} from {topk_group} kept groups of {group_size} experts: too few experts kept")
+    return dict(K=k, K_PAD=triton.next_power_of_2(k), E_PAD=triton.next_power_of_2(experts),
+                RENORMALIZE=renormalize, SHARED=shared, SHARED_PAD=triton.next_power_of_2(max(shared, 1)),
+                SIGMOID=sigmoid, HAS_BIAS=has_bias, N_GROUP=n_group, N_GROUP_PAD=triton.next_power_of_2(n_group),
+                GROUP_SIZE=group_size, TOPK_GROUP=topk_group, GROUP_TOP2=group_top2,
+                RENORM_EPS=float(renorm_eps))
+
+
+def router_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0, shared: int = 0, *,
+                bias: torch.Tensor | None = None, sigmoid: bool = False, n_group: int = 1, topk_group: int = 1,
+                group_top2: bool = False, renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, k + shared], ids int64 [T, k + shared])`` of ``logits [T, E]`` (see the module
-    docstring)."""
+    docstring); ``bias``: ``[E]`` added to the scores for the choice only."""
     if not HAS_TRITON:
-        raise RuntimeError("softmax_topk needs triton")
+        raise RuntimeError("router_topk needs triton")
     if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(1) != 1:
         raise ValueError(f"logits must be a float [T, E] tensor contiguous along E, got {tuple(logits.shape)}")
     t, e = logits.shape
-    if not 0 < k <= e or e > MAX_EXPERTS:
-        raise ValueError(f"top-{k} of {e} experts: need 0 < k <= E <= {MAX_EXPERTS}")
-    if shared < 0:
-        raise ValueError(f"shared slots must be >= 0, got {shared}")
+    consts = choice_constexprs(k, renormalize, shared, e, sigmoid=sigmoid, has_bias=bias is not None,
+                               n_group=n_group, topk_group=topk_group, group_top2=group_top2, renorm_eps=renorm_eps)
+    if bias is not None and (bias.shape != (e,) or bias.device != logits.device or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [E] = [{e}] on the logits' device, got {tuple(bias.shape)}")
     weights = torch.empty((t, k + shared), dtype=torch.float32, device=logits.device)
     ids = torch.empty((t, k + shared), dtype=torch.int64, device=logits.device)
     if t:
-        e_pad = triton.next_power_of_2(e)
-        _softmax_topk_kernel[(t,)](
-            logits, weights, ids, e, logits.stride(0), float(scale),
-            K=k, K_PAD=triton.next_power_of_2(k), E_PAD=e_pad, RENORMALIZE=renormalize, SHARED=shared,
-            SHARED_PAD=triton.next_power_of_2(max(shared, 1)),
-            num_warps=4 if e_pad <= 1024 else 8,
+        _router_topk_kernel[(t,)](
+            logits, bias if bias is not None else logits, weights, ids, e, logits.stride(0), float(scale),
+            num_warps=4 if consts["E_PAD"] <= 1024 else 8, **consts,
         )  # fmt: skip
     return weights, ids
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0, shared: int = 0):
+    """:func:`router_topk` with softmax scores, no bias and no groups."""
+    return router_topk(logits, k, renormalize, scale, shared)

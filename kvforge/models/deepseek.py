@@ -75,7 +75,7 @@ from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import GatedMLP, RMSNorm, act_and_mul, cfg_get, fused_kernels, get_activation
 from kvforge.models.linear_route import Linear
 from kvforge.models.routed_experts import RoutedExperts
-from kvforge.models.router_topk import router_softmax_topk, with_shared_slots
+from kvforge.models.router_topk import RouterRule, route
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq, yarn_mscale
 
@@ -308,7 +308,8 @@ class MLAAttention(nn.Module):
 
 
 class Gate(nn.Module):
-    """The float32 router (HF ``mlp.gate``): returns (weights [T, k], expert ids [T, k])."""
+    """The float32 router (HF ``mlp.gate``): returns (weights [T, k], expert ids [T, k]) by
+    :meth:`rule` (kvforge/models/router_topk.py)."""
 
     def __init__(self, a: DeepseekArgs):
         super().__init__()
@@ -317,7 +318,8 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(e, a.hidden_size, dtype=torch.float32))
         if a.v3:
             self.e_score_correction_bias = nn.Parameter(torch.empty(e, dtype=torch.float32))
-        self.launch_counter: torch.Tensor | None = None  # the one-launch router's (router_softmax_topk)
+        self.launch_counter: torch.Tensor | None = None  # the one-launch router's (router_topk.route)
+        self._rules: dict[int, RouterRule] = {}  # rule(shared), made once per slot count
 
     def _launch_counter(self, x: torch.Tensor) -> torch.Tensor:
         """This router's int32 zero on ``x``'s device (made at the first call there, before any capture)."""
@@ -325,42 +327,34 @@ class Gate(nn.Module):
             self.launch_counter = torch.zeros(1, dtype=torch.int32, device=x.device)
         return self.launch_counter
 
-    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
-        """[T, n_group] -> bool [T, E]: experts in the ``topk_group`` best groups."""
+    def rule(self, shared: int = 0) -> RouterRule:
+        """The module docstring's choice as a :class:`RouterRule`. V3: sigmoid scores, the biased choice, groups
+        scored by their top two, the weights renormalised (``norm_topk_prob``) and always times
+        ``routed_scaling_factor``. V2: softmax scores, groups (``group_limited_greedy``) scored by their
+        maximum, the weights renormalised (``norm_topk_prob`` and top-k > 1) or else times
+        ``routed_scaling_factor``. DeepSeek's code divides by the chosen sum plus 1e-20 where it groups."""
+        if shared not in self._rules:
+            self._rules[shared] = self._make_rule(shared)
+        return self._rules[shared]
+
+    def _make_rule(self, shared: int) -> RouterRule:
         a = self.a
-        keep = group_scores.topk(a.topk_group, dim=-1).indices
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        return mask.repeat_interleave(a.n_routed_experts // a.n_group, dim=1)
+        if a.v3:
+            return RouterRule(a.top_k, a.norm_topk_prob, a.routed_scaling_factor, shared, sigmoid=True,
+                              n_group=a.n_group, topk_group=a.topk_group, group_score="top2_sum", renorm_eps=1e-20)
+        renormalize = a.top_k > 1 and a.norm_topk_prob
+        scale = 1.0 if renormalize else a.routed_scaling_factor
+        if a.topk_method == "group_limited_greedy":
+            return RouterRule(a.top_k, renormalize, scale, shared, n_group=a.n_group, topk_group=a.topk_group,
+                              group_score="max", renorm_eps=1e-20)
+        return RouterRule(a.top_k, renormalize, scale, shared)
 
     def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``shared``: slots appended to every token's choice, the ids after the router's experts at weight 1
-        (shared experts folded into the stacked ones, :meth:`MoE.fold_shared_experts`); the softmax top-k
-        kernel writes them itself."""
-        a = self.a
-        renormalize = a.top_k > 1 and a.norm_topk_prob
-        scale = 1.0 if renormalize else a.routed_scaling_factor
-        if not a.v3 and a.topk_method != "group_limited_greedy":
-            return router_softmax_topk(x, self.weight, a.top_k, renormalize, scale, shared, self._launch_counter(x))
-        logits = F.linear(x.float(), self.weight.float())
-        t, e = logits.shape
-        if a.v3:
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias.float()
-            per_group = choice.view(t, a.n_group, e // a.n_group)
-            mask = self._group_mask(per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1))
-            ids = choice.masked_fill(~mask, float("-inf")).topk(a.top_k, dim=-1).indices
-            weights = scores.gather(1, ids)
-            if a.norm_topk_prob:
-                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            return with_shared_slots(weights * a.routed_scaling_factor, ids, e, shared)
-        scores = logits.softmax(dim=-1)
-        mask = self._group_mask(scores.view(t, a.n_group, e // a.n_group).amax(dim=-1))
-        weights, ids = scores.masked_fill(~mask, 0.0).topk(a.top_k, dim=-1)
-        if renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        else:
-            weights = weights * scale
-        return with_shared_slots(weights, ids, e, shared)
+        (shared experts folded into the stacked ones, :meth:`MoE.fold_shared_experts`); the kernels write
+        them themselves."""
+        bias = self.e_score_correction_bias if self.a.v3 else None
+        return route(x, self.weight, self.rule(shared), bias, self._launch_counter(x))
 
 
 class MoE(nn.Module):
