@@ -59,6 +59,39 @@ def _worst(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_and_decode_logits_match_transformers(case, tmp_path):
+    _check_prefill_and_decode(case, tmp_path)
+
+
+def test_kimi_linear_router_kernels_match_transformers(tmp_path, monkeypatch):
+    """Kimi-Linear's grouped sigmoid router (4 groups, 2 kept, a correction bias) on the router kernels in
+    Triton's interpreter: the prompts' steps take the logits product and the choice kernel, the two-token
+    decode steps the one-launch kernel; the logits stay within the bound above."""
+    device = pytest.importorskip("triton_kernel_device")
+    if not device.INTERPRETED:
+        pytest.skip("the model runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
+    from kvforge.kernels import triton_router_logits_topk, triton_router_topk
+    from kvforge.models import router_topk
+
+    calls = {"choice": 0, "one launch": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(router_topk, "TRITON_ROUTER", True)
+    monkeypatch.setattr(router_topk, "TRITON_ROUTER_DEVICES", ("cpu",))
+    monkeypatch.setattr(triton_router_topk, "router_topk", counted("choice", triton_router_topk.router_topk))
+    monkeypatch.setattr(triton_router_logits_topk, "router_logits_topk",
+                        counted("one launch", triton_router_logits_topk.router_logits_topk))
+    with torch.no_grad():  # the kernels serve inference only
+        _check_prefill_and_decode("kimi-linear", tmp_path)
+    sparse_layers = 2  # tests/tiny_checkpoints.py KIMI_LINEAR
+    assert calls == {"choice": sparse_layers, "one launch": sparse_layers * DECODE_STEPS}
+
+
+def _check_prefill_and_decode(case, tmp_path):
     hf, _ = make_checkpoint(case, tmp_path)
     ours = load_ours(tmp_path)
     seqs = _sequences(DECODE_STEPS)
