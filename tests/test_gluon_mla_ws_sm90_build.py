@@ -9,14 +9,13 @@ measured (docs/BENCHMARKS.md): a spill in the consumer's loop costs throughput t
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from compiled_build_report import build_report
 
 from kvforge.kernels.gluon_support import HAS_GLUON
 
@@ -85,13 +84,7 @@ def _report() -> dict:
 
 @pytest.fixture(scope="module")
 def report():
-    # tests run the Triton interpreter on CPU (conftest.py), which replaces the kernels; the build needs them
-    # compiled, so it runs in a child process without it
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return build_report(__file__)
 
 
 @pytest.mark.parametrize("product", ["registers", "e4m3 query", "two terms"])
