@@ -62,33 +62,50 @@ def test_prefill_and_decode_logits_match_transformers(case, tmp_path):
     _check_prefill_and_decode(case, tmp_path)
 
 
-def test_kimi_linear_router_kernels_match_transformers(tmp_path, monkeypatch):
-    """Kimi-Linear's grouped sigmoid router (4 groups, 2 kept, a correction bias) on the router kernels in
-    Triton's interpreter: the prompts' steps take the logits product and the choice kernel, the two-token
-    decode steps the one-launch kernel; the logits stay within the bound above."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_kernels_match_transformers(case, tmp_path, monkeypatch):
+    """The fused kernels in Triton's interpreter: the gated norm and the delta-rule gates of every linear
+    layer, the norms, rope and SiLU, and the routers (Kimi-Linear's grouped sigmoid: 4 groups, 2 kept, a
+    correction bias; Qwen3-Next's softmax top-k). Kimi's prompt steps take the logits product and the choice
+    kernel, its two-token decode steps the one-launch kernel. The logits stay within the bound above."""
     device = pytest.importorskip("triton_kernel_device")
     if not device.INTERPRETED:
         pytest.skip("the model runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
-    from kvforge.kernels import triton_router_logits_topk, triton_router_topk
-    from kvforge.models import router_topk
+    from kvforge.kernels import (
+        triton_delta_gates,
+        triton_gated_rms_norm,
+        triton_router_logits_topk,
+        triton_router_topk,
+    )
+    from kvforge.models import layers, router_topk
 
-    calls = {"choice": 0, "one launch": 0}
+    calls = dict.fromkeys(["gated norm", "gates", "choice", "one launch"], 0)
 
-    def counted(name, fn):
+    def count(module, name, key):
+        fn = getattr(module, name)
+
         def wrapper(*args, **kwargs):
-            calls[name] += 1
+            calls[key] += 1
             return fn(*args, **kwargs)
-        return wrapper
+        monkeypatch.setattr(module, name, wrapper)
 
     monkeypatch.setattr(router_topk, "TRITON_ROUTER", True)
     monkeypatch.setattr(router_topk, "TRITON_ROUTER_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_router_topk, "router_topk", counted("choice", triton_router_topk.router_topk))
-    monkeypatch.setattr(triton_router_logits_topk, "router_logits_topk",
-                        counted("one launch", triton_router_logits_topk.router_logits_topk))
+    monkeypatch.setattr(layers, "FUSED_KERNELS", True)
+    monkeypatch.setattr(layers, "FUSED_DEVICES", ("cpu",))
+    count(triton_gated_rms_norm, "gated_rms_norm", "gated norm")
+    count(triton_delta_gates, "delta_gates", "gates")
+    count(triton_router_topk, "router_topk", "choice")
+    count(triton_router_logits_topk, "router_logits_topk", "one launch")
     with torch.no_grad():  # the kernels serve inference only
-        _check_prefill_and_decode("kimi-linear", tmp_path)
-    sparse_layers = 2  # tests/tiny_checkpoints.py KIMI_LINEAR
-    assert calls == {"choice": sparse_layers, "one launch": sparse_layers * DECODE_STEPS}
+        _check_prefill_and_decode(case, tmp_path)
+    steps = 1 + DECODE_STEPS
+    linear_layers = 3  # tests/tiny_checkpoints.py: three linear-attention layers in both
+    assert calls["gated norm"] == calls["gates"] == linear_layers * steps
+    if case == "kimi-linear":  # two sparse layers: the choice kernel in the prompt step, one launch after
+        assert (calls["choice"], calls["one launch"]) == (2, 2 * DECODE_STEPS)
+    else:  # three MoE layers (mlp_only_layers=[1]), logits from the gate's product
+        assert (calls["choice"], calls["one launch"]) == (3 * steps, 0)
 
 
 def _check_prefill_and_decode(case, tmp_path):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvforge.attention.linear_state import LinearStateLayout
@@ -45,6 +44,7 @@ from kvforge.models.decoder import (
     gate_up_parts,
 )
 from kvforge.models.deepseek import MLAAttention, MoE, read_mla_sizes
+from kvforge.models.delta_gates import delta_gates
 from kvforge.models.layers import GatedMLP, cfg_get
 from kvforge.models.qwen3_next import FULL, LINEAR, GatedRMSNorm, hybrid_layer_types, short_conv_weight
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -160,19 +160,20 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(self.head_dim, a.rms_norm_eps, torch.sigmoid, round_normed=False, dtype=dtype)
         self.o_proj = nn.Linear(width, a.hidden_size, bias=False, dtype=dtype)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)``, float32 ``[T, H, D]``."""
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        f = f.view(x.shape[0], self.heads, self.head_dim)
-        return -self.A_log.float().exp().view(self.heads, 1) * F.softplus(f, threshold=20.0)
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)``, float32 ``[T, H, D]``,
+        and the write strength ``sigmoid(b_proj(x))`` ``[T, H]`` (kvforge/models/delta_gates.py)."""
+        g, beta = delta_gates(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log, self.b_proj(x),
+                              self.head_dim)
+        return g.view(x.shape[0], self.heads, self.head_dim), beta
 
     def forward(self, rope, x: torch.Tensor, attn, rotary) -> torch.Tensor:
         t, h, d = x.shape[0], self.heads, self.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = (part.reshape(t, h, d) for part in mixed.split(h * d, dim=-1))
-        o = attn.delta_rule(self.layer_idx, q, k, v, self.forget_gate(x), torch.sigmoid(self.b_proj(x)),
-                            normalize_qk=True)
+        g, beta = self.gates(x)
+        o = attn.delta_rule(self.layer_idx, q, k, v, g, beta, normalize_qk=True)
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
         return self.o_proj(self.o_norm(o, gate).reshape(t, h * d))
 

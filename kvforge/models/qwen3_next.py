@@ -36,8 +36,9 @@ from kvforge.attention.linear_state import LinearStateLayout
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, gate_up_parts, required_int
 from kvforge.models.deepseek import MoE
+from kvforge.models.delta_gates import delta_gates
 from kvforge.models.gemma3 import GemmaRMSNorm
-from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, get_activation
+from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -118,11 +119,16 @@ class Qwen3NextArgs(DecoderArgs):
                                  gate_per_channel=False)
 
 
+#: The gate activations the fused kernel computes (kvforge/kernels/triton_gated_rms_norm.py), by function.
+GATE_ACTIVATIONS = {torch.sigmoid: "sigmoid", F.silu: "silu"}
+
+
 class GatedRMSNorm(nn.Module):
     """``weight * rms_norm(x) * act(gate)`` in float32, cast back to x's dtype (HF ``RMSNormGated``).
 
     ``round_normed``: the normalised x is rounded to x's dtype and multiplied by the weight in that
-    dtype first (Qwen3-Next); otherwise the weight multiplies in float32 (Kimi-Linear).
+    dtype first (Qwen3-Next); otherwise the weight multiplies in float32 (Kimi-Linear). Where the fused
+    kernels serve (kvforge/models/layers.py, ``fused_kernels``) one Triton kernel computes it.
     """
 
     def __init__(self, dim: int, eps: float, activation, round_normed: bool, dtype=None):
@@ -133,6 +139,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        activation = GATE_ACTIVATIONS.get(self.act)
+        if (activation is not None and fused_kernels(x) is not None and x.numel() and x.dim() <= 3
+                and gate.shape == x.shape and x.stride(-1) == 1 and gate.stride(-1) == 1
+                and (not self.round_normed or self.weight.dtype == x.dtype)):
+            from kvforge.kernels.triton_gated_rms_norm import gated_rms_norm
+
+            return gated_rms_norm(x, gate, self.weight, self.eps, activation, self.round_normed)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * xf.to(x.dtype) if self.round_normed else self.weight.float() * xf
@@ -170,8 +183,7 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        beta = b.reshape(t, hv).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias)
+        g, beta = delta_gates(a, self.dt_bias, self.A_log, b, 1)
         o = attn.delta_rule(self.layer_idx, q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g,
                             beta, normalize_qk=True)
         o = self.norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv))

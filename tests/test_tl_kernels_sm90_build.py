@@ -1,0 +1,89 @@
+"""``tl`` kernels built for sm_90 on any machine: Triton compiles them for a ``cuda:90`` target ahead of time
+(no GPU needed), through the code generator the interpreter skips, so a kernel the interpreter runs but the
+compiler rejects fails here. Each variant the engine launches for these kernels must compile:
+
+- the router kernels (choice, and logits with the choice in one launch) for DeepSeek-V2-Lite's softmax
+  top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group)
+  and DeepSeek-V2's group-limited softmax;
+- the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, and the delta-rule
+  gates at both models' head layouts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from compiled_build_report import build_report
+
+from kvforge.kernels.optional_triton import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+
+ROUTER_RULES = {  # name -> (experts, k, shared, rule keyword arguments of the kernels)
+    "v2-lite softmax": (64, 6, 2, dict()),
+    "v3 sigmoid groups": (256, 8, 1, dict(sigmoid=True, n_group=8, topk_group=4, group_top2=True, renorm_eps=1e-20)),
+    "kimi sigmoid": (384, 8, 1, dict(sigmoid=True, renorm_eps=1e-20)),
+    "v2 group-limited": (160, 6, 2, dict(n_group=8, topk_group=3, renorm_eps=1e-20)),
+}
+#: Pointer element types by argument name (every other pointer float32).
+POINTERS = {"ids_ptr": "*i64", "counter_ptr": "*i32", "x_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16",
+            "f_ptr": "*bf16", "a_log_ptr": "*bf16", "b_ptr": "*bf16", "beta_ptr": "*bf16"}
+FLOATS = ("scale", "eps")
+
+
+def _compile(fn, consts: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTERS.get(name, "*fp32")
+        else:
+            signature[name] = "fp32" if name in FLOATS else "i32"
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def _builds():
+    """(name, kernel, compile-time arguments) of every variant."""
+    from kvforge.kernels import triton_delta_gates as gates
+    from kvforge.kernels import triton_gated_rms_norm as norm
+    from kvforge.kernels import triton_router_logits_topk as fused
+    from kvforge.kernels import triton_router_topk as choice
+
+    for name, (experts, k, shared, kw) in ROUTER_RULES.items():
+        consts = choice.choice_constexprs(k, True, shared, experts, has_bias=kw.get("sigmoid", False), **kw)
+        yield f"router choice, {name}", choice._router_topk_kernel, consts
+        yield f"router one launch, {name}", fused._router_logits_topk_kernel, dict(consts, H=2048, T_PAD=4,
+                                                                                   BLOCK_H=2048)
+    for name, silu, rounded in (("qwen3-next", True, True), ("kimi-linear", False, False)):
+        yield f"gated norm, {name}", norm._gated_rms_norm_kernel, dict(BLOCK_D=128, ROUND_NORMED=rounded, SILU=silu)
+    for name, head_dim, channels, heads in (("qwen3-next", 1, 32, 32), ("kimi-linear", 128, 4096, 32)):
+        yield f"delta gates, {name}", gates._delta_gates_kernel, dict(
+            HEAD_DIM=head_dim, THRESHOLD=gates.SOFTPLUS_THRESHOLD, BLOCK_C=channels, BLOCK_B=heads)
+
+
+NAMES = [name for name, _, _ in _builds()] if HAS_TRITON else []
+
+
+def _report() -> dict:
+    return {name: bool(_compile(fn, consts).asm.get("cubin")) for name, fn, consts in _builds()}
+
+
+@pytest.fixture(scope="module")
+def report():
+    return build_report(__file__)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_builds_for_sm90(name, report):
+    assert report[name] is True
+
+
+if __name__ == "__main__":
+    print(json.dumps(_report()))
