@@ -36,3 +36,21 @@ def test_a_second_reader_of_the_attention_input_gets_the_normed_tensor(monkeypat
     layer = model.model.layers[0]
     expected = layer.input_layernorm(stream)  # the stream is x + residual; h its norm
     torch.testing.assert_close(h, expected, rtol=0, atol=0)  # the same module on the same input
+
+
+def test_kimi_linear_kda_layers_take_the_prologue_into_their_stacked_product(monkeypatch):
+    """A KDA layer reads its input only through the stacked product of q, k, v, the gates' first projections
+    and b_proj, so it takes the prologue; the MLA layers beside it keep two projections and get the tensor."""
+    from tiny_checkpoints import KIMI_LINEAR
+
+    from kvforge.models.kimi_linear import KimiLinearForCausalLM
+
+    model = KimiLinearForCausalLM({**KIMI_LINEAR, "architectures": ["KimiLinearForCausalLM"]})
+    monkeypatch.setattr(linear_route, "use_prologue", lambda *a: True)  # as a one-row CUDA step would
+    x, residual = torch.randn(1, 64), torch.randn(1, 64)
+    taken = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            h, _ = norm_input(layer.input_layernorm, x, residual, layer.self_attn)
+            taken.append(isinstance(h, PendingNorm))
+    assert taken == [t == "linear_attention" for t in KIMI_LINEAR["layer_types"]] == [True, False, True, True]

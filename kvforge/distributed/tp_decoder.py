@@ -138,11 +138,12 @@ class TensorParallelDecoder(DecoderForCausalLM):
         return full.narrow(0, part.start, part.count)
 
     def _fused_full_parts(self, name: str) -> tuple[str, list[tuple[str, int]]] | None:
-        """``(our fused fragment, [(HF projection, TP=1 rows)])`` when ``name`` is a fused parameter."""
+        """``(our fused fragment, [(HF projection, TP=1 rows)])`` when ``name`` is a fused parameter (a part
+        without a rank slice is replicated: its rows here are its TP=1 rows)."""
         slices = self.rank_slices_for(name)
         for ours, parts in self.fused_parameters().items():
             if f".{ours}." in name:
-                return ours, [(hf, slices[hf].full) for hf, _ in parts]
+                return ours, [(hf, slices[hf].full if hf in slices else n) for hf, n in parts]
         return None
 
     def full_parameter_shape(self, name: str) -> tuple[int, ...]:

@@ -241,13 +241,18 @@ class DecoderForCausalLM(nn.Module):
     def load_checkpoint_tensor(
         self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
     ) -> Collection[str] | None:
-        """Copy one HF-named tensor into its parameter (or fused rows); the HF names written, None: no place."""
+        """Copy one HF-named tensor into its parameter (or fused rows); the HF names written, None: no place.
+        A projection that one kind of layer stacks and another keeps apart (a hybrid model's ``q_proj``) loads
+        into the stacked rows where the layer has them, else into its own parameter."""
         target, rows = name, None
         for hf, (ours, start, n) in self._fused_rows().items():
             if f".{hf}." in name:
                 target, rows = name.replace(f".{hf}.", f".{ours}."), (start, n)
                 break
         param = params.get(target)
+        if param is None and rows is not None:
+            target, rows = name, None
+            param = params.get(name)
         if param is None:
             return None
         copy_checked(param if rows is None else param.narrow(0, *rows), name, tensor)

@@ -24,8 +24,9 @@ Config keys are read under transformers' saved names (``num_experts``, ``num_exp
 the hub layout (what transformers also writes): MLPs under ``block_sparse_moe``, experts per expert
 as ``w1`` (gate), ``w3`` (up), ``w2`` (down), ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``, and the
 forget gate's ``f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log`` directly under ``self_attn``.
-Parameters keep those names except the fused ones (q/k/v convs into ``conv1d``, gate/up of dense and
-shared MLPs) and the routed experts (stacked) under ``mlp``.
+Parameters keep those names except the fused ones (q/k/v convs into ``conv1d``; ``q_proj``, ``k_proj``,
+``v_proj``, ``f_a_proj``, ``b_proj`` and ``g_a_proj``, which all read the layer's input, into one product
+``in_proj``; gate/up of dense and shared MLPs) and the routed experts (stacked) under ``mlp``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvforge.models.decoder import (
 from kvforge.models.deepseek import MLAAttention, MoE, read_mla_sizes
 from kvforge.models.delta_gates import delta_gates
 from kvforge.models.layers import GatedMLP, cfg_get
+from kvforge.models.linear_route import Linear
 from kvforge.models.qwen3_next import FULL, LINEAR, GatedRMSNorm, hybrid_layer_types, short_conv_weight
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 
@@ -146,36 +148,52 @@ class KimiDeltaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.heads, self.head_dim = a.linear_num_heads, a.linear_head_dim
         width = self.heads * self.head_dim
-        self.q_proj = nn.Linear(a.hidden_size, width, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(a.hidden_size, width, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(a.hidden_size, width, bias=False, dtype=dtype)
+        # q, k, v, the gates' first projections and b_proj read the same input: one stacked product
+        self.input_split = kda_input_split(a)
+        self.in_proj = Linear(a.hidden_size, sum(self.input_split), bias=False, dtype=dtype)
         self.conv1d = nn.Conv1d(3 * width, 3 * width, a.conv_width, groups=3 * width, bias=False, dtype=dtype)
-        self.f_a_proj = nn.Linear(a.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.f_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1, dtype=dtype))
-        self.b_proj = nn.Linear(a.hidden_size, self.heads, bias=False, dtype=dtype)
-        self.g_a_proj = nn.Linear(a.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.g_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
         self.o_norm = GatedRMSNorm(self.head_dim, a.rms_norm_eps, torch.sigmoid, round_normed=False, dtype=dtype)
         self.o_proj = nn.Linear(width, a.hidden_size, bias=False, dtype=dtype)
 
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)``, float32 ``[T, H, D]``,
-        and the write strength ``sigmoid(b_proj(x))`` ``[T, H]`` (kvforge/models/delta_gates.py)."""
-        g, beta = delta_gates(self.f_b_proj(self.f_a_proj(x)), self.dt_bias, self.A_log, self.b_proj(x),
-                              self.head_dim)
-        return g.view(x.shape[0], self.heads, self.head_dim), beta
+    @property
+    def input_projection(self) -> Linear:
+        """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``)."""
+        return self.in_proj
+
+    def gates(self, f_a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a) + dt_bias)``, float32 ``[T, H, D]``,
+        and the write strength ``sigmoid(b)`` ``[T, H]`` (kvforge/models/delta_gates.py), from the stacked
+        product's ``f_a_proj`` and ``b_proj`` columns."""
+        g, beta = delta_gates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.head_dim)
+        return g.view(f_a.shape[0], self.heads, self.head_dim), beta
 
     def forward(self, rope, x: torch.Tensor, attn, rotary) -> torch.Tensor:
-        t, h, d = x.shape[0], self.heads, self.head_dim
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        mixed, f_a, b, g_a = self.in_proj(x).split(self.input_split, dim=-1)
+        t, h, d = mixed.shape[0], self.heads, self.head_dim  # x may be a pending norm (the product's prologue)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = (part.reshape(t, h, d) for part in mixed.split(h * d, dim=-1))
-        g, beta = self.gates(x)
+        g, beta = self.gates(f_a, b)
         o = attn.delta_rule(self.layer_idx, q, k, v, g, beta, normalize_qk=True)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, h, d)
+        gate = self.g_b_proj(g_a).view(t, h, d)
         return self.o_proj(self.o_norm(o, gate).reshape(t, h * d))
+
+
+def kda_input_split(a: KimiLinearArgs) -> tuple[int, int, int, int]:
+    """Columns of a KDA layer's stacked input product: q, k and v together, ``f_a_proj``, ``b_proj``,
+    ``g_a_proj`` (``a``: the args of the heads held here)."""
+    return 3 * a.linear_num_heads * a.linear_head_dim, a.linear_head_dim, a.linear_num_heads, a.linear_head_dim
+
+
+def kda_input_parts(a: KimiLinearArgs) -> list[tuple[str, int]]:
+    """The HF tensors stacked in a KDA layer's ``self_attn.in_proj``, in row order."""
+    width = a.linear_num_heads * a.linear_head_dim
+    return [("self_attn.q_proj", width), ("self_attn.k_proj", width), ("self_attn.v_proj", width),
+            ("self_attn.f_a_proj", a.linear_head_dim), ("self_attn.b_proj", a.linear_num_heads),
+            ("self_attn.g_a_proj", a.linear_head_dim)]
 
 
 class NoRope(nn.Module):
@@ -216,7 +234,8 @@ class KimiLinearForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
         return {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
                 "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
                                                                  a.moe_intermediate_size * a.n_shared_experts),
-                "self_attn.conv1d": [(f"self_attn.{p}_conv1d", width) for p in "qkv"]}
+                "self_attn.conv1d": [(f"self_attn.{p}_conv1d", width) for p in "qkv"],
+                "self_attn.in_proj": kda_input_parts(a)}
 
     # -- checkpoint names: MLPs under ``block_sparse_moe``, experts' w1 / w3 / w2 ----------------
     def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
