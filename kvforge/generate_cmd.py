@@ -150,7 +150,7 @@ def generate_main(args: argparse.Namespace) -> int:
         print(f"[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}{accepted}]")
     print(f"\ngenerated {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s) with {llm.plan.kv_cache_dtype} KV")
     if compare_kv_dtype is not None:
-        if args.temperature != 0:
+        if not params.is_greedy:
             print("note: --compare-kv-dtype compares greedy runs; use --temperature 0", file=sys.stderr)
         llm.shutdown()  # its KV pool would leave the second engine no device memory to plan for
         other = LLM(**{**engine_args.__dict__, "kv_cache_dtype": compare_kv_dtype})

@@ -27,6 +27,19 @@ def test_greedy_is_argmax():
     assert out.logprobs == [None] * 8 and out.sampled_logprobs is None
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-46, 1e-39, 1e-20, 9.99e-6])
+def test_a_temperature_below_the_greedy_line_is_greedy(temperature):
+    """Logits divided by 1e-39 (a float32 subnormal) or anything below 1e-5 would overflow to inf and nan:
+    such a temperature samples greedily, and returns the raw logits' logprobs like temperature 0."""
+    logits = rand_logits(8, seed=3)
+    tiny = SamplingParams(temperature=temperature, logprobs=1, seed=5)
+    assert tiny.is_greedy and not SamplingParams(temperature=1e-5).is_greedy
+    got = sampler(logits, [tiny] * 8)
+    want = sampler(logits, [SamplingParams(temperature=0, logprobs=1)] * 8)
+    assert torch.equal(got.token_ids, logits.argmax(-1))
+    assert got.logprobs == want.logprobs
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy():
     torch.manual_seed(0)
     logits = rand_logits(16, seed=1)

@@ -7,7 +7,7 @@ Per row, in this order (vLLM v1's order):
 2. allowed tokens and logit bias (kvforge/engine/token_biases.py), then
    repetition, presence and frequency penalties (kvforge/engine/penalties.py),
    for rows that set them; the steps below see these processed logits.
-3. temperature == 0: greedy, ``argmax`` of the logits.
+3. greedy (``SamplingParams.is_greedy``: temperature below 1e-5): ``argmax`` of the logits.
 4. otherwise: logits / temperature, then min-p (drop tokens whose probability
    is below ``min_p * max_prob``), top-k (keep the k largest), top-p (keep the
    smallest set of largest tokens whose probability sums to >= top_p; the top
@@ -164,7 +164,7 @@ class Sampler:
         device = raw.device
         logits = self.processed_logits(raw, params, histories, pending, num_generated)
 
-        greedy_mask = [p.temperature == 0 for p in params]
+        greedy_mask = [p.is_greedy for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
         if any(greedy_mask):
             token_ids.copy_(logits.argmax(dim=-1))

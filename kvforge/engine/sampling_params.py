@@ -8,13 +8,16 @@ from dataclasses import dataclass, field
 from kvforge.errors import InvalidRequestError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
+#: Temperatures below it sample greedily (:attr:`SamplingParams.is_greedy`).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request.
 
-    temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1
+    A temperature below ``GREEDY_TEMPERATURE`` (0 included) means greedy: dividing the logits by a smaller
+    one overflows float32 (vLLM draws the same line). top_k <= 0 (or -1) disables top-k; top_p == 1
     and min_p == 0 disable those filters. ``seed`` makes sampling reproducible
     per request regardless of batch composition. ``logprobs`` = number of top
     logprobs to return per generated token (None = none). ``prompt_logprobs`` =
@@ -151,7 +154,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def named_token_ids(self) -> dict[str, list[int]]:
         """The token ids the parameters name, by field (``logit_bias``, ``allowed_token_ids``,

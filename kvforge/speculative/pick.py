@@ -22,7 +22,7 @@ def pick_proposals(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[li
     greedy)."""
     tokens = logits.argmax(dim=-1).tolist()
     probs: list[torch.Tensor | None] = [None] * len(seqs)
-    sampled = [i for i, seq in enumerate(seqs) if seq.params.temperature != 0]
+    sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
         q = Sampler.target_probs(logits[idx], [seqs[i].params for i in sampled])

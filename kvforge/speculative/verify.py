@@ -165,7 +165,7 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
         raise ValueError(f"{len(proposals)} sequences with {row - len(proposals)} proposals need {row} logits rows, "
                          f"got {logits.shape[0]}")
     logits = logits.float()
-    greedy = [p.temperature == 0 for p in params]
+    greedy = [p.is_greedy for p in params]
     argmax = logits.argmax(dim=-1).tolist() if any(greedy) else None
     sampled = [i for i, g in enumerate(greedy) if not g]
     tokens_of = {}
