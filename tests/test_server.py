@@ -657,6 +657,25 @@ def test_serve_main_plan_error_stops_before_weights(monkeypatch, capsys):
     assert "max-model-len" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("what", ["missing", "empty"])
+def test_serve_main_bad_tokenizer_stops_before_weights(monkeypatch, capsys, tmp_path, what):
+    """``--tokenizer`` naming nothing, or a folder without a tokenizer, fails naming the flag; the model's own
+    tokenizer is never silently dropped."""
+    import kvforge.weights
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded despite a bad --tokenizer")
+
+    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
+    path = tmp_path / "nothing" if what == "missing" else tmp_path
+    rc = serve_main(["--device", "cpu", "--tokenizer", str(path), "--port", str(_free_port())])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"--tokenizer {path}" in err and ("does not exist" if what == "missing" else "holds no tokenizer") in err
+    assert "Traceback" not in err
+
+
 def test_serve_main_port_in_use_stops_before_weights(monkeypatch, capsys):
     import kvforge.engine.llm_engine
     from kvforge.server.cli import serve_main

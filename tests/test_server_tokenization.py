@@ -202,3 +202,25 @@ def test_lm_eval_detects_the_remote_tokenizer(server):
     remote = utils.RemoteTokenizer(server.url + "/v1/completions")
     assert remote.decode(remote.encode(TEXT)) == TEXT
     assert remote.eos_token == server.engine.tokenizer.eos_token
+
+
+@pytest.fixture(scope="module")
+def tokenizerless_server():
+    engine = FakeEngine(max_model_len=256)
+    engine.tokenizer = None  # as --skip-tokenizer-init leaves it
+    srv = ServerThread(create_app(engine)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("route,body,field,hint", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}, "messages", "chat messages need one"),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 2}, "prompt", "array of token ids"),
+    ("/tokenize", {"messages": MESSAGES}, "messages", "chat messages need one"),
+    ("/detokenize", {"tokens": [1, 2]}, "tokens", "detokenizing needs one"),
+])
+def test_without_a_tokenizer_the_error_names_the_field_and_what_to_do(tokenizerless_server, route, body, field, hint):
+    status, out = http("POST", tokenizerless_server.url + route, body)
+    assert status == 400 and out["error"]["param"] == field
+    assert "no tokenizer" in out["error"]["message"] and hint in out["error"]["message"]
+    assert http("GET", tokenizerless_server.url + "/health")[0] == 200

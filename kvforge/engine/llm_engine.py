@@ -382,10 +382,22 @@ class LLMEngine:
                     spare_blocks=lambda: self.scheduler.spare_blocks())
 
     def _load_tokenizer(self, args: EngineArgs):
+        """The model's tokenizer (None where it has none: token ids only), or ``--tokenizer``'s, which must
+        exist and hold one."""
         from kvforge.tokenizer import load_tokenizer
 
-        source = args.tokenizer or self.model_path
-        return load_tokenizer(source) if source else None
+        if not args.tokenizer:
+            return load_tokenizer(self.model_path) if self.model_path else None
+        path = Path(args.tokenizer)
+        if not path.exists():
+            raise ConfigError(f"--tokenizer {path} does not exist: give a directory holding tokenizer.json or a "
+                              f".gguf file with an embedded tokenizer (or omit --tokenizer for the model's own)")
+        tokenizer = load_tokenizer(path)
+        if tokenizer is None:
+            raise ConfigError(f"--tokenizer {path} holds no tokenizer (no tokenizer.json, no single .gguf file): "
+                              f"give a directory holding tokenizer.json or a .gguf file (or omit --tokenizer for "
+                              f"the model's own)")
+        return tokenizer
 
     def _config_eos(self) -> list[int]:
         eos = self.spec.hf_config.get("eos_token_id")

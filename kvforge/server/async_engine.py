@@ -42,7 +42,7 @@ from kvforge.engine.prompt_ids import check_prompt_token_ids
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 from kvforge.server.metrics import ServerMetrics
-from kvforge.server.tokenization import NO_TOKENIZER, ChatTemplateOptions, chat_prompt_ids
+from kvforge.server.tokenization import ChatTemplateOptions, chat_prompt_ids, no_tokenizer
 
 logger = logging.getLogger("kvforge.server")
 
@@ -371,7 +371,7 @@ class AsyncEngine:
         max_len = self.engine.max_model_len
         prompt_field = "prompt"
         if tok is None and (messages is not None or isinstance(prompt, str)):
-            raise InvalidRequestError(NO_TOKENIZER, field="messages" if messages is not None else "prompt")
+            raise no_tokenizer("messages" if messages is not None else "prompt")
         if messages is not None:
             prompt_field = "messages"
             prompt = chat_prompt_ids(tok, messages, chat_options)

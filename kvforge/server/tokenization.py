@@ -18,8 +18,18 @@ from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol
 from kvforge.server.protocol import ChatTemplateOptions, parse_chat_template_options
 
-NO_TOKENIZER = ("this server has no tokenizer (--skip-tokenizer-init or no tokenizer files): "
-                "send 'prompt' as an array of token ids")
+NO_TOKENIZER = ("this server has no tokenizer (started with --skip-tokenizer-init, or the model has no tokenizer "
+                "files and no --tokenizer was given)")
+#: What a request without a tokenizer can do instead, by the field that needed one.
+NO_TOKENIZER_HINTS = {"prompt": "send 'prompt' as an array of token ids",
+                      "messages": "chat messages need one; /v1/completions takes 'prompt' as an array of token ids",
+                      "tokens": "detokenizing needs one"}
+
+
+def no_tokenizer(field: str | None) -> InvalidRequestError:
+    """The error of a request that needs the tokenizer this server lacks, naming ``field``."""
+    hint = NO_TOKENIZER_HINTS.get(field)
+    return InvalidRequestError(NO_TOKENIZER + (f": {hint}" if hint else ""), field=field)
 
 
 #: Marks the end of the final message's text in a rendering for ``continue_final_message``: the prompt is
@@ -81,7 +91,7 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
 
 def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
     if tokenizer is None:
-        raise InvalidRequestError(NO_TOKENIZER, field="prompt")
+        raise no_tokenizer("messages" if req.messages is not None else "prompt")
     if req.messages is not None:
         ids = chat_prompt_ids(tokenizer, req.messages, req.chat_options, req.add_special_tokens)
     else:
@@ -99,7 +109,7 @@ def parse_detokenize(body: Any, served_model: str) -> list[int]:
 
 def detokenize(tokenizer, ids: list[int]) -> dict:
     if tokenizer is None:
-        raise InvalidRequestError(NO_TOKENIZER, field="tokens")
+        raise no_tokenizer("tokens")
     vocab = tokenizer.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
@@ -110,7 +120,7 @@ def detokenize(tokenizer, ids: list[int]) -> dict:
 def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     """The tokenizer's special tokens and chat template (``eos_token`` is what clients probe for)."""
     if tokenizer is None:
-        raise InvalidRequestError(NO_TOKENIZER, field=None)
+        raise no_tokenizer(None)
     return {
         "tokenizer_class": "kvforge.tokenizer.Tokenizer",
         "bos_token": tokenizer.bos_token,
