@@ -143,7 +143,7 @@ def _write_gguf(path, cfg, model):
     w.close()
 
 
-def test_tp2_gguf_matches_tp1_then_killed_worker_gives_clear_error(tmp_path, engines):
+def test_tp2_gguf_matches_tp1_workers_ignore_stop_signals_then_killed_worker_gives_clear_error(tmp_path, engines):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**BASE, num_key_value_heads=2, vocab_size=256, rope_theta=10000.0)
     _write_gguf(tmp_path / "m.gguf", cfg, transformers.LlamaForCausalLM(cfg).float().eval())
@@ -155,6 +155,11 @@ def test_tp2_gguf_matches_tp1_then_killed_worker_gives_clear_error(tmp_path, eng
     assert _close(a, b), (a - b).abs().max().item()
 
     pid = tp2.engine.tp.reports[1]["pid"]
+    # a Ctrl-C or a stop signal to the process group reaches the workers too: they leave it to rank 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        os.kill(pid, sig)
+    time.sleep(0.5)
+    assert torch.equal(tp2.engine.compute_prompt_logits(prompt), b)
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(DistributedError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):

@@ -6,10 +6,11 @@ pool (and the draft model's slice, with speculative method draft_model),
 reports them to rank 0, then runs one target step per ``s`` byte on stdin, one
 draft step per ``d``, receives rank 0's sampled tokens of the last target step
 per ``t`` (async scheduling), publishes its step counters for ``c`` and sets
-them to zero for ``z`` (after the startup warm-up), until ``q`` or end-of-file. SIGINT is
-ignored (a Ctrl-C reaches the whole process group; rank 0 decides when the
-workers stop). Any failure ends the process with a non-zero code (rank 0
-turns that into a clear error).
+them to zero for ``z`` (after the startup warm-up), until ``q`` or end-of-file. SIGINT and
+SIGTERM are ignored: a Ctrl-C, ``timeout`` or a service manager's stop reaches the
+whole process group, and rank 0 decides when the workers stop (the server drains
+its requests first, then ends them; rank 0 ends a worker with SIGKILL). Any failure
+ends the process with a non-zero code (rank 0 turns that into a clear error).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import sys
 
 def main() -> int:
     rank = int(os.environ["KVFORGE_TP_RANK"])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     (n,) = struct.unpack("<Q", stdin.read(8))
     ctx = pickle.loads(stdin.read(n))
