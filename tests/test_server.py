@@ -162,6 +162,7 @@ def test_streaming_matches_non_streaming(server, client):
     assert chunks[-1].usage.completion_tokens == 7
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    prompt_tokens = full.usage.prompt_tokens
 
     messages = [{"role": "user", "content": "Count to three."}]
     full = client.chat.completions.create(messages=messages, **kw)
@@ -176,6 +177,12 @@ def test_streaming_matches_non_streaming(server, client):
     # without include_usage there is no usage chunk
     chunks = list(client.completions.create(prompt="Once upon a time", stream=True, **kw))
     assert all(c.usage is None and c.choices for c in chunks)
+    # continuous_usage_stats (vLLM's): every chunk carries the usage so far, one more token a step
+    chunks = list(client.completions.create(prompt="Once upon a time", stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **kw))
+    used = [c.usage.completion_tokens for c in chunks]
+    assert used == [*range(1, 8), 7] and {c.usage.prompt_tokens for c in chunks} == {prompt_tokens}
+    assert chunks[-1].choices == []
 
 
 def test_logprobs_and_stop(server, client):

@@ -60,7 +60,8 @@ VLLM_EXTRAS_REFUSED = [
     ("bad_words", ["x"]),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("guided_json", {"type": "object"}),
     ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"choice": ["a"]}),
+    ("structured_outputs", {"choice": ["a"]}), ("return_tokens_as_token_ids", True),
+    ("logits_processors", ["my_module.Processor"]),
 ]
 
 
@@ -77,7 +78,8 @@ def test_vllm_extra_that_changes_the_output_is_refused(parse, body, field, value
 @pytest.mark.parametrize("field, value", [
     ("length_penalty", 1.0),
     ("use_beam_search", False), ("allowed_token_ids", []),  # empty: no restriction
-    ("bad_words", []), ("prompt_logprobs", None), ("guided_json", None),
+    ("bad_words", []), ("prompt_logprobs", None), ("guided_json", None), ("return_tokens_as_token_ids", False),
+    ("logits_processors", []), ("add_special_tokens", True),
 ])
 def test_vllm_extra_at_its_neutral_value_is_accepted(field, value):
     parsed = parse_completion({"prompt": "hi", "model": MODEL, field: value}, MODEL)
@@ -149,3 +151,23 @@ def test_every_field_the_parsers_read_is_known():
     read |= set(protocol._VLLM_EXTRAS_NEUTRAL)
     assert {"prompt", "messages", "temperature", "continue_final_message"} <= read  # the scan finds them
     assert read - (protocol.COMPLETION_FIELDS | protocol.CHAT_FIELDS) == set()
+
+
+@pytest.mark.parametrize("parse, body, default", [(parse_completion, {"prompt": "hi"}, True), (parse_chat, CHAT, False)],
+                         ids=["completions", "chat"])
+def test_add_special_tokens_only_at_the_routes_own_rule(parse, body, default):
+    parse({**body, "model": MODEL, "add_special_tokens": default}, MODEL)
+    with pytest.raises(InvalidRequestError) as err:
+        parse({**body, "model": MODEL, "add_special_tokens": not default}, MODEL)
+    assert err.value.field == "add_special_tokens" and f"only {str(default).lower()}" in str(err.value)
+
+
+def test_stream_options_continuous_usage_and_unknown_keys(caplog):
+    body = {"prompt": "hi", "model": MODEL, "stream": True}
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert parse_completion({**body, "stream_options": both}, MODEL).continuous_usage
+    # as in vLLM, only with include_usage
+    assert not parse_completion({**body, "stream_options": {"continuous_usage_stats": True}}, MODEL).continuous_usage
+    with caplog.at_level("WARNING"):
+        parse_chat({**CHAT, "model": MODEL, "stream": True, "stream_options": {"include_usage": True, "usage": 1}}, MODEL)
+    assert "stream_options fields present in the request but ignored: usage" in caplog.text

@@ -370,10 +370,13 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
 
+    def usage_so_far() -> dict:
+        return protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens))
+
     def chunk(choices: list, usage=None) -> bytes:
         body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
         if req.include_usage:
-            body["usage"] = usage
+            body["usage"] = usage if usage is not None or not req.continuous_usage else usage_so_far()
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
     n = len(streams)
@@ -410,11 +413,11 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                 choice = {"index": i, "text": lead + delta, "logprobs": lp, "finish_reason": finish}
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
-            await resp.write(chunk([choice]))
             sent_text[i] = text
             sent_tokens[i] = len(ids)
+            await resp.write(chunk([choice]))
         if req.include_usage:
-            await resp.write(chunk([], protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens))))
+            await resp.write(chunk([], usage_so_far()))
     except (ServerShuttingDownError, EngineDeadError, InternalServerError) as e:
         err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())

@@ -247,6 +247,7 @@ class ParsedRequest:
     # as its one sampled token, kvforge/server/async_engine.py), so the prompt may fill the context.
     prompt_only: bool = False
     chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
+    continuous_usage: bool = False  # streams: usage so far in every chunk (stream_options.continuous_usage_stats)
 
     @property
     def n(self) -> int:
@@ -261,6 +262,7 @@ _COMMON_FIELDS = frozenset({
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "min_tokens", "response_format",
     "tools", "functions", "tool_choice", "length_penalty", "use_beam_search", "bad_words", "prompt_logprobs",
     "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "return_tokens_as_token_ids", "logits_processors", "add_special_tokens",
     # OpenAI's fields that do not change the output: accepted and not read.
     "user", "metadata", "store", "service_tier", "parallel_tool_calls",
 })
@@ -268,6 +270,10 @@ COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo"
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
                                 "add_generation_prompt", "continue_final_message", "chat_template",
                                 "chat_template_kwargs"}
+
+
+#: The ``stream_options`` fields the server reads.
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 def log_ignored_fields(body: dict, known: frozenset[str]) -> None:
@@ -284,6 +290,8 @@ _VLLM_EXTRAS_NEUTRAL = {
     "length_penalty": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
     "bad_words": lambda v: v == [],
+    "return_tokens_as_token_ids": lambda v: v is False,
+    "logits_processors": lambda v: v == [],
     **{name: lambda v: False for name in ("prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex",
                                           "guided_choice", "guided_grammar", "structured_outputs")},
 }
@@ -306,6 +314,14 @@ def _refuse_unsupported_features(body: dict) -> None:
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         bad_field("tool_choice", "tool calling is not supported (only \"none\" or \"auto\" without tools)")
+
+
+def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
+    """``add_special_tokens`` only at the route's own rule (completions add the tokenizer's special tokens to
+    a text prompt, chat renders them through its template): any other value would change the prompt."""
+    value = body.get("add_special_tokens")
+    if value is not None and value is not route_default:
+        bad_field("add_special_tokens", f"only {str(route_default).lower()} (this route's rule) is supported")
 
 
 def _common(body: dict, served_model: str) -> dict:
@@ -331,13 +347,19 @@ def _common(body: dict, served_model: str) -> dict:
     _refuse_unsupported_features(body)
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if stream_options is not None:
         if not isinstance(stream_options, dict):
             bad_field("stream_options", f"expected an object, got {type_name(stream_options)}")
         if not stream:
             bad_field("stream_options", "is only allowed when 'stream' is true")
         include_usage = get_bool(stream_options, "include_usage", False, where="stream_options.")
+        # vLLM's: usage in every chunk too (with include_usage)
+        continuous_usage = include_usage and get_bool(stream_options, "continuous_usage_stats", False,
+                                                      where="stream_options.")
+        ignored = sorted(str(k) for k in stream_options if k not in STREAM_OPTIONS)
+        if ignored:
+            logger.warning("stream_options fields present in the request but ignored: %s", ", ".join(ignored))
     # The SamplingParams fields the request sets, by their names (max_tokens and logprobs differ between the
     # two endpoints and are added by each).
     sampling = {
@@ -359,7 +381,8 @@ def _common(body: dict, served_model: str) -> dict:
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
     }
-    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage, "sampling": sampling}
+    return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
+            "continuous_usage": continuous_usage, "sampling": sampling}
 
 
 def _logit_bias(body: dict) -> dict:
@@ -440,11 +463,12 @@ def parse_completion(body: Any, served_model: str) -> ParsedRequest:
     params = _params(common, 1 if prompt_only else max_tokens, logprobs)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    _refuse_special_tokens_change(body, True)
     log_ignored_fields(body, COMPLETION_FIELDS)
     return ParsedRequest(
         "completion", common["model"], prompts, None, params,
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
-        logprobs, False, echo=echo, prompt_only=prompt_only,
+        logprobs, False, echo=echo, prompt_only=prompt_only, continuous_usage=common["continuous_usage"],
     )
 
 
@@ -508,11 +532,12 @@ def parse_chat(body: Any, served_model: str) -> ParsedRequest:
     params = _params(common, max_tokens, logprobs)
     if get_bool(body, "echo", False):
         bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
+    _refuse_special_tokens_change(body, False)
     log_ignored_fields(body, CHAT_FIELDS)
     return ParsedRequest(
         "chat", common["model"], None, clean, params, max_tokens is not None,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
-        chat_options=parse_chat_template_options(body, clean),
+        chat_options=parse_chat_template_options(body, clean), continuous_usage=common["continuous_usage"],
     )
 
 
