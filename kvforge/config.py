@@ -57,6 +57,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()  # more names requests may use (``--served-model-name A B``)
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
@@ -168,7 +169,9 @@ class EngineArgs:
         parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         parser.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], default="auto")
         parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-        parser.add_argument("--served-model-name", default=None)
+        parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                            help="the model name(s) requests may use (vLLM's flag): the server answers to each and "
+                                 "reports the first (default: the model argument)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                             help="tokens one step may compute, at least --max-num-seqs (default 8192 on CUDA, 2048 "
@@ -208,4 +211,8 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        values = {k: v for k, v in vars(ns).items() if k in names}
+        served = values.get("served_model_name")
+        if isinstance(served, list):  # --served-model-name NAME [NAME ...]: the first is reported
+            values["served_model_name"], values["served_model_aliases"] = served[0], tuple(served[1:])
+        return cls(**values)

@@ -220,6 +220,7 @@ class LLMEngine:
                                       mla_prefill_mode=args.mla_prefill_mode, verify_query_len=verify)
         self.sampler = Sampler(eos)
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
+        self.model_aliases = tuple(args.served_model_aliases)  # more names the server answers to
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.prefill_tokens_computed = 0

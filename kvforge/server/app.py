@@ -70,6 +70,7 @@ def create_app(
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md)."""
     model_name = served_model_name or engine.model_name
+    names = (model_name, *getattr(engine, "model_aliases", ()))  # the first is reported in responses
     metrics = ServerMetrics(model_name)
     aengine = AsyncEngine(engine, max_queued_requests=max_queued_requests, metrics=metrics)
     config = {
@@ -167,16 +168,14 @@ def create_app(
         steps = [r.as_dict() for r in log.last(last)]
         return web.json_response({"capacity": log.capacity, "total_steps": log.total, "steps": steps})
 
-    def model_object() -> dict:
-        return protocol.model_object(model_name, int(aengine.started), engine.max_model_len)
+    def model_object(name: str) -> dict:
+        return protocol.model_object(name, int(aengine.started), engine.max_model_len)
 
     async def models(request):
-        return web.json_response({"object": "list", "data": [model_object()]})
+        return web.json_response({"object": "list", "data": [model_object(n) for n in names]})
 
     async def model(request):
-        if request.match_info["model_id"] != model_name:
-            raise protocol.ModelNotFoundError(request.match_info["model_id"], model_name)
-        return web.json_response(model_object())
+        return web.json_response(model_object(protocol.check_model(request.match_info["model_id"], names)))
 
     async def add_choices(req: protocol.ParsedRequest) -> list[RequestStream]:
         """One engine request per choice, in choice order (prompt position * n + sample number), all queued
@@ -189,7 +188,7 @@ def create_app(
             chat_options=req.chat_options, prompt_only=req.prompt_only, admitted=True)
 
     async def generate(request, parse):
-        req = parse(await read_json(request), model_name)
+        req = parse(await read_json(request), names)
         streams = await add_choices(req)
         try:
             if req.stream:
@@ -206,12 +205,12 @@ def create_app(
         return await generate(request, protocol.parse_chat)
 
     async def tokenize(request):
-        req = tokenization.parse_tokenize(await read_json(request), model_name)
+        req = tokenization.parse_tokenize(await read_json(request), names)
         return web.json_response(await asyncio.to_thread(tokenization.tokenize, engine.tokenizer, req,
                                                          engine.max_model_len))
 
     async def detokenize(request):
-        ids = tokenization.parse_detokenize(await read_json(request), model_name)
+        ids = tokenization.parse_detokenize(await read_json(request), names)
         return web.json_response(await asyncio.to_thread(tokenization.detokenize, engine.tokenizer, ids))
 
     async def tokenizer_info(request):

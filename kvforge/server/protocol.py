@@ -30,9 +30,27 @@ MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n
 class ModelNotFoundError(InvalidRequestError):
     """The request names a model this server does not serve (HTTP 404, code ``model_not_found``)."""
 
-    def __init__(self, model: str, served_model: str):
-        super().__init__(f"the model {model!r} does not exist; this server serves {served_model!r}", field="model")
+    def __init__(self, model: str, served: str | tuple[str, ...]):
+        listed = ", ".join(repr(n) for n in served_names(served))
+        super().__init__(f"the model {model!r} does not exist; this server serves {listed}", field="model")
         self.model = model
+
+
+def served_names(served: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The names a server answers to (``--served-model-name A B``: both), the one it reports first."""
+    return (served,) if isinstance(served, str) else tuple(served)
+
+
+def check_model(model: Any, served: str | tuple[str, ...]) -> str:
+    """A request's ``model`` (absent or null: the reported name) if this server serves it, else 404."""
+    names = served_names(served)
+    if model is None:
+        return names[0]
+    if not isinstance(model, str):
+        bad_field("model", f"expected a string, got {type_name(model)}")
+    if model not in names:
+        raise ModelNotFoundError(model, names)
+    return model
 
 
 def model_object(model_name: str, created: int, max_model_len: int) -> dict:
@@ -324,16 +342,10 @@ def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
         bad_field("add_special_tokens", f"only {str(route_default).lower()} (this route's rule) is supported")
 
 
-def _common(body: dict, served_model: str) -> dict:
+def _common(body: dict, served_model: str | tuple[str, ...]) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
-    model = body.get("model", served_model)
-    if model is None:
-        model = served_model
-    if not isinstance(model, str):
-        bad_field("model", f"expected a string, got {type_name(model)}")
-    if model != served_model:
-        raise ModelNotFoundError(model, served_model)
+    model = check_model(body.get("model"), served_model)
     n = get_int(body, "n", 1)
     if not 1 <= n <= MAX_N:
         bad_field("n", f"must be an integer in [1, {MAX_N}], got {n}")
@@ -425,7 +437,7 @@ def _completion_prompt(value: Any, name: str) -> str | list[int]:
     return value
 
 
-def parse_completion(body: Any, served_model: str) -> ParsedRequest:
+def parse_completion(body: Any, served_model: str | tuple[str, ...]) -> ParsedRequest:
     common = _common(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
         bad_field("prompt", "is required")
@@ -508,7 +520,7 @@ def parse_messages(messages: Any) -> list[dict]:
     return clean
 
 
-def parse_chat(body: Any, served_model: str) -> ParsedRequest:
+def parse_chat(body: Any, served_model: str | tuple[str, ...]) -> ParsedRequest:
     common = _common(body, served_model)
     messages = body.get("messages")
     if messages is None:

@@ -70,7 +70,7 @@ class TokenizeRequest:
     return_token_strs: bool
 
 
-def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
+def parse_tokenize(body: Any, served_model: str | tuple[str, ...]) -> TokenizeRequest:
     _check_body_and_model(body, served_model)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
@@ -100,7 +100,7 @@ def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict:
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def parse_detokenize(body: Any, served_model: str) -> list[int]:
+def parse_detokenize(body: Any, served_model: str | tuple[str, ...]) -> list[int]:
     _check_body_and_model(body, served_model)
     if body.get("tokens") is None:
         protocol.bad_field("tokens", "is required (an array of token ids)")
@@ -133,9 +133,7 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
     }
 
 
-def _check_body_and_model(body: Any, served_model: str) -> None:
+def _check_body_and_model(body: Any, served_model: str | tuple[str, ...]) -> None:
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise protocol.ModelNotFoundError(str(model), served_model)
+    protocol.check_model(body.get("model"), served_model)
