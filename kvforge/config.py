@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
+from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
@@ -57,7 +58,8 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     served_model_name: str | None = None
-    served_model_aliases: tuple[str, ...] = ()  # more names requests may use (``--served-model-name A B``)
+    served_model_aliases: tuple[str, ...] = ()
+    chat_template: str | None = None  # a jinja template, or a file holding one, in place of the tokenizer's  # more names requests may use (``--served-model-name A B``)
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
@@ -166,12 +168,16 @@ class EngineArgs:
             parser.add_argument("model", nargs="?", default=None,
                                 help="HF dir / .gguf / preset (dummy weights) (default: embedded SmolLM2)")
         add_plan_args(parser)
+        add_vllm_flags(parser, ENGINE_FLAGS)
         parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         parser.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], default="auto")
         parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
         parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                             help="the model name(s) requests may use (vLLM's flag): the server answers to each and "
                                  "reports the first (default: the model argument)")
+        parser.add_argument("--chat-template", default=None,
+                            help="a jinja chat template, or a file holding one, used instead of the tokenizer's "
+                                 "(vLLM's flag)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                             help="tokens one step may compute, at least --max-num-seqs (default 8192 on CUDA, 2048 "

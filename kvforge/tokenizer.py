@@ -184,6 +184,17 @@ class Tokenizer:
             messages=list(messages), add_generation_prompt=add_generation_prompt, **context
         )
 
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` (a jinja template) instead of the model's; ``ConfigError`` when it does
+        not compile."""
+        from jinja2.exceptions import TemplateSyntaxError
+
+        try:
+            compiled = _compile_template(source)
+        except TemplateSyntaxError as e:
+            raise ConfigError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
+        self.chat_template, self._compiled_template = source, compiled
+
     # -- constructors ----------------------------------------------------------
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:

@@ -153,6 +153,8 @@ class LLMEngine:
 
         # 2. Tokenizer, model, weights (only now).
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
+        if args.chat_template is not None:
+            self._use_chat_template(args.chat_template)
         from kvforge.models.registry import build_model
         from kvforge.models.shared_expert_fold import fold_shared_experts
         from kvforge.weights import load_weights
@@ -381,6 +383,23 @@ class LLMEngine:
         return dict(runner=self.draft_runner, target_runner=self.runner, block_manager=self.block_manager,
                     max_model_len=self.max_model_len, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())
+
+    def _use_chat_template(self, value: str) -> None:
+        """``--chat-template``: a file's text, or the template itself, checked before any weight is read."""
+        if self.tokenizer is None:
+            raise ConfigError("--chat-template needs a tokenizer: drop --skip-tokenizer-init, or give --tokenizer "
+                              "for a model without one")
+        path = Path(value)
+        if path.is_file():
+            source = path.read_text(encoding="utf-8")
+        elif "{{" in value or "{%" in value:
+            source = value
+        else:
+            raise ConfigError(f"--chat-template {value!r} is neither a file nor a jinja template")
+        try:
+            self.tokenizer.use_chat_template(source)
+        except ConfigError as e:
+            raise ConfigError(f"--chat-template: {e}") from None
 
     def _load_tokenizer(self, args: EngineArgs):
         """The model's tokenizer (None where it has none: token ids only), or ``--tokenizer``'s, which must

@@ -359,8 +359,8 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     concurrency = memory / per_seq
     chunk_bytes = _chunk_blocks(groups, max_model_len, chunk_tokens) * block_id_bytes
     if concurrency < 1:
-        more_memory = (f"give at least {per_seq + chunk_bytes} bytes per rank (--kv-cache-memory / "
-                       f"--gpu-memory-utilization)")
+        more_memory = (f"give at least {per_seq + chunk_bytes} bytes per rank (--kv-cache-memory; on a GPU "
+                       f"also --gpu-memory-utilization)")
         shorter = int(max_model_len * concurrency)
         fix = (f"lower --max-model-len to at most {shorter} or {more_memory}" if shorter >= MIN_SUGGESTED_MODEL_LEN
                else more_memory)

@@ -67,6 +67,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     served_model_name: str | None = None,
     shutdown_grace_s: float = 30.0,
+    log_requests: bool = False,
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md)."""
     model_name = served_model_name or engine.model_name
@@ -189,6 +190,9 @@ def create_app(
 
     async def generate(request, parse):
         req = parse(await read_json(request), names)
+        if log_requests:
+            logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
+                        len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)
         streams = await add_choices(req)
         try:
             if req.stream:

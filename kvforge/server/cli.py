@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from kvforge.cli_vllm_flags import SERVER_FLAGS, add_vllm_flags
 from kvforge.errors import KVForgeError
 
 logger = logging.getLogger("kvforge.server")
@@ -37,6 +38,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="largest request body accepted; larger gets 413 (default 1 MiB)")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each generation request at INFO: route, prompts, n, max tokens, stream (vLLM's flag)")
+    add_vllm_flags(parser, SERVER_FLAGS)
     return parser
 
 
@@ -108,6 +112,7 @@ def serve_main(args) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
+        log_requests=args.enable_log_requests,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,

@@ -1,0 +1,72 @@
+"""vLLM launch flags kvforge does not implement, declared so that a vLLM launch line gets a precise answer
+instead of argparse's "unrecognized arguments": flags that only change logging or another engine's
+internals are accepted and change nothing (said in their help), flags that would change what is served
+are refused at parse time, before any weight is read, with the reason and what to do instead; a refused
+flag given its neutral value (``--pipeline-parallel-size 1``) is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    """A vLLM flag: ``names``; ``takes_value`` (else a switch); ``neutral``: the values accepted as
+    changing nothing (None: any value, the flag has no effect here); ``why``: the help, or the refusal."""
+
+    names: tuple[str, ...]
+    takes_value: bool
+    neutral: tuple[str, ...] | None
+    why: str
+
+
+ENGINE_FLAGS = (
+    VllmFlag(("--quantization", "-q"), True, (), "kvforge loads unquantized safetensors (bf16, fp16, fp32) and GGUF "
+             "files (dequantized at load); give such a checkpoint and leave --quantization unset"),
+    VllmFlag(("--pipeline-parallel-size", "-pp"), True, ("1",), "pipeline parallelism is not implemented; use "
+             "--tensor-parallel-size"),
+    VllmFlag(("--data-parallel-size", "-dp"), True, ("1",), "data parallelism is not implemented; run one server "
+             "per replica"),
+    VllmFlag(("--max-logprobs",), True, ("20",), "the logprobs limit is fixed at vLLM's default, 20"),
+    VllmFlag(("--generation-config",), True, ("vllm",), "sampling defaults are vLLM's own (--generation-config "
+             "vllm); a checkpoint's generation_config.json is not read: send the sampling fields with each request"),
+    VllmFlag(("--download-dir",), True, (), "kvforge never downloads weights: give a local checkpoint directory or "
+             ".gguf file"),
+    VllmFlag(("--enable-lora",), False, (), "LoRA adapters are not supported: merge the adapter into the weights"),
+    VllmFlag(("--swap-space",), True, None, "accepted, no effect: preempted sequences are recomputed, never swapped"),
+)
+SERVER_FLAGS = (
+    VllmFlag(("--disable-log-requests",), False, None, "accepted, no effect: requests are logged only with "
+             "--enable-log-requests"),
+    VllmFlag(("--disable-log-stats",), False, None, "accepted, no effect: no periodic stats are logged (see "
+             "/metrics)"),
+    VllmFlag(("--uvicorn-log-level",), True, None, "accepted, no effect (the server is aiohttp)"),
+    VllmFlag(("--disable-frontend-multiprocessing",), False, None, "accepted, no effect (one process serves)"),
+    VllmFlag(("--enable-auto-tool-choice",), False, (), "tool calling is not supported"),
+    VllmFlag(("--tool-call-parser",), True, (), "tool calling is not supported"),
+)
+
+
+class _VllmFlagAction(argparse.Action):
+    def __init__(self, option_strings, dest, flag: VllmFlag, **kwargs):
+        self.flag = flag
+        super().__init__(option_strings, dest, nargs=None if flag.takes_value else 0, default=argparse.SUPPRESS,
+                         help=(f"(vLLM's flag) {flag.why}" if flag.neutral is None else
+                               f"(vLLM's flag, not supported) {flag.why}"), **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.flag.neutral is None or (self.flag.takes_value and values in self.flag.neutral):
+            return
+        given = f"{option_string} {values}" if self.flag.takes_value else option_string
+        neutral = f" (only {' or '.join(self.flag.neutral)} is accepted)" if self.flag.neutral else ""
+        parser.error(f"{given}: {self.flag.why}{neutral}")
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser, flags: tuple[VllmFlag, ...]) -> None:
+    """Declare ``flags`` on ``parser`` (module docstring); they never reach the parsed namespace."""
+    group = parser.add_argument_group("vLLM flags accepted without effect or refused")
+    for flag in flags:
+        group.add_argument(*flag.names, action=_VllmFlagAction, flag=flag,
+                           dest=f"vllm_{flag.names[0].lstrip('-').replace('-', '_')}")

@@ -1,0 +1,89 @@
+"""vLLM launch flags (kvforge/cli_vllm_flags.py, ``--chat-template``, ``--enable-log-requests``): a vLLM launch
+line either runs, with each flag doing what it says, or stops at parse time naming the flag and the fix."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine  # noqa: E402
+
+from kvforge.server.cli import add_serve_args  # noqa: E402
+
+
+def _parse(argv):
+    return add_serve_args(argparse.ArgumentParser(prog="kvforge serve")).parse_args(argv)
+
+
+def test_flags_without_effect_and_neutral_values_parse():
+    ns = _parse(["--disable-log-requests", "--disable-log-stats", "--swap-space", "16", "--uvicorn-log-level",
+                 "warning", "-pp", "1", "--data-parallel-size", "1", "--generation-config", "vllm",
+                 "--max-logprobs", "20", "--disable-frontend-multiprocessing", "--trust-remote-code"])
+    assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--quantization", "awq"], "--quantization awq: kvforge loads unquantized safetensors"),
+    (["-q", "fp8"], "-q fp8: kvforge loads unquantized"),
+    (["-pp", "2"], "pipeline parallelism is not implemented; use --tensor-parallel-size (only 1 is accepted)"),
+    (["--generation-config", "auto"], "(only vllm is accepted)"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not supported"),
+    (["--download-dir", "/x"], "kvforge never downloads weights"),
+])
+def test_flags_that_would_change_what_is_served_stop_at_parse_time(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_log_requests(caplog):
+    import json
+    import urllib.request
+
+    from kvforge.server.app import ServerThread, create_app
+
+    assert _parse(["--enable-log-requests"]).enable_log_requests and not _parse([]).enable_log_requests
+    with ServerThread(create_app(FakeEngine(), log_requests=True)) as srv, caplog.at_level("INFO", "kvforge.server"):
+        body = json.dumps({"prompt": ["a", "b"], "n": 2, "max_tokens": 3}).encode()
+        req = urllib.request.Request(srv.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+    assert "request /v1/completions: 2 prompt(s) x n=2, max_tokens 3, stream False" in caplog.text
+
+
+def test_chat_template_file_or_text_replaces_the_tokenizers(tmp_path):
+    from kvforge.llm import LLM
+
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (str(path), template):
+        llm = LLM(device="cpu", chat_template=value, max_model_len=256, kv_cache_memory=64 << 20)
+        text = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert text == "<user>hi<a>"
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("value, says", [("not a template", "neither a file nor a jinja template"),
+                                         ("{% for %}", "does not compile")])
+def test_a_bad_chat_template_stops_before_weights(monkeypatch, capsys, value, says):
+    import socket
+
+    import kvforge.weights
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded despite a bad --chat-template")
+
+    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert serve_main(["--device", "cpu", "--chat-template", value, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "--chat-template" in err and says in err and "Traceback" not in err
