@@ -38,9 +38,10 @@ def test_a_second_reader_of_the_attention_input_gets_the_normed_tensor(monkeypat
     torch.testing.assert_close(h, expected, rtol=0, atol=0)  # the same module on the same input
 
 
-def test_kimi_linear_kda_layers_take_the_prologue_into_their_stacked_product(monkeypatch):
+def test_kimi_linear_layers_take_the_prologue_into_their_stacked_products(monkeypatch):
     """A KDA layer reads its input only through the stacked product of q, k, v, the gates' first projections
-    and b_proj, so it takes the prologue; the MLA layers beside it keep two projections and get the tensor."""
+    and b_proj, an MLA layer through DeepSeek's stacked query and latent projection: both take the prologue,
+    though both stack a ``q_proj`` of their own (the loader puts each into the layer's stack)."""
     from tiny_checkpoints import KIMI_LINEAR
 
     from kvforge.models.kimi_linear import KimiLinearForCausalLM
@@ -53,4 +54,8 @@ def test_kimi_linear_kda_layers_take_the_prologue_into_their_stacked_product(mon
         for layer in model.model.layers:
             h, _ = norm_input(layer.input_layernorm, x, residual, layer.self_attn)
             taken.append(isinstance(h, PendingNorm))
-    assert taken == [t == "linear_attention" for t in KIMI_LINEAR["layer_types"]] == [True, False, True, True]
+    assert taken == [True] * len(KIMI_LINEAR["layer_types"])
+    stacks = [type(layer.self_attn).__name__ + (".in_proj" if hasattr(layer.self_attn, "in_proj") else
+                                                ".fused_qkv_a_proj") for layer in model.model.layers]
+    assert stacks == ["KimiDeltaAttention.in_proj", "MLAAttention.fused_qkv_a_proj",
+                      "KimiDeltaAttention.in_proj", "KimiDeltaAttention.in_proj"]

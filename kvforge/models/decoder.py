@@ -212,13 +212,14 @@ class DecoderForCausalLM(nn.Module):
         self.model.rotary.reset_parameters()
 
     # -- weights ---------------------------------------------------------------------
-    def _fused_rows(self) -> dict[str, tuple[str, int, int]]:
-        """HF projection -> (our fused parameter, first row, rows)."""
-        rows = {}
+    def _fused_rows(self) -> dict[str, list[tuple[str, int, int]]]:
+        """HF projection -> [(our fused parameter, first row, rows)]: more than one where the kinds of layer of
+        a hybrid model stack one projection name into different parameters."""
+        rows: dict[str, list[tuple[str, int, int]]] = {}
         for ours, parts in self.fused_parameters().items():
             start = 0
             for hf, n in parts:
-                rows[hf] = (ours, start, n)
+                rows.setdefault(hf, []).append((ours, start, n))
                 start += n
         return rows
 
@@ -242,16 +243,18 @@ class DecoderForCausalLM(nn.Module):
         self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor
     ) -> Collection[str] | None:
         """Copy one HF-named tensor into its parameter (or fused rows); the HF names written, None: no place.
-        A projection that one kind of layer stacks and another keeps apart (a hybrid model's ``q_proj``) loads
-        into the stacked rows where the layer has them, else into its own parameter."""
-        target, rows = name, None
-        for hf, (ours, start, n) in self._fused_rows().items():
+        A projection that the kinds of layer of a hybrid model stack differently, or one stacks and another
+        keeps apart (``q_proj``), loads into the stacked rows this layer has, else into its own parameter."""
+        param, rows = None, None
+        for hf, places in self._fused_rows().items():
             if f".{hf}." in name:
-                target, rows = name.replace(f".{hf}.", f".{ours}."), (start, n)
+                for ours, start, n in places:
+                    param = params.get(name.replace(f".{hf}.", f".{ours}."))
+                    if param is not None:
+                        rows = (start, n)
+                        break
                 break
-        param = params.get(target)
-        if param is None and rows is not None:
-            target, rows = name, None
+        if param is None:
             param = params.get(name)
         if param is None:
             return None

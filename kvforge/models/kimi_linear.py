@@ -44,7 +44,13 @@ from kvforge.models.decoder import (
     PreNormDecoderLayer,
     gate_up_parts,
 )
-from kvforge.models.deepseek import MLAAttention, MoE, read_mla_sizes
+from kvforge.models.deepseek import (
+    MLAAttention,
+    MoE,
+    fuses_input_projections,
+    input_projection_parts,
+    read_mla_sizes,
+)
 from kvforge.models.delta_gates import delta_gates
 from kvforge.models.layers import GatedMLP, cfg_get
 from kvforge.models.linear_route import Linear
@@ -220,7 +226,7 @@ class KimiLinearForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
 
     def make_layer(self, a: KimiLinearArgs, layer_idx: int, dtype) -> PreNormDecoderLayer:
         mixer = (KimiDeltaAttention(a, layer_idx, dtype=dtype) if a.layer_types[layer_idx] == LINEAR
-                 else MLAAttention(a, layer_idx, dtype=dtype))
+                 else MLAAttention(a, layer_idx, dtype=dtype, fuse_inputs=fuses_input_projections(a)))
         mlp = (MoE(a, dtype=dtype) if a.mlp_types[layer_idx] == "sparse"
                else GatedMLP(a.hidden_size, a.intermediate_size, a.hidden_act, dtype=dtype))
         return PreNormDecoderLayer(a.hidden_size, a.rms_norm_eps, mixer, mlp, dtype=dtype)
@@ -235,7 +241,8 @@ class KimiLinearForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
                 "mlp.shared_experts.gate_up_proj": gate_up_parts("mlp.shared_experts",
                                                                  a.moe_intermediate_size * a.n_shared_experts),
                 "self_attn.conv1d": [(f"self_attn.{p}_conv1d", width) for p in "qkv"],
-                "self_attn.in_proj": kda_input_parts(a)}
+                "self_attn.in_proj": kda_input_parts(a),
+                **({"self_attn.fused_qkv_a_proj": input_projection_parts(a)} if fuses_input_projections(a) else {})}
 
     # -- checkpoint names: MLPs under ``block_sparse_moe``, experts' w1 / w3 / w2 ----------------
     def checkpoint_names(self, name: str, param: torch.Tensor) -> list[str]:
