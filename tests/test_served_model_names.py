@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine  # noqa: E402
+from http_json import http  # noqa: E402
 
 from kvforge.config import EngineArgs  # noqa: E402
 from kvforge.server.app import ServerThread, create_app  # noqa: E402
@@ -33,13 +31,7 @@ def test_the_flag_takes_one_or_more_names():
 
 
 def _call(url, body=None):
-    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return http("GET" if body is None else "POST", url, body, timeout=30)
 
 
 @pytest.fixture(scope="module")

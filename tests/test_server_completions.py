@@ -150,18 +150,9 @@ def _ids_of_length(tok, n: int) -> list[int]:
 
 
 def _post(server, body: dict):
-    import json
-    import urllib.error
-    import urllib.request
+    from http_json import http
 
-    req = urllib.request.Request(server.url + "/v1/completions", method="POST",
-                                 data=json.dumps({"model": server.engine.model_name, **body}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return http("POST", server.url + "/v1/completions", {"model": server.engine.model_name, **body}, timeout=120)
 
 
 def test_echo_max_tokens_zero_takes_a_prompt_that_fills_the_context(server, client):

@@ -9,10 +9,7 @@ engine on the embedded SmolLM2 (CPU).
 
 from __future__ import annotations
 
-import json
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -22,6 +19,7 @@ from tokenizers import models, pre_tokenizers, processors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine, smollm2_test_engine  # noqa: E402
+from http_json import http  # noqa: E402
 
 from kvforge.server.app import ServerThread, create_app  # noqa: E402
 from kvforge.tokenizer import Tokenizer  # noqa: E402
@@ -41,17 +39,6 @@ def _bos_adding_backend() -> Backend:
     backend.add_special_tokens(["<s>", "</s>", "<unk>"])
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     return backend
-
-
-def http(method: str, url: str, body=None, headers=None):
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
