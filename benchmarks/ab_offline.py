@@ -8,7 +8,9 @@ without module-attribute overrides, so that both sides share the machine, its cl
 Each run is its own process (``python -c`` with the overrides assigned before the command line runs, as a
 switch's docstring asks: before the engine starts and captures its graphs); the order is A, B, A, B, ...
 (A: the tree as it is; B: with every ``--set``, the arguments ``--b-args`` adds to the command line and the
-environment variables of ``--b-env``).
+environment variables of ``--b-env``, run from the checkout ``--b-tree`` names where given: a change without
+a switch against the commit before it, e.g. ``git worktree add /tmp/before HEAD~3`` then ``--b-tree
+/tmp/before``).
 Values are Python literals (``0``, ``False``, ``(16, 256)``) or else strings. ``MODULE.ATTR.FIELD=VALUE``
 replaces one field of a frozen dataclass attribute (a routing table's row), and a dotted ``FIELD`` one field
 of a dataclass inside it: ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9``
@@ -124,10 +126,14 @@ def decode_step(d: dict) -> str:
 
 
 def run_once(overrides: list[tuple[str, str, object]], args: list[str], out: Path,
-             env: dict[str, str] | None = None) -> dict:
+             env: dict[str, str] | None = None, tree: str | None = None) -> dict:
+    """One run in its own process; ``tree``: the checkout it imports kvforge from (None: this one)."""
     code = _BOOTSTRAP.format(overrides=overrides, args=args + ["--out", str(out)])
-    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL,
-                   env=None if not env else {**os.environ, **env})  # the result: --out
+    env = {**os.environ, **(env or {})}
+    if tree is not None:  # python -c puts its working directory first on the path
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL, env=env,
+                   cwd=tree)  # the result: --out
     return json.loads(out.read_text())
 
 
@@ -140,6 +146,8 @@ def main() -> None:
                         "'--cuda-graph-sizes 1 2 4 8 16 32 64 128 192 256'")
     p.add_argument("--b-env", type=parse_env, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable side B sets (repeatable), e.g. KVFORGE_SDPA_PREFILL_CUDNN=1")
+    p.add_argument("--b-tree", default=None, metavar="DIR",
+                   help="a checkout side B runs from (a worktree of another commit) instead of this one")
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs (default 2)")
     p.add_argument("--out", default=None, help="write every run's JSON here")
     p.add_argument("offline_args", nargs=argparse.REMAINDER, help="-- then the arguments of `kvforge bench offline`")
@@ -149,13 +157,16 @@ def main() -> None:
         p.error("give the offline benchmark's arguments after --")
     b_args = shlex.split(a.b_args)
     b_env = dict(a.b_env)
-    if not a.overrides and not b_args and not b_env:
-        p.error("side B needs at least one --set, --b-args or --b-env")
+    if not a.overrides and not b_args and not b_env and not a.b_tree:
+        p.error("side B needs at least one --set, --b-args, --b-env or --b-tree")
+    if a.b_tree is not None and not (Path(a.b_tree) / "kvforge").is_dir():
+        p.error(f"--b-tree {a.b_tree}: no kvforge package there (give a checkout's root)")
     results: dict[str, list[dict]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for side, overrides, extra, env in (("A", [], [], {}), ("B", a.overrides, b_args, b_env)):
-                d = run_once(overrides, args + extra, Path(tmp) / f"{side}{r}.json", env)
+            for side, overrides, extra, env, tree in (("A", [], [], {}, None),
+                                                      ("B", a.overrides, b_args, b_env, a.b_tree)):
+                d = run_once(overrides, args + extra, Path(tmp) / f"{side}{r}.json", env, tree)
                 results[side].append(d)
                 speeds = [round(x["output_tokens_per_s"]) for x in d["runs"]]
                 print(f"round {r} {side}: output tok/s {speeds}, fraction of floor {d.get('fraction_of_floor', 0):.3f}"
@@ -169,7 +180,8 @@ def main() -> None:
         print(f"{side}: median {med[side]:,.0f} [{min(speeds):,.0f}-{max(speeds):,.0f}] output tok/s over "
               f"{len(speeds)} timed runs{step}")
     named = ", ".join([f"{t}{'.' + f if f else ''}={v!r}" for t, f, v in a.overrides]
-                      + ([" ".join(b_args)] if b_args else []) + [f"{k}={v}" for k, v in b_env.items()])
+                      + ([" ".join(b_args)] if b_args else []) + [f"{k}={v}" for k, v in b_env.items()]
+                      + ([f"the checkout {a.b_tree}"] if a.b_tree else []))
     print(f"B / A: {med['B'] / med['A']:.3f}  (B: {named})")
     if a.out:
         Path(a.out).write_text(json.dumps({"overrides": a.overrides, "b_args": b_args, "b_env": b_env, "runs": results},

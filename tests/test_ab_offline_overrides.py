@@ -59,7 +59,7 @@ def test_b_env_reaches_side_b_only(monkeypatch, tmp_path):
         ab_offline.parse_env("X")
     seen = []
 
-    def fake_run(cmd, check, stdout, env):
+    def fake_run(cmd, check, stdout, env, cwd=None):
         seen.append(None if env is None else env.get("KVFORGE_AB_PROBE"))
         Path(cmd[-1].split("'--out', '")[1].split("'")[0]).write_text('{"runs": []}')
 
@@ -74,7 +74,7 @@ def test_decode_profiles_are_reported_per_run_and_side(monkeypatch, tmp_path, ca
     """With ``--profile-decode`` each run's replayed step is printed, and each side's median step."""
     steps = iter([9.5, 9.8, 9.7, 9.9])
 
-    def fake_run(cmd, check, stdout, env):
+    def fake_run(cmd, check, stdout, env, cwd=None):
         out = Path(cmd[-1].split("'--out', '")[1].split("'")[0])
         prof = {"wall_ms_per_step_graph_timed": next(steps), "step_floor_ms": 7.5, "batch": 64,
                 "context_tokens": 345}
@@ -89,3 +89,22 @@ def test_decode_profiles_are_reported_per_run_and_side(monkeypatch, tmp_path, ca
     assert "A: median 4,000 [4,000-4,000] output tok/s over 2 timed runs; decode step 9.60 ms over 2 profiles" in out
     assert "B: median 4,000 [4,000-4,000] output tok/s over 2 timed runs; decode step 9.85 ms over 2 profiles" in out
     assert ab_offline.decode_step({}) == ""
+
+
+def test_b_tree_runs_side_b_from_another_checkout(monkeypatch, tmp_path):
+    """``--b-tree DIR``: side B's process starts in DIR with DIR first on its path (``python -c`` would put its
+    working directory first), side A in this checkout; a folder without the package is refused."""
+    (tmp_path / "kvforge").mkdir()
+    seen = []
+
+    def fake_run(cmd, check, stdout, env, cwd=None):
+        seen.append((cwd, env.get("PYTHONPATH", "").split(":")[0] if cwd else None))
+        Path(cmd[-1].split("'--out', '")[1].split("'")[0]).write_text('{"runs": [{"output_tokens_per_s": 1.0}]}')
+
+    monkeypatch.setattr(ab_offline.subprocess, "run", fake_run)
+    monkeypatch.setattr("sys.argv", ["ab_offline", "--b-tree", str(tmp_path), "--rounds", "1", "--", "x"])
+    ab_offline.main()
+    assert seen == [(None, None), (str(tmp_path), str(tmp_path))]
+    monkeypatch.setattr("sys.argv", ["ab_offline", "--b-tree", str(tmp_path / "kvforge"), "--", "x"])
+    with pytest.raises(SystemExit):
+        ab_offline.main()
