@@ -189,9 +189,10 @@ class KimiDeltaAttention(nn.Module):
 
 
 def kda_input_split(a: KimiLinearArgs) -> tuple[int, int, int, int]:
-    """Columns of a KDA layer's stacked input product: q, k and v together, ``f_a_proj``, ``b_proj``,
-    ``g_a_proj`` (``a``: the args of the heads held here)."""
-    return 3 * a.linear_num_heads * a.linear_head_dim, a.linear_head_dim, a.linear_num_heads, a.linear_head_dim
+    """Columns of a KDA layer's stacked input product as the forward splits them: q, k and v together (the
+    conv's input), then ``f_a_proj``, ``b_proj``, ``g_a_proj`` (:func:`kda_input_parts`' rows)."""
+    q, k, v, *gates = (n for _, n in kda_input_parts(a))
+    return (q + k + v, *gates)
 
 
 def kda_input_parts(a: KimiLinearArgs) -> list[tuple[str, int]]:
