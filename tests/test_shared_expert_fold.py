@@ -277,3 +277,24 @@ def test_the_planner_counts_folded_shared_rows():
     assert _moe_phase(cfg, arch, 64, 2048, 1, 2, True) == _moe_phase(as_top8, arch, 64, 2048, 1, 2, True)
     for t, tp, fused in ((8192, 1, True), (64, 2, True), (64, 1, False)):
         assert _moe_phase(cfg, arch, t, 2048, tp, 2, fused) != _moe_phase(as_top8, arch, t, 2048, tp, 2, fused)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA caching allocator's segments")
+def test_folding_leaves_no_stack_segment_partly_held_on_cuda():
+    """Eight blocks with 128 MiB gate/up and 64 MiB down stacks. Left in the caching allocator, each block's
+    old gate/up segment would take the next block's new down stack (65 MiB) and keep its other 63 MiB
+    reserved but unusable for one large allocation (~440 MiB over the eight blocks, as measured before the
+    fold returned each block's old stacks to the device); folded block by block, every segment of 32 MiB
+    or more is one whole live stack."""
+    dims = dict(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=64, num_experts_per_tok=4)
+    args = DeepseekArgs({**BASE, **dims, **ROUTERS["v2_greedy"]})
+    torch.cuda.empty_cache()
+    with torch.device("cuda"):
+        blocks = torch.nn.ModuleList(MoE(args, dtype=torch.bfloat16) for _ in range(8))
+    assert shared_expert_fold.fold_shared_experts(blocks, "cuda") == 8
+    assert all(b.experts_down.shape[0] == 66 for b in blocks)
+    stacks = {t.data_ptr() for b in blocks for t in (b.experts_gate_up, b.experts_down)}
+    large = [s for s in torch.cuda.memory_snapshot() if s["total_size"] >= 32 * 2**20]
+    held = [(s["total_size"], s["allocated_size"]) for s in large if s["allocated_size"] != s["total_size"]]
+    assert not held, f"segments (bytes, bytes held) partly held after the fold: {held}"
+    assert {s["address"] for s in large} >= stacks

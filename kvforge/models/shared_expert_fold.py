@@ -35,11 +35,19 @@ def fold_shared_experts(model: nn.Module, device: torch.device | str) -> int:
     """Fold the shared experts of every MoE block of ``model`` (loaded on ``device``) where the rule says
     so; returns the number of blocks folded. Blocks fold one after another, so the transient peak is one
     block's old and new stacks (the target model folds before the KV pool is allocated; a draft model
-    after it, inside the activation reserve); the replaced tensors' memory goes back to the device."""
+    after it, inside the activation reserve).
+
+    On CUDA each block's replaced stacks go back to the device before the next block allocates: left in
+    the caching allocator, a block's old gate/up stack (``E`` experts) would hold the next block's new
+    down stack (``E + S`` experts of half the bytes), and the unused half of every such segment stays
+    reserved but unusable for the KV pool's one large allocation (on a 48B model, tens of GiB)."""
     if not folds_shared_experts(device):
         return 0
-    folded = sum(1 for m in list(model.modules())
-                 if callable(getattr(m, "fold_shared_experts", None)) and m.fold_shared_experts())
-    if folded and torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
+    on_cuda = torch.device(device).type == "cuda"
+    folded = 0
+    for m in list(model.modules()):
+        if callable(getattr(m, "fold_shared_experts", None)) and m.fold_shared_experts():
+            folded += 1
+            if on_cuda:
+                torch.cuda.empty_cache()
     return folded
