@@ -43,7 +43,7 @@ device = route_fixture(router_topk, "TRITON_ROUTER", "TRITON_ROUTER_DEVICES")
 CASES = [  # tokens, experts, hidden, k, renormalize, scale, shared
     (1, 64, 2048, 6, False, 1.0, 0), (1, 64, 2048, 6, False, 1.0, 2), (2, 64, 2048, 6, True, 1.0, 0),
     (3, 160, 640, 6, False, 16.0, 1), (4, 8, 100, 2, True, 2.5, 0), (4, 64, 5120, 8, False, 1.0, 0),
-    (1, 4, 16, 4, False, 1.0, 0),
+    (1, 4, 16, 4, False, 1.0, 0), (6, 64, 2048, 6, False, 1.0, 2), (8, 256, 1024, 8, True, 2.5, 1),
 ]
 
 
@@ -78,8 +78,8 @@ def test_the_rule(monkeypatch):
     monkeypatch.setattr(router_topk, "TRITON_ROUTER_DEVICES", ("meta",))
     w = torch.empty(64, 2048, device="meta")
     with torch.no_grad():
-        assert router_topk.use_fused_router_logits(torch.empty(4, 2048, device="meta"), w)
-        assert not router_topk.use_fused_router_logits(torch.empty(5, 2048, device="meta"), w)  # > MAX_ROWS
+        assert router_topk.use_fused_router_logits(torch.empty(8, 2048, device="meta"), w)
+        assert not router_topk.use_fused_router_logits(torch.empty(9, 2048, device="meta"), w)  # > MAX_ROWS
         assert not router_topk.use_fused_router_logits(torch.empty(0, 2048, device="meta"), w)
         assert not router_topk.use_fused_router_logits(torch.empty(1, 2048), torch.empty(64, 2048))  # cpu
         assert not router_topk.use_fused_router_logits(torch.empty(2048, 2, device="meta").t(), w)
@@ -97,8 +97,8 @@ def test_kernel_refuses_bad_inputs():
 
     x, w = torch.zeros(1, 32, device=DEVICE), torch.zeros(8, 32, device=DEVICE)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="1 to 4 tokens"):
-        router_logits_topk(torch.zeros(5, 32, device=DEVICE), w, 2, False, 1.0, 0, counter)
+    with pytest.raises(ValueError, match="1 to 8 tokens"):
+        router_logits_topk(torch.zeros(9, 32, device=DEVICE), w, 2, False, 1.0, 0, counter)
     with pytest.raises(ValueError, match="share a contiguous hidden size"):
         router_logits_topk(x, torch.zeros(8, 16, device=DEVICE), 2, False, 1.0, 0, counter)
     with pytest.raises(ValueError, match="top-9 of 8"):

@@ -93,7 +93,7 @@ def test_choice_matches_float64(device, experts, rule, with_bias):
 
 
 @pytest.mark.parametrize("experts,rule,with_bias", [RULES[0], RULES[2], RULES[5]])
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_one_launch_matches_float64(device, experts, rule, with_bias, tokens):
     """The logits-and-choice kernel: float32 logits of x @ weight.T, then the rule."""
     hidden = 96

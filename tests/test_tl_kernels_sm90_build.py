@@ -59,8 +59,8 @@ def _builds():
     for name, (experts, k, shared, kw) in ROUTER_RULES.items():
         consts = choice.choice_constexprs(k, True, shared, experts, has_bias=kw.get("sigmoid", False), **kw)
         yield f"router choice, {name}", choice._router_topk_kernel, consts
-        yield f"router one launch, {name}", fused._router_logits_topk_kernel, dict(consts, H=2048, T_PAD=4,
-                                                                                   BLOCK_H=2048)
+        yield f"router one launch, {name}", fused._router_logits_topk_kernel, dict(consts, H=2048, T_PAD=8,
+                                                                                   BLOCK_H=1024)
     for name, silu, rounded in (("qwen3-next", True, True), ("kimi-linear", False, False)):
         yield f"gated norm, {name}", norm._gated_rms_norm_kernel, dict(BLOCK_D=128, ROUND_NORMED=rounded, SILU=silu)
     for name, head_dim, channels, heads in (("qwen3-next", 1, 32, 32), ("kimi-linear", 128, 4096, 32)):

@@ -11,7 +11,8 @@ reduction) and the choice kernel (kvforge/kernels/triton_router_topk.py). Here o
 - each program then takes a ticket from ``counter`` (an atomic add after a barrier, so the program's stores
   come first); the program holding the last ticket reads every logit back past L1 and runs the router's
   choice (:func:`kvforge.kernels.triton_router_topk.store_router_choice`: softmax or sigmoid scores, the
-  bias, the expert groups, the top-k) for each token, then resets ``counter`` to 0 for the next launch.
+  bias, the expert groups, the top-k) for all tokens at once (each reduction over a ``[tokens, E]``
+  tile), then resets ``counter`` to 0 for the next launch.
 
 Numerics: the logits are float32 sums as in ``F.linear(x.float(), weight.float())``, in another order (they
 agree to a few float32 ulps of the sum of |products|); the choice is then the choice kernel's. The counter is
@@ -25,8 +26,8 @@ import torch
 
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
-#: The most tokens one launch routes (the last program chooses for each in turn).
-MAX_ROWS = 4
+#: The most tokens one launch routes (the last program holds their logits in one tile).
+MAX_ROWS = 8
 #: The most experts (the last program holds a token's logits in registers).
 MAX_EXPERTS = 1024
 #: Elements of the ``[rows, hidden chunk]`` tile a program multiplies at once (64 float32 a thread).
@@ -58,12 +59,13 @@ if HAS_TRITON:
         ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if ticket == tl.num_programs(0) - 1:
             e = tl.arange(0, E_PAD)
-            for t in tl.static_range(T_PAD):
-                if t < T:
-                    row = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")
-                    store_router_choice(row, e, t, bias_ptr, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD,
-                                        RENORMALIZE, SHARED, SHARED_PAD, SIGMOID, HAS_BIAS, N_GROUP, N_GROUP_PAD,
-                                        GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS)
+            row_ok = rows < T
+            source = tl.minimum(rows, T - 1)  # padding rows repeat the last token (finite; never stored)
+            tile = tl.load(logits_ptr + source[:, None] * E + e[None, :], mask=(e < E)[None, :], other=float("-inf"),
+                           cache_modifier=".cg")
+            store_router_choice(tile, e, source.to(tl.int64), row_ok, logits_ptr, E, bias_ptr, weights_ptr, ids_ptr,
+                                E, scale, K, K_PAD, E_PAD, RENORMALIZE, SHARED, SHARED_PAD, SIGMOID, HAS_BIAS,
+                                N_GROUP, N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS)
             tl.store(counter_ptr, 0)
 
 
@@ -102,6 +104,6 @@ def router_logits_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormaliz
     _router_logits_topk_kernel[(e,)](
         x, weight, bias if bias is not None else weight, logits, weights, ids, counter, t, e, x.stride(0),
         weight.stride(0), float(scale), H=h, T_PAD=triton.next_power_of_2(t), BLOCK_H=hidden_block(t, h),
-        num_warps=4, **consts,
+        num_warps=4 if triton.next_power_of_2(t) * consts["E_PAD"] <= 2048 else 8, **consts,
     )  # fmt: skip
     return weights, ids

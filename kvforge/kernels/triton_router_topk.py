@@ -2,7 +2,8 @@
 to fifteen: softmax or sigmoid, the group scores and mask, topk, gather, sum, divide, multiply).
 
 One program per token loads the ``E`` logits and applies the rule of
-:class:`kvforge.models.router_topk.RouterRule`:
+:class:`kvforge.models.router_topk.RouterRule` (:func:`store_router_choice`, which also serves several
+rows at once in the one-launch kernel of kvforge/kernels/triton_router_logits_topk.py):
 
 - scores ``s``: ``p = exp(x - max) / sum`` (softmax) or ``1 / (1 + exp(-x))`` (``SIGMOID``), float32;
 - choice values ``c = s + bias`` (``HAS_BIAS``), else ``c = s``;
@@ -18,7 +19,8 @@ With ``shared = S`` the rows are ``k + S`` wide: slots ``k .. k + S - 1`` hold t
 with weight exactly 1 (shared experts folded behind the routed ones, kvforge/models/shared_expert_fold.py).
 Numerics: float32 throughout; ``exp`` may differ from PyTorch's in the last bit, so weights agree with the
 PyTorch reference (kvforge/models/router_topk.py) to a few float32 ulps, not bit for bit; the group score
-is one float32 addition, as in PyTorch.
+is one float32 addition, as in PyTorch. Choices compare the float32 values exactly (-0.0 equal to +0.0); a
+NaN logit's choice is unspecified.
 """
 
 from __future__ import annotations
@@ -42,72 +44,102 @@ if HAS_TRITON:
         N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
         GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
         e = tl.arange(0, E_PAD)
-        x = tl.load(logits_ptr + t * stride_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
-        store_router_choice(x, e, t, bias_ptr, weights_ptr, ids_ptr, E, scale, K, K_PAD, E_PAD, RENORMALIZE,
-                            SHARED, SHARED_PAD, SIGMOID, HAS_BIAS, N_GROUP, N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP,
-                            GROUP_TOP2, RENORM_EPS)
+        x = tl.load(logits_ptr + rows[:, None] * stride_t + e[None, :], mask=(e < E)[None, :],
+                    other=float("-inf")).to(tl.float32)
+        store_router_choice(x, e, rows, rows >= 0, logits_ptr, stride_t, bias_ptr, weights_ptr, ids_ptr, E,
+                            scale, K, K_PAD, E_PAD, RENORMALIZE, SHARED, SHARED_PAD, SIGMOID, HAS_BIAS, N_GROUP,
+                            N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS)
+
+    @triton.jit
+    def _ordered_key(c, e, E_PAD: tl.constexpr):
+        """int64 keys ordered as ``(c, -e)``: the float's bits made monotonic as a signed integer above, the
+        reversed lane below, so one maximum gives the largest value and the lowest lane holding it."""
+        c = tl.where(c == 0.0, 0.0, c)  # -0.0 keys as +0.0 (they compare equal)
+        bits = c.to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | (E_PAD - 1 - e).to(tl.int64)
+
+    @triton.jit
+    def _key_value(key):
+        """The float32 a key of :func:`_ordered_key` holds."""
+        ordered = (key >> 32).to(tl.int32)
+        return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def store_router_choice(
-        x, e, t, bias_ptr, weights_ptr, ids_ptr, E, scale,
+        x, e, rows, row_ok, logits_ptr, stride_t, bias_ptr, weights_ptr, ids_ptr, E, scale,
         K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
         SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
         N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
         GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
     ):  # fmt: skip
-        """Row ``t``'s choice from its float32 logits ``x [E_PAD]`` (lanes ``e >= E`` hold -inf): the weights
-        and ids of the module docstring, stored at ``weights_ptr`` / ``ids_ptr`` (rows ``K + SHARED`` wide)."""
-        valid = e < E
+        """The choice of rows ``rows [R]`` (stored where ``row_ok``) from their float32 logits ``x [R, E_PAD]``
+        (lanes ``e >= E`` hold -inf), which also lie at ``logits_ptr + row * stride_t``: the weights and ids
+        of the module docstring, stored at ``weights_ptr`` / ``ids_ptr`` (rows ``K + SHARED`` wide). Every
+        reduction runs over all ``R`` rows at once, and a choice is one maximum of :func:`_ordered_key`
+        (value and lowest index together); the chosen experts' scores are recomputed from their logits."""
+        KEY_MIN: tl.constexpr = -0x7FFFFFFFFFFFFFFF  # below the key of any float but a negative NaN
+        valid = (e < E)[None, :]
         if SIGMOID:
             s = 1.0 / (1.0 + tl.exp(-x))
         else:
-            s = tl.exp(x - tl.max(x, 0))  # padding lanes: exp(-inf) = 0
-            s = s / tl.sum(s, 0)
-        s = tl.where(valid, s, 0.0)
-        c = s
+            top = tl.max(x, 1)
+            s = tl.exp(x - top[:, None])  # padding lanes: exp(-inf) = 0
+            total = tl.sum(s, 1)
+            s = s / total[:, None]
+        c = tl.where(valid, s, 0.0)
         if HAS_BIAS:
-            c = c + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+            c = c + tl.load(bias_ptr + e, mask=e < E, other=0.0).to(tl.float32)[None, :]
         c = tl.where(valid, c, float("-inf"))  # never chosen
+        key = _ordered_key(c, e[None, :], E_PAD)
         if N_GROUP > 1:
-            group = e // GROUP_SIZE  # padding lanes fall past the last group
-            g = tl.arange(0, N_GROUP_PAD)
-            group_score = tl.full(g.shape, float("-inf"), tl.float32)
+            group = (e // GROUP_SIZE)[None, :]  # padding lanes fall past the last group
+            g = tl.arange(0, N_GROUP_PAD)[None, :]
+            group_score = tl.full([x.shape[0], N_GROUP_PAD], float("-inf"), tl.float32)
             for j in tl.static_range(N_GROUP):
                 in_j = group == j
-                top = tl.max(tl.where(in_j, c, float("-inf")), 0)
                 if GROUP_TOP2 and GROUP_SIZE > 1:
-                    first = tl.min(tl.where(in_j & (c == top), e, E_PAD), 0)
-                    top = top + tl.max(tl.where(in_j & (e != first), c, float("-inf")), 0)
-                group_score = tl.where(g == j, top, group_score)
-            keep = e < 0  # all false
+                    first = tl.max(tl.where(in_j, key, KEY_MIN), 1)
+                    second = tl.max(tl.where(in_j & (key != first[:, None]), c, float("-inf")), 1)
+                    top_j = _key_value(first) + second
+                else:
+                    top_j = tl.max(tl.where(in_j, c, float("-inf")), 1)
+                group_score = tl.where(g == j, top_j[:, None], group_score)
+            keep = key < KEY_MIN  # all false
             for _ in tl.static_range(TOPK_GROUP):
-                best = tl.max(group_score, 0)
-                kept = tl.min(tl.where(group_score == best, g, N_GROUP), 0)
-                keep = keep | (group == kept)
-                group_score = tl.where(g == kept, float("-inf"), group_score)
-            c = tl.where(keep, c, float("-inf"))
-        slot = tl.arange(0, K_PAD)
-        chosen = tl.zeros([K_PAD], dtype=tl.float32)
-        chosen_ids = tl.zeros([K_PAD], dtype=tl.int64)
+                best = tl.max(group_score, 1)
+                kept = tl.min(tl.where(group_score == best[:, None], g, N_GROUP), 1)  # ties: the lower group
+                keep = keep | (group == kept[:, None])
+                group_score = tl.where(g == kept[:, None], float("-inf"), group_score)
+            key = tl.where(keep, key, KEY_MIN)
+        slot = tl.arange(0, K_PAD)[None, :]
+        chosen_ids = tl.zeros([x.shape[0], K_PAD], dtype=tl.int64)
         for j in tl.static_range(K):
-            best = tl.max(c, 0)
-            idx = tl.min(tl.where(c == best, e, E_PAD), 0)
-            if HAS_BIAS:  # the weight is the unbiased score
-                best = tl.sum(tl.where(e == idx, s, 0.0), 0)
-            chosen = tl.where(slot == j, best, chosen)
-            chosen_ids = tl.where(slot == j, idx.to(tl.int64), chosen_ids)
-            c = tl.where(e == idx, float("-inf"), c)
+            best = tl.max(key, 1)
+            chosen_ids = tl.where(slot == j, (E_PAD - 1 - best.to(tl.int32)).to(tl.int64)[:, None], chosen_ids)
+            key = tl.where(key == best[:, None], KEY_MIN, key)  # keys are distinct: one lane
+        in_k = row_ok[:, None] & (slot < K)
+        picked = tl.load(logits_ptr + rows[:, None] * stride_t + chosen_ids, mask=in_k, other=0.0,
+                         cache_modifier=".cg").to(tl.float32)  # other programs' stores in the one-launch kernel
+        if SIGMOID:  # the same operations as the scores above, so the same float32
+            chosen = 1.0 / (1.0 + tl.exp(-picked))
+        else:
+            chosen = tl.exp(picked - top[:, None]) / total[:, None]
+        chosen = tl.where(slot < K, chosen, 0.0)
         if RENORMALIZE:
-            chosen = chosen / (tl.sum(tl.where(slot < K, chosen, 0.0), 0) + RENORM_EPS)
+            chosen = chosen / (tl.sum(chosen, 1)[:, None] + RENORM_EPS)
         width = K + SHARED
-        tl.store(weights_ptr + t * width + slot, chosen * scale, mask=slot < K)
-        tl.store(ids_ptr + t * width + slot, chosen_ids, mask=slot < K)
+        tl.store(weights_ptr + rows[:, None] * width + slot, chosen * scale, mask=in_k)
+        tl.store(ids_ptr + rows[:, None] * width + slot, chosen_ids, mask=in_k)
         if SHARED > 0:
-            extra = tl.arange(0, SHARED_PAD)
-            tl.store(weights_ptr + t * width + K + extra, tl.full(extra.shape, 1.0, tl.float32), mask=extra < SHARED)
-            tl.store(ids_ptr + t * width + K + extra, (E + extra).to(tl.int64), mask=extra < SHARED)
+            extra = tl.arange(0, SHARED_PAD)[None, :]
+            in_s = row_ok[:, None] & (extra < SHARED)
+            tl.store(weights_ptr + rows[:, None] * width + K + extra,
+                     tl.full([x.shape[0], SHARED_PAD], 1.0, tl.float32), mask=in_s)
+            tl.store(ids_ptr + rows[:, None] * width + K + extra,
+                     (E + extra).to(tl.int64) + tl.zeros([x.shape[0], SHARED_PAD], tl.int64), mask=in_s)
 
 
 def choice_constexprs(k: int, renormalize: bool, shared: int, experts: int, *, sigmoid: bool = False,
