@@ -123,7 +123,12 @@ class KVPool:
         # CUDA: zero-filled (one memset), so a read of a never-written page (CUDA-graph padding rows read
         # block 0) sees finite numbers; CPU keeps torch.empty (pages are written before they are read).
         alloc = torch.zeros if torch.device(device).type == "cuda" else torch.empty
-        self.buffer = alloc(nbytes, dtype=torch.uint8, device=device)
+        try:
+            self.buffer = alloc(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            from kvforge.engine.device_memory import pool_allocation_error
+
+            raise pool_allocation_error(nbytes, torch.device(device), exc) from exc
         # [slot, block, page bytes]: block b of every slot (copy-on-write copies a block in all of them).
         self.pages = self.buffer[:attention_bytes].view(plan.group_size, self.num_blocks, self.page_bytes)
         self.kv_caches: list[torch.Tensor] = [None] * len(plan.layers)

@@ -147,6 +147,12 @@ class LLMEngine:
         if any(layer.kind == "mla" for layer in self.plan.layers):
             logger.info("  MLA prefill mode %s (--mla-prefill-mode)", args.mla_prefill_mode)
 
+        if platform == "cuda" and args.tensor_parallel_size == 1:  # the device holds what the plan sets aside
+            from kvforge.engine.device_memory import check_device_memory
+
+            check_device_memory(self.plan, self.device, kv_from_flag=args.kv_cache_memory is not None,
+                                utilization=args.gpu_memory_utilization)
+
         # The planned backends' implementations, imported before any weight is read: one that cannot
         # load here (a missing dependency, a bad KVFORGE_* setting) fails now, not after the weights.
         self._import_backends()
