@@ -79,7 +79,7 @@ def test_the_engine_refuses_before_loading_weights(monkeypatch):
 def test_a_failed_pool_allocation_names_the_fix(monkeypatch):
     from kvforge.engine.kv_pool import KVPool
 
-    plan = kvforge.plan(kv_cache_memory=512 * 2**20)
+    plan = kvforge.plan("llama-3.1-8b", kv_cache_memory=512 * 2**20, max_model_len=1024)
     monkeypatch.setattr(DeviceMemory, "of", classmethod(lambda cls, device: DeviceMemory(
         total=TOTAL, free=GIB, reserved=30 * GIB, allocated=3 * GIB)))
 
