@@ -2,12 +2,17 @@
 
 Rerun on any CUDA GPU:
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_expert_gemm.py [--tokens 1 8 64 128 256] [--sweep] [--out DIR]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_expert_gemm.py [--shape v2-lite|kimi-linear|qwen3-next]
+        [--tokens 1 8 64 128 256] [--sweep] [--out DIR]
 
-Shapes: DeepSeek-V2-Lite's routed experts (64 experts, hidden 2048, expert intermediate 1408, top-6), bf16:
-the ``gate_up`` product ``[rows, 2048] x [64, 2816, 2048]`` over the tokens' gathered rows and the ``down``
-product ``[rows, 1408] x [64, 2048, 1408]`` over rows already in expert order. Tokens route to uniformly
-random distinct experts (seed 0), so a batch of T tokens touches the experts a uniform router would.
+Shapes (``--shape``): DeepSeek-V2-Lite's routed experts (the default: 64 experts, hidden 2048, expert
+intermediate 1408, top-6), Kimi-Linear-48B-A3B's (256, 2304, 1024, top-8) or Qwen3-Next-80B-A3B's (512,
+2048, 512, top-10), bf16: the ``gate_up`` product ``[rows, H] x [E, 2I, H]`` over the tokens' gathered rows
+and the ``down`` product ``[rows, I] x [E, H, I]`` over rows already in expert order. Tokens route to
+uniformly random distinct experts (seed 0), so a batch of T tokens touches the experts a uniform router
+would. Where a batch has fewer rows than experts the engine's launch gives a program to each sorted
+position (``triton_expert_gemm.programs_by_position``); the launch with a program per expert is then timed
+beside it ("per expert").
 
 ``torch._grouped_mm`` multiplies rows gathered beforehand (the engine's gather copy is not timed); the kernel
 gathers inside. Each product is captured once in a CUDA graph (as the engine's decode steps are) and its replay timed with
@@ -45,11 +50,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
-from kvforge.kernels.triton_expert_gemm import TILE, ExpertGemmTile, expert_gemm  # noqa: E402
+from kvforge.kernels.triton_expert_gemm import TILE, ExpertGemmTile, expert_gemm, programs_by_position  # noqa: E402
 from kvforge.models import expert_rows, router_topk  # noqa: E402
 from kvforge.models.expert_rows import group_by_expert  # noqa: E402
 
-EXPERTS, HIDDEN, INTER, TOP_K = 64, 2048, 1408, 6
+SHAPES = {  # experts, hidden, expert intermediate, top-k
+    "v2-lite": (64, 2048, 1408, 6),
+    "kimi-linear": (256, 2304, 1024, 8),
+    "qwen3-next": (512, 2048, 512, 10),
+}
 
 
 def check(y, a_rows, weight, experts, k, what):
@@ -65,23 +74,26 @@ def check(y, a_rows, weight, experts, k, what):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256])
     ap.add_argument("--sweep", action="store_true", help="also time the kernel over a set of tiles")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    experts_n, hidden, inter, top_k = SHAPES[args.shape]
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
     dev = torch.cuda.get_device_name()
     print(f"# {dev} torch {torch.__version__} triton {triton.__version__}; copy bandwidth {copy_bw / 1e12:.2f} TB/s")
-    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda") * 0.02).to(torch.bfloat16)
-    down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda") * 0.02).to(torch.bfloat16)
+    print(f"# {args.shape}: {experts_n} experts, hidden {hidden}, expert intermediate {inter}, top-{top_k}")
+    gate_up = (torch.randn(experts_n, 2 * inter, hidden, device="cuda") * 0.02).to(torch.bfloat16)
+    down = (torch.randn(experts_n, hidden, inter, device="cuda") * 0.02).to(torch.bfloat16)
     rows_out, sweep_rows = [], []
     for t in args.tokens:
-        ids = torch.stack([torch.randperm(EXPERTS, device="cuda")[:TOP_K] for _ in range(t)])
-        rows = group_by_expert(ids.reshape(-1), EXPERTS, TOP_K)
-        touched = int((torch.bincount(ids.reshape(-1), minlength=EXPERTS) > 0).sum())
-        x = torch.randn(t, HIDDEN, device="cuda").to(torch.bfloat16)
-        h = torch.randn(t * TOP_K, INTER, device="cuda").to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts_n, device="cuda")[:top_k] for _ in range(t)])
+        rows = group_by_expert(ids.reshape(-1), experts_n, top_k)
+        touched = int((torch.bincount(ids.reshape(-1), minlength=experts_n) > 0).sum())
+        x = torch.randn(t, hidden, device="cuda").to(torch.bfloat16)
+        h = torch.randn(t * top_k, inter, device="cuda").to(torch.bfloat16)
         gathered = x[rows.tokens]
         cases = {
             "gate_up": (gate_up, functools.partial(torch._grouped_mm, gathered, gate_up.transpose(1, 2), offs=rows.offs),
@@ -89,24 +101,34 @@ def main():
             "down": (down, functools.partial(torch._grouped_mm, h, down.transpose(1, 2), offs=rows.offs),
                      functools.partial(expert_gemm, h, down, rows.offs), h),
         }
-        for name, (w, grouped, kernel, a_rows) in cases.items():
+        by_position = programs_by_position(t * top_k, experts_n)
+        for name, (w, grouped, per_expert, a_rows) in cases.items():
+            kernel = functools.partial(per_expert, expert=rows.expert)  # the engine's launch
             check(kernel(), a_rows, w, rows.expert, w.shape[2], f"kernel {name} T={t}")
             nbytes = touched * w[0].numel() * w.element_size()
-            r = dict(product=name, tokens=t, touched_experts=touched, bytes=nbytes,
+            r = dict(product=name, tokens=t, touched_experts=touched, bytes=nbytes, by_position=by_position,
                      grouped_mm=graph_bench(grouped), kernel=graph_bench(kernel))
-            for impl in ("grouped_mm", "kernel"):
+            impls = ["grouped_mm", "kernel"]
+            if by_position:
+                check(per_expert(), a_rows, w, rows.expert, w.shape[2], f"kernel per expert {name} T={t}")
+                r["kernel_per_expert"] = graph_bench(per_expert)
+                impls.append("kernel_per_expert")
+            for impl in impls:
                 r[impl + "_pct_copy"] = 100 * nbytes / (r[impl][0] * 1e-6) / copy_bw
             r["speedup"] = r["grouped_mm"][0] / r["kernel"][0]
             rows_out.append(r)
             if args.sweep:
                 sweep_rows += sweep(name, t, w, kernel, a_rows, rows.expert, nbytes, copy_bw)
     print(f"\n{'product':>8} {'T':>4} {'experts':>7} | {'grouped_mm us':>22} {'%cp':>4} | {'kernel us':>22} {'%cp':>4}"
-          f" | {'x':>5}")
+          f" | {'x':>5} | {'kernel per expert us':>22} {'%cp':>4}")
     for r in rows_out:
         def f(v):
             return f"{v[0]:7.1f} [{v[1]:.1f}-{v[2]:.1f}]"
+        apart = (f" | {f(r['kernel_per_expert']):>22} {r['kernel_per_expert_pct_copy']:4.0f}"
+                 if "kernel_per_expert" in r else "")
         print(f"{r['product']:>8} {r['tokens']:>4} {r['touched_experts']:>7} | {f(r['grouped_mm']):>22}"
-              f" {r['grouped_mm_pct_copy']:4.0f} | {f(r['kernel']):>22} {r['kernel_pct_copy']:4.0f} | {r['speedup']:5.2f}")
+              f" {r['grouped_mm_pct_copy']:4.0f} | {f(r['kernel']):>22} {r['kernel_pct_copy']:4.0f} | {r['speedup']:5.2f}"
+              f"{apart}")
     for name, t in sorted({(r["product"], r["tokens"]) for r in sweep_rows}, key=lambda x: (x[1], x[0])):
         best = sorted((r for r in sweep_rows if (r["product"], r["tokens"]) == (name, t)), key=lambda r: r["us"][0])
         print(f"\nsweep {name} T={t}: the engine's tile {tile_str(TILE)}")

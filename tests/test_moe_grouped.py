@@ -73,13 +73,16 @@ def test_cpu_engine_keeps_the_loop(monkeypatch):
     assert not called
 
 
+@pytest.mark.parametrize("tokens", [21, 2])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("triton_rows,fuse_silu", [(False, False), (True, False), (True, True)])
-def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows, fuse_silu):
+def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows, fuse_silu, tokens):
     """With the Triton expert kernel routed (CUDA, or Triton's CPU interpreter here), the grouped path still
     equals the loop: every expert's rows, and under an expert mask only the slots held here; also with the
     rows grouped and summed by their Triton kernels (kvforge/models/expert_rows.py), and with SiLU-and-mul
-    inside the down product. float16: the interpreter's bfloat16 ``tl.dot`` multiplies bit patterns."""
+    inside the down product. Two tokens of top-3 over 8 experts launch a program per sorted position
+    (fewer positions than experts), 21 a program per expert. float16: the interpreter's bfloat16 ``tl.dot``
+    multiplies bit patterns."""
     from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
 
     if not KERNELS_RUN:
@@ -105,7 +108,7 @@ def test_triton_expert_kernel_route_equals_loop(monkeypatch, masked, triton_rows
     real = expert_gemm_route.use_triton_expert_gemm
     monkeypatch.setattr(expert_gemm_route, "use_triton_expert_gemm", lambda *a: called.append(real(*a)) or real(*a))
     moe = _moe(torch.float16).to(DEVICE)
-    x = torch.randn(21, 64).to(torch.float16).to(DEVICE)
+    x = torch.randn(tokens, 64).to(torch.float16).to(DEVICE)
     w, ids = moe.gate(x)
     valid = None
     if masked:

@@ -6,7 +6,8 @@ compiler rejects fails here. Each variant the engine launches for these kernels 
   top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group)
   and DeepSeek-V2's group-limited softmax;
 - the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, and the delta-rule
-  gates at both models' head layouts.
+  gates at both models' head layouts;
+- the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ROUTER_RULES = {  # name -> (experts, k, shared, rule keyword arguments of the k
 }
 #: Pointer element types by argument name (every other pointer float32).
 POINTERS = {"ids_ptr": "*i64", "counter_ptr": "*i32", "x_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16",
-            "f_ptr": "*bf16", "a_log_ptr": "*bf16", "b_ptr": "*bf16", "beta_ptr": "*bf16"}
+            "f_ptr": "*bf16", "a_log_ptr": "*bf16", "b_ptr": "*bf16", "beta_ptr": "*bf16", "a_ptr": "*bf16",
+            "w_ptr": "*bf16", "bias_ptr": "*bf16", "offs_ptr": "*i32", "src_ptr": "*i64", "expert_ptr": "*i64"}
 FLOATS = ("scale", "eps")
 
 
@@ -61,6 +63,12 @@ def _builds():
         yield f"router choice, {name}", choice._router_topk_kernel, consts
         yield f"router one launch, {name}", fused._router_logits_topk_kernel, dict(consts, H=2048, T_PAD=8,
                                                                                    BLOCK_H=1024)
+    from kvforge.kernels import triton_expert_gemm as experts
+
+    for name, gather, silu in (("gathered inputs", True, False), ("SiLU-and-mul of sorted rows", False, True)):
+        yield f"expert gemm per position, {name}", experts._expert_gemm_kernel, dict(
+            GATHER=gather, ROWS=experts.ROWS, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, NUM_STAGES=3, HAS_BIAS=False,
+            SILU_MUL=silu, BY_POSITION=True)
     for name, silu, rounded in (("qwen3-next", True, True), ("kimi-linear", False, False)):
         yield f"gated norm, {name}", norm._gated_rms_norm_kernel, dict(BLOCK_D=128, ROUND_NORMED=rounded, SILU=silu)
     for name, head_dim, channels, heads in (("qwen3-next", 1, 32, 32), ("kimi-linear", 128, 4096, 32)):

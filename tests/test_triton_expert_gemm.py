@@ -15,7 +15,7 @@ import pytest
 import torch
 from triton_kernel_device import DEVICE, INTERPRETED, requires_kernels, skip_unless_loaded_loop_bounds_work
 
-from kvforge.kernels.triton_expert_gemm import expert_gemm
+from kvforge.kernels.triton_expert_gemm import expert_gemm, programs_by_position
 
 pytestmark = requires_kernels
 
@@ -118,6 +118,41 @@ def test_positions_past_the_last_offset_are_left_alone():
     got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE)).cpu()
     assert got.shape == (7, 16)
     _check(got[:5], a[src[:5]], weight, experts, dtype)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_a_program_per_position_where_positions_are_fewer_than_experts(gather):
+    """40 experts, 7 positions in 4 of them (one of two blocks' worth): each expert's rows computed once
+    from the program at its first position; the other programs find no rows."""
+    dtype = torch.float16
+    counts = [0] * 40
+    counts[3], counts[17], counts[18], counts[39] = 2, 1, 3, 1
+    a, weight, offs, src, experts = _case(counts, 24, 40, dtype, tokens=sum(counts), seed=7)
+    assert programs_by_position(sum(counts), 40)
+    got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE) if gather else None,
+                      num_rows=sum(counts), expert=experts.to(DEVICE)).cpu()
+    _check(got, a[src] if gather else a, weight, experts, dtype)
+
+
+def test_positions_with_shared_experts_and_rows_held_elsewhere():
+    """24 routed experts and 2 folded shared ones, 3 tokens of top-2: 6 routed positions, 6 shared ones,
+    then 2 held by another rank (id 26, past ``offs[-1]``, never read or written): 14 positions, fewer
+    than the routed experts, so a program per position; the shared experts keep their row-block programs."""
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(8)
+    weight = torch.randn(26, 32, 48, generator=g).to(dtype)
+    a = torch.randn(3, 48, generator=g).to(dtype)
+    routed = torch.tensor([2, 2, 9, 15, 15, 23])
+    experts = torch.cat([routed, torch.full((3,), 24), torch.full((3,), 25), torch.full((2,), 26)])
+    src = torch.cat([torch.tensor([0, 2, 1, 0, 1, 2]), torch.arange(3), torch.arange(3), torch.tensor([10**6] * 2)])
+    counts = torch.bincount(experts[:12], minlength=26)
+    offs = counts.cumsum(0).to(torch.int32)
+    got = expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE), expert=experts.to(DEVICE),
+                      shared_experts=2, shared_rows=3).cpu()
+    assert got.shape == (14, 32)
+    _check(got[:12], a[src[:12]], weight, experts[:12], dtype)
+    with pytest.raises(ValueError, match="one id per position"):
+        expert_gemm(a.to(DEVICE), weight.to(DEVICE), offs.to(DEVICE), src.to(DEVICE), expert=experts[:5].to(DEVICE))
 
 
 def test_bad_inputs_are_refused():

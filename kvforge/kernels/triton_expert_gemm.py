@@ -11,7 +11,9 @@ written.
 
 In a decode step each expert has a few rows (64 tokens x top-6 over 64 experts: ~6), so the product is
 bound by reading the experts' weights. Grid ``(E, cdiv(N, BLOCK_N))``: a program owns ``BLOCK_N`` weight
-rows of one expert (the :class:`ExpertGemmTile`), and for each block of 16 of the expert's rows streams them
+rows of one expert (the :class:`ExpertGemmTile`; with fewer sorted positions than experts, given each
+position's expert, program ``p`` takes the expert whose rows start at position ``p``, if one does:
+:func:`programs_by_position`), and for each block of 16 of the expert's rows streams them
 over K in ``BLOCK_K`` chunks into ``tl.dot`` (the rows padded to 16, the MMA's smallest dimension; padded rows load zeros and
 are not stored). An expert without rows costs its programs one load of ``offs``; an expert with more than
 16 rows reads its weight tile once per block of 16 (the repeats may come from L2; the loads ask to be
@@ -52,6 +54,9 @@ class ExpertGemmTile:
     num_stages: int = 3
 
 
+#: Whether a step with fewer sorted positions than routed experts launches a program per position
+#: (:func:`programs_by_position`; module attribute, assign before CUDA-graph capture).
+PROGRAMS_BY_POSITION = True
 #: The tile the engine launches: the fastest of a sweep over DeepSeek-V2-Lite's decode products on an H200
 #: (``benchmarks/bench_expert_gemm.py --sweep``; docs/BENCHMARKS.md, "Routed experts").
 TILE = ExpertGemmTile()
@@ -60,23 +65,34 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_gemm_kernel(
-        a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr, bias_ptr,
+        a_ptr, w_ptr, out_ptr, offs_ptr, src_ptr, bias_ptr, expert_ptr,
         N, K, stride_am, stride_we, stride_wn, stride_om, stride_be,
-        ROUTED, SHARED_BLOCKS,
+        ROUTED, ROUTED_PROGRAMS, SHARED_BLOCKS, POSITIONS,
         GATHER: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+        BY_POSITION: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         pid_n = tl.program_id(1)
-        # programs [0, ROUTED): one expert each, all its row blocks; then SHARED_BLOCKS programs per shared
-        # expert, one row block each
-        shared = pid >= ROUTED
-        expert = tl.where(shared, ROUTED + (pid - ROUTED) // SHARED_BLOCKS, pid)
-        block = tl.where(shared, (pid - ROUTED) % SHARED_BLOCKS, 0)
+        # programs [0, ROUTED_PROGRAMS): the routed experts, all of one expert's row blocks in one program;
+        # then SHARED_BLOCKS programs per shared expert, one row block each
+        shared = pid >= ROUTED_PROGRAMS
+        if BY_POSITION:  # program p: the expert whose rows start at sorted position p, if one does
+            at = tl.minimum(pid, POSITIONS - 1)
+            here = tl.load(expert_ptr + at).to(tl.int32)
+            before = tl.load(expert_ptr + tl.maximum(at - 1, 0)).to(tl.int32)
+            owns = (pid < POSITIONS) & (here < ROUTED) & ((pid == 0) | (before != here))
+            routed_expert = tl.where(owns, here, 0)
+        else:  # program e: expert e
+            owns = pid >= 0
+            routed_expert = pid
+        expert = tl.where(shared, ROUTED + (pid - ROUTED_PROGRAMS) // SHARED_BLOCKS, routed_expert)
+        block = tl.where(shared, (pid - ROUTED_PROGRAMS) % SHARED_BLOCKS, 0)
         block_step = tl.where(shared, SHARED_BLOCKS, 1)
         end = tl.load(offs_ptr + expert)
         start = tl.load(offs_ptr + tl.maximum(expert - 1, 0))
         start = tl.where(expert > 0, start, 0)
+        end = tl.where(shared | owns, end, start)  # a position that starts no expert: no rows
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N load row N - 1 and are never stored
         offs_k = tl.arange(0, BLOCK_K)
@@ -114,10 +130,18 @@ if HAS_TRITON:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
+def programs_by_position(positions: int, routed_experts: int) -> bool:
+    """Whether the launch gives a program to each sorted position (the expert whose rows start there, if
+    one does) rather than to each routed expert: where :data:`PROGRAMS_BY_POSITION` is on and the step has
+    fewer positions than the weight has routed experts. A decode step of one token over 256 experts (top
+    8) then launches 9 programs a weight tile, not 256 of which 248 find no rows."""
+    return PROGRAMS_BY_POSITION and positions < routed_experts
+
+
 def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: torch.Tensor | None = None,
                 num_rows: int | None = None, tile: ExpertGemmTile = TILE,
                 bias: torch.Tensor | None = None, silu_mul: bool = False, shared_experts: int = 0,
-                shared_rows: int = 0) -> torch.Tensor:
+                shared_rows: int = 0, expert: torch.Tensor | None = None) -> torch.Tensor:
     """``out [num_rows, N]``: ``out[p] = a[src[p]] @ weight[e].T (+ bias[e])`` for each sorted position ``p``
     of expert ``e`` (``offs`` int32 ``[E]``, the end of each expert's positions; ``src`` None: ``src[p] =
     p``). ``num_rows``: the positions (default ``len(src)``, or ``a``'s rows without ``src``); ``tile``: the
@@ -125,7 +149,10 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: 
     the one rounding; ``silu_mul``: ``a`` is ``[rows, 2K]`` of ``[gate | up]`` rows and the product takes
     ``silu(gate) * up`` (exactly the values of kvforge/kernels/triton_silu_mul.py's kernel).
     ``shared_experts``: the last experts of ``weight`` hold at most ``shared_rows`` positions each (every
-    token's; the module docstring says how their rows are split over programs)."""
+    token's; the module docstring says how their rows are split over programs). ``expert``: the expert id
+    of each sorted position (``[num_rows]``, ascending; ids of experts held elsewhere sort last), which
+    lets a step with fewer positions than routed experts launch a program per position
+    (:func:`programs_by_position`); None: a program per expert."""
     if not HAS_TRITON:
         raise RuntimeError("expert_gemm needs triton")
     width = 2 * weight.shape[-1] if silu_mul else weight.shape[-1]
@@ -149,14 +176,19 @@ def expert_gemm(a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, src: 
     if not 0 <= shared_experts <= e or shared_rows < 0:
         raise ValueError(f"shared_experts {shared_experts} of {e} experts, shared_rows {shared_rows}: need "
                          f"0 <= shared_experts <= E and shared_rows >= 0")
+    if expert is not None and expert.shape != (rows,):
+        raise ValueError(f"expert must hold one id per position, [{rows}], got {tuple(expert.shape)}")
     block_k = max(16, min(tile.block_k, triton.next_power_of_2(k)))
     shared_blocks = max(1, triton.cdiv(shared_rows, ROWS)) if shared_experts else 1
     routed = e - shared_experts
-    _expert_gemm_kernel[(routed + shared_experts * shared_blocks, triton.cdiv(n, tile.block_n))](
+    by_position = expert is not None and programs_by_position(rows, routed)
+    routed_programs = rows if by_position else routed
+    _expert_gemm_kernel[(routed_programs + shared_experts * shared_blocks, triton.cdiv(n, tile.block_n))](
         a, weight, out, offs, src if src is not None else offs, bias if bias is not None else offs,
-        n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-        bias.stride(0) if bias is not None else 0, routed, shared_blocks,
+        expert if by_position else offs, n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0, routed, routed_programs, shared_blocks, rows,
         GATHER=src is not None, ROWS=ROWS, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, num_warps=tile.num_warps,
+        NUM_STAGES=tile.num_stages, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BY_POSITION=by_position,
+        num_warps=tile.num_warps,
     )  # fmt: skip
     return out

@@ -88,7 +88,7 @@ def grouped_expert_matmul(a: torch.Tensor, weight: torch.Tensor, rows: ExpertRow
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
         return expert_gemm(a, weight, rows.offs, rows.tokens if gather else None, num_rows=num_rows, bias=bias,
-                           **_shared(rows))
+                           expert=rows.expert, **_shared(rows))
     out = torch._grouped_mm(a[rows.tokens] if gather else a, weight.transpose(-2, -1), offs=rows.offs)
     if bias is not None:  # rows held elsewhere (expert id E) take the last expert's bias; they are never read
         out = out + bias[rows.expert.clamp(max=weight.shape[0] - 1)]
@@ -103,5 +103,5 @@ def gated_down_matmul(gate_up: torch.Tensor, weight: torch.Tensor, rows: ExpertR
         from kvforge.kernels.triton_expert_gemm import expert_gemm
 
         return expert_gemm(gate_up, weight, rows.offs, None, num_rows=rows.order.shape[0], silu_mul=True,
-                           **_shared(rows))
+                           expert=rows.expert, **_shared(rows))
     return grouped_expert_matmul(act_and_mul(gate_up, act), weight, rows, gather=False)
