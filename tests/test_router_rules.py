@@ -184,3 +184,26 @@ def test_deepseek_v3_gate_through_the_kernels_equals_the_pytorch_gate(monkeypatc
     assert torch.equal(got_ids, want_ids)
     assert (got_w - want_w).abs().max().item() <= 1e-5 * want_w.abs().max().item()
     assert gate.launch_counter.item() == 0
+
+
+@pytest.mark.parametrize("shared", [1, 2])
+def test_a_gated_shared_slot_weighs_the_sigmoid_of_the_last_logit(device, shared):
+    """Qwen3-Next's shared expert under its own sigmoid gate: logits ``[T, E + 1]``, the choice over the first
+    ``E`` columns (as without the gate), every shared slot weighing the sigmoid of the last column."""
+    plain = RouterRule(4, True, 1.0, 0)
+    logits, _, want_w, want_ids = _logits(5, 16, plain, False, seed=11, tol=1e-5)
+    gate = torch.randn(5, generator=torch.Generator().manual_seed(12)) * 3
+    rule = RouterRule(4, True, 1.0, shared, gated_shared=True)
+    full = torch.cat([logits, gate[:, None]], 1)
+    assert router_topk.use_triton_router(full.to(device), rule) == router_topk.TRITON_ROUTER
+    w, ids = router_topk.router_topk(full.to(device), rule)
+    w, ids = w.cpu().double(), ids.cpu()
+    assert torch.equal(ids[:, :4], want_ids) and torch.equal(ids[:, 4:], torch.arange(16, 16 + shared).expand(5, -1))
+    tol = 24 * 2.0**-24  # float32 softmax over 16 terms and one division, as test_choice_matches_float64
+    assert ((w[:, :4] - want_w) / want_w).abs().max() <= tol
+    want_gate = torch.sigmoid(gate.double())[:, None].expand(5, shared)
+    assert ((w[:, 4:] - want_gate) / want_gate).abs().max() <= 4 * 2.0**-24  # exp within a few ulps
+    with pytest.raises(ValueError, match="shared >= 1"):
+        RouterRule(4, gated_shared=True)
+    assert not router_topk.use_fused_router_logits(torch.empty(1, 8, device="meta"),
+                                                   torch.empty(17, 8, device="meta"), rule)

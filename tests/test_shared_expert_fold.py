@@ -121,7 +121,7 @@ def test_fold_keeps_the_cost_model():
     folded shared experts stay dense (read by every step), as before the fold."""
     from torch import nn
 
-    model = nn.ModuleList([_moe("v2_greedy"), _moe("v3_sigmoid", seed=1)])
+    model = nn.ModuleList([_moe("v2_greedy"), _moe("v3_sigmoid", seed=1), _qwen3_next_moe(seed=2)])
     bytes_before, params_before = step_weight_bytes(model), matmul_params_per_token(model)
     for m in model:
         assert m.fold_shared_experts()
@@ -129,15 +129,101 @@ def test_fold_keeps_the_cost_model():
     assert matmul_params_per_token(model) == pytest.approx(params_before, rel=1e-12)
 
 
-def test_blocks_that_add_the_shared_experts_themselves_do_not_fold():
-    assert TPMoE.FOLDS_SHARED_EXPERTS is False and Qwen3NextMoE.FOLDS_SHARED_EXPERTS is False
+def _qwen3_next_moe(shared_rows: int = 32, dtype=torch.float32, seed=0) -> Qwen3NextMoE:
+    """A Qwen3-Next block: 8 experts of 16 rows, top-3, a sigmoid-gated shared expert of ``shared_rows``."""
     from kvforge.models.qwen3_next import Qwen3NextArgs
     from kvforge.spec.presets import PRESETS
 
-    config = {**PRESETS["qwen3-next-80b-a3b"], "hidden_size": 64, "num_experts": 4, "moe_intermediate_size": 16,
-              "shared_expert_intermediate_size": 16}
-    qwen = Qwen3NextMoE(Qwen3NextArgs(config), dtype=torch.float32)  # its shared expert is `shared_expert`
-    assert not qwen.fold_shared_experts() and qwen.shared_expert is not None
+    config = {**PRESETS["qwen3-next-80b-a3b"], "hidden_size": 64, "num_experts": 8, "num_experts_per_tok": 3,
+              "moe_intermediate_size": 16, "shared_expert_intermediate_size": shared_rows}
+    torch.manual_seed(seed)
+    moe = Qwen3NextMoE(Qwen3NextArgs(config), dtype=dtype)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.3).to(p.dtype))
+    return moe
+
+
+def test_qwen3_next_fold_keeps_the_block_output():
+    """The shared expert (32 rows: two experts of 16) folds behind the routed ones; its sigmoid gate joins the
+    router's product. Off the expert kernel (CPU) the shared experts run apart under the gate: the block's
+    output is the unfolded one's (float32; only the products' summation order moves)."""
+    moe = _qwen3_next_moe()
+    x = torch.randn(19, 64)
+    with torch.no_grad():
+        before = moe(x)
+        gate_weight = moe.shared_expert_gate.weight.clone()
+        assert moe.fold_shared_experts() and moe.folded_shared == 2 and moe.shared_expert is None
+        after = moe(x)
+    assert tuple(moe.experts_gate_up.shape) == (10, 32, 64) and tuple(moe.router_and_shared_gate.shape) == (9, 64)
+    assert torch.equal(moe.shared_expert_gate.weight, gate_weight)  # a view of the joint product's last row
+    assert all(p.shape[0] == 8 for p in moe.routed_experts().params)
+    assert before.abs().max() > 0.1
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5 * before.abs().max().item())
+    assert not _qwen3_next_moe(shared_rows=24).fold_shared_experts()  # not whole experts: stays apart
+
+
+def test_qwen3_next_folded_kernel_route_equals_the_unfolded_block(monkeypatch):
+    """Through the kernels (Triton's interpreter here): the joint product's logits, the choice kernel writing
+    the gate's sigmoid into the two shared slots, the expert kernel over the stack with the shared experts'
+    rows; against the unfolded block in float32. float16: the interpreter's bfloat16 ``tl.dot`` multiplies
+    bit patterns."""
+    from triton_kernel_device import DEVICE, KERNELS_RUN, skip_unless_loaded_loop_bounds_work
+
+    if not KERNELS_RUN:
+        pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
+    skip_unless_loaded_loop_bounds_work()
+    from kvforge.models import expert_gemm_route, expert_rows, router_topk
+
+    monkeypatch.setattr(expert_rows, "TRITON_ROWS_DEVICES", (DEVICE,))
+    monkeypatch.setattr(router_topk, "TRITON_ROUTER_DEVICES", (DEVICE,))
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM", True)
+    monkeypatch.setattr(expert_gemm_route, "TRITON_EXPERT_GEMM_DEVICES", (DEVICE,))
+    chosen = []
+    real_choice = router_topk.router_topk
+    monkeypatch.setattr("kvforge.models.qwen3_next.router_topk",
+                        lambda logits, rule: chosen.append(router_topk.use_triton_router(logits, rule))
+                        or real_choice(logits, rule))
+    reference = _qwen3_next_moe()
+    moe = _qwen3_next_moe(dtype=torch.float16).to(DEVICE)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        reference.load_state_dict({k: v.float().cpu() for k, v in moe.state_dict().items()})
+        want = reference(x.half().float())
+        assert moe.fold_shared_experts()
+        assert moe._folded_shared_in_kernel(x.half().to(DEVICE))
+        got = moe(x.half().to(DEVICE)).float().cpu()
+    assert chosen == [True]  # the choice kernel wrote the gated shared slots
+    assert want.abs().max() > 0.1
+    assert (got - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def test_qwen3_next_engine_with_the_fold_matches_transformers(tmp_path, monkeypatch):
+    """A Qwen3-Next checkpoint whose shared expert is two experts' rows: the engine folds it after loading
+    (on CPU by the rule's device list) and its prompt logits match transformers' within the linear-attention
+    engine tests' bound."""
+    pytest.importorskip("transformers")
+    from linear_attention_setup import ENGINE
+    from tiny_checkpoints import make_checkpoint
+
+    from kvforge import LLM
+
+    monkeypatch.setattr(shared_expert_fold, "FOLD_DEVICES", ("cpu",))
+    hf, _ = make_checkpoint("qwen3-next", tmp_path, shared_expert_intermediate_size=64)
+    llm = LLM(str(tmp_path), **ENGINE)
+    folded = [m for m in llm.engine.model.modules() if isinstance(m, Qwen3NextMoE)]
+    assert folded and all(m.folded_shared == 2 for m in folded)
+    ids = torch.randint(3, 128, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    ours = llm.engine.compute_prompt_logits(ids)
+    assert (ours - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_blocks_that_add_the_shared_experts_themselves_do_not_fold():
+    from kvforge.distributed.tp_qwen3_next import TPQwen3NextMoE
+
+    assert TPMoE.FOLDS_SHARED_EXPERTS is False and TPQwen3NextMoE.FOLDS_SHARED_EXPERTS is False
     moe = _moe("v2_greedy")
     moe.FOLDS_SHARED_EXPERTS = False
     assert not moe.fold_shared_experts() and moe.shared_experts is not None

@@ -3,8 +3,8 @@
 compiler rejects fails here. Each variant the engine launches for these kernels must compile:
 
 - the router kernels (choice, and logits with the choice in one launch) for DeepSeek-V2-Lite's softmax
-  top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group)
-  and DeepSeek-V2's group-limited softmax;
+  top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group),
+  DeepSeek-V2's group-limited softmax and Qwen3-Next's softmax with its sigmoid-gated shared slot;
 - the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, and the delta-rule
   gates at both models' head layouts;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
@@ -26,6 +26,7 @@ ROUTER_RULES = {  # name -> (experts, k, shared, rule keyword arguments of the k
     "v3 sigmoid groups": (256, 8, 1, dict(sigmoid=True, n_group=8, topk_group=4, group_top2=True, renorm_eps=1e-20)),
     "kimi sigmoid": (384, 8, 1, dict(sigmoid=True, renorm_eps=1e-20)),
     "v2 group-limited": (160, 6, 2, dict(n_group=8, topk_group=3, renorm_eps=1e-20)),
+    "qwen3-next gated shared": (512, 10, 1, dict(gated_shared=True)),
 }
 #: Pointer element types by argument name (every other pointer float32).
 POINTERS = {"ids_ptr": "*i64", "counter_ptr": "*i32", "x_ptr": "*bf16", "gate_ptr": "*bf16", "out_ptr": "*bf16",

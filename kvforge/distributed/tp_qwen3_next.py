@@ -51,6 +51,8 @@ _PER_VALUE_HEAD = (".linear_attn.dt_bias", ".linear_attn.A_log")
 class TPQwen3NextMoE(Qwen3NextMoE):
     """This rank's experts and shared-expert slice under the full router; one all-reduce."""
 
+    FOLDS_SHARED_EXPERTS = False  # the forward adds this rank's slice of the shared expert itself
+
     def __init__(self, rank_args: Qwen3NextArgs, full_args: Qwen3NextArgs, group: TPGroup, dtype=None):
         super().__init__(rank_args, dtype=dtype)
         self.gate = nn.Linear(full_args.hidden_size, full_args.num_experts, bias=False, dtype=dtype)

@@ -43,6 +43,7 @@ if HAS_TRITON:
         E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, SHARED_PAD: tl.constexpr,
         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr,
         GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
+        GATED_SHARED: tl.constexpr,
     ):  # fmt: skip
         expert = tl.program_id(0)
         rows = tl.arange(0, T_PAD)
@@ -65,7 +66,7 @@ if HAS_TRITON:
                            cache_modifier=".cg")
             store_router_choice(tile, e, source.to(tl.int64), row_ok, logits_ptr, E, bias_ptr, weights_ptr, ids_ptr,
                                 E, scale, K, K_PAD, E_PAD, RENORMALIZE, SHARED, SHARED_PAD, SIGMOID, HAS_BIAS,
-                                N_GROUP, N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS)
+                                N_GROUP, N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS, GATED_SHARED)
             tl.store(counter_ptr, 0)
 
 
@@ -78,12 +79,14 @@ def hidden_block(rows: int, hidden: int) -> int:
 def router_logits_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, scale: float,
                        shared: int, counter: torch.Tensor, *, bias: torch.Tensor | None = None, sigmoid: bool = False,
                        n_group: int = 1, topk_group: int = 1, group_top2: bool = False,
-                       renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       renorm_eps: float = 0.0, gated_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, k + shared], ids int64 [T, k + shared])`` of the router ``weight [E, H]`` over
     ``x [T, H]`` (``T <= MAX_ROWS``): the module docstring; the rule's arguments are
     :func:`kvforge.kernels.triton_router_topk.router_topk`'s. ``counter``: int32 [1], zero, on ``x``'s device."""
     if not HAS_TRITON:
         raise RuntimeError("router_logits_topk needs triton")
+    if gated_shared:
+        raise ValueError("router_logits_topk weighs shared slots 1; a shared gate takes the two-step route")
     t, h = x.shape
     e = weight.shape[0]
     if not 0 < t <= MAX_ROWS:

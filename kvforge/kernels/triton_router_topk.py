@@ -16,7 +16,8 @@ rows at once in the one-launch kernel of kvforge/kernels/triton_router_logits_to
   then they are multiplied by ``scale``.
 
 With ``shared = S`` the rows are ``k + S`` wide: slots ``k .. k + S - 1`` hold the ids ``E .. E + S - 1``
-with weight exactly 1 (shared experts folded behind the routed ones, kvforge/models/shared_expert_fold.py).
+with weight exactly 1 (shared experts folded behind the routed ones, kvforge/models/shared_expert_fold.py),
+or with ``GATED_SHARED`` the sigmoid of logit column ``E`` (a shared MLP's own gate, Qwen3-Next).
 Numerics: float32 throughout; ``exp`` may differ from PyTorch's in the last bit, so weights agree with the
 PyTorch reference (kvforge/models/router_topk.py) to a few float32 ulps, not bit for bit; the group score
 is one float32 addition, as in PyTorch. Choices compare the float32 values exactly (-0.0 equal to +0.0); a
@@ -42,7 +43,7 @@ if HAS_TRITON:
         K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
         SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
         N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-        GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
+        GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr, GATED_SHARED: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)
         e = tl.arange(0, E_PAD)
@@ -50,7 +51,7 @@ if HAS_TRITON:
                     other=float("-inf")).to(tl.float32)
         store_router_choice(x, e, rows, rows >= 0, logits_ptr, stride_t, bias_ptr, weights_ptr, ids_ptr, E,
                             scale, K, K_PAD, E_PAD, RENORMALIZE, SHARED, SHARED_PAD, SIGMOID, HAS_BIAS, N_GROUP,
-                            N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS)
+                            N_GROUP_PAD, GROUP_SIZE, TOPK_GROUP, GROUP_TOP2, RENORM_EPS, GATED_SHARED)
 
     @triton.jit
     def _ordered_key(c, e, E_PAD: tl.constexpr):
@@ -73,7 +74,7 @@ if HAS_TRITON:
         K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
         SHARED: tl.constexpr, SHARED_PAD: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
         N_GROUP: tl.constexpr, N_GROUP_PAD: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-        GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr,
+        GROUP_TOP2: tl.constexpr, RENORM_EPS: tl.constexpr, GATED_SHARED: tl.constexpr,
     ):  # fmt: skip
         """The choice of rows ``rows [R]`` (stored where ``row_ok``) from their float32 logits ``x [R, E_PAD]``
         (lanes ``e >= E`` hold -inf), which also lie at ``logits_ptr + row * stride_t``: the weights and ids
@@ -136,21 +137,25 @@ if HAS_TRITON:
         if SHARED > 0:
             extra = tl.arange(0, SHARED_PAD)[None, :]
             in_s = row_ok[:, None] & (extra < SHARED)
-            tl.store(weights_ptr + rows[:, None] * width + K + extra,
-                     tl.full([x.shape[0], SHARED_PAD], 1.0, tl.float32), mask=in_s)
+            if GATED_SHARED:  # every shared slot weighs the sigmoid of the logit after the experts'
+                gate = tl.load(logits_ptr + rows * stride_t + E, mask=row_ok, other=0.0).to(tl.float32)
+                shared_weight = tl.zeros([x.shape[0], SHARED_PAD], tl.float32) + (1.0 / (1.0 + tl.exp(-gate)))[:, None]
+            else:
+                shared_weight = tl.full([x.shape[0], SHARED_PAD], 1.0, tl.float32)
+            tl.store(weights_ptr + rows[:, None] * width + K + extra, shared_weight, mask=in_s)
             tl.store(ids_ptr + rows[:, None] * width + K + extra,
                      (E + extra).to(tl.int64) + tl.zeros([x.shape[0], SHARED_PAD], tl.int64), mask=in_s)
 
 
 def choice_constexprs(k: int, renormalize: bool, shared: int, experts: int, *, sigmoid: bool = False,
                       has_bias: bool = False, n_group: int = 1, topk_group: int = 1, group_top2: bool = False,
-                      renorm_eps: float = 0.0) -> dict:
+                      renorm_eps: float = 0.0, gated_shared: bool = False) -> dict:
     """The compile-time arguments of :func:`store_router_choice` for a rule over ``experts`` experts, checked:
     ``ValueError`` names a rule the kernel cannot run."""
     if not 0 < k <= experts or experts > MAX_EXPERTS:
         raise ValueError(f"top-{k} of {experts} experts: need 0 < k <= E <= {MAX_EXPERTS}")
-    if shared < 0:
-        raise ValueError(f"shared slots must be >= 0, got {shared}")
+    if shared < 0 or (gated_shared and not shared):
+        raise ValueError(f"shared slots must be >= 0 (>= 1 with a shared gate), got {shared}")
     if not 1 <= topk_group <= n_group <= MAX_GROUPS or experts % n_group:
         raise ValueError(f"{experts} experts in {n_group} groups keeping {topk_group}: need equal groups and "
                          f"1 <= topk_group <= n_group <= {MAX_GROUPS}")
@@ -161,21 +166,24 @@ def choice_constexprs(k: int, renormalize: bool, shared: int, experts: int, *, s
                 RENORMALIZE=renormalize, SHARED=shared, SHARED_PAD=triton.next_power_of_2(max(shared, 1)),
                 SIGMOID=sigmoid, HAS_BIAS=has_bias, N_GROUP=n_group, N_GROUP_PAD=triton.next_power_of_2(n_group),
                 GROUP_SIZE=group_size, TOPK_GROUP=topk_group, GROUP_TOP2=group_top2,
-                RENORM_EPS=float(renorm_eps))
+                RENORM_EPS=float(renorm_eps), GATED_SHARED=gated_shared)
 
 
 def router_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0, shared: int = 0, *,
                 bias: torch.Tensor | None = None, sigmoid: bool = False, n_group: int = 1, topk_group: int = 1,
-                group_top2: bool = False, renorm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                group_top2: bool = False, renorm_eps: float = 0.0,
+                gated_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights float32 [T, k + shared], ids int64 [T, k + shared])`` of ``logits [T, E]`` (see the module
-    docstring); ``bias``: ``[E]`` added to the scores for the choice only."""
+    docstring); ``bias``: ``[E]`` added to the scores for the choice only; ``gated_shared``: ``logits`` are
+    ``[T, E + 1]`` and every shared slot weighs the sigmoid of the last column."""
     if not HAS_TRITON:
         raise RuntimeError("router_topk needs triton")
     if logits.dim() != 2 or not logits.is_floating_point() or logits.stride(1) != 1:
         raise ValueError(f"logits must be a float [T, E] tensor contiguous along E, got {tuple(logits.shape)}")
-    t, e = logits.shape
+    t, e = logits.shape[0], logits.shape[1] - (1 if gated_shared else 0)
     consts = choice_constexprs(k, renormalize, shared, e, sigmoid=sigmoid, has_bias=bias is not None,
-                               n_group=n_group, topk_group=topk_group, group_top2=group_top2, renorm_eps=renorm_eps)
+                               n_group=n_group, topk_group=topk_group, group_top2=group_top2, renorm_eps=renorm_eps,
+                               gated_shared=gated_shared)
     if bias is not None and (bias.shape != (e,) or bias.device != logits.device or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [E] = [{e}] on the logits' device, got {tuple(bias.shape)}")
     weights = torch.empty((t, k + shared), dtype=torch.float32, device=logits.device)

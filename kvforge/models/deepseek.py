@@ -398,7 +398,19 @@ class MoE(nn.Module):
         expert kernel takes the step (decode-sized steps). In larger steps ``torch._grouped_mm`` would gather
         every token's row once more per shared expert, so they run apart (:meth:`_folded_shared_apart`)."""
         s, t = self.folded_shared, x.shape[0]
-        return use_triton_expert_gemm(t * (self.gate.a.top_k + s), x, self.experts_gate_up, s, t * s)
+        return use_triton_expert_gemm(t * (self.routed_per_token() + s), x, self.experts_gate_up, s, t * s)
+
+    def routed_per_token(self) -> int:
+        """The routed experts each token takes (the router's top-k)."""
+        return self.gate.a.top_k
+
+    def _shared_mlp(self) -> nn.Module | None:
+        """The shared experts' gated MLP that :meth:`fold_shared_experts` folds (None: nothing to fold)."""
+        return self.shared_experts
+
+    def _drop_shared_mlp(self) -> None:
+        """After the fold: the shared MLP's module goes (its weights now sit in the stack)."""
+        self.shared_experts = None
 
     @torch.no_grad()
     def fold_shared_experts(self) -> bool:
@@ -407,7 +419,7 @@ class MoE(nn.Module):
         the shared experts' module is dropped."""
         if not self.FOLDS_SHARED_EXPERTS or self.folded_shared:
             return False
-        mlp = self.shared_experts
+        mlp = self._shared_mlp()
         if mlp is None:
             return False
         gate_up, down = mlp.gate_up_proj.weight, mlp.down_proj.weight  # [2 * S * I, H] (gate rows, up rows), [H, S * I]
@@ -425,7 +437,7 @@ class MoE(nn.Module):
         stacked_down[e:] = down.view(hidden, s, i).permute(1, 0, 2)
         self.experts_gate_up = nn.Parameter(stacked_gate_up, requires_grad=False)
         self.experts_down = nn.Parameter(stacked_down, requires_grad=False)
-        self.shared_experts = None
+        self._drop_shared_mlp()
         self.folded_shared = s
         return True
 

@@ -40,7 +40,7 @@ from kvforge.models.delta_gates import delta_gates
 from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, get_activation
 from kvforge.models.routed_experts import RoutedExperts
-from kvforge.models.router_topk import softmax_topk
+from kvforge.models.router_topk import RouterRule, router_topk, softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -217,9 +217,13 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextMoE(MoE):
-    """Softmax top-k routed experts plus one sigmoid-gated shared expert (routing as HF Qwen3-Next)."""
+    """Softmax top-k routed experts plus one sigmoid-gated shared expert (routing as HF Qwen3-Next).
 
-    FOLDS_SHARED_EXPERTS = False  # the shared expert's weight is a per-token sigmoid, not 1
+    Folded (:meth:`MoE.fold_shared_experts`), the shared expert joins the stack as ``S`` experts whose
+    slots weigh ``sigmoid(shared_expert_gate(x))``: the router's and the shared gate's weights become one
+    ``[E + 1, H]`` product, and the choice kernel writes the gate's sigmoid into the shared slots
+    (``RouterRule.gated_shared``). Steps the expert kernel does not take run the shared experts apart, the
+    gate applied as the unfolded block applies it."""
 
     def __init__(self, a: Qwen3NextArgs, dtype=None):
         nn.Module.__init__(self)
@@ -232,6 +236,22 @@ class Qwen3NextMoE(MoE):
         self.shared_expert = GatedMLP(h, a.shared_expert_intermediate_size, a.hidden_act, dtype=dtype)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
 
+    def routed_per_token(self) -> int:
+        return self.top_k
+
+    def _shared_mlp(self) -> nn.Module | None:
+        return self.shared_expert
+
+    def _drop_shared_mlp(self) -> None:
+        """The shared MLP goes; the router's and the shared gate's weights become views of one ``[E + 1, H]``
+        tensor, :attr:`router_and_shared_gate` (one product gives both)."""
+        self.shared_expert = None
+        e = self.gate.weight.shape[0]
+        both = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
+        self.router_and_shared_gate = both
+        self.gate.weight = nn.Parameter(both[:e], requires_grad=False)
+        self.shared_expert_gate.weight = nn.Parameter(both[e:], requires_grad=False)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of the router (the experts it holds all of)."""
         logits = self.gate(x)
@@ -243,13 +263,27 @@ class Qwen3NextMoE(MoE):
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.folded_shared
+        if s:
+            logits = F.linear(x, self.router_and_shared_gate)  # [T, E + 1] in x's dtype, as the two gates'
+            e = logits.shape[1] - 1
+            if self._folded_shared_in_kernel(x):
+                rule = RouterRule(self.top_k, self.norm_topk_prob, shared=s, gated_shared=True)
+                weights, ids = router_topk(logits, rule)
+                return self.routed(x, weights.to(x.dtype), ids, shared_slots=s)
+            weights, ids = softmax_topk(logits[:, :e], self.top_k, self.norm_topk_prob)
+            shared = torch.sigmoid(logits[:, e:]) * self._folded_shared_apart(x)
+            return self.routed(x, weights.to(x.dtype), ids, addend=shared)
         shared = self.shared(x)
         weights, ids = self.route(x)
         return self.routed(x, weights, ids, addend=shared)
 
     def routed_experts(self) -> RoutedExperts:
-        """The stacked experts, top-k of the router's (a plain linear) experts."""
-        return RoutedExperts((self.experts_gate_up, self.experts_down), self.top_k, self.gate.weight.shape[0])
+        """The stacked experts (folded shared experts left out), top-k of the router's (a plain linear)
+        experts."""
+        held = self.experts_down.shape[0] - self.folded_shared
+        return RoutedExperts((self.experts_gate_up[:held], self.experts_down[:held]), self.top_k,
+                             self.gate.weight.shape[0])
 
 
 class Qwen3NextDecoderLayer(nn.Module):

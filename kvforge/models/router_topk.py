@@ -44,7 +44,9 @@ class RouterRule:
       DeepSeek-V3); only the ``topk_group`` best groups' experts can be chosen;
     - the ``k`` largest choice values, in descending order; their weights are the scores (not the biased
       values), divided by their sum plus ``renorm_eps`` when ``renormalize``, then times ``scale``;
-    - ``shared`` slots appended (:func:`with_shared_slots`).
+    - ``shared`` slots appended (:func:`with_shared_slots`) at weight 1, or, with ``gated_shared``, at the
+      sigmoid of one more logit after the experts' (the logits are ``[T, E + 1]``: a shared MLP's own gate
+      scaling all its slots, Qwen3-Next's ``shared_expert_gate``).
     """
 
     k: int
@@ -56,6 +58,7 @@ class RouterRule:
     topk_group: int = 1
     group_score: str = "max"
     renorm_eps: float = 0.0
+    gated_shared: bool = False
 
     def __post_init__(self):
         if self.k < 1 or self.shared < 0:
@@ -65,11 +68,19 @@ class RouterRule:
             raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got {self.topk_group}")
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if self.gated_shared and not self.shared:
+            raise ValueError("gated_shared weighs shared slots: give shared >= 1")
+
+    def experts(self, logits_width: int) -> int:
+        """The experts among ``logits_width`` logit columns (the last one is the shared gate's with
+        ``gated_shared``)."""
+        return logits_width - 1 if self.gated_shared else logits_width
 
     def kernel_arguments(self) -> dict:
         """The rule as the kernels' keyword arguments (kvforge/kernels/triton_router_topk.py)."""
         return dict(sigmoid=self.sigmoid, n_group=self.n_group, topk_group=self.topk_group,
-                    group_top2=self.group_score == "top2_sum", renorm_eps=self.renorm_eps)
+                    group_top2=self.group_score == "top2_sum", renorm_eps=self.renorm_eps,
+                    gated_shared=self.gated_shared)
 
     def fits(self, experts: int) -> bool:
         """Whether the rule can choose over ``experts``: equal groups holding at least ``k`` kept experts."""
@@ -78,20 +89,25 @@ class RouterRule:
         return self.n_group == 1 or self.topk_group * (experts // self.n_group) >= self.k
 
 
-def with_shared_slots(weights: torch.Tensor, ids: torch.Tensor, first: int,
-                      shared: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weights``/``ids [T, k]`` with ``shared`` slots appended: ids ``first .. first + shared - 1``, weight 1."""
+def with_shared_slots(weights: torch.Tensor, ids: torch.Tensor, first: int, shared: int,
+                      gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights``/``ids [T, k]`` with ``shared`` slots appended: ids ``first .. first + shared - 1``, weight 1,
+    or ``gate [T]`` (each token's weight for every shared slot) where given."""
     if not shared:
         return weights, ids
     t = ids.shape[0]
     extra = torch.arange(first, first + shared, dtype=ids.dtype, device=ids.device).expand(t, shared)
-    return torch.cat([weights, weights.new_ones(t, shared)], 1), torch.cat([ids, extra], 1)
+    extra_weights = weights.new_ones(t, shared) if gate is None else gate.to(weights.dtype)[:, None].expand(t, shared)
+    return torch.cat([weights, extra_weights], 1), torch.cat([ids, extra], 1)
 
 
 def router_topk_reference(logits: torch.Tensor, rule: RouterRule,
                           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch: the rule's choice (:class:`RouterRule`) with ``torch.topk``."""
     logits = logits.float()
+    gate = None
+    if rule.gated_shared:
+        gate, logits = logits[:, -1].sigmoid(), logits[:, :-1]
     t, e = logits.shape
     scores = logits.sigmoid() if rule.sigmoid else logits.softmax(dim=-1)
     choice = scores + bias.float() if bias is not None else scores
@@ -110,7 +126,7 @@ def router_topk_reference(logits: torch.Tensor, rule: RouterRule,
         weights = weights / (weights.sum(dim=-1, keepdim=True) + rule.renorm_eps)
     if rule.scale != 1.0:
         weights = weights * rule.scale
-    return with_shared_slots(weights, ids, e, rule.shared)
+    return with_shared_slots(weights, ids, e, rule.shared, gate)
 
 
 def softmax_topk_reference(logits: torch.Tensor, k: int, renormalize: bool, scale: float = 1.0,
@@ -129,9 +145,10 @@ def use_triton_router(logits: torch.Tensor, rule: RouterRule | None = None) -> b
         return False
     from kvforge.kernels import triton_router_topk
 
+    experts = rule.experts(logits.shape[-1]) if rule is not None else logits.shape[-1]
     return (triton_router_topk.HAS_TRITON and logits.dim() == 2 and logits.stride(-1) == 1
-            and logits.shape[-1] <= triton_router_topk.MAX_EXPERTS
-            and (rule is None or (rule.fits(logits.shape[-1]) and rule.n_group <= triton_router_topk.MAX_GROUPS)))
+            and experts <= triton_router_topk.MAX_EXPERTS
+            and (rule is None or (rule.fits(experts) and rule.n_group <= triton_router_topk.MAX_GROUPS)))
 
 
 def router_topk(logits: torch.Tensor, rule: RouterRule,
@@ -155,7 +172,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool, scale: float =
 def use_fused_router_logits(x: torch.Tensor, weight: torch.Tensor, rule: RouterRule | None = None) -> bool:
     """Whether :func:`route` runs the logits-and-choice kernel for ``x [T, H]`` and ``weight [E, H]``: the
     router kernels' switches, 1 to ``MAX_ROWS`` tokens, at most ``MAX_EXPERTS`` experts, rows contiguous
-    along the hidden size, a rule the choice kernel runs."""
+    along the hidden size, a rule the choice kernel runs without a shared gate."""
     if not (FUSED_ROUTER_LOGITS and _kernels_may_serve(x)):
         return False
     from kvforge.kernels import triton_router_logits_topk as fused
@@ -164,7 +181,8 @@ def use_fused_router_logits(x: torch.Tensor, weight: torch.Tensor, rule: RouterR
     return (fused.HAS_TRITON and x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= fused.MAX_ROWS
             and weight.shape[0] <= fused.MAX_EXPERTS and x.stride(-1) == 1 and weight.stride(-1) == 1
             and weight.device == x.device
-            and (rule is None or (rule.fits(weight.shape[0]) and rule.n_group <= triton_router_topk.MAX_GROUPS)))
+            and (rule is None or (rule.fits(weight.shape[0]) and rule.n_group <= triton_router_topk.MAX_GROUPS
+                                  and not rule.gated_shared)))
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, rule: RouterRule, bias: torch.Tensor | None = None,
