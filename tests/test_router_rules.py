@@ -207,3 +207,33 @@ def test_a_gated_shared_slot_weighs_the_sigmoid_of_the_last_logit(device, shared
         RouterRule(4, gated_shared=True)
     assert not router_topk.use_fused_router_logits(torch.empty(1, 8, device="meta"),
                                                    torch.empty(17, 8, device="meta"), rule)
+
+
+def test_gpt_oss_router_is_the_softmax_over_its_top_k(device):
+    """gpt-oss's router (HF: ``torch.topk`` of ``x @ W.T + b``, then a softmax over the k values) as the
+    softmax rule renormalised over the chosen experts, through the choice kernel or the PyTorch reference;
+    against float64."""
+    from kvforge.models.gpt_oss import GptOssArgs, GptOssRouter
+
+    config = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48, vocab_size=64,
+                  max_position_embeddings=512, rms_norm_eps=1e-5, sliding_window=8, num_local_experts=32,
+                  num_experts_per_tok=4)
+    router = GptOssRouter(GptOssArgs(config), dtype=torch.float32)
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 64, generator=g) * 0.3)
+        router.bias.copy_(torch.randn(32, generator=g))
+    x = torch.randn(6, 64, generator=g)
+    logits = x.double() @ router.weight.double().T + router.bias.double()
+    top, want_ids = logits.topk(4, dim=-1)
+    # float32 logits: within 65 ulps of the sum of |terms| (64 products and the bias)
+    logit_err = 65 * 2.0**-24 * (x.double().abs() @ router.weight.double().abs().T + router.bias.double().abs()).max()
+    assert (top[:, 3] - logits.topk(5, dim=-1).values[:, 4]).min() > 2 * logit_err  # a clear choice
+    router.to(device)
+    with torch.no_grad():
+        w, ids = router(x.to(device))
+    assert w.dtype == torch.float32 and torch.equal(ids.cpu(), want_ids)
+    want_w = torch.softmax(top, dim=-1)
+    # each weight exp(l_i - l_max) / sum: moved by the logits' errors (twice) and a few float32 roundings
+    assert ((w.cpu().double() - want_w) / want_w).abs().max() <= 2 * logit_err + 8 * 2.0**-24

@@ -40,6 +40,7 @@ from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
 from kvforge.models.routed_experts import RoutedExperts
+from kvforge.models.router_topk import RouterRule, router_topk
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -149,7 +150,10 @@ class GptOssAttention(nn.Module):
 
 
 class GptOssRouter(nn.Module):
-    """Top-k routing: softmax over the k largest ``x @ weight.T + bias`` logits."""
+    """Top-k routing: softmax over the k largest ``x @ weight.T + bias`` logits, which is the softmax over
+    all of them renormalised over the k chosen: :func:`router_topk`'s softmax rule with ``renormalize``
+    (one kernel on CUDA after the product, where ``torch.topk`` and a softmax were two; ties go to the lower
+    expert index)."""
 
     def __init__(self, a: GptOssArgs, dtype=None):
         super().__init__()
@@ -159,8 +163,9 @@ class GptOssRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in the logits' dtype, expert ids [T, k])."""
-        top, ids = torch.topk(F.linear(x, self.weight, self.bias), self.top_k, dim=-1)
-        return torch.softmax(top, dim=-1), ids
+        logits = F.linear(x, self.weight, self.bias)
+        weights, ids = router_topk(logits, RouterRule(self.top_k, renormalize=True))
+        return weights.to(logits.dtype), ids
 
 
 class GptOssExperts(nn.Module):
