@@ -148,6 +148,7 @@ class LLMEngine:
             logger.info("  MLA prefill mode %s (--mla-prefill-mode)", args.mla_prefill_mode)
 
         if platform == "cuda" and args.tensor_parallel_size == 1:  # the device holds what the plan sets aside
+            # (under tensor parallelism each rank checks its own GPU, kvforge/distributed/launcher.py)
             from kvforge.engine.device_memory import check_device_memory
 
             check_device_memory(self.plan, self.device, kv_from_flag=args.kv_cache_memory is not None,
