@@ -8,8 +8,9 @@ follow transformers' greedy stream until a near-tie within that tolerance (tests
 batch composition and chunking change the summation order. Also: the decode steps on the CUDA-graph
 path's static slot buffers (run eagerly on CPU), preemption and recompute under memory pressure (a
 recomputed sequence's first chunk must not read its slot), a repeated batch (prefix caching is off
-for state layers: no hit, the same tokens), the admitted concurrency equal to the plan's, and the
-fp8 latent cache of Kimi-Linear's MLA layers with the state in the model dtype.
+for state layers: no hit, the same tokens), the admitted concurrency equal to the plan's, the
+fp8 latent cache of Kimi-Linear's MLA layers with the state in the model dtype, and asynchronous
+scheduling (stops, slot reuse and preemption with a step in flight).
 """
 
 from __future__ import annotations
@@ -215,20 +216,62 @@ def test_kimi_linear_fp8_latent_cache_gain_equals_the_plan(tmp_path, engines):
     assert [len(t) for t in got] == [4, 4]
 
 
-def test_linear_attention_engines_refuse_async_before_weights(tmp_path, monkeypatch):
-    """(Tensor parallelism runs these models; a TP size that does not divide their heads is refused in
-    tests/test_tp_linear_attention.py.)"""
-    import kvforge.weights as weights
-    from kvforge import LLM
-    from kvforge.errors import ConfigError
+@pytest.mark.parametrize("decode_path", ["eager", "static"])
+@pytest.mark.parametrize("case", CASES)
+def test_async_scheduling_follows_transformers(case, decode_path, tmp_path, engines):
+    """``--async-scheduling`` (opt-in for these models): the host schedules step N+1 while step N runs, so a
+    sequence that stops in step N has already been scheduled into N+1 (a wasted row that writes its state
+    slot) and gives its slot back only when N resolves; two sequences at a time make later prompts take
+    freed slots, whose first chunks must ignore what the wasted rows wrote. Sequences stop at different
+    lengths and one on a stop token; every stream follows transformers' greedy one."""
+    hf, _ = make_checkpoint(case, tmp_path)
+    llm = engines(tmp_path, async_scheduling=True, max_num_seqs=2)
+    engine = llm.engine
+    assert engine.async_scheduling
+    if decode_path == "static":  # decode steps on the CUDA-graph path's static slot buffers
+        engine.runner = _static_decode_runner(engine)
+    prompts = _prompts() + [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(6)).tolist()
+                            for n in (13, 30)]
+    tol = _tolerance(hf, prompts)
+    expected = [_hf_greedy(hf, p) for p in prompts]
+    stop_at = expected[1][0][2]  # prompt 1 stops on its third greedy token (and any earlier occurrence)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 8, 3, 6, 1, 5)]
+    params[1] = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at])
+    got = _generate(llm, prompts, params)
+    for k, (tokens, (want, margins), p) in enumerate(zip(got, expected, params)):
+        want = want[:p.max_tokens]
+        if p.stop_token_ids:
+            want = want[:want.index(stop_at) + 1]
+        assert_greedy_agrees(tokens, want, margins, tol, what=f"{case} async prompt {k}")
+        assert len(tokens) == len(want)
+    assert engine.state_slots.num_free == engine.state_slots.num_slots
+    if decode_path == "static":
+        assert engine.runner.num_graph_steps > 0
 
-    def no_weights(*args, **kwargs):
-        raise AssertionError("weights must not be read")
 
-    monkeypatch.setattr(weights, "load_weights", no_weights)
+@pytest.mark.parametrize("case", CASES)
+def test_async_scheduling_under_preemption(case, tmp_path, engines):
+    """The preemption test's memory pressure with the host a step ahead: a preempted sequence may have a
+    token in flight, gives its slot back at once and recomputes from a zero state."""
+    hf, _ = make_checkpoint(case, tmp_path)
+    llm = engines(tmp_path, async_scheduling=True)
+    engine = llm.engine
+    bm = engine.block_manager
+    hog = Sequence("hog", [1] * (4 * (bm.num_free_blocks - 18)), SamplingParams(max_tokens=1))
+    assert bm.allocate(hog, cached_blocks=[]) and bm.num_free_blocks == 18
+    prompts = _prompts()
+    tol = _tolerance(hf, prompts)
+    got = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert engine.stats()["num_preemptions"] > 0
+    for k, (tokens, p) in enumerate(zip(got, prompts)):
+        want, margins = _hf_greedy(hf, p)
+        assert_greedy_agrees(tokens, want, margins, tol, what=f"{case} async preempted prompt {k}")
+    assert engine.state_slots.num_free == engine.state_slots.num_slots
+
+
+def test_linear_attention_engines_schedule_synchronously_by_default(tmp_path, engines):
     make_checkpoint("qwen3-next", tmp_path)
-    with pytest.raises(ConfigError, match="async-scheduling is not supported for linear-attention"):
-        LLM(str(tmp_path), **{**ENGINE, "async_scheduling": True})
+    assert not engines(tmp_path).engine.async_scheduling
 
 
 @pytest.mark.gpu

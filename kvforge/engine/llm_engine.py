@@ -105,9 +105,6 @@ class LLMEngine:
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
         # Linear-attention layers (Qwen3-Next, Kimi-Linear): one state slot per running sequence, from the plan.
         self.has_linear_state = any(layer.kind == "state" for layer in self.plan.layers)
-        if self.has_linear_state and args.async_scheduling:
-            raise ConfigError("--async-scheduling is not supported for linear-attention models: their per-sequence "
-                              "state slots are bound to the synchronous step; drop --async-scheduling")
         if self.spec.rings and args.async_scheduling:
             raise ConfigError("--async-scheduling is not supported for ring (CsaRing) models: their per-request "
                               "state slots are bound to the synchronous step; drop --async-scheduling")
@@ -234,7 +231,8 @@ class LLMEngine:
         self.num_steps = 0
         self.prefill_tokens_computed = 0
         # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
-        # (works on CPU/gloo, not yet measured on GPUs) and for ring models (refused above).
+        # and for linear-attention models (both work on CPU, not yet measured on GPUs), refused for ring
+        # models (above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
                                  else platform == "cuda" and self.tp is None and self.state_slots is None)
         # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
@@ -607,7 +605,7 @@ class LLMEngine:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
         for seq in out.preempted:
             self._discard_proposer_state(seq.request_id)
-        if self.state_slots is not None:  # ring and linear-attention models (synchronous only)
+        if self.state_slots is not None:  # ring and linear-attention models
             for seq in out.preempted:  # it recomputes from its prompt: its first chunk starts from a zero state
                 self.state_slots.release(seq.request_id)
             held = self.state_slots.held
