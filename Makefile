@@ -12,7 +12,7 @@ TRITON_PIN ?= triton==3.6.0
 # Test processes (pytest-xdist; each test file stays in one process, every process runs torch on one thread).
 TEST_WORKERS ?= 2
 
-.PHONY: demo test install install-test lint clean
+.PHONY: demo test test-gpu install install-test lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,14 @@ demo: install
 test: install-test
 	$(BIN)/ruff check kvforge tests
 	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# On a CUDA machine, in its own Python environment (CUDA torch and Triton installed, not .venv): the test
+# files with CUDA paths or GPU-compiled kernels (tests/gpu_test_files.txt) in GPU_TEST_WORKERS processes
+# sharing the GPU, then the activation-reserve test alone (it plans the whole GPU).
+GPU_TEST_WORKERS ?= 16
+test-gpu:
+	$(PY) -m pytest -q -rfE -n $(GPU_TEST_WORKERS) $$(cat tests/gpu_test_files.txt)
+	$(PY) -m pytest -q -rfE tests/test_activation_reserve_gpu.py
 
 lint: install-test
 	$(BIN)/ruff check kvforge tests
