@@ -240,11 +240,16 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
     if experts:
         top_k = int(_cfg(config, "num_experts_per_tok", default=1))
         moe = int(_cfg(config, "moe_intermediate_size", "intermediate_size"))
-        slots = t * top_k * ROUTING_BYTES_PER_SLOT
-        router = t * experts * (e + 2 * f) + slots
-        rows = t * top_k if fused else t
+        shared = int(_cfg(config, "shared_expert_intermediate_size", default=0))
+        # Folded into the stack where its rows are whole experts (as _moe_phase's DeepSeek blocks)
+        n_shared = shared // moe if shared and shared % moe == 0 else 0
+        folded = fused and tp == 1 and n_shared > 0 and kernel_takes_rows(t * top_k, experts)
+        per_token = top_k + (n_shared if folded else 0)
+        slots = t * per_token * ROUTING_BYTES_PER_SLOT
+        router = t * (experts + 1) * (e + 2 * f) + slots
+        rows = t * per_token if fused else t
         routed = rows * (4 * moe + 2 * h) * e + slots + t * h * e
-        shared = int(_cfg(config, "shared_expert_intermediate_size", default=0)) // tp
+        shared = 0 if folded else shared // tp
         shared_phase = 2 * t * h * e + _mlp_phase(t, h, shared, e, fused) if shared else 0
         phases["routed experts"] = mlp_stream + max(router, routed, shared_phase + t * h * e)
     return phases
