@@ -90,3 +90,14 @@ def test_a_failed_pool_allocation_names_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match=r"1\.00 GiB of the device are free and PyTorch's allocator holds "
                                           r"27\.00 GiB unused.*--gpu-memory-utilization"):
         KVPool(plan, "cpu")
+
+
+def test_a_plan_for_more_memory_than_the_device_names_gpu_memory():
+    """``--gpu-memory 200GiB`` on a 141 GiB device: the utilization that fits is a share of the 200 GiB."""
+    plan = kvforge.plan("llama-3.1-8b", device="cuda", gpu_memory=200 * GIB, gpu_memory_utilization=0.9)
+    memory = DeviceMemory(total=TOTAL, free=TOTAL - GIB)
+    problem = memory_shortfall(plan, memory, False, 0.9, planned_device_bytes=200 * GIB)
+    utilization = float(re.search(r"--gpu-memory-utilization (\d\.\d\d) or less of --gpu-memory 200\.00 GiB",
+                                  problem).group(1))
+    again = kvforge.plan("llama-3.1-8b", device="cuda", gpu_memory=200 * GIB, gpu_memory_utilization=utilization)
+    assert _need(again) <= memory.available

@@ -124,7 +124,7 @@ def setup_rank(ctx: dict, group):
         from kvforge.engine.device_memory import check_device_memory
 
         check_device_memory(plan, group.device, kv_from_flag=args.kv_cache_memory is not None,
-                            utilization=args.gpu_memory_utilization)
+                            utilization=args.gpu_memory_utilization, planned_device_bytes=args.gpu_memory)
     torch.manual_seed(args.seed)
     model = build_tp_model(ctx["hf_config"], TORCH_DTYPES[ctx["model_dtype"]], group.device, group, plan)
     load_weights(model, ctx["model_path"], ctx["load_format"], seed=args.seed,

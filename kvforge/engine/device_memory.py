@@ -63,10 +63,11 @@ def planned_bytes(plan: KVPlan) -> tuple[int, int, int]:
     return weights, activations, plan.capacity.kv_cache_memory or 0
 
 
-def memory_shortfall(plan: KVPlan, memory: DeviceMemory, kv_from_flag: bool, utilization: float) -> str | None:
+def memory_shortfall(plan: KVPlan, memory: DeviceMemory, kv_from_flag: bool, utilization: float,
+                     planned_device_bytes: int | None = None) -> str | None:
     """None when the plan's bytes fit in ``memory.available``; else the error text: what the plan needs,
     what is free, and the fix (``kv_from_flag``: the KV size came from ``--kv-cache-memory``, else from
-    ``utilization`` of the device)."""
+    ``utilization`` of ``planned_device_bytes``, ``--gpu-memory`` where given, else the device's total)."""
     weights, activations, kv = planned_bytes(plan)
     need = weights + activations + kv
     if need <= memory.available:
@@ -82,15 +83,19 @@ def memory_shortfall(plan: KVPlan, memory: DeviceMemory, kv_from_flag: bool, uti
     room = memory.available - fixed
     if kv_from_flag:
         return f"{head}; fix: --kv-cache-memory {room / GIB:.2f}GiB or less, or free the device"
-    # The largest utilization whose plan fits: (weights + activations + KV) = utilization x total.
-    fits = int(memory.available / memory.total * 100) / 100
-    return (f"{head}; fix: --gpu-memory-utilization {fits:.2f} or less (now {utilization}), "
+    # The largest utilization whose plan fits: (weights + activations + KV) = utilization x planned bytes.
+    planned = planned_device_bytes or memory.total
+    fits = int(memory.available / planned * 100) / 100
+    of = "" if planned_device_bytes is None else f" of --gpu-memory {planned / GIB:.2f} GiB"
+    return (f"{head}; fix: --gpu-memory-utilization {fits:.2f} or less{of} (now {utilization}), "
             f"--kv-cache-memory {room / GIB:.2f}GiB or less, or free the device")
 
 
-def check_device_memory(plan: KVPlan, device: torch.device, kv_from_flag: bool, utilization: float) -> None:
-    """ConfigError (before any weight is read) when ``device`` cannot hold the plan's bytes now."""
-    problem = memory_shortfall(plan, DeviceMemory.of(device), kv_from_flag, utilization)
+def check_device_memory(plan: KVPlan, device: torch.device, kv_from_flag: bool, utilization: float,
+                        planned_device_bytes: int | None = None) -> None:
+    """ConfigError (before any weight is read) when ``device`` cannot hold the plan's bytes now
+    (``planned_device_bytes``: ``--gpu-memory`` where the plan was made for that much)."""
+    problem = memory_shortfall(plan, DeviceMemory.of(device), kv_from_flag, utilization, planned_device_bytes)
     if problem is not None:
         raise ConfigError(problem)
 

@@ -149,7 +149,7 @@ class LLMEngine:
             from kvforge.engine.device_memory import check_device_memory
 
             check_device_memory(self.plan, self.device, kv_from_flag=args.kv_cache_memory is not None,
-                                utilization=args.gpu_memory_utilization)
+                                utilization=args.gpu_memory_utilization, planned_device_bytes=args.gpu_memory)
 
         # The planned backends' implementations, imported before any weight is read: one that cannot
         # load here (a missing dependency, a bad KVFORGE_* setting) fails now, not after the weights.
