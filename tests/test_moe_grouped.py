@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_params import fill_normal
 
 from kvforge.models.deepseek import DeepseekArgs, MoE
 from kvforge.models.grouped_mm import grouped_mm_problem
@@ -27,11 +28,7 @@ CFG = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hi
 
 def _moe(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    moe = MoE(DeepseekArgs(CFG), dtype=dtype)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.2).to(p.dtype))
-    return moe
+    return fill_normal(MoE(DeepseekArgs(CFG), dtype=dtype), 0.2)
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 37])

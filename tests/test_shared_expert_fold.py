@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from random_params import fill_normal
 
 from kvforge.bench.roofline import matmul_params_per_token, step_weight_bytes
 from kvforge.distributed.tp_deepseek import TPMoE
@@ -37,10 +38,8 @@ ROUTERS = {
 
 def _moe(router: str, dtype=torch.float32, seed=0) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(DeepseekArgs({**BASE, **ROUTERS[router]}), dtype=dtype)
+    moe = fill_normal(MoE(DeepseekArgs({**BASE, **ROUTERS[router]}), dtype=dtype), 0.2)
     with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.2).to(p.dtype))
         if hasattr(moe.gate, "e_score_correction_bias"):
             moe.gate.e_score_correction_bias.normal_(0, 0.1)
     return moe
@@ -137,11 +136,7 @@ def _qwen3_next_moe(shared_rows: int = 32, dtype=torch.float32, seed=0) -> Qwen3
     config = {**PRESETS["qwen3-next-80b-a3b"], "hidden_size": 64, "num_experts": 8, "num_experts_per_tok": 3,
               "moe_intermediate_size": 16, "shared_expert_intermediate_size": shared_rows}
     torch.manual_seed(seed)
-    moe = Qwen3NextMoE(Qwen3NextArgs(config), dtype=dtype)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_(torch.randn_like(p, dtype=torch.float32).mul_(0.3).to(p.dtype))
-    return moe
+    return fill_normal(Qwen3NextMoE(Qwen3NextArgs(config), dtype=dtype), 0.3)
 
 
 def test_qwen3_next_fold_keeps_the_block_output():
