@@ -95,3 +95,33 @@ def test_profile_categories_take_the_engines_kernels_by_name():
     assert kernel_category(triton_cache_write._write_kv_kernel.__name__) == "kv_write"
     assert kernel_category("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"  # a cuBLAS kernel's name
     assert kernel_category("triton_red_fused_add_rms_norm") == "other"
+    from kvforge.kernels import (
+        triton_causal_conv1d,
+        triton_delta_gates,
+        triton_expert_gemm,
+        triton_expert_rows,
+        triton_gated_delta_rule,
+        triton_gated_rms_norm,
+        triton_router_logits_topk,
+        triton_router_topk,
+    )
+
+    assert kernel_category(triton_expert_gemm._expert_gemm_kernel.__name__) == "gemm"
+    for fn in (triton_router_topk._router_topk_kernel, triton_router_logits_topk._router_logits_topk_kernel,
+               triton_expert_rows._group_rows_kernel, triton_expert_rows._combine_rows_kernel):
+        assert kernel_category(fn.__name__) == "moe_routing", fn.__name__
+    for fn in (triton_gated_delta_rule._recurrent_kernel, triton_gated_delta_rule._chunked_kernel,
+               triton_causal_conv1d._conv1d_decode_kernel, triton_causal_conv1d._conv1d_prefill_kernel,
+               triton_delta_gates._delta_gates_kernel, triton_gated_rms_norm._gated_rms_norm_kernel):
+        assert kernel_category(fn.__name__) == "linear_attention", fn.__name__
+
+
+def test_a_profile_lists_its_longest_kernels_per_step():
+    from kvforge.bench.offline import top_kernels
+
+    events = [("_router_topk_kernel", 260.0, 130), ("nvjet_tst_gemm", 5000.0, 650), ("_idle", 0.0, 3),
+              ("_recurrent_kernel", 1000.0, 100)]
+    rows = top_kernels(events, n_steps=5, limit=2)
+    assert [r["name"] for r in rows] == ["nvjet_tst_gemm", "_recurrent_kernel"]
+    assert rows[0] == {"name": "nvjet_tst_gemm", "category": "gemm", "ms_per_step": 1.0, "calls_per_step": 130.0}
+    assert rows[1]["category"] == "linear_attention" and rows[1]["calls_per_step"] == 20.0

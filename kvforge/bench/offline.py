@@ -40,8 +40,9 @@ runs, ``spec_decode``), and on CUDA a memory roofline:
 ``--profile-decode`` then fills the engine with ``min(num_prompts,
 max_num_seqs)`` requests of the mean input length, and times and profiles
 steady decode steps (CUDA-graph and eager): kernel time by category (GEMM,
-attention, KV write, sampling, other), host overhead = wall - GPU busy time,
-and the torch.profiler table. ``--out`` writes JSON.
+attention, KV write, MoE routing, linear attention, sampling, other), host
+overhead = wall - GPU busy time, the longest kernels by name (``top_kernels``
+in the JSON) and the torch.profiler table. ``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ _CATEGORIES = [
     ("nccl_other", re.compile(r"nccl", re.I)),      # other NCCL kernels (e.g. the logits gather)
     ("attention", re.compile(r"_paged_attn_kernel|_gluon_fp8_decode|_mla_decode|_merge_splits")),
     ("kv_write", re.compile(r"_write_kv")),
+    # a MoE layer's router choice and its rows grouped by expert and summed back
+    ("moe_routing", re.compile(r"_router_|_group_rows|_combine_rows")),
+    # linear-attention layers: the delta rule (recurrent and chunked), the short conv, the gates, the gated norm
+    ("linear_attention", re.compile(r"_recurrent_kernel|_chunked_kernel|_conv1d_|_delta_gates|_gated_rms_norm")),
     # cuBLAS's kernels, the small-M Triton kernel and its split-K sum, the Triton expert kernel
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce|_small_m_linear|_sum_splits", re.I)),
     ("sampling", re.compile(r"argmax", re.I)),
@@ -136,6 +141,18 @@ def kernel_category(name: str) -> str:
         if rx.search(name):
             return category
     return "other"
+
+
+#: Kernels a profile lists by name (the longest first).
+TOP_KERNELS = 25
+
+
+def top_kernels(events, n_steps: int, limit: int = TOP_KERNELS) -> list[dict]:
+    """The ``limit`` kernels of ``events`` (``(name, device microseconds, calls)`` over ``n_steps`` steps) that
+    took the most device time: name, category, milliseconds and calls per step."""
+    rows = sorted(((name, us, calls) for name, us, calls in events if us), key=lambda r: -r[1])[:limit]
+    return [{"name": name, "category": kernel_category(name), "ms_per_step": us / 1e3 / n_steps,
+             "calls_per_step": calls / n_steps} for name, us, calls in rows]
 
 
 def _profile_steps(engine, n_steps: int, label: str) -> dict:
@@ -151,6 +168,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
         wall = (time.perf_counter() - t0) / n_steps
     cats = {k: 0.0 for k, _ in _CATEGORIES}
     cats["other"] = 0.0
+    kernels = []
     for evt in prof.key_averages():
         dev_t = getattr(evt, "self_device_time_total", None)
         if dev_t is None:
@@ -158,6 +176,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
         if not dev_t or str(getattr(evt, "device_type", "")).split(".")[-1] != "CUDA":
             continue
         cats[kernel_category(evt.key)] += dev_t
+        kernels.append((evt.key, dev_t, evt.count))
     per_step_ms = {k: v / 1e3 / n_steps for k, v in cats.items()}
     gpu = sum(per_step_ms.values())
     try:
@@ -166,7 +185,8 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=18)
     print(f"\n== decode step profile ({label}, {n_steps} steps) ==\n{table}")
     return {"mode": label, "wall_ms_per_step": wall * 1e3, "gpu_kernel_ms_per_step": gpu,
-            "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms}
+            "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms,
+            "top_kernels": top_kernels(kernels, n_steps)}
 
 
 def profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float | None) -> dict:
