@@ -210,6 +210,32 @@ def test_seeded_sampling_with_rollbacks_is_reproducible(checkpoint, reference, e
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_async_scheduling_between_verification_steps(case, checkpoint, reference, engines):
+    """With --async-scheduling and the back-off on, rejected proposals pause a sequence's proposals, and
+    the steps without a verification overlap (the host a step ahead); verification steps resolve at once.
+    Greedy output equals speculation off, and every state slot comes back."""
+    prompts = _prompts()
+    want = reference(case, prompts)
+    engine = engines(checkpoint(case), speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                     async_scheduling=True).engine
+    assert engine.async_scheduling and engine.spec_backoff is not None
+    engine.proposer = GarbageProposer(3, seed=2)
+    overlapped, step = [], engine.step
+
+    def step_and_record():
+        outs = step()
+        overlapped.append(engine._inflight is not None)  # a step launched and left running
+        return outs
+
+    engine.step = step_and_record
+    outs = _generate(engine, prompts, _greedy())
+    assert _tokens(outs) == want
+    accepted, proposed = _acceptance(outs)
+    assert proposed > 0 and any(overlapped)
+    assert engine.state_slots.num_free == engine.state_slots.num_slots
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_preempted_sequences_recompute_under_speculation(case, checkpoint, reference, engines):
     """Memory pressure preempts verifying sequences; each recomputes from its prompt, its first chunk from a
     zero state, and the output still equals speculation off."""
