@@ -113,6 +113,17 @@ def test_chat_prompt_has_one_bos_like_transformers(bos_server):
     assert r.usage.prompt_tokens == len(ref)
 
 
+def test_a_chat_sent_as_prompt_is_tokenized_as_messages(bos_server):
+    """lm-evaluation-harness's remote tokenizer with --apply_chat_template sends the chat as ``prompt``."""
+    _, as_messages = http("POST", bos_server.url + "/tokenize", {"messages": MESSAGES, "add_special_tokens": False},
+                          AUTH)
+    status, as_prompt = http("POST", bos_server.url + "/tokenize", {"prompt": MESSAGES, "add_special_tokens": False},
+                             AUTH)
+    assert status == 200 and as_prompt["tokens"] == as_messages["tokens"] == _reference_chat_ids(MESSAGES)
+    status, err = http("POST", bos_server.url + "/tokenize", {"prompt": [1, 2]}, AUTH)  # not a chat
+    assert status == 400 and err["error"]["param"] == "prompt"
+
+
 def test_tokenize_prompt_adds_special_tokens_unless_told_not_to(bos_server):
     status, with_bos = http("POST", bos_server.url + "/tokenize", {"prompt": "hello there"}, AUTH)
     assert status == 200 and with_bos["tokens"] == [0, 10, 11]

@@ -70,14 +70,24 @@ class TokenizeRequest:
     return_token_strs: bool
 
 
+def _is_chat(value: Any) -> bool:
+    """A non-empty list of objects with a ``role``: chat messages."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 def parse_tokenize(body: Any, served_model: str | tuple[str, ...]) -> TokenizeRequest:
     _check_body_and_model(body, served_model)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise InvalidRequestError("send exactly one of 'prompt' (text) and 'messages' (a chat)", field="prompt")
+    if has_prompt and _is_chat(body["prompt"]):
+        # A chat sent as `prompt` (lm-evaluation-harness's remote tokenizer does, with a chat template applied):
+        # tokenized as `messages`, where vLLM refuses it.
+        body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": body["prompt"]}
+        has_prompt, has_messages = False, True
     prompt = body.get("prompt")
     if has_prompt and not isinstance(prompt, str):
-        protocol.bad_field("prompt", f"expected a string, got {protocol.type_name(prompt)}")
+        protocol.bad_field("prompt", f"expected a string (or a chat, as `messages`), got {protocol.type_name(prompt)}")
     messages = protocol.parse_messages(body["messages"]) if has_messages else None
     return TokenizeRequest(
         prompt=prompt if has_prompt else None,
