@@ -149,7 +149,7 @@ TOP_KERNELS = 25
 
 def top_kernels(events, n_steps: int, limit: int = TOP_KERNELS) -> list[dict]:
     """The ``limit`` kernels of ``events`` (``(name, device microseconds, calls)`` over ``n_steps`` steps) that
-    took the most device time: name, category, milliseconds and calls per step."""
+    ran longest on the GPU: name, category, milliseconds and calls per step."""
     rows = sorted(((name, us, calls) for name, us, calls in events if us), key=lambda r: -r[1])[:limit]
     return [{"name": name, "category": kernel_category(name), "ms_per_step": us / 1e3 / n_steps,
              "calls_per_step": calls / n_steps} for name, us, calls in rows]
