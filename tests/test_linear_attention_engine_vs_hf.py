@@ -219,7 +219,7 @@ def test_kimi_linear_fp8_latent_cache_gain_equals_the_plan(tmp_path, engines):
 @pytest.mark.parametrize("decode_path", ["eager", "static"])
 @pytest.mark.parametrize("case", CASES)
 def test_async_scheduling_follows_transformers(case, decode_path, tmp_path, engines):
-    """``--async-scheduling`` (opt-in for these models): the host schedules step N+1 while step N runs, so a
+    """``--async-scheduling`` (the CUDA default, forced here on CPU): the host schedules step N+1 while step N runs, so a
     sequence that stops in step N has already been scheduled into N+1 (a wasted row that writes its state
     slot) and gives its slot back only when N resolves; two sequences at a time make later prompts take
     freed slots, whose first chunks must ignore what the wasted rows wrote. Sequences stop at different
@@ -269,7 +269,8 @@ def test_async_scheduling_under_preemption(case, tmp_path, engines):
     assert engine.state_slots.num_free == engine.state_slots.num_slots
 
 
-def test_linear_attention_engines_schedule_synchronously_by_default(tmp_path, engines):
+def test_linear_attention_engines_on_cpu_schedule_synchronously_by_default(tmp_path, engines):
+    """Overlap pays only where the device runs apart from the host: off on CPU, as for every model."""
     make_checkpoint("qwen3-next", tmp_path)
     assert not engines(tmp_path).engine.async_scheduling
 

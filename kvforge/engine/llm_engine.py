@@ -231,10 +231,9 @@ class LLMEngine:
         self.num_steps = 0
         self.prefill_tokens_computed = 0
         # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
-        # and for linear-attention models (both work on CPU, not yet measured on GPUs), refused for ring
-        # models (above).
+        # (works on CPU, not yet measured on GPUs), refused for ring models (above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
-                                 else platform == "cuda" and self.tp is None and self.state_slots is None)
+                                 else platform == "cuda" and self.tp is None)
         # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
         self.proposer = self.spec_counters = self.draft_runner = self.spec_backoff = None
         self.num_launches = 0  # steps launched (the clock of the proposal back-off)
