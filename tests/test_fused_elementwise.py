@@ -177,6 +177,47 @@ def test_rms_norm_head_view(dtype):
         _check(out, torch_out, _norm_bounds(torch_out, dtype)[0], f"head-view norm, weight {w_dtype}")
 
 
+def _zero_centred_bounds(ref, dtype):
+    """(vs the PyTorch path, vs float64) for the zero-centred norm: float32 throughout and one rounding, so
+    the reduction order and rsqrt can move the result by one rounding step against torch's; against
+    float64 half a step plus the float32 slack."""
+    e, tiny = _eps(dtype), torch.finfo(dtype).tiny
+    if dtype == torch.float32:
+        return 1e-5 * ref.abs() + tiny, 1e-5 * ref.abs() + tiny
+    return 1.01 * e * ref.abs() + tiny, 0.51 * e * ref.abs() + 1e-5 * ref.abs() + tiny
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", HIDDEN)
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_zero_centred_rms_norm(dtype, n, t, with_residual):
+    """Gemma's ``x / rms(x) * (1 + w)`` (kvforge.models.gemma3.GemmaRMSNorm): alone and after the residual
+    add, on strided rows, against the module's PyTorch path and a float64 evaluation."""
+    from kvforge.models.gemma3 import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(3 * n + t + with_residual)
+    norm = GemmaRMSNorm(n, 1e-6, dtype=dtype).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(_rand((n,), dtype, gen, 0.3))
+    x = _strided(_rand((t, n), dtype, gen, 0.5))
+    res = _rand((t, n), dtype, gen, 4.0) if with_residual else None
+    with torch.no_grad():
+        if with_residual:
+            out, new_res = fused_add_rms_norm(x, res, norm.weight, norm.eps, zero_centred=True)
+            s = x + res
+            assert torch.equal(new_res, s), "new residual differs from torch's add"
+        else:
+            out, s = rms_norm(x, norm.weight, norm.eps, zero_centred=True), x
+        torch_out = norm._norm(s)
+    assert out.dtype == dtype
+    vs_torch, _ = _zero_centred_bounds(torch_out, dtype)
+    _check(out, torch_out, vs_torch, "zero-centred norm vs torch")
+    sd = s.double()
+    ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight.double())
+    _check(out, ref, _zero_centred_bounds(ref, dtype)[1], "zero-centred norm vs float64")
+
+
 # ----------------------------------------------------------------- SiLU * mul
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", INTERMEDIATE)
@@ -382,6 +423,25 @@ def test_model_forward_fused_matches_unfused(fused_on_device, dtype, case):
     rel = ((fused.double() - plain.double()).norm() / plain.double().norm()).item()
     # fp32: only reduction order / rsqrt differ. 16-bit: one-ulp rounding flips (see the norm
     # bounds above) propagate through 3 layers; a wrong kernel gives errors of order 1.
+    assert rel <= (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma3_forward_fused_matches_unfused(fused_on_device, dtype):
+    """Gemma 3's four zero-centred norms a layer: the residual adds join the input and pre-feedforward norms."""
+    model = _tiny_model("Gemma3ForCausalLM", dtype, head_dim=32, sliding_window=4, query_pre_attn_scalar=32)
+    t = 6 if INTERPRETED else 23
+    ids = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    pos = torch.arange(t, device=DEV)
+    attn = _CausalAttn(model.softmax_scale)
+    with torch.inference_mode():
+        fused = model(ids, pos, attn)
+        layers.FUSED_KERNELS = False  # monkeypatch restores it
+        plain = model(ids, pos, attn)
+    n_layers = model.num_layers
+    assert fused_on_device["fused_add_rms_norm"] == 2 * n_layers  # n-1 layer joins + pre-feedforward x n + final
+    assert fused_on_device["rms_norm"] == 1 + 4 * n_layers  # first input, post-attention, post-ff, q and k
+    rel = ((fused.double() - plain.double()).norm() / plain.double().norm()).item()
     assert rel <= (1e-5 if dtype == torch.float32 else 2e-2), rel
 
 

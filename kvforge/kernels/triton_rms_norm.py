@@ -14,6 +14,10 @@ hardware ``rsqrt``:
 * ``out = weight * y`` computed in float32 and rounded to the output dtype
   (``torch.promote_types(weight.dtype, x.dtype)``, as torch's ``*`` gives).
 
+The zero-centred form (``zero_centred=True``; Gemma, Qwen3-Next:
+:class:`kvforge.models.gemma3.GemmaRMSNorm`) keeps ``y`` in float32 and rounds
+once: ``out = (y * (1 + weight_f32)).to(x.dtype)``.
+
 One program normalizes one row (one token, or one token's head for per-head
 norms) over a single tile of ``next_power_of_2(N)`` columns, masked to ``N``,
 so any hidden size works. Rows are addressed through two strides (an outer
@@ -51,6 +55,7 @@ if HAS_TRITON:
         stride_s1,
         BLOCK_N: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
+        ZERO_CENTRED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         r0 = row // INNER
@@ -65,9 +70,12 @@ if HAS_TRITON:
             tl.store(res_out_ptr + r0 * stride_s0 + r1 * stride_s1 + cols, x, mask=mask)
         xf = x.to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        y = (xf * inv).to(in_ty).to(tl.float32)  # cast back BEFORE the weight (HF Llama)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r0 * stride_o0 + r1 * stride_o1 + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+        if ZERO_CENTRED:
+            out = xf * inv * (1.0 + w)  # float32 throughout, one rounding (Gemma)
+        else:
+            out = w * (xf * inv).to(in_ty).to(tl.float32)  # cast back BEFORE the weight (HF Llama)
+        tl.store(out_ptr + r0 * stride_o0 + r1 * stride_o1 + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor, n: int) -> tuple[int, int, int, int]:
@@ -91,7 +99,7 @@ def _num_warps(block_n: int) -> int:
     return 4 if block_n <= 1024 else (8 if block_n <= 4096 else 16)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, zero_centred):
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {n}")
@@ -100,7 +108,8 @@ def _launch(x, residual, weight, eps):
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
         )
     weight = weight.contiguous()
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     rows, inner, sx0, sx1 = _rows(x, n)
     if rows == 0:
@@ -131,31 +140,34 @@ def _launch(x, residual, weight, eps):
         ss1,
         BLOCK_N=block_n,
         HAS_RESIDUAL=residual is not None,
+        ZERO_CENTRED=zero_centred,
         num_warps=_num_warps(block_n),
     )
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim (float32 math).
 
     ``x``: ``[..., N]`` with a contiguous last dim (rows may be strided; up to
     two leading row dims without a copy). ``weight``: ``[N]``. Returns a new
-    contiguous tensor of dtype ``promote_types(weight.dtype, x.dtype)``.
+    contiguous tensor of dtype ``promote_types(weight.dtype, x.dtype)``; with
+    ``zero_centred``, ``(x / sqrt(mean(x^2) + eps) * (1 + weight))`` in float32
+    rounded once to ``x.dtype``.
     """
     if not HAS_TRITON:
         raise RuntimeError("rms_norm needs triton")
-    return _launch(x, None, weight, eps)[0]
+    return _launch(x, None, weight, eps, zero_centred)[0]
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(s, weight, eps), s)`` with ``s = x + residual`` rounded to ``x.dtype``.
+    """``(rms_norm(s, weight, eps, zero_centred), s)`` with ``s = x + residual`` rounded to ``x.dtype``.
 
     ``x`` and ``residual`` have the same shape and dtype (the model dtype);
     both outputs are new contiguous tensors (inputs are not modified).
     """
     if not HAS_TRITON:
         raise RuntimeError("fused_add_rms_norm needs triton")
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, zero_centred)

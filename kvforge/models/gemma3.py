@@ -31,7 +31,7 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, attention_and_mlp_parts
-from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, rope_parameters
+from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_THETA = {SLIDING: 10_000.0, FULL: 1_000_000.0}
@@ -112,14 +112,33 @@ class Gemma3Args(DecoderArgs):
 
 
 class GemmaRMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` in float32, cast back to ``x.dtype`` (HF Gemma 3)."""
+    """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` in float32, cast back to ``x.dtype`` (HF Gemma 3).
+
+    ``forward(x, residual)`` first forms the residual stream ``s = x + residual`` (in the model dtype, as
+    a plain ``+``) and returns ``(norm(s), s)``. Where the fused kernels serve (kvforge/models/layers.py,
+    ``fused_kernels``) one Triton kernel computes either form (kvforge/kernels/triton_rms_norm.py,
+    ``zero_centred``); it differs from the PyTorch path only in the order of the sum of squares.
+    """
 
     def __init__(self, dim: int, eps: float, dtype=None):
         super().__init__()
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        k = fused_kernels(x)
+        if (k is not None and x.numel() and x.dim() <= 3 and x.stride(-1) == 1
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                          and residual.stride(-1) == 1))):
+            if residual is None:
+                return k[0].rms_norm(x, self.weight, self.eps, zero_centred=True)
+            return k[0].fused_add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True)
+        if residual is None:
+            return self._norm(x)
+        s = x + residual
+        return self._norm(s), s
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -149,7 +168,11 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """``x + post_attn_norm(attn(input_norm(x)))``, then ``+ post_ff_norm(mlp(pre_ff_norm(...)))``."""
+    """``x + post_attn_norm(attn(input_norm(x)))``, then ``+ post_ff_norm(mlp(pre_ff_norm(...)))``.
+
+    ``forward(ropes, h, residual, ...)`` takes the previous layer's normed MLP output ``h`` and the residual
+    stream before it (None at the first layer, where ``h`` is the scaled embedding) and returns this layer's
+    pair, so each residual add is one kernel with the norm after it (:class:`GemmaRMSNorm`)."""
 
     def __init__(self, a: Gemma3Args, layer_idx: int, dtype=None):
         super().__init__()
@@ -161,9 +184,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(h, a.intermediate_size, a.hidden_act, dtype=dtype)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype)
 
-    def forward(self, ropes: dict, x: torch.Tensor, attn, rotaries: nn.ModuleDict) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(ropes, self.input_layernorm(x), attn, rotaries))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, ropes: dict, h: torch.Tensor, residual: torch.Tensor | None, attn,
+                rotaries: nn.ModuleDict) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(ropes, h, attn, rotaries))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
@@ -205,9 +234,10 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         h = emb(input_ids) * float(torch.tensor(self.embed_scale, dtype=emb.weight.dtype))
         rotaries = self.model.rotary
         ropes = {t: r.cos_sin(positions, h.dtype) for t, r in rotaries.items()}
+        residual = None
         for layer in self.model.layers:
-            h = layer(ropes, h, attn, rotaries)
-        return self.model.norm(h)
+            h, residual = layer(ropes, h, residual, attn, rotaries)
+        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

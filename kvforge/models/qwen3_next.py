@@ -287,7 +287,11 @@ class Qwen3NextMoE(MoE):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    """``x + mixer(norm(x))``, then ``+ mlp(norm(...))``; the mixer is Gated DeltaNet or gated attention."""
+    """``x + mixer(norm(x))``, then ``+ mlp(norm(...))``; the mixer is Gated DeltaNet or gated attention.
+
+    ``forward(rope, h, residual, ...)`` takes the previous layer's MLP output ``h`` and the residual stream
+    before it (None at the first layer, where ``h`` is the embedding) and returns this layer's pair, so
+    each residual add is one kernel with the norm after it (:class:`GemmaRMSNorm`)."""
 
     def __init__(self, a: Qwen3NextArgs, layer_idx: int, dtype=None):
         super().__init__()
@@ -301,11 +305,15 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps, dtype=dtype)
 
-    def forward(self, rope, x: torch.Tensor, attn, rotary: RotaryEmbedding) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, rope, h: torch.Tensor, residual: torch.Tensor | None, attn,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
         h = self.linear_attn(h, attn) if self.layer_type == LINEAR else self.self_attn(rope, h, attn, rotary)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
@@ -338,14 +346,6 @@ class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
         """Layer index -> the per-sequence state of each linear-attention layer."""
         layout = self.args.linear_state_layout()
         return {i: layout for i, t in enumerate(self.args.layer_types) if t == LINEAR}
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary
-        rope = rotary.cos_sin(positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer(rope, h, attn, rotary)
-        return self.model.norm(h)
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         return name.startswith("mtp.") or super().skips_checkpoint_tensor(name)
