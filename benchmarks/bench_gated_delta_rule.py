@@ -11,6 +11,11 @@ call captured in a CUDA graph and timed by triton.testing.do_bench (median). Byt
 sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
 Prefill: one sequence of 4096 tokens and 16 of 256 (eager; chunk 16), tokens per second.
+
+``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILE``: value channels a program x warps)
+over 16-128 channels x 1-8 warps at each batch, each tile's output and states first checked against the
+engine's tile (states within 1e-5 relative L2, the bf16 output within 2^-8: only the order of the
+in-program sums may differ).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from triton.testing import do_bench  # noqa: E402
 
-from kvforge.kernels.triton_gated_delta_rule import decode, prefill  # noqa: E402
+import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
+from kvforge.kernels.triton_gated_delta_rule import RecurrentTile, decode, prefill  # noqa: E402
 
 LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
 
@@ -39,7 +45,8 @@ def timed(fn, graph: bool) -> float:
         with torch.cuda.graph(g):
             fn()
         fn = g.replay
-    return do_bench(fn, warmup=10, rep=50, quantiles=[0.5])[0] * 1e-3
+    ms = do_bench(fn, warmup=10, rep=50, quantiles=[0.5])
+    return (ms[0] if isinstance(ms, (list, tuple)) else ms) * 1e-3  # one quantile: a number in newer Triton
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -58,10 +65,39 @@ def inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, per_channel: bool):
     return q, k, v, g, beta
 
 
+def sweep_tiles(q, k, v, g, beta, states, slots, nbytes: int, peak: float) -> None:
+    engine_tile = gdr.DECODE_TILE
+    start = states.clone()
+    want_out = decode(q, k, v, g, beta, states, slots, normalize_qk=True)
+    want_states = states.clone()
+    rows = []
+    try:
+        for block_v in (16, 32, 64, 128):
+            for warps in (1, 2, 4, 8):
+                gdr.DECODE_TILE = RecurrentTile(block_v, warps)
+                states.copy_(start)
+                out = decode(q, k, v, g, beta, states, slots, normalize_qk=True)
+                for got, want, what, bound in ((out, want_out, "output", 2**-8), (states, want_states, "states", 1e-5)):
+                    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    if err > bound:
+                        raise SystemExit(f"tile {block_v} x {warps} warps: {what} off by {err:.2e}")
+                seconds = timed(functools.partial(decode, q, k, v, g, beta, states, slots, normalize_qk=True),
+                                graph=True)
+                rows.append((seconds, block_v, warps))
+    finally:
+        gdr.DECODE_TILE = engine_tile
+        states.copy_(start)
+    for seconds, block_v, warps in sorted(rows)[:6]:
+        mark = "  (engine)" if RecurrentTile(block_v, warps) == engine_tile else ""
+        print(f"    tile {block_v:3d} x {warps} warps: {seconds * 1e6:8.1f} us  "
+              f"{100 * nbytes / seconds / peak:5.1f} %floor{mark}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--quick", action="store_true", help="decode batches 1 and 64 only, no prefill")
+    parser.add_argument("--sweep", action="store_true", help="time the decode tiles (no prefill)")
     args = parser.parse_args()
     batches = [1, 64] if args.quick else [int(b) for b in args.batches.split(",")]
     peak = copy_bandwidth()
@@ -76,7 +112,9 @@ def main() -> None:
                               + hv * dv * 2)
             print(f"decode {name:12s} batch {batch:4d}: {seconds * 1e6:8.1f} us  "
                   f"{nbytes / seconds / 1e9:7.0f} GB/s  {100 * nbytes / seconds / peak:5.1f} %floor")
-        if args.quick:
+            if args.sweep:
+                sweep_tiles(q, k, v, g, beta, states, slots, nbytes, peak)
+        if args.quick or args.sweep:
             continue
         for seqs, length in ((1, 4096), (16, 256)):
             q, k, v, g, beta = inputs(seqs * length, hk, hv, dk, dv, per_channel)

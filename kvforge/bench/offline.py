@@ -292,7 +292,8 @@ def step_seconds(records) -> dict | None:
 
 def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> dict:
     """One generate() over fresh random prompts of ``in_lens`` tokens; throughput, step counters, the
-    Triton kernels compiled during the run (``kernel_compilations``; 0 once the engine has warmed up) and
+    Triton kernels compiled during the run (``kernel_compilations``, their names in
+    ``kernel_compilation_names``; none once the engine has warmed up) and
     the run's time by kind of step (``step_seconds``: None where the step log no longer holds the run's
     first step)."""
     engine = llm.engine
@@ -313,7 +314,7 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
            "steps": after["num_steps"] - before["num_steps"],
            "graph_steps": after["graph_steps"] - before["graph_steps"],
            "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
-           "kernel_compilations": len(compiled.names)}
+           "kernel_compilations": len(compiled.names), "kernel_compilation_names": sorted(compiled.names)}
     records = engine.step_log.since(first_step)
     run["step_seconds"] = step_seconds(records) if records and records[0].step == first_step else None
     spec = spec_decode_summary(before.get("spec_decode"), after.get("spec_decode"))

@@ -35,13 +35,27 @@ head, value block). Offsets are int64.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 L2_NORM_EPS = 1e-6
 DEFAULT_CHUNK_SIZE = 16
-_MAX_BV = 32
+@dataclasses.dataclass(frozen=True)
+class RecurrentTile:
+    """A recurrent program's value channels (``block_v``, a power of two >= 16, at most the head's) and warps.
+    Each program keeps a ``[K, block_v]`` float32 block of its head's state in registers."""
+
+    block_v: int
+    num_warps: int
+
+
+#: The tile of :func:`decode` (``benchmarks/bench_gated_delta_rule.py --sweep`` times the alternatives).
+DECODE_TILE = RecurrentTile(block_v=32, num_warps=4)
+#: The tile of the token-by-token prefill (per-channel gates) and of the chunked kernel.
+PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 
 
 if HAS_TRITON:
@@ -215,9 +229,9 @@ def _check(q, k, v, g, beta, states, slot_ids, num_seqs):
         raise ValueError("beta needs a contiguous last dimension")
 
 
-def _blocks(dk: int, dv: int) -> tuple[int, int]:
+def _blocks(dk: int, dv: int, tile: RecurrentTile) -> tuple[int, int]:
     bk = max(16, triton.next_power_of_2(dk))
-    bv = max(16, min(_MAX_BV, triton.next_power_of_2(dv)))
+    bv = max(16, min(tile.block_v, triton.next_power_of_2(dv)))
     return bk, bv
 
 
@@ -228,7 +242,8 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
     out = torch.empty_like(v)
     if num_seqs == 0 or t == 0:
         return out
-    bk, bv = _blocks(dk, dv)
+    tile = DECODE_TILE if decode else PREFILL_TILE
+    bk, bv = _blocks(dk, dv, tile)
     per_channel = g.dim() == 3
     flags = has_initial_state if has_initial_state is not None else slot_ids
     qsl = query_start_loc if query_start_loc is not None else slot_ids
@@ -239,7 +254,7 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
         states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
-        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), num_warps=4,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), num_warps=tile.num_warps,
     )
     return out
 
@@ -280,7 +295,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     out = torch.empty_like(v)
     if num_seqs == 0 or t == 0:
         return out
-    bk, bv = _blocks(dk, dv)
+    bk, bv = _blocks(dk, dv, PREFILL_TILE)
     flags = has_initial_state if has_initial_state is not None else slot_ids
     _chunked_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
@@ -289,6 +304,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
-        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), num_warps=4,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output),
+        num_warps=PREFILL_TILE.num_warps,
     )
     return out
