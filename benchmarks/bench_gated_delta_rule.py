@@ -12,7 +12,7 @@ sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
 Prefill: one sequence of 4096 tokens and 16 of 256 (eager; chunk 16), tokens per second.
 
-``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILE``: value channels a program x warps)
+``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILES``: value channels a program x warps)
 over 16-128 channels x 1-8 warps at each batch, each tile's output and states first checked against the
 engine's tile (states within 1e-5 relative L2, the bf16 output within 2^-8: only the order of the
 in-program sums may differ).
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench  # noqa: E402
 
 import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
-from kvforge.kernels.triton_gated_delta_rule import RecurrentTile, decode, prefill  # noqa: E402
+from kvforge.kernels.triton_gated_delta_rule import DecodeTiles, RecurrentTile, decode, prefill  # noqa: E402
 
 LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
 
@@ -66,7 +66,8 @@ def inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, per_channel: bool):
 
 
 def sweep_tiles(q, k, v, g, beta, states, slots, nbytes: int, peak: float) -> None:
-    engine_tile = gdr.DECODE_TILE
+    engine_tiles = gdr.DECODE_TILES
+    engine_tile = engine_tiles.for_batch(slots.shape[0])
     start = states.clone()
     want_out = decode(q, k, v, g, beta, states, slots, normalize_qk=True)
     want_states = states.clone()
@@ -74,7 +75,8 @@ def sweep_tiles(q, k, v, g, beta, states, slots, nbytes: int, peak: float) -> No
     try:
         for block_v in (16, 32, 64, 128):
             for warps in (1, 2, 4, 8):
-                gdr.DECODE_TILE = RecurrentTile(block_v, warps)
+                tile = RecurrentTile(block_v, warps)
+                gdr.DECODE_TILES = DecodeTiles(tile, tile, 0)
                 states.copy_(start)
                 out = decode(q, k, v, g, beta, states, slots, normalize_qk=True)
                 for got, want, what, bound in ((out, want_out, "output", 2**-8), (states, want_states, "states", 1e-5)):
@@ -85,7 +87,7 @@ def sweep_tiles(q, k, v, g, beta, states, slots, nbytes: int, peak: float) -> No
                                 graph=True)
                 rows.append((seconds, block_v, warps))
     finally:
-        gdr.DECODE_TILE = engine_tile
+        gdr.DECODE_TILES = engine_tiles
         states.copy_(start)
     for seconds, block_v, warps in sorted(rows)[:6]:
         mark = "  (engine)" if RecurrentTile(block_v, warps) == engine_tile else ""

@@ -18,6 +18,8 @@ bf16, 2^-9 relative).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from delta_rule_oracle import conv_float64, naive_float64, random_inputs, rel_err
@@ -88,9 +90,16 @@ def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=F
     return out, states
 
 
+@pytest.mark.parametrize("large_tile", [False, True], ids=["small_tile", "large_tile"])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
-def test_decode_over_slots_with_padding_and_fresh_sequences(per_channel):
-    _run_and_check([1, 1, 1, 1], [5, -1, 0, 2], [True, True, False, True], per_channel=per_channel, tol=REC_TOL)
+def test_decode_over_slots_with_padding_and_fresh_sequences(per_channel, large_tile, monkeypatch):
+    if large_tile:  # the tile of large batches, at four sequences
+        monkeypatch.setattr(kernels, "DECODE_TILES", dataclasses.replace(kernels.DECODE_TILES, large_from_seqs=1))
+    assert kernels.DECODE_TILES.for_batch(4) == (kernels.DECODE_TILES.large if large_tile
+                                                 else kernels.DECODE_TILES.small)
+    # 40 value channels: two masked blocks of 32 on the small tile, one of 64 on the large
+    _run_and_check([1, 1, 1, 1], [5, -1, 0, 2], [True, True, False, True], dv=40, per_channel=per_channel,
+                   tol=REC_TOL)
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["chunked_scalar_gate", "recurrent_per_channel_gate"])

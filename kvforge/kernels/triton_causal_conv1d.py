@@ -91,11 +91,11 @@ if HAS_TRITON:
             acc = acc / (1.0 + tl.exp(-acc))
         tl.store(out_ptr + i.to(tl.int64) * stride_o + ds, acc.to(out_ptr.dtype.element_ty), mask=dmask)
 
-    @triton.jit(do_not_specialize=["N"])
+    @triton.jit(do_not_specialize=["N", "search_steps"])
     def _conv1d_prefill_kernel(
         x_ptr, out_ptr, state_ptr, slot_ptr, init_ptr, qsl_ptr, w_ptr, bias_ptr,
-        D, N, stride_x, stride_o, stride_ss, stride_sr, stride_w,
-        WIDTH: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        D, N, stride_x, stride_o, stride_ss, stride_sr, stride_w, search_steps,
+        WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     ):
         ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -105,11 +105,13 @@ if HAS_TRITON:
         # The sequence of each token: the last i with query_start_loc[i] <= t.
         lo = tl.zeros([BLOCK_T], dtype=tl.int32)
         hi = tl.zeros([BLOCK_T], dtype=tl.int32) + N
-        for _ in tl.static_range(SEARCH_STEPS):
+        step = 0
+        while step < search_steps:  # a runtime count: one compiled variant serves every step's N
             mid = (lo + hi) // 2
             below = tl.load(qsl_ptr + mid) <= ts
             lo = tl.where(below, mid, lo)
             hi = tl.where(below, hi, mid)
+            step += 1
         bos = tl.load(qsl_ptr + lo)
         slot = tl.load(slot_ptr + lo).to(tl.int64)
         has_init = tl.load(init_ptr + lo) != 0
@@ -195,7 +197,7 @@ def conv1d_prefill(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.T
     _conv1d_prefill_kernel[(triton.cdiv(t, _PREFILL_BLOCK_T), triton.cdiv(d, _PREFILL_BLOCK_D))](
         x, out, conv_states, slot_ids, flags, query_start_loc, weight, bias if bias is not None else weight,
         d, n, x.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1), weight.stride(0),
-        WIDTH=width, SEARCH_STEPS=max(1, n.bit_length()), BLOCK_T=_PREFILL_BLOCK_T, BLOCK_D=_PREFILL_BLOCK_D,
+        max(1, n.bit_length()), WIDTH=width, BLOCK_T=_PREFILL_BLOCK_T, BLOCK_D=_PREFILL_BLOCK_D,
         HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=4,
     )
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
