@@ -428,7 +428,13 @@ def test_model_forward_fused_matches_unfused(fused_on_device, dtype, case):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemma3_forward_fused_matches_unfused(fused_on_device, dtype):
-    """Gemma 3's four zero-centred norms a layer: the residual adds join the input and pre-feedforward norms."""
+    """Gemma 3's four zero-centred norms a layer: the residual adds join the input and pre-feedforward norms.
+
+    16-bit: the fused and the unfused forward round the same values the same number of times, only in
+    another summation order, so against a float32 forward of the same weights the fused one must be as
+    close as the unfused one (up to 1.5x: rounding flips are random); a wrong kernel is off by order 1."""
+    import copy
+
     model = _tiny_model("Gemma3ForCausalLM", dtype, head_dim=32, sliding_window=4, query_pre_attn_scalar=32)
     t = 6 if INTERPRETED else 23
     ids = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -438,11 +444,19 @@ def test_gemma3_forward_fused_matches_unfused(fused_on_device, dtype):
         fused = model(ids, pos, attn)
         layers.FUSED_KERNELS = False  # monkeypatch restores it
         plain = model(ids, pos, attn)
+        reference = copy.deepcopy(model).float()(ids, pos, attn) if dtype != torch.float32 else plain
     n_layers = model.num_layers
     assert fused_on_device["fused_add_rms_norm"] == 2 * n_layers  # n-1 layer joins + pre-feedforward x n + final
     assert fused_on_device["rms_norm"] == 1 + 4 * n_layers  # first input, post-attention, post-ff, q and k
-    rel = ((fused.double() - plain.double()).norm() / plain.double().norm()).item()
-    assert rel <= (1e-5 if dtype == torch.float32 else 2e-2), rel
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    if dtype == torch.float32:
+        assert rel(fused, plain) <= 1e-5
+    else:
+        assert rel(fused, reference) <= 1.5 * rel(plain, reference) + 1e-3, (rel(fused, reference),
+                                                                             rel(plain, reference))
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA graphs need a GPU")

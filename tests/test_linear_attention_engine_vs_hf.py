@@ -284,6 +284,7 @@ def test_engine_matches_transformers_on_cuda(case, eager, tmp_path, engines):
     paged backend, MLA layers on their planned backend. Dense-MLP variants (MoE decode needs grouped GEMMs to be
     captured), so decode steps replay CUDA graphs whose slot ids and has_initial_state are static buffers; one
     sequence stops early, so later decode batches of 3 replay the graph of 4 with a padding row at slot -1.
+    Scheduling is asynchronous (the CUDA default): the early stop is found with the next step in flight.
     Greedy tokens follow transformers' float32 greedy on CUDA until a near-tie within 1e-4 * max |logit|."""
     # Head size 32 and blocks of 16: shapes the Triton paged backend declares.
     dense = {"qwen3-next": dict(num_experts=0, head_dim=32), "kimi-linear": dict(mlp_layer_types=["dense"] * 4)}[case]
@@ -291,7 +292,7 @@ def test_engine_matches_transformers_on_cuda(case, eager, tmp_path, engines):
     hf = hf.cuda()
     llm = engines(tmp_path, device="cuda", enforce_eager=eager, max_num_seqs=8, block_size=16)
     runner = llm.engine.runner
-    assert not llm.engine.async_scheduling
+    assert llm.engine.async_scheduling
     attention = {x.backend for x in llm.plan.layers if x.kind != "state"}
     assert attention == {"triton_paged" if case == "qwen3-next" else "triton_mla"}
     if not eager:
