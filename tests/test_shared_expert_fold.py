@@ -150,8 +150,10 @@ def test_qwen3_next_fold_keeps_the_block_output():
         gate_weight = moe.shared_expert_gate.weight.clone()
         assert moe.fold_shared_experts() and moe.folded_shared == 2 and moe.shared_expert is None
         after = moe(x)
-    assert tuple(moe.experts_gate_up.shape) == (10, 32, 64) and tuple(moe.router_and_shared_gate.shape) == (9, 64)
-    assert torch.equal(moe.shared_expert_gate.weight, gate_weight)  # a view of the joint product's last row
+    # the joint product: 8 router rows, the gate's, and zero rows up to 16 (output rows 16-byte aligned)
+    assert tuple(moe.experts_gate_up.shape) == (10, 32, 64) and tuple(moe.router_and_shared_gate.shape) == (16, 64)
+    assert torch.equal(moe.shared_expert_gate.weight, gate_weight)  # a view of the joint product's row 8
+    assert moe.router_and_shared_gate[9:].abs().max() == 0
     assert all(p.shape[0] == 8 for p in moe.routed_experts().params)
     assert before.abs().max() > 0.1
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5 * before.abs().max().item())

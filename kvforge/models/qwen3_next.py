@@ -244,13 +244,18 @@ class Qwen3NextMoE(MoE):
 
     def _drop_shared_mlp(self) -> None:
         """The shared MLP goes; the router's and the shared gate's weights become views of one ``[E + 1, H]``
-        tensor, :attr:`router_and_shared_gate` (one product gives both)."""
+        block of :attr:`router_and_shared_gate` (one product gives both), whose rows are zero-padded to a
+        multiple of 8 so the product's output rows stay 16-byte aligned (cuBLAS falls back to a slow kernel for
+        an odd row length such as 513)."""
         self.shared_expert = None
-        e = self.gate.weight.shape[0]
-        both = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
+        e, h = self.gate.weight.shape
+        rows = -(-(e + 1) // 8) * 8
+        both = torch.zeros(rows, h, dtype=self.gate.weight.dtype, device=self.gate.weight.device)
+        both[:e] = self.gate.weight
+        both[e:e + 1] = self.shared_expert_gate.weight
         self.router_and_shared_gate = both
         self.gate.weight = nn.Parameter(both[:e], requires_grad=False)
-        self.shared_expert_gate.weight = nn.Parameter(both[e:], requires_grad=False)
+        self.shared_expert_gate.weight = nn.Parameter(both[e:e + 1], requires_grad=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]) of the router (the experts it holds all of)."""
@@ -265,8 +270,8 @@ class Qwen3NextMoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.folded_shared
         if s:
-            logits = F.linear(x, self.router_and_shared_gate)  # [T, E + 1] in x's dtype, as the two gates'
-            e = logits.shape[1] - 1
+            e = self.gate.weight.shape[0]
+            logits = F.linear(x, self.router_and_shared_gate)[:, :e + 1]  # [T, E + 1] in x's dtype, as the gates'
             if self._folded_shared_in_kernel(x):
                 rule = RouterRule(self.top_k, self.norm_topk_prob, shared=s, gated_shared=True)
                 weights, ids = router_topk(logits, rule)
