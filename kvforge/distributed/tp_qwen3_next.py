@@ -7,7 +7,9 @@ makes ``o_proj`` / ``out_proj`` / dense ``down_proj`` row-parallel and the vocab
 * **Gated DeltaNet**: key heads and value heads split, rank r keeping key heads
   ``[r * Hk/tp, (r + 1) * Hk/tp)`` and the value heads they serve. ``in_proj_qkvz`` is laid out per
   key head (``[q | k | v | z]`` of that head and its ``Hv / Hk`` value heads), ``in_proj_ba`` per
-  key head (``[b | a]``), so the rank's rows are one contiguous block of each. The short conv's
+  key head (``[b | a]``), so the rank's rows are one contiguous block of each (regrouped at load into
+  the rank's stacked ``in_proj``, ``[q | k | v | z | b | a]`` of its heads; a TP=1 dummy ``in_proj`` is
+  cut as the rank's share of each of those six blocks). The short conv's
   channels are ``[q of every key head | k | v of every value head]``: the rank keeps its share of
   each of the three blocks. ``dt_bias`` and ``A_log`` split by value head, the gated norm (one
   weight per value channel) replicated, ``out_proj`` row-parallel. The state slots hold the rank's
@@ -115,6 +117,20 @@ class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):
         a = self.full_args
         key_total = a.linear_num_key_heads * a.linear_key_head_dim
         return [key_total, key_total, a.linear_num_value_heads * a.linear_value_head_dim]
+
+    def _input_blocks(self) -> list[int]:
+        """Rows of the Gated DeltaNet's stacked input product at TP=1: q, k (every key head), v, z (every value
+        head), b, a (one a value head)."""
+        a = self.full_args
+        key_total = a.linear_num_key_heads * a.linear_key_head_dim
+        value_total = a.linear_num_value_heads * a.linear_value_head_dim
+        return [key_total, key_total, value_total, value_total, a.linear_num_value_heads, a.linear_num_value_heads]
+
+    def shard_parameter(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if name.endswith(".linear_attn.in_proj.weight"):  # this rank's share of each of the six blocks
+            blocks = full.split(self._input_blocks(), dim=0)
+            return torch.cat([b.narrow(0, *_share(b.shape[0], self.group)) for b in blocks])
+        return super().shard_parameter(name, full)
 
     def splits_first_dim(self, name: str) -> bool:
         return is_stacked_expert(name) or name.endswith(_PER_VALUE_HEAD)

@@ -5,7 +5,9 @@ attention; the others ``linear_attention``). Every norm is zero-centred: ``x / r
 in float32 (:class:`~kvforge.models.gemma3.GemmaRMSNorm`, the same formula).
 
 * **Gated DeltaNet** (``linear_attn``): ``in_proj_qkvz`` gives per key head ``[q | k | v | z]``
-  (``v``, ``z`` of the ``Hv / Hk`` value heads it serves) and ``in_proj_ba`` ``[b | a]``; q, k, v
+  (``v``, ``z`` of the ``Hv / Hk`` value heads it serves) and ``in_proj_ba`` ``[b | a]``; here both are
+  one product, ``in_proj``, their rows regrouped at load as ``[q | k | v | z | b | a]`` over all heads
+  (:func:`gdn_input_rows`), so the conv's input ``[q | k | v]`` is one slice of it; q, k, v
   go through the short causal conv (SiLU, ``conv1d.weight [D, 1, W]``) continuing the sequence's
   conv state, then the gated delta rule (q/k L2-normalised, scale ``K^-0.5``) continuing its
   recurrent state, with ``beta = sigmoid(b)`` and ``g = -exp(A_log) * softplus(a + dt_bias)``; the
@@ -21,7 +23,8 @@ in float32 (:class:`~kvforge.models.gemma3.GemmaRMSNorm`, the same formula).
   ``norm_topk_prob``), plus one shared expert scaled by ``sigmoid(shared_expert_gate(x))``;
   the others a gated MLP of ``intermediate_size``.
 
-Parameter names are transformers'; gate/up of the dense and shared MLPs are fused, routed
+Parameter names are transformers'; gate/up of the dense and shared MLPs are fused, the Gated DeltaNet's
+two input projections stacked (above), routed
 experts stacked (kvforge/models/stacked_experts.py). Multi-token-prediction tensors (``mtp.*``)
 are skipped.
 """
@@ -157,6 +160,14 @@ def short_conv_weight(conv: nn.Conv1d) -> torch.Tensor:
     return conv.weight[:, 0, :]
 
 
+def gdn_input_rows(weight: torch.Tensor, key_heads: int, parts: tuple[int, ...]) -> torch.Tensor:
+    """A Gated DeltaNet input projection's rows regrouped from per key head (``[p0 | p1 | ...]`` of head 0,
+    then of head 1, ...; ``parts`` the rows of each ``p`` a key head) to per part (``p0`` of every head,
+    then ``p1``, ...), head order kept within each part."""
+    per_head = weight.reshape(key_heads, sum(parts), *weight.shape[1:]).split(list(parts), dim=1)
+    return torch.cat([p.reshape(-1, *weight.shape[1:]) for p in per_head])
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next linear attention (see the module docstring)."""
 
@@ -167,26 +178,30 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = a.linear_key_head_dim, a.linear_value_head_dim
         key_total, value_total = self.hk * self.dk, self.hv * self.dv
         conv_dim = 2 * key_total + value_total
-        self.in_proj_qkvz = nn.Linear(a.hidden_size, 2 * key_total + 2 * value_total, bias=False, dtype=dtype)
-        self.in_proj_ba = nn.Linear(a.hidden_size, 2 * self.hv, bias=False, dtype=dtype)
+        # in_proj_qkvz and in_proj_ba as one product, rows [q | k | v | z | b | a] (gdn_input_rows)
+        self.input_split = (conv_dim, value_total, self.hv, self.hv)
+        self.in_proj = nn.Linear(a.hidden_size, sum(self.input_split), bias=False, dtype=dtype)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, a.conv_width, groups=conv_dim, bias=False, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.ones(self.hv, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.hv, dtype=dtype))
         self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps, F.silu, round_normed=True, dtype=dtype)
         self.out_proj = nn.Linear(value_total, a.hidden_size, bias=False, dtype=dtype)
 
+    def checkpoint_rows(self, hf_name: str, weight: torch.Tensor) -> torch.Tensor:
+        """``in_proj_qkvz`` / ``in_proj_ba`` (transformers' per-key-head layout) in :attr:`in_proj`'s row order."""
+        per = self.hv // self.hk
+        parts = ((self.dk, self.dk, per * self.dv, per * self.dv) if hf_name == "in_proj_qkvz" else (per, per))
+        return gdn_input_rows(weight, self.hk, parts)
+
     def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
         t, hk, hv, dk, dv = x.shape[0], self.hk, self.hv, self.dk, self.dv
-        per = hv // hk
-        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split([dk, dk, per * dv, per * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * per).split([per, per], dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        mixed, z, b, a = self.in_proj(x).split(self.input_split, dim=-1)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
         g, beta = delta_gates(a, self.dt_bias, self.A_log, b, 1)
         o = attn.delta_rule(self.layer_idx, q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g,
                             beta, normalize_qk=True)
-        o = self.norm(o.reshape(t * hv, dv), z.reshape(t * hv, dv))
+        o = self.norm(o, z.view(t, hv, dv))
         return self.out_proj(o.reshape(t, hv * dv))
 
 
@@ -343,9 +358,22 @@ class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
 
     def fused_parameters(self) -> dict[str, list[tuple[str, int]]]:
         a = self.args
+        key_total = a.linear_num_key_heads * a.linear_key_head_dim
+        value_total = a.linear_num_value_heads * a.linear_value_head_dim
         return {"mlp.gate_up_proj": gate_up_parts("mlp", a.intermediate_size),
                 "mlp.shared_expert.gate_up_proj": gate_up_parts("mlp.shared_expert",
-                                                                a.shared_expert_intermediate_size)}
+                                                                a.shared_expert_intermediate_size),
+                "linear_attn.in_proj": [("linear_attn.in_proj_qkvz", 2 * key_total + 2 * value_total),
+                                        ("linear_attn.in_proj_ba", 2 * a.linear_num_value_heads)]}
+
+    def load_checkpoint_tensor(self, params, name: str, tensor: torch.Tensor):
+        """As the decoder's, with the Gated DeltaNet's two input projections regrouped into ``in_proj``'s
+        row order first (:meth:`GatedDeltaNet.checkpoint_rows`)."""
+        for hf in ("in_proj_qkvz", "in_proj_ba"):
+            if f".linear_attn.{hf}." in name:
+                mixer = self.get_submodule(name.split(f".{hf}.")[0])
+                tensor = mixer.checkpoint_rows(hf, tensor)
+        return super().load_checkpoint_tensor(params, name, tensor)
 
     def linear_state_layouts(self) -> dict[int, LinearStateLayout]:
         """Layer index -> the per-sequence state of each linear-attention layer."""

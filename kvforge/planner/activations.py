@@ -270,7 +270,10 @@ def _decoder_phases(spec: ModelSpec, config: dict, t: int, per_seq: int, max_seq
     if inter:  # the fused SiLU-and-mul serves SiLU MLPs only (Gemma's GELU keeps act(gate) on every device)
         default_act = "gelu_pytorch_tanh" if spec.architecture.startswith("Gemma") else "silu"
         silu = _cfg(config, "hidden_activation", "hidden_act", default=default_act) in ("silu", "swish")
-        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused and silu)
+        # Gemma's sandwich norm: the post-feedforward norm's float32 copy of the MLP output, beside the
+        # residual stream the layer hands on apart (kvforge/models/gemma3.py)
+        sandwich = t * hidden * 4 if spec.architecture.startswith("Gemma") else 0
+        phases["MLP"] = stream + _mlp_phase(t, hidden, inter // tp, e, fused and silu) + sandwich
     moe = _moe_phase(config, spec.architecture, t, hidden, tp, e, fused)
     if moe:
         phases["routed experts"] = stream + moe
