@@ -105,12 +105,14 @@ def _norm_ref64(s: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w.double() * sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _norm_bounds(ref, dtype):
+def _norm_bounds(ref, dtype, steps=(2, 1.01)):
+    """(vs the PyTorch path, vs float64): ``steps`` rounding steps of the dtype each (16-bit), the second
+    plus float32 slack; float32: 1e-5 relative both."""
     e = _eps(dtype)
     tiny = torch.finfo(dtype).tiny
     if dtype == torch.float32:
         return 1e-5 * ref.abs() + tiny, 1e-5 * ref.abs() + tiny
-    return 2 * e * ref.abs() + tiny, 1.01 * e * ref.abs() + 1e-5 * ref.abs() + tiny
+    return steps[0] * e * ref.abs() + tiny, steps[1] * e * ref.abs() + 1e-5 * ref.abs() + tiny
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -177,14 +179,9 @@ def test_rms_norm_head_view(dtype):
         _check(out, torch_out, _norm_bounds(torch_out, dtype)[0], f"head-view norm, weight {w_dtype}")
 
 
-def _zero_centred_bounds(ref, dtype):
-    """(vs the PyTorch path, vs float64) for the zero-centred norm: float32 throughout and one rounding, so
-    the reduction order and rsqrt can move the result by one rounding step against torch's; against
-    float64 half a step plus the float32 slack."""
-    e, tiny = _eps(dtype), torch.finfo(dtype).tiny
-    if dtype == torch.float32:
-        return 1e-5 * ref.abs() + tiny, 1e-5 * ref.abs() + tiny
-    return 1.01 * e * ref.abs() + tiny, 0.51 * e * ref.abs() + 1e-5 * ref.abs() + tiny
+# The zero-centred norm computes in float32 throughout and rounds once: against torch's path the reduction
+# order and rsqrt can move it by one rounding step; against float64 half a step plus the float32 slack.
+ZERO_CENTRED_STEPS = (1.01, 0.51)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -211,11 +208,11 @@ def test_zero_centred_rms_norm(dtype, n, t, with_residual):
             out, s = rms_norm(x, norm.weight, norm.eps, zero_centred=True), x
         torch_out = norm._norm(s)
     assert out.dtype == dtype
-    vs_torch, _ = _zero_centred_bounds(torch_out, dtype)
+    vs_torch, _ = _norm_bounds(torch_out, dtype, ZERO_CENTRED_STEPS)
     _check(out, torch_out, vs_torch, "zero-centred norm vs torch")
     sd = s.double()
     ref = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight.double())
-    _check(out, ref, _zero_centred_bounds(ref, dtype)[1], "zero-centred norm vs float64")
+    _check(out, ref, _norm_bounds(ref, dtype, ZERO_CENTRED_STEPS)[1], "zero-centred norm vs float64")
 
 
 # ----------------------------------------------------------------- SiLU * mul
@@ -397,6 +394,23 @@ def fused_on_device(monkeypatch):
     return calls
 
 
+def _forward_fused_then_plain(model, float32_reference: bool = False):
+    """``(fused, plain, reference)`` forwards of one prompt: with the kernels, without (the fixture's
+    monkeypatch restores the switch), and, where asked, an unfused float32 copy of the model (else None)."""
+    import copy
+
+    t = 6 if INTERPRETED else 23
+    ids = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    pos = torch.arange(t, device=DEV)
+    attn = _CausalAttn(model.softmax_scale)
+    with torch.inference_mode():
+        fused = model(ids, pos, attn)
+        layers.FUSED_KERNELS = False
+        plain = model(ids, pos, attn)
+        reference = copy.deepcopy(model).float()(ids, pos, attn) if float32_reference else None
+    return fused, plain, reference
+
+
 MODEL_CASES = {
     "llama": ("LlamaForCausalLM", {}),
     "qwen3-partial-rope": ("Qwen3ForCausalLM", dict(head_dim=32, partial_rotary_factor=0.5)),
@@ -408,14 +422,7 @@ MODEL_CASES = {
 def test_model_forward_fused_matches_unfused(fused_on_device, dtype, case):
     arch, extra = MODEL_CASES[case]
     model = _tiny_model(arch, dtype, **extra)
-    t = 6 if INTERPRETED else 23
-    ids = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(1)).to(DEV)
-    pos = torch.arange(t, device=DEV)
-    attn = _CausalAttn(model.softmax_scale)
-    with torch.inference_mode():
-        fused = model(ids, pos, attn)
-        layers.FUSED_KERNELS = False  # monkeypatch restores it
-        plain = model(ids, pos, attn)
+    fused, plain, _ = _forward_fused_then_plain(model)
     n_layers = model.num_layers
     assert fused_on_device["fused_add_rms_norm"] == 2 * n_layers  # n-1 layer joins + post-attn x n + final
     assert fused_on_device["rope_qk"] == n_layers and fused_on_device["silu_and_mul"] == n_layers
@@ -433,18 +440,8 @@ def test_gemma3_forward_fused_matches_unfused(fused_on_device, dtype):
     16-bit: the fused and the unfused forward round the same values the same number of times, only in
     another summation order, so against a float32 forward of the same weights the fused one must be as
     close as the unfused one (up to 1.5x: rounding flips are random); a wrong kernel is off by order 1."""
-    import copy
-
     model = _tiny_model("Gemma3ForCausalLM", dtype, head_dim=32, sliding_window=4, query_pre_attn_scalar=32)
-    t = 6 if INTERPRETED else 23
-    ids = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(1)).to(DEV)
-    pos = torch.arange(t, device=DEV)
-    attn = _CausalAttn(model.softmax_scale)
-    with torch.inference_mode():
-        fused = model(ids, pos, attn)
-        layers.FUSED_KERNELS = False  # monkeypatch restores it
-        plain = model(ids, pos, attn)
-        reference = copy.deepcopy(model).float()(ids, pos, attn) if dtype != torch.float32 else plain
+    fused, plain, reference = _forward_fused_then_plain(model, float32_reference=dtype != torch.float32)
     n_layers = model.num_layers
     assert fused_on_device["fused_add_rms_norm"] == 2 * n_layers  # n-1 layer joins + pre-feedforward x n + final
     assert fused_on_device["rms_norm"] == 1 + 4 * n_layers  # first input, post-attention, post-ff, q and k
