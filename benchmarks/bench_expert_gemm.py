@@ -160,11 +160,14 @@ def sweep(name, t, w, kernel, a_rows, experts, nbytes, copy_bw) -> list[dict]:
 
 
 def time_bookkeeping() -> list[dict]:
-    """Grouping, summing and the router's top-k, PyTorch against the Triton kernels (CUDA graphs)."""
+    """Grouping, summing and the router's top-k, PyTorch against the Triton kernels (CUDA graphs). Steps of
+    more rows than ``expert_rows.TRITON_ROWS_MAX`` (Qwen3-Next's 256 tokens x 11 slots, its shared expert
+    folded; Kimi-Linear's 256 x 9) time the grouping kernel with that limit raised for the Triton side."""
     print(f"\n{'tokens x top-k, experts':>24} | {'PyTorch us (group, sum, top-k)':>32} | {'Triton us':>24}")
     out = []
+    row_limit = expert_rows.TRITON_ROWS_MAX
     for t, k, e, hidden in ((1, 6, 64, 2048), (64, 6, 64, 2048), (256, 6, 64, 2048), (64, 4, 32, 2048),
-                            (64, 10, 512, 2048), (256, 8, 256, 2048)):
+                            (64, 10, 512, 2048), (256, 8, 256, 2048), (256, 11, 513, 2048), (256, 9, 257, 2304)):
         ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).reshape(-1)
         weights = torch.rand(t, k, device="cuda")
         y = torch.randn(t * k, hidden, device="cuda").to(torch.bfloat16)
@@ -173,6 +176,7 @@ def time_bookkeeping() -> list[dict]:
         with torch.no_grad():
             for on in (False, True):
                 expert_rows.TRITON_ROWS = router_topk.TRITON_ROUTER = on
+                expert_rows.TRITON_ROWS_MAX = max(row_limit, t * k) if on else row_limit
                 rows = group_by_expert(ids, e, k)
                 summed = expert_rows.weighted_sum_per_token(y, rows, weights)
                 top = router_topk.softmax_topk(logits, k, False)
@@ -181,6 +185,7 @@ def time_bookkeeping() -> list[dict]:
                     graph_bench(functools.partial(expert_rows.weighted_sum_per_token, y, rows, weights))[0],
                     graph_bench(functools.partial(router_topk.softmax_topk, logits, k, False))[0]])
         expert_rows.TRITON_ROWS = router_topk.TRITON_ROUTER = True
+        expert_rows.TRITON_ROWS_MAX = row_limit
         (ra, sa, ta, us_a), (rb, sb, tb, us_b) = got[False], got[True]
         if not (torch.equal(ra.order, rb.order) and torch.equal(ra.offs, rb.offs) and torch.equal(ta[1], tb[1])):
             raise AssertionError(f"T={t} k={k} E={e}: the two paths group or choose differently")
