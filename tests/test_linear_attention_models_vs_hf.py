@@ -205,6 +205,22 @@ def test_missing_conv_weight_names_the_tensor(tmp_path):
         load_ours(tmp_path)
 
 
+def test_a_short_input_projection_names_the_tensor_and_both_shapes(tmp_path):
+    """The two input projections are regrouped into one stacked product at load; a truncated one is named
+    with its shape and the model's before any regrouping."""
+    make_checkpoint("qwen3-next", tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    rows, hidden = tensors[name].shape
+    tensors[name] = tensors[name][:-4].clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"{name}: checkpoint shape \({rows - 4}, {hidden}\) != model shape "
+                                          rf"\({rows}, {hidden}\)"):
+        load_ours(tmp_path)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_state_layouts_and_layer_kinds_match_the_plan_spec(case, tmp_path):
     """Per linear layer, the model's state elements equal the planner's; MLA / attention layers sit where the

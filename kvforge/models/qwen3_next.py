@@ -187,10 +187,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps, F.silu, round_normed=True, dtype=dtype)
         self.out_proj = nn.Linear(value_total, a.hidden_size, bias=False, dtype=dtype)
 
-    def checkpoint_rows(self, hf_name: str, weight: torch.Tensor) -> torch.Tensor:
-        """``in_proj_qkvz`` / ``in_proj_ba`` (transformers' per-key-head layout) in :attr:`in_proj`'s row order."""
+    def checkpoint_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's ``...in_proj_qkvz.weight`` / ``...in_proj_ba.weight`` (transformers' per-key-head
+        layout) in :attr:`in_proj`'s row order; a tensor of another shape is named with the shape expected."""
         per = self.hv // self.hk
-        parts = ((self.dk, self.dk, per * self.dv, per * self.dv) if hf_name == "in_proj_qkvz" else (per, per))
+        parts = ((self.dk, self.dk, per * self.dv, per * self.dv) if ".in_proj_qkvz." in name else (per, per))
+        want = (self.hk * sum(parts), self.in_proj.weight.shape[1])
+        if tuple(weight.shape) != want:
+            raise ConfigError(f"weight {name}: checkpoint shape {tuple(weight.shape)} != model shape {want}")
         return gdn_input_rows(weight, self.hk, parts)
 
     def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
@@ -372,7 +376,7 @@ class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
         for hf in ("in_proj_qkvz", "in_proj_ba"):
             if f".linear_attn.{hf}." in name:
                 mixer = self.get_submodule(name.split(f".{hf}.")[0])
-                tensor = mixer.checkpoint_rows(hf, tensor)
+                tensor = mixer.checkpoint_rows(name, tensor)
         return super().load_checkpoint_tensor(params, name, tensor)
 
     def linear_state_layouts(self) -> dict[int, LinearStateLayout]:
