@@ -123,3 +123,22 @@ def test_ring_writes_touch_nothing_else(model_dir, monkeypatch):
     written = (rings[:, :, :used_rows] != SENTINEL).any(dim=2)
     assert written.any(dim=0).sum().item() <= with_rings.engine.scheduler.max_num_seqs
     assert with_rings.engine.state_slots.num_free == pool.state_slots
+
+
+def test_ring_models_never_default_to_overlapped_scheduling(model_dir, monkeypatch):
+    """Overlap would run one more step for a finished sequence, writing a row into its ring after its last
+    token: the engine asks the default with its rings, and the default refuses them on every platform."""
+    from kvforge.engine import llm_engine
+    from kvforge.engine.overlap import default_async_scheduling
+
+    asked = []
+
+    def recorded(platform, tensor_parallel, rings):
+        asked.append(rings)
+        return default_async_scheduling(platform, tensor_parallel, rings)
+
+    monkeypatch.setattr(llm_engine, "default_async_scheduling", recorded)
+    assert not make(model_dir).engine.async_scheduling and asked == [True]
+    assert not default_async_scheduling("cuda", False, True)
+    assert default_async_scheduling("cuda", False, False)  # the CUDA default at TP 1 otherwise
+    assert not default_async_scheduling("cuda", True, False) and not default_async_scheduling("cpu", False, False)

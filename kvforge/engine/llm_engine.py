@@ -26,7 +26,7 @@ from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.overlap import InflightStep, copy_tokens_to_host
+from kvforge.engine.overlap import InflightStep, copy_tokens_to_host, default_async_scheduling
 from kvforge.engine.prompt_ids import check_prompt_token_ids
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
@@ -230,10 +230,8 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.prefill_tokens_computed = 0
-        # Overlap only pays where the device runs asynchronously to the host (CUDA). Default off at TP>1
-        # (works on CPU, not yet measured on GPUs), refused for ring models (above).
         self.async_scheduling = (bool(args.async_scheduling) if args.async_scheduling is not None
-                                 else platform == "cuda" and self.tp is None)
+                                 else default_async_scheduling(platform, self.tp is not None, bool(self.spec.rings)))
         # Speculative decoding (kvforge/speculative): proposals before each schedule, verification after the step.
         self.proposer = self.spec_counters = self.draft_runner = self.spec_backoff = None
         self.num_launches = 0  # steps launched (the clock of the proposal back-off)

@@ -43,6 +43,14 @@ from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import Stamp
 
 
+def default_async_scheduling(platform: str, tensor_parallel: bool, rings: bool) -> bool:
+    """Overlap when ``--async-scheduling`` is not given: only where the device runs apart from the host (CUDA),
+    at TP 1 (at TP > 1 it works on CPU but is not yet measured on GPUs), and never for ring models, whose
+    per-request rings are bound to the synchronous step (an in-flight step would write one more row into a
+    finished sequence's ring)."""
+    return platform == "cuda" and not tensor_parallel and not rings
+
+
 @dataclass
 class InflightStep:
     """A launched step whose sampled tokens have not been read on the host yet.

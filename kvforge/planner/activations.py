@@ -211,8 +211,8 @@ def _moe_phase(config: dict, architecture: str, tokens: int, hidden: int, tp: in
 
 def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, fused: bool, step: int,
                        paged_kernels: int) -> dict[str, int]:
-    """Qwen3-Next's phases (kvforge/models/qwen3_next.py): its layers add the residual outside the norms,
-    whose float32 copies run on every device; the gated attention's query projection carries the output
+    """Qwen3-Next's phases (kvforge/models/qwen3_next.py): each residual add joins the norm after it, whose
+    float32 copies are counted as on a device without the norm kernel; the gated attention's query projection carries the output
     gate; Gated DeltaNet's projections, conv input and output beside the delta rule's output.
     ``paged_kernels``: the paged backend's own tensors in the attention phase (split-K partials, SDPA prefill)."""
     f = 4
@@ -226,7 +226,7 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
     norm = h * (2 * f)  # GemmaRMSNorm's float32 copy and square (or product)
     stream = step + 2 * t * h * e  # the layer's input and its normed copy (the mixer's output later)
     phases = {"residual norm": step + t * (3 * h * e + norm)}
-    proj = (2 * key + 2 * value + 2 * hv) * e  # in_proj_qkvz and in_proj_ba outputs
+    proj = (2 * key + 2 * value + 2 * hv) * e  # the stacked input product's output (q, k, v, z, b, a)
     phases["linear attention"] = stream + t * (proj + 2 * conv * e + max(
         0, 2 * value * e + value * (4 * f + e) - conv * e + h * e))
     rope = (q + kv) * e * (0 if fused else 3)
