@@ -221,6 +221,19 @@ def test_a_short_input_projection_names_the_tensor_and_both_shapes(tmp_path):
         load_ours(tmp_path)
 
 
+def test_an_input_projection_on_a_full_attention_layer_has_no_place(tmp_path):
+    make_checkpoint("qwen3-next", tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    full = load_ours(tmp_path).args.layer_types.index("full_attention")
+    tensors = load_file(tmp_path / "model.safetensors")
+    stray = f"model.layers.{full}.linear_attn.in_proj_qkvz.weight"
+    tensors[stray] = tensors["model.layers.0.linear_attn.in_proj_qkvz.weight"].clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"have no place.*{stray}"):
+        load_ours(tmp_path)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_state_layouts_and_layer_kinds_match_the_plan_spec(case, tmp_path):
     """Per linear layer, the model's state elements equal the planner's; MLA / attention layers sit where the

@@ -375,7 +375,10 @@ class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
         row order first (:meth:`GatedDeltaNet.checkpoint_rows`)."""
         for hf in ("in_proj_qkvz", "in_proj_ba"):
             if f".linear_attn.{hf}." in name:
-                mixer = self.get_submodule(name.split(f".{hf}.")[0])
+                try:
+                    mixer = self.get_submodule(name.split(f".{hf}.")[0])
+                except AttributeError:  # no Gated DeltaNet there: the loader names the tensor it has no place for
+                    return None
                 tensor = mixer.checkpoint_rows(name, tensor)
         return super().load_checkpoint_tensor(params, name, tensor)
 
