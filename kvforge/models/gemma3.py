@@ -32,6 +32,7 @@ from torch import nn
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, attention_and_mlp_parts
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, rope_parameters
+from kvforge.models.linear_route import Linear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_THETA = {SLIDING: 10_000.0, FULL: 1_000_000.0}
@@ -151,8 +152,8 @@ class Gemma3Attention(nn.Module):
         self.layer_type = a.layer_types[layer_idx]
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias, dtype=dtype)
+        self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias, dtype=dtype)
         self.q_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
         self.k_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
 

@@ -39,6 +39,7 @@ from kvforge.models.expert_loop import sum_over_experts
 from kvforge.models.expert_rows import group_by_expert, weighted_sum_per_token
 from kvforge.models.grouped_mm import grouped_mm_problem
 from kvforge.models.layers import RotaryEmbedding, cfg_get
+from kvforge.models.linear_route import Linear
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import RouterRule, router_topk
 from kvforge.models.yarn import yarn_attention_factor, yarn_inv_freq
@@ -134,8 +135,8 @@ class GptOssAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, a.hidden_size, bias=a.attention_bias, dtype=dtype)
+        self.qkv_proj = Linear(a.hidden_size, self.q_size + 2 * self.kv_size, bias=a.attention_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, a.hidden_size, bias=a.attention_bias, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(a.num_heads, dtype=dtype))
 
     def forward(self, rope, x: torch.Tensor, attn, rotary: RotaryEmbedding) -> torch.Tensor:

@@ -163,7 +163,7 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1, dtype=dtype))
         self.g_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
         self.o_norm = GatedRMSNorm(self.head_dim, a.rms_norm_eps, torch.sigmoid, round_normed=False, dtype=dtype)
-        self.o_proj = nn.Linear(width, a.hidden_size, bias=False, dtype=dtype)
+        self.o_proj = Linear(width, a.hidden_size, bias=False, dtype=dtype)
 
     @property
     def input_projection(self) -> Linear:

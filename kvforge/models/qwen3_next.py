@@ -42,6 +42,7 @@ from kvforge.models.deepseek import MoE
 from kvforge.models.delta_gates import delta_gates
 from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, get_activation
+from kvforge.models.linear_route import Linear
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import RouterRule, router_topk, softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -180,12 +181,12 @@ class GatedDeltaNet(nn.Module):
         conv_dim = 2 * key_total + value_total
         # in_proj_qkvz and in_proj_ba as one product, rows [q | k | v | z | b | a] (gdn_input_rows)
         self.input_split = (conv_dim, value_total, self.hv, self.hv)
-        self.in_proj = nn.Linear(a.hidden_size, sum(self.input_split), bias=False, dtype=dtype)
+        self.in_proj = Linear(a.hidden_size, sum(self.input_split), bias=False, dtype=dtype)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, a.conv_width, groups=conv_dim, bias=False, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.ones(self.hv, dtype=dtype))
         self.A_log = nn.Parameter(torch.zeros(self.hv, dtype=dtype))
         self.norm = GatedRMSNorm(self.dv, a.rms_norm_eps, F.silu, round_normed=True, dtype=dtype)
-        self.out_proj = nn.Linear(value_total, a.hidden_size, bias=False, dtype=dtype)
+        self.out_proj = Linear(value_total, a.hidden_size, bias=False, dtype=dtype)
 
     def checkpoint_rows(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """The checkpoint's ``...in_proj_qkvz.weight`` / ``...in_proj_ba.weight`` (transformers' per-key-head
@@ -217,10 +218,10 @@ class GatedAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         q_size, kv_size, bias = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.attention_bias
-        self.q_proj = nn.Linear(a.hidden_size, 2 * q_size, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(a.hidden_size, kv_size, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(a.hidden_size, kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, a.hidden_size, bias=bias, dtype=dtype)
+        self.q_proj = Linear(a.hidden_size, 2 * q_size, bias=bias, dtype=dtype)
+        self.k_proj = Linear(a.hidden_size, kv_size, bias=bias, dtype=dtype)
+        self.v_proj = Linear(a.hidden_size, kv_size, bias=bias, dtype=dtype)
+        self.o_proj = Linear(q_size, a.hidden_size, bias=bias, dtype=dtype)
         self.q_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
         self.k_norm = GemmaRMSNorm(a.head_dim, a.rms_norm_eps, dtype=dtype)
 
