@@ -67,8 +67,8 @@ class StateSlotAttention(PagedReferenceAttention):
     def short_conv(self, layer, x, weight, bias, activation="silu"):
         return self.states.short_conv(layer, x, weight, bias, activation)
 
-    def delta_rule(self, layer, q, k, v, g, beta, **kw):
-        return self.states.delta_rule(layer, q, k, v, g, beta, **kw)
+    def delta_rule(self, layer, q, k, v, gates, **kw):
+        return self.states.delta_rule(layer, q, k, v, gates, **kw)
 
     def mla(self, layer, q_nope, q_rope, latent, k_rope, w_uk, w_uv):
         cache = self.latent_caches.get(layer)

@@ -78,7 +78,8 @@ class OutputOnlyAttention:
     def short_conv(self, layer, x, weight, bias, activation):
         return torch.zeros_like(x)
 
-    def delta_rule(self, layer, q, k, v, g, beta, *, scale=None, normalize_qk=True):
+    def delta_rule(self, layer, q, k, v, gates, *, scale=None, normalize_qk=True):
+        gates.values()  # a prompt step computes the gates before the kernels
         return torch.zeros_like(v)
 
 

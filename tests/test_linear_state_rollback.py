@@ -20,6 +20,7 @@ import torch
 from delta_rule_oracle import naive_float64, random_inputs, rel_err
 
 from kvforge.attention import linear_state
+from kvforge.attention.delta_rule_gates import GateValues
 from kvforge.attention.linear_state import LinearStateLayout, LinearStates, SlotBatch
 
 HK, HV, DK, DV, WIDTH = 1, 2, 16, 16, 4
@@ -73,7 +74,8 @@ def _step_and_keep(per_channel: bool, kept: dict[int, int], on_kernels: bool, mo
                             spec_lens=[p for *_, p in SEQS], verify_rows=K_SPEC + 1)
     states.set_batch(batch)
     conv_out = states.short_conv(0, x.to(dev), weight.to(dev), None, "silu").cpu()
-    rule_out = states.delta_rule(0, *(t.to(dev) for t in (q, k, v, g, beta)), normalize_qk=True).cpu()
+    rule_out = states.delta_rule(0, *(t.to(dev) for t in (q, k, v)), GateValues(g.to(dev), beta.to(dev)),
+                                 normalize_qk=True).cpu()
     states.batch = None
 
     start = 0

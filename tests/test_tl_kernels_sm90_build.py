@@ -5,8 +5,8 @@ compiler rejects fails here. Each variant the engine launches for these kernels 
 - the router kernels (choice, and logits with the choice in one launch) for DeepSeek-V2-Lite's softmax
   top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group),
   DeepSeek-V2's group-limited softmax and Qwen3-Next's softmax with its sigmoid-gated shared slot;
-- the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, and the delta-rule
-  gates at both models' head layouts;
+- the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, the delta-rule
+  gates at both models' head layouts, and the recurrent decode kernel computing those gates itself;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 
@@ -35,7 +35,7 @@ POINTERS = {"ids_ptr": "*i64", "counter_ptr": "*i32", "x_ptr": "*bf16", "gate_pt
 FLOATS = ("scale", "eps")
 
 
-def _compile(fn, consts: dict):
+def _compile(fn, consts: dict, pointers: dict | None = None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,7 +45,7 @@ def _compile(fn, consts: dict):
         if name in consts:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = POINTERS.get(name, "*fp32")
+            signature[name] = {**POINTERS, **(pointers or {})}.get(name, "*fp32")
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -53,7 +53,7 @@ def _compile(fn, consts: dict):
 
 
 def _builds():
-    """(name, kernel, compile-time arguments) of every variant."""
+    """(name, kernel, compile-time arguments[, pointer types by argument name]) of every variant."""
     from kvforge.kernels import triton_delta_gates as gates
     from kvforge.kernels import triton_gated_rms_norm as norm
     from kvforge.kernels import triton_router_logits_topk as fused
@@ -75,13 +75,21 @@ def _builds():
     for name, head_dim, channels, heads in (("qwen3-next", 1, 32, 32), ("kimi-linear", 128, 4096, 32)):
         yield f"delta gates, {name}", gates._delta_gates_kernel, dict(
             HEAD_DIM=head_dim, THRESHOLD=gates.SOFTPLUS_THRESHOLD, BLOCK_C=channels, BLOCK_B=heads)
+    from kvforge.kernels import triton_gated_delta_rule as rule
+
+    for name, per_channel, dt_bias in (("qwen3-next", False, "*bf16"), ("kimi-linear", True, "*fp32")):
+        yield f"recurrent decode with its gates, {name}", rule._recurrent_kernel, dict(
+            BK=128, BV=64, PER_CHANNEL=per_channel, NORMALIZE=True, DECODE=True, HAS_INIT_FLAGS=True,
+            STORE_OUT=True, RAW_GATES=True, THRESHOLD=gates.SOFTPLUS_THRESHOLD), dict(
+            q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i32", store_slot_ptr="*i32",
+            init_ptr="*i1", qsl_ptr="*i32", dt_bias_ptr=dt_bias)
 
 
-NAMES = [name for name, _, _ in _builds()] if HAS_TRITON else []
+NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []
 
 
 def _report() -> dict:
-    return {name: bool(_compile(fn, consts).asm.get("cubin")) for name, fn, consts in _builds()}
+    return {name: bool(_compile(fn, *rest).asm.get("cubin")) for name, fn, *rest in _builds()}
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from triton_kernel_device import (
 )
 
 from kvforge.attention import linear_state
+from kvforge.attention.delta_rule_gates import DeltaGates
 from kvforge.attention.linear_state import LinearStateLayout, LinearStates, SlotBatch
 from kvforge.kernels import triton_causal_conv1d as conv_kernels
 from kvforge.kernels import triton_gated_delta_rule as kernels
@@ -246,10 +247,50 @@ def _check_conv1d_prefill(d, lens, slots, init):
         assert torch.equal(dev_states[s].cpu(), states[s])
 
 
+def _raw_gates(n, hv, head_dim, gen, dev) -> DeltaGates:
+    """Gate projections of ``n`` tokens (``f`` of ``hv * head_dim`` channels, ``b`` of ``hv``) and the two
+    parameters, in float32: decays from ~-0.02 to ~-6, write strengths over (0, 1)."""
+    f = 2.0 * torch.randn(n, hv * head_dim, generator=gen)
+    b = 2.0 * torch.randn(n, hv, generator=gen)
+    dt_bias = torch.randn(hv * head_dim, generator=gen)
+    a_log = 0.5 * torch.randn(hv, generator=gen)
+    return DeltaGates(*(t.to(dev) for t in (f, dt_bias, a_log, b)), head_dim)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_decode_computing_its_gates_equals_decode_over_computed_gates(per_channel):
+    """The recurrent kernel given the gates' projections (``dt_bias``, ``a_log``) against the same kernel given
+    the gates of the PyTorch formulas (kvforge/models/delta_gates.py): float32 exp and log in both, so the
+    outputs and states agree to float32 rounding; and both against the float64 definition."""
+    from kvforge.models.delta_gates import delta_gates_reference
+
+    hk, hv, dk, dv, n = 2, 4, 16, 24, 3
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, _, _ = _batch([1] * n, hk, hv, dk, dv, per_channel, seed=8)
+    gates = _raw_gates(n, hv, dk if per_channel else 1, gen, DEVICE)
+    g, beta = delta_gates_reference(gates.f, gates.dt_bias, gates.a_log, gates.b, gates.head_dim)
+    g = g.view(n, hv, dk) if per_channel else g
+    start = (0.3 * torch.randn(n + 1, hv, dk, dv, generator=gen)).to(DEVICE)
+    slot_ids = torch.tensor([2, 0, 3], dtype=torch.int32, device=DEVICE)
+    f, b = gates.projections()
+    fused_states, plain_states = start.clone(), start.clone()
+    fused = kernels.decode(q, k, v, f, b, fused_states, slot_ids, normalize_qk=True, dt_bias=gates.dt_bias,
+                           a_log=gates.a_log)
+    plain = kernels.decode(q, k, v, g, beta, plain_states, slot_ids, normalize_qk=True)
+    assert rel_err(fused.cpu(), plain.cpu().double()) < 1e-5
+    assert rel_err(fused_states.cpu(), plain_states.cpu().double()) < 1e-5
+    for i, slot in enumerate(slot_ids.tolist()):
+        want_out, want_state = naive_float64(*(x[i:i + 1].cpu() for x in (q, k, v, g, beta)), start[slot].cpu())
+        assert rel_err(fused[i:i + 1].cpu(), want_out) < REC_TOL
+        assert rel_err(fused_states[slot].cpu(), want_state) < REC_TOL
+    assert torch.equal(fused_states[1], start[1])  # no sequence's slot: untouched
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatch):
-    """LinearStates dispatches to the kernels (prefill and decode steps, slots, fresh sequences) and gets
-    what its PyTorch path gets: outputs and every slot after each step."""
+    """LinearStates dispatches to the kernels (prefill and decode steps, slots, fresh sequences; the decode
+    step's recurrent kernel computing the gates from the layer's projections) and gets what its PyTorch path
+    gets: outputs and every slot after each step."""
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", DEVICE))
     hk, hv, dk, dv, width = 1, 2, 16, 16, 4
     layout = LinearStateLayout(conv_channels=2 * hk * dk + hv * dv, conv_width=width, num_value_heads=hv,
@@ -270,12 +311,11 @@ def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatc
                                   ([1, 5, 1], [2, 3, 0], [True, False, True])):
             n = sum(lens)
             x = torch.randn(n, layout.conv_channels, generator=gen)
-            _, _, _, g, beta = random_inputs(n, hk, hv, dk, dv, per_channel, seed=n)
+            gates = _raw_gates(n, hv, dk if per_channel else 1, gen, dev)
             states.set_batch(SlotBatch.build(lens, slots, init, dev))
             mixed = states.short_conv(0, x.to(dev), weight.to(dev), None)
             q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-            o = states.delta_rule(0, q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g.to(dev),
-                                  beta.to(dev))
+            o = states.delta_rule(0, q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), gates)
             outs.append((mixed.cpu(), o.cpu(), states.conv[0].cpu().clone(), states.recurrent[0].cpu().clone()))
         runs[on_kernels] = outs
     for got, want in zip(runs[True], runs[False]):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.attention import causal_conv1d, gated_delta_rule
+from kvforge.attention.delta_rule_gates import DeltaGates, GateValues
 
 
 @dataclass(frozen=True)
@@ -281,10 +282,20 @@ class LinearStates:
                 states[slot].copy_(s)
         return out
 
-    def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, *, scale: float | None = None, normalize_qk: bool = True) -> torch.Tensor:
-        """``o [T, Hv, V]`` of the gated delta rule continuing each sequence's recurrent state."""
+    def delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   gates: GateValues | DeltaGates, *, scale: float | None = None,
+                   normalize_qk: bool = True) -> torch.Tensor:
+        """``o [T, Hv, V]`` of the gated delta rule continuing each sequence's recurrent state. A one-token
+        step on the kernels computes :class:`DeltaGates` inside the recurrent kernel; others compute them
+        first (kvforge/attention/delta_rule_gates.py)."""
         b, states = self._batch(), self.recurrent[layer]
+        if isinstance(gates, DeltaGates) and _use_kernels(v) and b.max_query_len == 1 and not b.verifies:
+            from kvforge.kernels import triton_gated_delta_rule as kernels
+
+            f, raw_b = gates.projections()
+            return kernels.decode(q, k, v, f, raw_b, states, b.slot_ids, has_initial_state=b.has_initial_state,
+                                  scale=scale, normalize_qk=normalize_qk, dt_bias=gates.dt_bias, a_log=gates.a_log)
+        g, beta = gates.values()
         if b.verifies:
             rows = self.verify[layer]
             for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):

@@ -709,8 +709,8 @@ class _LinearAttn(_MLAAttn):
     def short_conv(self, layer: int, x, weight, bias, activation="silu") -> torch.Tensor:
         return self.runner.linear_states.short_conv(layer, x, weight, bias, activation)
 
-    def delta_rule(self, layer: int, q, k, v, g, beta, **kw) -> torch.Tensor:
-        return self.runner.linear_states.delta_rule(layer, q, k, v, g, beta, **kw)
+    def delta_rule(self, layer: int, q, k, v, gates, **kw) -> torch.Tensor:
+        return self.runner.linear_states.delta_rule(layer, q, k, v, gates, **kw)
 
 
 class _RingAttn(_PagedAttn):

@@ -29,6 +29,21 @@ SOFTPLUS_THRESHOLD = 20.0
 if HAS_TRITON:
 
     @triton.jit
+    def decay_gate(f, dt_bias, a_log, THRESHOLD: tl.constexpr):
+        """``-exp(a_log) * softplus(f + dt_bias)`` in float32 (the module docstring's ``g``), elementwise."""
+        x = f.to(tl.float32) + dt_bias.to(tl.float32)
+        small = tl.exp(-tl.abs(x))
+        u = 1.0 + small  # log1p(small) = log(u) * small / (u - 1): the rounding of u cancels
+        log1p = tl.where(u == 1.0, small, tl.log(u) * (small / tl.where(u == 1.0, 1.0, u - 1.0)))
+        softplus = tl.where(x > THRESHOLD, x, tl.maximum(x, 0.0) + log1p)
+        return -tl.exp(a_log.to(tl.float32)) * softplus
+
+    @triton.jit
+    def write_strength(b):
+        """``sigmoid(b)`` in float32 (the caller rounds it to b's dtype, as the module docstring's ``beta``)."""
+        return 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+
+    @triton.jit
     def _delta_gates_kernel(
         f_ptr, dt_bias_ptr, a_log_ptr, b_ptr, g_ptr, beta_ptr, NC, NB, C_F, C_B,
         stride_f0, stride_f1, stride_b0, stride_b1,
@@ -37,18 +52,14 @@ if HAS_TRITON:
         t = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK_C)
         cm = c < NC
-        f = tl.load(f_ptr + t * stride_f0 + (c // C_F) * stride_f1 + c % C_F, mask=cm, other=0.0).to(tl.float32)
-        x = f + tl.load(dt_bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        small = tl.exp(-tl.abs(x))
-        u = 1.0 + small  # log1p(small) = log(u) * small / (u - 1): the rounding of u cancels
-        log1p = tl.where(u == 1.0, small, tl.log(u) * (small / tl.where(u == 1.0, 1.0, u - 1.0)))
-        softplus = tl.where(x > THRESHOLD, x, tl.maximum(x, 0.0) + log1p)
-        decay = tl.exp(tl.load(a_log_ptr + c // HEAD_DIM, mask=cm, other=0.0).to(tl.float32))
-        tl.store(g_ptr + t * NC + c, -decay * softplus, mask=cm)
+        f = tl.load(f_ptr + t * stride_f0 + (c // C_F) * stride_f1 + c % C_F, mask=cm, other=0.0)
+        dt_bias = tl.load(dt_bias_ptr + c, mask=cm, other=0.0)
+        a_log = tl.load(a_log_ptr + c // HEAD_DIM, mask=cm, other=0.0)
+        tl.store(g_ptr + t * NC + c, decay_gate(f, dt_bias, a_log, THRESHOLD), mask=cm)
         h = tl.arange(0, BLOCK_B)
         hm = h < NB
-        b = tl.load(b_ptr + t * stride_b0 + (h // C_B) * stride_b1 + h % C_B, mask=hm, other=0.0).to(tl.float32)
-        tl.store(beta_ptr + t * NB + h, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=hm)
+        b = tl.load(b_ptr + t * stride_b0 + (h // C_B) * stride_b1 + h % C_B, mask=hm, other=0.0)
+        tl.store(beta_ptr + t * NB + h, write_strength(b).to(beta_ptr.dtype.element_ty), mask=hm)
 
 
 def _three_dims(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -40,6 +40,10 @@ import dataclasses
 import torch
 
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
+from kvforge.kernels.triton_delta_gates import SOFTPLUS_THRESHOLD
+
+if HAS_TRITON:
+    from kvforge.kernels.triton_delta_gates import decay_gate, write_strength
 
 L2_NORM_EPS = 1e-6
 DEFAULT_CHUNK_SIZE = 16
@@ -117,11 +121,13 @@ if HAS_TRITON:
     @triton.jit
     def _recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
+        dt_bias_ptr, a_log_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, NORMALIZE: tl.constexpr,
-        DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr,
+        DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, RAW_GATES: tl.constexpr,
+        THRESHOLD: tl.constexpr,
     ):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -144,12 +150,21 @@ if HAS_TRITON:
             for t64 in range(bos, eos):  # int64 token index
                 q, k, v = _load_qkv(q_ptr, k_ptr, v_ptr, t64, hk, h, ks, vs, kmask, vmask, stride_qt, stride_qh,
                                     stride_kt, stride_kh, stride_vt, stride_vh, scale, NORMALIZE, 0)
-                beta = tl.load(beta_ptr + t64 * stride_bt + h).to(tl.float32)
+                beta = tl.load(beta_ptr + t64 * stride_bt + h)
+                if RAW_GATES:  # beta_ptr holds b: sigmoid rounded to b's dtype, as the gates kernel stores it
+                    beta = write_strength(beta).to(beta_ptr.dtype.element_ty)
+                beta = beta.to(tl.float32)
                 if PER_CHANNEL:
-                    g = tl.load(g_ptr + t64 * stride_gt + h * stride_gh + ks, mask=kmask, other=0.0).to(tl.float32)
-                    s = s * tl.exp(g)[:, None]
+                    g = tl.load(g_ptr + t64 * stride_gt + h * stride_gh + ks, mask=kmask, other=0.0)
+                    if RAW_GATES:  # g_ptr holds f: the decay from it, dt_bias (a channel) and A_log (a head)
+                        g = decay_gate(g, tl.load(dt_bias_ptr + h * DK + ks, mask=kmask, other=0.0),
+                                       tl.load(a_log_ptr + h), THRESHOLD)
+                    s = s * tl.exp(g.to(tl.float32))[:, None]
                 else:
-                    s = s * tl.exp(tl.load(g_ptr + t64 * stride_gt + h).to(tl.float32))
+                    g = tl.load(g_ptr + t64 * stride_gt + h)
+                    if RAW_GATES:
+                        g = decay_gate(g, tl.load(dt_bias_ptr + h), tl.load(a_log_ptr + h), THRESHOLD)
+                    s = s * tl.exp(g.to(tl.float32))
                 u = beta * (v - tl.sum(s * k[:, None], axis=0))
                 s = s + k[:, None] * u[None, :]
                 if STORE_OUT:
@@ -249,7 +264,7 @@ def _blocks(dk: int, dv: int, tile: RecurrentTile) -> tuple[int, int]:
 
 
 def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
-                      normalize_qk, num_seqs, decode, store_slot_ids=None, store_output=True):
+                      normalize_qk, num_seqs, decode, store_slot_ids=None, store_output=True, raw_gates=None):
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty_like(v)
@@ -260,25 +275,42 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
     per_channel = g.dim() == 3
     flags = has_initial_state if has_initial_state is not None else slot_ids
     qsl = query_start_loc if query_start_loc is not None else slot_ids
+    dt_bias, a_log = raw_gates if raw_gates is not None else (g, g)
     _recurrent_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags, qsl,
+        dt_bias, a_log,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         g.stride(1) if per_channel else 0, beta.stride(0), out.stride(0), out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
-        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), num_warps=tile.num_warps,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), RAW_GATES=raw_gates is not None,
+        THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=tile.num_warps,
     )
     return out
 
 
 def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            states: torch.Tensor, slot_ids: torch.Tensor, *, has_initial_state: torch.Tensor | None = None,
-           scale: float | None = None, normalize_qk: bool = False) -> torch.Tensor:
-    """One token per sequence (``T == N``); ``out [T, Hv, V]``, ``states`` updated in place (module docstring)."""
+           scale: float | None = None, normalize_qk: bool = False, dt_bias: torch.Tensor | None = None,
+           a_log: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per sequence (``T == N``); ``out [T, Hv, V]``, ``states`` updated in place (module docstring).
+
+    With ``dt_bias`` and ``a_log`` given, ``g`` and ``beta`` are the gates' projections (``f`` and ``b`` of
+    kvforge/kernels/triton_delta_gates.py, ``dt_bias`` one value a decay channel, ``a_log`` one a value head)
+    and the kernel computes the gates as that kernel does: one launch fewer a step."""
     _check(q, k, v, g, beta, states, slot_ids, q.shape[0])
+    raw = None
+    if dt_bias is not None or a_log is not None:
+        hv, dk = v.shape[1], q.shape[2]
+        channels = hv * (dk if g.dim() == 3 else 1)
+        if dt_bias is None or a_log is None or dt_bias.numel() != channels or a_log.numel() != hv:
+            raise ValueError(f"raw gates need dt_bias of {channels} values and a_log of {hv}, got "
+                             f"{None if dt_bias is None else dt_bias.numel()} and "
+                             f"{None if a_log is None else a_log.numel()}")
+        raw = (dt_bias.reshape(-1).contiguous(), a_log.reshape(-1).contiguous())
     return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, None, scale,
-                             normalize_qk, q.shape[0], decode=True)
+                             normalize_qk, q.shape[0], decode=True, raw_gates=raw)
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

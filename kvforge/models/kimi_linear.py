@@ -36,6 +36,7 @@ import re
 import torch
 from torch import nn
 
+from kvforge.attention.delta_rule_gates import DeltaGates
 from kvforge.attention.linear_state import LinearStateLayout
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import (
@@ -51,7 +52,6 @@ from kvforge.models.deepseek import (
     input_projection_parts,
     read_mla_sizes,
 )
-from kvforge.models.delta_gates import delta_gates
 from kvforge.models.layers import GatedMLP, cfg_get
 from kvforge.models.linear_route import Linear
 from kvforge.models.qwen3_next import FULL, LINEAR, GatedRMSNorm, hybrid_layer_types, short_conv_weight
@@ -170,20 +170,18 @@ class KimiDeltaAttention(nn.Module):
         """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``)."""
         return self.in_proj
 
-    def gates(self, f_a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a) + dt_bias)``, float32 ``[T, H, D]``,
-        and the write strength ``sigmoid(b)`` ``[T, H]`` (kvforge/models/delta_gates.py), from the stacked
-        product's ``f_a_proj`` and ``b_proj`` columns."""
-        g, beta = delta_gates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.head_dim)
-        return g.view(f_a.shape[0], self.heads, self.head_dim), beta
+    def gates(self, f_a: torch.Tensor, b: torch.Tensor) -> DeltaGates:
+        """The per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a) + dt_bias)`` (float32 ``[T, H, D]``)
+        and the write strength ``sigmoid(b)`` ``[T, H]``, from the stacked product's ``f_a_proj`` and ``b_proj``
+        columns, not yet computed (kvforge/attention/delta_rule_gates.py)."""
+        return DeltaGates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.head_dim)
 
     def forward(self, rope, x: torch.Tensor, attn, rotary) -> torch.Tensor:
         mixed, f_a, b, g_a = self.in_proj(x).split(self.input_split, dim=-1)
         t, h, d = mixed.shape[0], self.heads, self.head_dim  # x may be a pending norm (the product's prologue)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = (part.reshape(t, h, d) for part in mixed.split(h * d, dim=-1))
-        g, beta = self.gates(f_a, b)
-        o = attn.delta_rule(self.layer_idx, q, k, v, g, beta, normalize_qk=True)
+        o = attn.delta_rule(self.layer_idx, q, k, v, self.gates(f_a, b), normalize_qk=True)
         gate = self.g_b_proj(g_a).view(t, h, d)
         return self.o_proj(self.o_norm(o, gate).reshape(t, h * d))
 

@@ -35,11 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge.attention.delta_rule_gates import DeltaGates
 from kvforge.attention.linear_state import LinearStateLayout
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, gate_up_parts, required_int
 from kvforge.models.deepseek import MoE
-from kvforge.models.delta_gates import delta_gates
 from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, get_activation
 from kvforge.models.linear_route import Linear
@@ -203,9 +203,9 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split(self.input_split, dim=-1)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        g, beta = delta_gates(a, self.dt_bias, self.A_log, b, 1)
-        o = attn.delta_rule(self.layer_idx, q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), g,
-                            beta, normalize_qk=True)
+        gates = DeltaGates(a, self.dt_bias, self.A_log, b, 1)  # computed by the kernels that take them
+        o = attn.delta_rule(self.layer_idx, q.reshape(t, hk, dk), k.reshape(t, hk, dk), v.reshape(t, hv, dv), gates,
+                            normalize_qk=True)
         o = self.norm(o, z.view(t, hv, dv))
         return self.out_proj(o.reshape(t, hv * dv))
 
