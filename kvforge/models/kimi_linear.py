@@ -25,8 +25,9 @@ the hub layout (what transformers also writes): MLPs under ``block_sparse_moe``,
 as ``w1`` (gate), ``w3`` (up), ``w2`` (down), ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``, and the
 forget gate's ``f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log`` directly under ``self_attn``.
 Parameters keep those names except the fused ones (q/k/v convs into ``conv1d``; ``q_proj``, ``k_proj``,
-``v_proj``, ``f_a_proj``, ``b_proj`` and ``g_a_proj``, which all read the layer's input, into one product
-``in_proj``; gate/up of dense and shared MLPs) and the routed experts (stacked) under ``mlp``.
+``v_proj``, ``f_a_proj``, ``g_a_proj`` and ``b_proj``, which all read the layer's input, into one product
+``in_proj``; ``f_b_proj`` and ``g_b_proj`` into ``fg_b_proj``, one batched product of the side-by-side
+``f_a`` and ``g_a`` columns; gate/up of dense and shared MLPs) and the routed experts (stacked) under ``mlp``.
 """
 
 from __future__ import annotations
@@ -158,10 +159,10 @@ class KimiDeltaAttention(nn.Module):
         self.input_split = kda_input_split(a)
         self.in_proj = Linear(a.hidden_size, sum(self.input_split), bias=False, dtype=dtype)
         self.conv1d = nn.Conv1d(3 * width, 3 * width, a.conv_width, groups=3 * width, bias=False, dtype=dtype)
-        self.f_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
+        # f_b_proj and g_b_proj stacked: one batched product of the f_a and g_a columns, which lie side by side
+        self.fg_b_proj = nn.Linear(self.head_dim, 2 * width, bias=False, dtype=dtype)
         self.dt_bias = nn.Parameter(torch.zeros(width, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(1, 1, self.heads, 1, dtype=dtype))
-        self.g_b_proj = nn.Linear(self.head_dim, width, bias=False, dtype=dtype)
         self.o_norm = GatedRMSNorm(self.head_dim, a.rms_norm_eps, torch.sigmoid, round_normed=False, dtype=dtype)
         self.o_proj = Linear(width, a.hidden_size, bias=False, dtype=dtype)
 
@@ -170,35 +171,41 @@ class KimiDeltaAttention(nn.Module):
         """The one reader of the forward's ``x`` (kvforge/models/linear_route.py, ``norm_input``)."""
         return self.in_proj
 
-    def gates(self, f_a: torch.Tensor, b: torch.Tensor) -> DeltaGates:
-        """The per-channel log decay ``-exp(A_log[h]) * softplus(f_b(f_a) + dt_bias)`` (float32 ``[T, H, D]``)
-        and the write strength ``sigmoid(b)`` ``[T, H]``, from the stacked product's ``f_a_proj`` and ``b_proj``
-        columns, not yet computed (kvforge/attention/delta_rule_gates.py)."""
-        return DeltaGates(self.f_b_proj(f_a), self.dt_bias, self.A_log, b, self.head_dim)
+    def second_gate_projections(self, fg_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(f_b_proj(f_a), g_b_proj(g_a))``, each ``[T, H * D]``, as one batched product of the stacked input
+        product's ``[f_a | g_a]`` columns ``[T, 2 * D]`` by :attr:`fg_b_proj`'s two row blocks."""
+        t, d = fg_a.shape[0], self.head_dim
+        weight = self.fg_b_proj.weight.view(2, -1, d)
+        both = torch.bmm(fg_a.reshape(t, 2, d).transpose(0, 1), weight.transpose(1, 2))
+        return both[0], both[1]
 
     def forward(self, rope, x: torch.Tensor, attn, rotary) -> torch.Tensor:
-        mixed, f_a, b, g_a = self.in_proj(x).split(self.input_split, dim=-1)
+        mixed, fg_a, b = self.in_proj(x).split(self.input_split, dim=-1)
         t, h, d = mixed.shape[0], self.heads, self.head_dim  # x may be a pending norm (the product's prologue)
         mixed = attn.short_conv(self.layer_idx, mixed, short_conv_weight(self.conv1d), None, "silu")
         q, k, v = (part.reshape(t, h, d) for part in mixed.split(h * d, dim=-1))
-        o = attn.delta_rule(self.layer_idx, q, k, v, self.gates(f_a, b), normalize_qk=True)
-        gate = self.g_b_proj(g_a).view(t, h, d)
-        return self.o_proj(self.o_norm(o, gate).reshape(t, h * d))
+        f_b, g_b = self.second_gate_projections(fg_a)
+        # the per-channel log decay -exp(A_log[h]) * softplus(f_b + dt_bias) and the write strength sigmoid(b),
+        # computed by the kernels that take them (kvforge/attention/delta_rule_gates.py)
+        o = attn.delta_rule(self.layer_idx, q, k, v, DeltaGates(f_b, self.dt_bias, self.A_log, b, d),
+                            normalize_qk=True)
+        return self.o_proj(self.o_norm(o, g_b.view(t, h, d)).reshape(t, h * d))
 
 
-def kda_input_split(a: KimiLinearArgs) -> tuple[int, int, int, int]:
+def kda_input_split(a: KimiLinearArgs) -> tuple[int, int, int]:
     """Columns of a KDA layer's stacked input product as the forward splits them: q, k and v together (the
-    conv's input), then ``f_a_proj``, ``b_proj``, ``g_a_proj`` (:func:`kda_input_parts`' rows)."""
-    q, k, v, *gates = (n for _, n in kda_input_parts(a))
-    return (q + k + v, *gates)
+    conv's input), ``f_a_proj`` and ``g_a_proj`` together (the second gate projections' input), ``b_proj``
+    (:func:`kda_input_parts`' rows)."""
+    q, k, v, f_a, g_a, b = (n for _, n in kda_input_parts(a))
+    return q + k + v, f_a + g_a, b
 
 
 def kda_input_parts(a: KimiLinearArgs) -> list[tuple[str, int]]:
     """The HF tensors stacked in a KDA layer's ``self_attn.in_proj``, in row order."""
     width = a.linear_num_heads * a.linear_head_dim
     return [("self_attn.q_proj", width), ("self_attn.k_proj", width), ("self_attn.v_proj", width),
-            ("self_attn.f_a_proj", a.linear_head_dim), ("self_attn.b_proj", a.linear_num_heads),
-            ("self_attn.g_a_proj", a.linear_head_dim)]
+            ("self_attn.f_a_proj", a.linear_head_dim), ("self_attn.g_a_proj", a.linear_head_dim),
+            ("self_attn.b_proj", a.linear_num_heads)]
 
 
 class NoRope(nn.Module):
@@ -241,6 +248,7 @@ class KimiLinearForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
                                                                  a.moe_intermediate_size * a.n_shared_experts),
                 "self_attn.conv1d": [(f"self_attn.{p}_conv1d", width) for p in "qkv"],
                 "self_attn.in_proj": kda_input_parts(a),
+                "self_attn.fg_b_proj": [("self_attn.f_b_proj", width), ("self_attn.g_b_proj", width)],
                 **({"self_attn.fused_qkv_a_proj": input_projection_parts(a)} if fuses_input_projections(a) else {})}
 
     # -- checkpoint names: MLPs under ``block_sparse_moe``, experts' w1 / w3 / w2 ----------------
