@@ -31,7 +31,7 @@ from torch import nn
 
 from kvforge.errors import ConfigError
 from kvforge.models.decoder import DecoderArgs, DecoderForCausalLM, attention_and_mlp_parts
-from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, rope_parameters
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get, rope_parameters
 from kvforge.models.linear_route import Linear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -112,32 +112,21 @@ class Gemma3Args(DecoderArgs):
         self.rope = gemma3_rope(config)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """``x / sqrt(mean(x^2) + eps) * (1 + weight)`` in float32, cast back to ``x.dtype`` (HF Gemma 3).
 
-    ``forward(x, residual)`` first forms the residual stream ``s = x + residual`` (in the model dtype, as
-    a plain ``+``) and returns ``(norm(s), s)``. Where the fused kernels serve (kvforge/models/layers.py,
-    ``fused_kernels``) one Triton kernel computes either form (kvforge/kernels/triton_rms_norm.py,
-    ``zero_centred``); it differs from the PyTorch path only in the order of the sum of squares.
+    :class:`~kvforge.models.layers.RMSNorm`'s forms (``forward(x)``, and ``forward(x, residual)`` returning
+    ``(norm(x + residual), x + residual)``) and dispatch, the kernels in their zero-centred form
+    (kvforge/kernels/triton_rms_norm.py); they differ from the PyTorch path only in the order of the sum
+    of squares.
     """
 
-    def __init__(self, dim: int, eps: float, dtype=None):
-        super().__init__()
-        self.eps = float(eps)
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
+    norm_is_plain_rms = False
+    zero_centred = True
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        k = fused_kernels(x)
-        if (k is not None and x.numel() and x.dim() <= 3 and x.stride(-1) == 1
-                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                          and residual.stride(-1) == 1))):
-            if residual is None:
-                return k[0].rms_norm(x, self.weight, self.eps, zero_centred=True)
-            return k[0].fused_add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True)
-        if residual is None:
-            return self._norm(x)
-        s = x + residual
-        return self._norm(s), s
+    def __init__(self, dim: int, eps: float, dtype=None):
+        super().__init__(dim, eps, dtype=dtype)
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

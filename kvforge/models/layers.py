@@ -61,6 +61,8 @@ class RMSNorm(nn.Module):
     #: The formula above exactly (a subclass that changes it sets this False): a one-row product may compute
     #: it in its prologue (kvforge/models/linear_route.py, ``norm_input``).
     norm_is_plain_rms = True
+    #: The kernels' zero-centred form (kvforge/kernels/triton_rms_norm.py) for a subclass whose ``_norm`` is it.
+    zero_centred = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None):
         super().__init__()
@@ -73,7 +75,7 @@ class RMSNorm(nn.Module):
         k = fused_kernels(x)
         if residual is None:
             if k is not None and x.numel() and x.dim() <= 3 and x.stride(-1) == 1:
-                return k[0].rms_norm(x, self.weight, self.eps)
+                return k[0].rms_norm(x, self.weight, self.eps, zero_centred=self.zero_centred)
             return self._norm(x)
         if (
             k is not None
@@ -84,7 +86,7 @@ class RMSNorm(nn.Module):
             and x.stride(-1) == 1
             and residual.stride(-1) == 1
         ):
-            return k[0].fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return k[0].fused_add_rms_norm(x, residual, self.weight, self.eps, zero_centred=self.zero_centred)
         s = x + residual
         return self._norm(s), s
 
