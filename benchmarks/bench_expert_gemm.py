@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
+from kvforge.kernels import triton_expert_rows  # noqa: E402
 from kvforge.kernels.triton_expert_gemm import TILE, ExpertGemmTile, expert_gemm, programs_by_position  # noqa: E402
 from kvforge.models import expert_rows, router_topk  # noqa: E402
 from kvforge.models.expert_rows import group_by_expert  # noqa: E402
@@ -75,7 +76,7 @@ def check(y, a_rows, weight, experts, k, what):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 128, 256])
     ap.add_argument("--sweep", action="store_true", help="also time the kernel over a set of tiles")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -160,14 +161,17 @@ def sweep(name, t, w, kernel, a_rows, experts, nbytes, copy_bw) -> list[dict]:
 
 
 def time_bookkeeping() -> list[dict]:
-    """Grouping, summing and the router's top-k, PyTorch against the Triton kernels (CUDA graphs). Steps of
-    more rows than ``expert_rows.TRITON_ROWS_MAX`` (Qwen3-Next's 256 tokens x 11 slots, its shared expert
-    folded; Kimi-Linear's 256 x 9) time the grouping kernel with that limit raised for the Triton side."""
-    print(f"\n{'tokens x top-k, experts':>24} | {'PyTorch us (group, sum, top-k)':>32} | {'Triton us':>24}")
+    """Grouping, summing and the router's top-k, PyTorch against the Triton kernels (CUDA graphs); the
+    grouping also by each of the Triton sorts (the one-program sort up to its ``MAX_ROWS``, the counting
+    sort up to ``COUNTING_MAX_ROWS``), whichever the engine's rule picks. Steps of more rows than
+    ``expert_rows.TRITON_ROWS_MAX`` time the Triton side with that limit raised."""
+    print(f"\n{'tokens x top-k, experts':>24} | {'PyTorch us (group, sum, top-k)':>32} | {'Triton us':>24} | "
+          f"{'group: one program / counting':>30}")
     out = []
     row_limit = expert_rows.TRITON_ROWS_MAX
     for t, k, e, hidden in ((1, 6, 64, 2048), (64, 6, 64, 2048), (256, 6, 64, 2048), (64, 4, 32, 2048),
-                            (64, 10, 512, 2048), (256, 8, 256, 2048), (256, 11, 513, 2048), (256, 9, 257, 2304)):
+                            (64, 10, 512, 2048), (256, 8, 256, 2048), (256, 11, 513, 2048), (256, 9, 257, 2304),
+                            (512, 11, 513, 2048), (1024, 8, 256, 2048), (2048, 6, 64, 2048)):
         ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).reshape(-1)
         weights = torch.rand(t, k, device="cuda")
         y = torch.randn(t * k, hidden, device="cuda").to(torch.bfloat16)
@@ -184,6 +188,14 @@ def time_bookkeeping() -> list[dict]:
                     graph_bench(functools.partial(group_by_expert, ids, e, k))[0],
                     graph_bench(functools.partial(expert_rows.weighted_sum_per_token, y, rows, weights))[0],
                     graph_bench(functools.partial(router_topk.softmax_topk, logits, k, False))[0]])
+            sorts = {}
+            for counting, most in ((False, triton_expert_rows.MAX_ROWS), (True, triton_expert_rows.COUNTING_MAX_ROWS)):
+                if t * k <= most:
+                    fn = functools.partial(triton_expert_rows.group_rows, ids, e, k, counting=counting)
+                    if not torch.equal(fn()[0], got[False][0].order):
+                        raise AssertionError(f"T={t} k={k} E={e}: the {'counting' if counting else 'one-program'} "
+                                             "sort orders differently")
+                    sorts[counting] = graph_bench(fn)[0]
         expert_rows.TRITON_ROWS = router_topk.TRITON_ROUTER = True
         expert_rows.TRITON_ROWS_MAX = row_limit
         (ra, sa, ta, us_a), (rb, sb, tb, us_b) = got[False], got[True]
@@ -191,8 +203,11 @@ def time_bookkeeping() -> list[dict]:
             raise AssertionError(f"T={t} k={k} E={e}: the two paths group or choose differently")
         if not (sa.float() - sb.float()).abs().max() <= 2**-7 * sa.float().abs().max():
             raise AssertionError(f"T={t} k={k} E={e}: the sums differ by more than one bf16 rounding")
-        print(f"{f'{t} x {k}, {e}':>24} | {', '.join(f'{v:.1f}' for v in us_a):>32} | {', '.join(f'{v:.1f}' for v in us_b):>24}")
-        out.append(dict(tokens=t, top_k=k, experts=e, hidden=hidden, torch_us=us_a, triton_us=us_b))
+        by_sort = " / ".join(f"{sorts[c]:.1f}" if c in sorts else "-" for c in (False, True))
+        print(f"{f'{t} x {k}, {e}':>24} | {', '.join(f'{v:.1f}' for v in us_a):>32} | "
+              f"{', '.join(f'{v:.1f}' for v in us_b):>24} | {by_sort:>30}")
+        out.append(dict(tokens=t, top_k=k, experts=e, hidden=hidden, torch_us=us_a, triton_us=us_b,
+                        one_program_us=sorts.get(False), counting_us=sorts.get(True)))
     return out
 
 

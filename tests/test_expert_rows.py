@@ -72,12 +72,41 @@ def test_the_rule_sends_decode_sized_steps_to_the_kernel(monkeypatch):
 
 
 def test_kernel_refuses_what_it_cannot_sort():
+    from kvforge.kernels import triton_expert_rows as k
+
+    with pytest.raises(ValueError, match="rows with one program"):
+        k.group_rows(torch.zeros(k.MAX_ROWS + 1, dtype=torch.int64), 8, 1, counting=False)
+    with pytest.raises(ValueError, match="rows with the counting sort"):
+        k.group_rows(torch.zeros(k.COUNTING_MAX_ROWS + 1, dtype=torch.int64), 8, 1)
+    with pytest.raises(ValueError, match="overflow the int32 sort keys"):
+        k.group_rows(torch.zeros(4096, dtype=torch.int64), 2**20, 1, counting=False)
+    assert k.sorts(k.COUNTING_MAX_ROWS, 8) and not k.sorts(k.COUNTING_MAX_ROWS + 1, 8) and not k.sorts(0, 8)
+    assert not k.sorts(k.ONE_PROGRAM_MAX_ROWS, 2**23) and k.sorts(k.ONE_PROGRAM_MAX_ROWS + 1, 2**22)
+
+
+@pytest.mark.parametrize("counting", [False, True])
+@pytest.mark.parametrize("tokens,k,experts", [(1, 6, 64), (43, 6, 64), (100, 11, 513), (300, 2, 5)])
+def test_both_triton_sorts_give_the_stable_order(device, counting, tokens, k, experts):
+    """The one-program sort and the counting sort (chunks of ``CHUNK_ROWS``: here one partial chunk, two,
+    five, three) each give the stable order, counts, tokens and inverse, with some rows held elsewhere
+    (id ``experts``)."""
     from kvforge.kernels import triton_expert_rows
 
-    with pytest.raises(ValueError, match="rows in one program"):
-        triton_expert_rows.group_rows(torch.zeros(triton_expert_rows.MAX_ROWS + 1, dtype=torch.int64), 8, 1)
-    with pytest.raises(ValueError, match="overflow the int32 sort keys"):
-        triton_expert_rows.group_rows(torch.zeros(4096, dtype=torch.int64), 2**20, 1)
+    if not expert_rows.TRITON_ROWS:
+        pytest.skip("the Triton sorts alone: the PyTorch path is tested above")
+    ids, _ = _routing(tokens, k, experts, seed=tokens + k)
+    flat_ids = ids.reshape(-1)
+    flat_ids[5::7] = experts
+    order, offs, expert, toks, inverse = triton_expert_rows.group_rows(flat_ids.to(device), experts, k,
+                                                                       counting=counting)
+    flat = flat_ids.tolist()
+    want = sorted(range(len(flat)), key=lambda r: (flat[r], r))
+    assert order.tolist() == want
+    assert expert.tolist() == [flat[r] for r in want]
+    assert toks.tolist() == [r // k for r in want]
+    counts = [flat.count(e) for e in range(experts)]
+    assert offs.tolist() == [sum(counts[:e + 1]) for e in range(experts)]
+    assert inverse.tolist() == sorted(range(len(flat)), key=lambda r: want[r])  # order's inverse permutation
 
 
 def _reference(x, ids, weights, w1, held=None):

@@ -12,6 +12,14 @@ position of every flat row, which the sum below reads. Rows held elsewhere carry
 and sort last; padding lanes (``row >= R``) sort after them and are never stored. Keys are int32:
 ``(num_experts + 1) * R_PAD < 2**31`` is checked by the wrapper.
 
+Past :data:`ONE_PROGRAM_MAX_ROWS` rows one program's sort is the slow part (a bitonic network over every
+lane in one SM), and :func:`group_rows` counts instead, in two launches over chunks of
+:data:`CHUNK_ROWS` rows: ``_count_chunks_kernel`` writes each chunk's expert histogram; in
+``_place_rows_kernel`` each chunk's program sums those histograms (every chunk's, for the experts' starts;
+the chunks before its own, for where its rows go inside each expert's range), sorts its own chunk by
+(expert, row) and stores every row at ``start[e] + rows of e in earlier chunks + its rank among its chunk's
+rows of e``: the same stable order, as one counting sort.
+
 :func:`combine_rows`: program ``(t, n-block)`` adds ``weights[t, j] * y[inverse[t * k + j]]`` over the
 token's ``k`` slots in float32, in slot order, and rounds once to ``y``'s dtype. A slot that is not held
 (``held[t, j]`` false) loads nothing from ``y`` (its row was never computed and may hold anything). The
@@ -33,6 +41,12 @@ MAX_ROWS = 4096
 #: compiled kernel, a few seconds of compile each on first use or at CUDA-graph capture (measured 1.9-5.3 s
 #: for sm_90 on a 2-core CPU), so decode batches of 1 to 256 tokens share 5 widths rather than 9.
 MIN_SORT_WIDTH = 128
+#: The most rows the one-program sort takes; more are grouped by the two-launch counting sort.
+ONE_PROGRAM_MAX_ROWS = 512
+#: Rows a program of the counting sort sorts and places.
+CHUNK_ROWS = 256
+#: The most rows the counting sort takes: each placing program sums every chunk's histogram.
+COUNTING_MAX_ROWS = 16384
 #: Hidden features per program of :func:`combine_rows`.
 COMBINE_BLOCK = 1024
 
@@ -57,6 +71,48 @@ if HAS_TRITON:
         ends = tl.cumsum(counts, 0)
         e = tl.arange(0, E_PAD)
         tl.store(offs_ptr + e, ends.to(tl.int32), mask=e < NUM_EXPERTS)
+
+    @triton.jit(do_not_specialize=["R"])
+    def _count_chunks_kernel(ids_ptr, counts_ptr, R, NUM_EXPERTS, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+        c = tl.program_id(0)
+        row = c * CHUNK + tl.arange(0, CHUNK)
+        in_range = row < R
+        ids = tl.load(ids_ptr + row, mask=in_range, other=NUM_EXPERTS).to(tl.int32)
+        tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.histogram(ids, E_PAD, mask=in_range))
+
+    @triton.jit(do_not_specialize=["R", "NUM_CHUNKS"])
+    def _place_rows_kernel(
+        ids_ptr, counts_ptr, order_ptr, expert_ptr, tokens_ptr, inverse_ptr, offs_ptr,
+        R, NUM_EXPERTS, TOP_K, NUM_CHUNKS, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0)
+        e = tl.arange(0, E_PAD)
+        total = tl.zeros([E_PAD], dtype=tl.int32)
+        earlier = tl.zeros([E_PAD], dtype=tl.int32)  # rows of each expert in the chunks before this one
+        cc = 0
+        while cc < NUM_CHUNKS:  # a run-time bound: one compiled kernel for every chunk count
+            n = tl.load(counts_ptr + cc * E_PAD + e)
+            total += n
+            earlier += tl.where(cc < c, n, 0)
+            cc += 1
+        ends = tl.cumsum(total, 0)
+        if c == 0:
+            tl.store(offs_ptr + e, ends, mask=e < NUM_EXPERTS)
+        lane = tl.arange(0, CHUNK)
+        in_range = c * CHUNK + lane < R
+        ids = tl.load(ids_ptr + c * CHUNK + lane, mask=in_range, other=NUM_EXPERTS).to(tl.int32)
+        mine = tl.histogram(ids, E_PAD, mask=in_range)
+        # sorted lane p of expert x goes to ends[x] - total[x] + earlier[x] + (p - first lane of x here)
+        shift = ends - total + earlier - (tl.cumsum(mine, 0) - mine)
+        keys = tl.sort(ids * CHUNK + lane)  # padding lanes (id NUM_EXPERTS, the last lanes) sort last
+        sorted_ids = keys // CHUNK
+        src = c * CHUNK + keys % CHUNK
+        pos = tl.gather(shift, sorted_ids, 0) + lane
+        valid = src < R
+        tl.store(order_ptr + pos, src.to(tl.int64), mask=valid)
+        tl.store(expert_ptr + pos, sorted_ids.to(expert_ptr.dtype.element_ty), mask=valid)
+        tl.store(tokens_ptr + pos, (src // TOP_K).to(tl.int64), mask=valid)
+        tl.store(inverse_ptr + src, pos.to(tl.int64), mask=valid)
 
     @triton.jit
     def _combine_rows_kernel(
@@ -83,29 +139,53 @@ if HAS_TRITON:
         tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int):
+def sorts(rows: int, num_experts: int) -> bool:
+    """Whether :func:`group_rows` (by its own choice of sort) takes ``rows`` rows over ``num_experts``
+    experts: at most :data:`COUNTING_MAX_ROWS`, and sort keys within int32."""
+    if not 0 < rows <= COUNTING_MAX_ROWS:
+        return False
+    width = CHUNK_ROWS if rows > ONE_PROGRAM_MAX_ROWS else max(MIN_SORT_WIDTH, 1 << (rows - 1).bit_length())
+    return (num_experts + 1) * width < 2**31
+
+
+def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int, *, counting: bool | None = None):
     """``(order, offs, expert, tokens, inverse)`` of the ``R`` rows of ``flat_ids`` (see the module
     docstring): int64 ``order``, ``tokens`` and ``inverse`` ``[R]``, int32 ``offs [num_experts]``,
-    ``expert [R]`` in ``flat_ids``' dtype."""
+    ``expert [R]`` in ``flat_ids``' dtype. ``counting``: the counting sort (True) or the one-program sort
+    (False); None takes the counting sort past :data:`ONE_PROGRAM_MAX_ROWS` rows."""
     if not HAS_TRITON:
         raise RuntimeError("group_rows needs triton")
     if flat_ids.dim() != 1 or flat_ids.is_floating_point():
         raise ValueError(f"flat_ids must be a 1-d integer tensor, got {flat_ids.dtype} {tuple(flat_ids.shape)}")
     r = flat_ids.shape[0]
-    if not 0 < r <= MAX_ROWS:
-        raise ValueError(f"group_rows sorts 1 to {MAX_ROWS} rows in one program, got {r}")
-    r_pad = max(MIN_SORT_WIDTH, triton.next_power_of_2(r))
-    if (num_experts + 1) * r_pad >= 2**31:
-        raise ValueError(f"{num_experts} experts x {r_pad} rows overflow the int32 sort keys")
+    if counting is None:
+        counting = r > ONE_PROGRAM_MAX_ROWS
+    most = COUNTING_MAX_ROWS if counting else MAX_ROWS
+    if not 0 < r <= most:
+        how = "the counting sort" if counting else "one program"
+        raise ValueError(f"group_rows sorts 1 to {most} rows with {how}, got {r}")
+    width = CHUNK_ROWS if counting else max(MIN_SORT_WIDTH, triton.next_power_of_2(r))
+    if (num_experts + 1) * width >= 2**31:
+        raise ValueError(f"{num_experts} experts x {width} rows overflow the int32 sort keys")
     dev = flat_ids.device
     order = torch.empty(r, dtype=torch.int64, device=dev)
     expert = torch.empty(r, dtype=flat_ids.dtype, device=dev)
     tokens = torch.empty(r, dtype=torch.int64, device=dev)
     inverse = torch.empty(r, dtype=torch.int64, device=dev)
     offs = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    if counting:
+        chunks = triton.cdiv(r, CHUNK_ROWS)
+        counts = torch.empty((chunks, e_pad), dtype=torch.int32, device=dev)
+        _count_chunks_kernel[(chunks,)](flat_ids, counts, r, num_experts, CHUNK=CHUNK_ROWS, E_PAD=e_pad, num_warps=4)
+        _place_rows_kernel[(chunks,)](
+            flat_ids, counts, order, expert, tokens, inverse, offs, r, num_experts, top_k, chunks,
+            CHUNK=CHUNK_ROWS, E_PAD=e_pad, num_warps=4,
+        )  # fmt: skip
+        return order, offs, expert, tokens, inverse
     _group_rows_kernel[(1,)](
         flat_ids, order, expert, tokens, inverse, offs, r, num_experts, top_k,
-        R_PAD=r_pad, E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=8 if r_pad >= 1024 else 4,
+        R_PAD=width, E_PAD=e_pad, num_warps=8 if width >= 1024 else 4,
     )  # fmt: skip
     return order, offs, expert, tokens, inverse
 

@@ -73,7 +73,7 @@ def use_triton_rows(flat_ids: torch.Tensor, num_experts: int) -> bool:
         return False
     from kvforge.kernels import triton_expert_rows
 
-    return (num_experts + 1) * triton_expert_rows.MAX_ROWS < 2**31
+    return triton_expert_rows.sorts(flat_ids.shape[0], num_experts)
 
 
 def group_by_expert(flat_ids: torch.Tensor, num_experts: int, top_k: int, shared_experts: int = 0) -> ExpertRows:
