@@ -12,8 +12,9 @@ makes a quarter of the passes of int64 keys. The sum is one batched product per 
 hidden]`` in float32) rather than an atomic ``index_add_`` in the model dtype: deterministic, one rounding
 to the model dtype per output, and no atomics.
 
-On CUDA the sum is one Triton kernel for any number of rows, and the grouping is one for steps of at most
-:data:`TRITON_ROWS_MAX` rows (decode steps; kvforge/kernels/triton_expert_rows.py), unless
+On CUDA the sum is one Triton kernel for any number of rows, and the grouping one or two for steps of at
+most :data:`TRITON_ROWS_MAX` rows (decode steps and prompt steps of up to a few thousand tokens;
+kvforge/kernels/triton_expert_rows.py), unless
 ``KVFORGE_DISABLE_FUSED_KERNELS`` turns the fused kernels off (kvforge/env.py). :func:`use_triton_sum` and
 :func:`use_triton_rows` are the rules; rows grouped where the sum kernel serves carry ``inverse`` (from the
 grouping kernel, or one scatter after PyTorch's sort), which sends their sum to that kernel. The PyTorch
@@ -33,9 +34,9 @@ from kvforge.env import ENV
 TRITON_ROWS = not ENV.disable_fused_kernels
 #: Device types they serve on (tests add "cpu" to run them in Triton's interpreter).
 TRITON_ROWS_DEVICES: tuple[str, ...] = ("cuda",)
-#: The most rows (tokens x top-k) a step may have for them: one program sorts every row in registers, so
-#: prefill steps of thousands of tokens keep PyTorch's radix sort.
-TRITON_ROWS_MAX = 2048
+#: The most rows (tokens x top-k) a step may have for them (the counting sort's limit,
+#: ``triton_expert_rows.COUNTING_MAX_ROWS``): larger prompt steps keep PyTorch's radix sort.
+TRITON_ROWS_MAX = 16384
 
 
 @dataclass(frozen=True)
