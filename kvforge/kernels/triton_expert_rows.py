@@ -139,13 +139,18 @@ if HAS_TRITON:
         tl.store(out_ptr + t * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+def _sort_width(rows: int, counting: bool) -> int:
+    """Lanes one program sorts: a chunk for the counting sort, else every row padded to a power of two (at
+    least :data:`MIN_SORT_WIDTH`). Sort keys reach ``(num_experts + 1) * width``."""
+    return CHUNK_ROWS if counting else max(MIN_SORT_WIDTH, 1 << (rows - 1).bit_length())
+
+
 def sorts(rows: int, num_experts: int) -> bool:
     """Whether :func:`group_rows` (by its own choice of sort) takes ``rows`` rows over ``num_experts``
     experts: at most :data:`COUNTING_MAX_ROWS`, and sort keys within int32."""
     if not 0 < rows <= COUNTING_MAX_ROWS:
         return False
-    width = CHUNK_ROWS if rows > ONE_PROGRAM_MAX_ROWS else max(MIN_SORT_WIDTH, 1 << (rows - 1).bit_length())
-    return (num_experts + 1) * width < 2**31
+    return (num_experts + 1) * _sort_width(rows, rows > ONE_PROGRAM_MAX_ROWS) < 2**31
 
 
 def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int, *, counting: bool | None = None):
@@ -164,7 +169,7 @@ def group_rows(flat_ids: torch.Tensor, num_experts: int, top_k: int, *, counting
     if not 0 < r <= most:
         how = "the counting sort" if counting else "one program"
         raise ValueError(f"group_rows sorts 1 to {most} rows with {how}, got {r}")
-    width = CHUNK_ROWS if counting else max(MIN_SORT_WIDTH, triton.next_power_of_2(r))
+    width = _sort_width(r, counting)
     if (num_experts + 1) * width >= 2**31:
         raise ValueError(f"{num_experts} experts x {width} rows overflow the int32 sort keys")
     dev = flat_ids.device
