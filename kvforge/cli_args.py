@@ -103,8 +103,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help="speculative decoding as JSON (vLLM's keys): method ngram with num_speculative_tokens, "
                         "prompt_lookup_min, prompt_lookup_max; method draft_model with model (a smaller model of "
-                        "the same vocabulary) and num_speculative_tokens; method mtp (the DeepSeek-V3 checkpoint's "
-                        "own multi-token-prediction layer) with num_speculative_tokens (docs/SPECULATIVE.md)")
+                        "the same vocabulary) and num_speculative_tokens; method mtp (vLLM's deepseek_mtp, "
+                        "qwen3_next_mtp: the DeepSeek-V3 or Qwen3-Next checkpoint's own multi-token-prediction "
+                        "layer) with num_speculative_tokens (docs/SPECULATIVE.md)")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility; changes nothing (kvforge never runs a checkpoint's code)")
     p.add_argument("--max-model-len", type=token_count, default=None,

@@ -1,6 +1,7 @@
 """Speculative method mtp on CUDA: the MTP layer's passes and the target's verify steps (eager, or a
 verification CUDA graph when every sequence verifies all k proposals; the MTP layer then reads the
-graph's hidden states) on the Triton MLA backend, bf16 and fp8 KV. Skipped without CUDA.
+graph's hidden states) on the Triton MLA backend, bf16 and fp8 KV; Qwen3-Next's MTP layer on the
+Triton paged and Gated DeltaNet kernels. Skipped without CUDA.
 
 Reference: the same engine with speculation off, compared by the near-tie rule of
 tests/greedy_agreement.py with the tolerance of tests/test_speculative_gpu.py. The checkpoint whose
@@ -81,3 +82,46 @@ def test_mtp_computing_the_target_is_accepted_on_cuda(tmp_path, dtype):
         assert counters["num_accepted_tokens"] >= 0.9 * counters["num_draft_tokens"], counters
     if llm.engine.runner.graphs is not None:  # MoE capture needs grouped GEMMs of the dtype
         assert stats["graph_steps"] > 0  # verify steps replayed graphs; the MTP layer read their hidden states
+
+
+def _run_qwen3_next(path, **kw):
+    llm = LLM(path, skip_tokenizer_init=True, kv_cache_memory=1 << 28, progress=False, device="cuda",
+              max_num_seqs=8, **kw)
+    prompts = [[p % 128 for p in prompt] for prompt in PROMPTS]
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "fp8")])
+def test_qwen3_next_mtp_agrees_with_speculation_off(tmp_path, dtype, kv):
+    """Qwen3-Next's MTP layer (dummy weights) beside the Triton Gated DeltaNet kernels, whose state slots roll
+    back after every verify step."""
+    from tiny_checkpoints import QWEN3_NEXT
+
+    config = {**QWEN3_NEXT, "architectures": ["Qwen3NextForCausalLM"], "mtp_num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    off, ref = _run_qwen3_next(str(tmp_path), load_format="dummy", dtype=dtype, kv_cache_dtype=kv)
+    tol = FP32_LOGIT_TOL
+    if dtype != "float32":
+        scale = max(1.0, off.engine.compute_prompt_logits(PROMPTS[0]).abs().max().item())
+        tol = scale * 2.0**-5 * (4 if kv == "fp8" else 1)
+    llm, outs = _run_qwen3_next(str(tmp_path), load_format="dummy", dtype=dtype, kv_cache_dtype=kv,
+                                speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 3,
+                                                    "backoff": False})
+    assert_outputs_agree(outs, ref, tol)
+    assert [layer.index for layer in llm.engine.plan.draft.layers] == [4]
+    assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+
+
+def test_qwen3_next_mtp_computing_the_target_is_accepted_on_cuda(tmp_path):
+    from qwen3_next_mtp_checkpoint import save_qwen3_next_with_mtp
+    from test_mtp_qwen3_next_engine import _target_function_checkpoint
+
+    save_qwen3_next_with_mtp(tmp_path)
+    _target_function_checkpoint(tmp_path)
+    off, ref = _run_qwen3_next(str(tmp_path), dtype="float32")
+    llm, outs = _run_qwen3_next(str(tmp_path), dtype="float32",
+                                speculative_config={"method": "mtp", "num_speculative_tokens": 3, "backoff": False})
+    assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
+    counters = llm.engine.stats()["spec_decode"]
+    assert counters["num_draft_tokens"] > 50
+    assert counters["num_accepted_tokens"] == counters["num_draft_tokens"], counters

@@ -1,6 +1,7 @@
 """Speculative method mtp in the plan: the checkpoint's MTP layer is the plan's proposer layer, placed in
-the target's MLA group after the target's layers (same block tables), counted in bytes per token,
-capacity and weights, and shown by the plan."""
+the target's group of its page layout after the target's layers (same block tables: DeepSeek-V3's MLA
+group, Qwen3-Next's full-attention group), counted in bytes per token, capacity and weights, and shown by
+the plan."""
 
 from __future__ import annotations
 
@@ -44,4 +45,41 @@ def test_kvforge_plan_cli_shows_the_mtp_layer(capsys):
 def test_plan_without_an_mtp_layer_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**PRESETS["kimi-k2"], "num_nextn_predict_layers": 0}))
     with pytest.raises(ConfigError, match="num_nextn_predict_layers > 0"):
+        plan(str(tmp_path), mtp=True)
+
+
+def test_qwen3_next_plan_holds_the_mtp_layer_in_its_full_attention_group():
+    kw = dict(kv_cache_dtype="fp8", kv_cache_memory=1 << 34, max_model_len=8192, device="cuda")
+    alone, with_mtp = plan("qwen3-next-80b-a3b", **kw), plan("qwen3-next-80b-a3b", mtp=True, **kw)
+    draft = with_mtp.draft
+    assert draft.model == "qwen3-next-80b-a3b MTP layer" and [layer.index for layer in draft.layers] == [48]
+    assert draft.layers[0].kind == "full"
+    (full,) = [g for g in with_mtp.groups if g.kind == "full"]
+    assert full.layers == tuple(range(3, 48, 4)) and full.draft_layers == (48,)
+    assert all(not g.draft_layers for g in with_mtp.groups if g.kind != "full")
+    # One more layer of 2 KV heads x 256 x (K and V) fp8 bytes per token, beside the 12 full layers' and the
+    # Gated DeltaNet state (per sequence, not per token).
+    assert draft.bytes_per_token == 2 * 256 * 2 and with_mtp.bytes_per_token == alone.bytes_per_token
+    assert with_mtp.capacity.bytes_per_sequence == alone.capacity.bytes_per_sequence + 1024 * 8192
+    assert draft.capacity_without == alone.capacity
+    assert with_mtp.capacity.num_blocks < alone.capacity.num_blocks
+    # The MTP layer's weights: fc (2H x H), three norms and a gated-attention MoE layer; no embedding or head.
+    h, heads, kv_heads, d, experts, inter = 2048, 16, 2, 256, 512, 512
+    attention = h * 2 * heads * d + 2 * h * kv_heads * d + heads * d * h + 2 * d  # q with its gate, k, v, o, norms
+    moe = experts * 3 * h * inter + 3 * h * inter + h * experts  # routed and shared experts, router
+    want = 2 * h * h + 3 * h + attention + moe + 2 * h
+    assert abs(draft.num_parameters - want) <= 1e-3 * want  # the shared expert's one-row gate may go uncounted
+    assert "draft qwen3-next-80b-a3b MTP layer: layer 48 joins group" in with_mtp.summary()
+
+
+def test_qwen3_next_without_an_mtp_layer_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**PRESETS["qwen3-next-80b-a3b"], "mtp_num_hidden_layers": 0}))
+    with pytest.raises(ConfigError, match="mtp_num_hidden_layers > 0"):
+        plan(str(tmp_path), mtp=True)
+
+
+def test_mtp_with_embeddings_of_its_own_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**PRESETS["qwen3-next-80b-a3b"],
+                                                      "mtp_use_dedicated_embeddings": True}))
+    with pytest.raises(ConfigError, match="embeddings of its own"):
         plan(str(tmp_path), mtp=True)

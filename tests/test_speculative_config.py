@@ -83,16 +83,24 @@ def _config_dir(tmp_path, preset, **extra):
     return str(tmp_path)
 
 
-def test_mtp_without_mtp_layer_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="num_nextn_predict_layers > 0"):
+def test_mtp_without_mtp_layer_is_refused(no_weights, tmp_path):
+    with pytest.raises(ConfigError, match="runs the MTP layers of .* not LlamaForCausalLM"):
         _engine(speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # embedded SmolLM2
+    model = _config_dir(tmp_path, "deepseek-v3", num_nextn_predict_layers=0)
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers > 0"):
+        _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
 def test_mtp_on_an_architecture_without_mtp_support_is_refused(no_weights, tmp_path):
     model = _config_dir(tmp_path, "deepseek-v2-lite", num_nextn_predict_layers=1)
-    with pytest.raises(ConfigError, match="runs the MTP layers of DeepseekV3ForCausalLM checkpoints, not "
-                                          "DeepseekV2ForCausalLM"):
+    with pytest.raises(ConfigError, match="runs the MTP layers of DeepseekV3ForCausalLM, Qwen3NextForCausalLM "
+                                          "checkpoints, not DeepseekV2ForCausalLM"):
         _engine(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+@pytest.mark.parametrize("alias", ["deepseek_mtp", "qwen3_next_mtp"])
+def test_vllm_names_of_the_mtp_method_mean_mtp(alias):
+    assert SpeculativeConfig.parse({"method": alias, "num_speculative_tokens": 2}).method == "mtp"
 
 
 def test_mtp_with_tensor_parallelism_is_refused(no_weights):

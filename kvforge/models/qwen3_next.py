@@ -26,7 +26,9 @@ in float32 (:class:`~kvforge.models.gemma3.GemmaRMSNorm`, the same formula).
 Parameter names are transformers'; gate/up of the dense and shared MLPs are fused, the Gated DeltaNet's
 two input projections stacked (above), routed
 experts stacked (kvforge/models/stacked_experts.py). Multi-token-prediction tensors (``mtp.*``)
-are skipped.
+are skipped unless the model is built ``with_mtp`` (speculative method mtp): then they load into
+``mtp`` (kvforge/models/qwen3_next_mtp.py) and :meth:`Qwen3NextForCausalLM.mtp_forward` runs it, through a
+runner over the plan's proposer layer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvforge.models.deepseek import MoE
 from kvforge.models.gemma3 import GemmaRMSNorm
 from kvforge.models.layers import GatedMLP, RotaryEmbedding, cfg_get, fused_kernels, get_activation
 from kvforge.models.linear_route import Linear
+from kvforge.models.qwen3_next_mtp import Qwen3NextMTP
 from kvforge.models.routed_experts import RoutedExperts
 from kvforge.models.router_topk import RouterRule, router_topk, softmax_topk
 from kvforge.models.stacked_experts import StackedExpertsCheckpoint
@@ -316,11 +319,12 @@ class Qwen3NextDecoderLayer(nn.Module):
 
     ``forward(rope, h, residual, ...)`` takes the previous layer's MLP output ``h`` and the residual stream
     before it (None at the first layer, where ``h`` is the embedding) and returns this layer's pair, so
-    each residual add is one kernel with the norm after it (:class:`GemmaRMSNorm`)."""
+    each residual add is one kernel with the norm after it (:class:`GemmaRMSNorm`). ``layer_type``: the
+    mixer, when it is not the one ``layer_types`` gives ``layer_idx`` (the MTP layer: full attention)."""
 
-    def __init__(self, a: Qwen3NextArgs, layer_idx: int, dtype=None):
+    def __init__(self, a: Qwen3NextArgs, layer_idx: int, dtype=None, layer_type: str | None = None):
         super().__init__()
-        self.layer_type = a.layer_types[layer_idx]
+        self.layer_type = layer_type or a.layer_types[layer_idx]
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(a, layer_idx, dtype=dtype)
         else:
@@ -347,10 +351,30 @@ class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
     ARGS = Qwen3NextArgs
     args: Qwen3NextArgs
 
-    def __init__(self, config: dict, dtype: torch.dtype | None = None):
+    def __init__(self, config: dict, dtype: torch.dtype | None = None, with_mtp: bool = False):
         super().__init__(config, dtype=dtype)
         a = self.args
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        #: The checkpoint's first multi-token-prediction layer (``with_mtp``).
+        self.mtp: Qwen3NextMTP | None = None
+        if with_mtp:
+            if int(config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers") or 0) < 1:
+                raise ConfigError(f"{self.arch} config has no multi-token-prediction layer "
+                                  f"(mtp_num_hidden_layers); build it without with_mtp")
+            # Its own layer 0 (MoE by the rule for index 0, as the checkpoint's mtp.layers.0 is); its
+            # attention writes layer 0 of the proposer's layers (the plan's draft).
+            self.mtp = Qwen3NextMTP(a.hidden_size, a.rms_norm_eps,
+                                    Qwen3NextDecoderLayer(a, 0, dtype=dtype, layer_type=FULL), dtype=dtype)
+
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    attn) -> torch.Tensor:
+        """The MTP layer's head input [T, hidden] (kvforge/models/qwen3_next_mtp.py); ``hidden``: the previous
+        hidden state of each row (the model's output, or this layer's own)."""
+        return self.mtp.predict(self.model.embed_tokens(next_ids), positions, hidden, attn, self.model.rotary)
+
+    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """float32 logits of :meth:`mtp_forward`'s output: the target's head."""
+        return self.compute_logits(out)
 
     def make_layer(self, a: Qwen3NextArgs, layer_idx: int, dtype) -> Qwen3NextDecoderLayer:
         return Qwen3NextDecoderLayer(a, layer_idx, dtype=dtype)
@@ -389,4 +413,4 @@ class Qwen3NextForCausalLM(StackedExpertsCheckpoint, DecoderForCausalLM):
         return {i: layout for i, t in enumerate(self.args.layer_types) if t == LINEAR}
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
-        return name.startswith("mtp.") or super().skips_checkpoint_tensor(name)
+        return (name.startswith("mtp.") and self.mtp is None) or super().skips_checkpoint_tensor(name)

@@ -17,9 +17,10 @@ import torch
 from kvforge.models.decoder import copy_checked
 from kvforge.models.grouped_mm import grouped_mm_problem
 
-PER_EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-"""A checkpoint tensor of one expert: groups (``model.layers.{i}.mlp``, expert index, projection)."""
-FUSED_EXPERTS_NAME = re.compile(r"^(model\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
+PER_EXPERT_NAME = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+"""A checkpoint tensor of one expert: groups (``model.layers.{i}.mlp``, or an MTP block's ``mtp.layers.{i}.mlp``,
+expert index, projection)."""
+FUSED_EXPERTS_NAME = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 """A checkpoint tensor fused over experts: groups (``model.layers.{i}.mlp``, projection)."""
 
 

@@ -246,17 +246,42 @@ def _qwen3_next(cfg: dict, arch: str):
         else:
             layers.append(AttentionLayerSpec(i, "full", heads, kv_heads, head_dim, head_dim))
     hidden = _get(cfg, "hidden_size")
-    moe_inter = _get(cfg, "moe_intermediate_size", required=False) or _get(cfg, "intermediate_size")
-    experts = _get(cfg, "num_experts", default=0, minimum=0)
-    shared_inter = _get(cfg, "shared_expert_intermediate_size", default=0, minimum=0)
-    mlp = experts * 3 * hidden * moe_inter + 3 * hidden * shared_inter + hidden * experts
-    full_attn = _attention_params(hidden, heads, kv_heads, head_dim, False, True) + hidden * heads * head_dim
     lin_attn = hidden * (2 * key_total + 2 * value_total + 2 * v_heads) + value_total * hidden + conv * (
         2 * key_total + value_total)
+    full_attn, mlp = _qwen3_next_full_attention_params(cfg), _qwen3_next_mlp_params(cfg)
     total = _embedding_params(cfg)
     for layer in layers:
         total += (lin_attn if layer.kind == "state" else full_attn) + mlp + 2 * hidden
     return layers, total
+
+
+def _qwen3_next_full_attention_params(cfg: dict) -> int:
+    """A Qwen3-Next gated attention block: q (with its output gate), k, v, o and the two head norms."""
+    hidden, heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads")
+    head_dim = _get(cfg, "head_dim", default=256)
+    return (_attention_params(hidden, heads, _get(cfg, "num_key_value_heads"), head_dim, False, True)
+            + hidden * heads * head_dim)
+
+
+def _qwen3_next_mlp_params(cfg: dict) -> int:
+    """A Qwen3-Next MoE block: the routed experts, the shared expert and the router (counted for every layer)."""
+    hidden = _get(cfg, "hidden_size")
+    moe_inter = _get(cfg, "moe_intermediate_size", required=False) or _get(cfg, "intermediate_size")
+    experts = _get(cfg, "num_experts", default=0, minimum=0)
+    shared_inter = _get(cfg, "shared_expert_intermediate_size", default=0, minimum=0)
+    return experts * 3 * hidden * moe_inter + 3 * hidden * shared_inter + hidden * experts
+
+
+def qwen3_next_mtp_layer(cfg: dict) -> tuple[AttentionLayerSpec, int]:
+    """The first multi-token-prediction layer of a Qwen3-Next config, planned at index ``num_hidden_layers``
+    (checkpoint ``mtp.layers.0``: gated full attention and MoE), and its parameters: that layer plus ``fc``
+    and three norms (it shares the target's embedding and head; kvforge/models/qwen3_next_mtp.py)."""
+    n = _get(cfg, "num_hidden_layers")
+    hidden, heads, kv_heads = _get(cfg, "hidden_size"), _get(cfg, "num_attention_heads"), _get(cfg, "num_key_value_heads")
+    head_dim = _get(cfg, "head_dim", default=256)
+    layer = AttentionLayerSpec(n, "full", heads, kv_heads, head_dim, head_dim)
+    params = _qwen3_next_full_attention_params(cfg) + _qwen3_next_mlp_params(cfg) + 2 * hidden
+    return layer, params + 2 * hidden * hidden + 3 * hidden
 
 
 def _kimi_linear(cfg: dict, arch: str):

@@ -86,7 +86,7 @@ PRESETS: dict[str, dict] = {
         "shared_expert_intermediate_size": 512, "full_attention_interval": 4, "linear_num_value_heads": 32,
         "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4, "vocab_size": 151936, "max_position_embeddings": 262144,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "mtp_num_hidden_layers": 1,
     },
     "kimi-linear-48b-a3b": {
         "architectures": ["KimiLinearForCausalLM"], "hidden_size": 2304, "num_hidden_layers": 27,

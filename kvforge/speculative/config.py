@@ -1,6 +1,7 @@
 """SpeculativeConfig: the ``--speculative-config`` JSON (vLLM's keys), parsed and checked.
 
-Accepted keys: ``method`` (``ngram``, ``draft_model``, ``mtp``), ``num_speculative_tokens``,
+Accepted keys: ``method`` (``ngram``, ``draft_model``, ``mtp``; vLLM's ``deepseek_mtp`` and ``qwen3_next_mtp``
+mean ``mtp``), ``num_speculative_tokens``,
 ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only) and ``model`` (draft_model only).
 ``--num-speculative-tokens N`` alone means ``{"method": "ngram", "num_speculative_tokens": N}``.
 Everything here is checked without reading a model; what depends on the model (an MTP layer, the
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from kvforge.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "mtp")
+#: vLLM's per-family names of the MTP method -> the method (the checkpoint's architecture picks the layer).
+METHOD_ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
 #: n-gram sizes when the config names neither bound: look for the longest suffix of up to 5 tokens,
 #: and never propose from a single-token match (too often a coincidence).
 DEFAULT_PROMPT_LOOKUP_MAX = 5
@@ -48,6 +51,8 @@ class SpeculativeConfig:
     def __post_init__(self):
         if not isinstance(self.backoff, bool):
             raise ConfigError(f"--speculative-config: backoff must be true or false, got {self.backoff!r}")
+        if self.method in METHOD_ALIASES:
+            object.__setattr__(self, "method", METHOD_ALIASES[self.method])
         if self.method not in METHODS:
             raise ConfigError(f"--speculative-config: unknown method {self.method!r}; use one of "
                               f"{', '.join(METHODS)} (example: {_EXAMPLE})")
