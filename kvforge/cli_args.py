@@ -5,21 +5,16 @@ from __future__ import annotations
 import argparse
 import re
 
+from kvforge.byte_sizes import parse_byte_size
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, QUERY_DTYPE_CHOICES
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_bytes(text: str) -> int:
-    """'85899345920', '80GiB', '80e9', '1.5GB' -> bytes (positive integer)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (examples: 8589934592, 8GiB, 80GB)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a byte size must be >= 1")
-    return int(value)
+    """'85899345920', '80GiB', '80e9', '1.5GB' -> bytes (positive integer; kvforge/byte_sizes.py)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_at_least(text: str, minimum: int) -> int:

@@ -3,6 +3,9 @@ instead of argparse's "unrecognized arguments": flags that only change logging o
 internals are accepted and change nothing (said in their help), flags that would change what is served
 are refused at parse time, before any weight is read, with the reason and what to do instead; a refused
 flag given its neutral value (``--pipeline-parallel-size 1``) is accepted.
+
+The same table answers vLLM's keyword arguments to ``LLM(...)`` (:func:`engine_keyword_args`): ``swap_space=4``
+is dropped, ``quantization="awq"`` refused with the flag's reason, ``quantization=None`` dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ ENGINE_FLAGS = (
              ".gguf file"),
     VllmFlag(("--enable-lora",), False, (), "LoRA adapters are not supported: merge the adapter into the weights"),
     VllmFlag(("--swap-space",), True, None, "accepted, no effect: preempted sequences are recomputed, never swapped"),
+    VllmFlag(("--tokenizer-mode",), True, ("auto",), "kvforge reads the model's own tokenizer (tokenizer.json or the "
+             "GGUF's); leave --tokenizer-mode at auto"),
 )
 SERVER_FLAGS = (
     VllmFlag(("--disable-log-requests",), False, None, "accepted, no effect: requests are logged only with "
@@ -70,3 +75,37 @@ def add_vllm_flags(parser: argparse.ArgumentParser, flags: tuple[VllmFlag, ...])
     for flag in flags:
         group.add_argument(*flag.names, action=_VllmFlagAction, flag=flag,
                            dest=f"vllm_{flag.names[0].lstrip('-').replace('-', '_')}")
+
+
+#: vLLM's keyword names of engine fields that kvforge calls otherwise.
+KEYWORD_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+
+
+def engine_keyword_args(kwargs: dict, fields: set[str]) -> dict:
+    """``LLM(**kwargs)`` as a vLLM user writes it, as EngineArgs fields (``fields``): aliases renamed, vLLM's
+    flags of :data:`ENGINE_FLAGS` / :data:`SERVER_FLAGS` dropped where they change nothing here (any value
+    for a flag without effect; None, False or a neutral value for a refused one) and refused otherwise;
+    an unknown keyword is a ConfigError naming the closest fields (not a bare TypeError)."""
+    import difflib
+
+    from kvforge.errors import ConfigError
+
+    out = {}
+    flags = {flag.names[0].lstrip("-").replace("-", "_"): flag for flag in ENGINE_FLAGS + SERVER_FLAGS}
+    for key, value in kwargs.items():
+        name = KEYWORD_ALIASES.get(key, key)
+        if name in fields:
+            if name in out:
+                raise ConfigError(f"{key}= and {name}= both given: they are one setting; pass one of them")
+            out[name] = value
+            continue
+        flag = flags.get(key)
+        if flag is not None:
+            if flag.neutral is None or value is None or value is False or str(value) in flag.neutral:
+                continue
+            raise ConfigError(f"{key}={value!r}: {flag.why}")
+        close = difflib.get_close_matches(key, sorted(fields | set(KEYWORD_ALIASES) | set(flags)), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"LLM(...) got an unknown keyword argument {key!r}{hint} (the engine's settings are the "
+                          f"fields of kvforge.config.EngineArgs)")
+    return out

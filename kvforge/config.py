@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
+from kvforge.byte_sizes import byte_count
 from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
 from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from kvforge.errors import ConfigError
@@ -101,6 +102,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        for name in ("kv_cache_memory", "gpu_memory"):  # byte counts, or sizes such as "8GiB"
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, byte_count(f"--{name.replace('_', '-')}", getattr(self, name)))
         if self.warm_up and self.calculate_kv_scales:
             raise ConfigError("--warm-up with --calculate-kv-scales: the warm-up's synthetic prompts would set the "
                               "KV scales; drop one of them")

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
+from kvforge.cli_vllm_flags import engine_keyword_args
 from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
@@ -21,12 +22,17 @@ class LLM:
     graphs, weights and tensor-parallel workers are released at once).
 
     Keyword arguments are EngineArgs fields (kv_cache_dtype, block_size,
-    max_model_len, dtype, seed, load_format, skip_tokenizer_init, ...).
+    max_model_len, dtype, seed, load_format, skip_tokenizer_init, ...), sizes
+    as integers or strings ("8GiB"); vLLM's keywords kvforge answers from its
+    flag table (kvforge/cli_vllm_flags.py): ``swap_space``,
+    ``disable_log_stats``, ... accepted without effect, ``kv_cache_memory_bytes``
+    an alias, ``quantization`` and the like refused with the reason.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         kwargs.setdefault("progress", kwargs.pop("use_tqdm", True))
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_keyword_args(kwargs, fields)))
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -58,6 +64,10 @@ class LLM:
         Invalid requests raise before any is run.
         """
         single = isinstance(prompts, (str, dict))
+        if not single and not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', or a "
+                                      f"list of those or of token-id lists; got {type(prompts).__name__}",
+                                      field="prompt")
         prompts = [prompts] if single else list(prompts)
         if prompts and all(isinstance(p, int) for p in prompts):
             raise InvalidRequestError('prompts is a list of ints: pass token ids as {"prompt_token_ids": [...]} '
@@ -129,15 +139,43 @@ class LLM:
             raise RuntimeError(f"engine stopped with unfinished requests {missing}")
         return done
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
-        """One conversation (list of {"role", "content"}) or a list of them; each output's ``prompt`` is the
-        conversation rendered by the chat template."""
-        if self.engine.tokenizer is None:
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None, tools=None):
+        """One conversation (a list of ``{"role", "content"}`` messages, content a string or OpenAI text parts)
+        or a list of them, rendered by the model's chat template as the server renders a chat request:
+        ``add_generation_prompt`` opens an assistant turn, ``continue_final_message`` (with
+        ``add_generation_prompt=False``) continues the last assistant message, ``chat_template_kwargs`` are
+        extra template variables (e.g. ``enable_thinking``). Each output's ``prompt`` is the rendered text.
+        A bad message raises InvalidRequestError naming it (``messages[i].content``, ...). ``chat_template``
+        and ``tools`` are vLLM's arguments kvforge does not take: a per-call template is refused (pass
+        ``chat_template=`` to ``LLM(...)``), and so is tool calling."""
+        from kvforge.server.protocol import parse_chat_template_options, parse_messages
+        from kvforge.server.tokenization import render_chat
+
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built without one")
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
-        # The template already holds the special tokens: encode without adding BOS again.
-        ids = [{"prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False)} for p in prompts]
+        if chat_template is not None:
+            raise InvalidRequestError("chat_template per call is not taken: give chat_template= to LLM(...) "
+                                      "(a file or the template text), which renders every conversation",
+                                      field="chat_template")
+        if tools:
+            raise InvalidRequestError("tool calling is not supported (leave tools unset)", field="tools")
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
+            convs = [list(c) for c in messages]
+        else:
+            convs = [messages]
+        body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                "chat_template_kwargs": chat_template_kwargs}
+        ids, prompts = [], []
+        for conv in convs:
+            clean = parse_messages(conv)
+            options = parse_chat_template_options(body, clean)
+            text = render_chat(tokenizer, clean, options)
+            # The template already holds the special tokens: encode without adding BOS again.
+            ids.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append(text)
         outs = self.generate(ids, sampling_params, use_tqdm)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt  # the rendered conversation, as vLLM's chat reports it

@@ -388,16 +388,15 @@ def _from_gguf(path: str) -> Tokenizer:
         bpe = BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
         backend = _Backend(bpe)
         norms = [normalizers.Replace(" ", "\u2581")]
-        if md.get("tokenizer.ggml.add_space_prefix", True):
+        space_prefix = md.get("tokenizer.ggml.add_space_prefix", True)
+        if space_prefix:
             norms.insert(0, normalizers.Prepend("\u2581"))
         backend.normalizer = normalizers.Sequence(norms)
+        # Decoding drops the space the normalizer prepends, and only that one: without a prefix (Gemma) a
+        # leading space is the text's own.
         backend.decoder = decoders.Sequence(
-            [
-                decoders.Replace("\u2581", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            + ([decoders.Strip(" ", 1, 0)] if space_prefix else [])
         )
         default_add_bos = True
     else:

@@ -176,6 +176,31 @@ def test_chat(smol_llm):
     assert llm.get_tokenizer().encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
 
 
+def test_chat_takes_the_servers_message_shapes_and_options(smol_llm):
+    """``LLM.chat`` renders as a chat request to the server does: OpenAI text parts, vLLM's rendering options
+    (the prompt then continues the final assistant message), and a bad message refused naming it."""
+    llm = smol_llm()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    plain = llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}],
+                     params, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids and parts.outputs[0].text == plain.outputs[0].text
+    conv = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello"}]
+    cont = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert cont.prompt.endswith("assistant\nHello")  # the final message stays open: no end-of-turn after it
+    closed = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert closed.prompt.startswith(cont.prompt) and len(closed.prompt) > len(cont.prompt)
+    for bad, field in (([{"role": "user"}], "messages[0].content"), ([], "messages"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+        with pytest.raises(InvalidRequestError) as err:
+            llm.chat(bad, params, use_tqdm=False)
+        assert err.value.field == field
+    with pytest.raises(InvalidRequestError, match="needs an assistant message last"):
+        llm.chat([{"role": "user", "content": "x"}], params, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="tool calling is not supported"):
+        llm.chat([{"role": "user", "content": "x"}], params, tools=[{"type": "function"}])
+
+
 def test_plan_errors_come_before_any_weight_file_is_opened(tmp_path, monkeypatch):
     """A bad flag fails in the planner; the (unreadable) weights are never touched."""
     from kvforge import LLM

@@ -6,7 +6,8 @@ committed). transformers needs about a minute of one CPU core to load this GGUF
 (model and tokenizer; its reader parses the 262,144-entry vocabulary element by
 element), so the comparison runs in two layers, as for SmolLM2 (tests/test_gguf.py):
 
-* fast: our tokenizer ids, greedy tokens and teacher-forced logits vs
+* fast: our tokenizer ids and decoded texts (a leading space kept: this GGUF's tokenizer prepends none),
+  greedy tokens and teacher-forced logits vs
   ``tests/data/gemma3_270m_transformers.json``, which transformers produced
   from the same GGUF in float32 (regenerate with ``python tests/test_gemma3_gguf.py``).
   Our model runs over a paged cache with the reference attention; the long
@@ -52,6 +53,8 @@ def _long_prompt() -> str:
     return "Here is a log of animal walks.\n" + "\n".join(lines) + "\nSummary: the animal in Entry 45 was the"
 
 
+#: Token ids decoded (special tokens skipped) against transformers: BOS, then text that starts with spaces.
+ID_DECODES = [[2, 138, 138, 506, 5279]]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            _long_prompt()]
 STRINGS = ["Hello, world!", "  two spaces,\ttab\nnewline", "Unicode: café 日本語 🤖 — “quotes”",
@@ -125,11 +128,15 @@ def _our_greedy_and_logits(model, ids: list[int]) -> tuple[list[int], dict[int, 
 
 
 def _check_against(ref: dict, model, tok) -> None:
-    for s, want in zip(STRINGS, ref["string_ids"]):
+    for s, want, text in zip(STRINGS, ref["string_ids"], ref["string_decodes"], strict=True):
         assert tok.encode(s) == want, s
+        assert tok.decode(want, skip_special_tokens=False) == text, s
+    for ids, text in ref["id_decodes"]:
+        assert tok.decode(ids) == text, ids
     for case in ref["prompts"]:
         ids = tok.encode(case["prompt"])
         assert ids == case["prompt_ids"]
+        assert tok.decode(case["greedy"]) == case["greedy_text"], case["prompt"][:40]
         got, logits = _our_greedy_and_logits(model, ids)
         assert got == case["greedy"], case["prompt"][:40]
         worst = 0.0
@@ -190,7 +197,9 @@ def _stored_rows(logits: torch.Tensor) -> dict:
 
 def _transformers_reference(gguf_file: Path) -> dict:
     tok, hf = _load_transformers(gguf_file)
-    out = {"string_ids": [tok(s).input_ids for s in STRINGS], "prompts": []}
+    string_ids = [tok(s).input_ids for s in STRINGS]
+    out = {"string_ids": string_ids, "string_decodes": [tok.decode(ids, skip_special_tokens=False) for ids in string_ids],
+           "id_decodes": [[ids, tok.decode(ids, skip_special_tokens=True)] for ids in ID_DECODES], "prompts": []}
     for prompt in PROMPTS:
         ids = tok(prompt).input_ids
         with torch.no_grad():
@@ -198,7 +207,7 @@ def _transformers_reference(gguf_file: Path) -> dict:
                               min_new_tokens=MAX_NEW_TOKENS, output_logits=True, return_dict_in_generate=True)
             gen = run.sequences[0, len(ids):].tolist()
             logits = hf(input_ids=torch.tensor([ids + gen])).logits[0].float()
-        out["prompts"].append({"prompt": prompt, "prompt_ids": ids, "greedy": gen,
+        out["prompts"].append({"prompt": prompt, "prompt_ids": ids, "greedy": gen, "greedy_text": tok.decode(gen),
                                "greedy_margins": top2_margins(torch.cat(run.logits)), **_stored_rows(logits)})
     return out
 
@@ -217,6 +226,8 @@ def test_stored_reference_is_what_transformers_produces(gguf_file):
     tok, hf = _load_transformers(gguf_file)
     stored = json.loads(REFERENCE.read_text())
     assert [tok(s).input_ids for s in STRINGS] == stored["string_ids"]
+    assert [tok.decode(ids, skip_special_tokens=False) for ids in stored["string_ids"]] == stored["string_decodes"]
+    assert [[ids, tok.decode(ids, skip_special_tokens=True)] for ids in ID_DECODES] == stored["id_decodes"]
     assert [c["prompt"] for c in stored["prompts"]] == PROMPTS
     for case in stored["prompts"]:
         ids = tok(case["prompt"]).input_ids
@@ -231,6 +242,7 @@ def test_stored_reference_is_what_transformers_produces(gguf_file):
                         logits_to_keep=torch.tensor(chose + rows)).logits[0].float()
         steps, at_rows = logits[:len(chose)], logits[len(chose):]
         assert steps.argmax(-1).tolist() == case["greedy"], case["prompt"][:40]
+        assert tok.decode(case["greedy"]) == case["greedy_text"]
         assert np.allclose(top2_margins(steps), case["greedy_margins"], atol=1e-4)
         top = at_rows.topk(5, dim=-1)
         assert top.indices.tolist() == case["top_ids"]

@@ -75,3 +75,46 @@ def test_a_hub_id_says_models_are_read_from_local_files():
     with pytest.raises(ConfigError) as err:
         kvforge.plan("no-such-model")
     assert "download" not in str(err.value) and "presets: " in str(err.value)
+
+
+def test_vllm_keyword_arguments_are_answered(tmp_path):
+    """vLLM's keywords without effect here are accepted, its alias of the KV memory taken, sizes may be strings,
+    and a keyword that would change what is served, or that nothing knows, is a ConfigError naming it."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    base = dict(load_format="dummy", device="cpu", max_model_len=64, skip_tokenizer_init=True, use_tqdm=False)
+    with LLM(str(tmp_path), kv_cache_memory_bytes="1MiB", swap_space=4, disable_log_stats=True, quantization=None,
+             tokenizer_mode="auto", pipeline_parallel_size=1, **base) as llm:
+        assert llm.engine.args.kv_cache_memory == 1 << 20
+    with pytest.raises(ConfigError, match="quantization='awq': kvforge loads unquantized"):
+        LLM(str(tmp_path), quantization="awq", **base)
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2: pipeline parallelism is not implemented"):
+        LLM(str(tmp_path), pipeline_parallel_size=2, **base)
+    with pytest.raises(ConfigError, match="unknown keyword argument 'max_modle_len'; did you mean max_model_len"):
+        LLM(str(tmp_path), max_modle_len=64, **{k: v for k, v in base.items() if k != "max_model_len"})
+    with pytest.raises(ConfigError, match="both given"):
+        LLM(str(tmp_path), kv_cache_memory=1 << 20, kv_cache_memory_bytes=1 << 20, **base)
+    with pytest.raises(ConfigError, match="--kv-cache-memory: 'lots' is not a byte size"):
+        LLM(str(tmp_path), kv_cache_memory="lots", **base)
+
+
+def test_byte_sizes_as_strings_plan_like_integers():
+    import kvforge
+
+    kw = dict(device="cuda", max_model_len=8192)
+    assert kvforge.plan("llama-3.1-8b", gpu_memory="141GB", **kw) == kvforge.plan("llama-3.1-8b", gpu_memory=141 * 10**9,
+                                                                                   **kw)
+    assert kvforge.plan("llama-3.1-8b", kv_cache_memory="8GiB", **kw).capacity.num_blocks == (8 << 30) // (128 << 10) // 16
+
+
+def test_numpy_token_ids_are_prompts(llm):
+    np = pytest.importorskip("numpy")
+    want = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": np.array([5, 6, 7])}, {"prompt_token_ids": list(np.array([5, 6, 7]))},
+                   [np.array([5, 6, 7])]):
+        assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("prompts", [None, 5, 2.5])
+def test_a_prompt_of_no_known_shape_is_an_invalid_request(llm, prompts):
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        llm.generate(prompts, GREEDY)

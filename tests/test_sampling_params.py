@@ -13,6 +13,9 @@ INVALID = [
     ("n", 1.0),
     ("temperature", -0.1),
     ("temperature", "hot"),
+    ("temperature", float("nan")),
+    ("temperature", float("inf")),
+    ("temperature", True),
     ("top_p", 0.0),
     ("top_p", 1.5),
     ("top_p", -1),
@@ -38,6 +41,8 @@ INVALID = [
     ("stop", ["ok", 3]),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", ["a"]),
+    ("stop_token_ids", [True]),
+    ("allowed_token_ids", [True]),
 ]
 
 
@@ -65,3 +70,20 @@ def test_stop_normalized_to_tuples():
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop=None).stop == ()
     hash(SamplingParams(stop=["x"]))  # frozen and hashable
+
+
+def test_numpy_scalars_are_the_numbers_they_hold():
+    """Harnesses build parameters with numpy; each scalar is taken as the Python number it holds (and stored so:
+    equal and hashable like one built from Python numbers)."""
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(n=np.int32(2), max_tokens=np.int64(5), temperature=np.float32(0.5), top_k=np.int64(3),
+                       seed=np.uint16(9), stop_token_ids=np.array([3, 4]), allowed_token_ids=[np.int64(7)],
+                       logit_bias={np.int64(4): np.float32(1.5)})
+    assert p == SamplingParams(n=2, max_tokens=5, temperature=0.5, top_k=3, seed=9, stop_token_ids=[3, 4],
+                               allowed_token_ids=[7], logit_bias={4: 1.5})
+    assert type(p.max_tokens) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
+    hash(p)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=np.int64(0))
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=np.float64("nan"))

@@ -445,6 +445,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, check_prompt_token_ids(prompt, self.spec.vocab_size)
+        if getattr(prompt, "ndim", None) == 1 and callable(getattr(prompt, "tolist", None)):  # numpy / torch ids
+            return None, check_prompt_token_ids(prompt.tolist(), self.spec.vocab_size)
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                   field="prompt")
 

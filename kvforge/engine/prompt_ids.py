@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
+
 from kvforge.errors import InvalidRequestError
 
 
 def check_prompt_token_ids(ids, vocab_size: int) -> list[int]:
-    """``ids`` as a list, or InvalidRequestError (field "prompt") naming the first id out of range."""
-    ids = list(ids)
+    """``ids`` as a list of Python ints (numpy integers taken as the ints they hold), or InvalidRequestError
+    (field "prompt") naming the first id out of range."""
+    ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)) else t for t in ids]
     if not ids:
         raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
     for t in ids:

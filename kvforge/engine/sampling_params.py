@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
+_INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 #: Temperatures below it sample greedily (:attr:`SamplingParams.is_greedy`).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -64,6 +67,17 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
+        # numpy (and other numbers.Integral / numbers.Real) scalars as the Python numbers they stand for.
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, _plain_int(getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                object.__setattr__(self, name, float(value))
+        for name in ("stop_token_ids", "allowed_token_ids"):  # a 1-D numpy (or torch) array of ids as a list
+            value = getattr(self, name)
+            if getattr(value, "ndim", None) == 1 and callable(getattr(value, "tolist", None)):
+                object.__setattr__(self, name, value.tolist())
         # Accept lists/str for convenience but store tuples (frozen, hashable).
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
@@ -74,12 +88,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not isinstance(self.stop_token_ids, tuple) or not all(type(t) is int for t in self.stop_token_ids):
+            object.__setattr__(self, "stop_token_ids", tuple(_plain_int(t) for t in self.stop_token_ids or ()))
         if isinstance(self.logit_bias, dict) or self.logit_bias is None:
             object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias or {}))
         if self.allowed_token_ids is not None:
-            ids = tuple(self.allowed_token_ids)
+            ids = tuple(_plain_int(t) for t in self.allowed_token_ids)
             object.__setattr__(self, "allowed_token_ids", ids or None)
         self.validate()
 
@@ -91,8 +105,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < float("inf"):
+            bad("temperature", f"must be a finite number >= 0 (0: greedy), got {t!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < -1):
@@ -138,7 +153,7 @@ class SamplingParams:
             bad("min_tokens", f"{self.min_tokens} is above max_tokens {self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
 
     def sample_params(self, sample: int) -> SamplingParams:
@@ -168,13 +183,22 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+def _plain_int(value):
+    """A ``numbers.Integral`` that is not a bool (a numpy integer, say) as a Python int; anything else as it is,
+    for ``validate`` to name."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
+
+
 def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
     """``{id: bias}`` (ids as ints or decimal strings, as JSON sends them) as sorted ``(id, bias)`` pairs;
     values that are not numbers are kept as they are for ``validate`` to name."""
     pairs = []
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
-        pairs.append((token, float(value) if isinstance(value, int) and not isinstance(value, bool) else value))
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else _plain_int(key)
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        pairs.append((token, float(value) if number else value))
     try:
         return tuple(sorted(pairs))
     except TypeError:  # mixed key types: left unsorted, refused by validate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvforge.byte_sizes import byte_count
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import canonical_kv_dtype
 
@@ -106,9 +107,9 @@ class CacheConfig:
         object.__setattr__(self, "num_speculative_tokens",
                            _positive_int("--num-speculative-tokens", self.num_speculative_tokens, allow_zero=True))
         if self.kv_cache_memory is not None:
-            object.__setattr__(self, "kv_cache_memory", _positive_int("--kv-cache-memory", self.kv_cache_memory))
+            object.__setattr__(self, "kv_cache_memory", byte_count("--kv-cache-memory", self.kv_cache_memory))
         if self.gpu_memory is not None:
-            object.__setattr__(self, "gpu_memory", _positive_int("--gpu-memory", self.gpu_memory))
+            object.__setattr__(self, "gpu_memory", byte_count("--gpu-memory", self.gpu_memory))
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {util!r}")

@@ -37,10 +37,9 @@ def no_tokenizer(field: str | None) -> InvalidRequestError:
 _CONTINUE_MARK = "\u0000kvforge-continue\u0000"
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], options: ChatTemplateOptions | None = None,
-                    add_special_tokens: bool = False) -> list[int]:
-    """Render ``messages`` with the chat template as ``options`` ask and encode the text as it stands (the
-    tokenizer's special tokens only with ``add_special_tokens``, which ``/tokenize`` may ask for)."""
+def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions | None = None) -> str:
+    """``messages`` rendered by the chat template as ``options`` ask (cut inside the final message for
+    ``continue_final_message``); InvalidRequestError when the template refuses them."""
     options = options or ChatTemplateOptions()
     if options.continue_final_message:
         last = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_MARK)
@@ -56,7 +55,14 @@ def chat_prompt_ids(tokenizer, messages: list[dict], options: ChatTemplateOption
             raise InvalidRequestError("'continue_final_message': the chat template does not render the final "
                                       "message's text, so there is nothing to continue", field="continue_final_message")
         text = text[:end]
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], options: ChatTemplateOptions | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
+    """Render ``messages`` with the chat template as ``options`` ask and encode the text as it stands (the
+    tokenizer's special tokens only with ``add_special_tokens``, which ``/tokenize`` may ask for)."""
+    return tokenizer.encode(render_chat(tokenizer, messages, options), add_special_tokens=add_special_tokens)
 
 
 @dataclass(frozen=True)
