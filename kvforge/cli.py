@@ -14,12 +14,13 @@ from kvforge.errors import KVForgeError
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvforge.cli_args import model_argument
     from kvforge.planner.api import plan as make_plan
     from kvforge.speculative.config import resolve_speculative
 
     speculative = resolve_speculative(args.speculative_config, args.num_speculative_tokens)
     result = make_plan(
-        args.model, tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+        model_argument(args), tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size, max_model_len=args.max_model_len,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
         kv_cache_memory=args.kv_cache_memory,
@@ -60,7 +61,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``command == "plan"`` the engine subcommands (and
     their heavy imports) are skipped so planning stays fast and torch-free."""
     from kvforge import __version__
-    from kvforge.cli_args import add_plan_args, positive_int
+    from kvforge.cli_args import add_model_arguments, add_plan_args, positive_int
 
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
@@ -68,8 +69,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="resolve and print the KV-cache plan (no weights are read)")
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF model dir / config.json / .gguf file / preset name (default: embedded SmolLM2)")
+    add_model_arguments(p, "HF model dir / config.json / .gguf file / preset name (default: embedded SmolLM2)")
     add_plan_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,

@@ -85,6 +85,23 @@ def http_url(text: str) -> str:
     return text.strip()
 
 
+def add_model_arguments(p: argparse.ArgumentParser, help: str) -> None:
+    """The model as the positional MODEL, or as vLLM's ``--model MODEL`` (read back by :func:`model_argument`)."""
+    p.add_argument("model", nargs="?", default=None, help=help)
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL (vLLM's spelling)")
+
+
+def model_argument(ns: argparse.Namespace) -> str | None:
+    """The model a command line names (MODEL or ``--model``); ConfigError when it names two."""
+    from kvforge.errors import ConfigError
+
+    flag = getattr(ns, "model_flag", None)
+    if flag is not None and ns.model is not None and flag != ns.model:
+        raise ConfigError(f"MODEL {ns.model!r} and --model {flag!r} name two models; give one of them")
+    return flag if flag is not None else ns.model
+
+
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     """The flags that decide the KV-cache plan (shared by plan/generate/serve)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)

@@ -41,6 +41,23 @@ ENGINE_FLAGS = (
     VllmFlag(("--swap-space",), True, None, "accepted, no effect: preempted sequences are recomputed, never swapped"),
     VllmFlag(("--tokenizer-mode",), True, ("auto",), "kvforge reads the model's own tokenizer (tokenizer.json or the "
              "GGUF's); leave --tokenizer-mode at auto"),
+    VllmFlag(("--max-seq-len-to-capture",), True, None, "accepted, no effect: decode CUDA graphs are captured per "
+             "context bucket up to --max-model-len"),
+    VllmFlag(("--disable-custom-all-reduce",), False, None, "accepted, no effect: tensor-parallel reductions are "
+             "NCCL's"),
+    VllmFlag(("--compilation-config", "-O"), True, None, "accepted, no effect: kvforge runs its own kernels and "
+             "CUDA graphs, not torch.compile"),
+    VllmFlag(("--revision", "--code-revision", "--tokenizer-revision"), True, (), "kvforge reads a local checkpoint "
+             "directory or .gguf file: check out the revision there and give its path"),
+    VllmFlag(("--disable-sliding-window",), False, (), "sliding-window layers attend over their window (the plan "
+             "sizes their KV for it); leave it unset"),
+    VllmFlag(("--override-generation-config",), True, (), "a checkpoint's generation_config.json is not read: send "
+             "the sampling fields with each request"),
+    VllmFlag(("--guided-decoding-backend", "--structured-outputs-config"), True, None, "accepted, no effect: "
+             "requests asking for structured output are refused"),
+    VllmFlag(("--limit-mm-per-prompt",), True, None, "accepted, no effect: text only (requests with images are "
+             "refused)"),
+    VllmFlag(("--config",), True, (), "a YAML file of flags is not read: give the flags on the command line"),
 )
 SERVER_FLAGS = (
     VllmFlag(("--disable-log-requests",), False, None, "accepted, no effect: requests are logged only with "
@@ -51,6 +68,18 @@ SERVER_FLAGS = (
     VllmFlag(("--disable-frontend-multiprocessing",), False, None, "accepted, no effect (one process serves)"),
     VllmFlag(("--enable-auto-tool-choice",), False, (), "tool calling is not supported"),
     VllmFlag(("--tool-call-parser",), True, (), "tool calling is not supported"),
+    VllmFlag(("--reasoning-parser",), True, (), "reasoning text is not split from the answer: the model's whole "
+             "output is the message content"),
+    VllmFlag(("--response-role",), True, ("assistant",), "chat responses speak as the assistant"),
+    VllmFlag(("--chat-template-content-format",), True, ("auto", "string"), "message content reaches the chat "
+             "template as a string (text parts joined)"),
+    VllmFlag(("--enable-force-include-usage",), False, (), "usage goes out when a request asks for it "
+             "(stream_options.include_usage)"),
+    VllmFlag(("--root-path",), True, (), "routes are served at the root: strip a proxy's prefix in the proxy"),
+    VllmFlag(("--ssl-keyfile", "--ssl-certfile"), True, (), "TLS is not served: put a TLS-terminating proxy in "
+             "front"),
+    VllmFlag(("--allowed-origins", "--allowed-methods", "--allowed-headers"), True, (), "CORS headers are not "
+             "sent: put a proxy in front for browser clients"),
 )
 
 

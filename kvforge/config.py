@@ -13,7 +13,13 @@ from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
 from kvforge.byte_sizes import byte_count
-from kvforge.cli_args import add_plan_args, non_negative_int, positive_int
+from kvforge.cli_args import (
+    add_model_arguments,
+    add_plan_args,
+    model_argument,
+    non_negative_int,
+    positive_int,
+)
 from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
@@ -169,8 +175,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
         if model_positional:
-            parser.add_argument("model", nargs="?", default=None,
-                                help="HF dir / .gguf / preset (dummy weights) (default: embedded SmolLM2)")
+            add_model_arguments(parser, "HF dir / .gguf / preset (dummy weights) (default: embedded SmolLM2)")
         add_plan_args(parser)
         add_vllm_flags(parser, ENGINE_FLAGS)
         parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -222,6 +227,8 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in vars(ns).items() if k in names}
+        if "model" in values:
+            values["model"] = model_argument(ns)
         served = values.get("served_model_name")
         if isinstance(served, list):  # --served-model-name NAME [NAME ...]: the first is reported
             values["served_model_name"], values["served_model_aliases"] = served[0], tuple(served[1:])

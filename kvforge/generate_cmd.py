@@ -122,10 +122,12 @@ def _has_chat_template(llm) -> bool:
 
 
 def generate_main(args: argparse.Namespace) -> int:
+    from kvforge.cli_args import model_argument
     from kvforge.config import EngineArgs
     from kvforge.engine.sampling_params import SamplingParams
     from kvforge.llm import LLM
 
+    args.model, args.model_flag = model_argument(args), None
     prompts = _prompts(args)
     compare_kv_dtype = _compare_kv_dtype(args)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

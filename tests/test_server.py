@@ -91,6 +91,38 @@ def test_models_and_health(server, client):
     assert status == 200 and body["status"] == "ok"
 
 
+def test_version_ping_and_unknown_routes(server):
+    import kvforge
+
+    assert http("GET", server.url + "/version") == (200, http("GET", server.url + "/version")[1],
+                                                     {"version": kvforge.__version__})
+    assert http("GET", server.url + "/ping")[0] == 200 and http("POST", server.url + "/ping")[0] == 200
+    status, _, r = http("POST", server.url + "/v1/embeddings", {"input": "x"}, AUTH)
+    assert status == 404 and r["error"]["code"] == "not_found"
+    assert "no route POST /v1/embeddings" in r["error"]["message"] and "POST /v1/completions" in r["error"]["message"]
+
+
+def test_an_error_inside_a_stream_is_an_event_and_the_server_serves_on(server, monkeypatch):
+    """Once a stream's 200 has gone out, a failure while building a chunk becomes an error event followed by
+    [DONE] (the client sees why it ended), and the server keeps serving."""
+    from kvforge.server import app as app_module
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("chunk builder failed")
+
+    monkeypatch.setattr(app_module._Choice, "logprobs", broken)
+    body = {"model": model_name(server), "prompt": "hi", "max_tokens": 3, "logprobs": 1, "stream": True}
+    status, headers, text = http("POST", server.url + "/v1/completions", json.dumps(body).encode(), AUTH)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "RuntimeError: chunk builder failed" in error["message"]
+    monkeypatch.undo()
+    status, _, r = http("POST", server.url + "/v1/completions", {**body, "stream": False}, AUTH)
+    assert status == 200 and r["choices"][0]["logprobs"] is not None
+
+
 def test_retrieve_model_with_openai_client(server, client):
     m = client.models.retrieve(model_name(server))
     assert m.id == model_name(server) and m.object == "model" and m.owned_by == "kvforge"
@@ -567,6 +599,27 @@ def test_queue_bound_returns_503_with_retry_after():
         assert engine.stats()["kv_blocks_used"] == 0
 
 
+def test_queue_bound_counts_what_waits_beyond_the_run_slots():
+    """With 4 run slots and a bound of 3, eight requests sent at once: seven are held (four running, three
+    waiting) and the eighth is refused, naming what waits beyond the run slots."""
+    engine = FakeEngine(max_num_seqs=4, step_delay=0.02)
+    with ServerThread(create_app(engine, max_queued_requests=3)) as srv:
+        url = srv.url + "/v1/completions"
+
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                async def one(i):
+                    body = {"prompt": f"p{i}", "max_tokens": 60, "ignore_eos": True}
+                    async with session.post(url, json=body) as resp:
+                        return resp.status, await resp.json()
+                return await asyncio.gather(*(one(i) for i in range(8)))
+
+        results = asyncio.run(run())
+        assert sorted(status for status, _ in results) == [200] * 7 + [503], [s for s, _ in results]
+        (refused,) = [body for status, body in results if status == 503]
+        assert "(3 waiting beyond the 4 running, limit 3, this request 1)" in refused["error"]["message"]
+
+
 def test_queue_bound_takes_a_request_of_n_sequences_at_once():
     """The bound is checked once per client request for all its sequences (prompts x n): on an idle server a
     request of as many sequences as the bound runs, where counting each sample as queued refused its second;
@@ -580,7 +633,7 @@ def test_queue_bound_takes_a_request_of_n_sequences_at_once():
         assert status == 200 and len(r["choices"]) == 2, r
         status, _, r = http("POST", url, {"prompt": ["a", "b"], "max_tokens": 2, "n": 2})
         assert status == 400 and r["error"]["param"] == "n", r
-        assert "4 sequences" in r["error"]["message"] and "--max-queued-requests 2" in r["error"]["message"]
+        assert "4 sequences" in r["error"]["message"] and "--max-queued-requests 2 queued" in r["error"]["message"]
 
 
 def _free_port() -> int:

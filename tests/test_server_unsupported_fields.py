@@ -60,7 +60,7 @@ VLLM_EXTRAS_REFUSED = [
     ("bad_words", ["x"]),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("guided_json", {"type": "object"}),
     ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
-    ("structured_outputs", {"choice": ["a"]}), ("return_tokens_as_token_ids", True),
+    ("structured_outputs", {"choice": ["a"]}),
     ("logits_processors", ["my_module.Processor"]),
 ]
 
@@ -171,3 +171,39 @@ def test_stream_options_continuous_usage_and_unknown_keys(caplog):
     with caplog.at_level("WARNING"):
         parse_chat({**CHAT, "model": MODEL, "stream": True, "stream_options": {"include_usage": True, "usage": 1}}, MODEL)
     assert "stream_options fields present in the request but ignored: usage" in caplog.text
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
+                         ids=["completions", "chat"])
+def test_vllm_token_id_options_reach_the_request(parse, body):
+    plain = parse({**body, "model": MODEL}, MODEL)
+    assert not plain.tokens_as_ids and not plain.return_token_ids
+    both = parse({**body, "model": MODEL, "return_tokens_as_token_ids": True, "return_token_ids": True}, MODEL)
+    assert both.tokens_as_ids and both.return_token_ids
+    with pytest.raises(InvalidRequestError) as err:
+        parse({**body, "model": MODEL, "return_token_ids": "yes"}, MODEL)
+    assert err.value.field == "return_token_ids"
+
+
+HUGE = 10**400
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("temperature", HUGE, "expected a finite number"), ("presence_penalty", -HUGE, "expected a finite number"),
+    ("top_p", HUGE, "expected a finite number"), ("n", 1e300, "within 64 bits"), ("top_k", 1e300, "within 64 bits"),
+    ("seed", 10**30, "within 64 bits"), ("min_tokens", HUGE, "within 64 bits"),
+])
+def test_numbers_beyond_their_range_name_the_field_briefly(field, value, why):
+    """An integer literal past float's range (JSON allows it) is a 400 naming the field, not an overflow;
+    the message does not echo hundreds of digits."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, field: value}, MODEL)
+    assert err.value.field == field and why in str(err.value) and len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u0663", "1\u00b2", "12345678901234567890123", "-1", "a"])
+def test_logit_bias_keys_are_ascii_decimal_token_ids(key):
+    """``str.isdigit`` takes a superscript two and an Arabic-Indic three; neither is a token id."""
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "logit_bias": {key: 1}}, MODEL)
+    assert err.value.field == "logit_bias" and "keys must be token ids" in str(err.value)

@@ -22,8 +22,24 @@ def _parse(argv):
 def test_flags_without_effect_and_neutral_values_parse():
     ns = _parse(["--disable-log-requests", "--disable-log-stats", "--swap-space", "16", "--uvicorn-log-level",
                  "warning", "-pp", "1", "--data-parallel-size", "1", "--generation-config", "vllm",
-                 "--max-logprobs", "20", "--disable-frontend-multiprocessing", "--trust-remote-code"])
+                 "--max-logprobs", "20", "--disable-frontend-multiprocessing", "--trust-remote-code",
+                 "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce", "-O3", "--tokenizer-mode", "auto",
+                 "--limit-mm-per-prompt", "{}", "--guided-decoding-backend", "xgrammar", "--response-role",
+                 "assistant", "--chat-template-content-format", "string"])
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
+
+
+def test_model_as_vllm_spells_it():
+    from kvforge.cli_args import model_argument
+    from kvforge.config import EngineArgs
+    from kvforge.errors import ConfigError
+
+    assert model_argument(_parse(["--model", "llama-3.1-8b"])) == "llama-3.1-8b"
+    assert model_argument(_parse(["llama-3.1-8b", "--model", "llama-3.1-8b"])) == "llama-3.1-8b"
+    assert model_argument(_parse([])) is None
+    assert EngineArgs.from_cli_args(_parse(["--model", "qwen3-8b", "--device", "cpu"])).model == "qwen3-8b"
+    with pytest.raises(ConfigError, match="MODEL 'qwen3-8b' and --model 'llama-3.1-8b' name two models"):
+        model_argument(_parse(["qwen3-8b", "--model", "llama-3.1-8b"]))
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -33,6 +49,12 @@ def test_flags_without_effect_and_neutral_values_parse():
     (["--generation-config", "auto"], "(only vllm is accepted)"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not supported"),
     (["--download-dir", "/x"], "kvforge never downloads weights"),
+    (["--revision", "main"], "check out the revision there"),
+    (["--tokenizer-mode", "mistral"], "leave --tokenizer-mode at auto (only auto is accepted)"),
+    (["--reasoning-parser", "deepseek_r1"], "reasoning text is not split"),
+    (["--ssl-keyfile", "k.pem"], "TLS is not served"),
+    (["--response-role", "user"], "(only assistant is accepted)"),
+    (["--config", "c.yaml"], "YAML file of flags is not read"),
 ])
 def test_flags_that_would_change_what_is_served_stop_at_parse_time(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

@@ -475,6 +475,11 @@ class LLMEngine:
         if self.state_slots is not None:
             self.state_slots.release(request_id)
 
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one step may run (the scheduler's run slots)."""
+        return self.scheduler.max_num_seqs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -183,6 +183,14 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+def is_decimal_id(text: str) -> bool:
+    """Whether ``text`` is a token id written in ASCII decimal digits, as JSON object keys carry them
+    (``str.isdigit`` alone also takes superscripts and other scripts' digits, which ``int`` refuses or reads
+    as another number)."""
+    digits = text.strip()
+    return digits.isascii() and digits.isdigit() and len(digits) <= 19
+
+
 def _plain_int(value):
     """A ``numbers.Integral`` that is not a bool (a numpy integer, say) as a Python int; anything else as it is,
     for ``validate`` to name."""
@@ -196,7 +204,7 @@ def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
     values that are not numbers are kept as they are for ``validate`` to name."""
     pairs = []
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else _plain_int(key)
+        token = int(key) if isinstance(key, str) and is_decimal_id(key) else _plain_int(key)
         number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         pairs.append((token, float(value) if number else value))
     try:

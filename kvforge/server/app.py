@@ -25,6 +25,7 @@ import time
 
 from aiohttp import web
 
+import kvforge
 from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol, tokenization
 from kvforge.server.async_engine import (
@@ -38,6 +39,9 @@ from kvforge.server.async_engine import (
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("kvforge.server")
+#: What a client may call, named by the 404 of any other path.
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
+          "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /ping", "GET /version", "GET /metrics")
 
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 CONFIG = web.AppKey("config", dict)
@@ -116,7 +120,12 @@ def create_app(
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            response = _json_error(e.status, e.reason or "error", "invalid_request_error",
+            message = e.reason or "error"
+            if e.status == 404:
+                message = f"no route {request.method} {request.path}: this server serves {', '.join(ROUTES)}"
+            elif e.status == 405:
+                message = f"{request.method} is not allowed on {request.path}"
+            response = _json_error(e.status, message, "invalid_request_error",
                                    code="not_found" if e.status == 404 else None)
         except (ConnectionError, asyncio.CancelledError):
             raise
@@ -220,7 +229,16 @@ def create_app(
     async def tokenizer_info(request):
         return web.json_response(tokenization.tokenizer_info(engine.tokenizer, engine.max_model_len))
 
+    async def version(request):
+        return web.json_response({"version": kvforge.__version__})
+
+    async def ping(request):  # vLLM's liveness probe, as /health
+        return web.Response(status=200)
+
     app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/ping", ping)
+    app.router.add_post("/ping", ping)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
@@ -280,7 +298,7 @@ class _Choice:
         _, ids, lps = self.generated(out.outputs[0])
         ids, lps = list(ids[start:end]), list(lps[start:end])
         if req.kind == "chat":
-            return protocol.chat_logprobs(self.tokenizer, ids, lps, req.logprobs)
+            return protocol.chat_logprobs(self.tokenizer, ids, lps, req.logprobs, req.tokens_as_ids)
         offsets = offsets or protocol.TextOffsets()
         parts = []
         if echo:
@@ -289,9 +307,10 @@ class _Choice:
             prompt_ids = list(out.prompt_token_ids)
             parts.append(protocol.completion_logprobs(
                 self.tokenizer, prompt_ids, list(out.prompt_logprobs or [None] * len(prompt_ids)), req.logprobs,
-                offsets, skip_special_tokens=not isinstance(self.prompt, str)))
+                offsets, skip_special_tokens=not isinstance(self.prompt, str), as_ids=req.tokens_as_ids))
         parts.append(protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, offsets,
-                                                  skip_special_tokens=req.params.skip_special_tokens))
+                                                  skip_special_tokens=req.params.skip_special_tokens,
+                                                  as_ids=req.tokens_as_ids))
         return protocol.join_logprobs(parts)
 
 
@@ -320,19 +339,27 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = (view.echo_text(final) if req.echo else "") + text
+        if req.return_token_ids:  # vLLM's: the ids behind the text (a chat's prompt ids are the response's)
+            if req.kind != "chat":
+                choice["prompt_token_ids"] = list(final.prompt_token_ids)
+            choice["token_ids"] = list(ids)
         choices.append(choice)
         if i % req.n == 0:  # a prompt counts once, however many choices it has
             prompt_tokens += len(final.prompt_token_ids)
         completion_tokens += len(ids)
     prefix, obj = ("chatcmpl", "chat.completion") if req.kind == "chat" else ("cmpl", "text_completion")
-    return web.json_response({
+    body = {
         "id": protocol.random_id(prefix),
         "object": obj,
         "created": protocol.now(),
         "model": model_name,
+        "system_fingerprint": None,
         "choices": choices,
         "usage": protocol.usage(prompt_tokens, completion_tokens),
-    })
+    }
+    if req.return_token_ids and req.kind == "chat":
+        body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+    return web.json_response(body)
 
 
 async def _merge(streams: list[RequestStream]):
@@ -376,8 +403,9 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     def usage_so_far() -> dict:
         return protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens))
 
-    def chunk(choices: list, usage=None) -> bytes:
-        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices}
+    def chunk(choices: list, usage=None, **extra) -> bytes:
+        body = {"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": None,
+                "choices": choices, **extra}
         if req.include_usage:
             body["usage"] = usage if usage is not None or not req.continuous_usage else usage_so_far()
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
@@ -387,6 +415,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     sent_text, sent_tokens = [""] * n, [0] * n
     offsets = [protocol.TextOffsets() for _ in range(n)]
     echoed = [not req.echo] * n
+    ids_sent = [False] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
     try:
         if chat:
@@ -416,13 +445,29 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                 choice = {"index": i, "text": lead + delta, "logprobs": lp, "finish_reason": finish}
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
+            extra = {}
+            if req.return_token_ids:  # the new ids; the prompt's in the choice's first chunk (a chat's: top level)
+                choice["token_ids"] = list(ids[sent_tokens[i]:])
+                if not ids_sent[i]:
+                    if chat:
+                        extra["prompt_token_ids"] = list(out.prompt_token_ids)
+                    else:
+                        choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    ids_sent[i] = True
             sent_text[i] = text
             sent_tokens[i] = len(ids)
-            await resp.write(chunk([choice]))
+            await resp.write(chunk([choice], **extra))
         if req.include_usage:
             await resp.write(chunk([], usage_so_far()))
     except (ServerShuttingDownError, EngineDeadError, InternalServerError) as e:
         err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
+        await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client is gone: nothing more can be written
+    except Exception as e:  # the response has begun: the error goes out as an event, then the stream ends
+        logger.exception("stream of request %s failed", rid)
+        err = protocol.error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
+                                  code="internal_error")
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()

@@ -221,19 +221,23 @@ class AsyncEngine:
 
     def admit(self, sequences: int) -> None:
         """The queue bound, for one client request of ``sequences`` engine requests (prompts x n), checked once
-        for all of them: refused with 503 while the queue could not take them all, unless it is empty (a
-        request never waits on itself); a request of more sequences than the bound can never be taken
-        and is a 400 naming ``n``. The queue counts the engine's waiting requests at its last step and
-        every request added since (they may be running already: the bound errs towards refusing)."""
-        limit = self.max_queued_requests
-        if sequences > limit:
+        for all of them. The server holds the engine's run slots (``max_num_seqs``) plus
+        ``max_queued_requests`` waiting beyond them: a request is refused with 503 while the sequences it
+        would leave waiting beyond the run slots exceed the bound, unless nothing is held (a request never
+        waits on itself); a request of more sequences than slots and bound together can never be taken and
+        is a 400 naming ``n``. The count is the engine's running and waiting requests at its last step plus
+        every request added since (some may have finished: the bound errs towards refusing)."""
+        limit, slots = self.max_queued_requests, self.engine.max_num_seqs
+        if sequences > limit + slots:
             raise InvalidRequestError(
-                f"'n': this request asks for {sequences} sequences (prompts x n), more than the server queues at "
-                f"once (--max-queued-requests {limit}); send fewer prompts or a smaller n", field="n")
-        queued = self.last_stats.get("num_waiting", 0) + self._added_since_stats + self._adding
-        if queued and queued + sequences > limit:
-            raise QueueFullError(f"too many queued requests ({queued} waiting, limit {limit}, this request "
-                                 f"{sequences}); retry later")
+                f"'n': this request asks for {sequences} sequences (prompts x n), more than the server holds at "
+                f"once (--max-num-seqs {slots} running and --max-queued-requests {limit} queued); send fewer "
+                f"prompts or a smaller n", field="n")
+        held = (self.last_stats.get("num_running", 0) + self.last_stats.get("num_waiting", 0)
+                + self._added_since_stats + self._adding)
+        if held and max(0, held + sequences - slots) > limit:
+            raise QueueFullError(f"too many queued requests ({max(0, held - slots)} waiting beyond the {slots} "
+                                 f"running, limit {limit}, this request {sequences}); retry later")
 
     async def add_request(
         self,

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -149,9 +149,17 @@ def get_number(body: dict, name: str, default, *, allow_null: bool = True):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         bad_field(name, f"expected a number, got {type_name(value)}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)  # an integer literal past float's range overflows here
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
         bad_field(name, "expected a finite number")
-    return float(value)
+    return number
+
+
+#: Every integer field of a request (counts, token ids, seeds) fits a signed 64-bit integer.
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def get_int(body: dict, name: str, default):
@@ -162,6 +170,8 @@ def get_int(body: dict, name: str, default):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         bad_field(name, f"expected an integer, got {type_name(value)}")
+    if not INT_MIN <= value <= INT_MAX:
+        bad_field(name, f"expected an integer within 64 bits, got one of {len(str(abs(value)))} digits")
     return value
 
 
@@ -266,6 +276,10 @@ class ParsedRequest:
     prompt_only: bool = False
     chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
     continuous_usage: bool = False  # streams: usage so far in every chunk (stream_options.continuous_usage_stats)
+    # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens as "token_id:N" (always so without a tokenizer)
+    tokens_as_ids: bool = False
+    # vLLM's ``return_token_ids``: choices carry their generated ``token_ids`` (and the prompt's ids)
+    return_token_ids: bool = False
 
     @property
     def n(self) -> int:
@@ -280,7 +294,7 @@ _COMMON_FIELDS = frozenset({
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "min_tokens", "response_format",
     "tools", "functions", "tool_choice", "length_penalty", "use_beam_search", "bad_words", "prompt_logprobs",
     "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-    "return_tokens_as_token_ids", "logits_processors", "add_special_tokens",
+    "return_tokens_as_token_ids", "return_token_ids", "logits_processors", "add_special_tokens",
     # OpenAI's fields that do not change the output: accepted and not read.
     "user", "metadata", "store", "service_tier", "parallel_tool_calls",
 })
@@ -308,7 +322,6 @@ _VLLM_EXTRAS_NEUTRAL = {
     "length_penalty": lambda v: v == 1,
     "use_beam_search": lambda v: v is False,
     "bad_words": lambda v: v == [],
-    "return_tokens_as_token_ids": lambda v: v is False,
     "logits_processors": lambda v: v == [],
     **{name: lambda v: False for name in ("prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex",
                                           "guided_choice", "guided_grammar", "structured_outputs")},
@@ -394,7 +407,9 @@ def _common(body: dict, served_model: str | tuple[str, ...]) -> dict:
         "min_tokens": get_int(body, "min_tokens", 0),
     }
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
-            "continuous_usage": continuous_usage, "sampling": sampling}
+            "continuous_usage": continuous_usage, "sampling": sampling,
+            "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False),
+            "return_token_ids": get_bool(body, "return_token_ids", False)}
 
 
 def _logit_bias(body: dict) -> dict:
@@ -405,8 +420,8 @@ def _logit_bias(body: dict) -> dict:
     if not isinstance(value, dict):
         bad_field("logit_bias", f"expected an object from token ids to biases, got {type_name(value)}")
     for key, bias in value.items():
-        if not key.strip().isdigit():
-            bad_field("logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
+        if not is_decimal_id(key):
+            bad_field("logit_bias", f"keys must be token ids (non-negative integers), got {key!r:.40}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             bad_field("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} for token {key}")
     return value
@@ -481,6 +496,7 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...]) -> ParsedRe
         "completion", common["model"], prompts, None, params,
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
         logprobs, False, echo=echo, prompt_only=prompt_only, continuous_usage=common["continuous_usage"],
+        tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
     )
 
 
@@ -550,6 +566,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...]) -> ParsedRequest:
         "chat", common["model"], None, clean, params, max_tokens is not None,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
         chat_options=parse_chat_template_options(body, clean), continuous_usage=common["continuous_usage"],
+        tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
     )
 
 
@@ -587,6 +604,16 @@ def token_text(tokenizer, token_id: int) -> str:
     return remembered(token_id) if remembered is not None else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def token_label(tokenizer, token_id: int, as_ids: bool = False) -> str:
+    """How logprobs name a token: its :func:`token_text`, or ``"token_id:N"`` (vLLM's
+    ``return_tokens_as_token_ids``, and always without a tokenizer). Ids keep tokens apart whose texts are
+    alike (every piece of a multi-byte character reads U+FFFD), so a top-logprobs object keyed by them
+    holds every alternative."""
+    if as_ids or tokenizer is None:
+        return f"token_id:{token_id}"
+    return token_text(tokenizer, token_id)
+
+
 def _is_special(tokenizer, token_id: int) -> bool:
     """Whether ``skip_special_tokens`` drops ``token_id`` (by id where the tokenizer knows, else by decoding)."""
     by_id = getattr(tokenizer, "is_special", None)
@@ -594,19 +621,24 @@ def _is_special(tokenizer, token_id: int) -> bool:
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float] | None], top: int,
-                        offsets: TextOffsets | None = None, skip_special_tokens: bool = True) -> dict:
+                        offsets: TextOffsets | None = None, skip_special_tokens: bool = True,
+                        as_ids: bool = False) -> dict:
     """The legacy completions ``logprobs`` object. Each ``top_logprobs`` entry holds the ``top`` most
     likely tokens and the chosen token (so ``top`` = 0 gives the chosen token alone, and an entry has
     ``top`` or ``top + 1`` keys), as vLLM does. An entry of ``lps`` that is None (the first prompt
-    token under ``echo``) gives a null logprob and null alternatives. Tokens show as :func:`token_text`;
-    ``text_offset`` indexes the text they make, which omits special tokens when ``skip_special_tokens``."""
+    token under ``echo``) gives a null logprob and null alternatives. Tokens show as :func:`token_label`;
+    ``text_offset`` indexes the text they make, which omits special tokens when ``skip_special_tokens``
+    (no text without a tokenizer: every offset 0)."""
     tokens, token_logprobs, top_logprobs, starts = [], [], [], []
     offsets = offsets or TextOffsets()
     for tid, d in zip(token_ids, lps):
-        piece = token_text(tokenizer, tid)
-        tokens.append(piece)
-        shown = "" if skip_special_tokens and _is_special(tokenizer, tid) else piece  # what the choice's text holds
-        starts.append(offsets.advance(token_bytes(tokenizer, tid, piece) if shown == piece else shown.encode()))
+        tokens.append(token_label(tokenizer, tid, as_ids))
+        if tokenizer is None:
+            starts.append(offsets.advance(b""))
+        else:
+            piece = token_text(tokenizer, tid)
+            shown = "" if skip_special_tokens and _is_special(tokenizer, tid) else piece  # the choice's text holds it
+            starts.append(offsets.advance(token_bytes(tokenizer, tid, piece) if shown == piece else shown.encode()))
         if d is None:
             token_logprobs.append(None)
             top_logprobs.append(None)
@@ -615,7 +647,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, flo
         ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
         if tid in d and all(t != tid for t, _ in ranked):
             ranked.append((tid, d[tid]))
-        top_logprobs.append({token_text(tokenizer, t): _finite(v) for t, v in ranked})
+        top_logprobs.append({token_label(tokenizer, t, as_ids): _finite(v) for t, v in ranked})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": starts}
 
@@ -633,24 +665,21 @@ def token_bytes(tokenizer, token_id: int, piece: str) -> bytes:
     return piece.encode("utf8")
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int) -> dict:
+def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict[int, float]], top: int,
+                  as_ids: bool = False) -> dict:
     """The chat ``logprobs`` object: each token's logprob and its ``top`` most likely alternatives
-    (OpenAI's shape: ``top_logprobs`` = 0 gives an empty list). Tokens show as :func:`token_text`, with
-    that text's bytes."""
+    (OpenAI's shape: ``top_logprobs`` = 0 gives an empty list). Tokens show as :func:`token_label`, with
+    their text's bytes (null without a tokenizer)."""
+
+    def entry(tid: int, logprob) -> dict:
+        piece = token_text(tokenizer, tid) if tokenizer is not None else None
+        return {"token": token_label(tokenizer, tid, as_ids), "logprob": _finite(logprob),
+                "bytes": list(token_bytes(tokenizer, tid, piece)) if piece is not None else None}
+
     content = []
     for tid, d in zip(token_ids, lps):
-        piece = token_text(tokenizer, tid)
         ranked = sorted(d.items(), key=lambda kv: -kv[1])[:top]
-        content.append({
-            "token": piece,
-            "logprob": _finite(d.get(tid)),
-            "bytes": list(token_bytes(tokenizer, tid, piece)),
-            "top_logprobs": [
-                {"token": (p := token_text(tokenizer, t)), "logprob": _finite(v),
-                 "bytes": list(token_bytes(tokenizer, t, p))}
-                for t, v in ranked
-            ],
-        })
+        content.append({**entry(tid, d.get(tid)), "top_logprobs": [entry(t, v) for t, v in ranked]})
     return {"content": content, "refusal": None}
 
 
