@@ -15,24 +15,36 @@ from kvforge.errors import KVForgeError
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvforge.cli_args import model_argument
+    from kvforge.errors import PlanError
     from kvforge.planner.api import plan as make_plan
+    from kvforge.planner.inputs import DEFAULT_CPU_KV_CACHE_MEMORY
     from kvforge.speculative.config import resolve_speculative
 
     speculative = resolve_speculative(args.speculative_config, args.num_speculative_tokens)
-    result = make_plan(
-        model_argument(args), tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size, max_model_len=args.max_model_len,
-        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-        dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
-        calculate_kv_scales=args.calculate_kv_scales,
-        max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,
-        state_dtype=args.state_dtype,
-        draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
-        mtp=speculative is not None and speculative.method == "mtp",
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+
+    def plan_with(kv_cache_memory):
+        return make_plan(
+            model_argument(args), tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
+            dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
+            calculate_kv_scales=args.calculate_kv_scales,
+            max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,
+            state_dtype=args.state_dtype,
+            draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
+            mtp=speculative is not None and speculative.method == "mtp",
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+
+    result = plan_with(args.kv_cache_memory)
+    if args.device == "cpu" and args.kv_cache_memory is None and args.gpu_memory is None:
+        try:  # the capacity-free plan holds; would the CPU engine's default memory run it?
+            plan_with(DEFAULT_CPU_KV_CACHE_MEMORY)
+        except PlanError as exc:
+            print(f"warning: the CPU engine's default KV memory ({DEFAULT_CPU_KV_CACHE_MEMORY >> 20} MiB) cannot "
+                  f"run this plan: {exc}", file=sys.stderr)
     if args.json:
         print(result.to_json())
     else:
@@ -125,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KVForgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script reading stdout gets an object it can parse
+            import json
+
+            print(json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -46,6 +46,26 @@ def test_no_memory_gives_null_capacity(capsys, device):
     assert code == 0 and d["num_blocks"] is None and d["capacity_tokens"] is None and d["max_concurrency"] is None
 
 
+def test_cpu_plan_without_memory_warns_when_the_cpu_engines_default_cannot_run_it(capsys):
+    """The plan without memory holds (exit 0, no capacity); that the CPU engine's 1 GiB default would refuse it
+    is said on stderr, with the fix, where a plan that fits gets no warning."""
+    code, out, err = run(capsys, "llama-3.1-8b", "--json")
+    assert code == 0 and json.loads(out)["num_blocks"] is None
+    assert "warning: the CPU engine's default KV memory (1024 MiB) cannot run this plan" in err
+    assert "lower --max-model-len to at most 4096" in err
+    code, out, err = run(capsys, "llama-3.1-8b", "--max-model-len", "2048")
+    assert code == 0 and "warning" not in err
+    code, out, err = run(capsys, "llama-3.1-8b", "--device", "cuda")
+    assert code == 0 and "warning: the CPU engine" not in err
+
+
+def test_json_errors_are_json_on_stdout(capsys):
+    code, out, err = run(capsys, "llama-3.1-8b", "--device", "cuda", "--block-size", "8", "--json")
+    assert code == 2 and "error: --block-size 8 cannot work" in err
+    error = json.loads(out)["error"]
+    assert error["type"] == "PlanError" and "use --block-size 16" in error["message"]
+
+
 def test_cpu_plan_without_memory_names_the_cpu_engines_default(capsys, tmp_path):
     """A plan is often made on one machine for another, so no memory flag means no capacity; on CPU the
     table says what the CPU engine would take, and that figure is the engine's: the plan given it has the

@@ -126,6 +126,7 @@ def test_an_error_inside_a_stream_is_an_event_and_the_server_serves_on(server, m
 def test_retrieve_model_with_openai_client(server, client):
     m = client.models.retrieve(model_name(server))
     assert m.id == model_name(server) and m.object == "model" and m.owned_by == "kvforge"
+    assert m.model_extra["root"] == model_name(server) and m.model_extra["parent"] is None  # vLLM's fields
     assert m.created == client.models.list().data[0].created
     with pytest.raises(openai.NotFoundError) as exc:
         client.models.retrieve("gpt-17")

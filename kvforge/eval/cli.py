@@ -225,7 +225,7 @@ def kld_main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KVForgeError as e:  # PlanError / ConfigError from the engine carry their own explanation
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -336,6 +336,12 @@ def run_kld(
     fields = engine_arg_fields()
     common = dict(common_overrides or {})
     if "max_model_len" in fields and "max_model_len" not in common:
+        from kvforge.spec.load import load_model_spec
+
+        limit = load_model_spec(model).max_position_embeddings  # config metadata only
+        if limit is not None and max(ctxs) > limit:
+            raise ValueError(f"--ctx {max(ctxs)} exceeds the model's {limit} positions (max_position_embeddings); "
+                             f"use --ctx <= {limit}")
         common["max_model_len"] = max(ctxs)
     if "kv_cache_memory" in fields and common.get("kv_cache_memory") is None:
         common["kv_cache_memory"] = DEFAULT_KV_CACHE_MEMORY

@@ -179,7 +179,7 @@ def create_app(
         return web.json_response({"capacity": log.capacity, "total_steps": log.total, "steps": steps})
 
     def model_object(name: str) -> dict:
-        return protocol.model_object(name, int(aengine.started), engine.max_model_len)
+        return protocol.model_object(name, int(aengine.started), engine.max_model_len, root=model_name)
 
     async def models(request):
         return web.json_response({"object": "list", "data": [model_object(n) for n in names]})

@@ -53,10 +53,11 @@ def check_model(model: Any, served: str | tuple[str, ...]) -> str:
     return model
 
 
-def model_object(model_name: str, created: int, max_model_len: int) -> dict:
-    """OpenAI's model object (``GET /v1/models`` lists it, ``GET /v1/models/{id}`` returns it)."""
+def model_object(model_name: str, created: int, max_model_len: int, root: str | None = None) -> dict:
+    """OpenAI's model object (``GET /v1/models`` lists it, ``GET /v1/models/{id}`` returns it), with vLLM's
+    ``root`` (the served model every name stands for), ``parent`` and ``permission``."""
     return {"id": model_name, "object": "model", "created": created, "owned_by": "kvforge",
-            "max_model_len": max_model_len}
+            "root": root or model_name, "parent": None, "max_model_len": max_model_len, "permission": []}
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
