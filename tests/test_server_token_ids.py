@@ -117,3 +117,16 @@ def test_a_server_without_a_tokenizer_names_tokens_by_id(no_tokenizer, real, str
     assert ids == want and tokens == [f"token_id:{t}" for t in want] and text == ""
     echo = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     assert echo.choices[0].logprobs.tokens == [f"token_id:{t}" for t in prompt]
+
+
+def test_truncate_prompt_tokens_serves_a_prompt_longer_than_the_context(real):
+    """vLLM's ``truncate_prompt_tokens``: a 300-token prompt on a 256-token server runs on its last 10 tokens."""
+    engine, client = real
+    prompt = engine.tokenizer.encode("one two three four five six seven eight nine ten " * 30)[:300]
+    assert len(prompt) == 300
+    resp = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=4, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 10, "return_token_ids": True,
+                                                 "ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt[-10:] and resp.usage.prompt_tokens == 10
+    assert choice.model_extra["token_ids"] == _greedy_ids(engine, prompt[-10:], 4)

@@ -58,7 +58,7 @@ def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
 VLLM_EXTRAS_REFUSED = [
     ("length_penalty", 0.5), ("use_beam_search", True),
     ("bad_words", ["x"]),
-    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 8), ("guided_json", {"type": "object"}),
+    ("prompt_logprobs", 1), ("guided_json", {"type": "object"}),
     ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= 'a'"),
     ("structured_outputs", {"choice": ["a"]}),
     ("logits_processors", ["my_module.Processor"]),
@@ -207,3 +207,12 @@ def test_logit_bias_keys_are_ascii_decimal_token_ids(key):
     with pytest.raises(InvalidRequestError) as err:
         parse_completion({"prompt": "hi", "model": MODEL, "logit_bias": {key: 1}}, MODEL)
     assert err.value.field == "logit_bias" and "keys must be token ids" in str(err.value)
+
+
+def test_truncate_prompt_tokens_reaches_the_sampling_params():
+    assert parse_completion({"prompt": "hi", "model": MODEL, "truncate_prompt_tokens": 8}, MODEL).params \
+        .truncate_prompt_tokens == 8
+    assert parse_chat({**CHAT, "model": MODEL}, MODEL).params.truncate_prompt_tokens is None
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "truncate_prompt_tokens": 0}, MODEL)
+    assert err.value.field == "truncate_prompt_tokens"

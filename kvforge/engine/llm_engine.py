@@ -27,7 +27,7 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host, default_async_scheduling
-from kvforge.engine.prompt_ids import check_prompt_token_ids
+from kvforge.engine.prompt_ids import check_prompt_token_ids, truncate_prompt
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
@@ -462,6 +462,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"token id {max(tokens)} in {field} is outside the vocabulary of {vocab} "
                                           f"tokens (ids 0 to {vocab - 1})", field=field)
         text, ids = self._tokenize(prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "

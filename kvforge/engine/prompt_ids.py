@@ -18,3 +18,12 @@ def check_prompt_token_ids(ids, vocab_size: int) -> list[int]:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {t!r}",
                                       field="prompt")
     return ids
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the last ``max_model_len``;
+    None: all of them)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:] if len(ids) > keep else ids

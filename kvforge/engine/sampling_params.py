@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from kvforge.errors import InvalidRequestError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
-_INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of",
+               "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 #: Temperatures below it sample greedily (:attr:`SamplingParams.is_greedy`).
 GREEDY_TEMPERATURE = 1e-5
@@ -64,6 +65,10 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     #: Output tokens before EOS, a ``stop_token_ids`` entry or a stop string may end the request (vLLM's).
     min_tokens: int = 0
+    #: vLLM's: candidates per prompt to pick the best from; only None or ``n`` (no ranking here).
+    best_of: int | None = None
+    #: vLLM's: keep only the prompt's last ``k`` tokens (-1: the last ``max_model_len``; None: all of them).
+    truncate_prompt_tokens: int | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -147,6 +152,12 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids
         ):
             bad("allowed_token_ids", "must be a list of token ids (integers >= 0)")
+        if self.best_of is not None and self.best_of != self.n:
+            bad("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of!r}: kvforge does not "
+                           f"rank candidates; drop best_of, or set n={self.best_of} and pick among the outputs")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1 (or -1: the model's context length), got {k!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

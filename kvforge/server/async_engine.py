@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvforge.engine.outputs import CompletionOutput, RequestOutput
-from kvforge.engine.prompt_ids import check_prompt_token_ids
+from kvforge.engine.prompt_ids import check_prompt_token_ids, truncate_prompt
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 from kvforge.server.metrics import ServerMetrics
@@ -381,6 +381,7 @@ class AsyncEngine:
             prompt = chat_prompt_ids(tok, messages, chat_options)
         elif isinstance(prompt, str):
             prompt = tok.encode(prompt)  # tokenize once; the engine gets the ids
+        prompt = truncate_prompt(list(prompt), samples[0].truncate_prompt_tokens, max_len)
         n = len(prompt)
         if prompt_only:
             if n > max_len:

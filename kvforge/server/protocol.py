@@ -324,7 +324,7 @@ _VLLM_EXTRAS_NEUTRAL = {
     "use_beam_search": lambda v: v is False,
     "bad_words": lambda v: v == [],
     "logits_processors": lambda v: v == [],
-    **{name: lambda v: False for name in ("prompt_logprobs", "truncate_prompt_tokens", "guided_json", "guided_regex",
+    **{name: lambda v: False for name in ("prompt_logprobs", "guided_json", "guided_regex",
                                           "guided_choice", "guided_grammar", "structured_outputs")},
 }
 
@@ -406,6 +406,7 @@ def _common(body: dict, served_model: str | tuple[str, ...]) -> dict:
         "logit_bias": _logit_bias(body),
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
+        "truncate_prompt_tokens": get_int(body, "truncate_prompt_tokens", None),
     }
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
             "continuous_usage": continuous_usage, "sampling": sampling,
