@@ -195,3 +195,16 @@ def test_plan_predicts_the_engines_cpu_dtype(capsys, smol_llm):
     assert d["bytes_per_token"] == engine_plan.bytes_per_token
     code, out, _ = run(capsys, "--dtype", "bfloat16", "--json")
     assert code == 0 and d["bytes_per_token"] == 2 * json.loads(out)["bytes_per_token"]
+
+
+def test_the_table_says_what_sliding_and_state_layers_hold(capsys):
+    """Sliding layers hold a window, not bytes per token; every other layer of a 1:1 hybrid is a stepped range;
+    the fixed bytes per sequence say what holds them; a state layer has no KV cache and no attention query."""
+    code, out, _ = run(capsys, "gpt-oss-20b", "--device", "cuda", "--gpu-memory", "141GB")
+    text = " ".join(out.split())
+    assert code == 0 and "128-token window" in text and "0..22 every 2 (12)" in text
+    assert "fixed bytes per sequence 3,538,944 (sliding windows 3,538,944)" in text
+    code, out, _ = run(capsys, "qwen3-next-80b-a3b", "--device", "cuda", "--gpu-memory", "141GB", "-tp", "2")
+    row = next(line for line in out.splitlines() if line.startswith("│ 0-2 "))
+    assert "state float32" in row and "│ -" in row and "state 1,097,728 B/seq" in row
+    assert "(linear-attention state 39,518,208)" in " ".join(out.split())

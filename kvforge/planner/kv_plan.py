@@ -255,15 +255,18 @@ class KVPlan:
             f"  layers: {', '.join(f'{n} {k}' for k, n in kinds.items())}; backends: {', '.join(self.backends())}",
             f"  KV dtype {self.kv_cache_dtype} (scales: {self.scale_source or 'n/a'}), query dtype {', '.join(qd)}, "
             f"block size {self.block_size} ({self.block_size_reason})",
-            f"  {self.bytes_per_token} bytes/token/rank, {self.state_bytes_per_sequence} state bytes/sequence, "
+            f"  {self.bytes_per_token} bytes/token/rank, {self.state_bytes_per_sequence} fixed bytes/sequence "
+            f"(sliding windows, linear-attention state), "
             f"max model len {self.max_model_len}",
         ]
         if self.activations is not None:
             lines.append(f"  activations: {self.activations.describe()}")
         cap = self.capacity
         if cap.num_blocks is not None:
-            line = (f"  {cap.num_blocks} blocks = {cap.capacity_tokens} tokens, "
-                    f"max concurrency {cap.max_concurrency:.2f} at {self.max_model_len} tokens")
+            held = cap.num_blocks * self.block_size - cap.capacity_tokens
+            line = (f"  {cap.num_blocks} blocks = {cap.capacity_tokens} tokens"
+                    + (f" (beside {held} token slots held for sliding windows)" if held > 0 else "")
+                    + f", max concurrency {cap.max_concurrency:.2f} at {self.max_model_len} tokens")
             if self.baseline is not None and self.baseline.capacity_tokens:
                 gain = cap.capacity_tokens / self.baseline.capacity_tokens
                 line += f" ({gain:.2f}x the {self.baseline.kv_cache_dtype} KV capacity of {self.baseline.capacity_tokens})"

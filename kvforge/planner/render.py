@@ -15,7 +15,8 @@ def _layer_rows(plan: KVPlan):
     rows = []
     for layer in plan.layers:
         key = (layer.kind, layer.backend, layer.kv_dtype, layer.query_dtype, layer.heads_per_rank,
-               layer.kv_heads_per_rank, layer.bytes_per_token, layer.state_bytes, layer.query_dtype_reason)
+               layer.kv_heads_per_rank, layer.bytes_per_token, layer.state_bytes, layer.query_dtype_reason,
+               layer.sliding_window)
         if rows and rows[-1][0] == key and rows[-1][2] == layer.index - 1:
             rows[-1][2] = layer.index
         else:
@@ -24,8 +25,29 @@ def _layer_rows(plan: KVPlan):
 
 
 def _indices(idx) -> str:
+    """Layer indices: all of them when few, else the range, with its step when evenly spaced (every 2nd layer of
+    a 1:1 hybrid reads ``0..22 every 2 (12)``, not as the 23 layers 0 to 22)."""
     idx = list(idx)
-    return ",".join(map(str, idx)) if len(idx) <= 6 else f"{idx[0]}..{idx[-1]} ({len(idx)})"
+    if len(idx) <= 6:
+        return ",".join(map(str, idx))
+    steps = {b - a for a, b in zip(idx, idx[1:])}
+    if len(steps) == 1 and (step := steps.pop()) > 1:
+        return f"{idx[0]}..{idx[-1]} every {step} ({len(idx)})"
+    return f"{idx[0]}..{idx[-1]} ({len(idx)})"
+
+
+def _fixed_bytes(plan: KVPlan) -> str:
+    """The per-sequence bytes that do not grow with its tokens, by what holds them."""
+    state = sum(layer.state_bytes for layer in plan.layers if layer.kind == "state")
+    rest = plan.state_bytes_per_sequence - state  # the sliding groups' window blocks (and rings' pages)
+    parts = []
+    if state:
+        parts.append(f"linear-attention state {state:,}")
+    if rest > 0 and any(layer.kind == "sliding" for layer in plan.layers):
+        parts.append(f"sliding windows {rest:,}")
+    elif rest > 0 and parts:
+        parts.append(f"other {rest:,}")
+    return f"{plan.state_bytes_per_sequence:,}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def render_plan(plan: KVPlan, console=None) -> None:
@@ -44,7 +66,7 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_row("max model len", str(plan.max_model_len))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
     replay = plan.verify_replay_bytes_per_sequence()
-    head.add_row("state bytes per sequence", f"{plan.state_bytes_per_sequence:,}" + (
+    head.add_row("fixed bytes per sequence", _fixed_bytes(plan) + (
         f" (of which {replay:,} keep a verify step's {plan.num_speculative_tokens + 1} rows to roll the "
         f"linear-attention state back)" if replay else ""))
     if plan.state_dtype is not None:
@@ -83,11 +105,17 @@ def render_plan(plan: KVPlan, console=None) -> None:
         layers.add_column(col)
     reasons: list[str] = []
     for key, lo, hi in _layer_rows(plan):
-        kind, backend, kv, q, h, kvh, bpt, state, reason = key
+        kind, backend, kv, q, h, kvh, bpt, state, reason, window = key
         if reason not in reasons:
             reasons.append(reason)
-        layers.add_row(f"{lo}" if lo == hi else f"{lo}-{hi}", kind, backend, kv, q, str(h), str(kvh),
-                       f"{bpt:,}" if kind != "state" else f"state {state:,} B/seq", f"[{reasons.index(reason) + 1}]")
+        if kind == "state":  # no KV cache and no attention query: the recurrent state's dtype and bytes
+            kv, q, per = f"state {kv}", "-", f"state {state:,} B/seq"
+        elif kind == "sliding":  # bounded by the window: its blocks are counted per sequence, not per token
+            per = f"{window}-token window"
+        else:
+            per = f"{bpt:,}"
+        layers.add_row(f"{lo}" if lo == hi else f"{lo}-{hi}", kind, backend, kv, q, str(h), str(kvh), per,
+                       f"[{reasons.index(reason) + 1}]")
     console.print(layers)
     for i, reason in enumerate(reasons, 1):
         console.print(f"  [{i}] {reason}")
