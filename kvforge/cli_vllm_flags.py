@@ -33,8 +33,6 @@ ENGINE_FLAGS = (
     VllmFlag(("--data-parallel-size", "-dp"), True, ("1",), "data parallelism is not implemented; run one server "
              "per replica"),
     VllmFlag(("--max-logprobs",), True, ("20",), "the logprobs limit is fixed at vLLM's default, 20"),
-    VllmFlag(("--generation-config",), True, ("vllm",), "sampling defaults are vLLM's own (--generation-config "
-             "vllm); a checkpoint's generation_config.json is not read: send the sampling fields with each request"),
     VllmFlag(("--download-dir",), True, (), "kvforge never downloads weights: give a local checkpoint directory or "
              ".gguf file"),
     VllmFlag(("--enable-lora",), False, (), "LoRA adapters are not supported: merge the adapter into the weights"),
@@ -51,8 +49,8 @@ ENGINE_FLAGS = (
              "directory or .gguf file: check out the revision there and give its path"),
     VllmFlag(("--disable-sliding-window",), False, (), "sliding-window layers attend over their window (the plan "
              "sizes their KV for it); leave it unset"),
-    VllmFlag(("--override-generation-config",), True, (), "a checkpoint's generation_config.json is not read: send "
-             "the sampling fields with each request"),
+    VllmFlag(("--override-generation-config",), True, (), "the sampling defaults come from --generation-config "
+             "(auto, vllm or a directory); send other values with each request"),
     VllmFlag(("--guided-decoding-backend", "--structured-outputs-config"), True, None, "accepted, no effect: "
              "requests asking for structured output are refused"),
     VllmFlag(("--limit-mm-per-prompt",), True, None, "accepted, no effect: text only (requests with images are "

@@ -21,6 +21,7 @@ from kvforge.cli_args import (
     positive_int,
 )
 from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
+from kvforge.engine.generation_defaults import check_setting as check_generation_setting
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
@@ -103,6 +104,9 @@ class EngineArgs:
     progress: bool = True
     trust_remote_code: bool = False
     distributed_timeout_s: float = 300.0
+    #: ``--generation-config`` (vLLM's): where requests' default sampling parameters come from: ``auto`` (the
+    #: model's generation_config.json), ``vllm`` (none) or a directory (kvforge/engine/generation_defaults.py).
+    generation_config: str = "auto"
     #: ``--speculative-config``: a SpeculativeConfig, its dict or JSON text; stored as a SpeculativeConfig
     #: (or None). ``num_speculative_tokens`` alone means ngram with that count; either way both fields agree.
     speculative_config: SpeculativeConfig | None = None
@@ -140,6 +144,7 @@ class EngineArgs:
             raise ConfigError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if not self.kv_scale_multiplier > 0:
             raise ConfigError(f"--kv-scale-multiplier must be > 0, got {self.kv_scale_multiplier}")
+        check_generation_setting(self.generation_config)
         if self.mla_prefill_mode not in PREFILL_MODES:
             raise ConfigError(f"--mla-prefill-mode must be one of {', '.join(PREFILL_MODES)}, "
                               f"got {self.mla_prefill_mode!r}")
@@ -188,6 +193,10 @@ class EngineArgs:
                             help="a jinja chat template, or a file holding one, used instead of the tokenizer's "
                                  "(vLLM's flag)")
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--generation-config", default="auto",
+                            help="default sampling parameters of requests that do not set them (vLLM's flag): auto "
+                                 "(the model's generation_config.json: temperature, top_p, top_k, min_p, "
+                                 "repetition_penalty, max_new_tokens), vllm (none) or a directory holding one")
         parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                             help="tokens one step may compute, at least --max-num-seqs (default 8192 on CUDA, 2048 "
                                  "on CPU, raised to --max-num-seqs)")

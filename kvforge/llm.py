@@ -52,6 +52,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters of a ``generate`` call without any: SamplingParams' defaults with the model's
+        generation config over them (``--generation-config``, kvforge/engine/generation_defaults.py)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}
@@ -77,7 +82,7 @@ class LLM:
                 raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be a SamplingParams (or one per prompt), got "

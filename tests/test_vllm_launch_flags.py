@@ -46,7 +46,7 @@ def test_model_as_vllm_spells_it():
     (["--quantization", "awq"], "--quantization awq: kvforge loads unquantized safetensors"),
     (["-q", "fp8"], "-q fp8: kvforge loads unquantized"),
     (["-pp", "2"], "pipeline parallelism is not implemented; use --tensor-parallel-size (only 1 is accepted)"),
-    (["--generation-config", "auto"], "(only vllm is accepted)"),
+    (["--override-generation-config", "{}"], "the sampling defaults come from --generation-config"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not supported"),
     (["--download-dir", "/x"], "kvforge never downloads weights"),
     (["--revision", "main"], "check out the revision there"),

@@ -123,6 +123,14 @@ class LLMEngine:
         if self.speculative is not None:
             check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched)
         self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
+        from kvforge.engine.generation_defaults import sampling_defaults
+
+        #: Default SamplingParams fields of requests that do not set them (``--generation-config``).
+        self.sampling_defaults = sampling_defaults(args.generation_config, self.model_path
+                                                   if self.load_format != "gguf" else None)
+        if self.sampling_defaults:
+            logger.info("default sampling parameters from the model's generation config: %s (--generation-config "
+                        "vllm for none)", self.sampling_defaults)
         if self.with_mtp and self.load_format != "dummy":
             from kvforge.weights import detect_load_format
 

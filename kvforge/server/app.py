@@ -197,8 +197,10 @@ def create_app(
             max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field,
             chat_options=req.chat_options, prompt_only=req.prompt_only, admitted=True)
 
+    sampling_defaults = getattr(engine, "sampling_defaults", {})  # the model's generation config
+
     async def generate(request, parse):
-        req = parse(await read_json(request), names)
+        req = parse(await read_json(request), names, sampling_defaults)
         if log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
                         len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)

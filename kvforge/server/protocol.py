@@ -356,7 +356,10 @@ def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
         bad_field("add_special_tokens", f"only {str(route_default).lower()} (this route's rule) is supported")
 
 
-def _common(body: dict, served_model: str | tuple[str, ...]) -> dict:
+def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | None = None) -> dict:
+    """The fields both routes read; ``defaults``: the model's default sampling fields (its generation config)
+    for those the request does not set."""
+    defaults = defaults or {}
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
     model = check_model(body.get("model"), served_model)
@@ -390,10 +393,10 @@ def _common(body: dict, served_model: str | tuple[str, ...]) -> dict:
     # two endpoints and are added by each).
     sampling = {
         "n": n,
-        "temperature": get_number(body, "temperature", 1.0),
-        "top_p": get_number(body, "top_p", 1.0),
-        "top_k": get_int(body, "top_k", -1),
-        "min_p": get_number(body, "min_p", 0.0),
+        "temperature": get_number(body, "temperature", defaults.get("temperature", 1.0)),
+        "top_p": get_number(body, "top_p", defaults.get("top_p", 1.0)),
+        "top_k": get_int(body, "top_k", defaults.get("top_k", -1)),
+        "min_p": get_number(body, "min_p", defaults.get("min_p", 0.0)),
         "seed": seed,
         "stop": get_stop(body),
         "stop_token_ids": get_int_list(body, "stop_token_ids"),
@@ -402,7 +405,7 @@ def _common(body: dict, served_model: str | tuple[str, ...]) -> dict:
         "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
         "presence_penalty": get_number(body, "presence_penalty", 0.0),
         "frequency_penalty": get_number(body, "frequency_penalty", 0.0),
-        "repetition_penalty": get_number(body, "repetition_penalty", 1.0),
+        "repetition_penalty": get_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0)),
         "logit_bias": _logit_bias(body),
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
@@ -454,8 +457,10 @@ def _completion_prompt(value: Any, name: str) -> str | list[int]:
     return value
 
 
-def parse_completion(body: Any, served_model: str | tuple[str, ...]) -> ParsedRequest:
-    common = _common(body, served_model)
+def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None) -> ParsedRequest:
+    """A ``/v1/completions`` body; ``defaults``: the model's default sampling fields (``max_tokens`` stays
+    OpenAI's 16 when not sent)."""
+    common = _common(body, served_model, defaults)
     if "prompt" not in body or body["prompt"] is None:
         bad_field("prompt", "is required")
     prompt = body["prompt"]
@@ -538,8 +543,10 @@ def parse_messages(messages: Any) -> list[dict]:
     return clean
 
 
-def parse_chat(body: Any, served_model: str | tuple[str, ...]) -> ParsedRequest:
-    common = _common(body, served_model)
+def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body; ``defaults``: the model's default sampling fields (a ``max_tokens``
+    among them stands for a request that sends none, within the context)."""
+    common = _common(body, served_model, defaults)
     messages = body.get("messages")
     if messages is None:
         bad_field("messages", "is required")
@@ -559,13 +566,16 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...]) -> ParsedRequest:
         if not 0 <= top <= 20:
             bad_field("top_logprobs", f"must be an integer in [0, 20], got {top}")
     logprobs = (top or 0) if want_logprobs else None
+    explicit = max_tokens is not None
+    if not explicit:  # the model's default, still capped by the room the prompt leaves
+        max_tokens = (defaults or {}).get("max_tokens")
     params = _params(common, max_tokens, logprobs)
     if get_bool(body, "echo", False):
         bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
     _refuse_special_tokens_change(body, False)
     log_ignored_fields(body, CHAT_FIELDS)
     return ParsedRequest(
-        "chat", common["model"], None, clean, params, max_tokens is not None,
+        "chat", common["model"], None, clean, params, explicit,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
         chat_options=parse_chat_template_options(body, clean), continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
