@@ -20,31 +20,22 @@ import torch
 pytest.importorskip("transformers")
 
 from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree  # noqa: E402
+from linear_attention_setup import one_torch_thread  # noqa: E402, F401 (autouse fixture)
 from qwen3_next_mtp_checkpoint import save_qwen3_next_with_mtp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from test_mtp_engine import _llm as mtp_llm  # noqa: E402
 from test_speculative_engine import generate, token_ids  # noqa: E402
 from tiny_checkpoints import QWEN3_NEXT  # noqa: E402
 
-from kvforge import LLM, SamplingParams  # noqa: E402
+from kvforge import SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8] * 6, list(range(30, 61)), [9, 9, 3, 9, 9, 3, 9, 9]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _llm(path, k=0, **kw):
-    base = dict(block_size=4, skip_tokenizer_init=True, kv_cache_memory=1 << 22, progress=False, device="cpu",
-                max_num_batched_tokens=16, dtype="float32")
-    if k:
-        base["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k, "backoff": False}
-    return LLM(str(path), **{**base, **kw})
+    """The DeepSeek MTP tests' engine (speculation off at k = 0), float32 unless told otherwise."""
+    return mtp_llm(path, k, **{"dtype": "float32", **kw})
 
 
 @pytest.fixture(scope="module")

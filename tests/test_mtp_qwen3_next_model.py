@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from linear_attention_setup import one_torch_thread  # noqa: E402, F401 (autouse fixture)
 from qwen3_next_mtp_checkpoint import save_qwen3_next_with_mtp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -24,14 +25,6 @@ from kvforge import LLM  # noqa: E402
 from kvforge.errors import ConfigError  # noqa: E402
 
 MTP = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _llm(path, **kw):

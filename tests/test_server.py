@@ -574,20 +574,23 @@ def test_metrics_of_two_apps_in_one_process_are_separate():
 # -- server mechanics on the fake engine: queue bound, SIGTERM -------------------------------------
 
 
+def _at_once(url: str, bodies: list[dict]) -> list[tuple[int, str | None, dict]]:
+    """POST every body at once; (status, Retry-After, JSON body) of each, in order."""
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async def one(body):
+                async with session.post(url, json=body) as resp:
+                    return resp.status, resp.headers.get("Retry-After"), await resp.json()
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    return asyncio.run(run())
+
+
 def test_queue_bound_returns_503_with_retry_after():
     engine = FakeEngine(max_num_seqs=1, step_delay=0.02)
     with ServerThread(create_app(engine, max_queued_requests=2)) as srv:
         url = srv.url + "/v1/completions"
-
-        async def run():
-            async with aiohttp.ClientSession() as session:
-                async def one(i):
-                    body = {"prompt": f"p{i}", "max_tokens": 20, "ignore_eos": True}
-                    async with session.post(url, json=body) as resp:
-                        return resp.status, resp.headers.get("Retry-After"), await resp.json()
-                return await asyncio.gather(*(one(i) for i in range(12)))
-
-        results = asyncio.run(run())
+        results = _at_once(url, [{"prompt": f"p{i}", "max_tokens": 20, "ignore_eos": True} for i in range(12)])
         statuses = [s for s, _, _ in results]
         assert 200 in statuses and 503 in statuses, statuses
         for status, retry, body in results:
@@ -606,18 +609,9 @@ def test_queue_bound_counts_what_waits_beyond_the_run_slots():
     engine = FakeEngine(max_num_seqs=4, step_delay=0.02)
     with ServerThread(create_app(engine, max_queued_requests=3)) as srv:
         url = srv.url + "/v1/completions"
-
-        async def run():
-            async with aiohttp.ClientSession() as session:
-                async def one(i):
-                    body = {"prompt": f"p{i}", "max_tokens": 60, "ignore_eos": True}
-                    async with session.post(url, json=body) as resp:
-                        return resp.status, await resp.json()
-                return await asyncio.gather(*(one(i) for i in range(8)))
-
-        results = asyncio.run(run())
-        assert sorted(status for status, _ in results) == [200] * 7 + [503], [s for s, _ in results]
-        (refused,) = [body for status, body in results if status == 503]
+        results = _at_once(url, [{"prompt": f"p{i}", "max_tokens": 60, "ignore_eos": True} for i in range(8)])
+        assert sorted(status for status, _, _ in results) == [200] * 7 + [503], [s for s, _, _ in results]
+        (refused,) = [body for status, _, body in results if status == 503]
         assert "(3 waiting beyond the 4 running, limit 3, this request 1)" in refused["error"]["message"]
 
 
