@@ -46,17 +46,23 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto"),
                                       ("bfloat16", "fp8")])
 def test_greedy_agrees_with_speculation_off(checkpoint, dtype, kv):
+    assert_mtp_agrees_with_speculation_off(_llm, checkpoint, dtype, kv, mtp_layer=2)
+
+
+def assert_mtp_agrees_with_speculation_off(make_llm, checkpoint, dtype: str, kv: str, mtp_layer: int) -> None:
+    """Greedy output with MTP proposals at k = 1 and 3 against speculation off (``make_llm(path, k, **kw)``), by
+    the near-tie rule; the plan's proposer layer is ``mtp_layer`` and proposals were verified."""
     # A 16-token budget chunks the 24- and 31-token prompts and truncates proposals next to prefill chunks.
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    off = _llm(checkpoint, dtype=dtype, kv_cache_dtype=kv)
+    off = make_llm(checkpoint, dtype=dtype, kv_cache_dtype=kv)
     ref = generate(off, PROMPTS, params)
     tol = FP32_LOGIT_TOL
     if dtype == "bfloat16":
         tol = max(1.0, off.engine.compute_prompt_logits(PROMPTS[1]).abs().max().item()) * 2.0**-5
         tol *= 4 if kv == "fp8" else 1
     for k in (1, 3):
-        llm = _llm(checkpoint, k, dtype=dtype, kv_cache_dtype=kv)
-        assert [layer.index for layer in llm.engine.plan.draft.layers] == [2]
+        llm = make_llm(checkpoint, k, dtype=dtype, kv_cache_dtype=kv)
+        assert [layer.index for layer in llm.engine.plan.draft.layers] == [mtp_layer]
         assert_outputs_agree(generate(llm, PROMPTS, params), ref, tol)
         counters = llm.engine.stats()["spec_decode"]
         assert counters["num_draft_tokens"] >= 20 * k  # proposals were made and verified

@@ -23,14 +23,12 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree  # noqa: E402
 from linear_attention_setup import one_torch_thread  # noqa: E402, F401 (autouse fixture)
 from qwen3_next_mtp_checkpoint import save_qwen3_next_with_mtp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
+from test_mtp_engine import PROMPTS, assert_mtp_agrees_with_speculation_off  # noqa: E402
 from test_mtp_engine import _llm as mtp_llm  # noqa: E402
 from test_speculative_engine import generate, token_ids  # noqa: E402
 from tiny_checkpoints import QWEN3_NEXT  # noqa: E402
 
 from kvforge import SamplingParams  # noqa: E402
-
-PROMPTS = [[5, 6, 7, 8] * 6, list(range(30, 61)), [9, 9, 3, 9, 9, 3, 9, 9]]
-GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def _llm(path, k=0, **kw):
@@ -47,19 +45,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto")])
 def test_greedy_agrees_with_speculation_off(checkpoint, dtype, kv):
-    # A 16-token budget chunks the 24- and 31-token prompts and truncates proposals next to prefill chunks.
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-    off = _llm(checkpoint, dtype=dtype, kv_cache_dtype=kv)
-    ref = generate(off, PROMPTS, params)
-    tol = FP32_LOGIT_TOL
-    if dtype == "bfloat16":
-        tol = max(1.0, off.engine.compute_prompt_logits(PROMPTS[1]).abs().max().item()) * 2.0**-5
-    for k in (1, 3):
-        llm = _llm(checkpoint, k, dtype=dtype, kv_cache_dtype=kv)
-        assert [layer.index for layer in llm.engine.plan.draft.layers] == [4]
-        assert_outputs_agree(generate(llm, PROMPTS, params), ref, tol)
-        counters = llm.engine.stats()["spec_decode"]
-        assert counters["num_draft_tokens"] >= 20 * k  # proposals were made and verified
+    assert_mtp_agrees_with_speculation_off(_llm, checkpoint, dtype, kv, mtp_layer=4)
 
 
 def _target_function_checkpoint(path) -> None:
