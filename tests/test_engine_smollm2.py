@@ -176,6 +176,17 @@ def test_chat(smol_llm):
     assert llm.get_tokenizer().encode(out.prompt, add_special_tokens=False) == out.prompt_token_ids
 
 
+def test_detokenize_false_gives_token_ids_without_text(smol_llm):
+    llm = smol_llm()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    text = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0]
+    bare = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                     detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert text.text and bare.text == "" and bare.token_ids == text.token_ids
+    with pytest.raises(InvalidRequestError, match="detokenize=False"):
+        SamplingParams(stop=["."], detokenize=False)
+
+
 def test_chat_takes_the_servers_message_shapes_and_options(smol_llm):
     """``LLM.chat`` renders as a chat request to the server does: OpenAI text parts, vLLM's rendering options
     (the prompt then continues the final assistant message), and a bad message refused naming it."""

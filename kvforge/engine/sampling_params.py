@@ -69,6 +69,8 @@ class SamplingParams:
     best_of: int | None = None
     #: vLLM's: keep only the prompt's last ``k`` tokens (-1: the last ``max_model_len``; None: all of them).
     truncate_prompt_tokens: int | None = None
+    #: vLLM's: False leaves the output's text empty (token ids only; no stop strings then).
+    detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -164,6 +166,11 @@ class SamplingParams:
             bad("min_tokens", f"{self.min_tokens} is above max_tokens {self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings are matched in the text, which detokenize=False leaves out: drop stop (or use "
+                        "stop_token_ids), or detokenize")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
 

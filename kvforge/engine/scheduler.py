@@ -215,7 +215,7 @@ class Scheduler:
             )
         if seq.params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer, and this engine has none", field="stop")
-        if self.tokenizer is not None and seq.detokenizer is None:
+        if self.tokenizer is not None and seq.detokenizer is None and seq.params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, seq.prompt_token_ids, seq.params.stop, seq.params.skip_special_tokens,
                 include_stop=seq.params.include_stop_str_in_output, min_tokens=seq.params.min_tokens,
