@@ -1,8 +1,9 @@
 """Byte sizes as people write them: ``85899345920``, ``80GiB``, ``80GB``, ``80e9``, ``1.5GB`` (torch-free).
 
 One rule for the CLI's ``--kv-cache-memory`` / ``--gpu-memory`` and the Python API's ``kv_cache_memory=`` /
-``gpu_memory=``: an integer, or a number with a unit (decimal ``k``/``KB`` ... ``TB``, binary ``KiB`` ... ``TiB``;
-no unit or ``B``: bytes), at least one byte.
+``gpu_memory=``: an integer, or a number with a unit, at least one byte. A one-letter unit follows vLLM's
+human-readable numbers: lowercase decimal (``8g`` = 8e9), uppercase binary (``8G`` = 8 GiB); ``KB`` ... ``TB``
+(any case) are decimal and ``KiB`` ... ``TiB`` binary; no unit or ``B``: bytes.
 """
 
 from __future__ import annotations
@@ -12,17 +13,22 @@ import re
 
 from kvforge.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-EXAMPLES = "8589934592, 8GiB, 80GB"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+#: One-letter units, case-sensitive as vLLM reads them.
+_LETTERS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+EXAMPLES = "8589934592, 8GiB, 8G, 80GB"
 
 
 def parse_byte_size(text: str) -> int:
     """``text`` as a positive number of bytes; ValueError naming the examples otherwise."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
+    unit = m.group(2) if m else None
+    scale = _LETTERS.get(unit) if unit is not None and len(unit) == 1 and unit not in "bB" else (
+        _UNITS.get(unit.lower()) if unit is not None else None)
+    if scale is None:
         raise ValueError(f"{text!r} is not a byte size (examples: {EXAMPLES})")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    value = float(m.group(1)) * scale
     if value < 1:
         raise ValueError(f"{text!r}: a byte size must be >= 1")
     return int(value)

@@ -73,7 +73,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``command == "plan"`` the engine subcommands (and
     their heavy imports) are skipped so planning stays fast and torch-free."""
     from kvforge import __version__
-    from kvforge.cli_args import add_model_arguments, add_plan_args, positive_int
+    from kvforge.cli_args import add_model_arguments, add_plan_args, token_count
 
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
@@ -84,7 +84,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_model_arguments(p, "HF model dir / config.json / .gguf file / preset name (default: embedded SmolLM2)")
     add_plan_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels)")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=token_count, default=None,
                    help="tokens one step may compute: the plan sets their activations aside before the KV memory "
                         "(default 8192 on cuda, 2048 on cpu, raised to --max-num-seqs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

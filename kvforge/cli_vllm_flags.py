@@ -37,8 +37,8 @@ ENGINE_FLAGS = (
              ".gguf file"),
     VllmFlag(("--enable-lora",), False, (), "LoRA adapters are not supported: merge the adapter into the weights"),
     VllmFlag(("--swap-space",), True, None, "accepted, no effect: preempted sequences are recomputed, never swapped"),
-    VllmFlag(("--tokenizer-mode",), True, ("auto",), "kvforge reads the model's own tokenizer (tokenizer.json or the "
-             "GGUF's); leave --tokenizer-mode at auto"),
+    VllmFlag(("--tokenizer-mode",), True, ("auto", "hf"), "kvforge reads the model's own tokenizer (tokenizer.json "
+             "or the GGUF's); leave --tokenizer-mode at auto or hf"),
     VllmFlag(("--max-seq-len-to-capture",), True, None, "accepted, no effect: decode CUDA graphs are captured per "
              "context bucket up to --max-model-len"),
     VllmFlag(("--disable-custom-all-reduce",), False, None, "accepted, no effect: tensor-parallel reductions are "
@@ -123,7 +123,8 @@ def engine_keyword_args(kwargs: dict, fields: set[str]) -> dict:
         name = KEYWORD_ALIASES.get(key, key)
         if name in fields:
             if name in out:
-                raise ConfigError(f"{key}= and {name}= both given: they are one setting; pass one of them")
+                given = key if key != name else next(k for k, v in KEYWORD_ALIASES.items() if v == name)
+                raise ConfigError(f"{given}= and {name}= both given: they are one setting; pass one of them")
             out[name] = value
             continue
         flag = flags.get(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import numbers
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
@@ -19,6 +20,7 @@ from kvforge.cli_args import (
     model_argument,
     non_negative_int,
     positive_int,
+    token_count,
 )
 from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from kvforge.engine.generation_defaults import check_setting as check_generation_setting
@@ -32,6 +34,11 @@ logger = logging.getLogger("kvforge.config")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4096
+
+
+#: Integer settings (None where allowed): numpy integers and digit strings are taken as the ints they hold.
+_COUNT_FIELDS = ("tensor_parallel_size", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                 "long_prefill_token_threshold", "num_speculative_tokens")
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,14 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        for name in _COUNT_FIELDS:  # numpy integers and digit strings as the ints they hold
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                object.__setattr__(self, name, int(value))
+            elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+                object.__setattr__(self, name, int(value))
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
         for name in ("kv_cache_memory", "gpu_memory"):  # byte counts, or sizes such as "8GiB"
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, byte_count(f"--{name.replace('_', '-')}", getattr(self, name)))
@@ -197,7 +212,7 @@ class EngineArgs:
                             help="default sampling parameters of requests that do not set them (vLLM's flag): auto "
                                  "(the model's generation_config.json: temperature, top_p, top_k, min_p, "
                                  "repetition_penalty, max_new_tokens), vllm (none) or a directory holding one")
-        parser.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+        parser.add_argument("--max-num-batched-tokens", type=token_count, default=None,
                             help="tokens one step may compute, at least --max-num-seqs (default 8192 on CUDA, 2048 "
                                  "on CPU, raised to --max-num-seqs)")
         parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=None,

@@ -15,6 +15,22 @@ from pathlib import Path
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 
+#: The sampling of ``kvforge generate`` where neither a flag nor the model's generation config sets a field.
+SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_params(args: argparse.Namespace):
+    """The flags the command line sets, over the model's generation config (``--generation-config``, read
+    without loading weights), over :data:`SAMPLING_DEFAULTS`."""
+    from kvforge.engine.generation_defaults import sampling_defaults
+    from kvforge.engine.sampling_params import SamplingParams
+
+    given = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name) is not None}
+    values = {**SAMPLING_DEFAULTS, **sampling_defaults(args.generation_config, args.model), **given}
+    return SamplingParams(**values, ignore_eos=args.ignore_eos, seed=args.seed)
+
+
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     from kvforge.config import EngineArgs
 
@@ -26,13 +42,15 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="apply the model's chat template (user turn); without --prompt, the default question "
                         "takes the template whenever the model has one")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0: off")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0: off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1: off")
+    # Unset sampling flags take the model's generation config (--generation-config), else SAMPLING_DEFAULTS.
+    p.add_argument("--max-tokens", type=int, default=None, help="default: max_new_tokens of the generation config, "
+                                                               "else 64")
+    p.add_argument("--temperature", type=float, default=None, help="default: the generation config's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="in [-2, 2]; 0: off")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="> 0; 1: off")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--compare-kv-dtype", default=None,
                    help="also run greedy with this KV dtype (e.g. bf16) and report agreement")
@@ -124,16 +142,12 @@ def _has_chat_template(llm) -> bool:
 def generate_main(args: argparse.Namespace) -> int:
     from kvforge.cli_args import model_argument
     from kvforge.config import EngineArgs
-    from kvforge.engine.sampling_params import SamplingParams
     from kvforge.llm import LLM
 
     args.model, args.model_flag = model_argument(args), None
     prompts = _prompts(args)
     compare_kv_dtype = _compare_kv_dtype(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                            repetition_penalty=args.repetition_penalty)
+    params = sampling_params(args)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: v for k, v in engine_args.__dict__.items()})  # the engine logs its plan
     t0 = time.perf_counter()

@@ -146,15 +146,17 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, chat_template: str | None = None, tools=None):
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None, tools=None,
+             chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None):
         """One conversation (a list of ``{"role", "content"}`` messages, content a string or OpenAI text parts)
         or a list of them, rendered by the model's chat template as the server renders a chat request:
         ``add_generation_prompt`` opens an assistant turn, ``continue_final_message`` (with
         ``add_generation_prompt=False``) continues the last assistant message, ``chat_template_kwargs`` are
         extra template variables (e.g. ``enable_thinking``). Each output's ``prompt`` is the rendered text.
-        A bad message raises InvalidRequestError naming it (``messages[i].content``, ...). ``chat_template``
-        and ``tools`` are vLLM's arguments kvforge does not take: a per-call template is refused (pass
-        ``chat_template=`` to ``LLM(...)``), and so is tool calling."""
+        A bad message raises InvalidRequestError naming it (``messages[i].content``, ...); text parts are joined
+        by newlines (``chat_template_content_format`` "auto" or "string", as vLLM's "string"). ``chat_template``,
+        ``tools`` and ``mm_processor_kwargs`` are vLLM's arguments kvforge does not take: a per-call template is
+        refused (pass ``chat_template=`` to ``LLM(...)``), and so are tool calling and multimodal inputs."""
         from kvforge.server.protocol import parse_chat_template_options, parse_messages
         from kvforge.server.tokenization import render_chat
 
@@ -167,6 +169,13 @@ class LLM:
                                       field="chat_template")
         if tools:
             raise InvalidRequestError("tool calling is not supported (leave tools unset)", field="tools")
+        if chat_template_content_format not in ("auto", "string"):
+            raise InvalidRequestError("message content reaches the chat template as a string (text parts joined by "
+                                      "newlines): chat_template_content_format must be auto or string",
+                                      field="chat_template_content_format")
+        if mm_processor_kwargs:
+            raise InvalidRequestError("multimodal inputs are not supported (leave mm_processor_kwargs unset)",
+                                      field="mm_processor_kwargs")
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
             convs = [list(c) for c in messages]
         else:

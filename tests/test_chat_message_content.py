@@ -21,3 +21,9 @@ def test_an_assistant_turn_without_content_is_empty_text():
                                                       {"role": "user", "content": [{"type": "text", "text": "go"}]}]},
                         MODEL)
     assert [m["content"] for m in parsed.messages] == ["hi", "", "go"]
+
+
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them():
+    parsed = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}]}, MODEL)
+    assert parsed.messages[0]["content"] == "Say\nhi"

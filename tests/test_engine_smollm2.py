@@ -193,9 +193,12 @@ def test_chat_takes_the_servers_message_shapes_and_options(smol_llm):
     llm = smol_llm()
     params = SamplingParams(temperature=0, max_tokens=8)
     plain = llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False)[0]
-    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}],
-                     params, use_tqdm=False)[0]
-    assert parts.prompt_token_ids == plain.prompt_token_ids and parts.outputs[0].text == plain.outputs[0].text
+    lines = llm.chat([{"role": "user", "content": "Say\nhi"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}],
+                     params, use_tqdm=False, chat_template_content_format="string")[0]
+    # Text parts are joined by newlines, as vLLM joins them.
+    assert parts.prompt_token_ids == lines.prompt_token_ids and parts.outputs[0].text == lines.outputs[0].text
+    assert parts.prompt_token_ids != plain.prompt_token_ids
     conv = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello"}]
     cont = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
     assert cont.prompt.endswith("assistant\nHello")  # the final message stays open: no end-of-turn after it
@@ -210,6 +213,8 @@ def test_chat_takes_the_servers_message_shapes_and_options(smol_llm):
         llm.chat([{"role": "user", "content": "x"}], params, add_generation_prompt=False, continue_final_message=True)
     with pytest.raises(InvalidRequestError, match="tool calling is not supported"):
         llm.chat([{"role": "user", "content": "x"}], params, tools=[{"type": "function"}])
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format must be auto or string"):
+        llm.chat([{"role": "user", "content": "x"}], params, chat_template_content_format="openai")
 
 
 def test_plan_errors_come_before_any_weight_file_is_opened(tmp_path, monkeypatch):

@@ -109,3 +109,36 @@ def test_the_served_engines_defaults_reach_its_requests():
         with urllib.request.urlopen(req, timeout=30) as r:
             resp = json.loads(r.read())
     assert resp["usage"]["completion_tokens"] == 3 and resp["choices"][0]["finish_reason"] == "length"
+
+
+def test_kvforge_generate_takes_the_defaults_under_its_flags(tmp_path):
+    """``kvforge generate``: a flag wins, then the model's generation config, then the command's own defaults."""
+    import argparse
+
+    from kvforge.generate_cmd import SAMPLING_DEFAULTS, add_generate_args, sampling_params
+
+    _checkpoint(tmp_path, {"temperature": 0.7, "max_new_tokens": 3})
+    parser = argparse.ArgumentParser()
+    add_generate_args(parser)
+    p = sampling_params(parser.parse_args([str(tmp_path)]))
+    assert (p.temperature, p.max_tokens, p.top_p) == (0.7, 3, SAMPLING_DEFAULTS["top_p"])
+    p = sampling_params(parser.parse_args([str(tmp_path), "--max-tokens", "5", "--temperature", "0"]))
+    assert (p.temperature, p.max_tokens) == (0, 5)
+    p = sampling_params(parser.parse_args([str(tmp_path), "--generation-config", "vllm"]))
+    assert (p.temperature, p.max_tokens) == (SAMPLING_DEFAULTS["temperature"], SAMPLING_DEFAULTS["max_tokens"])
+
+
+def test_a_generation_config_directorys_eos_ids_end_requests(tmp_path):
+    """``--generation-config DIR``: the directory's eos_token_id ends a request (token 5, forced by a logit bias,
+    stops it at once), as with ``auto`` the model's own file does; without it the request runs to max_tokens."""
+    _checkpoint(tmp_path, None)
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    kw = dict(load_format="dummy", device="cpu", max_model_len=64, kv_cache_memory=1 << 20, skip_tokenizer_init=True,
+              use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=5, logit_bias={5: 100.0})
+    for setting, want in ((str(other), ([5], "stop")), ("vllm", ([5] * 5, "length"))):
+        with LLM(str(tmp_path), generation_config=setting, **kw) as llm:
+            out = llm.generate({"prompt_token_ids": [7, 8]}, params)[0].outputs[0]
+            assert (list(out.token_ids), out.finish_reason) == want, setting

@@ -83,3 +83,8 @@ def test_mtp_with_embeddings_of_its_own_is_refused(tmp_path):
                                                       "mtp_use_dedicated_embeddings": True}))
     with pytest.raises(ConfigError, match="embeddings of its own"):
         plan(str(tmp_path), mtp=True)
+
+
+def test_mtp_with_tensor_parallelism_is_refused_by_the_plan_too():
+    with pytest.raises(ConfigError, match="method mtp does not run with tensor parallelism yet"):
+        plan("qwen3-next-80b-a3b", mtp=True, tensor_parallel_size=2, device="cuda")

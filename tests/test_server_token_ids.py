@@ -130,3 +130,31 @@ def test_truncate_prompt_tokens_serves_a_prompt_longer_than_the_context(real):
     choice = resp.choices[0]
     assert choice.model_extra["prompt_token_ids"] == prompt[-10:] and resp.usage.prompt_tokens == 10
     assert choice.model_extra["token_ids"] == _greedy_ids(engine, prompt[-10:], 4)
+
+
+def test_a_truncated_echo_shows_the_tokens_it_ran_on(real):
+    """With ``echo``, the text of a truncated prompt is that of the tokens kept, so its logprobs' offsets index it;
+    more than the context is refused by name."""
+
+    engine, client = real
+    resp = client.completions.create(model=engine.model_name, prompt="one two three four five six", max_tokens=1,
+                                      echo=True, logprobs=1, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    choice = resp.choices[0]
+    kept = choice.model_extra["prompt_token_ids"]
+    echoed = engine.tokenizer.decode(kept)
+    assert len(kept) == 2 and choice.text.startswith(echoed) and echoed.strip() == "five six"
+    assert choice.logprobs.text_offset[:2] == [0, len(engine.tokenizer.decode(kept[:1]))]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=engine.model_name, prompt="hi", max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": 100_000})
+    assert "greater than max_model_len 256" in str(err.value)
+
+
+def test_a_chat_stream_sends_its_prompt_ids_once(real):
+    engine, client = real
+    stream = client.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=3, n=2, stream=True, temperature=0,
+                                            extra_body={"return_token_ids": True})
+    carried = [c.model_extra["prompt_token_ids"] for c in stream if "prompt_token_ids" in c.model_extra]
+    assert len(carried) == 1 and carried[0]

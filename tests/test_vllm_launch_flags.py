@@ -50,7 +50,7 @@ def test_model_as_vllm_spells_it():
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not supported"),
     (["--download-dir", "/x"], "kvforge never downloads weights"),
     (["--revision", "main"], "check out the revision there"),
-    (["--tokenizer-mode", "mistral"], "leave --tokenizer-mode at auto (only auto is accepted)"),
+    (["--tokenizer-mode", "mistral"], "leave --tokenizer-mode at auto or hf (only auto or hf is accepted)"),
     (["--reasoning-parser", "deepseek_r1"], "reasoning text is not split"),
     (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--response-role", "user"], "(only assistant is accepted)"),

@@ -1,7 +1,8 @@
 """Default sampling parameters from the checkpoint's ``generation_config.json`` (vLLM's ``--generation-config``).
 
 ``auto`` (the default, as vLLM's) reads ``generation_config.json`` beside the model's ``config.json``; a
-directory reads that directory's; ``vllm`` reads none. Of the file, the fields vLLM takes are used:
+directory reads that directory's (its ``eos_token_id`` then also ends requests, as the model's own file's
+does through the tokenizer); ``vllm`` reads none. Of the file, the fields vLLM takes are used:
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as
 ``max_tokens``). They are the defaults of a request that does not set the field: ``LLM.generate`` without
 ``sampling_params`` (``LLM.get_default_sampling_params()``), and the server's completion and chat requests
@@ -65,3 +66,17 @@ def sampling_defaults(setting: str, model_path: str | None) -> dict:
     except InvalidRequestError as e:
         raise ConfigError(f"{file}: {e}; fix the file or pass --generation-config vllm") from None
     return defaults
+
+
+def eos_token_ids(setting: str) -> list[int]:
+    """The end-of-sequence ids a ``--generation-config`` directory's file names (``eos_token_id``: one id or a
+    list); none for ``auto`` (the tokenizer reads the model's own file) and ``vllm``."""
+    if setting in SETTINGS:
+        return []
+    file = Path(setting) / "generation_config.json"
+    try:
+        value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = value if isinstance(value, list) else [value]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]

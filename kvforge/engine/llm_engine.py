@@ -201,6 +201,9 @@ class LLMEngine:
         self.max_model_len = self.plan.max_model_len
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         eos |= set(self._config_eos())
+        from kvforge.engine.generation_defaults import eos_token_ids
+
+        eos |= set(eos_token_ids(args.generation_config))
         max_num_seqs = args.max_num_seqs
         self.state_slots = None
         ring_rows = ring_row_bytes = 0

@@ -25,5 +25,9 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     None: all of them)."""
     if keep is None:
         return ids
+    if keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens {keep} is greater than max_model_len {max_model_len}: "
+                                  f"keep at most {max_model_len} tokens (or -1 for that many)",
+                                  field="truncate_prompt_tokens")
     keep = max_model_len if keep == -1 else keep
     return ids[-keep:] if len(ids) > keep else ids

@@ -40,8 +40,9 @@ from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
-ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
-          "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /ping", "GET /version", "GET /metrics")
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{id}",
+          "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET|POST /ping", "GET /version",
+          "GET /metrics", "GET /debug/steps")
 
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 CONFIG = web.AppKey("config", dict)
@@ -272,6 +273,9 @@ class _Choice:
 
     def __init__(self, req, tokenizer, prompt):
         self.req, self.tokenizer, self.prompt = req, tokenizer, prompt
+        # A text prompt is echoed as sent, unless truncate_prompt_tokens cut it: then, as a prompt of ids, the
+        # text of the tokens the request ran on.
+        self.echo_as_sent = isinstance(prompt, str) and req.params.truncate_prompt_tokens is None
 
     def generated(self, comp):
         """(text, token ids, logprobs) of ``comp`` as the client sees them."""
@@ -288,7 +292,7 @@ class _Choice:
         return None if self.req.prompt_only else comp.stop_reason
 
     def echo_text(self, out) -> str:
-        if isinstance(self.prompt, str):
+        if self.echo_as_sent:
             return self.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
@@ -309,7 +313,7 @@ class _Choice:
             prompt_ids = list(out.prompt_token_ids)
             parts.append(protocol.completion_logprobs(
                 self.tokenizer, prompt_ids, list(out.prompt_logprobs or [None] * len(prompt_ids)), req.logprobs,
-                offsets, skip_special_tokens=not isinstance(self.prompt, str), as_ids=req.tokens_as_ids))
+                offsets, skip_special_tokens=not self.echo_as_sent, as_ids=req.tokens_as_ids))
         parts.append(protocol.completion_logprobs(self.tokenizer, ids, lps, req.logprobs, offsets,
                                                   skip_special_tokens=req.params.skip_special_tokens,
                                                   as_ids=req.tokens_as_ids))
@@ -448,13 +452,13 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
             extra = {}
-            if req.return_token_ids:  # the new ids; the prompt's in the choice's first chunk (a chat's: top level)
+            if req.return_token_ids:  # new ids; the prompt's in a choice's first chunk (a chat's: once, top level)
                 choice["token_ids"] = list(ids[sent_tokens[i]:])
                 if not ids_sent[i]:
-                    if chat:
-                        extra["prompt_token_ids"] = list(out.prompt_token_ids)
-                    else:
+                    if not chat:
                         choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                    elif not any(ids_sent):  # a chat's one prompt: once per response
+                        extra["prompt_token_ids"] = list(out.prompt_token_ids)
                     ids_sent[i] = True
             sent_text[i] = text
             sent_tokens[i] = len(ids)

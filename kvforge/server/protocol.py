@@ -510,13 +510,13 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
 def _message_text(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # OpenAI content parts: only text is supported
+    if isinstance(content, list):  # OpenAI content parts: only text, joined by newlines as vLLM joins them
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 bad_field(f"messages[{index}].content", "only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)
     if content is None:
         return ""
     bad_field(f"messages[{index}].content", f"expected a string, got {type_name(content)}")
