@@ -125,8 +125,9 @@ class EngineArgs:
                 object.__setattr__(self, name, int(value))
             elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
                 object.__setattr__(self, name, int(value))
-            elif value is not None and not isinstance(value, int):  # a bool is refused by the setting's own check
-                raise ConfigError(f"--{name.replace('_', '-')} must be an integer, got {value!r}")
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                least = 0 if name in ("long_prefill_token_threshold", "num_speculative_tokens") else 1
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
         for name in ("kv_cache_memory", "gpu_memory"):  # byte counts, or sizes such as "8GiB"
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, byte_count(f"--{name.replace('_', '-')}", getattr(self, name)))

@@ -141,5 +141,5 @@ def test_integer_settings_take_numpy_integers_and_name_the_flag_otherwise():
     args = EngineArgs(tensor_parallel_size="1", max_model_len=np.int32(512), max_num_batched_tokens=np.int64(1024))
     assert (args.tensor_parallel_size, args.max_model_len, args.max_num_batched_tokens) == (1, 512, 1024)
     assert type(args.max_model_len) is int
-    with pytest.raises(ConfigError, match="--tensor-parallel-size must be an integer, got 1.5"):
+    with pytest.raises(ConfigError, match="--tensor-parallel-size must be an integer >= 1, got 1.5"):
         EngineArgs(tensor_parallel_size=1.5)
