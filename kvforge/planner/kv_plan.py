@@ -255,9 +255,10 @@ class KVPlan:
             f"  layers: {', '.join(f'{n} {k}' for k, n in kinds.items())}; backends: {', '.join(self.backends())}",
             f"  KV dtype {self.kv_cache_dtype} (scales: {self.scale_source or 'n/a'}), query dtype {', '.join(qd)}, "
             f"block size {self.block_size} ({self.block_size_reason})",
-            f"  {self.bytes_per_token} bytes/token/rank, {self.state_bytes_per_sequence} fixed bytes/sequence "
-            f"(sliding windows, linear-attention state), "
-            f"max model len {self.max_model_len}",
+            f"  {self.bytes_per_token} bytes/token/rank, "
+            + (f"{self.state_bytes_per_sequence} fixed bytes/sequence (sliding windows, linear-attention state), "
+               if self.state_bytes_per_sequence else "")
+            + f"max model len {self.max_model_len}",
         ]
         if self.activations is not None:
             lines.append(f"  activations: {self.activations.describe()}")
