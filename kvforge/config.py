@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import numbers
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
@@ -24,6 +23,7 @@ from kvforge.cli_args import (
 )
 from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from kvforge.engine.generation_defaults import check_setting as check_generation_setting
+from kvforge.engine.sampling_params import plain_int
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
@@ -120,10 +120,9 @@ class EngineArgs:
 
     def __post_init__(self):
         for name in _COUNT_FIELDS:  # numpy integers and digit strings as the ints they hold
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
-                object.__setattr__(self, name, int(value))
-            elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+            value = plain_int(getattr(self, name))
+            object.__setattr__(self, name, value)
+            if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
                 object.__setattr__(self, name, int(value))
             elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 least = 0 if name in ("long_prefill_token_threshold", "num_speculative_tokens") else 1

@@ -577,9 +577,9 @@ def test_metrics_of_two_apps_in_one_process_are_separate():
 def _at_once(url: str, bodies: list[dict]) -> list[tuple[int, str | None, dict]]:
     """POST every body at once; (status, Retry-After, JSON body) of each, in order."""
     async def run():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession() as http_client:
             async def one(body):
-                async with session.post(url, json=body) as resp:
+                async with http_client.post(url, json=body) as resp:
                     return resp.status, resp.headers.get("Retry-After"), await resp.json()
             return await asyncio.gather(*(one(b) for b in bodies))
 

@@ -23,6 +23,7 @@ from kvforge.config import (
 )
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.gc_freeze import freeze_after_startup, thaw
+from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
@@ -123,11 +124,8 @@ class LLMEngine:
         if self.speculative is not None:
             check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched)
         self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
-        from kvforge.engine.generation_defaults import sampling_defaults
-
         #: Default SamplingParams fields of requests that do not set them (``--generation-config``).
-        self.sampling_defaults = sampling_defaults(args.generation_config, self.model_path
-                                                   if self.load_format != "gguf" else None)
+        self.sampling_defaults = sampling_defaults(args.generation_config, self.model_path)
         if self.sampling_defaults:
             logger.info("default sampling parameters from the model's generation config: %s (--generation-config "
                         "vllm for none)", self.sampling_defaults)
@@ -201,8 +199,6 @@ class LLMEngine:
         self.max_model_len = self.plan.max_model_len
         eos = set(self.tokenizer.eos_token_ids) if self.tokenizer is not None else set()
         eos |= set(self._config_eos())
-        from kvforge.engine.generation_defaults import eos_token_ids
-
         eos |= set(eos_token_ids(args.generation_config))
         max_num_seqs = args.max_num_seqs
         self.state_slots = None

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
-
+from kvforge.engine.sampling_params import plain_int
 from kvforge.errors import InvalidRequestError
 
 
 def check_prompt_token_ids(ids, vocab_size: int) -> list[int]:
     """``ids`` as a list of Python ints (numpy integers taken as the ints they hold), or InvalidRequestError
     (field "prompt") naming the first id out of range."""
-    ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, (bool, int)) else t for t in ids]
+    ids = [plain_int(t) for t in ids]
     if not ids:
         raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
     for t in ids:

@@ -76,7 +76,7 @@ class SamplingParams:
     def __post_init__(self):
         # numpy (and other numbers.Integral / numbers.Real) scalars as the Python numbers they stand for.
         for name in _INT_FIELDS:
-            object.__setattr__(self, name, _plain_int(getattr(self, name)))
+            object.__setattr__(self, name, plain_int(getattr(self, name)))
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
@@ -96,11 +96,11 @@ class SamplingParams:
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         if not isinstance(self.stop_token_ids, tuple) or not all(type(t) is int for t in self.stop_token_ids):
-            object.__setattr__(self, "stop_token_ids", tuple(_plain_int(t) for t in self.stop_token_ids or ()))
+            object.__setattr__(self, "stop_token_ids", tuple(plain_int(t) for t in self.stop_token_ids or ()))
         if isinstance(self.logit_bias, dict) or self.logit_bias is None:
             object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias or {}))
         if self.allowed_token_ids is not None:
-            ids = tuple(_plain_int(t) for t in self.allowed_token_ids)
+            ids = tuple(plain_int(t) for t in self.allowed_token_ids)
             object.__setattr__(self, "allowed_token_ids", ids or None)
         self.validate()
 
@@ -209,9 +209,9 @@ def is_decimal_id(text: str) -> bool:
     return digits.isascii() and digits.isdigit() and len(digits) <= 19
 
 
-def _plain_int(value):
+def plain_int(value):
     """A ``numbers.Integral`` that is not a bool (a numpy integer, say) as a Python int; anything else as it is,
-    for ``validate`` to name."""
+    for the caller's check to name."""
     if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
         return int(value)
     return value
@@ -222,7 +222,7 @@ def _bias_pairs(bias: dict) -> tuple[tuple[int, float], ...]:
     values that are not numbers are kept as they are for ``validate`` to name."""
     pairs = []
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and is_decimal_id(key) else _plain_int(key)
+        token = int(key) if isinstance(key, str) and is_decimal_id(key) else plain_int(key)
         number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         pairs.append((token, float(value) if number else value))
     try:
