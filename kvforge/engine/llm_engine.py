@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from kvforge.spec.load import load_model_spec
 from kvforge.spec.presets import PRESETS
 from kvforge.speculative.stats import SpeculativeStats
 from kvforge.speculative.support import check_speculative
+from kvforge.structured.token_masks import proposal_bitmask
 
 logger = logging.getLogger("kvforge.engine")
 
@@ -232,6 +234,9 @@ class LLMEngine:
                                       ring_row_bytes=ring_row_bytes,
                                       mla_prefill_mode=args.mla_prefill_mode, verify_query_len=verify)
         self.sampler = Sampler(eos)
+        self._eos_token_ids = frozenset(eos)
+        self._grammars = None  # structured outputs' GrammarBackend, built by the first request that has one
+        self._grammars_lock = threading.Lock()
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.model_aliases = tuple(args.served_model_aliases)  # more names the server answers to
         self.generation_tokens_total = 0
@@ -475,7 +480,24 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "
                 f"generated token must fit); shorten the prompt or raise --max-model-len", field="prompt")
         seq = Sequence(request_id, ids, params, prompt=text)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
         self.scheduler.add(seq)
+
+    def grammar_backend(self):
+        """The structured-output compiler for this model's vocabulary (kvforge/structured/backend.py), built
+        once, by the first caller; InvalidRequestError where the engine has no tokenizer or xgrammar is
+        missing. Any thread may call it (the server checks a request's constraint before queueing it)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured outputs match text, and this engine has no tokenizer "
+                                              "(started with --skip-tokenizer-init, or the model has none)",
+                                              field="structured_outputs")
+                from kvforge.structured.backend import GrammarBackend
+
+                self._grammars = GrammarBackend(self.tokenizer, self.spec.vocab_size, self._eos_token_ids)
+            return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -498,12 +520,15 @@ class LLMEngine:
         self._check_running()
         early = None
         probing = self.proposer is not None and self._proposals_due()
-        if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()):
+        if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()
+                                           or self._grammar_waits()):
             # Memory pressure: resolve the step in flight first, so sequences it finishes free their
             # blocks before the next schedule (instead of a preemption that a finish would have avoided).
-            # Proposals: the proposer reads every sequence's latest tokens.
+            # Proposals: the proposer reads every sequence's latest tokens. Grammars: a constrained request's
+            # next mask needs the token in flight.
+            pressure = not probing and self.scheduler.next_step_may_preempt()
             early, self._inflight = self._resolve(self._inflight), None
-            if not probing:
+            if pressure:
                 self.async_pressure_resolves += 1
         if self.proposer is not None:
             self._propose(probing)
@@ -529,6 +554,13 @@ class LLMEngine:
         if self.proposer is not None:  # blocks taken for proposals this step did not verify
             self.scheduler.trim_to_computed()
         return outputs
+
+    def _grammar_waits(self) -> bool:
+        """Whether a structured-output request has a token in flight: its grammar must see that token before
+        the mask of its next one, so the step in flight is resolved before the next is scheduled (such
+        requests run their steps synchronously)."""
+        return self._grammars is not None and any(seq.grammar is not None and seq.num_pending
+                                                  for seq in self.scheduler.requests.values())
 
     def _discard_proposer_state(self, request_id: str) -> None:
         """A finished, aborted or preempted request's proposer state (a draft model's KV) is freed with it."""
@@ -690,13 +722,15 @@ class LLMEngine:
                  if probs_of is not None else None)
         raw = None
         row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
-        if any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens for p in row_params):
+        bitmask = proposal_bitmask([seq.grammar for seq in seqs], proposals, logits.shape[-1])
+        if bitmask is not None or any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens
+                                      for p in row_params):
             # Row j of a sequence scores the token after its output and the first j proposals.
             histories = [(seq.prompt_token_ids, seq.output_token_ids + props[:j])
                          for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
             generated = [seq.num_output_tokens + j for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
             raw, logits = logits, self.sampler.processed_logits(logits.float(), row_params, histories,
-                                                                num_generated=generated)
+                                                                num_generated=generated, token_bitmask=bitmask)
         result = verify_proposals(logits, [seq.params for seq in seqs],
                                   [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):

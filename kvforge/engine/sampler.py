@@ -4,9 +4,13 @@ Per row, in this order (vLLM v1's order):
 
 1. logprobs (when asked) = ``log_softmax`` of the RAW logits (before
    penalties, temperature or filters); top-N of them plus the sampled token.
-2. allowed tokens and logit bias (kvforge/engine/token_biases.py), then
+2. a structured-output request's grammar mask (kvforge/structured/), then
+   allowed tokens and logit bias (kvforge/engine/token_biases.py), then
    repetition, presence and frequency penalties (kvforge/engine/penalties.py),
-   for rows that set them; the steps below see these processed logits.
+   for rows that set them; the steps below see these processed logits. Where
+   the grammar and the other rules leave no token at all, the grammar alone
+   decides (a complete output allows only end tokens, which ``min_tokens``
+   would ban).
 3. greedy (``SamplingParams.is_greedy``: temperature below 1e-5): ``argmax`` of the logits.
 4. otherwise: logits / temperature, then min-p (drop tokens whose probability
    is below ``min_p * max_prob``), top-k (keep the k largest), top-p (keep the
@@ -32,6 +36,7 @@ import torch
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.token_biases import apply_token_biases
+from kvforge.structured.token_masks import apply_bitmask, grammar_bitmask
 
 
 @dataclass
@@ -138,8 +143,9 @@ class Sampler:
                      if any(p.has_penalties for p in params) else None)  # fmt: skip
         generated = ([s.num_output_tokens + s.num_pending for s in seqs] if any(p.min_tokens for p in params)
                      else None)  # fmt: skip
+        bitmask = grammar_bitmask([s.grammar for s in seqs], logits.shape[-1])
         return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending,
-                           generated)  # fmt: skip
+                           generated, bitmask)  # fmt: skip
 
     def sample(
         self,
@@ -149,10 +155,12 @@ class Sampler:
         histories: list[History] | None = None,
         pending: torch.Tensor | None = None,
         num_generated: list[int] | None = None,
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Rows of ``logits`` [N, vocab] sampled under ``params`` (module docstring); ``histories`` (per row,
         prompt and output token ids) are needed where a row sets a penalty, ``num_generated`` (output tokens
-        so far) where it sets ``min_tokens``."""
+        so far) where it sets ``min_tokens``, ``token_bitmask`` (kvforge/structured/token_masks.py) where a
+        row's output follows a grammar."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
@@ -162,7 +170,7 @@ class Sampler:
             generators = [None] * n
         raw = logits.float()
         device = raw.device
-        logits = self.processed_logits(raw, params, histories, pending, num_generated)
+        logits = self.processed_logits(raw, params, histories, pending, num_generated, token_bitmask)
 
         greedy_mask = [p.is_greedy for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
@@ -179,15 +187,20 @@ class Sampler:
 
     def processed_logits(self, raw: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
                          pending: torch.Tensor | None = None, num_generated: list[int] | None = None,
-                         ) -> torch.Tensor:  # fmt: skip
-        """float32 ``raw`` logits [N, vocab] after each row's allowed tokens, logit bias and ``min_tokens``
-        rule (kvforge/engine/token_biases.py), then its penalties (kvforge/engine/penalties.py): what
-        greedy and random selection see. ``raw`` itself where no row asks for anything."""
-        logits = apply_token_biases(raw, params, num_generated, self.eos_token_ids)
+                         token_bitmask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """float32 ``raw`` logits [N, vocab] after each row's grammar mask (``token_bitmask``), allowed
+        tokens, logit bias and ``min_tokens`` rule (kvforge/engine/token_biases.py), then its penalties
+        (kvforge/engine/penalties.py): what greedy and random selection see. ``raw`` itself where no row
+        asks for anything. A row the other rules empty after its grammar mask keeps the grammar's mask alone."""
+        masked = raw if token_bitmask is None else apply_bitmask(raw, token_bitmask)
+        logits = apply_token_biases(masked, params, num_generated, self.eos_token_ids)
         if any(p.has_penalties for p in params):
             if histories is None or len(histories) != raw.shape[0]:
                 raise ValueError("penalties need each row's (prompt, output) token ids")
             logits = apply_penalties(logits, params, histories, pending)
+        if token_bitmask is not None and logits is not masked:
+            emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
+            logits = torch.where(emptied, masked, logits)
         return logits
 
     @staticmethod

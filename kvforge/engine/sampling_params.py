@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
+from kvforge.structured.params import StructuredOutputsParams
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 _INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of",
@@ -71,6 +72,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     #: vLLM's: False leaves the output's text empty (token ids only; no stop strings then).
     detokenize: bool = True
+    #: vLLM's: a JSON schema, regex, choice list or grammar the output must match (kvforge/structured/);
+    #: a dict of StructuredOutputsParams' fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
@@ -102,6 +106,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             ids = tuple(plain_int(t) for t in self.allowed_token_ids)
             object.__setattr__(self, "allowed_token_ids", ids or None)
+        object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_value(self.structured_outputs))
         self.validate()
 
     def validate(self) -> None:

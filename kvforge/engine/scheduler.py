@@ -38,6 +38,7 @@ Nothing is ever truncated silently.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,6 +46,8 @@ from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.sequence import Sequence, SequenceStatus
 from kvforge.errors import ConfigError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -489,6 +492,8 @@ class Scheduler:
         as a stop string adds none, unless the request includes stop strings in its output (vLLM's rule)."""
         seq.append_token(token, lps)
         stop_token, token_reason = self._stop_token(seq, token)
+        if seq.grammar is not None:
+            stop_token, token_reason = self._advance_grammar(seq, token, stop_token, token_reason)
         if seq.detokenizer is not None and (seq.params.include_stop_str_in_output or not stop_token):
             seq.detokenizer.add_tokens([token])
         # Async: the next step may already have computed this token (it was in flight), so a block it
@@ -497,6 +502,18 @@ class Scheduler:
         if stop_token:
             return SequenceStatus.FINISHED_STOPPED, token_reason
         return self._stop_reason(seq)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int, stop_token: bool, reason) -> tuple[bool, int | None]:
+        """Feed ``token`` to the request's grammar matcher; a token that completes the grammar's output (an
+        end token, even under ``ignore_eos``) stops the request as a stop token does. The sampler only picks
+        tokens the grammar allows; one it refuses (an internal fault) ends the request, logged."""
+        if seq.grammar.accept_token(token):
+            if seq.grammar.is_terminated() and not stop_token:
+                return True, None
+            return stop_token, reason
+        logger.error("%s: the grammar refused sampled token %d; the request ends here", seq.request_id, token)
+        return True, None
 
     def _roll_back_rejected(self, s: ScheduledSequence, num_accepted: int) -> None:
         """After verification: the accepted proposals' KV counts as computed; the rejected ones' KV

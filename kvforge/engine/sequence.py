@@ -122,6 +122,8 @@ class Sequence:
         # by the scheduler only for a decoding sequence), and the acceptance record (None: no speculation).
         self.spec_token_ids: list[int] = []
         self.speculative: SpeculativeStats | None = None
+        # Structured outputs: the request's grammar matcher (xgrammar), at the end of its output tokens.
+        self.grammar = None
         self._generators: dict[str, torch.Generator] = {}
 
     # ---- blocks -------------------------------------------------------------
@@ -260,6 +262,7 @@ class Sequence:
         child.logprobs = [dict(d) for d in self.logprobs] if self.logprobs is not None else None
         child.cumulative_logprob = self.cumulative_logprob
         child.prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def to_request_output(self) -> RequestOutput:

@@ -1,0 +1,98 @@
+"""StructuredOutputsParams: what a request's output must match (vLLM's names)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvforge.errors import InvalidRequestError
+
+#: The constraint fields, exactly one of which a request sets.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM spells it:
+
+    - ``json``: a JSON schema (a dict, its JSON text, or a pydantic model class); the output is a JSON value
+      that the schema accepts;
+    - ``regex``: the output matches the regular expression in full;
+    - ``choice``: the output is exactly one of these strings;
+    - ``grammar``: an EBNF grammar (GBNF-style rules, ``root ::= ...``) the output derives from;
+    - ``json_object``: the output is any JSON object.
+
+    ``disable_any_whitespace``: JSON outputs take no whitespace but ``json.dumps``'s one-line separators
+    (``", "`` and ``": "``); otherwise any whitespace between a JSON value's tokens. A schema's objects
+    take only the properties it lists, in its order (xgrammar's strict mode, as vLLM runs it). The schema is
+    stored as compact JSON text in its own key order, so equal constraints compare and hash equal. A request
+    with a constraint ends when the output is complete (the grammar then allows only an end-of-sequence
+    token), whatever ``ignore_eos`` or ``min_tokens`` say.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        schema = self.json
+        if isinstance(schema, type) and callable(getattr(schema, "model_json_schema", None)):  # pydantic model
+            schema = schema.model_json_schema()
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                _bad("json", f"is not valid JSON ({e})")
+        if schema is not None:
+            if not isinstance(schema, dict):
+                _bad("json", f"must be a JSON schema (an object), got {type(schema).__name__}")
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                _bad("choice", f"must be a list of strings, got {type(self.choice).__name__}")
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                _bad("choice", "must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _bad(name, f"must be a non-empty string, got {value!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        given = [name for name in CONSTRAINTS if self._is_set(name)]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise InvalidRequestError(f"structured outputs take exactly one of {', '.join(CONSTRAINTS)}, got {what}",
+                                      field="structured_outputs")
+
+    def _is_set(self, name: str) -> bool:
+        value = getattr(self, name)
+        return value is not False and value is not None
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(name for name in CONSTRAINTS if self._is_set(name))
+
+    @classmethod
+    def from_value(cls, value) -> StructuredOutputsParams | None:
+        """``value`` as given to ``SamplingParams(structured_outputs=...)``: the class itself, a dict of its fields
+        (as JSON requests send it) or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            _bad("", f"must be an object (StructuredOutputsParams), got {type(value).__name__}")
+        unknown = sorted(str(k) for k in value if k not in cls.__dataclass_fields__)
+        if unknown:
+            _bad("", f"has no field {', '.join(unknown)} (fields: {', '.join(cls.__dataclass_fields__)})")
+        fields = {k: v for k, v in value.items() if v is not None}
+        return cls(**fields)
+
+
+def _bad(name: str, why: str):
+    field = f"structured_outputs.{name}" if name else "structured_outputs"
+    raise InvalidRequestError(f"{field} {why}", field=field)
