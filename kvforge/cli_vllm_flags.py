@@ -51,8 +51,10 @@ ENGINE_FLAGS = (
              "sizes their KV for it); leave it unset"),
     VllmFlag(("--override-generation-config",), True, (), "the sampling defaults come from --generation-config "
              "(auto, vllm or a directory); send other values with each request"),
-    VllmFlag(("--guided-decoding-backend", "--structured-outputs-config"), True, None, "accepted, no effect: "
-             "requests asking for structured output are refused"),
+    VllmFlag(("--guided-decoding-backend",), True, ("auto", "xgrammar"), "structured outputs run on xgrammar; "
+             "leave --guided-decoding-backend at auto or xgrammar"),
+    VllmFlag(("--structured-outputs-config",), True, None, "accepted, no effect: structured outputs run on "
+             "xgrammar whatever backend it names"),
     VllmFlag(("--limit-mm-per-prompt",), True, None, "accepted, no effect: text only (requests with images are "
              "refused)"),
     VllmFlag(("--config",), True, (), "a YAML file of flags is not read: give the flags on the command line"),

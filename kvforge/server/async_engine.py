@@ -295,6 +295,12 @@ class AsyncEngine:
         count = len(prompts) * len(samples)
         if not admitted:
             self.admit(count)
+        constraint = samples[0].structured_outputs if samples else None
+        if constraint is not None and hasattr(self.engine, "grammar_backend"):
+            # Compiled off the engine thread: a refused constraint is a 400 before anything is queued, and
+            # the engine then takes the grammar from the compiler's cache instead of compiling between steps.
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.engine.grammar_backend().compile(constraint))
         # The streams exist before the engine can run a step with their requests: _run finds every output.
         streams = [RequestStream(self, f"req-{next(self._ids)}", 0, prompt_only) for _ in range(count)]
         for stream in streams:

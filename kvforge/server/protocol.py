@@ -18,6 +18,7 @@ from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
+from kvforge.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,7 @@ _COMMON_FIELDS = frozenset({
     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "min_tokens", "response_format",
     "tools", "functions", "tool_choice", "length_penalty", "use_beam_search", "bad_words", "prompt_logprobs",
     "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "guided_whitespace_pattern", "guided_decoding_backend",
     "return_tokens_as_token_ids", "return_token_ids", "logits_processors", "add_special_tokens",
     # OpenAI's fields that do not change the output: accepted and not read.
     "user", "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -324,8 +326,7 @@ _VLLM_EXTRAS_NEUTRAL = {
     "use_beam_search": lambda v: v is False,
     "bad_words": lambda v: v == [],
     "logits_processors": lambda v: v == [],
-    **{name: lambda v: False for name in ("prompt_logprobs", "guided_json", "guided_regex",
-                                          "guided_choice", "guided_grammar", "structured_outputs")},
+    "prompt_logprobs": lambda v: False,
 }
 
 
@@ -337,15 +338,60 @@ def _refuse_unsupported_features(body: dict) -> None:
         if value is not None and not neutral(value):
             hint = "; for prompt logprobs send echo with logprobs to /v1/completions" if name == "prompt_logprobs" else ""
             bad_field(name, f"is not supported (leave it unset){hint}")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        bad_field("response_format", "is not supported: only {\"type\": \"text\"} (no JSON mode or JSON schema)")
     for name in ("tools", "functions"):
         if body.get(name):
             bad_field(name, "tool and function calling are not supported")
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         bad_field("tool_choice", "tool calling is not supported (only \"none\" or \"auto\" without tools)")
+
+
+#: vLLM's older request fields, each one constraint of StructuredOutputsParams.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+
+
+def parse_structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever of its three spellings it uses: OpenAI's
+    ``response_format`` (``json_object``, or ``json_schema`` with its ``schema``), vLLM's ``structured_outputs``
+    object, or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``. Two
+    constraints at once are refused (400), as is a field xgrammar cannot honour."""
+    found: list[tuple[str, dict]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            bad_field("response_format", 'must be an object with a "type": "text", "json_object" or "json_schema"')
+        kind = fmt["type"]
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                bad_field("response_format.json_schema", 'must be an object holding the JSON schema as "schema" '
+                                                         '(with "name" and "strict" as OpenAI spells them)')
+            found.append(("response_format", {"json": spec["schema"]}))
+        elif kind != "text":
+            bad_field("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
+    given = body.get("structured_outputs")
+    if given is not None:
+        if not isinstance(given, dict):
+            bad_field("structured_outputs", f"expected an object, got {type_name(given)}")
+        found.append(("structured_outputs", given))
+    for name, constraint in _GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, {constraint: body[name]}))
+    if body.get("guided_whitespace_pattern") is not None:
+        bad_field("guided_whitespace_pattern", "is not supported: JSON outputs take any whitespace, or none but "
+                                               "json.dumps's separators with structured_outputs.disable_any_whitespace")
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and backend not in ("auto", "xgrammar"):
+        bad_field("guided_decoding_backend", f'only "xgrammar" (or "auto") is served here, got {backend!r}')
+    if not found:
+        return None
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        bad_field(found[1][0], f"one output constraint a request: {names} both give one")
+    return StructuredOutputsParams.from_value(found[0][1])
 
 
 def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
@@ -410,6 +456,7 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
         "truncate_prompt_tokens": get_int(body, "truncate_prompt_tokens", None),
+        "structured_outputs": parse_structured_outputs(body),
     }
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
             "continuous_usage": continuous_usage, "sampling": sampling,
