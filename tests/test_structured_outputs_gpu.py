@@ -1,0 +1,73 @@
+"""Structured outputs on CUDA: xgrammar's bitmask applied to host and device logits equals the mask's bits
+unpacked here (masking is exact: a logit is kept bit for bit or becomes -inf), and the embedded SmolLM2 on CUDA
+(CUDA graphs, async scheduling, speculative verification) gives outputs that Python's ``json`` and ``re``
+accept. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from kvforge import LLM, SamplingParams  # noqa: E402
+from kvforge.structured.token_masks import apply_bitmask  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "population": {"type": "integer", "minimum": 0}},
+        "required": ["city", "population"]}
+
+
+def _case(vocab: int):
+    """Random logits [7, vocab], a random bitmask (row 3 all set) and the masked logits from the bits
+    unpacked here."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(7, vocab, generator=gen)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (7, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[3] = -1  # a row without a constraint
+    return logits, bitmask, logits.masked_fill(~_bits(bitmask, vocab), float("-inf"))
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000])
+def test_cpu_mask_equals_unpacked_bits(vocab):
+    logits, bitmask, want = _case(vocab)
+    assert torch.equal(apply_bitmask(logits, bitmask), want)
+
+
+@needs_cuda
+@pytest.mark.parametrize("vocab", [49152, 128256, 1000])
+def test_cuda_mask_equals_unpacked_bits(vocab):
+    logits, bitmask, want = _case(vocab)
+    assert torch.equal(apply_bitmask(logits.cuda(), bitmask).cpu(), want)
+
+
+def _bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    shifts = torch.arange(32, dtype=torch.int64)
+    bits = (bitmask.to(torch.int64)[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+@needs_cuda
+@pytest.mark.parametrize("engine_kw", [{}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                                   "prompt_lookup_min": 1, "backoff": False}}],
+                         ids=["async", "ngram"])
+def test_constrained_outputs_on_cuda(engine_kw):
+    llm = LLM(device="cuda", progress=False, **engine_kw)
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": CITY}),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": PHONE}),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=8, structured_outputs={"choice": ["red", "blue"]}),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    outs = llm.generate(["A city as JSON:", "Call me at", "Pick a colour:", "Once upon a time"], params,
+                        use_tqdm=False)
+    city = json.loads(outs[0].outputs[0].text)
+    assert list(city) == ["city", "population"] and type(city["population"]) is int
+    assert re.fullmatch(PHONE, outs[1].outputs[0].text) and outs[2].outputs[0].text in ("red", "blue")
+    assert len(outs[3].outputs[0].token_ids) == 24
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop", "stop", "stop", "length"]
+    llm.engine.shutdown()
