@@ -125,3 +125,14 @@ def test_uncompilable_constraint_is_a_400_and_the_server_goes_on(client):
     r = client.completions.create(model=model, prompt="Yes or no:", max_tokens=4, temperature=0,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].text in ("yes", "no")
+
+
+def test_prompt_only_echo_ignores_the_constraint(client):
+    """echo with max_tokens 0 generates nothing: a constraint changes none of the prompt's logprobs (its last
+    token, forced, is one the constraint would refuse first)."""
+    model = _model(client)
+    kw = dict(model=model, prompt="The sky is blue", max_tokens=0, echo=True, logprobs=1, temperature=0)
+    plain = client.completions.create(**kw).choices[0]
+    constrained = client.completions.create(**kw, extra_body={"guided_regex": "[0-9]+"}).choices[0]
+    assert constrained.text == plain.text == "The sky is blue"
+    assert constrained.logprobs.token_logprobs == plain.logprobs.token_logprobs
