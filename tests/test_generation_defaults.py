@@ -142,3 +142,28 @@ def test_a_generation_config_directorys_eos_ids_end_requests(tmp_path):
         with LLM(str(tmp_path), generation_config=setting, **kw) as llm:
             out = llm.generate({"prompt_token_ids": [7, 8]}, params)[0].outputs[0]
             assert (list(out.token_ids), out.finish_reason) == want, setting
+
+
+def _gguf_with(path, **sampling):
+    """A GGUF file holding only header keys: the architecture and llama.cpp's ``general.sampling.*``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in sampling.items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_a_gguf_headers_sampling_keys_become_the_defaults(tmp_path):
+    # float32 header values: these are exact in binary, so the defaults equal them exactly
+    path = _gguf_with(tmp_path / "m.gguf", temp=0.5, top_k=30, top_p=0.75, min_p=0.25, penalty_repeat=1.5)
+    assert sampling_defaults("auto", path) == {"temperature": 0.5, "top_k": 30, "top_p": 0.75, "min_p": 0.25,
+                                               "repetition_penalty": 1.5}
+    assert sampling_defaults("vllm", path) == {}
+    assert sampling_defaults("auto", _gguf_with(tmp_path / "plain.gguf")) == {}
+    with pytest.raises(ConfigError, match="top_p"):
+        sampling_defaults("auto", _gguf_with(tmp_path / "bad.gguf", top_p=1.5))

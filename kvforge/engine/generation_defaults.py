@@ -8,6 +8,10 @@ does through the tokenizer); ``vllm`` reads none. Of the file, the fields vLLM t
 ``sampling_params`` (``LLM.get_default_sampling_params()``), and the server's completion and chat requests
 (a completion's ``max_tokens`` stays OpenAI's 16; a chat's, when not sent, is ``max_new_tokens`` within the
 context). A file that sets a value ``SamplingParams`` refuses is a ConfigError at startup, before weights.
+
+A GGUF file carries its defaults in its header instead (llama.cpp's ``general.sampling.*`` keys): under
+``auto`` a ``.gguf`` model takes ``general.sampling.temp``, ``top_p``, ``top_k``, ``min_p`` and
+``penalty_repeat`` the same way (a ``generation_config.json`` beside it, where there is one, wins).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from kvforge.errors import ConfigError, InvalidRequestError
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 SETTINGS = ("auto", "vllm")
+#: GGUF header key (llama.cpp's) -> SamplingParams field.
+GGUF_FIELDS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+               "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+               "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
 def check_setting(setting: str) -> None:
@@ -53,6 +61,8 @@ def sampling_defaults(setting: str, model_path: str | None) -> dict:
     if file is None or not file.is_file():
         if setting not in SETTINGS:
             raise ConfigError(f"--generation-config {setting}: {file} does not exist")
+        if setting == "auto" and model_path is not None and str(model_path).endswith(".gguf"):
+            return _gguf_defaults(model_path)
         return {}
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
@@ -65,6 +75,25 @@ def sampling_defaults(setting: str, model_path: str | None) -> dict:
         SamplingParams(**defaults)
     except InvalidRequestError as e:
         raise ConfigError(f"{file}: {e}; fix the file or pass --generation-config vllm") from None
+    return defaults
+
+
+def _gguf_defaults(path: str) -> dict:
+    """The SamplingParams fields a GGUF header sets (``GGUF_FIELDS``); {} for none."""
+    from kvforge.engine.sampling_params import SamplingParams
+    from kvforge.weights.gguf_config import GGUFHeader
+
+    metadata = GGUFHeader(str(path)).metadata
+    defaults = {ours: metadata[key] for key, ours in GGUF_FIELDS.items() if metadata.get(key) is not None}
+    if "top_k" in defaults:
+        defaults["top_k"] = int(defaults["top_k"])
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if name in defaults:
+            defaults[name] = float(defaults[name])
+    try:
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        raise ConfigError(f"{path}: its general.sampling keys: {e}; pass --generation-config vllm") from None
     return defaults
 
 
