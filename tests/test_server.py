@@ -376,10 +376,10 @@ BAD_CHAT = [
      "response_format.json_schema"),
     ("structural_tag", {"messages": [{"role": "user", "content": "hi"}],
                         "response_format": {"type": "structural_tag"}}, "response_format.type"),
-    ("tools", {"messages": [{"role": "user", "content": "hi"}],
-               "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("tool_choice_required", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
-     "tool_choice"),
+    ("tools_auto", {"messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
+    ("tool_choice_required_without_tools", {"messages": [{"role": "user", "content": "hi"}],
+                                            "tool_choice": "required"}, "tool_choice"),
 ]
 
 

@@ -37,6 +37,7 @@ from kvforge.server.async_engine import (
     ServerShuttingDownError,
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvforge.server.tool_calls import ToolCallStream
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
@@ -343,6 +344,10 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
                   "finish_reason": view.finish_reason(comp), "stop_reason": view.stop_reason(comp)}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            calls = req.tool_choice.calls(text) if req.tool_choice is not None else None
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = req.tool_choice.finish_reason(choice["finish_reason"], text)
         else:
             choice["text"] = (view.echo_text(final) if req.echo else "") + text
         if req.return_token_ids:  # vLLM's: the ids behind the text (a chat's prompt ids are the response's)
@@ -423,6 +428,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     echoed = [not req.echo] * n
     ids_sent = [False] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
+    tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
     try:
         if chat:
             for i in range(n):
@@ -444,7 +450,10 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             lp = view.logprobs(out, sent_tokens[i], len(ids), not echoed[i], offsets[i])
             echoed[i] = True
             finish = view.finish_reason(comp) if out.finished else None
-            if chat:
+            if tool_streams is not None:
+                choice = {"index": i, "delta": tool_streams[i].delta(delta, text, out.finished), "logprobs": lp,
+                          "finish_reason": req.tool_choice.finish_reason(finish, text)}
+            elif chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                           "finish_reason": finish}
             else:

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
+from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message
 from kvforge.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -277,6 +278,7 @@ class ParsedRequest:
     # as its one sampled token, kvforge/server/async_engine.py), so the prompt may fill the context.
     prompt_only: bool = False
     chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
+    tool_choice: ToolChoice | None = None  # chat: a forced tool call (kvforge/server/tool_calls.py)
     continuous_usage: bool = False  # streams: usage so far in every chunk (stream_options.continuous_usage_stats)
     # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens as "token_id:N" (always so without a tokenizer)
     tokens_as_ids: bool = False
@@ -303,7 +305,7 @@ _COMMON_FIELDS = frozenset({
 })
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
-                                "add_generation_prompt", "continue_final_message", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "chat_template", "function_call",
                                 "chat_template_kwargs"}
 
 
@@ -338,12 +340,6 @@ def _refuse_unsupported_features(body: dict) -> None:
         if value is not None and not neutral(value):
             hint = "; for prompt logprobs send echo with logprobs to /v1/completions" if name == "prompt_logprobs" else ""
             bad_field(name, f"is not supported (leave it unset){hint}")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            bad_field(name, "tool and function calling are not supported")
-    choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        bad_field("tool_choice", "tool calling is not supported (only \"none\" or \"auto\" without tools)")
 
 
 #: vLLM's older request fields, each one constraint of StructuredOutputsParams.
@@ -508,6 +504,11 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
     """A ``/v1/completions`` body; ``defaults``: the model's default sampling fields (``max_tokens`` stays
     OpenAI's 16 when not sent)."""
     common = _common(body, served_model, defaults)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            bad_field(name, "tool calls are a chat feature: send the request to /v1/chat/completions")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        bad_field("tool_choice", "tool calls are a chat feature: send the request to /v1/chat/completions")
     if "prompt" not in body or body["prompt"] is None:
         bad_field("prompt", "is required")
     prompt = body["prompt"]
@@ -586,7 +587,7 @@ def parse_messages(messages: Any) -> list[dict]:
         if role != "assistant" and m.get("content") is None:  # only an assistant turn may come without text
             bad_field(f"messages[{i}].content", f"is required for a {role} message (a string or text parts)")
         clean.append({"role": "system" if role == "developer" else role,
-                      "content": _message_text(m.get("content"), i)})
+                      "content": _message_text(m.get("content"), i), **template_message(m, i)})
     return clean
 
 
@@ -616,16 +617,28 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
     explicit = max_tokens is not None
     if not explicit:  # the model's default, still capped by the room the prompt leaves
         max_tokens = (defaults or {}).get("max_tokens")
+    tools, forced = parse_tools(body)
+    if forced is not None:
+        if common["sampling"]["structured_outputs"] is not None:
+            bad_field("tool_choice", "forces a tool call, whose arguments are the output's constraint, and the "
+                                     "request constrains its output too (response_format or structured_outputs): "
+                                     "send one of them")
+        common["sampling"]["structured_outputs"] = forced.constraint()
     params = _params(common, max_tokens, logprobs)
     if get_bool(body, "echo", False):
         bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
     _refuse_special_tokens_change(body, False)
     log_ignored_fields(body, CHAT_FIELDS)
+    options = parse_chat_template_options(body, clean)
+    if tools:
+        if any(key == "tools" for key, _ in options.template_kwargs):
+            bad_field("chat_template_kwargs", "may not set tools (the request's own 'tools' sets it)")
+        options = dataclasses.replace(options, template_kwargs=(*options.template_kwargs, ("tools", tools)))
     return ParsedRequest(
         "chat", common["model"], None, clean, params, explicit,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
-        chat_options=parse_chat_template_options(body, clean), continuous_usage=common["continuous_usage"],
-        tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
+        chat_options=options, continuous_usage=common["continuous_usage"],
+        tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
     )
 
 

@@ -1,0 +1,202 @@
+"""Function calling by constraint: a chat request's ``tools`` with ``tool_choice`` ``"required"`` or a named
+function, as vLLM serves them without a tool-call parser.
+
+The functions reach the chat template as its ``tools`` variable (so a template that describes them to the
+model does), and the output is held to a JSON schema (kvforge/structured/): a named function's output is
+its arguments (the function's ``parameters`` schema); ``"required"`` makes the output a JSON array of one
+or more ``{"name": ..., "parameters": {...}}`` calls, each to a listed function with its own schema.
+The response then carries ``message.tool_calls`` (``content`` null), with ``finish_reason`` ``"tool_calls"``
+for ``"required"`` and ``"stop"`` for a named function (OpenAI's answer to a forced call);
+``parallel_tool_calls`` false holds ``"required"`` to one call. An output cut
+short by ``max_tokens`` keeps ``finish_reason`` ``"length"``: a named call's arguments are then the text
+as far as it went; a ``"required"`` array that does not parse comes back as ``content``.
+
+``tool_choice`` ``"none"`` renders the tools and constrains nothing. ``"auto"`` (OpenAI's default when
+``tools`` are sent) would need a parser of each model's own tool-call syntax, which kvforge does not have:
+it is refused with what to send instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.errors import InvalidRequestError
+from kvforge.structured.params import StructuredOutputsParams
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: A function's parameters when its declaration has none: an object of any properties.
+ANY_OBJECT = {"type": "object"}
+
+
+def _bad(field: str, why: str):
+    raise InvalidRequestError(f"'{field}': {why}", field=field)
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's forced tool call: ``name`` for a named function, None for ``"required"`` (any listed
+    function, one or more calls); ``parameters``: each listed function's parameters schema, by name."""
+
+    name: str | None
+    parameters: tuple[tuple[str, str], ...]
+    #: OpenAI's ``parallel_tool_calls``: False holds a ``"required"`` output to one call.
+    parallel: bool = True
+
+    def finish_reason(self, reason: str | None, text: str) -> str | None:
+        """The choice's finish reason: a ``"required"`` output that ended complete is ``"tool_calls"``; the
+        engine's reason otherwise (a named call's complete output stays ``"stop"``, OpenAI's answer)."""
+        if reason == "stop" and self.name is None and self.calls(text) is not None:
+            return "tool_calls"
+        return reason
+
+    def constraint(self) -> StructuredOutputsParams:
+        """The JSON schema the output is held to (module docstring)."""
+        schemas = {name: json.loads(text) for name, text in self.parameters}
+        if self.name is not None:
+            return StructuredOutputsParams(json=schemas[self.name])
+        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
+                  "required": ["name", "parameters"]} for name, schema in schemas.items()]
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return StructuredOutputsParams(json=array)
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The ``tool_calls`` of output ``text``: a named function's call with ``text`` as its arguments; the
+        calls of a ``"required"`` array, or None when ``text`` does not parse as one (cut short)."""
+        if self.name is not None:
+            return [call_object(self.name, text)]
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c for c in items):
+            return None
+        return [call_object(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
+
+
+def call_object(name: str, arguments: str) -> dict:
+    """One entry of OpenAI's ``tool_calls``."""
+    from kvforge.server.protocol import random_id
+
+    return {"id": random_id("chatcmpl-tool"), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
+    """A chat body's ``tools`` (as the template gets them, None for none) and its forced call (None for no
+    constraint); InvalidRequestError naming the field for a malformed declaration or a choice this server
+    cannot honour."""
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        name = "functions" if body.get("functions") is not None else "function_call"
+        _bad(name, "is OpenAI's deprecated spelling: send the functions as 'tools' and the choice as 'tool_choice'")
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools:
+        if tools is not None and not isinstance(tools, list):
+            _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
+        if choice not in (None, "none", "auto"):
+            _bad("tool_choice", "names a tool call but the request sends no 'tools'")
+        return None, None
+    if not isinstance(tools, list):
+        _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
+    parameters = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            _bad(f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            _bad(f"tools[{i}].function.name", "must be 1-64 letters, digits, underscores or dashes")
+        if any(name == other for other, _ in parameters):
+            _bad(f"tools[{i}].function.name", f"{name!r} is declared twice")
+        schema = function.get("parameters")
+        if schema is not None and not isinstance(schema, dict):
+            _bad(f"tools[{i}].function.parameters", "must be a JSON schema (an object)")
+        parameters.append((name, json.dumps(schema if schema else ANY_OBJECT)))
+    if choice is None or choice == "auto":
+        _bad("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, which '
+                            'this server does not have: send "required" or {"type": "function", "function": {"name": '
+                            '...}} to have the output constrained to a call, or "none"')
+    if choice == "none":
+        return tools, None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        _bad("parallel_tool_calls", f"must be true or false, got {parallel!r}")
+    if choice == "required":
+        forced = ToolChoice(None, tuple(parameters), parallel)
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in dict(parameters):
+            _bad("tool_choice", f"names function {name!r}, which 'tools' does not declare")
+        forced = ToolChoice(name, tuple(parameters), parallel)
+    else:
+        _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    try:
+        forced.constraint()
+    except InvalidRequestError as e:  # a parameters schema that is not valid JSON-schema input
+        _bad("tools", f"a function's parameters: {e}")
+    return tools, forced
+
+
+def template_message(message: dict, index: int) -> dict:
+    """The tool fields of one chat message as a template reads them: an assistant turn's ``tool_calls``
+    (``arguments`` parsed from their JSON text into objects, as vLLM hands them to templates that write
+    them with ``tojson``) and a tool turn's ``tool_call_id`` and ``name``; {} for other messages."""
+    out: dict[str, Any] = {}
+    role = message.get("role")
+    if role == "assistant" and message.get("tool_calls") is not None:
+        calls = message["tool_calls"]
+        if not isinstance(calls, list):
+            _bad(f"messages[{index}].tool_calls", "expected an array of tool calls")
+        clean = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                _bad(f"messages[{index}].tool_calls[{j}]", 'expected {"id": ..., "type": "function", "function": '
+                                                           '{"name": ..., "arguments": "..."}}')
+            arguments = function.get("arguments", "{}")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except ValueError:
+                    pass  # kept as its text: the template writes what the client sent
+            clean.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": function["name"], "arguments": arguments}})
+        out["tool_calls"] = clean
+    if role == "tool":
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    _bad(f"messages[{index}].{key}", f"expected a string, got {type(message[key]).__name__}")
+                out[key] = message[key]
+    return out
+
+
+class ToolCallStream:
+    """The ``delta`` objects of one streamed choice under a forced call: a named call streams its arguments
+    as they are generated (the first fragment with the call's id, type and name, as OpenAI streams a call);
+    a ``"required"`` array is parsed once complete and goes out whole in the choice's last chunk (its text,
+    as ``content``, when it does not parse)."""
+
+    def __init__(self, choice: ToolChoice):
+        self.choice = choice
+        self.started = False
+
+    def delta(self, new_text: str, text: str, finished: bool) -> dict:
+        """The delta for ``new_text`` (this chunk's text), ``text`` being all of it so far."""
+        if self.choice.name is not None:
+            if not new_text:
+                return {}
+            if self.started:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
+            self.started = True
+            return {"tool_calls": [{"index": 0, **call_object(self.choice.name, new_text)}]}
+        if not finished:
+            return {}
+        calls = self.choice.calls(text)
+        if calls is None:
+            return {"content": text} if text else {}
+        return {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}

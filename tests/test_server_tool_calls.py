@@ -1,0 +1,173 @@
+"""Tool calls forced by ``tool_choice`` (``"required"`` or a named function; kvforge/server/tool_calls.py):
+the request's parsing, the tools and earlier calls as a chat template sees them, and the official ``openai``
+client against the embedded SmolLM2 (CPU). Arguments are checked with Python's ``json`` against the declared
+parameters by hand."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from fake_engine import smollm2_test_engine
+
+from kvforge.server.app import ServerThread, create_app
+from kvforge.server.protocol import InvalidRequestError, parse_chat, parse_completion
+from kvforge.server.tokenization import render_chat
+
+pytest.importorskip("xgrammar")
+
+MODEL = "m"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+                                       "required": ["zone"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time in UTC?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _chat(**fields):
+    return parse_chat({"model": MODEL, "messages": ASK, **fields}, MODEL)
+
+
+def _weather_ok(arguments: str) -> bool:
+    value = json.loads(arguments)
+    return (list(value) == ["city", "unit"] and isinstance(value["city"], str) and len(value["city"]) <= 24
+            and value["unit"] in ("celsius", "fahrenheit"))
+
+
+def _call_ok(call) -> bool:
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return _weather_ok(call.function.arguments)
+    return call.function.name == "get_time" and list(args) == ["zone"] and args["zone"] in ("UTC", "CET", "PST")
+
+
+def test_the_choice_sets_the_constraint():
+    named = _chat(tools=[WEATHER, TIME], tool_choice=NAMED)
+    assert json.loads(named.params.structured_outputs.json) == WEATHER["function"]["parameters"]
+    required = json.loads(_chat(tools=[WEATHER, TIME], tool_choice="required").params.structured_outputs.json)
+    assert required["type"] == "array" and required["minItems"] == 1 and "maxItems" not in required
+    assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    one = json.loads(_chat(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+                     .params.structured_outputs.json)
+    assert one["maxItems"] == 1
+    none = _chat(tools=[WEATHER], tool_choice="none")
+    assert none.params.structured_outputs is None and none.tool_choice is None
+    assert dict(none.chat_options.template_kwargs)["tools"] == [WEATHER]
+    assert _chat(tool_choice="auto").tool_choice is None  # no tools: nothing to call
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # OpenAI's default "auto" needs a parser
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "required"},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"tools": [WEATHER], "tool_choice": "none", "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+])
+def test_bad_tool_fields_are_refused_by_name(fields, field):
+    with pytest.raises(InvalidRequestError) as err:
+        _chat(**fields)
+    assert err.value.field == field, err.value
+
+
+def test_completions_refuse_tools():
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"model": MODEL, "prompt": "hi", "tools": [WEATHER], "tool_choice": "required"}, MODEL)
+    assert err.value.field == "tools" and "/v1/chat/completions" in str(err.value)
+
+
+def test_tools_and_earlier_calls_reach_the_template():
+    from kvforge.spec.embedded import embedded_model_path
+    from kvforge.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model_path())
+    tokenizer.use_chat_template(
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]"
+        "{% endfor %}{% if m.tool_call_id %}[result of {{ m.tool_call_id }}]{% endif %}{% endfor %}")
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    req = parse_chat({"model": MODEL, "messages": history, "tools": [WEATHER, TIME], "tool_choice": "none"}, MODEL)
+    text = render_chat(tokenizer, req.messages, req.chat_options)
+    assert text.startswith("[tool get_weather][tool get_time]<user>")
+    assert "<assistant>[call call_1 get_weather Paris]<tool>sunny[result of call_1]" in text
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    srv = ServerThread(create_app(engine)).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def served(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_named_function(client, served):
+    r = client.chat.completions.create(model=served, messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED,
+                                       max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    assert _weather_ok(call.function.arguments), call.function.arguments
+    stream = client.chat.completions.create(model=served, messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED,
+                                            max_tokens=60, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    fragments = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert fragments[0].id and fragments[0].function.name == "get_weather" and fragments[0].type == "function"
+    assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments[1:])
+    assert "".join(f.function.arguments for f in fragments) == call.function.arguments
+    assert not any(d.content for d in deltas)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required(client, served, parallel):
+    kw = dict(model=served, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
+              temperature=0, parallel_tool_calls=parallel)
+    r = client.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert calls and all(_call_ok(c) for c in calls) and (parallel or len(calls) == 1)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    with_calls = [c for c in chunks if c.choices[0].delta.tool_calls]
+    assert len(with_calls) == 1 and with_calls[0].choices[0].finish_reason == "tool_calls"
+    streamed = with_calls[0].choices[0].delta.tool_calls
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
+        [(k, c.function.name, c.function.arguments) for k, c in enumerate(calls)]
+
+
+def test_cut_short_required_comes_back_as_text(client, served):
+    r = client.chat.completions.create(model=served, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       max_tokens=5, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content and choice.message.content.startswith("[")
+
+
+def test_a_conversation_with_a_call_and_its_result_goes_on(client, served):
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"}]
+    r = client.chat.completions.create(model=served, messages=history, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
