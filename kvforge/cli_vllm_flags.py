@@ -11,18 +11,44 @@ is dropped, ``quantization="awq"`` refused with the flag's reason, ``quantizatio
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class VllmFlag:
     """A vLLM flag: ``names``; ``takes_value`` (else a switch); ``neutral``: the values accepted as
-    changing nothing (None: any value, the flag has no effect here); ``why``: the help, or the refusal."""
+    changing nothing (None: any value, the flag has no effect here); ``why``: the help, or the refusal;
+    ``also_neutral``: a test of other values that change nothing (a JSON value's fields, say)."""
 
     names: tuple[str, ...]
     takes_value: bool
     neutral: tuple[str, ...] | None
     why: str
+    also_neutral: Callable[[object], bool] | None = None
+
+    def is_neutral(self, value) -> bool:
+        """Whether ``value`` changes nothing here."""
+        if self.neutral is None or str(value) in self.neutral:
+            return True
+        return self.also_neutral is not None and self.also_neutral(value)
+
+
+def _neutral_structured_outputs_config(value) -> bool:
+    """vLLM's ``--structured-outputs-config``: neutral when it names xgrammar (or auto) as the backend, and sets
+    nothing else that changes an output (``disable_fallback`` has nothing to fall back to here)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    if not isinstance(value, dict):
+        return False
+    neutral = {"backend": ("auto", "xgrammar"), "disable_fallback": (True, False),
+               "disable_any_whitespace": (False,), "disable_additional_properties": (False,),
+               "reasoning_parser": ("", None), "enable_in_reasoning": (False,)}
+    return all(key in neutral and item in neutral[key] for key, item in value.items())
 
 
 ENGINE_FLAGS = (
@@ -53,8 +79,10 @@ ENGINE_FLAGS = (
              "(auto, vllm or a directory); send other values with each request"),
     VllmFlag(("--guided-decoding-backend",), True, ("auto", "xgrammar"), "structured outputs run on xgrammar; "
              "leave --guided-decoding-backend at auto or xgrammar"),
-    VllmFlag(("--structured-outputs-config",), True, None, "accepted, no effect: structured outputs run on "
-             "xgrammar whatever backend it names"),
+    VllmFlag(("--structured-outputs-config",), True, (), "structured outputs run on xgrammar: the config may name "
+             "backend auto or xgrammar and disable_fallback (no effect); send disable_any_whitespace and "
+             "disable_additional_properties with each request's structured_outputs",
+             also_neutral=_neutral_structured_outputs_config),
     VllmFlag(("--limit-mm-per-prompt",), True, None, "accepted, no effect: text only (requests with images are "
              "refused)"),
     VllmFlag(("--config",), True, (), "a YAML file of flags is not read: give the flags on the command line"),
@@ -66,8 +94,11 @@ SERVER_FLAGS = (
              "/metrics)"),
     VllmFlag(("--uvicorn-log-level",), True, None, "accepted, no effect (the server is aiohttp)"),
     VllmFlag(("--disable-frontend-multiprocessing",), False, None, "accepted, no effect (one process serves)"),
-    VllmFlag(("--enable-auto-tool-choice",), False, (), "tool calling is not supported"),
-    VllmFlag(("--tool-call-parser",), True, (), "tool calling is not supported"),
+    VllmFlag(("--enable-auto-tool-choice",), False, (), "automatic tool choice needs a parser of the model's "
+             "tool-call syntax, which kvforge does not have; requests with tool_choice \"required\" or a named "
+             "function are served without it"),
+    VllmFlag(("--tool-call-parser",), True, (), "no tool-call parsers are built in; requests with tool_choice "
+             "\"required\" or a named function are served without one"),
     VllmFlag(("--reasoning-parser",), True, (), "reasoning text is not split from the answer: the model's whole "
              "output is the message content"),
     VllmFlag(("--response-role",), True, ("assistant",), "chat responses speak as the assistant"),
@@ -91,7 +122,7 @@ class _VllmFlagAction(argparse.Action):
                                f"(vLLM's flag, not supported) {flag.why}"), **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if self.flag.neutral is None or (self.flag.takes_value and values in self.flag.neutral):
+        if self.flag.neutral is None or (self.flag.takes_value and self.flag.is_neutral(values)):
             return
         given = f"{option_string} {values}" if self.flag.takes_value else option_string
         neutral = f" (only {' or '.join(self.flag.neutral)} is accepted)" if self.flag.neutral else ""
@@ -131,7 +162,7 @@ def engine_keyword_args(kwargs: dict, fields: set[str]) -> dict:
             continue
         flag = flags.get(key)
         if flag is not None:
-            if flag.neutral is None or value is None or value is False or str(value) in flag.neutral:
+            if value is None or value is False or flag.is_neutral(value):
                 continue
             raise ConfigError(f"{key}={value!r}: {flag.why}")
         close = difflib.get_close_matches(key, sorted(fields | set(KEYWORD_ALIASES) | set(flags)), n=3)

@@ -35,6 +35,11 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_keyword_args(kwargs, fields)))
         self._ids = itertools.count()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's name for it (``LLM.engine`` here)."""
+        return self.engine
+
     def shutdown(self) -> None:
         """Free the engine's device memory now (``LLMEngine.shutdown``); idempotent."""
         self.engine.shutdown()

@@ -79,7 +79,7 @@ def test_every_spelling_gives_one_constraint(parse, body):
     ({"response_format": "json"}, "response_format"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
-    ({"guided_choice": []}, "structured_outputs.choice"),
+    ({"guided_choice": []}, "guided_choice"),
 ])
 def test_bad_constraints_are_refused_by_name(fields, field):
     with pytest.raises(InvalidRequestError) as err:
@@ -113,15 +113,29 @@ def test_streamed_json_schema(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_regex": "(open"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "(open"}}, "structured_outputs.regex"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}], "tool_choice": "required"},
+     "tools"),
+])
+def test_a_refused_constraint_names_the_field_the_request_used(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=_model(client), messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=4, extra_body=fields)
+    assert err.value.body["param"] == param and param in err.value.message, err.value.body
+    assert "/project/" not in err.value.message  # xgrammar's source position is not the client's business
+
+
 def test_uncompilable_constraint_is_a_400_and_the_server_goes_on(client):
     model = _model(client)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="x", max_tokens=4, extra_body={"guided_regex": "(open"})
-    assert err.value.body["param"] == "structured_outputs.regex" and "could not be compiled" in err.value.message
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert err.value.body["param"] == "guided_regex" and "could not be compiled" in err.value.message
     r = client.completions.create(model=model, prompt="Yes or no:", max_tokens=4, temperature=0,
                                   extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].text in ("yes", "no")

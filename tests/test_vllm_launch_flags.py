@@ -25,6 +25,8 @@ def test_flags_without_effect_and_neutral_values_parse():
                  "--max-logprobs", "20", "--disable-frontend-multiprocessing", "--trust-remote-code",
                  "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce", "-O3", "--tokenizer-mode", "auto",
                  "--limit-mm-per-prompt", "{}", "--guided-decoding-backend", "xgrammar", "--response-role",
+                 "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}',
+                 "--response-role",
                  "assistant", "--chat-template-content-format", "string"])
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
 
@@ -47,7 +49,10 @@ def test_model_as_vllm_spells_it():
     (["-q", "fp8"], "-q fp8: kvforge loads unquantized"),
     (["-pp", "2"], "pipeline parallelism is not implemented; use --tensor-parallel-size (only 1 is accepted)"),
     (["--override-generation-config", "{}"], "the sampling defaults come from --generation-config"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: tool calling is not supported"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: automatic tool choice needs a parser"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "structured outputs run on xgrammar"),
+    (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "send disable_any_whitespace"),
+    (["--guided-decoding-backend", "outlines"], "(only auto or xgrammar is accepted)"),
     (["--download-dir", "/x"], "kvforge never downloads weights"),
     (["--revision", "main"], "check out the revision there"),
     (["--tokenizer-mode", "mistral"], "leave --tokenizer-mode at auto or hf (only auto or hf is accepted)"),

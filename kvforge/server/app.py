@@ -206,6 +206,7 @@ def create_app(
         if log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
                         len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)
+        await aengine.check_constraint(req.params.structured_outputs, req.constraint_field)
         streams = await add_choices(req)
         try:
             if req.stream:

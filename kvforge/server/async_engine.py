@@ -258,6 +258,20 @@ class AsyncEngine:
                                             admitted=admitted)
         return stream
 
+    async def check_constraint(self, constraint, field: str | None = None) -> None:
+        """Compile a request's output constraint off the engine thread: one the compiler refuses is an
+        InvalidRequestError naming ``field`` (the request's own spelling) before anything is queued, and the
+        engine then takes the grammar from the compiler's cache instead of compiling between steps."""
+        if constraint is None or not hasattr(self.engine, "grammar_backend"):
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.engine.grammar_backend().compile(constraint))
+        except InvalidRequestError as e:
+            if field is None or e.field == field or not (e.field or "").startswith("structured_outputs"):
+                raise
+            raise InvalidRequestError(str(e).replace(e.field, field, 1), field=field) from None
+
     async def add_requests(
         self,
         prompts: list[str | list[int] | None],
@@ -295,12 +309,6 @@ class AsyncEngine:
         count = len(prompts) * len(samples)
         if not admitted:
             self.admit(count)
-        constraint = samples[0].structured_outputs if samples else None
-        if constraint is not None and hasattr(self.engine, "grammar_backend"):
-            # Compiled off the engine thread: a refused constraint is a 400 before anything is queued, and
-            # the engine then takes the grammar from the compiler's cache instead of compiling between steps.
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.engine.grammar_backend().compile(constraint))
         # The streams exist before the engine can run a step with their requests: _run finds every output.
         streams = [RequestStream(self, f"req-{next(self._ids)}", 0, prompt_only) for _ in range(count)]
         for stream in streams:

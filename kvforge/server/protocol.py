@@ -279,6 +279,7 @@ class ParsedRequest:
     prompt_only: bool = False
     chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
     tool_choice: ToolChoice | None = None  # chat: a forced tool call (kvforge/server/tool_calls.py)
+    constraint_field: str | None = None  # the field an error about params.structured_outputs names
     continuous_usage: bool = False  # streams: usage so far in every chunk (stream_options.continuous_usage_stats)
     # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens as "token_id:N" (always so without a tokenizer)
     tokens_as_ids: bool = False
@@ -347,11 +348,21 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-def parse_structured_outputs(body: dict) -> StructuredOutputsParams | None:
+def constraint_field(source: str, kind: str) -> str:
+    """The request field to name in an error about its constraint of ``kind``, spelt as ``source``."""
+    if source == "structured_outputs":
+        return f"structured_outputs.{kind}"
+    if source == "response_format":
+        return "response_format.json_schema.schema" if kind == "json" else "response_format"
+    return source
+
+
+def parse_structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's output constraint from whichever of its three spellings it uses: OpenAI's
     ``response_format`` (``json_object``, or ``json_schema`` with its ``schema``), vLLM's ``structured_outputs``
-    object, or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``. Two
-    constraints at once are refused (400), as is a field xgrammar cannot honour."""
+    object, or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, with
+    the field an error about it names (:func:`constraint_field`). Two constraints at once are refused (400),
+    as is a field xgrammar cannot honour."""
     found: list[tuple[str, dict]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -362,7 +373,7 @@ def parse_structured_outputs(body: dict) -> StructuredOutputsParams | None:
             found.append(("response_format", {"json_object": True}))
         elif kind == "json_schema":
             spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            if not isinstance(spec, dict) or not (isinstance(spec.get("schema"), dict) or spec.get("schema") is True):
                 bad_field("response_format.json_schema", 'must be an object holding the JSON schema as "schema" '
                                                          '(with "name" and "strict" as OpenAI spells them)')
             found.append(("response_format", {"json": spec["schema"]}))
@@ -383,11 +394,19 @@ def parse_structured_outputs(body: dict) -> StructuredOutputsParams | None:
     if backend is not None and backend not in ("auto", "xgrammar"):
         bad_field("guided_decoding_backend", f'only "xgrammar" (or "auto") is served here, got {backend!r}')
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
         bad_field(found[1][0], f"one output constraint a request: {names} both give one")
-    return StructuredOutputsParams.from_value(found[0][1])
+    source, value = found[0]
+    try:
+        params = StructuredOutputsParams.from_value(value)
+    except InvalidRequestError as e:
+        if source == "structured_outputs":
+            raise
+        field = constraint_field(source, next(iter(value)))
+        raise InvalidRequestError(str(e).replace(e.field or "", field, 1), field=field) from None
+    return params, constraint_field(source, params.kind)
 
 
 def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
@@ -416,6 +435,7 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         bad_field("seed", f"must be a signed 64-bit integer, got {seed}")
     _refuse_unsupported_features(body)
+    constraint, constraint_at = parse_structured_outputs(body)
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
     include_usage = continuous_usage = False
@@ -452,12 +472,12 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
         "truncate_prompt_tokens": get_int(body, "truncate_prompt_tokens", None),
-        "structured_outputs": parse_structured_outputs(body),
+        "structured_outputs": constraint,
     }
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
             "continuous_usage": continuous_usage, "sampling": sampling,
             "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False),
-            "return_token_ids": get_bool(body, "return_token_ids", False)}
+            "return_token_ids": get_bool(body, "return_token_ids", False), "constraint_field": constraint_at}
 
 
 def _logit_bias(body: dict) -> dict:
@@ -552,6 +572,7 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
         logprobs, False, echo=echo, prompt_only=prompt_only, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
+        constraint_field=common["constraint_field"],
     )
 
 
@@ -624,6 +645,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
                                      "request constrains its output too (response_format or structured_outputs): "
                                      "send one of them")
         common["sampling"]["structured_outputs"] = forced.constraint()
+        common["constraint_field"] = "tools"
     params = _params(common, max_tokens, logprobs)
     if get_bool(body, "echo", False):
         bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
@@ -639,6 +661,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
         chat_options=options, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
+        constraint_field=common["constraint_field"],
     )
 
 

@@ -11,14 +11,20 @@ takes it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection
 
 from kvforge.errors import InvalidRequestError
 from kvforge.structured.params import StructuredOutputsParams
+from kvforge.structured.schema_support import close_objects, unenforced
 
 #: Memory xgrammar's cache of compiled grammars may hold.
 CACHE_BYTES = 256 << 20
 INSTALL_HINT = "pip install xgrammar (or kvforge[structured])"
+#: The time and source position xgrammar puts before its messages.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+#: A Lark rule head (``?start:`` / ``name:``), which xgrammar's EBNF reader refuses.
+_LARK_RULE = re.compile(r"^\s*\??[A-Za-z_]\w*\s*:(?!:)", re.MULTILINE)
 
 
 def xgrammar_module():
@@ -51,12 +57,35 @@ class GrammarBackend:
         self._compiler = self._xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of ``params``; InvalidRequestError naming the field when xgrammar refuses it."""
+        """The compiled grammar of ``params``; InvalidRequestError naming the field when xgrammar refuses it,
+        when a schema uses a keyword xgrammar would not enforce, or when the constraint allows no first token
+        of this vocabulary (an output could never begin)."""
+        kind = params.kind
+        field = f"structured_outputs.{kind}"
+        compiled = self._compile(params, field)
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise InvalidRequestError(f"{field} allows no output: no token of this model's vocabulary can begin "
+                                      f"it", field=field)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams, field: str):
         kind = params.kind
         whitespace = not params.disable_any_whitespace
         try:
             if kind == "json":
-                return self._compiler.compile_json_schema(params.json, any_whitespace=whitespace)
+                schema = json.loads(params.json)
+                if schema is True:
+                    return self._compiler.compile_builtin_json_grammar()
+                if params.disable_additional_properties:
+                    schema = close_objects(schema)
+                problems = list(unenforced(schema))
+                if problems:
+                    raise InvalidRequestError(f"{field} uses what xgrammar does not enforce, so an output could break "
+                                              f"the schema: {'; '.join(problems)}", field=field)
+                return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=whitespace)
             if kind == "json_object":  # any object: not strict, or it could hold no property at all
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace,
                                                           strict_mode=False)
@@ -66,9 +95,12 @@ class GrammarBackend:
                 return self._compiler.compile_grammar(choice_grammar(params.choice))
             return self._compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InvalidRequestError(f"structured_outputs.{kind} could not be compiled: {message}",
-                                      field=f"structured_outputs.{kind}") from None
+            text = str(e).strip()
+            message = _XGRAMMAR_PREFIX.sub("", text.splitlines()[0]) if text else type(e).__name__
+            hint = ""
+            if kind == "grammar" and _LARK_RULE.search(params.grammar):
+                hint = " (this reads as a Lark grammar; give the grammar in EBNF: root ::= ...)"
+            raise InvalidRequestError(f"{field} could not be compiled: {message}{hint}", field=field) from None
 
     def matcher(self, params: StructuredOutputsParams):
         """A fresh xgrammar GrammarMatcher for ``params`` (one per request: it holds the request's position)."""

@@ -24,20 +24,37 @@ class StructuredOutputsParams:
 
     ``disable_any_whitespace``: JSON outputs take no whitespace but ``json.dumps``'s one-line separators
     (``", "`` and ``": "``); otherwise any whitespace between a JSON value's tokens. A schema's objects
-    take only the properties it lists, in its order (xgrammar's strict mode, as vLLM runs it). The schema is
-    stored as compact JSON text in its own key order, so equal constraints compare and hash equal. A request
-    with a constraint ends when the output is complete (the grammar then allows only an end-of-sequence
-    token), whatever ``ignore_eos`` or ``min_tokens`` say.
+    take the properties it lists, in its order, and others only where the schema allows them
+    (``additionalProperties``; xgrammar's strict mode, as vLLM runs it); ``disable_additional_properties``
+    sets ``additionalProperties: false`` on every object of the schema. A schema keyword xgrammar would not
+    enforce is refused when the request is compiled (kvforge/structured/schema_support.py). The schema is
+    stored as compact JSON text in its own key order, so equal constraints compare and hash equal; ``json``
+    may also be ``true`` (any JSON value). A request with a constraint ends when the output is complete (the
+    grammar then allows only an end-of-sequence token), whatever ``ignore_eos`` or ``min_tokens`` say.
+
+    vLLM's other fields are taken at the values that change nothing here: ``disable_fallback`` (any: there
+    is one backend), ``whitespace_pattern`` and ``structural_tag`` (None).
     """
 
     json: str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    json_object: bool = False
+    json_object: bool | None = False
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self):
+        if self.json_object is None:
+            object.__setattr__(self, "json_object", False)
+        for name, why in (("whitespace_pattern", "JSON outputs take any whitespace, or with disable_any_whitespace "
+                                                 "none but json.dumps's separators"),
+                          ("structural_tag", "structural tags are not supported")):
+            if getattr(self, name) is not None:
+                _bad(name, f"must be left unset: {why}")
         schema = self.json
         if isinstance(schema, type) and callable(getattr(schema, "model_json_schema", None)):  # pydantic model
             schema = schema.model_json_schema()
@@ -47,9 +64,12 @@ class StructuredOutputsParams:
             except ValueError as e:
                 _bad("json", f"is not valid JSON ({e})")
         if schema is not None:
-            if not isinstance(schema, dict):
-                _bad("json", f"must be a JSON schema (an object), got {type(schema).__name__}")
-            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+            if not isinstance(schema, dict) and schema is not True:
+                _bad("json", f"must be a JSON schema (an object, or true for any value), got {schema!r:.40}")
+            try:
+                object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+            except (TypeError, ValueError) as e:
+                _bad("json", f"is not JSON data ({e})")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
                 _bad("choice", f"must be a list of strings, got {type(self.choice).__name__}")
@@ -60,7 +80,7 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 _bad(name, f"must be a non-empty string, got {value!r}")
-        for name in ("json_object", "disable_any_whitespace"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             if not isinstance(getattr(self, name), bool):
                 _bad(name, f"must be true or false, got {getattr(self, name)!r}")
         given = [name for name in CONSTRAINTS if self._is_set(name)]

@@ -38,13 +38,21 @@ def proposal_bitmask(matchers: list, proposals: list[list[int]], vocab_size: int
                 if matcher.is_terminated():  # a proposed end token completed the output: nothing follows it
                     break
                 matcher.fill_next_token_bitmask(bitmask, row + j)
-                if j == len(props) or not matcher.accept_token(props[j]):
+                if j == len(props) or not _allows(bitmask, row + j, props[j]) or not matcher.accept_token(props[j]):
                     break
                 accepted += 1
             if accepted:
                 matcher.rollback(accepted)
         row += len(props) + 1
     return bitmask
+
+
+def _allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    """Whether row ``row`` of ``bitmask`` allows ``token`` (checked before the matcher sees a proposal: xgrammar
+    warns on every special token it is offered)."""
+    if not 0 <= token < bitmask.shape[1] * 32:
+        return False
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

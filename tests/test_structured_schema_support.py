@@ -1,0 +1,118 @@
+"""JSON-schema keywords xgrammar compiles without enforcing (kvforge/structured/schema_support.py): each is
+refused by name, and the refusal is warranted: xgrammar's own compiler, given the same schema, lets an
+instance that breaks the keyword end as complete (when xgrammar starts enforcing one, its case here fails
+and the keyword can leave the list). Keywords it does enforce compile and hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvforge.errors import InvalidRequestError
+from kvforge.structured import StructuredOutputsParams
+from kvforge.structured.schema_support import close_objects
+
+xgrammar = pytest.importorskip("xgrammar")
+
+NOT_ENFORCED = [
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]"),
+    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}}, "[1]"),
+    ("not", {"type": "integer", "not": {"const": 10}}, "10"),
+    ("allOf of 2 schemas", {"allOf": [{"type": "integer", "minimum": 3}, {"type": "integer", "maximum": 5}]}, "9"),
+    ("if", {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 3}}, "7"),
+    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a":1}'),
+    ("format 'idn-email'", {"type": "string", "format": "idn-email"}, '"@@"'),
+    ("pattern with minLength/maxLength", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"'),
+    ("required b", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, '{"a":1}'),
+    ("$ref 'http", {"$ref": "http://example.com/s.json"}, '"s"'),
+    ("uniqueItems at #/properties/tags", {"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}, "required": ["tags"]},
+     '{"tags":["a","a"]}'),
+]
+ENFORCED = [
+    ({"type": "integer", "multipleOf": 5}, "7"), ({"type": "integer", "minimum": 5}, "3"),
+    ({"type": "string", "maxLength": 3}, '"abcdef"'), ({"type": "string", "pattern": "^[a-z]+$"}, '"AB"'),
+    ({"type": "string", "format": "date"}, '"soon"'), ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "true"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"b":1}'),
+    ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}, '"s"'),
+]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from kvforge.spec.embedded import embedded_model_path
+    from kvforge.structured.backend import GrammarBackend
+    from kvforge.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_model_path())
+    return GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+def _ends_complete(compiled, text: str, eos: int) -> bool:
+    matcher = xgrammar.GrammarMatcher(compiled)
+    return matcher.accept_string(text) and matcher.accept_token(eos) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("named, schema, breaking", NOT_ENFORCED, ids=[c[0] for c in NOT_ENFORCED])
+def test_unenforced_keyword_is_refused_and_would_have_been_ignored(backend, named, schema, breaking):
+    with pytest.raises(InvalidRequestError) as err:
+        backend.compile(StructuredOutputsParams(json=schema))
+    assert err.value.field == "structured_outputs.json" and named in str(err.value), err.value
+    raw = xgrammar.GrammarCompiler(backend.info).compile_json_schema(json.dumps(schema))
+    assert _ends_complete(raw, breaking, min(backend.info.stop_token_ids))
+
+
+@pytest.mark.parametrize("schema, breaking", ENFORCED)
+def test_enforced_keyword_compiles_and_holds(backend, schema, breaking):
+    compiled = backend.compile(StructuredOutputsParams(json=schema))
+    assert not _ends_complete(compiled, breaking, min(backend.info.stop_token_ids))
+
+
+def test_disable_additional_properties_closes_every_object(backend):
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                                     "additionalProperties": True}},
+              "additionalProperties": True}
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert schema["additionalProperties"] is True  # the given schema is left as it was
+    eos = min(backend.info.stop_token_ids)
+    assert _ends_complete(backend.compile(StructuredOutputsParams(json=schema)), '{"a":{"b":1,"c":2},"d":3}', eos)
+    strict = backend.compile(StructuredOutputsParams(json=schema, disable_additional_properties=True))
+    assert not _ends_complete(strict, '{"a":{"b":1,"c":2}}', eos) and _ends_complete(strict, '{"a":{"b":1}}', eos)
+
+
+def test_other_refusals_and_forms(backend):
+    with pytest.raises(InvalidRequestError, match="allows no output"):
+        backend.compile(StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]"))
+    with pytest.raises(InvalidRequestError) as err:
+        backend.compile(StructuredOutputsParams(regex="(abc"))
+    assert "could not be compiled" in str(err.value) and not str(err.value).split(": ", 1)[1].startswith("[")
+    with pytest.raises(InvalidRequestError, match="Lark grammar"):
+        backend.compile(StructuredOutputsParams(grammar='?start: value\nvalue: "a" | "b"'))
+    anything = backend.compile(StructuredOutputsParams(json=True))
+    eos = min(backend.info.stop_token_ids)
+    assert _ends_complete(anything, "[1, {}]", eos) and not _ends_complete(anything, "{", eos)
+    with pytest.raises(InvalidRequestError) as err:
+        StructuredOutputsParams(json={"enum": {1, 2}})
+    assert err.value.field == "structured_outputs.json"
+    vllm_fields = StructuredOutputsParams(regex="a", json_object=None, disable_fallback=True, whitespace_pattern=None,
+                                          structural_tag=None)
+    assert vllm_fields.kind == "regex"
+    for name in ("whitespace_pattern", "structural_tag"):
+        with pytest.raises(InvalidRequestError) as err:
+            StructuredOutputsParams(regex="a", **{name: "x"})
+        assert err.value.field == f"structured_outputs.{name}"
+
+
+def test_proposals_the_grammar_refuses_are_not_offered_to_the_matcher(backend, capfd):
+    from kvforge.structured.token_masks import proposal_bitmask
+
+    matcher = backend.matcher(StructuredOutputsParams(regex="(x\n){1,9}"))
+    special = next(i for i in range(backend.vocab_size) if backend.info.decoded_vocab[i] == b""
+                   and i not in backend.info.stop_token_ids)
+    capfd.readouterr()
+    bitmask = proposal_bitmask([matcher], [[special, 5, 6]], backend.vocab_size)
+    assert bitmask.shape[0] == 4 and "special token" not in capfd.readouterr().err
+    assert matcher.accept_string("x\n")  # rolled back to the start
