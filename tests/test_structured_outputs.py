@@ -201,15 +201,20 @@ def _summary(outs):
 
 
 def test_overlapped_engine_equals_synchronous(smol_llm):
-    """Constrained and free requests in one batch: the overlapped engine resolves each step before a
-    constrained request's next mask, so while one runs its steps match the synchronous engine's rows; after
-    the constrained requests end (on their grammars' end tokens) one row of the next step is wasted, so the
-    free requests compare by the near-tie rule."""
+    """Constrained and free requests in one batch: the overlapped engine feeds each constrained request's token
+    in flight to its grammar once the next step's forward is launched (no step is resolved early for it). A
+    request that ends on its grammar's end token leaves one wasted row in the next step, which changes the
+    batch's shape, so outputs compare by the near-tie rule; every constrained output still matches."""
     sync = smol_llm().generate(MIXED, _mixed_params(), use_tqdm=False)
-    overlapped = smol_llm(async_scheduling=True).generate(MIXED, _mixed_params(), use_tqdm=False)
-    assert _summary(overlapped)[0] == _summary(sync)[0] and _summary(overlapped)[2] == _summary(sync)[2]
-    assert _person_ok(json.loads(overlapped[0].outputs[0].text)) and re.fullmatch(PHONE, overlapped[2].outputs[0].text)
+    llm = smol_llm(async_scheduling=True)
+    before = (llm.engine.grammar_tokens_fed_ahead, llm.engine.async_pressure_resolves)
+    overlapped = llm.generate(MIXED, _mixed_params(), use_tqdm=False)
     assert_outputs_agree(overlapped, sync, tol=FP32_LOGIT_TOL)
+    assert _person_ok(json.loads(overlapped[0].outputs[0].text)) and re.fullmatch(PHONE, overlapped[2].outputs[0].text)
+    fed = llm.engine.grammar_tokens_fed_ahead - before[0]
+    constrained_tokens = len(overlapped[0].outputs[0].token_ids) + len(overlapped[2].outputs[0].token_ids)
+    assert fed >= constrained_tokens - 2  # every token but each request's first went to its grammar in flight
+    assert llm.engine.async_pressure_resolves == before[1]
 
 
 @pytest.mark.parametrize("config", [
@@ -238,9 +243,10 @@ def test_speculative_equals_plain(smol_llm, config):
         assert counters["num_accepted_tokens"] > 0
 
 
-def test_preempted_constrained_request_keeps_its_output(smol_llm):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_preempted_constrained_request_keeps_its_output(smol_llm, overlap):
     want = smol_llm().generate(MIXED, _mixed_params(100), use_tqdm=False)
-    small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192)
+    small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192, async_scheduling=overlap)
     got = small.generate(MIXED, _mixed_params(100), use_tqdm=False)  # the free requests alone need 14 blocks
     assert small.engine.stats()["num_preemptions"] > 0
     assert_outputs_agree(got, want, tol=FP32_LOGIT_TOL)

@@ -237,6 +237,7 @@ class LLMEngine:
         self._eos_token_ids = frozenset(eos)
         self._grammars = None  # structured outputs' GrammarBackend, built by the first request that has one
         self._grammars_lock = threading.Lock()
+        self.grammar_tokens_fed_ahead = 0  # in-flight tokens fed to grammars before they resolved (async)
         self.model_name = args.served_model_name or (args.model if args.model else self.spec.name)
         self.model_aliases = tuple(args.served_model_aliases)  # more names the server answers to
         self.generation_tokens_total = 0
@@ -520,15 +521,12 @@ class LLMEngine:
         self._check_running()
         early = None
         probing = self.proposer is not None and self._proposals_due()
-        if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()
-                                           or self._grammar_waits()):
+        if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()):
             # Memory pressure: resolve the step in flight first, so sequences it finishes free their
             # blocks before the next schedule (instead of a preemption that a finish would have avoided).
-            # Proposals: the proposer reads every sequence's latest tokens. Grammars: a constrained request's
-            # next mask needs the token in flight.
-            pressure = not probing and self.scheduler.next_step_may_preempt()
+            # Proposals: the proposer reads every sequence's latest tokens.
             early, self._inflight = self._resolve(self._inflight), None
-            if pressure:
+            if not probing:
                 self.async_pressure_resolves += 1
         if self.proposer is not None:
             self._propose(probing)
@@ -555,12 +553,21 @@ class LLMEngine:
             self.scheduler.trim_to_computed()
         return outputs
 
-    def _grammar_waits(self) -> bool:
-        """Whether a structured-output request has a token in flight: its grammar must see that token before
-        the mask of its next one, so the step in flight is resolved before the next is scheduled (such
-        requests run their steps synchronously)."""
-        return self._grammars is not None and any(seq.grammar is not None and seq.num_pending
-                                                  for seq in self.scheduler.requests.values())
+    def _feed_grammars_ahead(self, seqs: list[Sequence], prev: InflightStep) -> None:
+        """Async scheduling: a structured-output request's mask for this step needs the token it has in flight
+        from ``prev``. Called once this step's forward is launched, so the device keeps working while the
+        host waits for ``prev``'s tokens; each such token goes to its request's matcher now and resolves
+        later without being fed again (``Sequence.grammar_ahead``). A matcher already complete (its request
+        ends when ``prev`` resolves) takes nothing; its row is dropped."""
+        waiting = [seq for seq in seqs if seq.grammar is not None and seq.num_pending]
+        if not waiting:
+            return
+        tokens = prev.wait_tokens()
+        for seq in waiting:
+            token = tokens[prev.row_of[seq.request_id]]
+            accepted = not seq.grammar.is_terminated() and seq.grammar.accept_token(token)
+            seq.grammar_ahead.append((token, accepted))
+        self.grammar_tokens_fed_ahead += len(waiting)
 
     def _discard_proposer_state(self, request_id: str) -> None:
         """A finished, aborted or preempted request's proposer state (a draft model's KV) is freed with it."""
@@ -691,6 +698,8 @@ class LLMEngine:
             pending = None
             if ph_rows and any(seq.params.has_penalties for seq in sampled_seqs):
                 pending = self._pending_tokens(sampled_seqs, prev)
+            if ph_rows and self._grammars is not None:
+                self._feed_grammars_ahead(sampled_seqs, prev)
             result = self.sampler.sample_sequences(logits, sampled_seqs, pending)
             token_ids, logprobs = result.token_ids, result.logprobs
             if share:

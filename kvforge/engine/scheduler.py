@@ -507,8 +507,15 @@ class Scheduler:
     def _advance_grammar(seq: Sequence, token: int, stop_token: bool, reason) -> tuple[bool, int | None]:
         """Feed ``token`` to the request's grammar matcher; a token that completes the grammar's output (an
         end token, even under ``ignore_eos``) stops the request as a stop token does. The sampler only picks
-        tokens the grammar allows; one it refuses (an internal fault) ends the request, logged."""
-        if seq.grammar.accept_token(token):
+        tokens the grammar allows; one it refuses (an internal fault) ends the request, logged. A token the
+        engine fed to the matcher while it was in flight (``Sequence.grammar_ahead``) is not fed again."""
+        if seq.grammar_ahead:
+            fed, accepted = seq.grammar_ahead.pop(0)
+            if fed != token:
+                raise RuntimeError(f"{seq.request_id}: token {token} resolved where {fed} was fed to the grammar")
+        else:
+            accepted = seq.grammar.accept_token(token)
+        if accepted:
             if seq.grammar.is_terminated() and not stop_token:
                 return True, None
             return stop_token, reason

@@ -122,8 +122,11 @@ class Sequence:
         # by the scheduler only for a decoding sequence), and the acceptance record (None: no speculation).
         self.spec_token_ids: list[int] = []
         self.speculative: SpeculativeStats | None = None
-        # Structured outputs: the request's grammar matcher (xgrammar), at the end of its output tokens.
+        # Structured outputs: the request's grammar matcher (xgrammar), at the end of its output tokens and
+        # of ``grammar_ahead``: the token in flight (async scheduling), fed to it before it resolves, with
+        # whether the matcher took it.
         self.grammar = None
+        self.grammar_ahead: list[tuple[int, bool]] = []
         self._generators: dict[str, torch.Generator] = {}
 
     # ---- blocks -------------------------------------------------------------

@@ -8,14 +8,15 @@ import torch
 
 def grammar_bitmask(matchers: list, vocab_size: int) -> torch.Tensor | None:
     """The bitmask [len(matchers), ceil(vocab_size / 32)] int32 of each row's next token, every bit set in the
-    rows whose matcher is None; None when no row has one."""
+    rows whose matcher is None or complete (a row whose request ends before its token is read); None when no
+    row has one."""
     if all(m is None for m in matchers):
         return None
     import xgrammar
 
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
     for row, matcher in enumerate(matchers):
-        if matcher is not None:
+        if matcher is not None and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, row)
     return bitmask
 
