@@ -159,11 +159,14 @@ class LLM:
         ``add_generation_prompt=False``) continues the last assistant message, ``chat_template_kwargs`` are
         extra template variables (e.g. ``enable_thinking``). Each output's ``prompt`` is the rendered text.
         A bad message raises InvalidRequestError naming it (``messages[i].content``, ...); text parts are joined
-        by newlines (``chat_template_content_format`` "auto" or "string", as vLLM's "string"). ``chat_template``,
-        ``tools`` and ``mm_processor_kwargs`` are vLLM's arguments kvforge does not take: a per-call template is
-        refused (pass ``chat_template=`` to ``LLM(...)``), and so are tool calling and multimodal inputs."""
+        by newlines (``chat_template_content_format`` "auto" or "string", as vLLM's "string"). ``tools`` (OpenAI's
+        function tools) reach the template as its ``tools`` variable, as vLLM's ``LLM.chat`` passes them; to hold
+        the output to a call, give ``SamplingParams(structured_outputs=...)`` the function's parameters.
+        ``chat_template`` and ``mm_processor_kwargs`` are vLLM's arguments kvforge does not take: a per-call
+        template is refused (pass ``chat_template=`` to ``LLM(...)``), and so are multimodal inputs."""
         from kvforge.server.protocol import parse_chat_template_options, parse_messages
         from kvforge.server.tokenization import render_chat
+        from kvforge.server.tool_calls import with_tools
 
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -172,8 +175,6 @@ class LLM:
             raise InvalidRequestError("chat_template per call is not taken: give chat_template= to LLM(...) "
                                       "(a file or the template text), which renders every conversation",
                                       field="chat_template")
-        if tools:
-            raise InvalidRequestError("tool calling is not supported (leave tools unset)", field="tools")
         if chat_template_content_format not in ("auto", "string"):
             raise InvalidRequestError("message content reaches the chat template as a string (text parts joined by "
                                       "newlines): chat_template_content_format must be auto or string",
@@ -190,7 +191,7 @@ class LLM:
         ids, prompts = [], []
         for conv in convs:
             clean = parse_messages(conv)
-            options = parse_chat_template_options(body, clean)
+            options = with_tools(parse_chat_template_options(body, clean), tools)
             text = render_chat(tokenizer, clean, options)
             # The template already holds the special tokens: encode without adding BOS again.
             ids.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

@@ -13,7 +13,7 @@ from fake_engine import smollm2_test_engine
 
 from kvforge.server.app import ServerThread, create_app
 from kvforge.server.protocol import InvalidRequestError, parse_chat, parse_completion
-from kvforge.server.tokenization import render_chat
+from kvforge.server.tokenization import parse_tokenize, render_chat
 
 pytest.importorskip("xgrammar")
 
@@ -75,11 +75,41 @@ def test_the_choice_sets_the_constraint():
     ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"tools": [WEATHER], "tool_choice": "none", "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/properties/b"}, "b": {"type": "integer"}}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "none", "parallel_tool_calls": 1}, "parallel_tool_calls"),
 ])
 def test_bad_tool_fields_are_refused_by_name(fields, field):
     with pytest.raises(InvalidRequestError) as err:
         _chat(**fields)
     assert err.value.field == field, err.value
+
+
+UNIT = {"enum": ["c", "f"], "title": "Unit", "type": "string"}
+NESTED = {"type": "function", "function": {"name": "where", "parameters": {
+    "$defs": {"Address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 20}},
+                          "required": ["street"], "title": "Address"}, "Unit": UNIT},
+    "type": "object", "properties": {"addr": {"$ref": "#/$defs/Address"}, "unit": {"$ref": "#/$defs/Unit"}},
+    "required": ["addr", "unit"]}}}
+
+
+def test_required_keeps_each_functions_definitions_at_the_root():
+    """pydantic writes nested models and enums under $defs, referenced from the root: in the required array
+    the definitions move to its root, where those references resolve; a clash of two definitions is refused."""
+    other = {"type": "function", "function": {"name": "units", "parameters": {
+        "$defs": {"Unit": UNIT}, "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "required": ["u"]}}}
+    schema = json.loads(_chat(tools=[NESTED, other], tool_choice="required").params.structured_outputs.json)
+    assert schema["$defs"] == NESTED["function"]["parameters"]["$defs"]
+    assert all("$defs" not in c["properties"]["parameters"] for c in schema["items"]["anyOf"])
+    clash = {"type": "function", "function": {"name": "clash", "parameters": {
+        "$defs": {"Unit": {"enum": ["k"]}}, "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}}}}
+    with pytest.raises(InvalidRequestError, match=r"define \$defs/Unit differently"):
+        _chat(tools=[NESTED, clash], tool_choice="required")
 
 
 def test_completions_refuse_tools():
@@ -99,12 +129,25 @@ def test_tools_and_earlier_calls_reach_the_template():
         "{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} {{ c.function.arguments.city }}]"
         "{% endfor %}{% if m.tool_call_id %}[result of {{ m.tool_call_id }}]{% endif %}{% endfor %}")
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     req = parse_chat({"model": MODEL, "messages": history, "tools": [WEATHER, TIME], "tool_choice": "none"}, MODEL)
+    assert req.messages[1]["tool_calls"][1]["function"]["arguments"] == {}  # no arguments: an empty object
     text = render_chat(tokenizer, req.messages, req.chat_options)
     assert text.startswith("[tool get_weather][tool get_time]<user>")
-    assert "<assistant>[call call_1 get_weather Paris]<tool>sunny[result of call_1]" in text
+    assert "<assistant>[call call_1 get_weather Paris][call call_2 get_time ]<tool>sunny[result of call_1]" in text
+    tokenize = parse_tokenize({"model": MODEL, "messages": history, "tools": [WEATHER]}, MODEL)
+    assert dict(tokenize.chat_options.template_kwargs)["tools"] == [WEATHER]
+
+
+def test_llm_chat_renders_tools(smol_llm):
+    from kvforge import SamplingParams
+
+    llm = smol_llm(chat_template="{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+                                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    out = llm.chat(ASK, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False, tools=[WEATHER])[0]
+    assert out.prompt.startswith("[tool get_weather]<user>")
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +191,34 @@ def test_required(client, served, parallel):
     calls = choice.message.tool_calls
     assert calls and all(_call_ok(c) for c in calls) and (parallel or len(calls) == 1)
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-    with_calls = [c for c in chunks if c.choices[0].delta.tool_calls]
-    assert len(with_calls) == 1 and with_calls[0].choices[0].finish_reason == "tool_calls"
-    streamed = with_calls[0].choices[0].delta.tool_calls
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
+    with_calls = [k for k, c in enumerate(chunks) if c.choices[0].delta.tool_calls]
+    # The calls in one chunk, the finish in the next (OpenAI's order: the SDK closes calls on the finish).
+    assert len(with_calls) == 1 and chunks[with_calls[0]].choices[0].finish_reason is None
+    assert [c.choices[0].finish_reason for c in chunks[with_calls[0] + 1:]] == ["tool_calls"]
+    streamed = chunks[with_calls[0]].choices[0].delta.tool_calls
     assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
         [(k, c.function.name, c.function.arguments) for k, c in enumerate(calls)]
+
+
+def test_nested_definitions_and_no_parameters(client, served):
+    r = client.chat.completions.create(model=served, messages=ASK, tools=[NESTED], tool_choice="required",
+                                       max_tokens=80, temperature=0, parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "where" and args["unit"] in ("c", "f") and isinstance(args["addr"]["street"], str)
+    bare = {"type": "function", "function": {"name": "get_time"}}  # no parameters: OpenAI's empty list
+    r = client.chat.completions.create(model=served, messages=ASK, tools=[bare], max_tokens=20, temperature=0.8,
+                                       seed=4, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {}
+
+
+def test_a_compile_error_names_the_function(client, served):
+    tools = [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=served, messages=ASK, tools=tools, tool_choice="required", max_tokens=4)
+    assert err.value.body["param"] == "tools" and "tools[1].function.parameters#/properties/a" in err.value.message
 
 
 def test_cut_short_required_comes_back_as_text(client, served):

@@ -206,7 +206,10 @@ def create_app(
         if log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
                         len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)
-        await aengine.check_constraint(req.params.structured_outputs, req.constraint_field)
+        try:
+            await aengine.check_constraint(req.params.structured_outputs, req.constraint_field)
+        except InvalidRequestError as e:
+            raise req.tool_choice.explain(e) if req.tool_choice is not None else e from None
         streams = await add_choices(req)
         try:
             if req.stream:
@@ -432,9 +435,9 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
     try:
         if chat:
+            opening = {"role": "assistant", "content": None if tool_streams is not None else ""}
             for i in range(n):
-                await resp.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]))
+                await resp.write(chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}]))
         async for i, out in _merge(streams):
             view = views[i]
             comp = out.outputs[0]
@@ -452,7 +455,13 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             echoed[i] = True
             finish = view.finish_reason(comp) if out.finished else None
             if tool_streams is not None:
-                choice = {"index": i, "delta": tool_streams[i].delta(delta, text, out.finished), "logprobs": lp,
+                calls = tool_streams[i].delta(delta, text, out.finished)
+                if out.finished and calls:
+                    # The calls in a chunk of their own, then the finish: OpenAI's order, which clients that
+                    # close a call when the finish arrives (the openai SDK's stream events) rely on.
+                    await resp.write(chunk([{"index": i, "delta": calls, "logprobs": lp, "finish_reason": None}]))
+                    calls, lp = {}, None
+                choice = {"index": i, "delta": calls, "logprobs": lp,
                           "finish_reason": req.tool_choice.finish_reason(finish, text)}
             elif chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,

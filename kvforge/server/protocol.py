@@ -18,7 +18,7 @@ from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
-from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message
+from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message, with_tools
 from kvforge.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -651,11 +651,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         bad_field("echo", "is not supported on chat completions (it is on /v1/completions); leave it unset")
     _refuse_special_tokens_change(body, False)
     log_ignored_fields(body, CHAT_FIELDS)
-    options = parse_chat_template_options(body, clean)
-    if tools:
-        if any(key == "tools" for key, _ in options.template_kwargs):
-            bad_field("chat_template_kwargs", "may not set tools (the request's own 'tools' sets it)")
-        options = dataclasses.replace(options, template_kwargs=(*options.template_kwargs, ("tools", tools)))
+    options = with_tools(parse_chat_template_options(body, clean), tools)
     return ParsedRequest(
         "chat", common["model"], None, clean, params, explicit,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,

@@ -17,6 +17,7 @@ from typing import Any
 from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol
 from kvforge.server.protocol import ChatTemplateOptions, parse_chat_template_options
+from kvforge.server.tool_calls import with_tools
 
 NO_TOKENIZER = ("this server has no tokenizer (started with --skip-tokenizer-init, or the model has no tokenizer "
                 "files and no --tokenizer was given)")
@@ -100,7 +101,8 @@ def parse_tokenize(body: Any, served_model: str | tuple[str, ...]) -> TokenizeRe
         messages=messages,
         # vLLM's defaults: a plain prompt gets the tokenizer's special tokens, a chat has its own.
         add_special_tokens=protocol.get_bool(body, "add_special_tokens", has_prompt),
-        chat_options=parse_chat_template_options(body, messages) if has_messages else ChatTemplateOptions(),
+        chat_options=(with_tools(parse_chat_template_options(body, messages), body.get("tools")) if has_messages
+                      else ChatTemplateOptions()),
         return_token_strs=protocol.get_bool(body, "return_token_strs", False),
     )
 

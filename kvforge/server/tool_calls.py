@@ -7,7 +7,10 @@ its arguments (the function's ``parameters`` schema); ``"required"`` makes the o
 or more ``{"name": ..., "parameters": {...}}`` calls, each to a listed function with its own schema.
 The response then carries ``message.tool_calls`` (``content`` null), with ``finish_reason`` ``"tool_calls"``
 for ``"required"`` and ``"stop"`` for a named function (OpenAI's answer to a forced call);
-``parallel_tool_calls`` false holds ``"required"`` to one call. An output cut
+``parallel_tool_calls`` false holds ``"required"`` to one call. A function declared without ``parameters``
+takes none (its arguments are ``{}``), as OpenAI defines it. A stop string or stop token can also end the
+output early (``finish_reason`` ``"stop"`` with its ``stop_reason``): a named call's arguments then do not
+parse either. An output cut
 short by ``max_tokens`` keeps ``finish_reason`` ``"length"``: a named call's arguments are then the text
 as far as it went; a ``"required"`` array that does not parse comes back as ``content``.
 
@@ -27,8 +30,11 @@ from kvforge.errors import InvalidRequestError
 from kvforge.structured.params import StructuredOutputsParams
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-#: A function's parameters when its declaration has none: an object of any properties.
-ANY_OBJECT = {"type": "object"}
+#: A function's parameters when its declaration has none: OpenAI's empty parameter list (the arguments ``{}``).
+NO_PARAMETERS = {"type": "object", "properties": {}}
+#: Where each function's schema sits inside a ``"required"`` array's schema, as compile errors name it.
+_IN_ARRAY = re.compile(r"#/items/anyOf/(\d+)/properties/parameters")
+_DEFINITIONS = ("$defs", "definitions")
 
 
 def _bad(field: str, why: str):
@@ -53,16 +59,46 @@ class ToolChoice:
         return reason
 
     def constraint(self) -> StructuredOutputsParams:
-        """The JSON schema the output is held to (module docstring)."""
+        """The JSON schema the output is held to (module docstring). In a ``"required"`` array each function's
+        ``$defs`` (and ``definitions``) move to the array schema's root, where their ``#/$defs/...``
+        references find them (pydantic writes every nested model and enum there); two functions defining one
+        name differently, or a reference to another part of a function's own schema, are refused."""
         schemas = {name: json.loads(text) for name, text in self.parameters}
         if self.name is not None:
             return StructuredOutputsParams(json=schemas[self.name])
-        calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
-                  "required": ["name", "parameters"]} for name, schema in schemas.items()]
-        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        shared: dict[str, dict] = {}
+        calls = []
+        for i, (name, schema) in enumerate(schemas.items()):
+            schema = dict(schema)
+            for key in _DEFINITIONS:
+                for def_name, definition in (schema.pop(key, None) or {}).items():
+                    seen = shared.setdefault(key, {})
+                    if seen.get(def_name, definition) != definition:
+                        _bad("tools", f"two functions define {key}/{def_name} differently; rename one of them")
+                    seen[def_name] = definition
+            for ref in _refs(schema):
+                if ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+                    _bad(f"tools[{i}].function.parameters", f"$ref {ref!r} points into the function's own schema, "
+                                                            f"which a required call array cannot keep: move the "
+                                                            f"target under $defs")
+            calls.append({"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
+                          "required": ["name", "parameters"]})
+        array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **shared}
         if not self.parallel:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
+
+    def explain(self, error: InvalidRequestError) -> InvalidRequestError:
+        """``error`` (about the constraint, named as the compiler saw it) told in the request's terms: the
+        function whose parameters it is about, as ``tools[i].function.parameters``."""
+        message = str(error)
+        if self.name is None:
+            message = _IN_ARRAY.sub(lambda m: f"tools[{m.group(1)}].function.parameters#", message)
+        else:
+            index = [name for name, _ in self.parameters].index(self.name)
+            message = re.sub(r"(?<![\w\]])#", f"tools[{index}].function.parameters#", message)
+        message = message.replace(error.field or "", "tools", 1)
+        return InvalidRequestError(message, field="tools")
 
     def calls(self, text: str) -> list[dict] | None:
         """The ``tool_calls`` of output ``text``: a named function's call with ``text`` as its arguments; the
@@ -76,6 +112,16 @@ class ToolChoice:
         if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c for c in items):
             return None
         return [call_object(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
+
+
+def _refs(schema) -> list[str]:
+    """Every ``$ref`` string inside ``schema``."""
+    if isinstance(schema, dict):
+        found = [schema["$ref"]] if isinstance(schema.get("$ref"), str) else []
+        return found + [r for value in schema.values() for r in _refs(value)]
+    if isinstance(schema, list):
+        return [r for value in schema for r in _refs(value)]
+    return []
 
 
 def call_object(name: str, arguments: str) -> dict:
@@ -94,6 +140,10 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
         _bad(name, "is OpenAI's deprecated spelling: send the functions as 'tools' and the choice as 'tool_choice'")
     tools = body.get("tools")
     choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool) and parallel is not None:
+        _bad("parallel_tool_calls", f"must be true or false, got {parallel!r}")
+    parallel = parallel is not False
     if not tools:
         if tools is not None and not isinstance(tools, list):
             _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
@@ -113,22 +163,22 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
         if any(name == other for other, _ in parameters):
             _bad(f"tools[{i}].function.name", f"{name!r} is declared twice")
         schema = function.get("parameters")
-        if schema is not None and not isinstance(schema, dict):
-            _bad(f"tools[{i}].function.parameters", "must be a JSON schema (an object)")
-        parameters.append((name, json.dumps(schema if schema else ANY_OBJECT)))
+        if schema is not None and (not isinstance(schema, dict) or schema.get("type", "object") != "object"):
+            _bad(f"tools[{i}].function.parameters", 'must be a JSON schema of an object ({"type": "object", '
+                                                    '"properties": {...}}), the arguments\' shape')
+        parameters.append((name, json.dumps(schema if schema else NO_PARAMETERS)))
     if choice is None or choice == "auto":
         _bad("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, which '
                             'this server does not have: send "required" or {"type": "function", "function": {"name": '
                             '...}} to have the output constrained to a call, or "none"')
     if choice == "none":
         return tools, None
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        _bad("parallel_tool_calls", f"must be true or false, got {parallel!r}")
     if choice == "required":
         forced = ToolChoice(None, tuple(parameters), parallel)
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
+        if not isinstance(name, str):
+            _bad("tool_choice.function.name", f"must be a string, got {type(name).__name__}")
         if name not in dict(parameters):
             _bad("tool_choice", f"names function {name!r}, which 'tools' does not declare")
         forced = ToolChoice(name, tuple(parameters), parallel)
@@ -137,6 +187,8 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
     try:
         forced.constraint()
     except InvalidRequestError as e:  # a parameters schema that is not valid JSON-schema input
+        if (e.field or "").startswith("tools"):
+            raise
         _bad("tools", f"a function's parameters: {e}")
     return tools, forced
 
@@ -157,7 +209,7 @@ def template_message(message: dict, index: int) -> dict:
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 _bad(f"messages[{index}].tool_calls[{j}]", 'expected {"id": ..., "type": "function", "function": '
                                                            '{"name": ..., "arguments": "..."}}')
-            arguments = function.get("arguments", "{}")
+            arguments = function.get("arguments") or {}  # none or "": no arguments, as vLLM hands them over
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments)
@@ -200,3 +252,17 @@ class ToolCallStream:
         if calls is None:
             return {"content": text} if text else {}
         return {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+
+
+def with_tools(options, tools) -> object:
+    """Chat template ``options`` (ChatTemplateOptions) with ``tools`` (checked as a chat request's are) as the
+    template's ``tools`` variable; ``options`` unchanged for none. For renderings that take tools without a
+    tool choice (``/tokenize``, ``LLM.chat``)."""
+    import dataclasses
+
+    if not tools:
+        return options
+    checked, _ = parse_tools({"tools": tools, "tool_choice": "none"})
+    if any(key == "tools" for key, _ in options.template_kwargs):
+        _bad("chat_template_kwargs", "may not set tools (the 'tools' argument sets it)")
+    return dataclasses.replace(options, template_kwargs=(*options.template_kwargs, ("tools", checked)))
