@@ -147,6 +147,9 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
     if not tools:
         if tools is not None and not isinstance(tools, list):
             _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            _bad("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", "function": {{"name": '
+                                f'...}}}}, got {choice!r}')
         if choice not in (None, "none", "auto"):
             _bad("tool_choice", "names a tool call but the request sends no 'tools'")
         return None, None
