@@ -87,3 +87,12 @@ def test_numpy_scalars_are_the_numbers_they_hold():
         SamplingParams(max_tokens=np.int64(0))
     with pytest.raises(InvalidRequestError, match="temperature"):
         SamplingParams(temperature=np.float64("nan"))
+
+
+def test_clone_copies_with_changes_and_validates():
+    params = SamplingParams(temperature=0.5, max_tokens=8, stop=["x"], structured_outputs={"regex": "a+"})
+    assert params.clone() == params and params.clone() is not params
+    changed = params.clone(max_tokens=4)
+    assert changed.max_tokens == 4 and params.max_tokens == 8 and changed.stop == ("x",)
+    with pytest.raises(InvalidRequestError):
+        params.clone(top_p=2.0)

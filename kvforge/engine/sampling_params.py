@@ -190,6 +190,11 @@ class SamplingParams:
             seed = (seed + sample - SEED_MIN) % (1 << 64) + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)
 
+    def clone(self, **changes) -> SamplingParams:
+        """A copy (vLLM's ``clone``), with ``changes`` applied: the parameters are frozen, so this (or
+        ``dataclasses.replace``) is how a changed copy is made."""
+        return dataclasses.replace(self, **changes)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
