@@ -94,11 +94,6 @@ SERVER_FLAGS = (
              "/metrics)"),
     VllmFlag(("--uvicorn-log-level",), True, None, "accepted, no effect (the server is aiohttp)"),
     VllmFlag(("--disable-frontend-multiprocessing",), False, None, "accepted, no effect (one process serves)"),
-    VllmFlag(("--enable-auto-tool-choice",), False, (), "automatic tool choice needs a parser of the model's "
-             "tool-call syntax, which kvforge does not have; requests with tool_choice \"required\" or a named "
-             "function are served without it"),
-    VllmFlag(("--tool-call-parser",), True, (), "no tool-call parsers are built in; requests with tool_choice "
-             "\"required\" or a named function are served without one"),
     VllmFlag(("--reasoning-parser",), True, (), "reasoning text is not split from the answer: the model's whole "
              "output is the message content"),
     VllmFlag(("--response-role",), True, ("assistant",), "chat responses speak as the assistant"),

@@ -49,7 +49,6 @@ def test_model_as_vllm_spells_it():
     (["-q", "fp8"], "-q fp8: kvforge loads unquantized"),
     (["-pp", "2"], "pipeline parallelism is not implemented; use --tensor-parallel-size (only 1 is accepted)"),
     (["--override-generation-config", "{}"], "the sampling defaults come from --generation-config"),
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: automatic tool choice needs a parser"),
     (["--structured-outputs-config", '{"backend": "guidance"}'], "structured outputs run on xgrammar"),
     (["--structured-outputs-config", '{"disable_any_whitespace": true}'], "send disable_any_whitespace"),
     (["--guided-decoding-backend", "outlines"], "(only auto or xgrammar is accepted)"),

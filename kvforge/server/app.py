@@ -15,6 +15,7 @@ caught on the next write either way.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -37,7 +38,8 @@ from kvforge.server.async_engine import (
     ServerShuttingDownError,
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvforge.server.tool_calls import ToolCallStream
+from kvforge.server.tool_calls import ToolCallStream, call_object
+from kvforge.server.tool_parsers import HermesStream, parse_hermes
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
@@ -74,8 +76,10 @@ def create_app(
     served_model_name: str | None = None,
     shutdown_grace_s: float = 30.0,
     log_requests: bool = False,
+    tool_parser: str | None = None,
 ) -> web.Application:
-    """Build the app around a synchronous engine (docs/ENGINE_API.md)."""
+    """Build the app around a synchronous engine (docs/ENGINE_API.md); ``tool_parser``: the parser of tool calls
+    the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused)."""
     model_name = served_model_name or engine.model_name
     names = (model_name, *getattr(engine, "model_aliases", ()))  # the first is reported in responses
     metrics = ServerMetrics(model_name)
@@ -223,7 +227,7 @@ def create_app(
         return await generate(request, protocol.parse_completion)
 
     async def chat(request):
-        return await generate(request, protocol.parse_chat)
+        return await generate(request, functools.partial(protocol.parse_chat, tool_parser=tool_parser))
 
     async def tokenize(request):
         req = tokenization.parse_tokenize(await read_json(request), names)
@@ -325,6 +329,21 @@ class _Choice:
         return protocol.join_logprobs(parts)
 
 
+def _parsed_delta(parser: HermesStream, text: str, finished: bool) -> dict:
+    """The delta of a streamed choice whose calls the model chooses: new content, and each call whose block
+    closed, whole, at the next index."""
+    first = parser.calls
+    content, calls = parser.feed(text)
+    if finished:
+        content += parser.finish(text)
+    delta = {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = [{"index": first + k, **call_object(name, args)} for k, (name, args) in enumerate(calls)]
+    return delta
+
+
 async def _last(stream: RequestStream):
     final = None
     async for out in stream:
@@ -352,6 +371,13 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
             if calls is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 choice["finish_reason"] = req.tool_choice.finish_reason(choice["finish_reason"], text)
+            elif req.tool_parser is not None:
+                content, chosen = parse_hermes(text)
+                if chosen:
+                    choice["message"] = {"role": "assistant", "content": content or None,
+                                         "tool_calls": [call_object(name, args) for name, args in chosen]}
+                    if choice["finish_reason"] == "stop":
+                        choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (view.echo_text(final) if req.echo else "") + text
         if req.return_token_ids:  # vLLM's: the ids behind the text (a chat's prompt ids are the response's)
@@ -433,6 +459,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     ids_sent = [False] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
+    parsers = [HermesStream() for _ in range(n)] if chat and req.tool_parser is not None else None
     try:
         if chat:
             opening = {"role": "assistant", "content": None if tool_streams is not None else ""}
@@ -463,6 +490,15 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                     calls, lp = {}, None
                 choice = {"index": i, "delta": calls, "logprobs": lp,
                           "finish_reason": req.tool_choice.finish_reason(finish, text)}
+            elif parsers is not None:
+                choice = {"index": i, "delta": _parsed_delta(parsers[i], text, out.finished), "logprobs": lp,
+                          "finish_reason": finish}
+                if out.finished and parsers[i].calls:
+                    if choice["delta"]:  # the last content or calls first, then the finish (OpenAI's order)
+                        await resp.write(chunk([{**choice, "finish_reason": None}]))
+                        choice["delta"], choice["logprobs"] = {}, None
+                    if finish == "stop":
+                        choice["finish_reason"] = "tool_calls"
             elif chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": lp,
                           "finish_reason": finish}

@@ -18,6 +18,7 @@ import sys
 
 from kvforge.cli_vllm_flags import SERVER_FLAGS, add_vllm_flags
 from kvforge.errors import KVForgeError
+from kvforge.server.tool_parsers import PARSERS
 
 logger = logging.getLogger("kvforge.server")
 
@@ -40,6 +41,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each generation request at INFO: route, prompts, n, max tokens, stream (vLLM's flag)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (OpenAI's default with tools): the model chooses whether to "
+                        "call, and --tool-call-parser finds its calls (vLLM's flag)")
+    g.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="the syntax the model writes tool calls in: hermes (<tool_call>{json}</tool_call>, as "
+                        "Hermes and Qwen 2.5/3 write them)")
     add_vllm_flags(parser, SERVER_FLAGS)
     return parser
 
@@ -55,6 +62,11 @@ def _validate(ns) -> None:
         raise ConfigError(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
     if ns.shutdown_grace < 0:
         raise ConfigError(f"--shutdown-grace must be >= 0, got {ns.shutdown_grace}")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(PARSERS)}): the "
+                          f"syntax the model writes its calls in")
+    if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
+        raise ConfigError("--tool-call-parser is read only with --enable-auto-tool-choice; add it")
 
 
 def serve_main(args) -> int:
@@ -113,6 +125,7 @@ def serve_main(args) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
         log_requests=args.enable_log_requests,
+        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,

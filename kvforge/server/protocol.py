@@ -280,6 +280,7 @@ class ParsedRequest:
     chat_options: ChatTemplateOptions | None = None  # chat: how the messages are rendered
     tool_choice: ToolChoice | None = None  # chat: a forced tool call (kvforge/server/tool_calls.py)
     constraint_field: str | None = None  # the field an error about params.structured_outputs names
+    tool_parser: str | None = None  # chat: the parser of the calls the model may make (tool_choice "auto")
     continuous_usage: bool = False  # streams: usage so far in every chunk (stream_options.continuous_usage_stats)
     # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens as "token_id:N" (always so without a tokenizer)
     tokens_as_ids: bool = False
@@ -612,9 +613,11 @@ def parse_messages(messages: Any) -> list[dict]:
     return clean
 
 
-def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None) -> ParsedRequest:
+def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None,
+               tool_parser: str | None = None) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; ``defaults``: the model's default sampling fields (a ``max_tokens``
-    among them stands for a request that sends none, within the context)."""
+    among them stands for a request that sends none, within the context); ``tool_parser``: the server's
+    parser of tool calls the model chooses to make (``tool_choice`` ``"auto"``; None: refused)."""
     common = _common(body, served_model, defaults)
     messages = body.get("messages")
     if messages is None:
@@ -638,7 +641,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
     explicit = max_tokens is not None
     if not explicit:  # the model's default, still capped by the room the prompt leaves
         max_tokens = (defaults or {}).get("max_tokens")
-    tools, forced = parse_tools(body)
+    tools, forced, auto = parse_tools(body, tool_parser)
     if forced is not None:
         if common["sampling"]["structured_outputs"] is not None:
             bad_field("tool_choice", "forces a tool call, whose arguments are the output's constraint, and the "
@@ -657,7 +660,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
         chat_options=options, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
-        constraint_field=common["constraint_field"],
+        constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
     )
 
 

@@ -15,8 +15,9 @@ short by ``max_tokens`` keeps ``finish_reason`` ``"length"``: a named call's arg
 as far as it went; a ``"required"`` array that does not parse comes back as ``content``.
 
 ``tool_choice`` ``"none"`` renders the tools and constrains nothing. ``"auto"`` (OpenAI's default when
-``tools`` are sent) would need a parser of each model's own tool-call syntax, which kvforge does not have:
-it is refused with what to send instead.
+``tools`` are sent) needs a parser of the model's own tool-call syntax (kvforge/server/tool_parsers.py),
+which the server takes with ``--enable-auto-tool-choice --tool-call-parser NAME``; without one it is
+refused with what to send instead.
 """
 
 from __future__ import annotations
@@ -131,10 +132,11 @@ def call_object(name: str, arguments: str) -> dict:
     return {"id": random_id("chatcmpl-tool"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
-    """A chat body's ``tools`` (as the template gets them, None for none) and its forced call (None for no
-    constraint); InvalidRequestError naming the field for a malformed declaration or a choice this server
-    cannot honour."""
+def parse_tools(body: dict, parser: str | None = None) -> tuple[list[dict] | None, ToolChoice | None, bool]:
+    """A chat body's ``tools`` (as the template gets them, None for none), its forced call (None for no
+    constraint), and whether the model chooses (``"auto"``, served where the server has a tool-call
+    ``parser``: kvforge/server/tool_parsers.py); InvalidRequestError naming the field for a malformed
+    declaration or a choice this server cannot honour."""
     if body.get("functions") is not None or body.get("function_call") is not None:
         name = "functions" if body.get("functions") is not None else "function_call"
         _bad(name, "is OpenAI's deprecated spelling: send the functions as 'tools' and the choice as 'tool_choice'")
@@ -152,7 +154,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
                                 f'...}}}}, got {choice!r}')
         if choice not in (None, "none", "auto"):
             _bad("tool_choice", "names a tool call but the request sends no 'tools'")
-        return None, None
+        return None, None, False
     if not isinstance(tools, list):
         _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
     parameters = []
@@ -171,11 +173,14 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
                                                     '"properties": {...}}), the arguments\' shape')
         parameters.append((name, json.dumps(schema if schema else NO_PARAMETERS)))
     if choice is None or choice == "auto":
+        if parser is not None:
+            return tools, None, True
         _bad("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, which '
-                            'this server does not have: send "required" or {"type": "function", "function": {"name": '
-                            '...}} to have the output constrained to a call, or "none"')
+                            'this server was not started with (--enable-auto-tool-choice --tool-call-parser hermes): '
+                            'send "required" or {"type": "function", "function": {"name": ...}} to have the output '
+                            'constrained to a call, or "none"')
     if choice == "none":
-        return tools, None
+        return tools, None, False
     if choice == "required":
         forced = ToolChoice(None, tuple(parameters), parallel)
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
@@ -193,7 +198,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
         if (e.field or "").startswith("tools"):
             raise
         _bad("tools", f"a function's parameters: {e}")
-    return tools, forced
+    return tools, forced, False
 
 
 def template_message(message: dict, index: int) -> dict:
@@ -265,7 +270,7 @@ def with_tools(options, tools) -> object:
 
     if not tools:
         return options
-    checked, _ = parse_tools({"tools": tools, "tool_choice": "none"})
+    checked, _, _ = parse_tools({"tools": tools, "tool_choice": "none"})
     if any(key == "tools" for key, _ in options.template_kwargs):
         _bad("chat_template_kwargs", "may not set tools (the 'tools' argument sets it)")
     return dataclasses.replace(options, template_kwargs=(*options.template_kwargs, ("tools", checked)))

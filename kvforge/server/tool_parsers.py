@@ -1,0 +1,99 @@
+"""Tool-call parsers for ``tool_choice`` ``"auto"`` (``--enable-auto-tool-choice --tool-call-parser NAME``, vLLM's
+flags): the model decides whether to call, in its own syntax, and the parser finds the calls in its text.
+
+``hermes`` (Hermes 2 Pro, Qwen 2.5 / 3 and others trained on that format): each call is a JSON object
+``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; the text outside the
+blocks is the message's content. A block whose JSON does not parse as a call stays in the content as the
+model wrote it, as does an unterminated block at the end of the output.
+
+Streamed, content goes out as it is generated except a tail that may begin a ``<tool_call>`` tag (held
+until it does or does not), and each call goes out whole, as one ``tool_calls`` entry, once its block
+closes.
+"""
+
+from __future__ import annotations
+
+import json
+
+PARSERS = ("hermes",)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _call(block: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one block's JSON, None when it is not a call."""
+    try:
+        value = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def parse_hermes(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of a whole output: calls as (name, arguments JSON) in order, content the text outside
+    the call blocks (stripped where calls were taken)."""
+    content, calls, rest = [], [], text
+    while True:
+        start = rest.find(OPEN)
+        end = rest.find(CLOSE, start + len(OPEN)) if start >= 0 else -1
+        if start < 0 or end < 0:
+            content.append(rest)
+            break
+        call = _call(rest[start + len(OPEN):end])
+        content.append(rest[:start])
+        if call is None:
+            content.append(rest[start:end + len(CLOSE)])
+        else:
+            calls.append(call)
+        rest = rest[end + len(CLOSE):]
+    joined = "".join(content)
+    return (joined.strip() if calls else joined), calls
+
+
+class HermesStream:
+    """Incremental :func:`parse_hermes` over a streamed output: :meth:`feed` takes the text so far and returns
+    (new content, new calls) to send; :meth:`finish` the rest once the output ends."""
+
+    def __init__(self):
+        self.done = 0  # characters of the text already handed out (as content or as calls)
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        content, calls = [], []
+        while True:
+            rest = text[self.done:]
+            start = rest.find(OPEN)
+            if start < 0:
+                keep = _partial_tag(rest)
+                content.append(rest[:len(rest) - keep])
+                self.done += len(rest) - keep
+                break
+            end = rest.find(CLOSE, start + len(OPEN))
+            content.append(rest[:start])
+            if end < 0:  # inside a block: wait for its close
+                self.done += start
+                break
+            call = _call(rest[start + len(OPEN):end])
+            if call is None:
+                content.append(rest[start:end + len(CLOSE)])
+            else:
+                calls.append(call)
+            self.done += end + len(CLOSE)
+        self.calls += len(calls)
+        return "".join(content), calls
+
+    def finish(self, text: str) -> str:
+        """The content still held when the output ends (a partial tag, an unterminated block)."""
+        rest = text[self.done:]
+        self.done = len(text)
+        return rest
+
+
+def _partial_tag(text: str) -> int:
+    """Length of the longest end of ``text`` that begins ``<tool_call>`` (held back until it is decided)."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,104 @@
+"""Tool calls the model chooses to make (``tool_choice`` ``"auto"``, ``--enable-auto-tool-choice
+--tool-call-parser hermes``; kvforge/server/tool_parsers.py): the parser on whole outputs, the streamed parse
+against the whole one at every split, and the server with the official ``openai`` client. The embedded
+SmolLM2 never writes a call by itself, so the end-to-end calls come from a regular expression that holds its
+output to the Hermes syntax (structured outputs), and a free output is the plain-text case."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from fake_engine import smollm2_test_engine
+
+from kvforge.server.app import ServerThread, create_app
+from kvforge.server.cli import _validate, add_serve_args
+from kvforge.server.tool_parsers import HermesStream, parse_hermes
+
+pytest.importorskip("xgrammar")
+
+TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "parameters": {"zone": "UTC"}}\n</tool_call>')
+BROKEN = 'a <tool_call>\n{"name": oops}\n</tool_call> b <tool_call>{"name": "x", "arguments": {}}'
+
+
+def test_whole_outputs():
+    assert parse_hermes(TWO_CALLS) == ("Let me check.", [("get_weather", '{"city": "Paris"}'),
+                                                          ("get_time", '{"zone": "UTC"}')])
+    assert parse_hermes("just text <tool") == ("just text <tool", [])
+    assert parse_hermes(BROKEN) == (BROKEN, [])  # a block that is not a call, and one left open: content
+    assert parse_hermes('<tool_call>{"name": "f"}</tool_call>') == ("", [("f", "{}")])
+
+
+@pytest.mark.parametrize("text", [TWO_CALLS, BROKEN, "plain <tool_cal text < and <", "x" * 5])
+def test_streamed_parse_equals_the_whole_one(text):
+    """Fed every prefix in turn (one character at a time), the stream hands out the whole parse's calls and
+    the whole text's content: the same content, unstripped, where calls were taken."""
+    stream, content, calls = HermesStream(), [], []
+    for end in range(1, len(text) + 1):
+        new, found = stream.feed(text[:end])
+        content.append(new)
+        calls.extend(found)
+    content.append(stream.finish(text))
+    whole_content, whole_calls = parse_hermes(text)
+    assert calls == whole_calls
+    streamed = "".join(content)
+    assert (streamed.strip() if calls else streamed) == whole_content
+    held = HermesStream()
+    assert held.feed("text <tool_") == ("text ", [])  # a tail that may open a block waits
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--tool-call-parser", "hermes"], "--tool-call-parser is read only with --enable-auto-tool-choice"),
+])
+def test_flags_need_each_other(argv, says):
+    import argparse
+
+    from kvforge.errors import ConfigError
+
+    ns = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
+    with pytest.raises(ConfigError, match=says):
+        _validate(ns)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+HERMES = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,9}"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    srv = ServerThread(create_app(engine, tool_parser="hermes")).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    srv.stop()
+
+
+def test_auto_choice_parses_the_models_calls(client):
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=ASK, tools=[WEATHER], max_tokens=150, temperature=0,
+              extra_body={"guided_regex": HERMES})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and re.fullmatch(r"[A-Z][a-z]{2,9}",
+                                                                json.loads(call.function.arguments)["city"])
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert text.strip() == "Checking." and [(t.index, t.function.name, t.function.arguments) for t in calls] == \
+        [(0, "get_weather", call.function.arguments)]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert finishes == ["tool_calls"] and chunks[-1].choices[0].delta.tool_calls is None
+
+
+def test_auto_choice_without_a_call_is_text(client):
+    model = client.models.list().data[0].id
+    choice = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="auto",
+                                            max_tokens=12, temperature=0).choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
