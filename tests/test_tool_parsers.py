@@ -1,6 +1,6 @@
 """Tool calls the model chooses to make (``tool_choice`` ``"auto"``, ``--enable-auto-tool-choice
---tool-call-parser hermes``; kvforge/server/tool_parsers.py): the parser on whole outputs, the streamed parse
-against the whole one at every split, and the server with the official ``openai`` client. The embedded
+--tool-call-parser hermes|llama3_json``; kvforge/server/tool_parsers.py): the parsers on whole outputs, each
+streamed parse against the whole one at every split, and the server with the official ``openai`` client. The embedded
 SmolLM2 never writes a call by itself, so the end-to-end calls come from a regular expression that holds its
 output to the Hermes syntax (structured outputs), and a free output is the plain-text case."""
 
@@ -15,7 +15,7 @@ from fake_engine import smollm2_test_engine
 
 from kvforge.server.app import ServerThread, create_app
 from kvforge.server.cli import _validate, add_serve_args
-from kvforge.server.tool_parsers import HermesStream, parse_hermes
+from kvforge.server.tool_parsers import PARSERS, HermesStream, parse_hermes, parse_llama3_json
 
 pytest.importorskip("xgrammar")
 
@@ -32,22 +32,39 @@ def test_whole_outputs():
     assert parse_hermes('<tool_call>{"name": "f"}</tool_call>') == ("", [("f", "{}")])
 
 
-@pytest.mark.parametrize("text", [TWO_CALLS, BROKEN, "plain <tool_cal text < and <", "x" * 5])
-def test_streamed_parse_equals_the_whole_one(text):
+LLAMA_CALLS = ' {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+
+
+def test_llama3_json_whole_outputs():
+    assert parse_llama3_json(LLAMA_CALLS) == ("", [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])
+    assert parse_llama3_json('<|python_tag|>{"name": "f", "arguments": {"a": 1}}') == ("", [("f", '{"a": 1}')])
+    for text in ("The weather is fine.", '{"name": "f"} and then text', '{"city": "Paris"}', "{not json"):
+        assert parse_llama3_json(text) == (text, [])
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", TWO_CALLS), ("hermes", BROKEN), ("hermes", "plain <tool_cal text < and <"), ("hermes", "x" * 5),
+    ("llama3_json", LLAMA_CALLS), ("llama3_json", "  plain text {"), ("llama3_json", "{broken"),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}'), ("llama3_json", "<|pyt and text"),
+])
+def test_streamed_parse_equals_the_whole_one(parser, text):
     """Fed every prefix in turn (one character at a time), the stream hands out the whole parse's calls and
     the whole text's content: the same content, unstripped, where calls were taken."""
-    stream, content, calls = HermesStream(), [], []
-    for end in range(1, len(text) + 1):
+    stream, content, calls = PARSERS[parser].stream(), [], []
+    for end in range(1, len(text)):
         new, found = stream.feed(text[:end])
         content.append(new)
         calls.extend(found)
-    content.append(stream.finish(text))
-    whole_content, whole_calls = parse_hermes(text)
+    new, found = stream.finish(text)
+    content.append(new)
+    calls.extend(found)
+    assert stream.calls == len(calls)
+    whole_content, whole_calls = PARSERS[parser].parse(text)
     assert calls == whole_calls
     streamed = "".join(content)
     assert (streamed.strip() if calls else streamed) == whole_content
-    held = HermesStream()
-    assert held.feed("text <tool_") == ("text ", [])  # a tail that may open a block waits
+    if parser == "hermes":
+        assert HermesStream().feed("text <tool_") == ("text ", [])  # a tail that may open a block waits
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -102,3 +119,29 @@ def test_auto_choice_without_a_call_is_text(client):
                                             max_tokens=12, temperature=0).choices[0]
     assert choice.message.tool_calls is None and choice.message.content
     assert choice.finish_reason in ("stop", "length")
+
+
+LLAMA = r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,9}"\}\}'
+
+
+@pytest.fixture(scope="module")
+def llama_client():
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    srv = ServerThread(create_app(engine, tool_parser="llama3_json")).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    srv.stop()
+
+
+def test_llama3_json_auto_choice(llama_client):
+    model = llama_client.models.list().data[0].id
+    kw = dict(model=model, messages=ASK, tools=[WEATHER], max_tokens=100, temperature=0,
+              extra_body={"guided_regex": LLAMA})
+    choice = llama_client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
+    chunks = [c for c in llama_client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", call.function.arguments)]
+    assert not any(c.choices[0].delta.content for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]

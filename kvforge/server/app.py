@@ -39,7 +39,7 @@ from kvforge.server.async_engine import (
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.tool_calls import ToolCallStream, call_object
-from kvforge.server.tool_parsers import HermesStream, parse_hermes
+from kvforge.server.tool_parsers import PARSERS
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
@@ -329,13 +329,11 @@ class _Choice:
         return protocol.join_logprobs(parts)
 
 
-def _parsed_delta(parser: HermesStream, text: str, finished: bool) -> dict:
-    """The delta of a streamed choice whose calls the model chooses: new content, and each call whose block
-    closed, whole, at the next index."""
+def _parsed_delta(parser, text: str, finished: bool) -> dict:
+    """The delta of a streamed choice whose calls the model chooses (``parser``: a tool parser's stream,
+    kvforge/server/tool_parsers.py): new content, and each call found since, whole, at the next index."""
     first = parser.calls
-    content, calls = parser.feed(text)
-    if finished:
-        content += parser.finish(text)
+    content, calls = parser.finish(text) if finished else parser.feed(text)
     delta = {}
     if content:
         delta["content"] = content
@@ -372,7 +370,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 choice["finish_reason"] = req.tool_choice.finish_reason(choice["finish_reason"], text)
             elif req.tool_parser is not None:
-                content, chosen = parse_hermes(text)
+                content, chosen = PARSERS[req.tool_parser].parse(text)
                 if chosen:
                     choice["message"] = {"role": "assistant", "content": content or None,
                                          "tool_calls": [call_object(name, args) for name, args in chosen]}
@@ -459,7 +457,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     ids_sent = [False] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
-    parsers = [HermesStream() for _ in range(n)] if chat and req.tool_parser is not None else None
+    parsers = [PARSERS[req.tool_parser].stream() for _ in range(n)] if chat and req.tool_parser is not None else None
     try:
         if chat:
             opening = {"role": "assistant", "content": None if tool_streams is not None else ""}

@@ -44,9 +44,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice \"auto\" (OpenAI's default with tools): the model chooses whether to "
                         "call, and --tool-call-parser finds its calls (vLLM's flag)")
-    g.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the syntax the model writes tool calls in: hermes (<tool_call>{json}</tool_call>, as "
-                        "Hermes and Qwen 2.5/3 write them)")
+                        "Hermes and Qwen 2.5/3 write them) or llama3_json (a JSON object per call, as Llama "
+                        "3.1-3.3 write them)")
     add_vllm_flags(parser, SERVER_FLAGS)
     return parser
 
@@ -63,7 +64,7 @@ def _validate(ns) -> None:
     if ns.shutdown_grace < 0:
         raise ConfigError(f"--shutdown-grace must be >= 0, got {ns.shutdown_grace}")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(PARSERS)}): the "
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))}): the "
                           f"syntax the model writes its calls in")
     if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
         raise ConfigError("--tool-call-parser is read only with --enable-auto-tool-choice; add it")

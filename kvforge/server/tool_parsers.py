@@ -4,19 +4,26 @@ flags): the model decides whether to call, in its own syntax, and the parser fin
 ``hermes`` (Hermes 2 Pro, Qwen 2.5 / 3 and others trained on that format): each call is a JSON object
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; the text outside the
 blocks is the message's content. A block whose JSON does not parse as a call stays in the content as the
-model wrote it, as does an unterminated block at the end of the output.
+model wrote it, as does an unterminated block at the end of the output. Streamed, content goes out as it is
+generated except a tail that may begin a ``<tool_call>`` tag (held until it does or does not), and each
+call goes out whole, as one ``tool_calls`` entry, once its block closes.
 
-Streamed, content goes out as it is generated except a tail that may begin a ``<tool_call>`` tag (held
-until it does or does not), and each call goes out whole, as one ``tool_calls`` entry, once its block
-closes.
+``llama3_json`` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): an output that begins (after whitespace,
+and the ``<|python_tag|>`` text if present) with ``{`` is one or more calls ``{"name": ..., "parameters":
+{...}}`` separated by ``;``, and has no content; one that does not parse that way whole is content.
+Streamed, an output that begins with ``{`` is held to its end and goes out as calls (or, not parsing, as
+content); any other streams as content.
+
+Each parser gives ``parse(text) -> (content, [(name, arguments JSON)])`` and ``stream()``, an object whose
+``feed(text so far)`` returns (new content, new calls) and ``finish(text)`` the content still held.
 """
 
 from __future__ import annotations
 
 import json
 
-PARSERS = ("hermes",)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 def _call(block: str) -> tuple[str, str] | None:
@@ -84,11 +91,13 @@ class HermesStream:
         self.calls += len(calls)
         return "".join(content), calls
 
-    def finish(self, text: str) -> str:
-        """The content still held when the output ends (a partial tag, an unterminated block)."""
+    def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """(content, calls) still held when the output ends: a partial tag or an unterminated block, as
+        content."""
+        content, calls = self.feed(text)
         rest = text[self.done:]
         self.done = len(text)
-        return rest
+        return content + rest, calls
 
 
 def _partial_tag(text: str) -> int:
@@ -97,3 +106,70 @@ def _partial_tag(text: str) -> int:
         if OPEN.startswith(text[-n:]):
             return n
     return 0
+
+
+def parse_llama3_json(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of a whole Llama 3 JSON output (module docstring)."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call(json.dumps(value))
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return "", calls
+
+
+class Llama3JsonStream:
+    """Incremental :func:`parse_llama3_json`: content streams until the output shows it begins with ``{``,
+    after which everything waits for the end."""
+
+    def __init__(self):
+        self.sent = 0
+        self.calls = 0
+        self.held: bool | None = None  # None: undecided (only whitespace so far)
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        if self.held is None:
+            start = text.lstrip()
+            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
+                return "", []  # only whitespace, or what may still become the python tag
+            self.held = start.startswith("{") or start.startswith(PYTHON_TAG)
+        if self.held:
+            return "", []
+        new, self.sent = text[self.sent:], len(text)
+        return new, []
+
+    def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """(content, calls) still to send once the output ends."""
+        if not self.held:
+            new, self.sent = text[self.sent:], len(text)
+            return new, []
+        content, calls = parse_llama3_json(text)
+        self.calls += len(calls)
+        return content, calls
+
+
+class _Hermes:
+    parse = staticmethod(parse_hermes)
+    stream = HermesStream
+
+
+class _Llama3Json:
+    parse = staticmethod(parse_llama3_json)
+    stream = Llama3JsonStream
+
+
+#: --tool-call-parser NAME -> its parser.
+PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json}
