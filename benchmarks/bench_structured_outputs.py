@@ -10,6 +10,7 @@ the step in flight before it can. Prints output tok/s per mode (median [min-max]
 ratio to free text.
 
     python benchmarks/bench_structured_outputs.py --device cuda [--async-scheduling] [--num-prompts 64]
+    python benchmarks/bench_structured_outputs.py llama-3.1-8b --load-format dummy --tokenizer DIR --device cuda
 """
 
 from __future__ import annotations
@@ -34,14 +35,18 @@ def _params(kind: str, max_tokens: int, i: int) -> SamplingParams:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
+    ap.add_argument("model", nargs="?", default=None, help="a checkpoint or preset (default: the embedded SmolLM2)")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights of the model's architecture")
+    ap.add_argument("--tokenizer", default=None, help="a tokenizer directory, for a preset or dummy weights")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     args = ap.parse_args()
-    llm = LLM(args.model, device=args.device, async_scheduling=args.async_scheduling, progress=False)
+    llm = LLM(args.model, device=args.device, async_scheduling=args.async_scheduling, progress=False,
+              load_format=args.load_format, tokenizer=args.tokenizer, max_model_len=args.max_model_len)
     prompts = [f"Write {i % 7 + 3} sentences about the sea." for i in range(args.num_prompts)]
     rows = {}
     for kind in ("free", "all", "half"):
