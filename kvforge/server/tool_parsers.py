@@ -3,10 +3,12 @@ flags): the model decides whether to call, in its own syntax, and the parser fin
 
 ``hermes`` (Hermes 2 Pro, Qwen 2.5 / 3 and others trained on that format): each call is a JSON object
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; the text outside the
-blocks is the message's content. A block whose JSON does not parse as a call stays in the content as the
+blocks is the message's content (whitespace at its end dropped when there are calls). A block whose JSON
+is not a call (an object with a string ``name`` and an object of ``arguments``) stays in the content as the
 model wrote it, as does an unterminated block at the end of the output. Streamed, content goes out as it is
-generated except a tail that may begin a ``<tool_call>`` tag (held until it does or does not), and each
-call goes out whole, as one ``tool_calls`` entry, once its block closes.
+generated except a tail that may begin a ``<tool_call>`` tag or is whitespace (each held until decided),
+and each call goes out whole, as one ``tool_calls`` entry, once its block closes: the streamed content
+equals the whole parse's.
 
 ``llama3_json`` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): an output that begins (after whitespace,
 and the ``<|python_tag|>`` text if present) with ``{`` is one or more calls ``{"name": ..., "parameters":
@@ -27,14 +29,24 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 def _call(block: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of one block's JSON, None when it is not a call."""
+    """(name, arguments as JSON text) of one block's JSON, None when it is not a call: a call is an object
+    with a string ``name`` and an object of ``arguments`` (or ``parameters``), which may come as its JSON
+    text; any other JSON (``{"name": "Alice", "age": 30}``, say) is an answer, not a call."""
     try:
         value = json.loads(block)
     except ValueError:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    key = "arguments" if "arguments" in value else "parameters" if "parameters" in value else None
+    arguments = value.get(key) if key else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
@@ -56,7 +68,7 @@ def parse_hermes(text: str) -> tuple[str, list[tuple[str, str]]]:
             calls.append(call)
         rest = rest[end + len(CLOSE):]
     joined = "".join(content)
-    return (joined.strip() if calls else joined), calls
+    return (joined.rstrip() if calls else joined), calls
 
 
 class HermesStream:
@@ -66,8 +78,20 @@ class HermesStream:
     def __init__(self):
         self.done = 0  # characters of the text already handed out (as content or as calls)
         self.calls = 0
+        self.spaces = ""  # whitespace at the end of the content so far, held until more content follows
 
     def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        content, calls = self._feed(text)
+        return self._release(content), calls
+
+    def _release(self, content: str) -> str:
+        """``content`` to send now: whitespace at its end waits (a whole parse drops it after the last call)."""
+        combined = self.spaces + content
+        kept = combined.rstrip()
+        self.spaces = combined[len(kept):]
+        return kept
+
+    def _feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
         content, calls = [], []
         while True:
             rest = text[self.done:]
@@ -94,10 +118,13 @@ class HermesStream:
     def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
         """(content, calls) still held when the output ends: a partial tag or an unterminated block, as
         content."""
-        content, calls = self.feed(text)
+        content, calls = self._feed(text)
         rest = text[self.done:]
         self.done = len(text)
-        return content + rest, calls
+        out = self._release(content + rest)
+        if not self.calls:  # no call: the content is the text as written, trailing whitespace too
+            out, self.spaces = out + self.spaces, ""
+        return out, calls
 
 
 def _partial_tag(text: str) -> int:
