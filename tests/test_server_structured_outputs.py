@@ -26,10 +26,11 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 
 @pytest.fixture(scope="module")
 def server():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
     srv = ServerThread(create_app(engine)).start()
     yield srv
     srv.stop()
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

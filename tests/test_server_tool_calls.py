@@ -141,21 +141,23 @@ def test_tools_and_earlier_calls_reach_the_template():
     assert dict(tokenize.chat_options.template_kwargs)["tools"] == [WEATHER]
 
 
-def test_llm_chat_renders_tools(smol_llm):
-    from kvforge import SamplingParams
+def test_llm_chat_renders_tools():
+    from kvforge import LLM, SamplingParams
 
-    llm = smol_llm(chat_template="{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
-                                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
-    out = llm.chat(ASK, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False, tools=[WEATHER])[0]
+    with LLM(progress=False, max_model_len=256, kv_cache_memory=64 << 20,
+             chat_template="{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+                           "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>") as llm:
+        out = llm.chat(ASK, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False, tools=[WEATHER])[0]
     assert out.prompt.startswith("[tool get_weather]<user>")
 
 
 @pytest.fixture(scope="module")
 def client():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
     srv = ServerThread(create_app(engine)).start()
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     srv.stop()
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -170,10 +170,19 @@ def test_bad_constraints_refused_and_engine_goes_on(smol_llm):
     assert text in ("a", "b")
 
 
-def test_no_tokenizer_refused(smol_llm):
-    llm = smol_llm(skip_tokenizer_init=True)
+def _own_engine(**kwargs):
+    """An engine of this test alone, with a small KV cache, shut down by the caller (the shared ones of
+    conftest.py stay alive for the whole run, each holding its weights and KV cache)."""
+    from kvforge import LLM
+
+    return LLM(progress=False, max_model_len=1024, kv_cache_memory=128 << 20, **kwargs)
+
+
+def test_no_tokenizer_refused():
+    llm = _own_engine(skip_tokenizer_init=True)
     with pytest.raises(InvalidRequestError, match="no tokenizer"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, structured_outputs={"regex": "a+"}), use_tqdm=False)
+    llm.shutdown()
 
 
 def test_missing_xgrammar_named(monkeypatch):
@@ -229,7 +238,7 @@ def test_speculative_equals_plain(smol_llm, config):
     params = [SamplingParams(temperature=0, max_tokens=60, logprobs=2, structured_outputs={"json": schema}),
               SamplingParams(temperature=0, max_tokens=30, logprobs=2, structured_outputs={"regex": PHONE})]
     plain = smol_llm(enable_prefix_caching=False).generate([prompt, "Call me at"], params, use_tqdm=False)
-    llm = smol_llm(enable_prefix_caching=False, speculative_config=json.dumps(config))
+    llm = _own_engine(enable_prefix_caching=False, speculative_config=config)
     if config.get("method") != "ngram":
         from test_speculative_engine import GarbageProposer
 
@@ -241,12 +250,14 @@ def test_speculative_equals_plain(smol_llm, config):
     assert counters["num_draft_tokens"] > 10
     if config.get("method") == "ngram":
         assert counters["num_accepted_tokens"] > 0
+    llm.shutdown()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
 def test_preempted_constrained_request_keeps_its_output(smol_llm, overlap):
     want = smol_llm().generate(MIXED, _mixed_params(100), use_tqdm=False)
-    small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192, async_scheduling=overlap)
+    overlapped = {"async_scheduling": True} if overlap else {}  # the engines test_engine_smollm2 and
+    small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192, **overlapped)  # test_async_* use
     got = small.generate(MIXED, _mixed_params(100), use_tqdm=False)  # the free requests alone need 14 blocks
     assert small.engine.stats()["num_preemptions"] > 0
     assert_outputs_agree(got, want, tol=FP32_LOGIT_TOL)

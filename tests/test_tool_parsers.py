@@ -98,10 +98,11 @@ HERMES = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"cit
 
 @pytest.fixture(scope="module")
 def client():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
     srv = ServerThread(create_app(engine, tool_parser="hermes")).start()
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     srv.stop()
+    engine.shutdown()
 
 
 def test_auto_choice_parses_the_models_calls(client):
@@ -135,10 +136,11 @@ LLAMA = r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,9}"\}\}
 
 @pytest.fixture(scope="module")
 def llama_client():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8)
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
     srv = ServerThread(create_app(engine, tool_parser="llama3_json")).start()
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     srv.stop()
+    engine.shutdown()
 
 
 def test_llama3_json_auto_choice(llama_client):
