@@ -86,7 +86,8 @@ def test_constrained_outputs_of_a_random_model(tmp_path, device, engine_kw):
     """Random weights pick arbitrary allowed tokens: each constraint is bounded (lengths, a maximum, no free
     whitespace), so every output completes within max_tokens and must parse. On CUDA the engine replays
     decode graphs and overlaps steps (async scheduling)."""
-    llm = LLM(str(_tiny_checkpoint(tmp_path)), device=device, progress=False, **engine_kw)
+    llm = LLM(str(_tiny_checkpoint(tmp_path)), device=device, progress=False, max_model_len=512,
+              kv_cache_memory=256 << 20, **engine_kw)  # a small cache: GPU tests share the device
     params = [SamplingParams(temperature=0, max_tokens=60,
                              structured_outputs={"json": CITY, "disable_any_whitespace": True}),
               SamplingParams(temperature=0, max_tokens=20, structured_outputs={"regex": PHONE}),
