@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -17,18 +18,27 @@ if not torch.cuda.is_available():
 # down by up to 10x whenever anything else runs (measured on the dev machine).
 torch.set_num_threads(1)
 
-_ENGINES: dict = {}
+#: Engines :func:`smol_llm` keeps, the most recently asked for last.
+_ENGINES: collections.OrderedDict = collections.OrderedDict()
+#: How many it keeps: a test uses at most two configurations, and each kept engine holds its weights and
+#: KV cache for the rest of the worker's run (about 1.5 GiB), so older ones are shut down.
+_MAX_ENGINES = 3
 
 
 @pytest.fixture(scope="session")
 def smol_llm():
-    """Factory: ``smol_llm(**engine_kwargs)`` -> a cached kvforge.LLM on the embedded model."""
+    """Factory: ``smol_llm(**engine_kwargs)`` -> a kvforge.LLM on the embedded model, cached by its arguments.
+    Only the :data:`_MAX_ENGINES` most recently asked-for engines stay alive: hold an engine within one test,
+    never across tests."""
     from kvforge import LLM
 
     def make(**kwargs):
         key = tuple(sorted(kwargs.items()))
         if key not in _ENGINES:
             _ENGINES[key] = LLM(progress=False, **kwargs)
+        _ENGINES.move_to_end(key)
+        while len(_ENGINES) > _MAX_ENGINES:
+            _ENGINES.popitem(last=False)[1].shutdown()
         return _ENGINES[key]
 
     return make
