@@ -39,6 +39,18 @@ from kvforge.engine.token_biases import apply_token_biases
 from kvforge.structured.token_masks import apply_bitmask, grammar_bitmask
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of ``x [N, V]``: on a GPU, a few rows over a large vocabulary go to the sliced
+    Triton kernels (kvforge/kernels/triton_argmax.py: the same first index of each row's maximum, spread
+    over many programs where torch gives a row one)."""
+    if x.device.type == "cuda":
+        from kvforge.kernels import triton_argmax
+
+        if triton_argmax.use_sliced_argmax(x):
+            return triton_argmax.row_argmax(x)
+    return x.argmax(dim=-1)
+
+
 @dataclass
 class SamplerOutput:
     """``token_ids``: int64 [N] on the logits' device.
@@ -175,7 +187,7 @@ class Sampler:
         greedy_mask = [p.is_greedy for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
         if any(greedy_mask):
-            token_ids.copy_(logits.argmax(dim=-1))
+            token_ids.copy_(row_argmax(logits))
         random_rows = [i for i, g in enumerate(greedy_mask) if not g]
         if random_rows:
             idx = torch.tensor(random_rows, dtype=torch.long, device=device)
@@ -250,7 +262,7 @@ class Sampler:
                 if g is not None:
                     q[i].exponential_(generator=g)
         q.clamp_(min=1e-20)
-        return (probs / q).argmax(dim=-1)
+        return row_argmax(probs / q)
 
     @staticmethod
     def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
