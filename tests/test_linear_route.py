@@ -80,6 +80,40 @@ def test_linear_is_a_drop_in_nn_linear():
     assert lin.weight.stride() == (1, 8)  # [in, out] storage
 
 
+@pytest.fixture
+def prefetches(route_on, monkeypatch):
+    """The tensors ``prefetch_weight`` asks to prefetch, recorded on CPU (the kernel itself needs an sm_90 GPU:
+    tests/test_l2_prefetch.py) with a 1 MiB L2."""
+    from kvforge.kernels import triton_l2_prefetch
+
+    calls = []
+    monkeypatch.setattr(linear_route, "SMALL_M_LINEAR_DEVICES", ("cpu",))
+    monkeypatch.setattr(triton_l2_prefetch, "prefetch_supported", lambda device: True)
+    monkeypatch.setattr(triton_l2_prefetch, "l2_prefetch", calls.append)
+    monkeypatch.setattr(linear_route, "_l2_bytes", lambda device: 1 << 20)
+    return calls
+
+
+def test_prefetch_weight_asks_for_its_share_of_l2(prefetches):
+    big = Linear(512, 1024, bias=False, dtype=torch.bfloat16)  # 1 MiB: the first 0.75 MiB, whole rows
+    linear_route.prefetch_weight(big, 1)
+    (t,) = prefetches
+    assert t.data_ptr() == big.weight.data_ptr() and tuple(t.shape) == (768, 512)
+    small = Linear(64, 32, bias=False, dtype=torch.float16)
+    linear_route.prefetch_weight(small, 1)
+    assert prefetches[1].shape == small.weight.shape
+
+
+def test_prefetch_weight_only_before_the_small_m_kernel(prefetches, monkeypatch):
+    linear_route.prefetch_weight(Linear(64, 32, bias=False, dtype=torch.bfloat16), 2)  # two rows: cuBLAS
+    linear_route.prefetch_weight(Linear(64, 32, bias=False), 1)  # float32: cuBLAS
+    linear_route.prefetch_weight(torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16), 1)  # not routed
+    assert not prefetches
+    monkeypatch.setattr(linear_route, "L2_PREFETCH", False)
+    linear_route.prefetch_weight(Linear(64, 32, bias=False, dtype=torch.bfloat16), 1)
+    assert not prefetches
+
+
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5)
 CASES = {

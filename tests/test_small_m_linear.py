@@ -33,6 +33,9 @@ from triton_kernel_device import (
 
 from kvforge.kernels.triton_small_m_linear import (
     MAX_ROWS,
+    PROLOGUE_NONE,
+    PROLOGUE_RMS_NORM,
+    PROLOGUE_SILU_MUL,
     SmallMLinearConfig,
     small_m_linear,
     small_m_linear_config,
@@ -147,12 +150,15 @@ def test_config_for_llama_shapes(m):
     """Every Llama-3.1-8B projection gets a launch the kernel accepts, filling 132 SMs at least twice over
     (with the split) and never splitting K into slices shorter than a chunk."""
     for n, k in LLAMA_8B.values():
-        cfg = small_m_linear_config(m, n, k, num_sms=132)
-        cfg.check(m)
-        programs = -(-n // cfg.block_n) * cfg.split_k
-        assert programs >= 132, (m, n, k, cfg)
-        assert cfg.k_per_split(k) >= cfg.block_k
-        assert cfg.use_dot == (m > 4)
+        for prologue in (PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL) if m == 1 else (PROLOGUE_NONE,):
+            cfg = small_m_linear_config(m, n, k, num_sms=132, prologue=prologue)
+            cfg.check(m)
+            programs = -(-n // cfg.block_n) * cfg.split_k
+            assert programs >= 132, (m, n, k, cfg)
+            assert cfg.k_per_split(k) >= cfg.block_k
+            assert cfg.use_dot == (m > 4)
+            if prologue == PROLOGUE_RMS_NORM:
+                assert cfg.split_k == 1  # 1 / rms scales whole sums over K
 
 
 @gpu_only

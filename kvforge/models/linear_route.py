@@ -30,9 +30,14 @@ input from what the layer before left, saving that layer's launch (:func:`use_pr
   its input (``input_projection``); that Linear's forward runs the norm inside its product and records the
   new residual stream, which the layer then reads (:func:`stream_of`);
 * ``SiLU(gate) * up``: a gated MLP's down projection over the ``[gate | up]`` row (:func:`silu_mul_linear`).
+
+L2 prefetch: :func:`prefetch_weight` starts moving a one-row product's weight into L2 before the
+latency-bound kernels that compute its input (rope, the KV write, attention), so HBM works through them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +62,11 @@ SMALL_M_MAX_WEIGHT_BYTES: int | None = None
 #: does not say.
 SMALL_M_PROLOGUES_DEFAULT = True
 SMALL_M_PROLOGUES: bool = SMALL_M_PROLOGUES_DEFAULT if ENV.small_m_prologues is None else ENV.small_m_prologues
+#: Whether a one-row product whose input comes from latency-bound kernels (attention's output projection)
+#: has its weight prefetched into L2 while those kernels run (:func:`prefetch_weight`).
+L2_PREFETCH = False
+#: The most bytes of a weight the prefetch asks for, as a fraction of the GPU's L2.
+L2_PREFETCH_FRACTION_OF_L2 = 0.75
 _DTYPES = (torch.bfloat16, torch.float16)
 _ROW_ALIGN_BYTES = 16
 
@@ -115,6 +125,35 @@ def use_prologue(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         and (bias is None or bias.stride(0) == 1)
         and not torch.is_grad_enabled()
     )
+
+
+def prefetch_weight(proj: nn.Module, m: int) -> None:
+    """Start pulling ``proj``'s weight (at most :data:`L2_PREFETCH_FRACTION_OF_L2` of L2, from its first
+    row) into L2 where its product of ``m`` rows will run on the small-M kernel: called where the kernels
+    before that product leave HBM idle (kvforge/kernels/triton_l2_prefetch.py). A hint: results never
+    depend on it."""
+    weight = getattr(proj, "weight", None)
+    if (
+        not L2_PREFETCH
+        or type(proj) is not Linear
+        or weight is None
+        or not use_small_m_linear(m, weight.shape[0], weight.shape[1], weight.dtype, weight.device)
+        or not weight.is_contiguous()
+    ):
+        return
+    from kvforge.kernels import triton_l2_prefetch
+
+    if not triton_l2_prefetch.prefetch_supported(weight.device):
+        return
+    budget = int(_l2_bytes(weight.device) * L2_PREFETCH_FRACTION_OF_L2)
+    rows = min(weight.shape[0], budget // max(1, weight.shape[1] * weight.element_size()))
+    if rows > 0:
+        triton_l2_prefetch.l2_prefetch(weight[:rows])
+
+
+@functools.cache  # a device's L2 never changes in a process
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 class PendingNorm:
