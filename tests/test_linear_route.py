@@ -87,6 +87,7 @@ def prefetches(route_on, monkeypatch):
     from kvforge.kernels import triton_l2_prefetch
 
     calls = []
+    monkeypatch.setattr(linear_route, "L2_PREFETCH", True)
     monkeypatch.setattr(linear_route, "SMALL_M_LINEAR_DEVICES", ("cpu",))
     monkeypatch.setattr(triton_l2_prefetch, "prefetch_supported", lambda device: True)
     monkeypatch.setattr(triton_l2_prefetch, "l2_prefetch", calls.append)
