@@ -115,6 +115,36 @@ def test_prefetch_weight_only_before_the_small_m_kernel(prefetches, monkeypatch)
     assert not prefetches
 
 
+def test_one_row_products_link_in_the_order_they_run(monkeypatch):
+    """A Llama model's products link each to the next one's weight (the first NEXT_PREFETCH_BYTES of it: whole
+    rows), the last layer's down projection to the LM head; a layout without a known order links nothing."""
+    budget = 64 * 64 * 2 + 100  # 64 rows of 64 bf16 values and a part of one more
+    monkeypatch.setattr(linear_route, "NEXT_PREFETCH_BYTES", budget)
+    config = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16"}
+    model = build_model(config, torch.bfloat16, "cpu")
+    products = model.one_row_products()
+    layers = model.model.layers
+    want = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
+    assert products == want
+    assert linear_route.link_one_row_products(products, model.lm_head_weight) == len(products)
+    for proj, nxt in zip(products, [p.weight for p in products[1:]] + [model.lm_head_weight]):
+        assert proj.next_weight.data_ptr() == nxt.data_ptr()
+        assert proj.next_weight.shape == (min(budget // (2 * nxt.shape[1]), nxt.shape[0]), nxt.shape[1])
+    assert linear_route.link_one_row_products([torch.nn.Linear(4, 4)], model.lm_head_weight) == 0
+    layers[0].mlp = torch.nn.Identity()  # not a gated MLP: no order to vouch for
+    assert model.one_row_products() == []
+
+
+def test_linked_products_prefetch_only_when_switched_on(prefetches, monkeypatch):
+    proj = Linear(64, 32, bias=False, dtype=torch.bfloat16)
+    nxt = torch.zeros(16, 64, dtype=torch.bfloat16)
+    linear_route.link_one_row_products([proj], nxt)
+    assert linear_route._next_prefetch(proj) is None  # PREFETCH_NEXT off by default
+    monkeypatch.setattr(linear_route, "PREFETCH_NEXT", True)
+    assert linear_route._next_prefetch(proj).data_ptr() == nxt.data_ptr()
+
+
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5)
 CASES = {
@@ -163,10 +193,10 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
     calls = []
     kernel = triton_small_m_linear.small_m_linear
 
-    def counted(x, weight, bias=None, num_sms=None):
+    def counted(x, weight, bias=None, num_sms=None, prefetch=None):
         calls.append(x.shape[0])
         # Planned for a 4-SM device: the widest row blocks, the fewest programs for the interpreter to run.
-        return kernel(x, weight, bias, num_sms=4)
+        return kernel(x, weight, bias, num_sms=4, prefetch=prefetch)
 
     monkeypatch.setattr(triton_small_m_linear, "small_m_linear", counted)
     hf = _hf_checkpoint(case, tmp_path)
