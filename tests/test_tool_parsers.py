@@ -15,7 +15,7 @@ from fake_engine import smollm2_test_engine
 
 from kvforge.server.app import ServerThread, create_app
 from kvforge.server.cli import _validate, add_serve_args
-from kvforge.server.tool_parsers import PARSERS, HermesStream, parse_hermes, parse_llama3_json
+from kvforge.server.tool_parsers import PARSERS, HermesStream, parse_hermes, parse_llama3_json, parse_pythonic
 
 pytest.importorskip("xgrammar")
 
@@ -48,7 +48,23 @@ def test_llama3_json_whole_outputs():
         assert parse_llama3_json(text) == (text, [])  # an answer that is JSON is not a call
 
 
+PYTHONIC_CALLS = ' [get_weather(city="Paris", days=(1, 2), metric=True, note=None), get_time()]\n'
+
+
+def test_pythonic_whole_outputs():
+    assert parse_pythonic(PYTHONIC_CALLS) == ("", [
+        ("get_weather", '{"city": "Paris", "days": [1, 2], "metric": true, "note": null}'), ("get_time", "{}")])
+    assert parse_pythonic("[f(text='Météo ☀', n=-3.5, d={'a': [1]})]") == (
+        "", [("f", '{"text": "Météo ☀", "n": -3.5, "d": {"a": [1]}}')])
+    for text in ("The weather is fine.", "[1, 2, 3]", "[]", "[f(x)]", "[f(**kw)]", "[f(a=g())]", "[f(a=x)]",
+                 "[f(a={1, 2})]", "[f(a=b'x')]", "[obj.f(a=1)]", "[f(a=1)] and then text", "[f(a=1)",
+                 "text [f(a=1)]", "[f(a=1), 2]"):
+        assert parse_pythonic(text) == (text, [])  # not a list of calls with literal keywords: content
+
+
 @pytest.mark.parametrize("parser, text", [
+    ("pythonic", PYTHONIC_CALLS), ("pythonic", "  plain text ["), ("pythonic", "[1, 2"), ("pythonic", "[f(x)]"),
+    ("pythonic", "\n[f(a=1)]"),
     ("hermes", TWO_CALLS), ("hermes", BROKEN), ("hermes", "plain <tool_cal text < and <"), ("hermes", "x" * 5),
     ("hermes", 'Ok.\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone here. '),
     ("hermes", '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}'
@@ -97,12 +113,27 @@ HERMES = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"cit
 
 
 @pytest.fixture(scope="module")
-def client():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
-    srv = ServerThread(create_app(engine, tool_parser="hermes")).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-    srv.stop()
-    engine.shutdown()
+def servers():
+    """``servers(parser)``: an openai client of a server on the embedded model with that tool-call parser,
+    started on first use; all stopped when the module's tests are done."""
+    running = {}
+
+    def client_for(parser):
+        if parser not in running:
+            engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
+            running[parser] = engine, ServerThread(create_app(engine, tool_parser=parser)).start()
+        url = running[parser][1].url
+        return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    yield client_for
+    for engine, srv in running.values():
+        srv.stop()
+        engine.shutdown()
+
+
+@pytest.fixture
+def client(servers):
+    return servers("hermes")
 
 
 def test_auto_choice_parses_the_models_calls(client):
@@ -134,24 +165,21 @@ def test_auto_choice_without_a_call_is_text(client):
 LLAMA = r'\{"name": "get_weather", "parameters": \{"city": "[A-Z][a-z]{2,9}"\}\}'
 
 
-@pytest.fixture(scope="module")
-def llama_client():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
-    srv = ServerThread(create_app(engine, tool_parser="llama3_json")).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-    srv.stop()
-    engine.shutdown()
+PYTHONIC = r'\[get_weather\(city="[A-Z][a-z]{2,9}"\)\]'
 
 
-def test_llama3_json_auto_choice(llama_client):
-    model = llama_client.models.list().data[0].id
+@pytest.mark.parametrize("parser, pattern", [("llama3_json", LLAMA), ("pythonic", PYTHONIC)])
+def test_whole_output_formats_auto_choice(servers, parser, pattern):
+    """Formats whose calls are the whole output: calls and no content, whole or streamed."""
+    client = servers(parser)
+    model = client.models.list().data[0].id
     kw = dict(model=model, messages=ASK, tools=[WEATHER], max_tokens=100, temperature=0,
-              extra_body={"guided_regex": LLAMA})
-    choice = llama_client.chat.completions.create(**kw).choices[0]
+              extra_body={"guided_regex": pattern})
+    choice = client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"]
-    chunks = [c for c in llama_client.chat.completions.create(**kw, stream=True) if c.choices]
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", call.function.arguments)]
     assert not any(c.choices[0].delta.content for c in chunks)

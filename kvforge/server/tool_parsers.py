@@ -16,12 +16,20 @@ and the ``<|python_tag|>`` text if present) with ``{`` is one or more calls ``{"
 Streamed, an output that begins with ``{`` is held to its end and goes out as calls (or, not parsing, as
 content); any other streams as content.
 
+``pythonic`` (Llama 3.2 and 4, and models trained on that format): an output that is (after whitespace) a
+Python list of calls with keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``,
+is those calls, each call's keywords its JSON arguments (tuples as arrays; ``True``, ``False`` and ``None``
+as JSON's literals), and has no content; any other output is content, a list that is not all such calls
+(``[1, 2]``, ``[f(x)]`` with a positional argument, ``[f(**kw)]``) too. Streamed like ``llama3_json``: an
+output that begins with ``[`` is held to its end.
+
 Each parser gives ``parse(text) -> (content, [(name, arguments JSON)])`` and ``stream()``, an object whose
 ``feed(text so far)`` returns (new content, new calls) and ``finish(text)`` the content still held.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -158,11 +166,21 @@ def parse_llama3_json(text: str) -> tuple[str, list[tuple[str, str]]]:
     return "", calls
 
 
-class Llama3JsonStream:
-    """Incremental :func:`parse_llama3_json`: content streams until the output shows it begins with ``{``,
-    after which everything waits for the end."""
+def _llama3_json_start(start: str) -> bool | None:
+    """Whether an output beginning with ``start`` (not empty, whitespace stripped) is held for the Llama 3
+    JSON parse; None while it may still become the python tag."""
+    if len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start):
+        return None
+    return start.startswith("{") or start.startswith(PYTHON_TAG)
 
-    def __init__(self):
+
+class HeldStream:
+    """Incremental parse of a format whose calls are the whole output: content streams until the output's
+    beginning (``starts``: True, False, or None while undecided) shows it may be calls, after which
+    everything waits for the end and ``parse`` decides."""
+
+    def __init__(self, starts, parse):
+        self.starts, self.parse = starts, parse
         self.sent = 0
         self.calls = 0
         self.held: bool | None = None  # None: undecided (only whitespace so far)
@@ -170,9 +188,9 @@ class Llama3JsonStream:
     def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
         if self.held is None:
             start = text.lstrip()
-            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
-                return "", []  # only whitespace, or what may still become the python tag
-            self.held = start.startswith("{") or start.startswith(PYTHON_TAG)
+            if not start or (held := self.starts(start)) is None:
+                return "", []
+            self.held = held
         if self.held:
             return "", []
         new, self.sent = text[self.sent:], len(text)
@@ -183,9 +201,54 @@ class Llama3JsonStream:
         if not self.held:
             new, self.sent = text[self.sent:], len(text)
             return new, []
-        content, calls = parse_llama3_json(text)
+        content, calls = self.parse(text)
         self.calls += len(calls)
         return content, calls
+
+
+class Llama3JsonStream(HeldStream):
+    """Incremental :func:`parse_llama3_json`: content streams until the output shows it begins with ``{``,
+    after which everything waits for the end."""
+
+    def __init__(self):
+        super().__init__(_llama3_json_start, parse_llama3_json)
+
+
+def parse_pythonic(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of a whole pythonic output (module docstring)."""
+    body = text.strip()
+    if not body.startswith("["):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return text, []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return text, []
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return text, []
+        arguments = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # **kwargs
+                return text, []
+            try:
+                arguments[kw.arg] = ast.literal_eval(kw.value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return text, []
+        try:
+            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (TypeError, ValueError):  # a set, bytes or a complex number: no JSON for it
+            return text, []
+    return "", calls
+
+
+class PythonicStream(HeldStream):
+    """Incremental :func:`parse_pythonic`: an output that begins with ``[`` is held to its end."""
+
+    def __init__(self):
+        super().__init__(lambda start: start.startswith("["), parse_pythonic)
 
 
 class _Hermes:
@@ -198,5 +261,10 @@ class _Llama3Json:
     stream = Llama3JsonStream
 
 
+class _Pythonic:
+    parse = staticmethod(parse_pythonic)
+    stream = PythonicStream
+
+
 #: --tool-call-parser NAME -> its parser.
-PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json}
+PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json, "pythonic": _Pythonic}
