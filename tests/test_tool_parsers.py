@@ -15,7 +15,15 @@ from fake_engine import smollm2_test_engine
 
 from kvforge.server.app import ServerThread, create_app
 from kvforge.server.cli import _validate, add_serve_args
-from kvforge.server.tool_parsers import PARSERS, HermesStream, parse_hermes, parse_llama3_json, parse_pythonic
+from kvforge.server.tool_parsers import (
+    PARSERS,
+    HermesStream,
+    parse_calls,
+    parse_hermes,
+    parse_llama3_json,
+    parse_pythonic,
+    stream_calls,
+)
 
 pytest.importorskip("xgrammar")
 
@@ -90,6 +98,22 @@ def test_streamed_parse_equals_the_whole_one(parser, text):
     assert "".join(content) == whole_content
     if parser == "hermes":
         assert HermesStream().feed("text <tool_") == ("text", [])  # a tail that may open a block waits, as do spaces
+
+
+@pytest.mark.parametrize("parser, text", [("hermes", TWO_CALLS), ("llama3_json", LLAMA_CALLS),
+                                          ("pythonic", PYTHONIC_CALLS)])
+def test_parallel_tool_calls_false_keeps_the_first_call(parser, text):
+    """``parallel_tool_calls`` false: the first call of the whole parse, whole or streamed, the content as it was."""
+    content, calls = PARSERS[parser].parse(text)
+    assert len(calls) == 2
+    assert parse_calls(parser, text, parallel=False) == (content, calls[:1])
+    stream, streamed, found = stream_calls(parser, parallel=False), [], []
+    for end in range(1, len(text)):
+        new, more = stream.feed(text[:end])
+        streamed.append(new)
+        found.extend(more)
+    new, more = stream.finish(text)
+    assert ("".join(streamed) + new, found + more) == (content, calls[:1]) and stream.calls == 1
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -184,3 +208,17 @@ def test_whole_output_formats_auto_choice(servers, parser, pattern):
     assert [(t.function.name, t.function.arguments) for t in calls] == [("get_weather", call.function.arguments)]
     assert not any(c.choices[0].delta.content for c in chunks)
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_parallel_tool_calls_false_under_auto(servers):
+    client = servers("pythonic")
+    model = client.models.list().data[0].id
+    kw = dict(model=model, messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0, parallel_tool_calls=False,
+              extra_body={"guided_regex": r'\[get_weather\(city="Paris"\), get_weather\(city="Rome"\)\]'})
+    (call,) = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.arguments) for t in calls] == [(0, call.function.arguments)]
+    kw["parallel_tool_calls"] = True
+    assert len(client.chat.completions.create(**kw).choices[0].message.tool_calls) == 2

@@ -39,7 +39,7 @@ from kvforge.server.async_engine import (
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.tool_calls import ToolCallStream, call_object
-from kvforge.server.tool_parsers import PARSERS
+from kvforge.server.tool_parsers import parse_calls, stream_calls
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
@@ -370,7 +370,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                 choice["finish_reason"] = req.tool_choice.finish_reason(choice["finish_reason"], text)
             elif req.tool_parser is not None:
-                content, chosen = PARSERS[req.tool_parser].parse(text)
+                content, chosen = parse_calls(req.tool_parser, text, req.parallel_tool_calls)
                 if chosen:
                     choice["message"] = {"role": "assistant", "content": content or None,
                                          "tool_calls": [call_object(name, args) for name, args in chosen]}
@@ -457,7 +457,8 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     ids_sent = [False] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
-    parsers = [PARSERS[req.tool_parser].stream() for _ in range(n)] if chat and req.tool_parser is not None else None
+    parsers = ([stream_calls(req.tool_parser, req.parallel_tool_calls) for _ in range(n)]
+               if chat and req.tool_parser is not None else None)
     try:
         if chat:
             opening = {"role": "assistant", "content": None if tool_streams is not None else ""}

@@ -281,6 +281,7 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat: a forced tool call (kvforge/server/tool_calls.py)
     constraint_field: str | None = None  # the field an error about params.structured_outputs names
     tool_parser: str | None = None  # chat: the parser of the calls the model may make (tool_choice "auto")
+    parallel_tool_calls: bool = True  # chat, OpenAI's field: False keeps only the first call the parser finds
     continuous_usage: bool = False  # streams: usage so far in every chunk (stream_options.continuous_usage_stats)
     # vLLM's ``return_tokens_as_token_ids``: logprobs name tokens as "token_id:N" (always so without a tokenizer)
     tokens_as_ids: bool = False
@@ -661,6 +662,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         chat_options=options, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
         constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,  # parse_tools checked its type
     )
 
 

@@ -7,7 +7,7 @@ its arguments (the function's ``parameters`` schema); ``"required"`` makes the o
 or more ``{"name": ..., "parameters": {...}}`` calls, each to a listed function with its own schema.
 The response then carries ``message.tool_calls`` (``content`` null), with ``finish_reason`` ``"tool_calls"``
 for ``"required"`` and ``"stop"`` for a named function (OpenAI's answer to a forced call);
-``parallel_tool_calls`` false holds ``"required"`` to one call. A function declared without ``parameters``
+``parallel_tool_calls`` false holds ``"required"`` to one call (under ``"auto"``: kvforge/server/tool_parsers.py, ``FirstCallOnly``). A function declared without ``parameters``
 takes none (its arguments are ``{}``), as OpenAI defines it. A stop string or stop token can also end the
 output early (``finish_reason`` ``"stop"`` with its ``stop_reason``): a named call's arguments then do not
 parse either. An output cut

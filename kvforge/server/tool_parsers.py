@@ -268,3 +268,36 @@ class _Pythonic:
 
 #: --tool-call-parser NAME -> its parser.
 PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json, "pythonic": _Pythonic}
+
+
+class FirstCallOnly:
+    """A parser's stream that hands out its content and only the first call it finds (OpenAI's
+    ``parallel_tool_calls`` false under ``"auto"``: the model may still write more, which are dropped)."""
+
+    def __init__(self, stream):
+        self.inner = stream
+        self.calls = 0
+
+    def _first(self, found: tuple[str, list[tuple[str, str]]]) -> tuple[str, list[tuple[str, str]]]:
+        content, calls = found
+        calls = calls[:max(0, 1 - self.calls)]
+        self.calls += len(calls)
+        return content, calls
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        return self._first(self.inner.feed(text))
+
+    def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        return self._first(self.inner.finish(text))
+
+
+def parse_calls(parser: str, text: str, parallel: bool = True) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of a whole output under ``parser``; the first call only where ``parallel`` is False."""
+    content, calls = PARSERS[parser].parse(text)
+    return content, calls if parallel else calls[:1]
+
+
+def stream_calls(parser: str, parallel: bool = True):
+    """A stream of ``parser`` (``feed``, ``finish``, ``calls``); the first call only where ``parallel`` is False."""
+    stream = PARSERS[parser].stream()
+    return stream if parallel else FirstCallOnly(stream)
