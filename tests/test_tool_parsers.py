@@ -21,6 +21,7 @@ from kvforge.server.tool_parsers import (
     parse_calls,
     parse_hermes,
     parse_llama3_json,
+    parse_mistral,
     parse_pythonic,
     stream_calls,
 )
@@ -70,7 +71,25 @@ def test_pythonic_whole_outputs():
         assert parse_pythonic(text) == (text, [])  # not a list of calls with literal keywords: content
 
 
+MISTRAL_V3 = 'Let me look. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ' \
+             '{"name": "get_time", "arguments": {}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+
+
+def test_mistral_whole_outputs():
+    calls = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert parse_mistral(MISTRAL_V3) == ("Let me look.", calls)
+    assert parse_mistral(MISTRAL_V11) == ("", calls)
+    assert parse_mistral('[TOOL_CALLS] {"name": "f", "arguments": {"a": 1}}') == ("", [("f", '{"a": 1}')])
+    for text in ("The weather is fine.", "[TOOL_CALLS]", "[TOOL_CALLS][1, 2]", '[TOOL_CALLS]{"city": "Paris"}',
+                 "[TOOL_CALLS]get weather[ARGS]{}", "[TOOL_CALLS]f[ARGS]{broken", "[TOOL_CALLS]f[ARGS][1]",
+                 '[TOOL_CALLS]f{"a": 1}', 'x [TOOL_CALLS][{"name": "f", "arguments": {}}] and more'):
+        assert parse_mistral(text) == (text, [])  # not calls only after the tag: all content
+
+
 @pytest.mark.parametrize("parser, text", [
+    ("mistral", MISTRAL_V3), ("mistral", MISTRAL_V11), ("mistral", "plain [TOOL_CAL text [ and [TOOL"),
+    ("mistral", "  hi [TOOL_CALLS]broken  "), ("mistral", "Météo ☀  \n[TOOL_CALLS]f[ARGS]{}"),
     ("pythonic", PYTHONIC_CALLS), ("pythonic", "  plain text ["), ("pythonic", "[1, 2"), ("pythonic", "[f(x)]"),
     ("pythonic", "\n[f(a=1)]"),
     ("hermes", TWO_CALLS), ("hermes", BROKEN), ("hermes", "plain <tool_cal text < and <"), ("hermes", "x" * 5),
@@ -101,7 +120,7 @@ def test_streamed_parse_equals_the_whole_one(parser, text):
 
 
 @pytest.mark.parametrize("parser, text", [("hermes", TWO_CALLS), ("llama3_json", LLAMA_CALLS),
-                                          ("pythonic", PYTHONIC_CALLS)])
+                                          ("pythonic", PYTHONIC_CALLS), ("mistral", MISTRAL_V11)])
 def test_parallel_tool_calls_false_keeps_the_first_call(parser, text):
     """``parallel_tool_calls`` false: the first call of the whole parse, whole or streamed, the content as it was."""
     content, calls = PARSERS[parser].parse(text)
@@ -222,3 +241,15 @@ def test_parallel_tool_calls_false_under_auto(servers):
     assert [(t.index, t.function.arguments) for t in calls] == [(0, call.function.arguments)]
     kw["parallel_tool_calls"] = True
     assert len(client.chat.completions.create(**kw).choices[0].message.tool_calls) == 2
+
+
+def test_mistral_requests_keep_special_tokens():
+    """The mistral parser reads ``[TOOL_CALLS]``, a special token: its requests detokenize with special tokens
+    unless they say otherwise; other parsers' requests keep the default."""
+    from kvforge.server.protocol import parse_chat
+
+    body = {"model": "m", "messages": ASK, "tools": [WEATHER]}
+    assert parse_chat(body, "m", tool_parser="mistral").params.skip_special_tokens is False
+    assert parse_chat({**body, "skip_special_tokens": True}, "m", tool_parser="mistral").params.skip_special_tokens
+    assert parse_chat(body, "m", tool_parser="hermes").params.skip_special_tokens
+    assert parse_chat({**body, "tool_choice": "none"}, "m", tool_parser="mistral").params.skip_special_tokens

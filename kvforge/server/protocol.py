@@ -19,6 +19,7 @@ from typing import Any
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
 from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message, with_tools
+from kvforge.server.tool_parsers import KEEPS_SPECIAL_TOKENS
 from kvforge.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -643,6 +644,8 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
     if not explicit:  # the model's default, still capped by the room the prompt leaves
         max_tokens = (defaults or {}).get("max_tokens")
     tools, forced, auto = parse_tools(body, tool_parser)
+    if auto and tool_parser in KEEPS_SPECIAL_TOKENS and body.get("skip_special_tokens") is None:
+        common["sampling"]["skip_special_tokens"] = False  # the parser reads its call syntax's special tokens
     if forced is not None:
         if common["sampling"]["structured_outputs"] is not None:
             bad_field("tool_choice", "forces a tool call, whose arguments are the output's constraint, and the "

@@ -23,6 +23,14 @@ as JSON's literals), and has no content; any other output is content, a list tha
 (``[1, 2]``, ``[f(x)]`` with a positional argument, ``[f(**kw)]``) too. Streamed like ``llama3_json``: an
 output that begins with ``[`` is held to its end.
 
+``mistral`` (Mistral's instruct models): the output's content, then ``[TOOL_CALLS]`` and the calls, either a
+JSON array of ``{"name": ..., "arguments": {...}}`` (tokenizers up to v7) or ``name[ARGS]{...}`` per call,
+each after its own ``[TOOL_CALLS]`` (v11 and later). ``[TOOL_CALLS]`` and ``[ARGS]`` are special tokens, so
+a request this parser serves is detokenized with them (``skip_special_tokens`` false unless the request
+says otherwise: ``KEEPS_SPECIAL_TOKENS``). What follows the first ``[TOOL_CALLS]`` is calls only if it
+parses whole; else the whole output is content. Streamed, content goes out as generated (a tail that may
+begin ``[TOOL_CALLS]``, or is whitespace, waits), then the calls at the end.
+
 Each parser gives ``parse(text) -> (content, [(name, arguments JSON)])`` and ``stream()``, an object whose
 ``feed(text so far)`` returns (new content, new calls) and ``finish(text)`` the content still held.
 """
@@ -251,6 +259,82 @@ class PythonicStream(HeldStream):
         super().__init__(lambda start: start.startswith("["), parse_pythonic)
 
 
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def _mistral_calls(body: str) -> list[tuple[str, str]] | None:
+    """The calls after the first ``[TOOL_CALLS]`` (either syntax of the module docstring); None where it is not
+    calls only."""
+    stripped = body.strip()
+    if stripped.startswith(("[", "{")):
+        try:
+            value = json.loads(stripped)
+        except ValueError:
+            return None
+        items = value if isinstance(value, list) else [value]
+        calls = [_call(json.dumps(item)) for item in items]
+        return calls if calls and None not in calls else None
+    calls = []
+    for part in body.split(MISTRAL_CALLS):
+        name, sep, arguments = part.partition(MISTRAL_ARGS)
+        call = _call(json.dumps({"name": name.strip(), "arguments": arguments.strip()})) if sep else None
+        if call is None or not _TOOL_NAME_CHARS.issuperset(call[0]) or not call[0]:
+            return None
+        calls.append(call)
+    return calls
+
+
+_TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def parse_mistral(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of a whole Mistral output (module docstring): content is the text before
+    ``[TOOL_CALLS]``, its trailing whitespace dropped."""
+    at = text.find(MISTRAL_CALLS)
+    if at < 0:
+        return text, []
+    calls = _mistral_calls(text[at + len(MISTRAL_CALLS):])
+    return (text[:at].rstrip(), calls) if calls else (text, [])
+
+
+class MistralStream:
+    """Incremental :func:`parse_mistral`: content streams up to ``[TOOL_CALLS]`` (a tail that may begin it, or
+    is whitespace, held until decided); from there the output waits for its end."""
+
+    def __init__(self):
+        self.sent = 0  # characters of the text handed out as content or held as whitespace
+        self.calls = 0
+        self.spaces = ""
+        self.tagged = False
+
+    def feed(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        if self.tagged:
+            return "", []
+        rest = text[self.sent:]
+        at = rest.find(MISTRAL_CALLS)
+        if at >= 0:
+            self.tagged = True
+            new = rest[:at]
+        else:
+            keep = next((n for n in range(min(len(MISTRAL_CALLS) - 1, len(rest)), 0, -1)
+                         if MISTRAL_CALLS.startswith(rest[-n:])), 0)
+            new = rest[:len(rest) - keep]
+        self.sent += len(new)
+        combined = self.spaces + new
+        kept = combined.rstrip()
+        self.spaces = combined[len(kept):]
+        return kept, []
+
+    def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        content, _ = self.feed(text)
+        _, calls = parse_mistral(text)
+        self.calls += len(calls)
+        if calls:
+            return content, calls
+        tail, self.sent, self.spaces = self.spaces + text[self.sent:], len(text), ""
+        return content + tail, []
+
+
 class _Hermes:
     parse = staticmethod(parse_hermes)
     stream = HermesStream
@@ -266,8 +350,15 @@ class _Pythonic:
     stream = PythonicStream
 
 
+class _Mistral:
+    parse = staticmethod(parse_mistral)
+    stream = MistralStream
+
+
 #: --tool-call-parser NAME -> its parser.
-PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json, "pythonic": _Pythonic}
+PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json, "mistral": _Mistral, "pythonic": _Pythonic}
+#: Parsers whose syntax is made of special tokens: their requests are detokenized with them by default.
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 
 
 class FirstCallOnly:
