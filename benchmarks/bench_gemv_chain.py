@@ -2,8 +2,7 @@
 
 Rerun on any CUDA GPU:
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_gemv_chain.py [--layers 32] [--sweep] [--prefetch-next-mb MIB ...]
-        [--prefetch-check NS ...] [--out DIR]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_gemv_chain.py [--layers 32] [--sweep] [--read-sweep] [--out DIR]
 
 The chain is what a batch-1 decode step multiplies, in the engine's order and with its prologues: per layer
 ``RMSNorm(x + residual) @ qkv`` (6144 x 4096), ``attn @ o`` (4096 x 4096; the first 4096 values of the qkv
@@ -20,11 +19,7 @@ Reported (median [min-max] us of ``do_bench`` over the graph's replay):
   written), both measured in the same run;
 * the chain at the kernel's own launch configurations: its time, TB/s, and fractions of both bandwidths;
 * with ``--sweep``, per projection, the chain with that projection's launch replaced by each candidate
-  configuration (the others at their defaults), and the chain with every projection at its best;
-* with ``--prefetch-next-mb MIB ...``, the chain with every product's programs prefetching the first MIB of
-  the next product's weight into L2 as they finish (kvforge/kernels/triton_l2_prefetch.py);
-* with ``--prefetch-check NS ...``, the o projection's product alone after an idle window of NS
-  nanoseconds (a sleeping kernel), with and without its weight prefetched when the window starts.
+  configuration (the others at their defaults), and the chain with every projection at its best.
 
 Before timing, the chain's logits are compared with a float32 replay of the same products (separate
 norm, SiLU-and-mul and matmul in float32 from the kernel's own inputs at each product) so a configuration
@@ -47,7 +42,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from gpu_timing import copy_bandwidth  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -86,32 +80,21 @@ def make_weights(layers: int, device) -> dict:
             "lnf": norm(), "lm_head": w(VOCAB, HIDDEN)}
 
 
-def head(w: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-    """The first whole rows of ``w`` within ``nbytes`` (None for none)."""
-    rows = min(w.shape[0], nbytes // (w.shape[1] * w.element_size()))
-    return w[:rows] if rows > 0 else None
-
-
-def run_chain(weights: dict, x: torch.Tensor, configs: dict, record=None, prefetch_bytes: int = 0) -> torch.Tensor:
-    """The step's products; ``record(name, input_row, output)`` sees each product's inputs (for the check).
-    ``prefetch_bytes``: each product's programs prefetch that many bytes of the next product's weight."""
+def run_chain(weights: dict, x: torch.Tensor, configs: dict, record=None) -> torch.Tensor:
+    """The step's products; ``record(name, input_row, output)`` sees each product's inputs (for the check)."""
     h, res = x, None
-    layers = weights["layers"]
-    for i, layer in enumerate(layers):
-        nxt = layers[i + 1]["qkv"] if i + 1 < len(layers) else weights["lm_head"]
-        qkv, stream = rms_norm_linear(h, res, layer["ln1"], EPS, layer["qkv"], config=configs.get("qkv"),
-                                      prefetch=head(layer["o"], prefetch_bytes))  # fmt: skip
+    for layer in weights["layers"]:
+        qkv, stream = rms_norm_linear(h, res, layer["ln1"], EPS, layer["qkv"], config=configs.get("qkv"))
         if record:
             record("qkv", (h, res, layer["ln1"]), qkv, layer["qkv"])
         attn = qkv[:, :HIDDEN]
-        o = small_m_linear(attn, layer["o"], config=configs.get("o"), prefetch=head(layer["gate_up"], prefetch_bytes))
+        o = small_m_linear(attn, layer["o"], config=configs.get("o"))
         if record:
             record("o", attn, o, layer["o"])
-        gu, stream2 = rms_norm_linear(o, stream, layer["ln2"], EPS, layer["gate_up"], config=configs.get("gate_up"),
-                                      prefetch=head(layer["down"], prefetch_bytes))  # fmt: skip
+        gu, stream2 = rms_norm_linear(o, stream, layer["ln2"], EPS, layer["gate_up"], config=configs.get("gate_up"))
         if record:
             record("gate_up", (o, stream, layer["ln2"]), gu, layer["gate_up"])
-        d = silu_mul_linear(gu, layer["down"], config=configs.get("down"), prefetch=head(nxt, prefetch_bytes))
+        d = silu_mul_linear(gu, layer["down"], config=configs.get("down"))
         if record:
             record("down", gu, d, layer["down"])
         h, res = d, stream2
@@ -175,44 +158,6 @@ def read_bandwidth(device, rep_ms: int, sweep: bool = False) -> tuple[float, dic
     return w.numel() * 2 / (t[0] * 1e-6), rates
 
 
-@triton.jit
-def _sleep_kernel(out_ptr, NS: tl.constexpr):
-    """One program that sleeps about ``NS`` nanoseconds (a latency-bound kernel that leaves HBM idle)."""
-    r = tl.inline_asm_elementwise(f"nanosleep.u32 {NS}; mov.u32 $0, 0;", "=r,r", [tl.program_id(0)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    tl.store(out_ptr, r)
-
-
-def prefetch_check(device, rep_ms: int, sleep_ns: int) -> dict:
-    """The o projection's product after an idle window of ``sleep_ns``, with and without its weight prefetched
-    into L2 when the window starts: whether the prefetch lands, and what it saves."""
-    from kvforge.kernels.triton_l2_prefetch import l2_prefetch
-
-    w = (torch.randn(HIDDEN, HIDDEN, device=device) * 0.02).to(torch.bfloat16)
-    x = torch.randn(1, HIDDEN, device=device).to(torch.bfloat16)
-    flag = torch.empty(1, dtype=torch.int32, device=device)
-
-    def window():
-        _sleep_kernel[(1,)](flag, NS=sleep_ns)
-
-    def product():
-        small_m_linear(x, w)
-
-    def both():
-        window()
-        product()
-
-    def prefetched():
-        l2_prefetch(w)
-        window()
-        product()
-
-    r = {name: time_graph(fn, rep_ms)[0] for name, fn in
-         (("window", window), ("product", product), ("window+product", both), ("prefetch+window+product", prefetched))}
-    print("prefetch check (us): " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()))
-    return r
-
-
 def cfg_str(c: SmallMLinearConfig) -> str:
     return f"n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}"
 
@@ -237,11 +182,6 @@ def main():
     ap.add_argument("--read-sweep", action="store_true", help="time the candidates on the 2 GiB product")
     ap.add_argument("--rep", type=int, default=200, help="do_bench time budget per chain, ms")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections to sweep")
-    ap.add_argument("--prefetch-next-mb", type=float, nargs="*", metavar="MIB",
-                    help="also time the chain with each product's programs prefetching MIB of the next weight")
-    ap.add_argument("--prefetch-check", type=int, nargs="*", metavar="NS",
-                    help="also time the o projection after idle windows of NS nanoseconds, with and without its "
-                         "weight prefetched into L2")
     args = ap.parse_args()
     t0 = time.time()
     torch.manual_seed(0)
@@ -249,7 +189,6 @@ def main():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_bw = copy_bandwidth()
     read_bw, read_sweep = read_bandwidth(dev, args.rep, args.read_sweep)
-    checks = {ns: prefetch_check(dev, args.rep, ns) for ns in (args.prefetch_check or [])}
     weights = make_weights(args.layers, dev)
     nbytes = sum(w.numel() * 2 for layer in weights["layers"] for key, w in layer.items() if not key.startswith("ln"))
     nbytes += weights["lm_head"].numel() * 2
@@ -264,11 +203,11 @@ def main():
     print(f"# {info['device']} ({num_sms} SMs); copy {copy_bw / 1e12:.3f} TB/s, one-row product over 2 GiB "
           f"{read_bw / 1e12:.3f} TB/s; chain {args.layers} layers, {nbytes / 1e9:.2f} GB of weights")
 
-    def measure(configs: dict, prefetch_bytes: int = 0) -> dict:
+    def measure(configs: dict) -> dict:
         err = check_chain(weights, x, configs)
         if not err < 2.0**-6:
             raise AssertionError(f"chain error {err:.3g} of the output scale with {configs}")
-        t = time_graph(lambda: run_chain(weights, x, configs, prefetch_bytes=prefetch_bytes), args.rep)
+        t = time_graph(lambda: run_chain(weights, x, configs), args.rep)
         return dict(us=t, err=err, TBps=nbytes / (t[0] * 1e-6) / 1e12, of_copy=nbytes / (t[0] * 1e-6) / copy_bw,
                     of_read=nbytes / (t[0] * 1e-6) / read_bw)
 
@@ -276,12 +215,7 @@ def main():
     print(f"default chain: {base['us'][0]:.1f} us [{base['us'][1]:.1f}-{base['us'][2]:.1f}], {base['TBps']:.3f} TB/s,"
           f" {100 * base['of_copy']:.1f}% of copy, {100 * base['of_read']:.1f}% of the long product; "
           f"floor at copy {nbytes / copy_bw * 1e6:.1f} us")
-    result = dict(info=info, default=base, sweep=[], best=None, prefetch_check=checks, prefetch_next={})
-    for mb in args.prefetch_next_mb or []:
-        r = measure({}, int(mb * (1 << 20)))
-        result["prefetch_next"][mb] = r
-        print(f"each product prefetching {mb} MiB of the next weight: {r['us'][0]:.1f} us "
-              f"({r['us'][0] - base['us'][0]:+.1f}), {100 * r['of_copy']:.1f}% of copy")
+    result = dict(info=info, default=base, sweep=[], best=None)
     if args.sweep:
         best = {}
         for name in args.shapes:

@@ -80,71 +80,6 @@ def test_linear_is_a_drop_in_nn_linear():
     assert lin.weight.stride() == (1, 8)  # [in, out] storage
 
 
-@pytest.fixture
-def prefetches(route_on, monkeypatch):
-    """The tensors ``prefetch_weight`` asks to prefetch, recorded on CPU (the kernel itself needs an sm_90 GPU:
-    tests/test_l2_prefetch.py) with a 1 MiB L2."""
-    from kvforge.kernels import triton_l2_prefetch
-
-    calls = []
-    monkeypatch.setattr(linear_route, "L2_PREFETCH", True)
-    monkeypatch.setattr(linear_route, "SMALL_M_LINEAR_DEVICES", ("cpu",))
-    monkeypatch.setattr(triton_l2_prefetch, "prefetch_supported", lambda device: True)
-    monkeypatch.setattr(triton_l2_prefetch, "l2_prefetch", calls.append)
-    monkeypatch.setattr(linear_route, "_l2_bytes", lambda device: 1 << 20)
-    return calls
-
-
-def test_prefetch_weight_asks_for_its_share_of_l2(prefetches):
-    big = Linear(512, 1024, bias=False, dtype=torch.bfloat16)  # 1 MiB: the first 0.75 MiB, whole rows
-    linear_route.prefetch_weight(big, 1)
-    (t,) = prefetches
-    assert t.data_ptr() == big.weight.data_ptr() and tuple(t.shape) == (768, 512)
-    small = Linear(64, 32, bias=False, dtype=torch.float16)
-    linear_route.prefetch_weight(small, 1)
-    assert prefetches[1].shape == small.weight.shape
-
-
-def test_prefetch_weight_only_before_the_small_m_kernel(prefetches, monkeypatch):
-    linear_route.prefetch_weight(Linear(64, 32, bias=False, dtype=torch.bfloat16), 2)  # two rows: cuBLAS
-    linear_route.prefetch_weight(Linear(64, 32, bias=False), 1)  # float32: cuBLAS
-    linear_route.prefetch_weight(torch.nn.Linear(64, 32, bias=False, dtype=torch.bfloat16), 1)  # not routed
-    assert not prefetches
-    monkeypatch.setattr(linear_route, "L2_PREFETCH", False)
-    linear_route.prefetch_weight(Linear(64, 32, bias=False, dtype=torch.bfloat16), 1)
-    assert not prefetches
-
-
-def test_one_row_products_link_in_the_order_they_run(monkeypatch):
-    """A Llama model's products link each to the next one's weight (the first NEXT_PREFETCH_BYTES of it: whole
-    rows), the last layer's down projection to the LM head; a layout without a known order links nothing."""
-    budget = 64 * 64 * 2 + 100  # 64 rows of 64 bf16 values and a part of one more
-    monkeypatch.setattr(linear_route, "NEXT_PREFETCH_BYTES", budget)
-    config = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16"}
-    model = build_model(config, torch.bfloat16, "cpu")
-    products = model.one_row_products()
-    layers = model.model.layers
-    want = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                            layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
-    assert products == want
-    assert linear_route.link_one_row_products(products, model.lm_head_weight) == len(products)
-    for proj, nxt in zip(products, [p.weight for p in products[1:]] + [model.lm_head_weight]):
-        assert proj.next_weight.data_ptr() == nxt.data_ptr()
-        assert proj.next_weight.shape == (min(budget // (2 * nxt.shape[1]), nxt.shape[0]), nxt.shape[1])
-    assert linear_route.link_one_row_products([torch.nn.Linear(4, 4)], model.lm_head_weight) == 0
-    layers[0].mlp = torch.nn.Identity()  # not a gated MLP: no order to vouch for
-    assert model.one_row_products() == []
-
-
-def test_linked_products_prefetch_only_when_switched_on(prefetches, monkeypatch):
-    proj = Linear(64, 32, bias=False, dtype=torch.bfloat16)
-    nxt = torch.zeros(16, 64, dtype=torch.bfloat16)
-    linear_route.link_one_row_products([proj], nxt)
-    assert linear_route._next_prefetch(proj) is None  # PREFETCH_NEXT off by default
-    monkeypatch.setattr(linear_route, "PREFETCH_NEXT", True)
-    assert linear_route._next_prefetch(proj).data_ptr() == nxt.data_ptr()
-
-
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-5)
 CASES = {
@@ -193,10 +128,10 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
     calls = []
     kernel = triton_small_m_linear.small_m_linear
 
-    def counted(x, weight, bias=None, num_sms=None, prefetch=None):
+    def counted(x, weight, bias=None, num_sms=None):
         calls.append(x.shape[0])
         # Planned for a 4-SM device: the widest row blocks, the fewest programs for the interpreter to run.
-        return kernel(x, weight, bias, num_sms=4, prefetch=prefetch)
+        return kernel(x, weight, bias, num_sms=4)
 
     monkeypatch.setattr(triton_small_m_linear, "small_m_linear", counted)
     hf = _hf_checkpoint(case, tmp_path)

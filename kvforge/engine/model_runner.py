@@ -55,7 +55,6 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import is_quantized
 from kvforge.models.layers import fused_kernels, store_input_major
-from kvforge.models.linear_route import link_one_row_products
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
 
@@ -154,9 +153,6 @@ class ModelRunner:
         self.pool = pool
         self.plan = plan
         self.device = device
-        one_row_products = getattr(model, "one_row_products", None)
-        if device.type == "cuda" and one_row_products is not None:  # before any graph captures the products
-            link_one_row_products(one_row_products(), getattr(model, "lm_head_weight", None))
         self.block_size = plan.block_size
         self.backend_names = [layer.backend for layer in plan.layers]
         # The plan's query dtype per layer: None = model dtype, else the quantized query it declared (MLA).

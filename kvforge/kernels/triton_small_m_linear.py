@@ -163,8 +163,6 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
 
 
 if HAS_TRITON:
-    from kvforge.kernels.triton_l2_prefetch import issue_l2_prefetch
-
     _RMS_NORM = tl.constexpr(PROLOGUE_RMS_NORM)
     _SILU_MUL = tl.constexpr(PROLOGUE_SILU_MUL)
 
@@ -199,11 +197,10 @@ if HAS_TRITON:
     @triton.jit
     def _small_m_linear_kernel(
         x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, norm_w_ptr, stream_ptr, eps,
-        M, N, K, stride_xm, stride_wn, stride_om, k_per_split, chunks_per_split, next_ptr, next_bytes,
+        M, N, K, stride_xm, stride_wn, stride_om, k_per_split, chunks_per_split,
         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
         NUM_STAGES: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        PREFETCH_THREADS: tl.constexpr, PREFETCH_CHUNK: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -268,10 +265,6 @@ if HAS_TRITON:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if PREFETCH_CHUNK > 0:  # this program's share of the next product's weight, into L2 as it leaves
-            first = (pid_k * tl.num_programs(0) + pid_n) * PREFETCH_THREADS
-            offs_p = (first + tl.arange(0, PREFETCH_THREADS)).to(tl.int64) * PREFETCH_CHUNK
-            issue_l2_prefetch(next_ptr, offs_p, next_bytes, PREFETCH_CHUNK)
 
     @triton.jit
     def _sum_splits_kernel(
@@ -306,29 +299,26 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def small_m_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: SmallMLinearConfig | None = None, num_sms: int = DEFAULT_NUM_SMS, prefetch: torch.Tensor | None = None,
+    config: SmallMLinearConfig | None = None, num_sms: int = DEFAULT_NUM_SMS,
 ) -> torch.Tensor:  # fmt: skip
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` with ``M <= MAX_ROWS``: ``[M, N]`` in ``x``'s dtype.
 
     ``config`` overrides :func:`small_m_linear_config` (benchmarks sweep it); ``num_sms`` is the SM count
-    that function plans for (the caller knows its device). ``prefetch`` (a contiguous CUDA tensor, sm_90):
-    the programs move its bytes into L2 as they finish, each its share (the next product's weight, or
-    its first rows); a hint that never changes a result.
+    that function plans for (the caller knows its device).
     """
     _check(x, weight, bias)
-    return _launch(x, weight, bias, config, num_sms, PROLOGUE_NONE, x.shape[1], prefetch=prefetch)
+    return _launch(x, weight, bias, config, num_sms, PROLOGUE_NONE, x.shape[1])
 
 
 def rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, config: SmallMLinearConfig | None = None,
-    num_sms: int = DEFAULT_NUM_SMS, prefetch: torch.Tensor | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(F.linear(h, weight, bias), s)`` for one row: ``s = x + residual`` (``x`` without a residual) and
     ``h = RMSNorm(s)`` with ``norm_weight`` and ``eps``, folded into the product (module docstring: ``h`` is
     not rounded to the dtype); ``s`` is a new tensor (``x`` itself without a residual). One launch where the
-    separate kernels take two. ``config`` must take the broadcast path (one row); its K is never split.
-    ``prefetch`` as in :func:`small_m_linear`."""
+    separate kernels take two. ``config`` must take the broadcast path (one row); its K is never split."""
     _check(x, weight, bias)
     if x.shape[0] != 1 or not x.is_contiguous():
         raise ValueError(f"rms_norm_linear takes one contiguous row, got {tuple(x.shape)}")
@@ -340,44 +330,28 @@ def rms_norm_linear(
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
     stream = torch.empty_like(x) if residual is not None else x
     out = _launch(x, weight, bias, config, num_sms, PROLOGUE_RMS_NORM, x.shape[1],
-                  residual=residual, norm_weight=norm_weight, eps=eps, stream=stream, prefetch=prefetch)  # fmt: skip
+                  residual=residual, norm_weight=norm_weight, eps=eps, stream=stream)  # fmt: skip
     return out, stream
 
 
 def silu_mul_linear(
     gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: SmallMLinearConfig | None = None, num_sms: int = DEFAULT_NUM_SMS, prefetch: torch.Tensor | None = None,
+    config: SmallMLinearConfig | None = None, num_sms: int = DEFAULT_NUM_SMS,
 ) -> torch.Tensor:  # fmt: skip
     """``F.linear(F.silu(gate) * up, weight, bias)`` for one row ``gate_up = [gate | up]`` (``[1, 2K]``),
     the product's input computed inside its programs, rounded as the separate kernel rounds it
-    (kvforge/kernels/triton_silu_mul.py). ``prefetch`` as in :func:`small_m_linear`."""
+    (kvforge/kernels/triton_silu_mul.py)."""
     if gate_up.dim() != 2 or gate_up.shape[0] != 1 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul_linear takes one contiguous row [gate | up], got {tuple(gate_up.shape)}")
     k = gate_up.shape[1] // 2
     _check(gate_up[:, :k], weight, bias)
-    return _launch(gate_up, weight, bias, config, num_sms, PROLOGUE_SILU_MUL, k, prefetch=prefetch)
-
-
-def _prefetch_share(prefetch: torch.Tensor | None, threads: int) -> tuple[torch.Tensor | None, int, int]:
-    """``(bytes as uint8, length, bytes per thread)`` of what the programs prefetch: ``length`` rounded down
-    to 16 bytes, spread evenly over every thread of the launch in 16-byte multiples; ``(None, 0, 0)``
-    for nothing."""
-    if prefetch is None:
-        return None, 0, 0
-    if not prefetch.is_contiguous():
-        raise ValueError("prefetch takes a contiguous tensor")
-    nbytes = prefetch.numel() * prefetch.element_size() // 16 * 16
-    if nbytes == 0:
-        return None, 0, 0
-    per_thread = -(-nbytes // threads)
-    return prefetch.view(-1).view(torch.uint8), nbytes, -(-per_thread // 16) * 16
+    return _launch(gate_up, weight, bias, config, num_sms, PROLOGUE_SILU_MUL, k)
 
 
 def _launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SmallMLinearConfig | None,
     num_sms: int, prologue: int, k: int, residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None, eps: float = 0.0, stream: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     if not HAS_TRITON:
         raise RuntimeError("small_m_linear needs triton")
@@ -402,19 +376,15 @@ def _launch(
     even_k = k % cfg.block_k == 0 and chunks % chunks_per_split == 0
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
-    grid = (triton.cdiv(n, cfg.block_n), split_k)
-    next_raw, next_bytes, chunk = _prefetch_share(prefetch, grid[0] * grid[1] * 32 * cfg.num_warps)
-    _small_m_linear_kernel[grid](
+    _small_m_linear_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
         x, weight, bias_arg, out, partials,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         stream if stream is not None else x, float(eps),
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split, chunks_per_split,
-        next_raw if next_raw is not None else x, next_bytes,
         M_PAD=cfg.rows_block(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, EVEN_K=even_k, HAS_BIAS=bias is not None,
         WRITE_PARTIALS=split_k > 1, NUM_STAGES=cfg.num_stages,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        PREFETCH_THREADS=32 * cfg.num_warps, PREFETCH_CHUNK=chunk,
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if split_k > 1:

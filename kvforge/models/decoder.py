@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from kvforge.errors import ConfigError
-from kvforge.models.layers import GatedMLP, RMSNorm, cfg_get, rope_parameters
-from kvforge.models.linear_route import Linear, linear, norm_input, stream_of
+from kvforge.models.layers import RMSNorm, cfg_get, rope_parameters
+from kvforge.models.linear_route import linear, norm_input, stream_of
 
 
 def required_int(config: dict, key: str) -> int:
@@ -182,22 +182,6 @@ class DecoderForCausalLM(nn.Module):
         ``F.embedding``, so the CPU runner may store them input-major (``layers.store_input_major``); none
         unless the family lists them."""
         return []
-
-    def one_row_products(self) -> list[nn.Module]:
-        """A one-row step's linear layers in the order they run (kvforge/models/linear_route.py,
-        ``link_one_row_products``; the LM head's weight follows them) where every layer is a pre-norm block
-        of fused q/k/v and output projections and a gated MLP; empty for other layouts, whose order is not
-        vouched for here."""
-        out = []
-        for layer in self.model.layers:
-            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            mods = [getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None),
-                    getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)]
-            if type(layer) is not PreNormDecoderLayer or type(mlp) is not GatedMLP or any(
-                    type(m) is not Linear for m in mods):  # fmt: skip
-                return []
-            out.extend(mods)
-        return out
 
     def head_module(self) -> nn.Module:
         """The module holding the LM head's weight: ``lm_head``, or the embedding it is tied to."""

@@ -30,14 +30,9 @@ input from what the layer before left, saving that layer's launch (:func:`use_pr
   its input (``input_projection``); that Linear's forward runs the norm inside its product and records the
   new residual stream, which the layer then reads (:func:`stream_of`);
 * ``SiLU(gate) * up``: a gated MLP's down projection over the ``[gate | up]`` row (:func:`silu_mul_linear`).
-
-L2 prefetch: :func:`prefetch_weight` starts moving a one-row product's weight into L2 before the
-latency-bound kernels that compute its input (rope, the KV write, attention), so HBM works through them.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -62,16 +57,6 @@ SMALL_M_MAX_WEIGHT_BYTES: int | None = None
 #: does not say.
 SMALL_M_PROLOGUES_DEFAULT = True
 SMALL_M_PROLOGUES: bool = SMALL_M_PROLOGUES_DEFAULT if ENV.small_m_prologues is None else ENV.small_m_prologues
-#: Whether a one-row product whose input comes from latency-bound kernels (attention's output projection)
-#: has its weight prefetched into L2 while those kernels run (:func:`prefetch_weight`).
-L2_PREFETCH = False
-#: The most bytes of a weight the prefetch asks for, as a fraction of the GPU's L2.
-L2_PREFETCH_FRACTION_OF_L2 = 0.75
-#: Whether each one-row product's programs prefetch the first :data:`NEXT_PREFETCH_BYTES` of the next
-#: product's weight as they finish (:func:`link_one_row_products`), so HBM streams through the gap between
-#: the two launches.
-PREFETCH_NEXT = False
-NEXT_PREFETCH_BYTES = 4 << 20
 _DTYPES = (torch.bfloat16, torch.float16)
 _ROW_ALIGN_BYTES = 16
 
@@ -100,10 +85,8 @@ def _small_m_kernel():
     return _kernel
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, by the small-M kernel where :func:`use_small_m_linear` says so; that
-    kernel's programs also prefetch ``prefetch`` into L2 (kvforge/kernels/triton_small_m_linear.py)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, by the small-M kernel where :func:`use_small_m_linear` says so."""
     if (
         x.dim() == 2
         and use_small_m_linear(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.device)
@@ -114,7 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and not torch.is_grad_enabled()
     ):
         kernel, num_sms = _small_m_kernel()
-        return kernel.small_m_linear(x, weight, bias, num_sms=num_sms(x.device), prefetch=prefetch)
+        return kernel.small_m_linear(x, weight, bias, num_sms=num_sms(x.device))
     return F.linear(x, weight, bias)
 
 
@@ -134,62 +117,6 @@ def use_prologue(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     )
 
 
-def prefetch_weight(proj: nn.Module, m: int) -> None:
-    """Start pulling ``proj``'s weight (at most :data:`L2_PREFETCH_FRACTION_OF_L2` of L2, from its first
-    row) into L2 where its product of ``m`` rows will run on the small-M kernel: called where the kernels
-    before that product leave HBM idle (kvforge/kernels/triton_l2_prefetch.py). A hint: results never
-    depend on it."""
-    weight = getattr(proj, "weight", None)
-    if (
-        not L2_PREFETCH
-        or type(proj) is not Linear
-        or weight is None
-        or not use_small_m_linear(m, weight.shape[0], weight.shape[1], weight.dtype, weight.device)
-        or not weight.is_contiguous()
-    ):
-        return
-    from kvforge.kernels import triton_l2_prefetch
-
-    if not triton_l2_prefetch.prefetch_supported(weight.device):
-        return
-    budget = int(_l2_bytes(weight.device) * L2_PREFETCH_FRACTION_OF_L2)
-    rows = min(weight.shape[0], budget // max(1, weight.shape[1] * weight.element_size()))
-    if rows > 0:
-        triton_l2_prefetch.l2_prefetch(weight[:rows])
-
-
-@functools.cache  # a device's L2 never changes in a process
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
-def link_one_row_products(products: list[nn.Module], last: torch.Tensor | None) -> int:
-    """Give each :class:`Linear` of ``products`` (a one-row step's products in the order they run) the first
-    :data:`NEXT_PREFETCH_BYTES` of the next one's weight (``last``, e.g. the LM head's weight, after the last)
-    as ``next_weight``, which its one-row products prefetch into L2 where :data:`PREFETCH_NEXT` is on. Call
-    after the weights are loaded and before CUDA graphs are captured. Returns the number of links made."""
-    weights = [getattr(p, "weight", None) for p in products[1:]] + [last]
-    made = 0
-    for proj, nxt in zip(products, weights):
-        if type(proj) is not Linear or not isinstance(nxt, torch.Tensor) or nxt.dim() != 2 or not nxt.is_contiguous():
-            continue
-        rows = min(nxt.shape[0], NEXT_PREFETCH_BYTES // max(1, nxt.shape[1] * nxt.element_size()))
-        proj.next_weight = nxt[:rows] if rows > 0 else None
-        made += proj.next_weight is not None
-    return made
-
-
-def _next_prefetch(proj: nn.Module) -> torch.Tensor | None:
-    """What a one-row product by ``proj`` prefetches: its linked next weight where the switch is on and the
-    device runs the prefetch."""
-    nxt = getattr(proj, "next_weight", None)
-    if not PREFETCH_NEXT or nxt is None:
-        return None
-    from kvforge.kernels import triton_l2_prefetch
-
-    return nxt if triton_l2_prefetch.prefetch_supported(nxt.device) else None
-
-
 class PendingNorm:
     """``RMSNorm(x + residual)`` (``RMSNorm(x)`` without a residual) not yet computed: the input of a
     :class:`Linear` that computes it inside its product. After that product, :attr:`stream` holds the
@@ -199,11 +126,10 @@ class PendingNorm:
         self.x, self.residual, self.norm_weight, self.eps = x, residual, norm_weight, eps
         self.stream: torch.Tensor | None = None
 
-    def project(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel, num_sms = _small_m_kernel()
         out, self.stream = kernel.rms_norm_linear(self.x, self.residual, self.norm_weight, self.eps, weight, bias,
-                                                  num_sms=num_sms(self.x.device), prefetch=prefetch)  # fmt: skip
+                                                  num_sms=num_sms(self.x.device))  # fmt: skip
         return out
 
 
@@ -253,18 +179,14 @@ def silu_mul_linear(gate_up: torch.Tensor, proj: nn.Module) -> torch.Tensor | No
     if not use_prologue(gate_up, proj.weight, proj.bias):
         return None
     kernel, num_sms = _small_m_kernel()
-    return kernel.silu_mul_linear(gate_up, proj.weight, proj.bias, num_sms=num_sms(gate_up.device),
-                                  prefetch=_next_prefetch(proj))
+    return kernel.silu_mul_linear(gate_up, proj.weight, proj.bias, num_sms=num_sms(gate_up.device))
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, names, initialisation and loading) whose forward is :func:`linear`;
-    given a :class:`PendingNorm`, it computes the norm inside its product. ``next_weight``: what its small-M
-    products prefetch (:func:`link_one_row_products`)."""
-
-    next_weight: torch.Tensor | None = None
+    given a :class:`PendingNorm`, it computes the norm inside its product."""
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
-            return x.project(self.weight, self.bias, _next_prefetch(self))
-        return linear(x, self.weight, self.bias, _next_prefetch(self))
+            return x.project(self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

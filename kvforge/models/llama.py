@@ -31,7 +31,7 @@ from kvforge.models.decoder import (
     attention_and_mlp_parts,
 )
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, cfg_get
-from kvforge.models.linear_route import Linear, prefetch_weight
+from kvforge.models.linear_route import Linear
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 RopeCache = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, rotary_dim]
@@ -111,7 +111,6 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         t = qkv.shape[0]
-        prefetch_weight(self.o_proj, t)  # HBM idles while rope and attention run
         qk_size = self.q_size + self.kv_size
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k rotate as one tensor
