@@ -42,8 +42,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-from gpu_timing import copy_bandwidth  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
 from kvforge.kernels.triton_small_m_linear import (  # noqa: E402
     PROLOGUE_NONE,
@@ -130,30 +129,16 @@ def check_chain(weights: dict, x: torch.Tensor, configs: dict) -> float:
     return worst[0]
 
 
-def time_graph(fn, rep_ms: int) -> tuple[float, float, float]:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    med, lo, hi = do_bench(g.replay, warmup=5, rep=rep_ms, quantiles=[0.5, 0.0, 1.0])
-    del g
-    return med * 1e3, lo * 1e3, hi * 1e3
-
-
 def read_bandwidth(device, rep_ms: int, sweep: bool = False) -> tuple[float, dict]:
     """Bytes per second one product streams from a 2 GiB weight (the kernel's steady read rate), and with
     ``sweep`` the same for each candidate configuration."""
     w = torch.randn(262144, HIDDEN, device=device).to(torch.bfloat16)
     x = torch.randn(1, HIDDEN, device=device).to(torch.bfloat16)
-    t = time_graph(lambda: small_m_linear(x, w), rep_ms)
+    t = graph_bench(lambda: small_m_linear(x, w), rep_ms)
     rates = {}
     for bn, bk, warps, stages in CANDIDATES if sweep else []:
         c = SmallMLinearConfig(bn, bk, 1, warps, stages, False)
-        rates[cfg_str(c)] = w.numel() * 2 / (time_graph(lambda c=c: small_m_linear(x, w, config=c), rep_ms)[0] * 1e-6)
+        rates[cfg_str(c)] = w.numel() * 2 / (graph_bench(lambda c=c: small_m_linear(x, w, config=c), rep_ms)[0] * 1e-6)
         print(f"  long product {cfg_str(c):<24} {rates[cfg_str(c)] / 1e12:.3f} TB/s", flush=True)
     return w.numel() * 2 / (t[0] * 1e-6), rates
 
@@ -207,7 +192,7 @@ def main():
         err = check_chain(weights, x, configs)
         if not err < 2.0**-6:
             raise AssertionError(f"chain error {err:.3g} of the output scale with {configs}")
-        t = time_graph(lambda: run_chain(weights, x, configs), args.rep)
+        t = graph_bench(lambda: run_chain(weights, x, configs), args.rep)
         return dict(us=t, err=err, TBps=nbytes / (t[0] * 1e-6) / 1e12, of_copy=nbytes / (t[0] * 1e-6) / copy_bw,
                     of_read=nbytes / (t[0] * 1e-6) / read_bw)
 

@@ -38,7 +38,9 @@ Each parser gives ``parse(text) -> (content, [(name, arguments JSON)])`` and ``s
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
+from collections.abc import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -335,28 +337,22 @@ class MistralStream:
         return content + tail, []
 
 
-class _Hermes:
-    parse = staticmethod(parse_hermes)
-    stream = HermesStream
+@dataclasses.dataclass(frozen=True)
+class ToolParser:
+    """One ``--tool-call-parser``: ``parse(text) -> (content, calls)`` of a whole output, and ``stream()``, a
+    new incremental parse of one streamed output."""
 
-
-class _Llama3Json:
-    parse = staticmethod(parse_llama3_json)
-    stream = Llama3JsonStream
-
-
-class _Pythonic:
-    parse = staticmethod(parse_pythonic)
-    stream = PythonicStream
-
-
-class _Mistral:
-    parse = staticmethod(parse_mistral)
-    stream = MistralStream
+    parse: Callable[[str], tuple[str, list[tuple[str, str]]]]
+    stream: Callable[[], object]
 
 
 #: --tool-call-parser NAME -> its parser.
-PARSERS = {"hermes": _Hermes, "llama3_json": _Llama3Json, "mistral": _Mistral, "pythonic": _Pythonic}
+PARSERS = {
+    "hermes": ToolParser(parse_hermes, HermesStream),
+    "llama3_json": ToolParser(parse_llama3_json, Llama3JsonStream),
+    "mistral": ToolParser(parse_mistral, MistralStream),
+    "pythonic": ToolParser(parse_pythonic, PythonicStream),
+}
 #: Parsers whose syntax is made of special tokens: their requests are detokenized with them by default.
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 
