@@ -56,7 +56,7 @@ def _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys=False):
 
 def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=False, num_slots=7,
                    chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32, repeated_keys=False,
-                   fresh_slots_hold=None, max_query_len=None):
+                   fresh_slots_hold=None):
     q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     gen = torch.Generator().manual_seed(seed + 100)
@@ -73,7 +73,7 @@ def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=F
         out = kernels.decode(q, k, v, g, beta, states, slot_ids, has_initial_state=flags, normalize_qk=True)
     else:
         out = kernels.prefill(q, k, v, g, beta, states, slot_ids, qsl, has_initial_state=flags,
-                              normalize_qk=True, chunk_size=chunk_size, max_query_len=max_query_len)
+                              normalize_qk=True, chunk_size=chunk_size)
     owned = set()
     for i, n in enumerate(lens):
         a, b = int(qsl[i]), int(qsl[i + 1])
@@ -109,22 +109,6 @@ def test_prefill_lengths_the_chunk_does_not_divide(per_channel):
         _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], per_channel=True, tol=REC_TOL, seed=3)
     else:  # two value blocks (40 > 32 columns), chunks of 16 over 17 and 40 tokens
         _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
-
-
-def test_short_sequences_with_per_head_gates_run_token_by_token(monkeypatch):
-    """Verification rows (a few tokens each, the bound known to the caller): the recurrent kernel, not the
-    chunked one, and the reference's result; with the rows' state kept where ``store_slot_ids`` says -1."""
-    assert kernels.use_recurrent_form(False, kernels.RECURRENT_MAX_QUERY_LEN)
-    assert not kernels.use_recurrent_form(False, kernels.RECURRENT_MAX_QUERY_LEN + 1)
-    assert not kernels.use_recurrent_form(False, None)
-
-    class Refused:
-        def __getitem__(self, grid):
-            raise AssertionError("the chunked kernel was launched")
-
-    monkeypatch.setattr(kernels, "_chunked_kernel", Refused())
-    _run_and_check([3, 1, 2], [3, 6, 1], [True, False, True], per_channel=False, tol=REC_TOL, seed=5,
-                   max_query_len=3)
 
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [1, 17, 9]], ids=["decode", "chunked_prefill"])

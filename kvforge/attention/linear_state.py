@@ -309,7 +309,7 @@ class LinearStates:
                                       scale=scale, normalize_qk=normalize_qk)
             return kernels.prefill(q, k, v, g, beta, states, b.slot_ids, b.query_start_loc,
                                    has_initial_state=b.has_initial_state, scale=scale, normalize_qk=normalize_qk,
-                                   store_slot_ids=b.store_slot_ids, max_query_len=b.max_query_len)
+                                   store_slot_ids=b.store_slot_ids)
         out = torch.zeros_like(v)
         for i, start, end, slot, has_state in b.spans():
             form = gated_delta_rule.recurrent if end - start == 1 else gated_delta_rule.chunked
@@ -355,7 +355,7 @@ class LinearStates:
             if kernels:
                 conv1d_update_states(x, self.conv[layer], slots_t, qsl_t)
                 rule_kernels.prefill(k, k, v, g, beta, self.recurrent[layer], slots_t, qsl_t, normalize_qk=normalize,
-                                     store_output=False, max_query_len=r)
+                                     store_output=False)
                 continue
             for i, slot in enumerate(slot_ids):
                 span = slice(qsl[i], qsl[i + 1])

@@ -73,16 +73,6 @@ class DecodeTiles:
 DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4), large_from_seqs=64)
 #: The tile of the token-by-token prefill (per-channel gates) and of the chunked kernel.
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
-#: Per-head gates over sequences of at most this many tokens (a speculative step's verification rows,
-#: their replay) run token by token, as decode does: the chunked kernel pads every sequence to a whole
-#: chunk of tokens and solves its triangular system whatever the rows hold.
-RECURRENT_MAX_QUERY_LEN = 8
-
-
-def use_recurrent_form(per_channel: bool, max_query_len: int | None) -> bool:
-    """Whether :func:`prefill` runs the token-by-token kernel: per-channel gates always (module docstring),
-    per-head gates where every sequence is known to hold at most :data:`RECURRENT_MAX_QUERY_LEN` tokens."""
-    return per_channel or (max_query_len is not None and max_query_len <= RECURRENT_MAX_QUERY_LEN)
 
 
 if HAS_TRITON:
@@ -327,21 +317,19 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
             has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
             chunk_size: int = DEFAULT_CHUNK_SIZE, store_slot_ids: torch.Tensor | None = None,
-            store_output: bool = True, max_query_len: int | None = None) -> torch.Tensor:
+            store_output: bool = True) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
-    computes only the states (that replay); ``out`` is then left unwritten. ``max_query_len`` (the caller's
-    bound on any sequence's tokens, None: unknown) picks the form (:func:`use_recurrent_form`) and nothing
-    else: both forms run every token of every sequence."""
+    computes only the states (that replay); ``out`` is then left unwritten."""
     num_seqs = slot_ids.shape[0]
     _check(q, k, v, g, beta, states, slot_ids, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [N + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
-    if use_recurrent_form(g.dim() == 3, max_query_len):
+    if g.dim() == 3:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
                                  store_output=store_output)
