@@ -1,5 +1,6 @@
 """``make test-gpu``'s list (tests/gpu_test_files.txt) names files that exist, and every test file with a
-test that needs a CUDA device is on it (but the activation-reserve test, which the target runs alone)."""
+test that needs a CUDA device (a CUDA check, or the kernel tests' GPU-only marks) is on it (but the
+activation-reserve test, which the target runs alone)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def test_every_listed_file_exists_once():
 
 
 def test_every_cuda_test_file_is_listed():
+    marks = ("cuda.is_available()", "@gpu_only", "@gluon_gpu_only")  # the last two: tests/triton_kernel_device.py
     needs_cuda = {f"tests/{p.name}" for p in TESTS.glob("test_*.py")
-                  if p.name != Path(__file__).name and "cuda.is_available()" in p.read_text()}
+                  if p.name != Path(__file__).name and any(m in p.read_text() for m in marks)}
     assert needs_cuda - set(_listed()) - ALONE == set()
