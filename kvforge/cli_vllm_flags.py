@@ -97,8 +97,6 @@ SERVER_FLAGS = (
     VllmFlag(("--reasoning-parser",), True, (), "reasoning text is not split from the answer: the model's whole "
              "output is the message content"),
     VllmFlag(("--response-role",), True, ("assistant",), "chat responses speak as the assistant"),
-    VllmFlag(("--chat-template-content-format",), True, ("auto", "string"), "message content reaches the chat "
-             "template as a string (text parts joined)"),
     VllmFlag(("--enable-force-include-usage",), False, (), "usage goes out when a request asks for it "
              "(stream_options.include_usage)"),
     VllmFlag(("--root-path",), True, (), "routes are served at the root: strip a proxy's prefix in the proxy"),

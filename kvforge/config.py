@@ -32,6 +32,9 @@ logger = logging.getLogger("kvforge.config")
 
 # Tokens one step may compute when --max-num-batched-tokens is not given, by platform.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+#: ``--chat-template-content-format``: auto is string (vLLM's auto inspects the template; here the text
+#: goes as a string unless openai is asked for).
+CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4096
 
@@ -74,6 +77,8 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     served_model_aliases: tuple[str, ...] = ()
+    # how message text reaches the chat template: auto or string (a string), openai (a list of text parts)
+    chat_template_content_format: str = "auto"
     chat_template: str | None = None  # a jinja template, or a file holding one, in place of the tokenizer's  # more names requests may use (``--served-model-name A B``)
     dtype: str = "auto"
     device: str = "auto"
@@ -141,6 +146,9 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"--seed must be an integer (it seeds dummy weights and torch's generator), got "
                               f"{self.seed!r}; pass an int such as 0, the default")
+        if self.chat_template_content_format not in CHAT_CONTENT_FORMATS:
+            raise ConfigError(f"--chat-template-content-format must be one of {', '.join(CHAT_CONTENT_FORMATS)}, got "
+                              f"{self.chat_template_content_format!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -207,6 +215,10 @@ class EngineArgs:
         parser.add_argument("--chat-template", default=None,
                             help="a jinja chat template, or a file holding one, used instead of the tokenizer's "
                                  "(vLLM's flag)")
+        parser.add_argument("--chat-template-content-format", choices=list(CHAT_CONTENT_FORMATS), default="auto",
+                            help="how message text reaches the chat template (vLLM's flag): auto or string (a "
+                                 "string, text parts joined by newlines), openai (a list of one text part, for "
+                                 "templates that loop over content parts)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--generation-config", default="auto",
                             help="default sampling parameters of requests that do not set them (vLLM's flag): auto "

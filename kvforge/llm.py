@@ -159,7 +159,9 @@ class LLM:
         ``add_generation_prompt=False``) continues the last assistant message, ``chat_template_kwargs`` are
         extra template variables (e.g. ``enable_thinking``). Each output's ``prompt`` is the rendered text.
         A bad message raises InvalidRequestError naming it (``messages[i].content``, ...); text parts are joined
-        by newlines (``chat_template_content_format`` "auto" or "string", as vLLM's "string"). ``tools`` (OpenAI's
+        by newlines, and the text reaches the template as a string (``chat_template_content_format`` "string";
+        "auto": the engine's ``chat_template_content_format``, string by default) or as a list of one text part
+        ("openai"). ``tools`` (OpenAI's
         function tools) reach the template as its ``tools`` variable, as vLLM's ``LLM.chat`` passes them; to hold
         the output to a call, give ``SamplingParams(structured_outputs=...)`` the function's parameters.
         ``chat_template`` and ``mm_processor_kwargs`` are vLLM's arguments kvforge does not take: a per-call
@@ -175,10 +177,10 @@ class LLM:
             raise InvalidRequestError("chat_template per call is not taken: give chat_template= to LLM(...) "
                                       "(a file or the template text), which renders every conversation",
                                       field="chat_template")
-        if chat_template_content_format not in ("auto", "string"):
-            raise InvalidRequestError("message content reaches the chat template as a string (text parts joined by "
-                                      "newlines): chat_template_content_format must be auto or string",
-                                      field="chat_template_content_format")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidRequestError("chat_template_content_format must be auto (the engine's "
+                                      "--chat-template-content-format), string or openai, got "
+                                      f"{chat_template_content_format!r}", field="chat_template_content_format")
         if mm_processor_kwargs:
             raise InvalidRequestError("multimodal inputs are not supported (leave mm_processor_kwargs unset)",
                                       field="mm_processor_kwargs")
@@ -192,6 +194,8 @@ class LLM:
         for conv in convs:
             clean = parse_messages(conv)
             options = with_tools(parse_chat_template_options(body, clean), tools)
+            if chat_template_content_format != "auto":
+                options = dataclasses.replace(options, content_format=chat_template_content_format)
             text = render_chat(tokenizer, clean, options)
             # The template already holds the special tokens: encode without adding BOS again.
             ids.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})

@@ -184,6 +184,10 @@ class Tokenizer:
             messages=list(messages), add_generation_prompt=add_generation_prompt, **context
         )
 
+    #: How message text reaches the chat template (``--chat-template-content-format``): ``"string"``, or
+    #: ``"openai"`` (each message's text as a list of one ``{"type": "text", "text": ...}`` part).
+    chat_content_format: str = "string"
+
     def use_chat_template(self, source: str) -> None:
         """Render chats with ``source`` (a jinja template) instead of the model's; ``ConfigError`` when it does
         not compile."""

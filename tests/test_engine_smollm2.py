@@ -214,8 +214,13 @@ def test_chat_takes_the_servers_message_shapes_and_options(smol_llm):
     with pytest.raises(InvalidRequestError) as err:  # tools reach the template, checked as the server checks them
         llm.chat([{"role": "user", "content": "x"}], params, tools=[{"type": "function"}])
     assert err.value.field == "tools[0]"
-    with pytest.raises(InvalidRequestError, match="chat_template_content_format must be auto or string"):
-        llm.chat([{"role": "user", "content": "x"}], params, chat_template_content_format="openai")
+    # "openai": the text reaches the template as a list of one text part, which SmolLM2's template (string
+    # concatenation) cannot render: refused naming the messages (tests/test_chat_content_format.py renders parts).
+    with pytest.raises(InvalidRequestError, match="cannot apply the chat template") as err:
+        llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False, chat_template_content_format="openai")
+    assert err.value.field == "messages"
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format must be auto"):
+        llm.chat([{"role": "user", "content": "x"}], params, chat_template_content_format="parts")
 
 
 def test_plan_errors_come_before_any_weight_file_is_opened(tmp_path, monkeypatch):

@@ -167,6 +167,8 @@ class LLMEngine:
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
         if args.chat_template is not None:
             self._use_chat_template(args.chat_template)
+        if self.tokenizer is not None and args.chat_template_content_format == "openai":
+            self.tokenizer.chat_content_format = "openai"
         from kvforge.models.registry import build_model
         from kvforge.models.shared_expert_fold import fold_shared_experts
         from kvforge.weights import load_weights

@@ -226,11 +226,14 @@ class ChatTemplateOptions:
     """How a conversation is rendered, from vLLM's chat request fields: ``add_generation_prompt`` (open an
     assistant turn after the messages), ``continue_final_message`` (the prompt ends inside the final
     assistant message, which the model continues; needs ``add_generation_prompt`` false) and
-    ``chat_template_kwargs`` (extra template variables, e.g. ``enable_thinking``), as sorted pairs."""
+    ``chat_template_kwargs`` (extra template variables, e.g. ``enable_thinking``), as sorted pairs;
+    ``content_format``: how message text reaches the template, ``"string"`` or ``"openai"`` (a list of one
+    text part), None for the tokenizer's (``--chat-template-content-format``)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: tuple[tuple[str, Any], ...] = ()
+    content_format: str | None = None
 
 
 def parse_chat_template_options(body: dict, messages: list[dict]) -> ChatTemplateOptions:

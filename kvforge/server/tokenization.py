@@ -38,6 +38,13 @@ def no_tokenizer(field: str | None) -> InvalidRequestError:
 _CONTINUE_MARK = "\u0000kvforge-continue\u0000"
 
 
+def as_text_parts(message: dict) -> dict:
+    """``message`` with its text content as OpenAI's content parts, ``[{"type": "text", "text": ...}]`` (vLLM's
+    "openai" content format); content that is not text (None: an assistant turn of tool calls) as it is."""
+    content = message.get("content")
+    return dict(message, content=[{"type": "text", "text": content}]) if isinstance(content, str) else message
+
+
 def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions | None = None) -> str:
     """``messages`` rendered by the chat template as ``options`` ask (cut inside the final message for
     ``continue_final_message``); InvalidRequestError when the template refuses them."""
@@ -45,6 +52,8 @@ def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions | 
     if options.continue_final_message:
         last = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_MARK)
         messages = [*messages[:-1], last]
+    if (options.content_format or getattr(tokenizer, "chat_content_format", "string")) == "openai":
+        messages = [as_text_parts(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=options.add_generation_prompt,
                                              **dict(options.template_kwargs))

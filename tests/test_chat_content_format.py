@@ -1,0 +1,57 @@
+"""How message text reaches the chat template (``--chat-template-content-format``, kvforge/server/tokenization.py):
+a string, or OpenAI's list of text parts for templates that loop over parts; continuing the final message
+works in both; the engine flag is checked before anything loads."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from kvforge.config import EngineArgs
+from kvforge.errors import ConfigError
+from kvforge.server.protocol import ChatTemplateOptions
+from kvforge.server.tokenization import render_chat
+
+PARTS = "{% for m in messages %}<{{ m['role'] }}>{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+STRING = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+class TemplateOnly:
+    """A tokenizer that only renders ``template`` (jinja2 itself, not the tokenizer under test)."""
+
+    def __init__(self, template: str, content_format: str | None = None):
+        self.template = jinja2.Template(template)
+        if content_format is not None:
+            self.chat_content_format = content_format
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+MESSAGES = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_parts_for_templates_that_loop_over_them():
+    assert render_chat(TemplateOnly(PARTS), MESSAGES, ChatTemplateOptions(content_format="openai")) == \
+        "<user>[Hi]<assistant>[Hello]"
+    assert render_chat(TemplateOnly(PARTS, "openai"), MESSAGES) == "<user>[Hi]<assistant>[Hello]"  # the engine's
+    assert render_chat(TemplateOnly(STRING), MESSAGES) == "<user>Hi<assistant>Hello"  # string by default
+    assert render_chat(TemplateOnly(STRING, "openai"), MESSAGES, ChatTemplateOptions(content_format="string")) == \
+        "<user>Hi<assistant>Hello"  # a request's own choice wins
+
+
+def test_continue_the_final_message_as_a_part():
+    options = ChatTemplateOptions(add_generation_prompt=False, continue_final_message=True, content_format="openai")
+    assert render_chat(TemplateOnly(PARTS), MESSAGES, options) == "<user>[Hi]<assistant>[Hello"
+
+
+def test_assistant_turn_without_text_stays_none():
+    calls = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+    template = "{% for m in messages %}{{ m['content'] is none }}{% endfor %}"
+    assert render_chat(TemplateOnly(template), calls, ChatTemplateOptions(content_format="openai")) == "FalseTrue"
+
+
+def test_engine_flag_is_checked():
+    assert EngineArgs(model="m", chat_template_content_format="openai").chat_template_content_format == "openai"
+    with pytest.raises(ConfigError, match="--chat-template-content-format must be one of auto, string, openai"):
+        EngineArgs(model="m", chat_template_content_format="parts")
