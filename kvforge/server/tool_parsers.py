@@ -145,10 +145,10 @@ class HermesStream:
         return out, calls
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of ``text`` that begins ``<tool_call>`` (held back until it is decided)."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _partial_tag(text: str, tag: str = OPEN) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (held back until it is decided)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
@@ -262,6 +262,7 @@ class PythonicStream(HeldStream):
 
 
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 def _mistral_calls(body: str) -> list[tuple[str, str]] | None:
@@ -285,8 +286,6 @@ def _mistral_calls(body: str) -> list[tuple[str, str]] | None:
         calls.append(call)
     return calls
 
-
-_TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 def parse_mistral(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -318,8 +317,7 @@ class MistralStream:
             self.tagged = True
             new = rest[:at]
         else:
-            keep = next((n for n in range(min(len(MISTRAL_CALLS) - 1, len(rest)), 0, -1)
-                         if MISTRAL_CALLS.startswith(rest[-n:])), 0)
+            keep = _partial_tag(rest, MISTRAL_CALLS)
             new = rest[:len(rest) - keep]
         self.sent += len(new)
         combined = self.spaces + new
