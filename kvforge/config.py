@@ -32,8 +32,7 @@ logger = logging.getLogger("kvforge.config")
 
 # Tokens one step may compute when --max-num-batched-tokens is not given, by platform.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-#: ``--chat-template-content-format``: auto is string (vLLM's auto inspects the template; here the text
-#: goes as a string unless openai is asked for).
+#: ``--chat-template-content-format``: auto reads the template (kvforge/chat_content_format.py).
 CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4096
@@ -216,9 +215,10 @@ class EngineArgs:
                             help="a jinja chat template, or a file holding one, used instead of the tokenizer's "
                                  "(vLLM's flag)")
         parser.add_argument("--chat-template-content-format", choices=list(CHAT_CONTENT_FORMATS), default="auto",
-                            help="how message text reaches the chat template (vLLM's flag): auto or string (a "
-                                 "string, text parts joined by newlines), openai (a list of one text part, for "
-                                 "templates that loop over content parts)")
+                            help="how message text reaches the chat template (vLLM's flag): string (a string, text "
+                                 "parts joined by newlines), openai (a list of one text part, for templates that "
+                                 "loop over content parts), auto (openai when the template loops over a "
+                                 "message's content, else string)")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--generation-config", default="auto",
                             help="default sampling parameters of requests that do not set them (vLLM's flag): auto "

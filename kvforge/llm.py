@@ -160,8 +160,8 @@ class LLM:
         extra template variables (e.g. ``enable_thinking``). Each output's ``prompt`` is the rendered text.
         A bad message raises InvalidRequestError naming it (``messages[i].content``, ...); text parts are joined
         by newlines, and the text reaches the template as a string (``chat_template_content_format`` "string";
-        "auto": the engine's ``chat_template_content_format``, string by default) or as a list of one text part
-        ("openai"). ``tools`` (OpenAI's
+        "auto": the engine's ``chat_template_content_format``, read from the template by default) or as a list
+        of one text part ("openai"). ``tools`` (OpenAI's
         function tools) reach the template as its ``tools`` variable, as vLLM's ``LLM.chat`` passes them; to hold
         the output to a call, give ``SamplingParams(structured_outputs=...)`` the function's parameters.
         ``chat_template`` and ``mm_processor_kwargs`` are vLLM's arguments kvforge does not take: a per-call

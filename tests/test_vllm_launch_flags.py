@@ -25,9 +25,7 @@ def test_flags_without_effect_and_neutral_values_parse():
                  "--max-logprobs", "20", "--disable-frontend-multiprocessing", "--trust-remote-code",
                  "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce", "-O3", "--tokenizer-mode", "auto",
                  "--limit-mm-per-prompt", "{}", "--guided-decoding-backend", "xgrammar", "--response-role",
-                 "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}',
-                 "--response-role",
-                 "assistant", "--chat-template-content-format", "string"])
+                 "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}'])
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
 
 

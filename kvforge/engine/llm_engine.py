@@ -167,8 +167,12 @@ class LLMEngine:
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
         if args.chat_template is not None:
             self._use_chat_template(args.chat_template)
-        if self.tokenizer is not None and args.chat_template_content_format == "openai":
-            self.tokenizer.chat_content_format = "openai"
+        if self.tokenizer is not None:
+            from kvforge.chat_content_format import resolve_content_format
+
+            choice = resolve_content_format(args.chat_template_content_format, self.tokenizer.chat_template)
+            self.tokenizer.chat_content_format = choice.content_format
+            logger.info("chat messages reach the template as %s content (%s)", choice.content_format, choice.reason)
         from kvforge.models.registry import build_model
         from kvforge.models.shared_expert_fold import fold_shared_experts
         from kvforge.weights import load_weights
