@@ -116,3 +116,19 @@ def test_proposals_the_grammar_refuses_are_not_offered_to_the_matcher(backend, c
     bitmask = proposal_bitmask([matcher], [[special, 5, 6]], backend.vocab_size)
     assert bitmask.shape[0] == 4 and "special token" not in capfd.readouterr().err
     assert matcher.accept_string("x\n")  # rolled back to the start
+
+
+def test_first_token_checked_once_per_constraint(backend):
+    """A constraint checked when a request arrives is matched from memory when the engine takes it; one that
+    allows no output is refused every time it comes."""
+    digits = StructuredOutputsParams(regex="[0-9]{3}-once")
+    before = backend.first_token_checks
+    backend.compile(digits)
+    backend.matcher(digits)
+    backend.matcher(StructuredOutputsParams(regex="[0-9]{3}-once"))  # an equal constraint
+    assert backend.first_token_checks == before + 1
+    empty = StructuredOutputsParams(regex="[^\\x00-\\U0010FFFF]")
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="allows no output"):
+            backend.matcher(empty)
+    assert backend.first_token_checks == before + 3

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Collection
 
 from kvforge.errors import InvalidRequestError
@@ -20,6 +22,9 @@ from kvforge.structured.schema_support import close_objects, unenforced
 
 #: Memory xgrammar's cache of compiled grammars may hold.
 CACHE_BYTES = 256 << 20
+#: Constraints remembered as checked (their first token), so a request checked when it arrives is not checked
+#: again when the engine takes it.
+CHECKED_CONSTRAINTS = 4096
 INSTALL_HINT = "pip install xgrammar (or kvforge[structured])"
 #: The time and source position xgrammar puts before its messages.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -55,20 +60,32 @@ class GrammarBackend:
         self.info = self._xgr.TokenizerInfo(vocab, self._xgr.VocabType.RAW, vocab_size=vocab_size,
                                             stop_token_ids=sorted(stop_token_ids))
         self._compiler = self._xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
+        self._checked: OrderedDict[StructuredOutputsParams, None] = OrderedDict()
+        self._checked_lock = threading.Lock()
+        #: First-token checks run (each constraint once while it stays among the remembered ones).
+        self.first_token_checks = 0
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of ``params``; InvalidRequestError naming the field when xgrammar refuses it,
         when a schema uses a keyword xgrammar would not enforce, or when the constraint allows no first token
         of this vocabulary (an output could never begin)."""
-        kind = params.kind
-        field = f"structured_outputs.{kind}"
+        field = f"structured_outputs.{params.kind}"
         compiled = self._compile(params, field)
+        with self._checked_lock:
+            if params in self._checked:
+                self._checked.move_to_end(params)
+                return compiled
+        self.first_token_checks += 1
         matcher = self._xgr.GrammarMatcher(compiled)
         bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(bitmask, 0)
         if not bitmask.any():
             raise InvalidRequestError(f"{field} allows no output: no token of this model's vocabulary can begin "
                                       f"it", field=field)
+        with self._checked_lock:
+            self._checked[params] = None
+            while len(self._checked) > CHECKED_CONSTRAINTS:
+                self._checked.popitem(last=False)
         return compiled
 
     def _compile(self, params: StructuredOutputsParams, field: str):
