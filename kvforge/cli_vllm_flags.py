@@ -94,8 +94,6 @@ SERVER_FLAGS = (
              "/metrics)"),
     VllmFlag(("--uvicorn-log-level",), True, None, "accepted, no effect (the server is aiohttp)"),
     VllmFlag(("--disable-frontend-multiprocessing",), False, None, "accepted, no effect (one process serves)"),
-    VllmFlag(("--reasoning-parser",), True, (), "reasoning text is not split from the answer: the model's whole "
-             "output is the message content"),
     VllmFlag(("--response-role",), True, ("assistant",), "chat responses speak as the assistant"),
     VllmFlag(("--enable-force-include-usage",), False, (), "usage goes out when a request asks for it "
              "(stream_options.include_usage)"),

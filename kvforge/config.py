@@ -26,6 +26,7 @@ from kvforge.engine.generation_defaults import check_setting as check_generation
 from kvforge.engine.sampling_params import plain_int
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
+from kvforge.reasoning import REASONING_PARSERS
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
 logger = logging.getLogger("kvforge.config")
@@ -76,9 +77,11 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     served_model_aliases: tuple[str, ...] = ()
-    # how message text reaches the chat template: auto or string (a string), openai (a list of text parts)
+    # how message text reaches the chat template: string, openai (a list of text parts), or auto (read from it)
     chat_template_content_format: str = "auto"
-    chat_template: str | None = None  # a jinja template, or a file holding one, in place of the tokenizer's  # more names requests may use (``--served-model-name A B``)
+    chat_template: str | None = None  # a jinja template, or a file holding one, in place of the tokenizer's
+    #: ``--reasoning-parser``: the think-block format of a reasoning model (kvforge/reasoning.py), None for none.
+    reasoning_parser: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
@@ -148,6 +151,9 @@ class EngineArgs:
         if self.chat_template_content_format not in CHAT_CONTENT_FORMATS:
             raise ConfigError(f"--chat-template-content-format must be one of {', '.join(CHAT_CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(f"--reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))}, got "
+                              f"{self.reasoning_parser!r}")
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -219,6 +225,9 @@ class EngineArgs:
                                  "parts joined by newlines), openai (a list of one text part, for templates that "
                                  "loop over content parts), auto (openai when the template loops over a "
                                  "message's content, else string)")
+        parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                            help="the think-block format of a reasoning model (vLLM's flag): chat responses carry "
+                                 "the reasoning apart from the answer, and structured outputs hold the answer only")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--generation-config", default="auto",
                             help="default sampling parameters of requests that do not set them (vLLM's flag): auto "

@@ -53,7 +53,6 @@ def test_model_as_vllm_spells_it():
     (["--download-dir", "/x"], "kvforge never downloads weights"),
     (["--revision", "main"], "check out the revision there"),
     (["--tokenizer-mode", "mistral"], "leave --tokenizer-mode at auto or hf (only auto or hf is accepted)"),
-    (["--reasoning-parser", "deepseek_r1"], "reasoning text is not split"),
     (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--response-role", "user"], "(only assistant is accepted)"),
     (["--config", "c.yaml"], "YAML file of flags is not read"),

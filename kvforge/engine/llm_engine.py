@@ -173,6 +173,12 @@ class LLMEngine:
             choice = resolve_content_format(args.chat_template_content_format, self.tokenizer.chat_template)
             self.tokenizer.chat_content_format = choice.content_format
             logger.info("chat messages reach the template as %s content (%s)", choice.content_format, choice.reason)
+        #: The reasoning model's think-block tags (kvforge/reasoning.py), None without --reasoning-parser.
+        self.reasoning = None
+        if args.reasoning_parser is not None:
+            from kvforge.reasoning import reasoning_tokens
+
+            self.reasoning = reasoning_tokens(args.reasoning_parser, self.tokenizer)
         from kvforge.models.registry import build_model
         from kvforge.models.shared_expert_fold import fold_shared_experts
         from kvforge.weights import load_weights
@@ -489,6 +495,10 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, prompt=text)
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
+            if self.reasoning is not None:  # the constraint holds the answer, not the reasoning
+                from kvforge.structured.reasoning_gate import ReasoningGate
+
+                seq.grammar = ReasoningGate(seq.grammar, self.reasoning, self.reasoning.opening_phase(ids))
         self.scheduler.add(seq)
 
     def grammar_backend(self):

@@ -38,6 +38,7 @@ from kvforge.server.async_engine import (
     ServerShuttingDownError,
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
 from kvforge.server.tool_calls import ToolCallStream, call_object
 from kvforge.server.tool_parsers import parse_calls, stream_calls
 
@@ -227,7 +228,8 @@ def create_app(
         return await generate(request, protocol.parse_completion)
 
     async def chat(request):
-        return await generate(request, functools.partial(protocol.parse_chat, tool_parser=tool_parser))
+        return await generate(request, functools.partial(protocol.parse_chat, tool_parser=tool_parser,
+                                                         reasoning=getattr(engine, "reasoning", None)))
 
     async def tokenize(request):
         req = tokenization.parse_tokenize(await read_json(request), names)
@@ -329,6 +331,12 @@ class _Choice:
         return protocol.join_logprobs(parts)
 
 
+def reasoning_fields(reasoning: str) -> dict:
+    """A message's (or delta's) reasoning: ``reasoning``, vLLM's field, and ``reasoning_content``, its earlier
+    name, which other servers still use."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
 def _parsed_delta(parser, text: str, finished: bool) -> dict:
     """The delta of a streamed choice whose calls the model chooses (``parser``: a tool parser's stream,
     kvforge/server/tool_parsers.py): new content, and each call found since, whole, at the next index."""
@@ -364,7 +372,11 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
         choice = {"index": i, "logprobs": view.logprobs(final, 0, len(ids), req.echo),
                   "finish_reason": view.finish_reason(comp), "stop_reason": view.stop_reason(comp)}
         if req.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            reasoning = None
+            if req.reasoning is not None:
+                reasoning, text = split_reasoning(req.reasoning.parser, text,
+                                                  req.reasoning.opening_phase(final.prompt_token_ids))
+            choice["message"] = {"role": "assistant", "content": text if text or reasoning is None else None}
             calls = req.tool_choice.calls(text) if req.tool_choice is not None else None
             if calls is not None:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
@@ -376,6 +388,8 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
                                          "tool_calls": [call_object(name, args) for name, args in chosen]}
                     if choice["finish_reason"] == "stop":
                         choice["finish_reason"] = "tool_calls"
+            if reasoning is not None and req.include_reasoning:
+                choice["message"].update(reasoning_fields(reasoning))
         else:
             choice["text"] = (view.echo_text(final) if req.echo else "") + text
         if req.return_token_ids:  # vLLM's: the ids behind the text (a chat's prompt ids are the response's)
@@ -459,6 +473,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
     parsers = ([stream_calls(req.tool_parser, req.parallel_tool_calls) for _ in range(n)]
                if chat and req.tool_parser is not None else None)
+    thinking: list[ReasoningStream | None] = [None] * n  # per choice, under a reasoning parser
     try:
         if chat:
             opening = {"role": "assistant", "content": None if tool_streams is not None else ""}
@@ -469,6 +484,13 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             comp = out.outputs[0]
             prompt_tokens[i] = len(out.prompt_token_ids)
             text, ids, _ = view.generated(comp)
+            reasoning = ""
+            if chat and req.reasoning is not None:  # the answer so far goes on as the text
+                if thinking[i] is None:
+                    thinking[i] = ReasoningStream(req.reasoning.parser,
+                                                  req.reasoning.opening_phase(out.prompt_token_ids))
+                reasoning, text = (thinking[i].finish if out.finished else thinking[i].feed)(text)
+                reasoning = reasoning if req.include_reasoning else ""
             delta = text[len(sent_text[i]):]
             lead = ""
             if not echoed[i]:
@@ -480,6 +502,10 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             lp = view.logprobs(out, sent_tokens[i], len(ids), not echoed[i], offsets[i])
             echoed[i] = True
             finish = view.finish_reason(comp) if out.finished else None
+            if reasoning and out.finished:  # the last reasoning before the last answer, calls and finish
+                await resp.write(chunk([{"index": i, "delta": reasoning_fields(reasoning), "logprobs": None,
+                                         "finish_reason": None}]))
+                reasoning = ""
             if tool_streams is not None:
                 calls = tool_streams[i].delta(delta, text, out.finished)
                 if out.finished and calls:
@@ -503,6 +529,8 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                           "finish_reason": finish}
             else:
                 choice = {"index": i, "text": lead + delta, "logprobs": lp, "finish_reason": finish}
+            if reasoning:
+                choice["delta"] = {**reasoning_fields(reasoning), **choice["delta"]}
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
             extra = {}

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
+from kvforge.reasoning import ReasoningTokens
 from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message, with_tools
 from kvforge.server.tool_parsers import KEEPS_SPECIAL_TOKENS
 from kvforge.structured.params import StructuredOutputsParams
@@ -291,6 +292,9 @@ class ParsedRequest:
     tokens_as_ids: bool = False
     # vLLM's ``return_token_ids``: choices carry their generated ``token_ids`` (and the prompt's ids)
     return_token_ids: bool = False
+    # chat under --reasoning-parser: the think-block tags (kvforge/reasoning.py), None otherwise
+    reasoning: ReasoningTokens | None = None
+    include_reasoning: bool = True  # vLLM's field: False drops the reasoning from the response
 
     @property
     def n(self) -> int:
@@ -313,7 +317,7 @@ _COMMON_FIELDS = frozenset({
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
                                 "add_generation_prompt", "continue_final_message", "chat_template", "function_call",
-                                "chat_template_kwargs"}
+                                "chat_template_kwargs", "include_reasoning"}
 
 
 #: The ``stream_options`` fields the server reads.
@@ -619,10 +623,11 @@ def parse_messages(messages: Any) -> list[dict]:
 
 
 def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None,
-               tool_parser: str | None = None) -> ParsedRequest:
+               tool_parser: str | None = None, reasoning: ReasoningTokens | None = None) -> ParsedRequest:
     """A ``/v1/chat/completions`` body; ``defaults``: the model's default sampling fields (a ``max_tokens``
     among them stands for a request that sends none, within the context); ``tool_parser``: the server's
-    parser of tool calls the model chooses to make (``tool_choice`` ``"auto"``; None: refused)."""
+    parser of tool calls the model chooses to make (``tool_choice`` ``"auto"``; None: refused);
+    ``reasoning``: the served reasoning model's think-block tags (None: the output is all answer)."""
     common = _common(body, served_model, defaults)
     messages = body.get("messages")
     if messages is None:
@@ -669,6 +674,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
         constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,  # parse_tools checked its type
+        reasoning=reasoning, include_reasoning=get_bool(body, "include_reasoning", True),
     )
 
 

@@ -115,7 +115,7 @@ class HermesStream:
             rest = text[self.done:]
             start = rest.find(OPEN)
             if start < 0:
-                keep = _partial_tag(rest)
+                keep = partial_tag(rest)
                 content.append(rest[:len(rest) - keep])
                 self.done += len(rest) - keep
                 break
@@ -145,7 +145,7 @@ class HermesStream:
         return out, calls
 
 
-def _partial_tag(text: str, tag: str = OPEN) -> int:
+def partial_tag(text: str, tag: str = OPEN) -> int:
     """Length of the longest end of ``text`` that begins ``tag`` (held back until it is decided)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -317,7 +317,7 @@ class MistralStream:
             self.tagged = True
             new = rest[:at]
         else:
-            keep = _partial_tag(rest, MISTRAL_CALLS)
+            keep = partial_tag(rest, MISTRAL_CALLS)
             new = rest[:len(rest) - keep]
         self.sent += len(new)
         combined = self.spaces + new

@@ -1,0 +1,91 @@
+"""Reasoning models (``--reasoning-parser NAME``, vLLM's flag and names): a model that thinks before it answers
+writes its reasoning inside a think block, ``<think> ... </think>``, then the answer.
+
+The rules, in one place for the server's split of the text (kvforge/server/reasoning_split.py) and the
+engine's structured outputs (kvforge/structured/reasoning_gate.py):
+
+- Both tags are single tokens of the model's tokenizer (checked when the engine starts).
+- Where an output starts (:func:`opening_phase`): inside the block when the prompt's last tag is an
+  opening one (a template that opens the block for the model, or a continued final message that stops
+  inside it); otherwise inside it as well for a parser whose models always think (``deepseek_r1``: R1
+  writes its reasoning first, with or without the opening tag); otherwise (``qwen3``, whose templates can
+  turn thinking off) undecided: the output reasons only when it opens the block itself, first thing.
+- The reasoning runs to the closing tag, or to the end of an output that stops while thinking (it then has
+  no answer). An opening tag at the start of the reasoning is not part of it.
+- The answer is the text after the closing tag, its leading whitespace dropped.
+- A structured-output constraint holds the answer only: the reasoning is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Where an output stands: inside the think block, past it (the answer), or not yet known (the first token
+#: decides: an opening tag starts the block, anything else is the answer).
+REASONING, ANSWER, UNDECIDED = "reasoning", "answer", "undecided"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """One ``--reasoning-parser``: its tags, and whether its models always think (an output without an
+    opening tag is reasoning until the closing one)."""
+
+    name: str
+    always_thinks: bool
+    start: str = "<think>"
+    end: str = "</think>"
+
+
+#: --reasoning-parser NAME -> its rules.
+REASONING_PARSERS = {
+    "deepseek_r1": ReasoningParser("deepseek_r1", always_thinks=True),
+    "qwen3": ReasoningParser("qwen3", always_thinks=False),
+}
+
+
+def _last(ids: Sequence[int], token: int) -> int:
+    for at in range(len(ids) - 1, -1, -1):
+        if ids[at] == token:
+            return at
+    return -1
+
+
+def opening_phase(parser: ReasoningParser, prompt_ids: Sequence[int], start_id: int, end_id: int) -> str:
+    """The phase an output of the prompt ``prompt_ids`` starts in (module docstring)."""
+    if _last(prompt_ids, start_id) > _last(prompt_ids, end_id):
+        return REASONING
+    return REASONING if parser.always_thinks else UNDECIDED
+
+
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """A parser with its tags' token ids in the served tokenizer."""
+
+    parser: ReasoningParser
+    start_id: int
+    end_id: int
+
+    def opening_phase(self, prompt_ids: Sequence[int]) -> str:
+        return opening_phase(self.parser, prompt_ids, self.start_id, self.end_id)
+
+
+def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
+    """``--reasoning-parser name`` for ``tokenizer``; ConfigError naming the problem when a tag is not one
+    token of it (the model was not trained to think in this format)."""
+    from kvforge.errors import ConfigError
+
+    parser = REASONING_PARSERS.get(name)
+    if parser is None:
+        raise ConfigError(f"--reasoning-parser {name!r} is not known; choose one of "
+                          f"{', '.join(sorted(REASONING_PARSERS))}")
+    if tokenizer is None:
+        raise ConfigError(f"--reasoning-parser {name} needs the tokenizer: drop --skip-tokenizer-init")
+    ids = []
+    for tag in (parser.start, parser.end):
+        token = tokenizer.convert_tokens_to_ids(tag)
+        if token is None or tokenizer.encode(tag, add_special_tokens=False) != [token]:
+            raise ConfigError(f"--reasoning-parser {name}: {tag!r} is not one token of this model's tokenizer, "
+                              f"so the model does not think in {name}'s format; leave --reasoning-parser unset")
+        ids.append(token)
+    return ReasoningTokens(parser, ids[0], ids[1])

@@ -1,0 +1,81 @@
+"""A structured-output matcher that holds a reasoning model's answer only (kvforge/reasoning.py): while the
+output thinks, every token is allowed and none reaches the grammar; from the token after the closing tag
+on, the grammar decides. An output that starts undecided may open the think block with its first token
+or begin the answer under the grammar.
+
+:class:`ReasoningGate` has the matcher methods the engine calls (``accept_token``, ``is_terminated``,
+``fill_next_token_bitmask``, ``rollback``, ``fork``), so a gated request goes through the same masks,
+verification and forks as any other.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvforge.reasoning import ANSWER, REASONING, UNDECIDED, ReasoningTokens
+
+#: Tokens a gate can roll back (verification rolls back at most a step's proposals).
+ROLLBACK_TOKENS = 256
+
+
+def _set_bit(bitmask, row: int, token: int) -> None:
+    word = int(bitmask[row, token // 32]) | (1 << (token % 32))
+    bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 words
+
+
+class ReasoningGate:
+    """``inner`` (an xgrammar GrammarMatcher) behind the reasoning phases of ``tokens``, starting in ``phase``."""
+
+    def __init__(self, inner, tokens: ReasoningTokens, phase: str):
+        self.inner = inner
+        self.tokens = tokens
+        self.phase = phase
+        # Per accepted token: the phase before it, and whether the grammar took it (for rollback).
+        self._history: deque[tuple[str, bool]] = deque(maxlen=ROLLBACK_TOKENS)
+
+    def accept_token(self, token: int) -> bool:
+        before = self.phase
+        if before == ANSWER:
+            accepted = self.inner.accept_token(token)
+            if accepted:
+                self._history.append((before, True))
+            return accepted
+        if before == UNDECIDED and token != self.tokens.start_id:
+            accepted = self.inner.accept_token(token)
+            if accepted:
+                self.phase = ANSWER
+                self._history.append((before, True))
+            return accepted
+        if before == UNDECIDED:
+            self.phase = REASONING
+        elif token == self.tokens.end_id:
+            self.phase = ANSWER
+        self._history.append((before, False))
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.phase == ANSWER and self.inner.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        """Row ``row`` of ``bitmask`` (allocated with every bit set): the grammar's tokens once the answer has
+        begun, those and the opening tag while undecided, left as it is (everything) while thinking."""
+        if self.phase == REASONING:
+            return
+        self.inner.fill_next_token_bitmask(bitmask, row)
+        if self.phase == UNDECIDED:
+            _set_bit(bitmask, row, self.tokens.start_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._history):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: the gate holds the last {len(self._history)}")
+        fed = 0
+        for _ in range(num_tokens):
+            self.phase, took = self._history.pop()
+            fed += took
+        if fed:
+            self.inner.rollback(fed)
+
+    def fork(self) -> ReasoningGate:
+        child = ReasoningGate(self.inner.fork(), self.tokens, self.phase)
+        child._history = deque(self._history, maxlen=ROLLBACK_TOKENS)
+        return child

@@ -1,0 +1,94 @@
+"""Structured outputs of a reasoning model (kvforge/structured/reasoning_gate.py): the grammar holds the answer
+only, checked on xgrammar's own masks for the embedded vocabulary with think tags."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from think_tokenizer import END_ID, START_ID, write_think_tokenizer  # noqa: E402
+
+from kvforge.reasoning import ANSWER, REASONING, REASONING_PARSERS, UNDECIDED, ReasoningTokens  # noqa: E402
+from kvforge.structured.params import StructuredOutputsParams  # noqa: E402
+from kvforge.structured.reasoning_gate import ReasoningGate  # noqa: E402
+
+TOKENS = ReasoningTokens(REASONING_PARSERS["qwen3"], START_ID, END_ID)
+CHOICE = StructuredOutputsParams(choice=("yes", "no"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from kvforge.structured.backend import GrammarBackend
+    from kvforge.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(write_think_tokenizer(tmp_path_factory.mktemp("think")))
+    backend = GrammarBackend(tok, tok.vocab_size, tok.eos_token_ids)
+    return tok, backend
+
+
+def _allowed(gate, vocab_size) -> set[int]:
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    gate.fill_next_token_bitmask(mask, 0)
+    return {t for t in range(vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+
+
+def _grammar_allowed(backend, tokens) -> set[int]:
+    """What the bare grammar allows after ``tokens`` (the reference: xgrammar alone)."""
+    matcher = backend.matcher(CHOICE)
+    for t in tokens:
+        assert matcher.accept_token(t)
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(1, backend.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    return {t for t in range(backend.vocab_size) if (int(mask[0, t // 32]) >> (t % 32)) & 1}
+
+
+def test_reasoning_is_free_and_the_answer_is_held(setup):
+    tok, backend = setup
+    gate = ReasoningGate(backend.matcher(CHOICE), TOKENS, REASONING)
+    everything = set(range(backend.vocab_size))
+    for t in tok.encode(" The sky is blue, so", add_special_tokens=False):
+        assert _allowed(gate, backend.vocab_size) == everything and gate.accept_token(t)
+    assert gate.accept_token(END_ID) and gate.phase == ANSWER
+    assert _allowed(gate, backend.vocab_size) == _grammar_allowed(backend, [])
+    yes = tok.encode("yes", add_special_tokens=False)
+    for t in yes:
+        assert gate.accept_token(t)
+    assert _allowed(gate, backend.vocab_size) == _grammar_allowed(backend, yes) and not gate.is_terminated()
+    (eos,) = tok.eos_token_ids
+    assert gate.accept_token(eos) and gate.is_terminated()
+
+
+def test_undecided_start_opens_the_block_or_answers(setup):
+    tok, backend = setup
+    gate = ReasoningGate(backend.matcher(CHOICE), TOKENS, UNDECIDED)
+    assert _allowed(gate, backend.vocab_size) == _grammar_allowed(backend, []) | {START_ID}
+    child = gate.fork()
+    assert gate.accept_token(START_ID) and gate.phase == REASONING
+    (first, *_) = tok.encode("no", add_special_tokens=False)
+    assert child.accept_token(first) and child.phase == ANSWER  # a fork keeps its own phase
+    assert not child.accept_token(START_ID)  # the grammar refuses it once the answer has begun
+    other = ReasoningGate(backend.matcher(CHOICE), TOKENS, UNDECIDED)
+    (bad, *_) = tok.encode("maybe", add_special_tokens=False)
+    assert not other.accept_token(bad) and other.phase == UNDECIDED
+
+
+def test_rollback_crosses_the_closing_tag(setup):
+    tok, backend = setup
+    gate = ReasoningGate(backend.matcher(CHOICE), TOKENS, REASONING)
+    think = tok.encode(" hmm", add_special_tokens=False)
+    yes = tok.encode("yes", add_special_tokens=False)
+    for t in [*think, END_ID, *yes]:
+        assert gate.accept_token(t)
+    gate.rollback(len(yes))
+    assert gate.phase == ANSWER and _allowed(gate, backend.vocab_size) == _grammar_allowed(backend, [])
+    gate.rollback(1)  # the closing tag
+    assert gate.phase == REASONING and _allowed(gate, backend.vocab_size) == set(range(backend.vocab_size))
+    for t in [END_ID, *yes]:  # the grammar takes the answer again from its start
+        assert gate.accept_token(t)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        gate.rollback(10_000)

@@ -1,0 +1,139 @@
+"""Reasoning outputs over HTTP (``--reasoning-parser``, kvforge/server/reasoning_split.py): the embedded model
+with think tags in its tokenizer (tests/think_tokenizer.py). Each chat's reasoning and answer are checked
+against the raw text of the same request on /v1/completions, split here with plain string operations; a
+structured output holds the answer, not the reasoning."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import smollm2_test_engine  # noqa: E402
+from think_tokenizer import END_ID, write_think_tokenizer  # noqa: E402
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")
+
+QUESTION = [{"role": "user", "content": "Is the sky blue? Think, then answer yes or no."}]
+# The prompt ends inside the think block: the output starts as reasoning.
+THINKING = [*QUESTION, {"role": "assistant", "content": "<think>\nThe sky is"}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from kvforge.server.app import ServerThread, create_app
+
+    tok = write_think_tokenizer(tmp_path_factory.mktemp("think"))
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=(
+        "--kv-cache-memory", "256M", "--tokenizer", str(tok), "--reasoning-parser", "qwen3"))
+    srv = ServerThread(create_app(engine)).start()
+    yield srv
+    srv.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _raw(server, messages, extra: dict, **params) -> tuple[str, str]:
+    """The request's output text as a completion of the same prompt ids, tags and all, and its finish."""
+    ids = _post(server.url + "/tokenize", {"messages": messages, **extra})["tokens"]
+    body = {"prompt": ids, "temperature": 0, **params}
+    choice = _post(server.url + "/v1/completions", body)["choices"][0]
+    return choice["text"], choice["finish_reason"]
+
+
+def _reasoning(message):
+    extra = message.model_extra or {}
+    assert extra.get("reasoning") == extra.get("reasoning_content")  # vLLM's name and its earlier one
+    return extra.get("reasoning")
+
+
+def _streamed(client, **kw) -> tuple[str, str, list]:
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning") or "" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return reasoning, content, [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+
+
+def test_stopped_while_thinking_is_all_reasoning(server, client):
+    kw = dict(model=client.models.list().data[0].id, messages=THINKING, max_tokens=20, temperature=0,
+              extra_body=CONTINUE)
+    raw, finish = _raw(server, THINKING, CONTINUE, max_tokens=20)
+    assert "</think>" not in raw and raw.strip()
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (_reasoning(choice.message), choice.message.content, choice.finish_reason) == (raw, None, finish)
+    assert _streamed(client, **kw) == (raw, "", [finish])
+
+
+def test_the_constraint_holds_the_answer_after_the_reasoning(server, client):
+    # A strong bias closes the block at once; the choice constraint then decides the answer.
+    params = dict(max_tokens=20, logit_bias={str(END_ID): 100})
+    kw = dict(model=client.models.list().data[0].id, messages=THINKING, temperature=0,
+              extra_body={**CONTINUE, "guided_choice": ["yes", "no"]}, **params)
+    raw, _ = _raw(server, THINKING, CONTINUE, guided_choice=["yes", "no"], **params)
+    reasoning, sep, answer = raw.partition("</think>")
+    assert sep and answer.strip() in ("yes", "no")
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (_reasoning(choice.message), choice.message.content) == (reasoning, answer.lstrip())
+    assert _streamed(client, **kw) == (reasoning, answer.lstrip(), ["stop"])
+
+
+def test_an_answer_without_a_think_block_has_no_reasoning(server, client):
+    model = client.models.list().data[0].id
+    for extra, params in (({"guided_choice": ["yes", "no"]}, {}), ({}, {"max_tokens": 12})):
+        raw, _ = _raw(server, QUESTION, {}, **extra, **params)
+        assert not raw.lstrip().startswith("<think>")
+        choice = client.chat.completions.create(model=model, messages=QUESTION, temperature=0, extra_body=extra,
+                                                **params).choices[0]
+        assert choice.message.content == raw and _reasoning(choice.message) is None
+
+
+def test_include_reasoning_false_drops_it(server, client):
+    kw = dict(model=client.models.list().data[0].id, messages=THINKING, max_tokens=8, temperature=0,
+              extra_body={**CONTINUE, "include_reasoning": False})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.message.content is None and "reasoning" not in (choice.message.model_extra or {})
+    assert _streamed(client, **kw) == ("", "", [choice.finish_reason])
+
+
+def test_completions_are_not_split(server):
+    text = _post(server.url + "/v1/completions", {"prompt": "<think>a</think>b", "max_tokens": 4,
+                                                  "temperature": 0})["choices"][0]
+    assert "reasoning" not in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--reasoning-parser", "qwen3"], "'<think>' is not one token of this model's tokenizer"),
+    (["--reasoning-parser", "qwen3", "--skip-tokenizer-init"], "needs the tokenizer"),
+])
+def test_a_tokenizer_without_the_tags_stops_before_weights(monkeypatch, capsys, argv, says):
+    import socket
+
+    import kvforge.weights
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded despite a bad --reasoning-parser")
+
+    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert serve_main(["--device", "cpu", *argv, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -1,0 +1,30 @@
+"""The embedded SmolLM2 tokenizer with two unused special tokens renamed ``<think>`` (id 3) and ``</think>``
+(id 4), plain text tokens as in Qwen3's and DeepSeek-R1's tokenizers: a reasoning model's tags for tests,
+on the embedded model's weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+THINK_IDS = {3: "<think>", 4: "</think>"}
+START_ID, END_ID = 3, 4
+
+
+def write_think_tokenizer(directory: Path) -> Path:
+    """Write the tokenizer (tokenizer.json, tokenizer_config.json) into ``directory``; return it."""
+    from kvforge.spec.embedded import embedded_model_path
+    from kvforge.tokenizer import Tokenizer
+
+    base = Tokenizer.from_gguf(embedded_model_path())
+    spec = json.loads(base.backend.to_str())
+    vocab = spec["model"]["vocab"]
+    for token in spec["added_tokens"]:
+        if token["id"] in THINK_IDS:
+            vocab[THINK_IDS[token["id"]]] = vocab.pop(token["content"])
+            token["content"], token["special"] = THINK_IDS[token["id"]], False
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    config = {"bos_token": base.bos_token, "eos_token": base.eos_token, "chat_template": base.chat_template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory
