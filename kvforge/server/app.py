@@ -78,9 +78,11 @@ def create_app(
     shutdown_grace_s: float = 30.0,
     log_requests: bool = False,
     tool_parser: str | None = None,
+    prompt_tokens_details: bool = False,
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md); ``tool_parser``: the parser of tool calls
-    the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused)."""
+    the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused);
+    ``prompt_tokens_details``: usage counts the prompt tokens read from the prefix cache."""
     model_name = served_model_name or engine.model_name
     names = (model_name, *getattr(engine, "model_aliases", ()))  # the first is reported in responses
     metrics = ServerMetrics(model_name)
@@ -218,8 +220,8 @@ def create_app(
         streams = await add_choices(req)
         try:
             if req.stream:
-                return await _stream(request, req, streams, engine.tokenizer, model_name)
-            return await _collect(req, streams, engine.tokenizer, model_name)
+                return await _stream(request, req, streams, engine.tokenizer, model_name, prompt_tokens_details)
+            return await _collect(req, streams, engine.tokenizer, model_name, prompt_tokens_details)
         finally:
             for stream in streams:
                 stream.close()
@@ -362,9 +364,10 @@ def _prompt_of(req, choice: int):
     return req.prompts[choice // req.n] if req.prompts else None
 
 
-async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str) -> web.Response:
+async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str,
+                   prompt_tokens_details: bool = False) -> web.Response:
     finals = await asyncio.gather(*(_last(s) for s in streams))
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for i, final in enumerate(finals):
         comp = final.outputs[0]
         view = _Choice(req, tokenizer, _prompt_of(req, i))
@@ -399,6 +402,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
         choices.append(choice)
         if i % req.n == 0:  # a prompt counts once, however many choices it has
             prompt_tokens += len(final.prompt_token_ids)
+            cached_tokens += final.num_cached_tokens
         completion_tokens += len(ids)
     prefix, obj = ("chatcmpl", "chat.completion") if req.kind == "chat" else ("cmpl", "text_completion")
     body = {
@@ -408,7 +412,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
         "model": model_name,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": protocol.usage(prompt_tokens, completion_tokens),
+        "usage": protocol.usage(prompt_tokens, completion_tokens, cached_tokens if prompt_tokens_details else None),
     }
     if req.return_token_ids and req.kind == "chat":
         body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
@@ -444,7 +448,8 @@ async def _merge(streams: list[RequestStream]):
             t.cancel()
 
 
-async def _stream(request: web.Request, req, streams: list[RequestStream], tokenizer, model_name: str):
+async def _stream(request: web.Request, req, streams: list[RequestStream], tokenizer, model_name: str,
+                  prompt_tokens_details: bool = False):
     chat = req.kind == "chat"
     rid = protocol.random_id("chatcmpl" if chat else "cmpl")
     created = protocol.now()
@@ -454,7 +459,8 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     await resp.prepare(request)
 
     def usage_so_far() -> dict:
-        return protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens))
+        cached = sum(cached_tokens[::req.n]) if prompt_tokens_details else None
+        return protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens), cached)
 
     def chunk(choices: list, usage=None, **extra) -> bytes:
         body = {"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": None,
@@ -470,6 +476,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     echoed = [not req.echo] * n
     ids_sent = [False] * n
     prompt_tokens = [s.prompt_tokens for s in streams]
+    cached_tokens = [0] * n
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
     parsers = ([stream_calls(req.tool_parser, req.parallel_tool_calls) for _ in range(n)]
                if chat and req.tool_parser is not None else None)
@@ -483,6 +490,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             view = views[i]
             comp = out.outputs[0]
             prompt_tokens[i] = len(out.prompt_token_ids)
+            cached_tokens[i] = out.num_cached_tokens
             text, ids, _ = view.generated(comp)
             reasoning = ""
             if chat and req.reasoning is not None:  # the answer so far goes on as the text

@@ -46,8 +46,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "call, and --tool-call-parser finds its calls (vLLM's flag)")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the syntax the model writes tool calls in: hermes (<tool_call>{json}</tool_call>, as "
-                        "Hermes and Qwen 2.5/3 write them) or llama3_json (a JSON object per call, as Llama "
-                        "3.1-3.3 write them)")
+                        "Hermes and Qwen 2.5/3 write them), llama3_json (a JSON object per call, as Llama "
+                        "3.1-3.3 write them), pythonic ([f(x=1), g()], Llama 3.2 and 4) or mistral "
+                        "([TOOL_CALLS] and the calls)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens read from the "
+                        "prefix cache (vLLM's flag)")
     add_vllm_flags(parser, SERVER_FLAGS)
     return parser
 
@@ -127,6 +131,7 @@ def serve_main(args) -> int:
         shutdown_grace_s=args.shutdown_grace,
         log_requests=args.enable_log_requests,
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,

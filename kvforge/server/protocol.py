@@ -681,12 +681,17 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
 # -- responses --------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's ``usage``; with ``cached_tokens`` (``--enable-prompt-tokens-details``) its
+    ``prompt_tokens_details``: the prompt tokens read from the prefix cache instead of computed."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 class TextOffsets:
