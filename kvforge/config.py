@@ -24,6 +24,7 @@ from kvforge.cli_args import (
 from kvforge.cli_vllm_flags import ENGINE_FLAGS, add_vllm_flags
 from kvforge.engine.generation_defaults import check_setting as check_generation_setting
 from kvforge.engine.sampling_params import plain_int
+from kvforge.engine.scheduling_policy import SCHEDULING_POLICIES
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
 from kvforge.reasoning import REASONING_PARSERS
@@ -98,6 +99,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None  # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: off
     enable_prefix_caching: bool = True
+    #: ``--scheduling-policy``: fcfs, or priority (each request's priority, lower first; kvforge/engine/scheduler.py).
+    scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     #: ``--cuda-graph-sizes``: the decode batch sizes captured as CUDA graphs (None: 1, 2, 4, multiples of
@@ -151,6 +154,9 @@ class EngineArgs:
         if self.chat_template_content_format not in CHAT_CONTENT_FORMATS:
             raise ConfigError(f"--chat-template-content-format must be one of {', '.join(CHAT_CONTENT_FORMATS)}, got "
                               f"{self.chat_template_content_format!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                              f"{self.scheduling_policy!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ConfigError(f"--reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))}, got "
                               f"{self.reasoning_parser!r}")
@@ -242,6 +248,10 @@ class EngineArgs:
                                  f"{DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}; 0: the whole --max-num-batched-tokens)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prompt prefixes already computed (default on)")
+        parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
+                            help="which request is served first (vLLM's flag): fcfs (arrival order), or priority "
+                                 "(each request's priority, lower first; the least urgent running request is the "
+                                 "one preempted)")
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                             help="split long prompts over steps within --max-num-batched-tokens (default on)")
         parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -63,9 +63,10 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}
-        or (in a list) a list of token ids.
+        or (in a list) a list of token ids. ``priority``: one integer per prompt, lower served first (needs
+        ``scheduling_policy="priority"``), as vLLM's ``LLM.generate`` takes it.
 
         Results come back in prompt order, one ``RequestOutput`` per prompt whose ``outputs`` hold its
         ``n`` samples (``index`` 0 .. n - 1). Each sample is its own engine request
@@ -92,15 +93,19 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params must be a SamplingParams (or one per prompt), got "
                                 f"{type(p).__name__}: build it as SamplingParams(temperature=..., max_tokens=...)")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         samples = [[rid] + [f"{rid}.{j}" for j in range(1, p.n)] for rid, p in zip(ids, params)]
         # Samples 1 .. n - 1 of a prompt, keyed by the request of its sample 0, to add once that has an output.
-        later = {rid: [(sid, prompt, p.sample_params(j)) for j, sid in enumerate(sids) if j]
-                 for rid, sids, prompt, p in zip(ids, samples, prompts, params) if p.n > 1}
+        later = {rid: [(sid, prompt, p.sample_params(j), rank) for j, sid in enumerate(sids) if j]
+                 for rid, sids, prompt, p, rank in zip(ids, samples, prompts, params, priority) if p.n > 1}
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, p.sample_params(0))
+            for rid, prompt, p, rank in zip(ids, prompts, params, priority):
+                self.engine.add_request(rid, prompt, p.sample_params(0), priority=rank)
                 added.append(rid)
             if not self.engine.block_manager.enable_prefix_caching:  # nothing to reuse: add them all now
                 for rid in list(later):
@@ -115,8 +120,8 @@ class LLM:
 
     def _add_all(self, requests) -> list[str]:
         added = []
-        for rid, prompt, p in requests:
-            self.engine.add_request(rid, prompt, p)
+        for rid, prompt, p, rank in requests:
+            self.engine.add_request(rid, prompt, p, priority=rank)
             added.append(rid)
         return added
 

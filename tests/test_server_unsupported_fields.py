@@ -130,9 +130,9 @@ def test_unknown_fields_are_logged_as_ignored(parse, body, caplog):
     with caplog.at_level("WARNING", logger="kvforge.server.protocol"):
         parse({**body, "model": MODEL, "user": "u1", "metadata": {"k": "v"}}, MODEL)
         assert not caplog.records
-        parse({**body, "model": MODEL, "temprature": 0.5, "priority": 1}, MODEL)
+        parse({**body, "model": MODEL, "temprature": 0.5, "top_kk": 1}, MODEL)
     assert [r.getMessage() for r in caplog.records] == [
-        "fields present in the request but ignored: priority, temprature"]
+        "fields present in the request but ignored: temprature, top_kk"]
 
 
 def test_every_field_the_parsers_read_is_known():

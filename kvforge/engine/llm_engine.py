@@ -234,7 +234,7 @@ class LLMEngine:
             threshold = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD if args.enable_chunked_prefill else 0
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, batched, self.max_model_len,
                                    args.enable_chunked_prefill, eos_token_ids=eos, tokenizer=self.tokenizer,
-                                   long_prefill_token_threshold=threshold)
+                                   long_prefill_token_threshold=threshold, policy=args.scheduling_policy)
         if self.tp is not None:
             self.runner = self.tp.runner  # broadcasts each step to the other ranks
         else:
@@ -475,7 +475,9 @@ class LLMEngine:
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                   field="prompt")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
+        """Queue one request (one sequence: ``params.n`` is 1); ``priority`` orders it under
+        ``--scheduling-policy priority`` (lower first) and must be 0 otherwise."""
         self._check_running()
         params = params or SamplingParams()
         if params.n != 1:
@@ -492,7 +494,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "
                 f"generated token must fit); shorten the prompt or raise --max-model-len", field="prompt")
-        seq = Sequence(request_id, ids, params, prompt=text)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", field="priority")
+        seq = Sequence(request_id, ids, params, prompt=text, priority=priority)
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
             if self.reasoning is not None:  # the constraint holds the answer, not the reasoning

@@ -18,6 +18,13 @@ gets its token in every step, and a stream waits behind at most one bounded pref
    prefix-cache hit is skipped, and with chunked prefill a prompt longer than
    the room is split over steps.
 
+Under the ``priority`` policy (``--scheduling-policy priority``, vLLM's) each
+request has a priority, lower first. RUNNING sequences are ordered by priority
+before the order above, so the sequence preempted to make room is the least
+urgent one not yet scheduled (the latest arrival among equals); the WAITING
+queue is ordered by (priority, arrival), a preempted sequence going back to its
+place there. A waiting request never preempts a running one.
+
 Prefill room: ``max_num_batched_tokens`` minus the step's decode tokens; when
 the step carries a decode token and ``long_prefill_token_threshold`` is set
 (chunked prefill only), the step's prefill tokens together stay within that
@@ -38,12 +45,14 @@ Nothing is ever truncated silently.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.detokenizer import IncrementalDetokenizer
+from kvforge.engine.scheduling_policy import SCHEDULING_POLICIES
 from kvforge.engine.sequence import Sequence, SequenceStatus
 from kvforge.errors import ConfigError, InvalidRequestError
 
@@ -139,7 +148,10 @@ class Scheduler:
         eos_token_ids=(),
         tokenizer=None,
         long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs",
     ):
+        if policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -155,6 +167,7 @@ class Scheduler:
                 "--max-num-batched-tokens or enable chunked prefill"
             )
         self.block_manager = block_manager
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -227,10 +240,24 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request {seq.request_id!r} already holds KV blocks", field="request_id"
             )
+        if seq.priority and not self.by_priority:
+            raise InvalidRequestError(f"priority {seq.priority} needs the priority scheduling policy; start the "
+                                      f"engine with --scheduling-policy priority, or leave priority at 0",
+                                      field="priority")
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        self.waiting.append(seq)
+        self._queue(seq)
         self.requests[seq.request_id] = seq
+
+    def _queue(self, seq: Sequence, front: bool = False) -> None:
+        """Put ``seq`` in the waiting queue: at its back (or, preempted, its front), or by priority."""
+        if self.by_priority:
+            self.waiting.insert(bisect.bisect_right(self.waiting, (seq.priority, seq.arrival),
+                                                    key=lambda s: (s.priority, s.arrival)), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Stop a request and free its blocks; returns it (None if unknown or already finished)."""
@@ -252,7 +279,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
 
     @staticmethod
     def _tokens_to_compute(seq: Sequence) -> int:
@@ -260,8 +287,12 @@ class Scheduler:
         return seq.num_tokens + seq.num_pending - seq.num_computed_tokens
 
     def _order_running(self) -> None:
-        """Schedule order: decodes first, then sequences mid-prefill; each oldest arrival first."""
-        self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.arrival))
+        """Schedule order: decodes first, then sequences mid-prefill; each oldest arrival first (under the
+        priority policy, within each priority, lowest first)."""
+        if self.by_priority:
+            self.running.sort(key=lambda s: (s.priority, self._tokens_to_compute(s) > 1, s.arrival))
+        else:
+            self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.arrival))
 
     def _prefill_room(self, num_decode_tokens: int) -> int:
         """Prefill tokens a step may hold given its decode tokens (see the module docstring)."""

@@ -86,8 +86,10 @@ class Sequence:
         params: SamplingParams | None = None,
         prompt: str | None = None,
         arrival: int | None = None,
+        priority: int = 0,
     ):
         self.request_id = request_id
+        self.priority = priority  # the priority scheduling policy's order: lower first
         self.prompt = prompt
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -255,7 +257,7 @@ class Sequence:
 
         Call ``BlockManager.fork(parent, child)`` afterwards to share blocks.
         """
-        child = Sequence(request_id, self.prompt_token_ids, self.params, prompt=self.prompt)
+        child = Sequence(request_id, self.prompt_token_ids, self.params, prompt=self.prompt, priority=self.priority)
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens

@@ -204,7 +204,7 @@ def create_app(
         return await aengine.add_requests(
             prompts, [req.params.sample_params(j) for j in range(req.n)], messages=req.messages,
             max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field,
-            chat_options=req.chat_options, prompt_only=req.prompt_only, admitted=True)
+            chat_options=req.chat_options, prompt_only=req.prompt_only, admitted=True, priority=req.priority)
 
     sampling_defaults = getattr(engine, "sampling_defaults", {})  # the model's generation config
 

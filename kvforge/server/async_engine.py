@@ -147,7 +147,7 @@ class AsyncEngine:
         self._added_since_stats = 0
         self._pending_aborts: list[str] = []
         # Engine thread only: samples to add once their sample 0 (the key) has an output, and the reverse map.
-        self._later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
+        self._later: dict[str, list[tuple[str, list[int], SamplingParams, int]]] = {}
         self._leader_of: dict[str, str] = {}
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -283,10 +283,12 @@ class AsyncEngine:
         chat_options: ChatTemplateOptions | None = None,
         prompt_only: bool = False,
         admitted: bool = False,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Validate and queue one engine request per prompt and sample (``samples[j]``: the parameters of
         sample ``j``); returns their streams in order prompt position * ``len(samples)`` + sample number.
-        ``admitted``: :meth:`admit` already took them in (the queue bound is not checked again).
+        ``admitted``: :meth:`admit` already took them in (the queue bound is not checked again). ``priority``:
+        the requests' order under ``--scheduling-policy priority`` (lower first; 0 under fcfs).
 
         Every prompt is checked before any request is added, and all are added in one call on the engine
         thread, so no engine step runs between them: a step in between would give the requests added first
@@ -318,7 +320,7 @@ class AsyncEngine:
         try:
             await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._prepare_and_add, streams, prompts, samples, messages, max_tokens_explicit,
-                max_tokens_field, chat_options, prompt_only,
+                max_tokens_field, chat_options, prompt_only, priority,
             )
         except asyncio.CancelledError:
             # The client left while its requests were being added: abort them (after the add, if it runs:
@@ -340,7 +342,7 @@ class AsyncEngine:
         return streams
 
     def _prepare_and_add(self, streams, prompts, samples, messages, max_tokens_explicit, max_tokens_field,
-                         chat_options, prompt_only) -> None:
+                         chat_options, prompt_only, priority) -> None:
         """Runs on the engine thread: render, count and check every prompt, then add the requests. Before the
         first add, each stream gets its prompt's token count and, for a prompt-only request, the prompt token
         scored as the engine's sampled token (see :meth:`_prompt_only`). Raises with nothing added."""
@@ -355,24 +357,24 @@ class AsyncEngine:
             _, stream.prompt_tokens, stream.scored_token, _ = prepared[k // n]
         block = self.prefix_block_size
         added: list[str] = []
-        later: dict[str, list[tuple[str, list[int], SamplingParams]]] = {}
+        later: dict[str, list[tuple[str, list[int], SamplingParams, int]]] = {}
         try:
             for i, (ids, _, _, params) in enumerate(prepared):
                 with _naming_prompt(i, len(prompts)):
-                    self.engine.add_request(request_ids[i * n], ids, params[0])
+                    self.engine.add_request(request_ids[i * n], ids, params[0], **_ranked(priority))
                 added.append(request_ids[i * n])
             for i, (ids, _, _, params) in enumerate(prepared):
-                followers = [(request_ids[i * n + j], ids, params[j]) for j in range(1, n)]
+                followers = [(request_ids[i * n + j], ids, params[j], priority) for j in range(1, n)]
                 # A sample reuses the full blocks before the prompt's last token (computed anew); a request
                 # with prompt logprobs computes its whole prompt, reusing nothing. Only samples that differ
                 # from sample 0 in their seed alone wait: the engine took sample 0, so it takes them too.
                 if (followers and block is not None and len(ids) > block and params[0].prompt_logprobs is None
-                        and all(_same_but_seed(p, params[0]) for _, _, p in followers)):
+                        and all(_same_but_seed(p, params[0]) for _, _, p, _ in followers)):
                     later[request_ids[i * n]] = followers
                     continue
-                for rid, ids_, p in followers:
+                for rid, ids_, p, rank in followers:
                     with _naming_prompt(i, len(prompts)):
-                        self.engine.add_request(rid, ids_, p)
+                        self.engine.add_request(rid, ids_, p, **_ranked(rank))
                     added.append(rid)
         except BaseException:
             for rid in added:
@@ -380,7 +382,7 @@ class AsyncEngine:
             raise
         for leader, followers in later.items():
             self._later[leader] = followers
-            for rid, _, _ in followers:
+            for rid, *_ in followers:
                 self._leader_of[rid] = leader
 
     def _prepare(self, prompt, messages, samples, max_tokens_explicit, max_tokens_field, chat_options, prompt_only):
@@ -485,10 +487,10 @@ class AsyncEngine:
         """Add the samples waiting for ``leader`` (engine thread); returns those the engine refused, which it
         should not: each has sample 0's parameters but for its seed, and the engine took sample 0."""
         failed = []
-        for rid, ids, params in self._later.pop(leader, ()):
+        for rid, ids, params, rank in self._later.pop(leader, ()):
             del self._leader_of[rid]
             try:
-                self.engine.add_request(rid, ids, params)
+                self.engine.add_request(rid, ids, params, **_ranked(rank))
             except Exception as e:
                 failed.append((rid, e))
         return failed
@@ -604,6 +606,11 @@ def _naming_prompt(index: int, prompts: int):
         else:
             message = f"'{field}': {message}"
         raise InvalidRequestError(message, field=field) from e
+
+
+def _ranked(priority: int) -> dict:
+    """``add_request``'s keyword for ``priority``: none at 0, so engines without priorities take the call."""
+    return {"priority": priority} if priority else {}
 
 
 def _same_but_seed(params: SamplingParams, sample0: SamplingParams) -> bool:

@@ -295,6 +295,7 @@ class ParsedRequest:
     # chat under --reasoning-parser: the think-block tags (kvforge/reasoning.py), None otherwise
     reasoning: ReasoningTokens | None = None
     include_reasoning: bool = True  # vLLM's field: False drops the reasoning from the response
+    priority: int = 0  # vLLM's field: the order under --scheduling-policy priority (lower first)
 
     @property
     def n(self) -> int:
@@ -310,7 +311,7 @@ _COMMON_FIELDS = frozenset({
     "tools", "functions", "tool_choice", "length_penalty", "use_beam_search", "bad_words", "prompt_logprobs",
     "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "guided_whitespace_pattern", "guided_decoding_backend",
-    "return_tokens_as_token_ids", "return_token_ids", "logits_processors", "add_special_tokens",
+    "return_tokens_as_token_ids", "return_token_ids", "logits_processors", "add_special_tokens", "priority",
     # OpenAI's fields that do not change the output: accepted and not read.
     "user", "metadata", "store", "service_tier", "parallel_tool_calls",
 })
@@ -487,7 +488,8 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
             "continuous_usage": continuous_usage, "sampling": sampling,
             "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False),
-            "return_token_ids": get_bool(body, "return_token_ids", False), "constraint_field": constraint_at}
+            "return_token_ids": get_bool(body, "return_token_ids", False), "constraint_field": constraint_at,
+            "priority": get_int(body, "priority", 0)}
 
 
 def _logit_bias(body: dict) -> dict:
@@ -582,7 +584,7 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
         "max_tokens" in body and body["max_tokens"] is not None, common["stream"], common["include_usage"],
         logprobs, False, echo=echo, prompt_only=prompt_only, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
-        constraint_field=common["constraint_field"],
+        constraint_field=common["constraint_field"], priority=common["priority"],
     )
 
 
@@ -675,6 +677,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,  # parse_tools checked its type
         reasoning=reasoning, include_reasoning=get_bool(body, "include_reasoning", True),
+        priority=common["priority"],
     )
 
 
@@ -684,14 +687,14 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """OpenAI's ``usage``; with ``cached_tokens`` (``--enable-prompt-tokens-details``) its
     ``prompt_tokens_details``: the prompt tokens read from the prefix cache instead of computed."""
-    body = {
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
     if cached_tokens is not None:
-        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return body
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
 class TextOffsets:
