@@ -6,10 +6,12 @@ engine's structured outputs (kvforge/structured/reasoning_gate.py):
 
 - Both tags are single tokens of the model's tokenizer (checked when the engine starts).
 - Where an output starts (:func:`opening_phase`): inside the block when the prompt's last tag is an
-  opening one (a template that opens the block for the model, or a continued final message that stops
-  inside it); otherwise inside it as well for a parser whose models always think (``deepseek_r1``: R1
-  writes its reasoning first, with or without the opening tag); otherwise (``qwen3``, whose templates can
-  turn thinking off) undecided: the output reasons only when it opens the block itself, first thing.
+  opening one with no special token after it (a template that opens the block for the model, or a
+  continued final message that stops inside it; a tag in an earlier turn, a user's message that mentions
+  ``<think>`` say, is followed by that turn's end marker); otherwise inside it as well for a parser whose
+  models always think (``deepseek_r1``: R1 writes its reasoning first, with or without the opening tag);
+  otherwise (``qwen3``, whose templates can turn thinking off) undecided: the output reasons only when it
+  opens the block itself, first thing.
 - The reasoning runs to the closing tag, or to the end of an output that stops while thinking (it then has
   no answer). An opening tag at the start of the reasoning is not part of it.
 - The answer is the text after the closing tag, its leading whitespace dropped.
@@ -51,23 +53,30 @@ def _last(ids: Sequence[int], token: int) -> int:
     return -1
 
 
-def opening_phase(parser: ReasoningParser, prompt_ids: Sequence[int], start_id: int, end_id: int) -> str:
-    """The phase an output of the prompt ``prompt_ids`` starts in (module docstring)."""
-    if _last(prompt_ids, start_id) > _last(prompt_ids, end_id):
+def opening_phase(parser: ReasoningParser, prompt_ids: Sequence[int], start_id: int, end_id: int,
+                  special_ids: frozenset[int] = frozenset()) -> str:
+    """The phase an output of the prompt ``prompt_ids`` starts in (module docstring); ``special_ids``: the
+    tokenizer's special tokens (turn markers), the tags excluded."""
+    start = _last(prompt_ids, start_id)
+    if start > _last(prompt_ids, end_id) and not any(t in special_ids for t in prompt_ids[start + 1:]):
         return REASONING
     return REASONING if parser.always_thinks else UNDECIDED
 
 
 @dataclass(frozen=True)
 class ReasoningTokens:
-    """A parser with its tags' token ids in the served tokenizer."""
+    """A parser with its tags' token ids in the served tokenizer, the tokenizer's other special tokens, and
+    whether the tags are special tokens themselves (detokenizing then keeps special tokens, or the text
+    would lose the tags)."""
 
     parser: ReasoningParser
     start_id: int
     end_id: int
+    special_ids: frozenset[int] = frozenset()
+    tags_special: bool = False
 
     def opening_phase(self, prompt_ids: Sequence[int]) -> str:
-        return opening_phase(self.parser, prompt_ids, self.start_id, self.end_id)
+        return opening_phase(self.parser, prompt_ids, self.start_id, self.end_id, self.special_ids)
 
 
 def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
@@ -88,4 +97,5 @@ def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
             raise ConfigError(f"--reasoning-parser {name}: {tag!r} is not one token of this model's tokenizer, "
                               f"so the model does not think in {name}'s format; leave --reasoning-parser unset")
         ids.append(token)
-    return ReasoningTokens(parser, ids[0], ids[1])
+    special = frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special)
+    return ReasoningTokens(parser, ids[0], ids[1], special - set(ids), tags_special=bool(special & set(ids)))

@@ -88,9 +88,20 @@ def test_the_constraint_holds_the_answer_after_the_reasoning(server, client):
     raw, _ = _raw(server, THINKING, CONTINUE, guided_choice=["yes", "no"], **params)
     reasoning, sep, answer = raw.partition("</think>")
     assert sep and answer.strip() in ("yes", "no")
+    assert reasoning == ""  # the bias closes the block at once: an empty think block gives no reasoning
     choice = client.chat.completions.create(**kw).choices[0]
-    assert (_reasoning(choice.message), choice.message.content) == (reasoning, answer.lstrip())
-    assert _streamed(client, **kw) == (reasoning, answer.lstrip(), ["stop"])
+    assert (_reasoning(choice.message), choice.message.content) == (None, answer.lstrip())
+    assert _streamed(client, **kw) == ("", answer.lstrip(), ["stop"])
+
+
+def test_a_tag_in_the_users_message_does_not_open_the_block(server, client):
+    """The user's ``<think>`` is the tag token, followed by the end of the user's turn: the output is
+    undecided, and its answer held to the choice."""
+    messages = [{"role": "user", "content": "What does a <think> tag do in markup? Answer yes or no."}]
+    choice = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                            temperature=0, max_tokens=10,
+                                            extra_body={"guided_choice": ["yes", "no"]}).choices[0]
+    assert choice.message.content in ("yes", "no") and _reasoning(choice.message) is None
 
 
 def test_an_answer_without_a_think_block_has_no_reasoning(server, client):
@@ -137,3 +148,29 @@ def test_a_tokenizer_without_the_tags_stops_before_weights(monkeypatch, capsys, 
     assert serve_main(["--device", "cpu", *argv, "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_special_tags_keep_special_tokens_in_the_text(tmp_path):
+    """A tokenizer whose think tags are special tokens: chat requests are detokenized with them, and a request
+    that asks to skip special tokens is refused naming the field."""
+    import json as json_
+
+    from kvforge.errors import InvalidRequestError
+    from kvforge.reasoning import reasoning_tokens
+    from kvforge.server.protocol import parse_chat
+    from kvforge.tokenizer import Tokenizer
+
+    directory = write_think_tokenizer(tmp_path)
+    spec = json_.loads((directory / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["special"] = token["special"] or token["content"] in ("<think>", "</think>")
+    (directory / "tokenizer.json").write_text(json_.dumps(spec))
+    tags = reasoning_tokens("qwen3", Tokenizer.from_hf_dir(directory))
+    assert tags.tags_special and END_ID not in tags.special_ids
+    body = {"model": "m", "messages": QUESTION}
+    assert parse_chat(body, "m", reasoning=tags).params.skip_special_tokens is False
+    with pytest.raises(InvalidRequestError) as err:
+        parse_chat({**body, "skip_special_tokens": True}, "m", reasoning=tags)
+    assert err.value.field == "skip_special_tokens"
+    plain = reasoning_tokens("qwen3", Tokenizer.from_hf_dir(write_think_tokenizer(tmp_path / "plain")))
+    assert not plain.tags_special and parse_chat(body, "m", reasoning=plain).params.skip_special_tokens is True

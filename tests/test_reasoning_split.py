@@ -39,6 +39,10 @@ def test_opening_phase_follows_the_prompts_last_tag():
     assert opening_phase(QWEN3, [1, 2], START, END) == UNDECIDED
     assert opening_phase(R1, [1, 2], START, END) == REASONING  # R1 always thinks
     assert opening_phase(R1, [START, 3, END, 9, START], START, END) == REASONING
+    # a tag in an earlier turn (a user's message that mentions it) is followed by that turn's end marker
+    turn_end = frozenset({99})
+    assert opening_phase(QWEN3, [1, START, 2, 99, 5], START, END, turn_end) == UNDECIDED
+    assert opening_phase(QWEN3, [1, 99, 5, START, 2, 3], START, END, turn_end) == REASONING
 
 
 TEXTS = ["<think>\nLet me see.\n</think>\n\nYes, it is.", "Let me see.</think>  \n Yes", "Plain answer, no tags.",

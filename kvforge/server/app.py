@@ -391,7 +391,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
                                          "tool_calls": [call_object(name, args) for name, args in chosen]}
                     if choice["finish_reason"] == "stop":
                         choice["finish_reason"] = "tool_calls"
-            if reasoning is not None and req.include_reasoning:
+            if reasoning and req.include_reasoning:  # an empty think block says nothing (nor does its stream)
                 choice["message"].update(reasoning_fields(reasoning))
         else:
             choice["text"] = (view.echo_text(final) if req.echo else "") + text

@@ -656,6 +656,11 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
     tools, forced, auto = parse_tools(body, tool_parser)
     if auto and tool_parser in KEEPS_SPECIAL_TOKENS and body.get("skip_special_tokens") is None:
         common["sampling"]["skip_special_tokens"] = False  # the parser reads its call syntax's special tokens
+    if reasoning is not None and reasoning.tags_special:  # the split reads the think tags in the text
+        if body.get("skip_special_tokens") is True:
+            bad_field("skip_special_tokens", "true would drop this model's think tags, which are special tokens, "
+                                             "and the reasoning could not be told from the answer; leave it unset")
+        common["sampling"]["skip_special_tokens"] = False
     if forced is not None:
         if common["sampling"]["structured_outputs"] is not None:
             bad_field("tool_choice", "forces a tool call, whose arguments are the output's constraint, and the "
