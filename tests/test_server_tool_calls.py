@@ -183,6 +183,18 @@ def test_named_function(client, served):
     assert not any(d.content for d in deltas)
 
 
+def test_named_function_without_arguments_streams_its_call(client, served):
+    """A stop string that ends the output before its first character: the call comes back with the (empty)
+    arguments generated, whole and streamed alike."""
+    kw = dict(model=served, messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=20, temperature=0,
+              stop=["{"])
+    (call,) = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert (call.function.name, call.function.arguments) == ("get_weather", "")
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", "")]
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required(client, served, parallel):
     kw = dict(model=served, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,

@@ -248,7 +248,7 @@ class ToolCallStream:
     def delta(self, new_text: str, text: str, finished: bool) -> dict:
         """The delta for ``new_text`` (this chunk's text), ``text`` being all of it so far."""
         if self.choice.name is not None:
-            if not new_text:
+            if not new_text and (self.started or not finished):  # a call without arguments still goes out
                 return {}
             if self.started:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
