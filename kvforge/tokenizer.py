@@ -172,6 +172,9 @@ class Tokenizer:
                 "or pass a model whose tokenizer_config.json / GGUF has one"
             )
         if self._compiled_template is None:
+            problem = self.chat_template_problem()
+            if problem is not None:
+                raise ConfigError(f"{problem}; give the engine a working one with --chat-template")
             self._compiled_template = _compile_template(self.chat_template)
         context = {
             "bos_token": self.bos_token or "",
@@ -187,6 +190,18 @@ class Tokenizer:
     #: How message text reaches the chat template (``--chat-template-content-format``): ``"string"``, or
     #: ``"openai"`` (each message's text as a list of one ``{"type": "text", "text": ...}`` part).
     chat_content_format: str = "string"
+
+    def chat_template_problem(self) -> str | None:
+        """Why the chat template cannot render (it does not compile), None when it can or there is none."""
+        from jinja2.exceptions import TemplateSyntaxError
+
+        if not self.chat_template:
+            return None
+        try:
+            _compile_template(self.chat_template)
+        except TemplateSyntaxError as e:
+            return f"the chat template does not compile: {e.message} (line {e.lineno})"
+        return None
 
     def use_chat_template(self, source: str) -> None:
         """Render chats with ``source`` (a jinja template) instead of the model's; ``ConfigError`` when it does
@@ -209,8 +224,24 @@ class Tokenizer:
         return _from_gguf(str(path))
 
 
+def template_extensions() -> list:
+    """The jinja extensions chat templates are compiled with: loop controls, and transformers' ``{% generation
+    %} ... {% endgeneration %}`` (which marks the assistant's tokens for training masks and renders its body)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return [loopcontrols, GenerationBlock]
+
+
 def _compile_template(source: str):
-    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
@@ -223,7 +254,7 @@ def _compile_template(source: str):
             value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii
         )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=template_extensions())
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 
 from kvforge.config import EngineArgs
-from kvforge.errors import ConfigError
+from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.server.protocol import ChatTemplateOptions
 from kvforge.server.tokenization import render_chat
 
@@ -108,3 +108,64 @@ def test_engine_renders_a_parts_template_with_parts_by_default():
         assert out.prompt == "<user>[Hi]"
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("template", [
+    # a macro given the content
+    "{% macro show(body) %}{% for p in body %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.content) }}{% endfor %}",
+    "{% macro show(role, body) %}{% for p in body %}{{ p.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.role, body=m['content']) }}{% endfor %}",
+    # a namespace attribute set from it
+    "{% for m in messages %}{% set ns = namespace(c=m['content']) %}{% for p in ns.c %}{{ p.text }}{% endfor %}"
+    "{% endfor %}",
+    "{% set ns = namespace(c=none) %}{% for m in messages %}{% set ns.c = m.content %}{% for p in ns.c %}"
+    "{{ p.text }}{% endfor %}{% endfor %}",
+])
+def test_auto_follows_macros_and_namespaces(template):
+    from kvforge.chat_content_format import detect_content_format
+
+    assert detect_content_format(template).content_format == "openai"
+
+
+def test_auto_probes_what_the_tree_does_not_show():
+    """A template that reads parts through a map the tree cannot follow: the probe message shows it drops
+    string text and shows parts."""
+    from kvforge.chat_content_format import detect_content_format
+
+    template = "{% for m in messages %}{{ m['content'] | map(attribute='text') | join('') }}{% endfor %}"
+    render = TemplateOnly(template).apply_chat_template
+    assert detect_content_format(template).content_format == "string"
+    assert detect_content_format(template, render).content_format == "openai"
+    assert detect_content_format(STRING, TemplateOnly(STRING).apply_chat_template).content_format == "string"
+
+
+def test_openai_for_a_string_template_is_warned_and_explained():
+    from kvforge.chat_content_format import mismatch_warning
+
+    assert "never loops over a message's content" in mismatch_warning("openai", STRING)
+    assert mismatch_warning("openai", PARTS) is None and mismatch_warning("string", STRING) is None
+    concat = "{% for m in messages %}{{ '<' + m['content'] + '>' }}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match="--chat-template-content-format; a template that reads a string"):
+        render_chat(TemplateOnly(concat, "openai"), MESSAGES)
+
+
+def test_generation_blocks_render_their_body_as_transformers_does():
+    """transformers' ``{% generation %}`` tag (assistant masks for training) renders its body; the
+    reference is transformers' own rendering of the template."""
+    transformers = pytest.importorskip("transformers")
+    from kvforge.spec.embedded import embedded_model_path
+    from kvforge.tokenizer import Tokenizer
+
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}<a>{{ m.content }}</a>"
+                "{% endgeneration %}{% else %}<u>{{ m.content }}</u>{% endif %}{% endfor %}")
+    ours = Tokenizer.from_gguf(embedded_model_path())
+    ours.use_chat_template(template)
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_object=ours.backend)
+    expected = ref.apply_chat_template(MESSAGES, chat_template=template, tokenize=False)
+    assert ours.apply_chat_template(MESSAGES, add_generation_prompt=False) == expected == "<u>Hi</u><a>Hello</a>"
+    broken = Tokenizer.from_gguf(embedded_model_path())
+    broken.chat_template = "{% for m in messages %}{{ m.content }}"
+    assert "does not compile" in broken.chat_template_problem()
+    with pytest.raises(ConfigError, match="give the engine a working one with --chat-template"):
+        broken.apply_chat_template(MESSAGES)

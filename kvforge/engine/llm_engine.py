@@ -168,11 +168,7 @@ class LLMEngine:
         if args.chat_template is not None:
             self._use_chat_template(args.chat_template)
         if self.tokenizer is not None:
-            from kvforge.chat_content_format import resolve_content_format
-
-            choice = resolve_content_format(args.chat_template_content_format, self.tokenizer.chat_template)
-            self.tokenizer.chat_content_format = choice.content_format
-            logger.info("chat messages reach the template as %s content (%s)", choice.content_format, choice.reason)
+            self._choose_content_format(args.chat_template_content_format)
         #: The reasoning model's think-block tags (kvforge/reasoning.py), None without --reasoning-parser.
         self.reasoning = None
         if args.reasoning_parser is not None:
@@ -410,6 +406,23 @@ class LLMEngine:
         return dict(runner=self.draft_runner, target_runner=self.runner, block_manager=self.block_manager,
                     max_model_len=self.max_model_len, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())
+
+    def _choose_content_format(self, flag: str) -> None:
+        """The shape of message text the chat template gets (``--chat-template-content-format``), logged with
+        its reason; a template that does not compile, or an explicit format it contradicts, is warned of."""
+        from kvforge.chat_content_format import mismatch_warning, resolve_content_format
+
+        tok = self.tokenizer
+        problem = tok.chat_template_problem()
+        if problem is not None:
+            logger.warning("%s: chat requests will be refused; give one with --chat-template", problem)
+        render = None if problem else (lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True))
+        choice = resolve_content_format(flag, tok.chat_template, render)
+        tok.chat_content_format = choice.content_format
+        logger.info("chat messages reach the template as %s content (%s)", choice.content_format, choice.reason)
+        warning = mismatch_warning(flag, tok.chat_template)
+        if warning:
+            logger.warning("%s", warning)
 
     def _use_chat_template(self, value: str) -> None:
         """``--chat-template``: a file's text, or the template itself, checked before any weight is read."""

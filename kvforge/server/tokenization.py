@@ -52,13 +52,16 @@ def render_chat(tokenizer, messages: list[dict], options: ChatTemplateOptions | 
     if options.continue_final_message:
         last = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_MARK)
         messages = [*messages[:-1], last]
-    if (options.content_format or getattr(tokenizer, "chat_content_format", "string")) == "openai":
+    engine_parts = options.content_format is None and getattr(tokenizer, "chat_content_format", "string") == "openai"
+    if options.content_format == "openai" or engine_parts:
         messages = [as_text_parts(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=options.add_generation_prompt,
                                              **dict(options.template_kwargs))
     except Exception as e:  # a template that rejects the conversation, or no template at all
-        raise InvalidRequestError(f"'messages': cannot apply the chat template: {e}", field="messages") from e
+        hint = (" (message text reached the template as content parts, the engine's --chat-template-content-format; "
+                "a template that reads a string needs it at string)") if engine_parts else ""
+        raise InvalidRequestError(f"'messages': cannot apply the chat template: {e}{hint}", field="messages") from e
     if options.continue_final_message:
         end = text.find(_CONTINUE_MARK)
         if end < 0:
