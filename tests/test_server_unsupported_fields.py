@@ -214,3 +214,14 @@ def test_truncate_prompt_tokens_reaches_the_sampling_params():
     with pytest.raises(InvalidRequestError) as err:
         parse_completion({"prompt": "hi", "model": MODEL, "truncate_prompt_tokens": 0}, MODEL)
     assert err.value.field == "truncate_prompt_tokens"
+
+
+def test_content_parts_are_text_only_and_named():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": parts}]}, MODEL)
+    assert req.messages[0]["content"] == "a\nb"  # joined by newlines, as vLLM's string format joins them
+    for part, says in (({"type": "image_url", "image_url": {"url": "x"}}, "got 'image_url'"),
+                       ({"type": "text"}, "a text part needs a string 'text'"), ("hi", "got 'string'")):
+        with pytest.raises(InvalidRequestError, match=says) as err:
+            parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [part]}]}, MODEL)
+        assert err.value.field == "messages[0].content"

@@ -402,7 +402,7 @@ class AsyncEngine:
         if prompt_only:
             if n > max_len:
                 raise InvalidRequestError(
-                    f"'{prompt_field}': the prompt has {n} tokens, more than this model's maximum context length "
+                    f"'{prompt_field}': the prompt has {_count(n, 'token')}, more than this model's maximum context length "
                     f"(--max-model-len) of {max_len} tokens; shorten the prompt to at most {max_len} tokens",
                     field=prompt_field,
                 )
@@ -410,7 +410,7 @@ class AsyncEngine:
             return ids, n, scored, params
         if n >= max_len:
             raise InvalidRequestError(
-                f"'{prompt_field}': the prompt has {n} tokens, which leaves no room for output within this "
+                f"'{prompt_field}': the prompt has {_count(n, 'token')}, which leaves no room for output within this "
                 f"model's maximum context length (--max-model-len) of {max_len} tokens; shorten the prompt to at "
                 f"most {max_len - 1} tokens",
                 field=prompt_field,
@@ -422,7 +422,7 @@ class AsyncEngine:
                 p = dataclasses.replace(p, max_tokens=room)
             elif p.max_tokens > room:
                 raise InvalidRequestError(
-                    f"'{max_tokens_field}': the prompt has {n} tokens and {p.max_tokens} were requested, "
+                    f"'{max_tokens_field}': the prompt has {_count(n, 'token')} and {p.max_tokens} were requested, "
                     f"but the maximum context length is {max_len} tokens; ask for at most {room}",
                     field=max_tokens_field,
                 )
@@ -606,6 +606,11 @@ def _naming_prompt(index: int, prompts: int):
         else:
             message = f"'{field}': {message}"
         raise InvalidRequestError(message, field=field) from e
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _ranked(priority: int) -> dict:

@@ -594,8 +594,11 @@ def _message_text(content: Any, index: int) -> str:
     if isinstance(content, list):  # OpenAI content parts: only text, joined by newlines as vLLM joins them
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                bad_field(f"messages[{index}].content", "only text content parts are supported")
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type_name(part)
+                bad_field(f"messages[{index}].content", f"only text content parts are supported, got {kind!r:.40}")
+            if not isinstance(part.get("text"), str):
+                bad_field(f"messages[{index}].content", "a text part needs a string 'text'")
             parts.append(part["text"])
         return "\n".join(parts)
     if content is None:
