@@ -174,3 +174,24 @@ def test_special_tags_keep_special_tokens_in_the_text(tmp_path):
     assert err.value.field == "skip_special_tokens"
     plain = reasoning_tokens("qwen3", Tokenizer.from_hf_dir(write_think_tokenizer(tmp_path / "plain")))
     assert not plain.tags_special and parse_chat(body, "m", reasoning=plain).params.skip_special_tokens is True
+
+
+def test_responses_carry_a_reasoning_item(server, client):
+    """/v1/responses under the parser: the think block is a reasoning item and its tokens are counted. The bias
+    opens the block and keeps the output thinking until the limit."""
+    from think_tokenizer import START_ID
+
+    params = dict(max_tokens=4, logit_bias={str(START_ID): 100})
+    raw, _ = _raw(server, QUESTION, {}, **params)
+    reasoning, answer = raw.removeprefix("<think>"), ""
+    assert raw.startswith("<think>") and "</think>" not in raw
+    kw = dict(model=client.models.list().data[0].id, input=QUESTION[0]["content"], temperature=0,
+              max_output_tokens=4, extra_body={"logit_bias": params["logit_bias"]})
+    r = client.responses.create(**kw)
+    item, message = r.output
+    assert (item.type, item.content[0].text, message.type, r.output_text) == ("reasoning", reasoning, "message",
+                                                                              answer)
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 4 and r.status == "incomplete"
+    events = list(client.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]

@@ -28,7 +28,7 @@ from aiohttp import web
 
 import kvforge
 from kvforge.errors import InvalidRequestError
-from kvforge.server import protocol, tokenization
+from kvforge.server import protocol, responses, tokenization
 from kvforge.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -39,12 +39,14 @@ from kvforge.server.async_engine import (
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
+from kvforge.server.responses_output import collect_response, stream_response
 from kvforge.server.tool_calls import ToolCallStream, call_object
 from kvforge.server.tool_parsers import parse_calls, stream_calls
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
-ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{id}",
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models",
+          "GET /v1/models/{id}",
           "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET|POST /ping", "GET /version",
           "GET /metrics", "GET /debug/steps")
 
@@ -208,8 +210,8 @@ def create_app(
 
     sampling_defaults = getattr(engine, "sampling_defaults", {})  # the model's generation config
 
-    async def generate(request, parse):
-        req = parse(await read_json(request), names, sampling_defaults)
+    async def run(request, req, write):
+        """Queue ``req``'s choices and answer with ``write(streams)``; the streams close when it returns."""
         if log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
                         len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)
@@ -219,12 +221,40 @@ def create_app(
             raise req.tool_choice.explain(e) if req.tool_choice is not None else e from None
         streams = await add_choices(req)
         try:
-            if req.stream:
-                return await _stream(request, req, streams, engine.tokenizer, model_name, prompt_tokens_details)
-            return await _collect(req, streams, engine.tokenizer, model_name, prompt_tokens_details)
+            return await write(streams)
         finally:
             for stream in streams:
                 stream.close()
+
+    async def generate(request, parse):
+        req = parse(await read_json(request), names, sampling_defaults)
+
+        async def write(streams):
+            if req.stream:
+                return await _stream(request, req, streams, engine.tokenizer, model_name, prompt_tokens_details)
+            return await _collect(req, streams, engine.tokenizer, model_name, prompt_tokens_details)
+
+        return await run(request, req, write)
+
+    async def responses_route(request):
+        body = await read_json(request)
+        try:
+            chat_body, meta = responses.chat_body(body)
+            protocol.log_ignored_fields(body, responses.RESPONSES_FIELDS)
+            req = protocol.parse_chat(chat_body, names, sampling_defaults, tool_parser=tool_parser,
+                                      reasoning=getattr(engine, "reasoning", None))
+        except protocol.ModelNotFoundError:
+            raise
+        except InvalidRequestError as e:
+            raise responses.responses_field(e) from None
+
+        async def write(streams):
+            (stream,) = streams
+            if req.stream:
+                return await stream_response(request, req, meta, stream, model_name)
+            return await collect_response(req, meta, stream, model_name)
+
+        return await run(request, req, write)
 
     async def completions(request):
         return await generate(request, protocol.parse_completion)
@@ -264,6 +294,7 @@ def create_app(
     app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses_route)
 
     async def on_startup(app):
         await aengine.start()

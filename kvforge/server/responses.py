@@ -1,0 +1,276 @@
+"""OpenAI's Responses API, ``POST /v1/responses``, served as a chat completion: a request is translated into
+a chat body (:func:`chat_body`), parsed and run as the chat route runs it, and its one choice is written
+as a Response object (:func:`response_object`) or as the API's event stream
+(kvforge/server/responses_stream.py).
+
+The request: ``input`` (a string, or a list of items: messages with ``input_text`` / ``output_text`` parts
+or string content, ``function_call`` items and their ``function_call_output``, ``reasoning`` items, which
+are dropped); ``instructions`` (a system message before the input); ``max_output_tokens``; the sampling
+fields; ``text.format`` (``text``, ``json_object``, ``json_schema``); function ``tools`` (flat, as the API
+declares them) with ``tool_choice``. Nothing is stored: ``previous_response_id`` and ``background`` are
+refused, and ``store`` is taken without effect.
+
+The response's ``output`` holds, in order: a ``reasoning`` item (under ``--reasoning-parser``, where the
+model reasoned), a ``message`` item with the answer as one ``output_text`` part (left out when the model
+called tools and said nothing else), and a ``function_call`` item per call. ``status`` is
+``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) where the output was cut by the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.errors import InvalidRequestError
+from kvforge.server.protocol import bad_field, now, type_name
+
+#: Fields a Responses body may carry (others are logged as ignored by the chat parser's check).
+RESPONSES_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
+    "tool_choice", "parallel_tool_calls", "store", "metadata", "user", "previous_response_id", "background",
+    "truncation", "include", "reasoning", "service_tier", "safety_identifier", "prompt_cache_key",
+    # vLLM's extra sampling fields, as on the chat route
+    "seed", "top_k", "min_p", "stop", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "logit_bias", "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs", "include_reasoning",
+})
+#: Chat field names as a Responses client knows them, for errors the chat parser raises.
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+                "messages": "input"}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """What the Response object repeats of its request."""
+
+    instructions: str | None
+    max_output_tokens: int | None
+    text_format: dict
+    tools: list
+    tool_choice: Any
+    parallel_tool_calls: bool
+    metadata: dict
+    user: str | None
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        bad_field(where, f"expected a string or an array of content parts, got {type_name(content)}")
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            bad_field(f"{where}[{k}]", f"only text parts (input_text, output_text) are supported, got "
+                                       f"{kind or type_name(part)!r:.40}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(body: dict) -> list[dict]:
+    """The chat messages of ``instructions`` and ``input``."""
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            bad_field("instructions", f"expected a string, got {type_name(instructions)}")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        bad_field("input", "is required: a string, or a non-empty array of input items")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            bad_field(f"input[{i}]", f"expected an object, got {type_name(item)}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                bad_field(f"input[{i}].role", f"must be user, assistant, system or developer, got {role!r:.40}")
+            messages.append({"role": role, "content": _content_text(item.get("content"), f"input[{i}].content")})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    bad_field(f"input[{i}].{key}", "must be a string")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)  # the calls of one turn in one assistant message
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                bad_field(f"input[{i}].call_id", "must be a string")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _content_text(item.get("output"), f"input[{i}].output")})
+        elif kind != "reasoning":  # earlier reasoning is not shown to the model again
+            bad_field(f"input[{i}].type", f"items of type {kind!r:.40} are not supported (message, function_call, "
+                                          f"function_call_output and reasoning are)")
+    if not any(m["role"] != "system" for m in messages):
+        bad_field("input", "holds no message to answer")
+    return messages
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """The API's flat function tools as chat tools."""
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        bad_field("tools", f"expected an array of tools, got {type_name(tools)}")
+    chat = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type_name(tool)
+            bad_field(f"tools[{i}]", f"only function tools are served, got {kind!r:.40}")
+        function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+        chat.append({"type": "function", "function": function})
+    return chat
+
+
+def _tool_choice(body: dict) -> Any:
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "name": ...}')
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _text_format(body: dict) -> dict:
+    text = body.get("text")
+    if text is None:
+        return {"type": "text"}
+    if not isinstance(text, dict):
+        bad_field("text", f"expected an object, got {type_name(text)}")
+    fmt = text.get("format", {"type": "text"})
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        bad_field("text.format", 'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                                 '"name": ..., "schema": {...}}')
+    return fmt
+
+
+def chat_body(body: Any) -> tuple[dict, ResponsesRequest]:
+    """The chat completion body that runs a Responses ``body``, and what the response repeats of it;
+    InvalidRequestError naming the Responses field at fault."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object", field=None)
+    if body.get("previous_response_id") is not None:
+        bad_field("previous_response_id", "responses are not stored: send the whole conversation as 'input'")
+    if body.get("background"):
+        bad_field("background", "background responses are not served: leave it false")
+    if body.get("truncation", "disabled") not in ("disabled", None):
+        bad_field("truncation", "only disabled is served: a prompt longer than the context is refused")
+    chat = {key: body[key] for key in ("model", "temperature", "top_p", "stream", "seed", "top_k", "min_p", "stop",
+                                       "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+                                       "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs",
+                                       "include_reasoning", "parallel_tool_calls") if key in body}
+    chat["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    fmt = _text_format(body)
+    if fmt["type"] == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif fmt["type"] == "json_schema":
+        schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    tools = _tools(body)
+    if tools is not None:
+        chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body)
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        bad_field("metadata", f"expected an object, got {type_name(metadata)}")
+    return chat, ResponsesRequest(body.get("instructions"), body.get("max_output_tokens"), fmt,
+                                  list(body.get("tools") or []), body.get("tool_choice", "auto"),
+                                  body.get("parallel_tool_calls", True) is not False, metadata, body.get("user"))
+
+
+def responses_field(error: InvalidRequestError) -> InvalidRequestError:
+    """``error`` from the chat parser with its field named as the Responses body names it."""
+    field = error.field
+    if field is None:
+        return error
+    head, dot, rest = field.partition(".")
+    base = head.split("[")[0]
+    if base in _FIELD_NAMES:
+        field = _FIELD_NAMES[base] + head[len(base):] + dot + rest
+    field = field.replace(".function.", ".")
+    message = str(error).replace(error.field, field) if error.field != field else str(error)
+    message = message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
+    return InvalidRequestError(message, field=field)
+
+
+@dataclass
+class ResponseParts:
+    """One response's output so far: reasoning, the answer text, and calls (name, arguments)."""
+
+    reasoning: str | None
+    text: str
+    calls: list[tuple[str, str]]
+    finish_reason: str | None
+
+
+def output_items(parts: ResponseParts, ids: dict[str, str], status: str) -> list[dict]:
+    """The ``output`` array of ``parts``; ``ids`` keeps each item's id (and each call's ``call_id``) across the
+    events of a stream and its final object."""
+    items = []
+    if parts.reasoning:
+        items.append({"id": ids.setdefault("reasoning", item_id("rs")), "type": "reasoning", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": parts.reasoning}], "status": status})
+    if parts.text or not parts.calls:
+        items.append(message_item(ids.setdefault("message", item_id("msg")), parts.text, status))
+    for k, (name, arguments) in enumerate(parts.calls):
+        items.append(call_item(ids.setdefault(f"call{k}", item_id("fc")),
+                               ids.setdefault(f"call_id{k}", item_id("call")), name, arguments, status))
+    return items
+
+
+def message_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": [output_text(text)] if status != "in_progress" else []}
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def item_id(prefix: str) -> str:
+    """A new id of an output item (or of a response: ``resp``), as the API spells them: ``msg_<hex>``."""
+    import uuid
+
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_object(response_id: str, created: int, model: str, meta: ResponsesRequest, params, status: str,
+                    output: list[dict], usage: dict | None) -> dict:
+    """A Response object: its request's settings, ``status`` (in_progress, completed, incomplete) and
+    ``output``."""
+    return {
+        "id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": meta.instructions, "max_output_tokens": meta.max_output_tokens, "model": model,
+        "output": output, "parallel_tool_calls": meta.parallel_tool_calls, "previous_response_id": None,
+        "reasoning": None, "store": False, "temperature": params.temperature, "text": {"format": meta.text_format},
+        "tool_choice": meta.tool_choice, "tools": meta.tools, "top_p": params.top_p, "truncation": "disabled",
+        "usage": usage, "user": meta.user, "metadata": meta.metadata,
+        "completed_at": now() if status in ("completed", "incomplete") else None,
+    }
+
+
+def response_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def final_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"

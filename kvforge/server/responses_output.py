@@ -1,0 +1,230 @@
+"""The output of a ``/v1/responses`` request (kvforge/server/responses.py): one chat choice read as the
+Responses API's output items, whole (:func:`collect_response`) or as its server-sent event stream
+(:func:`stream_response`).
+
+A stream goes ``response.created``, ``response.in_progress``, then per output item ``output_item.added``,
+its content part or arguments opening, its deltas (``reasoning_text.delta``, ``output_text.delta``,
+``function_call_arguments.delta``), their ``.done`` and ``output_item.done``, and last
+``response.completed`` with the whole Response, whose items are those the stream sent, ids included (its
+``status`` says ``incomplete`` where ``max_output_tokens`` cut the output: the openai SDK's stream helpers
+wait for ``response.completed``, so it ends every stream, as vLLM ends them). A named forced call streams its arguments as they are generated; calls the
+model chooses (a tool-call parser) and a ``"required"`` array go out whole once found. Each event has a
+``sequence_number``, counting from 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from aiohttp import web
+
+from kvforge.server import protocol
+from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
+from kvforge.server.responses import (
+    ResponseParts,
+    call_item,
+    final_status,
+    item_id,
+    message_item,
+    output_items,
+    output_text,
+    response_object,
+    response_usage,
+)
+from kvforge.server.tool_parsers import parse_calls, stream_calls
+
+logger = logging.getLogger(__name__)
+
+
+def _calls(req, answer: str) -> tuple[str, list[tuple[str, str]]]:
+    """(the text left as the message, the calls) of a whole answer."""
+    if req.tool_choice is not None:
+        calls = req.tool_choice.calls(answer)
+        if calls is None:  # a "required" array cut short: the text stays
+            return answer, []
+        return "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    if req.tool_parser is not None:
+        return parse_calls(req.tool_parser, answer, req.parallel_tool_calls)
+    return answer, []
+
+
+def _reasoning_tokens(req, token_ids) -> int:
+    """Output tokens spent thinking: up to and including the closing tag (all of them if it never came)."""
+    if req.reasoning is None:
+        return 0
+    ids = list(token_ids)
+    return ids.index(req.reasoning.end_id) + 1 if req.reasoning.end_id in ids else len(ids)
+
+
+def _parts(req, final) -> ResponseParts:
+    comp = final.outputs[0]
+    reasoning, answer = None, comp.text
+    if req.reasoning is not None:
+        reasoning, answer = split_reasoning(req.reasoning.parser, comp.text,
+                                            req.reasoning.opening_phase(final.prompt_token_ids))
+    text, calls = _calls(req, answer)
+    if not req.include_reasoning:
+        reasoning = None
+    return ResponseParts(reasoning or None, text, calls, comp.finish_reason)
+
+
+def _usage(req, final) -> dict:
+    comp = final.outputs[0]
+    return response_usage(len(final.prompt_token_ids), len(comp.token_ids), final.num_cached_tokens,
+                          _reasoning_tokens(req, comp.token_ids))
+
+
+async def collect_response(req, meta, stream, model_name: str) -> web.Response:
+    final = None
+    async for out in stream:
+        final = out
+    parts = _parts(req, final)
+    status = final_status(parts.finish_reason)
+    body = response_object(item_id("resp"), protocol.now(), model_name, meta,
+                           req.params, status, output_items(parts, {}, "completed"), _usage(req, final))
+    return web.json_response(body)
+
+
+class _EventWriter:
+    """Numbered server-sent events of one response."""
+
+    def __init__(self, resp: web.StreamResponse):
+        self.resp = resp
+        self.number = 0
+
+    async def send(self, kind: str, **fields) -> None:
+        event = {"type": kind, "sequence_number": self.number, **fields}
+        self.number += 1
+        await self.resp.write(f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())
+
+
+class _StreamedItems:
+    """The output items a stream has opened, in order, and the open one's text."""
+
+    def __init__(self, events: _EventWriter):
+        self.events = events
+        self.items: list[dict] = []
+        self.open: dict | None = None
+        self.text = ""
+
+    @property
+    def index(self) -> int:
+        return len(self.items) - 1
+
+    async def close(self) -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        where = {"item_id": item["id"], "output_index": self.index}
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": self.text}
+            await self.events.send("response.reasoning_text.done", **where, content_index=0, text=self.text)
+            await self.events.send("response.content_part.done", **where, content_index=0, part=part)
+            item.update(content=[part], status="completed")
+        elif item["type"] == "message":
+            await self.events.send("response.output_text.done", **where, content_index=0, text=self.text,
+                                   logprobs=[])
+            await self.events.send("response.content_part.done", **where, content_index=0,
+                                   part=output_text(self.text))
+            item.update(content=[output_text(self.text)], status="completed")
+        else:
+            await self.events.send("response.function_call_arguments.done", **where, arguments=self.text)
+            item.update(arguments=self.text, status="completed")
+        await self.events.send("response.output_item.done", output_index=self.index, item=item)
+
+    async def add(self, kind: str, delta: str, name: str | None = None) -> None:
+        """``delta`` of an item of ``kind`` (reasoning, message or function_call), opening it when the open
+        item is another (a new call always opens its own)."""
+        if self.open is None or self.open["type"] != kind or (kind == "function_call" and name is not None):
+            await self.close()
+            if kind == "reasoning":
+                item = {"id": item_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                        "status": "in_progress"}
+            elif kind == "message":
+                item = message_item(item_id("msg"), "", "in_progress")
+            else:
+                item = call_item(item_id("fc"), item_id("call"), name or "", "", "in_progress")
+            self.items.append(item)
+            self.open, self.text = item, ""
+            await self.events.send("response.output_item.added", output_index=self.index, item=dict(item))
+            where = {"item_id": item["id"], "output_index": self.index, "content_index": 0}
+            if kind == "reasoning":
+                await self.events.send("response.content_part.added", **where,
+                                       part={"type": "reasoning_text", "text": ""})
+            elif kind == "message":
+                await self.events.send("response.content_part.added", **where, part=output_text(""))
+        if not delta:
+            return
+        self.text += delta
+        where = {"item_id": self.open["id"], "output_index": self.index}
+        if kind == "reasoning":
+            await self.events.send("response.reasoning_text.delta", **where, content_index=0, delta=delta)
+        elif kind == "message":
+            await self.events.send("response.output_text.delta", **where, content_index=0, delta=delta, logprobs=[])
+        else:
+            await self.events.send("response.function_call_arguments.delta", **where, delta=delta)
+
+
+async def stream_response(request: web.Request, req, meta, stream, model_name: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    events = _EventWriter(resp)
+    response_id, created = item_id("resp"), protocol.now()
+    shell = response_object(response_id, created, model_name, meta, req.params, "in_progress", [], None)
+    items = _StreamedItems(events)
+    try:
+        await events.send("response.created", response=shell)
+        await events.send("response.in_progress", response=shell)
+        thinking = None
+        parser = stream_calls(req.tool_parser, req.parallel_tool_calls) if req.tool_parser is not None else None
+        named = req.tool_choice is not None and req.tool_choice.name is not None
+        answer_sent = 0
+        final = None
+        async for out in stream:
+            final = out
+            text = out.outputs[0].text
+            if req.reasoning is not None:
+                if thinking is None:
+                    thinking = ReasoningStream(req.reasoning.parser, req.reasoning.opening_phase(out.prompt_token_ids))
+                reasoning, text = (thinking.finish if out.finished else thinking.feed)(text)
+                if reasoning and req.include_reasoning:
+                    await items.add("reasoning", reasoning)
+            if named:  # the answer is the call's arguments, streamed as they come
+                called = any(i["type"] == "function_call" for i in items.items)
+                if len(text) > answer_sent or (out.finished and not called):
+                    await items.add("function_call", text[answer_sent:], None if called else req.tool_choice.name)
+                    answer_sent = len(text)
+            elif req.tool_choice is not None:  # "required": the array is parsed once whole
+                if out.finished:
+                    left, calls = _calls(req, text)
+                    for name, arguments in calls:
+                        await items.add("function_call", arguments, name)
+                    if left:
+                        await items.add("message", left)
+            elif parser is not None:
+                content, calls = parser.finish(text) if out.finished else parser.feed(text)
+                if content:
+                    await items.add("message", content)
+                for name, arguments in calls:
+                    await items.add("function_call", arguments, name)
+            elif len(text) > answer_sent:
+                await items.add("message", text[answer_sent:])
+                answer_sent = len(text)
+        if not any(i["type"] in ("message", "function_call") for i in items.items):
+            await items.add("message", "")  # an output with no answer still has its (empty) message
+        await items.close()
+        status = final_status(final.outputs[0].finish_reason)
+        whole = response_object(response_id, created, model_name, meta, req.params, status, items.items,
+                                _usage(req, final))
+        # response.completed even when the status is incomplete: the openai SDK's stream helpers end on it
+        await events.send("response.completed", response=whole)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # the stream has begun: the error goes out as an event
+        logger.exception("response stream %s failed", response_id)
+        await events.send("error", code="internal_error", message=f"{type(e).__name__}: {e}", param=None)
+    await resp.write_eof()
+    return resp

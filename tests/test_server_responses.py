@@ -1,0 +1,160 @@
+"""OpenAI's Responses API, ``POST /v1/responses`` (kvforge/server/responses.py, responses_output.py), driven by the
+official openai client: each response is checked against the chat completion of the same conversation
+(greedy), its stream against the whole response, and bad requests against the field they name."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import smollm2_test_engine  # noqa: E402
+
+openai = pytest.importorskip("openai")
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+
+
+@pytest.fixture(scope="module")
+def client():
+    from kvforge.server.app import ServerThread, create_app
+
+    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
+    srv = ServerThread(create_app(engine)).start()
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    srv.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _chat(client, model, messages, **kw):
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, **kw)
+
+
+def _events(client, **kw) -> list:
+    events = list(client.responses.create(**kw, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed"
+    return events
+
+
+def test_text_equals_the_chat_answer_whole_and_streamed(client, model):
+    kw = dict(model=model, input="Say hello in French.", instructions="Be brief.", max_output_tokens=12,
+              temperature=0)
+    chat = _chat(client, model, [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "Say hello in French."}], max_completion_tokens=12)
+    r = client.responses.create(**kw)
+    (message,) = r.output
+    assert message.type == "message" and message.role == "assistant" and r.output_text == \
+        chat.choices[0].message.content
+    cut = chat.choices[0].finish_reason == "length"
+    assert r.status == ("incomplete" if cut else "completed")
+    assert (r.incomplete_details.reason if cut else r.incomplete_details) == ("max_output_tokens" if cut else None)
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens)
+    events = _events(client, **kw)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == r.output_text and final.status == r.status
+    added = [e.item.id for e in events if e.type == "response.output_item.added"]
+    assert added == [item.id for item in final.output]  # the final object holds the streamed items
+    with client.responses.stream(**kw) as stream:  # the SDK's helper ends on response.completed
+        for _ in stream:
+            pass
+        assert stream.get_final_response().output_text == r.output_text
+
+
+def test_input_items_are_the_conversation(client, model):
+    items = [{"role": "developer", "content": "Answer in one word."},
+             {"role": "user", "content": [{"type": "input_text", "text": "Capital of France?"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},  # dropped: earlier reasoning is not shown again
+             {"role": "user", "content": "And of Italy?"}]
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    r = client.responses.create(model=model, input=items, max_output_tokens=8, temperature=0)
+    chat = _chat(client, model, messages, max_completion_tokens=8)
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_function_call_and_its_output_are_history(client, model):
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_7", "output": "Sunny, 21 C"}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_7", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_7", "content": "Sunny, 21 C"}]
+    r = client.responses.create(model=model, input=items, tools=[WEATHER], tool_choice="none", max_output_tokens=10,
+                                temperature=0)
+    chat = _chat(client, model, messages, tools=[CHAT_WEATHER], tool_choice="none", max_completion_tokens=10)
+    assert r.output_text == chat.choices[0].message.content and r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "name": "get_weather"}, "required"])
+def test_forced_calls_are_function_call_items(client, model, choice):
+    kw = dict(model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice=choice, max_output_tokens=60,
+              temperature=0, parallel_tool_calls=False)
+    chat_choice = choice if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    expected = _chat(client, model, [{"role": "user", "content": "Weather in Paris?"}], tools=[CHAT_WEATHER],
+                     tool_choice=chat_choice, max_completion_tokens=60, parallel_tool_calls=False)
+    (chat_call,) = expected.choices[0].message.tool_calls
+    r = client.responses.create(**kw)
+    (call,) = r.output
+    assert (call.type, call.name, call.arguments) == ("function_call", "get_weather", chat_call.function.arguments)
+    assert call.call_id.startswith("call_") and json.loads(call.arguments)["city"]
+    events = _events(client, **kw)
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (streamed,) = events[-1].response.output
+    assert arguments == streamed.arguments == call.arguments
+
+
+def test_json_schema_format_holds_the_text(client, model):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.responses.create(model=model, input="Give a number as JSON.", max_output_tokens=30, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "number", "schema": schema}})
+    chat = _chat(client, model, [{"role": "user", "content": "Give a number as JSON."}], max_completion_tokens=30,
+                 response_format={"type": "json_schema", "json_schema": {"name": "number", "schema": schema}})
+    assert r.output_text == chat.choices[0].message.content and isinstance(json.loads(r.output_text)["n"], int)
+    assert r.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0]"),
+    (dict(input="hi", max_output_tokens=0), "max_output_tokens"),
+    (dict(input="hi", previous_response_id="resp_1"), "previous_response_id"),
+    (dict(input="hi", tools=[{"type": "web_search"}]), "tools[0]"),
+    (dict(input="hi", tools=[{**WEATHER, "name": "bad name"}]), "tools[0].name"),
+    (dict(input=[{"type": "item_reference", "id": "x"}]), "input[0].type"),
+    (dict(input=[]), "input"),
+    (dict(input="hi", text={"format": {"type": "grammar"}}), "text.format"),
+    (dict(input="hi", temperature=-1), "temperature"),
+])
+def test_bad_requests_name_their_field(client, model, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, **kw)
+    assert err.value.body["param"] == param, err.value.body
+    assert client.responses.create(model=model, input="hi", max_output_tokens=1).status  # still serving
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="no-such-model", input="hi")
+
+
+def test_auto_tools_without_a_parser_are_refused_in_the_apis_terms(client, model):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=model, input="hi", tools=[WEATHER])
+    assert err.value.body["param"] == "tool_choice" and '{"type": "function", "name": ...}' in err.value.message
