@@ -17,6 +17,7 @@ explicitly. Everything about outputs runs on ``smollm2_test_engine()``. The fake
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import threading
@@ -240,3 +241,49 @@ def smollm2_test_engine(max_model_len: int = 512, max_num_seqs: int = 32, extra_
     ns = parser.parse_args(["--device", "cpu", "--max-model-len", str(max_model_len), "--max-num-seqs",
                             str(max_num_seqs), "--no-progress", *extra_args])
     return LLMEngine.from_engine_args(EngineArgs.from_cli_args(ns))
+
+
+@contextlib.contextmanager
+def smollm2_server(max_model_len: int = 512, max_num_seqs: int = 8, extra_args: tuple[str, ...] = (),
+                   **app_kwargs):
+    """A server (``ServerThread``) over a fresh embedded-model engine (``--kv-cache-memory 256M`` unless
+    ``extra_args`` set it), ``app_kwargs`` going to ``create_app``; both stopped on exit."""
+    from kvforge.server.app import ServerThread, create_app
+
+    if "--kv-cache-memory" not in extra_args:
+        extra_args = ("--kv-cache-memory", "256M", *extra_args)
+    engine = smollm2_test_engine(max_model_len, max_num_seqs, extra_args)
+    srv = ServerThread(create_app(engine, **app_kwargs)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        engine.shutdown()
+
+
+def openai_client(srv):
+    """The official openai client of server ``srv`` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+
+def serve_refused(monkeypatch, capsys, argv: list[str]) -> str:
+    """Run ``kvforge serve --device cpu ARGV`` on a free port, which must stop with exit code 2 before any weight
+    is read and without a traceback; returns what it printed to stderr."""
+    import socket
+
+    import kvforge.weights
+    from kvforge.server.cli import serve_main
+
+    def boom(*a, **k):
+        raise AssertionError(f"weights were loaded despite {argv}")
+
+    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert serve_main(["--device", "cpu", *argv, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err

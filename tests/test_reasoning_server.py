@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import smollm2_test_engine  # noqa: E402
+from fake_engine import openai_client, serve_refused, smollm2_server  # noqa: E402
 from think_tokenizer import END_ID, write_think_tokenizer  # noqa: E402
 
 openai = pytest.importorskip("openai")
@@ -27,20 +27,14 @@ CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from kvforge.server.app import ServerThread, create_app
-
     tok = write_think_tokenizer(tmp_path_factory.mktemp("think"))
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=(
-        "--kv-cache-memory", "256M", "--tokenizer", str(tok), "--reasoning-parser", "qwen3"))
-    srv = ServerThread(create_app(engine)).start()
-    yield srv
-    srv.stop()
-    engine.shutdown()
+    with smollm2_server(extra_args=("--tokenizer", str(tok), "--reasoning-parser", "qwen3")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def _post(url: str, body: dict) -> dict:
@@ -133,21 +127,7 @@ def test_completions_are_not_split(server):
     (["--reasoning-parser", "qwen3", "--skip-tokenizer-init"], "needs the tokenizer"),
 ])
 def test_a_tokenizer_without_the_tags_stops_before_weights(monkeypatch, capsys, argv, says):
-    import socket
-
-    import kvforge.weights
-    from kvforge.server.cli import serve_main
-
-    def boom(*a, **k):
-        raise AssertionError("weights were loaded despite a bad --reasoning-parser")
-
-    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    assert serve_main(["--device", "cpu", *argv, "--port", str(port)]) == 2
-    err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err
+    assert says in serve_refused(monkeypatch, capsys, argv)
 
 
 def test_special_tags_keep_special_tokens_in_the_text(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import smollm2_test_engine  # noqa: E402
+from fake_engine import openai_client, smollm2_server  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -22,13 +22,8 @@ CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items(
 
 @pytest.fixture(scope="module")
 def client():
-    from kvforge.server.app import ServerThread, create_app
-
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
-    srv = ServerThread(create_app(engine)).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-    srv.stop()
-    engine.shutdown()
+    with smollm2_server() as srv:
+        yield openai_client(srv)
 
 
 @pytest.fixture(scope="module")

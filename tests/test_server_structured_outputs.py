@@ -10,9 +10,8 @@ import re
 
 import openai
 import pytest
-from fake_engine import smollm2_test_engine
+from fake_engine import openai_client, smollm2_server
 
-from kvforge.server.app import ServerThread, create_app
 from kvforge.server.protocol import InvalidRequestError, parse_chat, parse_completion
 
 pytest.importorskip("xgrammar")
@@ -26,16 +25,13 @@ CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 
 @pytest.fixture(scope="module")
 def server():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
-    srv = ServerThread(create_app(engine)).start()
-    yield srv
-    srv.stop()
-    engine.shutdown()
+    with smollm2_server() as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return openai_client(server)
 
 
 def _model(client) -> str:

@@ -9,9 +9,8 @@ import json
 
 import openai
 import pytest
-from fake_engine import smollm2_test_engine
+from fake_engine import openai_client, smollm2_server
 
-from kvforge.server.app import ServerThread, create_app
 from kvforge.server.protocol import InvalidRequestError, parse_chat, parse_completion
 from kvforge.server.tokenization import parse_tokenize, render_chat
 
@@ -153,11 +152,8 @@ def test_llm_chat_renders_tools():
 
 @pytest.fixture(scope="module")
 def client():
-    engine = smollm2_test_engine(max_model_len=512, max_num_seqs=8, extra_args=("--kv-cache-memory", "256M"))
-    srv = ServerThread(create_app(engine)).start()
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
-    srv.stop()
-    engine.shutdown()
+    with smollm2_server() as srv:
+        yield openai_client(srv)
 
 
 @pytest.fixture(scope="module")

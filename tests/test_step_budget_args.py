@@ -5,9 +5,9 @@ the default ``--max-num-seqs``; ``--max-num-seqs`` given alone raises the defaul
 from __future__ import annotations
 
 import logging
-import socket
 
 import pytest
+from fake_engine import serve_refused
 
 from kvforge.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from kvforge.errors import ConfigError
@@ -49,25 +49,9 @@ def test_max_num_seqs_must_be_a_positive_integer(bad):
         EngineArgs(max_num_seqs=bad)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_refuses_the_pair_before_weights(monkeypatch, capsys):
-    import kvforge.weights
-    from kvforge.server.cli import serve_main
-
-    def boom(*a, **k):
-        raise AssertionError("weights were loaded despite a bad flag")
-
-    monkeypatch.setattr(kvforge.weights, "load_weights", boom)
-    rc = serve_main(["--device", "cpu", "--max-num-batched-tokens", "128", "--max-num-seqs", "256",
-                     "--port", str(_free_port())])
-    assert rc == 2
-    err = capsys.readouterr().err
-    assert "--max-num-batched-tokens 128 is below --max-num-seqs 256" in err and "Traceback" not in err
+    err = serve_refused(monkeypatch, capsys, ["--max-num-batched-tokens", "128", "--max-num-seqs", "256"])
+    assert "--max-num-batched-tokens 128 is below --max-num-seqs 256" in err
 
 
 def test_the_engine_runs_at_most_the_budget_of_sequences():
