@@ -92,3 +92,33 @@ def test_rollback_crosses_the_closing_tag(setup):
         assert gate.accept_token(t)
     with pytest.raises(ValueError, match="cannot roll back"):
         gate.rollback(10_000)
+
+
+def test_speculative_and_overlapped_engines_equal_the_plain_one(tmp_path):
+    """The embedded model with think tags, prompts that end inside the think block, a bias that closes it
+    after a token or two and a choice constraint on the answer: garbage proposals (verified against the gate,
+    rolled back across its phases) and async scheduling (tokens fed to the gate while in flight) give the
+    plain engine's outputs."""
+    from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
+    from test_speculative_engine import GarbageProposer
+
+    from kvforge import LLM, SamplingParams
+
+    tok = str(write_think_tokenizer(tmp_path / "think"))
+    common = dict(tokenizer=tok, reasoning_parser="qwen3", max_model_len=256, kv_cache_memory=64 << 20,
+                  progress=False, enable_prefix_caching=False)
+    prompts = ["<|im_start|>user\nIs the sky blue?<|im_end|>\n<|im_start|>assistant\n<think>",
+               "<|im_start|>user\nIs grass red? Think first.<|im_end|>\n<|im_start|>assistant\n<think>"]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, logit_bias={END_ID: 10.0},
+                            structured_outputs={"choice": ["yes", "no"]})
+    with LLM(**common) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    for text in (o.outputs[0].text for o in plain):  # some reasoning, the tag, an answer the grammar allows
+        reasoning, _, answer = text.partition("</think>")
+        assert reasoning and answer in ("yes", "no"), text
+    with LLM(**common, speculative_config={"num_speculative_tokens": 3, "backoff": False}) as llm:
+        llm.engine.proposer = GarbageProposer(3, llm.engine.spec.vocab_size)
+        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
+        assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    with LLM(**common, async_scheduling=True) as llm:
+        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
