@@ -95,6 +95,8 @@ class LLM:
                                 f"{type(p).__name__}: build it as SamplingParams(temperature=..., max_tokens=...)")
         if priority is None:
             priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)):
+            raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
         elif len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]

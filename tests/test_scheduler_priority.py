@@ -62,6 +62,23 @@ def test_the_least_urgent_running_request_is_preempted(policy, victim):
     assert bm.num_used_blocks == 0
 
 
+def test_an_urgent_prompt_does_not_stall_decoding_streams():
+    """A decoding stream of low priority keeps its token in every step while an urgent long prompt is
+    computed in chunks of at most the threshold beside it."""
+    sched, bm = make_sched(num_blocks=256, budget=64, max_model_len=512, long_prefill_token_threshold=16,
+                           policy="priority")
+    sched.add(Sequence("stream", prompt_of(1, 6), _params(30), priority=5))
+    runner = FakeRunner(bm)
+    for _ in range(3):
+        sched.update(out := sched.schedule(), runner.execute(out))
+    sched.add(Sequence("urgent", prompt_of(2, 100), _params(2), priority=0))
+    for _ in range(8):
+        out = sched.schedule()
+        tokens = {s.request_id: s.num_new_tokens for s in out.scheduled}
+        assert tokens.get("stream") == 1 and out.num_prefill_tokens <= 16, tokens
+        sched.update(out, runner.execute(out))
+
+
 def test_a_preempted_request_waits_in_its_priority_place():
     sched, bm = make_sched(num_blocks=6, block_size=4, budget=64, max_num_seqs=2, policy="priority")
     sched.add(Sequence("low", prompt_of(1, 8), _params(8), priority=5))
@@ -95,7 +112,7 @@ def test_engine_and_server_take_priorities():
         while engine.has_unfinished_requests():
             finished += [out.request_id for out in engine.step() if out.finished]
         assert finished == ["d", "b", "a", "c"]
-        body = {"prompt": "Hi", "max_tokens": 2, "priority": 4}
+        body = {"prompt": ["Hi", "Hello"], "max_tokens": 2, "priority": 4}  # the request's, not one prompt's
         for eng, status in ((engine, 200), (fcfs, 400)):
             with ServerThread(create_app(eng)) as srv:
                 req = urllib.request.Request(srv.url + "/v1/completions", json.dumps(body).encode(),

@@ -42,9 +42,11 @@ def test_cached_prompt_tokens_are_counted(engine):
         assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block > 0
         two = client.completions.create(**{**kw, "n": 2, "seed": 1, "temperature": 1}).usage  # counted once
         assert two.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
-        stream = client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
-        last = [c for c in stream][-1].usage
-        assert last.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+        stream = client.completions.create(**kw, stream=True, stream_options={"include_usage": True,
+                                                                              "continuous_usage_stats": True})
+        *chunks, last = list(stream)
+        assert last.usage.prompt_tokens_details.cached_tokens == again.prompt_tokens_details.cached_tokens
+        assert chunks and all(c.usage.prompt_tokens_details is None for c in chunks)  # known at the end
     finally:
         srv.stop()
 

@@ -31,7 +31,7 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host, default_async_scheduling
 from kvforge.engine.prompt_ids import check_prompt_token_ids, truncate_prompt
 from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
-from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.sampling_params import SamplingParams, plain_int
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import Stamp, StepLog
@@ -507,6 +507,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "
                 f"generated token must fit); shorten the prompt or raise --max-model-len", field="prompt")
+        priority = plain_int(priority)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", field="priority")
         seq = Sequence(request_id, ids, params, prompt=text, priority=priority)

@@ -19,11 +19,12 @@ gets its token in every step, and a stream waits behind at most one bounded pref
    the room is split over steps.
 
 Under the ``priority`` policy (``--scheduling-policy priority``, vLLM's) each
-request has a priority, lower first. RUNNING sequences are ordered by priority
-before the order above, so the sequence preempted to make room is the least
-urgent one not yet scheduled (the latest arrival among equals); the WAITING
-queue is ordered by (priority, arrival), a preempted sequence going back to its
-place there. A waiting request never preempts a running one.
+request has a priority, lower first. Decodes still come first and the prefill
+room is as above; within decodes, and within prefills, lower priority goes
+first. The sequence preempted to make room is the least urgent one not yet
+scheduled this step (the latest arrival among equals); the WAITING queue is
+ordered by (priority, arrival), a preempted sequence going back to its place
+there. A waiting request never preempts a running one.
 
 Prefill room: ``max_num_batched_tokens`` minus the step's decode tokens; when
 the step carries a decode token and ``long_prefill_token_threshold`` is set
@@ -242,8 +243,8 @@ class Scheduler:
             )
         if seq.priority and not self.by_priority:
             raise InvalidRequestError(f"priority {seq.priority} needs the priority scheduling policy; start the "
-                                      f"engine with --scheduling-policy priority, or leave priority at 0",
-                                      field="priority")
+                                      f"engine with --scheduling-policy priority (LLM(scheduling_policy=\"priority\")), "
+                                      f"or leave priority at 0", field="priority")
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self._queue(seq)
@@ -288,11 +289,19 @@ class Scheduler:
 
     def _order_running(self) -> None:
         """Schedule order: decodes first, then sequences mid-prefill; each oldest arrival first (under the
-        priority policy, within each priority, lowest first)."""
+        priority policy, each lowest priority first, then oldest)."""
         if self.by_priority:
-            self.running.sort(key=lambda s: (s.priority, self._tokens_to_compute(s) > 1, s.arrival))
+            self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.priority, s.arrival))
         else:
             self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.arrival))
+
+    def _pop_victim(self, first: int) -> Sequence:
+        """Take the sequence to preempt out of ``running[first:]`` (not scheduled this step): the last in
+        schedule order, or under the priority policy the least urgent (highest priority, then latest arrival)."""
+        if not self.by_priority:
+            return self.running.pop()
+        at = max(range(first, len(self.running)), key=lambda k: (self.running[k].priority, self.running[k].arrival))
+        return self.running.pop(at)
 
     def _prefill_room(self, num_decode_tokens: int) -> int:
         """Prefill tokens a step may hold given its decode tokens (see the module docstring)."""
@@ -334,7 +343,7 @@ class Scheduler:
                 if spec:  # never preempt a request to make room for proposals: verify none this step
                     spec, m = (), n
                     continue
-                victim = self.running.pop()  # last in schedule order; index >= i, so not yet scheduled
+                victim = self._pop_victim(i)  # index >= i: not yet scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:

@@ -489,8 +489,9 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
 
-    def usage_so_far() -> dict:
-        cached = sum(cached_tokens[::req.n]) if prompt_tokens_details else None
+    def usage_so_far(last: bool = False) -> dict:
+        # the cached count is known once the requests were scheduled: only the last usage carries it
+        cached = sum(cached_tokens[::req.n]) if prompt_tokens_details and last else None
         return protocol.usage(sum(prompt_tokens[::req.n]), sum(sent_tokens), cached)
 
     def chunk(choices: list, usage=None, **extra) -> bytes:
@@ -585,7 +586,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             sent_tokens[i] = len(ids)
             await resp.write(chunk([choice], **extra))
         if req.include_usage:
-            await resp.write(chunk([], usage_so_far()))
+            await resp.write(chunk([], usage_so_far(last=True)))
     except (ServerShuttingDownError, EngineDeadError, InternalServerError) as e:
         err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())

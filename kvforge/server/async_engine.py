@@ -597,7 +597,7 @@ def _naming_prompt(index: int, prompts: int):
     try:
         yield
     except InvalidRequestError as e:
-        if prompts == 1:
+        if prompts == 1 or e.field == "priority":  # the request's priority is no one prompt's
             raise
         field = f"prompt[{index}]"
         message = str(e)
