@@ -39,9 +39,12 @@ class ReasoningParser:
     end: str = "</think>"
 
 
-#: --reasoning-parser NAME -> its rules.
+#: --reasoning-parser NAME -> its rules. DeepSeek-V3.1 and GLM-4.5 templates open the block for the model (or
+#: close it, thinking off) as Qwen3's can, so their parsers read as ``qwen3``'s.
 REASONING_PARSERS = {
     "deepseek_r1": ReasoningParser("deepseek_r1", always_thinks=True),
+    "deepseek_v3": ReasoningParser("deepseek_v3", always_thinks=False),
+    "glm45": ReasoningParser("glm45", always_thinks=False),
     "qwen3": ReasoningParser("qwen3", always_thinks=False),
 }
 
