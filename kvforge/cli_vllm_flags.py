@@ -86,6 +86,38 @@ ENGINE_FLAGS = (
     VllmFlag(("--limit-mm-per-prompt",), True, None, "accepted, no effect: text only (requests with images are "
              "refused)"),
     VllmFlag(("--config",), True, (), "a YAML file of flags is not read: give the flags on the command line"),
+    VllmFlag(("--hf-overrides",), True, (), "the checkpoint's config.json is read as it is: edit a copy of the "
+             "checkpoint directory's config.json"),
+    VllmFlag(("--rope-scaling",), True, (), "rope scaling comes from the checkpoint's config.json: edit a copy of "
+             "it"),
+    VllmFlag(("--hf-token",), True, None, "accepted, no effect: kvforge never downloads"),
+    VllmFlag(("--distributed-executor-backend",), True, ("mp",), "tensor-parallel ranks are processes kvforge "
+             "starts itself (torch.distributed); leave it at mp"),
+    VllmFlag(("--cpu-offload-gb", "--kv-offloading-size"), True, ("0",), "weights and KV stay on the GPU: lower "
+             "--max-model-len or use more GPUs"),
+    VllmFlag(("--num-gpu-blocks-override",), True, (), "the plan sizes the KV cache: give its bytes with "
+             "--kv-cache-memory"),
+    VllmFlag(("--max-num-partial-prefills",), True, ("1",), "one bounded prefill chunk rides beside the decodes of "
+             "a step (--long-prefill-token-threshold)"),
+    VllmFlag(("--enable-expert-parallel",), False, (), "experts are split by tensor parallelism, not expert "
+             "parallelism"),
+    VllmFlag(("--kv-transfer-config", "--kv-events-config"), True, (), "KV transfer between instances and KV "
+             "events are not implemented"),
+    VllmFlag(("--enable-sleep-mode",), False, (), "sleep mode is not implemented: stop and start the server"),
+    VllmFlag(("--enable-prompt-embeds",), False, (), "prompts are text or token ids, not embeddings"),
+    VllmFlag(("--logits-processors",), True, (), "custom logits processors are not loaded: send logit_bias, "
+             "allowed_token_ids or a structured output with the request"),
+    VllmFlag(("--model-impl",), True, ("auto", "vllm"), "kvforge runs its own model code"),
+    VllmFlag(("--logprobs-mode",), True, ("raw_logprobs",), "logprobs are those of the raw logits (vLLM's "
+             "default)"),
+    VllmFlag(("--tokenizer-pool-size", "--max-parallel-loading-workers", "--pt-load-map-location",
+              "--safetensors-load-strategy"), True, None, "accepted, no effect on how kvforge loads"),
+    VllmFlag(("--max-cudagraph-capture-size",), True, (), "give the decode batch sizes to capture with "
+             "--cuda-graph-sizes"),
+    VllmFlag(("--mm-processor-kwargs", "--allowed-local-media-path"), True, (), "text only: multimodal inputs are "
+             "not served"),
+    VllmFlag(("--lora-modules",), True, (), "LoRA adapters are not supported: merge the adapter into the weights "
+             "and serve it as its own model"),
 )
 SERVER_FLAGS = (
     VllmFlag(("--disable-log-requests",), False, None, "accepted, no effect: requests are logged only with "
@@ -102,6 +134,19 @@ SERVER_FLAGS = (
              "front"),
     VllmFlag(("--allowed-origins", "--allowed-methods", "--allowed-headers"), True, (), "CORS headers are not "
              "sent: put a proxy in front for browser clients"),
+    VllmFlag(("--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-server-load-tracking",
+              "--collect-detailed-traces"), False, None, "accepted, no effect (the server is aiohttp; its load is "
+             "in /metrics)"),
+    VllmFlag(("--max-log-len", "--log-config-file"), True, None, "accepted, no effect on kvforge's log lines"),
+    VllmFlag(("--api-server-count", "-asc"), True, ("1",), "one process serves HTTP"),
+    VllmFlag(("--headless",), False, (), "the engine runs in the server's process: start kvforge serve without it"),
+    VllmFlag(("--uds",), True, (), "the server listens on TCP: give --host and --port"),
+    VllmFlag(("--middleware",), True, (), "ASGI middleware is not loaded (the server is aiohttp): put a proxy in "
+             "front"),
+    VllmFlag(("--otlp-traces-endpoint",), True, (), "OpenTelemetry traces are not sent: use /metrics and "
+             "/debug/steps"),
+    VllmFlag(("--tool-parser-plugin", "--reasoning-parser-plugin"), True, (), "parser plugins are not loaded: "
+             "choose a built-in --tool-call-parser or --reasoning-parser"),
 )
 
 

@@ -25,7 +25,10 @@ def test_flags_without_effect_and_neutral_values_parse():
                  "--max-logprobs", "20", "--disable-frontend-multiprocessing", "--trust-remote-code",
                  "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce", "-O3", "--tokenizer-mode", "auto",
                  "--limit-mm-per-prompt", "{}", "--guided-decoding-backend", "xgrammar", "--response-role",
-                 "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}'])
+                 "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}',
+                 "--hf-token", "hf_x", "--api-server-count", "1", "--distributed-executor-backend", "mp",
+                 "--disable-fastapi-docs", "--max-log-len", "100", "--cpu-offload-gb", "0", "--logprobs-mode",
+                 "raw_logprobs", "--max-num-partial-prefills", "1"])
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
 
 
@@ -55,6 +58,12 @@ def test_model_as_vllm_spells_it():
     (["--tokenizer-mode", "mistral"], "leave --tokenizer-mode at auto or hf (only auto or hf is accepted)"),
     (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--response-role", "user"], "(only assistant is accepted)"),
+    (["--lora-modules", "sql=/loras/sql"], "LoRA adapters are not supported"),
+    (["--uds", "/tmp/kvforge.sock"], "the server listens on TCP"),
+    (["--distributed-executor-backend", "ray"], "(only mp is accepted)"),
+    (["--cpu-offload-gb", "8"], "weights and KV stay on the GPU"),
+    (["--num-gpu-blocks-override", "1000"], "--kv-cache-memory"),
+    (["--enable-sleep-mode"], "sleep mode is not implemented"),
     (["--config", "c.yaml"], "YAML file of flags is not read"),
 ])
 def test_flags_that_would_change_what_is_served_stop_at_parse_time(argv, says, capsys):
