@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 
 from aiohttp import web
 
@@ -39,6 +40,7 @@ from kvforge.server.async_engine import (
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
+from kvforge.server.request_defaults import RequestDefaults
 from kvforge.server.responses_output import collect_response, stream_response
 from kvforge.server.tool_calls import ToolCallStream, call_object
 from kvforge.server.tool_parsers import parse_calls, stream_calls
@@ -81,10 +83,15 @@ def create_app(
     log_requests: bool = False,
     tool_parser: str | None = None,
     prompt_tokens_details: bool = False,
+    request_defaults: RequestDefaults | None = None,
+    request_id_headers: bool = False,
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md); ``tool_parser``: the parser of tool calls
     the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused);
-    ``prompt_tokens_details``: usage counts the prompt tokens read from the prefix cache."""
+    ``prompt_tokens_details``: usage counts the prompt tokens read from the prefix cache; ``request_defaults``:
+    server-wide defaults of request fields (kvforge/server/request_defaults.py); ``request_id_headers``: each
+    response carries an ``X-Request-Id`` header (the request's own, or a new one)."""
+    defaults = request_defaults or RequestDefaults()
     model_name = served_model_name or engine.model_name
     names = (model_name, *getattr(engine, "model_aliases", ()))  # the first is reported in responses
     metrics = ServerMetrics(model_name)
@@ -147,6 +154,11 @@ def create_app(
         return response
 
     app = web.Application(middlewares=[middleware], client_max_size=max_request_bytes)
+    if request_id_headers:
+        async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+        app.on_response_prepare.append(add_request_id)  # before the headers go out: streams too
     app[ASYNC_ENGINE] = aengine
     app[CONFIG] = config
 
@@ -226,8 +238,8 @@ def create_app(
             for stream in streams:
                 stream.close()
 
-    async def generate(request, parse):
-        req = parse(await read_json(request), names, sampling_defaults)
+    async def generate(request, parse, chat: bool):
+        req = parse(defaults.apply(await read_json(request), chat), names, sampling_defaults)
 
         async def write(streams):
             if req.stream:
@@ -241,6 +253,7 @@ def create_app(
         try:
             chat_body, meta = responses.chat_body(body)
             protocol.log_ignored_fields(body, responses.RESPONSES_FIELDS)
+            chat_body = defaults.apply(chat_body, chat=True)
             req = protocol.parse_chat(chat_body, names, sampling_defaults, tool_parser=tool_parser,
                                       reasoning=getattr(engine, "reasoning", None))
         except protocol.ModelNotFoundError:
@@ -257,14 +270,14 @@ def create_app(
         return await run(request, req, write)
 
     async def completions(request):
-        return await generate(request, protocol.parse_completion)
+        return await generate(request, protocol.parse_completion, chat=False)
 
     async def chat(request):
         return await generate(request, functools.partial(protocol.parse_chat, tool_parser=tool_parser,
-                                                         reasoning=getattr(engine, "reasoning", None)))
+                                                         reasoning=getattr(engine, "reasoning", None)), chat=True)
 
     async def tokenize(request):
-        req = tokenization.parse_tokenize(await read_json(request), names)
+        req = tokenization.parse_tokenize(defaults.apply(await read_json(request), chat=True, generates=False), names)
         return web.json_response(await asyncio.to_thread(tokenization.tokenize, engine.tokenizer, req,
                                                          engine.max_model_len))
 

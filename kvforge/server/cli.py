@@ -18,6 +18,7 @@ import sys
 
 from kvforge.cli_vllm_flags import SERVER_FLAGS, add_vllm_flags
 from kvforge.errors import KVForgeError
+from kvforge.server.request_defaults import RequestDefaults, parse_template_kwargs
 from kvforge.server.tool_parsers import PARSERS
 
 logger = logging.getLogger("kvforge.server")
@@ -49,6 +50,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "Hermes and Qwen 2.5/3 write them), llama3_json (a JSON object per call, as Llama "
                         "3.1-3.3 write them), pythonic ([f(x=1), g()], Llama 3.2 and 4) or mistral "
                         "([TOOL_CALLS] and the calls)")
+    g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                   help="chat template variables every chat gets unless it sends its own, e.g. "
+                        "'{\"enable_thinking\": false}' (vLLM's flag)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens as token_id:N unless a request says otherwise (vLLM's flag)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="a chat with tool_choice none renders without its tools (vLLM's flag)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="responses carry an X-Request-Id header: the request's own, or a new one (vLLM's flag)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens read from the "
                         "prefix cache (vLLM's flag)")
@@ -72,6 +82,7 @@ def _validate(ns) -> None:
                           f"syntax the model writes its calls in")
     if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
         raise ConfigError("--tool-call-parser is read only with --enable-auto-tool-choice; add it")
+    parse_template_kwargs(ns.default_chat_template_kwargs)
 
 
 def serve_main(args) -> int:
@@ -96,6 +107,7 @@ def serve_main(args) -> int:
         from kvforge.engine.llm_engine import LLMEngine
 
         _validate(args)
+        template_kwargs = parse_template_kwargs(args.default_chat_template_kwargs)
         engine_args = EngineArgs.from_cli_args(args)
     except KVForgeError as e:
         print(f"kvforge serve: error: {e}", file=sys.stderr)
@@ -132,6 +144,9 @@ def serve_main(args) -> int:
         log_requests=args.enable_log_requests,
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        request_defaults=RequestDefaults(template_kwargs, args.return_tokens_as_token_ids,
+                                         args.exclude_tools_when_tool_choice_none),
+        request_id_headers=args.enable_request_id_headers,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,
