@@ -41,7 +41,7 @@ class FakeTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(t) for t in token_ids if not (skip_special_tokens and t == 0))
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False):
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False, **_):
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         if add_generation_prompt:
             text += "<|assistant|>"
@@ -226,6 +226,24 @@ class FakeEngine:
     def _free(self, r: _Req) -> None:
         self._blocks_used -= r.blocks
         r.blocks = 0
+
+
+class ScriptedEngine(FakeEngine):
+    """A FakeEngine whose every request writes ``script`` (one character a token), then ends with EOS: a model
+    output fixed by the test, for server behaviour that reads the output's text."""
+
+    def __init__(self, script: str, **kwargs):
+        super().__init__(**kwargs)
+        self.script = script
+
+    def _next_token(self, r: _Req) -> int:
+        k = len(r.out_ids)
+        return ord(self.script[k]) if k < len(self.script) else self.tokenizer.eos_token_id
+
+    def _finish_reason(self, r: _Req, tok: int):
+        if tok == self.tokenizer.eos_token_id and not r.params.ignore_eos:
+            return "stop", None
+        return super()._finish_reason(r, tok)
 
 
 def smollm2_test_engine(max_model_len: int = 512, max_num_seqs: int = 32, extra_args: tuple[str, ...] = ()):

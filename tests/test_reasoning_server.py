@@ -175,3 +175,9 @@ def test_responses_carry_a_reasoning_item(server, client):
     events = list(client.responses.create(**kw, stream=True))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+
+
+def test_responses_count_no_reasoning_tokens_when_the_model_answers_at_once(client):
+    r = client.responses.create(model=client.models.list().data[0].id, input=QUESTION[0]["content"], temperature=0,
+                                max_output_tokens=6)
+    assert [o.type for o in r.output] == ["message"] and r.usage.output_tokens_details.reasoning_tokens == 0

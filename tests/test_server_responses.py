@@ -136,6 +136,18 @@ def test_json_schema_format_holds_the_text(client, model):
     (dict(input=[]), "input"),
     (dict(input="hi", text={"format": {"type": "grammar"}}), "text.format"),
     (dict(input="hi", temperature=-1), "temperature"),
+    (dict(input="hi", max_output_tokens=10**6), "max_output_tokens"),  # refused when queued, past the context
+    (dict(input="hi " * 600), "input"),
+    (dict(input="hi", text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}),
+     "text.format.schema"),
+    (dict(input="hi", text={"format": {"type": "json_schema", "schema": {"type": "object"}}}), "text.format.name"),
+    (dict(input="hi", tools=[{"type": "function", "function": {"name": "f"}}]), "tools[0]"),
+    (dict(input="hi", user=5), "user"),
+    (dict(input="hi", metadata={"a": 1}), "metadata.a"),
+    (dict(input="hi", extra_body={"conversation": "conv_1"}), "conversation"),
+    (dict(input="hi", extra_body={"n": 2}), "n"),
+    (dict(input="hi", extra_body={"max_tokens": 5}), "max_tokens"),
+    (dict(input="hi", include=["message.output_text.logprobs"]), "include"),
 ])
 def test_bad_requests_name_their_field(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -153,3 +165,63 @@ def test_auto_tools_without_a_parser_are_refused_in_the_apis_terms(client, model
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=model, input="hi", tools=[WEATHER])
     assert err.value.body["param"] == "tool_choice" and '{"type": "function", "name": ...}' in err.value.message
+
+
+HERMES_SCRIPT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                 ' Done, checking now.')
+
+
+def _scripted(script: str, **app_kwargs):
+    from fake_engine import ScriptedEngine
+
+    from kvforge.server.app import ServerThread, create_app
+
+    return ServerThread(create_app(ScriptedEngine(script), **app_kwargs))
+
+
+def _items(output) -> list[tuple]:
+    return [(o.type, o.status, getattr(o, "name", None), getattr(o, "arguments", None),
+             "".join(c.text for c in getattr(o, "content", None) or [])) for o in output]
+
+
+def test_parsed_calls_come_after_the_message_whole_and_streamed():
+    """A scripted output with text around a hermes call: one message (the text around the call) and then the
+    call, in both forms."""
+    with _scripted(HERMES_SCRIPT, tool_parser="hermes") as srv:
+        client = openai_client(srv)
+        kw = dict(model="fake-model", input="Weather?", tools=[WEATHER], max_output_tokens=200)
+        whole = _items(client.responses.create(**kw).output)
+        streamed = _items(_events(client, **kw)[-1].response.output)
+    assert whole == streamed == [
+        ("message", "completed", None, None, "Let me check.  Done, checking now."),
+        ("function_call", "completed", "get_weather", '{"city": "Paris"}', "")]
+
+
+@pytest.mark.parametrize("choice, kind", [("none", "message"), ({"type": "function", "name": "get_weather"},
+                                                                 "function_call")])
+def test_items_the_limit_cut_are_incomplete(choice, kind):
+    with _scripted('{"city": "Paris"}') as srv:
+        client = openai_client(srv)
+        kw = dict(model="fake-model", input="Weather?", tools=[WEATHER], tool_choice=choice, max_output_tokens=5)
+        whole = client.responses.create(**kw)
+        streamed = _events(client, **kw)[-1].response
+    assert whole.status == streamed.status == "incomplete"
+    assert _items(whole.output) == _items(streamed.output) and [(o.type, o.status) for o in whole.output] == \
+        [(kind, "incomplete")]
+
+
+def test_objects_and_events_validate_against_the_sdk_types(client, model):
+    """Every Response and streamed event as the wire carries it, validated by the openai SDK's own types (the
+    client itself builds them leniently)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": model, "input": "Weather in Paris?", "tools": [WEATHER], "max_output_tokens": 8,
+            "tool_choice": {"type": "function", "name": "get_weather"}, "metadata": {"k": "v"}, "user": "u"}
+    raw = client.responses.with_raw_response.create(**body)
+    Response.model_validate(json.loads(raw.text))
+    events = TypeAdapter(ResponseStreamEvent)
+    with client.responses.with_streaming_response.create(**{**body, "stream": True}) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.validate_python(json.loads(line[len("data: "):]))

@@ -267,7 +267,12 @@ def create_app(
                 return await stream_response(request, req, meta, stream, model_name)
             return await collect_response(req, meta, stream, model_name)
 
-        return await run(request, req, write)
+        try:
+            return await run(request, req, write)
+        except protocol.ModelNotFoundError:
+            raise
+        except InvalidRequestError as e:  # refused when queued (a length, a constraint): named as Responses name it
+            raise responses.responses_field(e) from None
 
     async def completions(request):
         return await generate(request, protocol.parse_completion, chat=False)

@@ -1,19 +1,23 @@
 """OpenAI's Responses API, ``POST /v1/responses``, served as a chat completion: a request is translated into
 a chat body (:func:`chat_body`), parsed and run as the chat route runs it, and its one choice is written
 as a Response object (:func:`response_object`) or as the API's event stream
-(kvforge/server/responses_stream.py).
+(kvforge/server/responses_output.py).
 
 The request: ``input`` (a string, or a list of items: messages with ``input_text`` / ``output_text`` parts
 or string content, ``function_call`` items and their ``function_call_output``, ``reasoning`` items, which
 are dropped); ``instructions`` (a system message before the input); ``max_output_tokens``; the sampling
 fields; ``text.format`` (``text``, ``json_object``, ``json_schema``); function ``tools`` (flat, as the API
-declares them) with ``tool_choice``. Nothing is stored: ``previous_response_id`` and ``background`` are
-refused, and ``store`` is taken without effect.
+declares them) with ``tool_choice``. Nothing is stored: ``previous_response_id``, ``conversation``, a stored
+``prompt`` and ``background`` are refused, and ``store`` is taken without effect. Fields that would change the
+output and are not served (``include`` of logprobs or encrypted reasoning, ``top_logprobs``,
+``max_tool_calls``, ``n`` other than 1, the chat name ``max_tokens``) are refused naming them.
 
 The response's ``output`` holds, in order: a ``reasoning`` item (under ``--reasoning-parser``, where the
 model reasoned), a ``message`` item with the answer as one ``output_text`` part (left out when the model
 called tools and said nothing else), and a ``function_call`` item per call. ``status`` is
-``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) where the output was cut by the limit.
+``incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) where the output was cut by the limit,
+and so is each item the cut left unfinished: the message, a named call's arguments, a think block that
+never closed.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ from kvforge.server.protocol import bad_field, now, type_name
 RESPONSES_FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
     "tool_choice", "parallel_tool_calls", "store", "metadata", "user", "previous_response_id", "background",
-    "truncation", "include", "reasoning", "service_tier", "safety_identifier", "prompt_cache_key",
+    "truncation", "include", "service_tier", "safety_identifier", "prompt_cache_key", "conversation", "prompt",
+    "top_logprobs", "max_tool_calls", "n", "max_tokens",
     # vLLM's extra sampling fields, as on the chat route
     "seed", "top_k", "min_p", "stop", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logit_bias", "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs", "include_reasoning",
 })
 #: Chat field names as a Responses client knows them, for errors the chat parser raises.
-_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-                "messages": "input"}
+_FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
+                "response_format": "text.format", "messages": "input"}
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,9 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type_name(tool)
             bad_field(f"tools[{i}]", f"only function tools are served, got {kind!r:.40}")
+        if isinstance(tool.get("function"), dict):
+            bad_field(f"tools[{i}]", 'Responses tools are flat: {"type": "function", "name": ..., "parameters": '
+                                     '{...}}, not the chat route\'s {"type": "function", "function": {...}}')
         function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
         chat.append({"type": "function", "function": function})
     return chat
@@ -149,7 +157,49 @@ def _text_format(body: dict) -> dict:
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         bad_field("text.format", 'must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                                  '"name": ..., "schema": {...}}')
+    if fmt["type"] == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            bad_field("text.format.name", "is required: the schema's name, a string")
+        if not isinstance(fmt.get("schema"), dict):
+            bad_field("text.format.schema", "is required: a JSON schema object")
     return fmt
+
+
+def _refuse_unserved(body: dict) -> None:
+    """Fields whose request the server cannot honour, each refused naming it."""
+    refusals = {
+        "previous_response_id": "responses are not stored: send the whole conversation as 'input'",
+        "conversation": "conversations are not stored: send the whole conversation as 'input'",
+        "prompt": "stored prompts are not served: send the instructions and input themselves",
+        "background": "background responses are not served: leave it false",
+        "max_tool_calls": "is not served: the model calls as many tools as it writes (parallel_tool_calls false "
+                          "keeps one)",
+        "top_logprobs": "logprobs are not returned by /v1/responses: use /v1/chat/completions",
+        "max_tokens": "is the chat route's name: send max_output_tokens",
+    }
+    for name, why in refusals.items():
+        value = body.get(name)
+        if value is not None and value is not False and not (name == "top_logprobs" and value == 0):
+            bad_field(name, why)
+    if body.get("n", 1) != 1:
+        bad_field("n", "a response has one output: send n requests, or use /v1/chat/completions")
+    include = body.get("include")
+    if include:
+        bad_field("include", f"nothing extra is returned (no logprobs, no encrypted reasoning), got {include!r:.60}")
+    if body.get("truncation", "disabled") not in ("disabled", None):
+        bad_field("truncation", "only disabled is served: a prompt longer than the context is refused")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            bad_field(name, f"expected a string, got {type_name(body[name])}")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        bad_field("store", f"expected true or false, got {type_name(body['store'])}")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            bad_field("metadata", f"expected an object, got {type_name(metadata)}")
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                bad_field(f"metadata.{key}", f"values are strings, got {type_name(value)}")
 
 
 def chat_body(body: Any) -> tuple[dict, ResponsesRequest]:
@@ -157,12 +207,7 @@ def chat_body(body: Any) -> tuple[dict, ResponsesRequest]:
     InvalidRequestError naming the Responses field at fault."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
-    if body.get("previous_response_id") is not None:
-        bad_field("previous_response_id", "responses are not stored: send the whole conversation as 'input'")
-    if body.get("background"):
-        bad_field("background", "background responses are not served: leave it false")
-    if body.get("truncation", "disabled") not in ("disabled", None):
-        bad_field("truncation", "only disabled is served: a prompt longer than the context is refused")
+    _refuse_unserved(body)
     chat = {key: body[key] for key in ("model", "temperature", "top_p", "stream", "seed", "top_k", "min_p", "stop",
                                        "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                                        "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs",
@@ -181,12 +226,10 @@ def chat_body(body: Any) -> tuple[dict, ResponsesRequest]:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body)
-    metadata = body.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        bad_field("metadata", f"expected an object, got {type_name(metadata)}")
     return chat, ResponsesRequest(body.get("instructions"), body.get("max_output_tokens"), fmt,
                                   list(body.get("tools") or []), body.get("tool_choice", "auto"),
-                                  body.get("parallel_tool_calls", True) is not False, metadata, body.get("user"))
+                                  body.get("parallel_tool_calls", True) is not False, body.get("metadata") or {},
+                                  body.get("user"))
 
 
 def responses_field(error: InvalidRequestError) -> InvalidRequestError:
@@ -194,10 +237,10 @@ def responses_field(error: InvalidRequestError) -> InvalidRequestError:
     field = error.field
     if field is None:
         return error
-    head, dot, rest = field.partition(".")
-    base = head.split("[")[0]
-    if base in _FIELD_NAMES:
-        field = _FIELD_NAMES[base] + head[len(base):] + dot + rest
+    for chat_name, name in _FIELD_NAMES.items():  # the longest names first
+        if field == chat_name or field.startswith((chat_name + ".", chat_name + "[")):
+            field = name + field[len(chat_name):]
+            break
     field = field.replace(".function.", ".")
     message = str(error).replace(error.field, field) if error.field != field else str(error)
     message = message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
@@ -206,26 +249,31 @@ def responses_field(error: InvalidRequestError) -> InvalidRequestError:
 
 @dataclass
 class ResponseParts:
-    """One response's output so far: reasoning, the answer text, and calls (name, arguments)."""
+    """One response's output: reasoning (and whether its think block closed), the answer text, calls (name,
+    arguments; ``named``: one forced call whose arguments are the whole answer), and whether the limit cut it."""
 
     reasoning: str | None
+    reasoning_closed: bool
     text: str
     calls: list[tuple[str, str]]
-    finish_reason: str | None
+    named: bool
+    cut: bool
 
 
-def output_items(parts: ResponseParts, ids: dict[str, str], status: str) -> list[dict]:
-    """The ``output`` array of ``parts``; ``ids`` keeps each item's id (and each call's ``call_id``) across the
-    events of a stream and its final object."""
+def output_items(parts: ResponseParts) -> list[dict]:
+    """The ``output`` array of ``parts``; an item the cut left unfinished is ``incomplete``."""
+    def status(finished: bool) -> str:
+        return "completed" if finished or not parts.cut else "incomplete"
+
     items = []
     if parts.reasoning:
-        items.append({"id": ids.setdefault("reasoning", item_id("rs")), "type": "reasoning", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": parts.reasoning}], "status": status})
+        items.append({"id": item_id("rs"), "type": "reasoning", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": parts.reasoning}],
+                      "status": status(parts.reasoning_closed)})
     if parts.text or not parts.calls:
-        items.append(message_item(ids.setdefault("message", item_id("msg")), parts.text, status))
-    for k, (name, arguments) in enumerate(parts.calls):
-        items.append(call_item(ids.setdefault(f"call{k}", item_id("fc")),
-                               ids.setdefault(f"call_id{k}", item_id("call")), name, arguments, status))
+        items.append(message_item(item_id("msg"), parts.text, status(False)))
+    for name, arguments in parts.calls:
+        items.append(call_item(item_id("fc"), item_id("call"), name, arguments, status(not parts.named)))
     return items
 
 
@@ -267,7 +315,8 @@ def response_object(response_id: str, created: int, model: str, meta: ResponsesR
 
 
 def response_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 

@@ -7,9 +7,10 @@ its content part or arguments opening, its deltas (``reasoning_text.delta``, ``o
 ``function_call_arguments.delta``), their ``.done`` and ``output_item.done``, and last
 ``response.completed`` with the whole Response, whose items are those the stream sent, ids included (its
 ``status`` says ``incomplete`` where ``max_output_tokens`` cut the output: the openai SDK's stream helpers
-wait for ``response.completed``, so it ends every stream, as vLLM ends them). A named forced call streams its arguments as they are generated; calls the
-model chooses (a tool-call parser) and a ``"required"`` array go out whole once found. Each event has a
-``sequence_number``, counting from 0.
+wait for ``response.completed``, so it ends every stream, as vLLM ends them). A named forced call streams its
+arguments as they are generated; calls the model chooses (a tool-call parser) and a ``"required"`` array go
+out whole after the message, so the items come in the whole response's order. An item the limit cut closes
+``incomplete``. Each event has a ``sequence_number``, counting from 0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 
 from aiohttp import web
 
+from kvforge.reasoning import ANSWER, UNDECIDED
 from kvforge.server import protocol
 from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
 from kvforge.server.responses import (
@@ -50,11 +52,15 @@ def _calls(req, answer: str) -> tuple[str, list[tuple[str, str]]]:
     return answer, []
 
 
-def _reasoning_tokens(req, token_ids) -> int:
-    """Output tokens spent thinking: up to and including the closing tag (all of them if it never came)."""
+def _reasoning_tokens(req, final) -> int:
+    """Output tokens spent thinking: from the output's start (or its opening tag) up to and including the
+    closing tag, all of them where it never came; none where the output did not think."""
     if req.reasoning is None:
         return 0
-    ids = list(token_ids)
+    ids = list(final.outputs[0].token_ids)
+    phase = req.reasoning.opening_phase(final.prompt_token_ids)
+    if phase == ANSWER or (phase == UNDECIDED and ids[:1] != [req.reasoning.start_id]):
+        return 0
     return ids.index(req.reasoning.end_id) + 1 if req.reasoning.end_id in ids else len(ids)
 
 
@@ -65,15 +71,17 @@ def _parts(req, final) -> ResponseParts:
         reasoning, answer = split_reasoning(req.reasoning.parser, comp.text,
                                             req.reasoning.opening_phase(final.prompt_token_ids))
     text, calls = _calls(req, answer)
+    closed = reasoning is not None and req.reasoning.parser.end in comp.text
     if not req.include_reasoning:
         reasoning = None
-    return ResponseParts(reasoning or None, text, calls, comp.finish_reason)
+    named = req.tool_choice is not None and req.tool_choice.name is not None
+    return ResponseParts(reasoning or None, closed, text, calls, named, comp.finish_reason == "length")
 
 
 def _usage(req, final) -> dict:
     comp = final.outputs[0]
     return response_usage(len(final.prompt_token_ids), len(comp.token_ids), final.num_cached_tokens,
-                          _reasoning_tokens(req, comp.token_ids))
+                          _reasoning_tokens(req, final))
 
 
 async def collect_response(req, meta, stream, model_name: str) -> web.Response:
@@ -81,9 +89,9 @@ async def collect_response(req, meta, stream, model_name: str) -> web.Response:
     async for out in stream:
         final = out
     parts = _parts(req, final)
-    status = final_status(parts.finish_reason)
-    body = response_object(item_id("resp"), protocol.now(), model_name, meta,
-                           req.params, status, output_items(parts, {}, "completed"), _usage(req, final))
+    status = final_status(final.outputs[0].finish_reason)
+    body = response_object(item_id("resp"), protocol.now(), model_name, meta, req.params, status,
+                           output_items(parts), _usage(req, final))
     return web.json_response(body)
 
 
@@ -113,7 +121,8 @@ class _StreamedItems:
     def index(self) -> int:
         return len(self.items) - 1
 
-    async def close(self) -> None:
+    async def close(self, status: str = "completed") -> None:
+        """Close the open item with ``status`` (``incomplete`` where the limit cut it)."""
         item, self.open = self.open, None
         if item is None:
             return
@@ -122,16 +131,16 @@ class _StreamedItems:
             part = {"type": "reasoning_text", "text": self.text}
             await self.events.send("response.reasoning_text.done", **where, content_index=0, text=self.text)
             await self.events.send("response.content_part.done", **where, content_index=0, part=part)
-            item.update(content=[part], status="completed")
+            item.update(content=[part], status=status)
         elif item["type"] == "message":
             await self.events.send("response.output_text.done", **where, content_index=0, text=self.text,
                                    logprobs=[])
             await self.events.send("response.content_part.done", **where, content_index=0,
                                    part=output_text(self.text))
-            item.update(content=[output_text(self.text)], status="completed")
+            item.update(content=[output_text(self.text)], status=status)
         else:
             await self.events.send("response.function_call_arguments.done", **where, arguments=self.text)
-            item.update(arguments=self.text, status="completed")
+            item.update(arguments=self.text, status=status)
         await self.events.send("response.output_item.done", output_index=self.index, item=item)
 
     async def add(self, kind: str, delta: str, name: str | None = None) -> None:
@@ -183,6 +192,7 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
         named = req.tool_choice is not None and req.tool_choice.name is not None
         answer_sent = 0
         final = None
+        found: list[tuple[str, str]] = []  # calls a parser found, sent after the message
         async for out in stream:
             final = out
             text = out.outputs[0].text
@@ -202,20 +212,29 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
                     left, calls = _calls(req, text)
                     for name, arguments in calls:
                         await items.add("function_call", arguments, name)
+                        await items.close()  # a parsed call is whole
                     if left:
                         await items.add("message", left)
             elif parser is not None:
                 content, calls = parser.finish(text) if out.finished else parser.feed(text)
                 if content:
                     await items.add("message", content)
-                for name, arguments in calls:
-                    await items.add("function_call", arguments, name)
+                found += calls
             elif len(text) > answer_sent:
                 await items.add("message", text[answer_sent:])
                 answer_sent = len(text)
+        cut = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        if found:  # the message (what the parser left as content) first, then the calls, each whole
+            if items.open is not None:
+                await items.close(cut)
+            for name, arguments in found:
+                await items.add("function_call", arguments, name)
+                await items.close()
         if not any(i["type"] in ("message", "function_call") for i in items.items):
+            if items.open is not None:  # a think block the limit cut (or one that closed on an empty answer)
+                await items.close(cut if thinking is None or thinking.phase != ANSWER else "completed")
             await items.add("message", "")  # an output with no answer still has its (empty) message
-        await items.close()
+        await items.close(cut)
         status = final_status(final.outputs[0].finish_reason)
         whole = response_object(response_id, created, model_name, meta, req.params, status, items.items,
                                 _usage(req, final))
