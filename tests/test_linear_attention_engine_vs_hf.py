@@ -125,12 +125,14 @@ def test_state_kernels_over_the_pool_slots_in_the_engine(case, tmp_path, engines
         assert_greedy_agrees(tokens, want[:3], margins, tol, what=f"{case} kernels prompt {k}")
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("case", CASES)
-def test_preempted_sequences_recompute_their_state(case, tmp_path, engines):
+def test_preempted_sequences_recompute_their_state(case, policy, tmp_path, engines):
     """Memory pressure (most blocks held by a request outside the scheduler) preempts running sequences;
-    each gives its state slot back and recomputes from its prompt, its first chunk from a zero state."""
+    each gives its state slot back and recomputes from its prompt, its first chunk from a zero state. Under
+    the priority policy (the later prompts more urgent) the victims differ; the outputs do not."""
     hf, _ = make_checkpoint(case, tmp_path)
-    llm = engines(tmp_path)
+    llm = engines(tmp_path, scheduling_policy=policy)
     engine = llm.engine
     bm = engine.block_manager
     hog = Sequence("hog", [1] * (4 * (bm.num_free_blocks - 18)), SamplingParams(max_tokens=1))
@@ -146,7 +148,10 @@ def test_preempted_sequences_recompute_their_state(case, tmp_path, engines):
         return release(request_id)
 
     slots.release = record
-    got = _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    priority = [-k for k in range(len(prompts))] if policy == "priority" else None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, priority=priority)
+    got = [o.outputs[0].token_ids for o in outs]
     assert engine.stats()["num_preemptions"] > 0
     for k, (tokens, p) in enumerate(zip(got, prompts)):
         want, margins = _hf_greedy(hf, p)
