@@ -137,7 +137,7 @@ SERVER_FLAGS = (
     VllmFlag(("--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-server-load-tracking",
               "--collect-detailed-traces"), False, None, "accepted, no effect (the server is aiohttp; its load is "
              "in /metrics)"),
-    VllmFlag(("--max-log-len", "--log-config-file"), True, None, "accepted, no effect on kvforge's log lines"),
+    VllmFlag(("--log-config-file",), True, None, "accepted, no effect on kvforge's log lines"),
     VllmFlag(("--api-server-count", "-asc"), True, ("1",), "one process serves HTTP"),
     VllmFlag(("--headless",), False, (), "the engine runs in the server's process: start kvforge serve without it"),
     VllmFlag(("--uds",), True, (), "the server listens on TCP: give --host and --port"),

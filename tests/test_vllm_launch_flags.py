@@ -27,7 +27,7 @@ def test_flags_without_effect_and_neutral_values_parse():
                  "--limit-mm-per-prompt", "{}", "--guided-decoding-backend", "xgrammar", "--response-role",
                  "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}',
                  "--hf-token", "hf_x", "--api-server-count", "1", "--distributed-executor-backend", "mp",
-                 "--disable-fastapi-docs", "--max-log-len", "100", "--cpu-offload-gb", "0", "--logprobs-mode",
+                 "--disable-fastapi-docs", "--log-config-file", "x.json", "--cpu-offload-gb", "0", "--logprobs-mode",
                  "raw_logprobs", "--max-num-partial-prefills", "1"])
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
 
@@ -106,3 +106,23 @@ def test_chat_template_file_or_text_replaces_the_tokenizers(tmp_path):
 def test_a_bad_chat_template_stops_before_weights(monkeypatch, capsys, value, says):
     err = serve_refused(monkeypatch, capsys, ["--chat-template", value])
     assert "--chat-template" in err and says in err
+
+
+def test_log_outputs_clipped(caplog):
+    import json
+    import urllib.request
+
+    from fake_engine import ScriptedEngine
+
+    from kvforge.server.app import ServerThread, create_app
+
+    ns = _parse(["--enable-log-outputs", "--max-log-len", "5"])
+    assert ns.enable_log_outputs and ns.max_log_len == 5
+    with ServerThread(create_app(ScriptedEngine("hello world"), log_outputs=True, max_log_len=5)) as srv, \
+            caplog.at_level("INFO", "kvforge.server"):
+        body = json.dumps({"prompt": "a", "max_tokens": 20}).encode()
+        req = urllib.request.Request(srv.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["choices"][0]["text"] == "hello world"
+    (line,) = [r.getMessage() for r in caplog.records if "output of /v1/completions" in r.getMessage()]
+    assert "'hello' (finish stop, 12 tokens)" in line  # 11 characters and the end-of-sequence token

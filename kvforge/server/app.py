@@ -81,6 +81,8 @@ def create_app(
     served_model_name: str | None = None,
     shutdown_grace_s: float = 30.0,
     log_requests: bool = False,
+    log_outputs: bool = False,
+    max_log_len: int | None = None,
     tool_parser: str | None = None,
     prompt_tokens_details: bool = False,
     request_defaults: RequestDefaults | None = None,
@@ -88,6 +90,7 @@ def create_app(
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md); ``tool_parser``: the parser of tool calls
     the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused);
+    ``log_outputs``: each choice's output text is logged when it ends (its first ``max_log_len`` characters);
     ``prompt_tokens_details``: usage counts the prompt tokens read from the prefix cache; ``request_defaults``:
     server-wide defaults of request fields (kvforge/server/request_defaults.py); ``request_id_headers``: each
     response carries an ``X-Request-Id`` header (the request's own, or a new one)."""
@@ -236,6 +239,11 @@ def create_app(
             return await write(streams)
         finally:
             for stream in streams:
+                if log_outputs and stream.final is not None:
+                    comp = stream.final.outputs[0]
+                    text = comp.text if max_log_len is None else comp.text[:max_log_len]
+                    logger.info("output of %s %s: %r (finish %s, %d tokens)", request.path, stream.request_id, text,
+                                comp.finish_reason, len(comp.token_ids))
                 stream.close()
 
     async def generate(request, parse, chat: bool):

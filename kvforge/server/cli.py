@@ -42,6 +42,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
     g.add_argument("--enable-log-requests", action="store_true",
                    help="log each generation request at INFO: route, prompts, n, max tokens, stream (vLLM's flag)")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="log each choice's output text when it ends (vLLM's flag)")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="log at most N characters of an output (vLLM's flag; default: all)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice \"auto\" (OpenAI's default with tools): the model chooses whether to "
                         "call, and --tool-call-parser finds its calls (vLLM's flag)")
@@ -75,6 +79,8 @@ def _validate(ns) -> None:
         raise ConfigError(f"--max-queued-requests must be >= 1, got {ns.max_queued_requests}")
     if ns.max_request_bytes < 1024:
         raise ConfigError(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
+    if ns.max_log_len is not None and ns.max_log_len < 0:
+        raise ConfigError(f"--max-log-len must be >= 0, got {ns.max_log_len}")
     if ns.shutdown_grace < 0:
         raise ConfigError(f"--shutdown-grace must be >= 0, got {ns.shutdown_grace}")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
@@ -142,6 +148,8 @@ def serve_main(args) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
         log_requests=args.enable_log_requests,
+        log_outputs=args.enable_log_outputs,
+        max_log_len=args.max_log_len,
         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         request_defaults=RequestDefaults(template_kwargs, args.return_tokens_as_token_ids,
