@@ -129,7 +129,7 @@ def test_json_schema_format_holds_the_text(client, model):
 @pytest.mark.parametrize("kw, param", [
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0]"),
     (dict(input="hi", max_output_tokens=0), "max_output_tokens"),
-    (dict(input="hi", previous_response_id="resp_1"), "previous_response_id"),
+    (dict(input="hi", previous_response_id="resp_1"), "previous_response_id"),  # nothing stored here
     (dict(input="hi", tools=[{"type": "web_search"}]), "tools[0]"),
     (dict(input="hi", tools=[{**WEATHER, "name": "bad name"}]), "tools[0].name"),
     (dict(input=[{"type": "item_reference", "id": "x"}]), "input[0].type"),
@@ -225,3 +225,34 @@ def test_objects_and_events_validate_against_the_sdk_types(client, model):
         for line in stream.iter_lines():
             if line.startswith("data: "):
                 events.validate_python(json.loads(line[len("data: "):]))
+
+
+def test_stored_responses_continue_their_conversation(model):
+    """``--responses-store-size``: a response names its predecessor and continues its conversation (the prompt is
+    the chat of the whole conversation, instructions not carried over); stored ones can be read and deleted;
+    ``store: false`` keeps one out; the oldest leave first."""
+    with smollm2_server(responses_store_size=2) as srv:
+        client = openai_client(srv)
+        first = client.responses.create(model=model, input="Name a colour.", instructions="Answer in one word.",
+                                        max_output_tokens=6, temperature=0)
+        second = client.responses.create(model=model, input="And another?", previous_response_id=first.id,
+                                         max_output_tokens=6, temperature=0, stream=True)
+        second = [e for e in second][-1].response
+        chat = client.chat.completions.create(model=model, temperature=0, max_completion_tokens=6, messages=[
+            {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another?"}])
+        assert second.output_text == chat.choices[0].message.content and second.previous_response_id == first.id
+        assert second.usage.input_tokens == chat.usage.prompt_tokens and second.store
+        assert client.responses.retrieve(first.id).output_text == first.output_text
+        unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(unstored.id)
+        client.responses.delete(second.id)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=model, input="x", previous_response_id=second.id, max_output_tokens=2)
+        assert err.value.body["param"] == "previous_response_id"
+        third = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+        client.responses.create(model=model, input="Hi", max_output_tokens=2)
+        with pytest.raises(openai.NotFoundError):  # two kept: the first left when the fourth stored one came
+            client.responses.retrieve(first.id)
+        assert client.responses.retrieve(third.id).id == third.id

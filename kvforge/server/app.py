@@ -42,12 +42,14 @@ from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
 from kvforge.server.request_defaults import RequestDefaults
 from kvforge.server.responses_output import collect_response, stream_response
+from kvforge.server.responses_store import ResponsesStore
 from kvforge.server.tool_calls import ToolCallStream, call_object
 from kvforge.server.tool_parsers import parse_calls, stream_calls
 
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
-ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models",
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
+          "GET|DELETE /v1/responses/{id}", "GET /v1/models",
           "GET /v1/models/{id}",
           "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET|POST /ping", "GET /version",
           "GET /metrics", "GET /debug/steps")
@@ -87,14 +89,17 @@ def create_app(
     prompt_tokens_details: bool = False,
     request_defaults: RequestDefaults | None = None,
     request_id_headers: bool = False,
+    responses_store_size: int = 0,
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md); ``tool_parser``: the parser of tool calls
     the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused);
     ``log_outputs``: each choice's output text is logged when it ends (its first ``max_log_len`` characters);
     ``prompt_tokens_details``: usage counts the prompt tokens read from the prefix cache; ``request_defaults``:
     server-wide defaults of request fields (kvforge/server/request_defaults.py); ``request_id_headers``: each
-    response carries an ``X-Request-Id`` header (the request's own, or a new one)."""
+    response carries an ``X-Request-Id`` header (the request's own, or a new one); ``responses_store_size``: the
+    responses kept for ``previous_response_id`` (0: none; kvforge/server/responses_store.py)."""
     defaults = request_defaults or RequestDefaults()
+    store = ResponsesStore(responses_store_size) if responses_store_size else None
     model_name = served_model_name or engine.model_name
     names = (model_name, *getattr(engine, "model_aliases", ()))  # the first is reported in responses
     metrics = ServerMetrics(model_name)
@@ -259,7 +264,7 @@ def create_app(
     async def responses_route(request):
         body = await read_json(request)
         try:
-            chat_body, meta = responses.chat_body(body)
+            chat_body, meta, history = responses.chat_body(body, store)
             protocol.log_ignored_fields(body, responses.RESPONSES_FIELDS)
             chat_body = defaults.apply(chat_body, chat=True)
             req = protocol.parse_chat(chat_body, names, sampling_defaults, tool_parser=tool_parser,
@@ -269,11 +274,15 @@ def create_app(
         except InvalidRequestError as e:
             raise responses.responses_field(e) from None
 
+        def keep(response: dict) -> None:
+            if meta.store:  # the conversation so far, this response's output last
+                store.put(response, [*history, *responses.input_messages(response["output"], "output")])
+
         async def write(streams):
             (stream,) = streams
             if req.stream:
-                return await stream_response(request, req, meta, stream, model_name)
-            return await collect_response(req, meta, stream, model_name)
+                return await stream_response(request, req, meta, stream, model_name, keep)
+            return await collect_response(req, meta, stream, model_name, keep)
 
         try:
             return await run(request, req, write)
@@ -281,6 +290,23 @@ def create_app(
             raise
         except InvalidRequestError as e:  # refused when queued (a length, a constraint): named as Responses name it
             raise responses.responses_field(e) from None
+
+    def stored(request) -> tuple[str, object]:
+        response_id = request.match_info["response_id"]
+        found = store.get(response_id) if store is not None else None
+        if found is None:
+            why = "responses are not stored on this server (--responses-store-size)" if store is None else \
+                f"no stored response has the id {response_id!r:.80}"
+            raise _HTTPError(404, why, "invalid_request_error", "not_found")
+        return response_id, found
+
+    async def get_response(request):
+        return web.json_response(stored(request)[1].response)
+
+    async def delete_response(request):
+        response_id, _ = stored(request)
+        store.delete(response_id)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def completions(request):
         return await generate(request, protocol.parse_completion, chat=False)
@@ -321,6 +347,8 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/responses", responses_route)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
 
     async def on_startup(app):
         await aengine.start()

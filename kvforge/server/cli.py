@@ -63,6 +63,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a chat with tool_choice none renders without its tools (vLLM's flag)")
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="responses carry an X-Request-Id header: the request's own, or a new one (vLLM's flag)")
+    g.add_argument("--responses-store-size", type=int, default=0, metavar="N",
+                   help="keep the last N responses of /v1/responses in memory, for previous_response_id and "
+                        "GET /v1/responses/{id} (default 0: none kept)")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens read from the "
                         "prefix cache (vLLM's flag)")
@@ -79,6 +82,8 @@ def _validate(ns) -> None:
         raise ConfigError(f"--max-queued-requests must be >= 1, got {ns.max_queued_requests}")
     if ns.max_request_bytes < 1024:
         raise ConfigError(f"--max-request-bytes must be >= 1024, got {ns.max_request_bytes}")
+    if ns.responses_store_size < 0:
+        raise ConfigError(f"--responses-store-size must be >= 0, got {ns.responses_store_size}")
     if ns.max_log_len is not None and ns.max_log_len < 0:
         raise ConfigError(f"--max-log-len must be >= 0, got {ns.max_log_len}")
     if ns.shutdown_grace < 0:
@@ -155,6 +160,7 @@ def serve_main(args) -> int:
         request_defaults=RequestDefaults(template_kwargs, args.return_tokens_as_token_ids,
                                          args.exclude_tools_when_tool_choice_none),
         request_id_headers=args.enable_request_id_headers,
+        responses_store_size=args.responses_store_size,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,

@@ -7,8 +7,8 @@ The request: ``input`` (a string, or a list of items: messages with ``input_text
 or string content, ``function_call`` items and their ``function_call_output``, ``reasoning`` items, which
 are dropped); ``instructions`` (a system message before the input); ``max_output_tokens``; the sampling
 fields; ``text.format`` (``text``, ``json_object``, ``json_schema``); function ``tools`` (flat, as the API
-declares them) with ``tool_choice``. Nothing is stored: ``previous_response_id``, ``conversation``, a stored
-``prompt`` and ``background`` are refused, and ``store`` is taken without effect. Fields that would change the
+declares them) with ``tool_choice``; ``previous_response_id`` where the server keeps responses
+(kvforge/server/responses_store.py). ``conversation``, a stored ``prompt`` and ``background`` are refused. Fields that would change the
 output and are not served (``include`` of logprobs or encrypted reasoning, ``top_logprobs``,
 ``max_tool_calls``, ``n`` other than 1, the chat name ``max_tokens``) are refused naming them.
 
@@ -27,6 +27,7 @@ from typing import Any
 
 from kvforge.errors import InvalidRequestError
 from kvforge.server.protocol import bad_field, now, type_name
+from kvforge.server.responses_store import ResponsesStore
 
 #: Fields a Responses body may carry (others are logged as ignored by the chat parser's check).
 RESPONSES_FIELDS = frozenset({
@@ -55,6 +56,8 @@ class ResponsesRequest:
     parallel_tool_calls: bool
     metadata: dict
     user: str | None
+    previous_response_id: str | None = None
+    store: bool = False  # the response is stored (the server keeps responses, and the request did not say no)
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -72,32 +75,27 @@ def _content_text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _messages(body: dict) -> list[dict]:
-    """The chat messages of ``instructions`` and ``input``."""
-    messages = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            bad_field("instructions", f"expected a string, got {type_name(instructions)}")
-        messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
+def input_messages(items: Any, where: str = "input") -> list[dict]:
+    """The chat messages of a Responses ``input`` (or of a stored response's ``output``, whose items have the
+    same shapes): a string is one user message; reasoning items are dropped."""
     if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        bad_field("input", "is required: a string, or a non-empty array of input items")
+        bad_field(where, "is required: a string, or a non-empty array of input items")
+    messages = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            bad_field(f"input[{i}]", f"expected an object, got {type_name(item)}")
+            bad_field(f"{where}[{i}]", f"expected an object, got {type_name(item)}")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                bad_field(f"input[{i}].role", f"must be user, assistant, system or developer, got {role!r:.40}")
-            messages.append({"role": role, "content": _content_text(item.get("content"), f"input[{i}].content")})
+                bad_field(f"{where}[{i}].role", f"must be user, assistant, system or developer, got {role!r:.40}")
+            messages.append({"role": role, "content": _content_text(item.get("content"), f"{where}[{i}].content")})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
-                    bad_field(f"input[{i}].{key}", "must be a string")
+                    bad_field(f"{where}[{i}].{key}", "must be a string")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
@@ -107,15 +105,22 @@ def _messages(body: dict) -> list[dict]:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                bad_field(f"input[{i}].call_id", "must be a string")
+                bad_field(f"{where}[{i}].call_id", "must be a string")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _content_text(item.get("output"), f"input[{i}].output")})
+                             "content": _content_text(item.get("output"), f"{where}[{i}].output")})
         elif kind != "reasoning":  # earlier reasoning is not shown to the model again
-            bad_field(f"input[{i}].type", f"items of type {kind!r:.40} are not supported (message, function_call, "
-                                          f"function_call_output and reasoning are)")
-    if not any(m["role"] != "system" for m in messages):
-        bad_field("input", "holds no message to answer")
+            bad_field(f"{where}[{i}].type", f"items of type {kind!r:.40} are not supported (message, function_call, "
+                                            f"function_call_output and reasoning are)")
     return messages
+
+
+def _system(body: dict) -> list[dict]:
+    instructions = body.get("instructions")
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        bad_field("instructions", f"expected a string, got {type_name(instructions)}")
+    return [{"role": "system", "content": instructions}]
 
 
 def _tools(body: dict) -> list[dict] | None:
@@ -168,8 +173,8 @@ def _text_format(body: dict) -> dict:
 def _refuse_unserved(body: dict) -> None:
     """Fields whose request the server cannot honour, each refused naming it."""
     refusals = {
-        "previous_response_id": "responses are not stored: send the whole conversation as 'input'",
-        "conversation": "conversations are not stored: send the whole conversation as 'input'",
+        "conversation": "conversations are not stored: send the whole conversation as 'input' (or chain "
+                        "responses with previous_response_id on a server with --responses-store-size)",
         "prompt": "stored prompts are not served: send the instructions and input themselves",
         "background": "background responses are not served: leave it false",
         "max_tool_calls": "is not served: the model calls as many tools as it writes (parallel_tool_calls false "
@@ -202,17 +207,33 @@ def _refuse_unserved(body: dict) -> None:
                 bad_field(f"metadata.{key}", f"values are strings, got {type_name(value)}")
 
 
-def chat_body(body: Any) -> tuple[dict, ResponsesRequest]:
-    """The chat completion body that runs a Responses ``body``, and what the response repeats of it;
-    InvalidRequestError naming the Responses field at fault."""
+def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, ResponsesRequest, list[dict]]:
+    """The chat completion body that runs a Responses ``body``, what the response repeats of it, and the
+    conversation it continues (without the instructions: those of a previous response are not carried
+    over, as OpenAI's API has it); InvalidRequestError naming the Responses field at fault. ``store``: the
+    stored responses ``previous_response_id`` may name (None: none are stored)."""
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
     _refuse_unserved(body)
+    prior: list[dict] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        if store is None:
+            bad_field("previous_response_id", "responses are not stored on this server: send the whole "
+                                              "conversation as 'input', or start it with --responses-store-size N")
+        stored = store.get(previous) if isinstance(previous, str) else None
+        if stored is None:
+            bad_field("previous_response_id", f"no stored response has the id {previous!r:.80} (the store keeps "
+                                              f"the last {store.capacity}; a deleted one is gone)")
+        prior = list(stored.history)
     chat = {key: body[key] for key in ("model", "temperature", "top_p", "stream", "seed", "top_k", "min_p", "stop",
                                        "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                                        "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs",
                                        "include_reasoning", "parallel_tool_calls") if key in body}
-    chat["messages"] = _messages(body)
+    history = [*prior, *input_messages(body.get("input"))]
+    if not history:
+        bad_field("input", "holds no message to answer")
+    chat["messages"] = [*_system(body), *history]
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     fmt = _text_format(body)
@@ -226,10 +247,11 @@ def chat_body(body: Any) -> tuple[dict, ResponsesRequest]:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body)
-    return chat, ResponsesRequest(body.get("instructions"), body.get("max_output_tokens"), fmt,
-                                  list(body.get("tools") or []), body.get("tool_choice", "auto"),
-                                  body.get("parallel_tool_calls", True) is not False, body.get("metadata") or {},
-                                  body.get("user"))
+    meta = ResponsesRequest(body.get("instructions"), body.get("max_output_tokens"), fmt,
+                            list(body.get("tools") or []), body.get("tool_choice", "auto"),
+                            body.get("parallel_tool_calls", True) is not False, body.get("metadata") or {},
+                            body.get("user"), previous, store is not None and body.get("store") is not False)
+    return chat, meta, history
 
 
 def responses_field(error: InvalidRequestError) -> InvalidRequestError:
@@ -306,8 +328,9 @@ def response_object(response_id: str, created: int, model: str, meta: ResponsesR
         "id": response_id, "object": "response", "created_at": created, "status": status, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": meta.instructions, "max_output_tokens": meta.max_output_tokens, "model": model,
-        "output": output, "parallel_tool_calls": meta.parallel_tool_calls, "previous_response_id": None,
-        "reasoning": None, "store": False, "temperature": params.temperature, "text": {"format": meta.text_format},
+        "output": output, "parallel_tool_calls": meta.parallel_tool_calls,
+        "previous_response_id": meta.previous_response_id, "reasoning": None, "store": meta.store,
+        "temperature": params.temperature, "text": {"format": meta.text_format},
         "tool_choice": meta.tool_choice, "tools": meta.tools, "top_p": params.top_p, "truncation": "disabled",
         "usage": usage, "user": meta.user, "metadata": meta.metadata,
         "completed_at": now() if status in ("completed", "incomplete") else None,

@@ -84,7 +84,8 @@ def _usage(req, final) -> dict:
                           _reasoning_tokens(req, final))
 
 
-async def collect_response(req, meta, stream, model_name: str) -> web.Response:
+async def collect_response(req, meta, stream, model_name: str, on_done=None) -> web.Response:
+    """The whole Response of ``stream``; ``on_done`` (if given) gets it before it is sent."""
     final = None
     async for out in stream:
         final = out
@@ -92,6 +93,8 @@ async def collect_response(req, meta, stream, model_name: str) -> web.Response:
     status = final_status(final.outputs[0].finish_reason)
     body = response_object(item_id("resp"), protocol.now(), model_name, meta, req.params, status,
                            output_items(parts), _usage(req, final))
+    if on_done is not None:
+        on_done(body)
     return web.json_response(body)
 
 
@@ -176,7 +179,9 @@ class _StreamedItems:
             await self.events.send("response.function_call_arguments.delta", **where, delta=delta)
 
 
-async def stream_response(request: web.Request, req, meta, stream, model_name: str) -> web.StreamResponse:
+async def stream_response(request: web.Request, req, meta, stream, model_name: str,
+                          on_done=None) -> web.StreamResponse:
+    """The event stream of ``stream``; ``on_done`` (if given) gets the whole Response before its last event."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -238,6 +243,8 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
         status = final_status(final.outputs[0].finish_reason)
         whole = response_object(response_id, created, model_name, meta, req.params, status, items.items,
                                 _usage(req, final))
+        if on_done is not None:
+            on_done(whole)
         # response.completed even when the status is incomplete: the openai SDK's stream helpers end on it
         await events.send("response.completed", response=whole)
     except (ConnectionResetError, asyncio.CancelledError):
