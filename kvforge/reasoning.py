@@ -16,6 +16,9 @@ engine's structured outputs (kvforge/structured/reasoning_gate.py):
   no answer). An opening tag at the start of the reasoning is not part of it.
 - The answer is the text after the closing tag, its leading whitespace dropped.
 - A structured-output constraint holds the answer only: the reasoning is free.
+
+``openai_gptoss`` reads gpt-oss's harmony channels instead of a think block (kvforge/server/harmony_split.py):
+the reasoning is the ``analysis`` messages, the answer the ``final`` channel's (where the constraint holds).
 """
 
 from __future__ import annotations
@@ -31,12 +34,18 @@ REASONING, ANSWER, UNDECIDED = "reasoning", "answer", "undecided"
 @dataclass(frozen=True)
 class ReasoningParser:
     """One ``--reasoning-parser``: its tags, and whether its models always think (an output without an
-    opening tag is reasoning until the closing one)."""
+    opening tag is reasoning until the closing one). ``harmony``: gpt-oss's channels instead of a think
+    block (kvforge/server/harmony_split.py): ``start`` and ``end`` are then the header's ``<|channel|>`` and
+    ``<|message|>``, ``markers`` every marker the text split reads, and the answer's header names
+    ``answer_channel``."""
 
     name: str
     always_thinks: bool
     start: str = "<think>"
     end: str = "</think>"
+    harmony: bool = False
+    markers: tuple[str, ...] = ("<think>", "</think>")
+    answer_channel: str = ""
 
 
 #: --reasoning-parser NAME -> its rules. DeepSeek-V3.1 and GLM-4.5 templates open the block for the model (or
@@ -46,6 +55,9 @@ REASONING_PARSERS = {
     "deepseek_v3": ReasoningParser("deepseek_v3", always_thinks=False),
     "glm45": ReasoningParser("glm45", always_thinks=False),
     "qwen3": ReasoningParser("qwen3", always_thinks=False),
+    "openai_gptoss": ReasoningParser("openai_gptoss", always_thinks=True, start="<|channel|>", end="<|message|>",
+                                     harmony=True, markers=("<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
+                                     answer_channel="final"),
 }
 
 
@@ -77,9 +89,26 @@ class ReasoningTokens:
     end_id: int
     special_ids: frozenset[int] = frozenset()
     tags_special: bool = False
+    answer_channel_ids: tuple[int, ...] = ()  # harmony: the answer channel's name as tokens
 
     def opening_phase(self, prompt_ids: Sequence[int]) -> str:
         return opening_phase(self.parser, prompt_ids, self.start_id, self.end_id, self.special_ids)
+
+    def reasoning_token_count(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int:
+        """Output tokens spent thinking: up to and including the closing tag (all of them where it never
+        came; none where the output did not think). Harmony: the tokens before the answer channel's
+        header (all of them where no answer came; none where no other channel came either)."""
+        ids = list(output_ids)
+        if self.parser.harmony:
+            width = len(self.answer_channel_ids)
+            for k, token in enumerate(ids):
+                if token == self.start_id and tuple(ids[k + 1:k + 1 + width]) == self.answer_channel_ids:
+                    return k
+            return len(ids) if self.start_id in ids else 0
+        phase = self.opening_phase(prompt_ids)
+        if phase == ANSWER or (phase == UNDECIDED and ids[:1] != [self.start_id]):
+            return 0
+        return ids.index(self.end_id) + 1 if self.end_id in ids else len(ids)
 
 
 def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
@@ -93,12 +122,14 @@ def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
                           f"{', '.join(sorted(REASONING_PARSERS))}")
     if tokenizer is None:
         raise ConfigError(f"--reasoning-parser {name} needs the tokenizer: drop --skip-tokenizer-init")
-    ids = []
-    for tag in (parser.start, parser.end):
+    ids = {}
+    for tag in parser.markers:
         token = tokenizer.convert_tokens_to_ids(tag)
         if token is None or tokenizer.encode(tag, add_special_tokens=False) != [token]:
             raise ConfigError(f"--reasoning-parser {name}: {tag!r} is not one token of this model's tokenizer, "
                               f"so the model does not think in {name}'s format; leave --reasoning-parser unset")
-        ids.append(token)
+        ids[tag] = token
     special = frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special)
-    return ReasoningTokens(parser, ids[0], ids[1], special - set(ids), tags_special=bool(special & set(ids)))
+    channel = tuple(tokenizer.encode(parser.answer_channel, add_special_tokens=False)) if parser.harmony else ()
+    return ReasoningTokens(parser, ids[parser.start], ids[parser.end], special - set(ids.values()),
+                           tags_special=bool(special & set(ids.values())), answer_channel_ids=channel)

@@ -159,8 +159,9 @@ class FakeEngine:
                 self._gen_tokens += 1
                 self._grow(r)
                 finish, stop_reason = self._finish_reason(r, tok)
-                # The engine's text: a stop token (here: a stop_token_ids entry) adds none, a stop string is cut.
-                shown = r.out_ids[:-1] if finish == "stop" and isinstance(stop_reason, int) else r.out_ids
+                # The engine's text: a stop token (a stop_token_ids entry, or EOS) adds none, a stop string is cut.
+                stop_token = isinstance(stop_reason, int) or tok == self.tokenizer.eos_token_id
+                shown = r.out_ids[:-1] if finish == "stop" and stop_token else r.out_ids
                 text = self.tokenizer.decode(shown, r.params.skip_special_tokens)
                 if finish == "stop" and isinstance(stop_reason, str):
                     text = text[: text.find(stop_reason)]

@@ -122,3 +122,38 @@ def test_speculative_and_overlapped_engines_equal_the_plain_one(tmp_path):
         assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
     with LLM(**common, async_scheduling=True) as llm:
         assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
+
+
+def test_harmony_gate_holds_the_final_channel_only(tmp_path):
+    """gpt-oss's channels: analysis and its headers are free; from the token after the final channel's
+    ``<|message|>`` the grammar decides; a rollback back across that header frees the output again."""
+    from test_harmony_split import write_harmony_tokenizer
+
+    from kvforge.reasoning import reasoning_tokens
+    from kvforge.structured.backend import GrammarBackend
+    from kvforge.structured.reasoning_gate import HarmonyGate, gate_for
+    from kvforge.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf_dir(write_harmony_tokenizer(tmp_path / "harmony"))
+    backend = GrammarBackend(tok, tok.vocab_size, tok.eos_token_ids)
+    tags = reasoning_tokens("openai_gptoss", tok)
+    gate = gate_for(backend.matcher(CHOICE), tags, tags.opening_phase([1, 2]))
+    assert isinstance(gate, HarmonyGate) and gate.phase == REASONING
+    channel, message, end, start = 5, 6, 7, 8
+    words = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    thinking = [channel, *words("analysis"), message, *words(" it is blue"), end, start, *words("assistant")]
+    everything = set(range(backend.vocab_size))
+    for t in thinking:
+        assert _allowed(gate, backend.vocab_size) == everything and gate.accept_token(t)
+    header = [channel, *words("final"), message]
+    for t in header:
+        assert gate.accept_token(t)
+    assert gate.phase == ANSWER and _allowed(gate, backend.vocab_size) == _grammar_allowed(backend, [])
+    yes = words("yes")
+    for t in yes:
+        assert gate.accept_token(t)
+    gate.rollback(len(yes) + 1)  # back into the header: free again, and the grammar back at its start
+    assert gate.phase == REASONING and _allowed(gate, backend.vocab_size) == everything
+    for t in [message, *yes]:
+        assert gate.accept_token(t)
+    assert gate.fork().phase == ANSWER

@@ -514,9 +514,9 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
             if self.reasoning is not None:  # the constraint holds the answer, not the reasoning
-                from kvforge.structured.reasoning_gate import ReasoningGate
+                from kvforge.structured.reasoning_gate import gate_for
 
-                seq.grammar = ReasoningGate(seq.grammar, self.reasoning, self.reasoning.opening_phase(ids))
+                seq.grammar = gate_for(seq.grammar, self.reasoning, self.reasoning.opening_phase(ids))
         self.scheduler.add(seq)
 
     def grammar_backend(self):

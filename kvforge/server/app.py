@@ -39,7 +39,7 @@ from kvforge.server.async_engine import (
     ServerShuttingDownError,
 )
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
+from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.request_defaults import RequestDefaults
 from kvforge.server.responses_output import collect_response, stream_response
 from kvforge.server.responses_store import ResponsesStore
@@ -566,7 +566,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
     tool_streams = [ToolCallStream(req.tool_choice) for _ in range(n)] if chat and req.tool_choice else None
     parsers = ([stream_calls(req.tool_parser, req.parallel_tool_calls) for _ in range(n)]
                if chat and req.tool_parser is not None else None)
-    thinking: list[ReasoningStream | None] = [None] * n  # per choice, under a reasoning parser
+    thinking: list = [None] * n  # per choice, under a reasoning parser
     try:
         if chat:
             opening = {"role": "assistant", "content": None if tool_streams is not None else ""}
@@ -581,7 +581,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             reasoning = ""
             if chat and req.reasoning is not None:  # the answer so far goes on as the text
                 if thinking[i] is None:
-                    thinking[i] = ReasoningStream(req.reasoning.parser,
+                    thinking[i] = reasoning_stream(req.reasoning.parser,
                                                   req.reasoning.opening_phase(out.prompt_token_ids))
                 reasoning, text = (thinking[i].finish if out.finished else thinking[i].feed)(text)
                 reasoning = reasoning if req.include_reasoning else ""

@@ -6,12 +6,15 @@ until they are decided."""
 from __future__ import annotations
 
 from kvforge.reasoning import ANSWER, REASONING, UNDECIDED, ReasoningParser
+from kvforge.server.harmony_split import HarmonyStream, split_harmony
 from kvforge.server.tool_parsers import partial_tag
 
 
 def split_reasoning(parser: ReasoningParser, text: str, phase: str) -> tuple[str | None, str]:
     """(reasoning, answer) of a whole output that started in ``phase``: reasoning None where the output did
     not think, the answer "" where it has none."""
+    if parser.harmony:
+        return split_harmony(text)
     if phase == ANSWER:
         return None, text
     stripped = text.lstrip()
@@ -23,6 +26,11 @@ def split_reasoning(parser: ReasoningParser, text: str, phase: str) -> tuple[str
     if at < 0:
         return text, ""
     return text[:at], text[at + len(parser.end):].lstrip()
+
+
+def reasoning_stream(parser: ReasoningParser, phase: str):
+    """The stream split of ``parser``'s outputs (``feed``, ``finish``, ``phase``, ``thought``)."""
+    return HarmonyStream() if parser.harmony else ReasoningStream(parser, phase)
 
 
 class ReasoningStream:

@@ -21,9 +21,9 @@ import logging
 
 from aiohttp import web
 
-from kvforge.reasoning import ANSWER, UNDECIDED
+from kvforge.reasoning import ANSWER
 from kvforge.server import protocol
-from kvforge.server.reasoning_split import ReasoningStream, split_reasoning
+from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.responses import (
     ResponseParts,
     call_item,
@@ -53,15 +53,9 @@ def _calls(req, answer: str) -> tuple[str, list[tuple[str, str]]]:
 
 
 def _reasoning_tokens(req, final) -> int:
-    """Output tokens spent thinking: from the output's start (or its opening tag) up to and including the
-    closing tag, all of them where it never came; none where the output did not think."""
     if req.reasoning is None:
         return 0
-    ids = list(final.outputs[0].token_ids)
-    phase = req.reasoning.opening_phase(final.prompt_token_ids)
-    if phase == ANSWER or (phase == UNDECIDED and ids[:1] != [req.reasoning.start_id]):
-        return 0
-    return ids.index(req.reasoning.end_id) + 1 if req.reasoning.end_id in ids else len(ids)
+    return req.reasoning.reasoning_token_count(final.prompt_token_ids, final.outputs[0].token_ids)
 
 
 def _parts(req, final) -> ResponseParts:
@@ -71,7 +65,9 @@ def _parts(req, final) -> ResponseParts:
         reasoning, answer = split_reasoning(req.reasoning.parser, comp.text,
                                             req.reasoning.opening_phase(final.prompt_token_ids))
     text, calls = _calls(req, answer)
-    closed = reasoning is not None and req.reasoning.parser.end in comp.text
+    # whether the reasoning ended before the output did: its closing tag, or (harmony) an answer message
+    closed = reasoning is not None and (bool(answer) if req.reasoning.parser.harmony
+                                        else req.reasoning.parser.end in comp.text)
     if not req.include_reasoning:
         reasoning = None
     named = req.tool_choice is not None and req.tool_choice.name is not None
@@ -203,7 +199,7 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
             text = out.outputs[0].text
             if req.reasoning is not None:
                 if thinking is None:
-                    thinking = ReasoningStream(req.reasoning.parser, req.reasoning.opening_phase(out.prompt_token_ids))
+                    thinking = reasoning_stream(req.reasoning.parser, req.reasoning.opening_phase(out.prompt_token_ids))
                 reasoning, text = (thinking.finish if out.finished else thinking.feed)(text)
                 if reasoning and req.include_reasoning:
                     await items.add("reasoning", reasoning)

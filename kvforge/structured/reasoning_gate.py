@@ -30,26 +30,31 @@ class ReasoningGate:
         self.inner = inner
         self.tokens = tokens
         self.phase = phase
-        # Per accepted token: the phase before it, and whether the grammar took it (for rollback).
-        self._history: deque[tuple[str, bool]] = deque(maxlen=ROLLBACK_TOKENS)
+        # Per accepted token: the state before it, and whether the grammar took it (for rollback).
+        self._history: deque[tuple[object, bool]] = deque(maxlen=ROLLBACK_TOKENS)
+
+    def _state(self) -> object:
+        return self.phase
+
+    def _restore(self, state: object) -> None:
+        self.phase = state
+
+    def _think(self, token: int) -> None:
+        """Advance the reasoning phase past ``token`` (none of it reaches the grammar)."""
+        if self.phase == UNDECIDED:
+            self.phase = REASONING
+        elif token == self.tokens.end_id:
+            self.phase = ANSWER
 
     def accept_token(self, token: int) -> bool:
-        before = self.phase
-        if before == ANSWER:
-            accepted = self.inner.accept_token(token)
-            if accepted:
-                self._history.append((before, True))
-            return accepted
-        if before == UNDECIDED and token != self.tokens.start_id:
+        before = self._state()
+        if self.phase == ANSWER or (self.phase == UNDECIDED and token != self.tokens.start_id):
             accepted = self.inner.accept_token(token)
             if accepted:
                 self.phase = ANSWER
                 self._history.append((before, True))
             return accepted
-        if before == UNDECIDED:
-            self.phase = REASONING
-        elif token == self.tokens.end_id:
-            self.phase = ANSWER
+        self._think(token)
         self._history.append((before, False))
         return True
 
@@ -70,12 +75,46 @@ class ReasoningGate:
             raise ValueError(f"cannot roll back {num_tokens} tokens: the gate holds the last {len(self._history)}")
         fed = 0
         for _ in range(num_tokens):
-            self.phase, took = self._history.pop()
+            state, took = self._history.pop()
+            self._restore(state)
             fed += took
         if fed:
             self.inner.rollback(fed)
 
     def fork(self) -> ReasoningGate:
-        child = ReasoningGate(self.inner.fork(), self.tokens, self.phase)
+        child = type(self)(self.inner.fork(), self.tokens, self.phase)
+        child._restore(self._state())
         child._history = deque(self._history, maxlen=ROLLBACK_TOKENS)
         return child
+
+
+class HarmonyGate(ReasoningGate):
+    """The gate of gpt-oss's harmony channels: the grammar decides from the token after the header of an
+    answer-channel message (``<|channel|>final ... <|message|>``); analysis and commentary messages, and
+    headers, are free."""
+
+    def __init__(self, inner, tokens: ReasoningTokens, phase: str):
+        super().__init__(inner, tokens, REASONING if phase == UNDECIDED else phase)
+        self.header: tuple[int, ...] | None = None  # the tokens after <|channel|> while a header is read
+
+    def _state(self) -> object:
+        return self.phase, self.header
+
+    def _restore(self, state: object) -> None:
+        self.phase, self.header = state
+
+    def _think(self, token: int) -> None:
+        if token == self.tokens.start_id:
+            self.header = ()
+        elif self.header is not None and token == self.tokens.end_id:
+            channel = self.tokens.answer_channel_ids
+            if self.header[:len(channel)] == channel:
+                self.phase = ANSWER
+            self.header = None
+        elif self.header is not None:
+            self.header += (token,)
+
+
+def gate_for(inner, tokens: ReasoningTokens, phase: str) -> ReasoningGate:
+    """The gate of ``tokens``' parser around the matcher ``inner``."""
+    return (HarmonyGate if tokens.parser.harmony else ReasoningGate)(inner, tokens, phase)

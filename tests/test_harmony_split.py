@@ -1,0 +1,115 @@
+"""gpt-oss's harmony channels split into reasoning and answer (kvforge/server/harmony_split.py): whole splits
+against hand-written expectations, every streamed chunking joining to the whole split, and the server's chat
+and Responses routes over a scripted harmony output."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kvforge.server.harmony_split import HarmonyStream, split_harmony  # noqa: E402
+
+ANALYSIS = "<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>It is 4."
+CALL = '<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 2, "b": 2}'
+
+
+@pytest.mark.parametrize("text, expected", [
+    (ANALYSIS + FINAL, ("User asks 2+2. Easy.", "It is 4.")),
+    (ANALYSIS + FINAL + "<|end|>", ("User asks 2+2. Easy.", "It is 4.")),
+    (ANALYSIS, ("User asks 2+2. Easy.", "")),
+    ("<|channel|>analysis<|message|>cut mid-thou", ("cut mid-thou", "")),  # stopped while thinking
+    ("<|channel|>final<|message|>Just 4.", (None, "Just 4.")),
+    (ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL,
+     ("User asks 2+2. Easy.", "Checking.It is 4.")),  # a preamble is shown to the user
+    (ANALYSIS + CALL, ("User asks 2+2. Easy.", CALL)),  # a tool call stays as written, for a tool-call parser
+    ("Plain text, no channels.", (None, "Plain text, no channels.")),
+    (ANALYSIS + "<|start|>assistant<|channel|>fin", ("User asks 2+2. Easy.", "<|start|>assistant<|channel|>fin")),
+])
+def test_whole_split(text, expected):
+    assert split_harmony(text) == expected
+
+
+def _chunkings(text: str):
+    yield [text]
+    yield list(text)
+    for i, j in itertools.combinations(range(1, len(text), 7), 2):
+        yield [text[:i], text[i:j], text[j:]]
+
+
+@pytest.mark.parametrize("text", [ANALYSIS + FINAL, ANALYSIS + CALL, "<|channel|>final<|message|>x<|e",
+                                  "Plain.", ANALYSIS + "<|start|>assist"])
+def test_stream_joins_to_the_whole_split(text):
+    reasoning, answer = split_harmony(text)
+    for chunks in _chunkings(text):
+        stream, so_far, pieces, answers = HarmonyStream(), "", [], []
+        for k, chunk in enumerate(chunks):
+            so_far += chunk
+            piece, answer_so_far = (stream.finish if k == len(chunks) - 1 else stream.feed)(so_far)
+            assert not answers or answer_so_far.startswith(answers[-1]), chunks
+            pieces.append(piece)
+            answers.append(answer_so_far)
+        assert ("".join(pieces), answers[-1]) == (reasoning or "", answer), chunks
+        assert stream.thought == (reasoning is not None)
+
+
+def test_the_parser_checks_the_markers_and_keeps_special_tokens(tmp_path):
+    from think_tokenizer import write_think_tokenizer
+
+    from kvforge.errors import ConfigError
+    from kvforge.reasoning import reasoning_tokens
+    from kvforge.tokenizer import Tokenizer
+
+    with pytest.raises(ConfigError, match="'<\\\\|channel\\\\|>' is not one token"):
+        reasoning_tokens("openai_gptoss", Tokenizer.from_hf_dir(write_think_tokenizer(tmp_path / "think")))
+    tags = reasoning_tokens("openai_gptoss", Tokenizer.from_hf_dir(write_harmony_tokenizer(tmp_path / "harmony")))
+    assert tags.parser.harmony and tags.tags_special and (tags.start_id, tags.end_id) == (5, 6)
+    assert tags.answer_channel_ids and tags.reasoning_token_count([], [5, 9, 6, 7, 8, 5, *tags.answer_channel_ids]) == 5
+
+
+def write_harmony_tokenizer(directory: Path) -> Path:
+    """The embedded tokenizer with four unused special tokens renamed as harmony's markers (special, as in
+    gpt-oss's tokenizer)."""
+    from think_tokenizer import rename_tokens
+
+    return rename_tokens(directory, {5: "<|channel|>", 6: "<|message|>", 7: "<|end|>", 8: "<|start|>"}, special=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    from fake_engine import ScriptedEngine
+
+    from kvforge.reasoning import REASONING_PARSERS, ReasoningTokens
+    from kvforge.server.app import ServerThread, create_app
+
+    engine = ScriptedEngine(ANALYSIS + FINAL)
+    engine.reasoning = ReasoningTokens(REASONING_PARSERS["openai_gptoss"], start_id=-1, end_id=-2, tags_special=True)
+    with ServerThread(create_app(engine)) as srv:
+        yield srv
+
+
+def test_chat_and_responses_over_a_harmony_output(server):
+    from fake_engine import openai_client
+
+    client = openai_client(server)
+    kw = dict(model="fake-model", messages=[{"role": "user", "content": "2+2?"}], max_tokens=200)
+    message = client.chat.completions.create(**kw).choices[0].message
+    assert (message.content, message.model_extra["reasoning"]) == ("It is 4.", "User asks 2+2. Easy.")
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "It is 4."
+    assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == "User asks 2+2. Easy."
+    r = client.responses.create(model="fake-model", input="2+2?", max_output_tokens=200)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "It is 4."
+    assert r.output[0].content[0].text == "User asks 2+2. Easy."
+    body = json.dumps({"model": "fake-model", "messages": kw["messages"], "skip_special_tokens": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:  # the markers are special tokens: skipping them is refused
+        urllib.request.urlopen(req, timeout=30)
+    assert json.loads(err.value.read())["error"]["param"] == "skip_special_tokens"
