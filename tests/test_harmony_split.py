@@ -113,3 +113,30 @@ def test_chat_and_responses_over_a_harmony_output(server):
     with pytest.raises(urllib.error.HTTPError) as err:  # the markers are special tokens: skipping them is refused
         urllib.request.urlopen(req, timeout=30)
     assert json.loads(err.value.read())["error"]["param"] == "skip_special_tokens"
+
+
+def test_gpt_oss_tool_calls_with_the_openai_parser():
+    """A scripted gpt-oss output that thinks and then calls a function: reasoning apart, the call parsed, whole
+    and streamed, on the chat and Responses routes."""
+    from fake_engine import ScriptedEngine, openai_client
+
+    from kvforge.reasoning import REASONING_PARSERS, ReasoningTokens
+    from kvforge.server.app import ServerThread, create_app
+
+    engine = ScriptedEngine(ANALYSIS + CALL)
+    engine.reasoning = ReasoningTokens(REASONING_PARSERS["openai_gptoss"], start_id=-1, end_id=-2, tags_special=True)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    with ServerThread(create_app(engine, tool_parser="openai")) as srv:
+        client = openai_client(srv)
+        kw = dict(model="fake-model", messages=[{"role": "user", "content": "2+2?"}], tools=tools, max_tokens=300)
+        choice = client.chat.completions.create(**kw).choices[0]
+        chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        r = client.responses.create(model="fake-model", input="2+2?", max_output_tokens=300,
+                                    tools=[{"type": "function", "name": "add", "parameters": {"type": "object"}}])
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments), choice.finish_reason) == ("add", {"a": 2, "b": 2},
+                                                                                             "tool_calls")
+    assert choice.message.content is None and choice.message.model_extra["reasoning"] == "User asks 2+2. Easy."
+    streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
+    assert [(o.type, getattr(o, "name", None)) for o in r.output] == [("reasoning", None), ("function_call", "add")]

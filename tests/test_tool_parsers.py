@@ -22,6 +22,7 @@ from kvforge.server.tool_parsers import (
     parse_hermes,
     parse_llama3_json,
     parse_mistral,
+    parse_openai,
     parse_pythonic,
     stream_calls,
 )
@@ -87,7 +88,23 @@ def test_mistral_whole_outputs():
         assert parse_mistral(text) == (text, [])  # not calls only after the tag: all content
 
 
+HARMONY_CALL = ('Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                '<|message|>{"city": "Paris"}')
+
+
+def test_openai_whole_outputs():
+    """gpt-oss's harmony calls, as the harmony split leaves them in the answer (kvforge/server/harmony_split.py)."""
+    assert parse_openai(HARMONY_CALL) == ("Checking.", [("get_weather", '{"city": "Paris"}')])
+    before = '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|end|>'
+    assert parse_openai(before + HARMONY_CALL) == ("Checking.", [("f", '{"a": 1}'), ("get_weather",
+                                                                                    '{"city": "Paris"}')])
+    for text in ("It is sunny.", "<|channel|>commentary to=functions.f<|message|>{broken",
+                 "<|channel|>commentary to=browser.search<|message|>{}", "<|channel|>commentary to=functions.f"):
+        assert parse_openai(text) == (text, [])  # not a call: content as written
+
+
 @pytest.mark.parametrize("parser, text", [
+    ("openai", HARMONY_CALL), ("openai", "plain <|sta text"), ("openai", "x<|channel|>commentary to=functions.f"),
     ("mistral", MISTRAL_V3), ("mistral", MISTRAL_V11), ("mistral", "plain [TOOL_CAL text [ and [TOOL"),
     ("mistral", "  hi [TOOL_CALLS]broken  "), ("mistral", "Météo ☀  \n[TOOL_CALLS]f[ARGS]{}"),
     ("pythonic", PYTHONIC_CALLS), ("pythonic", "  plain text ["), ("pythonic", "[1, 2"), ("pythonic", "[f(x)]"),

@@ -52,8 +52,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the syntax the model writes tool calls in: hermes (<tool_call>{json}</tool_call>, as "
                         "Hermes and Qwen 2.5/3 write them), llama3_json (a JSON object per call, as Llama "
-                        "3.1-3.3 write them), pythonic ([f(x=1), g()], Llama 3.2 and 4) or mistral "
-                        "([TOOL_CALLS] and the calls)")
+                        "3.1-3.3 write them), pythonic ([f(x=1), g()], Llama 3.2 and 4), mistral "
+                        "([TOOL_CALLS] and the calls) or openai (gpt-oss's harmony messages to=functions.NAME)")
     g.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                    help="chat template variables every chat gets unless it sends its own, e.g. "
                         "'{\"enable_thinking\": false}' (vLLM's flag)")

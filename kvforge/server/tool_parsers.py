@@ -31,6 +31,12 @@ says otherwise: ``KEEPS_SPECIAL_TOKENS``). What follows the first ``[TOOL_CALLS]
 parses whole; else the whole output is content. Streamed, content goes out as generated (a tail that may
 begin ``[TOOL_CALLS]``, or is whitespace, waits), then the calls at the end.
 
+``openai`` (gpt-oss, with ``--reasoning-parser openai_gptoss``): a harmony message addressed to a function,
+``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS``, is a call (its recipient
+may also stand before the channel); the harmony split leaves such messages in the answer as written, and
+the rest of the answer is the content. Its markers are special tokens (``KEEPS_SPECIAL_TOKENS``). Streamed,
+content goes out up to the first marker, the calls at the end.
+
 Each parser gives ``parse(text) -> (content, [(name, arguments JSON)])`` and ``stream()``, an object whose
 ``feed(text so far)`` returns (new content, new calls) and ``finish(text)`` the content still held.
 """
@@ -39,7 +45,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
+import re
 from collections.abc import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -298,11 +306,13 @@ def parse_mistral(text: str) -> tuple[str, list[tuple[str, str]]]:
     return (text[:at].rstrip(), calls) if calls else (text, [])
 
 
-class MistralStream:
-    """Incremental :func:`parse_mistral`: content streams up to ``[TOOL_CALLS]`` (a tail that may begin it, or
-    is whitespace, held until decided); from there the output waits for its end."""
+class TaggedStream:
+    """Incremental parse of a format whose calls follow a tag (``tags``: any of them begins the calls):
+    content streams up to the first tag (a tail that may begin one, or is whitespace, held until decided);
+    from there the output waits for its end, where ``parse`` decides."""
 
-    def __init__(self):
+    def __init__(self, tags: tuple[str, ...], parse: Callable[[str], tuple[str, list[tuple[str, str]]]]):
+        self.tags, self.parse = tags, parse
         self.sent = 0  # characters of the text handed out as content or held as whitespace
         self.calls = 0
         self.spaces = ""
@@ -312,13 +322,12 @@ class MistralStream:
         if self.tagged:
             return "", []
         rest = text[self.sent:]
-        at = rest.find(MISTRAL_CALLS)
+        at = min((i for i in (rest.find(tag) for tag in self.tags) if i >= 0), default=-1)
         if at >= 0:
             self.tagged = True
             new = rest[:at]
         else:
-            keep = partial_tag(rest, MISTRAL_CALLS)
-            new = rest[:len(rest) - keep]
+            new = rest[:len(rest) - max(partial_tag(rest, tag) for tag in self.tags)]
         self.sent += len(new)
         combined = self.spaces + new
         kept = combined.rstrip()
@@ -327,12 +336,39 @@ class MistralStream:
 
     def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
         content, _ = self.feed(text)
-        _, calls = parse_mistral(text)
+        _, calls = self.parse(text)
         self.calls += len(calls)
         if calls:
             return content, calls
         tail, self.sent, self.spaces = self.spaces + text[self.sent:], len(text), ""
         return content + tail, []
+
+
+HARMONY_MARKERS = ("<|start|>", "<|channel|>")
+_HARMONY_HEADER = re.compile(r"(?:<\|start\|>[^<]*)?<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>")
+_HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_\-.]+)")
+
+
+def parse_openai(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """(content, calls) of an answer holding harmony messages (module docstring): each message addressed to a
+    function whose arguments parse as a JSON object is a call; anything else stays in the content."""
+    content, calls, at = [], [], 0
+    for header in _HARMONY_HEADER.finditer(text):
+        recipient = _HARMONY_RECIPIENT.search(header.group(0))
+        if recipient is None:
+            continue
+        body = header.end()
+        ends = [i for i in (text.find("<|end|>", body), text.find("<|start|>", body)) if i >= 0]
+        end = min(ends) if ends else len(text)
+        call = _call(json.dumps({"name": recipient.group(1), "arguments": text[body:end].strip()}))
+        if call is None:
+            continue
+        content.append(text[at:header.start()])
+        calls.append(call)
+        at = end + len("<|end|>") if text.startswith("<|end|>", end) else end
+    content.append(text[at:])
+    joined = "".join(content)
+    return (joined.strip() if calls else joined), calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,11 +384,12 @@ class ToolParser:
 PARSERS = {
     "hermes": ToolParser(parse_hermes, HermesStream),
     "llama3_json": ToolParser(parse_llama3_json, Llama3JsonStream),
-    "mistral": ToolParser(parse_mistral, MistralStream),
+    "mistral": ToolParser(parse_mistral, functools.partial(TaggedStream, (MISTRAL_CALLS,), parse_mistral)),
+    "openai": ToolParser(parse_openai, functools.partial(TaggedStream, HARMONY_MARKERS, parse_openai)),
     "pythonic": ToolParser(parse_pythonic, PythonicStream),
 }
 #: Parsers whose syntax is made of special tokens: their requests are detokenized with them by default.
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
 
 
 class FirstCallOnly:
