@@ -27,12 +27,20 @@ class VllmFlag:
     neutral: tuple[str, ...] | None
     why: str
     also_neutral: Callable[[object], bool] | None = None
+    optional_value: bool = False  # the value may be left out (``--hf-token`` alone, as vLLM takes it)
 
     def is_neutral(self, value) -> bool:
-        """Whether ``value`` changes nothing here."""
-        if self.neutral is None or str(value) in self.neutral:
+        """Whether ``value`` changes nothing here (numbers compared as numbers: ``0.0`` is ``0``)."""
+        if self.neutral is None or str(value) in self.neutral or any(_same_number(value, n) for n in self.neutral):
             return True
         return self.also_neutral is not None and self.also_neutral(value)
+
+
+def _same_number(value, neutral: str) -> bool:
+    try:
+        return float(value) == float(neutral)
+    except (TypeError, ValueError):
+        return False
 
 
 def _neutral_structured_outputs_config(value) -> bool:
@@ -90,7 +98,7 @@ ENGINE_FLAGS = (
              "checkpoint directory's config.json"),
     VllmFlag(("--rope-scaling",), True, (), "rope scaling comes from the checkpoint's config.json: edit a copy of "
              "it"),
-    VllmFlag(("--hf-token",), True, None, "accepted, no effect: kvforge never downloads"),
+    VllmFlag(("--hf-token",), True, None, "accepted, no effect: kvforge never downloads", optional_value=True),
     VllmFlag(("--distributed-executor-backend",), True, ("mp",), "tensor-parallel ranks are processes kvforge "
              "starts itself (torch.distributed); leave it at mp"),
     VllmFlag(("--cpu-offload-gb", "--kv-offloading-size"), True, ("0",), "weights and KV stay on the GPU: lower "
@@ -153,7 +161,8 @@ SERVER_FLAGS = (
 class _VllmFlagAction(argparse.Action):
     def __init__(self, option_strings, dest, flag: VllmFlag, **kwargs):
         self.flag = flag
-        super().__init__(option_strings, dest, nargs=None if flag.takes_value else 0, default=argparse.SUPPRESS,
+        nargs = ("?" if flag.optional_value else None) if flag.takes_value else 0
+        super().__init__(option_strings, dest, nargs=nargs, default=argparse.SUPPRESS,
                          help=(f"(vLLM's flag) {flag.why}" if flag.neutral is None else
                                f"(vLLM's flag, not supported) {flag.why}"), **kwargs)
 
