@@ -46,6 +46,7 @@ class ReasoningParser:
     harmony: bool = False
     markers: tuple[str, ...] = ("<think>", "</think>")
     answer_channel: str = ""
+    reasoning_channel: str = ""
 
 
 #: --reasoning-parser NAME -> its rules. DeepSeek-V3.1 and GLM-4.5 templates open the block for the model (or
@@ -57,7 +58,7 @@ REASONING_PARSERS = {
     "qwen3": ReasoningParser("qwen3", always_thinks=False),
     "openai_gptoss": ReasoningParser("openai_gptoss", always_thinks=True, start="<|channel|>", end="<|message|>",
                                      harmony=True, markers=("<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
-                                     answer_channel="final"),
+                                     answer_channel="final", reasoning_channel="analysis"),
 }
 
 
@@ -90,21 +91,23 @@ class ReasoningTokens:
     special_ids: frozenset[int] = frozenset()
     tags_special: bool = False
     answer_channel_ids: tuple[int, ...] = ()  # harmony: the answer channel's name as tokens
+    reasoning_channel_ids: tuple[int, ...] = ()  # harmony: the reasoning channel's name as tokens
 
     def opening_phase(self, prompt_ids: Sequence[int]) -> str:
         return opening_phase(self.parser, prompt_ids, self.start_id, self.end_id, self.special_ids)
 
     def reasoning_token_count(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int:
         """Output tokens spent thinking: up to and including the closing tag (all of them where it never
-        came; none where the output did not think). Harmony: the tokens before the answer channel's
-        header (all of them where no answer came; none where no other channel came either)."""
+        came; none where the output did not think). Harmony: the tokens before the first header of another
+        channel than the reasoning one (all of them where none came)."""
         ids = list(output_ids)
         if self.parser.harmony:
-            width = len(self.answer_channel_ids)
-            for k, token in enumerate(ids):
-                if token == self.start_id and tuple(ids[k + 1:k + 1 + width]) == self.answer_channel_ids:
+            width = len(self.reasoning_channel_ids)
+            headers = [k for k, token in enumerate(ids) if token == self.start_id]
+            for k in headers:
+                if tuple(ids[k + 1:k + 1 + width]) != self.reasoning_channel_ids:
                     return k
-            return len(ids) if self.start_id in ids else 0
+            return len(ids) if headers else 0
         phase = self.opening_phase(prompt_ids)
         if phase == ANSWER or (phase == UNDECIDED and ids[:1] != [self.start_id]):
             return 0
@@ -130,6 +133,10 @@ def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
                               f"so the model does not think in {name}'s format; leave --reasoning-parser unset")
         ids[tag] = token
     special = frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special)
-    channel = tuple(tokenizer.encode(parser.answer_channel, add_special_tokens=False)) if parser.harmony else ()
+    def channel(name: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(name, add_special_tokens=False)) if parser.harmony else ()
+
     return ReasoningTokens(parser, ids[parser.start], ids[parser.end], special - set(ids.values()),
-                           tags_special=bool(special & set(ids.values())), answer_channel_ids=channel)
+                           tags_special=bool(special & set(ids.values())),
+                           answer_channel_ids=channel(parser.answer_channel),
+                           reasoning_channel_ids=channel(parser.reasoning_channel))

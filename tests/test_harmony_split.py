@@ -28,10 +28,13 @@ CALL = '<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>js
     ("<|channel|>analysis<|message|>cut mid-thou", ("cut mid-thou", "")),  # stopped while thinking
     ("<|channel|>final<|message|>Just 4.", (None, "Just 4.")),
     (ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL,
-     ("User asks 2+2. Easy.", "Checking.It is 4.")),  # a preamble is shown to the user
+     ("User asks 2+2. Easy.", "Checking.\nIt is 4.")),  # a preamble is shown to the user, messages joined
+    (ANALYSIS + "<|start|>assistant<|channel|>analysis<|message|>Sure.<|end|>", ("User asks 2+2. Easy.\nSure.", "")),
+    ("<|channel|>analysis to=browser.search code<|message|>{\"q\": 1}<|call|>", ('{"q": 1}', "")),  # not served
+    ("<|channel|>final<|message|>done<|return|>", (None, "done")),  # a stop token read as text adds none
     (ANALYSIS + CALL, ("User asks 2+2. Easy.", CALL)),  # a tool call stays as written, for a tool-call parser
     ("Plain text, no channels.", (None, "Plain text, no channels.")),
-    (ANALYSIS + "<|start|>assistant<|channel|>fin", ("User asks 2+2. Easy.", "<|start|>assistant<|channel|>fin")),
+    (ANALYSIS + "<|start|>assistant<|channel|>fin", ("User asks 2+2. Easy.", "")),  # a cut header adds nothing
 ])
 def test_whole_split(text, expected):
     assert split_harmony(text) == expected
@@ -45,7 +48,8 @@ def _chunkings(text: str):
 
 
 @pytest.mark.parametrize("text", [ANALYSIS + FINAL, ANALYSIS + CALL, "<|channel|>final<|message|>x<|e",
-                                  "Plain.", ANALYSIS + "<|start|>assist"])
+                                  "Plain.", ANALYSIS + "<|start|>assist", ANALYSIS + ANALYSIS + FINAL,
+                                  "<|channel|>analysis<|message|>cut mid-thou"])
 def test_stream_joins_to_the_whole_split(text):
     reasoning, answer = split_harmony(text)
     for chunks in _chunkings(text):
@@ -71,7 +75,11 @@ def test_the_parser_checks_the_markers_and_keeps_special_tokens(tmp_path):
         reasoning_tokens("openai_gptoss", Tokenizer.from_hf_dir(write_think_tokenizer(tmp_path / "think")))
     tags = reasoning_tokens("openai_gptoss", Tokenizer.from_hf_dir(write_harmony_tokenizer(tmp_path / "harmony")))
     assert tags.parser.harmony and tags.tags_special and (tags.start_id, tags.end_id) == (5, 6)
-    assert tags.answer_channel_ids and tags.reasoning_token_count([], [5, 9, 6, 7, 8, 5, *tags.answer_channel_ids]) == 5
+    analysis = list(tags.reasoning_channel_ids)
+    assert tags.answer_channel_ids and tags.reasoning_token_count([], [5, *analysis, 6, 9, 7, 8, 5, 12]) == 5 + len(
+        analysis)  # up to the header of another channel
+    assert tags.reasoning_token_count([], [5, *analysis, 6, 9]) == 3 + len(analysis)  # thinking to the end
+    assert tags.reasoning_token_count([], [9, 9]) == 0
 
 
 def write_harmony_tokenizer(directory: Path) -> Path:
@@ -140,3 +148,9 @@ def test_gpt_oss_tool_calls_with_the_openai_parser():
     streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
     assert [(o.type, getattr(o, "name", None)) for o in r.output] == [("reasoning", None), ("function_call", "add")]
+    with ServerThread(create_app(engine, tool_parser="openai")) as srv:
+        import openai
+
+        with pytest.raises(openai.BadRequestError) as err:  # gpt-oss calls in commentary: no forced constraint
+            openai_client(srv).chat.completions.create(**{**kw, "tool_choice": "required"})
+    assert err.value.body["param"] == "tool_choice" and "send \"auto\"" in err.value.message

@@ -98,13 +98,17 @@ def test_openai_whole_outputs():
     before = '<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": 1}<|end|>'
     assert parse_openai(before + HARMONY_CALL) == ("Checking.", [("f", '{"a": 1}'), ("get_weather",
                                                                                     '{"city": "Paris"}')])
-    for text in ("It is sunny.", "<|channel|>commentary to=functions.f<|message|>{broken",
-                 "<|channel|>commentary to=browser.search<|message|>{}", "<|channel|>commentary to=functions.f"):
-        assert parse_openai(text) == (text, [])  # not a call: content as written
+    for text in ("It is sunny.", "<|channel|>commentary to=browser.search<|message|>{}"):
+        assert parse_openai(text) == (text, [])  # not a function call: content as written
+    # a function call cut short (or broken) is dropped with its markers: no markup reaches the content
+    assert parse_openai("Checking.<|channel|>commentary to=functions.f<|message|>{\"city\": \"Pa") == ("Checking.", [])
+    assert parse_openai("\nLet me.<|channel|>commentary to=functions.f<|message|>{}") == ("\nLet me.", [("f", "{}")])
 
 
 @pytest.mark.parametrize("parser, text", [
     ("openai", HARMONY_CALL), ("openai", "plain <|sta text"), ("openai", "x<|channel|>commentary to=functions.f"),
+    ("openai", "\n  Let me.<|channel|>commentary to=functions.f<|message|>{}"),
+    ("openai", "Go.<|channel|>commentary to=functions.f<|message|>{\"a\": 1<|end|>tail"),
     ("mistral", MISTRAL_V3), ("mistral", MISTRAL_V11), ("mistral", "plain [TOOL_CAL text [ and [TOOL"),
     ("mistral", "  hi [TOOL_CALLS]broken  "), ("mistral", "Météo ☀  \n[TOOL_CALLS]f[ARGS]{}"),
     ("pythonic", PYTHONIC_CALLS), ("pythonic", "  plain text ["), ("pythonic", "[1, 2"), ("pythonic", "[f(x)]"),

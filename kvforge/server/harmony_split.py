@@ -6,14 +6,17 @@ A harmony output is a run of messages, each a header and its content: ``<|channe
 ``<|call|>`` end generation and add no text); a later message starts with ``<|start|>assistant``. The text
 is read with its special tokens (the server keeps them for these requests).
 
-- ``analysis`` messages are the reasoning (joined in order);
+- ``analysis`` messages are the reasoning, and so are calls to built-in tools (``to=browser.search``,
+  ``to=python``), which the server does not run;
 - ``final`` messages, and ``commentary`` messages without a recipient (preambles shown to the user), are
   the answer: their contents;
-- a message with a recipient (a tool call, ``to=functions.NAME``) stays in the answer as written, header
-  and all, for a tool-call parser; a message of an unknown channel too.
+- a call to a function (``to=functions.NAME``) stays in the answer as written, header and all, for the
+  ``openai`` tool-call parser.
 
-Text before the first header, or an output without any, is answer. Streamed, a header is read once its
-``<|message|>`` has come, and a tail that may begin a marker waits; the pieces join to the whole split.
+Several messages of one kind join with newlines. Text before the first header, or an output without any,
+is answer; a header the output never finished adds nothing, so no marker reaches the answer but a function
+call's. Streamed, a header is read once its ``<|message|>`` has come, and a tail that may begin a marker
+waits; the pieces join to the whole split.
 """
 
 from __future__ import annotations
@@ -44,46 +47,54 @@ def _channel(header: str) -> str:
 
 
 def _content_end(text: str, at: int) -> int:
-    ends = [i for i in (text.find(END, at), text.find(START, at), text.find(CALL, at), text.find(RETURN, at))
-            if i >= 0]
+    ends = [i for i in (text.find(m, at) for m in (END, START, CALL, RETURN)) if i >= 0]
     return min(ends) if ends else len(text)
 
 
-def _parse(text: str, complete: bool) -> tuple[list[str], list[str]]:
-    """(reasoning pieces, answer pieces) of ``text``; where not ``complete``, a header still without its
-    ``<|message|>`` adds nothing yet."""
+def _past_terminator(text: str, at: int) -> int:
+    """``at`` moved past a message's ``<|end|>`` (or ``<|call|>`` / ``<|return|>``, where they are text)."""
+    for marker in (END, CALL, RETURN):
+        if text.startswith(marker, at):
+            return at + len(marker)
+    return at
+
+
+def _parse(text: str) -> tuple[list[str], list[str], bool]:
+    """(reasoning pieces, answer pieces, whether an answer began) of ``text``. A header without its
+    ``<|message|>`` yet (or ever: an output cut inside it) adds nothing."""
     reasoning, answer = [], []
     first = min((i for i in (text.find(CHANNEL), text.find(START)) if i >= 0), default=-1)
     if first < 0:
-        return reasoning, [text]
+        return reasoning, [text] if text else [], bool(text)
     if first > 0:
         answer.append(text[:first])
-    at = first
+    at, answered = first, first > 0
     while at < len(text):
         opens = text.find(MESSAGE, at)
         if opens < 0:
-            if complete:  # a header the output never finished: as written
-                answer.append(text[at:])
             break
         header = text[at:opens]
         body = opens + len(MESSAGE)
         ends = _content_end(text, body)
         content = text[body:ends]
-        channel = _channel(header)
-        if _RECIPIENT.search(header) or channel not in ("analysis", "final", "commentary"):
-            answer.append(text[at:ends])  # a tool call (or a channel this split does not know): as written
-        elif channel == "analysis":
-            reasoning.append(content)
+        recipient = _RECIPIENT.search(header)
+        if recipient and recipient.group(1).startswith("functions."):
+            answer.append(text[at:ends])  # a function call: as written, for the tool-call parser
+            answered = True
+        elif recipient or _channel(header) == "analysis":
+            reasoning.append(content)  # thinking, or a built-in tool's call (browser, python): not served
         else:
-            answer.append(content)
-        at = ends + len(END) if text.startswith(END, ends) else ends
-    return reasoning, answer
+            answer.append(content)  # final, a commentary preamble, or a channel this split does not know
+            answered = True
+        at = _past_terminator(text, ends)
+    return reasoning, answer, answered
 
 
 def split_harmony(text: str) -> tuple[str | None, str]:
-    """(reasoning, answer) of a whole harmony output; reasoning None where it has no analysis message."""
-    reasoning, answer = _parse(text, complete=True)
-    return ("".join(reasoning) if reasoning else None), "".join(answer)
+    """(reasoning, answer) of a whole harmony output; reasoning None where it has no analysis message.
+    Several messages of one kind are joined by newlines."""
+    reasoning, answer, _ = _parse(text)
+    return ("\n".join(reasoning) if reasoning else None), "\n".join(answer)
 
 
 class HarmonyStream:
@@ -97,16 +108,16 @@ class HarmonyStream:
         self.thought = False
 
     def feed(self, text: str) -> tuple[str, str]:
-        return self._step(text[:len(text) - _partial_marker(text)], complete=False)
+        return self._step(text[:len(text) - _partial_marker(text)])
 
     def finish(self, text: str) -> tuple[str, str]:
-        return self._step(text, complete=True)
+        return self._step(text)
 
-    def _step(self, text: str, complete: bool) -> tuple[str, str]:
-        reasoning, answer = _parse(text, complete)
-        joined = "".join(reasoning)
+    def _step(self, text: str) -> tuple[str, str]:
+        reasoning, answer, answered = _parse(text)
+        joined = "\n".join(reasoning)
         new, self.sent = joined[self.sent:], len(joined)
         self.thought = self.thought or bool(reasoning)
-        if answer:
+        if answered:
             self.phase = ANSWER
-        return new, "".join(answer)
+        return new, "\n".join(answer)

@@ -665,6 +665,9 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
                                              "and the reasoning could not be told from the answer; leave it unset")
         common["sampling"]["skip_special_tokens"] = False
     if forced is not None:
+        if reasoning is not None and reasoning.parser.harmony:
+            bad_field("tool_choice", "gpt-oss writes its calls in its commentary channel, where a forced call's "
+                                     "constraint cannot hold: send \"auto\" (with --tool-call-parser openai)")
         if common["sampling"]["structured_outputs"] is not None:
             bad_field("tool_choice", "forces a tool call, whose arguments are the output's constraint, and the "
                                      "request constrains its output too (response_format or structured_outputs): "

@@ -99,8 +99,8 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)  # the calls of one turn in one assistant message
+            if last is not None and last["role"] == "assistant":  # one turn's text and calls: one message
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":

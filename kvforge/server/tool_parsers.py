@@ -314,6 +314,7 @@ class TaggedStream:
     def __init__(self, tags: tuple[str, ...], parse: Callable[[str], tuple[str, list[tuple[str, str]]]]):
         self.tags, self.parse = tags, parse
         self.sent = 0  # characters of the text handed out as content or held as whitespace
+        self.handed = ""  # the content handed out
         self.calls = 0
         self.spaces = ""
         self.tagged = False
@@ -332,16 +333,17 @@ class TaggedStream:
         combined = self.spaces + new
         kept = combined.rstrip()
         self.spaces = combined[len(kept):]
+        self.handed += kept
         return kept, []
 
     def finish(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """The content the whole parse has beyond what went out, and the calls."""
         content, _ = self.feed(text)
-        _, calls = self.parse(text)
+        whole, calls = self.parse(text)
         self.calls += len(calls)
-        if calls:
-            return content, calls
-        tail, self.sent, self.spaces = self.spaces + text[self.sent:], len(text), ""
-        return content + tail, []
+        rest = whole[len(self.handed):] if whole.startswith(self.handed) else whole
+        self.handed, self.sent, self.spaces = whole, len(text), ""
+        return content + rest, calls
 
 
 HARMONY_MARKERS = ("<|start|>", "<|channel|>")
@@ -351,24 +353,29 @@ _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_\-.]+)")
 
 def parse_openai(text: str) -> tuple[str, list[tuple[str, str]]]:
     """(content, calls) of an answer holding harmony messages (module docstring): each message addressed to a
-    function whose arguments parse as a JSON object is a call; anything else stays in the content."""
+    function whose arguments parse as a JSON object is a call; one that does not (cut short, broken) is
+    dropped with its markers; the rest is the content (its trailing whitespace dropped where calls were
+    taken)."""
     content, calls, at = [], [], 0
     for header in _HARMONY_HEADER.finditer(text):
         recipient = _HARMONY_RECIPIENT.search(header.group(0))
-        if recipient is None:
+        if recipient is None or header.start() < at:
             continue
         body = header.end()
-        ends = [i for i in (text.find("<|end|>", body), text.find("<|start|>", body)) if i >= 0]
+        ends = [i for i in (text.find(m, body) for m in ("<|end|>", "<|start|>", "<|call|>", "<|return|>")) if i >= 0]
         end = min(ends) if ends else len(text)
         call = _call(json.dumps({"name": recipient.group(1), "arguments": text[body:end].strip()}))
-        if call is None:
-            continue
         content.append(text[at:header.start()])
-        calls.append(call)
-        at = end + len("<|end|>") if text.startswith("<|end|>", end) else end
+        if call is not None:
+            calls.append(call)
+        at = end
+        for marker in ("<|end|>", "<|call|>", "<|return|>"):
+            if text.startswith(marker, at):
+                at += len(marker)
+                break
     content.append(text[at:])
     joined = "".join(content)
-    return (joined.strip() if calls else joined), calls
+    return (joined.rstrip() if calls else joined), calls
 
 
 @dataclasses.dataclass(frozen=True)
