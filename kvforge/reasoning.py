@@ -92,8 +92,19 @@ class ReasoningTokens:
     tags_special: bool = False
     answer_channel_ids: tuple[int, ...] = ()  # harmony: the answer channel's name as tokens
     reasoning_channel_ids: tuple[int, ...] = ()  # harmony: the reasoning channel's name as tokens
+    marker_ids: frozenset[int] = frozenset()  # every marker of the parser's format (harmony's four)
 
     def opening_phase(self, prompt_ids: Sequence[int]) -> str:
+        """Harmony: the answer where the prompt ends inside an answer-channel message (a continued final
+        message: its last header names that channel and no marker follows its ``<|message|>``), else the
+        reasoning. Otherwise :func:`opening_phase`."""
+        if self.parser.harmony:
+            header = _last(prompt_ids, self.start_id)
+            opens = _last(prompt_ids, self.end_id)
+            width = len(self.answer_channel_ids)
+            inside = (0 <= header < opens and tuple(prompt_ids[header + 1:header + 1 + width]) == self.answer_channel_ids
+                      and not any(t in self.special_ids or t in self.marker_ids for t in prompt_ids[opens + 1:]))
+            return ANSWER if inside else REASONING
         return opening_phase(self.parser, prompt_ids, self.start_id, self.end_id, self.special_ids)
 
     def reasoning_token_count(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> int:
@@ -139,4 +150,5 @@ def reasoning_tokens(name: str, tokenizer) -> ReasoningTokens:
     return ReasoningTokens(parser, ids[parser.start], ids[parser.end], special - set(ids.values()),
                            tags_special=bool(special & set(ids.values())),
                            answer_channel_ids=channel(parser.answer_channel),
-                           reasoning_channel_ids=channel(parser.reasoning_channel))
+                           reasoning_channel_ids=channel(parser.reasoning_channel),
+                           marker_ids=frozenset(ids.values()))

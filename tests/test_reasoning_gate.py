@@ -157,3 +157,7 @@ def test_harmony_gate_holds_the_final_channel_only(tmp_path):
     for t in [message, *yes]:
         assert gate.accept_token(t)
     assert gate.fork().phase == ANSWER
+    # a prompt that ends inside a final message (continuing it): the output is answer from its first token
+    assert tags.opening_phase([8, *words("assistant"), *header, *words("It is")]) == ANSWER
+    assert tags.opening_phase([8, *words("assistant"), *header, *words("It is"), end, 8]) == REASONING
+    assert tags.opening_phase([8, *words("assistant"), channel, *words("analysis"), message]) == REASONING
