@@ -45,6 +45,12 @@ _COUNT_FIELDS = ("tensor_parallel_size", "max_model_len", "block_size", "max_num
                  "long_prefill_token_threshold", "num_speculative_tokens")
 
 
+def _check_choice(flag: str, value, choices) -> None:
+    """ConfigError naming ``flag`` and its ``choices`` unless ``value`` is one of them."""
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Engine options. ``model=None`` means the embedded SmolLM2-135M-Instruct GGUF.
@@ -151,15 +157,10 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"--seed must be an integer (it seeds dummy weights and torch's generator), got "
                               f"{self.seed!r}; pass an int such as 0, the default")
-        if self.chat_template_content_format not in CHAT_CONTENT_FORMATS:
-            raise ConfigError(f"--chat-template-content-format must be one of {', '.join(CHAT_CONTENT_FORMATS)}, got "
-                              f"{self.chat_template_content_format!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
-                              f"{self.scheduling_policy!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ConfigError(f"--reasoning-parser must be one of {', '.join(sorted(REASONING_PARSERS))}, got "
-                              f"{self.reasoning_parser!r}")
+        _check_choice("--chat-template-content-format", self.chat_template_content_format, CHAT_CONTENT_FORMATS)
+        _check_choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.reasoning_parser is not None:
+            _check_choice("--reasoning-parser", self.reasoning_parser, sorted(REASONING_PARSERS))
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ConfigError(f"--load-format must be auto, safetensors, gguf or dummy, got {self.load_format!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
