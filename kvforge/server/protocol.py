@@ -623,8 +623,24 @@ def parse_messages(messages: Any) -> list[dict]:
         if role != "assistant" and m.get("content") is None:  # only an assistant turn may come without text
             bad_field(f"messages[{i}].content", f"is required for a {role} message (a string or text parts)")
         clean.append({"role": "system" if role == "developer" else role,
-                      "content": _message_text(m.get("content"), i), **template_message(m, i)})
+                      "content": _message_text(m.get("content"), i), **template_message(m, i),
+                      **_replayed_reasoning(m, i)})
     return clean
+
+
+def _replayed_reasoning(message: dict, index: int) -> dict:
+    """An assistant turn's earlier reasoning sent back (``reasoning``, or ``reasoning_content``), handed to
+    the template under both names; templates that read ``reasoning_content`` (Qwen3's, GLM-4.5's) show it
+    where they choose to, typically for the turns after the last user message. {} where none is sent."""
+    if message.get("role") != "assistant":
+        return {}
+    key = "reasoning" if message.get("reasoning") is not None else "reasoning_content"
+    reasoning = message.get(key)
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, str):
+        bad_field(f"messages[{index}].{key}", f"expected a string, got {type_name(reasoning)}")
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None,

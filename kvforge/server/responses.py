@@ -4,8 +4,8 @@ as a Response object (:func:`response_object`) or as the API's event stream
 (kvforge/server/responses_output.py).
 
 The request: ``input`` (a string, or a list of items: messages with ``input_text`` / ``output_text`` parts
-or string content, ``function_call`` items and their ``function_call_output``, ``reasoning`` items, which
-are dropped); ``instructions`` (a system message before the input); ``max_output_tokens``; the sampling
+or string content, ``function_call`` items and the ``function_call_output`` answering each, ``reasoning`` items, handed
+to the template with the assistant turn that follows them, as chat messages' ``reasoning_content``); ``instructions`` (a system message before the input); ``max_output_tokens``; the sampling
 fields; ``text.format`` (``text``, ``json_object``, ``json_schema``); function ``tools`` (flat, as the API
 declares them) with ``tool_choice``; ``previous_response_id`` where the server keeps responses
 (kvforge/server/responses_store.py). ``conversation``, a stored ``prompt`` and ``background`` are refused. Fields that would change the
@@ -22,6 +22,7 @@ never closed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,14 +76,40 @@ def _content_text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def input_messages(items: Any, where: str = "input") -> list[dict]:
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its ``content`` (reasoning_text parts), else its ``summary``."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if not parts:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(part, dict) and part.get("type") == part_type
+                                                  and isinstance(part.get("text"), str) for part in parts):
+            bad_field(f"{where}.{key}", f"expected an array of {part_type} parts")
+        return "\n".join(part["text"] for part in parts)
+    return ""
+
+
+def input_messages(items: Any, where: str = "input", earlier_calls: Iterable[str] = ()) -> list[dict]:
     """The chat messages of a Responses ``input`` (or of a stored response's ``output``, whose items have the
-    same shapes): a string is one user message; reasoning items are dropped."""
+    same shapes): a string is one user message. A reasoning item goes with the assistant turn that follows it
+    (its text as the message's ``reasoning_content``, which templates may show again); one that no assistant
+    turn follows is dropped. A ``function_call_output`` must answer a call made before it, here or in
+    ``earlier_calls`` (the call ids of the conversation this input continues)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         bad_field(where, "is required: a string, or a non-empty array of input items")
-    messages = []
+    messages: list[dict] = []
+    calls = set(earlier_calls)
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they lead to
+
+    def assistant_turn(message: dict) -> dict:
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
+            reasoning.clear()
+        messages.append(message)
+        return message
+
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             bad_field(f"{where}[{i}]", f"expected an object, got {type_name(item)}")
@@ -91,27 +118,47 @@ def input_messages(items: Any, where: str = "input") -> list[dict]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 bad_field(f"{where}[{i}].role", f"must be user, assistant, system or developer, got {role!r:.40}")
-            messages.append({"role": role, "content": _content_text(item.get("content"), f"{where}[{i}].content")})
+            message = {"role": role, "content": _content_text(item.get("content"), f"{where}[{i}].content")}
+            if role == "assistant":
+                assistant_turn(message)
+            else:
+                reasoning.clear()
+                messages.append(message)
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     bad_field(f"{where}[{i}].{key}", "must be a string")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
+            calls.add(item["call_id"])
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # one turn's text and calls: one message
+            if last is not None and last["role"] == "assistant" and not reasoning:  # one turn: one message
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                assistant_turn({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 bad_field(f"{where}[{i}].call_id", "must be a string")
+            if item["call_id"] not in calls:
+                bad_field(f"{where}[{i}].call_id", f"no function_call with call_id {item['call_id']!r:.60} comes "
+                                                   f"before this output: send the call item first")
+            reasoning.clear()
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _content_text(item.get("output"), f"{where}[{i}].output")})
-        elif kind != "reasoning":  # earlier reasoning is not shown to the model again
+        elif kind == "reasoning":
+            text = _reasoning_text(item, f"{where}[{i}]")
+            if text:
+                reasoning.append(text)
+        else:
             bad_field(f"{where}[{i}].type", f"items of type {kind!r:.40} are not supported (message, function_call, "
                                             f"function_call_output and reasoning are)")
     return messages
+
+
+def call_ids(messages: Iterable[dict]) -> set[str]:
+    """The ids of the tool calls the assistant turns of chat ``messages`` made."""
+    return {call["id"] for message in messages for call in message.get("tool_calls") or ()
+            if isinstance(call.get("id"), str)}
 
 
 def _system(body: dict) -> list[dict]:
@@ -230,7 +277,7 @@ def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, Res
                                        "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                                        "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs",
                                        "include_reasoning", "parallel_tool_calls") if key in body}
-    history = [*prior, *input_messages(body.get("input"))]
+    history = [*prior, *input_messages(body.get("input"), earlier_calls=call_ids(prior))]
     if not history:
         bad_field("input", "holds no message to answer")
     chat["messages"] = [*_system(body), *history]
