@@ -76,3 +76,26 @@ def test_an_output_without_its_call_before_it_is_refused(items):
     with pytest.raises(InvalidRequestError) as err:
         responses.chat_body({"model": "m", "input": items})
     assert err.value.field == "input[1].call_id" and "no function_call with call_id" in str(err.value)
+
+
+def test_an_empty_reasoning_falls_back_to_reasoning_content():
+    assert "<think>rc</think>" in _render([{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": "Hello", "reasoning": "",
+                                            "reasoning_content": "rc"}])
+
+
+def test_a_call_sent_twice_or_answered_twice_is_refused():
+    """With previous_response_id the stored response's call is in the conversation already: sending its item
+    again would render the call twice under one id; a second output of one call likewise."""
+    store = ResponsesStore(2)
+    store.put({"id": "resp_1"}, [{"role": "user", "content": "Weather in Paris?"},
+                                 *responses.input_messages([CALL], "output")])
+    answer = {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"}
+    for items, at in (([CALL, answer], 0), ([answer, answer], 1)):
+        with pytest.raises(InvalidRequestError) as err:
+            responses.chat_body({"model": "m", "previous_response_id": "resp_1", "input": items}, store)
+        assert err.value.field == f"input[{at}].call_id"
+    store.put({"id": "resp_2"}, [*store.get("resp_1").history, *responses.input_messages([answer], "output",
+                                                                                         store.get("resp_1").history)])
+    with pytest.raises(InvalidRequestError, match="has its output already"):
+        responses.chat_body({"model": "m", "previous_response_id": "resp_2", "input": [answer]}, store)

@@ -256,3 +256,14 @@ def test_stored_responses_continue_their_conversation(model):
         with pytest.raises(openai.NotFoundError):  # two kept: the first left when the fourth stored one came
             client.responses.retrieve(first.id)
         assert client.responses.retrieve(third.id).id == third.id
+
+
+def test_errors_speak_of_responses_fields_in_their_text_too():
+    """A chat parser's message naming a chat field other than its own (here under tool_choice) says the
+    Responses name, text.format."""
+    from kvforge.errors import InvalidRequestError
+    from kvforge.server.responses import responses_field
+
+    error = responses_field(InvalidRequestError("forces a call and constrains its output too (response_format or "
+                                                "structured_outputs)", field="tool_choice"))
+    assert error.field == "tool_choice" and "(text.format or structured_outputs)" in str(error)

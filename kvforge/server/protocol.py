@@ -220,6 +220,10 @@ def get_stop(body: dict) -> list[str]:
 
 #: Template variables a request's ``chat_template_kwargs`` may not set (the request's own fields do).
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
+#: OpenAI's ``reasoning_effort`` values; the request's value reaches the chat template as the variable
+#: ``reasoning_effort`` (gpt-oss's template writes it into its system message; templates that do not read it
+#: render as without it).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,11 @@ def parse_chat_template_options(body: dict, messages: list[dict]) -> ChatTemplat
     reserved = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if reserved:
         bad_field("chat_template_kwargs", f"may not set {', '.join(reserved)} (the request's own fields set it)")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            bad_field("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}")
+        kwargs = {"reasoning_effort": effort, **kwargs}  # chat_template_kwargs, where it sets one, wins
     return ChatTemplateOptions(add_generation_prompt, continue_final, tuple(sorted(kwargs.items())))
 
 
@@ -318,7 +327,7 @@ _COMMON_FIELDS = frozenset({
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "suffix"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "echo",
                                 "add_generation_prompt", "continue_final_message", "chat_template", "function_call",
-                                "chat_template_kwargs", "include_reasoning"}
+                                "chat_template_kwargs", "include_reasoning", "reasoning_effort"}
 
 
 #: The ``stream_options`` fields the server reads.
@@ -634,13 +643,11 @@ def _replayed_reasoning(message: dict, index: int) -> dict:
     where they choose to, typically for the turns after the last user message. {} where none is sent."""
     if message.get("role") != "assistant":
         return {}
-    key = "reasoning" if message.get("reasoning") is not None else "reasoning_content"
-    reasoning = message.get(key)
-    if reasoning is None:
-        return {}
-    if not isinstance(reasoning, str):
-        bad_field(f"messages[{index}].{key}", f"expected a string, got {type_name(reasoning)}")
-    return {"reasoning": reasoning, "reasoning_content": reasoning}
+    for key in ("reasoning", "reasoning_content"):
+        if message.get(key) is not None and not isinstance(message[key], str):
+            bad_field(f"messages[{index}].{key}", f"expected a string, got {type_name(message[key])}")
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    return {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
 
 
 def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | None = None,

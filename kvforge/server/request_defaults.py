@@ -34,7 +34,10 @@ class RequestDefaults:
         if chat and self.chat_template_kwargs:
             own = body.get("chat_template_kwargs")
             if own is None or isinstance(own, dict):
-                body["chat_template_kwargs"] = {**self.chat_template_kwargs, **(own or {})}
+                defaults = dict(self.chat_template_kwargs)
+                if body.get("reasoning_effort") is not None:  # the request's own field over the server's default
+                    defaults.pop("reasoning_effort", None)
+                body["chat_template_kwargs"] = {**defaults, **(own or {})}
         if chat and self.exclude_tools_when_none and body.get("tool_choice") == "none":
             body.pop("tools", None)
         return body

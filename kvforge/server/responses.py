@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.errors import InvalidRequestError
-from kvforge.server.protocol import bad_field, now, type_name
+from kvforge.server.protocol import REASONING_EFFORTS, bad_field, now, type_name
 from kvforge.server.responses_store import ResponsesStore
 
 #: Fields a Responses body may carry (others are logged as ignored by the chat parser's check).
@@ -39,6 +39,7 @@ RESPONSES_FIELDS = frozenset({
     # vLLM's extra sampling fields, as on the chat route
     "seed", "top_k", "min_p", "stop", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "logit_bias", "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs", "include_reasoning",
+    "reasoning",
 })
 #: Chat field names as a Responses client knows them, for errors the chat parser raises.
 _FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
@@ -59,6 +60,7 @@ class ResponsesRequest:
     user: str | None
     previous_response_id: str | None = None
     store: bool = False  # the response is stored (the server keeps responses, and the request did not say no)
+    reasoning_effort: str | None = None
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -89,18 +91,21 @@ def _reasoning_text(item: dict, where: str) -> str:
     return ""
 
 
-def input_messages(items: Any, where: str = "input", earlier_calls: Iterable[str] = ()) -> list[dict]:
+def input_messages(items: Any, where: str = "input", earlier: Iterable[dict] = ()) -> list[dict]:
     """The chat messages of a Responses ``input`` (or of a stored response's ``output``, whose items have the
     same shapes): a string is one user message. A reasoning item goes with the assistant turn that follows it
     (its text as the message's ``reasoning_content``, which templates may show again); one that no assistant
-    turn follows is dropped. A ``function_call_output`` must answer a call made before it, here or in
-    ``earlier_calls`` (the call ids of the conversation this input continues)."""
+    turn follows is dropped. Each call id comes once, and each ``function_call_output`` answers a call made
+    before it and not yet answered, here or in ``earlier`` (the chat messages of the conversation this input
+    continues)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         bad_field(where, "is required: a string, or a non-empty array of input items")
     messages: list[dict] = []
-    calls = set(earlier_calls)
+    earlier = list(earlier)
+    calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
+    answered = {message.get("tool_call_id") for message in earlier if message["role"] == "tool"}
     reasoning: list[str] = []  # reasoning items waiting for the assistant turn they lead to
 
     def assistant_turn(message: dict) -> dict:
@@ -128,6 +133,10 @@ def input_messages(items: Any, where: str = "input", earlier_calls: Iterable[str
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     bad_field(f"{where}[{i}].{key}", "must be a string")
+            if item["call_id"] in calls:
+                bad_field(f"{where}[{i}].call_id", f"a function_call with call_id {item['call_id']!r:.60} is in "
+                                                   f"the conversation already (a chained response holds its own "
+                                                   f"calls): send each call once")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             calls.add(item["call_id"])
@@ -142,6 +151,10 @@ def input_messages(items: Any, where: str = "input", earlier_calls: Iterable[str
             if item["call_id"] not in calls:
                 bad_field(f"{where}[{i}].call_id", f"no function_call with call_id {item['call_id']!r:.60} comes "
                                                    f"before this output: send the call item first")
+            if item["call_id"] in answered:
+                bad_field(f"{where}[{i}].call_id", f"the call {item['call_id']!r:.60} has its output already: "
+                                                   f"send one function_call_output a call")
+            answered.add(item["call_id"])
             reasoning.clear()
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _content_text(item.get("output"), f"{where}[{i}].output")})
@@ -155,10 +168,20 @@ def input_messages(items: Any, where: str = "input", earlier_calls: Iterable[str
     return messages
 
 
-def call_ids(messages: Iterable[dict]) -> set[str]:
-    """The ids of the tool calls the assistant turns of chat ``messages`` made."""
-    return {call["id"] for message in messages for call in message.get("tool_calls") or ()
-            if isinstance(call.get("id"), str)}
+def _reasoning_effort(body: dict) -> str | None:
+    """``reasoning.effort``, which runs as the chat route's ``reasoning_effort``. ``reasoning.summary`` is
+    accepted and has no effect: a reasoning item carries the reasoning itself, with an empty summary."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        bad_field("reasoning", f"expected an object ({{\"effort\": ...}}), got {type_name(reasoning)}")
+    unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
+    if unknown:
+        bad_field(f"reasoning.{unknown[0]}", "is not a reasoning option (effort and summary are)")
+    if reasoning.get("effort") is not None and reasoning["effort"] not in REASONING_EFFORTS:
+        bad_field("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {reasoning['effort']!r:.40}")
+    return reasoning.get("effort")
 
 
 def _system(body: dict) -> list[dict]:
@@ -277,7 +300,7 @@ def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, Res
                                        "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                                        "min_tokens", "skip_special_tokens", "priority", "chat_template_kwargs",
                                        "include_reasoning", "parallel_tool_calls") if key in body}
-    history = [*prior, *input_messages(body.get("input"), earlier_calls=call_ids(prior))]
+    history = [*prior, *input_messages(body.get("input"), earlier=prior)]
     if not history:
         bad_field("input", "holds no message to answer")
     chat["messages"] = [*_system(body), *history]
@@ -289,6 +312,9 @@ def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, Res
     elif fmt["type"] == "json_schema":
         schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    effort = _reasoning_effort(body)
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     tools = _tools(body)
     if tools is not None:
         chat["tools"] = tools
@@ -297,7 +323,8 @@ def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, Res
     meta = ResponsesRequest(body.get("instructions"), body.get("max_output_tokens"), fmt,
                             list(body.get("tools") or []), body.get("tool_choice", "auto"),
                             body.get("parallel_tool_calls", True) is not False, body.get("metadata") or {},
-                            body.get("user"), previous, store is not None and body.get("store") is not False)
+                            body.get("user"), previous, store is not None and body.get("store") is not False,
+                            effort)
     return chat, meta, history
 
 
@@ -312,6 +339,8 @@ def responses_field(error: InvalidRequestError) -> InvalidRequestError:
             break
     field = field.replace(".function.", ".")
     message = str(error).replace(error.field, field) if error.field != field else str(error)
+    for chat_name in ("response_format.json_schema", "response_format", "max_completion_tokens"):
+        message = message.replace(chat_name, _FIELD_NAMES[chat_name])  # the chat names a message may give
     message = message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
     return InvalidRequestError(message, field=field)
 
@@ -376,7 +405,8 @@ def response_object(response_id: str, created: int, model: str, meta: ResponsesR
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": meta.instructions, "max_output_tokens": meta.max_output_tokens, "model": model,
         "output": output, "parallel_tool_calls": meta.parallel_tool_calls,
-        "previous_response_id": meta.previous_response_id, "reasoning": None, "store": meta.store,
+        "previous_response_id": meta.previous_response_id, "store": meta.store,
+        "reasoning": None if meta.reasoning_effort is None else {"effort": meta.reasoning_effort, "summary": None},
         "temperature": params.temperature, "text": {"format": meta.text_format},
         "tool_choice": meta.tool_choice, "tools": meta.tools, "top_p": params.top_p, "truncation": "disabled",
         "usage": usage, "user": meta.user, "metadata": meta.metadata,
