@@ -118,7 +118,7 @@ def test_streamed_json_schema(client):
      "response_format.json_schema.schema"),
     ({"guided_choice": []}, "guided_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}], "tool_choice": "required"},
-     "tools"),
+     "tools[0].function.parameters"),
 ])
 def test_a_refused_constraint_names_the_field_the_request_used(client, fields, param):
     with pytest.raises(openai.BadRequestError) as err:

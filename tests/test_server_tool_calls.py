@@ -228,7 +228,21 @@ def test_a_compile_error_names_the_function(client, served):
         "type": "object", "properties": {"a": {"type": "integer", "not": {"const": 1}}}}}}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=served, messages=ASK, tools=tools, tool_choice="required", max_tokens=4)
-    assert err.value.body["param"] == "tools" and "tools[1].function.parameters#/properties/a" in err.value.message
+    assert err.value.body["param"] == "tools[1].function.parameters"
+    assert "tools[1].function.parameters#/properties/a" in err.value.message
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"a": {"type": "wat"}}},  # the compiler's message holds no path
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}},  # a path into the array's shared $defs
+])
+def test_a_compile_error_without_a_path_names_the_function(client, served, choice, parameters):
+    tools = [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=served, messages=ASK, tools=tools, tool_choice=choice, max_tokens=4)
+    assert err.value.body["param"] == "tools[1].function.parameters", err.value.message
+    assert "- tools[1].function.parameters could not be compiled" in err.value.message
 
 
 def test_cut_short_required_comes_back_as_text(client, served):

@@ -19,6 +19,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import signal
 import socket
 import threading
@@ -230,6 +231,17 @@ def create_app(
 
     sampling_defaults = getattr(engine, "sampling_defaults", {})  # the model's generation config
 
+    async def explain_tool_error(choice, error: InvalidRequestError) -> InvalidRequestError:
+        """A forced call's refused constraint told by the function at fault: a ``"required"`` array's first
+        function the compiler refuses alone, where the array's error does not point into one."""
+        if choice.name is None and not re.search(r"tools\[\d+\]", str(choice.explain(error))):
+            for index, params in enumerate(choice.functions()):
+                try:
+                    await aengine.check_constraint(params, "tools")
+                except InvalidRequestError as alone:
+                    return choice.explain(alone, index)
+        return choice.explain(error)
+
     async def run(request, req, write):
         """Queue ``req``'s choices and answer with ``write(streams)``; the streams close when it returns."""
         if log_requests:
@@ -238,7 +250,9 @@ def create_app(
         try:
             await aengine.check_constraint(req.params.structured_outputs, req.constraint_field)
         except InvalidRequestError as e:
-            raise req.tool_choice.explain(e) if req.tool_choice is not None else e from None
+            if req.tool_choice is None:
+                raise
+            raise await explain_tool_error(req.tool_choice, e) from None
         streams = await add_choices(req)
         try:
             return await write(streams)

@@ -89,17 +89,28 @@ class ToolChoice:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
 
-    def explain(self, error: InvalidRequestError) -> InvalidRequestError:
+    def explain(self, error: InvalidRequestError, index: int | None = None) -> InvalidRequestError:
         """``error`` (about the constraint, named as the compiler saw it) told in the request's terms: the
-        function whose parameters it is about, as ``tools[i].function.parameters``."""
+        function whose parameters it is about, ``tools[i].function.parameters``: the named one, ``index``
+        where the caller found it (a ``"required"`` array's function refused alone), else the one the paths
+        in the message point into (``tools`` where they name none or several)."""
         message = str(error)
-        if self.name is None:
-            message = _IN_ARRAY.sub(lambda m: f"tools[{m.group(1)}].function.parameters#", message)
-        else:
+        if index is None and self.name is not None:
             index = [name for name, _ in self.parameters].index(self.name)
-            message = re.sub(r"(?<![\w\]])#", f"tools[{index}].function.parameters#", message)
-        message = message.replace(error.field or "", "tools", 1)
-        return InvalidRequestError(message, field="tools")
+        if index is None:
+            pointed = {m.group(1) for m in _IN_ARRAY.finditer(message)}
+            message = _IN_ARRAY.sub(lambda m: f"tools[{m.group(1)}].function.parameters#", message)
+            field = f"tools[{pointed.pop()}].function.parameters" if len(pointed) == 1 else "tools"
+        else:
+            field = f"tools[{index}].function.parameters"
+            message = re.sub(r"(?<![\w\]])#", f"{field}#", message)
+        message = message.replace(error.field or "", field, 1)
+        return InvalidRequestError(message, field=field)
+
+    def functions(self) -> list[StructuredOutputsParams]:
+        """Each listed function's parameters as a constraint of its own, in ``tools`` order: where a
+        ``"required"`` array is refused, the first of these the compiler refuses names the function."""
+        return [StructuredOutputsParams(json=json.loads(text)) for _, text in self.parameters]
 
     def calls(self, text: str) -> list[dict] | None:
         """The ``tool_calls`` of output ``text``: a named function's call with ``text`` as its arguments; the
