@@ -708,7 +708,10 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock:
 
     async def main() -> int:
         runner, bound = await start_site(app, host, port, sock=sock)
-        logger.info("kvforge server listening on http://%s:%d", host, bound)
+        local = host in ("localhost", "::1") or host.startswith("127.")
+        logger.info("kvforge server listening on http://%s:%d%s", host, bound,
+                    " (this machine only; --host 0.0.0.0 serves other machines and containers' port maps)"
+                    if local else "")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
