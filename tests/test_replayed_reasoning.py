@@ -1,7 +1,8 @@
 """Reasoning sent back with earlier assistant turns: a chat message's ``reasoning`` / ``reasoning_content`` and
 a Responses ``reasoning`` item reach the chat template as the assistant turn's ``reasoning_content``
 (kvforge/server/protocol.py, responses.py), so templates that show it again (Qwen3's, for the turns of a
-tool-calling loop) get it; and a ``function_call_output`` must answer a call made before it."""
+tool-calling loop) get it; a ``function_call_output`` must answer a call made before it, once; a replayed
+refusal part is its turn's text."""
 
 from __future__ import annotations
 
@@ -99,3 +100,12 @@ def test_a_call_sent_twice_or_answered_twice_is_refused():
                                                                                          store.get("resp_1").history)])
     with pytest.raises(InvalidRequestError, match="has its output already"):
         responses.chat_body({"model": "m", "previous_response_id": "resp_2", "input": [answer]}, store)
+
+
+def test_a_replayed_refusal_part_is_the_turns_text():
+    messages = responses.input_messages([{"role": "user", "content": "a"}, {
+        "type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help."}]}])
+    assert messages[1] == {"role": "assistant", "content": "I can't help."}
+    with pytest.raises(InvalidRequestError) as err:
+        responses.input_messages([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+    assert err.value.field == "input[0].content[0]"

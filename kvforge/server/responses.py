@@ -71,10 +71,11 @@ def _content_text(content: Any, where: str) -> str:
     texts = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            bad_field(f"{where}[{k}]", f"only text parts (input_text, output_text) are supported, got "
+        key = "refusal" if kind == "refusal" else "text"  # a replayed assistant refusal: its text
+        if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(part.get(key), str):
+            bad_field(f"{where}[{k}]", f"only text parts (input_text, output_text, refusal) are supported, got "
                                        f"{kind or type_name(part)!r:.40}")
-        texts.append(part["text"])
+        texts.append(part[key])
     return "\n".join(texts)
 
 
