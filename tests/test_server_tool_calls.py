@@ -203,12 +203,20 @@ def test_required(client, served, parallel):
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
     with_calls = [k for k, c in enumerate(chunks) if c.choices[0].delta.tool_calls]
-    # The calls in one chunk, the finish in the next (OpenAI's order: the SDK closes calls on the finish).
-    assert len(with_calls) == 1 and chunks[with_calls[0]].choices[0].finish_reason is None
-    assert [c.choices[0].finish_reason for c in chunks[with_calls[0] + 1:]] == ["tool_calls"]
-    streamed = chunks[with_calls[0]].choices[0].delta.tool_calls
-    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
-        [(k, c.function.name, c.function.arguments) for k, c in enumerate(calls)]
+    # Arguments arrive as they are generated, in many chunks; the finish comes in a chunk after the calls
+    # (OpenAI's order: the SDK closes calls on the finish).
+    assert len(with_calls) > 1 and all(chunks[k].choices[0].finish_reason is None for k in with_calls)
+    assert [c.choices[0].finish_reason for c in chunks[with_calls[-1] + 1:]] == ["tool_calls"]
+    joined: dict[int, list] = {}
+    for k in with_calls:
+        for piece in chunks[k].choices[0].delta.tool_calls:
+            if piece.index not in joined:  # a call's first fragment: its id, type and name
+                assert piece.id and piece.type == "function" and piece.function.name
+                joined[piece.index] = [piece.function.name, piece.function.arguments or ""]
+            else:
+                assert piece.id is None and piece.function.name is None
+                joined[piece.index][1] += piece.function.arguments
+    assert [tuple(joined[k]) for k in sorted(joined)] == [(c.function.name, c.function.arguments) for c in calls]
 
 
 def test_nested_definitions_and_no_parameters(client, served):

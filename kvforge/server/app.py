@@ -639,6 +639,10 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                 choice = {"index": i, "text": lead + delta, "logprobs": lp, "finish_reason": finish}
             if reasoning:
                 choice["delta"] = {**reasoning_fields(reasoning), **choice["delta"]}
+            if (tool_streams is not None or parsers is not None) and not choice["delta"] and not out.finished \
+                    and lp is None and not req.return_token_ids and not req.continuous_usage:
+                sent_text[i], sent_tokens[i] = text, len(ids)  # call syntax the client does not see: no chunk
+                continue
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
             extra = {}

@@ -349,13 +349,14 @@ def responses_field(error: InvalidRequestError) -> InvalidRequestError:
 @dataclass
 class ResponseParts:
     """One response's output: reasoning (and whether its think block closed), the answer text, calls (name,
-    arguments; ``named``: one forced call whose arguments are the whole answer), and whether the limit cut it."""
+    arguments; ``last_call_open``: the last call's arguments may be unfinished, as a forced call's are where
+    the output ends inside them), and whether the limit cut it."""
 
     reasoning: str | None
     reasoning_closed: bool
     text: str
     calls: list[tuple[str, str]]
-    named: bool
+    last_call_open: bool
     cut: bool
 
 
@@ -371,8 +372,10 @@ def output_items(parts: ResponseParts) -> list[dict]:
                       "status": status(parts.reasoning_closed)})
     if parts.text or not parts.calls:
         items.append(message_item(item_id("msg"), parts.text, status(False)))
-    for name, arguments in parts.calls:
-        items.append(call_item(item_id("fc"), item_id("call"), name, arguments, status(not parts.named)))
+    for k, (name, arguments) in enumerate(parts.calls):
+        last = k == len(parts.calls) - 1
+        items.append(call_item(item_id("fc"), item_id("call"), name, arguments,
+                               status(not (last and parts.last_call_open))))
     return items
 
 

@@ -7,9 +7,10 @@ its content part or arguments opening, its deltas (``reasoning_text.delta``, ``o
 ``function_call_arguments.delta``), their ``.done`` and ``output_item.done``, and last
 ``response.completed`` with the whole Response, whose items are those the stream sent, ids included (its
 ``status`` says ``incomplete`` where ``max_output_tokens`` cut the output: the openai SDK's stream helpers
-wait for ``response.completed``, so it ends every stream, as vLLM ends them). A named forced call streams its
-arguments as they are generated; calls the model chooses (a tool-call parser) and a ``"required"`` array go
-out whole after the message, so the items come in the whole response's order. An item the limit cut closes
+wait for ``response.completed``, so it ends every stream, as vLLM ends them). A forced call (named, or each
+of a ``"required"`` array's as its name is written) streams its arguments as they are generated; calls the
+model chooses (a tool-call parser) go out whole after the message, so the items come in the whole
+response's order. An item the limit cut closes
 ``incomplete``. Each event has a ``sequence_number``, counting from 0.
 """
 
@@ -35,6 +36,7 @@ from kvforge.server.responses import (
     response_object,
     response_usage,
 )
+from kvforge.server.tool_calls import array_calls
 from kvforge.server.tool_parsers import parse_calls, stream_calls
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def _calls(req, answer: str) -> tuple[str, list[tuple[str, str]]]:
     """(the text left as the message, the calls) of a whole answer."""
     if req.tool_choice is not None:
         calls = req.tool_choice.calls(answer)
-        if calls is None:  # a "required" array cut short: the text stays
+        if calls is None:  # a "required" array cut before its first call's name: the text stays
             return answer, []
         return "", [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     if req.tool_parser is not None:
@@ -70,8 +72,8 @@ def _parts(req, final) -> ResponseParts:
                                         else req.reasoning.parser.end in comp.text)
     if not req.include_reasoning:
         reasoning = None
-    named = req.tool_choice is not None and req.tool_choice.name is not None
-    return ResponseParts(reasoning or None, closed, text, calls, named, comp.finish_reason == "length")
+    last_open = req.tool_choice is not None and req.tool_choice.last_call_open(answer)
+    return ResponseParts(reasoning or None, closed, text, calls, last_open, comp.finish_reason == "length")
 
 
 def _usage(req, final) -> dict:
@@ -192,6 +194,7 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
         parser = stream_calls(req.tool_parser, req.parallel_tool_calls) if req.tool_parser is not None else None
         named = req.tool_choice is not None and req.tool_choice.name is not None
         answer_sent = 0
+        args_sent: list[int] = []  # "required": per call begun, characters of its arguments sent
         final = None
         found: list[tuple[str, str]] = []  # calls a parser found, sent after the message
         async for out in stream:
@@ -208,14 +211,17 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
                 if len(text) > answer_sent or (out.finished and not called):
                     await items.add("function_call", text[answer_sent:], None if called else req.tool_choice.name)
                     answer_sent = len(text)
-            elif req.tool_choice is not None:  # "required": the array is parsed once whole
-                if out.finished:
-                    left, calls = _calls(req, text)
-                    for name, arguments in calls:
+            elif req.tool_choice is not None:  # "required": each call as its name is written
+                calls = array_calls(text)
+                for k, (name, arguments, _) in enumerate(calls):
+                    if k == len(args_sent):  # the calls before it are whole: their last pieces went out
                         await items.add("function_call", arguments, name)
-                        await items.close()  # a parsed call is whole
-                    if left:
-                        await items.add("message", left)
+                        args_sent.append(len(arguments))
+                    elif len(arguments) > args_sent[k]:  # the open call (only the last can grow)
+                        await items.add("function_call", arguments[args_sent[k]:])
+                        args_sent[k] = len(arguments)
+                if out.finished and not calls and text:
+                    await items.add("message", text)
             elif parser is not None:
                 content, calls = parser.finish(text) if out.finished else parser.feed(text)
                 if content:
@@ -225,6 +231,9 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
                 await items.add("message", text[answer_sent:])
                 answer_sent = len(text)
         cut = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        if req.tool_choice is not None and items.open is not None and items.open["type"] == "function_call" \
+                and not req.tool_choice.last_call_open(text):
+            await items.close()  # the cut came after the last call's arguments
         if found:  # the message (what the parser left as content) first, then the calls, each whole
             if items.open is not None:
                 await items.close(cut)

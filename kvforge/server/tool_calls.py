@@ -11,8 +11,10 @@ for ``"required"`` and ``"stop"`` for a named function (OpenAI's answer to a for
 takes none (its arguments are ``{}``), as OpenAI defines it. A stop string or stop token can also end the
 output early (``finish_reason`` ``"stop"`` with its ``stop_reason``): a named call's arguments then do not
 parse either. An output cut
-short by ``max_tokens`` keeps ``finish_reason`` ``"length"``: a named call's arguments are then the text
-as far as it went; a ``"required"`` array that does not parse comes back as ``content``.
+short by ``max_tokens`` keeps ``finish_reason`` ``"length"``: the calls begun keep their arguments as far
+as they went (a call's arguments are the model's text as written); a ``"required"`` array cut before its
+first call's name comes back as ``content``. Streamed, each call goes out as its name is written and its
+arguments as they are generated (:class:`ToolCallStream`).
 
 ``tool_choice`` ``"none"`` renders the tools and constrains nothing. ``"auto"`` (OpenAI's default when
 ``tools`` are sent) needs a parser of the model's own tool-call syntax (kvforge/server/tool_parsers.py),
@@ -42,6 +44,57 @@ def _bad(field: str, why: str):
     raise InvalidRequestError(f"'{field}': {why}", field=field)
 
 
+#: The head of one call of a ``"required"`` array, up to its arguments (the constraint writes the name first).
+_CALL_HEAD = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]*)"\s*,\s*"parameters"\s*:\s*')
+
+
+def _object_end(text: str, start: int) -> int:
+    """The index after the JSON object opening at ``start``, or -1 where ``text`` ends inside it."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def array_calls(text: str) -> list[tuple[str, str, bool]]:
+    """The calls of a ``"required"`` array so far, as the constraint writes it: (name, the arguments' text as
+    far as it goes, whether they are complete) for each call whose name is written; a stream reads them as
+    they grow."""
+    at = text.find("[")
+    calls: list[tuple[str, str, bool]] = []
+    if at < 0:
+        return calls
+    at += 1
+    while True:
+        head = _CALL_HEAD.match(text, at)
+        if head is None:
+            return calls
+        end = _object_end(text, head.end()) if head.end() < len(text) else -1
+        if end < 0:
+            calls.append((head.group(1), text[head.end():], False))
+            return calls
+        calls.append((head.group(1), text[head.end():end], True))
+        at = text.find("}", end)  # the call object's own close
+        if at < 0:
+            return calls
+        at += 1
+
+
 @dataclass(frozen=True)
 class ToolChoice:
     """A request's forced tool call: ``name`` for a named function, None for ``"required"`` (any listed
@@ -55,9 +108,25 @@ class ToolChoice:
     def finish_reason(self, reason: str | None, text: str) -> str | None:
         """The choice's finish reason: a ``"required"`` output that ended complete is ``"tool_calls"``; the
         engine's reason otherwise (a named call's complete output stays ``"stop"``, OpenAI's answer)."""
-        if reason == "stop" and self.name is None and self.calls(text) is not None:
+        if reason == "stop" and self.name is None and self.complete(text):
             return "tool_calls"
         return reason
+
+    def complete(self, text: str) -> bool:
+        """Whether ``text`` is a whole ``"required"`` array of calls (a named call: whole arguments)."""
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
+
+    def last_call_open(self, text: str) -> bool:
+        """Whether the last call's arguments may be unfinished: a named call's always (they are the whole
+        output), a ``"required"`` array's where the output ended inside them."""
+        if self.name is not None:
+            return True
+        calls = array_calls(text)
+        return bool(calls) and not calls[-1][2]
 
     def constraint(self) -> StructuredOutputsParams:
         """The JSON schema the output is held to (module docstring). In a ``"required"`` array each function's
@@ -114,16 +183,11 @@ class ToolChoice:
 
     def calls(self, text: str) -> list[dict] | None:
         """The ``tool_calls`` of output ``text``: a named function's call with ``text`` as its arguments; the
-        calls of a ``"required"`` array, or None when ``text`` does not parse as one (cut short)."""
+        calls of a ``"required"`` array with their arguments as written (the last one's as far as they go
+        where the output was cut inside them), or None where no call's name was written."""
         if self.name is not None:
             return [call_object(self.name, text)]
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c for c in items):
-            return None
-        return [call_object(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
+        return [call_object(name, arguments) for name, arguments, _ in array_calls(text)] or None
 
 
 def _refs(schema) -> list[str]:
@@ -247,30 +311,32 @@ def template_message(message: dict, index: int) -> dict:
 
 
 class ToolCallStream:
-    """The ``delta`` objects of one streamed choice under a forced call: a named call streams its arguments
-    as they are generated (the first fragment with the call's id, type and name, as OpenAI streams a call);
-    a ``"required"`` array is parsed once complete and goes out whole in the choice's last chunk (its text,
-    as ``content``, when it does not parse)."""
+    """The ``delta`` objects of one streamed choice under a forced call, each call's arguments streamed as
+    they are generated (a call's first fragment with its id, type and name, as OpenAI streams calls): a
+    named call's are the output; a ``"required"`` array's calls go out as their names are written. An
+    array that never wrote a call's name comes out as ``content`` when the output ends."""
 
     def __init__(self, choice: ToolChoice):
         self.choice = choice
-        self.started = False
+        self.sent: list[int] = []  # per call begun: characters of its arguments sent
 
     def delta(self, new_text: str, text: str, finished: bool) -> dict:
         """The delta for ``new_text`` (this chunk's text), ``text`` being all of it so far."""
         if self.choice.name is not None:
-            if not new_text and (self.started or not finished):  # a call without arguments still goes out
-                return {}
-            if self.started:
-                return {"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}
-            self.started = True
-            return {"tool_calls": [{"index": 0, **call_object(self.choice.name, new_text)}]}
-        if not finished:
-            return {}
-        calls = self.choice.calls(text)
-        if calls is None:
-            return {"content": text} if text else {}
-        return {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            calls = [(self.choice.name, text)] if text or finished else []
+        else:
+            calls = [(name, arguments) for name, arguments, _ in array_calls(text)]
+            if finished and not calls:
+                return {"content": text} if text else {}
+        out = []
+        for k, (name, arguments) in enumerate(calls):
+            if k == len(self.sent):
+                self.sent.append(len(arguments))
+                out.append({"index": k, **call_object(name, arguments)})
+            elif len(arguments) > self.sent[k]:
+                out.append({"index": k, "function": {"arguments": arguments[self.sent[k]:]}})
+                self.sent[k] = len(arguments)
+        return {"tool_calls": out} if out else {}
 
 
 def with_tools(options, tools) -> object:
