@@ -245,6 +245,8 @@ def test_stored_responses_continue_their_conversation(model):
         assert second.output_text == chat.choices[0].message.content and second.previous_response_id == first.id
         assert second.usage.input_tokens == chat.usage.prompt_tokens and second.store
         assert client.responses.retrieve(first.id).output_text == first.output_text
+        (item,) = client.responses.input_items.list(second.id).data  # the request's own input, not the chain's
+        assert (item.type, item.role, item.content[0].text) == ("message", "user", "And another?")
         unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(unstored.id)
@@ -268,3 +270,36 @@ def test_errors_speak_of_responses_fields_in_their_text_too():
     error = responses_field(InvalidRequestError("forces a call and constrains its output too (response_format or "
                                                 "structured_outputs)", field="tool_choice"))
     assert error.field == "tool_choice" and "(text.format or structured_outputs)" in str(error)
+
+
+def test_input_items_list_back_as_the_sdk_reads_them():
+    """``GET /v1/responses/{id}/input_items`` lists a stored response's input: every item kind with an id,
+    checked against the SDK's item types; pages by limit, order (desc by default) and after."""
+    types = pytest.importorskip("openai.types.responses")
+    from pydantic import TypeAdapter
+
+    from kvforge.server.responses import input_items
+
+    items = input_items([{"role": "user", "content": "Weather?"},
+                         {"type": "reasoning", "id": "rs_1", "summary": []},
+                         {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}"},
+                         {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
+                         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Ok"}]}])
+    adapter = TypeAdapter(types.ResponseItem)
+    assert [adapter.validate_python(item).type for item in items] == [
+        "message", "reasoning", "function_call", "function_call_output", "message"]
+    assert len({item["id"] for item in items}) == 5 and items[2]["id"] == "fc_1"
+    with smollm2_server(responses_store_size=1) as srv:
+        client = openai_client(srv)
+        model = client.models.list().data[0].id
+        inputs = [{"role": "user", "content": f"Say {w}."} for w in ("one", "two", "three")]
+        r = client.responses.create(model=model, input=inputs, max_output_tokens=2)
+        texts = [i.content[0].text for i in client.responses.input_items.list(r.id).data]
+        assert texts == ["Say three.", "Say two.", "Say one."]
+        page = client.responses.input_items.list(r.id, order="asc", limit=2)
+        assert [i.content[0].text for i in page.data] == ["Say one.", "Say two."] and page.has_more
+        rest = client.responses.input_items.list(r.id, order="asc", after=page.data[-1].id)
+        assert [i.content[0].text for i in rest.data] == ["Say three."] and not rest.has_more
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.input_items.list(r.id, limit=0)
+        assert err.value.body["param"] == "limit"

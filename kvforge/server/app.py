@@ -50,7 +50,7 @@ from kvforge.server.tool_parsers import parse_calls, stream_calls
 logger = logging.getLogger("kvforge.server")
 #: What a client may call, named by the 404 of any other path.
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses",
-          "GET|DELETE /v1/responses/{id}", "GET /v1/models",
+          "GET|DELETE /v1/responses/{id}", "GET /v1/responses/{id}/input_items", "GET /v1/models",
           "GET /v1/models/{id}",
           "POST /tokenize", "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET|POST /ping", "GET /version",
           "GET /metrics", "GET /debug/steps")
@@ -290,7 +290,8 @@ def create_app(
 
         def keep(response: dict) -> None:
             if meta.store:  # the conversation so far, this response's output last
-                store.put(response, [*history, *responses.input_messages(response["output"], "output")])
+                store.put(response, [*history, *responses.input_messages(response["output"], "output")],
+                          responses.input_items(body["input"]))
 
         async def write(streams):
             (stream,) = streams
@@ -316,6 +317,33 @@ def create_app(
 
     async def get_response(request):
         return web.json_response(stored(request)[1].response)
+
+    async def response_input_items(request):
+        """OpenAI's list of a stored response's input items: ``limit`` (1-100, default 20), ``order`` (``desc``,
+        the default, or ``asc``) and ``after`` (an item id: the page starts after it)."""
+        items = list(stored(request)[1].input_items)
+        query = request.rel_url.query
+        try:
+            limit = int(query.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise InvalidRequestError(f"'limit' must be an integer from 1 to 100, got {query['limit']!r:.40}",
+                                      field="limit")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequestError(f"'order' must be asc or desc, got {order!r:.40}", field="order")
+        if order == "desc":
+            items.reverse()
+        if "after" in query:
+            ids = [item["id"] for item in items]
+            if query["after"] not in ids:
+                raise InvalidRequestError(f"'after': no input item of this response has the id {query['after']!r:.80}",
+                                          field="after")
+            items = items[ids.index(query["after"]) + 1:]
+        page = items[:limit]
+        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
 
     async def delete_response(request):
         response_id, _ = stored(request)
@@ -362,6 +390,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/responses", responses_route)
     app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", response_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
 
     async def on_startup(app):

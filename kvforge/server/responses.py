@@ -388,6 +388,32 @@ def output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def input_items(items: Any) -> list[dict]:
+    """A checked Responses ``input`` as the API lists it back (``GET /v1/responses/{id}/input_items``): items
+    with ids (the client's, else new ones) and ``completed`` status, a string as one user message."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            text = _content_text(item.get("content"), "input")
+            content = [output_text(text) if part == "output_text" else {"type": "input_text", "text": text}]
+            listed.append({"id": item.get("id") or item_id("msg"), "type": "message", "role": item["role"],
+                           "content": content, "status": "completed"})
+        elif kind == "function_call":
+            listed.append(call_item(item.get("id") or item_id("fc"), item["call_id"], item["name"],
+                                    item["arguments"], "completed"))
+        elif kind == "function_call_output":
+            listed.append({"id": item.get("id") or item_id("fco"), "type": "function_call_output",
+                           "call_id": item["call_id"], "output": _content_text(item.get("output"), "input"),
+                           "status": "completed"})
+        else:  # reasoning, as sent
+            listed.append({**item, "id": item.get("id") or item_id("rs")})
+    return listed
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}

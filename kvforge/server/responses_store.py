@@ -1,7 +1,8 @@
 """Stored responses of ``POST /v1/responses`` (``--responses-store-size N``): the last N responses whose
 request did not say ``store: false``, each with the conversation that led to it, its own output included,
 so a request naming it as ``previous_response_id`` continues that conversation. Kept in memory, least
-recently stored or read first out; ``GET /v1/responses/{id}`` returns one and ``DELETE`` drops it.
+recently stored or read first out; ``GET /v1/responses/{id}`` returns one, ``GET
+/v1/responses/{id}/input_items`` its request's input items, and ``DELETE`` drops it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 class StoredResponse:
     response: dict  # the Response object as it was sent
     history: tuple[dict, ...]  # chat messages: the conversation without instructions, the response's output last
+    input_items: tuple[dict, ...] = ()  # the request's own input, as GET .../input_items lists it
 
 
 class ResponsesStore:
@@ -23,8 +25,8 @@ class ResponsesStore:
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: dict, history: list[dict]) -> None:
-        self._responses[response["id"]] = StoredResponse(response, tuple(history))
+    def put(self, response: dict, history: list[dict], input_items: list[dict] = ()) -> None:
+        self._responses[response["id"]] = StoredResponse(response, tuple(history), tuple(input_items))
         self._responses.move_to_end(response["id"])
         while len(self._responses) > self.capacity:
             self._responses.popitem(last=False)
