@@ -564,30 +564,6 @@ def test_small_decode_split_k_and_merge(kv_dtype, q_dtype, tol, splits):
              seed=splits, tol=tol)  # fmt: skip
 
 
-@pytest.mark.parametrize("in_kernel", [True, False], ids=["merged-in-kernel", "merge-launch"])
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
-def test_split_k_merge_in_the_kernel_or_by_the_merge_launch(monkeypatch, in_kernel, with_sinks):
-    """The tl.dot decode's split partials merged by the kernel's last split (the routing row's
-    ``merge_in_kernel``: no merge launch runs, and every ticket is zero again after the launch, ready for the
-    next) or by the merge launch; both against the float64 reference, with attention sinks too (added once,
-    in the merge). Some splits hold no token and one sequence has no new token."""
-    from kvforge.attention.routing import paged as paged_routing
-    from kvforge.kernels import triton_paged_attention as kernels
-
-    monkeypatch.setattr(paged_routing, "TL_DOT", dataclasses.replace(paged_routing.TL_DOT, merge_in_kernel=in_kernel))
-    launches = []
-    merge = kernels.merge_split_partials
-    monkeypatch.setattr(kernels, "merge_split_partials", lambda *a, **k: launches.append(1) or merge(*a, **k))
-    sinks = torch.tensor([5.0, 4.0, 6.0, 4.5]) if with_sinks else None
-    kv_dtype, q_dtype, tol = SMALL_KV[3].values  # fp8 e4m3 cache, bf16 query
-    for splits in (3, 7):
-        run_case([40, 9, 17, 33], [1, 0, 1, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, num_splits=splits, seed=splits,
-                 tol=tol, sinks=sinks, config=dict(kernel="tl_dot"))  # fmt: skip
-    assert len(launches) == (0 if in_kernel else 2)
-    if in_kernel:
-        assert all(int(t.count_nonzero()) == 0 for t in kernels._TICKETS.values())
-
-
 @pytest.mark.parametrize("kv_dtype,q_dtype,tol", [SMALL_KV[0], SMALL_KV[3]])
 @pytest.mark.parametrize("splits", [None, 3])
 def test_small_decode_in_a_given_order(kv_dtype, q_dtype, tol, splits):

@@ -18,16 +18,13 @@ table, so enough bytes are in flight per iteration.
 * Attention sinks (one logit per query head, ``sinks_log2`` in the exp2
   domain) join the softmax denominator only. The sink enters each query row
   exactly once, where the row's last (max, sum) is known: in the kernel's
-  epilogue without split-K, in the merge with it (the partials of the splits
-  never hold it). Both take the running max over the sink too, so a
+  epilogue without split-K, in the merge kernel with it (the partials of the
+  splits never hold it). Both take the running max over the sink too, so a
   sink far above every score cannot overflow.
 * Decode-like batches (every sequence's query fits in one tile, e.g. pure
   decode) use split-K: ``num_splits`` programs per (sequence, KV head) each
-  cover a slice of the context and write (acc, max, sum) partials. Where the
-  routing row says ``merge_in_kernel``, the split that takes the last of its
-  (sequence, KV head)'s atomic tickets merges them and zeroes the ticket (so the
-  next launch, or a CUDA-graph replay, starts from zero); otherwise a second
-  kernel merges them. Long single-sequence decode then fills the GPU.
+  cover a slice of the context and write (acc, max, sum) partials that a second
+  kernel merges. Long single-sequence decode then fills the GPU.
 * Prefill / mixed batches map program ids to (sequence, query tile) with a
   binary search over ``query_start_loc`` (no host sync): sequence ``i`` owns
   tiles ``qsl[i] // BLOCK_Q + i ...``.
@@ -145,7 +142,6 @@ if HAS_TRITON:
         stride_bt,
         sinks_ptr,  # float32 [Hq] sink logits x log2(e) (read where USE_SINKS)
         order_ptr,  # int32 [num_seqs]: program slot -> sequence (read where USE_ORDER)
-        tickets_ptr,  # int32 [num_seqs x KV heads], zero between launches (read where MERGE_IN_KERNEL)
         NUM_Q_HEADS: tl.constexpr,
         G: tl.constexpr,
         G_PAD: tl.constexpr,
@@ -164,7 +160,6 @@ if HAS_TRITON:
         F16_DOT: tl.constexpr,
         HEADS_FIRST: tl.constexpr,
         USE_ORDER: tl.constexpr,
-        MERGE_IN_KERNEL: tl.constexpr,
     ):
         if HEADS_FIRST:
             kvh = tl.program_id(0)
@@ -300,46 +295,6 @@ if HAS_TRITON:
             )
             tl.store(part_ml_ptr + pidx * 2, m_i, mask=row_ok)
             tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=row_ok)
-            if MERGE_IN_KERNEL:
-                # The last split of this (sequence, KV head) to take a ticket merges every split's partials
-                # and resets the ticket for the next launch (a CUDA graph replays it as it is).
-                tl.debug_barrier()  # every thread's partial stores come before the ticket
-                ticket_ptr = tickets_ptr + seq * (NUM_Q_HEADS // G) + kvh
-                ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-                if ticket == num_splits - 1:
-                    base = (tok64 * NUM_Q_HEADS + qh64) * num_splits
-                    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                    for sp in range(num_splits):
-                        m_s = tl.load(part_ml_ptr + (base + sp) * 2, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        m_max = tl.maximum(m_max, m_s)
-                    if USE_SINKS:
-                        sink = tl.load(sinks_ptr + qh, mask=row_ok, other=float("-inf"))
-                        m_max = tl.maximum(m_max, sink)
-                    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-                    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-                    o = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-                    for sp in range(num_splits):
-                        m_s = tl.load(part_ml_ptr + (base + sp) * 2, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg")
-                        l_s = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=row_ok, other=0.0,
-                                      cache_modifier=".cg")
-                        # a split with no token (max -inf) weighs 0 and its accumulator is not read
-                        has = row_ok & (m_s > float("-inf"))
-                        w = tl.where(has, tl.exp2(m_s - m_use), 0.0)
-                        acc_s = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :],
-                                        mask=has[:, None], other=0.0, cache_modifier=".cg")
-                        o += acc_s * w[:, None]
-                        denom += l_s * w
-                    if USE_SINKS:
-                        denom += tl.where(row_ok, tl.exp2(sink - m_use), 0.0)
-                    o = o / tl.where(denom > 0, denom, 1.0)[:, None]
-                    tl.store(
-                        out_ptr + tok64[:, None] * stride_ot + qh64[:, None] * stride_oh + d[None, :],
-                        o.to(out_ptr.dtype.element_ty),
-                        mask=row_ok[:, None] & d_ok[None, :],
-                    )
-                    tl.store(ticket_ptr, 0)
         else:
             if USE_SINKS:
                 sink = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0)
@@ -481,7 +436,6 @@ def paged_attention(
         route = dataclasses.replace(route, kernel=kernel, tiling=paged_routing.KERNELS[kernel].tiling)
     splits = route.splits
     use_split = splits > 1
-    tickets = _merge_tickets(q.device, num_seqs * hkv) if use_split and route.merge_in_kernel else None
     d_pad = max(16, triton.next_power_of_2(d))
     if use_split:
         part_acc = torch.empty((T, hq, splits, d_pad), dtype=torch.float32, device=q.device)
@@ -550,29 +504,11 @@ def paged_attention(
             order_ptr=order if order is not None else meta.seq_lens,
             HEADS_FIRST=heads_first,
             USE_ORDER=order is not None,
-            tickets_ptr=tickets if tickets is not None else meta.seq_lens,
-            MERGE_IN_KERNEL=tickets is not None,
         )
-    if use_split and (use_gluon or tickets is None):
+    if use_split:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs,
                              sinks_log2 if sinks is not None else None)
     return out
-
-
-#: Tickets of the in-kernel split merge, one per (sequence, KV head) of a launch: enough for 1024 sequences x 64
-#: KV heads. A launch needing more merges with the merge launch.
-MERGE_TICKETS: int = 1 << 16
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_tickets(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's ticket counters (int32 zeros; every launch leaves them zero), allocated on first use and
-    kept (one allocated inside a CUDA-graph capture stays alive in the graph's pool, and the graph's replays
-    zero it again, which changes nothing); None where the launch must merge with the merge launch."""
-    tickets = _TICKETS.get(device)
-    if tickets is None:
-        tickets = _TICKETS[device] = torch.zeros(MERGE_TICKETS, dtype=torch.int32, device=device)
-    return tickets if needed <= tickets.numel() else None
 
 
 #: Partials one merge program holds at once (splits x columns): 64 float32 per thread at 4 warps. Past it

@@ -66,9 +66,6 @@ class PagedKernel:
     #: Tile overrides the launcher applies for this row (``(key, value)`` pairs of
     #: :data:`kvforge.kernels.gluon_fp8_decode.TILING_KEYS`).
     tiling: tuple[tuple[str, int], ...] = ()
-    #: Split-K decode merges its partials inside the kernel: the last split program of a (sequence, KV head)
-    #: to finish, by an atomic ticket, merges them and resets the ticket, instead of a merge launch after it.
-    merge_in_kernel: bool = False
     when: str = ""
 
 
@@ -78,7 +75,6 @@ TL_DOT = PagedKernel(
     needs_gluon=False, decode_only=False, kv_dtypes=None, query_dtypes=None, head_sizes=None, max_group=None,
     sinks=True, splits=SplitRule(waves=4, min_tokens=256, max_splits=64, round_up=True, small_grid_waves=2,
                                  small_grid_min_tokens=128),
-    merge_in_kernel=False,
     when="every batch the Gluon rows do not take; split-K when each sequence's query fits one tile",
 )
 _GLUON_SCOPE = dict(needs_gluon=True, decode_only=True, kv_dtypes=FP8_KV_DTYPES,
@@ -205,7 +201,6 @@ class PagedRoute:
     splits: int
     tiles: TlDotTiles | None = None  # the tl.dot kernel's tiles
     tiling: tuple[tuple[str, int], ...] = ()  # a Gluon row's tile overrides (its ``tiling``)
-    merge_in_kernel: bool = False  # split-K partials merged by the kernel's last split (the row's flag)
 
 
 def _fills_waves(kernel: PagedKernel, programs: int, context: int, device: Device) -> bool:
@@ -233,7 +228,7 @@ def route(shape: PagedShape, device: Device, forced_splits: int | None = None) -
     splits = 1
     if tiles.one_tile:
         splits = TL_DOT.splits.choose(forced_splits, programs, shape.context, device.num_sms)
-    return PagedRoute(TL_DOT.name, splits, tiles, merge_in_kernel=TL_DOT.merge_in_kernel and tiles.one_tile)
+    return PagedRoute(TL_DOT.name, splits, tiles)
 
 
 def pinned_splits(batch: int, num_q_heads: int, num_kv_heads: int, head_size: int, max_model_len: int,

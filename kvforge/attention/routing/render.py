@@ -35,8 +35,6 @@ def _paged_section() -> list[str]:
                  else f"programs >= {k.min_programs_per_sm:g} x SMs" if k.min_programs_per_sm else k.when)
         if k.tiling:
             extra += "; tiles: " + ", ".join(f"{key} {value}" for key, value in k.tiling)
-        if k.merge_in_kernel:
-            extra += "; split-K decode merges its partials in the kernel (the last split of each sequence and KV head)"
         lines.append(f"| `{k.name}` | `{k.launcher}` | {'yes' if k.needs_gluon else 'no'} | "
                      f"{'yes' if k.decode_only else 'no'} | {_names(k.kv_dtypes)} | {_names(k.query_dtypes)} | "
                      f"{_names(k.head_sizes)} | {'any' if k.max_group is None else f'<= {k.max_group}'} | "
