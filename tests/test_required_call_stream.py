@@ -67,6 +67,20 @@ def test_streamed_fragments_join_to_the_whole_calls(text):
     assert CHOICE.finish_reason("stop", text) == "tool_calls"
 
 
+@pytest.mark.parametrize("text", _texts())
+def test_a_call_begins_once_its_name_is_written(text):
+    """The name's closing quote begins the call (its arguments "" until they start): whatever comes between
+    the name and "parameters" can neither drop nor delay it."""
+    at = 0
+    for k, call in enumerate(json.loads(text)):
+        at = text.index(f'"{call["name"]}"', text.index('"name"', at)) + len(call["name"]) + 2
+        assert len(array_calls(text[:at - 1])) == k
+        assert array_calls(text[:at])[k] == (call["name"], "", False)
+    spaced = '[{\n\n"name": "get_weather"\n\n,"paramet'
+    assert array_calls(spaced) == [("get_weather", "", False)]
+    assert CHOICE.calls(spaced)[0]["function"] == {"name": "get_weather", "arguments": ""}
+
+
 def test_a_cut_array_keeps_its_begun_calls_and_one_cut_before_any_name_is_content():
     text = json.dumps(CALLS)
     cut = text[:text.index('"days"')]
@@ -76,3 +90,20 @@ def test_a_cut_array_keeps_its_begun_calls_and_one_cut_before_any_name_is_conten
     assert CHOICE.calls('[{"na') is None
     assert ToolCallStream(CHOICE).delta("", '[{"na', True) == {"content": '[{"na'}
     assert not CHOICE.last_call_open(text)
+
+
+def test_a_call_left_unfinished_is_an_incomplete_responses_item_whatever_ended_the_output():
+    """A stop string ends the output inside a call's arguments as the limit does: that item is incomplete,
+    the calls before it complete (kvforge/server/responses.py ``output_items``)."""
+    from kvforge.server.responses import ResponseParts, output_items
+
+    named = ToolChoice("get_weather", CHOICE.parameters)
+    assert named.last_call_open('{"city": "Pa') and not named.last_call_open('{"city": "Paris"}')
+    text = json.dumps(CALLS)
+    cut = text[:text.index('"get_time"') + len('"get_time", "parameters": {')]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in CHOICE.calls(cut)]
+    for limit in (False, True):  # a stop string, then the limit
+        items = output_items(ResponseParts(None, False, "", calls, CHOICE.last_call_open(cut), limit))
+        assert [i["status"] for i in items] == ["completed", "incomplete"]
+    items = output_items(ResponseParts(None, False, "", calls[:1], CHOICE.last_call_open(text), False))
+    assert [i["status"] for i in items] == ["completed"]

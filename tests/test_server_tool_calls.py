@@ -78,6 +78,12 @@ def test_the_choice_sets_the_constraint():
      "tool_choice.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
+    # no "type", but a schema of something other than an object: null, a referenced string
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{"type": "null"}]}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "$ref": "#/$defs/S", "$defs": {"S": {"type": "string"}}}}}], "tool_choice": "none"},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#/properties/b"}, "b": {"type": "integer"}}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),

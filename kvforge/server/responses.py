@@ -349,8 +349,9 @@ def responses_field(error: InvalidRequestError) -> InvalidRequestError:
 @dataclass
 class ResponseParts:
     """One response's output: reasoning (and whether its think block closed), the answer text, calls (name,
-    arguments; ``last_call_open``: the last call's arguments may be unfinished, as a forced call's are where
-    the output ends inside them), and whether the limit cut it."""
+    arguments; ``last_call_open``: the last call's arguments are unfinished, as a forced call's are where the
+    limit or a stop string ends the output inside them: that item is ``incomplete``), and whether the limit
+    cut the output."""
 
     reasoning: str | None
     reasoning_closed: bool
@@ -375,7 +376,7 @@ def output_items(parts: ResponseParts) -> list[dict]:
     for k, (name, arguments) in enumerate(parts.calls):
         last = k == len(parts.calls) - 1
         items.append(call_item(item_id("fc"), item_id("call"), name, arguments,
-                               status(not (last and parts.last_call_open))))
+                               "incomplete" if last and parts.last_call_open else "completed"))
     return items
 
 

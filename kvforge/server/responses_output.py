@@ -231,9 +231,9 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
                 await items.add("message", text[answer_sent:])
                 answer_sent = len(text)
         cut = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-        if req.tool_choice is not None and items.open is not None and items.open["type"] == "function_call" \
-                and not req.tool_choice.last_call_open(text):
-            await items.close()  # the cut came after the last call's arguments
+        if req.tool_choice is not None and items.open is not None and items.open["type"] == "function_call":
+            # a forced call is incomplete exactly where its arguments are (the limit or a stop string)
+            await items.close("incomplete" if req.tool_choice.last_call_open(text) else "completed")
         if found:  # the message (what the parser left as content) first, then the calls, each whole
             if items.open is not None:
                 await items.close(cut)

@@ -38,14 +38,18 @@ NO_PARAMETERS = {"type": "object", "properties": {}}
 #: Where each function's schema sits inside a ``"required"`` array's schema, as compile errors name it.
 _IN_ARRAY = re.compile(r"#/items/anyOf/(\d+)/properties/parameters")
 _DEFINITIONS = ("$defs", "definitions")
+#: Keys of a parameters schema without a ``type`` that let it describe something other than an object.
+_NOT_AN_OBJECT = frozenset({"$ref", "anyOf", "oneOf", "allOf", "enum", "const", "not", "if", "items"})
 
 
 def _bad(field: str, why: str):
     raise InvalidRequestError(f"'{field}': {why}", field=field)
 
 
-#: The head of one call of a ``"required"`` array, up to its arguments (the constraint writes the name first).
-_CALL_HEAD = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]*)"\s*,\s*"parameters"\s*:\s*')
+#: One call of a ``"required"`` array up to its name's closing quote (the constraint writes the name first), and
+#: what comes between the name and the arguments.
+_CALL_NAME = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]*)"')
+_TO_ARGUMENTS = re.compile(r'\s*,\s*"parameters"\s*:\s*')
 
 
 def _object_end(text: str, start: int) -> int:
@@ -73,22 +77,26 @@ def _object_end(text: str, start: int) -> int:
 
 def array_calls(text: str) -> list[tuple[str, str, bool]]:
     """The calls of a ``"required"`` array so far, as the constraint writes it: (name, the arguments' text as
-    far as it goes, whether they are complete) for each call whose name is written; a stream reads them as
-    they grow."""
+    far as it goes, "" before they begin, whether they are complete) for each call whose name is written; a
+    stream reads them as they grow."""
     at = text.find("[")
     calls: list[tuple[str, str, bool]] = []
     if at < 0:
         return calls
     at += 1
     while True:
-        head = _CALL_HEAD.match(text, at)
-        if head is None:
+        name = _CALL_NAME.match(text, at)
+        if name is None:
             return calls
-        end = _object_end(text, head.end()) if head.end() < len(text) else -1
+        head = _TO_ARGUMENTS.match(text, name.end())
+        if head is None or head.end() == len(text):  # the output ends before the arguments begin
+            calls.append((name.group(1), "", False))
+            return calls
+        end = _object_end(text, head.end())
         if end < 0:
-            calls.append((head.group(1), text[head.end():], False))
+            calls.append((name.group(1), text[head.end():], False))
             return calls
-        calls.append((head.group(1), text[head.end():end], True))
+        calls.append((name.group(1), text[head.end():end], True))
         at = text.find("}", end)  # the call object's own close
         if at < 0:
             return calls
@@ -121,10 +129,10 @@ class ToolChoice:
         return True
 
     def last_call_open(self, text: str) -> bool:
-        """Whether the last call's arguments may be unfinished: a named call's always (they are the whole
-        output), a ``"required"`` array's where the output ended inside them."""
+        """Whether the last call's arguments are unfinished: a named call's where the output (its arguments)
+        does not parse, a ``"required"`` array's where the output ended before they closed."""
         if self.name is not None:
-            return True
+            return not self.complete(text)
         calls = array_calls(text)
         return bool(calls) and not calls[-1][2]
 
@@ -243,7 +251,8 @@ def parse_tools(body: dict, parser: str | None = None) -> tuple[list[dict] | Non
         if any(name == other for other, _ in parameters):
             _bad(f"tools[{i}].function.name", f"{name!r} is declared twice")
         schema = function.get("parameters")
-        if schema is not None and (not isinstance(schema, dict) or schema.get("type", "object") != "object"):
+        if schema is not None and (not isinstance(schema, dict) or schema.get("type", "object") != "object"
+                                   or ("type" not in schema and _NOT_AN_OBJECT & set(schema))):
             _bad(f"tools[{i}].function.parameters", 'must be a JSON schema of an object ({"type": "object", '
                                                     '"properties": {...}}), the arguments\' shape')
         parameters.append((name, json.dumps(schema if schema else NO_PARAMETERS)))
