@@ -183,6 +183,14 @@ def test_named_function(client, served):
     assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments[1:])
     assert "".join(f.function.arguments for f in fragments) == call.function.arguments
     assert not any(d.content for d in deltas)
+    # Cut by the limit inside the arguments, streamed with continuous usage: the last step's arguments go in a
+    # chunk before the finish's, and both count every token of the output.
+    chunks = list(client.chat.completions.create(
+        model=served, messages=ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    finish = next(k for k, c in enumerate(chunks) if c.choices and c.choices[0].finish_reason)
+    assert chunks[finish].choices[0].finish_reason == "length" and chunks[finish - 1].choices[0].delta.tool_calls
+    assert [c.usage.completion_tokens for c in chunks[finish - 1:]] == [5, 5, 5]
 
 
 def test_named_function_without_arguments_streams_its_call(client, served):

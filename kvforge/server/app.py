@@ -637,6 +637,8 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
             # A step's new tokens go out at once even when they add no text yet (part of a character, a
             # held-back stop string): the client sees every token's arrival, as vLLM streams them.
             lp = view.logprobs(out, sent_tokens[i], len(ids), not echoed[i], offsets[i])
+            new_ids = list(ids[sent_tokens[i]:])
+            sent_tokens[i] = len(ids)  # counted before any chunk of this step goes out (continuous usage)
             echoed[i] = True
             finish = view.finish_reason(comp) if out.finished else None
             if reasoning and out.finished:  # the last reasoning before the last answer, calls and finish
@@ -670,13 +672,13 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                 choice["delta"] = {**reasoning_fields(reasoning), **choice["delta"]}
             if (tool_streams is not None or parsers is not None) and not choice["delta"] and not out.finished \
                     and lp is None and not req.return_token_ids and not req.continuous_usage:
-                sent_text[i], sent_tokens[i] = text, len(ids)  # call syntax the client does not see: no chunk
+                sent_text[i] = text  # call syntax the client does not see: no chunk
                 continue
             if out.finished:  # as vLLM streams it: only the choice's last chunk carries stop_reason
                 choice["stop_reason"] = view.stop_reason(comp)
             extra = {}
             if req.return_token_ids:  # new ids; the prompt's in a choice's first chunk (a chat's: once, top level)
-                choice["token_ids"] = list(ids[sent_tokens[i]:])
+                choice["token_ids"] = new_ids
                 if not ids_sent[i]:
                     if not chat:
                         choice["prompt_token_ids"] = list(out.prompt_token_ids)
@@ -684,7 +686,6 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
                         extra["prompt_token_ids"] = list(out.prompt_token_ids)
                     ids_sent[i] = True
             sent_text[i] = text
-            sent_tokens[i] = len(ids)
             await resp.write(chunk([choice], **extra))
         if req.include_usage:
             await resp.write(chunk([], usage_so_far(last=True)))
