@@ -284,11 +284,13 @@ def test_input_items_list_back_as_the_sdk_reads_them():
                          {"type": "reasoning", "id": "rs_1", "summary": []},
                          {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "f", "arguments": "{}"},
                          {"type": "function_call_output", "call_id": "c1", "output": "Sunny"},
-                         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Ok"}]}])
+                         {"type": "message", "role": "assistant", "content": [
+                             {"type": "output_text", "text": "Ok"}, {"type": "refusal", "refusal": "No more."}]}])
     adapter = TypeAdapter(types.ResponseItem)
     assert [adapter.validate_python(item).type for item in items] == [
         "message", "reasoning", "function_call", "function_call_output", "message"]
     assert len({item["id"] for item in items}) == 5 and items[2]["id"] == "fc_1"
+    assert [part["type"] for part in items[4]["content"]] == ["output_text", "refusal"]  # parts kept apart
     with smollm2_server(responses_store_size=1) as srv:
         client = openai_client(srv)
         model = client.models.list().data[0].id

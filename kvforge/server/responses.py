@@ -398,9 +398,10 @@ def input_items(items: Any) -> list[dict]:
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
-            part = "output_text" if item["role"] == "assistant" else "input_text"
-            text = _content_text(item.get("content"), "input")
-            content = [output_text(text) if part == "output_text" else {"type": "input_text", "text": text}]
+            parts = item.get("content")
+            if isinstance(parts, str):
+                parts = [{"type": "text", "text": parts}]
+            content = [_listed_part(part, item["role"]) for part in parts]
             listed.append({"id": item.get("id") or item_id("msg"), "type": "message", "role": item["role"],
                            "content": content, "status": "completed"})
         elif kind == "function_call":
@@ -413,6 +414,14 @@ def input_items(items: Any) -> list[dict]:
         else:  # reasoning, as sent
             listed.append({**item, "id": item.get("id") or item_id("rs")})
     return listed
+
+
+def _listed_part(part: dict, role: str) -> dict:
+    """One checked content part as the API lists it: an assistant's as output (text or refusal), others as
+    input text."""
+    if part["type"] == "refusal":
+        return {"type": "refusal", "refusal": part["refusal"]}
+    return output_text(part["text"]) if role == "assistant" else {"type": "input_text", "text": part["text"]}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
