@@ -62,3 +62,17 @@ def test_the_response_object_validates_with_the_effort():
     _, meta, _ = responses.chat_body({"model": "m", "input": "Hi", "reasoning": {"effort": "high"}})
     obj = responses.response_object("resp_1", 0, "m", meta, SamplingParams(), "completed", [], None)
     assert types.Response.model_validate(obj).reasoning.effort == "high"
+
+
+def test_the_response_repeats_the_effort_the_template_gets():
+    """chat_template_kwargs, or the server's default template variables, set the effort where reasoning.effort
+    does not, or override it: the Response says the one that reached the template."""
+    body = {"model": "m", "input": "Hi", "reasoning": {"effort": "high"},
+            "chat_template_kwargs": {"reasoning_effort": "low"}}
+    chat, meta, _ = responses.chat_body(body)
+    assert responses.with_template_effort(meta, parse_chat_template_options(chat, MESSAGES)).reasoning_effort == "low"
+    chat, meta, _ = responses.chat_body({"model": "m", "input": "Hi"})
+    chat = RequestDefaults(chat_template_kwargs={"reasoning_effort": "medium"}).apply(chat, chat=True)
+    options = parse_chat_template_options(chat, MESSAGES)
+    assert responses.with_template_effort(meta, options).reasoning_effort == "medium"
+    assert responses.with_template_effort(meta, parse_chat_template_options({}, MESSAGES)).reasoning_effort is None

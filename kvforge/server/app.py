@@ -283,6 +283,7 @@ def create_app(
             chat_body = defaults.apply(chat_body, chat=True)
             req = protocol.parse_chat(chat_body, names, sampling_defaults, tool_parser=tool_parser,
                                       reasoning=getattr(engine, "reasoning", None))
+            meta = responses.with_template_effort(meta, req.chat_options)
         except protocol.ModelNotFoundError:
             raise
         except InvalidRequestError as e:

@@ -22,6 +22,7 @@ never closed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +168,16 @@ def input_messages(items: Any, where: str = "input", earlier: Iterable[dict] = (
             bad_field(f"{where}[{i}].type", f"items of type {kind!r:.40} are not supported (message, function_call, "
                                             f"function_call_output and reasoning are)")
     return messages
+
+
+def with_template_effort(meta: ResponsesRequest, options) -> ResponsesRequest:
+    """``meta`` repeating the reasoning effort the template gets (``options``: the parsed chat's
+    ChatTemplateOptions), which ``chat_template_kwargs`` or the server's default template variables may set
+    where ``reasoning.effort`` does not."""
+    effort = dict(options.template_kwargs).get("reasoning_effort")
+    if effort in REASONING_EFFORTS and effort != meta.reasoning_effort:
+        return dataclasses.replace(meta, reasoning_effort=effort)
+    return meta
 
 
 def _reasoning_effort(body: dict) -> str | None:
