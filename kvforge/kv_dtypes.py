@@ -62,7 +62,11 @@ def platform_model_dtype(requested: str | None, platform: str, config_dtype: str
     CPU (fast and exact there), else the checkpoint config's ``config_dtype``. The engine and ``plan``
     both ask here, so a plan predicts the engine's model dtype, KV dtype and bytes per token."""
     if requested and requested != "auto":
-        return canonical_model_dtype(requested)
+        try:
+            return canonical_model_dtype(requested)
+        except ConfigError:
+            raise ConfigError(f"--dtype {requested!r} is not a model dtype; use one of: auto (the checkpoint's on "
+                              f"GPU, float32 on CPU), bfloat16, float16, float32") from None
     return "float32" if platform == "cpu" else canonical_model_dtype(config_dtype)
 
 

@@ -702,6 +702,18 @@ def test_serve_main_plan_error_stops_before_weights(monkeypatch, capsys):
     assert "max-model-len" in serve_refused(monkeypatch, capsys, ["--max-model-len", "100000000"])
 
 
+def test_request_size_bound_takes_sizes_as_the_memory_flags_do(monkeypatch, capsys):
+    import argparse
+
+    from kvforge.server.cli import add_serve_args
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--max-request-bytes", "2MiB"]).max_request_bytes == 2 << 20
+    assert parser.parse_args(["--max-request-bytes", "4096"]).max_request_bytes == 4096
+    assert "max-request-bytes" in serve_refused(monkeypatch, capsys, ["--max-request-bytes", "512"])
+
+
+
 @pytest.mark.parametrize("what", ["missing", "empty"])
 def test_serve_main_bad_tokenizer_stops_before_weights(monkeypatch, capsys, tmp_path, what):
     """``--tokenizer`` naming nothing, or a folder without a tokenizer, fails naming the flag; the model's own

@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 
+from kvforge.cli_args import parse_bytes
 from kvforge.cli_vllm_flags import SERVER_FLAGS, add_vllm_flags
 from kvforge.errors import KVForgeError
 from kvforge.server.request_defaults import RequestDefaults, parse_template_kwargs
@@ -36,8 +37,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: $KVFORGE_API_KEY; neither set: no auth)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests allowed to wait for the engine before new ones get 503 (default 1024)")
-    g.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest request body accepted; larger gets 413 (default 1 MiB)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=1 << 20,
+                   help="largest request body accepted, bytes or a size such as 2MiB; larger gets 413 (default 1 MiB)")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
     g.add_argument("--enable-log-requests", action="store_true",
