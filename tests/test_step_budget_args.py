@@ -73,14 +73,16 @@ def test_the_engine_runs_at_most_the_budget_of_sequences():
         engine.shutdown()
 
 
-def test_gpu_memory_utilization_on_cpu_says_it_does_nothing(caplog):
-    """On CPU the KV cache is --kv-cache-memory (default 1 GiB): a utilization given there is reported as
-    having no effect (before any weight loads), not silently dropped."""
+@pytest.mark.parametrize("kw, says", [(dict(gpu_memory_utilization=0.5), "--gpu-memory-utilization 0.5"),
+                                      (dict(gpu_memory="4GB"), "--gpu-memory")])
+def test_gpu_memory_flags_on_cpu_say_they_do_nothing(caplog, kw, says):
+    """On CPU the KV cache is --kv-cache-memory (default 1 GiB): a utilization or a GPU memory given there is
+    reported as having no effect (before any weight loads), not silently dropped."""
     from kvforge.engine.llm_engine import LLMEngine
 
     with caplog.at_level(logging.WARNING, logger="kvforge.engine"), pytest.raises(ConfigError):
-        LLMEngine.from_engine_args(EngineArgs(model="no-such-model-dir", device="cpu", gpu_memory_utilization=0.5))
-    assert "--gpu-memory-utilization 0.5 has no effect on CPU" in caplog.text
+        LLMEngine.from_engine_args(EngineArgs(model="no-such-model-dir", device="cpu", **kw))
+    assert f"{says} has no effect on CPU" in caplog.text
 
 
 def test_the_planner_takes_the_engines_rule(capsys):

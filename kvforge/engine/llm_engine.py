@@ -75,10 +75,12 @@ class LLMEngine:
         platform = self.device.type
 
         # 1. Spec and plan: config metadata only; no weight file is opened here.
-        if platform == "cpu" and args.kv_cache_memory is None and args.gpu_memory is None \
-                and args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
-            logger.warning("--gpu-memory-utilization %s has no effect on CPU: the KV cache gets --kv-cache-memory "
-                           "(default %d GiB)", args.gpu_memory_utilization, DEFAULT_CPU_KV_CACHE_MEMORY >> 30)
+        if platform == "cpu" and args.kv_cache_memory is None and (
+                args.gpu_memory is not None or args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION):
+            flag = "--gpu-memory" if args.gpu_memory is not None else \
+                f"--gpu-memory-utilization {args.gpu_memory_utilization}"
+            logger.warning("%s has no effect on CPU: the KV cache gets --kv-cache-memory (default %d GiB)", flag,
+                           DEFAULT_CPU_KV_CACHE_MEMORY >> 30)
         self.spec = load_model_spec(args.model)
         model_dtype = self._model_dtype(args, platform)
         cache = CacheConfig(
