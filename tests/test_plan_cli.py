@@ -208,3 +208,16 @@ def test_the_table_says_what_sliding_and_state_layers_hold(capsys):
     row = next(line for line in out.splitlines() if line.startswith("│ 0-2 "))
     assert "state float32" in row and "│ -" in row and "state 1,097,728 B/seq" in row
     assert "(linear-attention state 39,518,208)" in " ".join(out.split())
+
+
+def test_the_table_names_the_scale_scheme_and_n_gram_speculation(capsys):
+    """The text output says what --kv-scale-scheme and --num-speculative-tokens (n-gram: a proposer with no
+    layers) planned, not only the JSON."""
+    code, out, _ = run(capsys, "llama-3.1-8b", "--kv-cache-dtype", "fp8", "--kv-scale-scheme", "per_head",
+                       "--num-speculative-tokens", "3")
+    words = " ".join(out.split())  # the table wraps long cells at spaces, whatever the terminal's width
+    assert code == 0 and "(scales: default, per-head)" in words
+    assert "3 proposed tokens a step, verified in 4 rows a sequence" in words
+    code, out, _ = run(capsys, "llama-3.1-8b", "--kv-cache-dtype", "fp8")
+    words = " ".join(out.split())
+    assert "(scales: default, per-tensor)" in words and "speculative decoding" not in words

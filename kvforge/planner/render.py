@@ -60,8 +60,9 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_column(style="bold")
     head.add_column()
     head.add_row("platform / TP", f"{plan.platform} / {plan.tensor_parallel_size}")
+    schemes = sorted({layer.scale_scheme.replace("_", "-") for layer in plan.layers if layer.scale_scheme})
     head.add_row("model dtype / KV dtype", f"{plan.model_dtype} / {plan.kv_cache_dtype}"
-                 + (f" (scales: {plan.scale_source})" if plan.scale_source else ""))
+                 + (f" (scales: {', '.join([plan.scale_source, *schemes])})" if plan.scale_source else ""))
     head.add_row("block size", f"{plan.block_size}: {plan.block_size_reason}")
     head.add_row("max model len", str(plan.max_model_len))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
@@ -98,6 +99,10 @@ def render_plan(plan: KVPlan, console=None) -> None:
         head.add_row("capacity", note)
     if plan.draft is not None:
         head.add_row("speculative draft", plan.draft_explanation())
+    elif plan.num_speculative_tokens:
+        head.add_row("speculative decoding", f"{plan.num_speculative_tokens} proposed tokens a step, verified in "
+                                             f"{plan.num_speculative_tokens + 1} rows a sequence; the proposer "
+                                             f"holds no KV (n-gram)")
     console.print(head)
 
     layers = Table(title="layers (per rank)")
