@@ -291,6 +291,7 @@ def no_engine(monkeypatch):
     (["--kv-scale-multiplier", "0"], "--kv-scale-multiplier must be > 0"),
     (["--engine-arg", "block_sise=16"], "EngineArgs has no field 'block_sise'"),
     (["--ctx", "100000"], "--ctx 100000 exceeds the model's 8192 positions (max_position_embeddings); use --ctx <= 8192"),
+    (["--ctx", "64,512"], "fewer than one window of ctx=512"),  # the prose is a few hundred tokens
 ])
 def test_options_that_cannot_work_stop_before_any_engine(no_engine, capsys, argv, needle):
     """The baseline engine loads its weights first; a bad quantized config or window size is refused

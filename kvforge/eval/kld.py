@@ -311,6 +311,24 @@ def _logits(engine, ids: list[int]):
     return out.float()
 
 
+def _check_text_length(model: str | None, common: dict, text: str, ctxs: tuple[int, ...], max_tokens: int) -> None:
+    """ValueError, before any engine loads, where the text holds fewer tokens than one window of a ``ctx``
+    (counted with the model's tokenizer, read without its weights; nothing is checked where there is none)."""
+    from kvforge.errors import ConfigError
+    from kvforge.spec.embedded import embedded_model_path
+    from kvforge.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(common.get("tokenizer") or model or embedded_model_path())
+    except (ConfigError, OSError):
+        return  # a preset or a checkpoint without one: the engines say what they can
+    if tokenizer is None:
+        return
+    for ctx in ctxs:
+        need = math.ceil(max_tokens / (ctx - 1 - ctx // 2)) * ctx
+        plan_windows(len(tokenize_enough(tokenizer, text, need)), ctx, max_tokens)
+
+
 def run_kld(
     model: str | None = None,
     *,
@@ -349,6 +367,7 @@ def run_kld(
         common["progress"] = progress
 
     check_engines(model, configs, common)
+    _check_text_length(model, common, text, ctxs, max_tokens)
     t0 = time.perf_counter()
     base = make_engine(model, "auto", common)
     quants = []
