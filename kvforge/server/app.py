@@ -19,7 +19,6 @@ import functools
 import hmac
 import json
 import logging
-import re
 import signal
 import socket
 import threading
@@ -234,13 +233,14 @@ def create_app(
     async def explain_tool_error(choice, error: InvalidRequestError) -> InvalidRequestError:
         """A forced call's refused constraint told by the function at fault: a ``"required"`` array's first
         function the compiler refuses alone, where the array's error does not point into one."""
-        if choice.name is None and not re.search(r"tools\[\d+\]", str(choice.explain(error))):
+        explained = choice.explain(error)
+        if explained.field == "tools":  # a "required" array's error that points into no function
             for index, params in enumerate(choice.functions()):
                 try:
                     await aengine.check_constraint(params, "tools")
                 except InvalidRequestError as alone:
                     return choice.explain(alone, index)
-        return choice.explain(error)
+        return explained
 
     async def run(request, req, write):
         """Queue ``req``'s choices and answer with ``write(streams)``; the streams close when it returns."""
