@@ -14,37 +14,52 @@ from kvforge.errors import KVForgeError
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from kvforge.cli_args import model_argument
+    import dataclasses
+
+    from kvforge.config import EngineArgs
     from kvforge.errors import PlanError
     from kvforge.planner.api import plan as make_plan
-    from kvforge.planner.inputs import DEFAULT_CPU_KV_CACHE_MEMORY
-    from kvforge.speculative.config import resolve_speculative
+    from kvforge.planner.inputs import (
+        DEFAULT_CPU_KV_CACHE_MEMORY,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        gpu_memory_flag_ignored_on_cpu,
+    )
+    from kvforge.server.cli import check_server_flags
 
-    speculative = resolve_speculative(args.speculative_config, args.num_speculative_tokens)
+    engine = EngineArgs.from_cli_args(args)  # the checks a serve or generate line gets before any weight loads
+    check_server_flags(args)
+    device = _plan_device(args.device)
+    speculative = engine.speculative_config
+    gpu_memory, utilization = engine.gpu_memory, engine.gpu_memory_utilization
+    ignored = device == "cpu" and gpu_memory_flag_ignored_on_cpu(engine.kv_cache_memory, gpu_memory, utilization)
+    if ignored:  # plan what the CPU engine will size
+        print(f"warning: {ignored}", file=sys.stderr)
+        gpu_memory, utilization = None, DEFAULT_GPU_MEMORY_UTILIZATION
 
     def plan_with(kv_cache_memory):
         return make_plan(
-            model_argument(args), tensor_parallel_size=args.tensor_parallel_size,
-            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory=args.gpu_memory, gpu_memory_utilization=args.gpu_memory_utilization, device=args.device,
-            dtype=None if args.dtype == "auto" else args.dtype, kv_scale_scheme=args.kv_scale_scheme,
-            calculate_kv_scales=args.calculate_kv_scales,
-            max_num_seqs=args.max_num_seqs, query_dtype=args.query_dtype,
-            state_dtype=args.state_dtype,
+            engine.model, tensor_parallel_size=engine.tensor_parallel_size,
+            kv_cache_dtype=engine.kv_cache_dtype, block_size=engine.block_size, max_model_len=engine.max_model_len,
+            num_speculative_tokens=engine.num_speculative_tokens, kv_cache_memory=kv_cache_memory,
+            gpu_memory=gpu_memory, gpu_memory_utilization=utilization, device=device,
+            dtype=None if engine.dtype == "auto" else engine.dtype, kv_scale_scheme=engine.kv_scale_scheme,
+            calculate_kv_scales=engine.calculate_kv_scales,
+            max_num_seqs=args.max_num_seqs, query_dtype=engine.query_dtype, state_dtype=engine.state_dtype,
             draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
             mtp=speculative is not None and speculative.method == "mtp",
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
         )
 
-    result = plan_with(args.kv_cache_memory)
-    if args.device == "cpu" and args.kv_cache_memory is None and args.gpu_memory is None:
+    result = plan_with(engine.kv_cache_memory)
+    if device == "cpu" and engine.kv_cache_memory is None and gpu_memory is None:
         try:  # the capacity-free plan holds; would the CPU engine's default memory run it?
             plan_with(DEFAULT_CPU_KV_CACHE_MEMORY)
         except PlanError as exc:
             print(f"warning: the CPU engine's default KV memory ({DEFAULT_CPU_KV_CACHE_MEMORY >> 20} MiB) cannot "
                   f"run this plan: {exc}", file=sys.stderr)
+    if not engine.enable_prefix_caching and result.prefix_caching:
+        result = dataclasses.replace(result, prefix_caching=False,
+                                     prefix_caching_reason="off: --no-enable-prefix-caching")
     if args.json:
         print(result.to_json())
     else:
@@ -52,6 +67,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         render_plan(result, console=_plan_console())
     return 0
+
+
+def _plan_device(device: str) -> str:
+    """``--device`` of ``kvforge plan``: cpu or cuda as given; auto as the engine picks (cuda where torch
+    sees a GPU here)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # Wide enough for every column of the plan's tables; rich would otherwise cut cells ("trito…") at its
@@ -73,17 +98,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``command == "plan"`` the engine subcommands (and
     their heavy imports) are skipped so planning stays fast and torch-free."""
     from kvforge import __version__
-    from kvforge.cli_args import add_model_arguments, add_plan_args, token_count
+    from kvforge.cli_args import token_count
 
     parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("plan", help="resolve and print the KV-cache plan (no weights are read)")
-    add_model_arguments(p, "HF model dir / config.json / .gguf file / preset name (default: embedded SmolLM2)")
-    add_plan_args(p)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels)")
+    p = sub.add_parser(
+        "plan", help="resolve and print the KV-cache plan (no weights are read)", conflict_handler="resolve",
+        description="Resolve and print the KV-cache plan without reading weights. A kvforge serve or generate "
+                    "command line plans as it stands (kvforge plan MODEL [their flags]): its flags are checked as "
+                    "those commands check them, and those that do not bear on the KV cache (--port, --seed, "
+                    "sampling) change nothing here.")
+    _add_engine_command_flags(p)
+    p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                   help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels, "
+                        "with or without a GPU here; auto: cuda where this machine has one, as the engine picks)")
     p.add_argument("--max-num-batched-tokens", type=token_count, default=None,
                    help="tokens one step may compute: the plan sets their activations aside before the KV memory "
                         "(default 8192 on cuda, 2048 on cpu, raised to --max-num-seqs)")
@@ -94,6 +125,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         _add_engine_commands(sub)
     _accept_log_level_after_command(parser)
     return parser
+
+
+def _add_engine_command_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag of ``kvforge serve`` and ``kvforge generate`` on the plan's parser (MODEL and the plan's
+    own flags among them); the plan's parser resolves conflicts, so its own ``--device`` replaces theirs."""
+    from kvforge.generate_cmd import add_generate_only_args
+    from kvforge.server.cli import add_serve_args
+
+    add_serve_args(p)
+    add_generate_only_args(p)
 
 
 def _accept_log_level_after_command(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     from kvforge.config import EngineArgs
 
     EngineArgs.add_cli_args(p)
+    add_generate_only_args(p)
+
+
+def add_generate_only_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``kvforge generate`` beside the engine's: prompts and sampling."""
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeat for several)")
     p.add_argument("--prompt-token-ids", action="append", default=None, type=token_ids, metavar="ID,ID,...",
                    help="a prompt as comma-separated token ids (repeat for several); for models without a "

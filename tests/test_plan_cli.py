@@ -113,7 +113,7 @@ def test_piped_table_keeps_whole_cells(capsys, monkeypatch):
     (["llama-3.1-8b", "-tp", "3"], "does not divide num_attention_heads 32"),
     (["no-such-model"], "neither a path that exists nor a preset"),
     (["csa-ring-test", "-tp", "8", "--kv-cache-dtype", "fp8", "--block-size", "16"], "6144 bytes"),
-    (["llama-3.1-70b", "--gpu-memory", "80GB"], "weights need"),
+    (["llama-3.1-70b", "--device", "cuda", "--gpu-memory", "80GB"], "weights need"),
     (["llama-3.1-8b", "--max-model-len", "1000000"], "max_position_embeddings"),
     (["deepseek-v2-lite", "--device", "cuda", "--query-dtype", "fp8"], "KV cache is bfloat16 (not quantized)"),
 ])
@@ -221,3 +221,46 @@ def test_the_table_names_the_scale_scheme_and_n_gram_speculation(capsys):
     code, out, _ = run(capsys, "llama-3.1-8b", "--kv-cache-dtype", "fp8")
     words = " ".join(out.split())
     assert "(scales: default, per-tensor)" in words and "speculative decoding" not in words
+
+
+def test_a_serve_command_line_plans_as_it_stands(capsys):
+    """Flags of serve and generate that do not bear on the KV cache change nothing in the plan."""
+    base = ["llama-3.1-8b", "--device", "cuda", "--gpu-memory", "80GB", "--kv-cache-dtype", "fp8", "--json"]
+    code, plain, _ = run(capsys, *base)
+    assert code == 0
+    code, served, err = run(capsys, *base, "--load-format", "dummy", "--port", "9001", "--enforce-eager",
+                            "--swap-space", "4", "--seed", "3", "--served-model-name", "m", "--temperature", "0.5",
+                            "--enable-log-requests", "--disable-log-requests")
+    assert code == 0 and err == ""
+    assert json.loads(served) == json.loads(plain)
+
+
+def test_prefix_caching_flag_reaches_the_plan(capsys):
+    code, out, _ = run(capsys, "llama-3.1-8b", "--no-enable-prefix-caching", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["prefix_caching"] is False and "--no-enable-prefix-caching" in d["prefix_caching_reason"]
+
+
+def test_gpu_memory_on_cpu_plans_what_the_cpu_engine_sizes(capsys):
+    """The CPU engine sizes its KV cache from --kv-cache-memory alone: --gpu-memory warns and changes nothing."""
+    code, plain, _ = run(capsys, "--json")
+    code2, given, err = run(capsys, "--gpu-memory", "8GiB", "--json")
+    assert code == code2 == 0
+    assert "--gpu-memory has no effect on CPU" in err
+    assert json.loads(given) == json.loads(plain)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tool-call-parser", "hermes"], "--tool-call-parser is read only with --enable-auto-tool-choice"),
+    (["--long-prefill-token-threshold", "64", "--no-enable-chunked-prefill"], "needs chunked prefill"),
+    (["--port", "70000"], "--port must be in [0, 65535]"),
+])
+def test_serve_flags_are_checked_as_serve_checks_them(capsys, argv, needle):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_refused_vllm_flag_fails_at_parse_time(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--quantization", "awq"])
+    assert exc.value.code == 2 and "--quantization awq" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 from fake_engine import smollm2_test_engine
 
 from kvforge.server.app import ServerThread, create_app
-from kvforge.server.cli import _validate, add_serve_args
+from kvforge.server.cli import add_serve_args, check_server_flags
 from kvforge.server.tool_parsers import (
     PARSERS,
     HermesStream,
@@ -167,7 +167,7 @@ def test_flags_need_each_other(argv, says):
 
     ns = add_serve_args(argparse.ArgumentParser()).parse_args(argv)
     with pytest.raises(ConfigError, match=says):
-        _validate(ns)
+        check_server_flags(ns)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from kvforge.config import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
     EngineArgs,
 )
@@ -38,9 +37,9 @@ from kvforge.engine.step_log import Stamp, StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.kv_dtypes import platform_model_dtype
 from kvforge.planner.inputs import (
-    DEFAULT_CPU_KV_CACHE_MEMORY,
     CacheConfig,
     ParallelConfig,
+    gpu_memory_flag_ignored_on_cpu,
     resolve_kv_cache_memory,
 )
 from kvforge.planner.resolver import resolve
@@ -75,12 +74,10 @@ class LLMEngine:
         platform = self.device.type
 
         # 1. Spec and plan: config metadata only; no weight file is opened here.
-        if platform == "cpu" and args.kv_cache_memory is None and (
-                args.gpu_memory is not None or args.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION):
-            flag = "--gpu-memory" if args.gpu_memory is not None else \
-                f"--gpu-memory-utilization {args.gpu_memory_utilization}"
-            logger.warning("%s has no effect on CPU: the KV cache gets --kv-cache-memory (default %d GiB)", flag,
-                           DEFAULT_CPU_KV_CACHE_MEMORY >> 30)
+        ignored = platform == "cpu" and gpu_memory_flag_ignored_on_cpu(
+            args.kv_cache_memory, args.gpu_memory, args.gpu_memory_utilization)
+        if ignored:
+            logger.warning("%s", ignored)
         self.spec = load_model_spec(args.model)
         model_dtype = self._model_dtype(args, platform)
         cache = CacheConfig(

@@ -74,7 +74,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _validate(ns) -> None:
+def check_server_flags(ns) -> None:
+    """What argparse cannot check of the server's flags alone (ConfigError); ``kvforge plan`` checks them
+    too."""
     from kvforge.errors import ConfigError
 
     if not 0 <= ns.port <= 65535:
@@ -118,7 +120,7 @@ def serve_main(args) -> int:
         from kvforge.config import EngineArgs
         from kvforge.engine.llm_engine import LLMEngine
 
-        _validate(args)
+        check_server_flags(args)
         template_kwargs = parse_template_kwargs(args.default_chat_template_kwargs)
         engine_args = EngineArgs.from_cli_args(args)
     except KVForgeError as e:
