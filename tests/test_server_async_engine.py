@@ -213,8 +213,8 @@ def test_samples_that_differ_beyond_their_seed_are_added_at_once(engine):
 
 
 def test_a_refused_held_back_sample_over_http_is_500_internal_error(engine):
-    """Over HTTP the refused sample is a 500 ``internal_error`` (streamed: an error event with the
-    exception's name), not ``engine_dead``; the server stays healthy."""
+    """Over HTTP the refused sample is a 500 ``internal_error`` (streamed: an error event of the same type and
+    code), not ``engine_dead``; the server stays healthy."""
     srv = ServerThread(create_app(engine)).start()
     body = {"model": engine.model_name, "prompt": PROMPT, "n": 2, "max_tokens": 3, "temperature": 1.0,
             "seed": 7, "ignore_eos": True}
@@ -247,7 +247,7 @@ def test_a_refused_held_back_sample_over_http_is_500_internal_error(engine):
         events = [json.loads(line[len("data: "):]) for line in text.splitlines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert status == 200 and text.rstrip().endswith("data: [DONE]")
-        assert events[-1]["error"]["code"] == "InternalServerError"
+        assert events[-1]["error"]["code"] == "internal_error" and events[-1]["error"]["type"] == "server_error"
 
         with urllib.request.urlopen(srv.url + "/health", timeout=WAIT_S) as r:
             assert r.status == 200

@@ -69,6 +69,15 @@ class _HTTPError(Exception):
         self.status, self.type, self.code, self.param, self.headers = status, type_, code, param, headers or {}
 
 
+#: How a failure on the engine's side of an accepted request is answered: HTTP status, OpenAI error type and
+#: code. A stream that has begun sends the type and code in its error event.
+SERVER_FAILURES: dict[type, tuple[int, str, str]] = {
+    ServerShuttingDownError: (503, "server_overloaded", "shutting_down"),
+    EngineDeadError: (500, "server_error", "engine_dead"),
+    InternalServerError: (500, "server_error", "internal_error"),
+}
+
+
 def _json_error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
                 headers=None) -> web.Response:
     return web.json_response(protocol.error_body(message, type_, param, code), status=status, headers=headers)
@@ -135,14 +144,12 @@ def create_app(
             metrics.on_reject("queue_full")
             response = _json_error(503, str(e), "server_overloaded", code="queue_full",
                                    headers={"Retry-After": str(e.retry_after)})
-        except ServerShuttingDownError as e:
-            metrics.on_reject("shutting_down")
-            response = _json_error(503, str(e), "server_overloaded", code="shutting_down",
-                                   headers={"Retry-After": "5"})
-        except EngineDeadError as e:
-            response = _json_error(500, str(e), "server_error", code="engine_dead")
-        except InternalServerError as e:
-            response = _json_error(500, str(e), "server_error", code="internal_error")
+        except (ServerShuttingDownError, EngineDeadError, InternalServerError) as e:
+            status, type_, code = SERVER_FAILURES[type(e)]
+            if code == "shutting_down":
+                metrics.on_reject(code)
+            response = _json_error(status, str(e), type_, code=code,
+                                   headers={"Retry-After": "5"} if code == "shutting_down" else None)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -691,10 +698,13 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
         if req.include_usage:
             await resp.write(chunk([], usage_so_far(last=True)))
     except (ServerShuttingDownError, EngineDeadError, InternalServerError) as e:
-        err = protocol.error_body(str(e), "server_error", code=type(e).__name__)
+        _, type_, code = SERVER_FAILURES[type(e)]
+        err = protocol.error_body(str(e), type_, code=code)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise  # the client is gone: nothing more can be written
+    except ConnectionResetError:
+        # The client is gone: nothing more can be written, and its requests are aborted as their streams
+        # close. aiohttp ends a begun response whose client left without logging an error.
+        return resp
     except Exception as e:  # the response has begun: the error goes out as an event, then the stream ends
         logger.exception("stream of request %s failed", rid)
         err = protocol.error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",

@@ -154,6 +154,7 @@ class AsyncEngine:
         self._accepting = True
         self._dead: BaseException | None = None
         self.last_stats: dict = {}
+        self._stepping = False  # a step runs on the engine thread
         # The engine's record of recent steps (kvforge/engine/step_log.py); engines without one have none.
         self.step_log = getattr(engine, "step_log", None)
         self._steps_seen = self.step_log.total if self.step_log is not None else 0  # steps the metrics have seen
@@ -509,8 +510,9 @@ class AsyncEngine:
         return outputs, failed, steps, self.engine.has_unfinished_requests(), self.engine.stats()
 
     async def stats(self) -> dict:
-        """Fresh engine stats (waits for the current step, if any)."""
-        if self._executor_closed:  # after shutdown, serve the last snapshot
+        """The engine's stats without waiting for a step: while one runs (or after shutdown), those at the end
+        of the last step; otherwise fresh ones from the engine thread."""
+        if self._executor_closed or self._stepping:
             return self.last_stats
         self.last_stats = await self._call(self.engine.stats)
         return self.last_stats
@@ -525,6 +527,7 @@ class AsyncEngine:
             # The requests the engine had before this step: their adds returned (streams still being added
             # may land before or after it).
             active = {rid for rid, s in self._streams.items() if s._added}
+            self._stepping = True
             try:
                 outputs, failed, steps, unfinished, stats = await self._call(self._iterate, aborts)
             except asyncio.CancelledError:
@@ -538,6 +541,8 @@ class AsyncEngine:
                 for s in list(self._streams.values()):
                     s._fail(EngineDeadError(f"the engine failed: {e!r}"))
                 return
+            finally:
+                self._stepping = False
             self.last_stats = stats
             self._added_since_stats = 0
             self.metrics.on_steps(steps)
