@@ -26,6 +26,19 @@ from kvforge.speculative.stats import SpeculativeStats
 _arrival_counter = itertools.count()
 
 
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a torch generator on ``device`` gets for a request's 64-bit ``seed``. CUDA's generator keeps
+    all 64 bits; torch's CPU generator keeps only the low 32, so there a seed outside [0, 2^32) is first
+    mixed down to 32 bits (splitmix64's finalizer), so seeds that differ only above bit 32 draw different
+    numbers (but for a 2^-32 chance). Seeds in [0, 2^32) are used as they are on every device."""
+    if device.type != "cpu" or 0 <= seed < 1 << 32:
+        return seed
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -241,7 +254,7 @@ class Sequence:
         g = self._generators.get(key)
         if g is None:
             g = torch.Generator(device=dev)
-            g.manual_seed(self.params.seed)
+            g.manual_seed(generator_seed(self.params.seed, dev))
             self._generators[key] = g
         return g
 
