@@ -120,3 +120,26 @@ def test_bench_serve_names_the_fix_when_completions_answer_401(keyed_server, mon
     assert bench_serve_main(["--base-url", keyed_server.url, "--model", FakeEngine.model_name, *BENCH]) == 1
     err = capsys.readouterr().err
     assert "HTTP 401" in err and "--api-key" in err and "KVFORGE_API_KEY" in err
+
+
+@pytest.mark.parametrize("header, status", [("Bearer right", 200), ("bearer right", 200), ("BEARER  right ", 200),
+                                            ("Bearer wrong", 401), ("Basic right", 401), ("right", 401)])
+def test_the_bearer_scheme_is_case_insensitive(keyed_server, header, status):
+    req = urllib.request.Request(keyed_server.url + "/v1/models", headers={"Authorization": header})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == status
+    except urllib.error.HTTPError as e:
+        assert e.code == status
+
+
+def test_a_method_a_route_does_not_serve_keeps_the_routes_label(keyed_server):
+    """A 405 on a served path counts under that path in the HTTP metric, not under "other"."""
+    req = urllib.request.Request(keyed_server.url + "/v1/chat/completions", headers={"Authorization": "Bearer right"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 405
+    with urllib.request.urlopen(keyed_server.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert any(line.startswith("kvforge:http_requests_total{") and 'path="/v1/chat/completions"' in line
+               and 'status="405"' in line for line in text.splitlines())

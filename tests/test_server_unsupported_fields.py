@@ -188,8 +188,8 @@ HUGE = 10**400
 
 @pytest.mark.parametrize("field, value, why", [
     ("temperature", HUGE, "expected a finite number"), ("presence_penalty", -HUGE, "expected a finite number"),
-    ("top_p", HUGE, "expected a finite number"), ("n", 1e300, "within 64 bits"), ("top_k", 1e300, "within 64 bits"),
-    ("seed", 10**30, "within 64 bits"), ("min_tokens", HUGE, "within 64 bits"),
+    ("top_p", HUGE, "expected a finite number"), ("n", 1e300, "signed 64-bit integer"), ("top_k", 1e300, "signed 64-bit integer"),
+    ("seed", 10**30, "signed 64-bit integer"), ("min_tokens", HUGE, "signed 64-bit integer"),
 ])
 def test_numbers_beyond_their_range_name_the_field_briefly(field, value, why):
     """An integer literal past float's range (JSON allows it) is a 400 naming the field, not an overflow;
@@ -225,3 +225,29 @@ def test_content_parts_are_text_only_and_named():
         with pytest.raises(InvalidRequestError, match=says) as err:
             parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [part]}]}, MODEL)
         assert err.value.field == "messages[0].content"
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("user", 5, "expected a string"), ("metadata", "x", "expected an object"), ("metadata", {"k": 1}, "strings"),
+    ("store", "yes", "true or false"), ("service_tier", 1, "expected a string"),
+])
+def test_openai_passthrough_fields_keep_their_types(field, value, why):
+    """Fields that change no output are still typed, as OpenAI's API types them (the Responses route too)."""
+    for parse, body in ((parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)):
+        with pytest.raises(InvalidRequestError) as err:
+            parse({**body, "model": MODEL, field: value}, MODEL)
+        assert err.value.field.startswith(field) and why in str(err.value)
+    assert parse_chat({**CHAT, "model": MODEL, "user": "u1", "metadata": {"k": "v"}, "store": False}, MODEL)
+
+
+def test_seed_out_of_range_names_the_range():
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "seed": 2**63}, MODEL)
+    assert "[-9223372036854775808, 9223372036854775807]" in str(err.value) and "9223372036854775808" in str(err.value)
+
+
+@pytest.mark.parametrize("best_of, advice", [(0, False), (3, True)])
+def test_best_of_advice_names_only_a_valid_n(best_of, advice):
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"prompt": "hi", "model": MODEL, "best_of": best_of}, MODEL)
+    assert err.value.field == "best_of" and ("send n=" in str(err.value)) == advice

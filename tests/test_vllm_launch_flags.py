@@ -75,6 +75,7 @@ def test_flags_that_would_change_what_is_served_stop_at_parse_time(argv, says, c
 
 def test_log_requests(caplog):
     import json
+    import urllib.error
     import urllib.request
 
     from kvforge.server.app import ServerThread, create_app
@@ -87,6 +88,16 @@ def test_log_requests(caplog):
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
     assert "request /v1/completions: 2 prompt(s) x n=2, max_tokens 3, stream False" in caplog.text
+    caplog.clear()
+    with ServerThread(create_app(FakeEngine(max_model_len=64), log_requests=True)) as srv, \
+            caplog.at_level("INFO", "kvforge.server"):
+        body = json.dumps({"prompt": "a", "max_tokens": 1000}).encode()  # past the context: refused
+        req = urllib.request.Request(srv.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 400
+    assert "request /v1/completions" not in caplog.text  # only requests the engine took are logged
 
 
 def test_chat_template_file_or_text_replaces_the_tokenizers(tmp_path):

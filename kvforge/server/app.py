@@ -57,6 +57,9 @@ ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/respons
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 CONFIG = web.AppKey("config", dict)
 
+#: The fixed paths of ROUTES (those without a path parameter).
+SERVED_PATHS = frozenset(r.split(" ", 1)[1] for r in ROUTES if "{" not in r)
+
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
@@ -122,11 +125,14 @@ def create_app(
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        path = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        resource = request.match_info.route.resource
+        # a known path with a method it does not serve (405) keeps its own label
+        path = resource.canonical if resource else request.path if request.path in SERVED_PATHS else "other"
         try:
             if api_key is not None and (request.path.startswith("/v1") or request.path in TOKENIZER_PATHS):
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+                # the scheme's name is case-insensitive (RFC 9110); the key is compared in constant time
+                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
                     metrics.on_reject("unauthorized")
                     raise _HTTPError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                      "invalid_request_error", "invalid_api_key")
@@ -251,9 +257,6 @@ def create_app(
 
     async def run(request, req, write):
         """Queue ``req``'s choices and answer with ``write(streams)``; the streams close when it returns."""
-        if log_requests:
-            logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
-                        len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)
         try:
             await aengine.check_constraint(req.params.structured_outputs, req.constraint_field)
         except InvalidRequestError as e:
@@ -261,6 +264,9 @@ def create_app(
                 raise
             raise await explain_tool_error(req.tool_choice, e) from None
         streams = await add_choices(req)
+        if log_requests:  # once the engine took it: a refused request is not logged as served
+            logger.info("request %s: %d prompt(s) x n=%d, max_tokens %s, stream %s", request.path,
+                        len(req.prompts) if req.prompts is not None else 1, req.n, req.params.max_tokens, req.stream)
         try:
             return await write(streams)
         finally:
@@ -766,7 +772,7 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock:
                 pass
         await stop.wait()
         aengine = app[ASYNC_ENGINE]
-        logger.info("shutting down: no new requests; draining %d in flight", aengine.num_in_flight)
+        logger.info("shutting down: no new requests; draining %d choice(s) in flight", aengine.num_in_flight)
         t0 = time.monotonic()
         await runner.cleanup()  # stops the listener, runs on_shutdown (drain), closes connections
         logger.info("shutdown complete in %.1fs", time.monotonic() - t0)

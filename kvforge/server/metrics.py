@@ -33,7 +33,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 ENGINE_METRICS = (
     ("num_requests_running", "gauge", "Requests in the engine's running batch."),
     ("num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
-    ("num_requests_in_flight", "gauge", "Requests accepted by the server and not finished."),
+    ("num_requests_in_flight", "gauge", "Engine requests (one per choice: n=3 counts 3) accepted by the server and not finished."),
     ("kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0-1)."),
     ("kv_blocks_used", "gauge", "KV cache blocks in use."),
     ("kv_blocks_total", "gauge", "KV cache blocks in the pool."),

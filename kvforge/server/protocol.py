@@ -176,7 +176,8 @@ def get_int(body: dict, name: str, default):
     if isinstance(value, bool) or not isinstance(value, int):
         bad_field(name, f"expected an integer, got {type_name(value)}")
     if not INT_MIN <= value <= INT_MAX:
-        bad_field(name, f"expected an integer within 64 bits, got one of {len(str(abs(value)))} digits")
+        shown = str(value) if len(str(value)) <= 24 else f"an integer of {len(str(abs(value)))} digits"
+        bad_field(name, f"expected a signed 64-bit integer (in [{INT_MIN}, {INT_MAX}]), got {shown}")
     return value
 
 
@@ -437,6 +438,28 @@ def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
         bad_field("add_special_tokens", f"only {str(route_default).lower()} (this route's rule) is supported")
 
 
+#: OpenAI's string fields that change no output: accepted and not read, but a string when given.
+PASSTHROUGH_STRINGS: tuple[str, ...] = ("user", "safety_identifier", "prompt_cache_key", "service_tier")
+
+
+def check_passthrough_fields(body: dict) -> None:
+    """OpenAI's fields that change no output still have their types: :data:`PASSTHROUGH_STRINGS` strings,
+    ``store`` a bool, ``metadata`` an object of string values (a 400 naming the field otherwise, as OpenAI's
+    API answers)."""
+    for name in PASSTHROUGH_STRINGS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            bad_field(name, f"expected a string, got {type_name(body[name])}")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        bad_field("store", f"expected true or false, got {type_name(body['store'])}")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            bad_field("metadata", f"expected an object, got {type_name(metadata)}")
+        for key, value in metadata.items():
+            if not isinstance(value, str):
+                bad_field(f"metadata.{key}", f"values are strings, got {type_name(value)}")
+
+
 def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | None = None) -> dict:
     """The fields both routes read; ``defaults``: the model's default sampling fields (its generation config)
     for those the request does not set."""
@@ -444,13 +467,15 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
     if not isinstance(body, dict):
         raise InvalidRequestError("request body must be a JSON object", field=None)
     model = check_model(body.get("model"), served_model)
+    check_passthrough_fields(body)
     n = get_int(body, "n", 1)
     if not 1 <= n <= MAX_N:
         bad_field("n", f"must be an integer in [1, {MAX_N}], got {n}")
     best_of = get_int(body, "best_of", None)
     if best_of is not None and best_of != n:
         bad_field("best_of", f"only best_of equal to n ({n}) is supported, got {best_of}: this server does not "
-                             f"rank candidates; drop best_of, or send n={best_of} and pick among the choices")
+                             f"rank candidates; drop best_of"
+                             + (f", or send n={best_of} and pick among the choices" if 1 <= best_of <= MAX_N else ""))
     seed = get_int(body, "seed", None)
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         bad_field("seed", f"must be a signed 64-bit integer, got {seed}")

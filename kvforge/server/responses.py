@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.errors import InvalidRequestError
-from kvforge.server.protocol import REASONING_EFFORTS, bad_field, now, type_name
+from kvforge.server.protocol import REASONING_EFFORTS, bad_field, check_passthrough_fields, now, type_name
 from kvforge.server.responses_store import ResponsesStore
 
 #: Fields a Responses body may carry (others are logged as ignored by the chat parser's check).
@@ -275,18 +275,7 @@ def _refuse_unserved(body: dict) -> None:
         bad_field("include", f"nothing extra is returned (no logprobs, no encrypted reasoning), got {include!r:.60}")
     if body.get("truncation", "disabled") not in ("disabled", None):
         bad_field("truncation", "only disabled is served: a prompt longer than the context is refused")
-    for name in ("user", "safety_identifier", "prompt_cache_key"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            bad_field(name, f"expected a string, got {type_name(body[name])}")
-    if body.get("store") is not None and not isinstance(body["store"], bool):
-        bad_field("store", f"expected true or false, got {type_name(body['store'])}")
-    metadata = body.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            bad_field("metadata", f"expected an object, got {type_name(metadata)}")
-        for key, value in metadata.items():
-            if not isinstance(value, str):
-                bad_field(f"metadata.{key}", f"values are strings, got {type_name(value)}")
+    check_passthrough_fields(body)
 
 
 def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, ResponsesRequest, list[dict]]:
