@@ -327,7 +327,12 @@ class ModelRunner:
             a32 = a32.to(self.device, non_blocking=True)
         ids, pos = a64[at64[0]:at64[0] + n_tok], a64[at64[1]:at64[1] + n_tok]
         slots = [a64[at64[2 + g]:at64[2 + g] + n_tok] for g in range(G)]
-        rows = a64[at64[2 + G]:at64[2 + G] + n_rows] if n_rows else None
+        if host.rows is None:  # every row's logits
+            rows = None
+        elif n_rows:
+            rows = a64[at64[2 + G]:at64[2 + G] + n_rows]
+        else:  # no row samples (a prompt's chunk before its last): no logits, not all of them
+            rows = torch.empty(0, dtype=torch.int64, device=self.device)
         qsl = a32[at32[0]:at32[0] + n_seqs + 1]
         seq_lens = a32[at32[1]:at32[1] + n_seqs]
         cols = host.tables.shape[2]
