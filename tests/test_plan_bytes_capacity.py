@@ -126,3 +126,22 @@ def test_too_little_memory_names_a_fix_that_can_work():
     with pytest.raises(PlanError, match=rf"fix: give at least {need} bytes per rank") as err:
         plan("llama-3.1-8b", max_model_len=4096, kv_cache_memory=1024)
     assert "lower --max-model-len" not in str(err.value)
+
+
+@pytest.mark.parametrize("model, memory", [("llama-3.1-8b", 256 << 20), ("gemma-3-1b", 40 * 10**6),
+                                           ("gemma-3-1b", 300 * 10**6), ("gpt-oss-20b", 300 * 10**6),
+                                           ("qwen3-next-80b-a3b", 300 * 10**6)])
+def test_the_suggested_max_model_len_is_the_longest_that_plans(model, memory):
+    """The fix's --max-model-len plans at that memory and one token more does not (sliding windows and a
+    prefill chunk's extra window blocks included: a length scaled by the memory's share overshot)."""
+    import re
+
+    from kvforge.errors import PlanError
+    from kvforge.planner.api import plan
+
+    with pytest.raises(PlanError) as err:
+        plan(model, device="cuda", kv_cache_memory=memory)
+    longest = int(re.search(r"lower --max-model-len to at most (\d+)", str(err.value)).group(1))
+    assert plan(model, device="cuda", kv_cache_memory=memory, max_model_len=longest).capacity.max_concurrency >= 1
+    with pytest.raises(PlanError):
+        plan(model, device="cuda", kv_cache_memory=memory, max_model_len=longest + 1)

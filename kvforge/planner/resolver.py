@@ -335,6 +335,36 @@ def _chunk_blocks(groups: tuple[GroupPlan, ...], max_model_len: int, chunk_token
     return total
 
 
+def _longest_fitting_len(groups: tuple[GroupPlan, ...], group_size: int, slot_state_bytes: int, max_model_len: int,
+                         memory: int, chunk_tokens: int) -> int:
+    """The longest sequence (at most ``max_model_len``) that ``memory`` holds while it decodes and while it
+    computes a chunk of ``chunk_tokens`` (0: none): the bytes of one sequence grow with its length, block by
+    block and window by window, so the search halves the range. A --max-model-len at most this passes both
+    checks of :func:`_capacity`."""
+    block_id_bytes = _block_id_bytes(groups, group_size)
+
+    def fits(length: int) -> bool:
+        chunk = min(chunk_tokens, max(1, length - 1))
+        return (_bytes_per_sequence(groups, group_size, slot_state_bytes, length)
+                + _chunk_blocks(groups, length, chunk) * block_id_bytes) <= memory
+
+    lo, hi = 0, max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _shorter_len_fix(groups: tuple[GroupPlan, ...], group_size: int, slot_state_bytes: int, max_model_len: int,
+                     memory: int, chunk_tokens: int) -> str:
+    """"lower --max-model-len to at most N or ..." where a useful N fits, else ""."""
+    shorter = _longest_fitting_len(groups, group_size, slot_state_bytes, max_model_len, memory, chunk_tokens)
+    return f"lower --max-model-len to at most {shorter} or " if shorter >= MIN_SUGGESTED_MODEL_LEN else ""
+
+
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
               slot_state_bytes: int, max_model_len: int, memory: int | None, chunk_tokens: int = 1) -> Capacity:
     """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
@@ -359,11 +389,9 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     concurrency = memory / per_seq
     chunk_bytes = _chunk_blocks(groups, max_model_len, chunk_tokens) * block_id_bytes
     if concurrency < 1:
-        more_memory = (f"give at least {per_seq + chunk_bytes} bytes per rank (--kv-cache-memory; on a GPU "
-                       f"also --gpu-memory-utilization)")
-        shorter = int(max_model_len * concurrency)
-        fix = (f"lower --max-model-len to at most {shorter} or {more_memory}" if shorter >= MIN_SUGGESTED_MODEL_LEN
-               else more_memory)
+        fix = (_shorter_len_fix(groups, group_size, slot_state_bytes, max_model_len, memory, chunk_tokens)
+               + f"give at least {per_seq + chunk_bytes} bytes per rank (--kv-cache-memory; on a GPU also "
+                 f"--gpu-memory-utilization)")
         raise PlanError(
             f"the KV cache memory ({memory} bytes per rank) holds less than one sequence of --max-model-len "
             f"{max_model_len} ({per_seq} bytes each); fix: {fix}"
@@ -373,8 +401,9 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
             f"the KV cache memory ({memory} bytes per rank) holds one sequence of --max-model-len {max_model_len} "
             f"({per_seq} bytes) only while it decodes: computing a chunk of {chunk_tokens} tokens, its "
             f"sliding-window groups hold {chunk_bytes} bytes more (the window plus the chunk), so a request of that "
-            f"length would be refused; fix: give at least {per_seq + chunk_bytes} bytes per rank, or lower "
-            f"--max-num-batched-tokens (the chunk) or --max-model-len"
+            f"length would be refused; fix: "
+            + _shorter_len_fix(groups, group_size, slot_state_bytes, max_model_len, memory, chunk_tokens)
+            + f"give at least {per_seq + chunk_bytes} bytes per rank, or lower --max-num-batched-tokens (the chunk)"
         )
     slots = int(concurrency) if slot_state_bytes else None
     pool = memory - (slots or 0) * slot_state_bytes
