@@ -264,3 +264,12 @@ def test_refused_vllm_flag_fails_at_parse_time(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--quantization", "awq"])
     assert exc.value.code == 2 and "--quantization awq" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype, low, high", [("fp8", "2^-6", "448"), ("fp8_e5m2", "2^-14", "57344")])
+def test_default_scale_warning_names_both_ends_of_the_format(capsys, dtype, low, high):
+    """Scale 1.0 loses precision below the format's smallest normal as well as saturating above its max."""
+    code, out, _ = run(capsys, "llama-3.1-8b", "--device", "cuda", "--kv-cache-dtype", dtype, "--json")
+    warning = next(w for w in json.loads(out)["warnings"] if "default scale 1.0" in w)
+    assert code == 0 and f"smallest normal ({low})" in warning and f"above {high} saturate" in warning
+    assert "--calculate-kv-scales" in warning

@@ -433,6 +433,10 @@ def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
     return True, "on: every group resumes from the blocks of the cached prefix"
 
 
+#: The smallest normal and the largest finite value of each fp8 KV dtype (e4m3 in its fn variant).
+FP8_NORMAL_RANGE: dict[str, tuple[str, str]] = {"fp8_e4m3": ("2^-6", "448"), "fp8_e5m2": ("2^-14", "57344")}
+
+
 def _scale_source(spec: ModelSpec, cache: CacheConfig, quantized: bool) -> tuple[str | None, list[str]]:
     if not quantized:
         return None, []
@@ -441,9 +445,12 @@ def _scale_source(spec: ModelSpec, cache: CacheConfig, quantized: bool) -> tuple
     qcfg = spec.hf_config.get("quantization_config") or {}
     if isinstance(qcfg, dict) and qcfg.get("kv_cache_scheme"):
         return "checkpoint", []
+    low, high = FP8_NORMAL_RANGE.get(cache.kv_cache_dtype, FP8_NORMAL_RANGE["fp8_e4m3"])
     return "default", [
-        f"no KV-cache scales in the checkpoint: using the default scale 1.0 for K and V ({cache.kv_cache_dtype} "
-        f"saturates beyond its max); pass --calculate-kv-scales to calibrate on the first batch"
+        f"no KV-cache scales in the checkpoint: using the default scale 1.0 for K and V, so their values are "
+        f"stored as they are in {cache.kv_cache_dtype}: those below its smallest normal ({low}) keep fewer "
+        f"significant bits and those above {high} saturate; pass --calculate-kv-scales to calibrate each layer's "
+        f"scales on the first batch"
     ]
 
 
