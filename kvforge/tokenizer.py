@@ -168,8 +168,9 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise ConfigError(
-                "this model's tokenizer has no chat template; use a plain completion prompt "
-                "or pass a model whose tokenizer_config.json / GGUF has one"
+                "this model's tokenizer has no chat template; give one with --chat-template (a jinja file or "
+                "text; LLM(chat_template=...)), use a plain completion prompt, or pass a model whose "
+                "tokenizer_config.json / GGUF has one"
             )
         if self._compiled_template is None:
             problem = self.chat_template_problem()

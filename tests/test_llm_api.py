@@ -122,15 +122,17 @@ def test_a_prompt_of_no_known_shape_is_an_invalid_request(llm, prompts):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     """vLLM's ``truncate_prompt_tokens``: the request runs on the prompt's last k tokens, as that prompt alone
-    would (greedy, the same engine and path); -1 keeps the last max_model_len, which leaves no room to generate."""
+    would (greedy, the same engine and path); -1 keeps as many as leave room for one generated token (vLLM's
+    max_model_len would leave none)."""
     long = list(range(10, 90))  # 80 tokens: more than the 64-token context
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5)
     out = llm.generate({"prompt_token_ids": long}, params)[0]
     alone = llm.generate({"prompt_token_ids": long[-5:]}, SamplingParams(temperature=0, max_tokens=4,
                                                                          ignore_eos=True))[0]
     assert out.prompt_token_ids == long[-5:] and out.outputs[0].token_ids == alone.outputs[0].token_ids
-    with pytest.raises(InvalidRequestError, match="max-model-len"):
-        llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    most = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
+                                                                  truncate_prompt_tokens=-1))[0]
+    assert most.prompt_token_ids == long[-63:] and len(most.outputs[0].token_ids) == 1
     with pytest.raises(InvalidRequestError, match="best_of"):
         SamplingParams(n=1, best_of=2)
     assert SamplingParams(n=2, best_of=2).n == 2

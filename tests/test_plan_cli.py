@@ -273,3 +273,12 @@ def test_default_scale_warning_names_both_ends_of_the_format(capsys, dtype, low,
     warning = next(w for w in json.loads(out)["warnings"] if "default scale 1.0" in w)
     assert code == 0 and f"smallest normal ({low})" in warning and f"above {high} saturate" in warning
     assert "--calculate-kv-scales" in warning
+
+
+@pytest.mark.parametrize("model, note", [("gemma-3-1b", False), ("qwen3-next-80b-a3b", True)])
+def test_exact_concurrency_gain_names_only_what_keeps_its_dtype(capsys, model, note):
+    """Sliding windows shrink with the KV dtype; only linear-attention state slots keep theirs."""
+    code, out, _ = run(capsys, model, "--device", "cuda", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "40GB")
+    line = next(x for x in out.splitlines() if "concurrency gain (exact)" in x)
+    assert code == 0 and ("linear-attention state keeps its dtype" in line) == note
+    assert "not halved" not in out

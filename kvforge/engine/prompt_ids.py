@@ -20,13 +20,13 @@ def check_prompt_token_ids(ids, vocab_size: int) -> list[int]:
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the last ``max_model_len``;
-    None: all of them)."""
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (None: all of them; -1: as many as
+    leave room for one generated token, ``max_model_len - 1``, where vLLM's ``max_model_len`` would leave none)."""
     if keep is None:
         return ids
     if keep > max_model_len:
         raise InvalidRequestError(f"truncate_prompt_tokens {keep} is greater than max_model_len {max_model_len}: "
                                   f"keep at most {max_model_len} tokens (or -1 for that many)",
                                   field="truncate_prompt_tokens")
-    keep = max_model_len if keep == -1 else keep
+    keep = max_model_len - 1 if keep == -1 else keep
     return ids[-keep:] if len(ids) > keep else ids

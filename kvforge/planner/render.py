@@ -86,12 +86,13 @@ def render_plan(plan: KVPlan, console=None) -> None:
         if plan.baseline is not None and plan.baseline.capacity_tokens:
             gain = cap.capacity_tokens / plan.baseline.capacity_tokens
             head.add_row(f"vs {plan.baseline.kv_cache_dtype} KV", f"{plan.baseline.capacity_tokens:,} tokens, "
-                         f"concurrency {plan.baseline.max_concurrency:.2f}: gain {gain:.2f}x")
+                         f"concurrency {plan.baseline.max_concurrency:.2f}: {gain:.2f}x the tokens")
             exact = plan.concurrency_gain()
             if exact is not None and plan.state_bytes_per_sequence:
+                state = sum(layer.state_bytes for layer in plan.layers if layer.kind == "state")
                 head.add_row("concurrency gain (exact)",
                              f"{plan.baseline.bytes_per_sequence:,} / {cap.bytes_per_sequence:,} bytes per sequence "
-                             f"= {exact:.4f}x (state bytes are not halved)")
+                             f"= {exact:.4f}x" + (" (linear-attention state keeps its dtype)" if state else ""))
     else:
         note = "no memory given (--kv-cache-memory or --gpu-memory)"
         if plan.platform == "cpu":
