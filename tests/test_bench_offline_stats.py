@@ -73,7 +73,14 @@ def test_warmup_runs_are_untimed_and_leave_the_timed_prompts_alone(tmp_path, cap
         results.append(json.loads(out.read_text()))
     plain, warmed = results
     assert warmed["warmup_runs"] == 1 and plain["warmup_runs"] == 0
-    assert "warm-up run 0:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "warm-up run 0:" in captured.err  # progress on stderr: stdout is the result's JSON alone
+    decoder, text, seen = json.JSONDecoder(), captured.out.strip(), []
+    while text:  # the two commands' results, one after the other, and nothing else
+        obj, end = decoder.raw_decode(text)
+        seen.append(obj["warmup_runs"])
+        text = text[end:].strip()
+    assert seen == [0, 1]
     extra = warmed["engine_stats_warmup"]["generation_tokens_total"] - plain["engine_stats_warmup"]["generation_tokens_total"]
     assert extra == 3 * 5  # one more pass over the three requests
     assert warmed["engine_stats"]["generation_tokens_total"] == plain["engine_stats"]["generation_tokens_total"] == 15

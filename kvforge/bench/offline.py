@@ -52,6 +52,7 @@ import json
 import random
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict
 
@@ -183,7 +184,7 @@ def _profile_steps(engine, n_steps: int, label: str) -> dict:
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18)
     except Exception:  # noqa: BLE001 - older/newer column names
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=18)
-    print(f"\n== decode step profile ({label}, {n_steps} steps) ==\n{table}")
+    print(f"\n== decode step profile ({label}, {n_steps} steps) ==\n{table}", file=sys.stderr)
     return {"mode": label, "wall_ms_per_step": wall * 1e3, "gpu_kernel_ms_per_step": gpu,
             "host_overhead_ms_per_step": wall * 1e3 - gpu, "kernel_ms_per_step": per_step_ms,
             "top_kernels": top_kernels(kernels, n_steps)}
@@ -330,7 +331,8 @@ def timed_run(llm, in_lens, params, rng: random.Random, label: str = "run") -> d
                  f" ms), decode steps {split['decode_seconds']:.2f} s")
     print(f"{label}: {dt:.2f} s, output {n_out / dt:.0f} tok/s, total {(n_in + n_out) / dt:.0f} tok/s, "
           f"{run['steps']} steps ({run['graph_steps']} graph){accepted}"
-          + (f", {len(compiled.names)} kernel compilations" if compiled.names else "") + where, flush=True)
+          + (f", {len(compiled.names)} kernel compilations" if compiled.names else "") + where, file=sys.stderr,
+          flush=True)
     return run
 
 
