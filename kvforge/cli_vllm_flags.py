@@ -140,8 +140,6 @@ SERVER_FLAGS = (
     VllmFlag(("--root-path",), True, (), "routes are served at the root: strip a proxy's prefix in the proxy"),
     VllmFlag(("--ssl-keyfile", "--ssl-certfile"), True, (), "TLS is not served: put a TLS-terminating proxy in "
              "front"),
-    VllmFlag(("--allowed-origins", "--allowed-methods", "--allowed-headers"), True, (), "CORS headers are not "
-             "sent: put a proxy in front for browser clients"),
     VllmFlag(("--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-server-load-tracking",
               "--collect-detailed-traces"), False, None, "accepted, no effect (the server is aiohttp; its load is "
              "in /metrics)"),

@@ -38,6 +38,7 @@ from kvforge.server.async_engine import (
     RequestStream,
     ServerShuttingDownError,
 )
+from kvforge.server.cors import ALLOW_ALL, CorsPolicy, add_origin_headers_on_prepare, preflight_middleware
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.request_defaults import RequestDefaults
@@ -102,6 +103,7 @@ def create_app(
     request_defaults: RequestDefaults | None = None,
     request_id_headers: bool = False,
     responses_store_size: int = 0,
+    cors: CorsPolicy | None = ALLOW_ALL,
 ) -> web.Application:
     """Build the app around a synchronous engine (docs/ENGINE_API.md); ``tool_parser``: the parser of tool calls
     the model chooses to make (kvforge/server/tool_parsers.py; None: ``tool_choice`` ``"auto"`` is refused);
@@ -109,7 +111,9 @@ def create_app(
     ``prompt_tokens_details``: usage counts the prompt tokens read from the prefix cache; ``request_defaults``:
     server-wide defaults of request fields (kvforge/server/request_defaults.py); ``request_id_headers``: each
     response carries an ``X-Request-Id`` header (the request's own, or a new one); ``responses_store_size``: the
-    responses kept for ``previous_response_id`` (0: none; kvforge/server/responses_store.py)."""
+    responses kept for ``previous_response_id`` (0: none; kvforge/server/responses_store.py); ``cors``: which
+    browser origins may call it (kvforge/server/cors.py; the default allows every origin, as vLLM's; None: no
+    CORS headers, and preflights are 405)."""
     defaults = request_defaults or RequestDefaults()
     store = ResponsesStore(responses_store_size) if responses_store_size else None
     model_name = served_model_name or engine.model_name
@@ -174,7 +178,10 @@ def create_app(
         metrics.on_http(path, response.status)
         return response
 
-    app = web.Application(middlewares=[middleware], client_max_size=max_request_bytes)
+    middlewares = [middleware] if cors is None else [preflight_middleware(cors), middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=max_request_bytes)
+    if cors is not None:
+        add_origin_headers_on_prepare(app, cors)
     if request_id_headers:
         async def add_request_id(request: web.Request, response: web.StreamResponse) -> None:
             response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex

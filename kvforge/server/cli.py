@@ -19,6 +19,7 @@ import sys
 from kvforge.cli_args import parse_bytes
 from kvforge.cli_vllm_flags import SERVER_FLAGS, add_vllm_flags
 from kvforge.errors import KVForgeError
+from kvforge.server.cors import CorsPolicy, parse_json_list
 from kvforge.server.request_defaults import RequestDefaults, parse_template_kwargs
 from kvforge.server.tool_parsers import PARSERS
 
@@ -70,8 +71,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens read from the "
                         "prefix cache (vLLM's flag)")
+    g.add_argument("--allowed-origins", default='["*"]', metavar="JSON",
+                   help="browser origins that may call the server, as a JSON list (vLLM's flag; default every "
+                        "origin: '[\"*\"]')")
+    g.add_argument("--allowed-methods", default='["*"]', metavar="JSON",
+                   help="HTTP methods a browser may send, as a JSON list (vLLM's flag; default all)")
+    g.add_argument("--allowed-headers", default='["*"]', metavar="JSON",
+                   help="request headers a browser may send, as a JSON list (vLLM's flag; default all)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="let browsers send cookies and HTTP auth to the allowed origins (vLLM's flag)")
     add_vllm_flags(parser, SERVER_FLAGS)
     return parser
+
+
+def cors_policy(ns) -> CorsPolicy:
+    """The CORS policy the flags give (ConfigError naming a flag that is not a JSON list of strings)."""
+    return CorsPolicy(origins=parse_json_list("--allowed-origins", ns.allowed_origins),
+                      methods=parse_json_list("--allowed-methods", ns.allowed_methods),
+                      headers=parse_json_list("--allowed-headers", ns.allowed_headers),
+                      credentials=ns.allow_credentials)
 
 
 def check_server_flags(ns) -> None:
@@ -97,6 +115,7 @@ def check_server_flags(ns) -> None:
     if ns.tool_call_parser is not None and not ns.enable_auto_tool_choice:
         raise ConfigError("--tool-call-parser is read only with --enable-auto-tool-choice; add it")
     parse_template_kwargs(ns.default_chat_template_kwargs)
+    cors_policy(ns)
 
 
 def serve_main(args) -> int:
@@ -164,6 +183,7 @@ def serve_main(args) -> int:
                                          args.exclude_tools_when_tool_choice_none),
         request_id_headers=args.enable_request_id_headers,
         responses_store_size=args.responses_store_size,
+        cors=cors_policy(args),
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("listening on %s without --api-key or $%s: anyone who can reach this port can use it", args.host,
