@@ -245,3 +245,27 @@ def test_gpu_one_warp_fp8_decode_graphs_match_eager(tmp_path):
     assert graph_llm.engine.stats()["graph_steps"] >= 20
     scale = max(1.0, eager_llm.engine.compute_prompt_logits(prompts[-1]).abs().max().item())
     assert_outputs_agree(graph, eager, scale * 2.0**-5 * 4)
+
+
+@needs_cuda
+def test_gpu_chunks_before_the_last_compute_no_logits(tiny_llama):
+    """A lone 300-token prompt in 64-token steps on CUDA: the chunks before its last compute no logits (an
+    empty row list once meant every row), and the greedy tokens follow the CPU engine's."""
+    prompt = _prompts()[-1]
+    cpu = _greedy(_llm(tiny_llama, "cpu"), [prompt], n=4)
+    llm = _llm(tiny_llama, "cuda", max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    compute, rows_seen = model.compute_logits, []
+
+    def recording(hidden):
+        rows_seen.append(hidden.shape[0])
+        return compute(hidden)
+
+    model.compute_logits = recording
+    try:
+        gpu = _greedy(llm, [prompt], n=4)
+    finally:
+        model.compute_logits = compute
+    chunks = -(-len(prompt) // 64)
+    assert rows_seen[:chunks] == [0] * (chunks - 1) + [1]
+    assert_outputs_agree(gpu, cpu, FP32_LOGIT_TOL)
