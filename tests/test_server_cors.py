@@ -101,7 +101,17 @@ def test_an_allowed_preflight_lists_the_policys_methods_and_headers(strict_serve
                                "Access-Control-Request-Headers": "content-type"})
     assert status == 200 and headers["Access-Control-Allow-Origin"] == PAGE
     assert headers["Access-Control-Allow-Methods"] == "GET, POST"
-    assert headers["Access-Control-Allow-Headers"] == "Authorization, Content-Type"
+    assert headers["Access-Control-Allow-Headers"] == "Accept, Accept-Language, Authorization, Content-Language, Content-Type"
+
+
+def test_safelisted_headers_pass_a_policy_that_lists_only_authorization():
+    """A page sending JSON names Content-Type in its preflight: allowed whatever the list (Starlette's rule)."""
+    policy = CorsPolicy(origins=(PAGE,), headers=("Authorization",))
+    with ServerThread(create_app(FakeEngine(), cors=policy)) as srv:
+        status, headers, _ = call(srv.url + "/v1/completions", "OPTIONS",
+                                  {"Origin": PAGE, "Access-Control-Request-Method": "POST",
+                                   "Access-Control-Request-Headers": "authorization, content-type"})
+    assert status == 200 and "Content-Type" in headers["Access-Control-Allow-Headers"]
 
 
 def test_flags_take_json_lists_of_strings():
@@ -109,3 +119,5 @@ def test_flags_take_json_lists_of_strings():
     for bad in ("*", '"*"', "[1]", "{}"):
         with pytest.raises(ConfigError, match="--allowed-origins takes a JSON list of strings"):
             parse_json_list("--allowed-origins", bad)
+    with pytest.raises(ConfigError, match=r'\["GET", "POST"\]'):
+        parse_json_list("--allowed-methods", "GET")

@@ -31,6 +31,7 @@ import kvforge
 from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol, responses, tokenization
 from kvforge.server.async_engine import (
+    SERVER_FAILURES,
     AsyncEngine,
     EngineDeadError,
     InternalServerError,
@@ -71,15 +72,6 @@ class _HTTPError(Exception):
                  headers: dict | None = None):
         super().__init__(message)
         self.status, self.type, self.code, self.param, self.headers = status, type_, code, param, headers or {}
-
-
-#: How a failure on the engine's side of an accepted request is answered: HTTP status, OpenAI error type and
-#: code. A stream that has begun sends the type and code in its error event.
-SERVER_FAILURES: dict[type, tuple[int, str, str]] = {
-    ServerShuttingDownError: (503, "server_overloaded", "shutting_down"),
-    EngineDeadError: (500, "server_error", "engine_dead"),
-    InternalServerError: (500, "server_error", "internal_error"),
-}
 
 
 def _json_error(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,

@@ -68,6 +68,15 @@ class InternalServerError(Exception):
     ``internal_error``, not ``engine_dead``."""
 
 
+#: How a failure on the engine's side of an accepted request is answered: HTTP status, OpenAI error type and
+#: code. A stream that has begun sends the type and code in its error event (every route's).
+SERVER_FAILURES: dict[type, tuple[int, str, str]] = {
+    ServerShuttingDownError: (503, "server_overloaded", "shutting_down"),
+    EngineDeadError: (500, "server_error", "engine_dead"),
+    InternalServerError: (500, "server_error", "internal_error"),
+}
+
+
 class RequestStream:
     """The consumer side of one request: ``async for out in stream`` then ``close()``."""
 

@@ -19,6 +19,9 @@ from kvforge.errors import ConfigError
 
 #: How long a browser may cache a preflight's answer (seconds; Starlette's default, which vLLM serves).
 PREFLIGHT_MAX_AGE_S = 600
+#: Request headers every policy allows (the CORS-safelisted ones, as Starlette's middleware adds them): a page
+#: sending JSON names Content-Type in its preflight even where the policy lists only Authorization.
+SAFELISTED_HEADERS: tuple[str, ...] = ("Accept", "Accept-Language", "Content-Language", "Content-Type")
 
 
 @dataclass(frozen=True)
@@ -36,10 +39,17 @@ class CorsPolicy:
     def allows_method(self, method: str) -> bool:
         return "*" in self.methods or method.upper() in (m.upper() for m in self.methods)
 
+    def allowed_headers(self) -> tuple[str, ...]:
+        """The listed headers and the safelisted ones (``*`` alone where any is allowed)."""
+        if "*" in self.headers:
+            return ("*",)
+        listed = {h.lower() for h in self.headers}
+        return tuple(sorted({*self.headers, *(h for h in SAFELISTED_HEADERS if h.lower() not in listed)}))
+
     def refused_headers(self, requested: list[str]) -> list[str]:
         if "*" in self.headers:
             return []
-        allowed = {h.lower() for h in self.headers}
+        allowed = {h.lower() for h in self.allowed_headers()}
         return [h for h in requested if h.lower() not in allowed]
 
     def origin_headers(self, origin: str) -> dict[str, str]:
@@ -63,8 +73,9 @@ def parse_json_list(flag: str, text: str) -> tuple[str, ...]:
     except ValueError:
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]' or '[\"https://app.example\"]'; "
-                          f"got {text!r}")
+        example = {"--allowed-origins": '["https://app.example"]', "--allowed-methods": '["GET", "POST"]',
+                   "--allowed-headers": '["Authorization"]'}.get(flag, '["*"]')
+        raise ConfigError(f"{flag} takes a JSON list of strings, e.g. '[\"*\"]' or '{example}'; got {text!r}")
     return tuple(value)
 
 
@@ -114,7 +125,7 @@ def preflight_middleware(policy: CorsPolicy):
         }
         if requested:
             headers["Access-Control-Allow-Headers"] = (", ".join(requested) if "*" in policy.headers
-                                                       else ", ".join(policy.headers))
+                                                       else ", ".join(policy.allowed_headers()))
         return web.Response(status=200, text="OK", headers=headers)  # the origin headers: add_origin_headers
 
     return preflight

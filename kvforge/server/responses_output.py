@@ -16,7 +16,6 @@ response's order. An item the limit cut closes
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
@@ -24,6 +23,7 @@ from aiohttp import web
 
 from kvforge.reasoning import ANSWER
 from kvforge.server import protocol
+from kvforge.server.async_engine import SERVER_FAILURES
 from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.responses import (
     ResponseParts,
@@ -252,8 +252,11 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
             on_done(whole)
         # response.completed even when the status is incomplete: the openai SDK's stream helpers end on it
         await events.send("response.completed", response=whole)
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
+    except tuple(SERVER_FAILURES) as e:  # shutdown, a dead engine, a refused sample: as the other routes answer
+        _, _, code = SERVER_FAILURES[type(e)]
+        await events.send("error", code=code, message=str(e), param=None)
+    except ConnectionResetError:
+        return resp  # the client is gone: aiohttp ends a begun response whose client left without an error log
     except Exception as e:  # the stream has begun: the error goes out as an event
         logger.exception("response stream %s failed", response_id)
         await events.send("error", code="internal_error", message=f"{type(e).__name__}: {e}", param=None)

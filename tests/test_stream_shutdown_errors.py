@@ -1,0 +1,57 @@
+"""A stream cut by the server's shutdown ends with an error event whose code is ``shutting_down`` on every
+route (completions, chat, Responses), as a response refused during shutdown is a 503 ``shutting_down``; the
+Responses stream logs no traceback for it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine  # noqa: E402
+
+from kvforge.server.app import ServerThread, create_app  # noqa: E402
+
+BODIES = {
+    "/v1/completions": {"prompt": "abc", "max_tokens": 400, "ignore_eos": True, "stream": True},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 400,
+                             "ignore_eos": True, "stream": True},
+    "/v1/responses": {"input": "abc", "max_output_tokens": 400, "stream": True},
+}
+
+
+def _error_of(text: str) -> dict:
+    events = [json.loads(line[len("data: "):]) for line in text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    last = events[-1]
+    return last["error"] if "error" in last else last  # the Responses stream's error event is the object itself
+
+
+@pytest.mark.parametrize("route", list(BODIES))
+def test_a_stream_cut_by_shutdown_says_shutting_down(route, caplog):
+    srv = ServerThread(create_app(FakeEngine(step_delay=0.02), shutdown_grace_s=0)).start()
+    try:
+        async def run():
+            async with aiohttp.ClientSession() as session:
+                async with session.post(srv.url + route, json=BODIES[route]) as resp:
+                    assert resp.status == 200
+                    chunks = []
+                    async for line in resp.content:
+                        chunks.append(line.decode())
+                        if sum(c.startswith("data:") for c in chunks) == 3:  # the stream runs: shut down now
+                            asyncio.run_coroutine_threadsafe(srv.async_engine.shutdown(0), srv.loop)
+                    return "".join(chunks)
+
+        with caplog.at_level(logging.ERROR):
+            text = asyncio.run(run())
+        error = _error_of(text)
+        assert error["code"] == "shutting_down", error
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        srv.stop()
