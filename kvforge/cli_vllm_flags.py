@@ -169,14 +169,18 @@ class _VllmFlagAction(argparse.Action):
             return
         given = f"{option_string} {values}" if self.flag.takes_value else option_string
         neutral = f" (only {' or '.join(self.flag.neutral)} is accepted)" if self.flag.neutral else ""
-        parser.error(f"{given}: {self.flag.why}{neutral}")
+        # the reason alone, without argparse's usage block (a hundred lines of flags that hide it)
+        parser.exit(2, f"{parser.prog}: error: {given}: {self.flag.why}{neutral}\n")
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser, flags: tuple[VllmFlag, ...]) -> None:
-    """Declare ``flags`` on ``parser`` (module docstring); they never reach the parsed namespace."""
-    group = parser.add_argument_group("vLLM flags accepted without effect or refused")
+def add_vllm_flags(parser: argparse.ArgumentParser, flags: tuple[VllmFlag, ...], kind: str) -> None:
+    """Declare ``flags`` on ``parser`` (module docstring) in two help groups, those accepted without effect and
+    those refused; ``kind`` ("engine", "server") names them. They never reach the parsed namespace."""
+    accepted = parser.add_argument_group(f"vLLM {kind} flags accepted without effect")
+    refused = parser.add_argument_group(f"vLLM {kind} flags refused (or accepted only at their neutral value)")
     for flag in flags:
-        group.add_argument(*flag.names, action=_VllmFlagAction, flag=flag,
+        group = accepted if flag.neutral is None else refused
+        group.add_argument(*flag.names, action=_VllmFlagAction, flag=flag, metavar="VALUE" if flag.takes_value else None,
                            dest=f"vllm_{flag.names[0].lstrip('-').replace('-', '_')}")
 
 

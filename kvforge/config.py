@@ -217,7 +217,7 @@ class EngineArgs:
         if model_positional:
             add_model_arguments(parser, "HF dir / .gguf / preset (dummy weights) (default: embedded SmolLM2)")
         add_plan_args(parser)
-        add_vllm_flags(parser, ENGINE_FLAGS)
+        add_vllm_flags(parser, ENGINE_FLAGS, "engine")
         parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         parser.add_argument("--load-format", choices=["auto", "safetensors", "gguf", "dummy"], default="auto")
         parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")

@@ -80,7 +80,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="request headers a browser may send, as a JSON list (vLLM's flag; default all)")
     g.add_argument("--allow-credentials", action="store_true",
                    help="let browsers send cookies and HTTP auth to the allowed origins (vLLM's flag)")
-    add_vllm_flags(parser, SERVER_FLAGS)
+    add_vllm_flags(parser, SERVER_FLAGS, "server")
     return parser
 
 
