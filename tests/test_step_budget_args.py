@@ -85,6 +85,17 @@ def test_gpu_memory_flags_on_cpu_say_they_do_nothing(caplog, kw, says):
     assert f"{says} has no effect on CPU" in caplog.text
 
 
+def test_gpu_memory_on_cpu_is_no_device_to_check_against(caplog):
+    """Beside --kv-cache-memory too, a GPU memory given on CPU changes nothing: no fit warning against it."""
+    from kvforge import LLM
+
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(device="cpu", gpu_memory="1GB", kv_cache_memory="64MiB", max_model_len=256)
+    assert "--gpu-memory has no effect on CPU: the KV cache gets --kv-cache-memory (67,108,864 bytes)" in caplog.text
+    assert llm.plan.capacity.kv_cache_memory == 64 << 20
+    assert not any("exceed the device" in w for w in llm.plan.warnings)
+
+
 def test_the_planner_takes_the_engines_rule(capsys):
     """``kvforge plan`` and ``kvforge.plan`` refuse the pair the engine refuses, and plan for the sequences
     the engine runs when only the budget is given (the activation reserve's split-attention partials grow

@@ -84,7 +84,7 @@ class LLMEngine:
             kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
             num_speculative_tokens=args.num_speculative_tokens,
             kv_cache_memory=resolve_kv_cache_memory(args.kv_cache_memory, platform),
-            gpu_memory=args.gpu_memory or (torch.cuda.mem_get_info(self.device)[1] if platform == "cuda" else None),
+            gpu_memory=(args.gpu_memory or torch.cuda.mem_get_info(self.device)[1]) if platform == "cuda" else None,
             gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,

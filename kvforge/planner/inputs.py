@@ -42,19 +42,18 @@ def resolve_kv_cache_memory(kv_cache_memory: int | None, device: str) -> int | N
 def gpu_memory_flag_ignored_on_cpu(kv_cache_memory: int | None, gpu_memory: int | None,
                                    gpu_memory_utilization: float) -> str | None:
     """The warning for GPU memory flags given to a CPU engine, or None: the CPU sizes its KV cache from
-    ``--kv-cache-memory`` alone (DEFAULT_CPU_KV_CACHE_MEMORY when unset), so ``--gpu-memory`` and
-    ``--gpu-memory-utilization`` change nothing there. The engine and ``kvforge plan --device cpu`` both ask
-    here, so the plan sizes what the engine will."""
-    if kv_cache_memory is not None:
+    ``--kv-cache-memory`` alone (DEFAULT_CPU_KV_CACHE_MEMORY when unset) and has no device memory to check a
+    plan against, so ``--gpu-memory`` and ``--gpu-memory-utilization`` change nothing there. The engine and
+    ``kvforge plan --device cpu`` both ask here, and both then plan without them."""
+    flags = (["--gpu-memory"] if gpu_memory is not None else []) + (
+        [f"--gpu-memory-utilization {gpu_memory_utilization}"]
+        if gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION else [])
+    if not flags:
         return None
-    if gpu_memory is not None:
-        flag = "--gpu-memory"
-    elif gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
-        flag = f"--gpu-memory-utilization {gpu_memory_utilization}"
-    else:
-        return None
-    return (f"{flag} has no effect on CPU: the KV cache gets --kv-cache-memory (default "
-            f"{DEFAULT_CPU_KV_CACHE_MEMORY >> 30} GiB)")
+    size = (f"default {DEFAULT_CPU_KV_CACHE_MEMORY >> 30} GiB" if kv_cache_memory is None
+            else f"{kv_cache_memory:,} bytes")
+    return (f"{' and '.join(flags)} {'has' if len(flags) == 1 else 'have'} no effect on CPU: the KV cache gets "
+            f"--kv-cache-memory ({size})")
 
 
 def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int | None) -> int:
