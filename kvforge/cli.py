@@ -17,6 +17,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
     from kvforge.config import EngineArgs
+    from kvforge.engine.config_checks import check_engine_plan, engine_limitations
     from kvforge.errors import PlanError
     from kvforge.planner.api import plan as make_plan
     from kvforge.planner.inputs import (
@@ -25,6 +26,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         gpu_memory_flag_ignored_on_cpu,
     )
     from kvforge.server.cli import check_server_flags
+    from kvforge.spec.load import load_model_spec
 
     engine = EngineArgs.from_cli_args(args)  # the checks a serve or generate line gets before any weight loads
     check_server_flags(args)
@@ -51,6 +53,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
 
     result = plan_with(engine.kv_cache_memory)
+    spec = load_model_spec(engine.model)
+    check_engine_plan(engine, spec, result, device, limitations=False)
+    for limitation in engine_limitations(engine, spec):
+        print(f"warning: kvforge serve and generate refuse this line: {limitation}", file=sys.stderr)
     if device == "cpu" and engine.kv_cache_memory is None and gpu_memory is None:
         try:  # the capacity-free plan holds; would the CPU engine's default memory run it?
             plan_with(DEFAULT_CPU_KV_CACHE_MEMORY)

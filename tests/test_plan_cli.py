@@ -282,3 +282,21 @@ def test_exact_concurrency_gain_names_only_what_keeps_its_dtype(capsys, model, n
     line = next(x for x in out.splitlines() if "concurrency gain (exact)" in x)
     assert code == 0 and ("linear-attention state keeps its dtype" in line) == note
     assert "not halved" not in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--max-num-batched-tokens", "100", "--no-enable-chunked-prefill"], "without chunked prefill"),
+    (["--num-speculative-tokens", "4", "--max-num-batched-tokens", "4", "--max-num-seqs", "1"],
+     "exceeds --max-num-batched-tokens 4"),
+    (["csa-ring-test", "--async-scheduling"], "--async-scheduling is not supported for ring"),
+])
+def test_the_engines_config_checks_run_in_the_plan(capsys, argv, needle):
+    """The engine's checks that need no model files (kvforge/engine/config_checks.py) refuse the line here too."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and needle in err
+
+
+def test_what_the_engine_does_not_run_yet_plans_with_a_warning(capsys):
+    code, out, err = run(capsys, "csa-ring-test", "-tp", "2", "--json")
+    assert code == 0 and json.loads(out)["tensor_parallel_size"] == 2
+    assert "warning: kvforge serve and generate refuse this line: per-request rings" in err

@@ -22,6 +22,7 @@ from kvforge.config import (
     EngineArgs,
 )
 from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.config_checks import check_engine_plan
 from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
 from kvforge.engine.kv_pool import KVPool
@@ -47,7 +48,6 @@ from kvforge.spec.embedded import embedded_model_path
 from kvforge.spec.load import load_model_spec
 from kvforge.spec.presets import PRESETS
 from kvforge.speculative.stats import SpeculativeStats
-from kvforge.speculative.support import check_speculative
 from kvforge.structured.token_masks import proposal_bitmask
 
 logger = logging.getLogger("kvforge.engine")
@@ -107,23 +107,8 @@ class LLMEngine:
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
         # Linear-attention layers (Qwen3-Next, Kimi-Linear): one state slot per running sequence, from the plan.
         self.has_linear_state = any(layer.kind == "state" for layer in self.plan.layers)
-        if self.spec.rings and args.async_scheduling:
-            raise ConfigError("--async-scheduling is not supported for ring (CsaRing) models: their per-request "
-                              "state slots are bound to the synchronous step; drop --async-scheduling")
-        if self.spec.rings and args.tensor_parallel_size > 1:
-            raise ConfigError("per-request rings (CsaRingTest) are not supported with tensor parallelism yet; "
-                              "use --tensor-parallel-size 1 (`kvforge plan` shows the per-rank figures)")
-        batched = args.step_token_budget(platform)
-        if not args.enable_chunked_prefill and batched < self.plan.max_model_len:
-            if args.max_num_batched_tokens is not None:
-                raise ConfigError(
-                    f"--max-num-batched-tokens {batched} < max_model_len {self.plan.max_model_len} without chunked "
-                    "prefill: a prompt longer than one step could never be scheduled; raise "
-                    "--max-num-batched-tokens, lower --max-model-len or drop --no-enable-chunked-prefill")
-            batched = self.plan.max_model_len  # as vLLM: without chunks a step must hold the longest prompt
+        batched = check_engine_plan(args, self.spec, self.plan, platform)
         self.speculative = args.speculative_config
-        if self.speculative is not None:
-            check_speculative(self.speculative, self.spec, self.plan, max_num_batched_tokens=batched)
         self.model_path, self.load_format = self._weights_location(args.model, args.load_format)
         #: Default SamplingParams fields of requests that do not set them (``--generation-config``).
         self.sampling_defaults = sampling_defaults(args.generation_config, self.model_path)
