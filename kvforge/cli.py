@@ -30,9 +30,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     engine = EngineArgs.from_cli_args(args)  # the checks a serve or generate line gets before any weight loads
     check_server_flags(args)
-    device = _plan_device(args.device)
+    device, gpu_memory = _plan_device(args.device, engine.gpu_memory)
     speculative = engine.speculative_config
-    gpu_memory, utilization = engine.gpu_memory, engine.gpu_memory_utilization
+    utilization = engine.gpu_memory_utilization
     ignored = device == "cpu" and gpu_memory_flag_ignored_on_cpu(engine.kv_cache_memory, gpu_memory, utilization)
     if ignored:  # plan what the CPU engine will size
         print(f"warning: {ignored}", file=sys.stderr)
@@ -75,14 +75,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_device(device: str) -> str:
-    """``--device`` of ``kvforge plan``: cpu or cuda as given; auto as the engine picks (cuda where torch
-    sees a GPU here)."""
+def _plan_device(device: str, gpu_memory: int | None) -> tuple[str, int | None]:
+    """``--device`` of ``kvforge plan`` and the GPU memory to plan with: cpu or cuda as given, with
+    ``--gpu-memory``; auto as the engine picks, cuda where torch sees a GPU here, with that GPU's memory
+    unless ``--gpu-memory`` names another (the engine reads it the same way)."""
     if device != "auto":
-        return device
+        return device, gpu_memory
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        return "cpu", gpu_memory
+    return "cuda", gpu_memory or torch.cuda.mem_get_info()[1]
 
 
 # Wide enough for every column of the plan's tables; rich would otherwise cut cells ("trito…") at its
@@ -120,7 +123,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_engine_command_flags(p)
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels, "
-                        "with or without a GPU here; auto: cuda where this machine has one, as the engine picks)")
+                        "with or without a GPU here; auto: as the engine picks, cuda with this machine's GPU memory "
+                        "where it has one)")
     p.add_argument("--max-num-batched-tokens", type=token_count, default=None,
                    help="tokens one step may compute: the plan sets their activations aside before the KV memory "
                         "(default 8192 on cuda, 2048 on cpu, raised to --max-num-seqs)")

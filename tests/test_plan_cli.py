@@ -300,3 +300,16 @@ def test_what_the_engine_does_not_run_yet_plans_with_a_warning(capsys):
     code, out, err = run(capsys, "csa-ring-test", "-tp", "2", "--json")
     assert code == 0 and json.loads(out)["tensor_parallel_size"] == 2
     assert "warning: kvforge serve and generate refuse this line: per-request rings" in err
+
+
+def test_device_auto_plans_this_machines_gpu_as_the_engine_does(capsys, monkeypatch):
+    """--device auto picks cuda where torch sees a GPU and plans that GPU's memory, as the engine reads it."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1, 80 * 10**9))
+    code, out, _ = run(capsys, "llama-3.1-8b", "--device", "auto", "--json")
+    code2, named, _ = run(capsys, "llama-3.1-8b", "--device", "cuda", "--gpu-memory", "80GB", "--json")
+    auto = json.loads(out)
+    assert code == code2 == 0 and auto["platform"] == "cuda"
+    assert auto["capacity_tokens"] == json.loads(named)["capacity_tokens"] > 0
