@@ -122,8 +122,8 @@ def test_a_prompt_of_no_known_shape_is_an_invalid_request(llm, prompts):
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     """vLLM's ``truncate_prompt_tokens``: the request runs on the prompt's last k tokens, as that prompt alone
-    would (greedy, the same engine and path); -1 keeps as many as leave room for one generated token (vLLM's
-    max_model_len would leave none)."""
+    would (greedy, the same engine and path); -1 keeps as many as leave room for max_tokens generated tokens
+    (vLLM's max_model_len would leave none)."""
     long = list(range(10, 90))  # 80 tokens: more than the 64-token context
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=5)
     out = llm.generate({"prompt_token_ids": long}, params)[0]
@@ -133,6 +133,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     most = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True,
                                                                   truncate_prompt_tokens=-1))[0]
     assert most.prompt_token_ids == long[-63:] and len(most.outputs[0].token_ids) == 1
+    room = llm.generate({"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                                  truncate_prompt_tokens=-1))[0]
+    assert room.prompt_token_ids == long[-60:] and len(room.outputs[0].token_ids) == 4
     with pytest.raises(InvalidRequestError, match="best_of"):
         SamplingParams(n=1, best_of=2)
     assert SamplingParams(n=2, best_of=2).n == 2

@@ -486,7 +486,7 @@ class LLMEngine:
                 raise InvalidRequestError(f"token id {max(tokens)} in {field} is outside the vocabulary of {vocab} "
                                           f"tokens (ids 0 to {vocab - 1})", field=field)
         text, ids = self._tokenize(prompt)
-        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "

@@ -19,14 +19,16 @@ def check_prompt_token_ids(ids, vocab_size: int) -> list[int]:
     return ids
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_tokens: int | None = None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (None: all of them; -1: as many as
-    leave room for one generated token, ``max_model_len - 1``, where vLLM's ``max_model_len`` would leave none)."""
+    leave room in ``max_model_len`` for ``max_tokens`` generated tokens, at least one, where vLLM's
+    ``max_model_len`` would leave none)."""
     if keep is None:
         return ids
     if keep > max_model_len:
         raise InvalidRequestError(f"truncate_prompt_tokens {keep} is greater than max_model_len {max_model_len}: "
                                   f"keep at most {max_model_len} tokens (or -1 for that many)",
                                   field="truncate_prompt_tokens")
-    keep = max_model_len - 1 if keep == -1 else keep
+    if keep == -1:
+        keep = max(1, max_model_len - max(1, max_tokens or 1))
     return ids[-keep:] if len(ids) > keep else ids

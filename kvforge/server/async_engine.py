@@ -407,7 +407,7 @@ class AsyncEngine:
             prompt = chat_prompt_ids(tok, messages, chat_options)
         elif isinstance(prompt, str):
             prompt = tok.encode(prompt)  # tokenize once; the engine gets the ids
-        prompt = truncate_prompt(list(prompt), samples[0].truncate_prompt_tokens, max_len)
+        prompt = truncate_prompt(list(prompt), samples[0].truncate_prompt_tokens, max_len, samples[0].max_tokens)
         n = len(prompt)
         if prompt_only:
             if n > max_len:
