@@ -394,7 +394,9 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
                  f"--gpu-memory-utilization)")
         raise PlanError(
             f"the KV cache memory ({memory} bytes per rank) holds less than one sequence of --max-model-len "
-            f"{max_model_len} ({per_seq} bytes each); fix: {fix}"
+            f"{max_model_len} ({per_seq} bytes each"
+            + (f", {per_seq + chunk_bytes} while it computes a prefill chunk of {chunk_tokens} tokens" if chunk_bytes
+               else "") + f"); fix: {fix}"
         )
     if memory < per_seq + chunk_bytes:
         raise PlanError(
