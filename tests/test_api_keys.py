@@ -138,7 +138,7 @@ def test_a_method_a_route_does_not_serve_keeps_the_routes_label(keyed_server):
     req = urllib.request.Request(keyed_server.url + "/v1/chat/completions", headers={"Authorization": "Bearer right"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
-    assert err.value.code == 405
+    assert err.value.code == 405 and err.value.headers["Allow"] == "POST"
     with urllib.request.urlopen(keyed_server.url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     assert any(line.startswith("kvforge:http_requests_total{") and 'path="/v1/chat/completions"' in line

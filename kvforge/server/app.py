@@ -160,8 +160,10 @@ def create_app(
                 message = f"no route {request.method} {request.path}: this server serves {', '.join(ROUTES)}"
             elif e.status == 405:
                 message = f"{request.method} is not allowed on {request.path}"
+            allow = e.headers.get("Allow")  # a 405 names the methods the route serves
             response = _json_error(e.status, message, "invalid_request_error",
-                                   code="not_found" if e.status == 404 else None)
+                                   code="not_found" if e.status == 404 else None,
+                                   headers={"Allow": allow} if allow else None)
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception as e:
