@@ -38,8 +38,8 @@ def test_a_stream_cut_by_shutdown_says_shutting_down(route, caplog):
     srv = ServerThread(create_app(FakeEngine(step_delay=0.02), shutdown_grace_s=0)).start()
     try:
         async def run():
-            async with aiohttp.ClientSession() as session:
-                async with session.post(srv.url + route, json=BODIES[route]) as resp:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(srv.url + route, json=BODIES[route]) as resp:
                     assert resp.status == 200
                     chunks = []
                     async for line in resp.content:
