@@ -117,9 +117,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan", help="resolve and print the KV-cache plan (no weights are read)", conflict_handler="resolve",
         description="Resolve and print the KV-cache plan without reading weights. A kvforge serve or generate "
-                    "command line plans as it stands (kvforge plan MODEL [their flags]): its flags are checked as "
-                    "those commands check them, and those that do not bear on the KV cache (--port, --seed, "
-                    "sampling) change nothing here.")
+                    "command line plans as it stands (kvforge plan MODEL [their flags]): it gets their checks that need "
+                    "no model files (the tokenizer, chat template and weights are checked when they load), and "
+                    "flags that do not bear on the KV cache (--port, --seed, sampling) change nothing here.")
     _add_engine_command_flags(p)
     p.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                    help="platform to plan for (default cpu: the CPU reference backends; cuda for the GPU kernels, "

@@ -29,8 +29,9 @@ def check_engine_plan(args: EngineArgs, spec: ModelSpec, plan: KVPlan, platform:
     if spec.rings and args.async_scheduling:
         raise ConfigError("--async-scheduling is not supported for ring (CsaRing) models: their per-request "
                           "state slots are bound to the synchronous step; drop --async-scheduling")
-    for limitation in engine_limitations(args, spec) if limitations else ():
-        raise ConfigError(limitation)
+    found = engine_limitations(args, spec) if limitations else []
+    if found:
+        raise ConfigError(found[0])
     batched = args.step_token_budget(platform)
     if not args.enable_chunked_prefill and batched < plan.max_model_len:
         if args.max_num_batched_tokens is not None:
