@@ -92,6 +92,9 @@ def _model(cls, config, dtype=torch.float32):
     return model
 
 
+HEAD_PHASES = ("sampler", "prompt logprobs")
+
+
 def _forward_peak(model, tokens: int) -> int:
     ids = torch.randint(0, model.vocab_size, (tokens,))
     positions = torch.arange(tokens)
@@ -103,7 +106,7 @@ def _forward_peak(model, tokens: int) -> int:
 
 def _model_phases(spec, tokens: int, seqs: int) -> int:
     reserve = activation_reserve(spec, tokens, seqs, platform="cpu")
-    return max(b for name, b in reserve.phases if name != "sampler")
+    return max(b for name, b in reserve.phases if name not in HEAD_PHASES)
 
 
 @pytest.mark.parametrize("cls,config,peak_phase", [
@@ -122,7 +125,8 @@ def test_reserve_bounds_the_measured_forward_peak(cls, config, peak_phase, token
     model = _model(cls, config, getattr(torch, dtype))
     measured = _forward_peak(model, tokens)
     planned = _model_phases(spec, tokens, 8)
-    phases = [(b, name) for name, b in activation_reserve(spec, tokens, 8, platform="cpu").phases if name != "sampler"]
+    phases = [(b, name) for name, b in activation_reserve(spec, tokens, 8, platform="cpu").phases
+              if name not in HEAD_PHASES]
     assert max(phases)[1] == peak_phase  # the case tests the phase it is meant to
     print(f"{config['architectures'][0]} T={tokens}: measured {measured}, planned {planned}, {planned / measured:.3f}x")
     assert measured <= planned <= 1.5 * measured, (measured, planned, activation_reserve(spec, tokens, 8,
@@ -144,6 +148,37 @@ def test_reserve_bounds_the_head_and_sampler_peak(rows):
         Sampler()(logits, params)
     planned = dict(activation_reserve(spec, tokens, rows, platform="cpu").phases)["sampler"]
     print(f"sampler rows={rows}: measured {probe.peak}, planned {planned}, {planned / probe.peak:.3f}x")
+    assert probe.peak <= planned <= 1.5 * probe.peak, (probe.peak, planned)
+
+
+@pytest.mark.parametrize("cls,config", [(LlamaForCausalLM, LLAMA),
+                                        (Gemma3ForCausalLM, {**GEMMA3, "final_logit_softcapping": 30.0})],
+                         ids=["llama", "gemma3-soft-capped"])
+@pytest.mark.parametrize("tokens,rows", [(600, 8), (600, 1), (100, 8)])
+def test_reserve_bounds_the_prompt_logprobs_peak(cls, config, tokens, rows):
+    """A step's sampled rows' logits beside its prompt rows scored slice by slice (the engine's head path:
+    ``ModelRunner.head``), with the step's hidden alive. 600 rows are three slices; Gemma-3 soft-caps."""
+    from kvforge.engine.model_runner import HostStep, ModelRunner
+    from kvforge.engine.prompt_scoring import PromptScoring, set_scored_rows
+
+    spec = spec_from_hf_config(config, name="tiny", source="test")
+    model = _model(cls, config)
+    scored = tokens - rows
+    targets = torch.randint(0, config["vocab_size"], (scored,))
+    runner = ModelRunner.__new__(ModelRunner)  # the head alone: no pool, no plan
+    runner.model = model
+    with torch.no_grad(), LiveTensorPeak() as probe:
+        probe.ignore(*model.parameters(), *model.buffers(), targets)
+        hidden = torch.randn(tokens, config["hidden_size"])
+        normed = model.model.norm(hidden)
+        scoring = PromptScoring(targets, 5, [])
+        host = HostStep(*[None] * 9)
+        set_scored_rows(host, scoring)
+        logits = runner.head(normed, host, scoring)
+    assert logits.shape == (rows, config["vocab_size"]) and scoring.result.token_logprobs.shape == (scored,)
+    planned = dict(activation_reserve(spec, tokens, rows, platform="cpu").phases)["prompt logprobs"]
+    print(f"prompt logprobs T={tokens} rows={rows}: measured {probe.peak}, planned {planned}, "
+          f"{planned / probe.peak:.3f}x")
     assert probe.peak <= planned <= 1.5 * probe.peak, (probe.peak, planned)
 
 

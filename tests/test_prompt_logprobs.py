@@ -79,6 +79,30 @@ def test_prompt_logprobs_match_transformers(hf_model, chunked, overlapped):
         assert len(out.outputs[0].token_ids) == 3
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_prompt_rows_scored_in_slices_match_transformers(hf_model, monkeypatch, tp):
+    """Slices of 3 rows (the engine's are 256): a 41-token prompt is scored in 14 slices beside the
+    sampled rows of other requests in the same step; at TP 2 the workers take rank 0's slice length."""
+    import kvforge.engine.prompt_scoring as prompt_scoring
+
+    monkeypatch.setattr(prompt_scoring, "SLICE_ROWS", 3)
+    model, path = hf_model
+    llm = _llm(path, tensor_parallel_size=tp)
+    try:
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (41, 6, 12)]
+        ks = [3, None, 1]
+        params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=k) for k in ks]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for out, p, k in zip(outs, prompts, ks):
+        if k is None:
+            assert out.prompt_logprobs is None
+        else:
+            _check(out, p, _reference(model, p), k)
+
+
 def test_prompt_logprobs_skip_the_prefix_cache_and_leave_others_alone(hf_model):
     model, path = hf_model
     llm = _llm(path, enable_prefix_caching=True)

@@ -39,14 +39,17 @@ import torch
 
 from kvforge.distributed.group import TPGroup
 from kvforge.engine.model_runner import HostStep, ModelRunner
+from kvforge.engine.prompt_scoring import PromptScoring, set_scored_rows
 
 # n_tok, n_seqs, table cols, n_rows (-1: every row), max_query_len, max_seq_len, n_copies, use_graph (0/1),
 # n_placeholders (in-flight input ids, async scheduling), n_share (sampled tokens rank 0 broadcasts after the
 # step for the next step's placeholders; 0: none), n_groups (KV-cache groups: slot mappings and block tables),
 # n_state (linear-attention models: one state slot per sequence, so n_seqs; 0: none), n_spec (n_seqs when some
 # sequence verifies proposals over linear-attention state: the proposals of each; 0: none), n_keep (verifying
-# slots whose accepted rows every rank replays before this step: a slot and a row count each)
-_HEADER = 14
+# slots whose accepted rows every rank replays before this step: a slot and a row count each), n_scored and
+# scored_slice_rows (the last logits rows are prompt rows, scored that many at a time:
+# kvforge/engine/prompt_scoring.py)
+_HEADER = 16
 
 #: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model,
 #: rank 0's sampled tokens of the last target step (async scheduling).
@@ -69,7 +72,8 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         n_spec = 0 if host.spec_lens is None else host.num_seqs
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[2], n_rows, host.max_query_len,
                            host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0],
-                           n_state, n_spec, len(keeps)], dtype=np.int64)
+                           n_state, n_spec, len(keeps), host.num_scored,
+                           host.scored_slice_rows], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)]
                              + ([np.asarray(ph[0], dtype=np.int64), np.asarray(ph[1], dtype=np.int64)] if n_ph else []))
@@ -82,7 +86,7 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         group.broadcast_host(i32, np.int32, i32.shape[0])
         return host, copies, use_graph, n_share, list(keeps)
     (n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups,
-     n_state, n_spec, n_keep) = group.broadcast_host(None, np.int64, _HEADER).tolist()
+     n_state, n_spec, n_keep, n_scored, slice_rows) = group.broadcast_host(None, np.int64, _HEADER).tolist()
     i64 = group.broadcast_host(None, np.int64, (2 + n_groups) * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
     n_i32 = 2 * n_seqs + 1 + n_groups * n_seqs * cols
     i32 = group.broadcast_host(None, np.int32, n_i32 + n_state + n_spec + 2 * n_keep)
@@ -99,6 +103,7 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         host.state_slots = i32[n_i32:n_i32 + n_state]
     if n_spec:
         host.spec_lens = i32[n_i32 + n_state:n_i32 + n_state + n_spec]
+    host.num_scored, host.scored_slice_rows = n_scored, slice_rows
     keeps = [tuple(p) for p in i32[n_i32 + n_state + n_spec:].reshape(-1, 2).tolist()]
     return host, copies, bool(graph), n_share, keeps
 
@@ -151,7 +156,8 @@ class TPModelRunner(ModelRunner):
         self._pending_keeps.extend((int(s), int(n)) for s, n in zip(slots, num_rows))
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0):
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0,
+            scoring: PromptScoring | None = None):
         """As ``ModelRunner.run``. ``share_sampled`` (async scheduling): the engine will sample that many
         tokens (from the first logits rows) and pass them to :meth:`share_sampled_tokens`, which broadcasts
         them to the workers."""
@@ -161,6 +167,7 @@ class TPModelRunner(ModelRunner):
         n_share = int(share_sampled)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None
+        set_scored_rows(host, scoring)
         copies = list(self._pending_copies)
         self._pending_copies.clear()  # in place: the list is shared with a linked runner
         keeps, self._pending_keeps = self._pending_keeps, []
@@ -168,7 +175,7 @@ class TPModelRunner(ModelRunner):
         self.control.before_step(self.step_command)
         try:
             broadcast_step(self.group, host, copies, use_graph, n_share, keeps)
-            return self.execute(host, use_graph)
+            return self.execute(host, use_graph, scoring)
         except Exception as e:
             raise self.control.failure(e) from e
 
@@ -189,12 +196,13 @@ class TPModelRunner(ModelRunner):
             self.shared_tokens = self.group.broadcast_device_(torch.empty(n, dtype=torch.int64, device=self.device))
 
     # ---- every rank -----------------------------------------------------------
-    def execute(self, host: HostStep, use_graph: bool) -> torch.Tensor | None:
-        """One step on this rank (graph replay when rank 0 says so); float32 logits on rank 0, None elsewhere."""
+    def execute(self, host: HostStep, use_graph: bool, scoring: PromptScoring | None = None) -> torch.Tensor | None:
+        """One step on this rank (graph replay when rank 0 says so); float32 logits on rank 0, None elsewhere
+        (prompt rows scored into ``scoring`` on rank 0)."""
         if use_graph and (self.graphs is None or not self.graphs.can_run(host.num_seqs)):
             raise RuntimeError(f"rank 0 asked for a CUDA-graph step of {host.num_seqs} sequences that rank "
                                f"{self.group.rank} did not capture")
-        return super().execute(host, use_graph)
+        return super().execute(host, use_graph, scoring)
 
     def counters(self) -> dict:
         return {**super().counters(), "rank": self.group.rank}

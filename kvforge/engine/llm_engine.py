@@ -30,7 +30,8 @@ from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host, default_async_scheduling
 from kvforge.engine.prompt_ids import check_prompt_token_ids, truncate_prompt
-from kvforge.engine.sampler import Sampler, compute_prompt_logprobs
+from kvforge.engine.prompt_scoring import PromptScoring
+from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams, plain_int
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
@@ -691,17 +692,17 @@ class LLMEngine:
                 self.runner.step_ring_slots = slots
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
         share = self.async_scheduling
+        scoring = None
+        if prompt_rows:
+            targets = torch.tensor(prompt_targets, dtype=torch.long).to(self.runner.device, non_blocking=True)
+            scoring = PromptScoring(targets, max(seq.params.prompt_logprobs for seq, _, _ in prompt_spans),
+                                    prompt_spans)
         logits = self.runner.run(chunks, rows + prompt_rows if prompt_rows else rows, placeholders=placeholders,
-                                 share_sampled=len(rows) if share else 0)
+                                 share_sampled=len(rows) if share else 0, scoring=scoring)
         follow = getattr(self.proposer, "follow", None)
         if follow is not None:  # a draft model computes its layers' KV of the step's positions too
             follow(out.scheduled, prev)
-        prompt_lp = None
-        if prompt_rows:
-            targets = torch.tensor(prompt_targets, dtype=torch.long).to(logits.device, non_blocking=True)
-            k = max(seq.params.prompt_logprobs for seq, _, _ in prompt_spans)
-            prompt_lp = compute_prompt_logprobs(logits[len(rows):], targets, k, prompt_spans).to_host()
-            logits = logits[:len(rows)]
+        prompt_lp = scoring.result.to_host() if scoring is not None else None
         if proposals is not None:
             self.scheduler.advance(out)
             verified = self._verify(logits, sampled_seqs, proposals)

@@ -52,6 +52,7 @@ from kvforge.attention.linear_state import SlotBatch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing.mla import check_prefill_mode
 from kvforge.engine.kv_pool import KVPool
+from kvforge.engine.prompt_scoring import PromptScoring, score_rows, set_scored_rows
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import is_quantized
 from kvforge.models.layers import fused_kernels, store_input_major
@@ -110,7 +111,8 @@ class HostStep:
     """
 
     __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len",
-                 "placeholders", "state_slots", "spec_lens")
+                 "placeholders", "state_slots", "spec_lens", "num_scored",
+                 "scored_slice_rows")
 
     def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len,
                  placeholders=None):
@@ -124,6 +126,10 @@ class HostStep:
         # proposals each verifies this step (None: none).
         self.state_slots = None
         self.spec_lens = None
+        # The last ``num_scored`` logits rows are prompt rows scored ``scored_slice_rows`` at a time and
+        # not returned (kvforge/engine/prompt_scoring.py); every rank takes the same slices.
+        self.num_scored = 0
+        self.scored_slice_rows = 0
 
     def has_initial_state(self) -> np.ndarray:
         """bool [num_seqs]: whether each sequence's slot already holds its state (its chunk starts after 0)."""
@@ -532,18 +538,22 @@ class ModelRunner:
         return graphs is not None and graphs.accepts(host) and not self.needs_calibration
 
     @torch.inference_mode()
-    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0):
+    def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0,
+            scoring: PromptScoring | None = None):
         """Run one step; return float32 logits for ``logits_rows`` (flat token
         indices), or for every token when ``logits_rows`` is None. ``placeholders``:
         see ``HostStep.placeholders`` (the ids at those rows in ``chunks`` are ignored).
         ``share_sampled`` (the number of tokens the engine will sample from the first
-        logits rows) matters only at TP > 1 (kvforge/distributed/runner.py)."""
+        logits rows) matters only at TP > 1 (kvforge/distributed/runner.py).
+        ``scoring``: the last ``scoring.num_rows`` of ``logits_rows`` are prompt rows, scored
+        into ``scoring.result`` and left out of the returned logits."""
         host = self.build_host(chunks, logits_rows)
         host.placeholders = placeholders
         self.take_state_slots(host)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
             host.rows = None  # every row, in order: no gather
-        return self.execute(host, self.wants_graph(host))
+        set_scored_rows(host, scoring)
+        return self.execute(host, self.wants_graph(host), scoring)
 
     def take_state_slots(self, host: HostStep) -> None:
         """Linear-attention models: move the engine's ``step_state_slots`` (one per sequence) into ``host``."""
@@ -582,9 +592,10 @@ class ModelRunner:
             idx = idx.to(self.device, non_blocking=True)
         ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
-    def execute(self, host: HostStep, use_graph: bool) -> torch.Tensor | None:
+    def execute(self, host: HostStep, use_graph: bool, scoring: PromptScoring | None = None) -> torch.Tensor | None:
         """One step from host arrays: graph replay (``use_graph``) or eager; the model's logits
-        (float32; None on tensor-parallel ranks other than 0)."""
+        (float32; None on tensor-parallel ranks other than 0). The last ``host.num_scored`` rows are
+        scored into ``scoring`` (every rank takes part; only rank 0 passes ``scoring``)."""
         if use_graph:
             hidden = self.graphs.run(host)
             self.num_graph_steps += 1
@@ -595,7 +606,7 @@ class ModelRunner:
                 if self._pin:
                     rows = rows.pin_memory()
                 hidden = hidden[rows.to(self.device, non_blocking=True)]
-            return self.model.compute_logits(hidden)
+            return self.head(hidden, host, scoring)
         input_ids, positions, meta, rows = self._to_device(host)
         self.patch_placeholders(input_ids, host)
         self._ring_targets = self._ring_step_targets(host)
@@ -609,7 +620,16 @@ class ModelRunner:
             self.last_hidden = hidden
         if rows is not None:
             hidden = hidden[rows]
-        return self.model.compute_logits(hidden)
+        return self.head(hidden, host, scoring)
+
+    def head(self, hidden: torch.Tensor, host: HostStep, scoring: PromptScoring | None) -> torch.Tensor | None:
+        """Logits of the rows of ``hidden`` but its last ``host.num_scored``, which are scored a slice at a
+        time (kvforge/engine/prompt_scoring.py) and never held as logits all at once."""
+        if not host.num_scored:
+            return self.model.compute_logits(hidden)
+        kept = hidden.shape[0] - host.num_scored
+        score_rows(self.model.compute_logits, hidden[kept:], host.scored_slice_rows, scoring)
+        return self.model.compute_logits(hidden[:kept])
 
     @torch.inference_mode()
     def run_mtp(self, chunks, hidden: torch.Tensor, logits_rows: list[int],

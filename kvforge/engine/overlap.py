@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvforge.engine.sampler import PromptLogprobs
+from kvforge.engine.prompt_scoring import PromptLogprobs
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import Stamp

@@ -70,68 +70,6 @@ class SamplerOutput:
         return list(zip(self.token_ids.tolist(), self.logprobs))
 
 
-# Rows per log-softmax slice in prompt_logprobs: bounds its float32 temporaries to this many rows x vocab.
-PROMPT_LOGPROBS_ROWS_PER_SLICE = 1024
-
-
-@dataclass
-class PromptLogprobs:
-    """Prompt-token logprobs of one step, on the device until :meth:`to_host`.
-
-    Row ``r`` is the logits row of the position before a prompt token;
-    ``token_logprobs[r]`` is that token's logprob (log-softmax of the raw
-    logits), ``top_logprobs[r]`` / ``top_ids[r]`` the ``k`` best (k = the
-    largest ``prompt_logprobs`` of the step's requests). ``spans``: per request,
-    ``(seq, first prompt token, number of rows)``, in row order.
-    """
-
-    token_logprobs: torch.Tensor
-    top_logprobs: torch.Tensor
-    top_ids: torch.Tensor
-    spans: list
-
-    def to_host(self) -> PromptLogprobs:
-        """Start the copies to host memory (pinned, non-blocking on CUDA); read after the step's sync."""
-        if self.token_logprobs.device.type != "cuda":
-            return self
-
-        def host(t):
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            out.copy_(t, non_blocking=True)
-            return out
-
-        return PromptLogprobs(host(self.token_logprobs), host(self.top_logprobs), host(self.top_ids), self.spans)
-
-    def apply(self) -> None:
-        """Record each request's entries (``Sequence.add_prompt_logprobs``); host tensors only."""
-        lps, tops, ids = self.token_logprobs.tolist(), self.top_logprobs.tolist(), self.top_ids.tolist()
-        row = 0
-        for seq, first, count in self.spans:
-            k = seq.params.prompt_logprobs
-            prompt = seq.prompt_token_ids
-            entries = []
-            for r in range(row, row + count):
-                d = {int(t): float(v) for t, v in zip(ids[r][:k], tops[r][:k])}
-                d[prompt[first + r - row]] = float(lps[r])
-                entries.append(d)
-            seq.add_prompt_logprobs(first, entries)
-            row += count
-
-
-def compute_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, spans: list) -> PromptLogprobs:
-    """``log_softmax`` of raw float32 ``logits`` [R, vocab] at ``targets`` [R] and its top ``k``,
-    a slice of rows at a time."""
-    k = min(k, logits.shape[-1])
-    token_lp, top_lp, top_ids = [], [], []
-    for start in range(0, logits.shape[0], PROMPT_LOGPROBS_ROWS_PER_SLICE):
-        lp = torch.log_softmax(logits[start:start + PROMPT_LOGPROBS_ROWS_PER_SLICE].float(), dim=-1)
-        token_lp.append(lp.gather(1, targets[start:start + lp.shape[0], None]).squeeze(1))
-        values, indices = lp.topk(k, dim=-1)
-        top_lp.append(values)
-        top_ids.append(indices)
-    return PromptLogprobs(torch.cat(token_lp), torch.cat(top_lp), torch.cat(top_ids), spans)
-
-
 class Sampler:
     """Call it with logits and the rows' SamplingParams (and generators); it holds only the model's EOS ids
     (``min_tokens`` keeps them from ending a request early)."""

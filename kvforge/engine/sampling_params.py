@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
+from kvforge.planner.activations import MAX_LOGPROBS
 from kvforge.structured.params import StructuredOutputsParams
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
@@ -134,14 +135,14 @@ class SamplingParams:
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             bad("seed", f"must be a signed 64-bit integer, got {self.seed!r}")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= 20
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
             not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
-            or not 0 <= self.prompt_logprobs <= 20
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not -2 <= v <= 2:

@@ -39,7 +39,10 @@ said otherwise:
 * the head: the hidden rows and the sampler over ``max_num_seqs x (1 + num_speculative_tokens)`` rows
   of the vocabulary at ``SAMPLER_BYTES_PER_LOGIT`` (float32 logits, the temperature-scaled copy, the
   top-k/top-p sort's values and int64 indices, its masks, softmax and cumulative sum: kvforge/engine/
-  sampler.py). Prompt logprobs are sliced by the sampler and are not counted.
+  sampler.py);
+* prompt logprobs (kvforge/engine/prompt_scoring.py): the hidden rows, the sampled rows' float32 logits,
+  one slice of at most ``PROMPT_LOGPROBS_SLICE_ROWS`` prompt rows at ``PROMPT_SCORING_BYTES_PER_LOGIT``
+  (more with a soft cap or at TP > 1) and every scored row's logprobs.
 
 Qwen3-Next has phases of its own (:func:`_qwen3_next_phases`). Other linear-attention (state) layers
 are bounded by their token inputs (``token_input_elements``): the projection output in the model dtype
@@ -70,6 +73,17 @@ ALLOCATOR_SLACK_BYTES = 64 << 20
 #: three bool masks, the masked copy, softmax, its cumulative sum and the strictly-better mass, the scattered
 #: result and its softmax: 49 bytes, rounded up; plus the int64 ranks of one row.
 SAMPLER_BYTES_PER_LOGIT = 52
+#: Prompt logprobs are scored this many rows at a time (kvforge/engine/prompt_scoring.py): enough rows that a
+#: slice's head product reads the head's weight at a GEMM's rate, few enough that its logits stay small.
+PROMPT_LOGPROBS_SLICE_ROWS = 256
+#: Bytes per scored row and vocabulary entry at the slice's peak: its float32 logits and their log-softmax;
+#: a soft-capped head (its division, tanh and product) or TP > 1 (rank 0's gathered parts and their
+#: concatenation) hold one more float32 copy while the logits are made.
+PROMPT_SCORING_BYTES_PER_LOGIT = 8
+PROMPT_SCORING_EXTRA_BYTES_PER_LOGIT = 4
+#: The most logprobs a request may ask per token (``SamplingParams.logprobs`` and ``prompt_logprobs``);
+#: a scored row keeps its target's float32 logprob and this many float32 values and int64 ids.
+MAX_LOGPROBS = 20
 #: Routed experts: the bookkeeping of one (token, expert) slot alive beside the experts' tensors: expert ids,
 #: weights, masks, the sort's keys and order, gathered token indices (int64 mostly): 189 bytes in gpt-oss's
 #: CPU expert loop, rounded up.
@@ -310,7 +324,14 @@ def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seq
     else:
         phases = _decoder_phases(spec, config, t, per_seq, max_num_seqs, tp, e, fused, max_len, step, kv_dtype)
     vocab = spec.vocab_size
-    phases["sampler"] = 2 * t * spec.hidden_size * e + rows * vocab * max(SAMPLER_BYTES_PER_LOGIT, e + 4) + vocab * 8
+    hidden_rows = 2 * t * spec.hidden_size * e
+    phases["sampler"] = hidden_rows + rows * vocab * max(SAMPLER_BYTES_PER_LOGIT, e + 4) + vocab * 8
+    scored = min(t, PROMPT_LOGPROBS_SLICE_ROWS)
+    per_logit = PROMPT_SCORING_BYTES_PER_LOGIT
+    if tp > 1 or config.get("final_logit_softcapping"):
+        per_logit += PROMPT_SCORING_EXTRA_BYTES_PER_LOGIT
+    kept = t * (4 + MAX_LOGPROBS * (4 + 8))  # every scored row's results, kept until the step's end
+    phases["prompt logprobs"] = hidden_rows + rows * vocab * 4 + scored * vocab * per_logit + kept
     peak_name, peak = max(phases.items(), key=lambda kv: kv[1])
     total = math.ceil(peak * (1 + ALLOCATOR_SLACK)) + ALLOCATOR_SLACK_BYTES
     return ActivationReserve(bytes=total, tensor_bytes=peak, tokens=t, sampled_rows=rows, peak_phase=peak_name,
