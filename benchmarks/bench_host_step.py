@@ -55,7 +55,9 @@ class StubRunner:
     def invalidate_block_tables(self) -> None:
         self._r.invalidate_block_tables()
 
-    def run(self, chunks, logits_rows, placeholders=None, share_sampled=False):
+    def run(self, chunks, logits_rows, placeholders=None, share_sampled=False, scoring=None):
+        if scoring is not None:
+            raise ValueError("the host-step benchmark's requests ask for no prompt logprobs")
         t0 = time.perf_counter()
         host = self._r.build_host(chunks, logits_rows)
         if logits_rows is not None and list(logits_rows) == list(range(host.ids.shape[0])):
