@@ -106,6 +106,19 @@ def test_byte_sizes_as_strings_plan_like_integers():
     assert kvforge.plan("llama-3.1-8b", kv_cache_memory="8GiB", **kw).capacity.num_blocks == (8 << 30) // (128 << 10) // 16
 
 
+@pytest.mark.parametrize("kw,named", [(dict(gpu_memory="80GB"), "gpu_memory"),
+                                      (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization")])
+def test_gpu_memory_planned_for_the_cpu_is_refused(kw, named):
+    """The CPU engine sizes its cache from kv_cache_memory alone: a GPU memory figure on the default device
+    would plan a capacity no engine runs."""
+    import kvforge
+    from kvforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^{named} sizes a GPU's KV cache.*device='cuda'"):
+        kvforge.plan("llama-3.1-8b", **kw)
+    assert kvforge.plan("llama-3.1-8b", device="cuda", max_model_len=8192, **kw).capacity is not None
+
+
 def test_numpy_token_ids_are_prompts(llm):
     np = pytest.importorskip("numpy")
     want = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0].outputs[0].token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvforge.errors import ConfigError
 from kvforge.planner.inputs import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     CacheConfig,
@@ -27,8 +28,16 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
     ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default);
     ``max_num_seqs`` (None: the default, capped at ``max_num_batched_tokens``) must fit in it, as in the engine.
     Without ``kv_cache_memory`` or ``gpu_memory`` the plan has no capacity figures (the CPU engine would
-    take DEFAULT_CPU_KV_CACHE_MEMORY; a plan is usually made for another machine than this one)."""
+    take DEFAULT_CPU_KV_CACHE_MEMORY; a plan is usually made for another machine than this one).
+    ``gpu_memory`` and ``gpu_memory_utilization`` size a GPU's KV cache: with ``device="cpu"`` (the default)
+    they are refused, since the CPU engine never reads them."""
     from kvforge.kv_dtypes import platform_model_dtype
+
+    if device == "cpu" and (gpu_memory is not None or gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION):
+        given = "gpu_memory" if gpu_memory is not None else "gpu_memory_utilization"
+        raise ConfigError(f"{given} sizes a GPU's KV cache, but device is 'cpu' (the default), whose engine "
+                          f"never reads it: pass device='cuda' to plan a GPU, or kv_cache_memory to size the "
+                          f"CPU engine's cache")
 
     spec = load_model_spec(model)
     proposer_layers = None
