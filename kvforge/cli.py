@@ -164,6 +164,22 @@ def _add_engine_commands(sub) -> None:
     cli_engine.register(sub)
 
 
+def _refusals_as_json(*parsers: argparse.ArgumentParser) -> None:
+    """``kvforge plan --json``: a command line the parsers refuse (an unknown flag, a bad value, a refused
+    vLLM flag) also prints one JSON error object on stdout, as every later refusal does, so a script reading
+    stdout always gets an object; the message on stderr and the exit status 2 stay as they are."""
+    import json
+
+    for p in parsers:
+        def exit_(status=0, message=None, _exit=p.exit, _prog=p.prog):
+            if status and message:
+                text = message.strip().removeprefix(f"{_prog}: error: ")
+                print(json.dumps({"error": {"type": "UsageError", "message": text}}), flush=True)
+            _exit(status, message)
+
+        p.exit = exit_
+
+
 def command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
     """The (sub)parser the command words of ``argv`` select (``kvforge bench serve ...``: bench's serve)."""
     while True:
@@ -179,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
+    if command == "plan" and "--json" in argv:
+        _refusals_as_json(parser, command_parser(parser, argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's own usage, not the top level's
         command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -66,6 +66,22 @@ def test_json_errors_are_json_on_stdout(capsys):
     assert error["type"] == "PlanError" and "use --block-size 16" in error["message"]
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--max-model-len", "lots"], "argument --max-model-len: 'lots' is not a token count"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: pipeline parallelism is not implemented"),
+], ids=["unknown-flag", "bad-value", "refused-vllm-flag"])
+def test_json_command_line_refusals_are_json_on_stdout(capsys, argv, says):
+    """The parser's own refusals (exit 2 before any plan) also give a script reading stdout one object;
+    stderr keeps the usual message."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "llama-3.1-8b", "--json", *argv])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and says in out.err
+    error = json.loads(out.out)["error"]
+    assert error == {"type": "UsageError", "message": error["message"]} and error["message"].startswith(says)
+
+
 def test_cpu_plan_without_memory_names_the_cpu_engines_default(capsys, tmp_path):
     """A plan is often made on one machine for another, so no memory flag means no capacity; on CPU the
     table says what the CPU engine would take, and that figure is the engine's: the plan given it has the
