@@ -64,6 +64,27 @@ def test_stream_joins_to_the_whole_split(text):
         assert stream.thought == (reasoning is not None)
 
 
+@pytest.mark.parametrize("text", [ANALYSIS + FINAL + "<|end|>", ANALYSIS + CALL + "<|call|>", "Plain.<|channel|>fi",
+                                  ANALYSIS + ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>pre<|end|>"
+                                  + FINAL, "lead " + ANALYSIS + "<|start|>assistant<|channel|>final<|message|>a<|ret"])
+def test_each_streamed_step_equals_a_fresh_read_of_its_text(text):
+    """The stream reads only what its text grew by (settled messages are not read again, marker searches
+    resume near the end); after every character its reasoning and answer so far equal a whole split of the
+    text it was fed, read from the start. The hand-written splits above pin the whole split itself."""
+    from kvforge.server.harmony_split import _Messages, _partial_marker
+
+    reader = _Messages()  # any growing text, markers cut anywhere (the stream holds back a partial marker)
+    for n in range(len(text) + 1):
+        assert reader.read(text[:n]) == _Messages().read(text[:n]), text[:n]
+    stream, pieces = HarmonyStream(), []
+    for n in range(1, len(text) + 1):
+        so_far = text[:n]
+        piece, answer_so_far = stream.feed(so_far)
+        pieces.append(piece)
+        reasoning, answer = split_harmony(so_far[:len(so_far) - _partial_marker(so_far)])
+        assert ("".join(pieces), answer_so_far) == (reasoning or "", answer), so_far
+
+
 def test_the_parser_checks_the_markers_and_keeps_special_tokens(tmp_path):
     from think_tokenizer import write_think_tokenizer
 
