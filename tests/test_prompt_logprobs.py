@@ -45,13 +45,17 @@ def _reference(model, prompt: list[int]) -> torch.Tensor:
 
 
 def _check(out, prompt, ref, k):
-    pl = out.prompt_logprobs
-    assert pl is not None and len(pl) == len(prompt)
-    assert pl[0] is None
+    pl, ranks = out.prompt_logprobs, out.prompt_token_ranks
+    assert pl is not None and len(pl) == len(prompt) == len(ranks)
+    assert pl[0] is None and ranks[0] is None
     for i in range(1, len(prompt)):
         row = ref[i - 1]
         entry = pl[i]
         assert abs(entry[prompt[i]] - row[prompt[i]].item()) <= TOL, (i, entry[prompt[i]], row[prompt[i]].item())
+        # The rank: 1 + the tokens above the prompt token's logprob; a token within 2 x TOL of it may fall
+        # on either side in float32 (the upper count includes the prompt token itself).
+        target = row[prompt[i]].item()
+        assert 1 + int((row > target + 2 * TOL).sum()) <= ranks[i] <= int((row > target - 2 * TOL).sum()), i
         assert len(entry) in (k, k + 1)  # the top k, plus the prompt token when it is not among them
         # The k largest of the entry are the top k (the prompt token, if extra, is not above them).
         ours = sorted(((v, t) for t, v in entry.items()), reverse=True)[:k]

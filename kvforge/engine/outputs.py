@@ -36,6 +36,9 @@ class RequestOutput:
     else a dict token_id -> logprob of the top-N alternatives plus the prompt
     token itself, from the logits of the position before it. Complete in
     every output of the request (the first output comes after the prefill).
+    prompt_token_ranks: beside ``prompt_logprobs``, each prompt token's rank in
+    the vocabulary under the same logits (1 + the tokens scored higher; None
+    for the first).
     speculative: None unless the engine speculates; then the request's acceptance so far
     (``acceptance_rate``, ``mean_accepted_length``; kvforge/speculative/stats.py).
     """
@@ -48,6 +51,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     speculative: SpeculativeStats | None = None
+    prompt_token_ranks: list[int | None] | None = None
 
 
 class _SnapshotCompletionOutput(CompletionOutput):
@@ -112,12 +116,13 @@ class _SnapshotRequestOutput(RequestOutput):
 
     @classmethod
     def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens, prompt_logprobs=None,
-                 speculative=None):
+                 speculative=None, prompt_token_ranks=None):
         self = cls.__new__(cls)
         d = self.__dict__
         d["request_id"], d["prompt"], d["outputs"] = request_id, prompt, outputs
         d["finished"], d["num_cached_tokens"] = finished, num_cached_tokens
         d["prompt_logprobs"], d["speculative"] = prompt_logprobs, speculative
+        d["prompt_token_ranks"] = prompt_token_ranks
         d["_prompt_src"] = prompt_src
         return self
 

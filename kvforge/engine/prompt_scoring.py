@@ -29,12 +29,14 @@ class PromptLogprobs:
 
     Row ``r`` is the logits row of the position before a prompt token;
     ``token_logprobs[r]`` is that token's logprob (log-softmax of the raw
-    logits), ``top_logprobs[r]`` / ``top_ids[r]`` the ``k`` best (k = the
+    logits) and ``token_ranks[r]`` its rank in the vocabulary (1 + the tokens
+    scored higher), ``top_logprobs[r]`` / ``top_ids[r]`` the ``k`` best (k = the
     largest ``prompt_logprobs`` of the step's requests). ``spans``: per request,
     ``(seq, first prompt token, number of rows)``, in row order.
     """
 
     token_logprobs: torch.Tensor
+    token_ranks: torch.Tensor
     top_logprobs: torch.Tensor
     top_ids: torch.Tensor
     spans: list
@@ -49,11 +51,13 @@ class PromptLogprobs:
             out.copy_(t, non_blocking=True)
             return out
 
-        return PromptLogprobs(host(self.token_logprobs), host(self.top_logprobs), host(self.top_ids), self.spans)
+        return PromptLogprobs(host(self.token_logprobs), host(self.token_ranks), host(self.top_logprobs),
+                              host(self.top_ids), self.spans)
 
     def apply(self) -> None:
         """Record each request's entries (``Sequence.add_prompt_logprobs``); host tensors only."""
         lps, tops, ids = self.token_logprobs.tolist(), self.top_logprobs.tolist(), self.top_ids.tolist()
+        ranks = self.token_ranks.tolist()
         row = 0
         for seq, first, count in self.spans:
             k = seq.params.prompt_logprobs
@@ -63,7 +67,7 @@ class PromptLogprobs:
                 d = {int(t): float(v) for t, v in zip(ids[r][:k], tops[r][:k])}
                 d[prompt[first + r - row]] = float(lps[r])
                 entries.append(d)
-            seq.add_prompt_logprobs(first, entries)
+            seq.add_prompt_logprobs(first, entries, ranks[row:row + count])
             row += count
 
 
@@ -95,7 +99,7 @@ def score_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hi
     """Score the rows of ``hidden`` [R, hidden], ``slice_rows`` at a time (module docstring).
     ``compute_logits`` is the model's head: float32 logits on rank 0, None on the other ranks, which pass
     ``scoring=None`` and only take part in each slice's gather."""
-    token_lp, top_lp, top_ids = [], [], []
+    token_lp, token_rank, top_lp, top_ids = [], [], [], []
     for start in range(0, hidden.shape[0], slice_rows):
         logits = compute_logits(hidden[start:start + slice_rows])
         if logits is None or scoring is None:
@@ -103,10 +107,13 @@ def score_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hi
         lp = torch.log_softmax(logits.float(), dim=-1)
         del logits
         k = min(scoring.k, lp.shape[-1])
-        token_lp.append(lp.gather(1, scoring.targets[start:start + lp.shape[0], None]).squeeze(1))
+        target = lp.gather(1, scoring.targets[start:start + lp.shape[0], None])
+        token_lp.append(target.squeeze(1))
+        token_rank.append((lp > target).sum(dim=-1) + 1)
         values, indices = lp.topk(k, dim=-1)
         top_lp.append(values)
         top_ids.append(indices)
         del lp  # before the next slice's logits: one slice alive at a time
     if scoring is not None and token_lp:
-        scoring.result = PromptLogprobs(torch.cat(token_lp), torch.cat(top_lp), torch.cat(top_ids), scoring.spans)
+        scoring.result = PromptLogprobs(torch.cat(token_lp), torch.cat(token_rank), torch.cat(top_lp),
+                                        torch.cat(top_ids), scoring.spans)
