@@ -316,3 +316,74 @@ def test_text_offsets_count_characters_of_multibyte_text(server, client):
     streamed = [o for c in client.completions.create(stream=True, **args) if c.choices
                 for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
     assert streamed == whole
+
+
+def _check_prompt_logprobs(server, entries, prompt_ids, k):
+    """vLLM's ``prompt_logprobs`` of one prompt against the engine's teacher-forced scoring logits: each
+    entry holds the top ``k`` (ranks 1..k) and the prompt token with its vocabulary rank."""
+    tok = server.engine.tokenizer
+    ref = _reference_logprobs(server.engine, prompt_ids)
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for i in range(1, len(prompt_ids)):
+        row, tid = ref[i - 1], prompt_ids[i]
+        entry = entries[i]
+        top = row.topk(k)
+        assert set(entry) == {str(t) for t in top.indices.tolist()} | {str(tid)}
+        for r, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert abs(entry[str(t)]["logprob"] - v) <= TOL
+            if t != tid:
+                assert entry[str(t)]["rank"] == r
+        target = row[tid].item()
+        got = entry[str(tid)]
+        assert abs(got["logprob"] - target) <= TOL
+        # Its rank: 1 + the tokens above it (a token within 2 x TOL may fall on either side).
+        assert 1 + int((row > target + 2 * TOL).sum()) <= got["rank"] <= int((row > target - 2 * TOL).sum())
+        # Each token's own text, special tokens (the chat template's) included, as logprobs show tokens.
+        assert all(e["decoded_token"] == tok.decode([int(t)], skip_special_tokens=False) for t, e in entry.items())
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(server, client):
+    """vLLM's ``prompt_logprobs`` field: per choice on completions (each of a prompt's n choices alike),
+    once for the chat's rendered prompt."""
+    tok = server.engine.tokenizer
+    name = server.engine.model_name
+    r = client.completions.create(model=name, prompt=PROMPTS[:2], max_tokens=2, n=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3, "ignore_eos": True})
+    choices = [c.model_dump() for c in r.choices]
+    for c in choices:
+        _check_prompt_logprobs(server, c["prompt_logprobs"], tok.encode(PROMPTS[c["index"] // 2]), 3)
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Name a color."}],
+                                          max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0, "return_token_ids": True})
+    body = chat.model_dump()
+    assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens
+    _check_prompt_logprobs(server, body["prompt_logprobs"], body["prompt_token_ids"], 0)
+    plain = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1).choices[0].model_dump()
+    assert "prompt_logprobs" not in plain
+
+
+@pytest.mark.parametrize("extra,says", [
+    ({"prompt_logprobs": 2, "stream": True}, "not available when 'stream' is true"),
+    ({"prompt_logprobs": 2, "echo": True, "logprobs": 2}, "cannot be combined with 'echo'"),
+    ({"prompt_logprobs": -1}, "-1 (every token of the vocabulary) is not supported"),
+    ({"prompt_logprobs": 21}, "must be an integer in [0, 20]"),
+], ids=["stream", "echo", "whole-vocabulary", "too-many"])
+def test_vllm_prompt_logprobs_refusals_name_the_field(server, extra, says):
+    from kvforge.errors import InvalidRequestError
+    from kvforge.server.protocol import parse_completion
+
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion({"model": "m", "prompt": "hi", **extra}, "m")
+    assert err.value.field == "prompt_logprobs" and says in str(err.value)
+
+
+def test_streamed_prompt_logprobs_zero_is_accepted_without_effect(client, server):
+    """vLLM accepts a streamed ``prompt_logprobs`` of 0 and drops it."""
+    from kvforge.server.protocol import parse_completion
+
+    assert parse_completion({"model": "m", "prompt": "hi", "prompt_logprobs": 0, "stream": True},
+                            "m").params.prompt_logprobs is None
+    chunks = list(client.completions.create(model=server.engine.model_name, prompt="hi", max_tokens=2, stream=True,
+                                            extra_body={"prompt_logprobs": 0}))
+    assert chunks and all("prompt_logprobs" not in c.choices[0].model_dump() for c in chunks if c.choices)

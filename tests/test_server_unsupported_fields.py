@@ -58,7 +58,6 @@ def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
 VLLM_EXTRAS_REFUSED = [
     ("length_penalty", 0.5), ("use_beam_search", True),
     ("bad_words", ["x"]),
-    ("prompt_logprobs", 1),
     ("logits_processors", ["my_module.Processor"]),
 ]
 

@@ -542,6 +542,8 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
             if req.kind != "chat":
                 choice["prompt_token_ids"] = list(final.prompt_token_ids)
             choice["token_ids"] = list(ids)
+        if req.prompt_logprobs is not None and req.kind != "chat":  # vLLM's: per choice of completions
+            choice["prompt_logprobs"] = _prompt_logprobs(req, tokenizer, final)
         choices.append(choice)
         if i % req.n == 0:  # a prompt counts once, however many choices it has
             prompt_tokens += len(final.prompt_token_ids)
@@ -559,7 +561,14 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
     }
     if req.return_token_ids and req.kind == "chat":
         body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+    if req.prompt_logprobs is not None and req.kind == "chat":  # vLLM's: once for the chat's one prompt
+        body["prompt_logprobs"] = _prompt_logprobs(req, tokenizer, finals[0])
     return web.json_response(body)
+
+
+def _prompt_logprobs(req, tokenizer, final) -> list[dict | None]:
+    return protocol.prompt_logprobs_object(tokenizer, list(final.prompt_token_ids), final.prompt_logprobs,
+                                           final.prompt_token_ranks, req.prompt_logprobs, req.tokens_as_ids)
 
 
 async def _merge(streams: list[RequestStream]):

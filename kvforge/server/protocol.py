@@ -18,6 +18,7 @@ from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
+from kvforge.planner.activations import MAX_LOGPROBS
 from kvforge.reasoning import ReasoningTokens
 from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message, with_tools
 from kvforge.server.tool_parsers import KEEPS_SPECIAL_TOKENS
@@ -306,6 +307,8 @@ class ParsedRequest:
     reasoning: ReasoningTokens | None = None
     include_reasoning: bool = True  # vLLM's field: False drops the reasoning from the response
     priority: int = 0  # vLLM's field: the order under --scheduling-policy priority (lower first)
+    # vLLM's ``prompt_logprobs``: the alternatives each prompt token's entry holds (None: no entries)
+    prompt_logprobs: int | None = None
 
     @property
     def n(self) -> int:
@@ -350,7 +353,6 @@ _VLLM_EXTRAS_NEUTRAL = {
     "use_beam_search": lambda v: v is False,
     "bad_words": lambda v: v == [],
     "logits_processors": lambda v: v == [],
-    "prompt_logprobs": lambda v: False,
 }
 
 
@@ -360,8 +362,7 @@ def _refuse_unsupported_features(body: dict) -> None:
     for name, neutral in _VLLM_EXTRAS_NEUTRAL.items():
         value = body.get(name)
         if value is not None and not neutral(value):
-            hint = "; for prompt logprobs send echo with logprobs to /v1/completions" if name == "prompt_logprobs" else ""
-            bad_field(name, f"is not supported (leave it unset){hint}")
+            bad_field(name, "is not supported (leave it unset)")
 
 
 #: vLLM's older request fields, each one constraint of StructuredOutputsParams.
@@ -521,9 +522,51 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
     }
     return {"model": model, "n": n, "stream": stream, "include_usage": include_usage,
             "continuous_usage": continuous_usage, "sampling": sampling,
+            "prompt_logprobs": _prompt_logprobs(body, stream),
             "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False),
             "return_token_ids": get_bool(body, "return_token_ids", False), "constraint_field": constraint_at,
             "priority": get_int(body, "priority", 0)}
+
+
+def _prompt_logprobs(body: dict, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: the logprob of every prompt token and its ``k`` most likely alternatives
+    (0-20), in a non-streamed response only (a stream has no place for them; 0 there is accepted and has
+    no effect, as in vLLM)."""
+    k = get_int(body, "prompt_logprobs", None)
+    if k is None:
+        return None
+    if k == -1:
+        bad_field("prompt_logprobs", "-1 (every token of the vocabulary) is not supported: send at most "
+                                     f"{MAX_LOGPROBS}")
+    if not 0 <= k <= MAX_LOGPROBS:
+        bad_field("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {k}")
+    if stream:
+        if k:
+            bad_field("prompt_logprobs", "is not available when 'stream' is true: send the request unstreamed")
+        return None
+    return k
+
+
+def prompt_logprobs_object(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None],
+                           ranks: list[int | None], k: int, as_ids: bool = False) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` of one prompt: per prompt token null (the first) or an object from token
+    ids (decimal strings) to ``{logprob, rank, decoded_token}``: the ``k`` most likely tokens (ranks 1 to
+    ``k``) and the prompt token with its own rank in the vocabulary."""
+    out: list[dict | None] = []
+    for tid, entry, rank in zip(prompt_ids, entries, ranks):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        obj = {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": token_label(tokenizer, t, as_ids)}
+               for r, (t, v) in enumerate(ranked, start=1)}
+        if str(tid) in obj:
+            obj[str(tid)]["rank"] = rank  # ties order alike: the engine's count is the prompt token's rank
+        else:
+            obj[str(tid)] = {"logprob": _finite(entry.get(tid)), "rank": rank,
+                             "decoded_token": token_label(tokenizer, tid, as_ids)}
+        out.append(obj)
+    return out
 
 
 def _logit_bias(body: dict) -> dict:
@@ -545,7 +588,8 @@ def _params(common: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
     if max_tokens is not None and max_tokens < 1:
         # SamplingParams would say the same, but name the OpenAI field the client sent.
         bad_field("max_tokens", f"must be an integer >= 1, got {max_tokens}")
-    return SamplingParams(**common["sampling"], max_tokens=max_tokens, logprobs=logprobs)
+    return SamplingParams(**common["sampling"], max_tokens=max_tokens, logprobs=logprobs,
+                          prompt_logprobs=common["prompt_logprobs"])
 
 
 def _completion_prompt(value: Any, name: str) -> str | list[int]:
@@ -597,8 +641,8 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
     max_tokens = get_int(body, "max_tokens", 16)
     prompt_only = echo and max_tokens == 0
     logprobs = get_int(body, "logprobs", None)
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        bad_field("logprobs", f"must be an integer in [0, 20], got {logprobs}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        bad_field("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}")
     if max_tokens is not None and max_tokens < 0:
         bad_field("max_tokens", f"must be an integer >= 1 (0 only with 'echo': true), got {max_tokens}")
     if max_tokens == 0 and not echo:
@@ -608,6 +652,9 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
         # The engine runs a prompt-only request with max_tokens 1; the client's limit is 0.
         bad_field("min_tokens", f"{min_tokens} is above max_tokens 0 (with 'echo' and max_tokens 0 nothing is "
                                 "generated)")
+    if echo and common["prompt_logprobs"] is not None:
+        bad_field("prompt_logprobs", "cannot be combined with 'echo', whose choice 'logprobs' already hold the "
+                                     "prompt's: send one of them")
     params = _params(common, 1 if prompt_only else max_tokens, logprobs)
     if echo and logprobs is not None:
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
@@ -619,6 +666,7 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
         logprobs, False, echo=echo, prompt_only=prompt_only, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
         constraint_field=common["constraint_field"], priority=common["priority"],
+        prompt_logprobs=common["prompt_logprobs"],
     )
 
 
@@ -698,8 +746,8 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
     if top is not None:
         if not want_logprobs:
             bad_field("top_logprobs", "requires 'logprobs' to be true")
-        if not 0 <= top <= 20:
-            bad_field("top_logprobs", f"must be an integer in [0, 20], got {top}")
+        if not 0 <= top <= MAX_LOGPROBS:
+            bad_field("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {top}")
     logprobs = (top or 0) if want_logprobs else None
     explicit = max_tokens is not None
     if not explicit:  # the model's default, still capped by the room the prompt leaves
@@ -736,7 +784,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,  # parse_tools checked its type
         reasoning=reasoning, include_reasoning=get_bool(body, "include_reasoning", True),
-        priority=common["priority"],
+        priority=common["priority"], prompt_logprobs=common["prompt_logprobs"],
     )
 
 
