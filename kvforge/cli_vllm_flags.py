@@ -168,7 +168,9 @@ class _VllmFlagAction(argparse.Action):
         if self.flag.neutral is None or (self.flag.takes_value and self.flag.is_neutral(values)):
             return
         given = f"{option_string} {values}" if self.flag.takes_value else option_string
-        neutral = f" (only {' or '.join(self.flag.neutral)} is accepted)" if self.flag.neutral else ""
+        flag = self.option_strings[0]
+        neutral = (f"; {flag} accepts only {' or '.join(self.flag.neutral)}, which changes nothing"
+                   if self.flag.neutral else "")
         # the reason alone, without argparse's usage block (a hundred lines of flags that hide it)
         parser.exit(2, f"{parser.prog}: error: {given}: {self.flag.why}{neutral}\n")
 

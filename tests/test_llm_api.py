@@ -114,8 +114,11 @@ def test_gpu_memory_planned_for_the_cpu_is_refused(kw, named):
     import kvforge
     from kvforge.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=f"^{named} sizes a GPU's KV cache.*device='cuda'"):
+    with pytest.raises(ConfigError, match=f"^{named} sizes a GPU's KV cache, but the plan is for the default "
+                                          "device, 'cpu', whose engine.*device='cuda'"):
         kvforge.plan("llama-3.1-8b", **kw)
+    with pytest.raises(ConfigError, match="the plan is for device='cpu' whose engine"):
+        kvforge.plan("llama-3.1-8b", device="cpu", **kw)
     assert kvforge.plan("llama-3.1-8b", device="cuda", max_model_len=8192, **kw).capacity is not None
 
 

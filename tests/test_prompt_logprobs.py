@@ -52,8 +52,8 @@ def _check(out, prompt, ref, k):
         row = ref[i - 1]
         entry = pl[i]
         assert abs(entry[prompt[i]] - row[prompt[i]].item()) <= TOL, (i, entry[prompt[i]], row[prompt[i]].item())
-        # The rank: 1 + the tokens above the prompt token's logprob; a token within 2 x TOL of it may fall
-        # on either side in float32 (the upper count includes the prompt token itself).
+        # The rank: the tokens whose logprob is at least the prompt token's, itself included (vLLM's count);
+        # a token within 2 x TOL of it may fall on either side in float32.
         target = row[prompt[i]].item()
         assert 1 + int((row > target + 2 * TOL).sum()) <= ranks[i] <= int((row > target - 2 * TOL).sum()), i
         assert len(entry) in (k, k + 1)  # the top k, plus the prompt token when it is not among them
@@ -105,6 +105,18 @@ def test_prompt_rows_scored_in_slices_match_transformers(hf_model, monkeypatch, 
             assert out.prompt_logprobs is None
         else:
             _check(out, p, _reference(model, p), k)
+
+
+def test_a_rank_counts_the_tokens_tied_with_it():
+    """Exact ties (a quantized head can give two tokens one row): a rank counts every token at least as
+    likely, itself included, as vLLM's rank does."""
+    from kvforge.engine.prompt_scoring import PromptScoring, score_rows
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5]] * 4)
+    scoring = PromptScoring(torch.tensor([2, 1, 0, 3]), 2, [])
+    score_rows(lambda hidden: logits[:hidden.shape[0]], torch.zeros(4, 1), 3, scoring)
+    assert scoring.result.token_ranks.tolist() == [2, 2, 3, 4]
+    assert scoring.result.top_ids[:, 0].tolist() in ([1] * 4, [2] * 4)
 
 
 def test_prompt_logprobs_skip_the_prefix_cache_and_leave_others_alone(hf_model):

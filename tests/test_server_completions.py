@@ -333,10 +333,11 @@ def _check_prompt_logprobs(server, entries, prompt_ids, k):
             assert abs(entry[str(t)]["logprob"] - v) <= TOL
             if t != tid:
                 assert entry[str(t)]["rank"] == r
+        assert next(iter(entry)) == str(tid)  # the prompt token first, as vLLM orders an entry
         target = row[tid].item()
         got = entry[str(tid)]
         assert abs(got["logprob"] - target) <= TOL
-        # Its rank: 1 + the tokens above it (a token within 2 x TOL may fall on either side).
+        # Its rank: the tokens at least as likely, itself included (one within 2 x TOL may fall either side).
         assert 1 + int((row > target + 2 * TOL).sum()) <= got["rank"] <= int((row > target - 2 * TOL).sum())
         # Each token's own text, special tokens (the chat template's) included, as logprobs show tokens.
         assert all(e["decoded_token"] == tok.decode([int(t)], skip_special_tokens=False) for t, e in entry.items())
@@ -361,6 +362,11 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(server, client):
     _check_prompt_logprobs(server, body["prompt_logprobs"], body["prompt_token_ids"], 0)
     plain = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1).choices[0].model_dump()
     assert "prompt_logprobs" not in plain
+    # return_tokens_as_token_ids names the tokens of logprobs, not prompt_logprobs' texts (as in vLLM).
+    named = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1, logprobs=1, extra_body={
+        "prompt_logprobs": 1, "return_tokens_as_token_ids": True}).choices[0].model_dump()
+    assert named["logprobs"]["tokens"][0].startswith("token_id:")
+    _check_prompt_logprobs(server, named["prompt_logprobs"], tok.encode(PROMPTS[0]), 1)
 
 
 @pytest.mark.parametrize("extra,says", [

@@ -37,8 +37,8 @@ class RequestOutput:
     token itself, from the logits of the position before it. Complete in
     every output of the request (the first output comes after the prefill).
     prompt_token_ranks: beside ``prompt_logprobs``, each prompt token's rank in
-    the vocabulary under the same logits (1 + the tokens scored higher; None
-    for the first).
+    the vocabulary under the same logits (the tokens scored at least as high,
+    itself included, as vLLM counts it; None for the first).
     speculative: None unless the engine speculates; then the request's acceptance so far
     (``acceptance_rate``, ``mean_accepted_length``; kvforge/speculative/stats.py).
     """

@@ -29,8 +29,9 @@ class PromptLogprobs:
 
     Row ``r`` is the logits row of the position before a prompt token;
     ``token_logprobs[r]`` is that token's logprob (log-softmax of the raw
-    logits) and ``token_ranks[r]`` its rank in the vocabulary (1 + the tokens
-    scored higher), ``top_logprobs[r]`` / ``top_ids[r]`` the ``k`` best (k = the
+    logits) and ``token_ranks[r]`` its rank in the vocabulary (the tokens
+    scored at least as high, itself included, as vLLM counts a rank: a tie
+    ranks it last among its equals), ``top_logprobs[r]``  / ``top_ids[r]`` the ``k`` best (k = the
     largest ``prompt_logprobs`` of the step's requests). ``spans``: per request,
     ``(seq, first prompt token, number of rows)``, in row order.
     """
@@ -109,7 +110,7 @@ def score_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hi
         k = min(scoring.k, lp.shape[-1])
         target = lp.gather(1, scoring.targets[start:start + lp.shape[0], None])
         token_lp.append(target.squeeze(1))
-        token_rank.append((lp > target).sum(dim=-1) + 1)
+        token_rank.append((lp >= target).sum(dim=-1))
         values, indices = lp.topk(k, dim=-1)
         top_lp.append(values)
         top_ids.append(indices)

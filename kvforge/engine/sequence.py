@@ -131,7 +131,8 @@ class Sequence:
         # after preemption skips those already there).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if self.params.prompt_logprobs is not None else None)
-        # Beside it, each prompt token's rank in the vocabulary under the same logits (1: the most likely).
+        # Beside it, each prompt token's rank in the vocabulary under the same logits (the tokens at least as
+        # likely, itself included: 1 for the most likely).
         self.prompt_token_ranks: list[int | None] | None = (
             [None] if self.params.prompt_logprobs is not None else None)
         # Incremental detokenizer (set by the scheduler when it has a tokenizer).

@@ -568,7 +568,7 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
 
 def _prompt_logprobs(req, tokenizer, final) -> list[dict | None]:
     return protocol.prompt_logprobs_object(tokenizer, list(final.prompt_token_ids), final.prompt_logprobs,
-                                           final.prompt_token_ranks, req.prompt_logprobs, req.tokens_as_ids)
+                                           final.prompt_token_ranks, req.prompt_logprobs)
 
 
 async def _merge(streams: list[RequestStream]):

@@ -548,23 +548,25 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
 
 
 def prompt_logprobs_object(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None],
-                           ranks: list[int | None], k: int, as_ids: bool = False) -> list[dict | None]:
+                           ranks: list[int | None], k: int) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` of one prompt: per prompt token null (the first) or an object from token
-    ids (decimal strings) to ``{logprob, rank, decoded_token}``: the ``k`` most likely tokens (ranks 1 to
-    ``k``) and the prompt token with its own rank in the vocabulary."""
+    ids (decimal strings) to ``{logprob, rank, decoded_token}``: the prompt token first, with its rank in the
+    vocabulary, then the ``k`` most likely tokens (ranks 1 to ``k``), as vLLM orders them. A token's text is
+    its :func:`token_text` (``return_tokens_as_token_ids`` names the tokens of ``logprobs`` only, as in vLLM;
+    ``"token_id:N"`` without a tokenizer)."""
+
+    def decoded(tid: int) -> str:
+        return token_label(tokenizer, tid)
+
     out: list[dict | None] = []
     for tid, entry, rank in zip(prompt_ids, entries, ranks):
         if entry is None:
             out.append(None)
             continue
+        obj = {str(tid): {"logprob": _finite(entry.get(tid)), "rank": rank, "decoded_token": decoded(tid)}}
         ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        obj = {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": token_label(tokenizer, t, as_ids)}
-               for r, (t, v) in enumerate(ranked, start=1)}
-        if str(tid) in obj:
-            obj[str(tid)]["rank"] = rank  # ties order alike: the engine's count is the prompt token's rank
-        else:
-            obj[str(tid)] = {"logprob": _finite(entry.get(tid)), "rank": rank,
-                             "decoded_token": token_label(tokenizer, tid, as_ids)}
+        for r, (t, v) in enumerate(ranked, start=1):
+            obj.setdefault(str(t), {"logprob": _finite(v), "rank": r, "decoded_token": decoded(t)})
         out.append(obj)
     return out
 
