@@ -107,6 +107,20 @@ def test_prompt_rows_scored_in_slices_match_transformers(hf_model, monkeypatch, 
             _check(out, p, _reference(model, p), k)
 
 
+def test_prompt_logprobs_survive_preemption(hf_model):
+    """A KV cache of two sequences' worth for three: prompts scored in 16-token chunks are preempted and
+    recomputed; each prompt token's entry and rank is recorded once and still matches transformers."""
+    model, path = hf_model
+    llm = _llm(path, kv_cache_memory=65536, max_model_len=128, max_num_batched_tokens=16)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (60, 50, 40)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0  # the case tests what it is meant to
+    for out, p in zip(outs, prompts):
+        _check(out, p, _reference(model, p), 2)
+
+
 def test_a_rank_counts_the_tokens_tied_with_it():
     """Exact ties (a quantized head can give two tokens one row): a rank counts every token at least as
     likely, itself included, as vLLM's rank does."""
