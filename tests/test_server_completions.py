@@ -393,3 +393,16 @@ def test_streamed_prompt_logprobs_zero_is_accepted_without_effect(client, server
     chunks = list(client.completions.create(model=server.engine.model_name, prompt="hi", max_tokens=2, stream=True,
                                             extra_body={"prompt_logprobs": 0}))
     assert chunks and all("prompt_logprobs" not in c.choices[0].model_dump() for c in chunks if c.choices)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+def test_a_json_body_is_read_whatever_its_content_type(server, content_type):
+    """`curl -d '{...}'` without a header sends a form content type: the body is still the request."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(server.url + "/v1/completions", method="POST", headers={"Content-Type": content_type},
+                                 data=json.dumps({"model": server.engine.model_name, "prompt": "Hi",
+                                                  "max_tokens": 1}).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 1
