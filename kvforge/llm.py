@@ -226,5 +226,4 @@ def _merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
         request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
         outputs=[dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)], finished=True,
         num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs, speculative=speculative,
-        prompt_token_ranks=first.prompt_token_ranks,
     )

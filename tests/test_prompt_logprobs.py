@@ -45,9 +45,9 @@ def _reference(model, prompt: list[int]) -> torch.Tensor:
 
 
 def _check(out, prompt, ref, k):
-    pl, ranks = out.prompt_logprobs, out.prompt_token_ranks
-    assert pl is not None and len(pl) == len(prompt) == len(ranks)
-    assert pl[0] is None and ranks[0] is None
+    pl = out.prompt_logprobs
+    assert pl is not None and len(pl) == len(prompt)
+    assert pl[0] is None
     for i in range(1, len(prompt)):
         row = ref[i - 1]
         entry = pl[i]
@@ -55,7 +55,12 @@ def _check(out, prompt, ref, k):
         # The rank: the tokens whose logprob is at least the prompt token's, itself included (vLLM's count);
         # a token within 2 x TOL of it may fall on either side in float32.
         target = row[prompt[i]].item()
-        assert 1 + int((row > target + 2 * TOL).sum()) <= ranks[i] <= int((row > target - 2 * TOL).sum()), i
+        rank = entry[prompt[i]].rank
+        assert entry[prompt[i]].logprob == entry[prompt[i]] and next(iter(entry)) == prompt[i]  # vLLM's fields
+        if len(entry) == k + 1:  # the prompt token is not among the top k: its own rank
+            assert 1 + int((row > target + 2 * TOL).sum()) <= rank <= int((row > target - 2 * TOL).sum()), i
+        top_ranks = sorted(v.rank for t, v in entry.items() if t != prompt[i] or len(entry) == k)
+        assert top_ranks == list(range(1, k + 1))
         assert len(entry) in (k, k + 1)  # the top k, plus the prompt token when it is not among them
         # The k largest of the entry are the top k (the prompt token, if extra, is not above them).
         ours = sorted(((v, t) for t, v in entry.items()), reverse=True)[:k]
@@ -129,7 +134,7 @@ def test_a_rank_counts_the_tokens_tied_with_it():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5]] * 4)
     scoring = PromptScoring(torch.tensor([2, 1, 0, 3]), 2, [])
     score_rows(lambda hidden: logits[:hidden.shape[0]], torch.zeros(4, 1), 3, scoring)
-    assert scoring.result.token_ranks.tolist() == [2, 2, 3, 4]
+    assert scoring.result.token_ranks.tolist() == [2, 2, 3, 4]  # the rank an entry gives a token outside the top
     assert scoring.result.top_ids[:, 0].tolist() in ([1] * 4, [2] * 4)
 
 

@@ -161,6 +161,13 @@ def test_logprobs_match_log_softmax_of_raw_logits():
         assert set(d) == set(top) | {toks[i]}
         for t, lp in d.items():
             assert math.isclose(lp, ref[i, t].item(), rel_tol=1e-5, abs_tol=1e-5)
+            assert lp.logprob == lp and lp.decoded_token is None  # vLLM's Logprob fields
+        # vLLM's order and ranks: the sampled token first; the top tokens at ranks 1..k; a sampled token
+        # outside them at its rank in the vocabulary (the tokens at least as likely, itself included).
+        assert next(iter(d)) == toks[i]
+        assert [d[t].rank for t in top] == list(range(1, len(top) + 1))
+        if toks[i] not in top:
+            assert d[toks[i]].rank == int((ref[i] >= ref[i, toks[i]]).sum())
     assert torch.allclose(out.sampled_logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
     assert out.tolist()[0] == (toks[0], out.logprobs[0])
 

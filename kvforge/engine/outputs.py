@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvforge.engine.logprob import Logprob
 from kvforge.speculative.stats import SpeculativeStats
 
 
@@ -14,8 +15,10 @@ class CompletionOutput:
 
     finish_reason: None while running, else "stop" (EOS, stop string or stop
     token), "length" (max_tokens or max_model_len) or "abort".
-    logprobs: per generated token, a dict token_id -> logprob of the top-N
-    alternatives plus the sampled token (None when not requested).
+    logprobs: per generated token, a dict token_id -> logprob of the sampled
+    token and the top-N alternatives (None when not requested); each logprob
+    is a float with vLLM's ``.logprob``, ``.rank`` and ``.decoded_token``
+    (kvforge/engine/logprob.py).
     """
 
     index: int
@@ -23,7 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
 
@@ -33,12 +36,9 @@ class RequestOutput:
 
     prompt_logprobs: None unless ``SamplingParams.prompt_logprobs`` was set;
     then one entry per prompt token: None for the first (nothing precedes it),
-    else a dict token_id -> logprob of the top-N alternatives plus the prompt
-    token itself, from the logits of the position before it. Complete in
+    else a dict token_id -> logprob (a :class:`Logprob`) of the prompt token
+    itself and the top-N alternatives, from the logits of the position before it. Complete in
     every output of the request (the first output comes after the prefill).
-    prompt_token_ranks: beside ``prompt_logprobs``, each prompt token's rank in
-    the vocabulary under the same logits (the tokens scored at least as high,
-    itself included, as vLLM counts it; None for the first).
     speculative: None unless the engine speculates; then the request's acceptance so far
     (``acceptance_rate``, ``mean_accepted_length``; kvforge/speculative/stats.py).
     """
@@ -49,9 +49,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     speculative: SpeculativeStats | None = None
-    prompt_token_ranks: list[int | None] | None = None
 
 
 class _SnapshotCompletionOutput(CompletionOutput):
@@ -88,7 +87,7 @@ class _SnapshotCompletionOutput(CompletionOutput):
         self.__dict__["_token_ids"] = value
 
     @property
-    def logprobs(self) -> list[dict[int, float]] | None:
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
         d = self.__dict__
         if "_logprobs" not in d:
             _, lps, n = d["_src"]
@@ -116,13 +115,12 @@ class _SnapshotRequestOutput(RequestOutput):
 
     @classmethod
     def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens, prompt_logprobs=None,
-                 speculative=None, prompt_token_ranks=None):
+                 speculative=None):
         self = cls.__new__(cls)
         d = self.__dict__
         d["request_id"], d["prompt"], d["outputs"] = request_id, prompt, outputs
         d["finished"], d["num_cached_tokens"] = finished, num_cached_tokens
         d["prompt_logprobs"], d["speculative"] = prompt_logprobs, speculative
-        d["prompt_token_ranks"] = prompt_token_ranks
         d["_prompt_src"] = prompt_src
         return self
 

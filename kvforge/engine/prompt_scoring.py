@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.logprob import logprob_entry
 from kvforge.planner.activations import PROMPT_LOGPROBS_SLICE_ROWS
 
 SLICE_ROWS = PROMPT_LOGPROBS_SLICE_ROWS
@@ -63,12 +64,9 @@ class PromptLogprobs:
         for seq, first, count in self.spans:
             k = seq.params.prompt_logprobs
             prompt = seq.prompt_token_ids
-            entries = []
-            for r in range(row, row + count):
-                d = {int(t): float(v) for t, v in zip(ids[r][:k], tops[r][:k])}
-                d[prompt[first + r - row]] = float(lps[r])
-                entries.append(d)
-            seq.add_prompt_logprobs(first, entries, ranks[row:row + count])
+            entries = [logprob_entry(prompt[first + r - row], lps[r], ranks[r], ids[r][:k], tops[r][:k])
+                       for r in range(row, row + count)]
+            seq.add_prompt_logprobs(first, entries)
             row += count
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.logprob import Logprob, logprob_entry
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.token_biases import apply_token_biases
@@ -62,7 +63,7 @@ class SamplerOutput:
     """
 
     token_ids: torch.Tensor
-    logprobs: list[dict[int, float] | None]
+    logprobs: list[dict[int, Logprob] | None]
     sampled_logprobs: torch.Tensor | None = None
 
     def tolist(self) -> list[tuple[int, dict[int, float] | None]]:
@@ -163,6 +164,7 @@ class Sampler:
             return SamplerOutput(token_ids=token_ids, logprobs=[None] * n)
         raw_lp = torch.log_softmax(logits, dim=-1)
         sampled_lp = raw_lp.gather(1, token_ids[:, None]).squeeze(1)
+        sampled_rank = (raw_lp >= sampled_lp[:, None]).sum(dim=-1)  # vLLM's rank (kvforge/engine/logprob.py)
         k = max(w or 0 for w in want)
         k = min(k, vocab)
         top_lp, top_ids = raw_lp.topk(k, dim=-1) if k > 0 else (None, None)
@@ -170,17 +172,14 @@ class Sampler:
         top_ids_l = top_ids.tolist() if k > 0 else None
         tok_l = token_ids.tolist()
         samp_l = sampled_lp.tolist()
-        out: list[dict[int, float] | None] = []
+        rank_l = sampled_rank.tolist()
+        out: list[dict[int, Logprob] | None] = []
         for i, w in enumerate(want):
             if w is None:
                 out.append(None)
                 continue
-            d: dict[int, float] = {}
-            if w > 0:
-                for t, lp in zip(top_ids_l[i][:w], top_lp_l[i][:w]):
-                    d[int(t)] = float(lp)
-            d[tok_l[i]] = float(samp_l[i])
-            out.append(d)
+            out.append(logprob_entry(tok_l[i], samp_l[i], rank_l[i], top_ids_l[i][:w] if w else [],
+                                     top_lp_l[i][:w] if w else []))
         return SamplerOutput(token_ids=token_ids, logprobs=out, sampled_logprobs=sampled_lp)
 
     @staticmethod

@@ -131,10 +131,6 @@ class Sequence:
         # after preemption skips those already there).
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if self.params.prompt_logprobs is not None else None)
-        # Beside it, each prompt token's rank in the vocabulary under the same logits (the tokens at least as
-        # likely, itself included: 1 for the most likely).
-        self.prompt_token_ranks: list[int | None] | None = (
-            [None] if self.params.prompt_logprobs is not None else None)
         # Incremental detokenizer (set by the scheduler when it has a tokenizer).
         self.detokenizer = None
         # Speculative decoding: the proposals for the next step (set by the engine before each schedule, read
@@ -221,16 +217,15 @@ class Sequence:
         pl = self.prompt_logprobs
         return pl is not None and len(pl) < len(self.prompt_token_ids)
 
-    def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, float]], ranks: list[int]) -> None:
-        """Record the logprobs of prompt tokens ``first_token ..`` (one dict per token) and their ranks;
-        tokens already recorded (a recompute) are skipped, a gap is an error."""
+    def add_prompt_logprobs(self, first_token: int, entries: list[dict[int, float]]) -> None:
+        """Record the logprobs of prompt tokens ``first_token ..`` (one dict per token); tokens
+        already recorded (a recompute) are skipped, a gap is an error."""
         pl = self.prompt_logprobs
         have = len(pl)
         if first_token > have:
             raise RuntimeError(f"{self.request_id}: prompt logprobs from token {first_token}, but only "
                                f"{have} are recorded")
         pl.extend(entries[have - first_token:])
-        self.prompt_token_ranks.extend(ranks[have - first_token:])
 
     # ---- status -------------------------------------------------------------
     @property
@@ -285,7 +280,6 @@ class Sequence:
         child.logprobs = [dict(d) for d in self.logprobs] if self.logprobs is not None else None
         child.cumulative_logprob = self.cumulative_logprob
         child.prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
-        child.prompt_token_ranks = list(self.prompt_token_ranks) if self.prompt_token_ranks is not None else None
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
@@ -307,8 +301,7 @@ class Sequence:
             self.cumulative_logprob if lps is not None else None,
         )
         return _SnapshotRequestOutput.snapshot(self.request_id, self.prompt, self.prompt_token_ids, [comp], finished,
-                                               self.num_cached_prompt_tokens, self.prompt_logprobs, self.speculative,
-                                               self.prompt_token_ranks)
+                                               self.num_cached_prompt_tokens, self.prompt_logprobs, self.speculative)
 
     def __repr__(self) -> str:
         return (

@@ -593,16 +593,15 @@ def _prompt_only_output(out: RequestOutput, scored: int | None) -> RequestOutput
     token, whose logprobs are the engine's sampled-token logprobs) and an empty completion."""
     comp = out.outputs[0]
     prompt_ids = list(out.prompt_token_ids)
-    prompt_logprobs, ranks = out.prompt_logprobs, out.prompt_token_ranks
+    prompt_logprobs = out.prompt_logprobs
     if scored is not None:
         prompt_ids.append(scored)
         if prompt_logprobs is not None:
             prompt_logprobs = list(prompt_logprobs) + [comp.logprobs[0] if comp.logprobs else None]
-            ranks = list(ranks) + [None]  # the sampler's logprobs carry no rank (echo's logprobs need none)
     empty = CompletionOutput(0, "", [], "length" if out.finished else None, None,
                              [] if comp.logprobs is not None else None)
     return RequestOutput(out.request_id, out.prompt, prompt_ids, [empty], out.finished, out.num_cached_tokens,
-                         prompt_logprobs, out.speculative, ranks)
+                         prompt_logprobs, out.speculative)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvforge.engine.logprob import Logprob
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
 from kvforge.planner.activations import MAX_LOGPROBS
@@ -547,28 +548,16 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     return k
 
 
-def prompt_logprobs_object(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None],
-                           ranks: list[int | None], k: int) -> list[dict | None]:
+def prompt_logprobs_object(tokenizer, entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
     """vLLM's ``prompt_logprobs`` of one prompt: per prompt token null (the first) or an object from token
-    ids (decimal strings) to ``{logprob, rank, decoded_token}``: the prompt token first, with its rank in the
-    vocabulary, then the ``k`` most likely tokens (ranks 1 to ``k``), as vLLM orders them. A token's text is
-    its :func:`token_text` (``return_tokens_as_token_ids`` names the tokens of ``logprobs`` only, as in vLLM;
+    ids (decimal strings) to ``{logprob, rank, decoded_token}``, in the engine entry's order (the prompt token
+    first, then the top tokens, as vLLM orders them: kvforge/engine/logprob.py). A token's text is its
+    :func:`token_text` (``return_tokens_as_token_ids`` names the tokens of ``logprobs`` only, as in vLLM;
     ``"token_id:N"`` without a tokenizer)."""
-
-    def decoded(tid: int) -> str:
-        return token_label(tokenizer, tid)
-
-    out: list[dict | None] = []
-    for tid, entry, rank in zip(prompt_ids, entries, ranks):
-        if entry is None:
-            out.append(None)
-            continue
-        obj = {str(tid): {"logprob": _finite(entry.get(tid)), "rank": rank, "decoded_token": decoded(tid)}}
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
-        for r, (t, v) in enumerate(ranked, start=1):
-            obj.setdefault(str(t), {"logprob": _finite(v), "rank": r, "decoded_token": decoded(t)})
-        out.append(obj)
-    return out
+    return [None if entry is None else
+            {str(t): {"logprob": _finite(v), "rank": v.rank, "decoded_token": token_label(tokenizer, t)}
+             for t, v in entry.items()}
+            for entry in entries]
 
 
 def _logit_bias(body: dict) -> dict:
