@@ -7,8 +7,10 @@ import numbers
 from dataclasses import dataclass, field
 
 from kvforge.errors import InvalidRequestError
-from kvforge.planner.activations import MAX_LOGPROBS
 from kvforge.structured.params import StructuredOutputsParams
+
+#: The most logprobs a request may ask per token (``logprobs`` and ``prompt_logprobs``), vLLM's default limit.
+MAX_LOGPROBS = 20
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 _INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of",

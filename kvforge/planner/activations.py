@@ -58,6 +58,7 @@ import math
 from dataclasses import dataclass
 
 from kvforge.attention.routing import paged as paged_routing
+from kvforge.engine.sampling_params import MAX_LOGPROBS
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT
 from kvforge.models.expert_kernel_rows import kernel_takes_rows
 from kvforge.spec.layers import AttentionLayerSpec, MLALayerSpec, StateLayerSpec
@@ -81,9 +82,6 @@ PROMPT_LOGPROBS_SLICE_ROWS = 256
 #: concatenation) hold one more float32 copy while the logits are made.
 PROMPT_SCORING_BYTES_PER_LOGIT = 8
 PROMPT_SCORING_EXTRA_BYTES_PER_LOGIT = 4
-#: The most logprobs a request may ask per token (``SamplingParams.logprobs`` and ``prompt_logprobs``);
-#: a scored row keeps its target's float32 logprob and this many float32 values and int64 ids.
-MAX_LOGPROBS = 20
 #: Routed experts: the bookkeeping of one (token, expert) slot alive beside the experts' tensors: expert ids,
 #: weights, masks, the sort's keys and order, gathered token indices (int64 mostly): 189 bytes in gpt-oss's
 #: CPU expert loop, rounded up.
@@ -330,7 +328,9 @@ def activation_reserve(spec: ModelSpec, max_num_batched_tokens: int, max_num_seq
     per_logit = PROMPT_SCORING_BYTES_PER_LOGIT
     if tp > 1 or config.get("final_logit_softcapping"):
         per_logit += PROMPT_SCORING_EXTRA_BYTES_PER_LOGIT
-    kept = t * (4 + MAX_LOGPROBS * (4 + 8))  # every scored row's results, kept until the step's end
+    # Every scored row's results, kept until the step's end: its target's float32 logprob and rank (int64)
+    # and at most MAX_LOGPROBS float32 values and int64 ids.
+    kept = t * (4 + 8 + MAX_LOGPROBS * (4 + 8))
     phases["prompt logprobs"] = hidden_rows + rows * vocab * 4 + scored * vocab * per_logit + kept
     peak_name, peak = max(phases.items(), key=lambda kv: kv[1])
     total = math.ceil(peak * (1 + ALLOCATOR_SLACK)) + ALLOCATOR_SLACK_BYTES

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.engine.logprob import Logprob
-from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
+from kvforge.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
-from kvforge.planner.activations import MAX_LOGPROBS
 from kvforge.reasoning import ReasoningTokens
 from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message, with_tools
 from kvforge.server.tool_parsers import KEEPS_SPECIAL_TOKENS
