@@ -18,8 +18,6 @@ Reported (median [min-max] us of ``do_bench`` over the graph's replay):
   ``--read-sweep`` for every candidate configuration too) and the device-to-device copy bandwidth (read +
   written), both measured in the same run;
 * the chain at the kernel's own launch configurations: its time, TB/s, and fractions of both bandwidths;
-* with ``--launch-variants``, the chain with programmatic dependent launch (each product's launch overlapping
-  the end of the one before; kvforge/kernels/programmatic_launch.py) and without, interleaved over ``--rounds``;
 * with ``--sweep``, per projection, the chain with that projection's launch replaced by each candidate
   configuration (the others at their defaults), and the chain with every projection at its best.
 
@@ -46,7 +44,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import triton  # noqa: E402
 from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
 
-from kvforge.kernels import programmatic_launch  # noqa: E402
 from kvforge.kernels.triton_small_m_linear import (  # noqa: E402
     PROLOGUE_NONE,
     PROLOGUE_RMS_NORM,
@@ -169,9 +166,6 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time candidate configurations per projection in the chain")
     ap.add_argument("--read-sweep", action="store_true", help="time the candidates on the 2 GiB product")
     ap.add_argument("--rep", type=int, default=200, help="do_bench time budget per chain, ms")
-    ap.add_argument("--launch-variants", action="store_true",
-                    help="the chain with and without programmatic dependent launch")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of --launch-variants")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections to sweep")
     args = ap.parse_args()
     t0 = time.time()
@@ -206,23 +200,7 @@ def main():
     print(f"default chain: {base['us'][0]:.1f} us [{base['us'][1]:.1f}-{base['us'][2]:.1f}], {base['TBps']:.3f} TB/s,"
           f" {100 * base['of_copy']:.1f}% of copy, {100 * base['of_read']:.1f}% of the long product; "
           f"floor at copy {nbytes / copy_bw * 1e6:.1f} us")
-    result = dict(info=info, default=base, sweep=[], best=None, launch_variants={})
-    if args.launch_variants:
-        chosen = programmatic_launch.ENABLED
-        times = {True: [], False: []}
-        for _ in range(args.rounds):
-            for pdl in (False, True):
-                programmatic_launch.ENABLED = pdl
-                r = measure({})
-                times[pdl].append(r["us"][0])
-                print(f"  programmatic launch {'on ' if pdl else 'off'} chain {r['us'][0]:8.1f} us "
-                      f"[{r['us'][1]:.1f}-{r['us'][2]:.1f}] {100 * r['of_copy']:.1f}% of copy", flush=True)
-        programmatic_launch.ENABLED = chosen
-        for pdl, ts in times.items():
-            med = sorted(ts)[len(ts) // 2]
-            result["launch_variants"]["on" if pdl else "off"] = dict(us=ts, of_copy=nbytes / (med * 1e-6) / copy_bw)
-            print(f"programmatic launch {'on ' if pdl else 'off'}: median of rounds {med:8.1f} us "
-                  f"[{min(ts):.1f}-{max(ts):.1f}] {100 * nbytes / (med * 1e-6) / copy_bw:.1f}% of copy")
+    result = dict(info=info, default=base, sweep=[], best=None)
     if args.sweep:
         best = {}
         for name in args.shapes:

@@ -41,7 +41,7 @@ import torch
 from kvforge.attention.fp8 import FP8_DTYPES, storage_dtype_name
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing import paged as paged_routing
-from kvforge.kernels import gluon_fp8_decode, programmatic_launch
+from kvforge.kernels import gluon_fp8_decode
 from kvforge.kernels.gluon_support import routing_device
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
@@ -84,7 +84,6 @@ _LAST_LAUNCH: dict = {}  # diagnostics: the last compiled attention kernel (n_re
 
 
 if HAS_TRITON:
-    from kvforge.kernels.programmatic_launch import allow_next_kernel, wait_for_previous_kernel
 
     @triton.jit
     def _load_kv_tile(
@@ -161,9 +160,7 @@ if HAS_TRITON:
         F16_DOT: tl.constexpr,
         HEADS_FIRST: tl.constexpr,
         USE_ORDER: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        wait_for_previous_kernel(PDL)
         if HEADS_FIRST:
             kvh = tl.program_id(0)
             pid_q = tl.program_id(1)
@@ -311,7 +308,6 @@ if HAS_TRITON:
                 o.to(out_ptr.dtype.element_ty),
                 mask=row_ok[:, None] & d_ok[None, :],
             )
-        allow_next_kernel(PDL)
 
     @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
     def _merge_splits_kernel(
@@ -330,9 +326,7 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         D_BLOCK: tl.constexpr,
         USE_SINKS: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        wait_for_previous_kernel(PDL)
         # one program per (token, head, D_BLOCK columns): S_PAD x D_BLOCK partials in registers at once
         t = tl.program_id(0)
         h = tl.program_id(1)
@@ -361,7 +355,6 @@ if HAS_TRITON:
             o.to(out_ptr.dtype.element_ty),
             mask=d < HEAD_D,
         )
-        allow_next_kernel(PDL)
 
 
 def paged_attention(
@@ -464,7 +457,6 @@ def paged_attention(
         grid0 = num_seqs if tiles.one_tile else T // tiles.block_q + num_seqs
         heads_first = tiles.one_tile and ORDERED_DECODE_GRID
         order = meta.decode_order if heads_first else None
-        pdl = programmatic_launch.supported(q.device)
         grid = (hkv, grid0, splits) if heads_first else (grid0, hkv, splits)
         _LAST_LAUNCH["attn"] = _paged_attn_kernel[grid](
             q,
@@ -512,8 +504,6 @@ def paged_attention(
             order_ptr=order if order is not None else meta.seq_lens,
             HEADS_FIRST=heads_first,
             USE_ORDER=order is not None,
-            PDL=pdl,
-            launch_pdl=pdl,
         )
     if use_split:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs,
@@ -540,7 +530,6 @@ def merge_split_partials(
     t, h, splits, d_pad = part_acc.shape
     s_pad = max(2, triton.next_power_of_2(splits))
     d_block = min(d_pad, max(16, MERGE_TILE_ELEMENTS // s_pad))
-    pdl = programmatic_launch.supported(out.device)
     _merge_splits_kernel[(t, h, d_pad // d_block)](
         part_acc,
         part_ml,
@@ -558,6 +547,4 @@ def merge_split_partials(
         num_warps=4,
         sinks_ptr=query_start_loc if sinks_log2 is None else sinks_log2,
         USE_SINKS=sinks_log2 is not None,
-        PDL=pdl,
-        launch_pdl=pdl,
     )

@@ -21,12 +21,10 @@ import torch
 
 from kvforge.attention.fp8 import fp8_max
 from kvforge.attention.fp8 import is_fp8 as is_fp8_dtype
-from kvforge.kernels import programmatic_launch
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 from kvforge.kernels.triton_cache_write import head_scales
 
 if HAS_TRITON:
-    from kvforge.kernels.programmatic_launch import allow_next_kernel, wait_for_previous_kernel
     from kvforge.kernels.triton_cache_write import _saturate
     from kvforge.kernels.triton_rope import _rope_heads, angle_tables, rotated_heads
 
@@ -76,9 +74,7 @@ if HAS_TRITON:
         BLOCK_SIZE: tl.constexpr,
         IS_FP8: tl.constexpr,
         FMAX: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        wait_for_previous_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         c, s = angle_tables(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF, HALF_PAD)
         _rope_heads(q_ptr, qo_ptr, c, s, t, stride_qt, stride_qh, stride_qot, stride_qoh,
@@ -103,7 +99,6 @@ if HAS_TRITON:
             mv = heads[:, None] & (d[None, :] < HEAD_D)
             v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mv, other=0.0)
             tl.store(row + stride_ckv + d[None, :], _cache_values(v, vs, out_ty, IS_FP8, FMAX), mask=mv)
-        allow_next_kernel(PDL)
 
 
 def rope_and_write_kv(
@@ -152,7 +147,6 @@ def rope_and_write_kv(
     half = rotary_dim // 2
     tail = d - rotary_dim
     hq_pad = triton.next_power_of_2(hq)
-    pdl = programmatic_launch.supported(q.device)
     _rope_write_kv_kernel[(t,)](
         q, k, v, qo, kv_cache, slot_mapping, cos2, sin2, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -169,8 +163,6 @@ def rope_and_write_kv(
         BLOCK_SIZE=bs,
         IS_FP8=is_fp8,
         FMAX=fp8_max(kv_cache.dtype) if is_fp8 else 0.0,
-        PDL=pdl,
         num_warps=4 if hq_pad * half <= 2048 else 8,
-        launch_pdl=pdl,
     )  # fmt: skip
     return qo

@@ -50,7 +50,6 @@ import torch
 
 from kvforge.attention.routing.platform import DEFAULT_NUM_SMS
 from kvforge.attention.routing.split_k import SplitRule
-from kvforge.kernels import programmatic_launch
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most rows of ``x`` one launch takes.
@@ -164,8 +163,6 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
 
 
 if HAS_TRITON:
-    from kvforge.kernels.programmatic_launch import allow_next_kernel, wait_for_previous_kernel
-
     _RMS_NORM = tl.constexpr(PROLOGUE_RMS_NORM)
     _SILU_MUL = tl.constexpr(PROLOGUE_SILU_MUL)
 
@@ -204,9 +201,7 @@ if HAS_TRITON:
         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         USE_DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_PARTIALS: tl.constexpr,
         NUM_STAGES: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-        PDL: tl.constexpr,
     ):  # fmt: skip
-        wait_for_previous_kernel(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         # RMSNorm prologue: the products take weight * s unscaled and the row's sum of squares accumulates
@@ -270,7 +265,6 @@ if HAS_TRITON:
                 acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
             out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        allow_next_kernel(PDL)
 
     @triton.jit
     def _sum_splits_kernel(
@@ -382,7 +376,6 @@ def _launch(
     even_k = k % cfg.block_k == 0 and chunks % chunks_per_split == 0
     partials = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias_arg = bias if bias is not None else out  # never read without HAS_BIAS
-    pdl = programmatic_launch.supported(x.device)
     _small_m_linear_kernel[(triton.cdiv(n, cfg.block_n), split_k)](
         x, weight, bias_arg, out, partials,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
@@ -392,8 +385,7 @@ def _launch(
         USE_DOT=cfg.use_dot, EVEN_K=even_k, HAS_BIAS=bias is not None,
         WRITE_PARTIALS=split_k > 1, NUM_STAGES=cfg.num_stages,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
-        PDL=pdl,
-        num_warps=cfg.num_warps, launch_pdl=pdl,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     if split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK), m)](
