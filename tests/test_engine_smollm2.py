@@ -244,3 +244,22 @@ def test_plan_errors_come_before_any_weight_file_is_opened(tmp_path, monkeypatch
         LLM(str(tmp_path), kv_cache_dtype="fp9", progress=False, device="cpu")
     with pytest.raises(PlanError, match="holds less than one sequence"):
         LLM(str(tmp_path), kv_cache_memory=1000, progress=False, device="cpu")
+
+
+def test_logprobs_carry_each_tokens_text(smol_llm):
+    """vLLM's ``Logprob.decoded_token``: every entry of ``logprobs`` and ``prompt_logprobs`` names its token's
+    text decoded alone (special tokens as their text); the sampled tokens' texts, joined, are the output
+    (ASCII here: no character spans tokens)."""
+    llm = smol_llm()
+    tok = llm.get_tokenizer()
+    out = llm.generate("The three primary colors are", SamplingParams(temperature=0, max_tokens=8, logprobs=3,
+                                                                      prompt_logprobs=2), use_tqdm=False)[0]
+    gen = out.outputs[0]
+    entries = gen.logprobs + [e for e in out.prompt_logprobs if e is not None]
+    assert len(entries) == 8 + len(out.prompt_token_ids) - 1
+    for entry in entries:
+        for t, lp in entry.items():
+            assert lp.decoded_token == tok.decode([t], skip_special_tokens=False), t
+    assert gen.text.isascii() and "".join(e[t].decoded_token for e, t in zip(gen.logprobs, gen.token_ids)) == gen.text
+    assert out.prompt_logprobs[0] is None
+    assert "decoded_token=" in repr(gen.logprobs[0][gen.token_ids[0]])

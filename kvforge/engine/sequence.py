@@ -19,6 +19,7 @@ import itertools
 import numpy as np
 import torch
 
+from kvforge.engine.logprob import label_entry
 from kvforge.engine.outputs import RequestOutput, _SnapshotCompletionOutput, _SnapshotRequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.speculative.stats import SpeculativeStats
@@ -207,7 +208,7 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(int(token_id))
         if self.logprobs is not None:
-            self.logprobs.append(dict(logprobs) if logprobs is not None else {})
+            self.logprobs.append(self._labelled(logprobs) if logprobs is not None else {})
         if logprobs is not None and int(token_id) in logprobs:
             self.cumulative_logprob += float(logprobs[int(token_id)])
 
@@ -225,7 +226,14 @@ class Sequence:
         if first_token > have:
             raise RuntimeError(f"{self.request_id}: prompt logprobs from token {first_token}, but only "
                                f"{have} are recorded")
-        pl.extend(entries[have - first_token:])
+        pl.extend(self._labelled(e) if e is not None else None for e in entries[have - first_token:])
+
+    def _labelled(self, entry: dict[int, float]) -> dict[int, float]:
+        """A copy of a logprobs entry, each value carrying its token's text where the sequence has a tokenizer
+        (``Logprob.decoded_token``)."""
+        if self.detokenizer is None:
+            return dict(entry)
+        return label_entry(entry, self.detokenizer.tokenizer)
 
     # ---- status -------------------------------------------------------------
     @property

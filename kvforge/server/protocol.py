@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.engine.logprob import Logprob
+from kvforge.engine.logprob import Logprob, token_text
 from kvforge.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
 from kvforge.reasoning import ReasoningTokens
@@ -807,14 +807,6 @@ class TextOffsets:
         at = self.next
         self.next += len(self._utf8.decode(token))
         return at
-
-
-def token_text(tokenizer, token_id: int) -> str:
-    """A token's text in logprobs: what it decodes to alone, special tokens as their text (``<|im_end|>``),
-    as OpenAI and vLLM show them, though a choice's text omits them (``skip_special_tokens``). A kvforge
-    :class:`~kvforge.tokenizer.Tokenizer` remembers it per id; any other tokenizer decodes it."""
-    remembered = getattr(tokenizer, "token_text", None)
-    return remembered(token_id) if remembered is not None else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def token_label(tokenizer, token_id: int, as_ids: bool = False) -> str:
