@@ -361,7 +361,10 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(server, client):
     assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens
     _check_prompt_logprobs(server, body["prompt_logprobs"], body["prompt_token_ids"], 0)
     plain = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1).choices[0].model_dump()
-    assert "prompt_logprobs" not in plain
+    assert "prompt_logprobs" in plain and plain["prompt_logprobs"] is None  # vLLM sends null unrequested
+    plain_chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=1).model_dump()
+    assert "prompt_logprobs" in plain_chat and plain_chat["prompt_logprobs"] is None
     # return_tokens_as_token_ids names the tokens of logprobs, not prompt_logprobs' texts (as in vLLM).
     named = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=1, logprobs=1, extra_body={
         "prompt_logprobs": 1, "return_tokens_as_token_ids": True}).choices[0].model_dump()

@@ -542,8 +542,9 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
             if req.kind != "chat":
                 choice["prompt_token_ids"] = list(final.prompt_token_ids)
             choice["token_ids"] = list(ids)
-        if req.prompt_logprobs is not None and req.kind != "chat":  # vLLM's: per choice of completions
-            choice["prompt_logprobs"] = protocol.prompt_logprobs_object(tokenizer, final.prompt_logprobs)
+        if req.kind != "chat":  # vLLM's: per choice of completions, null unless asked for
+            choice["prompt_logprobs"] = (None if req.prompt_logprobs is None
+                                         else protocol.prompt_logprobs_object(tokenizer, final.prompt_logprobs))
         choices.append(choice)
         if i % req.n == 0:  # a prompt counts once, however many choices it has
             prompt_tokens += len(final.prompt_token_ids)
@@ -561,8 +562,9 @@ async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str
     }
     if req.return_token_ids and req.kind == "chat":
         body["prompt_token_ids"] = list(finals[0].prompt_token_ids)
-    if req.prompt_logprobs is not None and req.kind == "chat":  # vLLM's: once for the chat's one prompt
-        body["prompt_logprobs"] = protocol.prompt_logprobs_object(tokenizer, finals[0].prompt_logprobs)
+    if req.kind == "chat":  # vLLM's: once for the chat's one prompt, null unless asked for
+        body["prompt_logprobs"] = (None if req.prompt_logprobs is None
+                                   else protocol.prompt_logprobs_object(tokenizer, finals[0].prompt_logprobs))
     return web.json_response(body)
 
 
