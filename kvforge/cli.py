@@ -22,7 +22,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kvforge.planner.api import plan as make_plan
     from kvforge.planner.inputs import (
         DEFAULT_CPU_KV_CACHE_MEMORY,
-        DEFAULT_GPU_MEMORY_UTILIZATION,
         gpu_memory_flag_ignored_on_cpu,
     )
     from kvforge.server.cli import check_server_flags
@@ -36,7 +35,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     ignored = device == "cpu" and gpu_memory_flag_ignored_on_cpu(engine.kv_cache_memory, gpu_memory, utilization)
     if ignored:  # plan what the CPU engine will size
         print(f"warning: {ignored}", file=sys.stderr)
-        gpu_memory, utilization = None, DEFAULT_GPU_MEMORY_UTILIZATION
+        gpu_memory = None
+    if device == "cpu":
+        utilization = None  # the CPU engine never reads it (a flag given on its own was warned about above)
 
     def plan_with(kv_cache_memory):
         return make_plan(

@@ -107,7 +107,8 @@ def test_byte_sizes_as_strings_plan_like_integers():
 
 
 @pytest.mark.parametrize("kw,named", [(dict(gpu_memory="80GB"), "gpu_memory"),
-                                      (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization")])
+                                      (dict(gpu_memory_utilization=0.5), "gpu_memory_utilization"),
+                                      (dict(gpu_memory_utilization=0.9), "gpu_memory_utilization")])  # the default
 def test_gpu_memory_planned_for_the_cpu_is_refused(kw, named):
     """The CPU engine sizes its cache from kv_cache_memory alone: a GPU memory figure on the default device
     would plan a capacity no engine runs."""

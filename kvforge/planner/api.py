@@ -17,7 +17,7 @@ from kvforge.spec.load import load_model_spec
 def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
          block_size: int | None = None, max_model_len: int | None = None, num_speculative_tokens: int = 0,
          kv_cache_memory: int | None = None, gpu_memory: int | None = None,
-         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, device: str | None = None,
+         gpu_memory_utilization: float | None = None, device: str | None = None,
          dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int | None = None, query_dtype: str = "auto",
          state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False,
@@ -30,13 +30,13 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
     Without ``kv_cache_memory`` or ``gpu_memory`` the plan has no capacity figures (the CPU engine would
     take DEFAULT_CPU_KV_CACHE_MEMORY; a plan is usually made for another machine than this one).
     ``device``: "cpu" (None, the default: the CPU reference backends) or "cuda". ``gpu_memory`` and
-    ``gpu_memory_utilization`` size a GPU's KV cache: with the CPU device they are refused, since the CPU
-    engine never reads them."""
+    ``gpu_memory_utilization`` (None: DEFAULT_GPU_MEMORY_UTILIZATION) size a GPU's KV cache: given with the
+    CPU device, at any value, they are refused, since the CPU engine never reads them."""
     from kvforge.kv_dtypes import platform_model_dtype
 
     named = f"device={device!r}" if device is not None else "the default device, 'cpu',"
     device = device or "cpu"
-    if device == "cpu" and (gpu_memory is not None or gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION):
+    if device == "cpu" and (gpu_memory is not None or gpu_memory_utilization is not None):
         given = "gpu_memory" if gpu_memory is not None else "gpu_memory_utilization"
         raise ConfigError(f"{given} sizes a GPU's KV cache, but the plan is for {named} whose engine never reads "
                           f"it: pass device='cuda' to plan a GPU, or kv_cache_memory to size the CPU engine's cache")
@@ -50,7 +50,9 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
         proposer_layers = mtp_proposer_layers(spec)
     cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,
-                        gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
+                        gpu_memory=gpu_memory,
+                        gpu_memory_utilization=(DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None
+                                                else gpu_memory_utilization),
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
                         max_num_seqs=resolve_max_num_seqs(max_num_seqs, max_num_batched_tokens),
                         query_dtype=query_dtype,
