@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from kvforge.cli_args import ArgumentParser
 from kvforge.errors import KVForgeError
 
 
@@ -110,7 +111,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from kvforge import __version__
     from kvforge.cli_args import token_count
 
-    parser = argparse.ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0].replace("``", ""))
+    parser = ArgumentParser(prog="kvforge", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"kvforge {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,7 +182,7 @@ def _refusals_as_json(*parsers: argparse.ArgumentParser) -> None:
         p.exit = exit_
 
 
-def command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+def command_parser(parser: ArgumentParser, argv: list[str]) -> ArgumentParser:
     """The (sub)parser the command words of ``argv`` select (``kvforge bench serve ...``: bench's serve)."""
     while True:
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         _refusals_as_json(parser, command_parser(parser, argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's own usage, not the top level's
-        command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command_parser(parser, argv).refuse_unrecognized(unknown)
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:

@@ -3,10 +3,50 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 
 from kvforge.byte_sizes import parse_byte_size
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, QUERY_DTYPE_CHOICES
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` that takes flags only as spelled in full (``allow_abbrev`` off): a prefix
+    such as ``--max-model`` is an unknown flag, never bound to whichever flag it abbreviates today. Subcommand
+    parsers made from one (``add_subparsers``) are of this class too."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's; an unrecognized flag's error names the flags closest to it
+        (:meth:`refuse_unrecognized`)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.refuse_unrecognized(extras)
+        return namespace
+
+    def refuse_unrecognized(self, extras: list[str]) -> None:
+        """Exit with argparse's usage error for ``extras``, naming for each unknown flag the flags of this
+        parser (and its subcommands) it is closest to."""
+        options = sorted(_option_strings(self))
+        hints = []
+        for arg in extras:
+            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=2) if arg.startswith("--") else []
+            if close:
+                hints.append(f"{arg}: did you mean {' or '.join(close)}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints else ""))
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every long flag of ``parser`` and of its subcommands' parsers."""
+    out = set()
+    for action in parser._actions:
+        out.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
 
 
 def parse_bytes(text: str) -> int:

@@ -70,3 +70,19 @@ def test_unknown_flag_is_reported_with_the_subcommands_usage(capsys, argv, prog)
     err = capsys.readouterr().err
     assert f"usage: {prog}" in err
     assert f"{prog}: error: unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["plan", "--max-model", "100"], "--max-model: did you mean --max-model-len"),
+    (["serve", "--gpu-memory-util", "0.5"], "--gpu-memory-util: did you mean --gpu-memory-utilization"),
+    (["generate", "--max-token", "4"], "--max-token: did you mean --max-tokens"),
+    (["bench", "serve", "--concurency", "4"], "--concurency: did you mean --concurrency"),
+])
+def test_an_abbreviated_flag_is_refused_naming_the_flag_it_resembles(capsys, argv, named):
+    """Flags are taken only as spelled in full (argparse would bind a unique prefix to today's flag); the
+    error names the closest flags of the subcommand."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {argv[-2]}" in err and named in err, err

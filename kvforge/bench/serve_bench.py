@@ -42,7 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from kvforge.cli_args import http_url
+from kvforge.cli_args import ArgumentParser, http_url
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, UNAUTHORIZED_HINT, client_api_key
 
 OUTLIER_FACTOR = 1.5
@@ -605,7 +605,7 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def bench_serve_main(args) -> int:
     """Entry point for ``kvforge bench serve``; exit code 1 when any timed request failed."""
     if args is None or isinstance(args, (list, tuple)):
-        args = add_bench_serve_args(argparse.ArgumentParser(prog="kvforge bench serve")).parse_args(args)
+        args = add_bench_serve_args(ArgumentParser(prog="kvforge bench serve")).parse_args(args)
     for name in ("isl", "osl", "concurrency", "num_requests", "repetitions"):
         if getattr(args, name) < 1:
             print(f"kvforge bench serve: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from kvforge.cli_args import parse_bytes
+from kvforge.cli_args import ArgumentParser, parse_bytes
 from kvforge.cli_vllm_flags import SERVER_FLAGS, add_vllm_flags
 from kvforge.errors import KVForgeError
 from kvforge.server.cors import CorsPolicy, parse_json_list
@@ -121,7 +121,7 @@ def check_server_flags(ns) -> None:
 def serve_main(args) -> int:
     """Entry point for ``kvforge serve``. Returns the process exit code."""
     if args is None or isinstance(args, (list, tuple)):
-        parser = add_serve_args(argparse.ArgumentParser(prog="kvforge serve"))
+        parser = add_serve_args(ArgumentParser(prog="kvforge serve"))
         args = parser.parse_args(list(args) if args is not None else None)
     if not logging.getLogger().handlers:  # standalone use; `kvforge serve` configures logging itself
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
