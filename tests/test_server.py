@@ -716,6 +716,8 @@ def test_request_size_bound_takes_sizes_as_the_memory_flags_do(monkeypatch, caps
     parser = add_serve_args(argparse.ArgumentParser())
     assert parser.parse_args(["--max-request-bytes", "2MiB"]).max_request_bytes == 2 << 20
     assert parser.parse_args(["--max-request-bytes", "4096"]).max_request_bytes == 4096
+    # The default takes a batch of long token-id prompts (lm-eval's loglikelihood: 80 x 2000 ids is ~1 MB of JSON).
+    assert parser.parse_args([]).max_request_bytes == 128 << 20
     assert "max-request-bytes" in serve_refused(monkeypatch, capsys, ["--max-request-bytes", "512"])
 
 
@@ -833,7 +835,8 @@ def test_serve_tensor_parallel_2_cpu(tmp_path):
                                                                   "max_tokens": 6, "temperature": 0,
                                                                   "ignore_eos": True})
             assert status == 200, r
-            assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10}
+            assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10,
+                                  "prompt_tokens_details": None}  # null unless --enable-prompt-tokens-details
         status, _, r = http("POST", base + "/v1/completions", {"model": name, "prompt": "text needs a tokenizer"})
         assert status == 400, r
         m = parse_prometheus(http("GET", base + "/metrics")[2])

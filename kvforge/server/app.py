@@ -39,6 +39,7 @@ from kvforge.server.async_engine import (
     RequestStream,
     ServerShuttingDownError,
 )
+from kvforge.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.server.cors import ALLOW_ALL, CorsPolicy, add_origin_headers_on_prepare, preflight_middleware
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
@@ -62,7 +63,6 @@ CONFIG = web.AppKey("config", dict)
 #: The fixed paths of ROUTES (those without a path parameter).
 SERVED_PATHS = frozenset(r.split(" ", 1)[1] for r in ROUTES if "{" not in r)
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 

@@ -23,6 +23,10 @@ from kvforge.server.cors import CorsPolicy, parse_json_list
 from kvforge.server.request_defaults import RequestDefaults, parse_template_kwargs
 from kvforge.server.tool_parsers import PARSERS
 
+#: The largest request body the server reads (``--max-request-bytes``): a batch of long token-id prompts, as
+#: lm-eval's loglikelihood requests send them, fits; a body past it is refused before it is read.
+DEFAULT_MAX_REQUEST_BYTES = 128 << 20
+
 logger = logging.getLogger("kvforge.server")
 
 
@@ -38,8 +42,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default: $KVFORGE_API_KEY; neither set: no auth)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests allowed to wait for the engine before new ones get 503 (default 1024)")
-    g.add_argument("--max-request-bytes", type=parse_bytes, default=1 << 20,
-                   help="largest request body accepted, bytes or a size such as 2MiB; larger gets 413 (default 1 MiB)")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted, bytes or a size such as 2MiB; larger gets 413 (default "
+                        "128 MiB: a batch of long token-id prompts, as lm-eval sends, fits)")
     g.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
     g.add_argument("--enable-log-requests", action="store_true",

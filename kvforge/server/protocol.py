@@ -783,14 +783,14 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """OpenAI's ``usage``; with ``cached_tokens`` (``--enable-prompt-tokens-details``) its
-    ``prompt_tokens_details``: the prompt tokens read from the prefix cache instead of computed."""
+    ``prompt_tokens_details``: the prompt tokens read from the prefix cache instead of computed (else null,
+    as vLLM sends it)."""
     counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-    if cached_tokens is not None:
-        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens} if cached_tokens is not None else None
     return counts
 
 
