@@ -1,4 +1,5 @@
-"""Byte sizes as people write them: ``85899345920``, ``80GiB``, ``80GB``, ``80e9``, ``1.5GB`` (torch-free).
+"""Byte sizes as people write them: ``85899345920``, ``80GiB``, ``80GB``, ``80e9``, ``1.5GB``, and token
+counts as vLLM reads them: ``131072``, ``128K``, ``128k``, ``25.6k`` (torch-free).
 
 One rule for the CLI's ``--kv-cache-memory`` / ``--gpu-memory`` and the Python API's ``kv_cache_memory=`` /
 ``gpu_memory=``: an integer, or a number with a unit, at least one byte. A one-letter unit follows vLLM's
@@ -48,3 +49,25 @@ def byte_count(name: str, value) -> int:
         except ValueError as e:
             raise ConfigError(f"{name}: {e}") from None
     raise ConfigError(f"{name} must be a byte count (an integer, or a size such as {EXAMPLES}), got {value!r}")
+
+
+_TOKEN_MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+TOKEN_EXAMPLES = "131072, 128K = 131072, 128k = 128000"
+
+
+def parse_token_count(text: str) -> int:
+    """A positive count of tokens, plain or human-readable as vLLM takes it: '131072', '128K' (x 1024),
+    '128k' (x 1000), '25.6k'; lowercase multipliers are decimal, uppercase binary (whole numbers only).
+    ValueError naming the examples otherwise."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)([kmgKMG]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a token count (examples: {TOKEN_EXAMPLES})")
+    number, unit = m.groups()
+    if "." in number and unit not in ("k", "m", "g"):
+        raise ValueError(f"{text!r}: a fraction needs a decimal multiplier (k, m, g), e.g. 25.6k")
+    value = float(number) * _TOKEN_MULTIPLIERS[unit] if "." in number else int(number) * _TOKEN_MULTIPLIERS[unit]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of tokens")
+    if value < 1:
+        raise ValueError(f"{text!r} must be >= 1")
+    return int(value)

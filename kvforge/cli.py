@@ -33,9 +33,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     device, gpu_memory = _plan_device(args.device, engine.gpu_memory)
     speculative = engine.speculative_config
     utilization = engine.gpu_memory_utilization
+    warnings = []  # said on stderr as they come, and kept in the JSON plan's warnings
+
+    def warn(text: str) -> None:
+        print(f"warning: {text}", file=sys.stderr)
+        warnings.append(text)
+
     ignored = device == "cpu" and gpu_memory_flag_ignored_on_cpu(engine.kv_cache_memory, gpu_memory, utilization)
     if ignored:  # plan what the CPU engine will size
-        print(f"warning: {ignored}", file=sys.stderr)
+        warn(ignored)
         gpu_memory = None
     if device == "cpu":
         utilization = None  # the CPU engine never reads it (a flag given on its own was warned about above)
@@ -58,18 +64,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     spec = load_model_spec(engine.model)
     check_engine_plan(engine, spec, result, device, limitations=False)
     for limitation in engine_limitations(engine, spec):
-        print(f"warning: kvforge serve and generate refuse this line: {limitation}", file=sys.stderr)
+        warn(f"kvforge serve and generate refuse this line: {limitation}")
     if device == "cpu" and engine.kv_cache_memory is None and gpu_memory is None:
         try:  # the capacity-free plan holds; would the CPU engine's default memory run it?
             plan_with(DEFAULT_CPU_KV_CACHE_MEMORY)
         except PlanError as exc:
-            print(f"warning: the CPU engine's default KV memory ({DEFAULT_CPU_KV_CACHE_MEMORY >> 20} MiB) cannot "
-                  f"run this plan: {exc}", file=sys.stderr)
+            warn(f"the CPU engine's default KV memory ({DEFAULT_CPU_KV_CACHE_MEMORY >> 20} MiB) cannot run this "
+                 f"plan: {exc}")
     if not engine.enable_prefix_caching and result.prefix_caching:
         result = dataclasses.replace(result, prefix_caching=False,
                                      prefix_caching_reason="off: --no-enable-prefix-caching")
     if args.json:
-        print(result.to_json())
+        print(dataclasses.replace(result, warnings=result.warnings + tuple(warnings)).to_json())
     else:
         from kvforge.planner.render import render_plan
 

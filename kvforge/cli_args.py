@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import re
 
-from kvforge.byte_sizes import parse_byte_size
+from kvforge.byte_sizes import parse_byte_size, parse_token_count
 from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, QUERY_DTYPE_CHOICES
 
 
@@ -75,24 +74,12 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-_TOKEN_MULTIPLIERS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
-
-
 def token_count(text: str) -> int:
-    """A positive count of tokens, plain or human-readable as vLLM takes it: '131072', '128K' (x 1024),
-    '128k' (x 1000), '25.6k'; lowercase multipliers are decimal, uppercase binary (whole numbers only)."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)([kmgKMG]?)\s*", str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (examples: 131072, 128K = 131072, 128k = 128000)")
-    number, unit = m.groups()
-    if "." in number and unit not in ("k", "m", "g"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a fraction needs a decimal multiplier (k, m, g), e.g. 25.6k")
-    value = float(number) * _TOKEN_MULTIPLIERS[unit] if "." in number else int(number) * _TOKEN_MULTIPLIERS[unit]
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return int(value)
+    """A positive count of tokens, plain or human-readable as vLLM takes it (kvforge/byte_sizes.py)."""
+    try:
+        return parse_token_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def fraction(text: str) -> float:

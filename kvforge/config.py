@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
-from kvforge.byte_sizes import byte_count
+from kvforge.byte_sizes import byte_count, parse_token_count
 from kvforge.cli_args import (
     add_model_arguments,
     add_plan_args,
@@ -43,6 +43,8 @@ DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4096
 #: Integer settings (None where allowed): numpy integers and digit strings are taken as the ints they hold.
 _COUNT_FIELDS = ("tensor_parallel_size", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "long_prefill_token_threshold", "num_speculative_tokens")
+#: Count fields that are token counts: vLLM's human-readable text ('128K', '25.6k') is taken as on the CLI.
+_TOKEN_COUNT_FIELDS = ("max_model_len", "max_num_batched_tokens")
 
 
 def _check_choice(flag: str, value, choices) -> None:
@@ -138,7 +140,12 @@ class EngineArgs:
         for name in _COUNT_FIELDS:  # numpy integers and digit strings as the ints they hold
             value = plain_int(getattr(self, name))
             object.__setattr__(self, name, value)
-            if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+            if isinstance(value, str) and name in _TOKEN_COUNT_FIELDS:  # '128K', '8k' as the CLI reads them
+                try:
+                    object.__setattr__(self, name, parse_token_count(value))
+                except ValueError as e:
+                    raise ConfigError(f"--{name.replace('_', '-')}: {e}") from None
+            elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
                 object.__setattr__(self, name, int(value))
             elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 least = 0 if name in ("long_prefill_token_threshold", "num_speculative_tokens") else 1

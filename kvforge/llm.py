@@ -63,10 +63,12 @@ class LLM:
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; a prompt is a string, {"prompt": str}, {"prompt_token_ids": [...]}
         or (in a list) a list of token ids. ``priority``: one integer per prompt, lower served first (needs
-        ``scheduling_policy="priority"``), as vLLM's ``LLM.generate`` takes it.
+        ``scheduling_policy="priority"``), as vLLM's ``LLM.generate`` takes it. ``lora_request`` is vLLM's
+        argument in vLLM's place: None is taken, an adapter is refused (kvforge serves no LoRA adapters).
 
         Results come back in prompt order, one ``RequestOutput`` per prompt whose ``outputs`` hold its
         ``n`` samples (``index`` 0 .. n - 1). Each sample is its own engine request
@@ -74,6 +76,9 @@ class LLM:
         on, samples 1 .. n - 1 are added once sample 0's prompt is computed, so they reuse its KV blocks.
         Invalid requests raise before any is run.
         """
+        if lora_request is not None:
+            raise InvalidRequestError("lora_request: kvforge serves no LoRA adapters; merge the adapter into the "
+                                      "weights, or pass None", field="lora_request")
         single = isinstance(prompts, (str, dict))
         if not single and not isinstance(prompts, (list, tuple)):
             raise InvalidRequestError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', or a "

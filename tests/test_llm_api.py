@@ -165,3 +165,20 @@ def test_integer_settings_take_numpy_integers_and_name_the_flag_otherwise():
     assert type(args.max_model_len) is int
     with pytest.raises(ConfigError, match="--tensor-parallel-size must be an integer >= 1, got 1.5"):
         EngineArgs(tensor_parallel_size=1.5)
+
+
+def test_lora_request_none_is_taken_and_an_adapter_refused(llm):
+    """vLLM's ``generate(prompts, sampling_params, use_tqdm, lora_request, priority)``: code that passes
+    ``lora_request=None`` runs; an adapter is refused by name, before any request runs."""
+    want = llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, False, None)[0].outputs[0].token_ids == want
+    with pytest.raises(InvalidRequestError, match="lora_request: kvforge serves no LoRA adapters"):
+        llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=object())
+
+
+@pytest.mark.parametrize("field,text,tokens", [("max_model_len", "1k", 1000), ("max_model_len", "1K", 1024),
+                                               ("max_num_batched_tokens", "2K", 2048)])
+def test_token_counts_take_vllms_readable_text_as_the_cli_does(field, text, tokens):
+    assert getattr(EngineArgs(**{field: text}), field) == tokens
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}: '4q' is not a token count"):
+        EngineArgs(**{field: "4q"})

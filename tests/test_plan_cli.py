@@ -52,6 +52,9 @@ def test_cpu_plan_without_memory_warns_when_the_cpu_engines_default_cannot_run_i
     code, out, err = run(capsys, "llama-3.1-8b", "--json")
     assert code == 0 and json.loads(out)["num_blocks"] is None
     assert "warning: the CPU engine's default KV memory (1024 MiB) cannot run this plan" in err
+    # A script reading the JSON sees the same warning among the plan's warnings.
+    assert any(w.startswith("the CPU engine's default KV memory (1024 MiB) cannot run this plan")
+               for w in json.loads(out)["warnings"])
     assert "lower --max-model-len to at most 4096" in err
     code, out, err = run(capsys, "llama-3.1-8b", "--max-model-len", "2048")
     assert code == 0 and "warning" not in err
@@ -263,7 +266,10 @@ def test_gpu_memory_on_cpu_plans_what_the_cpu_engine_sizes(capsys):
     code2, given, err = run(capsys, "--gpu-memory", "8GiB", "--json")
     assert code == code2 == 0
     assert "--gpu-memory has no effect on CPU" in err
-    assert json.loads(given) == json.loads(plain)
+    given, plain = json.loads(given), json.loads(plain)
+    assert given.pop("warnings") == ["--gpu-memory has no effect on CPU: the KV cache gets --kv-cache-memory "
+                                     "(default 1 GiB)"] and plain.pop("warnings") == []
+    assert given == plain  # the plan itself is the same
 
 
 @pytest.mark.parametrize("argv,needle", [

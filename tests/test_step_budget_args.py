@@ -10,7 +10,7 @@ import pytest
 from fake_engine import serve_refused
 
 from kvforge.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
-from kvforge.errors import ConfigError
+from kvforge.errors import ConfigError, PlanError
 
 
 def test_both_given_and_the_budget_below_the_sequences_is_refused():
@@ -77,12 +77,18 @@ def test_the_engine_runs_at_most_the_budget_of_sequences():
                                       (dict(gpu_memory="4GB"), "--gpu-memory")])
 def test_gpu_memory_flags_on_cpu_say_they_do_nothing(caplog, kw, says):
     """On CPU the KV cache is --kv-cache-memory (default 1 GiB): a utilization or a GPU memory given there is
-    reported as having no effect (before any weight loads), not silently dropped."""
+    reported as having no effect (before any weight loads: here the plan then refuses a 131,072-token
+    context in 1 GiB), not silently dropped; an invalid value gets its error alone."""
     from kvforge.engine.llm_engine import LLMEngine
 
-    with caplog.at_level(logging.WARNING, logger="kvforge.engine"), pytest.raises(ConfigError):
-        LLMEngine.from_engine_args(EngineArgs(model="no-such-model-dir", device="cpu", **kw))
+    with caplog.at_level(logging.WARNING, logger="kvforge.engine"), pytest.raises(PlanError):
+        LLMEngine.from_engine_args(EngineArgs(model="llama-3.1-8b", load_format="dummy", device="cpu", **kw))
     assert f"{says} has no effect on CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvforge.engine"), pytest.raises(ConfigError, match="must be in"):
+        LLMEngine.from_engine_args(EngineArgs(model="llama-3.1-8b", load_format="dummy", device="cpu",
+                                              **{**kw, "gpu_memory_utilization": 1.5}))
+    assert "no effect on CPU" not in caplog.text
 
 
 def test_gpu_memory_on_cpu_is_no_device_to_check_against(caplog):

@@ -75,10 +75,6 @@ class LLMEngine:
         platform = self.device.type
 
         # 1. Spec and plan: config metadata only; no weight file is opened here.
-        ignored = platform == "cpu" and gpu_memory_flag_ignored_on_cpu(
-            args.kv_cache_memory, args.gpu_memory, args.gpu_memory_utilization)
-        if ignored:
-            logger.warning("%s", ignored)
         self.spec = load_model_spec(args.model)
         model_dtype = self._model_dtype(args, platform)
         cache = CacheConfig(
@@ -91,6 +87,10 @@ class LLMEngine:
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,
             max_num_batched_tokens=self._step_budget(args, platform),
         )
+        ignored = platform == "cpu" and gpu_memory_flag_ignored_on_cpu(  # said once the values are valid
+            args.kv_cache_memory, args.gpu_memory, args.gpu_memory_utilization)
+        if ignored:
+            logger.warning("%s", ignored)
         speculative = args.speculative_config
         self.with_mtp = speculative is not None and speculative.method == "mtp"
         mtp_layers = None

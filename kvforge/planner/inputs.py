@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvforge.byte_sizes import byte_count
+from kvforge.byte_sizes import byte_count, parse_token_count
 from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import canonical_kv_dtype
 
@@ -16,6 +16,16 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_NUM_SEQS = 256
 #: KV cache bytes on CPU when --kv-cache-memory is not given (a CPU has no "free device memory" to size from).
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+
+
+def _token_count(name: str, value) -> int:
+    """A count of tokens given as an integer or as vLLM's human-readable text ('128K', '25.6k')."""
+    if isinstance(value, str):
+        try:
+            return parse_token_count(value)
+        except ValueError as e:
+            raise ConfigError(f"{name}: {e}") from None
+    return _positive_int(name, value)
 
 
 def _positive_int(name: str, value, *, allow_zero: bool = False) -> int:
@@ -62,7 +72,7 @@ def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int |
     caps the default DEFAULT_MAX_NUM_SEQS at itself; neither given is the default. The engine
     (EngineArgs) and the planner (``kvforge.plan``, ``kvforge plan``) both ask here."""
     seqs = max_num_seqs
-    budget = None if max_num_batched_tokens is None else _positive_int("--max-num-batched-tokens",
+    budget = None if max_num_batched_tokens is None else _token_count("--max-num-batched-tokens",
                                                                        max_num_batched_tokens)
     if seqs is None:
         return budget if budget is not None and budget < DEFAULT_MAX_NUM_SEQS else DEFAULT_MAX_NUM_SEQS
@@ -120,7 +130,7 @@ class CacheConfig:
         if self.block_size is not None:
             object.__setattr__(self, "block_size", _positive_int("--block-size", self.block_size))
         if self.max_model_len is not None:
-            object.__setattr__(self, "max_model_len", _positive_int("--max-model-len", self.max_model_len))
+            object.__setattr__(self, "max_model_len", _token_count("--max-model-len", self.max_model_len))
         object.__setattr__(self, "num_speculative_tokens",
                            _positive_int("--num-speculative-tokens", self.num_speculative_tokens, allow_zero=True))
         if self.kv_cache_memory is not None:
@@ -135,7 +145,7 @@ class CacheConfig:
         object.__setattr__(self, "max_num_seqs", _positive_int("--max-num-seqs", self.max_num_seqs))
         if self.max_num_batched_tokens is not None:
             object.__setattr__(self, "max_num_batched_tokens",
-                               _positive_int("--max-num-batched-tokens", self.max_num_batched_tokens))
+                               _token_count("--max-num-batched-tokens", self.max_num_batched_tokens))
         if self.query_dtype not in QUERY_DTYPE_CHOICES:
             raise ConfigError(f"--query-dtype must be one of {', '.join(QUERY_DTYPE_CHOICES)}, got "
                               f"{self.query_dtype!r}")

@@ -94,9 +94,11 @@ def render_plan(plan: KVPlan, console=None) -> None:
                              f"{plan.baseline.bytes_per_sequence:,} / {cap.bytes_per_sequence:,} bytes per sequence "
                              f"= {exact:.4f}x" + (" (linear-attention state keeps its dtype)" if state else ""))
     else:
-        note = "no memory given (--kv-cache-memory or --gpu-memory)"
         if plan.platform == "cpu":
-            note += f"; the CPU engine takes {_gib(DEFAULT_CPU_KV_CACHE_MEMORY)} unless --kv-cache-memory sets another size"
+            note = (f"no --kv-cache-memory given: the CPU engine takes {_gib(DEFAULT_CPU_KV_CACHE_MEMORY)} unless "
+                    "--kv-cache-memory sets another size")
+        else:
+            note = "no memory given (--kv-cache-memory or --gpu-memory)"
         head.add_row("capacity", note)
     if plan.draft is not None:
         head.add_row("speculative draft", plan.draft_explanation())
