@@ -6,8 +6,7 @@
 Llama-3.1-8B's attention shape (32 query heads, 8 KV heads, head size 128, block size 16); every context's
 metadata says ``max_seq_len`` 2048 or the context, whichever is larger (the graph bucket's routing). Prints
 microseconds per call, bf16 then fp8 e4m3 KV; a ``!`` marks a result more than 2e-3 from the one-split
-output. ``--merges kernel launch`` times both ways of merging the split partials (the last live split,
-the default, or a launch of its own: ``triton_paged_attention.FUSE_SPLIT_MERGE``).
+output.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import torch
 import triton
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels import triton_paged_attention
 from kvforge.kernels.triton_paged_attention import paged_attention
 
 Q_HEADS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
@@ -42,9 +40,6 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1152, 2048, 8192])
     p.add_argument("--splits", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
-    p.add_argument("--merges", nargs="+", default=["kernel"], choices=["kernel", "launch"],
-                   help="who merges the split partials: the last live split (kernel, the default) or a launch "
-                        "of its own; each is timed")
     a = p.parse_args()
     torch.manual_seed(0)
     ones = torch.ones(KV_HEADS, device="cuda")
@@ -53,15 +48,13 @@ def main() -> None:
             cache, meta = _batch(a.batch, ctx, kv_dtype)
             q = torch.randn(a.batch, Q_HEADS, HEAD, device="cuda", dtype=torch.bfloat16)
             one = paged_attention(q, cache, meta, ones, ones, HEAD**-0.5, num_splits=1).float()
-            for merge in a.merges:
-                triton_paged_attention.FUSE_SPLIT_MERGE = merge == "kernel"
-                row = []
-                for s in a.splits:
-                    call = functools.partial(paged_attention, q, cache, meta, ones, ones, HEAD**-0.5, num_splits=s)
-                    err = (call().float() - one).abs().max().item()
-                    us = triton.testing.do_bench_cudagraph(call, rep=200) * 1000
-                    row.append(f"s{s} {us:5.1f}" + ("!" if err > 2e-3 else ""))
-                print(f"{name} {a.batch} x {ctx} (merge: {merge}): " + " | ".join(row), flush=True)
+            row = []
+            for s in a.splits:
+                call = functools.partial(paged_attention, q, cache, meta, ones, ones, HEAD**-0.5, num_splits=s)
+                err = (call().float() - one).abs().max().item()
+                us = triton.testing.do_bench_cudagraph(call, rep=200) * 1000
+                row.append(f"s{s} {us:5.1f}" + ("!" if err > 2e-3 else ""))
+            print(f"{name} {a.batch} x {ctx}: " + " | ".join(row), flush=True)
 
 
 if __name__ == "__main__":

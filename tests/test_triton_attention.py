@@ -50,9 +50,7 @@ from triton_kernel_device import (
 )
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kernels import triton_paged_attention
 from kvforge.kernels.gluon_support import gluon_runs_on
-from kvforge.kernels.split_counters import split_counters
 from kvforge.kernels.triton_cache_write import write_kv_cache
 from kvforge.kernels.triton_paged_attention import _LAST_LAUNCH, paged_attention
 
@@ -564,20 +562,6 @@ def test_small_decode_split_k_and_merge(kv_dtype, q_dtype, tol, splits):
     sequences with no new token in the batch are skipped."""
     run_case([40, 9, 17, 33], [1, 0, 1, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, num_splits=splits,
              seed=splits, tol=tol)  # fmt: skip
-
-
-@pytest.mark.parametrize("kv_dtype,q_dtype,tol", [SMALL_KV[0], SMALL_KV[3]])
-@pytest.mark.parametrize("fused", [True, False], ids=["merged_by_the_last_split", "merge_launch"])
-def test_small_decode_split_k_merged_in_the_kernel_or_by_a_launch(monkeypatch, kv_dtype, q_dtype, tol, fused):
-    """Split-K decode over 8 pinned splits of 128-token tiles: contexts with four, three, two and one live
-    split (the others hold no token), a sequence with no new token, two and three query tokens (rows of the
-    causal mask), sinks. The last live split merges (the default) or a launch does; either way the output
-    holds to the reference, and the arrival counters are all 0 again afterwards."""
-    monkeypatch.setattr(triton_paged_attention, "FUSE_SPLIT_MERGE", fused)
-    run_case([400, 9, 300, 129, 100], [1, 0, 3, 2, 1], 4, 2, 32, kv_dtype, q_dtype=q_dtype, num_splits=8, seed=11,
-             tol=tol, sinks=sink_logits(4, 11))  # fmt: skip
-    counters = split_counters(torch.device(DEV), 1)
-    assert counters is not None and not counters.any()
 
 
 @pytest.mark.parametrize("kv_dtype,q_dtype,tol", [SMALL_KV[0], SMALL_KV[3]])

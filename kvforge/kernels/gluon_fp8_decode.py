@@ -37,7 +37,6 @@ depend on it, with split-K its first sequence sizes the chunks (every token stay
 from __future__ import annotations
 
 from kvforge.kernels.gluon_support import HAS_GLUON, async_copy, gl, gluon, mma_v2
-from kvforge.kernels.split_counters import MERGE_CHUNK
 
 if HAS_GLUON:
 
@@ -70,42 +69,6 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(v_buf, kv_base + stride_ckv + off, mask=mask)
         async_copy.commit_group()
 
-    @gluon.jit
-    def _take_last_ticket(counter_ptr):
-        """After this program's partial is stored: its ticket among the live splits of its (sequence, KV
-        head); the last ticket sees every other split's partial (kvforge/kernels/split_counters.py)."""
-        gl.thread_barrier()  # every thread's partial stores come before the ticket
-        return gl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-
-    @gluon.jit
-    def _merge_live_partials(part_acc_ptr, part_ml_ptr, rows64, row_ok, d, live, num_splits,
-                             M: gl.constexpr, HEAD_D: gl.constexpr, ACC: gl.constexpr, CHUNK: gl.constexpr):
-        """(acc, max, sum) of the rows ``rows64`` (token x NUM_Q_HEADS + head; ``SliceLayout(1, ACC)``) merged
-        over splits 0 .. live - 1, read from L2 (other programs wrote them): the rows' max first, then each
-        split's share at its weight, ``CHUNK`` splits' loads in flight at a time; sums in split order."""
-        m_max = gl.full([M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ACC))
-        for s0 in range(0, live, CHUNK):
-            for j in gl.static_range(CHUNK):
-                pidx = rows64 * num_splits + s0 + j
-                ok = row_ok & (s0 + j < live)
-                m_max = gl.maximum(m_max, gl.load(part_ml_ptr + pidx * 2, mask=ok, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-        m_use = gl.where(m_max == float("-inf"), 0.0, m_max)
-        l_sum = gl.zeros([M], gl.float32, layout=gl.SliceLayout(1, ACC))
-        acc = gl.zeros([M, HEAD_D], gl.float32, layout=ACC)
-        for s0 in range(0, live, CHUNK):
-            for j in gl.static_range(CHUNK):
-                pidx = rows64 * num_splits + s0 + j
-                ok = row_ok & (s0 + j < live)
-                m_s = gl.load(part_ml_ptr + pidx * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                l_s = gl.load(part_ml_ptr + pidx * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                a_s = gl.load(part_acc_ptr + pidx[:, None] * HEAD_D + d[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                w = gl.exp2(m_s - m_use)
-                l_sum += l_s * w
-                acc += a_s * w[:, None]
-        return acc, m_use, l_sum
-
     @gluon.jit(do_not_specialize=["num_splits", "stride_bt"])
     def _gluon_fp8_decode_kernel(
         q_ptr,
@@ -130,7 +93,6 @@ if HAS_GLUON:
         stride_ch,
         stride_cs,
         stride_bt,
-        counter_ptr,  # int32 [num_seqs x Hkv] arrival counters, all 0 (read where FUSED_MERGE)
         NUM_Q_HEADS: gl.constexpr,
         G: gl.constexpr,
         HEAD_D: gl.constexpr,
@@ -140,8 +102,6 @@ if HAS_GLUON:
         USE_SPLIT: gl.constexpr,
         USE_WINDOW: gl.constexpr,
         COPY_THREADS_D: gl.constexpr,
-        FUSED_MERGE: gl.constexpr,
-        MERGE_CHUNK: gl.constexpr,
     ):
         M: gl.constexpr = 16
         NW: gl.constexpr = gl.num_warps()
@@ -190,13 +150,8 @@ if HAS_GLUON:
         lo = 0
         if USE_WINDOW:
             lo = gl.maximum(seq_len - window, 0)
-        live = 1
         if USE_SPLIT:
             chunk = gl.cdiv(gl.cdiv(hi - lo, num_splits), TILE_N) * TILE_N
-            live = gl.cdiv(hi - lo, chunk)  # the splits that hold tokens (a new token sees itself: hi > lo)
-            if FUSED_MERGE:
-                if split >= live:
-                    return  # no tokens: no partial, and the merge waits for the live splits only
             lo = lo + split * chunk
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
@@ -274,24 +229,19 @@ if HAS_GLUON:
         d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, MMA))
         row_ok = rows < G
         qh_o = (kvh * G + rows).to(gl.int64)
-        rows64 = tok.to(gl.int64) * NUM_Q_HEADS + qh_o
-        out_rows = out_ptr + tok.to(gl.int64) * stride_ot + qh_o[:, None] * stride_oh + d[None, :]
-        if USE_SPLIT and not (FUSED_MERGE and live == 1):  # a lone live split's state is the whole row's
-            pidx = rows64 * num_splits + split
+        if USE_SPLIT:
+            pidx = (tok.to(gl.int64) * NUM_Q_HEADS + qh_o) * num_splits + split
             gl.store(part_acc_ptr + pidx[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None])
             ml_rows = gl.convert_layout(pidx, gl.SliceLayout(1, MMA))
             gl.store(part_ml_ptr + ml_rows * 2, m_i, mask=row_ok)
             gl.store(part_ml_ptr + ml_rows * 2 + 1, l_i, mask=row_ok)
-            if FUSED_MERGE:
-                counter = counter_ptr + seq * (NUM_Q_HEADS // G) + kvh
-                if _take_last_ticket(counter) == live - 1:
-                    gl.store(counter, 0)  # the next launch finds it cleared
-                    acc, m_i, l_i = _merge_live_partials(part_acc_ptr, part_ml_ptr, rows64, row_ok, d, live,
-                                                         num_splits, M, HEAD_D, MMA, MERGE_CHUNK)
-                    gl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             o = acc / l_i[:, None]
-            gl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            gl.store(
+                out_ptr + tok.to(gl.int64) * stride_ot + qh_o[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
 
     @gluon.jit
     def _issue_tile_3d(
@@ -349,7 +299,6 @@ if HAS_GLUON:
         stride_cs,
         stride_bt,
         order_ptr,  # int32 [num_seqs]: program slot -> sequence (read where USE_ORDER)
-        counter_ptr,  # int32 [num_seqs x Hkv] arrival counters, all 0 (read where FUSED_MERGE)
         NUM_Q_HEADS: gl.constexpr,
         G: gl.constexpr,
         HEAD_D: gl.constexpr,
@@ -363,8 +312,6 @@ if HAS_GLUON:
         HEADS_FIRST: gl.constexpr,
         USE_ORDER: gl.constexpr,
         CHUNK_BY_LONGEST: gl.constexpr,
-        FUSED_MERGE: gl.constexpr,
-        MERGE_CHUNK: gl.constexpr,
     ):
         """Warp-independent variant: each warp owns ``WT`` tokens of every tile and keeps its own
         (max, sum, acc); the warps are merged once at the end. No cross-warp traffic per tile."""
@@ -432,10 +379,6 @@ if HAS_GLUON:
                     longest = gl.minimum(longest, window)
                 span = gl.maximum(span, longest)
             chunk = gl.cdiv(gl.cdiv(span, num_splits), TILE_N) * TILE_N
-            live = gl.cdiv(hi - lo, chunk)  # the splits that hold this sequence's tokens (hi > lo)
-            if FUSED_MERGE:
-                if split >= live:
-                    return  # no tokens: no partial, and the merge waits for the live splits only
             lo = lo + split * chunk
             hi = gl.minimum(lo + chunk, hi)
         num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), TILE_N)
@@ -503,27 +446,22 @@ if HAS_GLUON:
         d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, OUT_L))
         row_ok = rows < G
         qh_o = (kvh * G + rows).to(gl.int64)
-        rows64 = tok.to(gl.int64) * NUM_Q_HEADS + qh_o
-        out_rows = out_ptr + tok.to(gl.int64) * stride_ot + qh_o[:, None] * stride_oh + d[None, :]
-        if USE_SPLIT and not (FUSED_MERGE and live == 1):  # a lone live split's state is the whole row's
-            pidx = rows64 * num_splits + split
+        if USE_SPLIT:
+            pidx = (tok.to(gl.int64) * NUM_Q_HEADS + qh_o) * num_splits + split
             gl.store(part_acc_ptr + pidx[:, None] * HEAD_D + d[None, :], acc_all, mask=row_ok[:, None])
             ml_l: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, MMA))
             ml_rows = gl.convert_layout(pidx, ml_l)
             ml_ok = gl.convert_layout(row_ok, ml_l)
             gl.store(part_ml_ptr + ml_rows * 2, m_all, mask=ml_ok)
             gl.store(part_ml_ptr + ml_rows * 2 + 1, l_all, mask=ml_ok)
-            if FUSED_MERGE:
-                counter = counter_ptr + seq * (NUM_Q_HEADS // G) + kvh
-                if _take_last_ticket(counter) == live - 1:
-                    gl.store(counter, 0)  # the next launch finds it cleared
-                    acc_m, m_m, l_m = _merge_live_partials(part_acc_ptr, part_ml_ptr, rows64, row_ok, d, live,
-                                                           num_splits, M, HEAD_D, OUT_L, MERGE_CHUNK)
-                    gl.store(out_rows, (acc_m / l_m[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         else:
             l_out = gl.convert_layout(l_all, gl.SliceLayout(1, OUT_L))
             o = acc_all / l_out[:, None]
-            gl.store(out_rows, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            gl.store(
+                out_ptr + tok.to(gl.int64) * stride_ot + qh_o[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
 
 
 #: With ``meta.decode_order``, the warp kernel's split-K chunks are the longest sequence's context over the
@@ -547,17 +485,15 @@ TILING_KEYS: frozenset[str] = frozenset({"wt", "tile_n", "stages", "warps", "max
 
 def launch_gluon_fp8_decode(
     q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale, qk_scale_log2, window, splits, warp, tiling=None,
-    heads_first=True, counters=None,
+    heads_first=True,
 ):
     """Launch the "warp" (``warp`` True) or "cta" kernel over grid (num_seqs, Hkv, splits); arguments as the
     Triton decode path prepares them (the routing table chose the kernel and ``splits``). ``heads_first``
     (the warp kernel): grid (Hkv, num_seqs, splits), the sequences taken in ``meta.decode_order`` when it
     is set (:mod:`kvforge.attention.metadata`, "Decode order").
 
-    With ``splits > 1`` and ``counters`` (kvforge/kernels/split_counters.py: zeroed int32, at least
-    ``num_seqs x Hkv``) the splits merge their own partials into ``out``; with ``splits > 1`` and no counters
-    it writes the (acc, max, sum) partials that ``triton_paged_attention.merge_split_partials`` merges;
-    otherwise ``out``.
+    With ``splits > 1`` it writes the (acc, max, sum) partials that
+    ``triton_paged_attention.merge_split_partials`` merges; otherwise ``out``.
     """
     hq, d = q.shape[1], q.shape[2]
     hkv, bs = kv_cache.shape[2], kv_cache.shape[3]
@@ -595,7 +531,6 @@ def launch_gluon_fp8_decode(
         kv_cache.stride(3),
         meta.block_tables.stride(0),
     )
-    fused = splits > 1 and counters is not None
     common = dict(
         NUM_Q_HEADS=hq,
         G=hq // hkv,
@@ -605,8 +540,6 @@ def launch_gluon_fp8_decode(
         USE_SPLIT=splits > 1,
         USE_WINDOW=window > 0,
         COPY_THREADS_D=min(32, d // 16),
-        FUSED_MERGE=fused,
-        MERGE_CHUNK=MERGE_CHUNK,
         num_warps=warps,
     )
     if cfg.get("maxnreg"):
@@ -614,15 +547,14 @@ def launch_gluon_fp8_decode(
     grid = (meta.num_seqs, hkv, splits)
     if variant == "cta":
         return _gluon_fp8_decode_kernel[grid](
-            *args, counters if fused else meta.seq_lens, TILE_N=cfg.get("tile_n") or tiling["tile_n"], **common
+            *args, TILE_N=cfg.get("tile_n") or tiling["tile_n"], **common
         )
     wt = cfg.get("wt") or tiling["wt"]
     if heads_first:
         grid = (hkv, meta.num_seqs, splits)
     order = meta.decode_order if heads_first else None
     return _gluon_fp8_decode_warp_kernel[grid](
-        *args, order_ptr=order if order is not None else meta.seq_lens,
-        counter_ptr=counters if fused else meta.seq_lens, WT=wt, V_MODE=cfg.get("v_mode", 0),
+        *args, order_ptr=order if order is not None else meta.seq_lens, WT=wt, V_MODE=cfg.get("v_mode", 0),
         HEADS_FIRST=heads_first, USE_ORDER=order is not None,
         CHUNK_BY_LONGEST=order is not None and SPLITS_SIZED_BY_LONGEST, **common,
     )

@@ -23,14 +23,8 @@ table, so enough bytes are in flight per iteration.
   sink far above every score cannot overflow.
 * Decode-like batches (every sequence's query fits in one tile, e.g. pure
   decode) use split-K: ``num_splits`` programs per (sequence, KV head) each
-  cover a slice of the context (whole ``TILE_N`` tiles) and write (acc, max,
-  sum) partials. Long single-sequence decode then fills the GPU. A second
-  kernel merges them (:func:`merge_split_partials`), or, with
-  ``FUSE_SPLIT_MERGE``, the splits holding tokens ("live": the context may be
-  shorter than the split count's tiles, e.g. under a CUDA graph pinned at a
-  longer bucket) merge their own: the last to finish writes the output
-  (kvforge/kernels/split_counters.py), a lone live split writes it directly,
-  and splits without tokens return at once.
+  cover a slice of the context and write (acc, max, sum) partials that a second
+  kernel merges. Long single-sequence decode then fills the GPU.
 * Prefill / mixed batches map program ids to (sequence, query tile) with a
   binary search over ``query_start_loc`` (no host sync): sequence ``i`` owns
   tiles ``qsl[i] // BLOCK_Q + i ...``.
@@ -50,7 +44,6 @@ from kvforge.attention.routing import paged as paged_routing
 from kvforge.kernels import gluon_fp8_decode
 from kvforge.kernels.gluon_support import routing_device
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
-from kvforge.kernels.split_counters import MERGE_CHUNK, split_counters
 
 # --------------------------------------------------------------------------
 # What these kernels accept (plain data for the planner's backend declaration)
@@ -79,12 +72,6 @@ MAX_ADDRESSABLE_BLOCK: int = 2**31 - 1
 MAX_ADDRESSABLE_SLOT: int = 2**31 * BLOCK_SIZE_MULTIPLE - 1
 MAX_CONTEXT_LEN: int = 2**31 - 1
 
-#: Split-K decode programs merge their own partials (the last split to finish a (sequence, KV head) writes
-#: the output: kvforge/kernels/split_counters.py) instead of leaving them to a merge launch. Off: a first
-#: version (one split's partial loaded at a time) saved the merge launch where one split holds the context
-#: but lost 1-7 us at 1-8k tokens over 16-32 splits (docs/BENCHMARKS.md, "Paged decode attention: split
-#: length on small grids"); the loads now go out eight splits at a time, not yet timed on a GPU.
-FUSE_SPLIT_MERGE: bool = False
 #: log2(e): every decode kernel works in the exp2 domain (softmax scale x LOG2E; split partials keep
 #: log2-domain maxima).
 LOG2E = 1.4426950408889634
@@ -128,70 +115,6 @@ if HAS_TRITON:
         v = tl.load(kv_base + stride_ckv + kv_off, mask=kv_mask, other=0.0)
         return k, v
 
-    @triton.jit
-    def take_last_ticket(counter_ptr):
-        """After this program's partial is stored: True in the program that arrives last among the live
-        splits of its (sequence, KV head), which then sees every other split's partial
-        (kvforge/kernels/split_counters.py); that program also sets the counter back to 0."""
-        tl.debug_barrier()  # every thread's partial stores come before the ticket
-        return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-
-    @triton.jit
-    def merge_live_partials(part_acc_ptr, part_ml_ptr, rows64, row_ok, d, live, num_splits,
-                            BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr):
-        """(acc, max, sum) of rows ``rows64`` (token x NUM_Q_HEADS + head) merged over splits 0 .. live - 1,
-        read from L2 (other programs wrote them): the rows' max over the splits first, then each split's
-        share at its weight, ``CHUNK`` splits' loads in flight at a time (the merge is a chain of L2 round
-        trips otherwise). The sums run in split order."""
-        m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s0 in range(0, live, CHUNK):
-            for j in tl.static_range(CHUNK):
-                pidx = rows64 * num_splits + s0 + j
-                ok = row_ok & (s0 + j < live)
-                m_max = tl.maximum(m_max, tl.load(part_ml_ptr + pidx * 2, mask=ok, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-        l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-        for s0 in range(0, live, CHUNK):
-            for j in tl.static_range(CHUNK):
-                pidx = rows64 * num_splits + s0 + j
-                ok = row_ok & (s0 + j < live)
-                m_s = tl.load(part_ml_ptr + pidx * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(part_ml_ptr + pidx * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(part_acc_ptr + pidx[:, None] * D_PAD + d[None, :], mask=ok[:, None], other=0.0,
-                              cache_modifier=".cg")
-                w = tl.exp2(m_s - m_use)
-                l_sum += l_s * w
-                acc += a_s * w[:, None]
-        return acc, m_use, l_sum
-
-    @triton.jit
-    def _finish_rows(acc, m_i, l_i, out_ptr, sinks_ptr, tok64, qh, qh64, row_ok, d, d_ok, stride_ot, stride_oh,
-                     USE_SINKS: tl.constexpr):
-        """Normalize the rows' accumulators (the sink joins each denominator once) and store the output."""
-        if USE_SINKS:
-            sink = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0)
-            m_fin = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_fin)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha + tl.exp2(sink - m_fin)
-        o = acc / l_i[:, None]
-        tl.store(
-            out_ptr + tok64[:, None] * stride_ot + qh64[:, None] * stride_oh + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
-
-    @triton.jit
-    def _store_partials(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, rows64, row_ok, d, num_splits, split,
-                        D_PAD: tl.constexpr):
-        """This split's (acc, max, sum) of rows ``rows64``: acc [T, Hq, S, D_PAD] and ml [T, Hq, S, 2] float32."""
-        pidx = rows64 * num_splits + split
-        tl.store(part_acc_ptr + pidx[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + pidx * 2, m_i, mask=row_ok)
-        tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=row_ok)
-
     @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_bt"])
     def _paged_attn_kernel(
         q_ptr,
@@ -219,7 +142,6 @@ if HAS_TRITON:
         stride_bt,
         sinks_ptr,  # float32 [Hq] sink logits x log2(e) (read where USE_SINKS)
         order_ptr,  # int32 [num_seqs]: program slot -> sequence (read where USE_ORDER)
-        counter_ptr,  # int32 [num_seqs x Hkv] arrival counters, all 0 (read where FUSED_MERGE)
         NUM_Q_HEADS: tl.constexpr,
         G: tl.constexpr,
         G_PAD: tl.constexpr,
@@ -238,8 +160,6 @@ if HAS_TRITON:
         F16_DOT: tl.constexpr,
         HEADS_FIRST: tl.constexpr,
         USE_ORDER: tl.constexpr,
-        FUSED_MERGE: tl.constexpr,
-        MERGE_CHUNK: tl.constexpr,
     ):
         if HEADS_FIRST:
             kvh = tl.program_id(0)
@@ -309,14 +229,9 @@ if HAS_TRITON:
         if USE_WINDOW:
             lo = tl.maximum(ctx0 + tok0 - window + 1, 0)
             lo = (lo // BLOCK_SIZE) * BLOCK_SIZE
-        live = 1
         if USE_SPLIT:
-            span = hi - lo  # >= 1: a query token sees at least itself
+            span = hi - lo
             chunk = tl.cdiv(tl.cdiv(span, num_splits), TILE_N) * TILE_N
-            live = tl.cdiv(span, chunk)  # the splits that hold tokens
-            if FUSED_MERGE:
-                if split >= live:
-                    return  # no tokens: no partial, and the merge waits for the live splits only
             lo = lo + split * chunk
             hi = tl.minimum(lo + chunk, hi)
 
@@ -370,28 +285,29 @@ if HAS_TRITON:
         if IS_FP8:
             acc = acc * tl.load(v_scale_ptr + kvh)
 
-        rows64 = tok64 * NUM_Q_HEADS + qh64
         if USE_SPLIT:
-            if FUSED_MERGE:
-                if live == 1:  # the only split with tokens: its state is the whole row's
-                    _finish_rows(acc, m_i, l_i, out_ptr, sinks_ptr, tok64, qh, qh64, row_ok, d, d_ok,
-                                 stride_ot, stride_oh, USE_SINKS)
-                else:
-                    _store_partials(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, rows64, row_ok, d, num_splits,
-                                    split, D_PAD)
-                    counter = counter_ptr + seq * (NUM_Q_HEADS // G) + kvh
-                    if take_last_ticket(counter) == live - 1:
-                        tl.store(counter, 0)  # the next launch finds it cleared
-                        acc, m_i, l_i = merge_live_partials(part_acc_ptr, part_ml_ptr, rows64, row_ok, d, live,
-                                                            num_splits, BLOCK_M, D_PAD, MERGE_CHUNK)
-                        _finish_rows(acc, m_i, l_i, out_ptr, sinks_ptr, tok64, qh, qh64, row_ok, d, d_ok,
-                                     stride_ot, stride_oh, USE_SINKS)
-            else:
-                _store_partials(acc, m_i, l_i, part_acc_ptr, part_ml_ptr, rows64, row_ok, d, num_splits, split,
-                                D_PAD)
+            # partials: acc [T, Hq, S, D_PAD] fp32, ml [T, Hq, S, 2] fp32
+            pidx = (tok64 * NUM_Q_HEADS + qh64) * num_splits + split
+            tl.store(
+                part_acc_ptr + pidx[:, None] * D_PAD + d[None, :],
+                acc,
+                mask=row_ok[:, None],
+            )
+            tl.store(part_ml_ptr + pidx * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=row_ok)
         else:
-            _finish_rows(acc, m_i, l_i, out_ptr, sinks_ptr, tok64, qh, qh64, row_ok, d, d_ok, stride_ot,
-                         stride_oh, USE_SINKS)
+            if USE_SINKS:
+                sink = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0)
+                m_fin = tl.maximum(m_i, sink)
+                alpha = tl.exp2(m_i - m_fin)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            o = acc / l_i[:, None]
+            tl.store(
+                out_ptr + tok64[:, None] * stride_ot + qh64[:, None] * stride_oh + d[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
 
     @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
     def _merge_splits_kernel(
@@ -520,9 +436,6 @@ def paged_attention(
         route = dataclasses.replace(route, kernel=kernel, tiling=paged_routing.KERNELS[kernel].tiling)
     splits = route.splits
     use_split = splits > 1
-    counters = None
-    if use_split and FUSE_SPLIT_MERGE and (use_gluon or route.tiles.one_tile):
-        counters = split_counters(q.device, num_seqs * hkv)  # None: merged by a launch of its own
     d_pad = max(16, triton.next_power_of_2(d))
     if use_split:
         part_acc = torch.empty((T, hq, splits, d_pad), dtype=torch.float32, device=q.device)
@@ -535,7 +448,7 @@ def paged_attention(
             q, kv_cache, out, part_acc, part_ml, meta, k_scale, v_scale,
             float(softmax_scale) * LOG2E, window if shape.uses_window else 0, splits,
             route.kernel != paged_routing.GLUON_FP8_CTA.name, {**dict(route.tiling), **(gluon_tiling or {})},
-            ORDERED_DECODE_GRID, counters,
+            ORDERED_DECODE_GRID,
         )  # fmt: skip
     else:
         tiles = route.tiles
@@ -591,11 +504,8 @@ def paged_attention(
             order_ptr=order if order is not None else meta.seq_lens,
             HEADS_FIRST=heads_first,
             USE_ORDER=order is not None,
-            counter_ptr=counters if counters is not None else meta.seq_lens,
-            FUSED_MERGE=counters is not None,
-            MERGE_CHUNK=MERGE_CHUNK,
         )
-    if use_split and counters is None:
+    if use_split:
         merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, num_seqs,
                              sinks_log2 if sinks is not None else None)
     return out
