@@ -161,7 +161,7 @@ def test_greedy_equal_with_every_proposer(case, k, checkpoint, reference, engine
     want = reference(case, prompts)
 
     # A one-token suffix finds earlier matches in random text (the model does not continue the prompts' patterns).
-    ngram = engines(path, speculative_config=_every_step(k, prompt_lookup_min=1))
+    ngram = engines(path, speculative_config=_every_step(k, prompt_lookup_min=1, prompt_lookup_max=5))
     assert ngram.engine.plan.verify_replay_bytes_per_sequence() > 0
     outs = _generate(ngram.engine, prompts, _greedy())
     assert _tokens(outs) == want
@@ -385,7 +385,7 @@ def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
                                                        logprobs=2))
     want = _tokens(ref)
     for proposer in ("ngram", "garbage", "oracle", "partly right"):
-        engine = engines(tmp_path, speculative_config=_every_step(k, prompt_lookup_min=1), **gpu).engine
+        engine = engines(tmp_path, speculative_config=_every_step(k, prompt_lookup_min=1, prompt_lookup_max=5), **gpu).engine
         graphs = engine.runner.graphs
         assert graphs is not None and graphs.query_lens == (1, k + 1), engine.runner.graphs_off_reason
         replayed = []

@@ -84,6 +84,12 @@ def test_bad_constraints_are_refused_by_name(fields, field):
     assert err.value.field == field, err.value
 
 
+def test_two_constraints_are_refused_naming_both():
+    with pytest.raises(InvalidRequestError, match="a request takes one output constraint, but guided_regex and "
+                                                  "guided_choice both give one: send one of them"):
+        parse_chat({**CHAT, "model": MODEL, "guided_regex": "a", "guided_choice": ["a"]}, MODEL)
+
+
 def test_openai_client_json_schema_and_choice(client):
     model = _model(client)
     r = client.chat.completions.create(

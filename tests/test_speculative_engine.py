@@ -101,7 +101,7 @@ def reference(off):
 
 def test_greedy_equal_and_proposals_accepted(reference):
     prompts, ref = reference
-    llm = embedded(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    llm = embedded(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
     outs = generate(llm, prompts)
     assert token_ids(outs) == ref
     repeat = outs[0].speculative
@@ -298,7 +298,7 @@ def test_sliding_window_models(tmp_path, case):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = token_ids(generate(LLM(str(tmp_path), **kw), TINY_PROMPTS, params))
     # Unigram matches too: these random models repeat their context less than the others.
-    on = LLM(str(tmp_path), speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff": False},
+    on = LLM(str(tmp_path), speculative_config={"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5, "backoff": False},
              **kw)
     assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
     assert on.engine.stats()["spec_decode"]["num_accepted_tokens"] > 0

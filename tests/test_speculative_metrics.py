@@ -55,7 +55,7 @@ def test_bench_offline_reports_acceptance(tiny, tmp_path, capsys):
     assert main(["bench", "offline", tiny, "--load-format", "dummy", "--device", "cpu", "--skip-tokenizer-init",
                  "--kv-cache-memory", "4MiB", "--num-prompts", "3", "--input-len", "8", "16", "--output-len", "16",
                  "16", "--repetitions", "2", "--speculative-config",
-                 '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}', "--out", str(out)]) == 0
+                 '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 5}', "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["speculative_config"]["num_speculative_tokens"] == 2
     runs = [r["spec_decode"] for r in result["runs"]]

@@ -227,7 +227,7 @@ def test_overlapped_engine_equals_synchronous(smol_llm):
 
 
 @pytest.mark.parametrize("config", [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff": False},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 5, "backoff": False},
     {"num_speculative_tokens": 4, "backoff": False},  # garbage proposals (below): nearly all refused
 ])
 def test_speculative_equals_plain(smol_llm, config):

@@ -80,7 +80,7 @@ def _tiny_checkpoint(path):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("engine_kw", [{}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                                                   "prompt_lookup_min": 1, "backoff": False}}],
+                                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 5, "backoff": False}}],
                          ids=["plain", "ngram"])
 def test_constrained_outputs_of_a_random_model(tmp_path, device, engine_kw):
     """Random weights pick arbitrary allowed tokens: each constraint is bounded (lengths, a maximum, no free

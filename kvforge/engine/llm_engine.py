@@ -258,10 +258,12 @@ class LLMEngine:
                 from kvforge.speculative.backoff import ProposalBackoff
 
                 self.spec_backoff = ProposalBackoff()
+            k = self.speculative.num_speculative_tokens
+            graphs = (f" and replay CUDA graphs when every sequence verifies all {k}"
+                      if self.device.type == "cuda" and not args.enforce_eager else "")
             logger.info("speculative decoding: %s, %d tokens per step, back-off %s; verification steps run "
-                        "synchronously and replay CUDA graphs when every sequence verifies all %d",
-                        self.speculative.method, self.speculative.num_speculative_tokens,
-                        "on" if self.spec_backoff is not None else "off", self.speculative.num_speculative_tokens)
+                        "synchronously%s", self.speculative.method, k,
+                        "on" if self.spec_backoff is not None else "off", graphs)
         self._inflight: InflightStep | None = None  # overlapped scheduling: the launched, unresolved step
         self.async_pressure_resolves = 0  # steps whose in-flight predecessor was resolved first (memory pressure)
         self.step_log = StepLog()  # recent steps: prefill / decode tokens and wall time (docs/SERVER.md)

@@ -419,7 +419,8 @@ def parse_structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None
         return None, None
     if len(found) > 1:
         names = " and ".join(name for name, _ in found)
-        bad_field(found[1][0], f"one output constraint a request: {names} both give one")
+        bad_field(found[1][0], f"a request takes one output constraint, but {names} both give one: send one "
+                               "of them")
     source, value = found[0]
     try:
         params = StructuredOutputsParams.from_value(value)

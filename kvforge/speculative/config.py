@@ -65,10 +65,10 @@ class SpeculativeConfig:
                 _count("prompt_lookup_max", hi, 1)
             if lo is None and hi is None:
                 lo, hi = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
-            elif lo is None:
-                lo = min(DEFAULT_PROMPT_LOOKUP_MIN, hi)
+            elif lo is None:  # one bound given: the other equals it, as vLLM reads the same line
+                lo = hi
             elif hi is None:
-                hi = max(DEFAULT_PROMPT_LOOKUP_MAX, lo)
+                hi = lo
             if lo > hi:
                 raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi}); "
                                   "the shortest n-gram to match must not be longer than the longest")
