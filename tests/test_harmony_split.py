@@ -104,11 +104,15 @@ def test_the_parser_checks_the_markers_and_keeps_special_tokens(tmp_path):
 
 
 def write_harmony_tokenizer(directory: Path) -> Path:
-    """The embedded tokenizer with four unused special tokens renamed as harmony's markers (special, as in
+    """The embedded tokenizer with six unused special tokens renamed as harmony's markers (special, as in
     gpt-oss's tokenizer)."""
     from think_tokenizer import rename_tokens
 
-    return rename_tokens(directory, {5: "<|channel|>", 6: "<|message|>", 7: "<|end|>", 8: "<|start|>"}, special=True)
+    return rename_tokens(directory, HARMONY_IDS, special=True)
+
+
+#: The renamed tokens' ids.
+HARMONY_IDS = {5: "<|channel|>", 6: "<|message|>", 7: "<|end|>", 8: "<|start|>", 9: "<|constrain|>", 10: "<|call|>"}
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +173,15 @@ def test_gpt_oss_tool_calls_with_the_openai_parser():
     streamed = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [("add", call.function.arguments)]
     assert [(o.type, getattr(o, "name", None)) for o in r.output] == [("reasoning", None), ("function_call", "add")]
-    with ServerThread(create_app(engine, tool_parser="openai")) as srv:
-        import openai
+    engine = ScriptedEngine(ANALYSIS + CALL)  # a forced call, held to its harmony form, is read by the same parser
+    engine.reasoning = ReasoningTokens(REASONING_PARSERS["openai_gptoss"], start_id=-1, end_id=-2, tags_special=True)
+    with ServerThread(create_app(engine)) as srv:
+        forced = openai_client(srv).chat.completions.create(**{**kw, "tool_choice": "required"}).choices[0]
+    assert [(c.function.name, c.function.arguments) for c in forced.message.tool_calls] == [("add", call.function.arguments)]
+    assert forced.finish_reason == "tool_calls"
+    from kvforge.server.protocol import parse_chat
 
-        with pytest.raises(openai.BadRequestError) as err:  # gpt-oss calls in commentary: no forced constraint
-            openai_client(srv).chat.completions.create(**{**kw, "tool_choice": "required"})
-    assert err.value.body["param"] == "tool_choice" and "send \"auto\"" in err.value.message
+    req = parse_chat({**kw, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "fake-model",
+                     reasoning=engine.reasoning)
+    assert req.params.structured_outputs.harmony_call == (("add", '{"type":"object"}'),)
+    assert (req.tool_choice, req.tool_parser) == (None, "openai")

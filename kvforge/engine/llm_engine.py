@@ -499,12 +499,27 @@ class LLMEngine:
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", field="priority")
         seq = Sequence(request_id, ids, params, prompt=text, priority=priority)
         if params.structured_outputs is not None:
-            seq.grammar = self.grammar_backend().matcher(params.structured_outputs)
-            if self.reasoning is not None:  # the constraint holds the answer, not the reasoning
-                from kvforge.structured.reasoning_gate import gate_for
-
-                seq.grammar = gate_for(seq.grammar, self.reasoning, self.reasoning.opening_phase(ids))
+            seq.grammar = self._output_matcher(params.structured_outputs, ids)
         self.scheduler.add(seq)
+
+    def _output_matcher(self, constraint, prompt_ids: list[int]):
+        """The matcher that holds an output of ``prompt_ids`` to ``constraint``: a reasoning model's answer only
+        (kvforge/structured/reasoning_gate.py); a forced gpt-oss call, reasoning and all
+        (kvforge/structured/harmony_call.py)."""
+        if constraint.kind == "harmony_call":
+            if self.reasoning is None or not self.reasoning.parser.harmony:
+                raise InvalidRequestError("structured_outputs.harmony_call holds a gpt-oss (harmony) output: start the "
+                                          "engine with --reasoning-parser openai_gptoss",
+                                          field="structured_outputs.harmony_call")
+            from kvforge.structured.harmony_call import harmony_call_gate
+
+            return harmony_call_gate(self.grammar_backend(), constraint, self.tokenizer, prompt_ids)
+        matcher = self.grammar_backend().matcher(constraint)
+        if self.reasoning is not None:  # the constraint holds the answer, not the reasoning
+            from kvforge.structured.reasoning_gate import gate_for
+
+            matcher = gate_for(matcher, self.reasoning, self.reasoning.opening_phase(prompt_ids))
+        return matcher
 
     def grammar_backend(self):
         """The structured-output compiler for this model's vocabulary (kvforge/structured/backend.py), built

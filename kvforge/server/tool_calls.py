@@ -166,6 +166,13 @@ class ToolChoice:
             array["maxItems"] = 1
         return StructuredOutputsParams(json=array)
 
+    def harmony_constraint(self) -> StructuredOutputsParams:
+        """The constraint of a gpt-oss output forced to call: the named function, or (``"required"``) any listed
+        one, in harmony's commentary message (kvforge/structured/harmony_call.py); one call, the format's own
+        (a harmony call ends the turn)."""
+        functions = self.parameters if self.name is None else [p for p in self.parameters if p[0] == self.name]
+        return StructuredOutputsParams(harmony_call=tuple((name, json.loads(text)) for name, text in functions))
+
     def explain(self, error: InvalidRequestError, index: int | None = None) -> InvalidRequestError:
         """``error`` (about the constraint, named as the compiler saw it) told in the request's terms: the
         function whose parameters it is about, ``tools[i].function.parameters``: the named one, ``index``

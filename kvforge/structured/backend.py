@@ -57,6 +57,7 @@ class GrammarBackend:
         vocab = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(known)]
         vocab += [b""] * (vocab_size - known)
         self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(sorted(stop_token_ids))
         self.info = self._xgr.TokenizerInfo(vocab, self._xgr.VocabType.RAW, vocab_size=vocab_size,
                                             stop_token_ids=sorted(stop_token_ids))
         self._compiler = self._xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
@@ -70,6 +71,8 @@ class GrammarBackend:
         when a schema uses a keyword xgrammar would not enforce, or when the constraint allows no first token
         of this vocabulary (an output could never begin)."""
         field = f"structured_outputs.{params.kind}"
+        if params.kind == "harmony_call":  # one grammar per function, for the arguments of the one called
+            return tuple(self._function(name, schema, field) for name, schema in params.harmony_call)
         compiled = self._compile(params, field)
         with self._checked_lock:
             if params in self._checked:
@@ -87,6 +90,12 @@ class GrammarBackend:
             while len(self._checked) > CHECKED_CONSTRAINTS:
                 self._checked.popitem(last=False)
         return compiled
+
+    def _function(self, name: str, schema: str, field: str):
+        try:
+            return self.compile(StructuredOutputsParams(json=json.loads(schema)))
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{field}: the parameters of function {name!r}: {e}", field=field) from None
 
     def _compile(self, params: StructuredOutputsParams, field: str):
         kind = params.kind
@@ -120,5 +129,8 @@ class GrammarBackend:
             raise InvalidRequestError(f"{field} could not be compiled: {message}{hint}", field=field) from None
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh xgrammar GrammarMatcher for ``params`` (one per request: it holds the request's position)."""
+        """A fresh xgrammar GrammarMatcher for ``params`` (one per request: it holds the request's position); a
+        ``harmony_call`` constraint's matcher is kvforge/structured/harmony_call.py's gate, built by the engine."""
+        if params.kind == "harmony_call":
+            raise ValueError("a harmony_call constraint is matched by harmony_call_gate, which needs the tokenizer")
         return self._xgr.GrammarMatcher(self.compile(params))

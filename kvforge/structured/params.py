@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvforge.errors import InvalidRequestError
 
 #: The constraint fields, exactly one of which a request sets.
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "harmony_call")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,12 @@ class StructuredOutputsParams:
     - ``regex``: the output matches the regular expression in full;
     - ``choice``: the output is exactly one of these strings;
     - ``grammar``: an EBNF grammar (GBNF-style rules, ``root ::= ...``) the output derives from;
-    - ``json_object``: the output is any JSON object.
+    - ``json_object``: the output is any JSON object;
+    - ``harmony_call`` (kvforge's own): a gpt-oss output that calls one of these functions, ``(name, parameters
+      JSON schema)`` pairs, in its harmony format: reasoning (free), then a commentary message addressed to the
+      function whose arguments the schema accepts, then ``<|call|>`` (kvforge/structured/harmony_call.py); it
+      needs the engine's ``--reasoning-parser openai_gptoss``. The server sends a chat's forced call
+      (``tool_choice`` ``"required"`` or named) to gpt-oss as this constraint.
 
     ``disable_any_whitespace``: JSON outputs take no whitespace but ``json.dumps``'s one-line separators
     (``", "`` and ``": "``); otherwise any whitespace between a JSON value's tokens. A schema's objects
@@ -46,6 +51,7 @@ class StructuredOutputsParams:
     disable_fallback: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    harmony_call: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self):
         if self.json_object is None:
@@ -76,6 +82,8 @@ class StructuredOutputsParams:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 _bad("choice", "must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        if self.harmony_call is not None:
+            object.__setattr__(self, "harmony_call", _functions(self.harmony_call))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -95,7 +103,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The constraint's field name: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        """The constraint's field name: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` or
+        ``harmony_call``."""
         return next(name for name in CONSTRAINTS if self._is_set(name))
 
     @classmethod
@@ -111,6 +120,25 @@ class StructuredOutputsParams:
             _bad("", f"has no field {', '.join(unknown)} (fields: {', '.join(cls.__dataclass_fields__)})")
         fields = {k: v for k, v in value.items() if v is not None}
         return cls(**fields)
+
+
+def _functions(value) -> tuple[tuple[str, str], ...]:
+    """``harmony_call``'s functions as (name, compact schema JSON) pairs, in order."""
+    if isinstance(value, dict):
+        value = list(value.items())
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        _bad("harmony_call", "must be a non-empty list of (function name, parameters schema) pairs")
+    out = []
+    for pair in value:
+        if isinstance(pair, str) or not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            _bad("harmony_call", f"must hold (function name, parameters schema) pairs, got {pair!r:.60}")
+        name, schema = pair
+        if not isinstance(name, str) or not name or any(c.isspace() or c in "<>" for c in name):
+            _bad("harmony_call", f"function names are non-empty, without spaces or angle brackets; got {name!r}")
+        if any(name == seen for seen, _ in out):
+            _bad("harmony_call", f"names function {name!r} twice")
+        out.append((name, StructuredOutputsParams(json=schema).json))
+    return tuple(out)
 
 
 def _bad(name: str, why: str):
