@@ -189,3 +189,31 @@ def test_the_server_answers_a_forced_call_to_gpt_oss(setup):
         streamed = [t for c in client.chat.completions.create(**kw, tool_choice="required", stream=True)
                     if c.choices for t in c.choices[0].delta.tool_calls or []]
         assert [t.function.name for t in streamed if t.function.name] == [choice.message.tool_calls[0].function.name]
+
+
+def test_speculative_and_overlapped_engines_equal_the_plain_one(setup):
+    """Garbage proposals, verified against the gate and rolled back across its headers, and async scheduling
+    (tokens fed to the gate while in flight) give the plain engine's forced calls."""
+    from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
+    from test_speculative_engine import GarbageProposer
+
+    from kvforge import LLM, SamplingParams
+
+    tok, _, directory = setup
+    common = dict(tokenizer=str(directory), reasoning_parser="openai_gptoss", max_model_len=256,
+                  kv_cache_memory=64 << 20, progress=False, enable_prefix_caching=False)
+    prompts = ["<|im_start|>user\nWhat is the weather in Rome?<|im_end|>\n<|im_start|>assistant",
+               "<|im_start|>user\nAdd two and two.<|im_end|>\n<|im_start|>assistant"]
+    bias = {_words(tok, "analysis")[0]: 5.0, END: 10.0}  # the second prompt reasons (briefly) first
+    params = SamplingParams(temperature=0, max_tokens=60, logprobs=2, logit_bias=bias, skip_special_tokens=False,
+                            structured_outputs=TWO)
+    with LLM(**common) as llm:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.outputs[0].token_ids[-1] == CALL for o in plain)
+    assert ["<|channel|>analysis" in o.outputs[0].text for o in plain] == [False, True]
+    with LLM(**common, speculative_config={"num_speculative_tokens": 3, "backoff": False}) as llm:
+        llm.engine.proposer = GarbageProposer(3, llm.engine.spec.vocab_size)
+        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
+        assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    with LLM(**common, async_scheduling=True) as llm:
+        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)

@@ -95,7 +95,8 @@ class GrammarBackend:
         try:
             return self.compile(StructuredOutputsParams(json=json.loads(schema)))
         except InvalidRequestError as e:
-            raise InvalidRequestError(f"{field}: the parameters of function {name!r}: {e}", field=field) from None
+            why = str(e).replace(e.field, "the schema", 1) if e.field else str(e)
+            raise InvalidRequestError(f"{field}: function {name!r}'s parameters: {why}", field=field) from None
 
     def _compile(self, params: StructuredOutputsParams, field: str):
         kind = params.kind
