@@ -134,6 +134,8 @@ def test_a_named_call_and_bad_constraints(setup):
         assert t in allowed and len(allowed - {_words(tok, "analysis")[0]}) == 1 and gate.accept_token(t)
     gate = _gate(setup, named, prompt=[START, *_words(tok, "assistant")])
     assert not all(gate.accept_token(t) for t in _header(tok, "weather"))
+    gate = _gate(setup, named, prompt=[START, *_words(tok, "assistant"), CHANNEL])  # the prompt opened the header
+    assert all(gate.accept_token(t) for t in _header(tok, "add")[1:])
     for bad, why in (([], "non-empty list"), ([("a b", ADD)], "without spaces"), ([("f", ADD), ("f", ADD)], "twice"),
                      ("f", "non-empty list"), ([("f", [1])], "must be a JSON schema")):
         with pytest.raises(InvalidRequestError, match=why):

@@ -12,7 +12,8 @@ the arguments to the chosen function's JSON schema (an xgrammar matcher of its o
 names the function); and, once they are complete, ``<|call|>``, after which the output is complete (the engine
 ends the request). The markers are special tokens, which the grammar's vocabulary leaves empty, so the gate
 writes their bits itself. An output that starts right after the generation prompt's ``<|start|>assistant``
-begins with ``<|channel|>``; one whose prompt ends elsewhere opens its own message first.
+begins with ``<|channel|>`` (after ``<|channel|>``, with the header); one whose prompt ends elsewhere opens
+its own message first.
 
 The gate has a matcher's methods (``accept_token``, ``is_terminated``, ``fill_next_token_bitmask``,
 ``rollback``, ``fork``), as kvforge/structured/reasoning_gate.py's gates do.
@@ -111,7 +112,9 @@ class HarmonyCallGate:
         self.vocab_size = vocab_size
         m = tokens.marker
         opening = (m["<|start|>"], *tokens.role)
-        if tuple(prompt_ids[-len(opening):]) == opening:
+        if tuple(prompt_ids[-len(opening) - 1:]) == (*opening, m["<|channel|>"]):
+            self.state = _State(HEADER)
+        elif tuple(prompt_ids[-len(opening):]) == opening:
             self.state = _State(FORCED, forced=(m["<|channel|>"],))
         else:
             self.state = _State(FORCED, forced=(*opening, m["<|channel|>"]))
