@@ -57,11 +57,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, query_dtype=engine.query_dtype, state_dtype=engine.state_dtype,
             draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
             mtp=speculative is not None and speculative.method == "mtp",
-            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_batched_tokens=engine.planned_step_tokens(device, spec.max_position_embeddings),
         )
 
-    result = plan_with(engine.kv_cache_memory)
     spec = load_model_spec(engine.model)
+    result = plan_with(engine.kv_cache_memory)
     check_engine_plan(engine, spec, result, device, limitations=False)
     for limitation in engine_limitations(engine, spec):
         warn(f"kvforge serve and generate refuse this line: {limitation}")

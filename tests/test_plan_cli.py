@@ -254,6 +254,18 @@ def test_a_serve_command_line_plans_as_it_stands(capsys):
     assert json.loads(served) == json.loads(plain)
 
 
+def test_plan_reserves_the_engines_step_without_chunked_prefill(capsys, smol_llm):
+    """Without chunked prefill a prompt runs in one step: `kvforge plan` reserves activations for the step the
+    engine built from the same flags reserves (max_model_len tokens here, not the 2,048-token budget)."""
+    flags = dict(enable_chunked_prefill=False, max_model_len=4096, kv_cache_memory=256 << 20)
+    code, out, _ = run(capsys, "--no-enable-chunked-prefill", "--max-model-len", "4096", "--kv-cache-memory", "256MiB",
+                       "--json")
+    engine_plan = smol_llm(**flags).engine.plan
+    d = json.loads(out)
+    assert code == 0 and d["activations"]["tokens"] == engine_plan.activations.tokens == 4096
+    assert d["activations"]["bytes"] == engine_plan.activations.bytes and d["num_blocks"] == engine_plan.num_blocks
+
+
 def test_prefix_caching_flag_reaches_the_plan(capsys):
     code, out, _ = run(capsys, "llama-3.1-8b", "--no-enable-prefix-caching", "--json")
     d = json.loads(out)

@@ -85,7 +85,7 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,
-            max_num_batched_tokens=self._step_budget(args, platform),
+            max_num_batched_tokens=args.planned_step_tokens(platform, self.spec.max_position_embeddings),
         )
         ignored = platform == "cpu" and gpu_memory_flag_ignored_on_cpu(  # said once the values are valid
             args.kv_cache_memory, args.gpu_memory, args.gpu_memory_utilization)
@@ -324,14 +324,6 @@ class LLMEngine:
         if args.warm_up is not None:
             return args.warm_up
         return platform == "cuda" and self.tp is None and not args.calculate_kv_scales
-
-    def _step_budget(self, args: EngineArgs, platform: str) -> int:
-        """The step size the plan reserves activations for: the token budget, or without chunked prefill
-        the longest prompt when that is larger (see the budget check below)."""
-        batched = args.step_token_budget(platform)
-        if not args.enable_chunked_prefill:
-            batched = max(batched, args.max_model_len or self.spec.max_position_embeddings or 0)
-        return batched
 
     def _model_dtype(self, args: EngineArgs, platform: str) -> str:
         """--dtype, else float32 on CPU, else the config's dtype (:func:`kvforge.kv_dtypes.platform_model_dtype`)."""
