@@ -140,9 +140,10 @@ SERVER_FLAGS = (
     VllmFlag(("--root-path",), True, (), "routes are served at the root: strip a proxy's prefix in the proxy"),
     VllmFlag(("--ssl-keyfile", "--ssl-certfile"), True, (), "TLS is not served: put a TLS-terminating proxy in "
              "front"),
-    VllmFlag(("--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-server-load-tracking",
-              "--collect-detailed-traces"), False, None, "accepted, no effect (the server is aiohttp; its load is "
-             "in /metrics)"),
+    VllmFlag(("--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-server-load-tracking"), False,
+             None, "accepted, no effect (the server is aiohttp; its load is in /metrics)"),
+    VllmFlag(("--collect-detailed-traces",), True, None, "accepted, no effect (no traces are sent: see "
+             "/metrics and /debug/steps)"),
     VllmFlag(("--log-config-file",), True, None, "accepted, no effect on kvforge's log lines"),
     VllmFlag(("--api-server-count", "-asc"), True, ("1",), "one process serves HTTP"),
     VllmFlag(("--headless",), False, (), "the engine runs in the server's process: start kvforge serve without it"),

@@ -1,4 +1,5 @@
-"""Every environment switch kvforge reads, typed, in one place.
+"""Every kernel switch kvforge reads from the environment, typed, in one place (the server's
+``KVFORGE_API_KEY`` and the evaluators' ``KVFORGE_DATA_DIR`` are read where they are used).
 
 The environment is read once, at import, into the frozen :data:`ENV` (the installed process does not
 change its mind while it runs). Switches that a user chooses per engine (the MLA prefill mode, the query

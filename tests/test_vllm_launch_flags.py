@@ -28,7 +28,8 @@ def test_flags_without_effect_and_neutral_values_parse():
                  "assistant", "--structured-outputs-config", '{"backend": "xgrammar", "disable_fallback": true}',
                  "--hf-token", "hf_x", "--api-server-count", "1", "--distributed-executor-backend", "mp",
                  "--disable-fastapi-docs", "--log-config-file", "x.json", "--cpu-offload-gb", "0", "--logprobs-mode",
-                 "raw_logprobs", "--max-num-partial-prefills", "1", "--kv-offloading-size", "0.0"])
+                 "raw_logprobs", "--max-num-partial-prefills", "1", "--kv-offloading-size", "0.0",
+                 "--collect-detailed-traces", "model,worker", "--enable-server-load-tracking"])
     assert not any(k.startswith("vllm_") for k in vars(_parse(["--hf-token"])))  # vLLM's bare form too
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
 
