@@ -145,7 +145,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "the same vocabulary) and num_speculative_tokens; method mtp (vLLM's deepseek_mtp, "
                         "qwen3_next_mtp: the DeepSeek-V3 or Qwen3-Next checkpoint's own multi-token-prediction "
                         "layer) with num_speculative_tokens (docs/SPECULATIVE.md)")
-    p.add_argument("--trust-remote-code", action="store_true",
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM compatibility; changes nothing (kvforge never runs a checkpoint's code)")
     p.add_argument("--max-model-len", type=token_count, default=None,
                    help="longest sequence (prompt + output) in tokens; 128K = 131072, 128k = 128000")

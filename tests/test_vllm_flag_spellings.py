@@ -47,6 +47,7 @@ def test_trust_remote_code_is_accepted_and_reaches_the_engine_args(command):
 
     ns = parse(command, "--trust-remote-code")
     assert ns.trust_remote_code is True and parse(command).trust_remote_code is False
+    assert parse(command, "--no-trust-remote-code").trust_remote_code is False  # vLLM's negative spelling
     if command != "plan":
         assert EngineArgs.from_cli_args(ns).trust_remote_code is True
     assert EngineArgs(trust_remote_code=True).trust_remote_code is True  # the Python API's keyword
