@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
+from gpu_timing import cuda_setup, graph_bench  # noqa: E402
 
 from kvforge.kernels.triton_small_m_linear import (  # noqa: E402
     BROADCAST_MAX_ROWS,
@@ -162,10 +162,7 @@ def main():
     ap.add_argument("--rep", type=int, default=100, help="do_bench time budget per chain, ms")
     args = ap.parse_args()
     t0 = time.time()
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
+    dev, num_sms, copy_bw = cuda_setup()
 
     def weight(n, k):
         return (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-from gpu_timing import copy_bandwidth, graph_bench  # noqa: E402
+from gpu_timing import cuda_setup, graph_bench  # noqa: E402
 
 from kvforge.kernels.triton_small_m_linear import (  # noqa: E402
     PROLOGUE_NONE,
@@ -169,10 +169,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections to sweep")
     args = ap.parse_args()
     t0 = time.time()
-    torch.manual_seed(0)
-    dev = torch.device("cuda")
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    copy_bw = copy_bandwidth()
+    dev, num_sms, copy_bw = cuda_setup()
     read_bw, read_sweep = read_bandwidth(dev, args.rep, args.read_sweep)
     weights = make_weights(args.layers, dev)
     nbytes = sum(w.numel() * 2 for layer in weights["layers"] for key, w in layer.items() if not key.startswith("ln"))

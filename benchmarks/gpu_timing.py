@@ -32,3 +32,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     med = do_bench(functools.partial(y.copy_, x), warmup=10, rep=100, quantiles=[0.5])
     del x, y
     return 2 * nbytes / (med * 1e-3)
+
+
+def cuda_setup(seed: int = 0) -> tuple[torch.device, int, float]:
+    """Seed torch, then (the CUDA device, its SM count, its copy bandwidth in bytes per second)."""
+    torch.manual_seed(seed)
+    return torch.device("cuda"), torch.cuda.get_device_properties(0).multi_processor_count, copy_bandwidth()

@@ -103,3 +103,18 @@ def assert_outputs_agree(got_outputs, want_outputs, tol: float = FP32_LOGIT_TOL)
             assert (go.text, go.finish_reason) == (wo.text, wo.finish_reason), f"request {k}"
         agreed += n
     return agreed
+
+
+def assert_speculative_and_async_agree(engine_kwargs: dict, prompts, params, plain, k: int = 3) -> None:
+    """Engines built with ``engine_kwargs`` that verify ``k`` garbage proposals a step (every one rolled back
+    through the request's grammar) and that schedule asynchronously give ``plain``'s outputs."""
+    from test_speculative_engine import GarbageProposer
+
+    from kvforge import LLM
+
+    with LLM(**engine_kwargs, speculative_config={"num_speculative_tokens": k, "backoff": False}) as llm:
+        llm.engine.proposer = GarbageProposer(k, llm.engine.spec.vocab_size)
+        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
+        assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
+    with LLM(**engine_kwargs, async_scheduling=True) as llm:
+        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)

@@ -196,8 +196,7 @@ def test_the_server_answers_a_forced_call_to_gpt_oss(setup):
 def test_speculative_and_overlapped_engines_equal_the_plain_one(setup):
     """Garbage proposals, verified against the gate and rolled back across its headers, and async scheduling
     (tokens fed to the gate while in flight) give the plain engine's forced calls."""
-    from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
-    from test_speculative_engine import GarbageProposer
+    from greedy_agreement import assert_speculative_and_async_agree
 
     from kvforge import LLM, SamplingParams
 
@@ -213,9 +212,4 @@ def test_speculative_and_overlapped_engines_equal_the_plain_one(setup):
         plain = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.outputs[0].token_ids[-1] == CALL for o in plain)
     assert ["<|channel|>analysis" in o.outputs[0].text for o in plain] == [False, True]
-    with LLM(**common, speculative_config={"num_speculative_tokens": 3, "backoff": False}) as llm:
-        llm.engine.proposer = GarbageProposer(3, llm.engine.spec.vocab_size)
-        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
-        assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
-    with LLM(**common, async_scheduling=True) as llm:
-        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
+    assert_speculative_and_async_agree(common, prompts, params, plain)

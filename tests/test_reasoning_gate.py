@@ -99,8 +99,7 @@ def test_speculative_and_overlapped_engines_equal_the_plain_one(tmp_path):
     after a token or two and a choice constraint on the answer: garbage proposals (verified against the gate,
     rolled back across its phases) and async scheduling (tokens fed to the gate while in flight) give the
     plain engine's outputs."""
-    from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
-    from test_speculative_engine import GarbageProposer
+    from greedy_agreement import assert_speculative_and_async_agree
 
     from kvforge import LLM, SamplingParams
 
@@ -116,12 +115,7 @@ def test_speculative_and_overlapped_engines_equal_the_plain_one(tmp_path):
     for text in (o.outputs[0].text for o in plain):  # some reasoning, the tag, an answer the grammar allows
         reasoning, _, answer = text.partition("</think>")
         assert reasoning and answer in ("yes", "no"), text
-    with LLM(**common, speculative_config={"num_speculative_tokens": 3, "backoff": False}) as llm:
-        llm.engine.proposer = GarbageProposer(3, llm.engine.spec.vocab_size)
-        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
-        assert llm.engine.stats()["spec_decode"]["num_draft_tokens"] > 0
-    with LLM(**common, async_scheduling=True) as llm:
-        assert_outputs_agree(llm.generate(prompts, params, use_tqdm=False), plain, tol=FP32_LOGIT_TOL)
+    assert_speculative_and_async_agree(common, prompts, params, plain)
 
 
 def test_harmony_gate_holds_the_final_channel_only(tmp_path):
