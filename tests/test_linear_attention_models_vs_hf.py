@@ -124,6 +124,18 @@ def _check_prefill_and_decode(case, tmp_path):
     assert float(ref[0].abs().max()) > 0.5  # the logits are not trivially small
 
 
+def test_kimi_linear_keeps_its_own_head_under_a_tied_config(tmp_path):
+    """transformers never ties Kimi-Linear's LM head to the embedding (its save_pretrained writes lm_head.weight
+    even where the config says tie_word_embeddings): the head loaded is the checkpoint's, and the logits match."""
+    hf, config = make_checkpoint("kimi-linear", tmp_path, tie_word_embeddings=True)
+    assert config["tie_word_embeddings"] is True
+    assert not torch.equal(hf.lm_head.weight, hf.get_input_embeddings().weight)  # two weights in the reference
+    ours = load_ours(tmp_path)
+    seq = _sequences(0)[1]
+    got = torch.cat(run_steps(ours, StateSlotAttention(ours), [[(0, seq)]]))
+    assert _worst(got, _hf_logits(hf, [seq])[0]) <= REL_TOL
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_prefill_carries_the_state_across_steps(case, tmp_path):
     hf, _ = make_checkpoint(case, tmp_path)

@@ -95,6 +95,9 @@ class KimiLinearArgs(DecoderArgs):
 
     def __init__(self, config: dict):
         super().__init__(config)
+        # The LM head is its own weight whatever the config says (transformers never ties this architecture,
+        # and its save_pretrained writes lm_head.weight).
+        self.tie_word_embeddings = False
         # MLA
         read_mla_sizes(self, config)
         self.softmax_scale = self.qk_head_dim**-0.5

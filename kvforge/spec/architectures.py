@@ -316,7 +316,7 @@ def _kimi_linear(cfg: dict, arch: str):
     mlp_types = cfg.get("mlp_layer_types") or [
         "dense" if i < _get(cfg, "first_k_dense_replace", default=1, minimum=0) else "sparse" for i in range(n)]
     layers: list[LayerSpec] = []
-    total = _embedding_params(cfg)
+    total = _embedding_params(dict(cfg, tie_word_embeddings=False))  # an untied head, as the model loads it
     for i, t in enumerate(types):
         if t == "linear_attention":
             layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
