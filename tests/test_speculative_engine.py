@@ -216,6 +216,24 @@ def save_tiny(path, case):
     return str(path)
 
 
+def test_each_seeded_sample_is_reproducible_on_its_own(tmp_path):
+    """Sample j of an n-sample request with seed s draws what a request of its own with seed s + j draws, under
+    speculation too. Here the samples' prompts are cut by a 16-token step budget, and a prompt whose chunks
+    leave its last token for a step of its own gets no proposals there: each first token comes from a plain
+    step, as a lone request's does, whatever cut the prompt."""
+    path = save_tiny(tmp_path, LLAMA)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff": False}
+    llm = embedded(model=path, dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16,
+                   speculative_config=ngram)
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    params = SamplingParams(temperature=0.7, max_tokens=12, seed=9, n=3, ignore_eos=True)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    for i, prompt in enumerate(prompts):
+        for j, sample in enumerate(together[i].outputs):
+            alone = SamplingParams(temperature=0.7, max_tokens=12, seed=9 + j, ignore_eos=True)
+            assert sample.token_ids == llm.generate([prompt], alone, use_tqdm=False)[0].outputs[0].token_ids, (i, j)
+
+
 @pytest.mark.parametrize("case", ["llama", "deepseek"])
 def test_tiny_random_models(tmp_path, case):
     path = save_tiny(tmp_path, LLAMA if case == "llama" else DEEPSEEK)

@@ -615,16 +615,18 @@ class LLMEngine:
                    for seq in self.scheduler.running)
 
     def _propose(self, probing: bool) -> None:
-        """Give every decoding sequence (one token to compute) that is due its proposals for the next step;
-        the others verify none."""
+        """Give every decoding sequence (one token to compute, a generated one) that is due its proposals for
+        the next step; the others verify none. A prompt whose chunks leave its last token for the next step
+        gets none there: a request's first token always comes from a plain step (as vLLM proposes from a
+        step's sampled token), so a seeded sample draws the same first token whatever cut its prompt."""
         step, backoff = self.num_launches, self.spec_backoff
         decoding = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             if seq.speculative is None and seq.num_output_tokens:
                 seq.speculative = SpeculativeStats()
-            if (probing and seq.num_tokens - seq.num_computed_tokens == 1 and not seq.num_pending
-                    and (backoff is None or backoff.due(seq.request_id, step))):
+            if (probing and seq.num_output_tokens and seq.num_tokens - seq.num_computed_tokens == 1
+                    and not seq.num_pending and (backoff is None or backoff.due(seq.request_id, step))):
                 decoding.append(seq)
         for seq, proposal in zip(decoding, self.proposer.propose(decoding) if decoding else []):
             seq.spec_token_ids = proposal
