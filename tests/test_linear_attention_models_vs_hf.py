@@ -124,12 +124,15 @@ def _check_prefill_and_decode(case, tmp_path):
     assert float(ref[0].abs().max()) > 0.5  # the logits are not trivially small
 
 
-def test_kimi_linear_keeps_its_own_head_under_a_tied_config(tmp_path):
+@pytest.mark.parametrize("overrides", [{"tie_word_embeddings": True}, {"num_shared_experts": 0}])
+def test_kimi_linear_config_edges_load_as_transformers_builds_them(overrides, tmp_path):
     """transformers never ties Kimi-Linear's LM head to the embedding (its save_pretrained writes lm_head.weight
-    even where the config says tie_word_embeddings): the head loaded is the checkpoint's, and the logits match."""
-    hf, config = make_checkpoint("kimi-linear", tmp_path, tie_word_embeddings=True)
-    assert config["tie_word_embeddings"] is True
-    assert not torch.equal(hf.lm_head.weight, hf.get_input_embeddings().weight)  # two weights in the reference
+    even where the config says tie_word_embeddings): the head loaded is the checkpoint's. Without shared
+    experts it saves their zero-width tensors, which hold nothing to load. The logits match either way."""
+    hf, config = make_checkpoint("kimi-linear", tmp_path, **overrides)
+    if "tie_word_embeddings" in overrides:
+        assert config["tie_word_embeddings"] is True
+        assert not torch.equal(hf.lm_head.weight, hf.get_input_embeddings().weight)  # two weights in the reference
     ours = load_ours(tmp_path)
     seq = _sequences(0)[1]
     got = torch.cat(run_steps(ours, StateSlotAttention(ours), [[(0, seq)]]))

@@ -266,7 +266,9 @@ class DecoderForCausalLM(nn.Module):
         """Copy HF-named tensors into our parameters (cast to param dtype/device).
 
         Returns the set of HF-style names written (compare with :meth:`hf_param_names`).
-        Raises ConfigError on an unknown name or a shape mismatch.
+        Raises ConfigError on an unknown name or a shape mismatch; a tensor without elements that has no place
+        (transformers' zero-width module, e.g. Kimi-Linear's shared experts at ``num_shared_experts`` 0) is
+        skipped.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -275,8 +277,10 @@ class DecoderForCausalLM(nn.Module):
             if self.skips_checkpoint_tensor(name):
                 continue
             written = self.load_checkpoint_tensor(params, name, tensor)
-            if written is None:
+            if written is None and tensor.numel():  # an empty tensor (a module of size 0) holds nothing to load
                 unknown.append(name)
+            elif written is None:
+                continue
             else:
                 loaded.update(written)
         if unknown:
