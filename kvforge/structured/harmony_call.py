@@ -21,9 +21,12 @@ The gate has a matcher's methods (``accept_token``, ``is_terminated``, ``fill_ne
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+
+import torch
 
 from kvforge.errors import InvalidRequestError
 from kvforge.structured.params import StructuredOutputsParams
@@ -50,7 +53,8 @@ class HarmonyCallTokens:
     forbidden_in_reasoning: frozenset[int]
 
 
-def harmony_call_tokens(tokenizer, names: Sequence[str]) -> HarmonyCallTokens:
+@functools.lru_cache(maxsize=64)  # a server's requests repeat their tools
+def harmony_call_tokens(tokenizer, names: tuple[str, ...]) -> HarmonyCallTokens:
     """The ids of a call to one of ``names`` in ``tokenizer``; InvalidRequestError where a marker is not one
     special token of it (the model does not write harmony)."""
     marker = {}
@@ -82,6 +86,14 @@ def _clear_bits(bitmask, row: int, tokens) -> None:
         if token // 32 < bitmask.shape[1]:
             word = (int(bitmask[row, token // 32]) & 0xFFFFFFFF) & ~(1 << (token % 32))
             bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+@functools.lru_cache(maxsize=8)
+def _reasoning_words(forbidden: frozenset[int], num_words: int) -> torch.Tensor:
+    """A bitmask row (int32 words) with every bit set but those of ``forbidden``: AND-ed into a row at once."""
+    words = torch.full((num_words,), -1, dtype=torch.int32)
+    _clear_bits(words[None], 0, forbidden)
+    return words
 
 
 def _has_bit(bitmask, row: int, token: int) -> bool:
@@ -183,7 +195,8 @@ class HarmonyCallGate:
         """Row ``row`` of ``bitmask`` (allocated with every bit set): the tokens the output may take next."""
         state = self.state
         if state.phase == ANALYSIS:
-            _clear_bits(bitmask, row, self.tokens.forbidden_in_reasoning)
+            words = _reasoning_words(self.tokens.forbidden_in_reasoning, bitmask.shape[1])
+            bitmask[row] &= words.to(bitmask.device)
             return
         if state.phase == ARGUMENTS:
             state.matcher.fill_next_token_bitmask(bitmask, row)
@@ -227,7 +240,7 @@ def harmony_call_gate(backend, constraint: StructuredOutputsParams, tokenizer, p
     """The gate of ``constraint`` (``harmony_call``) for an output of ``prompt_ids``, the functions' arguments
     matched by ``backend`` (kvforge/structured/backend.py) for ``tokenizer``'s vocabulary."""
     schemas = dict(constraint.harmony_call)
-    tokens = harmony_call_tokens(tokenizer, list(schemas))
+    tokens = harmony_call_tokens(tokenizer, tuple(schemas))
     backend.compile(constraint)  # every function's grammar, refused by name before the output starts
 
     def make_matcher(name: str):
