@@ -124,6 +124,7 @@ def _check_prefill_and_decode(case, tmp_path):
     assert float(ref[0].abs().max()) > 0.5  # the logits are not trivially small
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # transformers' empty experts
 @pytest.mark.parametrize("overrides", [{"tie_word_embeddings": True}, {"num_shared_experts": 0}])
 def test_kimi_linear_config_edges_load_as_transformers_builds_them(overrides, tmp_path):
     """transformers never ties Kimi-Linear's LM head to the embedding (its save_pretrained writes lm_head.weight
