@@ -137,7 +137,9 @@ def test_a_named_call_and_bad_constraints(setup):
     gate = _gate(setup, named, prompt=[START, *_words(tok, "assistant"), CHANNEL])  # the prompt opened the header
     assert all(gate.accept_token(t) for t in _header(tok, "add")[1:])
     for bad, why in (([], "non-empty list"), ([("a b", ADD)], "without spaces"), ([("f", ADD), ("f", ADD)], "twice"),
-                     ("f", "non-empty list"), ([("f", [1])], "must be a JSON schema")):
+                     ("f", "non-empty list"), ([("f", [1])], "must describe an object"),
+                     ([("f", {"type": "array"})], "must describe an object"), ([("f", True)], "must describe an object"),
+                     ([("f", "{")], "not valid JSON")):
         with pytest.raises(InvalidRequestError, match=why):
             StructuredOutputsParams(harmony_call=bad)
     with pytest.raises(InvalidRequestError, match="function 'f'"):
@@ -171,7 +173,10 @@ def test_the_engine_writes_a_call_the_parser_reads(setup):
 
 
 def test_the_server_answers_a_forced_call_to_gpt_oss(setup):
-    """tool_choice "required" and named on a harmony model, whole and streamed, with the official client."""
+    """tool_choice "required" and named on a harmony model, whole and streamed, with the official client: the
+    call's arguments as the schema holds them (as far as they go where max_tokens cuts them, streamed alike),
+    OpenAI's finish reasons, and errors that name the function at fault."""
+    import openai
     from fake_engine import openai_client, smollm2_server
 
     _, _, directory = setup
@@ -184,13 +189,44 @@ def test_the_server_answers_a_forced_call_to_gpt_oss(setup):
         choice = client.chat.completions.create(**kw, tool_choice="required").choices[0]
         (call,) = choice.message.tool_calls
         assert choice.finish_reason == "tool_calls" and call.function.name in ("weather", "add")
+        assert choice.message.content is None
         json.loads(call.function.arguments)
         named = client.chat.completions.create(**kw, tool_choice={"type": "function", "function": {"name": "add"}})
         (call,) = named.choices[0].message.tool_calls
         assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
-        streamed = [t for c in client.chat.completions.create(**kw, tool_choice="required", stream=True)
-                    if c.choices for t in c.choices[0].delta.tool_calls or []]
+        assert named.choices[0].finish_reason == "stop"  # a named call, as OpenAI answers it
+        chunks = list(client.chat.completions.create(**kw, tool_choice="required", stream=True))
+        streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
         assert [t.function.name for t in streamed if t.function.name] == [choice.message.tool_calls[0].function.name]
+        assert "".join(t.function.arguments for t in streamed) == choice.message.tool_calls[0].function.arguments
+        assert all((c.choices[0].delta.content or None) is None for c in chunks if c.choices)
+        # cut inside the arguments: the call as far as it went, whole and streamed alike
+        cut = {**kw, "max_tokens": 22, "tool_choice": {"type": "function", "function": {"name": "weather"}}}
+        whole = client.chat.completions.create(**cut).choices[0]
+        (call,) = whole.message.tool_calls
+        assert whole.finish_reason == "length" and whole.message.content is None
+        assert call.function.name == "weather" and call.function.arguments.startswith("{")
+        parts = [t.function.arguments for c in client.chat.completions.create(**cut, stream=True) if c.choices
+                 for t in c.choices[0].delta.tool_calls or []]
+        assert "".join(parts) == call.function.arguments
+        # a refused schema names its function; two functions may define one $defs name differently
+        bad = [tools[0], {"type": "function", "function": {"name": "odd", "parameters": {
+            "type": "object", "properties": {"x": {"type": "strin"}}}}}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**{**kw, "tools": bad}, tool_choice="required")
+        assert err.value.body["param"] == "tools[1].function.parameters"
+        defs = [{"type": "function", "function": {"name": f, "parameters": {
+            "type": "object", "properties": {"v": {"$ref": "#/$defs/X"}}, "required": ["v"],
+            "$defs": {"X": {"enum": [value]}}}}} for f, value in (("f", "a"), ("g", "b"))]
+        (call,) = client.chat.completions.create(**{**kw, "tools": defs}, tool_choice="required").choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"v": "a" if call.function.name == "f" else "b"}
+        # the Responses route: the named call as a function_call item, streamed as its arguments come
+        tool = {"type": "function", "name": "add", "parameters": ADD}
+        events = list(client.responses.create(model=kw["model"], input="Add 2 and 2.", max_output_tokens=60,
+                                              tools=[tool], tool_choice={"type": "function", "name": "add"},
+                                              stream=True, temperature=0))
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [i.type for i in done][-1] == "function_call" and set(json.loads(done[-1].arguments)) == {"a", "b"}
 
 
 def test_speculative_and_overlapped_engines_equal_the_plain_one(setup):

@@ -184,4 +184,4 @@ def test_gpt_oss_tool_calls_with_the_openai_parser():
     req = parse_chat({**kw, "tool_choice": {"type": "function", "function": {"name": "add"}}}, "fake-model",
                      reasoning=engine.reasoning)
     assert req.params.structured_outputs.harmony_call == (("add", '{"type":"object"}'),)
-    assert (req.tool_choice, req.tool_parser) == (None, "openai")
+    assert req.tool_choice.harmony and req.tool_choice.name == "add" and req.tool_parser is None

@@ -743,7 +743,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
     explicit = max_tokens is not None
     if not explicit:  # the model's default, still capped by the room the prompt leaves
         max_tokens = (defaults or {}).get("max_tokens")
-    tools, forced, auto = parse_tools(body, tool_parser)
+    tools, forced, auto = parse_tools(body, tool_parser, harmony=reasoning is not None and reasoning.parser.harmony)
     if auto and tool_parser in KEEPS_SPECIAL_TOKENS and body.get("skip_special_tokens") is None:
         common["sampling"]["skip_special_tokens"] = False  # the parser reads its call syntax's special tokens
     if reasoning is not None and reasoning.tags_special:  # the split reads the think tags in the text
@@ -751,15 +751,14 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
             bad_field("skip_special_tokens", "true would drop this model's think tags, which are special tokens, "
                                              "and the reasoning could not be told from the answer; leave it unset")
         common["sampling"]["skip_special_tokens"] = False
-    harmony_call = forced is not None and reasoning is not None and reasoning.parser.harmony
     if forced is not None:
         if common["sampling"]["structured_outputs"] is not None:
             bad_field("tool_choice", "forces a tool call, whose arguments are the output's constraint, and the "
                                      "request constrains its output too (response_format or structured_outputs): "
                                      "send one of them")
         # gpt-oss writes a call as a commentary message addressed to the function: the constraint holds the
-        # whole harmony output to one, and the openai parser reads it as it reads a call the model chose.
-        common["sampling"]["structured_outputs"] = forced.harmony_constraint() if harmony_call else forced.constraint()
+        # whole harmony output to one (ToolChoice.harmony reads it back).
+        common["sampling"]["structured_outputs"] = forced.harmony_constraint() if forced.harmony else forced.constraint()
         common["constraint_field"] = "tools"
     params = _params(common, max_tokens, logprobs)
     if get_bool(body, "echo", False):
@@ -771,9 +770,8 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         "chat", common["model"], None, clean, params, explicit,
         common["stream"], common["include_usage"], logprobs, want_logprobs, field_name,
         chat_options=options, continuous_usage=common["continuous_usage"],
-        tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"],
-        tool_choice=None if harmony_call else forced, constraint_field=common["constraint_field"],
-        tool_parser="openai" if harmony_call else (tool_parser if auto else None),
+        tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
+        constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,  # parse_tools checked its type
         reasoning=reasoning, include_reasoning=get_bool(body, "include_reasoning", True),
         priority=common["priority"], prompt_logprobs=common["prompt_logprobs"],

@@ -206,7 +206,15 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
                 reasoning, text = (thinking.finish if out.finished else thinking.feed)(text)
                 if reasoning and req.include_reasoning:
                     await items.add("reasoning", reasoning)
-            if named:  # the answer is the call's arguments, streamed as they come
+            if req.tool_choice is not None and req.tool_choice.harmony:  # gpt-oss: its one call, once addressed
+                call = req.tool_choice.harmony_call(text)
+                if call is not None and not args_sent:
+                    await items.add("function_call", call[1], call[0])
+                    args_sent.append(len(call[1]))
+                elif call is not None and len(call[1]) > args_sent[0]:
+                    await items.add("function_call", call[1][args_sent[0]:])
+                    args_sent[0] = len(call[1])
+            elif named:  # the answer is the call's arguments, streamed as they come
                 called = any(i["type"] == "function_call" for i in items.items)
                 if len(text) > answer_sent or (out.finished and not called):
                     await items.add("function_call", text[answer_sent:], None if called else req.tool_choice.name)

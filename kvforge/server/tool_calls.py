@@ -112,6 +112,28 @@ class ToolChoice:
     parameters: tuple[tuple[str, str], ...]
     #: OpenAI's ``parallel_tool_calls``: False holds a ``"required"`` output to one call.
     parallel: bool = True
+    #: gpt-oss (``--reasoning-parser openai_gptoss``): the output is one harmony call (:meth:`harmony_constraint`)
+    #: whose arguments follow its header, in place of the JSON of the calls.
+    harmony: bool = False
+
+    def harmony_call(self, text: str) -> tuple[str, str] | None:
+        """A harmony output's call: (function, its arguments as far as they are written), once the header that
+        addresses it is whole; None before."""
+        from kvforge.server.tool_parsers import HARMONY_CALL_ENDS, harmony_call_header
+
+        header = harmony_call_header(text)
+        if header is None:
+            return None
+        name, body = header
+        ends = [i for i in (text.find(m, body) for m in HARMONY_CALL_ENDS) if i >= 0]
+        return name, text[body:min(ends) if ends else len(text)]
+
+    def arguments_text(self, text: str) -> str | None:
+        """A named or harmony call's arguments in ``text`` (None: a harmony header not yet whole)."""
+        if self.harmony:
+            call = self.harmony_call(text)
+            return call[1] if call is not None else None
+        return text
 
     def finish_reason(self, reason: str | None, text: str) -> str | None:
         """The choice's finish reason: a ``"required"`` output that ended complete is ``"tool_calls"``; the
@@ -121,7 +143,13 @@ class ToolChoice:
         return reason
 
     def complete(self, text: str) -> bool:
-        """Whether ``text`` is a whole ``"required"`` array of calls (a named call: whole arguments)."""
+        """Whether ``text`` is a whole ``"required"`` array of calls (a named call: whole arguments; harmony:
+        a call whose arguments are whole)."""
+        if self.harmony:
+            arguments = self.arguments_text(text)
+            if arguments is None:
+                return False
+            text = arguments
         try:
             json.loads(text)
         except ValueError:
@@ -130,7 +158,10 @@ class ToolChoice:
 
     def last_call_open(self, text: str) -> bool:
         """Whether the last call's arguments are unfinished: a named call's where the output (its arguments)
-        does not parse, a ``"required"`` array's where the output ended before they closed."""
+        does not parse, a ``"required"`` array's where the output ended before they closed, a harmony call's
+        where its header is whole and its arguments are not."""
+        if self.harmony:
+            return self.arguments_text(text) is not None and not self.complete(text)
         if self.name is not None:
             return not self.complete(text)
         calls = array_calls(text)
@@ -199,7 +230,12 @@ class ToolChoice:
     def calls(self, text: str) -> list[dict] | None:
         """The ``tool_calls`` of output ``text``: a named function's call with ``text`` as its arguments; the
         calls of a ``"required"`` array with their arguments as written (the last one's as far as they go
-        where the output was cut inside them), or None where no call's name was written."""
+        where the output was cut inside them), or None where no call's name was written; harmony: its one
+        call as far as it goes, none where the output ended inside the header (no content either: the
+        header is format, not text)."""
+        if self.harmony:
+            call = self.harmony_call(text)
+            return [call_object(*call)] if call is not None else []
         if self.name is not None:
             return [call_object(self.name, text)]
         return [call_object(name, arguments) for name, arguments, _ in array_calls(text)] or None
@@ -222,11 +258,13 @@ def call_object(name: str, arguments: str) -> dict:
     return {"id": random_id("chatcmpl-tool"), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tools(body: dict, parser: str | None = None) -> tuple[list[dict] | None, ToolChoice | None, bool]:
+def parse_tools(body: dict, parser: str | None = None,
+                harmony: bool = False) -> tuple[list[dict] | None, ToolChoice | None, bool]:  # fmt: skip
     """A chat body's ``tools`` (as the template gets them, None for none), its forced call (None for no
     constraint), and whether the model chooses (``"auto"``, served where the server has a tool-call
     ``parser``: kvforge/server/tool_parsers.py); InvalidRequestError naming the field for a malformed
-    declaration or a choice this server cannot honour."""
+    declaration or a choice this server cannot honour. ``harmony``: the model is gpt-oss, whose forced call
+    is its own harmony call (:attr:`ToolChoice.harmony`)."""
     if body.get("functions") is not None or body.get("function_call") is not None:
         name = "functions" if body.get("functions") is not None else "function_call"
         _bad(name, "is OpenAI's deprecated spelling: send the functions as 'tools' and the choice as 'tool_choice'")
@@ -266,10 +304,10 @@ def parse_tools(body: dict, parser: str | None = None) -> tuple[list[dict] | Non
     if choice is None or choice == "auto":
         if parser is not None:
             return tools, None, True
-        _bad("tool_choice", '"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, which '
-                            'this server was not started with (--enable-auto-tool-choice --tool-call-parser hermes): '
-                            'send "required" or {"type": "function", "function": {"name": ...}} to have the output '
-                            'constrained to a call, or "none"')
+        _bad("tool_choice", f'"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, which '
+                            f'this server was not started with (--enable-auto-tool-choice --tool-call-parser '
+                            f'{"openai" if harmony else "hermes"}): send "required" or {{"type": "function", '
+                            f'"function": {{"name": ...}}}} to have the output constrained to a call, or "none"')
     if choice == "none":
         return tools, None, False
     if choice == "required":
@@ -283,8 +321,10 @@ def parse_tools(body: dict, parser: str | None = None) -> tuple[list[dict] | Non
         forced = ToolChoice(name, tuple(parameters), parallel)
     else:
         _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    if harmony:
+        forced = ToolChoice(forced.name, forced.parameters, forced.parallel, harmony=True)
     try:
-        forced.constraint()
+        forced.harmony_constraint() if harmony else forced.constraint()
     except InvalidRequestError as e:  # a parameters schema that is not valid JSON-schema input
         if (e.field or "").startswith("tools"):
             raise
@@ -338,7 +378,10 @@ class ToolCallStream:
 
     def delta(self, new_text: str, text: str, finished: bool) -> dict:
         """The delta for ``new_text`` (this chunk's text), ``text`` being all of it so far."""
-        if self.choice.name is not None:
+        if self.choice.harmony:
+            call = self.choice.harmony_call(text)
+            calls = [call] if call is not None else []
+        elif self.choice.name is not None:
             calls = [(self.choice.name, text)] if text or finished else []
         else:
             calls = [(name, arguments) for name, arguments, _ in array_calls(text)]

@@ -349,6 +349,18 @@ class TaggedStream:
 HARMONY_MARKERS = ("<|start|>", "<|channel|>")
 _HARMONY_HEADER = re.compile(r"(?:<\|start\|>[^<]*)?<\|channel\|>[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>")
 _HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_\-.]+)")
+#: What ends a harmony message's body.
+HARMONY_CALL_ENDS = ("<|end|>", "<|start|>", "<|call|>", "<|return|>")
+
+
+def harmony_call_header(text: str) -> tuple[str, int] | None:
+    """The first harmony message of ``text`` addressed to a function: (its name, where its body starts), once
+    its header is whole; None before (or where no message addresses one)."""
+    for header in _HARMONY_HEADER.finditer(text):
+        recipient = _HARMONY_RECIPIENT.search(header.group(0))
+        if recipient is not None:
+            return recipient.group(1), header.end()
+    return None
 
 
 def parse_openai(text: str) -> tuple[str, list[tuple[str, str]]]:
@@ -362,7 +374,7 @@ def parse_openai(text: str) -> tuple[str, list[tuple[str, str]]]:
         if recipient is None or header.start() < at:
             continue
         body = header.end()
-        ends = [i for i in (text.find(m, body) for m in ("<|end|>", "<|start|>", "<|call|>", "<|return|>")) if i >= 0]
+        ends = [i for i in (text.find(m, body) for m in HARMONY_CALL_ENDS) if i >= 0]
         end = min(ends) if ends else len(text)
         call = _call(json.dumps({"name": recipient.group(1), "arguments": text[body:end].strip()}))
         content.append(text[at:header.start()])

@@ -96,7 +96,7 @@ class GrammarBackend:
             return self.compile(StructuredOutputsParams(json=json.loads(schema)))
         except InvalidRequestError as e:
             why = str(e).replace(e.field, "the schema", 1) if e.field else str(e)
-            raise InvalidRequestError(f"{field}: function {name!r}'s parameters: {why}", field=field) from None
+            raise InvalidRequestError(f"{field}: the parameters of function {name!r}: {why}", field=field) from None
 
     def _compile(self, params: StructuredOutputsParams, field: str):
         kind = params.kind

@@ -137,6 +137,14 @@ def _functions(value) -> tuple[tuple[str, str], ...]:
             _bad("harmony_call", f"function names are non-empty, without spaces or angle brackets; got {name!r}")
         if any(name == seen for seen, _ in out):
             _bad("harmony_call", f"names function {name!r} twice")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                _bad("harmony_call", f"function {name!r}: its parameters schema is not valid JSON ({e})")
+        if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+            _bad("harmony_call", f"function {name!r}: its parameters schema must describe an object (a call's "
+                                 f"arguments are a JSON object), got {schema!r:.60}")
         out.append((name, StructuredOutputsParams(json=schema).json))
     return tuple(out)
 
