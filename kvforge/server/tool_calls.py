@@ -24,6 +24,7 @@ refused with what to send instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -128,13 +129,6 @@ class ToolChoice:
         ends = [i for i in (text.find(m, body) for m in HARMONY_CALL_ENDS) if i >= 0]
         return name, text[body:min(ends) if ends else len(text)]
 
-    def arguments_text(self, text: str) -> str | None:
-        """A named or harmony call's arguments in ``text`` (None: a harmony header not yet whole)."""
-        if self.harmony:
-            call = self.harmony_call(text)
-            return call[1] if call is not None else None
-        return text
-
     def finish_reason(self, reason: str | None, text: str) -> str | None:
         """The choice's finish reason: a ``"required"`` output that ended complete is ``"tool_calls"``; the
         engine's reason otherwise (a named call's complete output stays ``"stop"``, OpenAI's answer)."""
@@ -146,10 +140,10 @@ class ToolChoice:
         """Whether ``text`` is a whole ``"required"`` array of calls (a named call: whole arguments; harmony:
         a call whose arguments are whole)."""
         if self.harmony:
-            arguments = self.arguments_text(text)
-            if arguments is None:
+            call = self.harmony_call(text)
+            if call is None:
                 return False
-            text = arguments
+            text = call[1]
         try:
             json.loads(text)
         except ValueError:
@@ -161,7 +155,7 @@ class ToolChoice:
         does not parse, a ``"required"`` array's where the output ended before they closed, a harmony call's
         where its header is whole and its arguments are not."""
         if self.harmony:
-            return self.arguments_text(text) is not None and not self.complete(text)
+            return self.harmony_call(text) is not None and not self.complete(text)
         if self.name is not None:
             return not self.complete(text)
         calls = array_calls(text)
@@ -322,7 +316,7 @@ def parse_tools(body: dict, parser: str | None = None,
     else:
         _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if harmony:
-        forced = ToolChoice(forced.name, forced.parameters, forced.parallel, harmony=True)
+        forced = dataclasses.replace(forced, harmony=True)
     try:
         forced.harmony_constraint() if harmony else forced.constraint()
     except InvalidRequestError as e:  # a parameters schema that is not valid JSON-schema input
@@ -402,8 +396,6 @@ def with_tools(options, tools) -> object:
     """Chat template ``options`` (ChatTemplateOptions) with ``tools`` (checked as a chat request's are) as the
     template's ``tools`` variable; ``options`` unchanged for none. For renderings that take tools without a
     tool choice (``/tokenize``, ``LLM.chat``)."""
-    import dataclasses
-
     if not tools:
         return options
     checked, _, _ = parse_tools({"tools": tools, "tool_choice": "none"})

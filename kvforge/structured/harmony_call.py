@@ -30,9 +30,9 @@ import torch
 
 from kvforge.errors import InvalidRequestError
 from kvforge.structured.params import StructuredOutputsParams
+from kvforge.structured.reasoning_gate import ROLLBACK_TOKENS
+from kvforge.structured.token_masks import clear_bits, has_bit, set_bits
 
-#: Tokens the gate can roll back (verification rolls back at most a step's proposals).
-ROLLBACK_TOKENS = 256
 #: The harmony markers the gate reads and writes, each one special token of gpt-oss's tokenizer.
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>")
 #: Where an output stands: forced tokens, a message header, the reasoning, a call's arguments, complete.
@@ -75,29 +75,12 @@ def harmony_call_tokens(tokenizer, names: tuple[str, ...]) -> HarmonyCallTokens:
     return HarmonyCallTokens(marker, encode("assistant"), encode("analysis"), calls, forbidden)
 
 
-def _set_bits(bitmask, row: int, tokens) -> None:
-    for token in tokens:
-        word = int(bitmask[row, token // 32]) | (1 << (token % 32))
-        bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 words
-
-
-def _clear_bits(bitmask, row: int, tokens) -> None:
-    for token in tokens:
-        if token // 32 < bitmask.shape[1]:
-            word = (int(bitmask[row, token // 32]) & 0xFFFFFFFF) & ~(1 << (token % 32))
-            bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
-
-
 @functools.lru_cache(maxsize=8)
 def _reasoning_words(forbidden: frozenset[int], num_words: int) -> torch.Tensor:
     """A bitmask row (int32 words) with every bit set but those of ``forbidden``: AND-ed into a row at once."""
     words = torch.full((num_words,), -1, dtype=torch.int32)
-    _clear_bits(words[None], 0, forbidden)
+    clear_bits(words[None], 0, forbidden)
     return words
-
-
-def _has_bit(bitmask, row: int, token: int) -> bool:
-    return token // 32 < bitmask.shape[1] and bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
 
 
 @dataclass(frozen=True)
@@ -178,7 +161,7 @@ class HarmonyCallGate:
 
         probe = xgrammar.allocate_token_bitmask(1, self.vocab_size)
         state.matcher.fill_next_token_bitmask(probe, 0)
-        return any(_has_bit(probe, 0, t) for t in self.stop_ids)
+        return any(has_bit(probe, 0, t) for t in self.stop_ids)
 
     def accept_token(self, token: int) -> bool:
         moved = self._next(self.state, token)
@@ -200,17 +183,17 @@ class HarmonyCallGate:
             return
         if state.phase == ARGUMENTS:
             state.matcher.fill_next_token_bitmask(bitmask, row)
-            complete = any(_has_bit(bitmask, row, t) for t in self.stop_ids)
-            _clear_bits(bitmask, row, self.stop_ids)
+            complete = any(has_bit(bitmask, row, t) for t in self.stop_ids)
+            clear_bits(bitmask, row, self.stop_ids)
             if complete:
-                _set_bits(bitmask, row, [self.tokens.marker["<|call|>"]])
+                set_bits(bitmask, row, [self.tokens.marker["<|call|>"]])
             return
         bitmask[row] = 0
         if state.phase == FORCED:
-            _set_bits(bitmask, row, state.forced[:1])
+            set_bits(bitmask, row, state.forced[:1])
         elif state.phase == HEADER:
             n = len(state.header)
-            _set_bits(bitmask, row, {ids[n] for ids, _ in self._headers(state) if ids[:n] == state.header})
+            set_bits(bitmask, row, {ids[n] for ids, _ in self._headers(state) if ids[:n] == state.header})
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > len(self._history):

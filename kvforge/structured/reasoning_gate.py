@@ -13,14 +13,10 @@ from __future__ import annotations
 from collections import deque
 
 from kvforge.reasoning import ANSWER, REASONING, UNDECIDED, ReasoningTokens
+from kvforge.structured.token_masks import set_bits
 
 #: Tokens a gate can roll back (verification rolls back at most a step's proposals).
 ROLLBACK_TOKENS = 256
-
-
-def _set_bit(bitmask, row: int, token: int) -> None:
-    word = int(bitmask[row, token // 32]) | (1 << (token % 32))
-    bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32 words
 
 
 class ReasoningGate:
@@ -68,7 +64,7 @@ class ReasoningGate:
             return
         self.inner.fill_next_token_bitmask(bitmask, row)
         if self.phase == UNDECIDED:
-            _set_bit(bitmask, row, self.tokens.start_id)
+            set_bits(bitmask, row, (self.tokens.start_id,))
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > len(self._history):

@@ -6,6 +6,26 @@ from __future__ import annotations
 import torch
 
 
+def set_bits(bitmask, row: int, tokens) -> None:
+    """Set the bits of ``tokens`` in row ``row`` (int32 words)."""
+    for token in tokens:
+        word = int(bitmask[row, token // 32]) | (1 << (token % 32))
+        bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def clear_bits(bitmask, row: int, tokens) -> None:
+    """Clear the bits of ``tokens`` in row ``row`` (ids past the row's width have none)."""
+    for token in tokens:
+        if token // 32 < bitmask.shape[1]:
+            word = (int(bitmask[row, token // 32]) & 0xFFFFFFFF) & ~(1 << (token % 32))
+            bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def has_bit(bitmask, row: int, token: int) -> bool:
+    """Whether row ``row`` allows ``token``."""
+    return token // 32 < bitmask.shape[1] and bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+
 def grammar_bitmask(matchers: list, vocab_size: int) -> torch.Tensor | None:
     """The bitmask [len(matchers), ceil(vocab_size / 32)] int32 of each row's next token, every bit set in the
     rows whose matcher is None or complete (a row whose request ends before its token is read); None when no
