@@ -12,7 +12,8 @@ Teacher-forced logits within ``1e-4 * max(1, max |hf|)``, the bound of the TP=1 
 ranks, a change of summation order far below it. Greedy tokens of a batch of prompts of different lengths
 follow transformers' until a near-tie within that bound (tests/greedy_agreement.py). Every rank's state slots
 take the plan's per-rank bytes (half the TP=1 state); the real Qwen3-Next-80B and Kimi-Linear-48B configs'
-per-rank state layouts equal the plan's per-rank state bytes at TP 2; TP sizes that do not divide the linear
+per-rank state layouts equal the plan's per-rank state bytes at TP 2; a repeated batch resumes from state
+snapshots every rank copied; TP sizes that do not divide the linear
 heads fail at the plan, before any weight loads.
 """
 
@@ -71,10 +72,17 @@ def test_tp2_matches_transformers(case, decode_path, tmp_path, engines, monkeypa
     print(f"{case} TP=2: max |ours - hf| {diff:.3g} (bound {tol:.3g})")
     assert ours.shape == ref.shape and diff <= tol
 
+    expected = [_hf_greedy(hf, p) for p in prompts]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for k, (out, p) in enumerate(zip(outs, prompts)):
-        want, margins = _hf_greedy(hf, p)
+    for k, (out, (want, margins)) in enumerate(zip(outs, expected)):
         assert_greedy_agrees(out.outputs[0].token_ids, want, margins, tol, what=f"{case} TP=2 prompt {k}")
+    # The batch again: every prompt of more than one block resumes from its state snapshot (36, 20 and 8
+    # tokens), which every rank copied for its own heads (rank 0 sends the copies with the next step).
+    hits = engine.stats()["prefix_cache_hits"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for k, (out, (want, margins)) in enumerate(zip(outs, expected)):
+        assert_greedy_agrees(out.outputs[0].token_ids, want, margins, tol, what=f"{case} TP=2 cached prompt {k}")
+    assert engine.stats()["prefix_cache_hits"] - hits == 36 + 20 + 8
     assert engine.state_slots.num_free == engine.state_slots.num_slots
     if decode_path == "static":
         c0, c1 = engine.rank_counters()

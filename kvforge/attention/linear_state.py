@@ -320,6 +320,20 @@ class LinearStates:
                 states[slot].copy_(s)
         return out
 
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy slot ``src`` into slot ``dest`` for each ``(src, dest)`` of ``pairs``, conv and recurrent state
+        of every layer (no destination may be a source of the same call)."""
+        if not pairs:
+            return
+        src, dest = zip(*pairs)
+        if set(src) & set(dest) or len(set(dest)) != len(dest):
+            raise ValueError(f"state slot copies need distinct destinations that are no source: {list(pairs)}")
+        dev = next(iter(self.conv.values())).device
+        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
+        dest_t = torch.tensor(dest, dtype=torch.int64, device=dev)
+        for states in (*self.conv.values(), *self.recurrent.values()):
+            states.index_copy_(0, dest_t, states.index_select(0, src_t))
+
     def keep_verified(self, slot_ids: Sequence[int], num_rows: Sequence[int]) -> None:
         """After verification: slot ``slot_ids[i]`` (which holds its sequence's state before its last verify
         step) advances over that step's first ``num_rows[i]`` rows (1 + the accepted proposals), replayed from

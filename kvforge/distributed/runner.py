@@ -4,7 +4,7 @@ Rank 0 schedules; for every step it wakes the workers, broadcasts the step's
 host inputs (token ids, positions, slot mapping, rows whose logits are wanted,
 pending copy-on-write block pairs as int64; query_start_loc, seq_lens, block
 tables and, for linear-attention models, each sequence's state slot, the
-proposals it verifies and the replays of the previous verification as int32)
+proposals it verifies and the state-slot operations since the previous step as int32)
 over the gloo group, and then every rank runs the same model
 step on its own heads. Logits come back on rank 0 only.
 
@@ -45,8 +45,10 @@ from kvforge.engine.prompt_scoring import PromptScoring, set_scored_rows
 # n_placeholders (in-flight input ids, async scheduling), n_share (sampled tokens rank 0 broadcasts after the
 # step for the next step's placeholders; 0: none), n_groups (KV-cache groups: slot mappings and block tables),
 # n_state (linear-attention models: one state slot per sequence, so n_seqs; 0: none), n_spec (n_seqs when some
-# sequence verifies proposals over linear-attention state: the proposals of each; 0: none), n_keep (verifying
-# slots whose accepted rows every rank replays before this step: a slot and a row count each), n_scored and
+# sequence verifies proposals over linear-attention state: the proposals of each; 0: none), n_state_ops
+# (state-slot operations every rank applies in order before this step: STATE_KEEP (a verifying slot and the
+# accepted rows it replays) or STATE_COPY (a source and a destination slot: prefix snapshots), three int32
+# each), n_scored and
 # scored_slice_rows (the last logits rows are prompt rows, scored that many at a time:
 # kvforge/engine/prompt_scoring.py)
 _HEADER = 16
@@ -56,14 +58,35 @@ _HEADER = 16
 STEP_TARGET, STEP_DRAFT, SHARE_TOKENS = b"s", b"d", b"t"
 #: Worker commands between steps: report the step counters (to the store), set them to zero.
 REPORT_COUNTERS, RESET_COUNTERS = b"c", b"z"
+#: State-slot operations (linear-attention models), applied by every rank in rank 0's order.
+STATE_KEEP, STATE_COPY = 0, 1
+
+
+def apply_state_ops(linear_states, ops) -> None:
+    """Apply ``(kind, a, b)`` state-slot operations in order: STATE_KEEP replays ``b`` accepted verify rows
+    onto slot ``a`` (LinearStates.keep_verified); STATE_COPY copies slot ``a`` into slot ``b``. Consecutive
+    operations of one kind run as one call."""
+    i = 0
+    while i < len(ops):
+        j = i
+        while j < len(ops) and ops[j][0] == ops[i][0]:
+            j += 1
+        pairs = [(a, b) for _, a, b in ops[i:j]]
+        if ops[i][0] == STATE_KEEP:
+            linear_states.keep_verified([a for a, _ in pairs], [b for _, b in pairs])
+        elif ops[i][0] == STATE_COPY:
+            linear_states.copy_slots(pairs)
+        else:
+            raise ValueError(f"unknown state-slot operation {ops[i][0]}")
+        i = j
 
 
 def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int, int]], use_graph: bool = False,
-                   n_share: int = 0, keeps: list[tuple[int, int]] = ()):
-    """Rank 0 sends ``(host, copies, use_graph, n_share, keeps)``; the other ranks receive and return them.
+                   n_share: int = 0, state_ops: list[tuple[int, int, int]] = ()):
+    """Rank 0 sends ``(host, copies, use_graph, n_share, state_ops)``; the other ranks receive and return them.
     A received ``host.placeholders`` is ``(rows, sources, None)``: the receiver supplies the token tensor.
-    ``keeps``: (state slot, rows) replays of the last verification (ModelRunner.keep_verified), which the
-    receivers apply before the step."""
+    ``state_ops``: the state-slot operations rank 0 applied since the last step (``apply_state_ops``), which
+    the receivers apply before the step."""
     if group.rank == 0:
         n_rows = -1 if host.rows is None else host.rows.shape[0]
         ph = host.placeholders
@@ -72,7 +95,7 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         n_spec = 0 if host.spec_lens is None else host.num_seqs
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[2], n_rows, host.max_query_len,
                            host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0],
-                           n_state, n_spec, len(keeps), host.num_scored,
+                           n_state, n_spec, len(state_ops), host.num_scored,
                            host.scored_slice_rows], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)]
@@ -80,16 +103,16 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)]
                              + ([host.state_slots.astype(np.int32)] if n_state else [])
                              + ([host.spec_lens.astype(np.int32)] if n_spec else [])
-                             + [np.asarray(keeps, dtype=np.int32).reshape(-1)])
+                             + [np.asarray(state_ops, dtype=np.int32).reshape(-1)])
         group.broadcast_host(header, np.int64, _HEADER)
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
-        return host, copies, use_graph, n_share, list(keeps)
+        return host, copies, use_graph, n_share, list(state_ops)
     (n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups,
-     n_state, n_spec, n_keep, n_scored, slice_rows) = group.broadcast_host(None, np.int64, _HEADER).tolist()
+     n_state, n_spec, n_ops, n_scored, slice_rows) = group.broadcast_host(None, np.int64, _HEADER).tolist()
     i64 = group.broadcast_host(None, np.int64, (2 + n_groups) * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
     n_i32 = 2 * n_seqs + 1 + n_groups * n_seqs * cols
-    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state + n_spec + 2 * n_keep)
+    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state + n_spec + 3 * n_ops)
     start = (2 + n_groups) * n_tok
     end = start + max(n_rows, 0)
     rows = i64[start:end] if n_rows >= 0 else None
@@ -104,8 +127,8 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
     if n_spec:
         host.spec_lens = i32[n_i32 + n_state:n_i32 + n_state + n_spec]
     host.num_scored, host.scored_slice_rows = n_scored, slice_rows
-    keeps = [tuple(p) for p in i32[n_i32 + n_state + n_spec:].reshape(-1, 2).tolist()]
-    return host, copies, bool(graph), n_share, keeps
+    state_ops = [tuple(p) for p in i32[n_i32 + n_state + n_spec:].reshape(-1, 3).tolist()]
+    return host, copies, bool(graph), n_share, state_ops
 
 
 class TPModelRunner(ModelRunner):
@@ -130,7 +153,7 @@ class TPModelRunner(ModelRunner):
         self.step_command = step_command  # the byte that wakes the workers for a step of this runner's model
         self._pending_copies: list[tuple[int, int]] = []  # shared with a linked draft runner (one pool)
         self._linked: list[TPModelRunner] = []  # runners over the same pool whose block tables a copy changes
-        self._pending_keeps: list[tuple[int, int]] = []  # replays of the last verification, for the other ranks
+        self._pending_state_ops: list[tuple[int, int, int]] = []  # state-slot operations, for the other ranks
         self.shared_tokens: torch.Tensor | None = None  # workers: rank 0's last sampled tokens (async scheduling)
 
     # ---- rank 0 ---------------------------------------------------------------
@@ -153,7 +176,12 @@ class TPModelRunner(ModelRunner):
         """Replay the accepted verify rows here now and on the other ranks before the next step (every step
         that reads a state slot comes after it)."""
         super().keep_verified(slots, num_rows)
-        self._pending_keeps.extend((int(s), int(n)) for s, n in zip(slots, num_rows))
+        self._pending_state_ops.extend((STATE_KEEP, int(s), int(n)) for s, n in zip(slots, num_rows))
+
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state slots here now and on the other ranks before the next step, in order with the replays."""
+        super().copy_state_slots(pairs)
+        self._pending_state_ops.extend((STATE_COPY, int(a), int(b)) for a, b in pairs)
 
     @torch.inference_mode()
     def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0,
@@ -170,11 +198,11 @@ class TPModelRunner(ModelRunner):
         set_scored_rows(host, scoring)
         copies = list(self._pending_copies)
         self._pending_copies.clear()  # in place: the list is shared with a linked runner
-        keeps, self._pending_keeps = self._pending_keeps, []
+        state_ops, self._pending_state_ops = self._pending_state_ops, []
         use_graph = self.wants_graph(host)
         self.control.before_step(self.step_command)
         try:
-            broadcast_step(self.group, host, copies, use_graph, n_share, keeps)
+            broadcast_step(self.group, host, copies, use_graph, n_share, state_ops)
             return self.execute(host, use_graph, scoring)
         except Exception as e:
             raise self.control.failure(e) from e

@@ -49,6 +49,7 @@ def main() -> int:
         SHARE_TOKENS,
         STEP_DRAFT,
         STEP_TARGET,
+        apply_state_ops,
         broadcast_step,
     )
 
@@ -91,11 +92,12 @@ def main() -> int:
                     break
                 if cmd == STEP_DRAFT and draft_runner is None:
                     raise RuntimeError("rank 0 sent a draft-model step but this engine has no draft model")
-                host, copies, use_graph, step_share, keeps = broadcast_step(group, None, [])
+                host, copies, use_graph, step_share, state_ops = broadcast_step(group, None, [])
                 if copies:  # one pool: the copies of either model's steps apply to every layer
                     pool.copy_blocks(copies)
-                if keeps:  # the last verification's accepted rows, before this step reads any state slot
-                    runner.keep_verified([slot for slot, _ in keeps], [n for _, n in keeps])
+                if state_ops:  # verification replays and snapshot copies, before this step reads any state slot
+                    with torch.inference_mode():
+                        apply_state_ops(runner.linear_states, state_ops)
                 if host.placeholders is not None:  # in-flight ids: from rank 0's last shared tokens
                     host.placeholders = (*host.placeholders[:2], runner.shared_tokens)
                 if cmd == STEP_TARGET:

@@ -29,6 +29,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvforge.engine.sequence import Sequence
@@ -199,7 +200,11 @@ class BlockManager:
     def _no_hit(self) -> PrefixHit:
         return self._empty_hit
 
-    def lookup_prefix(self, seq: Sequence) -> PrefixHit:
+    def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of ``seq``'s first ``num_blocks`` full blocks (computed once per sequence)."""
+        return self._ensure_hashes(seq, num_blocks)[:num_blocks]
+
+    def lookup_prefix(self, seq: Sequence, resumable: Callable[[bytes], bool] | None = None) -> PrefixHit:
         """The longest cached prefix of ``seq``'s tokens that every group can resume from (no side effects).
 
         Only full blocks are matched, and never all of the tokens: at most
@@ -207,6 +212,9 @@ class BlockManager:
         recomputed. A full group needs every block of the prefix; a sliding
         group only those inside the window of the first uncached token, so its
         hit can stand on blocks whose earlier neighbours were evicted.
+        ``resumable(hash)``, when given, says whether a hit may end with the
+        block of that hash (state layers resume only where a snapshot of their
+        state was kept).
         """
         if not self.enable_prefix_caching or seq.holds_blocks:
             return self._no_hit()
@@ -224,9 +232,12 @@ class BlockManager:
             # in (missing, k] has that block in its window too, so the next candidate is ``missing``.
             missing = max((i for g in self._sliding for i in range(self._window_start(g, k * self.block_size), k)
                            if (g, hashes[i]) not in cache), default=None)
-            if missing is None:
+            if missing is not None:
+                k = missing
+            elif resumable is not None and not resumable(hashes[k - 1]):
+                k -= 1
+            else:
                 break
-            k = missing
         skipped = tuple(self._window_start(g, k * self.block_size) for g in range(self.num_groups))
         tables = tuple(tuple(cache[(g, hashes[i])] for i in range(skipped[g], k)) for g in range(self.num_groups))
         return PrefixHit(k, skipped, tables)

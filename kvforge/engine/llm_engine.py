@@ -226,6 +226,11 @@ class LLMEngine:
                                       graph_sizes=args.graph_sizes(), ring_rows=ring_rows,
                                       ring_row_bytes=ring_row_bytes,
                                       mla_prefill_mode=args.mla_prefill_mode, verify_query_len=verify)
+        if prefix_caching and self.has_linear_state:  # hits resume the state from kept snapshots
+            from kvforge.engine.state_prefix import StatePrefixCache
+
+            self.scheduler.state_prefix = StatePrefixCache(self.state_slots, self.block_manager,
+                                                           self.runner.copy_state_slots)
         self.sampler = Sampler(eos)
         self._eos_token_ids = frozenset(eos)
         self._grammars = None  # structured outputs' GrammarBackend, built by the first request that has one
@@ -710,6 +715,8 @@ class LLMEngine:
                                     prompt_spans)
         logits = self.runner.run(chunks, rows + prompt_rows if prompt_rows else rows, placeholders=placeholders,
                                  share_sampled=len(rows) if share else 0, scoring=scoring)
+        if self.scheduler.state_prefix is not None:  # after the step's layers, before any slot changes hands
+            self.scheduler.state_prefix.take_snapshots((s.seq, s.start_pos, s.num_new_tokens) for s in out.scheduled)
         follow = getattr(self.proposer, "follow", None)
         if follow is not None:  # a draft model computes its layers' KV of the step's positions too
             follow(out.scheduled, prev)
@@ -837,6 +844,7 @@ class LLMEngine:
             "async_scheduling": self.async_scheduling,
             "async_pressure_resolves": self.async_pressure_resolves,
             "spec_decode": self.spec_counters.as_dict() if self.spec_counters is not None else None,
+            "state_snapshots": self.scheduler.state_prefix.counters() if self.scheduler.state_prefix else None,
         }
         return out
 

@@ -571,6 +571,12 @@ class ModelRunner:
             host.spec_lens = np.asarray(spec, dtype=np.int32)
 
     @torch.inference_mode()
+    def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Linear-attention state: copy slot ``src`` into slot ``dest`` for each ``(src, dest)`` (stream-ordered
+        after the steps launched so far, before the next)."""
+        self.linear_states.copy_slots(pairs)
+
+    @torch.inference_mode()
     def keep_verified(self, slots: list[int], num_rows: list[int]) -> None:
         """After a verify step: each slot advances over the first ``num_rows`` of its sequence's verify rows
         (1 + the accepted proposals); see :meth:`LinearStates.keep_verified`."""

@@ -18,6 +18,12 @@ gets its token in every step, and a stream waits behind at most one bounded pref
    prefix-cache hit is skipped, and with chunked prefill a prompt longer than
    the room is split over steps.
 
+Models with linear-attention state layers under prefix caching
+(``state_prefix``, kvforge/engine/state_prefix.py): a hit ends only at a
+block whose state snapshot is kept, the admitted request's slot gets that
+snapshot at once, and a prefill chunk that would run past the sequence's
+snapshot boundary is cut to end on it.
+
 Under the ``priority`` policy (``--scheduling-policy priority``, vLLM's) each
 request has a priority, lower first. Decodes still come first and the prefill
 room is as above; within decodes, and within prefills, lower priority goes
@@ -150,6 +156,7 @@ class Scheduler:
         tokenizer=None,
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
+        state_prefix=None,
     ):
         if policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
@@ -177,6 +184,7 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.tokenizer = tokenizer
+        self.state_prefix = state_prefix  # StatePrefixCache, or None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
@@ -336,6 +344,8 @@ class Scheduler:
                         i += 1
                         continue
                     n = room
+                if self.state_prefix is not None:
+                    n = self.state_prefix.chunk_tokens(seq, seq.num_computed_tokens, n)
             spec = self._proposals_to_verify(seq, n, budget) if seq.spec_token_ids else ()
             m = n + len(spec) if spec else n  # with the proposals
             self_preempted = False
@@ -370,7 +380,9 @@ class Scheduler:
                 if seq.num_pending:
                     break  # preempted while its token was in flight: admitted after resolve() (next step)
                 # A request that still needs prompt logprobs computes its whole prompt (no cache hit).
-                cached = [] if seq.needs_prompt_logprobs else bm.lookup_prefix(seq)
+                state = self.state_prefix
+                cached = ([] if seq.needs_prompt_logprobs
+                          else bm.lookup_prefix(seq, state.resumable if state is not None else None))
                 num_cached = len(cached) * bm.block_size
                 n = seq.num_tokens - num_cached
                 room = min(budget, prefill_room)
@@ -378,8 +390,12 @@ class Scheduler:
                     if not self.enable_chunked_prefill:
                         break
                     n = room
+                if state is not None:
+                    n = state.chunk_tokens(seq, num_cached, n)
                 if not bm.allocate(seq, n, cached):
                     break
+                if state is not None:
+                    state.restore(seq)
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 if seq.num_preemptions == 0:

@@ -131,6 +131,10 @@ def forget_warm_up(engine) -> None:
 
     bm = engine.block_manager
     bm.reset_prefix_cache()
+    if engine.state_slots is not None:
+        engine.state_slots.drop_snapshots()
+    if engine.scheduler.state_prefix is not None:
+        engine.scheduler.state_prefix.snapshots_taken = engine.scheduler.state_prefix.snapshots_restored = 0
     bm.prefix_cache_queries = bm.prefix_cache_hits = bm.num_evictions = 0
     engine.scheduler.num_preemptions = engine.scheduler.prompt_tokens_admitted = 0
     engine.generation_tokens_total = engine.num_steps = engine.prefill_tokens_computed = 0

@@ -421,14 +421,18 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
 def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
     """Rule 8: a prefix-cache hit resumes a request from cached blocks, which must hold everything the
     skipped tokens left behind. Paged groups do (a sliding group needs only its window's blocks); a state
-    layer's state or a ring's rows at the hit point are kept nowhere, so those models cannot cache."""
+    layer's state at the hit point is a snapshot kept in a state slot no request holds
+    (kvforge/engine/state_prefix.py); a ring's rows at the hit point are kept nowhere, so those models
+    cannot cache."""
     kinds = {g.kind for g in groups}
-    if "state" in kinds:
-        return False, ("off: state layers keep one running state per request, and the state at a cached "
-                       "prefix's end is not stored")
     if "ring" in kinds:
         return False, ("off: a request's ring holds rows of its last tokens, which a cached prefix would "
                        "skip writing")
+    if "state" in kinds:
+        return True, ("on: paged groups resume from the blocks of the cached prefix, state layers from a "
+                      "snapshot of their state at its last block, taken where a prompt's prefill reaches a "
+                      "block boundary (its last one before the final token included) and kept in state slots "
+                      "no request holds, least recently used evicted first")
     if "sliding" in kinds:
         return True, ("on: full groups resume from every block of the cached prefix, sliding-window groups "
                       "from the blocks inside the window of its end")

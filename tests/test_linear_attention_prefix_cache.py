@@ -1,0 +1,218 @@
+"""Prefix caching for linear-attention hybrids (Qwen3-Next, Kimi-Linear): a hit resumes the paged layers from
+cached blocks and the state layers from a snapshot of their state (kvforge/engine/state_prefix.py).
+
+The slot bookkeeping (``StateSlots``) is checked alone: least-recently-used eviction, a request restoring from
+a snapshot into another slot or, with no other slot left, taking the snapshot's own, and the invariant
+``num_free + len(held) == num_slots``. Through the engine (tiny random checkpoints written by transformers,
+float32 on CPU, blocks of 4 tokens, prefill chunks of 16): every request's greedy tokens follow transformers'
+greedy stream (tests/greedy_agreement.py, bound ``1e-4 * max(1, max |logits|)`` as in
+tests/test_linear_attention_engine_vs_hf.py), and the prompt tokens served from the cache are exactly those up
+to the last block with a snapshot: a follow-up turn, a second copy of a prompt, prompts sharing a cached
+prefix admitted together (one of them taking the snapshot's slot), a snapshot evicted (its blocks still
+cached, no hit), asynchronous scheduling, and n-gram speculative decoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from greedy_agreement import assert_greedy_agrees, top2_margins
+from linear_attention_setup import CASES, ENGINE, one_torch_thread  # noqa: F401 (autouse fixture)
+
+from kvforge.engine.state_slots import StateSlots
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_checkpoints import LINEAR_VOCAB as VOCAB  # noqa: E402
+from tiny_checkpoints import make_checkpoint  # noqa: E402
+
+from kvforge import SamplingParams  # noqa: E402
+from kvforge.engine.sequence import Sequence  # noqa: E402
+
+NEW_TOKENS = 6
+#: KV-cache memory (max-model-len 64) for which the plan gives exactly two state slots.
+TWO_SLOTS = {"qwen3-next": 83_000, "kimi-linear": 73_000}
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+# ---- the slot bookkeeping ------------------------------------------------------------------------------
+def _invariant(slots: StateSlots) -> None:
+    assert slots.num_free + len(slots.held) == slots.num_slots
+
+
+def test_snapshots_are_evicted_least_recently_used_first():
+    slots = StateSlots(3)
+    slots.acquire("a")
+    assert slots.snapshot_slot(b"x") is not None and slots.snapshot_slot(b"y") is not None
+    assert slots.snapshot_slot(b"x") is None  # kept already: now the most recently used
+    _invariant(slots)
+    assert slots.num_free == 2 and slots.num_snapshots == 2
+    z = slots.snapshot_slot(b"z")  # no empty slot: evicts y, the least recently used
+    assert z is not None and slots.has_snapshot(b"x") and not slots.has_snapshot(b"y") and slots.has_snapshot(b"z")
+    slots.acquire("b")  # a request evicts a snapshot (x, the least recently used now)
+    assert not slots.has_snapshot(b"x") and slots.has_snapshot(b"z")
+    slots.acquire("c")
+    assert slots.num_snapshots == 0 and slots.num_free == 0
+    assert slots.snapshot_slot(b"w") is None  # every slot held by a request: no snapshot
+    with pytest.raises(RuntimeError, match="all held"):
+        slots.acquire("d")
+    _invariant(slots)
+
+
+def test_a_restore_copies_into_another_slot_or_takes_the_snapshots_own():
+    slots = StateSlots(3)
+    slots.acquire("running")
+    kept = slots.snapshot_slot(b"p")
+    slot, source = slots.acquire_from("q1", b"p")  # an empty slot is left: copy the snapshot into it
+    assert source == kept and slot != kept and slots.has_snapshot(b"p")
+    slot2, source2 = slots.acquire_from("q2", b"p")  # none left but the snapshot's: take it, nothing to copy
+    assert slot2 == kept and source2 is None and not slots.has_snapshot(b"p")
+    _invariant(slots)
+    with pytest.raises(KeyError):
+        slots.acquire_from("q3", b"p")
+    slots.release("q1")
+    assert slots.drop_snapshots() == 0 and slots.num_free == 1
+
+
+def test_a_restore_keeps_its_snapshot_over_older_ones():
+    slots = StateSlots(3)
+    slots.snapshot_slot(b"old")
+    slots.snapshot_slot(b"p")
+    slots.snapshot_slot(b"newer")
+    slot, source = slots.acquire_from("q", b"p")  # evicts "old" (least recently used), never "p"
+    assert source is not None and slots.has_snapshot(b"p") and not slots.has_snapshot(b"old")
+    slot, source = slots.acquire_from("r", b"p")  # "p" was used last: "newer" goes
+    assert source is not None and not slots.has_snapshot(b"newer")
+    _invariant(slots)
+
+
+# ---- through the engine ---------------------------------------------------------------------------------
+@pytest.fixture
+def model(tmp_path, request):
+    """(transformers model, checkpoint path, greedy reference function, tolerance function) of ``case``."""
+    hf, _ = make_checkpoint(request.param, tmp_path)
+
+    def greedy(prompt, n=NEW_TOKENS):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])  # the mask given: an answer may hold token 0, the pad id
+            run = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                              return_dict_in_generate=True)
+        return run.sequences[0, len(prompt):].tolist(), top2_margins(torch.cat(run.logits))
+
+    def tolerance(prompts):
+        with torch.no_grad():
+            return 1e-4 * max(1.0, max(hf(torch.tensor([p])).logits.abs().max().item() for p in prompts))
+
+    return request.param, tmp_path, greedy, tolerance
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(engine, prompts, params=GREEDY) -> list[list[int]]:
+    """Submit ``prompts`` together, step to the end; their token lists in order."""
+    ids = [f"r{engine.num_steps}-{k}" for k in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[rid] for rid in ids]
+
+
+def _hits(engine) -> int:
+    return engine.stats()["prefix_cache_hits"]
+
+
+def _check(greedy, tol, prompts, outputs, what):
+    for k, (p, got) in enumerate(zip(prompts, outputs)):
+        want, margins = greedy(p, len(got))
+        assert_greedy_agrees(got, want, margins, tol, what=f"{what} prompt {k}")
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
+def test_follow_up_turns_resume_at_the_last_snapshot(model, engines):
+    """A 30-token prompt leaves snapshots at 16 and 28 (its prefill is cut at 28: chunks 16, 12, then 2). The
+    next turn (prompt, answer, 5 new tokens) finds 8 full blocks cached but resumes at 28, the last block with
+    a snapshot, and leaves one at 40; a second copy of the first prompt resumes at 28 too."""
+    case, path, greedy, tolerance = model
+    engine = engines(path).engine
+    first = _tokens(30, 1)
+    (answer,) = _run(engine, [first])
+    assert engine.stats()["state_snapshots"] == {"kept": 2, "taken": 2, "restored": 0}
+    follow_up = first + answer + _tokens(5, 2)
+    again = list(first)
+    before = _hits(engine)
+    outs = _run(engine, [follow_up])
+    assert _hits(engine) - before == 28
+    outs += _run(engine, [again])
+    assert _hits(engine) - before == 28 + 28
+    counters = engine.stats()["state_snapshots"]
+    assert counters == {"kept": 3, "taken": 3, "restored": 2}
+    prompts = [first, follow_up, again]
+    _check(greedy, tolerance(prompts), prompts, [answer, *outs], f"{case} turns")
+    assert engine.state_slots.num_free == engine.state_slots.num_slots
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
+def test_prompts_admitted_together_share_one_snapshot(model, engines):
+    """Two slots: after a 20-token prompt one holds its snapshot (at 16). Two prompts extending it arrive
+    together: the first copies the snapshot into the empty slot, the second (no other slot left) takes the
+    snapshot's own slot. Both resume at 16; neither can keep a snapshot of its own (both slots held)."""
+    case, path, greedy, tolerance = model
+    engine = engines(path, kv_cache_memory=TWO_SLOTS[case], max_model_len=64).engine
+    assert engine.state_slots.num_slots == 2
+    base = _tokens(20, 3)
+    outs = _run(engine, [base])
+    before = _hits(engine)
+    pair = [base + _tokens(7, 4), base + _tokens(3, 5)]
+    outs += _run(engine, pair)
+    assert _hits(engine) - before == 16 + 16
+    assert engine.stats()["state_snapshots"] == {"kept": 0, "taken": 1, "restored": 2}
+    prompts = [base, *pair]
+    _check(greedy, tolerance(prompts), prompts, outs, f"{case} shared")
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
+def test_an_evicted_snapshot_gives_no_hit(model, engines):
+    """Two slots, two 14-token prompts one after another: while the second runs (holding one slot) its
+    snapshot at 12 evicts the first's, the least recently used. The second prompt again resumes at 12; the
+    first again finds its blocks cached but no snapshot: no hit, computed from a zero state, the same
+    tokens."""
+    case, path, greedy, tolerance = model
+    engine = engines(path, kv_cache_memory=TWO_SLOTS[case], max_model_len=64).engine
+    assert engine.state_slots.num_slots == 2
+    prompts = [_tokens(14, 10 + k) for k in range(2)]
+    outs = [_run(engine, [p])[0] for p in prompts]
+    assert engine.stats()["state_snapshots"] == {"kept": 1, "taken": 2, "restored": 0}
+    before = _hits(engine)
+    again = _run(engine, [prompts[1]])
+    assert _hits(engine) - before == 12
+    probe = Sequence("probe", prompts[0], GREEDY)
+    assert len(engine.block_manager.lookup_prefix(probe)) == 3  # its blocks are still cached
+    again += _run(engine, [prompts[0]])
+    assert _hits(engine) - before == 12
+    _check(greedy, tolerance(prompts), prompts + prompts[::-1], outs + again, f"{case} evicted")
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
+def test_hits_under_async_scheduling_and_speculation(model, engines):
+    """A step in flight while the next is scheduled (snapshots and restores are stream-ordered with it), and
+    n-gram proposals verified over restored states: still transformers' tokens, and the hits are taken."""
+    case, path, greedy, tolerance = model
+    base = _tokens(24, 6) * 2  # a repeated run: the n-gram proposer finds matches
+    prompts = [base, base + _tokens(6, 7), base[:33]]
+    tol = tolerance(prompts)
+    for kw in (dict(async_scheduling=True),
+               dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2})):
+        engine = engines(path, **kw).engine
+        outs = _run(engine, prompts[:1])
+        outs += _run(engine, prompts[1:])
+        assert _hits(engine) == 44 + 32, kw
+        _check(greedy, tol, prompts, outs, f"{case} {kw}")
+        engine.shutdown()
