@@ -30,8 +30,9 @@ from kvforge import SamplingParams  # noqa: E402
 from kvforge.engine.sequence import Sequence  # noqa: E402
 
 NEW_TOKENS = 6
-#: KV-cache memory (max-model-len 64) for which the plan gives exactly two state slots.
+#: KV-cache memory (max-model-len 64) for which the plan gives exactly two (three) state slots.
 TWO_SLOTS = {"qwen3-next": 83_000, "kimi-linear": 73_000}
+THREE_SLOTS = {"qwen3-next": 110_000, "kimi-linear": 100_000}
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -84,6 +85,33 @@ def test_a_restore_keeps_its_snapshot_over_older_ones():
     slot, source = slots.acquire_from("r", b"p")  # "p" was used last: "newer" goes
     assert source is not None and not slots.has_snapshot(b"newer")
     _invariant(slots)
+
+
+def test_snapshots_of_one_step_never_evict_each_other():
+    slots = StateSlots(3)
+    slots.acquire("a")
+    slots.acquire("b")
+    first = slots.snapshot_slot(b"x")
+    assert first is not None
+    assert slots.snapshot_slot(b"y", protected={b"x"}) is None  # the only other slot holds x, made this step
+    assert slots.has_snapshot(b"x") and not slots.has_snapshot(b"y")
+    assert slots.snapshot_slot(b"y") == first  # unprotected, x is the least recently used
+    _invariant(slots)
+
+
+def test_workers_apply_copies_in_rank_0s_order():
+    """A restore that reads the snapshot the copy before it wrote (two calls on rank 0, one message to the
+    other ranks): the operations apply as rank 0 applied them, one call after the other."""
+    from kvforge.attention.linear_state import LinearStates
+    from kvforge.distributed.runner import STATE_COPY, apply_state_ops
+
+    conv = {0: torch.arange(4.0).reshape(4, 1, 1)}
+    rec = {0: torch.arange(4.0).reshape(4, 1, 1, 1) * 10}
+    states = LinearStates(conv, rec)
+    apply_state_ops(states, [(STATE_COPY, 0, 1), (STATE_COPY, 1, 2), (STATE_COPY, 3, 0)])
+    # In order: slot 1 <- 0, slot 2 <- 1 (now 0's), slot 0 <- 3.
+    assert conv[0].flatten().tolist() == [3.0, 0.0, 0.0, 3.0]
+    assert rec[0].flatten().tolist() == [30.0, 0.0, 0.0, 30.0]
 
 
 # ---- through the engine ---------------------------------------------------------------------------------
@@ -175,6 +203,23 @@ def test_prompts_admitted_together_share_one_snapshot(model, engines):
     assert engine.stats()["state_snapshots"] == {"kept": 0, "taken": 1, "restored": 2}
     prompts = [base, *pair]
     _check(greedy, tolerance(prompts), prompts, outs, f"{case} shared")
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
+def test_more_snapshots_in_a_step_than_free_slots(model, engines):
+    """Three slots, two 10-token prompts together: both prefills are cut at 8 in one step, whose one spare
+    slot keeps one snapshot (the other is not taken); both prompts again resume, the one with a snapshot at
+    8 and the other computed whole, with transformers' tokens throughout."""
+    case, path, greedy, tolerance = model
+    engine = engines(path, kv_cache_memory=THREE_SLOTS[case], max_model_len=64).engine
+    assert engine.state_slots.num_slots == 3
+    prompts = [_tokens(10, 20), _tokens(10, 21)]
+    outs = _run(engine, prompts)
+    assert engine.stats()["state_snapshots"] == {"kept": 1, "taken": 1, "restored": 0}
+    before = _hits(engine)
+    outs += _run(engine, prompts)
+    assert _hits(engine) - before == 8
+    _check(greedy, tolerance(prompts), prompts * 2, outs, f"{case} crowded")
 
 
 @pytest.mark.parametrize("model", CASES, indirect=True)

@@ -329,8 +329,10 @@ class LinearStates:
         if set(src) & set(dest) or len(set(dest)) != len(dest):
             raise ValueError(f"state slot copies need distinct destinations that are no source: {list(pairs)}")
         dev = next(iter(self.conv.values())).device
-        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
-        dest_t = torch.tensor(dest, dtype=torch.int64, device=dev)
+        idx = torch.tensor([src, dest], dtype=torch.int64)
+        if dev.type == "cuda":
+            idx = idx.pin_memory().to(dev, non_blocking=True)  # no host sync with the steps in flight
+        src_t, dest_t = idx[0], idx[1]
         for states in (*self.conv.values(), *self.recurrent.values()):
             states.index_copy_(0, dest_t, states.index_select(0, src_t))
 

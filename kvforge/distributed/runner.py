@@ -65,11 +65,18 @@ STATE_KEEP, STATE_COPY = 0, 1
 def apply_state_ops(linear_states, ops) -> None:
     """Apply ``(kind, a, b)`` state-slot operations in order: STATE_KEEP replays ``b`` accepted verify rows
     onto slot ``a`` (LinearStates.keep_verified); STATE_COPY copies slot ``a`` into slot ``b``. Consecutive
-    operations of one kind run as one call."""
+    operations of one kind run as one call while none touches a slot an earlier one of the call writes or
+    reads as a copy's source (a restore may read the snapshot the copy before it wrote)."""
     i = 0
     while i < len(ops):
-        j = i
+        j, reads, writes = i, set(), set()
         while j < len(ops) and ops[j][0] == ops[i][0]:
+            _, a, b = ops[j]
+            if ops[i][0] == STATE_COPY:
+                if a in writes or b in writes or b in reads:
+                    break
+                reads.add(a)
+                writes.add(b)
             j += 1
         pairs = [(a, b) for _, a, b in ops[i:j]]
         if ops[i][0] == STATE_KEEP:

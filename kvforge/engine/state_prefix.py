@@ -59,9 +59,13 @@ class StatePrefixCache:
 
     def chunk_tokens(self, seq: Sequence, start: int, num_tokens: int) -> int:
         """``num_tokens`` of a prefill chunk from ``start``, cut to end at ``snapshot_boundary(seq)`` when
-        the chunk would run past it."""
+        the chunk would run past it and a slot could keep the snapshot (one besides the sequence's own:
+        with every slot held by running requests nothing would be kept, so nothing is cut)."""
         boundary = self.snapshot_boundary(seq)
-        return boundary - start if start < boundary < start + num_tokens else num_tokens
+        if not start < boundary < start + num_tokens:
+            return num_tokens
+        spare = self.slots.num_free - (seq.request_id not in self.slots.held)
+        return boundary - start if spare > 0 else num_tokens
 
     def restore(self, seq: Sequence) -> None:
         """Give ``seq`` (just admitted with ``seq.num_computed_tokens`` from the prefix cache, which ends at
@@ -78,15 +82,16 @@ class StatePrefixCache:
     def take_snapshots(self, chunks: Iterable[tuple[Sequence, int, int]]) -> None:
         """After a step of ``(sequence, start, tokens)`` chunks: copy the state of each sequence whose chunk
         ended at a block boundary at or before its snapshot boundary into a snapshot slot."""
-        pairs = []
+        pairs, made = [], set()
         for seq, start, n in chunks:
             end = start + n
-            if end == 0 or end % self.block_size or end > self.snapshot_boundary(seq) or n < 1:
+            if end == 0 or end % self.block_size or end > self.snapshot_boundary(seq):
                 continue
             key = self.block_manager.block_hashes(seq, end // self.block_size)[-1]
-            dest = self.slots.snapshot_slot(key)
+            dest = self.slots.snapshot_slot(key, protected=made)  # never a slot this call copies into
             if dest is not None:
                 pairs.append((self.slots.held[seq.request_id], dest))
+                made.add(key)
         if pairs:
             self.copy_state_slots(pairs)
             self.snapshots_taken += len(pairs)

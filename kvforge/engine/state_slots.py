@@ -33,19 +33,23 @@ class StateSlots:
         return len(self._empty) + len(self._snapshots)
 
     @property
+    def num_empty(self) -> int:
+        return len(self._empty)
+
+    @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
-    def _take(self, keep: bytes | None = None) -> int | None:
+    def _take(self, keep: bytes | None = None, protected=()) -> int | None:
         """An empty slot, else the least recently used snapshot's slot (``keep``'s only when no other is
-        left); None when every slot is held by a request."""
+        left, never one in ``protected``); None when every slot is held by a request or protected."""
         if self._empty:
             return self._empty.pop()
         for key in self._snapshots:
-            if key != keep:
+            if key != keep and key not in protected:
                 return self._snapshots.pop(key)
-        if self._snapshots:
-            return self._snapshots.popitem()[1]
+        if keep is not None and keep in self._snapshots:
+            return self._snapshots.pop(keep)
         return None
 
     def acquire(self, request_id: str) -> int:
@@ -81,14 +85,14 @@ class StateSlots:
     def has_snapshot(self, key: bytes) -> bool:
         return key in self._snapshots
 
-    def snapshot_slot(self, key: bytes) -> int | None:
+    def snapshot_slot(self, key: bytes, protected=()) -> int | None:
         """The slot to copy a state into as snapshot ``key`` (an empty slot, else the least recently used
-        snapshot's); None when ``key`` is kept already (now the most recently used) or every slot is held
-        by a request."""
+        snapshot's but those in ``protected``); None when ``key`` is kept already (now the most recently
+        used) or every slot is held by a request or a protected snapshot."""
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return None
-        slot = self._take()
+        slot = self._take(protected=protected)
         if slot is not None:
             self._snapshots[key] = slot
         return slot

@@ -430,9 +430,10 @@ def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
                        "skip writing")
     if "state" in kinds:
         return True, ("on: paged groups resume from the blocks of the cached prefix, state layers from a "
-                      "snapshot of their state at its last block, taken where a prompt's prefill reaches a "
-                      "block boundary (its last one before the final token included) and kept in state slots "
-                      "no request holds, least recently used evicted first")
+                      "snapshot of their state at its last block; snapshots are taken where a prefill chunk "
+                      "ends on a block boundary (a prompt's chunk is cut at its last one before the final "
+                      "token) and kept in state slots no running request holds (none reserved), least "
+                      "recently used evicted first")
     if "sliding" in kinds:
         return True, ("on: full groups resume from every block of the cached prefix, sliding-window groups "
                       "from the blocks inside the window of its end")
