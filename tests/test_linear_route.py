@@ -15,11 +15,19 @@ missed row, column or K chunk: order 1).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_checkpoints import randomize_dense_parameters
-from triton_kernel_device import DEVICE, gpu_only, requires_kernels, skip_unless_loaded_loop_bounds_work
+from triton_kernel_device import (
+    DEVICE,
+    INTERPRETED,
+    gpu_only,
+    requires_kernels,
+    skip_unless_loaded_loop_bounds_work,
+)
 
 from kvforge.env import read_env
 from kvforge.kernels import triton_small_m_linear
@@ -125,6 +133,10 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
     skip_unless_loaded_loop_bounds_work()
     monkeypatch.setattr(linear_route, "SMALL_M_LINEAR_DEVICES", (DEVICE,))
     monkeypatch.setattr(linear_route, "SMALL_M_MAX_ROWS", 8)  # the kernel takes the 3-row decode steps
+    if dtype == torch.bfloat16 and INTERPRETED:  # BF16_DOT: the 3 rows by broadcast, which the interpreter runs
+        monkeypatch.setattr(triton_small_m_linear, "BROADCAST_MAX_ROWS", 4)
+        fresh = functools.cache(triton_small_m_linear.small_m_linear_config.__wrapped__)  # no config cached across
+        monkeypatch.setattr(triton_small_m_linear, "small_m_linear_config", fresh)
     calls = []
     kernel = triton_small_m_linear.small_m_linear
 

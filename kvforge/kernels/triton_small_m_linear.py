@@ -10,10 +10,10 @@ slice of K, and walks the slice in ``BLOCK_K`` chunks. Each chunk loads one ``[B
 tile (``evict_first``: it is never read again) and the ``[rows, BLOCK_K]`` chunk of ``x`` (``evict_last``:
 every program re-reads it from L2). Two ways to multiply (``SmallMLinearConfig.use_dot``):
 
-* broadcast (few rows): one row of ``x`` accumulates ``tile * x_chunk`` elementwise in a
-  ``[BLOCK_N, BLOCK_K]`` float32 register tile and reduces it across threads once, after the loop; 2 to
-  4 rows (padded to a power of two) do the same in a ``[BLOCK_N, rows, BLOCK_K]`` tile, its K chunk
-  narrowed so the tile stays within ``BROADCAST_ACC_ELEMENTS``.
+* broadcast (one or two rows): one row of ``x`` accumulates ``tile * x_chunk`` elementwise in a
+  ``[BLOCK_N, BLOCK_K]`` float32 register tile and reduces it across threads once, after the loop; two
+  rows do the same in a ``[BLOCK_N, 2, BLOCK_K]`` tile (up to ``BROADCAST_MAX_ROWS``, padded to a power
+  of two), its K chunk sized so the tile holds ``BROADCAST_ACC_ELEMENTS``.
 * ``tl.dot`` (more rows): ``tile @ x_chunk.T`` on tensor cores into a ``[BLOCK_N, 16]`` float32 accumulator,
   the rows of ``x`` padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows load as zeros).
 
@@ -54,8 +54,10 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most rows of ``x`` one launch takes.
 MAX_ROWS = 16
-#: Up to this many rows the broadcast multiply serves; more rows run ``tl.dot`` (rows padded to 16).
-BROADCAST_MAX_ROWS = 4
+#: Up to this many rows the broadcast multiply serves; more rows run ``tl.dot`` (rows padded to 16). On an
+#: H100, each of Llama-3.1-8B's projections at 4 rows is faster by tl.dot than by broadcast (docs/BENCHMARKS.md,
+#: "Two to eight rows").
+BROADCAST_MAX_ROWS = 2
 #: ``tl.dot`` needs every dimension >= 16: the rows of ``x`` are padded to this on the dot path.
 DOT_ROWS = 16
 #: Weight dtypes the kernel reads (``x`` has the same dtype).
@@ -64,15 +66,20 @@ DTYPES = (torch.bfloat16, torch.float16)
 #: Broadcast path: K chunk per iteration (elements) and the range of weight rows per program.
 BROADCAST_BLOCK_K = 512
 #: Broadcast path with several rows: float32 accumulator elements per program (weight rows x rows of ``x``
-#: x K chunk), which caps the K chunk (64 registers a thread at 4 warps); one row keeps ``BROADCAST_BLOCK_K``.
+#: x K chunk), which sets the K chunk (64 registers a thread at 4 warps); one row takes ``BROADCAST_BLOCK_K``.
 BROADCAST_ACC_ELEMENTS = 8192
 BROADCAST_BLOCK_N = (4, 16)
 BROADCAST_NUM_WARPS = 4
-#: tl.dot path: weight rows per program (the MMA's M), K chunk, warps, pipeline stages.
+#: tl.dot path: weight rows per program (the MMA's M), K chunk, warps, pipeline stages. ``DOT_BLOCK_N_WIDE``
+#: rows (in ``DOT_WIDE_NUM_STAGES`` stages) where they still give ``num_sms // 2`` programs, else
+#: ``DOT_BLOCK_N``: at 4 rows the 8B's qkv, gate_up and LM head are 3-7% faster in 64-row blocks, its o and
+#: down 2-6% faster in 16-row ones, which 64-row blocks would leave at 64 programs.
 DOT_BLOCK_N = 16
+DOT_BLOCK_N_WIDE = 64
 DOT_BLOCK_K = 256
 DOT_NUM_WARPS = 4
 DOT_NUM_STAGES = 4
+DOT_WIDE_NUM_STAGES = 3
 #: Pipeline stages of the broadcast path's K loop.
 BROADCAST_NUM_STAGES = 3
 #: One row under the RMSNorm prologue (K chunk, stages): the chunk's own loads of the stream, residual and
@@ -81,7 +88,9 @@ RMS_NORM_PROLOGUE_BLOCK_K, RMS_NORM_PROLOGUE_NUM_STAGES = 256, 4
 #: Programs per SM the broadcast path's row blocks aim for (narrower blocks until they do).
 MIN_PROGRAMS_PER_SM = 2
 #: K is split where the row blocks give fewer programs than ``waves`` x SMs, into slices of at least
-#: ``min_tokens`` elements of K, at most ``max_splits`` of them (SplitRule's ceil rule).
+#: ``min_tokens`` elements of K, at most ``max_splits`` of them (SplitRule's ceil rule). The tl.dot path
+#: splits only below ``num_sms // 2`` programs: a partial wave of its blocks beats the split's partials
+#: (the 8B's qkv at 4 rows in 96 programs: 638 us, split in two 710).
 SPLIT_K_RULE = SplitRule(waves=1, min_tokens=1024, max_splits=8, round_up=True)
 #: Columns per program of the split-K reduction.
 REDUCE_BLOCK = 1024
@@ -136,29 +145,42 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
     """The launch for ``x [m, k] @ weight[n, k].T`` on a GPU with ``num_sms`` SMs, the input computed by
     ``prologue`` (one row).
 
-    Broadcast path (``m <= BROADCAST_MAX_ROWS``): the widest ``block_n`` in ``BROADCAST_BLOCK_N`` that
-    still gives ``MIN_PROGRAMS_PER_SM`` programs per SM, and a K chunk within ``BROADCAST_ACC_ELEMENTS``
-    for several rows (``RMS_NORM_PROLOGUE_BLOCK_K`` under the RMSNorm prologue); tl.dot path:
-    ``DOT_BLOCK_N``. Then K is split (``SPLIT_K_RULE``) only where the row blocks alone do not fill the SMs
-    once (never under the RMSNorm prologue, whose 1 / rms scales whole sums over K).
+    Broadcast path (``m <= BROADCAST_MAX_ROWS``): one row takes the widest ``block_n`` in
+    ``BROADCAST_BLOCK_N`` that still gives ``MIN_PROGRAMS_PER_SM`` programs per SM and a
+    ``BROADCAST_BLOCK_K`` chunk (``RMS_NORM_PROLOGUE_BLOCK_K`` under the RMSNorm prologue); several rows
+    take the narrowest ``block_n`` and the K chunk that fills ``BROADCAST_ACC_ELEMENTS`` (measured: at two
+    rows 4 x 1024 beats 16 x 256 on every 8B projection). tl.dot path: ``DOT_BLOCK_N_WIDE`` where that
+    still gives ``num_sms // 2`` programs, else ``DOT_BLOCK_N``. Then K is split (``SPLIT_K_RULE``) only
+    where the row blocks alone do not fill the SMs once (half of them on the tl.dot path), and never under
+    the RMSNorm prologue, whose 1 / rms scales whole sums over K.
     """
     use_dot = m > BROADCAST_MAX_ROWS
     # Small K (tests, tiny models): one chunk covers it, at least one 16-byte vector (or an MMA's K) wide.
     if use_dot:
         block_k = max(16, min(DOT_BLOCK_K, next_power_of_2(k)))
-        block_n, num_warps, num_stages = DOT_BLOCK_N, DOT_NUM_WARPS, DOT_NUM_STAGES
+        wide = -(-n // DOT_BLOCK_N_WIDE) >= num_sms // 2
+        block_n = DOT_BLOCK_N_WIDE if wide else DOT_BLOCK_N
+        num_warps, num_stages = DOT_NUM_WARPS, DOT_WIDE_NUM_STAGES if wide else DOT_NUM_STAGES
     else:
         lo, hi = BROADCAST_BLOCK_N
-        target = MIN_PROGRAMS_PER_SM * num_sms
-        block_n = hi
-        while block_n > lo and -(-n // block_n) < target:
-            block_n //= 2
-        widest = BROADCAST_BLOCK_K if m == 1 else BROADCAST_ACC_ELEMENTS // (block_n * next_power_of_2(m))
         num_warps, num_stages = BROADCAST_NUM_WARPS, BROADCAST_NUM_STAGES
+        if m == 1:
+            target = MIN_PROGRAMS_PER_SM * num_sms
+            block_n = hi
+            while block_n > lo and -(-n // block_n) < target:
+                block_n //= 2
+            widest = BROADCAST_BLOCK_K
+        else:
+            block_n = lo
+            widest = BROADCAST_ACC_ELEMENTS // (block_n * next_power_of_2(m))
         if prologue == PROLOGUE_RMS_NORM:
             widest, num_stages = RMS_NORM_PROLOGUE_BLOCK_K, RMS_NORM_PROLOGUE_NUM_STAGES
-        block_k = max(8, min(BROADCAST_BLOCK_K, widest, next_power_of_2(k)))
-    split_k = 1 if prologue == PROLOGUE_RMS_NORM else SPLIT_K_RULE.splits(-(-n // block_n), k, num_sms)
+        block_k = max(8, min(widest, next_power_of_2(k)))
+    programs = -(-n // block_n)
+    if prologue == PROLOGUE_RMS_NORM or (use_dot and programs >= num_sms // 2):
+        split_k = 1
+    else:
+        split_k = SPLIT_K_RULE.splits(programs, k, num_sms)
     return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
 
 
