@@ -291,7 +291,8 @@ def test_engine_matches_transformers_on_cuda(case, eager, tmp_path, engines):
     captured), so decode steps replay CUDA graphs whose slot ids and has_initial_state are static buffers; one
     sequence stops early, so later decode batches of 3 replay the graph of 4 with a padding row at slot -1.
     Scheduling is asynchronous (the CUDA default): the early stop is found with the next step in flight.
-    Greedy tokens follow transformers' float32 greedy on CUDA until a near-tie within 1e-4 * max |logit|."""
+    Greedy tokens follow transformers' float32 greedy on CUDA until a near-tie within 1e-4 * max |logit|, and
+    again when the batch comes a second time and resumes from state snapshots."""
     # Head size 32 and blocks of 16: shapes the Triton paged backend declares.
     dense = {"qwen3-next": dict(num_experts=0, head_dim=32), "kimi-linear": dict(mlp_layer_types=["dense"] * 4)}[case]
     hf, _ = make_checkpoint(case, tmp_path, **dense)
@@ -311,14 +312,21 @@ def test_engine_matches_transformers_on_cuda(case, eager, tmp_path, engines):
     assert (ours - ref).abs().max().item() <= tol
     lengths = [NEW_TOKENS, 5, NEW_TOKENS, NEW_TOKENS]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for k, (p, out, n) in enumerate(zip(prompts, outs, lengths)):
+    expected = []
+    for p, n in zip(prompts, lengths):
         with torch.no_grad():
             run = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                               eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        want = run.sequences[0, len(p):].tolist()
-        assert_greedy_agrees(out.outputs[0].token_ids, want, top2_margins(torch.cat(run.logits).cpu()), tol,
-                             what=f"{case} cuda {'eager' if eager else 'graphs'} prompt {k}")
+        expected.append((run.sequences[0, len(p):].tolist(), top2_margins(torch.cat(run.logits).cpu())))
+    # The batch twice: the second time the prompts of 37 and 21 tokens resume at 32 and 16 from the state
+    # snapshots their first run left (copied on the device, in stream order with the steps in flight).
+    for run_index in range(2):
+        hits = llm.engine.stats()["prefix_cache_hits"]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for k, (out, (want, margins)) in enumerate(zip(outs, expected)):
+            assert_greedy_agrees(out.outputs[0].token_ids, want, margins, tol,
+                                 what=f"{case} cuda {'eager' if eager else 'graphs'} run {run_index} prompt {k}")
+    assert llm.engine.stats()["prefix_cache_hits"] - hits == 32 + 16
     if not eager:
         assert runner.num_graph_steps > 0
 
