@@ -20,6 +20,7 @@ from greedy_agreement import assert_greedy_agrees, top2_margins
 from linear_attention_setup import CASES, ENGINE, one_torch_thread  # noqa: F401 (autouse fixture)
 
 from kvforge.engine.state_slots import StateSlots
+from kvforge.server.metrics import ServerMetrics, parse_prometheus
 
 transformers = pytest.importorskip("transformers")
 
@@ -181,6 +182,10 @@ def test_follow_up_turns_resume_at_the_last_snapshot(model, engines):
     assert _hits(engine) - before == 28 + 28
     counters = engine.stats()["state_snapshots"]
     assert counters == {"kept": 3, "taken": 3, "restored": 2}
+    parsed = parse_prometheus(ServerMetrics("m").render(engine.stats(), in_flight=0).decode())
+    assert parsed['kvforge:state_snapshots{model_name="m"}'] == 3
+    assert parsed['kvforge:state_snapshots_taken_total{model_name="m"}'] == 3
+    assert parsed['kvforge:state_snapshots_restored_total{model_name="m"}'] == 2
     prompts = [first, follow_up, again]
     _check(greedy, tolerance(prompts), prompts, [answer, *outs], f"{case} turns")
     assert engine.state_slots.num_free == engine.state_slots.num_slots

@@ -23,8 +23,9 @@ def tiny(tmp_path):
 
 
 def test_metrics_absent_without_speculation():
-    text = ServerMetrics("m").render({"num_running": 0, "spec_decode": None}, in_flight=0).decode()
-    assert "spec_decode" not in text
+    text = ServerMetrics("m").render({"num_running": 0, "spec_decode": None, "state_snapshots": None},
+                                     in_flight=0).decode()
+    assert "spec_decode" not in text and "state_snapshots" not in text
 
 
 def test_engine_counters_reach_metrics(tiny):

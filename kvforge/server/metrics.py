@@ -51,6 +51,14 @@ SPEC_DECODE_METRICS = (
     ("spec_decode_num_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted."),
 )
 
+# Prefix snapshots of linear-attention state (engine.stats()["state_snapshots"]), exposed only for models with
+# state layers under prefix caching.
+STATE_SNAPSHOT_METRICS = (
+    ("state_snapshots", "kept", "gauge", "Prefix snapshots of linear-attention state kept in unheld state slots."),
+    ("state_snapshots_taken", "taken", "counter", "Linear-attention states copied into prefix snapshots."),
+    ("state_snapshots_restored", "restored", "counter", "Prefix-cache hits that resumed from a state snapshot."),
+)
+
 
 class _EngineCollector:
     """Engine gauges and counters from the last ``engine.stats()`` snapshot (set before each scrape)."""
@@ -101,6 +109,13 @@ class _EngineCollector:
             for pos, count in enumerate(spec["accepted_per_pos"]):
                 family.add_metric([self.model_name, str(pos)], count)
             yield family
+        snapshots = self.stats.get("state_snapshots")
+        if snapshots:
+            for name, key, kind, help_ in STATE_SNAPSHOT_METRICS:
+                family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                    PREFIX + name, help_, labels=["model_name"])
+                family.add_metric([self.model_name], snapshots[key])
+                yield family
 
 
 class ServerMetrics:
