@@ -10,8 +10,9 @@ Rules (one place each):
 - **Where snapshots are taken.** After a step, for every prefill chunk whose end is a block boundary at
   or before ``snapshot_boundary(seq)``: the last block boundary before the sequence's last known token
   (a hit never covers every token, kvforge/engine/block_manager.py). ``chunk_tokens`` cuts the chunk
-  that would run past that boundary to end on it, so every prompt of at least one full block leaves a
-  snapshot at its last full block before its last token; the remaining tokens run in the next step.
+  that would run past that boundary to end on it when a slot besides the sequence's own could keep the
+  snapshot, so a prompt longer than a block leaves a snapshot at its last block boundary before its last
+  token; the remaining tokens run in the next step. The snapshots of one step never evict each other.
   Decode steps take none (a copy of the whole state every block of generated tokens would cost more
   than the KV it saves).
 - **What a hit needs.** ``lookup_prefix`` gets ``resumable``: the hit is the longest cached KV prefix
