@@ -33,10 +33,6 @@ class StateSlots:
         return len(self._empty) + len(self._snapshots)
 
     @property
-    def num_empty(self) -> int:
-        return len(self._empty)
-
-    @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
