@@ -409,17 +409,14 @@ def test_prefix_hit_with_a_sliding_group_needs_only_the_window():
     # Evict the sliding group's early blocks: the hit stands, since the window does not need them.
     early = {bm._hash_to_block[(1, h)] for h in b.block_hashes[:4]}
     for blk in early:
-        key = bm._block_hash[blk]
-        del bm._hash_to_block[key]
-        bm._block_hash[blk] = None
+        bm._forget_hash(blk)
         del bm._cached_free[blk]
         bm._free.append(blk)
     bm.check_invariants([])
     assert bm.lookup_prefix(b) == hit
     # Evicting a block inside the window shortens the hit to the longest point whose window is whole.
     inside = bm._hash_to_block[(1, b.block_hashes[4])]
-    del bm._hash_to_block[bm._block_hash[inside]]
-    bm._block_hash[inside] = None
+    bm._forget_hash(inside)
     del bm._cached_free[inside]
     bm._free.append(inside)
     shorter = bm.lookup_prefix(b)

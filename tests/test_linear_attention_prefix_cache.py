@@ -192,6 +192,55 @@ def test_follow_up_turns_resume_at_the_last_snapshot(model, engines):
 
 
 @pytest.mark.parametrize("model", CASES, indirect=True)
+def test_a_shared_prefix_is_a_hit_from_the_third_request_on(model, engines):
+    """One 22-token system prompt, three different messages after it, one request after another. The first
+    leaves snapshots at 16 and 28 (chunk ends), none where the messages part (20). The second finds five
+    blocks cached (20 tokens) but resumes at 16; another cached request went on from 20 with other tokens,
+    so its prefill is cut there too (16 -> 20 -> 24 -> 27) and leaves a snapshot at 20. The third resumes
+    at 20."""
+    case, path, greedy, tolerance = model
+    engine = engines(path).engine
+    system = _tokens(22, 30)
+    prompts = [system + _tokens(7, 31), system + _tokens(5, 32), system + _tokens(6, 33)]
+    hits, outs = [], []
+    for p in prompts:
+        before = _hits(engine)
+        outs += _run(engine, [p])
+        hits.append(_hits(engine) - before)
+    assert hits == [0, 16, 20]
+    assert engine.stats()["state_snapshots"]["taken"] == 2 + 2 + 1  # the third: its own boundary at 24
+    _check(greedy, tolerance(prompts), prompts, outs, f"{case} system prompt")
+
+
+def test_a_branch_point_needs_another_continuation_in_the_cache():
+    """``has_other_continuation``: a prefix a cached request went on from with other tokens is a branch
+    point; one it stopped at (a chat's previous turn), or went on from with the same tokens, is not; an
+    evicted continuation no longer counts. The counts behind it stay consistent (``check_invariants``)."""
+    from kvforge.engine.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+
+    def computed(tokens, rid):
+        seq = Sequence(rid, tokens, GREEDY)
+        assert bm.allocate(seq, len(tokens))
+        seq.num_computed_tokens = len(tokens)
+        bm.cache_full_blocks(seq)
+        bm.free(seq)
+        bm.check_invariants()
+
+    prefix = list(range(3, 11))  # two blocks
+    computed(prefix + [50, 51, 52, 53], "a")  # three blocks: went on from the prefix with 50..53
+    assert bm.has_other_continuation(Sequence("b", prefix + [60, 61, 62, 63, 64]), 2)
+    assert not bm.has_other_continuation(Sequence("c", prefix + [50, 51, 52, 53, 9]), 2)  # a's own tokens
+    assert not bm.has_other_continuation(Sequence("d", prefix + [50, 51, 52, 53, 54, 55]), 3)  # a stopped at 3
+    computed([70 + i for i in range(12)], "e")  # the last three never-used blocks
+    computed([90 + i for i in range(4)], "f")  # evicts the least recently freed: a's third block
+    assert not bm.has_other_continuation(Sequence("b", prefix + [60, 61, 62, 63, 64]), 2)
+    bm.reset_prefix_cache()
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
 def test_prompts_admitted_together_share_one_snapshot(model, engines):
     """Two slots: after a 20-token prompt one holds its snapshot (at 16). Two prompts extending it arrive
     together: the first copies the snapshot into the empty slot, the second (no other slot left) takes the

@@ -109,6 +109,9 @@ class BlockManager:
     7. Every group's table of a sequence has the same length; a sliding group
        holds real blocks only from ``num_skipped_blocks[g]`` on, which is
        never after the window of the sequence's next query.
+    8. ``_num_children[(g, h)]`` counts the registered blocks of group ``g``
+       whose parent hash is ``h`` (``None`` for a first block): the cached
+       continuations of a prefix (``has_other_continuation``).
 
     After every sequence is freed, ``num_used_blocks == 0``.
     """
@@ -137,6 +140,8 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[tuple[int, bytes], int] = {}
+        self._block_parent: list[bytes | None] = [None] * num_blocks  # parent hash of a registered block
+        self._num_children: dict[tuple[int, bytes | None], int] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._empty_hit = PrefixHit(0, (0,) * self.num_groups, ((),) * self.num_groups)
         # Stats (tokens).
@@ -316,16 +321,21 @@ class BlockManager:
             b = self._free.popleft()
         elif self._cached_free:
             b, _ = self._cached_free.popitem(last=False)  # least recently freed
-            key = self._block_hash[b]
-            if key is not None and self._hash_to_block.get(key) == b:
-                del self._hash_to_block[key]
-            self._block_hash[b] = None
+            self._forget_hash(b)
             self.num_evictions += 1
         else:  # pragma: no cover - callers check first
             raise NoFreeBlocksError("no free KV-cache blocks")
         assert self._ref_count[b] == 0
         self._ref_count[b] = 1
         return b
+
+    def _forget_hash(self, b: int) -> None:
+        """Drop block ``b``'s hash from the prefix cache (an eviction)."""
+        key = self._block_hash[b]
+        if key is not None and self._hash_to_block.get(key) == b:
+            del self._hash_to_block[key]
+            self._drop_child(key[0], self._block_parent[b])
+        self._block_hash[b] = None
 
     def _release(self, b: int, seq: Sequence) -> None:
         rc = self._ref_count[b]
@@ -468,7 +478,31 @@ class BlockManager:
                 if self._block_hash[b] is None and key not in self._hash_to_block:
                     self._block_hash[b] = key
                     self._hash_to_block[key] = b
+                    parent = hashes[i - 1] if i else None
+                    self._block_parent[b] = parent
+                    self._num_children[(g, parent)] = self._num_children.get((g, parent), 0) + 1
         seq.num_registered_blocks = num_full
+
+    def _drop_child(self, group: int, parent: bytes | None) -> None:
+        n = self._num_children[(group, parent)] - 1
+        if n:
+            self._num_children[(group, parent)] = n
+        else:
+            del self._num_children[(group, parent)]
+
+    def has_other_continuation(self, seq: Sequence, num_blocks: int) -> bool:
+        """Whether the cache holds a block that follows ``seq``'s first ``num_blocks`` blocks in the first
+        full group and is not ``seq``'s next block: another cached request went on from that prefix with
+        different tokens (a branch point), not just stopped there."""
+        if not self.enable_prefix_caching or not self._full or num_blocks < 1:
+            return False
+        g = self._full[0]
+        hashes = self._ensure_hashes(seq, num_blocks)
+        n = self._num_children.get((g, hashes[num_blocks - 1]), 0)
+        if n and (seq.num_tokens // self.block_size) > num_blocks:
+            own_next = self._ensure_hashes(seq, num_blocks + 1)[num_blocks]
+            n -= (g, own_next) in self._hash_to_block
+        return n > 0
 
     # ---- release -----------------------------------------------------------
     def free(self, seq: Sequence) -> None:
@@ -505,6 +539,7 @@ class BlockManager:
         for b in self._hash_to_block.values():
             self._block_hash[b] = None
         self._hash_to_block.clear()
+        self._num_children.clear()
 
     # ---- checking ----------------------------------------------------------
     def check_invariants(self, seqs=None) -> None:
@@ -527,6 +562,10 @@ class BlockManager:
         for key, b in self._hash_to_block.items():
             assert self._block_hash[b] == key, f"hash map disagrees for block {b}"
         assert sum(1 for k in self._block_hash if k is not None) == len(self._hash_to_block)
+        children: dict[tuple[int, bytes | None], int] = {}
+        for (g, _), b in self._hash_to_block.items():
+            children[(g, self._block_parent[b])] = children.get((g, self._block_parent[b]), 0) + 1
+        assert children == self._num_children, "continuation counts disagree with the registered blocks"
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks
         if seqs is not None:
             holders = [0] * self.num_blocks

@@ -391,6 +391,7 @@ class Scheduler:
                         break
                     n = room
                 if state is not None:
+                    state.find_branch_point(seq, num_cached)
                     n = state.chunk_tokens(seq, num_cached, n)
                 if not bm.allocate(seq, n, cached):
                     break

@@ -89,6 +89,10 @@ class Sequence:
       registered in (or taken from) the prefix cache.
     - ``num_cached_prompt_tokens``: prefix-cache hit, in tokens, at the first
       admission.
+    - ``state_branch_point``: models with state layers: the block boundary past
+      the admission's hit where another cached request's tokens branch off
+      this one's, whose state a snapshot should keep (0: none;
+      kvforge/engine/state_prefix.py).
     - ``arrival``: a process-wide increasing counter; preemption picks the
       running sequence with the largest one.
     """
@@ -122,6 +126,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.num_cached_prompt_tokens = 0
+        self.state_branch_point = 0
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -58,15 +58,28 @@ class StatePrefixCache:
         """The last block boundary a hit of ``seq``'s tokens could end at (0: none)."""
         return (seq.num_tokens - 1) // self.block_size * self.block_size
 
+    def find_branch_point(self, seq: Sequence, num_cached: int) -> None:
+        """Set ``seq.state_branch_point`` at admission, ``num_cached`` tokens being its hit: the end of its
+        cached KV blocks when that lies past the hit, before its snapshot boundary, and another cached
+        request branches off there; else 0."""
+        seq.state_branch_point = 0
+        kv_blocks = len(self.block_manager.lookup_prefix(seq))
+        point = kv_blocks * self.block_size
+        if (num_cached < point < self.snapshot_boundary(seq)
+                and self.block_manager.has_other_continuation(seq, kv_blocks)):
+            seq.state_branch_point = point
+
     def chunk_tokens(self, seq: Sequence, start: int, num_tokens: int) -> int:
-        """``num_tokens`` of a prefill chunk from ``start``, cut to end at ``snapshot_boundary(seq)`` when
-        the chunk would run past it and a slot could keep the snapshot (one besides the sequence's own:
-        with every slot held by running requests nothing would be kept, so nothing is cut)."""
-        boundary = self.snapshot_boundary(seq)
-        if not start < boundary < start + num_tokens:
+        """``num_tokens`` of a prefill chunk from ``start``, cut to end at the first of
+        ``seq.state_branch_point`` and ``snapshot_boundary(seq)`` the chunk would run past, when a slot
+        could keep the snapshot (one besides the sequence's own: with every slot held by running requests
+        nothing would be kept, so nothing is cut)."""
+        end = start + num_tokens
+        cuts = [b for b in (seq.state_branch_point, self.snapshot_boundary(seq)) if start < b < end]
+        if not cuts:
             return num_tokens
         spare = self.slots.num_free - (seq.request_id not in self.slots.held)
-        return boundary - start if spare > 0 else num_tokens
+        return min(cuts) - start if spare > 0 else num_tokens
 
     def restore(self, seq: Sequence) -> None:
         """Give ``seq`` (just admitted with ``seq.num_computed_tokens`` from the prefix cache, which ends at
