@@ -135,6 +135,23 @@ def test_outputs_match_their_constraints(smol_llm):
     assert reason == "stop" and isinstance(json.loads(text), dict) and text == json.dumps(json.loads(text)), text
 
 
+def test_json_whitespace_runs_are_bounded(smol_llm):
+    """JSON outputs take any whitespace, but no run longer than ``JSON_WHITESPACE_RUN_MAX`` between two JSON
+    tokens (a model emitting blank lines would otherwise run to ``max_tokens``); pretty-printed JSON passes."""
+    from kvforge.structured.backend import JSON_WHITESPACE_RUN_MAX as run
+
+    backend = smol_llm().engine.grammar_backend()
+    deep = {"name": "a", "age": 3, "colour": "red", "tags": ["x", "y"]}
+    for constraint in ({"json": PERSON}, {"json_object": True}, {"json": True}):
+        params = StructuredOutputsParams(**constraint)
+        assert backend.matcher(params).accept_string(json.dumps(deep, indent=4)), constraint
+        for blank in (" ", "\n"):
+            assert backend.matcher(params).accept_string("{" + blank * run + '"name"'), (constraint, blank)
+            matcher = backend.matcher(params)
+            assert matcher.accept_string("{" + blank * run), constraint
+            assert not matcher.accept_string(blank), (constraint, blank)
+
+
 def test_sampled_outputs_match_and_seeds_repeat(smol_llm):
     llm = smol_llm()
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs={"json": PERSON})

@@ -25,6 +25,10 @@ CACHE_BYTES = 256 << 20
 #: Constraints remembered as checked (their first token), so a request checked when it arrives is not checked
 #: again when the engine takes it.
 CHECKED_CONSTRAINTS = 4096
+#: The longest run of whitespace a JSON output may hold between two tokens of JSON (without
+#: ``disable_any_whitespace``): room for pretty-printed JSON 16 levels deep at 4 spaces, and an end to a
+#: model that would otherwise emit blank lines until ``max_tokens``.
+JSON_WHITESPACE_RUN_MAX = 64
 INSTALL_HINT = "pip install xgrammar (or kvforge[structured])"
 #: The time and source position xgrammar puts before its messages.
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -101,21 +105,24 @@ class GrammarBackend:
     def _compile(self, params: StructuredOutputsParams, field: str):
         kind = params.kind
         whitespace = not params.disable_any_whitespace
+        spaces = JSON_WHITESPACE_RUN_MAX if whitespace else None
         try:
             if kind == "json":
                 schema = json.loads(params.json)
-                if schema is True:
-                    return self._compiler.compile_builtin_json_grammar()
+                if schema is True:  # any JSON value
+                    return self._compiler.compile_json_schema("true", any_whitespace=whitespace, strict_mode=False,
+                                                              max_whitespace_cnt=spaces)
                 if params.disable_additional_properties:
                     schema = close_objects(schema)
                 problems = list(unenforced(schema))
                 if problems:
                     raise InvalidRequestError(f"{field} uses what xgrammar does not enforce, so an output could break "
                                               f"the schema: {'; '.join(problems)}", field=field)
-                return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=whitespace)
+                return self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=whitespace,
+                                                          max_whitespace_cnt=spaces)
             if kind == "json_object":  # any object: not strict, or it could hold no property at all
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace,
-                                                          strict_mode=False)
+                                                          strict_mode=False, max_whitespace_cnt=spaces)
             if kind == "regex":
                 return self._compiler.compile_regex(params.regex)
             if kind == "choice":
