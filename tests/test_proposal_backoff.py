@@ -56,7 +56,7 @@ def test_garbage_proposals_back_off_and_keep_greedy_output():
 
 def test_async_steps_feed_a_draft_model_through_placeholders(tmp_path):
     """Under async scheduling the steps without proposals overlap: the draft follows them with the in-flight
-    token gathered on the device. A tiny Llama as its own draft, probed every third step: its KV of every
+    token gathered on the device. A tiny Llama as its own draft, probed every third step or so: its KV of every
     followed position must equal the target's, or its proposals (the target's own argmax) would be rejected."""
     from test_speculative_engine import LLAMA, TINY_PROMPTS, save_tiny
 
@@ -71,7 +71,10 @@ def test_async_steps_feed_a_draft_model_through_placeholders(tmp_path):
              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     engine = on.engine
     assert engine.async_scheduling and engine.spec_backoff is not None
-    engine.spec_backoff.due = lambda request_id, step: step % 3 == 0
+    # Probe again two plain steps after a probe's tokens (its proposals are all accepted: 3 tokens).
+    probed = {}
+    engine.spec_backoff.record = lambda request_id, clock, proposed, accepted: probed.__setitem__(request_id, clock)
+    engine.spec_backoff.due = lambda request_id, clock: clock >= probed.get(request_id, -5) + 5
     launched = []
     launch = engine._launch
     engine._launch = lambda out, prev: (launched.append(prev is not None), launch(out, prev))[1]

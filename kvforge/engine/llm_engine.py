@@ -615,8 +615,8 @@ class LLMEngine:
         backoff.py; every step for proposers that do not back off)."""
         if self.spec_backoff is None:
             return any(seq.num_output_tokens for seq in self.scheduler.running)
-        step = self.num_launches
-        return any(seq.num_output_tokens and self.spec_backoff.due(seq.request_id, step)
+        due = self.spec_backoff.due  # a token in flight counts: the clock once it resolves
+        return any(seq.num_output_tokens and due(seq.request_id, seq.num_output_tokens + seq.num_pending)
                    for seq in self.scheduler.running)
 
     def _propose(self, probing: bool) -> None:
@@ -624,19 +624,19 @@ class LLMEngine:
         the next step; the others verify none. A prompt whose chunks leave its last token for the next step
         gets none there: a request's first token always comes from a plain step (as vLLM proposes from a
         step's sampled token), so a seeded sample draws the same first token whatever cut its prompt."""
-        step, backoff = self.num_launches, self.spec_backoff
+        backoff = self.spec_backoff
         decoding = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             if seq.speculative is None and seq.num_output_tokens:
                 seq.speculative = SpeculativeStats()
             if (probing and seq.num_output_tokens and seq.num_tokens - seq.num_computed_tokens == 1
-                    and not seq.num_pending and (backoff is None or backoff.due(seq.request_id, step))):
+                    and not seq.num_pending and (backoff is None or backoff.due(seq.request_id, seq.num_output_tokens))):
                 decoding.append(seq)
         for seq, proposal in zip(decoding, self.proposer.propose(decoding) if decoding else []):
             seq.spec_token_ids = proposal
             if not proposal and backoff is not None:
-                backoff.record(seq.request_id, step, 0, 0)
+                backoff.record(seq.request_id, seq.num_output_tokens, 0, 0)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies before a step (all ranks)."""
@@ -782,7 +782,7 @@ class LLMEngine:
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):
             if props:
                 if self.spec_backoff is not None:
-                    self.spec_backoff.record(seq.request_id, self.num_launches, len(props), accepted)
+                    self.spec_backoff.record(seq.request_id, seq.num_output_tokens, len(props), accepted)
                 self.spec_counters.record(len(props), accepted)
                 seq.speculative = (seq.speculative or SpeculativeStats()).plus(len(props), accepted)
             elif seq.speculative is None:

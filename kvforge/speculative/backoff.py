@@ -9,6 +9,11 @@ the steps it skips are ordinary decode steps, overlapped with the host under asy
 accepted proposal ends the streak: the sequence is probed every step again.
 
 Skipping never changes output: verification is exact whether or not a step carries proposals.
+
+The clock is the sequence's own count of output tokens, not the engine's step counter: a plain step adds
+one token, so a skip of ``n`` tokens is ``n`` plain steps, and when a sequence probes depends on its own
+history only, never on the batch around it. So sample ``j`` of a seeded ``n``-sample request probes
+where a lone request with seed ``+ j`` probes, and draws the same tokens.
 """
 
 from __future__ import annotations
@@ -18,25 +23,25 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ProposalBackoff:
-    """Per-request streaks and next probe steps (``step``: the engine's launch counter)."""
+    """Per-request streaks and next probes (``clock``: the request's output tokens so far)."""
 
     min_streak: int = 3
     max_skip: int = 32
     _state: dict[str, tuple[int, int]] = field(default_factory=dict)  # request id -> (streak, next probe)
 
-    def due(self, request_id: str, step: int) -> bool:
+    def due(self, request_id: str, clock: int) -> bool:
         state = self._state.get(request_id)
-        return state is None or step >= state[1]
+        return state is None or clock >= state[1]
 
-    def record(self, request_id: str, step: int, num_proposed: int, num_accepted: int) -> None:
-        """The outcome of probing ``request_id`` at ``step``: ``num_proposed`` proposals (0: the proposer
+    def record(self, request_id: str, clock: int, num_proposed: int, num_accepted: int) -> None:
+        """The outcome of probing ``request_id`` at ``clock``: ``num_proposed`` proposals (0: the proposer
         found none), ``num_accepted`` of them accepted."""
         if num_accepted > 0:
             self._state.pop(request_id, None)
             return
         streak = self._state.get(request_id, (0, 0))[0] + 1
         skip = 0 if streak < self.min_streak else min(2 ** (streak - self.min_streak + 1), self.max_skip)
-        self._state[request_id] = (streak, step + 1 + skip)
+        self._state[request_id] = (streak, clock + 1 + skip)
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
