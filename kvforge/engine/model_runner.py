@@ -35,7 +35,9 @@ With ``keep_hidden`` set (speculative method mtp), a step also keeps the hidden
 states of all its tokens (``last_hidden``, the model's output before the head;
 no copy) for the proposer to take; a runner over the plan's proposer layers
 (``KVPool.draft_view``) runs the model's multi-token-prediction layer with
-:meth:`ModelRunner.run_mtp`, through the same block tables.
+:meth:`ModelRunner.run_mtp` (or, linked to the target runner, ``mtp_observe`` / ``mtp_first`` /
+``mtp_next``, which keep their tensors on the runner: at tensor parallelism every rank holds its own
+copies), through the same block tables.
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.plan = plan
+        self.max_num_seqs = max_num_seqs
         self.device = device
         self.block_size = plan.block_size
         self.backend_names = [layer.backend for layer in plan.layers]
@@ -220,6 +223,11 @@ class ModelRunner:
         #: Keep each step's hidden states [tokens, hidden] in ``last_hidden`` (speculative method mtp).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        #: A runner of the MTP layer: the target runner whose hidden states it reads (``link_mtp``), the head
+        #: input of each sequence's next proposal by head slot, the rows of the proposal step under way.
+        self.mtp_target: ModelRunner | None = None
+        self._mtp_heads: torch.Tensor | None = None
+        self._mtp_current: torch.Tensor | None = None
         self._tables = BlockTableCache()
         self._pin = device.type == "cuda"
         self.num_graph_steps = 0
@@ -637,6 +645,7 @@ class ModelRunner:
         score_rows(self.model.compute_logits, hidden[kept:], host.scored_slice_rows, scoring)
         return self.model.compute_logits(hidden[:kept])
 
+    # ---- the multi-token-prediction layer (a runner over the plan's proposer layers) ------------------
     @torch.inference_mode()
     def run_mtp(self, chunks, hidden: torch.Tensor, logits_rows: list[int],
                 logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -645,21 +654,64 @@ class ModelRunner:
         returns (float32 logits or None without ``logits``, head inputs) of ``logits_rows``. Its KV goes to
         this runner's layer 0 (a runner over the plan's proposer layers), through the block tables given,
         eagerly."""
-        host = self.build_host(chunks, logits_rows)
+        out = self._mtp_layer(self.build_host(chunks, logits_rows), hidden)
+        return (self.mtp_logits(out) if logits else None), out
+
+    def _mtp_layer(self, host: HostStep, hidden: torch.Tensor) -> torch.Tensor:
         ids, positions, metas, rows = self._to_device(host)
         self._metas, self._num_splits = metas, None
         try:
             out = self.model.mtp_forward(ids, positions, hidden, self._attn_api)
         finally:
             self._metas = None
-        if rows is not None:
-            out = out[rows]
-        return (self.mtp_logits(out) if logits else None), out
+        return out[rows] if rows is not None else out
 
     @torch.inference_mode()
-    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the MTP layer's head inputs ``out`` [rows, hidden]."""
+    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of the MTP layer's head inputs ``out`` [rows, hidden] (None on a tensor-parallel
+        rank other than 0; every rank calls it)."""
         return self.model.mtp_logits(out)
+
+    def link_mtp(self, target: ModelRunner) -> None:
+        """Take the MTP layer's input from the hidden states ``target`` keeps of each step."""
+        self.mtp_target = target
+        target.keep_hidden = True
+
+    @torch.inference_mode()
+    def mtp_observe(self, chunks, source_rows: list[int], head_rows: list[int], head_slots: list[int]) -> None:
+        """The MTP layer over ``chunks`` (their KV written), row ``j`` reading the linked target's last step's
+        hidden state ``source_rows[j]`` (taken: the target holds it no longer); the outputs ``head_rows`` are
+        kept as head inputs in ``head_slots`` (slots < ``max_num_seqs``, chosen by the caller)."""
+        self._mtp_observe(self.build_host(chunks, head_rows), source_rows, head_slots)
+
+    def _mtp_observe(self, host: HostStep, source_rows, head_slots) -> None:
+        hidden, self.mtp_target.last_hidden = self.mtp_target.last_hidden, None
+        idx = torch.as_tensor(source_rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+        out = self._mtp_layer(host, hidden.index_select(0, idx))
+        if len(head_slots):
+            if self._mtp_heads is None:
+                self._mtp_heads = out.new_empty((self.max_num_seqs, out.shape[1]))
+            slots = torch.as_tensor(head_slots, dtype=torch.long).to(out.device, non_blocking=True)
+            self._mtp_heads.index_copy_(0, slots, out)
+
+    @torch.inference_mode()
+    def mtp_first(self, head_slots: list[int]) -> torch.Tensor | None:
+        """Logits of the head inputs in ``head_slots`` (a proposal step's first guesses); they are the rows
+        :meth:`mtp_next` goes on from."""
+        slots = torch.as_tensor(head_slots, dtype=torch.long).to(self._mtp_heads.device, non_blocking=True)
+        self._mtp_current = self._mtp_heads.index_select(0, slots)
+        return self.mtp_logits(self._mtp_current)
+
+    @torch.inference_mode()
+    def mtp_next(self, chunks, keep: list[int]) -> torch.Tensor | None:
+        """The layer again, one token per chunk, row ``j`` going on from row ``keep[j]`` of the last
+        :meth:`mtp_first` / :meth:`mtp_next`; the logits of the new rows, which the next call goes on from."""
+        return self._mtp_next(self.build_host(chunks, list(range(len(chunks)))), keep)
+
+    def _mtp_next(self, host: HostStep, keep) -> torch.Tensor | None:
+        sel = torch.as_tensor(keep, dtype=torch.long).to(self._mtp_current.device, non_blocking=True)
+        self._mtp_current = self._mtp_layer(host, self._mtp_current.index_select(0, sel))
+        return self.mtp_logits(self._mtp_current)
 
 
 def pack_aligned(arrays: list[np.ndarray], align_bytes: int = 16) -> tuple[np.ndarray, list[int]]:

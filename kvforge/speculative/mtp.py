@@ -48,8 +48,10 @@ from kvforge.speculative.pick import pick_proposals
 
 class MTPProposer:
     """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`. ``runner``: a
-    ModelRunner of the target model (which has ``mtp_forward``) over the plan's proposer layers;
-    ``target_runner``: the target's (``keep_hidden`` is turned on); ``block_manager``: the target's;
+    ModelRunner of the target model (which has ``mtp_forward``) over the plan's proposer layers, linked to
+    ``target_runner``, the target's (``ModelRunner.link_mtp``: it keeps each step's hidden states); the
+    runner holds every tensor of the proposals (a request's head input in its head slot, one of
+    ``runner.max_num_seqs``), so at tensor parallelism each rank runs the same calls on its own copies; ``block_manager``: the target's;
     ``copy_blocks``: applies copy-on-write copies to the pool now; ``spare_blocks``: how many free blocks the
     running sequences' next step does not need."""
 
@@ -61,15 +63,26 @@ class MTPProposer:
         self.block_manager, self.max_model_len = block_manager, max_model_len
         self.copy_blocks = copy_blocks
         self.spare_blocks = spare_blocks or (lambda: block_manager.num_free_blocks)
-        target_runner.keep_hidden = True
-        # request id -> (the sequence, its token count then, the head input [hidden] of its last MTP position):
-        # the start of the sequence's next proposals (logits are computed for those that propose).
-        self._heads: dict[str, tuple[Sequence, int, torch.Tensor]] = {}
+        runner.link_mtp(target_runner)
+        # request id -> (the sequence, its token count then): the runner keeps the head input of its last MTP
+        # position in the request's head slot, the start of its next proposals.
+        self._heads: dict[str, tuple[Sequence, int]] = {}
+        self._slot_of: dict[str, int] = {}  # request id -> head slot, held until the request is discarded
+        self._free_slots = list(range(runner.max_num_seqs - 1, -1, -1))
         self._probs: dict[str, torch.Tensor] = {}  # request id -> q [proposals, vocab] of its latest proposals
 
     def discard(self, request_id: str) -> None:
         self._heads.pop(request_id, None)
         self._probs.pop(request_id, None)
+        slot = self._slot_of.pop(request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _head_slot(self, request_id: str) -> int | None:
+        slot = self._slot_of.get(request_id)
+        if slot is None and self._free_slots:
+            slot = self._slot_of[request_id] = self._free_slots.pop()
+        return slot
 
     def proposal_probs(self, seq: Sequence, num_proposals: int) -> torch.Tensor | None:
         """``q`` [num_proposals, vocab] of the sequence's first proposals (None for a greedy request)."""
@@ -81,8 +94,7 @@ class MTPProposer:
         """Run the MTP layer over the step's positions whose next token is known (module docstring, 1).
         ``scheduled``: the step's ``ScheduledSequence`` entries in run order; ``new_tokens``: per sampled
         request, the tokens the step appends (accepted proposals, then the target's token)."""
-        hidden, self.target_runner.last_hidden = self.target_runner.last_hidden, None  # not held past this step
-        chunks, rows, last_rows, heads = [], [], [], []
+        chunks, rows, head_rows, head_slots, heads = [], [], [], [], []
         offset = 0
         for s in scheduled:
             seq, start = s.seq, s.start_pos
@@ -97,23 +109,25 @@ class MTPProposer:
                 following = list(s.token_ids[1:real]) + seq.token_ids_slice(start + real, start + real + 1)
             rows.extend(range(offset, offset + len(following)))
             chunks.append((following, start, seq.block_tables))
-            last_rows.append(len(rows) - 1)
-            heads.append(seq if s.do_sample else None)
+            slot = self._head_slot(seq.request_id) if s.do_sample else None
+            if slot is not None:
+                head_rows.append(len(rows) - 1)
+                head_slots.append(slot)
+                heads.append(seq)
             offset += s.num_new_tokens
         if not chunks:
+            self.target_runner.last_hidden = None  # not held past this step
             return
-        idx = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-        _, out = self.runner.run_mtp(chunks, hidden.index_select(0, idx), last_rows, logits=False)
-        for seq, row in zip(heads, out):
-            if seq is not None:
-                self._heads[seq.request_id] = (seq, seq.num_tokens + len(new_tokens[seq.request_id]), row)
+        self.runner.mtp_observe(chunks, rows, head_rows, head_slots)
+        for seq in heads:
+            self._heads[seq.request_id] = (seq, seq.num_tokens + len(new_tokens[seq.request_id]))
 
     # ---- before each schedule -----------------------------------------------------------------------
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]:
         self._probs = {}
         out: list[list[int]] = [[] for _ in seqs]
         active = []  # (output index, sequence, proposals wanted)
-        hidden = []
+        slots = []
         bm, spare = self.block_manager, self.spare_blocks()
         for i, seq in enumerate(seqs):
             head = self._heads.pop(seq.request_id, None)
@@ -130,14 +144,13 @@ class MTPProposer:
                 else:
                     spare -= extra
             active.append((i, seq, room))
-            hidden.append(head[2])
+            slots.append(self._slot_of[seq.request_id])
         if not active:
             return out
         copies = bm.take_copies()
         if copies:
             self.copy_blocks(copies)
-        hidden = torch.stack(hidden)
-        logits = self.runner.mtp_logits(hidden)
+        logits = self.runner.mtp_first(slots)
         probs: dict[int, list[torch.Tensor]] = {}
         step = 1
         while True:
@@ -152,8 +165,7 @@ class MTPProposer:
             active = [active[j] for j in keep]
             # The layer again at the next position: its own output in place of the target's hidden state.
             chunks = [([out[i][-1]], seq.num_tokens - 2 + step, seq.block_tables) for i, seq, _ in active]
-            sel = torch.tensor(keep, dtype=torch.long, device=hidden.device)
-            logits, hidden = self.runner.run_mtp(chunks, hidden.index_select(0, sel), list(range(len(chunks))))
+            logits = self.runner.mtp_next(chunks, keep)
             step += 1
         for i, rows_q in probs.items():
             self._probs[seqs[i].request_id] = torch.stack(rows_q)
