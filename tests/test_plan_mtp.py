@@ -85,6 +85,12 @@ def test_mtp_with_embeddings_of_its_own_is_refused(tmp_path):
         plan(str(tmp_path), mtp=True)
 
 
-def test_mtp_with_tensor_parallelism_is_refused_by_the_plan_too():
-    with pytest.raises(ConfigError, match="method mtp does not run with tensor parallelism yet"):
-        plan("qwen3-next-80b-a3b", mtp=True, tensor_parallel_size=2, device="cuda")
+@pytest.mark.parametrize("model,tp,heads,kv_heads", [("qwen3-next-80b-a3b", 2, 8, 1), ("deepseek-v3", 8, 16, 1)])
+def test_the_mtp_layer_at_tensor_parallelism_takes_the_targets_heads_per_rank(model, tp, heads, kv_heads):
+    """Qwen3-Next: 16 query heads and 2 KV heads over 2 ranks; DeepSeek-V3: 128 MLA heads over 8 ranks, one
+    latent each (the configs' head counts, divided by hand)."""
+    p = plan(model, mtp=True, tensor_parallel_size=tp, device="cuda")
+    (layer,) = p.draft.layers
+    assert (layer.heads_per_rank, layer.kv_heads_per_rank) == (heads, kv_heads)
+    target = next(lp for lp in p.layers if lp.kind == layer.kind)
+    assert (target.heads_per_rank, target.kv_heads_per_rank) == (heads, kv_heads)

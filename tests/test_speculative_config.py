@@ -104,12 +104,6 @@ def test_vllm_names_of_the_mtp_method_mean_mtp(alias):
     assert SpeculativeConfig.parse({"method": alias, "num_speculative_tokens": 2}).method == "mtp"
 
 
-def test_mtp_with_tensor_parallelism_is_refused(no_weights):
-    with pytest.raises(ConfigError, match="method mtp does not run with tensor parallelism yet"):
-        _engine("deepseek-v3", tensor_parallel_size=2, speculative_config={"method": "mtp",
-                                                                           "num_speculative_tokens": 1})
-
-
 def test_mtp_from_a_gguf_file_is_refused(no_weights, tmp_path):
     model = _config_dir(tmp_path, "deepseek-v3")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")

@@ -126,7 +126,8 @@ def setup_rank(ctx: dict, group):
         check_device_memory(plan, group.device, kv_from_flag=args.kv_cache_memory is not None,
                             utilization=args.gpu_memory_utilization, planned_device_bytes=args.gpu_memory)
     torch.manual_seed(args.seed)
-    model = build_tp_model(ctx["hf_config"], TORCH_DTYPES[ctx["model_dtype"]], group.device, group, plan)
+    model = build_tp_model(ctx["hf_config"], TORCH_DTYPES[ctx["model_dtype"]], group.device, group, plan,
+                           with_mtp=ctx.get("with_mtp", False))
     load_weights(model, ctx["model_path"], ctx["load_format"], seed=args.seed,
                  progress=args.progress and group.rank == 0)
     layouts = getattr(model, "linear_state_layouts", None)  # this rank's heads of each linear-attention layer
@@ -162,13 +163,31 @@ def setup_draft(ctx: dict, group, pool):
     return model, runner
 
 
+def setup_mtp(ctx: dict, group, pool, runner):
+    """A runner of the model's MTP layer over the proposer layer of ``pool``, linked to ``runner`` (the
+    target's), with speculative method mtp; None otherwise (same code on every rank)."""
+    if not ctx.get("with_mtp"):
+        return None
+    from kvforge.distributed.runner import STEP_MTP, TPModelRunner
+
+    args = ctx["args"]
+    mtp = TPModelRunner(runner.model, pool.draft_view(), ctx["plan"].draft_runner_plan(), group.device, group,
+                        calibrate=args.calculate_kv_scales, scale_multiplier=args.kv_scale_multiplier,
+                        enforce_eager=True, max_num_seqs=args.max_num_seqs, mla_prefill_mode=args.mla_prefill_mode,
+                        step_command=STEP_MTP, **ctx.get("runner_options", {}))
+    mtp.link_mtp(runner)
+    return mtp
+
+
 class TPLauncher:
     """Owns the worker processes and the process group of one TP engine (on rank 0)."""
 
     def __init__(self, args, plan, hf_config: dict, model_dtype: str, device: torch.device,
-                 model_path: str | None, load_format: str, draft: dict | None = None):
+                 model_path: str | None, load_format: str, draft: dict | None = None, with_mtp: bool = False):
         """``draft``: the draft model of speculative method draft_model (``hf_config``, ``model_path``,
-        ``load_format``), built on every rank beside the target (:attr:`draft_model`, :attr:`draft_runner`)."""
+        ``load_format``), built on every rank beside the target (:attr:`draft_model`, :attr:`draft_runner`);
+        ``with_mtp``: the checkpoint's MTP layer (speculative method mtp) on every rank, run by
+        :attr:`draft_runner`."""
         from kvforge.distributed.tp_models import check_tp_architecture
 
         check_tp_architecture(hf_config)  # before any process starts
@@ -201,7 +220,8 @@ class TPLauncher:
         self.device = device
         ctx = dict(args=args, plan=plan, hf_config=hf_config, model_dtype=model_dtype, model_path=model_path,
                    load_format=load_format, backend=backend, world_size=tp, timeout_s=self.timeout_s,
-                   num_threads=torch.get_num_threads(), runner_options=dict(RUNNER_OPTIONS), draft=draft)
+                   num_threads=torch.get_num_threads(), runner_options=dict(RUNNER_OPTIONS), draft=draft,
+                   with_mtp=with_mtp)
         import datetime
 
         self.store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=self.timeout_s),
@@ -223,6 +243,8 @@ class TPLauncher:
             self._watchdog.start()
             self.model, self.pool, self.runner = setup_rank(ctx, self.group)
             self.draft_model, self.draft_runner = setup_draft(ctx, self.group, self.pool)
+            if with_mtp:
+                self.draft_runner = setup_mtp(ctx, self.group, self.pool, self.runner)
             # Startup reports go through the store (startup deadline), not a collective (step timeout).
             self._wait_for(REPORT_KEY, "load its weights and allocate its KV pool")
             self.reports = [rank_report(0, self.model, self.pool, self.runner)] + [
@@ -261,14 +283,15 @@ class TPLauncher:
             raise DistributedError("tensor-parallel startup failed on " + "; ".join(errors))
         want_bytes = expected_pool_bytes(plan)
         want_heads = expected_kv_heads(plan.layers)
-        want_draft_heads = expected_kv_heads(plan.draft.layers) if self.draft_runner is not None else []
+        has_draft = self.draft_model is not None  # a draft model's slice (an MTP layer is the target's)
+        want_draft_heads = expected_kv_heads(plan.draft.layers) if has_draft else []
         for r in self.reports:
             if r["nbytes"] != want_bytes or r["kv_heads"] != want_heads:
                 raise DistributedError(
                     f"rank {r['rank']} allocated {r['nbytes']} KV bytes with KV heads per layer {r['kv_heads']}; "
                     f"the plan states {want_bytes} bytes (num_blocks {plan.num_blocks} x group size "
                     f"{plan.group_size} x page bytes) and KV heads {want_heads}")
-            if self.draft_runner is not None and r["draft_kv_heads"] != want_draft_heads:
+            if has_draft and r["draft_kv_heads"] != want_draft_heads:
                 raise DistributedError(
                     f"rank {r['rank']} holds KV heads {r['draft_kv_heads']} per draft layer; the plan states "
                     f"{want_draft_heads}")

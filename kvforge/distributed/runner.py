@@ -30,6 +30,14 @@ draft runner is a second TPModelRunner over the draft's layers of the same pool
 (``KVPool.draft_view``), whose steps wake the workers with another command and
 go through the same broadcast. The two runners share one list of pending
 copy-on-write pairs (one pool), so whichever step is broadcast next carries them.
+
+The checkpoint's MTP layer (speculative method mtp) likewise: a runner over the
+proposer layer of the pool on every rank, linked to that rank's target runner
+(whose hidden states each rank keeps). Each of its calls (``mtp_observe``,
+``mtp_first``, ``mtp_next``) wakes the workers with ``STEP_MTP`` and sends the
+call's kind and integer arguments (rows, head slots, kept rows), then the step
+inputs where the call runs the layer; every rank applies it to its own copies
+of the hidden states and head inputs, and the logits reach rank 0 only.
 """
 
 from __future__ import annotations
@@ -53,9 +61,11 @@ from kvforge.engine.prompt_scoring import PromptScoring, set_scored_rows
 # kvforge/engine/prompt_scoring.py)
 _HEADER = 16
 
-#: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model,
-#: rank 0's sampled tokens of the last target step (async scheduling).
-STEP_TARGET, STEP_DRAFT, SHARE_TOKENS = b"s", b"d", b"t"
+#: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model, a
+#: call of the MTP layer, rank 0's sampled tokens of the last target step (async scheduling).
+STEP_TARGET, STEP_DRAFT, STEP_MTP, SHARE_TOKENS = b"s", b"d", b"m", b"t"
+#: The calls of the MTP layer's runner (``ModelRunner.mtp_observe`` / ``mtp_first`` / ``mtp_next``).
+MTP_OBSERVE, MTP_FIRST, MTP_NEXT = 0, 1, 2
 #: Worker commands between steps: report the step counters (to the store), set them to zero.
 REPORT_COUNTERS, RESET_COUNTERS = b"c", b"z"
 #: State-slot operations (linear-attention models), applied by every rank in rank 0's order.
@@ -138,6 +148,38 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
     return host, copies, bool(graph), n_share, state_ops
 
 
+def broadcast_mtp_call(group: TPGroup, kind: int | None, lists: tuple[list[int], ...] = ()
+                       ) -> tuple[int, list[np.ndarray]]:
+    """Rank 0 sends an MTP call's ``kind`` and integer arguments (at most two lists); the other ranks
+    receive and return them."""
+    if group.rank == 0:
+        header = np.array([kind, len(lists)] + [len(x) for x in lists] + [0] * (2 - len(lists)), dtype=np.int64)
+        group.broadcast_host(header, np.int64, 4)
+        flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in lists]) if lists else np.empty(0, np.int64)
+        group.broadcast_host(flat, np.int64, flat.shape[0])
+        return kind, [np.asarray(x, dtype=np.int64) for x in lists]
+    kind, n_lists, n0, n1 = group.broadcast_host(None, np.int64, 4).tolist()
+    flat = group.broadcast_host(None, np.int64, n0 + n1)
+    return kind, [flat[:n0], flat[n0:n0 + n1]][:n_lists]
+
+
+def run_mtp_call(runner: ModelRunner, group: TPGroup, pool) -> None:
+    """Workers: receive one call of the MTP layer (after ``STEP_MTP``) and apply it to ``runner``."""
+    kind, lists = broadcast_mtp_call(group, None)
+    if kind == MTP_FIRST:
+        runner.mtp_first(lists[0])
+        return
+    host, copies, _, _, _ = broadcast_step(group, None, [])
+    if copies:
+        pool.copy_blocks(copies)
+    if kind == MTP_OBSERVE:
+        runner._mtp_observe(host, lists[0], lists[1])
+    elif kind == MTP_NEXT:
+        runner._mtp_next(host, lists[0])
+    else:
+        raise RuntimeError(f"rank 0 sent an unknown MTP call {kind}")
+
+
 class TPModelRunner(ModelRunner):
     """ModelRunner for one TP rank. On rank 0 ``control`` wakes the workers
     before a step and turns a failed collective into a clear error. Decode
@@ -213,6 +255,37 @@ class TPModelRunner(ModelRunner):
             return self.execute(host, use_graph, scoring)
         except Exception as e:
             raise self.control.failure(e) from e
+
+    def _send_mtp_call(self, kind: int, lists: tuple[list[int], ...], host: HostStep | None) -> None:
+        """Wake the workers for one MTP call and send its arguments (and the step inputs of ``host``, with
+        the pending block copies)."""
+        self.control.before_step(self.step_command)
+        try:
+            broadcast_mtp_call(self.group, kind, lists)
+            if host is not None:
+                copies = list(self._pending_copies)
+                self._pending_copies.clear()
+                broadcast_step(self.group, host, copies)
+        except Exception as e:
+            raise self.control.failure(e) from e
+
+    @torch.inference_mode()
+    def mtp_observe(self, chunks, source_rows: list[int], head_rows: list[int], head_slots: list[int]) -> None:
+        host = self.build_host(chunks, head_rows)
+        self._send_mtp_call(MTP_OBSERVE, (source_rows, head_slots), host)
+        self._mtp_observe(host, source_rows, head_slots)
+
+    @torch.inference_mode()
+    def mtp_first(self, head_slots: list[int]) -> torch.Tensor | None:
+        if self.group.rank == 0:
+            self._send_mtp_call(MTP_FIRST, (head_slots,), None)
+        return super().mtp_first(head_slots)
+
+    @torch.inference_mode()
+    def mtp_next(self, chunks, keep: list[int]) -> torch.Tensor | None:
+        host = self.build_host(chunks, list(range(len(chunks))))
+        self._send_mtp_call(MTP_NEXT, (keep,), host)
+        return self._mtp_next(host, keep)
 
     def share_sampled_tokens(self, token_ids: torch.Tensor) -> None:
         """Rank 0: send this step's sampled tokens (int64, one per logits row) to the workers, which gather

@@ -78,13 +78,13 @@ class TensorParallelDecoder(DecoderForCausalLM):
     """Mixed in before a family's model class: ``class TPFoo(TensorParallelDecoder, FooForCausalLM)``."""
 
     def __init__(self, config: dict, rank_config: dict, full_args: DecoderArgs, group: TPGroup,
-                 dtype: torch.dtype | None):
-        super().__init__(rank_config, dtype=dtype)
+                 dtype: torch.dtype | None, with_mtp: bool = False):
+        super().__init__(rank_config, dtype=dtype, **({"with_mtp": True} if with_mtp else {}))
         self.config = dict(config)  # the full config: GGUF Q/K unpermutation reads the full head counts
         self.full_args = full_args
         self.group = group
         self.vocab_size = full_args.vocab_size
-        for layer in self.model.layers:
+        for layer in (*self.model.layers, *self.mtp_decoder_layers()):
             for mixer, proj in (("self_attn", "o_proj"), ("linear_attn", "out_proj")):
                 owner = getattr(layer, mixer, None)
                 if owner is not None:
@@ -97,6 +97,15 @@ class TensorParallelDecoder(DecoderForCausalLM):
     def rank_slices(self) -> dict[str, RankSlice]:
         """HF projection (name fragment) -> the part of it this rank keeps."""
         raise NotImplementedError
+
+    def mtp_decoder_layers(self) -> tuple:
+        """The decoder layers of the checkpoint's multi-token-prediction block (built with ``with_mtp``),
+        split like the model's own layers; none by default."""
+        return ()
+
+    def is_vocab_parameter(self, name: str) -> bool:
+        """Whether ``name`` (HF or ours) holds one row per vocabulary entry, split in vocabulary ranges."""
+        return name in VOCAB_PARAMETERS
 
     def rank_slices_for(self, name: str) -> dict[str, RankSlice]:
         """The slices that apply to tensor ``name`` (families whose layer types share projection names
@@ -127,7 +136,7 @@ class TensorParallelDecoder(DecoderForCausalLM):
         if self.splits_first_dim(name):
             part = even_slice(full.shape[0], self.group)
             return full.narrow(0, part.start, part.count)
-        if name in VOCAB_PARAMETERS:
+        if self.is_vocab_parameter(name):
             return shard_vocab_rows(full, self.group.rank, self.group.world_size)
         found = self._projection(name)
         if found is None:
@@ -153,7 +162,7 @@ class TensorParallelDecoder(DecoderForCausalLM):
         found = self._projection(name)
         if self.splits_first_dim(name):
             shape[0] *= self.group.world_size
-        elif name in VOCAB_PARAMETERS:
+        elif self.is_vocab_parameter(name):
             shape[0] = self.full_args.vocab_size
         elif fused:
             shape[0] = sum(n for _, n in fused[1])

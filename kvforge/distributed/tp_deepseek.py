@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from kvforge.distributed.group import TPGroup
+from kvforge.distributed.layers import VocabParallelEmbedding, gather_vocab_logits
 from kvforge.distributed.tp_decoder import (
     RankSlice,
     TensorParallelDecoder,
@@ -40,9 +41,12 @@ from kvforge.errors import ConfigError
 from kvforge.models.decoder import gate_up_parts
 from kvforge.models.deepseek import DeepseekArgs, DeepseekV2ForCausalLM, MoE
 from kvforge.models.layers import GatedMLP
+from kvforge.models.linear_route import linear
 from kvforge.models.stacked_experts import FUSED_EXPERTS_NAME, PER_EXPERT_NAME
 
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+#: The MTP block's own vocabulary tensors (HF ``model.layers.{n}.*``, ours ``mtp_layers.{n}.*``).
+_MTP_VOCAB_PARAMETERS = (".embed_tokens.weight", ".shared_head.head.weight")
 
 
 class TPMoE(MoE):
@@ -127,7 +131,7 @@ def rank_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], n_local: in
 
 class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
-                 kv_heads_per_rank: int):
+                 kv_heads_per_rank: int, with_mtp: bool = False):
         a = DeepseekArgs(config)
         tp = group.world_size
         check_mla_moe_split(a, tp, heads_per_rank, kv_heads_per_rank, "n_routed_experts")
@@ -138,11 +142,26 @@ class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
                          moe_intermediate_size=a.moe_intermediate_size, n_shared_experts=a.n_shared_experts)
             if a.v3 or a.topk_method == "group_limited_greedy":
                 sizes.update(n_group=1, topk_group=1)  # the local args' router is replaced below
-        super().__init__(config, per_rank_config(config, a, group, **sizes), a, group, dtype)
+        super().__init__(config, per_rank_config(config, a, group, **sizes), a, group, dtype, with_mtp)
         self.kv_start = 0
-        for i, layer in enumerate(self.model.layers):
-            if a.is_moe(i):
+        for i, layer in enumerate((*self.model.layers, *self.mtp_decoder_layers())):
+            if a.is_moe(i):  # the MTP block: index num_hidden_layers, MoE or dense by the same rule
                 layer.mlp = build_tp_moe(self.args, a, group, dtype=dtype)
+        for mtp in self.mtp_decoder_layers():  # its own embedding and head, vocab-parallel as the model's
+            mtp.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, group, dtype=dtype)
+
+    def mtp_decoder_layers(self) -> tuple:
+        """The MTP block (a decoder layer of this rank's heads and experts with its own embedding and head,
+        both vocab-parallel; ``eh_proj`` and the norms replicated)."""
+        return tuple(self.mtp_layers.values()) if self.mtp_layers is not None else ()
+
+    def is_vocab_parameter(self, name: str) -> bool:
+        return super().is_vocab_parameter(name) or name.endswith(_MTP_VOCAB_PARAMETERS)
+
+    def mtp_logits(self, out: torch.Tensor) -> torch.Tensor | None:
+        """Float32 [T, vocab] on rank 0 from this rank's vocabulary rows of the MTP head, None elsewhere."""
+        head = self.mtp_layers[str(self.num_layers)].shared_head
+        return gather_vocab_logits(linear(out, head.head.weight).float(), self.vocab_size, self.group)
 
     def _shared_rows(self) -> int:
         a = self.full_args

@@ -36,8 +36,10 @@ def check_tp_architecture(hf_config: dict) -> str:
     return arch
 
 
-def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan):
-    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights)."""
+def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan,
+                   with_mtp: bool = False):
+    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights); ``with_mtp``:
+    with the checkpoint's multi-token-prediction block (DeepSeek, Qwen3-Next), split like its layers."""
     arch = check_tp_architecture(hf_config)
     heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers if lp.kind != "state"}
     if len(heads) != 1:
@@ -45,4 +47,5 @@ def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, gr
     (hpr, kvpr), = heads
     config = dict(text_model_config(hf_config))
     config["architectures"] = [arch]
-    return build_uninitialised(lambda: TP_MODELS[arch](config, dtype, group, hpr, kvpr), device)
+    extra = {"with_mtp": True} if with_mtp else {}
+    return build_uninitialised(lambda: TP_MODELS[arch](config, dtype, group, hpr, kvpr, **extra), device)

@@ -72,7 +72,7 @@ class TPQwen3NextMoE(Qwen3NextMoE):
 
 class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
-                 kv_heads_per_rank: int):
+                 kv_heads_per_rank: int, with_mtp: bool = False):
         a = Qwen3NextArgs(config)
         tp = group.world_size
         check_heads_per_rank(a.num_heads, tp, heads_per_rank)
@@ -88,11 +88,16 @@ class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):
                      intermediate_size=a.intermediate_size // tp, num_experts=a.num_experts // tp,
                      moe_intermediate_size=a.moe_intermediate_size,
                      shared_expert_intermediate_size=a.shared_expert_intermediate_size // tp)
-        super().__init__(config, per_rank_config(config, a, group, **sizes), a, group, dtype)
+        super().__init__(config, per_rank_config(config, a, group, **sizes), a, group, dtype, with_mtp)
         self.kv_start = kv_head_start(a.num_kv_heads, kv_heads_per_rank, group.rank, tp)
-        for i, layer in enumerate(self.model.layers):
-            if a.is_moe(i):
+        for layer in (*self.model.layers, *self.mtp_decoder_layers()):
+            if isinstance(layer.mlp, Qwen3NextMoE):
                 layer.mlp = TPQwen3NextMoE(self.args, a, group, dtype=dtype)
+
+    def mtp_decoder_layers(self) -> tuple:
+        """The MTP block's decoder layer: gated attention of this rank's heads and MoE of its experts; its
+        ``fc`` and norms are replicated, the embedding and head it reads are the model's (vocab-parallel)."""
+        return (self.mtp.layers[0],) if self.mtp is not None else ()
 
     def rank_slices(self) -> dict[str, RankSlice]:
         a, g = self.full_args, self.group

@@ -4,7 +4,7 @@ Reads the startup context from stdin (8-byte length + pickle, written by
 rank 0's launcher), joins the process group, builds its model slice and KV
 pool (and the draft model's slice, with speculative method draft_model),
 reports them to rank 0, then runs one target step per ``s`` byte on stdin, one
-draft step per ``d``, receives rank 0's sampled tokens of the last target step
+draft step per ``d``, one call of the MTP layer per ``m``, receives rank 0's sampled tokens of the last target step
 per ``t`` (async scheduling), publishes its step counters for ``c`` and sets
 them to zero for ``z`` (after the startup warm-up), until ``q`` or end-of-file. SIGINT and
 SIGTERM are ignored: a Ctrl-C, ``timeout`` or a service manager's stop reaches the
@@ -41,6 +41,7 @@ def main() -> int:
         REPORT_KEY,
         rank_report,
         setup_draft,
+        setup_mtp,
         setup_rank,
     )
     from kvforge.distributed.runner import (
@@ -48,9 +49,11 @@ def main() -> int:
         RESET_COUNTERS,
         SHARE_TOKENS,
         STEP_DRAFT,
+        STEP_MTP,
         STEP_TARGET,
         apply_state_ops,
         broadcast_step,
+        run_mtp_call,
     )
 
     torch.set_num_threads(ctx["num_threads"])
@@ -63,6 +66,7 @@ def main() -> int:
     try:
         model, pool, runner = setup_rank(ctx, group)
         _, draft_runner = setup_draft(ctx, group, pool)
+        mtp_runner = setup_mtp(ctx, group, pool, runner)
         report = rank_report(rank, model, pool, runner)
     except Exception as e:
         report = {"rank": rank, "error": f"{type(e).__name__}: {e}"}
@@ -87,6 +91,11 @@ def main() -> int:
                     continue
                 if cmd == SHARE_TOKENS:
                     runner.receive_sampled_tokens(n_share)
+                    continue
+                if cmd == STEP_MTP:
+                    if mtp_runner is None:
+                        raise RuntimeError("rank 0 sent a call of the MTP layer but this engine has none")
+                    run_mtp_call(mtp_runner, group, pool)
                     continue
                 if cmd not in (STEP_TARGET, STEP_DRAFT):  # b"q" or end-of-file (rank 0 is gone)
                     break

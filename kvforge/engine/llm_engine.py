@@ -173,7 +173,7 @@ class LLMEngine:
             draft = (dict(hf_config=self.draft_spec.hf_config, model_path=self.draft_location[0],
                           load_format=self.draft_location[1]) if self.draft_spec is not None else None)
             self.tp = TPLauncher(args, self.plan, self.spec.hf_config, model_dtype, self.device,
-                                 self.model_path, self.load_format, draft=draft)
+                                 self.model_path, self.load_format, draft=draft, with_mtp=self.with_mtp)
             self.model, self.pool, self.device = self.tp.model, self.tp.pool, self.tp.device
         else:
             torch.manual_seed(args.seed)
@@ -383,10 +383,13 @@ class LLMEngine:
     def _build_mtp(self, args: EngineArgs, max_num_seqs: int) -> dict:
         """A runner of the target model's MTP layer over its layer of the target's pool (the plan's ``draft``):
         the arguments of :class:`kvforge.speculative.mtp.MTPProposer`."""
-        self.draft_runner = ModelRunner(self.model, self.pool.draft_view(), self.plan.draft_runner_plan(),
-                                        self.device, calibrate=args.calculate_kv_scales,
-                                        scale_multiplier=args.kv_scale_multiplier, enforce_eager=True,
-                                        max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
+        if self.tp is not None:  # every rank built its runner of the layer at startup (distributed/launcher.py)
+            self.draft_runner = self.tp.draft_runner
+        else:
+            self.draft_runner = ModelRunner(self.model, self.pool.draft_view(), self.plan.draft_runner_plan(),
+                                            self.device, calibrate=args.calculate_kv_scales,
+                                            scale_multiplier=args.kv_scale_multiplier, enforce_eager=True,
+                                            max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
         return dict(runner=self.draft_runner, target_runner=self.runner, block_manager=self.block_manager,
                     max_model_len=self.max_model_len, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())

@@ -44,9 +44,8 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
     spec = load_model_spec(model)
     proposer_layers = None
     if mtp:
-        from kvforge.speculative.mtp_spec import check_mtp_parallelism, mtp_proposer_layers
+        from kvforge.speculative.mtp_spec import mtp_proposer_layers
 
-        check_mtp_parallelism(tensor_parallel_size)
         proposer_layers = mtp_proposer_layers(spec)
     cache = CacheConfig(kv_cache_dtype=kv_cache_dtype, block_size=block_size, max_model_len=max_model_len,
                         num_speculative_tokens=num_speculative_tokens, kv_cache_memory=kv_cache_memory,

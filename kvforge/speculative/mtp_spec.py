@@ -52,13 +52,6 @@ def check_mtp_target(spec: ModelSpec) -> None:
                           f"is not run; use method ngram or draft_model")
 
 
-def check_mtp_parallelism(tensor_parallel_size: int) -> None:
-    """The MTP proposer runs at tensor parallelism 1 only; ConfigError naming the fix otherwise."""
-    if tensor_parallel_size > 1:
-        raise ConfigError("--speculative-config method mtp does not run with tensor parallelism yet; use "
-                          "--tensor-parallel-size 1 or method ngram")
-
-
 def mtp_proposer_layers(spec: ModelSpec) -> ProposerLayers:
     """``spec``'s first MTP layer (index ``num_hidden_layers``) and its weights, for the resolver's
     ``proposer_layers``."""

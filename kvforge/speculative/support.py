@@ -14,7 +14,7 @@ from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.spec.model_spec import ModelSpec
 from kvforge.speculative.config import SpeculativeConfig
-from kvforge.speculative.mtp_spec import check_mtp_parallelism, check_mtp_target
+from kvforge.speculative.mtp_spec import check_mtp_target
 
 #: Config keys of special tokens a draft must share with its target (where both configs name them).
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -29,7 +29,6 @@ def check_speculative(config: SpeculativeConfig, spec: ModelSpec, plan: KVPlan, 
             raise ConfigError("--speculative-config method mtp needs a plan with the checkpoint's MTP layer "
                               "(resolve(..., proposer_layers=kvforge.speculative.mtp_spec.mtp_proposer_layers(spec))); "
                               "the engine plans it from the config")
-        check_mtp_parallelism(plan.tensor_parallel_size)
     if config.method == "draft_model":
         if plan.draft is None:
             raise ConfigError("--speculative-config method draft_model needs a plan made with the draft model "
