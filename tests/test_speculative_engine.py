@@ -216,24 +216,26 @@ def save_tiny(path, case):
     return str(path)
 
 
-@pytest.mark.parametrize("backoff", [False, True])
-def test_each_seeded_sample_is_reproducible_on_its_own(tmp_path, backoff):
+@pytest.mark.parametrize("backoff,async_scheduling,budget", [(False, False, 16), (True, False, 16), (True, False, 512),
+                                                              (True, True, 512), (False, True, 512)])
+def test_each_seeded_sample_is_reproducible_on_its_own(tmp_path, backoff, async_scheduling, budget):
     """Sample j of an n-sample request with seed s draws what a request of its own with seed s + j draws, under
-    speculation too. Here the samples' prompts are cut by a 16-token step budget, and a prompt whose chunks
-    leave its last token for a step of its own gets no proposals there: each first token comes from a plain
-    step, as a lone request's does, whatever cut the prompt. With the back-off, a sample probes by its own
-    output count, so where it skips proposals does not depend on the samples beside it (several back off
-    here: n-gram proposals over random tokens mostly fail)."""
+    speculation too, while the step budget verifies every proposal and nothing is preempted. At a 16-token
+    budget the samples' prompts are cut, and a prompt whose chunks leave its last token for a step of its own
+    gets no proposals there: each first token comes from a plain step, as a lone request's does. With the
+    back-off a sample probes by its own output count (n-gram proposals over these tokens mostly fail, so
+    several back off). Under async scheduling a lone request's first token is still in flight when a forked
+    sample's is resolved: both propose from output token 1 on."""
     path = save_tiny(tmp_path, LLAMA)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "backoff": backoff}
-    llm = embedded(model=path, dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16,
-                   speculative_config=ngram)
-    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
-    params = SamplingParams(temperature=0.7, max_tokens=24, seed=9, n=3, ignore_eos=True)
-    together = llm.generate(prompts, params, use_tqdm=False)
-    for i, prompt in enumerate(prompts):
-        for j, sample in enumerate(together[i].outputs):
-            alone = SamplingParams(temperature=0.7, max_tokens=24, seed=9 + j, ignore_eos=True)
+    llm = embedded(model=path, dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=budget,
+                   speculative_config=ngram, async_scheduling=async_scheduling)
+    prompts = [{"prompt_token_ids": p} for p in [*TINY_PROMPTS, [11, 12, 13, 14, 15] * 5 + [11, 12]]]
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=48, seed=9, n=3, ignore_eos=True)
+    for i, prompt in enumerate(prompts):  # one at a time: 3 samples verify 12 rows, within either budget
+        together = llm.generate([prompt], params, use_tqdm=False)[0]
+        for j, sample in enumerate(together.outputs):
+            alone = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=48, seed=9 + j, ignore_eos=True)
             assert sample.token_ids == llm.generate([prompt], alone, use_tqdm=False)[0].outputs[0].token_ids, (i, j)
     spec = llm.engine.stats()["spec_decode"]
     assert spec["num_drafts"] > 0

@@ -616,10 +616,11 @@ class LLMEngine:
     def _proposals_due(self) -> bool:
         """Whether a running sequence past its prompt is due for proposals this step (kvforge/speculative/
         backoff.py; every step for proposers that do not back off)."""
-        if self.spec_backoff is None:
-            return any(seq.num_output_tokens for seq in self.scheduler.running)
-        due = self.spec_backoff.due  # a token in flight counts: the clock once it resolves
-        return any(seq.num_output_tokens and due(seq.request_id, seq.num_output_tokens + seq.num_pending)
+        # A token in flight counts as the output it will be once resolved: a request whose first token is in
+        # flight is due now, as a sample forked from a resolved first token is (n > 1), so both propose from
+        # output token 1 on.
+        due = self.spec_backoff.due if self.spec_backoff is not None else None
+        return any((clock := seq.num_output_tokens + seq.num_pending) and (due is None or due(seq.request_id, clock))
                    for seq in self.scheduler.running)
 
     def _propose(self, probing: bool) -> None:

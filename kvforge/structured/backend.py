@@ -26,8 +26,8 @@ CACHE_BYTES = 256 << 20
 #: again when the engine takes it.
 CHECKED_CONSTRAINTS = 4096
 #: The longest run of whitespace a JSON output may hold between two tokens of JSON (without
-#: ``disable_any_whitespace``): room for pretty-printed JSON 16 levels deep at 4 spaces, and an end to a
-#: model that would otherwise emit blank lines until ``max_tokens``.
+#: ``disable_any_whitespace``): room for pretty-printed JSON 15 levels deep at 4 spaces a level (a newline and
+#: 60 spaces), 31 at 2, and an end to a model that would otherwise emit blank lines until ``max_tokens``.
 JSON_WHITESPACE_RUN_MAX = 64
 INSTALL_HINT = "pip install xgrammar (or kvforge[structured])"
 #: The time and source position xgrammar puts before its messages.
