@@ -135,6 +135,7 @@ def test_model_decode_with_kernel_matches_transformers(case, dtype, tmp_path, ro
     monkeypatch.setattr(linear_route, "SMALL_M_MAX_ROWS", 8)  # the kernel takes the 3-row decode steps
     if dtype == torch.bfloat16 and INTERPRETED:  # BF16_DOT: the 3 rows by broadcast, which the interpreter runs
         monkeypatch.setattr(triton_small_m_linear, "BROADCAST_MAX_ROWS", 4)
+        monkeypatch.setattr(triton_small_m_linear, "WIDE_DOT_FROM_ROWS", 5)
         fresh = functools.cache(triton_small_m_linear.small_m_linear_config.__wrapped__)  # no config cached across
         monkeypatch.setattr(triton_small_m_linear, "small_m_linear_config", fresh)
     calls = []

@@ -149,7 +149,8 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
 def test_config_for_llama_shapes(m):
     """Every Llama-3.1-8B projection gets a launch the kernel accepts, filling 132 SMs at least once (with
     the split; half of them on the tl.dot path, whose partial wave beats a split) and never splitting K into
-    slices shorter than a chunk."""
+    slices shorter than a chunk; tl.dot above two rows, and at two rows for the products of at least 66
+    blocks of 64 weight rows (q/k/v, gate/up, the LM head)."""
     for n, k in LLAMA_8B.values():
         for prologue in (PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL) if m == 1 else (PROLOGUE_NONE,):
             cfg = small_m_linear_config(m, n, k, num_sms=132, prologue=prologue)
@@ -157,7 +158,7 @@ def test_config_for_llama_shapes(m):
             programs = -(-n // cfg.block_n) * cfg.split_k
             assert programs >= (66 if cfg.use_dot else 132), (m, n, k, cfg)
             assert cfg.k_per_split(k) >= cfg.block_k
-            assert cfg.use_dot == (m > 2)
+            assert cfg.use_dot == (m > 2 or (m == 2 and -(-n // 64) >= 66))  # wide products from 2 rows
             if prologue == PROLOGUE_RMS_NORM:
                 assert cfg.split_k == 1  # 1 / rms scales whole sums over K
 

@@ -54,32 +54,37 @@ from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 
 #: The most rows of ``x`` one launch takes.
 MAX_ROWS = 16
-#: Up to this many rows the broadcast multiply serves; more rows run ``tl.dot`` (rows padded to 16). On an
-#: H100, each of Llama-3.1-8B's projections at 4 rows is faster by tl.dot than by broadcast (docs/BENCHMARKS.md,
-#: "Two to eight rows").
+#: Up to this many rows the broadcast multiply may serve; more rows run ``tl.dot`` (rows padded to 16), and so
+#: do products with at least ``num_sms // 2`` row blocks of ``DOT_BLOCK_N`` from ``WIDE_DOT_FROM_ROWS`` rows.
 BROADCAST_MAX_ROWS = 2
+WIDE_DOT_FROM_ROWS = 2
 #: ``tl.dot`` needs every dimension >= 16: the rows of ``x`` are padded to this on the dot path.
 DOT_ROWS = 16
 #: Weight dtypes the kernel reads (``x`` has the same dtype).
 DTYPES = (torch.bfloat16, torch.float16)
 
-#: Broadcast path: K chunk per iteration (elements) and the range of weight rows per program.
+#: Broadcast path: K chunk per iteration (elements) and the range of weight rows per program (one row takes
+#: the widest block that still gives ``MIN_PROGRAMS_PER_SM`` programs per SM).
 BROADCAST_BLOCK_K = 512
 #: Broadcast path with several rows: float32 accumulator elements per program (weight rows x rows of ``x``
-#: x K chunk), which sets the K chunk (64 registers a thread at 4 warps); one row takes ``BROADCAST_BLOCK_K``.
+#: x K chunk), which sets the K chunk (64 registers a thread at 4 warps), in blocks of
+#: ``BROADCAST_ROWS_BLOCK_N`` weight rows; one row takes ``BROADCAST_BLOCK_K``.
 BROADCAST_ACC_ELEMENTS = 8192
 BROADCAST_BLOCK_N = (4, 16)
+BROADCAST_ROWS_BLOCK_N = 8
 BROADCAST_NUM_WARPS = 4
-#: tl.dot path: weight rows per program (the MMA's M), K chunk, warps, pipeline stages. ``DOT_BLOCK_N_WIDE``
-#: rows (in ``DOT_WIDE_NUM_STAGES`` stages) where they still give ``num_sms // 2`` programs, else
-#: ``DOT_BLOCK_N``: at 4 rows the 8B's qkv, gate_up and LM head are 3-7% faster in 64-row blocks, its o and
-#: down 2-6% faster in 16-row ones, which 64-row blocks would leave at 64 programs.
-DOT_BLOCK_N = 16
-DOT_BLOCK_N_WIDE = 64
+#: tl.dot path: weight rows per program (the MMA's M), warps; the K chunk and pipeline stages by the number
+#: of row blocks: ``DOT_BLOCK_K`` in ``DOT_NUM_STAGES`` stages up to one block a SM, ``DOT_MANY_BLOCK_K`` in
+#: ``DOT_MANY_NUM_STAGES`` beyond. Where the row blocks give fewer than ``num_sms // 2`` programs, K is split
+#: into ``num_sms // programs`` slices (one wave). Measured on
+#: Llama-3.1-8B's products at 2, 4 and 8 rows on an H100 and an H200 (docs/BENCHMARKS.md, "Two to eight
+#: rows"): the rule chosen from the launches both cards run faster than cuBLAS.
+DOT_BLOCK_N = 64
 DOT_BLOCK_K = 256
+DOT_NUM_STAGES = 3
+DOT_MANY_BLOCK_K = 128
+DOT_MANY_NUM_STAGES = 4
 DOT_NUM_WARPS = 4
-DOT_NUM_STAGES = 4
-DOT_WIDE_NUM_STAGES = 3
 #: Pipeline stages of the broadcast path's K loop.
 BROADCAST_NUM_STAGES = 3
 #: One row under the RMSNorm prologue (K chunk, stages): the chunk's own loads of the stream, residual and
@@ -87,10 +92,8 @@ BROADCAST_NUM_STAGES = 3
 RMS_NORM_PROLOGUE_BLOCK_K, RMS_NORM_PROLOGUE_NUM_STAGES = 256, 4
 #: Programs per SM the broadcast path's row blocks aim for (narrower blocks until they do).
 MIN_PROGRAMS_PER_SM = 2
-#: K is split where the row blocks give fewer programs than ``waves`` x SMs, into slices of at least
-#: ``min_tokens`` elements of K, at most ``max_splits`` of them (SplitRule's ceil rule). The tl.dot path
-#: splits only below ``num_sms // 2`` programs: a partial wave of its blocks beats the split's partials
-#: (the 8B's qkv at 4 rows in 96 programs: 638 us, split in two 710).
+#: Broadcast path: K is split where the row blocks give fewer programs than ``waves`` x SMs, into slices of at
+#: least ``min_tokens`` elements of K, at most ``max_splits`` of them (SplitRule's ceil rule).
 SPLIT_K_RULE = SplitRule(waves=1, min_tokens=1024, max_splits=8, round_up=True)
 #: Columns per program of the split-K reduction.
 REDUCE_BLOCK = 1024
@@ -145,42 +148,42 @@ def small_m_linear_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS
     """The launch for ``x [m, k] @ weight[n, k].T`` on a GPU with ``num_sms`` SMs, the input computed by
     ``prologue`` (one row).
 
-    Broadcast path (``m <= BROADCAST_MAX_ROWS``): one row takes the widest ``block_n`` in
-    ``BROADCAST_BLOCK_N`` that still gives ``MIN_PROGRAMS_PER_SM`` programs per SM and a
-    ``BROADCAST_BLOCK_K`` chunk (``RMS_NORM_PROLOGUE_BLOCK_K`` under the RMSNorm prologue); several rows
-    take the narrowest ``block_n`` and the K chunk that fills ``BROADCAST_ACC_ELEMENTS`` (measured: at two
-    rows 4 x 1024 beats 16 x 256 on every 8B projection). tl.dot path: ``DOT_BLOCK_N_WIDE`` where that
-    still gives ``num_sms // 2`` programs, else ``DOT_BLOCK_N``. Then K is split (``SPLIT_K_RULE``) only
-    where the row blocks alone do not fill the SMs once (half of them on the tl.dot path), and never under
-    the RMSNorm prologue, whose 1 / rms scales whole sums over K.
+    Broadcast path (one row; up to ``BROADCAST_MAX_ROWS`` rows of a product with fewer than ``num_sms // 2``
+    blocks of ``DOT_BLOCK_N`` weight rows, or below ``WIDE_DOT_FROM_ROWS`` rows): one row takes the widest ``block_n`` in
+    ``BROADCAST_BLOCK_N`` that still gives ``MIN_PROGRAMS_PER_SM`` programs per SM and a ``BROADCAST_BLOCK_K``
+    chunk (``RMS_NORM_PROLOGUE_BLOCK_K`` under the RMSNorm prologue); several rows take
+    ``BROADCAST_ROWS_BLOCK_N`` and the K chunk that fills ``BROADCAST_ACC_ELEMENTS``; K is split
+    (``SPLIT_K_RULE``) only where the row blocks do not fill the SMs once, and never under the RMSNorm
+    prologue, whose 1 / rms scales whole sums over K. tl.dot path (the rest): the constants' rule above.
     """
-    use_dot = m > BROADCAST_MAX_ROWS
-    # Small K (tests, tiny models): one chunk covers it, at least one 16-byte vector (or an MMA's K) wide.
+    dot_blocks = -(-n // DOT_BLOCK_N)
+    use_dot = m > BROADCAST_MAX_ROWS or (m >= max(2, WIDE_DOT_FROM_ROWS) and dot_blocks >= num_sms // 2)
     if use_dot:
-        block_k = max(16, min(DOT_BLOCK_K, next_power_of_2(k)))
-        wide = -(-n // DOT_BLOCK_N_WIDE) >= num_sms // 2
-        block_n = DOT_BLOCK_N_WIDE if wide else DOT_BLOCK_N
-        num_warps, num_stages = DOT_NUM_WARPS, DOT_WIDE_NUM_STAGES if wide else DOT_NUM_STAGES
+        block_n, num_warps = DOT_BLOCK_N, DOT_NUM_WARPS
+        widest, num_stages = ((DOT_MANY_BLOCK_K, DOT_MANY_NUM_STAGES) if dot_blocks > num_sms
+                              else (DOT_BLOCK_K, DOT_NUM_STAGES))
+        # Small K (tests, tiny models): one chunk covers it, at least an MMA's K wide.
+        block_k = max(16, min(widest, next_power_of_2(k)))
+        few = dot_blocks < num_sms // 2
+        split_k = max(1, min(num_sms // dot_blocks, k // SPLIT_K_RULE.min_tokens)) if few else 1
+        return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
+    lo, hi = BROADCAST_BLOCK_N
+    num_warps, num_stages = BROADCAST_NUM_WARPS, BROADCAST_NUM_STAGES
+    if m == 1:
+        target = MIN_PROGRAMS_PER_SM * num_sms
+        block_n = hi
+        while block_n > lo and -(-n // block_n) < target:
+            block_n //= 2
+        widest = BROADCAST_BLOCK_K
     else:
-        lo, hi = BROADCAST_BLOCK_N
-        num_warps, num_stages = BROADCAST_NUM_WARPS, BROADCAST_NUM_STAGES
-        if m == 1:
-            target = MIN_PROGRAMS_PER_SM * num_sms
-            block_n = hi
-            while block_n > lo and -(-n // block_n) < target:
-                block_n //= 2
-            widest = BROADCAST_BLOCK_K
-        else:
-            block_n = lo
-            widest = BROADCAST_ACC_ELEMENTS // (block_n * next_power_of_2(m))
-        if prologue == PROLOGUE_RMS_NORM:
-            widest, num_stages = RMS_NORM_PROLOGUE_BLOCK_K, RMS_NORM_PROLOGUE_NUM_STAGES
-        block_k = max(8, min(widest, next_power_of_2(k)))
+        block_n = BROADCAST_ROWS_BLOCK_N
+        widest = BROADCAST_ACC_ELEMENTS // (block_n * next_power_of_2(m))
+    if prologue == PROLOGUE_RMS_NORM:
+        widest, num_stages = RMS_NORM_PROLOGUE_BLOCK_K, RMS_NORM_PROLOGUE_NUM_STAGES
+    # Small K (tests, tiny models): one chunk covers it, at least one 16-byte vector wide.
+    block_k = max(8, min(widest, next_power_of_2(k)))
     programs = -(-n // block_n)
-    if prologue == PROLOGUE_RMS_NORM or (use_dot and programs >= num_sms // 2):
-        split_k = 1
-    else:
-        split_k = SPLIT_K_RULE.splits(programs, k, num_sms)
+    split_k = 1 if prologue == PROLOGUE_RMS_NORM else SPLIT_K_RULE.splits(programs, k, num_sms)
     return SmallMLinearConfig(block_n, block_k, split_k, num_warps, num_stages, use_dot)
 
 
