@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree, top2_margins
+from linear_attention_setup import one_torch_thread  # noqa: F401 (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +33,6 @@ ENGINE = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, kv_cache_
 SAVE = {"deepseek-v3": save_deepseek_v3_with_mtp, "qwen3-next": save_qwen3_next_with_mtp}
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "backoff": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _record_proposal_logits(engine) -> list[torch.Tensor]:
