@@ -152,6 +152,18 @@ def test_json_whitespace_runs_are_bounded(smol_llm):
             assert not matcher.accept_string(blank), (constraint, blank)
 
 
+def test_json_true_is_any_json_value(smol_llm):
+    """``json: true`` takes any JSON value (a scalar too), and ``disable_any_whitespace`` holds it to
+    ``json.dumps``'s one-line separators as it does a schema."""
+    backend = smol_llm().engine.grammar_backend()
+    for value in ('"text"', "-0.5e10", "null", "[1, 2]", '{"a": [true, {}]}'):
+        assert backend.matcher(StructuredOutputsParams(json=True)).accept_string(value), value
+    tight = StructuredOutputsParams(json=True, disable_any_whitespace=True)
+    assert backend.matcher(tight).accept_string(json.dumps({"a": [1, 2]}))
+    assert not backend.matcher(tight).accept_string('{"a":1')  # json.dumps writes ": "
+    assert not backend.matcher(tight).accept_string("{\n")
+
+
 def test_sampled_outputs_match_and_seeds_repeat(smol_llm):
     llm = smol_llm()
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs={"json": PERSON})
