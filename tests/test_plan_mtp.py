@@ -32,6 +32,9 @@ def test_deepseek_v3_plan_holds_the_mtp_layer_in_its_group():
     h, v = 7168, 129280
     assert draft.num_parameters > 2 * v * h + 2 * h * h
     assert "draft deepseek-v3 MTP layer: layer 61 joins group 0" in with_mtp.summary()
+    # The summary names the layer's weights beside the target's (float32 on CPU: 4 bytes a parameter, one rank).
+    assert with_mtp.model_dtype == "float32"
+    assert f"weights {4 * draft.num_parameters / 2**30:.2f} GiB per rank" in with_mtp.summary()
 
 
 def test_kvforge_plan_cli_shows_the_mtp_layer(capsys):

@@ -206,7 +206,8 @@ class KVPlan:
             return None
         placed = "; ".join(_placement(i, g) for i, g in self.draft_groups())
         text = f"draft {draft.model}: {placed}; {draft.bytes_per_token:,} bytes/token beside the target's " \
-               f"{self.bytes_per_token:,}"
+               f"{self.bytes_per_token:,}; weights {draft.weights_bytes_per_rank / 2**30:.2f} GiB per rank " \
+               f"({draft.num_parameters:,} parameters) beside the target's"
         cap, alone = self.capacity, draft.capacity_without
         if cap.bytes_per_sequence is None or alone.bytes_per_sequence is None:
             return text
