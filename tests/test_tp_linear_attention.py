@@ -199,3 +199,23 @@ def test_tp_not_dividing_the_linear_heads_fails_before_weights(case, tp, names, 
     msg = str(err.value)
     assert f"--tensor-parallel-size {tp} does not divide" in msg and "use a TP size that divides" in msg
     assert any(n in msg for n in names)
+
+
+@pytest.mark.parametrize("case,tp,overrides,name", [("qwen3-next", 2, {"num_experts": 3}, "num_experts 3"),
+                                                    ("kimi-linear", 4, {"num_experts": 6, "num_expert_group": 2, "topk_group": 1},
+                                                     "num_experts 6")])
+def test_tp_not_dividing_the_experts_fails_before_any_worker_starts(case, tp, overrides, name, tmp_path, engines,
+                                                                    monkeypatch):
+    """The TP class's own split checks run on rank 0 before it starts a worker process (the plan checks the
+    heads; experts and MLP sizes are the family's rule)."""
+    make_checkpoint(case, tmp_path, **overrides)
+    import kvforge.distributed.launcher as launcher
+
+    class NoWorkers:
+        @staticmethod
+        def Popen(*a, **k):
+            raise AssertionError("a worker process was started")
+
+    monkeypatch.setattr(launcher, "subprocess", NoWorkers)
+    with pytest.raises(KVForgeError, match=f"--tensor-parallel-size {tp} does not divide {name}"):
+        engines(tmp_path, tensor_parallel_size=tp)

@@ -188,7 +188,7 @@ class TPLauncher:
         ``load_format``), built on every rank beside the target (:attr:`draft_model`, :attr:`draft_runner`);
         ``with_mtp``: the checkpoint's MTP layer (speculative method mtp) on every rank, run by
         :attr:`draft_runner`."""
-        from kvforge.distributed.tp_models import check_tp_architecture
+        from kvforge.distributed.tp_models import check_tp_architecture, check_tp_split
 
         check_tp_architecture(hf_config)  # before any process starts
         if draft is not None:
@@ -199,6 +199,12 @@ class TPLauncher:
             except ConfigError as e:
                 raise ConfigError(f"the draft model (--speculative-config method draft_model): {e}; use a draft of "
                                   f"one of these families or method ngram") from None
+        check_tp_split(hf_config, plan)
+        if draft is not None:
+            try:
+                check_tp_split(draft["hf_config"], plan.draft_runner_plan())
+            except ConfigError as e:
+                raise ConfigError(f"the draft model (--speculative-config method draft_model): {e}") from None
         self.draft_model = self.draft_runner = None
         tp = args.tensor_parallel_size
         self.world_size = tp

@@ -94,6 +94,13 @@ class TensorParallelDecoder(DecoderForCausalLM):
         self.model.embed_tokens = VocabParallelEmbedding(full_args.vocab_size, full_args.hidden_size, group,
                                                          dtype=dtype)
 
+    @classmethod
+    def check_split(cls, config: dict, tp: int, heads_per_rank: int, kv_heads_per_rank: int) -> None:
+        """ConfigError naming the first size of ``config`` that ``tp`` ranks cannot split as this family
+        splits it (the plan giving ``heads_per_rank`` / ``kv_heads_per_rank``); builds nothing, so rank 0 asks
+        before any worker starts, and every rank's constructor asks again."""
+        raise NotImplementedError
+
     def rank_slices(self) -> dict[str, RankSlice]:
         """HF projection (name fragment) -> the part of it this rank keeps."""
         raise NotImplementedError

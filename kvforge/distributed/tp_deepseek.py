@@ -130,11 +130,15 @@ def rank_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], n_local: in
 
 
 class TPDeepseekForCausalLM(TensorParallelDecoder, DeepseekV2ForCausalLM):
+    @classmethod
+    def check_split(cls, config: dict, tp: int, heads_per_rank: int, kv_heads_per_rank: int) -> None:
+        check_mla_moe_split(DeepseekArgs(config), tp, heads_per_rank, kv_heads_per_rank, "n_routed_experts")
+
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int, with_mtp: bool = False):
         a = DeepseekArgs(config)
         tp = group.world_size
-        check_mla_moe_split(a, tp, heads_per_rank, kv_heads_per_rank, "n_routed_experts")
+        self.check_split(config, tp, heads_per_rank, kv_heads_per_rank)
         sizes = dict(num_attention_heads=heads_per_rank, intermediate_size=a.intermediate_size // tp)
         if a.n_routed_experts:
             # shared experts: one GatedMLP of n_shared * moe_intermediate, replaced below by its slice

@@ -51,15 +51,24 @@ class GroupedQueryTP(TensorParallelDecoder):
     ``full``: the family's TP=1 args; ``split_intermediate``: the dense MLP's intermediate size is split too.
     """
 
-    def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
-                 kv_heads_per_rank: int, full: DecoderArgs, *, split_intermediate: bool):
-        tp = group.world_size
+    #: Whether the dense MLP's intermediate size is split too.
+    SPLIT_INTERMEDIATE = True
+
+    @classmethod
+    def check_split(cls, config: dict, tp: int, heads_per_rank: int, kv_heads_per_rank: int) -> None:
+        full = cls.ARGS(config)
         check_heads_per_rank(full.num_heads, tp, heads_per_rank)
         kv_heads_for_rank(full.num_kv_heads, tp, kv_heads_per_rank)
+        if cls.SPLIT_INTERMEDIATE:
+            check_tp_divides(tp, full.intermediate_size, "intermediate_size")
+
+    def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
+                 kv_heads_per_rank: int, full: DecoderArgs):
+        tp = group.world_size
+        self.check_split(config, tp, heads_per_rank, kv_heads_per_rank)
         sizes = dict(num_attention_heads=heads_per_rank, num_key_value_heads=kv_heads_per_rank,
                      head_dim=full.head_dim)
-        if split_intermediate:
-            check_tp_divides(tp, full.intermediate_size, "intermediate_size")
+        if self.SPLIT_INTERMEDIATE:
             sizes["intermediate_size"] = full.intermediate_size // tp
         super().__init__(config, per_rank_config(config, full, group, **sizes), full, group, dtype)
         self.kv_start = kv_head_start(full.num_kv_heads, kv_heads_per_rank, group.rank, tp)

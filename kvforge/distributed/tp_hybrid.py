@@ -37,8 +37,7 @@ from kvforge.models.gpt_oss import GptOssArgs, GptOssExperts, GptOssForCausalLM
 class TPGemma3ForCausalLM(GroupedQueryTP, Gemma3ForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
-        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, Gemma3Args(config),
-                         split_intermediate=True)
+        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, Gemma3Args(config))
 
     def rank_slices(self) -> dict[str, RankSlice]:
         return {**self.attention_slices(), **self.gated_mlp_slices()}
@@ -73,13 +72,19 @@ _PER_HEAD_OR_EXPERT = (".self_attn.sinks", ".mlp.experts.gate_up_proj", ".mlp.ex
 
 
 class TPGptOssForCausalLM(GroupedQueryTP, GptOssForCausalLM):
+    SPLIT_INTERMEDIATE = False  # experts only
+
+    @classmethod
+    def check_split(cls, config: dict, tp: int, heads_per_rank: int, kv_heads_per_rank: int) -> None:
+        check_tp_divides(tp, GptOssArgs(config).num_experts, "num_local_experts")
+        super().check_split(config, tp, heads_per_rank, kv_heads_per_rank)
+
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
         a = GptOssArgs(config)
-        check_tp_divides(group.world_size, a.num_experts, "num_local_experts")
         # The rank's config keeps every expert, so the (replicated) router covers them all; the experts
         # module is replaced by this rank's share below.
-        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, a, split_intermediate=False)
+        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, a)
         for layer in self.model.layers:
             layer.mlp.experts = TPGptOssExperts(a, group, dtype=dtype)
 

@@ -52,12 +52,17 @@ _A_LOG = ".self_attn.A_log"  # [1, 1, H, 1]: split along the head dimension (2)
 
 
 class TPKimiLinearForCausalLM(TensorParallelDecoder, KimiLinearForCausalLM):
+    @classmethod
+    def check_split(cls, config: dict, tp: int, heads_per_rank: int, kv_heads_per_rank: int) -> None:
+        a = KimiLinearArgs(config)
+        check_mla_moe_split(a, tp, heads_per_rank, kv_heads_per_rank, "num_experts")
+        check_tp_divides(tp, a.linear_num_heads, "linear_num_heads")
+
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
         a = KimiLinearArgs(config)
         tp = group.world_size
-        check_mla_moe_split(a, tp, heads_per_rank, kv_heads_per_rank, "num_experts")
-        check_tp_divides(tp, a.linear_num_heads, "linear_num_heads")
+        self.check_split(config, tp, heads_per_rank, kv_heads_per_rank)
         # The rank's MoE has E/tp experts and one expert group; its router is replaced by the full one below.
         sizes = dict(num_attention_heads=heads_per_rank, linear_num_heads=a.linear_num_heads // tp,
                      intermediate_size=a.intermediate_size // tp, num_experts=a.n_routed_experts // tp,

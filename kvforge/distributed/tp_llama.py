@@ -29,8 +29,7 @@ LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Q
 class TPLlamaForCausalLM(GroupedQueryTP, LlamaForCausalLM):
     def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
                  kv_heads_per_rank: int):
-        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, LlamaArgs(config),
-                         split_intermediate=True)
+        super().__init__(config, dtype, group, heads_per_rank, kv_heads_per_rank, LlamaArgs(config))
 
     def rank_slices(self) -> dict[str, RankSlice]:
         return {**self.attention_slices(), **self.gated_mlp_slices()}

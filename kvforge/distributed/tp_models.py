@@ -36,10 +36,8 @@ def check_tp_architecture(hf_config: dict) -> str:
     return arch
 
 
-def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan,
-                   with_mtp: bool = False):
-    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights); ``with_mtp``:
-    with the checkpoint's multi-token-prediction block (DeepSeek, Qwen3-Next), split like its layers."""
+def _rank_args(hf_config: dict, plan) -> tuple[str, dict, int, int]:
+    """(architecture, text config, heads per rank, KV heads per rank) of the plan's TP model."""
     arch = check_tp_architecture(hf_config)
     heads = {(lp.heads_per_rank, lp.kv_heads_per_rank) for lp in plan.layers if lp.kind != "state"}
     if len(heads) != 1:
@@ -47,5 +45,20 @@ def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, gr
     (hpr, kvpr), = heads
     config = dict(text_model_config(hf_config))
     config["architectures"] = [arch]
+    return arch, config, hpr, kvpr
+
+
+def check_tp_split(hf_config: dict, plan) -> None:
+    """ConfigError when the plan's tensor-parallel size cannot split the model as its TP class does (experts,
+    MLP sizes, linear-attention heads beside the plan's own head checks); builds nothing."""
+    arch, config, hpr, kvpr = _rank_args(hf_config, plan)
+    TP_MODELS[arch].check_split(config, plan.tensor_parallel_size, hpr, kvpr)
+
+
+def build_tp_model(hf_config: dict, dtype: torch.dtype, device: torch.device, group: TPGroup, plan,
+                   with_mtp: bool = False):
+    """This rank's model with uninitialised parameters (fill with kvforge.weights.load_weights); ``with_mtp``:
+    with the checkpoint's multi-token-prediction block (DeepSeek, Qwen3-Next), split like its layers."""
+    arch, config, hpr, kvpr = _rank_args(hf_config, plan)
     extra = {"with_mtp": True} if with_mtp else {}
     return build_uninitialised(lambda: TP_MODELS[arch](config, dtype, group, hpr, kvpr, **extra), device)

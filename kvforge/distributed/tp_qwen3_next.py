@@ -71,10 +71,9 @@ class TPQwen3NextMoE(Qwen3NextMoE):
 
 
 class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):
-    def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
-                 kv_heads_per_rank: int, with_mtp: bool = False):
+    @classmethod
+    def check_split(cls, config: dict, tp: int, heads_per_rank: int, kv_heads_per_rank: int) -> None:
         a = Qwen3NextArgs(config)
-        tp = group.world_size
         check_heads_per_rank(a.num_heads, tp, heads_per_rank)
         kv_heads_for_rank(a.num_kv_heads, tp, kv_heads_per_rank)
         check_tp_divides(tp, a.linear_num_key_heads, "linear_num_key_heads")
@@ -82,6 +81,12 @@ class TPQwen3NextForCausalLM(TensorParallelDecoder, Qwen3NextForCausalLM):
         check_tp_divides(tp, a.intermediate_size, "intermediate_size")
         check_tp_divides(tp, a.num_experts, "num_experts")
         check_tp_divides(tp, a.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+
+    def __init__(self, config: dict, dtype: torch.dtype | None, group: TPGroup, heads_per_rank: int,
+                 kv_heads_per_rank: int, with_mtp: bool = False):
+        a = Qwen3NextArgs(config)
+        tp = group.world_size
+        self.check_split(config, tp, heads_per_rank, kv_heads_per_rank)
         sizes = dict(num_attention_heads=heads_per_rank, num_key_value_heads=kv_heads_per_rank, head_dim=a.head_dim,
                      linear_num_key_heads=a.linear_num_key_heads // tp,
                      linear_num_value_heads=a.linear_num_value_heads // tp,
