@@ -47,13 +47,14 @@ from kvforge.speculative.pick import pick_proposals
 
 
 class MTPProposer:
-    """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`. ``runner``: a
-    ModelRunner of the target model (which has ``mtp_forward``) over the plan's proposer layers, linked to
-    ``target_runner``, the target's (``ModelRunner.link_mtp``: it keeps each step's hidden states); the
-    runner holds every tensor of the proposals (a request's head input in its head slot, one of
-    ``runner.max_num_seqs``), so at tensor parallelism each rank runs the same calls on its own copies; ``block_manager``: the target's;
-    ``copy_blocks``: applies copy-on-write copies to the pool now; ``spare_blocks``: how many free blocks the
-    running sequences' next step does not need."""
+    """See the module docstring; implements :class:`kvforge.speculative.proposer.Proposer`.
+
+    ``runner``: a ModelRunner of the target model (which has ``mtp_forward``) over the plan's proposer
+    layers, linked to ``target_runner``, the target's (``ModelRunner.link_mtp``: it keeps each step's hidden
+    states). The runner holds every tensor of the proposals (a request's head input in its head slot, one of
+    ``runner.max_num_seqs``), so at tensor parallelism each rank runs the same calls on its own copies.
+    ``block_manager``: the target's; ``copy_blocks``: applies copy-on-write copies to the pool now;
+    ``spare_blocks``: how many free blocks the running sequences' next step does not need."""
 
     def __init__(self, num_speculative_tokens: int, runner, target_runner, block_manager: BlockManager,
                  max_model_len: int, copy_blocks: Callable[[list[tuple[int, int]]], None],
