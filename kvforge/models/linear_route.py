@@ -48,11 +48,10 @@ SMALL_M_LINEAR_DEFAULT = True
 SMALL_M_LINEAR: bool = SMALL_M_LINEAR_DEFAULT if ENV.small_m_linear is None else ENV.small_m_linear
 SMALL_M_LINEAR_DEVICES: tuple[str, ...] = ("cuda",)
 #: The most rows (tokens of a step) the kernel takes; more go to cuBLAS. The kernel handles up to 16. With the
-#: launch rule before the present one, 4-sequence Llama-3.1-8B decode on the kernel ran 4.6% faster than on
-#: cuBLAS on an H100 and 2.8% slower on an H200 (8 sequences: 2.6% slower; 2: level); the present rule, taken
-#: from both cards' per-projection timings, sums to 2-4% below cuBLAS's products on each, but is not timed as a
-#: whole step yet (docs/BENCHMARKS.md, "Two to eight rows"), so steps of two or more rows stay on cuBLAS.
-SMALL_M_MAX_ROWS = 1
+#: present launch rule (taken from both cards' per-projection timings) 2-, 4- and 8-sequence Llama-3.1-8B decode
+#: ran 6.0 / 4.8 / 4.7% faster on the kernel than on cuBLAS on an H100; the H200's per-projection timings put
+#: its products 2-4% below cuBLAS's there (docs/BENCHMARKS.md, "Two to eight rows").
+SMALL_M_MAX_ROWS = 8
 #: The largest weight (bytes) the kernel takes; None: any. (Where cuBLAS already streams large weights at
 #: copy bandwidth, only the smaller projections need the kernel.)
 SMALL_M_MAX_WEIGHT_BYTES: int | None = None
