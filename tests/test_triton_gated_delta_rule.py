@@ -103,20 +103,48 @@ def test_decode_over_slots_with_padding_and_fresh_sequences(per_channel, large_t
                    tol=REC_TOL)
 
 
-@pytest.mark.parametrize("per_channel", [False, True], ids=["chunked_scalar_gate", "recurrent_per_channel_gate"])
-def test_prefill_lengths_the_chunk_does_not_divide(per_channel):
-    if per_channel:  # token by token: the interpreter runs every op of every token, keep it short
-        _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], per_channel=True, tol=REC_TOL, seed=3)
+@pytest.mark.parametrize("form", ["chunked_scalar_gate", "recurrent_scalar_gate", "recurrent_per_channel_gate"])
+def test_prefill_lengths_the_chunk_does_not_divide(form):
+    if form.startswith("recurrent"):  # token by token: the interpreter runs every op of every token, keep it short
+        _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], dv=40, per_channel=form.endswith("channel_gate"),
+                       chunk_size=None, tol=REC_TOL, seed=3)
     else:  # two value blocks (40 > 32 columns), chunks of 16 over 17 and 40 tokens
         _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1], [1, 17, 9]], ids=["decode", "chunked_prefill"])
-def test_a_fresh_sequence_never_reads_its_slot(lens):
+def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
+    """The route: no chunk size, and none in PREFILL_CHUNK_SIZE, runs the token-by-token kernel; a named
+    chunk (argument or module setting) runs the chunked kernel."""
+    launched = []
+
+    class Spy:  # records which kernel a launch (``kernel[grid](...)``) runs
+        def __init__(self, name):
+            self.name, self.real = name, getattr(kernels, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.real[grid]
+
+    for name in ("_recurrent_kernel", "_chunked_kernel"):
+        monkeypatch.setattr(kernels, name, Spy(name))
+    q, k, v, g, beta = _batch([3], 1, 1, 16, 16, False, 0)
+    states = torch.zeros(1, 1, 16, 16, device=DEVICE)
+    args = (q, k, v, g, beta, states, torch.tensor([0], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
+    kernels.prefill(*args)
+    kernels.prefill(*args, chunk_size=16)
+    monkeypatch.setattr(kernels, "PREFILL_CHUNK_SIZE", 32)
+    kernels.prefill(*args)
+    assert launched == ["_recurrent_kernel", "_chunked_kernel", "_chunked_kernel"]
+
+
+@pytest.mark.parametrize("lens, chunk", [([1, 1, 1], 16), ([1, 17, 9], 16), ([1, 7, 3], None)],
+                         ids=["decode", "chunked_prefill", "recurrent_prefill"])
+def test_a_fresh_sequence_never_reads_its_slot(lens, chunk):
     """A slot that held NaN (a request that overflowed, or never-written memory) starts its next sequence from
     zeros: a fresh sequence's state is masked off, not multiplied by zero (NaN x 0 is NaN)."""
-    _run_and_check(lens, [4, 2, 0], [True, False, False], fresh_slots_hold=float("nan"),
-                   tol=REC_TOL if lens == [1, 1, 1] else CHUNK_TOL, seed=5)
+    _run_and_check(lens, [4, 2, 0], [True, False, False], fresh_slots_hold=float("nan"), chunk_size=chunk,
+                   tol=CHUNK_TOL if chunk and lens != [1, 1, 1] else REC_TOL, seed=5)
 
 
 def test_chunked_prefill_with_repeated_keys():
@@ -139,9 +167,10 @@ def _model_layout_inputs(lens, hk, hv, dk, dv, seed):
     return q, k, v, g.to(DEVICE), beta.to(DEVICE)
 
 
-@pytest.mark.parametrize("lens", [[70, 23], [16, 5]], ids=["full_and_partial_chunks", "one_chunk_each"])
-def test_chunked_prefill_on_the_model_layout(lens):
-    """The chunked kernel on a Gated DeltaNet layer's own inputs (strided views, 2 value heads per key head,
+@pytest.mark.parametrize("lens, chunk", [([70, 23], 16), ([16, 5], 16), ([16, 5], None)],
+                         ids=["full_and_partial_chunks", "one_chunk_each", "token_by_token"])
+def test_prefill_on_the_model_layout(lens, chunk):
+    """Both prefill forms on a Gated DeltaNet layer's own inputs (strided views, 2 value heads per key head,
     16-wide heads, strong decays), a fresh sequence and one continuing its slot, against the float64 oracle."""
     hk, hv, dk, dv = 2, 4, 16, 16
     q, k, v, g, beta = _model_layout_inputs(lens, hk, hv, dk, dv, seed=len(lens) + lens[0])
@@ -153,7 +182,7 @@ def test_chunked_prefill_on_the_model_layout(lens):
     qsl = [0, lens[0], lens[0] + lens[1]]
     out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
                           torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-                          has_initial_state=torch.tensor(init, device=DEVICE), normalize_qk=True)
+                          has_initial_state=torch.tensor(init, device=DEVICE), normalize_qk=True, chunk_size=chunk)
     for i, (slot, has_state) in enumerate(zip(slots, init)):
         a, b = qsl[i], qsl[i + 1]
         want_out, want_state = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)),
@@ -163,13 +192,14 @@ def test_chunked_prefill_on_the_model_layout(lens):
     assert torch.equal(states[1].cpu(), before[1])
 
 
-def test_prefill_split_across_calls_equals_one_call():
+@pytest.mark.parametrize("chunk", [16, None], ids=["chunked", "token_by_token"])
+def test_prefill_split_across_calls_equals_one_call(chunk):
     lens = [37]
     q, k, v, g, beta = _batch(lens, 2, 4, 16, 16, False, 5)
     one = torch.zeros(2, 4, 16, 16, device=DEVICE)
     slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     out_one = kernels.prefill(q, k, v, g, beta, one, slot, torch.tensor([0, 37], dtype=torch.int32, device=DEVICE),
-                              normalize_qk=True)
+                              normalize_qk=True, chunk_size=chunk)
     split = torch.zeros_like(one)
     outs = []
     for a, b in [(0, 5), (5, 21), (21, 36), (36, 37)]:
@@ -178,7 +208,7 @@ def test_prefill_split_across_calls_equals_one_call():
             outs.append(kernels.decode(*x, split, slot, normalize_qk=True))
         else:
             qsl = torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE)
-            outs.append(kernels.prefill(*x, split, slot, qsl, normalize_qk=True))
+            outs.append(kernels.prefill(*x, split, slot, qsl, normalize_qk=True, chunk_size=chunk))
     assert rel_err(torch.cat(outs).cpu(), out_one.double().cpu()) < CHUNK_TOL
     assert rel_err(split[1].cpu(), one[1].double().cpu()) < CHUNK_TOL
     assert torch.equal(split[0], one[0])  # slot 0 untouched by both (zeros)
@@ -334,20 +364,21 @@ def test_gpu_decode_batches_at_model_shapes(batch, per_channel):
 
 
 @gpu_only
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
-def test_gpu_chunked_prefill_at_model_shapes(chunk_size):
+@pytest.mark.parametrize("chunk_size", [16, 32, 64, None])
+def test_gpu_prefill_at_model_shapes(chunk_size):
     _run_and_check([1, 100, 333], [2, 0, 4], [False, True, True], hk=16, hv=32, dk=128, dv=128,
-                   num_slots=5, chunk_size=chunk_size, seed=chunk_size)
+                   num_slots=5, chunk_size=chunk_size, seed=chunk_size or 1)
 
 
 @gpu_only
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
-def test_gpu_chunked_prefill_with_repeated_keys(chunk_size):
+@pytest.mark.parametrize("chunk_size", [16, 32, 64, None])
+def test_gpu_prefill_with_repeated_keys(chunk_size):
     _run_and_check([200, 64], [1, 0], [True, False], hk=2, hv=4, dk=128, dv=128, num_slots=2,
-                   chunk_size=chunk_size, repeated_keys=True, seed=chunk_size)
+                   chunk_size=chunk_size, repeated_keys=True, seed=chunk_size or 1)
 
 
 @gpu_only
-def test_gpu_bf16_inputs():
+@pytest.mark.parametrize("chunk_size", [16, None])
+def test_gpu_bf16_inputs(chunk_size):
     _run_and_check([1, 65, 130], [1, 2, 0], [True, True, False], hk=4, hv=8, dk=128, dv=128, num_slots=3,
-                   tol=1e-2, dtype=torch.bfloat16)
+                   tol=1e-2, dtype=torch.bfloat16, chunk_size=chunk_size)

@@ -20,14 +20,16 @@ Entries (no host sync, output allocated with ``torch.empty``):
 * :func:`decode` - one token per sequence (``T == N``), grid ``(N, Hv, cdiv(V, BV))``; fixed
   shapes for fixed ``N``, so it can be captured in a CUDA graph. Each program keeps a
   ``[K, BV]`` block of the state in registers for the token.
-* :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Per-head gates
-  run the chunked form: per chunk of ``chunk_size`` tokens, the unit lower-triangular system
+* :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Every sequence
+  runs token by token in one program per (sequence, value head, value block), as decode does, unless
+  the call (or :data:`PREFILL_CHUNK_SIZE`) names a chunk size; per-head gates then run the chunked
+  form: per chunk of ``chunk_size`` tokens, the unit lower-triangular system
   ``(I + A)`` is inverted in registers by forward substitution (row by row: as accurate as a
   triangular solve; the finite product ``(I - A)(I + A^2)(I + A^4)...`` is not, its powers of
   ``A`` grow like binomial coefficients when keys repeat), then every product is a ``tl.dot`` in
   IEEE float32.
-  Per-channel gates (KDA) run the recurrence token by token inside the kernel (a chunked form would
-  need ``exp(-G)`` factors that overflow float32 for strong decays).
+  Per-channel gates (KDA) always run token by token (a chunked form would need ``exp(-G)`` factors
+  that overflow float32 for strong decays).
 
 Sequence ``i``'s loop bounds are loaded from ``query_start_loc``; one program per (sequence, value
 head, value block). Offsets are int64.
@@ -46,7 +48,11 @@ if HAS_TRITON:
     from kvforge.kernels.triton_delta_gates import decay_gate, write_strength
 
 L2_NORM_EPS = 1e-6
-DEFAULT_CHUNK_SIZE = 16
+#: The per-head-gate prefill's chunk where a call names none; None: token by token. On an H100 the
+#: token-by-token kernel ran one sequence of Qwen3-Next's layer 4-8x faster than the chunked kernel at its
+#: fastest chunk (16) from 3 to 256 tokens, and 64 sequences of 3 tokens (verification rows) 27x
+#: (docs/BENCHMARKS.md, "Gated delta rule prefill").
+PREFILL_CHUNK_SIZE: int | None = None
 @dataclasses.dataclass(frozen=True)
 class RecurrentTile:
     """A recurrent program's value channels (``block_v``, a power of two >= 16, at most the head's) and warps.
@@ -316,9 +322,12 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
             has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
-            chunk_size: int = DEFAULT_CHUNK_SIZE, store_slot_ids: torch.Tensor | None = None,
+            chunk_size: int | None = None, store_slot_ids: torch.Tensor | None = None,
             store_output: bool = True) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
+
+    ``chunk_size``: per-head gates run the chunked form in chunks of that many tokens (a power of two >=
+    16); None takes :data:`PREFILL_CHUNK_SIZE`, whose None runs them token by token.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
@@ -329,7 +338,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         raise ValueError(f"query_start_loc must be [N + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
-    if g.dim() == 3:
+    if chunk_size is None:
+        chunk_size = PREFILL_CHUNK_SIZE
+    if g.dim() == 3 or chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
                                  store_output=store_output)
