@@ -10,7 +10,9 @@ bf16 inputs. Decode: one token per sequence, the slots a random subset of ``2 * 
 call captured in a CUDA graph and timed by triton.testing.do_bench (median). Bytes counted: each
 sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
-Prefill: one sequence of 4096 tokens and 16 of 256 (eager; chunk 16), tokens per second.
+Prefill (Qwen3-Next's layer): the token-by-token kernel (the engine's form) against the chunked kernel in
+chunks of 16, from verification rows of 3 tokens to one prompt of 4096, each call captured in a CUDA graph
+(median us).
 
 ``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILES``: value channels a program x warps)
 over 16-128 channels x 1-8 warps at each batch, each tile's output and states first checked against the
@@ -34,6 +36,7 @@ from triton.testing import do_bench  # noqa: E402
 import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
 from kvforge.kernels.triton_gated_delta_rule import DecodeTiles, RecurrentTile, decode, prefill  # noqa: E402
 
+PREFILL_SHAPES = ((1, 3), (4, 3), (64, 3), (1, 16), (1, 256), (16, 256), (1, 4096))
 LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
 
 
@@ -116,17 +119,17 @@ def main() -> None:
                   f"{nbytes / seconds / 1e9:7.0f} GB/s  {100 * nbytes / seconds / peak:5.1f} %floor")
             if args.sweep:
                 sweep_tiles(q, k, v, g, beta, states, slots, nbytes, peak)
-        if args.quick or args.sweep:
+        if args.quick or args.sweep or per_channel:
             continue
-        for seqs, length in ((1, 4096), (16, 256)):
+        for seqs, length in PREFILL_SHAPES:
             q, k, v, g, beta = inputs(seqs * length, hk, hv, dk, dv, per_channel)
             states = torch.zeros(seqs, hv, dk, dv, device="cuda")
             slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
             qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
-            run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True)
-            seconds = timed(run, graph=False)
-            print(f"prefill {name:12s} {seqs:3d} x {length:5d}: {seconds * 1e3:8.2f} ms  "
-                  f"{seqs * length / seconds / 1e3:8.0f} k tokens/s")
+            times = [timed(functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True,
+                                             chunk_size=chunk), graph=True) for chunk in (None, 16)]
+            print(f"prefill {name:12s} {seqs:3d} x {length:5d}: token by token {times[0] * 1e6:9.1f} us, "
+                  f"chunks of 16 {times[1] * 1e6:9.1f} us ({times[1] / times[0]:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ class DecodeTiles:
 #: On an H200 (``benchmarks/bench_gated_delta_rule.py --sweep``, float32 states, K = V = 128) 64 value
 #: channels a program read 1.10-1.18x faster than 32 at 64 and 256 sequences, and level at 1-8.
 DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4), large_from_seqs=64)
-#: The tile of the token-by-token prefill (per-channel gates) and of the chunked kernel.
+#: The tile of the token-by-token prefill and of the chunked kernel. One warp a program ran the token-by-token
+#: kernel alone 1.6x faster than four at 8-16 prompts on an H100, but a Qwen3-Next prefill end to end 8% slower
+#: (docs/BENCHMARKS.md, "Gated delta rule prefill").
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 
 
