@@ -6,7 +6,8 @@ compiler rejects fails here. Each variant the engine launches for these kernels 
   top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group),
   DeepSeek-V2's group-limited softmax and Qwen3-Next's softmax with its sigmoid-gated shared slot;
 - the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, the delta-rule
-  gates at both models' head layouts, and the recurrent decode kernel computing those gates itself;
+  gates at both models' head layouts, the recurrent decode kernel computing those gates itself, and the
+  chunked delta rule's two kernels (per-chunk system and products, state pass) at chunks of 16 and 64;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 
@@ -83,6 +84,14 @@ def _builds():
             STORE_OUT=True, RAW_GATES=True, THRESHOLD=gates.SOFTPLUS_THRESHOLD), dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i32", store_slot_ptr="*i32",
             init_ptr="*i1", qsl_ptr="*i32", dt_bias_ptr=dt_bias)
+    chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
+                          slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32")
+    for bt in (16, 64):
+        yield f"chunked delta rule, chunks of {bt}", rule._chunk_prep_kernel, dict(
+            BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION), chunk_pointers
+        state_pass = dict(BT=bt, BK=128, BV=32, NORMALIZE=True, HAS_INIT_FLAGS=True, STORE_OUT=True,
+                          PRECISION=rule.DOT_PRECISION)
+        yield f"chunked delta rule's state pass, chunks of {bt}", rule._chunk_state_kernel, state_pass, chunk_pointers
 
 
 NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []

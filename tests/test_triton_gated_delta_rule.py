@@ -112,6 +112,14 @@ def test_prefill_lengths_the_chunk_does_not_divide(form):
         _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
 
 
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_chunked_prefill_finds_each_chunks_sequence(chunk):
+    """The chunked form's per-chunk programs find their sequence among empty and padding sequences (slot -1) and
+    sequences of one to several chunks."""
+    _run_and_check([5, 0, 40, 3, 1, 133], [2, -1, 0, -1, 4, 5], [True, False, False, True, True, False],
+                   chunk_size=chunk, seed=chunk)
+
+
 def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
     """The route: no chunk size, and none in PREFILL_CHUNK_SIZE, runs the token-by-token kernel; a named
     chunk (argument or module setting) runs the chunked kernel."""
@@ -125,7 +133,7 @@ def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
             launched.append(self.name)
             return self.real[grid]
 
-    for name in ("_recurrent_kernel", "_chunked_kernel"):
+    for name in ("_recurrent_kernel", "_chunk_state_kernel"):
         monkeypatch.setattr(kernels, name, Spy(name))
     q, k, v, g, beta = _batch([3], 1, 1, 16, 16, False, 0)
     states = torch.zeros(1, 1, 16, 16, device=DEVICE)
@@ -135,7 +143,7 @@ def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
     kernels.prefill(*args, chunk_size=16)
     monkeypatch.setattr(kernels, "PREFILL_CHUNK_SIZE", 32)
     kernels.prefill(*args)
-    assert launched == ["_recurrent_kernel", "_chunked_kernel", "_chunked_kernel"]
+    assert launched == ["_recurrent_kernel", "_chunk_state_kernel", "_chunk_state_kernel"]
 
 
 @pytest.mark.parametrize("lens, chunk", [([1, 1, 1], 16), ([1, 17, 9], 16), ([1, 7, 3], None)],

@@ -1,4 +1,4 @@
-"""Triton kernels: the gated delta rule over per-sequence state slots (decode, and chunked prefill).
+"""Triton kernels: the gated delta rule over per-sequence state slots (decode, and prefill token by token or in chunks).
 
 The rule, its shapes and its state contract are those of :mod:`kvforge.attention.gated_delta_rule`
 (the PyTorch reference these kernels are tested against). Here a flat batch of ``T`` tokens
@@ -23,16 +23,25 @@ Entries (no host sync, output allocated with ``torch.empty``):
 * :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Every sequence
   runs token by token in one program per (sequence, value head, value block), as decode does, unless
   the call (or :data:`PREFILL_CHUNK_SIZE`) names a chunk size; per-head gates then run the chunked
-  form: per chunk of ``chunk_size`` tokens, the unit lower-triangular system
-  ``(I + A)`` is inverted in registers by forward substitution (row by row: as accurate as a
-  triangular solve; the finite product ``(I - A)(I + A^2)(I + A^4)...`` is not, its powers of
-  ``A`` grow like binomial coefficients when keys repeat), then every product is a ``tl.dot`` in
-  IEEE float32.
+  form in two launches:
+
+  1. one program per (chunk, value head), all chunks of the step in parallel: the chunk's decays, the
+     unit lower-triangular system ``(I + A)`` inverted in registers by forward substitution (row by
+     row: as accurate as a triangular solve; the finite product ``(I - A)(I + A^2)(I + A^4)...`` is
+     not, its powers of ``A`` grow like binomial coefficients when keys repeat), and per token row
+     ``W = (I + A)^-1 (beta exp(gc) k)``, ``U = (I + A)^-1 (beta v)``, the decayed causal ``q k^T``
+     and the cumulative gates ``gc``, into float32 buffers (``(K + V + chunk + 1) x 4`` bytes a token
+     and value head);
+  2. the state pass, one program per (sequence, value head, value block) as token by token, chunk
+     after chunk: the new values ``U - W S``, the outputs ``(q exp(gc)) S + (q k^T) (U - W S)`` and
+     the state at the chunk's end. Each chunk's sequence is found by a binary search over its
+     sequence's first chunk number, so the launch needs no host sync.
+
+  Its products run at :data:`DOT_PRECISION`.
   Per-channel gates (KDA) always run token by token (a chunked form would need ``exp(-G)`` factors
   that overflow float32 for strong decays).
 
-Sequence ``i``'s loop bounds are loaded from ``query_start_loc``; one program per (sequence, value
-head, value block). Offsets are int64.
+Sequence ``i``'s loop bounds are loaded from ``query_start_loc``. Offsets are int64.
 """
 
 from __future__ import annotations
@@ -49,10 +58,13 @@ if HAS_TRITON:
 
 L2_NORM_EPS = 1e-6
 #: The per-head-gate prefill's chunk where a call names none; None: token by token. On an H100 the
-#: token-by-token kernel ran one sequence of Qwen3-Next's layer 4-8x faster than the chunked kernel at its
-#: fastest chunk (16) from 3 to 256 tokens, and 64 sequences of 3 tokens (verification rows) 27x
-#: (docs/BENCHMARKS.md, "Gated delta rule prefill").
+#: token-by-token kernel ran one sequence of Qwen3-Next's layer 4-8x faster than the sequential chunked kernel
+#: this module had before at its fastest chunk (16) from 3 to 4096 tokens, and 64 sequences of 3 tokens
+#: (verification rows) 27x (docs/BENCHMARKS.md, "Gated delta rule prefill"); the chunk-parallel form now here
+#: is not timed yet, and its float32 buffers are not in the plan's activation memory.
 PREFILL_CHUNK_SIZE: int | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class RecurrentTile:
     """A recurrent program's value channels (``block_v``, a power of two >= 16, at most the head's) and warps.
@@ -77,10 +89,18 @@ class DecodeTiles:
 #: On an H200 (``benchmarks/bench_gated_delta_rule.py --sweep``, float32 states, K = V = 128) 64 value
 #: channels a program read 1.10-1.18x faster than 32 at 64 and 256 sequences, and level at 1-8.
 DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4), large_from_seqs=64)
-#: The tile of the token-by-token prefill and of the chunked kernel. One warp a program ran the token-by-token
+#: The tile of the token-by-token prefill. One warp a program ran the token-by-token
 #: kernel alone 1.6x faster than four at 8-16 prompts on an H100, but a Qwen3-Next prefill end to end 8% slower
 #: (docs/BENCHMARKS.md, "Gated delta rule prefill").
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
+#: The chunked form's products: three tf32 products a float32 product (float32's accuracy on the matrix
+#: units). Its tiles, compiled for sm_90 with 4 warps, spill 9-19 KB a thread in IEEE float32 (the FMA units)
+#: at chunks of 64, under 1 KB in tf32x3. Not timed yet.
+DOT_PRECISION = "tf32x3"
+#: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least at chunks
+#: of 64 when compiled for sm_90 (152 and 2,216 bytes a thread). Not timed yet.
+CHUNK_PREP_WARPS = 8
+CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
 
 
 if HAS_TRITON:
@@ -181,15 +201,86 @@ if HAS_TRITON:
                              mask=vmask)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
+    @triton.jit(do_not_specialize=["N", "search_steps"])
+    def _chunk_prep_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, qsl_ptr, chunk_ptr, w_ptr, u_ptr, aqk_ptr, gc_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+        stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah, stride_ct,
+        scale, GROUP, DK, DV, N, search_steps,
+        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """One chunk of one value head: the decays, the triangular system's inverse and what the state pass
+        needs of the chunk: ``W``, ``U``, the masked ``q k^T`` and the cumulative gates, per token row."""
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        # The chunk's sequence: the last i with chunk_start[i] <= c (chunk_start [N + 1], per-sequence chunk counts).
+        lo = tl.full((), 0, tl.int32)
+        hi = tl.full((), 0, tl.int32) + N
+        step = 0
+        while step < search_steps:  # a runtime count: one compiled variant serves every step's N
+            mid = (lo + hi) // 2
+            below = tl.load(chunk_ptr + mid) <= c
+            lo = tl.where(below, mid, lo)
+            hi = tl.where(below, hi, mid)
+            step += 1
+        i = lo
+        slot = tl.load(slot_ptr + i)
+        if (c < tl.load(chunk_ptr + N)) & (slot >= 0):
+            hk = h // GROUP
+            bos = tl.load(qsl_ptr + i)
+            eos = tl.load(qsl_ptr + i + 1)
+            c0 = bos + (c - tl.load(chunk_ptr + i)) * BT
+            rs = tl.arange(0, BT)
+            ks = tl.arange(0, BK)
+            kmask = ks < DK
+            rows = c0 + rs
+            rmask = rows < eos
+            r64 = rows.to(tl.int64)
+            qk_mask = rmask[:, None] & kmask[None, :]
+            q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
+                        other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + r64[:, None] * stride_kt + hk * stride_kh + ks[None, :], mask=qk_mask,
+                        other=0.0).to(tl.float32)
+            q = _l2_normalize(q, NORMALIZE, 1) * scale
+            k = _l2_normalize(k, NORMALIZE, 1)
+            g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + r64 * stride_bt + h, mask=rmask, other=0.0).to(tl.float32)
+            gc = tl.cumsum(g, axis=0)  # padded rows add 0
+            lower = rs[:, None] >= rs[None, :]
+            strict = rs[:, None] > rs[None, :]
+            decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+            kt = tl.trans(k)
+            a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * decay, 0.0)
+            # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
+            inv = tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)
+            for r in range(1, tl.minimum(eos - c0, BT)):  # rows past the sequence end stay identity rows
+                a_row = tl.sum(tl.where(rs[:, None] == r, a, 0.0), axis=0)
+                row = tl.where(rs == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
+                inv = tl.where(rs[:, None] == r, row[None, :], inv)
+            aqk = tl.where(lower, tl.dot(q, kt, input_precision=PRECISION) * decay, 0.0)
+            tl.store(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :], aqk, mask=rmask[:, None])
+            w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision=PRECISION)
+            tl.store(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], w, mask=qk_mask)
+            tl.store(gc_ptr + r64 * stride_ct + h, gc, mask=rmask)
+            for v0 in range(0, DV, BV):
+                vs = v0 + tl.arange(0, BV)
+                v_mask = rmask[:, None] & (vs < DV)[None, :]
+                v = tl.load(v_ptr + r64[:, None] * stride_vt + h * stride_vh + vs[None, :], mask=v_mask,
+                            other=0.0).to(tl.float32)
+                u = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
+                tl.store(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], u, mask=v_mask)
+
     @triton.jit
-    def _chunked_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
-        stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
+    def _chunk_state_kernel(
+        q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gc_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh,
+        stride_at, stride_ah, stride_ct, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-        NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr,
+        NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
     ):
+        """The state pass of one (sequence, value head, value block): chunk after chunk, the chunk's new values
+        ``U - W S``, its output and the state at its end."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -205,41 +296,32 @@ if HAS_TRITON:
                                           stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
             bos = tl.load(qsl_ptr + i)
             eos = tl.load(qsl_ptr + i + 1)
-            strict = rs[:, None] > rs[None, :]
-            lower = rs[:, None] >= rs[None, :]
-            eye = tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)
             for c0 in range(bos, eos, BT):
                 rows = c0 + rs
                 rmask = rows < eos
                 r64 = rows.to(tl.int64)
-                q, k, v = _load_qkv(q_ptr, k_ptr, v_ptr, r64[:, None], hk, h, ks[None, :], vs[None, :],
-                                    rmask[:, None] & kmask[None, :], rmask[:, None] & vmask[None, :],
-                                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, scale,
-                                    NORMALIZE, 1)
-                g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
-                beta = tl.load(beta_ptr + r64 * stride_bt + h, mask=rmask, other=0.0).to(tl.float32)
-                gc = tl.cumsum(g, axis=0)  # padded rows add 0: gc of the last row is the chunk's total
-                g_last = tl.sum(g, axis=0)
-                decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-                kt = tl.trans(k)
-                a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision="ieee") * decay, 0.0)
-                # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
-                inv = eye
-                for r in range(1, tl.minimum(eos - c0, BT)):  # rows past the sequence end stay identity rows
-                    a_row = tl.sum(tl.where(rs[:, None] == r, a, 0.0), axis=0)
-                    row = tl.where(rs == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
-                    inv = tl.where(rs[:, None] == r, row[None, :], inv)
-                u = tl.dot(inv, beta[:, None] * v, input_precision="ieee")
-                w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision="ieee")
-                u = u - tl.dot(w, s, input_precision="ieee")
+                qk_mask = rmask[:, None] & kmask[None, :]
+                v_mask = rmask[:, None] & vmask[None, :]
+                k = tl.load(k_ptr + r64[:, None] * stride_kt + hk * stride_kh + ks[None, :], mask=qk_mask,
+                            other=0.0).to(tl.float32)
+                k = _l2_normalize(k, NORMALIZE, 1)
+                w = tl.load(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], mask=qk_mask, other=0.0)
+                u = tl.load(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], mask=v_mask, other=0.0)
+                gc = tl.load(gc_ptr + r64 * stride_ct + h, mask=rmask, other=0.0)
+                g_last = tl.load(gc_ptr + (tl.minimum(c0 + BT, eos) - 1).to(tl.int64) * stride_ct + h)
+                u = u - tl.dot(w, s, input_precision=PRECISION)
                 if STORE_OUT:
-                    qk = tl.where(lower, tl.dot(q, kt, input_precision="ieee") * decay, 0.0)
-                    o = (tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee")
-                         + tl.dot(qk, u, input_precision="ieee"))
+                    q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
+                                other=0.0).to(tl.float32)
+                    q = _l2_normalize(q, NORMALIZE, 1) * scale
+                    aqk = tl.load(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :],
+                                  mask=rmask[:, None], other=0.0)
+                    o = (tl.dot(q * tl.exp(gc)[:, None], s, input_precision=PRECISION)
+                         + tl.dot(aqk, u, input_precision=PRECISION))
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
-                             o.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & vmask[None, :])
+                             o.to(out_ptr.dtype.element_ty), mask=v_mask)
                 k_end = k * tl.exp(g_last - gc)[:, None]
-                s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision="ieee")
+                s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
 
@@ -353,16 +435,34 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     out = torch.empty_like(v)
     if num_seqs == 0 or t == 0:
         return out
-    bk, bv = _blocks(dk, dv, PREFILL_TILE)
+    bk, bv = _blocks(dk, dv, CHUNK_STATE_TILE)
     flags = has_initial_state if has_initial_state is not None else slot_ids
-    _chunked_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
+    # Each sequence's chunks, numbered from chunk_start[i]; a grid of cdiv(T, chunk) + N programs a head covers
+    # them (a sequence wastes less than one chunk), with no host sync.
+    lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
+    chunk_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
+    chunk_start[1:] = torch.cumsum((lens + chunk_size - 1) // chunk_size, 0)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
+    aqk, gc = torch.empty(t, hv, chunk_size, **f32), torch.empty(t, hv, **f32)
+    scale = float(dk**-0.5 if scale is None else scale)
+    _chunk_prep_kernel[(triton.cdiv(t, chunk_size) + num_seqs, hv)](
+        q, k, v, g, beta, slot_ids, query_start_loc, chunk_start, w, u, aqk, gc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1), gc.stride(0),
+        scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()),
+        BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk), PRECISION=DOT_PRECISION,
+        num_warps=CHUNK_PREP_WARPS,
+    )
+    _chunk_state_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
+        q, k, w, u, aqk, gc, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
         query_start_loc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        beta.stride(0), out.stride(0), out.stride(1), states.stride(0), states.stride(1), states.stride(2),
-        float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        aqk.stride(0), aqk.stride(1), gc.stride(0), out.stride(0), out.stride(1),
+        states.stride(0), states.stride(1), states.stride(2),
+        scale, hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
-        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output),
-        num_warps=PREFILL_TILE.num_warps,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
+        num_warps=CHUNK_STATE_TILE.num_warps,
     )
     return out
