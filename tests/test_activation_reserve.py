@@ -234,6 +234,21 @@ def test_the_gpu_step_counts_the_fused_path_and_the_reference_more():
     assert gemma_cpu - gemma_cuda == 4096 * GEMMA3["head_dim"] * 4
 
 
+def test_the_chunked_delta_rule_s_buffers_join_the_linear_attention_phase_on_cuda(monkeypatch):
+    """Where the route takes the chunked delta rule, Qwen3-Next's linear-attention phase on CUDA holds its float32
+    buffers too, exactly; token by token (the route's default) and on CPU it holds none."""
+    from kvforge.attention.routing import delta_rule
+
+    spec = spec_from_hf_config(QWEN3_NEXT, name="tiny", source="test")
+    tokens, hv = 512, QWEN3_NEXT["linear_num_value_heads"]
+    before = {p: dict(activation_reserve(spec, tokens, 8, platform=p).phases) for p in ("cuda", "cpu")}
+    monkeypatch.setattr(delta_rule, "PREFILL_CHUNK_SIZE", 64)
+    after = {p: dict(activation_reserve(spec, tokens, 8, platform=p).phases) for p in ("cuda", "cpu")}
+    grown = after["cuda"]["linear attention"] - before["cuda"]["linear attention"]
+    assert grown == tokens * hv * (QWEN3_NEXT["linear_key_head_dim"] + QWEN3_NEXT["linear_value_head_dim"] + 65) * 4
+    assert after["cpu"] == before["cpu"]
+
+
 def test_the_expanded_mla_bound_is_the_prefill_module_s():
     from kvforge.attention import mla_prefill_sdpa
     from kvforge.attention.routing import paged

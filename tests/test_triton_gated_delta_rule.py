@@ -120,9 +120,35 @@ def test_chunked_prefill_finds_each_chunks_sequence(chunk):
                    chunk_size=chunk, seed=chunk)
 
 
+def test_chunked_prefill_allocates_what_the_route_counts(monkeypatch):
+    """The chunked form's float32 buffers are the bytes the planner reserves for them
+    (``delta_rule.chunked_buffer_bytes``)."""
+    from kvforge.attention.routing import delta_rule
+
+    allocated = []
+
+    class TorchSpy:  # the kernel module's torch, recording its float32 ``empty`` buffers
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *shape, dtype=None, device=None):
+            x = torch.empty(*shape, dtype=dtype, device=device)
+            if dtype == torch.float32:
+                allocated.append(x.numel() * 4)
+            return x
+
+    monkeypatch.setattr(kernels, "torch", TorchSpy())
+    lens, hk, hv, dk, dv, chunk = [5, 20], 1, 2, 16, 16, 16
+    q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, False, 0)
+    kernels.prefill(q, k, v, g, beta, torch.zeros(2, hv, dk, dv, device=DEVICE),
+                    torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                    torch.tensor([0, 5, 25], dtype=torch.int32, device=DEVICE), chunk_size=chunk)
+    assert sum(allocated) == delta_rule.chunked_buffer_bytes(sum(lens), hv, dk, dv, chunk) > 0
+
+
 def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
-    """The route: no chunk size, and none in PREFILL_CHUNK_SIZE, runs the token-by-token kernel; a named
-    chunk (argument or module setting) runs the chunked kernel."""
+    """The route: no chunk size, and none in the route's PREFILL_CHUNK_SIZE, runs the token-by-token kernel; a
+    named chunk (argument or route) runs the chunked form."""
     launched = []
 
     class Spy:  # records which kernel a launch (``kernel[grid](...)``) runs
@@ -141,7 +167,7 @@ def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
             torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
     kernels.prefill(*args)
     kernels.prefill(*args, chunk_size=16)
-    monkeypatch.setattr(kernels, "PREFILL_CHUNK_SIZE", 32)
+    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", 32)
     kernels.prefill(*args)
     assert launched == ["_recurrent_kernel", "_chunk_state_kernel", "_chunk_state_kernel"]
 

@@ -22,8 +22,8 @@ Entries (no host sync, output allocated with ``torch.empty``):
   ``[K, BV]`` block of the state in registers for the token.
 * :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Every sequence
   runs token by token in one program per (sequence, value head, value block), as decode does, unless
-  the call (or :data:`PREFILL_CHUNK_SIZE`) names a chunk size; per-head gates then run the chunked
-  form in two launches:
+  the call (or the route, kvforge/attention/routing/delta_rule.py) names a chunk size; per-head gates
+  then run the chunked form in two launches:
 
   1. one program per (chunk, value head), all chunks of the step in parallel: the chunk's decays, the
      unit lower-triangular system ``(I + A)`` inverted in registers by forward substitution (row by
@@ -50,6 +50,7 @@ import dataclasses
 
 import torch
 
+from kvforge.attention.routing import delta_rule as route
 from kvforge.kernels.optional_triton import HAS_TRITON, tl, triton
 from kvforge.kernels.triton_delta_gates import SOFTPLUS_THRESHOLD
 
@@ -57,12 +58,6 @@ if HAS_TRITON:
     from kvforge.kernels.triton_delta_gates import decay_gate, write_strength
 
 L2_NORM_EPS = 1e-6
-#: The per-head-gate prefill's chunk where a call names none; None: token by token. On an H100 the
-#: token-by-token kernel ran one sequence of Qwen3-Next's layer 4-8x faster than the sequential chunked kernel
-#: this module had before at its fastest chunk (16) from 3 to 4096 tokens, and 64 sequences of 3 tokens
-#: (verification rows) 27x (docs/BENCHMARKS.md, "Gated delta rule prefill"); the chunk-parallel form now here
-#: is not timed yet, and its float32 buffers are not in the plan's activation memory.
-PREFILL_CHUNK_SIZE: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +406,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
     ``chunk_size``: per-head gates run the chunked form in chunks of that many tokens (a power of two >=
-    16); None takes :data:`PREFILL_CHUNK_SIZE`, whose None runs them token by token.
+    16); None takes the route's ``PREFILL_CHUNK_SIZE`` (kvforge/attention/routing/delta_rule.py), whose None
+    runs them token by token.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
@@ -423,7 +419,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
     if chunk_size is None:
-        chunk_size = PREFILL_CHUNK_SIZE
+        chunk_size = route.PREFILL_CHUNK_SIZE
     if g.dim() == 3 or chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
@@ -442,7 +438,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
     chunk_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     chunk_start[1:] = torch.cumsum((lens + chunk_size - 1) // chunk_size, 0)
-    f32 = dict(dtype=torch.float32, device=q.device)
+    f32 = dict(dtype=torch.float32, device=q.device)  # route.chunked_buffer_bytes counts these four
     w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
     aqk, gc = torch.empty(t, hv, chunk_size, **f32), torch.empty(t, hv, **f32)
     scale = float(dk**-0.5 if scale is None else scale)

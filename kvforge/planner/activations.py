@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvforge.attention.routing import delta_rule as delta_rule_routing
 from kvforge.attention.routing import paged as paged_routing
 from kvforge.engine.sampling_params import MAX_LOGPROBS
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT
@@ -225,7 +226,8 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
                        paged_kernels: int) -> dict[str, int]:
     """Qwen3-Next's phases (kvforge/models/qwen3_next.py): each residual add joins the norm after it, whose
     float32 copies are counted as on a device without the norm kernel; the gated attention's query projection carries the output
-    gate; Gated DeltaNet's projections, conv input and output beside the delta rule's output.
+    gate; Gated DeltaNet's projections, conv input and output beside the delta rule's output, and on CUDA the
+    chunked delta rule's float32 buffers where the route takes that form (kvforge/attention/routing/delta_rule.py).
     ``paged_kernels``: the paged backend's own tensors in the attention phase (split-K partials, SDPA prefill)."""
     f = 4
     h = spec.hidden_size
@@ -239,8 +241,11 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
     stream = step + 2 * t * h * e  # the layer's input and its normed copy (the mixer's output later)
     phases = {"residual norm": step + t * (3 * h * e + norm)}
     proj = (2 * key + 2 * value + 2 * hv) * e  # the stacked input product's output (q, k, v, z, b, a)
+    chunk = delta_rule_routing.PREFILL_CHUNK_SIZE if fused else None  # the chunked form's buffers (CUDA)
+    buffers = delta_rule_routing.chunked_buffer_bytes(
+        t, hv, config["linear_key_head_dim"], config["linear_value_head_dim"], chunk) if chunk else 0
     phases["linear attention"] = stream + t * (proj + 2 * conv * e + max(
-        0, 2 * value * e + value * (4 * f + e) - conv * e + h * e))
+        0, 2 * value * e + value * (4 * f + e) - conv * e + h * e)) + buffers
     rope = (q + kv) * e * (0 if fused else 3)
     phases["full attention"] = stream + t * (2 * q * e + max(rope + q * e + 2 * kv * e,
                                                              2 * q * e + 2 * kv * e + 3 * q * e + h * e)) + (

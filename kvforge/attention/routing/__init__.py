@@ -9,4 +9,6 @@ declarations and docs/ROUTING.md all read these tables; kernel modules only laun
 - :mod:`.paged`: the Triton paged-attention backend (tl.dot kernel, Gluon fp8 decode kernels).
 - :mod:`.mla`: the Triton MLA backend (decode kernels, e4m3 query, prefill path).
 - :mod:`.torch_backends`: the PyTorch reference backends and the ring (one path each).
+- :mod:`.delta_rule`: the linear-attention prefill's form on CUDA (token by token or chunked) and the chunked
+  form's buffers, which the planner's activation reserve counts.
 """
