@@ -120,6 +120,31 @@ def test_chunked_prefill_finds_each_chunks_sequence(chunk):
                    chunk_size=chunk, seed=chunk)
 
 
+@pytest.mark.parametrize("chunk", [None, 16], ids=["token_by_token", "chunked"])
+@pytest.mark.parametrize("store_output", [True, False])
+def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
+    """``store_slot_ids`` -1 (a sequence verifying proposals) leaves that slot as it was while its outputs are
+    computed from it; the other sequence's slot takes its final state. ``store_output`` False (the replay of
+    accepted rows) still stores the states."""
+    lens, slots, hv, dk, dv = [7, 20], [1, 3], 2, 16, 16
+    q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, False, 11)
+    states = (0.3 * torch.randn(4, hv, dk, dv, generator=torch.Generator().manual_seed(12))).to(DEVICE)
+    before = states.clone()
+    qsl = [0, 7, 27]
+    out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                          torch.tensor(qsl, dtype=torch.int32, device=DEVICE), normalize_qk=True, chunk_size=chunk,
+                          store_slot_ids=torch.tensor([-1, 3], dtype=torch.int32, device=DEVICE),
+                          store_output=store_output)
+    assert torch.equal(states[1], before[1]) and torch.equal(states[0], before[0]) and torch.equal(states[2], before[2])
+    for i, slot in enumerate(slots):
+        a, b = qsl[i], qsl[i + 1]
+        want_out, want_state = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)), before[slot].cpu())
+        if store_output:
+            assert rel_err(out[a:b].cpu(), want_out) < CHUNK_TOL, i
+        if slot == 3:
+            assert rel_err(states[3].cpu(), want_state) < CHUNK_TOL
+
+
 def test_chunked_prefill_allocates_what_the_route_counts(monkeypatch):
     """The chunked form's float32 buffers are the bytes the planner reserves for them
     (``delta_rule.chunked_buffer_bytes``)."""
