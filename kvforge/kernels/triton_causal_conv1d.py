@@ -54,6 +54,7 @@ _PREFILL_BLOCK_D = 64
 
 
 if HAS_TRITON:
+    from kvforge.kernels.triton_sorted_search import last_start_at_or_below
 
     @triton.jit
     def _conv1d_decode_kernel(
@@ -103,15 +104,8 @@ if HAS_TRITON:
         dmask = ds < D
         total = tl.load(qsl_ptr + N)
         # The sequence of each token: the last i with query_start_loc[i] <= t.
-        lo = tl.zeros([BLOCK_T], dtype=tl.int32)
-        hi = tl.zeros([BLOCK_T], dtype=tl.int32) + N
-        step = 0
-        while step < search_steps:  # a runtime count: one compiled variant serves every step's N
-            mid = (lo + hi) // 2
-            below = tl.load(qsl_ptr + mid) <= ts
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
-            step += 1
+        lo = last_start_at_or_below(qsl_ptr, ts, tl.zeros([BLOCK_T], dtype=tl.int32),
+                                    tl.zeros([BLOCK_T], dtype=tl.int32) + N, search_steps)
         bos = tl.load(qsl_ptr + lo)
         slot = tl.load(slot_ptr + lo).to(tl.int64)
         has_init = tl.load(init_ptr + lo) != 0

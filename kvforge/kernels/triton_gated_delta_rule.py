@@ -56,6 +56,7 @@ from kvforge.kernels.triton_delta_gates import SOFTPLUS_THRESHOLD
 
 if HAS_TRITON:
     from kvforge.kernels.triton_delta_gates import decay_gate, write_strength
+    from kvforge.kernels.triton_sorted_search import last_start_at_or_below
 
 L2_NORM_EPS = 1e-6
 
@@ -209,16 +210,7 @@ if HAS_TRITON:
         c = tl.program_id(0)
         h = tl.program_id(1)
         # The chunk's sequence: the last i with chunk_start[i] <= c (chunk_start [N + 1], per-sequence chunk counts).
-        lo = tl.full((), 0, tl.int32)
-        hi = tl.full((), 0, tl.int32) + N
-        step = 0
-        while step < search_steps:  # a runtime count: one compiled variant serves every step's N
-            mid = (lo + hi) // 2
-            below = tl.load(chunk_ptr + mid) <= c
-            lo = tl.where(below, mid, lo)
-            hi = tl.where(below, hi, mid)
-            step += 1
-        i = lo
+        i = last_start_at_or_below(chunk_ptr, c, tl.full((), 0, tl.int32), tl.full((), 0, tl.int32) + N, search_steps)
         slot = tl.load(slot_ptr + i)
         if (c < tl.load(chunk_ptr + N)) & (slot >= 0):
             hk = h // GROUP
