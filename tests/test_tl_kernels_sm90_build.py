@@ -6,7 +6,8 @@ compiler rejects fails here. Each variant the engine launches for these kernels 
   top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group),
   DeepSeek-V2's group-limited softmax and Qwen3-Next's softmax with its sigmoid-gated shared slot;
 - the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, the delta-rule
-  gates at both models' head layouts, the recurrent decode kernel computing those gates itself, and the
+  gates at both models' head layouts, the recurrent decode kernel computing those gates itself, its prefill
+  storing prefix-cache snapshots inside a sequence, and the
   chunked delta rule's two kernels (per-chunk system and products, state pass) at chunks of 16 and 64;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
@@ -81,9 +82,14 @@ def _builds():
     for name, per_channel, dt_bias in (("qwen3-next", False, "*bf16"), ("kimi-linear", True, "*fp32")):
         yield f"recurrent decode with its gates, {name}", rule._recurrent_kernel, dict(
             BK=128, BV=64, PER_CHANNEL=per_channel, NORMALIZE=True, DECODE=True, HAS_INIT_FLAGS=True,
-            STORE_OUT=True, RAW_GATES=True, THRESHOLD=gates.SOFTPLUS_THRESHOLD), dict(
+            STORE_OUT=True, RAW_GATES=True, THRESHOLD=gates.SOFTPLUS_THRESHOLD, SNAPSHOTS=False), dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i32", store_slot_ptr="*i32",
             init_ptr="*i1", qsl_ptr="*i32", dt_bias_ptr=dt_bias)
+        yield f"recurrent prefill with snapshots inside it, {name}", rule._recurrent_kernel, dict(
+            BK=128, BV=32, PER_CHANNEL=per_channel, NORMALIZE=True, DECODE=False, HAS_INIT_FLAGS=True,
+            STORE_OUT=True, RAW_GATES=False, THRESHOLD=gates.SOFTPLUS_THRESHOLD, SNAPSHOTS=True), dict(
+            q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", slot_ptr="*i32",
+            store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", snap_ptr="*i32")
     chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
                           slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32")
     for bt in (16, 64):

@@ -145,6 +145,38 @@ def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
             assert rel_err(states[3].cpu(), want_state) < CHUNK_TOL
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
+    """``snapshots``: the state after a given token of a sequence also lands in a given slot (two for one
+    sequence, one for another, none for a third), each equal to the float64 state over that prefix; the
+    sequences' own slots take their final states and every other slot is untouched. A named chunk size does
+    not change that (calls with snapshots run token by token)."""
+    lens, slots, init, hv, dk, dv = [9, 12, 5], [1, 3, 5], [True, False, True], 2, 16, 24
+    q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, per_channel, 21)
+    snaps = [[3, 0, 7, 2], [10, 4, -1, -1], [-1, -1, -1, -1]]
+    for chunk in (None, 16):
+        states = (0.3 * torch.randn(7, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
+        before = states.clone()
+        qsl = [0, 9, 21, 26]
+        out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                              torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+                              has_initial_state=torch.tensor(init, device=DEVICE), normalize_qk=True,
+                              chunk_size=chunk, snapshots=torch.tensor(snaps, dtype=torch.int32, device=DEVICE))
+        written = set(slots)
+        for i, slot in enumerate(slots):
+            a, b = qsl[i], qsl[i + 1]
+            s0 = before[slot].cpu() if init[i] else None
+            want_out, want_state = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)), s0)
+            assert rel_err(out[a:b].cpu(), want_out) < REC_TOL and rel_err(states[slot].cpu(), want_state) < REC_TOL
+            for offset, dest in (snaps[i][:2], snaps[i][2:]):
+                if offset >= 0:
+                    _, want_snap = naive_float64(*(x[a:a + offset + 1].cpu() for x in (q, k, v, g, beta)), s0)
+                    assert rel_err(states[dest].cpu(), want_snap) < REC_TOL, (i, offset)
+                    written.add(dest)
+        for slot in set(range(7)) - written:
+            assert torch.equal(states[slot], before[slot]), slot
+
+
 def test_chunked_prefill_allocates_what_the_route_counts(monkeypatch):
     """The chunked form's float32 buffers are the bytes the planner reserves for them
     (``delta_rule.chunked_buffer_bytes``)."""
@@ -410,6 +442,47 @@ def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatc
     for got, want in zip(runs[True], runs[False]):
         for a, b in zip(got, want):
             assert rel_err(a, b.double()) < CHUNK_TOL
+
+
+@pytest.mark.parametrize("on_kernels", [True, False], ids=["kernels", "reference"])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_a_snapshot_inside_a_step_equals_the_state_of_that_prefix_alone(per_channel, on_kernels, monkeypatch):
+    """A 10-token chunk with snapshots after its tokens 2 and 5 (into free slots) leaves there the conv and
+    recurrent states that steps of only its first 3 and 6 tokens leave in their own slots (the conv states
+    exactly: they are copies of inputs), beside the chunk's own final state; beside it a second sequence with
+    none."""
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", DEVICE) if on_kernels else ())
+    dev = DEVICE if on_kernels else "cpu"
+    hk, hv, dk, dv, width = 1, 2, 16, 16, 4
+    layout = LinearStateLayout(conv_channels=2 * hk * dk + hv * dv, conv_width=width, num_value_heads=hv,
+                               key_dim=dk, value_dim=dv, num_key_heads=hk, gate_per_channel=per_channel)
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(layout.conv_channels, width, generator=gen).to(dev)
+    x = torch.randn(13, layout.conv_channels, generator=gen).to(dev)
+    gates = _raw_gates(13, hv, dk if per_channel else 1, gen, dev)
+    start = LinearStates.allocate({0: layout}, 6, torch.float32, dev)
+    for t in (start.conv[0], start.recurrent[0]):
+        t.copy_(torch.randn(t.shape, generator=gen))
+
+    def step(states, rows, lens, slots, init, snapshots=()):
+        states.set_batch(SlotBatch.build(lens, slots, init, dev, snapshots=snapshots))
+        mixed = states.short_conv(0, x[rows], weight, None)
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        n = len(rows)
+        g = DeltaGates(gates.f[rows], gates.dt_bias, gates.a_log, gates.b[rows], gates.head_dim)
+        return states.delta_rule(0, q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), g)
+
+    whole = LinearStates({0: start.conv[0].clone()}, {0: start.recurrent[0].clone()})
+    out = step(whole, list(range(13)), [10, 3], [1, 4], [True, False], snapshots=[(0, 2, 0), (0, 5, 3)])
+    for prefix, dest in ((3, 0), (6, 3)):
+        alone = LinearStates({0: start.conv[0].clone()}, {0: start.recurrent[0].clone()})
+        out_alone = step(alone, list(range(prefix)), [prefix], [1], [True])
+        assert torch.equal(whole.conv[0][dest], alone.conv[0][1])
+        assert rel_err(whole.recurrent[0][dest].cpu(), alone.recurrent[0][1].cpu().double()) < CHUNK_TOL
+        assert rel_err(out[:prefix].cpu(), out_alone.cpu().double()) < CHUNK_TOL
+    for slot in (2, 5):  # no sequence's and no snapshot's
+        assert torch.equal(whole.conv[0][slot], start.conv[0][slot])
+        assert torch.equal(whole.recurrent[0][slot], start.recurrent[0][slot])
 
 
 # ------------------------------------------------------------------------------ GPU only

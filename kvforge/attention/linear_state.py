@@ -142,6 +142,11 @@ class SlotBatch:
     ``store_slot_ids`` is ``slot_ids`` with -1 at them (where the kernels store final states), and
     their rows go to the verify rows: token ``verify_src[j]`` to flat row ``verify_dest[j]``
     (``slot * verify_rows + row``), int64; both None without verifying sequences.
+
+    ``host_snapshots``: ``(sequence index, offset, slot)`` of each prefix-cache snapshot taken inside the
+    step (kvforge/engine/state_prefix.py): the sequence's state after its token ``offset`` of the step (0 its
+    first) is also stored at ``slot``; ``snapshots`` the same as the kernels read it (int32 ``[N, 4]``, per
+    sequence up to two ``(offset, slot)`` pairs, -1 for none), None without snapshots.
     """
 
     query_start_loc: torch.Tensor
@@ -155,12 +160,17 @@ class SlotBatch:
     store_slot_ids: torch.Tensor | None = None
     verify_src: torch.Tensor | None = None
     verify_dest: torch.Tensor | None = None
+    host_snapshots: tuple[tuple[int, int, int], ...] = ()
+    snapshots: torch.Tensor | None = None
 
     @classmethod
     def build(cls, query_lens: Sequence[int], slot_ids: Sequence[int], has_initial_state: Sequence[bool],
-              device, spec_lens: Sequence[int] | None = None, verify_rows: int = 0) -> SlotBatch:
+              device, spec_lens: Sequence[int] | None = None, verify_rows: int = 0,
+              snapshots: Sequence[tuple[int, int, int]] = ()) -> SlotBatch:
         """``spec_lens`` (optional, one per sequence): proposals verified per sequence; ``verify_rows``: the
-        verify rows per slot (1 + the speculative token count), needed when any ``spec_lens`` is non-zero."""
+        verify rows per slot (1 + the speculative token count), needed when any ``spec_lens`` is non-zero;
+        ``snapshots``: ``(sequence index, offset, slot)``, at most two per sequence, each offset before the
+        sequence's last token of the step (a snapshot at its end is a copy after the step)."""
         spec_lens = [0] * len(query_lens) if spec_lens is None else [int(n) for n in spec_lens]
         if not len(query_lens) == len(slot_ids) == len(has_initial_state) == len(spec_lens):
             raise ValueError("query_lens, slot_ids, has_initial_state and spec_lens need one entry per sequence")
@@ -176,6 +186,17 @@ class SlotBatch:
                 src.extend(range(qsl[i + 1] - n - 1, qsl[i + 1]))
                 dest.extend(store[i] * verify_rows + j for j in range(n + 1))
                 store[i] = -1
+        snap_rows = [[-1, -1, -1, -1] for _ in query_lens] if snapshots else []
+        for i, offset, slot in snapshots:
+            row = snap_rows[i]
+            if not (0 <= offset < int(query_lens[i]) - 1 and slot >= 0 and int(slot_ids[i]) >= 0 and not spec_lens[i]):
+                raise ValueError(f"snapshot ({i}, {offset}, {slot}) is not inside sequence {i}'s tokens of the step")
+            if row[0] < 0:
+                row[0:2] = [offset, slot]
+            elif row[2] < 0:
+                row[2:4] = [offset, slot]
+            else:
+                raise ValueError(f"sequence {i} has more than two snapshots in one step")
         slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=device)
         return cls(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
@@ -188,6 +209,8 @@ class SlotBatch:
             store_slot_ids=torch.tensor(store, dtype=torch.int32, device=device) if src else slots_t,
             verify_src=torch.tensor(src, dtype=torch.int64, device=device) if src else None,
             verify_dest=torch.tensor(dest, dtype=torch.int64, device=device) if src else None,
+            host_snapshots=tuple((int(i), int(o), int(sl)) for i, o, sl in snapshots),
+            snapshots=torch.tensor(snap_rows, dtype=torch.int32, device=device) if snapshots else None,
         )
 
     @property
@@ -201,6 +224,10 @@ class SlotBatch:
         for i, slot in enumerate(self.host_slot_ids):
             if slot >= 0:
                 yield i, qsl[i], qsl[i + 1], slot, self.host_has_initial_state[i]
+
+    def snapshots_of(self, i: int) -> list[tuple[int, int]]:
+        """``(offset, slot)`` of sequence ``i``'s snapshots in this step, by offset."""
+        return sorted((o, sl) for j, o, sl in self.host_snapshots if j == i)
 
     def writes_state(self, i: int) -> bool:
         """Whether sequence ``i`` stores its state after the step (False while it verifies proposals)."""
@@ -265,6 +292,10 @@ class LinearStates:
         b, states = self._batch(), self.conv[layer]
         if b.verifies:
             self.verify[layer].keep("conv_input", x, b)
+        for i, start, _, slot, has_state in b.spans():  # before the step's conv rewrites the sequences' slots
+            for offset, dest in b.snapshots_of(i):
+                before = states[slot] if has_state else torch.zeros_like(states[slot])
+                states[dest].copy_(causal_conv1d.state_after(before, x[start:start + offset + 1]))
         if _use_kernels(x):
             from kvforge.kernels.triton_causal_conv1d import conv1d_decode, conv1d_prefill
 
@@ -309,13 +340,19 @@ class LinearStates:
                                       scale=scale, normalize_qk=normalize_qk)
             return kernels.prefill(q, k, v, g, beta, states, b.slot_ids, b.query_start_loc,
                                    has_initial_state=b.has_initial_state, scale=scale, normalize_qk=normalize_qk,
-                                   store_slot_ids=b.store_slot_ids)
+                                   store_slot_ids=b.store_slot_ids, snapshots=b.snapshots)
         out = torch.zeros_like(v)
         for i, start, end, slot, has_state in b.spans():
-            form = gated_delta_rule.recurrent if end - start == 1 else gated_delta_rule.chunked
-            o, s = form(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
-                        states[slot] if has_state else None, scale=scale, normalize_qk=normalize_qk)
-            out[start:end] = o
+            s = states[slot] if has_state else None
+            pieces = [(start + offset + 1, dest) for offset, dest in b.snapshots_of(i)] + [(end, None)]
+            for piece_end, dest in pieces:  # each snapshot ends a piece; the state goes on from it
+                form = gated_delta_rule.recurrent if piece_end - start == 1 else gated_delta_rule.chunked
+                o, s = form(q[start:piece_end], k[start:piece_end], v[start:piece_end], g[start:piece_end],
+                            beta[start:piece_end], s, scale=scale, normalize_qk=normalize_qk)
+                out[start:piece_end] = o
+                if dest is not None:
+                    states[dest].copy_(s)
+                start = piece_end
             if b.writes_state(i):
                 states[slot].copy_(s)
         return out

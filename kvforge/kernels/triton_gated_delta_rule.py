@@ -145,13 +145,13 @@ if HAS_TRITON:
     @triton.jit
     def _recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
-        dt_bias_ptr, a_log_ptr,
+        dt_bias_ptr, a_log_ptr, snap_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, NORMALIZE: tl.constexpr,
         DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, RAW_GATES: tl.constexpr,
-        THRESHOLD: tl.constexpr,
+        THRESHOLD: tl.constexpr, SNAPSHOTS: tl.constexpr,
     ):
         i = tl.program_id(0)
         h = tl.program_id(1)
@@ -171,6 +171,11 @@ if HAS_TRITON:
             else:
                 bos = tl.load(qsl_ptr + i).to(tl.int64)
                 eos = tl.load(qsl_ptr + i + 1).to(tl.int64)
+            if SNAPSHOTS:  # up to two (token offset in the sequence, slot): the state after that token goes there
+                snap_a = tl.load(snap_ptr + 4 * i).to(tl.int64) + bos
+                snap_a_slot = tl.load(snap_ptr + 4 * i + 1).to(tl.int64)
+                snap_b = tl.load(snap_ptr + 4 * i + 2).to(tl.int64) + bos
+                snap_b_slot = tl.load(snap_ptr + 4 * i + 3).to(tl.int64)
             for t64 in range(bos, eos):  # int64 token index
                 q, k, v = _load_qkv(q_ptr, k_ptr, v_ptr, t64, hk, h, ks, vs, kmask, vmask, stride_qt, stride_qh,
                                     stride_kt, stride_kh, stride_vt, stride_vh, scale, NORMALIZE, 0)
@@ -195,6 +200,13 @@ if HAS_TRITON:
                     o = tl.sum(s * q[:, None], axis=0)
                     tl.store(out_ptr + t64 * stride_ot + h * stride_oh + vs, o.to(out_ptr.dtype.element_ty),
                              mask=vmask)
+                if SNAPSHOTS:
+                    if t64 == snap_a:
+                        tl.store(state_ptr + s_off + (snap_a_slot - slot) * stride_ss,
+                                 s.to(state_ptr.dtype.element_ty), mask=smask)
+                    if t64 == snap_b:
+                        tl.store(state_ptr + s_off + (snap_b_slot - slot) * stride_ss,
+                                 s.to(state_ptr.dtype.element_ty), mask=smask)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
     @triton.jit(do_not_specialize=["N", "search_steps"])
@@ -341,7 +353,8 @@ def _blocks(dk: int, dv: int, tile: RecurrentTile) -> tuple[int, int]:
 
 
 def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
-                      normalize_qk, num_seqs, decode, store_slot_ids=None, store_output=True, raw_gates=None):
+                      normalize_qk, num_seqs, decode, store_slot_ids=None, store_output=True, raw_gates=None,
+                      snapshots=None):
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty_like(v)
@@ -355,14 +368,14 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
     dt_bias, a_log = raw_gates if raw_gates is not None else (g, g)
     _recurrent_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags, qsl,
-        dt_bias, a_log,
+        dt_bias, a_log, snapshots if snapshots is not None else slot_ids,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         g.stride(1) if per_channel else 0, beta.stride(0), out.stride(0), out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), RAW_GATES=raw_gates is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, num_warps=tile.num_warps,
+        THRESHOLD=SOFTPLUS_THRESHOLD, SNAPSHOTS=snapshots is not None, num_warps=tile.num_warps,
     )
     return out
 
@@ -394,7 +407,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
             has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
             chunk_size: int | None = None, store_slot_ids: torch.Tensor | None = None,
-            store_output: bool = True) -> torch.Tensor:
+            store_output: bool = True, snapshots: torch.Tensor | None = None) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
     ``chunk_size``: per-head gates run the chunked form in chunks of that many tokens (a power of two >=
@@ -403,19 +416,25 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
-    computes only the states (that replay); ``out`` is then left unwritten."""
+    computes only the states (that replay); ``out`` is then left unwritten.
+
+    ``snapshots`` (int32 [N, 4], optional): per sequence up to two ``(offset, slot)`` pairs, an offset among
+    its tokens of this call (-1: none) after which its state is also stored at ``slot`` (a prefix-cache
+    snapshot taken inside a chunk, kvforge/engine/state_prefix.py). Calls with snapshots run token by token."""
     num_seqs = slot_ids.shape[0]
     _check(q, k, v, g, beta, states, slot_ids, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [N + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
+    if snapshots is not None and snapshots.shape != (num_seqs, 4):
+        raise ValueError(f"snapshots must be [N, 4] = [{num_seqs}, 4], got {tuple(snapshots.shape)}")
     if chunk_size is None:
         chunk_size = route.PREFILL_CHUNK_SIZE
-    if g.dim() == 3 or chunk_size is None:
+    if g.dim() == 3 or chunk_size is None or snapshots is not None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
-                                 store_output=store_output)
+                                 store_output=store_output, snapshots=snapshots)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 16 (tl.dot tiles), got {chunk_size}")
     t, hk, dk = q.shape
