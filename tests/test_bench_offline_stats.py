@@ -117,7 +117,8 @@ def test_profile_categories_take_the_engines_kernels_by_name():
     for fn in (triton_router_topk._router_topk_kernel, triton_router_logits_topk._router_logits_topk_kernel,
                triton_expert_rows._group_rows_kernel, triton_expert_rows._combine_rows_kernel):
         assert kernel_category(fn.__name__) == "moe_routing", fn.__name__
-    for fn in (triton_gated_delta_rule._recurrent_kernel, triton_gated_delta_rule._chunked_kernel,
+    for fn in (triton_gated_delta_rule._recurrent_kernel, triton_gated_delta_rule._chunk_prep_kernel,
+               triton_gated_delta_rule._chunk_state_kernel,
                triton_causal_conv1d._conv1d_decode_kernel, triton_causal_conv1d._conv1d_prefill_kernel,
                triton_delta_gates._delta_gates_kernel, triton_gated_rms_norm._gated_rms_norm_kernel):
         assert kernel_category(fn.__name__) == "linear_attention", fn.__name__

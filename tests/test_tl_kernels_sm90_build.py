@@ -37,7 +37,7 @@ POINTERS = {"ids_ptr": "*i64", "counter_ptr": "*i32", "x_ptr": "*bf16", "gate_pt
 FLOATS = ("scale", "eps")
 
 
-def _compile(fn, consts: dict, pointers: dict | None = None):
+def _compile(fn, consts: dict, pointers: dict | None = None, num_warps: int = 4):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -51,11 +51,11 @@ def _compile(fn, consts: dict, pointers: dict | None = None):
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 def _builds():
-    """(name, kernel, compile-time arguments[, pointer types by argument name]) of every variant."""
+    """(name, kernel, compile-time arguments[, pointer types by argument name[, warps]]) of every variant."""
     from kvforge.kernels import triton_delta_gates as gates
     from kvforge.kernels import triton_gated_rms_norm as norm
     from kvforge.kernels import triton_router_logits_topk as fused
@@ -92,12 +92,13 @@ def _builds():
             store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", snap_ptr="*i32")
     chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
                           slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32")
-    for bt in (16, 64):
+    for bt in (16, 64):  # at the warps the engine launches
         yield f"chunked delta rule, chunks of {bt}", rule._chunk_prep_kernel, dict(
-            BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION), chunk_pointers
-        state_pass = dict(BT=bt, BK=128, BV=32, NORMALIZE=True, HAS_INIT_FLAGS=True, STORE_OUT=True,
-                          PRECISION=rule.DOT_PRECISION)
-        yield f"chunked delta rule's state pass, chunks of {bt}", rule._chunk_state_kernel, state_pass, chunk_pointers
+            BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION), chunk_pointers, rule.CHUNK_PREP_WARPS
+        state_pass = dict(BT=bt, BK=128, BV=rule.CHUNK_STATE_TILE.block_v, NORMALIZE=True, HAS_INIT_FLAGS=True,
+                          STORE_OUT=True, PRECISION=rule.DOT_PRECISION)
+        yield (f"chunked delta rule's state pass, chunks of {bt}", rule._chunk_state_kernel, state_pass, chunk_pointers,
+               rule.CHUNK_STATE_TILE.num_warps)
 
 
 NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []

@@ -203,6 +203,22 @@ def test_chunked_prefill_allocates_what_the_route_counts(monkeypatch):
     assert sum(allocated) == delta_rule.chunked_buffer_bytes(sum(lens), hv, dk, dv, chunk) > 0
 
 
+@pytest.mark.parametrize("chunk", [32, 64])
+def test_chunked_prefill_keeps_small_gates_after_strong_ones(chunk):
+    """Strong decays (-40 a token) for half a chunk, then nearly none (-1e-3): the decays between rows are
+    sums of their own gates, so the small gates are not lost beside the large running sum (a difference of
+    running sums in float32 was off by 3e-4 here)."""
+    hk, hv, dk, dv, n = 1, 2, 16, 16, 64
+    q, k, v, g, beta = _batch([n], hk, hv, dk, dv, False, 40)
+    g = torch.full_like(g, -1e-3)
+    g[: n // 2] = -40.0
+    states = torch.zeros(1, hv, dk, dv, device=DEVICE)
+    out = kernels.prefill(q, k, v, g, beta, states, torch.tensor([0], dtype=torch.int32, device=DEVICE),
+                          torch.tensor([0, n], dtype=torch.int32, device=DEVICE), normalize_qk=True, chunk_size=chunk)
+    want_out, want_state = naive_float64(*(x.cpu() for x in (q, k, v, g, beta)), None)
+    assert rel_err(out.cpu(), want_out) < 1e-5 and rel_err(states[0].cpu(), want_state) < 1e-5
+
+
 def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
     """The route: no chunk size, and none in the route's PREFILL_CHUNK_SIZE, runs the token-by-token kernel; a
     named chunk (argument or route) runs the chunked form."""

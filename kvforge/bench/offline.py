@@ -129,7 +129,7 @@ _CATEGORIES = [
     # a MoE layer's router choice and its rows grouped by expert and summed back
     ("moe_routing", re.compile(r"_router_|_group_rows|_combine_rows")),
     # linear-attention layers: the delta rule (recurrent and chunked), the short conv, the gates, the gated norm
-    ("linear_attention", re.compile(r"_recurrent_kernel|_chunked_kernel|_conv1d_|_delta_gates|_gated_rms_norm")),
+    ("linear_attention", re.compile(r"_recurrent_kernel|_chunk_prep_kernel|_chunk_state_kernel|_conv1d_|_delta_gates|_gated_rms_norm")),
     # cuBLAS's kernels, the small-M Triton kernel and its split-K sum, the Triton expert kernel
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitKreduce|_small_m_linear|_sum_splits", re.I)),
     ("sampling", re.compile(r"argmax", re.I)),

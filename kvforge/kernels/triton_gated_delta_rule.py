@@ -29,9 +29,10 @@ Entries (no host sync, output allocated with ``torch.empty``):
      unit lower-triangular system ``(I + A)`` inverted in registers by forward substitution (row by
      row: as accurate as a triangular solve; the finite product ``(I - A)(I + A^2)(I + A^4)...`` is
      not, its powers of ``A`` grow like binomial coefficients when keys repeat), and per token row
-     ``W = (I + A)^-1 (beta exp(gc) k)``, ``U = (I + A)^-1 (beta v)``, the decayed causal ``q k^T``
-     and the cumulative gates ``gc``, into float32 buffers (``(K + V + chunk + 1) x 4`` bytes a token
-     and value head);
+     ``W = (I + A)^-1 (beta exp(gc) k)``, ``U = (I + A)^-1 (beta v)`` and the decayed causal ``q k^T``
+     into float32 buffers (``(K + V + chunk) x 4`` bytes a token and value head); ``gc`` is the
+     cumulative gate from the chunk's start, and every decay between two rows is the sum of the gates
+     between them (not a difference of cumulative sums, which loses small gates after strong ones);
   2. the state pass, one program per (sequence, value head, value block) as token by token, chunk
      after chunk: the new values ``U - W S``, the outputs ``(q exp(gc)) S + (q k^T) (U - W S)`` and
      the state at the chunk's end. Each chunk's sequence is found by a binary search over its
@@ -90,11 +91,12 @@ DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4
 #: (docs/BENCHMARKS.md, "Gated delta rule prefill").
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 #: The chunked form's products: three tf32 products a float32 product (float32's accuracy on the matrix
-#: units). Its tiles, compiled for sm_90 with 4 warps, spill 9-19 KB a thread in IEEE float32 (the FMA units)
-#: at chunks of 64, under 1 KB in tf32x3. Not timed yet.
+#: units). Compiled for sm_90 with 4 warps at chunks of 64, its two kernels spill 9-19 KB a thread in IEEE
+#: float32 (the FMA units) and 1.1-3.2 KB in tf32x3. Not timed yet. Chunks of 64 need a Hopper's shared memory
+#: (about 210 KB a program for the state pass), chunks of 32 about 115 KB.
 DOT_PRECISION = "tf32x3"
 #: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least at chunks
-#: of 64 when compiled for sm_90 (152 and 2,216 bytes a thread). Not timed yet.
+#: of 64 when compiled for sm_90 (216 and 2,136 bytes a thread). Not timed yet.
 CHUNK_PREP_WARPS = 8
 CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
 
@@ -211,14 +213,14 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["N", "search_steps"])
     def _chunk_prep_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, qsl_ptr, chunk_ptr, w_ptr, u_ptr, aqk_ptr, gc_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, qsl_ptr, chunk_ptr, w_ptr, u_ptr, aqk_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-        stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah, stride_ct,
+        stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah,
         scale, GROUP, DK, DV, N, search_steps,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """One chunk of one value head: the decays, the triangular system's inverse and what the state pass
-        needs of the chunk: ``W``, ``U``, the masked ``q k^T`` and the cumulative gates, per token row."""
+        needs of the chunk: ``W``, ``U`` and the masked ``q k^T``, per token row."""
         c = tl.program_id(0)
         h = tl.program_id(1)
         # The chunk's sequence: the last i with chunk_start[i] <= c (chunk_start [N + 1], per-sequence chunk counts).
@@ -247,7 +249,10 @@ if HAS_TRITON:
             gc = tl.cumsum(g, axis=0)  # padded rows add 0
             lower = rs[:, None] >= rs[None, :]
             strict = rs[:, None] > rs[None, :]
-            decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+            # decay[r, j] = exp(g[j+1] + ... + g[r]): each sum of its own gates, not a difference of running sums
+            # (after strong decays a running sum is large, and later small gates round away in the difference)
+            segment = tl.cumsum(tl.where(strict, g[:, None], 0.0), axis=0)
+            decay = tl.exp(tl.where(lower, segment, float("-inf")))
             kt = tl.trans(k)
             a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * decay, 0.0)
             # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
@@ -260,7 +265,6 @@ if HAS_TRITON:
             tl.store(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :], aqk, mask=rmask[:, None])
             w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision=PRECISION)
             tl.store(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], w, mask=qk_mask)
-            tl.store(gc_ptr + r64 * stride_ct + h, gc, mask=rmask)
             for v0 in range(0, DV, BV):
                 vs = v0 + tl.arange(0, BV)
                 v_mask = rmask[:, None] & (vs < DV)[None, :]
@@ -271,9 +275,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _chunk_state_kernel(
-        q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gc_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh,
-        stride_at, stride_ah, stride_ct, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
+        q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, aqk_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut, stride_uh,
+        stride_at, stride_ah, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
@@ -306,8 +310,10 @@ if HAS_TRITON:
                 k = _l2_normalize(k, NORMALIZE, 1)
                 w = tl.load(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], mask=qk_mask, other=0.0)
                 u = tl.load(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], mask=v_mask, other=0.0)
-                gc = tl.load(gc_ptr + r64 * stride_ct + h, mask=rmask, other=0.0)
-                g_last = tl.load(gc_ptr + (tl.minimum(c0 + BT, eos) - 1).to(tl.int64) * stride_ct + h)
+                g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+                gc = tl.cumsum(g, axis=0)  # the decay from the chunk's start through each row
+                after = tl.cumsum(g, axis=0, reverse=True) - g  # each row's decay to the chunk's end, summed alone
+                g_last = tl.sum(g, axis=0)
                 u = u - tl.dot(w, s, input_precision=PRECISION)
                 if STORE_OUT:
                     q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
@@ -319,7 +325,7 @@ if HAS_TRITON:
                          + tl.dot(aqk, u, input_precision=PRECISION))
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=v_mask)
-                k_end = k * tl.exp(g_last - gc)[:, None]
+                k_end = k * tl.exp(after)[:, None]
                 s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
@@ -449,23 +455,23 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int32)
     chunk_start = torch.zeros(num_seqs + 1, dtype=torch.int32, device=q.device)
     chunk_start[1:] = torch.cumsum((lens + chunk_size - 1) // chunk_size, 0)
-    f32 = dict(dtype=torch.float32, device=q.device)  # route.chunked_buffer_bytes counts these four
+    f32 = dict(dtype=torch.float32, device=q.device)  # route.chunked_buffer_bytes counts these three
     w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
-    aqk, gc = torch.empty(t, hv, chunk_size, **f32), torch.empty(t, hv, **f32)
+    aqk = torch.empty(t, hv, chunk_size, **f32)
     scale = float(dk**-0.5 if scale is None else scale)
     _chunk_prep_kernel[(triton.cdiv(t, chunk_size) + num_seqs, hv)](
-        q, k, v, g, beta, slot_ids, query_start_loc, chunk_start, w, u, aqk, gc,
+        q, k, v, g, beta, slot_ids, query_start_loc, chunk_start, w, u, aqk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1), gc.stride(0),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
         scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()),
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk), PRECISION=DOT_PRECISION,
         num_warps=CHUNK_PREP_WARPS,
     )
     _chunk_state_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
-        q, k, w, u, aqk, gc, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
+        q, k, g, w, u, aqk, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
         query_start_loc,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        aqk.stride(0), aqk.stride(1), gc.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
+        u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0), out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         scale, hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
