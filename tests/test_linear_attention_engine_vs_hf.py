@@ -102,7 +102,8 @@ def test_engine_matches_transformers(case, decode_path, tmp_path, engines):
 def test_state_kernels_over_the_pool_slots_in_the_engine(case, tmp_path, engines, monkeypatch):
     """The state operations on the Triton kernels (Triton's CPU interpreter here; the gpu-marked test below
     compiles them) over the pool's slot views: prefill kernels for the chunks, decode kernels for the CUDA-graph
-    path's static slot buffers, where three sequences fill a batch of four with a padding row at slot -1."""
+    path's static slot buffers, where three sequences fill a batch of four with a padding row at slot -1; the
+    batch again resumes from snapshots, one of them stored by the prefill kernels inside a chunk."""
     device = pytest.importorskip("triton_kernel_device")
     if not device.INTERPRETED:
         pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
@@ -121,7 +122,12 @@ def test_state_kernels_over_the_pool_slots_in_the_engine(case, tmp_path, engines
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     got = _generate(llm, prompts, params)
     assert engine.runner.num_graph_steps > 0
-    for k, (tokens, p) in enumerate(zip(got, prompts)):
+    # Again: the 20-token prompt resumes at 16 (its first chunk's end, a copy after the step), the 6-token one
+    # at 4, a snapshot its chunk's kernels stored inside the step.
+    hits = engine.stats()["prefix_cache_hits"]
+    again = _generate(llm, prompts, params)
+    assert engine.stats()["prefix_cache_hits"] - hits == 16 + 4
+    for k, (tokens, p) in enumerate(zip(got + again, prompts * 2)):
         want, margins = _hf_greedy(hf, p)
         assert_greedy_agrees(tokens, want[:3], margins, tol, what=f"{case} kernels prompt {k}")
 

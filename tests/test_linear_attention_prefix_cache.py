@@ -165,7 +165,7 @@ def _check(greedy, tol, prompts, outputs, what):
 
 @pytest.mark.parametrize("model", CASES, indirect=True)
 def test_follow_up_turns_resume_at_the_last_snapshot(model, engines):
-    """A 30-token prompt leaves snapshots at 16 and 28 (its prefill is cut at 28: chunks 16, 12, then 2). The
+    """A 30-token prompt leaves snapshots at 16 (its first chunk's end) and 28 (inside its second chunk). The
     next turn (prompt, answer, 5 new tokens) finds 8 full blocks cached but resumes at 28, the last block with
     a snapshot, and leaves one at 40; a second copy of the first prompt resumes at 28 too."""
     case, path, greedy, tolerance = model
@@ -194,10 +194,10 @@ def test_follow_up_turns_resume_at_the_last_snapshot(model, engines):
 @pytest.mark.parametrize("model", CASES, indirect=True)
 def test_a_shared_prefix_is_a_hit_from_the_third_request_on(model, engines):
     """One 22-token system prompt, three different messages after it, one request after another. The first
-    leaves snapshots at 16 and 28 (chunk ends), none where the messages part (20). The second finds five
+    leaves snapshots at 16 (a chunk's end) and 28, none where the messages part (20). The second finds five
     blocks cached (20 tokens) but resumes at 16; another cached request went on from 20 with other tokens,
-    so its prefill is cut there too (16 -> 20 -> 24 -> 27) and leaves a snapshot at 20. The third resumes
-    at 20."""
+    so 20 is its branch point: its chunk 16 -> 27 leaves snapshots at 20 and 24 inside the step. The third
+    resumes at 20."""
     case, path, greedy, tolerance = model
     engine = engines(path).engine
     system = _tokens(22, 30)
@@ -241,6 +241,33 @@ def test_a_branch_point_needs_another_continuation_in_the_cache():
 
 
 @pytest.mark.parametrize("model", CASES, indirect=True)
+def test_snapshots_inside_a_chunk_cost_no_step(model, engines):
+    """A 30-token prompt in chunks of 16 gets its first token in its second step (16 + 14 tokens), and keeps
+    snapshots at 16 and 28, the one at 28 taken inside the second chunk; a second copy resumes at 28 and gets
+    its first token in one step."""
+    case, path, greedy, tolerance = model
+    engine = engines(path).engine
+    prompt = _tokens(30, 1)
+
+    def steps_to_first_token(rid):
+        engine.add_request(rid, prompt, GREEDY)
+        for steps in range(1, 10):
+            if any(o.request_id == rid and o.outputs[0].token_ids for o in engine.step()):
+                return steps
+        raise AssertionError("no first token in 9 steps")
+
+    assert steps_to_first_token("a") == 2
+    assert engine.stats()["state_snapshots"] == {"kept": 2, "taken": 2, "restored": 0}
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = _hits(engine)
+    assert steps_to_first_token("b") == 1
+    assert _hits(engine) - before == 28
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
 def test_prompts_admitted_together_share_one_snapshot(model, engines):
     """Two slots: after a 20-token prompt one holds its snapshot (at 16). Two prompts extending it arrive
     together: the first copies the snapshot into the empty slot, the second (no other slot left) takes the
@@ -261,18 +288,18 @@ def test_prompts_admitted_together_share_one_snapshot(model, engines):
 
 @pytest.mark.parametrize("model", CASES, indirect=True)
 def test_more_snapshots_in_a_step_than_free_slots(model, engines):
-    """Three slots, two 10-token prompts together: both prefills are cut at 8 in one step, whose one spare
-    slot keeps one snapshot (the other is not taken); both prompts again resume, the one with a snapshot at
-    8 and the other computed whole, with transformers' tokens throughout."""
+    """Three slots, two 7-token prompts together: both pass their snapshot boundary (4) in one step, whose one
+    spare slot keeps one snapshot (the other is not taken); both prompts again resume, the one with a snapshot
+    at 4 and the other computed whole, with transformers' tokens throughout."""
     case, path, greedy, tolerance = model
     engine = engines(path, kv_cache_memory=THREE_SLOTS[case], max_model_len=64).engine
     assert engine.state_slots.num_slots == 3
-    prompts = [_tokens(10, 20), _tokens(10, 21)]
+    prompts = [_tokens(7, 20), _tokens(7, 21)]
     outs = _run(engine, prompts)
     assert engine.stats()["state_snapshots"] == {"kept": 1, "taken": 1, "restored": 0}
     before = _hits(engine)
     outs += _run(engine, prompts)
-    assert _hits(engine) - before == 8
+    assert _hits(engine) - before == 4
     _check(greedy, tolerance(prompts), prompts * 2, outs, f"{case} crowded")
 
 

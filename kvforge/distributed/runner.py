@@ -59,7 +59,7 @@ from kvforge.engine.prompt_scoring import PromptScoring, set_scored_rows
 # each), n_scored and
 # scored_slice_rows (the last logits rows are prompt rows, scored that many at a time:
 # kvforge/engine/prompt_scoring.py)
-_HEADER = 16
+_HEADER = 17
 
 #: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model, a
 #: call of the MTP layer, rank 0's sampled tokens of the last target step (async scheduling).
@@ -110,26 +110,28 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         n_ph = 0 if ph is None else len(ph[0])
         n_state = 0 if host.state_slots is None else host.num_seqs
         n_spec = 0 if host.spec_lens is None else host.num_seqs
+        n_snap = 0 if host.snapshots is None else host.snapshots.shape[0]
         header = np.array([host.ids.shape[0], host.num_seqs, host.tables.shape[2], n_rows, host.max_query_len,
                            host.max_seq_len, len(copies), int(use_graph), n_ph, n_share, host.tables.shape[0],
                            n_state, n_spec, len(state_ops), host.num_scored,
-                           host.scored_slice_rows], dtype=np.int64)
+                           host.scored_slice_rows, n_snap], dtype=np.int64)
         i64 = np.concatenate([host.ids, host.pos, host.slots.reshape(-1)] + ([host.rows] if n_rows > 0 else [])
                              + [np.asarray(copies, dtype=np.int64).reshape(-1)]
                              + ([np.asarray(ph[0], dtype=np.int64), np.asarray(ph[1], dtype=np.int64)] if n_ph else []))
         i32 = np.concatenate([host.qsl, host.seq_lens, host.tables.reshape(-1)]
                              + ([host.state_slots.astype(np.int32)] if n_state else [])
                              + ([host.spec_lens.astype(np.int32)] if n_spec else [])
+                             + ([host.snapshots.astype(np.int32).reshape(-1)] if n_snap else [])
                              + [np.asarray(state_ops, dtype=np.int32).reshape(-1)])
         group.broadcast_host(header, np.int64, _HEADER)
         group.broadcast_host(i64, np.int64, i64.shape[0])
         group.broadcast_host(i32, np.int32, i32.shape[0])
         return host, copies, use_graph, n_share, list(state_ops)
     (n_tok, n_seqs, cols, n_rows, max_q, max_seq, n_copies, graph, n_ph, n_share, n_groups,
-     n_state, n_spec, n_ops, n_scored, slice_rows) = group.broadcast_host(None, np.int64, _HEADER).tolist()
+     n_state, n_spec, n_ops, n_scored, slice_rows, n_snap) = group.broadcast_host(None, np.int64, _HEADER).tolist()
     i64 = group.broadcast_host(None, np.int64, (2 + n_groups) * n_tok + max(n_rows, 0) + 2 * n_copies + 2 * n_ph)
     n_i32 = 2 * n_seqs + 1 + n_groups * n_seqs * cols
-    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state + n_spec + 3 * n_ops)
+    i32 = group.broadcast_host(None, np.int32, n_i32 + n_state + n_spec + 3 * n_snap + 3 * n_ops)
     start = (2 + n_groups) * n_tok
     end = start + max(n_rows, 0)
     rows = i64[start:end] if n_rows >= 0 else None
@@ -143,8 +145,11 @@ def broadcast_step(group: TPGroup, host: HostStep | None, copies: list[tuple[int
         host.state_slots = i32[n_i32:n_i32 + n_state]
     if n_spec:
         host.spec_lens = i32[n_i32 + n_state:n_i32 + n_state + n_spec]
+    snap_at = n_i32 + n_state + n_spec
+    if n_snap:
+        host.snapshots = i32[snap_at:snap_at + 3 * n_snap].reshape(n_snap, 3)
     host.num_scored, host.scored_slice_rows = n_scored, slice_rows
-    state_ops = [tuple(p) for p in i32[n_i32 + n_state + n_spec:].reshape(-1, 3).tolist()]
+    state_ops = [tuple(p) for p in i32[snap_at + 3 * n_snap:].reshape(-1, 3).tolist()]
     return host, copies, bool(graph), n_share, state_ops
 
 

@@ -708,6 +708,9 @@ class LLMEngine:
                 self.runner.step_state_slots = slots
                 if proposals is not None:  # verifying sequences keep their states until verification
                     self.runner.step_spec_lens = [len(s.spec_token_ids) for s in out.scheduled]
+                if self.scheduler.state_prefix is not None:  # snapshots the step's chunks pass, taken inside it
+                    self.runner.step_snapshots = self.scheduler.state_prefix.plan_snapshots(
+                        (s.seq, s.start_pos, s.num_new_tokens) for s in out.scheduled)
             else:
                 self.runner.step_ring_slots = slots
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None

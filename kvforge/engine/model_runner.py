@@ -25,7 +25,9 @@ having no initial state, so a fresh or recomputed sequence never reads what
 the slot's previous owner left. With speculative decoding the engine also hands
 each step the proposals every sequence verifies (``step_spec_lens``): those
 sequences keep their slots' states and their rows, and after verification
-:meth:`ModelRunner.keep_verified` replays the accepted rows onto the slots.
+:meth:`ModelRunner.keep_verified` replays the accepted rows onto the slots. With
+prefix caching it hands the snapshots to take inside the step's sequences
+(``step_snapshots``, kvforge/engine/state_prefix.py).
 
 Decode-only steps (every sequence brings one token) on CUDA replay a captured
 CUDA graph when one is available (kvforge/engine/cuda_graphs.py); prefill and
@@ -113,7 +115,7 @@ class HostStep:
     """
 
     __slots__ = ("ids", "pos", "slots", "qsl", "seq_lens", "tables", "rows", "max_query_len", "max_seq_len",
-                 "placeholders", "state_slots", "spec_lens", "num_scored",
+                 "placeholders", "state_slots", "spec_lens", "snapshots", "num_scored",
                  "scored_slice_rows")
 
     def __init__(self, ids, pos, slots, qsl, seq_lens, tables, rows, max_query_len, max_seq_len,
@@ -128,6 +130,9 @@ class HostStep:
         # proposals each verifies this step (None: none).
         self.state_slots = None
         self.spec_lens = None
+        # int32 [k, 3]: (sequence index, offset, slot) of the prefix-cache snapshots taken inside the step
+        # (SlotBatch.host_snapshots); None: none.
+        self.snapshots = None
         # The last ``num_scored`` logits rows are prompt rows scored ``scored_slice_rows`` at a time and
         # not returned (kvforge/engine/prompt_scoring.py); every rank takes the same slices.
         self.num_scored = 0
@@ -209,6 +214,8 @@ class ModelRunner:
         self.linear_states = pool.linear_states
         self.step_state_slots: list[int] | None = None
         self.step_spec_lens: list[int] | None = None  # per sequence: proposals it verifies (speculative decoding)
+        # (sequence index, offset, slot) of the prefix-cache snapshots the step takes inside its sequences
+        self.step_snapshots: list[tuple[int, int, int]] | None = None
         if self.linear_states is not None:
             self._attn_api = _LinearAttn(self)
         if pool.ring_pages:
@@ -482,9 +489,10 @@ class ModelRunner:
     def slot_batch(self, host: HostStep) -> SlotBatch:
         """The step's state slots on the device (eager steps; CUDA graphs fill static buffers instead)."""
         spec = host.spec_lens.tolist() if host.spec_lens is not None else None
+        snapshots = [tuple(x) for x in host.snapshots.tolist()] if host.snapshots is not None else ()
         return SlotBatch.build(np.diff(host.qsl).tolist(), host.state_slots.tolist(),
                                host.has_initial_state().tolist(), self.device, spec_lens=spec,
-                               verify_rows=self.linear_states.verify_rows)
+                               verify_rows=self.linear_states.verify_rows, snapshots=snapshots)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, num_splits: int | None = None,
                 slot_batch: SlotBatch | None = None) -> torch.Tensor:
@@ -541,9 +549,11 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------
     def wants_graph(self, host: HostStep) -> bool:
-        """Whether ``host`` replays a captured decode or verification graph (else the step runs eagerly)."""
+        """Whether ``host`` replays a captured decode or verification graph (else the step runs eagerly; so does
+        a step that takes prefix-cache snapshots inside its chunks, which no graph captures)."""
         graphs = self.graphs
-        return graphs is not None and graphs.accepts(host) and not self.needs_calibration
+        return (graphs is not None and graphs.accepts(host) and not self.needs_calibration
+                and host.snapshots is None)
 
     @torch.inference_mode()
     def run(self, chunks, logits_rows: list[int] | None, placeholders=None, share_sampled: int = 0,
@@ -577,6 +587,9 @@ class ModelRunner:
             if len(spec) != host.num_seqs:
                 raise RuntimeError(f"step_spec_lens needs one entry per sequence ({host.num_seqs}), got {spec!r}")
             host.spec_lens = np.asarray(spec, dtype=np.int32)
+        snapshots, self.step_snapshots = self.step_snapshots, None
+        if snapshots:
+            host.snapshots = np.asarray(snapshots, dtype=np.int32).reshape(-1, 3)
 
     @torch.inference_mode()
     def copy_state_slots(self, pairs: list[tuple[int, int]]) -> None:

@@ -20,9 +20,10 @@ gets its token in every step, and a stream waits behind at most one bounded pref
 
 Models with linear-attention state layers under prefix caching
 (``state_prefix``, kvforge/engine/state_prefix.py): a hit ends only at a
-block whose state snapshot is kept, the admitted request's slot gets that
-snapshot at once, and a prefill chunk that would run past the sequence's
-snapshot boundary is cut to end on it.
+block whose state snapshot is kept, and the admitted request's slot gets that
+snapshot at once; the snapshots a prefill chunk passes are taken inside the
+step (the engine asks ``state_prefix.plan_snapshots`` once the step is
+scheduled), so no chunk is cut for them.
 
 Under the ``priority`` policy (``--scheduling-policy priority``, vLLM's) each
 request has a priority, lower first. Decodes still come first and the prefill
@@ -344,8 +345,6 @@ class Scheduler:
                         i += 1
                         continue
                     n = room
-                if self.state_prefix is not None:
-                    n = self.state_prefix.chunk_tokens(seq, seq.num_computed_tokens, n)
             spec = self._proposals_to_verify(seq, n, budget) if seq.spec_token_ids else ()
             m = n + len(spec) if spec else n  # with the proposals
             self_preempted = False
@@ -392,7 +391,6 @@ class Scheduler:
                     n = room
                 if state is not None:
                     state.find_branch_point(seq, num_cached)
-                    n = state.chunk_tokens(seq, num_cached, n)
                 if not bm.allocate(seq, n, cached):
                     break
                 if state is not None:

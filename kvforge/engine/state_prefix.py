@@ -2,19 +2,27 @@
 
 A paged layer resumes a request from the cached KV blocks of its prompt's prefix; a state layer holds one
 running state per request, which a cached prefix must supply as well. So the state is kept, as a
-snapshot in a state slot no request holds (kvforge/engine/state_slots.py), where a prefill chunk ends at
-a block boundary, keyed by that block's chained hash; a hit ends only at a block with a snapshot.
+snapshot in a state slot no request holds (kvforge/engine/state_slots.py), at chosen block boundaries,
+keyed by that block's chained hash; a hit ends only at a block with a snapshot.
 
 Rules (one place each):
 
-- **Where snapshots are taken.** After a step, for every prefill chunk whose end is a block boundary at
-  or before ``snapshot_boundary(seq)``: the last block boundary before the sequence's last known token
-  (a hit never covers every token, kvforge/engine/block_manager.py). ``chunk_tokens`` cuts the chunk
-  that would run past that boundary to end on it when a slot besides the sequence's own could keep the
-  snapshot, so a prompt longer than a block leaves a snapshot at its last block boundary before its last
-  token; the remaining tokens run in the next step. The snapshots of one step never evict each other.
-  Decode steps take none (a copy of the whole state every block of generated tokens would cost more
-  than the KV it saves).
+- **Where snapshots are taken.** At ``snapshot_boundary(seq)``, the last block boundary before the
+  sequence's last known token (a hit never covers every token, kvforge/engine/block_manager.py), and at
+  the sequence's branch point (below), wherever a prefill chunk passes them, and where a prefill chunk
+  ends on a block boundary at or before the snapshot boundary. A point inside a chunk is taken inside
+  the step (``plan_snapshots``, once the step is scheduled: the state layers store the state after that
+  token into the snapshot's slot, kvforge/attention/linear_state.py); a chunk's end is a copy after the
+  step (``take_snapshots``). So a prompt longer than a block leaves a snapshot at its last block boundary
+  before its last token, in the step that computes it. The snapshots of one step never evict each
+  other. Decode steps take none (a copy of the whole state every block of generated tokens would cost
+  more than the KV it saves).
+- **Branch points.** A shared system prompt followed by different messages ends no chunk where the
+  messages part: at admission, ``find_branch_point`` marks the end of the request's cached KV blocks past
+  its hit when the cache holds another continuation of that prefix (another request went on from there;
+  a chat's previous turn just stopped there), and a snapshot is taken there too: the first request of a
+  shared prefix leaves none where the prefix ends, the second computes it again and leaves one, every
+  later one resumes there.
 - **What a hit needs.** ``lookup_prefix`` gets ``resumable``: the hit is the longest cached KV prefix
   that ends at a block with a snapshot.
 - **Restoring.** When the scheduler admits a request with a hit, ``restore`` gives it a slot and copies
@@ -24,7 +32,8 @@ Rules (one place each):
   request or a newer snapshot needs a slot; the plan's state slots are never exceeded.
 
 Every copy goes through the runner's ``copy_state_slots`` (at tensor parallelism > 1 every rank applies
-it, in the same order as the verification replays).
+it, in the same order as the verification replays); the snapshots taken inside a step go with the step's
+inputs to every rank.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ class StatePrefixCache:
         self.copy_state_slots = copy_state_slots
         self.snapshots_taken = 0
         self.snapshots_restored = 0
+        self._made: set[bytes] = set()  # keys of the snapshots the step being run takes inside its chunks
 
     def counters(self) -> dict:
         """Snapshots kept now, taken and restored so far."""
@@ -69,18 +79,6 @@ class StatePrefixCache:
                 and self.block_manager.has_other_continuation(seq, kv_blocks)):
             seq.state_branch_point = point
 
-    def chunk_tokens(self, seq: Sequence, start: int, num_tokens: int) -> int:
-        """``num_tokens`` of a prefill chunk from ``start``, cut to end at the first of
-        ``seq.state_branch_point`` and ``snapshot_boundary(seq)`` the chunk would run past, when a slot
-        could keep the snapshot (one besides the sequence's own: with every slot held by running requests
-        nothing would be kept, so nothing is cut)."""
-        end = start + num_tokens
-        cuts = [b for b in (seq.state_branch_point, self.snapshot_boundary(seq)) if start < b < end]
-        if not cuts:
-            return num_tokens
-        spare = self.slots.num_free - (seq.request_id not in self.slots.held)
-        return min(cuts) - start if spare > 0 else num_tokens
-
     def restore(self, seq: Sequence) -> None:
         """Give ``seq`` (just admitted with ``seq.num_computed_tokens`` from the prefix cache, which ends at
         a block with a snapshot) its state slot holding that snapshot."""
@@ -93,10 +91,31 @@ class StatePrefixCache:
             self.copy_state_slots([(source, slot)])
         self.snapshots_restored += 1
 
+    def plan_snapshots(self, chunks: Iterable[tuple[Sequence, int, int]]) -> list[tuple[int, int, int]]:
+        """Before a step of ``(sequence, start, tokens)`` chunks (in the step's order): the snapshots its state
+        layers take inside the chunks, ``(chunk index, offset, slot)`` (the state after the chunk's token
+        ``offset`` goes to ``slot``): at the sequence's branch point and snapshot boundary where they lie
+        strictly inside its chunk, each registered now under its block's hash in a slot no request holds."""
+        out, self._made = [], set()
+        for index, (seq, start, n) in enumerate(chunks):
+            points = sorted({p for p in (seq.state_branch_point, self.snapshot_boundary(seq)) if start < p < start + n})
+            for point in points:
+                key = self.block_manager.block_hashes(seq, point // self.block_size)[-1]
+                if key in self._made:
+                    continue  # another sequence of the step stores the same prefix's state
+                dest = self.slots.snapshot_slot(key, protected=self._made)
+                if dest is not None:
+                    out.append((index, point - start - 1, dest))
+                    self._made.add(key)
+        self.snapshots_taken += len(out)
+        return out
+
     def take_snapshots(self, chunks: Iterable[tuple[Sequence, int, int]]) -> None:
         """After a step of ``(sequence, start, tokens)`` chunks: copy the state of each sequence whose chunk
-        ended at a block boundary at or before its snapshot boundary into a snapshot slot."""
-        pairs, made = [], set()
+        ended at a block boundary at or before its snapshot boundary into a snapshot slot (never evicting one
+        the step took inside its chunks)."""
+        pairs, made = [], set(self._made)
+        self._made = set()
         for seq, start, n in chunks:
             end = start + n
             if end == 0 or end % self.block_size or end > self.snapshot_boundary(seq):
