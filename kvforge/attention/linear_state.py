@@ -292,10 +292,11 @@ class LinearStates:
         b, states = self._batch(), self.conv[layer]
         if b.verifies:
             self.verify[layer].keep("conv_input", x, b)
-        for i, start, _, slot, has_state in b.spans():  # before the step's conv rewrites the sequences' slots
-            for offset, dest in b.snapshots_of(i):
-                before = states[slot] if has_state else torch.zeros_like(states[slot])
-                states[dest].copy_(causal_conv1d.state_after(before, x[start:start + offset + 1]))
+        if b.host_snapshots:  # before the step's conv rewrites the sequences' slots
+            for i, start, _, slot, has_state in b.spans():
+                for offset, dest in b.snapshots_of(i):
+                    before = states[slot] if has_state else torch.zeros_like(states[slot])
+                    states[dest].copy_(causal_conv1d.state_after(before, x[start:start + offset + 1]))
         if _use_kernels(x):
             from kvforge.kernels.triton_causal_conv1d import conv1d_decode, conv1d_prefill
 

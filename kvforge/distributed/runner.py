@@ -56,9 +56,10 @@ from kvforge.engine.prompt_scoring import PromptScoring, set_scored_rows
 # sequence verifies proposals over linear-attention state: the proposals of each; 0: none), n_state_ops
 # (state-slot operations every rank applies in order before this step: STATE_KEEP (a verifying slot and the
 # accepted rows it replays) or STATE_COPY (a source and a destination slot: prefix snapshots), three int32
-# each), n_scored and
+# each), n_scored,
 # scored_slice_rows (the last logits rows are prompt rows, scored that many at a time:
-# kvforge/engine/prompt_scoring.py)
+# kvforge/engine/prompt_scoring.py) and n_snap (prefix snapshots the step stores inside its chunks: sequence,
+# token offset, slot, three int32 each; HostStep.snapshots)
 _HEADER = 17
 
 #: Worker wake-up commands (one byte on its stdin): a step of the target model, a step of the draft model, a

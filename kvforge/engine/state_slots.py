@@ -8,8 +8,8 @@ snapshot is evicted, least recently used first, whenever a request needs its slo
 ``max_num_seqs`` at ``num_slots`` so running requests always find one; preempted and finished requests
 give theirs back.
 
-A snapshot is a copy of a sequence's state taken where its computed tokens end at a block boundary,
-keyed by that block's chained hash (kvforge/engine/block_manager.py): a later request whose prompt
+A snapshot is a sequence's state where its computed tokens reach a block boundary (stored by the step that
+passes it, or copied after a step that ends there), keyed by that block's chained hash (kvforge/engine/block_manager.py): a later request whose prompt
 starts with the same blocks resumes from it (kvforge/engine/state_prefix.py).
 """
 

@@ -430,10 +430,10 @@ def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
                        "skip writing")
     if "state" in kinds:
         return True, ("on: paged groups resume from the blocks of the cached prefix, state layers from a "
-                      "snapshot of their state at its last block; snapshots are taken where a prefill chunk "
-                      "ends on a block boundary (a prompt's chunk is cut at its last one before the final "
-                      "token) and kept in state slots no running request holds (none reserved), least "
-                      "recently used evicted first")
+                      "snapshot of their state at its last block; a prompt's prefill stores one at its last "
+                      "block boundary before the final token (inside the step that passes it, and where a "
+                      "chunk ends on a block boundary) and they are kept in state slots no running request "
+                      "holds (none reserved), least recently used evicted first")
     if "sliding" in kinds:
         return True, ("on: full groups resume from every block of the cached prefix, sliding-window groups "
                       "from the blocks inside the window of its end")
