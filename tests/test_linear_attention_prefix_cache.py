@@ -100,6 +100,38 @@ def test_snapshots_of_one_step_never_evict_each_other():
     _invariant(slots)
 
 
+def test_a_step_plans_the_snapshots_its_chunks_pass():
+    """``plan_snapshots``: a chunk gets a snapshot at its sequence's branch point and snapshot boundary where
+    they lie strictly inside it (offset: the token before the point), a point at a chunk's start or end none (a
+    chunk's end is a copy after the step); two sequences of one step passing the same prefix share one
+    snapshot; one already kept is not taken again; and ``take_snapshots`` after the step never evicts a
+    snapshot the step stored inside its chunks."""
+    from kvforge.engine.block_manager import BlockManager
+    from kvforge.engine.state_prefix import StatePrefixCache
+
+    bm = BlockManager(num_blocks=32, block_size=4)
+    slots = StateSlots(6)
+    copies = []
+    cache = StatePrefixCache(slots, bm, copies.extend)
+    shared = _tokens(12, 50)
+    a = Sequence("a", shared + _tokens(11, 51), GREEDY)  # 23 tokens: snapshot boundary 20
+    a.state_branch_point = 12
+    b = Sequence("b", shared + _tokens(3, 52), GREEDY)  # 15 tokens: boundary 12, the same prefix as a's 12
+    c = Sequence("c", _tokens(9, 53), GREEDY)  # 9 tokens: boundary 8, its chunk ends there
+    for seq in (a, b, c):
+        slots.acquire(seq.request_id)
+    planned = cache.plan_snapshots([(a, 4, 19), (b, 0, 15), (c, 0, 8)])
+    free = set(range(6)) - set(slots.held.values())
+    assert [(i, offset) for i, offset, _ in planned] == [(0, 7), (0, 15)]  # a at 12 and 20; b shares a's 12
+    assert {dest for *_, dest in planned} <= free and len({dest for *_, dest in planned}) == 2
+    assert cache.counters()["taken"] == 2
+    cache.take_snapshots([(a, 4, 19), (b, 0, 15), (c, 0, 8)])  # c's chunk ends on its boundary: a copy
+    assert len(copies) == 1 and copies[0][0] == slots.held["c"]
+    assert slots.num_snapshots == 3  # the step's two and c's
+    assert cache.plan_snapshots([(b, 4, 11)]) == []  # b's 12 is kept already
+    _invariant(slots)
+
+
 def test_workers_apply_copies_in_rank_0s_order():
     """A restore that reads the snapshot the copy before it wrote (two calls on rank 0, one message to the
     other ranks): the operations apply as rank 0 applied them, one call after the other."""
