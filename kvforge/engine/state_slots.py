@@ -9,8 +9,9 @@ snapshot is evicted, least recently used first, whenever a request needs its slo
 give theirs back.
 
 A snapshot is a sequence's state where its computed tokens reach a block boundary (stored by the step that
-passes it, or copied after a step that ends there), keyed by that block's chained hash (kvforge/engine/block_manager.py): a later request whose prompt
-starts with the same blocks resumes from it (kvforge/engine/state_prefix.py).
+passes it, or copied after a step that ends there), keyed by that block's chained hash
+(kvforge/engine/block_manager.py): a later request whose prompt starts with the same blocks resumes from it
+(kvforge/engine/state_prefix.py).
 """
 
 from __future__ import annotations
