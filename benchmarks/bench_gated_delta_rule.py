@@ -11,7 +11,7 @@ call captured in a CUDA graph and timed by triton.testing.do_bench (median). Byt
 sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
 Prefill (Qwen3-Next's layer): the token-by-token kernel (the engine's form) against the chunked form in
-chunks of 32 and 64, from verification rows of 3 tokens to one prompt of 4096, each call captured in a CUDA
+chunks of 16, 32 and 64, from verification rows of 3 tokens to one prompt of 8192, each call captured in a CUDA
 graph (median us); each chunked result is first checked against the token-by-token one (relative L2: the
 bf16 outputs within 1e-2, the float32 states within 1e-3).
 
@@ -37,7 +37,8 @@ from triton.testing import do_bench  # noqa: E402
 import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
 from kvforge.kernels.triton_gated_delta_rule import DecodeTiles, RecurrentTile, decode, prefill  # noqa: E402
 
-PREFILL_SHAPES = ((1, 3), (4, 3), (64, 3), (1, 16), (1, 256), (16, 256), (1, 4096))
+PREFILL_SHAPES = ((1, 3), (4, 3), (64, 3), (1, 16), (1, 256), (16, 256), (8, 1024), (1, 4096), (1, 8192))
+CHUNKS = (16, 32, 64)
 LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
 
 
@@ -104,6 +105,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--quick", action="store_true", help="decode batches 1 and 64 only, no prefill")
     parser.add_argument("--sweep", action="store_true", help="time the decode tiles (no prefill)")
+    parser.add_argument("--prefill-shapes", default=None,
+                        help="prefill calls as SEQUENCESxTOKENS, comma-separated (default: "
+                        + ",".join(f"{n}x{t}" for n, t in PREFILL_SHAPES) + ")")
     args = parser.parse_args()
     batches = [1, 64] if args.quick else [int(b) for b in args.batches.split(",")]
     peak = copy_bandwidth()
@@ -122,27 +126,29 @@ def main() -> None:
                 sweep_tiles(q, k, v, g, beta, states, slots, nbytes, peak)
         if args.quick or args.sweep or per_channel:
             continue
-        for seqs, length in PREFILL_SHAPES:
+        shapes = PREFILL_SHAPES if args.prefill_shapes is None else [
+            tuple(int(x) for x in shape.split("x")) for shape in args.prefill_shapes.split(",")]
+        for seqs, length in shapes:
             q, k, v, g, beta = inputs(seqs * length, hk, hv, dk, dv, per_channel)
             states = torch.zeros(seqs, hv, dk, dv, device="cuda")
             slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
             qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
             runs = {}
-            for chunk in (None, 32, 64):
+            for chunk in (None, *CHUNKS):
                 states.zero_()
                 run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True,
                                         chunk_size=chunk)
                 out, after = run().float(), states.clone()  # one call from zeros, before the timed replays
                 runs[chunk] = (timed(run, graph=True), out, after)
             base = runs[None]
-            for chunk in (32, 64):
+            for chunk in CHUNKS:
                 for got, want, what, bound in ((runs[chunk][1], base[1], "output", 1e-2),
                                                (runs[chunk][2], base[2], "states", 1e-3)):
                     err = ((got - want).norm() / want.norm()).item()
                     if not err < bound:
                         raise SystemExit(f"chunks of {chunk}, {seqs} x {length}: {what} off by {err:.2e}")
             print(f"prefill {name:12s} {seqs:3d} x {length:5d}: token by token {base[0] * 1e6:9.1f} us, chunks of "
-                  + ", ".join(f"{c} {runs[c][0] * 1e6:9.1f} us ({base[0] / runs[c][0]:.1f}x)" for c in (32, 64)))
+                  + ", ".join(f"{c} {runs[c][0] * 1e6:9.1f} us ({base[0] / runs[c][0]:.1f}x)" for c in CHUNKS))
 
 
 if __name__ == "__main__":

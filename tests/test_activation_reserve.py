@@ -236,11 +236,12 @@ def test_the_gpu_step_counts_the_fused_path_and_the_reference_more():
 
 def test_the_chunked_delta_rule_s_buffers_join_the_linear_attention_phase_on_cuda(monkeypatch):
     """Where the route takes the chunked delta rule, Qwen3-Next's linear-attention phase on CUDA holds its float32
-    buffers too, exactly; token by token (the route's default) and on CPU it holds none."""
+    buffers too, exactly; where the route names no chunk (every call token by token) and on CPU it holds none."""
     from kvforge.attention.routing import delta_rule
 
     spec = spec_from_hf_config(QWEN3_NEXT, name="tiny", source="test")
     tokens, hv = 512, QWEN3_NEXT["linear_num_value_heads"]
+    monkeypatch.setattr(delta_rule, "PREFILL_CHUNK_SIZE", None)
     before = {p: dict(activation_reserve(spec, tokens, 8, platform=p).phases) for p in ("cuda", "cpu")}
     monkeypatch.setattr(delta_rule, "PREFILL_CHUNK_SIZE", 64)
     after = {p: dict(activation_reserve(spec, tokens, 8, platform=p).phases) for p in ("cuda", "cpu")}

@@ -1,6 +1,7 @@
 """``tl`` kernels built for sm_90 on any machine: Triton compiles them for a ``cuda:90`` target ahead of time
 (no GPU needed), through the code generator the interpreter skips, so a kernel the interpreter runs but the
-compiler rejects fails here. Each variant the engine launches for these kernels must compile:
+compiler rejects fails here, and so does one asking more shared memory than a Hopper gives a program. Each
+variant the engine launches for these kernels must compile:
 
 - the router kernels (choice, and logits with the choice in one launch) for DeepSeek-V2-Lite's softmax
   top-k, DeepSeek-V3's sigmoid rule (bias, 8 groups scored by their top two, 4 kept), Kimi's (one group),
@@ -8,7 +9,7 @@ compiler rejects fails here. Each variant the engine launches for these kernels 
 - the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, the delta-rule
   gates at both models' head layouts, the recurrent decode kernel computing those gates itself, its prefill
   storing prefix-cache snapshots inside a sequence, and the
-  chunked delta rule's two kernels (per-chunk system and products, state pass) at chunks of 16 and 64;
+  chunked delta rule's two kernels (per-chunk system and products, state pass) at every chunk size;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 
@@ -35,23 +36,33 @@ POINTERS = {"ids_ptr": "*i64", "counter_ptr": "*i32", "x_ptr": "*bf16", "gate_pt
             "f_ptr": "*bf16", "a_log_ptr": "*bf16", "b_ptr": "*bf16", "beta_ptr": "*bf16", "a_ptr": "*bf16",
             "w_ptr": "*bf16", "bias_ptr": "*bf16", "offs_ptr": "*i32", "src_ptr": "*i64", "expert_ptr": "*i64"}
 FLOATS = ("scale", "eps")
+#: Integer arguments that are head sizes (128 at the models' shapes): a launch specialises them as multiples of 16.
+HEAD_DIMS = ("DK", "DV")
 
 
-def _compile(fn, consts: dict, pointers: dict | None = None, num_warps: int = 4):
+def _compile(fn, consts: dict, pointers: dict | None = None, num_warps: int = 4, num_stages: int = 3):
+    """An sm_90 build specialised as a launch at the models' shapes is: pointers 16-byte aligned, strides and
+    head sizes multiples of 16. The alignment lets loads be pipelined through shared memory, so only such a
+    build asks the shared memory a launch will."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {}
-    for name in fn.arg_names:
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
+            continue
+        if name.endswith("_ptr"):
             signature[name] = {**POINTERS, **(pointers or {})}.get(name, "*fp32")
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+        if name.endswith("_ptr") or name.startswith("stride") or name in HEAD_DIMS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _builds():
@@ -92,20 +103,29 @@ def _builds():
             store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", snap_ptr="*i32")
     chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
                           slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32")
-    for bt in (16, 64):  # at the warps the engine launches
+    for bt in sorted(rule.CHUNK_STATE_STAGES):  # at the warps and stages the engine launches
         yield f"chunked delta rule, chunks of {bt}", rule._chunk_prep_kernel, dict(
             BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION), chunk_pointers, rule.CHUNK_PREP_WARPS
         state_pass = dict(BT=bt, BK=128, BV=rule.CHUNK_STATE_TILE.block_v, NORMALIZE=True, HAS_INIT_FLAGS=True,
                           STORE_OUT=True, PRECISION=rule.DOT_PRECISION)
         yield (f"chunked delta rule's state pass, chunks of {bt}", rule._chunk_state_kernel, state_pass, chunk_pointers,
-               rule.CHUNK_STATE_TILE.num_warps)
+               rule.CHUNK_STATE_TILE.num_warps, rule.CHUNK_STATE_STAGES[bt])
 
 
 NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []
 
 
+#: The shared memory one program may ask on sm_90 (227 KB, opted in).
+SM90_SHARED_BYTES = 232448
+
+
 def _report() -> dict:
-    return {name: bool(_compile(fn, *rest).asm.get("cubin")) for name, fn, *rest in _builds()}
+    """Per build: whether it produced a cubin, and the shared memory a program asks."""
+    report = {}
+    for name, fn, *rest in _builds():
+        kernel = _compile(fn, *rest)
+        report[name] = [bool(kernel.asm.get("cubin")), kernel.metadata.shared]
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +135,9 @@ def report():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_builds_for_sm90(name, report):
-    assert report[name] is True
+    built, shared = report[name]
+    assert built is True
+    assert shared <= SM90_SHARED_BYTES, f"{name} asks {shared} bytes of shared memory a program"
 
 
 if __name__ == "__main__":

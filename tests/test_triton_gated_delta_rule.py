@@ -219,9 +219,10 @@ def test_chunked_prefill_keeps_small_gates_after_strong_ones(chunk):
     assert rel_err(out.cpu(), want_out) < 1e-5 and rel_err(states[0].cpu(), want_state) < 1e-5
 
 
-def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
-    """The route: no chunk size, and none in the route's PREFILL_CHUNK_SIZE, runs the token-by-token kernel; a
-    named chunk (argument or route) runs the chunked form."""
+def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
+    """The route (kvforge/attention/routing/delta_rule.py) picks the form from the call's sequences and tokens:
+    few sequences of many tokens run chunked, short ones (verification rows) and many sequences token by token,
+    and every call token by token where the route names no chunk; a chunk named by the caller runs chunked."""
     launched = []
 
     class Spy:  # records which kernel a launch (``kernel[grid](...)``) runs
@@ -234,15 +235,26 @@ def test_prefill_runs_token_by_token_unless_a_chunk_is_named(monkeypatch):
 
     for name in ("_recurrent_kernel", "_chunk_state_kernel"):
         monkeypatch.setattr(kernels, name, Spy(name))
-    q, k, v, g, beta = _batch([3], 1, 1, 16, 16, False, 0)
-    states = torch.zeros(1, 1, 16, 16, device=DEVICE)
-    args = (q, k, v, g, beta, states, torch.tensor([0], dtype=torch.int32, device=DEVICE),
-            torch.tensor([0, 3], dtype=torch.int32, device=DEVICE))
-    kernels.prefill(*args)
-    kernels.prefill(*args, chunk_size=16)
-    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", 32)
-    kernels.prefill(*args)
-    assert launched == ["_recurrent_kernel", "_chunk_state_kernel", "_chunk_state_kernel"]
+    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", 16)
+    monkeypatch.setattr(kernels.route, "CHUNKED_MAX_SEQUENCES", 2)
+    monkeypatch.setattr(kernels.route, "CHUNKED_MIN_MEAN_TOKENS", 8)
+
+    def call(lens, **kw):
+        q, k, v, g, beta = _batch(lens, 1, 1, 16, 16, False, 0)
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        kernels.prefill(q, k, v, g, beta, torch.zeros(len(lens), 1, 16, 16, device=DEVICE),
+                        torch.arange(len(lens), dtype=torch.int32, device=DEVICE), qsl, **kw)
+        return launched.pop()
+
+    assert call([3]) == "_recurrent_kernel"  # 3 tokens a sequence: under the route's mean
+    assert call([3], chunk_size=16) == "_chunk_state_kernel"
+    assert call([8]) == "_chunk_state_kernel"
+    assert call([4, 12]) == "_chunk_state_kernel"  # the mean decides: 8 a sequence
+    assert call([4, 11]) == "_recurrent_kernel"
+    assert call([8, 8, 8]) == "_recurrent_kernel"  # more sequences than the route's bound
+    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)
+    assert call([8]) == "_recurrent_kernel"
+    assert launched == []
 
 
 @pytest.mark.parametrize("lens, chunk", [([1, 1, 1], 16), ([1, 17, 9], 16), ([1, 7, 3], None)],
@@ -321,12 +333,13 @@ def test_prefill_split_across_calls_equals_one_call(chunk):
     assert torch.equal(split[0], one[0])  # slot 0 untouched by both (zeros)
 
 
-def test_bad_chunk_size_is_named():
+@pytest.mark.parametrize("bad", [24, 8, 128])
+def test_bad_chunk_size_is_named(bad):
     q, k, v, g, beta = _batch([3], 1, 1, 16, 16, False, 0)
-    with pytest.raises(ValueError, match="power of two >= 16"):
+    with pytest.raises(ValueError, match="one of \\[16, 32, 64\\]"):
         kernels.prefill(q, k, v, g, beta, torch.zeros(1, 1, 16, 16, device=DEVICE),
                         torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                        torch.tensor([0, 3], dtype=torch.int32, device=DEVICE), chunk_size=24)
+                        torch.tensor([0, 3], dtype=torch.int32, device=DEVICE), chunk_size=bad)
 
 
 def test_conv1d_decode_steps_match_float64_and_shift_the_state():

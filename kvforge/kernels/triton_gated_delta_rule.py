@@ -92,9 +92,13 @@ DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 #: The chunked form's products: three tf32 products a float32 product (float32's accuracy on the matrix
 #: units). Compiled for sm_90 with 4 warps at chunks of 64, its two kernels spill 9-19 KB a thread in IEEE
-#: float32 (the FMA units) and 1.1-3.2 KB in tf32x3. Not timed yet. Chunks of 64 need a Hopper's shared memory
-#: (about 210 KB a program for the state pass), chunks of 32 about 115 KB.
+#: float32 (the FMA units) and 1.1-3.2 KB in tf32x3.
 DOT_PRECISION = "tf32x3"
+#: Pipeline stages of the state pass's chunk loop by chunk size. Compiled for sm_90 with the 16-byte aligned
+#: pointers and strides a launch specialises on, three stages at chunks of 64 ask 279,040 bytes of shared memory
+#: a program (a Hopper allows 232,448); two ask 188,672. At chunks of 16 and 32 three stages ask 88,192 and
+#: 147,712.
+CHUNK_STATE_STAGES = {16: 3, 32: 3, 64: 2}
 #: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least at chunks
 #: of 64 when compiled for sm_90 (216 and 2,136 bytes a thread). Not timed yet.
 CHUNK_PREP_WARPS = 8
@@ -416,8 +420,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             store_output: bool = True, snapshots: torch.Tensor | None = None) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
-    ``chunk_size``: per-head gates run the chunked form in chunks of that many tokens (a power of two >=
-    16); None takes the route's ``PREFILL_CHUNK_SIZE`` (kvforge/attention/routing/delta_rule.py), whose None
+    ``chunk_size``: per-head gates run the chunked form in chunks of that many tokens (16, 32 or 64); None
+    takes the route's (kvforge/attention/routing/delta_rule.py: by the call's sequences and tokens), whose None
     runs them token by token.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
@@ -436,13 +440,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if snapshots is not None and snapshots.shape != (num_seqs, 4):
         raise ValueError(f"snapshots must be [N, 4] = [{num_seqs}, 4], got {tuple(snapshots.shape)}")
     if chunk_size is None:
-        chunk_size = route.PREFILL_CHUNK_SIZE
+        chunk_size = route.prefill_chunk(num_seqs, q.shape[0])
     if g.dim() == 3 or chunk_size is None or snapshots is not None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
                                  store_output=store_output, snapshots=snapshots)
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 (tl.dot tiles), got {chunk_size}")
+    if chunk_size not in CHUNK_STATE_STAGES:
+        raise ValueError(f"chunk_size must be one of {sorted(CHUNK_STATE_STAGES)} (tl.dot tiles of a power of two "
+                         f">= 16 whose state pass fits a Hopper's shared memory), got {chunk_size}")
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     out = torch.empty_like(v)
@@ -476,6 +481,6 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         scale, hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
-        num_warps=CHUNK_STATE_TILE.num_warps,
+        num_warps=CHUNK_STATE_TILE.num_warps, num_stages=CHUNK_STATE_STAGES[chunk_size],
     )
     return out

@@ -7,12 +7,24 @@ when it serves. Per-channel gates (KDA) always run token by token.
 
 from __future__ import annotations
 
-#: The chunk of a per-head-gate prefill where a call names none; None: token by token. On an H100 the
-#: token-by-token kernel ran one sequence of Qwen3-Next's layer 3.7-8x faster than the sequential chunked kernel
-#: the module had before, at its fastest chunk (16), from 3 to 4096 tokens, and 64 sequences of 3 tokens
-#: (verification rows) 27x (docs/BENCHMARKS.md, "Gated delta rule prefill"); the chunk-parallel form now there
-#: is not timed yet (chunks of 64 need a Hopper's shared memory, chunks of 32 about 115 KB a program).
-PREFILL_CHUNK_SIZE: int | None = None
+#: The chunk of the chunked form where the route takes it; None: every call runs token by token.
+PREFILL_CHUNK_SIZE: int | None = 16
+#: The chunked form takes a call of at most this many sequences whose tokens average at least
+#: ``CHUNKED_MIN_MEAN_TOKENS``. The token-by-token kernel runs a program per (sequence, value head, 32 value
+#: channels): one prompt of Qwen3-Next's layer fills 128 programs, and walks its tokens one by one; the chunked
+#: form walks chunks. On an H100, Qwen3-Next's layer, chunks of 16 against token by token: one prompt of 256
+#: tokens 3.0x faster, of 4096 3.6x, of 16 0.9x; 8 prompts of 1024 and 16 of 256 1.0x (enough programs token by
+#: token); verification rows of 3 tokens 0.3-0.4x (docs/BENCHMARKS.md, "Gated delta rule prefill").
+CHUNKED_MAX_SEQUENCES = 4
+CHUNKED_MIN_MEAN_TOKENS = 64
+
+
+def prefill_chunk(num_seqs: int, tokens: int) -> int | None:
+    """The chunk a per-head-gate prefill of ``num_seqs`` sequences and ``tokens`` tokens (host-known shapes: no
+    device sync) runs in, or None for token by token."""
+    if PREFILL_CHUNK_SIZE is None or not 0 < num_seqs <= CHUNKED_MAX_SEQUENCES:
+        return None
+    return PREFILL_CHUNK_SIZE if tokens >= CHUNKED_MIN_MEAN_TOKENS * num_seqs else None
 
 
 def chunked_buffer_bytes(tokens: int, value_heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
