@@ -149,15 +149,17 @@ def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
 def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
     """``snapshots``: the state after a given token of a sequence also lands in a given slot (two for one
     sequence, one for another, none for a third), each equal to the float64 state over that prefix; the
-    sequences' own slots take their final states and every other slot is untouched. A named chunk size does
-    not change that (calls with snapshots run token by token)."""
-    lens, slots, init, hv, dk, dv = [9, 12, 5], [1, 3, 5], [True, False, True], 2, 16, 24
+    sequences' own slots take their final states and every other slot is untouched. Token by token and in
+    chunks (scalar gates): snapshots in a first, middle and last chunk, at a chunk's last token and at the
+    sequence's last token."""
+    lens, slots, init, hv, dk, dv = [9, 40, 5], [1, 3, 5], [True, False, True], 2, 16, 24
     q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, per_channel, 21)
-    snaps = [[3, 0, 7, 2], [10, 4, -1, -1], [-1, -1, -1, -1]]
+    snaps = [[3, 0, 8, 2], [15, 4, 33, 6], [-1, -1, -1, -1]]
     for chunk in (None, 16):
+        tol = REC_TOL if chunk is None or per_channel else CHUNK_TOL
         states = (0.3 * torch.randn(7, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
         before = states.clone()
-        qsl = [0, 9, 21, 26]
+        qsl = [0, 9, 49, 54]
         out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
                               torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
                               has_initial_state=torch.tensor(init, device=DEVICE), normalize_qk=True,
@@ -167,11 +169,11 @@ def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
             a, b = qsl[i], qsl[i + 1]
             s0 = before[slot].cpu() if init[i] else None
             want_out, want_state = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)), s0)
-            assert rel_err(out[a:b].cpu(), want_out) < REC_TOL and rel_err(states[slot].cpu(), want_state) < REC_TOL
+            assert rel_err(out[a:b].cpu(), want_out) < tol and rel_err(states[slot].cpu(), want_state) < tol
             for offset, dest in (snaps[i][:2], snaps[i][2:]):
                 if offset >= 0:
                     _, want_snap = naive_float64(*(x[a:a + offset + 1].cpu() for x in (q, k, v, g, beta)), s0)
-                    assert rel_err(states[dest].cpu(), want_snap) < REC_TOL, (i, offset)
+                    assert rel_err(states[dest].cpu(), want_snap) < tol, (chunk, i, offset)
                     written.add(dest)
         for slot in set(range(7)) - written:
             assert torch.equal(states[slot], before[slot]), slot
@@ -252,6 +254,8 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     assert call([4, 12]) == "_chunk_state_kernel"  # the mean decides: 8 a sequence
     assert call([4, 11]) == "_recurrent_kernel"
     assert call([8, 8, 8]) == "_recurrent_kernel"  # more sequences than the route's bound
+    assert call([8], snapshots=torch.tensor([[3, 0, -1, -1]], dtype=torch.int32, device=DEVICE)) == (
+        "_chunk_state_kernel")  # the chunked form stores snapshots too
     monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)
     assert call([8]) == "_recurrent_kernel"
     assert launched == []

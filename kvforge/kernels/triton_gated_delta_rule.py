@@ -280,14 +280,17 @@ if HAS_TRITON:
     @triton.jit
     def _chunk_state_kernel(
         q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, aqk_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
+        snap_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut, stride_uh,
         stride_at, stride_ah, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
+        SNAPSHOTS: tl.constexpr,
     ):
         """The state pass of one (sequence, value head, value block): chunk after chunk, the chunk's new values
-        ``U - W S``, its output and the state at its end."""
+        ``U - W S``, its output and the state at its end; with SNAPSHOTS also the state after each of up to two
+        given tokens, in the chunk holding it, into the snapshot's slot."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -303,6 +306,11 @@ if HAS_TRITON:
                                           stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
             bos = tl.load(qsl_ptr + i)
             eos = tl.load(qsl_ptr + i + 1)
+            if SNAPSHOTS:  # (token offset in the sequence, slot) twice; offset -1: none
+                snap_a = tl.load(snap_ptr + 4 * i) + bos
+                snap_a_slot = tl.load(snap_ptr + 4 * i + 1).to(tl.int64)
+                snap_b = tl.load(snap_ptr + 4 * i + 2) + bos
+                snap_b_slot = tl.load(snap_ptr + 4 * i + 3).to(tl.int64)
             for c0 in range(bos, eos, BT):
                 rows = c0 + rs
                 rmask = rows < eos
@@ -329,9 +337,27 @@ if HAS_TRITON:
                          + tl.dot(aqk, u, input_precision=PRECISION))
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=v_mask)
+                if SNAPSHOTS:
+                    if (snap_a >= c0) & (snap_a < c0 + BT):
+                        _store_snapshot(state_ptr, s, k, u, g, rows, snap_a, snap_a_slot - slot, s_off, smask,
+                                        stride_ss, PRECISION)
+                    if (snap_b >= c0) & (snap_b < c0 + BT):
+                        _store_snapshot(state_ptr, s, k, u, g, rows, snap_b, snap_b_slot - slot, s_off, smask,
+                                        stride_ss, PRECISION)
                 k_end = k * tl.exp(after)[:, None]
                 s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
+
+    @triton.jit
+    def _store_snapshot(state_ptr, s, k, u, g, rows, token, slot_shift, s_off, smask, stride_ss, PRECISION):
+        """The state after ``token`` (a row of this chunk) from the state ``s`` at the chunk's start and the
+        chunk's new values ``u``, stored ``slot_shift`` slots from the sequence's own. Each row's decay to that
+        token is the sum of the gates after it up to the token, summed alone (as the chunk's end decays are)."""
+        upto = tl.where(rows <= token, g, 0.0)
+        decay = tl.cumsum(upto, axis=0, reverse=True) - upto
+        k_snap = tl.where((rows <= token)[:, None], k * tl.exp(decay)[:, None], 0.0)
+        snap = tl.exp(tl.sum(upto, axis=0)) * s + tl.dot(tl.trans(k_snap), u, input_precision=PRECISION)
+        tl.store(state_ptr + s_off + slot_shift * stride_ss, snap.to(state_ptr.dtype.element_ty), mask=smask)
 
 
 def _check(q, k, v, g, beta, states, slot_ids, num_seqs):
@@ -430,7 +456,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
     ``snapshots`` (int32 [N, 4], optional): per sequence up to two ``(offset, slot)`` pairs, an offset among
     its tokens of this call (-1: none) after which its state is also stored at ``slot`` (a prefix-cache
-    snapshot taken inside a chunk, kvforge/engine/state_prefix.py). Calls with snapshots run token by token."""
+    snapshot taken inside a chunk, kvforge/engine/state_prefix.py)."""
     num_seqs = slot_ids.shape[0]
     _check(q, k, v, g, beta, states, slot_ids, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
@@ -441,7 +467,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         raise ValueError(f"snapshots must be [N, 4] = [{num_seqs}, 4], got {tuple(snapshots.shape)}")
     if chunk_size is None:
         chunk_size = route.prefill_chunk(num_seqs, q.shape[0])
-    if g.dim() == 3 or chunk_size is None or snapshots is not None:
+    if g.dim() == 3 or chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
                                  store_output=store_output, snapshots=snapshots)
@@ -474,13 +500,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     )
     _chunk_state_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, g, w, u, aqk, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
-        query_start_loc,
+        query_start_loc, snapshots if snapshots is not None else slot_ids,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
         u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0), out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         scale, hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
-        num_warps=CHUNK_STATE_TILE.num_warps, num_stages=CHUNK_STATE_STAGES[chunk_size],
+        SNAPSHOTS=snapshots is not None, num_warps=CHUNK_STATE_TILE.num_warps,
+        num_stages=CHUNK_STATE_STAGES[chunk_size],
     )
     return out
