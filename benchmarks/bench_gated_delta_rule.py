@@ -11,7 +11,7 @@ call captured in a CUDA graph and timed by triton.testing.do_bench (median). Byt
 sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
 Prefill (Qwen3-Next's layer): the token-by-token kernel (the engine's form) against the chunked form in
-chunks of 16, 32 and 64, from verification rows of 3 tokens to one prompt of 8192, each call captured in a CUDA
+every chunk size it runs, from verification rows of 3 tokens to one prompt of 8192, each call captured in a CUDA
 graph (median us); each chunked result is first checked against the token-by-token one (relative L2: the
 bf16 outputs within 1e-2, the float32 states within 1e-3).
 
@@ -38,7 +38,7 @@ import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
 from kvforge.kernels.triton_gated_delta_rule import DecodeTiles, RecurrentTile, decode, prefill  # noqa: E402
 
 PREFILL_SHAPES = ((1, 3), (4, 3), (64, 3), (1, 16), (1, 256), (16, 256), (8, 1024), (1, 4096), (1, 8192))
-CHUNKS = (16, 32, 64)
+CHUNKS = tuple(sorted(gdr.CHUNK_STATE_STAGES))
 LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
 
 
@@ -112,6 +112,7 @@ def main() -> None:
     batches = [1, 64] if args.quick else [int(b) for b in args.batches.split(",")]
     peak = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {peak / 1e9:.0f} GB/s")
+    gdr.route.PREFILL_CHUNK_SIZE = None  # a call naming no chunk runs token by token
     for name, (hk, hv, dk, dv, per_channel) in LAYERS.items():
         for batch in batches:
             q, k, v, g, beta = inputs(batch, hk, hv, dk, dv, per_channel)
@@ -134,7 +135,7 @@ def main() -> None:
             slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
             qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
             runs = {}
-            for chunk in (None, *CHUNKS):
+            for chunk in (None, *CHUNKS):  # None: token by token (the route told to name no chunk)
                 states.zero_()
                 run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True,
                                         chunk_size=chunk)

@@ -94,11 +94,12 @@ PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 #: units). Compiled for sm_90 with 4 warps at chunks of 64, its two kernels spill 9-19 KB a thread in IEEE
 #: float32 (the FMA units) and 1.1-3.2 KB in tf32x3.
 DOT_PRECISION = "tf32x3"
-#: Pipeline stages of the state pass's chunk loop by chunk size. Compiled for sm_90 with the 16-byte aligned
-#: pointers and strides a launch specialises on, three stages at chunks of 64 ask 279,040 bytes of shared memory
-#: a program (a Hopper allows 232,448); two ask 188,672. At chunks of 16 and 32 three stages ask 88,192 and
-#: 147,712.
-CHUNK_STATE_STAGES = {16: 3, 32: 3, 64: 2}
+#: The chunk sizes the chunked form runs, with the pipeline stages of its state pass's chunk loop. Compiled
+#: for sm_90 with the 16-byte aligned pointers and strides a launch specialises on, three stages ask 88,192
+#: and 147,712 bytes of shared memory a program at chunks of 16 and 32 (a Hopper allows 232,448). Chunks of 64
+#: are not run: three stages asked 279,040 bytes, and with two they were slower than chunks of 16 everywhere
+#: on an H100 (0.6-0.8x) and, with 16-dimensional keys, off by 5e-4 (relative L2) where 16 and 32 kept 1e-4.
+CHUNK_STATE_STAGES = {16: 3, 32: 3}
 #: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least at chunks
 #: of 64 when compiled for sm_90 (216 and 2,136 bytes a thread). Not timed yet.
 CHUNK_PREP_WARPS = 8
