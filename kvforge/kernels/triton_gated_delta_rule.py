@@ -35,8 +35,9 @@ Entries (no host sync, output allocated with ``torch.empty``):
      between them (not a difference of cumulative sums, which loses small gates after strong ones);
   2. the state pass, one program per (sequence, value head, value block) as token by token, chunk
      after chunk: the new values ``U - W S``, the outputs ``(q exp(gc)) S + (q k^T) (U - W S)`` and
-     the state at the chunk's end. Each chunk's sequence is found by a binary search over its
-     sequence's first chunk number, so the launch needs no host sync.
+     the state at the chunk's end, and the state after a prefix-cache snapshot's token in the chunk
+     holding it. Each chunk's sequence is found by a binary search over its sequence's first chunk
+     number, so the launch needs no host sync.
 
   Its products run at :data:`DOT_PRECISION`.
   Per-channel gates (KDA) always run token by token (a chunked form would need ``exp(-G)`` factors
@@ -100,8 +101,8 @@ DOT_PRECISION = "tf32x3"
 #: are not run: three stages asked 279,040 bytes, and with two they were slower than chunks of 16 everywhere
 #: on an H100 (0.6-0.8x) and, with 16-dimensional keys, off by 5e-4 (relative L2) where 16 and 32 kept 1e-4.
 CHUNK_STATE_STAGES = {16: 3, 32: 3}
-#: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least at chunks
-#: of 64 when compiled for sm_90 (216 and 2,136 bytes a thread). Not timed yet.
+#: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least when
+#: compiled for sm_90 (at chunks of 32, 176 and 888 bytes a thread). Other tiles not timed.
 CHUNK_PREP_WARPS = 8
 CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 PREFILL_CHUNK_SIZE: int | None = 16
 #: The chunked form takes a call of at most this many sequences whose tokens average at least
 #: ``CHUNKED_MIN_MEAN_TOKENS``. The token-by-token kernel runs a program per (sequence, value head, 32 value
-#: channels): one prompt of Qwen3-Next's layer fills 128 programs, and walks its tokens one by one; the chunked
-#: form walks chunks. On an H100, Qwen3-Next's layer, chunks of 16 against token by token: one prompt of 256
-#: tokens 3.0x faster, of 4096 3.6x, of 16 0.9x; 8 prompts of 1024 and 16 of 256 1.0x (enough programs token by
-#: token); verification rows of 3 tokens 0.3-0.4x (docs/BENCHMARKS.md, "Gated delta rule prefill").
-CHUNKED_MAX_SEQUENCES = 4
-CHUNKED_MIN_MEAN_TOKENS = 64
+#: channels) and walks its tokens one by one: one prompt of Qwen3-Next's layer fills 128 programs. The chunked
+#: form walks chunks with matrix products. On an H100, Qwen3-Next's layer, chunks of 16 against token by token:
+#: one sequence of 32 tokens 1.5x faster, of 64 2.3x, of 4096 3.6x, of 16 0.9x; two sequences of 256-4096
+#: 1.7-1.9x; four 1.0x (0.97-1.05), eight to sixteen 1.0-1.1x; verification rows of 3 tokens 0.3-0.4x. End to
+#: end, prompts of 8000 tokens one at a time, 2.0x (docs/BENCHMARKS.md, "Gated delta rule prefill").
+CHUNKED_MAX_SEQUENCES = 2
+CHUNKED_MIN_MEAN_TOKENS = 32
 
 
 def prefill_chunk(num_seqs: int, tokens: int) -> int | None:
