@@ -10,10 +10,10 @@ bf16 inputs. Decode: one token per sequence, the slots a random subset of ``2 * 
 call captured in a CUDA graph and timed by triton.testing.do_bench (median). Bytes counted: each
 sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
-Prefill (Qwen3-Next's layer): the token-by-token kernel (the engine's form) against the chunked form in
-every chunk size it runs, from verification rows of 3 tokens to one prompt of 8192, each call captured in a CUDA
-graph (median us); each chunked result is first checked against the token-by-token one (relative L2: the
-bf16 outputs within 1e-2, the float32 states within 1e-3).
+Prefill (both layers): the token-by-token kernel against the chunked form in every chunk size it runs,
+from verification rows of 3 tokens to one prompt of 8192, each call captured in a CUDA graph (median us);
+each chunked result is first checked against the token-by-token one (relative L2: the bf16 outputs within
+1e-2, the float32 states within 1e-3).
 
 ``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILES``: value channels a program x warps)
 over 16-128 channels x 1-8 warps at each batch, each tile's output and states first checked against the
@@ -125,7 +125,7 @@ def main() -> None:
                   f"{nbytes / seconds / 1e9:7.0f} GB/s  {100 * nbytes / seconds / peak:5.1f} %floor")
             if args.sweep:
                 sweep_tiles(q, k, v, g, beta, states, slots, nbytes, peak)
-        if args.quick or args.sweep or per_channel:
+        if args.quick or args.sweep:
             continue
         shapes = PREFILL_SHAPES if args.prefill_shapes is None else [
             tuple(int(x) for x in shape.split("x")) for shape in args.prefill_shapes.split(",")]

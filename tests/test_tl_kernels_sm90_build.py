@@ -10,7 +10,7 @@ variant the engine launches for these kernels must compile:
   gates at both models' head layouts, the recurrent decode kernel computing those gates itself, its prefill
   storing prefix-cache snapshots inside a sequence, and the
   chunked delta rule's two kernels (per-chunk system and products, state pass with and without
-  snapshots) at every chunk size;
+  snapshots) at every chunk size, for per-head and per-channel gates;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 
@@ -106,14 +106,18 @@ def _builds():
                           slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32",
                           snap_ptr="*i32")
     for bt in sorted(rule.CHUNK_STATE_STAGES):  # at the warps and stages the engine launches
-        yield f"chunked delta rule, chunks of {bt}", rule._chunk_prep_kernel, dict(
-            BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION), chunk_pointers, rule.CHUNK_PREP_WARPS
-        for snapshots in (False, True):
-            state_pass = dict(BT=bt, BK=128, BV=rule.CHUNK_STATE_TILE.block_v, NORMALIZE=True, HAS_INIT_FLAGS=True,
-                              STORE_OUT=True, PRECISION=rule.DOT_PRECISION, SNAPSHOTS=snapshots)
-            yield (f"chunked delta rule's state pass, chunks of {bt}" + (", with snapshots" if snapshots else ""),
-                   rule._chunk_state_kernel, state_pass, chunk_pointers, rule.CHUNK_STATE_TILE.num_warps,
-                   rule.CHUNK_STATE_STAGES[bt])
+        for per_channel in (False, True):
+            gates = ", per-channel gates" if per_channel else ""
+            yield f"chunked delta rule, chunks of {bt}{gates}", rule._chunk_prep_kernel, dict(
+                BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION, PER_CHANNEL=per_channel,
+                BKS=rule.CHUNK_CHANNEL_SLICE), chunk_pointers, rule.CHUNK_PREP_WARPS
+            for snapshots in (False, True):
+                state_pass = dict(BT=bt, BK=128, BV=rule.CHUNK_STATE_TILE.block_v, NORMALIZE=True,
+                                  HAS_INIT_FLAGS=True, STORE_OUT=True, PRECISION=rule.DOT_PRECISION,
+                                  SNAPSHOTS=snapshots, PER_CHANNEL=per_channel)
+                yield (f"chunked delta rule's state pass, chunks of {bt}{gates}"
+                       + (", with snapshots" if snapshots else ""), rule._chunk_state_kernel, state_pass,
+                       chunk_pointers, rule.CHUNK_STATE_TILE.num_warps, rule.CHUNK_STATE_STAGES[bt])
 
 
 NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []

@@ -103,21 +103,25 @@ def test_decode_over_slots_with_padding_and_fresh_sequences(per_channel, large_t
                    tol=REC_TOL)
 
 
-@pytest.mark.parametrize("form", ["chunked_scalar_gate", "recurrent_scalar_gate", "recurrent_per_channel_gate"])
-def test_prefill_lengths_the_chunk_does_not_divide(form):
+@pytest.mark.parametrize("form", ["chunked_scalar_gate", "chunked_per_channel_gate", "recurrent_scalar_gate",
+                                  "recurrent_per_channel_gate"])
+def test_prefill_lengths_the_chunk_does_not_divide(form, monkeypatch):
+    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)  # chunk_size None: token by token
+    per_channel = form.endswith("channel_gate")
     if form.startswith("recurrent"):  # token by token: the interpreter runs every op of every token, keep it short
-        _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], dv=40, per_channel=form.endswith("channel_gate"),
+        _run_and_check([1, 9, 3], [3, 6, 1], [True, False, True], dv=40, per_channel=per_channel,
                        chunk_size=None, tol=REC_TOL, seed=3)
     else:  # two value blocks (40 > 32 columns), chunks of 16 over 17 and 40 tokens
-        _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, seed=3)
+        _run_and_check([1, 17, 40], [3, 6, 1], [True, False, True], dv=40, per_channel=per_channel, seed=3)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 @pytest.mark.parametrize("chunk", [16, 32])
-def test_chunked_prefill_finds_each_chunks_sequence(chunk):
+def test_chunked_prefill_finds_each_chunks_sequence(chunk, per_channel):
     """The chunked form's per-chunk programs find their sequence among empty and padding sequences (slot -1) and
     sequences of one to several chunks."""
     _run_and_check([5, 0, 40, 3, 1, 133], [2, -1, 0, -1, 4, 5], [True, False, False, True, True, False],
-                   chunk_size=chunk, seed=chunk)
+                   chunk_size=chunk, seed=chunk, per_channel=per_channel)
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["token_by_token", "chunked"])
@@ -150,13 +154,13 @@ def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
     """``snapshots``: the state after a given token of a sequence also lands in a given slot (two for one
     sequence, one for another, none for a third), each equal to the float64 state over that prefix; the
     sequences' own slots take their final states and every other slot is untouched. Token by token and in
-    chunks (scalar gates): snapshots in a first, middle and last chunk, at a chunk's last token and at the
-    sequence's last token."""
+    chunks: snapshots in a first, middle and last chunk, at a chunk's last token and at the sequence's last
+    token."""
     lens, slots, init, hv, dk, dv = [9, 40, 5], [1, 3, 5], [True, False, True], 2, 16, 24
     q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, per_channel, 21)
     snaps = [[3, 0, 8, 2], [15, 4, 33, 6], [-1, -1, -1, -1]]
     for chunk in (None, 16):
-        tol = REC_TOL if chunk is None or per_channel else CHUNK_TOL
+        tol = REC_TOL if chunk is None else CHUNK_TOL
         states = (0.3 * torch.randn(7, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
         before = states.clone()
         qsl = [0, 9, 49, 54]
@@ -205,15 +209,19 @@ def test_chunked_prefill_allocates_what_the_route_counts(monkeypatch):
     assert sum(allocated) == delta_rule.chunked_buffer_bytes(sum(lens), hv, dk, dv, chunk) > 0
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 @pytest.mark.parametrize("chunk", [16, 32])
-def test_chunked_prefill_keeps_small_gates_after_strong_ones(chunk):
+def test_chunked_prefill_keeps_small_gates_after_strong_ones(chunk, per_channel):
     """Strong decays (-40 a token) for half a chunk, then nearly none (-1e-3): the decays between rows are
     sums of their own gates, so the small gates are not lost beside the large running sum (a difference of
-    running sums in float32 was off by 3e-4 here)."""
+    running sums in float32 was off by 3e-4 here). Per key channel, half the channels decay strongly and half
+    barely over the whole sequence besides: a factorisation into ``exp(G)`` and ``exp(-G)`` would overflow."""
     hk, hv, dk, dv, n = 1, 2, 16, 16, 64
-    q, k, v, g, beta = _batch([n], hk, hv, dk, dv, False, 40)
+    q, k, v, g, beta = _batch([n], hk, hv, dk, dv, per_channel, 40)
     g = torch.full_like(g, -1e-3)
     g[: n // 2] = -40.0
+    if per_channel:
+        g[:, :, : dk // 2] = -40.0
     states = torch.zeros(1, hv, dk, dv, device=DEVICE)
     out = kernels.prefill(q, k, v, g, beta, states, torch.tensor([0], dtype=torch.int32, device=DEVICE),
                           torch.tensor([0, n], dtype=torch.int32, device=DEVICE), normalize_qk=True, chunk_size=chunk)
@@ -535,10 +543,13 @@ def token_by_token_where_none(monkeypatch):
 
 
 @gpu_only
+@pytest.mark.parametrize("per_channel", [False, True], ids=["qwen3_next", "kimi_linear"])
 @pytest.mark.parametrize("chunk_size", [16, 32, None])
-def test_gpu_prefill_at_model_shapes(chunk_size, token_by_token_where_none):
-    _run_and_check([1, 100, 333], [2, 0, 4], [False, True, True], hk=16, hv=32, dk=128, dv=128,
-                   num_slots=5, chunk_size=chunk_size, seed=chunk_size or 1)
+def test_gpu_prefill_at_model_shapes(chunk_size, per_channel, token_by_token_where_none):
+    """Qwen3-Next's layer (16 key heads, 32 value heads, per-head gates) and Kimi-Linear's (32 heads,
+    per-channel gates), K = V = 128."""
+    _run_and_check([1, 100, 333], [2, 0, 4], [False, True, True], hk=32 if per_channel else 16, hv=32, dk=128,
+                   dv=128, num_slots=5, chunk_size=chunk_size, seed=chunk_size or 1, per_channel=per_channel)
 
 
 @gpu_only

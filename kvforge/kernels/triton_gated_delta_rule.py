@@ -40,8 +40,11 @@ Entries (no host sync, output allocated with ``torch.empty``):
      number, so the launch needs no host sync.
 
   Its products run at :data:`DOT_PRECISION`.
-  Per-channel gates (KDA) always run token by token (a chunked form would need ``exp(-G)`` factors
-  that overflow float32 for strong decays).
+  Per-channel gates (KDA) take the same two launches, every decay per key channel: the pairs' decays
+  ``exp(g[j+1, c] + ... + g[r, c])`` weigh ``k_r k_j`` and ``q_r k_j`` channel by channel
+  (:data:`CHUNK_CHANNEL_SLICE` channels at a time, as exact float32 sums rather than a product of
+  ``exp(G)`` and ``exp(-G)`` factors, which overflow for strong decays), and the decays from a chunk's start
+  and to its end scale each key channel of ``q``, ``k`` and the state.
 
 Sequence ``i``'s loop bounds are loaded from ``query_start_loc``. Offsets are int64.
 """
@@ -104,6 +107,8 @@ CHUNK_STATE_STAGES = {16: 3, 32: 3}
 #: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least when
 #: compiled for sm_90 (at chunks of 32, 176 and 888 bytes a thread). Other tiles not timed.
 CHUNK_PREP_WARPS = 8
+#: Key channels a step of the per-channel gates' pairwise decays holds: ``[chunk, chunk, slice]`` floats.
+CHUNK_CHANNEL_SLICE = 16
 CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
 
 
@@ -114,6 +119,13 @@ if HAS_TRITON:
         if NORMALIZE:
             x = x * tl.rsqrt(tl.sum(x * x, axis=axis, keep_dims=True) + 1e-6)
         return x
+
+    @triton.jit
+    def _row_factor(x, NORMALIZE: tl.constexpr):
+        """Per row of ``x [R, C]`` the factor ``_l2_normalize`` multiplies it by (1 without NORMALIZE)."""
+        if NORMALIZE:
+            return tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)
+        return tl.sum(x * 0.0, axis=1) + 1.0
 
     @triton.jit
     def _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask, stride_ss, stride_sh, stride_sk,
@@ -217,16 +229,48 @@ if HAS_TRITON:
                                  s.to(state_ptr.dtype.element_ty), mask=smask)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
+    @triton.jit
+    def _pairwise_channel_decays(q_ptr, k_ptr, g_ptr, r64, rmask, hk, h, q_factor, k_factor, rs,
+                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh,
+                                 DK, BT: tl.constexpr, BKS: tl.constexpr):
+        """``sum_c k[r, c] k[j, c] decay[r, j, c]`` and ``sum_c q[r, c] k[j, c] decay[r, j, c]`` for every pair
+        of the chunk's rows (``decay[r, j, c] = exp(g[j+1, c] + ... + g[r, c])``, each a sum of its own gates;
+        pairs with j > r are left to the caller's mask), ``BKS`` key channels at a time from memory, each row
+        times its factor (``q_factor``, ``k_factor`` [BT]: normalisation and scale, from the full rows)."""
+        a = tl.zeros((BT, BT), dtype=tl.float32)
+        aqk = tl.zeros((BT, BT), dtype=tl.float32)
+        strict = (rs[:, None] > rs[None, :])[:, :, None]
+        lower = (rs[:, None] >= rs[None, :])[:, :, None]
+        for c0 in range(0, DK, BKS):
+            cs = c0 + tl.arange(0, BKS)
+            cmask = rmask[:, None] & (cs < DK)[None, :]
+            ks = tl.load(k_ptr + r64[:, None] * stride_kt + hk * stride_kh + cs[None, :], mask=cmask,
+                         other=0.0).to(tl.float32) * k_factor[:, None]
+            qs = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + cs[None, :], mask=cmask,
+                         other=0.0).to(tl.float32) * q_factor[:, None]
+            gs = tl.load(g_ptr + r64[:, None] * stride_gt + h * stride_gh + cs[None, :], mask=cmask,
+                         other=0.0).to(tl.float32)
+            # a scan along rows of the [row, pair row, channel] gates, flattened to two dimensions (a scan of a
+            # three-dimensional tensor does not lower for sm_90 in Triton 3.6)
+            segment = tl.reshape(tl.cumsum(tl.reshape(tl.where(strict, gs[:, None, :], 0.0), (BT, BT * BKS)),
+                                           axis=0), (BT, BT, BKS))
+            decay = tl.exp(tl.where(lower, segment, float("-inf")))
+            a += tl.sum(ks[:, None, :] * ks[None, :, :] * decay, axis=2)
+            aqk += tl.sum(qs[:, None, :] * ks[None, :, :] * decay, axis=2)
+        return a, aqk
+
     @triton.jit(do_not_specialize=["N", "search_steps"])
     def _chunk_prep_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, qsl_ptr, chunk_ptr, w_ptr, u_ptr, aqk_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt,
         stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah,
         scale, GROUP, DK, DV, N, search_steps,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr,
+        PER_CHANNEL: tl.constexpr, BKS: tl.constexpr,
     ):
         """One chunk of one value head: the decays, the triangular system's inverse and what the state pass
-        needs of the chunk: ``W``, ``U`` and the masked ``q k^T``, per token row."""
+        needs of the chunk: ``W``, ``U`` and the masked ``q k^T``, per token row. Per-channel gates weigh each
+        key channel of a pair of rows by its own decay, ``BKS`` channels at a time."""
         c = tl.program_id(0)
         h = tl.program_id(1)
         # The chunk's sequence: the last i with chunk_start[i] <= c (chunk_start [N + 1], per-sequence chunk counts).
@@ -248,28 +292,41 @@ if HAS_TRITON:
                         other=0.0).to(tl.float32)
             k = tl.load(k_ptr + r64[:, None] * stride_kt + hk * stride_kh + ks[None, :], mask=qk_mask,
                         other=0.0).to(tl.float32)
-            q = _l2_normalize(q, NORMALIZE, 1) * scale
-            k = _l2_normalize(k, NORMALIZE, 1)
-            g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+            q_factor = _row_factor(q, NORMALIZE) * scale
+            k_factor = _row_factor(k, NORMALIZE)
+            q = q * q_factor[:, None]
+            k = k * k_factor[:, None]
             beta = tl.load(beta_ptr + r64 * stride_bt + h, mask=rmask, other=0.0).to(tl.float32)
-            gc = tl.cumsum(g, axis=0)  # padded rows add 0
             lower = rs[:, None] >= rs[None, :]
             strict = rs[:, None] > rs[None, :]
-            # decay[r, j] = exp(g[j+1] + ... + g[r]): each sum of its own gates, not a difference of running sums
-            # (after strong decays a running sum is large, and later small gates round away in the difference)
-            segment = tl.cumsum(tl.where(strict, g[:, None], 0.0), axis=0)
-            decay = tl.exp(tl.where(lower, segment, float("-inf")))
             kt = tl.trans(k)
-            a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * decay, 0.0)
+            if PER_CHANNEL:
+                gk = tl.load(g_ptr + r64[:, None] * stride_gt + h * stride_gh + ks[None, :], mask=qk_mask,
+                             other=0.0).to(tl.float32)
+                a, aqk = _pairwise_channel_decays(q_ptr, k_ptr, g_ptr, r64, rmask, hk, h, q_factor, k_factor,
+                                                  rs, stride_qt, stride_qh, stride_kt, stride_kh, stride_gt,
+                                                  stride_gh, DK, BT, BKS)
+                a = tl.where(strict, beta[:, None] * a, 0.0)
+                aqk = tl.where(lower, aqk, 0.0)
+                gc = tl.cumsum(gk, axis=0)  # padded rows add 0
+            else:
+                g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+                gc = tl.cumsum(g, axis=0)[:, None]  # padded rows add 0 (a scan of [BT, 1] does not lower)
+                # decay[r, j] = exp(g[j+1] + ... + g[r]): each sum of its own gates, not a difference of running
+                # sums (after strong decays a running sum is large, and later small gates round away in the
+                # difference)
+                segment = tl.cumsum(tl.where(strict, g[:, None], 0.0), axis=0)
+                decay = tl.exp(tl.where(lower, segment, float("-inf")))
+                a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * decay, 0.0)
+                aqk = tl.where(lower, tl.dot(q, kt, input_precision=PRECISION) * decay, 0.0)
             # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
             inv = tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)
             for r in range(1, tl.minimum(eos - c0, BT)):  # rows past the sequence end stay identity rows
                 a_row = tl.sum(tl.where(rs[:, None] == r, a, 0.0), axis=0)
                 row = tl.where(rs == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
                 inv = tl.where(rs[:, None] == r, row[None, :], inv)
-            aqk = tl.where(lower, tl.dot(q, kt, input_precision=PRECISION) * decay, 0.0)
             tl.store(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :], aqk, mask=rmask[:, None])
-            w = tl.dot(inv, (beta * tl.exp(gc))[:, None] * k, input_precision=PRECISION)
+            w = tl.dot(inv, beta[:, None] * tl.exp(gc) * k, input_precision=PRECISION)
             tl.store(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], w, mask=qk_mask)
             for v0 in range(0, DV, BV):
                 vs = v0 + tl.arange(0, BV)
@@ -283,12 +340,12 @@ if HAS_TRITON:
     def _chunk_state_kernel(
         q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, aqk_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
         snap_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_wt, stride_wh, stride_ut, stride_uh,
-        stride_at, stride_ah, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_wt, stride_wh, stride_ut,
+        stride_uh, stride_at, stride_ah, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
         scale, GROUP, DK, DV,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
-        SNAPSHOTS: tl.constexpr,
+        SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
     ):
         """The state pass of one (sequence, value head, value block): chunk after chunk, the chunk's new values
         ``U - W S``, its output and the state at its end; with SNAPSHOTS also the state after each of up to two
@@ -324,10 +381,20 @@ if HAS_TRITON:
                 k = _l2_normalize(k, NORMALIZE, 1)
                 w = tl.load(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], mask=qk_mask, other=0.0)
                 u = tl.load(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], mask=v_mask, other=0.0)
-                g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
-                gc = tl.cumsum(g, axis=0)  # the decay from the chunk's start through each row
-                after = tl.cumsum(g, axis=0, reverse=True) - g  # each row's decay to the chunk's end, summed alone
-                g_last = tl.sum(g, axis=0)
+                # gc: the decay from the chunk's start through each row; after: each row's decay to the chunk's
+                # end, summed alone; whole: the chunk's decay of each state row ([BT, BK] and [BK, 1] per key
+                # channel, [BT, 1] and a scalar per head: a scan of [BT, 1] does not lower)
+                if PER_CHANNEL:
+                    g = tl.load(g_ptr + r64[:, None] * stride_gt + h * stride_gh + ks[None, :], mask=qk_mask,
+                                other=0.0).to(tl.float32)
+                    gc = tl.cumsum(g, axis=0)
+                    after = tl.cumsum(g, axis=0, reverse=True) - g
+                    whole = tl.exp(tl.sum(g, axis=0))[:, None]
+                else:
+                    g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+                    gc = tl.cumsum(g, axis=0)[:, None]
+                    after = (tl.cumsum(g, axis=0, reverse=True) - g)[:, None]
+                    whole = tl.exp(tl.sum(g, axis=0))
                 u = u - tl.dot(w, s, input_precision=PRECISION)
                 if STORE_OUT:
                     q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
@@ -335,30 +402,38 @@ if HAS_TRITON:
                     q = _l2_normalize(q, NORMALIZE, 1) * scale
                     aqk = tl.load(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :],
                                   mask=rmask[:, None], other=0.0)
-                    o = (tl.dot(q * tl.exp(gc)[:, None], s, input_precision=PRECISION)
+                    o = (tl.dot(q * tl.exp(gc), s, input_precision=PRECISION)
                          + tl.dot(aqk, u, input_precision=PRECISION))
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=v_mask)
                 if SNAPSHOTS:
                     if (snap_a >= c0) & (snap_a < c0 + BT):
                         _store_snapshot(state_ptr, s, k, u, g, rows, snap_a, snap_a_slot - slot, s_off, smask,
-                                        stride_ss, PRECISION)
+                                        stride_ss, PRECISION, PER_CHANNEL)
                     if (snap_b >= c0) & (snap_b < c0 + BT):
                         _store_snapshot(state_ptr, s, k, u, g, rows, snap_b, snap_b_slot - slot, s_off, smask,
-                                        stride_ss, PRECISION)
-                k_end = k * tl.exp(after)[:, None]
-                s = tl.exp(g_last) * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
+                                        stride_ss, PRECISION, PER_CHANNEL)
+                k_end = k * tl.exp(after)
+                s = whole * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
     @triton.jit
-    def _store_snapshot(state_ptr, s, k, u, g, rows, token, slot_shift, s_off, smask, stride_ss, PRECISION):
+    def _store_snapshot(state_ptr, s, k, u, g, rows, token, slot_shift, s_off, smask, stride_ss, PRECISION,
+                        PER_CHANNEL: tl.constexpr):
         """The state after ``token`` (a row of this chunk) from the state ``s`` at the chunk's start and the
         chunk's new values ``u``, stored ``slot_shift`` slots from the sequence's own. Each row's decay to that
-        token is the sum of the gates after it up to the token, summed alone (as the chunk's end decays are)."""
-        upto = tl.where(rows <= token, g, 0.0)
-        decay = tl.cumsum(upto, axis=0, reverse=True) - upto
-        k_snap = tl.where((rows <= token)[:, None], k * tl.exp(decay)[:, None], 0.0)
-        snap = tl.exp(tl.sum(upto, axis=0)) * s + tl.dot(tl.trans(k_snap), u, input_precision=PRECISION)
+        token is the sum of the gates after it up to the token, summed alone (as the chunk's end decays are);
+        ``g`` [BT], or [BT, BK] per key channel."""
+        if PER_CHANNEL:
+            upto = tl.where((rows <= token)[:, None], g, 0.0)
+            decay = tl.exp(tl.cumsum(upto, axis=0, reverse=True) - upto)
+            whole = tl.exp(tl.sum(upto, axis=0))[:, None]
+        else:
+            upto = tl.where(rows <= token, g, 0.0)
+            decay = tl.exp(tl.cumsum(upto, axis=0, reverse=True) - upto)[:, None]
+            whole = tl.exp(tl.sum(upto, axis=0))
+        k_snap = tl.where((rows <= token)[:, None], k * decay, 0.0)
+        snap = whole * s + tl.dot(tl.trans(k_snap), u, input_precision=PRECISION)
         tl.store(state_ptr + s_off + slot_shift * stride_ss, snap.to(state_ptr.dtype.element_ty), mask=smask)
 
 
@@ -448,9 +523,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             store_output: bool = True, snapshots: torch.Tensor | None = None) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
-    ``chunk_size``: per-head gates run the chunked form in chunks of that many tokens (16, 32 or 64); None
-    takes the route's (kvforge/attention/routing/delta_rule.py: by the call's sequences and tokens), whose None
-    runs them token by token.
+    ``chunk_size``: the chunked form in chunks of that many tokens (16 or 32); None takes the route's
+    (kvforge/attention/routing/delta_rule.py: by the call's sequences, tokens and gates), whose None runs them
+    token by token.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
@@ -467,9 +542,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
     if snapshots is not None and snapshots.shape != (num_seqs, 4):
         raise ValueError(f"snapshots must be [N, 4] = [{num_seqs}, 4], got {tuple(snapshots.shape)}")
+    per_channel = g.dim() == 3
     if chunk_size is None:
-        chunk_size = route.prefill_chunk(num_seqs, q.shape[0])
-    if g.dim() == 3 or chunk_size is None:
+        chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel)
+    if chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
                                  store_output=store_output, snapshots=snapshots)
@@ -494,22 +570,24 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     scale = float(dk**-0.5 if scale is None else scale)
     _chunk_prep_kernel[(triton.cdiv(t, chunk_size) + num_seqs, hv)](
         q, k, v, g, beta, slot_ids, query_start_loc, chunk_start, w, u, aqk,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        g.stride(1) if per_channel else 0, beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
         scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()),
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk), PRECISION=DOT_PRECISION,
-        num_warps=CHUNK_PREP_WARPS,
+        PER_CHANNEL=per_channel, BKS=CHUNK_CHANNEL_SLICE, num_warps=CHUNK_PREP_WARPS,
     )
     _chunk_state_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, g, w, u, aqk, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
         query_start_loc, snapshots if snapshots is not None else slot_ids,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), w.stride(0), w.stride(1), u.stride(0),
-        u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), g.stride(0), g.stride(1) if per_channel else 0,
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0),
+        out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
         scale, hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
-        SNAPSHOTS=snapshots is not None, num_warps=CHUNK_STATE_TILE.num_warps,
+        SNAPSHOTS=snapshots is not None, PER_CHANNEL=per_channel, num_warps=CHUNK_STATE_TILE.num_warps,
         num_stages=CHUNK_STATE_STAGES[chunk_size],
     )
     return out

@@ -1,8 +1,8 @@
-"""Which form runs a per-head-gate delta-rule prefill on CUDA, and what the chunked form allocates.
+"""Which form runs a delta-rule prefill on CUDA, and what the chunked form allocates.
 
 The kernel module (kvforge/kernels/triton_gated_delta_rule.py) launches the form named here, and the
 planner's activation reserve (kvforge/planner/activations.py) counts the chunked form's float32 buffers
-when it serves. Per-channel gates (KDA) always run token by token.
+when it serves. Per-channel gates (KDA) run token by token unless ``PER_CHANNEL_CHUNKED``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,17 @@ PREFILL_CHUNK_SIZE: int | None = 16
 #: end, prompts of 8000 tokens one at a time, 2.0x (docs/BENCHMARKS.md, "Gated delta rule prefill").
 CHUNKED_MAX_SEQUENCES = 2
 CHUNKED_MIN_MEAN_TOKENS = 32
+#: Whether per-channel gates (KDA) take the chunked form by the same rule. Its per-channel kernels are tested
+#: but not timed, so they run token by token; the activation reserve counts the chunked buffers of Qwen3-Next's
+#: layers only (kvforge/planner/activations.py), so taking it for KDA layers means counting theirs there too.
+PER_CHANNEL_CHUNKED = False
 
 
-def prefill_chunk(num_seqs: int, tokens: int) -> int | None:
-    """The chunk a per-head-gate prefill of ``num_seqs`` sequences and ``tokens`` tokens (host-known shapes: no
-    device sync) runs in, or None for token by token."""
+def prefill_chunk(num_seqs: int, tokens: int, per_channel: bool = False) -> int | None:
+    """The chunk a prefill of ``num_seqs`` sequences and ``tokens`` tokens (host-known shapes: no device sync)
+    runs in, or None for token by token; ``per_channel``: its gates are per key channel (KDA)."""
+    if per_channel and not PER_CHANNEL_CHUNKED:
+        return None
     if PREFILL_CHUNK_SIZE is None or not 0 < num_seqs <= CHUNKED_MAX_SEQUENCES:
         return None
     return PREFILL_CHUNK_SIZE if tokens >= CHUNKED_MIN_MEAN_TOKENS * num_seqs else None
