@@ -250,6 +250,27 @@ def test_the_chunked_delta_rule_s_buffers_join_the_linear_attention_phase_on_cud
     assert after["cpu"] == before["cpu"]
 
 
+def test_kda_layers_count_the_chunked_buffers_where_the_route_may_take_that_form(monkeypatch):
+    """Kimi-Linear's KDA layers (per-channel gates) hold no chunked delta-rule buffers while the route keeps
+    per-channel gates token by token; where it may chunk them, exactly the buffers of the layer's heads on CUDA
+    (none on CPU)."""
+    from tiny_checkpoints import KIMI_LINEAR
+
+    from kvforge.attention.routing import delta_rule
+
+    spec = spec_from_hf_config(dict(KIMI_LINEAR, architectures=["KimiLinearForCausalLM"]), name="tiny", source="test")
+    tokens, heads, dim = 512, KIMI_LINEAR["linear_num_heads"], KIMI_LINEAR["linear_head_dim"]
+    monkeypatch.setattr(delta_rule, "PER_CHANNEL_CHUNKED", False)
+    before = {p: dict(activation_reserve(spec, tokens, 8, platform=p).phases) for p in ("cuda", "cpu")}
+    monkeypatch.setattr(delta_rule, "PER_CHANNEL_CHUNKED", True)
+    after = {p: dict(activation_reserve(spec, tokens, 8, platform=p).phases) for p in ("cuda", "cpu")}
+    grown = after["cuda"]["linear attention"] - before["cuda"]["linear attention"]
+    assert grown == tokens * heads * (2 * dim + delta_rule.PREFILL_CHUNK_SIZE) * 4 > 0
+    assert after["cpu"] == before["cpu"]
+    assert {k: v for k, v in after["cuda"].items() if k != "linear attention"} == {
+        k: v for k, v in before["cuda"].items() if k != "linear attention"}
+
+
 def test_the_expanded_mla_bound_is_the_prefill_module_s():
     from kvforge.attention import mla_prefill_sdpa
     from kvforge.attention.routing import paged

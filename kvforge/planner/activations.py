@@ -46,7 +46,8 @@ said otherwise:
 
 Qwen3-Next has phases of its own (:func:`_qwen3_next_phases`). Other linear-attention (state) layers
 are bounded by their token inputs (``token_input_elements``): the projection output in the model dtype
-and two float32 copies (conv and delta-rule inputs), plus the output. The peak is raised by
+and two float32 copies (conv and delta-rule inputs), plus the output, and on CUDA the chunked delta rule's
+float32 buffers where the route may take that form for their gates. The peak is raised by
 :data:`ALLOCATOR_SLACK` and :data:`ALLOCATOR_SLACK_BYTES` for the caching allocator's rounding and
 fragmentation. tests/test_activation_reserve.py measures the live tensor bytes of the model code against
 the rule. Torch-free.
@@ -184,7 +185,10 @@ def _attention_phase(layer, tokens: int, rows_per_seq: int, max_seqs: int, tp: i
         return q + latent + rope + inner + t * hidden * e
     if isinstance(layer, StateLayerSpec):
         inputs = t * (layer.token_input_elements // tp)
-        return inputs * (e + 2 * 4) + t * hidden * (e + 4)
+        chunk = delta_rule_routing.largest_chunk(layer.per_channel_gates) if fused else None
+        buffers = delta_rule_routing.chunked_buffer_bytes(t, layer.value_heads // tp, layer.key_dim,
+                                                           layer.value_dim, chunk) if chunk else 0
+        return inputs * (e + 2 * 4) + t * hidden * (e + 4) + buffers
     raise TypeError(f"unknown layer spec {type(layer).__name__}")
 
 
@@ -241,7 +245,7 @@ def _qwen3_next_phases(config: dict, spec: ModelSpec, t: int, tp: int, e: int, f
     stream = step + 2 * t * h * e  # the layer's input and its normed copy (the mixer's output later)
     phases = {"residual norm": step + t * (3 * h * e + norm)}
     proj = (2 * key + 2 * value + 2 * hv) * e  # the stacked input product's output (q, k, v, z, b, a)
-    chunk = delta_rule_routing.PREFILL_CHUNK_SIZE if fused else None  # the chunked form's buffers (CUDA)
+    chunk = delta_rule_routing.largest_chunk(per_channel=False) if fused else None  # the chunked form's (CUDA)
     buffers = delta_rule_routing.chunked_buffer_bytes(
         t, hv, config["linear_key_head_dim"], config["linear_value_head_dim"], chunk) if chunk else 0
     phases["linear attention"] = stream + t * (proj + 2 * conv * e + max(

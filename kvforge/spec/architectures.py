@@ -242,7 +242,8 @@ def _qwen3_next(cfg: dict, arch: str):
     for i, t in enumerate(types):
         if t == "linear_attention":
             layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
-                                         split_heads=split, token_input_elements=inputs))
+                                         split_heads=split, token_input_elements=inputs, value_heads=v_heads,
+                                         key_dim=k_dim, value_dim=v_dim))
         else:
             layers.append(AttentionLayerSpec(i, "full", heads, kv_heads, head_dim, head_dim))
     hidden = _get(cfg, "hidden_size")
@@ -320,7 +321,9 @@ def _kimi_linear(cfg: dict, arch: str):
     for i, t in enumerate(types):
         if t == "linear_attention":
             layers.append(StateLayerSpec(i, state_elements=state, tp_divisible_elements=state, state_dtype=dtype,
-                                         split_heads=(("linear_num_heads", num_heads),), token_input_elements=inputs))
+                                         split_heads=(("linear_num_heads", num_heads),), token_input_elements=inputs,
+                                         value_heads=num_heads, key_dim=head_dim, value_dim=head_dim,
+                                         per_channel_gates=True))
             attn = kda_params
         else:
             layer, attn = _mla_layer(cfg, i)

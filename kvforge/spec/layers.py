@@ -68,6 +68,8 @@ class StateLayerSpec:
     state update (the conv input, the delta rule's k, v, gate and beta), all
     split across ranks: a speculative verify step keeps them for its rows to
     replay the accepted ones (docs/LINEAR_ATTENTION.md, "Speculative decoding").
+    ``value_heads``, ``key_dim`` and ``value_dim`` shape the delta rule's state (0 where unknown), and
+    ``per_channel_gates`` says its gates decay each key channel (KDA) rather than each head.
     """
 
     index: int
@@ -77,6 +79,10 @@ class StateLayerSpec:
     kind: Literal["state"] = "state"
     split_heads: tuple[tuple[str, int], ...] = ()
     token_input_elements: int = 0
+    value_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    per_channel_gates: bool = False
 
 
 LayerSpec = AttentionLayerSpec | MLALayerSpec | StateLayerSpec

@@ -19,19 +19,25 @@ PREFILL_CHUNK_SIZE: int | None = 16
 CHUNKED_MAX_SEQUENCES = 2
 CHUNKED_MIN_MEAN_TOKENS = 32
 #: Whether per-channel gates (KDA) take the chunked form by the same rule. Its per-channel kernels are tested
-#: but not timed, so they run token by token; the activation reserve counts the chunked buffers of Qwen3-Next's
-#: layers only (kvforge/planner/activations.py), so taking it for KDA layers means counting theirs there too.
+#: but not timed, so they run token by token.
 PER_CHANNEL_CHUNKED = False
+
+
+def largest_chunk(per_channel: bool) -> int | None:
+    """The chunk of the chunked form where a prefill of these gates may take it (None: never), the chunk
+    whose buffers the activation reserve counts."""
+    if per_channel and not PER_CHANNEL_CHUNKED:
+        return None
+    return PREFILL_CHUNK_SIZE
 
 
 def prefill_chunk(num_seqs: int, tokens: int, per_channel: bool = False) -> int | None:
     """The chunk a prefill of ``num_seqs`` sequences and ``tokens`` tokens (host-known shapes: no device sync)
     runs in, or None for token by token; ``per_channel``: its gates are per key channel (KDA)."""
-    if per_channel and not PER_CHANNEL_CHUNKED:
+    chunk = largest_chunk(per_channel)
+    if chunk is None or not 0 < num_seqs <= CHUNKED_MAX_SEQUENCES:
         return None
-    if PREFILL_CHUNK_SIZE is None or not 0 < num_seqs <= CHUNKED_MAX_SEQUENCES:
-        return None
-    return PREFILL_CHUNK_SIZE if tokens >= CHUNKED_MIN_MEAN_TOKENS * num_seqs else None
+    return chunk if tokens >= CHUNKED_MIN_MEAN_TOKENS * num_seqs else None
 
 
 def chunked_buffer_bytes(tokens: int, value_heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
