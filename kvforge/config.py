@@ -38,11 +38,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 CHAT_CONTENT_FORMATS = ("auto", "string", "openai")
 # Prefill tokens a step may hold next to decodes (docs/SCHEDULER.md explains the choice).
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 4096
+# Tokens between the state snapshots a prompt's prefill keeps for prefix caching in linear-attention models
+# (kvforge/engine/state_prefix.py).
+DEFAULT_STATE_SNAPSHOT_INTERVAL = 2048
 
 
 #: Integer settings (None where allowed): numpy integers and digit strings are taken as the ints they hold.
 _COUNT_FIELDS = ("tensor_parallel_size", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                 "long_prefill_token_threshold", "num_speculative_tokens")
+                 "long_prefill_token_threshold", "num_speculative_tokens", "state_snapshot_interval")
 #: Count fields that are token counts: vLLM's human-readable text ('128K', '25.6k') is taken as on the CLI.
 _TOKEN_COUNT_FIELDS = ("max_model_len", "max_num_batched_tokens")
 
@@ -107,6 +110,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int | None = None  # None: DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD; 0: off
     enable_prefix_caching: bool = True
+    #: ``--state-snapshot-interval``: linear-attention models' prefix caching also keeps a prompt's state every
+    #: this many tokens (rounded up to whole blocks; None: DEFAULT_STATE_SNAPSHOT_INTERVAL; 0: off).
+    state_snapshot_interval: int | None = None
     #: ``--scheduling-policy``: fcfs, or priority (each request's priority, lower first; kvforge/engine/scheduler.py).
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
@@ -148,7 +154,8 @@ class EngineArgs:
             elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
                 object.__setattr__(self, name, int(value))
             elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                least = 0 if name in ("long_prefill_token_threshold", "num_speculative_tokens") else 1
+                least = 0 if name in ("long_prefill_token_threshold", "num_speculative_tokens",
+                                      "state_snapshot_interval") else 1
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
         for name in ("kv_cache_memory", "gpu_memory"):  # byte counts, or sizes such as "8GiB"
             if getattr(self, name) is not None:
@@ -175,6 +182,8 @@ class EngineArgs:
         object.__setattr__(self, "max_num_seqs", self._resolve_max_num_seqs())
         if self.cuda_graph_sizes is not None:
             object.__setattr__(self, "cuda_graph_sizes", self._check_graph_sizes(self.cuda_graph_sizes))
+        if self.state_snapshot_interval is not None and self.state_snapshot_interval < 0:
+            raise ConfigError(f"--state-snapshot-interval must be >= 0 (0: off), got {self.state_snapshot_interval}")
         if self.long_prefill_token_threshold is not None:
             if self.long_prefill_token_threshold < 0:
                 raise ConfigError(f"--long-prefill-token-threshold must be >= 0 (0: off), got "
@@ -265,6 +274,12 @@ class EngineArgs:
                                  f"{DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD}; 0: the whole --max-num-batched-tokens)")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="reuse the KV blocks of prompt prefixes already computed (default on)")
+        parser.add_argument("--state-snapshot-interval", type=non_negative_int, default=None, metavar="TOKENS",
+                            help="linear-attention models: besides a prompt's last block and the points where "
+                                 "cached requests branch, prefix caching keeps the prompt's state every this many "
+                                 "tokens (whole blocks), so a request sharing only part of an earlier prompt resumes "
+                                 "near where they part; each snapshot holds a state slot no running request needs "
+                                 f"(default {DEFAULT_STATE_SNAPSHOT_INTERVAL}; 0: off)")
         parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default="fcfs",
                             help="which request is served first (vLLM's flag): fcfs (arrival order), or priority "
                                  "(each request's priority, lower first; the least urgent running request is the "

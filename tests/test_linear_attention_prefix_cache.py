@@ -132,6 +132,50 @@ def test_a_step_plans_the_snapshots_its_chunks_pass():
     _invariant(slots)
 
 
+def test_cadence_points_fill_what_the_boundary_and_branch_point_leave():
+    """With an interval, a chunk also gets a snapshot at every multiple of the interval strictly inside it and
+    before its snapshot boundary, at most SNAPSHOTS_PER_SEQUENCE in all: the boundary and branch point first,
+    then the latest cadence points. An interval is rounded up to whole blocks; 0 takes none."""
+    from kvforge.attention.linear_state import SNAPSHOTS_PER_SEQUENCE
+    from kvforge.engine.block_manager import BlockManager
+    from kvforge.engine.state_prefix import StatePrefixCache
+
+    assert SNAPSHOTS_PER_SEQUENCE == 4  # the cap the cases below count on
+    slots = StateSlots(12)
+    cache = StatePrefixCache(slots, BlockManager(num_blocks=64, block_size=4), [].extend, interval=15)
+    assert cache.interval == 16
+    seq = Sequence("a", _tokens(101, 60), GREEDY)  # snapshot boundary 100
+    slots.acquire("a")
+    offsets = [offset for _, offset, _ in cache.plan_snapshots([(seq, 0, 101)])]
+    assert offsets == [p - 1 for p in (64, 80, 96, 100)]  # 16, 32 and 48 beyond the cap
+    cache = StatePrefixCache(StateSlots(12), BlockManager(num_blocks=64, block_size=4), [].extend, interval=16)
+    seq.state_branch_point = 40
+    cache.slots.acquire("a")
+    offsets = [offset for _, offset, _ in cache.plan_snapshots([(seq, 20, 60)])]  # tokens 20..80
+    assert offsets == [p - 20 - 1 for p in (32, 40, 48, 64)]  # boundary 100 past the chunk; 80 is its end
+    plain = StatePrefixCache(StateSlots(12), BlockManager(num_blocks=64, block_size=4), [].extend)
+    plain.slots.acquire("a")
+    assert [o for _, o, _ in plain.plan_snapshots([(seq, 20, 60)])] == [40 - 20 - 1]
+
+
+def test_the_interval_flag_is_checked_before_anything_loads():
+    import argparse
+
+    from kvforge.config import EngineArgs
+    from kvforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--state-snapshot-interval must be >= 0"):
+        EngineArgs(state_snapshot_interval=-1)
+    with pytest.raises(ConfigError, match="--state-snapshot-interval must be an integer"):
+        EngineArgs(state_snapshot_interval=2.5)
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert EngineArgs.from_cli_args(parser.parse_args(["--state-snapshot-interval", "0"])).state_snapshot_interval == 0
+    assert EngineArgs.from_cli_args(parser.parse_args([])).state_snapshot_interval is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--state-snapshot-interval", "-8"])
+
+
 def test_workers_apply_copies_in_rank_0s_order():
     """A restore that reads the snapshot the copy before it wrote (two calls on rank 0, one message to the
     other ranks): the operations apply as rank 0 applied them, one call after the other."""
@@ -242,6 +286,28 @@ def test_a_shared_prefix_is_a_hit_from_the_third_request_on(model, engines):
     assert hits == [0, 16, 20]
     assert engine.stats()["state_snapshots"]["taken"] == 2 + 2 + 1  # the third: its own boundary at 24
     _check(greedy, tolerance(prompts), prompts, outs, f"{case} system prompt")
+
+
+@pytest.mark.parametrize("model", CASES, indirect=True)
+@pytest.mark.parametrize("interval", [8, 0])
+def test_a_request_sharing_part_of_a_prompt_resumes_at_a_cadence_snapshot(model, engines, interval):
+    """A 40-token prompt in chunks of 16 keeps its state at 16 and 32 (chunk ends) and 36 (its boundary),
+    and with --state-snapshot-interval 8 also at 8 and 24 (inside its chunks). A second request sharing its
+    first 30 tokens finds 28 tokens of blocks cached and resumes at the last with a snapshot: 24 with the
+    interval, 16 without."""
+    case, path, greedy, tolerance = model
+    engine = engines(path, state_snapshot_interval=interval).engine
+    shared = _tokens(30, 70)
+    prompts = [shared + _tokens(10, 71), shared + _tokens(6, 72)]
+    hits, outs = [], []
+    for p in prompts:
+        before = _hits(engine)
+        outs += _run(engine, [p])
+        hits.append(_hits(engine) - before)
+    assert hits == [0, 24 if interval else 16]
+    taken = engine.stats()["state_snapshots"]["taken"]
+    assert taken == (5 if interval else 3) + 2  # the second: its branch point 28 and boundary 32
+    _check(greedy, tolerance(prompts), prompts, outs, f"{case} interval {interval}")
 
 
 def test_a_branch_point_needs_another_continuation_in_the_cache():

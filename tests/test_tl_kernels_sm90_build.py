@@ -21,6 +21,7 @@ import json
 import pytest
 from compiled_build_report import build_report
 
+from kvforge.attention.linear_state import SNAPSHOTS_PER_SEQUENCE
 from kvforge.kernels.optional_triton import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -94,12 +95,13 @@ def _builds():
     for name, per_channel, dt_bias in (("qwen3-next", False, "*bf16"), ("kimi-linear", True, "*fp32")):
         yield f"recurrent decode with its gates, {name}", rule._recurrent_kernel, dict(
             BK=128, BV=64, PER_CHANNEL=per_channel, NORMALIZE=True, DECODE=True, HAS_INIT_FLAGS=True,
-            STORE_OUT=True, RAW_GATES=True, THRESHOLD=gates.SOFTPLUS_THRESHOLD, SNAPSHOTS=False), dict(
+            STORE_OUT=True, RAW_GATES=True, THRESHOLD=gates.SOFTPLUS_THRESHOLD, SNAPSHOTS=0), dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i32", store_slot_ptr="*i32",
             init_ptr="*i1", qsl_ptr="*i32", dt_bias_ptr=dt_bias)
         yield f"recurrent prefill with snapshots inside it, {name}", rule._recurrent_kernel, dict(
             BK=128, BV=32, PER_CHANNEL=per_channel, NORMALIZE=True, DECODE=False, HAS_INIT_FLAGS=True,
-            STORE_OUT=True, RAW_GATES=False, THRESHOLD=gates.SOFTPLUS_THRESHOLD, SNAPSHOTS=True), dict(
+            STORE_OUT=True, RAW_GATES=False, THRESHOLD=gates.SOFTPLUS_THRESHOLD,
+            SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE), dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", slot_ptr="*i32",
             store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", snap_ptr="*i32")
     chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
@@ -114,7 +116,8 @@ def _builds():
             for snapshots in (False, True):
                 state_pass = dict(BT=bt, BK=128, BV=rule.CHUNK_STATE_TILE.block_v, NORMALIZE=True,
                                   HAS_INIT_FLAGS=True, STORE_OUT=True, PRECISION=rule.DOT_PRECISION,
-                                  SNAPSHOTS=snapshots, PER_CHANNEL=per_channel)
+                                  SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE if snapshots else 0,
+                                  PER_CHANNEL=per_channel)
                 yield (f"chunked delta rule's state pass, chunks of {bt}{gates}"
                        + (", with snapshots" if snapshots else ""), rule._chunk_state_kernel, state_pass,
                        chunk_pointers, rule.CHUNK_STATE_TILE.num_warps, rule.CHUNK_STATE_STAGES[bt])

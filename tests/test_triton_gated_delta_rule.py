@@ -152,16 +152,17 @@ def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
     """``snapshots``: the state after a given token of a sequence also lands in a given slot (two for one
-    sequence, one for another, none for a third), each equal to the float64 state over that prefix; the
+    sequence, four for another, none for a third), each equal to the float64 state over that prefix; the
     sequences' own slots take their final states and every other slot is untouched. Token by token and in
     chunks: snapshots in a first, middle and last chunk, at a chunk's last token and at the sequence's last
     token."""
     lens, slots, init, hv, dk, dv = [9, 40, 5], [1, 3, 5], [True, False, True], 2, 16, 24
     q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, per_channel, 21)
-    snaps = [[3, 0, 8, 2], [15, 4, 33, 6], [-1, -1, -1, -1]]
+    snaps = [[3, 0, 8, 2, -1, -1, -1, -1], [15, 4, 33, 6, 5, 7, 20, 8], [-1] * 8]  # two in sequence 1's first chunk
+    num_slots = 10
     for chunk in (None, 16):
         tol = REC_TOL if chunk is None else CHUNK_TOL
-        states = (0.3 * torch.randn(7, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
+        states = (0.3 * torch.randn(num_slots, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
         before = states.clone()
         qsl = [0, 9, 49, 54]
         out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
@@ -174,12 +175,12 @@ def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
             s0 = before[slot].cpu() if init[i] else None
             want_out, want_state = naive_float64(*(x[a:b].cpu() for x in (q, k, v, g, beta)), s0)
             assert rel_err(out[a:b].cpu(), want_out) < tol and rel_err(states[slot].cpu(), want_state) < tol
-            for offset, dest in (snaps[i][:2], snaps[i][2:]):
+            for offset, dest in zip(snaps[i][0::2], snaps[i][1::2]):
                 if offset >= 0:
                     _, want_snap = naive_float64(*(x[a:a + offset + 1].cpu() for x in (q, k, v, g, beta)), s0)
                     assert rel_err(states[dest].cpu(), want_snap) < tol, (chunk, i, offset)
                     written.add(dest)
-        for slot in set(range(7)) - written:
+        for slot in set(range(num_slots)) - written:
             assert torch.equal(states[slot], before[slot]), slot
 
 

@@ -88,6 +88,9 @@ def _numel(shape) -> int:
 
 #: The dtype of verify rows: every input a kernel reads converts to it exactly.
 VERIFY_ROW_DTYPE = torch.float32
+#: The prefix-cache snapshots one sequence may take inside one step (kvforge/engine/state_prefix.py plans at
+#: most this many; the kernels read this many pairs a sequence, a power of two).
+SNAPSHOTS_PER_SEQUENCE = 4
 
 
 class VerifyRows:
@@ -145,8 +148,8 @@ class SlotBatch:
 
     ``host_snapshots``: ``(sequence index, offset, slot)`` of each prefix-cache snapshot taken inside the
     step (kvforge/engine/state_prefix.py): the sequence's state after its token ``offset`` of the step (0 its
-    first) is also stored at ``slot``; ``snapshots`` the same as the kernels read it (int32 ``[N, 4]``, per
-    sequence up to two ``(offset, slot)`` pairs, -1 for none), None without snapshots.
+    first) is also stored at ``slot``; ``snapshots`` the same as the kernels read it (int32 ``[N, 2 *
+    SNAPSHOTS_PER_SEQUENCE]``, per sequence its ``(offset, slot)`` pairs, -1 for none), None without snapshots.
     """
 
     query_start_loc: torch.Tensor
@@ -169,8 +172,9 @@ class SlotBatch:
               snapshots: Sequence[tuple[int, int, int]] = ()) -> SlotBatch:
         """``spec_lens`` (optional, one per sequence): proposals verified per sequence; ``verify_rows``: the
         verify rows per slot (1 + the speculative token count), needed when any ``spec_lens`` is non-zero;
-        ``snapshots``: ``(sequence index, offset, slot)``, at most two per sequence, each offset before the
-        sequence's last token of the step (a snapshot at its end is a copy after the step)."""
+        ``snapshots``: ``(sequence index, offset, slot)``, at most ``SNAPSHOTS_PER_SEQUENCE`` per sequence at
+        distinct offsets, each before the sequence's last token of the step (a snapshot at its end is a copy
+        after the step)."""
         spec_lens = [0] * len(query_lens) if spec_lens is None else [int(n) for n in spec_lens]
         if not len(query_lens) == len(slot_ids) == len(has_initial_state) == len(spec_lens):
             raise ValueError("query_lens, slot_ids, has_initial_state and spec_lens need one entry per sequence")
@@ -186,17 +190,17 @@ class SlotBatch:
                 src.extend(range(qsl[i + 1] - n - 1, qsl[i + 1]))
                 dest.extend(store[i] * verify_rows + j for j in range(n + 1))
                 store[i] = -1
-        snap_rows = [[-1, -1, -1, -1] for _ in query_lens] if snapshots else []
+        snap_rows = [[] for _ in query_lens]
         for i, offset, slot in snapshots:
             row = snap_rows[i]
             if not (0 <= offset < int(query_lens[i]) - 1 and slot >= 0 and int(slot_ids[i]) >= 0 and not spec_lens[i]):
                 raise ValueError(f"snapshot ({i}, {offset}, {slot}) is not inside sequence {i}'s tokens of the step")
-            if row[0] < 0:
-                row[0:2] = [offset, slot]
-            elif row[2] < 0:
-                row[2:4] = [offset, slot]
-            else:
-                raise ValueError(f"sequence {i} has more than two snapshots in one step")
+            if offset in row[0::2]:
+                raise ValueError(f"sequence {i} has two snapshots after its token {offset}")
+            if len(row) == 2 * SNAPSHOTS_PER_SEQUENCE:
+                raise ValueError(f"sequence {i} has more than {SNAPSHOTS_PER_SEQUENCE} snapshots in one step")
+            row.extend((offset, slot))
+        snap_rows = [row + [-1] * (2 * SNAPSHOTS_PER_SEQUENCE - len(row)) for row in snap_rows]
         slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=device)
         return cls(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),

@@ -19,6 +19,7 @@ import torch
 
 from kvforge.config import (
     DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD,
+    DEFAULT_STATE_SNAPSHOT_INTERVAL,
     EngineArgs,
 )
 from kvforge.engine.block_manager import BlockManager
@@ -229,8 +230,10 @@ class LLMEngine:
         if prefix_caching and self.has_linear_state:  # hits resume the state from kept snapshots
             from kvforge.engine.state_prefix import StatePrefixCache
 
-            self.scheduler.state_prefix = StatePrefixCache(self.state_slots, self.block_manager,
-                                                           self.runner.copy_state_slots)
+            interval = args.state_snapshot_interval
+            self.scheduler.state_prefix = StatePrefixCache(
+                self.state_slots, self.block_manager, self.runner.copy_state_slots,
+                DEFAULT_STATE_SNAPSHOT_INTERVAL if interval is None else interval)
         self.sampler = Sampler(eos)
         self._eos_token_ids = frozenset(eos)
         self._grammars = None  # structured outputs' GrammarBackend, built by the first request that has one

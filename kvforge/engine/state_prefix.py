@@ -8,9 +8,12 @@ keyed by that block's chained hash; a hit ends only at a block with a snapshot.
 Rules (one place each):
 
 - **Where snapshots are taken.** At ``snapshot_boundary(seq)``, the last block boundary before the
-  sequence's last known token (a hit never covers every token, kvforge/engine/block_manager.py), and at
-  the sequence's branch point (below), wherever a prefill chunk passes them, and where a prefill chunk
-  ends on a block boundary at or before the snapshot boundary. A point inside a chunk is taken inside
+  sequence's last known token (a hit never covers every token, kvforge/engine/block_manager.py), at
+  the sequence's branch point (below) and every ``interval`` tokens before the snapshot boundary (cadence
+  points, so that a request sharing only part of a prompt resumes near where they part), wherever a
+  prefill chunk passes them, and where a prefill chunk ends on a block boundary at or before the snapshot
+  boundary. A step takes at most ``SNAPSHOTS_PER_SEQUENCE`` inside one sequence's chunk: the snapshot
+  boundary, the branch point, then the latest cadence points. A point inside a chunk is taken inside
   the step (``plan_snapshots``, once the step is scheduled: the state layers store the state after that
   token into the snapshot's slot, kvforge/attention/linear_state.py); a chunk's end is a copy after the
   step (``take_snapshots``). So a prompt longer than a block leaves a snapshot at its last block boundary
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from kvforge.attention.linear_state import SNAPSHOTS_PER_SEQUENCE
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.state_slots import StateSlots
@@ -47,10 +51,12 @@ from kvforge.engine.state_slots import StateSlots
 
 class StatePrefixCache:
     def __init__(self, slots: StateSlots, block_manager: BlockManager,
-                 copy_state_slots: Callable[[list[tuple[int, int]]], None]):
+                 copy_state_slots: Callable[[list[tuple[int, int]]], None], interval: int = 0):
+        """``interval``: tokens between cadence snapshots, rounded up to whole blocks (0: none)."""
         self.slots = slots
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
+        self.interval = -(-interval // self.block_size) * self.block_size if interval > 0 else 0
         self.copy_state_slots = copy_state_slots
         self.snapshots_taken = 0
         self.snapshots_restored = 0
@@ -94,12 +100,12 @@ class StatePrefixCache:
     def plan_snapshots(self, chunks: Iterable[tuple[Sequence, int, int]]) -> list[tuple[int, int, int]]:
         """Before a step of ``(sequence, start, tokens)`` chunks (in the step's order): the snapshots its state
         layers take inside the chunks, ``(chunk index, offset, slot)`` (the state after the chunk's token
-        ``offset`` goes to ``slot``): at the sequence's branch point and snapshot boundary where they lie
-        strictly inside its chunk, each registered now under its block's hash in a slot no request holds."""
+        ``offset`` goes to ``slot``): at the sequence's snapshot boundary, branch point and cadence points where
+        they lie strictly inside its chunk (``_points_inside``), each registered now under its block's hash in a
+        slot no request holds."""
         out, self._made = [], set()
         for index, (seq, start, n) in enumerate(chunks):
-            points = sorted({p for p in (seq.state_branch_point, self.snapshot_boundary(seq)) if start < p < start + n})
-            for point in points:
+            for point in self._points_inside(seq, start, start + n):
                 key = self.block_manager.block_hashes(seq, point // self.block_size)[-1]
                 if key in self._made:
                     continue  # another sequence of the step stores the same prefix's state
@@ -109,6 +115,17 @@ class StatePrefixCache:
                     self._made.add(key)
         self.snapshots_taken += len(out)
         return out
+
+    def _points_inside(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The snapshot points strictly inside tokens ``start..end`` of ``seq``, at most
+        ``SNAPSHOTS_PER_SEQUENCE``: its snapshot boundary and branch point, then its latest cadence points."""
+        boundary = self.snapshot_boundary(seq)
+        first = [p for p in dict.fromkeys((boundary, seq.state_branch_point)) if start < p < end]
+        cadence = []
+        if self.interval:
+            last = min(end - 1, boundary - 1) // self.interval * self.interval
+            cadence = [p for p in range(last, start, -self.interval) if p not in first]
+        return sorted((first + cadence)[:SNAPSHOTS_PER_SEQUENCE])
 
     def take_snapshots(self, chunks: Iterable[tuple[Sequence, int, int]]) -> None:
         """After a step of ``(sequence, start, tokens)`` chunks: copy the state of each sequence whose chunk

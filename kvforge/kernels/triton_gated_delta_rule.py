@@ -191,11 +191,10 @@ if HAS_TRITON:
             else:
                 bos = tl.load(qsl_ptr + i).to(tl.int64)
                 eos = tl.load(qsl_ptr + i + 1).to(tl.int64)
-            if SNAPSHOTS:  # up to two (token offset in the sequence, slot): the state after that token goes there
-                snap_a = tl.load(snap_ptr + 4 * i).to(tl.int64) + bos
-                snap_a_slot = tl.load(snap_ptr + 4 * i + 1).to(tl.int64)
-                snap_b = tl.load(snap_ptr + 4 * i + 2).to(tl.int64) + bos
-                snap_b_slot = tl.load(snap_ptr + 4 * i + 3).to(tl.int64)
+            if SNAPSHOTS:  # SNAPSHOTS (token offset in the sequence, slot) pairs: the state after that token goes
+                pairs = tl.arange(0, SNAPSHOTS)  # to that slot; offset -1: none
+                snap_at = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * pairs).to(tl.int64) + bos
+                snap_slot = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * pairs + 1).to(tl.int64)
             for t64 in range(bos, eos):  # int64 token index
                 q, k, v = _load_qkv(q_ptr, k_ptr, v_ptr, t64, hk, h, ks, vs, kmask, vmask, stride_qt, stride_qh,
                                     stride_kt, stride_kh, stride_vt, stride_vh, scale, NORMALIZE, 0)
@@ -221,11 +220,10 @@ if HAS_TRITON:
                     tl.store(out_ptr + t64 * stride_ot + h * stride_oh + vs, o.to(out_ptr.dtype.element_ty),
                              mask=vmask)
                 if SNAPSHOTS:
-                    if t64 == snap_a:
-                        tl.store(state_ptr + s_off + (snap_a_slot - slot) * stride_ss,
-                                 s.to(state_ptr.dtype.element_ty), mask=smask)
-                    if t64 == snap_b:
-                        tl.store(state_ptr + s_off + (snap_b_slot - slot) * stride_ss,
+                    hit = snap_at == t64
+                    if tl.max(hit.to(tl.int32), axis=0) > 0:
+                        dest = tl.sum(tl.where(hit, snap_slot, 0), axis=0)
+                        tl.store(state_ptr + s_off + (dest - slot) * stride_ss,
                                  s.to(state_ptr.dtype.element_ty), mask=smask)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
@@ -348,8 +346,8 @@ if HAS_TRITON:
         SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
     ):
         """The state pass of one (sequence, value head, value block): chunk after chunk, the chunk's new values
-        ``U - W S``, its output and the state at its end; with SNAPSHOTS also the state after each of up to two
-        given tokens, in the chunk holding it, into the snapshot's slot."""
+        ``U - W S``, its output and the state at its end; also the state after each of up to SNAPSHOTS given
+        tokens, in the chunk holding it, into the snapshot's slot."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -365,11 +363,6 @@ if HAS_TRITON:
                                           stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
             bos = tl.load(qsl_ptr + i)
             eos = tl.load(qsl_ptr + i + 1)
-            if SNAPSHOTS:  # (token offset in the sequence, slot) twice; offset -1: none
-                snap_a = tl.load(snap_ptr + 4 * i) + bos
-                snap_a_slot = tl.load(snap_ptr + 4 * i + 1).to(tl.int64)
-                snap_b = tl.load(snap_ptr + 4 * i + 2) + bos
-                snap_b_slot = tl.load(snap_ptr + 4 * i + 3).to(tl.int64)
             for c0 in range(bos, eos, BT):
                 rows = c0 + rs
                 rmask = rows < eos
@@ -406,12 +399,11 @@ if HAS_TRITON:
                          + tl.dot(aqk, u, input_precision=PRECISION))
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=v_mask)
-                if SNAPSHOTS:
-                    if (snap_a >= c0) & (snap_a < c0 + BT):
-                        _store_snapshot(state_ptr, s, k, u, g, rows, snap_a, snap_a_slot - slot, s_off, smask,
-                                        stride_ss, PRECISION, PER_CHANNEL)
-                    if (snap_b >= c0) & (snap_b < c0 + BT):
-                        _store_snapshot(state_ptr, s, k, u, g, rows, snap_b, snap_b_slot - slot, s_off, smask,
+                for m in tl.static_range(SNAPSHOTS):  # (token offset in the sequence, slot) pairs; offset -1: none
+                    snap_at = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * m) + bos
+                    if (snap_at >= c0) & (snap_at < c0 + BT):
+                        dest = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * m + 1).to(tl.int64)
+                        _store_snapshot(state_ptr, s, k, u, g, rows, snap_at, dest - slot, s_off, smask,
                                         stride_ss, PRECISION, PER_CHANNEL)
                 k_end = k * tl.exp(after)
                 s = whole * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
@@ -435,6 +427,11 @@ if HAS_TRITON:
         k_snap = tl.where((rows <= token)[:, None], k * decay, 0.0)
         snap = whole * s + tl.dot(tl.trans(k_snap), u, input_precision=PRECISION)
         tl.store(state_ptr + s_off + slot_shift * stride_ss, snap.to(state_ptr.dtype.element_ty), mask=smask)
+
+
+def _snapshot_pairs(snapshots: torch.Tensor | None) -> int:
+    """The ``(offset, slot)`` pairs a row of ``snapshots`` holds (0 without snapshots)."""
+    return 0 if snapshots is None else snapshots.shape[1] // 2
 
 
 def _check(q, k, v, g, beta, states, slot_ids, num_seqs):
@@ -488,7 +485,7 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
         float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
         BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), RAW_GATES=raw_gates is not None,
-        THRESHOLD=SOFTPLUS_THRESHOLD, SNAPSHOTS=snapshots is not None, num_warps=tile.num_warps,
+        THRESHOLD=SOFTPLUS_THRESHOLD, SNAPSHOTS=_snapshot_pairs(snapshots), num_warps=tile.num_warps,
     )
     return out
 
@@ -531,17 +528,20 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
     computes only the states (that replay); ``out`` is then left unwritten.
 
-    ``snapshots`` (int32 [N, 4], optional): per sequence up to two ``(offset, slot)`` pairs, an offset among
-    its tokens of this call (-1: none) after which its state is also stored at ``slot`` (a prefix-cache
-    snapshot taken inside a chunk, kvforge/engine/state_prefix.py)."""
+    ``snapshots`` (int32 [N, 2 * pairs], optional, pairs a power of two): per sequence ``(offset, slot)``
+    pairs, an offset among its tokens of this call (-1: none; no two alike) after which its state is also
+    stored at ``slot`` (prefix-cache snapshots taken inside a chunk, kvforge/engine/state_prefix.py)."""
     num_seqs = slot_ids.shape[0]
     _check(q, k, v, g, beta, states, slot_ids, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [N + 1] = [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
-    if snapshots is not None and snapshots.shape != (num_seqs, 4):
-        raise ValueError(f"snapshots must be [N, 4] = [{num_seqs}, 4], got {tuple(snapshots.shape)}")
+    if snapshots is not None:
+        pairs = snapshots.shape[1] // 2 if snapshots.dim() == 2 else 0
+        if snapshots.shape != (num_seqs, 2 * pairs) or pairs < 1 or pairs & (pairs - 1):
+            raise ValueError(f"snapshots must be [N, 2 * pairs] = [{num_seqs}, 2 * pairs] with a power of two of "
+                             f"pairs, got {tuple(snapshots.shape)}")
     per_channel = g.dim() == 3
     if chunk_size is None:
         chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel)
@@ -587,7 +587,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         scale, hv // hk, dk, dv,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
-        SNAPSHOTS=snapshots is not None, PER_CHANNEL=per_channel, num_warps=CHUNK_STATE_TILE.num_warps,
+        SNAPSHOTS=_snapshot_pairs(snapshots), PER_CHANNEL=per_channel, num_warps=CHUNK_STATE_TILE.num_warps,
         num_stages=CHUNK_STATE_STAGES[chunk_size],
     )
     return out

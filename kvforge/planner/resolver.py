@@ -431,7 +431,8 @@ def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
     if "state" in kinds:
         return True, ("on: paged groups resume from the blocks of the cached prefix, state layers from a "
                       "snapshot of their state at its last block; a prompt's prefill stores one at its last "
-                      "block boundary before the final token (inside the step that passes it, and where a "
+                      "block boundary before the final token, where cached requests branch and every "
+                      "--state-snapshot-interval tokens (inside the step that passes it, and where a "
                       "chunk ends on a block boundary) and they are kept in state slots no running request "
                       "holds (none reserved), least recently used evicted first")
     if "sliding" in kinds:
