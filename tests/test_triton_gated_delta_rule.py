@@ -54,6 +54,12 @@ def _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys=False):
     return [torch.cat([p[j] for p in parts]).to(DEVICE) for j in range(5)]
 
 
+@pytest.fixture
+def token_by_token_where_none(monkeypatch):
+    """A test's ``chunk_size`` None runs token by token: the route names no chunk either."""
+    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)
+
+
 def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=False, num_slots=7,
                    chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32, repeated_keys=False,
                    fresh_slots_hold=None):
@@ -119,9 +125,10 @@ def test_prefill_lengths_the_chunk_does_not_divide(form, monkeypatch):
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_chunked_prefill_finds_each_chunks_sequence(chunk, per_channel):
     """The chunked form's per-chunk programs find their sequence among empty and padding sequences (slot -1) and
-    sequences of one to several chunks."""
+    sequences of one to several chunks; per-channel gates over 32 key channels, two of the pairwise decays'
+    slices."""
     _run_and_check([5, 0, 40, 3, 1, 133], [2, -1, 0, -1, 4, 5], [True, False, False, True, True, False],
-                   chunk_size=chunk, seed=chunk, per_channel=per_channel)
+                   chunk_size=chunk, seed=chunk, per_channel=per_channel, dk=32 if per_channel else 16)
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["token_by_token", "chunked"])
@@ -154,13 +161,13 @@ def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
     """``snapshots``: the state after a given token of a sequence also lands in a given slot (two for one
     sequence, four for another, none for a third), each equal to the float64 state over that prefix; the
     sequences' own slots take their final states and every other slot is untouched. Token by token and in
-    chunks: snapshots in a first, middle and last chunk, at a chunk's last token and at the sequence's last
-    token."""
+    chunks of 16 and 32: snapshots after a sequence's first token, in a first, middle and last chunk, two in
+    one chunk, at a chunk's last token and at the sequence's last token."""
     lens, slots, init, hv, dk, dv = [9, 40, 5], [1, 3, 5], [True, False, True], 2, 16, 24
     q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, per_channel, 21)
-    snaps = [[3, 0, 8, 2, -1, -1, -1, -1], [15, 4, 33, 6, 5, 7, 20, 8], [-1] * 8]  # two in sequence 1's first chunk
+    snaps = [[0, 0, 8, 2, -1, -1, -1, -1], [15, 4, 33, 6, 5, 7, 20, 8], [-1] * 8]  # two in sequence 1's first chunk
     num_slots = 10
-    for chunk in (None, 16):
+    for chunk in (None, 16, 32):
         tol = REC_TOL if chunk is None else CHUNK_TOL
         states = (0.3 * torch.randn(num_slots, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
         before = states.clone()
@@ -213,16 +220,19 @@ def test_chunked_prefill_allocates_what_the_route_counts(monkeypatch):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 @pytest.mark.parametrize("chunk", [16, 32])
 def test_chunked_prefill_keeps_small_gates_after_strong_ones(chunk, per_channel):
-    """Strong decays (-40 a token) for half a chunk, then nearly none (-1e-3): the decays between rows are
-    sums of their own gates, so the small gates are not lost beside the large running sum (a difference of
-    running sums in float32 was off by 3e-4 here). Per key channel, half the channels decay strongly and half
-    barely over the whole sequence besides: a factorisation into ``exp(G)`` and ``exp(-G)`` would overflow."""
+    """Strong decays (-80 a token, the 8th -5000) for the first 8 tokens of each chunk, then nearly none
+    (-1e-3): every decay between rows, and from a row to the chunk's end, is a sum of its own gates, so the
+    small gates are not lost beside a large one (a difference of sums in float32 is off by 1e-5 or more here).
+    Per key channel, half the channels decay strongly throughout besides: a factorisation into ``exp(G)`` and
+    ``exp(-G)`` would overflow."""
     hk, hv, dk, dv, n = 1, 2, 16, 16, 64
     q, k, v, g, beta = _batch([n], hk, hv, dk, dv, per_channel, 40)
     g = torch.full_like(g, -1e-3)
-    g[: n // 2] = -40.0
+    for c0 in range(0, n, chunk):
+        g[c0:c0 + 8] = -80.0
+        g[c0 + 7] = -5000.0  # the row whose decay to the chunk's end is the tiny gates after it alone
     if per_channel:
-        g[:, :, : dk // 2] = -40.0
+        g[:, :, : dk // 2] = -80.0
     states = torch.zeros(1, hv, dk, dv, device=DEVICE)
     out = kernels.prefill(q, k, v, g, beta, states, torch.tensor([0], dtype=torch.int32, device=DEVICE),
                           torch.tensor([0, n], dtype=torch.int32, device=DEVICE), normalize_qk=True, chunk_size=chunk)
@@ -230,10 +240,36 @@ def test_chunked_prefill_keeps_small_gates_after_strong_ones(chunk, per_channel)
     assert rel_err(out.cpu(), want_out) < 1e-5 and rel_err(states[0].cpu(), want_state) < 1e-5
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+@pytest.mark.parametrize("chunk", [16, 32, None], ids=["chunks_of_16", "chunks_of_32", "token_by_token"])
+def test_a_gate_of_minus_infinity_resets_the_state(chunk, per_channel, token_by_token_where_none):
+    """A gate of -inf (a full reset of the state, or of a key channel) inside a chunk and at a chunk's start:
+    every decay across it is 0, never NaN, and a snapshot after it holds only what followed."""
+    n, hv, dk, dv = 40, 2, 16, 16
+    q, k, v, g, beta = _batch([n], 1, hv, dk, dv, per_channel, 45)
+    g[5] = float("-inf")
+    g[16] = float("-inf")
+    states = (0.3 * torch.randn(3, hv, dk, dv, generator=torch.Generator().manual_seed(46))).to(DEVICE)
+    before = states.clone()
+    snaps = torch.tensor([[3, 1, 20, 2]], dtype=torch.int32, device=DEVICE)
+    out = kernels.prefill(q, k, v, g, beta, states, torch.tensor([0], dtype=torch.int32, device=DEVICE),
+                          torch.tensor([0, n], dtype=torch.int32, device=DEVICE), normalize_qk=True,
+                          chunk_size=chunk, snapshots=snaps)
+    want_out, want_state = naive_float64(*(x.cpu() for x in (q, k, v, g, beta)), before[0].cpu())
+    tol = REC_TOL if chunk is None else CHUNK_TOL
+    assert torch.isfinite(out).all() and torch.isfinite(states).all()
+    assert rel_err(out.cpu(), want_out) < tol and rel_err(states[0].cpu(), want_state) < tol
+    for offset, dest in ((3, 1), (20, 2)):
+        _, want_snap = naive_float64(*(x[:offset + 1].cpu() for x in (q, k, v, g, beta)), before[0].cpu())
+        assert rel_err(states[dest].cpu(), want_snap) < tol, offset
+
+
 def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     """The route (kvforge/attention/routing/delta_rule.py) picks the form from the call's sequences and tokens:
-    few sequences of many tokens run chunked, short ones (verification rows) and many sequences token by token,
-    and every call token by token where the route names no chunk; a chunk named by the caller runs chunked."""
+    one or two long sequences run chunked beside any short ones, short ones alone (verification rows) and many
+    long ones token by token (each sequence's length where the caller gives them, else the mean), per-channel
+    gates token by token unless the route takes them, and every call token by token where the route names no
+    chunk; a chunk named by the caller runs chunked."""
     launched = []
 
     class Spy:  # records which kernel a launch (``kernel[grid](...)``) runs
@@ -248,7 +284,7 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
         monkeypatch.setattr(kernels, name, Spy(name))
     monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", 16)
     monkeypatch.setattr(kernels.route, "CHUNKED_MAX_SEQUENCES", 2)
-    monkeypatch.setattr(kernels.route, "CHUNKED_MIN_MEAN_TOKENS", 8)
+    monkeypatch.setattr(kernels.route, "CHUNKED_MIN_TOKENS", 8)
 
     def call(lens, **kw):
         q, k, v, g, beta = _batch(lens, 1, 1, 16, 16, False, 0)
@@ -263,8 +299,24 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     assert call([4, 12]) == "_chunk_state_kernel"  # the mean decides: 8 a sequence
     assert call([4, 11]) == "_recurrent_kernel"
     assert call([8, 8, 8]) == "_recurrent_kernel"  # more sequences than the route's bound
+    assert call([1, 1, 1, 12]) == "_recurrent_kernel"  # by the mean: 3.75 a sequence
+    assert call([1, 1, 1, 12], host_query_lens=[1, 1, 1, 12]) == "_chunk_state_kernel"  # one long beside 3 short
+    assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == "_chunk_state_kernel"
+    assert call([9, 9, 9], host_query_lens=[9, 9, 9]) == "_recurrent_kernel"  # three long
     assert call([8], snapshots=torch.tensor([[3, 0, -1, -1]], dtype=torch.int32, device=DEVICE)) == (
         "_chunk_state_kernel")  # the chunked form stores snapshots too
+    def per_channel_call(lens):
+        q, k, v, _, beta = _batch(lens, 1, 1, 16, 16, False, 0)
+        g = -torch.rand(sum(lens), 1, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        kernels.prefill(q, k, v, g, beta, torch.zeros(len(lens), 1, 16, 16, device=DEVICE),
+                        torch.arange(len(lens), dtype=torch.int32, device=DEVICE), qsl)
+        return launched.pop()
+
+    monkeypatch.setattr(kernels.route, "PER_CHANNEL_CHUNKED", False)
+    assert per_channel_call([8]) == "_recurrent_kernel"  # per-channel gates keep token by token
+    monkeypatch.setattr(kernels.route, "PER_CHANNEL_CHUNKED", True)
+    assert per_channel_call([8]) == "_chunk_state_kernel"
     monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)
     assert call([8]) == "_recurrent_kernel"
     assert launched == []
@@ -325,7 +377,7 @@ def test_prefill_on_the_model_layout(lens, chunk):
 
 
 @pytest.mark.parametrize("chunk", [16, None], ids=["chunked", "token_by_token"])
-def test_prefill_split_across_calls_equals_one_call(chunk):
+def test_prefill_split_across_calls_equals_one_call(chunk, token_by_token_where_none):
     lens = [37]
     q, k, v, g, beta = _batch(lens, 2, 4, 16, 16, False, 5)
     one = torch.zeros(2, 4, 16, 16, device=DEVICE)
@@ -535,12 +587,6 @@ def test_gpu_decode_batches_at_model_shapes(batch, per_channel):
     slots = torch.randperm(batch + 3, generator=torch.Generator().manual_seed(batch))[:batch].tolist()
     _run_and_check([1] * batch, slots, [True] * batch, hk=16, hv=32, dk=128, dv=128, per_channel=per_channel,
                    num_slots=batch + 3, tol=REC_TOL, seed=batch)
-
-
-@pytest.fixture
-def token_by_token_where_none(monkeypatch):
-    """A test's ``chunk_size`` None runs token by token: the route names no chunk either."""
-    monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)
 
 
 @gpu_only

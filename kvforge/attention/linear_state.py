@@ -229,6 +229,12 @@ class SlotBatch:
             if slot >= 0:
                 yield i, qsl[i], qsl[i + 1], slot, self.host_has_initial_state[i]
 
+    @property
+    def host_query_lens(self) -> tuple[int, ...]:
+        """Each sequence's tokens in the step, 0 for padding sequences (slot -1)."""
+        qsl = self.host_query_start_loc
+        return tuple(qsl[i + 1] - qsl[i] if slot >= 0 else 0 for i, slot in enumerate(self.host_slot_ids))
+
     def snapshots_of(self, i: int) -> list[tuple[int, int]]:
         """``(offset, slot)`` of sequence ``i``'s snapshots in this step, by offset."""
         return sorted((o, sl) for j, o, sl in self.host_snapshots if j == i)
@@ -345,7 +351,8 @@ class LinearStates:
                                       scale=scale, normalize_qk=normalize_qk)
             return kernels.prefill(q, k, v, g, beta, states, b.slot_ids, b.query_start_loc,
                                    has_initial_state=b.has_initial_state, scale=scale, normalize_qk=normalize_qk,
-                                   store_slot_ids=b.store_slot_ids, snapshots=b.snapshots)
+                                   store_slot_ids=b.store_slot_ids, snapshots=b.snapshots,
+                                   host_query_lens=b.host_query_lens)
         out = torch.zeros_like(v)
         for i, start, end, slot, has_state in b.spans():
             s = states[slot] if has_state else None

@@ -52,6 +52,7 @@ Sequence ``i``'s loop bounds are loaded from ``query_start_loc``. Offsets are in
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -95,21 +96,22 @@ DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4
 #: (docs/BENCHMARKS.md, "Gated delta rule prefill").
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 #: The chunked form's products: three tf32 products a float32 product (float32's accuracy on the matrix
-#: units). Compiled for sm_90 with 4 warps at chunks of 64, its two kernels spill 9-19 KB a thread in IEEE
-#: float32 (the FMA units) and 1.1-3.2 KB in tf32x3.
+#: units; IEEE float32 products run on the FMA units, and compiled for sm_90 at the largest chunks tried they
+#: spilled several times more than tf32x3).
 DOT_PRECISION = "tf32x3"
 #: The chunk sizes the chunked form runs, with the pipeline stages of its state pass's chunk loop. Compiled
 #: for sm_90 with the 16-byte aligned pointers and strides a launch specialises on, three stages ask 88,192
 #: and 147,712 bytes of shared memory a program at chunks of 16 and 32 (a Hopper allows 232,448). Chunks of 64
 #: are not run: three stages asked 279,040 bytes, and with two they were slower than chunks of 16 everywhere
-#: on an H100 (0.6-0.8x) and, with 16-dimensional keys, off by 5e-4 (relative L2) where 16 and 32 kept 1e-4.
+#: on an H100 (0.6-0.8x) and, with 16-dimensional keys, off by 5e-4 (largest error over largest value) where
+#: 16 and 32 kept 1e-4.
 CHUNK_STATE_STAGES = {16: 3, 32: 3}
 #: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least when
 #: compiled for sm_90 (at chunks of 32, 176 and 888 bytes a thread). Other tiles not timed.
 CHUNK_PREP_WARPS = 8
+CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
 #: Key channels a step of the per-channel gates' pairwise decays holds: ``[chunk, chunk, slice]`` floats.
 CHUNK_CHANNEL_SLICE = 16
-CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
 
 
 if HAS_TRITON:
@@ -375,18 +377,24 @@ if HAS_TRITON:
                 w = tl.load(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], mask=qk_mask, other=0.0)
                 u = tl.load(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], mask=v_mask, other=0.0)
                 # gc: the decay from the chunk's start through each row; after: each row's decay to the chunk's
-                # end, summed alone; whole: the chunk's decay of each state row ([BT, BK] and [BK, 1] per key
+                # end, the sum of the next rows' gates (g_next: each row's successor's gate, 0 past the chunk or
+                # the sequence; a difference of sums would lose small gates after a strong one, and a -inf gate
+                # would make it NaN); whole: the chunk's decay of each state row ([BT, BK] and [BK, 1] per key
                 # channel, [BT, 1] and a scalar per head: a scan of [BT, 1] does not lower)
+                next_mask = (rows + 1 < eos) & (rs < BT - 1)
                 if PER_CHANNEL:
                     g = tl.load(g_ptr + r64[:, None] * stride_gt + h * stride_gh + ks[None, :], mask=qk_mask,
                                 other=0.0).to(tl.float32)
+                    g_next = tl.load(g_ptr + (r64 + 1)[:, None] * stride_gt + h * stride_gh + ks[None, :],
+                                     mask=next_mask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
                     gc = tl.cumsum(g, axis=0)
-                    after = tl.cumsum(g, axis=0, reverse=True) - g
+                    after = tl.cumsum(g_next, axis=0, reverse=True)
                     whole = tl.exp(tl.sum(g, axis=0))[:, None]
                 else:
                     g = tl.load(g_ptr + r64 * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
+                    g_next = tl.load(g_ptr + (r64 + 1) * stride_gt + h, mask=next_mask, other=0.0).to(tl.float32)
                     gc = tl.cumsum(g, axis=0)[:, None]
-                    after = (tl.cumsum(g, axis=0, reverse=True) - g)[:, None]
+                    after = tl.cumsum(g_next, axis=0, reverse=True)[:, None]
                     whole = tl.exp(tl.sum(g, axis=0))
                 u = u - tl.dot(w, s, input_precision=PRECISION)
                 if STORE_OUT:
@@ -403,27 +411,25 @@ if HAS_TRITON:
                     snap_at = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * m) + bos
                     if (snap_at >= c0) & (snap_at < c0 + BT):
                         dest = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * m + 1).to(tl.int64)
-                        _store_snapshot(state_ptr, s, k, u, g, rows, snap_at, dest - slot, s_off, smask,
+                        _store_snapshot(state_ptr, s, k, u, g, g_next, rows, snap_at, dest - slot, s_off, smask,
                                         stride_ss, PRECISION, PER_CHANNEL)
                 k_end = k * tl.exp(after)
                 s = whole * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
     @triton.jit
-    def _store_snapshot(state_ptr, s, k, u, g, rows, token, slot_shift, s_off, smask, stride_ss, PRECISION,
-                        PER_CHANNEL: tl.constexpr):
+    def _store_snapshot(state_ptr, s, k, u, g, g_next, rows, token, slot_shift, s_off, smask, stride_ss,
+                        PRECISION, PER_CHANNEL: tl.constexpr):
         """The state after ``token`` (a row of this chunk) from the state ``s`` at the chunk's start and the
         chunk's new values ``u``, stored ``slot_shift`` slots from the sequence's own. Each row's decay to that
-        token is the sum of the gates after it up to the token, summed alone (as the chunk's end decays are);
-        ``g`` [BT], or [BT, BK] per key channel."""
+        token is the sum of the gates after it up to the token (``g_next``: each row's successor's gate), as the
+        chunk's end decays are; ``g`` and ``g_next`` [BT], or [BT, BK] per key channel."""
         if PER_CHANNEL:
-            upto = tl.where((rows <= token)[:, None], g, 0.0)
-            decay = tl.exp(tl.cumsum(upto, axis=0, reverse=True) - upto)
-            whole = tl.exp(tl.sum(upto, axis=0))[:, None]
+            decay = tl.exp(tl.cumsum(tl.where((rows + 1 <= token)[:, None], g_next, 0.0), axis=0, reverse=True))
+            whole = tl.exp(tl.sum(tl.where((rows <= token)[:, None], g, 0.0), axis=0))[:, None]
         else:
-            upto = tl.where(rows <= token, g, 0.0)
-            decay = tl.exp(tl.cumsum(upto, axis=0, reverse=True) - upto)[:, None]
-            whole = tl.exp(tl.sum(upto, axis=0))
+            decay = tl.exp(tl.cumsum(tl.where(rows + 1 <= token, g_next, 0.0), axis=0, reverse=True))[:, None]
+            whole = tl.exp(tl.sum(tl.where(rows <= token, g, 0.0), axis=0))
         k_snap = tl.where((rows <= token)[:, None], k * decay, 0.0)
         snap = whole * s + tl.dot(tl.trans(k_snap), u, input_precision=PRECISION)
         tl.store(state_ptr + s_off + slot_shift * stride_ss, snap.to(state_ptr.dtype.element_ty), mask=smask)
@@ -517,12 +523,13 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
             has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
             chunk_size: int | None = None, store_slot_ids: torch.Tensor | None = None,
-            store_output: bool = True, snapshots: torch.Tensor | None = None) -> torch.Tensor:
+            store_output: bool = True, snapshots: torch.Tensor | None = None,
+            host_query_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
     ``chunk_size``: the chunked form in chunks of that many tokens (16 or 32); None takes the route's
-    (kvforge/attention/routing/delta_rule.py: by the call's sequences, tokens and gates), whose None runs them
-    token by token.
+    (kvforge/attention/routing/delta_rule.py: by the call's sequences, tokens and gates, and each sequence's
+    tokens where ``host_query_lens`` gives them), whose None runs them token by token.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
@@ -544,7 +551,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                              f"pairs, got {tuple(snapshots.shape)}")
     per_channel = g.dim() == 3
     if chunk_size is None:
-        chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel)
+        chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel, host_query_lens)
     if chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
