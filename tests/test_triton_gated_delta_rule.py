@@ -398,6 +398,20 @@ def test_prefill_split_across_calls_equals_one_call(chunk, token_by_token_where_
     assert torch.equal(split[0], one[0])  # slot 0 untouched by both (zeros)
 
 
+def test_bad_snapshots_are_named():
+    q, k, v, g, beta = _batch([3, 4], 1, 1, 16, 16, False, 0)
+    args = (q, k, v, g, beta, torch.zeros(4, 1, 16, 16, device=DEVICE),
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, 3, 7], dtype=torch.int32, device=DEVICE))
+    wide = torch.full((2, 8), -1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernels.prefill(*args, snapshots=wide[:, :4])
+    with pytest.raises(ValueError, match="power of two of pairs"):
+        kernels.prefill(*args, snapshots=wide[:, :6].contiguous())
+    with pytest.raises(ValueError, match="power of two of pairs"):
+        kernels.prefill(*args, snapshots=wide[:1].contiguous())
+
+
 @pytest.mark.parametrize("bad", [24, 8, 64])
 def test_bad_chunk_size_is_named(bad):
     q, k, v, g, beta = _batch([3], 1, 1, 16, 16, False, 0)

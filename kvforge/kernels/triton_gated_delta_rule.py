@@ -549,6 +549,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         if snapshots.shape != (num_seqs, 2 * pairs) or pairs < 1 or pairs & (pairs - 1):
             raise ValueError(f"snapshots must be [N, 2 * pairs] = [{num_seqs}, 2 * pairs] with a power of two of "
                              f"pairs, got {tuple(snapshots.shape)}")
+        if not snapshots.is_contiguous():
+            raise ValueError("snapshots must be contiguous (the kernels read row i at 2 * pairs * i)")
     per_channel = g.dim() == 3
     if chunk_size is None:
         chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel, host_query_lens)
