@@ -135,7 +135,8 @@ def test_a_step_plans_the_snapshots_its_chunks_pass():
 def test_cadence_points_fill_what_the_boundary_and_branch_point_leave():
     """With an interval, a chunk also gets a snapshot at every multiple of the interval strictly inside it and
     before its snapshot boundary, at most SNAPSHOTS_PER_SEQUENCE in all: the boundary and branch point first,
-    then the latest cadence points. An interval is rounded up to whole blocks; 0 takes none."""
+    then the cadence points, spread over the chunk from its first where more pass. An interval is rounded up
+    to whole blocks; 0 takes none."""
     from kvforge.attention.linear_state import SNAPSHOTS_PER_SEQUENCE
     from kvforge.engine.block_manager import BlockManager
     from kvforge.engine.state_prefix import StatePrefixCache
@@ -147,7 +148,7 @@ def test_cadence_points_fill_what_the_boundary_and_branch_point_leave():
     seq = Sequence("a", _tokens(101, 60), GREEDY)  # snapshot boundary 100
     slots.acquire("a")
     offsets = [offset for _, offset, _ in cache.plan_snapshots([(seq, 0, 101)])]
-    assert offsets == [p - 1 for p in (64, 80, 96, 100)]  # 16, 32 and 48 beyond the cap
+    assert offsets == [p - 1 for p in (16, 48, 80, 100)]  # three of 16, 32, ..., 96, spread
     cache = StatePrefixCache(StateSlots(12), BlockManager(num_blocks=64, block_size=4), [].extend, interval=16)
     seq.state_branch_point = 40
     cache.slots.acquire("a")

@@ -13,7 +13,8 @@ Rules (one place each):
   points, so that a request sharing only part of a prompt resumes near where they part), wherever a
   prefill chunk passes them, and where a prefill chunk ends on a block boundary at or before the snapshot
   boundary. A step takes at most ``SNAPSHOTS_PER_SEQUENCE`` inside one sequence's chunk: the snapshot
-  boundary, the branch point, then the latest cadence points. A point inside a chunk is taken inside
+  boundary, the branch point, then cadence points spread over the chunk where more pass (never at the
+  defaults: an interval of 2048 leaves at most three inside a chunk of 8192). A point inside a chunk is taken inside
   the step (``plan_snapshots``, once the step is scheduled: the state layers store the state after that
   token into the snapshot's slot, kvforge/attention/linear_state.py); a chunk's end is a copy after the
   step (``take_snapshots``). So a prompt longer than a block leaves a snapshot at its last block boundary
@@ -118,14 +119,19 @@ class StatePrefixCache:
 
     def _points_inside(self, seq: Sequence, start: int, end: int) -> list[int]:
         """The snapshot points strictly inside tokens ``start..end`` of ``seq``, at most
-        ``SNAPSHOTS_PER_SEQUENCE``: its snapshot boundary and branch point, then its latest cadence points."""
+        ``SNAPSHOTS_PER_SEQUENCE``: its snapshot boundary and branch point, then its cadence points, spread over
+        the chunk from its first where more pass than the room left."""
         boundary = self.snapshot_boundary(seq)
         first = [p for p in dict.fromkeys((boundary, seq.state_branch_point)) if start < p < end]
         cadence = []
         if self.interval:
             last = min(end - 1, boundary - 1) // self.interval * self.interval
-            cadence = [p for p in range(last, start, -self.interval) if p not in first]
-        return sorted((first + cadence)[:SNAPSHOTS_PER_SEQUENCE])
+            cadence = [p for p in range(start // self.interval * self.interval + self.interval, last + 1,
+                                        self.interval) if p not in first]
+        room = SNAPSHOTS_PER_SEQUENCE - len(first)
+        if len(cadence) > room:
+            cadence = [cadence[i * len(cadence) // room] for i in range(room)]
+        return sorted(first + cadence)
 
     def take_snapshots(self, chunks: Iterable[tuple[Sequence, int, int]]) -> None:
         """After a step of ``(sequence, start, tokens)`` chunks: copy the state of each sequence whose chunk
