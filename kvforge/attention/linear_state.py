@@ -28,6 +28,7 @@ holds the state after exactly the sequence's computed tokens, as if the rejected
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -229,9 +230,10 @@ class SlotBatch:
             if slot >= 0:
                 yield i, qsl[i], qsl[i + 1], slot, self.host_has_initial_state[i]
 
-    @property
+    @functools.cached_property
     def host_query_lens(self) -> tuple[int, ...]:
-        """Each sequence's tokens in the step, 0 for padding sequences (slot -1)."""
+        """Each sequence's tokens in the step, 0 for padding sequences (slot -1); computed once a step, read
+        by every state layer."""
         qsl = self.host_query_start_loc
         return tuple(qsl[i + 1] - qsl[i] if slot >= 0 else 0 for i, slot in enumerate(self.host_slot_ids))
 

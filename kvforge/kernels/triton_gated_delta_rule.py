@@ -545,7 +545,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if store_slot_ids is not None and store_slot_ids.shape != slot_ids.shape:
         raise ValueError(f"store_slot_ids must be [N] = [{num_seqs}], got {tuple(store_slot_ids.shape)}")
     if snapshots is not None:
-        pairs = snapshots.shape[1] // 2 if snapshots.dim() == 2 else 0
+        pairs = _snapshot_pairs(snapshots) if snapshots.dim() == 2 else 0
         if snapshots.shape != (num_seqs, 2 * pairs) or pairs < 1 or pairs & (pairs - 1):
             raise ValueError(f"snapshots must be [N, 2 * pairs] = [{num_seqs}, 2 * pairs] with a power of two of "
                              f"pairs, got {tuple(snapshots.shape)}")
