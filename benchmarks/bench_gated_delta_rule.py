@@ -11,7 +11,8 @@ call captured in a CUDA graph and timed by triton.testing.do_bench (median). Byt
 sequence's state read and written (2 x Hv x K x V x 4) plus q, k, v, g, beta and the output; "%floor"
 = that at the device-to-device copy bandwidth measured in the same run over the median time.
 Prefill (both layers): the token-by-token kernel against the chunked form in every chunk size it runs,
-from verification rows of 3 tokens to one prompt of 8192, each call captured in a CUDA graph (median us);
+from verification rows of 3 tokens to one prompt of 8192 and a prompt's chunk beside decode rows
+(``--prefill-shapes 1x2048+32x1``: one sequence of 2048 tokens and 32 of one), each call captured in a CUDA graph (median us);
 each chunked result is first checked against the token-by-token one (relative L2: the bf16 outputs within
 1e-2, the float32 states within 1e-3).
 
@@ -37,9 +38,18 @@ from triton.testing import do_bench  # noqa: E402
 import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
 from kvforge.kernels.triton_gated_delta_rule import DecodeTiles, RecurrentTile, decode, prefill  # noqa: E402
 
-PREFILL_SHAPES = ((1, 3), (4, 3), (64, 3), (1, 16), (1, 256), (16, 256), (8, 1024), (1, 4096), (1, 8192))
+PREFILL_SHAPES = ("1x3", "4x3", "64x3", "1x16", "1x256", "16x256", "8x1024", "1x4096", "1x8192", "1x2048+32x1")
 CHUNKS = tuple(sorted(gdr.CHUNK_STATE_STAGES))
 LAYERS = {"qwen3-next": (16, 32, 128, 128, False), "kimi-linear": (32, 32, 128, 128, True)}
+
+
+def sequence_lengths(shape: str) -> list[int]:
+    """Each sequence's tokens in a call written ``SEQUENCESxTOKENS[+SEQUENCESxTOKENS...]``."""
+    lengths = []
+    for group in shape.split("+"):
+        seqs, tokens = (int(x) for x in group.split("x"))
+        lengths += [tokens] * seqs
+    return lengths
 
 
 def timed(fn, graph: bool) -> float:
@@ -106,8 +116,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="decode batches 1 and 64 only, no prefill")
     parser.add_argument("--sweep", action="store_true", help="time the decode tiles (no prefill)")
     parser.add_argument("--prefill-shapes", default=None,
-                        help="prefill calls as SEQUENCESxTOKENS, comma-separated (default: "
-                        + ",".join(f"{n}x{t}" for n, t in PREFILL_SHAPES) + ")")
+                        help="prefill calls, comma-separated, each SEQUENCESxTOKENS or groups of them joined by + "
+                        "(one call of mixed lengths); default: " + ",".join(PREFILL_SHAPES))
     args = parser.parse_args()
     batches = [1, 64] if args.quick else [int(b) for b in args.batches.split(",")]
     peak = copy_bandwidth()
@@ -127,13 +137,14 @@ def main() -> None:
                 sweep_tiles(q, k, v, g, beta, states, slots, nbytes, peak)
         if args.quick or args.sweep:
             continue
-        shapes = PREFILL_SHAPES if args.prefill_shapes is None else [
-            tuple(int(x) for x in shape.split("x")) for shape in args.prefill_shapes.split(",")]
-        for seqs, length in shapes:
-            q, k, v, g, beta = inputs(seqs * length, hk, hv, dk, dv, per_channel)
+        shapes = PREFILL_SHAPES if args.prefill_shapes is None else args.prefill_shapes.split(",")
+        for shape in shapes:
+            lengths = sequence_lengths(shape)
+            seqs = len(lengths)
+            q, k, v, g, beta = inputs(sum(lengths), hk, hv, dk, dv, per_channel)
             states = torch.zeros(seqs, hv, dk, dv, device="cuda")
             slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
-            qsl = torch.arange(0, seqs * length + 1, length, device="cuda", dtype=torch.int32)
+            qsl = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
             runs = {}
             for chunk in (None, *CHUNKS):  # None: token by token (the route told to name no chunk)
                 states.zero_()
@@ -147,8 +158,8 @@ def main() -> None:
                                                (runs[chunk][2], base[2], "states", 1e-3)):
                     err = ((got - want).norm() / want.norm()).item()
                     if not err < bound:
-                        raise SystemExit(f"chunks of {chunk}, {seqs} x {length}: {what} off by {err:.2e}")
-            print(f"prefill {name:12s} {seqs:3d} x {length:5d}: token by token {base[0] * 1e6:9.1f} us, chunks of "
+                        raise SystemExit(f"chunks of {chunk}, {shape}: {what} off by {err:.2e}")
+            print(f"prefill {name:12s} {shape:>11s}: token by token {base[0] * 1e6:9.1f} us, chunks of "
                   + ", ".join(f"{c} {runs[c][0] * 1e6:9.1f} us ({base[0] / runs[c][0]:.1f}x)" for c in CHUNKS))
 
 

@@ -266,8 +266,8 @@ def test_a_gate_of_minus_infinity_resets_the_state(chunk, per_channel, token_by_
 
 def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     """The route (kvforge/attention/routing/delta_rule.py) picks the form from the call's sequences and tokens:
-    one or two long sequences run chunked beside any short ones, short ones alone (verification rows) and many
-    long ones token by token (each sequence's length where the caller gives them, else the mean), per-channel
+    one or two long sequences run chunked beside short ones while they hold enough tokens for each short one,
+    short ones alone (verification rows) and many long ones token by token (each sequence's length where the caller gives them, else the mean), per-channel
     gates token by token unless the route takes them, and every call token by token where the route names no
     chunk; a chunk named by the caller runs chunked."""
     launched = []
@@ -285,6 +285,7 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", 16)
     monkeypatch.setattr(kernels.route, "CHUNKED_MAX_SEQUENCES", 2)
     monkeypatch.setattr(kernels.route, "CHUNKED_MIN_TOKENS", 8)
+    monkeypatch.setattr(kernels.route, "CHUNKED_TOKENS_PER_SHORT", 4)
 
     def call(lens, **kw):
         q, k, v, g, beta = _batch(lens, 1, 1, 16, 16, False, 0)
@@ -301,6 +302,7 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     assert call([8, 8, 8]) == "_recurrent_kernel"  # more sequences than the route's bound
     assert call([1, 1, 1, 12]) == "_recurrent_kernel"  # by the mean: 3.75 a sequence
     assert call([1, 1, 1, 12], host_query_lens=[1, 1, 1, 12]) == "_chunk_state_kernel"  # one long beside 3 short
+    assert call([1, 1, 1, 1, 12], host_query_lens=[1, 1, 1, 1, 12]) == "_recurrent_kernel"  # 3 tokens a short one
     assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == "_chunk_state_kernel"
     assert call([9, 9, 9], host_query_lens=[9, 9, 9]) == "_recurrent_kernel"  # three long
     assert call([8], snapshots=torch.tensor([[3, 0, -1, -1]], dtype=torch.int32, device=DEVICE)) == (

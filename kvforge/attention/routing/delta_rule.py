@@ -2,7 +2,7 @@
 
 The kernel module (kvforge/kernels/triton_gated_delta_rule.py) launches the form named here, and the
 planner's activation reserve (kvforge/planner/activations.py) counts the chunked form's float32 buffers
-when it serves. Per-channel gates (KDA) run token by token unless ``PER_CHANNEL_CHUNKED``.
+when it serves. Per-head gates (Gated DeltaNet) and per-channel gates (KDA) take the same rule.
 """
 
 from __future__ import annotations
@@ -12,19 +12,23 @@ from collections.abc import Sequence
 #: The chunk of the chunked form where the route takes it; None: every call runs token by token.
 PREFILL_CHUNK_SIZE: int | None = 16
 #: The chunked form takes a call holding one to ``CHUNKED_MAX_SEQUENCES`` long sequences, of at least
-#: ``CHUNKED_MIN_TOKENS`` tokens each, beside any number of shorter ones (decode and verification rows ride
-#: along: a short sequence is one chunk); where the caller gives no lengths, the call's mean stands for each
-#: sequence's. The token-by-token kernel runs a program per (sequence, value head, 32 value
-#: channels) and walks its tokens one by one: one prompt of Qwen3-Next's layer fills 128 programs. The chunked
-#: form walks chunks with matrix products. On an H100, Qwen3-Next's layer, chunks of 16 against token by token:
-#: one sequence of 32 tokens 1.5x faster, of 64 2.3x, of 4096 3.6x, of 16 0.9x; two sequences of 256-4096
-#: 1.7-1.9x; four 1.0x (0.97-1.05), eight to sixteen 1.0-1.1x; verification rows of 3 tokens 0.3-0.4x. End to
-#: end, prompts of 8000 tokens one at a time, 2.0x (docs/BENCHMARKS.md, "Gated delta rule prefill").
+#: ``CHUNKED_MIN_TOKENS`` tokens each, beside shorter ones (decode and verification rows ride along, each a chunk
+#: of its own) while the long sequences hold at least ``CHUNKED_TOKENS_PER_SHORT`` tokens for each short one;
+#: where the caller gives no lengths, the call's mean stands for each sequence's. The token-by-token kernel runs
+#: a program per (sequence, value head, 32 value channels) and walks its tokens one by one: one prompt of
+#: Qwen3-Next's layer fills 128 programs, and short rows run beside it for free. The chunked form walks chunks
+#: with matrix products, and each short sequence costs it a chunk's passes over its state. On an H100, chunks of
+#: 16 against token by token (docs/BENCHMARKS.md, "Gated delta rule prefill"): Qwen3-Next's layer (per-head
+#: gates), one sequence of 32 tokens 1.4x faster, of 64 2.1x, of 4096 3.7x; two of 256-4096 1.7-1.9x; four
+#: 1.0x; verification rows of 3 tokens 0.3-0.4x; one prompt of 2048 beside 32 decode rows 2.1x, of 512 beside
+#: 64 1.0x. Kimi-Linear's KDA layer (per-channel gates): one sequence of 32-4096 tokens 1.1-2.7x, two of
+#: 256-4096 1.3-1.4x, four 0.7x; 2048 beside 32 decode rows 1.6x, 512 beside 64 0.8x. End to end, prompts of
+#: 8000 tokens one at a time: Qwen3-Next 2.0x, Kimi-Linear 1.46x.
 CHUNKED_MAX_SEQUENCES = 2
 CHUNKED_MIN_TOKENS = 32
-#: Whether per-channel gates (KDA) take the chunked form by the same rule. Its per-channel kernels are tested
-#: but not timed, so they run token by token.
-PER_CHANNEL_CHUNKED = False
+CHUNKED_TOKENS_PER_SHORT = 16
+#: Whether per-channel gates (KDA) take the chunked form by the same rule (else token by token).
+PER_CHANNEL_CHUNKED = True
 
 
 def largest_chunk(per_channel: bool) -> int | None:
@@ -44,10 +48,12 @@ def prefill_chunk(num_seqs: int, tokens: int, per_channel: bool = False,
     if chunk is None or num_seqs == 0:
         return None
     if lengths is None:
-        long = num_seqs if tokens >= CHUNKED_MIN_TOKENS * num_seqs else 0
-    else:
-        long = sum(1 for n in lengths if n >= CHUNKED_MIN_TOKENS)
-    return chunk if 0 < long <= CHUNKED_MAX_SEQUENCES else None
+        return chunk if tokens >= CHUNKED_MIN_TOKENS * num_seqs and num_seqs <= CHUNKED_MAX_SEQUENCES else None
+    long = [n for n in lengths if n >= CHUNKED_MIN_TOKENS]
+    short = len(lengths) - len(long)
+    if not 0 < len(long) <= CHUNKED_MAX_SEQUENCES or sum(long) < CHUNKED_TOKENS_PER_SHORT * short:
+        return None
+    return chunk
 
 
 def chunked_buffer_bytes(tokens: int, value_heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
