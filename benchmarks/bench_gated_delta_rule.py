@@ -14,7 +14,8 @@ Prefill (both layers): the token-by-token kernel against the chunked form in eve
 from verification rows of 3 tokens to one prompt of 8192 and a prompt's chunk beside decode rows
 (``--prefill-shapes 1x2048+32x1``: one sequence of 2048 tokens and 32 of one), each call captured in a CUDA graph (median us);
 each chunked result is first checked against the token-by-token one (relative L2: the bf16 outputs within
-1e-2, the float32 states within 1e-3).
+1e-2, the float32 states within 1e-3). A call holding sequences shorter than the route's
+``CHUNKED_MIN_TOKENS`` also times the split the route runs: chunks of 16, the short ones token by token.
 
 ``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILES``: value channels a program x warps)
 over 16-128 channels x 1-8 warps at each batch, each tile's output and states first checked against the
@@ -146,21 +147,26 @@ def main() -> None:
             slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
             qsl = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
             runs = {}
-            for chunk in (None, *CHUNKS):  # None: token by token (the route told to name no chunk)
+            split_from = gdr.route.CHUNKED_MIN_TOKENS if min(lengths) < gdr.route.CHUNKED_MIN_TOKENS else 0
+            forms = (None, *CHUNKS, *(("split",) if split_from else ()))
+            for chunk in forms:  # None: token by token (the route told to name no chunk)
                 states.zero_()
                 run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True,
-                                        chunk_size=chunk)
+                                        chunk_size=CHUNKS[0] if chunk == "split" else chunk,
+                                        chunked_from=split_from if chunk == "split" else 0)
                 out, after = run().float(), states.clone()  # one call from zeros, before the timed replays
                 runs[chunk] = (timed(run, graph=True), out, after)
             base = runs[None]
-            for chunk in CHUNKS:
+            for chunk in forms[1:]:
                 for got, want, what, bound in ((runs[chunk][1], base[1], "output", 1e-2),
                                                (runs[chunk][2], base[2], "states", 1e-3)):
                     err = ((got - want).norm() / want.norm()).item()
                     if not err < bound:
                         raise SystemExit(f"chunks of {chunk}, {shape}: {what} off by {err:.2e}")
             print(f"prefill {name:12s} {shape:>11s}: token by token {base[0] * 1e6:9.1f} us, chunks of "
-                  + ", ".join(f"{c} {runs[c][0] * 1e6:9.1f} us ({base[0] / runs[c][0]:.1f}x)" for c in CHUNKS))
+                  + ", ".join(f"{c} {runs[c][0] * 1e6:9.1f} us ({base[0] / runs[c][0]:.1f}x)" for c in CHUNKS)
+                  + (f"; chunks of {CHUNKS[0]} with the sequences under {split_from} tokens token by token "
+                     f"{runs['split'][0] * 1e6:9.1f} us ({base[0] / runs['split'][0]:.1f}x)" if split_from else ""))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def token_by_token_where_none(monkeypatch):
 
 def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=False, num_slots=7,
                    chunk_size=16, tol=CHUNK_TOL, seed=0, dtype=torch.float32, repeated_keys=False,
-                   fresh_slots_hold=None):
+                   fresh_slots_hold=None, chunked_from=None):
     q, k, v, g, beta = _batch(lens, hk, hv, dk, dv, per_channel, seed, repeated_keys)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     gen = torch.Generator().manual_seed(seed + 100)
@@ -79,7 +79,7 @@ def _run_and_check(lens, slots, init, *, hk=2, hv=4, dk=16, dv=24, per_channel=F
         out = kernels.decode(q, k, v, g, beta, states, slot_ids, has_initial_state=flags, normalize_qk=True)
     else:
         out = kernels.prefill(q, k, v, g, beta, states, slot_ids, qsl, has_initial_state=flags,
-                              normalize_qk=True, chunk_size=chunk_size)
+                              normalize_qk=True, chunk_size=chunk_size, chunked_from=chunked_from)
     owned = set()
     for i, n in enumerate(lens):
         a, b = int(qsl[i]), int(qsl[i + 1])
@@ -131,7 +131,17 @@ def test_chunked_prefill_finds_each_chunks_sequence(chunk, per_channel):
                    chunk_size=chunk, seed=chunk, per_channel=per_channel, dk=32 if per_channel else 16)
 
 
-@pytest.mark.parametrize("chunk", [None, 16], ids=["token_by_token", "chunked"])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
+def test_short_sequences_run_token_by_token_beside_the_chunked_ones(per_channel):
+    """``chunked_from``: the sequences of fewer tokens (empty, padding, one token, under the bound) run token by
+    token in a second launch and the others chunked, each against float64 with its own slot, and no program of
+    one form touches a sequence of the other (every other slot unchanged, every output right)."""
+    _run_and_check([5, 0, 40, 3, 1, 133, 8], [2, -1, 0, -1, 4, 5, 6], [True, False, False, True, True, False, True],
+                   chunk_size=16, chunked_from=8, seed=31, per_channel=per_channel, dk=32 if per_channel else 16,
+                   num_slots=9)
+
+
+@pytest.mark.parametrize("chunk", [None, 16, "split"], ids=["token_by_token", "chunked", "split"])
 @pytest.mark.parametrize("store_output", [True, False])
 def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
     """``store_slot_ids`` -1 (a sequence verifying proposals) leaves that slot as it was while its outputs are
@@ -143,9 +153,10 @@ def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
     before = states.clone()
     qsl = [0, 7, 27]
     out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
-                          torch.tensor(qsl, dtype=torch.int32, device=DEVICE), normalize_qk=True, chunk_size=chunk,
+                          torch.tensor(qsl, dtype=torch.int32, device=DEVICE), normalize_qk=True,
+                          chunk_size=16 if chunk == "split" else chunk, chunked_from=8 if chunk == "split" else None,
                           store_slot_ids=torch.tensor([-1, 3], dtype=torch.int32, device=DEVICE),
-                          store_output=store_output)
+                          store_output=store_output)  # split: the verifying sequence (7 tokens) token by token
     assert torch.equal(states[1], before[1]) and torch.equal(states[0], before[0]) and torch.equal(states[2], before[2])
     for i, slot in enumerate(slots):
         a, b = qsl[i], qsl[i + 1]
@@ -160,14 +171,14 @@ def test_a_verifying_sequence_keeps_its_slot(chunk, store_output):
 def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
     """``snapshots``: the state after a given token of a sequence also lands in a given slot (two for one
     sequence, four for another, none for a third), each equal to the float64 state over that prefix; the
-    sequences' own slots take their final states and every other slot is untouched. Token by token and in
-    chunks of 16 and 32: snapshots after a sequence's first token, in a first, middle and last chunk, two in
+    sequences' own slots take their final states and every other slot is untouched. Token by token, in
+    chunks of 16 and 32, and in chunks of 16 with the two short sequences token by token: snapshots after a sequence's first token, in a first, middle and last chunk, two in
     one chunk, at a chunk's last token and at the sequence's last token."""
     lens, slots, init, hv, dk, dv = [9, 40, 5], [1, 3, 5], [True, False, True], 2, 16, 24
     q, k, v, g, beta = _batch(lens, 1, hv, dk, dv, per_channel, 21)
     snaps = [[0, 0, 8, 2, -1, -1, -1, -1], [15, 4, 33, 6, 5, 7, 20, 8], [-1] * 8]  # two in sequence 1's first chunk
     num_slots = 10
-    for chunk in (None, 16, 32):
+    for chunk, chunked_from in ((None, None), (16, None), (32, None), (16, 10)):  # 10: 9 and 5 token by token
         tol = REC_TOL if chunk is None else CHUNK_TOL
         states = (0.3 * torch.randn(num_slots, hv, dk, dv, generator=torch.Generator().manual_seed(22))).to(DEVICE)
         before = states.clone()
@@ -175,7 +186,8 @@ def test_prefill_stores_snapshots_inside_a_sequence(per_channel):
         out = kernels.prefill(q, k, v, g, beta, states, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
                               torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
                               has_initial_state=torch.tensor(init, device=DEVICE), normalize_qk=True,
-                              chunk_size=chunk, snapshots=torch.tensor(snaps, dtype=torch.int32, device=DEVICE))
+                              chunk_size=chunk, chunked_from=chunked_from,
+                              snapshots=torch.tensor(snaps, dtype=torch.int32, device=DEVICE))
         written = set(slots)
         for i, slot in enumerate(slots):
             a, b = qsl[i], qsl[i + 1]
@@ -267,7 +279,7 @@ def test_a_gate_of_minus_infinity_resets_the_state(chunk, per_channel, token_by_
 def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     """The route (kvforge/attention/routing/delta_rule.py) picks the form from the call's sequences and tokens:
     one or two long sequences run chunked beside short ones while they hold enough tokens for each short one,
-    short ones alone (verification rows) and many long ones token by token (each sequence's length where the caller gives them, else the mean), per-channel
+    the short ones then token by token in a second launch where the caller gives the lengths; short ones alone (verification rows) and many long ones token by token (each sequence's length where the caller gives them, else the mean), per-channel
     gates token by token unless the route takes them, and every call token by token where the route names no
     chunk; a chunk named by the caller runs chunked."""
     launched = []
@@ -292,35 +304,42 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
         qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
         kernels.prefill(q, k, v, g, beta, torch.zeros(len(lens), 1, 16, 16, device=DEVICE),
                         torch.arange(len(lens), dtype=torch.int32, device=DEVICE), qsl, **kw)
-        return launched.pop()
+        return tuple(launched.pop(0) for _ in list(launched))
 
-    assert call([3]) == "_recurrent_kernel"  # 3 tokens a sequence: under the route's mean
-    assert call([3], chunk_size=16) == "_chunk_state_kernel"
-    assert call([8]) == "_chunk_state_kernel"
-    assert call([4, 12]) == "_chunk_state_kernel"  # the mean decides: 8 a sequence
-    assert call([4, 11]) == "_recurrent_kernel"
-    assert call([8, 8, 8]) == "_recurrent_kernel"  # more sequences than the route's bound
-    assert call([1, 1, 1, 12]) == "_recurrent_kernel"  # by the mean: 3.75 a sequence
-    assert call([1, 1, 1, 12], host_query_lens=[1, 1, 1, 12]) == "_chunk_state_kernel"  # one long beside 3 short
-    assert call([1, 1, 1, 1, 12], host_query_lens=[1, 1, 1, 1, 12]) == "_recurrent_kernel"  # 3 tokens a short one
-    assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == "_chunk_state_kernel"
-    assert call([9, 9, 9], host_query_lens=[9, 9, 9]) == "_recurrent_kernel"  # three long
+    chunked, recurrent, split = ("_chunk_state_kernel",), ("_recurrent_kernel",), (
+        "_chunk_state_kernel", "_recurrent_kernel")  # split: the short sequences token by token after the chunks
+    assert call([3]) == recurrent  # 3 tokens a sequence: under the route's mean
+    assert call([3], chunk_size=16) == chunked  # a named chunk runs every sequence chunked
+    assert call([1, 9], chunk_size=16, chunked_from=8) == split
+    assert call([8]) == chunked
+    assert call([4, 12]) == chunked  # the mean decides: 8 a sequence, and no lengths to split by
+    assert call([4, 11]) == recurrent
+    assert call([8, 8, 8]) == recurrent  # more sequences than the route's bound
+    assert call([1, 1, 1, 12]) == recurrent  # by the mean: 3.75 a sequence
+    assert call([1, 1, 1, 12], host_query_lens=[1, 1, 1, 12]) == split  # one long beside 3 short
+    assert call([1, 1, 1, 1, 12], host_query_lens=[1, 1, 1, 1, 12]) == recurrent  # 3 tokens a short one
+    assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == split
+    assert call([9, 9], host_query_lens=[9, 9]) == chunked  # none short: one launch
+    assert call([9, 9, 9], host_query_lens=[9, 9, 9]) == recurrent  # three long
+    monkeypatch.setattr(kernels.route, "SHORT_TOKEN_BY_TOKEN", False)
+    assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == chunked
+    monkeypatch.setattr(kernels.route, "SHORT_TOKEN_BY_TOKEN", True)
     assert call([8], snapshots=torch.tensor([[3, 0, -1, -1]], dtype=torch.int32, device=DEVICE)) == (
-        "_chunk_state_kernel")  # the chunked form stores snapshots too
+        chunked)  # the chunked form stores snapshots too
     def per_channel_call(lens):
         q, k, v, _, beta = _batch(lens, 1, 1, 16, 16, False, 0)
         g = -torch.rand(sum(lens), 1, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
         kernels.prefill(q, k, v, g, beta, torch.zeros(len(lens), 1, 16, 16, device=DEVICE),
                         torch.arange(len(lens), dtype=torch.int32, device=DEVICE), qsl)
-        return launched.pop()
+        return tuple(launched.pop(0) for _ in list(launched))
 
     monkeypatch.setattr(kernels.route, "PER_CHANNEL_CHUNKED", False)
-    assert per_channel_call([8]) == "_recurrent_kernel"  # per-channel gates keep token by token
+    assert per_channel_call([8]) == recurrent  # per-channel gates keep token by token
     monkeypatch.setattr(kernels.route, "PER_CHANNEL_CHUNKED", True)
-    assert per_channel_call([8]) == "_chunk_state_kernel"
+    assert per_channel_call([8]) == chunked
     monkeypatch.setattr(kernels.route, "PREFILL_CHUNK_SIZE", None)
-    assert call([8]) == "_recurrent_kernel"
+    assert call([8]) == recurrent
     assert launched == []
 
 

@@ -164,13 +164,13 @@ if HAS_TRITON:
         v = tl.load(v_ptr + rows * stride_vt + h * stride_vh + vcols, mask=v_mask, other=0.0).to(tl.float32)
         return _l2_normalize(q, NORMALIZE, AXIS) * scale, _l2_normalize(k, NORMALIZE, AXIS), v
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["len_below"])
     def _recurrent_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
         dt_bias_ptr, a_log_ptr, snap_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
         stride_bt, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
-        scale, GROUP, DK, DV,
+        scale, GROUP, DK, DV, len_below,
         BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, NORMALIZE: tl.constexpr,
         DECODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, RAW_GATES: tl.constexpr,
         THRESHOLD: tl.constexpr, SNAPSHOTS: tl.constexpr,
@@ -179,7 +179,13 @@ if HAS_TRITON:
         h = tl.program_id(1)
         vb = tl.program_id(2)
         slot = tl.load(slot_ptr + i).to(tl.int64)
-        if slot >= 0:
+        if DECODE:
+            bos = i.to(tl.int64)
+            eos = bos + 1
+        else:
+            bos = tl.load(qsl_ptr + i).to(tl.int64)
+            eos = tl.load(qsl_ptr + i + 1).to(tl.int64)
+        if (slot >= 0) & (eos - bos < len_below):  # longer sequences: the chunked form's, in the same call
             hk = h // GROUP
             ks = tl.arange(0, BK)
             vs = vb * BV + tl.arange(0, BV)
@@ -187,12 +193,6 @@ if HAS_TRITON:
             vmask = vs < DV
             s, s_off, smask = _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask,
                                           stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
-            if DECODE:
-                bos = i.to(tl.int64)
-                eos = bos + 1
-            else:
-                bos = tl.load(qsl_ptr + i).to(tl.int64)
-                eos = tl.load(qsl_ptr + i + 1).to(tl.int64)
             if SNAPSHOTS:  # SNAPSHOTS (token offset in the sequence, slot) pairs: the state after that token goes
                 pairs = tl.arange(0, SNAPSHOTS)  # to that slot; offset -1: none
                 snap_at = tl.load(snap_ptr + 2 * SNAPSHOTS * i + 2 * pairs).to(tl.int64) + bos
@@ -259,12 +259,12 @@ if HAS_TRITON:
             aqk += tl.sum(qs[:, None, :] * ks[None, :, :] * decay, axis=2)
         return a, aqk
 
-    @triton.jit(do_not_specialize=["N", "search_steps"])
+    @triton.jit(do_not_specialize=["N", "search_steps", "len_from"])
     def _chunk_prep_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slot_ptr, qsl_ptr, chunk_ptr, w_ptr, u_ptr, aqk_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt,
         stride_wt, stride_wh, stride_ut, stride_uh, stride_at, stride_ah,
-        scale, GROUP, DK, DV, N, search_steps,
+        scale, GROUP, DK, DV, N, search_steps, len_from,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr,
         PER_CHANNEL: tl.constexpr, BKS: tl.constexpr,
     ):
@@ -276,10 +276,10 @@ if HAS_TRITON:
         # The chunk's sequence: the last i with chunk_start[i] <= c (chunk_start [N + 1], per-sequence chunk counts).
         i = last_start_at_or_below(chunk_ptr, c, tl.full((), 0, tl.int32), tl.full((), 0, tl.int32) + N, search_steps)
         slot = tl.load(slot_ptr + i)
-        if (c < tl.load(chunk_ptr + N)) & (slot >= 0):
+        bos = tl.load(qsl_ptr + i)
+        eos = tl.load(qsl_ptr + i + 1)
+        if (c < tl.load(chunk_ptr + N)) & (slot >= 0) & (eos - bos >= len_from):
             hk = h // GROUP
-            bos = tl.load(qsl_ptr + i)
-            eos = tl.load(qsl_ptr + i + 1)
             c0 = bos + (c - tl.load(chunk_ptr + i)) * BT
             rs = tl.arange(0, BT)
             ks = tl.arange(0, BK)
@@ -336,13 +336,13 @@ if HAS_TRITON:
                 u = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
                 tl.store(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], u, mask=v_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["len_from"])
     def _chunk_state_kernel(
         q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, aqk_ptr, out_ptr, state_ptr, slot_ptr, store_slot_ptr, init_ptr, qsl_ptr,
         snap_ptr,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_gt, stride_gh, stride_wt, stride_wh, stride_ut,
         stride_uh, stride_at, stride_ah, stride_ot, stride_oh, stride_ss, stride_sh, stride_sk,
-        scale, GROUP, DK, DV,
+        scale, GROUP, DK, DV, len_from,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
         SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
@@ -354,7 +354,9 @@ if HAS_TRITON:
         h = tl.program_id(1)
         vb = tl.program_id(2)
         slot = tl.load(slot_ptr + i).to(tl.int64)
-        if slot >= 0:
+        bos = tl.load(qsl_ptr + i)
+        eos = tl.load(qsl_ptr + i + 1)
+        if (slot >= 0) & (eos - bos >= len_from):  # shorter sequences: the token-by-token kernel's
             hk = h // GROUP
             ks = tl.arange(0, BK)
             vs = vb * BV + tl.arange(0, BV)
@@ -363,8 +365,6 @@ if HAS_TRITON:
             vmask = vs < DV
             s, s_off, smask = _load_state(state_ptr, init_ptr, i, slot, h, ks, vs, kmask, vmask,
                                           stride_ss, stride_sh, stride_sk, HAS_INIT_FLAGS)
-            bos = tl.load(qsl_ptr + i)
-            eos = tl.load(qsl_ptr + i + 1)
             for c0 in range(bos, eos, BT):
                 rows = c0 + rs
                 rmask = rows < eos
@@ -468,12 +468,18 @@ def _blocks(dk: int, dv: int, tile: RecurrentTile) -> tuple[int, int]:
     return bk, bv
 
 
+#: ``len_below`` of a launch of the token-by-token kernel that runs every sequence.
+EVERY_LENGTH = 2**31 - 1
+
+
 def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                       normalize_qk, num_seqs, decode, store_slot_ids=None, store_output=True, raw_gates=None,
-                      snapshots=None):
+                      snapshots=None, out=None, len_below=EVERY_LENGTH):
+    """The token-by-token kernel over the sequences of fewer than ``len_below`` tokens (the others' outputs
+    and states left alone), into ``out`` (a new tensor where None)."""
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    out = torch.empty_like(v)
+    out = torch.empty_like(v) if out is None else out
     if num_seqs == 0 or t == 0:
         return out
     tile = DECODE_TILES.for_batch(num_seqs) if decode else PREFILL_TILE
@@ -488,7 +494,7 @@ def _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, que
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         g.stride(1) if per_channel else 0, beta.stride(0), out.stride(0), out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
-        float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv,
+        float(dk**-0.5 if scale is None else scale), hv // hk, dk, dv, len_below,
         BK=bk, BV=bv, PER_CHANNEL=per_channel, NORMALIZE=bool(normalize_qk), DECODE=decode,
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), RAW_GATES=raw_gates is not None,
         THRESHOLD=SOFTPLUS_THRESHOLD, SNAPSHOTS=_snapshot_pairs(snapshots), num_warps=tile.num_warps,
@@ -522,14 +528,17 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             states: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor, *,
             has_initial_state: torch.Tensor | None = None, scale: float | None = None, normalize_qk: bool = False,
-            chunk_size: int | None = None, store_slot_ids: torch.Tensor | None = None,
+            chunk_size: int | None = None, chunked_from: int | None = None,
+            store_slot_ids: torch.Tensor | None = None,
             store_output: bool = True, snapshots: torch.Tensor | None = None,
             host_query_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
     ``chunk_size``: the chunked form in chunks of that many tokens (16 or 32); None takes the route's
     (kvforge/attention/routing/delta_rule.py: by the call's sequences, tokens and gates, and each sequence's
-    tokens where ``host_query_lens`` gives them), whose None runs them token by token.
+    tokens where ``host_query_lens`` gives them), whose None runs them token by token. ``chunked_from``: with
+    the chunked form, the sequences of fewer tokens run token by token in a second launch (0: none; None: the
+    route's where it picks the form, else 0).
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
@@ -554,6 +563,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     per_channel = g.dim() == 3
     if chunk_size is None:
         chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel, host_query_lens)
+        if chunked_from is None and chunk_size is not None:
+            chunked_from = route.chunked_from(host_query_lens)
+    len_from = chunked_from or 0  # sequences of fewer tokens run token by token beside the chunked form
     if chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
                                  normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
@@ -582,7 +594,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
         g.stride(1) if per_channel else 0, beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
-        scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()),
+        scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()), len_from,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk), PRECISION=DOT_PRECISION,
         PER_CHANNEL=per_channel, BKS=CHUNK_CHANNEL_SLICE, num_warps=CHUNK_PREP_WARPS,
     )
@@ -593,10 +605,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1), out.stride(0),
         out.stride(1),
         states.stride(0), states.stride(1), states.stride(2),
-        scale, hv // hk, dk, dv,
+        scale, hv // hk, dk, dv, len_from,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
         SNAPSHOTS=_snapshot_pairs(snapshots), PER_CHANNEL=per_channel, num_warps=CHUNK_STATE_TILE.num_warps,
         num_stages=CHUNK_STATE_STAGES[chunk_size],
     )
+    if len_from:
+        _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
+                          normalize_qk, num_seqs, decode=False, store_slot_ids=store_slot_ids,
+                          store_output=store_output, snapshots=snapshots, out=out, len_below=len_from)
     return out

@@ -12,21 +12,26 @@ from collections.abc import Sequence
 #: The chunk of the chunked form where the route takes it; None: every call runs token by token.
 PREFILL_CHUNK_SIZE: int | None = 16
 #: The chunked form takes a call holding one to ``CHUNKED_MAX_SEQUENCES`` long sequences, of at least
-#: ``CHUNKED_MIN_TOKENS`` tokens each, beside shorter ones (decode and verification rows ride along, each a chunk
-#: of its own) while the long sequences hold at least ``CHUNKED_TOKENS_PER_SHORT`` tokens for each short one;
-#: where the caller gives no lengths, the call's mean stands for each sequence's. The token-by-token kernel runs
-#: a program per (sequence, value head, 32 value channels) and walks its tokens one by one: one prompt of
+#: ``CHUNKED_MIN_TOKENS`` tokens each, beside shorter ones (decode and verification rows) while the long
+#: sequences hold at least ``CHUNKED_TOKENS_PER_SHORT`` tokens for each short one; the short ones then run token
+#: by token in a second launch where the caller gives each sequence's length (``chunked_from``), else the
+#: call's mean stands for each sequence's and every sequence runs chunked. The token-by-token kernel runs a
+#: program per (sequence, value head, 32 value channels) and walks its tokens one by one: one prompt of
 #: Qwen3-Next's layer fills 128 programs, and short rows run beside it for free. The chunked form walks chunks
-#: with matrix products, and each short sequence costs it a chunk's passes over its state. On an H100, chunks of
-#: 16 against token by token (docs/BENCHMARKS.md, "Gated delta rule prefill"): Qwen3-Next's layer (per-head
-#: gates), one sequence of 32 tokens 1.4x faster, of 64 2.1x, of 4096 3.7x; two of 256-4096 1.7-1.9x; four
-#: 1.0x; verification rows of 3 tokens 0.3-0.4x; one prompt of 2048 beside 32 decode rows 2.1x, of 512 beside
-#: 64 1.0x. Kimi-Linear's KDA layer (per-channel gates): one sequence of 32-4096 tokens 1.1-2.7x, two of
-#: 256-4096 1.3-1.4x, four 0.7x; 2048 beside 32 decode rows 1.6x, 512 beside 64 0.8x. End to end, prompts of
-#: 8000 tokens one at a time: Qwen3-Next 2.0x, Kimi-Linear 1.46x.
+#: with matrix products; a short sequence in it costs a chunk's passes over its state, far more than token by
+#: token. On an H100, chunks of 16 against token by token (docs/BENCHMARKS.md, "Gated delta rule prefill"):
+#: Qwen3-Next's layer (per-head gates), one sequence of 32 tokens 1.4x faster, of 64 2.1x, of 4096 3.7x; two of
+#: 256-4096 1.7-1.9x; four 1.0x; verification rows of 3 tokens 0.3-0.4x; with the short rows token by token,
+#: one prompt of 2048 beside 32 decode rows 3.4x, of 256 beside 64 1.7x, of 64 beside 64 1.0x, of 32 beside 64
+#: 0.8x. Kimi-Linear's KDA layer (per-channel gates): one sequence of 32-4096 tokens 1.1-2.7x, two of 256-4096
+#: 1.3-1.4x, four 0.7x; 2048 beside 32 decode rows 2.6x, 256 beside 64 1.5x, 64 beside 64 0.9x. End to end:
+#: prompts of 8000 tokens one at a time, Qwen3-Next 2.0x and Kimi-Linear 1.46x; Qwen3-Next's prompts of 4096
+#: beside running streams 1.07x over chunking the short rows too.
 CHUNKED_MAX_SEQUENCES = 2
 CHUNKED_MIN_TOKENS = 32
-CHUNKED_TOKENS_PER_SHORT = 16
+CHUNKED_TOKENS_PER_SHORT = 2
+#: Whether the short sequences of a call the chunked form takes run token by token in a second launch.
+SHORT_TOKEN_BY_TOKEN = True
 #: Whether per-channel gates (KDA) take the chunked form by the same rule (else token by token).
 PER_CHANNEL_CHUNKED = True
 
@@ -54,6 +59,15 @@ def prefill_chunk(num_seqs: int, tokens: int, per_channel: bool = False,
     if not 0 < len(long) <= CHUNKED_MAX_SEQUENCES or sum(long) < CHUNKED_TOKENS_PER_SHORT * short:
         return None
     return chunk
+
+
+def chunked_from(lengths: Sequence[int] | None) -> int:
+    """Where the chunked form runs a call, the tokens below which a sequence runs token by token in a second
+    launch instead (0: every sequence chunked). Each short sequence costs the chunked form a chunk's passes
+    over its state; token by token, short rows share one launch of small programs."""
+    if not SHORT_TOKEN_BY_TOKEN or lengths is None or all(n >= CHUNKED_MIN_TOKENS for n in lengths):
+        return 0
+    return CHUNKED_MIN_TOKENS
 
 
 def chunked_buffer_bytes(tokens: int, value_heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
