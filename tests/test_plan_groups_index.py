@@ -79,3 +79,20 @@ def test_plan_says_whether_prefix_caching_works_and_why(name, ok, words):
     assert words in p.prefix_caching_reason and p.prefix_caching_reason.startswith("on:" if ok else "off:")
     d = p.to_dict()
     assert d["prefix_caching"] is ok and d["prefix_caching_reason"] == p.prefix_caching_reason
+
+
+def test_plan_says_how_many_state_slots_running_requests_leave_for_snapshots():
+    """A state layer's snapshot lives in a state slot no running request holds: the plan counts what
+    --max-num-seqs leaves of the capacity's slots, and says when a full engine holds them all."""
+    s = spec("qwen3-next-80b-a3b")
+    per_seq = resolve(s, CacheConfig(max_model_len=4096, kv_cache_memory=10**12)).capacity
+    bytes_per_seq = per_seq.kv_cache_memory / per_seq.max_concurrency  # one sequence's state and blocks
+    memory = int(bytes_per_seq * 10.5)  # ten sequences of --max-model-len
+    roomy = resolve(s, CacheConfig(max_model_len=4096, kv_cache_memory=memory, max_num_seqs=4))
+    assert roomy.capacity.state_slots == 10
+    assert "; 6 of the 10 state slots stay free at --max-num-seqs 4" in roomy.prefix_caching_reason
+    full = resolve(s, CacheConfig(max_model_len=4096, kv_cache_memory=memory, max_num_seqs=10))
+    assert "the 10 state slots are no more than --max-num-seqs 10" in full.prefix_caching_reason
+    assert "lower --max-num-seqs or give more KV memory" in full.prefix_caching_reason
+    unsized = resolve(s, CacheConfig(max_model_len=4096))  # no memory given: no slot count to speak of
+    assert unsized.capacity.state_slots is None and "state slots stay free" not in unsized.prefix_caching_reason

@@ -418,11 +418,13 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
                     chunk_bytes)
 
 
-def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
+def _prefix_caching(groups: tuple[GroupPlan, ...], state_slots: int | None = None,
+                    max_num_seqs: int | None = None) -> tuple[bool, str]:
     """Rule 8: a prefix-cache hit resumes a request from cached blocks, which must hold everything the
     skipped tokens left behind. Paged groups do (a sliding group needs only its window's blocks); a state
     layer's state at the hit point is a snapshot kept in a state slot no request holds
-    (kvforge/engine/state_prefix.py); a ring's rows at the hit point are kept nowhere, so those models
+    (kvforge/engine/state_prefix.py), so with ``state_slots`` (the capacity's; None: unknown) no more than
+    ``max_num_seqs`` a full engine keeps none; a ring's rows at the hit point are kept nowhere, so those models
     cannot cache."""
     kinds = {g.kind for g in groups}
     if "ring" in kinds:
@@ -434,11 +436,24 @@ def _prefix_caching(groups: tuple[GroupPlan, ...]) -> tuple[bool, str]:
                       "block boundary before the final token, where cached requests branch and every "
                       "--state-snapshot-interval tokens (inside the step that passes it, and where a "
                       "chunk ends on a block boundary) and they are kept in state slots no running request "
-                      "holds (none reserved), least recently used evicted first")
+                      "holds (none reserved), least recently used evicted first"
+                      + _snapshot_room(state_slots, max_num_seqs))
     if "sliding" in kinds:
         return True, ("on: full groups resume from every block of the cached prefix, sliding-window groups "
                       "from the blocks inside the window of its end")
     return True, "on: every group resumes from the blocks of the cached prefix"
+
+
+def _snapshot_room(state_slots: int | None, max_num_seqs: int | None) -> str:
+    """What the plan's state slots leave for snapshots beside ``max_num_seqs`` running requests."""
+    if state_slots is None or max_num_seqs is None:
+        return ""
+    if state_slots > max_num_seqs:
+        return (f"; {state_slots - max_num_seqs} of the {state_slots} state slots stay free at --max-num-seqs "
+                f"{max_num_seqs}")
+    return (f"; the {state_slots} state slots are no more than --max-num-seqs {max_num_seqs} (running requests "
+            f"capped at {state_slots}), so snapshots are kept only while fewer requests run: lower --max-num-seqs "
+            f"or give more KV memory to keep some at full load")
 
 
 #: The smallest normal and the largest finite value of each fp8 KV dtype (e4m3 in its fn variant).
@@ -657,7 +672,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
             bytes_per_token=sum(x.token_bytes for x in proposer), weights_bytes_per_rank=draft_weights,
             num_parameters=proposer_layers.num_parameters, capacity_without=alone.capacity,
             index_checks=tuple(draft_checks))
-    prefix_ok, prefix_reason = _prefix_caching(groups)
+    prefix_ok, prefix_reason = _prefix_caching(groups, capacity.state_slots, cache.max_num_seqs)
     scale_source, scale_warnings = _scale_source(spec, cache, quantized)
     warnings.extend(scale_warnings)
     return KVPlan(
