@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench  # noqa: E402
 
 import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
-from kvforge.kernels.triton_gated_delta_rule import DecodeTiles, RecurrentTile, decode, prefill  # noqa: E402
+from kvforge.kernels.triton_gated_delta_rule import RecurrentTile, TileBySequences, decode, prefill  # noqa: E402
 
 PREFILL_SHAPES = ("1x3", "4x3", "64x3", "1x16", "1x256", "16x256", "8x1024", "1x4096", "1x8192", "1x2048+32x1")
 CHUNKS = tuple(sorted(gdr.CHUNK_STATE_STAGES))
@@ -92,7 +92,7 @@ def sweep_tiles(q, k, v, g, beta, states, slots, nbytes: int, peak: float) -> No
         for block_v in (16, 32, 64, 128):
             for warps in (1, 2, 4, 8):
                 tile = RecurrentTile(block_v, warps)
-                gdr.DECODE_TILES = DecodeTiles(tile, tile, 0)
+                gdr.DECODE_TILES = TileBySequences(tile, tile, 0)
                 states.copy_(start)
                 out = decode(q, k, v, g, beta, states, slots, normalize_qk=True)
                 for got, want, what, bound in ((out, want_out, "output", 2**-8), (states, want_states, "states", 1e-5)):
@@ -153,7 +153,7 @@ def main() -> None:
                 states.zero_()
                 run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True,
                                         chunk_size=CHUNKS[0] if chunk == "split" else chunk,
-                                        chunked_from=split_from if chunk == "split" else 0)
+                                        chunked_from=split_from if chunk == "split" else 0, host_query_lens=lengths)
                 out, after = run().float(), states.clone()  # one call from zeros, before the timed replays
                 runs[chunk] = (timed(run, graph=True), out, after)
             base = runs[None]

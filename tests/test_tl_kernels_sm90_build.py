@@ -107,20 +107,23 @@ def _builds():
     chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
                           slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32",
                           snap_ptr="*i32")
-    for bt in sorted(rule.CHUNK_STATE_STAGES):  # at the warps and stages the engine launches
+    prep, states = rule.CHUNK_PREP_TILE, rule.CHUNK_STATE_TILES
+    for bt in sorted(rule.CHUNK_STATE_STAGES):  # at the tiles, warps and stages the engine launches
         for per_channel in (False, True):
             gates = ", per-channel gates" if per_channel else ""
             yield f"chunked delta rule, chunks of {bt}{gates}", rule._chunk_prep_kernel, dict(
-                BT=bt, BK=128, BV=32, NORMALIZE=True, PRECISION=rule.DOT_PRECISION, PER_CHANNEL=per_channel,
-                BKS=rule.CHUNK_CHANNEL_SLICE), chunk_pointers, rule.CHUNK_PREP_WARPS
-            for snapshots in (False, True):
-                state_pass = dict(BT=bt, BK=128, BV=rule.CHUNK_STATE_TILE.block_v, NORMALIZE=True,
-                                  HAS_INIT_FLAGS=True, STORE_OUT=True, PRECISION=rule.DOT_PRECISION,
-                                  SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE if snapshots else 0,
-                                  PER_CHANNEL=per_channel)
-                yield (f"chunked delta rule's state pass, chunks of {bt}{gates}"
-                       + (", with snapshots" if snapshots else ""), rule._chunk_state_kernel, state_pass,
-                       chunk_pointers, rule.CHUNK_STATE_TILE.num_warps, rule.CHUNK_STATE_STAGES[bt])
+                BT=bt, BK=128, BV=prep.block_v, NORMALIZE=True, PRECISION=rule.DOT_PRECISION, PER_CHANNEL=per_channel,
+                BKS=rule.CHUNK_CHANNEL_SLICE), chunk_pointers, prep.num_warps
+            for tile, which in ((states.small, "small"), (states.large, "large")):
+                for snapshots in (False, True):
+                    state_pass = dict(BT=bt, BK=128, BV=tile.block_v, NORMALIZE=True,
+                                      HAS_INIT_FLAGS=True, STORE_OUT=True, PRECISION=rule.DOT_PRECISION,
+                                      OUT_PRECISION=rule.OUTPUT_DOT_PRECISION,
+                                      SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE if snapshots else 0,
+                                      PER_CHANNEL=per_channel)
+                    yield (f"chunked delta rule's state pass, chunks of {bt}{gates}, {which} tile"
+                           + (", with snapshots" if snapshots else ""), rule._chunk_state_kernel, state_pass,
+                           chunk_pointers, tile.num_warps, rule.CHUNK_STATE_STAGES[bt])
 
 
 NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []

@@ -77,8 +77,9 @@ class RecurrentTile:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeTiles:
-    """:func:`decode`'s tile by batch: ``large`` from ``large_from_seqs`` sequences, ``small`` below."""
+class TileBySequences:
+    """A kernel's tile by the sequences of its call: ``large`` from ``large_from_seqs`` sequences, ``small``
+    below."""
 
     small: RecurrentTile
     large: RecurrentTile
@@ -90,7 +91,7 @@ class DecodeTiles:
 
 #: On an H200 (``benchmarks/bench_gated_delta_rule.py --sweep``, float32 states, K = V = 128) 64 value
 #: channels a program read 1.10-1.18x faster than 32 at 64 and 256 sequences, and level at 1-8.
-DECODE_TILES = DecodeTiles(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4), large_from_seqs=64)
+DECODE_TILES = TileBySequences(small=RecurrentTile(32, 4), large=RecurrentTile(64, 4), large_from_seqs=64)
 #: The tile of the token-by-token prefill. One warp a program ran the token-by-token
 #: kernel alone 1.6x faster than four at 8-16 prompts on an H100, but a Qwen3-Next prefill end to end 8% slower
 #: (docs/BENCHMARKS.md, "Gated delta rule prefill").
@@ -99,17 +100,23 @@ PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
 #: units; IEEE float32 products run on the FMA units, and compiled for sm_90 at the largest chunks tried they
 #: spilled several times more than tf32x3).
 DOT_PRECISION = "tf32x3"
+#: The chunked form's output products (``q S`` and the in-chunk ``(q k^T) U``), off the state's chain.
+OUTPUT_DOT_PRECISION = "tf32x3"
 #: The chunk sizes the chunked form runs, with the pipeline stages of its state pass's chunk loop. Compiled
-#: for sm_90 with the 16-byte aligned pointers and strides a launch specialises on, three stages ask 88,192
-#: and 147,712 bytes of shared memory a program at chunks of 16 and 32 (a Hopper allows 232,448). Chunks of 64
-#: are not run: three stages asked 279,040 bytes, and with two they were slower than chunks of 16 everywhere
-#: on an H100 (0.6-0.8x) and, with 16-dimensional keys, off by 5e-4 (largest error over largest value) where
-#: 16 and 32 kept 1e-4.
-CHUNK_STATE_STAGES = {16: 3, 32: 3}
-#: Warps of the chunked form's per-chunk program, and its state pass's tile: 8 warps spill the least when
-#: compiled for sm_90 (at chunks of 32, 176 and 888 bytes a thread). Other tiles not timed.
-CHUNK_PREP_WARPS = 8
-CHUNK_STATE_TILE = RecurrentTile(block_v=32, num_warps=8)
+#: for sm_90 with the 16-byte aligned pointers and strides a launch specialises on (tests/test_tl_kernels_sm90_build.py
+#: checks every tile against the 232,448 bytes of shared memory a Hopper allows a program): three stages at
+#: chunks of 32 with per-channel gates and 64 value channels a program asked 253,952 bytes, so chunks of 32
+#: take two. Chunks of 64 are not run: three stages asked 279,040 bytes at 32 channels, and with two they were
+#: slower than chunks of 16 everywhere on an H100 (0.6-0.8x) and, with 16-dimensional keys, off by 5e-4
+#: (largest error over largest value) where 16 and 32 kept 1e-4.
+CHUNK_STATE_STAGES = {16: 3, 32: 2}
+#: The chunked form's per-chunk program (its value channels a step of ``U``, and warps), and its state pass's
+#: tile by the chunked sequences of the call (docs/BENCHMARKS.md, "Gated delta rule prefill", Tiles). On an
+#: H100, against 32 channels and 8 warps for both: Qwen3-Next's layer 1 x 4096 tokens 1,345 against 1,900 us,
+#: 2 x 4096 1,956 against 3,705; Kimi-Linear's 2,652 against 2,819 and 3,601 against 5,550. The state pass's 32
+#: channels and 4 warps give one sequence 128 programs; 64 channels and 8 warps read two or more faster.
+CHUNK_PREP_TILE = RecurrentTile(block_v=128, num_warps=4)
+CHUNK_STATE_TILES = TileBySequences(small=RecurrentTile(32, 4), large=RecurrentTile(64, 8), large_from_seqs=2)
 #: Key channels a step of the per-channel gates' pairwise decays holds: ``[chunk, chunk, slice]`` floats.
 CHUNK_CHANNEL_SLICE = 16
 
@@ -345,7 +352,7 @@ if HAS_TRITON:
         scale, GROUP, DK, DV, len_from,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
-        SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+        OUT_PRECISION: tl.constexpr, SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
     ):
         """The state pass of one (sequence, value head, value block): chunk after chunk, the chunk's new values
         ``U - W S``, its output and the state at its end; also the state after each of up to SNAPSHOTS given
@@ -403,8 +410,8 @@ if HAS_TRITON:
                     q = _l2_normalize(q, NORMALIZE, 1) * scale
                     aqk = tl.load(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :],
                                   mask=rmask[:, None], other=0.0)
-                    o = (tl.dot(q * tl.exp(gc), s, input_precision=PRECISION)
-                         + tl.dot(aqk, u, input_precision=PRECISION))
+                    o = (tl.dot(q * tl.exp(gc), s, input_precision=OUT_PRECISION)
+                         + tl.dot(aqk, u, input_precision=OUT_PRECISION))
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=v_mask)
                 for m in tl.static_range(SNAPSHOTS):  # (token offset in the sequence, slot) pairs; offset -1: none
@@ -578,7 +585,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     out = torch.empty_like(v)
     if num_seqs == 0 or t == 0:
         return out
-    bk, bv = _blocks(dk, dv, CHUNK_STATE_TILE)
+    # the sequences the chunked launches run (the others' programs return at once)
+    chunked_seqs = num_seqs if not (len_from and host_query_lens) else sum(n >= len_from for n in host_query_lens)
+    tile = CHUNK_STATE_TILES.for_batch(chunked_seqs)
+    bk, bv = _blocks(dk, dv, tile)
     flags = has_initial_state if has_initial_state is not None else slot_ids
     # Each sequence's chunks, numbered from chunk_start[i]; a grid of cdiv(T, chunk) + N programs a head covers
     # them (a sequence wastes less than one chunk), with no host sync.
@@ -595,8 +605,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         g.stride(1) if per_channel else 0, beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
         scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()), len_from,
-        BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk), PRECISION=DOT_PRECISION,
-        PER_CHANNEL=per_channel, BKS=CHUNK_CHANNEL_SLICE, num_warps=CHUNK_PREP_WARPS,
+        BT=chunk_size, BK=bk, BV=_blocks(dk, dv, CHUNK_PREP_TILE)[1], NORMALIZE=bool(normalize_qk),
+        PRECISION=DOT_PRECISION, PER_CHANNEL=per_channel, BKS=CHUNK_CHANNEL_SLICE,
+        num_warps=CHUNK_PREP_TILE.num_warps,
     )
     _chunk_state_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
         q, k, g, w, u, aqk, out, states, slot_ids, slot_ids if store_slot_ids is None else store_slot_ids, flags,
@@ -608,7 +619,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         scale, hv // hk, dk, dv, len_from,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
         HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
-        SNAPSHOTS=_snapshot_pairs(snapshots), PER_CHANNEL=per_channel, num_warps=CHUNK_STATE_TILE.num_warps,
+        OUT_PRECISION=OUTPUT_DOT_PRECISION, SNAPSHOTS=_snapshot_pairs(snapshots), PER_CHANNEL=per_channel,
+        num_warps=tile.num_warps,
         num_stages=CHUNK_STATE_STAGES[chunk_size],
     )
     if len_from:

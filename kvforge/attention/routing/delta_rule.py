@@ -15,19 +15,18 @@ PREFILL_CHUNK_SIZE: int | None = 16
 #: ``CHUNKED_MIN_TOKENS`` tokens each, beside shorter ones (decode and verification rows) while the long
 #: sequences hold at least ``CHUNKED_TOKENS_PER_SHORT`` tokens for each short one; the short ones then run token
 #: by token in a second launch where the caller gives each sequence's length (``chunked_from``), else the
-#: call's mean stands for each sequence's and every sequence runs chunked. The token-by-token kernel runs a
-#: program per (sequence, value head, 32 value channels) and walks its tokens one by one: one prompt of
-#: Qwen3-Next's layer fills 128 programs, and short rows run beside it for free. The chunked form walks chunks
-#: with matrix products; a short sequence in it costs a chunk's passes over its state, far more than token by
-#: token. On an H100, chunks of 16 against token by token (docs/BENCHMARKS.md, "Gated delta rule prefill"):
-#: Qwen3-Next's layer (per-head gates), one sequence of 32 tokens 1.4x faster, of 64 2.1x, of 4096 3.7x; two of
-#: 256-4096 1.7-1.9x; four 1.0x; verification rows of 3 tokens 0.3-0.4x; with the short rows token by token,
-#: one prompt of 2048 beside 32 decode rows 3.4x, of 256 beside 64 1.7x, of 64 beside 64 1.0x, of 32 beside 64
-#: 0.8x. Kimi-Linear's KDA layer (per-channel gates): one sequence of 32-4096 tokens 1.1-2.7x, two of 256-4096
-#: 1.3-1.4x, four 0.7x; 2048 beside 32 decode rows 2.6x, 256 beside 64 1.5x, 64 beside 64 0.9x. End to end:
-#: prompts of 8000 tokens one at a time, Qwen3-Next 2.0x and Kimi-Linear 1.46x; Qwen3-Next's prompts of 4096
-#: beside running streams 1.07x over chunking the short rows too.
-CHUNKED_MAX_SEQUENCES = 2
+#: call's mean stands for each sequence's and every sequence runs chunked. The token-by-token kernel walks each
+#: sequence's tokens one by one, short rows beside a long walk for free; the chunked form walks chunks with
+#: matrix products, a short sequence in it costing a chunk's passes over its state. On an H100, chunks of 16
+#: against token by token (docs/BENCHMARKS.md, "Gated delta rule prefill"): Qwen3-Next's layer (per-head
+#: gates), one sequence of 32 tokens 1.5x faster, of 4096 5.3x, two to sixteen of 256-4096 1.8-3.7x,
+#: verification rows of 3 tokens 0.4x; with the short rows token by token, a prompt of 2048 beside 32 decode
+#: rows 4.0x, of 256 beside 64 2.1x, of 64 beside 64 1.1x. Kimi-Linear's KDA layer (per-channel gates): one
+#: sequence of 32-4096 tokens 1.1-2.8x, two 2.0-2.2x, three to sixteen 1.1-1.2x; 2048 beside 32 decode rows
+#: 2.8x, 256 beside 64 1.6x, 64 beside 64 0.94x. More than 16 long sequences were not measured. End to end,
+#: Qwen3-Next's prompts of 8000 tokens one at a time 2.1x, of 1024 eight a step 1.16x; Kimi-Linear's of 8000
+#: 1.46x.
+CHUNKED_MAX_SEQUENCES = 16
 CHUNKED_MIN_TOKENS = 32
 CHUNKED_TOKENS_PER_SHORT = 2
 #: Whether the short sequences of a call the chunked form takes run token by token in a second launch.
