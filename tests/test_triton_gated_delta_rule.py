@@ -278,10 +278,11 @@ def test_a_gate_of_minus_infinity_resets_the_state(chunk, per_channel, token_by_
 
 def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     """The route (kvforge/attention/routing/delta_rule.py) picks the form from the call's sequences and tokens:
-    one or two long sequences run chunked beside short ones while they hold enough tokens for each short one,
-    the short ones then token by token in a second launch where the caller gives the lengths; short ones alone (verification rows) and many long ones token by token (each sequence's length where the caller gives them, else the mean), per-channel
-    gates token by token unless the route takes them, and every call token by token where the route names no
-    chunk; a chunk named by the caller runs chunked."""
+    up to the route's bound of long sequences run chunked beside short ones while they hold enough tokens for
+    each short one, the short ones then token by token in a second launch where the caller gives the lengths;
+    short ones alone (verification rows) and too many long ones token by token (each sequence's length where the
+    caller gives them, else the mean), per-channel gates token by token unless the route takes them, and every
+    call token by token where the route names no chunk; a chunk named by the caller runs chunked."""
     launched = []
 
     class Spy:  # records which kernel a launch (``kernel[grid](...)``) runs
