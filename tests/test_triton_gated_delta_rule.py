@@ -131,6 +131,27 @@ def test_chunked_prefill_finds_each_chunks_sequence(chunk, per_channel):
                    chunk_size=chunk, seed=chunk, per_channel=per_channel, dk=32 if per_channel else 16)
 
 
+@pytest.mark.parametrize("lens", [[40], [17, 40]], ids=["one_sequence", "two_sequences"])
+def test_chunked_tiles_cover_every_value_channel(lens, monkeypatch):
+    """The state pass's tile follows the call's chunked sequences (``CHUNK_STATE_TILES``: narrow for one, wide from
+    two: its grid's value blocks say which ran) and the per-chunk program has its own (``CHUNK_PREP_TILE``); with
+    80 value channels each walks several value blocks, the last part-masked, and every channel matches float64."""
+    grids = []
+    real = kernels._chunk_state_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kernels, "_chunk_state_kernel", Spy())
+    tiles = kernels.CHUNK_STATE_TILES
+    tile = tiles.small if len(lens) < tiles.large_from_seqs else tiles.large
+    assert tiles.small.block_v != tiles.large.block_v and 80 % tiles.small.block_v and 80 % tiles.large.block_v
+    _run_and_check(lens, [1, 0][:len(lens)], [True, False][:len(lens)], hk=1, hv=2, dv=80, chunk_size=16, seed=41)
+    assert grids == [(len(lens), 2, -(-80 // tile.block_v))]
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 def test_short_sequences_run_token_by_token_beside_the_chunked_ones(per_channel):
     """``chunked_from``: the sequences of fewer tokens (empty, padding, one token, under the bound) run token by
