@@ -6,7 +6,7 @@ from the tables.
 
 from __future__ import annotations
 
-from kvforge.attention.routing import mla, paged, platform, torch_backends
+from kvforge.attention.routing import delta_rule, mla, paged, platform, torch_backends
 from kvforge.attention.routing.split_k import SplitRule
 
 
@@ -91,6 +91,29 @@ def _mla_section() -> list[str]:
     return lines
 
 
+def _delta_rule_section() -> list[str]:
+    r = delta_rule
+    lines = ["## Delta-rule prefill (Gated DeltaNet and KDA state layers, CUDA)", "",
+             "Source: `kvforge/attention/routing/delta_rule.py`; launched by `prefill` in "
+             "`kvforge/kernels/triton_gated_delta_rule.py` (a step of one token a sequence runs `decode`, the "
+             "token-by-token kernel). A caller's `chunk_size=` names the form instead.", ""]
+    if r.PREFILL_CHUNK_SIZE is None:
+        return lines + ["Every prefill runs token by token (`_recurrent_kernel`).", ""]
+    gates = "per-head and per-channel gates" if r.PER_CHANNEL_CHUNKED else "per-head gates (per-channel: token by token)"
+    short = (f"the call's sequences of fewer than {r.CHUNKED_MIN_TOKENS} tokens, where the chunked form takes the "
+             "call and the caller gave each sequence's length" if r.SHORT_TOKEN_BY_TOKEN else "none (off)")
+    lines += ["| form | kernels | takes |", "|---|---|---|",
+              f"| chunks of {r.PREFILL_CHUNK_SIZE} | `_chunk_prep_kernel`, then `_chunk_state_kernel` | "
+              f"{gates}: a call of 1-{r.CHUNKED_MAX_SEQUENCES} sequences of at least {r.CHUNKED_MIN_TOKENS} tokens "
+              f"holding at least {r.CHUNKED_TOKENS_PER_SHORT} of their tokens per shorter sequence beside them "
+              "(each sequence's length where the caller gives them, else the call's mean for every one) |",
+              f"| token by token, beside the chunks | `_recurrent_kernel`, a second launch | {short} |",
+              "| token by token | `_recurrent_kernel` | every other call |", "",
+              "The planner's activation reserve counts the chunked form's float32 buffers (`chunked_buffer_bytes`) "
+              "for every state layer whose gates the route may chunk.", ""]
+    return lines
+
+
 def _torch_section(title: str, rows) -> list[str]:
     lines = [f"## {title}", "", "Source: `kvforge/attention/routing/torch_backends.py`.", "",
              "| path | runs | when |", "|---|---|---|"]
@@ -105,7 +128,7 @@ def render_markdown() -> str:
              f"**Gluon gate**: Triton {_names(platform.GLUON_TRITON_VERSIONS)}, compute capability "
              f"{platform.GLUON_COMPUTE_CAPABILITY_MAJOR}.x, and `KVFORGE_DISABLE_GLUON` unset. Where it is "
              "closed, every row marked \"Gluon gate: yes\" is skipped.", ""]
-    lines += _paged_section() + _mla_section()
+    lines += _paged_section() + _mla_section() + _delta_rule_section()
     lines += _torch_section("torch_reference (full, sliding and state layers, any device)",
                             torch_backends.TORCH_REFERENCE)
     lines += _torch_section("torch_mla_reference (MLA layers, any device)", torch_backends.MLA_REFERENCE)
