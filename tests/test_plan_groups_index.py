@@ -90,9 +90,13 @@ def test_plan_says_how_many_state_slots_running_requests_leave_for_snapshots():
     memory = int(bytes_per_seq * 10.5)  # ten sequences of --max-model-len
     roomy = resolve(s, CacheConfig(max_model_len=4096, kv_cache_memory=memory, max_num_seqs=4))
     assert roomy.capacity.state_slots == 10
-    assert "; 6 of the 10 state slots stay free at --max-num-seqs 4" in roomy.prefix_caching_reason
+    assert ("; at most 4 running requests (--max-num-seqs) leave 6 of the 10 state slots for snapshots"
+            in roomy.prefix_caching_reason)
     full = resolve(s, CacheConfig(max_model_len=4096, kv_cache_memory=memory, max_num_seqs=10))
-    assert "the 10 state slots are no more than --max-num-seqs 10" in full.prefix_caching_reason
-    assert "lower --max-num-seqs or give more KV memory" in full.prefix_caching_reason
+    assert ("the 10 state slots are no more than --max-num-seqs 10, so a full engine keeps no snapshot"
+            in full.prefix_caching_reason)  # equal: nothing capped
+    assert "set --max-num-seqs below 10, or give the KV cache more memory" in full.prefix_caching_reason
+    over = resolve(s, CacheConfig(max_model_len=4096, kv_cache_memory=memory, max_num_seqs=12))
+    assert "--max-num-seqs 12 (running requests capped at 10), so" in over.prefix_caching_reason
     unsized = resolve(s, CacheConfig(max_model_len=4096))  # no memory given: no slot count to speak of
-    assert unsized.capacity.state_slots is None and "state slots stay free" not in unsized.prefix_caching_reason
+    assert unsized.capacity.state_slots is None and "--max-num-seqs" not in unsized.prefix_caching_reason

@@ -342,6 +342,7 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     assert call([1, 1, 1, 1, 12], host_query_lens=[1, 1, 1, 1, 12]) == recurrent  # 3 tokens a short one
     assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == split
     assert call([9, 9], host_query_lens=[9, 9]) == chunked  # none short: one launch
+    assert call([12, 0, 0, 0], host_query_lens=[12, 0, 0, 0]) == chunked  # padding rows are not short ones
     assert call([9, 9, 9], host_query_lens=[9, 9, 9]) == recurrent  # three long
     monkeypatch.setattr(kernels.route, "SHORT_TOKEN_BY_TOKEN", False)
     assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == chunked

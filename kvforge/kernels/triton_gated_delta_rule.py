@@ -22,8 +22,10 @@ Entries (no host sync, output allocated with ``torch.empty``):
   ``[K, BV]`` block of the state in registers for the token.
 * :func:`prefill` - ``query_start_loc [N + 1]`` (int32) gives each sequence's tokens. Every sequence
   runs token by token in one program per (sequence, value head, value block), as decode does, unless
-  the call (or the route, kvforge/attention/routing/delta_rule.py) names a chunk size; per-head gates
-  then run the chunked form in two launches:
+  the call (or the route, kvforge/attention/routing/delta_rule.py) names a chunk size; the sequences
+  then run the chunked form in two launches, except those shorter than ``chunked_from`` (the route's
+  short rows beside a prompt), which a third launch runs token by token (each launch's programs return at
+  once for the other's sequences):
 
   1. one program per (chunk, value head), all chunks of the step in parallel: the chunk's decays, the
      unit lower-triangular system ``(I + A)`` inverted in registers by forward substitution (row by
@@ -39,8 +41,8 @@ Entries (no host sync, output allocated with ``torch.empty``):
      holding it. Each chunk's sequence is found by a binary search over its sequence's first chunk
      number, so the launch needs no host sync.
 
-  Its products run at :data:`DOT_PRECISION`.
-  Per-channel gates (KDA) take the same two launches, every decay per key channel: the pairs' decays
+  Its products run at :data:`DOT_PRECISION` (the output products at :data:`OUTPUT_DOT_PRECISION`).
+  Per-channel gates (KDA) take the same launches, every decay per key channel: the pairs' decays
   ``exp(g[j+1, c] + ... + g[r, c])`` weigh ``k_r k_j`` and ``q_r k_j`` channel by channel
   (:data:`CHUNK_CHANNEL_SLICE` channels at a time, as exact float32 sums rather than a product of
   ``exp(G)`` and ``exp(-G)`` factors, which overflow for strong decays), and the decays from a chunk's start
@@ -586,7 +588,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if num_seqs == 0 or t == 0:
         return out
     # the sequences the chunked launches run (the others' programs return at once)
-    chunked_seqs = num_seqs if not (len_from and host_query_lens) else sum(n >= len_from for n in host_query_lens)
+    chunked_seqs = num_seqs if host_query_lens is None else sum(n >= max(len_from, 1) for n in host_query_lens)
     tile = CHUNK_STATE_TILES.for_batch(chunked_seqs)
     bk, bv = _blocks(dk, dv, tile)
     flags = has_initial_state if has_initial_state is not None else slot_ids

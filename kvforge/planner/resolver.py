@@ -449,11 +449,12 @@ def _snapshot_room(state_slots: int | None, max_num_seqs: int | None) -> str:
     if state_slots is None or max_num_seqs is None:
         return ""
     if state_slots > max_num_seqs:
-        return (f"; {state_slots - max_num_seqs} of the {state_slots} state slots stay free at --max-num-seqs "
-                f"{max_num_seqs}")
-    return (f"; the {state_slots} state slots are no more than --max-num-seqs {max_num_seqs} (running requests "
-            f"capped at {state_slots}), so snapshots are kept only while fewer requests run: lower --max-num-seqs "
-            f"or give more KV memory to keep some at full load")
+        return (f"; at most {max_num_seqs} running requests (--max-num-seqs) leave {state_slots - max_num_seqs} of "
+                f"the {state_slots} state slots for snapshots")
+    capped = f" (running requests capped at {state_slots})" if max_num_seqs > state_slots else ""
+    return (f"; the {state_slots} state slots are no more than --max-num-seqs {max_num_seqs}{capped}, so a full "
+            f"engine keeps no snapshot (they are kept only while fewer than {state_slots} requests run): set "
+            f"--max-num-seqs below {state_slots}, or give the KV cache more memory")
 
 
 #: The smallest normal and the largest finite value of each fp8 KV dtype (e4m3 in its fn variant).

@@ -54,7 +54,7 @@ def prefill_chunk(num_seqs: int, tokens: int, per_channel: bool = False,
     if lengths is None:
         return chunk if tokens >= CHUNKED_MIN_TOKENS * num_seqs and num_seqs <= CHUNKED_MAX_SEQUENCES else None
     long = [n for n in lengths if n >= CHUNKED_MIN_TOKENS]
-    short = len(lengths) - len(long)
+    short = sum(1 for n in lengths if 0 < n < CHUNKED_MIN_TOKENS)  # padding rows (no tokens) cost nothing
     if not 0 < len(long) <= CHUNKED_MAX_SEQUENCES or sum(long) < CHUNKED_TOKENS_PER_SHORT * short:
         return None
     return chunk
@@ -64,7 +64,7 @@ def chunked_from(lengths: Sequence[int] | None) -> int:
     """Where the chunked form runs a call, the tokens below which a sequence runs token by token in a second
     launch instead (0: every sequence chunked). Each short sequence costs the chunked form a chunk's passes
     over its state; token by token, short rows share one launch of small programs."""
-    if not SHORT_TOKEN_BY_TOKEN or lengths is None or all(n >= CHUNKED_MIN_TOKENS for n in lengths):
+    if not SHORT_TOKEN_BY_TOKEN or lengths is None or all(n == 0 or n >= CHUNKED_MIN_TOKENS for n in lengths):
         return 0
     return CHUNKED_MIN_TOKENS
 
