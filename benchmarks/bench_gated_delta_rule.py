@@ -16,6 +16,8 @@ from verification rows of 3 tokens to one prompt of 8192 and a prompt's chunk be
 each chunked result is first checked against the token-by-token one (relative L2: the bf16 outputs within
 1e-2, the float32 states within 1e-3). A call holding sequences shorter than the route's
 ``CHUNKED_MIN_TOKENS`` also times the split the route runs: chunks of 16, the short ones token by token.
+``--snapshots N``: every prefill sequence also stores N prefix-cache snapshots (the state after N evenly
+spaced tokens, as a prompt's prefill does under prefix caching), checked with the states.
 
 ``--sweep``: the decode tile (``triton_gated_delta_rule.DECODE_TILES``: value channels a program x warps)
 over 16-128 channels x 1-8 warps at each batch, each tile's output and states first checked against the
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench  # noqa: E402
 
 import kvforge.kernels.triton_gated_delta_rule as gdr  # noqa: E402
+from kvforge.attention.linear_state import SNAPSHOTS_PER_SEQUENCE  # noqa: E402
 from kvforge.kernels.triton_gated_delta_rule import RecurrentTile, TileBySequences, decode, prefill  # noqa: E402
 
 PREFILL_SHAPES = ("1x3", "4x3", "64x3", "1x16", "1x256", "16x256", "8x1024", "1x4096", "1x8192", "1x2048+32x1")
@@ -51,6 +54,20 @@ def sequence_lengths(shape: str) -> list[int]:
         seqs, tokens = (int(x) for x in group.split("x"))
         lengths += [tokens] * seqs
     return lengths
+
+
+def snapshot_pairs(lengths: list[int], count: int) -> torch.Tensor | None:
+    """``prefill``'s snapshots: each sequence of more than ``count`` tokens stores its state after ``count``
+    evenly spaced tokens, into slots after the sequences' own (``len(lengths) + count * i + j``)."""
+    if not count:
+        return None
+    pairs = torch.full((len(lengths), 2 * SNAPSHOTS_PER_SEQUENCE), -1, dtype=torch.int32)
+    for i, n in enumerate(lengths):
+        if n > count:
+            for j in range(count):
+                pairs[i, 2 * j] = (j + 1) * n // (count + 1) - 1
+                pairs[i, 2 * j + 1] = len(lengths) + count * i + j
+    return pairs.cuda()
 
 
 def timed(fn, graph: bool) -> float:
@@ -116,6 +133,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--quick", action="store_true", help="decode batches 1 and 64 only, no prefill")
     parser.add_argument("--sweep", action="store_true", help="time the decode tiles (no prefill)")
+    parser.add_argument("--snapshots", type=int, default=0, choices=range(SNAPSHOTS_PER_SEQUENCE + 1),
+                        help="prefix-cache snapshots each prefill sequence stores, evenly spaced over its tokens "
+                        "(the engine keeps up to %(choices)s a sequence a step)")
     parser.add_argument("--prefill-shapes", default=None,
                         help="prefill calls, comma-separated, each SEQUENCESxTOKENS or groups of them joined by + "
                         "(one call of mixed lengths); default: " + ",".join(PREFILL_SHAPES))
@@ -143,9 +163,10 @@ def main() -> None:
             lengths = sequence_lengths(shape)
             seqs = len(lengths)
             q, k, v, g, beta = inputs(sum(lengths), hk, hv, dk, dv, per_channel)
-            states = torch.zeros(seqs, hv, dk, dv, device="cuda")
+            states = torch.zeros(seqs * (1 + args.snapshots), hv, dk, dv, device="cuda")
             slots = torch.arange(seqs, device="cuda", dtype=torch.int32)
             qsl = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+            snapshots = snapshot_pairs(lengths, args.snapshots)
             runs = {}
             split_from = gdr.route.CHUNKED_MIN_TOKENS if min(lengths) < gdr.route.CHUNKED_MIN_TOKENS else 0
             forms = (None, *CHUNKS, *(("split",) if split_from else ()))
@@ -153,7 +174,8 @@ def main() -> None:
                 states.zero_()
                 run = functools.partial(prefill, q, k, v, g, beta, states, slots, qsl, normalize_qk=True,
                                         chunk_size=CHUNKS[0] if chunk == "split" else chunk,
-                                        chunked_from=split_from if chunk == "split" else 0, host_query_lens=lengths)
+                                        chunked_from=split_from if chunk == "split" else 0, host_query_lens=lengths,
+                                        snapshots=snapshots)
                 out, after = run().float(), states.clone()  # one call from zeros, before the timed replays
                 runs[chunk] = (timed(run, graph=True), out, after)
             base = runs[None]
