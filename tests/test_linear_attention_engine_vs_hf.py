@@ -98,18 +98,29 @@ def test_engine_matches_transformers(case, decode_path, tmp_path, engines):
     assert engine.state_slots.num_free == engine.state_slots.num_slots  # every slot back after finishing
 
 
+@pytest.mark.parametrize("route", ["as_routed", "split"])
 @pytest.mark.parametrize("case", CASES)
-def test_state_kernels_over_the_pool_slots_in_the_engine(case, tmp_path, engines, monkeypatch):
+def test_state_kernels_over_the_pool_slots_in_the_engine(case, route, tmp_path, engines, monkeypatch):
     """The state operations on the Triton kernels (Triton's CPU interpreter here; the gpu-marked test below
     compiles them) over the pool's slot views: prefill kernels for the chunks, decode kernels for the CUDA-graph
     path's static slot buffers, where three sequences fill a batch of four with a padding row at slot -1; the
-    batch again resumes from snapshots, one of them stored by the prefill kernels inside a chunk."""
+    batch again resumes from snapshots, one of them stored by the prefill kernels inside a chunk. ``split``: the
+    delta-rule route lowered so a step's long prompt chunk runs chunked and its short ones token by token beside
+    it (at these lengths the engine's route runs every call token by token)."""
     device = pytest.importorskip("triton_kernel_device")
     if not device.INTERPRETED:
         pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
     device.skip_unless_loaded_loop_bounds_work()
     from kvforge.attention import linear_state
+    from kvforge.attention.routing import delta_rule
 
+    splits = []
+    if route == "split":
+        monkeypatch.setattr(delta_rule, "CHUNKED_MIN_TOKENS", 4)  # a step of [4, 6, 1] tokens splits
+        monkeypatch.setattr(delta_rule, "CHUNKED_TOKENS_PER_SHORT", 1)
+        real_chunked_from = delta_rule.chunked_from
+        monkeypatch.setattr(delta_rule, "chunked_from", lambda lengths: splits.append(real_chunked_from(lengths))
+                            or splits[-1])
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     assert linear_state._use_kernels(torch.zeros(1))
     hf, _ = make_checkpoint(case, tmp_path)
@@ -130,6 +141,8 @@ def test_state_kernels_over_the_pool_slots_in_the_engine(case, tmp_path, engines
     for k, (tokens, p) in enumerate(zip(got + again, prompts * 2)):
         want, margins = _hf_greedy(hf, p)
         assert_greedy_agrees(tokens, want[:3], margins, tol, what=f"{case} kernels prompt {k}")
+    if route == "split":
+        assert 4 in splits  # some step ran its long chunks chunked beside a short sequence token by token
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
