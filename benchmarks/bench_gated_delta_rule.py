@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time the decode tiles (no prefill)")
     parser.add_argument("--snapshots", type=int, default=0, choices=range(SNAPSHOTS_PER_SEQUENCE + 1),
                         help="prefix-cache snapshots each prefill sequence stores, evenly spaced over its tokens "
-                        "(the engine keeps up to %(choices)s a sequence a step)")
+                        f"(the engine keeps up to {SNAPSHOTS_PER_SEQUENCE} a sequence a step)")
     parser.add_argument("--prefill-shapes", default=None,
                         help="prefill calls, comma-separated, each SEQUENCESxTOKENS or groups of them joined by + "
                         "(one call of mixed lengths); default: " + ",".join(PREFILL_SHAPES))

@@ -252,7 +252,7 @@ def test_the_chunked_delta_rule_s_buffers_join_the_linear_attention_phase_on_cud
 
 def test_kda_layers_count_the_chunked_buffers_where_the_route_may_take_that_form(monkeypatch):
     """Kimi-Linear's KDA layers (per-channel gates) hold no chunked delta-rule buffers while the route keeps
-    per-channel gates token by token; where it may chunk them, exactly the buffers of the layer's heads on CUDA
+    per-channel gates token by token (``PER_CHANNEL_CHUNKED`` off); where it may chunk them, exactly the buffers of the layer's heads on CUDA
     (none on CPU)."""
     from tiny_checkpoints import KIMI_LINEAR
 

@@ -9,8 +9,8 @@ variant the engine launches for these kernels must compile:
 - the gated RMSNorm of linear-attention outputs in Qwen3-Next's and Kimi-Linear's forms, the delta-rule
   gates at both models' head layouts, the recurrent decode kernel computing those gates itself, its prefill
   storing prefix-cache snapshots inside a sequence, and the
-  chunked delta rule's two kernels (per-chunk system and products, state pass with and without
-  snapshots) at every chunk size, for per-head and per-channel gates;
+  chunked delta rule's two kernels (per-chunk system and products at its tile, state pass with and without
+  snapshots at both of its tiles) at every chunk size, for per-head and per-channel gates;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 

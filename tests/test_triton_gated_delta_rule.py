@@ -155,8 +155,8 @@ def test_chunked_tiles_cover_every_value_channel(lens, monkeypatch):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar_gate", "per_channel_gate"])
 def test_short_sequences_run_token_by_token_beside_the_chunked_ones(per_channel):
     """``chunked_from``: the sequences of fewer tokens (empty, padding, one token, under the bound) run token by
-    token in a second launch and the others chunked, each against float64 with its own slot, and no program of
-    one form touches a sequence of the other (every other slot unchanged, every output right)."""
+    token in a launch of their own and the others chunked, each against float64 with its own slot, and no
+    program of one form touches a sequence of the other (every other slot unchanged, every output right)."""
     _run_and_check([5, 0, 40, 3, 1, 133, 8], [2, -1, 0, -1, 4, 5, 6], [True, False, False, True, True, False, True],
                    chunk_size=16, chunked_from=8, seed=31, per_channel=per_channel, dk=32 if per_channel else 16,
                    num_slots=9)
@@ -300,10 +300,10 @@ def test_a_gate_of_minus_infinity_resets_the_state(chunk, per_channel, token_by_
 def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     """The route (kvforge/attention/routing/delta_rule.py) picks the form from the call's sequences and tokens:
     up to the route's bound of long sequences run chunked beside short ones while they hold enough tokens for
-    each short one, the short ones then token by token in a second launch where the caller gives the lengths;
-    short ones alone (verification rows) and too many long ones token by token (each sequence's length where the
-    caller gives them, else the mean), per-channel gates token by token unless the route takes them, and every
-    call token by token where the route names no chunk; a chunk named by the caller runs chunked."""
+    each short one, the short ones then token by token in a launch of their own where the caller gives the
+    lengths; short ones alone (verification rows) and too many long ones token by token (each sequence's length
+    where the caller gives them, else the mean), per-channel gates token by token unless the route takes them,
+    and every call token by token where the route names no chunk; a chunk named by the caller runs chunked."""
     launched = []
 
     class Spy:  # records which kernel a launch (``kernel[grid](...)``) runs

@@ -546,8 +546,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     ``chunk_size``: the chunked form in chunks of that many tokens (16 or 32); None takes the route's
     (kvforge/attention/routing/delta_rule.py: by the call's sequences, tokens and gates, and each sequence's
     tokens where ``host_query_lens`` gives them), whose None runs them token by token. ``chunked_from``: with
-    the chunked form, the sequences of fewer tokens run token by token in a second launch (0: none; None: the
-    route's where it picks the form, else 0).
+    the chunked form, the sequences of fewer tokens run token by token in a launch of their own after the
+    chunked form's two (0: none; None: the route's where it picks the form, else 0).
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False

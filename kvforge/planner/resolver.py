@@ -423,8 +423,8 @@ def _prefix_caching(groups: tuple[GroupPlan, ...], state_slots: int | None = Non
     """Rule 8: a prefix-cache hit resumes a request from cached blocks, which must hold everything the
     skipped tokens left behind. Paged groups do (a sliding group needs only its window's blocks); a state
     layer's state at the hit point is a snapshot kept in a state slot no request holds
-    (kvforge/engine/state_prefix.py), so with ``state_slots`` (the capacity's; None: unknown) no more than
-    ``max_num_seqs`` a full engine keeps none; a ring's rows at the hit point are kept nowhere, so those models
+    (kvforge/engine/state_prefix.py), so where ``state_slots`` (the capacity's; None: unknown) are no more
+    than ``max_num_seqs``, a full engine keeps none; a ring's rows at the hit point are kept nowhere, so those models
     cannot cache."""
     kinds = {g.kind for g in groups}
     if "ring" in kinds:

@@ -14,12 +14,13 @@ PREFILL_CHUNK_SIZE: int | None = 16
 #: The chunked form takes a call holding one to ``CHUNKED_MAX_SEQUENCES`` long sequences, of at least
 #: ``CHUNKED_MIN_TOKENS`` tokens each, beside shorter ones (decode and verification rows) while the long
 #: sequences hold at least ``CHUNKED_TOKENS_PER_SHORT`` tokens for each short one; the short ones then run token
-#: by token in a second launch where the caller gives each sequence's length (``chunked_from``), else the
+#: by token in a launch of their own where the caller gives each sequence's length (``chunked_from``), else the
 #: call's mean stands for each sequence's and every sequence runs chunked. The token-by-token kernel walks each
 #: sequence's tokens one by one, short rows beside a long walk for free; the chunked form walks chunks with
 #: matrix products, a short sequence in it costing a chunk's passes over its state. On an H100, chunks of 16
 #: against token by token (docs/BENCHMARKS.md, "Gated delta rule prefill"): Qwen3-Next's layer (per-head
-#: gates), one sequence of 32 tokens 1.5x faster, of 4096 5.3x, two to sixteen of 256-4096 1.8-3.7x,
+#: gates), one sequence of 32 tokens 1.5x faster, of 4096 5.3x, two of 256-4096 3.0-3.7x, three to sixteen of
+#: 256-1024 1.8-2.0x,
 #: verification rows of 3 tokens 0.4x; with the short rows token by token, a prompt of 2048 beside 32 decode
 #: rows 4.0x, of 256 beside 64 2.1x, of 64 beside 64 1.1x. Kimi-Linear's KDA layer (per-channel gates): one
 #: sequence of 32-4096 tokens 1.1-2.8x, two 2.0-2.2x, three to sixteen 1.1-1.2x; 2048 beside 32 decode rows
@@ -29,7 +30,9 @@ PREFILL_CHUNK_SIZE: int | None = 16
 CHUNKED_MAX_SEQUENCES = 16
 CHUNKED_MIN_TOKENS = 32
 CHUNKED_TOKENS_PER_SHORT = 2
-#: Whether the short sequences of a call the chunked form takes run token by token in a second launch.
+#: Whether the short sequences of a call the chunked form takes run token by token in a launch of their own.
+#: Off (kept for A/B runs), they run chunked too under the same bound of ``CHUNKED_TOKENS_PER_SHORT``, where
+#: chunking them is slower than token by token (docs/BENCHMARKS.md).
 SHORT_TOKEN_BY_TOKEN = True
 #: Whether per-channel gates (KDA) take the chunked form by the same rule (else token by token).
 PER_CHANNEL_CHUNKED = True
@@ -61,8 +64,8 @@ def prefill_chunk(num_seqs: int, tokens: int, per_channel: bool = False,
 
 
 def chunked_from(lengths: Sequence[int] | None) -> int:
-    """Where the chunked form runs a call, the tokens below which a sequence runs token by token in a second
-    launch instead (0: every sequence chunked). Each short sequence costs the chunked form a chunk's passes
+    """Where the chunked form runs a call, the tokens below which a sequence runs token by token in a launch
+    of its own instead (0: every sequence chunked). Each short sequence costs the chunked form a chunk's passes
     over its state; token by token, short rows share one launch of small programs."""
     if not SHORT_TOKEN_BY_TOKEN or lengths is None or all(n == 0 or n >= CHUNKED_MIN_TOKENS for n in lengths):
         return 0

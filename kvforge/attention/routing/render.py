@@ -106,8 +106,9 @@ def _delta_rule_section() -> list[str]:
               f"| chunks of {r.PREFILL_CHUNK_SIZE} | `_chunk_prep_kernel`, then `_chunk_state_kernel` | "
               f"{gates}: a call of 1-{r.CHUNKED_MAX_SEQUENCES} sequences of at least {r.CHUNKED_MIN_TOKENS} tokens "
               f"holding at least {r.CHUNKED_TOKENS_PER_SHORT} of their tokens per shorter sequence beside them "
-              "(each sequence's length where the caller gives them, else the call's mean for every one) |",
-              f"| token by token, beside the chunks | `_recurrent_kernel`, a second launch | {short} |",
+              "(padding rows of no tokens not counted; each sequence's length where the caller gives them, else the "
+              "call's mean for every one) |",
+              f"| token by token, beside the chunks | `_recurrent_kernel`, after the two chunked launches | {short} |",
               "| token by token | `_recurrent_kernel` | every other call |", "",
               "The planner's activation reserve counts the chunked form's float32 buffers (`chunked_buffer_bytes`) "
               "for every state layer whose gates the route may chunk.", ""]
@@ -123,7 +124,8 @@ def _torch_section(title: str, rows) -> list[str]:
 
 def render_markdown() -> str:
     lines = ["# Routing tables", "",
-             "Which kernel serves a batch, per attention backend. Generated from `kvforge/attention/routing/` by "
+             "Which kernel serves a batch, per attention backend, and the form of a state layer's delta-rule "
+             "prefill. Generated from `kvforge/attention/routing/` by "
              "`python -m kvforge.attention.routing.render > docs/ROUTING.md`; a test keeps the two equal.", "",
              f"**Gluon gate**: Triton {_names(platform.GLUON_TRITON_VERSIONS)}, compute capability "
              f"{platform.GLUON_COMPUTE_CAPABILITY_MAJOR}.x, and `KVFORGE_DISABLE_GLUON` unset. Where it is "
