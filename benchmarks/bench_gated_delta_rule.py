@@ -14,8 +14,8 @@ Prefill (both layers): the token-by-token kernel against the chunked form in eve
 from verification rows of 3 tokens to one prompt of 8192 and a prompt's chunk beside decode rows
 (``--prefill-shapes 1x2048+32x1``: one sequence of 2048 tokens and 32 of one), each call captured in a CUDA graph (median us);
 each chunked result is first checked against the token-by-token one (relative L2: the bf16 outputs within
-1e-2, the float32 states within 1e-3). A call holding sequences shorter than the route's
-``CHUNKED_MIN_TOKENS`` also times the split the route runs: chunks of 16, the short ones token by token.
+1e-2, the float32 states within 1e-3). A call holding sequences the route would run token by token beside
+chunked ones (``route.chunked_from``) also times that split: chunks of 16, the short ones token by token.
 ``--snapshots N``: every prefill sequence also stores N prefix-cache snapshots (the state after N evenly
 spaced tokens, as a prompt's prefill does under prefix caching), checked with the states.
 
@@ -168,7 +168,7 @@ def main() -> None:
             qsl = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
             snapshots = snapshot_pairs(lengths, args.snapshots)
             runs = {}
-            split_from = gdr.route.CHUNKED_MIN_TOKENS if min(lengths) < gdr.route.CHUNKED_MIN_TOKENS else 0
+            split_from = gdr.route.chunked_from(lengths)  # the route's bound where the call holds short ones
             forms = (None, *CHUNKS, *(("split",) if split_from else ()))
             for chunk in forms:  # None: token by token (the route told to name no chunk)
                 states.zero_()
