@@ -344,6 +344,12 @@ def test_prefill_takes_the_route_s_form_unless_a_chunk_is_named(monkeypatch):
     assert call([9, 9], host_query_lens=[9, 9]) == chunked  # none short: one launch
     assert call([12, 0, 0, 0], host_query_lens=[12, 0, 0, 0]) == chunked  # padding rows are not short ones
     assert call([9, 9, 9], host_query_lens=[9, 9, 9]) == recurrent  # three long
+    form = kernels.route.prefill_form(4, 15, lengths=[1, 1, 1, 12])
+    assert form == kernels.route.PrefillForm(16, chunked_from=8, chunked_seqs=1)
+    assert call([1, 1, 1, 12], form=form) == split  # a form the caller holds: the route is not asked again
+    assert call([1, 1, 1, 12], form=kernels.route.PrefillForm(None)) == recurrent
+    assert kernels.route.prefill_form(2, 18, lengths=[9, 9]) == kernels.route.PrefillForm(16, 0, 2)
+    assert kernels.route.prefill_form(3, 27, lengths=[9, 9, 9]) == kernels.route.PrefillForm(None)
     monkeypatch.setattr(kernels.route, "SHORT_TOKEN_BY_TOKEN", False)
     assert call([9, 2, 9], host_query_lens=[9, 2, 9]) == chunked
     monkeypatch.setattr(kernels.route, "SHORT_TOKEN_BY_TOKEN", True)
@@ -594,6 +600,30 @@ def test_linear_states_kernel_path_equals_reference_path(per_channel, monkeypatc
     for got, want in zip(runs[True], runs[False]):
         for a, b in zip(got, want):
             assert rel_err(a, b.double()) < CHUNK_TOL
+
+
+def test_a_step_asks_the_delta_rule_route_once_for_all_its_layers(monkeypatch):
+    """The route's host work grows with a step's rows, so LinearStates asks it once a step
+    (``SlotBatch.delta_rule_form``, per gate kind) and each layer's prefill takes that form; a new step asks
+    again."""
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", DEVICE))
+    asked = []
+    real = kernels.route.prefill_form
+    monkeypatch.setattr(kernels.route, "prefill_form", lambda *a, **kw: asked.append(a) or real(*a, **kw))
+    hk, hv, dk, dv = 1, 2, 16, 16
+    layout = LinearStateLayout(conv_channels=2 * hk * dk + hv * dv, conv_width=4, num_value_heads=hv, key_dim=dk,
+                               value_dim=dv, num_key_heads=hk, gate_per_channel=False)
+    states = LinearStates.allocate({0: layout, 1: layout}, 3, torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    for step, lens in enumerate(([40, 1], [2, 1])):
+        n = sum(lens)
+        states.set_batch(SlotBatch.build(lens, [0, 1], [bool(step), False], DEVICE))
+        for layer in (0, 1):
+            q, k = (torch.randn(n, hk, dk, generator=gen).to(DEVICE) for _ in range(2))
+            v = torch.randn(n, hv, dv, generator=gen).to(DEVICE)
+            states.delta_rule(layer, q, k, v, _raw_gates(n, hv, 1, gen, DEVICE))
+        assert len(asked) == step + 1
+        assert asked[-1][3] == tuple(lens)
 
 
 @pytest.mark.parametrize("on_kernels", [True, False], ids=["kernels", "reference"])

@@ -36,6 +36,7 @@ import torch
 
 from kvforge.attention import causal_conv1d, gated_delta_rule
 from kvforge.attention.delta_rule_gates import DeltaGates, GateValues
+from kvforge.attention.routing import delta_rule as delta_rule_route
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,20 @@ class SlotBatch:
         qsl = self.host_query_start_loc
         return tuple(qsl[i + 1] - qsl[i] if slot >= 0 else 0 for i, slot in enumerate(self.host_slot_ids))
 
+    @functools.cached_property
+    def _delta_rule_forms(self) -> dict[bool, delta_rule_route.PrefillForm]:
+        return {}
+
+    def delta_rule_form(self, per_channel: bool) -> delta_rule_route.PrefillForm:
+        """The delta-rule route's form for this step's prefill with per-head or per-channel gates
+        (kvforge/attention/routing/delta_rule.py), decided once a step for every state layer."""
+        forms = self._delta_rule_forms
+        if per_channel not in forms:
+            lens = self.host_query_lens
+            forms[per_channel] = delta_rule_route.prefill_form(len(lens), self.host_query_start_loc[-1],
+                                                               per_channel, lens)
+        return forms[per_channel]
+
     def snapshots_of(self, i: int) -> list[tuple[int, int]]:
         """``(offset, slot)`` of sequence ``i``'s snapshots in this step, by offset."""
         return sorted((o, sl) for j, o, sl in self.host_snapshots if j == i)
@@ -354,7 +369,7 @@ class LinearStates:
             return kernels.prefill(q, k, v, g, beta, states, b.slot_ids, b.query_start_loc,
                                    has_initial_state=b.has_initial_state, scale=scale, normalize_qk=normalize_qk,
                                    store_slot_ids=b.store_slot_ids, snapshots=b.snapshots,
-                                   host_query_lens=b.host_query_lens)
+                                   host_query_lens=b.host_query_lens, form=b.delta_rule_form(g.dim() == 3))
         out = torch.zeros_like(v)
         for i, start, end, slot, has_state in b.spans():
             s = states[slot] if has_state else None

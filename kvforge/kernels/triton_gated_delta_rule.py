@@ -540,14 +540,16 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             chunk_size: int | None = None, chunked_from: int | None = None,
             store_slot_ids: torch.Tensor | None = None,
             store_output: bool = True, snapshots: torch.Tensor | None = None,
-            host_query_lens: Sequence[int] | None = None) -> torch.Tensor:
+            host_query_lens: Sequence[int] | None = None, form: route.PrefillForm | None = None) -> torch.Tensor:
     """Sequences of any lengths (``query_start_loc``); ``out [T, Hv, V]``, ``states`` updated in place.
 
     ``chunk_size``: the chunked form in chunks of that many tokens (16 or 32); None takes the route's
     (kvforge/attention/routing/delta_rule.py: by the call's sequences, tokens and gates, and each sequence's
     tokens where ``host_query_lens`` gives them), whose None runs them token by token. ``chunked_from``: with
     the chunked form, the sequences of fewer tokens run token by token in a launch of their own after the
-    chunked form's two (0: none; None: the route's where it picks the form, else 0).
+    chunked form's two (0: none; None: the route's where it picks the form, else 0). ``form``: the route's
+    answer for this call where the caller already has it (asked once for a step's many layers), in place of
+    asking it here; ``chunk_size`` and ``chunked_from`` given still win.
 
     ``store_slot_ids`` (int32 [N], default ``slot_ids``): ``slot_ids[i]``, or -1 where sequence ``i`` keeps
     its slot's state (it verifies proposals; its accepted rows are replayed later). ``store_output`` False
@@ -570,10 +572,13 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         if not snapshots.is_contiguous():
             raise ValueError("snapshots must be contiguous (the kernels read row i at 2 * pairs * i)")
     per_channel = g.dim() == 3
+    chunked_seqs = None
     if chunk_size is None:
-        chunk_size = route.prefill_chunk(num_seqs, q.shape[0], per_channel, host_query_lens)
-        if chunked_from is None and chunk_size is not None:
-            chunked_from = route.chunked_from(host_query_lens)
+        if form is None:
+            form = route.prefill_form(num_seqs, q.shape[0], per_channel, host_query_lens)
+        chunk_size = form.chunk_size
+        if chunked_from is None:
+            chunked_from, chunked_seqs = form.chunked_from, form.chunked_seqs
     len_from = chunked_from or 0  # sequences of fewer tokens run token by token beside the chunked form
     if chunk_size is None:
         return _launch_recurrent(q, k, v, g, beta, states, slot_ids, has_initial_state, query_start_loc, scale,
@@ -587,8 +592,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     out = torch.empty_like(v)
     if num_seqs == 0 or t == 0:
         return out
-    # the sequences the chunked launches run (the others' programs return at once)
-    chunked_seqs = num_seqs if host_query_lens is None else sum(n >= max(len_from, 1) for n in host_query_lens)
+    if chunked_seqs is None:
+        chunked_seqs = route.chunked_sequences(num_seqs, host_query_lens, len_from)
     tile = CHUNK_STATE_TILES.for_batch(chunked_seqs)
     bk, bv = _blocks(dk, dv, tile)
     flags = has_initial_state if has_initial_state is not None else slot_ids

@@ -7,6 +7,7 @@ when it serves. Per-head gates (Gated DeltaNet) and per-channel gates (KDA) take
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 #: The chunk of the chunked form where the route takes it; None: every call runs token by token.
@@ -70,6 +71,37 @@ def chunked_from(lengths: Sequence[int] | None) -> int:
     if not SHORT_TOKEN_BY_TOKEN or lengths is None or all(n == 0 or n >= CHUNKED_MIN_TOKENS for n in lengths):
         return 0
     return CHUNKED_MIN_TOKENS
+
+
+def chunked_sequences(num_seqs: int, lengths: Sequence[int] | None, chunked_from_tokens: int) -> int:
+    """The sequences the chunked launches run in a call (the others' programs return at once): those of at
+    least ``chunked_from_tokens`` tokens (and at least one), every sequence where the lengths are not known."""
+    if lengths is None:
+        return num_seqs
+    return sum(n >= max(chunked_from_tokens, 1) for n in lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillForm:
+    """How a prefill call runs: ``chunk_size`` (None: token by token), ``chunked_from`` (the tokens below which
+    a sequence runs token by token beside the chunked form; 0: none) and ``chunked_seqs`` (the sequences the
+    chunked launches run, which pick their tile)."""
+
+    chunk_size: int | None
+    chunked_from: int = 0
+    chunked_seqs: int = 0
+
+
+def prefill_form(num_seqs: int, tokens: int, per_channel: bool = False,
+                 lengths: Sequence[int] | None = None) -> PrefillForm:
+    """The route's whole answer for a prefill call (:func:`prefill_chunk`, :func:`chunked_from` and
+    :func:`chunked_sequences`); host work over the call's lengths, which a caller running many layers over
+    the same step asks once."""
+    chunk = prefill_chunk(num_seqs, tokens, per_channel, lengths)
+    if chunk is None:
+        return PrefillForm(None)
+    split = chunked_from(lengths)
+    return PrefillForm(chunk, split, chunked_sequences(num_seqs, lengths, split))
 
 
 def chunked_buffer_bytes(tokens: int, value_heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
