@@ -14,7 +14,10 @@ take them and float32 accumulation:
   flash-linear-attention's chunked kernels multiply the state chain).
 
 Each is compared with the rule token by token in float64 from the same bf16 inputs (relative L2 of the
-final states and of all outputs). Gates: ``fast`` log decays uniform in [-1, 0] (the kernel bench's);
+final states and of all outputs). Two yardsticks beside them: ``bf16 inputs``, how far that float64 rule
+itself moves when ``q``, ``k`` and ``v`` are rounded to bf16 (the model's own rounding of its projections:
+the rule on the unrounded float64 values against the rounded ones), and ``bf16 outputs``, the rounding of the
+outputs a bf16 model stores (its states are kept in float32). Gates: ``fast`` log decays uniform in [-1, 0] (the kernel bench's);
 ``slow`` in [-0.01, 0] and ``still`` in [-0.0001, 0] (heads that remember hundreds to tens of thousands of
 tokens, where rounding errors decay slowly).
 """
@@ -48,19 +51,18 @@ def product(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def inputs(tokens: int, heads: int, dim: int, gate_scale: float, seed: int):
-    """q, k (L2-normalised, q scaled), v, g, beta: float64 tensors holding bf16 values (the model's inputs)."""
+    """q, k (L2-normalised, q scaled), v, g, beta as float64 tensors: once with q, k and v holding bf16 values
+    (the model's inputs), once unrounded (the same draws before the rounding)."""
     gen = torch.Generator().manual_seed(seed)
-
-    def bf16(x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.bfloat16).to(torch.float64)
-
-    q, k = (bf16(torch.randn(heads, tokens, dim, generator=gen)) for _ in range(2))
-    q = q / q.norm(dim=-1, keepdim=True) * dim**-0.5
-    k = k / k.norm(dim=-1, keepdim=True)
-    v = bf16(torch.randn(heads, tokens, dim, generator=gen))
+    raw_q, raw_k, raw_v = (torch.randn(heads, tokens, dim, generator=gen, dtype=torch.float64) for _ in range(3))
     g = -gate_scale * torch.rand(heads, tokens, generator=gen, dtype=torch.float64)
     beta = torch.rand(heads, tokens, generator=gen, dtype=torch.float64)
-    return q, k, v, g, beta
+
+    def prepared(round_bf16: bool):
+        q, k, v = ((x.to(torch.bfloat16).to(torch.float64) if round_bf16 else x) for x in (raw_q, raw_k, raw_v))
+        return q / q.norm(dim=-1, keepdim=True) * dim**-0.5, k / k.norm(dim=-1, keepdim=True), v, g, beta
+
+    return prepared(True), prepared(False)
 
 
 def token_by_token(q, k, v, g, beta):
@@ -116,15 +118,19 @@ def main() -> None:
     args = parser.parse_args()
     print(f"relative L2 against float64 token by token ({args.heads} heads, K = V = {args.dim}; "
           "states / outputs)")
-    print(f"{'gates':6s} {'tokens':>7s}  " + "  ".join(f"{m:>19s}" for m in MODES), flush=True)
+    columns = (*MODES, "bf16 inputs", "bf16 outputs")
+    print(f"{'gates':6s} {'tokens':>7s}  " + "  ".join(f"{m:>19s}" for m in columns), flush=True)
     for name, scale in GATES.items():
         for tokens in args.lengths:
-            q, k, v, g, beta = inputs(tokens, args.heads, args.dim, scale, seed=tokens)
-            want_out, want_state = token_by_token(q, k, v, g, beta)
+            rounded_inputs, raw_inputs = inputs(tokens, args.heads, args.dim, scale, seed=tokens)
+            want_out, want_state = token_by_token(*rounded_inputs)
             cells = []
             for mode in MODES:
-                out, state = chunked(q, k, v, g, beta, mode)
+                out, state = chunked(*rounded_inputs, mode)
                 cells.append(f"{relative(state, want_state):.1e} / {relative(out, want_out):.1e}")
+            raw_out, raw_state = token_by_token(*raw_inputs)
+            cells.append(f"{relative(want_state, raw_state):.1e} / {relative(want_out, raw_out):.1e}")
+            cells.append(f"{'-':>7s} / {relative(want_out.to(torch.bfloat16), want_out):.1e}")
             print(f"{name:6s} {tokens:7d}  " + "  ".join(f"{c:>19s}" for c in cells), flush=True)
 
 
