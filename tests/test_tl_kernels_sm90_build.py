@@ -10,7 +10,8 @@ variant the engine launches for these kernels must compile:
   gates at both models' head layouts, the recurrent decode kernel computing those gates itself, its prefill
   storing prefix-cache snapshots inside a sequence, and the
   chunked delta rule's two kernels (per-chunk system and products at its tile, state pass with and without
-  snapshots at both of its tiles) at every chunk size, for per-head and per-channel gates;
+  snapshots at both of its tiles) at every chunk size, for per-head and per-channel gates, with bf16 and
+  float32 inputs at the route's product precision for each, and bf16 inputs at the rounded tf32 products;
 - the routed experts' kernel with a program per sorted position (both products of a gated MLP).
 """
 
@@ -90,6 +91,7 @@ def _builds():
     for name, head_dim, channels, heads in (("qwen3-next", 1, 32, 32), ("kimi-linear", 128, 4096, 32)):
         yield f"delta gates, {name}", gates._delta_gates_kernel, dict(
             HEAD_DIM=head_dim, THRESHOLD=gates.SOFTPLUS_THRESHOLD, BLOCK_C=channels, BLOCK_B=heads)
+    from kvforge.attention.routing import delta_rule as route
     from kvforge.kernels import triton_gated_delta_rule as rule
 
     for name, per_channel, dt_bias in (("qwen3-next", False, "*bf16"), ("kimi-linear", True, "*fp32")):
@@ -104,26 +106,31 @@ def _builds():
             SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE), dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", slot_ptr="*i32",
             store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", snap_ptr="*i32")
-    chunk_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", g_ptr="*fp32", beta_ptr="*fp32", w_ptr="*fp32",
-                          slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1", qsl_ptr="*i32", chunk_ptr="*i32",
-                          snap_ptr="*i32")
     prep, states = rule.CHUNK_PREP_TILE, rule.CHUNK_STATE_TILES
-    for bt in sorted(rule.CHUNK_STATE_STAGES):  # at the tiles, warps and stages the engine launches
-        for per_channel in (False, True):
-            gates = ", per-channel gates" if per_channel else ""
-            yield f"chunked delta rule, chunks of {bt}{gates}", rule._chunk_prep_kernel, dict(
-                BT=bt, BK=128, BV=prep.block_v, NORMALIZE=True, PRECISION=rule.DOT_PRECISION, PER_CHANNEL=per_channel,
-                BKS=rule.CHUNK_CHANNEL_SLICE), chunk_pointers, prep.num_warps
-            for tile, which in ((states.small, "small"), (states.large, "large")):
-                for snapshots in (False, True):
-                    state_pass = dict(BT=bt, BK=128, BV=tile.block_v, NORMALIZE=True,
-                                      HAS_INIT_FLAGS=True, STORE_OUT=True, PRECISION=rule.DOT_PRECISION,
-                                      OUT_PRECISION=rule.OUTPUT_DOT_PRECISION,
-                                      SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE if snapshots else 0,
-                                      PER_CHANNEL=per_channel)
-                    yield (f"chunked delta rule's state pass, chunks of {bt}{gates}, {which} tile"
-                           + (", with snapshots" if snapshots else ""), rule._chunk_state_kernel, state_pass,
-                           chunk_pointers, tile.num_warps, rule.CHUNK_STATE_STAGES[bt])
+    # each input dtype at the route's product precision, and 16-bit inputs at the rounded tf32 form the route
+    # may give them
+    forms = dict.fromkeys([("bf16", route.product_precision(2)), ("fp32", route.product_precision(4)),
+                           ("bf16", "tf32-nearest")])
+    for inputs, precision in forms:
+        chunk_pointers = dict(q_ptr=f"*{inputs}", k_ptr=f"*{inputs}", v_ptr=f"*{inputs}", g_ptr="*fp32",
+                              beta_ptr="*fp32", w_ptr="*fp32", slot_ptr="*i32", store_slot_ptr="*i32", init_ptr="*i1",
+                              qsl_ptr="*i32", chunk_ptr="*i32", snap_ptr="*i32")
+        for bt in sorted(rule.CHUNK_STATE_STAGES):  # at the tiles, warps and stages the engine launches
+            for per_channel in (False, True):
+                gates = ", per-channel gates" if per_channel else ""
+                what = f"chunks of {bt}{gates}, {inputs} inputs ({precision})"
+                yield f"chunked delta rule, {what}", rule._chunk_prep_kernel, dict(
+                    BT=bt, BK=128, BV=prep.block_v, NORMALIZE=True, PRECISION=precision, PER_CHANNEL=per_channel,
+                    BKS=rule.CHUNK_CHANNEL_SLICE), chunk_pointers, prep.num_warps
+                for tile, which in ((states.small, "small"), (states.large, "large")):
+                    for snapshots in (False, True):
+                        state_pass = dict(BT=bt, BK=128, BV=tile.block_v, NORMALIZE=True, HAS_INIT_FLAGS=True,
+                                          STORE_OUT=True, PRECISION=precision,
+                                          SNAPSHOTS=SNAPSHOTS_PER_SEQUENCE if snapshots else 0,
+                                          PER_CHANNEL=per_channel)
+                        yield (f"chunked delta rule's state pass, {what}, {which} tile"
+                               + (", with snapshots" if snapshots else ""), rule._chunk_state_kernel, state_pass,
+                               chunk_pointers, tile.num_warps, rule.CHUNK_STATE_STAGES[bt])
 
 
 NAMES = [name for name, *_ in _builds()] if HAS_TRITON else []

@@ -41,7 +41,10 @@ Entries (no host sync, output allocated with ``torch.empty``):
      holding it. Each chunk's sequence is found by a binary search over its sequence's first chunk
      number, so the launch needs no host sync.
 
-  Its products run at :data:`DOT_PRECISION` (the output products at :data:`OUTPUT_DOT_PRECISION`).
+  Its products run at the route's precision for the inputs' dtype (``route.product_precision``: three tf32
+  products a product for float32 inputs, one of operands rounded to nearest for 16-bit ones; IEEE float32
+  products would run on the FMA units, and compiled for sm_90 at the largest chunks tried they spilled several
+  times more than tf32x3).
   Per-channel gates (KDA) take the same launches, every decay per key channel: the pairs' decays
   ``exp(g[j+1, c] + ... + g[r, c])`` weigh ``k_r k_j`` and ``q_r k_j`` channel by channel
   (:data:`CHUNK_CHANNEL_SLICE` channels at a time, as exact float32 sums rather than a product of
@@ -98,12 +101,6 @@ DECODE_TILES = TileBySequences(small=RecurrentTile(32, 4), large=RecurrentTile(6
 #: kernel alone 1.6x faster than four at 8-16 prompts on an H100, but a Qwen3-Next prefill end to end 8% slower
 #: (docs/BENCHMARKS.md, "Gated delta rule prefill").
 PREFILL_TILE = RecurrentTile(block_v=32, num_warps=4)
-#: The chunked form's products: three tf32 products a float32 product (float32's accuracy on the matrix
-#: units; IEEE float32 products run on the FMA units, and compiled for sm_90 at the largest chunks tried they
-#: spilled several times more than tf32x3).
-DOT_PRECISION = "tf32x3"
-#: The chunked form's output products (``q S`` and the in-chunk ``(q k^T) U``), off the state's chain.
-OUTPUT_DOT_PRECISION = "tf32x3"
 #: The chunk sizes the chunked form runs, with the pipeline stages of its state pass's chunk loop. Compiled
 #: for sm_90 with the 16-byte aligned pointers and strides a launch specialises on (tests/test_tl_kernels_sm90_build.py
 #: checks every tile against the 232,448 bytes of shared memory a Hopper allows a program): three stages at
@@ -130,6 +127,27 @@ if HAS_TRITON:
         if NORMALIZE:
             x = x * tl.rsqrt(tl.sum(x * x, axis=axis, keep_dims=True) + 1e-6)
         return x
+
+    @triton.jit
+    def _to_tf32_nearest(x):
+        """``x`` (float32) rounded to tf32's 10 fraction bits, to nearest with ties away from zero (as
+        ``cvt.rna.tf32.f32``): half the 13 dropped bits' range added, then the bits dropped, so the matrix units'
+        own tf32 read (which drops them) rounds nothing more. Infinities stay; a finite value past tf32's
+        largest rounds to infinity; NaN stays NaN (whose payload the addition could carry out)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.where(x == x, rounded, x)
+
+    @triton.jit
+    def _product(a, b, PRECISION: tl.constexpr):
+        """``a @ b`` in float32 accumulation at ``PRECISION``: Triton's ``input_precision`` ("tf32x3", "tf32",
+        "ieee"), or "tf32-nearest": one tf32 product of operands rounded to nearest (:func:`_to_tf32_nearest`)
+        rather than cut."""
+        if PRECISION == "tf32-nearest":
+            c = tl.dot(_to_tf32_nearest(a), _to_tf32_nearest(b), input_precision="tf32")
+        else:
+            c = tl.dot(a, b, input_precision=PRECISION)
+        return c
 
     @triton.jit
     def _row_factor(x, NORMALIZE: tl.constexpr):
@@ -326,8 +344,8 @@ if HAS_TRITON:
                 # difference)
                 segment = tl.cumsum(tl.where(strict, g[:, None], 0.0), axis=0)
                 decay = tl.exp(tl.where(lower, segment, float("-inf")))
-                a = tl.where(strict, beta[:, None] * tl.dot(k, kt, input_precision=PRECISION) * decay, 0.0)
-                aqk = tl.where(lower, tl.dot(q, kt, input_precision=PRECISION) * decay, 0.0)
+                a = tl.where(strict, beta[:, None] * _product(k, kt, PRECISION) * decay, 0.0)
+                aqk = tl.where(lower, _product(q, kt, PRECISION) * decay, 0.0)
             # (I + A)^-1 by forward substitution, one row at a time: row r = e_r - A[r, :r] @ rows[:r].
             inv = tl.where(rs[:, None] == rs[None, :], 1.0, 0.0)
             for r in range(1, tl.minimum(eos - c0, BT)):  # rows past the sequence end stay identity rows
@@ -335,14 +353,14 @@ if HAS_TRITON:
                 row = tl.where(rs == r, 1.0, 0.0) - tl.sum(a_row[:, None] * inv, axis=0)
                 inv = tl.where(rs[:, None] == r, row[None, :], inv)
             tl.store(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :], aqk, mask=rmask[:, None])
-            w = tl.dot(inv, beta[:, None] * tl.exp(gc) * k, input_precision=PRECISION)
+            w = _product(inv, beta[:, None] * tl.exp(gc) * k, PRECISION)
             tl.store(w_ptr + r64[:, None] * stride_wt + h * stride_wh + ks[None, :], w, mask=qk_mask)
             for v0 in range(0, DV, BV):
                 vs = v0 + tl.arange(0, BV)
                 v_mask = rmask[:, None] & (vs < DV)[None, :]
                 v = tl.load(v_ptr + r64[:, None] * stride_vt + h * stride_vh + vs[None, :], mask=v_mask,
                             other=0.0).to(tl.float32)
-                u = tl.dot(inv, beta[:, None] * v, input_precision=PRECISION)
+                u = _product(inv, beta[:, None] * v, PRECISION)
                 tl.store(u_ptr + r64[:, None] * stride_ut + h * stride_uh + vs[None, :], u, mask=v_mask)
 
     @triton.jit(do_not_specialize=["len_from"])
@@ -354,7 +372,7 @@ if HAS_TRITON:
         scale, GROUP, DK, DV, len_from,
         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         NORMALIZE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, STORE_OUT: tl.constexpr, PRECISION: tl.constexpr,
-        OUT_PRECISION: tl.constexpr, SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+        SNAPSHOTS: tl.constexpr, PER_CHANNEL: tl.constexpr,
     ):
         """The state pass of one (sequence, value head, value block): chunk after chunk, the chunk's new values
         ``U - W S``, its output and the state at its end; also the state after each of up to SNAPSHOTS given
@@ -405,15 +423,14 @@ if HAS_TRITON:
                     gc = tl.cumsum(g, axis=0)[:, None]
                     after = tl.cumsum(g_next, axis=0, reverse=True)[:, None]
                     whole = tl.exp(tl.sum(g, axis=0))
-                u = u - tl.dot(w, s, input_precision=PRECISION)
+                u = u - _product(w, s, PRECISION)
                 if STORE_OUT:
                     q = tl.load(q_ptr + r64[:, None] * stride_qt + hk * stride_qh + ks[None, :], mask=qk_mask,
                                 other=0.0).to(tl.float32)
                     q = _l2_normalize(q, NORMALIZE, 1) * scale
                     aqk = tl.load(aqk_ptr + r64[:, None] * stride_at + h * stride_ah + rs[None, :],
                                   mask=rmask[:, None], other=0.0)
-                    o = (tl.dot(q * tl.exp(gc), s, input_precision=OUT_PRECISION)
-                         + tl.dot(aqk, u, input_precision=OUT_PRECISION))
+                    o = _product(q * tl.exp(gc), s, PRECISION) + _product(aqk, u, PRECISION)
                     tl.store(out_ptr + r64[:, None] * stride_ot + h * stride_oh + vs[None, :],
                              o.to(out_ptr.dtype.element_ty), mask=v_mask)
                 for m in tl.static_range(SNAPSHOTS):  # (token offset in the sequence, slot) pairs; offset -1: none
@@ -423,7 +440,7 @@ if HAS_TRITON:
                         _store_snapshot(state_ptr, s, k, u, g, g_next, rows, snap_at, dest - slot, s_off, smask,
                                         stride_ss, PRECISION, PER_CHANNEL)
                 k_end = k * tl.exp(after)
-                s = whole * s + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
+                s = whole * s + _product(tl.trans(k_end), u, PRECISION)
             _store_state(state_ptr, s, s_off, smask, slot, store_slot_ptr, i, stride_ss)
 
     @triton.jit
@@ -440,7 +457,7 @@ if HAS_TRITON:
             decay = tl.exp(tl.cumsum(tl.where(rows + 1 <= token, g_next, 0.0), axis=0, reverse=True))[:, None]
             whole = tl.exp(tl.sum(tl.where(rows <= token, g, 0.0), axis=0))
         k_snap = tl.where((rows <= token)[:, None], k * decay, 0.0)
-        snap = whole * s + tl.dot(tl.trans(k_snap), u, input_precision=PRECISION)
+        snap = whole * s + _product(tl.trans(k_snap), u, PRECISION)
         tl.store(state_ptr + s_off + slot_shift * stride_ss, snap.to(state_ptr.dtype.element_ty), mask=smask)
 
 
@@ -606,6 +623,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
     aqk = torch.empty(t, hv, chunk_size, **f32)
     scale = float(dk**-0.5 if scale is None else scale)
+    precision = route.product_precision(q.element_size())
     _chunk_prep_kernel[(triton.cdiv(t, chunk_size) + num_seqs, hv)](
         q, k, v, g, beta, slot_ids, query_start_loc, chunk_start, w, u, aqk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
@@ -613,7 +631,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), aqk.stride(0), aqk.stride(1),
         scale, hv // hk, dk, dv, num_seqs, max(1, num_seqs.bit_length()), len_from,
         BT=chunk_size, BK=bk, BV=_blocks(dk, dv, CHUNK_PREP_TILE)[1], NORMALIZE=bool(normalize_qk),
-        PRECISION=DOT_PRECISION, PER_CHANNEL=per_channel, BKS=CHUNK_CHANNEL_SLICE,
+        PRECISION=precision, PER_CHANNEL=per_channel, BKS=CHUNK_CHANNEL_SLICE,
         num_warps=CHUNK_PREP_TILE.num_warps,
     )
     _chunk_state_kernel[(num_seqs, hv, triton.cdiv(dv, bv))](
@@ -625,8 +643,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         states.stride(0), states.stride(1), states.stride(2),
         scale, hv // hk, dk, dv, len_from,
         BT=chunk_size, BK=bk, BV=bv, NORMALIZE=bool(normalize_qk),
-        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=DOT_PRECISION,
-        OUT_PRECISION=OUTPUT_DOT_PRECISION, SNAPSHOTS=_snapshot_pairs(snapshots), PER_CHANNEL=per_channel,
+        HAS_INIT_FLAGS=has_initial_state is not None, STORE_OUT=bool(store_output), PRECISION=precision,
+        SNAPSHOTS=_snapshot_pairs(snapshots), PER_CHANNEL=per_channel,
         num_warps=tile.num_warps,
         num_stages=CHUNK_STATE_STAGES[chunk_size],
     )

@@ -38,6 +38,21 @@ SHORT_TOKEN_BY_TOKEN = True
 #: Whether per-channel gates (KDA) take the chunked form by the same rule (else token by token).
 PER_CHANNEL_CHUNKED = True
 
+#: The chunked form's matrix products by the bytes of an element of the call's inputs (``q``, ``k``, ``v``;
+#: kvforge/kernels/triton_gated_delta_rule.py ``_product``): "tf32x3" (three tf32 products a product,
+#: float32's accuracy on the matrix units) for every dtype. The other form the kernels run, "tf32-nearest" (one
+#: tf32 product of operands rounded to nearest), emulated over 1k-32k tokens (docs/BENCHMARKS.md, "Gated delta
+#: rule prefill"), moves a bf16 model's states by 3.5-4.9e-4 (relative L2), a sixth of what the bf16 rounding
+#: of its own inputs moves them (2.4-2.9e-3), and its outputs by a third of their storage rounding, an error
+#: that does not grow with the sequence; tf32 products with the bits cut instead ran the chunked form 2x faster.
+#: Inputs of sizes not listed take "tf32x3".
+PRODUCT_PRECISION = {4: "tf32x3", 2: "tf32x3"}
+
+
+def product_precision(input_bytes: int) -> str:
+    """The precision of the chunked form's products for inputs of ``input_bytes`` an element."""
+    return PRODUCT_PRECISION.get(input_bytes, "tf32x3")
+
 
 def largest_chunk(per_channel: bool) -> int | None:
     """The chunk of the chunked form where a prefill of these gates may take it (None: never), the chunk
