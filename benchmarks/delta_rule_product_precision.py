@@ -8,8 +8,9 @@ the state at the chunk's end), with every matrix product's operands rounded as t
 take them and float32 accumulation:
 
 * ``float32``: no rounding (the kernel's tf32x3 products keep about 22 significant bits of each operand);
-* ``tf32``: each operand rounded to nearest at 11 significant bits (one tf32 product); ``tf32 cut``: the
-  bits past them dropped instead (rounded toward zero);
+* ``tf32``: each operand rounded to nearest at 11 significant bits, ties away from zero (one tf32 product, as
+  the kernel's "tf32-nearest" form takes them); ``tf32 cut``: the bits past them dropped instead (rounded
+  toward zero);
 * ``bf16``: each operand rounded to 8 significant bits (products on operands in the model dtype, as
   flash-linear-attention's chunked kernels multiply the state chain).
 
@@ -34,7 +35,9 @@ GATES = {"fast": 1.0, "slow": 0.01, "still": 0.0001}
 
 
 def rounded(x: torch.Tensor, mode: str) -> torch.Tensor:
-    """``x`` (float32) with its significand rounded to nearest even as ``mode``'s operands hold it."""
+    """``x`` (float32) with its significand rounded as ``mode``'s operands hold it: to nearest even for bf16, to
+    nearest with ties away from zero for tf32 (as the kernel's "tf32-nearest" form rounds), dropped for tf32
+    cut."""
     if mode == "float32":
         return x
     if mode == "bf16":
@@ -42,7 +45,7 @@ def rounded(x: torch.Tensor, mode: str) -> torch.Tensor:
     bits = x.contiguous().view(torch.int32)
     drop = 13  # float32 keeps 23 fraction bits, tf32 10
     if mode == "tf32":
-        bits = bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)
+        bits = bits + (1 << (drop - 1))  # half the dropped bits' range: ties away from zero
     return (bits & ~((1 << drop) - 1)).view(torch.float32)
 
 
@@ -51,8 +54,8 @@ def product(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def inputs(tokens: int, heads: int, dim: int, gate_scale: float, seed: int):
-    """q, k (L2-normalised, q scaled), v, g, beta as float64 tensors: once with q, k and v holding bf16 values
-    (the model's inputs), once unrounded (the same draws before the rounding)."""
+    """q, k (L2-normalised, q scaled), v, g, beta as float64 tensors: once from q, k and v rounded to bf16 (the
+    model's inputs, normalised after the rounding), once from the same draws unrounded."""
     gen = torch.Generator().manual_seed(seed)
     raw_q, raw_k, raw_v = (torch.randn(heads, tokens, dim, generator=gen, dtype=torch.float64) for _ in range(3))
     g = -gate_scale * torch.rand(heads, tokens, generator=gen, dtype=torch.float64)

@@ -109,7 +109,7 @@ def _builds():
     prep, states = rule.CHUNK_PREP_TILE, rule.CHUNK_STATE_TILES
     # each input dtype at the route's product precision, and 16-bit inputs at the rounded tf32 form the route
     # may give them
-    forms = dict.fromkeys([("bf16", route.product_precision(2)), ("fp32", route.product_precision(4)),
+    forms = dict.fromkeys([("bf16", route.product_precision("bfloat16")), ("fp32", route.product_precision("float32")),
                            ("bf16", "tf32-nearest")])
     for inputs, precision in forms:
         chunk_pointers = dict(q_ptr=f"*{inputs}", k_ptr=f"*{inputs}", v_ptr=f"*{inputs}", g_ptr="*fp32",

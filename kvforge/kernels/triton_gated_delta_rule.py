@@ -41,10 +41,10 @@ Entries (no host sync, output allocated with ``torch.empty``):
      holding it. Each chunk's sequence is found by a binary search over its sequence's first chunk
      number, so the launch needs no host sync.
 
-  Its products run at the route's precision for the inputs' dtype (``route.product_precision``: three tf32
-  products a product for float32 inputs, one of operands rounded to nearest for 16-bit ones; IEEE float32
-  products would run on the FMA units, and compiled for sm_90 at the largest chunks tried they spilled several
-  times more than tf32x3).
+  Its products run at the route's precision for the inputs' dtype (``route.product_precision``): three tf32
+  products a product (tf32x3, the default for every dtype), or one tf32 product of operands rounded to nearest
+  ("tf32-nearest"); IEEE float32 products would run on the FMA units, and compiled for sm_90 at the largest
+  chunks tried they spilled several times more than tf32x3.
   Per-channel gates (KDA) take the same launches, every decay per key channel: the pairs' decays
   ``exp(g[j+1, c] + ... + g[r, c])`` weigh ``k_r k_j`` and ``q_r k_j`` channel by channel
   (:data:`CHUNK_CHANNEL_SLICE` channels at a time, as exact float32 sums rather than a product of
@@ -132,8 +132,9 @@ if HAS_TRITON:
     def _to_tf32_nearest(x):
         """``x`` (float32) rounded to tf32's 10 fraction bits, to nearest with ties away from zero (as
         ``cvt.rna.tf32.f32``): half the 13 dropped bits' range added, then the bits dropped, so the matrix units'
-        own tf32 read (which drops them) rounds nothing more. Infinities stay; a finite value past tf32's
-        largest rounds to infinity; NaN stays NaN (whose payload the addition could carry out)."""
+        own tf32 read (which drops them) rounds nothing more. Infinities stay; a finite value at or past the
+        halfway point above tf32's largest rounds to infinity; NaN stays NaN (whose payload the addition could
+        carry out)."""
         bits = x.to(tl.uint32, bitcast=True)
         rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
         return tl.where(x == x, rounded, x)
@@ -623,7 +624,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     w, u = torch.empty(t, hv, dk, **f32), torch.empty(t, hv, dv, **f32)
     aqk = torch.empty(t, hv, chunk_size, **f32)
     scale = float(dk**-0.5 if scale is None else scale)
-    precision = route.product_precision(q.element_size())
+    precision = route.product_precision(str(q.dtype).removeprefix("torch."))
     _chunk_prep_kernel[(triton.cdiv(t, chunk_size) + num_seqs, hv)](
         q, k, v, g, beta, slot_ids, query_start_loc, chunk_start, w, u, aqk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),

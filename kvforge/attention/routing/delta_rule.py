@@ -38,22 +38,25 @@ SHORT_TOKEN_BY_TOKEN = True
 #: Whether per-channel gates (KDA) take the chunked form by the same rule (else token by token).
 PER_CHANNEL_CHUNKED = True
 
-#: The chunked form's matrix products by the bytes of an element of the call's inputs (``q``, ``k``, ``v``;
-#: kvforge/kernels/triton_gated_delta_rule.py ``_product``): "tf32x3" (three tf32 products a product,
-#: float32's accuracy on the matrix units) for every dtype. The other form the kernels run, "tf32-nearest" (one
-#: tf32 product of operands rounded to nearest), emulated over 1k-32k tokens (docs/BENCHMARKS.md, "Gated delta
-#: rule prefill"), moves a bf16 model's states by 3.5-4.9e-4 (relative L2), a sixth of what the bf16 rounding
-#: of its own inputs moves them (2.4-2.9e-3), and its outputs by a third of their storage rounding, an error
-#: that does not grow with the sequence (on an H100 the states 3.6e-4 off); it ran Qwen3-Next's layer
-#: 1.26-1.36x faster than tf32x3 and Kimi-Linear's 0.96-1.08x (cut tf32: 1.3-2.0x, three times the error).
-#: tf32x3 stays the default, where the chunked form keeps 1e-4 of the rule in float64 for every dtype.
-#: Inputs of sizes not listed take "tf32x3".
-PRODUCT_PRECISION = {4: "tf32x3", 2: "tf32x3"}
+#: The chunked form's matrix products by the dtype of the call's inputs (``q``, ``k``, ``v``, named as
+#: ``torch`` names it; kvforge/kernels/triton_gated_delta_rule.py ``_product``): "tf32x3" (three tf32 products a
+#: product, float32's accuracy on the matrix units) for every dtype. The other form the kernels run,
+#: "tf32-nearest" (one tf32 product of operands rounded to nearest), emulated over 1k-32k tokens
+#: (docs/BENCHMARKS.md, "Gated delta rule prefill"), moves a bf16 model's states by 3.5-4.9e-4 (relative L2), a
+#: sixth of what the bf16 rounding of its own inputs moves them (2.4-2.9e-3), an error that does not grow with
+#: the sequence; on an H100 the states were 3.6e-4 off and the bf16 outputs 1.2-1.4e-3 (their storage rounding
+#: 1.7e-3), and it ran Qwen3-Next's layer 1.26-1.36x faster than tf32x3 and Kimi-Linear's 0.96-1.08x (cut tf32:
+#: 1.1-1.9x, three times the error). tf32x3 stays the default, where the chunked form keeps 1e-4 of the rule in
+#: float64 for every dtype. (fp16 inputs hold tf32's 11 significant bits, so that yardstick does not carry over
+#: to them.)
+PRODUCT_PRECISION = {"float32": "tf32x3", "bfloat16": "tf32x3"}
+#: The products of inputs of a dtype :data:`PRODUCT_PRECISION` does not name.
+DEFAULT_PRODUCT_PRECISION = "tf32x3"
 
 
-def product_precision(input_bytes: int) -> str:
-    """The precision of the chunked form's products for inputs of ``input_bytes`` an element."""
-    return PRODUCT_PRECISION.get(input_bytes, "tf32x3")
+def product_precision(input_dtype: str) -> str:
+    """The precision of the chunked form's products for inputs of ``input_dtype`` (``"bfloat16"``, ...)."""
+    return PRODUCT_PRECISION.get(input_dtype, DEFAULT_PRODUCT_PRECISION)
 
 
 def largest_chunk(per_channel: bool) -> int | None:
@@ -102,11 +105,11 @@ def chunked_sequences(num_seqs: int, lengths: Sequence[int] | None, chunked_from
 class PrefillForm:
     """How a prefill call runs: ``chunk_size`` (None: token by token), ``chunked_from`` (the tokens below which
     a sequence runs token by token beside the chunked form; 0: none) and ``chunked_seqs`` (the sequences the
-    chunked launches run, which pick their tile)."""
+    chunked launches run, which pick their tile; None: counted from the call's lengths)."""
 
     chunk_size: int | None
     chunked_from: int = 0
-    chunked_seqs: int = 0
+    chunked_seqs: int | None = None
 
 
 def prefill_form(num_seqs: int, tokens: int, per_channel: bool = False,

@@ -110,9 +110,9 @@ def _delta_rule_section() -> list[str]:
               "call's mean for every one) |",
               f"| token by token, beside the chunks | `_recurrent_kernel`, after the two chunked launches | {short} |",
               "| token by token | `_recurrent_kernel` | every other call |", "",
-              "The chunked form's matrix products by the inputs' element size (`product_precision`): "
-              + ", ".join(f"{n}-byte inputs `{p}`" for n, p in sorted(r.PRODUCT_PRECISION.items(), reverse=True))
-              + ", any other `tf32x3`"
+              "The chunked form's matrix products by the inputs' dtype (`product_precision`): "
+              + ", ".join(f"{d} `{p}`" for d, p in r.PRODUCT_PRECISION.items())
+              + f", any other `{r.DEFAULT_PRODUCT_PRECISION}`"
               + ("; `tf32-nearest`: one tf32 product of operands rounded to nearest."
                  if "tf32-nearest" in r.PRODUCT_PRECISION.values() else "."), "",
               "The planner's activation reserve counts the chunked form's float32 buffers (`chunked_buffer_bytes`) "
