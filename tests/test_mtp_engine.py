@@ -68,6 +68,43 @@ def assert_mtp_agrees_with_speculation_off(make_llm, checkpoint, dtype: str, kv:
         assert counters["num_draft_tokens"] >= 20 * k  # proposals were made and verified
 
 
+
+def assert_mtp_graph_path_agrees(make_llm, checkpoint, monkeypatch, k: int, all_accepted: bool) -> None:
+    """The MTP layer's passes on the CUDA-graph path (the static, padded inputs and the previous-hidden rows
+    its graphs read; run on CPU with ``static_decode_on_cpu``, as the target's decode steps): each replayed
+    pass equals the eager pass on the same inputs (float32, 1e-5 of the largest head input: one padded batch
+    against another; a stale or misplaced hidden row, token or position moves it by far more, and the exact
+    verification would hide it in the output), and the greedy output equals speculation off by the near-tie
+    rule. Single-token passes (q = 1) replay and, with ``all_accepted``, the observed rows of a fully
+    accepted step (q = 1 + k) too; three sequences pad to the graph of 4 rows (sizes 1, 2, 4, 8)."""
+    from mtp_graph_passes import run_graph_passes_twice
+
+    from kvforge.engine import llm_engine
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ref = generate(make_llm(checkpoint), PROMPTS, params)
+
+    class StaticDecodeRunner(llm_engine.ModelRunner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "static_decode_on_cpu": True})
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", StaticDecodeRunner)
+    llm = make_llm(checkpoint, k, cuda_graph_sizes=[1, 2, 4, 8])
+    runner = llm.engine.draft_runner
+    assert runner.graphs is not None and runner.graphs.query_lens == tuple(range(1, k + 2))
+    passes = run_graph_passes_twice(runner)
+    assert_outputs_agree(generate(llm, PROMPTS, params), ref, FP32_LOGIT_TOL)
+    assert max(diff for _, _, diff in passes) <= 1e-5, passes
+    stats = llm.engine.stats()
+    assert stats["proposer_steps"]["graph"] == len(passes) > 0, stats
+    assert any(n == 3 for n, _, _ in passes), passes  # padded to the graph of 4 rows
+    assert any(q == 1 for _, q, _ in passes), passes
+    if all_accepted:
+        assert any(q == k + 1 for _, q, _ in passes), passes
+        counters = stats["spec_decode"]
+        assert counters["num_accepted_tokens"] == counters["num_draft_tokens"] >= 20, counters
+
+
 def _target_function_checkpoint(path) -> None:
     """Every attention output and MLP down projection of the target and of the MTP block is zero, so the
     target's next token is a function of the current token only: head(norm(embed(t))). The MTP layer is
@@ -105,6 +142,19 @@ def test_mtp_that_computes_the_target_is_accepted(tmp_path):
         assert counters["num_draft_tokens"] >= 20, counters
         assert counters["num_accepted_tokens"] == counters["num_draft_tokens"], counters
         assert llm.engine.stats()["num_steps"] < 48 // k + 10  # 48 tokens in about 48 / (k + 1) decode steps
+
+
+
+@pytest.mark.parametrize("target_function", [False, True])
+def test_mtp_passes_on_the_graph_path(checkpoint, tmp_path, monkeypatch, target_function):
+    """See :func:`assert_mtp_graph_path_agrees`; the MLA layer's verification metadata of q > 1 rows is the
+    per-token form the graphs compute from their static buffers."""
+    if target_function:
+        save_deepseek_v3_with_mtp(tmp_path)
+        _target_function_checkpoint(tmp_path)
+        checkpoint = tmp_path
+    assert_mtp_graph_path_agrees(lambda path, k=0, **kw: _llm(path, k, dtype="float32", **kw), checkpoint,
+                                 monkeypatch, 2, all_accepted=target_function)
 
 
 def test_dummy_weights_run_the_mtp_layer(tmp_path):

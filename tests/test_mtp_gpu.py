@@ -1,6 +1,6 @@
-"""Speculative method mtp on CUDA: the MTP layer's passes and the target's verify steps (eager, or a
-verification CUDA graph when every sequence verifies all k proposals; the MTP layer then reads the
-graph's hidden states) on the Triton MLA backend, bf16 and fp8 KV; Qwen3-Next's MTP layer on the
+"""Speculative method mtp on CUDA: the MTP layer's passes (their own CUDA graphs where a pass fits one, else
+eager) and the target's verify steps (eager, or a verification CUDA graph when every sequence verifies all k
+proposals; the MTP layer then reads the graph's hidden states) on the Triton MLA backend, bf16 and fp8 KV; Qwen3-Next's MTP layer on the
 Triton paged and Gated DeltaNet kernels. Skipped without CUDA.
 
 Reference: the same engine with speculation off, compared by the near-tie rule of
@@ -125,3 +125,31 @@ def test_qwen3_next_mtp_computing_the_target_is_accepted_on_cuda(tmp_path):
     counters = llm.engine.stats()["spec_decode"]
     assert counters["num_draft_tokens"] > 50
     assert counters["num_accepted_tokens"] == counters["num_draft_tokens"], counters
+
+
+@pytest.mark.parametrize("arch", ["deepseek", "qwen3_next"])
+def test_mtp_graph_passes_equal_eager_passes(tmp_path, arch):
+    """The MTP layer's captured passes (single tokens, and a decoding sequence's observed rows) against the
+    same passes run eagerly on the same inputs (tests/mtp_graph_passes.py), bf16 with dummy weights: within
+    2^-5 of the largest head input (the attention's split counts differ between a graph's context bucket and
+    the eager step, so the bf16 rounding differs; a stale or misplaced row moves the output by its own size).
+    The output still equals speculation off."""
+    from mtp_graph_passes import run_graph_passes_twice
+    from tiny_checkpoints import QWEN3_NEXT
+
+    config = DEEPSEEK_MTP if arch == "deepseek" else {**QWEN3_NEXT, "architectures": ["Qwen3NextForCausalLM"],
+                                                      "mtp_num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [{"prompt_token_ids": [p % 128 for p in prompt]} for prompt in PROMPTS]
+    kw = dict(skip_tokenizer_init=True, kv_cache_memory=1 << 28, progress=False, device="cuda", max_num_seqs=8,
+              load_format="dummy", dtype="bfloat16")
+    off = LLM(str(tmp_path), **kw)
+    ref = off.generate(prompts, PARAMS, use_tqdm=False)
+    scale = max(1.0, off.engine.compute_prompt_logits(prompts[0]["prompt_token_ids"]).abs().max().item())
+    llm = LLM(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "backoff": False}, **kw)
+    runner = llm.engine.draft_runner
+    assert runner.graphs is not None, runner.graphs_off_reason
+    passes = run_graph_passes_twice(runner)
+    assert_outputs_agree(llm.generate(prompts, PARAMS, use_tqdm=False), ref, scale * 2.0**-5)
+    assert len(passes) > 40 and max(diff for _, _, diff in passes) <= 2.0**-5, passes
+    assert llm.engine.stats()["proposer_steps"]["graph"] == len(passes)

@@ -23,7 +23,7 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree  # noqa: E402
 from linear_attention_setup import one_torch_thread  # noqa: E402, F401 (autouse fixture)
 from qwen3_next_mtp_checkpoint import save_qwen3_next_with_mtp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from test_mtp_engine import PROMPTS, assert_mtp_agrees_with_speculation_off  # noqa: E402
+from test_mtp_engine import PROMPTS, assert_mtp_agrees_with_speculation_off, assert_mtp_graph_path_agrees  # noqa: E402,E501
 from test_mtp_engine import _llm as mtp_llm  # noqa: E402
 from test_speculative_engine import generate, token_ids  # noqa: E402
 from tiny_checkpoints import QWEN3_NEXT  # noqa: E402
@@ -81,6 +81,18 @@ def test_mtp_that_computes_the_target_is_accepted(tmp_path):
         assert counters["num_draft_tokens"] >= 20, counters
         assert counters["num_accepted_tokens"] == counters["num_draft_tokens"], counters
         assert llm.engine.stats()["num_steps"] < 48 // k + 10  # 48 tokens in about 48 / (k + 1) decode steps
+
+
+
+@pytest.mark.parametrize("target_function", [False, True])
+def test_mtp_passes_on_the_graph_path(checkpoint, tmp_path, monkeypatch, target_function):
+    """See :func:`test_mtp_engine.assert_mtp_graph_path_agrees`: the MTP layer's gated attention and MoE beside
+    the target's verification graphs, whose Gated DeltaNet states are replayed over the accepted rows."""
+    if target_function:
+        save_qwen3_next_with_mtp(tmp_path)
+        _target_function_checkpoint(tmp_path)
+        checkpoint = tmp_path
+    assert_mtp_graph_path_agrees(_llm, checkpoint, monkeypatch, 2, all_accepted=target_function)
 
 
 def test_dummy_weights_run_the_mtp_layer(tmp_path):

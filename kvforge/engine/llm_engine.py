@@ -391,8 +391,10 @@ class LLMEngine:
         else:
             self.draft_runner = ModelRunner(self.model, self.pool.draft_view(), self.plan.draft_runner_plan(),
                                             self.device, calibrate=args.calculate_kv_scales,
-                                            scale_multiplier=args.kv_scale_multiplier, enforce_eager=True,
-                                            max_num_seqs=max_num_seqs, mla_prefill_mode=args.mla_prefill_mode)
+                                            scale_multiplier=args.kv_scale_multiplier,
+                                            enforce_eager=args.enforce_eager, max_num_seqs=max_num_seqs,
+                                            graph_sizes=args.graph_sizes(), mla_prefill_mode=args.mla_prefill_mode,
+                                            mtp_proposals=self.speculative.num_speculative_tokens)
         return dict(runner=self.draft_runner, target_runner=self.runner, block_manager=self.block_manager,
                     max_model_len=self.max_model_len, copy_blocks=self._copy_blocks,
                     spare_blocks=lambda: self.scheduler.spare_blocks())
@@ -851,6 +853,8 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "graph_steps": self.runner.num_graph_steps,
             "eager_steps": self.runner.num_eager_steps,
+            "proposer_steps": ({"graph": self.draft_runner.num_graph_steps, "eager": self.draft_runner.num_eager_steps}
+                               if self.draft_runner is not None else None),
             "async_scheduling": self.async_scheduling,
             "async_pressure_resolves": self.async_pressure_resolves,
             "spec_decode": self.spec_counters.as_dict() if self.spec_counters is not None else None,

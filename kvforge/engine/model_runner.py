@@ -156,12 +156,16 @@ class ModelRunner:
     1, 2, 4, multiples of 8 up to 256 and of 16 beyond, and ``max_num_seqs`` itself). ``mla_prefill_mode``: how the
     Triton MLA backend attends steps with a prefill chunk (``kvforge.attention.routing.mla.PREFILL_MODES``).
     ``static_decode_on_cpu``: on CPU, decode steps take the CUDA-graph path's static, padded inputs (run
-    eagerly; there is no capture on CPU), so tests exercise that path without a GPU."""
+    eagerly; there is no capture on CPU), so tests exercise that path without a GPU. ``mtp_proposals`` (> 0):
+    a runner of the model's multi-token-prediction layer proposing up to that many tokens a step; its
+    :meth:`forward` is the MTP layer over the static previous-hidden rows :attr:`mtp_hidden`, and its graphs
+    capture every query length 1 .. 1 + ``mtp_proposals`` (a decoding sequence's observed rows)."""
 
     def __init__(self, model, pool: KVPool, plan: KVPlan, device: torch.device, *, calibrate: bool = False,
                  scale_multiplier: float = 1.0, enforce_eager: bool = True, max_num_seqs: int = 256,
                  graph_sizes: list[int] | None = None, ring_rows: int = 0, ring_row_bytes: int = 0,
-                 mla_prefill_mode: str = "auto", static_decode_on_cpu: bool = False, verify_query_len: int = 1):
+                 mla_prefill_mode: str = "auto", static_decode_on_cpu: bool = False, verify_query_len: int = 1,
+                 mtp_proposals: int = 0):
         self.model = model
         self.pool = pool
         self.plan = plan
@@ -235,6 +239,17 @@ class ModelRunner:
         self.mtp_target: ModelRunner | None = None
         self._mtp_heads: torch.Tensor | None = None
         self._mtp_current: torch.Tensor | None = None
+        self.mtp_proposals = mtp_proposals
+        query_lens = (1, verify_query_len) if not mtp_proposals else tuple(range(1, mtp_proposals + 2))
+        #: The MTP layer's previous hidden state of each row of a step (``mtp_proposals`` > 0): the static input
+        #: its graphs read, sized for the largest captured batch at the longest query.
+        self.mtp_hidden: torch.Tensor | None = None
+        if mtp_proposals and not enforce_eager and (device.type == "cuda" or static_decode_on_cpu):
+            from kvforge.engine.cuda_graphs import default_capture_sizes
+
+            rows = max(graph_sizes or default_capture_sizes(max_num_seqs)) * query_lens[-1]
+            self.mtp_hidden = torch.zeros((rows, model.args.hidden_size), dtype=getattr(torch, plan.model_dtype),
+                                          device=device)
         self._tables = BlockTableCache()
         self._pin = device.type == "cuda"
         self.num_graph_steps = 0
@@ -249,7 +264,7 @@ class ModelRunner:
                 stream = torch.cuda.current_stream(device)
                 try:
                     self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes,
-                                               query_lens=(1, verify_query_len))
+                                               query_lens=query_lens)
                 except RuntimeError as e:  # an op the capture forbids: serve eagerly, say why (stats, log)
                     torch.cuda.set_stream(stream)  # a capture_end that raised skipped the capture stream's exit
                     self.graphs = None
@@ -263,7 +278,7 @@ class ModelRunner:
             from kvforge.engine.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes, capture=False,
-                                       query_lens=(1, verify_query_len))
+                                       query_lens=query_lens)
         elif device.type != "cuda":
             self.graphs_off_reason = "not a CUDA device"
         if device.type == "cpu":
@@ -508,6 +523,9 @@ class ModelRunner:
             raise ValueError(f"{len(self._metas)} attention metadata for {self.num_groups} KV-cache groups")
         self._num_splits = num_splits
         try:
+            if self.mtp_proposals:
+                hidden = self.mtp_hidden[:input_ids.shape[0]]
+                return self.model.mtp_forward(input_ids, positions, hidden, self._attn_api)
             return self.model(input_ids, positions, self._attn_api)
         finally:
             self._metas, self._num_splits = None, None
@@ -671,6 +689,17 @@ class ModelRunner:
         return (self.mtp_logits(out) if logits else None), out
 
     def _mtp_layer(self, host: HostStep, hidden: torch.Tensor) -> torch.Tensor:
+        if self.mtp_hidden is not None and self.wants_graph(host):
+            self.mtp_hidden[:hidden.shape[0]].copy_(hidden)
+            out = self.graphs.run(host)  # valid until this runner's next replay
+            self.num_graph_steps += 1
+            if host.rows is None:
+                return out
+            rows = torch.from_numpy(host.rows)
+            if self._pin:
+                rows = rows.pin_memory()
+            return out.index_select(0, rows.to(self.device, non_blocking=True))
+        self.num_eager_steps += 1
         ids, positions, metas, rows = self._to_device(host)
         self._metas, self._num_splits = metas, None
         try:

@@ -1,0 +1,28 @@
+"""Every pass of an MTP runner that replays a graph, run a second time eagerly on the same inputs, for tests
+of the graph path (CPU: the static, padded inputs of ``static_decode_on_cpu``; CUDA: captured graphs)."""
+
+from __future__ import annotations
+
+
+def run_graph_passes_twice(runner) -> list[tuple[int, int, float]]:
+    """Patch ``runner`` (a ModelRunner with ``mtp_proposals``) so that each pass a graph serves is also run
+    eagerly; the graph's output goes on. Returns the list the patch fills: per replayed pass, (sequences,
+    query length, max |graph - eager| / max |eager|) of the head inputs."""
+    passes: list[tuple[int, int, float]] = []
+    layer = runner._mtp_layer
+
+    def both(host, hidden):
+        if not runner.wants_graph(host):
+            return layer(host, hidden)
+        graphed = layer(host, hidden).clone()  # a replay's output is valid until the next replay
+        static, runner.mtp_hidden = runner.mtp_hidden, None  # no static input: the eager pass
+        try:
+            eager = layer(host, hidden)
+        finally:
+            runner.mtp_hidden = static
+        scale = eager.float().abs().max().clamp(min=1e-30)
+        passes.append((host.num_seqs, host.max_query_len, ((graphed.float() - eager.float()).abs().max() / scale).item()))
+        return graphed
+
+    runner._mtp_layer = both
+    return passes
