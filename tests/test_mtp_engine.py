@@ -13,6 +13,7 @@ computes the target's own next-token function, where every greedy proposal must 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -155,6 +156,37 @@ def test_mtp_passes_on_the_graph_path(checkpoint, tmp_path, monkeypatch, target_
         checkpoint = tmp_path
     assert_mtp_graph_path_agrees(lambda path, k=0, **kw: _llm(path, k, dtype="float32", **kw), checkpoint,
                                  monkeypatch, 2, all_accepted=target_function)
+
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_proposals_reach_the_host_once_a_step(checkpoint, monkeypatch, temperature):
+    """Each MTP pass reads the previous pass's proposals on the device; the proposer reads all of a step's
+    proposals to the host once (one ``tolist`` of the proposer a propose call, with three passes), greedy and
+    sampled."""
+    llm = _llm(checkpoint, 3, dtype="float32")
+    proposer = llm.engine.proposer
+    propose, tolist = proposer.propose, torch.Tensor.tolist
+    reads, made = [], []
+
+    def counted(self):
+        if sys._getframe(1).f_code.co_filename.endswith(("mtp.py", "pick.py")):  # not the CPU expert loop's
+            reads[-1] += 1
+        return tolist(self)
+
+    def counting_propose(seqs):
+        reads.append(0)
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+        try:
+            out = propose(seqs)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        made.append(max((len(p) for p in out), default=0))
+        return out
+
+    proposer.propose = counting_propose
+    generate(llm, PROMPTS, SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3))
+    assert max(made) == 3 and {n for n, m in zip(reads, made) if m} == {1}, (reads, made)
 
 
 def test_dummy_weights_run_the_mtp_layer(tmp_path):

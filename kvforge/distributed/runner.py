@@ -288,7 +288,10 @@ class TPModelRunner(ModelRunner):
         return super().mtp_first(head_slots)
 
     @torch.inference_mode()
-    def mtp_next(self, chunks, keep: list[int]) -> torch.Tensor | None:
+    def mtp_next(self, chunks, keep: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        if tokens is not None:  # the workers get the step's ids from the host: read rank 0's proposals
+            values = tokens.tolist()
+            chunks = [([values[j]], start, tables) for j, (_, start, tables) in zip(keep, chunks)]
         host = self.build_host(chunks, list(range(len(chunks))))
         self._send_mtp_call(MTP_NEXT, (keep,), host)
         return self._mtp_next(host, keep)

@@ -701,6 +701,7 @@ class ModelRunner:
             return out.index_select(0, rows.to(self.device, non_blocking=True))
         self.num_eager_steps += 1
         ids, positions, metas, rows = self._to_device(host)
+        self.patch_placeholders(ids, host)
         self._metas, self._num_splits = metas, None
         try:
             out = self.model.mtp_forward(ids, positions, hidden, self._attn_api)
@@ -745,10 +746,15 @@ class ModelRunner:
         return self.mtp_logits(self._mtp_current)
 
     @torch.inference_mode()
-    def mtp_next(self, chunks, keep: list[int]) -> torch.Tensor | None:
+    def mtp_next(self, chunks, keep: list[int], tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """The layer again, one token per chunk, row ``j`` going on from row ``keep[j]`` of the last
-        :meth:`mtp_first` / :meth:`mtp_next`; the logits of the new rows, which the next call goes on from."""
-        return self._mtp_next(self.build_host(chunks, list(range(len(chunks)))), keep)
+        :meth:`mtp_first` / :meth:`mtp_next`; the logits of the new rows, which the next call goes on from.
+        ``tokens`` (int64 on the device): row ``j``'s token is ``tokens[keep[j]]`` (the chunks' ids are ignored),
+        gathered on the device."""
+        host = self.build_host(chunks, list(range(len(chunks))))
+        if tokens is not None:
+            host.placeholders = (list(range(len(chunks))), keep, tokens)
+        return self._mtp_next(host, keep)
 
     def _mtp_next(self, host: HostStep, keep) -> torch.Tensor | None:
         sel = torch.as_tensor(keep, dtype=torch.long).to(self._mtp_current.device, non_blocking=True)

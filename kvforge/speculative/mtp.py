@@ -20,7 +20,8 @@ Two calls per engine step:
 2. :meth:`MTPProposer.propose`, before the next schedule, for the decoding sequences: proposal 1 from
    that head input's logits; proposals 2 .. k apply the layer again to its own output (its hidden state and the
    previous proposal, one position further), batched over sequences. Those positions
-   (``num_computed_tokens`` onwards) are the ones the next step verifies: the blocks of the whole verify
+   (``num_computed_tokens`` onwards) are the ones the next step verifies. Each pass reads the proposals of
+   the pass before on the device; the host reads all of them once, after the last pass. The blocks of the whole verify
    step are taken now (``BlockManager.append_slots``, which the scheduler's own call then finds in
    place), beyond the step's own only from the spare blocks (the scheduler's ``spare_blocks``), so
    proposals never cause a preemption; a sequence without them gets one proposal. Their KV is scratch:
@@ -43,7 +44,7 @@ import torch
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.sequence import Sequence
 from kvforge.speculative.draft_model import _room
-from kvforge.speculative.pick import pick_proposals
+from kvforge.speculative.pick import pick_proposal_tokens
 
 
 class MTPProposer:
@@ -153,21 +154,27 @@ class MTPProposer:
             self.copy_blocks(copies)
         logits = self.runner.mtp_first(slots)
         probs: dict[int, list[torch.Tensor]] = {}
+        passes = []  # per pass: the output index of each row, the rows' proposals on the device
         step = 1
         while True:
-            tokens, q = pick_proposals(logits, [seq for _, seq, _ in active])
-            for (i, _, _), token, row in zip(active, tokens, q):
-                out[i].append(token)
+            tokens, q = pick_proposal_tokens(logits, [seq for _, seq, _ in active])
+            passes.append(([i for i, _, _ in active], tokens))
+            for (i, _, _), row in zip(active, q):
                 if row is not None:
                     probs.setdefault(i, []).append(row)
             keep = [j for j, (_, _, wanted) in enumerate(active) if wanted > step]
             if not keep:
                 break
             active = [active[j] for j in keep]
-            # The layer again at the next position: its own output in place of the target's hidden state.
-            chunks = [([out[i][-1]], seq.num_tokens - 2 + step, seq.block_tables) for i, seq, _ in active]
-            logits = self.runner.mtp_next(chunks, keep)
+            # The layer again at the next position: its own output in place of the target's hidden state, and
+            # as its token the proposal just picked (row keep[j] of ``tokens``, on the device; 0 a placeholder).
+            chunks = [([0], seq.num_tokens - 2 + step, seq.block_tables) for _, seq, _ in active]
+            logits = self.runner.mtp_next(chunks, keep, tokens)
             step += 1
+        picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
+        for indices, _ in passes:
+            for i in indices:
+                out[i].append(next(picked))
         for i, rows_q in probs.items():
             self._probs[seqs[i].request_id] = torch.stack(rows_q)
         return out

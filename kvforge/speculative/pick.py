@@ -17,10 +17,11 @@ from kvforge.engine.sequence import Sequence
 from kvforge.speculative.verify import _exponential
 
 
-def pick_proposals(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-    """One proposal per row of ``logits`` [rows, vocab] (row i for ``seqs[i]``) and its ``q`` (None when
-    greedy)."""
-    tokens = logits.argmax(dim=-1).tolist()
+def pick_proposal_tokens(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[torch.Tensor,
+                                                                                   list[torch.Tensor | None]]:
+    """One proposal per row of ``logits`` [rows, vocab] (row i for ``seqs[i]``), as int64 [rows] on the logits'
+    device (no host read), and its ``q`` (None when greedy)."""
+    tokens = logits.argmax(dim=-1)
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
     if sampled:
@@ -28,6 +29,13 @@ def pick_proposals(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[li
         q = Sampler.target_probs(logits[idx], [seqs[i].params for i in sampled])
         race = _exponential(q.shape[1], [seqs[i].generator_for(logits.device) for i in sampled],
                             logits.device).clamp_(min=1e-20)
-        for i, token, row in zip(sampled, (q / race).argmax(dim=-1).tolist(), q):
-            tokens[i], probs[i] = token, row
+        tokens = tokens.index_copy(0, idx, (q / race).argmax(dim=-1))
+        for i, row in zip(sampled, q):
+            probs[i] = row
     return tokens, probs
+
+
+def pick_proposals(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """:func:`pick_proposal_tokens` with the proposals read to the host."""
+    tokens, probs = pick_proposal_tokens(logits, seqs)
+    return tokens.tolist(), probs
