@@ -13,6 +13,7 @@ prompts and weights). A slot whose state kept a rejected row would change the fo
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -340,6 +341,45 @@ def test_tensor_parallel_ranks_roll_back_their_heads(case, checkpoint, engines):
         assert _tokens(outs) == want, proposer
         assert _acceptance(outs)[1] > 0
     engine.shutdown()
+
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_verify_rows_of_every_layer_share_one_table(case, checkpoint, reference, engines, monkeypatch):
+    """The pool keeps every state layer's verify rows side by side in one table (columns disjoint, covering
+    it), and a replay of the accepted rows gathers that table once for all layers; greedy output still
+    equals speculation off, with proposals partly accepted."""
+    prompts = _prompts()
+    want = reference(case, prompts)
+    llm = engines(checkpoint(case), speculative_config=_every_step(3))
+    verify = llm.engine.pool.linear_states.verify
+    tables = {id(rows.table): rows.table for rows in verify.values()}
+    assert len(verify) > 1 and len(tables) == 1
+    table = next(iter(tables.values()))
+    spans = sorted((start, start + math.prod(shape)) for rows in verify.values()
+                   for start, shape in rows.columns.values())
+    assert spans[0][0] == 0 and spans[-1][1] == table.shape[1]
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    gathers, replays = [], []
+    index_select, keep_verified = torch.Tensor.index_select, linear_state.LinearStates.keep_verified
+
+    def counted(self, dim, index):
+        if self.untyped_storage().data_ptr() == table.untyped_storage().data_ptr():  # the table or a view of it
+            gathers[-1] += 1
+        return index_select(self, dim, index)
+
+    def replay(self, slots, num_rows):
+        gathers.append(0)
+        replays.append(list(num_rows))
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "index_select", counted)
+            keep_verified(self, slots, num_rows)
+
+    monkeypatch.setattr(linear_state.LinearStates, "keep_verified", replay)
+    llm.engine.proposer = OracleProposer(3, prompts, want, partly=True)
+    assert _tokens(_generate(llm.engine, prompts, _greedy())) == want
+    assert len(gathers) > 5 and set(gathers) == {1}, gathers
+    assert {n for rows in replays for n in rows} >= {1, 4}, replays  # none and all of the 3 proposals kept
 
 
 @pytest.mark.parametrize("case", CASES)

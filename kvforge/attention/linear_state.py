@@ -96,37 +96,45 @@ SNAPSHOTS_PER_SEQUENCE = 4
 
 
 class VerifyRows:
-    """One layer's kept inputs of verify steps: per name of :meth:`LinearStateLayout.verify_row_shapes`, a
-    float32 tensor ``[num_slots, rows, *shape]`` (``rows`` = 1 + the speculative token count), row ``j`` of
-    slot ``s`` the ``j``-th row of the last verify step of the sequence holding slot ``s``."""
+    """One layer's kept inputs of verify steps: per name of :meth:`LinearStateLayout.verify_row_shapes`, row
+    ``s * rows + j`` (``rows`` = 1 + the speculative token count) holds the ``j``-th row of the last verify
+    step of the sequence holding slot ``s``. The names sit side by side in columns ``column ..`` of ``table``
+    (float32 ``[num_slots * rows, width]``), which other layers' rows may share, so one gather of the table's
+    rows reads every name of every such layer."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self.tensors = dict(tensors)
-        self.rows = next(iter(self.tensors.values())).shape[1]
-
-    @classmethod
-    def carve(cls, buffer: torch.Tensor, layout: LinearStateLayout, num_slots: int, rows: int) -> VerifyRows:
-        """Views of ``buffer`` (float32, exactly ``num_slots * rows * token_input_elements`` elements)."""
-        tensors, offset = {}, 0
+    def __init__(self, table: torch.Tensor, layout: LinearStateLayout, rows: int, column: int = 0):
+        if table.dim() != 2 or table.shape[0] % rows:
+            raise ValueError(f"verify rows need a table [num_slots * {rows}, width], got {tuple(table.shape)}")
+        self.table, self.rows = table, rows
+        #: name -> (first column in the table, shape of one row)
+        self.columns: dict[str, tuple[int, tuple[int, ...]]] = {}
         for name, shape in layout.verify_row_shapes().items():
-            n = num_slots * rows * _numel(shape)
-            tensors[name] = buffer[offset:offset + n].view(num_slots, rows, *shape)
-            offset += n
-        if offset != buffer.numel():
-            raise ValueError(f"verify rows take {offset} elements, the buffer has {buffer.numel()}")
-        return cls(tensors)
+            self.columns[name] = (column, tuple(shape))
+            column += _numel(shape)
+        #: The column after this layer's last.
+        self.end = column
+        #: Bytes of one slot's rows of this layer.
+        self.bytes_per_slot = rows * sum(_numel(shape) for _, shape in self.columns.values()) * table.element_size()
+        if column > table.shape[1]:
+            raise ValueError(f"verify rows take columns up to {column}, the table has {table.shape[1]}")
 
     @classmethod
     def allocate(cls, layout: LinearStateLayout, num_slots: int, rows: int, device,
                  dtype: torch.dtype = VERIFY_ROW_DTYPE) -> VerifyRows:
-        """Zeroed rows; ``dtype`` float64 only for float64 reference runs (the pool's rows are float32)."""
-        n = num_slots * rows * layout.token_input_elements
-        return cls.carve(torch.zeros(n, dtype=dtype, device=device), layout, num_slots, rows)
+        """Zeroed rows in a table of their own; ``dtype`` float64 only for float64 reference runs (the pool's
+        rows are float32)."""
+        table = torch.zeros((num_slots * rows, layout.token_input_elements), dtype=dtype, device=device)
+        return cls(table, layout, rows)
+
+    def of(self, name: str, table_rows: torch.Tensor) -> torch.Tensor:
+        """``[n, *shape]``: the name's columns of ``table_rows`` (rows of the table, or of a gather of them)
+        as a view."""
+        start, shape = self.columns[name]
+        return table_rows[:, start:start + _numel(shape)].unflatten(1, shape)
 
     def flat(self, name: str) -> torch.Tensor:
-        """``[num_slots * rows, *shape]``: row ``j`` of slot ``s`` at ``s * rows + j``."""
-        t = self.tensors[name]
-        return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+        """``[num_slots * rows, *shape]``: row ``j`` of slot ``s`` at ``s * rows + j`` (a view of the table)."""
+        return self.of(name, self.table)
 
     def keep(self, name: str, x: torch.Tensor, batch: SlotBatch) -> None:
         """Store the step's verify rows of ``x`` (token-major) at their sequences' slots."""
@@ -431,11 +439,17 @@ class LinearStates:
 
             slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=dev)
             qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+            every_slot_held = torch.ones_like(slots_t, dtype=torch.bool)
+        gathered = {}  # one gather of each table's rows, for every layer in it
+        for rows in self.verify.values():
+            if id(rows.table) not in gathered:
+                gathered[id(rows.table)] = rows.table.index_select(0, src_t)
         for layer, rows in self.verify.items():
-            x, k, v, g, beta = (rows.flat(name).index_select(0, src_t) for name in ("conv_input", "k", "v", "g", "beta"))
+            kept = gathered[id(rows.table)]
+            x, k, v, g, beta = (rows.of(name, kept) for name in ("conv_input", "k", "v", "g", "beta"))
             normalize = self._normalize_qk.get(layer, True)
             if kernels:
-                conv1d_update_states(x, self.conv[layer], slots_t, qsl_t)
+                conv1d_update_states(x, self.conv[layer], slots_t, qsl_t, has_initial_state=every_slot_held)
                 rule_kernels.prefill(k, k, v, g, beta, self.recurrent[layer], slots_t, qsl_t, normalize_qk=normalize,
                                      store_output=False)
                 continue

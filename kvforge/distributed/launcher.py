@@ -78,7 +78,7 @@ def state_slot_bytes(pool) -> dict[int, int]:
     ls = pool.linear_states
     if ls is None:
         return {}
-    rows = {i: sum(t[0].nbytes for t in v.tensors.values()) for i, v in (ls.verify or {}).items()}
+    rows = {i: v.bytes_per_slot for i, v in (ls.verify or {}).items()}
     return {i: (ls.conv[i][0].nbytes + ls.recurrent[i][0].nbytes + rows.get(i, 0)) for i in sorted(ls.conv)}
 
 

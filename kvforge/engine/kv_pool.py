@@ -174,14 +174,20 @@ class KVPool:
                         raise ConfigError(f"state slots start at byte {offset}, not aligned to {state_dtype}")
                     into[i] = raw.view(state_dtype).view(self.state_slots, *shape)
                     offset += size
+            # Every layer's verify rows in one table, a row of every layer's inputs per (slot, row): a replay
+            # gathers its rows once for all layers.
             verify = {}
             rows = plan.num_speculative_tokens + 1
-            for i in state_layers:
-                size = plan.layers[i].verify_replay_bytes * self.state_slots
-                if size:
-                    raw = self.buffer[offset:offset + size].view(VERIFY_ROW_DTYPE)
-                    verify[i] = VerifyRows.carve(raw, state_layouts[i], self.state_slots, rows)
-                    offset += size
+            size = sum(plan.layers[i].verify_replay_bytes for i in state_layers) * self.state_slots
+            if size:
+                table = self.buffer[offset:offset + size].view(VERIFY_ROW_DTYPE).view(self.state_slots * rows, -1)
+                column = 0
+                for i in state_layers:
+                    verify[i] = VerifyRows(table, state_layouts[i], rows, column)
+                    column = verify[i].end
+                if column != table.shape[1]:
+                    raise ConfigError(f"verify rows take {column} columns of a {table.shape[1]}-column table")
+                offset += size
             self.linear_states = LinearStates(conv, recurrent, verify or None)
 
     def _page_view(self, slot: int, layer, part: int = 0, parts: int = 1) -> torch.Tensor:

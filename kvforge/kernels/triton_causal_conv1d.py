@@ -209,10 +209,11 @@ def _launch_state_kernel(x, conv_states, slot_ids, flags, query_start_loc, d, wi
 
 
 def conv1d_update_states(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor,
-                         query_start_loc: torch.Tensor) -> None:
+                         query_start_loc: torch.Tensor, *, has_initial_state: torch.Tensor | None = None) -> None:
     """Advance each slot's conv state over its sequence's inputs ``x [T, D]`` (``query_start_loc``) without
     computing outputs: slot ``slot_ids[i]`` ends holding the last ``W - 1`` rows of ``cat(state, x_i)``
-    (the replay of a verify step's accepted rows)."""
+    (the replay of a verify step's accepted rows). ``has_initial_state`` (bool [N], default all True, made
+    here): whether each slot holds its sequence's state (a caller with many layers passes it once)."""
     n, d = slot_ids.shape[0], x.shape[1]
     if conv_states.dim() != 3 or conv_states.shape[2] != d or conv_states.stride(2) != 1 or x.stride(1) != 1:
         raise ValueError(f"want x [T, D] and conv_states [slots, W - 1, D] with contiguous last dims; got "
@@ -221,8 +222,9 @@ def conv1d_update_states(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: t
         raise ValueError(f"query_start_loc must be [N + 1] = [{n + 1}], got {tuple(query_start_loc.shape)}")
     if n == 0 or x.shape[0] == 0:
         return
-    _launch_state_kernel(x, conv_states, slot_ids, torch.ones_like(slot_ids, dtype=torch.bool), query_start_loc, d,
-                         conv_states.shape[1] + 1)
+    if has_initial_state is None:
+        has_initial_state = torch.ones_like(slot_ids, dtype=torch.bool)
+    _launch_state_kernel(x, conv_states, slot_ids, has_initial_state, query_start_loc, d, conv_states.shape[1] + 1)
 
 
 def conv1d_decode(x: torch.Tensor, conv_states: torch.Tensor, slot_ids: torch.Tensor, weight: torch.Tensor,
