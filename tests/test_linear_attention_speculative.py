@@ -27,6 +27,7 @@ from tiny_checkpoints import make_checkpoint  # noqa: E402
 
 from kvforge import SamplingParams  # noqa: E402
 from kvforge.attention import linear_state  # noqa: E402
+from kvforge.attention.routing import delta_rule as delta_rule_route  # noqa: E402
 from kvforge.engine.sequence import Sequence  # noqa: E402
 
 NEW_TOKENS = 16
@@ -396,11 +397,26 @@ def test_triton_kernels_in_the_engine(case, checkpoint, reference, engines, monk
     monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
     assert linear_state._use_kernels(torch.zeros(1))
     llm = engines(checkpoint(case, kernel_test=True), speculative_config=_every_step(3), enable_prefix_caching=False)
+    asked, replays = [], []  # the route's answers inside replays: once a replay for both state layers
+    prefill_form, keep_verified = delta_rule_route.prefill_form, linear_state.LinearStates.keep_verified
+
+    def counted_form(*a, **kw):
+        asked.append(a)
+        return prefill_form(*a, **kw)
+
+    def replay(self, slots, num_rows):
+        replays.append(len(asked))
+        keep_verified(self, slots, num_rows)
+        replays[-1] = len(asked) - replays[-1]
+
+    monkeypatch.setattr(delta_rule_route, "prefill_form", counted_form)
+    monkeypatch.setattr(linear_state.LinearStates, "keep_verified", replay)
     for proposer in ("garbage", "oracle"):  # one engine, the proposers in turn (nothing cached between them)
         llm.engine.proposer = (GarbageProposer(3) if proposer == "garbage"
                                else OracleProposer(3, prompts, want))
         outs = _generate(llm.engine, prompts, _greedy(6))
         assert _tokens(outs) == want, proposer
+    assert replays and set(replays) == {1}, replays
 
 
 @pytest.mark.gpu

@@ -440,6 +440,8 @@ class LinearStates:
             slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=dev)
             qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
             every_slot_held = torch.ones_like(slots_t, dtype=torch.bool)
+            lengths = list(num_rows)
+            forms: dict[bool, delta_rule_route.PrefillForm] = {}  # the route asked once a replay, per gate kind
         gathered = {}  # one gather of each table's rows, for every layer in it
         for rows in self.verify.values():
             if id(rows.table) not in gathered:
@@ -450,8 +452,11 @@ class LinearStates:
             normalize = self._normalize_qk.get(layer, True)
             if kernels:
                 conv1d_update_states(x, self.conv[layer], slots_t, qsl_t, has_initial_state=every_slot_held)
+                per_channel = g.dim() == 3
+                if per_channel not in forms:
+                    forms[per_channel] = delta_rule_route.prefill_form(len(lengths), qsl[-1], per_channel, lengths)
                 rule_kernels.prefill(k, k, v, g, beta, self.recurrent[layer], slots_t, qsl_t, normalize_qk=normalize,
-                                     store_output=False)
+                                     store_output=False, host_query_lens=lengths, form=forms[per_channel])
                 continue
             for i, slot in enumerate(slot_ids):
                 span = slice(qsl[i], qsl[i + 1])
