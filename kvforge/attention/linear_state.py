@@ -432,32 +432,15 @@ class LinearStates:
         some = next(iter(self.conv.values()))
         dev = some.device
         src_t = torch.tensor(src, dtype=torch.int64, device=dev)
-        kernels = _use_kernels(some)
-        if kernels:
-            from kvforge.kernels import triton_gated_delta_rule as rule_kernels
-            from kvforge.kernels.triton_causal_conv1d import conv1d_update_states
-
+        if _use_kernels(some):
             slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=dev)
             qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
-            every_slot_held = torch.ones_like(slots_t, dtype=torch.bool)
-            lengths = list(num_rows)
-            forms: dict[bool, delta_rule_route.PrefillForm] = {}  # the route asked once a replay, per gate kind
-        gathered = {}  # one gather of each table's rows, for every layer in it
-        for rows in self.verify.values():
-            if id(rows.table) not in gathered:
-                gathered[id(rows.table)] = rows.table.index_select(0, src_t)
+            self.replay_on_kernels(src_t, slots_t, qsl_t, list(num_rows))
+            return
+        kept_of = self._gather_kept(src_t)
         for layer, rows in self.verify.items():
-            kept = gathered[id(rows.table)]
-            x, k, v, g, beta = (rows.of(name, kept) for name in ("conv_input", "k", "v", "g", "beta"))
+            x, k, v, g, beta = (rows.of(name, kept_of[id(rows.table)]) for name in ("conv_input", "k", "v", "g", "beta"))
             normalize = self._normalize_qk.get(layer, True)
-            if kernels:
-                conv1d_update_states(x, self.conv[layer], slots_t, qsl_t, has_initial_state=every_slot_held)
-                per_channel = g.dim() == 3
-                if per_channel not in forms:
-                    forms[per_channel] = delta_rule_route.prefill_form(len(lengths), qsl[-1], per_channel, lengths)
-                rule_kernels.prefill(k, k, v, g, beta, self.recurrent[layer], slots_t, qsl_t, normalize_qk=normalize,
-                                     store_output=False, host_query_lens=lengths, form=forms[per_channel])
-                continue
             for i, slot in enumerate(slot_ids):
                 span = slice(qsl[i], qsl[i + 1])
                 conv = self.conv[layer][slot]
@@ -465,3 +448,33 @@ class LinearStates:
                 _, s = gated_delta_rule.recurrent(k[span], k[span], v[span], g[span], beta[span],
                                                   self.recurrent[layer][slot], normalize_qk=normalize)
                 self.recurrent[layer][slot].copy_(s)
+
+    def _gather_kept(self, src: torch.Tensor) -> dict[int, torch.Tensor]:
+        """One gather of each verify table's rows ``src``, for every layer in it (by the table's id)."""
+        gathered = {}
+        for rows in self.verify.values():
+            if id(rows.table) not in gathered:
+                gathered[id(rows.table)] = rows.table.index_select(0, src)
+        return gathered
+
+    def replay_on_kernels(self, src: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                          lengths: Sequence[int]) -> None:
+        """The device part of :meth:`keep_verified` on the Triton kernels: sequence ``i`` (slot ``slot_ids[i]``,
+        -1 a padding sequence the kernels skip) advances over the verify-table rows ``src[query_start_loc[i]:
+        query_start_loc[i + 1]]``; ``lengths`` its row counts (the route's). No host read: a CUDA graph may
+        capture it over static inputs."""
+        from kvforge.kernels import triton_gated_delta_rule as rule_kernels
+        from kvforge.kernels.triton_causal_conv1d import conv1d_update_states
+
+        every_slot_held = torch.ones_like(slot_ids, dtype=torch.bool)
+        forms: dict[bool, delta_rule_route.PrefillForm] = {}  # the route asked once a replay, per gate kind
+        kept_of = self._gather_kept(src)
+        for layer, rows in self.verify.items():
+            x, k, v, g, beta = (rows.of(name, kept_of[id(rows.table)]) for name in ("conv_input", "k", "v", "g", "beta"))
+            conv1d_update_states(x, self.conv[layer], slot_ids, query_start_loc, has_initial_state=every_slot_held)
+            per_channel = g.dim() == 3
+            if per_channel not in forms:
+                forms[per_channel] = delta_rule_route.prefill_form(len(lengths), sum(lengths), per_channel, lengths)
+            rule_kernels.prefill(k, k, v, g, beta, self.recurrent[layer], slot_ids, query_start_loc,
+                                 normalize_qk=self._normalize_qk.get(layer, True), store_output=False,
+                                 host_query_lens=lengths, form=forms[per_channel])
