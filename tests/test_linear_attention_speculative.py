@@ -322,6 +322,55 @@ def test_verify_steps_on_the_graph_path_static_buffers(case, path, checkpoint, r
             assert (3, 4) in replayed, replayed  # three sequences verifying 3 proposals each, padded to 4
 
 
+
+def _noting(replay, counts: list):
+    """``replay(slots, num_rows)`` that first notes ``num_rows``."""
+    def noted(slots, num_rows):
+        counts.append(list(num_rows))
+        return replay(slots, num_rows)
+    return noted
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replays_of_accepted_rows_on_the_graph_path_static_buffers(case, checkpoint, reference, engines, monkeypatch):
+    """The replay of accepted verify rows through the replay graphs' static, padded inputs
+    (kvforge/engine/replay_graphs.py; run eagerly on CPU, kernels in Triton's interpreter): where every
+    verifying sequence keeps the same count (all rejected, all accepted) the static path runs, three sequences
+    padded to four with slot -1; mixed counts (proposals right up to a random position) replay eagerly. Greedy
+    output equals speculation off, so every replayed state is the state of the accepted tokens."""
+    from kvforge.engine.model_runner import ModelRunner
+
+    device = pytest.importorskip("triton_kernel_device")
+    if not device.INTERPRETED:
+        pytest.skip("the engine runs on CPU here: kernels run on CPU tensors only in Triton's interpreter")
+    device.skip_unless_loaded_loop_bounds_work()
+    prompts = [p[:m] for p, m in zip(_prompts(3), (12, 5, 9))]
+    want = reference(case, prompts, 6, kernel_test=True)
+    monkeypatch.setattr(linear_state, "KERNEL_DEVICES", ("cuda", "cpu"))
+    for proposer in ("garbage", "oracle", "partly"):
+        engine = engines(checkpoint(case, kernel_test=True), speculative_config=_every_step(3), max_num_seqs=4,
+                         enable_prefix_caching=False).engine
+        engine.runner = ModelRunner(engine.model, engine.pool, engine.plan, engine.device, enforce_eager=False,
+                                    max_num_seqs=4, static_decode_on_cpu=True, verify_query_len=4)
+        graphs = engine.runner.replay_graphs
+        assert graphs is not None and graphs.sizes == [1, 2, 4] and graphs.rows == 4
+        replayed, eager = [], []
+        run, keep = graphs.run, engine.runner.linear_states.keep_verified
+        graphs.run = _noting(run, replayed)
+        engine.runner.linear_states.keep_verified = _noting(keep, eager)
+        engine.proposer = (GarbageProposer(3) if proposer == "garbage"
+                           else OracleProposer(3, prompts, want, partly=proposer == "partly"))
+        assert _tokens(_generate(engine, prompts, _greedy(6))) == want, proposer
+        assert engine.runner.num_graph_replays == len(replayed) > 0, proposer
+        assert all(len(set(rows)) == 1 for rows in replayed) and all(len(set(rows)) > 1 for rows in eager)
+        if proposer == "garbage":
+            assert [1, 1, 1] in replayed, replayed  # three sequences, padded to the graph of four
+        if proposer == "oracle":
+            assert any(rows[0] == 4 for rows in replayed), replayed
+        if proposer == "partly":
+            assert eager, (replayed, eager)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_ranks_roll_back_their_heads(case, checkpoint, engines):
     """TP 2 on gloo (2 processes): each rank keeps its heads' verify rows and replays the accepted ones (rank 0
@@ -425,7 +474,8 @@ def test_triton_kernels_in_the_engine(case, checkpoint, reference, engines, monk
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
     """float32 on CUDA: the compiled Triton kernels (verify steps through the prefill kernels with kept slots,
-    the replay kernels), decode steps and uniform verify steps replaying CUDA graphs over the state slots
+    the replay kernels, captured where every sequence keeps the same count), decode steps and uniform verify
+    steps replaying CUDA graphs over the state slots
     (dense-MLP variants, head size 32 and blocks of 16 as in tests/test_linear_attention_engine_vs_hf.py).
     n-gram, random, oracle and partly right proposals follow speculation off's greedy tokens, up to a near-tie
     of its logits within 1e-3 (the verify rows go through other kernels than the graphs' decode steps, so the
@@ -458,3 +508,5 @@ def test_gpu_greedy_equal_on_the_kernels(case, k, tmp_path, engines):
         assert _acceptance(outs)[1] > 0, proposer
         if proposer == "garbage":  # every decoding sequence verifies k proposals: verification graphs replay
             assert any(q == k + 1 for _, q in replayed), replayed
+            # and every one keeps one row: the captured replay of accepted rows serves them
+            assert engine.runner.replay_graphs is not None and engine.runner.num_graph_replays > 0

@@ -421,10 +421,8 @@ class LinearStates:
             return
         if self.verify is None:
             raise RuntimeError("keep_verified needs verify rows (a plan made with speculative tokens)")
+        self.check_kept(slot_ids, num_rows)
         r = self.verify_rows
-        for slot, n in zip(slot_ids, num_rows):
-            if not 0 < n <= r or slot < 0:
-                raise ValueError(f"slot {slot}: {n} rows to keep, a verify step has 1 .. {r}")
         src, qsl = [], [0]
         for slot, n in zip(slot_ids, num_rows):
             src.extend(slot * r + j for j in range(n))
@@ -448,6 +446,22 @@ class LinearStates:
                 _, s = gated_delta_rule.recurrent(k[span], k[span], v[span], g[span], beta[span],
                                                   self.recurrent[layer][slot], normalize_qk=normalize)
                 self.recurrent[layer][slot].copy_(s)
+
+    def on_kernels(self) -> bool:
+        """Whether the state operations run on the Triton kernels (a device in ``KERNEL_DEVICES``)."""
+        return _use_kernels(next(iter(self.conv.values())))
+
+    def check_kept(self, slot_ids: Sequence[int], num_rows: Sequence[int]) -> None:
+        """Refuse a replay of rows a verify step cannot have kept (a slot below 0, a count outside 1 .. 1 + k)."""
+        r = self.verify_rows
+        for slot, n in zip(slot_ids, num_rows):
+            if not 0 < n <= r or slot < 0:
+                raise ValueError(f"slot {slot}: {n} rows to keep, a verify step has 1 .. {r}")
+
+    def replay_normalization(self) -> tuple[bool, ...]:
+        """Per state layer (in order), whether a replay normalises k: as the layer's last verify step did
+        (True before any)."""
+        return tuple(self._normalize_qk.get(layer, True) for layer in self.verify or ())
 
     def _gather_kept(self, src: torch.Tensor) -> dict[int, torch.Tensor]:
         """One gather of each verify table's rows ``src``, for every layer in it (by the table's id)."""

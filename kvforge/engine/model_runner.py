@@ -255,6 +255,9 @@ class ModelRunner:
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.graphs = None
+        #: Graphs of the replay of accepted verify rows onto the state slots (kvforge/engine/replay_graphs.py).
+        self.replay_graphs = None
+        self.num_graph_replays = 0
         self.graphs_off_reason: str | None = "enforce_eager" if enforce_eager else None
         if device.type == "cuda" and not enforce_eager:
             from kvforge.engine.cuda_graphs import DecodeGraphs, graphs_unsupported_reason
@@ -269,6 +272,8 @@ class ModelRunner:
                     torch.cuda.set_stream(stream)  # a capture_end that raised skipped the capture stream's exit
                     self.graphs = None
                     why = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}{_failure_origin(e)}); running eager"
+            if self.graphs is not None and self.linear_states is not None and self.linear_states.verify:
+                self._capture_replay_graphs(capture=True)
             if why is not None:
                 import logging
 
@@ -279,6 +284,8 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self, max_num_seqs=max_num_seqs, sizes=graph_sizes, capture=False,
                                        query_lens=query_lens)
+            if self.linear_states is not None and self.linear_states.verify and self.linear_states.on_kernels():
+                self._capture_replay_graphs(capture=False)
         elif device.type != "cuda":
             self.graphs_off_reason = "not a CUDA device"
         if device.type == "cpu":
@@ -541,6 +548,9 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.replay_graphs is not None:
+            self.replay_graphs.release()
+            self.replay_graphs = None
         self.graphs_off_reason = "shut down"
         if self.model is not None:
             free_module_tensors(self.model)
@@ -615,10 +625,31 @@ class ModelRunner:
         after the steps launched so far, before the next)."""
         self.linear_states.copy_slots(pairs)
 
+    def _capture_replay_graphs(self, capture: bool) -> None:
+        from kvforge.engine.replay_graphs import ReplayGraphs
+
+        stream = torch.cuda.current_stream(self.device) if capture else None
+        try:
+            self.replay_graphs = ReplayGraphs(self.linear_states, self.graphs.sizes, self.device, capture=capture)
+        except RuntimeError as e:  # an op the capture forbids: replay eagerly, say why
+            if stream is not None:
+                torch.cuda.set_stream(stream)
+            import logging
+
+            logging.getLogger("kvforge.engine").warning(
+                "verified-state replay graphs off: capture failed (%s: %s%s); replaying eagerly", type(e).__name__,
+                str(e)[:300], _failure_origin(e))
+
     @torch.inference_mode()
     def keep_verified(self, slots: list[int], num_rows: list[int]) -> None:
         """After a verify step: each slot advances over the first ``num_rows`` of its sequence's verify rows
-        (1 + the accepted proposals); see :meth:`LinearStates.keep_verified`."""
+        (1 + the accepted proposals); see :meth:`LinearStates.keep_verified`. A replay graph serves it where
+        every sequence keeps the same count (kvforge/engine/replay_graphs.py)."""
+        graphs = self.replay_graphs
+        if graphs is not None and graphs.accepts(list(num_rows)):
+            graphs.run(list(slots), list(num_rows))
+            self.num_graph_replays += 1
+            return
         self.linear_states.keep_verified(slots, num_rows)
 
     def share_sampled_tokens(self, token_ids: torch.Tensor) -> None:
