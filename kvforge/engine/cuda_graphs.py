@@ -71,7 +71,8 @@ Invariants (what makes a replay equal to an eager step):
    ``[Bmax * Q]`` int64: a real row ``j`` of sequence ``i`` goes to
    ``slot * Q + j``; padding rows repeat the first real row's copy (the same
    value to the same place, so the result does not depend on their order).
-   The engine's replay of the accepted rows runs after the step, eagerly.
+   The engine's replay of the accepted rows runs after the step, from graphs of its own where every
+   sequence keeps the same count (kvforge/engine/replay_graphs.py), else eagerly.
 8. Only when every attention layer's backend ``captures_cuda_graphs`` (the Triton
    backends; the reference backends read tensor values on the host, which
    capture forbids), there are no per-request rings,
