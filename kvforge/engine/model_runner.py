@@ -626,8 +626,10 @@ class ModelRunner:
         self.linear_states.copy_slots(pairs)
 
     def _capture_replay_graphs(self, capture: bool) -> None:
-        from kvforge.engine.replay_graphs import ReplayGraphs
+        from kvforge.engine.replay_graphs import MAX_BATCH, ReplayGraphs
 
+        if min(self.graphs.sizes) > MAX_BATCH:
+            return  # no batch a replay graph serves: every replay runs eagerly
         stream = torch.cuda.current_stream(self.device) if capture else None
         try:
             self.replay_graphs = ReplayGraphs(self.linear_states, self.graphs.sizes, self.device, capture=capture)

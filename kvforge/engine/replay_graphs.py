@@ -5,7 +5,7 @@ its first ``n`` verify rows (1 + the accepted proposals): a gather of the verify
 a conv-state launch and a delta-rule launch, whose host work grows with the layers (Qwen3-Next-80B: 36 state
 layers, 72 launches). When every verifying sequence keeps the same ``n`` rows, the step replays the graph
 captured for ``(B, n)``, ``B`` the smallest capture size holding the sequences; a step with mixed counts, or
-more sequences than the largest size, runs eagerly.
+more sequences than the largest size (at most :data:`MAX_BATCH`), runs eagerly.
 
 Invariants (what makes a replay equal to the eager replay):
 
@@ -31,16 +31,25 @@ import torch
 
 logger = logging.getLogger("kvforge.engine")
 
+#: The largest batch a replay graph serves. The host work a graph saves is per launch, the same at any batch,
+#: while the gathered rows its capture keeps in the graph pool grow with it: a row of every state layer's inputs
+#: is 2.07 MB on one rank of Qwen3-Next-80B (36 layers x 14,400 float32), so 8 sequences x 4 rows take 66 MB
+#: and 256 x 4 would take 2.1 GB.
+MAX_BATCH = 8
+
 
 class ReplayGraphs:
     """Captures and replays :meth:`LinearStates.replay_on_kernels` (see the module docstring). ``capture``
     False (CPU tests, kernels in Triton's interpreter): the same static, padded inputs, run eagerly."""
 
     def __init__(self, states, sizes: list[int], device: torch.device, capture: bool = True):
+        """``sizes``: the decode graphs' batch sizes; those up to :data:`MAX_BATCH` are captured."""
         self.states = states
         self.device = device
         self.rows = states.verify_rows
-        self.sizes = sorted(set(sizes))
+        self.sizes = sorted({b for b in sizes if b <= MAX_BATCH})
+        if not self.sizes:
+            raise ValueError(f"no capture size up to {MAX_BATCH} sequences among {sorted(sizes)}")
         self.max_size = self.sizes[-1]
         bmax = self.max_size
         self.src = torch.zeros(bmax * self.rows, dtype=torch.int64, device=device)
