@@ -106,6 +106,37 @@ def assert_mtp_graph_path_agrees(make_llm, checkpoint, monkeypatch, k: int, all_
         assert counters["num_accepted_tokens"] == counters["num_draft_tokens"] >= 20, counters
 
 
+
+def assert_mtp_graph_passes_of_every_query_length(make_llm, checkpoint, monkeypatch, k: int = 3) -> None:
+    """Direct MTP passes of three sequences at every captured query length 1 .. 1 + k, random previous hidden
+    rows and tokens, on the graph path's static, padded inputs (CPU) against the same passes run eagerly
+    (tests/mtp_graph_passes.py): within 1e-5 of the largest head input, so a hidden row, token, position or
+    KV slot out of place in a multi-row pass shows (an engine run replays multi-row passes only where every
+    proposal is accepted)."""
+    from mtp_graph_passes import run_graph_passes_twice
+
+    from kvforge.engine import llm_engine
+
+    class StaticDecodeRunner(llm_engine.ModelRunner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "static_decode_on_cpu": True})
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", StaticDecodeRunner)
+    llm = make_llm(checkpoint, k, cuda_graph_sizes=[1, 2, 4, 8])
+    runner = llm.engine.draft_runner
+    passes = run_graph_passes_twice(runner)
+    g = torch.Generator().manual_seed(5)
+    hidden_size = runner.mtp_hidden.shape[1]
+    for q in range(1, k + 2):
+        # sequence i: positions 7 + 3 i .. 7 + 3 i + q - 1 over blocks of its own
+        chunks = [(torch.randint(3, 100, (q,), generator=g).tolist(), 7 + 3 * i,
+                   [list(range(1 + 8 * i, 9 + 8 * i)) for _ in range(runner.num_groups)]) for i in range(3)]
+        hidden = torch.randn(3 * q, hidden_size, generator=g).to(runner.mtp_hidden.dtype)
+        runner.run_mtp(chunks, hidden, list(range(3 * q)), logits=False)
+    assert sorted(q for _, q, _ in passes) == list(range(1, k + 2)), passes
+    assert all(n == 3 for n, _, _ in passes) and max(diff for _, _, diff in passes) <= 1e-5, passes
+
+
 def _target_function_checkpoint(path) -> None:
     """Every attention output and MLP down projection of the target and of the MTP block is zero, so the
     target's next token is a function of the current token only: head(norm(embed(t))). The MTP layer is
@@ -187,6 +218,14 @@ def test_proposals_reach_the_host_once_a_step(checkpoint, monkeypatch, temperatu
     proposer.propose = counting_propose
     generate(llm, PROMPTS, SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3))
     assert max(made) == 3 and {n for n, m in zip(reads, made) if m} == {1}, (reads, made)
+
+
+
+def test_mtp_graph_passes_of_every_query_length(checkpoint, monkeypatch):
+    """See :func:`assert_mtp_graph_passes_of_every_query_length` (the MLA layer's per-token metadata of
+    multi-row passes)."""
+    assert_mtp_graph_passes_of_every_query_length(lambda path, k=0, **kw: _llm(path, k, dtype="float32", **kw),
+                                                  checkpoint, monkeypatch)
 
 
 def test_dummy_weights_run_the_mtp_layer(tmp_path):

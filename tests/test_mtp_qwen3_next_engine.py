@@ -23,7 +23,12 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree  # noqa: E402
 from linear_attention_setup import one_torch_thread  # noqa: E402, F401 (autouse fixture)
 from qwen3_next_mtp_checkpoint import save_qwen3_next_with_mtp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from test_mtp_engine import PROMPTS, assert_mtp_agrees_with_speculation_off, assert_mtp_graph_path_agrees  # noqa: E402,E501
+from test_mtp_engine import (  # noqa: E402
+    PROMPTS,
+    assert_mtp_agrees_with_speculation_off,
+    assert_mtp_graph_passes_of_every_query_length,
+    assert_mtp_graph_path_agrees,
+)
 from test_mtp_engine import _llm as mtp_llm  # noqa: E402
 from test_speculative_engine import generate, token_ids  # noqa: E402
 from tiny_checkpoints import QWEN3_NEXT  # noqa: E402
@@ -93,6 +98,13 @@ def test_mtp_passes_on_the_graph_path(checkpoint, tmp_path, monkeypatch, target_
         _target_function_checkpoint(tmp_path)
         checkpoint = tmp_path
     assert_mtp_graph_path_agrees(_llm, checkpoint, monkeypatch, 2, all_accepted=target_function)
+
+
+
+def test_mtp_graph_passes_of_every_query_length(checkpoint, monkeypatch):
+    """See :func:`test_mtp_engine.assert_mtp_graph_passes_of_every_query_length` (gated attention with partial
+    rope and MoE in multi-row passes)."""
+    assert_mtp_graph_passes_of_every_query_length(_llm, checkpoint, monkeypatch)
 
 
 def test_dummy_weights_run_the_mtp_layer(tmp_path):
