@@ -73,9 +73,10 @@ REPORT_COUNTERS, RESET_COUNTERS = b"c", b"z"
 STATE_KEEP, STATE_COPY = 0, 1
 
 
-def apply_state_ops(linear_states, ops) -> None:
+def apply_state_ops(linear_states, ops, keep=None) -> None:
     """Apply ``(kind, a, b)`` state-slot operations in order: STATE_KEEP replays ``b`` accepted verify rows
-    onto slot ``a`` (LinearStates.keep_verified); STATE_COPY copies slot ``a`` into slot ``b``. Consecutive
+    onto slot ``a`` (``keep(slots, num_rows)``, default LinearStates.keep_verified; a worker passes its
+    runner's, which replays from its graphs where it can); STATE_COPY copies slot ``a`` into slot ``b``. Consecutive
     operations of one kind run as one call while none touches a slot an earlier one of the call writes or
     reads as a copy's source (a restore may read the snapshot the copy before it wrote)."""
     i = 0
@@ -91,7 +92,7 @@ def apply_state_ops(linear_states, ops) -> None:
             j += 1
         pairs = [(a, b) for _, a, b in ops[i:j]]
         if ops[i][0] == STATE_KEEP:
-            linear_states.keep_verified([a for a, _ in pairs], [b for _, b in pairs])
+            (keep or linear_states.keep_verified)([a for a, _ in pairs], [b for _, b in pairs])
         elif ops[i][0] == STATE_COPY:
             linear_states.copy_slots(pairs)
         else:

@@ -55,6 +55,7 @@ def main() -> int:
         broadcast_step,
         run_mtp_call,
     )
+    from kvforge.engine.model_runner import ModelRunner
 
     torch.set_num_threads(ctx["num_threads"])
     timeout = ctx["timeout_s"]
@@ -106,7 +107,8 @@ def main() -> int:
                     pool.copy_blocks(copies)
                 if state_ops:  # verification replays and snapshot copies, before this step reads any state slot
                     with torch.inference_mode():
-                        apply_state_ops(runner.linear_states, state_ops)
+                        apply_state_ops(runner.linear_states, state_ops,
+                                        keep=lambda slots, rows: ModelRunner.keep_verified(runner, slots, rows))
                 if host.placeholders is not None:  # in-flight ids: from rank 0's last shared tokens
                     host.placeholders = (*host.placeholders[:2], runner.shared_tokens)
                 if cmd == STEP_TARGET:

@@ -274,6 +274,8 @@ class ModelRunner:
                     why = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:300]}{_failure_origin(e)}); running eager"
             if self.graphs is not None and self.linear_states is not None and self.linear_states.verify:
                 self._capture_replay_graphs(capture=True)
+            if self.graphs is None:
+                self.mtp_hidden = None  # no graph reads it
             if why is not None:
                 import logging
 
@@ -551,6 +553,7 @@ class ModelRunner:
         if self.replay_graphs is not None:
             self.replay_graphs.release()
             self.replay_graphs = None
+        self.mtp_hidden = None
         self.graphs_off_reason = "shut down"
         if self.model is not None:
             free_module_tensors(self.model)
@@ -565,7 +568,7 @@ class ModelRunner:
 
     def reset_counters(self) -> None:
         """Step counters back to zero, as on a runner that never stepped (after the startup warm-up)."""
-        self.num_graph_steps = self.num_eager_steps = 0
+        self.num_graph_steps = self.num_eager_steps = self.num_graph_replays = 0
 
     def counters(self) -> dict:
         """Step counters and the graph set-up of this runner (rank 0 at TP=1)."""
@@ -716,8 +719,8 @@ class ModelRunner:
         """The model's multi-token-prediction layer over ``chunks`` (as :meth:`run`; the ids are the tokens
         that follow each position) with ``hidden`` [tokens, hidden], one previous hidden state per token;
         returns (float32 logits or None without ``logits``, head inputs) of ``logits_rows``. Its KV goes to
-        this runner's layer 0 (a runner over the plan's proposer layers), through the block tables given,
-        eagerly."""
+        this runner's layer 0 (a runner over the plan's proposer layers), through the block tables given; a
+        captured graph runs it where the chunks fit one (``mtp_proposals``), else it runs eagerly."""
         out = self._mtp_layer(self.build_host(chunks, logits_rows), hidden)
         return (self.mtp_logits(out) if logits else None), out
 
