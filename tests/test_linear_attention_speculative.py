@@ -394,13 +394,17 @@ def test_tensor_parallel_ranks_roll_back_their_heads(case, checkpoint, engines):
 
 
 
+@pytest.mark.parametrize("bound", ["default", "0 bytes"])
 @pytest.mark.parametrize("case", CASES)
-def test_verify_rows_of_every_layer_share_one_table(case, checkpoint, reference, engines, monkeypatch):
+def test_verify_rows_of_every_layer_share_one_table(case, bound, checkpoint, reference, engines, monkeypatch):
     """The pool keeps every state layer's verify rows side by side in one table (columns disjoint, covering
-    it), and a replay of the accepted rows gathers that table once for all layers; greedy output still
+    it), and a replay of the accepted rows gathers that table once for all layers, or each layer's own
+    columns once where one gather would pass ``KEPT_GATHER_BYTES`` (set to 0 here); greedy output still
     equals speculation off, with proposals partly accepted."""
     prompts = _prompts()
     want = reference(case, prompts)
+    if bound == "0 bytes":
+        monkeypatch.setattr(linear_state, "KEPT_GATHER_BYTES", 0)
     llm = engines(checkpoint(case), speculative_config=_every_step(3))
     verify = llm.engine.pool.linear_states.verify
     tables = {id(rows.table): rows.table for rows in verify.values()}
@@ -428,7 +432,7 @@ def test_verify_rows_of_every_layer_share_one_table(case, checkpoint, reference,
     monkeypatch.setattr(linear_state.LinearStates, "keep_verified", replay)
     llm.engine.proposer = OracleProposer(3, prompts, want, partly=True)
     assert _tokens(_generate(llm.engine, prompts, _greedy())) == want
-    assert len(gathers) > 5 and set(gathers) == {1}, gathers
+    assert len(gathers) > 5 and set(gathers) == {1 if bound == "default" else len(verify)}, gathers
     assert {n for rows in replays for n in rows} >= {1, 4}, replays  # none and all of the 3 proposals kept
 
 

@@ -90,6 +90,10 @@ def _numel(shape) -> int:
 
 #: The dtype of verify rows: every input a kernel reads converts to it exactly.
 VERIFY_ROW_DTYPE = torch.float32
+#: The most bytes a replay of accepted rows gathers from the verify table at once for every layer; a larger
+#: replay gathers each layer's columns alone (a row of every layer is 2.07 MB on one rank of Qwen3-Next-80B,
+#: so 256 sequences keeping 4 rows would take 2.1 GB at once).
+KEPT_GATHER_BYTES = 256 << 20
 #: The prefix-cache snapshots one sequence may take inside one step (kvforge/engine/state_prefix.py plans at
 #: most this many; the kernels read this many pairs a sequence, a power of two).
 SNAPSHOTS_PER_SEQUENCE = 4
@@ -106,6 +110,8 @@ class VerifyRows:
         if table.dim() != 2 or table.shape[0] % rows:
             raise ValueError(f"verify rows need a table [num_slots * {rows}, width], got {tuple(table.shape)}")
         self.table, self.rows = table, rows
+        #: The table column of this layer's first.
+        self.first = column
         #: name -> (first column in the table, shape of one row)
         self.columns: dict[str, tuple[int, tuple[int, ...]]] = {}
         for name, shape in layout.verify_row_shapes().items():
@@ -126,10 +132,11 @@ class VerifyRows:
         table = torch.zeros((num_slots * rows, layout.token_input_elements), dtype=dtype, device=device)
         return cls(table, layout, rows)
 
-    def of(self, name: str, table_rows: torch.Tensor) -> torch.Tensor:
-        """``[n, *shape]``: the name's columns of ``table_rows`` (rows of the table, or of a gather of them)
-        as a view."""
+    def of(self, name: str, table_rows: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """``[n, *shape]``: the name's columns of ``table_rows`` (rows of the table, or of a gather of them,
+        whose column 0 is the table's column ``first``) as a view."""
         start, shape = self.columns[name]
+        start -= first
         return table_rows[:, start:start + _numel(shape)].unflatten(1, shape)
 
     def flat(self, name: str) -> torch.Tensor:
@@ -437,7 +444,7 @@ class LinearStates:
             return
         kept_of = self._gather_kept(src_t)
         for layer, rows in self.verify.items():
-            x, k, v, g, beta = (rows.of(name, kept_of[id(rows.table)]) for name in ("conv_input", "k", "v", "g", "beta"))
+            x, k, v, g, beta = (rows.of(name, *kept_of[layer]) for name in ("conv_input", "k", "v", "g", "beta"))
             normalize = self._normalize_qk.get(layer, True)
             for i, slot in enumerate(slot_ids):
                 span = slice(qsl[i], qsl[i + 1])
@@ -463,13 +470,20 @@ class LinearStates:
         (True before any)."""
         return tuple(self._normalize_qk.get(layer, True) for layer in self.verify or ())
 
-    def _gather_kept(self, src: torch.Tensor) -> dict[int, torch.Tensor]:
-        """One gather of each verify table's rows ``src``, for every layer in it (by the table's id)."""
-        gathered = {}
-        for rows in self.verify.values():
-            if id(rows.table) not in gathered:
-                gathered[id(rows.table)] = rows.table.index_select(0, src)
-        return gathered
+    def _gather_kept(self, src: torch.Tensor) -> dict[int, tuple[torch.Tensor, int]]:
+        """Per state layer, the verify-table rows ``src`` of its columns and the table column their column 0
+        is: one gather of each table for every layer in it, or, where that gather would pass
+        :data:`KEPT_GATHER_BYTES`, one gather of each layer's own columns."""
+        kept, whole = {}, {}
+        for layer, rows in self.verify.items():
+            table = rows.table
+            if src.shape[0] * table.shape[1] * table.element_size() <= KEPT_GATHER_BYTES:
+                if id(table) not in whole:
+                    whole[id(table)] = table.index_select(0, src)
+                kept[layer] = (whole[id(table)], 0)
+            else:
+                kept[layer] = (table[:, rows.first:rows.end].index_select(0, src), rows.first)
+        return kept
 
     def replay_on_kernels(self, src: torch.Tensor, slot_ids: torch.Tensor, query_start_loc: torch.Tensor,
                           lengths: Sequence[int]) -> None:
@@ -484,7 +498,7 @@ class LinearStates:
         forms: dict[bool, delta_rule_route.PrefillForm] = {}  # the route asked once a replay, per gate kind
         kept_of = self._gather_kept(src)
         for layer, rows in self.verify.items():
-            x, k, v, g, beta = (rows.of(name, kept_of[id(rows.table)]) for name in ("conv_input", "k", "v", "g", "beta"))
+            x, k, v, g, beta = (rows.of(name, *kept_of[layer]) for name in ("conv_input", "k", "v", "g", "beta"))
             conv1d_update_states(x, self.conv[layer], slot_ids, query_start_loc, has_initial_state=every_slot_held)
             per_channel = g.dim() == 3
             if per_channel not in forms:
