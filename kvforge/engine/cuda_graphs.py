@@ -47,11 +47,12 @@ Invariants (what makes a replay equal to an eager step):
    within an eighth below ``max_model_len`` is left out): a split then holds nearly half the tokens the rule
    gave it or more.
 5. **Lifetime.** Captured once at startup, after the weights and the KV pool
-   exist and before any request, largest size first, in one memory pool. The
+   exist and before any request, largest size first, in one memory pool per
+   runner (the target's, an MTP layer's). The
    weights, the pool's buffer and the fp8 scale tensors must never be
    reallocated afterwards (fp8 calibration updates scales in place; no graph
-   replays before calibration is done). A graph's output lives in the shared
-   pool and is valid until the next replay of any graph.
+   replays before calibration is done). A graph's output lives in its runner's
+   pool and is valid until that runner's next replay.
 6. **Verification graphs** (``Q > 1``): the paged kernels take the ``Q`` query rows of a sequence with
    causal masking, as eagerly; an MLA group's metadata is the per-token form (each query token a
    one-token sequence over its causal prefix, ``kvforge.attention.triton_mla.per_token_metadata``),

@@ -35,10 +35,10 @@ states ``[Hv, K, V]`` in the plan's state dtype, shaped by the model's
 ``linear_state_layouts()``; ``linear_states`` wraps them
 (kvforge/attention/linear_state.py). Each layer's two views take exactly the
 plan's ``state_bytes`` of that layer per slot; a running sequence holds one
-slot (the same index in every layer). With speculative tokens, each state layer
-then has its float32 verify rows (``state_slots x (1 + k)`` rows of the
-layout's ``token_input_elements``), exactly the plan's ``verify_replay_bytes``
-of that layer per slot.
+slot (the same index in every layer). With speculative tokens, one float32
+table of verify rows follows (``state_slots x (1 + k)`` rows, each holding every
+state layer's ``token_input_elements`` side by side, in index order): exactly the
+plan's ``verify_replay_bytes`` of every layer per slot.
 """
 
 from __future__ import annotations
