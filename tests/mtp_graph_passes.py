@@ -4,6 +4,18 @@ of the graph path (CPU: the static, padded inputs of ``static_decode_on_cpu``; C
 from __future__ import annotations
 
 
+def use_static_graph_inputs(monkeypatch) -> None:
+    """Engines built after this run their runners' graph paths on CPU over the static, padded inputs
+    (``static_decode_on_cpu``): the target's decode and verification steps and an MTP layer's passes."""
+    from kvforge.engine import llm_engine
+
+    class StaticDecodeRunner(llm_engine.ModelRunner):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "static_decode_on_cpu": True})
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", StaticDecodeRunner)
+
+
 def run_graph_passes_twice(runner) -> list[tuple[int, int, float]]:
     """Patch ``runner`` (a ModelRunner with ``mtp_proposals``) so that each pass a graph serves is also run
     eagerly; the graph's output goes on. Returns the list the patch fills: per replayed pass, (sequences,

@@ -78,18 +78,12 @@ def assert_mtp_graph_path_agrees(make_llm, checkpoint, monkeypatch, k: int, all_
     verification would hide it in the output), and the greedy output equals speculation off by the near-tie
     rule. Single-token passes (q = 1) replay and, with ``all_accepted``, the observed rows of a fully
     accepted step (q = 1 + k) too; three sequences pad to the graph of 4 rows (sizes 1, 2, 4, 8)."""
-    from mtp_graph_passes import run_graph_passes_twice
-
-    from kvforge.engine import llm_engine
+    from mtp_graph_passes import run_graph_passes_twice, use_static_graph_inputs
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     ref = generate(make_llm(checkpoint), PROMPTS, params)
 
-    class StaticDecodeRunner(llm_engine.ModelRunner):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **{**kw, "static_decode_on_cpu": True})
-
-    monkeypatch.setattr(llm_engine, "ModelRunner", StaticDecodeRunner)
+    use_static_graph_inputs(monkeypatch)
     llm = make_llm(checkpoint, k, cuda_graph_sizes=[1, 2, 4, 8])
     runner = llm.engine.draft_runner
     assert runner.graphs is not None and runner.graphs.query_lens == tuple(range(1, k + 2))
@@ -106,22 +100,15 @@ def assert_mtp_graph_path_agrees(make_llm, checkpoint, monkeypatch, k: int, all_
         assert counters["num_accepted_tokens"] == counters["num_draft_tokens"] >= 20, counters
 
 
-
 def assert_mtp_graph_passes_of_every_query_length(make_llm, checkpoint, monkeypatch, k: int = 3) -> None:
     """Direct MTP passes of three sequences at every captured query length 1 .. 1 + k, random previous hidden
     rows and tokens, on the graph path's static, padded inputs (CPU) against the same passes run eagerly
     (tests/mtp_graph_passes.py): within 1e-5 of the largest head input, so a hidden row, token, position or
     KV slot out of place in a multi-row pass shows (an engine run replays multi-row passes only where every
     proposal is accepted)."""
-    from mtp_graph_passes import run_graph_passes_twice
+    from mtp_graph_passes import run_graph_passes_twice, use_static_graph_inputs
 
-    from kvforge.engine import llm_engine
-
-    class StaticDecodeRunner(llm_engine.ModelRunner):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **{**kw, "static_decode_on_cpu": True})
-
-    monkeypatch.setattr(llm_engine, "ModelRunner", StaticDecodeRunner)
+    use_static_graph_inputs(monkeypatch)
     llm = make_llm(checkpoint, k, cuda_graph_sizes=[1, 2, 4, 8])
     runner = llm.engine.draft_runner
     passes = run_graph_passes_twice(runner)
