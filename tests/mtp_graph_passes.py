@@ -1,5 +1,6 @@
-"""Every pass of an MTP runner that replays a graph, run a second time eagerly on the same inputs, for tests
-of the graph path (CPU: the static, padded inputs of ``static_decode_on_cpu``; CUDA: captured graphs)."""
+"""Helpers for tests of an MTP runner's graph path (CPU: the static, padded inputs of ``static_decode_on_cpu``;
+CUDA: captured graphs): engines whose runners take the static inputs on CPU, and every pass a graph serves
+run a second time eagerly on the same inputs."""
 
 from __future__ import annotations
 
