@@ -683,10 +683,7 @@ class ModelRunner:
             if self.keep_hidden:
                 self.last_hidden = hidden
             if host.rows is not None:
-                rows = torch.from_numpy(host.rows)
-                if self._pin:
-                    rows = rows.pin_memory()
-                hidden = hidden[rows.to(self.device, non_blocking=True)]
+                hidden = hidden[self._rows_on_device(host)]
             return self.head(hidden, host, scoring)
         input_ids, positions, meta, rows = self._to_device(host)
         self.patch_placeholders(input_ids, host)
@@ -702,6 +699,14 @@ class ModelRunner:
         if rows is not None:
             hidden = hidden[rows]
         return self.head(hidden, host, scoring)
+
+    def _rows_on_device(self, host: HostStep) -> torch.Tensor:
+        """``host.rows`` on the device, copied without waiting (pinned on CUDA): the rows a graph replay's
+        output is gathered at."""
+        rows = torch.from_numpy(host.rows)
+        if self._pin:
+            rows = rows.pin_memory()
+        return rows.to(self.device, non_blocking=True)
 
     def head(self, hidden: torch.Tensor, host: HostStep, scoring: PromptScoring | None) -> torch.Tensor | None:
         """Logits of the rows of ``hidden`` but its last ``host.num_scored``, which are scored a slice at a
@@ -729,12 +734,7 @@ class ModelRunner:
             self.mtp_hidden[:hidden.shape[0]].copy_(hidden)
             out = self.graphs.run(host)  # valid until this runner's next replay
             self.num_graph_steps += 1
-            if host.rows is None:
-                return out
-            rows = torch.from_numpy(host.rows)
-            if self._pin:
-                rows = rows.pin_memory()
-            return out.index_select(0, rows.to(self.device, non_blocking=True))
+            return out if host.rows is None else out.index_select(0, self._rows_on_device(host))
         self.num_eager_steps += 1
         ids, positions, metas, rows = self._to_device(host)
         self.patch_placeholders(ids, host)
