@@ -137,8 +137,9 @@ def test_mtp_graph_passes_equal_eager_passes(tmp_path, arch):
     from mtp_graph_passes import run_graph_passes_twice
     from tiny_checkpoints import QWEN3_NEXT
 
+    # head_dim 32: the smallest head size of the Triton paged backend, whose layers capture graphs
     config = DEEPSEEK_MTP if arch == "deepseek" else {**QWEN3_NEXT, "architectures": ["Qwen3NextForCausalLM"],
-                                                      "mtp_num_hidden_layers": 1}
+                                                      "head_dim": 32, "mtp_num_hidden_layers": 1}
     (tmp_path / "config.json").write_text(json.dumps(config))
     prompts = [{"prompt_token_ids": [p % 128 for p in prompt]} for prompt in PROMPTS]
     kw = dict(skip_tokenizer_init=True, kv_cache_memory=1 << 28, progress=False, device="cuda", max_num_seqs=8,
