@@ -177,11 +177,10 @@ def test_mtp_passes_on_the_graph_path(checkpoint, tmp_path, monkeypatch, target_
 
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_proposals_reach_the_host_once_a_step(checkpoint, monkeypatch, temperature):
-    """Each MTP pass reads the previous pass's proposals on the device; the proposer reads all of a step's
-    proposals to the host once (one ``tolist`` of the proposer a propose call, with three passes), greedy and
-    sampled."""
+def test_sampled_proposals_reach_the_host_once_a_step(checkpoint, monkeypatch):
+    """Each MTP pass reads the previous pass's proposals on the device; for sampled requests the proposer
+    reads all of a step's proposals to the host once (one ``tolist`` of the proposer a propose call, with
+    three passes)."""
     llm = _llm(checkpoint, 3, dtype="float32")
     proposer = llm.engine.proposer
     propose, tolist = proposer.propose, torch.Tensor.tolist
@@ -203,9 +202,78 @@ def test_proposals_reach_the_host_once_a_step(checkpoint, monkeypatch, temperatu
         return out
 
     proposer.propose = counting_propose
-    generate(llm, PROMPTS, SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3))
+    generate(llm, PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3))
     assert max(made) == 3 and {n for n, m in zip(reads, made) if m} == {1}, (reads, made)
 
+
+@pytest.mark.parametrize("with_verification", [True, False])
+def test_greedy_verify_steps_read_the_device_once(checkpoint, monkeypatch, with_verification):
+    """Greedy proposals stay on the device until verification, which reads them with the target's argmax: one
+    host read (``tolist`` of the engine's speculative path) a step that verifies proposals, two when the
+    proposer reads them before the schedule (``READ_PROPOSALS_WITH_VERIFICATION`` off). Both ways run the same
+    steps on the same ids (gathered on the device or copied from the host), so the outputs are equal, bitwise."""
+    import kvforge.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "READ_PROPOSALS_WITH_VERIFICATION", with_verification)
+    llm = _llm(checkpoint, 3, dtype="float32")
+    engine, tolist = llm.engine, torch.Tensor.tolist
+    reads, drafts = [], []
+    step = engine.step
+
+    def counted(self):
+        if reads and sys._getframe(1).f_code.co_filename.endswith(
+                ("mtp.py", "pick.py", "verify.py", "llm_engine.py", "device_proposals.py")):
+            reads[-1] += 1
+        return tolist(self)
+
+    def counting_step():
+        reads.append(0)
+        before = engine.spec_counters.num_draft_tokens
+        out = step()
+        drafts.append(engine.spec_counters.num_draft_tokens - before)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    engine.step = counting_step
+    outputs = generate(llm, PROMPTS, GREEDY)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    verifying = [n for n, d in zip(reads, drafts) if d]
+    assert len(verifying) >= 10 and set(verifying) == {1 if with_verification else 2}, (reads, drafts)
+    monkeypatch.setattr(llm_engine, "READ_PROPOSALS_WITH_VERIFICATION", not with_verification)
+    assert outputs == generate(_llm(checkpoint, 3, dtype="float32"), PROMPTS, GREEDY)
+
+
+def test_unread_proposals_under_penalties_and_biases(checkpoint, tmp_path, monkeypatch):
+    """Greedy requests with repetition, frequency and presence penalties and a logit bias: their proposals stay
+    on the device until verification, which reads them first, since the penalized rows' histories hold them.
+    The histories the sampler gets and the outputs equal those of the proposer reading its proposals before
+    the schedule (``READ_PROPOSALS_WITH_VERIFICATION`` off; the same steps, so bitwise), and the output agrees
+    with speculation off by the near-tie rule. An MTP layer that computes the target's (unpenalized) next
+    token gets proposals accepted, so rows after a proposal decide tokens."""
+    import kvforge.engine.llm_engine as llm_engine
+
+    save_deepseek_v3_with_mtp(tmp_path)
+    _target_function_checkpoint(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2, repetition_penalty=1.2,
+                            frequency_penalty=0.7, presence_penalty=0.5, logit_bias={7: 2.0})
+    ref = generate(_llm(tmp_path, dtype="float32"), PROMPTS, params)
+    runs = {}
+    for with_verification in (True, False):
+        monkeypatch.setattr(llm_engine, "READ_PROPOSALS_WITH_VERIFICATION", with_verification)
+        llm = _llm(tmp_path, 3, dtype="float32")
+        sampler, histories = llm.engine.sampler, []
+        processed = sampler.processed_logits
+
+        def recorded(logits, params, hist, *args, histories=histories, processed=processed, **kw):
+            histories.append([(list(p), list(o)) for p, o in hist])
+            return processed(logits, params, hist, *args, **kw)
+
+        sampler.processed_logits = recorded
+        runs[with_verification] = (token_ids(generate(llm, PROMPTS, params)), histories)
+        counters = llm.engine.stats()["spec_decode"]
+        assert counters["num_accepted_tokens"] >= 10, counters
+    assert runs[True] == runs[False]
+    assert_outputs_agree(generate(_llm(tmp_path, 3, dtype="float32"), PROMPTS, params), ref, FP32_LOGIT_TOL)
 
 
 def test_mtp_graph_passes_of_every_query_length(checkpoint, monkeypatch):

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.linear_state import VERIFY_ROW_DTYPE, LinearStateLayout, LinearStates, VerifyRows
+from kvforge.engine.host_copies import ints_on_device
 from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 
@@ -231,10 +232,7 @@ class KVPool:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every page slot (so in every layer)."""
         if not pairs:
             return
-        idx = torch.tensor(pairs, dtype=torch.int64).t().contiguous()
-        if self.buffer.device.type == "cuda":
-            idx = idx.pin_memory().to(self.buffer.device, non_blocking=True)  # no host sync
-        src, dst = idx[0], idx[1]
+        src, dst = ints_on_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous(), self.buffer.device)
         self.pages[:, dst] = self.pages[:, src]
 
 

@@ -26,6 +26,7 @@ from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.config_checks import check_engine_plan
 from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
+from kvforge.engine.host_copies import ints_on_device
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
@@ -49,12 +50,29 @@ from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
 from kvforge.spec.load import load_model_spec
 from kvforge.spec.presets import PRESETS
+from kvforge.speculative.device_proposals import UNREAD
 from kvforge.speculative.stats import SpeculativeStats
 from kvforge.structured.token_masks import proposal_bitmask
 
 logger = logging.getLogger("kvforge.engine")
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+#: Greedy sequences' proposals from a proposer that picks them on the device (the MTP layer) stay there until
+#: verification reads them with the target's argmax (kvforge/speculative/device_proposals.py): one host wait a
+#: verify step instead of two. False: the proposer reads them before the schedule (the path of sampled
+#: sequences and tensor parallelism).
+READ_PROPOSALS_WITH_VERIFICATION = True
+
+
+def _with_unread(placeholders, rows: list[int], unread: torch.Tensor):
+    """``HostStep.placeholders`` that also fill ``rows`` from ``unread`` (their proposals, in order), beside the
+    in-flight tokens ``placeholders`` may already fill (one source tensor: theirs, then ``unread``)."""
+    if placeholders is None:
+        return rows, list(range(len(rows))), unread
+    ph_rows, ph_src, tokens = placeholders
+    return (ph_rows + rows, ph_src + list(range(tokens.shape[0], tokens.shape[0] + len(rows))),
+            torch.cat([tokens, unread]))
 
 
 def _pick_device(requested: str) -> torch.device:
@@ -250,6 +268,7 @@ class LLMEngine:
         self.proposer = self.spec_counters = self.draft_runner = self.spec_backoff = None
         self.num_launches = 0  # steps launched (the clock of the proposal back-off)
         self._observes = False  # a proposer that sees every step's tokens (MTP): every step verifies, synchronously
+        self._unread = None  # DeviceProposals of the step being scheduled, where they stay on the device
         if self.speculative is not None:
             from kvforge.speculative.proposer import build_proposer
             from kvforge.speculative.stats import SpecDecodeCounters
@@ -634,6 +653,7 @@ class LLMEngine:
         gets none there: a request's first token always comes from a plain step (as vLLM proposes from a
         step's sampled token), so a seeded sample draws the same first token whatever cut its prompt."""
         backoff = self.spec_backoff
+        self._unread = None
         decoding = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
@@ -642,10 +662,23 @@ class LLMEngine:
             if (probing and seq.num_output_tokens and seq.num_tokens - seq.num_computed_tokens == 1
                     and not seq.num_pending and (backoff is None or backoff.due(seq.request_id, seq.num_output_tokens))):
                 decoding.append(seq)
-        for seq, proposal in zip(decoding, self.proposer.propose(decoding) if decoding else []):
+        if not decoding:
+            return
+        if self._proposals_stay_on_device(decoding):
+            self._unread = self.proposer.propose_on_device(decoding)
+            proposals = [[UNREAD] * (self._unread.count(seq.request_id) if self._unread else 0) for seq in decoding]
+        else:
+            proposals = self.proposer.propose(decoding)
+        for seq, proposal in zip(decoding, proposals):
             seq.spec_token_ids = proposal
             if not proposal and backoff is not None:
                 backoff.record(seq.request_id, seq.num_output_tokens, 0, 0)
+
+    def _proposals_stay_on_device(self, seqs: list[Sequence]) -> bool:
+        """Whether this step's proposals stay on the device until verification (``READ_PROPOSALS_WITH_VERIFICATION``):
+        a proposer that can, one rank, greedy sequences (sampled ones hand their ``q`` to verification)."""
+        return (READ_PROPOSALS_WITH_VERIFICATION and self.tp is None and hasattr(self.proposer, "propose_on_device")
+                and all(seq.params.is_greedy for seq in seqs))
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write block copies before a step (all ranks)."""
@@ -664,6 +697,7 @@ class LLMEngine:
         launched = Stamp.now()
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
+        unread_rows, unread_ids, unread_counts = [], [], []  # proposals still on the device (self._unread)
         prompt_rows, prompt_targets, prompt_spans = [], [], []  # prompt logprobs (only requests asking)
         self.num_launches += 1
         # Per sampled sequence, when any sequence verifies proposals this step (speculative decoding), or every
@@ -687,6 +721,10 @@ class LLMEngine:
                 ph_src.append(prev.row_of[seq.request_id])
             else:
                 chunks.append((s.token_ids, s.start_pos, seq.block_tables))
+            if num_spec and self._unread is not None:  # their ids gathered on the device
+                unread_rows.extend(range(offset + s.num_new_tokens - num_spec, offset + s.num_new_tokens))
+                unread_ids.append(seq.request_id)
+                unread_counts.append(num_spec)
             offset += s.num_new_tokens
             if s.do_sample:
                 if num_spec:  # the last real token's row, then one row per proposal
@@ -719,6 +757,12 @@ class LLMEngine:
             else:
                 self.runner.step_ring_slots = slots
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
+        unread = None
+        if unread_rows:
+            unread = self._unread.tokens[ints_on_device(self._unread.positions(unread_ids, unread_counts),
+                                                        self.runner.device)]
+            placeholders = _with_unread(placeholders, unread_rows, unread)
+        self._unread = None
         share = self.async_scheduling
         scoring = None
         if prompt_rows:
@@ -735,7 +779,7 @@ class LLMEngine:
         prompt_lp = scoring.result.to_host() if scoring is not None else None
         if proposals is not None:
             self.scheduler.advance(out)
-            verified = self._verify(logits, sampled_seqs, proposals)
+            verified = self._verify(logits, sampled_seqs, proposals, unread)
             if self.has_linear_state:
                 self._keep_verified_states(sampled_seqs, proposals, verified)
             observe = getattr(self.proposer, "observe", None)  # the MTP layer follows every target step
@@ -769,8 +813,11 @@ class LLMEngine:
         gathered = prev.token_ids[src_t.clamp(min=0)]
         return torch.where(src_t >= 0, gathered, torch.full_like(gathered, -1))
 
-    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]]) -> list[list]:
-        """Verify a speculative step's proposals; per sequence, the [(token, logprobs)] to append."""
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], proposals: list[list[int]],
+                unread: torch.Tensor | None = None) -> list[list]:
+        """Verify a speculative step's proposals; per sequence, the [(token, logprobs)] to append. ``unread``:
+        the values of every proposal, in order, on the device, where ``proposals`` holds placeholders; read
+        with the target's argmax, or first where penalties, biases or a grammar need them."""
         from kvforge.speculative.verify import verify_proposals
 
         if not seqs:
@@ -780,6 +827,10 @@ class LLMEngine:
                  if probs_of is not None else None)
         raw = None
         row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
+        if unread is not None and (any(seq.grammar is not None for seq in seqs) or any(
+                p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens for p in row_params)):
+            flat = iter(unread.tolist())  # the histories and masks below read the proposals' values
+            proposals, unread = [[next(flat) for _ in props] for props in proposals], None
         bitmask = proposal_bitmask([seq.grammar for seq in seqs], proposals, logits.shape[-1])
         if bitmask is not None or any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens
                                       for p in row_params):
@@ -790,7 +841,7 @@ class LLMEngine:
             raw, logits = logits, self.sampler.processed_logits(logits.float(), row_params, histories,
                                                                 num_generated=generated, token_bitmask=bitmask)
         result = verify_proposals(logits, [seq.params for seq in seqs],
-                                  [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw)
+                                  [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw, unread)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):
             if props:
                 if self.spec_backoff is not None:

@@ -55,6 +55,7 @@ from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.linear_state import SlotBatch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing.mla import check_prefill_mode
+from kvforge.engine.host_copies import ints_on_device
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.prompt_scoring import PromptScoring, score_rows, set_scored_rows
 from kvforge.errors import ConfigError
@@ -666,11 +667,7 @@ class ModelRunner:
         if host.placeholders is None:
             return
         rows, src, tokens = host.placeholders
-        idx = torch.from_numpy(np.stack([np.asarray(rows, dtype=np.int64), np.asarray(src, dtype=np.int64)]))
-        if self.device.type != "cpu":
-            if self._pin:
-                idx = idx.pin_memory()
-            idx = idx.to(self.device, non_blocking=True)
+        idx = ints_on_device(np.stack([np.asarray(rows, dtype=np.int64), np.asarray(src, dtype=np.int64)]), self.device)
         ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
     def execute(self, host: HostStep, use_graph: bool, scoring: PromptScoring | None = None) -> torch.Tensor | None:
@@ -703,10 +700,7 @@ class ModelRunner:
     def _rows_on_device(self, host: HostStep) -> torch.Tensor:
         """``host.rows`` on the device, copied without waiting (pinned on CUDA): the rows a graph replay's
         output is gathered at."""
-        rows = torch.from_numpy(host.rows)
-        if self._pin:
-            rows = rows.pin_memory()
-        return rows.to(self.device, non_blocking=True)
+        return ints_on_device(host.rows, self.device)
 
     def head(self, hidden: torch.Tensor, host: HostStep, scoring: PromptScoring | None) -> torch.Tensor | None:
         """Logits of the rows of ``hidden`` but its last ``host.num_scored``, which are scored a slice at a
@@ -765,19 +759,19 @@ class ModelRunner:
 
     def _mtp_observe(self, host: HostStep, source_rows, head_slots) -> None:
         hidden, self.mtp_target.last_hidden = self.mtp_target.last_hidden, None
-        idx = torch.as_tensor(source_rows, dtype=torch.long).to(hidden.device, non_blocking=True)
+        idx = ints_on_device(source_rows, hidden.device)
         out = self._mtp_layer(host, hidden.index_select(0, idx))
         if len(head_slots):
             if self._mtp_heads is None:
                 self._mtp_heads = out.new_empty((self.max_num_seqs, out.shape[1]))
-            slots = torch.as_tensor(head_slots, dtype=torch.long).to(out.device, non_blocking=True)
+            slots = ints_on_device(head_slots, out.device)
             self._mtp_heads.index_copy_(0, slots, out)
 
     @torch.inference_mode()
     def mtp_first(self, head_slots: list[int]) -> torch.Tensor | None:
         """Logits of the head inputs in ``head_slots`` (a proposal step's first guesses); they are the rows
         :meth:`mtp_next` goes on from."""
-        slots = torch.as_tensor(head_slots, dtype=torch.long).to(self._mtp_heads.device, non_blocking=True)
+        slots = ints_on_device(head_slots, self._mtp_heads.device)
         self._mtp_current = self._mtp_heads.index_select(0, slots)
         return self.mtp_logits(self._mtp_current)
 
@@ -793,7 +787,7 @@ class ModelRunner:
         return self._mtp_next(host, keep)
 
     def _mtp_next(self, host: HostStep, keep) -> torch.Tensor | None:
-        sel = torch.as_tensor(keep, dtype=torch.long).to(self._mtp_current.device, non_blocking=True)
+        sel = ints_on_device(keep, self._mtp_current.device)
         self._mtp_current = self._mtp_layer(host, self._mtp_current.index_select(0, sel))
         return self.mtp_logits(self._mtp_current)
 

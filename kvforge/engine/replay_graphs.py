@@ -29,6 +29,8 @@ import time
 import numpy as np
 import torch
 
+from kvforge.engine.host_copies import ints_on_device
+
 logger = logging.getLogger("kvforge.engine")
 
 #: The largest batch a replay graph serves. The host work a graph saves is per launch, the same at any batch,
@@ -100,10 +102,7 @@ class ReplayGraphs:
         host[:m * n] = (slots[:, None] * self.rows + np.arange(n)).reshape(-1)
         host[b * n:b * n + b] = -1
         host[b * n:b * n + m] = slots
-        staged = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory()
-        staged = staged.to(self.device, non_blocking=True)
+        staged = ints_on_device(host, self.device)
         self.src[:b * n].copy_(staged[:b * n])
         self.slots[:b].copy_(staged[b * n:])
         graph = self.graphs.get((b, n))

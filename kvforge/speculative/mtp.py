@@ -21,7 +21,9 @@ Two calls per engine step:
    that head input's logits; proposals 2 .. k apply the layer again to its own output (its hidden state and the
    previous proposal, one position further), batched over sequences. Those positions
    (``num_computed_tokens`` onwards) are the ones the next step verifies. Each pass reads the proposals of
-   the pass before on the device; the host reads all of them once, after the last pass. The blocks of the whole verify
+   the pass before on the device; the host reads all of them once, after the last pass, or for greedy
+   sequences not at all (:meth:`MTPProposer.propose_on_device`: verification reads them with the target's
+   argmax, kvforge/speculative/device_proposals.py). The blocks of the whole verify
    step are taken now (``BlockManager.append_slots``, which the scheduler's own call then finds in
    place), beyond the step's own only from the spare blocks (the scheduler's ``spare_blocks``), so
    proposals never cause a preemption; a sequence without them gets one proposal. Their KV is scratch:
@@ -43,6 +45,7 @@ import torch
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.sequence import Sequence
+from kvforge.speculative.device_proposals import DeviceProposals
 from kvforge.speculative.draft_model import _room
 from kvforge.speculative.pick import pick_proposal_tokens
 
@@ -128,7 +131,38 @@ class MTPProposer:
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]:
         self._probs = {}
         out: list[list[int]] = [[] for _ in seqs]
-        active = []  # (output index, sequence, proposals wanted)
+        passes, probs = self._passes(seqs)
+        if passes:
+            picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
+            for indices, _ in passes:
+                for i in indices:
+                    out[i].append(next(picked))
+        for i, rows_q in probs.items():
+            self._probs[seqs[i].request_id] = torch.stack(rows_q)
+        return out
+
+    def propose_on_device(self, seqs: SequenceOf[Sequence]) -> DeviceProposals | None:
+        """:meth:`propose` for greedy sequences, without reading the proposals: they stay on the device
+        (kvforge/speculative/device_proposals.py); None when no sequence gets any."""
+        if any(not seq.params.is_greedy for seq in seqs):
+            raise ValueError("proposals stay on the device for greedy sequences only (sampled ones hand q over)")
+        self._probs = {}
+        passes, _ = self._passes(seqs)
+        if not passes:
+            return None
+        index: dict[str, list[int]] = {}
+        at = 0
+        for indices, tokens in passes:
+            for row, i in enumerate(indices):
+                index.setdefault(seqs[i].request_id, []).append(at + row)
+            at += tokens.shape[0]
+        return DeviceProposals(torch.cat([tokens for _, tokens in passes]), index)
+
+    def _passes(self, seqs: SequenceOf[Sequence]) -> tuple[list[tuple[list[int], torch.Tensor]],
+                                                          dict[int, list[torch.Tensor]]]:
+        """The MTP passes of a propose call: per pass, the indices into ``seqs`` of its rows and their
+        proposals on the device; and per sampled sequence index, the ``q`` row of each of its proposals."""
+        active = []  # (index into seqs, sequence, proposals wanted)
         slots = []
         bm, spare = self.block_manager, self.spare_blocks()
         for i, seq in enumerate(seqs):
@@ -147,14 +181,14 @@ class MTPProposer:
                     spare -= extra
             active.append((i, seq, room))
             slots.append(self._slot_of[seq.request_id])
+        probs: dict[int, list[torch.Tensor]] = {}
+        passes: list[tuple[list[int], torch.Tensor]] = []
         if not active:
-            return out
+            return passes, probs
         copies = bm.take_copies()
         if copies:
             self.copy_blocks(copies)
         logits = self.runner.mtp_first(slots)
-        probs: dict[int, list[torch.Tensor]] = {}
-        passes = []  # per pass: the output index of each row, the rows' proposals on the device
         step = 1
         while True:
             tokens, q = pick_proposal_tokens(logits, [seq for _, seq, _ in active])
@@ -164,17 +198,10 @@ class MTPProposer:
                     probs.setdefault(i, []).append(row)
             keep = [j for j, (_, _, wanted) in enumerate(active) if wanted > step]
             if not keep:
-                break
+                return passes, probs
             active = [active[j] for j in keep]
             # The layer again at the next position: its own output in place of the target's hidden state, and
             # as its token the proposal just picked (row keep[j] of ``tokens``, on the device; 0 a placeholder).
             chunks = [([0], seq.num_tokens - 2 + step, seq.block_tables) for _, seq, _ in active]
             logits = self.runner.mtp_next(chunks, keep, tokens)
             step += 1
-        picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
-        for indices, _ in passes:
-            for i in indices:
-                out[i].append(next(picked))
-        for i, rows_q in probs.items():
-            self._probs[seqs[i].request_id] = torch.stack(rows_q)
-        return out

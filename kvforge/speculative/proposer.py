@@ -25,7 +25,10 @@ class Proposer(Protocol):
     ``discard(request_id)``, called when a request finishes, is aborted or preempted, for a proposer that
     keeps per-request state (a draft model's KV); and ``observe(scheduled, new_tokens)``, called after every
     verified step with the step's scheduled chunks and each sampled request's appended tokens, for a
-    proposer that reads the target's hidden states of that step (the MTP layer, kvforge/speculative/mtp.py).
+    proposer that reads the target's hidden states of that step (the MTP layer, kvforge/speculative/mtp.py);
+    ``propose_on_device(seqs)``, for greedy sequences, the proposals left on the device as
+    :class:`kvforge.speculative.device_proposals.DeviceProposals` (or None when there are none), which
+    verification reads with the target's argmax.
     """
 
     num_speculative_tokens: int

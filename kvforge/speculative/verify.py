@@ -150,13 +150,16 @@ def _proposal_q(proposals: list[list[int]], probs: list[torch.Tensor | None], vo
 
 def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                      proposals: list[list[int]], proposal_probs: list[torch.Tensor | None] | None = None,
-                     raw_logits: torch.Tensor | None = None) -> VerifiedStep:
+                     raw_logits: torch.Tensor | None = None, unread: torch.Tensor | None = None) -> VerifiedStep:
     """Verify a step: sequence ``i`` owns ``len(proposals[i]) + 1`` consecutive rows of float32 ``logits``,
     in order. Greedy rows take one argmax over the whole batch (one host read); sampled rows go through
     :func:`rejection_sample_batch` over :meth:`Sampler.target_probs`. ``proposal_probs[i]``: the ``q``
     [>= len(proposals[i]), vocab] sequence ``i``'s proposals were drawn from (a draft model), or None for
     point-mass proposals (n-gram); None for all point masses. ``raw_logits``: the logits before penalties
-    where ``logits`` are penalized (logprobs are those of the raw logits, as the sampler's); None: ``logits``."""
+    where ``logits`` are penalized (logprobs are those of the raw logits, as the sampler's); None: ``logits``.
+    ``unread``: int64 [every proposal, in order] on the device where ``proposals`` holds placeholders of the
+    right counts (kvforge/speculative/device_proposals.py); greedy sequences only, read in the argmax's host
+    read."""
     starts, row = [], 0
     for props in proposals:
         starts.append(row)
@@ -166,7 +169,16 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
                          f"got {logits.shape[0]}")
     logits = logits.float()
     greedy = [p.is_greedy for p in params]
-    argmax = logits.argmax(dim=-1).tolist() if any(greedy) else None
+    if unread is not None:
+        if unread.shape[0] != row - len(proposals):
+            raise ValueError(f"{unread.shape[0]} unread proposals for {row - len(proposals)} placeholders")
+        if any(props and not g for props, g in zip(proposals, greedy)):
+            raise ValueError("unread proposals of a sampled sequence: read them (and their q) first")
+        both = torch.cat([logits.argmax(dim=-1), unread]).tolist()  # one host read
+        argmax, values = both[:row], iter(both[row:])
+        proposals = [[next(values) for _ in props] for props in proposals]
+    else:
+        argmax = logits.argmax(dim=-1).tolist() if any(greedy) else None
     sampled = [i for i, g in enumerate(greedy) if not g]
     tokens_of = {}
     if sampled:
