@@ -162,6 +162,9 @@ class FixedLogitsRunner:
     def run(self, chunks, rows):
         return self.logits.expand(len(rows), -1).clone()
 
+    def run_picked(self, chunks, rows, tokens):
+        return self.run(chunks, rows)
+
 
 def test_sampled_proposals_follow_q_and_q_is_handed_over():
     from test_rejection_sampling import P_VALUE_THRESHOLD, chi_square_p_value
@@ -296,3 +299,37 @@ def test_async_steps_hold_exactly_the_blocks_of_their_computed_tokens(tmp_path):
         check_draft_invariants(engine)
     assert [final[str(i)].outputs[0].token_ids for i in range(len(TINY_PROMPTS))] == ref
     assert bm.num_used_blocks == 0 and engine.stats()["spec_decode"]["num_drafts"] > 0
+
+
+def test_a_propose_call_reads_its_proposals_once(tmp_path, monkeypatch):
+    """Each draft pass takes the previous pass's proposals as its ids on the device; a propose call with
+    three passes reads them to the host once (one ``tolist`` of the proposer), and the output still equals
+    speculation off (the draft's fed tokens are the proposals read: the invariants after every step)."""
+    import sys
+
+    target = save_tiny(tmp_path / "target", LLAMA)
+    kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, progress=False, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = token_ids(generate(LLM(target, **kw), TINY_PROMPTS, params))
+    on = LLM(target, speculative_config={**draft_config(target, 3), "backoff": False}, **kw)
+    proposer, tolist = on.engine.proposer, torch.Tensor.tolist
+    propose, reads, made = proposer.propose, [], []
+
+    def counted(self):
+        if sys._getframe(1).f_code.co_filename.endswith(("draft_model.py", "pick.py")):
+            reads[-1] += 1
+        return tolist(self)
+
+    def counting_propose(seqs):
+        reads.append(0)
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+        try:
+            out = propose(seqs)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        made.append(max((len(p) for p in out), default=0))
+        return out
+
+    proposer.propose = counting_propose
+    assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
+    assert max(made) == 3 and {n for n, m in zip(reads, made) if m} == {1}, (reads, made)

@@ -263,6 +263,11 @@ class TPModelRunner(ModelRunner):
         except Exception as e:
             raise self.control.failure(e) from e
 
+    def run_picked(self, chunks, logits_rows: list[int] | None, tokens: torch.Tensor):
+        """As ``ModelRunner.run_picked``; the workers get the step's ids from the host, so rank 0 reads them."""
+        values = tokens.tolist()
+        return self.run([([v], start, tables) for v, (_, start, tables) in zip(values, chunks)], logits_rows)
+
     def _send_mtp_call(self, kind: int, lists: tuple[list[int], ...], host: HostStep | None) -> None:
         """Wake the workers for one MTP call and send its arguments (and the step inputs of ``host``, with
         the pending block copies)."""

@@ -605,6 +605,12 @@ class ModelRunner:
         set_scored_rows(host, scoring)
         return self.execute(host, self.wants_graph(host), scoring)
 
+    def run_picked(self, chunks, logits_rows: list[int] | None, tokens: torch.Tensor):
+        """:meth:`run` over one-token chunks whose ids are ``tokens`` [len(chunks)] (int64 on the device: a
+        proposer's picks, gathered there, not read to the host; the chunks' own ids are ignored)."""
+        rows = list(range(len(chunks)))
+        return self.run(chunks, logits_rows, placeholders=(rows, rows, tokens))
+
     def take_state_slots(self, host: HostStep) -> None:
         """Linear-attention models: move the engine's ``step_state_slots`` (one per sequence) into ``host``."""
         if self.linear_states is None:

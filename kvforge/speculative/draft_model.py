@@ -28,7 +28,9 @@ A call of :meth:`DraftModelProposer.propose` (decoding sequences: all tokens but
 3. Proposals. The last known token (and any token the draft has not seen) is fed; the last row's logits
    give proposal 1; one pass of one token per sequence for each further proposal gives proposals 2 .. k,
    and one last pass feeds proposal k, so the draft's KV covers every position the verify step writes and
-   every accepted proposal is a computed position of both models. Proposals are picked by
+   every accepted proposal is a computed position of both models. Each pass takes the previous pass's
+   proposals as its ids on the device; the host reads all of a call's proposals once, after the last pass
+   (at tensor parallelism every pass: the workers get their ids from the host). Proposals are picked by
    ``kvforge/speculative/pick.py`` (argmax for greedy requests, a draw from ``q`` for sampled ones); ``q``
    of every proposal is kept for the verifier's rejection sampling (:meth:`proposal_probs`).
 
@@ -46,7 +48,7 @@ import torch
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.sequence import Sequence
-from kvforge.speculative.pick import pick_proposals
+from kvforge.speculative.pick import pick_proposal_tokens
 
 
 class DraftState:
@@ -192,23 +194,31 @@ class DraftModelProposer:
         logits = self.runner.run(chunks, offsets)
         active = going
         probs: dict[int, list[torch.Tensor]] = {}
+        passes = []  # per pass: the output index of each row, the rows' proposals on the device
         step = 1
         while True:
-            tokens, q = pick_proposals(logits, [state.seq for _, state, _ in active])
-            # Feed each new proposal: the draft's KV at the position the verify step gives it.
+            tokens, q = pick_proposal_tokens(logits, [state.seq for _, state, _ in active])
+            passes.append(([i for i, _, _ in active], tokens))
+            # Feed each new proposal: the draft's KV at the position the verify step gives it, its id gathered
+            # on the device from ``tokens`` (row j of the pass is chunk j).
             chunks = []
-            for (i, state, _), token, row in zip(active, tokens, q):
-                out[i].append(token)
+            for (i, state, _), row in zip(active, q):
                 if row is not None:
                     probs.setdefault(i, []).append(row)
-                chunks.append(([token], state.num_written, state.seq.block_tables))
-                state.fed.append(token)
+                chunks.append(([0], state.num_written, state.seq.block_tables))
+                state.fed.append(0)  # a placeholder until the read below
             still = [j for j, (_, _, wanted) in enumerate(active) if wanted > step]
-            logits = self.runner.run(chunks, still)  # one token per chunk: row j is chunk j
+            logits = self.runner.run_picked(chunks, still, tokens)
             active = [active[j] for j in still]
             if not active:
                 break
             step += 1
+        picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
+        for indices, _ in passes:
+            for i in indices:
+                out[i].append(next(picked))
+        for i, state, _ in going:
+            state.fed = list(out[i])
         for i, rows_q in probs.items():
             self._probs[seqs[i].request_id] = torch.stack(rows_q)
         return out

@@ -35,8 +35,3 @@ def pick_proposal_tokens(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tu
             probs[i] = row
     return tokens, probs
 
-
-def pick_proposals(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
-    """:func:`pick_proposal_tokens` with the proposals read to the host."""
-    tokens, probs = pick_proposal_tokens(logits, seqs)
-    return tokens.tolist(), probs
