@@ -19,6 +19,7 @@ import pytest
 import torch
 from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
 from mtp_checkpoint import save_deepseek_v3_with_mtp
+from proposer_reads import count_propose_reads
 from safetensors.torch import load_file, save_file
 from test_speculative_engine import generate, token_ids
 
@@ -182,26 +183,7 @@ def test_sampled_proposals_reach_the_host_once_a_step(checkpoint, monkeypatch):
     reads all of a step's proposals to the host once (one ``tolist`` of the proposer a propose call, with
     three passes)."""
     llm = _llm(checkpoint, 3, dtype="float32")
-    proposer = llm.engine.proposer
-    propose, tolist = proposer.propose, torch.Tensor.tolist
-    reads, made = [], []
-
-    def counted(self):
-        if sys._getframe(1).f_code.co_filename.endswith(("mtp.py", "pick.py")):  # not the CPU expert loop's
-            reads[-1] += 1
-        return tolist(self)
-
-    def counting_propose(seqs):
-        reads.append(0)
-        monkeypatch.setattr(torch.Tensor, "tolist", counted)
-        try:
-            out = propose(seqs)
-        finally:
-            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-        made.append(max((len(p) for p in out), default=0))
-        return out
-
-    proposer.propose = counting_propose
+    reads, made = count_propose_reads(llm.engine.proposer, monkeypatch, ("mtp.py", "pick.py"))
     generate(llm, PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3))
     assert max(made) == 3 and {n for n, m in zip(reads, made) if m} == {1}, (reads, made)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from proposer_reads import count_propose_reads
 from test_speculative_engine import (
     DEEPSEEK,
     LLAMA,
@@ -305,31 +306,11 @@ def test_a_propose_call_reads_its_proposals_once(tmp_path, monkeypatch):
     """Each draft pass takes the previous pass's proposals as its ids on the device; a propose call with
     three passes reads them to the host once (one ``tolist`` of the proposer), and the output still equals
     speculation off (the draft's fed tokens are the proposals read: the invariants after every step)."""
-    import sys
-
     target = save_tiny(tmp_path / "target", LLAMA)
     kw = dict(dtype="float32", block_size=4, skip_tokenizer_init=True, progress=False, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = token_ids(generate(LLM(target, **kw), TINY_PROMPTS, params))
     on = LLM(target, speculative_config={**draft_config(target, 3), "backoff": False}, **kw)
-    proposer, tolist = on.engine.proposer, torch.Tensor.tolist
-    propose, reads, made = proposer.propose, [], []
-
-    def counted(self):
-        if sys._getframe(1).f_code.co_filename.endswith(("draft_model.py", "pick.py")):
-            reads[-1] += 1
-        return tolist(self)
-
-    def counting_propose(seqs):
-        reads.append(0)
-        monkeypatch.setattr(torch.Tensor, "tolist", counted)
-        try:
-            out = propose(seqs)
-        finally:
-            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-        made.append(max((len(p) for p in out), default=0))
-        return out
-
-    proposer.propose = counting_propose
+    reads, made = count_propose_reads(on.engine.proposer, monkeypatch, ("draft_model.py", "pick.py"))
     assert token_ids(generate(on, TINY_PROMPTS, params)) == ref
     assert max(made) == 3 and {n for n, m in zip(reads, made) if m} == {1}, (reads, made)
