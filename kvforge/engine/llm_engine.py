@@ -827,13 +827,12 @@ class LLMEngine:
                  if probs_of is not None else None)
         raw = None
         row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
-        if unread is not None and (any(seq.grammar is not None for seq in seqs) or any(
-                p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens for p in row_params)):
+        processed = any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens for p in row_params)
+        if unread is not None and (processed or any(seq.grammar is not None for seq in seqs)):
             flat = iter(unread.tolist())  # the histories and masks below read the proposals' values
             proposals, unread = [[next(flat) for _ in props] for props in proposals], None
         bitmask = proposal_bitmask([seq.grammar for seq in seqs], proposals, logits.shape[-1])
-        if bitmask is not None or any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens
-                                      for p in row_params):
+        if bitmask is not None or processed:
             # Row j of a sequence scores the token after its output and the first j proposals.
             histories = [(seq.prompt_token_ids, seq.output_token_ids + props[:j])
                          for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]

@@ -48,7 +48,7 @@ import torch
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.sequence import Sequence
-from kvforge.speculative.pick import pick_proposal_tokens
+from kvforge.speculative.pick import pick_proposal_tokens, read_passes
 
 
 class DraftState:
@@ -213,10 +213,7 @@ class DraftModelProposer:
             if not active:
                 break
             step += 1
-        picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
-        for indices, _ in passes:
-            for i in indices:
-                out[i].append(next(picked))
+        out = read_passes(passes, len(seqs))
         for i, state, _ in going:
             state.fed = list(out[i])
         for i, rows_q in probs.items():

@@ -47,7 +47,7 @@ from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.sequence import Sequence
 from kvforge.speculative.device_proposals import DeviceProposals
 from kvforge.speculative.draft_model import _room
-from kvforge.speculative.pick import pick_proposal_tokens
+from kvforge.speculative.pick import pick_proposal_tokens, read_passes
 
 
 class MTPProposer:
@@ -129,17 +129,9 @@ class MTPProposer:
 
     # ---- before each schedule -----------------------------------------------------------------------
     def propose(self, seqs: SequenceOf[Sequence]) -> list[list[int]]:
-        self._probs = {}
-        out: list[list[int]] = [[] for _ in seqs]
         passes, probs = self._passes(seqs)
-        if passes:
-            picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
-            for indices, _ in passes:
-                for i in indices:
-                    out[i].append(next(picked))
-        for i, rows_q in probs.items():
-            self._probs[seqs[i].request_id] = torch.stack(rows_q)
-        return out
+        self._probs = {seqs[i].request_id: torch.stack(rows_q) for i, rows_q in probs.items()}
+        return read_passes(passes, len(seqs))
 
     def propose_on_device(self, seqs: SequenceOf[Sequence]) -> DeviceProposals | None:
         """:meth:`propose` for greedy sequences, without reading the proposals: they stay on the device

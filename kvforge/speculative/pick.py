@@ -35,3 +35,14 @@ def pick_proposal_tokens(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tu
             probs[i] = row
     return tokens, probs
 
+
+def read_passes(passes: list[tuple[list[int], torch.Tensor]], num_seqs: int) -> list[list[int]]:
+    """The proposals of ``num_seqs`` sequences from a propose call's passes (per pass: the indices of the
+    sequences its rows belong to, and the rows' proposals on the device), read to the host at once."""
+    out: list[list[int]] = [[] for _ in range(num_seqs)]
+    if passes:
+        picked = iter(torch.cat([tokens for _, tokens in passes]).tolist())  # the one host read
+        for indices, _ in passes:
+            for i in indices:
+                out[i].append(next(picked))
+    return out
