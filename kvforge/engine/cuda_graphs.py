@@ -172,7 +172,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(bmax, dtype=torch.int32, device=dev)
         self.decode_order = torch.arange(bmax, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((G, bmax, self.max_blocks), dtype=torch.int32, device=dev)
-        self.scratch32 = torch.empty(2 * bmax + G * bmax * self.max_blocks, dtype=torch.int32, device=dev)
+        # The int32 staging of a load: lengths, order, block tables, then (state models) slots, held-state flags
+        # and the verify rows' sources and destinations; one host->device copy.
+        slot_part = 2 * bmax + 2 * bmax * qmax if self.has_slots else 0
+        self.scratch32 = torch.empty(2 * bmax + G * bmax * self.max_blocks + slot_part, dtype=torch.int32, device=dev)
         self._host64 = np.zeros((2 + G, bmax * qmax), dtype=np.int64)
         self.slot_ids = torch.full((bmax,), -1, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.ones(bmax, dtype=torch.bool, device=dev)
@@ -309,11 +312,25 @@ class DecodeGraphs:
         if cols > self.max_blocks:
             raise ValueError(f"block table of {cols} columns exceeds max_model_len's {self.max_blocks}")
         bmax = self.max_size
-        i32 = np.zeros(2 * bmax + G * b * cols, dtype=np.int32)
+        tables_end = 2 * bmax + G * b * cols
+        slot_part = (2 * bmax + (2 * bmax * q if q > 1 else 0)) if self.has_slots else 0
+        i32 = np.zeros(tables_end + slot_part, dtype=np.int32)
         i32[:bmax] = q  # padding sequences: q tokens at positions 0 .. q-1 of block 0
         i32[:n] = host.seq_lens
         i32[bmax:2 * bmax] = AttentionMetadata.longest_first(host.seq_lens, bmax)  # padding rows last
-        i32[2 * bmax:].reshape(G, b, cols)[:, :n] = host.tables
+        i32[2 * bmax:tables_end].reshape(G, b, cols)[:, :n] = host.tables
+        if self.has_slots:
+            slots, init = i32[tables_end:tables_end + bmax], i32[tables_end + bmax:tables_end + 2 * bmax]
+            slots[:] = -1
+            slots[:n] = host.state_slots
+            init[:] = 1
+            init[:n] = host.has_initial_state()
+            if q > 1:  # verify rows: real row j of sequence i to slot * q + j, padding rows as the first real row
+                src = i32[tables_end + 2 * bmax:tables_end + 2 * bmax + bmax * q]
+                dest = i32[tables_end + 2 * bmax + bmax * q:]
+                src[:t] = np.arange(t)
+                dest[:] = slots[0] * q
+                dest[:t] = (slots[:n, None] * q + np.arange(q)).reshape(-1)
         a64, a32 = torch.from_numpy(h), torch.from_numpy(i32)
         if self.device.type == "cuda":
             a64, a32 = a64.pin_memory(), a32.pin_memory()
@@ -322,28 +339,14 @@ class DecodeGraphs:
         scratch.copy_(a32, non_blocking=True)
         self.seq_lens.copy_(scratch[:bmax])
         self.decode_order.copy_(scratch[bmax:2 * bmax])
-        self.block_tables[:, :b, :cols].copy_(scratch[2 * bmax:].view(G, b, cols))
+        self.block_tables[:, :b, :cols].copy_(scratch[2 * bmax:tables_end].view(G, b, cols))
         if self.has_slots:
-            slots = np.full(bmax, -1, dtype=np.int32)
-            slots[:n] = host.state_slots
-            init = np.ones(bmax, dtype=np.bool_)
-            init[:n] = host.has_initial_state()
-            s32, sb = torch.from_numpy(slots), torch.from_numpy(init)
-            if self.device.type == "cuda":
-                s32, sb = s32.pin_memory(), sb.pin_memory()
-            self.slot_ids.copy_(s32, non_blocking=True)
-            self.has_initial_state.copy_(sb, non_blocking=True)
-            if q > 1:  # verify rows: real row j of sequence i to slot * q + j, padding rows as the first real row
-                src = np.zeros(bmax * q, dtype=np.int64)
-                src[:t] = np.arange(t)
-                dest = np.full(bmax * q, int(slots[0]) * q, dtype=np.int64)
-                dest[:t] = (slots[:n, None].astype(np.int64) * q + np.arange(q)).reshape(-1)
-                v64 = torch.from_numpy(np.stack([src, dest]))
-                if self.device.type == "cuda":
-                    v64 = v64.pin_memory()
-                v64 = v64.to(self.device, non_blocking=True)
-                self.verify_src.copy_(v64[0])
-                self.verify_dest.copy_(v64[1])
+            self.slot_ids.copy_(scratch[tables_end:tables_end + bmax])
+            self.has_initial_state.copy_(scratch[tables_end + bmax:tables_end + 2 * bmax])  # nonzero: held
+            if q > 1:
+                at = tables_end + 2 * bmax
+                self.verify_src[:bmax * q].copy_(scratch[at:at + bmax * q])
+                self.verify_dest[:bmax * q].copy_(scratch[at + bmax * q:at + 2 * bmax * q])
         return b
 
     def run(self, host) -> torch.Tensor:
