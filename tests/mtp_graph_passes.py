@@ -24,13 +24,13 @@ def run_graph_passes_twice(runner) -> list[tuple[int, int, float]]:
     passes: list[tuple[int, int, float]] = []
     layer = runner._mtp_layer
 
-    def both(host, hidden):
+    def both(host, hidden, rows=None):
         if not runner.wants_graph(host):
-            return layer(host, hidden)
-        graphed = layer(host, hidden).clone()  # a replay's output is valid until the next replay
+            return layer(host, hidden, rows)
+        graphed = layer(host, hidden, rows).clone()  # a replay's output is valid until the next replay
         static, runner.mtp_hidden = runner.mtp_hidden, None  # no static input: the eager pass
         try:
-            eager = layer(host, hidden)
+            eager = layer(host, hidden, rows)
         finally:
             runner.mtp_hidden = static
         scale = eager.float().abs().max().clamp(min=1e-30)

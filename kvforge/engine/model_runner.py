@@ -729,12 +729,16 @@ class ModelRunner:
         out = self._mtp_layer(self.build_host(chunks, logits_rows), hidden)
         return (self.mtp_logits(out) if logits else None), out
 
-    def _mtp_layer(self, host: HostStep, hidden: torch.Tensor) -> torch.Tensor:
+    def _mtp_layer(self, host: HostStep, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer over ``host`` with previous hidden states ``hidden``; the rows ``host.rows`` of its output
+        (``rows``: those already on the device, for a graph replay)."""
         if self.mtp_hidden is not None and self.wants_graph(host):
             self.mtp_hidden[:hidden.shape[0]].copy_(hidden)
             out = self.graphs.run(host)  # valid until this runner's next replay
             self.num_graph_steps += 1
-            return out if host.rows is None else out.index_select(0, self._rows_on_device(host))
+            if host.rows is None or np.array_equal(host.rows, np.arange(out.shape[0])):
+                return out
+            return out.index_select(0, rows if rows is not None else self._rows_on_device(host))
         self.num_eager_steps += 1
         ids, positions, metas, rows = self._to_device(host)
         self.patch_placeholders(ids, host)
@@ -765,13 +769,16 @@ class ModelRunner:
 
     def _mtp_observe(self, host: HostStep, source_rows, head_slots) -> None:
         hidden, self.mtp_target.last_hidden = self.mtp_target.last_hidden, None
-        idx = ints_on_device(source_rows, hidden.device)
-        out = self._mtp_layer(host, hidden.index_select(0, idx))
+        rows = host.rows if host.rows is not None else np.zeros(0, dtype=np.int64)
+        # One copy: the source rows, the rows kept of the output, the head slots.
+        idx = ints_on_device(np.concatenate([np.asarray(source_rows, dtype=np.int64), rows,
+                                             np.asarray(head_slots, dtype=np.int64)]), hidden.device)
+        ns, nr = len(source_rows), len(rows)
+        out = self._mtp_layer(host, hidden.index_select(0, idx[:ns]), idx[ns:ns + nr])
         if len(head_slots):
             if self._mtp_heads is None:
                 self._mtp_heads = out.new_empty((self.max_num_seqs, out.shape[1]))
-            slots = ints_on_device(head_slots, out.device)
-            self._mtp_heads.index_copy_(0, slots, out)
+            self._mtp_heads.index_copy_(0, idx[ns + nr:], out)
 
     @torch.inference_mode()
     def mtp_first(self, head_slots: list[int]) -> torch.Tensor | None:
