@@ -177,3 +177,42 @@ def test_rejects_bad_shapes():
         sampler(torch.zeros(3), [SamplingParams()])
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, 5), [SamplingParams()])
+
+
+class _BlockingCopies(torch.overrides.TorchFunctionMode):
+    """Records host-to-device copies that would block the host on CUDA: ``torch.tensor`` / ``torch.as_tensor``
+    given a device (a pageable copy, then a stream synchronize) and ``Tensor.to`` a device without
+    ``non_blocking``. On the CPU the same calls are made, so the rule is checked without a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
+            self.calls.append(name)
+        elif name == "to" and not kwargs.get("non_blocking") and (
+                "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+def test_sampling_copies_host_values_without_blocking():
+    """Temperature, min-p, top-k, top-p, seeds, penalties, a logit bias, allowed tokens and min_tokens: every
+    host value the sampler sends to the device goes by a non-blocking (pinned on CUDA) copy, so a sampled step
+    never synchronizes the stream and overlapped scheduling keeps the next step's host work beside it."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 64)
+    params = [SamplingParams(temperature=0.8, min_p=0.05, top_k=10, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+              SamplingParams(temperature=1.0, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3, 4]),
+              SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[7]),
+              SamplingParams(temperature=0.7)]
+    histories = [([1, 2], [3]), ([5, 6, 7], [6, 6]), ([], []), ([9], []), ([], [])]
+    mode = _BlockingCopies()
+    with mode:
+        out = Sampler().sample(logits, params, [torch.Generator().manual_seed(1)] + [None] * 4, histories,
+                               num_generated=[1, 2, 0, 0, 0])
+    assert out.token_ids.shape == (5,) and mode.calls == []

@@ -1,15 +1,21 @@
-"""Small host arrays to the device without a host wait."""
+"""Small host values to the device without a host wait.
+
+``torch.tensor(values, device="cuda")`` copies from pageable memory and then synchronizes the stream: the
+host waits for every kernel queued before it. On the engine's hot paths (input building, sampling, penalties,
+proposals) that would stall overlapped scheduling behind the step in flight, so host values go through
+:func:`values_to_device` instead.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def ints_on_device(values, device: torch.device) -> torch.Tensor:
-    """int64 ``values`` (a list, a numpy array or a CPU tensor) on ``device``, copied without waiting: staged
-    in pinned memory and copied ``non_blocking`` on CUDA (a pageable copy would stage through the driver);
-    on the CPU a plain conversion. The caching host allocator keeps the pinned block until the copy is done."""
-    t = torch.as_tensor(values, dtype=torch.long)
+def values_to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (a list, a numpy array or a CPU tensor) as ``dtype`` on ``device``, copied without waiting:
+    staged in pinned memory and copied ``non_blocking`` on CUDA; on the CPU a plain conversion. The caching
+    host allocator keeps the pinned block until the copy is done."""
+    t = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)

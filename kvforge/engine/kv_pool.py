@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.linear_state import VERIFY_ROW_DTYPE, LinearStateLayout, LinearStates, VerifyRows
-from kvforge.engine.host_copies import ints_on_device
+from kvforge.engine.host_copies import values_to_device
 from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 
@@ -232,7 +232,7 @@ class KVPool:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every page slot (so in every layer)."""
         if not pairs:
             return
-        src, dst = ints_on_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous(), self.buffer.device)
+        src, dst = values_to_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous(), self.buffer.device)
         self.pages[:, dst] = self.pages[:, src]
 
 

@@ -26,7 +26,7 @@ from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.config_checks import check_engine_plan
 from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
-from kvforge.engine.host_copies import ints_on_device
+from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
@@ -759,14 +759,14 @@ class LLMEngine:
         placeholders = (ph_rows, ph_src, prev.token_ids) if ph_rows else None
         unread = None
         if unread_rows:
-            unread = self._unread.tokens[ints_on_device(self._unread.positions(unread_ids, unread_counts),
+            unread = self._unread.tokens[values_to_device(self._unread.positions(unread_ids, unread_counts),
                                                         self.runner.device)]
             placeholders = _with_unread(placeholders, unread_rows, unread)
         self._unread = None
         share = self.async_scheduling
         scoring = None
         if prompt_rows:
-            targets = torch.tensor(prompt_targets, dtype=torch.long).to(self.runner.device, non_blocking=True)
+            targets = values_to_device(prompt_targets, self.runner.device)
             scoring = PromptScoring(targets, max(seq.params.prompt_logprobs for seq, _, _ in prompt_spans),
                                     prompt_spans)
         logits = self.runner.run(chunks, rows + prompt_rows if prompt_rows else rows, placeholders=placeholders,
@@ -809,7 +809,7 @@ class LLMEngine:
         """Per sampled sequence, the token it sampled in ``prev`` that is not on the host yet (on the device),
         or -1: the penalties count it as output."""
         src = [prev.row_of[seq.request_id] if seq.num_pending else -1 for seq in seqs]
-        src_t = torch.tensor(src, dtype=torch.long).to(prev.token_ids.device, non_blocking=True)
+        src_t = values_to_device(src, prev.token_ids.device)
         gathered = prev.token_ids[src_t.clamp(min=0)]
         return torch.where(src_t >= 0, gathered, torch.full_like(gathered, -1))
 

@@ -55,7 +55,7 @@ from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.linear_state import SlotBatch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing.mla import check_prefill_mode
-from kvforge.engine.host_copies import ints_on_device
+from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.prompt_scoring import PromptScoring, score_rows, set_scored_rows
 from kvforge.errors import ConfigError
@@ -673,7 +673,7 @@ class ModelRunner:
         if host.placeholders is None:
             return
         rows, src, tokens = host.placeholders
-        idx = ints_on_device(np.stack([np.asarray(rows, dtype=np.int64), np.asarray(src, dtype=np.int64)]), self.device)
+        idx = values_to_device(np.stack([np.asarray(rows, dtype=np.int64), np.asarray(src, dtype=np.int64)]), self.device)
         ids.index_copy_(0, idx[0], tokens.index_select(0, idx[1]))
 
     def execute(self, host: HostStep, use_graph: bool, scoring: PromptScoring | None = None) -> torch.Tensor | None:
@@ -706,7 +706,7 @@ class ModelRunner:
     def _rows_on_device(self, host: HostStep) -> torch.Tensor:
         """``host.rows`` on the device, copied without waiting (pinned on CUDA): the rows a graph replay's
         output is gathered at."""
-        return ints_on_device(host.rows, self.device)
+        return values_to_device(host.rows, self.device)
 
     def head(self, hidden: torch.Tensor, host: HostStep, scoring: PromptScoring | None) -> torch.Tensor | None:
         """Logits of the rows of ``hidden`` but its last ``host.num_scored``, which are scored a slice at a
@@ -771,7 +771,7 @@ class ModelRunner:
         hidden, self.mtp_target.last_hidden = self.mtp_target.last_hidden, None
         rows = host.rows if host.rows is not None else np.zeros(0, dtype=np.int64)
         # One copy: the source rows, the rows kept of the output, the head slots.
-        idx = ints_on_device(np.concatenate([np.asarray(source_rows, dtype=np.int64), rows,
+        idx = values_to_device(np.concatenate([np.asarray(source_rows, dtype=np.int64), rows,
                                              np.asarray(head_slots, dtype=np.int64)]), hidden.device)
         ns, nr = len(source_rows), len(rows)
         out = self._mtp_layer(host, hidden.index_select(0, idx[:ns]), idx[ns:ns + nr])
@@ -784,7 +784,7 @@ class ModelRunner:
     def mtp_first(self, head_slots: list[int]) -> torch.Tensor | None:
         """Logits of the head inputs in ``head_slots`` (a proposal step's first guesses); they are the rows
         :meth:`mtp_next` goes on from."""
-        slots = ints_on_device(head_slots, self._mtp_heads.device)
+        slots = values_to_device(head_slots, self._mtp_heads.device)
         self._mtp_current = self._mtp_heads.index_select(0, slots)
         return self.mtp_logits(self._mtp_current)
 
@@ -800,7 +800,7 @@ class ModelRunner:
         return self._mtp_next(host, keep)
 
     def _mtp_next(self, host: HostStep, keep) -> torch.Tensor | None:
-        sel = ints_on_device(keep, self._mtp_current.device)
+        sel = values_to_device(keep, self._mtp_current.device)
         self._mtp_current = self._mtp_layer(host, self._mtp_current.index_select(0, sel))
         return self.mtp_logits(self._mtp_current)
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.sampling_params import SamplingParams
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids): lists or int64 arrays
@@ -34,7 +35,7 @@ def _padded(lists: list[Sequence[int]], fill: int, device: torch.device) -> torc
     arr = np.full((len(lists), max(width, 1)), fill, dtype=np.int64)
     for i, x in enumerate(lists):
         arr[i, : len(x)] = x
-    return torch.from_numpy(arr).to(device, non_blocking=True)
+    return values_to_device(arr, device)
 
 
 def apply_penalties(
@@ -48,7 +49,7 @@ def apply_penalties(
         return logits
     n, vocab = logits.shape
     device = logits.device
-    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    idx = values_to_device(rows, device)
     sub = logits[idx]
     # Counts of each row's output tokens; column `vocab` takes the padding and is dropped.
     outputs = _padded([histories[i][1] for i in rows], vocab, device)
@@ -59,8 +60,9 @@ def apply_penalties(
         col = torch.where(tok >= 0, tok, torch.full_like(tok, vocab))
         counts.scatter_add_(1, col[:, None], torch.ones(len(rows), 1, device=device))
     counts = counts[:, :vocab]
-    freq = torch.tensor([params[i].frequency_penalty for i in rows], dtype=torch.float32, device=device)[:, None]
-    pres = torch.tensor([params[i].presence_penalty for i in rows], dtype=torch.float32, device=device)[:, None]
+    freq_pres = values_to_device([[params[i].frequency_penalty for i in rows], [params[i].presence_penalty for i in rows]],
+                                 device, torch.float32)
+    freq, pres = freq_pres[0, :, None], freq_pres[1, :, None]
     rep = [params[i].repetition_penalty for i in rows]
     if any(r != 1.0 for r in rep):
         seen = counts > 0
@@ -68,7 +70,7 @@ def apply_penalties(
         in_prompt = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
         in_prompt.scatter_(1, prompts, True)
         seen |= in_prompt[:, :vocab]
-        r = torch.tensor(rep, dtype=torch.float32, device=device)[:, None]
+        r = values_to_device(rep, device, torch.float32)[:, None]
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
     sub = sub - freq * counts - pres * (counts > 0).float()
     out = logits.clone()

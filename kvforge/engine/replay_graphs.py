@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from kvforge.engine.host_copies import ints_on_device
+from kvforge.engine.host_copies import values_to_device
 
 logger = logging.getLogger("kvforge.engine")
 
@@ -102,7 +102,7 @@ class ReplayGraphs:
         host[:m * n] = (slots[:, None] * self.rows + np.arange(n)).reshape(-1)
         host[b * n:b * n + b] = -1
         host[b * n:b * n + m] = slots
-        staged = ints_on_device(host, self.device)
+        staged = values_to_device(host, self.device)
         self.src[:b * n].copy_(staged[:b * n])
         self.slots[:b].copy_(staged[b * n:])
         graph = self.graphs.get((b, n))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.logprob import Logprob, logprob_entry
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
@@ -129,7 +130,7 @@ class Sampler:
             token_ids.copy_(row_argmax(logits))
         random_rows = [i for i, g in enumerate(greedy_mask) if not g]
         if random_rows:
-            idx = torch.tensor(random_rows, dtype=torch.long, device=device)
+            idx = values_to_device(random_rows, device)
             sub_params = [params[i] for i in random_rows]
             sub_gens = [generators[i] for i in random_rows]
             token_ids[idx] = self._sample_random(logits[idx], sub_params, sub_gens)
@@ -193,7 +194,7 @@ class Sampler:
             q.exponential_()
         else:
             if unseeded:
-                idx = torch.tensor(unseeded, dtype=torch.long, device=device)
+                idx = values_to_device(unseeded, device)
                 q[idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
             for i, g in enumerate(generators):
                 if g is not None:
@@ -207,13 +208,13 @@ class Sampler:
         then min-p, top-k and top-p (module docstring), softmax. [M, vocab] float32."""
         m, vocab = logits.shape
         device = logits.device
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        temp = values_to_device([p.temperature for p in params], device, torch.float32)
         logits = logits / temp[:, None]
 
         min_ps = [p.min_p for p in params]
         if any(mp > 0 for mp in min_ps):
             probs = torch.softmax(logits, dim=-1)
-            thresh = torch.tensor(min_ps, dtype=torch.float32, device=device)[:, None] * probs.amax(
+            thresh = values_to_device(min_ps, device, torch.float32)[:, None] * probs.amax(
                 dim=-1, keepdim=True
             )
             logits = logits.masked_fill(probs < thresh, float("-inf"))
@@ -223,16 +224,14 @@ class Sampler:
         if any(k < vocab for k in top_ks) or any(tp < 1.0 for tp in top_ps):
             sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=device)[None, :]
-            k_t = torch.tensor(top_ks, dtype=torch.long, device=device)[:, None]
+            k_t = values_to_device(top_ks, device)[:, None]
             drop = ranks >= k_t
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             if any(tp < 1.0 for tp in top_ps):
                 sorted_probs = torch.softmax(sorted_logits, dim=-1)
                 before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
-                p_t = torch.tensor(
-                    [tp if tp < 1.0 else 2.0 for tp in top_ps], dtype=torch.float32, device=device
-                )
-                p_t = p_t[:, None]  # 2.0: disabled (cumsum rounding must not drop tail tokens)
+                # 2.0: disabled (cumsum rounding must not drop tail tokens)
+                p_t = values_to_device([tp if tp < 1.0 else 2.0 for tp in top_ps], device, torch.float32)[:, None]
                 drop = drop | (before >= p_t)
                 drop[:, 0] = False  # the top token always survives
             logits = torch.full_like(logits, float("-inf")).scatter(

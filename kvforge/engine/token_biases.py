@@ -17,6 +17,7 @@ from collections.abc import Collection
 
 import torch
 
+from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.sampling_params import SamplingParams
 
 
@@ -44,13 +45,14 @@ def apply_token_biases(logits: torch.Tensor, params: list[SamplingParams], num_g
     banned = [(i, t) for i in min_rows for t in _stop_tokens(params[i], eos_token_ids) if t < vocab]
     if banned:
         rows, cols = zip(*banned)
-        out[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        at = values_to_device([rows, cols], device)
+        out[at[0], at[1]] = float("-inf")
     if allowed_rows:
         keep = torch.zeros(len(allowed_rows), logits.shape[1], dtype=torch.bool)
         for r, i in enumerate(allowed_rows):
             keep[r, list(params[i].allowed_token_ids)] = True
-        idx = torch.tensor(allowed_rows, dtype=torch.long, device=device)
-        out[idx] = out[idx].masked_fill(~keep.to(device, non_blocking=True), float("-inf"))
+        idx = values_to_device(allowed_rows, device)
+        out[idx] = out[idx].masked_fill(~values_to_device(keep, device, torch.bool), float("-inf"))
     if bias_rows:
         rows, cols, values = [], [], []
         for i in bias_rows:
@@ -58,6 +60,6 @@ def apply_token_biases(logits: torch.Tensor, params: list[SamplingParams], num_g
                 rows.append(i)
                 cols.append(token)
                 values.append(bias)
-        out.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                       torch.tensor(values, dtype=out.dtype, device=device), accumulate=True)  # fmt: skip
+        at = values_to_device([rows, cols], device)
+        out.index_put_((at[0], at[1]), values_to_device(values, device, out.dtype), accumulate=True)
     return out

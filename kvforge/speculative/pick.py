@@ -12,7 +12,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from kvforge.engine.host_copies import ints_on_device
+from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sequence import Sequence
 from kvforge.speculative.verify import _exponential
@@ -26,7 +26,7 @@ def pick_proposal_tokens(logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> tu
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     sampled = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
     if sampled:
-        idx = ints_on_device(sampled, logits.device)
+        idx = values_to_device(sampled, logits.device)
         q = Sampler.target_probs(logits[idx], [seqs[i].params for i in sampled])
         race = _exponential(q.shape[1], [seqs[i].generator_for(logits.device) for i in sampled],
                             logits.device).clamp_(min=1e-20)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.engine.host_copies import values_to_device
+
 
 def set_bits(bitmask, row: int, tokens) -> None:
     """Set the bits of ``tokens`` in row ``row`` (int32 words)."""
@@ -81,5 +83,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     import xgrammar
 
     out = logits.clone()
-    xgrammar.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=out.shape[-1])
+    xgrammar.apply_token_bitmask_inplace(out, values_to_device(bitmask, out.device, bitmask.dtype),
+                                         vocab_size=out.shape[-1])
     return out
