@@ -139,3 +139,15 @@ def test_keep_verified_refuses_more_rows_than_a_verify_step_has():
     states = LinearStates.allocate({0: _layout(False)}, 2, torch.float32, "cpu", verify_rows=2)
     with pytest.raises(ValueError, match="3 rows to keep, a verify step has 1 .. 2"):
         states.keep_verified([0], [3])
+
+
+def test_step_slot_batches_copy_without_blocking():
+    """An eager step's slot batch (slots, held-state flags, verify rows, snapshots) reaches the device by
+    non-blocking copies (pinned on CUDA), so building it never waits for the step in flight."""
+    from blocking_copies import BlockingCopies
+
+    mode = BlockingCopies()
+    with mode:
+        batch = SlotBatch.build([3, 2], [0, 1], [True, False], "cpu", spec_lens=[2, 0], verify_rows=3,
+                                snapshots=[(1, 0, 2)])
+    assert batch.verifies and batch.snapshots is not None and mode.calls == []

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from blocking_copies import BlockingCopies
 
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
@@ -179,26 +180,6 @@ def test_rejects_bad_shapes():
         sampler(torch.zeros(2, 5), [SamplingParams()])
 
 
-class _BlockingCopies(torch.overrides.TorchFunctionMode):
-    """Records host-to-device copies that would block the host on CUDA: ``torch.tensor`` / ``torch.as_tensor``
-    given a device (a pageable copy, then a stream synchronize) and ``Tensor.to`` a device without
-    ``non_blocking``. On the CPU the same calls are made, so the rule is checked without a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
-            self.calls.append(name)
-        elif name == "to" and not kwargs.get("non_blocking") and (
-                "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
-            self.calls.append(name)
-        return func(*args, **kwargs)
-
-
 def test_sampling_copies_host_values_without_blocking():
     """Temperature, min-p, top-k, top-p, seeds, penalties, a logit bias, allowed tokens and min_tokens: every
     host value the sampler sends to the device goes by a non-blocking (pinned on CUDA) copy, so a sampled step
@@ -211,7 +192,7 @@ def test_sampling_copies_host_values_without_blocking():
               SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[7]),
               SamplingParams(temperature=0.7)]
     histories = [([1, 2], [3]), ([5, 6, 7], [6, 6]), ([], []), ([9], []), ([], [])]
-    mode = _BlockingCopies()
+    mode = BlockingCopies()
     with mode:
         out = Sampler().sample(logits, params, [torch.Generator().manual_seed(1)] + [None] * 4, histories,
                                num_generated=[1, 2, 0, 0, 0])

@@ -37,6 +37,7 @@ import torch
 from kvforge.attention import causal_conv1d, gated_delta_rule
 from kvforge.attention.delta_rule_gates import DeltaGates, GateValues
 from kvforge.attention.routing import delta_rule as delta_rule_route
+from kvforge.host_copies import values_to_device
 
 
 @dataclass(frozen=True)
@@ -218,20 +219,20 @@ class SlotBatch:
                 raise ValueError(f"sequence {i} has more than {SNAPSHOTS_PER_SEQUENCE} snapshots in one step")
             row.extend((offset, slot))
         snap_rows = [row + [-1] * (2 * SNAPSHOTS_PER_SEQUENCE - len(row)) for row in snap_rows]
-        slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=device)
+        slots_t = values_to_device(list(slot_ids), device, torch.int32)
         return cls(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            query_start_loc=values_to_device(qsl, device, torch.int32),
             slot_ids=slots_t,
-            has_initial_state=torch.tensor(list(has_initial_state), dtype=torch.bool, device=device),
+            has_initial_state=values_to_device(list(has_initial_state), device, torch.bool),
             max_query_len=max(query_lens, default=0),
             host_query_start_loc=tuple(qsl), host_slot_ids=tuple(int(s) for s in slot_ids),
             host_has_initial_state=tuple(bool(x) for x in has_initial_state),
             host_spec_lens=tuple(spec_lens),
-            store_slot_ids=torch.tensor(store, dtype=torch.int32, device=device) if src else slots_t,
-            verify_src=torch.tensor(src, dtype=torch.int64, device=device) if src else None,
-            verify_dest=torch.tensor(dest, dtype=torch.int64, device=device) if src else None,
+            store_slot_ids=values_to_device(store, device, torch.int32) if src else slots_t,
+            verify_src=values_to_device(src, device) if src else None,
+            verify_dest=values_to_device(dest, device) if src else None,
             host_snapshots=tuple((int(i), int(o), int(sl)) for i, o, sl in snapshots),
-            snapshots=torch.tensor(snap_rows, dtype=torch.int32, device=device) if snapshots else None,
+            snapshots=values_to_device(snap_rows, device, torch.int32) if snapshots else None,
         )
 
     @property
@@ -436,10 +437,10 @@ class LinearStates:
             qsl.append(qsl[-1] + n)
         some = next(iter(self.conv.values()))
         dev = some.device
-        src_t = torch.tensor(src, dtype=torch.int64, device=dev)
+        src_t = values_to_device(src, dev)
         if _use_kernels(some):
-            slots_t = torch.tensor(list(slot_ids), dtype=torch.int32, device=dev)
-            qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+            slots_t = values_to_device(list(slot_ids), dev, torch.int32)
+            qsl_t = values_to_device(qsl, dev, torch.int32)
             self.replay_on_kernels(src_t, slots_t, qsl_t, list(num_rows))
             return
         kept_of = self._gather_kept(src_t)

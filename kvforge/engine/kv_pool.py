@@ -46,8 +46,8 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.linear_state import VERIFY_ROW_DTYPE, LinearStateLayout, LinearStates, VerifyRows
-from kvforge.engine.host_copies import values_to_device
 from kvforge.errors import ConfigError
+from kvforge.host_copies import values_to_device
 from kvforge.planner.kv_plan import KVPlan
 
 TORCH_KV_DTYPES = {

@@ -26,7 +26,6 @@ from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.config_checks import check_engine_plan
 from kvforge.engine.gc_freeze import freeze_after_startup, thaw
 from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
-from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
@@ -39,6 +38,7 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import Stamp, StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
+from kvforge.host_copies import values_to_device
 from kvforge.kv_dtypes import platform_model_dtype
 from kvforge.planner.inputs import (
     CacheConfig,

@@ -55,10 +55,10 @@ from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.linear_state import SlotBatch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing.mla import check_prefill_mode
-from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.prompt_scoring import PromptScoring, score_rows, set_scored_rows
 from kvforge.errors import ConfigError
+from kvforge.host_copies import values_to_device
 from kvforge.kv_dtypes import is_quantized
 from kvforge.models.layers import fused_kernels, store_input_major
 from kvforge.planner.kv_plan import KVPlan
@@ -497,9 +497,8 @@ class ModelRunner:
                 toks.append(t)
                 slots.append(slot)
                 rows.append(int(host.pos[t]) % R)
-        dev = self.device
-        return (torch.tensor(toks, dtype=torch.long, device=dev), torch.tensor(slots, dtype=torch.long, device=dev),
-                torch.tensor(rows, dtype=torch.long, device=dev))
+        at = values_to_device([toks, slots, rows], self.device)
+        return at[0], at[1], at[2]
 
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         dtype = self.pool.kv_caches[layer].dtype

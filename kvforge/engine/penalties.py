@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.host_copies import values_to_device
 
 History = tuple[Sequence[int], Sequence[int]]  # (prompt token ids, output token ids): lists or int64 arrays
 

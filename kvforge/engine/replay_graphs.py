@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from kvforge.engine.host_copies import values_to_device
+from kvforge.host_copies import values_to_device
 
 logger = logging.getLogger("kvforge.engine")
 

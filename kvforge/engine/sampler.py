@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.logprob import Logprob, logprob_entry
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.token_biases import apply_token_biases
+from kvforge.host_copies import values_to_device
 from kvforge.structured.token_masks import apply_bitmask, grammar_bitmask
 
 

@@ -17,8 +17,8 @@ from collections.abc import Collection
 
 import torch
 
-from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.host_copies import values_to_device
 
 
 def _stop_tokens(params: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:

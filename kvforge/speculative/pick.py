@@ -12,9 +12,9 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from kvforge.engine.host_copies import values_to_device
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sequence import Sequence
+from kvforge.host_copies import values_to_device
 from kvforge.speculative.verify import _exponential
 
 

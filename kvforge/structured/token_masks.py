@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.engine.host_copies import values_to_device
+from kvforge.host_copies import values_to_device
 
 
 def set_bits(bitmask, row: int, tokens) -> None:

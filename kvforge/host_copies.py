@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def values_to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def values_to_device(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """``values`` (a list, a numpy array or a CPU tensor) as ``dtype`` on ``device``, copied without waiting:
     staged in pinned memory and copied ``non_blocking`` on CUDA; on the CPU a plain conversion. The caching
     host allocator keeps the pinned block until the copy is done."""
     t = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)

@@ -1,0 +1,44 @@
+"""On CUDA, under ``torch.cuda.set_sync_debug_mode("error")``: a sampled batch's sampling (every filter, seeds,
+penalties, a logit bias, allowed tokens, min_tokens) and an eager step's slot batch make no synchronizing call,
+so the host never waits for the step in flight there (tests/blocking_copies.py checks the calls on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.attention.linear_state import SlotBatch
+from kvforge.engine.sampler import Sampler
+from kvforge.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _no_sync(fn):
+    torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def test_sampling_never_synchronizes():
+    logits = torch.randn(5, 512, device="cuda")
+    params = [SamplingParams(temperature=0.8, min_p=0.05, top_k=10, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+              SamplingParams(temperature=1.0, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3, 4]),
+              SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[7]),
+              SamplingParams(temperature=0.7)]
+    histories = [([1, 2], [3]), ([5, 6, 7], [6, 6]), ([], []), ([9], []), ([], [])]
+    generators = [torch.Generator("cuda").manual_seed(1)] + [None] * 4
+    out = _no_sync(lambda: Sampler().sample(logits, params, generators, histories, num_generated=[1, 2, 0, 0, 0]))
+    tokens = out.token_ids.tolist()
+    assert tokens[2] in (1, 2, 3, 4) and tokens[3] != 7
+
+
+def test_slot_batches_never_synchronize():
+    batch = _no_sync(lambda: SlotBatch.build([3, 2], [0, 1], [True, False], torch.device("cuda"), spec_lens=[2, 0],
+                                             verify_rows=3, snapshots=[(1, 0, 2)]))
+    assert batch.slot_ids.tolist() == [0, 1] and batch.has_initial_state.tolist() == [True, False]
