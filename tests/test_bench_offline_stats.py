@@ -133,3 +133,15 @@ def test_a_profile_lists_its_longest_kernels_per_step():
     assert [r["name"] for r in rows] == ["nvjet_tst_gemm", "_recurrent_kernel"]
     assert rows[0] == {"name": "nvjet_tst_gemm", "category": "gemm", "ms_per_step": 1.0, "calls_per_step": 130.0}
     assert rows[1]["category"] == "linear_attention" and rows[1]["calls_per_step"] == 20.0
+
+
+def test_a_sampled_workload_runs_and_is_recorded(tmp_path):
+    """``--temperature`` > 0 sends every request down the sampler's random path (the default is greedy); the
+    run still emits every requested token (ignore_eos) and the result says which it was."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "offline", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                 "--skip-tokenizer-init", "--kv-cache-memory", "4MiB", "--num-prompts", "3", "--input-len", "8", "16",
+                 "--output-len", "5", "5", "--temperature", "0.8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["temperature"] == 0.8 and result["engine_stats"]["generation_tokens_total"] == 15

@@ -78,6 +78,9 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--repetitions", type=positive_int, default=1, help="timed runs (median reported)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (0: greedy, the default; > 0 runs the sampler's "
+                        "random path, as most served requests do)")
     p.add_argument("--warmup-runs", type=non_negative_int, default=0,
                    help="untimed runs of the whole workload (other random prompts) before the timed ones: the "
                         "first timed run is then as fast as the next")
@@ -232,13 +235,14 @@ def profile_decode(llm, in_len: int, weights: StepWeightBytes, copy_bw: float | 
 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
-def make_workload(num_prompts: int, input_len, output_len, rng: random.Random):
-    """Seeded input and output lengths (uniform in the inclusive ranges) and one SamplingParams per request."""
+def make_workload(num_prompts: int, input_len, output_len, rng: random.Random, temperature: float = 0.0):
+    """Seeded input and output lengths (uniform in the inclusive ranges) and one SamplingParams per request
+    (greedy, or sampled at ``temperature``)."""
     from kvforge.engine.sampling_params import SamplingParams
 
     in_lens = [rng.randint(*input_len) for _ in range(num_prompts)]
     out_lens = [rng.randint(*output_len) for _ in range(num_prompts)]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in out_lens]
     return in_lens, out_lens, params
 
 
@@ -367,7 +371,8 @@ def offline_main(args: argparse.Namespace) -> int:
     engine = llm.engine
     check_lengths(args.input_len, args.output_len, engine.max_model_len)
     rng = random.Random(args.seed)
-    in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng)
+    in_lens, out_lens, params = make_workload(args.num_prompts, args.input_len, args.output_len, rng,
+                                              args.temperature)
     at_start = engine.stats()
     warm_up(llm)
     warm_rng = random.Random(args.seed + 1)  # the timed runs' prompts do not depend on the warm-up runs
@@ -382,7 +387,8 @@ def offline_main(args: argparse.Namespace) -> int:
         "model": engine.model_name, "kv_cache_dtype": llm.plan.kv_cache_dtype, "model_dtype": llm.plan.model_dtype,
         "block_size": llm.plan.block_size, "max_model_len": llm.plan.max_model_len,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "median": med, "runs": runs,
+        "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "temperature": args.temperature,
+        "median": med, "runs": runs,
         "warmup_runs": args.warmup_runs,
         "capacity_tokens": llm.plan.capacity_tokens, "engine_stats": timed,
         "engine_stats_warmup": stats_between(at_start, warmed), "device": str(engine.device),
