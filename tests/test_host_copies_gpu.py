@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from blocking_copies import every_rule_batch
 
 from kvforge.attention.linear_state import SlotBatch
 from kvforge.engine.sampler import Sampler
-from kvforge.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -25,15 +25,8 @@ def _no_sync(fn):
 
 
 def test_sampling_never_synchronizes():
-    logits = torch.randn(5, 512, device="cuda")
-    params = [SamplingParams(temperature=0.8, min_p=0.05, top_k=10, top_p=0.9, seed=1),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
-              SamplingParams(temperature=1.0, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3, 4]),
-              SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[7]),
-              SamplingParams(temperature=0.7)]
-    histories = [([1, 2], [3]), ([5, 6, 7], [6, 6]), ([], []), ([9], []), ([], [])]
-    generators = [torch.Generator("cuda").manual_seed(1)] + [None] * 4
-    out = _no_sync(lambda: Sampler().sample(logits, params, generators, histories, num_generated=[1, 2, 0, 0, 0]))
+    logits, params, generators, histories, generated = every_rule_batch("cuda")
+    out = _no_sync(lambda: Sampler().sample(logits, params, generators, histories, num_generated=generated))
     tokens = out.token_ids.tolist()
     assert tokens[2] in (1, 2, 3, 4) and tokens[3] != 7
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from blocking_copies import BlockingCopies
+from blocking_copies import BlockingCopies, every_rule_batch
 
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
@@ -184,16 +184,8 @@ def test_sampling_copies_host_values_without_blocking():
     """Temperature, min-p, top-k, top-p, seeds, penalties, a logit bias, allowed tokens and min_tokens: every
     host value the sampler sends to the device goes by a non-blocking (pinned on CUDA) copy, so a sampled step
     never synchronizes the stream and overlapped scheduling keeps the next step's host work beside it."""
-    torch.manual_seed(0)
-    logits = torch.randn(5, 64)
-    params = [SamplingParams(temperature=0.8, min_p=0.05, top_k=10, top_p=0.9, seed=1),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
-              SamplingParams(temperature=1.0, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3, 4]),
-              SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[7]),
-              SamplingParams(temperature=0.7)]
-    histories = [([1, 2], [3]), ([5, 6, 7], [6, 6]), ([], []), ([9], []), ([], [])]
+    logits, params, generators, histories, generated = every_rule_batch("cpu")
     mode = BlockingCopies()
     with mode:
-        out = Sampler().sample(logits, params, [torch.Generator().manual_seed(1)] + [None] * 4, histories,
-                               num_generated=[1, 2, 0, 0, 0])
-    assert out.token_ids.shape == (5,) and mode.calls == []
+        tokens = Sampler().sample(logits, params, generators, histories, num_generated=generated).token_ids
+    assert tokens.shape == (5,) and tokens[2].item() in (1, 2, 3, 4) and mode.calls == []
