@@ -409,3 +409,21 @@ def test_prefill_floor_adds_attention_flops():
     assert r["prefill_floor_s"] == pytest.approx((6000 + 27580) / 1000.0)
     assert r["prefill_tokens_per_s_at_floor"] == pytest.approx(30 / r["prefill_floor_s"])
     assert roofline([10, 20], [1, 1], 1000, 10, 1000.0, 100, 1000.0)["prefill_floor_s"] == pytest.approx(6.0)
+
+
+def test_a_sampled_load_sends_its_temperature():
+    """``--temperature`` reaches every request (warm-up and timed) and the report's config; 0 stays the default."""
+    engine = FakeEngine(step_delay=0.001)
+    seen = []
+    add = engine.add_request
+
+    def recording_add(request_id, prompt, params):
+        seen.append(params.temperature)
+        return add(request_id, prompt, params)
+
+    engine.add_request = recording_add
+    with ServerThread(create_app(engine)) as srv:
+        report = asyncio.run(sb.run_benchmark(srv.url, isl=16, osl=4, concurrency=2, num_requests=4, repetitions=1,
+                                              warmup=1, model="fake-model", temperature=0.7, log=lambda *_: None))
+    assert report["config"]["temperature"] == 0.7 and report["repetitions"][0]["requests_succeeded"] == 4
+    assert len(seen) == 2 + 4 and set(seen) == {0.7}

@@ -1,6 +1,6 @@
 """``kvforge bench serve``: a load generator for an OpenAI-compatible server.
 
-Each request is a streaming ``/v1/completions`` call at temperature 0 with a
+Each request is a streaming ``/v1/completions`` call (at temperature 0 unless ``--temperature``) with a
 unique prompt of about ``--isl`` tokens (random words from a seeded RNG,
 prefixed with a unique id so the prefix cache cannot serve it) and
 ``max_tokens=--osl`` with ``ignore_eos``. Token counts come from the server's
@@ -135,14 +135,14 @@ class PromptFactory:
 
 
 async def send_request(session, url: str, model: str, prompt: str, osl: int, headers: dict,
-                       timeout_s: float) -> RequestResult:
+                       timeout_s: float, temperature: float = 0.0) -> RequestResult:
     import aiohttp
 
     payload = {
         "model": model,
         "prompt": prompt,
         "max_tokens": osl,
-        "temperature": 0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -195,7 +195,7 @@ async def send_request(session, url: str, model: str, prompt: str, osl: int, hea
 
 
 async def run_pass(session, url, model, prompts: list[str], osl: int, concurrency: int, headers: dict,
-                   timeout_s: float) -> tuple[list[RequestResult], float]:
+                   timeout_s: float, temperature: float = 0.0) -> tuple[list[RequestResult], float]:
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -207,7 +207,7 @@ async def run_pass(session, url, model, prompts: list[str], osl: int, concurrenc
                 p = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            results.append(await send_request(session, url, model, p, osl, headers, timeout_s))
+            results.append(await send_request(session, url, model, p, osl, headers, timeout_s, temperature))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
@@ -417,6 +417,7 @@ async def run_benchmark(
     api_key: str | None = None,
     seed: int = 0,
     timeout_s: float = 600.0,
+    temperature: float = 0.0,
     log=print,
 ) -> dict:
     import aiohttp
@@ -449,7 +450,7 @@ async def run_benchmark(
             n = warmup_requests or concurrency
             pairs = factory.make_warmup(f"warm{w}", n)
             results, dur = await run_pass(session, url, model, [p for p, _ in pairs], osl, concurrency, headers,
-                                          timeout_s)
+                                          timeout_s, temperature)
             s = summarize_pass(results, dur)
             count(s, n)
             warm.append(s)
@@ -459,7 +460,8 @@ async def run_benchmark(
         reps, pooled = [], []
         for rep in range(repetitions):
             prompts = [factory.make(f"r{rep}") for _ in range(num_requests)]
-            results, dur = await run_pass(session, url, model, prompts, osl, concurrency, headers, timeout_s)
+            results, dur = await run_pass(session, url, model, prompts, osl, concurrency, headers, timeout_s,
+                                          temperature)
             s = summarize_pass(results, dur)
             s["repetition"] = rep
             s["gap_schedule"] = gap_schedule(results, await fetch_steps(session, base_url))
@@ -475,7 +477,7 @@ async def run_benchmark(
     return {
         "config": {"base_url": base_url, "model": model, "isl": isl, "osl": osl, "concurrency": concurrency,
                    "num_requests": num_requests, "repetitions": repetitions, "warmup": warmup,
-                   "warmup_requests": warmup_requests or concurrency, "seed": seed,
+                   "warmup_requests": warmup_requests or concurrency, "seed": seed, "temperature": temperature,
                    "words_per_prompt": factory.words},
         "warmup": warm,
         "repetitions": reps,
@@ -596,6 +598,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--warmup-requests", type=int, default=None,
                         help="requests per warm-up pass (default: --concurrency)")
     parser.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's sampling temperature (0: greedy, the default; > 0 samples, as most "
+                             "served traffic does)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     parser.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
@@ -613,12 +618,15 @@ def bench_serve_main(args) -> int:
     if args.warmup < 0:
         print("kvforge bench serve: error: --warmup must be >= 0", file=sys.stderr)
         return 2
+    if args.temperature < 0:
+        print("kvforge bench serve: error: --temperature must be >= 0", file=sys.stderr)
+        return 2
     try:
         report = asyncio.run(run_benchmark(
             args.base_url, isl=args.isl, osl=args.osl, concurrency=args.concurrency,
             num_requests=args.num_requests, repetitions=args.repetitions, warmup=args.warmup,
             warmup_requests=args.warmup_requests, model=args.model, api_key=client_api_key(args.api_key), seed=args.seed,
-            timeout_s=args.timeout,
+            timeout_s=args.timeout, temperature=args.temperature,
         ))
     except Exception as e:  # cannot reach the server at all
         print(f"kvforge bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
