@@ -1,4 +1,4 @@
-"""Small host values to the device without a host wait.
+"""Small host values to the device, and device results to the host, without a host wait.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable memory and then synchronizes the stream: the
 host waits for every kernel queued before it. On the engine's hot paths (input building, sampling, penalties,
@@ -19,3 +19,13 @@ def values_to_device(values, device: torch.device | str, dtype: torch.dtype = to
     if torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def start_host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor that receives ``t`` (on CUDA: pinned, copied ``non_blocking``, complete once the work
+    queued so far is; read it after an event recorded later has fired); ``t`` itself on the CPU."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

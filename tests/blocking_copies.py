@@ -30,8 +30,8 @@ class BlockingCopies(torch.overrides.TorchFunctionMode):
 
 def every_rule_batch(device) -> tuple:
     """Arguments of ``Sampler.sample`` for five rows on ``device`` whose requests use temperature, min-p,
-    top-k, top-p, a seed, repetition / frequency / presence penalties, a logit bias, allowed tokens and
-    min_tokens: (logits, params, generators, histories, num_generated)."""
+    top-k, top-p, a seed, repetition / frequency / presence penalties, a logit bias, allowed tokens,
+    min_tokens and logprobs: (logits, params, generators, histories, num_generated)."""
     from kvforge.engine.sampling_params import SamplingParams
 
     torch.manual_seed(0)
@@ -40,7 +40,7 @@ def every_rule_batch(device) -> tuple:
               SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
               SamplingParams(temperature=1.0, logit_bias={3: 1.5}, allowed_token_ids=[1, 2, 3, 4]),
               SamplingParams(temperature=1.2, min_tokens=4, stop_token_ids=[7]),
-              SamplingParams(temperature=0.7)]
+              SamplingParams(temperature=0.7, logprobs=2)]
     histories = [([1, 2], [3]), ([5, 6, 7], [6, 6]), ([], []), ([9], []), ([], [])]
     generators = [torch.Generator(device).manual_seed(1)] + [None] * 4
     return logits, params, generators, histories, [1, 2, 0, 0, 0]

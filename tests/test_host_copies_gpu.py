@@ -1,5 +1,6 @@
 """On CUDA, under ``torch.cuda.set_sync_debug_mode("error")``: a sampled batch's sampling (every filter, seeds,
-penalties, a logit bias, allowed tokens, min_tokens) and an eager step's slot batch make no synchronizing call,
+penalties, a logit bias, allowed tokens, min_tokens, deferred logprobs) and an eager step's slot batch make no
+synchronizing call,
 so the host never waits for the step in flight there (tests/blocking_copies.py checks the calls on CPU)."""
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ def _no_sync(fn):
 
 def test_sampling_never_synchronizes():
     logits, params, generators, histories, generated = every_rule_batch("cuda")
-    out = _no_sync(lambda: Sampler().sample(logits, params, generators, histories, num_generated=generated))
+    out = _no_sync(lambda: Sampler().sample(logits, params, generators, histories, num_generated=generated,
+                                            defer_logprobs=True))
     tokens = out.token_ids.tolist()
-    assert tokens[2] in (1, 2, 3, 4) and tokens[3] != 7
+    assert tokens[2] in (1, 2, 3, 4) and tokens[3] != 7 and tokens[4] in out.logprobs.resolve()[4]
 
 
 def test_slot_batches_never_synchronize():

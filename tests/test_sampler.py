@@ -189,3 +189,29 @@ def test_sampling_copies_host_values_without_blocking():
     with mode:
         tokens = Sampler().sample(logits, params, generators, histories, num_generated=generated).token_ids
     assert tokens.shape == (5,) and tokens[2].item() in (1, 2, 3, 4) and mode.calls == []
+
+
+def test_deferred_logprobs_read_nothing_until_resolved():
+    """``defer_logprobs``: the sampler reads no value to the host (no ``tolist`` / ``item``), and the entries
+    resolved later equal those built at once (the same tensors, read later; exact)."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.9, seed=5),
+              SamplingParams(temperature=0.9, seed=6, logprobs=0), SamplingParams(temperature=0.0, logprobs=5)]
+
+    class Reads(torch.overrides.TorchFunctionMode):
+        count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("tolist", "item"):
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    gens = [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(6), None]
+    with Reads():
+        deferred = Sampler().sample(logits, params, gens, defer_logprobs=True)
+    assert Reads.count == 0
+    gens = [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(6), None]
+    now = Sampler().sample(logits, params, gens)
+    assert torch.equal(deferred.token_ids, now.token_ids)
+    assert deferred.logprobs.resolve() == now.logprobs and now.logprobs[1] is None and len(now.logprobs[3]) >= 5

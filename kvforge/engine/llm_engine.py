@@ -32,7 +32,7 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host, default_async_scheduling
 from kvforge.engine.prompt_ids import check_prompt_token_ids, truncate_prompt
 from kvforge.engine.prompt_scoring import PromptScoring
-from kvforge.engine.sampler import Sampler
+from kvforge.engine.sampler import PendingLogprobs, Sampler
 from kvforge.engine.sampling_params import SamplingParams, plain_int
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.sequence import Sequence
@@ -793,7 +793,7 @@ class LLMEngine:
                 pending = self._pending_tokens(sampled_seqs, prev)
             if ph_rows and self._grammars is not None:
                 self._feed_grammars_ahead(sampled_seqs, prev)
-            result = self.sampler.sample_sequences(logits, sampled_seqs, pending)
+            result = self.sampler.sample_sequences(logits, sampled_seqs, pending, defer_logprobs=True)
             token_ids, logprobs = result.token_ids, result.logprobs
             if share:
                 self.runner.share_sampled_tokens(token_ids)  # TP > 1: the workers' next placeholders
@@ -866,7 +866,8 @@ class LLMEngine:
             sampled = {seq.request_id: pairs for seq, pairs in zip(step.sampled_seqs, step.verified)}
         else:
             tokens = step.wait_tokens()
-            sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, step.logprobs)}
+            logprobs = step.logprobs.resolve() if isinstance(step.logprobs, PendingLogprobs) else step.logprobs
+            sampled = {seq.request_id: (tok, lp) for seq, tok, lp in zip(step.sampled_seqs, tokens, logprobs)}
         out = step.out
         self.step_log.add(step.launched, Stamp.now(), out.num_prefill_tokens, out.num_decode_tokens, out.num_seqs)
         if step.prompt_logprobs is not None:

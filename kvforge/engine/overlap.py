@@ -38,9 +38,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvforge.engine.prompt_scoring import PromptLogprobs
+from kvforge.engine.sampler import PendingLogprobs
 from kvforge.engine.scheduler import SchedulerOutput
 from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import Stamp
+from kvforge.host_copies import start_host_copy
 
 
 def default_async_scheduling(platform: str, tensor_parallel: bool, rings: bool) -> bool:
@@ -58,7 +60,8 @@ class InflightStep:
     ``token_ids``: int64 ``[len(sampled_seqs)]`` on the device, row i for
     ``sampled_seqs[i]``; ``host_tokens`` its copy (pinned on CUDA, complete
     once ``ready`` has fired). ``row_of``: request id -> row, for the next
-    step's placeholders. ``logprobs``: per row, as the sampler returned them.
+    step's placeholders. ``logprobs``: per row, as the sampler returned them (a
+    ``PendingLogprobs``, resolved with the tokens, where any row asked).
     ``prompt_logprobs``: the step's prompt-token logprobs (host copies, complete
     once ``ready`` has fired), None when no request asked for them.
     ``launched``: when the step was launched, on both clocks (the engine's step record).
@@ -68,7 +71,7 @@ class InflightStep:
     sampled_seqs: list[Sequence]
     token_ids: torch.Tensor
     host_tokens: torch.Tensor
-    logprobs: list
+    logprobs: list | PendingLogprobs
     ready: torch.cuda.Event | None
     row_of: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
@@ -88,8 +91,7 @@ def copy_tokens_to_host(token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cu
     """Start the device->host copy of ``token_ids``; (host tensor, event that fires when it is complete)."""
     if token_ids.device.type != "cuda":
         return token_ids, None
-    host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-    host.copy_(token_ids, non_blocking=True)
+    host = start_host_copy(token_ids)
     ev = torch.cuda.Event()
     ev.record()
     return host, ev

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.engine.logprob import logprob_entry
+from kvforge.host_copies import start_host_copy
 from kvforge.planner.activations import PROMPT_LOGPROBS_SLICE_ROWS
 
 SLICE_ROWS = PROMPT_LOGPROBS_SLICE_ROWS
@@ -47,14 +48,8 @@ class PromptLogprobs:
         """Start the copies to host memory (pinned, non-blocking on CUDA); read after the step's sync."""
         if self.token_logprobs.device.type != "cuda":
             return self
-
-        def host(t):
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            out.copy_(t, non_blocking=True)
-            return out
-
-        return PromptLogprobs(host(self.token_logprobs), host(self.token_ranks), host(self.top_logprobs),
-                              host(self.top_ids), self.spans)
+        return PromptLogprobs(start_host_copy(self.token_logprobs), start_host_copy(self.token_ranks),
+                              start_host_copy(self.top_logprobs), start_host_copy(self.top_ids), self.spans)
 
     def apply(self) -> None:
         """Record each request's entries (``Sequence.add_prompt_logprobs``); host tensors only."""

@@ -37,7 +37,7 @@ from kvforge.engine.logprob import Logprob, logprob_entry
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.token_biases import apply_token_biases
-from kvforge.host_copies import values_to_device
+from kvforge.host_copies import start_host_copy, values_to_device
 from kvforge.structured.token_masks import apply_bitmask, grammar_bitmask
 
 
@@ -58,7 +58,8 @@ class SamplerOutput:
     """``token_ids``: int64 [N] on the logits' device.
 
     ``logprobs``: per row, None when the row did not ask for logprobs, else a
-    dict token_id -> logprob holding the top-N tokens plus the sampled one.
+    dict token_id -> logprob holding the top-N tokens plus the sampled one (a
+    :class:`PendingLogprobs` that builds that list, where the sampler was asked to defer).
     ``sampled_logprobs``: float32 [N] logprob of each sampled token under the raw
     distribution (None when no row asked for logprobs).
     """
@@ -70,6 +71,30 @@ class SamplerOutput:
     def tolist(self) -> list[tuple[int, dict[int, float] | None]]:
         """[(token_id, logprobs)] per row, the shape ``Scheduler.update`` takes."""
         return list(zip(self.token_ids.tolist(), self.logprobs))
+
+
+class PendingLogprobs:
+    """A sampled step's logprob entries while their values travel to the host (pinned, non-blocking copies
+    on CUDA, started at construction): :meth:`resolve` waits for them and builds the entries, None for the rows
+    that did not ask (``want[i]`` is the row's top-N count, None for none)."""
+
+    def __init__(self, want: list[int | None], token_ids: torch.Tensor, sampled_lp: torch.Tensor,
+                 sampled_rank: torch.Tensor, top_lp: torch.Tensor | None, top_ids: torch.Tensor | None):
+        self.want = want
+        self._host = [start_host_copy(t) if t is not None else None
+                      for t in (token_ids, sampled_lp, sampled_rank, top_lp, top_ids)]
+        self._ready = None
+        if token_ids.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def resolve(self) -> list[dict[int, Logprob] | None]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tok, samp, rank, top_lp, top_ids = (t.tolist() if t is not None else None for t in self._host)
+        return [None if w is None else logprob_entry(tok[i], samp[i], rank[i], top_ids[i][:w] if w else [],
+                                                     top_lp[i][:w] if w else [])
+                for i, w in enumerate(self.want)]
 
 
 class Sampler:
@@ -87,9 +112,11 @@ class Sampler:
     ) -> SamplerOutput:
         return self.sample(logits, params, generators)
 
-    def sample_sequences(self, logits: torch.Tensor, seqs, pending: torch.Tensor | None = None) -> SamplerOutput:
+    def sample_sequences(self, logits: torch.Tensor, seqs, pending: torch.Tensor | None = None,
+                         defer_logprobs: bool = False) -> SamplerOutput:
         """Take params, generators and (for penalties) token histories from ``Sequence`` objects; ``pending``
-        as :func:`~kvforge.engine.penalties.apply_penalties` takes it."""
+        as :func:`~kvforge.engine.penalties.apply_penalties` takes it; ``defer_logprobs``: see
+        :meth:`with_logprobs`."""
         params = [s.params for s in seqs]
         histories = ([s.token_arrays() if p.has_penalties else ((), ()) for s, p in zip(seqs, params)]
                      if any(p.has_penalties for p in params) else None)  # fmt: skip
@@ -97,7 +124,7 @@ class Sampler:
                      else None)  # fmt: skip
         bitmask = grammar_bitmask([s.grammar for s in seqs], logits.shape[-1])
         return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending,
-                           generated, bitmask)  # fmt: skip
+                           generated, bitmask, defer_logprobs)  # fmt: skip
 
     def sample(
         self,
@@ -108,11 +135,12 @@ class Sampler:
         pending: torch.Tensor | None = None,
         num_generated: list[int] | None = None,
         token_bitmask: torch.Tensor | None = None,
+        defer_logprobs: bool = False,
     ) -> SamplerOutput:
         """Rows of ``logits`` [N, vocab] sampled under ``params`` (module docstring); ``histories`` (per row,
         prompt and output token ids) are needed where a row sets a penalty, ``num_generated`` (output tokens
         so far) where it sets ``min_tokens``, ``token_bitmask`` (kvforge/structured/token_masks.py) where a
-        row's output follows a grammar."""
+        row's output follows a grammar; ``defer_logprobs``: see :meth:`with_logprobs`."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
@@ -135,7 +163,7 @@ class Sampler:
             sub_gens = [generators[i] for i in random_rows]
             token_ids[idx] = self._sample_random(logits[idx], sub_params, sub_gens)
 
-        return self.with_logprobs(raw, token_ids, params)
+        return self.with_logprobs(raw, token_ids, params, defer_logprobs)
 
     def processed_logits(self, raw: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
                          pending: torch.Tensor | None = None, num_generated: list[int] | None = None,
@@ -156,9 +184,11 @@ class Sampler:
         return logits
 
     @staticmethod
-    def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams],
+                      defer: bool = False) -> SamplerOutput:
         """``token_ids`` [N] chosen from float32 ``logits`` [N, vocab], with the logprobs of the rows whose
-        params ask for them (see :class:`SamplerOutput`)."""
+        params ask for them (see :class:`SamplerOutput`). ``defer``: the entries are a :class:`PendingLogprobs`
+        whose values are still on their way to the host (no host wait here)."""
         n, vocab = logits.shape
         want = [p.logprobs for p in params]
         if all(w is None for w in want):
@@ -166,22 +196,11 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1)
         sampled_lp = raw_lp.gather(1, token_ids[:, None]).squeeze(1)
         sampled_rank = (raw_lp >= sampled_lp[:, None]).sum(dim=-1)  # vLLM's rank (kvforge/engine/logprob.py)
-        k = max(w or 0 for w in want)
-        k = min(k, vocab)
+        k = min(max(w or 0 for w in want), vocab)
         top_lp, top_ids = raw_lp.topk(k, dim=-1) if k > 0 else (None, None)
-        top_lp_l = top_lp.tolist() if k > 0 else None
-        top_ids_l = top_ids.tolist() if k > 0 else None
-        tok_l = token_ids.tolist()
-        samp_l = sampled_lp.tolist()
-        rank_l = sampled_rank.tolist()
-        out: list[dict[int, Logprob] | None] = []
-        for i, w in enumerate(want):
-            if w is None:
-                out.append(None)
-                continue
-            out.append(logprob_entry(tok_l[i], samp_l[i], rank_l[i], top_ids_l[i][:w] if w else [],
-                                     top_lp_l[i][:w] if w else []))
-        return SamplerOutput(token_ids=token_ids, logprobs=out, sampled_logprobs=sampled_lp)
+        pending = PendingLogprobs(want, token_ids, sampled_lp, sampled_rank, top_lp, top_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=pending if defer else pending.resolve(),
+                             sampled_logprobs=sampled_lp)
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, params: list[SamplingParams], generators) -> torch.Tensor:
