@@ -65,12 +65,13 @@ class SamplerOutput:
     """
 
     token_ids: torch.Tensor
-    logprobs: list[dict[int, Logprob] | None]
+    logprobs: list[dict[int, Logprob] | None] | PendingLogprobs
     sampled_logprobs: torch.Tensor | None = None
 
     def tolist(self) -> list[tuple[int, dict[int, float] | None]]:
         """[(token_id, logprobs)] per row, the shape ``Scheduler.update`` takes."""
-        return list(zip(self.token_ids.tolist(), self.logprobs))
+        logprobs = self.logprobs.resolve() if isinstance(self.logprobs, PendingLogprobs) else self.logprobs
+        return list(zip(self.token_ids.tolist(), logprobs))
 
 
 class PendingLogprobs:
