@@ -54,10 +54,10 @@ def _decode_step_logprobs(path, kv, round_query, monkeypatch):
     seen = {}
     sample = llm.engine.sampler.sample_sequences
 
-    def recording(logits, seqs, *args):
+    def recording(logits, seqs, *args, **kwargs):
         for row, seq in zip(logits, seqs):
             seen.setdefault(seq.request_id, []).append(torch.log_softmax(row.float(), -1))
-        return sample(logits, seqs, *args)
+        return sample(logits, seqs, *args, **kwargs)
 
     monkeypatch.setattr(llm.engine.sampler, "sample_sequences", recording)
     text = torch.randint(0, 256, (POSITIONS[-1],), generator=torch.Generator().manual_seed(11)).tolist()
