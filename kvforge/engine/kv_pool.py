@@ -232,7 +232,7 @@ class KVPool:
         """Copy-on-write: duplicate block ``src`` into ``dst`` in every page slot (so in every layer)."""
         if not pairs:
             return
-        src, dst = values_to_device(torch.tensor(pairs, dtype=torch.int64).t().contiguous(), self.buffer.device)
+        src, dst = values_to_device(list(zip(*pairs)), self.buffer.device)
         self.pages[:, dst] = self.pages[:, src]
 
 
