@@ -8,8 +8,9 @@ import torch
 
 class BlockingCopies(torch.overrides.TorchFunctionMode):
     """Records host-to-device copies that would block the host on CUDA: ``torch.tensor`` / ``torch.as_tensor``
-    given a device (a pageable copy, then a stream synchronize) and ``Tensor.to`` a device without
-    ``non_blocking``. On the CPU the same calls are made, so the rule is checked without a GPU (pinning the
+    given a device (a pageable copy, then a stream synchronize), ``Tensor.to`` a device without
+    ``non_blocking``, and a Python number assigned through an advanced index (``x[rows, cols] = 0.0``: the
+    value goes to the device as a pageable copy; a basic slice fills without one). On the CPU the same calls are made, so the rule is checked without a GPU (pinning the
     source, which a non-blocking copy also needs on CUDA, is kvforge/host_copies.py's; tests/test_host_copies_gpu.py
     checks the stream is never synchronized)."""
 
@@ -25,7 +26,15 @@ class BlockingCopies(torch.overrides.TorchFunctionMode):
         elif name == "to" and not kwargs.get("non_blocking") and (
                 "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])):
             self.calls.append(name)
+        elif name == "__setitem__" and isinstance(args[2], (bool, int, float)) and _advanced(args[1]):
+            self.calls.append(name)
         return func(*args, **kwargs)
+
+
+def _advanced(index) -> bool:
+    """Whether ``index`` is an advanced index: a tensor or a list, alone or inside a tuple."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, (torch.Tensor, list)) for p in parts)
 
 
 def every_rule_batch(device) -> tuple:

@@ -170,3 +170,24 @@ def test_verify_with_draft_q_keeps_the_target_distribution():
 def test_verify_with_a_wrong_q_is_detected():
     # The same proposals with a q they were not drawn from (uniform) bias the output: the test has power.
     assert chi_square_p_value(_verify_first_tokens(torch.full((6,), 1 / 6)), TARGET) < P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_sampled_verification_copies_host_values_without_blocking(with_q):
+    """Sampled verification (rows, proposal tokens, rejected rows, point-mass q rows, logprob rows) sends its
+    host values by non-blocking copies and assigns no Python number through an advanced index: on CUDA
+    neither synchronizes the stream (tests/blocking_copies.py)."""
+    from blocking_copies import BlockingCopies
+
+    torch.manual_seed(3)
+    vocab = 16
+    logits = torch.randn(5, vocab) * 2
+    params = [SamplingParams(temperature=0.9, logprobs=1), SamplingParams(temperature=0.7, seed=2)]
+    gens = [None, torch.Generator().manual_seed(2)]
+    proposals = [[1, 2], [3]]
+    q = [torch.softmax(torch.randn(2, vocab), -1), torch.softmax(torch.randn(1, vocab), -1)] if with_q else None
+    mode = BlockingCopies()
+    with mode:
+        out = verify_proposals(logits, params, gens, proposals, q)
+    assert mode.calls == []
+    assert [len(t) for t in out.tokens] == [n + 1 for n in out.num_accepted]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import numpy as np
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
@@ -46,9 +47,11 @@ def apply_token_biases(logits: torch.Tensor, params: list[SamplingParams], num_g
     if banned:
         rows, cols = zip(*banned)
         at = values_to_device([rows, cols], device)
-        out[at[0], at[1]] = float("-inf")
+        # A Python scalar as an advanced-index value is copied to the device from pageable memory (a stream
+        # synchronize); a device scalar is not.
+        out.index_put_((at[0], at[1]), out.new_full((), float("-inf")))
     if allowed_rows:
-        keep = torch.zeros(len(allowed_rows), logits.shape[1], dtype=torch.bool)
+        keep = np.zeros((len(allowed_rows), logits.shape[1]), dtype=bool)  # staged on the host
         for r, i in enumerate(allowed_rows):
             keep[r, list(params[i].allowed_token_ids)] = True
         idx = values_to_device(allowed_rows, device)

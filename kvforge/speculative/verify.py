@@ -27,6 +27,7 @@ import torch
 
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.host_copies import values_to_device
 
 
 def accept_greedy(target_tokens: list[int], proposals: list[int]) -> list[int]:
@@ -45,7 +46,7 @@ def _exponential(vocab: int, generators: list[torch.Generator | None], device) -
     if len(unseeded) == len(generators):
         return out.exponential_()
     if unseeded:
-        out[torch.tensor(unseeded, device=device)] = torch.empty(
+        out[values_to_device(unseeded, device)] = torch.empty(
             (len(unseeded), vocab), dtype=torch.float32, device=device).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
@@ -77,8 +78,8 @@ def rejection_sample_batch(target_probs: torch.Tensor, proposals: list[list[int]
     offsets = [start - i for i, start in enumerate(starts)]  # sequence i's first proposal in the flat order
     flat = [t for p in proposals for t in p]
     if flat:
-        tokens = torch.tensor(flat, dtype=torch.long, device=device)
-        rows = torch.tensor([starts[i] + j for i, k in enumerate(counts) for j in range(k)], device=device)
+        tokens = values_to_device(flat, device)
+        rows = values_to_device([starts[i] + j for i, k in enumerate(counts) for j in range(k)], device)
         p = target_probs[rows, tokens]
         q = (proposal_probs[torch.arange(len(flat), device=device), tokens] if proposal_probs is not None
              else torch.ones_like(p))
@@ -90,15 +91,16 @@ def rejection_sample_batch(target_probs: torch.Tensor, proposals: list[list[int]
         for i, k in enumerate(counts):
             seg = ok[offsets[i]:offsets[i] + k]
             accepted[i] = seg.index(False) if False in seg else k
-    final_rows = torch.tensor([starts[i] + accepted[i] for i in range(n)], device=device)
+    final_rows = values_to_device([starts[i] + accepted[i] for i in range(n)], device)
     weights = target_probs[final_rows].clone()
     rejected = [i for i in range(n) if accepted[i] < counts[i]]
     if rejected:
-        idx = torch.tensor(rejected, device=device)
+        idx = values_to_device(rejected, device)
         if proposal_probs is None:  # the residual of a point mass: p without the rejected token
-            weights[idx, torch.tensor([proposals[i][accepted[i]] for i in rejected], device=device)] = 0.0
+            cols = values_to_device([proposals[i][accepted[i]] for i in rejected], device)
+            weights.index_put_((idx, cols), weights.new_zeros(()))
         else:
-            q_rows = torch.tensor([offsets[i] + accepted[i] for i in rejected], device=device)
+            q_rows = values_to_device([offsets[i] + accepted[i] for i in rejected], device)
             weights[idx] = (weights[idx] - proposal_probs[q_rows]).clamp_(min=0.0)
         # p == q up to rounding leaves no residual; that rejection had probability 0: keep p.
         empty = weights.sum(dim=-1, keepdim=True) <= 0.0
@@ -140,11 +142,11 @@ def _proposal_q(proposals: list[list[int]], probs: list[torch.Tensor | None], vo
             continue
         if q is None:
             q = torch.zeros((len(props), vocab), dtype=torch.float32, device=device)
-            q[torch.arange(len(props), device=device), torch.tensor(props, device=device)] = 1.0
+            q.index_put_((torch.arange(len(props), device=device), values_to_device(props, device)), q.new_ones(()))
         elif q.shape[0] < len(props) or q.shape[1] != vocab:
             raise ValueError(f"proposal probabilities of shape {tuple(q.shape)} for {len(props)} proposals over "
                              f"a vocabulary of {vocab}")
-        rows.append(q[:len(props)].to(device=device, dtype=torch.float32))
+        rows.append(q[:len(props)].to(device, torch.float32, non_blocking=True))
     return torch.cat(rows) if rows else None
 
 
@@ -184,7 +186,7 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
     if sampled:
         rows = [r for i in sampled for r in range(starts[i], starts[i] + len(proposals[i]) + 1)]
         row_params = [params[i] for i in sampled for _ in range(len(proposals[i]) + 1)]
-        probs = Sampler.target_probs(logits[torch.tensor(rows, device=logits.device)], row_params)
+        probs = Sampler.target_probs(logits[values_to_device(rows, logits.device)], row_params)
         q = (_proposal_q([proposals[i] for i in sampled], [proposal_probs[i] for i in sampled], logits.shape[1],
                          logits.device) if proposal_probs is not None else None)
         emitted = rejection_sample_batch(probs, [proposals[i] for i in sampled], [generators[i] for i in sampled], q)
@@ -199,8 +201,7 @@ def verify_proposals(logits: torch.Tensor, params: list[SamplingParams], generat
         row_params = [params[i] for i in asking for _ in tokens[i]]
         device = logits.device
         raw = (raw_logits if raw_logits is not None else logits).float()
-        out = Sampler.with_logprobs(raw[torch.tensor(rows, device=device)],
-                                    torch.tensor(ids, dtype=torch.long, device=device), row_params)
+        out = Sampler.with_logprobs(raw[values_to_device(rows, device)], values_to_device(ids, device), row_params)
         at = 0
         for i in asking:
             logprobs[i] = out.logprobs[at:at + len(tokens[i])]
