@@ -10,9 +10,10 @@ class BlockingCopies(torch.overrides.TorchFunctionMode):
     """Records host-to-device copies that would block the host on CUDA: ``torch.tensor`` / ``torch.as_tensor``
     given a device (a pageable copy, then a stream synchronize), ``Tensor.to`` a device without
     ``non_blocking``, and a Python number assigned through an advanced index (``x[rows, cols] = 0.0``: the
-    value goes to the device as a pageable copy; a basic slice fills without one). On the CPU the same calls are made, so the rule is checked without a GPU (pinning the
-    source, which a non-blocking copy also needs on CUDA, is kvforge/host_copies.py's; tests/test_host_copies_gpu.py
-    checks the stream is never synchronized)."""
+    value goes to the device as a pageable copy; a basic slice fills without one). On the CPU the same
+    calls are made, so the rule is checked without a GPU (pinning the source, which a non-blocking copy
+    also needs on CUDA, is kvforge/host_copies.py's; tests/test_host_copies_gpu.py checks the stream is
+    never synchronized)."""
 
     def __init__(self):
         super().__init__()
