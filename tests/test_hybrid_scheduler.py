@@ -188,41 +188,77 @@ def test_planned_concurrency_at_max_model_len_is_what_the_scheduler_holds(name, 
     assert preempted > 0
 
 
-@pytest.mark.parametrize("name,layers,max_len,seqs", CAPACITY_CASES)
-def test_capacity_tokens_is_what_the_full_groups_hold_beside_the_windows(name, layers, max_len, seqs):
-    """``capacity_tokens`` full-group tokens fit beside the windows of int(max_concurrency) sequences (the last
-    one longer than max-model-len to use them up); one block more does not."""
+def _most_tokens(num_blocks: int, B: int, full_groups: int, window_blocks: int, max_len: int, max_seqs: int):
+    """The reference for ``capacity_tokens``: every sequence count k, and for each the best split of the block
+    ids left per full group among k sequences of at most ``max_len`` tokens, by dynamic programming over the
+    sequences (a sequence of b blocks holds min(b * B, max_len) tokens). Returns (tokens, lengths)."""
+    per_seq = -(-max_len // B)
+    best = (0, [])
+    for k in range(1, max_seqs + 1):
+        blocks = (num_blocks - k * window_blocks) // full_groups
+        if blocks < 0:
+            break
+        # table[m]: (most tokens, lengths) of the sequences so far within m blocks
+        table = [(0, [])] * (blocks + 1)
+        for _ in range(k):
+            table = [max(((table[m - b][0] + min(b * B, max_len), table[m - b][1] + [min(b * B, max_len)])
+                          for b in range(0, min(per_seq, m) + 1)), key=lambda t: t[0]) for m in range(blocks + 1)]
+        if table[blocks][0] > best[0]:
+            best = (table[blocks][0], [n for n in table[blocks][1] if n])
+    return best
+
+
+# (preset, layers kept, max model len, KV memory in units of one sequence at max-model-len); 520 is no whole
+# number of blocks
+TOKEN_CASES = [*CAPACITY_CASES, ("gpt-oss-20b", 4, 520, 4.7), ("gemma-3-27b", 12, 2048, 2.9995)]
+
+
+@pytest.mark.parametrize("name,layers,max_len,seqs", TOKEN_CASES)
+def test_capacity_tokens_is_the_most_the_full_groups_hold_beside_the_windows(name, layers, max_len, seqs):
+    """``capacity_tokens`` is the most any number of sequences of at most max-model-len hold in the full groups,
+    each beside its whole window (an independent search over the sequence counts and block splits), and the
+    scheduler holds sequences of those lengths at once, reaching their last step together, with no preemption
+    and every block the figure counts in use."""
     spec = spec_from_hf_config(_scaled_preset(name, layers), name=name, source="test")
     probe = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=10**9))
     plan = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=int(seqs * 10**9 / probe.max_concurrency)))
-    B, n = plan.block_size, int(plan.max_concurrency)
+    B = plan.block_size
     windows = tuple(g.sliding_window for g in plan.groups if g.kind in ("full", "sliding"))
-
-    def run(last_len):
-        """The long sequence starts alone; the others join when it is as far from its end as they are from
-        theirs, so every sequence reaches its last step together."""
-        bm = BlockManager(plan.num_blocks, B, False, group_windows=windows)
-        prompt_len = decode = max_len // 2
-        sched = Scheduler(bm, n, (n - 1) * prompt_len + 1, last_len)  # the others' prompts in one step
-        runner = GroupedFakeRunner(bm, check=False)
-        long = Sequence("long", [j % VOCAB for j in range(prompt_len)],
-                        SamplingParams(max_tokens=last_len - prompt_len, ignore_eos=True))
-        sched.add(long)
-        while long.num_tokens < last_len - decode:
-            out = sched.schedule()
-            sched.update(out, runner.execute(out))
-        for i in range(n - 1):
-            prompt = [(i * 5 + j) % VOCAB for j in range(prompt_len)]
-            sched.add(Sequence(f"s{i}", prompt, SamplingParams(max_tokens=decode, ignore_eos=True)))
-        run_all(sched, runner)
-        return sched.num_preemptions, runner.peak_used
-
-    last = plan.capacity_tokens - (n - 1) * max_len
-    assert last >= max_len and last % B == 0
     full_groups = sum(1 for g in plan.groups if g.kind == "full")
-    window_blocks = plan.state_bytes_per_sequence // (plan.group_size * plan.groups[0].page_bytes)
-    assert run(last) == (0, full_groups * plan.capacity_tokens // B + n * window_blocks)
-    assert run(last + B)[0] > 0
+    window_blocks = sum(sliding_window_blocks(w, B) for w in windows if w is not None)
+    tokens, lengths = _most_tokens(plan.num_blocks, B, full_groups, window_blocks, max_len, 64)
+    assert plan.capacity_tokens == tokens and plan.capacity_sequences == len(lengths)
+    assert all(n >= w for n in lengths for w in windows if w is not None)  # each holds its whole window
+    decode = min(lengths) // 2
+    bm = BlockManager(plan.num_blocks, B, False, group_windows=windows)
+    sched = Scheduler(bm, len(lengths), sum(lengths) + 1, max_len)
+    for i, n in enumerate(lengths):
+        prompt = [(i * 5 + j) % VOCAB for j in range(n - decode)]
+        sched.add(Sequence(f"s{i}", prompt, SamplingParams(max_tokens=decode, ignore_eos=True)))
+    runner = GroupedFakeRunner(bm, check=False)
+    done = run_all(sched, runner)
+    assert sched.num_preemptions == 0 and sorted(len(s.all_token_ids) for s in done.values()) == sorted(lengths)
+    assert runner.peak_used == sum(full_groups * -(-n // B) + window_blocks for n in lengths) <= plan.num_blocks
+
+
+@pytest.mark.parametrize("name,layers,max_len", [("gpt-oss-20b", 4, 520), ("gemma-3-27b", 12, 2048),
+                                                 ("qwen3-next-80b-a3b", 8, 1024)])
+def test_more_memory_never_shows_fewer_tokens_or_a_rounded_up_concurrency(name, layers, max_len):
+    """Across three whole-sequence steps of memory, in steps of a tenth of a block, the token figure never
+    falls and the concurrency shown is never above what fits."""
+    from kvforge.planner.kv_plan import format_concurrency
+
+    spec = spec_from_hf_config(_scaled_preset(name, layers), name=name, source="test")
+    probe = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=10**9))
+    per_seq = probe.capacity.bytes_per_sequence
+    step = max(1, per_seq // (10 * -(-max_len // probe.block_size)))
+    last = 0
+    for memory in range(int(2.5 * per_seq), int(5.5 * per_seq), step):
+        plan = resolve(spec, CacheConfig(max_model_len=max_len, kv_cache_memory=memory))
+        assert plan.capacity_tokens >= last, f"{memory} bytes: {plan.capacity_tokens} tokens after {last}"
+        last = plan.capacity_tokens
+        assert plan.max_concurrency <= memory / per_seq
+        assert float(format_concurrency(plan.max_concurrency)) <= memory / per_seq
 
 
 @pytest.mark.parametrize("name,layers,max_len", [(c[0], c[1], c[2]) for c in CAPACITY_CASES])

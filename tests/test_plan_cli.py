@@ -36,7 +36,9 @@ def test_json_has_every_documented_key(capsys):
     assert d["block_size"] == 32 and d["tensor_parallel_size"] == 8
     # the baseline is the model dtype the CPU engine runs (float32), as the plan of `generate` would say
     assert d["baseline"]["kv_cache_dtype"] == "float32" and d["baseline"]["capacity_tokens"] > 0
-    assert d["num_blocks"] * 32 == d["capacity_tokens"]
+    # each sequence takes a ring slot: the tokens are those of the slots' sequences where the blocks hold more
+    assert d["capacity_tokens"] == min(d["num_blocks"] * 32, d["state_slots"] * d["max_model_len"])
+    assert d["capacity_sequences"] == d["state_slots"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -7,6 +7,7 @@ order fixed by the dataclasses); ``summary`` a few lines for logs.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
 from kvforge.planner.activations import ActivationReserve
@@ -75,6 +76,11 @@ class IndexCheck:
     ok: bool
 
 
+def format_concurrency(value: float) -> str:
+    """A concurrency to two decimals, rounded down: 4.9995 sequences read 4.99, never 5.00."""
+    return f"{math.floor(value * 100 + 1e-6) / 100:.2f}"  # the figure has 4 decimals; 1e-6 absorbs float error
+
+
 @dataclass(frozen=True)
 class Capacity:
     """How many tokens fit. Null figures when no memory was given.
@@ -85,10 +91,13 @@ class Capacity:
     at once: each takes ``ceil(max_model_len / block_size)`` block ids in every
     full / MLA group, its window's block ids in every sliding group (as many as
     a decode step holds, ``kvforge.planner.groups.sliding_window_blocks``) and
-    its state slot. ``capacity_tokens``: tokens the full / MLA groups hold once
-    the windows of ``int(max_concurrency)`` sequences are set aside (all of the
-    pool's blocks without sliding groups; without full groups, the tokens of
-    ``int(max_concurrency)`` sequences of ``max_model_len``).
+    its state slot (floored to 4 decimals: never more than fit).
+    ``capacity_tokens``: the most tokens the full / MLA groups hold at once, over
+    any number (``capacity_sequences``) of sequences of at most ``max_model_len``
+    tokens, each holding its whole window in every sliding group and a state slot
+    where the model has them (all of the pool's blocks without sliding groups or
+    state; without full groups, the tokens of ``int(max_concurrency)`` sequences of
+    ``max_model_len``). A larger pool never shows fewer.
     """
 
     kv_cache_dtype: str
@@ -104,6 +113,8 @@ class Capacity:
     #: Bytes the sliding-window groups hold beyond their windows while one sequence of ``max_model_len``
     #: computes a chunk of the step budget: the memory holds at least ``bytes_per_sequence + chunk_bytes``.
     chunk_bytes: int | None = None
+    #: The sequences holding ``capacity_tokens``.
+    capacity_sequences: int | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,10 @@ class KVPlan:
         return self.capacity.capacity_tokens
 
     @property
+    def capacity_sequences(self) -> int | None:
+        return self.capacity.capacity_sequences
+
+    @property
     def max_concurrency(self) -> float | None:
         return self.capacity.max_concurrency
 
@@ -213,8 +228,32 @@ class KVPlan:
             return text
         return (f"{text}; a sequence of {self.max_model_len} tokens takes {cap.bytes_per_sequence:,} bytes "
                 f"(without the draft {alone.bytes_per_sequence:,}): {cap.num_blocks:,} blocks = "
-                f"{cap.capacity_tokens:,} tokens, max concurrency {cap.max_concurrency:.2f} (without the draft "
-                f"{alone.num_blocks:,} blocks = {alone.capacity_tokens:,} tokens, {alone.max_concurrency:.2f})")
+                f"{cap.capacity_tokens:,} tokens, max concurrency {format_concurrency(cap.max_concurrency)} (without the "
+                f"draft {alone.num_blocks:,} blocks = {alone.capacity_tokens:,} tokens, "
+                f"{format_concurrency(alone.max_concurrency)})")
+
+    def fixed_bytes_text(self) -> str:
+        """The per-sequence bytes that do not grow with its tokens, by what holds them."""
+        state = sum(layer.state_bytes for layer in self.layers if layer.kind == "state")
+        rest = self.state_bytes_per_sequence - state  # the sliding groups' window blocks (and rings' pages)
+        parts = []
+        if state:
+            parts.append(f"linear-attention state {state:,}")
+        if rest > 0 and any(layer.kind == "sliding" for layer in self.layers):
+            parts.append(f"sliding windows {rest:,}")
+        elif rest > 0 and parts:
+            parts.append(f"other {rest:,}")
+        return f"{self.state_bytes_per_sequence:,}" + (f" ({', '.join(parts)})" if parts else "")
+
+    def capacity_text(self) -> str:
+        """``capacity_tokens`` in words: "N tokens", and where windows or state slots bound it, for how many
+        sequences (the full groups' tokens beside those sequences' windows)."""
+        cap = self.capacity
+        text = f"{cap.capacity_tokens:,} tokens"
+        if self.state_bytes_per_sequence and cap.capacity_sequences:
+            beside = " beside their windows" if any(g.kind == "sliding" for g in self.groups) else ""
+            text += f" in {cap.capacity_sequences:,} sequence{'s' * (cap.capacity_sequences != 1)}{beside}"
+        return text
 
     def backends(self) -> list[str]:
         return sorted({layer.backend for layer in self.layers})
@@ -227,6 +266,7 @@ class KVPlan:
         cap = d.pop("capacity")
         d["num_blocks"] = cap["num_blocks"]
         d["capacity_tokens"] = cap["capacity_tokens"]
+        d["capacity_sequences"] = cap["capacity_sequences"]
         d["max_concurrency"] = cap["max_concurrency"]
         d["state_slots"] = cap["state_slots"]
         d["kv_cache_memory"] = cap["kv_cache_memory"]
@@ -257,18 +297,15 @@ class KVPlan:
             f"  KV dtype {self.kv_cache_dtype} (scales: {self.scale_source or 'n/a'}), query dtype {', '.join(qd)}, "
             f"block size {self.block_size} ({self.block_size_reason})",
             f"  {self.bytes_per_token} bytes/token/rank, "
-            + (f"{self.state_bytes_per_sequence} fixed bytes/sequence (sliding windows, linear-attention state), "
-               if self.state_bytes_per_sequence else "")
+            + (f"{self.fixed_bytes_text()} fixed bytes/sequence, " if self.state_bytes_per_sequence else "")
             + f"max model len {self.max_model_len}",
         ]
         if self.activations is not None:
             lines.append(f"  activations: {self.activations.describe()}")
         cap = self.capacity
         if cap.num_blocks is not None:
-            held = cap.num_blocks * self.block_size - cap.capacity_tokens
-            line = (f"  {cap.num_blocks} blocks = {cap.capacity_tokens} tokens"
-                    + (f" (beside {held} token slots held for sliding windows)" if held > 0 else "")
-                    + f", max concurrency {cap.max_concurrency:.2f} at {self.max_model_len} tokens")
+            line = (f"  {cap.num_blocks} blocks: {self.capacity_text()}, max concurrency "
+                    f"{format_concurrency(cap.max_concurrency)} at {self.max_model_len} tokens")
             if self.baseline is not None and self.baseline.capacity_tokens:
                 gain = cap.capacity_tokens / self.baseline.capacity_tokens
                 line += f" ({gain:.2f}x the {self.baseline.kv_cache_dtype} KV capacity of {self.baseline.capacity_tokens})"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from kvforge.planner.inputs import DEFAULT_CPU_KV_CACHE_MEMORY
-from kvforge.planner.kv_plan import KVPlan
+from kvforge.planner.kv_plan import KVPlan, format_concurrency
 
 
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+    """Bytes in GiB, or MiB below one GiB (so a small size never reads 0.00)."""
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _layer_rows(plan: KVPlan):
@@ -36,20 +39,6 @@ def _indices(idx) -> str:
     return f"{idx[0]}..{idx[-1]} ({len(idx)})"
 
 
-def _fixed_bytes(plan: KVPlan) -> str:
-    """The per-sequence bytes that do not grow with its tokens, by what holds them."""
-    state = sum(layer.state_bytes for layer in plan.layers if layer.kind == "state")
-    rest = plan.state_bytes_per_sequence - state  # the sliding groups' window blocks (and rings' pages)
-    parts = []
-    if state:
-        parts.append(f"linear-attention state {state:,}")
-    if rest > 0 and any(layer.kind == "sliding" for layer in plan.layers):
-        parts.append(f"sliding windows {rest:,}")
-    elif rest > 0 and parts:
-        parts.append(f"other {rest:,}")
-    return f"{plan.state_bytes_per_sequence:,}" + (f" ({', '.join(parts)})" if parts else "")
-
-
 def render_plan(plan: KVPlan, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -67,7 +56,7 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_row("max model len", str(plan.max_model_len))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
     replay = plan.verify_replay_bytes_per_sequence()
-    head.add_row("fixed bytes per sequence", _fixed_bytes(plan) + (
+    head.add_row("fixed bytes per sequence", plan.fixed_bytes_text() + (
         f" (of which {replay:,} keep a verify step's {plan.num_speculative_tokens + 1} rows to roll the "
         f"linear-attention state back)" if replay else ""))
     if plan.state_dtype is not None:
@@ -78,15 +67,15 @@ def render_plan(plan: KVPlan, console=None) -> None:
         head.add_row("activations per rank", plan.activations.describe())
     if cap.num_blocks is not None:
         head.add_row("KV memory per rank", _gib(cap.kv_cache_memory))
-        head.add_row("blocks / tokens", f"{cap.num_blocks:,} / {cap.capacity_tokens:,}")
-        head.add_row("max concurrency", f"{cap.max_concurrency:.2f} x {plan.max_model_len} tokens")
+        head.add_row("blocks / tokens", f"{cap.num_blocks:,} / {plan.capacity_text()}")
+        head.add_row("max concurrency", f"{format_concurrency(cap.max_concurrency)} x {plan.max_model_len} tokens")
         if cap.chunk_bytes:
             head.add_row("sliding chunk", f"{cap.chunk_bytes:,} bytes beyond the windows while a sequence "
                                           f"computes a chunk of the step budget")
         if plan.baseline is not None and plan.baseline.capacity_tokens:
             gain = cap.capacity_tokens / plan.baseline.capacity_tokens
             head.add_row(f"vs {plan.baseline.kv_cache_dtype} KV", f"{plan.baseline.capacity_tokens:,} tokens, "
-                         f"concurrency {plan.baseline.max_concurrency:.2f}: {gain:.2f}x the tokens")
+                         f"concurrency {format_concurrency(plan.baseline.max_concurrency)}: {gain:.2f}x the tokens")
             exact = plan.concurrency_gain()
             if exact is not None and plan.state_bytes_per_sequence:
                 state = sum(layer.state_bytes for layer in plan.layers if layer.kind == "state")
@@ -150,8 +139,9 @@ def render_plan(plan: KVPlan, console=None) -> None:
         alone = plan.draft.capacity_without
         if alone.num_blocks is not None and cap.num_blocks is not None:
             console.print(f"capacity with the draft: {cap.num_blocks:,} blocks / {cap.capacity_tokens:,} tokens, "
-                          f"max concurrency {cap.max_concurrency:.2f}; without: {alone.num_blocks:,} blocks / "
-                          f"{alone.capacity_tokens:,} tokens, max concurrency {alone.max_concurrency:.2f}")
+                          f"max concurrency {format_concurrency(cap.max_concurrency)}; without: {alone.num_blocks:,} "
+                          f"blocks / {alone.capacity_tokens:,} tokens, max concurrency "
+                          f"{format_concurrency(alone.max_concurrency)}")
     for check in plan.index_checks:
         console.print(f"index check {check.backend}: {check.planned_slots:,} slots of {check.row_bytes} B "
                       f"<= {check.max_slots:,} addressable: {'ok' if check.ok else 'OVERFLOW'}")

@@ -411,11 +411,49 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     pool = memory - (slots or 0) * slot_state_bytes
     num_blocks = pool // block_id_bytes if block_id_bytes else 0
     if growing:
-        tokens = ((num_blocks - int(concurrency) * window_blocks) // len(growing)) * growing[0].block_size
+        tokens, sequences = _growing_tokens(num_blocks, window_blocks, len(growing), growing[0].block_size,
+                                            max_model_len, slots)
     else:
-        tokens = int(concurrency) * max_model_len
-    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, round(concurrency, 4), slots, per_seq,
-                    chunk_bytes)
+        tokens, sequences = int(concurrency) * max_model_len, int(concurrency)
+    return Capacity(kv_dtype, bytes_per_token, memory, num_blocks, tokens, math.floor(concurrency * 10**4) / 10**4,
+                    slots, per_seq, chunk_bytes, sequences)
+
+
+def _growing_tokens(num_blocks: int, window_blocks: int, num_growing: int, block_size: int, max_model_len: int,
+                    max_sequences: int | None) -> tuple[int, int]:
+    """(the most tokens the growing groups hold at once, the sequences holding them): over every count ``k``
+    of sequences of at most ``max_model_len`` tokens (at most ``max_sequences`` where each needs a state
+    slot), each holding its whole window in the sliding groups (``window_blocks``), the most tokens the
+    block ids left to each growing group take. Nondecreasing in ``num_blocks``: no larger pool shows fewer."""
+    full_blocks, rest = divmod(max_model_len, block_size)  # a longest sequence: full blocks, then ``rest``
+
+    def held(k: int) -> int:
+        blocks = (num_blocks - k * window_blocks) // num_growing  # per growing group, for k sequences
+        if blocks < 0:
+            return -1
+        if blocks >= k * (full_blocks + (rest > 0)):
+            return k * max_model_len
+        if blocks <= k * full_blocks:
+            return blocks * block_size
+        return k * full_blocks * block_size + (blocks - k * full_blocks) * rest
+
+    if window_blocks:
+        most = num_blocks // window_blocks
+    else:  # without windows more sequences never hold less: enough to take every block
+        most = num_blocks // num_growing // max(full_blocks, 1) + 1
+    if max_sequences is not None:
+        most = min(most, max_sequences)
+    if most < 1:
+        return 0, 0
+    # held(k) rises (whole sequences) up to k1 and falls (every block full) from k2; between, a step of
+    # ``num_growing`` sequences changes it by the same amount, so each residue class peaks at an end.
+    whole = num_growing * (full_blocks + (rest > 0)) + window_blocks
+    k1 = num_blocks // whole
+    full = num_growing * full_blocks + window_blocks
+    k2 = (num_blocks - num_growing) // full + 1 if full else most
+    ends = [1, most, *range(k1 - 1, k1 + num_growing + 2), *range(k2 - num_growing - 1, k2 + 2)]
+    best = max((k for k in ends if 1 <= k <= most), key=lambda k: (held(k), -k))
+    return held(best), best
 
 
 def _prefix_caching(groups: tuple[GroupPlan, ...], state_slots: int | None = None,
