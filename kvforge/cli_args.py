@@ -28,10 +28,11 @@ class ArgumentParser(argparse.ArgumentParser):
     def refuse_unrecognized(self, extras: list[str]) -> None:
         """Exit with argparse's usage error for ``extras``, naming for each unknown flag the flags of this
         parser (and its subcommands) it is closest to."""
-        options = sorted(_option_strings(self))
+        names = sorted(o[2:] for o in _option_strings(self))  # compared without the "--" every flag shares
         hints = []
         for arg in extras:
-            close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=2) if arg.startswith("--") else []
+            close = ["--" + c for c in difflib.get_close_matches(arg.split("=", 1)[0][2:], names, n=2)
+                     ] if arg.startswith("--") else []
             if close:
                 hints.append(f"{arg}: did you mean {' or '.join(close)}?")
         self.error(f"unrecognized arguments: {' '.join(extras)}" + ("; " + "; ".join(hints) if hints else ""))

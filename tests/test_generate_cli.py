@@ -87,6 +87,8 @@ def test_token_id_prompts_on_a_model_without_a_tokenizer(tmp_path, capsys, caplo
     (["--max-model-len", "256"], "over --max-model-len 256"),  # the default ranges reach 1024 + 1024
     (["--input-len", "10", "5"], "--input-len 10 5"),
     (["--output-len", "0", "5"], "--output-len 0 5"),
+    # no --max-model-len: the embedded model's context length, read from its config before the engine
+    (["--input-len", "8000", "8000", "--output-len", "500", "500"], "over --max-model-len 8192"),
 ])
 def test_bench_offline_lengths_that_cannot_run_stop_before_the_engine(no_engine, capsys, argv, needle):
     assert main(["bench", "offline", "--load-format", "dummy", *argv]) == 2

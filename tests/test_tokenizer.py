@@ -143,6 +143,20 @@ def test_no_chat_template_is_config_error(tmp_path):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize("template_in", ["none", "config"])
+def test_an_engine_without_a_chat_template_warns_at_startup(tmp_path, caplog, template_in):
+    """A base model serves completions, but every chat would get a 400: the engine says so when it starts,
+    with the flag that fixes it, and says nothing where the tokenizer has a template."""
+    from kvforge.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.__new__(LLMEngine)  # only the tokenizer: the method reads nothing else
+    engine.tokenizer = load_tokenizer(_write_hf_dir(tmp_path / "n", template_in=template_in))
+    with caplog.at_level("WARNING", "kvforge"):
+        engine._choose_content_format("auto")
+    warned = "no chat template" in caplog.text and "--chat-template" in caplog.text
+    assert warned == (template_in == "none")
+
+
 def test_chat_template_is_sandboxed(hf_tok):
     from jinja2.exceptions import SecurityError
 

@@ -363,8 +363,12 @@ def offline_main(args: argparse.Namespace) -> int:
 
     from kvforge.config import EngineArgs
     from kvforge.llm import LLM
+    from kvforge.planner.resolver import planned_max_model_len
+    from kvforge.spec.load import load_model_spec
 
-    check_lengths(args.input_len, args.output_len, args.max_model_len)
+    # the model's config only (no weights yet): a workload longer than the context fails before loading
+    check_lengths(args.input_len, args.output_len, planned_max_model_len(load_model_spec(args.model),
+                                                                         args.max_model_len))
     t_start = time.perf_counter()
     llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
     startup = time.perf_counter() - t_start

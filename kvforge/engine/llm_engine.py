@@ -427,6 +427,9 @@ class LLMEngine:
         problem = tok.chat_template_problem()
         if problem is not None:
             logger.warning("%s: chat requests will be refused; give one with --chat-template", problem)
+        elif not tok.chat_template:
+            logger.warning("the tokenizer has no chat template: chat requests (/v1/chat/completions, /v1/responses, "
+                           "LLM.chat) will be refused; give one with --chat-template")
         render = None if problem else (lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True))
         choice = resolve_content_format(flag, tok.chat_template, render)
         tok.chat_content_format = choice.content_format

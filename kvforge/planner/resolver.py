@@ -365,6 +365,15 @@ def _shorter_len_fix(groups: tuple[GroupPlan, ...], group_size: int, slot_state_
     return f"lower --max-model-len to at most {shorter} or " if shorter >= MIN_SUGGESTED_MODEL_LEN else ""
 
 
+#: The max model len of a model whose config names no context length.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def planned_max_model_len(spec: ModelSpec, flag: int | None) -> int:
+    """The plan's max model len: ``--max-model-len`` when given, else the model's context length."""
+    return flag or spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+
+
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
               slot_state_bytes: int, max_model_len: int, memory: int | None, chunk_tokens: int = 1) -> Capacity:
     """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
@@ -583,7 +592,7 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     kv_dtype = model_dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
     warnings: list[str] = []
 
-    max_len = cache.max_model_len or spec.max_position_embeddings or 4096
+    max_len = planned_max_model_len(spec, cache.max_model_len)
     if draft_spec is not None:
         from kvforge.speculative.support import check_draft_model
 
