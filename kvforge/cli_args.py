@@ -113,6 +113,21 @@ def http_url(text: str) -> str:
     return text.strip()
 
 
+def output_file(text: str) -> str:
+    """A file a command writes when it is done: its folder must exist and be writable now, so a run never
+    ends in an error after its work (the file itself may be new or be replaced)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder!r} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {folder!r} is not writable; write elsewhere")
+    return text
+
+
 def add_model_arguments(p: argparse.ArgumentParser, help: str) -> None:
     """The model as the positional MODEL, or as vLLM's ``--model MODEL`` (read back by :func:`model_argument`)."""
     p.add_argument("model", nargs="?", default=None, help=help)

@@ -96,6 +96,13 @@ def test_bench_offline_lengths_that_cannot_run_stop_before_the_engine(no_engine,
     assert needle in err and "Traceback" not in err
 
 
+def test_bench_offline_checks_its_output_path_before_the_engine(no_engine, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "offline", "--load-format", "dummy", "--out", "/nonexistent/r.json"])
+    assert exc.value.code == 2
+    assert "argument --out: the folder '/nonexistent' does not exist" in capsys.readouterr().err
+
+
 def test_an_unknown_compare_kv_dtype_stops_before_the_engine(no_engine, capsys):
     assert main(["generate", "--compare-kv-dtype", "int4", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err

@@ -457,6 +457,9 @@ def test_real_server_limit_3(tmp_path, capsys):
     (["--base-url", "http://127.0.0.1:9", "--timeout", "-1"], "argument --timeout: '-1' must be > 0"),
     (["--base-url", "http://127.0.0.1:9", "--limit", "0"], "argument --limit: '0' must be >= 1"),
     (["--base-url", "http://127.0.0.1:9", "--num-fewshot", "-1"], "argument --num-fewshot: '-1' must be >= 0"),
+    # checked before the questions run, not when the answers are written
+    (["--base-url", "http://127.0.0.1:9", "--output", "/nonexistent/a.jsonl"],
+     "argument --output: the folder '/nonexistent' does not exist"),
 ])
 def test_bad_values_are_usage_errors_naming_the_flag(capsys, argv, needle):
     from kvforge.cli import main

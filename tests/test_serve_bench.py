@@ -125,8 +125,10 @@ def test_bench_counts_agree_with_server_metrics(server, tmp_path):
     # the engine's own counter agrees on generated tokens
     assert delta("kvforge:generation_tokens_total") == totals["output_tokens"]
     assert delta("kvforge:time_to_first_token_seconds_count") == totals["requests_succeeded"]
-    # unique prompts: the prefix cache could not serve the id-prefixed prompts' first blocks
-    assert report["server_metrics_delta"]["kvforge:request_generation_tokens_sum"] == totals["output_tokens"]
+    # the report's server deltas span the timed runs only: the warm-up is read before them
+    timed = sum(r["output_tokens"] for r in reps)
+    assert timed < totals["output_tokens"]
+    assert report["server_metrics_delta"]["kvforge:request_generation_tokens_sum"] == timed
 
 
 def test_bench_counts_failures():
@@ -141,6 +143,49 @@ def test_bench_counts_failures():
                                               repetitions=1, warmup=0, api_key="secret",
                                               log=lambda *_: None))
         assert report["repetitions"][0]["requests_succeeded"] == 4
+
+
+def test_a_warm_up_that_fails_entirely_stops_with_its_first_error(capsys):
+    """Every warm-up request refused (no API key): the timed runs would fail alike, so the bench stops there,
+    naming the server's answer and the fix, instead of printing tables of zeros."""
+    engine = FakeEngine(step_delay=0.001)
+    with ServerThread(create_app(engine, api_key="secret")) as srv:
+        rc = sb.bench_serve_main(["--base-url", srv.url, "--model", "fake-model", "--isl", "16", "--osl", "2",
+                                  "--num-requests", "2", "--concurrency", "2"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "every request of warm-up pass 1 failed" in captured.err and "HTTP 401" in captured.err
+    assert "--api-key" in captured.err and "repetition" not in captured.out
+
+
+def test_a_failed_timed_request_is_printed_with_the_run():
+    engine = FakeEngine(step_delay=0.001)
+    lines = []
+    with ServerThread(create_app(engine, api_key="secret")) as srv:
+        asyncio.run(sb.run_benchmark(srv.url, isl=16, osl=2, concurrency=2, num_requests=2, repetitions=1,
+                                     warmup=0, model="fake-model", log=lines.append))
+    assert any(line.strip().startswith("2 failed; the first: HTTP 401") for line in lines), lines
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--warmup-requests", "-3"], "argument --warmup-requests: '-3' must be >= 1"),
+    (["--timeout", "-1"], "argument --timeout: '-1' must be > 0"),
+    (["--concurrency", "0"], "argument --concurrency: '0' must be >= 1"),
+    (["--out", "/nonexistent/x.json"], "argument --out: the folder '/nonexistent' does not exist"),
+    (["--plot", "/nonexistent/x.png"], "argument --plot: the folder '/nonexistent' does not exist"),
+], ids=["warmup-requests", "timeout", "concurrency", "out", "plot"])
+def test_bad_values_are_refused_before_any_request(capsys, argv, says):
+    """Refused by the parser (exit 2) before the bench connects: the port named here has no server, so any
+    request would fail otherwise, and a bad output path would only fail after the whole run."""
+    from kvforge.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *argv])
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_no_server_at_the_url_names_the_fix(capsys):
+    rc = sb.bench_serve_main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "1"])
+    assert rc == 2 and "start one with `kvforge serve`" in capsys.readouterr().err
 
 
 def test_a_base_url_that_is_no_http_url_is_a_usage_error(capsys):

@@ -65,6 +65,7 @@ from kvforge.bench.roofline import (
     roofline,
     step_weight_bytes,
 )
+from kvforge.cli_args import output_file
 from kvforge.kernels.jit_compilations import JitCompilations
 from kvforge.speculative.stats import spec_decode_summary
 
@@ -85,7 +86,7 @@ def add_offline_args(p: argparse.ArgumentParser) -> None:
                    help="untimed runs of the whole workload (other random prompts) before the timed ones: the "
                         "first timed run is then as fast as the next")
     p.add_argument("--profile-decode", action="store_true", help="CUDA: time and profile steady decode steps")
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--out", type=output_file, default=None, help="write the JSON result here")
 
 
 # ---- measurements on the device -------------------------------------------------------------------------------

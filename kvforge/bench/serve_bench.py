@@ -42,7 +42,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from kvforge.cli_args import ArgumentParser, http_url
+from kvforge.cli_args import (
+    ArgumentParser,
+    http_url,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, UNAUTHORIZED_HINT, client_api_key
 
 OUTLIER_FACTOR = 1.5
@@ -403,6 +410,10 @@ SPEC_DECODE_COUNTERS = ("kvforge:spec_decode_num_drafts_total", "kvforge:spec_de
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
+class WarmUpFailed(RuntimeError):
+    """Every request of a warm-up pass failed (its first error in the message)."""
+
+
 async def run_benchmark(
     base_url: str,
     *,
@@ -436,7 +447,6 @@ async def run_benchmark(
                     hint = f"; {UNAUTHORIZED_HINT}" if resp.status == 401 else ""
                     raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {(await resp.text())[:200]}{hint}")
                 model = (await resp.json())["data"][0]["id"]
-        before = await scrape_metrics(session, base_url)
         totals = {"requests_sent": 0, "requests_succeeded": 0, "requests_failed": 0, "prompt_tokens": 0,
                   "output_tokens": 0}
 
@@ -455,8 +465,12 @@ async def run_benchmark(
             count(s, n)
             warm.append(s)
             log(f"warm-up {w + 1}/{warmup}: {s['requests_succeeded']}/{n} ok in {dur:.2f}s (discarded)")
+            if not s["requests_succeeded"]:
+                raise WarmUpFailed(f"every request of warm-up pass {w + 1} failed, so the timed runs would too; "
+                                   f"the first: {s['errors'][0] if s['errors'] else 'no answer'}")
             words_of = dict(pairs)
             factory.calibrate([(words_of[r.prompt], r.prompt_tokens) for r in results if r.ok])
+        before = await scrape_metrics(session, base_url)  # after the warm-up: the deltas are the timed runs'
         reps, pooled = [], []
         for rep in range(repetitions):
             prompts = [factory.make(f"r{rep}") for _ in range(num_requests)]
@@ -469,6 +483,8 @@ async def run_benchmark(
             reps.append(s)
             pooled.extend(results)
             log(_rep_line(s))
+            if s["errors"]:
+                log(f"  {s['requests_failed']} failed; the first: {s['errors'][0]}")
         after = await scrape_metrics(session, base_url)
     summary = summarize_repetitions(reps) if reps else {}
     overall = summarize_pass(pooled, sum(r["duration_s"] for r in reps)) if reps else None
@@ -589,37 +605,45 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="server root (default %(default)s)")
     parser.add_argument("--model", default=None, help="model name (default: the first at /v1/models)")
     parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
-    parser.add_argument("--isl", type=int, default=128, help="input tokens per request, approximately")
-    parser.add_argument("--osl", type=int, default=128, help="output tokens per request (ignore_eos)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
-    parser.add_argument("--num-requests", type=int, default=64, help="requests per timed repetition")
-    parser.add_argument("--repetitions", type=int, default=3, help="timed repetitions")
-    parser.add_argument("--warmup", type=int, default=1, help="discarded warm-up passes (default 1)")
-    parser.add_argument("--warmup-requests", type=int, default=None,
+    parser.add_argument("--isl", type=positive_int, default=128,
+                        help="input tokens per request, approximately (default %(default)s)")
+    parser.add_argument("--osl", type=positive_int, default=128,
+                        help="output tokens per request, ignore_eos (default %(default)s)")
+    parser.add_argument("--concurrency", type=positive_int, default=8,
+                        help="requests in flight at once (default %(default)s)")
+    parser.add_argument("--num-requests", type=positive_int, default=64,
+                        help="requests per timed repetition (default %(default)s)")
+    parser.add_argument("--repetitions", type=positive_int, default=3, help="timed repetitions (default %(default)s)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1,
+                        help="discarded warm-up passes (default %(default)s)")
+    parser.add_argument("--warmup-requests", type=positive_int, default=None,
                         help="requests per warm-up pass (default: --concurrency)")
-    parser.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
+    parser.add_argument("--seed", type=int, default=0, help="prompt RNG seed (default %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="every request's sampling temperature (0: greedy, the default; > 0 samples, as most "
                              "served traffic does)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
-    parser.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib)")
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="per-request timeout in seconds (default %(default)s)")
+    parser.add_argument("--out", type=output_file, default=None, help="write the JSON report here")
+    parser.add_argument("--plot", type=output_file, default=None, help="write a PNG plot here (matplotlib)")
     return parser
+
+
+def _fix_hint(error: str, base_url: str) -> str:
+    """The fix for an error that stops the bench: a refused API key, or no server at the URL."""
+    if "HTTP 401" in error:
+        return f"; {UNAUTHORIZED_HINT}"
+    if "ClientConnectorError" in error or "ServerDisconnectedError" in error:
+        return f"; is a server running there? start one with `kvforge serve` (--base-url {base_url})"
+    return ""
 
 
 def bench_serve_main(args) -> int:
     """Entry point for ``kvforge bench serve``; exit code 1 when any timed request failed."""
     if args is None or isinstance(args, (list, tuple)):
         args = add_bench_serve_args(ArgumentParser(prog="kvforge bench serve")).parse_args(args)
-    for name in ("isl", "osl", "concurrency", "num_requests", "repetitions"):
-        if getattr(args, name) < 1:
-            print(f"kvforge bench serve: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
-    if args.warmup < 0:
-        print("kvforge bench serve: error: --warmup must be >= 0", file=sys.stderr)
-        return 2
-    if args.temperature < 0:
-        print("kvforge bench serve: error: --temperature must be >= 0", file=sys.stderr)
+    if not args.temperature >= 0:  # also NaN
+        print("kvforge bench serve: error: --temperature must be a number >= 0", file=sys.stderr)
         return 2
     try:
         report = asyncio.run(run_benchmark(
@@ -628,8 +652,12 @@ def bench_serve_main(args) -> int:
             warmup_requests=args.warmup_requests, model=args.model, api_key=client_api_key(args.api_key), seed=args.seed,
             timeout_s=args.timeout, temperature=args.temperature,
         ))
+    except WarmUpFailed as e:
+        print(f"kvforge bench serve: error: {e}{_fix_hint(str(e), args.base_url)}", file=sys.stderr)
+        return 2
     except Exception as e:  # cannot reach the server at all
-        print(f"kvforge bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+        text = f"{type(e).__name__}: {e}"
+        print(f"kvforge bench serve: error: {text}{_fix_hint(text, args.base_url)}", file=sys.stderr)
         return 2
     print(format_report(report))
     if args.out:

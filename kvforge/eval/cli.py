@@ -17,7 +17,14 @@ import json
 import math
 import sys
 
-from kvforge.cli_args import http_url, non_negative_int, parse_bytes, positive_float, positive_int
+from kvforge.cli_args import (
+    http_url,
+    non_negative_int,
+    output_file,
+    parse_bytes,
+    positive_float,
+    positive_int,
+)
 from kvforge.data_paths import DATA_DIR_HELP
 from kvforge.errors import KVForgeError
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key
@@ -47,7 +54,7 @@ def add_gsm8k_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="requests in flight at once (default %(default)s)")
     parser.add_argument("--max-tokens", type=positive_int, default=gsm8k.DEFAULT_MAX_TOKENS,
                         help="max generated tokens per question (default %(default)s)")
-    parser.add_argument("--output", default=None, metavar="FILE.jsonl", help="write one JSON line per question")
+    parser.add_argument("--output", type=output_file, default=None, metavar="FILE.jsonl", help="write one JSON line per question")
     parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
     parser.add_argument("--data-dir", default=None,
                         help="data folder holding gsm8k/ (test.jsonl, train.jsonl), like $KVFORGE_DATA_DIR, or the "
