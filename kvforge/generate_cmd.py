@@ -8,7 +8,6 @@ leading tokens match, and the fraction of positions that agree).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -152,6 +151,13 @@ def generate_main(args: argparse.Namespace) -> int:
     args.model, args.model_flag = model_argument(args), None
     prompts = _prompts(args)
     compare_kv_dtype = _compare_kv_dtype(args)
+    if compare_kv_dtype is not None:  # the comparison is of greedy outputs: both runs pick the argmax
+        if args.temperature:
+            from kvforge.errors import ConfigError
+
+            raise ConfigError(f"--compare-kv-dtype compares greedy outputs, but --temperature {args.temperature} "
+                              f"samples; drop --temperature (the comparison runs greedy)")
+        args.temperature = 0.0  # over a generation config's sampling temperature
     params = sampling_params(args)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**{k: v for k, v in engine_args.__dict__.items()})  # the engine logs its plan
@@ -167,12 +173,10 @@ def generate_main(args: argparse.Namespace) -> int:
         print(f"\n>>> {_shown(prompt)}\n{text}")
         spec = out.speculative
         accepted = (f", {spec.acceptance_rate:.0%} of proposals accepted, {spec.mean_accepted_length:.2f} tokens "
-                    f"per step" if spec is not None and spec.num_drafts else "")
+                    f"per verification step" if spec is not None and spec.num_drafts else "")
         print(f"[{len(out.outputs[0].token_ids)} tokens, finish: {out.outputs[0].finish_reason}{accepted}]")
     print(f"\ngenerated {ntok} tokens in {dt:.2f} s ({ntok / dt:.1f} tok/s) with {llm.plan.kv_cache_dtype} KV")
     if compare_kv_dtype is not None:
-        if not params.is_greedy:
-            print("note: --compare-kv-dtype compares greedy runs; use --temperature 0", file=sys.stderr)
         llm.shutdown()  # its KV pool would leave the second engine no device memory to plan for
         other = LLM(**{**engine_args.__dict__, "kv_cache_dtype": compare_kv_dtype})
         ref = _run(other, prompts, params, chat)

@@ -109,6 +109,12 @@ def test_an_unknown_compare_kv_dtype_stops_before_the_engine(no_engine, capsys):
     assert "--compare-kv-dtype" in err and "'int4'" in err and "fp8_e5m2" in err and "Traceback" not in err
 
 
+def test_compare_kv_dtype_refuses_a_sampling_temperature_before_the_engine(no_engine, capsys):
+    assert main(["generate", "--compare-kv-dtype", "fp8", "--temperature", "0.9", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--compare-kv-dtype compares greedy outputs" in err and "drop --temperature" in err
+
+
 def test_compare_kv_dtype_frees_the_first_engine_before_building_the_second(tmp_path, monkeypatch, capsys):
     """On a GPU the first engine's KV pool holds the memory the second engine plans for, so it is shut down
     first."""
@@ -128,6 +134,27 @@ def test_compare_kv_dtype_frees_the_first_engine_before_building_the_second(tmp_
     assert "float32 KV vs bfloat16 KV (greedy)" in capsys.readouterr().out
     assert [shut_down_before for _, shut_down_before in built] == [[], [True]]
     assert all(llm.engine.is_shut_down for llm, _ in built)
+
+
+def test_compare_kv_dtype_runs_greedy_over_a_sampling_generation_config(tmp_path, monkeypatch, capsys):
+    """The model's generation config samples; the comparison is of greedy outputs, so both runs take
+    temperature 0."""
+    import kvforge.generate_cmd as generate_cmd
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.9}))
+    temperatures = []
+    run = generate_cmd._run
+
+    def recording_run(llm, prompts, params, chat):
+        temperatures.append(params.temperature)
+        return run(llm, prompts, params, chat)
+
+    monkeypatch.setattr(generate_cmd, "_run", recording_run)
+    code = main(["generate", str(tmp_path), "--load-format", "dummy", "--device", "cpu", "--max-model-len", "64",
+                 "--prompt-token-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--no-progress",
+                 "--compare-kv-dtype", "bf16"])
+    assert code == 0 and temperatures == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("flag", ["--num-prompts", "--repetitions"])

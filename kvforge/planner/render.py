@@ -129,7 +129,8 @@ def render_plan(plan: KVPlan, console=None) -> None:
                        f"{g.page_bytes_unpadded:,}", str(g.padding_layers), g.backend)
     console.print(groups)
     if plan.draft is not None:
-        draft_layers = Table(title=f"draft {plan.draft.model} layers (per rank), in the groups above")
+        name = plan.draft.model if plan.draft.model.endswith(("layer", "layers")) else f"{plan.draft.model} layers"
+        draft_layers = Table(title=f"draft {name} (per rank), in the groups above")
         for col in ("layers", "kind", "backend", "KV", "query", "heads", "KV heads", "bytes/token"):
             draft_layers.add_column(col)
         for layer in plan.draft.layers:
