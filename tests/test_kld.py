@@ -217,6 +217,11 @@ def test_cli_configs():
         "fp8_e5m2[kv_scale_scheme=per_tensor]",
         "fp8_e5m2[kv_scale_scheme=per_head]",
     ]
+    # scales do not apply to an unquantized cache: bf16 runs once, unlabelled, beside the scaled fp8 runs
+    a = _parse(["--kv-cache-dtype", "bf16,fp8", "--kv-scale-scheme", "per_tensor,per_head", "--calculate-kv-scales"])
+    assert [c.label for c in kld_configs(a)] == [
+        "bf16", "fp8[kv_scale_scheme=per_tensor,calculate_kv_scales=True]",
+        "fp8[kv_scale_scheme=per_head,calculate_kv_scales=True]"]
     a = _parse(["--kv-cache-dtype", "fp8", "--kv-cache-dtype", "fp8_e5m2", "--kv-scale-multiplier", "100"])
     assert [c.overrides for c in kld_configs(a)] == [(("kv_scale_multiplier", 100.0),)] * 2
     a = _parse(["--ctx", "512,2048", "--engine-arg", "device=cpu", "--engine-arg", "block-size=32"])

@@ -193,6 +193,9 @@ def kld_configs(args: argparse.Namespace) -> list:
     schemes = [x.strip() for x in args.kv_scale_scheme.split(",") if x.strip()] if args.kv_scale_scheme else [None]
     configs = []
     for d in dtypes:
+        if not _quantized(d):  # scales do not apply: one run of the dtype as it is
+            configs.append(QuantConfig(d))
+            continue
         for sch in schemes:
             ov: list[tuple[str, object]] = []
             if sch is not None:
@@ -203,6 +206,18 @@ def kld_configs(args: argparse.Namespace) -> list:
                 ov.append(("calculate_kv_scales", True))
             configs.append(QuantConfig(d, tuple(ov)))
     return configs
+
+
+def _quantized(kv_dtype: str) -> bool:
+    """Whether ``kv_dtype`` stores scaled values (a name the engine would refuse counts as quantized here, so
+    its own check names it)."""
+    from kvforge.errors import ConfigError
+    from kvforge.kv_dtypes import canonical_kv_dtype, is_quantized
+
+    try:
+        return is_quantized(canonical_kv_dtype(kv_dtype))
+    except ConfigError:
+        return True
 
 
 def kld_main(args: argparse.Namespace) -> int:
