@@ -582,6 +582,7 @@ class LLMEngine:
         """One engine iteration; returns the outputs of the sequences that got a token: this step's
         (synchronous), or with ``async_scheduling`` the previous launch's (kvforge/engine/overlap.py)."""
         self._check_running()
+        began = Stamp.now()  # a step that proposes starts its record here: the proposals delay its streams too
         early = None
         probing = self.proposer is not None and self._proposals_due()
         if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()):
@@ -598,7 +599,7 @@ class LLMEngine:
         if not out.is_empty:
             if out.blocks_to_copy:
                 self._copy_blocks(out.blocks_to_copy)
-            launched = self._launch(out, self._inflight)
+            launched = self._launch(out, self._inflight, began if self.proposer is not None else None)
         if launched is not None and launched.verified is not None:
             # A verification step: the next step's positions depend on what it accepted, so it is resolved
             # now (its tokens are already on the host), after any step resolved early above. A request in
@@ -693,11 +694,12 @@ class LLMEngine:
             if self.draft_runner is not None:
                 self.draft_runner.invalidate_block_tables()
 
-    def _launch(self, out, prev: InflightStep | None) -> InflightStep:
+    def _launch(self, out, prev: InflightStep | None, began: Stamp | None = None) -> InflightStep:
         """Run ``out`` on the device without waiting for its tokens and advance the scheduler. A token
         still in flight from ``prev`` (async scheduling) is a placeholder gathered on the device from
-        ``prev.token_ids``."""
-        launched = Stamp.now()
+        ``prev.token_ids``. ``began``: when the step's own host work began, where it precedes the launch
+        (proposals); the step's record counts from there."""
+        launched = began or Stamp.now()
         chunks, rows, sampled_seqs, offset = [], [], [], 0
         ph_rows, ph_src = [], []
         unread_rows, unread_ids, unread_counts = [], [], []  # proposals still on the device (self._unread)
