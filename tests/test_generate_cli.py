@@ -96,6 +96,16 @@ def test_bench_offline_lengths_that_cannot_run_stop_before_the_engine(no_engine,
     assert needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("spelling", ["positional", "--model"])
+def test_bench_offline_checks_lengths_against_the_named_models_context(no_engine, capsys, tmp_path, spelling):
+    """The context is the named model's (256 tokens here), however the command line names it."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    named = [str(tmp_path)] if spelling == "positional" else ["--model", str(tmp_path)]
+    assert main(["bench", "offline", *named, "--load-format", "dummy", "--input-len", "200", "200",
+                 "--output-len", "100", "100"]) == 2
+    assert "over --max-model-len 256" in capsys.readouterr().err
+
+
 def test_bench_offline_checks_its_output_path_before_the_engine(no_engine, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "offline", "--load-format", "dummy", "--out", "/nonexistent/r.json"])

@@ -65,7 +65,7 @@ from kvforge.bench.roofline import (
     roofline,
     step_weight_bytes,
 )
-from kvforge.cli_args import output_file
+from kvforge.cli_args import model_argument, output_file
 from kvforge.kernels.jit_compilations import JitCompilations
 from kvforge.speculative.stats import spec_decode_summary
 
@@ -368,7 +368,7 @@ def offline_main(args: argparse.Namespace) -> int:
     from kvforge.spec.load import load_model_spec
 
     # the model's config only (no weights yet): a workload longer than the context fails before loading
-    check_lengths(args.input_len, args.output_len, planned_max_model_len(load_model_spec(args.model),
+    check_lengths(args.input_len, args.output_len, planned_max_model_len(load_model_spec(model_argument(args)),
                                                                          args.max_model_len))
     t_start = time.perf_counter()
     llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
