@@ -77,7 +77,7 @@ def test_async_steps_feed_a_draft_model_through_placeholders(tmp_path):
     engine.spec_backoff.due = lambda request_id, clock: clock >= probed.get(request_id, -6) + 6
     launched = []
     launch = engine._launch
-    engine._launch = lambda out, prev: (launched.append(prev is not None), launch(out, prev))[1]
+    engine._launch = lambda out, prev, *began: (launched.append(prev is not None), launch(out, prev, *began))[1]
     assert token_ids(generate(on, TINY_PROMPTS, params, check=False)) == ref  # (its invariants assume sync steps)
     spec = engine.stats()["spec_decode"]
     assert spec["num_drafts"] >= 10 and spec["num_accepted_tokens"] >= 0.95 * spec["num_draft_tokens"], spec
