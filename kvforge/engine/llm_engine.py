@@ -582,7 +582,8 @@ class LLMEngine:
         """One engine iteration; returns the outputs of the sequences that got a token: this step's
         (synchronous), or with ``async_scheduling`` the previous launch's (kvforge/engine/overlap.py)."""
         self._check_running()
-        began = Stamp.now()  # a step that proposes starts its record here: the proposals delay its streams too
+        # A step that proposes starts its record here: the proposals delay its streams too.
+        began = Stamp.now() if self.proposer is not None else None
         early = None
         probing = self.proposer is not None and self._proposals_due()
         if self._inflight is not None and (probing or self.scheduler.next_step_may_preempt()):
@@ -599,7 +600,7 @@ class LLMEngine:
         if not out.is_empty:
             if out.blocks_to_copy:
                 self._copy_blocks(out.blocks_to_copy)
-            launched = self._launch(out, self._inflight, began if self.proposer is not None else None)
+            launched = self._launch(out, self._inflight, began)
         if launched is not None and launched.verified is not None:
             # A verification step: the next step's positions depend on what it accepted, so it is resolved
             # now (its tokens are already on the host), after any step resolved early above. A request in
