@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Sequence
 
 from kvforge.cli_vllm_flags import engine_keyword_args
@@ -85,7 +86,7 @@ class LLM:
                                       f"list of those or of token-id lists; got {type(prompts).__name__}",
                                       field="prompt")
         prompts = [prompts] if single else list(prompts)
-        if prompts and all(isinstance(p, int) for p in prompts):
+        if prompts and all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in prompts):
             raise InvalidRequestError('prompts is a list of ints: pass token ids as {"prompt_token_ids": [...]} '
                                       "(one prompt) or as a list of token-id lists", field="prompt")
         if isinstance(sampling_params, (list, tuple)):
@@ -164,7 +165,8 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, chat_template: str | None = None, tools=None,
-             chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None):
+             chat_template_content_format: str = "auto", mm_processor_kwargs: dict | None = None,
+             lora_request=None):
         """One conversation (a list of ``{"role", "content"}`` messages, content a string or OpenAI text parts)
         or a list of them, rendered by the model's chat template as the server renders a chat request:
         ``add_generation_prompt`` opens an assistant turn, ``continue_final_message`` (with
@@ -176,8 +178,9 @@ class LLM:
         of one text part ("openai"). ``tools`` (OpenAI's
         function tools) reach the template as its ``tools`` variable, as vLLM's ``LLM.chat`` passes them; to hold
         the output to a call, give ``SamplingParams(structured_outputs=...)`` the function's parameters.
-        ``chat_template`` and ``mm_processor_kwargs`` are vLLM's arguments kvforge does not take: a per-call
-        template is refused (pass ``chat_template=`` to ``LLM(...)``), and so are multimodal inputs."""
+        ``chat_template``, ``mm_processor_kwargs`` and ``lora_request`` are vLLM's arguments kvforge does not
+        take: a per-call template is refused (pass ``chat_template=`` to ``LLM(...)``), and so are multimodal
+        inputs and adapters (None is taken)."""
         from kvforge.server.protocol import parse_chat_template_options, parse_messages
         from kvforge.server.tokenization import render_chat
         from kvforge.server.tool_calls import with_tools
@@ -199,7 +202,7 @@ class LLM:
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
             convs = [list(c) for c in messages]
         else:
-            convs = [messages]
+            convs = [list(messages) if isinstance(messages, tuple) else messages]
         body = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
                 "chat_template_kwargs": chat_template_kwargs}
         ids, prompts = [], []
@@ -212,7 +215,7 @@ class LLM:
             # The template already holds the special tokens: encode without adding BOS again.
             ids.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
             prompts.append(text)
-        outs = self.generate(ids, sampling_params, use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm, lora_request)
         for out, prompt in zip(outs, prompts):
             out.prompt = prompt  # the rendered conversation, as vLLM's chat reports it
         return outs

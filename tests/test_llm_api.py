@@ -182,3 +182,73 @@ def test_token_counts_take_vllms_readable_text_as_the_cli_does(field, text, toke
     assert getattr(EngineArgs(**{field: text}), field) == tokens
     with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}: '4q' is not a token count"):
         EngineArgs(**{field: "4q"})
+
+
+def test_best_of_equal_to_n_runs_every_sample(llm):
+    """vLLM's ``best_of`` at its one value here, ``n``: each sample runs as a request of its own (n = 1),
+    which must not be refused for a best_of the whole request was allowed."""
+    params = SamplingParams(n=2, best_of=2, temperature=0, max_tokens=3, ignore_eos=True)
+    assert params.sample_params(1).n == 1
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params)[0]
+    assert [o.index for o in out.outputs] == [0, 1]
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids  # greedy: both samples are the same tokens
+
+
+@pytest.mark.parametrize("key,value", [("multi_modal_data", {"image": "cat.png"}),
+                                       ("mm_processor_kwargs", {"num_crops": 4}), ("cache_salt", "tenant-a")])
+def test_prompt_dict_keys_that_would_change_the_request_are_refused(llm, key, value):
+    """A prompt dict's keys beyond the prompt itself (vLLM's multimodal data, processor options, cache salt)
+    are refused by name rather than dropped, which would answer another request than the one sent."""
+    with pytest.raises(InvalidRequestError, match=key):
+        llm.generate({"prompt_token_ids": [5, 6], key: value}, GREEDY)
+    same = llm.generate({"prompt_token_ids": [5, 6], "multi_modal_data": None}, GREEDY)[0].outputs[0].token_ids
+    assert same == llm.generate({"prompt_token_ids": [5, 6]}, GREEDY)[0].outputs[0].token_ids
+
+
+def test_numpy_integers_as_a_flat_prompt_get_the_shapes_that_work(llm):
+    np = pytest.importorskip("numpy")
+    with pytest.raises(InvalidRequestError, match=r'pass token ids as \{"prompt_token_ids": \[...\]\}'):
+        llm.generate([np.int64(5), np.int64(6)], GREEDY)
+
+
+def test_allowed_tokens_that_min_tokens_excludes_are_refused(llm):
+    """``min_tokens`` bans the stop tokens until it is reached; an allowed set of only those would leave
+    nothing to sample (the sampler then picked a token outside the set)."""
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3, allowed_token_ids=[9], min_tokens=2,
+                                                                   stop_token_ids=[9]))
+    out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(temperature=0, max_tokens=3, min_tokens=2,
+                                                                     allowed_token_ids=[9, 11], stop_token_ids=[9]))
+    assert out[0].outputs[0].token_ids[:2] == [11, 11]
+
+
+def test_truncating_to_the_whole_context_names_the_room_output_needs(llm):
+    long = list(range(10, 90))
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens 64 leaves no room for output"):
+        llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=2, truncate_prompt_tokens=64))
+    with pytest.raises(InvalidRequestError, match="at most 63 tokens where output follows"):
+        llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=2, truncate_prompt_tokens=65))
+
+
+def test_chat_takes_vllms_lora_request_none_and_a_tuple_conversation(tmp_path):
+    """``LLM.chat(messages, ..., lora_request=None)`` as vLLM's signature has it, and one conversation given
+    as a tuple of messages, render and run as the list does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path / "tiny"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"<unk>": 26}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    with LLM(str(path), load_format="dummy", device="cpu", max_model_len=64, kv_cache_memory=1 << 20,
+             use_tqdm=False) as llm:
+        msgs = [{"role": "user", "content": "hello"}]
+        want = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+        for got in (llm.chat(tuple(msgs), GREEDY, use_tqdm=False, lora_request=None)[0],):
+            assert got.prompt == want.prompt and got.outputs[0].token_ids == want.outputs[0].token_ids
+        with pytest.raises(InvalidRequestError, match="lora_request"):
+            llm.chat(msgs, GREEDY, lora_request=object())

@@ -96,3 +96,23 @@ def test_clone_copies_with_changes_and_validates():
     assert changed.max_tokens == 4 and params.max_tokens == 8 and changed.stop == ("x",)
     with pytest.raises(InvalidRequestError):
         params.clone(top_p=2.0)
+
+
+@pytest.mark.parametrize("field", ["ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"])
+@pytest.mark.parametrize("value", ["false", 0, 1, None])
+def test_switches_take_only_booleans(field, value):
+    """A switch given a string ("false" reads as true) or a number is refused by name, not taken by truth."""
+    with pytest.raises(InvalidRequestError, match=f"{field}: must be true or false"):
+        SamplingParams(**{field: value})
+
+
+def test_numpy_booleans_are_the_switches_they_hold():
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(ignore_eos=np.bool_(True), skip_special_tokens=np.bool_(False))
+    assert params.ignore_eos is True and params.skip_special_tokens is False
+
+
+@pytest.mark.parametrize("field", ["allowed_token_ids", "stop_token_ids"])
+def test_one_id_where_a_list_is_due_is_refused_by_name(field):
+    with pytest.raises(InvalidRequestError, match=f"{field}"):
+        SamplingParams(**{field: 5})

@@ -30,7 +30,7 @@ from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.overlap import InflightStep, copy_tokens_to_host, default_async_scheduling
-from kvforge.engine.prompt_ids import check_prompt_token_ids, truncate_prompt
+from kvforge.engine.prompt_ids import check_prompt_dict, check_prompt_token_ids, truncate_prompt
 from kvforge.engine.prompt_scoring import PromptScoring
 from kvforge.engine.sampler import PendingLogprobs, Sampler
 from kvforge.engine.sampling_params import SamplingParams, plain_int
@@ -482,6 +482,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            check_prompt_dict(prompt)
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
             elif "prompt" in prompt:
@@ -517,10 +518,16 @@ class LLMEngine:
                                           f"tokens (ids 0 to {vocab - 1})", field=field)
         text, ids = self._tokenize(prompt)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len, params.max_tokens)
+        if len(ids) >= self.max_model_len and params.truncate_prompt_tokens is not None:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens {params.truncate_prompt_tokens} leaves no room for output: the prompt keeps "
+                f"{len(ids)} tokens and max-model-len is {self.max_model_len}; keep at most {self.max_model_len - 1} "
+                f"(or -1: as many as leave room for max_tokens)", field="truncate_prompt_tokens")
         if len(ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens but max-model-len is {self.max_model_len} (prompt + at least one "
                 f"generated token must fit); shorten the prompt or raise --max-model-len", field="prompt")
+        self._check_allowed_tokens(params)
         priority = plain_int(priority)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", field="priority")
@@ -528,6 +535,18 @@ class LLMEngine:
         if params.structured_outputs is not None:
             seq.grammar = self._output_matcher(params.structured_outputs, ids)
         self.scheduler.add(seq)
+
+    def _check_allowed_tokens(self, params: SamplingParams) -> None:
+        """Refuse an allowed set that ``min_tokens`` empties: until then the stop tokens are excluded
+        (kvforge/engine/token_biases.py), and an allowed set of only those would leave nothing to sample."""
+        if not params.allowed_token_ids or not params.min_tokens:
+            return
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_token_ids))
+        if set(params.allowed_token_ids) <= stops:
+            raise InvalidRequestError(
+                f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens (EOS or stop_token_ids), "
+                f"which min_tokens {params.min_tokens} excludes until it is reached: no token could be sampled; "
+                f"allow a token that does not stop the request, or drop min_tokens", field="allowed_token_ids")
 
     def _output_matcher(self, constraint, prompt_ids: list[int]):
         """The matcher that holds an output of ``prompt_ids`` to ``constraint``: a reasoning model's answer only

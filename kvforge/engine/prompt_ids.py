@@ -27,8 +27,25 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, max_to
         return ids
     if keep > max_model_len:
         raise InvalidRequestError(f"truncate_prompt_tokens {keep} is greater than max_model_len {max_model_len}: "
-                                  f"keep at most {max_model_len} tokens (or -1 for that many)",
-                                  field="truncate_prompt_tokens")
+                                  f"keep at most {max_model_len - 1} tokens where output follows (-1: as many as "
+                                  f"leave room for max_tokens)", field="truncate_prompt_tokens")
     if keep == -1:
         keep = max(1, max_model_len - max(1, max_tokens or 1))
     return ids[-keep:] if len(ids) > keep else ids
+
+
+#: The keys of a prompt dict that kvforge reads: the prompt as text or as ids.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def check_prompt_dict(prompt: dict) -> None:
+    """Refuse a prompt dict's keys that would change the request and that kvforge does not apply (vLLM's
+    ``multi_modal_data``, ``mm_processor_kwargs``, ``cache_salt``, ...), so no request runs as another one;
+    such a key set to None (or an empty dict) changes nothing and is taken."""
+    extra = sorted(k for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None and v != {})
+    if not extra:
+        return
+    multimodal = [k for k in extra if k in ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")]
+    why = ("multimodal inputs are not supported: send text or token ids" if multimodal else
+           f"a prompt dict takes {' and '.join(repr(k) for k in PROMPT_KEYS)} only")
+    raise InvalidRequestError(f"prompt key {', '.join(repr(k) for k in extra)}: {why}", field=extra[0])

@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 _INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of",
                "truncate_prompt_tokens")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 #: Temperatures below it sample greedily (:attr:`SamplingParams.is_greedy`).
 GREEDY_TEMPERATURE = 1e-5
@@ -71,7 +72,8 @@ class SamplingParams:
     min_tokens: int = 0
     #: vLLM's: candidates per prompt to pick the best from; only None or ``n`` (no ranking here).
     best_of: int | None = None
-    #: vLLM's: keep only the prompt's last ``k`` tokens (-1: the last ``max_model_len``; None: all of them).
+    #: vLLM's: keep only the prompt's last ``k`` tokens (-1: as many as leave room in ``max_model_len`` for
+    #: ``max_tokens`` generated tokens; None: all of them).
     truncate_prompt_tokens: int | None = None
     #: vLLM's: False leaves the output's text empty (token ids only; no stop strings then).
     detokenize: bool = True
@@ -84,6 +86,11 @@ class SamplingParams:
         # numpy (and other numbers.Integral / numbers.Real) scalars as the Python numbers they stand for.
         for name in _INT_FIELDS:
             object.__setattr__(self, name, plain_int(getattr(self, name)))
+        for name in _BOOL_FIELDS:  # a numpy bool as the bool it holds
+            value = getattr(self, name)
+            if getattr(value, "dtype", None) is not None and getattr(value, "ndim", None) == 0 \
+                    and value.dtype.kind == "b":
+                object.__setattr__(self, name, bool(value))
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
@@ -107,6 +114,11 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict) or self.logit_bias is None:
             object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias or {}))
         if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes, dict)) or not hasattr(self.allowed_token_ids,
+                                                                                       "__iter__"):
+                raise InvalidRequestError(f"invalid sampling parameter allowed_token_ids: expected a list of token "
+                                          f"ids, got {type(self.allowed_token_ids).__name__}",
+                                          field="allowed_token_ids")
             ids = tuple(plain_int(t) for t in self.allowed_token_ids)
             object.__setattr__(self, "allowed_token_ids", ids or None)
         object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_value(self.structured_outputs))
@@ -167,15 +179,17 @@ class SamplingParams:
                            f"rank candidates; drop best_of, or set n={self.best_of} and pick among the outputs")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k == -1 or k >= 1)):
-            bad("truncate_prompt_tokens", f"must be an integer >= 1 (or -1: the model's context length), got {k!r}")
+            bad("truncate_prompt_tokens", f"must be an integer >= 1 (or -1: as many as leave room for max_tokens), "
+                                          f"got {k!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"{self.min_tokens} is above max_tokens {self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
-        if not isinstance(self.detokenize, bool):
-            bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             bad("stop", "stop strings are matched in the text, which detokenize=False leaves out: drop stop (or use "
                         "stop_token_ids), or detokenize")
@@ -183,15 +197,16 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
 
     def sample_params(self, sample: int) -> SamplingParams:
-        """The parameters of sample ``sample`` (0 .. n - 1) run as its own request: n = 1 and, when
-        seeded, ``seed + sample`` (wrapped into the signed 64-bit range), so sample 0 is the request with
-        n = 1 and each sample is reproducible on its own; unseeded samples draw independently."""
+        """The parameters of sample ``sample`` (0 .. n - 1) run as its own request: n = 1 (``best_of``, which
+        can only equal n, dropped with it) and, when seeded, ``seed + sample`` (wrapped into the signed 64-bit
+        range), so sample 0 is the request with n = 1 and each sample is reproducible on its own; unseeded
+        samples draw independently."""
         if not 0 <= sample < self.n:
             raise ValueError(f"sample must be in [0, {self.n}), got {sample}")
         seed = self.seed
         if seed is not None:
             seed = (seed + sample - SEED_MIN) % (1 << 64) + SEED_MIN
-        return dataclasses.replace(self, n=1, seed=seed)
+        return dataclasses.replace(self, n=1, best_of=None, seed=seed)
 
     def clone(self, **changes) -> SamplingParams:
         """A copy (vLLM's ``clone``), with ``changes`` applied: the parameters are frozen, so this (or
