@@ -27,6 +27,18 @@ NOT_ENFORCED = [
     ("pattern with minLength/maxLength", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"'),
     ("required b", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]}, '{"a":1}'),
     ("$ref 'http", {"$ref": "http://example.com/s.json"}, '"s"'),
+    ("multipleOf at #", {"type": "number", "multipleOf": 0.5}, "0.75"),
+    ("multipleOf at #", {"type": "integer", "multipleOf": 1.5}, "2"),
+    ("lookahead in pattern", {"type": "string", "pattern": "^(?!a)[a-c]$"}, '"a"'),
+    ("lookahead in pattern '^(?!x).*$'", {"type": "object", "patternProperties": {"^(?!x).*$": {"type": "integer"}},
+                                          "additionalProperties": False}, '{"x":1}'),
+    ("format with minLength/maxLength", {"type": "string", "format": "date", "minLength": 20}, '"1999-02-23"'),
+    ("oneOf at #: branches 0 and 1", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1"),
+    ("oneOf at #: branches 0 and 1", {"oneOf": [{"type": "object", "properties": {"kind": {"const": "cat"}}},
+                                                {"type": "object", "properties": {"kind": {"const": "dog"}}}]}, "{}"),
+    ("oneOf at #/properties/n: branches 1 and 2", {"type": "object", "properties": {"n": {"oneOf": [
+        {"type": "string"}, {"type": "integer", "maximum": 2}, {"type": "integer", "minimum": 1}]}},
+        "required": ["n"]}, '{"n":2}'),
     ("uniqueItems at #/properties/tags", {"type": "object", "properties": {"tags": {
         "type": "array", "items": {"type": "string"}, "uniqueItems": True}}, "required": ["tags"]},
      '{"tags":["a","a"]}'),
@@ -37,6 +49,13 @@ ENFORCED = [
     ({"type": "string", "format": "date"}, '"soon"'), ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "true"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"b":1}'),
     ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}, '"s"'),
+    ({"type": "string", "pattern": "^\\(?=$"}, '"x"'),  # an escaped parenthesis is no lookahead
+    # a discriminated union (pydantic's form): each branch requires "kind" with its own const
+    ({"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                        "required": ["kind"]},
+                "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}},
+      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}, {"type": "null"}]}, '{"kind":"bird"}'),
+    ({"oneOf": [{"const": 1}, {"const": 2.5}, {"enum": ["1", True]}]}, "3"),
 ]
 
 
@@ -132,3 +151,26 @@ def test_first_token_checked_once_per_constraint(backend):
         with pytest.raises(InvalidRequestError, match="allows no output"):
             backend.matcher(empty)
     assert backend.first_token_checks == before + 3
+
+
+@pytest.mark.parametrize("a, b, apart", [
+    ({"type": "integer"}, {"type": "number"}, False),  # 1 matches both
+    ({"type": "integer"}, {"type": "string"}, True),
+    ({"const": 1}, {"const": 1.0}, False),  # one JSON number
+    ({"const": 1}, {"const": True}, True),  # a boolean is no number
+    ({"enum": ["a", "b"]}, {"enum": ["b"]}, False),
+    ({}, {"type": "null"}, False),  # no type: any instance
+    ({"type": ["string", "null"]}, {"type": "object"}, True),
+    ({"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+     {"type": "object", "properties": {"k": {"const": "b"}}}, False),  # {} matches the second, "k" not required
+    ({"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
+     {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}, True),
+    ({"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
+     {"type": ["object", "string"], "properties": {"k": {"const": "b"}}, "required": ["k"]}, False),  # "s"
+    (False, {"type": "string"}, True),
+])
+def test_disjoint_branches_only_where_no_instance_matches_both(a, b, apart):
+    """Each pair's answer, with the instance that matches both named where there is one."""
+    from kvforge.structured.disjoint_schemas import disjoint
+
+    assert disjoint(a, b, {}) is apart and disjoint(b, a, {}) is apart

@@ -5,13 +5,19 @@ Found by compiling a schema with each keyword and feeding the matcher an instanc
 (tests/test_structured_schema_support.py keeps that check): ``not``, ``if``/``then``/``else``,
 ``contains`` (and ``minContains``/``maxContains``), ``uniqueItems``, ``dependentRequired``,
 ``dependentSchemas``, an ``allOf`` of more than one schema, a ``$ref`` outside the schema, a ``format``
-outside :data:`ENFORCED_FORMATS`, ``pattern`` beside ``minLength``/``maxLength``, and a ``required``
-property that ``properties`` does not list where no other property is allowed.
+outside :data:`ENFORCED_FORMATS`, ``pattern`` or ``format`` beside ``minLength``/``maxLength``, a
+``required`` property that ``properties`` does not list where no other property is allowed,
+``multipleOf`` on anything but an integer by an integer, a lookahead (``(?=``, ``(?!``) in a ``pattern``
+or ``patternProperties`` name, and a ``oneOf`` whose branches are not shown disjoint
+(kvforge/structured/disjoint_schemas.py: xgrammar matches it as ``anyOf``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+
+from kvforge.structured.disjoint_schemas import overlapping_pair
 
 #: String formats xgrammar enforces.
 ENFORCED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uri", "uri-reference",
@@ -31,11 +37,16 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions")
 
 
-def unenforced(schema, path: str = "#") -> Iterator[str]:
+#: A lookahead group's opening, not escaped (an even number of backslashes before its parenthesis).
+_LOOKAHEAD = re.compile(r"(?<!\\)(?:\\\\)*\(\?[=!]")
+
+
+def unenforced(schema, path: str = "#", root=None) -> Iterator[str]:
     """Each use of a keyword xgrammar would not enforce in ``schema``, as ``"<keyword> at <path>: <what to
-    do>"`` (the path in JSON-pointer form)."""
+    do>"`` (the path in JSON-pointer form; ``root``: the whole schema, which ``$ref`` points into)."""
     if not isinstance(schema, dict):
         return
+    root = schema if root is None else root
     for keyword, instead in NOT_ENFORCED.items():
         if keyword in schema:
             yield f"{keyword} at {path}: {instead}"
@@ -52,6 +63,27 @@ def unenforced(schema, path: str = "#") -> Iterator[str]:
                f"give a pattern")
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
         yield f"pattern with minLength/maxLength at {path}: put the length into the pattern"
+    if "format" in schema and ("minLength" in schema or "maxLength" in schema):
+        yield (f"format with minLength/maxLength at {path}: drop the length, or give a pattern with the length "
+               f"in place of the format")
+    patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
+    if isinstance(schema.get("patternProperties"), dict):
+        patterns += [name for name in schema["patternProperties"] if isinstance(name, str)]
+    for pattern in patterns:
+        if _LOOKAHEAD.search(pattern):
+            yield f"lookahead in pattern {pattern!r} at {path}: write the pattern without (?= or (?!"
+    if "multipleOf" in schema:
+        step = schema["multipleOf"]
+        whole = isinstance(step, int) and not isinstance(step, bool) or isinstance(step, float) and step.is_integer()
+        if schema.get("type") != "integer" or not whole:
+            yield (f"multipleOf at {path}: enforced only for type integer by a whole number; use an integer of a "
+                   f"smaller unit, or drop it")
+    if isinstance(schema.get("oneOf"), list):
+        pair = overlapping_pair(schema["oneOf"], root)
+        if pair is not None:
+            yield (f"oneOf at {path}: branches {pair[0]} and {pair[1]} may both match, and an output matching both "
+                   f"would pass; use anyOf, or tell the branches apart by type, const/enum, or a required "
+                   f"property with distinct const values")
     listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
     closed = schema.get("additionalProperties", False) is False and not schema.get("patternProperties")
@@ -60,15 +92,15 @@ def unenforced(schema, path: str = "#") -> Iterator[str]:
         yield (f"required {', '.join(map(str, missing))} at {path}: not in properties, so never allowed; list it "
                f"in properties")
     for keyword in _ONE:
-        yield from unenforced(schema.get(keyword), f"{path}/{keyword}")
+        yield from unenforced(schema.get(keyword), f"{path}/{keyword}", root)
     for keyword in _LIST:
         if isinstance(schema.get(keyword), list):
             for i, sub in enumerate(schema[keyword]):
-                yield from unenforced(sub, f"{path}/{keyword}/{i}")
+                yield from unenforced(sub, f"{path}/{keyword}/{i}", root)
     for keyword in _NAMED:
         if isinstance(schema.get(keyword), dict):
             for name, sub in schema[keyword].items():
-                yield from unenforced(sub, f"{path}/{keyword}/{name}")
+                yield from unenforced(sub, f"{path}/{keyword}/{name}", root)
 
 
 def close_objects(schema):

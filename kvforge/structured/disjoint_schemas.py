@@ -1,0 +1,109 @@
+"""Whether two JSON schemas can never match the same instance, as far as their types, constants and
+required properties show.
+
+``oneOf`` means "exactly one branch matches". A grammar can only say "some branch matches" (``anyOf``),
+which is the same set of instances exactly when no two branches share one; where that cannot be shown
+here, a ``oneOf`` would let an instance matching two branches through, so it is refused
+(kvforge/structured/schema_support.py). The proof is conservative: False means "not shown", not
+"overlapping".
+"""
+
+from __future__ import annotations
+
+import json
+
+#: The JSON types; an ``integer`` is also a ``number``.
+JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
+
+
+def resolve(schema, root):
+    """``schema`` with a ``#/...`` ``$ref`` followed inside ``root`` (once per hop, at most 32 hops);
+    the schema as it is where the reference cannot be followed."""
+    for _ in range(32):
+        ref = schema.get("$ref") if isinstance(schema, dict) else None
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return schema
+        target = root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return schema
+            target = target[part]
+        schema = target
+    return schema
+
+
+def _value_key(value):
+    """A key equal for JSON-equal values (1 and 1.0 are one number; True is not 1)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ("number", float(value))
+    return ("json", json.dumps(value, sort_keys=True))
+
+
+def _json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _values(schema) -> list | None:
+    """The only values ``schema`` allows (its ``const`` or ``enum``), or None where it does not list them."""
+    if "const" in schema:
+        return [schema["const"]]
+    if isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    return None
+
+
+def _types(schema) -> set[str]:
+    """The JSON types an instance of ``schema`` may have (all of them where nothing says)."""
+    values = _values(schema)
+    if values is not None:
+        return {_json_type(v) for v in values}
+    named = schema.get("type")
+    names = {named} if isinstance(named, str) else set(named) if isinstance(named, list) else set(JSON_TYPES)
+    names &= JSON_TYPES
+    if "number" in names:
+        names.add("integer")
+    if "integer" in names:
+        names.add("number")  # an integer instance is a number: the two overlap
+    return names
+
+
+def disjoint(a, b, root, depth: int = 0) -> bool:
+    """Whether no instance can match both ``a`` and ``b`` (``$ref`` followed inside ``root``), shown by
+    distinct types, distinct constants, or a property both require whose schemas are disjoint."""
+    a, b = resolve(a, root), resolve(b, root)
+    if not isinstance(a, dict) or not isinstance(b, dict) or depth > 16:
+        return a is False or b is False
+    if not _types(a) & _types(b):
+        return True
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not {_value_key(v) for v in va} & {_value_key(v) for v in vb}:
+        return True
+    if _types(a) & _types(b) <= {"object"}:  # only objects match both: a required property may tell them apart
+        props_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
+        props_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+        required_a = a.get("required") if isinstance(a.get("required"), list) else []
+        required_b = b.get("required") if isinstance(b.get("required"), list) else []
+        for name in set(required_a) & set(required_b):
+            if name in props_a and name in props_b and disjoint(props_a[name], props_b[name], root, depth + 1):
+                return True
+    return False
+
+
+def overlapping_pair(branches: list, root) -> tuple[int, int] | None:
+    """The first two of ``branches`` not shown disjoint, or None where every pair is."""
+    for i in range(len(branches)):
+        for j in range(i + 1, len(branches)):
+            if not disjoint(branches[i], branches[j], root):
+                return i, j
+    return None
