@@ -58,6 +58,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's): the next requests compute their prompts in full. False, with
+        nothing forgotten, while a request is unfinished."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters of a ``generate`` call without any: SamplingParams' defaults with the model's
         generation config over them (``--generation-config``, kvforge/engine/generation_defaults.py)."""

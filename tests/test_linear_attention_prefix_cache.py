@@ -441,3 +441,18 @@ def test_hits_under_async_scheduling_and_speculation(model, engines):
         assert _hits(engine) == 44 + 32, kw
         _check(greedy, tol, prompts, outs, f"{case} {kw}")
         engine.shutdown()
+
+
+@pytest.mark.parametrize("model", CASES[:1], indirect=True)
+def test_reset_prefix_cache_drops_the_snapshots_too(model, engines):
+    """After ``reset_prefix_cache`` a prompt sent again finds neither blocks nor a snapshot, and the slots
+    the snapshots held are free again."""
+    case, path, greedy, tolerance = model
+    engine = engines(path).engine
+    prompt = _tokens(30, 1)
+    (first,) = _run(engine, [prompt])
+    assert engine.state_slots.num_snapshots > 0
+    assert engine.reset_prefix_cache() is True
+    assert engine.state_slots.num_snapshots == 0 and engine.state_slots.num_free == engine.state_slots.num_slots
+    before = _hits(engine)
+    assert _run(engine, [prompt]) == [first] and _hits(engine) == before

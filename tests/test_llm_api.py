@@ -252,3 +252,24 @@ def test_chat_takes_vllms_lora_request_none_and_a_tuple_conversation(tmp_path):
             assert got.prompt == want.prompt and got.outputs[0].token_ids == want.outputs[0].token_ids
         with pytest.raises(InvalidRequestError, match="lora_request"):
             llm.chat(msgs, GREEDY, lora_request=object())
+
+
+def test_reset_prefix_cache_forgets_cached_prompts_only_when_idle(tmp_path):
+    """vLLM's ``LLM.reset_prefix_cache()``: after it a repeated prompt is computed in full (no cached
+    tokens); while a request is unfinished it returns False and the cache still serves hits."""
+    path = tmp_path / "tiny"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    prompt = {"prompt_token_ids": list(range(10, 30))}  # 20 tokens: one full block of 16 cached
+    with LLM(str(path), load_format="dummy", device="cpu", max_model_len=64, kv_cache_memory=1 << 20,
+             skip_tokenizer_init=True, use_tqdm=False, block_size=16, enable_prefix_caching=True) as llm:
+        first = llm.generate(prompt, GREEDY)[0]
+        assert first.outputs[0].finished() and llm.generate(prompt, GREEDY)[0].num_cached_tokens == 16
+        llm.engine.add_request("held", [1, 2, 3], GREEDY)
+        assert llm.reset_prefix_cache() is False
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+        assert llm.generate(prompt, GREEDY)[0].num_cached_tokens == 16
+        assert llm.reset_prefix_cache() is True
+        again = llm.generate(prompt, GREEDY)[0]
+        assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -593,6 +593,18 @@ class LLMEngine:
         """Sequences one step may run (the scheduler's run slots)."""
         return self.scheduler.max_num_seqs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: the KV blocks' hashes and the linear-attention state snapshots (vLLM's
+        ``reset_prefix_cache``, so a benchmark can run without hits from an earlier run). False, with nothing
+        forgotten, while a request is unfinished: its blocks are still in use."""
+        self._check_running()
+        if self.has_unfinished_requests():
+            return False
+        self.block_manager.reset_prefix_cache()
+        if self.state_slots is not None:
+            self.state_slots.drop_snapshots()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -29,6 +29,10 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
+    def finished(self) -> bool:
+        """Whether this continuation has ended (vLLM's): it has a ``finish_reason``."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

@@ -129,10 +129,9 @@ def forget_warm_up(engine) -> None:
     tensor-parallel rank's), the step log and the speculative decoding counters and back-off."""
     from kvforge.engine.step_log import StepLog
 
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("warm-up left requests unfinished")
     bm = engine.block_manager
-    bm.reset_prefix_cache()
-    if engine.state_slots is not None:
-        engine.state_slots.drop_snapshots()
     if engine.scheduler.state_prefix is not None:
         engine.scheduler.state_prefix.snapshots_taken = engine.scheduler.state_prefix.snapshots_restored = 0
     bm.prefix_cache_queries = bm.prefix_cache_hits = bm.num_evictions = 0
