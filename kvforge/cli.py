@@ -11,7 +11,7 @@ import os
 import sys
 
 from kvforge.cli_args import ArgumentParser
-from kvforge.errors import KVForgeError
+from kvforge.errors import DistributedError, KVForgeError
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}))
         return 2
+    except DistributedError as exc:  # a rank died or hung: its own output (above) says why
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -28,3 +28,8 @@ class InvalidRequestError(KVForgeError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class DistributedError(RuntimeError):
+    """A tensor-parallel rank died, hung or failed; the engine cannot continue (not the user's to fix:
+    the CLI prints it on one line and exits 1)."""

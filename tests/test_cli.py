@@ -88,3 +88,18 @@ def test_an_abbreviated_flag_is_refused_naming_the_flag_it_resembles(capsys, arg
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert f"unrecognized arguments: {argv[-2]}" in err and named in err, err
+
+
+def test_a_failed_rank_is_one_line_and_exit_1(capsys, monkeypatch):
+    """A tensor-parallel rank that dies (not the user's error: exit 1, not 2) ends the command with the
+    engine's message on one line, no traceback."""
+    import kvforge.generate_cmd
+    from kvforge.distributed.group import DistributedError as raised
+
+    def die(args):
+        raise raised("tensor-parallel worker rank 1 (pid 7) was killed by SIGKILL during startup")
+
+    monkeypatch.setattr(kvforge.generate_cmd, "generate_main", die)
+    assert main(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err == "error: tensor-parallel worker rank 1 (pid 7) was killed by SIGKILL during startup\n"

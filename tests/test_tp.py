@@ -289,3 +289,34 @@ def test_tp2_warm_up_leaves_no_trace_on_any_rank(tmp_path, engines, monkeypatch)
         return [(c["num_graph_steps"], c["num_eager_steps"]) for c in counters]
 
     assert steps(warm_after) == steps(cold_after) and warm_after[0]["num_graph_steps"] >= 5
+
+
+def test_a_second_engine_is_refused_before_it_starts_and_the_first_keeps_serving(tmp_path, engines):
+    """One tensor-parallel engine per process: a second is refused before any worker starts, and the
+    refusal leaves the first engine's process group (and so the first engine) as it was."""
+    cfg = _save(tmp_path, "llama_split")
+    first = engines(tmp_path, load_format="dummy", seed=3, tensor_parallel_size=2)
+    prompt = _prompts(cfg.vocab_size)[1]
+    want = first.engine.compute_prompt_logits(prompt)
+    with pytest.raises(DistributedError, match="one tensor-parallel engine per process"):
+        engines(tmp_path, load_format="dummy", seed=3, tensor_parallel_size=2)
+    assert torch.equal(first.engine.compute_prompt_logits(prompt), want)  # same ranks, same reductions
+
+
+def test_ranks_on_cpu_share_the_processs_threads(tmp_path, engines):
+    """On CPU every rank runs at once on the same cores: each takes its share of the process's intra-op
+    threads (at least one), and rank 0 gives its own back when the engine shuts down."""
+    from kvforge.distributed.launcher import rank_threads
+
+    assert [rank_threads(8, n, "gloo") for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    assert rank_threads(8, 2, "nccl") == 8
+    _save(tmp_path, "llama_split")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tp2 = engines(tmp_path, load_format="dummy", tensor_parallel_size=2)
+        assert torch.get_num_threads() == 1
+        tp2.engine.shutdown()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

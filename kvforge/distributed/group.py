@@ -10,9 +10,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from kvforge.errors import DistributedError
 
-class DistributedError(RuntimeError):
-    """A tensor-parallel rank died, hung or failed; the engine cannot continue."""
+__all__ = ["DistributedError", "TPGroup", "destroy_group", "init_group"]
 
 
 @dataclass

@@ -179,6 +179,13 @@ def setup_mtp(ctx: dict, group, pool, runner):
     return mtp
 
 
+def rank_threads(threads: int, world_size: int, backend: str) -> int:
+    """Intra-op threads each rank runs with: on CPU (gloo) the process's threads shared among the ranks, which
+    all run at once on the same cores (each with all of them would oversubscribe every core ``world_size``
+    times); on GPUs each rank keeps them all (the host threads only launch kernels)."""
+    return max(1, threads // world_size) if backend == "gloo" else threads
+
+
 class TPLauncher:
     """Owns the worker processes and the process group of one TP engine (on rank 0)."""
 
@@ -190,6 +197,11 @@ class TPLauncher:
         :attr:`draft_runner`."""
         from kvforge.distributed.tp_models import check_tp_architecture, check_tp_split
 
+        self.closed = True  # nothing to shut down until the workers start
+        if dist.is_initialized():  # another engine's group: refused before anything starts, and left alone
+            raise DistributedError("this process already has a torch.distributed process group (another "
+                                   "tensor-parallel engine's); run one tensor-parallel engine per process, or "
+                                   "call shutdown() on the other one first")
         check_tp_architecture(hf_config)  # before any process starts
         if draft is not None:
             from kvforge.errors import ConfigError
@@ -212,6 +224,8 @@ class TPLauncher:
         self.procs: list[subprocess.Popen] = []
         self.broken: str | None = None
         self.closed = False
+        self._joined = False  # whether this engine joined (and so owns) the process group
+        self._threads_before = torch.get_num_threads()  # given back at shutdown
         self._counter_requests = 0
         self._stop = threading.Event()
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -224,10 +238,11 @@ class TPLauncher:
             device = torch.device("cuda", 0)
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         self.device = device
+        threads = rank_threads(self._threads_before, tp, backend)
+        torch.set_num_threads(threads)
         ctx = dict(args=args, plan=plan, hf_config=hf_config, model_dtype=model_dtype, model_path=model_path,
                    load_format=load_format, backend=backend, world_size=tp, timeout_s=self.timeout_s,
-                   num_threads=torch.get_num_threads(), runner_options=dict(RUNNER_OPTIONS), draft=draft,
-                   with_mtp=with_mtp)
+                   num_threads=threads, runner_options=dict(RUNNER_OPTIONS), draft=draft, with_mtp=with_mtp)
         import datetime
 
         self.store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=self.timeout_s),
@@ -244,6 +259,7 @@ class TPLauncher:
                 proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
                 proc.stdin.flush()
             self._wait_for(READY_KEY, "start")
+            self._joined = True
             self.group = init_group(0, tp, self.store, backend, device, self.timeout_s)
             self._watchdog = threading.Thread(target=self._watch, name="kvforge-tp-watchdog", daemon=True)
             self._watchdog.start()
@@ -435,7 +451,9 @@ class TPLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        destroy_group()
+        if self._joined:
+            destroy_group()
+        torch.set_num_threads(self._threads_before)
 
 
     def release(self) -> None:
