@@ -80,6 +80,46 @@ def _heads_per_rank(layer, tp: int) -> tuple[int, int]:
     )
 
 
+def _splits_whole_model(spec: ModelSpec, tp: int) -> bool:
+    """Whether ``tp`` ranks can split every layer's heads and every size of ``spec.tp_split_sizes``."""
+    if any(size % tp for _, size in spec.tp_split_sizes):
+        return False
+    try:
+        for layer in spec.layers:
+            _heads_per_rank(layer, tp)
+    except PlanError:
+        return False
+    return True
+
+
+def tp_sizes_that_work(spec: ModelSpec, limit: int | None = None) -> list[int]:
+    """The tensor-parallel sizes up to ``limit`` that split the whole model (heads, MLP and experts); without
+    ``limit``, all of them (each divides the query heads of every attention layer)."""
+    if limit is None:
+        heads = [ls.num_heads for ls in spec.layers if not isinstance(ls, StateLayerSpec)]
+        limit = min(heads) if heads else max((n for ls in spec.layers for _, n in ls.split_heads), default=1)
+    return [tp for tp in range(1, limit + 1) if _splits_whole_model(spec, tp)]
+
+
+def _check_tp_split(spec: ModelSpec, tp: int, whose: str = "") -> list[tuple[int, int]]:
+    """PlanError where ``tp`` ranks cannot split ``spec`` (its heads, then its MLP and experts; ``whose``
+    prefixes the message, naming a draft model), naming the sizes that split all of it; else each layer's
+    (heads, KV heads) per rank."""
+    try:
+        per_rank = [_heads_per_rank(layer, tp) for layer in spec.layers]
+    except PlanError as exc:
+        raise PlanError(f"{whose}{exc}; TP sizes that split this whole model: {_sizes_text(spec)}") from None
+    for name, size in spec.tp_split_sizes:
+        if size % tp:
+            raise PlanError(f"{whose}--tensor-parallel-size {tp} does not divide {name} {size}: each rank holds an "
+                            f"equal share of it; TP sizes that split this whole model: {_sizes_text(spec)}")
+    return per_rank
+
+
+def _sizes_text(spec: ModelSpec) -> str:
+    return ", ".join(map(str, tp_sizes_that_work(spec)))
+
+
 def _layer_geometry(layer, kv_heads_rank: int, kv_dtype: str, tp: int) -> tuple[int | None, int, int]:
     """(head size seen by the backend, bytes per token on one rank, state bytes per sequence)."""
     elem = BYTES_PER_ELEMENT[kv_dtype]
@@ -607,8 +647,10 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     has_state = any(isinstance(ls, StateLayerSpec) for ls in spec.layers)
     slot_dtype, slot_dtype_reason = state_dtype(cache.state_dtype, model_dtype) if has_state else (None, "")
     layers: list[_Layer] = []
-    for ls in spec.layers:
-        heads_rank, kv_rank = _heads_per_rank(ls, tp)
+    per_rank = _check_tp_split(spec, tp)
+    if draft_spec is not None:
+        _check_tp_split(draft_spec, tp, f"draft model {draft_spec.name}: ")
+    for ls, (heads_rank, kv_rank) in zip(spec.layers, per_rank):
         layer_kv = slot_dtype if isinstance(ls, StateLayerSpec) else kv_dtype
         head_size, token_bytes, state_bytes = _layer_geometry(ls, kv_rank, layer_kv, tp)
         decl = _pick_backend(ls.kind, platform, layer_kv, head_size, backends, f"layer {ls.index}",

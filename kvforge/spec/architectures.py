@@ -15,6 +15,7 @@ from kvforge.errors import ConfigError
 from kvforge.kv_dtypes import canonical_model_dtype
 from kvforge.spec.layers import AttentionLayerSpec, LayerSpec, MLALayerSpec, RingSpec, StateLayerSpec
 from kvforge.spec.model_spec import ModelSpec
+from kvforge.spec.tp_split_sizes import tp_split_sizes
 
 
 def _get(cfg: dict, key: str, *, default=None, required: bool = True, kind=int, minimum: int | None = 1):
@@ -419,5 +420,6 @@ def spec_from_hf_config(cfg: dict, *, name: str, source: str) -> ModelSpec:
         num_parameters=int(params),
         max_position_embeddings=_get(cfg, "max_position_embeddings", required=False),
         source=source,
+        tp_split_sizes=tp_split_sizes(cfg, arch),
         hf_config=dict(cfg),
     )

@@ -27,6 +27,9 @@ class ModelSpec:
     num_parameters: int
     max_position_embeddings: int | None
     source: str
+    #: (what, size) pairs a tensor-parallel size must divide beside the heads: MLP and expert sizes
+    #: (kvforge/spec/tp_split_sizes.py).
+    tp_split_sizes: tuple[tuple[str, int], ...] = ()
     hf_config: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
