@@ -39,6 +39,25 @@ NOT_ENFORCED = [
     ("oneOf at #/properties/n: branches 1 and 2", {"type": "object", "properties": {"n": {"oneOf": [
         {"type": "string"}, {"type": "integer", "maximum": 2}, {"type": "integer", "minimum": 1}]}},
         "required": ["n"]}, '{"n":2}'),
+    ("maxLength beside $ref", {"$defs": {"S": {"type": "string"}}, "type": "object",
+                                "properties": {"a": {"$ref": "#/$defs/S", "maxLength": 3}}, "required": ["a"]},
+     '{"a":"abcdef"}'),
+    ("type beside anyOf", {"type": "integer", "anyOf": [{"type": "integer"}, {"type": "string"}]}, '"x"'),
+    ("maximum beside allOf", {"type": "object", "properties": {"x": {"allOf": [{"type": "integer"}],
+                                                                     "maximum": 3}}, "required": ["x"]}, '{"x":5}'),
+    ("required b at #", {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True,
+                         "required": ["a", "b"]}, '{"a":1}'),
+    ("format with pattern", {"type": "string", "format": "date", "pattern": "^2024-"}, '"2023-01-02"'),
+    ("pattern at # without a type", {"pattern": "^a+$"}, '"b"'),
+    ("minimum at # without a type", {"minimum": 3}, "1"),
+    ("enum values at # outside type", {"type": "string", "enum": ["a", 1]}, "1"),
+    ("maxLength beside enum", {"type": "string", "enum": ["ab", "abcdef"], "maxLength": 3}, '"abcdef"'),
+    ("dependencies", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "dependencies": {"a": ["b"]}}, '{"a":1}'),
+    ("$ref '#node'", {"$defs": {"N": {"$anchor": "node", "type": "integer"}}, "type": "object",
+                      "properties": {"a": {"$ref": "#node"}}, "required": ["a"]}, '{"a":"x"}'),
+    ("not at #/components/A", {"type": "object", "properties": {"a": {"$ref": "#/components/A"}}, "required": ["a"],
+                               "components": {"A": {"type": "integer", "not": {"const": 3}}}}, '{"a":3}'),
     ("uniqueItems at #/properties/tags", {"type": "object", "properties": {"tags": {
         "type": "array", "items": {"type": "string"}, "uniqueItems": True}}, "required": ["tags"]},
      '{"tags":["a","a"]}'),
@@ -56,6 +75,17 @@ ENFORCED = [
                 "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}},
       "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}, {"type": "null"}]}, '{"kind":"bird"}'),
     ({"oneOf": [{"const": 1}, {"const": 2.5}, {"enum": ["1", True]}]}, "3"),
+    # pydantic's discriminated union whose tags have defaults (so no branch requires its tag)
+    ({"$defs": {"Cat": {"properties": {"pet_type": {"const": "cat", "default": "cat", "type": "string"},
+                                       "meows": {"type": "integer"}}, "required": ["meows"], "type": "object"},
+                "Dog": {"properties": {"pet_type": {"const": "dog", "default": "dog", "type": "string"},
+                                       "barks": {"type": "integer"}}, "required": ["barks"], "type": "object"}},
+      "type": "object", "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                                               "discriminator": {"propertyName": "pet_type"}}}, "required": ["pet"]},
+     '{"pet":{"meows":1,"barks":2}}'),
+    ({"format": "uri", "minLength": 1, "type": "string"}, '""'),  # pydantic's AnyUrl
+    ({"type": ["integer", "null"], "multipleOf": 3}, "4"),
+    ({"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S", "description": "a note"}, "1"),
 ]
 
 
@@ -162,7 +192,15 @@ def test_first_token_checked_once_per_constraint(backend):
     ({}, {"type": "null"}, False),  # no type: any instance
     ({"type": ["string", "null"]}, {"type": "object"}, True),
     ({"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
-     {"type": "object", "properties": {"k": {"const": "b"}}}, False),  # {} matches the second, "k" not required
+     {"type": "object", "properties": {"k": {"const": "b"}}}, True),  # a match of both has k: "a" and "b" at once
+    ({"type": "object", "properties": {"k": {"const": "a"}}, "additionalProperties": True},
+     {"type": "object", "properties": {"k": {"const": "b"}}, "additionalProperties": True}, False),  # {}
+    # closed (as compiled): an output of either lacks what the other requires
+    ({"type": "object", "properties": {"t": {"const": "cat"}, "meows": {"type": "integer"}}, "required": ["meows"]},
+     {"type": "object", "properties": {"t": {"const": "dog"}, "barks": {"type": "integer"}}, "required": ["barks"]},
+     True),
+    ({"type": "object", "properties": {"meows": {"type": "integer"}}, "required": ["meows"]},
+     {"type": "object", "properties": {"barks": {"type": "integer"}}}, False),  # {"meows": 1} matches the open 2nd
     ({"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
      {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}, True),
     ({"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},

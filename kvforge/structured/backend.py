@@ -114,7 +114,7 @@ class GrammarBackend:
                                                               max_whitespace_cnt=spaces)
                 if params.disable_additional_properties:
                     schema = close_objects(schema)
-                problems = list(unenforced(schema))
+                problems = list(dict.fromkeys(unenforced(schema)))  # a target two references name: once
                 if problems:
                     raise InvalidRequestError(f"{field} uses what xgrammar does not enforce, so an output could break "
                                               f"the schema: {'; '.join(problems)}", field=field)

@@ -1,11 +1,13 @@
-"""Whether two JSON schemas can never match the same instance, as far as their types, constants and
-required properties show.
+"""Whether no output a grammar allows for one of two JSON schemas can match the other, as far as their
+types, constants and properties show.
 
 ``oneOf`` means "exactly one branch matches". A grammar can only say "some branch matches" (``anyOf``),
-which is the same set of instances exactly when no two branches share one; where that cannot be shown
-here, a ``oneOf`` would let an instance matching two branches through, so it is refused
-(kvforge/structured/schema_support.py). The proof is conservative: False means "not shown", not
-"overlapping".
+which is the same thing exactly when no output of one branch matches another; where that cannot be shown
+here, a ``oneOf`` would let an output matching two branches through, so it is refused
+(kvforge/structured/schema_support.py). Shown by distinct types or constants, by a property one branch
+requires and the other lists with a disjoint schema, or (objects being compiled closed, xgrammar's strict
+mode: only the listed properties) by each of two closed objects requiring a property the other does not
+list. The proof is conservative: False means "not shown", not "overlapping".
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _value_key(value):
     return ("json", json.dumps(value, sort_keys=True))
 
 
-def _json_type(value) -> str:
+def json_type(value) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -52,6 +54,21 @@ def _json_type(value) -> str:
     if isinstance(value, str):
         return "string"
     return "array" if isinstance(value, list) else "object"
+
+
+def declared_types(types) -> set[str] | None:
+    """The type names a schema's ``type`` keyword gives (None where it gives none)."""
+    if isinstance(types, str):
+        return {types}
+    if isinstance(types, list):
+        return {t for t in types if isinstance(t, str)}
+    return None
+
+
+def admits(types: set[str], value) -> bool:
+    """Whether a ``type`` of these names admits ``value`` (an integer is also a number)."""
+    kind = json_type(value)
+    return kind in types or (kind == "integer" and "number" in types)
 
 
 def _values(schema) -> list | None:
@@ -67,7 +84,7 @@ def _types(schema) -> set[str]:
     """The JSON types an instance of ``schema`` may have (all of them where nothing says)."""
     values = _values(schema)
     if values is not None:
-        return {_json_type(v) for v in values}
+        return {json_type(v) for v in values}
     named = schema.get("type")
     names = {named} if isinstance(named, str) else set(named) if isinstance(named, list) else set(JSON_TYPES)
     names &= JSON_TYPES
@@ -94,10 +111,17 @@ def disjoint(a, b, root, depth: int = 0) -> bool:
         props_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
         required_a = a.get("required") if isinstance(a.get("required"), list) else []
         required_b = b.get("required") if isinstance(b.get("required"), list) else []
-        for name in set(required_a) & set(required_b):
+        for name in (set(required_a) & set(props_b)) | (set(required_b) & set(props_a)):
             if name in props_a and name in props_b and disjoint(props_a[name], props_b[name], root, depth + 1):
                 return True
+        if _closed(a) and _closed(b) and not set(required_b) <= set(props_a) and not set(required_a) <= set(props_b):
+            return True
     return False
+
+
+def _closed(schema) -> bool:
+    """Whether an object schema compiles closed: its outputs hold only the properties it lists."""
+    return schema.get("additionalProperties", False) is False and not schema.get("patternProperties")
 
 
 def overlapping_pair(branches: list, root) -> tuple[int, int] | None:

@@ -4,12 +4,15 @@ so no output that breaks its schema ever ends as if it were complete.
 Found by compiling a schema with each keyword and feeding the matcher an instance that breaks it
 (tests/test_structured_schema_support.py keeps that check): ``not``, ``if``/``then``/``else``,
 ``contains`` (and ``minContains``/``maxContains``), ``uniqueItems``, ``dependentRequired``,
-``dependentSchemas``, an ``allOf`` of more than one schema, a ``$ref`` outside the schema, a ``format``
-outside :data:`ENFORCED_FORMATS`, ``pattern`` or ``format`` beside ``minLength``/``maxLength``, a
-``required`` property that ``properties`` does not list where no other property is allowed,
-``multipleOf`` on anything but an integer by an integer, a lookahead (``(?=``, ``(?!``) in a ``pattern``
-or ``patternProperties`` name, and a ``oneOf`` whose branches are not shown disjoint
-(kvforge/structured/disjoint_schemas.py: xgrammar matches it as ``anyOf``).
+``dependentSchemas``, ``dependencies``, an ``allOf`` of more than one schema, a ``$ref`` outside the
+schema or to an anchor, a ``format`` outside :data:`ENFORCED_FORMATS`, ``pattern`` or ``format`` beside
+``minLength``/``maxLength`` or beside each other, a ``required`` property that ``properties`` does not
+list, ``multipleOf`` on anything but an integer by an integer, a lookahead (``(?=``, ``(?!``) in a
+``pattern`` or ``patternProperties`` name, anything but annotations beside ``$ref``/``anyOf``/``oneOf``/
+``allOf`` (read alone) or beside ``enum``/``const`` (only the values are enforced), one type's
+constraints where no ``type`` is given, and a ``oneOf`` whose branches are not shown apart
+(kvforge/structured/disjoint_schemas.py: xgrammar matches it as ``anyOf``). A ``$ref`` target outside
+``$defs`` is scanned where the reference names it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from kvforge.structured.disjoint_schemas import overlapping_pair
+from kvforge.structured.disjoint_schemas import admits, declared_types, overlapping_pair, resolve
 
 #: String formats xgrammar enforces.
 ENFORCED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uri", "uri-reference",
@@ -30,7 +33,22 @@ NOT_ENFORCED = {
     "contains": "list the items with prefixItems or enum", "minContains": "drop it", "maxContains": "drop it",
     "dependentRequired": "use anyOf of the allowed property sets",
     "dependentSchemas": "use anyOf of the allowed property sets",
+    "dependencies": "use anyOf of the allowed property sets",
 }
+#: Formats no empty string meets: a minLength of 1 beside them asks nothing more.
+NONEMPTY_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uri", "uuid", "ipv4", "ipv6",
+                              "hostname"})
+#: Keywords that only annotate (or, as ``nullable``, only widen): harmless where xgrammar skips them.
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                         "writeOnly", "discriminator", "$defs", "definitions", "$id", "$schema", "$anchor",
+                         "nullable"})
+#: Keywords xgrammar reads alone: nothing beside them but annotations is applied.
+_COMBINERS = ("$ref", "anyOf", "oneOf", "allOf")
+#: Keywords that restrict one type's values, which xgrammar applies only where the schema names a type.
+_TYPED = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+          "exclusiveMaximum", "multipleOf", "minItems", "maxItems")
+#: References into these are scanned where they are defined.
+_SCANNED_REFS = ("#/$defs/", "#/definitions/")
 #: Keywords whose value is one subschema, and those whose value is a list or a name -> subschema object.
 _ONE = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains")
 _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -41,12 +59,14 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions")
 _LOOKAHEAD = re.compile(r"(?<!\\)(?:\\\\)*\(\?[=!]")
 
 
-def unenforced(schema, path: str = "#", root=None) -> Iterator[str]:
+def unenforced(schema, path: str = "#", root=None, followed: set | None = None) -> Iterator[str]:
     """Each use of a keyword xgrammar would not enforce in ``schema``, as ``"<keyword> at <path>: <what to
-    do>"`` (the path in JSON-pointer form; ``root``: the whole schema, which ``$ref`` points into)."""
+    do>"`` (the path in JSON-pointer form; ``root``: the whole schema, which ``$ref`` points into;
+    ``followed``: the references already scanned)."""
     if not isinstance(schema, dict):
         return
     root = schema if root is None else root
+    followed = set() if followed is None else followed
     for keyword, instead in NOT_ENFORCED.items():
         if keyword in schema:
             yield f"{keyword} at {path}: {instead}"
@@ -55,15 +75,44 @@ def unenforced(schema, path: str = "#", root=None) -> Iterator[str]:
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         yield f"allOf of {len(schema['allOf'])} schemas at {path}: merge them into one schema"
     ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         yield f"$ref {ref!r} at {path}: only references inside the schema (#/...) are followed; inline it"
+    elif isinstance(ref, str) and ref not in followed and not ref.startswith(_SCANNED_REFS):
+        followed.add(ref)  # a target outside $defs is scanned where the reference names it
+        yield from unenforced(resolve(schema, root), ref, root, followed)
+    combiners = [k for k in _COMBINERS if k in schema]
+    if combiners:
+        extra = sorted(k for k in schema if k not in ANNOTATIONS and k not in _COMBINERS)
+        if extra or len(combiners) > 1:
+            yield (f"{', '.join(extra or combiners[1:])} beside {combiners[0]} at {path}: xgrammar reads the "
+                   f"{combiners[0]} alone; move the other keywords into it (into each branch)")
+    types = schema.get("type")
+    if types == []:
+        yield f"type [] at {path}: name at least one type"
+    values = [schema["const"]] if "const" in schema else schema.get("enum") if isinstance(schema.get("enum"),
+                                                                                        list) else None
+    if values is not None:
+        others = sorted(k for k in schema if k not in ANNOTATIONS and k not in ("const", "enum", "type"))
+        if others:
+            yield (f"{', '.join(others)} beside {'const' if 'const' in schema else 'enum'} at {path}: only the "
+                   f"listed values are enforced; list only values that meet the rest and drop it")
+        allowed = declared_types(types)
+        if allowed is not None and not all(admits(allowed, v) for v in values):
+            yield f"enum values at {path} outside type {types!r}: the values are enforced, not the type; drop them"
+    elif types is None and not combiners:
+        loose = sorted(k for k in _TYPED if k in schema)
+        if loose:
+            yield f"{', '.join(loose)} at {path} without a type: xgrammar applies them only beside one; give the type"
     fmt = schema.get("format")
     if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
         yield (f"format {fmt!r} at {path}: enforced formats are {', '.join(sorted(ENFORCED_FORMATS))}; drop it or "
                f"give a pattern")
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
         yield f"pattern with minLength/maxLength at {path}: put the length into the pattern"
-    if "format" in schema and ("minLength" in schema or "maxLength" in schema):
+    if "format" in schema and "pattern" in schema:
+        yield f"format with pattern at {path}: drop one (the pattern alone may spell the format)"
+    needless = fmt in NONEMPTY_FORMATS and "maxLength" not in schema and schema.get("minLength", 0) in (0, 1)
+    if "format" in schema and ("minLength" in schema or "maxLength" in schema) and not needless:
         yield (f"format with minLength/maxLength at {path}: drop the length, or give a pattern with the length "
                f"in place of the format")
     patterns = [schema["pattern"]] if isinstance(schema.get("pattern"), str) else []
@@ -75,7 +124,7 @@ def unenforced(schema, path: str = "#", root=None) -> Iterator[str]:
     if "multipleOf" in schema:
         step = schema["multipleOf"]
         whole = isinstance(step, int) and not isinstance(step, bool) or isinstance(step, float) and step.is_integer()
-        if schema.get("type") != "integer" or not whole:
+        if (declared_types(types) or set()) - {"null"} != {"integer"} or not whole:
             yield (f"multipleOf at {path}: enforced only for type integer by a whole number; use an integer of a "
                    f"smaller unit, or drop it")
     if isinstance(schema.get("oneOf"), list):
@@ -86,21 +135,20 @@ def unenforced(schema, path: str = "#", root=None) -> Iterator[str]:
                    f"property with distinct const values")
     listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = schema.get("required") if isinstance(schema.get("required"), list) else []
-    closed = schema.get("additionalProperties", False) is False and not schema.get("patternProperties")
     missing = [name for name in required if name not in listed]
-    if missing and closed:
-        yield (f"required {', '.join(map(str, missing))} at {path}: not in properties, so never allowed; list it "
-               f"in properties")
+    if missing:
+        yield (f"required {', '.join(map(str, missing))} at {path}: not in properties, which xgrammar never "
+               f"requires; list it in properties")
     for keyword in _ONE:
-        yield from unenforced(schema.get(keyword), f"{path}/{keyword}", root)
+        yield from unenforced(schema.get(keyword), f"{path}/{keyword}", root, followed)
     for keyword in _LIST:
         if isinstance(schema.get(keyword), list):
             for i, sub in enumerate(schema[keyword]):
-                yield from unenforced(sub, f"{path}/{keyword}/{i}", root)
+                yield from unenforced(sub, f"{path}/{keyword}/{i}", root, followed)
     for keyword in _NAMED:
         if isinstance(schema.get(keyword), dict):
             for name, sub in schema[keyword].items():
-                yield from unenforced(sub, f"{path}/{keyword}/{name}", root)
+                yield from unenforced(sub, f"{path}/{keyword}/{name}", root, followed)
 
 
 def close_objects(schema):
