@@ -194,7 +194,8 @@ KEYWORD_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 def engine_keyword_args(kwargs: dict, fields: set[str]) -> dict:
     """``LLM(**kwargs)`` as a vLLM user writes it, as EngineArgs fields (``fields``): aliases renamed, vLLM's
     flags of :data:`ENGINE_FLAGS` / :data:`SERVER_FLAGS` dropped where they change nothing here (any value
-    for a flag without effect; None, False or a neutral value for a refused one) and refused otherwise;
+    for a flag without effect; None, False, an empty collection or a neutral value for a refused one) and
+    refused otherwise;
     an unknown keyword is a ConfigError naming the closest fields (not a bare TypeError)."""
     import difflib
 
@@ -212,7 +213,8 @@ def engine_keyword_args(kwargs: dict, fields: set[str]) -> dict:
             continue
         flag = flags.get(key)
         if flag is not None:
-            if value is None or value is False or flag.is_neutral(value):
+            empty = isinstance(value, (dict, list, tuple)) and not value  # hf_overrides={}: nothing to apply
+            if value is None or value is False or empty or flag.is_neutral(value):
                 continue
             raise ConfigError(f"{key}={value!r}: {flag.why}")
         close = difflib.get_close_matches(key, sorted(fields | set(KEYWORD_ALIASES) | set(flags)), n=3)

@@ -83,8 +83,10 @@ def test_vllm_keyword_arguments_are_answered(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     base = dict(load_format="dummy", device="cpu", max_model_len=64, skip_tokenizer_init=True, use_tqdm=False)
     with LLM(str(tmp_path), kv_cache_memory_bytes="1MiB", swap_space=4, disable_log_stats=True, quantization=None,
-             tokenizer_mode="auto", pipeline_parallel_size=1, **base) as llm:
+             tokenizer_mode="auto", pipeline_parallel_size=1, hf_overrides={}, lora_modules=[], **base) as llm:
         assert llm.engine.args.kv_cache_memory == 1 << 20
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        LLM(str(tmp_path), hf_overrides={"num_hidden_layers": 1}, **base)
     with pytest.raises(ConfigError, match="quantization='awq': kvforge loads unquantized"):
         LLM(str(tmp_path), quantization="awq", **base)
     with pytest.raises(ConfigError, match="pipeline_parallel_size=2: pipeline parallelism is not implemented"):
