@@ -349,3 +349,17 @@ def test_device_auto_plans_this_machines_gpu_as_the_engine_does(capsys, monkeypa
     auto = json.loads(out)
     assert code == code2 == 0 and auto["platform"] == "cuda"
     assert auto["capacity_tokens"] == json.loads(named)["capacity_tokens"] > 0
+
+
+def test_pool_bytes_per_token_compare_with_the_baseline_and_max_model_len_below_2_is_refused(capsys):
+    """The JSON's pool bytes (target + proposer) and the baseline's count the same layers, so their ratio is
+    the KV dtypes' (fp8 against bf16: 1/2 for attention layers); a one-token context exits 2 at the plan."""
+    argv = ["plan", "qwen3-next-80b-a3b", "--device", "cuda", "-tp", "4", "--kv-cache-memory", "40GiB",
+            "--kv-cache-dtype", "fp8", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}',
+            "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["pool_bytes_per_token"] == d["bytes_per_token"] + d["draft"]["bytes_per_token"]
+    assert 2 * d["pool_bytes_per_token"] == d["baseline"]["pool_bytes_per_token"]
+    assert main(["plan", "--max-model-len", "1"]) == 2
+    assert "--max-model-len 1: a sequence needs at least 2 tokens" in capsys.readouterr().err

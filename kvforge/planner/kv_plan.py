@@ -15,7 +15,9 @@ from kvforge.planner.activations import ActivationReserve
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer on one rank. ``bytes_per_token`` is 0 for state layers."""
+    """One layer on one rank. ``bytes_per_token``: the bytes each token of a sequence adds to the layer, 0 where
+    the layer's bytes are per sequence instead: state layers (``state_bytes``) and sliding-window layers whose
+    window max-model-len exceeds (their window's blocks, in the plan's fixed bytes per sequence)."""
 
     index: int
     kind: str
@@ -121,8 +123,10 @@ class Capacity:
 class DraftPlan:
     """The speculative proposer's layers in the target's plan (a draft model, or extra layers such as an MTP
     layer): planned by the target's rules, placed in the target's groups (``GroupPlan.draft_layers``) and
-    paid from the same pool. ``capacity_without`` is the target's plan without them, from the same memory:
-    the capacity the proposer costs is the difference to the plan's ``capacity``."""
+    paid from the same pool. ``capacity_without`` is the target's plan without them, from the same device
+    memory: with ``--kv-cache-memory`` the same KV memory, with ``--gpu-memory`` that memory less the target's
+    weights only (the proposer's weights come out of the KV memory too), so the difference to the plan's
+    ``capacity`` is everything the proposer costs."""
 
     model: str
     architecture: str
@@ -149,6 +153,8 @@ class KVPlan:
     block_size_reason: str
     max_model_len: int
     num_speculative_tokens: int
+    #: The target's layers' bytes per token on one rank (the sum of ``LayerPlan.bytes_per_token``); the pool
+    #: pays ``capacity.bytes_per_token``, which adds a proposer's layers (JSON ``pool_bytes_per_token``).
     bytes_per_token: int
     state_bytes_per_sequence: int
     layers: tuple[LayerPlan, ...]
@@ -264,6 +270,11 @@ class KVPlan:
         if self.draft is not None:
             d["draft"]["explanation"] = self.draft_explanation()
         cap = d.pop("capacity")
+        # The pool's bytes per token (the target's layers and a proposer's): beside the baseline's, which
+        # counts the same layers; the plan's own "bytes_per_token" is the target's layers alone.
+        d["pool_bytes_per_token"] = cap["bytes_per_token"]
+        if d["baseline"] is not None:
+            d["baseline"]["pool_bytes_per_token"] = d["baseline"].pop("bytes_per_token")
         d["num_blocks"] = cap["num_blocks"]
         d["capacity_tokens"] = cap["capacity_tokens"]
         d["capacity_sequences"] = cap["capacity_sequences"]

@@ -410,8 +410,13 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def planned_max_model_len(spec: ModelSpec, flag: int | None) -> int:
-    """The plan's max model len: ``--max-model-len`` when given, else the model's context length."""
-    return flag or spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    """The plan's max model len: ``--max-model-len`` when given, else the model's context length; at least 2
+    (one prompt token and one generated)."""
+    length = flag or spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    if length < 2:
+        raise PlanError(f"--max-model-len {length}: a sequence needs at least 2 tokens (a prompt token and one "
+                        f"generated token); use --max-model-len 2 or more")
+    return length
 
 
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
