@@ -85,9 +85,7 @@ def _types(schema) -> set[str]:
     values = _values(schema)
     if values is not None:
         return {json_type(v) for v in values}
-    named = schema.get("type")
-    names = {named} if isinstance(named, str) else set(named) if isinstance(named, list) else set(JSON_TYPES)
-    names &= JSON_TYPES
+    names = (declared_types(schema.get("type")) or set(JSON_TYPES)) & JSON_TYPES
     if "number" in names:
         names.add("integer")
     if "integer" in names:
@@ -96,8 +94,8 @@ def _types(schema) -> set[str]:
 
 
 def disjoint(a, b, root, depth: int = 0) -> bool:
-    """Whether no instance can match both ``a`` and ``b`` (``$ref`` followed inside ``root``), shown by
-    distinct types, distinct constants, or a property both require whose schemas are disjoint."""
+    """Whether no output of one of ``a`` and ``b`` can match the other (``$ref`` followed inside ``root``), by
+    the rules of the module docstring."""
     a, b = resolve(a, root), resolve(b, root)
     if not isinstance(a, dict) or not isinstance(b, dict) or depth > 16:
         return a is False or b is False
