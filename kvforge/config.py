@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 from dataclasses import dataclass, fields
 
 from kvforge.attention.routing.mla import ABSORBED_PREFILL_MAX_SEQ_LEN, PREFILL_MODES
@@ -97,7 +98,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
-    seed: int = 0
+    seed: int | None = 0  # None: one drawn from the OS at construction, so every TP rank gets the same
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
     max_model_len: int | None = None
@@ -168,9 +169,11 @@ class EngineArgs:
         object.__setattr__(self, "num_speculative_tokens", speculative.num_speculative_tokens if speculative else 0)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.seed is None:  # vLLM's unseeded engine: a fresh seed, fixed from here on (dummy weights, TP ranks)
+            object.__setattr__(self, "seed", random.SystemRandom().randrange(2**63))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"--seed must be an integer (it seeds dummy weights and torch's generator), got "
-                              f"{self.seed!r}; pass an int such as 0, the default")
+            raise ConfigError(f"--seed must be an integer (it seeds dummy weights and torch's generator) or None "
+                              f"(a fresh one), got {self.seed!r}; pass an int such as 0, the default")
         _check_choice("--chat-template-content-format", self.chat_template_content_format, CHAT_CONTENT_FORMATS)
         _check_choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.reasoning_parser is not None:

@@ -3,6 +3,7 @@ with the field named before the engine is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -55,12 +56,22 @@ def test_sampling_params_of_another_type_are_refused_naming_the_class(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("bad", [None, "7", 1.5, True])
+@pytest.mark.parametrize("bad", ["7", 1.5, True])
 def test_the_engine_seed_must_be_an_integer(bad):
-    """vLLM's ``LLM(seed=None)`` is refused naming the flag, not a TypeError from torch.manual_seed once the
+    """A seed of another type is refused naming the flag, not a TypeError from torch.manual_seed once the
     plan is made."""
     with pytest.raises(ConfigError, match="--seed must be an integer"):
         EngineArgs(seed=bad)
+
+
+def test_an_engine_seed_of_none_is_drawn_once_at_construction():
+    """vLLM's ``LLM(seed=None)``: the engine gets a fresh seed, fixed in its args (so every TP rank, which
+    receives these args, fills dummy weights alike). Two draws of 63 bits differ but with odds of 2**-63."""
+    first, second = EngineArgs(seed=None), EngineArgs(seed=None)
+    assert isinstance(first.seed, int) and isinstance(second.seed, int)
+    assert first.seed != second.seed
+    assert 0 <= first.seed < 2**63
+    assert dataclasses.replace(first).seed == first.seed
 
 
 def test_a_hub_id_says_models_are_read_from_local_files():
