@@ -168,7 +168,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes,
                    default=None, help="KV cache bytes per rank (e.g. 8GiB)")
     p.add_argument("--gpu-memory", type=parse_bytes, default=None,
-                   help="device memory per rank for planning without a device (e.g. 141GB)")
+                   help="device memory per rank for planning without a device (e.g. 140GiB: an H200's "
+                        "143,771 MiB as torch reports it)")
     p.add_argument("--gpu-memory-utilization", type=fraction, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                    help="share of the GPU's memory to plan for (default 0.9; on CPU the KV cache gets --kv-cache-memory)")
     p.add_argument("--kv-scale-scheme", choices=["per_tensor", "per_head"], default="per_tensor")
