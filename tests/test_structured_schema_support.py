@@ -119,6 +119,17 @@ def test_enforced_keyword_compiles_and_holds(backend, schema, breaking):
     assert not _ends_complete(compiled, breaking, min(backend.info.stop_token_ids))
 
 
+@pytest.mark.parametrize("fmt", ["password", "binary"])
+def test_formats_every_string_meets_compile_as_plain_strings(backend, fmt):
+    """pydantic's SecretStr (``password``) and bytes (``binary``) fields: OpenAPI formats that restrict
+    nothing, so any string holds and a non-string does not."""
+    compiled = backend.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "secret": {"type": "string", "format": fmt, "writeOnly": True}}, "required": ["secret"]}))
+    eos = min(backend.info.stop_token_ids)
+    assert _ends_complete(compiled, '{"secret": "any text, 12 @@ ;"}', eos)
+    assert not _ends_complete(compiled, '{"secret": 12}', eos)
+
+
 def test_disable_additional_properties_closes_every_object(backend):
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}},
                                                      "additionalProperties": True}},

@@ -5,7 +5,8 @@ Found by compiling a schema with each keyword and feeding the matcher an instanc
 (tests/test_structured_schema_support.py keeps that check): ``not``, ``if``/``then``/``else``,
 ``contains`` (and ``minContains``/``maxContains``), ``uniqueItems``, ``dependentRequired``,
 ``dependentSchemas``, ``dependencies``, an ``allOf`` of more than one schema, a ``$ref`` outside the
-schema or to an anchor, a ``format`` outside :data:`ENFORCED_FORMATS`, ``pattern`` or ``format`` beside
+schema or to an anchor, a ``format`` outside :data:`ENFORCED_FORMATS` (but for :data:`ANNOTATION_FORMATS`, which every string
+meets), ``pattern`` or ``format`` beside
 ``minLength``/``maxLength`` or beside each other, a ``required`` property that ``properties`` does not
 list, ``multipleOf`` on anything but an integer by an integer, a lookahead (``(?=``, ``(?!``) in a
 ``pattern`` or ``patternProperties`` name, anything but annotations beside ``$ref``/``anyOf``/``oneOf``/
@@ -26,6 +27,8 @@ from kvforge.structured.disjoint_schemas import admits, declared_types, overlapp
 ENFORCED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uri", "uri-reference",
                               "uri-template", "uuid", "ipv4", "ipv6", "hostname", "json-pointer",
                               "relative-json-pointer"})
+#: OpenAPI's formats that every string meets (pydantic's SecretStr and bytes): nothing is lost unenforced.
+ANNOTATION_FORMATS = frozenset({"password", "binary"})
 #: Keywords never enforced, with what to do instead.
 NOT_ENFORCED = {
     "not": "state what is allowed instead",
@@ -104,7 +107,7 @@ def unenforced(schema, path: str = "#", root=None, followed: set | None = None) 
         if loose:
             yield f"{', '.join(loose)} at {path} without a type: xgrammar applies them only beside one; give the type"
     fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
+    if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS and fmt not in ANNOTATION_FORMATS:
         yield (f"format {fmt!r} at {path}: enforced formats are {', '.join(sorted(ENFORCED_FORMATS))}; drop it or "
                f"give a pattern")
     if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
