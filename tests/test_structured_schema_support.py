@@ -30,6 +30,7 @@ NOT_ENFORCED = [
     ("multipleOf at #", {"type": "number", "multipleOf": 0.5}, "0.75"),
     ("multipleOf at #", {"type": "integer", "multipleOf": 1.5}, "2"),
     ("lookahead in pattern", {"type": "string", "pattern": "^(?!a)[a-c]$"}, '"a"'),
+    ("lookahead in pattern", {"type": "string", "pattern": "^[ab](?!b)[a-c]$"}, '"ab"'),  # after a class
     ("lookahead in pattern '^(?!x).*$'", {"type": "object", "patternProperties": {"^(?!x).*$": {"type": "integer"}},
                                           "additionalProperties": False}, '{"x":1}'),
     ("format with minLength/maxLength", {"type": "string", "format": "date", "minLength": 20}, '"1999-02-23"'),
@@ -69,6 +70,7 @@ ENFORCED = [
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"b":1}'),
     ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}, '"s"'),
     ({"type": "string", "pattern": "^\\(?=$"}, '"x"'),  # an escaped parenthesis is no lookahead
+    ({"type": "string", "pattern": "^[(?=]+$"}, '"x"'),  # nor one inside a character class
     # a discriminated union (pydantic's form): each branch requires "kind" with its own const
     ({"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
                         "required": ["kind"]},

@@ -18,7 +18,6 @@ constraints where no ``type`` is given, and a ``oneOf`` whose branches are not s
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 from kvforge.structured.disjoint_schemas import admits, declared_types, overlapping_pair, resolve
@@ -58,8 +57,24 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions")
 
 
-#: A lookahead group's opening, not escaped (an even number of backslashes before its parenthesis).
-_LOOKAHEAD = re.compile(r"(?<!\\)(?:\\\\)*\(\?[=!]")
+def has_lookahead(pattern: str) -> bool:
+    """Whether ``pattern`` opens a lookahead group: ``(?=`` or ``(?!`` neither escaped nor inside a
+    character class (where ``[(?=]`` is three literal characters). A ``]`` always closes a class, so a
+    lookahead is never missed where a reading keeps a leading ``]`` inside."""
+    in_class, i = False, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"  # ECMAScript's reading ("[]" is empty) scans more outside a class
+        elif char == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return True
+        i += 1
+    return False
 
 
 def unenforced(schema, path: str = "#", root=None, followed: set | None = None) -> Iterator[str]:
@@ -122,7 +137,7 @@ def unenforced(schema, path: str = "#", root=None, followed: set | None = None) 
     if isinstance(schema.get("patternProperties"), dict):
         patterns += [name for name in schema["patternProperties"] if isinstance(name, str)]
     for pattern in patterns:
-        if _LOOKAHEAD.search(pattern):
+        if has_lookahead(pattern):
             yield f"lookahead in pattern {pattern!r} at {path}: write the pattern without (?= or (?!"
     if "multipleOf" in schema:
         step = schema["multipleOf"]
