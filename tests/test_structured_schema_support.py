@@ -87,6 +87,8 @@ ENFORCED = [
      '{"pet":{"meows":1,"barks":2}}'),
     ({"format": "uri", "minLength": 1, "type": "string"}, '""'),  # pydantic's AnyUrl
     ({"type": ["integer", "null"], "multipleOf": 3}, "4"),
+    ({"oneOf": [{"type": "string", "maxLength": 2}, {"type": "string", "minLength": 4}]}, '"abc"'),  # apart by length
+    ({"oneOf": [{"type": "integer", "maximum": 0}, {"type": "integer", "exclusiveMinimum": 0}]}, "0.5"),
     ({"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S", "description": "a note"}, "1"),
 ]
 
@@ -219,6 +221,21 @@ def test_first_token_checked_once_per_constraint(backend):
     ({"type": ["object", "string"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
      {"type": ["object", "string"], "properties": {"k": {"const": "b"}}, "required": ["k"]}, False),  # "s"
     (False, {"type": "string"}, True),
+    ({"type": "integer", "maximum": 0}, {"type": "integer", "minimum": 1}, True),
+    ({"type": "integer", "maximum": 1}, {"type": "integer", "minimum": 1}, False),  # 1
+    ({"type": "number", "exclusiveMaximum": 1}, {"type": "number", "minimum": 1}, True),
+    ({"type": "number", "maximum": 1}, {"type": "number", "exclusiveMinimum": 1}, True),
+    ({"type": "number", "maximum": 1}, {"type": "integer", "minimum": 1, "maximum": 9}, False),  # 1
+    ({"type": "integer", "maximum": 0}, {"type": "number", "minimum": 0.5}, True),
+    ({"type": "number", "minimum": 1, "exclusiveMinimum": True}, {"type": "number", "maximum": 1}, False),  # read as 1
+    ({"type": "string", "maxLength": 3}, {"type": "string", "minLength": 4}, True),
+    ({"type": "string", "maxLength": 3}, {"type": "string", "minLength": 3}, False),  # "abc"
+    ({"type": "array", "maxItems": 1}, {"type": "array", "minItems": 2}, True),
+    ({"type": ["integer", "string"], "maximum": 0}, {"type": ["integer", "string"], "minimum": 1}, False),  # "s"
+    ({"type": ["integer", "string"], "maximum": 0, "maxLength": 2},
+     {"type": ["integer", "string"], "minimum": 1, "minLength": 3}, True),
+    ({"type": ["integer", "null"], "maximum": 0}, {"type": ["integer", "null"], "minimum": 1}, False),  # null
+    ({"const": 5}, {"type": "integer", "maximum": 0}, False),  # not shown (a listed value beside a range)
 ])
 def test_disjoint_branches_only_where_no_instance_matches_both(a, b, apart):
     """Each pair's answer, with the instance that matches both named where there is one."""

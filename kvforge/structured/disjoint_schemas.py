@@ -1,5 +1,5 @@
 """Whether no output a grammar allows for one of two JSON schemas can match the other, as far as their
-types, constants and properties show.
+types, constants, properties and ranges show.
 
 ``oneOf`` means "exactly one branch matches". A grammar can only say "some branch matches" (``anyOf``),
 which is the same thing exactly when no output of one branch matches another; where that cannot be shown
@@ -7,12 +7,15 @@ here, a ``oneOf`` would let an output matching two branches through, so it is re
 (kvforge/structured/schema_support.py). Shown by distinct types or constants, by a property one branch
 requires and the other lists with a disjoint schema, or (objects being compiled closed, xgrammar's strict
 mode: only the listed properties) by each of two closed objects requiring a property the other does not
-list. The proof is conservative: False means "not shown", not "overlapping".
+list, or by ranges that share no value (``minimum``/``maximum`` and their exclusive forms for numbers,
+``minLength``/``maxLength`` for strings, ``minItems``/``maxItems`` for arrays: xgrammar enforces each) in
+every type both allow. The proof is conservative: False means "not shown", not "overlapping".
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 #: The JSON types; an ``integer`` is also a ``number``.
 JSON_TYPES = frozenset({"null", "boolean", "integer", "number", "string", "array", "object"})
@@ -99,22 +102,69 @@ def disjoint(a, b, root, depth: int = 0) -> bool:
     a, b = resolve(a, root), resolve(b, root)
     if not isinstance(a, dict) or not isinstance(b, dict) or depth > 16:
         return a is False or b is False
-    if not _types(a) & _types(b):
+    common = _types(a) & _types(b)
+    if not common:
         return True
     va, vb = _values(a), _values(b)
-    if va is not None and vb is not None and not {_value_key(v) for v in va} & {_value_key(v) for v in vb}:
-        return True
-    if _types(a) & _types(b) <= {"object"}:  # only objects match both: a required property may tell them apart
-        props_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
-        props_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
-        required_a = a.get("required") if isinstance(a.get("required"), list) else []
-        required_b = b.get("required") if isinstance(b.get("required"), list) else []
-        for name in (set(required_a) & set(props_b)) | (set(required_b) & set(props_a)):
-            if name in props_a and name in props_b and disjoint(props_a[name], props_b[name], root, depth + 1):
-                return True
-        if _closed(a) and _closed(b) and not set(required_b) <= set(props_a) and not set(required_a) <= set(props_b):
+    if va is not None and vb is not None:
+        return not {_value_key(v) for v in va} & {_value_key(v) for v in vb}
+    if va is not None or vb is not None or common & {"null", "boolean"}:
+        return False
+    # every type both allow must be told apart within that type
+    if common & {"integer", "number"} and not _apart(_number_range(a), _number_range(b)):
+        return False
+    if "string" in common and not _apart(_count_range(a, "minLength", "maxLength"),
+                                         _count_range(b, "minLength", "maxLength")):
+        return False
+    if "array" in common and not _apart(_count_range(a, "minItems", "maxItems"),
+                                        _count_range(b, "minItems", "maxItems")):
+        return False
+    return "object" not in common or _objects_apart(a, b, root, depth)
+
+
+def _objects_apart(a, b, root, depth: int) -> bool:
+    """Whether no object matches both: a property one requires and the other lists with a disjoint schema,
+    or two closed objects each requiring a property the other does not list."""
+    props_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
+    props_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+    required_a = a.get("required") if isinstance(a.get("required"), list) else []
+    required_b = b.get("required") if isinstance(b.get("required"), list) else []
+    for name in (set(required_a) & set(props_b)) | (set(required_b) & set(props_a)):
+        if name in props_a and name in props_b and disjoint(props_a[name], props_b[name], root, depth + 1):
             return True
-    return False
+    return _closed(a) and _closed(b) and not set(required_b) <= set(props_a) and not set(required_a) <= set(props_b)
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _number_range(schema) -> tuple[float, bool, float, bool]:
+    """``(low, low_open, high, high_open)`` of the numbers ``schema`` allows. A boolean ``exclusiveMinimum``
+    (draft 4) is read as inclusive: the range is only ever wider than the schema's."""
+    low, low_open, high, high_open = -math.inf, False, math.inf, False
+    for name, is_open in (("minimum", False), ("exclusiveMinimum", True)):
+        bound = _number(schema.get(name))
+        if bound is not None and (bound > low or (bound == low and is_open)):
+            low, low_open = bound, is_open
+    for name, is_open in (("maximum", False), ("exclusiveMaximum", True)):
+        bound = _number(schema.get(name))
+        if bound is not None and (bound < high or (bound == high and is_open)):
+            high, high_open = bound, is_open
+    return low, low_open, high, high_open
+
+
+def _count_range(schema, least: str, most: str) -> tuple[float, bool, float, bool]:
+    """The range of a count (a string's length, an array's items) as :func:`_number_range` gives it."""
+    low, high = _number(schema.get(least)), _number(schema.get(most))
+    return (0.0 if low is None else low), False, (math.inf if high is None else high), False
+
+
+def _apart(first: tuple[float, bool, float, bool], second: tuple[float, bool, float, bool]) -> bool:
+    """Whether two ranges share no value."""
+    def below(upper, lower):  # every value of range ``upper`` lies below every value of range ``lower``
+        return upper[2] < lower[0] or (upper[2] == lower[0] and (upper[3] or lower[1]))
+    return below(first, second) or below(second, first)
 
 
 def _closed(schema) -> bool:
