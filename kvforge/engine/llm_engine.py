@@ -163,6 +163,11 @@ class LLMEngine:
             check_device_memory(self.plan, self.device, kv_from_flag=args.kv_cache_memory is not None,
                                 utilization=args.gpu_memory_utilization, planned_device_bytes=args.gpu_memory)
 
+        if platform == "cpu":  # the host holds the weights and the KV cache of every rank
+            from kvforge.engine.host_memory import check_host_memory
+
+            check_host_memory(self.plan, args.tensor_parallel_size)
+
         # The planned backends' implementations, imported before any weight is read: one that cannot
         # load here (a missing dependency, a bad KVFORGE_* setting) fails now, not after the weights.
         self._import_backends()
