@@ -210,7 +210,7 @@ def test_plan_predicts_the_engines_cpu_dtype(capsys, smol_llm):
     code, out, _ = run(capsys, "--json")
     assert code == 0
     d = json.loads(out)
-    engine_plan = smol_llm().engine.plan
+    engine_plan = smol_llm(device="cpu").engine.plan
     assert {layer["kv_dtype"] for layer in d["layers"]} == {layer.kv_dtype for layer in engine_plan.layers}
     assert {layer.kv_dtype for layer in engine_plan.layers} == {"float32"}
     assert d["bytes_per_token"] == engine_plan.bytes_per_token
@@ -259,7 +259,7 @@ def test_a_serve_command_line_plans_as_it_stands(capsys):
 def test_plan_reserves_the_engines_step_without_chunked_prefill(capsys, smol_llm):
     """Without chunked prefill a prompt runs in one step: `kvforge plan` reserves activations for the step the
     engine built from the same flags reserves (max_model_len tokens here, not the 2,048-token budget)."""
-    flags = dict(enable_chunked_prefill=False, max_model_len=4096, kv_cache_memory=256 << 20)
+    flags = dict(enable_chunked_prefill=False, max_model_len=4096, kv_cache_memory=256 << 20, device="cpu")
     code, out, _ = run(capsys, "--no-enable-chunked-prefill", "--max-model-len", "4096", "--kv-cache-memory", "256MiB",
                        "--json")
     engine_plan = smol_llm(**flags).engine.plan

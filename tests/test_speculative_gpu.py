@@ -34,6 +34,8 @@ DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], hidden_size=128, num_hi
                 torch_dtype="bfloat16")
 PROMPTS = [[5, 6, 7, 8] * 8, [9, 9, 3] * 10, list(range(40, 140)), [1, 2, 3, 4, 5] * 40]
 PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+#: The embedded model's engines take this much KV cache, not 90% of a GPU that other test processes share.
+KV_MEMORY = "1GiB"
 
 
 def _run(path, **kw):
@@ -68,9 +70,9 @@ def test_embedded_model_repeats_a_paragraph_faster_in_steps():
     text = "The quick brown fox jumps over the lazy dog. The early bird catches the worm. A stitch in time saves nine."
     prompt = f"Repeat this text exactly: {text}\nRepeated: {text}\nRepeated:"
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)
-    off = LLM(device="cuda", progress=False, dtype="float32")
+    off = LLM(device="cuda", progress=False, dtype="float32", kv_cache_memory=KV_MEMORY)
     ref = off.generate([prompt], params, use_tqdm=False)
-    llm = LLM(device="cuda", progress=False, dtype="float32", num_speculative_tokens=4)
+    llm = LLM(device="cuda", progress=False, dtype="float32", kv_cache_memory=KV_MEMORY, num_speculative_tokens=4)
     outs = llm.generate([prompt], params, use_tqdm=False)
     assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
     assert outs[0].speculative.acceptance_rate > 0.3
@@ -105,8 +107,8 @@ def test_embedded_model_as_its_own_draft_on_cuda():
 
     prompt = "Write a short note about the sea."
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
-    ref = LLM(device="cuda", progress=False, dtype="float32").generate([prompt], params, use_tqdm=False)
-    llm = LLM(device="cuda", progress=False, dtype="float32", speculative_config={
+    ref = LLM(device="cuda", progress=False, dtype="float32", kv_cache_memory=KV_MEMORY).generate([prompt], params, use_tqdm=False)
+    llm = LLM(device="cuda", progress=False, dtype="float32", kv_cache_memory=KV_MEMORY, speculative_config={
         "method": "draft_model", "model": str(embedded_model_path()), "num_speculative_tokens": 4})
     outs = llm.generate([prompt], params, use_tqdm=False)
     assert_outputs_agree(outs, ref, FP32_LOGIT_TOL)
