@@ -180,6 +180,34 @@ def test_preempted_sequences_recompute_their_state(case, policy, tmp_path, engin
     assert slots.num_free == slots.num_slots
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+@pytest.mark.parametrize("case", CASES)
+def test_a_lone_sequence_preempted_in_an_empty_step_gives_its_slot_back(case, prefix_caching, tmp_path, engines):
+    """The only running sequence cannot get a block: the scheduler preempts it and the step schedules
+    nothing. Its state slot goes back to the pool in that step, as it does where the step runs others, so
+    the sequence resumes (from a prefix-cache snapshot where there is one) with a slot of its own and still
+    follows transformers."""
+    hf, _ = make_checkpoint(case, tmp_path)
+    engine = engines(tmp_path, enable_prefix_caching=prefix_caching).engine
+    bm = engine.block_manager
+    prompt = list(range(3, 13))
+    engine.add_request("a", prompt, GREEDY)
+    for _ in range(3):  # the prompt's 10 tokens in one chunk, then two decode steps: 12 tokens in 3 blocks
+        engine.step()
+    hog = Sequence("hog", [1] * (4 * bm.num_free_blocks), SamplingParams(max_tokens=1))
+    assert bm.allocate(hog, cached_blocks=[]) and bm.num_free_blocks == 0
+    assert engine.step() == [] and engine.stats()["num_preemptions"] == 1
+    assert engine.scheduler.num_running == 0 and engine.state_slots.held == {}
+    bm.free(hog)
+    tokens = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    want, margins = _hf_greedy(hf, prompt)
+    assert_greedy_agrees(tokens, want, margins, _tolerance(hf, [prompt]), what=f"{case} preempted alone")
+    assert engine.state_slots.num_free == engine.state_slots.num_slots and bm.num_used_blocks == 0
+
+
 def test_the_engine_admits_exactly_the_planned_concurrency(tmp_path, engines):
     """Every running sequence holds a state slot and its blocks: the pool has ``int(max_concurrency)`` slots
     beside the blocks of that many sequences of max-model-len, and the scheduler runs that many at once."""

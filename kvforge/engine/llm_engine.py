@@ -632,6 +632,7 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose(probing)
         out = self.scheduler.schedule()
+        self._forget_preempted(out.preempted)  # also where nothing is scheduled: a lone sequence preempted itself
         launched = None
         if not out.is_empty:
             if out.blocks_to_copy:
@@ -669,6 +670,14 @@ class LLMEngine:
             accepted = not seq.grammar.is_terminated() and seq.grammar.accept_token(token)
             seq.grammar_ahead.append((token, accepted))
         self.grammar_tokens_fed_ahead += len(waiting)
+
+    def _forget_preempted(self, preempted) -> None:
+        """A preempted sequence recomputes from its prompt: its proposer state goes, and its state slot (ring
+        and linear-attention models) returns to the pool, since its first chunk starts from a zero state."""
+        for seq in preempted:
+            self._discard_proposer_state(seq.request_id)
+            if self.state_slots is not None:
+                self.state_slots.release(seq.request_id)
 
     def _discard_proposer_state(self, request_id: str) -> None:
         """A finished, aborted or preempted request's proposer state (a draft model's KV) is freed with it."""
@@ -778,11 +787,7 @@ class LLMEngine:
                     proposals.append(list(s.spec_token_ids))
             if s.start_pos < seq.num_prompt_tokens:
                 self.prefill_tokens_computed += min(s.num_new_tokens, seq.num_prompt_tokens - s.start_pos)
-        for seq in out.preempted:
-            self._discard_proposer_state(seq.request_id)
         if self.state_slots is not None:  # ring and linear-attention models
-            for seq in out.preempted:  # it recomputes from its prompt: its first chunk starts from a zero state
-                self.state_slots.release(seq.request_id)
             held = self.state_slots.held
             for s in out.scheduled:
                 if s.seq.request_id not in held and s.start_pos and self.has_linear_state:
