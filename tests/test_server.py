@@ -436,6 +436,29 @@ def test_request_body_limit(server):
     assert http("GET", server.url + "/health")[0] == 200
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_its_content_encoding_does_not_decode_is_a_400(server, encoding):
+    """The body is refused naming the header, and the connection is closed (its stream is spent); the next
+    request on the same connection would otherwise read a reset. A body the header does describe is read."""
+    import gzip
+    import http.client as http_client
+    import zlib
+
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http_client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", body=b"not compressed",
+                 headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": encoding})
+    response = conn.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 400 and error["param"] == "body" and repr(encoding) in error["message"]
+    assert response.getheader("Connection") == "close"
+    conn.close()
+    body = json.dumps({"model": model_name(server), "prompt": "hi", "max_tokens": 1}).encode()
+    packed = gzip.compress(body) if encoding == "gzip" else zlib.compress(body)
+    status, _, r = http("POST", server.url + "/v1/completions", packed, {**AUTH, "Content-Encoding": encoding})
+    assert status == 200 and r["usage"]["completion_tokens"] == 1
+
+
 def test_json_nested_past_the_parser_is_a_400(server):
     depth = 20_000  # 40 KB, under this server's body limit; the parser's recursion stops far earlier
     body = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"

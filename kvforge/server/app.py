@@ -196,6 +196,12 @@ def create_app(
             metrics.on_reject("too_large")
             raise _HTTPError(413, f"request body exceeds the limit (--max-request-bytes) of "
                              f"{max_request_bytes} bytes", "invalid_request_error", "request_too_large") from e
+        except web.RequestPayloadError as e:  # a body its Content-Encoding does not decode, a broken chunk
+            encoding = request.headers.get("Content-Encoding")
+            what = f"is not valid {encoding!r} data" if encoding else "could not be read"
+            raise _HTTPError(400, f"the request body {what} ({e}); send the body as the Content-Encoding "
+                             f"header says, or drop the header", "invalid_request_error", param="body",
+                             headers={"Connection": "close"}) from e  # the connection's stream is spent
         return protocol.decode_json_body(raw)
 
     async def health(request):
