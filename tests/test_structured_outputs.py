@@ -199,6 +199,25 @@ def test_bad_constraints_refused_and_engine_goes_on(smol_llm):
     assert text in ("a", "b")
 
 
+def test_allowed_tokens_with_no_first_token_of_the_constraint_are_refused(smol_llm):
+    """An allowed set sharing no token with the constraint's first tokens is refused naming allowed_token_ids
+    (the sampler would otherwise keep the grammar's mask alone and ignore the set); a set that holds the
+    digits' tokens is honoured beside the constraint."""
+    llm = smol_llm()
+    tokenizer = llm.engine.tokenizer
+    digits = sorted({tokenizer.encode(d, add_special_tokens=False)[0] for d in "0123456789"})
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    regex = {"regex": "[0-9]+"}
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(["Count:"], SamplingParams(max_tokens=3, allowed_token_ids=[letter], structured_outputs=regex),
+                     use_tqdm=False)
+    assert e.value.field == "allowed_token_ids" and "can begin with" in str(e.value)
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate(["Count:"], SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=digits[:3] + [letter],
+                                                  structured_outputs=regex), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids and set(out.token_ids) <= set(digits[:3])
+
+
 def _own_engine(**kwargs):
     """An engine of this test alone, with a small KV cache, shut down by the caller (the shared ones of
     conftest.py stay alive for the whole run, each holding its weights and KV cache)."""

@@ -539,6 +539,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, prompt=text, priority=priority)
         if params.structured_outputs is not None:
             seq.grammar = self._output_matcher(params.structured_outputs, ids)
+            self._check_allowed_begin(params)
         self.scheduler.add(seq)
 
     def _check_allowed_tokens(self, params: SamplingParams) -> None:
@@ -552,6 +553,17 @@ class LLMEngine:
                 f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens (EOS or stop_token_ids), "
                 f"which min_tokens {params.min_tokens} excludes until it is reached: no token could be sampled; "
                 f"allow a token that does not stop the request, or drop min_tokens", field="allowed_token_ids")
+
+    def _check_allowed_begin(self, params: SamplingParams) -> None:
+        """Refuse an allowed set with no token the structured output may begin with: the grammar's mask would
+        empty the row, whose sampling then keeps the grammar alone (kvforge/engine/sampler.py)."""
+        allowed = params.allowed_token_ids
+        if allowed and not self.grammar_backend().can_begin_with(params.structured_outputs, allowed):
+            shown = list(allowed[:8]) + (["..."] if len(allowed) > 8 else [])
+            raise InvalidRequestError(
+                f"allowed_token_ids {shown} hold no token the structured output "
+                f"({params.structured_outputs.kind}) can begin with: no output could follow both; allow the "
+                f"tokens the constraint begins with, or drop one of them", field="allowed_token_ids")
 
     def _output_matcher(self, constraint, prompt_ids: list[int]):
         """The matcher that holds an output of ``prompt_ids`` to ``constraint``: a reasoning model's answer only

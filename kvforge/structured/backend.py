@@ -95,6 +95,17 @@ class GrammarBackend:
                 self._checked.popitem(last=False)
         return compiled
 
+    def can_begin_with(self, params: StructuredOutputsParams, token_ids) -> bool:
+        """Whether an output of ``params`` may begin with one of ``token_ids`` (a forced function call's
+        grammars, which begin after the call's header, are not checked: True)."""
+        if params.kind == "harmony_call":
+            return True
+        matcher = self._xgr.GrammarMatcher(self.compile(params))
+        bitmask = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        words = bitmask[0].tolist()
+        return any(0 <= t < self.vocab_size and (words[t // 32] >> (t % 32)) & 1 for t in token_ids)
+
     def _function(self, name: str, schema: str, field: str):
         try:
             return self.compile(StructuredOutputsParams(json=json.loads(schema)))
