@@ -134,6 +134,17 @@ def test_unknown_fields_are_logged_as_ignored(parse, body, caplog):
         "fields present in the request but ignored: temprature, top_kk"]
 
 
+def test_ignored_field_names_cannot_forge_or_flood_the_log(caplog):
+    """A name holding a newline is logged escaped on one line; a long name is cut; past 20 names a count."""
+    forged = "x\nERROR kvforge.server: FORGED"
+    body = {"prompt": "hi", "model": MODEL, forged: 1, "k" * 10_000: 2, **{f"z{i:02d}": i for i in range(30)}}
+    with caplog.at_level("WARNING", logger="kvforge.server.protocol"):
+        parse_completion(body, MODEL)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in message and "x\\nERROR kvforge.server: FORGED" in message
+    assert len(message) < 1000 and "(and 12 more)" in message
+
+
 def test_every_field_the_parsers_read_is_known():
     """The known-field sets hold every field name the request parsers read from a body, so a field the
     server does read is never logged as ignored."""

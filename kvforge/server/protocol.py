@@ -338,12 +338,26 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
+#: At most this many ignored field names are logged per request, each cut to :data:`LOGGED_NAME_CHARS`.
+LOGGED_NAMES, LOGGED_NAME_CHARS = 20, 64
+
+
+def logged_names(names) -> str:
+    """Client-chosen field names for one log line: escaped (a newline cannot forge a line), each cut short,
+    and at most :data:`LOGGED_NAMES` of them."""
+    names = sorted(str(n) for n in names)
+    shown = [ascii(n[:LOGGED_NAME_CHARS])[1:-1] + ("..." if len(n) > LOGGED_NAME_CHARS else "")
+             for n in names[:LOGGED_NAMES]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" (and {more} more)" if more else "")
+
+
 def log_ignored_fields(body: dict, known: frozenset[str]) -> None:
     """Log the fields of ``body`` this route does not know as a warning (as vLLM logs them): a misspelt or
     unsupported field is then visible in the server log instead of silently without effect."""
-    ignored = sorted(str(k) for k in body if k not in known)
+    ignored = [k for k in body if k not in known]
     if ignored:
-        logger.warning("fields present in the request but ignored: %s", ", ".join(ignored))
+        logger.warning("fields present in the request but ignored: %s", logged_names(ignored))
 
 
 # vLLM's extra request fields that change the output, each with the test of its value that leaves the
@@ -495,9 +509,9 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
         # vLLM's: usage in every chunk too (with include_usage)
         continuous_usage = include_usage and get_bool(stream_options, "continuous_usage_stats", False,
                                                       where="stream_options.")
-        ignored = sorted(str(k) for k in stream_options if k not in STREAM_OPTIONS)
+        ignored = [k for k in stream_options if k not in STREAM_OPTIONS]
         if ignored:
-            logger.warning("stream_options fields present in the request but ignored: %s", ", ".join(ignored))
+            logger.warning("stream_options fields present in the request but ignored: %s", logged_names(ignored))
     # The SamplingParams fields the request sets, by their names (max_tokens and logprobs differ between the
     # two endpoints and are added by each).
     sampling = {
