@@ -297,6 +297,8 @@ def no_engine(monkeypatch):
     (["--engine-arg", "block_sise=16"], "EngineArgs has no field 'block_sise'"),
     (["--ctx", "100000"], "--ctx 100000 exceeds the model's 8192 positions (max_position_embeddings); use --ctx <= 8192"),
     (["--ctx", "64,512"], "fewer than one window of ctx=512"),  # the prose is a few hundred tokens
+    (["csa-ring-test", "--ctx", "64"], "'csa-ring-test' is a preset, which has no weights"),
+    (["--engine-arg", "load_format=dummy"], "--load-format dummy gives random weights"),
 ])
 def test_options_that_cannot_work_stop_before_any_engine(no_engine, capsys, argv, needle):
     """The baseline engine loads its weights first; a bad quantized config or window size is refused
@@ -304,6 +306,17 @@ def test_options_that_cannot_work_stop_before_any_engine(no_engine, capsys, argv
     assert kld_main(_parse(["--text", str(PROSE), "--no-progress", *argv])) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_a_checkpoint_without_a_tokenizer_stops_before_any_engine(no_engine, capsys, tmp_path):
+    import json
+
+    config = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=256)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert kld_main(_parse([str(tmp_path), "--text", str(PROSE), "--ctx", "64", "--no-progress"])) == 2
+    err = capsys.readouterr().err
+    assert "needs the model's tokenizer" in err and "--engine-arg tokenizer=DIR" in err and "Traceback" not in err
 
 
 def test_kv_cache_memory_takes_byte_sizes_like_the_engine_flags():

@@ -311,6 +311,19 @@ def _logits(engine, ids: list[int]):
     return out.float()
 
 
+def _check_real_weights(model: str | None, common: dict) -> None:
+    """ValueError where the engines would run random (dummy) weights: a preset, or ``load_format`` dummy.
+    The divergence of two random models' KV dtypes says nothing about the model."""
+    from kvforge.spec.presets import PRESETS
+
+    preset = model is not None and not Path(model).exists() and model.strip().lower() in PRESETS
+    if preset or common.get("load_format") == "dummy":
+        what = f"{model!r} is a preset, which has no weights" if preset else "--load-format dummy gives"
+        raise ValueError(f"kld measures what a KV dtype does to a model's predictions, but {what} "
+                         f"{'(its engines would run random ones)' if preset else 'random weights'}; pass a "
+                         f"checkpoint directory or a .gguf file")
+
+
 def _check_text_length(model: str | None, common: dict, text: str, ctxs: tuple[int, ...], max_tokens: int) -> None:
     """ValueError, before any engine loads, where the text holds fewer tokens than one window of a ``ctx``
     (counted with the model's tokenizer, read without its weights; nothing is checked where there is none)."""
@@ -318,12 +331,15 @@ def _check_text_length(model: str | None, common: dict, text: str, ctxs: tuple[i
     from kvforge.spec.embedded import embedded_model_path
     from kvforge.tokenizer import load_tokenizer
 
+    source = common.get("tokenizer") or model or embedded_model_path()
     try:
-        tokenizer = load_tokenizer(common.get("tokenizer") or model or embedded_model_path())
-    except (ConfigError, OSError):
-        return  # a preset or a checkpoint without one: the engines say what they can
+        tokenizer = load_tokenizer(source)
+    except (ConfigError, OSError) as e:
+        raise ValueError(f"kld scores a text, which needs the model's tokenizer: {e}; give one with "
+                         f"--engine-arg tokenizer=DIR") from None
     if tokenizer is None:
-        return
+        raise ValueError(f"kld scores a text, which needs the model's tokenizer, and {source} holds none; give one "
+                         f"with --engine-arg tokenizer=DIR")
     for ctx in ctxs:
         need = math.ceil(max_tokens / (ctx - 1 - ctx // 2)) * ctx
         plan_windows(len(tokenize_enough(tokenizer, text, need)), ctx, max_tokens)
@@ -366,6 +382,7 @@ def run_kld(
     if "progress" in fields and "progress" not in common:
         common["progress"] = progress
 
+    _check_real_weights(model, common)
     check_engines(model, configs, common)
     _check_text_length(model, common, text, ctxs, max_tokens)
     t0 = time.perf_counter()
