@@ -328,7 +328,8 @@ def test_stub_table_output_and_retry(tmp_path, capsys):
     assert "Question: " in srv.requests[0]["prompt"] and "#### " not in srv.requests[0]["prompt"]
 
 
-def test_stub_request_errors_are_reported(tmp_path, capsys):
+def test_a_run_whose_every_request_failed_reports_no_score(tmp_path, capsys):
+    """No accuracy (not 0.0) where nothing reached the model; the error names the refused key."""
     data = _write_data(tmp_path)
     with StubServer(CANNED, api_key="right") as srv:
         args = _parse(["--base-url", srv.url, "--model", "m", "--data-dir", str(data), "--limit", "2",
@@ -336,8 +337,9 @@ def test_stub_request_errors_are_reported(tmp_path, capsys):
         rc = gsm8k_main(args)
     assert rc == 1
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["errors"] == 2
-    assert "HTTP 401" in captured.err
+    assert captured.out == ""
+    assert "all 2 requests failed, so there is no score" in captured.err and "HTTP 401" in captured.err
+    assert "refused the API key sent" in captured.err and "pass --api-key" not in captured.err
 
 
 def test_data_dir_may_name_the_data_folder_like_the_environment_variable(tmp_path, capsys):
@@ -381,15 +383,15 @@ def test_api_key_from_environment(tmp_path, capsys, monkeypatch, kvforge_key, op
 
 @pytest.mark.parametrize("model", [None, "m"], ids=["models-listing", "completions"])
 def test_unauthorized_names_the_key_and_flag(tmp_path, capsys, monkeypatch, model):
-    """HTTP 401, from /v1/models or from /v1/completions, ends with a hint naming --api-key and
-    both environment variables."""
+    """HTTP 401, from /v1/models (a usage error, exit 2, as bench serve's) or from /v1/completions (every
+    request failed: exit 1), ends with a hint naming --api-key and both environment variables."""
     data = _write_data(tmp_path)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("KVFORGE_API_KEY", raising=False)
     with StubServer(CANNED, api_key="right") as srv:
         srv.protect_models = True
         argv = ["--base-url", srv.url, "--data-dir", str(data), "--limit", "1", "--no-progress"]
-        assert gsm8k_main(_parse(argv + (["--model", model] if model else []))) == 1
+        assert gsm8k_main(_parse(argv + (["--model", model] if model else []))) == (1 if model else 2)
     err = capsys.readouterr().err
     assert "401" in err and "--api-key" in err and "KVFORGE_API_KEY" in err and "OPENAI_API_KEY" in err
 

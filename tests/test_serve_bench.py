@@ -157,6 +157,21 @@ def test_a_warm_up_that_fails_entirely_stops_with_its_first_error(capsys):
     assert "--api-key" in captured.err and "repetition" not in captured.out
 
 
+@pytest.mark.parametrize("key", [None, "wrong"], ids=["no-key", "wrong-key"])
+def test_a_refused_model_listing_says_the_fix_once(capsys, monkeypatch, key):
+    """No key: send one; a wrong one: send the server's. Said once, though the listing's error names it."""
+    monkeypatch.delenv("KVFORGE_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    engine = FakeEngine(step_delay=0.001)
+    with ServerThread(create_app(engine, api_key="secret")) as srv:
+        rc = sb.bench_serve_main(["--base-url", srv.url, "--isl", "16", "--osl", "2", "--num-requests", "2"]
+                                 + (["--api-key", key] if key else []))
+    err = capsys.readouterr().err
+    assert rc == 2 and "HTTP 401" in err
+    hint = "refused the API key sent" if key else "the server wants an API key"
+    assert err.count(hint) == 1 and err.count("--api-key") == 1, err
+
+
 def test_a_failed_timed_request_is_printed_with_the_run():
     engine = FakeEngine(step_delay=0.001)
     lines = []

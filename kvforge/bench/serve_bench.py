@@ -50,7 +50,7 @@ from kvforge.cli_args import (
     positive_float,
     positive_int,
 )
-from kvforge.server.api_keys import CLIENT_API_KEY_HELP, UNAUTHORIZED_HINT, client_api_key
+from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key, unauthorized_hint
 
 OUTLIER_FACTOR = 1.5
 
@@ -444,7 +444,7 @@ async def run_benchmark(
         if model is None:
             async with session.get(f"{base_url}/v1/models", headers=headers) as resp:
                 if resp.status != 200:
-                    hint = f"; {UNAUTHORIZED_HINT}" if resp.status == 401 else ""
+                    hint = f"; {unauthorized_hint(bool(api_key))}" if resp.status == 401 else ""
                     raise RuntimeError(f"GET /v1/models: HTTP {resp.status}: {(await resp.text())[:200]}{hint}")
                 model = (await resp.json())["data"][0]["id"]
         totals = {"requests_sent": 0, "requests_succeeded": 0, "requests_failed": 0, "prompt_tokens": 0,
@@ -629,10 +629,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
-def _fix_hint(error: str, base_url: str) -> str:
-    """The fix for an error that stops the bench: a refused API key, or no server at the URL."""
+def _fix_hint(error: str, base_url: str, key_sent: bool) -> str:
+    """The fix for an error that stops the bench (where the error does not already say it): a refused API
+    key, or no server at the URL."""
     if "HTTP 401" in error:
-        return f"; {UNAUTHORIZED_HINT}"
+        hint = unauthorized_hint(key_sent)
+        return "" if hint in error else f"; {hint}"
     if "ClientConnectorError" in error or "ServerDisconnectedError" in error:
         return f"; is a server running there? start one with `kvforge serve` (--base-url {base_url})"
     return ""
@@ -645,19 +647,20 @@ def bench_serve_main(args) -> int:
     if not args.temperature >= 0:  # also NaN
         print("kvforge bench serve: error: --temperature must be a number >= 0", file=sys.stderr)
         return 2
+    api_key = client_api_key(args.api_key)
     try:
         report = asyncio.run(run_benchmark(
             args.base_url, isl=args.isl, osl=args.osl, concurrency=args.concurrency,
             num_requests=args.num_requests, repetitions=args.repetitions, warmup=args.warmup,
-            warmup_requests=args.warmup_requests, model=args.model, api_key=client_api_key(args.api_key), seed=args.seed,
+            warmup_requests=args.warmup_requests, model=args.model, api_key=api_key, seed=args.seed,
             timeout_s=args.timeout, temperature=args.temperature,
         ))
     except WarmUpFailed as e:
-        print(f"kvforge bench serve: error: {e}{_fix_hint(str(e), args.base_url)}", file=sys.stderr)
+        print(f"kvforge bench serve: error: {e}{_fix_hint(str(e), args.base_url, bool(api_key))}", file=sys.stderr)
         return 2
     except Exception as e:  # cannot reach the server at all
         text = f"{type(e).__name__}: {e}"
-        print(f"kvforge bench serve: error: {text}{_fix_hint(text, args.base_url)}", file=sys.stderr)
+        print(f"kvforge bench serve: error: {text}{_fix_hint(text, args.base_url, bool(api_key))}", file=sys.stderr)
         return 2
     print(format_report(report))
     if args.out:
@@ -669,7 +672,7 @@ def bench_serve_main(args) -> int:
         print(f"wrote {args.plot}")
     failed = sum(r["requests_failed"] for r in report["repetitions"])
     if any(e.startswith("HTTP 401") for r in report["repetitions"] for e in r["errors"]):
-        print(f"kvforge bench serve: error: HTTP 401: {UNAUTHORIZED_HINT}", file=sys.stderr)
+        print(f"kvforge bench serve: error: HTTP 401: {unauthorized_hint(bool(api_key))}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -92,7 +92,7 @@ def gsm8k_main(args: argparse.Namespace) -> int:
         print(f"error: cannot reach a server at --base-url {args.base_url} ({e}); start one with `kvforge serve` "
               f"or pass the URL of a running one", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as e:  # the data or an option cannot work: a usage error
+    except (FileNotFoundError, ValueError, PermissionError) as e:  # the data, an option or the key: usage errors
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError) as e:
@@ -103,6 +103,10 @@ def gsm8k_main(args: argparse.Namespace) -> int:
         return 1
     if args.output:
         gsm8k.write_jsonl(result.rows, args.output)
+    if result.rows and result.errors == len(result.rows):  # nothing reached the model: no accuracy to report
+        print(f"error: all {result.errors} requests failed, so there is no score; first error: "
+              f"{next(r['error'] for r in result.rows if r.get('error'))}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(_finite(result.summary)))
     else:

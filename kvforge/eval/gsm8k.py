@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvforge.server.api_keys import UNAUTHORIZED_HINT
+from kvforge.server.api_keys import unauthorized_hint
 
 DEFAULT_NUM_FEWSHOT = 5
 DEFAULT_MAX_TOKENS = 256
@@ -223,8 +223,11 @@ def summarize(rows: list[dict], num_fewshot: int) -> dict:
 async def _fetch_model_name(session, base_url: str, headers: dict) -> str:
     async with session.get(models_url(base_url), headers=headers) as resp:
         if resp.status == 401:
-            raise PermissionError(f"{models_url(base_url)} answered HTTP 401 Unauthorized; {UNAUTHORIZED_HINT}")
-        resp.raise_for_status()
+            raise PermissionError(f"{models_url(base_url)} answered HTTP 401 Unauthorized; "
+                                  f"{unauthorized_hint(bool(headers))}")
+        if resp.status != 200:
+            raise RuntimeError(f"{models_url(base_url)} answered HTTP {resp.status}: {(await resp.text())[:200]}; is "
+                               f"--base-url the server's root (or its /v1)?")
         body = await resp.json()
     data = body.get("data") or []
     if not data:
@@ -245,7 +248,7 @@ async def _complete(session, url: str, headers: dict, payload: dict, retries: in
                 if resp.status != 200:
                     # A 4xx will not get better by retrying.
                     text = await resp.text()
-                    hint = f" ({UNAUTHORIZED_HINT})" if resp.status == 401 else ""
+                    hint = f" ({unauthorized_hint(bool(headers))})" if resp.status == 401 else ""
                     return {"error": f"HTTP {resp.status}: {text[:300]}{hint}"}
                 return await resp.json()
         except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:

@@ -21,6 +21,13 @@ CLIENT_API_KEY_HELP = (f"sent as 'Authorization: Bearer KEY' (default: ${CLIENT_
                        f"else ${CLIENT_API_KEY_ENVS[1]}; neither set: no key)")
 UNAUTHORIZED_HINT = ("the server wants an API key: pass --api-key KEY or set "
                      f"{CLIENT_API_KEY_ENVS[0]} (or {CLIENT_API_KEY_ENVS[1]})")
+REFUSED_KEY_HINT = ("the server refused the API key sent (--api-key, else ${}, else ${}): give the key the "
+                    "server was started with").format(*CLIENT_API_KEY_ENVS)
+
+
+def unauthorized_hint(key_sent: bool) -> str:
+    """The fix for an HTTP 401: send a key, or (``key_sent``) send the right one."""
+    return REFUSED_KEY_HINT if key_sent else UNAUTHORIZED_HINT
 
 
 def server_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
