@@ -176,9 +176,29 @@ def test_a_failed_timed_request_is_printed_with_the_run():
     engine = FakeEngine(step_delay=0.001)
     lines = []
     with ServerThread(create_app(engine, api_key="secret")) as srv:
-        asyncio.run(sb.run_benchmark(srv.url, isl=16, osl=2, concurrency=2, num_requests=2, repetitions=1,
-                                     warmup=0, model="fake-model", log=lines.append))
+        report = asyncio.run(sb.run_benchmark(srv.url, isl=16, osl=2, concurrency=2, num_requests=2, repetitions=1,
+                                              warmup=0, model="fake-model", log=lines.append))
     assert any(line.strip().startswith("2 failed; the first: HTTP 401") for line in lines), lines
+    table = sb.format_report(report).splitlines()
+    assert any(line.split()[:2] == ["requests_failed", "2.00"] for line in table), table
+    assert any(line.split()[:2] == ["requests_succeeded", "0.00"] for line in table), table
+
+
+def test_the_summary_counts_requests_and_the_prompt_length_got():
+    """Beside the latencies, each repetition's successes, failures and mean prompt length (what --isl gave)."""
+    reps = [dict(_rep(i, 2.0), requests_succeeded=6 - i, requests_failed=i, mean_prompt_tokens=40.0 + i)
+            for i in range(3)]
+    s = sb.summarize_repetitions(reps)
+    assert s["requests_failed"] == {"median": 1, "min": 0, "max": 2}
+    assert s["requests_succeeded"] == {"median": 5, "min": 4, "max": 6}
+    assert s["mean_prompt_tokens"] == {"median": 41.0, "min": 40.0, "max": 42.0}
+
+
+def test_plot_without_matplotlib_stops_before_any_request(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rc = sb.bench_serve_main(["--base-url", "http://127.0.0.1:9", "--plot", "out.png"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--plot needs matplotlib" in err and "Cannot connect" not in err
 
 
 @pytest.mark.parametrize("argv, says", [

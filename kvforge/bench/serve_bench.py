@@ -270,6 +270,9 @@ def summarize_pass(results: list[RequestResult], duration: float) -> dict:
 
 
 SUMMARY_KEYS = (
+    ("requests_succeeded", None),
+    ("requests_failed", None),
+    ("mean_prompt_tokens", None),
     ("duration_s", None),
     ("request_throughput", None),
     ("output_throughput_tok_s", None),
@@ -281,8 +284,8 @@ SUMMARY_KEYS = (
 
 
 def _get(rep: dict, key: str, sub: str | None):
-    v = rep[key]
-    return v[sub] if sub else v
+    v = rep.get(key)
+    return v[sub] if sub and v is not None else v
 
 
 def summarize_repetitions(reps: list[dict]) -> dict:
@@ -647,6 +650,13 @@ def bench_serve_main(args) -> int:
     if not args.temperature >= 0:  # also NaN
         print("kvforge bench serve: error: --temperature must be a number >= 0", file=sys.stderr)
         return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvforge bench serve: error: --plot needs matplotlib: pip install 'kvforge[bench]' (or "
+                  "matplotlib), or drop --plot", file=sys.stderr)
+            return 2
     api_key = client_api_key(args.api_key)
     try:
         report = asyncio.run(run_benchmark(
