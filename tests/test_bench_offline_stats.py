@@ -145,3 +145,27 @@ def test_a_sampled_workload_runs_and_is_recorded(tmp_path):
                  "--output-len", "5", "5", "--temperature", "0.8", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["temperature"] == 0.8 and result["engine_stats"]["generation_tokens_total"] == 15
+
+
+def test_one_length_is_vllms_fixed_length_and_the_median_is_one_run(tmp_path, capsys):
+    """``--input-len 12`` (vLLM's form) gives every prompt 12 tokens; the reported median is one run's
+    figures (for two runs, the slower), so they agree with each other; a line on stderr sums it up."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "offline", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                 "--skip-tokenizer-init", "--kv-cache-memory", "4MiB", "--num-prompts", "3",
+                 "--input-len", "12", "--output-len", "4", "--repetitions", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["input_len"] == [12, 12] and result["input_tokens"] == 3 * 12 and result["output_tokens"] == 3 * 4
+    assert result["load_format"] == "dummy"
+    slower = max(result["runs"], key=lambda r: r["seconds"])
+    assert result["median"] == {k: slower[k] for k in result["median"]}
+    err = capsys.readouterr().err
+    assert f"throughput: {slower['requests_per_s']:.2f} requests/s" in err and "median of 2 runs" in err
+    assert "dummy weights" in err
+
+
+def test_three_lengths_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "offline", "--input-len", "1", "2", "3"])
+    assert exc.value.code == 2 and "expected N or MIN MAX, got 3 values" in capsys.readouterr().err

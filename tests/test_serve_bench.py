@@ -507,3 +507,12 @@ def test_a_sampled_load_sends_its_temperature():
                                               warmup=1, model="fake-model", temperature=0.7, log=lambda *_: None))
     assert report["config"]["temperature"] == 0.7 and report["repetitions"][0]["requests_succeeded"] == 4
     assert len(seen) == 2 + 4 and set(seen) == {0.7}
+
+
+def test_vllm_bench_serve_spellings_name_the_same_settings():
+    parser = sb.add_bench_serve_args(sb.ArgumentParser(prog="kvforge bench serve"))
+    vllm = parser.parse_args(["--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "32",
+                              "--max-concurrency", "4", "--num-prompts", "20", "--result-filename", "r.json"])
+    ours = parser.parse_args(["--isl", "256", "--osl", "32", "--concurrency", "4", "--num-requests", "20",
+                              "--out", "r.json"])
+    assert vars(vllm) == vars(ours)

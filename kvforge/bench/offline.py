@@ -70,15 +70,27 @@ from kvforge.kernels.jit_compilations import JitCompilations
 from kvforge.speculative.stats import spec_decode_summary
 
 
+class LengthRange(argparse.Action):
+    """``--input-len MIN MAX`` (lengths drawn uniformly from the range) or ``--input-len N`` (vLLM's form:
+    every request N tokens), stored as ``[MIN, MAX]``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) > 2:
+            parser.error(f"argument {option_string}: expected N or MIN MAX, got {len(values)} values")
+        setattr(namespace, self.dest, [values[0], values[-1]])
+
+
 def add_offline_args(p: argparse.ArgumentParser) -> None:
     from kvforge.cli_args import non_negative_int, positive_int
     from kvforge.config import EngineArgs
 
     EngineArgs.add_cli_args(p)
-    p.add_argument("--num-prompts", type=positive_int, default=256)
-    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
-    p.add_argument("--repetitions", type=positive_int, default=1, help="timed runs (median reported)")
+    p.add_argument("--num-prompts", type=positive_int, default=256, help="requests per run (default %(default)s)")
+    for flag, what in (("--input-len", "prompt"), ("--output-len", "output")):
+        p.add_argument(flag, type=int, nargs="+", action=LengthRange, default=[100, 1024], metavar="N",
+                       help=f"{what} tokens per request: N, or MIN MAX drawn uniformly (default 100 1024)")
+    p.add_argument("--repetitions", type=positive_int, default=1,
+                   help="timed runs; the median run is reported (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's sampling temperature (0: greedy, the default; > 0 runs the sampler's "
                         "random path, as most served requests do)")
@@ -363,6 +375,7 @@ def offline_main(args: argparse.Namespace) -> int:
     import torch
 
     from kvforge.config import EngineArgs
+    from kvforge.engine.sampling_params import SamplingParams
     from kvforge.llm import LLM
     from kvforge.planner.resolver import planned_max_model_len
     from kvforge.spec.load import load_model_spec
@@ -370,6 +383,7 @@ def offline_main(args: argparse.Namespace) -> int:
     # the model's config only (no weights yet): a workload longer than the context fails before loading
     check_lengths(args.input_len, args.output_len, planned_max_model_len(load_model_spec(model_argument(args)),
                                                                          args.max_model_len))
+    SamplingParams(temperature=args.temperature)  # a bad --temperature fails before loading too
     t_start = time.perf_counter()
     llm = LLM(**EngineArgs.from_cli_args(args).__dict__)
     startup = time.perf_counter() - t_start
@@ -386,10 +400,11 @@ def offline_main(args: argparse.Namespace) -> int:
     warmed = engine.stats()
     runs = [timed_run(llm, in_lens, params, rng, f"run {rep}") for rep in range(args.repetitions)]
     timed = stats_between(warmed, engine.stats())
-    med = {k: statistics.median(r[k] for r in runs)
-           for k in ("seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
+    median_run = median_run_of(runs)
+    med = {k: median_run[k] for k in ("seconds", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s")}
     result = {
-        "model": engine.model_name, "kv_cache_dtype": llm.plan.kv_cache_dtype, "model_dtype": llm.plan.model_dtype,
+        "model": engine.model_name, "load_format": weights_source(engine),
+        "kv_cache_dtype": llm.plan.kv_cache_dtype, "model_dtype": llm.plan.model_dtype,
         "block_size": llm.plan.block_size, "max_model_len": llm.plan.max_model_len,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "input_tokens": sum(in_lens), "output_tokens": sum(out_lens), "temperature": args.temperature,
@@ -441,4 +456,32 @@ def offline_main(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    print(summary_line(result), file=sys.stderr, flush=True)
     return 0
+
+
+def weights_source(engine) -> str:
+    """Where the engine's weights came from: dummy (random), gguf or safetensors."""
+    if engine.load_format != "auto":
+        return engine.load_format
+    from kvforge.weights import detect_load_format
+
+    return detect_load_format(engine.model_path)
+
+
+def median_run_of(runs: list[dict]) -> dict:
+    """The run at the median time (for an even count the slower of the two middle runs): every field of the
+    reported median then comes from one run and agrees with the others."""
+    ranked = sorted(runs, key=lambda r: r["seconds"])
+    return ranked[len(ranked) // 2]
+
+
+def summary_line(result: dict) -> str:
+    """One line for a reader: the median run's rates, the weights' source and the fraction of the floor."""
+    med, runs = result["median"], len(result["runs"])
+    line = (f"throughput: {med['requests_per_s']:.2f} requests/s, {med['output_tokens_per_s']:,.1f} output tok/s, "
+            f"{med['total_tokens_per_s']:,.1f} total tok/s ({'median of ' + str(runs) + ' runs' if runs > 1 else '1 run'}"
+            f"; {result['model']}, {result['load_format']} weights, KV {result['kv_cache_dtype']})")
+    if "fraction_of_floor" in result:
+        line += f"; {result['fraction_of_floor']:.1%} of the floor"
+    return line

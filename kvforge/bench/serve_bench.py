@@ -608,14 +608,16 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="server root (default %(default)s)")
     parser.add_argument("--model", default=None, help="model name (default: the first at /v1/models)")
     parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
-    parser.add_argument("--isl", type=positive_int, default=128,
+    parser.add_argument("--isl", "--random-input-len", dest="isl", type=positive_int, default=128,
                         help="input tokens per request, approximately (default %(default)s)")
-    parser.add_argument("--osl", type=positive_int, default=128,
+    parser.add_argument("--osl", "--random-output-len", dest="osl", type=positive_int, default=128,
                         help="output tokens per request, ignore_eos (default %(default)s)")
-    parser.add_argument("--concurrency", type=positive_int, default=8,
+    parser.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=positive_int, default=8,
                         help="requests in flight at once (default %(default)s)")
-    parser.add_argument("--num-requests", type=positive_int, default=64,
+    parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=positive_int, default=64,
                         help="requests per timed repetition (default %(default)s)")
+    parser.add_argument("--dataset-name", choices=["random"], default="random",
+                        help="vLLM's flag: the prompts are random text (the only dataset here)")
     parser.add_argument("--repetitions", type=positive_int, default=3, help="timed repetitions (default %(default)s)")
     parser.add_argument("--warmup", type=non_negative_int, default=1,
                         help="discarded warm-up passes (default %(default)s)")
@@ -627,7 +629,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "served traffic does)")
     parser.add_argument("--timeout", type=positive_float, default=600.0,
                         help="per-request timeout in seconds (default %(default)s)")
-    parser.add_argument("--out", type=output_file, default=None, help="write the JSON report here")
+    parser.add_argument("--out", "--result-filename", dest="out", type=output_file, default=None,
+                        help="write the JSON report here")
     parser.add_argument("--plot", type=output_file, default=None, help="write a PNG plot here (matplotlib)")
     return parser
 
