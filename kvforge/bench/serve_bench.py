@@ -583,7 +583,8 @@ def plot_report(report: dict, path: str) -> None:
     ax.set_title("throughput per repetition")
     ax.set_xlabel("repetition")
     ax.set_xticks(xs)
-    ax.legend()
+    ax.set_ylim(0, 1.25 * max(tot + out + [1]))  # room above the bars for the legend
+    ax.legend(loc="upper right", ncols=2)
     for ax, key, title in ((axes[0][1], "ttft_ms", "TTFT (ms)"), (axes[1][0], "tpot_ms", "TPOT (ms)"),
                            (axes[1][1], "itl_ms", "inter-token latency (ms)")):
         for q in ("p50", "p90", "p99"):
