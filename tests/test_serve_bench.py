@@ -204,8 +204,8 @@ def test_plot_without_matplotlib_stops_before_any_request(capsys, monkeypatch):
 @pytest.mark.parametrize("argv, says", [
     (["--warmup-requests", "-3"], "argument --warmup-requests: '-3' must be >= 1"),
     (["--timeout", "-1"], "argument --timeout: '-1' must be > 0"),
-    (["--concurrency", "0"], "argument --concurrency: '0' must be >= 1"),
-    (["--out", "/nonexistent/x.json"], "argument --out: the folder '/nonexistent' does not exist"),
+    (["--concurrency", "0"], "argument --concurrency/--max-concurrency: '0' must be >= 1"),
+    (["--out", "/nonexistent/x.json"], "argument --out/--result-filename: the folder '/nonexistent' does not exist"),
     (["--plot", "/nonexistent/x.png"], "argument --plot: the folder '/nonexistent' does not exist"),
 ], ids=["warmup-requests", "timeout", "concurrency", "out", "plot"])
 def test_bad_values_are_refused_before_any_request(capsys, argv, says):
