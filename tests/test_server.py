@@ -308,7 +308,7 @@ def _too_long_prompt(server) -> str:
 
 BAD_COMPLETIONS = [
     ("malformed_json", b'{"prompt": "hi", ', "body"),
-    ("not_an_object", b'["prompt"]', None),
+    ("not_an_object", b'["prompt"]', "body"),
     ("temperature_type", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("max_tokens_type", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
     ("max_tokens_zero", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),

@@ -81,7 +81,7 @@ def test_request_id_headers(server):
         assert r.headers["X-Request-Id"] == "stream-7" and b"[DONE]" in r.read()
 
 
-@pytest.mark.parametrize("value, says", [("{bad", "must be a JSON object"), ("[1]", "must be a JSON object, got list"),
+@pytest.mark.parametrize("value, says", [("{bad", "must be a JSON object"), ("[1]", "must be a JSON object, got array"),
                                          ('{"messages": 1}', "may not set messages")])
 def test_bad_default_template_kwargs_stop_before_weights(monkeypatch, capsys, value, says):
     assert says in serve_refused(monkeypatch, capsys, ["--default-chat-template-kwargs", value])

@@ -128,7 +128,7 @@ def test_json_schema_format_holds_the_text(client, model):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0]"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input[0].content[0].type"),
     (dict(input="hi", max_output_tokens=0), "max_output_tokens"),
     (dict(input="hi", previous_response_id="resp_1"), "previous_response_id"),  # nothing stored here
     (dict(input="hi", tools=[{"type": "web_search"}]), "tools[0]"),

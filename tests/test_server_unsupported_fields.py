@@ -230,16 +230,21 @@ def test_content_parts_are_text_only_and_named():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     req = parse_chat({"model": MODEL, "messages": [{"role": "user", "content": parts}]}, MODEL)
     assert req.messages[0]["content"] == "a\nb"  # joined by newlines, as vLLM's string format joins them
-    for part, says in (({"type": "image_url", "image_url": {"url": "x"}}, "got 'image_url'"),
-                       ({"type": "text"}, "a text part needs a string 'text'"), ("hi", "got 'string'")):
-        with pytest.raises(InvalidRequestError, match=says) as err:
+    for part, field, says in (
+            ({"type": "image_url", "image_url": {"url": "x"}}, "messages[0].content[0].type",
+             'only text content parts are supported, got "image_url"'),
+            ({"type": "text"}, "messages[0].content[0].text", "expected a string, got null"),
+            ({"type": "text", "text": 5}, "messages[0].content[0].text", "expected a string, got integer"),
+            ("hi", "messages[0].content[0]", "expected a content part (an object), got string"),
+            (None, "messages[0].content[0]", "expected a content part (an object), got null")):
+        with pytest.raises(InvalidRequestError) as err:
             parse_chat({"model": MODEL, "messages": [{"role": "user", "content": [part]}]}, MODEL)
-        assert err.value.field == "messages[0].content"
+        assert err.value.field == field and f"'{field}': {says}" == str(err.value)
 
 
 @pytest.mark.parametrize("field, value, why", [
     ("user", 5, "expected a string"), ("metadata", "x", "expected an object"), ("metadata", {"k": 1}, "strings"),
-    ("store", "yes", "true or false"), ("service_tier", 1, "expected a string"),
+    ("store", "yes", "expected a boolean"), ("service_tier", 1, "expected a string"),
 ])
 def test_openai_passthrough_fields_keep_their_types(field, value, why):
     """Fields that change no output are still typed, as OpenAI's API types them (the Responses route too)."""

@@ -170,6 +170,37 @@ def test_other_refusals_and_forms(backend):
         assert err.value.field == f"structured_outputs.{name}"
 
 
+@pytest.mark.parametrize("grammar, line_column", [("\u00e9", "line 1, column 1"),
+                                                  ('root ::= "a" |\n  ("\u00e9" \u00e9)', "line 2, column 8")])
+def test_a_grammar_character_outside_ascii_is_named(backend, grammar, line_column):
+    """xgrammar takes a character outside ASCII only in a quoted string or a character class, and its message
+    about one elsewhere holds that character's first byte alone (its column counts bytes): the refusal names
+    the character and its column in characters."""
+    with pytest.raises(InvalidRequestError) as err:
+        backend.compile(StructuredOutputsParams(grammar=grammar))
+    assert err.value.field == "structured_outputs.grammar" and "codec" not in str(err.value)
+    assert f"{line_column}: unexpected character '\u00e9': outside ASCII" in str(err.value)
+    assert "only inside a quoted string or a character class" in str(err.value)
+    compiled = backend.compile(StructuredOutputsParams(grammar='root ::= "\u00e9t\u00e9" | [\u00e0-\u00fc]'))
+    assert _ends_complete(compiled, "\u00e9t\u00e9", min(backend.info.stop_token_ids))
+
+
+@pytest.mark.parametrize("keyword, kind, bound", [
+    ("minLength", "string", -1), ("maxLength", "string", -1), ("maxLength", "string", 2**70),
+    ("minItems", "array", -1), ("maxItems", "array", 2**31), ("minProperties", "object", 2**32),
+    ("maxProperties", "object", 2**32), ("minLength", "string", 1.5), ("maxItems", "array", True),
+])
+def test_a_length_or_count_outside_its_range_is_refused_by_name(backend, keyword, kind, bound):
+    """Bounds xgrammar would refuse with its own check's text, or read as another bound (2**32 wraps to 0) or
+    as none (a maxLength of -1), are refused naming the keyword and where it is."""
+    schema = {"type": "object", "properties": {"a": {"type": kind, keyword: bound}}}
+    with pytest.raises(InvalidRequestError) as err:
+        backend.compile(StructuredOutputsParams(json=schema))
+    assert f"{keyword} {json.dumps(bound)} at #/properties/a: must be an integer from 0 to 2147483647" in str(
+        err.value)
+    assert "Check failed" not in str(err.value)
+
+
 def test_proposals_the_grammar_refuses_are_not_offered_to_the_matcher(backend, capfd):
     from kvforge.structured.token_masks import proposal_bitmask
 

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,16 @@ from kvforge.engine.logprob import Logprob, token_text
 from kvforge.engine.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, is_decimal_id
 from kvforge.errors import InvalidRequestError
 from kvforge.reasoning import ReasoningTokens
+from kvforge.server.request_fields import (
+    bad_field,
+    check_body,
+    get_array,
+    get_bool,
+    get_string,
+    get_typed,
+    shown,
+    type_name,
+)
 from kvforge.server.tool_calls import ToolChoice, parse_tools, template_message, with_tools
 from kvforge.server.tool_parsers import KEEPS_SPECIAL_TOKENS
 from kvforge.structured.params import StructuredOutputsParams
@@ -36,8 +47,8 @@ class ModelNotFoundError(InvalidRequestError):
     """The request names a model this server does not serve (HTTP 404, code ``model_not_found``)."""
 
     def __init__(self, model: str, served: str | tuple[str, ...]):
-        listed = ", ".join(repr(n) for n in served_names(served))
-        super().__init__(f"the model {model!r} does not exist; this server serves {listed}", field="model")
+        listed = ", ".join(json.dumps(n) for n in served_names(served))
+        super().__init__(f"the model {shown(model)} does not exist; this server serves {listed}", field="model")
         self.model = model
 
 
@@ -81,24 +92,6 @@ def now() -> int:
 # -- typed field access ---------------------------------------------------------
 
 _MISSING = object()
-
-
-def type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
 
 
 def decode_json_body(raw: bytes) -> Any:
@@ -145,10 +138,6 @@ def _is_utf8_text(s: str) -> bool:
     return True
 
 
-def bad_field(name: str, why: str):
-    raise InvalidRequestError(f"'{name}': {why}", field=name)
-
-
 def get_number(body: dict, name: str, default, *, allow_null: bool = True):
     value = body.get(name, _MISSING)
     if value is _MISSING or (value is None and allow_null):
@@ -179,17 +168,6 @@ def get_int(body: dict, name: str, default):
     if not INT_MIN <= value <= INT_MAX:
         shown = str(value) if len(str(value)) <= 24 else f"an integer of {len(str(abs(value)))} digits"
         bad_field(name, f"expected a signed 64-bit integer (in [{INT_MIN}, {INT_MAX}]), got {shown}")
-    return value
-
-
-def get_bool(body: dict, name: str, default: bool, where: str = "") -> bool:
-    """``body[name]`` as a bool (absent or null: ``default``); ``where`` prefixes the field's name in errors
-    (``stream_options.``)."""
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    if not isinstance(value, bool):
-        bad_field(where + name, f"expected a boolean, got {type_name(value)}")
     return value
 
 
@@ -269,7 +247,7 @@ def parse_chat_template_options(body: dict, messages: list[dict]) -> ChatTemplat
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
-            bad_field("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}")
+            bad_field("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {shown(effort)}")
         kwargs = {"reasoning_effort": effort, **kwargs}  # chat_template_kwargs, where it sets one, wins
     return ChatTemplateOptions(add_generation_prompt, continue_final, tuple(sorted(kwargs.items())))
 
@@ -360,23 +338,40 @@ def log_ignored_fields(body: dict, known: frozenset[str]) -> None:
         logger.warning("fields present in the request but ignored: %s", logged_names(ignored))
 
 
-# vLLM's extra request fields that change the output, each with the test of its value that leaves the
-# output unchanged (accepted, as is null); any other value is refused like the OpenAI fields below.
+@dataclass(frozen=True)
+class NeutralOnly:
+    """A request field served only at the value that changes nothing: ``read(body, name, default)``
+    (get_bool, get_int, get_array, ...) checks its type and gives ``neutral`` for absent or null; any other
+    value is refused with ``why``."""
+
+    read: Callable[[dict, str, Any], Any]
+    neutral: Any = None
+    why: str = "is not supported (leave it unset)"
+
+
+def refuse_unless_neutral(body: dict, fields: dict[str, NeutralOnly]) -> None:
+    """Each of ``fields`` in ``body`` type-checked, and refused (400 naming it) at any value but its neutral one:
+    a field that would change the output is never silently ignored."""
+    for name, field in fields.items():
+        if field.read(body, name, field.neutral) != field.neutral:
+            bad_field(name, field.why)
+
+
+#: vLLM's extra request fields that change the output, each at the value that leaves it unchanged; any other
+#: value is refused like the OpenAI fields below.
 _VLLM_EXTRAS_NEUTRAL = {
-    "length_penalty": lambda v: v == 1,
-    "use_beam_search": lambda v: v is False,
-    "bad_words": lambda v: v == [],
-    "logits_processors": lambda v: v == [],
+    "length_penalty": NeutralOnly(get_number, 1.0),
+    "use_beam_search": NeutralOnly(get_bool, False),
+    "bad_words": NeutralOnly(get_array, []),
+    "logits_processors": NeutralOnly(get_array, []),
 }
-
-
-def _refuse_unsupported_features(body: dict) -> None:
-    """Fields that would change what the model may output, which this server does not implement: refused
-    (400 naming the field) rather than ignored, so a client never takes plain text for constrained output."""
-    for name, neutral in _VLLM_EXTRAS_NEUTRAL.items():
-        value = body.get(name)
-        if value is not None and not neutral(value):
-            bad_field(name, "is not supported (leave it unset)")
+_NOT_ON_COMPLETIONS = "tool calls are a chat feature: send the request to /v1/chat/completions"
+#: OpenAI's completion fields this server does not serve, each at the value that changes nothing.
+_COMPLETION_NEUTRAL = {
+    "suffix": NeutralOnly(get_string, ""),
+    "tools": NeutralOnly(get_array, [], _NOT_ON_COMPLETIONS),
+    "functions": NeutralOnly(get_array, [], _NOT_ON_COMPLETIONS),
+}
 
 
 #: vLLM's older request fields, each one constraint of StructuredOutputsParams.
@@ -414,7 +409,7 @@ def parse_structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None
                                                          '(with "name" and "strict" as OpenAI spells them)')
             found.append(("response_format", {"json": spec["schema"]}))
         elif kind != "text":
-            bad_field("response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}')
+            bad_field("response_format.type", f'must be "text", "json_object" or "json_schema", got {shown(kind)}')
     given = body.get("structured_outputs")
     if given is not None:
         if not isinstance(given, dict):
@@ -426,9 +421,9 @@ def parse_structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None
     if body.get("guided_whitespace_pattern") is not None:
         bad_field("guided_whitespace_pattern", "is not supported: JSON outputs take any whitespace, or none but "
                                                "json.dumps's separators with structured_outputs.disable_any_whitespace")
-    backend = body.get("guided_decoding_backend")
-    if backend is not None and backend not in ("auto", "xgrammar"):
-        bad_field("guided_decoding_backend", f'only "xgrammar" (or "auto") is served here, got {backend!r}')
+    backend = get_string(body, "guided_decoding_backend", "auto")
+    if backend not in ("auto", "xgrammar"):
+        bad_field("guided_decoding_backend", f'only "xgrammar" (or "auto") is served here, got {shown(backend)}')
     if not found:
         return None, None
     if len(found) > 1:
@@ -449,9 +444,8 @@ def parse_structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None
 def _refuse_special_tokens_change(body: dict, route_default: bool) -> None:
     """``add_special_tokens`` only at the route's own rule (completions add the tokenizer's special tokens to
     a text prompt, chat renders them through its template): any other value would change the prompt."""
-    value = body.get("add_special_tokens")
-    if value is not None and value is not route_default:
-        bad_field("add_special_tokens", f"only {str(route_default).lower()} (this route's rule) is supported")
+    refuse_unless_neutral(body, {"add_special_tokens": NeutralOnly(
+        get_bool, route_default, f"only {shown(route_default)} (this route's rule) is supported")})
 
 
 #: OpenAI's string fields that change no output: accepted and not read, but a string when given.
@@ -463,25 +457,18 @@ def check_passthrough_fields(body: dict) -> None:
     ``store`` a bool, ``metadata`` an object of string values (a 400 naming the field otherwise, as OpenAI's
     API answers)."""
     for name in PASSTHROUGH_STRINGS:
-        if body.get(name) is not None and not isinstance(body[name], str):
-            bad_field(name, f"expected a string, got {type_name(body[name])}")
-    if body.get("store") is not None and not isinstance(body["store"], bool):
-        bad_field("store", f"expected true or false, got {type_name(body['store'])}")
-    metadata = body.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            bad_field("metadata", f"expected an object, got {type_name(metadata)}")
-        for key, value in metadata.items():
-            if not isinstance(value, str):
-                bad_field(f"metadata.{key}", f"values are strings, got {type_name(value)}")
+        get_string(body, name, None)
+    get_bool(body, "store", None)
+    for key, value in get_typed(body, "metadata", {}, "object").items():
+        if not isinstance(value, str):
+            bad_field(f"metadata.{key}", f"values are strings, got {type_name(value)}")
 
 
 def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | None = None) -> dict:
     """The fields both routes read; ``defaults``: the model's default sampling fields (its generation config)
     for those the request does not set."""
     defaults = defaults or {}
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object", field=None)
+    check_body(body)
     model = check_model(body.get("model"), served_model)
     check_passthrough_fields(body)
     n = get_int(body, "n", 1)
@@ -495,7 +482,7 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
     seed = get_int(body, "seed", None)
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         bad_field("seed", f"must be a signed 64-bit integer, got {seed}")
-    _refuse_unsupported_features(body)
+    refuse_unless_neutral(body, _VLLM_EXTRAS_NEUTRAL)
     constraint, constraint_at = parse_structured_outputs(body)
     stream = get_bool(body, "stream", False)
     stream_options = body.get("stream_options")
@@ -540,7 +527,9 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
             "prompt_logprobs": _prompt_logprobs(body, stream),
             "tokens_as_ids": get_bool(body, "return_tokens_as_token_ids", False),
             "return_token_ids": get_bool(body, "return_token_ids", False), "constraint_field": constraint_at,
-            "priority": get_int(body, "priority", 0)}
+            "priority": get_int(body, "priority", 0),
+            # OpenAI's field; read on /v1/completions too, where it changes nothing
+            "parallel_tool_calls": get_bool(body, "parallel_tool_calls", True)}
 
 
 def _prompt_logprobs(body: dict, stream: bool) -> int | None:
@@ -575,17 +564,18 @@ def prompt_logprobs_object(tokenizer, entries: list[dict[int, Logprob] | None]) 
 
 
 def _logit_bias(body: dict) -> dict:
-    """OpenAI's ``logit_bias``: an object from token ids (decimal strings) to numbers (null: none)."""
+    """OpenAI's ``logit_bias``: an object from token ids (ASCII decimal strings, nothing around the digits) to
+    numbers (null: none)."""
     value = body.get("logit_bias")
     if value is None:
         return {}
     if not isinstance(value, dict):
         bad_field("logit_bias", f"expected an object from token ids to biases, got {type_name(value)}")
     for key, bias in value.items():
-        if not is_decimal_id(key):
-            bad_field("logit_bias", f"keys must be token ids (non-negative integers), got {key!r:.40}")
+        if not is_decimal_id(key) or key != key.strip():
+            bad_field("logit_bias", f"keys must be token ids (non-negative integers), got {shown(key)}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            bad_field("logit_bias", f"biases must be numbers in [-100, 100], got {bias!r} for token {key}")
+            bad_field("logit_bias", f"biases must be numbers in [-100, 100], got {shown(bias)} for token {key}")
     return value
 
 
@@ -619,11 +609,9 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
     """A ``/v1/completions`` body; ``defaults``: the model's default sampling fields (``max_tokens`` stays
     OpenAI's 16 when not sent)."""
     common = _common(body, served_model, defaults)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            bad_field(name, "tool calls are a chat feature: send the request to /v1/chat/completions")
+    refuse_unless_neutral(body, _COMPLETION_NEUTRAL)
     if body.get("tool_choice") not in (None, "none", "auto"):
-        bad_field("tool_choice", "tool calls are a chat feature: send the request to /v1/chat/completions")
+        bad_field("tool_choice", _NOT_ON_COMPLETIONS)
     if "prompt" not in body or body["prompt"] is None:
         bad_field("prompt", "is required")
     prompt = body["prompt"]
@@ -641,8 +629,6 @@ def parse_completion(body: Any, served_model: str | tuple[str, ...], defaults: d
         bad_field("n", f"{len(prompts)} prompts x n={common['n']} is {len(prompts) * common['n']} sequences; at most "
                        f"{MAX_SEQUENCES_PER_REQUEST} per request: split the batch")
     echo = get_bool(body, "echo", False)
-    if body.get("suffix"):
-        bad_field("suffix", "is not supported")
     max_tokens = get_int(body, "max_tokens", 16)
     prompt_only = echo and max_tokens == 0
     logprobs = get_int(body, "logprobs", None)
@@ -680,12 +666,14 @@ def _message_text(content: Any, index: int) -> str:
         return content
     if isinstance(content, list):  # OpenAI content parts: only text, joined by newlines as vLLM joins them
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type_name(part)
-                bad_field(f"messages[{index}].content", f"only text content parts are supported, got {kind!r:.40}")
+        for j, part in enumerate(content):
+            where = f"messages[{index}].content[{j}]"
+            if not isinstance(part, dict):
+                bad_field(where, f"expected a content part (an object), got {type_name(part)}")
+            if part.get("type") != "text":
+                bad_field(f"{where}.type", f"only text content parts are supported, got {shown(part.get('type'))}")
             if not isinstance(part.get("text"), str):
-                bad_field(f"messages[{index}].content", "a text part needs a string 'text'")
+                bad_field(f"{where}.text", f"expected a string, got {type_name(part.get('text'))}")
             parts.append(part["text"])
         return "\n".join(parts)
     if content is None:
@@ -706,7 +694,7 @@ def parse_messages(messages: Any) -> list[dict]:
         if role is None:
             bad_field(f"messages[{i}].role", "is required (system, developer, user, assistant or tool)")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            bad_field(f"messages[{i}].role", f"unknown role {role!r}")
+            bad_field(f"messages[{i}].role", f"unknown role {shown(role)}")
         if role != "assistant" and m.get("content") is None:  # only an assistant turn may come without text
             bad_field(f"messages[{i}].content", f"is required for a {role} message (a string or text parts)")
         clean.append({"role": "system" if role == "developer" else role,
@@ -786,7 +774,7 @@ def parse_chat(body: Any, served_model: str | tuple[str, ...], defaults: dict | 
         chat_options=options, continuous_usage=common["continuous_usage"],
         tokens_as_ids=common["tokens_as_ids"], return_token_ids=common["return_token_ids"], tool_choice=forced,
         constraint_field=common["constraint_field"], tool_parser=tool_parser if auto else None,
-        parallel_tool_calls=body.get("parallel_tool_calls") is not False,  # parse_tools checked its type
+        parallel_tool_calls=common["parallel_tool_calls"],
         reasoning=reasoning, include_reasoning=get_bool(body, "include_reasoning", True),
         priority=common["priority"], prompt_logprobs=common["prompt_logprobs"],
     )

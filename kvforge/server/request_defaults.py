@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.errors import ConfigError
+from kvforge.server.request_fields import type_name
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def parse_template_kwargs(text: str | None) -> dict:
     except ValueError as e:
         raise ConfigError(f"--default-chat-template-kwargs must be a JSON object: {e}") from None
     if not isinstance(value, dict):
-        raise ConfigError(f"--default-chat-template-kwargs must be a JSON object, got {type(value).__name__}")
+        raise ConfigError(f"--default-chat-template-kwargs must be a JSON object, got {type_name(value)}")
     reserved = sorted({"messages", "add_generation_prompt"} & set(value))
     if reserved:
         raise ConfigError(f"--default-chat-template-kwargs may not set {', '.join(reserved)} (the request's own "

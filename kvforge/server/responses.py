@@ -28,7 +28,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.errors import InvalidRequestError
-from kvforge.server.protocol import REASONING_EFFORTS, bad_field, check_passthrough_fields, now, type_name
+from kvforge.server.protocol import (
+    REASONING_EFFORTS,
+    NeutralOnly,
+    check_passthrough_fields,
+    get_int,
+    now,
+    refuse_unless_neutral,
+)
+from kvforge.server.request_fields import (
+    bad_field,
+    check_body,
+    get_array,
+    get_bool,
+    get_object,
+    get_string,
+    get_typed,
+    shown,
+    type_name,
+)
 from kvforge.server.responses_store import ResponsesStore
 
 #: Fields a Responses body may carry (others are logged as ignored by the chat parser's check).
@@ -71,11 +89,15 @@ def _content_text(content: Any, where: str) -> str:
         bad_field(where, f"expected a string or an array of content parts, got {type_name(content)}")
     texts = []
     for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(part, dict):
+            bad_field(f"{where}[{k}]", f"expected a content part (an object), got {type_name(part)}")
+        kind = part.get("type")
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            bad_field(f"{where}[{k}].type", f"only text parts (input_text, output_text, refusal) are supported, got "
+                                            f"{shown(kind)}")
         key = "refusal" if kind == "refusal" else "text"  # a replayed assistant refusal: its text
-        if kind not in ("input_text", "output_text", "text", "refusal") or not isinstance(part.get(key), str):
-            bad_field(f"{where}[{k}]", f"only text parts (input_text, output_text, refusal) are supported, got "
-                                       f"{kind or type_name(part)!r:.40}")
+        if not isinstance(part.get(key), str):
+            bad_field(f"{where}[{k}].{key}", f"expected a string, got {type_name(part.get(key))}")
         texts.append(part[key])
     return "\n".join(texts)
 
@@ -124,7 +146,7 @@ def input_messages(items: Any, where: str = "input", earlier: Iterable[dict] = (
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                bad_field(f"{where}[{i}].role", f"must be user, assistant, system or developer, got {role!r:.40}")
+                bad_field(f"{where}[{i}].role", f"must be user, assistant, system or developer, got {shown(role)}")
             message = {"role": role, "content": _content_text(item.get("content"), f"{where}[{i}].content")}
             if role == "assistant":
                 assistant_turn(message)
@@ -136,7 +158,7 @@ def input_messages(items: Any, where: str = "input", earlier: Iterable[dict] = (
                 if not isinstance(item.get(key), str):
                     bad_field(f"{where}[{i}].{key}", "must be a string")
             if item["call_id"] in calls:
-                bad_field(f"{where}[{i}].call_id", f"a function_call with call_id {item['call_id']!r:.60} is in "
+                bad_field(f"{where}[{i}].call_id", f"a function_call with call_id {shown(item['call_id'])} is in "
                                                    f"the conversation already (a chained response holds its own "
                                                    f"calls): send each call once")
             call = {"id": item["call_id"], "type": "function",
@@ -151,10 +173,10 @@ def input_messages(items: Any, where: str = "input", earlier: Iterable[dict] = (
             if not isinstance(item.get("call_id"), str):
                 bad_field(f"{where}[{i}].call_id", "must be a string")
             if item["call_id"] not in calls:
-                bad_field(f"{where}[{i}].call_id", f"no function_call with call_id {item['call_id']!r:.60} comes "
+                bad_field(f"{where}[{i}].call_id", f"no function_call with call_id {shown(item['call_id'])} comes "
                                                    f"before this output: send the call item first")
             if item["call_id"] in answered:
-                bad_field(f"{where}[{i}].call_id", f"the call {item['call_id']!r:.60} has its output already: "
+                bad_field(f"{where}[{i}].call_id", f"the call {shown(item['call_id'])} has its output already: "
                                                    f"send one function_call_output a call")
             answered.add(item["call_id"])
             reasoning.clear()
@@ -165,7 +187,7 @@ def input_messages(items: Any, where: str = "input", earlier: Iterable[dict] = (
             if text:
                 reasoning.append(text)
         else:
-            bad_field(f"{where}[{i}].type", f"items of type {kind!r:.40} are not supported (message, function_call, "
+            bad_field(f"{where}[{i}].type", f"items of type {shown(kind)} are not supported (message, function_call, "
                                             f"function_call_output and reasoning are)")
     return messages
 
@@ -192,7 +214,7 @@ def _reasoning_effort(body: dict) -> str | None:
     if unknown:
         bad_field(f"reasoning.{unknown[0]}", "is not a reasoning option (effort and summary are)")
     if reasoning.get("effort") is not None and reasoning["effort"] not in REASONING_EFFORTS:
-        bad_field("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {reasoning['effort']!r:.40}")
+        bad_field("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)}, got {shown(reasoning['effort'])}")
     return reasoning.get("effort")
 
 
@@ -216,7 +238,7 @@ def _tools(body: dict) -> list[dict] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else type_name(tool)
-            bad_field(f"tools[{i}]", f"only function tools are served, got {kind!r:.40}")
+            bad_field(f"tools[{i}]", f"only function tools are served, got {shown(kind)}")
         if isinstance(tool.get("function"), dict):
             bad_field(f"tools[{i}]", 'Responses tools are flat: {"type": "function", "name": ..., "parameters": '
                                      '{...}}, not the chat route\'s {"type": "function", "function": {...}}')
@@ -252,29 +274,31 @@ def _text_format(body: dict) -> dict:
     return fmt
 
 
+#: Fields whose request the server cannot honour, each accepted only at the value that asks nothing.
+_UNSERVED = {
+    "conversation": NeutralOnly(lambda body, name, default: get_typed(body, name, default, "string", "object"),
+                                None, "conversations are not stored: send the whole conversation as 'input' (or "
+                                      "chain responses with previous_response_id on a server with "
+                                      "--responses-store-size)"),
+    "prompt": NeutralOnly(get_object, None, "stored prompts are not served: send the instructions and input "
+                                            "themselves"),
+    "background": NeutralOnly(get_bool, False, "background responses are not served: leave it false"),
+    "max_tool_calls": NeutralOnly(get_int, None, "is not served: the model calls as many tools as it writes "
+                                                 "(parallel_tool_calls false keeps one)"),
+    "top_logprobs": NeutralOnly(get_int, 0, "logprobs are not returned by /v1/responses: use "
+                                            "/v1/chat/completions"),
+    "max_tokens": NeutralOnly(get_int, None, "is the chat route's name: send max_output_tokens"),
+    "n": NeutralOnly(get_int, 1, "a response has one output: send n requests, or use /v1/chat/completions"),
+    "include": NeutralOnly(get_array, [], "nothing extra is returned (no logprobs, no encrypted reasoning): "
+                                          "leave it unset"),
+    "truncation": NeutralOnly(get_string, "disabled", "only disabled is served: a prompt longer than the context "
+                                                      "is refused"),
+}
+
+
 def _refuse_unserved(body: dict) -> None:
-    """Fields whose request the server cannot honour, each refused naming it."""
-    refusals = {
-        "conversation": "conversations are not stored: send the whole conversation as 'input' (or chain "
-                        "responses with previous_response_id on a server with --responses-store-size)",
-        "prompt": "stored prompts are not served: send the instructions and input themselves",
-        "background": "background responses are not served: leave it false",
-        "max_tool_calls": "is not served: the model calls as many tools as it writes (parallel_tool_calls false "
-                          "keeps one)",
-        "top_logprobs": "logprobs are not returned by /v1/responses: use /v1/chat/completions",
-        "max_tokens": "is the chat route's name: send max_output_tokens",
-    }
-    for name, why in refusals.items():
-        value = body.get(name)
-        if value is not None and value is not False and not (name == "top_logprobs" and value == 0):
-            bad_field(name, why)
-    if body.get("n", 1) != 1:
-        bad_field("n", "a response has one output: send n requests, or use /v1/chat/completions")
-    include = body.get("include")
-    if include:
-        bad_field("include", f"nothing extra is returned (no logprobs, no encrypted reasoning), got {include!r:.60}")
-    if body.get("truncation", "disabled") not in ("disabled", None):
-        bad_field("truncation", "only disabled is served: a prompt longer than the context is refused")
+    """Fields whose request the server cannot honour, each refused naming it (:data:`_UNSERVED`)."""
+    refuse_unless_neutral(body, _UNSERVED)
     check_passthrough_fields(body)
 
 
@@ -283,8 +307,7 @@ def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, Res
     conversation it continues (without the instructions: those of a previous response are not carried
     over, as OpenAI's API has it); InvalidRequestError naming the Responses field at fault. ``store``: the
     stored responses ``previous_response_id`` may name (None: none are stored)."""
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object", field=None)
+    check_body(body)
     _refuse_unserved(body)
     prior: list[dict] = []
     previous = body.get("previous_response_id")
@@ -294,7 +317,7 @@ def chat_body(body: Any, store: ResponsesStore | None = None) -> tuple[dict, Res
                                               "conversation as 'input', or start it with --responses-store-size N")
         stored = store.get(previous) if isinstance(previous, str) else None
         if stored is None:
-            bad_field("previous_response_id", f"no stored response has the id {previous!r:.80} (the store keeps "
+            bad_field("previous_response_id", f"no stored response has the id {shown(previous)} (the store keeps "
                                               f"the last {store.capacity}; a deleted one is gone)")
         prior = list(stored.history)
     chat = {key: body[key] for key in ("model", "temperature", "top_p", "stream", "seed", "top_k", "min_p", "stop",
@@ -343,6 +366,9 @@ def responses_field(error: InvalidRequestError) -> InvalidRequestError:
     for chat_name in ("response_format.json_schema", "response_format", "max_completion_tokens"):
         message = message.replace(chat_name, _FIELD_NAMES[chat_name])  # the chat names a message may give
     message = message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
+    if error.field == "messages":  # the whole prompt (its length): the instructions are part of it
+        message = message.replace("the prompt has", "the prompt (the instructions, any earlier turns and the input "
+                                                     "together) has", 1)
     return InvalidRequestError(message, field=field)
 
 

@@ -164,6 +164,5 @@ def tokenizer_info(tokenizer, max_model_len: int) -> dict:
 
 
 def _check_body_and_model(body: Any, served_model: str | tuple[str, ...]) -> None:
-    if not isinstance(body, dict):
-        raise InvalidRequestError("request body must be a JSON object", field=None)
+    protocol.check_body(body)
     protocol.check_model(body.get("model"), served_model)

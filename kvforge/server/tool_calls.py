@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.errors import InvalidRequestError
+from kvforge.server.request_fields import bad_field, get_array, get_typed, shown, type_name
 from kvforge.structured.params import StructuredOutputsParams
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -41,10 +42,6 @@ _IN_ARRAY = re.compile(r"#/items/anyOf/(\d+)/properties/parameters")
 _DEFINITIONS = ("$defs", "definitions")
 #: Keys of a parameters schema without a ``type`` that let it describe something other than an object.
 _NOT_AN_OBJECT = frozenset({"$ref", "anyOf", "oneOf", "allOf", "enum", "const", "not", "if", "items"})
-
-
-def _bad(field: str, why: str):
-    raise InvalidRequestError(f"'{field}': {why}", field=field)
 
 
 #: One call of a ``"required"`` array up to its name's closing quote (the constraint writes the name first), and
@@ -177,13 +174,13 @@ class ToolChoice:
                 for def_name, definition in (schema.pop(key, None) or {}).items():
                     seen = shared.setdefault(key, {})
                     if seen.get(def_name, definition) != definition:
-                        _bad("tools", f"two functions define {key}/{def_name} differently; rename one of them")
+                        bad_field("tools", f"two functions define {key}/{def_name} differently; rename one of them")
                     seen[def_name] = definition
             for ref in _refs(schema):
                 if ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
-                    _bad(f"tools[{i}].function.parameters", f"$ref {ref!r} points into the function's own schema, "
-                                                            f"which a required call array cannot keep: move the "
-                                                            f"target under $defs")
+                    bad_field(f"tools[{i}].function.parameters", f"$ref {shown(ref)} points into the function's own "
+                                                                 f"schema, which a required call array cannot keep: "
+                                                                 f"move the target under $defs")
             calls.append({"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
                           "required": ["name", "parameters"]})
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **shared}
@@ -258,50 +255,44 @@ def parse_tools(body: dict, parser: str | None = None,
     constraint), and whether the model chooses (``"auto"``, served where the server has a tool-call
     ``parser``: kvforge/server/tool_parsers.py); InvalidRequestError naming the field for a malformed
     declaration or a choice this server cannot honour. ``harmony``: the model is gpt-oss, whose forced call
-    is its own harmony call (:attr:`ToolChoice.harmony`)."""
+    is its own harmony call (:attr:`ToolChoice.harmony`). ``parallel_tool_calls`` is read as the request's
+    other fields are (its type checked there): only false holds a ``"required"`` array to one call."""
     if body.get("functions") is not None or body.get("function_call") is not None:
         name = "functions" if body.get("functions") is not None else "function_call"
-        _bad(name, "is OpenAI's deprecated spelling: send the functions as 'tools' and the choice as 'tool_choice'")
-    tools = body.get("tools")
+        bad_field(name, "is OpenAI's deprecated spelling: send the functions as 'tools' and the choice as 'tool_choice'")
+    tools = get_array(body, "tools", None)
     choice = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool) and parallel is not None:
-        _bad("parallel_tool_calls", f"must be true or false, got {parallel!r}")
-    parallel = parallel is not False
+    parallel = body.get("parallel_tool_calls") is not False
     if not tools:
-        if tools is not None and not isinstance(tools, list):
-            _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
         if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-            _bad("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", "function": {{"name": '
-                                f'...}}}}, got {choice!r}')
+            bad_field("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", "function": '
+                                     f'{{"name": ...}}}}, got {shown(choice)}')
         if choice not in (None, "none", "auto"):
-            _bad("tool_choice", "names a tool call but the request sends no 'tools'")
+            bad_field("tool_choice", "names a tool call but the request sends no 'tools'")
         return None, None, False
-    if not isinstance(tools, list):
-        _bad("tools", f"expected an array of tools, got {type(tools).__name__}")
     parameters = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            _bad(f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., "parameters": {...}}}')
+            bad_field(f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., "parameters": {...}}}')
         name = function.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            _bad(f"tools[{i}].function.name", "must be 1-64 letters, digits, underscores or dashes")
+            bad_field(f"tools[{i}].function.name", "must be 1-64 letters, digits, underscores or dashes")
         if any(name == other for other, _ in parameters):
-            _bad(f"tools[{i}].function.name", f"{name!r} is declared twice")
+            bad_field(f"tools[{i}].function.name", f"{shown(name)} is declared twice")
         schema = function.get("parameters")
         if schema is not None and (not isinstance(schema, dict) or schema.get("type", "object") != "object"
                                    or ("type" not in schema and _NOT_AN_OBJECT & set(schema))):
-            _bad(f"tools[{i}].function.parameters", 'must be a JSON schema of an object ({"type": "object", '
-                                                    '"properties": {...}}), the arguments\' shape')
+            bad_field(f"tools[{i}].function.parameters", 'must be a JSON schema of an object ({"type": "object", '
+                                                         '"properties": {...}}), the arguments\' shape')
         parameters.append((name, json.dumps(schema if schema else NO_PARAMETERS)))
     if choice is None or choice == "auto":
         if parser is not None:
             return tools, None, True
-        _bad("tool_choice", f'"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, which '
-                            f'this server was not started with (--enable-auto-tool-choice --tool-call-parser '
-                            f'{"openai" if harmony else "hermes"}): send "required" or {{"type": "function", '
-                            f'"function": {{"name": ...}}}} to have the output constrained to a call, or "none"')
+        bad_field("tool_choice", f'"auto" (the default with tools) needs a parser of the model\'s tool-call syntax, '
+                                 f'which this server was not started with (--enable-auto-tool-choice --tool-call-parser '
+                                 f'{"openai" if harmony else "hermes"}): send "required" or {{"type": "function", '
+                                 f'"function": {{"name": ...}}}} to have the output constrained to a call, or "none"')
     if choice == "none":
         return tools, None, False
     if choice == "required":
@@ -309,12 +300,12 @@ def parse_tools(body: dict, parser: str | None = None,
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if not isinstance(name, str):
-            _bad("tool_choice.function.name", f"must be a string, got {type(name).__name__}")
+            bad_field("tool_choice.function.name", f"expected a string, got {type_name(name)}")
         if name not in dict(parameters):
-            _bad("tool_choice", f"names function {name!r}, which 'tools' does not declare")
+            bad_field("tool_choice", f"names function {shown(name)}, which 'tools' does not declare")
         forced = ToolChoice(name, tuple(parameters), parallel)
     else:
-        _bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if harmony:
         forced = dataclasses.replace(forced, harmony=True)
     try:
@@ -322,27 +313,30 @@ def parse_tools(body: dict, parser: str | None = None,
     except InvalidRequestError as e:  # a parameters schema that is not valid JSON-schema input
         if (e.field or "").startswith("tools"):
             raise
-        _bad("tools", f"a function's parameters: {e}")
+        bad_field("tools", f"a function's parameters: {e}")
     return tools, forced, False
 
 
 def template_message(message: dict, index: int) -> dict:
     """The tool fields of one chat message as a template reads them: an assistant turn's ``tool_calls``
     (``arguments`` parsed from their JSON text into objects, as vLLM hands them to templates that write
-    them with ``tojson``) and a tool turn's ``tool_call_id`` and ``name``; {} for other messages."""
+    them with ``tojson``) and a tool turn's ``tool_call_id`` and ``name``; {} for other messages. ``name``
+    and ``tool_call_id`` are strings on any message."""
     out: dict[str, Any] = {}
     role = message.get("role")
     if role == "assistant" and message.get("tool_calls") is not None:
         calls = message["tool_calls"]
         if not isinstance(calls, list):
-            _bad(f"messages[{index}].tool_calls", "expected an array of tool calls")
+            bad_field(f"messages[{index}].tool_calls", "expected an array of tool calls")
         clean = []
         for j, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                _bad(f"messages[{index}].tool_calls[{j}]", 'expected {"id": ..., "type": "function", "function": '
-                                                           '{"name": ..., "arguments": "..."}}')
-            arguments = function.get("arguments") or {}  # none or "": no arguments, as vLLM hands them over
+                bad_field(f"messages[{index}].tool_calls[{j}]", 'expected {"id": ..., "type": "function", "function": '
+                                                                '{"name": ..., "arguments": "..."}}')
+            # OpenAI's arguments are a string of JSON; vLLM takes them as an object too. None or "": no arguments.
+            arguments = get_typed(function, "arguments", None, "string", "object",
+                                  where=f"messages[{index}].tool_calls[{j}].function.") or {}
             if isinstance(arguments, str):
                 try:
                     arguments = json.loads(arguments)
@@ -351,12 +345,10 @@ def template_message(message: dict, index: int) -> dict:
             clean.append({"id": call.get("id"), "type": "function",
                           "function": {"name": function["name"], "arguments": arguments}})
         out["tool_calls"] = clean
-    if role == "tool":
-        for key in ("tool_call_id", "name"):
-            if message.get(key) is not None:
-                if not isinstance(message[key], str):
-                    _bad(f"messages[{index}].{key}", f"expected a string, got {type(message[key]).__name__}")
-                out[key] = message[key]
+    for key in ("tool_call_id", "name"):  # strings on every message; a tool turn's reach the template
+        value = get_typed(message, key, None, "string", where=f"messages[{index}].")
+        if role == "tool" and value is not None:
+            out[key] = value
     return out
 
 
@@ -400,5 +392,5 @@ def with_tools(options, tools) -> object:
         return options
     checked, _, _ = parse_tools({"tools": tools, "tool_choice": "none"})
     if any(key == "tools" for key, _ in options.template_kwargs):
-        _bad("chat_template_kwargs", "may not set tools (the 'tools' argument sets it)")
+        bad_field("chat_template_kwargs", "may not set tools (the 'tools' argument sets it)")
     return dataclasses.replace(options, template_kwargs=(*options.template_kwargs, ("tools", checked)))

@@ -34,6 +34,22 @@ INSTALL_HINT = "pip install xgrammar (or kvforge[structured])"
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
 #: A Lark rule head (``?start:`` / ``name:``), which xgrammar's EBNF reader refuses.
 _LARK_RULE = re.compile(r"^\s*\??[A-Za-z_]\w*\s*:(?!:)", re.MULTILINE)
+#: Where xgrammar's EBNF lexer found a character it does not take (its column counts bytes).
+_LEXER_AT = re.compile(r"line (\d+), column (\d+): Unexpected character: $")
+
+
+def _outside_ascii(text: str, grammar: str) -> str:
+    """xgrammar's message ``text``, cut where it gives the first byte of a character of ``grammar`` outside
+    ASCII, told with that character and its column counted in characters."""
+    at = _LEXER_AT.search(text)
+    lines = grammar.split("\n")
+    line = lines[int(at[1]) - 1].encode() if at is not None and 0 < int(at[1]) <= len(lines) else b""
+    before = line[:int(at[2]) - 1].decode("utf-8", "replace") if line else ""
+    char = line[int(at[2]) - 1:].decode("utf-8", "replace")[:1] if line else ""
+    if char.isascii():  # not found where the message says (or no place given)
+        return text + "a character outside ASCII"
+    return (f"{text[:at.start()]}line {at[1]}, column {len(before) + 1}: unexpected character {char!r}: outside ASCII, "
+            f"EBNF takes one only inside a quoted string or a character class (\"{char}\", [{char}])")
 
 
 def xgrammar_module():
@@ -141,8 +157,11 @@ class GrammarBackend:
             return self._compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             text = str(e).strip()
-            message = _XGRAMMAR_PREFIX.sub("", text.splitlines()[0]) if text else type(e).__name__
             hint = ""
+            if isinstance(e, UnicodeDecodeError):  # the message ends in one byte of a character outside ASCII
+                text = e.object[:e.start].decode("utf-8", "replace")
+                text = _outside_ascii(text, params.grammar) if kind == "grammar" else text + "a character outside ASCII"
+            message = _XGRAMMAR_PREFIX.sub("", text.splitlines()[0]) if text else type(e).__name__
             if kind == "grammar" and _LARK_RULE.search(params.grammar):
                 hint = " (this reads as a Lark grammar; give the grammar in EBNF: root ::= ...)"
             raise InvalidRequestError(f"{field} could not be compiled: {message}{hint}", field=field) from None

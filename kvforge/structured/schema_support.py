@@ -13,11 +13,14 @@ list, ``multipleOf`` on anything but an integer by an integer, a lookahead (``(?
 ``allOf`` (read alone) or beside ``enum``/``const`` (only the values are enforced), one type's
 constraints where no ``type`` is given, and a ``oneOf`` whose branches are not shown apart
 (kvforge/structured/disjoint_schemas.py: xgrammar matches it as ``anyOf``). A ``$ref`` target outside
-``$defs`` is scanned where the reference names it.
+``$defs`` is scanned where the reference names it. A length or count bound (``minLength``, ``maxItems``, ...)
+outside 0 to :data:`COUNT_MAX` is refused too: xgrammar refuses some such bounds, but reads others as another
+bound or as none.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 from kvforge.structured.disjoint_schemas import admits, declared_types, overlapping_pair, resolve
@@ -49,6 +52,10 @@ _COMBINERS = ("$ref", "anyOf", "oneOf", "allOf")
 #: Keywords that restrict one type's values, which xgrammar applies only where the schema names a type.
 _TYPED = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
           "exclusiveMaximum", "multipleOf", "minItems", "maxItems")
+#: Keywords that bound a length or a count, and the largest bound xgrammar reads as given (a 32-bit int's
+#: largest: beyond it some bounds are refused, others wrap or read as no bound, as a negative one may).
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+COUNT_MAX = 2**31 - 1
 #: References into these are scanned where they are defined.
 _SCANNED_REFS = ("#/$defs/", "#/definitions/")
 #: Keywords whose value is one subschema, and those whose value is a list or a name -> subschema object.
@@ -88,6 +95,10 @@ def unenforced(schema, path: str = "#", root=None, followed: set | None = None) 
     for keyword, instead in NOT_ENFORCED.items():
         if keyword in schema:
             yield f"{keyword} at {path}: {instead}"
+    for keyword in _COUNTS:
+        bound = schema.get(keyword, 0)
+        if isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= COUNT_MAX:
+            yield f"{keyword} {json.dumps(bound)[:40]} at {path}: must be an integer from 0 to {COUNT_MAX}"
     if schema.get("uniqueItems") is True:
         yield f"uniqueItems at {path}: drop it (or list the items with prefixItems)"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
