@@ -205,7 +205,7 @@ def test_chat_takes_the_servers_message_shapes_and_options(smol_llm):
     closed = llm.chat(conv, params, use_tqdm=False, add_generation_prompt=False)[0]
     assert closed.prompt.startswith(cont.prompt) and len(closed.prompt) > len(cont.prompt)
     for bad, field in (([{"role": "user"}], "messages[0].content"), ([], "messages"),
-                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0].type")):
         with pytest.raises(InvalidRequestError) as err:
             llm.chat(bad, params, use_tqdm=False)
         assert err.value.field == field
