@@ -108,4 +108,4 @@ def test_a_replayed_refusal_part_is_the_turns_text():
     assert messages[1] == {"role": "assistant", "content": "I can't help."}
     with pytest.raises(InvalidRequestError) as err:
         responses.input_messages([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
-    assert err.value.field == "input[0].content[0]"
+    assert err.value.field == "input[0].content[0].type"
