@@ -52,4 +52,4 @@ def test_every_name_is_served_and_the_first_is_reported(server):
         assert status == 200 and out["model"] == "org/a"
     assert _call(server.url + "/tokenize", {"model": "b", "prompt": "hi"})[0] == 200
     status, out = _call(server.url + "/v1/completions", {"model": "c", "prompt": "hi"})
-    assert status == 404 and "serves 'org/a', 'b'" in out["error"]["message"]
+    assert status == 404 and 'serves "org/a", "b"' in out["error"]["message"]
