@@ -13,24 +13,15 @@ from kvforge.errors import InvalidRequestError
 SHOWN_CHARS = 40
 
 
+#: JSON's type names by Python type, bool before int (a bool is an int to isinstance).
+_JSON_TYPE_NAMES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+                    (list, "array"), (dict, "object"))
+
+
 def type_name(value: Any) -> str:
     """JSON's name of the type of ``value`` (a value ``json.loads`` gives): null, boolean, integer, number,
     string, array or object."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for kind, name in _JSON_TYPE_NAMES if isinstance(value, kind)), type(value).__name__)
 
 
 def shown(value: Any) -> str:
