@@ -31,9 +31,24 @@ def test_available_bytes_are_memavailable_and_free_swap(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemFree:          100 kB\nMemAvailable:    1000 kB\n"
                        "SwapTotal:         64 kB\nSwapFree:          24 kB\n")
-    assert available_host_bytes(str(meminfo)) == (1000 + 24) * 1024
+    assert available_host_bytes(str(meminfo), str(tmp_path / "none")) == (1000 + 24) * 1024
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:    2048 kB\n")  # no swap lines
-    assert available_host_bytes(str(meminfo)) == 2048 * 1024
+    assert available_host_bytes(str(meminfo), str(tmp_path / "none")) == 2048 * 1024
+
+
+def test_a_cgroup_limit_bounds_what_is_available(tmp_path):
+    """In a container /proc/meminfo shows the host: the cgroup's limit less its use bounds it."""
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    meminfo.write_text("MemAvailable:    8000 kB\n")
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{6000 * 1024}\n")
+    (cgroup / "memory.current").write_text(f"{1000 * 1024}\n")
+    assert available_host_bytes(str(meminfo), str(cgroup)) == 5000 * 1024
+    (cgroup / "memory.max").write_text("max\n")  # no limit
+    assert available_host_bytes(str(meminfo), str(cgroup)) == 8000 * 1024
+    (cgroup / "memory.max").write_text(f"{20000 * 1024}\n")  # a limit above what the host has
+    assert available_host_bytes(str(meminfo), str(cgroup)) == 8000 * 1024
+    assert available_host_bytes(str(meminfo), str(tmp_path / "none")) == 8000 * 1024
 
 
 def test_a_plan_that_fits_or_an_unknown_host_passes():

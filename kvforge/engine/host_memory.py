@@ -4,8 +4,8 @@ On CPU the weights (in the engine's dtype: float32 unless ``--dtype`` says other
 live in the process's memory. A model larger than the machine's memory would otherwise load for minutes
 and then be killed by the kernel's out-of-memory killer, with no message at all. The check compares the
 plan's bytes, for every rank (tensor-parallel ranks on CPU are processes of this host), with the memory
-the kernel reports available (``MemAvailable`` and free swap on Linux; the free pages elsewhere) and
-refuses with the numbers and the fixes. Where the host reports nothing, nothing is checked.
+the kernel reports available (``MemAvailable`` and free swap on Linux, within a container's cgroup memory
+limit; the free pages elsewhere) and refuses with the numbers and the fixes. Where the host reports nothing, nothing is checked.
 """
 
 from __future__ import annotations
@@ -17,22 +17,32 @@ from kvforge.errors import ConfigError
 from kvforge.planner.kv_plan import KVPlan
 
 MEMINFO = "/proc/meminfo"
+#: A cgroup v2 container's memory limit and use (a container's /proc/meminfo shows the whole host).
+CGROUP = "/sys/fs/cgroup"
 
 
-def available_host_bytes(meminfo: str = MEMINFO) -> int | None:
+def available_host_bytes(meminfo: str = MEMINFO, cgroup: str = CGROUP) -> int | None:
     """Bytes the host can give this process now: ``MemAvailable + SwapFree`` from ``meminfo`` where it
-    exists, else the free physical pages (``sysconf``), else None."""
+    exists, else the free physical pages (``sysconf``), else None; within a cgroup memory limit, at most
+    the limit less the cgroup's use."""
+    host = None
     try:
         with open(meminfo) as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        kib = int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])
-        return kib * 1024
+        host = 1024 * (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0]))
     except (OSError, KeyError, ValueError):
-        pass
+        try:
+            host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(cgroup, "memory.current")) as f:
+            room = int(limit) - int(f.read().strip())  # "max" (no limit) raises ValueError
+    except (OSError, ValueError):
+        return host
+    return max(0, room) if host is None else min(host, max(0, room))
 
 
 def host_memory_shortfall(plan: KVPlan, ranks: int, available: int | None) -> str | None:
