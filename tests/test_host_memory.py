@@ -51,6 +51,31 @@ def test_a_cgroup_limit_bounds_what_is_available(tmp_path):
     assert available_host_bytes(str(meminfo), str(tmp_path / "none")) == 8000 * 1024
 
 
+def test_reclaimable_page_cache_is_not_counted_as_use(tmp_path):
+    """A cgroup's use includes file pages the kernel drops before it kills (a weight file read earlier):
+    the inactive ones do not shrink the room, so a container that has read files is not refused."""
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    meminfo.write_text("MemAvailable:    8000 kB\n")
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{6000 * 1024}\n")
+    (cgroup / "memory.current").write_text(f"{5000 * 1024}\n")
+    (cgroup / "memory.stat").write_text(f"anon {1000 * 1024}\nfile {4000 * 1024}\ninactive_file {3000 * 1024}\n")
+    assert available_host_bytes(str(meminfo), str(cgroup)) == (6000 - 2000) * 1024
+
+
+def test_a_cgroup_v1_limit_bounds_what_is_available(tmp_path):
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    meminfo.write_text("MemAvailable:    8000 kB\n")
+    (cgroup / "memory").mkdir(parents=True)
+    v1 = cgroup / "memory"
+    (v1 / "memory.limit_in_bytes").write_text(f"{6000 * 1024}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{3000 * 1024}\n")
+    (v1 / "memory.stat").write_text(f"cache {2000 * 1024}\ntotal_inactive_file {500 * 1024}\n")
+    assert available_host_bytes(str(meminfo), str(cgroup)) == (6000 - 2500) * 1024
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 without a limit
+    assert available_host_bytes(str(meminfo), str(cgroup)) == 8000 * 1024
+
+
 def test_a_plan_that_fits_or_an_unknown_host_passes():
     plan = _plan()
     assert host_memory_shortfall(plan, 1, _need(plan)) is None
