@@ -22,10 +22,22 @@ def _read_config_json(path: Path) -> dict:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is neither a GGUF file nor a JSON config (not UTF-8 text); pass an HF model "
+                          "directory, its config.json, or a GGUF file") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    """A GGUF file whatever its name (the weights loader detects GGUF by the same four bytes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def load_hf_config(model: str | None) -> tuple[dict, str, str]:
@@ -46,7 +58,7 @@ def load_hf_config(model: str | None) -> tuple[dict, str, str]:
         else:
             raise ConfigError(f"{path} holds no config.json (and not exactly one .gguf file); pass a model directory")
     if path.is_file():
-        if path.suffix == ".gguf":
+        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
             from kvforge.weights.gguf_config import read_gguf_config
 
             return read_gguf_config(path), path.stem, str(path)

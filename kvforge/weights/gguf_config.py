@@ -13,6 +13,7 @@ written since 2023).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -100,7 +101,11 @@ class GGUFHeader:
     def __init__(self, path: str, read_arrays: tuple[str, ...] = ()):
         self.path = str(path)
         self._want = set(read_arrays)
-        with open(self.path, "rb") as f:
+        try:
+            f = open(self.path, "rb")
+        except OSError as e:  # missing, a directory, unreadable
+            raise ConfigError(f"cannot read GGUF file {self.path}: {e.strerror or e}") from None
+        with f:
             try:
                 self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError as e:  # empty file
@@ -112,20 +117,29 @@ class GGUFHeader:
             self._buf = None
 
     # -- low level -----------------------------------------------------------
+    def _take(self, n: int) -> int:
+        """Step over the next ``n`` header bytes; returns where they start. A file that ends first is truncated."""
+        start = self._pos
+        end = start + n
+        if end > len(self._buf):
+            raise ConfigError(
+                f"{self.path} is truncated: its header (metadata and tensor directory) needs more than "
+                f"{len(self._buf)} bytes, which is all the file has; fix: download or assemble the file again"
+            )
+        self._pos = end
+        return start
+
     def _read(self, fmt: str):
-        (v,) = struct.unpack_from(fmt, self._buf, self._pos)
-        self._pos += struct.calcsize(fmt)
+        (v,) = struct.unpack_from(fmt, self._buf, self._take(struct.calcsize(fmt)))
         return v
 
     def _read_str(self) -> str:
         n = self._read("<Q")
-        s = self._buf[self._pos : self._pos + n]
-        self._pos += n
-        return s.decode("utf-8", errors="replace")
+        start = self._take(n)
+        return self._buf[start : start + n].decode("utf-8", errors="replace")
 
     def _skip_str(self) -> None:
-        n = self._read("<Q")
-        self._pos += n
+        self._take(self._read("<Q"))
 
     def _read_value(self, vtype: int, key: str) -> Any:
         if vtype in _SCALAR_FMT:
@@ -138,12 +152,9 @@ class GGUFHeader:
             materialise = n <= _SMALL_ARRAY or key in self._want
             if etype in _SCALAR_NP:
                 dt = np.dtype(_SCALAR_NP[etype])
-                nbytes = dt.itemsize * n
+                start = self._take(dt.itemsize * n)
                 if materialise:
-                    arr = np.frombuffer(self._buf, dtype=dt, count=n, offset=self._pos).copy()
-                    self._pos += nbytes
-                    return arr.tolist()
-                self._pos += nbytes
+                    return np.frombuffer(self._buf, dtype=dt, count=n, offset=start).tolist()
                 return SkippedArray(n)
             if etype == _STRING:
                 if materialise:
@@ -189,10 +200,14 @@ class GGUFHeader:
         for name, shape, ggml_type, offset in raw:
             n_elems = int(np.prod(shape, dtype=np.int64)) if shape else 1
             if ggml_type not in GGML_QUANT_SIZES:
-                raise ConfigError(f"{self.path}: tensor {name} has unknown ggml type {ggml_type}")
+                raise ConfigError(
+                    f"{self.path}: tensor {name} has ggml type {ggml_type}, which the installed gguf package "
+                    "does not know; fix: upgrade it (pip install -U gguf), or convert the model to a known type"
+                )
             block, type_size = GGML_QUANT_SIZES[ggml_type]
-            if n_elems % block:
-                raise ConfigError(f"{self.path}: tensor {name} has {n_elems} elements, not a whole number of "
+            row = shape[0] if shape else 1
+            if row % block:  # ggml quantizes rows: each row is whole blocks (as llama.cpp requires)
+                raise ConfigError(f"{self.path}: tensor {name} has rows of {row} elements, not a whole number of "
                                   f"{block}-element blocks of ggml type {ggml_type}; the file is corrupt")
             self.tensors[name] = GGUFTensorInfo(
                 name, shape, ggml_type, data_start + offset, n_elems // block * type_size
@@ -235,6 +250,54 @@ class GGUFHeader:
         return self.metadata.get(f"{self.architecture}.{suffix}", default)
 
 
+# ggml types the loader reads as they are stored (F32, F16, BF16); every other type is dequantized by gguf.quants.
+_STORED_AS_FLOAT = (0, 1, 30)
+
+
+@functools.cache
+def loadable_ggml_type(ggml_type: int) -> bool:
+    """Whether kvforge.weights.gguf_loader can turn tensors of this ggml type into floats: F32, F16 and BF16
+    directly, any other type through ``gguf.quants.dequantize`` (tried on one all-zero block, so the installed
+    gguf package decides)."""
+    if ggml_type in _STORED_AS_FLOAT:
+        return True
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType(ggml_type)
+    except ValueError:
+        return False
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check_tensor_types(h: GGUFHeader) -> None:
+    """Every tensor is of a ggml type the loader reads; else one error naming each unreadable type, a tensor of
+    it and the types that are read, raised with the config (before any model is built)."""
+    from gguf import GGMLQuantizationType
+
+    unreadable: dict[int, list[str]] = {}
+    for name, info in h.tensors.items():
+        if not loadable_ggml_type(info.ggml_type):
+            unreadable.setdefault(info.ggml_type, []).append(name)
+    if not unreadable:
+        return
+    found = "; ".join(
+        f"tensor {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+        + f" of ggml type {GGMLQuantizationType(t).name}"
+        for t, names in unreadable.items()
+    )
+    readable = ", ".join(t.name for t in GGMLQuantizationType if loadable_ggml_type(t.value))
+    raise ConfigError(
+        f"{h.path}: {found}: kvforge cannot dequantize this type; it reads {readable}; fix: convert or quantize "
+        "the model to one of those (llama.cpp's convert_hf_to_gguf.py --outtype, or llama-quantize)"
+    )
+
+
 # GGUF general.architecture -> HF architecture name.
 _GGUF_ARCH_TO_HF = {
     "llama": "LlamaForCausalLM",
@@ -272,8 +335,9 @@ def _first(value: Any) -> Any:
 def _gemma3_keys(h: GGUFHeader, cfg: dict) -> dict:
     """What a Gemma 3 GGUF leaves to convention, as llama.cpp's gemma3 loader assumes it.
 
-    GeGLU (tanh gelu); every 6th layer global unless the file lists the pattern
-    (``sliding_window_pattern``, one bool per layer, true = sliding); local rope
+    GeGLU (tanh gelu); every 6th layer global unless the file gives the pattern
+    (``sliding_window_pattern``: one bool per layer, true = sliding, or n: every n-th
+    layer global, 0: none); local rope
     base 10000 (the file's ``rope.freq_base`` is the global one, ``rope_scaling``
     applies to global layers only); query scale 1/sqrt(head_dim) except for the
     62-layer 27B model (1/sqrt(hidden / heads)); soft-capping where the file has it.
@@ -287,8 +351,10 @@ def _gemma3_keys(h: GGUFHeader, cfg: dict) -> dict:
             raise ConfigError(f"{h.path}: sliding_window_pattern lists {len(pattern)} layers, expected {n}")
         out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
     else:
+        # llama.cpp's set_swa_pattern: every n-th layer is full; a pattern of 0 makes every layer slide.
         every = int(pattern) if pattern is not None else 6
-        out["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+        out["layer_types"] = ["full_attention" if every and (i + 1) % every == 0 else "sliding_attention"
+                              for i in range(n)]
     if n == 62:
         out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     else:
@@ -311,11 +377,22 @@ def read_gguf_config(path: str) -> dict:
     sliding_window when known.
     """
     h = GGUFHeader(path)
+    parts = h.metadata.get("split.count")
+    if isinstance(parts, int) and parts > 1:
+        # Each part holds some of the tensors: config fields read from the tensor directory (tied embeddings,
+        # biases) and the weights would be those of one part.
+        part = int(h.metadata.get("split.no", 0)) + 1
+        raise ConfigError(
+            f"{path} is part {part} of a GGUF split into {parts} files; kvforge reads a model from one GGUF file; "
+            "fix: merge the parts with llama.cpp's `llama-gguf-split --merge FIRST_PART MERGED.gguf` and pass "
+            "MERGED.gguf"
+        )
     arch = h.architecture
     if arch not in _GGUF_ARCH_TO_HF:
         raise ConfigError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {sorted(_GGUF_ARCH_TO_HF)}"
         )
+    _check_tensor_types(h)
     hf_arch = _GGUF_ARCH_TO_HF[arch]
     # llama.cpp writes Mistral checkpoints as arch "llama"; both map to one implementation here.
 
@@ -378,6 +455,10 @@ def read_gguf_config(path: str) -> dict:
         if orig is not None:
             scaling["original_max_position_embeddings"] = int(orig)
         cfg["rope_scaling"] = scaling
+    elif scaling_type not in (None, "none"):
+        raise ConfigError(
+            f"{path}: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported; supported: none, linear"
+        )
     elif "rope_freqs.weight" in h.tensors:
         # llama3-style scaling: llama.cpp stores per-frequency divisors instead of the parameters.
         t = h.tensors["rope_freqs.weight"]
