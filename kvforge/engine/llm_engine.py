@@ -174,6 +174,10 @@ class LLMEngine:
 
         # 2. Tokenizer, model, weights (only now).
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer(args)
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.spec.vocab_size:
+            logger.warning("the tokenizer has %d ids but the model's vocabulary %d: text that encodes to an id past "
+                           "%d is refused; is --tokenizer the model's own?", self.tokenizer.vocab_size,
+                           self.spec.vocab_size, self.spec.vocab_size - 1)
         if args.chat_template is not None:
             self._use_chat_template(args.chat_template)
         if self.tokenizer is not None:
@@ -500,7 +504,13 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init or no tokenizer "
                                           "files): send prompt_token_ids", field="prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            if ids and max(ids) >= self.spec.vocab_size:
+                raise InvalidRequestError(
+                    f"the prompt's text encodes to token id {max(ids)}, outside the model's vocabulary of "
+                    f"{self.spec.vocab_size} tokens: the tokenizer does not match the model; serve it with the "
+                    f"model's own tokenizer (--tokenizer)", field="prompt")
+            return prompt, ids
         if isinstance(prompt, (list, tuple)):
             return None, check_prompt_token_ids(prompt, self.spec.vocab_size)
         if getattr(prompt, "ndim", None) == 1 and callable(getattr(prompt, "tolist", None)):  # numpy / torch ids
