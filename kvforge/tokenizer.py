@@ -479,12 +479,12 @@ def _from_gguf(path: str) -> Tokenizer:
 def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
     """The tokenizer for a model path: an HF directory or a GGUF file (or a dir holding one).
 
-    Returns None for an HF directory without tokenizer files (the engine then
-    accepts token ids only).
+    Returns None for an HF directory without tokenizer files or a GGUF file without
+    ``tokenizer.ggml.*`` metadata (the engine then accepts token ids only).
     """
     p = Path(model_path)
     if p.is_file():
-        return Tokenizer.from_gguf(p)
+        return Tokenizer.from_gguf(p) if gguf_has_tokenizer(p) else None
     if not p.is_dir():
         raise ConfigError(f"model path {p} does not exist")
     if (p / "tokenizer.json").is_file():
@@ -494,6 +494,13 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer | None:
             f"{p} has a SentencePiece tokenizer.model but no tokenizer.json; kvforge reads tokenizer.json only"
         )
     ggufs = sorted(p.glob("*.gguf"))
-    if len(ggufs) == 1 and not any(p.glob("*.safetensors")):
+    if len(ggufs) == 1 and not any(p.glob("*.safetensors")) and gguf_has_tokenizer(ggufs[0]):
         return Tokenizer.from_gguf(ggufs[0])
     return None
+
+
+def gguf_has_tokenizer(path: str | Path) -> bool:
+    """Whether a GGUF file embeds a vocabulary (``tokenizer.ggml.model``)."""
+    from kvforge.weights.gguf_config import GGUFHeader
+
+    return GGUFHeader(path).metadata.get("tokenizer.ggml.model") is not None

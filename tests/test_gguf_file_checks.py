@@ -324,3 +324,19 @@ def test_a_part_of_a_split_gguf_is_refused_with_the_fix(tmp_path):
     for i, part in enumerate(parts):
         with pytest.raises(ConfigError, match=rf"is part {i + 1} of a GGUF split into 2 files.*llama-gguf-split --merge"):
             load_config(part)
+
+
+def test_a_gguf_without_a_tokenizer_runs_on_token_ids(tmp_path):
+    """Like a model directory without tokenizer files: token-id prompts run, a text prompt is refused with the
+    fixes (a tokenizer through --tokenizer, or ids)."""
+    from kvforge import LLM, SamplingParams
+    from kvforge.errors import InvalidRequestError
+
+    path = tmp_path / "m.gguf"
+    _write_llama(path)
+    with LLM(str(path), device="cpu", max_model_len=64, kv_cache_memory=1 << 20, use_tqdm=False) as llm:
+        assert llm.engine.tokenizer is None
+        out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0.0, max_tokens=2))[0]
+        assert len(out.outputs[0].token_ids) == 2
+        with pytest.raises(InvalidRequestError, match="no tokenizer.*--tokenizer.*prompt_token_ids"):
+            llm.generate("hello", SamplingParams(max_tokens=2))

@@ -502,8 +502,9 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty; send at least one token", field="prompt")
             if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init or no tokenizer "
-                                          "files): send prompt_token_ids", field="prompt")
+                raise InvalidRequestError("this engine has no tokenizer (skip_tokenizer_init, or the model has "
+                                          "no tokenizer files): give one with --tokenizer, or send "
+                                          "prompt_token_ids", field="prompt")
             ids = self.tokenizer.encode(prompt)
             if ids and max(ids) >= self.spec.vocab_size:
                 raise InvalidRequestError(
