@@ -167,3 +167,5 @@ def test_a_gguf_headers_sampling_keys_become_the_defaults(tmp_path):
     assert sampling_defaults("auto", _gguf_with(tmp_path / "plain.gguf")) == {}
     with pytest.raises(ConfigError, match="top_p"):
         sampling_defaults("auto", _gguf_with(tmp_path / "bad.gguf", top_p=1.5))
+    # a GGUF file is one by its first bytes, whatever its name (as the model loader reads it)
+    assert sampling_defaults("auto", _gguf_with(tmp_path / "model.bin", temp=0.5)) == {"temperature": 0.5}

@@ -10,7 +10,7 @@ does through the tokenizer); ``vllm`` reads none. Of the file, the fields vLLM t
 context). A file that sets a value ``SamplingParams`` refuses is a ConfigError at startup, before weights.
 
 A GGUF file carries its defaults in its header instead (llama.cpp's ``general.sampling.*`` keys): under
-``auto`` a ``.gguf`` model takes ``general.sampling.temp``, ``top_p``, ``top_k``, ``min_p`` and
+``auto`` a GGUF model (by name or by its first bytes) takes ``general.sampling.temp``, ``top_p``, ``top_k``, ``min_p`` and
 ``penalty_repeat`` the same way (a ``generation_config.json`` beside it, where there is one, wins).
 """
 
@@ -61,8 +61,11 @@ def sampling_defaults(setting: str, model_path: str | None) -> dict:
     if file is None or not file.is_file():
         if setting not in SETTINGS:
             raise ConfigError(f"--generation-config {setting}: {file} does not exist")
-        if setting == "auto" and model_path is not None and str(model_path).endswith(".gguf"):
-            return _gguf_defaults(model_path)
+        if setting == "auto" and model_path is not None:
+            from kvforge.weights.gguf_config import is_gguf_file
+
+            if is_gguf_file(model_path):
+                return _gguf_defaults(model_path)
         return {}
     try:
         data = json.loads(file.read_text(encoding="utf-8"))

@@ -31,15 +31,6 @@ def _read_config_json(path: Path) -> dict:
         raise ConfigError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
 
 
-def _starts_with_gguf_magic(path: Path) -> bool:
-    """A GGUF file whatever its name (the weights loader detects GGUF by the same four bytes)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def load_hf_config(model: str | None) -> tuple[dict, str, str]:
     """Return (hf_config, display name, source description) for MODEL."""
     if model is None:
@@ -58,9 +49,9 @@ def load_hf_config(model: str | None) -> tuple[dict, str, str]:
         else:
             raise ConfigError(f"{path} holds no config.json (and not exactly one .gguf file); pass a model directory")
     if path.is_file():
-        if path.suffix == ".gguf" or _starts_with_gguf_magic(path):
-            from kvforge.weights.gguf_config import read_gguf_config
+        from kvforge.weights.gguf_config import is_gguf_file, read_gguf_config
 
+        if is_gguf_file(path):
             return read_gguf_config(path), path.stem, str(path)
         return _read_config_json(path), path.parent.name or path.stem, str(path)
     key = model.strip().lower()

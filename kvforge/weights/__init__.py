@@ -38,11 +38,10 @@ def detect_load_format(model_path: str | Path) -> str:
     """``safetensors`` or ``gguf`` for a checkpoint path; ConfigError when neither is there."""
     p = Path(model_path)
     if p.is_file():
-        if p.suffix == ".gguf":
+        from kvforge.weights.gguf_config import is_gguf_file
+
+        if is_gguf_file(p):
             return "gguf"
-        with open(p, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return "gguf"
         raise ConfigError(f"{p} is a file but not a GGUF file; pass an HF directory or a .gguf file")
     if p.is_dir():
         if any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file():

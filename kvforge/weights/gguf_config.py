@@ -17,6 +17,7 @@ import functools
 import mmap
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,21 @@ from kvforge.errors import ConfigError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+
+
+def is_gguf_file(path) -> bool:
+    """Whether ``path`` is a file that is GGUF by its name (``.gguf``) or its first four bytes, whatever it is
+    named."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    if p.suffix == ".gguf":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
 
 # GGUF metadata value types.
 (
