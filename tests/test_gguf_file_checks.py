@@ -340,3 +340,19 @@ def test_a_gguf_without_a_tokenizer_runs_on_token_ids(tmp_path):
         assert len(out.outputs[0].token_ids) == 2
         with pytest.raises(InvalidRequestError, match="no tokenizer.*--tokenizer.*prompt_token_ids"):
             llm.generate("hello", SamplingParams(max_tokens=2))
+
+
+@pytest.mark.parametrize("alignment", [0, 24])
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, alignment):
+    from kvforge.weights import load_config
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.alignment", alignment)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=f"general.alignment is {alignment}, not a power of two"):
+        load_config(path)

@@ -210,7 +210,9 @@ class GGUFHeader:
             ggml_type = self._read("<I")
             offset = self._read("<Q")
             raw.append((name, shape, ggml_type, offset))
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
+            raise ConfigError(f"{self.path}: general.alignment is {align!r}, not a power of two; the file is corrupt")
         data_start = (self._pos + align - 1) // align * align
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, shape, ggml_type, offset in raw:
