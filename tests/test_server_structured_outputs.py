@@ -84,6 +84,22 @@ def test_bad_constraints_are_refused_by_name(fields, field):
     assert err.value.field == field, err.value
 
 
+@pytest.mark.parametrize("fields, field", [
+    ({"guided_json": {"type": "number", "maximum": 1e400}}, "guided_json"),
+    ({"structured_outputs": {"json": {"type": "number", "maximum": 1e400}}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "number",
+                                                                                          "maximum": 1e400}}}},
+     "response_format.json_schema.schema"),
+])
+def test_a_schema_number_beyond_a_double_is_refused_when_parsed(fields, field):
+    """A body's 1e400 reads as infinity: refused as the request is read, naming the field and the number's place."""
+    body = json.loads(json.dumps({**CHAT, "model": MODEL, **fields}))  # as the server decodes a body
+    with pytest.raises(InvalidRequestError, match=re.escape(f"{field} holds a number that is not finite (inf) at "
+                                                            "#/maximum")) as err:
+        parse_chat(body, MODEL)
+    assert err.value.field == field
+
+
 def test_two_constraints_are_refused_naming_both():
     with pytest.raises(InvalidRequestError, match="a request takes one output constraint, but guided_regex and "
                                                   "guided_choice both give one: send one of them"):

@@ -12,6 +12,7 @@ tests/greedy_agreement.py).
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -88,6 +89,20 @@ def test_params_one_constraint_and_forms():
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(structured_outputs=bad)
         assert e.value.field == field, (bad, e.value)
+
+
+def test_a_number_that_is_not_finite_is_refused_with_its_path():
+    """Python's JSON reader takes 1e400 as infinity (and NaN as NaN); a schema holding one is refused naming the
+    number's place, where it would otherwise reach the compiler as text that is not JSON."""
+    cases = [({"type": "number", "maximum": json.loads("1e400")}, "(inf) at #/maximum"),
+             ({"enum": [1, float("nan")]}, "(nan) at #/enum/1"),
+             ({"type": "object", "properties": {"a/b": {"type": "number", "minimum": -math.inf}}},
+              "(-inf) at #/properties/a~1b/minimum")]
+    for schema, where in cases:
+        with pytest.raises(InvalidRequestError, match=re.escape(f"not finite {where}: ")) as e:
+            StructuredOutputsParams(json=schema)
+        assert e.value.field == "structured_outputs.json" and "give a finite number" in str(e.value)
+    assert StructuredOutputsParams(json={"type": "number", "maximum": 1e308}).json == '{"type":"number","maximum":1e+308}'
 
 
 def test_first_masks_equal_the_decoded_vocabulary(smol_llm):

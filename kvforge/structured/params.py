@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from kvforge.errors import InvalidRequestError
@@ -72,8 +73,12 @@ class StructuredOutputsParams:
         if schema is not None:
             if not isinstance(schema, dict) and schema is not True:
                 _bad("json", f"must be a JSON schema (an object, or true for any value), got {schema!r:.40}")
+            at = _nonfinite_at(schema)
+            if at is not None:
+                _bad("json", f"holds a number that is not finite ({at[1]}) at {at[0]}: a JSON number beyond a "
+                             f"double's range (such as 1e400) reads as infinity; give a finite number there")
             try:
-                object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+                object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":"), allow_nan=False))
             except (TypeError, ValueError) as e:
                 _bad("json", f"is not JSON data ({e})")
         if self.choice is not None:
@@ -147,6 +152,25 @@ def _functions(value) -> tuple[tuple[str, str], ...]:
                                  f"arguments are a JSON object), got {schema!r:.60}")
         out.append((name, StructuredOutputsParams(json=schema).json))
     return tuple(out)
+
+
+def _nonfinite_at(value) -> tuple[str, float] | None:
+    """The first NaN or infinity in ``value`` (a schema's dicts and lists, walked without recursion: any depth)
+    as (JSON-pointer path, the number), or None."""
+    stack = [("#", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return path, item
+        if isinstance(item, dict):
+            children = [(str(k), v) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            children = [(str(n), v) for n, v in enumerate(item)]
+        else:
+            continue
+        for key, child in reversed(children):  # popped in document order
+            stack.append((f"{path}/{key.replace('~', '~0').replace('/', '~1')}", child))
+    return None
 
 
 def _bad(name: str, why: str):
