@@ -104,8 +104,8 @@ def test_launches_equal_the_cuda_graph_pinning(monkeypatch):
     monkeypatch.setattr(gm, "_wgmma_mla_decode_kernel", Recorder("wgmma"), raising=False)  # absent without Gluon
     monkeypatch.setattr(gm_ws, "_ws_mla_decode_kernel", Recorder("ws"), raising=False)
     monkeypatch.setattr(gm, "gluon_runs_on", lambda t: True)
-    monkeypatch.setattr(gm, "merge_split_partials", lambda *a: None)
-    monkeypatch.setattr(gm_ws, "merge_split_partials", lambda *a: None)
+    monkeypatch.setattr(gm, "merge_split_partials", lambda *a, **k: None)
+    monkeypatch.setattr(gm_ws, "merge_split_partials", lambda *a, **k: None)
     for sms in (132, 78):  # H200/H100 SXM, and a smaller part
         device = Device(num_sms=sms, gluon=True)
         monkeypatch.setattr(tmd, "routing_device", lambda t, d=device: d)

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(not HAS_GLUON, reason="needs Triton with Gluon")
 SM90_SHARED_BYTES = 232448
 #: (heads a program, score product) -> spill-store bytes ptxas reported for the measured kernel.
 SPILL_BUDGET = {
-    (8, "registers"): 56, (16, "registers"): 96,
+    (8, "registers"): 64, (16, "registers"): 96,
     (8, "e4m3 query"): 0, (16, "e4m3 query"): 0,
-    (8, "two terms"): 0, (16, "two terms"): 12,
+    (8, "two terms"): 4, (16, "two terms"): 12,
 }
 POINTERS = dict(ql_ptr="*bf16", qr_ptr="*bf16", cache_ptr="*fp8e4nv", out_ptr="*bf16", part_acc_ptr="*fp32",
                 part_ml_ptr="*fp32", qsl_ptr="*i32", seq_lens_ptr="*i32", bt_ptr="*i32", scale_ptr="*fp32")

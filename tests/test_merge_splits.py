@@ -46,3 +46,21 @@ def test_merge_many_splits_and_empty_splits(t, h, s, d, d_pad, empty_every, seed
     err = (out[: t - 1].double() - want[: t - 1]).abs().max().item()
     assert err <= 1e-5 * want.abs().max().item(), err
     assert torch.all(out[t - 1] == 7.0), "the padding token's row was written"
+
+
+def test_partials_in_register_order_land_in_their_columns():
+    """``out_columns``: partial column d is output column out_columns[d] (the warp-specialized MLA kernel stores
+    its accumulators in register order); the merged values equal the float64 merge, permuted."""
+    t, h, s, d = 2, 3, 8, 512
+    g = torch.Generator().manual_seed(7)
+    acc = torch.randn(t, h, s, d, generator=g)
+    ml = torch.stack([torch.randn(t, h, s, generator=g) * 4, torch.rand(t, h, s, generator=g) + 0.5], -1)
+    cols = torch.randperm(d, generator=g).to(torch.int32)
+    qsl = torch.tensor([0, t], dtype=torch.int32)
+    out = torch.zeros((t, h, d), device=DEVICE)
+    merge_split_partials(acc.to(DEVICE), ml.to(DEVICE), out, qsl.to(DEVICE), 1, out_columns=cols.to(DEVICE))
+    w = torch.exp2(ml[..., 0].double() - ml[..., 0].double().amax(-1, keepdim=True))
+    merged = (acc.double() * w[..., None]).sum(2) / (ml[..., 1].double() * w).sum(2)[..., None]
+    want = torch.empty_like(merged)
+    want[..., cols.long()] = merged
+    assert (out.cpu().double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()

@@ -69,10 +69,10 @@ def _jit_expression(name: str) -> str:
 
 
 def test_kernel_bit_formulas_match_the_python_maps():
-    """The kernel reads query columns through ``_chunk_column_of`` and stores accumulator ``j`` row ``r`` at
-    ``_latent_column_of(128 j + r)``: their source, evaluated on every index, equals the maps above."""
+    """The kernel reads query columns through ``_chunk_column_of``: its source, evaluated on every index, equals
+    the map above. It stores accumulator ``j`` row ``r`` at partial column ``128 j + r``, which the merge writes
+    to latent column ``accumulator_columns(nh)[128 j + r]``: the map of its heads per program."""
     k = np.arange(64)
     assert eval(_jit_expression("_chunk_column_of")).tolist() == [ex.chunk_column(int(v)) for v in k]
-    m = np.arange(512)
-    assert eval(_jit_expression("_latent_column_of")).tolist() == [ex.latent_column(int(v)) for v in m]
-    assert eval(_jit_expression("_latent_column_halves_of")).tolist() == [ex.latent_column_halves(int(v)) for v in m]
+    assert ex.accumulator_columns(8, "cpu").tolist() == [ex.latent_column(m) for m in range(512)]
+    assert ex.accumulator_columns(16, "cpu").tolist() == [ex.latent_column_halves(m) for m in range(512)]

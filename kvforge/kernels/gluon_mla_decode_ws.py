@@ -19,7 +19,9 @@ and address arithmetic between the products. Here (one CTA per SM, ``gl.warp_spe
 The register-operand relabelings: the score product's contraction order is free, so logical column ``k``
 of a 64-column chunk is read from physical column :func:`chunk_column` ``(k)`` (the query is stored permuted
 the same way), which makes a thread's operand 16 contiguous bytes; the ``P x V`` accumulator rows are free,
-so accumulator row ``m`` holds latent column :func:`latent_column` ``(m)``, undone when the partial is stored.
+so accumulator row ``m`` holds latent column :func:`latent_column` ``(m)``. The partials are stored in accumulator-row
+order (a warp's store then covers 32 contiguous bytes of each head's row) and the merge writes row ``m`` to its
+latent column (:func:`accumulator_columns`).
 ``tests/test_mla_register_operand_maps.py`` checks both maps on CPU.
 
 At 16 heads per program the ``P x V`` operand is loaded in two 256-column halves (8-byte loads,
@@ -138,16 +140,6 @@ if HAS_GLUON:
     def _chunk_column_of(k):
         return (k & 1) | ((k >> 1) & 1) << 4 | ((k >> 2) & 1) << 5 | ((k >> 3) & 1) << 1 | ((k >> 4) & 1) << 2 \
             | ((k >> 5) & 1) << 3
-
-    @gluon.jit
-    def _latent_column_of(m):
-        return ((m >> 3) & 1) | ((m >> 6) & 1) << 1 | ((m >> 7) & 1) << 2 | ((m >> 8) & 1) << 3 | (m & 7) << 4 \
-            | ((m >> 4) & 3) << 7
-
-    @gluon.jit
-    def _latent_column_halves_of(m):
-        return ((m >> 3) & 1) | ((m >> 6) & 1) << 1 | ((m >> 7) & 1) << 2 | (m & 7) << 3 | ((m >> 4) & 3) << 6 \
-            | ((m >> 8) & 1) << 8
 
     @gluon.jit
     def _score_operand(x, DOT_A: gl.constexpr):
@@ -426,17 +418,14 @@ if HAS_GLUON:
         mrow = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
         mask = (mrow >= 0)[:, None] & h_ok[None, :]
         if mine > 0:
+            # in accumulator-row order: a warp's store covers 8 consecutive rows (32 bytes) of each of its heads,
+            # where latent columns 16 apart took a 32-byte sector per value; the merge puts row m at column
+            # latent_column(m) (accumulator_columns)
             base = part_acc_ptr + (pidx * _R)[None, :]
-            if NH <= 8:
-                gl.store(base + _latent_column_of(mrow)[:, None], acc0 * scale, mask=mask)
-                gl.store(base + _latent_column_of(mrow + 128)[:, None], acc1 * scale, mask=mask)
-                gl.store(base + _latent_column_of(mrow + 256)[:, None], acc2 * scale, mask=mask)
-                gl.store(base + _latent_column_of(mrow + 384)[:, None], acc3 * scale, mask=mask)
-            else:
-                gl.store(base + _latent_column_halves_of(mrow)[:, None], acc0 * scale, mask=mask)
-                gl.store(base + _latent_column_halves_of(mrow + 128)[:, None], acc1 * scale, mask=mask)
-                gl.store(base + _latent_column_halves_of(mrow + 256)[:, None], acc2 * scale, mask=mask)
-                gl.store(base + _latent_column_halves_of(mrow + 384)[:, None], acc3 * scale, mask=mask)
+            gl.store(base + mrow[:, None], acc0 * scale, mask=mask)
+            gl.store(base + (mrow + 128)[:, None], acc1 * scale, mask=mask)
+            gl.store(base + (mrow + 256)[:, None], acc2 * scale, mask=mask)
+            gl.store(base + (mrow + 384)[:, None], acc3 * scale, mask=mask)
         gl.store(part_ml_ptr + pidx * 2, m_i, mask=h_ok)
         gl.store(part_ml_ptr + pidx * 2 + 1, l_i, mask=h_ok)
 
@@ -562,5 +551,20 @@ def mla_decode_ws(q_latent, q_rope, cache, meta, scale, softmax_scale, *, num_sp
         num_warps=4,
         maxnreg=MAXNREG,
     )  # fmt: skip
-    merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs)
+    merge_split_partials(part_acc, part_ml, out, meta.query_start_loc, meta.num_seqs,
+                         out_columns=accumulator_columns(nh, q_latent.device))
     return out
+
+
+_ACCUMULATOR_COLUMNS: dict = {}
+
+
+def accumulator_columns(heads_per_program: int, device) -> torch.Tensor:
+    """int32 ``[R]``: the latent column each partial column holds, the partials being stored in accumulator-row
+    order (:func:`latent_column` at up to 8 heads per program, :func:`latent_column_halves` above); one cached
+    tensor per (map, device), so a CUDA graph may keep its address."""
+    column_of = latent_column if heads_per_program <= 8 else latent_column_halves
+    key = (column_of.__name__, str(device))
+    if key not in _ACCUMULATOR_COLUMNS:
+        _ACCUMULATOR_COLUMNS[key] = torch.tensor([column_of(m) for m in range(R)], dtype=torch.int32, device=device)
+    return _ACCUMULATOR_COLUMNS[key]

@@ -320,12 +320,14 @@ if HAS_TRITON:
         stride_ot,
         stride_oh,
         sinks_ptr,  # float32 [H] sink logits x log2(e) (read where USE_SINKS)
+        out_cols_ptr,  # int32 [D]: the output column of partial column d (read where PERMUTED)
         NUM_Q_HEADS: tl.constexpr,
         HEAD_D: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
         D_BLOCK: tl.constexpr,
         USE_SINKS: tl.constexpr,
+        PERMUTED: tl.constexpr,
     ):
         # one program per (token, head, D_BLOCK columns): S_PAD x D_BLOCK partials in registers at once
         t = tl.program_id(0)
@@ -350,8 +352,11 @@ if HAS_TRITON:
         if USE_SINKS:
             denom += tl.exp2(sink - m_max)  # once per (token, head): the splits' partials hold no sink
         o = tl.sum(acc * w[:, None], 0) / denom
+        col = d
+        if PERMUTED:
+            col = tl.load(out_cols_ptr + d, mask=d < HEAD_D, other=0)
         tl.store(
-            out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d,
+            out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + col,
             o.to(out_ptr.dtype.element_ty),
             mask=d < HEAD_D,
         )
@@ -518,7 +523,7 @@ MERGE_TILE_ELEMENTS: int = 8192
 
 def merge_split_partials(
     part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor, num_seqs: int,
-    sinks_log2: torch.Tensor | None = None,
+    sinks_log2: torch.Tensor | None = None, *, out_columns: torch.Tensor | None = None,
 ) -> None:
     """``out[t, h, :D]`` = the softmax-weighted merge of split-K partials ``part_acc [T, H, S, D_PAD]``
     (unnormalized fp32 accumulators) and ``part_ml [T, H, S, 2]`` (log2-domain max, sum); ``D`` is
@@ -526,7 +531,8 @@ def merge_split_partials(
     split-K decode kernel (tl.dot, Gluon, MLA) writes this layout; a split whose max is -inf (no token)
     contributes nothing, and its accumulator row is not read (it may be left unwritten). ``sinks_log2``
     (float32 ``[H]``, sink logits x log2(e); None: no sinks) joins each row's denominator here, once: the
-    partials must not hold it."""
+    partials must not hold it. ``out_columns`` (int32 ``[D]``, a permutation; None: the identity): partial column
+    ``d`` is output column ``out_columns[d]``, for kernels that store their accumulators in register order."""
     t, h, splits, d_pad = part_acc.shape
     s_pad = max(2, triton.next_power_of_2(splits))
     d_block = min(d_pad, max(16, MERGE_TILE_ELEMENTS // s_pad))
@@ -547,4 +553,6 @@ def merge_split_partials(
         num_warps=4,
         sinks_ptr=query_start_loc if sinks_log2 is None else sinks_log2,
         USE_SINKS=sinks_log2 is not None,
+        out_cols_ptr=query_start_loc if out_columns is None else out_columns,
+        PERMUTED=out_columns is not None,
     )
