@@ -100,6 +100,20 @@ def test_a_schema_number_beyond_a_double_is_refused_when_parsed(fields, field):
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("fields, field", [
+    ({"guided_json": {"type": "integer", "minimum": 1.5}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer",
+                                                                                          "minimum": 1.5}}}},
+     "response_format.json_schema.schema"),
+])
+def test_a_schema_xgrammar_cannot_compile_is_refused_when_parsed(fields, field):
+    with pytest.raises(InvalidRequestError, match=re.escape(f"{field} is a schema xgrammar cannot compile: minimum 1.5 "
+                                                            f'at #/minimum: an integer\'s bound must be a whole number; '
+                                                            f'give "minimum": 2')) as err:
+        parse_chat({**CHAT, "model": MODEL, **fields}, MODEL)
+    assert err.value.field == field
+
+
 def test_two_constraints_are_refused_naming_both():
     with pytest.raises(InvalidRequestError, match="a request takes one output constraint, but guided_regex and "
                                                   "guided_choice both give one: send one of them"):

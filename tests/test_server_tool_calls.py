@@ -256,8 +256,9 @@ def test_a_compile_error_names_the_function(client, served):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "bad"}}])
 @pytest.mark.parametrize("parameters", [
-    {"type": "object", "properties": {"a": {"type": "wat"}}},  # the compiler's message holds no path
-    {"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}},  # a path into the array's shared $defs
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},  # the compiler's message: no path
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}},  # a path into the array's shared $defs
+     "$defs": {"A": {"$ref": "#/$defs/A"}}},
 ])
 def test_a_compile_error_without_a_path_names_the_function(client, served, choice, parameters):
     tools = [WEATHER, {"type": "function", "function": {"name": "bad", "parameters": parameters}}]
@@ -265,6 +266,27 @@ def test_a_compile_error_without_a_path_names_the_function(client, served, choic
         client.chat.completions.create(model=served, messages=ASK, tools=tools, tool_choice=choice, max_tokens=4)
     assert err.value.body["param"] == "tools[1].function.parameters", err.value.message
     assert "- tools[1].function.parameters could not be compiled" in err.value.message
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}, "harmony"])
+@pytest.mark.parametrize("schema, told", [
+    ({"type": "integer", "minimum": 1.5}, 'minimum 1.5 at tools[1].function.parameters#/properties/a/minimum: an '
+                                          'integer\'s bound must be a whole number; give "minimum": 2'),
+    ({"type": "number", "maximum": 1e400}, "not finite (inf) at tools[1].function.parameters#/properties/a/maximum"),
+])
+def test_a_parameters_schema_refused_when_parsed_names_its_own_path(choice, schema, told):
+    """A value refused as the request is read is told at its path inside the function's parameters, not
+    inside the schema a "required" array of calls is held to."""
+    tools = [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": schema}}}}]
+    body = json.loads(json.dumps({"model": MODEL, "messages": ASK, "tools": tools,
+                                  "tool_choice": "required" if choice == "harmony" else choice}))
+    from kvforge.server.tool_calls import parse_tools
+
+    with pytest.raises(InvalidRequestError) as err:
+        parse_tools(body, harmony=True) if choice == "harmony" else parse_chat(body, MODEL)
+    assert err.value.field == "tools[1].function.parameters", err.value
+    assert told in str(err.value) and "items/anyOf" not in str(err.value), err.value
 
 
 def test_cut_short_required_comes_back_as_text(client, served):

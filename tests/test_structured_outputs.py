@@ -205,10 +205,13 @@ def test_bad_constraints_refused_and_engine_goes_on(smol_llm):
     llm = smol_llm()
     for so, field in [({"regex": "(unclosed"}, "structured_outputs.regex"),
                       ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar"),
-                      ({"json": {"type": "no-such-type"}}, "structured_outputs.json")]:
+                      ({"json": {"type": "string", "pattern": "(unclosed"}}, "structured_outputs.json")]:
         with pytest.raises(InvalidRequestError) as e:
             llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
         assert e.value.field == field and "could not be compiled" in str(e.value), e.value
+    with pytest.raises(InvalidRequestError, match='"no-such-type" is no JSON type') as e:
+        SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "no-such-type"}})
+    assert e.value.field == "structured_outputs.json"
     assert not llm.engine.has_unfinished_requests()
     text, _ = _text(llm, "Pick:", max_tokens=5, structured_outputs={"choice": ["a", "b"]})
     assert text in ("a", "b")
@@ -325,3 +328,14 @@ def test_preempted_constrained_request_keeps_its_output(smol_llm, overlap):
     assert small.engine.stats()["num_preemptions"] > 0
     assert_outputs_agree(got, want, tol=FP32_LOGIT_TOL)
     assert _person_ok(json.loads(got[0].outputs[0].text)) and re.fullmatch(PHONE, got[2].outputs[0].text)
+
+
+def test_a_schema_nested_too_deeply_is_a_request_error():
+    """A schema thousands of levels deep exhausts Python's recursion while it is read: refused as a request
+    error naming the fix, not a RecursionError."""
+    schema = {"type": "string"}
+    for _ in range(3000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    with pytest.raises(InvalidRequestError, match="nested too deeply") as e:
+        StructuredOutputsParams(json=schema)
+    assert e.value.field == "structured_outputs.json"

@@ -273,3 +273,88 @@ def test_disjoint_branches_only_where_no_instance_matches_both(a, b, apart):
     from kvforge.structured.disjoint_schemas import disjoint
 
     assert disjoint(a, b, {}) is apart and disjoint(b, a, {}) is apart
+
+
+UNREADABLE = [
+    ({"type": "integer", "minimum": 1.5}, 'minimum 1.5 at #/minimum: an integer\'s bound must be a whole number; '
+                                          'give "minimum": 2 (the same integers)'),
+    ({"type": "integer", "exclusiveMaximum": 1.5}, 'exclusiveMaximum 1.5 at #/exclusiveMaximum: an integer\'s bound '
+                                                   'must be a whole number; give "maximum": 1'),
+    ({"type": ["integer", "number"], "maximum": 1.5}, "drop integer from type (number takes integers too)"),
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": True},
+     'exclusiveMinimum true at #/exclusiveMinimum: draft 4\'s form, which xgrammar does not read; give the bound '
+     'itself: "exclusiveMinimum": 0 in place of "minimum": 0'),
+    ({"type": "integer", "maximum": 5, "exclusiveMaximum": False}, "exclusiveMaximum false at #/exclusiveMaximum: "
+                                                                   "draft 4's form"),
+    ({"type": "array", "items": [{"type": "integer"}]}, "items [{\"type\": \"integer\"}] at #/items: draft 4's tuple "
+                                                        "form, which xgrammar does not read; send the list as "
+                                                        "prefixItems"),
+    ({"type": "object", "properties": {"a/b": {"type": "integer", "maximum": 2**63}}},
+     f"maximum {2**63} at #/properties/a~1b/maximum: an integer's bound must lie from -9223372036854775808 to "
+     f"9223372036854775807"),
+    ({"type": "integer", "minimum": -2**63 - 1}, "an integer's bound must lie from -9223372036854775808"),
+    ({"type": "integer", "minimum": 1e20}, "minimum 1e+20 at #/minimum: an integer's bound must lie from"),
+    ({"type": "integer", "minimum": "1"}, 'minimum "1" at #/minimum: must be a number'),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "minimum 5, maximum 3 at #: no number meets them all"),
+    ({"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 5}, "at #: no integer meets them all"),
+    ({"type": "string", "minLength": 5, "maxLength": 3}, "minLength 5 at #/minLength: above maxLength 3"),
+    ({"type": "array", "prefixItems": [{}], "minItems": 2}, "minItems 2 at #/minItems: above the 1 items prefixItems"),
+    ({"type": "integer", "multipleOf": -2}, "multipleOf -2 at #/multipleOf: must be a number greater than 0"),
+    ({"type": "string", "pattern": 5}, "pattern 5 at #/pattern: must be a string"),
+    ({"type": "any"}, 'type "any" at #/type: "any" is no JSON type'),
+    ({"type": "object", "required": "a"}, 'required "a" at #/required: must be an array'),
+    ({"enum": []}, "enum [] at #/enum: allows no value"),
+    ({"anyOf": [False, {"type": "integer"}]}, "anyOf false at #/anyOf/0: a schema no value meets"),
+    ({"type": "object", "properties": {"a": 5}}, "properties 5 at #/properties/a: must be a schema"),
+    ({"type": "object", "propertyNames": {"type": "integer"}}, "propertyNames at #/propertyNames/type: property "
+                                                               "names are strings"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/B"}}}, "$ref '#/$defs/B' at #/properties/a/$ref: "
+                                                                     "names no schema"),
+]
+
+
+@pytest.mark.parametrize("schema, told", UNREADABLE, ids=[t.split(" at ")[0][:40] for _, t in UNREADABLE])
+def test_a_value_xgrammar_cannot_compile_is_refused_when_parsed(backend, schema, told):
+    """Refused as the parameters are made, at the keyword's JSON-pointer path with what to send, where xgrammar
+    itself refuses the schema with a message that names neither."""
+    with pytest.raises(InvalidRequestError) as err:
+        StructuredOutputsParams(json=schema)
+    assert err.value.field == "structured_outputs.json" and told in str(err.value), err.value
+    assert "structured_outputs.json is a schema xgrammar cannot compile: " in str(err.value)
+    with pytest.raises(RuntimeError) as raw:
+        xgrammar.GrammarCompiler(backend.info).compile_json_schema(json.dumps(schema))
+    assert "#/" not in str(raw.value).replace("#/$defs/B", "")  # xgrammar's own message names no keyword path
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1}, {"type": "integer", "minimum": 2.0},
+    {"type": "integer", "maximum": 9.2e18}, {"type": "number", "minimum": 1e300}, {"type": "number", "minimum": 2**64},
+    {"type": "number", "minimum": 0, "exclusiveMinimum": 0}, {"type": "number", "minimum": 5, "maximum": 5},
+    {"type": "integer", "exclusiveMinimum": 4, "exclusiveMaximum": 6}, {"type": "array", "items": False},
+    {"type": "array", "prefixItems": [{}], "minItems": 1}, {"type": "object", "properties": {"a": True}},
+    {"type": ["integer", "null"], "minimum": 3}, {"type": "string", "minLength": 3, "maxLength": 3},
+    {"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"},
+])
+def test_values_xgrammar_compiles_are_kept(backend, schema):
+    assert json.loads(StructuredOutputsParams(json=schema).json) == schema
+    backend.compile(StructuredOutputsParams(json=schema))
+
+
+def test_an_integer_beyond_a_double_is_refused_when_parsed(backend):
+    schema = {"type": "integer", "enum": [1, 10**400]}
+    with pytest.raises(InvalidRequestError) as err:
+        StructuredOutputsParams(json=schema)
+    assert "holds an integer beyond a double's range (about 1e400) at #/enum/1" in str(err.value)
+    with pytest.raises(InvalidRequestError, match=r"\(about -1e5000\) at #/maximum"):
+        StructuredOutputsParams(json={"type": "number", "maximum": -10**5000})
+    with pytest.raises(RuntimeError):
+        xgrammar.GrammarCompiler(backend.info).compile_json_schema(json.dumps(schema))
+
+
+def test_a_function_schema_refused_when_parsed_names_the_function():
+    with pytest.raises(InvalidRequestError) as err:
+        StructuredOutputsParams(harmony_call=[("f", {"type": "object", "properties": {"n": {
+            "type": "integer", "minimum": 0.5}}})])
+    assert err.value.field == "structured_outputs.harmony_call"
+    assert str(err.value).startswith("structured_outputs.harmony_call function 'f': its parameters schema is a schema "
+                                     "xgrammar cannot compile: minimum 0.5 at #/properties/n/minimum")

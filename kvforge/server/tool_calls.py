@@ -308,12 +308,18 @@ def parse_tools(body: dict, parser: str | None = None,
         bad_field("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     if harmony:
         forced = dataclasses.replace(forced, harmony=True)
+    for index, (name, text) in enumerate(parameters):  # each schema the constraint holds, refused by its own path
+        if forced.name in (None, name):
+            try:
+                StructuredOutputsParams(json=json.loads(text))
+            except InvalidRequestError as e:
+                raise forced.explain(e, index) from None
     try:
         forced.harmony_constraint() if harmony else forced.constraint()
     except InvalidRequestError as e:  # a parameters schema that is not valid JSON-schema input
         if (e.field or "").startswith("tools"):
             raise
-        bad_field("tools", f"a function's parameters: {e}")
+        raise forced.explain(e) from None
     return tools, forced, False
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 
 from kvforge.errors import InvalidRequestError
+from kvforge.structured.schema_support import unreadable
 
 #: The constraint fields, exactly one of which a request sets.
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "harmony_call")
@@ -32,8 +34,9 @@ class StructuredOutputsParams:
     (``", "`` and ``": "``); otherwise any whitespace between a JSON value's tokens. A schema's objects
     take the properties it lists, in its order, and others only where the schema allows them
     (``additionalProperties``; xgrammar's strict mode, as vLLM runs it); ``disable_additional_properties``
-    sets ``additionalProperties: false`` on every object of the schema. A schema keyword xgrammar would not
-    enforce is refused when the request is compiled (kvforge/structured/schema_support.py). The schema is
+    sets ``additionalProperties: false`` on every object of the schema. A schema value xgrammar cannot compile
+    (:func:`~kvforge.structured.schema_support.unreadable`) is refused here, naming its place, and a keyword
+    xgrammar would not enforce when the request is compiled (kvforge/structured/schema_support.py). The schema is
     stored as compact JSON text in its own key order, so equal constraints compare and hash equal; ``json``
     may also be ``true`` (any JSON value). A request with a constraint ends when the output is complete (the
     grammar then allows only an end-of-sequence token), whatever ``ignore_eos`` or ``min_tokens`` say.
@@ -74,13 +77,24 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict) and schema is not True:
                 _bad("json", f"must be a JSON schema (an object, or true for any value), got {schema!r:.40}")
             at = _nonfinite_at(schema)
-            if at is not None:
+            if at is not None and isinstance(at[1], float):
                 _bad("json", f"holds a number that is not finite ({at[1]}) at {at[0]}: a JSON number beyond a "
                              f"double's range (such as 1e400) reads as infinity; give a finite number there")
+            if at is not None:
+                size = int(abs(at[1]).bit_length() * math.log10(2))  # its digits, without writing them all out
+                _bad("json", f"holds an integer beyond a double's range (about {'-' if at[1] < 0 else ''}1e{size}) "
+                             f"at {at[0]}: xgrammar reads JSON numbers as doubles (at most about 1.8e308); give a "
+                             f"smaller number there")
             try:
                 object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":"), allow_nan=False))
+                problems = list(dict.fromkeys(unreadable(schema))) if isinstance(schema, dict) else []
             except (TypeError, ValueError) as e:
                 _bad("json", f"is not JSON data ({e})")
+            except RecursionError:
+                _bad("json", "is nested too deeply to read (hundreds of levels); flatten it, e.g. name repeated parts "
+                             "under $defs and refer to them with $ref")
+            if problems:  # a target two references name: once
+                _bad("json", f"is a schema xgrammar cannot compile: {'; '.join(problems)}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
                 _bad("choice", f"must be a list of strings, got {type(self.choice).__name__}")
@@ -150,17 +164,22 @@ def _functions(value) -> tuple[tuple[str, str], ...]:
         if not isinstance(schema, dict) or schema.get("type", "object") != "object":
             _bad("harmony_call", f"function {name!r}: its parameters schema must describe an object (a call's "
                                  f"arguments are a JSON object), got {schema!r:.60}")
-        out.append((name, StructuredOutputsParams(json=schema).json))
+        try:
+            out.append((name, StructuredOutputsParams(json=schema).json))
+        except InvalidRequestError as e:  # told by the function, not by a json field the request did not send
+            _bad("harmony_call", f"function {name!r}: its parameters schema{str(e).removeprefix(e.field or '')}")
     return tuple(out)
 
 
-def _nonfinite_at(value) -> tuple[str, float] | None:
-    """The first NaN or infinity in ``value`` (a schema's dicts and lists, walked without recursion: any depth)
-    as (JSON-pointer path, the number), or None."""
+def _nonfinite_at(value) -> tuple[str, float | int] | None:
+    """The first NaN or infinity in ``value`` (a schema's dicts and lists, walked without recursion: any depth),
+    or integer beyond a double's range, as (JSON-pointer path, the number), or None."""
     stack = [("#", value)]
     while stack:
         path, item = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
+            return path, item
+        if isinstance(item, int) and not isinstance(item, bool) and abs(item) > sys.float_info.max:
             return path, item
         if isinstance(item, dict):
             children = [(str(k), v) for k, v in item.items()]

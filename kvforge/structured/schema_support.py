@@ -16,14 +16,20 @@ constraints where no ``type`` is given, and a ``oneOf`` whose branches are not s
 ``$defs`` is scanned where the reference names it. A length or count bound (``minLength``, ``maxItems``, ...)
 outside 0 to :data:`COUNT_MAX` is refused too: xgrammar refuses some such bounds, but reads others as another
 bound or as none.
+
+A value xgrammar cannot compile at all (:func:`unreadable`: a keyword's value of the wrong kind, a bound no value
+meets, draft 4's boolean ``exclusiveMinimum`` and array ``items``, an integer's bound that is not a whole
+64-bit number, a ``$ref`` to nothing) is refused as the parameters are made, at the keyword's path with what to
+send instead, where xgrammar's own message would name neither.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 
-from kvforge.structured.disjoint_schemas import admits, declared_types, overlapping_pair, resolve
+from kvforge.structured.disjoint_schemas import JSON_TYPES, admits, declared_types, overlapping_pair, resolve
 
 #: String formats xgrammar enforces.
 ENFORCED_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "uri", "uri-reference",
@@ -56,6 +62,24 @@ _TYPED = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum", "
 #: largest: beyond it some bounds are refused, others wrap or read as no bound, as a negative one may).
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 COUNT_MAX = 2**31 - 1
+#: A number's bounds, lower ones first; xgrammar reads an integer's as a 64-bit integer, from INT_MIN to
+#: INT_MAX (or, written with a fraction or exponent, as a double strictly between them).
+_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+INT_MIN, INT_MAX = -2**63, 2**63 - 1
+#: Where xgrammar takes ``false`` (the schema no value meets) as a subschema.
+_FALSE_TAKEN = ("items", "additionalProperties", "$defs", "definitions")
+#: What to send in place of ``false`` where xgrammar does not take it.
+_WITHOUT_FALSE = {"properties": "leave the property out (an object takes no property it does not list, unless "
+                                "additionalProperties allows it)",
+                  "anyOf": "leave the branch out", "oneOf": "leave the branch out"}
+#: Keywords whose value xgrammar reads as one JSON kind only, and that kind in words.
+_KINDS = {"type": (str, list), "pattern": str, "format": str, "$ref": str, "required": list, "enum": list,
+          "anyOf": list, "oneOf": list, "allOf": list, "prefixItems": list,
+          "properties": dict, "patternProperties": dict, "$defs": dict, "definitions": dict}
+_KIND_NAMES = {str: "a string", list: "an array", dict: "an object", (str, list): "a type name or an array of them"}
+#: Bounds on a count that no value meets when the first is above the second, with the type they bound.
+_COUNT_PAIRS = (("minLength", "maxLength", "string"), ("minItems", "maxItems", "array"),
+                ("minProperties", "maxProperties", "object"))
 #: References into these are scanned where they are defined.
 _SCANNED_REFS = ("#/$defs/", "#/definitions/")
 #: Keywords whose value is one subschema, and those whose value is a list or a name -> subschema object.
@@ -84,14 +108,57 @@ def has_lookahead(pattern: str) -> bool:
     return False
 
 
-def unenforced(schema, path: str = "#", root=None, followed: set | None = None) -> Iterator[str]:
-    """Each use of a keyword xgrammar would not enforce in ``schema``, as ``"<keyword> at <path>: <what to
-    do>"`` (the path in JSON-pointer form; ``root``: the whole schema, which ``$ref`` points into;
-    ``followed``: the references already scanned)."""
+def pointer(name) -> str:
+    """``name`` as one step of a JSON pointer (``~`` and ``/`` escaped)."""
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def subschemas(schema) -> Iterator[tuple[str, object]]:
+    """The values of ``schema``'s keywords that are themselves schemas, each with its path from ``schema``
+    (``properties/a``, ``anyOf/0``, ``items``), in the keywords' order."""
+    for keyword in _ONE:
+        if keyword in schema:
+            yield keyword, schema[keyword]
+    for keyword in _LIST:
+        if isinstance(schema.get(keyword), list):
+            for i, sub in enumerate(schema[keyword]):
+                yield f"{keyword}/{i}", sub
+    for keyword in _NAMED:
+        if isinstance(schema.get(keyword), dict):
+            for name, sub in schema[keyword].items():
+                yield f"{keyword}/{pointer(name)}", sub
+
+
+def walk(schema, path: str = "#", root=None, followed: set | None = None) -> Iterator[tuple[str, dict]]:
+    """Each object schema in ``schema`` with its JSON-pointer path, ``schema`` first and each one before those
+    inside it (``root``: the whole schema, which ``$ref`` points into). A ``$ref`` target outside ``$defs``
+    comes where the reference names it, once (``followed``: the references already taken), with the
+    reference as its path."""
     if not isinstance(schema, dict):
         return
     root = schema if root is None else root
     followed = set() if followed is None else followed
+    yield path, schema
+    ref = schema.get("$ref")
+    if (isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) and ref not in followed
+            and not ref.startswith(_SCANNED_REFS)):
+        followed.add(ref)
+        target = resolve(schema, root)
+        if target is not schema:  # a reference to nothing is refused where it is (unreadable)
+            yield from walk(target, ref, root, followed)
+    for at, sub in subschemas(schema):
+        yield from walk(sub, f"{path}/{at}", root, followed)
+
+
+def unenforced(schema) -> Iterator[str]:
+    """Each use of a keyword xgrammar would not enforce in ``schema``, as ``"<keyword> at <path>: <what to
+    do>"`` (the path in JSON-pointer form)."""
+    for path, node in walk(schema):
+        yield from _unenforced_at(node, path, schema)
+
+
+def _unenforced_at(schema: dict, path: str, root) -> Iterator[str]:
+    """:func:`unenforced`'s uses in the one schema ``schema`` at ``path`` (not inside it)."""
     for keyword, instead in NOT_ENFORCED.items():
         if keyword in schema:
             yield f"{keyword} at {path}: {instead}"
@@ -106,9 +173,6 @@ def unenforced(schema, path: str = "#", root=None, followed: set | None = None) 
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         yield f"$ref {ref!r} at {path}: only references inside the schema (#/...) are followed; inline it"
-    elif isinstance(ref, str) and ref not in followed and not ref.startswith(_SCANNED_REFS):
-        followed.add(ref)  # a target outside $defs is scanned where the reference names it
-        yield from unenforced(resolve(schema, root), ref, root, followed)
     combiners = [k for k in _COMBINERS if k in schema]
     if combiners:
         extra = sorted(k for k in schema if k not in ANNOTATIONS and k not in _COMBINERS)
@@ -168,16 +232,125 @@ def unenforced(schema, path: str = "#", root=None, followed: set | None = None) 
     if missing:
         yield (f"required {', '.join(map(str, missing))} at {path}: not in properties, which xgrammar never "
                f"requires; list it in properties")
-    for keyword in _ONE:
-        yield from unenforced(schema.get(keyword), f"{path}/{keyword}", root, followed)
-    for keyword in _LIST:
-        if isinstance(schema.get(keyword), list):
-            for i, sub in enumerate(schema[keyword]):
-                yield from unenforced(sub, f"{path}/{keyword}/{i}", root, followed)
-    for keyword in _NAMED:
-        if isinstance(schema.get(keyword), dict):
-            for name, sub in schema[keyword].items():
-                yield from unenforced(sub, f"{path}/{keyword}/{name}", root, followed)
+
+
+def unreadable(schema) -> Iterator[str]:
+    """Each value in ``schema`` that xgrammar cannot compile, as ``"<keyword> <value> at <path>: <what is
+    wrong>; <what to send instead>"`` (the path: the keyword's own, in JSON-pointer form): a keyword's value
+    of the wrong kind, a bound no value meets, draft 4's spellings (a boolean ``exclusiveMinimum``, an
+    array as ``items``), an integer's bound that is not a whole 64-bit number, and a ``$ref`` to nothing."""
+    for path, node in walk(schema):
+        yield from _unreadable_at(node, path, schema)
+
+
+def _shown(value) -> str:
+    return json.dumps(value)[:40]
+
+
+def _unreadable_at(schema: dict, path: str, root) -> Iterator[str]:
+    """:func:`unreadable`'s values in the one schema ``schema`` at ``path`` (not inside it)."""
+    wrong = set()
+    for keyword, kind in _KINDS.items():
+        if keyword in schema and (not isinstance(schema[keyword], kind) or isinstance(schema[keyword], bool)):
+            wrong.add(keyword)
+            yield f"{keyword} {_shown(schema[keyword])} at {path}/{keyword}: must be {_KIND_NAMES[kind]}"
+    given = [] if "type" in wrong else [schema["type"]] if isinstance(schema.get("type"), str) else schema.get("type", [])
+    unknown = [t for t in given if not isinstance(t, str) or t not in JSON_TYPES]
+    if unknown:
+        yield (f"type {_shown(schema['type'])} at {path}/type: {_shown(unknown[0])} is no JSON type; name "
+               f"{', '.join(sorted(JSON_TYPES))}")
+    types = {t for t in given if isinstance(t, str)}
+    if schema.get("enum") == []:
+        yield f"enum [] at {path}/enum: allows no value; list at least one"
+    for at, sub in subschemas(schema):
+        if at == "items" and isinstance(sub, list):
+            yield (f"items {_shown(sub)} at {path}/items: draft 4's tuple form, which xgrammar does not read; send "
+                   f"the list as prefixItems (and the schema of any further items, or false for none, as items)")
+        elif not isinstance(sub, (dict, bool)) or (at == "propertyNames" and isinstance(sub, bool)):
+            yield (f"{at.split('/')[0]} {_shown(sub)} at {path}/{at}: must be a schema (an object"
+                   f"{'' if at == 'propertyNames' else ', or true or false'})")
+        elif sub is False and at.split("/")[0] not in _FALSE_TAKEN:
+            keyword = at.split("/")[0]
+            yield (f"{keyword} false at {path}/{at}: a schema no value meets, which xgrammar takes only as items or "
+                   f"additionalProperties; {_WITHOUT_FALSE.get(keyword, 'state what is allowed instead')}")
+    names = schema.get("propertyNames")
+    if isinstance(names, dict) and "string" not in (declared_types(names.get("type")) or {"string"}):
+        yield (f"propertyNames at {path}/propertyNames/type: property names are strings, and no "
+               f"{_shown(names['type'])} value is one; give type string")
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        probe = {"$ref": ref}
+        if resolve(probe, root) is probe or not isinstance(resolve(probe, root), (dict, bool)):
+            yield f"$ref {ref!r} at {path}/$ref: names no schema in this one; point it at one (under $defs)"
+    bounded = []
+    for keyword in _BOUNDS:
+        if keyword not in schema:
+            continue
+        bound, at = schema[keyword], f"{path}/{keyword}"
+        inclusive = keyword.replace("exclusiveM", "m")
+        if isinstance(bound, bool) and keyword != inclusive:
+            partner = schema.get(inclusive)
+            yield (f"{keyword} {_shown(bound)} at {at}: draft 4's form, which xgrammar does not read; " + (
+                f"drop it ({inclusive} alone is inclusive)" if not bound else
+                f'give the bound itself: "{keyword}": {_shown(partner)} in place of "{inclusive}": {_shown(partner)}'
+                if isinstance(partner, (int, float)) and not isinstance(partner, bool) else
+                f'give the bound itself ("{keyword}": <the bound>)'))
+        elif isinstance(bound, bool) or not isinstance(bound, (int, float)):
+            yield f"{keyword} {_shown(bound)} at {at}: must be a number"
+        elif "integer" in types and isinstance(bound, float) and not bound.is_integer():
+            whole = math.ceil(bound) if keyword in _BOUNDS[:2] else math.floor(bound)
+            plain = "minimum" if keyword in _BOUNDS[:2] else "maximum"
+            yield (f"{keyword} {_shown(bound)} at {at}: an integer's bound must be a whole number; " + (
+                "drop integer from type (number takes integers too)" if "number" in types else
+                f'give "{plain}": {whole} (the same integers)'))
+        elif "integer" in types and not (INT_MIN <= bound <= INT_MAX if isinstance(bound, int)
+                                          else INT_MIN < bound < -INT_MIN):
+            yield (f"{keyword} {_shown(bound)} at {at}: an integer's bound must lie from {INT_MIN} to {INT_MAX} "
+                   f"(xgrammar reads it as a 64-bit integer); give one in that range" + (
+                       " written as an integer" if isinstance(bound, float) else ""))
+        else:
+            bounded.append(keyword)
+    if len(bounded) == sum(k in schema for k in _BOUNDS) and types & {"integer", "number"}:
+        yield from _empty_range(schema, path, types, bounded)
+    multiple = schema.get("multipleOf")
+    if "multipleOf" in schema and (isinstance(multiple, bool) or not isinstance(multiple, (int, float))
+                                   or multiple <= 0):
+        yield f"multipleOf {_shown(multiple)} at {path}/multipleOf: must be a number greater than 0"
+    for least, most, kind in _COUNT_PAIRS:
+        low, high = schema.get(least), schema.get(most)
+        if kind in types and all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high)) and low > high:
+            yield (f"{least} {low} at {path}/{least}: above {most} {high}, so no {kind} meets both; give a {least} "
+                   f"no greater than the {most}")
+    prefix = schema.get("prefixItems")
+    low = schema.get("minItems")
+    if ("array" in types and isinstance(prefix, list) and schema.get("items", False) is False
+            and isinstance(low, int) and not isinstance(low, bool) and low > len(prefix)):
+        yield (f"minItems {low} at {path}/minItems: above the {len(prefix)} items prefixItems lists, and no further "
+               f"item is allowed (items false or not given); give items the schema of further items, or a minItems "
+               f"of at most {len(prefix)}")
+
+
+def _empty_range(schema: dict, path: str, types: set, bounded: list) -> Iterator[str]:
+    """The refusal of numeric bounds (all numbers, named in ``bounded``) that no value of ``types`` meets."""
+    low, low_open, high, high_open = -math.inf, False, math.inf, False
+    for keyword in bounded:
+        bound, is_open = schema[keyword], keyword.startswith("exclusive")
+        if keyword in _BOUNDS[:2] and (bound > low or (bound == low and is_open)):
+            low, low_open = bound, is_open
+        elif keyword in _BOUNDS[2:] and (bound < high or (bound == high and is_open)):
+            high, high_open = bound, is_open
+    if math.isinf(low) or math.isinf(high):
+        return
+    empty = low > high or (low == high and (low_open or high_open))
+    kind = "number"
+    if not empty and "integer" in types:
+        least = math.floor(low) + 1 if low_open else math.ceil(low)
+        greatest = math.ceil(high) - 1 if high_open else math.floor(high)
+        empty, kind = least > greatest, "integer"
+    if empty:
+        given = ", ".join(f"{k} {_shown(schema[k])}" for k in bounded)
+        yield (f"{given} at {path}: no {kind} meets them all; give bounds with a value between them (the lower "
+               f"bound below the upper)")
 
 
 def close_objects(schema):
