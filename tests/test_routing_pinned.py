@@ -88,7 +88,7 @@ REMOVED_CONSTEXPRS = {
 ADDED_WHEN_ON = {
     "_paged_attn_kernel": [("USE_SINKS", ("USE_SINKS", "sinks_ptr")),
                            ("HEADS_FIRST", ("HEADS_FIRST", "USE_ORDER", "order_ptr"))],
-    "_merge_splits_kernel": [("USE_SINKS", ("USE_SINKS", "sinks_ptr"))],
+    "_merge_splits_kernel": [("USE_SINKS", ("USE_SINKS", "sinks_ptr")), ("PERMUTED", ("PERMUTED", "out_cols_ptr"))],
     "_ws_mla_decode_kernel": [("TWO_TERMS", ("TWO_TERMS",))],
     "_gluon_fp8_decode_warp_kernel": [("HEADS_FIRST", ("HEADS_FIRST", "USE_ORDER", "CHUNK_BY_LONGEST", "order_ptr"))],
 }
