@@ -29,6 +29,11 @@ NOT_ENFORCED = [
     ("$ref 'http", {"$ref": "http://example.com/s.json"}, '"s"'),
     ("multipleOf at #", {"type": "number", "multipleOf": 0.5}, "0.75"),
     ("multipleOf at #", {"type": "integer", "multipleOf": 1.5}, "2"),
+    ("multipleOf with only a lower bound at #", {"type": "integer", "multipleOf": 5, "minimum": 0}, "7"),
+    ("multipleOf with only an upper bound at #", {"type": "integer", "multipleOf": 5, "exclusiveMaximum": 100}, "7"),
+    ("multipleOf with bounds 10,001 integers apart at #", {"type": "integer", "multipleOf": 5, "minimum": 0,
+                                                            "maximum": 10000}, "7"),
+    ("multipleOf 1025 at #", {"type": "integer", "multipleOf": 1025}, "1"),
     ("lookahead in pattern", {"type": "string", "pattern": "^(?!a)[a-c]$"}, '"a"'),
     ("lookahead in pattern", {"type": "string", "pattern": "^[ab](?!b)[a-c]$"}, '"ab"'),  # after a class
     ("lookahead in pattern '^(?!x).*$'", {"type": "object", "patternProperties": {"^(?!x).*$": {"type": "integer"}},
@@ -87,6 +92,9 @@ ENFORCED = [
      '{"pet":{"meows":1,"barks":2}}'),
     ({"format": "uri", "minLength": 1, "type": "string"}, '""'),  # pydantic's AnyUrl
     ({"type": ["integer", "null"], "multipleOf": 3}, "4"),
+    ({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 9999}, "7"),
+    ({"type": "integer", "multipleOf": 5, "exclusiveMinimum": -1, "exclusiveMaximum": 10000}, "7"),
+    ({"type": "integer", "multipleOf": 1024}, "1"),
     ({"oneOf": [{"type": "string", "maxLength": 2}, {"type": "string", "minLength": 4}]}, '"abc"'),  # apart by length
     ({"oneOf": [{"type": "integer", "maximum": 0}, {"type": "integer", "exclusiveMinimum": 0}]}, "0.5"),
     ({"$defs": {"S": {"type": "string"}}, "$ref": "#/$defs/S", "description": "a note"}, "1"),

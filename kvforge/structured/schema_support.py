@@ -8,7 +8,8 @@ Found by compiling a schema with each keyword and feeding the matcher an instanc
 schema or to an anchor, a ``format`` outside :data:`ENFORCED_FORMATS` (but for :data:`ANNOTATION_FORMATS`, which every string
 meets), ``pattern`` or ``format`` beside
 ``minLength``/``maxLength`` or beside each other, a ``required`` property that ``properties`` does not
-list, ``multipleOf`` on anything but an integer by an integer, a lookahead (``(?=``, ``(?!``) in a
+list, ``multipleOf`` on anything but an integer by an integer (and there by a step above
+:data:`MULTIPLE_OF_MAX`, or beside one bound, or two too far apart), a lookahead (``(?=``, ``(?!``) in a
 ``pattern`` or ``patternProperties`` name, anything but annotations beside ``$ref``/``anyOf``/``oneOf``/
 ``allOf`` (read alone) or beside ``enum``/``const`` (only the values are enforced), one type's
 constraints where no ``type`` is given, and a ``oneOf`` whose branches are not shown apart
@@ -62,6 +63,11 @@ _TYPED = ("pattern", "format", "minLength", "maxLength", "minimum", "maximum", "
 #: largest: beyond it some bounds are refused, others wrap or read as no bound, as a negative one may).
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 COUNT_MAX = 2**31 - 1
+#: ``multipleOf`` on an integer is enforced by a step of at most ``MULTIPLE_OF_MAX``, where the schema bounds
+#: the integer on neither side or on both, at most ``MULTIPLE_OF_MAX_SPAN`` integers wide (bounded on one side
+#: or more widely, and by a larger step, xgrammar compiles the type without the step).
+MULTIPLE_OF_MAX = 1024
+MULTIPLE_OF_MAX_SPAN = 10000
 #: A number's bounds, lower ones first; xgrammar reads an integer's as a 64-bit integer, from INT_MIN to
 #: INT_MAX (or, written with a fraction or exponent, as a double strictly between them).
 _BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
@@ -220,6 +226,8 @@ def _unenforced_at(schema: dict, path: str, root) -> Iterator[str]:
         if (declared_types(types) or set()) - {"null"} != {"integer"} or not whole:
             yield (f"multipleOf at {path}: enforced only for type integer by a whole number; use an integer of a "
                    f"smaller unit, or drop it")
+        else:
+            yield from _integer_step_unenforced(schema, int(step), path)
     if isinstance(schema.get("oneOf"), list):
         pair = overlapping_pair(schema["oneOf"], root)
         if pair is not None:
@@ -232,6 +240,37 @@ def _unenforced_at(schema: dict, path: str, root) -> Iterator[str]:
     if missing:
         yield (f"required {', '.join(map(str, missing))} at {path}: not in properties, which xgrammar never "
                f"requires; list it in properties")
+
+
+def _integer_bounds(schema: dict) -> tuple[float | None, float | None]:
+    """The least and the greatest integer a schema's numeric bounds allow (None: unbounded on that side)."""
+    lows = [math.ceil(schema["minimum"])] if _is_number(schema.get("minimum")) else []
+    lows += [math.floor(schema["exclusiveMinimum"]) + 1] if _is_number(schema.get("exclusiveMinimum")) else []
+    highs = [math.floor(schema["maximum"])] if _is_number(schema.get("maximum")) else []
+    highs += [math.ceil(schema["exclusiveMaximum"]) - 1] if _is_number(schema.get("exclusiveMaximum")) else []
+    return (max(lows) if lows else None), (min(highs) if highs else None)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer_step_unenforced(schema: dict, step: int, path: str) -> Iterator[str]:
+    """An integer's whole ``multipleOf`` where xgrammar would not enforce it (:data:`MULTIPLE_OF_MAX`)."""
+    if step > MULTIPLE_OF_MAX:
+        yield (f"multipleOf {step} at {path}: enforced only up to {MULTIPLE_OF_MAX}; give a smaller step (an enum "
+               f"of the allowed values, or a smaller unit), or drop it")
+        return
+    low, high = _integer_bounds(schema)
+    if low is None and high is None:
+        return
+    if low is None or high is None:
+        yield (f"multipleOf with only a{' lower' if high is None else 'n upper'} bound at {path}: enforced with "
+               f"no bound or with both, at most {MULTIPLE_OF_MAX_SPAN:,} integers apart; give both bounds, or drop "
+               f"the bound or the step")
+    elif high - low + 1 > MULTIPLE_OF_MAX_SPAN:
+        yield (f"multipleOf with bounds {high - low + 1:,} integers apart at {path}: enforced only between bounds "
+               f"at most {MULTIPLE_OF_MAX_SPAN:,} integers apart; narrow the bounds, or drop them or the step")
 
 
 def unreadable(schema) -> Iterator[str]:
