@@ -267,6 +267,7 @@ def _write_tiny_gemma3_gguf(path: Path) -> None:
     w.add_uint32("gemma3.attention.key_length", 256)
     w.add_uint32("gemma3.attention.sliding_window", 64)
     w.add_uint32("gemma3.vocab_size", 256)
+    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
     rng = np.random.default_rng(0)
     w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
     # Q4_K: 256-element blocks of 144 bytes; 256 rows of 256 elements.

@@ -262,6 +262,7 @@ def _write_gemma3_header(path, pattern) -> None:
                        ("feed_forward_length", 512), ("attention.head_count", 1), ("attention.head_count_kv", 1),
                        ("attention.key_length", 256), ("attention.sliding_window", 64), ("vocab_size", 256)):
         w.add_uint32(f"gemma3.{key}", value)
+    w.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
     if pattern is not None:
         w.add_sliding_window_pattern(pattern)
     w.add_tensor("output_norm.weight", np.ones(256, dtype=np.float32))
@@ -355,4 +356,23 @@ def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, alignment)
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ConfigError, match=f"general.alignment is {alignment}, not a power of two"):
+        load_config(path)
+
+
+def test_a_missing_norm_epsilon_is_refused(tmp_path):
+    """llama.cpp requires the RMS-norm epsilon; a default would be wrong for some families (Gemma's is 1e-6)."""
+    from kvforge.weights import load_config
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FF)
+    w.add_head_count(4)
+    w.add_vocab_size(VOCAB)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=r"lacks llama\.attention\.layer_norm_rms_epsilon"):
         load_config(path)

@@ -451,7 +451,7 @@ def read_gguf_config(path: str) -> dict:
         "head_dim": head_dim,
         "intermediate_size": int(need("feed_forward_length")),
         "vocab_size": vocab,
-        "rms_norm_eps": float(h.arch_key("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),  # required, as llama.cpp reads it
         "rope_theta": float(h.arch_key("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(h.arch_key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in h.tensors,
@@ -475,7 +475,7 @@ def read_gguf_config(path: str) -> dict:
         cfg["rope_scaling"] = scaling
     elif scaling_type not in (None, "none"):
         raise ConfigError(
-            f"{path}: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported; supported: none, linear"
+            f"{path}: GGUF {arch}.rope.scaling.type {scaling_type!r} is not supported; supported: none, linear, yarn, dynamic"
         )
     elif "rope_freqs.weight" in h.tensors:
         # llama3-style scaling: llama.cpp stores per-frequency divisors instead of the parameters.
