@@ -57,7 +57,7 @@ def test_draft_layers_join_the_target_group(kv, elem):
 def test_draft_layers_of_their_own_layout_form_groups_of_the_pool_page():
     # Sliding-window draft layers of the target's KV geometry: a type of their own, with the pool's page. Group
     # sizes between 2 and 32 for types of 32 and 2 layers: 2 wastes no slot (16 full groups + 1 sliding).
-    draft = dict(SMALL_DRAFT, use_sliding_window=True, sliding_window=1024)
+    draft = dict(SMALL_DRAFT, sliding_window=1024, layer_types=["sliding_attention"] * 2)
     plan = resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"),
                    CacheConfig(max_model_len=L, kv_cache_memory=MEMORY), draft_spec=spec(draft, "small"))
     assert plan.group_size == 2 and len(plan.groups) == 17

@@ -70,16 +70,9 @@ class LlamaArgs(DecoderArgs):
         self.windows = self._sliding_windows(config)
 
     def _sliding_windows(self, config: dict) -> list[int | None]:
-        window = config.get("sliding_window")
-        layer_types = config.get("layer_types")
-        if isinstance(layer_types, list) and len(layer_types) == self.num_layers:
-            return [int(window) if t == "sliding_attention" and window else None for t in layer_types]
-        if self.arch == "MistralForCausalLM":
-            return [int(window) if window else None] * self.num_layers
-        if self.arch.startswith("Qwen") and config.get("use_sliding_window") and window:
-            first = int(cfg_get(config, "max_window_layers", 0))
-            return [int(window) if i >= first else None for i in range(self.num_layers)]
-        return [None] * self.num_layers
+        from kvforge.spec.architectures import dense_sliding_windows
+
+        return dense_sliding_windows(config, self.arch, self.num_layers)
 
 
 class LlamaAttention(nn.Module):

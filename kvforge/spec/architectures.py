@@ -85,6 +85,25 @@ def _layer_types(cfg: dict, n: int, default: Callable[[int], str]) -> list[str]:
     return [default(i) for i in range(n)]
 
 
+def dense_sliding_windows(cfg: dict, arch: str, n: int) -> list[int | None]:
+    """Each layer's sliding window (None: full attention) in a Llama-family model, for the plan and for the
+    model code (kvforge/models/llama.py) alike: ``layer_types`` when it lists every layer ("sliding_attention" slides);
+    else Mistral slides every layer; else Qwen with ``use_sliding_window`` slides the layers from
+    ``max_window_layers`` on; else no layer slides."""
+    if not cfg.get("sliding_window"):  # None or 0: no window, as the model code reads it
+        return [None] * n
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(types) == n:
+        window = _get(cfg, "sliding_window")
+        return [window if t == "sliding_attention" else None for t in types]
+    if arch == "MistralForCausalLM":
+        return [_get(cfg, "sliding_window")] * n
+    if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
+        first = _get(cfg, "max_window_layers", required=False, minimum=0) or 0
+        return [_get(cfg, "sliding_window") if i >= first else None for i in range(n)]
+    return [None] * n
+
+
 def _dense_llama(cfg: dict, arch: str, *, bias: bool = False, qk_norm: bool = False) -> tuple[list[LayerSpec], int]:
     n = _get(cfg, "num_hidden_layers")
     heads = _get(cfg, "num_attention_heads")
@@ -93,19 +112,16 @@ def _dense_llama(cfg: dict, arch: str, *, bias: bool = False, qk_norm: bool = Fa
     head_dim = _head_dim(cfg)
     hidden = _get(cfg, "hidden_size")
     inter = _get(cfg, "intermediate_size")
-    window = cfg.get("sliding_window")
-    use_window = window is not None and (arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False))
-    if use_window:
-        window = _get(cfg, "sliding_window")
+    windows = dense_sliding_windows(cfg, arch, n)
     layers: list[LayerSpec] = [
         AttentionLayerSpec(
             index=i,
-            kind="sliding" if use_window else "full",
+            kind="sliding" if windows[i] else "full",
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim_k=head_dim,
             head_dim_v=head_dim,
-            sliding_window=window if use_window else None,
+            sliding_window=windows[i],
         )
         for i in range(n)
     ]
