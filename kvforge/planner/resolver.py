@@ -580,6 +580,17 @@ def step_token_budget(cache: CacheConfig, platform: str) -> int:
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[platform], cache.max_num_seqs)
 
 
+def _utilization_fix(needed: int, gpu_memory: int, joiner: str) -> str:
+    """``joiner`` + "--gpu-memory-utilization to U or more", U the smallest share of the device in hundredths that
+    leaves more than ``needed`` bytes; "" where no share of at most 1 does."""
+    hundredths = needed * 100 // gpu_memory + 1
+    while hundredths <= 100 and int(gpu_memory * (hundredths / 100)) <= needed:  # as the flag's value is read
+        hundredths += 1
+    if hundredths > 100:
+        return ""
+    return f"{joiner}--gpu-memory-utilization to {hundredths / 100:.2f} or more"
+
+
 def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnings: list[str],
             weights_dtype: str = "") -> int | None:
     """KV bytes per rank: ``--kv-cache-memory``, else the device's usable memory less the weights and the
@@ -603,14 +614,15 @@ def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnin
             f"weights need {weights / gib:.2f} GiB per rank{f' (in {weights_dtype})' if weights_dtype else ''} "
             f"but --gpu-memory {cache.gpu_memory / gib:.2f} GiB x "
             f"--gpu-memory-utilization {cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: raise "
-            f"--tensor-parallel-size or --gpu-memory-utilization, or use a smaller model"
+            f"--tensor-parallel-size{_utilization_fix(weights, cache.gpu_memory, ', or ')}, or use a smaller model"
         )
     if weights + reserve.bytes >= usable:
         raise PlanError(
             f"weights {weights / gib:.2f} GiB per rank + activations {reserve.describe()} leave no KV memory in "
             f"--gpu-memory {cache.gpu_memory / gib:.2f} GiB x --gpu-memory-utilization "
             f"{cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: lower --max-num-batched-tokens "
-            f"(the activations grow with it), or raise --gpu-memory-utilization or --tensor-parallel-size"
+            f"(the activations grow with it), or raise --tensor-parallel-size"
+            f"{_utilization_fix(weights + reserve.bytes, cache.gpu_memory, ' or ')}"
         )
     return usable - weights - reserve.bytes
 
