@@ -16,8 +16,8 @@ from kvforge.planner.activations import ActivationReserve
 @dataclass(frozen=True)
 class LayerPlan:
     """One layer on one rank. ``bytes_per_token``: the bytes each token of a sequence adds to the layer, 0 where
-    the layer's bytes are per sequence instead: state layers (``state_bytes``) and sliding-window layers whose
-    window max-model-len exceeds (their window's blocks, in the plan's fixed bytes per sequence)."""
+    the layer's bytes are per sequence instead: state layers (``state_bytes``) and every sliding-window layer
+    (its window's blocks, at most the window or max-model-len, in the plan's fixed bytes per sequence)."""
 
     index: int
     kind: str
