@@ -169,7 +169,8 @@ class _VllmFlagAction(argparse.Action):
         if self.flag.neutral is None or (self.flag.takes_value and self.flag.is_neutral(values)):
             return
         given = f"{option_string} {values}" if self.flag.takes_value else option_string
-        flag = self.option_strings[0]
+        # the long spelling given, where one flag has several (a short one is named by its long form)
+        flag = option_string if option_string and option_string.startswith("--") else self.option_strings[0]
         neutral = (f"; {flag} accepts only {' or '.join(self.flag.neutral)}, which changes nothing"
                    if self.flag.neutral else "")
         # the reason alone, without argparse's usage block (a hundred lines of flags that hide it)

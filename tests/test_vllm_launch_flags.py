@@ -65,6 +65,7 @@ def test_model_as_vllm_spells_it():
     (["--uds", "/tmp/kvforge.sock"], "the server listens on TCP"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend accepts only mp"),
     (["--cpu-offload-gb", "8"], "weights and KV stay on the GPU"),
+    (["--kv-offloading-size", "4"], "--kv-offloading-size accepts only 0"),  # the name given, of two
     (["--num-gpu-blocks-override", "1000"], "--kv-cache-memory"),
     (["--enable-sleep-mode"], "sleep mode is not implemented"),
     (["--config", "c.yaml"], "YAML file of flags is not read"),
