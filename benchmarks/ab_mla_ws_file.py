@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_mla_decode import SOFTMAX_SCALE, bench, bytes_read, copy_bandwidth, make_case  # noqa: E402
+from bench_mla_decode import SOFTMAX_SCALE, bench, bytes_read, copy_bandwidth, make_case, save_rows  # noqa: E402
 from bench_mla_query_terms import reference, rel_l2  # noqa: E402
 
 from kvforge.attention.routing import mla as mla_routing  # noqa: E402
@@ -87,9 +86,7 @@ def main():
             del cache, want
             torch.cuda.empty_cache()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ab_mla_ws_file.json"), "w") as fh:
-            json.dump(dict(copy_tbps=copy_bw / 1e12, gpu=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
+        save_rows(args.out, "ab_mla_ws_file.json", copy_bw, rows)
 
 
 if __name__ == "__main__":

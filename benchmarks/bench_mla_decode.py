@@ -85,6 +85,13 @@ def make_case(batch, ctx, heads, cache_dtype, seed=0):
     return cache, meta, ql, qr
 
 
+def save_rows(out_dir, filename, copy_bw, rows):
+    """``rows`` with the copy bandwidth and the GPU's name as ``out_dir/filename`` (JSON)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, filename), "w") as fh:
+        json.dump(dict(copy_tbps=copy_bw / 1e12, gpu=torch.cuda.get_device_name(), rows=rows), fh, indent=1)
+
+
 def bytes_read(batch, ctx, heads, elem):
     rows = batch * ctx * (R + P) * elem
     table = batch * (-(-ctx // BS)) * 4

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import statistics
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_mla_decode import SOFTMAX_SCALE, P, R, bench, bytes_read, copy_bandwidth, make_case  # noqa: E402
+from bench_mla_decode import SOFTMAX_SCALE, P, R, bench, bytes_read, copy_bandwidth, make_case, save_rows  # noqa: E402
 
 from kvforge.attention.routing import mla as mla_routing  # noqa: E402
 from kvforge.kernels import gluon_mla_decode_ws as ws  # noqa: E402
@@ -120,11 +119,7 @@ def main():
             del cache, want
             torch.cuda.empty_cache()
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "mla_query_terms.json"), "w") as fh:
-            json.dump(
-                dict(copy_tbps=copy_bw / 1e12, gpu=torch.cuda.get_device_name(), rows=rows), fh, indent=1
-            )
+        save_rows(args.out, "mla_query_terms.json", copy_bw, rows)
 
 
 if __name__ == "__main__":
