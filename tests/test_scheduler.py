@@ -371,6 +371,27 @@ def test_detokenizer_stop_string_spanning_tokens_is_cut():
     assert d.add_tokens([65]) == ""
 
 
+def test_detokenizer_stop_string_must_end_in_text_after_min_tokens():
+    """With min_tokens (vLLM's rule) only a stop string that ends in text arriving after the first
+    min_tokens output tokens counts: a short stop string lying wholly in earlier text is not matched,
+    even while a longer stop string makes the search look back further."""
+    tok = ByteTokenizer()
+    d = IncrementalDetokenizer(tok, [], stop=("o", "xxxxxxxx"), min_tokens=6)
+    for t in tok.encode(" hello"):
+        d.add_tokens([t])
+    assert d.stopped_on is None
+    d.add_tokens(tok.encode(" "))
+    assert d.stopped_on is None and d.text == " hello "
+    for t in tok.encode("hello"):
+        d.add_tokens([t])
+    assert d.stopped_on == "o" and d.text == " hello hell"
+    # Without min_tokens nothing changes: the first "o" stops the text.
+    d = IncrementalDetokenizer(tok, [], stop=("o", "xxxxxxxx"))
+    for t in tok.encode(" hello hello"):
+        d.add_tokens([t])
+    assert d.stopped_on == "o" and d.text == " hell"
+
+
 def test_scheduler_stop_strings_and_text():
     tok = ByteTokenizer()
     target = tok.encode("Hi there.\nBye")

@@ -11,8 +11,9 @@ text ends in U+FFFD the last token(s) carry an incomplete UTF-8 character;
 nothing is emitted until a later token completes it, so a partial U+FFFD is
 never part of the output.
 
-Stop strings may span several tokens: after each delta we search the text
-from ``len(old_text) - (longest stop - 1)``. On a hit the text is truncated
+Stop strings may span several tokens: after each delta each stop string ``s``
+is searched from ``len(old_text) - (len(s) - 1)``, so only a match that ends in
+the new text counts. On a hit the text is truncated
 right before the stop string (the stop string is not returned). For
 streaming, ``output_text(finished=False)`` also withholds a trailing piece of
 text that could still become a stop string. With ``min_tokens`` (vLLM's rule)
@@ -88,10 +89,12 @@ class IncrementalDetokenizer:
         return delta
 
     def _check_stop(self, old_len: int) -> None:
-        start = max(0, old_len - self._max_stop_len + 1)
+        # Only a match that ends in the new text counts: each stop string is searched from
+        # ``len(s) - 1`` characters before it, so one that lies wholly in text that came before
+        # (text not searched under min_tokens) is not matched (vLLM's rule).
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self.text.find(s, max(0, old_len - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
