@@ -606,13 +606,27 @@ async def _merge(streams: list[RequestStream]):
 
 async def _stream(request: web.Request, req, streams: list[RequestStream], tokenizer, model_name: str,
                   prompt_tokens_details: bool = False):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    try:
+        await resp.prepare(request)
+        await _stream_events(resp, req, streams, tokenizer, model_name, prompt_tokens_details)
+    except ConnectionResetError:
+        # The client is gone (before the headers went out, mid-stream, or before the last event): nothing
+        # more can be written, and its requests are aborted as their streams close. aiohttp ends a response
+        # whose client left without logging an error.
+        pass
+    return resp
+
+
+async def _stream_events(resp: web.StreamResponse, req, streams: list[RequestStream], tokenizer, model_name: str,
+                         prompt_tokens_details: bool):
+    """Write ``streams`` to the prepared ``resp`` as server-sent events, then ``data: [DONE]``; raises
+    ConnectionResetError once the client is gone."""
     chat = req.kind == "chat"
     rid = protocol.random_id("chatcmpl" if chat else "cmpl")
     created = protocol.now()
     obj = "chat.completion.chunk" if chat else "text_completion"
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
 
     def usage_so_far(last: bool = False) -> dict:
         # the cached count is known once the requests were scheduled: only the last usage carries it
@@ -722,9 +736,7 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
         err = protocol.error_body(str(e), type_, code=code)
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())
     except ConnectionResetError:
-        # The client is gone: nothing more can be written, and its requests are aborted as their streams
-        # close. aiohttp ends a begun response whose client left without logging an error.
-        return resp
+        raise
     except Exception as e:  # the response has begun: the error goes out as an event, then the stream ends
         logger.exception("stream of request %s failed", rid)
         err = protocol.error_body(f"internal server error: {type(e).__name__}: {e}", "server_error",
@@ -732,7 +744,6 @@ async def _stream(request: web.Request, req, streams: list[RequestStream], token
         await resp.write(f"data: {json.dumps(err)}\n\n".encode())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    return resp
 
 
 # -- running it ---------------------------------------------------------------------------

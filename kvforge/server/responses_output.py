@@ -182,7 +182,20 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
     """The event stream of ``stream``; ``on_done`` (if given) gets the whole Response before its last event."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    try:
+        await resp.prepare(request)
+        await _stream_events(resp, req, meta, stream, model_name, on_done)
+    except ConnectionResetError:
+        # The client is gone (before the headers went out, mid-stream, or before the end): nothing more can
+        # be written, and its request is aborted as its stream closes. aiohttp ends a response whose client
+        # left without logging an error.
+        pass
+    return resp
+
+
+async def _stream_events(resp: web.StreamResponse, req, meta, stream, model_name: str, on_done) -> None:
+    """Write the events of ``stream`` to the prepared ``resp`` and end it; raises ConnectionResetError once
+    the client is gone."""
     events = _EventWriter(resp)
     response_id, created = item_id("resp"), protocol.now()
     shell = response_object(response_id, created, model_name, meta, req.params, "in_progress", [], None)
@@ -264,9 +277,8 @@ async def stream_response(request: web.Request, req, meta, stream, model_name: s
         _, _, code = SERVER_FAILURES[type(e)]
         await events.send("error", code=code, message=str(e), param=None)
     except ConnectionResetError:
-        return resp  # the client is gone: aiohttp ends a begun response whose client left without an error log
+        raise
     except Exception as e:  # the stream has begun: the error goes out as an event
         logger.exception("response stream %s failed", response_id)
         await events.send("error", code="internal_error", message=f"{type(e).__name__}: {e}", param=None)
     await resp.write_eof()
-    return resp
