@@ -155,6 +155,8 @@ class AsyncEngine:
         self._adding = 0  # engine requests whose add_requests call is in flight
         self._added_since_stats = 0
         self._pending_aborts: list[str] = []
+        # Aborted requests the engine may still count in last_stats: those pending and those of the step running.
+        self._aborts_unseen = 0
         # Engine thread only: samples to add once their sample 0 (the key) has an output, and the reverse map.
         self._later: dict[str, list[tuple[str, list[int], SamplingParams, int]]] = {}
         self._leader_of: dict[str, str] = {}
@@ -236,15 +238,17 @@ class AsyncEngine:
         would leave waiting beyond the run slots exceed the bound, unless nothing is held (a request never
         waits on itself); a request of more sequences than slots and bound together can never be taken and
         is a 400 naming ``n``. The count is the engine's running and waiting requests at its last step plus
-        every request added since (some may have finished: the bound errs towards refusing)."""
+        every request added since (some may have finished: the bound errs towards refusing), less the requests
+        whose client left since (their aborts run before the next step), so a request that left frees its place
+        at once."""
         limit, slots = self.max_queued_requests, self.engine.max_num_seqs
         if sequences > limit + slots:
             raise InvalidRequestError(
                 f"'n': this request asks for {sequences} sequences (prompts x n), more than the server holds at "
                 f"once (--max-num-seqs {slots} running and --max-queued-requests {limit} queued); send fewer "
                 f"prompts or a smaller n", field="n")
-        held = (self.last_stats.get("num_running", 0) + self.last_stats.get("num_waiting", 0)
-                + self._added_since_stats + self._adding)
+        held = max(0, self.last_stats.get("num_running", 0) + self.last_stats.get("num_waiting", 0)
+                   + self._added_since_stats + self._adding - self._aborts_unseen)
         if held and max(0, held + sequences - slots) > limit:
             raise QueueFullError(f"too many queued requests ({max(0, held - slots)} waiting beyond the {slots} "
                                  f"running, limit {limit}, this request {sequences}); retry later")
@@ -337,6 +341,7 @@ class AsyncEngine:
             # the engine thread takes the aborts in order).
             for stream in streams:
                 stream.close()
+            self._aborts_unseen -= count  # not in the engine's stats, nor counted as being added any more
             raise
         except BaseException:
             # Refused: the engine thread added none of them (or aborted those it had added) before any step.
@@ -471,6 +476,7 @@ class AsyncEngine:
 
     def _schedule_abort(self, *request_ids: str) -> None:
         self._pending_aborts.extend(request_ids)
+        self._aborts_unseen += len(request_ids)
         if self._wakeup is not None:
             self._wakeup.set()
 
@@ -554,6 +560,7 @@ class AsyncEngine:
                 self._stepping = False
             self.last_stats = stats
             self._added_since_stats = 0
+            self._aborts_unseen = len(self._pending_aborts)  # this step's aborts are in its stats
             self.metrics.on_steps(steps)
             for rid, e in failed:
                 stream = self._streams.pop(rid, None)
