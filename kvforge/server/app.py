@@ -41,6 +41,7 @@ from kvforge.server.async_engine import (
 )
 from kvforge.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.server.cors import ALLOW_ALL, CorsPolicy, add_origin_headers_on_prepare, preflight_middleware
+from kvforge.server.event_stream import event_stream
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.request_defaults import RequestDefaults
@@ -606,17 +607,8 @@ async def _merge(streams: list[RequestStream]):
 
 async def _stream(request: web.Request, req, streams: list[RequestStream], tokenizer, model_name: str,
                   prompt_tokens_details: bool = False):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    try:
-        await resp.prepare(request)
-        await _stream_events(resp, req, streams, tokenizer, model_name, prompt_tokens_details)
-    except ConnectionResetError:
-        # The client is gone (before the headers went out, mid-stream, or before the last event): nothing
-        # more can be written, and its requests are aborted as their streams close. aiohttp ends a response
-        # whose client left without logging an error.
-        pass
-    return resp
+    return await event_stream(
+        request, lambda resp: _stream_events(resp, req, streams, tokenizer, model_name, prompt_tokens_details))
 
 
 async def _stream_events(resp: web.StreamResponse, req, streams: list[RequestStream], tokenizer, model_name: str,

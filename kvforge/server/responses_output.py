@@ -24,6 +24,7 @@ from aiohttp import web
 from kvforge.reasoning import ANSWER
 from kvforge.server import protocol
 from kvforge.server.async_engine import SERVER_FAILURES
+from kvforge.server.event_stream import event_stream
 from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.responses import (
     ResponseParts,
@@ -180,17 +181,7 @@ class _StreamedItems:
 async def stream_response(request: web.Request, req, meta, stream, model_name: str,
                           on_done=None) -> web.StreamResponse:
     """The event stream of ``stream``; ``on_done`` (if given) gets the whole Response before its last event."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    try:
-        await resp.prepare(request)
-        await _stream_events(resp, req, meta, stream, model_name, on_done)
-    except ConnectionResetError:
-        # The client is gone (before the headers went out, mid-stream, or before the end): nothing more can
-        # be written, and its request is aborted as its stream closes. aiohttp ends a response whose client
-        # left without logging an error.
-        pass
-    return resp
+    return await event_stream(request, lambda resp: _stream_events(resp, req, meta, stream, model_name, on_done))
 
 
 async def _stream_events(resp: web.StreamResponse, req, meta, stream, model_name: str, on_done) -> None:
