@@ -87,7 +87,7 @@ def test_eight_warps_only_on_the_fp8_register_path_at_32_heads(monkeypatch):
 def test_launches_equal_the_cuda_graph_pinning(monkeypatch):
     """CUDA graphs pin the routing table's first candidate's split count; the engine entry must launch that
     count by default for every cache kind, head count and batch, on the kernel the table named (the
-    warp-specialized one for fp8 at up to 16 heads with >= 4096 tokens a CTA). Kernel launches are replaced
+    warp-specialized one for fp8 at up to 16 heads with >= ``WS_MIN_TOKENS_PER_CTA`` tokens a CTA). Kernel launches are replaced
     by recorders, so this runs on CPU."""
     from kvforge.attention.metadata import AttentionMetadata
     from kvforge.attention.routing.platform import Device
@@ -139,9 +139,9 @@ def test_launches_equal_the_cuda_graph_pinning(monkeypatch):
                             else:
                                 assert seen["kernel"] == "wgmma" and seen["TILE"] == 16 * seen["num_warps"]
                             seen.clear()
-        # fp8 kinds x heads 1, 8, 16 x (batches 8, 32, 128 at 65536 tokens, batch 128 at 4096: >= 4096 a CTA),
-        # and the same e4m3 cases again with the e4m3 query
-        assert ws_seen == 2 * 3 * 4 + 3 * 4, sms
+        # >= 1024 tokens a CTA, fp8 kinds x heads 1, 8, 16 x 6 shapes: at 65536 tokens every batch but 1 (128
+        # splits of 512), at 4096 batches 32 (4 splits) and 128 (1); the same e4m3 cases again with the e4m3 query
+        assert ws_seen == 6 * (2 * 3 + 3), sms
 
 
 def test_lazy_rescale_only_where_measured_faster():

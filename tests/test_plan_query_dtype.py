@@ -66,7 +66,7 @@ def test_declaration_requires_explicit_quantized_query():
 
 # ---- the real CUDA MLA backend (triton_mla): the e4m3 query is declared at 1-16 heads per rank, opt-in ----
 DECLARED = ("triton_mla declares an fp8_e4m3 query with fp8_e4m3 KV at 1-16 heads per rank; this layer has {h}: "
-            "fp8_e4m3 dot (on sm_90 where a decode CTA gets >= 4096 tokens; elsewhere the model-dtype query runs, "
+            "fp8_e4m3 dot (on sm_90 where a decode CTA gets >= 1024 tokens; elsewhere the model-dtype query runs, "
             "faster there)")
 OPT_IN = ("triton_mla declares an fp8_e4m3 query here, opt-in only (--query-dtype fp8): its decode output error "
           "was 15x the model-dtype query's (2.0-2.6e-2 against 1.7-2.0e-3 relative L2) for a 1.09-1.14x "

@@ -304,7 +304,7 @@ def test_mla_e4m3_query_candidates():
     long = mla.MLAShape(32, 16, 512, 64, 65536, BF16, E4M3, E4M3)
     got = [(c.kernel, c.query_dtype) for c in mla.decode_candidates(long, H200)]
     assert got == [("gluon_mla_ws", E4M3), ("gluon_mla_ws", None), ("tl_dot_mla", None)]
-    short = mla.MLAShape(32, 16, 512, 64, 4096, BF16, E4M3, E4M3)  # 4 splits of 1024 tokens: not the ws kernel
+    short = mla.MLAShape(32, 16, 512, 64, 2048, BF16, E4M3, E4M3)  # 4 splits of 512 tokens: not the ws kernel
     got = [(c.kernel, c.query_dtype) for c in mla.decode_candidates(short, H200)]
     assert got == [("gluon_mla_wgmma", E4M3), ("gluon_mla_wgmma", None), ("tl_dot_mla", None)]
     assert [(c.kernel, c.query_dtype) for c in mla.decode_candidates(short, NO_GLUON)] == [("tl_dot_mla", None)]
@@ -315,13 +315,14 @@ def test_mla_e4m3_query_candidates():
 
 
 def test_mla_ws_routing_rule():
-    """At least 4096 tokens a CTA (132 SMs): batch 8 needs 16 splits, so 64k; batch 32 (4 splits) 16k;
-    batch 128 (1 split) 4k; batch 1 (at most 128 splits) 512k."""
+    """At least 1024 tokens a CTA (132 SMs): batch 8 needs 16 splits, so 16k; batch 32 (4 splits) 4k;
+    batch 128 (1 split) 1k; batch 1 (at most 128 splits) 128k."""
     takes = mla.ws_takes
-    assert takes(True, 8, 8, 65536, 132) and not takes(True, 8, 8, 32768, 132)
-    assert takes(True, 16, 32, 16384, 132) and not takes(True, 16, 16, 16384, 132)
-    assert takes(True, 1, 128, 4096, 132) and not takes(True, 8, 32, 4096, 132)
-    assert not takes(True, 8, 1, 65536, 132) and takes(True, 8, 1, 1 << 19, 132)
+    assert mla.WS_MIN_TOKENS_PER_CTA == 1024
+    assert takes(True, 8, 8, 16384, 132) and not takes(True, 8, 8, 8192, 132)
+    assert takes(True, 16, 32, 4096, 132) and not takes(True, 16, 16, 4096, 132)
+    assert takes(True, 1, 128, 1024, 132) and not takes(True, 8, 32, 1024, 132)
+    assert not takes(True, 8, 1, 65536, 132) and takes(True, 8, 1, 1 << 17, 132)
     assert takes(True, 16, 32, 65536, 132) and not takes(True, 17, 32, 65536, 132)
     assert not takes(False, 8, 32, 65536, 132)  # 16-bit caches stay on the wgmma kernel
     assert [mla.ws_heads_per_program(h) for h in (1, 8, 9, 16)] == [8, 8, 16, 16]

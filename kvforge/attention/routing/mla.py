@@ -57,16 +57,19 @@ class MLAKernel:
     when: str = ""
 
 
+#: A call runs on :data:`WS` only if each CTA gets at least this many tokens (context over its splits). Routed
+#: against the wgmma kernel at its own split count (H100, fp8 e4m3 cache, bf16 query): 1.04x faster at 1024
+#: and 1.04-1.06x at 2048 tokens a CTA with 16 heads, 1.07-1.11x with 8; at 512 0.95x with 16 heads
+#: (docs/BENCHMARKS.md, "MLA decode: where the warp-specialized kernel takes over").
+WS_MIN_TOKENS_PER_CTA: int = 1024
 #: The warp-specialized fp8 kernel (``kvforge.kernels.gluon_mla_decode_ws``).
 WS = MLAKernel(
     name="gluon_mla_ws", launcher="kvforge.kernels.gluon_mla_decode_ws:mla_decode_ws", needs_gluon=True,
     model_dtypes=SIXTEEN_BIT, kv_dtypes=FP8_KV_DTYPES, same_dtype_cache=False, max_heads=16,
     latent_dim=LATENT_DIM, rope_dim=ROPE_DIM,
     splits=SplitRule(waves=1, min_tokens=512, max_splits=128, round_up=False, forced="or_rule"),
-    when="fp8 cache, <= 16 heads, >= 4096 tokens a CTA",
+    when=f"fp8 cache, <= 16 heads, >= {WS_MIN_TOKENS_PER_CTA} tokens a CTA",
 )
-#: A call runs on :data:`WS` only if each CTA gets at least this many tokens (context over its splits).
-WS_MIN_TOKENS_PER_CTA: int = 4096
 #: Heads per program from which :data:`WS` runs a bf16 model-dtype query over an e4m3 cache as two e4m3 terms
 #: (an fp8 score product that holds the query exactly) rather than the fp16 product from registers: 1.01-1.07x
 #: faster at 16, 0.99-1.04x at 8, for a relative L2 error of 1.8-2.3e-3 against 1.7e-3 (3.5e-3 against 1.6e-3
