@@ -217,6 +217,14 @@ def test_streaming_matches_non_streaming(server, client):
     used = [c.usage.completion_tokens for c in chunks]
     assert used == [*range(1, 8), 7] and {c.usage.prompt_tokens for c in chunks} == {prompt_tokens}
     assert chunks[-1].choices == []
+    # with n > 1 a choice's chunk counts that choice's tokens (vLLM's rule); the last usage counts them all
+    chunks = list(client.completions.create(prompt="Once upon a time", stream=True, n=2, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **kw))
+    for index in (0, 1):
+        used = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == index]
+        assert used == list(range(1, 8)), (index, used)
+    assert {c.usage.prompt_tokens for c in chunks} == {prompt_tokens}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
 
 
 def test_logprobs_and_stop(server, client):

@@ -629,7 +629,10 @@ async def _stream_events(resp: web.StreamResponse, req, streams: list[RequestStr
         body = {"id": rid, "object": obj, "created": created, "model": model_name, "system_fingerprint": None,
                 "choices": choices, **extra}
         if req.include_usage:
-            body["usage"] = usage if usage is not None or not req.continuous_usage else usage_so_far()
+            if usage is None and req.continuous_usage:  # a choice's chunk: its own prompt and tokens so far
+                i = choices[0]["index"]
+                usage = protocol.usage(prompt_tokens[i], sent_tokens[i])
+            body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
     n = len(streams)
