@@ -577,6 +577,21 @@ def test_metrics_exposition(server, client):
     assert m[f"kvforge:request_generation_tokens_sum{{{label}}}"] >= 3
 
 
+def test_token_counters_count_a_prompt_only_request_as_its_usage(server, client):
+    """Echo with max_tokens 0 (a loglikelihood request) runs in the engine as the prompt less its last token
+    plus that token forced; the token counters count what its usage bills: the whole prompt, no token
+    generated (and so does a one-token prompt, which the engine runs as itself plus a dropped token)."""
+    names = ("kvforge:prompt_tokens_total", "kvforge:generation_tokens_total", "kvforge:request_prompt_tokens_sum",
+             "kvforge:request_generation_tokens_sum")
+    for prompt in ("The quick brown fox jumps", [42]):
+        before = metrics(server)
+        r = client.completions.create(model=model_name(server), prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        after = metrics(server)
+        assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 0
+        moved = [metric_sum(after, n) - metric_sum(before, n) for n in names]
+        assert moved == [r.usage.prompt_tokens, 0, r.usage.prompt_tokens, 0], (prompt, moved)
+
+
 def test_metrics_of_two_apps_in_one_process_are_separate():
     from prometheus_client.parser import text_string_to_metric_families
 

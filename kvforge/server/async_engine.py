@@ -579,6 +579,7 @@ class AsyncEngine:
                     # shutdown); its abort is queued.
                     continue
                 if stream.prompt_only:
+                    self.metrics.on_prompt_only(out, stream.scored_token)
                     out = _prompt_only_output(out, stream.scored_token)
                 self.metrics.on_output(stream, out, now)
                 if out.finished:

@@ -67,6 +67,10 @@ class _EngineCollector:
         self.model_name = model_name
         self.stats: dict = {}
         self.in_flight = 0
+        # Prompt and generated tokens to add to the engine's counters so that they count what clients are
+        # billed (ServerMetrics.on_prompt_only).
+        self.prompt_tokens_moved = 0
+        self.generation_tokens_moved = 0
 
     def _values(self) -> dict:
         st = self.stats
@@ -86,8 +90,8 @@ class _EngineCollector:
             "prefix_cache_queries": stat("prefix_cache_queries"),
             "prefix_cache_hits": stat("prefix_cache_hits"),
             "num_preemptions": stat("num_preemptions"),
-            "prompt_tokens": stat("prompt_tokens_total"),
-            "generation_tokens": stat("generation_tokens_total"),
+            "prompt_tokens": stat("prompt_tokens_total") + self.prompt_tokens_moved,
+            "generation_tokens": stat("generation_tokens_total") + self.generation_tokens_moved,
         }
 
     def collect(self):
@@ -178,6 +182,17 @@ class ServerMetrics:
                 self.itl.observe(gap)
         stream.last_token_time = now
         stream.num_tokens = n
+
+    def on_prompt_only(self, out, scored_token: int | None) -> None:
+        """A prompt-only request (echo, max_tokens 0) reaches the engine as its prompt less the last token plus
+        one generated token forced to be that token (``AsyncEngine._prompt_only``); a one-token prompt as itself
+        plus one token dropped. Given the engine's finished output, the token counters move that token back:
+        they count the client's prompt and no generated token, as its usage does."""
+        if not (out.finished and out.outputs and out.outputs[0].token_ids):
+            return
+        self.engine.generation_tokens_moved -= 1
+        if scored_token is not None:
+            self.engine.prompt_tokens_moved += 1
 
     def on_steps(self, records) -> None:
         """Observe newly resolved engine steps (``StepRecord``s)."""
