@@ -239,4 +239,5 @@ def _merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
         request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
         outputs=[dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)], finished=True,
         num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs, speculative=speculative,
+        first_scheduled_time=first.first_scheduled_time,
     )

@@ -286,3 +286,16 @@ def test_reset_prefix_cache_forgets_cached_prompts_only_when_idle(tmp_path):
         assert llm.reset_prefix_cache() is True
         again = llm.generate(prompt, GREEDY)[0]
         assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_outputs_carry_when_the_engine_first_scheduled_them_outside_equality(llm):
+    """``first_scheduled_time`` is the ``time.monotonic()`` of the request's first scheduling (with n > 1 the
+    merged output's is sample 0's); it takes no part in ``==``, so the same request run twice compares equal."""
+    import time
+
+    start = time.monotonic()
+    first = llm.generate([[5, 17, 42]], dataclasses.replace(GREEDY, n=2), use_tqdm=False)[0]
+    second = llm.generate([[5, 17, 42]], dataclasses.replace(GREEDY, n=2), use_tqdm=False)[0]
+    end = time.monotonic()
+    assert start <= first.first_scheduled_time < second.first_scheduled_time <= end
+    assert first == dataclasses.replace(second, request_id=first.request_id)

@@ -562,7 +562,10 @@ def test_metrics_exposition(server, client):
         "kvforge:time_to_first_token_seconds": "histogram", "kvforge:inter_token_latency_seconds": "histogram",
         "kvforge:request_time_per_output_token_seconds": "histogram",
         "kvforge:e2e_request_latency_seconds": "histogram", "kvforge:request_prompt_tokens": "histogram",
-        "kvforge:request_generation_tokens": "histogram",
+        "kvforge:request_generation_tokens": "histogram", "kvforge:request_queue_time_seconds": "histogram",
+        "kvforge:request_prefill_time_seconds": "histogram", "kvforge:request_decode_time_seconds": "histogram",
+        "kvforge:request_inference_time_seconds": "histogram", "kvforge:request_params_n": "histogram",
+        "kvforge:request_params_max_tokens": "histogram",
     }
     assert {name: families[name].type for name in kinds if name in families} == kinds
     for family in families.values():  # every series names the model
@@ -575,6 +578,31 @@ def test_metrics_exposition(server, client):
     assert m[f'kvforge:time_to_first_token_seconds_bucket{{le="+Inf",{label}}}'] == m[
         f"kvforge:time_to_first_token_seconds_count{{{label}}}"]
     assert m[f"kvforge:request_generation_tokens_sum{{{label}}}"] >= 3
+
+
+def test_request_phase_histograms_split_each_finished_request(server, client):
+    """vLLM's request phases: queue (arrival to first scheduling) + inference (first scheduling to the last
+    token) is the end-to-end latency, and inference is prefill (to the first token) + decode; one observation
+    per finished choice. The request's n and output limit are observed once per prompt."""
+    before = metrics(server)
+    client.completions.create(model=model_name(server), prompt="Phases of a request", max_tokens=5, n=2, seed=3,
+                              temperature=1, extra_body={"ignore_eos": True})
+    after = metrics(server)
+
+    def moved(name):
+        return metric_sum(after, name) - metric_sum(before, name)
+
+    phases = ("queue_time", "prefill_time", "decode_time", "inference_time")
+    for phase in phases:
+        assert moved(f"kvforge:request_{phase}_seconds_count") == 2, phase
+    queue, prefill, decode, inference = (moved(f"kvforge:request_{p}_seconds_sum") for p in phases)
+    assert min(queue, prefill, decode, inference) >= 0 and prefill > 0 and decode > 0
+    # each phase's sum is a sum of differences of the same clock readings: equal up to float rounding
+    assert abs(prefill + decode - inference) < 1e-6
+    assert abs(queue + inference - moved("kvforge:e2e_request_latency_seconds_sum")) < 1e-6
+    assert moved("kvforge:request_params_n_count") == 1 and moved("kvforge:request_params_n_sum") == 2
+    assert moved("kvforge:request_params_max_tokens_count") == 1
+    assert moved("kvforge:request_params_max_tokens_sum") == 5
 
 
 def test_token_counters_count_a_prompt_only_request_as_its_usage(server, client):

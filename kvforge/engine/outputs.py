@@ -45,6 +45,8 @@ class RequestOutput:
     every output of the request (the first output comes after the prefill).
     speculative: None unless the engine speculates; then the request's acceptance so far
     (``acceptance_rate``, ``mean_accepted_length``; kvforge/speculative/stats.py).
+    first_scheduled_time: ``time.monotonic()`` when the engine first scheduled the request (its first
+    prefill chunk), None before; not compared by ``==`` (two runs of the same request differ only there).
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     speculative: SpeculativeStats | None = None
+    first_scheduled_time: float | None = field(default=None, compare=False, repr=False)
 
 
 class _SnapshotCompletionOutput(CompletionOutput):
@@ -119,12 +122,13 @@ class _SnapshotRequestOutput(RequestOutput):
 
     @classmethod
     def snapshot(cls, request_id, prompt, prompt_src, outputs, finished, num_cached_tokens, prompt_logprobs=None,
-                 speculative=None):
+                 speculative=None, first_scheduled_time=None):
         self = cls.__new__(cls)
         d = self.__dict__
         d["request_id"], d["prompt"], d["outputs"] = request_id, prompt, outputs
         d["finished"], d["num_cached_tokens"] = finished, num_cached_tokens
         d["prompt_logprobs"], d["speculative"] = prompt_logprobs, speculative
+        d["first_scheduled_time"] = first_scheduled_time
         d["_prompt_src"] = prompt_src
         return self
 
@@ -149,7 +153,7 @@ class _SnapshotRequestOutput(RequestOutput):
 
 
 def _fields(obj, cls) -> tuple:
-    return tuple(getattr(obj, f.name) for f in dataclasses.fields(cls))
+    return tuple(getattr(obj, f.name) for f in dataclasses.fields(cls) if f.compare)
 
 
 def _repr(obj, cls) -> str:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -399,6 +400,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 if seq.num_preemptions == 0:
                     seq.num_cached_prompt_tokens = num_cached
+                    seq.first_scheduled_time = time.monotonic()
                     self.prompt_tokens_admitted += seq.num_prompt_tokens  # once per request, cached or not
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, n, num_cached, num_cached + n == seq.num_tokens))

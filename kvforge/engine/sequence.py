@@ -95,6 +95,8 @@ class Sequence:
       kvforge/engine/state_prefix.py).
     - ``arrival``: a process-wide increasing counter; preemption picks the
       running sequence with the largest one.
+    - ``first_scheduled_time``: ``time.monotonic()`` at the first admission
+      (None while it waits for it).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         self.state_branch_point = 0
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if self.params.logprobs is not None else None
@@ -290,6 +293,7 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.num_registered_blocks = self.num_registered_blocks
         child.num_cached_prompt_tokens = self.num_cached_prompt_tokens
+        child.first_scheduled_time = self.first_scheduled_time
         child.logprobs = [dict(d) for d in self.logprobs] if self.logprobs is not None else None
         child.cumulative_logprob = self.cumulative_logprob
         child.prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs is not None else None
@@ -314,7 +318,8 @@ class Sequence:
             self.cumulative_logprob if lps is not None else None,
         )
         return _SnapshotRequestOutput.snapshot(self.request_id, self.prompt, self.prompt_token_ids, [comp], finished,
-                                               self.num_cached_prompt_tokens, self.prompt_logprobs, self.speculative)
+                                               self.num_cached_prompt_tokens, self.prompt_logprobs, self.speculative,
+                                               self.first_scheduled_time)
 
     def __repr__(self) -> str:
         return (

@@ -395,6 +395,8 @@ class AsyncEngine:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
+        for *_, params in prepared:
+            self.metrics.on_request(n, 0 if prompt_only else params[0].max_tokens)
         for leader, followers in later.items():
             self._later[leader] = followers
             for rid, *_ in followers:
@@ -609,7 +611,7 @@ def _prompt_only_output(out: RequestOutput, scored: int | None) -> RequestOutput
     empty = CompletionOutput(0, "", [], "length" if out.finished else None, None,
                              [] if comp.logprobs is not None else None)
     return RequestOutput(out.request_id, out.prompt, prompt_ids, [empty], out.finished, out.num_cached_tokens,
-                         prompt_logprobs, out.speculative)
+                         prompt_logprobs, out.speculative, out.first_scheduled_time)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -145,6 +146,19 @@ class ServerMetrics:
         self.generation_tokens = histogram("request_generation_tokens",
                                            "Completion tokens of each finished (non-aborted) request.",
                                            TOKEN_BUCKETS)
+        # A finished request's phases (on_finish): waiting, then running (prefill to the first token, decode).
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time from arrival to the engine's first scheduling of the request.", E2E_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Time from the first scheduling to the first token.", E2E_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Time from the first token to the last.", E2E_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Time from the first scheduling to the last token.", E2E_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n of each request (per prompt).", N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "The output token limit of each request (per prompt), as resolved.",
+                                           TOKEN_BUCKETS)
         # Engine steps, from the engine's step record (kvforge/engine/step_log.py).
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           STEP_TOKEN_BUCKETS)
@@ -209,6 +223,18 @@ class ServerMetrics:
         self.e2e.observe(now - stream.arrival)
         if stream.num_tokens > 1 and stream.first_token_time is not None:
             self.tpot.observe((now - stream.first_token_time) / (stream.num_tokens - 1))
+        scheduled = out.first_scheduled_time
+        if scheduled is not None:  # a prompt-only request's first token is its end
+            first = stream.first_token_time if stream.first_token_time is not None else now
+            self.queue_time.observe(max(0.0, scheduled - stream.arrival))
+            self.prefill_time.observe(max(0.0, first - scheduled))
+            self.decode_time.observe(now - first)
+            self.inference_time.observe(max(0.0, now - scheduled))
+
+    def on_request(self, n: int, max_tokens: int) -> None:
+        """One prompt of a request accepted by the engine: its ``n`` and its resolved output limit."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def on_abort(self, stream) -> None:
         self._finished.labels(self.model_name, "abort").inc()
