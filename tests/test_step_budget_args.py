@@ -43,10 +43,19 @@ def test_sequences_alone_raise_the_default_budget():
     assert EngineArgs().step_token_budget("cpu") == 2048 and EngineArgs().step_token_budget("cuda") == 8192
 
 
-@pytest.mark.parametrize("bad", [0, -3, True, 2.5])
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8 seqs", "0"])
 def test_max_num_seqs_must_be_a_positive_integer(bad):
     with pytest.raises(ConfigError, match="--max-num-seqs must be an integer >= 1"):
         EngineArgs(max_num_seqs=bad)
+
+
+def test_the_planner_takes_max_num_seqs_as_text_like_the_other_counts():
+    import kvforge
+
+    text = kvforge.plan("llama-3.1-8b", max_num_seqs="8", max_num_batched_tokens="4k", kv_cache_memory="8GiB",
+                        max_model_len="4K")
+    assert text == kvforge.plan("llama-3.1-8b", max_num_seqs=8, max_num_batched_tokens=4000, kv_cache_memory=8 << 30,
+                                max_model_len=4096)
 
 
 def test_serve_refuses_the_pair_before_weights(monkeypatch, capsys):

@@ -76,6 +76,8 @@ def resolve_max_num_seqs(max_num_seqs: int | None, max_num_batched_tokens: int |
                                                                        max_num_batched_tokens)
     if seqs is None:
         return budget if budget is not None and budget < DEFAULT_MAX_NUM_SEQS else DEFAULT_MAX_NUM_SEQS
+    if isinstance(seqs, str) and seqs.strip().isdigit():  # as the other counts take it from text
+        seqs = int(seqs)
     if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
         raise ConfigError(f"--max-num-seqs must be an integer >= 1, got {seqs!r}")
     if budget is not None and budget < seqs:
