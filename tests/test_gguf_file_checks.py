@@ -65,9 +65,9 @@ def _add(w, name: str, t, data: np.ndarray) -> None:
         w.add_tensor(name, data, raw_dtype=t)
 
 
-def _write_llama(path, ffn_up_type=Q.F32, meta: dict | None = None) -> dict:
+def _write_llama(path, ffn_up_type=Q.F32, meta: dict | None = None, shapes: dict | None = None) -> dict:
     """A one-layer llama GGUF (hidden 256: whole 256-element blocks) with F32 tensors but ``ffn_up`` of
-    ``ffn_up_type``; returns what was stored per tensor name."""
+    ``ffn_up_type``; ``shapes`` replaces or adds tensors' shapes. Returns what was stored per tensor name."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -90,7 +90,7 @@ def _write_llama(path, ffn_up_type=Q.F32, meta: dict | None = None) -> dict:
               "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (HIDDEN, HIDDEN),
               "blk.0.attn_v.weight": (HIDDEN, HIDDEN), "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
               "blk.0.ffn_gate.weight": (FF, HIDDEN), "blk.0.ffn_up.weight": (FF, HIDDEN),
-              "blk.0.ffn_down.weight": (HIDDEN, FF)}
+              "blk.0.ffn_down.weight": (HIDDEN, FF), **(shapes or {})}
     for name, shape in shapes.items():
         t = ffn_up_type if name == "blk.0.ffn_up.weight" else Q.F32
         data = _stored(t, int(np.prod(shape[:-1])), shape[-1], rng)
@@ -376,3 +376,24 @@ def test_a_missing_norm_epsilon_is_refused(tmp_path):
     w.close()
     with pytest.raises(ConfigError, match=r"lacks llama\.attention\.layer_norm_rms_epsilon"):
         load_config(path)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ({"blk.0.attn_k.weight": (HIDDEN // 2, HIDDEN)},
+     r"blk\.0\.attn_k\.weight has shape \[128, 256\] where \[256, 256\] was expected"),
+    ({"token_embd.weight": (VOCAB + 8, HIDDEN)}, r"token_embd\.weight has shape \[40, 256\] where \[32, 256\]"),
+    ({"blk.0.ffn_down.weight": (HIDDEN, 2 * FF)}, r"ffn_down\.weight has shape \[256, 512\]"),
+    ({"blk.1.attn_q.weight": (HIDDEN, HIDDEN)}, r"blk\.1\.attn_q\.weight is of layer 1, past the 1 layers"),
+])
+def test_tensors_that_contradict_the_metadata_are_refused_before_the_model_is_built(tmp_path, shapes, message):
+    """llama.cpp requires every tensor's shape to be the metadata's; so does kvforge, from the header alone,
+    so that such a file fails before any model or KV cache exists (it used to fail inside the load)."""
+    from kvforge import LLM
+    from kvforge.weights import load_config
+
+    path = tmp_path / "m.gguf"
+    _write_llama(path, shapes=shapes)
+    with pytest.raises(ConfigError, match=message + r".*metadata gives hidden 256, 4 heads and 4 KV heads of 64"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(path), device="cpu", skip_tokenizer_init=True)

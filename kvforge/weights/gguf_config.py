@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -497,4 +498,42 @@ def read_gguf_config(path: str) -> dict:
     ):
         if key in h.metadata:
             cfg[hf_key] = int(h.metadata[key])
+    _check_tensor_shapes(path, h, cfg)
     return cfg
+
+
+_BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def _check_tensor_shapes(path: str, h: GGUFHeader, cfg: dict) -> None:
+    """Refuse, before any model is built, a file whose tensor directory contradicts its metadata: a known
+    tensor whose shape is not the one the metadata gives (llama.cpp's own rule: every shape exact), or a
+    layer past ``block_count``. (A tensor missing is found by the load, which names every one.)"""
+    hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    head, heads, kv_heads, ffn = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], \
+        cfg["intermediate_size"]
+    value_length = h.arch_key("attention.value_length")
+    v_head = head if value_length is None else int(_first(value_length))
+    q, k, v, o = heads * head, kv_heads * head, kv_heads * v_head, heads * v_head
+    top = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    per_layer = {"attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,), "post_attention_norm.weight": (hidden,),
+                 "post_ffw_norm.weight": (hidden,), "attn_q.weight": (q, hidden), "attn_k.weight": (k, hidden),
+                 "attn_v.weight": (v, hidden), "attn_output.weight": (hidden, o), "attn_q.bias": (q,),
+                 "attn_k.bias": (k,), "attn_v.bias": (v,), "attn_q_norm.weight": (head,),
+                 "attn_k_norm.weight": (head,), "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden),
+                 "ffn_down.weight": (hidden, ffn)}
+    facts = (f"hidden {hidden}, {heads} heads and {kv_heads} KV heads of {head}"
+             + (f" (values {v_head})" if v_head != head else "") + f", FFN {ffn}, vocabulary {vocab}, {layers} layers")
+
+    def contradiction(what: str) -> ConfigError:
+        return ConfigError(f"{path}: {what}; its metadata gives {facts}: the file's tensors and metadata disagree "
+                           "(fix: convert the checkpoint again)")
+
+    for name, info in h.tensors.items():
+        m = _BLOCK_TENSOR.match(name)
+        if m is not None and int(m.group(1)) >= layers:
+            raise contradiction(f"GGUF tensor {name} is of layer {m.group(1)}, past the {layers} layers")
+        want = per_layer.get(m.group(2)) if m is not None else top.get(name)
+        if want is not None and info.torch_shape != want:
+            raise contradiction(f"GGUF tensor {name} has shape {list(info.torch_shape)} where {list(want)} "
+                                "was expected")
