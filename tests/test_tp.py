@@ -320,3 +320,27 @@ def test_ranks_on_cpu_share_the_processs_threads(tmp_path, engines):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_dropped_without_shutdown_takes_its_workers_and_group_with_it(tmp_path):
+    """Without ``shutdown()``, dropping the last reference to a tensor-parallel engine ends its worker
+    processes and leaves the process group once its objects are collected: at the latest when the next
+    engine starts (an engine freezes the garbage collector's view of what lives at its startup,
+    kvforge/engine/gc_freeze.py), so another tensor-parallel engine can start in the same process."""
+    import torch.distributed as dist
+
+    from kvforge import LLM
+
+    cfg = _save(tmp_path, "llama_split")
+    prompt = _prompts(cfg.vocab_size)[1]
+    llm = LLM(str(tmp_path), **{**ENGINE, "load_format": "dummy", "seed": 3, "tensor_parallel_size": 2})
+    want = llm.engine.compute_prompt_logits(prompt)
+    workers = list(llm.engine.tp.procs)
+    assert workers and all(p.poll() is None for p in workers) and dist.is_initialized()
+    del llm
+    again = LLM(str(tmp_path), **{**ENGINE, "load_format": "dummy", "seed": 3, "tensor_parallel_size": 2})
+    try:
+        assert all(p.poll() is not None for p in workers)
+        assert _close(again.engine.compute_prompt_logits(prompt), want)
+    finally:
+        again.shutdown()

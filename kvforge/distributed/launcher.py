@@ -198,6 +198,10 @@ class TPLauncher:
         from kvforge.distributed.tp_models import check_tp_architecture, check_tp_split
 
         self.closed = True  # nothing to shut down until the workers start
+        if dist.is_initialized():  # perhaps the group of an engine dropped without shutdown(): free it first
+            from kvforge.engine.gc_freeze import collect_dropped_engines
+
+            collect_dropped_engines()
         if dist.is_initialized():  # another engine's group: refused before anything starts, and left alone
             raise DistributedError("this process already has a torch.distributed process group (another "
                                    "tensor-parallel engine's); run one tensor-parallel engine per process, or "
@@ -249,7 +253,10 @@ class TPLauncher:
                                    wait_for_workers=False)
         ctx["port"] = self.store.port
         blob = pickle.dumps(ctx)
-        weakref.finalize(self, _kill_all, self.procs)  # also runs at interpreter exit
+        # A launcher dropped without shutdown() (and one alive at interpreter exit) takes its workers, its
+        # watchdog and its process group with it; the watchdog holds it only weakly, so it can be dropped.
+        self._group_joined = [False]
+        self._abandon = weakref.finalize(self, _abandon, self.procs, self._stop, self._group_joined)
         try:
             for rank in range(1, tp):
                 env = dict(os.environ, NCCL_NVLS_ENABLE="0", KVFORGE_TP_RANK=str(rank))
@@ -259,9 +266,10 @@ class TPLauncher:
                 proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
                 proc.stdin.flush()
             self._wait_for(READY_KEY, "start")
-            self._joined = True
+            self._joined = self._group_joined[0] = True
             self.group = init_group(0, tp, self.store, backend, device, self.timeout_s)
-            self._watchdog = threading.Thread(target=self._watch, name="kvforge-tp-watchdog", daemon=True)
+            self._watchdog = threading.Thread(target=_watch_workers, args=(weakref.ref(self), self._stop),
+                                              name="kvforge-tp-watchdog", daemon=True)
             self._watchdog.start()
             self.model, self.pool, self.runner = setup_rank(ctx, self.group)
             self.draft_model, self.draft_runner = setup_draft(ctx, self.group, self.pool)
@@ -371,13 +379,15 @@ class TPLauncher:
         return "; ".join(f"tensor-parallel worker rank {rank} (pid {p.pid}) {describe_exit(p.returncode)}"
                          for rank, p in dead) + "; the engine cannot continue (restart it)"
 
-    def _watch(self) -> None:
-        while not self._stop.wait(0.2):
-            dead = self._dead()
-            if dead and not self.closed and self.broken is None:
-                self.broken = self._dead_message(dead)
-                logger.error("%s", self.broken)
-                return
+    def _check_workers(self) -> bool:
+        """The watchdog's look at the workers: records a dead one as the engine's failure (True: stop
+        watching)."""
+        dead = self._dead()
+        if dead and not self.closed and self.broken is None:
+            self.broken = self._dead_message(dead)
+            logger.error("%s", self.broken)
+            return True
+        return False
 
     def before_step(self, command: bytes | None = None) -> None:
         """Raise if any rank is gone; else wake every worker for one step (``command``: the target's
@@ -453,6 +463,7 @@ class TPLauncher:
                 p.wait()
         if self._joined:
             destroy_group()
+        self._abandon.detach()
         torch.set_num_threads(self._threads_before)
 
 
@@ -463,6 +474,29 @@ class TPLauncher:
             if runner is not None:
                 runner.control = None
         self.model = self.pool = self.runner = self.draft_model = self.draft_runner = None
+
+
+def _watch_workers(launcher_ref: weakref.ref, stop: threading.Event) -> None:
+    """Every 0.2 s until ``stop``, or until the launcher is gone or has recorded a dead worker."""
+    while not stop.wait(0.2):
+        launcher = launcher_ref()
+        if launcher is None or launcher._check_workers():
+            return
+        del launcher
+
+
+def _abandon(procs: list[subprocess.Popen], stop: threading.Event, group_joined: list[bool]) -> None:
+    """Stop the watchdog, kill the workers and leave the process group (if joined): the end of a launcher
+    that was not shut down."""
+    stop.set()
+    _kill_all(procs)
+    for p in procs:
+        try:
+            p.wait(timeout=5.0)  # reaped, so that nothing outlives the launcher
+        except subprocess.TimeoutExpired:
+            pass
+    if group_joined[0]:
+        destroy_group()
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:

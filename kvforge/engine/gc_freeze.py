@@ -25,3 +25,10 @@ def freeze_after_startup() -> None:
 
 def thaw() -> None:
     gc.unfreeze()
+
+
+def collect_dropped_engines() -> None:
+    """Free now what engines dropped without shutdown left frozen (their finalizers run: a tensor-parallel
+    engine's workers end and its process group is left)."""
+    gc.unfreeze()
+    gc.collect()
