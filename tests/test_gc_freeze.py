@@ -48,3 +48,20 @@ def test_a_dropped_engine_is_collected_when_the_next_starts(tiny_llama):
     del first, engine
     _llm(tiny_llama)
     assert gone() is None
+
+
+def test_a_dropped_engine_gives_its_memory_back_before_the_next_counts_it(tiny_llama, monkeypatch):
+    """The next engine frees a dropped engine before it checks the memory it needs, so the dropped
+    engine's weights and KV cache are not counted as taken."""
+    import kvforge.engine.host_memory as host_memory
+
+    first = _llm(tiny_llama)
+    first.engine.cycle = first.engine
+    model = weakref.ref(first.engine.model)
+    del first
+    alive_at_check = []
+    check = host_memory.check_host_memory
+    monkeypatch.setattr(host_memory, "check_host_memory",
+                        lambda *a, **k: (alive_at_check.append(model() is not None), check(*a, **k))[1])
+    _llm(tiny_llama).engine.shutdown()
+    assert alive_at_check == [False]

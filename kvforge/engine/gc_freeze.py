@@ -8,8 +8,10 @@ pause between two tokens of every stream.
 
 :func:`freeze_after_startup` collects once and then moves every surviving object to the permanent
 generation, which automatic collections skip. It first moves back what an earlier engine froze, so
-the cycles of an engine dropped without :meth:`LLMEngine.shutdown` are still collected. :func:`thaw`
-makes every frozen object collectable again (a shutdown collects the engine's cycles after it).
+the cycles of an engine dropped without :meth:`LLMEngine.shutdown` are still collected; a new engine
+also calls :func:`collect_dropped_engines` before it counts device and host memory, so that what a
+dropped engine held is free by then. :func:`thaw` makes every frozen object collectable again (a
+shutdown collects the engine's cycles after it).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from kvforge.config import (
 )
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.config_checks import check_engine_plan
-from kvforge.engine.gc_freeze import freeze_after_startup, thaw
+from kvforge.engine.gc_freeze import collect_dropped_engines, freeze_after_startup, thaw
 from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.model_runner import ModelRunner
@@ -156,6 +156,10 @@ class LLMEngine:
         if any(layer.kind == "mla" for layer in self.plan.layers):
             logger.info("  MLA prefill mode %s (--mla-prefill-mode)", args.mla_prefill_mode)
 
+        # An engine dropped without shutdown() is frozen (engine/gc_freeze.py): free it before memory is counted.
+        collect_dropped_engines()
+        if platform == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
         if platform == "cuda" and args.tensor_parallel_size == 1:  # the device holds what the plan sets aside
             # (under tensor parallelism each rank checks its own GPU, kvforge/distributed/launcher.py)
             from kvforge.engine.device_memory import check_device_memory
