@@ -363,3 +363,14 @@ def test_pool_bytes_per_token_compare_with_the_baseline_and_max_model_len_below_
     assert 2 * d["pool_bytes_per_token"] == d["baseline"]["pool_bytes_per_token"]
     assert main(["plan", "--max-model-len", "1"]) == 2
     assert "--max-model-len 1: a sequence needs at least 2 tokens" in capsys.readouterr().err
+
+
+def test_a_one_token_context_from_the_config_is_named_as_the_configs(tmp_path, capsys):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+              "vocab_size": 256, "max_position_embeddings": 1, "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "the model's context length (1, from its config): a sequence needs at least 2 tokens" in err
+    assert "use --max-model-len 2 or more" in err

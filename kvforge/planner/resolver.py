@@ -414,7 +414,8 @@ def planned_max_model_len(spec: ModelSpec, flag: int | None) -> int:
     (one prompt token and one generated)."""
     length = flag or spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
     if length < 2:
-        raise PlanError(f"--max-model-len {length}: a sequence needs at least 2 tokens (a prompt token and one "
+        source = f"--max-model-len {length}" if flag else f"the model's context length ({length}, from its config)"
+        raise PlanError(f"{source}: a sequence needs at least 2 tokens (a prompt token and one "
                         f"generated token); use --max-model-len 2 or more")
     return length
 
