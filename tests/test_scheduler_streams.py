@@ -25,7 +25,8 @@ from test_scheduler import FakeRunner, expected_output, prompt_of  # noqa: E402
 def decoding(sched: Scheduler) -> list[Sequence]:
     """Running sequences that are due exactly one token (their prompt is done) and may still get one."""
     return [s for s in sched.running
-            if s.num_tokens + s.num_pending - s.num_computed_tokens == 1 and not sched._reaches_length_limit(s)]
+            if s.num_tokens + s.num_pending - s.num_computed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens
+            and not sched._reaches_length_limit(s)]
 
 
 class StreamWatch:
@@ -47,9 +48,11 @@ class StreamWatch:
         preempted = {s.request_id for s in out.preempted}
         starved = [s.request_id for s in due if s.request_id not in got and s.request_id not in preempted]
         assert not starved, f"step {self.steps}: decoding {starved} got no token"
-        # Chunks of several tokens are prefill; a one-token chunk is a decode, or a prompt's last token.
-        multi = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
-        assert multi <= out.num_prefill_tokens <= multi + sum(s.num_new_tokens == 1 for s in out.scheduled)
+        # The decodes are the tokens of the streams that were due one; every other token (prompt chunks, a
+        # prompt's last token alone, recomputes, admissions) is prefill.
+        due_ids = {s.request_id for s in due}
+        decode = sum(s.num_new_tokens for s in out.scheduled if s.request_id in due_ids)
+        assert out.num_decode_tokens == decode, f"step {self.steps}"
         assert out.num_prefill_tokens + out.num_decode_tokens == out.num_batched_tokens
         if out.num_decode_tokens and self.threshold:
             assert out.num_prefill_tokens <= self.threshold, (
@@ -139,6 +142,36 @@ def test_a_step_without_decodes_uses_the_whole_budget():
     sched.update(out, FakeRunner(bm).execute(out))
     out = sched.schedule()  # r0 and r1 decode now: r2's next chunk is cut to the threshold
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("r0", 1), ("r1", 1), ("r2", 8)]
+
+
+def test_a_prompts_last_token_alone_is_prefill_not_a_decode():
+    """A prompt whose last chunk is one token is prefill: on an idle engine it does not count as a decode that
+    would cut the step to the threshold, and beside a decode it counts toward the threshold."""
+    bm = BlockManager(256, 4, False)
+    sched = Scheduler(bm, 8, 64, 256, long_prefill_token_threshold=8)
+    sched.add(Sequence("a", prompt_of(0, 65), SamplingParams(max_tokens=2, ignore_eos=True)))
+    sched.add(Sequence("b", prompt_of(1, 200), SamplingParams(max_tokens=2, ignore_eos=True)))
+    out = sched.schedule()
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 64)]
+    sched.update(out, FakeRunner(bm).execute(out))
+    out = sched.schedule()  # nothing decodes yet: a's last token and 63 of b's, the whole budget
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 63)]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (64, 0)
+
+    bm = BlockManager(256, 4, False)
+    sched = Scheduler(bm, 8, 64, 256, long_prefill_token_threshold=8)
+    runner = FakeRunner(bm)
+    sched.add(Sequence("d", prompt_of(2, 5), SamplingParams(max_tokens=20, ignore_eos=True)))
+    out = sched.schedule()
+    sched.update(out, runner.execute(out))  # d decodes from now on
+    sched.add(Sequence("r", prompt_of(3, 9), SamplingParams(max_tokens=2, ignore_eos=True)))
+    out = sched.schedule()  # beside d's decode r gets the threshold's 8 tokens
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 1), ("r", 8)]
+    sched.update(out, runner.execute(out))
+    sched.add(Sequence("q", prompt_of(4, 30), SamplingParams(max_tokens=2, ignore_eos=True)))
+    out = sched.schedule()  # r's last token is prefill: with it q gets 7 tokens, 8 in all beside the decode
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("d", 1), ("r", 1), ("q", 7)]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (8, 1)
 
 
 def test_the_threshold_is_off_without_chunked_prefill_and_must_not_be_negative():

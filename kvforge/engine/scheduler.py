@@ -4,7 +4,8 @@ Each ``schedule()`` builds one step. The rule (docs/SCHEDULER.md): every running
 gets its token in every step, and a stream waits behind at most one bounded prefill chunk.
 
 1. RUNNING sequences in the order decodes first, then sequences mid-prefill (a
-   prompt or a recompute), each group oldest arrival first. A decode gets its
+   prompt, down to its last token alone, or a recompute), each group oldest
+   arrival first. A decode gets its
    token; a sequence mid-prefill gets its next chunk within the token budget
    and the step's prefill room. When the block manager cannot make room, the
    last sequence in that order not yet scheduled this step (the newest
@@ -297,13 +298,22 @@ class Scheduler:
         """Known tokens of ``seq`` whose KV is not computed yet (1 for a decoding sequence)."""
         return seq.num_tokens + seq.num_pending - seq.num_computed_tokens
 
+    @staticmethod
+    def _is_prefill(seq: Sequence, n: int) -> bool:
+        """Whether computing ``seq``'s next ``n`` tokens is prefill: more than one token (a prompt chunk or a
+        recompute), or the prompt's last token (a decode computes exactly one generated token)."""
+        return n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens
+
     def _order_running(self) -> None:
         """Schedule order: decodes first, then sequences mid-prefill; each oldest arrival first (under the
         priority policy, each lowest priority first, then oldest)."""
+        def prefill(s: Sequence) -> bool:
+            return self._is_prefill(s, self._tokens_to_compute(s))
+
         if self.by_priority:
-            self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.priority, s.arrival))
+            self.running.sort(key=lambda s: (prefill(s), s.priority, s.arrival))
         else:
-            self.running.sort(key=lambda s: (self._tokens_to_compute(s) > 1, s.arrival))
+            self.running.sort(key=lambda s: (prefill(s), s.arrival))
 
     def _pop_victim(self, first: int) -> Sequence:
         """Take the sequence to preempt out of ``running[first:]`` (not scheduled this step): the last in
@@ -334,7 +344,7 @@ class Scheduler:
                 i += 1  # its in-flight token ends it (max_tokens / max_model_len): nothing more to compute
                 continue
             n = self._tokens_to_compute(seq)
-            is_prefill = n > 1
+            is_prefill = self._is_prefill(seq, n)
             if is_prefill:
                 if prefill_room is None:
                     prefill_room = self._prefill_room(out.num_decode_tokens)
@@ -448,7 +458,7 @@ class Scheduler:
         decode_tokens, prefill_room = 0, None
         for seq in self.running:
             n = self._tokens_to_compute(seq)
-            if n > 1:
+            if self._is_prefill(seq, n):
                 if prefill_room is None:
                     prefill_room = self._prefill_room(decode_tokens)
                 n = min(n, prefill_room)
