@@ -5,9 +5,8 @@ gets its token in every step, and a stream waits behind at most one bounded pref
 
 1. RUNNING sequences in the order decodes first, then sequences mid-prefill (a
    prompt, down to its last token alone, or a recompute), each group oldest
-   arrival first. A decode gets its
-   token; a sequence mid-prefill gets its next chunk within the token budget
-   and the step's prefill room. When the block manager cannot make room, the
+   arrival first. A decode gets its token; a sequence mid-prefill gets its
+   next chunk within the token budget and the step's prefill room. When the block manager cannot make room, the
    last sequence in that order not yet scheduled this step (the newest
    mid-prefill, else the newest decode) is preempted by recompute (its blocks
    freed, ``num_computed_tokens = 0``, put back at the FRONT of the waiting
