@@ -198,10 +198,7 @@ class TPLauncher:
         from kvforge.distributed.tp_models import check_tp_architecture, check_tp_split
 
         self.closed = True  # nothing to shut down until the workers start
-        if dist.is_initialized():  # perhaps the group of an engine dropped without shutdown(): free it first
-            from kvforge.engine.gc_freeze import collect_dropped_engines
-
-            collect_dropped_engines()
+        # (LLMEngine has just collected engines dropped without shutdown(), whose groups their finalizers left.)
         if dist.is_initialized():  # another engine's group: refused before anything starts, and left alone
             raise DistributedError("this process already has a torch.distributed process group (another "
                                    "tensor-parallel engine's); run one tensor-parallel engine per process, or "
@@ -228,7 +225,8 @@ class TPLauncher:
         self.procs: list[subprocess.Popen] = []
         self.broken: str | None = None
         self.closed = False
-        self._joined = False  # whether this engine joined (and so owns) the process group
+        self._group_joined = [False]  # whether this engine joined (and so owns) the process group (shared
+        # with the finalizer below, which must not hold the launcher)
         self._threads_before = torch.get_num_threads()  # given back at shutdown
         self._counter_requests = 0
         self._stop = threading.Event()
@@ -255,7 +253,6 @@ class TPLauncher:
         blob = pickle.dumps(ctx)
         # A launcher dropped without shutdown() (and one alive at interpreter exit) takes its workers, its
         # watchdog and its process group with it; the watchdog holds it only weakly, so it can be dropped.
-        self._group_joined = [False]
         self._abandon = weakref.finalize(self, _abandon, self.procs, self._stop, self._group_joined)
         try:
             for rank in range(1, tp):
@@ -266,7 +263,7 @@ class TPLauncher:
                 proc.stdin.write(struct.pack("<Q", len(blob)) + blob)
                 proc.stdin.flush()
             self._wait_for(READY_KEY, "start")
-            self._joined = self._group_joined[0] = True
+            self._group_joined[0] = True
             self.group = init_group(0, tp, self.store, backend, device, self.timeout_s)
             self._watchdog = threading.Thread(target=_watch_workers, args=(weakref.ref(self), self._stop),
                                               name="kvforge-tp-watchdog", daemon=True)
@@ -461,7 +458,7 @@ class TPLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if self._joined:
+        if self._group_joined[0]:
             destroy_group()
         self._abandon.detach()
         torch.set_num_threads(self._threads_before)
