@@ -20,8 +20,8 @@ live instead of through a saved logits file:
 
 The ``_stderr`` figures are over the scored tokens of one run. They do not cover the change from float
 rounding order: the baseline's own logits move slightly with the CPU thread count or the kernel route, and
-the quantized cache amplifies that (SmolLM2-135M, fp8 e4m3, ctx 128, 300 tokens: mean KLD 0.0070 with 2
-threads, 0.0079 with 1). Compare KV configurations within one invocation on one machine.
+the quantized cache amplifies that (docs/BENCHMARKS.md, "KL divergence and the CPU thread count"). Compare
+KV configurations within one invocation on one machine.
 """
 
 from __future__ import annotations
