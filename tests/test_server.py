@@ -146,6 +146,15 @@ def test_unknown_model_is_404_model_not_found(server, path, body):
     assert err["param"] == "model" and "gpt-17" in err["message"]
 
 
+def test_bad_words_change_the_text_through_the_openai_client(server, client):
+    prompt = "Once upon a time, there was a little"
+    kw = dict(model=model_name(server), prompt=prompt, max_tokens=6, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    assert " Emma" in plain
+    banned = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": ["Emma"]}).choices[0].text
+    assert "Emma" not in banned and banned != plain
+
+
 def test_completion_with_openai_client(server, client):
     prompt = "The capital of France is"
     r = client.completions.create(model=model_name(server), prompt=prompt, max_tokens=6, temperature=0,
@@ -344,6 +353,7 @@ BAD_COMPLETIONS = [
     ("logit_bias_out_of_vocab", {"prompt": "hi", "logit_bias": {str(10**9): 5}}, "logit_bias"),
     ("allowed_token_ids_out_of_vocab", {"prompt": "hi", "allowed_token_ids": [1, 10**9]}, "allowed_token_ids"),
     ("stop_token_ids_out_of_vocab", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("bad_words_spaces", {"prompt": "hi", "bad_words": ["  "]}, "bad_words"),
     ("include_usage_type", {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "x"}},
      "stream_options.include_usage"),
 ]

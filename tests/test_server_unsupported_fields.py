@@ -57,7 +57,6 @@ def test_sample_seeds_follow_the_request_seed_and_wrap_at_64_bits():
 
 VLLM_EXTRAS_REFUSED = [
     ("length_penalty", 0.5), ("use_beam_search", True),
-    ("bad_words", ["x"]),
     ("logits_processors", ["my_module.Processor"]),
 ]
 
@@ -70,6 +69,17 @@ def test_vllm_extra_that_changes_the_output_is_refused(parse, body, field, value
         parse({**body, "model": MODEL, field: value}, MODEL)
     assert err.value.field == field
     assert f"'{field}': is not supported (leave it unset)" in str(err.value)
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}), (parse_chat, CHAT)],
+                         ids=["completions", "chat"])
+def test_bad_words_reach_the_sampling_params_as_a_list_of_strings(parse, body):
+    assert parse({**body, "model": MODEL, "bad_words": ["x", " y z"]}, MODEL).params.bad_words == ("x", " y z")
+    assert parse({**body, "model": MODEL}, MODEL).params.bad_words == ()
+    for value, why in ((["x", 1], "got an entry of type integer"), ([" "], "a character that is not a space")):
+        with pytest.raises(InvalidRequestError, match=why) as err:
+            parse({**body, "model": MODEL, "bad_words": value}, MODEL)
+        assert err.value.field == "bad_words"
 
 
 @pytest.mark.parametrize("field, value", [

@@ -22,6 +22,7 @@ from kvforge.config import (
     DEFAULT_STATE_SNAPSHOT_INTERVAL,
     EngineArgs,
 )
+from kvforge.engine.bad_words import always_banned, banned_next_tokens, encode_bad_words, longest_prefix
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.config_checks import check_engine_plan
 from kvforge.engine.gc_freeze import collect_dropped_engines, freeze_after_startup, thaw
@@ -552,6 +553,8 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}", field="priority")
         seq = Sequence(request_id, ids, params, prompt=text, priority=priority)
+        if params.bad_words:
+            seq.bad_word_ids = self._bad_word_ids(params)
         if params.structured_outputs is not None:
             seq.grammar = self._output_matcher(params.structured_outputs, ids)
             self._check_allowed_begin(params)
@@ -568,6 +571,22 @@ class LLMEngine:
                 f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens (EOS or stop_token_ids), "
                 f"which min_tokens {params.min_tokens} excludes until it is reached: no token could be sampled; "
                 f"allow a token that does not stop the request, or drop min_tokens", field="allowed_token_ids")
+
+    def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as token sequences (kvforge/engine/bad_words.py); refused without a tokenizer,
+        and where the one-token words ban every allowed token."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words are encoded with the tokenizer, which this engine does not have "
+                                      "(skip_tokenizer_init, or the model has no tokenizer files): give one with "
+                                      "--tokenizer, or ban token ids with logit_bias -100", field="bad_words")
+        word_ids = encode_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                    self.spec.vocab_size)
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= always_banned(word_ids):
+            raise InvalidRequestError(
+                f"bad_words {list(params.bad_words)} ban every token of allowed_token_ids "
+                f"{list(params.allowed_token_ids)}: no token could be sampled; allow a token they do not ban, or "
+                f"drop one of the two", field="bad_words")
+        return word_ids
 
     def _check_allowed_begin(self, params: SamplingParams) -> None:
         """Refuse an allowed set with no token the structured output may begin with: the grammar's mask would
@@ -697,6 +716,17 @@ class LLMEngine:
             accepted = not seq.grammar.is_terminated() and seq.grammar.accept_token(token)
             seq.grammar_ahead.append((token, accepted))
         self.grammar_tokens_fed_ahead += len(waiting)
+
+    @staticmethod
+    def _in_flight_for_bad_words(seqs: list[Sequence], prev: InflightStep) -> dict[str, int] | None:
+        """Async scheduling: the values of the tokens in flight from ``prev`` that bad words of more than one
+        token need to ban this step's tokens (kvforge/engine/bad_words.py), by request id; None where no
+        sequence needs one. Called once this step's forward is launched, as the grammar feed is."""
+        waiting = [seq for seq in seqs if seq.num_pending and longest_prefix(seq.bad_word_ids)]
+        if not waiting:
+            return None
+        tokens = prev.wait_tokens()
+        return {seq.request_id: tokens[prev.row_of[seq.request_id]] for seq in waiting}
 
     def _forget_preempted(self, preempted) -> None:
         """A preempted sequence recomputes from its prompt: its proposer state goes, and its state slot (ring
@@ -867,7 +897,9 @@ class LLMEngine:
                 pending = self._pending_tokens(sampled_seqs, prev)
             if ph_rows and self._grammars is not None:
                 self._feed_grammars_ahead(sampled_seqs, prev)
-            result = self.sampler.sample_sequences(logits, sampled_seqs, pending, defer_logprobs=True)
+            in_flight = self._in_flight_for_bad_words(sampled_seqs, prev) if ph_rows else None
+            result = self.sampler.sample_sequences(logits, sampled_seqs, pending, defer_logprobs=True,
+                                                   in_flight=in_flight)
             token_ids, logprobs = result.token_ids, result.logprobs
             if share:
                 self.runner.share_sampled_tokens(token_ids)  # TP > 1: the workers' next placeholders
@@ -901,7 +933,8 @@ class LLMEngine:
                  if probs_of is not None else None)
         raw = None
         row_params = [seq.params for seq, props in zip(seqs, proposals) for _ in range(len(props) + 1)]
-        processed = any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens for p in row_params)
+        processed = any(p.has_penalties or p.logit_bias or p.allowed_token_ids or p.min_tokens or p.bad_words
+                        for p in row_params)
         if unread is not None and (processed or any(seq.grammar is not None for seq in seqs)):
             flat = iter(unread.tolist())  # the histories and masks below read the proposals' values
             proposals, unread = [[next(flat) for _ in props] for props in proposals], None
@@ -911,8 +944,11 @@ class LLMEngine:
             histories = [(seq.prompt_token_ids, seq.output_token_ids + props[:j])
                          for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
             generated = [seq.num_output_tokens + j for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
+            bans = [banned_next_tokens(seq.bad_word_ids, seq.output_token_ids + props[:j]) if seq.bad_word_ids else ()
+                    for seq, props in zip(seqs, proposals) for j in range(len(props) + 1)]
             raw, logits = logits, self.sampler.processed_logits(logits.float(), row_params, histories,
-                                                                num_generated=generated, token_bitmask=bitmask)
+                                                                num_generated=generated, token_bitmask=bitmask,
+                                                                bad_word_bans=bans)
         result = verify_proposals(logits, [seq.params for seq in seqs],
                                   [seq.generator_for(logits.device) for seq in seqs], proposals, probs, raw, unread)
         for seq, props, accepted in zip(seqs, proposals, result.num_accepted):

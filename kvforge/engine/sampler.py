@@ -5,7 +5,8 @@ Per row, in this order (vLLM v1's order):
 1. logprobs (when asked) = ``log_softmax`` of the RAW logits (before
    penalties, temperature or filters); top-N of them plus the sampled token.
 2. a structured-output request's grammar mask (kvforge/structured/), then
-   allowed tokens and logit bias (kvforge/engine/token_biases.py), then
+   allowed tokens, logit bias, ``min_tokens`` and bad words
+   (kvforge/engine/token_biases.py), then
    repetition, presence and frequency penalties (kvforge/engine/penalties.py),
    for rows that set them; the steps below see these processed logits. Where
    the grammar and the other rules leave no token at all, the grammar alone
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.bad_words import banned_next_tokens, longest_prefix
 from kvforge.engine.logprob import Logprob, logprob_entry
 from kvforge.engine.penalties import History, apply_penalties
 from kvforge.engine.sampling_params import SamplingParams
@@ -51,6 +53,20 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
         if triton_argmax.use_sliced_argmax(x):
             return triton_argmax.row_argmax(x)
     return x.argmax(dim=-1)
+
+
+def output_tail(seq, in_flight: dict[str, int] | None) -> list[int]:
+    """The last output tokens of ``seq`` that its bad words read (kvforge/engine/bad_words.py), the token it
+    has in flight (``in_flight[request_id]``) last."""
+    need = longest_prefix(seq.bad_word_ids)
+    if not need:
+        return []
+    tail = seq.output_token_ids[-need:]
+    if seq.num_pending:
+        if in_flight is None or seq.request_id not in in_flight:
+            raise ValueError(f"request {seq.request_id} has a token in flight that its bad words need")
+        tail = (tail + [in_flight[seq.request_id]])[-need:]
+    return tail
 
 
 @dataclass
@@ -114,18 +130,23 @@ class Sampler:
         return self.sample(logits, params, generators)
 
     def sample_sequences(self, logits: torch.Tensor, seqs, pending: torch.Tensor | None = None,
-                         defer_logprobs: bool = False) -> SamplerOutput:
+                         defer_logprobs: bool = False, in_flight: dict[str, int] | None = None) -> SamplerOutput:
         """Take params, generators and (for penalties) token histories from ``Sequence`` objects; ``pending``
         as :func:`~kvforge.engine.penalties.apply_penalties` takes it; ``defer_logprobs``: see
-        :meth:`with_logprobs`."""
+        :meth:`with_logprobs`; ``in_flight``: by request id, the value of the token a sequence has in flight
+        (``num_pending``), where its bad words read it."""
         params = [s.params for s in seqs]
         histories = ([s.token_arrays() if p.has_penalties else ((), ()) for s, p in zip(seqs, params)]
                      if any(p.has_penalties for p in params) else None)  # fmt: skip
         generated = ([s.num_output_tokens + s.num_pending for s in seqs] if any(p.min_tokens for p in params)
                      else None)  # fmt: skip
         bitmask = grammar_bitmask([s.grammar for s in seqs], logits.shape[-1])
+        bans = None
+        if any(s.bad_word_ids for s in seqs):
+            bans = [banned_next_tokens(s.bad_word_ids, output_tail(s, in_flight)) if s.bad_word_ids else ()
+                    for s in seqs]
         return self.sample(logits, params, [s.generator_for(logits.device) for s in seqs], histories, pending,
-                           generated, bitmask, defer_logprobs)  # fmt: skip
+                           generated, bitmask, defer_logprobs, bans)  # fmt: skip
 
     def sample(
         self,
@@ -137,11 +158,13 @@ class Sampler:
         num_generated: list[int] | None = None,
         token_bitmask: torch.Tensor | None = None,
         defer_logprobs: bool = False,
+        bad_word_bans: list[Collection[int]] | None = None,
     ) -> SamplerOutput:
         """Rows of ``logits`` [N, vocab] sampled under ``params`` (module docstring); ``histories`` (per row,
         prompt and output token ids) are needed where a row sets a penalty, ``num_generated`` (output tokens
         so far) where it sets ``min_tokens``, ``token_bitmask`` (kvforge/structured/token_masks.py) where a
-        row's output follows a grammar; ``defer_logprobs``: see :meth:`with_logprobs`."""
+        row's output follows a grammar, ``bad_word_bans`` (per row, the tokens that would complete a bad word)
+        where it has bad words; ``defer_logprobs``: see :meth:`with_logprobs`."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [N, vocab], got shape {tuple(logits.shape)}")
         n, vocab = logits.shape
@@ -151,7 +174,7 @@ class Sampler:
             generators = [None] * n
         raw = logits.float()
         device = raw.device
-        logits = self.processed_logits(raw, params, histories, pending, num_generated, token_bitmask)
+        logits = self.processed_logits(raw, params, histories, pending, num_generated, token_bitmask, bad_word_bans)
 
         greedy_mask = [p.is_greedy for p in params]
         token_ids = torch.empty(n, dtype=torch.long, device=device)
@@ -168,13 +191,15 @@ class Sampler:
 
     def processed_logits(self, raw: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
                          pending: torch.Tensor | None = None, num_generated: list[int] | None = None,
-                         token_bitmask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                         token_bitmask: torch.Tensor | None = None,
+                         bad_word_bans: list[Collection[int]] | None = None) -> torch.Tensor:  # fmt: skip
         """float32 ``raw`` logits [N, vocab] after each row's grammar mask (``token_bitmask``), allowed
-        tokens, logit bias and ``min_tokens`` rule (kvforge/engine/token_biases.py), then its penalties
+        tokens, logit bias, ``min_tokens`` rule and bad-word bans (kvforge/engine/token_biases.py), then its
+        penalties
         (kvforge/engine/penalties.py): what greedy and random selection see. ``raw`` itself where no row
         asks for anything. A row the other rules empty after its grammar mask keeps the grammar's mask alone."""
         masked = raw if token_bitmask is None else apply_bitmask(raw, token_bitmask)
-        logits = apply_token_biases(masked, params, num_generated, self.eos_token_ids)
+        logits = apply_token_biases(masked, params, num_generated, self.eos_token_ids, bad_word_bans)
         if any(p.has_penalties for p in params):
             if histories is None or len(histories) != raw.shape[0]:
                 raise ValueError("penalties need each row's (prompt, output) token ids")

@@ -68,6 +68,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: Only these tokens may be sampled (None or empty: any).
     allowed_token_ids: tuple[int, ...] | None = None
+    #: vLLM's: words the output never spells in tokens (kvforge/engine/bad_words.py has the rule).
+    bad_words: tuple[str, ...] = ()
     #: Output tokens before EOS, a ``stop_token_ids`` entry or a stop string may end the request (vLLM's).
     min_tokens: int = 0
     #: vLLM's: candidates per prompt to pick the best from; only None or ``n`` (no ranking here).
@@ -105,6 +107,8 @@ class SamplingParams:
             if value is not None and not isinstance(value, (str, list, tuple)):
                 raise InvalidRequestError(f"invalid sampling parameter {name}: expected a list (or one string for "
                                           f"stop), got {type(value).__name__}", field=name)
+        if self.bad_words is None or isinstance(self.bad_words, list):
+            object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
@@ -185,6 +189,8 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"{self.min_tokens} is above max_tokens {self.max_tokens}")
+        if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of words, each with a character that is not a space")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         for name in _BOOL_FIELDS:

@@ -151,6 +151,8 @@ class Sequence:
         # whether the matcher took it.
         self.grammar = None
         self.grammar_ahead: list[tuple[int, bool]] = []
+        # ``params.bad_words`` as token sequences (kvforge/engine/bad_words.py), set by the engine.
+        self.bad_word_ids: tuple[tuple[int, ...], ...] = ()
         self._generators: dict[str, torch.Generator] = {}
 
     # ---- blocks -------------------------------------------------------------

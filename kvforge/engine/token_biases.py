@@ -5,10 +5,13 @@
 * ``logit_bias`` (OpenAI's field): ``{token id: bias}``, each bias in [-100, 100] added to that token's logit
   (-100 in practice bans a token, +100 forces it);
 * ``min_tokens`` (vLLM's field): while a row has fewer output tokens than that, its stop tokens (EOS unless
-  ignored, and ``stop_token_ids``) are excluded (stop strings are held back by the detokenizer).
+  ignored, and ``stop_token_ids``) are excluded (stop strings are held back by the detokenizer);
+* ``bad_words`` (vLLM's field): the tokens that would complete a bad word here (kvforge/engine/bad_words.py
+  finds them; the caller passes them per row) are excluded, last: a row they would leave without any token
+  keeps its logits without them.
 
-Rows without either are left as they are (the function returns its input when no row has one). Logprobs
-stay those of the raw logits: the sampler computes them before.
+Rows without any of these are left as they are (the function returns its input when no row has one).
+Logprobs stay those of the raw logits: the sampler computes them before.
 """
 
 from __future__ import annotations
@@ -27,10 +30,25 @@ def _stop_tokens(params: SamplingParams, eos_token_ids: Collection[int]) -> set[
 
 
 def apply_token_biases(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int] | None = None,
-                       eos_token_ids: Collection[int] = ()) -> torch.Tensor:  # fmt: skip
-    """float32 ``logits`` [rows, vocab] with each row's allowed set, biases and ``min_tokens`` rule applied
-    (module docstring); ``num_generated``: each row's output tokens before the one it samples (needed where
-    a row sets ``min_tokens``)."""
+                       eos_token_ids: Collection[int] = (),
+                       bad_word_bans: list[Collection[int]] | None = None) -> torch.Tensor:  # fmt: skip
+    """float32 ``logits`` [rows, vocab] with each row's allowed set, biases, ``min_tokens`` rule and bad-word
+    bans applied (module docstring); ``num_generated``: each row's output tokens before the one it samples
+    (needed where a row sets ``min_tokens``); ``bad_word_bans``: each row's tokens that would complete a bad
+    word."""
+    out = _biased(logits, params, num_generated, eos_token_ids)
+    pairs = [(i, t) for i, banned in enumerate(bad_word_bans or ()) for t in banned if t < logits.shape[1]]
+    if not pairs:
+        return out
+    rows, cols = zip(*pairs)
+    at = values_to_device([rows, cols], logits.device)
+    banned = out.index_put((at[0], at[1]), out.new_full((), float("-inf")))
+    emptied = torch.isneginf(banned).all(dim=-1, keepdim=True)
+    return torch.where(emptied, out, banned)
+
+
+def _biased(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int] | None,
+            eos_token_ids: Collection[int]) -> torch.Tensor:
     allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
     min_rows = [i for i, p in enumerate(params) if p.min_tokens]

@@ -452,10 +452,10 @@ class AsyncEngine:
         gets the prompt without its last token and samples exactly one token, forced to be that last token
         (``allowed_token_ids``; the logprobs stay those of the raw logits): its logprobs are the last prompt
         token's, and a prompt that fills the context needs no room beyond it. Returns (engine prompt,
-        scored token or None for a one-token prompt, params per sample). An output constraint constrains
-        nothing here (nothing is generated) and is dropped, so it cannot refuse the forced token."""
+        scored token or None for a one-token prompt, params per sample). An output constraint and bad words
+        constrain nothing here (nothing is generated) and are dropped, so they cannot refuse the forced token."""
         if len(ids) < 2:
-            return ids, None, [dataclasses.replace(p, max_tokens=1, min_tokens=0, structured_outputs=None)
+            return ids, None, [dataclasses.replace(p, max_tokens=1, min_tokens=0, structured_outputs=None, bad_words=())
                                for p in samples]
         scored = ids[-1]
         vocab = _vocab_size(self.engine)
@@ -466,7 +466,8 @@ class AsyncEngine:
                 raise InvalidRequestError(f"token id {max(allowed)} in allowed_token_ids is outside the vocabulary "
                                           f"of {vocab} tokens (ids 0 to {vocab - 1})", field="allowed_token_ids")
         params = [dataclasses.replace(p, max_tokens=1, min_tokens=0, temperature=0.0, allowed_token_ids=[scored],
-                                      logprobs=p.prompt_logprobs, structured_outputs=None) for p in samples]
+                                      logprobs=p.prompt_logprobs, structured_outputs=None, bad_words=())
+                  for p in samples]
         return ids[:-1], scored, params
 
     def _release(self, stream: RequestStream) -> None:

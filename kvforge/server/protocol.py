@@ -195,6 +195,14 @@ def get_stop(body: dict) -> list[str]:
     return value
 
 
+def get_string_list(body: dict, name: str) -> list[str]:
+    value = get_array(body, name, [])
+    for item in value:
+        if not isinstance(item, str):
+            bad_field(name, f"expected an array of strings, got an entry of type {type_name(item)}")
+    return value
+
+
 # -- requests -------------------------------------------------------------------
 
 
@@ -362,7 +370,6 @@ def refuse_unless_neutral(body: dict, fields: dict[str, NeutralOnly]) -> None:
 _VLLM_EXTRAS_NEUTRAL = {
     "length_penalty": NeutralOnly(get_number, 1.0),
     "use_beam_search": NeutralOnly(get_bool, False),
-    "bad_words": NeutralOnly(get_array, []),
     "logits_processors": NeutralOnly(get_array, []),
 }
 _NOT_ON_COMPLETIONS = "tool calls are a chat feature: send the request to /v1/chat/completions"
@@ -519,6 +526,7 @@ def _common(body: dict, served_model: str | tuple[str, ...], defaults: dict | No
         "logit_bias": _logit_bias(body),
         "allowed_token_ids": get_int_list(body, "allowed_token_ids"),
         "min_tokens": get_int(body, "min_tokens", 0),
+        "bad_words": get_string_list(body, "bad_words"),
         "truncate_prompt_tokens": get_int(body, "truncate_prompt_tokens", None),
         "structured_outputs": constraint,
     }
