@@ -37,7 +37,7 @@ def test_banned_tokens_are_those_that_end_a_word_after_the_output():
 
 
 def test_words_are_encoded_as_written_and_after_a_space(smol_llm):
-    tok = smol_llm().get_tokenizer()
+    tok = smol_llm(**ENGINE).get_tokenizer()
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)
@@ -82,6 +82,9 @@ def _reference(llm, prompt_ids: list[int], words: list[str], max_tokens: int) ->
     return out
 
 
+#: float32 (the CPU's default; on a GPU, so the reference's full-text logits agree with the engine's
+#: incremental ones at the top token) and a pool that leaves room for other engines.
+ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory=1 << 26)
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3,"
 CASES = [("Once upon a time, there was a little", ["Emma"]),  # one token after a space
          ("The capital of France is", ["2018-01"]),  # eight tokens: the last is banned after the seven before
@@ -93,7 +96,7 @@ CASES = [("Once upon a time, there was a little", ["Emma"]),  # one token after 
                          ids=["sync", "async", "ngram"])
 @pytest.mark.parametrize("prompt, words", CASES, ids=["one-token", "eight-tokens", "two-words", "counting"])
 def test_greedy_output_skips_each_bad_word_as_the_reference_does(smol_llm, engine, prompt, words):
-    llm = smol_llm(**engine)
+    llm = smol_llm(**ENGINE, **engine)
     ids = llm.get_tokenizer().encode(prompt)
     params = dict(temperature=0, max_tokens=16, ignore_eos=True)
     plain = llm.generate([{"prompt_token_ids": ids}], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
@@ -103,11 +106,11 @@ def test_greedy_output_skips_each_bad_word_as_the_reference_does(smol_llm, engin
     assert list(got.token_ids) != list(plain.token_ids)
     if prompt == COUNTING and "num_speculative_tokens" in engine:  # proposals were verified under the ban
         assert llm.engine.spec_counters.num_draft_tokens > 0
-    assert list(got.token_ids) == _reference(smol_llm(), ids, words, 16)
+    assert list(got.token_ids) == _reference(smol_llm(**ENGINE), ids, words, 16)
 
 
-def test_bad_words_need_a_tokenizer_and_an_allowed_token_they_do_not_ban(smol_llm, tmp_path):
-    llm = smol_llm()
+def test_bad_words_need_a_tokenizer_and_an_allowed_token_they_do_not_ban(smol_llm):
+    llm = smol_llm(**ENGINE)
     tok = llm.get_tokenizer()
     emma = tok.encode(" Emma", add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="ban every token of allowed_token_ids") as err:
@@ -117,7 +120,7 @@ def test_bad_words_need_a_tokenizer_and_an_allowed_token_they_do_not_ban(smol_ll
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(bad_words=value)
         assert err.value.field == "bad_words"
-    ids_only = smol_llm(skip_tokenizer_init=True)
+    ids_only = smol_llm(**ENGINE, skip_tokenizer_init=True)
     with pytest.raises(InvalidRequestError, match="logit_bias -100") as err:
         ids_only.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(bad_words=["Emma"]), use_tqdm=False)
     assert err.value.field == "bad_words"
