@@ -116,10 +116,20 @@ def test_bad_words_need_a_tokenizer_and_an_allowed_token_they_do_not_ban(smol_ll
     with pytest.raises(InvalidRequestError, match="ban every token of allowed_token_ids") as err:
         llm.generate(["Hi"], SamplingParams(bad_words=["Emma"], allowed_token_ids=emma), use_tqdm=False)
     assert err.value.field == "bad_words"
-    for value in ("Emma", [""], ["ok", 3]):
+    for value in ("Emma", [""], ["ok", 3], ["w"] * 129):
         with pytest.raises(InvalidRequestError) as err:
             SamplingParams(bad_words=value)
         assert err.value.field == "bad_words"
+    eos = tok.eos_token_id
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids .* that min_tokens leaves") as err:
+        llm.generate(["Hi"], SamplingParams(bad_words=["Emma"], allowed_token_ids=emma + [eos], min_tokens=2),
+                     use_tqdm=False)
+    assert err.value.field == "bad_words"
+    llm.generate(["Hi"], SamplingParams(bad_words=["Emma"], allowed_token_ids=emma + [eos], max_tokens=2),
+                 use_tqdm=False)  # without min_tokens the end token is left
+    with pytest.raises(InvalidRequestError, match="more than 2048 tokens") as err:  # one token a digit
+        llm.generate(["Hi"], SamplingParams(bad_words=["7" * 1100]), use_tqdm=False)
+    assert err.value.field == "bad_words"
     ids_only = smol_llm(**ENGINE, skip_tokenizer_init=True)
     with pytest.raises(InvalidRequestError, match="logit_bias -100") as err:
         ids_only.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(bad_words=["Emma"]), use_tqdm=False)

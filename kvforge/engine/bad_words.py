@@ -1,10 +1,14 @@
 """vLLM's ``bad_words``: words a request's output must never spell in tokens.
 
 Each word is encoded twice, as written (leading spaces dropped) and with one leading space, so it is banned
-both where it starts the text and after a space; each distinct encoding is one banned token sequence. At
-every sampled position, a sequence whose tokens but its last are the output's last tokens (all of the
-sequence, for a one-token word) has that last token banned: its logit becomes -inf. Only output tokens
-count; a word the prompt ends in the middle of is not followed across into the output (vLLM's rule).
+both where it starts the text and after a space; each distinct encoding is one banned token sequence
+(vLLM keeps the spaced encoding only where it has as many tokens as the word as written, so a word that
+is one token after a space, " Emma", is not banned there). At every sampled position, a sequence whose
+tokens but its last are the output's last tokens (all of the sequence, for a one-token word) has that last
+token banned: its logit becomes -inf. Only output tokens count; a word the prompt ends in the middle of is
+not followed across into the output (vLLM's rule). The bans cover these encodings only: the same text
+spelt in other tokens (" Em", "m", "a"), which a grammar or an unusual continuation can produce, is not
+banned.
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from collections.abc import Callable, Sequence
 from kvforge.errors import InvalidRequestError
 
 BadWordIds = tuple[tuple[int, ...], ...]
+
+#: The most tokens a request's bad words may encode to, both encodings of each word counted: each sampled
+#: position compares the output's tail with every encoding on the host.
+MAX_BAD_WORD_TOKENS = 2048
 
 
 def encode_bad_words(words: Sequence[str], encode: Callable[[str], list[int]], vocab_size: int) -> BadWordIds:
@@ -32,6 +40,10 @@ def encode_bad_words(words: Sequence[str], encode: Callable[[str], list[int]], v
                     f"bad_words entry {word!r} encodes to token id {max(ids)}, outside the model's vocabulary of "
                     f"{vocab_size} tokens: the tokenizer does not match the model", field="bad_words")
             found[ids] = None
+        total = sum(len(ids) for ids in found)
+        if total > MAX_BAD_WORD_TOKENS:
+            raise InvalidRequestError(f"bad_words encode to more than {MAX_BAD_WORD_TOKENS} tokens (both encodings "
+                                      f"of each word counted): send fewer or shorter words", field="bad_words")
     return tuple(found)
 
 

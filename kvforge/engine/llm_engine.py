@@ -574,18 +574,23 @@ class LLMEngine:
 
     def _bad_word_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """``params.bad_words`` as token sequences (kvforge/engine/bad_words.py); refused without a tokenizer,
-        and where the one-token words ban every allowed token."""
+        and where the one-token words ban every allowed token (the stop tokens too while ``min_tokens``
+        excludes them)."""
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words are encoded with the tokenizer, which this engine does not have "
-                                      "(skip_tokenizer_init, or the model has no tokenizer files): give one with "
-                                      "--tokenizer, or ban token ids with logit_bias -100", field="bad_words")
+                                      "(skip_tokenizer_init, or the model has no tokenizer files): drop "
+                                      "--skip-tokenizer-init or give one with --tokenizer, or ban token ids with "
+                                      "logit_bias -100", field="bad_words")
         word_ids = encode_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
                                     self.spec.vocab_size)
-        if params.allowed_token_ids and set(params.allowed_token_ids) <= always_banned(word_ids):
+        excluded = always_banned(word_ids)
+        if params.min_tokens:
+            excluded |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_token_ids))
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= excluded:
             raise InvalidRequestError(
                 f"bad_words {list(params.bad_words)} ban every token of allowed_token_ids "
-                f"{list(params.allowed_token_ids)}: no token could be sampled; allow a token they do not ban, or "
-                f"drop one of the two", field="bad_words")
+                f"{list(params.allowed_token_ids)}{' that min_tokens leaves' if params.min_tokens else ''}: no "
+                f"token could be sampled; allow a token they do not ban, or drop one of the two", field="bad_words")
         return word_ids
 
     def _check_allowed_begin(self, params: SamplingParams) -> None:

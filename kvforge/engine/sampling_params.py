@@ -11,6 +11,9 @@ from kvforge.structured.params import StructuredOutputsParams
 
 #: The most logprobs a request may ask per token (``logprobs`` and ``prompt_logprobs``), vLLM's default limit.
 MAX_LOGPROBS = 20
+#: The most ``bad_words`` a request may give (the tokens they encode to are limited too:
+#: kvforge/engine/bad_words.py).
+MAX_BAD_WORDS = 128
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1  # a seed is a signed 64-bit integer
 _INT_FIELDS = ("n", "top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs", "min_tokens", "best_of",
@@ -191,6 +194,8 @@ class SamplingParams:
             bad("min_tokens", f"{self.min_tokens} is above max_tokens {self.max_tokens}")
         if not isinstance(self.bad_words, tuple) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             bad("bad_words", "must be a list of words, each with a character that is not a space")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            bad("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         for name in _BOOL_FIELDS:
