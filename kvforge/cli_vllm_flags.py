@@ -126,6 +126,17 @@ ENGINE_FLAGS = (
              "not served"),
     VllmFlag(("--lora-modules",), True, (), "LoRA adapters are not supported: merge the adapter into the weights "
              "and serve it as its own model"),
+    VllmFlag(("--mamba-cache-dtype", "--mamba-ssm-cache-dtype"), True, (), "the linear-attention state's dtype is "
+             "--state-dtype: float32 (its auto) or model (the model dtype, vLLM's auto)"),
+    VllmFlag(("--task", "--runner"), True, ("auto", "generate"), "kvforge serves text generation"),
+    VllmFlag(("--enable-reasoning",), False, None, "accepted, no effect: the reasoning is split out where "
+             "--reasoning-parser names the parser"),
+    VllmFlag(("--num-scheduler-steps",), True, ("1",), "one decode step a schedule; --async-scheduling overlaps "
+             "the host's scheduling with the device's step"),
+    VllmFlag(("--preemption-mode",), True, ("recompute",), "preempted sequences are recomputed, never swapped"),
+    VllmFlag(("--use-v2-block-manager",), False, None, "accepted, no effect (one block manager)"),
+    VllmFlag(("--worker-cls",), True, ("auto",), "kvforge starts its own workers"),
+    VllmFlag(("--kv-sharing-fast-prefill",), False, (), "KV sharing across layers is not implemented"),
 )
 SERVER_FLAGS = (
     VllmFlag(("--disable-log-requests",), False, None, "accepted, no effect: requests are logged only with "

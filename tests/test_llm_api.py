@@ -82,7 +82,7 @@ def test_a_hub_id_says_models_are_read_from_local_files():
         kvforge.plan("HuggingFaceTB/SmolLM2-135M-Instruct")
     message = str(err.value)
     assert "read from local files only" in message
-    assert "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR" in message
+    assert "hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR" in message
     with pytest.raises(ConfigError) as err:
         kvforge.plan("no-such-model")
     assert "download" not in str(err.value) and "presets: " in str(err.value)

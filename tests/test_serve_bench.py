@@ -218,6 +218,38 @@ def test_bad_values_are_refused_before_any_request(capsys, argv, says):
     assert exc.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_vllm_bench_serve_flags_name_the_server_and_the_report(tmp_path, capsys, monkeypatch):
+    """``vllm bench serve``'s spellings: --host / --port build the URL, --save-result with --result-dir and
+    --result-filename places the report, --backend / --endpoint / --request-rate are taken at what the bench
+    does and refused otherwise."""
+    from kvforge.cli import build_parser
+
+    def parsed(*argv):
+        args = build_parser("bench").parse_args(["bench", "serve", *argv])
+        return args, sb.resolve_destinations(args)
+
+    args, problem = parsed("--backend", "vllm", "--endpoint", "/v1/completions", "--request-rate", "inf",
+                           "--port", "8011", "--save-result", "--result-dir", str(tmp_path), "--result-filename",
+                           "o.json")
+    assert problem is None and args.base_url == "http://127.0.0.1:8011" and args.out == str(tmp_path / "o.json")
+    args, _ = parsed("--host", "10.0.0.2")
+    assert args.base_url == "http://10.0.0.2:8000" and args.out is None
+    args, _ = parsed()
+    assert args.base_url == sb.DEFAULT_BASE_URL
+    monkeypatch.chdir(tmp_path)
+    args, _ = parsed("--save-result")  # a timestamped file in the working folder
+    assert args.out.startswith("./kvforge-bench-serve-") and args.out.endswith(".json")
+    assert parsed("--base-url", "http://a:1", "--port", "2")[1] == ("give the server as --base-url or as --host "
+                                                                     "and --port, not both")
+    assert "does not exist" in parsed("--save-result", "--result-dir", str(tmp_path / "none"))[1]
+    for argv, says in ((["--backend", "sglang"], "--backend accepts only vllm or openai"),
+                       (["--endpoint", "/v1/chat/completions"], "requests go to /v1/completions"),
+                       (["--request-rate", "10"], "as fast as --max-concurrency allows")):
+        with pytest.raises(SystemExit) as exc:
+            parsed(*argv)
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_no_server_at_the_url_names_the_fix(capsys):
     rc = sb.bench_serve_main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--num-requests", "1"])
     assert rc == 2 and "start one with `kvforge serve`" in capsys.readouterr().err

@@ -29,7 +29,9 @@ def test_flags_without_effect_and_neutral_values_parse():
                  "--hf-token", "hf_x", "--api-server-count", "1", "--distributed-executor-backend", "mp",
                  "--disable-fastapi-docs", "--log-config-file", "x.json", "--cpu-offload-gb", "0", "--logprobs-mode",
                  "raw_logprobs", "--max-num-partial-prefills", "1", "--kv-offloading-size", "0.0",
-                 "--collect-detailed-traces", "model,worker", "--enable-server-load-tracking"])
+                 "--collect-detailed-traces", "model,worker", "--enable-server-load-tracking", "--task", "generate",
+                 "--runner", "auto", "--enable-reasoning", "--num-scheduler-steps", "1", "--preemption-mode",
+                 "recompute", "--use-v2-block-manager", "--worker-cls", "auto"])
     assert not any(k.startswith("vllm_") for k in vars(_parse(["--hf-token"])))  # vLLM's bare form too
     assert not any(k.startswith("vllm_") for k in vars(ns))  # nothing reaches the engine
 
@@ -69,6 +71,13 @@ def test_model_as_vllm_spells_it():
     (["--num-gpu-blocks-override", "1000"], "--kv-cache-memory"),
     (["--enable-sleep-mode"], "sleep mode is not implemented"),
     (["--config", "c.yaml"], "YAML file of flags is not read"),
+    (["--mamba-ssm-cache-dtype", "float32"], "the linear-attention state's dtype is --state-dtype"),
+    (["--mamba-cache-dtype", "auto"], "model (the model dtype, vLLM's auto)"),
+    (["--task", "embed"], "kvforge serves text generation; --task accepts only auto or generate"),
+    (["--runner", "pooling"], "--runner accepts only auto or generate"),
+    (["--num-scheduler-steps", "8"], "--async-scheduling overlaps"),
+    (["--preemption-mode", "swap"], "recomputed, never swapped"),
+    (["--kv-sharing-fast-prefill"], "KV sharing across layers is not implemented"),
 ])
 def test_flags_that_would_change_what_is_served_stop_at_parse_time(argv, says, capsys):
     with pytest.raises(SystemExit) as e:

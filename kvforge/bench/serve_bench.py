@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -50,9 +51,11 @@ from kvforge.cli_args import (
     positive_float,
     positive_int,
 )
+from kvforge.cli_vllm_flags import VllmFlag, add_vllm_flags
 from kvforge.server.api_keys import CLIENT_API_KEY_HELP, client_api_key, unauthorized_hint
 
 OUTLIER_FACTOR = 1.5
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 # Short, common English words: mostly one token each for BPE vocabularies.
 WORDS = (
@@ -605,8 +608,12 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", type=http_url,
-                        help="server root (default %(default)s)")
+    parser.add_argument("--base-url", default=None, type=http_url,
+                        help=f"server root (default {DEFAULT_BASE_URL}, or the one --host and --port name)")
+    parser.add_argument("--host", default=None, help="vLLM's: the server's host (http://HOST:PORT; default "
+                                                     "127.0.0.1), instead of --base-url")
+    parser.add_argument("--port", type=positive_int, default=None, help="vLLM's: the server's port (default 8000), "
+                                                                         "instead of --base-url")
     parser.add_argument("--model", default=None, help="model name (default: the first at /v1/models)")
     parser.add_argument("--api-key", default=None, help=CLIENT_API_KEY_HELP)
     parser.add_argument("--isl", "--random-input-len", dest="isl", type=positive_int, default=128,
@@ -632,8 +639,40 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="per-request timeout in seconds (default %(default)s)")
     parser.add_argument("--out", "--result-filename", dest="out", type=output_file, default=None,
                         help="write the JSON report here")
+    parser.add_argument("--save-result", action="store_true",
+                        help="vLLM's: write the JSON report (to --result-filename, or a timestamped file in "
+                             "--result-dir); --out alone writes it too")
+    parser.add_argument("--result-dir", default=None, help="vLLM's: the folder of the --save-result report "
+                                                           "(a relative --result-filename is taken inside it)")
     parser.add_argument("--plot", type=output_file, default=None, help="write a PNG plot here (matplotlib)")
+    add_vllm_flags(parser, BENCH_SERVE_FLAGS, "bench serve")
     return parser
+
+
+#: vLLM's ``vllm bench serve`` flags that name what kvforge's bench always does.
+BENCH_SERVE_FLAGS = (
+    VllmFlag(("--backend",), True, ("vllm", "openai"), "requests go to the server's /v1/completions, as vLLM's "
+             "vllm and openai backends send them"),
+    VllmFlag(("--endpoint",), True, ("/v1/completions",), "requests go to /v1/completions"),
+    VllmFlag(("--request-rate",), True, ("inf",), "requests are sent as fast as --max-concurrency allows"),
+)
+
+
+def resolve_destinations(args) -> str | None:
+    """``args.base_url`` from ``--base-url`` or vLLM's ``--host`` / ``--port``, and the report's file from
+    ``--out`` / ``--result-filename``, ``--save-result`` and ``--result-dir``; the error to print, or None."""
+    if args.base_url is not None and (args.host is not None or args.port is not None):
+        return "give the server as --base-url or as --host and --port, not both"
+    if args.base_url is None:
+        args.base_url = (DEFAULT_BASE_URL if args.host is None and args.port is None
+                         else f"http://{args.host or '127.0.0.1'}:{args.port or 8000}")
+    if args.result_dir is not None or (args.save_result and args.out is None):
+        name = args.out or f"kvforge-bench-serve-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        try:
+            args.out = output_file(os.path.join(args.result_dir or ".", name))
+        except argparse.ArgumentTypeError as e:
+            return f"--result-dir: {e}"
+    return None
 
 
 def _fix_hint(error: str, base_url: str, key_sent: bool) -> str:
@@ -651,6 +690,10 @@ def bench_serve_main(args) -> int:
     """Entry point for ``kvforge bench serve``; exit code 1 when any timed request failed."""
     if args is None or isinstance(args, (list, tuple)):
         args = add_bench_serve_args(ArgumentParser(prog="kvforge bench serve")).parse_args(args)
+    problem = resolve_destinations(args)
+    if problem is not None:
+        print(f"kvforge bench serve: error: {problem}", file=sys.stderr)
+        return 2
     if not args.temperature >= 0:  # also NaN
         print("kvforge bench serve: error: --temperature must be a number >= 0", file=sys.stderr)
         return 2

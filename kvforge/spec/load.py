@@ -58,7 +58,7 @@ def load_hf_config(model: str | None) -> tuple[dict, str, str]:
     if key in PRESETS:
         return dict(PRESETS[key]), key, f"preset {key}"
     hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", model.strip()) is not None
-    download = (f"; models are read from local files only: download it first (e.g. `huggingface-cli download "
+    download = (f"; models are read from local files only: download it first (e.g. `hf download "
                 f"{model.strip()} --local-dir DIR`) and pass DIR" if hub_id else "")
     raise ConfigError(
         f"model {model!r} is neither a path that exists nor a preset{download}; presets: {', '.join(sorted(PRESETS))}"
