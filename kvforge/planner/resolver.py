@@ -421,7 +421,8 @@ def planned_max_model_len(spec: ModelSpec, flag: int | None) -> int:
 
 
 def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, bytes_per_token: int,
-              slot_state_bytes: int, max_model_len: int, memory: int | None, chunk_tokens: int = 1) -> Capacity:
+              slot_state_bytes: int, max_model_len: int, memory: int | None, chunk_tokens: int = 1,
+              device_fix: str = "") -> Capacity:
     """Rule 6: blocks, tokens and concurrency at max-model-len from the engine's own accounting.
 
     A block id covers one page in each of ``group_size`` page slots and is
@@ -431,7 +432,8 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     block pool (state layers, rings: one slot per sequence). The memory must also
     hold one such sequence while it computes a chunk of ``chunk_tokens`` (the step
     budget): its windows plus ``_chunk_blocks``; else the scheduler would refuse a
-    request of max-model-len that the plan promised.
+    request of max-model-len that the plan promised. ``device_fix``: the utilization that would hold one such
+    sequence, named in that refusal where the memory is a share of the device.
     """
     if memory is None:
         return Capacity(kv_dtype, bytes_per_token, None, None, None, None, None)
@@ -445,6 +447,7 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
     chunk_bytes = _chunk_blocks(groups, max_model_len, chunk_tokens) * block_id_bytes
     if concurrency < 1:
         fix = (_shorter_len_fix(groups, group_size, slot_state_bytes, max_model_len, memory, chunk_tokens)
+               + (f"raise {device_fix}, or " if device_fix else "")
                + f"give at least {per_seq + chunk_bytes} bytes per rank (--kv-cache-memory; on a GPU also "
                  f"--gpu-memory-utilization)")
         raise PlanError(
@@ -460,6 +463,7 @@ def _capacity(kv_dtype: str, groups: tuple[GroupPlan, ...], group_size: int, byt
             f"sliding-window groups hold {chunk_bytes} bytes more (the window plus the chunk), so a request of that "
             f"length would be refused; fix: "
             + _shorter_len_fix(groups, group_size, slot_state_bytes, max_model_len, memory, chunk_tokens)
+            + (f"raise {device_fix}, or " if device_fix else "")
             + f"give at least {per_seq + chunk_bytes} bytes per rank, or lower --max-num-batched-tokens (the chunk)"
         )
     slots = int(concurrency) if slot_state_bytes else None
@@ -593,10 +597,12 @@ def _utilization_fix(needed: int, gpu_memory: int, joiner: str) -> str:
 
 
 def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnings: list[str],
-            weights_dtype: str = "") -> int | None:
+            weights_dtype: str = "", one_sequence: int = 0) -> int | None:
     """KV bytes per rank: ``--kv-cache-memory``, else the device's usable memory less the weights and the
     activation reserve (PlanError when they do not fit, naming the flag to lower; ``weights_dtype``, the
-    dtype the weights were counted in, is named there)."""
+    dtype the weights were counted in, is named there). A utilization a refusal names also holds
+    ``one_sequence``, the KV bytes of one sequence of max-model-len (:func:`_capacity`'s least memory), so
+    the plan at that value goes through."""
     gib = 2**30
     if cache.kv_cache_memory is not None:
         need = weights + cache.kv_cache_memory + reserve.bytes
@@ -615,7 +621,8 @@ def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnin
             f"weights need {weights / gib:.2f} GiB per rank{f' (in {weights_dtype})' if weights_dtype else ''} "
             f"but --gpu-memory {cache.gpu_memory / gib:.2f} GiB x "
             f"--gpu-memory-utilization {cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: raise "
-            f"--tensor-parallel-size{_utilization_fix(weights, cache.gpu_memory, ', or ')}, or use a smaller model"
+            f"--tensor-parallel-size{_utilization_fix(weights + reserve.bytes + one_sequence, cache.gpu_memory, ', or ')}"
+            f", or use a smaller model"
         )
     if weights + reserve.bytes >= usable:
         raise PlanError(
@@ -623,7 +630,7 @@ def _memory(cache: CacheConfig, weights: int, reserve: ActivationReserve, warnin
             f"--gpu-memory {cache.gpu_memory / gib:.2f} GiB x --gpu-memory-utilization "
             f"{cache.gpu_memory_utilization} = {usable / gib:.2f} GiB; fix: lower --max-num-batched-tokens "
             f"(the activations grow with it), or raise --tensor-parallel-size"
-            f"{_utilization_fix(weights + reserve.bytes, cache.gpu_memory, ' or ')}"
+            f"{_utilization_fix(weights + reserve.bytes + one_sequence, cache.gpu_memory, ' or ')}"
         )
     return usable - weights - reserve.bytes
 
@@ -739,10 +746,16 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
                                  num_speculative_tokens=cache.num_speculative_tokens, tensor_parallel_size=tp,
                                  model_dtype=model_dtype, platform=platform, max_model_len=max_len,
                                  kv_dtype=kv_dtype)
-    memory = _memory(cache, weights + draft_weights, reserve, warnings, str(model_dtype))
+    chunk_tokens = max(1, min(step_token_budget(cache, platform), max_len - 1))
+    one_sequence = (_bytes_per_sequence(groups, grouping.group_size, slot_state, max_len)
+                    + _chunk_blocks(groups, max_len, chunk_tokens) * _block_id_bytes(groups, grouping.group_size))
+    memory = _memory(cache, weights + draft_weights, reserve, warnings, str(model_dtype), one_sequence)
+    device_fix = ""
+    if cache.kv_cache_memory is None and cache.gpu_memory is not None:
+        device_fix = _utilization_fix(weights + draft_weights + reserve.bytes + one_sequence, cache.gpu_memory, "")
     capacity = _capacity(kv_dtype, groups, grouping.group_size,
                          bytes_per_token + sum(x.token_bytes for x in proposer), slot_state, max_len, memory,
-                         chunk_tokens=max(1, min(step_token_budget(cache, platform), max_len - 1)))
+                         chunk_tokens=chunk_tokens, device_fix=device_fix)
 
     baseline = None
     if _baseline and kv_dtype != model_dtype:
