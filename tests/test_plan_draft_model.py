@@ -175,3 +175,21 @@ def test_a_draft_plan_error_names_the_draft():
     with pytest.raises(PlanError, match="draft model small: --tensor-parallel-size 2 and num_key_value_heads 3"):
         resolve(spec(PRESETS["llama-3.1-8b"], "llama-3.1-8b"), CacheConfig(max_model_len=8192), ParallelConfig(2),
                 draft_spec=spec(dict(SMALL_DRAFT, num_attention_heads=6, num_key_value_heads=3), "small"))
+
+
+def test_a_missing_draft_model_is_named_as_the_speculative_configs(tmp_path, capsys):
+    from kvforge import LLM
+    from kvforge.planner.api import plan
+
+    missing = str(tmp_path / "no-draft")
+    says = f"the draft model (--speculative-config's \"model\", '{missing}'): model '{missing}' is neither"
+    with pytest.raises(ConfigError) as err:
+        plan("llama-3.1-8b", draft_model=missing)
+    assert says in str(err.value)
+    with pytest.raises(ConfigError) as err:  # the engine: before any weight is read
+        LLM(load_format="dummy", device="cpu", speculative_config={"method": "draft_model", "model": missing,
+                                                                   "num_speculative_tokens": 2})
+    assert says in str(err.value)
+    assert main(["plan", "--speculative-config", json.dumps({"method": "draft_model", "model": missing,
+                                                             "num_speculative_tokens": 2})]) == 2
+    assert says in capsys.readouterr().err

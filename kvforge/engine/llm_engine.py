@@ -49,7 +49,7 @@ from kvforge.planner.inputs import (
 )
 from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
-from kvforge.spec.load import load_model_spec
+from kvforge.spec.load import load_draft_model_spec, load_model_spec
 from kvforge.spec.presets import PRESETS
 from kvforge.speculative.device_proposals import UNREAD
 from kvforge.speculative.stats import SpeculativeStats
@@ -119,7 +119,7 @@ class LLMEngine:
 
             mtp_layers = mtp_proposer_layers(self.spec)
         # A draft model (speculative decoding): its config only, planned beside the target's.
-        self.draft_spec = (load_model_spec(speculative.model)
+        self.draft_spec = (load_draft_model_spec(speculative.model)
                            if speculative is not None and speculative.method == "draft_model" else None)
         self.plan = resolve(self.spec, cache, ParallelConfig(args.tensor_parallel_size), platform,
                             model_dtype=model_dtype, draft_spec=self.draft_spec, proposer_layers=mtp_layers)

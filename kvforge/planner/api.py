@@ -11,7 +11,7 @@ from kvforge.planner.inputs import (
 )
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.resolver import resolve
-from kvforge.spec.load import load_model_spec
+from kvforge.spec.load import load_draft_model_spec, load_model_spec
 
 
 def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
@@ -57,6 +57,6 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         query_dtype=query_dtype,
                         state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens)
     model_dtype = platform_model_dtype(dtype, device, spec.model_dtype)
-    draft_spec = load_model_spec(draft_model) if draft_model is not None else None
+    draft_spec = load_draft_model_spec(draft_model) if draft_model is not None else None
     return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype,
                    draft_spec=draft_spec, proposer_layers=proposer_layers)

@@ -68,3 +68,11 @@ def load_hf_config(model: str | None) -> tuple[dict, str, str]:
 def load_model_spec(model: str | None) -> ModelSpec:
     cfg, name, source = load_hf_config(model)
     return spec_from_hf_config(cfg, name=name, source=source)
+
+
+def load_draft_model_spec(model: str) -> ModelSpec:
+    """:func:`load_model_spec` of a speculative draft model; a ConfigError says it is the draft's."""
+    try:
+        return load_model_spec(model)
+    except ConfigError as exc:
+        raise ConfigError(f"the draft model (--speculative-config's \"model\", {model!r}): {exc}") from exc
