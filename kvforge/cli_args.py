@@ -149,7 +149,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     """The flags that decide the KV-cache plan (shared by plan/generate/serve)."""
     p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (model dtype), bfloat16 (bf16), float16 (fp16), float32 (fp32), fp8 (= fp8_e4m3), "
+                   help="auto (model dtype), bfloat16 (bf16), float16 (fp16), float32 (fp32), fp8 (= fp8_e4m3), fp8_e4m3, "
                         "fp8_e5m2")
     p.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default: negotiated)")
     p.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,

@@ -23,8 +23,9 @@ def beside_checkout() -> Path:
     return Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-def shared_data_dir() -> Path:
-    """The data folder (see the module docstring); ``FileNotFoundError`` when there is none."""
+def shared_data_dir(instead: str = "the file or folder explicitly") -> Path:
+    """The data folder (see the module docstring); ``FileNotFoundError`` when there is none, whose fix names
+    ``instead`` (the flag that gives the data) beside the variable."""
     env = os.environ.get(ENV_VAR)
     if env:
         path = Path(env).expanduser()
@@ -36,7 +37,7 @@ def shared_data_dir() -> Path:
     if path.is_dir():
         return path
     raise FileNotFoundError(f"no evaluation data: {ENV_VAR} is not set and {path} does not exist; set "
-                            f"{ENV_VAR}=DIR (holding gsm8k/ and text/) or pass the file or folder explicitly")
+                            f"{ENV_VAR}=DIR (holding gsm8k/ and text/) or pass {instead}")
 
 
 def dataset_dir(name: str, marker: str, given: str | Path | None = None, flag: str = "--data-dir") -> Path:
@@ -47,7 +48,7 @@ def dataset_dir(name: str, marker: str, given: str | Path | None = None, flag: s
     ``name/`` in :func:`shared_data_dir`. ``FileNotFoundError`` names every folder tried and the fix.
     """
     if given is None:
-        tried = [shared_data_dir() / name]
+        tried = [shared_data_dir(f"{flag} DIR") / name]
         fix = f"set {ENV_VAR}=DIR where DIR holds {name}/{marker}, or pass {flag}"
     else:
         root = Path(given).expanduser()

@@ -56,6 +56,12 @@ def test_neither_is_an_error_naming_both(tmp_path, monkeypatch):
         data_paths.shared_data_dir()
     msg = str(exc.value)
     assert "KVFORGE_DATA_DIR" in msg and str(tmp_path / "shared" / "data") in msg
+    with pytest.raises(FileNotFoundError, match="or pass --data-dir DIR$"):  # each command names its flag
+        gsm8k.gsm8k_dir()
+    from kvforge.eval.kld import default_text_path
+
+    with pytest.raises(FileNotFoundError, match="or pass --text FILE$"):
+        default_text_path()
 
 
 def test_data_dir_names_what_the_variable_names_or_the_dataset_folder(tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ def default_text_path() -> Path:
     FileNotFoundError when there is none."""
     from kvforge.data_paths import shared_data_dir
 
-    return shared_data_dir() / "text" / "tinyshakespeare.txt"
+    return shared_data_dir("--text FILE") / "text" / "tinyshakespeare.txt"
 
 
 # ---------------------------------------------------------------------------
