@@ -228,6 +228,7 @@ def test_the_table_says_what_sliding_and_state_layers_hold(capsys):
     code, out, _ = run(capsys, "qwen3-next-80b-a3b", "--device", "cuda", "--gpu-memory", "141GB", "-tp", "2")
     row = next(line for line in out.splitlines() if line.startswith("│ 0-2 "))
     assert "state float32" in row and "│ -" in row and "state 1,097,728 B/seq" in row
+    assert row.split("│")[3].strip() == "-"  # no attention backend: the state update is routed per call
     assert "(linear-attention state 39,518,208)" in " ".join(out.split())
 
 

@@ -57,7 +57,8 @@ def _layer_query_dtype(layer, model_dtype: str, choice: str) -> tuple[str, str]:
     """(query dtype, reason) for one layer (``layer``: kind, kv_dtype, backend, heads_per_rank, head_size);
     ``choice`` is ``--query-dtype`` (``fp8`` only for layers that take it, checked by the caller)."""
     if layer.kind == "state":
-        return model_dtype, "state layer: no KV cache, no attention query"
+        return model_dtype, ("state layer: no KV cache, no attention query or backend (its state update is routed "
+                             "per call: docs/LINEAR_ATTENTION.md)")
     if choice == "fp8":
         dtype, why = _quantized(layer)
         return dtype, f"--query-dtype fp8: {why}"

@@ -105,8 +105,8 @@ def render_plan(plan: KVPlan, console=None) -> None:
         kind, backend, kv, q, h, kvh, bpt, state, reason, window = key
         if reason not in reasons:
             reasons.append(reason)
-        if kind == "state":  # no KV cache and no attention query: the recurrent state's dtype and bytes
-            kv, q, per = f"state {kv}", "-", f"state {state:,} B/seq"
+        if kind == "state":  # no KV cache, no attention query, no attention backend: the state's dtype and bytes
+            kv, q, per, backend = f"state {kv}", "-", f"state {state:,} B/seq", "-"
         elif kind == "sliding":  # bounded by the window: its blocks are counted per sequence, not per token
             per = f"{window}-token window"
         else:
