@@ -102,6 +102,32 @@ def _prompts(args: argparse.Namespace) -> list:
     return args.prompt or [DEFAULT_PROMPT]
 
 
+def _check_prompt_lengths(args: argparse.Namespace, prompts: list) -> None:
+    """Refuse a prompt the context cannot hold (the engine's own check, before any weight loads): text prompts
+    outside --chat (a chat template adds tokens the engine counts itself) are encoded with the tokenizer the
+    engine will load, token-id prompts counted."""
+    from kvforge.errors import ConfigError
+    from kvforge.planner.resolver import planned_max_model_len
+    from kvforge.spec.load import load_model_spec
+
+    texts = [p for p in prompts if isinstance(p, str)] if args.prompt and not args.chat else []
+    if not texts and not args.prompt_token_ids:
+        return
+    limit = planned_max_model_len(load_model_spec(args.model), args.max_model_len)
+    lengths = [len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)]
+    if texts:
+        from kvforge.spec.embedded import embedded_model_path
+        from kvforge.tokenizer import load_tokenizer
+
+        source = args.tokenizer or args.model or embedded_model_path()
+        tokenizer = load_tokenizer(source) if Path(source).exists() else None
+        if tokenizer is not None:
+            lengths += [len(tokenizer.encode(text)) for text in texts]
+    if lengths and max(lengths) >= limit:
+        raise ConfigError(f"a prompt has {max(lengths)} tokens but max-model-len is {limit} (prompt + at least one "
+                          f"generated token must fit); shorten the prompt or raise --max-model-len")
+
+
 def _compare_kv_dtype(args: argparse.Namespace) -> str | None:
     """``--compare-kv-dtype`` as a canonical KV dtype name (None when not given), checked before any weight
     loads: the comparison engine is only built after the first run."""
@@ -150,6 +176,7 @@ def generate_main(args: argparse.Namespace) -> int:
 
     args.model, args.model_flag = model_argument(args), None
     prompts = _prompts(args)
+    _check_prompt_lengths(args, prompts)
     compare_kv_dtype = _compare_kv_dtype(args)
     if compare_kv_dtype is not None:  # the comparison is of greedy outputs: both runs pick the argmax
         if args.temperature:

@@ -32,6 +32,10 @@ def no_engine(monkeypatch):
     (["generate", "--chat", "--prompt-token-ids", "1,2"], "--chat"),
     (["generate", "--prompt-token-ids", "1,49152"], "--prompt-token-ids: prompt token ids must be integers in [0, 49152)"),
     (["generate", "--prompt", "hi", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--max-model-len", "64", "--prompt", "hi", "--prompt", " ".join(["word"] * 100)],
+     "a prompt has 100 tokens but max-model-len is 64"),  # the embedded tokenizer: one token a word
+    (["generate", "--max-model-len", "8", "--prompt-token-ids", "1,2,3,4,5,6,7,8"],
+     "a prompt has 8 tokens but max-model-len is 8"),
 ])
 def test_prompts_that_cannot_work_stop_before_the_engine(no_engine, capsys, argv, needle):
     assert main(argv) == 2
