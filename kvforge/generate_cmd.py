@@ -196,7 +196,8 @@ def generate_main(args: argparse.Namespace) -> int:
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     for prompt, out in zip(prompts, outs):
         comp = out.outputs[0]
-        text = comp.text if isinstance(prompt, str) else f"{comp.text!r} = token ids {list(comp.token_ids)}"
+        ids = f"token ids {list(comp.token_ids)}"
+        text = comp.text if isinstance(prompt, str) else (f"{comp.text!r} = {ids}" if comp.text else ids)
         print(f"\n>>> {_shown(prompt)}\n{text}")
         spec = out.speculative
         accepted = (f", {spec.acceptance_rate:.0%} of proposals accepted, {spec.mean_accepted_length:.2f} tokens "
