@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -780,6 +781,62 @@ def test_sigterm_drains_in_flight_and_exits_zero():
         assert proc.wait(timeout=30) == 0
         with pytest.raises(OSError):  # no longer accepting
             http("GET", base + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_while_draining_open_connections_get_503_and_a_second_signal_aborts_the_rest():
+    """After SIGTERM a connection the client already holds (a pooled keep-alive one) is answered at once:
+    /health and a new completion get 503 shutting_down, not silence until the grace ends; a second signal
+    aborts the stream still running (an error event, then [DONE]) and the server exits long before its
+    30 s grace."""
+    import http.client
+
+    port = _free_port()
+    code = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, base, 30, 0.1)
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        kept.request("GET", "/health")
+        assert kept.getresponse().read()
+        streamed: list[bytes] = []
+        started = threading.Event()
+
+        def stream():
+            body = {"prompt": "drain me", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                for line in resp:
+                    if line.startswith(b"data:"):
+                        streamed.append(line)
+                        started.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        kept.request("GET", "/health")
+        health = kept.getresponse()
+        assert health.status == 503 and json.loads(health.read())["status"] == "shutting_down"
+        kept.request("POST", "/v1/completions", body=json.dumps({"prompt": "late", "max_tokens": 2}),
+                     headers={"Content-Type": "application/json"})
+        late = kept.getresponse()
+        assert late.status == 503 and json.loads(late.read())["error"]["code"] == "shutting_down"
+        assert time.monotonic() - t0 < 5  # answered, not held until the grace ends
+        assert reader.is_alive()  # the stream is still draining
+        proc.send_signal(signal.SIGINT)  # the second signal
+        reader.join(20)
+        assert not reader.is_alive() and streamed[-1].strip() == b"data: [DONE]"
+        assert b"shutting_down" in streamed[-2] and len(streamed) < 400
+        assert proc.wait(timeout=20) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -774,8 +774,11 @@ async def start_site(app: web.Application, host: str, port: int, shutdown_timeou
 
 
 def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock: socket.socket | None = None) -> int:
-    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests and return 0.
-    ``sock`` is an already bound listening socket (:func:`bind_socket`); without it ``host:port`` is bound."""
+    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests and return 0: the listener
+    closes at once, connections already open are still answered while the engine drains (a new request
+    gets 503 ``shutting_down``), and only then are they closed. A second signal cuts the drain short
+    (requests still running are aborted). ``sock`` is an already bound listening socket
+    (:func:`bind_socket`); without it ``host:port`` is bound."""
 
     async def main() -> int:
         runner, bound = await start_site(app, host, port, sock=sock)
@@ -792,9 +795,18 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock:
                 pass
         await stop.wait()
         aengine = app[ASYNC_ENGINE]
-        logger.info("shutting down: no new requests; draining %d choice(s) in flight", aengine.num_in_flight)
+        logger.info("shutting down: no new requests; draining %d choice(s) in flight (a second signal aborts "
+                    "them)", aengine.num_in_flight)
         t0 = time.monotonic()
-        await runner.cleanup()  # stops the listener, runs on_shutdown (drain), closes connections
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, aengine.end_grace)
+            except (NotImplementedError, RuntimeError):
+                pass
+        for site in list(runner.sites):  # the listener closes; open connections are still served
+            await site.stop()
+        await aengine.shutdown(app[CONFIG]["shutdown_grace_s"])
+        await runner.cleanup()  # closes the connections (on_shutdown finds the engine drained)
         logger.info("shutdown complete in %.1fs", time.monotonic() - t0)
         return 0
 

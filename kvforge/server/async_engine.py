@@ -163,6 +163,7 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._accepting = True
+        self._grace_ended = False  # end_grace(): a second signal aborts what the drain still waits for
         self._dead: BaseException | None = None
         self.last_stats: dict = {}
         self._stepping = False  # a step runs on the engine thread
@@ -200,11 +201,16 @@ class AsyncEngine:
     def accepting(self) -> bool:
         return self._accepting
 
+    def end_grace(self) -> None:
+        """Cut :meth:`shutdown`'s grace short: the requests still in flight are aborted now."""
+        self._grace_ended = True
+
     async def shutdown(self, grace_s: float = 30.0) -> None:
-        """Stop taking requests, let in-flight ones finish for up to grace_s, abort the rest."""
+        """Stop taking requests, let in-flight ones finish for up to grace_s (or until :meth:`end_grace`),
+        abort the rest. A second call finds nothing left to do."""
         self._accepting = False
         deadline = time.monotonic() + grace_s
-        while self.num_in_flight and time.monotonic() < deadline:
+        while self.num_in_flight and not self._grace_ended and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         leftover = list(self._streams.values())
         if leftover:
