@@ -720,6 +720,9 @@ def test_queue_bound_takes_a_request_of_n_sequences_at_once():
         status, _, r = http("POST", url, {"prompt": ["a", "b"], "max_tokens": 2, "n": 2})
         assert status == 400 and r["error"]["param"] == "n", r
         assert "4 sequences" in r["error"]["message"] and "--max-queued-requests 2 queued" in r["error"]["message"]
+        status, _, r = http("POST", url, {"prompt": ["a", "b", "c", "d"], "max_tokens": 2})  # n is 1: the prompts
+        assert status == 400 and r["error"]["param"] == "prompt", r
+        assert r["error"]["message"].endswith("send fewer prompts")
 
 
 def _free_port() -> int:

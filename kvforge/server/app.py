@@ -243,7 +243,7 @@ def create_app(
         """One engine request per choice, in choice order (prompt position * n + sample number), all queued
         before the next engine step (``AsyncEngine.add_requests``)."""
         prompts = req.prompts if req.kind == "completion" else [None]
-        aengine.admit(len(prompts) * req.n)
+        aengine.admit(len(prompts) * req.n, req.n)
         return await aengine.add_requests(
             prompts, [req.params.sample_params(j) for j in range(req.n)], messages=req.messages,
             max_tokens_explicit=req.max_tokens_explicit, max_tokens_field=req.max_tokens_field,

@@ -237,22 +237,23 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------
 
-    def admit(self, sequences: int) -> None:
+    def admit(self, sequences: int, n: int = 1) -> None:
         """The queue bound, for one client request of ``sequences`` engine requests (prompts x n), checked once
         for all of them. The server holds the engine's run slots (``max_num_seqs``) plus
         ``max_queued_requests`` waiting beyond them: a request is refused with 503 while the sequences it
         would leave waiting beyond the run slots exceed the bound, unless nothing is held (a request never
         waits on itself); a request of more sequences than slots and bound together can never be taken and
-        is a 400 naming ``n``. The count is the engine's running and waiting requests at its last step plus
+        is a 400 naming ``n`` (``prompt`` where n is 1: the prompts alone are too many). The count is the engine's running and waiting requests at its last step plus
         every request added since (some may have finished: the bound errs towards refusing), less the requests
         whose client left since (their aborts run before the next step), so a request that left frees its place
         at once."""
         limit, slots = self.max_queued_requests, self.engine.max_num_seqs
         if sequences > limit + slots:
+            field = "n" if n > 1 else "prompt"
             raise InvalidRequestError(
-                f"'n': this request asks for {sequences} sequences (prompts x n), more than the server holds at "
-                f"once (--max-num-seqs {slots} running and --max-queued-requests {limit} queued); send fewer "
-                f"prompts or a smaller n", field="n")
+                f"'{field}': this request asks for {sequences} sequences (prompts x n), more than the server holds "
+                f"at once (--max-num-seqs {slots} running and --max-queued-requests {limit} queued); send fewer "
+                f"prompts{' or a smaller n' if n > 1 else ''}", field=field)
         held = max(0, self.last_stats.get("num_running", 0) + self.last_stats.get("num_waiting", 0)
                    + self._added_since_stats + self._adding - self._aborts_unseen)
         if held and max(0, held + sequences - slots) > limit:
@@ -330,7 +331,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine failed: {self._dead!r}")
         count = len(prompts) * len(samples)
         if not admitted:
-            self.admit(count)
+            self.admit(count, len(samples))
         # The streams exist before the engine can run a step with their requests: _run finds every output.
         streams = [RequestStream(self, f"req-{next(self._ids)}", 0, prompt_only) for _ in range(count)]
         for stream in streams:
