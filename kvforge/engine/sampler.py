@@ -195,9 +195,8 @@ class Sampler:
                          bad_word_bans: list[Collection[int]] | None = None) -> torch.Tensor:  # fmt: skip
         """float32 ``raw`` logits [N, vocab] after each row's grammar mask (``token_bitmask``), allowed
         tokens, logit bias, ``min_tokens`` rule and bad-word bans (kvforge/engine/token_biases.py), then its
-        penalties
-        (kvforge/engine/penalties.py): what greedy and random selection see. ``raw`` itself where no row
-        asks for anything. A row the other rules empty after its grammar mask keeps the grammar's mask alone."""
+        penalties (kvforge/engine/penalties.py): what greedy and random selection see. ``raw`` itself where no
+        row asks for anything. A row the other rules empty after its grammar mask keeps the grammar's mask alone."""
         masked = raw if token_bitmask is None else apply_bitmask(raw, token_bitmask)
         logits = apply_token_biases(masked, params, num_generated, self.eos_token_ids, bad_word_bans)
         if any(p.has_penalties for p in params):
