@@ -754,11 +754,17 @@ def _wait_healthy(proc, base: str, timeout_s: float, poll_s: float) -> None:
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
         time.sleep(poll_s)
 
-def test_sigterm_drains_in_flight_and_exits_zero():
+def _start_fake_server() -> tuple[subprocess.Popen, int]:
+    """``SERVE_FAKE`` in a process of its own (signals reach its serve loop), and its port."""
     port = _free_port()
     code = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT), port
+
+
+def test_sigterm_drains_in_flight_and_exits_zero():
+    proc, port = _start_fake_server()
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base, 30, 0.1)
@@ -797,10 +803,7 @@ def test_while_draining_open_connections_get_503_and_a_second_signal_aborts_the_
     30 s grace."""
     import http.client
 
-    port = _free_port()
-    code = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc, port = _start_fake_server()
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, base, 30, 0.1)
