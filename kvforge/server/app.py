@@ -66,6 +66,11 @@ SERVED_PATHS = frozenset(r.split(" ", 1)[1] for r in ROUTES if "{" not in r)
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+#: Seconds a connection may sit without a request (idle between requests, or holding part of a request's
+#: headers) before the server closes it, so stalled clients cannot hold connections forever.
+KEEP_ALIVE_TIMEOUT_S = 75.0
+#: Seconds a request's body may take to arrive; then 408 and the connection is closed.
+BODY_READ_TIMEOUT_S = 120.0
 
 
 class _HTTPError(Exception):
@@ -192,7 +197,12 @@ def create_app(
                              f"(--max-request-bytes) is {max_request_bytes}", "invalid_request_error",
                              "request_too_large")
         try:
-            raw = await request.read()
+            async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+                raw = await request.read()
+        except TimeoutError as e:
+            raise _HTTPError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:.0f} s "
+                             f"(Content-Length {request.content_length}); send the whole body", "invalid_request_error",
+                             param="body", headers={"Connection": "close"}) from e
         except web.HTTPRequestEntityTooLarge as e:
             metrics.on_reject("too_large")
             raise _HTTPError(413, f"request body exceeds the limit (--max-request-bytes) of "
@@ -765,7 +775,8 @@ async def start_site(app: web.Application, host: str, port: int, shutdown_timeou
                      sock: socket.socket | None = None):
     """Set up a runner (with handler cancellation on disconnect) and listen, on ``sock`` when given
     (from :func:`bind_socket`) else on ``host:port``; returns (runner, port)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout,
+                           keepalive_timeout=KEEP_ALIVE_TIMEOUT_S)
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     await site.start()

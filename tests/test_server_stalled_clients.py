@@ -1,0 +1,62 @@
+"""Clients that stall cannot hold the server's connections forever: a connection without a whole request's
+headers is closed after ``KEEP_ALIVE_TIMEOUT_S``, a body that stops arriving is answered 408 after
+``BODY_READ_TIMEOUT_S`` (both shortened here), and the server serves on."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine  # noqa: E402
+from http_json import http  # noqa: E402
+
+import kvforge.server.app as server_app  # noqa: E402
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setattr(server_app, "KEEP_ALIVE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(server_app, "BODY_READ_TIMEOUT_S", 1.0)
+    with server_app.ServerThread(server_app.create_app(FakeEngine())) as srv:
+        yield srv
+
+
+def _send(srv, payload: bytes) -> tuple[float, bytes]:
+    """Send ``payload`` and read until the server closes or has sent one whole response: (seconds until
+    then, what it sent)."""
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as conn:
+        conn.sendall(payload)
+        t0, got = time.monotonic(), b""
+        while chunk := conn.recv(4096):
+            got += chunk
+            head, sep, body = got.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if sep and length is not None and len(body) >= length:
+                break
+        return time.monotonic() - t0, got
+
+
+@pytest.mark.parametrize("payload", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["nothing", "half-the-headers"])
+def test_a_connection_without_a_whole_request_is_closed(server, payload):
+    waited, got = _send(server, payload)
+    assert got == b"" and waited < 10
+    assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(server):
+    waited, got = _send(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: 100\r\n\r\n{")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and b"Connection: close" in head and waited < 10
+    error = json.loads(body)["error"]
+    assert error["param"] == "body" and "did not arrive within 1 s" in error["message"]
+    assert http("GET", server.url + "/health")[0] == 200
