@@ -410,17 +410,35 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/ping", ping)
-    app.router.add_post("/ping", ping)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    async def expect_continue(request):
+        """``Expect: 100-continue``: a body the size limit refuses is answered 413 before the client sends it
+        (the default handler invites every body first)."""
+        if request.content_length is not None and request.content_length > max_request_bytes:
+            metrics.on_reject("too_large")
+            return _json_error(413, f"request body is {request.content_length} bytes; the limit "
+                               f"(--max-request-bytes) is {max_request_bytes}", code="request_too_large",
+                               headers={"Connection": "close"})
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _json_error(417, f"Expect: {request.headers.get('Expect')!r} is not supported; send "
+                               f"100-continue or no Expect header", param="Expect")
+        if request.version >= (1, 1):  # HTTP/1.0 has no interim responses: the client sends the body anyway
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    def add_post(path, handler):
+        app.router.add_post(path, handler, expect_handler=expect_continue)
+
+    add_post("/ping", ping)
+    add_post("/tokenize", tokenize)
+    add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/metrics", metrics_endpoint)
     app.router.add_get("/debug/steps", debug_steps)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model_id:.+}", model)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/responses", responses_route)
+    add_post("/v1/completions", completions)
+    add_post("/v1/chat/completions", chat)
+    add_post("/v1/responses", responses_route)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", response_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

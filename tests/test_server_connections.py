@@ -1,6 +1,7 @@
-"""Clients that stall cannot hold the server's connections forever: a connection without a whole request's
-headers is closed after ``KEEP_ALIVE_TIMEOUT_S``, a body that stops arriving is answered 408 after
-``BODY_READ_TIMEOUT_S`` (both shortened here), and the server serves on."""
+"""Connections as raw HTTP sees them. Clients that stall cannot hold them forever: a connection without a
+whole request's headers is closed after ``KEEP_ALIVE_TIMEOUT_S``, a body that stops arriving is answered 408
+after ``BODY_READ_TIMEOUT_S`` (both shortened here), and the server serves on. ``Expect: 100-continue``
+gets the 413 of a body over the limit before the body is sent, and 100 Continue otherwise."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import kvforge.server.app as server_app  # noqa: E402
 def server(monkeypatch):
     monkeypatch.setattr(server_app, "KEEP_ALIVE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(server_app, "BODY_READ_TIMEOUT_S", 1.0)
-    with server_app.ServerThread(server_app.create_app(FakeEngine())) as srv:
+    with server_app.ServerThread(server_app.create_app(FakeEngine(), max_request_bytes=4096)) as srv:
         yield srv
 
 
@@ -60,3 +61,19 @@ def test_a_body_that_stops_arriving_is_a_408_and_the_connection_closes(server):
     error = json.loads(body)["error"]
     assert error["param"] == "body" and "did not arrive within 1 s" in error["message"]
     assert http("GET", server.url + "/health")[0] == 200
+
+
+def test_expect_continue_refuses_a_body_over_the_limit_before_it_is_sent(server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n")
+    waited, got = _send(server, head % 5000)  # over the 4096-byte limit; no body follows
+    status, _, rest = got.partition(b"\r\n")
+    assert status == b"HTTP/1.1 413 Request Entity Too Large" and waited < 5
+    assert json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_too_large"
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as conn:
+        conn.sendall(head % len(body))
+        assert conn.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"  # invited, then answered
+        conn.sendall(body)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
