@@ -83,14 +83,13 @@ def token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def model_len(text: str) -> int:
-    """``--max-model-len``: a token count (:func:`token_count`); vLLM's ``auto`` / ``-1`` (the longest that fits
-    the memory) is answered with kvforge's way to that length."""
+def model_len(text: str) -> int | str:
+    """``--max-model-len``: a token count (:func:`token_count`), or vLLM's ``auto`` / ``-1``: the longest length
+    up to the model's context length that the KV memory holds one sequence of, planned before weights load."""
     if text.strip().lower() in ("auto", "-1"):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: the length is planned, not fitted at startup: leave --max-model-len unset for the model's "
-            f"context length, and where that does not fit the plan's refusal names the longest that does "
-            f"(`kvforge plan` shows it before any weight loads)")
+        from kvforge.planner.inputs import AUTO_MAX_MODEL_LEN
+
+        return AUTO_MAX_MODEL_LEN
     return token_count(text)
 
 
@@ -175,7 +174,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted for vLLM compatibility; changes nothing (kvforge never runs a checkpoint's code)")
     p.add_argument("--max-model-len", type=model_len, default=None,
-                   help="longest sequence (prompt + output) in tokens; 128K = 131072, 128k = 128000")
+                   help="longest sequence (prompt + output) in tokens; 128K = 131072, 128k = 128000; auto (or -1): "
+                        "the longest up to the model's context length that the KV memory holds one sequence of "
+                        "(default: the model's context length)")
     p.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", type=parse_bytes,
                    default=None, help="KV cache bytes per rank (e.g. 8GiB)")
     p.add_argument("--gpu-memory", type=parse_bytes, default=None,

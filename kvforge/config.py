@@ -27,7 +27,13 @@ from kvforge.engine.generation_defaults import check_setting as check_generation
 from kvforge.engine.sampling_params import plain_int
 from kvforge.engine.scheduling_policy import SCHEDULING_POLICIES
 from kvforge.errors import ConfigError
-from kvforge.planner.inputs import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, resolve_max_num_seqs
+from kvforge.planner.inputs import (
+    AUTO_MAX_MODEL_LEN,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    model_len_setting,
+    resolve_max_num_seqs,
+)
 from kvforge.reasoning import REASONING_PARSERS
 from kvforge.speculative.config import SpeculativeConfig, resolve_speculative
 
@@ -101,7 +107,9 @@ class EngineArgs:
     seed: int | None = 0  # None: one drawn from the OS at construction, so every TP rank gets the same
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
-    max_model_len: int | None = None
+    #: None: the model's context length; "auto" (or -1): the longest that fits the KV memory, planned before
+    #: any weight loads (kvforge/planner/fitted_len.py).
+    max_model_len: int | str | None = None
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     gpu_memory: int | None = None
@@ -144,7 +152,11 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        if self.max_model_len is not None:
+            object.__setattr__(self, "max_model_len", model_len_setting("--max-model-len", plain_int(self.max_model_len)))
         for name in _COUNT_FIELDS:  # numpy integers and digit strings as the ints they hold
+            if name == "max_model_len" and self.max_model_len == AUTO_MAX_MODEL_LEN:
+                continue
             value = plain_int(getattr(self, name))
             object.__setattr__(self, name, value)
             if isinstance(value, str) and name in _TOKEN_COUNT_FIELDS:  # '128K', '8k' as the CLI reads them
@@ -237,7 +249,8 @@ class EngineArgs:
         a prompt then runs in one step."""
         batched = self.step_token_budget(platform)
         if not self.enable_chunked_prefill:
-            batched = max(batched, self.max_model_len or max_positions or 0)
+            longest = None if self.max_model_len == AUTO_MAX_MODEL_LEN else self.max_model_len
+            batched = max(batched, longest or max_positions or 0)
         return batched
 
     @staticmethod

@@ -67,13 +67,3 @@ def test_kv_dtype_spellings(name, canonical):
 def test_an_unknown_kv_dtype_lists_the_vllm_spellings():
     with pytest.raises(ConfigError, match=r"bfloat16 \(bf16\), float16 \(fp16\), float32 \(fp32\), fp8 \(= fp8_e4m3\)"):
         canonical_kv_dtype("fp9")
-
-
-@pytest.mark.parametrize("value", ["auto", "-1", "AUTO"])
-def test_vllms_fitted_max_model_len_is_answered_with_the_planned_way(value, capsys):
-    with pytest.raises(SystemExit):
-        parse("plan", "--max-model-len", value)
-    err = capsys.readouterr().err
-    assert f"argument --max-model-len: '{value}': the length is planned, not fitted at startup" in err
-    assert "the plan's refusal names the longest that does" in err
-    assert parse("serve", "--max-model-len", "128K").max_model_len == 131072

@@ -16,6 +16,19 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_NUM_SEQS = 256
 #: KV cache bytes on CPU when --kv-cache-memory is not given (a CPU has no "free device memory" to size from).
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+#: ``--max-model-len auto`` (vLLM's ``auto`` / ``-1``): the longest length up to the model's context length
+#: whose one sequence the plan holds (kvforge/planner/fitted_len.py).
+AUTO_MAX_MODEL_LEN = "auto"
+
+
+def model_len_setting(name: str, value) -> int | str:
+    """``--max-model-len`` as a setting: a token count (:func:`_token_count`), or AUTO_MAX_MODEL_LEN for
+    ``"auto"`` / ``-1`` (vLLM's spellings of the fitted length)."""
+    if isinstance(value, str) and value.strip().lower() in ("auto", "-1"):
+        return AUTO_MAX_MODEL_LEN
+    if not isinstance(value, bool) and isinstance(value, int) and value == -1:
+        return AUTO_MAX_MODEL_LEN
+    return _token_count(name, value)
 
 
 def _token_count(name: str, value) -> int:
@@ -108,7 +121,8 @@ class CacheConfig:
 
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
-    max_model_len: int | None = None
+    #: None: the model's context length; AUTO_MAX_MODEL_LEN: the longest that fits (kvforge/planner/fitted_len.py).
+    max_model_len: int | str | None = None
     num_speculative_tokens: int = 0
     kv_cache_memory: int | None = None
     gpu_memory: int | None = None
@@ -132,7 +146,7 @@ class CacheConfig:
         if self.block_size is not None:
             object.__setattr__(self, "block_size", _positive_int("--block-size", self.block_size))
         if self.max_model_len is not None:
-            object.__setattr__(self, "max_model_len", _token_count("--max-model-len", self.max_model_len))
+            object.__setattr__(self, "max_model_len", model_len_setting("--max-model-len", self.max_model_len))
         object.__setattr__(self, "num_speculative_tokens",
                            _positive_int("--num-speculative-tokens", self.num_speculative_tokens, allow_zero=True))
         if self.kv_cache_memory is not None:

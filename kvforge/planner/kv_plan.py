@@ -182,6 +182,9 @@ class KVPlan:
     #: The bytes a step of ``max_num_batched_tokens`` tokens needs for its activations on one rank, set
     #: aside before the KV memory when that is derived from the device (kvforge/planner/activations.py).
     activations: ActivationReserve | None = None
+    #: Where ``max_model_len`` came from: --max-model-len, the model's context length, or the fitted length
+    #: of --max-model-len auto (kvforge/planner/fitted_len.py).
+    max_model_len_reason: str = ""
 
     @property
     def num_blocks(self) -> int | None:
@@ -309,7 +312,8 @@ class KVPlan:
             f"block size {self.block_size} ({self.block_size_reason})",
             f"  {self.bytes_per_token} bytes/token/rank, "
             + (f"{self.fixed_bytes_text()} fixed bytes/sequence, " if self.state_bytes_per_sequence else "")
-            + f"max model len {self.max_model_len}",
+            + f"max model len {self.max_model_len}"
+            + (f" ({self.max_model_len_reason})" if self.max_model_len_reason.startswith("auto") else ""),
         ]
         if self.activations is not None:
             lines.append(f"  activations: {self.activations.describe()}")

@@ -53,7 +53,8 @@ def render_plan(plan: KVPlan, console=None) -> None:
     head.add_row("model dtype / KV dtype", f"{plan.model_dtype} / {plan.kv_cache_dtype}"
                  + (f" (scales: {', '.join([plan.scale_source, *schemes])})" if plan.scale_source else ""))
     head.add_row("block size", f"{plan.block_size}: {plan.block_size_reason}")
-    head.add_row("max model len", str(plan.max_model_len))
+    head.add_row("max model len", f"{plan.max_model_len}" + (f": {plan.max_model_len_reason}"
+                                                             if plan.max_model_len_reason else ""))
     head.add_row("bytes per token (rank)", f"{plan.bytes_per_token:,}")
     replay = plan.verify_replay_bytes_per_sequence()
     head.add_row("fixed bytes per sequence", plan.fixed_bytes_text() + (

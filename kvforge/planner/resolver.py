@@ -17,8 +17,9 @@ from kvforge.errors import PlanError
 from kvforge.kv_dtypes import BYTES_PER_ELEMENT, is_quantized
 from kvforge.planner.activations import ActivationReserve, activation_reserve
 from kvforge.planner.declaration import BackendDeclaration, BlockSizes, LayerContext
+from kvforge.planner.fitted_len import fit_max_model_len
 from kvforge.planner.groups import LayerType, choose_grouping, sliding_window_blocks
-from kvforge.planner.inputs import CacheConfig, ParallelConfig, check_platform
+from kvforge.planner.inputs import AUTO_MAX_MODEL_LEN, CacheConfig, ParallelConfig, check_platform
 from kvforge.planner.kv_plan import Capacity, DraftPlan, GroupPlan, IndexCheck, KVPlan, LayerPlan
 from kvforge.planner.proposer_layers import ProposerLayers
 from kvforge.planner.query_dtype import plan_query_dtypes
@@ -409,9 +410,11 @@ def _shorter_len_fix(groups: tuple[GroupPlan, ...], group_size: int, slot_state_
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-def planned_max_model_len(spec: ModelSpec, flag: int | None) -> int:
+def planned_max_model_len(spec: ModelSpec, flag: int | str | None) -> int:
     """The plan's max model len: ``--max-model-len`` when given, else the model's context length; at least 2
-    (one prompt token and one generated)."""
+    (one prompt token and one generated). For ``auto`` the model's context length, the most it can plan."""
+    if flag == AUTO_MAX_MODEL_LEN:
+        flag = None
     length = flag or spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
     if length < 2:
         source = f"--max-model-len {length}" if flag else f"the model's context length ({length}, from its config)"
@@ -657,7 +660,25 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     kv_dtype = model_dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype
     warnings: list[str] = []
 
+    if cache.max_model_len == AUTO_MAX_MODEL_LEN:
+        longest, whose = planned_max_model_len(spec, None), "the model's context length"
+        if draft_spec is not None and draft_spec.max_position_embeddings \
+                and draft_spec.max_position_embeddings < longest:
+            longest, whose = draft_spec.max_position_embeddings, f"the draft model {draft_spec.name}'s context length"
+
+        def plan_at(length: int, final: bool) -> KVPlan:
+            return resolve(spec, replace(cache, max_model_len=length), parallel, platform, backends,
+                           model_dtype, _baseline=_baseline and final, draft_spec=draft_spec,
+                           proposer_layers=proposer_layers)
+
+        return fit_max_model_len(longest, plan_at, whose)
     max_len = planned_max_model_len(spec, cache.max_model_len)
+    if cache.max_model_len is not None:
+        len_reason = "--max-model-len"
+    elif spec.max_position_embeddings:
+        len_reason = "the model's context length (max_position_embeddings)"
+    else:
+        len_reason = f"the model's config names no context length: {DEFAULT_MAX_MODEL_LEN}"
     if draft_spec is not None:
         from kvforge.speculative.support import check_draft_model
 
@@ -806,7 +827,8 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
         weights_bytes_per_rank=weights, num_parameters=spec.num_parameters, index_checks=tuple(index_checks),
         warnings=tuple(warnings), scale_source=scale_source,
         prefix_caching=prefix_ok, prefix_caching_reason=prefix_reason,
-        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft, activations=reserve
+        state_dtype=slot_dtype, state_dtype_reason=slot_dtype_reason, draft=draft, activations=reserve,
+        max_model_len_reason=len_reason,
     )
 
 
