@@ -42,6 +42,7 @@ from kvforge.server.async_engine import (
 from kvforge.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.server.cors import ALLOW_ALL, CorsPolicy, add_origin_headers_on_prepare, preflight_middleware
 from kvforge.server.event_stream import event_stream
+from kvforge.server.http_log import http_logger
 from kvforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvforge.server.reasoning_split import reasoning_stream, split_reasoning
 from kvforge.server.request_defaults import RequestDefaults
@@ -71,6 +72,9 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 KEEP_ALIVE_TIMEOUT_S = 75.0
 #: Seconds a request's body may take to arrive; then 408 and the connection is closed.
 BODY_READ_TIMEOUT_S = 120.0
+#: Content-Encoding values aiohttp decodes (br and zstd where their packages are installed; it answers 400
+#: itself where not); any other coding would reach the JSON parser still encoded.
+DECODED_CONTENT_ENCODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
 
 
 class _HTTPError(Exception):
@@ -196,6 +200,11 @@ def create_app(
             raise _HTTPError(413, f"request body is {request.content_length} bytes; the limit "
                              f"(--max-request-bytes) is {max_request_bytes}", "invalid_request_error",
                              "request_too_large")
+        encoding = request.headers.get("Content-Encoding")
+        if encoding is not None and encoding.strip().lower() not in DECODED_CONTENT_ENCODINGS:
+            raise _HTTPError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed, or "
+                             f"as gzip or deflate (one coding)", "invalid_request_error", param="body",
+                             headers={"Connection": "close"})  # the unread body stays on the connection
         try:
             async with asyncio.timeout(BODY_READ_TIMEOUT_S):
                 raw = await request.read()
@@ -210,7 +219,8 @@ def create_app(
         except web.RequestPayloadError as e:  # a body its Content-Encoding does not decode, a broken chunk
             encoding = request.headers.get("Content-Encoding")
             what = f"is not valid {encoding!r} data" if encoding else "could not be read"
-            raise _HTTPError(400, f"the request body {what} ({e}); send the body as the Content-Encoding "
+            detail = " ".join(str(e).split()).removeprefix("400, message: ")
+            raise _HTTPError(400, f"the request body {what} ({detail}); send the body as the Content-Encoding "
                              f"header says, or drop the header", "invalid_request_error", param="body",
                              headers={"Connection": "close"}) from e  # the connection's stream is spent
         return protocol.decode_json_body(raw)
@@ -794,7 +804,7 @@ async def start_site(app: web.Application, host: str, port: int, shutdown_timeou
     """Set up a runner (with handler cancellation on disconnect) and listen, on ``sock`` when given
     (from :func:`bind_socket`) else on ``host:port``; returns (runner, port)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout,
-                           keepalive_timeout=KEEP_ALIVE_TIMEOUT_S)
+                           keepalive_timeout=KEEP_ALIVE_TIMEOUT_S, logger=http_logger())
     await runner.setup()
     site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
     await site.start()
