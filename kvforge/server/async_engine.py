@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -141,6 +142,12 @@ class RequestStream:
         self._owner._release(self)
 
 
+#: Threads that compile requests' output constraints (half the cores, at least one, as vLLM sizes its pool):
+#: grammars compile at most this many at once beside the engine's steps, and a constraint still queued when
+#: its client leaves is never compiled.
+GRAMMAR_COMPILE_THREADS = max(1, ((os.cpu_count() or 1) + 1) // 2)
+
+
 class AsyncEngine:
     def __init__(self, engine, max_queued_requests: int = 1024, metrics: ServerMetrics | None = None):
         if max_queued_requests < 1:
@@ -149,6 +156,8 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.metrics = metrics or ServerMetrics()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvforge-engine")
+        self._compile_pool = ThreadPoolExecutor(max_workers=GRAMMAR_COMPILE_THREADS,
+                                                thread_name_prefix="kvforge-grammar")
         self._ids = itertools.count()
         # Registered before their add goes to the engine thread; removed when finished, closed or failed.
         self._streams: dict[str, RequestStream] = {}
@@ -233,6 +242,7 @@ class AsyncEngine:
             aborts, self._pending_aborts = self._pending_aborts, []
             await self._call(self._do_aborts, aborts)
         self._executor_closed = True
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)  # a compile running keeps its thread
         self._executor.shutdown(wait=True)
 
     # -- requests -----------------------------------------------------------------
@@ -287,7 +297,7 @@ class AsyncEngine:
             return
         try:
             await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.engine.grammar_backend().compile(constraint))
+                self._compile_pool, lambda: self.engine.grammar_backend().compile(constraint))
         except InvalidRequestError as e:
             if field is None or e.field == field or not (e.field or "").startswith("structured_outputs"):
                 raise
