@@ -215,6 +215,20 @@ class EngineArgs:
             raise ConfigError(f"--mla-prefill-mode must be one of {', '.join(PREFILL_MODES)}, "
                               f"got {self.mla_prefill_mode!r}")
 
+    def settings_without_effect(self, platform: str, has_mla: bool) -> list[str]:
+        """A warning for each setting given that changes nothing for this engine: CUDA-graph sizes on CPU or
+        under --enforce-eager, and an MLA prefill mode where no layer runs the CUDA MLA kernels (on CPU, or
+        in a model without MLA layers)."""
+        notes = []
+        if self.cuda_graph_sizes is not None and (platform != "cuda" or self.enforce_eager):
+            why = "the CPU engine runs eagerly" if platform != "cuda" else "--enforce-eager captures no graphs"
+            notes.append(f"--cuda-graph-sizes has no effect: {why}")
+        if self.mla_prefill_mode != "auto" and (platform != "cuda" or not has_mla):
+            why = ("the model has no MLA layers" if not has_mla
+                   else "MLA layers on CPU run the reference path, which has one way to prefill")
+            notes.append(f"--mla-prefill-mode {self.mla_prefill_mode} has no effect: {why}")
+        return notes
+
     def graph_sizes(self) -> list[int] | None:
         """The decode batch sizes to capture (``--cuda-graph-sizes``), None for the runner's default."""
         return list(self.cuda_graph_sizes) if self.cuda_graph_sizes is not None else None

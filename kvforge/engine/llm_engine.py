@@ -154,8 +154,11 @@ class LLMEngine:
                                   f"with --load-format dummy)")
             resolve_architecture(self.draft_spec.hf_config)
         logger.info("%s", self.plan.summary())
-        if any(layer.kind == "mla" for layer in self.plan.layers):
+        has_mla = any(layer.kind == "mla" for layer in self.plan.layers)
+        if has_mla and platform == "cuda":
             logger.info("  MLA prefill mode %s (--mla-prefill-mode)", args.mla_prefill_mode)
+        for note in args.settings_without_effect(platform, has_mla):
+            logger.warning("%s", note)
 
         # An engine dropped without shutdown() is frozen (engine/gc_freeze.py): free it before memory is counted.
         collect_dropped_engines()
