@@ -30,9 +30,12 @@ def encode_bad_words(words: Sequence[str], encode: Callable[[str], list[int]], v
     vocabulary, is refused naming it."""
     found: dict[tuple[int, ...], None] = {}
     for word in words:
+        if not word.strip():
+            raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens: give words with at least "
+                                      f"one character that is not a space", field="bad_words")
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tuple(encode(text))
-            if not ids or not word.strip():
+            if not ids:
                 raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens: give words with at least "
                                           f"one character that is not a space", field="bad_words")
             if max(ids) >= vocab_size:
