@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from kvforge.cli_args import ArgumentParser
+from kvforge.cli_args import ArgumentParser, dashed_flag_names
 from kvforge.errors import DistributedError, KVForgeError
 
 
@@ -200,7 +200,7 @@ def command_parser(parser: ArgumentParser, argv: list[str]) -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = dashed_flag_names(sys.argv[1:] if argv is None else list(argv))
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command)
     if command == "plan" and "--json" in argv:

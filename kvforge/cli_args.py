@@ -75,6 +75,20 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def dashed_flag_names(argv: list[str]) -> list[str]:
+    """``argv`` with underscores in flag names turned into dashes (``--max_model_len=4096`` is
+    ``--max-model-len=4096``), as vLLM's parser takes them; values and everything after a bare ``--`` stay."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--") and "_" in arg.partition("=")[0]:
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
+
+
 def token_count(text: str) -> int:
     """A positive count of tokens, plain or human-readable as vLLM takes it (kvforge/byte_sizes.py)."""
     try:

@@ -67,3 +67,26 @@ def test_kv_dtype_spellings(name, canonical):
 def test_an_unknown_kv_dtype_lists_the_vllm_spellings():
     with pytest.raises(ConfigError, match=r"bfloat16 \(bf16\), float16 \(fp16\), float32 \(fp32\), fp8 \(= fp8_e4m3\)"):
         canonical_kv_dtype("fp9")
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["serve", "--max_model_len=4096", "--tensor_parallel_size", "2"],
+     ["serve", "--max-model-len=4096", "--tensor-parallel-size", "2"]),
+    (["serve", "--stop_token=a_b", "--x"], ["serve", "--stop-token=a_b", "--x"]),  # the value keeps its underscores
+    (["serve", "--chat-template", "my_template.jinja"], ["serve", "--chat-template", "my_template.jinja"]),
+    (["bench", "--", "--not_a_flag_here"], ["bench", "--", "--not_a_flag_here"]),
+])
+def test_underscored_flag_names_read_as_dashed(argv, expected):
+    from kvforge.cli_args import dashed_flag_names
+
+    assert dashed_flag_names(argv) == expected
+
+
+def test_the_command_line_takes_vllms_underscored_spellings(capsys):
+    from kvforge.cli import main
+
+    assert main(["plan", "--max_model_len=2048", "--kv_cache_dtype", "fp8", "--json"]) == 0
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["max_model_len"] == 2048 and plan["kv_cache_dtype"] == "fp8_e4m3"
