@@ -58,6 +58,36 @@ def test_bad_config_is_refused(value, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("config, method, model", [
+    ({"model": "ngram"}, "ngram", None),
+    ({"model": "[ngram]"}, "ngram", None),
+    ({"method": "[ngram]"}, "ngram", None),
+    ({"method": "[ngram]", "model": "[ngram]"}, "ngram", None),
+    ({"method": None, "model": "ngram"}, "ngram", None),
+    ({"method": None}, "ngram", None),
+    ({"model": "/ckpt/draft"}, "draft_model", "/ckpt/draft"),  # vLLM's usual draft spelling: model, no method
+    ({"method": None, "model": "llama-3.1-8b"}, "draft_model", "llama-3.1-8b"),
+    ({"method": "ngram", "draft_tensor_parallel_size": 1, "disable_logprobs": True}, "ngram", None),
+])
+def test_the_method_is_inferred_as_vllm_does(config, method, model):
+    cfg = SpeculativeConfig.parse({**config, "num_speculative_tokens": 3})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == (method, model, 3)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("disable_by_batch_size", 4, "disable_by_batch_size is not supported: kvforge speculates at every batch size"),
+    ("speculative_token_tree", "[(0,)]", "speculative_token_tree is not supported: tree proposals"),
+    ("max_model_len", 1024, "max_model_len is not supported: the draft shares the target's --max-model-len"),
+    ("draft_tensor_parallel_size", 0, "draft_tensor_parallel_size must be an integer >= 1, got 0"),
+    ("disable_logprobs", "yes", "disable_logprobs must be true or false, got 'yes'"),
+])
+def test_vllms_other_keys_are_refused_with_the_reason(key, value, message):
+    with pytest.raises(ConfigError) as e:
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, key: value})
+    assert message in str(e.value)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, key: None}).method == "ngram"  # null: unset
+
+
 def test_shorthand_disagreeing_with_config_is_refused():
     with pytest.raises(ConfigError, match="disagrees"):
         EngineArgs(num_speculative_tokens=3, speculative_config={"num_speculative_tokens": 2})

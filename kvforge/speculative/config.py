@@ -1,8 +1,11 @@
 """SpeculativeConfig: the ``--speculative-config`` JSON (vLLM's keys), parsed and checked.
 
-Accepted keys: ``method`` (``ngram``, ``draft_model``, ``mtp``; vLLM's ``deepseek_mtp`` and ``qwen3_next_mtp``
-mean ``mtp``), ``num_speculative_tokens``,
-``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only) and ``model`` (draft_model only).
+Accepted keys: ``method`` (``ngram``, ``draft_model``, ``mtp``; vLLM's ``[ngram]`` means ``ngram``, its
+``deepseek_mtp`` and ``qwen3_next_mtp`` mean ``mtp``), ``num_speculative_tokens``,
+``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only) and ``model`` (draft_model only). Without a
+method (or with null) it is inferred as vLLM does: a ``model`` of ``ngram`` / ``[ngram]`` is the ngram
+method, another ``model`` a draft model, no model ngram. vLLM's ``draft_tensor_parallel_size`` and
+``disable_logprobs`` are taken and change nothing; its other keys are refused with the reason.
 ``--num-speculative-tokens N`` alone means ``{"method": "ngram", "num_speculative_tokens": N}``.
 Everything here is checked without reading a model; what depends on the model (an MTP layer, the
 plan's limits) is checked by ``kvforge/speculative/support.py``, still before weights load.
@@ -17,12 +20,26 @@ from kvforge.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "mtp")
 #: vLLM's per-family names of the MTP method -> the method (the checkpoint's architecture picks the layer).
-METHOD_ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
+METHOD_ALIASES = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp", "[ngram]": "ngram"}
+#: vLLM's ``model`` values that name the n-gram proposer rather than a draft model.
+NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 #: n-gram sizes when the config names neither bound: look for the longest suffix of up to 5 tokens,
 #: and never propose from a single-token match (too often a coincidence).
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "backoff"}
+#: vLLM's keys taken without effect: the draft runs at the target's tensor-parallel size (its layers are
+#: planned in the target's groups), and no draft logprobs are ever computed.
+_NEUTRAL_KEYS = {"draft_tensor_parallel_size": "an integer >= 1", "disable_logprobs": "true or false"}
+#: vLLM's keys that would change what runs, refused with what to do instead.
+_REFUSED_KEYS = {
+    "disable_by_batch_size": "kvforge speculates at every batch size; its back-off skips proposals for a "
+                             "sequence whose proposals keep being rejected (\"backoff\")",
+    "speculative_token_tree": "tree proposals are not supported: proposals form one chain",
+    "max_model_len": "the draft shares the target's --max-model-len",
+    "quantization": "the draft model loads as its checkpoint stores it",
+    "revision": "give the path of the draft's checkout", "code_revision": "give the path of the draft's checkout",
+}
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 
@@ -94,15 +111,29 @@ class SpeculativeConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"--speculative-config must be a JSON object, got {type(data).__name__} "
                               f"(example: {_EXAMPLE})")
-        unknown = sorted(set(data) - _KEYS)
+        for key, why in _REFUSED_KEYS.items():
+            if data.get(key) is not None:
+                raise ConfigError(f"--speculative-config: {key} is not supported: {why}")
+        for key, wanted in _NEUTRAL_KEYS.items():
+            value = data.get(key)
+            ok = value is None or (isinstance(value, bool) if key == "disable_logprobs"
+                                   else not isinstance(value, bool) and isinstance(value, int) and value >= 1)
+            if not ok:
+                raise ConfigError(f"--speculative-config: {key} must be {wanted}, got {value!r}")
+        unknown = sorted(set(data) - _KEYS - set(_NEUTRAL_KEYS) - set(_REFUSED_KEYS))
         if unknown:
             raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(unknown)}; accepted: "
                               f"{', '.join(sorted(_KEYS))}")
         if "num_speculative_tokens" not in data:
             raise ConfigError(f"--speculative-config needs num_speculative_tokens (example: {_EXAMPLE})")
-        return cls(method=data.get("method", "ngram"), num_speculative_tokens=data["num_speculative_tokens"],
+        method, model = data.get("method"), data.get("model")
+        if isinstance(model, str) and model.strip().lower() in NGRAM_MODEL_NAMES and method in (None, *NGRAM_MODEL_NAMES):
+            method, model = "ngram", None  # vLLM's spelling of the n-gram proposer as a model
+        if method is None:  # inferred as vLLM does: a model is a draft model, none is the n-gram proposer
+            method = "draft_model" if model is not None else "ngram"
+        return cls(method=method, num_speculative_tokens=data["num_speculative_tokens"],
                    prompt_lookup_min=data.get("prompt_lookup_min"), prompt_lookup_max=data.get("prompt_lookup_max"),
-                   model=data.get("model"), backoff=data.get("backoff", True))
+                   model=model, backoff=data.get("backoff", True))
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig:
