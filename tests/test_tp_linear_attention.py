@@ -197,7 +197,7 @@ def test_tp_not_dividing_the_linear_heads_fails_before_weights(case, tp, names, 
     with pytest.raises(KVForgeError) as err:
         engines(tmp_path, tensor_parallel_size=tp)
     msg = str(err.value)
-    assert f"--tensor-parallel-size {tp} does not divide" in msg and "use a TP size that divides" in msg
+    assert f"--tensor-parallel-size {tp} does not divide" in msg and "TP sizes that split this whole model: " in msg
     assert any(n in msg for n in names)
 
 

@@ -45,27 +45,22 @@ class _Layer:
     backend: BackendDeclaration
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def _heads_per_rank(layer, tp: int) -> tuple[int, int]:
-    """Rule 1: query heads split; KV heads split, or replicated when fewer than ranks."""
+    """Rule 1: query heads split; KV heads split, or replicated when fewer than ranks. A PlanError says which
+    count ``tp`` does not divide; :func:`_check_tp_split` adds the sizes that split the whole model."""
     if isinstance(layer, StateLayerSpec):
         for key, count in layer.split_heads:
             if count % tp:
                 raise PlanError(
                     f"--tensor-parallel-size {tp} does not divide {key} {count} (linear-attention layer "
-                    f"{layer.index}): each rank holds an equal share of the heads and of their state; use a TP "
-                    f"size that divides {' and '.join(f'{k} {n}' for k, n in layer.split_heads)}: "
-                    f"{_divisors(math.gcd(*(n for _, n in layer.split_heads)))}"
+                    f"{layer.index}): each rank holds an equal share of the heads and of their state"
                 )
         return 0, 0
     heads = layer.num_heads
     if heads % tp:
         raise PlanError(
-            f"--tensor-parallel-size {tp} does not divide num_attention_heads {heads} (layer {layer.index}); "
-            f"use a TP size that divides {heads}: {_divisors(heads)}"
+            f"--tensor-parallel-size {tp} does not divide num_attention_heads {heads} (layer {layer.index}): "
+            f"each rank holds an equal share of the heads"
         )
     if isinstance(layer, MLALayerSpec):
         return heads // tp, 1  # the latent is replicated on every rank
@@ -76,8 +71,7 @@ def _heads_per_rank(layer, tp: int) -> tuple[int, int]:
         return heads // tp, 1
     raise PlanError(
         f"--tensor-parallel-size {tp} and num_key_value_heads {kv} (layer {layer.index}) do not divide each other: "
-        f"KV heads can be split ({kv} % TP == 0) or replicated (TP % {kv} == 0); use TP in: {_divisors(kv)} "
-        f"or a multiple of {kv} that divides {heads}"
+        f"KV heads can be split ({kv} % TP == 0) or replicated (TP % {kv} == 0)"
     )
 
 
