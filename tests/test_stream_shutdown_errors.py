@@ -55,3 +55,28 @@ def test_a_stream_cut_by_shutdown_says_shutting_down(route, caplog):
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("cut_short", [False, True])
+def test_the_abort_log_says_what_ended_the_drain(cut_short, caplog):
+    srv = ServerThread(create_app(FakeEngine(step_delay=0.02), shutdown_grace_s=0)).start()
+    try:
+        async def run():
+            async with aiohttp.ClientSession() as client:
+                async with client.post(srv.url + "/v1/completions", json=BODIES["/v1/completions"]) as resp:
+                    started = False
+                    async for line in resp.content:  # read to the end: the client stays while the drain runs
+                        if line.startswith(b"data:") and not started:  # drain for up to 60 s, or cut it short
+                            started = True
+                            if cut_short:
+                                srv.loop.call_soon_threadsafe(srv.async_engine.end_grace)
+                            asyncio.run_coroutine_threadsafe(srv.async_engine.shutdown(60 if cut_short else 0.25),
+                                                             srv.loop)
+
+        with caplog.at_level(logging.WARNING, logger="kvforge"):
+            asyncio.run(run())
+        lines = [r.getMessage() for r in caplog.records if "aborting" in r.getMessage()]
+        why = "a second signal ended the drain" if cut_short else "the grace of 0.25 s ran out"
+        assert lines == [f"aborting 1 request(s) still running: {why}"], lines
+    finally:
+        srv.stop()

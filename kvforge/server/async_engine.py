@@ -223,7 +223,9 @@ class AsyncEngine:
             await asyncio.sleep(0.05)
         leftover = list(self._streams.values())
         if leftover:
-            logger.warning("aborting %d request(s) still running after %.0fs", len(leftover), grace_s)
+            why = ("a second signal ended the drain" if self._grace_ended
+                   else f"the grace of {grace_s:g} s ran out")
+            logger.warning("aborting %d request(s) still running: %s", len(leftover), why)
         for s in leftover:
             s._fail(ServerShuttingDownError("the server is shutting down; the request was aborted"))
             self._release(s)
