@@ -754,10 +754,30 @@ def _wait_healthy(proc, base: str, timeout_s: float, poll_s: float) -> None:
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
         time.sleep(poll_s)
 
-def _start_fake_server() -> tuple[subprocess.Popen, int]:
-    """``SERVE_FAKE`` in a process of its own (signals reach its serve loop), and its port."""
+SERVE_FAKE_DYING = """
+import sys, logging
+sys.path.insert(0, {tests!r})
+from fake_engine import FakeEngine
+from kvforge.server.app import create_app, serve
+
+class DyingEngine(FakeEngine):
+    steps = 0
+
+    def step(self):
+        DyingEngine.steps += 1
+        if DyingEngine.steps > 10:
+            raise RuntimeError("the device fell off the bus")
+        return super().step()
+
+logging.basicConfig(level=logging.INFO)
+sys.exit(serve(create_app(DyingEngine(step_delay=0.02), shutdown_grace_s=30), "127.0.0.1", {port}))
+"""
+
+
+def _start_fake_server(code: str = SERVE_FAKE) -> tuple[subprocess.Popen, int]:
+    """``code`` (``SERVE_FAKE``) in a process of its own (signals reach its serve loop), and its port."""
     port = _free_port()
-    code = SERVE_FAKE.format(tests=str(Path(__file__).parent), port=port)
+    code = code.format(tests=str(Path(__file__).parent), port=port)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT), port
@@ -790,6 +810,29 @@ def test_sigterm_drains_in_flight_and_exits_zero():
         assert proc.wait(timeout=30) == 0
         with pytest.raises(OSError):  # no longer accepting
             http("GET", base + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_server_exits_with_1_when_its_engine_fails():
+    """The stream the failure cut gets its engine_dead event and [DONE]; then the process exits 1 (a supervisor
+    restarts it) instead of answering 503 engine_dead forever."""
+    proc, port = _start_fake_server(SERVE_FAKE_DYING)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, base, 30, 0.1)
+        body = {"prompt": "die", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            lines = [line for line in resp if line.startswith(b"data:")]
+        assert lines[-1].strip() == b"data: [DONE]"
+        assert json.loads(lines[-2][5:])["error"]["code"] == "engine_dead"
+        assert proc.wait(timeout=20) == 1
+        out = proc.stdout.read().decode()
+        assert "the engine failed (RuntimeError: the device fell off the bus): the server exits" in out
     finally:
         if proc.poll() is None:
             proc.kill()

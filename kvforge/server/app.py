@@ -72,6 +72,8 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 KEEP_ALIVE_TIMEOUT_S = 75.0
 #: Seconds a request's body may take to arrive; then 408 and the connection is closed.
 BODY_READ_TIMEOUT_S = 120.0
+#: Seconds the server gives the streams a failed engine cut to write their error events before it exits.
+ENGINE_DEATH_FLUSH_S = 5.0
 #: Content-Encoding values aiohttp decodes (br and zstd where their packages are installed; it answers 400
 #: itself where not); any other coding would reach the JSON parser still encoded.
 DECODED_CONTENT_ENCODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
@@ -816,8 +818,9 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock:
     """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight requests and return 0: the listener
     closes at once, connections already open are still answered while the engine drains (a new request
     gets 503 ``shutting_down``), and only then are they closed. A second signal cuts the drain short
-    (requests still running are aborted). ``sock`` is an already bound listening socket
-    (:func:`bind_socket`); without it ``host:port`` is bound."""
+    (requests still running are aborted). Where the engine fails instead, the server exits with 1
+    (:func:`exit_on_engine_death`). ``sock`` is an already bound listening socket (:func:`bind_socket`);
+    without it ``host:port`` is bound."""
 
     async def main() -> int:
         runner, bound = await start_site(app, host, port, sock=sock)
@@ -832,8 +835,14 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock:
                 loop.add_signal_handler(sig, stop.set)
             except (NotImplementedError, RuntimeError):  # not the main thread / platform
                 pass
-        await stop.wait()
         aengine = app[ASYNC_ENGINE]
+        stopped, died = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(aengine.wait_until_dead())
+        await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set() and died.done() and died.result() is not None:
+            stopped.cancel()
+            return await exit_on_engine_death(runner, aengine, died.result())
+        await stopped
+        died.cancel()
         logger.info("shutting down: no new requests; draining %d choice(s) in flight (a second signal aborts "
                     "them)", aengine.num_in_flight)
         t0 = time.monotonic()
@@ -850,6 +859,21 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000, sock:
         return 0
 
     return asyncio.run(main())
+
+
+async def exit_on_engine_death(runner: web.AppRunner, aengine: AsyncEngine, error: BaseException) -> int:
+    """The engine failed: its requests already got ``engine_dead``. Stop listening, give their streams up
+    to ``ENGINE_DEATH_FLUSH_S`` to write the error, close and return 1, so a supervisor (systemd, a
+    container runtime) restarts the server instead of it answering 503 forever (vLLM's server exits too)."""
+    logger.error("the engine failed (%s: %s): the server exits so that it can be restarted",
+                 type(error).__name__, error)
+    for site in list(runner.sites):
+        await site.stop()
+    deadline = time.monotonic() + ENGINE_DEATH_FLUSH_S
+    while aengine.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    return 1
 
 
 class ServerThread:

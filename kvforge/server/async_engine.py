@@ -210,6 +210,13 @@ class AsyncEngine:
     def accepting(self) -> bool:
         return self._accepting
 
+    async def wait_until_dead(self) -> BaseException | None:
+        """Wait for the engine loop to end: the step's exception where the engine failed (its requests are
+        failed with ``engine_dead``), None where :meth:`shutdown` stopped it."""
+        if self._task is not None:
+            await asyncio.wait({self._task})
+        return self._dead
+
     def end_grace(self) -> None:
         """Cut :meth:`shutdown`'s grace short: the requests still in flight are aborted now."""
         self._grace_ended = True
