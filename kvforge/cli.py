@@ -57,7 +57,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, query_dtype=engine.query_dtype, state_dtype=engine.state_dtype,
             draft_model=speculative.model if speculative is not None and speculative.method == "draft_model" else None,
             mtp=speculative is not None and speculative.method == "mtp",
-            max_num_batched_tokens=engine.planned_step_tokens(device, spec.max_position_embeddings),
+            max_num_batched_tokens=engine.step_token_budget(device), enable_chunked_prefill=engine.enable_chunked_prefill,
         )
 
     spec = load_model_spec(engine.model)

@@ -257,16 +257,6 @@ class EngineArgs:
         return max(DEFAULT_MAX_NUM_BATCHED_TOKENS.get(platform, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]),
                    self.max_num_seqs)
 
-    def planned_step_tokens(self, platform: str, max_positions: int | None) -> int:
-        """The step size the plan reserves activations for: :meth:`step_token_budget`, or without chunked
-        prefill the longest prompt (``max_model_len``, else the model's ``max_positions``) when that is larger:
-        a prompt then runs in one step."""
-        batched = self.step_token_budget(platform)
-        if not self.enable_chunked_prefill:
-            longest = None if self.max_model_len == AUTO_MAX_MODEL_LEN else self.max_model_len
-            batched = max(batched, longest or max_positions or 0)
-        return batched
-
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
         if model_positional:

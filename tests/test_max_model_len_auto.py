@@ -44,6 +44,8 @@ def test_fitted_length_matches_the_hand_count(memory):
 @pytest.mark.parametrize("model,kw", [
     ("llama-3.1-8b", dict(gpu_memory=24 * GIB)),  # the activation reserve shrinks with the length
     ("llama-3.1-8b", dict(gpu_memory=24 * GIB, kv_cache_dtype="fp8")),
+    # without chunked prefill a step holds a whole prompt: its activations grow with the length too
+    ("llama-3.1-8b", dict(gpu_memory=40 * GIB, enable_chunked_prefill=False)),
     ("llama-3.1-8b", dict(gpu_memory=32 * GIB, tensor_parallel_size=2, gpu_memory_utilization=0.5)),
     ("gpt-oss-20b", dict(gpu_memory=48 * GIB)),  # sliding + full groups, sinks
     ("deepseek-v2-lite", dict(gpu_memory=36 * GIB)),  # MLA
@@ -64,6 +66,15 @@ def test_fitted_length_is_the_longest_that_plans(model, kw):
         # fp8 fits, one bf16 sequence does not, which the plan says
         assert fitted.baseline is None and again.baseline is None
         assert any(w.startswith("no bfloat16 baseline plan") for w in fitted.warnings)
+
+
+def test_without_chunked_prefill_the_step_is_sized_for_the_fitted_length():
+    fitted = plan("llama-3.1-8b", device="cuda", gpu_memory=40 * GIB, max_model_len="auto",
+                  enable_chunked_prefill=False)
+    chunked = plan("llama-3.1-8b", device="cuda", gpu_memory=40 * GIB, max_model_len="auto")
+    assert chunked.max_model_len == PRESETS["llama-3.1-8b"]["max_position_embeddings"]
+    assert fitted.max_model_len < chunked.max_model_len  # a whole prompt's activations take memory
+    assert f"for a step of {fitted.max_model_len:,} tokens" in fitted.activations.describe()
 
 
 def test_a_length_that_fits_is_kept():

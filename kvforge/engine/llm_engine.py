@@ -105,7 +105,8 @@ class LLMEngine:
             gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
             calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
             query_dtype=args.query_dtype, state_dtype=args.state_dtype,
-            max_num_batched_tokens=args.planned_step_tokens(platform, self.spec.max_position_embeddings),
+            max_num_batched_tokens=args.step_token_budget(platform),
+            enable_chunked_prefill=args.enable_chunked_prefill,
         )
         ignored = platform == "cpu" and gpu_memory_flag_ignored_on_cpu(  # said once the values are valid
             args.kv_cache_memory, args.gpu_memory, args.gpu_memory_utilization)

@@ -21,12 +21,14 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
          dtype: str | None = None, kv_scale_scheme: str = "per_tensor",
          calculate_kv_scales: bool = False, max_num_seqs: int | None = None, query_dtype: str = "auto",
          state_dtype: str = "auto", backends=None, draft_model: str | None = None, mtp: bool = False,
-         max_num_batched_tokens: int | None = None) -> KVPlan:
+         max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True) -> KVPlan:
     """Resolve the KV-cache plan for ``model`` (None = the embedded SmolLM2) without reading weights;
     ``draft_model``: a speculative draft model planned beside it (the plan's ``draft``); ``mtp``: with the
     checkpoint's multi-token-prediction layer (speculative method mtp, also the plan's ``draft``);
     ``max_num_batched_tokens``: the step size whose activations are set aside (None: the platform's default);
-    ``max_num_seqs`` (None: the default, capped at ``max_num_batched_tokens``) must fit in it, as in the engine.
+    ``max_num_seqs`` (None: the default, capped at ``max_num_batched_tokens``) must fit in it, as in the engine;
+    ``enable_chunked_prefill`` False: a step holds a whole prompt of max model len, and its activations are
+    set aside for that.
     Without ``kv_cache_memory`` or ``gpu_memory`` the plan has no capacity figures (the CPU engine would
     take DEFAULT_CPU_KV_CACHE_MEMORY; a plan is usually made for another machine than this one).
     ``device``: "cpu" (None, the default: the CPU reference backends) or "cuda". ``gpu_memory`` and
@@ -55,7 +57,8 @@ def plan(model: str | None = None, *, tensor_parallel_size: int = 1, kv_cache_dt
                         kv_scale_scheme=kv_scale_scheme, calculate_kv_scales=calculate_kv_scales,
                         max_num_seqs=resolve_max_num_seqs(max_num_seqs, max_num_batched_tokens),
                         query_dtype=query_dtype,
-                        state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens)
+                        state_dtype=state_dtype, max_num_batched_tokens=max_num_batched_tokens,
+                        enable_chunked_prefill=enable_chunked_prefill)
     model_dtype = platform_model_dtype(dtype, device, spec.model_dtype)
     draft_spec = load_draft_model_spec(draft_model) if draft_model is not None else None
     return resolve(spec, cache, ParallelConfig(tensor_parallel_size), device, backends, model_dtype,

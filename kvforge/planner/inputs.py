@@ -140,6 +140,9 @@ class CacheConfig:
     state_dtype: str = "auto"
     #: Tokens one step may compute (None: the platform's default, raised to ``max_num_seqs``).
     max_num_batched_tokens: int | None = None
+    #: Without chunked prefill a prompt runs in one step, so a step holds at least max model len tokens
+    #: (the activation reserve and the sliding groups' chunk are sized for it; as vLLM schedules).
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_dtype(self.kv_cache_dtype))

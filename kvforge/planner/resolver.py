@@ -572,14 +572,19 @@ def _scale_source(spec: ModelSpec, cache: CacheConfig, quantized: bool) -> tuple
     ]
 
 
-def step_token_budget(cache: CacheConfig, platform: str) -> int:
+def step_token_budget(cache: CacheConfig, platform: str, max_model_len: int | None = None) -> int:
     """Tokens one step computes: ``--max-num-batched-tokens``, else the platform's default raised to
-    ``--max-num-seqs`` (the engine's rule, kvforge/config.py)."""
+    ``--max-num-seqs`` (the engine's rule, kvforge/config.py); without chunked prefill at least
+    ``max_model_len`` (a whole prompt in one step; kvforge/engine/config_checks.py schedules it so)."""
     if cache.max_num_batched_tokens is not None:
-        return cache.max_num_batched_tokens
-    from kvforge.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+        budget = cache.max_num_batched_tokens
+    else:
+        from kvforge.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
-    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS[platform], cache.max_num_seqs)
+        budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS[platform], cache.max_num_seqs)
+    if not cache.enable_chunked_prefill and max_model_len is not None:
+        budget = max(budget, max_model_len)
+    return budget
 
 
 def _utilization_fix(needed: int, gpu_memory: int, joiner: str) -> str:
@@ -757,11 +762,12 @@ def resolve(spec: ModelSpec, cache: CacheConfig | None = None, parallel: Paralle
     weights = math.ceil(spec.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
     draft_weights = (math.ceil(proposer_layers.num_parameters * BYTES_PER_ELEMENT[model_dtype] / tp)
                      if proposer_layers else 0)
-    reserve = activation_reserve(spec, step_token_budget(cache, platform), cache.max_num_seqs,
+    step_tokens = step_token_budget(cache, platform, max_len)
+    reserve = activation_reserve(spec, step_tokens, cache.max_num_seqs,
                                  num_speculative_tokens=cache.num_speculative_tokens, tensor_parallel_size=tp,
                                  model_dtype=model_dtype, platform=platform, max_model_len=max_len,
                                  kv_dtype=kv_dtype)
-    chunk_tokens = max(1, min(step_token_budget(cache, platform), max_len - 1))
+    chunk_tokens = max(1, min(step_tokens, max_len - 1))
     one_sequence = (_bytes_per_sequence(groups, grouping.group_size, slot_state, max_len)
                     + _chunk_blocks(groups, max_len, chunk_tokens) * _block_id_bytes(groups, grouping.group_size))
     memory = _memory(cache, weights + draft_weights, reserve, warnings, str(model_dtype), one_sequence)
