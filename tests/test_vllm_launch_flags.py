@@ -118,7 +118,9 @@ def test_chat_template_file_or_text_replaces_the_tokenizers(tmp_path):
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
     path = tmp_path / "t.jinja"
     path.write_text(template)
-    for value in (str(path), template):
+    long_template = "{# " + "a comment longer than a file name may be " * 8 + "#}" + template  # > 255 bytes
+    assert len(long_template) > 255
+    for value in (str(path), template, long_template):
         llm = LLM(device="cpu", chat_template=value, max_model_len=256, kv_cache_memory=64 << 20)
         text = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
         assert text == "<user>hi<a>"

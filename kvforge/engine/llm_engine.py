@@ -84,6 +84,14 @@ def _pick_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def _is_file(value: str) -> bool:
+    """Whether ``value`` names an existing file (False for text no file system takes as a path)."""
+    try:
+        return Path(value).is_file()
+    except (OSError, ValueError):  # a name over the file system's limit, a NUL byte
+        return False
+
+
 class LLMEngine:
     """The engine: one step per step() call, synchronous or overlapped (async scheduling); see
     docs/ENGINE_API.md for the contract and kvforge/engine/overlap.py for the overlap."""
@@ -461,11 +469,10 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ConfigError("--chat-template needs a tokenizer: drop --skip-tokenizer-init, or give --tokenizer "
                               "for a model without one")
-        path = Path(value)
-        if path.is_file():
-            source = path.read_text(encoding="utf-8")
-        elif "{{" in value or "{%" in value:
+        if "{{" in value or "{%" in value:  # the template itself (longer than a file name may be, often)
             source = value
+        elif _is_file(value):
+            source = Path(value).read_text(encoding="utf-8")
         else:
             raise ConfigError(f"--chat-template {value!r} is neither a file nor a jinja template")
         try:
