@@ -100,9 +100,9 @@ def token_count(text: str) -> int:
 def model_len(text: str) -> int | str:
     """``--max-model-len``: a token count (:func:`token_count`), or vLLM's ``auto`` / ``-1``: the longest length
     up to the model's context length that the KV memory holds one sequence of, planned before weights load."""
-    if text.strip().lower() in ("auto", "-1"):
-        from kvforge.planner.inputs import AUTO_MAX_MODEL_LEN
+    from kvforge.planner.inputs import AUTO_MAX_MODEL_LEN, AUTO_MAX_MODEL_LEN_SPELLINGS
 
+    if text.strip().lower() in AUTO_MAX_MODEL_LEN_SPELLINGS:
         return AUTO_MAX_MODEL_LEN
     return token_count(text)
 

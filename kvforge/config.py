@@ -28,7 +28,6 @@ from kvforge.engine.sampling_params import plain_int
 from kvforge.engine.scheduling_policy import SCHEDULING_POLICIES
 from kvforge.errors import ConfigError
 from kvforge.planner.inputs import (
-    AUTO_MAX_MODEL_LEN,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_SEQS,
     model_len_setting,
@@ -51,10 +50,10 @@ DEFAULT_STATE_SNAPSHOT_INTERVAL = 2048
 
 
 #: Integer settings (None where allowed): numpy integers and digit strings are taken as the ints they hold.
-_COUNT_FIELDS = ("tensor_parallel_size", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+_COUNT_FIELDS = ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens",
                  "long_prefill_token_threshold", "num_speculative_tokens", "state_snapshot_interval")
 #: Count fields that are token counts: vLLM's human-readable text ('128K', '25.6k') is taken as on the CLI.
-_TOKEN_COUNT_FIELDS = ("max_model_len", "max_num_batched_tokens")
+_TOKEN_COUNT_FIELDS = ("max_num_batched_tokens",)
 
 
 def _check_choice(flag: str, value, choices) -> None:
@@ -152,11 +151,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
-        if self.max_model_len is not None:
+        if self.max_model_len is not None:  # a token count as the CLI reads it, or "auto" / -1
             object.__setattr__(self, "max_model_len", model_len_setting("--max-model-len", plain_int(self.max_model_len)))
         for name in _COUNT_FIELDS:  # numpy integers and digit strings as the ints they hold
-            if name == "max_model_len" and self.max_model_len == AUTO_MAX_MODEL_LEN:
-                continue
             value = plain_int(getattr(self, name))
             object.__setattr__(self, name, value)
             if isinstance(value, str) and name in _TOKEN_COUNT_FIELDS:  # '128K', '8k' as the CLI reads them

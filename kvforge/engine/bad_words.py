@@ -29,15 +29,17 @@ def encode_bad_words(words: Sequence[str], encode: Callable[[str], list[int]], v
     text to token ids without special tokens. A word that encodes to nothing, or to an id outside the
     vocabulary, is refused naming it."""
     found: dict[tuple[int, ...], None] = {}
+    def no_tokens(word: str) -> InvalidRequestError:
+        return InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens: give words with at least one "
+                                   f"character that is not a space", field="bad_words")
+
     for word in words:
         if not word.strip():
-            raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens: give words with at least "
-                                      f"one character that is not a space", field="bad_words")
+            raise no_tokens(word)
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = tuple(encode(text))
             if not ids:
-                raise InvalidRequestError(f"bad_words entry {word!r} encodes to no tokens: give words with at least "
-                                          f"one character that is not a space", field="bad_words")
+                raise no_tokens(word)
             if max(ids) >= vocab_size:
                 raise InvalidRequestError(
                     f"bad_words entry {word!r} encodes to token id {max(ids)}, outside the model's vocabulary of "

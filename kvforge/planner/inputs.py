@@ -19,12 +19,14 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
 #: ``--max-model-len auto`` (vLLM's ``auto`` / ``-1``): the longest length up to the model's context length
 #: whose one sequence the plan holds (kvforge/planner/fitted_len.py).
 AUTO_MAX_MODEL_LEN = "auto"
+#: How --max-model-len spells it (any case).
+AUTO_MAX_MODEL_LEN_SPELLINGS = ("auto", "-1")
 
 
 def model_len_setting(name: str, value) -> int | str:
     """``--max-model-len`` as a setting: a token count (:func:`_token_count`), or AUTO_MAX_MODEL_LEN for
     ``"auto"`` / ``-1`` (vLLM's spellings of the fitted length)."""
-    if isinstance(value, str) and value.strip().lower() in ("auto", "-1"):
+    if isinstance(value, str) and value.strip().lower() in AUTO_MAX_MODEL_LEN_SPELLINGS:
         return AUTO_MAX_MODEL_LEN
     if not isinstance(value, bool) and isinstance(value, int) and value == -1:
         return AUTO_MAX_MODEL_LEN
