@@ -12,7 +12,8 @@ environment variables of ``--b-env``, run from the checkout ``--b-tree`` names w
 a switch against the commit before it, e.g. ``git worktree add /tmp/before HEAD~3`` then ``--b-tree
 /tmp/before``).
 Values are Python literals (``0``, ``False``, ``(16, 256)``) or else strings. ``MODULE.ATTR.FIELD=VALUE``
-replaces one field of a frozen dataclass attribute (a routing table's row), and a dotted ``FIELD`` one field
+replaces one field of a frozen dataclass attribute (a routing table's row) or sets a class attribute
+(``kvforge.engine.scheduler.Scheduler.admit_whole_prompts=False``), and a dotted ``FIELD`` one field
 of a dataclass inside it: ``--set kvforge.attention.routing.paged.GLUON_FP8_WARP1.min_programs_per_sm=1e9``
 switches that row off, ``--set kvforge.attention.routing.paged.TL_DOT.splits.small_grid_min_tokens=0`` gives
 its small grids the long splits. Prints each run's output tok/s and the median per side over all their timed runs, with
@@ -45,6 +46,9 @@ def replaced(obj, path, value):
     if not path:
         return value
     head, rest = path[0], path[1:]
+    if isinstance(obj, type):  # a class attribute: set on the class itself
+        setattr(obj, head, replaced(getattr(obj, head), rest, value))
+        return obj
     return dataclasses.replace(obj, **{{head: replaced(getattr(obj, head), rest, value)}})
 
 for target, field, value in {overrides!r}:
@@ -80,9 +84,12 @@ def parse_override(text: str) -> tuple[str, str, object]:
     owner, fields = ".".join(parts[: i + 1]), parts[i + 1 :]
     current = getattr(importlib.import_module(module), parts[i])
     for j, field in enumerate(fields):
-        if not dataclasses.is_dataclass(current) or field not in {f.name for f in dataclasses.fields(current)}:
+        is_class_attr = isinstance(current, type) and not dataclasses.is_dataclass(current) and hasattr(current, field)
+        if not is_class_attr and (not dataclasses.is_dataclass(current)
+                                  or field not in {f.name for f in dataclasses.fields(current)}):
             where = ".".join([owner, *fields[:j]])
-            raise argparse.ArgumentTypeError(f"--set {text!r}: {where} is not a dataclass with a field {field!r}")
+            raise argparse.ArgumentTypeError(f"--set {text!r}: {where} is not a dataclass with a field {field!r}"
+                                             f" nor a class with that attribute")
         current = getattr(current, field)
     if fields:
         if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):

@@ -39,6 +39,18 @@ def test_plain_field_and_nested_field(monkeypatch):
     assert paged.TL_DOT.name == before.name
 
 
+def test_class_attribute(monkeypatch):
+    from kvforge.engine.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "admit_whole_prompts", Scheduler.admit_whole_prompts)  # restored after
+    override = ab_offline.parse_override("kvforge.engine.scheduler.Scheduler.admit_whole_prompts=False")
+    assert override == ("kvforge.engine.scheduler.Scheduler", "admit_whole_prompts", False)
+    _apply([override])
+    assert Scheduler.admit_whole_prompts is False
+    with pytest.raises(argparse.ArgumentTypeError, match="nor a class with that attribute"):
+        ab_offline.parse_override("kvforge.engine.scheduler.Scheduler.nope=1")
+
+
 def test_module_attribute_and_refusals():
     assert ab_offline.parse_override("kvforge.attention.backends.triton_paged.FUSE_ROPE_WITH_CACHE_WRITE=False") == (
         "kvforge.attention.backends.triton_paged.FUSE_ROPE_WITH_CACHE_WRITE", "", False)

@@ -18,6 +18,7 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_outputs_agree
 from test_engine_smollm2 import FP32_BLOCK_BYTES, PROMPTS
 
 from kvforge import SamplingParams
+from kvforge.engine.scheduler import Scheduler
 
 
 def _summary(outs):
@@ -75,8 +76,9 @@ def test_async_accounting_matches_sync(smol_llm):
     assert delta[1]["generation_tokens_total"] == sum(len(o.outputs[0].token_ids) for o in outs[1])
 
 
-def test_async_preemption_keeps_outputs(smol_llm):
+def test_async_preemption_keeps_outputs(smol_llm, monkeypatch):
     """A recompute after preemption computes the prompt again in another batch: near-tie rule."""
+    monkeypatch.setattr(Scheduler, "admit_whole_prompts", False)  # admitted by first chunk (vLLM's rule), prompts outgrow the pool
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
     base = smol_llm()
     small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192, async_scheduling=True)
@@ -89,12 +91,13 @@ def test_async_preemption_keeps_outputs(smol_llm):
     assert stats["kv_blocks_used"] == 0
 
 
-def test_async_resolves_first_under_memory_pressure(smol_llm):
+def test_async_resolves_first_under_memory_pressure(smol_llm, monkeypatch):
     """When the next step might not fit (``Scheduler.next_step_may_preempt``), the overlapped engine
     resolves the step in flight before scheduling, so sequences that finished in it free their blocks
     first. Outputs agree with the synchronous engine (the preemptions differ, so greedy with the
     near-tie rule), and no more preemptions than it (before this rule, finished sequences held
     their blocks one step longer and async preempted more)."""
+    monkeypatch.setattr(Scheduler, "admit_whole_prompts", False)  # admitted by first chunk (vLLM's rule), prompts outgrow the pool
     params = SamplingParams(temperature=0, max_tokens=32, stop=["."], logprobs=2)
     prompts = (PROMPTS * 4)[:16]
     kw = dict(kv_cache_memory=14 * FP32_BLOCK_BYTES, max_model_len=192)
@@ -151,47 +154,63 @@ def test_async_preempted_before_resolve_keeps_prefix_cache():
     prefix cache (registered at launch, as the synchronous update does), so its recompute hits them
     instead of recomputing from scratch (a long chunked prompt used to thrash)."""
     from kvforge.engine.block_manager import BlockManager
-    from kvforge.engine.scheduler import Scheduler
     from kvforge.engine.sequence import Sequence
 
-    bm = BlockManager(num_blocks=5, block_size=4)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
-    a = Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=8, ignore_eos=True))
+    # Block size 4, 9 blocks. a: 12 prompt tokens and a long output; b: 16 prompt tokens, prefilled one token
+    # a step beside a's decode (threshold 1). b is admitted with its whole prompt and a block of growth
+    # for each in the free blocks; a's growth outruns that while b is still mid-prefill.
+    bm = BlockManager(num_blocks=9, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, long_prefill_token_threshold=1)
+    a = Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=24, ignore_eos=True))
     b = Sequence("b", list(range(100, 116)), SamplingParams(max_tokens=4, ignore_eos=True))
     sched.add(a)
     sched.add(b)
-    first = sched.schedule()  # a: 12 tokens; b: its first 4-token chunk (one full block)
-    assert [(s.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 12), ("b", 4)]
-    sched.advance(first)  # launched, not resolved
-    second = sched.schedule()  # a's in-flight token takes the last free block: b preempts itself
-    assert b in second.preempted and not b.block_table
-    assert len(bm.lookup_prefix(b)) == 1, "b's computed block must stay in the prefix cache"
-    sched.advance(second)
-    sched.resolve(first, {"a": 7})
+    prev = sched.schedule()  # a: 12 tokens; b: its first 4-token chunk (one full block)
+    assert [(s.request_id, s.num_new_tokens) for s in prev.scheduled] == [("a", 12), ("b", 4)]
+    sched.advance(prev)  # launched, not resolved
+    while True:
+        computed = b.num_computed_tokens  # counts the launched, unresolved step
+        cur = sched.schedule()
+        if cur.preempted:
+            break
+        sched.advance(cur)
+        sched.resolve(prev, {"a": 7})
+        prev = cur
+    assert cur.preempted == [b] and not b.block_table and 4 < computed < 16
+    assert len(bm.lookup_prefix(b)) == computed // 4, "b's computed blocks must stay in the prefix cache"
+    sched.advance(cur)
+    sched.resolve(prev, {"a": 7})
     bm.check_invariants([a])
 
 
 def test_next_step_may_preempt_counts_blocks_by_hand():
-    """Block size 4, 5 blocks. a: 12 prompt tokens (3 blocks), b: 4 (1 block) -> 1 free block after
-    the first step. With one token in flight each, a's next token is its 13th (a 4th block) and b's
-    its 5th (a 2nd block): 2 new blocks > 1 free -> True. After b finishes and frees its block:
+    """Block size 4, 6 blocks. a: 12 prompt tokens (3 blocks), b: 4 (1 block) -> 2 free blocks after the
+    first step, a block of growth for each. Both decode in lock step, a token in flight each: the in-flight
+    tokens at positions 12 and 4 need a block each (2 of 2 free -> False); the next three lie in held
+    blocks (False); after the fifth launch a's 17th token needs a 5th block and b's 9th a 3rd, none
+    free -> True. b's fifth token is its last (max_tokens=5): once resolved b frees its 2 blocks, and
     a needs 1 of 2 free -> False."""
     from kvforge.engine.block_manager import BlockManager
-    from kvforge.engine.scheduler import Scheduler
     from kvforge.engine.sequence import Sequence
 
-    bm = BlockManager(num_blocks=5, block_size=4)
+    bm = BlockManager(num_blocks=6, block_size=4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     a = Sequence("a", list(range(1, 13)), SamplingParams(max_tokens=8, ignore_eos=True))
-    b = Sequence("b", list(range(100, 104)), SamplingParams(max_tokens=1, ignore_eos=True))
+    b = Sequence("b", list(range(100, 104)), SamplingParams(max_tokens=5, ignore_eos=True))
     sched.add(a)
     sched.add(b)
-    first = sched.schedule()
-    assert bm.num_free_blocks == 1
+    step = sched.schedule()
+    assert [s.request_id for s in step.scheduled] == ["a", "b"] and bm.num_free_blocks == 2
     assert not sched.next_step_may_preempt()  # the scheduled chunks already own their blocks
-    sched.advance(first)  # one token in flight for each
-    assert sched.next_step_may_preempt()
-    finished = sched.resolve(first, {"a": 7, "b": 9})  # b reaches max_tokens=1 and frees its block
+    for k in range(1, 6):
+        sched.advance(step)  # one token in flight for each
+        assert sched.next_step_may_preempt() == (k == 5), k
+        if k == 5:
+            break
+        sched.resolve(step, {"a": 7, "b": 9})
+        step = sched.schedule()
+        assert not step.preempted
+    finished = sched.resolve(step, {"a": 7, "b": 9})  # b reaches max_tokens=5 and frees its 2 blocks
     assert [s.request_id for s in finished] == ["b"] and bm.num_free_blocks == 2
     assert not sched.next_step_may_preempt()
 

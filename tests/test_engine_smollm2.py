@@ -17,6 +17,7 @@ from greedy_agreement import FP32_LOGIT_TOL, assert_greedy_agrees, assert_output
 from test_gguf import TRANSFORMERS_LOGIT_TOL
 
 from kvforge import SamplingParams
+from kvforge.engine.scheduler import Scheduler
 from kvforge.errors import ConfigError, InvalidRequestError, PlanError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
@@ -75,7 +76,8 @@ def test_batched_outputs_agree_with_solo(smol_llm):
     assert [len(o.prompt_token_ids) for o in batch] == [len(llm.get_tokenizer().encode(p)) for p in PROMPTS]
 
 
-def test_preemption_recompute_keeps_outputs(smol_llm):
+def test_preemption_recompute_keeps_outputs(smol_llm, monkeypatch):
+    monkeypatch.setattr(Scheduler, "admit_whole_prompts", False)  # admitted by first chunk (vLLM's rule), prompts outgrow the pool
     base = smol_llm()
     small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192)
     assert small.plan.num_blocks == 12
@@ -89,6 +91,29 @@ def test_preemption_recompute_keeps_outputs(smol_llm):
     assert stats["kv_blocks_used"] == 0
     # recomputes after preemption do not count a prompt again
     assert stats["prompt_tokens_total"] - before["prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in got)
+
+
+def test_admission_under_memory_pressure_computes_each_prompt_once(smol_llm, monkeypatch):
+    """Eight requests whose prompts and outputs outgrow a 12-block pool, prefix caching off (a recompute
+    is paid in full): a request is admitted beside running ones only with room for its whole prompt and a
+    block of growth each, so nothing is preempted and each prompt is computed once; admitted by first chunk
+    instead (vLLM's rule), the same requests preempt and recompute. Outputs agree either way."""
+    base = smol_llm()
+    want = base.generate(PROMPTS[:8], GREEDY, use_tqdm=False)
+    small = smol_llm(kv_cache_memory=12 * FP32_BLOCK_BYTES, max_model_len=192, enable_prefix_caching=False)
+    computed = {}
+    for whole in (True, False):
+        monkeypatch.setattr(Scheduler, "admit_whole_prompts", whole)
+        before = small.engine.stats()
+        got = small.generate(PROMPTS[:8], GREEDY, use_tqdm=False)
+        after = small.engine.stats()
+        assert_outputs_agree(got, want, FP32_LOGIT_TOL)
+        assert after["kv_blocks_used"] == 0
+        computed[whole] = (after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+                           after["num_preemptions"] - before["num_preemptions"])
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in want)
+    assert computed[True] == (prompt_tokens, 0)
+    assert computed[False][1] > 0 and computed[False][0] > prompt_tokens
 
 
 def test_prefix_cache_hit_cuts_prefill_and_keeps_output(smol_llm):

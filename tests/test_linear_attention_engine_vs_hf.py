@@ -26,6 +26,7 @@ from tiny_checkpoints import LINEAR_VOCAB as VOCAB  # noqa: E402
 from tiny_checkpoints import make_checkpoint  # noqa: E402
 
 from kvforge import SamplingParams  # noqa: E402
+from kvforge.engine.scheduler import Scheduler  # noqa: E402
 from kvforge.engine.sequence import Sequence  # noqa: E402
 
 NEW_TOKENS = 8
@@ -147,10 +148,11 @@ def test_state_kernels_over_the_pool_slots_in_the_engine(case, route, tmp_path, 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("case", CASES)
-def test_preempted_sequences_recompute_their_state(case, policy, tmp_path, engines):
+def test_preempted_sequences_recompute_their_state(case, policy, tmp_path, engines, monkeypatch):
     """Memory pressure (most blocks held by a request outside the scheduler) preempts running sequences;
     each gives its state slot back and recomputes from its prompt, its first chunk from a zero state. Under
     the priority policy (the later prompts more urgent) the victims differ; the outputs do not."""
+    monkeypatch.setattr(Scheduler, "admit_whole_prompts", False)  # admitted by first chunk (vLLM's rule), prompts outgrow the pool
     hf, _ = make_checkpoint(case, tmp_path)
     llm = engines(tmp_path, scheduling_policy=policy)
     engine = llm.engine
@@ -303,9 +305,10 @@ def test_async_scheduling_follows_transformers(case, decode_path, tmp_path, engi
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_async_scheduling_under_preemption(case, tmp_path, engines):
+def test_async_scheduling_under_preemption(case, tmp_path, engines, monkeypatch):
     """The preemption test's memory pressure with the host a step ahead: a preempted sequence may have a
     token in flight, gives its slot back at once and recomputes from a zero state."""
+    monkeypatch.setattr(Scheduler, "admit_whole_prompts", False)  # admitted by first chunk (vLLM's rule), prompts outgrow the pool
     hf, _ = make_checkpoint(case, tmp_path)
     llm = engines(tmp_path, async_scheduling=True)
     engine = llm.engine

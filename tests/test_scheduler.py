@@ -200,26 +200,30 @@ def test_preemption_under_tiny_cache_every_request_finishes_fully(prefix):
 
 
 def test_preemption_picks_most_recent_arrival_and_requeues_at_front():
+    # 6 blocks of 2: both 4-token prompts are admitted (2 blocks each, one block of growth each left), then
+    # both grow until a needs a block while none is free.
     sched, bm = make_sched(
-        num_blocks=4, block_size=2, max_num_seqs=4, budget=16, max_model_len=16, enable_prefix_caching=False
+        num_blocks=6, block_size=2, max_num_seqs=4, budget=16, max_model_len=16, enable_prefix_caching=False
     )
-    a = Sequence("a", [1, 2, 3, 0], SamplingParams(max_tokens=4, ignore_eos=True))
-    b = Sequence("b", [4, 5, 6, 0], SamplingParams(max_tokens=4, ignore_eos=True))
+    a = Sequence("a", [1, 2, 3, 0], SamplingParams(max_tokens=6, ignore_eos=True))
+    b = Sequence("b", [4, 5, 6, 0], SamplingParams(max_tokens=6, ignore_eos=True))
     sched.add(a)
     sched.add(b)
     runner = FakeRunner(bm)
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a", "b"]
-    sched.update(out, runner.execute(out))  # both hold 2 blocks, cache full
-    out = sched.schedule()  # a needs a 3rd block at position 4 -> preempt b
+    while not out.preempted:
+        sched.update(out, runner.execute(out))
+        out = sched.schedule()
+    # a, at 6 tokens, needs a 4th block for position 6 with all 6 blocks held -> b, the newest, is preempted
     assert [s.request_id for s in out.preempted] == ["b"]
-    assert [s.request_id for s in out.scheduled] == ["a"]
+    assert [s.request_id for s in out.scheduled] == ["a"] and a.num_tokens == 7 and a.num_output_tokens == 3
     assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
-    assert b.output_token_ids == expected_output([4, 5, 6, 0], 1)  # nothing lost
+    assert b.output_token_ids == expected_output([4, 5, 6, 0], 3)  # nothing lost
     assert sched.waiting[0] is b
     sched.update(out, runner.execute(out))
     done = run_all(sched, runner)
-    assert done["b"].output_token_ids == expected_output([4, 5, 6, 0], 4)
+    assert done["b"].output_token_ids == expected_output([4, 5, 6, 0], 6)
     assert done["b"].num_preemptions >= 1
 
 

@@ -185,22 +185,26 @@ def test_the_threshold_is_off_without_chunked_prefill_and_must_not_be_negative()
 def test_preemption_takes_a_prompt_mid_prefill_before_a_decode():
     """Out of blocks, the step keeps the decode and preempts the sequence mid-prefill, even when that
     one is older by arrival."""
-    bm = BlockManager(11, 2, False)
-    sched = Scheduler(bm, 4, 16, 64)
+    # Blocks of one token; with a decode in the step a prefill takes at most 2 tokens (threshold), so old's
+    # prompt is still mid-prefill when young's growth has used the room left at old's admission.
+    bm = BlockManager(24, 1, False)
+    sched = Scheduler(bm, 4, 16, 64, long_prefill_token_threshold=2)
     old = Sequence("old", prompt_of(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))
-    young = Sequence("young", prompt_of(2, 2), SamplingParams(max_tokens=6, ignore_eos=True))
+    young = Sequence("young", prompt_of(2, 2), SamplingParams(max_tokens=12, ignore_eos=True))
     runner = FakeRunner(bm)
     sched.add(young)
     sched.add(old)
     out = sched.schedule()
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("young", 2), ("old", 14)]
-    sched.update(out, runner.execute(out))  # 8 of 11 blocks used
-    out = sched.schedule()  # young's token takes a 9th block; old's last 6 tokens would need 3 more
+    while not out.preempted:
+        sched.update(out, runner.execute(out))
+        out = sched.schedule()
+        assert old.num_computed_tokens < old.num_prompt_tokens or out.preempted  # still mid-prefill
     assert [s.request_id for s in out.preempted] == ["old"]
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("young", 1)]
     sched.update(out, runner.execute(out))
     done, _ = run_streams(sched, {}, threshold=0, runner=runner)
-    assert done["young"].output_token_ids == expected_output(young.prompt_token_ids, 6)
+    assert done["young"].output_token_ids == expected_output(young.prompt_token_ids, 12)
     assert done["old"].output_token_ids == expected_output(old.prompt_token_ids, 3)
 
 

@@ -127,13 +127,14 @@ def test_right_proposals_save_steps_and_wrong_ones_cost_none():
 def test_proposals_never_preempt_a_request():
     # Two decoding requests fill the pool; the older one's proposals would need a new block. It verifies
     # none this step instead of preempting the younger one.
-    sched, bm = make_sched(num_blocks=4, block_size=4, budget=32)
+    sched, bm = make_sched(num_blocks=6, block_size=4, budget=32)
     for i in range(2):
         sched.add(Sequence(f"r{i}", prompt_of(i, 7), SamplingParams(max_tokens=8, ignore_eos=True)))
     runner = VerifyingRunner(bm)
-    out = sched.schedule()  # both prefills: 2 blocks each, 7 tokens computed, the sampled 8th fits
-    sched.update(out, runner.execute(out))
-    assert bm.num_free_blocks == 0
+    for _ in range(3):  # both prefills (2 blocks each), then two decodes: the second takes a third block each
+        out = sched.schedule()
+        sched.update(out, runner.execute(out))
+    assert bm.num_free_blocks == 0 and all(s.num_computed_tokens == 9 for s in sched.running)
     older = min(sched.running, key=lambda s: s.arrival)
     older.spec_token_ids = [FakeRunner.next_token(older.all_token_ids), 1, 2]
     out = sched.schedule()

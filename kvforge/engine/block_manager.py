@@ -184,6 +184,17 @@ class BlockManager:
             total += min(full, sliding_window_blocks(self.group_windows[g], self.block_size, new_tokens))
         return total
 
+    def blocks_held(self, seq: Sequence) -> int:
+        """Real block ids (all groups) ``seq`` holds: its tables less the sliding groups' skipped placeholders."""
+        return sum(len(t) - k for t, k in zip(seq.block_tables, seq.num_skipped_blocks))
+
+    def blocks_to_hold(self, seq: Sequence, num_tokens: int, chunk: int, held: int | None = None) -> int:
+        """Blocks (all groups) ``seq`` has yet to take to hold the KV of its first ``num_tokens`` tokens, computed
+        in chunks of at most ``chunk`` tokens (a sliding group then holds its window plus a chunk); ``held``
+        overrides the blocks it holds now (a prefix hit's, for a sequence not yet admitted)."""
+        held = self.blocks_held(seq) if held is None else held
+        return max(0, self.max_blocks_per_sequence(num_tokens, max(1, min(chunk, num_tokens))) - held)
+
     def _window_start(self, group: int, position: int) -> int:
         """First block position that group ``group`` needs for a query at ``position``."""
         w = self.group_windows[group]
@@ -202,7 +213,8 @@ class BlockManager:
             hashes.append(block_hash(parent, seq.token_ids_slice(i * B, (i + 1) * B)))
         return hashes
 
-    def _no_hit(self) -> PrefixHit:
+    def no_hit(self) -> PrefixHit:
+        """The empty prefix hit (nothing cached is taken)."""
         return self._empty_hit
 
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
@@ -222,7 +234,7 @@ class BlockManager:
         state was kept).
         """
         if not self.enable_prefix_caching or seq.holds_blocks:
-            return self._no_hit()
+            return self.no_hit()
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._ensure_hashes(seq, max_blocks)
         cache = self._hash_to_block
@@ -254,12 +266,16 @@ class BlockManager:
             return cached
         cached = list(cached)
         if not cached:
-            return self._no_hit()
+            return self.no_hit()
         if self.num_groups != 1:
             raise ValueError("a list of cached block ids describes one KV-cache group; pass lookup_prefix()'s hit")
         return PrefixHit(len(cached), (0,), (tuple(cached),))
 
     # ---- allocation --------------------------------------------------------
+    def free_after_hit(self, hit: PrefixHit) -> int:
+        """Free blocks left once ``hit``'s cached blocks are taken (some of them may be free, cached)."""
+        return self._num_free_for(hit)
+
     def _num_free_for(self, hit: PrefixHit) -> int:
         """Free blocks left after taking the hit's blocks (some may sit in the cached-free list)."""
         revived = sum(1 for t in hit.tables for b in t if self._ref_count[b] == 0)

@@ -16,7 +16,15 @@ gets its token in every step, and a stream waits behind at most one bounded pref
 2. If nothing was preempted, WAITING sequences (FIFO) are admitted while the
    budget, the prefill room, ``max_num_seqs`` and free blocks allow. Their
    prefix-cache hit is skipped, and with chunked prefill a prompt longer than
-   the room is split over steps.
+   the room is split over steps. Beside running sequences, a request is
+   admitted only when the free blocks hold, at once, every block it needs for
+   all of its known tokens (not only its first chunk), every block the running
+   sequences still need for theirs, and one block a group for each of them and
+   it (room to grow): a request admitted into blocks that a running stream's
+   next token will need is the first preempted, its prefill recomputed, and
+   under memory pressure that repeats every few steps. With nothing running a
+   request is admitted as soon as its first chunk fits (``add`` checked that
+   it fits the cache at all), so the queue always moves.
 
 Models with linear-attention state layers under prefix caching
 (``state_prefix``, kvforge/engine/state_prefix.py): a hit ends only at a
@@ -146,6 +154,11 @@ class Scheduler:
     ``long_prefill_token_threshold``: with chunked prefill, the most prefill
     tokens a step that carries a decode token may hold (0: the whole budget).
     """
+
+    #: Admit a request beside running ones only when its whole known tokens, the running sequences' own,
+    #: and a block of growth (in every group) for each of them fit in the free blocks (module docstring,
+    #: rule 2). False: admit while the first chunk's blocks are free, as vLLM does.
+    admit_whole_prompts: bool = True
 
     def __init__(
         self,
@@ -384,13 +397,14 @@ class Scheduler:
         if not out.preempted:
             if prefill_room is None:
                 prefill_room = self._prefill_room(out.num_decode_tokens)
+            committed = None
             while self.waiting and min(budget, prefill_room) > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_pending:
                     break  # preempted while its token was in flight: admitted after resolve() (next step)
                 # A request that still needs prompt logprobs computes its whole prompt (no cache hit).
                 state = self.state_prefix
-                cached = ([] if seq.needs_prompt_logprobs
+                cached = (bm.no_hit() if seq.needs_prompt_logprobs
                           else bm.lookup_prefix(seq, state.resumable if state is not None else None))
                 num_cached = len(cached) * bm.block_size
                 n = seq.num_tokens - num_cached
@@ -399,10 +413,18 @@ class Scheduler:
                     if not self.enable_chunked_prefill:
                         break
                     n = room
+                if self.admit_whole_prompts and self.running:
+                    if committed is None:
+                        committed = sum(self._blocks_to_take(s) for s in self.running)
+                    headroom = (len(self.running) + 1) * bm.num_groups
+                    if self._blocks_to_take(seq, cached) + committed + headroom > bm.free_after_hit(cached):
+                        break
                 if state is not None:
                     state.find_branch_point(seq, num_cached)
                 if not bm.allocate(seq, n, cached):
                     break
+                if committed is not None:
+                    committed += self._blocks_to_take(seq)
                 if state is not None:
                     state.restore(seq)
                 self.waiting.popleft()
@@ -420,6 +442,17 @@ class Scheduler:
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.blocks_to_copy = bm.take_copies()
         return out
+
+    def _blocks_to_take(self, seq: Sequence, hit=None) -> int:
+        """Blocks (all groups) ``seq`` has yet to take to hold the KV of every token it knows, its chunks at
+        most the token budget; ``hit``: the prefix hit it would be admitted with (not yet admitted)."""
+        bm = self.block_manager
+        if hit is None:
+            todo, held = self._tokens_to_compute(seq), None
+        else:
+            todo, held = seq.num_tokens - len(hit) * bm.block_size, sum(len(t) for t in hit.tables)
+        return bm.blocks_to_hold(seq, seq.num_tokens + seq.num_pending, min(todo, self.max_num_batched_tokens),
+                                 held=held)
 
     def trim_to_computed(self) -> None:
         """Free every running sequence's blocks past its computed tokens: blocks a proposer took for positions
