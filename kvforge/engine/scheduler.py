@@ -414,10 +414,13 @@ class Scheduler:
                         break
                     n = room
                 if self.admit_whole_prompts and self.running:
+                    need = self._blocks_to_take(seq, cached) + (len(self.running) + 1) * bm.num_groups
+                    free = bm.free_after_hit(cached)
+                    if need > free:  # short even before the running sequences' own needs are counted
+                        break
                     if committed is None:
                         committed = sum(self._blocks_to_take(s) for s in self.running)
-                    headroom = (len(self.running) + 1) * bm.num_groups
-                    if self._blocks_to_take(seq, cached) + committed + headroom > bm.free_after_hit(cached):
+                    if need + committed > free:
                         break
                 if state is not None:
                     state.find_branch_point(seq, num_cached)
@@ -449,6 +452,8 @@ class Scheduler:
         bm = self.block_manager
         if hit is None:
             todo, held = self._tokens_to_compute(seq), None
+            if todo <= 1:  # a decode: a new row of blocks (one a group) when its table has no slot left
+                return bm.new_blocks_for_step(seq, todo)
         else:
             todo, held = seq.num_tokens - len(hit) * bm.block_size, sum(len(t) for t in hit.tables)
         return bm.blocks_to_hold(seq, seq.num_tokens + seq.num_pending, min(todo, self.max_num_batched_tokens),
