@@ -13,6 +13,8 @@ from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
+from kvforge.metrics_reader import Metric, read_registry
+from kvforge.server.metrics import engine_registry
 from kvforge.speculative.stats import SpeculativeStats
 
 
@@ -62,6 +64,16 @@ class LLM:
         """Forget every cached prefix (vLLM's): the next requests compute their prompts in full. False, with
         nothing forgotten, while a request is unfinished."""
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's series of ``/metrics`` as of now (gauges, counters and, while speculating, the
+        per-position acceptance; docs/SERVER.md), as vLLM's ``LLM.get_metrics()`` returns them: ``Counter``,
+        ``Gauge`` and ``Vector`` of kvforge/metrics_reader.py, named ``kvforge:...`` (a counter without
+        ``_total``), each labelled with ``model_name``. Every request the LLM accepted is in the engine, so
+        ``num_requests_in_flight`` is its running and waiting requests."""
+        stats = self.engine.stats()
+        in_flight = stats["num_running"] + stats["num_waiting"]
+        return read_registry(engine_registry(self.engine.model_name, stats, in_flight=in_flight))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters of a ``generate`` call without any: SamplingParams' defaults with the model's

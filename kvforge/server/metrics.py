@@ -6,8 +6,9 @@ vLLM has the metric, with the ``kvforge:`` prefix in place of ``vllm:``;
 every series carries a ``model_name`` label. docs/SERVER.md lists them all.
 
 Engine numbers (queue sizes, KV blocks, prefix cache, token counters) are read
-from ``engine.stats()`` at scrape time by a collector; latency histograms and
-per-request counters are kept by the server as outputs stream out.
+from ``engine.stats()`` at scrape time by a collector (``LLM.get_metrics()`` reads the same collector
+offline, ``engine_registry``); latency histograms and per-request counters are kept by the server as outputs
+stream out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvforge.metrics_reader import POSITION_LABEL
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 PREFIX = "kvforge:"
@@ -110,7 +113,7 @@ class _EngineCollector:
                 yield family
             family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                          "Accepted proposals by their position in the step (0 = first).",
-                                         labels=["model_name", "position"])
+                                         labels=["model_name", POSITION_LABEL])
             for pos, count in enumerate(spec["accepted_per_pos"]):
                 family.add_metric([self.model_name, str(pos)], count)
             yield family
@@ -121,6 +124,17 @@ class _EngineCollector:
                     PREFIX + name, help_, labels=["model_name"])
                 family.add_metric([self.model_name], snapshots[key])
                 yield family
+
+
+def engine_registry(model_name: str, stats: dict, *, in_flight: int) -> CollectorRegistry:
+    """A registry of the engine collector alone, holding ``stats`` (an ``engine.stats()``) and ``in_flight``:
+    the engine's gauges and counters of ``/metrics`` without the server's own series, as
+    ``LLM.get_metrics()`` reads them."""
+    collector = _EngineCollector(model_name)
+    collector.stats, collector.in_flight = stats, in_flight
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
 
 
 class ServerMetrics:

@@ -1,0 +1,108 @@
+"""``LLM.get_metrics()``: the engine's prometheus series as vLLM's reader dataclasses, checked against counts
+taken from the outputs themselves; and the conversion of each prometheus type (kvforge/metrics_reader.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from prometheus_client import CollectorRegistry, Summary
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram as PromHistogram
+
+from kvforge import SamplingParams
+from kvforge.metrics_reader import Counter, Gauge, Histogram, Metric, Vector, read_registry
+from kvforge.server.metrics import ENGINE_METRICS, PREFIX
+
+PROMPTS = ["The capital of France is", "A list of prime numbers: 2, 3, 5, 7,", "Q: What is 2 + 2? A:"]
+TEXT = ("The quick brown fox jumps over the lazy dog. The early bird catches the worm. "
+        "A stitch in time saves nine.")
+REPEAT = f"Repeat this text exactly: {TEXT}\nRepeated: {TEXT}\nRepeated:"
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos"
+
+
+def by_name(metrics: list[Metric]) -> dict[str, Metric]:
+    named = {m.name: m for m in metrics}
+    assert len(named) == len(metrics), "one series per name on one engine"
+    return named
+
+
+def counter_deltas(before: dict[str, Metric], after: dict[str, Metric]) -> dict[str, int]:
+    return {name: m.value - before[name].value for name, m in after.items() if isinstance(m, Counter)}
+
+
+def test_counters_count_the_outputs_and_gauges_the_idle_engine(smol_llm):
+    llm = smol_llm()
+    before = by_name(llm.get_metrics())
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 7, 12)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    after = by_name(llm.get_metrics())
+
+    delta = counter_deltas(before, after)
+    assert delta[PREFIX + "generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 3 + 7 + 12
+    assert delta[PREFIX + "prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert 0 <= delta[PREFIX + "prefix_cache_hits"] <= delta[PREFIX + "prefix_cache_queries"]
+
+    gauges = {name: m.value for name, m in after.items() if isinstance(m, Gauge)}
+    for idle in ("num_requests_running", "num_requests_waiting", "num_requests_in_flight", "kv_cache_usage_perc",
+                 "kv_blocks_used"):
+        assert gauges[PREFIX + idle] == 0, idle
+    assert gauges[PREFIX + "kv_blocks_total"] == llm.plan.num_blocks > 0
+
+
+def test_series_are_the_engine_table_with_reader_types_and_the_model_label(smol_llm):
+    llm = smol_llm()
+    llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    metrics = llm.get_metrics()
+    kinds = {PREFIX + name: {"gauge": Gauge, "counter": Counter}[kind] for name, kind, _ in ENGINE_METRICS}
+    assert {m.name: type(m) for m in metrics} == kinds  # counters without _total; none speculative here
+    for m in metrics:
+        assert m.name.startswith("kvforge:"), m.name
+        assert m.labels == {"model_name": llm.engine.model_name}, m
+    assert all(isinstance(m.value, int) for m in metrics if isinstance(m, Counter))
+
+
+def test_speculative_acceptance_by_position_is_a_vector_summing_to_the_accepted_counter(smol_llm):
+    llm = smol_llm(speculative_config=NGRAM)
+    before = by_name(llm.get_metrics())
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([REPEAT, PROMPTS[1]], greedy, use_tqdm=False)
+    after = by_name(llm.get_metrics())
+
+    delta = counter_deltas(before, after)
+    accepted = sum(o.speculative.num_accepted_tokens for o in outs)
+    assert accepted > 0  # the repeated text is proposed and accepted
+    assert delta[PREFIX + "spec_decode_num_accepted_tokens"] == accepted
+    assert delta[PREFIX + "spec_decode_num_draft_tokens"] == sum(o.speculative.num_draft_tokens for o in outs)
+    assert delta[PREFIX + "spec_decode_num_drafts"] == sum(o.speculative.num_drafts for o in outs)
+    assert delta[PREFIX + "generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 32
+
+    vector = after[ACCEPTED_PER_POS]
+    assert isinstance(vector, Vector) and vector.labels == {"model_name": llm.engine.model_name}
+    assert len(vector.values) == 3 and all(isinstance(v, int) for v in vector.values)
+    assert sum(vector.values) == after[PREFIX + "spec_decode_num_accepted_tokens"].value
+    added = [a - b for a, b in zip(vector.values, before[ACCEPTED_PER_POS].values)]
+    assert sum(added) == accepted and added[0] >= added[1] >= added[2]  # a later proposal needs the ones before
+
+
+def test_read_registry_converts_each_prometheus_type():
+    registry = CollectorRegistry()
+    hist = PromHistogram("kvforge:latency_seconds", "h", ["model_name"], buckets=(0.1, 1.0), registry=registry)
+    for seconds in (0.05, 0.5, 0.7, 3.0):
+        hist.labels("m").observe(seconds)
+    PromCounter("kvforge:things", "c", ["model_name"], registry=registry).labels("m").inc(5)
+    by_pos = PromCounter("kvforge:accepted_per_pos", "v", ["model_name", "position"], registry=registry)
+    by_pos.labels("m", "0").inc(4)
+    by_pos.labels("m", "2").inc(1)  # position 1 never counted: 0 in the vector
+
+    assert read_registry(registry) == [
+        Histogram("kvforge:latency_seconds", {"model_name": "m"}, count=4, sum=4.25,
+                  buckets={"0.1": 1, "1.0": 3, "+Inf": 4}),
+        Counter("kvforge:things", {"model_name": "m"}, 5),
+        Vector("kvforge:accepted_per_pos", {"model_name": "m"}, [4, 0, 1]),
+    ]
+
+    Summary("kvforge:sizes", "s", registry=registry)
+    with pytest.raises(ValueError, match="kvforge:sizes: a summary"):
+        read_registry(registry)
