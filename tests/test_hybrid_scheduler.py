@@ -134,6 +134,32 @@ def test_prefix_hit_on_a_sliding_group_skips_blocks_before_the_window():
     assert done["b"].output_token_ids == expected_output(stem + [41, 42], 3)
 
 
+def test_eviction_keeps_a_finished_prompts_head_in_every_group():
+    """A sliding group frees a long prompt's early blocks while it runs; once the request finishes they are
+    evicted no sooner than the full group's blocks at the same positions (the cache keeps a prefix of
+    positions in every group), so a later request sharing only the prompt's head still hits after
+    evictions. Block size 4, window 6: a hit of 3 blocks needs the full group's blocks 0-2 and the sliding
+    group's 1-2."""
+    B, w = 4, 6
+    bm = BlockManager(24, B, True, group_windows=(None, w))  # room for all of a's blocks: nothing evicted yet
+    sched = Scheduler(bm, 4, 8, 64)  # 8-token chunks: the sliding group frees blocks during the prefill
+    runner = GroupedFakeRunner(bm)
+    stem = list(range(1, 41))
+    sched.add(Sequence("a", stem, SamplingParams(max_tokens=1, ignore_eos=True)))
+    run_all(sched, runner)
+    assert bm.num_evictions == 0
+    never_used = bm.num_free_blocks - bm.num_cached_blocks
+    evict = 4  # the two highest positions of both groups
+    filler = Sequence("filler", [45] * (B * -(-(never_used + evict) // 2)), SamplingParams(max_tokens=1))
+    assert bm.allocate(filler, cached_blocks=bm.no_hit())
+    assert bm.num_evictions >= evict
+    b = Sequence("b", stem[:12] + [44, 43], SamplingParams(max_tokens=1))
+    hit = bm.lookup_prefix(b)
+    assert len(hit) == 3 and hit.skipped == (0, (12 - w + 1) // B)
+    bm.free(filler)
+    bm.check_invariants([])
+
+
 def _scaled_preset(name: str, layers: int) -> dict:
     cfg = dict(PRESETS[name])
     cfg["num_hidden_layers"] = layers

@@ -378,6 +378,12 @@ class BlockManager:
             if first <= skipped:
                 continue
             table = seq.block_tables[g]
+            # Remember the cached ones by position (-1: none) for free() to refresh with the prompt's head.
+            kept = seq.out_of_window_blocks
+            while len(kept) <= g:
+                kept.append(array("l"))
+            kept[g].extend([-1] * (skipped - len(kept[g])))  # positions a prefix hit skipped
+            kept[g].extend(b if self._block_hash[b] is not None else -1 for b in table[skipped:first])
             for i in range(first - 1, skipped - 1, -1):  # tail first, as in free()
                 self._release(table[i], seq)
             # A new list (not an in-place edit): the model runner's table cache keys on the list object.
@@ -524,15 +530,31 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks that reach zero become free.
 
-        Blocks are released tail first, so under LRU eviction a prompt's later
-        blocks are evicted before its earlier (more shareable) ones.
+        Blocks are released by position, last first, every group's block at a
+        position together, so under LRU eviction a prompt's later blocks are
+        evicted before its earlier (more shareable) ones in every group. The
+        cached blocks a sliding group freed earlier, as they left the window
+        (``release_out_of_window``), and that are still cached and unheld
+        are refreshed in the same order: otherwise, freed first, they would be
+        evicted first, and a later request sharing only the prompt's head
+        would find the full groups' blocks but not the windows it needs.
         """
-        for g, table in enumerate(seq.block_tables):
-            for b in reversed(table[seq.num_skipped_blocks[g]:]):
-                self._release(b, seq)
+        kept = seq.out_of_window_blocks
+        hashes = seq.block_hashes
+        for i in range(max(map(len, seq.block_tables)) - 1, -1, -1):
+            for g, table in enumerate(seq.block_tables):
+                if i >= len(table):
+                    continue
+                if i >= seq.num_skipped_blocks[g]:
+                    self._release(table[i], seq)
+                    continue
+                b = kept[g][i] if g < len(kept) and i < len(kept[g]) else -1
+                if b >= 0 and self._ref_count[b] == 0 and i < len(hashes) and self._block_hash[b] == (g, hashes[i]):
+                    self._cached_free.move_to_end(b)
         seq.block_tables = [[] for _ in range(self.num_groups)]
         seq.num_skipped_blocks = [0] * self.num_groups
         seq.num_registered_blocks = 0
+        seq.out_of_window_blocks = []
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share all of ``parent``'s blocks (refs + 1 each)."""
