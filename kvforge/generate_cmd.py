@@ -105,15 +105,24 @@ def _prompts(args: argparse.Namespace) -> list:
 def _check_prompt_lengths(args: argparse.Namespace, prompts: list) -> None:
     """Refuse a prompt the context cannot hold (the engine's own check, before any weight loads): text prompts
     outside --chat (a chat template adds tokens the engine counts itself) are encoded with the tokenizer the
-    engine will load, token-id prompts counted."""
+    engine will load, token-id prompts counted. With ``--max-model-len auto`` the context is the length the
+    engine's plan fits to the memory, planned here as the engine plans it."""
+    from kvforge.config import EngineArgs
     from kvforge.errors import ConfigError
+    from kvforge.planner.inputs import AUTO_MAX_MODEL_LEN
     from kvforge.planner.resolver import planned_max_model_len
     from kvforge.spec.load import load_model_spec
 
     texts = [p for p in prompts if isinstance(p, str)] if args.prompt and not args.chat else []
     if not texts and not args.prompt_token_ids:
         return
-    limit = planned_max_model_len(load_model_spec(args.model), args.max_model_len)
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.max_model_len == AUTO_MAX_MODEL_LEN:
+        from kvforge.engine.engine_plan import pick_device, plan_engine
+
+        limit = plan_engine(engine_args, pick_device(engine_args.device)).plan.max_model_len
+    else:
+        limit = planned_max_model_len(load_model_spec(args.model), engine_args.max_model_len)
     lengths = [len(p["prompt_token_ids"]) for p in prompts if isinstance(p, dict)]
     if texts:
         from kvforge.spec.embedded import embedded_model_path
@@ -124,8 +133,11 @@ def _check_prompt_lengths(args: argparse.Namespace, prompts: list) -> None:
         if tokenizer is not None:
             lengths += [len(tokenizer.encode(text)) for text in texts]
     if lengths and max(lengths) >= limit:
-        raise ConfigError(f"a prompt has {max(lengths)} tokens but max-model-len is {limit} (prompt + at least one "
-                          f"generated token must fit); shorten the prompt or raise --max-model-len")
+        fitted = engine_args.max_model_len == AUTO_MAX_MODEL_LEN
+        raise ConfigError(f"a prompt has {max(lengths)} tokens but max-model-len is {limit}"
+                          f"{' (--max-model-len auto: the longest the KV cache memory holds)' if fitted else ''} "
+                          f"(prompt + at least one generated token must fit); shorten the prompt or "
+                          f"{'give the KV cache more memory' if fitted else 'raise --max-model-len'}")
 
 
 def _compare_kv_dtype(args: argparse.Namespace) -> str | None:

@@ -62,7 +62,7 @@ def test_weights_that_do_not_fit_at_all_say_so():
 
 def test_the_engine_refuses_before_loading_weights(monkeypatch):
     """A CUDA engine on a device with 20 GiB free: ConfigError from the check, no weight read."""
-    monkeypatch.setattr(llm_engine, "_pick_device", lambda requested: torch.device("cuda"))
+    monkeypatch.setattr(llm_engine, "pick_device", lambda requested: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * GIB, TOTAL))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)

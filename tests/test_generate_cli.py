@@ -36,6 +36,10 @@ def no_engine(monkeypatch):
      "a prompt has 100 tokens but max-model-len is 64"),  # the embedded tokenizer: one token a word
     (["generate", "--max-model-len", "8", "--prompt-token-ids", "1,2,3,4,5,6,7,8"],
      "a prompt has 8 tokens but max-model-len is 8"),
+    # 8 MiB of float32 KV at 46,080 bytes a token (30 layers x K and V x 3 KV heads x 64 x 4 bytes): 182 tokens,
+    # 11 whole blocks of 16 = 176
+    (["generate", "--max-model-len", "auto", "--kv-cache-memory", "8MiB", "--device", "cpu", "--prompt",
+      " ".join(["word"] * 200)], "a prompt has 200 tokens but max-model-len is 176 (--max-model-len auto"),
 ])
 def test_prompts_that_cannot_work_stop_before_the_engine(no_engine, capsys, argv, needle):
     assert main(argv) == 2

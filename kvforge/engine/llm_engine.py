@@ -25,6 +25,7 @@ from kvforge.config import (
 from kvforge.engine.bad_words import always_banned, banned_next_tokens, encode_bad_words, longest_prefix
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.config_checks import check_engine_plan
+from kvforge.engine.engine_plan import cache_config, pick_device, plan_engine
 from kvforge.engine.gc_freeze import collect_dropped_engines, freeze_after_startup, thaw
 from kvforge.engine.generation_defaults import eos_token_ids, sampling_defaults
 from kvforge.engine.kv_pool import KVPool
@@ -40,16 +41,10 @@ from kvforge.engine.sequence import Sequence
 from kvforge.engine.step_log import Stamp, StepLog
 from kvforge.errors import ConfigError, InvalidRequestError
 from kvforge.host_copies import values_to_device
-from kvforge.kv_dtypes import platform_model_dtype
 from kvforge.planner.inputs import (
-    CacheConfig,
-    ParallelConfig,
     gpu_memory_flag_ignored_on_cpu,
-    resolve_kv_cache_memory,
 )
-from kvforge.planner.resolver import resolve
 from kvforge.spec.embedded import embedded_model_path
-from kvforge.spec.load import load_draft_model_spec, load_model_spec
 from kvforge.spec.presets import PRESETS
 from kvforge.speculative.device_proposals import UNREAD
 from kvforge.speculative.stats import SpeculativeStats
@@ -76,14 +71,6 @@ def _with_unread(placeholders, rows: list[int], unread: torch.Tensor):
             torch.cat([tokens, unread]))
 
 
-def _pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but torch sees no CUDA device; use --device cpu")
-    return torch.device(requested)
-
-
 def _is_file(value: str) -> bool:
     """Whether ``value`` names an existing file (False for text no file system takes as a path)."""
     try:
@@ -99,39 +86,20 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self.args = args
-        self.device = _pick_device(args.device)
+        self.device = pick_device(args.device)
         platform = self.device.type
 
         # 1. Spec and plan: config metadata only; no weight file is opened here.
-        self.spec = load_model_spec(args.model)
-        model_dtype = self._model_dtype(args, platform)
-        cache = CacheConfig(
-            kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-            num_speculative_tokens=args.num_speculative_tokens,
-            kv_cache_memory=resolve_kv_cache_memory(args.kv_cache_memory, platform),
-            gpu_memory=(args.gpu_memory or torch.cuda.mem_get_info(self.device)[1]) if platform == "cuda" else None,
-            gpu_memory_utilization=args.gpu_memory_utilization, kv_scale_scheme=args.kv_scale_scheme,
-            calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
-            query_dtype=args.query_dtype, state_dtype=args.state_dtype,
-            max_num_batched_tokens=args.step_token_budget(platform),
-            enable_chunked_prefill=args.enable_chunked_prefill,
-        )
+        cache = cache_config(args, self.device)
         ignored = platform == "cpu" and gpu_memory_flag_ignored_on_cpu(  # said once the values are valid
             args.kv_cache_memory, args.gpu_memory, args.gpu_memory_utilization)
         if ignored:
             logger.warning("%s", ignored)
+        planned = plan_engine(args, self.device, cache)
+        self.spec, self.draft_spec, self.plan = planned.spec, planned.draft_spec, planned.plan
+        model_dtype = planned.model_dtype
+        self.with_mtp = planned.mtp_layers is not None
         speculative = args.speculative_config
-        self.with_mtp = speculative is not None and speculative.method == "mtp"
-        mtp_layers = None
-        if self.with_mtp:  # the checkpoint's MTP layer, planned in the target's groups like a draft's layers
-            from kvforge.speculative.mtp_spec import mtp_proposer_layers
-
-            mtp_layers = mtp_proposer_layers(self.spec)
-        # A draft model (speculative decoding): its config only, planned beside the target's.
-        self.draft_spec = (load_draft_model_spec(speculative.model)
-                           if speculative is not None and speculative.method == "draft_model" else None)
-        self.plan = resolve(self.spec, cache, ParallelConfig(args.tensor_parallel_size), platform,
-                            model_dtype=model_dtype, draft_spec=self.draft_spec, proposer_layers=mtp_layers)
         from kvforge.models.registry import resolve_architecture
 
         resolve_architecture(self.spec.hf_config)  # unsupported model code -> ConfigError, still before weights
@@ -377,10 +345,6 @@ class LLMEngine:
         if args.warm_up is not None:
             return args.warm_up
         return platform == "cuda" and self.tp is None and not args.calculate_kv_scales
-
-    def _model_dtype(self, args: EngineArgs, platform: str) -> str:
-        """--dtype, else float32 on CPU, else the config's dtype (:func:`kvforge.kv_dtypes.platform_model_dtype`)."""
-        return platform_model_dtype(args.dtype, platform, self.spec.model_dtype)
 
     def _import_backends(self) -> None:
         from kvforge.planner.registry import builtin_backends
