@@ -227,6 +227,33 @@ def test_preemption_picks_most_recent_arrival_and_requeues_at_front():
     assert done["b"].num_preemptions >= 1
 
 
+def test_admission_fills_the_pool_with_requests_that_cannot_grow():
+    """12 blocks of 4, max_model_len 16: a sequence at its limit holds the KV of 15 tokens (4 blocks), so 3 fit.
+    Three 15-token prompts whose one output token is their last need no room to grow: all three are admitted
+    in the first step, as the plan's concurrency promises."""
+    sched, bm = make_sched(num_blocks=12, block_size=4, budget=64, max_model_len=16, enable_prefix_caching=False)
+    for i in range(3):
+        sched.add(Sequence(f"r{i}", prompt_of(i, 15), SamplingParams(max_tokens=1, ignore_eos=True)))
+    out = sched.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [15, 15, 15] and bm.num_free_blocks == 0
+
+
+def test_admission_leaves_a_block_of_growth_for_each_running_request():
+    """8 blocks of 4, 8-token prompts that grow to 16 tokens (4 blocks each): r0 and r1 take 2 blocks each; r2
+    would need 2 + a block of growth beside one kept for each of them: 5 > 4 free, so it waits until one
+    finishes, and nothing is ever preempted (admitted on its first chunk, r2 would be)."""
+    sched, bm = make_sched(num_blocks=8, block_size=4, budget=64, max_model_len=32, enable_prefix_caching=False)
+    prompts = {f"r{i}": prompt_of(i, 8) for i in range(3)}
+    for rid, p in prompts.items():
+        sched.add(Sequence(rid, p, SamplingParams(max_tokens=8, ignore_eos=True)))
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1"] and sched.num_waiting == 1
+    done = run_all(sched, FakeRunner(bm))
+    assert sched.num_preemptions == 0
+    assert {rid: s.output_token_ids for rid, s in done.items()} == {rid: expected_output(p, 8)
+                                                                     for rid, p in prompts.items()}
+
+
 # ---- prefix cache -----------------------------------------------------------
 
 

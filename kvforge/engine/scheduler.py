@@ -20,7 +20,8 @@ gets its token in every step, and a stream waits behind at most one bounded pref
    admitted only when the free blocks hold, at once, every block it needs for
    all of its known tokens (not only its first chunk), every block the running
    sequences still need for theirs, and one block a group for each of them and
-   it (room to grow): a request admitted into blocks that a running stream's
+   it (room to grow; none for one whose length limit ends inside the blocks it
+   needs already): a request admitted into blocks that a running stream's
    next token will need is the first preempted, its prefill recomputed, and
    under memory pressure that repeats every few steps. With nothing running a
    request is admitted as soon as its first chunk fits (``add`` checked that
@@ -156,8 +157,8 @@ class Scheduler:
     """
 
     #: Admit a request beside running ones only when its whole known tokens, the running sequences' own,
-    #: and a block of growth (in every group) for each of them fit in the free blocks (module docstring,
-    #: rule 2). False: admit while the first chunk's blocks are free, as vLLM does.
+    #: and a block of growth (in every group) for each of them that can grow fit in the free blocks (module
+    #: docstring, rule 2). False: admit while the first chunk's blocks are free, as vLLM does.
     admit_whole_prompts: bool = True
 
     def __init__(
@@ -414,12 +415,12 @@ class Scheduler:
                         break
                     n = room
                 if self.admit_whole_prompts and self.running:
-                    need = self._blocks_to_take(seq, cached) + (len(self.running) + 1) * bm.num_groups
+                    need = self._blocks_to_take(seq, cached) + self._growth_room(seq)
                     free = bm.free_after_hit(cached)
                     if need > free:  # short even before the running sequences' own needs are counted
                         break
                     if committed is None:
-                        committed = sum(self._blocks_to_take(s) for s in self.running)
+                        committed = sum(self._blocks_to_take(s) + self._growth_room(s) for s in self.running)
                     if need + committed > free:
                         break
                 if state is not None:
@@ -427,7 +428,7 @@ class Scheduler:
                 if not bm.allocate(seq, n, cached):
                     break
                 if committed is not None:
-                    committed += self._blocks_to_take(seq)
+                    committed += self._blocks_to_take(seq) + self._growth_room(seq)
                 if state is not None:
                     state.restore(seq)
                 self.waiting.popleft()
@@ -458,6 +459,18 @@ class Scheduler:
             todo, held = seq.num_tokens - len(hit) * bm.block_size, sum(len(t) for t in hit.tables)
         return bm.blocks_to_hold(seq, seq.num_tokens + seq.num_pending, min(todo, self.max_num_batched_tokens),
                                  held=held)
+
+    def _growth_room(self, seq: Sequence) -> int:
+        """Blocks (all groups) the sequence's next ``block_size`` tokens add past those of every token it knows:
+        one row of blocks, or none when its length limit (``max_tokens``, ``max_model_len``; the last token's KV
+        is never computed) ends it inside the blocks it needs already."""
+        B = self.block_manager.block_size
+        known = seq.num_tokens + seq.num_pending
+        limit = self.max_model_len
+        if seq.params.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + seq.params.max_tokens)
+        grown = min(known + B, limit - 1)
+        return self.block_manager.num_groups if -(-grown // B) > -(-known // B) else 0
 
     def trim_to_computed(self) -> None:
         """Free every running sequence's blocks past its computed tokens: blocks a proposer took for positions
