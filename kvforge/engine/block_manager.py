@@ -378,12 +378,12 @@ class BlockManager:
             if first <= skipped:
                 continue
             table = seq.block_tables[g]
-            # Remember the cached ones by position (-1: none) for free() to refresh with the prompt's head.
-            kept = seq.out_of_window_blocks
-            while len(kept) <= g:
-                kept.append(array("l"))
-            kept[g].extend([-1] * (skipped - len(kept[g])))  # positions a prefix hit skipped
-            kept[g].extend(b if self._block_hash[b] is not None else -1 for b in table[skipped:first])
+            if self.enable_prefix_caching:  # the cached ones by position (-1: none), for free() to refresh
+                kept = seq.out_of_window_blocks
+                while len(kept) <= g:
+                    kept.append(array("l"))
+                kept[g].extend([-1] * (skipped - len(kept[g])))  # positions a prefix hit skipped
+                kept[g].extend(b if self._block_hash[b] is not None else -1 for b in table[skipped:first])
             for i in range(first - 1, skipped - 1, -1):  # tail first, as in free()
                 self._release(table[i], seq)
             # A new list (not an in-place edit): the model runner's table cache keys on the list object.
