@@ -135,6 +135,7 @@ class BlockManager:
         self.num_groups = len(group_windows)
         self._sliding = tuple(g for g, w in enumerate(group_windows) if w is not None)
         self._full = tuple(g for g, w in enumerate(group_windows) if w is None)
+        self._sliding_windows = tuple((g, group_windows[g]) for g in self._sliding)
         self._ref_count = [0] * num_blocks
         self._block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -372,12 +373,16 @@ class BlockManager:
         """Free each sliding group's blocks that no query from ``num_computed_tokens`` on can see;
         returns how many entries were released. Their table entries become skipped placeholders (0)."""
         released = 0
-        for g in self._sliding:
-            first = min(self._window_start(g, seq.num_computed_tokens), len(seq.block_tables[g]))
+        computed, B = seq.num_computed_tokens, self.block_size
+        for g, w in self._sliding_windows:  # every step of every sequence: the no-op path stays short
+            first = max(0, computed - w + 1) // B  # _window_start
             skipped = seq.num_skipped_blocks[g]
             if first <= skipped:
                 continue
             table = seq.block_tables[g]
+            first = min(first, len(table))
+            if first <= skipped:
+                continue
             if self.enable_prefix_caching:  # the cached ones by position (-1: none), for free() to refresh
                 kept = seq.out_of_window_blocks
                 while len(kept) <= g:
