@@ -8,6 +8,10 @@ GPU decode step of Llama-3.1-8B at batch 256 does on the host (see
 docs/GPU_ENGINE.md, "Where the time of a decode step goes").
 
     .venv/bin/python benchmarks/bench_host_step.py [--seqs 256] [--context 600] [--steps 50]
+        [--group-windows 512,512,512,512,512,full]
+
+``--group-windows`` lays the KV cache out in groups as a hybrid model's plan does (one entry a group:
+a sliding window in tokens, or ``full``): Gemma-3's five sliding layers to one full layer above.
 
 Prints median / min / max ms per step: "step" (the whole ``step()``),
 "host" (step minus that step's sampler call) and per phase ("outputs" is the
@@ -27,8 +31,9 @@ import numpy as np
 import torch
 
 from kvforge.engine.block_manager import BlockManager
+from kvforge.engine.block_table_cache import BlockTableCache
 from kvforge.engine.llm_engine import LLMEngine
-from kvforge.engine.model_runner import BlockTableCache, ModelRunner
+from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.sampler import Sampler
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
@@ -39,10 +44,10 @@ from kvforge.engine.step_log import StepLog
 class StubRunner:
     """ModelRunner's host side (build_host + _to_device on CPU); the model returns fixed logits."""
 
-    def __init__(self, block_size: int, vocab: int, max_seqs: int, seed: int):
+    def __init__(self, block_size: int, vocab: int, max_seqs: int, seed: int, num_groups: int = 1):
         self._r = ModelRunner.__new__(ModelRunner)
         self._r.block_size = block_size
-        self._r.num_groups = 1
+        self._r.num_groups = num_groups
         self._r._tables = BlockTableCache()
         self._r.device = torch.device("cpu")
         self._r._pin = False
@@ -76,7 +81,9 @@ def make_engine(args) -> LLMEngine:
     eng.pool = None
     bs = args.block_size
     blocks_per_seq = -(-(args.context + args.steps * 2 + 64) // bs)
-    eng.block_manager = BlockManager(args.seqs * blocks_per_seq + 16, bs, enable_prefix_caching=True)
+    groups = args.group_windows
+    eng.block_manager = BlockManager(len(groups) * args.seqs * blocks_per_seq + 16, bs, enable_prefix_caching=True,
+                                     group_windows=groups)
     eng.max_model_len = args.context + 4 * args.steps + 1024
     tok = None
     if not args.no_tokenizer:
@@ -87,7 +94,7 @@ def make_engine(args) -> LLMEngine:
     eng.tokenizer = tok
     eng.scheduler = Scheduler(eng.block_manager, args.seqs, 8192, eng.max_model_len, True,
                               eos_token_ids=(), tokenizer=tok)
-    eng.runner = StubRunner(bs, args.vocab, args.seqs, args.seed)
+    eng.runner = StubRunner(bs, args.vocab, args.seqs, args.seed, num_groups=len(groups))
     eng.sampler = Sampler()
     eng.generation_tokens_total = eng.num_steps = eng.prefill_tokens_computed = 0
     eng._shut_down, eng.proposer, eng.step_log = False, None, StepLog()
@@ -146,6 +153,20 @@ def fmt(xs: list[float]) -> str:
     return f"median {statistics.median(ms):7.3f} ms  [min {min(ms):7.3f}, max {max(ms):7.3f}]"
 
 
+def group_windows(text: str) -> tuple[int | None, ...]:
+    """``512,full`` -> ``(512, None)``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "full":
+            out.append(None)
+        elif part.isdigit() and int(part) > 0:
+            out.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"{part!r} is neither a window in tokens (> 0) nor 'full'")
+    return tuple(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", type=int, default=256)
@@ -156,6 +177,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-tokenizer", action="store_true", help="no detokenizer (token ids only)")
+    ap.add_argument("--group-windows", type=group_windows, default=(None,), metavar="W,W,...",
+                    help="KV-cache groups: a sliding window in tokens or 'full' each (default: one full group)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the stubbed sampler must not compete with the host thread
 
@@ -172,7 +195,8 @@ def main() -> None:
     gc.collect()  # start the timed steps without the setup's garbage (a full collection can take 100+ ms)
     phases = run_phases(eng, args.steps)
 
-    print(f"{args.seqs} seqs, context ~{args.context}, block size {args.block_size}, vocab {args.vocab}, "
+    layout = ",".join("full" if w is None else str(w) for w in args.group_windows)
+    print(f"{args.seqs} seqs, context ~{args.context}, groups {layout}, block size {args.block_size}, vocab {args.vocab}, "
           f"tokenizer {'off' if args.no_tokenizer else 'on'}, {args.steps} steps (prefill {prefill_s:.1f} s)")
     for k, v in phases.items():
         print(f"{'  ' if k not in ('step', 'host') else ''}{k:<18} {fmt(v)}")

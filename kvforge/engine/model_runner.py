@@ -55,6 +55,7 @@ from kvforge.attention.fp8 import compute_scales, is_fp8
 from kvforge.attention.linear_state import SlotBatch
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.routing.mla import check_prefill_mode
+from kvforge.engine.block_table_cache import BlockTableCache
 from kvforge.engine.kv_pool import KVPool
 from kvforge.engine.prompt_scoring import PromptScoring, score_rows, set_scored_rows
 from kvforge.errors import ConfigError
@@ -63,48 +64,6 @@ from kvforge.kv_dtypes import is_quantized
 from kvforge.models.layers import fused_kernels, store_input_major
 from kvforge.planner.kv_plan import KVPlan
 from kvforge.planner.registry import builtin_backends
-
-
-class BlockTableCache:
-    """Host (numpy int32) copies of block tables, so a decode step does not
-    convert every sequence's whole Python list again.
-
-    Keyed by the identity of the ``block_table`` list, which the entry keeps
-    alive (so the id cannot be reused). Block tables only grow by ``extend``
-    between copy-on-write events; a new list object means a new table. The
-    engine calls :meth:`clear` whenever a step copies blocks (copy-on-write
-    rewrites an entry in place), and the last cached entry is re-checked.
-    """
-
-    def __init__(self):
-        self._entries: dict[int, tuple[list, np.ndarray, int]] = {}
-        self._used: dict[int, tuple[list, np.ndarray, int]] = {}
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def get(self, table: list[int]) -> np.ndarray:
-        key = id(table)
-        n = len(table)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] is table and entry[2] <= n and (
-                entry[2] == 0 or int(entry[1][entry[2] - 1]) == table[entry[2] - 1]):
-            arr, have = entry[1], entry[2]
-            if have < n:
-                if arr.shape[0] < n:
-                    grown = np.empty(max(n, 2 * arr.shape[0]), dtype=np.int32)
-                    grown[:have] = arr[:have]
-                    arr = grown
-                arr[have:n] = table[have:n]
-        else:
-            arr = np.empty(max(n, 8), dtype=np.int32)
-            arr[:n] = table
-        self._used[key] = (table, arr, n)
-        return arr[:n]
-
-    def end_step(self) -> None:
-        """Keep only the tables used by this step (finished sequences drop out)."""
-        self._entries, self._used = self._used, {}
 
 
 class HostStep:
@@ -315,24 +274,27 @@ class ModelRunner:
         # Vectorized over sequences (per-sequence numpy scalar writes cost ~1 ms at 256 sequences).
         lens = np.fromiter((len(c[0]) for c in chunks), dtype=np.int64, count=n_seqs)
         starts = np.fromiter((c[1] for c in chunks), dtype=np.int64, count=n_seqs)
-        get = self._tables.get
+        # A sequence's tables have one length in every group (the block manager's invariant): each sequence
+        # brings a [G, width] array, and one boolean assignment fills every group's rows.
         if n_seqs and isinstance(chunks[0][2][0], list):  # one table per group
             if len(chunks[0][2]) != G:
                 raise ValueError(f"{len(chunks[0][2])} block tables for a pool of {G} KV-cache groups")
-            arrays = [[get(c[2][g]) for c in chunks] for g in range(G)]
+            get = self._tables.get_groups
+            arrays = [get(c[2]) for c in chunks]
         else:  # a flat list of block ids: the one group's table
             if G != 1:
                 raise ValueError(f"one block table given for a pool of {G} KV-cache groups")
-            arrays = [[get(c[2]) for c in chunks]]
-        # A sequence's tables have one length in every group (the block manager's invariant).
-        widths = np.fromiter((a.shape[0] for a in arrays[0]), dtype=np.int64, count=n_seqs)
+            get = self._tables.get
+            arrays = [get(c[2])[None] for c in chunks]
+        widths = np.fromiter((a.shape[1] for a in arrays), dtype=np.int64, count=n_seqs)
         cols = max(1, int(widths.max()) if n_seqs else 1)
         tables = np.zeros((G, n_seqs, cols), dtype=np.int32)
         if n_seqs:
             filled = np.arange(cols) < widths[:, None]
+            # Row-major boolean assignment: row i of every group gets its table in its first widths[i] columns.
+            flat = np.concatenate(arrays, axis=1)
             for g in range(G):
-                # Row-major boolean assignment: row i gets its table in its first widths[i] columns.
-                tables[g][filled] = np.concatenate(arrays[g])
+                tables[g][filled] = flat[g]
         n_tok = int(lens.sum())
         qsl = np.zeros(n_seqs + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
