@@ -464,6 +464,28 @@ class GroupedBlockManagerMachine(BlockManagerMachine):
                 self.kv[b][p % B] = (g, toks[p])
         compute(self.bm, seq, n)
         self.bm.release_out_of_window(seq)
+        c = seq.num_computed_tokens
+        for g, w in enumerate(self.bm.group_windows):  # every block that left its window is released at once
+            due = 0 if w is None else min(max(0, c - w + 1) // B, len(seq.block_tables[g]))
+            assert seq.num_skipped_blocks[g] == due, (seq, g, c)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63), r=st.integers(0, 1 << 16))
+    def preempt_and_readmit(self, i, r):
+        """Free a sequence and allocate it again from scratch (a prefix hit on its own blocks, where cached),
+        computing its tokens in one or two chunks."""
+        seq = self.seqs.pop(self._pick(i).request_id)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        cached = self.bm.lookup_prefix(seq)
+        remaining = seq.num_tokens - len(cached) * self.bm.block_size
+        chunk = 1 + r % remaining
+        if self.bm.allocate(seq, chunk, cached):
+            self.seqs[seq.request_id] = seq
+            self._write(seq, chunk)
+            rest = seq.num_tokens - seq.num_computed_tokens
+            if rest and self.bm.append_slots(seq, rest):
+                self._write(seq, rest)
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=16), i=st.integers(0, 63))
     def lookup_is_the_longest_resumable_prefix(self, tokens, i):

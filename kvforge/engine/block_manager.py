@@ -324,6 +324,7 @@ class BlockManager:
         need = self.blocks_needed(num_cached + num_new_tokens) - hit.num_blocks
         seq.block_tables = [[0] * hit.skipped[g] + list(hit.tables[g]) for g in range(self.num_groups)]
         seq.num_skipped_blocks = list(hit.skipped)
+        seq.window_release_at = 0
         for table in seq.block_tables:
             table.extend(self._take_free() for _ in range(need))
         seq.num_registered_blocks = hit.num_blocks
@@ -371,10 +372,15 @@ class BlockManager:
 
     def release_out_of_window(self, seq: Sequence) -> int:
         """Free each sliding group's blocks that no query from ``num_computed_tokens`` on can see;
-        returns how many entries were released. Their table entries become skipped placeholders (0)."""
-        released = 0
+        returns how many entries were released. Their table entries become skipped placeholders (0).
+
+        Called for every sequence in every step: below ``seq.window_release_at`` computed tokens (where the
+        first group's next block leaves its window) nothing is due, and nothing is looked at."""
         computed, B = seq.num_computed_tokens, self.block_size
-        for g, w in self._sliding_windows:  # every step of every sequence: the no-op path stays short
+        if computed < seq.window_release_at:
+            return 0
+        released = 0
+        for g, w in self._sliding_windows:
             first = max(0, computed - w + 1) // B  # _window_start
             skipped = seq.num_skipped_blocks[g]
             if first <= skipped:
@@ -395,6 +401,9 @@ class BlockManager:
             seq.block_tables[g] = [0] * first + table[first:]
             seq.num_skipped_blocks[g] = first
             released += first - skipped
+        # Group g's next block leaves its window once max(0, computed - w + 1) // B passes its skipped count.
+        skipped = seq.num_skipped_blocks
+        seq.window_release_at = min(((skipped[g] + 1) * B + w - 1 for g, w in self._sliding_windows), default=0)
         return released
 
     def _shared_blocks_to_write(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -404,6 +413,11 @@ class BlockManager:
         first = seq.num_computed_tokens // self.block_size
         end = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         rc = self._ref_count
+        if end - first == 1:  # within one block (a decode): one entry a group
+            if first >= len(seq.block_tables[0]):
+                return []
+            return [(g, first) for g, (table, skipped) in enumerate(zip(seq.block_tables, seq.num_skipped_blocks))
+                    if rc[table[first]] > 1 and first >= skipped]
         out = []
         for g, table in enumerate(seq.block_tables):
             for i in range(max(first, seq.num_skipped_blocks[g]), min(len(table), end)):
@@ -558,6 +572,7 @@ class BlockManager:
                     self._cached_free.move_to_end(b)
         seq.block_tables = [[] for _ in range(self.num_groups)]
         seq.num_skipped_blocks = [0] * self.num_groups
+        seq.window_release_at = 0
         seq.num_registered_blocks = 0
         seq.out_of_window_blocks = []
 
@@ -570,6 +585,7 @@ class BlockManager:
                 self._ref_count[b] += 1
         child.block_tables = [list(t) for t in parent.block_tables]
         child.num_skipped_blocks = list(parent.num_skipped_blocks)
+        child.window_release_at = 0
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_computed_tokens = parent.num_computed_tokens
 

@@ -125,6 +125,8 @@ class Sequence:
         self._output_array_len = 0
         self.block_tables: list[list[int]] = [[]]
         self.num_skipped_blocks: list[int] = [0]
+        # The block manager's: computed tokens from which a sliding group has a block to release (0: unknown).
+        self.window_release_at = 0
         # Per sliding group, by position: the cached block it freed as it left the window (-1: none).
         self.out_of_window_blocks: list = []
         self.block_hashes: list[bytes] = []
