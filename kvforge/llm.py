@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import time
 from collections.abc import Sequence
 
 from kvforge.cli_vllm_flags import engine_keyword_args
@@ -14,7 +15,7 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.errors import InvalidRequestError
 from kvforge.metrics_reader import Metric, read_registry
-from kvforge.server.metrics import engine_registry
+from kvforge.server.metrics import RequestTimes, ServerMetrics
 from kvforge.speculative.stats import SpeculativeStats
 
 
@@ -37,6 +38,9 @@ class LLM:
         fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_keyword_args(kwargs, fields)))
         self._ids = itertools.count()
+        # The series of the server's /metrics, fed by generate() as outputs come (the HTTP ones stay empty).
+        self._metrics = ServerMetrics(self.engine.model_name)
+        self._steps_seen = self.engine.step_log.total
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -66,14 +70,23 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's series of ``/metrics`` as of now (gauges, counters and, while speculating, the
-        per-position acceptance; docs/SERVER.md), as vLLM's ``LLM.get_metrics()`` returns them: ``Counter``,
-        ``Gauge`` and ``Vector`` of kvforge/metrics_reader.py, named ``kvforge:...`` (a counter without
-        ``_total``), each labelled with ``model_name``. Every request the LLM accepted is in the engine, so
-        ``num_requests_in_flight`` is its running and waiting requests."""
+        """The series of ``/metrics`` as of now (docs/SERVER.md), as vLLM's ``LLM.get_metrics()`` returns them:
+        the engine's gauges and counters (and, while speculating, the per-position acceptance), the requests'
+        latency and size histograms and finish counters over every ``generate`` / ``chat`` call so far, and the
+        engine steps' histograms; as ``Counter``, ``Gauge``, ``Histogram`` and ``Vector`` of
+        kvforge/metrics_reader.py, named ``kvforge:...`` (a counter without ``_total``), each labelled with
+        ``model_name``. A request arrives when its call does. Every request the LLM accepted is in the engine,
+        so ``num_requests_in_flight`` is its running and waiting requests."""
         stats = self.engine.stats()
-        in_flight = stats["num_running"] + stats["num_waiting"]
-        return read_registry(engine_registry(self.engine.model_name, stats, in_flight=in_flight))
+        self._observe_steps()
+        self._metrics.engine.stats = stats
+        self._metrics.engine.in_flight = stats["num_running"] + stats["num_waiting"]
+        return read_registry(self._metrics.registry)
+
+    def _observe_steps(self) -> None:
+        log = self.engine.step_log
+        self._metrics.on_steps(log.since(self._steps_seen))
+        self._steps_seen = log.total
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters of a ``generate`` call without any: SamplingParams' defaults with the model's
@@ -122,6 +135,7 @@ class LLM:
             raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
         elif len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        arrival = time.monotonic()
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         samples = [[rid] + [f"{rid}.{j}" for j in range(1, p.n)] for rid, p in zip(ids, params)]
         # Samples 1 .. n - 1 of a prompt, keyed by the request of its sample 0, to add once that has an output.
@@ -139,7 +153,15 @@ class LLM:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        done = self._run([sid for sids in samples for sid in sids], later, use_tqdm and self.engine.args.progress)
+        requests = self.engine.scheduler.requests
+        for rid, p in zip(ids, params):  # the output limit as resolved: None runs to the end of the context
+            limit = p.max_tokens
+            if limit is None:
+                limit = self.engine.max_model_len - requests[rid].num_prompt_tokens
+            self._metrics.on_request(p.n, limit)
+        times = {sid: RequestTimes(arrival) for sids in samples for sid in sids}
+        done = self._run([sid for sids in samples for sid in sids], later, use_tqdm and self.engine.args.progress,
+                         times)
         return [done[sids[0]] if len(sids) == 1 else _merge_samples(rid, [done[sid] for sid in sids])
                 for rid, sids in zip(ids, samples)]
 
@@ -150,8 +172,10 @@ class LLM:
             added.append(rid)
         return added
 
-    def _run(self, ids: list[str], later: dict, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run(self, ids: list[str], later: dict, use_tqdm: bool,
+             times: dict[str, RequestTimes]) -> dict[str, RequestOutput]:
         wanted = set(ids)
+        metrics = self._metrics
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -160,16 +184,25 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while len(done) < len(ids) and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                now = time.monotonic()
+                self._observe_steps()
+                for out in outputs:
                     if out.request_id in later:  # its prompt is computed: its other samples reuse the blocks
                         self._add_all(later.pop(out.request_id))
+                    clock = times.get(out.request_id)
+                    if clock is not None:
+                        metrics.on_output(clock, out, now)
                     if out.finished and out.request_id in wanted and out.request_id not in done:
                         done[out.request_id] = out
+                        if clock is not None:
+                            metrics.on_finish(clock, out, now)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
             for rid in wanted - set(done):
                 self.engine.abort_request(rid)
+                metrics.on_abort(times.get(rid))
             raise
         finally:
             if bar is not None:

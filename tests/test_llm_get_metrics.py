@@ -1,9 +1,11 @@
-"""``LLM.get_metrics()``: the engine's prometheus series as vLLM's reader dataclasses, checked against counts
-taken from the outputs themselves; and the conversion of each prometheus type (kvforge/metrics_reader.py)."""
+"""``LLM.get_metrics()``: the prometheus series as vLLM's reader dataclasses, checked against counts and times
+taken from the outputs and the calls themselves; and the conversion of each prometheus type
+(kvforge/metrics_reader.py)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Summary
@@ -12,7 +14,7 @@ from prometheus_client import Histogram as PromHistogram
 
 from kvforge import SamplingParams
 from kvforge.metrics_reader import Counter, Gauge, Histogram, Metric, Vector, read_registry
-from kvforge.server.metrics import ENGINE_METRICS, PREFIX
+from kvforge.server.metrics import ENGINE_METRICS, PREFIX, ServerMetrics
 
 PROMPTS = ["The capital of France is", "A list of prime numbers: 2, 3, 5, 7,", "Q: What is 2 + 2? A:"]
 TEXT = ("The quick brown fox jumps over the lazy dog. The early bird catches the worm. "
@@ -23,8 +25,12 @@ ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos"
 
 
 def by_name(metrics: list[Metric]) -> dict[str, Metric]:
-    named = {m.name: m for m in metrics}
-    assert len(named) == len(metrics), "one series per name on one engine"
+    """Series by name, a labelled family's by ``name{label=value}`` (the labels past ``model_name``)."""
+    named = {}
+    for m in metrics:
+        extra = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k != "model_name")
+        named[f"{m.name}{{{extra}}}" if extra else m.name] = m
+    assert len(named) == len(metrics), "one series per name and labels on one engine"
     return named
 
 
@@ -51,16 +57,74 @@ def test_counters_count_the_outputs_and_gauges_the_idle_engine(smol_llm):
     assert gauges[PREFIX + "kv_blocks_total"] == llm.plan.num_blocks > 0
 
 
-def test_series_are_the_engine_table_with_reader_types_and_the_model_label(smol_llm):
+def test_series_are_the_servers_with_reader_types_and_the_model_label(smol_llm):
     llm = smol_llm()
     llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     metrics = llm.get_metrics()
     kinds = {PREFIX + name: {"gauge": Gauge, "counter": Counter}[kind] for name, kind, _ in ENGINE_METRICS}
+    server = ServerMetrics("x")
+    histograms = {name: Histogram for name, h in vars(server).items() if hasattr(h, "observe")}
+    assert len(histograms) == 15
+    kinds |= {PREFIX + "request_success": Counter}
+    kinds |= {m.name: Histogram for m in read_registry(server.registry) if isinstance(m, Histogram)}
     assert {m.name: type(m) for m in metrics} == kinds  # counters without _total; none speculative here
+    assert sum(type(m) is Histogram for m in metrics) == 15
     for m in metrics:
         assert m.name.startswith("kvforge:"), m.name
-        assert m.labels == {"model_name": llm.engine.model_name}, m
+        labels = {"model_name": llm.engine.model_name}
+        if m.name == PREFIX + "request_success":
+            labels["finished_reason"] = m.labels.get("finished_reason")
+        assert m.labels == labels, m
     assert all(isinstance(m.value, int) for m in metrics if isinstance(m, Counter))
+
+
+def test_request_histograms_count_the_calls_requests_and_steps(smol_llm):
+    llm = smol_llm()
+    before = by_name(llm.get_metrics())
+    lengths = (3, 7, 12)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    start = time.monotonic()
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    wall = time.monotonic() - start
+    after = by_name(llm.get_metrics())
+
+    def added(name):
+        a, b = after[PREFIX + name], before[PREFIX + name]
+        return a.count - b.count, a.sum - b.sum
+
+    assert added("request_generation_tokens") == (3, sum(lengths))
+    assert added("request_prompt_tokens") == (3, sum(len(o.prompt_token_ids) for o in outs))
+    assert added("request_params_max_tokens") == (3, sum(lengths))
+    assert added("request_params_n") == (3, 3)
+    success = {r: after[f"{PREFIX}request_success{{finished_reason={r}}}"].value
+               - before[f"{PREFIX}request_success{{finished_reason={r}}}"].value for r in ("stop", "length", "abort")}
+    assert success == {"stop": 0, "length": 3, "abort": 0}
+
+    # One first token a request and one gap for each later token; each request's latencies lie within the call.
+    ttft_n, ttft_s = added("time_to_first_token_seconds")
+    e2e_n, e2e_s = added("e2e_request_latency_seconds")
+    itl_n, itl_s = added("inter_token_latency_seconds")
+    assert (ttft_n, e2e_n, itl_n) == (3, 3, sum(lengths) - 3)
+    assert 0 < ttft_s < e2e_s <= 3 * wall
+    # The last token of each request comes at its e2e latency: its first token, then its gaps.
+    assert itl_s == pytest.approx(e2e_s - ttft_s, rel=1e-6, abs=1e-6)
+    assert added("request_time_per_output_token_seconds")[0] == 3
+    # Queue, prefill and decode split each request's e2e latency (float sums of the same differences).
+    phases = sum(added(name)[1] for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                                              "request_decode_time_seconds"))
+    assert phases == pytest.approx(e2e_s, rel=1e-6, abs=1e-6)
+
+    # One observation a step, its tokens the engine's counters' (a step log is the record of the engine's steps).
+    delta = counter_deltas(before, after)
+    steps_n, tokens = added("iteration_tokens_total")
+    prefill_n, prefill = added("iteration_prefill_tokens")
+    assert steps_n == prefill_n == llm.engine.num_steps - before_steps(before) > 0
+    assert prefill == delta[PREFIX + "prompt_tokens"] - delta[PREFIX + "prefix_cache_hits"]
+    assert tokens - prefill == sum(lengths) - 3  # each request's first token comes from its last prefill step
+
+
+def before_steps(before: dict[str, Metric]) -> int:
+    return before[PREFIX + "iteration_tokens_total"].count
 
 
 def test_speculative_acceptance_by_position_is_a_vector_summing_to_the_accepted_counter(smol_llm):

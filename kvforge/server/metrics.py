@@ -6,12 +6,14 @@ vLLM has the metric, with the ``kvforge:`` prefix in place of ``vllm:``;
 every series carries a ``model_name`` label. docs/SERVER.md lists them all.
 
 Engine numbers (queue sizes, KV blocks, prefix cache, token counters) are read
-from ``engine.stats()`` at scrape time by a collector (``LLM.get_metrics()`` reads the same collector
-offline, ``engine_registry``); latency histograms and per-request counters are kept by the server as outputs
-stream out.
+from ``engine.stats()`` at scrape time by a collector; latency histograms and per-request counters are kept
+as outputs stream out, by the server or, offline, by ``LLM`` (``LLM.get_metrics()`` reads the same series
+but the HTTP ones, which stay empty there).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -126,15 +128,15 @@ class _EngineCollector:
                 yield family
 
 
-def engine_registry(model_name: str, stats: dict, *, in_flight: int) -> CollectorRegistry:
-    """A registry of the engine collector alone, holding ``stats`` (an ``engine.stats()``) and ``in_flight``:
-    the engine's gauges and counters of ``/metrics`` without the server's own series, as
-    ``LLM.get_metrics()`` reads them."""
-    collector = _EngineCollector(model_name)
-    collector.stats, collector.in_flight = stats, in_flight
-    registry = CollectorRegistry()
-    registry.register(collector)
-    return registry
+@dataclass
+class RequestTimes:
+    """One engine request's clock as the latency histograms read and advance it (``ServerMetrics.on_output``
+    and ``on_finish``; monotonic seconds). The server's streams carry the same fields."""
+
+    arrival: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens: int = 0
 
 
 class ServerMetrics:
