@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import re
 import time
 from collections.abc import Sequence
 
@@ -13,7 +14,7 @@ from kvforge.config import EngineArgs
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.errors import InvalidRequestError
+from kvforge.errors import InvalidRequestError, KVForgeError
 from kvforge.metrics_reader import Metric, read_registry
 from kvforge.server.metrics import RequestTimes, ServerMetrics
 from kvforge.speculative.stats import SpeculativeStats
@@ -36,7 +37,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         kwargs.setdefault("progress", kwargs.pop("use_tqdm", True))
         fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_keyword_args(kwargs, fields)))
+        try:
+            self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_keyword_args(kwargs, fields)))
+        except KVForgeError as e:
+            _note_keywords(e, fields)
+            raise
         self._ids = itertools.count()
         # The series of the server's /metrics, fed by generate() as outputs come (the HTTP ones stay empty).
         self._metrics = ServerMetrics(self.engine.model_name)
@@ -286,3 +291,14 @@ def _merge_samples(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs, speculative=speculative,
         first_scheduled_time=first.first_scheduled_time,
     )
+
+
+def _note_keywords(error: Exception, fields: set[str]) -> None:
+    """Engine errors name the command line's flags; add a note giving the ``LLM(...)`` keyword of each."""
+    notes = {}
+    for negated, flag in re.findall(r"--(no-)?([a-z][a-z0-9-]*)", str(error)):
+        key = flag.replace("-", "_")
+        if key in fields:
+            notes.setdefault(f"--{negated}{flag}", f"{key}=False" if negated else f"{key}=")
+    if notes:
+        error.add_note("as LLM(...) keywords: " + ", ".join(f"{flag} is {kw}" for flag, kw in notes.items()))

@@ -106,8 +106,19 @@ def test_vllm_keyword_arguments_are_answered(tmp_path):
         LLM(str(tmp_path), max_modle_len=64, **{k: v for k, v in base.items() if k != "max_model_len"})
     with pytest.raises(ConfigError, match="both given"):
         LLM(str(tmp_path), kv_cache_memory=1 << 20, kv_cache_memory_bytes=1 << 20, **base)
-    with pytest.raises(ConfigError, match="--kv-cache-memory: 'lots' is not a byte size"):
+    with pytest.raises(ConfigError, match="--kv-cache-memory: 'lots' is not a byte size") as err:
         LLM(str(tmp_path), kv_cache_memory="lots", **base)
+    assert err.value.__notes__ == ["as LLM(...) keywords: --kv-cache-memory is kv_cache_memory="]
+
+
+def test_engine_errors_note_the_llm_keyword_of_each_flag_they_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    with pytest.raises(ConfigError, match="without chunked prefill") as err:
+        LLM(str(tmp_path), load_format="dummy", device="cpu", max_model_len=64, max_num_batched_tokens=8,
+            enable_chunked_prefill=False, skip_tokenizer_init=True)
+    assert err.value.__notes__ == [
+        "as LLM(...) keywords: --max-num-batched-tokens is max_num_batched_tokens=, --max-model-len is "
+        "max_model_len=, --no-enable-chunked-prefill is enable_chunked_prefill=False"]
 
 
 def test_byte_sizes_as_strings_plan_like_integers():
