@@ -160,10 +160,11 @@ class LLM:
             raise
         requests = self.engine.scheduler.requests
         for rid, p in zip(ids, params):  # the output limit as resolved: None runs to the end of the context
-            limit = p.max_tokens
-            if limit is None:
-                limit = self.engine.max_model_len - requests[rid].num_prompt_tokens
-            self._metrics.on_request(p.n, limit)
+            seq = requests.get(rid)
+            if p.max_tokens is not None:
+                self._metrics.on_request(p.n, p.max_tokens)
+            elif seq is not None:
+                self._metrics.on_request(p.n, self.engine.max_model_len - seq.num_prompt_tokens)
         times = {sid: RequestTimes(arrival) for sids in samples for sid in sids}
         done = self._run([sid for sids in samples for sid in sids], later, use_tqdm and self.engine.args.progress,
                          times)

@@ -170,3 +170,14 @@ def test_read_registry_converts_each_prometheus_type():
     Summary("kvforge:sizes", "s", registry=registry)
     with pytest.raises(ValueError, match="kvforge:sizes: a summary"):
         read_registry(registry)
+
+
+def test_an_output_limit_of_none_is_counted_as_the_rest_of_the_context(smol_llm):
+    llm = smol_llm(max_model_len=40)
+    before = by_name(llm.get_metrics())[PREFIX + "request_params_max_tokens"]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0]
+    after = by_name(llm.get_metrics())[PREFIX + "request_params_max_tokens"]
+    generated = len(out.outputs[0].token_ids)
+    assert generated == 40 - len(out.prompt_token_ids)  # it ran to the end of the context
+    assert (after.count - before.count, after.sum - before.sum) == (1, generated)

@@ -375,7 +375,8 @@ class BlockManager:
         returns how many entries were released. Their table entries become skipped placeholders (0).
 
         Called for every sequence in every step: below ``seq.window_release_at`` computed tokens (where the
-        first group's next block leaves its window) nothing is due, and nothing is looked at."""
+        next block of some sliding group leaves its window, the earliest of them) nothing is due, and nothing
+        is looked at."""
         computed, B = seq.num_computed_tokens, self.block_size
         if computed < seq.window_release_at:
             return 0
