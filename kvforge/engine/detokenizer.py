@@ -18,12 +18,31 @@ right before the stop string (the stop string is not returned). For
 streaming, ``output_text(finished=False)`` also withholds a trailing piece of
 text that could still become a stop string. With ``min_tokens`` (vLLM's rule)
 only text that arrives after more than that many output tokens is searched.
+
+A tokenizer backed by a ``tokenizers.Tokenizer`` (``tokenizer.backend``) decodes through the
+library's ``DecodeStream``, the same scheme in Rust: one call a token where the scheme above makes
+two. The window offsets are kept here as well, so the Python decode takes over for a token the stream
+rejects (a window whose start renders differently with more context) and the stream restarts from the
+window after it.
 """
 
 from __future__ import annotations
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers before 0.21
+    DecodeStream = None
+
 # Tokens of context decoded before the new ones (vLLM uses 5 as well).
 _INITIAL_CONTEXT = 5
+
+
+def _stream_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` a ``DecodeStream`` can step with, or None."""
+    backend = getattr(tokenizer, "backend", None)
+    if DecodeStream is None or backend is None or type(backend).__module__.split(".")[0] != "tokenizers":
+        return None
+    return backend
 
 
 class IncrementalDetokenizer:
@@ -55,6 +74,24 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         self.text = ""
         self.stopped_on: str | None = None
+        self._backend = _stream_backend(tokenizer)
+        self._stream = self._new_stream() if self._backend is not None else None
+
+    def _new_stream(self):
+        """A ``DecodeStream`` whose window is ``_ids[prefix_offset:]``, all of it read (the state at the
+        start and right after an emit), or None: where the library's stream takes no prefill ids, and
+        while the window's text is empty or ends inside a character, which the stream would not take as
+        its prefix (the Python path then runs until its next emit)."""
+        window = self._ids[self.prefix_offset :]
+        if window:
+            text = self._decode(window)
+            if not text or text.endswith("\ufffd"):
+                return None
+        try:
+            return DecodeStream(window, skip_special_tokens=self.skip_special_tokens)
+        except TypeError:  # tokenizers before 0.22: no prefill ids
+            self._backend = None
+            return None
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -70,8 +107,65 @@ class IncrementalDetokenizer:
             token_ids = [token_ids]
         if self.stopped_on is not None:
             return ""
+        if self._stream is not None:
+            return self._add_streamed(token_ids)
         self._ids.extend(int(t) for t in token_ids)
         self.num_output_tokens += len(token_ids)
+        delta = self._emit_window()
+        if self._backend is not None and self.read_offset == len(self._ids):
+            self._stream = self._new_stream()  # back on the stream once the window is all read
+        return delta
+
+    def _add_streamed(self, token_ids) -> str:
+        if len(token_ids) == 1:  # the decode step's case, kept short
+            t = int(token_ids[0])
+            self._ids.append(t)
+            self.num_output_tokens += 1
+            try:
+                piece = self._stream.step(self._backend, t)
+            except Exception:
+                return self._reject_last()
+            if piece is None:
+                return ""
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self._ids)
+            if self.stop:
+                self._append_text(piece)
+            else:
+                self.text += piece
+            return piece
+        deltas = []
+        for i, t in enumerate(token_ids):
+            t = int(t)
+            self._ids.append(t)
+            self.num_output_tokens += 1
+            try:
+                piece = self._stream.step(self._backend, t)
+            except Exception:
+                deltas.append(self._reject_last())
+                if self.stopped_on is None and i + 1 < len(token_ids):
+                    deltas.append(self.add_tokens(token_ids[i + 1 :]))
+                break
+            if piece is None:
+                continue
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self._ids)
+            self._append_text(piece)
+            deltas.append(piece)
+            if self.stopped_on is not None:
+                break
+        return "".join(deltas)
+
+    def _reject_last(self) -> str:
+        """The stream rejected the newest token (the window's start rendered differently with it): that
+        token goes through the Python path, and the stream restarts once the window is all read."""
+        self._stream = None
+        delta = self._emit_window()
+        if self.read_offset == len(self._ids):
+            self._stream = self._new_stream()
+        return delta
+
+    def _emit_window(self) -> str:
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self._ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -82,11 +176,14 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self._ids)
+        self._append_text(delta)
+        return delta
+
+    def _append_text(self, delta: str) -> None:
         old_len = len(self.text)
         self.text += delta
         if self.stop and delta and self.num_output_tokens > self.min_tokens:
             self._check_stop(old_len)
-        return delta
 
     def _check_stop(self, old_len: int) -> None:
         # Only a match that ends in the new text counts: each stop string is searched from
