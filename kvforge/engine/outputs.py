@@ -60,6 +60,16 @@ class RequestOutput:
     first_scheduled_time: float | None = field(default=None, compare=False, repr=False)
 
 
+def num_token_ids(completion: CompletionOutput) -> int:
+    """``len(completion.token_ids)`` without copying a snapshot's list: the engine's per-step hooks count
+    every running sequence's tokens each step, which copying would make quadratic in the output length."""
+    d = completion.__dict__
+    src = d.get("_src")
+    if src is not None and "_token_ids" not in d:
+        return src[2]
+    return len(completion.token_ids)
+
+
 class _SnapshotCompletionOutput(CompletionOutput):
     """A ``CompletionOutput`` the engine builds every step without copying token lists.
 

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvforge.engine.outputs import num_token_ids
 from kvforge.metrics_reader import POSITION_LABEL
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -196,7 +197,7 @@ class ServerMetrics:
     # -- hooks from the async engine --------------------------------------------
 
     def on_output(self, stream, out, now: float) -> None:
-        n = len(out.outputs[0].token_ids) if out.outputs else 0
+        n = num_token_ids(out.outputs[0]) if out.outputs else 0
         new = n - stream.num_tokens
         if new <= 0:
             return
