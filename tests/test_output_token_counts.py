@@ -1,9 +1,16 @@
-"""Counting an output's tokens (``num_token_ids``) gives ``len(token_ids)`` without copying the snapshot's list,
-and the metrics hook that runs for every running request each step counts that way."""
+"""Counting an output's tokens (``num_token_ids``, ``num_prompt_token_ids``) and taking its newest tokens
+(``token_ids_since``) give what the lists give, without copying a snapshot's lists; the metrics hook that runs
+for every running request each step counts that way."""
 
 from __future__ import annotations
 
-from kvforge.engine.outputs import CompletionOutput, num_token_ids
+from kvforge.engine.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    num_prompt_token_ids,
+    num_token_ids,
+    token_ids_since,
+)
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.sequence import Sequence
 from kvforge.server.metrics import RequestTimes, ServerMetrics
@@ -46,3 +53,26 @@ def test_the_per_step_metrics_hook_leaves_the_token_list_uncopied():
     itl = {s.name: s.value for s in metrics.registry.collect() for s in s.samples
            if s.name.endswith("inter_token_latency_seconds_count") or s.name.endswith("inter_token_latency_seconds_sum")}
     assert [v for k, v in sorted(itl.items())] == [4.0, 4.0]  # count 4 gaps, sum 4 seconds
+
+
+def test_new_tokens_and_the_prompt_count_of_a_snapshot_leave_its_lists_uncopied():
+    seq = _running(5)
+    out = seq.to_request_output()
+    seq.append_token(99)
+    comp = out.outputs[0]
+    assert token_ids_since(comp, 3) == [13, 14] and token_ids_since(comp, 5) == [] and token_ids_since(comp, 0) == [
+        10, 11, 12, 13, 14]
+    assert num_prompt_token_ids(out) == 3
+    assert "_token_ids" not in comp.__dict__ and "_prompt_token_ids" not in out.__dict__
+    new = token_ids_since(comp, 3)
+    new.append(0)  # the caller's own list
+    assert comp.token_ids == [10, 11, 12, 13, 14] and out.prompt_token_ids == [1, 2, 3]
+    assert token_ids_since(comp, 3) == [13, 14] and num_prompt_token_ids(out) == 3
+
+
+def test_new_tokens_and_the_prompt_count_of_plain_and_replaced_lists():
+    plain = RequestOutput("p", None, [4, 5], [CompletionOutput(0, "", [1, 2, 3])])
+    assert token_ids_since(plain.outputs[0], 1) == [2, 3] and num_prompt_token_ids(plain) == 2
+    out = _running(4).to_request_output()
+    out.prompt_token_ids, out.outputs[0].token_ids = [9], [8, 7]
+    assert num_prompt_token_ids(out) == 1 and token_ids_since(out.outputs[0], 1) == [7]

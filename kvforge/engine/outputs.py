@@ -70,6 +70,25 @@ def num_token_ids(completion: CompletionOutput) -> int:
     return len(completion.token_ids)
 
 
+def token_ids_since(completion: CompletionOutput, start: int) -> list[int]:
+    """``completion.token_ids[start:]`` without copying a snapshot's first ``start`` tokens (a stream sends
+    each step's new tokens)."""
+    d = completion.__dict__
+    src = d.get("_src")
+    if src is not None and "_token_ids" not in d:
+        return src[0][start:src[2]]
+    return list(completion.token_ids[start:])
+
+
+def num_prompt_token_ids(output: RequestOutput) -> int:
+    """``len(output.prompt_token_ids)`` without copying a snapshot's prompt."""
+    d = output.__dict__
+    src = d.get("_prompt_src")
+    if src is not None and "_prompt_token_ids" not in d:
+        return len(src)
+    return len(output.prompt_token_ids)
+
+
 class _SnapshotCompletionOutput(CompletionOutput):
     """A ``CompletionOutput`` the engine builds every step without copying token lists.
 

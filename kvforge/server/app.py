@@ -28,6 +28,7 @@ import uuid
 from aiohttp import web
 
 import kvforge
+from kvforge.engine.outputs import num_prompt_token_ids, num_token_ids, token_ids_since
 from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol, responses, tokenization
 from kvforge.server.async_engine import (
@@ -486,6 +487,14 @@ class _Choice:
             return "", [], []
         return comp.text, comp.token_ids, comp.logprobs or []
 
+    def text_and_count(self, comp) -> tuple[str, int]:
+        """(text, number of token ids) of ``comp`` as :meth:`generated` gives them, without copying the ids."""
+        return ("", 0) if self.req.prompt_only else (comp.text, num_token_ids(comp))
+
+    def ids_since(self, comp, start: int) -> list[int]:
+        """The token ids of :meth:`generated` from ``start`` on."""
+        return [] if self.req.prompt_only else token_ids_since(comp, start)
+
     def finish_reason(self, comp):
         return "length" if self.req.prompt_only else comp.finish_reason
 
@@ -695,9 +704,9 @@ async def _stream_events(resp: web.StreamResponse, req, streams: list[RequestStr
         async for i, out in _merge(streams):
             view = views[i]
             comp = out.outputs[0]
-            prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_tokens[i] = num_prompt_token_ids(out)
             cached_tokens[i] = out.num_cached_tokens
-            text, ids, _ = view.generated(comp)
+            text, num_ids = view.text_and_count(comp)
             reasoning = ""
             if chat and req.reasoning is not None:  # the answer so far goes on as the text
                 if thinking[i] is None:
@@ -709,13 +718,13 @@ async def _stream_events(resp: web.StreamResponse, req, streams: list[RequestStr
             lead = ""
             if not echoed[i]:
                 lead = view.echo_text(out)
-            if not delta and not lead and not out.finished and len(ids) == sent_tokens[i]:
+            if not delta and not lead and not out.finished and num_ids == sent_tokens[i]:
                 continue  # nothing new: no token, no text
             # A step's new tokens go out at once even when they add no text yet (part of a character, a
             # held-back stop string): the client sees every token's arrival, as vLLM streams them.
-            lp = view.logprobs(out, sent_tokens[i], len(ids), not echoed[i], offsets[i])
-            new_ids = list(ids[sent_tokens[i]:])
-            sent_tokens[i] = len(ids)  # counted before any chunk of this step goes out (continuous usage)
+            lp = view.logprobs(out, sent_tokens[i], num_ids, not echoed[i], offsets[i])
+            new_ids = view.ids_since(comp, sent_tokens[i])
+            sent_tokens[i] = num_ids  # counted before any chunk of this step goes out (continuous usage)
             echoed[i] = True
             finish = view.finish_reason(comp) if out.finished else None
             if reasoning and out.finished:  # the last reasoning before the last answer, calls and finish
