@@ -17,7 +17,9 @@ Prints median / min / max ms per step: "step" (the whole ``step()``),
 "host" (step minus that step's sampler call) and per phase ("outputs" is the
 rest: building RequestOutputs and the engine's own loop). ``--vocab`` defaults to 32768 so the CPU
 argmax over the logits (GPU work in the real engine) does not dominate; the
-"sample" phase is reported separately and "host" excludes it.
+"sample" phase is reported separately and "host" excludes it. ``--metrics`` adds "metrics": the hook
+``LLM.generate`` runs on each step's outputs after the step (``ServerMetrics.on_output``), outside "host".
+The outputs hold ``--warmup`` tokens and more: a long warm-up (``--warmup 500``) times steps of long outputs.
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ def make_engine(args) -> LLMEngine:
     eng.state_slots = None
     eng.pool = None
     bs = args.block_size
-    blocks_per_seq = -(-(args.context + args.steps * 2 + 64) // bs)
+    blocks_per_seq = -(-(args.context + (args.steps + args.warmup) * 2 + 64) // bs)
     groups = args.group_windows
     eng.block_manager = BlockManager(len(groups) * args.seqs * blocks_per_seq + 16, bs, enable_prefix_caching=True,
                                      group_windows=groups)
-    eng.max_model_len = args.context + 4 * args.steps + 1024
+    eng.max_model_len = args.context + 4 * (args.steps + args.warmup) + 1024
     tok = None
     if not args.no_tokenizer:
         from kvforge.spec.embedded import embedded_model_path
@@ -110,10 +112,16 @@ def make_engine(args) -> LLMEngine:
     return eng
 
 
-def run_phases(eng: LLMEngine, steps: int) -> dict[str, list[float]]:
-    """Time the phases of ``LLMEngine.step`` by wrapping its collaborators."""
+def run_phases(eng: LLMEngine, steps: int, metrics: bool = False) -> dict[str, list[float]]:
+    """Time the phases of ``LLMEngine.step`` by wrapping its collaborators; with ``metrics``, also the
+    metrics hook ``LLM.generate`` runs on each output after the step (``ServerMetrics.on_output``)."""
     times: dict[str, list[float]] = {k: [] for k in ("step", "host", "schedule", "build_host", "sample", "update",
                                                      "outputs")}
+    hook = clocks = None
+    if metrics:
+        from kvforge.server.metrics import RequestTimes, ServerMetrics
+
+        hook, clocks, times["metrics"] = ServerMetrics("bench"), {}, []
     sched, sampler, runner = eng.scheduler, eng.sampler, eng.runner
     orig = (sched.schedule, sched.advance, sched.resolve, sampler.sample_sequences)
     update_parts: list[float] = []
@@ -135,9 +143,17 @@ def run_phases(eng: LLMEngine, steps: int) -> dict[str, list[float]]:
         for _ in range(steps):
             update_parts.clear()
             t0 = time.perf_counter()
-            eng.step()
+            outs = eng.step()
             times["update"].append(sum(update_parts))
             total = time.perf_counter() - t0
+            if hook is not None:
+                t1 = time.perf_counter()
+                for out in outs:
+                    clock = clocks.get(out.request_id)
+                    if clock is None:
+                        clock = clocks[out.request_id] = RequestTimes(arrival=t1)
+                    hook.on_output(clock, out, t1)
+                times["metrics"].append(time.perf_counter() - t1)
             times["step"].append(total)
             times["host"].append(total - times["sample"][-1])
             known = sum(times[k][-1] for k in ("schedule", "build_host", "sample", "update"))
@@ -179,6 +195,8 @@ def main() -> None:
     ap.add_argument("--no-tokenizer", action="store_true", help="no detokenizer (token ids only)")
     ap.add_argument("--group-windows", type=group_windows, default=(None,), metavar="W,W,...",
                     help="KV-cache groups: a sliding window in tokens or 'full' each (default: one full group)")
+    ap.add_argument("--metrics", action="store_true",
+                    help="also time LLM.generate's metrics hook over each step's outputs (phase 'metrics', not in 'host')")
     args = ap.parse_args()
     torch.set_num_threads(1)  # the stubbed sampler must not compete with the host thread
 
@@ -193,11 +211,12 @@ def main() -> None:
 
     assert len(eng.step()) == args.seqs
     gc.collect()  # start the timed steps without the setup's garbage (a full collection can take 100+ ms)
-    phases = run_phases(eng, args.steps)
+    phases = run_phases(eng, args.steps, args.metrics)
 
     layout = ",".join("full" if w is None else str(w) for w in args.group_windows)
     print(f"{args.seqs} seqs, context ~{args.context}, groups {layout}, block size {args.block_size}, vocab {args.vocab}, "
-          f"tokenizer {'off' if args.no_tokenizer else 'on'}, {args.steps} steps (prefill {prefill_s:.1f} s)")
+          f"tokenizer {'off' if args.no_tokenizer else 'on'}, {args.steps} steps after {args.warmup} "
+          f"(prefill {prefill_s:.1f} s)")
     for k, v in phases.items():
         print(f"{'  ' if k not in ('step', 'host') else ''}{k:<18} {fmt(v)}")
 
