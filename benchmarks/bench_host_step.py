@@ -34,6 +34,7 @@ import torch
 
 from kvforge.engine.block_manager import BlockManager
 from kvforge.engine.block_table_cache import BlockTableCache
+from kvforge.engine.gc_freeze import freeze_after_startup
 from kvforge.engine.llm_engine import LLMEngine
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.sampler import Sampler
@@ -122,6 +123,7 @@ def run_phases(eng: LLMEngine, steps: int, metrics: bool = False) -> dict[str, l
         from kvforge.server.metrics import RequestTimes, ServerMetrics
 
         hook, clocks, times["metrics"] = ServerMetrics("bench"), {}, []
+        hook.on_output(RequestTimes(arrival=0.0), eng.step()[0], 0.0)  # the hook's first call, untimed
     sched, sampler, runner = eng.scheduler, eng.sampler, eng.runner
     orig = (sched.schedule, sched.advance, sched.resolve, sampler.sample_sequences)
     update_parts: list[float] = []
@@ -201,6 +203,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the stubbed sampler must not compete with the host thread
 
     eng = make_engine(args)
+    freeze_after_startup()  # as the engine does at the end of its construction (kvforge/engine/gc_freeze.py)
     t0 = time.perf_counter()
     while eng.scheduler.num_waiting or any(s.num_output_tokens == 0 for s in eng.scheduler.running):
         eng.step()  # prefill (chunked by the 8192-token budget)
