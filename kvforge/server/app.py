@@ -551,13 +551,6 @@ def _parsed_delta(parser, text: str, finished: bool) -> dict:
     return delta
 
 
-async def _last(stream: RequestStream):
-    final = None
-    async for out in stream:
-        final = out
-    return final
-
-
 def _prompt_of(req, choice: int):
     """The request's prompt (text or ids) behind choice ``choice``; None for chat."""
     return req.prompts[choice // req.n] if req.prompts else None
@@ -565,7 +558,7 @@ def _prompt_of(req, choice: int):
 
 async def _collect(req, streams: list[RequestStream], tokenizer, model_name: str,
                    prompt_tokens_details: bool = False) -> web.Response:
-    finals = await asyncio.gather(*(_last(s) for s in streams))
+    finals = await asyncio.gather(*(s.final_output() for s in streams))
     choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for i, final in enumerate(finals):
         comp = final.outputs[0]

@@ -102,6 +102,7 @@ class RequestStream:
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
+        self._final_only = False  # final_output(): wake the consumer for the last output only
         self._closed = False
         self._added = False  # its add_requests call returned it: the engine had it before any later step
 
@@ -109,7 +110,8 @@ class RequestStream:
 
     def _push(self, out: RequestOutput) -> None:
         self._latest = out
-        self._event.set()
+        if out.finished or not self._final_only:
+            self._event.set()
 
     def _fail(self, exc: BaseException) -> None:
         self._error = exc
@@ -133,6 +135,14 @@ class RequestStream:
             self.finished = True
             self.final = out
         return out
+
+    async def final_output(self) -> RequestOutput:
+        """The request's last output (finished), waking once for it where ``async for`` wakes every step; raises
+        what the engine raised for it. Outputs before it are skipped, as a non-streaming response needs."""
+        self._final_only = True
+        while not self.finished:
+            await self.__anext__()
+        return self.final
 
     def close(self) -> None:
         """Release the request; aborts it in the engine unless it finished. Idempotent."""

@@ -85,9 +85,7 @@ def _usage(req, final) -> dict:
 
 async def collect_response(req, meta, stream, model_name: str, on_done=None) -> web.Response:
     """The whole Response of ``stream``; ``on_done`` (if given) gets it before it is sent."""
-    final = None
-    async for out in stream:
-        final = out
+    final = await stream.final_output()
     parts = _parts(req, final)
     status = final_status(final.outputs[0].finish_reason)
     body = response_object(item_id("resp"), protocol.now(), model_name, meta, req.params, status,
