@@ -1,5 +1,5 @@
-"""Counting an output's tokens (``num_token_ids``, ``num_prompt_token_ids``) and taking its newest tokens
-(``token_ids_since``) give what the lists give, without copying a snapshot's lists; the metrics hook that runs
+"""Counting an output's tokens (``num_token_ids``, ``num_prompt_token_ids``) and taking its newest tokens and
+logprobs (``token_ids_since``, ``logprobs_between``) give what the lists give, without copying a snapshot's lists; the metrics hook that runs
 for every running request each step counts that way."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvforge.engine.outputs import (
     CompletionOutput,
     RequestOutput,
+    logprobs_between,
     num_prompt_token_ids,
     num_token_ids,
     token_ids_since,
@@ -76,3 +77,18 @@ def test_new_tokens_and_the_prompt_count_of_plain_and_replaced_lists():
     out = _running(4).to_request_output()
     out.prompt_token_ids, out.outputs[0].token_ids = [9], [8, 7]
     assert num_prompt_token_ids(out) == 1 and token_ids_since(out.outputs[0], 1) == [7]
+
+
+def test_logprobs_between_gives_the_entries_asked_for_without_copying_the_others():
+    seq = Sequence("r", [1, 2, 3], SamplingParams(max_tokens=100, logprobs=1))
+    for t in range(5):
+        seq.append_token(10 + t, {10 + t: -0.5 * t, 99: -9.0})
+    comp = seq.to_request_output().outputs[0]
+    seq.append_token(20, {20: -1.0})
+    got = logprobs_between(comp, 3, 9)
+    assert "_logprobs" not in comp.__dict__
+    assert got == comp.logprobs[3:5] and len(got) == 2 and logprobs_between(comp, 1, 2) == comp.logprobs[1:2]
+    got[0].clear()  # the caller's own dict
+    assert logprobs_between(comp, 3, 4)[0] == comp.logprobs[3] != {}
+    assert logprobs_between(_running(3).to_request_output().outputs[0], 0, 3) == []  # no logprobs asked for
+    assert logprobs_between(CompletionOutput(0, "", [1], logprobs=[{1: -0.1}]), 0, 5) == [{1: -0.1}]

@@ -80,6 +80,17 @@ def token_ids_since(completion: CompletionOutput, start: int) -> list[int]:
     return list(completion.token_ids[start:])
 
 
+def logprobs_between(completion: CompletionOutput, start: int, end: int) -> list[dict[int, Logprob]]:
+    """``(completion.logprobs or [])[start:end]`` without copying a snapshot's other entries (a stream with
+    logprobs sends each step's new ones); each dict the caller's own, as ``logprobs`` gives them."""
+    d = completion.__dict__
+    src = d.get("_src")
+    if src is not None and "_logprobs" not in d:
+        _, lps, n = src
+        return [] if lps is None else [dict(x) for x in lps[start:min(end, n)]]
+    return list((completion.logprobs or [])[start:end])
+
+
 def num_prompt_token_ids(output: RequestOutput) -> int:
     """``len(output.prompt_token_ids)`` without copying a snapshot's prompt."""
     d = output.__dict__

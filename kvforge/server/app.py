@@ -28,7 +28,7 @@ import uuid
 from aiohttp import web
 
 import kvforge
-from kvforge.engine.outputs import num_prompt_token_ids, num_token_ids, token_ids_since
+from kvforge.engine.outputs import logprobs_between, num_prompt_token_ids, num_token_ids, token_ids_since
 from kvforge.errors import InvalidRequestError
 from kvforge.server import protocol, responses, tokenization
 from kvforge.server.async_engine import (
@@ -513,8 +513,11 @@ class _Choice:
         req = self.req
         if req.logprobs is None:
             return None
-        _, ids, lps = self.generated(out.outputs[0])
-        ids, lps = list(ids[start:end]), list(lps[start:end])
+        comp = out.outputs[0]
+        if self.req.prompt_only:
+            ids, lps = [], []
+        else:  # only the entries asked for: a stream asks for each step's new ones
+            ids, lps = token_ids_since(comp, start)[:end - start], logprobs_between(comp, start, end)
         if req.kind == "chat":
             return protocol.chat_logprobs(self.tokenizer, ids, lps, req.logprobs, req.tokens_as_ids)
         offsets = offsets or protocol.TextOffsets()
